@@ -1,0 +1,3 @@
+from memra_cli.cli.app import main
+
+main()

@@ -1,0 +1,60 @@
+"""Shared CLI plumbing: the error boundary and the policy options every drafter load takes.
+
+A CLI flag and its environment variable are one setting (typer `envvar=`); defaults live here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any, Callable, Optional, TypeVar
+
+import typer
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+HARVEST_HELP = "Harvest convention: dflash (rows 1..b-1) | dspark (rows 0..b-1). Unset: from the checkpoint census."
+VT_HELP = "Verify-window policy: ladder | confidence | confidence-slot. Unset: confidence-slot with an accept-rate head, else ladder."
+TAU_HELP = "Confidence threshold in (0,1) for the confidence policies (default 0.5)."
+ADAPT_HELP = "Adapt the verify window each round (--no-adapt pins it at the cap; refuses with a confidence policy)."
+
+HarvestOpt = typer.Option(None, "--harvest", envvar="MEMRA_DSPARK_HARVEST", help=HARVEST_HELP, show_envvar=True)
+VtOpt = typer.Option(None, "--vt", envvar="MEMRA_DSPARK_VT", help=VT_HELP, show_envvar=True)
+TauOpt = typer.Option(None, "--tau", envvar="MEMRA_DSPARK_VT_TAU", help=TAU_HELP, show_envvar=True)
+AdaptOpt = typer.Option(None, "--adapt/--no-adapt", envvar="MEMRA_DFLASH_ADAPT", help=ADAPT_HELP, show_envvar=True)
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout instead of the report.")
+
+
+def policy_settings(harvest: Optional[str], vt: Optional[str], tau: Optional[str], adapt: Optional[bool]):
+    """Flags/env as given -> engine PolicySettings (adapt as the spec's "0"/"1" strings)."""
+    from memra_cli.engine.policy import PolicySettings
+
+    adapt_s = None if adapt is None else ("1" if adapt else "0")
+    return PolicySettings(harvest=harvest, vt=vt, tau=tau, adapt=adapt_s)
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("MEMRA_DEBUG", "") not in ("", "0")
+
+
+def refusals(fn: F) -> F:
+    """Turn known errors into one `error:` line on stderr and a non-zero exit (traceback only
+    under MEMRA_DEBUG=1)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from memra_cli.engine.errors import MemraError
+
+        try:
+            return fn(*args, **kwargs)
+        except MemraError as exc:
+            if debug_enabled():
+                raise
+            print(f"error: {exc}", file=sys.stderr)
+            raise typer.Exit(code=exc.exit_code) from None
+        except KeyboardInterrupt:
+            print("error: interrupted", file=sys.stderr)
+            raise typer.Exit(code=130) from None
+
+    return wrapper  # type: ignore[return-value]

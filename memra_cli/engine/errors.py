@@ -1,0 +1,34 @@
+"""Typed refusals.
+
+Every error a user can cause derives from `MemraError`; its message is one line that names the
+file, key or value at fault and what was expected. The CLI prints it as `error: <message>` and
+exits non-zero; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class MemraError(Exception):
+    """A refusal the user can act on (bad file, bad flag, unsupported variant)."""
+
+    exit_code = 2
+
+
+class ConfigError(MemraError):
+    """config.json is missing, malformed, or holds a value we do not accept."""
+
+
+class CheckpointError(MemraError):
+    """A weights file is missing, truncated, corrupt, unsafe (pickle) or inconsistent."""
+
+
+class CensusError(MemraError):
+    """The checkpoint's tensors do not match what its config declares."""
+
+
+class PolicyError(MemraError):
+    """A harvest / verify-window setting is unknown or contradicts another."""
+
+
+class UnsupportedError(MemraError):
+    """A real variant the engine recognizes but does not implement (refused by name)."""

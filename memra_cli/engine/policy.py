@@ -1,0 +1,279 @@
+"""Harvest convention and verify-window policy: resolution, window sizing, accepted prefix.
+
+The behavioural contract is the spec's `DsparkHarvest` / `DsparkVtPolicy` and their unit tests
+(`tests/engine/test_policy.py` pins every case they pin). Settings come from a CLI flag or its
+environment variable (one setting: typer `envvar=`); `None` or "" means unset. Unknown values,
+a tau outside (0, 1) and contradictions refuse with a `PolicyError` naming the variable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Sequence
+
+from memra_cli.engine.errors import PolicyError
+
+HARVEST_ENV = "MEMRA_DSPARK_HARVEST"
+VT_ENV = "MEMRA_DSPARK_VT"
+TAU_ENV = "MEMRA_DSPARK_VT_TAU"
+ADAPT_ENV = "MEMRA_DFLASH_ADAPT"
+VERIFY_CAP_ENV = "MEMRA_DFLASH_VERIFY_T"
+MARKOV_ENV = "MEMRA_DFLASH_MARKOV"
+DEFAULT_TAU = 0.5
+VT_CHOICES = ("ladder", "confidence", "confidence-slot")
+
+
+class Harvest(str, Enum):
+    """Which drafter output rows become draft candidates.
+
+    DFLASH (mask-fill, z-lab): row k is trained to fill position anchor+k; drafts = rows 1..b-1.
+    DSPARK (shifted, DeepSpec): row k is trained to predict anchor+k+1; drafts = rows 0..b-1.
+    Reading a checkpoint through the other convention verifies every slot against a position its
+    row was never trained for (the spec's postmortem: acceptance collapses).
+    """
+
+    DFLASH = "dflash"
+    DSPARK = "dspark"
+
+    @property
+    def first_row(self) -> int:
+        return 1 if self is Harvest.DFLASH else 0
+
+    def n_drafts(self, block_size: int) -> int:
+        return block_size - 1 if self is Harvest.DFLASH else block_size
+
+    def trained_offset_of_row(self, row: int) -> int:
+        return row if self is Harvest.DFLASH else row + 1
+
+    @classmethod
+    def from_name(cls, value: str) -> "Harvest | None":
+        try:
+            return cls(value)
+        except ValueError:
+            return None
+
+
+def _unset(value: str | None) -> bool:
+    return value is None or value == ""
+
+
+def parse_harvest(value: str | None) -> Harvest:
+    """Env-only parser (no census): unset -> DFLASH, the historical arm; unknown -> refuse."""
+    if _unset(value):
+        return Harvest.DFLASH
+    harvest = Harvest.from_name(value)  # type: ignore[arg-type]
+    if harvest is None:
+        raise PolicyError(
+            f"{HARVEST_ENV}={value}: unknown harvest convention (expected dflash|dspark); a wrong "
+            "convention verifies every draft slot against a position its row was not trained for"
+        )
+    return harvest
+
+
+def resolve_harvest(value: str | None, strategy_dspark: bool) -> Harvest:
+    """Explicit setting wins; unset defers to the checkpoint's training-strategy census."""
+    if _unset(value):
+        return Harvest.DSPARK if strategy_dspark else Harvest.DFLASH
+    return parse_harvest(value)
+
+
+@dataclass(frozen=True)
+class VerifyWindow:
+    """A verify-window policy: `ladder`, or a confidence policy with its threshold tau."""
+
+    kind: str  # "ladder" | "confidence" | "confidence-slot"
+    tau: float | None = None
+
+    @property
+    def is_confidence(self) -> bool:
+        return self.kind != "ladder"
+
+    def __str__(self) -> str:
+        if self.kind == "ladder":
+            return "Ladder"
+        name = "Confidence" if self.kind == "confidence" else "ConfidenceSlot"
+        return f"{name}{{tau={self.tau!r}}}"
+
+    def size_window(self, raws: Sequence[float], cap: int) -> int | None:
+        """This round's window from pre-sigmoid slot scores; None under the ladder."""
+        if self.kind == "ladder":
+            return None
+        assert self.tau is not None
+        if self.kind == "confidence":
+            return confidence_vt(raws, self.tau, cap)
+        return slot_confidence_vt(raws, self.tau, cap)
+
+
+LADDER = VerifyWindow("ladder")
+
+
+_ADAPT_ON = ("1", "true", "yes", "on")
+_ADAPT_OFF = ("0", "false", "no", "off")
+
+
+def _adapt_off(adapt: str | None) -> bool:
+    """`MEMRA_DFLASH_ADAPT`: 0/false/no/off pins the window; unset or 1/true/yes/on adapts."""
+    if _unset(adapt) or adapt.lower() in _ADAPT_ON:  # type: ignore[union-attr]
+        return False
+    if adapt.lower() in _ADAPT_OFF:  # type: ignore[union-attr]
+        return True
+    raise PolicyError(f"{ADAPT_ENV}={adapt}: expected 0 or 1")
+
+
+def _parse_tau(tau: str | None) -> float:
+    if _unset(tau):
+        return DEFAULT_TAU
+    try:
+        value = float(tau)  # type: ignore[arg-type]
+    except ValueError:
+        raise PolicyError(f"{TAU_ENV}={tau}: not a number (expected a threshold in (0,1))") from None
+    if not (0.0 < value < 1.0) or math.isnan(value):
+        raise PolicyError(f"{TAU_ENV}={tau}: confidence threshold must be in (0,1)")
+    return value
+
+
+def parse_verify_window(vt: str | None, tau: str | None, adapt: str | None) -> VerifyWindow:
+    """Env-only parser (no head census): unset -> ladder; unknown or contradictory -> refuse."""
+    adapt_off = _adapt_off(adapt)
+    if _unset(vt) or vt == "ladder":
+        return LADDER
+    if vt not in ("confidence", "confidence-slot"):
+        raise PolicyError(
+            f"{VT_ENV}={vt}: unknown verify-window policy (expected {'|'.join(VT_CHOICES)})"
+        )
+    if adapt_off:
+        raise PolicyError(
+            f"{VT_ENV}={vt} together with {ADAPT_ENV}=0 is contradictory (a pinned fixed window vs "
+            "a per-round confidence window); unset one"
+        )
+    return VerifyWindow(vt, _parse_tau(tau))  # type: ignore[arg-type]
+
+
+def resolve_verify_window(
+    vt: str | None, tau: str | None, adapt: str | None, has_confidence_head: bool
+) -> VerifyWindow:
+    """Explicit setting wins; unset -> confidence-slot at tau when the checkpoint has an
+    accept-rate head and adapt is not 0, else the ladder. A tau that is set is always validated
+    (the spec ignores it on head-less checkpoints; we never let a bad value pass silently)."""
+    if not _unset(tau):
+        _parse_tau(tau)
+    if _unset(vt):
+        if _adapt_off(adapt) or not has_confidence_head:
+            return LADDER
+        return parse_verify_window("confidence-slot", tau, adapt)
+    return parse_verify_window(vt, tau, adapt)
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= -700 else 0.0
+
+
+def confidence_vt(raws: Sequence[float], tau: float, cap: int) -> int:
+    """Survival window: keep leading slots while prod(sigmoid) >= tau; 1 + kept in [2, cap]."""
+    survival, kept = 1.0, 0
+    for raw in raws:
+        survival *= _sigmoid(raw)
+        if survival < tau:
+            break
+        kept += 1
+    return min(max(1 + kept, 2), max(cap, 2))
+
+
+def slot_confidence_vt(raws: Sequence[float], tau: float, cap: int) -> int:
+    """Per-slot window: keep leading slots while each sigmoid >= tau; 1 + kept in [2, cap]."""
+    kept = 0
+    for raw in raws:
+        if _sigmoid(raw) < tau:
+            break
+        kept += 1
+    return min(max(1 + kept, 2), max(cap, 2))
+
+
+def ladder_next(accepted: int, cap: int) -> int:
+    """The reactive ladder: next round verifies one past this round's accepted run."""
+    return min(max(accepted + 2, 3), cap)
+
+
+def accept_prefix(cand: Sequence[int], vam: Sequence[int], vt: int) -> int:
+    """Accepted drafts: `cand[0]` is the anchor, `cand[1:]` the drafts, `vam[j]` the target's
+    argmax for anchor+j+1. Returns m; `cand[1..=m]` commit and `vam[m]` is the next anchor."""
+    m = 0
+    while m < vt - 1 and cand[m + 1] == vam[m]:
+        m += 1
+    return m
+
+
+def default_verify_cap(n_drafts: int) -> int:
+    return n_drafts + 1
+
+
+def parse_verify_cap(value: str | int | None, n_drafts: int) -> int:
+    """`MEMRA_DFLASH_VERIFY_T` / `--verify-cap`: an integer in [2, n_drafts+1]; unset -> n_drafts+1."""
+    if value is None or value == "":
+        return default_verify_cap(n_drafts)
+    try:
+        cap = int(value)
+    except ValueError:
+        raise PolicyError(f"{VERIFY_CAP_ENV}={value}: not an integer") from None
+    if not 2 <= cap <= n_drafts + 1:
+        raise PolicyError(
+            f"{VERIFY_CAP_ENV}={value}: verify cap must be in [2, {n_drafts + 1}] "
+            f"(anchor + at most {n_drafts} drafts)"
+        )
+    return cap
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """Raw settings as given (flag or env), before resolution against a checkpoint."""
+
+    harvest: str | None = None
+    vt: str | None = None
+    tau: str | None = None
+    adapt: str | None = None
+
+    @classmethod
+    def from_env(cls, env: dict[str, str]) -> "PolicySettings":
+        return cls(env.get(HARVEST_ENV), env.get(VT_ENV), env.get(TAU_ENV), env.get(ADAPT_ENV))
+
+
+@dataclass(frozen=True)
+class Receipts:
+    """The resolved program, named at load, and why."""
+
+    harvest: Harvest
+    harvest_set: bool
+    strategy_dspark: bool
+    window: VerifyWindow
+    window_set: bool
+    has_confidence_head: bool
+
+    def lines(self) -> list[str]:
+        h_src = "set" if self.harvest_set else "unset"
+        head = "present" if self.has_confidence_head else "ABSENT -> ladder"
+        w_src = "set" if self.window_set else "unset"
+        return [
+            f"[dspark] harvest={self.harvest.value} (checkpoint census "
+            f"strategy_dspark={str(self.strategy_dspark).lower()}, {HARVEST_ENV} {h_src})",
+            f"[dspark] verify-window={self.window} (accept-rate head {head}, {VT_ENV} {w_src})",
+        ]
+
+    def as_json(self) -> dict:
+        return {
+            "harvest": self.harvest.value,
+            "verify_window": {"policy": self.window.kind, "tau": self.window.tau},
+        }
+
+
+def resolve_receipts(settings: PolicySettings, strategy_dspark: bool, has_confidence_head: bool) -> Receipts:
+    """Resolve both settings against a checkpoint's census; refuses as the spec does."""
+    return Receipts(
+        harvest=resolve_harvest(settings.harvest, strategy_dspark),
+        harvest_set=not _unset(settings.harvest),
+        strategy_dspark=strategy_dspark,
+        window=resolve_verify_window(settings.vt, settings.tau, settings.adapt, has_confidence_head),
+        window_set=not _unset(settings.vt),
+        has_confidence_head=has_confidence_head,
+    )

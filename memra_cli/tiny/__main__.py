@@ -1,0 +1,27 @@
+"""`python -m memra_cli.tiny OUT_DIR`: write tiny random checkpoints to try memra on.
+
+Writes OUT_DIR/dflash (z-lab format) and OUT_DIR/dspark (DeepSpec format, markov + confidence
+heads, a -1 tap). Random weights: for inspecting and exercising the tools, not for acceptance.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from memra_cli.tiny.draft import make_tiny_draft
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: python -m memra_cli.tiny OUT_DIR", file=sys.stderr)
+        return 2
+    out = Path(argv[0])
+    make_tiny_draft(out / "dflash", "zlab")
+    make_tiny_draft(out / "dspark", "deepspec", markov_rank=32, confidence="markov", target_layer_ids=(-1, 1, 3))
+    print(f"wrote {out / 'dflash'} (z-lab DFlash) and {out / 'dspark'} (DeepSpec DSpark)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
