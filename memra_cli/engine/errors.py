@@ -32,3 +32,7 @@ class PolicyError(MemraError):
 
 class UnsupportedError(MemraError):
     """A real variant the engine recognizes but does not implement (refused by name)."""
+
+
+class PromptError(MemraError):
+    """A prompt / generation request the target cannot serve (empty, out of vocab, too long)."""

@@ -120,9 +120,9 @@ def make_tiny_draft(
     kv_heads: int = 2,
     head_dim: int = 16,
     intermediate: int = 128,
-    vocab: int = 256,
+    vocab: int = 512,
     block_size: int = 8,
-    mask_token_id: int = 255,
+    mask_token_id: int = 511,  # the tiny target's <|MASK|> (special tokens sit at the top)
     target_layer_ids: tuple[int, ...] | None = (0, 2),
     num_target_layers: int = 4,
     markov_rank: int = 0,

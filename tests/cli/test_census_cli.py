@@ -53,7 +53,7 @@ def test_json_output(draft_dir):
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
     assert obj["kind"] == "dspark" and obj["strategy_dspark"] is True
-    assert (obj["block_size"], obj["mask_token_id"], obj["target_layer_ids"]) == (8, 255, [-1, 1, 3])
+    assert (obj["block_size"], obj["mask_token_id"], obj["target_layer_ids"]) == (8, 511, [-1, 1, 3])
     assert (obj["n_layers"], obj["hidden_size"]) == (2, 64)
     assert obj["markov"] == {"rank": 32, "type": "vanilla"}
     assert obj["confidence"] == {"in_dim": 96, "with_markov": True}

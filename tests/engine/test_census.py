@@ -35,7 +35,7 @@ def test_plain_confidence_head(draft_dir):
 
 
 def test_markov_rank_inferred_from_tensors_when_config_is_silent(draft_dir):
-    w = {"markov_head.markov_w1.weight": torch.randn(256, 8), "markov_head.markov_w2.weight": torch.randn(256, 8)}
+    w = {"markov_head.markov_w1.weight": torch.randn(512, 8), "markov_head.markov_w2.weight": torch.randn(512, 8)}
     c = take_census(draft_dir("projector", extra_tensors=w))
     assert c.markov.rank == 8
 
@@ -85,7 +85,7 @@ def test_directory_refusals(tmp_path, draft_dir):
     with pytest.raises(ConfigError, match="no config.json"):
         take_census(tmp_path)
     d = draft_dir("zlab", config_overrides={"vocab_size": 100})
-    with pytest.raises(ConfigError, match="mask_token_id 255 is outside vocab_size 100"):
+    with pytest.raises(ConfigError, match="mask_token_id 511 is outside vocab_size 100"):
         take_census(d)
 
 
@@ -95,7 +95,7 @@ def test_attention_layout_rules(draft_dir):
     assert [(l.attention, l.window, l.causal_in_block) for l in c.layers] == [("sliding", 16, True), ("full", None, False)]
     c = take_census(draft_dir("zlab", layer_types=types, sliding_window=16, is_causal=False))
     assert [l.causal_in_block for l in c.layers] == [False, False]
-    d = draft_dir("zlab", layer_types=types, sliding_window=16, config_overrides={"dflash_config": {"mask_token_id": 255, "target_layer_ids": [0, 2], "block_size": 8, "causal": False}})
+    d = draft_dir("zlab", layer_types=types, sliding_window=16, config_overrides={"dflash_config": {"mask_token_id": 511, "target_layer_ids": [0, 2], "block_size": 8, "causal": False}})
     assert [l.causal_in_block for l in take_census(d).layers] == [False, False]
 
 

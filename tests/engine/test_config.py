@@ -22,7 +22,7 @@ def _cfg(draft_dir, fmt, **kw):
 
 def test_zlab_new_keys(draft_dir):
     c = _cfg(draft_dir, "zlab")
-    assert (c.exporter, c.strategy_dspark, c.block_size, c.mask_token_id) == ("zlab-dflash", False, 8, 255)
+    assert (c.exporter, c.strategy_dspark, c.block_size, c.mask_token_id) == ("zlab-dflash", False, 8, 511)
     assert c.target_layer_ids == (0, 2) and not c.target_layer_ids_defaulted
     assert c.rope.type == "default" and c.rope.theta == 10000.0 and c.rope.source_key == "rope_parameters"
     assert c.dtype == "float32" and c.markov_rank == 0

@@ -1,0 +1,338 @@
+"""Qwen3Target against the real reference: HF `transformers.Qwen3ForCausalLM` on the same files.
+
+Tiny random checkpoints are written at test time (float32, CPU, eager attention on the HF side):
+prefill logits, cached incremental decode, greedy streams vs `generate`, taps vs
+`output_hidden_states`, verify/truncate rollback, and refusals. A `gpu`-marked variant repeats
+prefill and greedy on CUDA in float32 and bf16.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from memra_cli.engine.errors import CheckpointError, ConfigError, MemraError
+from memra_cli.engine.target import PromptError, Qwen3Target, greedy_reference
+from memra_cli.engine.target.qwen3 import rms_norm
+from memra_cli.tiny.target import YARN, make_tiny_qwen3, make_tiny_tokenizer, special_token_ids
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+VOCAB = 512
+EOS = special_token_ids(VOCAB)["<|endoftext|>"]  # also HF's implied pad id: see hf_greedy
+VARIANTS = {
+    "untied": {},
+    "tied": {"tie": True, "seed": 1},
+    "yarn": {"rope": YARN, "seed": 2},
+    "sharded-bias": {"shards": 3, "attention_bias": True, "seed": 3},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls: a second thread only adds contention on a busy 2-core CI box (~20x slower).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3")
+    return {name: make_tiny_qwen3(root / name, **kw) for name, kw in VARIANTS.items()}
+
+
+def load_hf(path, dtype=torch.float32, device="cpu"):
+    model = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    return model.to(device).eval()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dirs):
+    return {name: (Qwen3Target.from_dir(d), load_hf(d)) for name, d in tiny_dirs.items()}
+
+
+def prompt(n: int, seed: int, with_eos: bool = True) -> list[int]:
+    """Random ids; the EOS id is planted so HF's pad-masking trap would bite if present."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+    if with_eos and n > 3:
+        ids[n // 2] = EOS
+    return ids
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def ours_logits(target: Qwen3Target, ids: list[int]) -> torch.Tensor:
+    cache = target.new_cache(len(ids))
+    hidden, _ = target.forward(torch.tensor(ids, device=target.device), 0, cache)
+    return target.logits(hidden)
+
+
+@torch.no_grad()
+def hf_logits(hf, ids: list[int], **kw):
+    x = torch.tensor([ids], device=hf.device)
+    return hf(x, attention_mask=torch.ones_like(x), **kw)
+
+
+@torch.no_grad()
+def hf_greedy(hf, ids: list[int], max_new: int, eos: int | None = None) -> list[int]:
+    """HF greedy generate. The explicit all-ones attention_mask matters: without it, generate
+    infers a mask from pad_token_id and would drop prompt tokens equal to the pad id.
+
+    No EOS is spelled as the never-produced id VOCAB: generate fills a None eos_token_id back in
+    from the model's generation_config (and refuses negative ids).
+    """
+    gc = copy.deepcopy(hf.generation_config)
+    gc.eos_token_id, gc.pad_token_id = VOCAB if eos is None else eos, EOS
+    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens, gc.max_length = False, max_new, None, None
+    x = torch.tensor([ids], device=hf.device)
+    out = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)
+    return out[0, len(ids):].tolist()
+
+
+# --------------------------------------------------------------------------- (a) prefill
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prefill_logits_match_hf(models, variant):
+    target, hf = models[variant]
+    for n, seed in ((1, 0), (7, 1), (40, 2), (300, 3)):  # 300 > YaRN's original 128 positions
+        ids = prompt(n, seed)
+        ours, ref = ours_logits(target, ids), hf_logits(hf, ids).logits[0]
+        assert rel_err(ours, ref) < 1e-5, (variant, n)
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_tied_lm_head_is_the_embedding(models):
+    target, _ = models["tied"]
+    assert target.lm_head_weight is target.embed_weight
+
+
+# --------------------------------------------------------------------------- (b) incremental
+
+
+@pytest.mark.parametrize("variant", ["untied", "yarn"])
+def test_incremental_decode_matches_full_sequence(models, variant):
+    target, hf = models[variant]
+    ids = prompt(170, 5)
+    ref = hf_logits(hf, ids).logits[0]
+    cache = target.new_cache(len(ids))
+    rows, start = [], 0
+    for chunk in (23, 1, 1, 6, 1, 16, 1, 2, 90, 1, 28):  # prefill, decode steps, verify blocks
+        hidden, _ = target.forward(torch.tensor(ids[start:start + chunk]), start, cache)
+        rows.append(target.logits(hidden))
+        start += chunk
+        assert cache.length == start
+    assert start == len(ids)
+    assert rel_err(torch.cat(rows), ref) < 1e-5
+
+
+# --------------------------------------------------------------------------- (c) greedy streams
+
+
+@pytest.mark.parametrize("variant,prompts", [
+    ("untied", [(5, 10), (64, 11), (1, 12)]),
+    ("yarn", [(100, 13)]),  # runs to position 356, past YaRN's original 128
+])
+def test_greedy_matches_hf_generate(models, variant, prompts):
+    target, hf = models[variant]
+    for n, seed in prompts:
+        ids = prompt(n, seed)
+        ours = greedy_reference(target, ids, 256)
+        assert len(ours) == 256
+        assert len(set(ours)) > 20, "degenerate tiny model: greedy stream loops on a few tokens"
+        assert ours == hf_greedy(hf, ids, 256), (variant, n)
+
+
+def test_greedy_stops_at_eos_like_hf(models):
+    target, hf = models["untied"]
+    ids = prompt(9, 20)
+    free = greedy_reference(target, ids, 40)
+    eos = free[12]
+    stop = free.index(eos)
+    ours = greedy_reference(target, ids, 40, eos_ids=(eos,))
+    assert ours == free[:stop + 1] and ours[-1] == eos
+    assert ours == hf_greedy(hf, ids, 40, eos=eos)
+    assert greedy_reference(target, ids, 3) == free[:3]
+    assert greedy_reference(target, ids, 0) == []
+
+
+# --------------------------------------------------------------------------- (d) taps
+
+
+def test_taps_match_hf_hidden_states(models):
+    target, hf = models["untied"]
+    ids = prompt(33, 30)
+    states = hf_logits(hf, ids, output_hidden_states=True).hidden_states
+    taps = (2, -1, 0, 1)  # out of order on purpose: output follows the given order
+    cache = target.new_cache(len(ids))
+    hidden, tapped = target.forward(torch.tensor(ids), 0, cache, taps=taps)
+    h = target.hidden_size
+    assert tapped.shape == (len(ids), len(taps) * h)
+    for j, tap in enumerate(taps):
+        assert rel_err(tapped[:, j * h:(j + 1) * h], states[tap + 1][0]) < 1e-6, tap
+    # The last layer's tap is the raw residual; HF overwrites hidden_states[-1] with the
+    # final-normed output, so the two agree only after the final norm.
+    _, last = target.forward(torch.tensor(ids), 0, cache, taps=(target.n_layers - 1,))
+    assert rel_err(rms_norm(last, target.norm, target.cfg.rms_norm_eps), states[-1][0]) < 1e-6
+    assert rel_err(hidden, states[-1][0]) < 1e-6
+
+
+def test_embed_is_the_embedding_table(models):
+    target, hf = models["untied"]
+    ids = torch.tensor(prompt(5, 31))
+    assert torch.equal(target.embed(ids), hf.model.embed_tokens(ids))
+
+
+# --------------------------------------------------------------------------- (e) rollback
+
+
+def test_verify_truncate_reverify_equals_fresh_run(models):
+    target, hf = models["untied"]
+    ids, block_a, block_b = prompt(20, 40), prompt(7, 41), prompt(6, 42)
+    taps = (-1, 1, 3)
+    cache = target.new_cache(64)
+    first, _ = target.prefill(torch.tensor(ids), cache, taps)
+    target.verify(torch.tensor(block_a), len(ids), cache, taps)  # a round accepting 2 of 7
+    cache.truncate(len(ids) + 2)
+    vam, tapped = target.verify(torch.tensor(block_b), cache.length, cache, taps)
+
+    fresh_cache = target.new_cache(64)
+    target.prefill(torch.tensor(ids + block_a[:2]), fresh_cache)
+    fresh_vam, fresh_taps = target.verify(torch.tensor(block_b), len(ids) + 2, fresh_cache, taps)
+    assert torch.equal(vam, fresh_vam)
+    assert rel_err(tapped, fresh_taps) < 1e-6
+    assert cache.length == fresh_cache.length == len(ids) + 2 + len(block_b)
+
+    ref = hf_logits(hf, ids + block_a[:2] + block_b).logits[0]
+    assert torch.equal(vam, ref[-len(block_b):].argmax(-1))
+    assert int(first) == int(ref[len(ids) - 1].argmax())
+
+
+def test_forward_below_length_overwrites(models):
+    """`start < cache.length` is an implicit truncate (what a re-verify after rollback does)."""
+    target, _ = models["untied"]
+    ids = prompt(12, 43)
+    cache = target.new_cache(16)
+    target.forward(torch.tensor(ids), 0, cache)
+    h1, _ = target.forward(torch.tensor(ids[8:]), 8, cache)
+    assert cache.length == 12
+    assert rel_err(target.logits(h1), ours_logits(target, ids)[8:]) < 1e-6
+    with pytest.raises(ValueError, match="truncate"):
+        cache.truncate(13)
+
+
+# --------------------------------------------------------------------------- (f) refusals
+
+
+def test_bad_prompts_are_refused_by_value(models):
+    target, _ = models["untied"]
+    with pytest.raises(PromptError, match="empty"):
+        greedy_reference(target, [], 4)
+    with pytest.raises(PromptError, match=r"id 512 at index 1 .*\[0, 512\)"):
+        greedy_reference(target, [3, 512], 4)
+    with pytest.raises(PromptError, match="id -1 at index 0"):
+        greedy_reference(target, [-1], 4)
+    with pytest.raises(PromptError, match="2000.*100.*2100.*max_position_embeddings 2048"):
+        greedy_reference(target, [1] * 2000, 100)
+    with pytest.raises(PromptError, match="max_new must be"):
+        greedy_reference(target, [1], -1)
+    with pytest.raises(PromptError, match="KV cache length 4096"):
+        target.new_cache(4096)
+    cache = target.new_cache(10)
+    with pytest.raises(PromptError, match="positions up to 11 exceed the KV cache \\(10"):
+        target.forward(torch.arange(11), 0, cache)
+    with pytest.raises(PromptError, match="exceeds the KV cache \\(10"):
+        target.check_prompt([1] * 8, 3, max_len=10)
+    with pytest.raises(ConfigError, match="tap layer id 4 .*\\[-1, 3\\]"):
+        target.forward(torch.arange(3), 0, cache, taps=(0, 4))
+    assert all(issubclass(e, MemraError) for e in (PromptError, ConfigError, CheckpointError))
+
+
+def _rewrite(src, dst, edit):
+    """Copy a tiny single-file checkpoint with its tensor dict passed through `edit`."""
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = edit(load_file(str(src / "model.safetensors")))
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_bad_checkpoints_are_refused_by_name(tiny_dirs, tmp_path):
+    src = tiny_dirs["untied"]
+    name = "model.layers.1.mlp.up_proj.weight"
+    missing = _rewrite(src, tmp_path / "missing", lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(CheckpointError, match=rf"'{name}' is missing \(expected shape \[128, 64\]"):
+        Qwen3Target.from_dir(missing)
+    wrong = _rewrite(src, tmp_path / "wrong", lambda t: {**t, name: t[name][:, :63].contiguous()})
+    shape_msg = rf"'{name}' has shape \[128, 63\], expected shape \[128, 64\]"
+    with pytest.raises(CheckpointError, match=shape_msg):
+        Qwen3Target.from_dir(wrong)
+    no_head = _rewrite(src, tmp_path / "nohead", lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
+    with pytest.raises(CheckpointError, match="'lm_head.weight' is missing.*tie_word_embeddings is false"):
+        Qwen3Target.from_dir(no_head)
+    # the same files with tie_word_embeddings true load (lm_head = embedding)
+    cfg = json.loads((no_head / "config.json").read_text())
+    (no_head / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    assert Qwen3Target.from_dir(no_head).lm_head_weight.shape == (VOCAB, 64)
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+@pytest.mark.parametrize("vocab", [VOCAB, 3000])  # 3000 outruns the text's merges: fillers
+def test_tiny_tokenizer_fits_the_model_vocab(tmp_path, vocab):
+    tok = transformers.AutoTokenizer.from_pretrained(make_tiny_tokenizer(tmp_path, vocab))
+    ids = special_token_ids(vocab)
+    assert len(tok) == vocab
+    assert tok.eos_token_id == ids["<|endoftext|>"] and tok.mask_token_id == ids["<|MASK|>"] == vocab - 1
+    text = "The quick brown fox, 48 + 24 = 72."
+    assert tok.decode(tok.encode(text)) == text and max(tok.encode(text)) < vocab
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cuda_prefill_and_greedy(tiny_dirs, dtype):
+    path = tiny_dirs["yarn"]
+    target = Qwen3Target.from_dir(path, dtype=dtype, device="cuda")
+    hf = load_hf(path, dtype=dtype, device="cuda")
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for n, seed in ((1, 0), (40, 2), (300, 3)):
+        ids = prompt(n, seed)
+        assert rel_err(ours_logits(target, ids), hf_logits(hf, ids).logits[0]) < tol, n
+    # no host sync inside a forward: ids, cache and rope tables already live on the device
+    cache = target.new_cache(64)
+    x = torch.tensor(prompt(20, 7), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        target.forward(x, 0, cache, taps=(-1, 1))
+        target.verify(x[:5], 20, cache, taps=(2,))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    agree = []
+    for n, seed in ((5, 10), (64, 11), (100, 13)):
+        ids = prompt(n, seed)
+        ours, ref = greedy_reference(target, ids, 256), hf_greedy(hf, ids, 256)
+        same = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ours))
+        agree.append(same)
+        if dtype == torch.float32:
+            assert ours == ref, n
+    print(f"\n[{dtype}] greedy agreement with HF (common prefix of 256): {agree}")
