@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from memra_cli import __version__
-from memra_cli.cli import census
+from memra_cli.cli import census, generate
 
 app = typer.Typer(
     name="memra",
@@ -15,6 +15,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command(name="census")(census.census)
+app.command(name="generate")(generate.generate)
 
 
 def _version(value: bool) -> None:

@@ -113,6 +113,11 @@ _ADAPT_ON = ("1", "true", "yes", "on")
 _ADAPT_OFF = ("0", "false", "no", "off")
 
 
+def adapt_on(adapt: str | None) -> bool:
+    """Whether the window adapts per round (validates the value)."""
+    return not _adapt_off(adapt)
+
+
 def _adapt_off(adapt: str | None) -> bool:
     """`MEMRA_DFLASH_ADAPT`: 0/false/no/off pins the window; unset or 1/true/yes/on adapts."""
     if _unset(adapt) or adapt.lower() in _ADAPT_ON:  # type: ignore[union-attr]
@@ -249,15 +254,17 @@ class Receipts:
     window: VerifyWindow
     window_set: bool
     has_confidence_head: bool
+    window_note: str | None = None  # e.g. why a program overrode the resolved window
 
     def lines(self) -> list[str]:
         h_src = "set" if self.harvest_set else "unset"
         head = "present" if self.has_confidence_head else "ABSENT -> ladder"
         w_src = "set" if self.window_set else "unset"
+        note = f", {self.window_note}" if self.window_note else ""
         return [
             f"[dspark] harvest={self.harvest.value} (checkpoint census "
             f"strategy_dspark={str(self.strategy_dspark).lower()}, {HARVEST_ENV} {h_src})",
-            f"[dspark] verify-window={self.window} (accept-rate head {head}, {VT_ENV} {w_src})",
+            f"[dspark] verify-window={self.window} (accept-rate head {head}, {VT_ENV} {w_src}{note})",
         ]
 
     def as_json(self) -> dict:

@@ -1,7 +1,9 @@
 """`python -m memra_cli.tiny OUT_DIR`: write tiny random checkpoints to try memra on.
 
-Writes OUT_DIR/dflash (z-lab format) and OUT_DIR/dspark (DeepSpec format, markov + confidence
-heads, a -1 tap). Random weights: for inspecting and exercising the tools, not for acceptance.
+Writes OUT_DIR/target (an HF Qwen3 directory with a tiny byte-level BPE tokenizer),
+OUT_DIR/dflash (z-lab DFlash format) and OUT_DIR/dspark (DeepSpec format: markov and confidence
+heads, a -1 tap), all mutually compatible. Random weights: for exercising the tools, not for
+acceptance.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 from memra_cli.tiny.draft import make_tiny_draft
+from memra_cli.tiny.target import make_tiny_qwen3
 
 
 def main(argv: list[str]) -> int:
@@ -17,9 +20,10 @@ def main(argv: list[str]) -> int:
         print("usage: python -m memra_cli.tiny OUT_DIR", file=sys.stderr)
         return 2
     out = Path(argv[0])
+    make_tiny_qwen3(out / "target", tokenizer=True)
     make_tiny_draft(out / "dflash", "zlab")
     make_tiny_draft(out / "dspark", "deepspec", markov_rank=32, confidence="markov", target_layer_ids=(-1, 1, 3))
-    print(f"wrote {out / 'dflash'} (z-lab DFlash) and {out / 'dspark'} (DeepSpec DSpark)")
+    print(f"wrote {out / 'target'} (Qwen3 + tokenizer), {out / 'dflash'} (z-lab DFlash), {out / 'dspark'} (DeepSpec DSpark)")
     return 0
 
 

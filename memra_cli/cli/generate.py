@@ -1,0 +1,95 @@
+"""`memra generate`: speculative (or plain) greedy generation, streamed, with receipts and stats."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from memra_cli.cli.common import AdaptOpt, HarvestOpt, JsonOpt, TauOpt, VtOpt, policy_settings, refusals
+
+
+def _parse_ids(text: str) -> list[int]:
+    from memra_cli.engine.errors import PromptError
+
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise PromptError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+
+
+@refusals
+def generate(
+    target: Path = typer.Option(..., "--target", help="Target model directory (HF Qwen3: config.json + safetensors, tokenizer.json for text)."),
+    draft: Optional[Path] = typer.Option(None, "--draft", help="Drafter checkpoint directory (or memra .gguf). Omit for plain greedy."),
+    spec: str = typer.Option("auto", "--spec", help="off | dflash (parallel drafts, ladder) | dspark (census-keyed DSpark program) | auto (dspark for DSpark-class drafters, else dflash; off without --draft)."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text, tokenized with the target's tokenizer.json."),
+    prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap --prompt in the target's chat template."),
+    max_new: int = typer.Option(128, "--max-new", min=0, help="Generate exactly this many tokens unless EOS comes first."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    verify_cap: Optional[str] = typer.Option(None, "--verify-cap", envvar="MEMRA_DFLASH_VERIFY_T", show_envvar=True, help="Most candidates verified per round (anchor + drafts); default n_drafts+1."),
+    markov: Optional[bool] = typer.Option(None, "--markov/--no-markov", envvar="MEMRA_DFLASH_MARKOV", show_envvar=True, help="Markov chain over the drafts (dspark program; default: when the checkpoint has a markov head)."),
+    harvest: Optional[str] = HarvestOpt,
+    vt: Optional[str] = VtOpt,
+    tau: Optional[str] = TauOpt,
+    adapt: Optional[bool] = AdaptOpt,
+    json_out: bool = JsonOpt,
+) -> None:
+    """Greedy generation from a target, sped up by a DFlash / DSpark drafter.
+
+    The output equals plain greedy decoding of the target token for token: the drafter only
+    proposes, the target's argmax decides every committed token. Receipts come first (stderr),
+    text streams to stdout as rounds commit, and a final line reports tokens, rounds, tau (mean
+    committed per round), acceptance, tok/s and per-phase times.
+    """
+    import torch
+
+    from memra_cli.cli import render
+    from memra_cli.engine.errors import PromptError
+    from memra_cli.engine.pipeline import prepare, resolve_device, resolve_dtype
+    from memra_cli.engine.target.qwen3 import Qwen3Target
+    from memra_cli.engine.text import StreamDecoder, TextCodec
+
+    if (prompt is None) == (prompt_ids is None):
+        raise PromptError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if chat and prompt is None:
+        raise PromptError("--chat applies to --prompt text")
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    codec = TextCodec(target) if prompt is not None else None
+    ids = codec.encode(prompt, chat=chat) if codec and prompt is not None else _parse_ids(prompt_ids or "")
+    if codec is None and (target / "tokenizer.json").is_file():
+        codec = TextCodec(target)
+    with torch.inference_mode():
+        model = Qwen3Target.from_dir(target, dtype=dt, device=dev)
+        prep = prepare(model, ids, max_new, draft_path=draft, mode=spec,
+                       settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
+                       verify_cap=verify_cap, timed=True)
+        if not json_out:
+            if prep.receipts:
+                render.print_receipts(prep.receipts.lines(), to_stderr=True)
+            for w in prep.warnings:
+                render.warn(w)
+        session, stream = prep.session, StreamDecoder(codec) if codec else None
+        session.prime()
+        while not session.finished:
+            new = session.burst(1)
+            if not json_out:
+                render.stream_out(stream.push(new) if stream else "".join(f"{t} " for t in new))
+    stats = session.stats.as_json()
+    text = codec.decode(session.tokens) if codec else None
+    if json_out:
+        render.emit_json({
+            "tokens": session.tokens, "text": text, "mode": prep.mode, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
+            "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms")},
+            "receipts": prep.receipts.as_json() if prep.receipts else None,
+            "receipt_lines": prep.receipts.lines() if prep.receipts else [],
+            "warnings": prep.warnings,
+        })
+    else:
+        render.stream_out("\n")
+        render.generate_summary(prep.mode, stats)

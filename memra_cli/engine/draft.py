@@ -1,0 +1,296 @@
+"""The DFlash / DSpark drafter: fresh full-context forward, cached round forward, heads.
+
+One non-causal (per layer: see census' attention layout) transformer pass drafts a whole block
+`[anchor, MASK x (b-1)]` conditioned on the target's tapped hidden states:
+
+    ctx = hidden_norm(fc(taps))                     taps [t, n_taps*hidden] -> ctx [t, hidden]
+    per layer: q from the normed block rows; k, v from [ctx ; normed block rows]
+               (ctx rows are NOT input-layernormed), q/k per-head RMS norm, rope at absolute
+               positions, attention of block rows over [ctx ; block], SwiGLU
+    out = norm(x)                                   [b, hidden] -> target lm_head -> logits
+
+Two paths compute it. `forward_full` recomputes everything from raw taps (the oracle contract).
+`ingest` + `forward_round` cache the ctx K/V (projected, k-normed, roped) in a preallocated
+`DraftKV`, so a round only projects the b block rows; block K/V are written transiently past the
+committed length and never committed. Both paths must agree (tests: f32 rel err < 1e-5).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memra_cli.engine.census import (
+    CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD, Census, LayerLayout, take_census,
+)
+from memra_cli.engine.checkpoint import Checkpoint, open_checkpoint
+from memra_cli.engine.errors import MemraError
+from memra_cli.engine.layers import gqa_attention, linear, rms_norm, swiglu
+from memra_cli.engine.rope import RopeTables, apply_rope, cos_sin, rope_tables
+
+log = logging.getLogger(__name__)
+
+
+class DraftCapacityError(MemraError):
+    """The draft KV cache is full (a session was sized too small)."""
+
+
+@dataclass
+class DraftLayer:
+    """One drafter layer's weights. Projections `[out, in]` (or quantized linears)."""
+
+    wq: object
+    wk: object
+    wv: object
+    wo: object
+    w_gate: object
+    w_up: object
+    w_down: object
+    ln_in: torch.Tensor
+    ln_post: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+
+
+@dataclass
+class DraftStages:
+    """Per-stage outputs of one block forward (the parity stages)."""
+
+    hidden_out: torch.Tensor  # [b, hidden] final-normed
+    layer_out: torch.Tensor | None = None  # [n_layer, b, hidden] residual after each layer
+    ctx_features: torch.Tensor | None = None  # [ctx, hidden]
+
+
+class DraftKV:
+    """Preallocated draft K/V: per layer `[cap + block, n_kv, head_dim]`, append-only.
+
+    Rows `[0, length)` are committed ctx rows (k normed and roped); a round writes its block K/V
+    transiently at `[length, length + b)`. `positions [cap + block]` holds each row's absolute
+    position (sliding-window and causal masks are computed from positions, not indices).
+    """
+
+    def __init__(self, n_layers: int, cap: int, block: int, n_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.cap, self.block, self.length = cap, block, 0
+        self.k = torch.empty(n_layers, n_kv, cap + block, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.positions = torch.zeros(cap + block, dtype=torch.long, device=device)
+
+    def truncate(self, n: int) -> None:
+        assert 0 <= n <= self.length
+        self.length = n
+
+
+class Drafter:
+    """A loaded drafter on one device in one compute dtype."""
+
+    def __init__(self, census: Census, layers: list[DraftLayer], fc: object, hidden_norm: torch.Tensor,
+                 norm: torch.Tensor, extras: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.census, self.cfg = census, census.config
+        self.layers, self.fc, self.hidden_norm, self.norm = layers, fc, hidden_norm, norm
+        self.dtype, self.device = dtype, device
+        self.markov_w1 = extras.get(MARKOV_W1)  # [V, r] gathered table, kept as stored
+        self.markov_w2 = extras.get(MARKOV_W2)  # [V, r] (Linear(r, V).weight)
+        self.conf_w = extras.get(CONF_W)  # [1, in_dim], float32 (the head stays f32)
+        self.conf_b = extras.get(CONF_B)  # [1]
+        self.own_embed = extras.get(OWN_EMBED)
+        self.own_lm_head = extras.get(OWN_LM_HEAD)
+        self.rope: RopeTables = rope_tables(self.cfg.rope, self.cfg.head_dim)
+        self.layouts: tuple[LayerLayout, ...] = census.layers
+        self.scale = self.cfg.head_dim ** -0.5
+
+    # ------------------------------------------------------------------- loading
+
+    @classmethod
+    def load(cls, path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+             census: Census | None = None, weight_fn=None) -> "Drafter":
+        """Load a drafter checkpoint (after its census passes).
+
+        `weight_fn(name, tensor) -> weight` may replace matmul weights (e.g. quantize at load);
+        by default weights are plain tensors in `dtype`.
+        """
+        census = census or take_census(Path(path))
+        ckpt = open_checkpoint(Path(path))
+        device = torch.device(device)
+        load = _TensorLoader(ckpt, dtype, device, weight_fn)
+        layers = [load.layer(i) for i in range(census.config.num_hidden_layers)]
+        extras: dict[str, torch.Tensor] = {}
+        for name in (MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD):
+            if name in ckpt:
+                extras[name] = load.plain(name)
+        if CONF_W in ckpt:
+            extras[CONF_W] = load.plain(CONF_W, torch.float32)
+            extras[CONF_B] = load.plain(CONF_B, torch.float32)
+        return cls(census, layers, load.matmul("fc.weight"), load.plain("hidden_norm.weight"),
+                   load.plain("norm.weight"), extras, dtype, device)
+
+    # ------------------------------------------------------------------- shared pieces
+
+    def ctx_features(self, taps: torch.Tensor) -> torch.Tensor:
+        """`[t, n_taps*hidden]` raw target taps -> `[t, hidden]` = hidden_norm(fc(taps))."""
+        return rms_norm(linear(taps.to(self.dtype), self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, w: torch.Tensor | object, norm: torch.Tensor, n_heads: int) -> torch.Tensor:
+        t = x.shape[0]
+        return rms_norm(linear(x, w).view(t, n_heads, self.cfg.head_dim), norm, self.cfg.rms_norm_eps)
+
+    def _mask(self, layout: LayerLayout, q_pos: torch.Tensor, k_pos: torch.Tensor, n_ctx: int) -> torch.Tensor | None:
+        """`[b, n]` True = attend. Sliding layers drop keys `window` or more positions back;
+        a layer causal in the block hides later block rows. None when nothing is masked."""
+        if layout.attention == "full" and not layout.causal_in_block:
+            return None
+        diff = q_pos[:, None] - k_pos[None, :]
+        mask = torch.ones_like(diff, dtype=torch.bool)
+        if layout.window is not None:
+            mask &= diff < layout.window
+        if layout.causal_in_block:
+            mask[:, n_ctx:] &= diff[:, n_ctx:] >= 0
+        return mask
+
+    def _block_layer(self, li: int, x: torch.Tensor, q_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_pos: torch.Tensor, n_ctx: int, write_kv) -> torch.Tensor:
+        """One layer on block rows `x [b, hidden]` at `q_pos [b]`. `write_kv(k_block, v_block)`
+        returns all keys/values `[n_kv, n_ctx + b, head_dim]` (ctx rows, then the block's) whose
+        positions are `k_pos [n_ctx + b]`."""
+        cfg, w = self.cfg, self.layers[li]
+        xn = rms_norm(x, w.ln_in, cfg.rms_norm_eps)
+        q = apply_rope(self._heads(xn, w.wq, w.q_norm, cfg.num_attention_heads), cos, sin)
+        kb = apply_rope(self._heads(xn, w.wk, w.k_norm, cfg.num_key_value_heads), cos, sin)
+        vb = linear(xn, w.wv).view(-1, cfg.num_key_value_heads, cfg.head_dim)
+        keys, values = write_kv(kb, vb)
+        mask = self._mask(self.layouts[li], q_pos, k_pos, n_ctx)
+        x = x + linear(gqa_attention(q, keys, values, mask, self.scale), w.wo)
+        return x + swiglu(rms_norm(x, w.ln_post, cfg.rms_norm_eps), w.w_gate, w.w_up, w.w_down)
+
+    # ------------------------------------------------------------------- full path (oracle)
+
+    def forward_full(self, target_hidden: torch.Tensor, noise: torch.Tensor, positions: torch.Tensor) -> DraftStages:
+        """Fresh forward: `target_hidden [ctx, n_taps*hidden]`, `noise [b, hidden]` (embedding
+        rows of [anchor, MASK x (b-1)]), `positions [ctx + b]` (ctx rows, then block rows)."""
+        cfg = self.cfg
+        n_ctx = target_hidden.shape[0]
+        ctx = self.ctx_features(target_hidden)
+        positions = positions.to(self.device)
+        q_pos, k_pos = positions[n_ctx:], positions
+        cos_all, sin_all = cos_sin(self.rope, positions, self.dtype)
+        cos, sin = cos_all[n_ctx:], sin_all[n_ctx:]
+        x, outs = noise.to(self.dtype), []
+        for li, w in enumerate(self.layers):
+            kc = apply_rope(self._heads(ctx, w.wk, w.k_norm, cfg.num_key_value_heads), cos_all[:n_ctx], sin_all[:n_ctx])
+            vc = linear(ctx, w.wv).view(n_ctx, cfg.num_key_value_heads, cfg.head_dim)
+
+            def concat(kb, vb, kc=kc, vc=vc):
+                return torch.cat([kc, kb]).transpose(0, 1), torch.cat([vc, vb]).transpose(0, 1)
+
+            x = self._block_layer(li, x, q_pos, cos, sin, k_pos, n_ctx, concat)
+            outs.append(x)
+        return DraftStages(rms_norm(x, self.norm, cfg.rms_norm_eps), torch.stack(outs), ctx)
+
+    # ------------------------------------------------------------------- cached path
+
+    def new_cache(self, cap: int) -> DraftKV:
+        cfg = self.cfg
+        return DraftKV(cfg.num_hidden_layers, cap, cfg.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+
+    def ingest(self, kv: DraftKV, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Append committed rows: taps `[t, n_taps*hidden]` at `positions [t]`. Returns the ctx
+        features `[t, hidden]` (for parity)."""
+        cfg, t = self.cfg, taps.shape[0]
+        if kv.length + t > kv.cap:
+            raise DraftCapacityError(f"draft KV cache full: {kv.length} + {t} rows > capacity {kv.cap}")
+        ctx = self.ctx_features(taps)
+        positions = positions.to(self.device)
+        cos, sin = cos_sin(self.rope, positions, self.dtype)
+        lo, hi = kv.length, kv.length + t
+        for li, w in enumerate(self.layers):
+            k = apply_rope(self._heads(ctx, w.wk, w.k_norm, cfg.num_key_value_heads), cos, sin)
+            kv.k[li, :, lo:hi] = k.transpose(0, 1)
+            kv.v[li, :, lo:hi] = linear(ctx, w.wv).view(t, cfg.num_key_value_heads, cfg.head_dim).transpose(0, 1)
+        kv.positions[lo:hi] = positions
+        kv.length = hi
+        return ctx
+
+    def forward_round(self, kv: DraftKV, noise: torch.Tensor, positions: torch.Tensor, keep_layers: bool = False) -> DraftStages:
+        """Block forward over the cached ctx: `noise [b, hidden]` at `positions [b]`. Block K/V
+        land transiently at `[length, length+b)`; `kv.length` is unchanged."""
+        b, lo = noise.shape[0], kv.length
+        hi = lo + b
+        positions = positions.to(self.device)
+        kv.positions[lo:hi] = positions
+        cos, sin = cos_sin(self.rope, positions, self.dtype)
+        k_pos = kv.positions[:hi]
+        x, outs = noise.to(self.dtype), []
+        for li in range(len(self.layers)):
+
+            def write(kb, vb, li=li):
+                kv.k[li, :, lo:hi] = kb.transpose(0, 1)
+                kv.v[li, :, lo:hi] = vb.transpose(0, 1)
+                return kv.k[li, :, :hi], kv.v[li, :, :hi]
+
+            x = self._block_layer(li, x, positions, cos, sin, k_pos, lo, write)
+            if keep_layers:
+                outs.append(x)
+        out = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return DraftStages(out, torch.stack(outs) if keep_layers else None)
+
+    # ------------------------------------------------------------------- heads
+
+    @property
+    def has_markov(self) -> bool:
+        return self.markov_w1 is not None
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.conf_w is not None
+
+    def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """Greedy semi-autoregressive chain over `logits [n, V]` (float32): slot k's logits get
+        `w2 · w1[prev]`, prev starting at `anchor` (0-d or [1] long) and then each chosen token.
+        Returns tokens `[n]` on the device (no host sync)."""
+        assert self.markov_w1 is not None and self.markov_w2 is not None
+        prev = anchor.reshape(1)
+        out = []
+        for k in range(logits.shape[0]):
+            bias = linear(self.markov_w1[prev].to(self.dtype), self.markov_w2).float()  # [1, V]
+            prev = torch.argmax(logits[k : k + 1] + bias, dim=-1)
+            out.append(prev)
+        return torch.cat(out)
+
+    def confidence_raw(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """Pre-sigmoid accept-rate scores `[n]` for draft rows `hidden [n, hidden]`;
+        `prev_ids [n]` = each slot's previous chain token ([anchor, chain[:-1]])."""
+        assert self.conf_w is not None and self.conf_b is not None
+        feats = hidden.float()
+        if self.census.confidence is not None and self.census.confidence.with_markov:
+            assert self.markov_w1 is not None
+            feats = torch.cat([feats, self.markov_w1[prev_ids].float()], dim=-1)
+        return feats @ self.conf_w[0] + self.conf_b[0]
+
+
+class _TensorLoader:
+    """Reads drafter tensors in the compute dtype; matmul weights may go through `weight_fn`."""
+
+    def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, weight_fn):
+        self.ckpt, self.dtype, self.device, self.weight_fn = ckpt, dtype, device, weight_fn
+
+    def plain(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.ckpt.load(name, dtype or self.dtype, self.device)
+
+    def matmul(self, name: str) -> object:
+        if self.weight_fn is not None:
+            return self.weight_fn(name, self.ckpt, self.dtype, self.device)
+        return self.plain(name)
+
+    def layer(self, i: int) -> DraftLayer:
+        p = f"layers.{i}."
+        m, n = self.matmul, self.plain
+        return DraftLayer(
+            wq=m(p + "self_attn.q_proj.weight"), wk=m(p + "self_attn.k_proj.weight"),
+            wv=m(p + "self_attn.v_proj.weight"), wo=m(p + "self_attn.o_proj.weight"),
+            w_gate=m(p + "mlp.gate_proj.weight"), w_up=m(p + "mlp.up_proj.weight"),
+            w_down=m(p + "mlp.down_proj.weight"),
+            ln_in=n(p + "input_layernorm.weight"), ln_post=n(p + "post_attention_layernorm.weight"),
+            q_norm=n(p + "self_attn.q_norm.weight"), k_norm=n(p + "self_attn.k_norm.weight"),
+        )

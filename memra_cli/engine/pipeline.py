@@ -1,0 +1,149 @@
+"""From user settings to a ready `Session`: resolve the program, load and check the pair.
+
+This is the one engine entry `memra generate` (and later `bench`) call: it refuses every
+mismatch between a drafter and its target with a message that names both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from memra_cli.engine.census import Census, take_census
+from memra_cli.engine.errors import ConfigError, MemraError, PolicyError
+from memra_cli.engine.policy import (
+    LADDER, MARKOV_ENV, VT_ENV, PolicySettings, Receipts, adapt_on, parse_verify_cap, resolve_receipts,
+)
+from memra_cli.engine.spec import DrafterProposer, Program, Session, SpecError
+
+log = logging.getLogger(__name__)
+SPEC_MODES = ("off", "dflash", "dspark", "auto")
+
+
+class DeviceError(MemraError):
+    """A device or dtype that this machine cannot provide."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` -> cuda when available, else cpu; `cuda` without CUDA refuses."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise DeviceError(f"--device {device}: expected auto|cpu|cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DeviceError(f"--device {device}: CUDA is not available on this machine")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` -> bfloat16 on CUDA, float32 on CPU (CPU bf16 matmuls are slow and lossy)."""
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in table:
+        raise DeviceError(f"--dtype {dtype}: expected auto|float32|bfloat16")
+    return table[dtype]
+
+
+def resolve_program(mode: str, census: Census, settings: PolicySettings, markov: bool | None,
+                    verify_cap: str | int | None) -> tuple[Program, Receipts, str]:
+    """The spec mode (`auto` resolved) -> Program + receipts. `dflash` = parallel drafting
+    only (markov off, ladder window); `dspark` = the census-keyed DSpark program."""
+    if mode not in SPEC_MODES:
+        raise PolicyError(f"--spec {mode}: expected {'|'.join(SPEC_MODES)}")
+    if mode == "auto":
+        mode = "dspark" if census.strategy_dspark else "dflash"
+    receipts = resolve_receipts(settings, census.strategy_dspark, census.confidence is not None)
+    window = receipts.window
+    if mode == "dflash":
+        if receipts.window_set and window.is_confidence:
+            raise PolicyError(f"{VT_ENV}={settings.vt} with --spec dflash: the dflash program runs the ladder window; use --spec dspark")
+        if markov:
+            raise PolicyError(f"{MARKOV_ENV}=1 with --spec dflash: the dflash program drafts in parallel (markov off); use --spec dspark")
+        if window.is_confidence:
+            receipts = dataclasses.replace(receipts, window=LADDER, window_note="--spec dflash -> ladder")
+        window, markov_on = LADDER, False
+    else:
+        if markov and census.markov is None:
+            raise PolicyError(f"{MARKOV_ENV}=1: {census.path} has no markov head")
+        markov_on = census.markov is not None if markov is None else markov
+        if window.is_confidence and census.confidence is None:
+            raise SpecError(f"verify-window {window} needs a checkpoint with an accept-rate head (confidence_head.* absent in {census.path})")
+    b = census.config.block_size
+    cap = parse_verify_cap(verify_cap, receipts.harvest.n_drafts(b))
+    program = Program(receipts.harvest, window, markov_on, cap, adapt_on(settings.adapt), b)
+    return program, receipts, mode
+
+
+def check_pair(target, census: Census) -> None:
+    """Refuse a drafter that cannot condition on this target."""
+    cfg, tcfg = census.config, target.cfg
+    if cfg.hidden_size != tcfg.hidden_size:
+        raise ConfigError(
+            f"drafter hidden_size {cfg.hidden_size} ({cfg.source}) != target hidden_size "
+            f"{tcfg.hidden_size} ({tcfg.source})"
+        )
+    if not 0 <= cfg.mask_token_id < tcfg.vocab_size:
+        raise ConfigError(f"drafter mask_token_id {cfg.mask_token_id} ({cfg.source}) is outside the target vocabulary [0, {tcfg.vocab_size})")
+    for tap in cfg.target_layer_ids:
+        if not -1 <= tap < tcfg.num_hidden_layers:
+            raise ConfigError(
+                f"drafter target_layer_id {tap} ({cfg.source}) is outside the {tcfg.num_hidden_layers}-layer "
+                f"target [-1, {tcfg.num_hidden_layers - 1}]"
+            )
+
+
+def own_table_warnings(drafter, target) -> list[str]:
+    """DeepSpec exports carry copies of the target's embed_tokens / lm_head; the engine uses the
+    target's. Say so by name when the copies differ (the drafter was trained on another target)."""
+    out = []
+    for name, own, theirs in (("embed_tokens.weight", drafter.own_embed, target.embed_weight),
+                              ("lm_head.weight", drafter.own_lm_head, target.lm_head_weight)):
+        if own is None:
+            continue
+        if own.shape != theirs.shape or not torch.equal(own.float().cpu(), theirs.float().cpu()):
+            out.append(f"drafter tensor '{name}' differs from the target's; memra uses the target's")
+    return out
+
+
+@dataclass
+class Prepared:
+    session: Session
+    receipts: Receipts | None
+    mode: str
+    warnings: list[str]
+
+
+def prepare(target, prompt_ids: Sequence[int], max_new: int, *, draft_path: Path | None, mode: str,
+            settings: PolicySettings, markov: bool | None = None, verify_cap: str | int | None = None,
+            timed: bool = False, drafter_loader=None, eos_ids: Sequence[int] | None = None) -> Prepared:
+    """Resolve, load and check; returns an unprimed Session (plain when mode is off)."""
+    eos = target.cfg.eos_token_ids if eos_ids is None else tuple(eos_ids)
+    if mode not in SPEC_MODES:
+        raise PolicyError(f"--spec {mode}: expected {'|'.join(SPEC_MODES)}")
+    if mode != "off" and draft_path is None:
+        if mode == "auto":
+            mode = "off"
+        else:
+            raise PolicyError(f"--spec {mode} needs a drafter (--draft)")
+    if mode == "off":
+        target.check_prompt(list(prompt_ids), max_new)
+        return Prepared(Session(target, prompt_ids, max_new, eos_ids=eos, timed=timed), None, "off", [])
+    census = take_census(Path(draft_path))
+    program, receipts, mode = resolve_program(mode, census, settings, markov, verify_cap)
+    check_pair(target, census)
+    target.check_prompt(list(prompt_ids), max_new)
+    from memra_cli.engine.draft import Drafter
+
+    load = drafter_loader or (lambda path, c: Drafter.load(path, target.dtype, target.device, census=c))
+    drafter = load(Path(draft_path), census)
+    warnings = list(census.warnings) + own_table_warnings(drafter, target)
+    proposer = DrafterProposer(drafter, target, program)
+    session = Session(target, prompt_ids, max_new, proposer=proposer, program=program,
+                      taps=census.config.target_layer_ids, eos_ids=eos, timed=timed)
+    return Prepared(session, receipts, mode, warnings)

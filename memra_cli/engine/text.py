@@ -1,0 +1,67 @@
+"""Prompt text <-> token ids with the target directory's own tokenizer (`tokenizers`), and its
+chat template (jinja2) for `--chat`; plus the incremental decoder that streams text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from memra_cli.engine.errors import ConfigError, PromptError
+
+
+class TextCodec:
+    """tokenizer.json (+ tokenizer_config.json's chat_template) of a model directory."""
+
+    def __init__(self, directory: Path):
+        path = directory / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: no tokenizer.json (use --prompt-ids, or a target directory with a tokenizer)")
+        from tokenizers import Tokenizer
+
+        try:
+            self.tok = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises plain Exceptions
+            raise ConfigError(f"{path}: not a readable tokenizers file ({str(exc).splitlines()[0]})") from None
+        self.template, self.cfg_path = None, directory / "tokenizer_config.json"
+        if self.cfg_path.is_file():
+            try:
+                self.template = json.loads(self.cfg_path.read_text()).get("chat_template")
+            except ValueError:
+                raise ConfigError(f"{self.cfg_path}: not valid JSON") from None
+
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        if chat:
+            text = self.apply_chat_template(text)
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def apply_chat_template(self, user_text: str) -> str:
+        if not isinstance(self.template, str):
+            raise PromptError(f"--chat: {self.cfg_path} has no chat_template")
+        import jinja2
+
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+        try:
+            return env.from_string(self.template).render(
+                messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
+                bos_token="", eos_token="",
+            )
+        except jinja2.TemplateError as exc:
+            raise PromptError(f"--chat: the chat template in {self.cfg_path} failed ({exc})") from None
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+class StreamDecoder:
+    """Turns a growing id list into printable text deltas (a token may end mid-character)."""
+
+    def __init__(self, codec: TextCodec):
+        self.codec, self.ids, self.printed = codec, [], ""
+
+    def push(self, ids: list[int]) -> str:
+        self.ids += ids
+        text = self.codec.decode(self.ids)
+        if text.endswith("\ufffd"):  # incomplete UTF-8 sequence: wait for the next token
+            return ""
+        delta, self.printed = text[len(self.printed):], text
+        return delta

@@ -1,0 +1,133 @@
+"""`memra generate`: text and ids, --json, receipts first, streams equal plain greedy, refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from memra_cli.cli.app import app
+from memra_cli.engine.target.greedy import greedy_reference
+from memra_cli.engine.target.qwen3 import Qwen3Target
+from memra_cli.tiny.draft import make_tiny_draft
+from memra_cli.tiny.target import make_tiny_qwen3
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target = make_tiny_qwen3(root / "target", tokenizer=True)
+    dspark = make_tiny_draft(root / "dspark", "deepspec", markov_rank=16, confidence="markov", target_layer_ids=(-1, 1, 3))
+    dflash = make_tiny_draft(root / "dflash", "zlab")
+    return root, target, dspark, dflash
+
+
+def run(*args, env=None):
+    return runner.invoke(app, ["generate", *[str(a) for a in args]], env=env or {})
+
+
+def _ref(target_dir, ids, n):
+    eos = Qwen3Target.from_dir(target_dir).cfg.eos_token_ids
+    return greedy_reference(Qwen3Target.from_dir(target_dir), ids, n, eos)
+
+
+@pytest.mark.parametrize("which", ["dspark", "dflash", None])
+def test_json_stream_equals_plain_greedy(pair, which):
+    root, target, dspark, dflash = pair
+    args = ["--target", target, "--prompt-ids", "5,17,42,99", "--max-new", "24", "--json"]
+    if which:
+        args += ["--draft", dspark if which == "dspark" else dflash]
+    r = run(*args)
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert obj["tokens"] == _ref(target, [5, 17, 42, 99], 24)
+    assert obj["mode"] == (which or "off")
+    assert set(obj["stats"]) >= {"rounds", "drafted", "accepted", "tau", "tok_per_s", "phase_ms"}
+    assert obj["stats"]["rounds"] >= 1 and obj["stats"]["tau"] >= 1.0
+    if which == "dspark":
+        assert obj["receipts"] == {"harvest": "dspark", "verify_window": {"policy": "confidence-slot", "tau": 0.5}}
+    elif which == "dflash":
+        assert obj["receipts"]["harvest"] == "dflash" and obj["receipts"]["verify_window"]["policy"] == "ladder"
+    else:
+        assert obj["receipts"] is None
+
+
+def test_text_prompt_streams_with_receipts_first(pair):
+    root, target, dspark, _ = pair
+    r = run("--target", target, "--draft", dspark, "--prompt", "def fibonacci(n):", "--max-new", "12", "--chat")
+    assert r.exit_code == 0, r.output
+    err = r.stderr.splitlines()
+    assert err[0].startswith("[dspark] harvest=dspark (checkpoint census strategy_dspark=true")
+    assert err[1].startswith("[dspark] verify-window=ConfidenceSlot{tau=0.5}")
+    assert err[-1].startswith("[dspark] tokens=12 rounds=") and "tau=" in err[-1] and "phase_ms:" in err[-1]
+    assert r.stdout.strip()  # some text streamed
+
+
+def test_spec_dflash_forces_ladder_and_names_it(pair):
+    _, target, dspark, _ = pair
+    r = run("--target", target, "--draft", dspark, "--spec", "dflash", "--prompt-ids", "1,2,3", "--max-new", "8", "--json")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert obj["receipts"]["verify_window"]["policy"] == "ladder"
+    assert obj["receipt_lines"][1].endswith("--spec dflash -> ladder)")
+    r = run("--target", target, "--draft", dspark, "--vt", "confidence", "--tau", "0.3", "--prompt-ids", "1,2,3", "--max-new", "8", "--json")
+    assert json.loads(r.stdout)["receipts"]["verify_window"] == {"policy": "confidence", "tau": 0.3}
+
+
+def _mismatched(root, name, **kw):
+    return make_tiny_draft(root / name, "zlab", **kw)
+
+
+BAD = {
+    "hidden size mismatch": (lambda root: ["--draft", _mismatched(root, "h", hidden=32, head_dim=8)], "drafter hidden_size 32"),
+    "mask token outside target": (lambda root: ["--draft", _mismatched(root, "m", vocab=1024, mask_token_id=1000)], "mask_token_id 1000"),
+    "tap outside target": (lambda root: ["--draft", _mismatched(root, "t", target_layer_ids=(0, 7), num_target_layers=8)], "target_layer_id 7"),
+    "prompt id outside vocab": (lambda root: ["--prompt-ids", "1,99999"], "prompt token id 99999"),
+    "empty prompt": (lambda root: ["--prompt-ids", ""], "prompt is empty"),
+    "bad ids": (lambda root: ["--prompt-ids", "1,x"], "expected comma-separated integers"),
+    "beyond positions": (lambda root: ["--prompt-ids", "1,2", "--max-new", "5000"], "exceeds max_position_embeddings 2048"),
+    "dspark without draft": (lambda root: ["--spec", "dspark"], "--spec dspark needs a drafter"),
+    "confidence without head": (lambda root: ["--draft", root / "dflash", "--spec", "dspark", "--vt", "confidence"], "needs a checkpoint with an accept-rate head"),
+    "unknown spec": (lambda root: ["--spec", "fast"], "--spec fast: expected off|dflash|dspark|auto"),
+    "both prompts": (lambda root: ["--prompt", "x"], "exactly one of --prompt"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input(pair, case):
+    root, target, _, _ = pair
+    extra, message = BAD[case]
+    args = ["--target", target, *extra(root)]
+    if "--prompt-ids" not in args and "--prompt" not in args:
+        args += ["--prompt-ids", "1,2,3"]
+    elif case == "both prompts":
+        args += ["--prompt-ids", "1"]
+    r = run(*args)
+    assert r.exit_code == 2, (case, r.output)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_without_cuda(pair):
+    _, target, _, _ = pair
+    r = run("--target", target, "--prompt-ids", "1", "--device", "cuda")
+    assert r.exit_code == 2 and r.stderr.strip() == "error: --device cuda: CUDA is not available on this machine"
+
+
+def test_fresh_install_script_and_entry_point(tmp_path):
+    """The README flow: tiny checkpoints from the module script, then the console entry."""
+    subprocess.run([sys.executable, "-m", "memra_cli.tiny", str(tmp_path)], check=True, capture_output=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "memra_cli", "generate", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "dspark"),
+         "--prompt", "def add(a, b):", "--max-new", "8"],
+        capture_output=True, text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("[dspark] harvest=dspark") and "tokens=8" in r.stderr
