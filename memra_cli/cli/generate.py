@@ -22,8 +22,8 @@ def _parse_ids(text: str) -> list[int]:
 
 @refusals
 def generate(
-    target: Path = typer.Option(..., "--target", help="Target model directory (HF Qwen3: config.json + safetensors, tokenizer.json for text)."),
-    draft: Optional[Path] = typer.Option(None, "--draft", help="Drafter checkpoint directory (or memra .gguf). Omit for plain greedy."),
+    target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (HF Qwen3: config.json + safetensors, tokenizer.json for text). Default: the embedded model."),
+    draft: Optional[Path] = typer.Option(None, "--draft", help="Drafter checkpoint directory (or memra .gguf). Default with no --target: the embedded DSpark drafter; with --target: none (plain greedy)."),
     spec: str = typer.Option("auto", "--spec", help="off | dflash (parallel drafts, ladder) | dspark (census-keyed DSpark program) | auto (dspark for DSpark-class drafters, else dflash; off without --draft)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text, tokenized with the target's tokenizer.json."),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3."),
@@ -54,6 +54,14 @@ def generate(
     from memra_cli.engine.target.qwen3 import Qwen3Target
     from memra_cli.engine.text import StreamDecoder, TextCodec
 
+    if target is None:
+        from memra_cli.assets import default_pair
+
+        target, drafts = default_pair()
+        if draft is None and spec != "off":
+            draft = drafts["dflash" if spec == "dflash" else "dspark"]
+        if not json_out:
+            render.note(f"using the embedded default models: target {target}" + (f", drafter {draft}" if draft else ""))
     if (prompt is None) == (prompt_ids is None):
         raise PromptError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
     if chat and prompt is None:

@@ -41,6 +41,11 @@ def print_receipts(lines: list[str], to_stderr: bool = False) -> None:
         target.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
+def note(message: str) -> None:
+    """An informational line on stderr (defaults applied, files written)."""
+    err_console.print(f"[dim]note:[/dim] {message}", soft_wrap=True, highlight=False)
+
+
 def warn(message: str) -> None:
     err_console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
 

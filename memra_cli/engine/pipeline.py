@@ -1,14 +1,15 @@
 """From user settings to a ready `Session`: resolve the program, load and check the pair.
 
-This is the one engine entry `memra generate` (and later `bench`) call: it refuses every
-mismatch between a drafter and its target with a message that names both sides.
+`prepare` is the one entry `memra generate` calls; `memra bench` uses its parts (`resolve_spec`,
+`load_setup`, `Setup.session`) to load each arm once and make a Session per prompt. Every
+mismatch between a drafter and its target is refused with a message that names both sides.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -111,6 +112,78 @@ def own_table_warnings(drafter, target) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class Resolved:
+    """A speculative request resolved against its drafter's census (headers only, nothing loaded)."""
+
+    draft_path: Path
+    census: Census
+    program: Program
+    receipts: Receipts
+    mode: str  # "dflash" | "dspark" (auto resolved)
+
+
+def resolve_spec(target, *, draft_path: Path | None, mode: str, settings: PolicySettings,
+                 markov: bool | None = None, verify_cap: str | int | None = None) -> Resolved | None:
+    """Mode + settings + drafter census -> the program, checked against the target.
+
+    None means plain greedy (`off`, or `auto` without a drafter)."""
+    if mode not in SPEC_MODES:
+        raise PolicyError(f"--spec {mode}: expected {'|'.join(SPEC_MODES)}")
+    if mode == "off" or (mode == "auto" and draft_path is None):
+        return None
+    if draft_path is None:
+        raise PolicyError(f"--spec {mode} needs a drafter (--draft)")
+    census = take_census(Path(draft_path))
+    program, receipts, mode = resolve_program(mode, census, settings, markov, verify_cap)
+    check_pair(target, census)
+    return Resolved(Path(draft_path), census, program, receipts, mode)
+
+
+def default_drafter_loader(target, weight_fn=None):
+    """(path, census) -> Drafter in the target's dtype, on its device."""
+    from memra_cli.engine.draft import Drafter
+
+    return lambda path, c: Drafter.load(path, target.dtype, target.device, census=c, weight_fn=weight_fn)
+
+
+@dataclass
+class Setup:
+    """A loaded, checked decoding setup; `session()` makes one Session per prompt from it
+    without reloading the drafter. Each session gets its own proposer (and so its own draft
+    cache): sessions from one Setup may run interleaved."""
+
+    target: object
+    mode: str
+    eos_ids: tuple[int, ...]
+    receipts: Receipts | None = None
+    warnings: list[str] = field(default_factory=list)
+    program: Program | None = None
+    proposer: DrafterProposer | None = None
+    taps: tuple[int, ...] = ()
+
+    def session(self, prompt_ids: Sequence[int], max_new: int, *, timed: bool = False) -> Session:
+        proposer = None
+        if self.proposer is not None:
+            proposer = DrafterProposer(self.proposer.drafter, self.target, self.proposer.program)
+        return Session(self.target, prompt_ids, max_new, proposer=proposer, program=self.program,
+                       taps=self.taps, eos_ids=self.eos_ids, timed=timed)
+
+
+def load_setup(target, resolved: Resolved | None, *, drafter_loader=None,
+               eos_ids: Sequence[int] | None = None) -> Setup:
+    """Load the drafter of a resolved request (or nothing, for plain greedy) and build its proposer."""
+    eos = target.cfg.eos_token_ids if eos_ids is None else tuple(eos_ids)
+    if resolved is None:
+        return Setup(target, "off", tuple(eos))
+    load = drafter_loader or default_drafter_loader(target)
+    drafter = load(resolved.draft_path, resolved.census)
+    warnings = list(resolved.census.warnings) + own_table_warnings(drafter, target)
+    proposer = DrafterProposer(drafter, target, resolved.program)
+    return Setup(target, resolved.mode, tuple(eos), resolved.receipts, warnings, resolved.program,
+                 proposer, tuple(resolved.census.config.target_layer_ids))
+
+
 @dataclass
 class Prepared:
     session: Session
@@ -122,28 +195,11 @@ class Prepared:
 def prepare(target, prompt_ids: Sequence[int], max_new: int, *, draft_path: Path | None, mode: str,
             settings: PolicySettings, markov: bool | None = None, verify_cap: str | int | None = None,
             timed: bool = False, drafter_loader=None, eos_ids: Sequence[int] | None = None) -> Prepared:
-    """Resolve, load and check; returns an unprimed Session (plain when mode is off)."""
-    eos = target.cfg.eos_token_ids if eos_ids is None else tuple(eos_ids)
-    if mode not in SPEC_MODES:
-        raise PolicyError(f"--spec {mode}: expected {'|'.join(SPEC_MODES)}")
-    if mode != "off" and draft_path is None:
-        if mode == "auto":
-            mode = "off"
-        else:
-            raise PolicyError(f"--spec {mode} needs a drafter (--draft)")
-    if mode == "off":
-        target.check_prompt(list(prompt_ids), max_new)
-        return Prepared(Session(target, prompt_ids, max_new, eos_ids=eos, timed=timed), None, "off", [])
-    census = take_census(Path(draft_path))
-    program, receipts, mode = resolve_program(mode, census, settings, markov, verify_cap)
-    check_pair(target, census)
-    target.check_prompt(list(prompt_ids), max_new)
-    from memra_cli.engine.draft import Drafter
+    """Resolve, load and check; returns an unprimed Session (plain when mode is off).
 
-    load = drafter_loader or (lambda path, c: Drafter.load(path, target.dtype, target.device, census=c))
-    drafter = load(Path(draft_path), census)
-    warnings = list(census.warnings) + own_table_warnings(drafter, target)
-    proposer = DrafterProposer(drafter, target, program)
-    session = Session(target, prompt_ids, max_new, proposer=proposer, program=program,
-                      taps=census.config.target_layer_ids, eos_ids=eos, timed=timed)
-    return Prepared(session, receipts, mode, warnings)
+    Order of refusals: program and pair first, then the prompt, then the (slow) drafter load."""
+    resolved = resolve_spec(target, draft_path=draft_path, mode=mode, settings=settings,
+                            markov=markov, verify_cap=verify_cap)
+    target.check_prompt(list(prompt_ids), max_new)
+    setup = load_setup(target, resolved, drafter_loader=drafter_loader, eos_ids=eos_ids)
+    return Prepared(setup.session(prompt_ids, max_new, timed=timed), setup.receipts, setup.mode, setup.warnings)

@@ -1,0 +1,118 @@
+"""First numbers at real shapes (not a test): plain greedy ms/token and speculative ms/round.
+
+Builds a random-weight target of the Qwen3-8B shape (36 layers, hidden 4096, 32/8 heads x 128,
+ffn 12288, vocab 151936) in memory and writes a random 5-layer DFlash drafter (5 taps, block 16)
+to disk (so it goes through the real loader), then on one prompt of 512 random ids measures:
+
+- plain greedy through memra's target (ms/token, `off` arm),
+- one DFlash round with the verify window pinned at 16 (ms/round), with its phase breakdown,
+- the exactness gate: the speculative stream equals the plain one, token for token.
+
+Random drafters are almost never accepted, so rounds commit ~1 token: this measures cost, not
+speed-up. DESIGN.md's anchors (HF transformers + z-lab loop on the same H200): 32.8 ms/token
+plain, 57.2 ms/round; floors ~3.85 / ~4.7 ms.
+
+    python benchmarks/gpu_shapes.py [--small] [--tokens 48] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from memra_cli.engine.config import parse_target_config
+from memra_cli.engine.policy import PolicySettings
+from memra_cli.engine.target.qwen3 import LayerWeights, Qwen3Target
+from memra_cli.engine.pipeline import prepare
+from memra_cli.tiny.draft import make_tiny_draft
+
+SHAPES = {
+    "8b": dict(vocab=151936, hidden=4096, layers=36, heads=32, kv=8, hd=128, ffn=12288, d_layers=5, taps=(1, 9, 17, 25, 33)),
+    "small": dict(vocab=512, hidden=128, layers=4, heads=4, kv=2, hd=32, ffn=256, d_layers=2, taps=(0, 2)),
+}
+
+
+def random_target(s: dict, dtype: torch.dtype, device: torch.device) -> Qwen3Target:
+    raw = {"model_type": "qwen3", "vocab_size": s["vocab"], "hidden_size": s["hidden"], "intermediate_size": s["ffn"],
+           "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"], "num_key_value_heads": s["kv"],
+           "head_dim": s["hd"], "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": False}
+    cfg = parse_target_config(raw, f"random-{s['hidden']}")
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+    h, q, kv, ff = s["hidden"], s["heads"] * s["hd"], s["kv"] * s["hd"], s["ffn"]
+    ones = lambda n: torch.ones(n, dtype=dtype, device=device)  # noqa: E731
+    layers = [LayerWeights(rnd(q + 2 * kv, h), None, rnd(h, q), None, ones(s["hd"]), ones(s["hd"]), ones(h), ones(h),
+                           rnd(2 * ff, h), rnd(h, ff)) for _ in range(s["layers"])]
+    return Qwen3Target(cfg, rnd(s["vocab"], h, std=1.0), layers, ones(h), rnd(s["vocab"], h))
+
+
+def run_arm(target, ids, n, draft, mode, settings, cap=None):
+    prep = prepare(target, ids, n, draft_path=draft, mode=mode, settings=settings, verify_cap=cap, timed=False, eos_ids=())
+    s = prep.session
+    s.prime()
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    s.run()
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    return s, time.perf_counter() - t0
+
+
+def timed_phases(target, ids, n, draft, settings, cap):
+    prep = prepare(target, ids, n, draft_path=draft, mode="dflash", settings=settings, verify_cap=cap, timed=True, eos_ids=())
+    prep.session.run()
+    st = prep.session.stats
+    return {k: 1e3 * v / max(1, st.rounds) for k, v in st.phase_s.items() if k != "prefill"}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--small", action="store_true", help="a tiny shape (CPU smoke)")
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args()
+    s = SHAPES["small" if a.small else "8b"]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        target = random_target(s, dtype, device)
+        tmp = Path(tempfile.mkdtemp())
+        draft = make_tiny_draft(tmp / "draft", "zlab", hidden=s["hidden"], layers=s["d_layers"], heads=s["heads"],
+                                kv_heads=s["kv"], head_dim=s["hd"], intermediate=s["ffn"], vocab=s["vocab"],
+                                mask_token_id=s["vocab"] - 1, block_size=16, target_layer_ids=s["taps"],
+                                num_target_layers=s["layers"], dtype=torch.bfloat16, std=0.02)
+        ids = torch.randint(0, s["vocab"] - 1, (a.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
+        pinned = PolicySettings(adapt="0")  # verify window pinned at the cap: 16 rows per round
+        run_arm(target, ids, 8, None, "off", pinned)  # warm-up (allocator, kernels)
+        run_arm(target, ids, 8, draft, "dflash", pinned, 16)
+        plain, t_plain = run_arm(target, ids, a.tokens, None, "off", pinned)
+        spec, t_spec = run_arm(target, ids, a.tokens, draft, "dflash", pinned, 16)
+        phases = timed_phases(target, ids, min(a.tokens, 16), draft, pinned, 16)
+    out = {
+        "shape": "small" if a.small else "qwen3-8b", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype), "prompt": a.prompt, "tokens": a.tokens,
+        "plain_ms_per_token": 1e3 * t_plain / len(plain.tokens),
+        "round_ms": 1e3 * t_spec / spec.stats.rounds, "rounds": spec.stats.rounds, "tau": spec.stats.tau,
+        "round_phase_ms": phases, "exact": spec.tokens == plain.tokens,
+        "anchors_hf_ms": {"plain": 32.8, "round": 57.2}, "floors_ms": {"plain": 3.85, "round": 4.7},
+    }
+    print(json.dumps(out, indent=2))
+    if a.json:
+        a.json.write_text(json.dumps(out, indent=2))
+    if not out["exact"]:
+        raise SystemExit("EXACTNESS GATE FAILED: speculative stream != plain greedy")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""Drafter training and evaluation on the target's own greedy continuations.
+
+A batch is B sequences `[prompt ; target greedy continuation]` of length L with A random anchors
+each, all drafted at once: queries are the A blocks' b rows, keys are the L ctx rows plus every
+block's rows, and the mask lets block a see ctx keys before its anchor and its own b rows (the
+block is non-causal, as the drafter runs at inference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from memra_cli.assets.train import TrainDrafter, cosine_lr, fit_steps, target_taps
+
+
+@dataclass
+class DraftSpec:
+    kind: str  # "dflash" (mask-fill) | "dspark" (shifted + markov + confidence)
+    block: int
+    taps: tuple[int, ...]
+    mask_id: int
+
+    @property
+    def first_row(self) -> int:
+        return 1 if self.kind == "dflash" else 0
+
+    @property
+    def n_drafts(self) -> int:
+        return self.block - 1 if self.kind == "dflash" else self.block
+
+
+def sample_anchors(n_seq: int, anchors: int, lo: int, hi: int, gen: torch.Generator) -> torch.Tensor:
+    """`[n_seq, anchors]` anchor positions in [lo, hi], sorted per row."""
+    return torch.randint(lo, hi + 1, (n_seq, anchors), generator=gen).sort(dim=1).values
+
+
+def block_batch(ids: torch.Tensor, anchors: torch.Tensor, spec: DraftSpec):
+    """Noise ids, positions, labels, prev ids and the attention mask for anchors `[B, A]`.
+
+    Returns noise_ids `[B, A*b]`, blk_pos `[B, A*b]`, labels `[B, A, nd]`, prev `[B, A, nd]`
+    (teacher-forced previous token of each draft slot), mask `[B, 1, A*b, L + A*b]`.
+    """
+    B, L = ids.shape
+    A, b = anchors.shape[1], spec.block
+    offs = torch.arange(b, device=ids.device)
+    blk_pos = (anchors[..., None] + offs).reshape(B, A * b)
+    noise = torch.full((B, A, b), spec.mask_id, dtype=torch.long, device=ids.device)
+    noise[..., 0] = torch.gather(ids, 1, anchors)
+    # Draft slot j (dflash: row j+1 fills anchor+j+1; dspark: row j predicts anchor+j+1) is
+    # labelled with the token at anchor+1+j under both conventions; only the rows differ.
+    label_pos = anchors[..., None] + 1 + torch.arange(spec.n_drafts, device=ids.device)
+    labels = torch.gather(ids, 1, label_pos.reshape(B, -1)).reshape(B, A, spec.n_drafts)
+    prev = torch.gather(ids, 1, (label_pos - 1).reshape(B, -1)).reshape(B, A, spec.n_drafts)
+    ctx_ok = torch.arange(L, device=ids.device)[None, None, :] < anchors.reshape(B, A, 1)  # [B, A, L]
+    ctx_ok = ctx_ok.repeat_interleave(b, dim=1)  # [B, A*b, L]
+    blk_id = torch.arange(A, device=ids.device).repeat_interleave(b)
+    same = blk_id[:, None] == blk_id[None, :]  # [A*b, A*b]
+    mask = torch.cat([ctx_ok, same.expand(B, -1, -1)], dim=2)[:, None]
+    return noise.reshape(B, A * b), blk_pos, labels, prev, mask
+
+
+def draft_logits(drafter: TrainDrafter, target, ids, anchors, spec: DraftSpec):
+    """Drafter forward on a batch: (rows' base logits `[B, A, nd, V]`, rows' hidden, labels, prev)."""
+    B, L = ids.shape
+    embed = target.get_input_embeddings().weight
+    taps = target_taps(target, ids, spec.taps)
+    noise_ids, blk_pos, labels, prev, mask = block_batch(ids, anchors, spec)
+    ctx_pos = torch.arange(L, device=ids.device).expand(B, L)
+    hidden = drafter(taps, F.embedding(noise_ids, embed), ctx_pos, blk_pos, mask)
+    A = anchors.shape[1]
+    rows = hidden.view(B, A, spec.block, -1)[:, :, spec.first_row : spec.first_row + spec.n_drafts]
+    return rows @ embed.T, rows, labels, prev
+
+
+def markov_bias(drafter: TrainDrafter, prev: torch.Tensor) -> torch.Tensor:
+    m = drafter.markov_head
+    return m.markov_w2(m.markov_w1(prev))
+
+
+def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, steps: int, batch: int,
+                  anchors: int, prompt_len: int, lr: float, device, log, budget_s: float | None = None) -> tuple[list[float], int]:
+    """Train on `seqs [N, L]` (prompt + greedy continuation); anchors start at the last prompt
+    token. Returns (losses, steps actually run)."""
+    import time
+
+    drafter.to(device).train()
+    target.to(device).eval().requires_grad_(False)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen, L = torch.Generator().manual_seed(2), seqs.shape[1]
+    decay = torch.exp(-torch.arange(spec.n_drafts, device=device) / (spec.block / 2))
+    losses, t0, step = [], time.time(), 0
+    while step < steps:
+        if step == 20:
+            steps = fit_steps(steps, step, time.time() - t0, budget_s)
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(step, steps, lr, max(1, steps // 20))
+        pick = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
+        ids = seqs[pick].to(device)
+        anc = sample_anchors(batch, anchors, prompt_len - 1, L - 1 - spec.block, gen).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits, rows, labels, prev = draft_logits(drafter, target, ids, anc, spec)
+            if drafter.markov_head is not None:
+                logits = logits + markov_bias(drafter, prev)
+        ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+        loss = (ce * decay).sum() / (decay.sum() * labels.shape[0] * labels.shape[1])
+        if drafter.confidence_head is not None:
+            hit = (logits.argmax(-1) == labels).float()
+            feats = rows.float()
+            if drafter.markov_head is not None:
+                feats = torch.cat([feats, drafter.markov_head.markov_w1(prev).float()], -1)
+            raw = drafter.confidence_head.proj(feats).squeeze(-1)
+            loss = loss + F.binary_cross_entropy_with_logits(raw, hit)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            losses.append(loss.item())
+            log(f"{spec.kind} drafter step {step}/{steps} loss {loss.item():.3f}")
+        step += 1
+    drafter.eval()
+    return losses, steps
+
+
+@torch.no_grad()
+def evaluate(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int, prompt_len: int,
+             device, batch: int = 32) -> dict:
+    """Per-slot greedy acceptance on held-out continuations, drafting as inference does (the
+    markov chain feeds on its own choices). `p_prefix[k]` = P(first k+1 drafts all accepted);
+    `tau_full` = 1 + E[accepted prefix] with the whole block verified."""
+    gen, L = torch.Generator().manual_seed(3), seqs.shape[1]
+    prefix_hits = torch.zeros(spec.n_drafts, dtype=torch.float64)
+    slot_hits = torch.zeros(spec.n_drafts, dtype=torch.float64)
+    conf_sum = torch.zeros(spec.n_drafts, dtype=torch.float64)
+    n = 0
+    for lo in range(0, seqs.shape[0], batch):
+        ids = seqs[lo : lo + batch].to(device)
+        anc = sample_anchors(ids.shape[0], anchors, prompt_len - 1, L - 1 - spec.block, gen).to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits, rows, labels, _ = draft_logits(drafter, target, ids, anc, spec)
+            drafts, prevs = _chain(drafter, logits.float(), torch.gather(ids, 1, anc))
+        ok = drafts == labels  # [B, A, nd]
+        prefix_hits += ok.long().cumprod(-1).sum((0, 1)).double().cpu()
+        slot_hits += ok.sum((0, 1)).double().cpu()
+        if drafter.confidence_head is not None:
+            feats = rows.float()
+            if drafter.markov_head is not None:
+                feats = torch.cat([feats, drafter.markov_head.markov_w1(prevs).float()], -1)
+            conf_sum += torch.sigmoid(drafter.confidence_head.proj(feats).squeeze(-1)).sum((0, 1)).double().cpu()
+        n += ids.shape[0] * anchors
+    p_prefix = (prefix_hits / n).tolist()
+    return {
+        "p_prefix": [round(p, 4) for p in p_prefix],
+        "p_slot": [round(p, 4) for p in (slot_hits / n).tolist()],
+        "confidence_mean": [round(p, 4) for p in (conf_sum / n).tolist()] if drafter.confidence_head is not None else None,
+        "tau_full": round(1 + sum(p_prefix), 3),
+        "blocks": n,
+    }
+
+
+def _chain(drafter: TrainDrafter, logits: torch.Tensor, anchor: torch.Tensor):
+    """Greedy drafts `[B, A, nd]` and each slot's previous token (markov: its own choices)."""
+    if drafter.markov_head is None:
+        drafts = logits.argmax(-1)
+        return drafts, torch.cat([anchor[..., None], drafts[..., :-1]], -1)
+    prev, out, prevs = anchor, [], []
+    for k in range(logits.shape[2]):
+        prevs.append(prev)
+        prev = (logits[:, :, k] + markov_bias(drafter, prev).float()).argmax(-1)
+        out.append(prev)
+    return torch.stack(out, -1), torch.stack(prevs, -1)
+
+
+def param_count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

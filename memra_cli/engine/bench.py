@@ -1,0 +1,516 @@
+"""`memra bench`, the engine side: arm grammar, loading, interleaved runs, exactness gate, aggregates.
+
+An arm is one decoding program, written `NAME[:key=value,...]` (see `parse_arm`). The bench loads
+the target once and each distinct drafter (path, prec) once, warms every arm up on the first K
+prompts (not counted), then runs every arm on every prompt, interleaved per prompt with the arm
+order rotated by one each prompt (so slow drift — clocks, thermals, caches — spreads over all
+arms). The `off` arm (plain greedy) always runs: it is the exactness reference, and every
+speculative stream must equal it token for token. Speedups are ratios of tok/s within one run.
+
+Nothing here prints: `cli/bench.py` renders a `BenchResult`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from memra_cli.engine.errors import MemraError
+from memra_cli.engine.policy import VT_CHOICES, PolicySettings, Receipts
+from memra_cli.engine.stats import DecodeStats
+
+ARM_NAMES = ("off", "dflash", "dspark", "auto")
+PRECISIONS = ("f32", "bf16", "q8", "mixed", "fc", "q4")
+DEFAULT_ARMS = ("off", "dflash", "dspark")
+EMBEDDED_DRAFTERS = ("dflash", "dspark")
+ARM_KEYS = {
+    "harvest": "dflash|dspark", "vt": "|".join(VT_CHOICES), "tau": "a float in (0,1)",
+    "cap": "an integer >= 2", "adapt": "0|1", "markov": "0|1", "prec": "|".join(PRECISIONS),
+    "draft": "PATH|dflash|dspark",
+}
+ARM_GRAMMAR = (
+    "NAME[:key=value,...] with NAME off|dflash|dspark|auto and keys "
+    + ", ".join(f"{k}={v}" for k, v in ARM_KEYS.items())
+)
+POLICY_ENV = ("MEMRA_DSPARK_HARVEST", "MEMRA_DSPARK_VT", "MEMRA_DSPARK_VT_TAU", "MEMRA_DFLASH_ADAPT",
+              "MEMRA_DFLASH_VERIFY_T", "MEMRA_DFLASH_MARKOV")
+
+
+class BenchError(MemraError):
+    """A bench request that cannot run as asked (bad arm, missing drafter, no default pair)."""
+
+
+# --------------------------------------------------------------------------- arm grammar
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    """One parsed `--arm`. `name` is the spec string as given: the arm's display name."""
+
+    name: str
+    mode: str
+    harvest: str | None = None
+    vt: str | None = None
+    tau: str | None = None
+    cap: int | None = None
+    adapt: bool | None = None
+    markov: bool | None = None
+    prec: str | None = None
+    draft: str | None = None
+
+    @property
+    def settings(self) -> PolicySettings:
+        adapt = None if self.adapt is None else ("1" if self.adapt else "0")
+        return PolicySettings(harvest=self.harvest, vt=self.vt, tau=self.tau, adapt=adapt)
+
+
+def _bad(spec: str, what: str) -> BenchError:
+    return BenchError(f"--arm {spec!r}: {what} (grammar: {ARM_GRAMMAR})")
+
+
+def _key_value(spec: str, key: str, value: str) -> object:
+    """Validate one key=value of arm `spec`; returns the parsed value."""
+    if key not in ARM_KEYS:
+        raise _bad(spec, f"unknown key {key!r}")
+    if value == "":
+        raise _bad(spec, f"{key}= has no value (expected {ARM_KEYS[key]})")
+    choices = {"harvest": ("dflash", "dspark"), "vt": VT_CHOICES, "prec": PRECISIONS,
+               "adapt": ("0", "1"), "markov": ("0", "1")}
+    if key in choices:
+        if value not in choices[key]:
+            raise _bad(spec, f"{key}={value} (expected {ARM_KEYS[key]})")
+        return value == "1" if key in ("adapt", "markov") else value
+    if key == "tau":
+        try:
+            tau = float(value)
+        except ValueError:
+            raise _bad(spec, f"tau={value} is not a number (expected {ARM_KEYS['tau']})") from None
+        if not 0.0 < tau < 1.0:
+            raise _bad(spec, f"tau={value} is outside (0,1)")
+        return value
+    if key == "cap":
+        try:
+            cap = int(value)
+        except ValueError:
+            raise _bad(spec, f"cap={value} is not an integer") from None
+        if cap < 2:
+            raise _bad(spec, f"cap={value}: a verify cap is at least 2 (anchor + one draft)")
+        return cap
+    return value  # draft: a path or an embedded drafter's name, checked when arms load
+
+
+def parse_arm(text: str) -> ArmSpec:
+    """`NAME[:key=value,...]` -> ArmSpec; refuses with a message naming the arm and the bad part."""
+    spec = text.strip()
+    name, _, rest = spec.partition(":")
+    if name not in ARM_NAMES:
+        raise _bad(spec, f"unknown arm {name!r} (expected {'|'.join(ARM_NAMES)})")
+    if ":" in spec and not rest.strip():
+        raise _bad(spec, "':' with no key=value after it")
+    values: dict[str, object] = {}
+    for item in rest.split(",") if rest else []:
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq:
+            raise _bad(spec, f"{item.strip()!r} is not key=value")
+        if key in values:
+            raise _bad(spec, f"key {key!r} given twice")
+        values[key] = _key_value(spec, key, value)
+    if name == "off" and values:
+        raise _bad(spec, f"the off arm (plain greedy) takes no keys, got {', '.join(values)}")
+    return ArmSpec(spec, name, **values)  # type: ignore[arg-type]
+
+
+def parse_arms(texts: Sequence[str]) -> list[ArmSpec]:
+    """All `--arm`s (defaults when none); `off` is added first when missing; names are unique."""
+    arms = [parse_arm(t) for t in (texts or DEFAULT_ARMS)]
+    seen: set[str] = set()
+    for arm in arms:
+        if arm.name in seen:
+            raise BenchError(f"--arm {arm.name!r} given twice")
+        seen.add(arm.name)
+    if "off" not in seen:
+        arms.insert(0, ArmSpec("off", "off"))
+    return arms
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def embedded_pair() -> tuple[Path, dict[str, Path]] | None:
+    """`memra_cli.assets.default_pair()` -> (target_dir, {"dflash": path, "dspark": path}), or
+    None in a build without the embedded pair."""
+    try:
+        from memra_cli.assets import default_pair
+    except ImportError as exc:
+        if exc.name == "memra_cli.assets":  # no assets package, or one without default_pair
+            return None
+        raise
+    target, drafters = default_pair()
+    return Path(target), {k: Path(v) for k, v in drafters.items()}
+
+
+@dataclass(frozen=True)
+class Drafters:
+    """Where arms find their drafter: `--draft`, else the embedded drafter named like the arm."""
+
+    path: Path | None = None  # --draft
+    embedded: dict[str, Path] = field(default_factory=dict)  # only when the target is the embedded one
+
+    def for_arm(self, arm: ArmSpec) -> Path | None:
+        if arm.mode == "off":
+            return None
+        if arm.draft in EMBEDDED_DRAFTERS:
+            if arm.draft not in self.embedded:
+                raise BenchError(f"--arm {arm.name!r}: draft={arm.draft} names an embedded drafter, which only goes "
+                                 "with the embedded target (omit --target; or pass draft=PATH, e.g. draft=./dflash)")
+            return self.embedded[arm.draft]
+        if arm.draft:
+            return Path(arm.draft)
+        if self.path is not None:
+            return self.path
+        key = arm.mode if arm.mode in EMBEDDED_DRAFTERS else "dspark"
+        if key in self.embedded:
+            return self.embedded[key]
+        raise BenchError(f"--arm {arm.name!r} needs a drafter: pass --draft PATH (or draft=PATH in the arm)")
+
+
+def resolve_inputs(target: Path | None, draft: Path | None) -> tuple[Path, Drafters, bool]:
+    """--target / --draft as given -> (target dir, drafters, whether the embedded pair is used).
+
+    The embedded drafters serve arms only when the target is the embedded one."""
+    if target is not None and draft is not None:
+        return target, Drafters(draft), False
+    try:
+        pair = embedded_pair()
+    except MemraError:
+        if target is None:  # the user relies on the embedded pair: say why it is not there
+            raise
+        pair = None  # --target given: the embedded pair only matters if it is that target
+    if pair is None:
+        if target is None:
+            raise BenchError("no embedded default model pair in this build: pass --target DIR and --draft PATH")
+        return target, Drafters(draft), False
+    default_target, embedded = pair
+    if target is None or Path(target).resolve() == default_target.resolve():
+        return default_target, Drafters(draft, embedded), True
+    return target, Drafters(draft), False
+
+
+# --------------------------------------------------------------------------- loading arms
+
+
+@dataclass
+class Arm:
+    """A loaded arm: its spec, resolved program (receipts) and a setup that makes sessions."""
+
+    spec: ArmSpec
+    setup: object  # pipeline.Setup
+    drafter: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def _weight_fn(arm: ArmSpec):
+    """`prec=` -> a Drafter.load weight_fn from the precision module (built separately)."""
+    if arm.prec is None:
+        return None
+    try:
+        from memra_cli.engine.precision import weight_fn_for
+    except ImportError as exc:
+        if exc.name != "memra_cli.engine.precision":  # absent module, or one without weight_fn_for
+            raise
+        raise BenchError(f"--arm {arm.name!r}: prec={arm.prec}: quantized precision is not available in this build") from None
+    try:
+        return weight_fn_for(arm.prec)
+    except MemraError as exc:
+        raise BenchError(f"--arm {arm.name!r}: {exc}") from None
+
+
+def load_arms(target, specs: Sequence[ArmSpec], drafters: Drafters) -> list[Arm]:
+    """Resolve every arm through the same code as `memra generate`; each distinct drafter
+    (path, prec) is loaded once and shared (each arm keeps its own proposer and program)."""
+    from memra_cli.engine.pipeline import default_drafter_loader, load_setup, resolve_spec
+
+    loaded: dict[tuple[Path, str | None], object] = {}
+    arms = []
+    for spec in specs:
+        path = drafters.for_arm(spec)
+        try:
+            resolved = resolve_spec(target, draft_path=path, mode=spec.mode, settings=spec.settings,
+                                    markov=spec.markov, verify_cap=spec.cap)
+            key = (Path(path).resolve(), spec.prec) if path is not None else None
+            if key is not None and key not in loaded:
+                load = default_drafter_loader(target, _weight_fn(spec))
+                loaded[key] = load(path, resolved.census)  # type: ignore[union-attr]
+            setup = load_setup(target, resolved, drafter_loader=lambda p, c, k=key: loaded[k])
+        except BenchError:
+            raise
+        except MemraError as exc:
+            raise BenchError(f"--arm {spec.name!r}: {exc}") from None
+        arms.append(Arm(spec, setup, path))
+    return arms
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A speculative stream that left the `off` stream: first differing index and both tokens
+    (None where one stream ended first)."""
+
+    arm: str
+    prompt: int
+    index: int
+    expected: int | None
+    got: int | None
+
+    def message(self) -> str:
+        return (f"arm {self.arm!r} differs from off on prompt {self.prompt} at token {self.index}: "
+                f"off={self.expected}, {self.arm}={self.got}")
+
+
+def first_difference(ref: Sequence[int], got: Sequence[int]) -> int | None:
+    """Index of the first differing token (or of the shorter stream's end); None when equal."""
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a != b:
+            return i
+    return None if len(ref) == len(got) else min(len(ref), len(got))
+
+
+@dataclass
+class ArmResult:
+    """One arm's counters summed over the measured prompts."""
+
+    name: str
+    mode: str
+    drafter: str | None
+    prec: str | None
+    receipts: Receipts | None
+    warnings: list[str]
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    wall_s: float = 0.0  # sum over generations, prefill included, device synchronized
+    n_prompts: int = 0
+    exact: bool = True
+
+    def add(self, stats: DecodeStats, wall_s: float) -> None:
+        s = self.stats
+        s.rounds, s.drafted, s.accepted = s.rounds + stats.rounds, s.drafted + stats.drafted, s.accepted + stats.accepted
+        s.tokens += stats.tokens
+        for phase, v in stats.phase_s.items():
+            s.phase_s[phase] += v
+        s.accept_hist.update(stats.accept_hist)
+        self.wall_s += wall_s
+        s.wall_s = self.wall_s
+        self.n_prompts += 1
+
+    @property
+    def tok_per_s(self) -> float | None:
+        return self.stats.tokens / self.wall_s if self.wall_s > 0 else None
+
+    @property
+    def tau_hist(self) -> dict[str, int]:
+        """Rounds by tokens committed in the round (accepted + 1)."""
+        return {str(m + 1): n for m, n in sorted(self.stats.accept_hist.items())}
+
+    def phase_ms_per_token(self) -> dict[str, float] | None:
+        t = self.stats.tokens
+        return {p: 1e3 * v / t for p, v in self.stats.phase_s.items()} if t else None
+
+    def as_json(self, off_tok_per_s: float | None, phase_times: bool) -> dict:
+        s, tps = self.stats, self.tok_per_s
+        decode_s = self.wall_s - s.phase_s["prefill"]
+        return {
+            "name": self.name, "mode": self.mode, "drafter": self.drafter, "prec": self.prec,
+            "n_prompts": self.n_prompts, "tokens": s.tokens, "rounds": s.rounds,
+            "drafted": s.drafted, "accepted": s.accepted,
+            "tau": s.tau, "acceptance": s.acceptance if self.mode != "off" else None,
+            "tok_per_s": tps, "speedup": tps / off_tok_per_s if tps and off_tok_per_s else None,
+            "wall_s": self.wall_s, "ms_per_token": 1e3 * self.wall_s / s.tokens if s.tokens else None,
+            "decode_tok_per_s": s.tokens / decode_s if phase_times and decode_s > 0 else None,
+            "phase_ms": self.phase_ms_per_token() if phase_times else None,
+            "phase_total_ms": {p: 1e3 * v for p, v in s.phase_s.items()} if phase_times else None,
+            "tau_hist": self.tau_hist, "exact": self.exact,
+            "receipts": self.receipts.as_json() if self.receipts else None,
+            "receipt_lines": self.receipts.lines() if self.receipts else [],
+            "warnings": list(self.warnings),
+        }
+
+
+@dataclass
+class BenchResult:
+    """Every arm's aggregate, the gate's findings, and what was run (`meta`: prompts, target,
+    device, dtype as the caller describes them)."""
+
+    arms: list[ArmResult]
+    mismatches: list[Mismatch]
+    max_new: int
+    warmup: int
+    phase_times: bool
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def exact(self) -> bool:
+        return not self.mismatches
+
+    def arm(self, name: str) -> ArmResult:
+        return next(a for a in self.arms if a.name == name)
+
+    def as_json(self) -> dict:
+        off = self.arm("off").tok_per_s
+        return {
+            "arms": [a.as_json(off, self.phase_times) for a in self.arms],
+            "prompts": self.meta.get("prompts"), "max_new": self.max_new, "warmup": self.warmup,
+            "target": self.meta.get("target"), "device": self.meta.get("device"), "dtype": self.meta.get("dtype"),
+            "phase_times": self.phase_times, "phase_unit": "ms per generated token", "exact": self.exact,
+            "mismatches": [dataclasses.asdict(m) for m in self.mismatches],
+        }
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generate_one(arm: Arm, prompt_ids: Sequence[int], max_new: int, timed: bool) -> tuple[list[int], DecodeStats, float]:
+    """One timed generation: (tokens, stats, wall seconds, prefill included, device synced)."""
+    session = arm.setup.session(prompt_ids, max_new, timed=timed)  # type: ignore[attr-defined]
+    device = arm.setup.target.device  # type: ignore[attr-defined]
+    _sync(device)
+    t0 = time.perf_counter()
+    session.run()
+    _sync(device)
+    return list(session.tokens), session.stats, time.perf_counter() - t0
+
+
+Progress = Callable[[str, int, int], None]  # (stage "warmup"|"measure", done, total)
+
+
+def rotated(arms: Sequence[Arm], i: int) -> list[Arm]:
+    """Prompt i runs the arms starting at arm i mod n (drift spreads over all arms)."""
+    k = i % len(arms)
+    return list(arms[k:]) + list(arms[:k])
+
+
+def run_bench(arms: Sequence[Arm], prompts: Sequence[Sequence[int]], max_new: int, *, warmup: int = 1,
+              phase_times: bool = True, progress: Progress | None = None, meta: dict | None = None) -> BenchResult:
+    """Warm up on the first `warmup` prompts (not counted), then run every arm on every prompt,
+    interleaved and rotated; gate every speculative stream against `off`."""
+    import torch
+
+    meta = dict(meta or {})
+    assert any(a.name == "off" for a in arms), "the off arm is the exactness reference"
+    results = {a.name: ArmResult(a.name, a.setup.mode, str(a.drafter) if a.drafter else None, a.spec.prec,
+                                 a.setup.receipts, list(a.setup.warnings)) for a in arms}
+    mismatches: list[Mismatch] = []
+    n_warm = min(warmup, len(prompts))
+    with torch.inference_mode():
+        for i in range(n_warm):
+            for arm in rotated(arms, i):
+                generate_one(arm, prompts[i], max_new, phase_times)
+            if progress:
+                progress("warmup", i + 1, n_warm)
+        for i, ids in enumerate(prompts):
+            streams = {}
+            for arm in rotated(arms, i):
+                tokens, stats, wall = generate_one(arm, ids, max_new, phase_times)
+                streams[arm.name] = tokens
+                results[arm.name].add(stats, wall)
+            mismatches += _gate(streams, i)
+            if progress:
+                progress("measure", i + 1, len(prompts))
+    for m in mismatches:
+        results[m.arm].exact = False
+    meta.setdefault("prompts", {"n": len(prompts)})
+    return BenchResult([results[a.name] for a in arms], mismatches, max_new, n_warm, phase_times, meta)
+
+
+def _gate(streams: dict[str, list[int]], prompt: int) -> list[Mismatch]:
+    ref = streams["off"]
+    out = []
+    for name, got in streams.items():
+        i = first_difference(ref, got)
+        if i is not None:
+            out.append(Mismatch(name, prompt, i, ref[i] if i < len(ref) else None, got[i] if i < len(got) else None))
+    return out
+
+
+# --------------------------------------------------------------------------- one call for the CLI
+
+
+@dataclass
+class BenchRequest:
+    """What `memra bench` was asked (flags as given; defaults live in the CLI)."""
+
+    target: Path | None
+    draft: Path | None
+    prompts: str
+    n: int | None
+    max_new: int
+    chat: bool
+    arms: Sequence[str]
+    warmup: int
+    dtype: str
+    device: str
+    phase_times: bool = True
+
+
+@dataclass
+class Bench:
+    """A bench ready to run: target, loaded arms and tokenized prompts."""
+
+    request: BenchRequest
+    arms: list[Arm]
+    prompt_ids: list[list[int]]
+    meta: dict
+    embedded: bool
+    ignored_env: list[str]
+
+    def run(self, progress: Progress | None = None) -> BenchResult:
+        r = self.request
+        return run_bench(self.arms, self.prompt_ids, r.max_new, warmup=r.warmup,
+                         phase_times=r.phase_times, progress=progress, meta=self.meta)
+
+
+def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench:
+    """Validate, load the target once and every arm; tokenize and check every prompt first."""
+    from memra_cli.engine.pipeline import resolve_device, resolve_dtype
+    from memra_cli.engine.prompts import load_prompts
+    from memra_cli.engine.target.qwen3 import Qwen3Target
+    from memra_cli.engine.text import TextCodec
+
+    if req.warmup < 0:
+        raise BenchError(f"--warmup {req.warmup}: expected an integer >= 0")
+    specs = parse_arms(req.arms)
+    prompts = load_prompts(req.prompts, req.n)
+    target_dir, drafters, embedded = resolve_inputs(req.target, req.draft)
+    for spec in specs:  # every arm's drafter is known before anything heavy loads
+        drafters.for_arm(spec)
+    dev = resolve_device(req.device)
+    dt = resolve_dtype(req.dtype, dev)
+    codec = TextCodec(Path(target_dir))
+    ids = [codec.encode(text, chat=req.chat) for text in prompts.texts]
+    target = Qwen3Target.from_dir(target_dir, dtype=dt, device=dev)
+    for i, p in enumerate(ids):
+        try:
+            target.check_prompt(p, req.max_new)
+        except MemraError as exc:
+            raise BenchError(f"prompt {i} of {prompts.name}: {exc}") from None
+    arms = load_arms(target, specs, drafters)
+    meta = {
+        "prompts": {"set": prompts.name, "source": prompts.source, "n": len(ids), "chat": req.chat,
+                    "prompt_tokens": sum(len(p) for p in ids)},
+        "target": str(target_dir), "device": str(dev), "dtype": str(dt).removeprefix("torch."),
+    }
+    ignored = [k for k in POLICY_ENV if (env or {}).get(k)]
+    return Bench(req, arms, ids, meta, embedded, ignored)

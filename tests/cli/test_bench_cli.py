@@ -1,0 +1,169 @@
+"""`memra bench` through typer: JSON shape, table, default pair hook, exactness gate exit, plot,
+one-line refusals. The command is registered on a local app (app.py wiring is the lead's)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import types
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from memra_cli.cli import bench as bench_cli
+from memra_cli.engine import bench as eb
+from memra_cli.tiny.draft import make_tiny_draft
+from memra_cli.tiny.target import make_tiny_qwen3
+
+runner = CliRunner()
+app = typer.Typer(pretty_exceptions_enable=False)
+app.command(name="bench")(bench_cli.bench)
+
+
+@app.callback()
+def _root() -> None:
+    """test app"""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models are launch-bound; on a busy 2-core box intra-op threads only oversubscribe."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-cli")
+    target = make_tiny_qwen3(root / "target", tokenizer=True)
+    drafters = {
+        "dflash": make_tiny_draft(root / "dflash", "zlab"),
+        "dspark": make_tiny_draft(root / "dspark", "deepspec", markov_rank=16, confidence="markov", target_layer_ids=(-1, 1, 3)),
+    }
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"turns": ["def add(a, b):", "a second turn, ignored"]},
+        {"prompt": "class Stack:\n    def push(self, item):"},
+        {"turns": ["The quick brown fox"]},
+    ]) + "\n")
+    return root, target, drafters, prompts
+
+
+@pytest.fixture
+def embedded(monkeypatch, pair):
+    """memra_cli.assets.default_pair() -> the tiny pair (what the embedded assets will provide)."""
+    _, target, drafters, _ = pair
+    mod = types.ModuleType("memra_cli.assets")
+    mod.default_pair = lambda: (target, dict(drafters))
+    monkeypatch.setitem(sys.modules, "memra_cli.assets", mod)
+    return pair
+
+
+def run(*args):
+    return runner.invoke(app, ["bench", *[str(a) for a in args]])
+
+
+def test_json_over_three_prompts_with_the_default_pair(embedded):
+    _, target, drafters, prompts = embedded
+    r = run("--prompts", prompts, "--max-new", "8", "--json")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert set(obj) >= {"arms", "prompts", "max_new", "device", "dtype", "exact", "warmup", "mismatches"}
+    assert obj["exact"] is True and obj["max_new"] == 8 and obj["device"] == "cpu" and obj["dtype"] == "float32"
+    assert obj["prompts"]["n"] == 3 and obj["prompts"]["set"] == str(prompts) and obj["target"] == str(target)
+    assert [a["name"] for a in obj["arms"]] == ["off", "dflash", "dspark"]
+    assert [a["drafter"] for a in obj["arms"]] == [None, str(drafters["dflash"]), str(drafters["dspark"])]
+    for a in obj["arms"]:
+        assert set(a) >= {"name", "tau", "acceptance", "tok_per_s", "speedup", "exact", "phase_ms", "tau_hist", "n_prompts", "tokens"}
+        assert a["exact"] is True and a["n_prompts"] == 3 and a["tokens"] == obj["arms"][0]["tokens"]
+        assert a["tau"] >= 1.0 and a["tok_per_s"] > 0 and a["speedup"] > 0
+    assert obj["arms"][2]["receipts"] == {"harvest": "dspark", "verify_window": {"policy": "confidence-slot", "tau": 0.5}}
+    assert obj["arms"][1]["receipt_lines"][0].startswith("[dspark] harvest=dflash (checkpoint census strategy_dspark=false")
+
+
+def test_table_receipts_and_plot(pair, tmp_path):
+    _, target, drafters, prompts = pair
+    png = tmp_path / "bench.png"
+    r = run("--target", target, "--draft", drafters["dspark"], "--prompts", prompts, "--n", "2", "--max-new", "6",
+            "--warmup", "0", "--arm", "dspark", "--arm", "dspark:vt=confidence,tau=0.3", "--arm", "dspark:harvest=dflash",
+            "--plot", png)
+    assert r.exit_code == 0, r.output
+    assert "arm dspark:vt=confidence,tau=0.3: dspark program, drafter" in r.stderr
+    assert "[dspark] verify-window=Confidence{tau=0.3} (accept-rate head present, MEMRA_DSPARK_VT set)" in r.stderr
+    assert "[dspark] harvest=dflash (checkpoint census strategy_dspark=true, MEMRA_DSPARK_HARVEST set)" in r.stderr
+    for name in ("off", "dspark", "dspark:vt=confidence,tau=0.3", "dspark:harvest=dflash", "speedup", "verify ms/tok", "tau histogram"):
+        assert name in r.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]  # no temp file left behind
+
+
+def test_mismatch_is_loud_and_exits_1(embedded, monkeypatch):
+    _, _, _, prompts = embedded
+    real = eb.generate_one
+
+    def corrupt(arm, ids, max_new, timed):
+        tokens, stats, wall = real(arm, ids, max_new, timed)
+        if arm.name == "dflash":
+            tokens[-1] += 1
+        return tokens, stats, wall
+
+    monkeypatch.setattr(eb, "generate_one", corrupt)
+    r = run("--prompts", prompts, "--max-new", "5", "--warmup", "0")
+    assert r.exit_code == 1, r.output
+    assert "dflash" in r.stdout and "NO" in r.stdout  # the table came first
+    lines = [l for l in r.stderr.splitlines() if l.startswith("EXACTNESS GATE FAILED")]
+    assert len(lines) == 3 and all("arm 'dflash' differs from off on prompt" in l for l in lines)
+    assert re.search(r"at token \d+: off=\d+, dflash=\d+", lines[0])
+    r = run("--prompts", prompts, "--max-new", "5", "--warmup", "0", "--json")
+    assert r.exit_code == 1 and json.loads(r.stdout)["exact"] is False
+
+
+def test_help_documents_the_whole_grammar():
+    r = runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "400"})
+    help_text = " ".join(r.stdout.split())
+    for key, values in eb.ARM_KEYS.items():
+        assert f"{key}=" in help_text
+        for v in values.split("|"):
+            if v.isidentifier() or v in ("confidence-slot", "0", "1"):
+                assert v in help_text, (key, v)
+    for name in eb.ARM_NAMES:
+        assert name in help_text
+
+
+@pytest.mark.parametrize("case", ["no pair", "bad arm", "bad file", "prec", "needs drafter", "missing plot dir", "arm policy"])
+def test_refusals_are_one_line(pair, monkeypatch, tmp_path, case):
+    _, target, drafters, prompts = pair
+    monkeypatch.setitem(sys.modules, "memra_cli.assets", None)
+    monkeypatch.setitem(sys.modules, "memra_cli.engine.precision", None)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"text": "no"}\n')
+    base = ["--target", target, "--draft", drafters["dspark"], "--prompts", prompts, "--max-new", "4"]
+    args, message = {
+        "no pair": ([], "error: no embedded default model pair in this build: pass --target DIR and --draft PATH"),
+        "bad arm": (base + ["--arm", "dspark:vt=wide"], "error: --arm 'dspark:vt=wide': vt=wide (expected ladder|confidence|confidence-slot)"),
+        "bad file": (base[:4] + ["--prompts", bad], f"error: {bad}:2: expected"),
+        "prec": (base + ["--arm", "dspark:prec=q4"], "error: --arm 'dspark:prec=q4': prec=q4: quantized precision is not available in this build"),
+        "needs drafter": (["--target", target, "--prompts", prompts, "--arm", "dflash"], "error: --arm 'dflash' needs a drafter: pass --draft PATH"),
+        "missing plot dir": (base + ["--plot", tmp_path / "nope" / "x.png"], "does not exist"),
+        "arm policy": (base + ["--arm", "dspark:vt=confidence,adapt=0"], "error: --arm 'dspark:vt=confidence,adapt=0': MEMRA_DSPARK_VT=confidence together with MEMRA_DFLASH_ADAPT=0"),
+    }[case]
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+def test_chat_off_only_and_ignored_policy_env(pair):
+    _, target, _, prompts = pair
+    base = ["bench", "--target", str(target), "--prompts", str(prompts), "--n", "1", "--max-new", "2", "--arm", "off", "--warmup", "0"]
+    plain = json.loads(runner.invoke(app, base + ["--json"]).stdout)
+    chat = json.loads(runner.invoke(app, base + ["--json", "--chat"]).stdout)
+    assert [a["name"] for a in plain["arms"]] == ["off"] and plain["exact"] is True
+    assert chat["prompts"]["chat"] is True and chat["prompts"]["prompt_tokens"] > plain["prompts"]["prompt_tokens"]
+    r = runner.invoke(app, base, env={"MEMRA_DSPARK_VT": "ladder"})
+    assert r.exit_code == 0 and "warning: MEMRA_DSPARK_VT is set; bench arms ignore it" in r.stderr

@@ -1,0 +1,295 @@
+"""engine.bench + engine.prompts: arm grammar, drafter sources, prompt sets, loading once,
+interleaving, the exactness gate and the aggregates."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from memra_cli.engine import bench as eb
+from memra_cli.engine.bench import ArmSpec, BenchError, Drafters, parse_arm, parse_arms
+from memra_cli.engine.errors import PromptError
+from memra_cli.engine.prompts import load_prompts
+from memra_cli.engine.target.greedy import greedy_reference
+from memra_cli.engine.target.qwen3 import Qwen3Target
+from memra_cli.tiny.draft import make_tiny_draft
+from memra_cli.tiny.target import make_tiny_qwen3
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models are launch-bound; on a busy 2-core box intra-op threads only oversubscribe."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench-pair")
+    target = make_tiny_qwen3(root / "target", tokenizer=True)
+    dflash = make_tiny_draft(root / "dflash", "zlab")
+    dspark = make_tiny_draft(root / "dspark", "deepspec", markov_rank=16, confidence="markov", target_layer_ids=(-1, 1, 3))
+    return target, {"dflash": dflash, "dspark": dspark}
+
+
+# --------------------------------------------------------------------------- arm grammar
+
+
+@pytest.mark.parametrize("text, want", [
+    ("off", ArmSpec("off", "off")),
+    ("dflash", ArmSpec("dflash", "dflash")),
+    ("dspark:vt=ladder", ArmSpec("dspark:vt=ladder", "dspark", vt="ladder")),
+    ("dspark:vt=confidence,tau=0.3", ArmSpec("dspark:vt=confidence,tau=0.3", "dspark", vt="confidence", tau="0.3")),
+    ("dspark:harvest=dflash", ArmSpec("dspark:harvest=dflash", "dspark", harvest="dflash")),
+    ("dspark:prec=q8,cap=5,adapt=0,markov=1", ArmSpec("dspark:prec=q8,cap=5,adapt=0,markov=1", "dspark", prec="q8", cap=5, adapt=False, markov=True)),
+    ("auto:draft=/x/y", ArmSpec("auto:draft=/x/y", "auto", draft="/x/y")),
+    (" dflash:draft=dspark ", ArmSpec("dflash:draft=dspark", "dflash", draft="dspark")),
+])
+def test_parse_arm(text, want):
+    assert parse_arm(text) == want
+
+
+BAD_ARMS = {
+    "fast": "unknown arm 'fast'",
+    "dspark:": "no key=value",
+    "dspark:vt": "'vt' is not key=value",
+    "dspark:speed=2": "unknown key 'speed'",
+    "dspark:vt=wide": "vt=wide (expected ladder|confidence|confidence-slot)",
+    "dspark:tau=abc": "tau=abc is not a number",
+    "dspark:tau=1.5": "tau=1.5 is outside (0,1)",
+    "dspark:cap=x": "cap=x is not an integer",
+    "dspark:cap=1": "cap=1: a verify cap is at least 2",
+    "dspark:adapt=yes": "adapt=yes (expected 0|1)",
+    "dspark:prec=q3": "prec=q3 (expected f32|bf16|q8|mixed|fc|q4)",
+    "dspark:harvest=mine": "harvest=mine (expected dflash|dspark)",
+    "dspark:vt=ladder,vt=confidence": "key 'vt' given twice",
+    "dspark:draft=": "draft= has no value",
+    "off:vt=ladder": "the off arm (plain greedy) takes no keys",
+}
+
+
+@pytest.mark.parametrize("text", list(BAD_ARMS))
+def test_parse_arm_refuses_naming_arm_and_value(text):
+    with pytest.raises(BenchError) as e:
+        parse_arm(text)
+    msg = str(e.value)
+    assert msg.startswith(f"--arm {text.strip()!r}: ") and BAD_ARMS[text] in msg and "\n" not in msg
+
+
+def test_parse_arms_defaults_off_first_and_duplicates():
+    assert [a.name for a in parse_arms([])] == ["off", "dflash", "dspark"]
+    assert [a.name for a in parse_arms(["dspark", "dspark:vt=ladder"])] == ["off", "dspark", "dspark:vt=ladder"]
+    assert [a.name for a in parse_arms(["dspark", "off"])] == ["dspark", "off"]
+    with pytest.raises(BenchError, match="'dspark' given twice"):
+        parse_arms(["dspark", " dspark"])
+
+
+# --------------------------------------------------------------------------- drafter sources
+
+
+def test_drafters_for_arm(tmp_path):
+    emb = {"dflash": tmp_path / "a", "dspark": tmp_path / "b"}
+    d = Drafters(None, emb)
+    assert d.for_arm(parse_arm("off")) is None
+    assert d.for_arm(parse_arm("dflash")) == emb["dflash"]
+    assert d.for_arm(parse_arm("dspark")) == emb["dspark"]
+    assert d.for_arm(parse_arm("auto")) == emb["dspark"]
+    assert d.for_arm(parse_arm("dspark:draft=dflash")) == emb["dflash"]
+    assert d.for_arm(parse_arm("dspark:draft=/p")) == Path("/p")
+    given = Drafters(tmp_path / "mine", emb)
+    assert given.for_arm(parse_arm("dflash")) == tmp_path / "mine"
+    assert given.for_arm(parse_arm("dflash:draft=dspark")) == emb["dspark"]
+    with pytest.raises(BenchError, match="needs a drafter: pass --draft PATH"):
+        Drafters().for_arm(parse_arm("dflash"))
+    with pytest.raises(BenchError, match="draft=dspark names an embedded drafter"):
+        Drafters(tmp_path / "mine").for_arm(parse_arm("dflash:draft=dspark"))
+
+
+def _fake_assets(monkeypatch, target, drafters):
+    mod = types.ModuleType("memra_cli.assets")
+    mod.default_pair = lambda: (target, dict(drafters))
+    monkeypatch.setitem(sys.modules, "memra_cli.assets", mod)
+
+
+def test_resolve_inputs_hooks_default_pair(monkeypatch, pair, tmp_path):
+    target, drafters = pair
+    monkeypatch.setitem(sys.modules, "memra_cli.assets", None)  # a build without the embedded pair
+    with pytest.raises(BenchError, match="no embedded default model pair in this build: pass --target DIR and --draft PATH"):
+        eb.resolve_inputs(None, None)
+    assert eb.resolve_inputs(target, None) == (target, Drafters(None), False)
+    _fake_assets(monkeypatch, target, drafters)
+    t, d, embedded = eb.resolve_inputs(None, None)
+    assert (t, d.embedded, embedded) == (target, drafters, True)
+    _, d, embedded = eb.resolve_inputs(target, tmp_path / "x")  # both given: nothing embedded
+    assert (d.path, d.embedded, embedded) == (tmp_path / "x", {}, False)
+    _, d, embedded = eb.resolve_inputs(tmp_path, None)  # another target: embedded drafters do not apply
+    assert (d.embedded, embedded) == ({}, False)
+
+
+# --------------------------------------------------------------------------- prompt sets
+
+
+def test_humaneval_from_the_package():
+    p = load_prompts("humaneval")
+    assert len(p.texts) == 164 and p.name == "humaneval"
+    assert p.texts[0].startswith("from typing import List\n\n\ndef has_close_elements(")
+    assert len(load_prompts("humaneval", 3).texts) == 3
+
+
+def test_mbpp_bundled():
+    p = load_prompts("mbpp")
+    assert len(p.texts) == 257
+    assert p.texts[0] == "Write a python function to remove first and last occurrence of a given character from the string."
+    assert len(load_prompts("mbpp", 1000).texts) == 257  # --n past the set: all of it
+
+
+def test_jsonl_files(tmp_path):
+    rows = [{"turns": ["first", "second"]}, {"prompt": "raw"}, {"turns": ["x"], "id": 3}]
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert load_prompts(str(f)).texts == ("first", "raw", "x")
+    g = tmp_path / "p.jsonl.gz"
+    g.write_bytes(gzip.compress(f.read_bytes()))
+    assert load_prompts(str(g), 2).texts == ("first", "raw")
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"turns": ["a"]}\nnot json\n', ":2: not a JSON object"),
+    ('{"turns": []}\n', ':1: expected {"turns": [text, ...]} or {"prompt": text}'),
+    ('["a"]\n', ":1: expected"),
+    ("\n\n", "no prompts"),
+])
+def test_bad_prompt_files(tmp_path, content, message):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    with pytest.raises(PromptError) as e:
+        load_prompts(str(f))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_prompt_file_and_bad_n(tmp_path):
+    with pytest.raises(PromptError, match="not humaneval|mbpp and no such file"):
+        load_prompts(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(PromptError, match="--n 0"):
+        load_prompts("mbpp", 0)
+
+
+# --------------------------------------------------------------------------- loading and running
+
+
+@pytest.fixture(scope="module")
+def model(pair):
+    return Qwen3Target.from_dir(pair[0])
+
+
+def test_each_drafter_loads_once_and_arm_refusals_name_the_arm(monkeypatch, model, pair):
+    _, drafters = pair
+    from memra_cli.engine.draft import Drafter
+
+    calls = []
+    real = Drafter.load.__func__
+    monkeypatch.setattr(Drafter, "load", classmethod(lambda cls, path, *a, **k: calls.append((path, k.get("weight_fn"))) or real(cls, path, *a, **k)))
+    specs = parse_arms(["dflash", "dspark", "dspark:vt=ladder", "dspark:harvest=dflash", "auto"])
+    arms = eb.load_arms(model, specs, Drafters(None, drafters))
+    assert [p for p, _ in calls] == [drafters["dflash"], drafters["dspark"]]
+    assert arms[2].setup.proposer.drafter is arms[3].setup.proposer.drafter is arms[5].setup.proposer.drafter
+    assert arms[2].setup.proposer is not arms[3].setup.proposer  # each arm its own program and cache
+    assert str(arms[3].setup.program.window) == "Ladder" and arms[4].setup.program.harvest.value == "dflash"
+    assert arms[0].setup.mode == "off" and arms[5].setup.mode == "dspark"
+
+    for text, message in [("dflash:vt=confidence", "with --spec dflash"), ("dspark:cap=99", "verify cap must be in [2, 9]"),
+                          ("dspark:draft=dflash,vt=confidence", "needs a checkpoint with an accept-rate head")]:
+        with pytest.raises(BenchError) as e:
+            eb.load_arms(model, [parse_arm(text)], Drafters(None, drafters))
+        assert str(e.value).startswith(f"--arm {text!r}: ") and message in str(e.value), str(e.value)
+
+
+def test_prec_arm_uses_the_precision_module(monkeypatch, model, pair):
+    _, drafters = pair
+    monkeypatch.setitem(sys.modules, "memra_cli.engine.precision", None)
+    with pytest.raises(BenchError, match=r"--arm 'dspark:prec=q8': prec=q8: quantized precision is not available in this build"):
+        eb.load_arms(model, [parse_arm("dspark:prec=q8")], Drafters(None, drafters))
+    seen = []
+    fake = types.ModuleType("memra_cli.engine.precision")
+    fake.weight_fn_for = lambda policy: seen.append(policy) or (lambda name, ckpt, dtype, device: ckpt.load(name, dtype, device))
+    monkeypatch.setitem(sys.modules, "memra_cli.engine.precision", fake)
+    arms = eb.load_arms(model, parse_arms(["dspark", "dspark:prec=q8"]), Drafters(None, drafters))
+    assert seen == ["q8"] and arms[1].setup.proposer.drafter is not arms[2].setup.proposer.drafter
+
+
+PROMPTS = [[5, 17, 42, 99], [1, 2, 3], [300, 7, 7, 7, 11, 250]]
+
+
+def test_run_bench_gate_rotation_and_aggregates(monkeypatch, model, pair):
+    _, drafters = pair
+    arms = eb.load_arms(model, parse_arms(["dflash", "dspark", "dspark:harvest=dflash"]), Drafters(None, drafters))
+    order = []
+    real = eb.generate_one
+    monkeypatch.setattr(eb, "generate_one", lambda arm, *a: order.append(arm.name) or real(arm, *a))
+    steps = []
+    result = eb.run_bench(arms, PROMPTS, 10, warmup=1, progress=lambda *s: steps.append(s), meta={"device": "cpu"})
+    names = [a.name for a in arms]
+    assert order[:4] == names  # warm-up on prompt 0
+    assert order[4:8] == names and order[8:12] == names[1:] + names[:1] and order[12:] == names[2:] + names[:2]
+    assert steps == [("warmup", 1, 1), ("measure", 1, 3), ("measure", 2, 3), ("measure", 3, 3)]
+    assert result.exact and all(a.exact and a.n_prompts == 3 for a in result.arms)
+    want = sum(len(greedy_reference(model, p, 10, model.cfg.eos_token_ids)) for p in PROMPTS)
+    j = result.as_json()
+    for a in j["arms"]:
+        assert a["tokens"] == want and sum(a["tau_hist"].values()) == a["rounds"]
+        assert a["tau"] == pytest.approx((a["accepted"] + a["rounds"]) / a["rounds"])
+        assert sum(int(k) * v for k, v in a["tau_hist"].items()) >= a["tokens"]  # the budget may cut the last round
+        assert set(a["phase_ms"]) == {"prefill", "draft", "verify", "rollback", "ingest"}
+    off = j["arms"][0]
+    assert off["name"] == "off" and off["speedup"] == 1.0 and off["acceptance"] is None and off["tau_hist"] == {"1": off["rounds"]}
+    assert j["arms"][1]["speedup"] == pytest.approx(j["arms"][1]["tok_per_s"] / off["tok_per_s"])
+    assert j["exact"] is True and j["mismatches"] == [] and j["device"] == "cpu" and j["warmup"] == 1
+
+
+def test_gate_reports_first_difference(monkeypatch, model, pair):
+    _, drafters = pair
+    arms = eb.load_arms(model, parse_arms(["dflash", "dspark"]), Drafters(None, drafters))
+    real = eb.generate_one
+
+    def corrupt(arm, ids, max_new, timed):
+        tokens, stats, wall = real(arm, ids, max_new, timed)
+        if arm.name == "dspark" and ids == PROMPTS[1]:
+            tokens[3] = (tokens[3] + 1) % model.vocab_size
+        return tokens, stats, wall
+
+    monkeypatch.setattr(eb, "generate_one", corrupt)
+    result = eb.run_bench(arms, PROMPTS[:2], 6, warmup=0, phase_times=False)
+    assert not result.exact and [a.exact for a in result.arms] == [True, True, False]
+    (m,) = result.mismatches
+    assert (m.arm, m.prompt, m.index, m.got) == ("dspark", 1, 3, (m.expected + 1) % model.vocab_size)
+    j = result.as_json()
+    assert j["exact"] is False and j["mismatches"][0]["arm"] == "dspark" and j["arms"][0]["phase_ms"] is None
+
+
+def test_first_difference():
+    assert eb.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert eb.first_difference([1, 2, 3], [1, 9, 3]) == 1
+    assert eb.first_difference([1, 2, 3], [1, 2]) == 2
+    assert eb.first_difference([1], [1, 4]) == 1
+
+
+def test_broken_embedded_pair_only_matters_without_target(monkeypatch, pair):
+    target, _ = pair
+    mod = types.ModuleType("memra_cli.assets")
+
+    def missing():
+        raise eb.MemraError("the embedded default models are missing from this installation")
+
+    mod.default_pair = missing
+    monkeypatch.setitem(sys.modules, "memra_cli.assets", mod)
+    with pytest.raises(eb.MemraError, match="missing from this installation"):
+        eb.resolve_inputs(None, None)
+    assert eb.resolve_inputs(target, None) == (target, Drafters(None), False)
