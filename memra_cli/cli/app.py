@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from memra_cli import __version__
-from memra_cli.cli import bench, census, generate
+from memra_cli.cli import bench, census, generate, parity
 
 app = typer.Typer(
     name="memra",
@@ -16,6 +16,7 @@ app = typer.Typer(
 )
 app.command(name="census")(census.census)
 app.command(name="generate")(generate.generate)
+app.command(name="parity")(parity.parity)
 app.command(name="bench")(bench.bench)
 
 

@@ -1,0 +1,315 @@
+"""An oracle maker that is not the engine: a plain-torch drafter from HF transformers' Qwen3 blocks.
+
+`make_oracle(ckpt, out)` draws random inputs (raw target taps, an anchor token), runs a drafter
+written the obvious way, in float64, and writes every stage it can compute as a `memra-oracle/1`
+file. It shares no numerics with `draft.py` / `layers.py` (neither is imported here):
+
+- norms, MLP and rotary tables are transformers' own `Qwen3RMSNorm`, `Qwen3MLP` and
+  `Qwen3RotaryEmbedding` (YaRN through the HF config's `rope_parameters`, parsed by transformers
+  from the checkpoint's raw config.json, not by our config reader);
+- attention is a dense masked softmax in float64 over explicitly repeated K/V heads, with the
+  mask built row by row from absolute positions: keys `window` or more positions back are
+  dropped on sliding layers, later block rows are hidden on layers causal in the block (sliding
+  layers unless the config says `is_causal: false`; full layers only if it says `true`);
+- ctx rows (hidden_norm(fc(taps))) feed K/V without input_layernorm; q/k get per-head RMS norm,
+  then rope at absolute positions;
+- heads: logits = lm_head(hidden_out); markov chain over ALL b rows, greedy, first previous token
+  = the anchor, each step adding w2 @ w1[prev]; confidence = proj([hidden ; w1[prev]]) + bias with
+  prev = [anchor, chain[:-1]].
+
+transformers is a test dependency: it is imported inside functions and its absence is refused.
+The reference reads tensors through `checkpoint.open_checkpoint` and geometry through the census
+(file I/O and config keys, not numerics).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memra_cli.engine.census import CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD, Census, take_census
+from memra_cli.engine.checkpoint import open_checkpoint
+from memra_cli.engine.config import DraftConfig
+from memra_cli.engine.errors import MemraError
+from memra_cli.engine.oracle import FORMAT, target_tables, write_oracle
+
+SOURCE = "memra reference (float64 plain torch + transformers Qwen3RMSNorm/Qwen3MLP/Qwen3RotaryEmbedding)"
+OUTLIER_GAIN = 20.0  # a few "massive activation" channels per tap, as real residual streams have
+F64 = torch.float64
+
+
+class ReferenceError(MemraError):
+    """The reference implementation cannot run (transformers missing, an unusable checkpoint)."""
+
+
+def _qwen3_modules():
+    try:
+        from transformers import Qwen3Config
+        from transformers.models.qwen3 import modeling_qwen3
+    except ImportError as exc:
+        raise ReferenceError(
+            f"--make-oracle needs HF transformers (a test dependency: pip install 'memra[test]'); import failed: {exc}"
+        ) from None
+    return Qwen3Config, modeling_qwen3
+
+
+@contextmanager
+def _quiet_transformers():
+    """transformers logs config advisories (e.g. a YaRN factor note) that are not ours to print."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _raw_config(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        return json.loads((path / "config.json").read_text(encoding="utf-8"))
+    embedded = getattr(open_checkpoint(path), "embedded_config", None)
+    if embedded is None:
+        raise ReferenceError(f"{path}: no config.json to read")
+    return dict(embedded)
+
+
+def _hf_config(raw: dict[str, Any], cfg: DraftConfig):
+    """A transformers Qwen3Config with the checkpoint's own rope keys (new or legacy form)."""
+    Qwen3Config, _ = _qwen3_modules()
+    rope_keys = {k: raw[k] for k in ("rope_parameters", "rope_scaling", "rope_theta") if raw.get(k) is not None}
+    with _quiet_transformers():
+        return Qwen3Config(
+            hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+            num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+            head_dim=cfg.head_dim, num_hidden_layers=cfg.num_hidden_layers, rms_norm_eps=cfg.rms_norm_eps,
+            max_position_embeddings=cfg.max_position_embeddings, hidden_act=raw.get("hidden_act", "silu"),
+            vocab_size=cfg.vocab_size or 1, **rope_keys,
+        )
+
+
+def layer_rules(cfg: DraftConfig) -> list[tuple[int | None, bool]]:
+    """(window, causal_in_block) per layer, from the config's own keys (DESIGN § data flow)."""
+    out = []
+    for kind in cfg.layer_types:
+        sliding = kind == "sliding_attention"
+        causal = sliding if cfg.causal is None else cfg.causal
+        out.append((cfg.sliding_window if sliding else None, causal))
+    return out
+
+
+def allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, n_ctx: int, window: int | None, causal: bool) -> torch.Tensor:
+    """`[b, n]` True where block query i may attend key j (keys = ctx rows, then block rows)."""
+    b, n = q_pos.shape[0], k_pos.shape[0]
+    ok = torch.ones(b, n, dtype=torch.bool)
+    for i in range(b):
+        for j in range(n):
+            back = int(q_pos[i]) - int(k_pos[j])
+            if window is not None and back >= window:
+                ok[i, j] = False
+            if causal and j >= n_ctx and back < 0:
+                ok[i, j] = False
+    return ok
+
+
+class ReferenceDrafter:
+    """The drafter written the obvious way (float64), for oracles. Not for speed."""
+
+    def __init__(self, path: Path, census: Census | None = None):
+        _, mq = _qwen3_modules()
+        self.mq = mq
+        self.census = census or take_census(Path(path))
+        self.cfg = self.census.config
+        self.ckpt = open_checkpoint(Path(path))
+        self.hf = _hf_config(_raw_config(Path(path)), self.cfg)
+        with _quiet_transformers():
+            self.rotary = mq.Qwen3RotaryEmbedding(self.hf)
+        self.rules = layer_rules(self.cfg)
+
+    def w(self, name: str) -> torch.Tensor:
+        return self.ckpt.load(name, F64)
+
+    def norm(self, name: str) -> Any:
+        weight = self.w(name)
+        module = self.mq.Qwen3RMSNorm(weight.shape[0], eps=self.cfg.rms_norm_eps).to(F64)
+        module.weight.data.copy_(weight)
+        return module
+
+    def mlp(self, prefix: str) -> Any:
+        with torch.device("meta"):  # no random init of big matrices that are overwritten anyway
+            module = self.mq.Qwen3MLP(self.hf)
+        module = module.to_empty(device="cpu").to(F64)
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            getattr(module, part).weight.data.copy_(self.w(f"{prefix}mlp.{part}.weight"))
+        return module
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x `[t, heads, hd]`, cos/sin `[t, hd]`: the rotate-half form transformers uses."""
+        return x * cos[:, None, :] + self.mq.rotate_half(x) * sin[:, None, :]
+
+    def attention(self, li: int, xn: torch.Tensor, ctx: torch.Tensor, pos: torch.Tensor, cos, sin) -> torch.Tensor:
+        cfg, p = self.cfg, f"layers.{li}.self_attn."
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        n_ctx, b = ctx.shape[0], xn.shape[0]
+        q_norm, k_norm = self.norm(p + "q_norm.weight"), self.norm(p + "k_norm.weight")
+        wq, wk, wv, wo = (self.w(p + f"{m}_proj.weight") for m in "qkvo")
+        kv_in = torch.cat([ctx, xn])  # ctx rows enter K/V as they are: no input_layernorm
+        q = self.rope(q_norm((xn @ wq.T).view(b, nh, hd)), cos[n_ctx:], sin[n_ctx:])
+        k = self.rope(k_norm((kv_in @ wk.T).view(n_ctx + b, nkv, hd)), cos, sin)
+        v = (kv_in @ wv.T).view(n_ctx + b, nkv, hd)
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        scores = torch.einsum("ihd,jhd->hij", q, k) * hd ** -0.5
+        window, causal = self.rules[li]
+        mask = allowed(pos[n_ctx:], pos, n_ctx, window, causal)
+        probs = torch.softmax(scores.masked_fill(~mask[None], float("-inf")), dim=-1)
+        out = torch.einsum("hij,jhd->ihd", probs, v).reshape(b, nh * hd)
+        return out @ wo.T
+
+    def forward(self, taps: torch.Tensor, noise: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        """taps `[ctx, n_taps*hidden]`, noise `[b, hidden]`, pos `[ctx+b]` -> float64 stages."""
+        taps, x = taps.to(F64), noise.to(F64)
+        ctx = self.norm("hidden_norm.weight")(taps @ self.w("fc.weight").T)
+        cos, sin = self.rotary(x, pos[None].long())
+        cos, sin = cos[0].to(F64), sin[0].to(F64)
+        layers = []
+        for li in range(self.cfg.num_hidden_layers):
+            p = f"layers.{li}."
+            x = x + self.attention(li, self.norm(p + "input_layernorm.weight")(x), ctx, pos, cos, sin)
+            x = x + self.mlp(p)(self.norm(p + "post_attention_layernorm.weight")(x))
+            layers.append(x)
+        return {"ctx_features": ctx, "layer_out": torch.stack(layers), "hidden_out": self.norm("norm.weight")(x)}
+
+    # ----------------------------------------------------------------------- heads
+
+    def markov_chain(self, logits: torch.Tensor, anchor: int) -> torch.Tensor:
+        """Greedy over all rows: token_k = argmax(logits_k + w2 @ w1[prev]), prev_0 = anchor."""
+        w1, w2 = self.w(MARKOV_W1), self.w(MARKOV_W2)
+        prev, out = anchor, []
+        for k in range(logits.shape[0]):
+            prev = int(torch.argmax(logits[k] + w2 @ w1[prev]))
+            out.append(prev)
+        return torch.tensor(out, dtype=torch.long)
+
+    def confidence(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        w, bias = self.w(CONF_W)[0], self.w(CONF_B)[0]
+        feats = hidden
+        if self.census.confidence is not None and self.census.confidence.with_markov:
+            feats = torch.cat([hidden, self.w(MARKOV_W1)[prev_ids]], dim=-1)
+        return feats @ w + bias
+
+
+def _logits(hidden: torch.Tensor, head: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
+    """float64 `hidden @ head.T`, widening the table a chunk of rows at a time."""
+    return torch.cat([hidden @ head[i : i + chunk].to(F64).T for i in range(0, head.shape[0], chunk)], dim=-1)
+
+
+def _tap_scales(cfg: DraftConfig, embed: torch.Tensor | None) -> list[float]:
+    """Per-tap RMS: the embedding's row RMS for a -1 tap (1.0 if unknown); residual streams grow
+    with depth, so layer i's output is drawn at sqrt(2 + i)."""
+    emb_rms = float(embed.float()[:4096].pow(2).mean().sqrt()) if embed is not None else 1.0
+    return [emb_rms if t == -1 else float(np.sqrt(2.0 + t)) for t in cfg.target_layer_ids]
+
+
+def random_taps(cfg: DraftConfig, ctx: int, gen: torch.Generator, embed: torch.Tensor | None) -> torch.Tensor:
+    """`[ctx, n_taps*hidden]` float32 raw taps with per-tap scales and a few outlier channels."""
+    h, parts = cfg.hidden_size, []
+    n_out = max(1, h // 64)
+    for scale in _tap_scales(cfg, embed):
+        x = torch.randn(ctx, h, generator=gen) * scale
+        idx = torch.randperm(h, generator=gen)[:n_out]
+        x[:, idx] *= OUTLIER_GAIN
+        parts.append(x)
+    return torch.cat(parts, dim=-1).float()
+
+
+def _tables(census: Census, ckpt, target_dir: Path | None) -> tuple[torch.Tensor | None, str, torch.Tensor | None, str]:
+    """(embed, its source, lm_head, its source); the --target's tables win over the checkpoint's."""
+    embed = head = None
+    e_src = h_src = "none"
+    if target_dir is not None:
+        embed, head = target_tables(Path(target_dir), torch.float32, "cpu", census.config.hidden_size)
+        e_src = h_src = f"target {target_dir}"
+    if embed is None and OWN_EMBED in ckpt:
+        embed, e_src = ckpt.load(OWN_EMBED, torch.float32), "checkpoint embed_tokens"
+    if head is None and OWN_LM_HEAD in ckpt:
+        head, h_src = ckpt.load(OWN_LM_HEAD, torch.float32), "checkpoint lm_head"
+    return embed, e_src, head, h_src
+
+
+def _vocab(cfg: DraftConfig, embed, head, ckpt) -> int | None:
+    for table in (head, embed):
+        if table is not None:
+            return int(table.shape[0])
+    if MARKOV_W1 in ckpt:
+        return int(ckpt.tensors[MARKOV_W1].shape[0])
+    return cfg.vocab_size
+
+
+def make_oracle(ckpt_path: Path | str, out_npz: Path | str, target_dir: Path | str | None = None,
+                ctx: int = 32, seed: int = 0) -> dict[str, Any]:
+    """Write a `memra-oracle/1` file for `ckpt_path` from random inputs; returns its meta
+    (plus `stages`, the keys written)."""
+    ckpt_path = Path(ckpt_path)
+    if ctx < 1:
+        raise ReferenceError(f"--ctx {ctx}: the context needs at least one row")
+    ref = ReferenceDrafter(ckpt_path)
+    cfg, census, ckpt = ref.cfg, ref.census, ref.ckpt
+    b, gen = cfg.block_size, torch.Generator().manual_seed(seed)
+    embed, e_src, head, h_src = _tables(census, ckpt, Path(target_dir) if target_dir else None)
+    vocab = _vocab(cfg, embed, head, ckpt)
+    if head is not None and vocab is not None and census.markov is not None and MARKOV_W1 in ckpt:
+        if ckpt.tensors[MARKOV_W1].shape[0] != head.shape[0]:
+            raise ReferenceError(f"{ckpt_path}: markov vocab {ckpt.tensors[MARKOV_W1].shape[0]} != lm_head vocab {head.shape[0]}")
+    high = vocab if vocab is not None else cfg.mask_token_id + 1
+    if high < 2:
+        raise ReferenceError(f"{ckpt_path}: cannot draw an anchor token (vocab {vocab}, mask_token_id {cfg.mask_token_id})")
+    anchor = int(torch.randint(0, high - 1, (1,), generator=gen))
+    anchor += anchor >= cfg.mask_token_id  # never the mask token itself
+    taps = random_taps(cfg, ctx, gen, embed)
+    ids = torch.tensor([anchor] + [cfg.mask_token_id] * (b - 1))
+    if embed is not None:
+        noise = embed[ids].float()
+    else:
+        rows = torch.randn(2, cfg.hidden_size, generator=gen)  # an anchor row and a mask row
+        noise, e_src = rows[(ids == cfg.mask_token_id).long()], "random rows (no embedding table: no --target, none in the checkpoint)"
+    pos = torch.arange(ctx + b)
+    omitted: dict[str, str] = {}
+    with torch.no_grad():
+        stages = ref.forward(taps, noise, pos)
+        if head is not None:
+            logits = _logits(stages["hidden_out"], head)
+            stages["draft_logits"] = logits
+            if census.markov is not None:
+                stages["markov_tokens"] = ref.markov_chain(logits, anchor)
+        else:
+            omitted["draft_logits"] = "no lm_head (pass --target DIR)"
+            if census.markov is not None:
+                omitted["markov_tokens"] = "no lm_head to chain over (pass --target DIR)"
+        if census.confidence is not None:
+            chain = stages.get("markov_tokens")
+            if census.confidence.with_markov and chain is None:
+                omitted["confidence_raw"] = "previous chain ids need the markov chain (pass --target DIR)"
+            else:
+                prev = torch.full((b,), anchor) if chain is None else torch.cat([torch.tensor([anchor]), chain[:-1]])
+                stages["confidence_raw"] = ref.confidence(stages["hidden_out"], prev)
+    arrays = {"target_hidden": taps.numpy(), "noise_embedding": noise.numpy().astype(np.float32),
+              "position_ids": pos.numpy().astype(np.int64)}
+    for name, t in stages.items():
+        arrays[name] = t.numpy().astype(np.int64 if name == "markov_tokens" else np.float32)
+    import transformers
+
+    meta = {
+        "source": f"{SOURCE}; transformers {transformers.__version__}; noise from {e_src}; lm_head from {h_src}",
+        "block_size": b, "ctx": ctx, "anchor_token": anchor, "harvest": census.kind,
+        "checkpoint": str(ckpt_path), "seed": seed, "mask_token_id": cfg.mask_token_id, "compute": "float64",
+    }
+    if omitted:
+        meta["omitted"] = omitted
+    write_oracle(out_npz, meta, arrays)
+    return {"format": FORMAT, **meta, "stages": [k for k in arrays if k not in ("target_hidden", "noise_embedding", "position_ids")]}
