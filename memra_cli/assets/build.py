@@ -63,8 +63,8 @@ class Recipe:
     eval_prompts: int = 256
     max_files: int | None = None
     heldout_every: int = 20
-    target_budget_s: float | None = 200.0  # wall-clock caps: the whole build fits one 10-minute call
-    draft_budget_s: float | None = 110.0
+    target_budget_s: float | None = 150.0  # wall-clock caps: the whole build fits one 10-minute call
+    draft_budget_s: float | None = 90.0
 
 
 SMOKE = Recipe(vocab=300, hidden=32, target_layers=4, heads=2, kv_heads=1, ffn=64, max_pos=512, target_steps=1,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from memra_cli.assets.train import TrainDrafter, cosine_lr, fit_steps, target_taps
+from memra_cli.assets.train import PLAN_AT_STEP, WARM_STEPS, TrainDrafter, _sync, cosine_lr, fit_steps, target_taps
 
 
 @dataclass
@@ -91,10 +91,14 @@ def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: Draft
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen, L = torch.Generator().manual_seed(2), seqs.shape[1]
     decay = torch.exp(-torch.arange(spec.n_drafts, device=device) / (spec.block / 2))
-    losses, t0, step = [], time.time(), 0
+    losses, t0, t_warm, step = [], time.time(), 0.0, 0
     while step < steps:
-        if step == 20:
-            steps = fit_steps(steps, step, time.time() - t0, budget_s)
+        if step == WARM_STEPS:
+            _sync(device)
+            t_warm = time.time()
+        if step == PLAN_AT_STEP:
+            _sync(device)
+            steps = fit_steps(steps, step, t0, t_warm, time.time(), budget_s)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, steps, lr, max(1, steps // 20))
         pick = torch.randint(0, seqs.shape[0], (batch,), generator=gen)

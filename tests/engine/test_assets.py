@@ -1,0 +1,99 @@
+"""The embedded default models: present, censused, loadable by transformers and by memra with
+the same greedy stream, and the build recipe runs end to end at toy size on CPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memra_cli.assets import default_pair
+from memra_cli.assets.build import main as build_main
+from memra_cli.engine.census import take_census
+from memra_cli.engine.target.greedy import greedy_reference
+from memra_cli.engine.target.qwen3 import Qwen3Target
+from memra_cli.engine.text import TextCodec
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return default_pair()
+
+
+def test_assets_census_as_their_formats(pair):
+    target, drafts = pair
+    dflash, dspark = take_census(drafts["dflash"]), take_census(drafts["dspark"])
+    assert dflash.config.exporter == "zlab-dflash" and dflash.kind == "dflash" and dflash.markov is None
+    assert dspark.config.exporter == "deepspec" and dspark.kind == "dspark"
+    assert dspark.markov is not None and dspark.confidence is not None and dspark.confidence.with_markov
+    assert -1 in dspark.config.target_layer_ids and dspark.own_embed_tokens and dspark.own_lm_head
+    total = sum(f.stat().st_size for d in (target, *drafts.values()) for f in d.iterdir())
+    assert total <= 30 * 1024 * 1024
+    info = json.loads((target.parent / "build_info.json").read_text())
+    assert info["corpus"]["files_sha256"] and info["dspark"]["p_prefix"]
+
+
+def test_shipped_target_matches_transformers_greedy(pair):
+    from transformers import Qwen3ForCausalLM
+
+    target_dir, _ = pair
+    ours = Qwen3Target.from_dir(target_dir, dtype=torch.float32)
+    hf = Qwen3ForCausalLM.from_pretrained(target_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    ids = TextCodec(target_dir).encode("def binary_search(items, target):\n")
+    want = greedy_reference(ours, ids, 64)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        got = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=64, do_sample=False,
+                          eos_token_id=ours.cfg.vocab_size, pad_token_id=0)[0, len(ids):].tolist()
+    assert got == want
+
+
+def test_build_recipe_smoke_runs_on_cpu(tmp_path):
+    assert build_main(["--smoke", "--out", str(tmp_path), "--device", "cpu"]) == 0
+    for name in ("target", "dflash", "dspark"):
+        assert (tmp_path / name / "config.json").is_file()
+    assert take_census(tmp_path / "dspark").markov is not None
+    info = json.loads((tmp_path / "build_info.json").read_text())
+    assert info["target_steps_run"] == 1 and info["dflash"]["steps_run"] == 1
+
+
+def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
+    """The training twin and the engine compute the same function on exported weights, so the
+    acceptance measured at build time is the acceptance the engine will see."""
+    from memra_cli.assets.build import SMOKE, _draft_config, _save_drafter
+    from memra_cli.assets.train import TrainDrafter
+    from memra_cli.assets.train_draft import DraftSpec, block_batch
+    from memra_cli.engine.draft import Drafter
+
+    torch.manual_seed(0)
+    r = SMOKE
+    drafter = TrainDrafter(r.hidden, 2, r.heads, r.kv_heads, r.ffn, 2, r.vocab, markov_rank=8, confidence=True).eval()
+    for p in drafter.parameters():  # make norms non-trivial too
+        p.data.normal_(0, 0.2).add_(1.0 if p.ndim == 1 else 0.0)
+    cfg = _draft_config("dspark", r, (-1, 2))
+    cfg["num_hidden_layers"], cfg["layer_types"] = 2, ["full_attention"] * 2
+    _save_drafter(tmp_path / "d", drafter, cfg)
+    engine = Drafter.load(tmp_path / "d", dtype=torch.float32)
+    L, anchor = 20, 13
+    ids = torch.randint(2, r.vocab, (1, L))
+    spec = DraftSpec("dspark", r.block, (-1, 2), 1)
+    noise_ids, blk_pos, _, _, mask = block_batch(ids, torch.tensor([[anchor]]), spec)
+    embed = torch.randn(r.vocab, r.hidden)
+    taps = torch.randn(1, L, 2 * r.hidden)
+    noise = torch.nn.functional.embedding(noise_ids, embed)
+    with torch.no_grad():
+        want = drafter.to(torch.bfloat16).float()(taps, noise, torch.arange(L)[None], blk_pos, mask)[0]
+    got = engine.forward_full(taps[0, :anchor], noise[0], torch.cat([torch.arange(anchor), blk_pos[0]])).hidden_out
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
+
+
+def test_step_planner_uses_the_steady_step_time():
+    """Warm-up steps must not shrink the plan: 40 steps in 4 s after a 10 s warm-up, with a
+    100 s budget, leave room for ~(100 - 14) / 0.1 more steps (capped by the requested total)."""
+    from memra_cli.assets.train import fit_steps
+
+    t0, t_warm, now = 0.0, 10.0, 13.0  # steps 10..40 took 3 s: 0.1 s/step
+    assert fit_steps(10_000, 40, t0, t_warm, now, 100.0) == 40 + int((100.0 - 13.0) / 0.1)
+    assert fit_steps(500, 40, t0, t_warm, now, 100.0) == 500
+    assert fit_steps(500, 40, t0, t_warm, now, None) == 500
