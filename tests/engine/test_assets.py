@@ -97,3 +97,19 @@ def test_step_planner_uses_the_steady_step_time():
     assert fit_steps(10_000, 40, t0, t_warm, now, 100.0) == 40 + int((100.0 - 13.0) / 0.1)
     assert fit_steps(500, 40, t0, t_warm, now, 100.0) == 500
     assert fit_steps(500, 40, t0, t_warm, now, None) == 500
+
+
+def test_short_bench_on_the_embedded_pair_passes_its_exactness_gate():
+    """Three HumanEval prompts through `memra bench`'s defaults (the embedded pair)."""
+    from typer.testing import CliRunner
+
+    from memra_cli.cli.app import app
+
+    r = CliRunner().invoke(app, ["bench", "--n", "3", "--max-new", "24", "--warmup", "0", "--arm", "off", "--arm", "dflash",
+                                 "--arm", "dspark", "--arm", "dspark:harvest=dflash", "--json"], env={"OMP_NUM_THREADS": "1"})
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["exact"] and all(a["exact"] for a in out["arms"])
+    assert [a["name"] for a in out["arms"]] == ["off", "dflash", "dspark", "dspark:harvest=dflash"]
+    assert all(a["tokens"] == 3 * 24 for a in out["arms"])
+    assert out["arms"][2]["receipts"]["harvest"] == "dspark"
