@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import random
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -135,14 +134,14 @@ def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train_target(model, stream: torch.Tensor, steps: int, batch: int, length: int, lr: float, device, log,
-                 budget_s: float | None = None) -> tuple[list[float], int]:
-    """Returns (losses, steps actually run)."""
+def optimize(params, opt, steps: int, lr: float, device, loss_fn, log, label: str, budget_s: float | None = None,
+             log_every: int = 200) -> tuple[list[float], int]:
+    """The shared training loop: cosine LR with warm-up, clipped AdamW steps, a wall-clock
+    budget planned from steady-state step time. `loss_fn(step) -> loss`. Returns (losses logged,
+    steps actually run)."""
     import time
 
-    model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda")
-    gen, losses, t0, t_warm, step = torch.Generator().manual_seed(1), [], time.time(), 0.0, 0
+    losses, t0, t_warm, step = [], time.time(), 0.0, 0
     while step < steps:
         if step == WARM_STEPS:
             _sync(device)
@@ -152,20 +151,35 @@ def train_target(model, stream: torch.Tensor, steps: int, batch: int, length: in
             steps = fit_steps(steps, step, t0, t_warm, time.time(), budget_s)
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, steps, lr, max(1, steps // 20))
+        loss = loss_fn(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % log_every == 0 or step == steps - 1:
+            losses.append(loss.item())
+            log(f"{label} step {step}/{steps} loss {loss.item():.3f}")
+        step += 1
+    return losses, steps
+
+
+def train_target(model, stream: torch.Tensor, steps: int, batch: int, length: int, lr: float, device, log,
+                 budget_s: float | None = None) -> tuple[list[float], int]:
+    """Next-token training on random windows of the id stream. Returns (losses, steps run)."""
+    model.to(device).train()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(1)
+
+    def loss_fn(step: int) -> torch.Tensor:
         x = windows(stream, batch, length + 1, gen).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(input_ids=x[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        if step % 200 == 0 or step == steps - 1:
-            losses.append(loss.item())
-            log(f"target step {step}/{steps} loss {loss.item():.3f}")
-        step += 1
+        return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+
+    out = optimize(params, opt, steps, lr, device, loss_fn, log, "target", budget_s)
     model.eval()
-    return losses, steps
+    return out
 
 
 @torch.no_grad()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from memra_cli.assets.train import PLAN_AT_STEP, WARM_STEPS, TrainDrafter, _sync, cosine_lr, fit_steps, target_taps
+from memra_cli.assets.train import TrainDrafter, optimize, target_taps
 
 
 @dataclass
@@ -83,24 +83,16 @@ def markov_bias(drafter: TrainDrafter, prev: torch.Tensor) -> torch.Tensor:
 def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, steps: int, batch: int,
                   anchors: int, prompt_len: int, lr: float, device, log, budget_s: float | None = None) -> tuple[list[float], int]:
     """Train on `seqs [N, L]` (prompt + greedy continuation); anchors start at the last prompt
-    token. Returns (losses, steps actually run)."""
-    import time
-
+    token. CE per draft slot, decayed with depth (exp(-j / (b/2))), plus BCE for the confidence
+    head against whether the slot's greedy draft hits. Returns (losses, steps actually run)."""
     drafter.to(device).train()
     target.to(device).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    params = list(drafter.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen, L = torch.Generator().manual_seed(2), seqs.shape[1]
     decay = torch.exp(-torch.arange(spec.n_drafts, device=device) / (spec.block / 2))
-    losses, t0, t_warm, step = [], time.time(), 0.0, 0
-    while step < steps:
-        if step == WARM_STEPS:
-            _sync(device)
-            t_warm = time.time()
-        if step == PLAN_AT_STEP:
-            _sync(device)
-            steps = fit_steps(steps, step, t0, t_warm, time.time(), budget_s)
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, steps, lr, max(1, steps // 20))
+
+    def loss_fn(step: int) -> torch.Tensor:
         pick = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
         ids = seqs[pick].to(device)
         anc = sample_anchors(batch, anchors, prompt_len - 1, L - 1 - spec.block, gen).to(device)
@@ -115,18 +107,12 @@ def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: Draft
             feats = rows.float()
             if drafter.markov_head is not None:
                 feats = torch.cat([feats, drafter.markov_head.markov_w1(prev).float()], -1)
-            raw = drafter.confidence_head.proj(feats).squeeze(-1)
-            loss = loss + F.binary_cross_entropy_with_logits(raw, hit)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        opt.step()
-        if step % 100 == 0 or step == steps - 1:
-            losses.append(loss.item())
-            log(f"{spec.kind} drafter step {step}/{steps} loss {loss.item():.3f}")
-        step += 1
+            loss = loss + F.binary_cross_entropy_with_logits(drafter.confidence_head.proj(feats).squeeze(-1), hit)
+        return loss
+
+    out = optimize(params, opt, steps, lr, device, loss_fn, log, f"{spec.kind} drafter", budget_s, log_every=100)
     drafter.eval()
-    return losses, steps
+    return out
 
 
 @torch.no_grad()

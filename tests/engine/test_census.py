@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from memra_cli.engine.census import attention_layout, take_census
+from memra_cli.engine.census import take_census
 from memra_cli.engine.errors import CensusError, ConfigError, UnsupportedError
 
 
