@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from memra_cli import __version__
-from memra_cli.cli import bench, census, generate, parity
+from memra_cli.cli import bench, census, generate, parity, quantize
 
 app = typer.Typer(
     name="memra",
@@ -15,6 +15,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command(name="census")(census.census)
+app.command(name="quantize")(quantize.quantize)
 app.command(name="generate")(generate.generate)
 app.command(name="parity")(parity.parity)
 app.command(name="bench")(bench.bench)

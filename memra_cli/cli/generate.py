@@ -10,6 +10,11 @@ import typer
 from memra_cli.cli.common import AdaptOpt, HarvestOpt, JsonOpt, TauOpt, VtOpt, policy_settings, refusals
 
 
+PREC_HELP = ("Drafter weight precision, applied at load to a safetensors drafter: f32 | bf16 | q8 | mixed | fc | q4 "
+             "(q8_0 / q4_0 with the same encoder as `memra quantize`). Unset: weights as stored, in --dtype. "
+             "A .gguf drafter carries its own policy (--prec may only repeat it).")
+
+
 def _parse_ids(text: str) -> list[int]:
     from memra_cli.engine.errors import PromptError
 
@@ -18,6 +23,27 @@ def _parse_ids(text: str) -> list[int]:
         return [int(p) for p in parts]
     except ValueError:
         raise PromptError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+
+
+def _precision(prec: Optional[str], draft: Optional[Path], spec: str):
+    """--prec -> (Drafter.load weight_fn or None, the precision to report or None). A GGUF
+    drafter is already quantized: it loads as written, and --prec may only repeat its policy."""
+    from memra_cli.engine.precision import check_policy, weight_fn_for
+
+    if prec is not None:
+        check_policy(prec)
+    if draft is None or spec == "off":
+        return None, None
+    if draft.suffix == ".gguf":
+        from memra_cli.engine.errors import PolicyError
+        from memra_cli.engine.gguf_io import open_gguf
+
+        written = open_gguf(draft).policy
+        if prec is not None and prec != written:
+            raise PolicyError(f"--prec {prec}: {draft} is a GGUF written under policy {written} and loads as "
+                              "written (drop --prec / MEMRA_DFLASH_PREC, or quantize the source again)")
+        return None, written
+    return (weight_fn_for(prec), prec) if prec is not None else (None, None)
 
 
 @refusals
@@ -33,6 +59,7 @@ def generate(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     verify_cap: Optional[str] = typer.Option(None, "--verify-cap", envvar="MEMRA_DFLASH_VERIFY_T", show_envvar=True, help="Most candidates verified per round (anchor + drafts); default n_drafts+1."),
     markov: Optional[bool] = typer.Option(None, "--markov/--no-markov", envvar="MEMRA_DFLASH_MARKOV", show_envvar=True, help="Markov chain over the drafts (dspark program; default: when the checkpoint has a markov head)."),
+    prec: Optional[str] = typer.Option(None, "--prec", envvar="MEMRA_DFLASH_PREC", show_envvar=True, help=PREC_HELP),
     harvest: Optional[str] = HarvestOpt,
     vt: Optional[str] = VtOpt,
     tau: Optional[str] = TauOpt,
@@ -50,7 +77,7 @@ def generate(
 
     from memra_cli.cli import render
     from memra_cli.engine.errors import PromptError
-    from memra_cli.engine.pipeline import prepare, resolve_device, resolve_dtype
+    from memra_cli.engine.pipeline import default_drafter_loader, prepare, resolve_device, resolve_dtype
     from memra_cli.engine.target.qwen3 import Qwen3Target
     from memra_cli.engine.text import StreamDecoder, TextCodec
 
@@ -64,6 +91,7 @@ def generate(
             render.note(f"using the embedded default models: target {target}" + (f", drafter {draft}" if draft else ""))
     if (prompt is None) == (prompt_ids is None):
         raise PromptError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    weight_fn, precision = _precision(prec, draft, spec)
     if chat and prompt is None:
         raise PromptError("--chat applies to --prompt text")
     dev = resolve_device(device)
@@ -76,11 +104,15 @@ def generate(
         model = Qwen3Target.from_dir(target, dtype=dt, device=dev)
         prep = prepare(model, ids, max_new, draft_path=draft, mode=spec,
                        settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
-                       verify_cap=verify_cap, timed=True)
+                       verify_cap=verify_cap, timed=True, drafter_loader=default_drafter_loader(model, weight_fn))
+        warnings = list(prep.warnings) + [f"drafter tensor '{d.name}' {d.why}" for d in getattr(weight_fn, "kept", [])]
         if not json_out:
             if prep.receipts:
                 render.print_receipts(prep.receipts.lines(), to_stderr=True)
-            for w in prep.warnings:
+                if precision is not None:
+                    source = "GGUF policy" if draft is not None and draft.suffix == ".gguf" else "--prec / MEMRA_DFLASH_PREC"
+                    render.note(f"drafter precision {precision} ({source})")
+            for w in warnings:
                 render.warn(w)
         session, stream = prep.session, StreamDecoder(codec) if codec else None
         session.prime()
@@ -96,7 +128,8 @@ def generate(
             "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms")},
             "receipts": prep.receipts.as_json() if prep.receipts else None,
             "receipt_lines": prep.receipts.lines() if prep.receipts else [],
-            "warnings": prep.warnings,
+            "precision": precision if prep.mode != "off" else None,
+            "warnings": warnings,
         })
     else:
         render.stream_out("\n")

@@ -85,6 +85,11 @@ def _check(census: Any, oracle_path: Path, target: Optional[Path], prec: Optiona
 
     oracle = read_oracle(oracle_path)
     dev = resolve_device(device)
+    if prec is None and census.checkpoint_format == "gguf":
+        # a quantized file is judged by the thresholds of the policy it was written under
+        from memra_cli.engine.gguf_io import open_gguf
+
+        prec = open_gguf(census.path).policy
     policy, dt, weight_fn = resolve_precision(prec, dtype, dev)
     drafter = Drafter.load(census.path, dtype=dt, device=dev, census=census, weight_fn=weight_fn)
     if target is not None:

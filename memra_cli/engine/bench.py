@@ -216,15 +216,11 @@ class Arm:
 
 
 def _weight_fn(arm: ArmSpec):
-    """`prec=` -> a Drafter.load weight_fn from the precision module (built separately)."""
+    """`prec=` -> a Drafter.load weight_fn (quantize at load, as `--prec` does)."""
     if arm.prec is None:
         return None
-    try:
-        from memra_cli.engine.precision import weight_fn_for
-    except ImportError as exc:
-        if exc.name != "memra_cli.engine.precision":  # absent module, or one without weight_fn_for
-            raise
-        raise BenchError(f"--arm {arm.name!r}: prec={arm.prec}: quantized precision is not available in this build") from None
+    from memra_cli.engine.precision import weight_fn_for
+
     try:
         return weight_fn_for(arm.prec)
     except MemraError as exc:

@@ -27,7 +27,7 @@ from memra_cli.engine.census import (
     CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD, Census, LayerLayout, take_census,
 )
 from memra_cli.engine.checkpoint import Checkpoint, open_checkpoint
-from memra_cli.engine.errors import MemraError
+from memra_cli.engine.errors import CheckpointError, MemraError
 from memra_cli.engine.layers import gqa_attention, linear, rms_norm, swiglu
 from memra_cli.engine.rope import RopeTables, apply_rope, cos_sin, rope_tables
 
@@ -87,12 +87,12 @@ class Drafter:
     """A loaded drafter on one device in one compute dtype."""
 
     def __init__(self, census: Census, layers: list[DraftLayer], fc: object, hidden_norm: torch.Tensor,
-                 norm: torch.Tensor, extras: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+                 norm: torch.Tensor, extras: dict[str, object], dtype: torch.dtype, device: torch.device):
         self.census, self.cfg = census, census.config
         self.layers, self.fc, self.hidden_norm, self.norm = layers, fc, hidden_norm, norm
         self.dtype, self.device = dtype, device
         self.markov_w1 = extras.get(MARKOV_W1)  # [V, r] gathered table, kept as stored
-        self.markov_w2 = extras.get(MARKOV_W2)  # [V, r] (Linear(r, V).weight)
+        self.markov_w2 = extras.get(MARKOV_W2)  # [V, r] (Linear(r, V).weight), or a quantized linear
         self.conf_w = extras.get(CONF_W)  # [1, in_dim], float32 (the head stays f32)
         self.conf_b = extras.get(CONF_B)  # [1]
         self.own_embed = extras.get(OWN_EMBED)
@@ -108,18 +108,30 @@ class Drafter:
              census: Census | None = None, weight_fn=None) -> "Drafter":
         """Load a drafter checkpoint (after its census passes).
 
-        `weight_fn(name, tensor) -> weight` may replace matmul weights (e.g. quantize at load);
-        by default weights are plain tensors in `dtype`.
+        `weight_fn(name, ckpt, dtype, device) -> weight` may replace matmul weights (attention,
+        MLP, fc and markov w2; e.g. quantize at load: engine/precision.py); by default weights
+        are plain tensors in `dtype`. `path` may be a memra GGUF (engine/gguf_io.py), which
+        loads as written: its quantized tensors become reference quantized linears built from
+        the stored blocks, its float tensors load as above; a `weight_fn` of another precision
+        policy than the file's is refused (one of the same policy has nothing left to do).
         """
         census = census or take_census(Path(path))
         ckpt = open_checkpoint(Path(path))
+        if ckpt.format == "gguf" and weight_fn is not None:
+            written, wanted = getattr(ckpt, "policy", None), getattr(weight_fn, "policy", None)
+            if wanted != written:
+                raise CheckpointError(f"{path}: a GGUF written under precision policy {written} loads as written; "
+                                      f"precision {wanted or 'of the given weight_fn'} cannot apply to it")
+            weight_fn = None
         device = torch.device(device)
         load = _TensorLoader(ckpt, dtype, device, weight_fn)
         layers = [load.layer(i) for i in range(census.config.num_hidden_layers)]
-        extras: dict[str, torch.Tensor] = {}
-        for name in (MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD):
+        extras: dict[str, object] = {}
+        for name in (MARKOV_W1, OWN_EMBED, OWN_LM_HEAD):  # w1 is a gathered table: as stored
             if name in ckpt:
                 extras[name] = load.plain(name)
+        if MARKOV_W2 in ckpt:  # a matmul: follows the precision policy (DESIGN.md § Quantization)
+            extras[MARKOV_W2] = load.matmul(MARKOV_W2)
         if CONF_W in ckpt:
             extras[CONF_W] = load.plain(CONF_W, torch.float32)
             extras[CONF_B] = load.plain(CONF_B, torch.float32)
@@ -279,6 +291,11 @@ class _TensorLoader:
         return self.ckpt.load(name, dtype or self.dtype, self.device)
 
     def matmul(self, name: str) -> object:
+        if self.ckpt.format == "gguf" and self.ckpt.tensors[name].dtype in ("Q8_0", "Q4_0"):
+            from memra_cli.engine.quant import QuantLinearRef
+
+            qtype, raw, shape = self.ckpt.raw(name)  # type: ignore[attr-defined]  # GGUFCheckpoint
+            return QuantLinearRef(raw, qtype, shape).to(self.device)
         if self.weight_fn is not None:
             return self.weight_fn(name, self.ckpt, self.dtype, self.device)
         return self.plain(name)

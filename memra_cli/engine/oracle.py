@@ -484,16 +484,9 @@ def resolve_precision(prec: str | None, dtype: str, device: Any) -> tuple[str, A
     dt = resolve_dtype(dtype, device)
     if prec is None:
         return ("f32" if dt == torch.float32 else "bf16"), dt, None
-    import importlib
+    from memra_cli.engine.precision import weight_fn_for
 
-    try:  # built beside this module by another issue; may not exist in this build yet
-        precision = importlib.import_module("memra_cli.engine.precision")
-    except ModuleNotFoundError as exc:
-        if exc.name != "memra_cli.engine.precision":
-            raise
-        raise OracleError(f"--prec {prec}: quantized precision is not available in this build "
-                          "(memra_cli.engine.precision is missing); use --prec f32 or bf16") from None
-    return prec, dt, precision.weight_fn_for(prec)
+    return prec, dt, weight_fn_for(prec)
 
 
 # --------------------------------------------------------------------------- target tables

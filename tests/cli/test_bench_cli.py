@@ -139,7 +139,6 @@ def test_help_documents_the_whole_grammar():
 def test_refusals_are_one_line(pair, monkeypatch, tmp_path, case):
     _, target, drafters, prompts = pair
     monkeypatch.setitem(sys.modules, "memra_cli.assets", None)
-    monkeypatch.setitem(sys.modules, "memra_cli.engine.precision", None)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"turns": ["ok"]}\n{"text": "no"}\n')
     base = ["--target", target, "--draft", drafters["dspark"], "--prompts", prompts, "--max-new", "4"]
@@ -147,7 +146,7 @@ def test_refusals_are_one_line(pair, monkeypatch, tmp_path, case):
         "no pair": ([], "error: no embedded default model pair in this build: pass --target DIR and --draft PATH"),
         "bad arm": (base + ["--arm", "dspark:vt=wide"], "error: --arm 'dspark:vt=wide': vt=wide (expected ladder|confidence|confidence-slot)"),
         "bad file": (base[:4] + ["--prompts", bad], f"error: {bad}:2: expected"),
-        "prec": (base + ["--arm", "dspark:prec=q4"], "error: --arm 'dspark:prec=q4': prec=q4: quantized precision is not available in this build"),
+        "prec": (base + ["--arm", "dspark:prec=q5"], "error: --arm 'dspark:prec=q5': prec=q5"),
         "needs drafter": (["--target", target, "--prompts", prompts, "--arm", "dflash"], "error: --arm 'dflash' needs a drafter: pass --draft PATH"),
         "missing plot dir": (base + ["--plot", tmp_path / "nope" / "x.png"], "does not exist"),
         "arm policy": (base + ["--arm", "dspark:vt=confidence,adapt=0"], "error: --arm 'dspark:vt=confidence,adapt=0': MEMRA_DSPARK_VT=confidence together with MEMRA_DFLASH_ADAPT=0"),

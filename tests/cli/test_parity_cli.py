@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
@@ -184,22 +183,7 @@ def test_bf16_uses_its_own_bounds(made):
     assert all(s["threshold"] == "reported" for s in obj["stages"] if s["stage"] == "markov_tokens")
 
 
-def _has_precision() -> bool:
-    return importlib.util.find_spec("memra_cli.engine.precision") is not None
-
-
-def test_quantized_prec_without_the_module(made):
-    if _has_precision():
-        pytest.skip("memra_cli.engine.precision exists in this build")
-    root, _, _, dspark = made
-    r = run(dspark, root / "dspark.npz", "--prec", "q8")
-    assert r.exit_code == 2
-    assert "quantized precision is not available in this build" in _one_error_line(r)
-
-
 def test_quantized_prec_passes(made):
-    if not _has_precision():
-        pytest.skip("quantized drafter loading (memra_cli.engine.precision) is not in this build yet")
     root, _, _, dspark = made
     r = run(dspark, root / "dspark.npz", "--prec", "q8", "--json")
     assert r.exit_code == 0, r.output
@@ -222,24 +206,14 @@ def test_flag_refusals(made, args, match):
     assert match in _one_error_line(r)
 
 
-def test_quantized_prec_plumbing_with_a_stand_in(made, monkeypatch):
-    """--prec q8 reaches Drafter.load's weight_fn and the q8 bounds, before the real
-    memra_cli.engine.precision lands (a stand-in of the same interface)."""
-    import sys
-    import types
+def test_a_quantized_gguf_is_judged_by_its_own_policy(made, tmp_path):
+    """Parity on a q8 GGUF without --prec uses the file's policy (and its bounds)."""
+    from memra_cli.engine.gguf_io import write_gguf
 
-    import torch
-
-    from memra_cli.engine.quant import QuantLinearRef
-
-    def weight_fn_for(policy):
-        return lambda name, ckpt, dtype, device: QuantLinearRef.from_float(ckpt.load(name, torch.float32), "q8_0", name)
-
-    fake = types.ModuleType("memra_cli.engine.precision")
-    fake.weight_fn_for = weight_fn_for
-    monkeypatch.setitem(sys.modules, "memra_cli.engine.precision", fake)
     root, _, _, dspark = made
-    r = run(dspark, root / "dspark.npz", "--prec", "q8", "--json")
+    out = tmp_path / "d.q8.gguf"
+    write_gguf(out, dspark, "q8")
+    r = run(out, root / "dspark.npz", "--json")
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
     assert obj["precision"] == "q8" and obj["pass"] is True

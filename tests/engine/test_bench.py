@@ -212,17 +212,14 @@ def test_each_drafter_loads_once_and_arm_refusals_name_the_arm(monkeypatch, mode
         assert str(e.value).startswith(f"--arm {text!r}: ") and message in str(e.value), str(e.value)
 
 
-def test_prec_arm_uses_the_precision_module(monkeypatch, model, pair):
+def test_prec_arm_loads_its_own_quantized_drafter(model, pair):
+    from memra_cli.engine.quant import QuantLinearRef
+
     _, drafters = pair
-    monkeypatch.setitem(sys.modules, "memra_cli.engine.precision", None)
-    with pytest.raises(BenchError, match=r"--arm 'dspark:prec=q8': prec=q8: quantized precision is not available in this build"):
-        eb.load_arms(model, [parse_arm("dspark:prec=q8")], Drafters(None, drafters))
-    seen = []
-    fake = types.ModuleType("memra_cli.engine.precision")
-    fake.weight_fn_for = lambda policy: seen.append(policy) or (lambda name, ckpt, dtype, device: ckpt.load(name, dtype, device))
-    monkeypatch.setitem(sys.modules, "memra_cli.engine.precision", fake)
     arms = eb.load_arms(model, parse_arms(["dspark", "dspark:prec=q8"]), Drafters(None, drafters))
-    assert seen == ["q8"] and arms[1].setup.proposer.drafter is not arms[2].setup.proposer.drafter
+    plain, quant = arms[1].setup.proposer.drafter, arms[2].setup.proposer.drafter
+    assert plain is not quant
+    assert isinstance(quant.layers[0].wq, QuantLinearRef) and isinstance(plain.layers[0].wq, torch.Tensor)
 
 
 PROMPTS = [[5, 17, 42, 99], [1, 2, 3], [300, 7, 7, 7, 11, 250]]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -27,15 +26,6 @@ SLIDING = ("sliding_attention", "full_attention")
 ZLAB = dict(yarn=True, layer_types=SLIDING, sliding_window=WINDOW, target_layer_ids=(0, 2))
 DSPARK = dict(yarn=True, layer_types=("full_attention", "sliding_attention"), sliding_window=WINDOW,
               markov_rank=32, confidence="markov", target_layer_ids=(-1, 1, 3))
-
-
-def _precision_module():
-    try:
-        return importlib.import_module("memra_cli.engine.precision")
-    except ModuleNotFoundError as exc:
-        if exc.name != "memra_cli.engine.precision":
-            raise
-        return None
 
 
 @pytest.fixture(scope="module")
@@ -278,17 +268,8 @@ def test_resolve_precision():
         resolve_precision("q5", "auto", cpu)
 
 
-def test_quantized_precision_refused_without_the_module():
-    if _precision_module() is not None:
-        pytest.skip("memra_cli.engine.precision exists in this build")
-    with pytest.raises(OracleError, match="quantized precision is not available in this build"):
-        resolve_precision("q8", "auto", torch.device("cpu"))
-
-
 @pytest.mark.parametrize("policy", ["q8", "mixed", "fc", "q4"])
 def test_quantized_parity_within_its_bounds(pair, policy):
-    if _precision_module() is None:
-        pytest.skip("quantized drafter loading (memra_cli.engine.precision) is not in this build yet")
     root, _, _, dspark = pair
     name, dt, weight_fn = resolve_precision(policy, "auto", torch.device("cpu"))
     drafter = Drafter.load(dspark, dtype=dt, weight_fn=weight_fn)
