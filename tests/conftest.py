@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from memra_cli.tiny.draft import make_tiny_draft
 
@@ -15,6 +16,16 @@ def _clean_memra_env(monkeypatch):
     for key in list(os.environ):
         if key.startswith("MEMRA_"):
             monkeypatch.delenv(key)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """Tiny matmuls: a second thread only adds contention on a busy 2-core CI box (a tiny-model
+    token took 180 ms with two threads there, 9 ms with one)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import sys
 import types
 
 import pytest
-import torch
 import typer
 from typer.testing import CliRunner
 
@@ -26,15 +25,6 @@ app.command(name="bench")(bench_cli.bench)
 @app.callback()
 def _root() -> None:
     """test app"""
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are launch-bound; on a busy 2-core box intra-op threads only oversubscribe."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

@@ -31,15 +31,6 @@ from memra_cli.tiny.draft import make_tiny_draft
 HIDDEN = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: a second thread only adds contention on a busy 2-core CI box.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 SLIDING2 = ("sliding_attention", "full_attention")
 # name -> (make_tiny_draft kwargs, ctx rows, first position). Every variant is checked full vs cached.
 VARIANTS: dict[str, tuple[dict, int, int]] = {

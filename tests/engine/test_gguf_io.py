@@ -27,14 +27,6 @@ DSPARK = dict(markov_rank=32, confidence="markov", target_layer_ids=(-1, 1, 3), 
               layer_types=("full_attention", "sliding_attention"), sliding_window=6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     root = tmp_path_factory.mktemp("src")

@@ -48,15 +48,6 @@ PROMPT_LENS = (5, 12, 21)
 ORACLE_TAPS = (-1, 1, 3)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls: a second thread only adds contention on a busy 2-core CI box.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @dataclass
 class World:
     root: Path
