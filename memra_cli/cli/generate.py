@@ -76,30 +76,15 @@ def generate(
     import torch
 
     from memra_cli.cli import render
-    from memra_cli.engine.errors import PromptError
     from memra_cli.engine.pipeline import default_drafter_loader, prepare, resolve_device, resolve_dtype
     from memra_cli.engine.target.qwen3 import Qwen3Target
-    from memra_cli.engine.text import StreamDecoder, TextCodec
+    from memra_cli.engine.text import StreamDecoder
 
-    if target is None:
-        from memra_cli.assets import default_pair
-
-        target, drafts = default_pair()
-        if draft is None and spec != "off":
-            draft = drafts["dflash" if spec == "dflash" else "dspark"]
-        if not json_out:
-            render.note(f"using the embedded default models: target {target}" + (f", drafter {draft}" if draft else ""))
-    if (prompt is None) == (prompt_ids is None):
-        raise PromptError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    target, draft = _default_models(target, draft, spec, json_out)
+    codec, ids = _prompt(target, prompt, prompt_ids, chat)
     weight_fn, precision = _precision(prec, draft, spec)
-    if chat and prompt is None:
-        raise PromptError("--chat applies to --prompt text")
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    codec = TextCodec(target) if prompt is not None else None
-    ids = codec.encode(prompt, chat=chat) if codec and prompt is not None else _parse_ids(prompt_ids or "")
-    if codec is None and (target / "tokenizer.json").is_file():
-        codec = TextCodec(target)
     with torch.inference_mode():
         model = Qwen3Target.from_dir(target, dtype=dt, device=dev)
         prep = prepare(model, ids, max_new, draft_path=draft, mode=spec,
@@ -107,13 +92,7 @@ def generate(
                        verify_cap=verify_cap, timed=True, drafter_loader=default_drafter_loader(model, weight_fn))
         warnings = list(prep.warnings) + [f"drafter tensor '{d.name}' {d.why}" for d in getattr(weight_fn, "kept", [])]
         if not json_out:
-            if prep.receipts:
-                render.print_receipts(prep.receipts.lines(), to_stderr=True)
-                if precision is not None:
-                    source = "GGUF policy" if draft is not None and draft.suffix == ".gguf" else "--prec / MEMRA_DFLASH_PREC"
-                    render.note(f"drafter precision {precision} ({source})")
-            for w in warnings:
-                render.warn(w)
+            _announce(prep, precision, draft, warnings)
         session, stream = prep.session, StreamDecoder(codec) if codec else None
         session.prime()
         while not session.finished:
@@ -121,10 +100,10 @@ def generate(
             if not json_out:
                 render.stream_out(stream.push(new) if stream else "".join(f"{t} " for t in new))
     stats = session.stats.as_json()
-    text = codec.decode(session.tokens) if codec else None
     if json_out:
         render.emit_json({
-            "tokens": session.tokens, "text": text, "mode": prep.mode, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
+            "tokens": session.tokens, "text": codec.decode(session.tokens) if codec else None, "mode": prep.mode,
+            "device": str(dev), "dtype": str(dt).removeprefix("torch."),
             "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms")},
             "receipts": prep.receipts.as_json() if prep.receipts else None,
             "receipt_lines": prep.receipts.lines() if prep.receipts else [],
@@ -134,3 +113,47 @@ def generate(
     else:
         render.stream_out("\n")
         render.generate_summary(prep.mode, stats)
+
+
+def _default_models(target: Optional[Path], draft: Optional[Path], spec: str, quiet: bool) -> tuple[Path, Optional[Path]]:
+    """No --target: the embedded pair (its DSpark drafter, or DFlash for --spec dflash), said so."""
+    if target is not None:
+        return target, draft
+    from memra_cli.assets import default_pair
+    from memra_cli.cli import render
+
+    target, drafts = default_pair()
+    if draft is None and spec != "off":
+        draft = drafts["dflash" if spec == "dflash" else "dspark"]
+    if not quiet:
+        render.note(f"using the embedded default models: target {target}" + (f", drafter {draft}" if draft else ""))
+    return target, draft
+
+
+def _prompt(target: Path, prompt: Optional[str], prompt_ids: Optional[str], chat: bool):
+    """(codec or None, prompt ids). Text needs the target's tokenizer; ids decode with it if present."""
+    from memra_cli.engine.errors import PromptError
+    from memra_cli.engine.text import TextCodec
+
+    if (prompt is None) == (prompt_ids is None):
+        raise PromptError("give exactly one of --prompt TEXT or --prompt-ids 1,2,3")
+    if chat and prompt is None:
+        raise PromptError("--chat applies to --prompt text")
+    if prompt is not None:
+        codec = TextCodec(target)
+        return codec, codec.encode(prompt, chat=chat)
+    ids = _parse_ids(prompt_ids or "")
+    return (TextCodec(target) if (target / "tokenizer.json").is_file() else None), ids
+
+
+def _announce(prep, precision: Optional[str], draft: Optional[Path], warnings: list[str]) -> None:
+    """Receipts first, then the precision and any warnings (all on stderr)."""
+    from memra_cli.cli import render
+
+    if prep.receipts:
+        render.print_receipts(prep.receipts.lines(), to_stderr=True)
+        if precision is not None:
+            source = "GGUF policy" if draft is not None and draft.suffix == ".gguf" else "--prec / MEMRA_DFLASH_PREC"
+            render.note(f"drafter precision {precision} ({source})")
+    for w in warnings:
+        render.warn(w)

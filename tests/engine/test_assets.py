@@ -113,3 +113,18 @@ def test_short_bench_on_the_embedded_pair_passes_its_exactness_gate():
     assert [a["name"] for a in out["arms"]] == ["off", "dflash", "dspark", "dspark:harvest=dflash"]
     assert all(a["tokens"] == 3 * 24 for a in out["arms"])
     assert out["arms"][2]["receipts"]["harvest"] == "dspark"
+
+
+def test_generate_defaults_to_the_embedded_pair(pair):
+    from typer.testing import CliRunner
+
+    from memra_cli.cli.app import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["generate", "--prompt", "def add(a, b):", "--max-new", "8"])
+    assert r.exit_code == 0, r.output
+    assert r.stderr.startswith("note: using the embedded default models") and "[dspark] harvest=dspark" in r.stderr
+    r = runner.invoke(app, ["generate", "--spec", "dflash", "--prompt-ids", "5,6,7", "--max-new", "8", "--json"])
+    out = json.loads(r.stdout)
+    assert out["mode"] == "dflash" and out["receipts"]["harvest"] == "dflash" and len(out["tokens"]) == 8
+    assert out["tokens"] == greedy_reference(Qwen3Target.from_dir(pair[0]), [5, 6, 7], 8, Qwen3Target.from_dir(pair[0]).cfg.eos_token_ids)
