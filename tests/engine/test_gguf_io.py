@@ -214,14 +214,19 @@ def _one_line(exc) -> str:
     return msg
 
 
-def test_foreign_gguf_is_refused(tmp_path):
-    p = tmp_path / "foreign.gguf"
-    w = gguf.GGUFWriter(p, "llama")
-    w.add_tensor("fc.weight", np.zeros((4, 32), dtype=np.float32))
+def _finish(w) -> None:
+    """Write a hand-made GGUF (header, metadata, tensors) and close it."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_foreign_gguf_is_refused(tmp_path):
+    p = tmp_path / "foreign.gguf"
+    w = gguf.GGUFWriter(p, "llama")
+    w.add_tensor("fc.weight", np.zeros((4, 32), dtype=np.float32))
+    _finish(w)
     with pytest.raises(CheckpointError) as e:
         open_gguf(p)
     assert "without memra metadata 'memra.config_json'" in _one_line(e)
@@ -234,10 +239,7 @@ def test_unsupported_tensor_type_is_refused(tmp_path, sources):
     w = gguf.GGUFWriter(p, "memra-drafter")
     w.add_string("memra.config_json", (sources["zlab-bf16"] / "config.json").read_text())
     w.add_tensor("fc.weight", np.zeros((4, 20), dtype=np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q4_1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     with pytest.raises(CheckpointError) as e:
         open_gguf(p)
     assert "tensor 'fc.weight' has GGUF type Q4_1; memra reads" in _one_line(e)
@@ -267,10 +269,7 @@ def test_bad_config_metadata_is_refused(tmp_path):
     p = tmp_path / "badcfg.gguf"
     w = gguf.GGUFWriter(p, "memra-drafter")
     w.add_string("memra.config_json", "{not json")
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _finish(w)
     with pytest.raises(CheckpointError, match="metadata 'memra.config_json' is not a JSON object"):
         open_gguf(p)
 
