@@ -140,6 +140,8 @@ def _fmt(v: Any) -> str:
 
 
 def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
+    from rich import box
+    from rich.markup import escape
     from rich.table import Table
 
     from memra_cli.cli import render
@@ -157,15 +159,22 @@ def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
     if meta.get("harvest") and meta["harvest"] != receipts.harvest.value:
         render.warn(f"oracle made for harvest={meta['harvest']}, receipts say {receipts.harvest.value} "
                     "(parity compares all rows, so the result does not depend on it)")
-    table = Table(title="stages", title_justify="left")
-    for col in ("stage", "path", "max-abs", "rel L2", "argmax", "threshold", "result", "note"):
-        table.add_column(col, no_wrap=col != "note")
+    table = Table(title="stages", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for col in ("stage", "path", "max-abs", "rel L2", "argmax", "threshold", "result", ""):
+        table.add_column(col, no_wrap=True)
+    notes = []  # under the table, whole: a notes column gets squeezed to nothing in 80 columns
     for r in report.results:
         argmax = "-" if r.argmax_agree is None else f"{r.argmax_agree:.3f}"
-        thr = r.threshold if isinstance(r.threshold, str) else f"≤ {r.threshold:.0e}"
+        thr = r.threshold if isinstance(r.threshold, str) else f"≤ {r.threshold:.2e}"
         verdict = "[green]pass[/green]" if r.passed else "[bold red]FAIL[/bold red]"
-        table.add_row(r.stage, r.path, _fmt(r.max_abs), _fmt(r.rel_l2), argmax, thr, verdict, r.note)
+        mark = ""
+        if r.note:
+            notes.append(f"[{len(notes) + 1}] {r.stage} {r.path}: {r.note}")
+            mark = escape(f"[{len(notes)}]")
+        table.add_row(r.stage, r.path, _fmt(r.max_abs), _fmt(r.rel_l2), argmax, thr, verdict, mark)
     render.console.print(table)
+    for line in notes:
+        render.console.print(line, markup=False, soft_wrap=True)
     if result.get("dumped"):
         render.console.print(f"dumped {len(result['dumped'])} arrays to {Path(result['dumped'][0]).parent}", markup=False)
     n = len(report.results)

@@ -87,6 +87,10 @@ def test_zlab_passes_both_paths_receipts_first(made):
     lines = r.stdout.splitlines()
     assert lines[0].startswith("[dspark] harvest=dflash") and lines[1].startswith("[dspark] verify-window=Ladder")
     assert "parity PASS: 8/8 checks" in r.stdout
+    # notes print whole under the table (80 columns), keyed by a marker in the row
+    row = next(line for line in lines if line.split()[:2] == ["layer_out", "full"])
+    assert row.rstrip().endswith("[1]") and "…" not in r.stdout
+    assert any(line.startswith("[1] layer_out full: worst layer") for line in lines)
 
 
 def test_deepspec_passes_with_its_own_lm_head(made):
