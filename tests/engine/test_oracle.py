@@ -12,8 +12,8 @@ import torch
 
 from memra_cli.engine.draft import Drafter
 from memra_cli.engine.oracle import (
-    FORMAT, OPTIONAL, REQUIRED, THRESHOLDS, OracleError, compare_stage, parity, read_oracle,
-    resolve_precision, target_tables, write_oracle,
+    FORMAT, OPTIONAL, REQUIRED, THRESHOLDS, OracleError, compare_stage, confidence_scale, parity,
+    read_oracle, resolve_precision, target_tables, write_oracle,
 )
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
@@ -159,6 +159,53 @@ def test_logits_argmax_required_in_f32_except_near_ties():
     got[0, 9] = 5.0 + 1e-5  # a real flip on row 0 (rel L2 tiny, argmax wrong)
     r = compare_stage("draft_logits", "full", got, want, THRESHOLDS["f32"])
     assert not r.passed and "argmax" in r.note
+
+
+def test_confidence_floor_only_replaces_a_cancelled_denominator():
+    """A head score vector that cancels (‖y‖ below the head's scale) is judged against the scale;
+    one that does not is judged by plain relative L2, floor or no floor."""
+    want = np.array([0.5, -0.4, 0.3, -0.2], np.float32)  # ‖y‖ ≈ 0.73
+    got = want + np.float32(0.02)  # ‖δ‖ = 0.04
+    plain = compare_stage("confidence_raw", "full", got, want, THRESHOLDS["bf16"])
+    assert not plain.passed and plain.rel_l2 == pytest.approx(0.04 / np.linalg.norm(want), rel=1e-5)
+    floored = compare_stage("confidence_raw", "full", got, want, THRESHOLDS["bf16"], scale_floor=4.0)
+    assert floored.passed and floored.rel_l2 == pytest.approx(0.04 / 4.0, rel=1e-5)
+    assert "head scale" in floored.note and f"{plain.rel_l2:.2e}" in floored.note
+    low = compare_stage("confidence_raw", "full", got, want, THRESHOLDS["bf16"], scale_floor=0.1)
+    assert low.rel_l2 == plain.rel_l2 and low.note == ""
+
+
+def test_confidence_scale_is_the_heads_rms_over_input_directions(pair):
+    """s_k = ‖w‖·‖[hidden_k ; W1[prev_k]]‖/√d with prev = [anchor, chain[:-1]] from the oracle."""
+    root, _, _, dspark = pair
+    oracle = read_oracle(root / "dspark.npz")
+    drafter = Drafter.load(dspark)
+    a = oracle.arrays
+    w = drafter.conf_w[0].double().numpy()
+    prev = np.concatenate([[oracle.anchor], a["markov_tokens"][:-1]]).astype(np.int64)
+    x = np.concatenate([a["hidden_out"].astype(np.float64), drafter.markov_w1[prev].double().numpy()], axis=-1)
+    s = np.linalg.norm(w) * np.linalg.norm(x, axis=-1) / np.sqrt(w.size)
+    assert confidence_scale(drafter, oracle) == pytest.approx(float(np.linalg.norm(s)), rel=1e-12)
+    # it is a scale, not a target: an exact engine passes in f32 whatever the floor
+    report = parity(drafter, oracle, drafter.own_lm_head, "f32")
+    assert all(r.passed and r.rel_l2 < 1e-5 for r in report.results if r.stage == "confidence_raw")
+
+
+def test_the_floor_does_not_hide_a_confidence_head_bug(pair, tmp_path):
+    """An oracle whose scores lack the markov half of the features (the bug of a head that drops
+    W1[prev]) fails even the bf16 bound: a wrong feature is off by about the head's scale."""
+    root, _, _, dspark = pair
+    drafter = Drafter.load(dspark)
+    src = read_oracle(root / "dspark.npz")
+    a = src.arrays
+    h = a["hidden_out"].shape[-1]
+    w_hidden = drafter.conf_w[0, :h].double().numpy()
+    wrong = a["hidden_out"].astype(np.float64) @ w_hidden + float(drafter.conf_b[0])
+    bad = read_oracle(_rewrite(root / "dspark.npz", tmp_path / "bad.npz", confidence_raw=wrong.astype(np.float32)))
+    report = parity(drafter, bad, drafter.own_lm_head, "bf16")
+    conf = [r for r in report.results if r.stage == "confidence_raw"]
+    assert conf and not any(r.passed for r in conf) and all(r.rel_l2 > 4 * THRESHOLDS["bf16"].rel_l2 for r in conf)
+    assert report.failed_stages == ["confidence_raw"]
 
 
 def test_thresholds_are_ordered_by_precision():
