@@ -7,7 +7,13 @@ Built for the speculative round loop and GPU-ready from the start:
   and get overwritten by the next write);
 - `forward` takes the start position as a python int, so slicing, masks and cache writes never
   read a device value back (no host sync inside a forward);
-- q/k/v and gate/up projections are fused at load (one matmul each instead of three / two).
+- q/k/v and gate/up projections are fused at load (one matmul each instead of three / two);
+- with `step_width` W set, every step after the prefill (plain decode and verify alike) runs at
+  exactly W rows: shorter steps are padded, longer verifies go in W-row chunks. Every kernel then
+  sees the same shapes whether a token is decoded alone or verified with 15 others, and since
+  no kernel mixes rows, a token's logits are bit-identical either way. That is what makes
+  speculative output equal plain greedy in bf16, where GEMMs pick different kernels (with
+  different reduction orders) for 1 and 16 rows and near-tied argmaxes flip.
 
 Numerics follow `transformers.Qwen3ForCausalLM`: RMSNorm in float32 then `weight * x.to(dtype)`,
 per-head q/k RMSNorm before RoPE, cos/sin formed in float32 then cast to the model dtype,
@@ -173,8 +179,9 @@ class Qwen3Target:
     """
 
     def __init__(self, cfg: TargetConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor):
+                 norm: torch.Tensor, lm_head: torch.Tensor, step_width: int | None = None):
         self.cfg = cfg
+        self.step_width = step_width  # rows per step after the prefill; None = each step's own width
         self.embed_weight = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm  # [hidden]
@@ -187,8 +194,9 @@ class Qwen3Target:
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> "Qwen3Target":
-        """Load an HF Qwen3 directory (config.json + single or sharded safetensors)."""
+                 device: str | torch.device = "cpu", step_width: int | None = None) -> "Qwen3Target":
+        """Load an HF Qwen3 directory (config.json + single or sharded safetensors).
+        `step_width`: see `set_step_width`."""
         path = Path(path)
         cfg = load_target_config(path)
         loader = _Loader(open_checkpoint(path), cfg, dtype, torch.device(device))
@@ -201,7 +209,16 @@ class Qwen3Target:
         extra = sorted(set(loader.ckpt.tensors) - set(loader.shapes) - {"lm_head.weight"})
         if extra:
             log.warning("%s: %d tensor(s) not used by the Qwen3 target, e.g. %s", path, len(extra), extra[0])
-        return cls(cfg, embed, layers, loader.get("model.norm.weight"), lm_head)
+        model = cls(cfg, embed, layers, loader.get("model.norm.weight"), lm_head)
+        model.set_step_width(step_width)
+        return model
+
+    def set_step_width(self, width: int | None) -> None:
+        """Rows per decode / verify step (None: each step at its own width). Set it before any
+        cache is made: caches carry `width` rows of slack for the padding."""
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+            raise ConfigError(f"step width must be a positive integer or None, got {width!r}")
+        self.step_width = width
 
     # ----------------------------------------------------------------------- shape facts
 
@@ -268,12 +285,15 @@ class Qwen3Target:
                 f"KV cache length {max_len} is outside [1, {limit}] "
                 f"(max_position_embeddings of {self.cfg.source})"
             )
-        if self._cos.shape[0] < max_len:
+        # Fixed-width steps write their padding rows past the last real position: room for them
+        # (their K/V are never read: later rows are causal-masked from them, then overwrite them).
+        rows = max_len + (self.step_width or 0)
+        if self._cos.shape[0] < rows:
             # Same float32 product as transformers (position * inv_freq), then cast: slicing the
             # table later gives exactly the values a per-call computation would.
-            positions = torch.arange(max_len, device=self.device)
+            positions = torch.arange(rows, device=self.device)
             self._cos, self._sin = cos_sin(self._rope, positions, self.dtype)
-        return KVCache(self.n_layers, self.n_kv, max_len, self.head_dim, self.dtype, self.device)
+        return KVCache(self.n_layers, self.n_kv, rows, self.head_dim, self.dtype, self.device)
 
     # ----------------------------------------------------------------------- forward
 
@@ -385,7 +405,39 @@ class Qwen3Target:
 
     def verify(self, ids: torch.Tensor, start: int, cache: KVCache,
                taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows `ids [t]` at `start..`: argmax per row `[t]` and taps `[t, n_taps*hidden]`."""
-        hidden, tapped = self.forward(ids, start, cache, taps)
-        return self.argmax(hidden), tapped
+        """Rows `ids [t]` at `start..`: argmax per row `[t]` and taps `[t, n_taps*hidden]`.
 
+        Plain decode is a verify of one row. With `step_width` W, runs as W-row steps (below)."""
+        if self.step_width is None:
+            hidden, tapped = self.forward(ids, start, cache, taps)
+            return self.argmax(hidden), tapped
+        logits, tapped = self.step_logits(ids, start, cache, taps)
+        return torch.argmax(logits, dim=-1), tapped
+
+    def step_logits(self, ids: torch.Tensor, start: int, cache: KVCache,
+                    taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`verify`'s float32 logits `[t, vocab]` (and taps), under the step-width rule.
+
+        With `step_width` W the rows run in steps of exactly W: chunks of W, the last padded by
+        repeating its final id. Padding rows come after the real ones, so causality keeps them
+        out of every real row; their K/V land past `cache.length` and are overwritten later. The
+        lm_head runs on all W rows too (its GEMM shape is part of the arithmetic)."""
+        width = self.step_width
+        if width is None:
+            hidden, tapped = self.forward(ids, start, cache, taps)
+            return self.logits(hidden), tapped
+        t = ids.shape[0]
+        logits, tapped = [], []
+        for lo in range(0, t, width):
+            chunk = ids[lo:lo + width]
+            n = chunk.shape[0]
+            if n < width:
+                chunk = torch.cat([chunk, chunk[-1:].expand(width - n)])
+            hidden, tp = self.forward(chunk, start + lo, cache, taps)
+            cache.length = start + lo + n
+            logits.append(self.logits(hidden)[:n])
+            if tp is not None:
+                tapped.append(tp[:n])
+        if len(logits) == 1:
+            return logits[0], (tapped[0] if tapped else None)
+        return torch.cat(logits), (torch.cat(tapped) if tapped else None)

@@ -1,0 +1,124 @@
+"""Fixed-width target steps: a token's logits must not depend on how many tokens share its step.
+
+With `step_width` W every decode / verify step runs at exactly W rows (padded, or chunked), so
+the logits of a position are bit-identical whether it is decoded alone, verified inside a block,
+or split across chunks; then speculative streams equal plain greedy in bfloat16 too. Checked
+bit for bit on CPU in float32 and bfloat16; a `gpu`-marked variant repeats it on CUDA, where
+variable-width bf16 steps are known to differ (docs/perf.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memra_cli.engine.errors import ConfigError
+from memra_cli.engine.pipeline import prepare
+from memra_cli.engine.policy import PolicySettings
+from memra_cli.engine.target import Qwen3Target, greedy_reference
+from memra_cli.tiny.draft import make_tiny_draft
+from memra_cli.tiny.target import make_tiny_qwen3
+
+WIDTH = 16
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("steps") / "target", hidden=128, intermediate=384, layers=3,
+                           heads=4, kv_heads=2, head_dim=32)
+
+
+def _ids(n: int, seed: int, device="cpu") -> torch.Tensor:
+    return torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def _logits_in_groups(target: Qwen3Target, prompt: torch.Tensor, cont: torch.Tensor, groups: list[int]):
+    """Prefill `prompt`, then teacher-force `cont` in steps of the given sizes; logits `[len(cont), V]`."""
+    cache = target.new_cache(prompt.shape[0] + cont.shape[0] + 1)
+    target.prefill(prompt, cache)
+    out, at = [], 0
+    for g in groups:
+        logits, _ = target.step_logits(cont[at:at + g], cache.length, cache)
+        out.append(logits)
+        at += g
+    assert at == cont.shape[0] and cache.length == prompt.shape[0] + at
+    return torch.cat(out)
+
+
+GROUPINGS = ([1] * 24, [24], [16, 8], [5, 7, 1, 11], [3] * 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fixed_width_logits_do_not_depend_on_the_grouping(target_dir, dtype):
+    target = Qwen3Target.from_dir(target_dir, dtype=dtype, step_width=WIDTH)
+    prompt, cont = _ids(37, 0), _ids(24, 1)
+    runs = [_logits_in_groups(target, prompt, cont, g) for g in GROUPINGS]
+    for g, logits in zip(GROUPINGS[1:], runs[1:]):
+        assert torch.equal(logits, runs[0]), f"grouping {g} differs from one row at a time"
+    # and they are the model's logits: the same numbers as a variable-width run, to rounding
+    variable = Qwen3Target.from_dir(target_dir, dtype=dtype)
+    ref = _logits_in_groups(variable, prompt, cont, [24])
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    assert ((runs[0] - ref).norm() / ref.norm()).item() < tol
+
+
+def test_padding_rows_leave_no_trace(target_dir):
+    """A padded step then a step over the padded positions: identical to never padding there."""
+    target = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, step_width=WIDTH)
+    prompt, cont = _ids(20, 2), _ids(6, 3)
+    a = _logits_in_groups(target, prompt, cont, [2, 4])  # the first step pads 14 rows at 22..35
+    b = _logits_in_groups(target, prompt, cont, [6])
+    assert torch.equal(a, b)
+
+
+def test_taps_come_back_for_the_real_rows_only(target_dir):
+    target = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
+    cache = target.new_cache(64)
+    target.prefill(_ids(10, 4), cache)
+    _, taps = target.step_logits(_ids(3, 5), 10, cache, taps=(-1, 1))
+    assert taps.shape == (3, 2 * target.hidden_size) and cache.length == 13
+    _, taps = target.step_logits(_ids(20, 6), 13, cache, taps=(0,))  # two chunks: 16 + 4
+    assert taps.shape == (20, target.hidden_size) and cache.length == 33
+
+
+def test_cache_has_room_for_the_padding(target_dir):
+    """A session sized to its last token still fits a padded step there."""
+    target = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
+    prompt = _ids(30, 7)
+    out = greedy_reference(target, prompt.tolist(), 5)  # cache of 35 positions: the last step pads to 49
+    assert len(out) == 5
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "16"])
+def test_bad_width_is_refused(target_dir, bad):
+    target = Qwen3Target.from_dir(target_dir)
+    with pytest.raises(ConfigError, match="step width"):
+        target.set_step_width(bad)
+
+
+@pytest.mark.parametrize("spec", ["dflash", "dspark"])
+def test_bf16_speculative_equals_plain_greedy_with_fixed_steps(target_dir, tmp_path, spec):
+    """The point of it: in bfloat16, every arm's stream equals plain greedy of the same target."""
+    target = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, step_width=WIDTH)
+    fmt = "zlab" if spec == "dflash" else "deepspec"
+    extra = {} if spec == "dflash" else dict(markov_rank=16, confidence="markov")
+    draft = make_tiny_draft(tmp_path / spec, fmt, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
+                            block_size=16, target_layer_ids=(0, 2), num_target_layers=3, dtype=torch.bfloat16, **extra)
+    for seed in range(3):
+        prompt = _ids(9 + 7 * seed, 10 + seed).tolist()
+        plain = greedy_reference(target, prompt, 40)
+        for window in ("0", "1"):  # verify window pinned at the cap, and the ladder
+            prep = prepare(target, prompt, 40, draft_path=draft, mode=spec, settings=PolicySettings(adapt=window),
+                           eos_ids=())
+            assert prep.session.run() == plain, (seed, window)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_fixed_width_logits_do_not_depend_on_the_grouping(target_dir):
+    target = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda", step_width=WIDTH)
+    prompt, cont = _ids(37, 0, "cuda"), _ids(24, 1, "cuda")
+    runs = [_logits_in_groups(target, prompt, cont, g) for g in GROUPINGS]
+    for g, logits in zip(GROUPINGS[1:], runs[1:]):
+        assert torch.equal(logits, runs[0]), f"grouping {g} differs from one row at a time"
