@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import typer
 
-from memra_cli.cli.common import JsonOpt, refusals
+from memra_cli.cli.common import JsonOpt, StepWidthOpt, refusals
 
 # Kept in step with engine.bench.ARM_KEYS (a test checks); written out here so --help needs no torch.
 ARM_HELP = (
@@ -110,6 +110,7 @@ def _render_receipts(b) -> None:
 
     if b.embedded:
         render.err_console.print(f"using the embedded default pair (target {b.meta['target']})", markup=False, highlight=False)
+    render.note(b.meta["step_width_note"])
     for key in b.ignored_env:
         render.warn(f"{key} is set; bench arms ignore it (each arm's keys say its program, e.g. --arm dspark:vt=ladder)")
     warned: set[tuple] = set()
@@ -201,6 +202,7 @@ def bench(
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     phase_times: bool = typer.Option(True, "--phase-times/--no-phase-times", help="Per-phase timers (on CUDA they synchronize at every phase boundary, which costs the off arm more per token than a speculative arm: use --no-phase-times for a headline speedup)."),
+    step_width: Optional[str] = StepWidthOpt,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: speedup per arm and the tau histograms (needs matplotlib)."),
     json_out: bool = JsonOpt,
 ) -> None:
@@ -218,7 +220,7 @@ def bench(
     if plot is not None:
         _check_plot(plot)
     req = BenchRequest(target=target, draft=draft, prompts=prompts, n=n, max_new=max_new, chat=chat, arms=list(arm or []),
-                       warmup=warmup, dtype=dtype, device=device, phase_times=phase_times)
+                       warmup=warmup, dtype=dtype, device=device, phase_times=phase_times, step_width=step_width)
     b = prepare_bench(req, env=dict(os.environ))
     if not json_out:
         _render_receipts(b)

@@ -24,6 +24,12 @@ VtOpt = typer.Option(None, "--vt", envvar="MEMRA_DSPARK_VT", help=VT_HELP, show_
 TauOpt = typer.Option(None, "--tau", envvar="MEMRA_DSPARK_VT_TAU", help=TAU_HELP, show_envvar=True)
 AdaptOpt = typer.Option(None, "--adapt/--no-adapt", envvar="MEMRA_DFLASH_ADAPT", help=ADAPT_HELP, show_envvar=True)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout instead of the report.")
+STEP_WIDTH_HELP = ("Rows per target step after the prefill: N (default 16) runs every decode and verify step at "
+                   "exactly N rows (padded, or chunked), so a token's arithmetic never depends on how many tokens "
+                   "share its step and speculative output equals plain greedy bit for bit, bf16 included | "
+                   "variable: each step at its own width (plain decode one row; in bf16 the GEMMs then differ "
+                   "between 1 and 16 rows and the output may differ from plain greedy).")
+StepWidthOpt = typer.Option(None, "--step-width", envvar="MEMRA_STEP_WIDTH", help=STEP_WIDTH_HELP, show_envvar=True)
 
 
 def policy_settings(harvest: Optional[str], vt: Optional[str], tau: Optional[str], adapt: Optional[bool]):

@@ -7,7 +7,9 @@ from typing import Optional
 
 import typer
 
-from memra_cli.cli.common import AdaptOpt, HarvestOpt, JsonOpt, TauOpt, VtOpt, policy_settings, refusals
+from memra_cli.cli.common import (
+    AdaptOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, policy_settings, refusals,
+)
 
 
 PREC_HELP = ("Drafter weight precision, applied at load to a safetensors drafter: f32 | bf16 | q8 | mixed | fc | q4 "
@@ -64,6 +66,7 @@ def generate(
     vt: Optional[str] = VtOpt,
     tau: Optional[str] = TauOpt,
     adapt: Optional[bool] = AdaptOpt,
+    step_width: Optional[str] = StepWidthOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Greedy generation from a target, sped up by a DFlash / DSpark drafter.
@@ -76,23 +79,26 @@ def generate(
     import torch
 
     from memra_cli.cli import render
-    from memra_cli.engine.pipeline import default_drafter_loader, prepare, resolve_device, resolve_dtype
+    from memra_cli.engine.pipeline import (
+        default_drafter_loader, prepare, resolve_device, resolve_dtype, resolve_step_width,
+    )
     from memra_cli.engine.target.qwen3 import Qwen3Target
     from memra_cli.engine.text import StreamDecoder
 
     target, draft = _default_models(target, draft, spec, json_out)
     codec, ids = _prompt(target, prompt, prompt_ids, chat)
     weight_fn, precision = _precision(prec, draft, spec)
+    width, width_note = resolve_step_width(step_width)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     with torch.inference_mode():
-        model = Qwen3Target.from_dir(target, dtype=dt, device=dev)
+        model = Qwen3Target.from_dir(target, dtype=dt, device=dev, step_width=width)
         prep = prepare(model, ids, max_new, draft_path=draft, mode=spec,
                        settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
                        verify_cap=verify_cap, timed=True, drafter_loader=default_drafter_loader(model, weight_fn))
         warnings = list(prep.warnings) + [f"drafter tensor '{d.name}' {d.why}" for d in getattr(weight_fn, "kept", [])]
         if not json_out:
-            _announce(prep, precision, draft, warnings)
+            _announce(prep, precision, draft, warnings, width_note)
         session, stream = prep.session, StreamDecoder(codec) if codec else None
         session.prime()
         while not session.finished:
@@ -103,7 +109,7 @@ def generate(
     if json_out:
         render.emit_json({
             "tokens": session.tokens, "text": codec.decode(session.tokens) if codec else None, "mode": prep.mode,
-            "device": str(dev), "dtype": str(dt).removeprefix("torch."),
+            "device": str(dev), "dtype": str(dt).removeprefix("torch."), "step_width": width,
             "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms")},
             "receipts": prep.receipts.as_json() if prep.receipts else None,
             "receipt_lines": prep.receipts.lines() if prep.receipts else [],
@@ -146,8 +152,8 @@ def _prompt(target: Path, prompt: Optional[str], prompt_ids: Optional[str], chat
     return (TextCodec(target) if (target / "tokenizer.json").is_file() else None), ids
 
 
-def _announce(prep, precision: Optional[str], draft: Optional[Path], warnings: list[str]) -> None:
-    """Receipts first, then the precision and any warnings (all on stderr)."""
+def _announce(prep, precision: Optional[str], draft: Optional[Path], warnings: list[str], width_note: str) -> None:
+    """Receipts first, then the drafter precision, the target's step width and any warnings (all on stderr)."""
     from memra_cli.cli import render
 
     if prep.receipts:
@@ -155,5 +161,6 @@ def _announce(prep, precision: Optional[str], draft: Optional[Path], warnings: l
         if precision is not None:
             source = "GGUF policy" if draft is not None and draft.suffix == ".gguf" else "--prec / MEMRA_DFLASH_PREC"
             render.note(f"drafter precision {precision} ({source})")
+    render.note(width_note)
     for w in warnings:
         render.warn(w)

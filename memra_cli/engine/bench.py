@@ -363,7 +363,7 @@ class BenchResult:
             "arms": [a.as_json(off, self.phase_times) for a in self.arms],
             "prompts": self.meta.get("prompts"), "max_new": self.max_new, "warmup": self.warmup,
             "target": self.meta.get("target"), "device": self.meta.get("device"), "dtype": self.meta.get("dtype"),
-            "phase_times": self.phase_times, "phase_unit": "ms per generated token", "exact": self.exact,
+            "step_width": self.meta.get("step_width"), "phase_times": self.phase_times, "phase_unit": "ms per generated token", "exact": self.exact,
             "mismatches": [dataclasses.asdict(m) for m in self.mismatches],
         }
 
@@ -459,6 +459,7 @@ class BenchRequest:
     dtype: str
     device: str
     phase_times: bool = True
+    step_width: str | None = None  # --step-width as given (pipeline.resolve_step_width)
 
 
 @dataclass
@@ -480,13 +481,14 @@ class Bench:
 
 def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench:
     """Validate, load the target once and every arm; tokenize and check every prompt first."""
-    from memra_cli.engine.pipeline import resolve_device, resolve_dtype
+    from memra_cli.engine.pipeline import resolve_device, resolve_dtype, resolve_step_width
     from memra_cli.engine.prompts import load_prompts
     from memra_cli.engine.target.qwen3 import Qwen3Target
     from memra_cli.engine.text import TextCodec
 
     if req.warmup < 0:
         raise BenchError(f"--warmup {req.warmup}: expected an integer >= 0")
+    width, width_note = resolve_step_width(req.step_width)
     specs = parse_arms(req.arms)
     prompts = load_prompts(req.prompts, req.n)
     target_dir, drafters, embedded = resolve_inputs(req.target, req.draft)
@@ -496,7 +498,7 @@ def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench
     dt = resolve_dtype(req.dtype, dev)
     codec = TextCodec(Path(target_dir))
     ids = [codec.encode(text, chat=req.chat) for text in prompts.texts]
-    target = Qwen3Target.from_dir(target_dir, dtype=dt, device=dev)
+    target = Qwen3Target.from_dir(target_dir, dtype=dt, device=dev, step_width=width)
     for i, p in enumerate(ids):
         try:
             target.check_prompt(p, req.max_new)
@@ -507,6 +509,7 @@ def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench
         "prompts": {"set": prompts.name, "source": prompts.source, "n": len(ids), "chat": req.chat,
                     "prompt_tokens": sum(len(p) for p in ids)},
         "target": str(target_dir), "device": str(dev), "dtype": str(dt).removeprefix("torch."),
+        "step_width": width, "step_width_note": width_note,
     }
     ignored = [k for k in POLICY_ENV if (env or {}).get(k)]
     return Bench(req, arms, ids, meta, embedded, ignored)

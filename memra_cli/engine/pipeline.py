@@ -51,6 +51,25 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return table[dtype]
 
 
+DEFAULT_STEP_WIDTH = 16  # the block size of every published DFlash / DSpark drafter
+
+
+def resolve_step_width(value: str | None) -> tuple[int | None, str]:
+    """`--step-width` / MEMRA_STEP_WIDTH -> (rows per target step or None, what was applied).
+
+    `N` (default 16): every decode and verify step runs at N rows (Qwen3Target.step_logits), so
+    speculative output equals plain greedy bit for bit in any dtype; `variable`: each step at its
+    own width (plain decode one row), exact only as far as the kernels happen to be."""
+    if value is None:
+        return DEFAULT_STEP_WIDTH, f"target steps: {DEFAULT_STEP_WIDTH} rows (default; --step-width)"
+    text = value.strip().lower()
+    if text == "variable":
+        return None, "target steps: variable width (--step-width variable; bf16 output may differ from plain greedy)"
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"--step-width {value!r}: expected a positive integer (rows per target step) or 'variable'")
+    return int(text), f"target steps: {int(text)} rows (--step-width)"
+
+
 def resolve_program(mode: str, census: Census, settings: PolicySettings, markov: bool | None,
                     verify_cap: str | int | None) -> tuple[Program, Receipts, str]:
     """The spec mode (`auto` resolved) -> Program + receipts. `dflash` = parallel drafting

@@ -96,6 +96,8 @@ BAD = {
     "confidence without head": (lambda root: ["--draft", root / "dflash", "--spec", "dspark", "--vt", "confidence"], "needs a checkpoint with an accept-rate head"),
     "unknown spec": (lambda root: ["--spec", "fast"], "--spec fast: expected off|dflash|dspark|auto"),
     "both prompts": (lambda root: ["--prompt", "x"], "exactly one of --prompt"),
+    "step width zero": (lambda root: ["--step-width", "0"], "--step-width '0': expected a positive integer"),
+    "step width word": (lambda root: ["--step-width", "fixed"], "or 'variable'"),
 }
 
 
@@ -112,6 +114,22 @@ def test_bad_input(pair, case):
     assert r.exit_code == 2, (case, r.output)
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("given, width", [(None, 16), ("4", 4), ("variable", None)])
+def test_step_width_is_applied_reported_and_exact(pair, given, width):
+    """The target's step width reaches the JSON and a stderr note, and the stream stays greedy."""
+    root, target, dspark, _ = pair
+    base = ["--target", target, "--draft", dspark, "--prompt-ids", "5,17,42,99", "--max-new", "24"]
+    extra = [] if given is None else ["--step-width", given]
+    obj = json.loads(run(*base, *extra, "--json").stdout)
+    assert obj["step_width"] == width and obj["tokens"] == _ref(target, [5, 17, 42, 99], 24)
+    r = run(*base, *extra)
+    assert r.exit_code == 0, r.output
+    note = next(line for line in r.stderr.splitlines() if line.startswith("note: target steps"))
+    assert ("default" in note) == (given is None) and (str(width) in note if width else "variable" in note)
+    env = run(*base, "--json", env={"MEMRA_STEP_WIDTH": given or "16"})
+    assert json.loads(env.stdout)["step_width"] == width
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
