@@ -8,8 +8,9 @@ to disk (so it goes through the real loader), then on one prompt of 512 random i
 - one DFlash round with the verify window pinned at 16 (ms/round), with its phase breakdown,
 - the exactness gate: the speculative stream equals the plain one, token for token,
 
-once per target step width (`--widths 16,variable`): fixed 16-row steps must be exact; variable
-steps are measured and reported (in bf16 they are not exact: docs/perf.md).
+once per target step mode (`--widths 16g,16,variable`: 16-row steps replayed as CUDA graphs, 16-row
+steps eager, natural widths): fixed-width modes must be exact; variable steps are measured and
+reported (in bf16 they are not exact: docs/perf.md).
 
 Random drafters are almost never accepted, so rounds commit ~1 token: this measures cost, not
 speed-up. DESIGN.md's anchors (HF transformers + z-lab loop on the same H200): 32.8 ms/token
@@ -96,7 +97,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--prompts", type=int, default=1, help="exactness over this many random prompts (timings from the first)")
-    p.add_argument("--widths", default="16,variable", help="target step widths to compare (Qwen3Target.step_width)")
+    p.add_argument("--widths", default="16g,16,variable",
+                   help="target step modes to compare: N (step_width N, eager), Ng (N with CUDA graphs), variable")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
@@ -104,7 +106,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         a.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    widths = [None if w == "variable" else int(w) for w in a.widths.split(",")]
+    modes = [(w, None if w == "variable" else int(w.rstrip("g")), w.endswith("g")) for w in a.widths.split(",")]
+    if device.type != "cuda":
+        modes = [m for m in modes if not m[2]]
     torch.manual_seed(0)
     runs = {}
     with torch.inference_mode():
@@ -117,8 +121,9 @@ def main() -> None:
         prompts = [torch.randint(0, s["vocab"] - 1, (a.prompt,), generator=torch.Generator().manual_seed(1 + k)).tolist()
                    for k in range(a.prompts)]
         pinned = PolicySettings(adapt="0")  # verify window pinned at the cap: 16 rows per round
-        for w in widths:
+        for name, w, graphs in modes:
             target.set_step_width(w)
+            target.set_cuda_graphs(graphs)
             first = measure(target, prompts[0], a.tokens, draft, pinned)
             more = []
             for ids in prompts[1:]:
@@ -126,8 +131,8 @@ def main() -> None:
                 spec, _ = run_arm(target, ids, a.tokens, draft, "dflash", pinned, 16)
                 more.append(spec.tokens == plain.tokens)
             first["exact_prompts"] = f"{int(first['exact']) + sum(more)}/{len(prompts)}"
-            runs["variable" if w is None else str(w)] = first
-            print(f"step width {w or 'variable'}: " + json.dumps(first), flush=True)
+            runs[name] = first
+            print(f"step mode {name}: " + json.dumps(first), flush=True)
     out = {
         "shape": "small" if a.small else "qwen3-8b", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "dtype": str(dtype), "prompt": a.prompt, "tokens": a.tokens, "prompts": a.prompts, "by_step_width": runs,

@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import typer
 
-from memra_cli.cli.common import JsonOpt, StepWidthOpt, refusals
+from memra_cli.cli.common import CudaGraphsOpt, JsonOpt, StepWidthOpt, refusals
 
 # Kept in step with engine.bench.ARM_KEYS (a test checks); written out here so --help needs no torch.
 ARM_HELP = (
@@ -203,6 +203,7 @@ def bench(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     phase_times: bool = typer.Option(True, "--phase-times/--no-phase-times", help="Per-phase timers (on CUDA they synchronize at every phase boundary, which costs the off arm more per token than a speculative arm: use --no-phase-times for a headline speedup)."),
     step_width: Optional[str] = StepWidthOpt,
+    cuda_graphs: Optional[bool] = CudaGraphsOpt,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: speedup per arm and the tau histograms (needs matplotlib)."),
     json_out: bool = JsonOpt,
 ) -> None:
@@ -220,7 +221,8 @@ def bench(
     if plot is not None:
         _check_plot(plot)
     req = BenchRequest(target=target, draft=draft, prompts=prompts, n=n, max_new=max_new, chat=chat, arms=list(arm or []),
-                       warmup=warmup, dtype=dtype, device=device, phase_times=phase_times, step_width=step_width)
+                       warmup=warmup, dtype=dtype, device=device, phase_times=phase_times, step_width=step_width,
+                       cuda_graphs=cuda_graphs)
     b = prepare_bench(req, env=dict(os.environ))
     if not json_out:
         _render_receipts(b)

@@ -30,6 +30,11 @@ STEP_WIDTH_HELP = ("Rows per target step after the prefill: N (default 16) runs 
                    "variable: each step at its own width (plain decode one row; in bf16 the GEMMs then differ "
                    "between 1 and 16 rows and the output may differ from plain greedy).")
 StepWidthOpt = typer.Option(None, "--step-width", envvar="MEMRA_STEP_WIDTH", help=STEP_WIDTH_HELP, show_envvar=True)
+CUDA_GRAPHS_HELP = ("Replay each fixed-width target step as a CUDA graph, captured once per cache storage (one "
+                    "launch per step instead of hundreds; same kernels, same bits). Default: on with CUDA and a "
+                    "fixed --step-width.")
+CudaGraphsOpt = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", envvar="MEMRA_CUDA_GRAPHS", help=CUDA_GRAPHS_HELP,
+                             show_envvar=True)
 
 
 def policy_settings(harvest: Optional[str], vt: Optional[str], tau: Optional[str], adapt: Optional[bool]):

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from memra_cli.cli.common import (
-    AdaptOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, policy_settings, refusals,
+    AdaptOpt, CudaGraphsOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, policy_settings, refusals,
 )
 
 
@@ -67,6 +67,7 @@ def generate(
     tau: Optional[str] = TauOpt,
     adapt: Optional[bool] = AdaptOpt,
     step_width: Optional[str] = StepWidthOpt,
+    cuda_graphs: Optional[bool] = CudaGraphsOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Greedy generation from a target, sped up by a DFlash / DSpark drafter.
@@ -80,7 +81,7 @@ def generate(
 
     from memra_cli.cli import render
     from memra_cli.engine.pipeline import (
-        default_drafter_loader, prepare, resolve_device, resolve_dtype, resolve_step_width,
+        default_drafter_loader, prepare, resolve_cuda_graphs, resolve_device, resolve_dtype, resolve_step_width,
     )
     from memra_cli.engine.target.qwen3 import Qwen3Target
     from memra_cli.engine.text import StreamDecoder
@@ -91,14 +92,16 @@ def generate(
     width, width_note = resolve_step_width(step_width)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
+    graphs, graphs_note = resolve_cuda_graphs(cuda_graphs, dev, width)
     with torch.inference_mode():
         model = Qwen3Target.from_dir(target, dtype=dt, device=dev, step_width=width)
+        model.set_cuda_graphs(graphs)
         prep = prepare(model, ids, max_new, draft_path=draft, mode=spec,
                        settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
                        verify_cap=verify_cap, timed=True, drafter_loader=default_drafter_loader(model, weight_fn))
         warnings = list(prep.warnings) + [f"drafter tensor '{d.name}' {d.why}" for d in getattr(weight_fn, "kept", [])]
         if not json_out:
-            _announce(prep, precision, draft, warnings, width_note)
+            _announce(prep, precision, draft, warnings, f"{width_note}; {graphs_note}")
         session, stream = prep.session, StreamDecoder(codec) if codec else None
         session.prime()
         while not session.finished:
@@ -109,7 +112,7 @@ def generate(
     if json_out:
         render.emit_json({
             "tokens": session.tokens, "text": codec.decode(session.tokens) if codec else None, "mode": prep.mode,
-            "device": str(dev), "dtype": str(dt).removeprefix("torch."), "step_width": width,
+            "device": str(dev), "dtype": str(dt).removeprefix("torch."), "step_width": width, "cuda_graphs": graphs,
             "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms")},
             "receipts": prep.receipts.as_json() if prep.receipts else None,
             "receipt_lines": prep.receipts.lines() if prep.receipts else [],

@@ -363,7 +363,7 @@ class BenchResult:
             "arms": [a.as_json(off, self.phase_times) for a in self.arms],
             "prompts": self.meta.get("prompts"), "max_new": self.max_new, "warmup": self.warmup,
             "target": self.meta.get("target"), "device": self.meta.get("device"), "dtype": self.meta.get("dtype"),
-            "step_width": self.meta.get("step_width"), "phase_times": self.phase_times, "phase_unit": "ms per generated token", "exact": self.exact,
+            "step_width": self.meta.get("step_width"), "cuda_graphs": self.meta.get("cuda_graphs"), "phase_times": self.phase_times, "phase_unit": "ms per generated token", "exact": self.exact,
             "mismatches": [dataclasses.asdict(m) for m in self.mismatches],
         }
 
@@ -460,6 +460,7 @@ class BenchRequest:
     device: str
     phase_times: bool = True
     step_width: str | None = None  # --step-width as given (pipeline.resolve_step_width)
+    cuda_graphs: bool | None = None  # --cuda-graphs as given (pipeline.resolve_cuda_graphs)
 
 
 @dataclass
@@ -481,7 +482,7 @@ class Bench:
 
 def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench:
     """Validate, load the target once and every arm; tokenize and check every prompt first."""
-    from memra_cli.engine.pipeline import resolve_device, resolve_dtype, resolve_step_width
+    from memra_cli.engine.pipeline import resolve_cuda_graphs, resolve_device, resolve_dtype, resolve_step_width
     from memra_cli.engine.prompts import load_prompts
     from memra_cli.engine.target.qwen3 import Qwen3Target
     from memra_cli.engine.text import TextCodec
@@ -496,9 +497,11 @@ def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench
         drafters.for_arm(spec)
     dev = resolve_device(req.device)
     dt = resolve_dtype(req.dtype, dev)
+    graphs, graphs_note = resolve_cuda_graphs(req.cuda_graphs, dev, width)
     codec = TextCodec(Path(target_dir))
     ids = [codec.encode(text, chat=req.chat) for text in prompts.texts]
     target = Qwen3Target.from_dir(target_dir, dtype=dt, device=dev, step_width=width)
+    target.set_cuda_graphs(graphs)
     for i, p in enumerate(ids):
         try:
             target.check_prompt(p, req.max_new)
@@ -509,7 +512,7 @@ def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench
         "prompts": {"set": prompts.name, "source": prompts.source, "n": len(ids), "chat": req.chat,
                     "prompt_tokens": sum(len(p) for p in ids)},
         "target": str(target_dir), "device": str(dev), "dtype": str(dt).removeprefix("torch."),
-        "step_width": width, "step_width_note": width_note,
+        "step_width": width, "cuda_graphs": graphs, "step_width_note": f"{width_note}; {graphs_note}",
     }
     ignored = [k for k in POLICY_ENV if (env or {}).get(k)]
     return Bench(req, arms, ids, meta, embedded, ignored)

@@ -70,6 +70,20 @@ def resolve_step_width(value: str | None) -> tuple[int | None, str]:
     return int(text), f"target steps: {int(text)} rows (--step-width)"
 
 
+def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | None) -> tuple[bool, str]:
+    """`--cuda-graphs/--no-cuda-graphs` (MEMRA_CUDA_GRAPHS) -> (on, what was applied). Unset: on
+    exactly when the target runs fixed-width steps on CUDA (a graph replays fixed shapes)."""
+    possible = device.type == "cuda" and width is not None
+    if flag is None:
+        why = "on CUDA with fixed-width steps" if possible else (
+            "not on CUDA" if device.type != "cuda" else "variable-width steps")
+        return possible, f"CUDA graphs {'on' if possible else 'off'} (default: {why}; --cuda-graphs)"
+    if flag and not possible:
+        raise ConfigError(f"--cuda-graphs needs --device cuda and a fixed --step-width (device {device}, "
+                          f"step width {'variable' if width is None else width})")
+    return flag, f"CUDA graphs {'on' if flag else 'off'} (--cuda-graphs)"
+
+
 def resolve_program(mode: str, census: Census, settings: PolicySettings, markov: bool | None,
                     verify_cap: str | int | None) -> tuple[Program, Receipts, str]:
     """The spec mode (`auto` resolved) -> Program + receipts. `dflash` = parallel drafting

@@ -155,6 +155,8 @@ class Session:
         out: list[int] = []
         while len(out) < n and not self.finished:
             out += self._round()
+        if self.finished:
+            self.cache.release()  # a pooled storage (CUDA graphs) goes to the next session
         self.stats.wall_s = time.perf_counter() - self._t0
         self.stats.tokens = len(self.tokens)
         return out

@@ -65,7 +65,7 @@ def test_json_over_three_prompts_with_the_default_pair(embedded):
     obj = json.loads(r.stdout)
     assert set(obj) >= {"arms", "prompts", "max_new", "device", "dtype", "exact", "warmup", "mismatches"}
     assert obj["exact"] is True and obj["max_new"] == 8 and obj["device"] == "cpu" and obj["dtype"] == "float32"
-    assert obj["step_width"] == 16  # the default: fixed 16-row target steps
+    assert obj["step_width"] == 16 and obj["cuda_graphs"] is False  # defaults on CPU: 16-row steps, no graphs
     assert obj["prompts"]["n"] == 3 and obj["prompts"]["set"] == str(prompts) and obj["target"] == str(target)
     assert [a["name"] for a in obj["arms"]] == ["off", "dflash", "dspark"]
     assert [a["drafter"] for a in obj["arms"]] == [None, str(drafters["dflash"]), str(drafters["dspark"])]
@@ -87,7 +87,7 @@ def test_table_receipts_and_plot(pair, tmp_path):
     assert "arm dspark:vt=confidence,tau=0.3: dspark program, drafter" in r.stderr
     assert "[dspark] verify-window=Confidence{tau=0.3} (accept-rate head present, MEMRA_DSPARK_VT set)" in r.stderr
     assert "[dspark] harvest=dflash (checkpoint census strategy_dspark=true, MEMRA_DSPARK_HARVEST set)" in r.stderr
-    assert "note: target steps: 16 rows (default; --step-width)" in r.stderr
+    assert "note: target steps: 16 rows (default; --step-width); CUDA graphs off (default: not on CUDA" in r.stderr
     for name in ("off", "dspark", "dspark:vt=confidence,tau=0.3", "dspark:harvest=dflash", "speedup", "verify ms/tok", "tau histogram"):
         assert name in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -127,9 +127,21 @@ def test_step_width_is_applied_reported_and_exact(pair, given, width):
     r = run(*base, *extra)
     assert r.exit_code == 0, r.output
     note = next(line for line in r.stderr.splitlines() if line.startswith("note: target steps"))
-    assert ("default" in note) == (given is None) and (str(width) in note if width else "variable" in note)
+    steps, graphs = note.split("; CUDA graphs ")
+    assert ("default" in steps) == (given is None) and (str(width) in steps if width else "variable" in steps)
+    assert graphs.startswith("off (default: not on CUDA") or torch.cuda.is_available()
     env = run(*base, "--json", env={"MEMRA_STEP_WIDTH": given or "16"})
     assert json.loads(env.stdout)["step_width"] == width
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_graphs_refused_without_cuda(pair):
+    _, target, _, _ = pair
+    r = run("--target", target, "--prompt-ids", "1", "--cuda-graphs")
+    assert r.exit_code == 2 and r.stderr.strip() == (
+        "error: --cuda-graphs needs --device cuda and a fixed --step-width (device cpu, step width 16)")
+    obj = json.loads(run("--target", target, "--prompt-ids", "1", "--no-cuda-graphs", "--json").stdout)
+    assert obj["cuda_graphs"] is False
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

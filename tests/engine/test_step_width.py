@@ -122,3 +122,56 @@ def test_cuda_bf16_fixed_width_logits_do_not_depend_on_the_grouping(target_dir):
     runs = [_logits_in_groups(target, prompt, cont, g) for g in GROUPINGS]
     for g, logits in zip(GROUPINGS[1:], runs[1:]):
         assert torch.equal(logits, runs[0]), f"grouping {g} differs from one row at a time"
+
+
+def test_cuda_graphs_refused_off_cuda_or_without_a_width(target_dir):
+    target = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
+    with pytest.raises(ConfigError, match="CUDA graphs need the target on a CUDA device"):
+        target.set_cuda_graphs(True)
+    target.set_cuda_graphs(False)
+    assert target.new_cache(10).step_graphs == {}
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_graph_replay_is_bit_identical_to_the_eager_step(target_dir):
+    eager = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda", step_width=WIDTH)
+    graphed = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda", step_width=WIDTH)
+    graphed.set_cuda_graphs(True)
+    prompt, cont = _ids(37, 0, "cuda"), _ids(24, 1, "cuda")
+    for g in GROUPINGS:
+        a = _logits_in_groups(eager, prompt, cont, g)
+        b = _logits_in_groups(graphed, prompt, cont, g)
+        assert torch.equal(a, b), g
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_graph_sessions_reuse_the_pooled_storage_and_stay_exact(target_dir, tmp_path):
+    target = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda", step_width=WIDTH)
+    target.set_cuda_graphs(True)
+    draft = make_tiny_draft(tmp_path / "d", "deepspec", hidden=128, heads=4, kv_heads=2, head_dim=32,
+                            intermediate=256, block_size=16, target_layer_ids=(0, 2), num_target_layers=3,
+                            dtype=torch.bfloat16, markov_rank=16, confidence="markov")
+    prompt = _ids(20, 3).tolist()
+    plain = greedy_reference(target, prompt, 40)
+    first = prepare(target, prompt, 40, draft_path=draft, mode="dspark", settings=PolicySettings(), eos_ids=())
+    storage = first.session.cache.kv.data_ptr()
+    assert first.session.run() == plain
+    graphs = dict(first.session.cache.step_graphs)
+    assert tuple(first.session.taps) in graphs  # captured for this drafter's taps
+    again = prepare(target, prompt, 40, draft_path=draft, mode="dspark", settings=PolicySettings(), eos_ids=())
+    assert again.session.cache.kv.data_ptr() == storage  # the released storage, graphs and all
+    assert again.session.run() == plain and again.session.cache.step_graphs == graphs  # no new capture
+    # two live sessions never share a storage; interleaved bursts stay exact
+    a = prepare(target, prompt, 40, draft_path=draft, mode="dspark", settings=PolicySettings(), eos_ids=()).session
+    b = prepare(target, prompt, 40, draft_path=draft, mode="dspark", settings=PolicySettings(), eos_ids=()).session
+    assert a.cache.kv.data_ptr() != b.cache.kv.data_ptr()
+    out_a, out_b = [], []
+    while not (a.finished and b.finished):
+        out_a += a.burst(3)
+        out_b += b.burst(5)
+    assert out_a == plain and out_b == plain

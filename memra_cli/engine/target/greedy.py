@@ -32,5 +32,6 @@ def greedy_reference(target: Qwen3Target, prompt_ids: Sequence[int], max_new: in
     while True:
         out.append(int(token))  # host sync per token: fine for a reference
         if out[-1] in eos or len(out) == max_new:
+            cache.release()
             return out
         token, _ = target.verify(token, cache.length, cache)

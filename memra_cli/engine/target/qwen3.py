@@ -37,6 +37,7 @@ from memra_cli.engine.layers import rms_norm
 from memra_cli.engine.rope import apply_rope, cos_sin, rope_tables
 
 log = logging.getLogger(__name__)
+CACHE_BUCKET = 256  # pooled cache lengths are multiples of this (CUDA graphs bind a storage)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -75,6 +76,15 @@ class KVCache:
         self.kv = torch.zeros(n_layers, 2, n_kv, max_len, head_dim, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0
+        self.step_graphs: dict = {}  # taps -> StepGraph captured over this storage (graphs.py)
+        self._free_list: list | None = None  # the target's pool to return to on release()
+
+    def release(self) -> None:
+        """Hand the storage (and the CUDA graphs captured over it) back to the target's pool for
+        the next session; a no-op for an unpooled cache. Use the cache no more after this."""
+        if self._free_list is not None:
+            free, self._free_list = self._free_list, None
+            free.append(self)  # `length` stays readable until the next session takes it
 
     def truncate(self, n: int) -> None:
         """Roll back to the first `n` positions (no copy: later rows are simply overwritten)."""
@@ -182,6 +192,8 @@ class Qwen3Target:
                  norm: torch.Tensor, lm_head: torch.Tensor, step_width: int | None = None):
         self.cfg = cfg
         self.step_width = step_width  # rows per step after the prefill; None = each step's own width
+        self.cuda_graphs = False  # replay fixed-width steps as CUDA graphs (set_cuda_graphs)
+        self._free_caches: dict[int, list[KVCache]] = {}  # pooled storages by length (graphs only)
         self.embed_weight = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm  # [hidden]
@@ -219,6 +231,19 @@ class Qwen3Target:
         if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
             raise ConfigError(f"step width must be a positive integer or None, got {width!r}")
         self.step_width = width
+        self._free_caches.clear()
+        if width is None:
+            self.cuda_graphs = False
+
+    def set_cuda_graphs(self, on: bool) -> None:
+        """Replay every fixed-width step as a CUDA graph captured once per cache storage (and
+        taps). Needs CUDA and a step width: a graph replays fixed shapes. Caches then come from
+        a pool (`KVCache.release` returns them), so sessions reuse storages and their graphs."""
+        if on and (self.device.type != "cuda" or self.step_width is None):
+            raise ConfigError("CUDA graphs need the target on a CUDA device and a fixed step width "
+                              f"(device {self.device}, step width {self.step_width})")
+        self.cuda_graphs = bool(on)
+        self._free_caches.clear()
 
     # ----------------------------------------------------------------------- shape facts
 
@@ -288,12 +313,19 @@ class Qwen3Target:
         # Fixed-width steps write their padding rows past the last real position: room for them
         # (their K/V are never read: later rows are causal-masked from them, then overwrite them).
         rows = max_len + (self.step_width or 0)
+        if self.cuda_graphs:  # pooled, in buckets, so the next session finds a storage (and graphs)
+            rows = -(-rows // CACHE_BUCKET) * CACHE_BUCKET
         if self._cos.shape[0] < rows:
             # Same float32 product as transformers (position * inv_freq), then cast: slicing the
             # table later gives exactly the values a per-call computation would.
             positions = torch.arange(rows, device=self.device)
             self._cos, self._sin = cos_sin(self._rope, positions, self.dtype)
-        return KVCache(self.n_layers, self.n_kv, rows, self.head_dim, self.dtype, self.device)
+        if not self.cuda_graphs:
+            return KVCache(self.n_layers, self.n_kv, rows, self.head_dim, self.dtype, self.device)
+        free = self._free_caches.setdefault(rows, [])
+        cache = free.pop() if free else KVCache(self.n_layers, self.n_kv, rows, self.head_dim, self.dtype, self.device)
+        cache.length, cache._free_list = 0, free
+        return cache
 
     # ----------------------------------------------------------------------- forward
 
@@ -356,27 +388,40 @@ class Qwen3Target:
     def _layer(self, x: torch.Tensor, w: LayerWeights, kv: torch.Tensor, start: int,
                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """One pre-norm decoder layer on `x [t, hidden]`; `kv [2, n_kv, max_len, head_dim]`."""
-        eps = self.cfg.rms_norm_eps
-        x = x + self._attend(rms_norm(x, w.attn_norm, eps), w, kv, start, cos, sin, mask)
-        gate, up = F.linear(rms_norm(x, w.mlp_norm, eps), w.w_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.w_down)
+        end = start + x.shape[0]
+        q, k, v = self._qkv(rms_norm(x, w.attn_norm, self.cfg.rms_norm_eps), w, cos, sin)
+        kv[0, :, start:end] = k.transpose(0, 1)
+        kv[1, :, start:end] = v.transpose(0, 1)
+        x = x + self._attend_over(q, w, kv[0, :, :end], kv[1, :, :end], mask)
+        return self._mlp(x, w)
 
-    def _attend(self, h: torch.Tensor, w: LayerWeights, kv: torch.Tensor, start: int,
-                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """GQA self-attention of `h [t, hidden]` over cache rows `[0, start)` plus itself."""
+    def _qkv(self, h: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Fused q/k/v projection of `h [t, hidden]`, per-head q/k RMSNorm, rope:
+        q `[t, n_heads, hd]`, k and v `[t, n_kv, hd]`."""
         t, nh, nkv, hd = h.shape[0], self.n_heads, self.n_kv, self.head_dim
-        g, end = nh // nkv, start + t
         q, k, v = F.linear(h, w.wqkv, w.bqkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q = apply_rope(rms_norm(q.view(t, nh, hd), w.q_norm, self.cfg.rms_norm_eps), cos, sin)
         k = apply_rope(rms_norm(k.view(t, nkv, hd), w.k_norm, self.cfg.rms_norm_eps), cos, sin)
-        kv[0, :, start:end] = k.transpose(0, 1)
-        kv[1, :, start:end] = v.view(t, nkv, hd).transpose(0, 1)
-        # Fold the g query heads of each KV head into rows: [nkv, g*t, hd] attends to
-        # [nkv, end, hd] directly, so K/V are never repeated (HF's repeat_kv copies them).
+        return q, k, v.view(t, nkv, hd)
+
+    def _attend_over(self, q: torch.Tensor, w: LayerWeights, keys: torch.Tensor, values: torch.Tensor,
+                     mask: torch.Tensor | None) -> torch.Tensor:
+        """GQA attention of `q [t, n_heads, hd]` over `keys/values [n_kv, n, hd]`, then o_proj.
+
+        The g query heads of each KV head are folded into rows: `[nkv, g*t, hd]` attends to
+        `[nkv, n, hd]` directly, so K/V are never repeated (HF's repeat_kv copies them)."""
+        t, nh, nkv, hd = q.shape[0], self.n_heads, self.n_kv, self.head_dim
+        g = nh // nkv
         qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
-        out = F.scaled_dot_product_attention(qf, kv[0, :, :end], kv[1, :, :end], attn_mask=mask)
+        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
         out = out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
         return F.linear(out, w.wo, w.bo)
+
+    def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """The residual MLP half of a layer: `x + down(silu(gate) * up)` of the normed `x`."""
+        gate, up = F.linear(rms_norm(x, w.mlp_norm, self.cfg.rms_norm_eps), w.w_gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, w.w_down)
 
     # ----------------------------------------------------------------------- heads
 
@@ -418,14 +463,16 @@ class Qwen3Target:
                     taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`verify`'s float32 logits `[t, vocab]` (and taps), under the step-width rule.
 
-        With `step_width` W the rows run in steps of exactly W: chunks of W, the last padded by
-        repeating its final id. Padding rows come after the real ones, so causality keeps them
-        out of every real row; their K/V land past `cache.length` and are overwritten later. The
-        lm_head runs on all W rows too (its GEMM shape is part of the arithmetic)."""
+        With `step_width` W the rows run in steps of exactly W (`fixed_step`): chunks of W, the
+        last padded by repeating its final id. Padding rows come after the real ones, so
+        causality keeps them out of every real row; their K/V land past `cache.length` and are
+        overwritten later."""
         width = self.step_width
         if width is None:
             hidden, tapped = self.forward(ids, start, cache, taps)
             return self.logits(hidden), tapped
+        if taps:
+            self.check_taps(taps)
         t = ids.shape[0]
         logits, tapped = [], []
         for lo in range(0, t, width):
@@ -433,11 +480,63 @@ class Qwen3Target:
             n = chunk.shape[0]
             if n < width:
                 chunk = torch.cat([chunk, chunk[-1:].expand(width - n)])
-            hidden, tp = self.forward(chunk, start + lo, cache, taps)
+            lg, tp = self.fixed_step(chunk, start + lo, cache, taps)
             cache.length = start + lo + n
-            logits.append(self.logits(hidden)[:n])
+            logits.append(lg[:n])
             if tp is not None:
                 tapped.append(tp[:n])
         if len(logits) == 1:
             return logits[0], (tapped[0] if tapped else None)
         return torch.cat(logits), (torch.cat(tapped) if tapped else None)
+
+    def fixed_step(self, ids: torch.Tensor, start: int, cache: KVCache,
+                   taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step of exactly `step_width` rows `ids [W]` at positions `start..start+W-1`:
+        float32 logits `[W, vocab]` and taps `[W, n_taps*hidden]`. Does not move `cache.length`.
+
+        Replayed from a CUDA graph when `cuda_graphs` is on (captured on first use per cache
+        storage and taps; outputs are copies, safe to keep), else run eagerly — the same ops
+        either way (`static_step`)."""
+        width = self.step_width
+        assert width is not None and ids.shape[0] == width
+        self._check_span(start, width, cache)
+        if self.cuda_graphs:
+            from memra_cli.engine.target.graphs import StepGraph
+
+            key = tuple(taps or ())
+            graph = cache.step_graphs.get(key)
+            if graph is None:
+                graph = cache.step_graphs[key] = StepGraph(self, cache, key)
+            return graph.run(ids, start)
+        positions = torch.arange(start, start + width, device=self.device)
+        return self.static_step(ids, positions, cache, taps)
+
+    def static_step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                    taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fixed-width step with every shape static and every position on the device.
+
+        `ids [W]` at `positions [W]` (consecutive): K/V written with `index_copy_`, rope rows
+        gathered, and attention over the whole cache storage `[0, max_len)` under a mask built
+        from `positions` (keys after a row's position are masked: stale rows included). Nothing
+        depends on a host value, so a CUDA graph can capture it; masked key blocks leave the
+        softmax of a row unchanged, so the storage length does not change a row's result.
+        """
+        x = self.embed(ids)
+        cos, sin = self._cos[positions], self._sin[positions]
+        keys = torch.arange(cache.max_len, device=self.device)
+        mask = (keys[None, :] <= positions[:, None]).repeat(self.n_heads // self.n_kv, 1)
+        wanted = set(taps or ())
+        tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
+        eps = self.cfg.rms_norm_eps
+        for li, w in enumerate(self.layers):
+            kv = cache.kv[li]
+            q, k, v = self._qkv(rms_norm(x, w.attn_norm, eps), w, cos, sin)
+            kv[0].index_copy_(1, positions, k.transpose(0, 1))
+            kv[1].index_copy_(1, positions, v.transpose(0, 1))
+            x = x + self._attend_over(q, w, kv[0], kv[1], mask)
+            x = self._mlp(x, w)
+            if li in wanted:
+                tapped[li] = x
+        hidden = rms_norm(x, self.norm, eps)
+        taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        return self.logits(hidden), taps_out

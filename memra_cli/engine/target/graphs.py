@@ -1,0 +1,54 @@
+"""CUDA graphs of the target's fixed-width step.
+
+A decode or verify step of a small target is launch-bound: hundreds of kernels of a few
+microseconds each, queued by Python slower than the GPU runs them. `Qwen3Target.static_step`
+has static shapes and takes its positions as a device tensor, so one capture replays every later
+step of a session with a single launch.
+
+A graph binds the addresses it was captured with: the cache storage (K/V), the rope tables, the
+weights, and its own input and output buffers. So there is one graph per cache storage and taps
+tuple, kept on the cache (`KVCache.step_graphs`). With graphs on, caches come from the target's
+pool, so the next session reuses the storage and its graphs rather than capturing again.
+
+The warm-up and the capture write K/V at the storage's last `W` positions. That slack is never
+real context: `new_cache` adds `W` rows beyond what a session may fill. A replay runs the same
+kernels on the same shapes as an eager `static_step`, so its logits are bit-identical to the
+eager step's (a `gpu`-marked test checks it).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class StepGraph:
+    """`static_step` over one cache storage, captured once, replayed per step."""
+
+    def __init__(self, target, cache, taps: Sequence[int]):
+        width = target.step_width
+        self.width = width
+        dev = target.device
+        self._arange = torch.arange(width, device=dev)
+        self.ids = torch.zeros(width, dtype=torch.long, device=dev)
+        # capture at the slack rows: nothing real lives there (see the module docstring)
+        self.positions = self._arange + (cache.max_len - width)
+        taps = tuple(taps) or None
+        side = torch.cuda.Stream(device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # lazy inits (cuBLAS handles, workspaces) before the capture
+                target.static_step(self.ids, self.positions, cache, taps)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits, self.taps = target.static_step(self.ids, self.positions, cache, taps)
+
+    def run(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step `ids [W]` at `start..start+W-1`: (logits `[W, vocab]`, taps or None), copied
+        out of the graph's buffers so the caller may keep them past the next replay."""
+        self.ids.copy_(ids)
+        torch.add(self._arange, start, out=self.positions)
+        self.graph.replay()
+        return self.logits.clone(), (None if self.taps is None else self.taps.clone())
