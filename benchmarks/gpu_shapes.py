@@ -98,7 +98,8 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--prompts", type=int, default=1, help="exactness over this many random prompts (timings from the first)")
     p.add_argument("--widths", default="16g,16,variable",
-                   help="target step modes to compare: N (step_width N, eager), Ng (N with CUDA graphs), variable")
+                   help="target step modes to compare: N (step_width N, eager), Ng (N with CUDA graphs), NG (Ng and "
+                        "the drafter's rounds graphed too), variable")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
@@ -106,7 +107,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         a.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    modes = [(w, None if w == "variable" else int(w.rstrip("g")), w.endswith("g")) for w in a.widths.split(",")]
+    # "16g": target steps graphed; "16G": the drafter's round side too (MEMRA_DRAFT_GRAPHS)
+    modes = [(w, None if w == "variable" else int(w.rstrip("gG")), w[-1] in "gG", w.endswith("G"))
+             for w in a.widths.split(",")]
     if device.type != "cuda":
         modes = [m for m in modes if not m[2]]
     torch.manual_seed(0)
@@ -121,9 +124,9 @@ def main() -> None:
         prompts = [torch.randint(0, s["vocab"] - 1, (a.prompt,), generator=torch.Generator().manual_seed(1 + k)).tolist()
                    for k in range(a.prompts)]
         pinned = PolicySettings(adapt="0")  # verify window pinned at the cap: 16 rows per round
-        for name, w, graphs in modes:
+        for name, w, graphs, draft_graphs in modes:
             target.set_step_width(w)
-            target.set_cuda_graphs(graphs)
+            target.set_cuda_graphs(graphs, drafter=draft_graphs)
             first = measure(target, prompts[0], a.tokens, draft, pinned)
             more = []
             for ids in prompts[1:]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -92,10 +93,10 @@ def generate(
     width, width_note = resolve_step_width(step_width)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    graphs, graphs_note = resolve_cuda_graphs(cuda_graphs, dev, width)
+    graphs, draft_graphs, graphs_note = resolve_cuda_graphs(cuda_graphs, dev, width, dict(os.environ))
     with torch.inference_mode():
         model = Qwen3Target.from_dir(target, dtype=dt, device=dev, step_width=width)
-        model.set_cuda_graphs(graphs)
+        model.set_cuda_graphs(graphs, drafter=draft_graphs)
         prep = prepare(model, ids, max_new, draft_path=draft, mode=spec,
                        settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
                        verify_cap=verify_cap, timed=True, drafter_loader=default_drafter_loader(model, weight_fn))

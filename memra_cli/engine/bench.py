@@ -497,11 +497,11 @@ def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench
         drafters.for_arm(spec)
     dev = resolve_device(req.device)
     dt = resolve_dtype(req.dtype, dev)
-    graphs, graphs_note = resolve_cuda_graphs(req.cuda_graphs, dev, width)
+    graphs, draft_graphs, graphs_note = resolve_cuda_graphs(req.cuda_graphs, dev, width, env)
     codec = TextCodec(Path(target_dir))
     ids = [codec.encode(text, chat=req.chat) for text in prompts.texts]
     target = Qwen3Target.from_dir(target_dir, dtype=dt, device=dev, step_width=width)
-    target.set_cuda_graphs(graphs)
+    target.set_cuda_graphs(graphs, drafter=draft_graphs)
     for i, p in enumerate(ids):
         try:
             target.check_prompt(p, req.max_new)

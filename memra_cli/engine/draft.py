@@ -74,9 +74,24 @@ class DraftKV:
 
     def __init__(self, n_layers: int, cap: int, block: int, n_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.cap, self.block, self.length = cap, block, 0
-        self.k = torch.empty(n_layers, n_kv, cap + block, head_dim, dtype=dtype, device=device)
-        self.v = torch.empty_like(self.k)
+        # zeros, not empty: the static round attends over the whole storage under a mask, and a
+        # masked key must be finite (NaN + -inf is NaN)
+        self.k = torch.zeros(n_layers, n_kv, cap + block, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
         self.positions = torch.zeros(cap + block, dtype=torch.long, device=device)
+        self.graphs: dict = {}  # CUDA graphs captured over this storage (draft_graphs.py)
+        self._free_list: list | None = None  # the drafter's pool to return to on release()
+
+    @property
+    def rows(self) -> int:
+        """Storage rows: `cap` committed rows plus the block's transient rows."""
+        return self.k.shape[2]
+
+    def release(self) -> None:
+        """Hand the storage (and its graphs) back to the drafter's pool; no-op if unpooled."""
+        if self._free_list is not None:
+            free, self._free_list = self._free_list, None
+            free.append(self)
 
     def truncate(self, n: int) -> None:
         assert 0 <= n <= self.length
@@ -97,7 +112,11 @@ class Drafter:
         self.conf_b = extras.get(CONF_B)  # [1]
         self.own_embed = extras.get(OWN_EMBED)
         self.own_lm_head = extras.get(OWN_LM_HEAD)
-        self.rope: RopeTables = rope_tables(self.cfg.rope, self.cfg.head_dim)
+        rope = rope_tables(self.cfg.rope, self.cfg.head_dim)
+        # inv_freq lives on the device: no host-to-device copy per call (none is allowed while a
+        # CUDA graph captures the static round)
+        self.rope: RopeTables = RopeTables(rope.inv_freq.to(device), rope.attention_scaling)
+        self._free_caches: dict[int, list[DraftKV]] = {}  # pooled storages by cap (new_cache)
         self.layouts: tuple[LayerLayout, ...] = census.layers
         self.scale = self.cfg.head_dim ** -0.5
 
@@ -162,17 +181,18 @@ class Drafter:
         return mask
 
     def _block_layer(self, li: int, x: torch.Tensor, q_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     k_pos: torch.Tensor, n_ctx: int, write_kv) -> torch.Tensor:
+                     k_pos: torch.Tensor | None, n_ctx: int, write_kv, mask: torch.Tensor | None = None) -> torch.Tensor:
         """One layer on block rows `x [b, hidden]` at `q_pos [b]`. `write_kv(k_block, v_block)`
         returns all keys/values `[n_kv, n_ctx + b, head_dim]` (ctx rows, then the block's) whose
-        positions are `k_pos [n_ctx + b]`."""
+        positions are `k_pos [n_ctx + b]`; or give the `mask` over whatever it returns."""
         cfg, w = self.cfg, self.layers[li]
         xn = rms_norm(x, w.ln_in, cfg.rms_norm_eps)
         q = apply_rope(self._heads(xn, w.wq, w.q_norm, cfg.num_attention_heads), cos, sin)
         kb = apply_rope(self._heads(xn, w.wk, w.k_norm, cfg.num_key_value_heads), cos, sin)
         vb = linear(xn, w.wv).view(-1, cfg.num_key_value_heads, cfg.head_dim)
         keys, values = write_kv(kb, vb)
-        mask = self._mask(self.layouts[li], q_pos, k_pos, n_ctx)
+        if mask is None:
+            mask = self._mask(self.layouts[li], q_pos, k_pos, n_ctx)
         x = x + linear(gqa_attention(q, keys, values, mask, self.scale), w.wo)
         return x + swiglu(rms_norm(x, w.ln_post, cfg.rms_norm_eps), w.w_gate, w.w_up, w.w_down)
 
@@ -202,9 +222,20 @@ class Drafter:
 
     # ------------------------------------------------------------------- cached path
 
-    def new_cache(self, cap: int) -> DraftKV:
+    def new_cache(self, cap: int, pooled: bool = False) -> DraftKV:
+        """A draft KV cache of `cap` committed rows. `pooled`: from the drafter's pool, with `cap`
+        rounded up to a multiple of 256, so later sessions reuse storages and their CUDA graphs
+        (`DraftKV.release` returns one)."""
         cfg = self.cfg
-        return DraftKV(cfg.num_hidden_layers, cap, cfg.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        if not pooled:
+            return DraftKV(cfg.num_hidden_layers, cap, cfg.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                           self.dtype, self.device)
+        cap = -(-cap // 256) * 256
+        free = self._free_caches.setdefault(cap, [])
+        kv = free.pop() if free else DraftKV(cfg.num_hidden_layers, cap, cfg.block_size, cfg.num_key_value_heads,
+                                             cfg.head_dim, self.dtype, self.device)
+        kv.length, kv._free_list = 0, free
+        return kv
 
     def ingest(self, kv: DraftKV, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append committed rows: taps `[t, n_taps*hidden]` at `positions [t]`. Returns the ctx
@@ -246,6 +277,59 @@ class Drafter:
                 outs.append(x)
         out = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         return DraftStages(out, torch.stack(outs) if keep_layers else None)
+
+    # ------------------------------------------------------------------- static path (CUDA graphs)
+
+    def _static_mask(self, layout: LayerLayout, q_pos: torch.Tensor, keys: torch.Tensor,
+                     start: torch.Tensor) -> torch.Tensor:
+        """`[b, rows]` True = attend, over the whole storage where row index == position: ctx
+        keys `< start`, block keys `[start, start+b)`, nothing later (stale rows). The same rules
+        as `_mask`: sliding layers drop keys `window` or more back, causal layers hide later
+        block rows."""
+        b = q_pos.shape[0]
+        diff = q_pos[:, None] - keys[None, :]
+        mask = (keys < start + b)[None, :].expand(b, -1)
+        if layout.window is not None:
+            mask = mask & (diff < layout.window)
+        if layout.causal_in_block:
+            mask = mask & ((keys < start)[None, :] | (diff >= 0))
+        return mask
+
+    def static_ingest(self, kv: DraftKV, taps: torch.Tensor, start: torch.Tensor) -> None:
+        """`ingest` of exactly `b` rows `taps [b, n_taps*hidden]` at positions `start..start+b-1`
+        (`start` a 0-d device tensor; row index == position), without touching `kv.length`.
+        Rows past the real ones are padding: they land where the next round writes its block."""
+        cfg, b = self.cfg, taps.shape[0]
+        positions = start + torch.arange(b, device=self.device)
+        ctx = self.ctx_features(taps)
+        cos, sin = cos_sin(self.rope, positions, self.dtype)
+        for li, w in enumerate(self.layers):
+            k = apply_rope(self._heads(ctx, w.wk, w.k_norm, cfg.num_key_value_heads), cos, sin)
+            kv.k[li].index_copy_(1, positions, k.transpose(0, 1))
+            v = linear(ctx, w.wv).view(b, cfg.num_key_value_heads, cfg.head_dim)
+            kv.v[li].index_copy_(1, positions, v.transpose(0, 1))
+        kv.positions.index_copy_(0, positions, positions)
+
+    def static_round(self, kv: DraftKV, noise: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """`forward_round` with static shapes for a CUDA graph: block `noise [b, hidden]` at
+        positions `start..start+b-1` (`start` a 0-d device tensor equal to the committed length;
+        row index == position), attending over the whole storage under `_static_mask`.
+        Returns the final-normed hidden `[b, hidden]`."""
+        b = noise.shape[0]
+        positions = start + torch.arange(b, device=self.device)
+        keys = torch.arange(kv.rows, device=self.device)
+        cos, sin = cos_sin(self.rope, positions, self.dtype)
+        x = noise.to(self.dtype)
+        for li in range(len(self.layers)):
+
+            def write(kb, vb, li=li):
+                kv.k[li].index_copy_(1, positions, kb.transpose(0, 1))
+                kv.v[li].index_copy_(1, positions, vb.transpose(0, 1))
+                return kv.k[li], kv.v[li]
+
+            mask = self._static_mask(self.layouts[li], positions, keys, start)
+            x = self._block_layer(li, x, positions, cos, sin, None, 0, write, mask=mask)
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     # ------------------------------------------------------------------- heads
 

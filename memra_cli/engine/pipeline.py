@@ -70,18 +70,35 @@ def resolve_step_width(value: str | None) -> tuple[int | None, str]:
     return int(text), f"target steps: {int(text)} rows (--step-width)"
 
 
-def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | None) -> tuple[bool, str]:
-    """`--cuda-graphs/--no-cuda-graphs` (MEMRA_CUDA_GRAPHS) -> (on, what was applied). Unset: on
-    exactly when the target runs fixed-width steps on CUDA (a graph replays fixed shapes)."""
+DRAFT_GRAPHS_ENV = "MEMRA_DRAFT_GRAPHS"
+
+
+def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | None,
+                        env: dict[str, str] | None = None) -> tuple[bool, bool, str]:
+    """`--cuda-graphs/--no-cuda-graphs` (MEMRA_CUDA_GRAPHS) -> (target steps graphed, drafter
+    rounds graphed, what was applied). Unset: on exactly when the target runs fixed-width steps on
+    CUDA (a graph replays fixed shapes). Drafter rounds are graphed only with MEMRA_DRAFT_GRAPHS=1
+    (experimental: docs/perf.md)."""
     possible = device.type == "cuda" and width is not None
+    draft_env = (env or {}).get(DRAFT_GRAPHS_ENV, "")
+    if draft_env not in ("", "0", "1"):
+        raise ConfigError(f"{DRAFT_GRAPHS_ENV}={draft_env!r}: expected 0 or 1")
     if flag is None:
         why = "on CUDA with fixed-width steps" if possible else (
             "not on CUDA" if device.type != "cuda" else "variable-width steps")
-        return possible, f"CUDA graphs {'on' if possible else 'off'} (default: {why}; --cuda-graphs)"
-    if flag and not possible:
-        raise ConfigError(f"--cuda-graphs needs --device cuda and a fixed --step-width (device {device}, "
-                          f"step width {'variable' if width is None else width})")
-    return flag, f"CUDA graphs {'on' if flag else 'off'} (--cuda-graphs)"
+        on, note = possible, f"CUDA graphs {'on' if possible else 'off'} (default: {why}; --cuda-graphs)"
+    else:
+        if flag and not possible:
+            raise ConfigError(f"--cuda-graphs needs --device cuda and a fixed --step-width (device {device}, "
+                              f"step width {'variable' if width is None else width})")
+        on, note = flag, f"CUDA graphs {'on' if flag else 'off'} (--cuda-graphs)"
+    if draft_env == "1" and not on:
+        raise ConfigError(f"{DRAFT_GRAPHS_ENV}=1 needs the target's CUDA graphs on ({note})")
+    drafter = on and draft_env == "1"
+    if on:
+        note += ", drafter rounds graphed (MEMRA_DRAFT_GRAPHS=1, experimental)" if drafter else \
+            ", drafter rounds eager (MEMRA_DRAFT_GRAPHS=1 graphs them, experimental)"
+    return on, drafter, note
 
 
 def resolve_program(mode: str, census: Census, settings: PolicySettings, markov: bool | None,

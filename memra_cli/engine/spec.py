@@ -76,16 +76,47 @@ class DrafterProposer:
         self.drafter, self.target, self.program = drafter, target, program
         cfg = drafter.cfg
         self.block_ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=target.device)
+        # the round's drafter side graphed too, when the target says so (draft_graphs.py)
+        self.graphs = bool(getattr(target, "draft_graphs", False))
         self.kv = drafter.new_cache(1)
 
     def reset(self, capacity: int) -> None:
-        self.kv = self.drafter.new_cache(capacity)
+        self.kv = self.drafter.new_cache(capacity, pooled=self.graphs)
+
+    def release(self) -> None:
+        """The session is over: a pooled draft cache (and its graphs) goes to the next one."""
+        self.kv.release()
 
     def ingest(self, taps: torch.Tensor, positions: torch.Tensor) -> None:
-        for lo in range(0, taps.shape[0], PRIME_CHUNK):
+        """Append committed rows. Graphed (after the prompt, at most a block of rows), the rows
+        go at `kv.length..` (`positions` unread: a Session always ingests contiguously)."""
+        t, b = taps.shape[0], self.program.block_size
+        if self.graphs and self.kv.length > 0 and t <= b:
+            from memra_cli.engine.draft import DraftCapacityError
+            from memra_cli.engine.draft_graphs import IngestGraph
+
+            if self.kv.length + t > self.kv.cap:
+                raise DraftCapacityError(f"draft KV cache full: {self.kv.length} + {t} rows > capacity {self.kv.cap}")
+            key = ("ingest", taps.shape[1])
+            graph = self.kv.graphs.get(key)
+            if graph is None:
+                graph = self.kv.graphs[key] = IngestGraph(self.drafter, self.kv, taps.shape[1])
+            graph.run(taps, self.kv.length)
+            self.kv.length += t
+            return
+        for lo in range(0, t, PRIME_CHUNK):
             self.drafter.ingest(self.kv, taps[lo : lo + PRIME_CHUNK], positions[lo : lo + PRIME_CHUNK])
 
     def propose(self, last: torch.Tensor, start: int, want_raws: bool) -> Proposal:
+        if self.graphs:
+            from memra_cli.engine.draft_graphs import ProposeGraph
+
+            assert self.kv.length == start, (self.kv.length, start)  # row index == position
+            key = ("propose", self.program, want_raws)  # drafters (and their pools) are shared by arms
+            graph = self.kv.graphs.get(key)
+            if graph is None:
+                graph = self.kv.graphs[key] = ProposeGraph(self, self.kv, want_raws)
+            return Proposal(*graph.run(last, start))
         p, b = self.program, self.program.block_size
         self.block_ids[0] = last[0]
         noise = self.target.embed(self.block_ids)
@@ -102,6 +133,22 @@ class DrafterProposer:
             prev = torch.cat([last.reshape(1), drafts[:-1]])
             raws = self.drafter.confidence_raw(rows, prev)
         return Proposal(drafts, raws)
+
+    def static_proposal(self, kv, last: torch.Tensor, tail: torch.Tensor, start: torch.Tensor,
+                        want_raws: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`propose` with static shapes (the body of a ProposeGraph): `last [1]`, the block's
+        mask ids `tail [b-1]`, `start` a 0-d device tensor -> drafts `[n_drafts]` and raws
+        `[n_drafts]` or None. Reads only its arguments and long-lived weights."""
+        p = self.program
+        noise = self.target.embed(torch.cat([last.reshape(1), tail]))
+        hidden = self.drafter.static_round(kv, noise, start)
+        rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
+        logits = self.target.logits(rows)
+        drafts = self.drafter.markov_chain(logits, last) if p.markov else torch.argmax(logits, dim=-1)
+        raws = None
+        if want_raws:
+            raws = self.drafter.confidence_raw(rows, torch.cat([last.reshape(1), drafts[:-1]]))
+        return drafts, raws
 
 
 class Session:
@@ -155,8 +202,10 @@ class Session:
         out: list[int] = []
         while len(out) < n and not self.finished:
             out += self._round()
-        if self.finished:
-            self.cache.release()  # a pooled storage (CUDA graphs) goes to the next session
+        if self.finished:  # pooled storages (CUDA graphs) go to the next session
+            self.cache.release()
+            if self.proposer is not None and hasattr(self.proposer, "release"):
+                self.proposer.release()
         self.stats.wall_s = time.perf_counter() - self._t0
         self.stats.tokens = len(self.tokens)
         return out

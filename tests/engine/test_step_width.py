@@ -175,3 +175,93 @@ def test_cuda_graph_sessions_reuse_the_pooled_storage_and_stay_exact(target_dir,
         out_a += a.burst(3)
         out_b += b.burst(5)
     assert out_a == plain and out_b == plain
+
+
+# --------------------------------------------------------------------------- the drafter's static path
+
+
+@pytest.mark.parametrize("fmt", ["zlab", "deepspec"])
+def test_static_draft_round_and_ingest_match_the_eager_ones(target_dir, tmp_path, fmt):
+    """The graphed drafter runs `static_round` / `static_ingest` (whole-storage attention under a
+    mask from device positions): they must draft and store what the eager cached path does, with
+    a sliding, causal-in-block layer whose window is shorter than the context."""
+    target = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
+    extra = {} if fmt == "zlab" else dict(markov_rank=16, confidence="markov")
+    draft = make_tiny_draft(tmp_path / fmt, fmt, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
+                            block_size=16, target_layer_ids=(0, 2), num_target_layers=3,
+                            layer_types=("sliding_attention", "full_attention"), sliding_window=9, **extra)
+    mode = "dflash" if fmt == "zlab" else "dspark"
+    session = prepare(target, _ids(30, 8).tolist(), 60, draft_path=draft, mode=mode, settings=PolicySettings(),
+                      eos_ids=()).session
+    session.burst(12)
+    proposer, start, last = session.proposer, session.cache.length, session.last
+    kv = proposer.kv
+    assert kv.length == start
+    want_raws = proposer.program.window.is_confidence
+    eager = proposer.propose(last, start, want_raws)
+    drafts, raws = proposer.static_proposal(kv, last, proposer.block_ids[1:], torch.tensor(start), want_raws)
+    assert torch.equal(drafts, eager.drafts)
+    if want_raws:
+        assert torch.allclose(raws, eager.raws, rtol=1e-5, atol=1e-5)
+    hidden_eager = proposer.drafter.forward_round(kv, target.embed(proposer.block_ids),
+                                                  torch.arange(start, start + 16)).hidden_out
+    hidden_static = proposer.drafter.static_round(kv, target.embed(proposer.block_ids), torch.tensor(start))
+    assert ((hidden_static - hidden_eager).norm() / hidden_eager.norm()).item() < 1e-5
+    # ingest: 3 real rows (and 13 padding rows) statically == 3 rows eagerly, on the real rows
+    taps = torch.randn(16, 2 * 128, generator=torch.Generator().manual_seed(0))
+    k_before = kv.k.clone()
+    proposer.drafter.ingest(kv, taps[:3], torch.arange(start, start + 3))
+    k_eager = kv.k[:, :, start:start + 3].clone()
+    kv.k.copy_(k_before)
+    proposer.drafter.static_ingest(kv, torch.cat([taps[:3], taps[2:3].expand(13, -1)]), torch.tensor(start))
+    assert torch.allclose(kv.k[:, :, start:start + 3], k_eager, rtol=1e-6, atol=1e-6)
+    assert torch.equal(kv.k[:, :, :start], k_before[:, :, :start])  # committed rows untouched
+
+
+@pytest.mark.gpu
+@cuda
+def test_graphed_rounds_keep_the_eager_tau_and_stay_exact(target_dir, tmp_path):
+    """Graphed drafter rounds: every stream equals plain greedy, and (f32) the accepted counts are
+    the eager proposer's, so the graphs draft what the eager drafter drafts."""
+    draft = make_tiny_draft(tmp_path / "d", "deepspec", hidden=128, heads=4, kv_heads=2, head_dim=32,
+                            intermediate=256, block_size=16, target_layer_ids=(0, 2), num_target_layers=3,
+                            markov_rank=16, confidence="markov", layer_types=("sliding_attention", "full_attention"),
+                            sliding_window=9)
+    graphed = Qwen3Target.from_dir(target_dir, device="cuda", step_width=WIDTH)
+    graphed.set_cuda_graphs(True, drafter=True)
+    eager = Qwen3Target.from_dir(target_dir, device="cuda", step_width=WIDTH)
+    for seed in range(3):
+        prompt = _ids(20 + 9 * seed, 30 + seed).tolist()
+        plain = greedy_reference(eager, prompt, 48)
+        for vt in ("ladder", "confidence-slot"):
+            s_g = prepare(graphed, prompt, 48, draft_path=draft, mode="dspark", settings=PolicySettings(vt=vt),
+                          eos_ids=()).session
+            s_e = prepare(eager, prompt, 48, draft_path=draft, mode="dspark", settings=PolicySettings(vt=vt),
+                          eos_ids=()).session
+            assert s_g.run() == plain == s_e.run(), (seed, vt)
+            assert s_g.stats.accept_hist == s_e.stats.accept_hist, (seed, vt)
+            assert s_g.proposer.kv.graphs  # the rounds really were graphed
+            # the session is gone, its storages and graphs live on in the pools: nothing a graph
+            # reads may have belonged to the session (freed memory here gets scribbled over)
+            del s_g
+            junk = torch.full((1 << 22,), 1 << 30, dtype=torch.long, device="cuda")
+            del junk
+
+
+def test_resolve_cuda_graphs_rules():
+    from memra_cli.engine.pipeline import resolve_cuda_graphs
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    on, drafter, note = resolve_cuda_graphs(None, gpu, 16, {})
+    assert (on, drafter) == (True, False) and "default: on CUDA with fixed-width steps" in note
+    assert "drafter rounds eager" in note
+    assert resolve_cuda_graphs(None, gpu, 16, {"MEMRA_DRAFT_GRAPHS": "1"})[:2] == (True, True)
+    assert resolve_cuda_graphs(None, gpu, None, {})[:2] == (False, False)  # variable widths: no graph
+    assert resolve_cuda_graphs(None, cpu, 16, {})[:2] == (False, False)
+    assert resolve_cuda_graphs(False, gpu, 16, {})[:2] == (False, False)
+    for args, match in (((True, cpu, 16, {}), "needs --device cuda"),
+                        ((True, gpu, None, {}), "fixed --step-width"),
+                        ((None, gpu, 16, {"MEMRA_DRAFT_GRAPHS": "on"}), "expected 0 or 1"),
+                        ((False, gpu, 16, {"MEMRA_DRAFT_GRAPHS": "1"}), "needs the target's CUDA graphs on")):
+        with pytest.raises(ConfigError, match=match):
+            resolve_cuda_graphs(*args)

@@ -5,8 +5,9 @@ microseconds each, queued by Python slower than the GPU runs them. `Qwen3Target.
 has static shapes and takes its positions as a device tensor, so one capture replays every later
 step of a session with a single launch.
 
-A graph binds the addresses it was captured with: the cache storage (K/V), the rope tables, the
-weights, and its own input and output buffers. So there is one graph per cache storage and taps
+A graph binds the addresses it was captured with: the cache storage (K/V), the rope tables (made
+once at full length when graphs are switched on, never replaced), the weights, and its own input
+and output buffers: nothing it reads may belong to a session. So there is one graph per cache storage and taps
 tuple, kept on the cache (`KVCache.step_graphs`). With graphs on, caches come from the target's
 pool, so the next session reuses the storage and its graphs rather than capturing again.
 

@@ -193,6 +193,7 @@ class Qwen3Target:
         self.cfg = cfg
         self.step_width = step_width  # rows per step after the prefill; None = each step's own width
         self.cuda_graphs = False  # replay fixed-width steps as CUDA graphs (set_cuda_graphs)
+        self.draft_graphs = False  # and the drafter side of rounds over this target
         self._free_caches: dict[int, list[KVCache]] = {}  # pooled storages by length (graphs only)
         self.embed_weight = embed  # [vocab, hidden]
         self.layers = layers
@@ -233,17 +234,26 @@ class Qwen3Target:
         self.step_width = width
         self._free_caches.clear()
         if width is None:
-            self.cuda_graphs = False
+            self.cuda_graphs = self.draft_graphs = False
 
-    def set_cuda_graphs(self, on: bool) -> None:
+    def set_cuda_graphs(self, on: bool, drafter: bool = False) -> None:
         """Replay every fixed-width step as a CUDA graph captured once per cache storage (and
         taps). Needs CUDA and a step width: a graph replays fixed shapes. Caches then come from
-        a pool (`KVCache.release` returns them), so sessions reuse storages and their graphs."""
+        a pool (`KVCache.release` returns them), so sessions reuse storages and their graphs.
+        `drafter`: the proposers of sessions over this target graph their rounds too
+        (engine/draft_graphs.py; experimental: see docs/perf.md)."""
         if on and (self.device.type != "cuda" or self.step_width is None):
             raise ConfigError("CUDA graphs need the target on a CUDA device and a fixed step width "
                               f"(device {self.device}, step width {self.step_width})")
         self.cuda_graphs = bool(on)
+        self.draft_graphs = bool(on and drafter)
         self._free_caches.clear()
+        if on:
+            # Graphs read the rope tables by address: make them once at their largest (every
+            # pooled length fits), so a later, longer session never replaces a captured table.
+            rows = -(-(self.cfg.max_position_embeddings + self.step_width) // CACHE_BUCKET) * CACHE_BUCKET
+            if self._cos.shape[0] < rows:
+                self._cos, self._sin = cos_sin(self._rope, torch.arange(rows, device=self.device), self.dtype)
 
     # ----------------------------------------------------------------------- shape facts
 

@@ -1,0 +1,79 @@
+"""CUDA graphs of the drafter's side of a round: the proposal, and the ingest of kept rows.
+
+Once the target's steps are graphed, an eager drafter round costs more than the graphed target
+step it feeds. The forward is a few layers, then the lm_head, a 16-step markov chain and the
+confidence head, and the ingest comes after. Each is hundreds of launches of microsecond
+kernels. Both parts have static shapes in `Drafter.static_round` / `static_ingest`. Row index
+equals position in a session's draft cache, and the committed length arrives as a device tensor.
+So each part is captured once per cache storage and replayed every round.
+
+- `ProposeGraph`: `last [1]`, `start` -> drafts `[n_drafts]` (+ confidence raws). It runs the
+  same ops as `DrafterProposer.propose`, with the static round in place of `forward_round`.
+- `IngestGraph`: exactly `b` tap rows at `start..start+b-1`. The session keeps `m+1 <= b` of
+  them. The padding rows land at positions the next round's block K/V overwrite before any
+  query can see them.
+
+Warm-up and capture write at the storage's block slack `[cap, cap+b)`, which never holds
+committed rows. Drafts never decide a committed token: the target does. So a graphed proposal
+that differed from an eager one in the last bits would cost acceptance, never exactness.
+`tests/engine/test_step_width.py` checks that the static path drafts what the eager one does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _capture(fn, dev: torch.device):
+    """Warm `fn` up twice on a side stream, then capture it; returns (graph, fn's outputs)."""
+    side = torch.cuda.Stream(device=dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+class ProposeGraph:
+    """One round's proposal over one draft cache storage, captured once."""
+
+    def __init__(self, proposer, kv, want_raws: bool):
+        dev = proposer.target.device
+        # Every tensor the graph reads must outlive it: the graph stays with the pooled storage
+        # while the proposer that captured it (and its buffers) goes with its session. So the
+        # graph owns its inputs, the block's mask-id tail included.
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.tail = proposer.block_ids[1:].clone()
+        self.start = torch.tensor(kv.cap, dtype=torch.long, device=dev)  # capture in the slack
+        self.graph, self.out = _capture(
+            lambda: proposer.static_proposal(kv, self.last, self.tail, self.start, want_raws), dev)
+
+    def run(self, last: torch.Tensor, start: int):
+        self.last.copy_(last.reshape(1))
+        self.start.fill_(start)
+        self.graph.replay()
+        drafts, raws = self.out
+        return drafts.clone(), (None if raws is None else raws.clone())
+
+
+class IngestGraph:
+    """The ingest of `b` rows of taps over one draft cache storage, captured once."""
+
+    def __init__(self, drafter, kv, taps_width: int):
+        dev = drafter.device
+        b = drafter.cfg.block_size
+        self.taps = torch.zeros(b, taps_width, dtype=drafter.dtype, device=dev)
+        self.start = torch.tensor(kv.cap, dtype=torch.long, device=dev)
+        self.graph, _ = _capture(lambda: drafter.static_ingest(kv, self.taps, self.start), dev)
+
+    def run(self, taps: torch.Tensor, start: int) -> None:
+        n = taps.shape[0]
+        self.taps[:n].copy_(taps)
+        if n < self.taps.shape[0]:
+            self.taps[n:].copy_(taps[-1:].expand(self.taps.shape[0] - n, -1))
+        self.start.fill_(start)
+        self.graph.replay()
