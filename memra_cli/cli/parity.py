@@ -43,7 +43,9 @@ def parity(
     full-context forward (`full`) and the cached path (`cached`: ingest the ctx rows, then the
     block round), and compares every stage the oracle holds: ctx_features, layer_out,
     hidden_out, draft_logits, markov_tokens, confidence_raw. Prints the receipts, then max-abs,
-    relative L2, argmax agreement and the threshold of the precision policy per stage and path.
+    relative L2, argmax agreement and the threshold of the precision policy per stage and path
+    (confidence_raw's relative L2 has its denominator floored at the head's scale, since its
+    b scores can cancel: docs/oracle-format.md). Notes follow the table.
 
     With --make-oracle OUT.npz it writes an oracle instead, from a plain-torch float64 drafter
     built on transformers' Qwen3 blocks (independent of the engine's code path).
