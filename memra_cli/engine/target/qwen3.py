@@ -251,9 +251,15 @@ class Qwen3Target:
         if on:
             # Graphs read the rope tables by address: make them once at their largest (every
             # pooled length fits), so a later, longer session never replaces a captured table.
-            rows = -(-(self.cfg.max_position_embeddings + self.step_width) // CACHE_BUCKET) * CACHE_BUCKET
-            if self._cos.shape[0] < rows:
-                self._cos, self._sin = cos_sin(self._rope, torch.arange(rows, device=self.device), self.dtype)
+            self._ensure_rope_rows(-(-(self.cfg.max_position_embeddings + self.step_width) // CACHE_BUCKET) * CACHE_BUCKET)
+
+    def _ensure_rope_rows(self, rows: int) -> None:
+        """cos/sin tables reaching at least `rows` positions (grown, never shrunk)."""
+        if self._cos.shape[0] < rows:
+            # Same float32 product as transformers (position * inv_freq), then cast: slicing the
+            # table later gives exactly the values a per-call computation would.
+            positions = torch.arange(rows, device=self.device)
+            self._cos, self._sin = cos_sin(self._rope, positions, self.dtype)
 
     # ----------------------------------------------------------------------- shape facts
 
@@ -325,11 +331,7 @@ class Qwen3Target:
         rows = max_len + (self.step_width or 0)
         if self.cuda_graphs:  # pooled, in buckets, so the next session finds a storage (and graphs)
             rows = -(-rows // CACHE_BUCKET) * CACHE_BUCKET
-        if self._cos.shape[0] < rows:
-            # Same float32 product as transformers (position * inv_freq), then cast: slicing the
-            # table later gives exactly the values a per-call computation would.
-            positions = torch.arange(rows, device=self.device)
-            self._cos, self._sin = cos_sin(self._rope, positions, self.dtype)
+        self._ensure_rope_rows(rows)
         if not self.cuda_graphs:
             return KVCache(self.n_layers, self.n_kv, rows, self.head_dim, self.dtype, self.device)
         free = self._free_caches.setdefault(rows, [])
