@@ -23,19 +23,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _capture(fn, dev: torch.device):
-    """Warm `fn` up twice on a side stream, then capture it; returns (graph, fn's outputs)."""
-    side = torch.cuda.Stream(device=dev)
-    side.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(dev).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
+from memra_cli.engine import cuda_graphs
 
 
 class ProposeGraph:
@@ -49,7 +37,7 @@ class ProposeGraph:
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
         self.tail = proposer.block_ids[1:].clone()
         self.start = torch.tensor(kv.cap, dtype=torch.long, device=dev)  # capture in the slack
-        self.graph, self.out = _capture(
+        self.graph, self.out = cuda_graphs.capture(
             lambda: proposer.static_proposal(kv, self.last, self.tail, self.start, want_raws), dev)
 
     def run(self, last: torch.Tensor, start: int):
@@ -68,7 +56,7 @@ class IngestGraph:
         b = drafter.cfg.block_size
         self.taps = torch.zeros(b, taps_width, dtype=drafter.dtype, device=dev)
         self.start = torch.tensor(kv.cap, dtype=torch.long, device=dev)
-        self.graph, _ = _capture(lambda: drafter.static_ingest(kv, self.taps, self.start), dev)
+        self.graph, _ = cuda_graphs.capture(lambda: drafter.static_ingest(kv, self.taps, self.start), dev)
 
     def run(self, taps: torch.Tensor, start: int) -> None:
         n = taps.shape[0]

@@ -265,3 +265,86 @@ def test_resolve_cuda_graphs_rules():
                         ((False, gpu, 16, {"MEMRA_DRAFT_GRAPHS": "1"}), "needs the target's CUDA graphs on")):
         with pytest.raises(ConfigError, match=match):
             resolve_cuda_graphs(*args)
+
+
+# --------------------------------------------------------------------------- graph plumbing on the CPU
+
+
+def _tensors(out):
+    if out is None:
+        return []
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for item in out for t in _tensors(item)]
+
+
+@pytest.fixture
+def eager_graphs(monkeypatch):
+    """`cuda_graphs.capture` swapped for an eager stand-in: replay reruns the function and copies
+    its results into the outputs of the first run, as a real graph writes into its buffers. The
+    list records every capture."""
+    from memra_cli.engine import cuda_graphs
+
+    captures = []
+
+    def capture(fn, device):
+        out = fn()
+
+        class Replay:
+            def replay(self):
+                for mine, fresh in zip(_tensors(out), _tensors(fn())):
+                    mine.copy_(fresh)
+
+        captures.append(fn)
+        return Replay(), out
+
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    return captures
+
+
+@pytest.mark.parametrize("spec", ["dflash", "dspark"])
+def test_graph_plumbing_runs_exact_sessions_and_reuses_pools(target_dir, tmp_path, eager_graphs, spec):
+    """Target steps and drafter rounds through StepGraph / ProposeGraph / IngestGraph (replayed
+    eagerly): streams equal plain greedy, drafts and acceptance equal the eager drafter's, and a
+    second session reuses the pooled storages with no new capture."""
+    graphed = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
+    graphed.cuda_graphs = graphed.draft_graphs = True  # what set_cuda_graphs(True, drafter=True) sets on CUDA
+    eager = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
+    fmt = "zlab" if spec == "dflash" else "deepspec"
+    extra = {} if spec == "dflash" else dict(markov_rank=16, confidence="markov")
+    draft = make_tiny_draft(tmp_path / spec, fmt, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
+                            block_size=16, target_layer_ids=(0, 2), num_target_layers=3,
+                            layer_types=("sliding_attention", "full_attention"), sliding_window=9, **extra)
+    prompt = _ids(25, 40).tolist()
+    plain = greedy_reference(eager, prompt, 50)
+
+    from memra_cli.engine.pipeline import load_setup, resolve_spec
+
+    def setup(target):  # loaded once, as bench loads each arm once: one drafter, one pool
+        resolved = resolve_spec(target, draft_path=draft, mode=spec, settings=PolicySettings())
+        return load_setup(target, resolved, eos_ids=())
+
+    graphed_setup = setup(graphed)
+
+    def run(target):
+        s = (graphed_setup if target is graphed else setup(target)).session(prompt, 50)
+        return s, s.run()
+
+    s_eager, out_eager = run(eager)
+    s1, out1 = run(graphed)
+    assert out1 == plain == out_eager
+    assert s1.stats.accept_hist == s_eager.stats.accept_hist and s1.stats.rounds == s_eager.stats.rounds
+    # the graphed ingests stored what the eager ones did, row for row (a random drafter is rarely
+    # accepted, so the streams alone would not see a misplaced ingest)
+    n_ctx = s_eager.proposer.kv.length
+    assert s1.proposer.kv.length == n_ctx
+    for a, b in ((s1.proposer.kv.k, s_eager.proposer.kv.k), (s1.proposer.kv.v, s_eager.proposer.kv.v)):
+        assert torch.allclose(a[:, :, :n_ctx], b[:, :, :n_ctx], rtol=1e-5, atol=1e-6)
+    kinds = {key[0] for key in s1.proposer.kv.graphs}
+    assert kinds == {"propose", "ingest"} and tuple(s1.taps) in s1.cache.step_graphs
+    n = len(eager_graphs)
+    storages = (s1.cache.kv.data_ptr(), s1.proposer.kv.k.data_ptr())
+    s2, out2 = run(graphed)
+    assert out2 == plain and len(eager_graphs) == n  # no new capture
+    assert (s2.cache.kv.data_ptr(), s2.proposer.kv.k.data_ptr()) == storages
+    assert greedy_reference(graphed, prompt, 50) == plain  # plain decode through a graph too

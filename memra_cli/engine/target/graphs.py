@@ -23,6 +23,8 @@ from typing import Sequence
 
 import torch
 
+from memra_cli.engine import cuda_graphs
+
 
 class StepGraph:
     """`static_step` over one cache storage, captured once, replayed per step."""
@@ -36,15 +38,8 @@ class StepGraph:
         # capture at the slack rows: nothing real lives there (see the module docstring)
         self.positions = self._arange + (cache.max_len - width)
         taps = tuple(taps) or None
-        side = torch.cuda.Stream(device=dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(2):  # lazy inits (cuBLAS handles, workspaces) before the capture
-                target.static_step(self.ids, self.positions, cache, taps)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits, self.taps = target.static_step(self.ids, self.positions, cache, taps)
+        self.graph, (self.logits, self.taps) = cuda_graphs.capture(
+            lambda: target.static_step(self.ids, self.positions, cache, taps), dev)
 
     def run(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Step `ids [W]` at `start..start+W-1`: (logits `[W, vocab]`, taps or None), copied

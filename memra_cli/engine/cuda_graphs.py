@@ -1,0 +1,32 @@
+"""The one place that captures CUDA graphs (target steps: target/graphs.py; drafter rounds:
+draft_graphs.py).
+
+`capture(fn, device)` warms `fn` up twice on a side stream, which runs lazy inits such as cuBLAS
+handles and workspaces outside the capture. It then records `fn` into a graph and returns
+`(graph, fn's outputs)`. `graph.replay()` reruns the recorded kernels, which write into those
+same output tensors.
+
+Tests swap this function for an eager stand-in (`graph.replay()` calls `fn` again and copies the
+results into the first outputs). The replay plumbing of every graph (input buffers, padding,
+pooled storages, copies out) then runs on the CPU too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+def capture(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
+    """Capture `fn` (no host syncs, no host-to-device copies, static shapes) as a CUDA graph."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
