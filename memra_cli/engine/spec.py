@@ -62,6 +62,7 @@ class Proposer(Protocol):
     def reset(self, capacity: int) -> None: ...
     def ingest(self, taps: torch.Tensor, positions: torch.Tensor) -> None: ...
     def propose(self, last: torch.Tensor, start: int, want_raws: bool) -> Proposal: ...
+    def release(self) -> None: ...  # the session is over (pooled caches go back)
 
 
 class DrafterProposer:
@@ -117,31 +118,18 @@ class DrafterProposer:
             if graph is None:
                 graph = self.kv.graphs[key] = ProposeGraph(self, self.kv, want_raws)
             return Proposal(*graph.run(last, start))
-        p, b = self.program, self.program.block_size
+        b = self.program.block_size
         self.block_ids[0] = last[0]
         noise = self.target.embed(self.block_ids)
         positions = torch.arange(start, start + b, device=self.target.device)
         hidden = self.drafter.forward_round(self.kv, noise, positions).hidden_out
-        rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
-        logits = self.target.logits(rows)
-        if p.markov:
-            drafts = self.drafter.markov_chain(logits, last)
-        else:
-            drafts = torch.argmax(logits, dim=-1)
-        raws = None
-        if want_raws:
-            prev = torch.cat([last.reshape(1), drafts[:-1]])
-            raws = self.drafter.confidence_raw(rows, prev)
-        return Proposal(drafts, raws)
+        return Proposal(*self._drafts(hidden, last, want_raws))
 
-    def static_proposal(self, kv, last: torch.Tensor, tail: torch.Tensor, start: torch.Tensor,
-                        want_raws: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`propose` with static shapes (the body of a ProposeGraph): `last [1]`, the block's
-        mask ids `tail [b-1]`, `start` a 0-d device tensor -> drafts `[n_drafts]` and raws
-        `[n_drafts]` or None. Reads only its arguments and long-lived weights."""
+    def _drafts(self, hidden: torch.Tensor, last: torch.Tensor,
+                want_raws: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Block hidden `[b, hidden]` -> drafts `[n_drafts]` (harvested rows through the target's
+        lm_head, then the markov chain or argmax) and, when asked, confidence raws `[n_drafts]`."""
         p = self.program
-        noise = self.target.embed(torch.cat([last.reshape(1), tail]))
-        hidden = self.drafter.static_round(kv, noise, start)
         rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
         logits = self.target.logits(rows)
         drafts = self.drafter.markov_chain(logits, last) if p.markov else torch.argmax(logits, dim=-1)
@@ -149,6 +137,14 @@ class DrafterProposer:
         if want_raws:
             raws = self.drafter.confidence_raw(rows, torch.cat([last.reshape(1), drafts[:-1]]))
         return drafts, raws
+
+    def static_proposal(self, kv, last: torch.Tensor, tail: torch.Tensor, start: torch.Tensor,
+                        want_raws: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`propose` with static shapes (the body of a ProposeGraph): `last [1]`, the block's
+        mask ids `tail [b-1]`, `start` a 0-d device tensor -> drafts `[n_drafts]` and raws
+        `[n_drafts]` or None. Reads only its arguments and long-lived weights."""
+        noise = self.target.embed(torch.cat([last.reshape(1), tail]))
+        return self._drafts(self.drafter.static_round(kv, noise, start), last, want_raws)
 
 
 class Session:
@@ -174,6 +170,7 @@ class Session:
         self.vt = program.verify_cap if program else 1
         self.last: torch.Tensor | None = None
         self._t0 = 0.0
+        self._released = False  # caches handed back (once, when the stream ends)
 
     @property
     def position(self) -> int:
@@ -202,9 +199,10 @@ class Session:
         out: list[int] = []
         while len(out) < n and not self.finished:
             out += self._round()
-        if self.finished:  # pooled storages (CUDA graphs) go to the next session
+        if self.finished and not self._released:  # pooled storages (CUDA graphs) go to the next session
+            self._released = True
             self.cache.release()
-            if self.proposer is not None and hasattr(self.proposer, "release"):
+            if self.proposer is not None:
                 self.proposer.release()
         self.stats.wall_s = time.perf_counter() - self._t0
         self.stats.tokens = len(self.tokens)

@@ -142,6 +142,11 @@ def test_cuda_graphs_refused_without_cuda(pair):
         "error: --cuda-graphs needs --device cuda and a fixed --step-width (device cpu, step width 16)")
     obj = json.loads(run("--target", target, "--prompt-ids", "1", "--no-cuda-graphs", "--json").stdout)
     assert obj["cuda_graphs"] is False
+    for value, message in (("yes", "error: MEMRA_DRAFT_GRAPHS='yes': expected 0 or 1"),
+                           ("1", "error: MEMRA_DRAFT_GRAPHS=1 needs the target's CUDA graphs on")):
+        r = run("--target", target, "--prompt-ids", "1", env={"MEMRA_DRAFT_GRAPHS": value})
+        assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.output
+        assert r.stderr.startswith(message)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

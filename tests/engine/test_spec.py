@@ -85,6 +85,10 @@ class OracleProposer:
         self.wrong = wrong if callable(wrong) else (lambda r, s=list(wrong): s[r] if r < len(s) else set())
         self.raws = raws
         self.reset(0)
+        self.released = 0  # Session.release calls (once, when the stream ends)
+
+    def release(self) -> None:
+        self.released += 1
 
     def reset(self, capacity: int) -> None:
         self.round, self.ingested, self.taps, self.capacity = 0, 0, [], capacity
@@ -390,11 +394,15 @@ def test_bursts_concatenate_to_the_run_stream(world, ckpts):
 
 def test_bursts_with_the_oracle_and_eos(world):
     pi, j, eos = pick_eos(world, lambda j: j >= 10 and j % 8 in (2, 3, 4, 5))
-    session, _ = oracle_session(world, pi, 40, PARTIAL, eos=[eos])
+    session, oracle = oracle_session(world, pi, 40, PARTIAL, eos=[eos])
     got = []
     while not session.finished:
+        assert oracle.released == 0  # not while the stream goes on
         got += session.burst(2)
     assert got == world.truths[pi][: j + 1] == session.tokens
+    assert oracle.released == 1  # the stream ended at EOS: the proposer let go of its cache, once
+    session.burst(2)
+    assert oracle.released == 1
 
 
 # --------------------------------------------------------------------------- the real drafter

@@ -465,9 +465,6 @@ class Qwen3Target:
         """Rows `ids [t]` at `start..`: argmax per row `[t]` and taps `[t, n_taps*hidden]`.
 
         Plain decode is a verify of one row. With `step_width` W, runs as W-row steps (below)."""
-        if self.step_width is None:
-            hidden, tapped = self.forward(ids, start, cache, taps)
-            return self.argmax(hidden), tapped
         logits, tapped = self.step_logits(ids, start, cache, taps)
         return torch.argmax(logits, dim=-1), tapped
 
