@@ -89,7 +89,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     total = build(a.dir, a)
-    from memra_cli.engine.census import take_census
+    from memra_cli.engine.formats.census import take_census
 
     take_census(a.dir)  # warm imports
     inproc = []

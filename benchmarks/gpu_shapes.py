@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from memra_cli.engine.config import parse_target_config
-from memra_cli.engine.policy import PolicySettings
-from memra_cli.engine.target.qwen3 import LayerWeights, Qwen3Target
-from memra_cli.engine.pipeline import prepare
+from memra_cli.engine.formats.config import parse_target_config
+from memra_cli.engine.spec.policy import PolicySettings
+from memra_cli.engine.models.qwen3 import LayerWeights, Qwen3Target
+from memra_cli.engine.api import prepare
 from memra_cli.tiny.draft import make_tiny_draft
 
 SHAPES = {

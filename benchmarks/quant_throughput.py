@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from memra_cli.engine.quant import quantize  # noqa: E402
+from memra_cli.engine.quant.blocks import quantize  # noqa: E402
 
 GG = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 COLS = 4096

@@ -29,8 +29,8 @@ def census(
     non-zero with one `error:` line when the checkpoint would be refused at load.
     """
     from memra_cli.cli import render
-    from memra_cli.engine.census import take_census
-    from memra_cli.engine.policy import resolve_receipts
+    from memra_cli.engine.formats.census import take_census
+    from memra_cli.engine.spec.policy import resolve_receipts
 
     settings = policy_settings(harvest, vt, tau, adapt)
     result = take_census(ckpt)

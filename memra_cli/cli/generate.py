@@ -31,7 +31,7 @@ def _parse_ids(text: str) -> list[int]:
 def _precision(prec: Optional[str], draft: Optional[Path], spec: str):
     """--prec -> (Drafter.load weight_fn or None, the precision to report or None). A GGUF
     drafter is already quantized: it loads as written, and --prec may only repeat its policy."""
-    from memra_cli.engine.precision import check_policy, weight_fn_for
+    from memra_cli.engine.quant.precision import check_policy, weight_fn_for
 
     if prec is not None:
         check_policy(prec)
@@ -39,7 +39,7 @@ def _precision(prec: Optional[str], draft: Optional[Path], spec: str):
         return None, None
     if draft.suffix == ".gguf":
         from memra_cli.engine.errors import PolicyError
-        from memra_cli.engine.gguf_io import open_gguf
+        from memra_cli.engine.formats.gguf import open_gguf
 
         written = open_gguf(draft).policy
         if prec is not None and prec != written:
@@ -81,10 +81,10 @@ def generate(
     import torch
 
     from memra_cli.cli import render
-    from memra_cli.engine.pipeline import (
+    from memra_cli.engine.api import (
         default_drafter_loader, prepare, resolve_cuda_graphs, resolve_device, resolve_dtype, resolve_step_width,
     )
-    from memra_cli.engine.target.qwen3 import Qwen3Target
+    from memra_cli.engine.models.qwen3 import Qwen3Target
     from memra_cli.engine.text import StreamDecoder
 
     target, draft = _default_models(target, draft, spec, json_out)

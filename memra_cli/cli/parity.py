@@ -51,9 +51,9 @@ def parity(
     built on transformers' Qwen3 blocks (independent of the engine's code path).
     """
     from memra_cli.cli import render
-    from memra_cli.engine.census import take_census
+    from memra_cli.engine.formats.census import take_census
     from memra_cli.engine.oracle import OracleError
-    from memra_cli.engine.policy import resolve_receipts
+    from memra_cli.engine.spec.policy import resolve_receipts
 
     if (oracle is None) == (make_oracle is None):
         raise OracleError("give exactly one of ORACLE.npz (to check) or --make-oracle OUT.npz (to write one)")
@@ -81,15 +81,15 @@ def parity(
 def _check(census: Any, oracle_path: Path, target: Optional[Path], prec: Optional[str], dtype: str, device: str) -> dict:
     import torch
 
-    from memra_cli.engine.draft import Drafter
+    from memra_cli.engine.models.drafter import Drafter
     from memra_cli.engine.oracle import parity as run_parity, read_oracle, resolve_precision, target_tables
-    from memra_cli.engine.pipeline import resolve_device
+    from memra_cli.engine.api import resolve_device
 
     oracle = read_oracle(oracle_path)
     dev = resolve_device(device)
     if prec is None and census.checkpoint_format == "gguf":
         # a quantized file is judged by the thresholds of the policy it was written under
-        from memra_cli.engine.gguf_io import open_gguf
+        from memra_cli.engine.formats.gguf import open_gguf
 
         prec = open_gguf(census.path).policy
     policy, dt, weight_fn = resolve_precision(prec, dtype, dev)

@@ -36,10 +36,10 @@ def quantize(
     totals. Nothing is left behind on an error or an interrupt.
     """
     from memra_cli.cli import render
-    from memra_cli.engine.census import take_census
-    from memra_cli.engine.gguf_io import check_out
-    from memra_cli.engine.policy import resolve_receipts
-    from memra_cli.engine.precision import FILE_POLICIES, check_policy
+    from memra_cli.engine.formats.census import take_census
+    from memra_cli.engine.quant.gguf_write import check_out
+    from memra_cli.engine.spec.policy import resolve_receipts
+    from memra_cli.engine.quant.precision import FILE_POLICIES, check_policy
 
     check_policy(policy, FILE_POLICIES, "--policy")
     check_out(out, force)  # before the census: an occupied --out is refused at once
@@ -66,7 +66,7 @@ def _write(out: Path, ckpt: Path, policy: str, force: bool, census: Any):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from memra_cli.cli import render
-    from memra_cli.engine.gguf_io import write_gguf
+    from memra_cli.engine.quant.gguf_write import write_gguf
 
     progress = Progress(TextColumn("quantize"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[name]}"), console=render.err_console, transient=True)

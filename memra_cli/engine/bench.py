@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from memra_cli.engine.errors import MemraError
-from memra_cli.engine.policy import VT_CHOICES, PolicySettings, Receipts
+from memra_cli.engine.spec.policy import VT_CHOICES, PolicySettings, Receipts
 from memra_cli.engine.stats import DecodeStats
 
 ARM_NAMES = ("off", "dflash", "dspark", "auto")
@@ -219,7 +219,7 @@ def _weight_fn(arm: ArmSpec):
     """`prec=` -> a Drafter.load weight_fn (quantize at load, as `--prec` does)."""
     if arm.prec is None:
         return None
-    from memra_cli.engine.precision import weight_fn_for
+    from memra_cli.engine.quant.precision import weight_fn_for
 
     try:
         return weight_fn_for(arm.prec)
@@ -230,7 +230,7 @@ def _weight_fn(arm: ArmSpec):
 def load_arms(target, specs: Sequence[ArmSpec], drafters: Drafters) -> list[Arm]:
     """Resolve every arm through the same code as `memra generate`; each distinct drafter
     (path, prec) is loaded once and shared (each arm keeps its own proposer and program)."""
-    from memra_cli.engine.pipeline import default_drafter_loader, load_setup, resolve_spec
+    from memra_cli.engine.api import default_drafter_loader, load_setup, resolve_spec
 
     loaded: dict[tuple[Path, str | None], object] = {}
     arms = []
@@ -482,9 +482,9 @@ class Bench:
 
 def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench:
     """Validate, load the target once and every arm; tokenize and check every prompt first."""
-    from memra_cli.engine.pipeline import resolve_cuda_graphs, resolve_device, resolve_dtype, resolve_step_width
+    from memra_cli.engine.api import resolve_cuda_graphs, resolve_device, resolve_dtype, resolve_step_width
     from memra_cli.engine.prompts import load_prompts
-    from memra_cli.engine.target.qwen3 import Qwen3Target
+    from memra_cli.engine.models.qwen3 import Qwen3Target
     from memra_cli.engine.text import TextCodec
 
     if req.warmup < 0:

@@ -517,7 +517,7 @@ def resolve_precision(prec: str | None, dtype: str, device: Any) -> tuple[str, A
     """(policy, torch dtype, weight_fn) from --prec / --dtype. Unset --prec follows the dtype."""
     import torch
 
-    from memra_cli.engine.pipeline import resolve_dtype
+    from memra_cli.engine.api import resolve_dtype
 
     if prec is not None and prec not in PRECISIONS:
         raise OracleError(f"--prec {prec}: expected {'|'.join(PRECISIONS)}")
@@ -529,7 +529,7 @@ def resolve_precision(prec: str | None, dtype: str, device: Any) -> tuple[str, A
     dt = resolve_dtype(dtype, device)
     if prec is None:
         return ("f32" if dt == torch.float32 else "bf16"), dt, None
-    from memra_cli.engine.precision import weight_fn_for
+    from memra_cli.engine.quant.precision import weight_fn_for
 
     return prec, dt, weight_fn_for(prec)
 
@@ -540,8 +540,8 @@ def resolve_precision(prec: str | None, dtype: str, device: Any) -> tuple[str, A
 def target_tables(target_dir: Path, dtype: Any, device: Any, hidden: int, embed: bool = True) -> tuple[Any, Any]:
     """(embed [V, hidden] or None, lm_head [V, hidden]) of an HF Qwen3 target, without loading its
     layers. lm_head is the embedding when tie_word_embeddings is set, as HF ties it."""
-    from memra_cli.engine.checkpoint import open_checkpoint
-    from memra_cli.engine.config import load_target_config
+    from memra_cli.engine.formats.checkpoint import open_checkpoint
+    from memra_cli.engine.formats.config import load_target_config
 
     cfg = load_target_config(Path(target_dir))
     if cfg.hidden_size != hidden:

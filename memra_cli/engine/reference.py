@@ -33,9 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from memra_cli.engine.census import CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD, Census, take_census
-from memra_cli.engine.checkpoint import open_checkpoint
-from memra_cli.engine.config import DraftConfig
+from memra_cli.engine.formats.names import CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
+from memra_cli.engine.formats.census import Census, take_census
+from memra_cli.engine.formats.checkpoint import open_checkpoint
+from memra_cli.engine.formats.config import DraftConfig
 from memra_cli.engine.errors import MemraError
 from memra_cli.engine.oracle import FORMAT, target_tables, write_oracle
 

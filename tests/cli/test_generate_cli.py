@@ -11,8 +11,8 @@ import torch
 from typer.testing import CliRunner
 
 from memra_cli.cli.app import app
-from memra_cli.engine.target.greedy import greedy_reference
-from memra_cli.engine.target.qwen3 import Qwen3Target
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
 

@@ -212,7 +212,7 @@ def test_flag_refusals(made, args, match):
 
 def test_a_quantized_gguf_is_judged_by_its_own_policy(made, tmp_path):
     """Parity on a q8 GGUF without --prec uses the file's policy (and its bounds)."""
-    from memra_cli.engine.gguf_io import write_gguf
+    from memra_cli.engine.quant.gguf_write import write_gguf
 
     root, _, _, dspark = made
     out = tmp_path / "d.q8.gguf"

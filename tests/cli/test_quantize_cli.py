@@ -15,8 +15,8 @@ import torch
 from typer.testing import CliRunner
 
 from memra_cli.cli.app import app
-from memra_cli.engine.target.greedy import greedy_reference
-from memra_cli.engine.target.qwen3 import Qwen3Target
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
 
@@ -317,7 +317,7 @@ def test_source_refusals(made, files, tmp_path):
 def test_gguf_bytes_equal_the_gguf_package(made, files):
     """The CLI's file, read back with the gguf package: every quantized tensor equals
     gguf.quants.quantize of the source values."""
-    from memra_cli.engine.checkpoint import open_checkpoint
+    from memra_cli.engine.formats.checkpoint import open_checkpoint
 
     _, _, dspark, _ = made
     src = open_checkpoint(dspark)

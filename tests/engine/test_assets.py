@@ -10,9 +10,9 @@ import torch
 
 from memra_cli.assets import default_pair
 from memra_cli.assets.build import main as build_main
-from memra_cli.engine.census import take_census
-from memra_cli.engine.target.greedy import greedy_reference
-from memra_cli.engine.target.qwen3 import Qwen3Target
+from memra_cli.engine.formats.census import take_census
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.engine.text import TextCodec
 
 
@@ -64,7 +64,7 @@ def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
     from memra_cli.assets.build import SMOKE, _draft_config, _save_drafter
     from memra_cli.assets.train import TrainDrafter
     from memra_cli.assets.train_draft import DraftSpec, block_batch
-    from memra_cli.engine.draft import Drafter
+    from memra_cli.engine.models.drafter import Drafter
 
     torch.manual_seed(0)
     r = SMOKE

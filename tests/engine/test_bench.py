@@ -16,8 +16,8 @@ from memra_cli.engine import bench as eb
 from memra_cli.engine.bench import ArmSpec, BenchError, Drafters, parse_arm, parse_arms
 from memra_cli.engine.errors import PromptError
 from memra_cli.engine.prompts import load_prompts
-from memra_cli.engine.target.greedy import greedy_reference
-from memra_cli.engine.target.qwen3 import Qwen3Target
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
 
@@ -183,7 +183,7 @@ def model(pair):
 
 def test_each_drafter_loads_once_and_arm_refusals_name_the_arm(monkeypatch, model, pair):
     _, drafters = pair
-    from memra_cli.engine.draft import Drafter
+    from memra_cli.engine.models.drafter import Drafter
 
     calls = []
     real = Drafter.load.__func__
@@ -204,7 +204,7 @@ def test_each_drafter_loads_once_and_arm_refusals_name_the_arm(monkeypatch, mode
 
 
 def test_prec_arm_loads_its_own_quantized_drafter(model, pair):
-    from memra_cli.engine.quant import QuantLinearRef
+    from memra_cli.engine.quant.blocks import QuantLinearRef
 
     _, drafters = pair
     arms = eb.load_arms(model, parse_arms(["dspark", "dspark:prec=q8"]), Drafters(None, drafters))

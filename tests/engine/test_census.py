@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from memra_cli.engine.census import take_census
+from memra_cli.engine.formats.census import take_census
 from memra_cli.engine.errors import CensusError, ConfigError, UnsupportedError
 
 
@@ -104,7 +104,7 @@ def test_yarn_matches_transformers(draft_dir):
     from transformers import Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from memra_cli.engine.rope import rope_tables
+    from memra_cli.engine.layers.rope import rope_tables
 
     d = draft_dir("zlab", yarn=True, head_dim=32, heads=2, kv_heads=1)
     c = take_census(d)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from memra_cli.engine.checkpoint import open_checkpoint, read_safetensors_header
+from memra_cli.engine.formats.checkpoint import open_checkpoint, read_safetensors_header
 from memra_cli.engine.errors import CheckpointError
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from memra_cli.engine.config import (
+from memra_cli.engine.formats.config import (
     default_target_layer_ids,
     dspark_strategy,
     load_draft_config,

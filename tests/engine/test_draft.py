@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from memra_cli.engine.draft import DraftCapacityError, Drafter
+from memra_cli.engine.models.drafter import DraftCapacityError, Drafter
 from memra_cli.tiny.draft import make_tiny_draft
 
 HIDDEN = 64

@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 
-from memra_cli.engine import gguf_io
-from memra_cli.engine.census import take_census
-from memra_cli.engine.checkpoint import open_checkpoint
-from memra_cli.engine.draft import Drafter
+from memra_cli.engine.quant import gguf_write as gguf_io
+from memra_cli.engine.formats.census import take_census
+from memra_cli.engine.formats.checkpoint import open_checkpoint
+from memra_cli.engine.models.drafter import Drafter
 from memra_cli.engine.errors import CheckpointError
-from memra_cli.engine.gguf_io import GGUFWriteError, open_gguf, write_gguf
-from memra_cli.engine.precision import plan, weight_fn_for
-from memra_cli.engine.quant import QuantError, QuantLinearRef, dequantize
+from memra_cli.engine.formats.gguf import open_gguf
+from memra_cli.engine.quant.gguf_write import GGUFWriteError, write_gguf
+from memra_cli.engine.quant.precision import plan, weight_fn_for
+from memra_cli.engine.quant.blocks import QuantError, QuantLinearRef, dequantize
 from memra_cli.tiny.draft import make_tiny_draft
 
 GG = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}

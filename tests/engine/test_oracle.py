@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from memra_cli.engine.draft import Drafter
+from memra_cli.engine.models.drafter import Drafter
 from memra_cli.engine.oracle import (
     FORMAT, OPTIONAL, REQUIRED, THRESHOLDS, OracleError, compare_stage, confidence_scale, parity,
     read_oracle, resolve_precision, target_tables, write_oracle,
@@ -110,7 +110,7 @@ def test_the_sliding_window_and_block_causality_shape_the_oracle(pair, tmp_path)
 
 def test_reference_is_not_the_engine():
     code = ("import sys, memra_cli.engine.reference; "
-            "print(sorted(m for m in sys.modules if m in ('memra_cli.engine.draft', 'memra_cli.engine.layers')))")
+            "print(sorted(m for m in sys.modules if m in ('memra_cli.engine.models.drafter', 'memra_cli.engine.layers.ops')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -327,9 +327,9 @@ def test_quantized_parity_within_its_bounds(pair, policy):
 
 
 def _stand_in_weight_fn_for(policy):
-    """A stand-in for memra_cli.engine.precision (the policy map of the spec, reference quantized
+    """A stand-in for memra_cli.engine.quant.precision (the policy map of the spec, reference quantized
     linears): lets the --prec plumbing be tested before the real module lands."""
-    from memra_cli.engine.quant import QuantLinearRef
+    from memra_cli.engine.quant.blocks import QuantLinearRef
 
     def weight_fn(name, ckpt, dtype, device):
         w = ckpt.load(name, torch.float32)
@@ -346,9 +346,9 @@ def test_quantized_plumbing_with_a_stand_in(pair, monkeypatch, policy):
     import types
 
     root, _, _, dspark = pair
-    fake = types.ModuleType("memra_cli.engine.precision")
+    fake = types.ModuleType("memra_cli.engine.quant.precision")
     fake.weight_fn_for = _stand_in_weight_fn_for
-    monkeypatch.setitem(sys.modules, "memra_cli.engine.precision", fake)
+    monkeypatch.setitem(sys.modules, "memra_cli.engine.quant.precision", fake)
     name, dt, weight_fn = resolve_precision(policy, "auto", torch.device("cpu"))
     assert (name, dt) == (policy, torch.float32) and weight_fn is not None
     drafter = Drafter.load(dspark, dtype=dt, weight_fn=weight_fn)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memra_cli.engine.errors import PolicyError
-from memra_cli.engine.policy import (
+from memra_cli.engine.spec.policy import (
     LADDER,
     Harvest,
     PolicySettings,

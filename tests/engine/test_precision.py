@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from memra_cli.engine.checkpoint import open_checkpoint
-from memra_cli.engine.draft import Drafter
-from memra_cli.engine.precision import (
+from memra_cli.engine.formats.checkpoint import open_checkpoint
+from memra_cli.engine.models.drafter import Drafter
+from memra_cli.engine.quant.precision import (
     FILE_POLICIES, POLICIES, PolicyWeightFn, PrecisionError, check_policy, decide, plan, role_of, weight_fn_for,
 )
-from memra_cli.engine.quant import QuantLinearRef, dequantize
+from memra_cli.engine.quant.blocks import QuantLinearRef, dequantize
 from memra_cli.tiny.draft import make_tiny_draft
 
 GG = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}

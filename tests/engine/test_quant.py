@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from memra_cli.engine.errors import MemraError
-from memra_cli.engine.quant import (
+from memra_cli.engine.quant.blocks import (
     BLOCK_BYTES,
     QK,
     QuantError,

@@ -31,13 +31,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memra_cli.engine.census import take_census
-from memra_cli.engine.draft import Drafter
+from memra_cli.engine.formats.census import take_census
+from memra_cli.engine.models.drafter import Drafter
 from memra_cli.engine.errors import ConfigError, MemraError, PolicyError
-from memra_cli.engine.pipeline import Prepared, prepare, resolve_program
-from memra_cli.engine.policy import LADDER, Harvest, PolicySettings, VerifyWindow
-from memra_cli.engine.spec import DrafterProposer, Program, Proposal, Session, SpecError
-from memra_cli.engine.target import Qwen3Target, greedy_reference
+from memra_cli.engine.api import Prepared, prepare, resolve_program
+from memra_cli.engine.spec.policy import LADDER, Harvest, PolicySettings, VerifyWindow
+from memra_cli.engine.spec.session import DrafterProposer, Program, Proposal, Session, SpecError
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
 
@@ -594,7 +595,7 @@ def test_session_that_fills_max_position_embeddings(world, ckpts, tmp_path):
 def test_setup_sessions_reused_one_after_another(world, ckpts):
     """`Setup.session` shares one proposer: sessions run one after another must not see each
     other's draft context (prime re-makes it) -- same stats as a freshly prepared session."""
-    from memra_cli.engine.pipeline import load_setup, resolve_spec
+    from memra_cli.engine.api import load_setup, resolve_spec
 
     case = CASES["dspark-spark8-conf-tau03"]
     resolved = resolve_spec(world.target, draft_path=ckpts[case.ckpt], mode=case.mode,
@@ -669,8 +670,8 @@ def test_cuda_float32_matrix_is_exact(world, ckpts):
 
 def test_interleaved_sessions_from_one_setup_do_not_share_a_draft_cache(tmp_path):
     """Two live sessions from one Setup, bursts alternating: each keeps its own draft context."""
-    from memra_cli.engine.pipeline import load_setup, resolve_spec
-    from memra_cli.engine.policy import PolicySettings
+    from memra_cli.engine.api import load_setup, resolve_spec
+    from memra_cli.engine.spec.policy import PolicySettings
     from memra_cli.tiny.draft import make_tiny_draft
     from memra_cli.tiny.target import make_tiny_qwen3
 

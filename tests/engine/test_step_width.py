@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from memra_cli.engine.errors import ConfigError
-from memra_cli.engine.pipeline import prepare
-from memra_cli.engine.policy import PolicySettings
-from memra_cli.engine.target import Qwen3Target, greedy_reference
+from memra_cli.engine.api import prepare
+from memra_cli.engine.spec.policy import PolicySettings
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
 
@@ -249,7 +250,7 @@ def test_graphed_rounds_keep_the_eager_tau_and_stay_exact(target_dir, tmp_path):
 
 
 def test_resolve_cuda_graphs_rules():
-    from memra_cli.engine.pipeline import resolve_cuda_graphs
+    from memra_cli.engine.api import resolve_cuda_graphs
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     on, drafter, note = resolve_cuda_graphs(None, gpu, 16, {})
@@ -283,7 +284,7 @@ def eager_graphs(monkeypatch):
     """`cuda_graphs.capture` swapped for an eager stand-in: replay reruns the function and copies
     its results into the outputs of the first run, as a real graph writes into its buffers. The
     list records every capture."""
-    from memra_cli.engine import cuda_graphs
+    from memra_cli.engine.runtime import cuda_graphs
 
     captures = []
 
@@ -318,7 +319,7 @@ def test_graph_plumbing_runs_exact_sessions_and_reuses_pools(target_dir, tmp_pat
     prompt = _ids(25, 40).tolist()
     plain = greedy_reference(eager, prompt, 50)
 
-    from memra_cli.engine.pipeline import load_setup, resolve_spec
+    from memra_cli.engine.api import load_setup, resolve_spec
 
     def setup(target):  # loaded once, as bench loads each arm once: one drafter, one pool
         resolved = resolve_spec(target, draft_path=draft, mode=spec, settings=PolicySettings())

@@ -16,8 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from memra_cli.engine.errors import CheckpointError, ConfigError, MemraError
-from memra_cli.engine.target import PromptError, Qwen3Target, greedy_reference
-from memra_cli.engine.target.qwen3 import rms_norm
+from memra_cli.engine.errors import PromptError
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.models.qwen3 import Qwen3Target
+from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.tiny.target import YARN, make_tiny_qwen3, make_tiny_tokenizer, special_token_ids
 
 transformers = pytest.importorskip("transformers")

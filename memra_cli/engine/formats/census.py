@@ -11,23 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memra_cli.engine.checkpoint import Checkpoint, TensorInfo, open_checkpoint
-from memra_cli.engine.config import DraftConfig, load_draft_config, parse_draft_config
+from memra_cli.engine.formats.checkpoint import Checkpoint, TensorInfo, open_checkpoint
+from memra_cli.engine.formats.config import DraftConfig, load_draft_config, parse_draft_config
 from memra_cli.engine.errors import CensusError, ConfigError, UnsupportedError
-from memra_cli.engine.rope import yarn_divisors, yarn_mscale
-
-LAYER_TENSORS = (
-    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-    "input_layernorm.weight", "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+from memra_cli.engine.formats.names import (
+    CONF_B, CONF_W, LAYER_TENSORS, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD,
 )
-MARKOV_W1 = "markov_head.markov_w1.weight"
-MARKOV_W2 = "markov_head.markov_w2.weight"
-CONF_W = "confidence_head.proj.weight"
-CONF_B = "confidence_head.proj.bias"
-OWN_EMBED = "embed_tokens.weight"
-OWN_LM_HEAD = "lm_head.weight"
+from memra_cli.engine.layers.rope import yarn_divisors, yarn_mscale
+
 IMPLEMENTED_MARKOV = ("vanilla",)
 
 

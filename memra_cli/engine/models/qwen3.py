@@ -30,11 +30,11 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from memra_cli.engine.checkpoint import Checkpoint, open_checkpoint
-from memra_cli.engine.config import TargetConfig, load_target_config
+from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
+from memra_cli.engine.formats.config import TargetConfig, load_target_config
 from memra_cli.engine.errors import CheckpointError, ConfigError, PromptError
-from memra_cli.engine.layers import rms_norm
-from memra_cli.engine.rope import apply_rope, cos_sin, rope_tables
+from memra_cli.engine.layers.ops import rms_norm
+from memra_cli.engine.layers.rope import apply_rope, cos_sin, rope_tables
 
 log = logging.getLogger(__name__)
 CACHE_BUCKET = 256  # pooled cache lengths are multiples of this (CUDA graphs bind a storage)
@@ -510,7 +510,7 @@ class Qwen3Target:
         assert width is not None and ids.shape[0] == width
         self._check_span(start, width, cache)
         if self.cuda_graphs:
-            from memra_cli.engine.target.graphs import StepGraph
+            from memra_cli.engine.runtime.graphs import StepGraph
 
             key = tuple(taps or ())
             graph = cache.step_graphs.get(key)

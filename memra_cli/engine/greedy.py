@@ -10,7 +10,7 @@ from typing import Sequence
 
 import torch
 
-from memra_cli.engine.target.qwen3 import Qwen3Target
+from memra_cli.engine.models.qwen3 import Qwen3Target
 
 
 def greedy_reference(target: Qwen3Target, prompt_ids: Sequence[int], max_new: int,

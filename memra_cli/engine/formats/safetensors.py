@@ -1,4 +1,4 @@
-"""Checkpoint reading: safetensors (single file or sharded index), headers first.
+"""safetensors checkpoints (single file or sharded index), read headers first.
 
 Census reads only the headers (8-byte length + JSON), so a 16 GB checkpoint is inventoried in
 milliseconds; every declared byte range is checked against the file size, so a truncated or
@@ -139,7 +139,7 @@ class Checkpoint:
         return tensor.to(device)
 
 
-def _refuse_pickles(directory: Path) -> None:
+def refuse_pickles(directory: Path) -> None:
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
         raise CheckpointError(
@@ -151,7 +151,7 @@ def _refuse_pickles(directory: Path) -> None:
     )
 
 
-def _open_sharded(directory: Path) -> Checkpoint:
+def open_sharded(directory: Path) -> Checkpoint:
     index_path = directory / INDEX_NAME
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
@@ -173,33 +173,3 @@ def _open_sharded(directory: Path) -> Checkpoint:
             raise CheckpointError(f"{directory / str(shard)}: tensor '{name}' is in the index but not in the shard")
         tensors[name] = info
     return Checkpoint(directory, tensors, tuple(directory / s for s in shards), "safetensors-sharded")
-
-
-def open_checkpoint(path: Path) -> Checkpoint:
-    """Inventory a model directory (or a single .safetensors / .gguf file) from headers only."""
-    if path.is_file():
-        if path.suffix == ".gguf":
-            from memra_cli.engine.gguf_io import open_gguf  # added with quantization
-
-            return open_gguf(path)
-        if path.suffix == ".safetensors":
-            return Checkpoint(path.parent, read_safetensors_header(path), (path,), "safetensors")
-        if path.suffix in PICKLE_SUFFIXES:
-            raise CheckpointError(f"{path}: pickle checkpoint refused (loading a pickle runs arbitrary code)")
-        raise CheckpointError(f"{path}: not a checkpoint (expected a directory, .safetensors or .gguf)")
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such file or directory")
-    if (path / INDEX_NAME).is_file():
-        return _open_sharded(path)
-    if (path / SINGLE_NAME).is_file():
-        single = path / SINGLE_NAME
-        return Checkpoint(path, read_safetensors_header(single), (single,), "safetensors")
-    files = sorted(path.glob("*.safetensors"))
-    if len(files) == 1:
-        return Checkpoint(path, read_safetensors_header(files[0]), (files[0],), "safetensors")
-    if len(files) > 1:
-        raise CheckpointError(
-            f"{path}: {len(files)} .safetensors files but no {INDEX_NAME} to say which tensor is where"
-        )
-    _refuse_pickles(path)
-    raise AssertionError("unreachable")

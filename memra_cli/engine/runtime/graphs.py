@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from memra_cli.engine import cuda_graphs
+from memra_cli.engine.runtime import cuda_graphs
 
 
 class StepGraph:

@@ -29,9 +29,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from memra_cli.engine.census import CONF_B, CONF_W, MARKOV_W1, MARKOV_W2
 from memra_cli.engine.errors import MemraError
-from memra_cli.engine.quant import QK, quantizable
+from memra_cli.engine.formats.names import CONF_B, CONF_W, MARKOV_W1, MARKOV_W2
+from memra_cli.engine.quant.blocks import QK, quantizable
 
 POLICIES = ("f32", "bf16", "q8", "mixed", "fc", "q4")  # MEMRA_DFLASH_PREC / --prec values
 FILE_POLICIES = ("q8", "mixed", "fc", "q4")  # what `memra quantize` writes
@@ -161,7 +161,7 @@ class PolicyWeightFn:
     def __call__(self, name: str, ckpt: Any, dtype: Any, device: Any) -> Any:
         import torch
 
-        from memra_cli.engine.quant import QuantLinearRef
+        from memra_cli.engine.quant.blocks import QuantLinearRef
 
         d = decide(name, ckpt.tensors[name].shape, self.policy)
         if d.kept:

@@ -23,13 +23,12 @@ from pathlib import Path
 
 import torch
 
-from memra_cli.engine.census import (
-    CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD, Census, LayerLayout, take_census,
-)
-from memra_cli.engine.checkpoint import Checkpoint, open_checkpoint
+from memra_cli.engine.formats.names import CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
+from memra_cli.engine.formats.census import Census, LayerLayout, take_census
+from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.errors import CheckpointError, MemraError
-from memra_cli.engine.layers import gqa_attention, linear, rms_norm, swiglu
-from memra_cli.engine.rope import RopeTables, apply_rope, cos_sin, rope_tables
+from memra_cli.engine.layers.ops import gqa_attention, linear, rms_norm, swiglu
+from memra_cli.engine.layers.rope import RopeTables, apply_rope, cos_sin, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +375,7 @@ class _TensorLoader:
 
     def matmul(self, name: str) -> object:
         if self.ckpt.format == "gguf" and self.ckpt.tensors[name].dtype in ("Q8_0", "Q4_0"):
-            from memra_cli.engine.quant import QuantLinearRef
+            from memra_cli.engine.quant.blocks import QuantLinearRef
 
             qtype, raw, shape = self.ckpt.raw(name)  # type: ignore[attr-defined]  # GGUFCheckpoint
             return QuantLinearRef(raw, qtype, shape).to(self.device)

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from memra_cli.engine.config import RopeConfig
+from memra_cli.engine.formats.config import RopeConfig
 
 if TYPE_CHECKING:  # torch is imported where tables are built: census needs only the math
     import torch

@@ -15,12 +15,12 @@ from typing import Sequence
 
 import torch
 
-from memra_cli.engine.census import Census, take_census
+from memra_cli.engine.formats.census import Census, take_census
 from memra_cli.engine.errors import ConfigError, MemraError, PolicyError
-from memra_cli.engine.policy import (
+from memra_cli.engine.spec.policy import (
     LADDER, MARKOV_ENV, VT_ENV, PolicySettings, Receipts, adapt_on, parse_verify_cap, resolve_receipts,
 )
-from memra_cli.engine.spec import DrafterProposer, Program, Session, SpecError
+from memra_cli.engine.spec.session import DrafterProposer, Program, Session, SpecError
 
 log = logging.getLogger(__name__)
 SPEC_MODES = ("off", "dflash", "dspark", "auto")
@@ -192,7 +192,7 @@ def resolve_spec(target, *, draft_path: Path | None, mode: str, settings: Policy
 
 def default_drafter_loader(target, weight_fn=None):
     """(path, census) -> Drafter in the target's dtype, on its device."""
-    from memra_cli.engine.draft import Drafter
+    from memra_cli.engine.models.drafter import Drafter
 
     return lambda path, c: Drafter.load(path, target.dtype, target.device, census=c, weight_fn=weight_fn)
 

@@ -22,9 +22,9 @@ from typing import Protocol, Sequence
 
 import torch
 
-from memra_cli.engine.draft import Drafter
+from memra_cli.engine.models.drafter import Drafter
 from memra_cli.engine.errors import MemraError
-from memra_cli.engine.policy import Harvest, VerifyWindow, accept_prefix, ladder_next
+from memra_cli.engine.spec.policy import Harvest, VerifyWindow, accept_prefix, ladder_next
 from memra_cli.engine.stats import DecodeStats, PhaseClock
 
 PRIME_CHUNK = 256  # prompt taps are ingested in row windows to bound transient memory
@@ -93,8 +93,8 @@ class DrafterProposer:
         go at `kv.length..` (`positions` unread: a Session always ingests contiguously)."""
         t, b = taps.shape[0], self.program.block_size
         if self.graphs and self.kv.length > 0 and t <= b:
-            from memra_cli.engine.draft import DraftCapacityError
-            from memra_cli.engine.draft_graphs import IngestGraph
+            from memra_cli.engine.models.drafter import DraftCapacityError
+            from memra_cli.engine.runtime.draft_graphs import IngestGraph
 
             if self.kv.length + t > self.kv.cap:
                 raise DraftCapacityError(f"draft KV cache full: {self.kv.length} + {t} rows > capacity {self.kv.cap}")
@@ -110,7 +110,7 @@ class DrafterProposer:
 
     def propose(self, last: torch.Tensor, start: int, want_raws: bool) -> Proposal:
         if self.graphs:
-            from memra_cli.engine.draft_graphs import ProposeGraph
+            from memra_cli.engine.runtime.draft_graphs import ProposeGraph
 
             assert self.kv.length == start, (self.kv.length, start)  # row index == position
             key = ("propose", self.program, want_raws)  # drafters (and their pools) are shared by arms
