@@ -115,12 +115,12 @@ def _render_receipts(b) -> None:
         render.warn(f"{key} is set; bench arms ignore it (each arm's keys say its program, e.g. --arm dspark:vt=ladder)")
     warned: set[tuple] = set()
     for arm in b.arms:
-        if arm.setup.receipts is None:
+        if arm.loaded.receipts is None:
             continue
         prec = f", prec={arm.spec.prec}" if arm.spec.prec else ""
-        render.err_console.print(f"arm {arm.name}: {arm.setup.mode} program, drafter {arm.drafter}{prec}", markup=False, highlight=False, soft_wrap=True)
-        render.print_receipts(arm.setup.receipts.lines(), to_stderr=True)
-        for w in arm.setup.warnings:
+        render.err_console.print(f"arm {arm.name}: {arm.loaded.mode} program, drafter {arm.drafter}{prec}", markup=False, highlight=False, soft_wrap=True)
+        render.print_receipts(arm.loaded.receipts.lines(), to_stderr=True)
+        for w in arm.loaded.warnings:
             if (arm.drafter, w) not in warned:  # once per drafter, not once per arm
                 warned.add((arm.drafter, w))
                 render.warn(f"{arm.drafter}: {w}")

@@ -45,6 +45,11 @@ def policy_settings(harvest: Optional[str], vt: Optional[str], tau: Optional[str
     return PolicySettings(harvest=harvest, vt=vt, tau=tau, adapt=adapt_s)
 
 
+# engine setting -> the flag that carries it (the engine names settings, the CLI names flags)
+SETTING_FLAGS = {"device": "--device", "dtype": "--dtype", "step_width": "--step-width",
+                 "cuda_graphs": "--cuda-graphs", "spec": "--spec"}
+
+
 def debug_enabled() -> bool:
     return os.environ.get("MEMRA_DEBUG", "") not in ("", "0")
 
@@ -55,14 +60,15 @@ def refusals(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from memra_cli.engine.errors import MemraError
+        from memra_cli.engine.errors import MemraError, SettingError
 
         try:
             return fn(*args, **kwargs)
         except MemraError as exc:
             if debug_enabled():
                 raise
-            print(f"error: {exc}", file=sys.stderr)
+            flag = SETTING_FLAGS.get(exc.setting) if isinstance(exc, SettingError) else None
+            print(f"error: {exc.flag_message(flag) if flag else exc}", file=sys.stderr)
             raise typer.Exit(code=exc.exit_code) from None
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr)

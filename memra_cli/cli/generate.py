@@ -28,27 +28,6 @@ def _parse_ids(text: str) -> list[int]:
         raise PromptError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
 
 
-def _precision(prec: Optional[str], draft: Optional[Path], spec: str):
-    """--prec -> (Drafter.load weight_fn or None, the precision to report or None). A GGUF
-    drafter is already quantized: it loads as written, and --prec may only repeat its policy."""
-    from memra_cli.engine.quant.precision import check_policy, weight_fn_for
-
-    if prec is not None:
-        check_policy(prec)
-    if draft is None or spec == "off":
-        return None, None
-    if draft.suffix == ".gguf":
-        from memra_cli.engine.errors import PolicyError
-        from memra_cli.engine.formats.gguf import open_gguf
-
-        written = open_gguf(draft).policy
-        if prec is not None and prec != written:
-            raise PolicyError(f"--prec {prec}: {draft} is a GGUF written under policy {written} and loads as "
-                              "written (drop --prec / MEMRA_DFLASH_PREC, or quantize the source again)")
-        return None, written
-    return (weight_fn_for(prec), prec) if prec is not None else (None, None)
-
-
 @refusals
 def generate(
     target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (HF Qwen3: config.json + safetensors, tokenizer.json for text). Default: the embedded model."),
@@ -81,48 +60,45 @@ def generate(
     import torch
 
     from memra_cli.cli import render
-    from memra_cli.engine.api import (
-        default_drafter_loader, prepare, resolve_cuda_graphs, resolve_device, resolve_dtype, resolve_step_width,
-    )
-    from memra_cli.engine.models.qwen3 import Qwen3Target
+    from memra_cli.engine.api import ArmConfig, Engine, EngineConfig, drafter_precision, resolve_step_width
     from memra_cli.engine.text import StreamDecoder
 
+    resolve_step_width(step_width)  # bad settings refuse before anything loads
+    drafter_precision(prec, None)
     target, draft = _default_models(target, draft, spec, json_out)
     codec, ids = _prompt(target, prompt, prompt_ids, chat)
-    weight_fn, precision = _precision(prec, draft, spec)
-    width, width_note = resolve_step_width(step_width)
-    dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    graphs, draft_graphs, graphs_note = resolve_cuda_graphs(cuda_graphs, dev, width, dict(os.environ))
+    arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
+                        verify_cap=verify_cap, prec=prec)
     with torch.inference_mode():
-        model = Qwen3Target.from_dir(target, dtype=dt, device=dev, step_width=width)
-        model.set_cuda_graphs(graphs, drafter=draft_graphs)
-        prep = prepare(model, ids, max_new, draft_path=draft, mode=spec,
-                       settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
-                       verify_cap=verify_cap, timed=True, drafter_loader=default_drafter_loader(model, weight_fn))
-        warnings = list(prep.warnings) + [f"drafter tensor '{d.name}' {d.why}" for d in getattr(weight_fn, "kept", [])]
+        engine = Engine.load(EngineConfig(target=target, device=device, dtype=dtype, step_width=step_width,
+                                          cuda_graphs=cuda_graphs, env=dict(os.environ)))
+        engine.resolve(arm_cfg)  # program and pair first, then the prompt, then the (slow) drafter load
+        engine.check_prompt(ids, max_new)
+        arm = engine.arm(arm_cfg)
         if not json_out:
-            _announce(prep, precision, draft, warnings, f"{width_note}; {graphs_note}")
-        session, stream = prep.session, StreamDecoder(codec) if codec else None
-        session.prime()
-        while not session.finished:
-            new = session.burst(1)
-            if not json_out:
-                render.stream_out(stream.push(new) if stream else "".join(f"{t} " for t in new))
+            _announce(arm, "; ".join(engine.notes))
+        stream = StreamDecoder(codec) if codec else None
+        with engine.session(ids, max_new, arm, timed=True) as session:
+            session.prime()
+            while not session.finished:
+                new = session.burst(1)
+                if not json_out:
+                    render.stream_out(stream.push(new) if stream else "".join(f"{t} " for t in new))
     stats = session.stats.as_json()
     if json_out:
         render.emit_json({
-            "tokens": session.tokens, "text": codec.decode(session.tokens) if codec else None, "mode": prep.mode,
-            "device": str(dev), "dtype": str(dt).removeprefix("torch."), "step_width": width, "cuda_graphs": graphs,
+            "tokens": session.tokens, "text": codec.decode(session.tokens) if codec else None, "mode": arm.mode,
+            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+            "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs,
             "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms")},
-            "receipts": prep.receipts.as_json() if prep.receipts else None,
-            "receipt_lines": prep.receipts.lines() if prep.receipts else [],
-            "precision": precision if prep.mode != "off" else None,
-            "warnings": warnings,
+            "receipts": arm.receipts.as_json() if arm.receipts else None,
+            "receipt_lines": arm.receipts.lines() if arm.receipts else [],
+            "precision": arm.precision if arm.mode != "off" else None,
+            "warnings": arm.warnings,
         })
     else:
         render.stream_out("\n")
-        render.generate_summary(prep.mode, stats)
+        render.generate_summary(arm.mode, stats)
 
 
 def _default_models(target: Optional[Path], draft: Optional[Path], spec: str, quiet: bool) -> tuple[Path, Optional[Path]]:
@@ -156,15 +132,15 @@ def _prompt(target: Path, prompt: Optional[str], prompt_ids: Optional[str], chat
     return (TextCodec(target) if (target / "tokenizer.json").is_file() else None), ids
 
 
-def _announce(prep, precision: Optional[str], draft: Optional[Path], warnings: list[str], width_note: str) -> None:
+def _announce(arm, width_note: str) -> None:
     """Receipts first, then the drafter precision, the target's step width and any warnings (all on stderr)."""
     from memra_cli.cli import render
 
-    if prep.receipts:
-        render.print_receipts(prep.receipts.lines(), to_stderr=True)
-        if precision is not None:
-            source = "GGUF policy" if draft is not None and draft.suffix == ".gguf" else "--prec / MEMRA_DFLASH_PREC"
-            render.note(f"drafter precision {precision} ({source})")
+    if arm.receipts:
+        render.print_receipts(arm.receipts.lines(), to_stderr=True)
+        if arm.precision is not None:
+            source = "GGUF policy" if arm.precision_source == "GGUF policy" else "--prec / MEMRA_DFLASH_PREC"
+            render.note(f"drafter precision {arm.precision} ({source})")
     render.note(width_note)
-    for w in warnings:
+    for w in arm.warnings:
         render.warn(w)

@@ -81,19 +81,11 @@ def parity(
 def _check(census: Any, oracle_path: Path, target: Optional[Path], prec: Optional[str], dtype: str, device: str) -> dict:
     import torch
 
-    from memra_cli.engine.models.drafter import Drafter
-    from memra_cli.engine.oracle import parity as run_parity, read_oracle, resolve_precision, target_tables
-    from memra_cli.engine.api import resolve_device
+    from memra_cli.engine.api import load_drafter
+    from memra_cli.engine.oracle import parity as run_parity, read_oracle, target_tables
 
     oracle = read_oracle(oracle_path)
-    dev = resolve_device(device)
-    if prec is None and census.checkpoint_format == "gguf":
-        # a quantized file is judged by the thresholds of the policy it was written under
-        from memra_cli.engine.formats.gguf import open_gguf
-
-        prec = open_gguf(census.path).policy
-    policy, dt, weight_fn = resolve_precision(prec, dtype, dev)
-    drafter = Drafter.load(census.path, dtype=dt, device=dev, census=census, weight_fn=weight_fn)
+    drafter, policy, dt, dev = load_drafter(census, prec=prec, dtype=dtype, device=device)
     if target is not None:
         lm_head, head_src = target_tables(target, dt, dev, census.config.hidden_size, embed=False)[1], f"target {target}"
     else:

@@ -1,8 +1,17 @@
-"""From user settings to a ready `Session`: resolve the program, load and check the pair.
+"""The one assembly: from settings to a loaded engine, and from an engine to sessions.
 
-`prepare` is the one entry `memra generate` calls; `memra bench` uses its parts (`resolve_spec`,
-`load_setup`, `Setup.session`) to load each arm once and make a Session per prompt. Every
-mismatch between a drafter and its target is refused with a message that names both sides.
+    engine = Engine.load(EngineConfig(target=DIR, device="auto", step_width=None, ...))
+    arm = engine.arm(ArmConfig(draft=CKPT, mode="auto", settings=PolicySettings(...)))
+    with engine.session(prompt_ids, max_new, arm) as s:
+        for tokens in iter(lambda: s.burst(1), []): ...
+
+`generate`, `bench` and `parity` build through here and nothing else; a server would too.
+`Engine.load` resolves device, dtype, step width and CUDA graphs, loads the target through the
+model registry and puts a step runner and one storage pool around it. `engine.arm` resolves a
+speculative program against a drafter's census (receipts), checks the pair, loads the drafter at
+its precision and keeps it for every session of that arm. Every mismatch between a drafter and
+its target is refused with a message that names both sides. Errors name settings
+(`step_width`, `device`, ...); the CLI names its flags.
 """
 
 from __future__ import annotations
@@ -16,11 +25,17 @@ from typing import Sequence
 import torch
 
 from memra_cli.engine.formats.census import Census, take_census
-from memra_cli.engine.errors import ConfigError, MemraError, PolicyError
+from memra_cli.engine.formats.names import MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
+from memra_cli.engine.errors import ConfigError, MemraError, PolicyError, SettingError
 from memra_cli.engine.spec.policy import (
     LADDER, MARKOV_ENV, VT_ENV, PolicySettings, Receipts, adapt_on, parse_verify_cap, resolve_receipts,
 )
-from memra_cli.engine.spec.session import DrafterProposer, Program, Session, SpecError
+from memra_cli.engine.models.base import load_target
+from memra_cli.engine.runtime.pool import DEFAULT_IDLE_BUDGET, StoragePool
+from memra_cli.engine.runtime.steps import StepRunner
+from memra_cli.engine.spec.proposer import DrafterProposer, Program, SpecError
+from memra_cli.engine.spec.sampling import GREEDY, Sampler
+from memra_cli.engine.spec.session import Session
 
 log = logging.getLogger(__name__)
 SPEC_MODES = ("off", "dflash", "dspark", "auto")
@@ -35,9 +50,9 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise DeviceError(f"--device {device}: expected auto|cpu|cuda")
+        raise SettingError("device", device, "expected auto|cpu|cuda", quote=False)
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise DeviceError(f"--device {device}: CUDA is not available on this machine")
+        raise SettingError("device", device, "CUDA is not available on this machine", quote=False)
     return torch.device(device)
 
 
@@ -47,7 +62,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if dtype not in table:
-        raise DeviceError(f"--dtype {dtype}: expected auto|float32|bfloat16")
+        raise SettingError("dtype", dtype, "expected auto|float32|bfloat16", quote=False)
     return table[dtype]
 
 
@@ -57,7 +72,7 @@ DEFAULT_STEP_WIDTH = 16  # the block size of every published DFlash / DSpark dra
 def resolve_step_width(value: str | None) -> tuple[int | None, str]:
     """`--step-width` / MEMRA_STEP_WIDTH -> (rows per target step or None, what was applied).
 
-    `N` (default 16): every decode and verify step runs at N rows (Qwen3Target.step_logits), so
+    `N` (default 16): every decode and verify step runs at N rows (runtime/steps.py), so
     speculative output equals plain greedy bit for bit in any dtype; `variable`: each step at its
     own width (plain decode one row), exact only as far as the kernels happen to be."""
     if value is None:
@@ -66,7 +81,7 @@ def resolve_step_width(value: str | None) -> tuple[int | None, str]:
     if text == "variable":
         return None, "target steps: variable width (--step-width variable; bf16 output may differ from plain greedy)"
     if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"--step-width {value!r}: expected a positive integer (rows per target step) or 'variable'")
+        raise SettingError("step_width", value, "expected a positive integer (rows per target step) or 'variable'")
     return int(text), f"target steps: {int(text)} rows (--step-width)"
 
 
@@ -89,8 +104,9 @@ def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | No
         on, note = possible, f"CUDA graphs {'on' if possible else 'off'} (default: {why}; --cuda-graphs)"
     else:
         if flag and not possible:
-            raise ConfigError(f"--cuda-graphs needs --device cuda and a fixed --step-width (device {device}, "
-                              f"step width {'variable' if width is None else width})")
+            state = f"(device {device}, step width {'variable' if width is None else width})"
+            raise SettingError("cuda_graphs", True, f"needs a CUDA device and a fixed step_width {state}", quote=False,
+                               flag_text=f"--cuda-graphs needs --device cuda and a fixed --step-width {state}")
         on, note = flag, f"CUDA graphs {'on' if flag else 'off'} (--cuda-graphs)"
     if draft_env == "1" and not on:
         raise ConfigError(f"{DRAFT_GRAPHS_ENV}=1 needs the target's CUDA graphs on ({note})")
@@ -106,7 +122,7 @@ def resolve_program(mode: str, census: Census, settings: PolicySettings, markov:
     """The spec mode (`auto` resolved) -> Program + receipts. `dflash` = parallel drafting
     only (markov off, ladder window); `dspark` = the census-keyed DSpark program."""
     if mode not in SPEC_MODES:
-        raise PolicyError(f"--spec {mode}: expected {'|'.join(SPEC_MODES)}")
+        raise SettingError("spec", mode, f"expected {'|'.join(SPEC_MODES)}", quote=False)
     if mode == "auto":
         mode = "dspark" if census.strategy_dspark else "dflash"
     receipts = resolve_receipts(settings, census.strategy_dspark, census.confidence is not None)
@@ -131,8 +147,9 @@ def resolve_program(mode: str, census: Census, settings: PolicySettings, markov:
     return program, receipts, mode
 
 
-def check_pair(target, census: Census) -> None:
-    """Refuse a drafter that cannot condition on this target."""
+def check_pair(target, census: Census) -> list[str]:
+    """Refuse a drafter that cannot condition on this target (headers only: before any weight
+    loads). Returns warnings for what runs but deserves a word."""
     cfg, tcfg = census.config, target.cfg
     if cfg.hidden_size != tcfg.hidden_size:
         raise ConfigError(
@@ -147,6 +164,25 @@ def check_pair(target, census: Census) -> None:
                 f"drafter target_layer_id {tap} ({cfg.source}) is outside the {tcfg.num_hidden_layers}-layer "
                 f"target [-1, {tcfg.num_hidden_layers - 1}]"
             )
+    # Every vocabulary-indexed table must index the target's tokens: the drafts go through the
+    # target's lm_head, and a markov table of another size would index past its rows mid-stream.
+    for info in census.tensors:
+        if info.name in VOCAB_TABLES and info.shape[0] != tcfg.vocab_size:
+            raise ConfigError(
+                f"drafter tensor '{info.name}' has {info.shape[0]} vocabulary rows ({census.path}) but the "
+                f"target's vocabulary is {tcfg.vocab_size} ({tcfg.source}): a drafter must share its target's vocabulary"
+            )
+    warnings = []
+    last = tcfg.num_hidden_layers - 1
+    if last in cfg.target_layer_ids:
+        warnings.append(
+            f"drafter taps the target's last layer ({last}); memra's tap is that layer's raw output (as DeepSpec's "
+            "training cache records it), not the final-normed hidden_states[-1] transformers reports there: a drafter "
+            "trained on the latter will accept less")
+    return warnings
+
+
+VOCAB_TABLES = (OWN_EMBED, OWN_LM_HEAD, MARKOV_W1, MARKOV_W2)
 
 
 def own_table_warnings(drafter, target) -> list[str]:
@@ -157,99 +193,197 @@ def own_table_warnings(drafter, target) -> list[str]:
                               ("lm_head.weight", drafter.own_lm_head, target.lm_head_weight)):
         if own is None:
             continue
-        if own.shape != theirs.shape or not torch.equal(own.float().cpu(), theirs.float().cpu()):
+        if own.shape != theirs.shape or not torch.equal(own.to(theirs.device, theirs.dtype), theirs):
             out.append(f"drafter tensor '{name}' differs from the target's; memra uses the target's")
     return out
 
 
-@dataclass(frozen=True)
-class Resolved:
-    """A speculative request resolved against its drafter's census (headers only, nothing loaded)."""
-
-    draft_path: Path
-    census: Census
-    program: Program
-    receipts: Receipts
-    mode: str  # "dflash" | "dspark" (auto resolved)
+# --------------------------------------------------------------------------- drafter precision
 
 
-def resolve_spec(target, *, draft_path: Path | None, mode: str, settings: PolicySettings,
-                 markov: bool | None = None, verify_cap: str | int | None = None) -> Resolved | None:
-    """Mode + settings + drafter census -> the program, checked against the target.
+def drafter_precision(prec: str | None, draft: Path | None):
+    """The `prec` setting for a drafter load -> (Drafter.load weight_fn or None, the precision to
+    report or None, where it came from). A GGUF drafter is already quantized: it loads as written,
+    and `prec` may only repeat its policy."""
+    from memra_cli.engine.quant.precision import check_policy, weight_fn_for
 
-    None means plain greedy (`off`, or `auto` without a drafter)."""
-    if mode not in SPEC_MODES:
-        raise PolicyError(f"--spec {mode}: expected {'|'.join(SPEC_MODES)}")
-    if mode == "off" or (mode == "auto" and draft_path is None):
-        return None
-    if draft_path is None:
-        raise PolicyError(f"--spec {mode} needs a drafter (--draft)")
-    census = take_census(Path(draft_path))
-    program, receipts, mode = resolve_program(mode, census, settings, markov, verify_cap)
-    check_pair(target, census)
-    return Resolved(Path(draft_path), census, program, receipts, mode)
+    if prec is not None:
+        check_policy(prec)
+    if draft is None:
+        return None, None, None
+    if Path(draft).suffix == ".gguf":
+        from memra_cli.engine.formats.gguf import open_gguf
+
+        written = open_gguf(Path(draft)).policy
+        if prec is not None and prec != written:
+            raise PolicyError(f"--prec {prec}: {draft} is a GGUF written under policy {written} and loads as "
+                              "written (drop --prec / MEMRA_DFLASH_PREC, or quantize the source again)")
+        return None, written, "GGUF policy"
+    return (weight_fn_for(prec), prec, "prec setting") if prec is not None else (None, None, None)
 
 
-def default_drafter_loader(target, weight_fn=None):
-    """(path, census) -> Drafter in the target's dtype, on its device."""
+def resolve_precision(prec: str | None, dtype: str, device: Any) -> tuple[str, Any, Any]:
+    """(policy, torch dtype, weight_fn) for a drafter judged alone (parity): unset `prec`
+    follows the dtype (f32 / bf16)."""
+    if prec is not None and prec not in PRECISIONS:
+        raise PolicyError(f"--prec {prec}: expected {'|'.join(PRECISIONS)}")
+    if prec in ("f32", "bf16"):
+        want = torch.float32 if prec == "f32" else torch.bfloat16
+        if dtype != "auto" and resolve_dtype(dtype, device) != want:
+            raise PolicyError(f"--prec {prec} with --dtype {dtype} is contradictory (drop one)")
+        return prec, want, None
+    dt = resolve_dtype(dtype, device)
+    if prec is None:
+        return ("f32" if dt == torch.float32 else "bf16"), dt, None
+    from memra_cli.engine.quant.precision import weight_fn_for
+
+    return prec, dt, weight_fn_for(prec)
+
+
+
+def load_drafter(census: Census, *, prec: str | None, dtype: str, device: str):
+    """A drafter alone, for `parity`: (drafter, precision policy, torch dtype, device). A GGUF is
+    judged under the policy it was written with."""
     from memra_cli.engine.models.drafter import Drafter
 
-    return lambda path, c: Drafter.load(path, target.dtype, target.device, census=c, weight_fn=weight_fn)
+    dev = resolve_device(device)
+    if prec is None and census.checkpoint_format == "gguf":
+        from memra_cli.engine.formats.gguf import open_gguf
+
+        prec = open_gguf(census.path).policy
+    policy, dt, weight_fn = resolve_precision(prec, dtype, dev)
+    return Drafter.load(census.path, dtype=dt, device=dev, census=census, weight_fn=weight_fn), policy, dt, dev
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that decides how the target runs (raw setting values, as a user gives them)."""
+
+    target: Path
+    device: str = "auto"  # auto | cpu | cuda[:N]
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    step_width: str | None = None  # "N" | "variable"; None: the default (16)
+    cuda_graphs: bool | None = None  # None: on with CUDA and a fixed step width
+    env: dict = field(default_factory=dict)  # MEMRA_DRAFT_GRAPHS and friends, as read from the environment
+    pool_idle_bytes: int | None = DEFAULT_IDLE_BUDGET
+
+
+@dataclass(frozen=True)
+class ArmConfig:
+    """A speculative program request: a drafter and the policy settings that shape its rounds."""
+
+    draft: Path | None = None
+    mode: str = "auto"  # off | dflash | dspark | auto
+    settings: PolicySettings = field(default_factory=PolicySettings)
+    markov: bool | None = None
+    verify_cap: str | int | None = None
+    prec: str | None = None
 
 
 @dataclass
-class Setup:
-    """A loaded, checked decoding setup; `session()` makes one Session per prompt from it
-    without reloading the drafter. Each session gets its own proposer (and so its own draft
-    cache): sessions from one Setup may run interleaved."""
+class Arm:
+    """A resolved, loaded program: receipts, the drafter, what each session needs. `mode` is
+    `off` for plain decoding (then everything else is empty)."""
 
-    target: object
     mode: str
-    eos_ids: tuple[int, ...]
     receipts: Receipts | None = None
-    warnings: list[str] = field(default_factory=list)
     program: Program | None = None
-    proposer: DrafterProposer | None = None
+    drafter: object = None
     taps: tuple[int, ...] = ()
-
-    def session(self, prompt_ids: Sequence[int], max_new: int, *, timed: bool = False) -> Session:
-        proposer = None
-        if self.proposer is not None:
-            proposer = DrafterProposer(self.proposer.drafter, self.target, self.proposer.program)
-        return Session(self.target, prompt_ids, max_new, proposer=proposer, program=self.program,
-                       taps=self.taps, eos_ids=self.eos_ids, timed=timed)
+    census: Census | None = None
+    precision: str | None = None  # the drafter's weight precision, when one was applied
+    precision_source: str | None = None
+    warnings: list[str] = field(default_factory=list)
 
 
-def load_setup(target, resolved: Resolved | None, *, drafter_loader=None,
-               eos_ids: Sequence[int] | None = None) -> Setup:
-    """Load the drafter of a resolved request (or nothing, for plain greedy) and build its proposer."""
-    eos = target.cfg.eos_token_ids if eos_ids is None else tuple(eos_ids)
-    if resolved is None:
-        return Setup(target, "off", tuple(eos))
-    load = drafter_loader or default_drafter_loader(target)
-    drafter = load(resolved.draft_path, resolved.census)
-    warnings = list(resolved.census.warnings) + own_table_warnings(drafter, target)
-    proposer = DrafterProposer(drafter, target, resolved.program)
-    return Setup(target, resolved.mode, tuple(eos), resolved.receipts, warnings, resolved.program,
-                 proposer, tuple(resolved.census.config.target_layer_ids))
+class Engine:
+    """A loaded target with its step runner and storage pool; makes arms and sessions."""
 
+    def __init__(self, target, runner: StepRunner, device: torch.device, dtype: torch.dtype,
+                 notes: list[str], draft_graphs: bool):
+        self.target, self.runner = target, runner
+        self.device, self.dtype = device, dtype
+        self.notes = notes  # what was applied (step width, graphs), for receipts / --json
+        self.draft_graphs = draft_graphs
 
-@dataclass
-class Prepared:
-    session: Session
-    receipts: Receipts | None
-    mode: str
-    warnings: list[str]
+    @property
+    def pool(self) -> StoragePool:
+        return self.runner.pool
 
+    @property
+    def step_width(self) -> int | None:
+        return self.runner.width
 
-def prepare(target, prompt_ids: Sequence[int], max_new: int, *, draft_path: Path | None, mode: str,
-            settings: PolicySettings, markov: bool | None = None, verify_cap: str | int | None = None,
-            timed: bool = False, drafter_loader=None, eos_ids: Sequence[int] | None = None) -> Prepared:
-    """Resolve, load and check; returns an unprimed Session (plain when mode is off).
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.runner.cuda_graphs
 
-    Order of refusals: program and pair first, then the prompt, then the (slow) drafter load."""
-    resolved = resolve_spec(target, draft_path=draft_path, mode=mode, settings=settings,
-                            markov=markov, verify_cap=verify_cap)
-    target.check_prompt(list(prompt_ids), max_new)
-    setup = load_setup(target, resolved, drafter_loader=drafter_loader, eos_ids=eos_ids)
-    return Prepared(setup.session(prompt_ids, max_new, timed=timed), setup.receipts, setup.mode, setup.warnings)
+    @classmethod
+    def load(cls, cfg: EngineConfig) -> "Engine":
+        width, width_note = resolve_step_width(cfg.step_width)
+        dev = resolve_device(cfg.device)
+        dt = resolve_dtype(cfg.dtype, dev)
+        graphs, draft_graphs, graphs_note = resolve_cuda_graphs(cfg.cuda_graphs, dev, width, cfg.env)
+        target = load_target(Path(cfg.target), dtype=dt, device=dev)
+        runner = StepRunner(target, width, graphs, StoragePool(cfg.pool_idle_bytes))
+        return cls(target, runner, dev, dt, [width_note, graphs_note], draft_graphs)
+
+    @classmethod
+    def from_model(cls, model, *, step_width: int | None = None, cuda_graphs: bool = False,
+                   draft_graphs: bool = False, pool: StoragePool | None = None) -> "Engine":
+        """An engine around an already-loaded model (tests, benchmarks, a server that loads
+        weights itself). Settings are typed here: `step_width` an int or None (variable)."""
+        if draft_graphs and not cuda_graphs:
+            raise SettingError("draft_graphs", True, "needs the target's CUDA graphs on", quote=False)
+        runner = StepRunner(model, step_width, cuda_graphs, pool)
+        notes = [f"target steps: {step_width if step_width else 'variable'} rows", f"CUDA graphs {'on' if cuda_graphs else 'off'}"]
+        return cls(model, runner, model.device, model.dtype, notes, draft_graphs)
+
+    def check_prompt(self, prompt_ids: Sequence[int], max_new: int) -> None:
+        self.runner.check_prompt(list(prompt_ids), max_new)
+
+    def resolve(self, arm: ArmConfig) -> tuple[str, Census | None, Program | None, Receipts | None, list[str]]:
+        """Headers only: the mode (`auto` resolved), census, program, receipts of an arm and the
+        pair check's warnings (the pair is refused here, before any weight loads)."""
+        mode = arm.mode
+        if mode not in SPEC_MODES:
+            raise SettingError("spec", mode, f"expected {'|'.join(SPEC_MODES)}", quote=False)
+        if mode == "off" or (mode == "auto" and arm.draft is None):
+            return "off", None, None, None, []
+        if arm.draft is None:
+            raise PolicyError(f"--spec {mode} needs a drafter (--draft)")
+        census = take_census(Path(arm.draft))
+        program, receipts, mode = resolve_program(mode, census, arm.settings, arm.markov, arm.verify_cap)
+        return mode, census, program, receipts, check_pair(self.target, census)
+
+    def arm(self, arm: ArmConfig, drafter=None) -> Arm:
+        """Resolve and check an arm, then load its drafter (unless `drafter` is given: one
+        loaded drafter may serve several arms of a bench)."""
+        mode, census, program, receipts, pair_warnings = self.resolve(arm)
+        if mode == "off":
+            return Arm("off")
+        warnings = list(census.warnings) + pair_warnings
+        weight_fn, precision, source = drafter_precision(arm.prec, arm.draft)
+        if drafter is None:
+            from memra_cli.engine.models.drafter import Drafter
+
+            drafter = Drafter.load(Path(arm.draft), self.dtype, self.device, census=census, weight_fn=weight_fn)
+        warnings += own_table_warnings(drafter, self.target)
+        warnings += [f"drafter tensor '{d.name}' {d.why}" for d in getattr(weight_fn, "kept", [])]
+        DrafterProposer(drafter, self.target, program)  # refuses a program the drafter cannot run
+        return Arm(mode, receipts, program, drafter, tuple(census.config.target_layer_ids), census,
+                   precision, source, warnings)
+
+    def session(self, prompt_ids: Sequence[int], max_new: int, arm: Arm | None = None, *,
+                sampler: Sampler = GREEDY, timed: bool = False, eos_ids: Sequence[int] | None = None) -> Session:
+        """An unprimed Session for one prompt (plain decoding without an arm). Each session gets
+        its own proposer and draft cache: sessions of one engine may run interleaved."""
+        eos = self.target.cfg.eos_token_ids if eos_ids is None else tuple(eos_ids)
+        if arm is None or arm.mode == "off":
+            return Session(self.runner, prompt_ids, max_new, eos_ids=eos, sampler=sampler, timed=timed)
+        proposer = DrafterProposer(arm.drafter, self.target, arm.program, graphs=self.draft_graphs, pool=self.pool)
+        return Session(self.runner, prompt_ids, max_new, proposer=proposer, program=arm.program, taps=arm.taps,
+                       eos_ids=eos, sampler=sampler, timed=timed)

@@ -23,7 +23,7 @@ from memra_cli.engine.spec.policy import VT_CHOICES, PolicySettings, Receipts
 from memra_cli.engine.stats import DecodeStats
 
 ARM_NAMES = ("off", "dflash", "dspark", "auto")
-PRECISIONS = ("f32", "bf16", "q8", "mixed", "fc", "q4")
+from memra_cli.engine.quant.precision import POLICIES as PRECISIONS  # noqa: E402  (one list of names)
 DEFAULT_ARMS = ("off", "dflash", "dspark")
 EMBEDDED_DRAFTERS = ("dflash", "dspark")
 ARM_KEYS = {
@@ -204,51 +204,42 @@ def resolve_inputs(target: Path | None, draft: Path | None) -> tuple[Path, Draft
 
 @dataclass
 class Arm:
-    """A loaded arm: its spec, resolved program (receipts) and a setup that makes sessions."""
+    """A loaded arm: its spec, the engine that runs it and its resolved program (`api.Arm`)."""
 
     spec: ArmSpec
-    setup: object  # pipeline.Setup
+    engine: object  # api.Engine
+    loaded: object  # api.Arm: mode, receipts, program, drafter, warnings
     drafter: Path | None = None
 
     @property
     def name(self) -> str:
         return self.spec.name
 
-
-def _weight_fn(arm: ArmSpec):
-    """`prec=` -> a Drafter.load weight_fn (quantize at load, as `--prec` does)."""
-    if arm.prec is None:
-        return None
-    from memra_cli.engine.quant.precision import weight_fn_for
-
-    try:
-        return weight_fn_for(arm.prec)
-    except MemraError as exc:
-        raise BenchError(f"--arm {arm.name!r}: {exc}") from None
+    def session(self, prompt_ids, max_new: int, timed: bool = False):
+        return self.engine.session(prompt_ids, max_new, self.loaded, timed=timed)  # type: ignore[attr-defined]
 
 
-def load_arms(target, specs: Sequence[ArmSpec], drafters: Drafters) -> list[Arm]:
-    """Resolve every arm through the same code as `memra generate`; each distinct drafter
-    (path, prec) is loaded once and shared (each arm keeps its own proposer and program)."""
-    from memra_cli.engine.api import default_drafter_loader, load_setup, resolve_spec
+def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters) -> list[Arm]:
+    """Resolve every arm through the same assembly as `memra generate` (`Engine.arm`); each
+    distinct drafter (path, prec) is loaded once and shared (each arm keeps its own program)."""
+    from memra_cli.engine.api import ArmConfig
 
     loaded: dict[tuple[Path, str | None], object] = {}
     arms = []
     for spec in specs:
         path = drafters.for_arm(spec)
         try:
-            resolved = resolve_spec(target, draft_path=path, mode=spec.mode, settings=spec.settings,
-                                    markov=spec.markov, verify_cap=spec.cap)
+            cfg = ArmConfig(draft=path, mode=spec.mode, settings=spec.settings, markov=spec.markov,
+                            verify_cap=spec.cap, prec=spec.prec)
             key = (Path(path).resolve(), spec.prec) if path is not None else None
-            if key is not None and key not in loaded:
-                load = default_drafter_loader(target, _weight_fn(spec))
-                loaded[key] = load(path, resolved.census)  # type: ignore[union-attr]
-            setup = load_setup(target, resolved, drafter_loader=lambda p, c, k=key: loaded[k])
+            arm = engine.arm(cfg, drafter=loaded.get(key))
+            if key is not None and arm.drafter is not None:
+                loaded.setdefault(key, arm.drafter)
         except BenchError:
             raise
         except MemraError as exc:
             raise BenchError(f"--arm {spec.name!r}: {exc}") from None
-        arms.append(Arm(spec, setup, path))
+        arms.append(Arm(spec, engine, arm, path))
     return arms
 
 
@@ -380,8 +371,8 @@ def _sync(device) -> None:
 
 def generate_one(arm: Arm, prompt_ids: Sequence[int], max_new: int, timed: bool) -> tuple[list[int], DecodeStats, float]:
     """One timed generation: (tokens, stats, wall seconds, prefill included, device synced)."""
-    session = arm.setup.session(prompt_ids, max_new, timed=timed)  # type: ignore[attr-defined]
-    device = arm.setup.target.device  # type: ignore[attr-defined]
+    session = arm.session(prompt_ids, max_new, timed=timed)
+    device = arm.engine.device  # type: ignore[attr-defined]
     _sync(device)
     t0 = time.perf_counter()
     session.run()
@@ -406,8 +397,8 @@ def run_bench(arms: Sequence[Arm], prompts: Sequence[Sequence[int]], max_new: in
 
     meta = dict(meta or {})
     assert any(a.name == "off" for a in arms), "the off arm is the exactness reference"
-    results = {a.name: ArmResult(a.name, a.setup.mode, str(a.drafter) if a.drafter else None, a.spec.prec,
-                                 a.setup.receipts, list(a.setup.warnings)) for a in arms}
+    results = {a.name: ArmResult(a.name, a.loaded.mode, str(a.drafter) if a.drafter else None, a.spec.prec,
+                                 a.loaded.receipts, list(a.loaded.warnings)) for a in arms}
     mismatches: list[Mismatch] = []
     n_warm = min(warmup, len(prompts))
     with torch.inference_mode():
@@ -459,8 +450,8 @@ class BenchRequest:
     dtype: str
     device: str
     phase_times: bool = True
-    step_width: str | None = None  # --step-width as given (pipeline.resolve_step_width)
-    cuda_graphs: bool | None = None  # --cuda-graphs as given (pipeline.resolve_cuda_graphs)
+    step_width: str | None = None  # --step-width as given (api.resolve_step_width)
+    cuda_graphs: bool | None = None  # --cuda-graphs as given (api.resolve_cuda_graphs)
 
 
 @dataclass
@@ -482,37 +473,33 @@ class Bench:
 
 def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench:
     """Validate, load the target once and every arm; tokenize and check every prompt first."""
-    from memra_cli.engine.api import resolve_cuda_graphs, resolve_device, resolve_dtype, resolve_step_width
+    from memra_cli.engine.api import Engine, EngineConfig, resolve_step_width
     from memra_cli.engine.prompts import load_prompts
-    from memra_cli.engine.models.qwen3 import Qwen3Target
     from memra_cli.engine.text import TextCodec
 
     if req.warmup < 0:
         raise BenchError(f"--warmup {req.warmup}: expected an integer >= 0")
-    width, width_note = resolve_step_width(req.step_width)
+    resolve_step_width(req.step_width)  # a bad value is refused before anything loads
     specs = parse_arms(req.arms)
     prompts = load_prompts(req.prompts, req.n)
     target_dir, drafters, embedded = resolve_inputs(req.target, req.draft)
     for spec in specs:  # every arm's drafter is known before anything heavy loads
         drafters.for_arm(spec)
-    dev = resolve_device(req.device)
-    dt = resolve_dtype(req.dtype, dev)
-    graphs, draft_graphs, graphs_note = resolve_cuda_graphs(req.cuda_graphs, dev, width, env)
     codec = TextCodec(Path(target_dir))
     ids = [codec.encode(text, chat=req.chat) for text in prompts.texts]
-    target = Qwen3Target.from_dir(target_dir, dtype=dt, device=dev, step_width=width)
-    target.set_cuda_graphs(graphs, drafter=draft_graphs)
+    engine = Engine.load(EngineConfig(target=Path(target_dir), device=req.device, dtype=req.dtype,
+                                      step_width=req.step_width, cuda_graphs=req.cuda_graphs, env=dict(env or {})))
     for i, p in enumerate(ids):
         try:
-            target.check_prompt(p, req.max_new)
+            engine.check_prompt(p, req.max_new)
         except MemraError as exc:
             raise BenchError(f"prompt {i} of {prompts.name}: {exc}") from None
-    arms = load_arms(target, specs, drafters)
+    arms = load_arms(engine, specs, drafters)
     meta = {
         "prompts": {"set": prompts.name, "source": prompts.source, "n": len(ids), "chat": req.chat,
                     "prompt_tokens": sum(len(p) for p in ids)},
-        "target": str(target_dir), "device": str(dev), "dtype": str(dt).removeprefix("torch."),
-        "step_width": width, "cuda_graphs": graphs, "step_width_note": f"{width_note}; {graphs_note}",
+        "target": str(target_dir), "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+        "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs, "step_width_note": "; ".join(engine.notes),
     }
     ignored = [k for k in POLICY_ENV if (env or {}).get(k)]
     return Bench(req, arms, ids, meta, embedded, ignored)

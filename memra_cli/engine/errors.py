@@ -36,3 +36,19 @@ class UnsupportedError(MemraError):
 
 class PromptError(MemraError):
     """A prompt / generation request the target cannot serve (empty, out of vocab, too long)."""
+
+
+class SettingError(MemraError):
+    """A setting's value is refused. The engine names the setting (`step_width='x': ...`); a
+    front end that knows which flag or variable carried it may say that instead (`flag_message`).
+    """
+
+    def __init__(self, setting: str, value: object, detail: str, *, quote: bool = True,
+                 flag_text: str | None = None):
+        self.setting, self.value, self.detail = setting, value, detail
+        self.value_text = repr(value) if quote else str(value)
+        self.flag_text = flag_text  # the whole message as a front end with flags words it
+        super().__init__(f"{setting}={self.value_text}: {detail}")
+
+    def flag_message(self, flag: str) -> str:
+        return self.flag_text or f"{flag} {self.value_text}: {self.detail}"

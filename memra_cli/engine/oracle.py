@@ -34,7 +34,7 @@ STAGES = ("ctx_features", "layer_out", "hidden_out", "draft_logits", "markov_tok
 FLOAT_KEYS = ("target_hidden", "noise_embedding", "hidden_out", "ctx_features", "layer_out", "draft_logits", "confidence_raw")
 INT_KEYS = ("position_ids", "markov_tokens")
 PATHS = ("full", "cached")
-PRECISIONS = ("f32", "bf16", "q8", "mixed", "fc", "q4")
+from memra_cli.engine.quant.precision import POLICIES as PRECISIONS  # noqa: E402  (one list of names)
 QUANTIZED = ("q8", "mixed", "fc", "q4")
 
 
@@ -511,27 +511,6 @@ def parity(drafter: Any, oracle: Oracle, lm_head: Any, policy: str) -> ParityRep
 
 
 # --------------------------------------------------------------------------- precision
-
-
-def resolve_precision(prec: str | None, dtype: str, device: Any) -> tuple[str, Any, Any]:
-    """(policy, torch dtype, weight_fn) from --prec / --dtype. Unset --prec follows the dtype."""
-    import torch
-
-    from memra_cli.engine.api import resolve_dtype
-
-    if prec is not None and prec not in PRECISIONS:
-        raise OracleError(f"--prec {prec}: expected {'|'.join(PRECISIONS)}")
-    if prec in ("f32", "bf16"):
-        want = torch.float32 if prec == "f32" else torch.bfloat16
-        if dtype != "auto" and resolve_dtype(dtype, device) != want:
-            raise OracleError(f"--prec {prec} with --dtype {dtype} is contradictory (drop one)")
-        return prec, want, None
-    dt = resolve_dtype(dtype, device)
-    if prec is None:
-        return ("f32" if dt == torch.float32 else "bf16"), dt, None
-    from memra_cli.engine.quant.precision import weight_fn_for
-
-    return prec, dt, weight_fn_for(prec)
 
 
 # --------------------------------------------------------------------------- target tables

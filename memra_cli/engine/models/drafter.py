@@ -78,19 +78,16 @@ class DraftKV:
         self.k = torch.zeros(n_layers, n_kv, cap + block, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.positions = torch.zeros(cap + block, dtype=torch.long, device=device)
-        self.graphs: dict = {}  # CUDA graphs captured over this storage (draft_graphs.py)
-        self._free_list: list | None = None  # the drafter's pool to return to on release()
+        self.graphs: dict = {}  # CUDA graphs captured over this storage (runtime/draft_graphs.py)
 
     @property
     def rows(self) -> int:
         """Storage rows: `cap` committed rows plus the block's transient rows."""
         return self.k.shape[2]
 
-    def release(self) -> None:
-        """Hand the storage (and its graphs) back to the drafter's pool; no-op if unpooled."""
-        if self._free_list is not None:
-            free, self._free_list = self._free_list, None
-            free.append(self)
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size() + self.positions.numel() * 8
 
     def truncate(self, n: int) -> None:
         assert 0 <= n <= self.length
@@ -115,7 +112,6 @@ class Drafter:
         # inv_freq lives on the device: no host-to-device copy per call (none is allowed while a
         # CUDA graph captures the static round)
         self.rope: RopeTables = RopeTables(rope.inv_freq.to(device), rope.attention_scaling)
-        self._free_caches: dict[int, list[DraftKV]] = {}  # pooled storages by cap (new_cache)
         self.layouts: tuple[LayerLayout, ...] = census.layers
         self.scale = self.cfg.head_dim ** -0.5
 
@@ -221,20 +217,11 @@ class Drafter:
 
     # ------------------------------------------------------------------- cached path
 
-    def new_cache(self, cap: int, pooled: bool = False) -> DraftKV:
-        """A draft KV cache of `cap` committed rows. `pooled`: from the drafter's pool, with `cap`
-        rounded up to a multiple of 256, so later sessions reuse storages and their CUDA graphs
-        (`DraftKV.release` returns one)."""
+    def new_cache(self, cap: int) -> DraftKV:
+        """A draft KV cache of `cap` committed rows (plus the block's transient rows)."""
         cfg = self.cfg
-        if not pooled:
-            return DraftKV(cfg.num_hidden_layers, cap, cfg.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                           self.dtype, self.device)
-        cap = -(-cap // 256) * 256
-        free = self._free_caches.setdefault(cap, [])
-        kv = free.pop() if free else DraftKV(cfg.num_hidden_layers, cap, cfg.block_size, cfg.num_key_value_heads,
-                                             cfg.head_dim, self.dtype, self.device)
-        kv.length, kv._free_list = 0, free
-        return kv
+        return DraftKV(cfg.num_hidden_layers, cap, cfg.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                       self.dtype, self.device)
 
     def ingest(self, kv: DraftKV, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append committed rows: taps `[t, n_taps*hidden]` at `positions [t]`. Returns the ctx

@@ -2,18 +2,15 @@
 
 Built for the speculative round loop and GPU-ready from the start:
 
-- one static KV cache per session, preallocated at its full length; `truncate(n)` is the
-  rollback after a partially accepted verify (it only moves `length`, K/V past it are stale
-  and get overwritten by the next write);
+- state is a static KV cache (runtime/cache.py) preallocated at its full length; its
+  `rollback(n)` after a partially accepted verify only moves `length`;
 - `forward` takes the start position as a python int, so slicing, masks and cache writes never
   read a device value back (no host sync inside a forward);
 - q/k/v and gate/up projections are fused at load (one matmul each instead of three / two);
-- with `step_width` W set, every step after the prefill (plain decode and verify alike) runs at
-  exactly W rows: shorter steps are padded, longer verifies go in W-row chunks. Every kernel then
-  sees the same shapes whether a token is decoded alone or verified with 15 others, and since
-  no kernel mixes rows, a token's logits are bit-identical either way. That is what makes
-  speculative output equal plain greedy in bf16, where GEMMs pick different kernels (with
-  different reduction orders) for 1 and 16 rows and near-tied argmaxes flip.
+- `static_step` is the fixed-width step with static shapes and device positions; the step
+  runner (runtime/steps.py) owns step width, padding, chunking and CUDA graphs around it.
+
+This file holds the math only: no allocation policy, no scheduling, no sampling.
 
 Numerics follow `transformers.Qwen3ForCausalLM`: RMSNorm in float32 then `weight * x.to(dtype)`,
 per-head q/k RMSNorm before RoPE, cos/sin formed in float32 then cast to the model dtype,
@@ -33,11 +30,11 @@ import torch.nn.functional as F
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import TargetConfig, load_target_config
 from memra_cli.engine.errors import CheckpointError, ConfigError, PromptError
+from memra_cli.engine.runtime.cache import KVCache
 from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.layers.rope import apply_rope, cos_sin, rope_tables
 
 log = logging.getLogger(__name__)
-CACHE_BUCKET = 256  # pooled cache lengths are multiples of this (CUDA graphs bind a storage)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -62,38 +59,6 @@ class LayerWeights:
     mlp_norm: torch.Tensor
     w_gate_up: torch.Tensor
     w_down: torch.Tensor
-
-
-class KVCache:
-    """Static K/V for one session: `kv [n_layers, 2, n_kv, max_len, head_dim]`.
-
-    Heads before positions so each layer's `kv[l, 0, :, :end]` is what attention reads, with no
-    transpose. `length` (a python int) is how many leading positions are valid.
-    """
-
-    def __init__(self, n_layers: int, n_kv: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        self.kv = torch.zeros(n_layers, 2, n_kv, max_len, head_dim, dtype=dtype, device=device)
-        self.max_len = max_len
-        self.length = 0
-        self.step_graphs: dict = {}  # taps -> StepGraph captured over this storage (graphs.py)
-        self._free_list: list | None = None  # the target's pool to return to on release()
-
-    def release(self) -> None:
-        """Hand the storage (and the CUDA graphs captured over it) back to the target's pool for
-        the next session; a no-op for an unpooled cache. Use the cache no more after this."""
-        if self._free_list is not None:
-            free, self._free_list = self._free_list, None
-            free.append(self)  # `length` stays readable until the next session takes it
-
-    def truncate(self, n: int) -> None:
-        """Roll back to the first `n` positions (no copy: later rows are simply overwritten)."""
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot truncate a KV cache of length {self.length} to {n}")
-        self.length = n
-
-    def reset(self) -> None:
-        self.length = 0
 
 
 # --------------------------------------------------------------------------- loading
@@ -189,12 +154,8 @@ class Qwen3Target:
     """
 
     def __init__(self, cfg: TargetConfig, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor, step_width: int | None = None):
+                 norm: torch.Tensor, lm_head: torch.Tensor):
         self.cfg = cfg
-        self.step_width = step_width  # rows per step after the prefill; None = each step's own width
-        self.cuda_graphs = False  # replay fixed-width steps as CUDA graphs (set_cuda_graphs)
-        self.draft_graphs = False  # and the drafter side of rounds over this target
-        self._free_caches: dict[int, list[KVCache]] = {}  # pooled storages by length (graphs only)
         self.embed_weight = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm  # [hidden]
@@ -207,9 +168,8 @@ class Qwen3Target:
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", step_width: int | None = None) -> "Qwen3Target":
-        """Load an HF Qwen3 directory (config.json + single or sharded safetensors).
-        `step_width`: see `set_step_width`."""
+                 device: str | torch.device = "cpu") -> "Qwen3Target":
+        """Load an HF Qwen3 directory (config.json + single or sharded safetensors)."""
         path = Path(path)
         cfg = load_target_config(path)
         loader = _Loader(open_checkpoint(path), cfg, dtype, torch.device(device))
@@ -222,39 +182,11 @@ class Qwen3Target:
         extra = sorted(set(loader.ckpt.tensors) - set(loader.shapes) - {"lm_head.weight"})
         if extra:
             log.warning("%s: %d tensor(s) not used by the Qwen3 target, e.g. %s", path, len(extra), extra[0])
-        model = cls(cfg, embed, layers, loader.get("model.norm.weight"), lm_head)
-        model.set_step_width(step_width)
-        return model
+        return cls(cfg, embed, layers, loader.get("model.norm.weight"), lm_head)
 
-    def set_step_width(self, width: int | None) -> None:
-        """Rows per decode / verify step (None: each step at its own width). Set it before any
-        cache is made: caches carry `width` rows of slack for the padding."""
-        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
-            raise ConfigError(f"step width must be a positive integer or None, got {width!r}")
-        self.step_width = width
-        self._free_caches.clear()
-        if width is None:
-            self.cuda_graphs = self.draft_graphs = False
-
-    def set_cuda_graphs(self, on: bool, drafter: bool = False) -> None:
-        """Replay every fixed-width step as a CUDA graph captured once per cache storage (and
-        taps). Needs CUDA and a step width: a graph replays fixed shapes. Caches then come from
-        a pool (`KVCache.release` returns them), so sessions reuse storages and their graphs.
-        `drafter`: the proposers of sessions over this target graph their rounds too
-        (engine/draft_graphs.py; experimental: see docs/perf.md)."""
-        if on and (self.device.type != "cuda" or self.step_width is None):
-            raise ConfigError("CUDA graphs need the target on a CUDA device and a fixed step width "
-                              f"(device {self.device}, step width {self.step_width})")
-        self.cuda_graphs = bool(on)
-        self.draft_graphs = bool(on and drafter)
-        self._free_caches.clear()
-        if on:
-            # Graphs read the rope tables by address: make them once at their largest (every
-            # pooled length fits), so a later, longer session never replaces a captured table.
-            self._ensure_rope_rows(-(-(self.cfg.max_position_embeddings + self.step_width) // CACHE_BUCKET) * CACHE_BUCKET)
-
-    def _ensure_rope_rows(self, rows: int) -> None:
-        """cos/sin tables reaching at least `rows` positions (grown, never shrunk)."""
+    def ensure_positions(self, rows: int) -> None:
+        """cos/sin tables reaching at least `rows` positions (grown, never shrunk; the step
+        runner makes them once at full length before capturing CUDA graphs)."""
         if self._cos.shape[0] < rows:
             # Same float32 product as transformers (position * inv_freq), then cast: slicing the
             # table later gives exactly the values a per-call computation would.
@@ -282,31 +214,6 @@ class Qwen3Target:
 
     # ----------------------------------------------------------------------- validation
 
-    def check_prompt(self, prompt_ids: Sequence[int], max_new: int, max_len: int | None = None) -> None:
-        """Refuse an empty prompt, ids outside the vocabulary, or a length past the limits."""
-        n, source = len(prompt_ids), self.cfg.source
-        if n == 0:
-            raise PromptError("the prompt is empty (need at least one token id)")
-        for i, tok in enumerate(prompt_ids):
-            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < self.vocab_size:
-                raise PromptError(
-                    f"prompt token id {tok!r} at index {i} is outside the vocabulary "
-                    f"[0, {self.vocab_size}) of {source}"
-                )
-        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
-            raise PromptError(f"max_new must be an integer >= 0, got {max_new!r}")
-        total = n + max_new
-        if total > self.cfg.max_position_embeddings:
-            raise PromptError(
-                f"prompt ({n} tokens) + max_new ({max_new}) = {total} exceeds "
-                f"max_position_embeddings {self.cfg.max_position_embeddings} of {source}"
-            )
-        if max_len is not None and total > max_len:
-            raise PromptError(
-                f"prompt ({n} tokens) + max_new ({max_new}) = {total} exceeds the KV cache "
-                f"({max_len} positions)"
-            )
-
     def check_taps(self, taps: Sequence[int]) -> None:
         """Tap ids must be -1 (embedding) or a layer index of this target."""
         for tap in taps:
@@ -318,26 +225,9 @@ class Qwen3Target:
 
     # ----------------------------------------------------------------------- cache
 
-    def new_cache(self, max_len: int) -> KVCache:
-        """A static KV cache of `max_len` positions (and rope tables that reach that far)."""
-        limit = self.cfg.max_position_embeddings
-        if not 1 <= max_len <= limit:
-            raise PromptError(
-                f"KV cache length {max_len} is outside [1, {limit}] "
-                f"(max_position_embeddings of {self.cfg.source})"
-            )
-        # Fixed-width steps write their padding rows past the last real position: room for them
-        # (their K/V are never read: later rows are causal-masked from them, then overwrite them).
-        rows = max_len + (self.step_width or 0)
-        if self.cuda_graphs:  # pooled, in buckets, so the next session finds a storage (and graphs)
-            rows = -(-rows // CACHE_BUCKET) * CACHE_BUCKET
-        self._ensure_rope_rows(rows)
-        if not self.cuda_graphs:
-            return KVCache(self.n_layers, self.n_kv, rows, self.head_dim, self.dtype, self.device)
-        free = self._free_caches.setdefault(rows, [])
-        cache = free.pop() if free else KVCache(self.n_layers, self.n_kv, rows, self.head_dim, self.dtype, self.device)
-        cache.length, cache._free_list = 0, free
-        return cache
+    def new_state(self, rows: int) -> KVCache:
+        """A session's state: a static KV cache of `rows` positions (the runner sizes it)."""
+        return KVCache(self.n_layers, self.n_kv, rows, self.head_dim, self.dtype, self.device)
 
     # ----------------------------------------------------------------------- forward
 
@@ -355,7 +245,8 @@ class Qwen3Target:
         """
         t = ids.shape[0]
         end = start + t
-        self._check_span(start, t, cache)
+        self.check_span(start, t, cache)
+        self.ensure_positions(end)
         if taps:
             self.check_taps(taps)
         x = self.embed(ids)
@@ -372,7 +263,8 @@ class Qwen3Target:
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return hidden, taps_out
 
-    def _check_span(self, start: int, t: int, cache: KVCache) -> None:
+    def check_span(self, start: int, t: int, cache: KVCache) -> None:
+        """Refuse a step that would leave a gap before `start` or run past the storage."""
         if t < 1:
             raise PromptError("forward needs at least one token id")
         if not 0 <= start <= cache.length:
@@ -444,81 +336,6 @@ class Qwen3Target:
         logits, and hence argmax ties, are exactly HF's.
         """
         return F.linear(hidden, self._lm_head).float()
-
-    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Greedy token per row `[t]` (LongTensor on the device; ties -> lowest id)."""
-        return torch.argmax(self.logits(hidden), dim=-1)
-
-    def prefill(self, ids: torch.Tensor, cache: KVCache,
-                taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prompt `ids [t]` from position 0: the next token `[1]` and taps `[t, n_taps*hidden]`.
-
-        Only the last row goes through lm_head (a 512-row prompt would otherwise cost 512 rows
-        of a vocab-wide matmul for one token).
-        """
-        cache.reset()
-        hidden, tapped = self.forward(ids, 0, cache, taps)
-        return self.argmax(hidden[-1:]), tapped
-
-    def verify(self, ids: torch.Tensor, start: int, cache: KVCache,
-               taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Rows `ids [t]` at `start..`: argmax per row `[t]` and taps `[t, n_taps*hidden]`.
-
-        Plain decode is a verify of one row. With `step_width` W, runs as W-row steps (below)."""
-        logits, tapped = self.step_logits(ids, start, cache, taps)
-        return torch.argmax(logits, dim=-1), tapped
-
-    def step_logits(self, ids: torch.Tensor, start: int, cache: KVCache,
-                    taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`verify`'s float32 logits `[t, vocab]` (and taps), under the step-width rule.
-
-        With `step_width` W the rows run in steps of exactly W (`fixed_step`): chunks of W, the
-        last padded by repeating its final id. Padding rows come after the real ones, so
-        causality keeps them out of every real row; their K/V land past `cache.length` and are
-        overwritten later."""
-        width = self.step_width
-        if width is None:
-            hidden, tapped = self.forward(ids, start, cache, taps)
-            return self.logits(hidden), tapped
-        if taps:
-            self.check_taps(taps)
-        t = ids.shape[0]
-        logits, tapped = [], []
-        for lo in range(0, t, width):
-            chunk = ids[lo:lo + width]
-            n = chunk.shape[0]
-            if n < width:
-                chunk = torch.cat([chunk, chunk[-1:].expand(width - n)])
-            lg, tp = self.fixed_step(chunk, start + lo, cache, taps)
-            cache.length = start + lo + n
-            logits.append(lg[:n])
-            if tp is not None:
-                tapped.append(tp[:n])
-        if len(logits) == 1:
-            return logits[0], (tapped[0] if tapped else None)
-        return torch.cat(logits), (torch.cat(tapped) if tapped else None)
-
-    def fixed_step(self, ids: torch.Tensor, start: int, cache: KVCache,
-                   taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One step of exactly `step_width` rows `ids [W]` at positions `start..start+W-1`:
-        float32 logits `[W, vocab]` and taps `[W, n_taps*hidden]`. Does not move `cache.length`.
-
-        Replayed from a CUDA graph when `cuda_graphs` is on (captured on first use per cache
-        storage and taps; outputs are copies, safe to keep), else run eagerly — the same ops
-        either way (`static_step`)."""
-        width = self.step_width
-        assert width is not None and ids.shape[0] == width
-        self._check_span(start, width, cache)
-        if self.cuda_graphs:
-            from memra_cli.engine.runtime.graphs import StepGraph
-
-            key = tuple(taps or ())
-            graph = cache.step_graphs.get(key)
-            if graph is None:
-                graph = cache.step_graphs[key] = StepGraph(self, cache, key)
-            return graph.run(ids, start)
-        positions = torch.arange(start, start + width, device=self.device)
-        return self.static_step(ids, positions, cache, taps)
 
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                     taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -8,7 +8,9 @@ equals position in a session's draft cache, and the committed length arrives as 
 So each part is captured once per cache storage and replayed every round.
 
 - `ProposeGraph`: `last [1]`, `start` -> drafts `[n_drafts]` (+ confidence raws). It runs the
-  same ops as `DrafterProposer.propose`, with the static round in place of `forward_round`.
+  same ops as `DrafterProposer.propose` (spec/proposer.py `static_proposal`), with the static
+  round in place of `forward_round`. Keyed on the storage by program and whether raws are
+  wanted; it reads the drafter, the target and its own buffers, never a session's.
 - `IngestGraph`: exactly `b` tap rows at `start..start+b-1`. The session keeps `m+1 <= b` of
   them. The padding rows land at positions the next round's block K/V overwrite before any
   query can see them.
@@ -29,16 +31,19 @@ from memra_cli.engine.runtime import cuda_graphs
 class ProposeGraph:
     """One round's proposal over one draft cache storage, captured once."""
 
-    def __init__(self, proposer, kv, want_raws: bool):
-        dev = proposer.target.device
+    def __init__(self, drafter, target, program, kv, want_raws: bool):
+        from memra_cli.engine.spec.proposer import static_proposal
+
+        dev = target.device
         # Every tensor the graph reads must outlive it: the graph stays with the pooled storage
-        # while the proposer that captured it (and its buffers) goes with its session. So the
-        # graph owns its inputs, the block's mask-id tail included.
+        # while the session that captured it ends. So the graph owns its inputs, the block's
+        # mask-id tail included.
+        cfg = drafter.cfg
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
-        self.tail = proposer.block_ids[1:].clone()
+        self.tail = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
         self.start = torch.tensor(kv.cap, dtype=torch.long, device=dev)  # capture in the slack
         self.graph, self.out = cuda_graphs.capture(
-            lambda: proposer.static_proposal(kv, self.last, self.tail, self.start, want_raws), dev)
+            lambda: static_proposal(drafter, target, program, kv, self.last, self.tail, self.start, want_raws), dev)
 
     def run(self, last: torch.Tensor, start: int):
         self.last.copy_(last.reshape(1))

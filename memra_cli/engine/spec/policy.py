@@ -201,15 +201,6 @@ def ladder_next(accepted: int, cap: int) -> int:
     return min(max(accepted + 2, 3), cap)
 
 
-def accept_prefix(cand: Sequence[int], vam: Sequence[int], vt: int) -> int:
-    """Accepted drafts: `cand[0]` is the anchor, `cand[1:]` the drafts, `vam[j]` the target's
-    argmax for anchor+j+1. Returns m; `cand[1..=m]` commit and `vam[m]` is the next anchor."""
-    m = 0
-    while m < vt - 1 and cand[m + 1] == vam[m]:
-        m += 1
-    return m
-
-
 def default_verify_cap(n_drafts: int) -> int:
     return n_drafts + 1
 

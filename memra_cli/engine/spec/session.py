@@ -1,176 +1,62 @@
-"""The speculative round loop for dense targets, and the resumable `Session` around it.
+"""The speculative round loop, and the resumable `Session` around it.
 
-One round (DESIGN.md § Data flow):
+One round:
 
     block = [last, MASK x (b-1)] at positions start..start+b-1
     proposer.propose(...)   -> drafts [nd] (+ confidence raws [nd] under a confidence policy)
     vt from the window policy (ladder carried, or sized from the raws), capped, within budget
-    target.verify([last, drafts[:vt-1]]) with taps -> vam [vt], taps [vt, n_taps*hidden]
-    m = accepted prefix; commit last + drafts[:m]; next = vam[m]
-    rollback: truncate the target KV to start + m + 1
+    runner.step([last, drafts[:vt-1]]) with taps -> logits [vt, V], taps [vt, n_taps*hidden]
+    sel = sampler.select(logits)   (greedy: argmax)
+    m = accepted prefix; commit last + drafts[:m]; next = sel[m]
+    rollback: state.rollback(start + m + 1)
     proposer.ingest(taps[:m+1]) at positions start..start+m; last = next
 
-Exactness is structural: the target's verify argmax decides every committed token. Tensors stay
-on the device; a ladder round reads the host once (drafts and argmaxes together), a confidence
-round twice (the raws size the window before verify).
+Exactness is structural: the target's own selection decides every committed token. Tensors stay
+on the device; a ladder round reads the host once (drafts and selections together), a
+confidence round twice (the raws size the window before verify). A session returns its pooled
+storages exactly once: when the stream ends, on `close()`, or when a round raises.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+import time
+from typing import Sequence
 
 import torch
 
-from memra_cli.engine.models.drafter import Drafter
-from memra_cli.engine.errors import MemraError
-from memra_cli.engine.spec.policy import Harvest, VerifyWindow, accept_prefix, ladder_next
+from memra_cli.engine.runtime.steps import StepRunner
+from memra_cli.engine.spec.policy import ladder_next
+from memra_cli.engine.spec.proposer import Program, Proposal, Proposer
+from memra_cli.engine.spec.sampling import GREEDY, Sampler, accept_prefix
 from memra_cli.engine.stats import DecodeStats, PhaseClock
-
-PRIME_CHUNK = 256  # prompt taps are ingested in row windows to bound transient memory
-
-
-class SpecError(MemraError):
-    """A speculative request that cannot run as asked (e.g. a confidence policy without a head)."""
-
-
-@dataclass(frozen=True)
-class Program:
-    """What a speculative session runs, fully resolved (receipts name it)."""
-
-    harvest: Harvest
-    window: VerifyWindow
-    markov: bool
-    verify_cap: int
-    adapt: bool
-    block_size: int
-
-    @property
-    def n_drafts(self) -> int:
-        return self.harvest.n_drafts(self.block_size)
-
-
-@dataclass
-class Proposal:
-    drafts: torch.Tensor  # [nd] long, on the device
-    raws: torch.Tensor | None = None  # [nd] float32 pre-sigmoid confidence, when asked for
-
-
-class Proposer(Protocol):
-    """What the round needs from a drafter (the real one, or a test oracle)."""
-
-    def reset(self, capacity: int) -> None: ...
-    def ingest(self, taps: torch.Tensor, positions: torch.Tensor) -> None: ...
-    def propose(self, last: torch.Tensor, start: int, want_raws: bool) -> Proposal: ...
-    def release(self) -> None: ...  # the session is over (pooled caches go back)
-
-
-class DrafterProposer:
-    """The real proposer: drafter forward over its KV cache, harvest, target lm_head, markov."""
-
-    def __init__(self, drafter: Drafter, target, program: Program):
-        if program.window.is_confidence and not drafter.has_confidence:
-            raise SpecError(
-                f"verify-window {program.window} needs a checkpoint with an accept-rate head "
-                f"(confidence_head.* absent in {drafter.census.path})"
-            )
-        self.drafter, self.target, self.program = drafter, target, program
-        cfg = drafter.cfg
-        self.block_ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=target.device)
-        # the round's drafter side graphed too, when the target says so (draft_graphs.py)
-        self.graphs = bool(getattr(target, "draft_graphs", False))
-        self.kv = drafter.new_cache(1)
-
-    def reset(self, capacity: int) -> None:
-        self.kv = self.drafter.new_cache(capacity, pooled=self.graphs)
-
-    def release(self) -> None:
-        """The session is over: a pooled draft cache (and its graphs) goes to the next one."""
-        self.kv.release()
-
-    def ingest(self, taps: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append committed rows. Graphed (after the prompt, at most a block of rows), the rows
-        go at `kv.length..` (`positions` unread: a Session always ingests contiguously)."""
-        t, b = taps.shape[0], self.program.block_size
-        if self.graphs and self.kv.length > 0 and t <= b:
-            from memra_cli.engine.models.drafter import DraftCapacityError
-            from memra_cli.engine.runtime.draft_graphs import IngestGraph
-
-            if self.kv.length + t > self.kv.cap:
-                raise DraftCapacityError(f"draft KV cache full: {self.kv.length} + {t} rows > capacity {self.kv.cap}")
-            key = ("ingest", taps.shape[1])
-            graph = self.kv.graphs.get(key)
-            if graph is None:
-                graph = self.kv.graphs[key] = IngestGraph(self.drafter, self.kv, taps.shape[1])
-            graph.run(taps, self.kv.length)
-            self.kv.length += t
-            return
-        for lo in range(0, t, PRIME_CHUNK):
-            self.drafter.ingest(self.kv, taps[lo : lo + PRIME_CHUNK], positions[lo : lo + PRIME_CHUNK])
-
-    def propose(self, last: torch.Tensor, start: int, want_raws: bool) -> Proposal:
-        if self.graphs:
-            from memra_cli.engine.runtime.draft_graphs import ProposeGraph
-
-            assert self.kv.length == start, (self.kv.length, start)  # row index == position
-            key = ("propose", self.program, want_raws)  # drafters (and their pools) are shared by arms
-            graph = self.kv.graphs.get(key)
-            if graph is None:
-                graph = self.kv.graphs[key] = ProposeGraph(self, self.kv, want_raws)
-            return Proposal(*graph.run(last, start))
-        b = self.program.block_size
-        self.block_ids[0] = last[0]
-        noise = self.target.embed(self.block_ids)
-        positions = torch.arange(start, start + b, device=self.target.device)
-        hidden = self.drafter.forward_round(self.kv, noise, positions).hidden_out
-        return Proposal(*self._drafts(hidden, last, want_raws))
-
-    def _drafts(self, hidden: torch.Tensor, last: torch.Tensor,
-                want_raws: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Block hidden `[b, hidden]` -> drafts `[n_drafts]` (harvested rows through the target's
-        lm_head, then the markov chain or argmax) and, when asked, confidence raws `[n_drafts]`."""
-        p = self.program
-        rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
-        logits = self.target.logits(rows)
-        drafts = self.drafter.markov_chain(logits, last) if p.markov else torch.argmax(logits, dim=-1)
-        raws = None
-        if want_raws:
-            raws = self.drafter.confidence_raw(rows, torch.cat([last.reshape(1), drafts[:-1]]))
-        return drafts, raws
-
-    def static_proposal(self, kv, last: torch.Tensor, tail: torch.Tensor, start: torch.Tensor,
-                        want_raws: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`propose` with static shapes (the body of a ProposeGraph): `last [1]`, the block's
-        mask ids `tail [b-1]`, `start` a 0-d device tensor -> drafts `[n_drafts]` and raws
-        `[n_drafts]` or None. Reads only its arguments and long-lived weights."""
-        noise = self.target.embed(torch.cat([last.reshape(1), tail]))
-        return self._drafts(self.drafter.static_round(kv, noise, start), last, want_raws)
 
 
 class Session:
-    """A resumable greedy decode: `prime()` once, then `burst(n)` until `finished`.
+    """A resumable decode: `prime()` once, then `burst(n)` until `finished` (or `run()`).
 
-    With `proposer=None` it is plain greedy through the same target path (one row per round).
+    With `proposer=None` it is plain decoding through the same runner path (one row per round).
+    Use it as a context manager (or call `close()`) when a caller may stop before the end.
     """
 
-    def __init__(self, target, prompt_ids: Sequence[int], max_new: int, *, proposer: Proposer | None = None,
-                 program: Program | None = None, taps: Sequence[int] = (), eos_ids: Sequence[int] = (),
-                 timed: bool = False):
-        target.check_prompt(list(prompt_ids), max_new)
-        self.target, self.proposer, self.program = target, proposer, program
+    def __init__(self, runner: StepRunner, prompt_ids: Sequence[int], max_new: int, *,
+                 proposer: Proposer | None = None, program: Program | None = None, taps: Sequence[int] = (),
+                 eos_ids: Sequence[int] = (), sampler: Sampler = GREEDY, timed: bool = False):
+        runner.check_prompt(list(prompt_ids), max_new)
+        self.runner, self.target = runner, runner.model
+        self.proposer, self.program, self.sampler = proposer, program, sampler
         self.prompt, self.max_new, self.eos = list(prompt_ids), max_new, set(eos_ids)
         self.taps = tuple(taps) if proposer is not None else ()
         block = program.block_size if program else 1
         self.capacity = len(self.prompt) + max_new + block + 1
-        self.cache = target.new_cache(min(self.capacity, target.cfg.max_position_embeddings))
+        self.cache = runner.new_state(min(self.capacity, self.target.cfg.max_position_embeddings))
         self.stats = DecodeStats()
-        self.clock = PhaseClock(self.stats, target.device, timed)
+        self.clock = PhaseClock(self.stats, self.target.device, timed)
         self.tokens: list[int] = []
         self.finished = max_new == 0
         self.vt = program.verify_cap if program else 1
         self.last: torch.Tensor | None = None
         self._t0 = 0.0
-        self._released = False  # caches handed back (once, when the stream ends)
+        self._released = False  # storages handed back (once: end of stream, close() or an error)
 
     @property
     def position(self) -> int:
@@ -179,31 +65,34 @@ class Session:
 
     def prime(self) -> None:
         """Prefill the prompt (taps armed for a proposer) and the drafter's context."""
-        import time
-
         self._t0 = time.perf_counter()
         self.clock.start()
-        ids = torch.tensor(self.prompt, dtype=torch.long, device=self.target.device)
-        self.last, taps = self.target.prefill(ids, self.cache, self.taps or None)
-        if self.proposer is not None:
-            self.proposer.reset(self.capacity)
-            self.proposer.ingest(taps, torch.arange(len(self.prompt), device=self.target.device))
+        try:
+            n = len(self.prompt)
+            ids = torch.tensor(self.prompt, dtype=torch.long, device=self.target.device)
+            logits, taps = self.runner.prefill(ids, self.cache, self.taps or None)
+            self.last = self.sampler.select(logits, torch.tensor([n - 1], device=self.target.device))
+            if self.proposer is not None:
+                self.proposer.reset(self.capacity)
+                self.proposer.ingest(taps, torch.arange(n, device=self.target.device))
+        except BaseException:
+            self.close()
+            raise
         self.clock.lap("prefill")
 
     def burst(self, n: int) -> list[int]:
         """Run rounds until at least `n` new tokens are committed or the stream ends."""
-        import time
-
         if self.last is None:
             self.prime()
         out: list[int] = []
-        while len(out) < n and not self.finished:
-            out += self._round()
-        if self.finished and not self._released:  # pooled storages (CUDA graphs) go to the next session
-            self._released = True
-            self.cache.release()
-            if self.proposer is not None:
-                self.proposer.release()
+        try:
+            while len(out) < n and not self.finished:
+                out += self._round()
+        except BaseException:  # an error or an interrupt mid-stream: the storages still go back
+            self.close()
+            raise
+        if self.finished:
+            self.close()
         self.stats.wall_s = time.perf_counter() - self._t0
         self.stats.tokens = len(self.tokens)
         return out
@@ -212,6 +101,22 @@ class Session:
         while not self.finished:
             self.burst(1 << 30)
         return self.tokens
+
+    def close(self) -> None:
+        """Hand the pooled storages (and their CUDA graphs) back, once; the session is over."""
+        if self._released:
+            return
+        self._released = True
+        self.finished = True
+        self.runner.release(self.cache)
+        if self.proposer is not None:
+            self.proposer.release()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------- one round
 
@@ -237,13 +142,14 @@ class Session:
             vt = self._window(proposal)
             cand = torch.cat([last.reshape(1), drafts[: vt - 1]])
         self.clock.lap("draft")
-        vam, taps = self.target.verify(cand, start, self.cache, self.taps or None)
+        logits, taps = self.runner.step(cand, start, self.cache, self.taps or None)
+        vam = self.sampler.select(logits, torch.arange(start, start + vt, device=cand.device))
         host = torch.cat([cand, vam]).tolist()  # the round's one (ladder) host read
         cand_h, vam_h = host[:vt], host[vt:]
         self.clock.lap("verify")
         m = accept_prefix(cand_h, vam_h, vt) if vt > 1 else 0
         committed = self._commit(cand_h, m)
-        self.cache.truncate(start + m + 1)
+        self.cache.rollback(start + m + 1)
         self.clock.lap("rollback")
         if self.proposer is not None and not self.finished:
             self.proposer.ingest(taps[: m + 1], torch.arange(start, start + m + 1, device=self.target.device))

@@ -1,0 +1,86 @@
+"""What the engine needs from a target model, and the registry that picks one by `model_type`.
+
+A model file holds math and weights only. Everything about scheduling (step width, padding,
+CUDA graphs), storage (pooling, budgets) and sampling lives elsewhere (runtime/, spec/), so a
+new family is one module that implements `TargetModel` and one line in `MODEL_FAMILIES`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import torch
+
+from memra_cli.engine.errors import ConfigError
+from memra_cli.engine.formats.config import read_json_object
+
+
+class TargetState(Protocol):
+    """A session's model state (KV cache; recurrent state for hybrid models)."""
+
+    length: int  # committed positions
+    max_len: int  # storage positions
+    graphs: dict  # CUDA graphs captured over this storage (kept by the runtime)
+    nbytes: int
+
+    def rollback(self, n_keep: int) -> None: ...  # forget every position from n_keep on
+    def reset(self) -> None: ...
+
+
+class TargetModel(Protocol):
+    """A causal LM the round loop verifies with. Tap id `i` is the raw output of layer `i`
+    (residual stream, never final-normed), `-1` the embedding output."""
+
+    cfg: object  # .source, .vocab_size, .hidden_size, .num_hidden_layers, .max_position_embeddings, .eos_token_ids
+    dtype: torch.dtype
+    device: torch.device
+    n_layers: int
+    hidden_size: int
+    vocab_size: int
+    embed_weight: torch.Tensor  # [vocab, hidden]
+    lm_head_weight: torch.Tensor  # [vocab, hidden]
+
+    def new_state(self, rows: int) -> TargetState: ...
+    def ensure_positions(self, rows: int) -> None: ...
+    def check_taps(self, taps: Sequence[int]) -> None: ...
+    def check_span(self, start: int, t: int, state: TargetState) -> None: ...
+    def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [t] -> [t, hidden]
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [t, hidden] -> f32 [t, vocab]
+
+    def forward(self, ids: torch.Tensor, start: int, state: TargetState, taps: Sequence[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Eager, any width: final-normed hidden `[t, hidden]` and taps `[t, n_taps*hidden]`;
+        sets `state.length = start + t`."""
+        ...
+
+    def static_step(self, ids: torch.Tensor, positions: torch.Tensor, state: TargetState,
+                    taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Fixed width, positions on the device, graph-capturable: f32 logits `[W, vocab]` and
+        taps; leaves `state.length` alone."""
+        ...
+
+
+def _qwen3():
+    from memra_cli.engine.models.qwen3 import Qwen3Target
+
+    return Qwen3Target
+
+
+# config.json `model_type` -> loader of the class (imported on demand: one family's deps never
+# load for another's)
+MODEL_FAMILIES = {"qwen3": _qwen3}
+
+
+def load_target(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> TargetModel:
+    """Load the target model directory `path`, dispatched on its config.json `model_type`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{path}: target directory does not exist" if not path.exists()
+                          else f"{path}: expected a target model directory (config.json + safetensors)")
+    model_type = read_json_object(path / "config.json").get("model_type")
+    family = MODEL_FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ConfigError(f"{path / 'config.json'}: model_type {model_type!r} is not a supported target "
+                          f"(supported: {', '.join(sorted(MODEL_FAMILIES))})")
+    return family().from_dir(path, dtype=dtype, device=device)

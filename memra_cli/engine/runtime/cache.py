@@ -1,0 +1,39 @@
+"""Per-session target state: the static KV cache of a dense (full-attention) model.
+
+Rollback belongs to the state: `rollback(n_keep)` is how the round loop forgets rejected rows.
+For K/V that only moves `length` (rows past it are stale and the next write overwrites them); a
+recurrent model's state would restore a kept snapshot instead, behind the same call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Static K/V for one session: `kv [n_layers, 2, n_kv, max_len, head_dim]`.
+
+    Heads before positions so each layer's `kv[l, 0, :, :end]` is what attention reads, with no
+    transpose. `length` (a python int) is how many leading positions are valid. `graphs` holds
+    the CUDA graphs captured over this storage (runtime/graphs.py): they live and die with it.
+    """
+
+    def __init__(self, n_layers: int, n_kv: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.kv = torch.zeros(n_layers, 2, n_kv, max_len, head_dim, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+        self.graphs: dict = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def rollback(self, n_keep: int) -> None:
+        """Keep the first `n_keep` positions (no copy: later rows are simply overwritten)."""
+        if not 0 <= n_keep <= self.length:
+            raise ValueError(f"cannot roll a KV cache of length {self.length} back to {n_keep}")
+        self.length = n_keep
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,153 @@
+"""The step runner: how a target model's forwards are scheduled, not what they compute.
+
+It owns what used to live inside the model class:
+
+- the **step width** W: after the prefill, every decode and verify step runs at exactly W rows
+  (shorter steps padded by repeating their last id, longer ones in W-row chunks). Every kernel
+  then sees the same shapes whether a token is decoded alone or verified with 15 others, and
+  since no kernel mixes rows, a token's logits are bit-identical either way: speculative output
+  equals plain greedy in bf16 too. Padding rows come after the real ones, so causality hides
+  them; their K/V land past `state.length` and are overwritten later.
+- **CUDA graphs**: a fixed-width step has static shapes (`model.static_step`), so one capture per
+  state storage and taps tuple replays every later step (runtime/graphs.py).
+- **state lifetime**: states come from the shared `StoragePool` (graphs ride on the storage),
+  sized with W rows of slack for the padding, and go back on `release`.
+- prompt validation (vocabulary, lengths) against the model's shape facts.
+
+The model (models/base.py `TargetModel`) supplies `new_state`, `forward` (eager, any width) and
+`static_step` (fixed width, device positions). A `Sampler` turns the logits into tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from memra_cli.engine.errors import ConfigError, PromptError
+from memra_cli.engine.runtime.pool import StoragePool
+
+STATE_BUCKET = 256  # pooled state lengths are multiples of this (CUDA graphs bind a storage)
+
+
+class StepRunner:
+    """Runs one target model's prefill and fixed-width (or variable) steps over session states."""
+
+    def __init__(self, model, step_width: int | None = None, cuda_graphs: bool = False,
+                 pool: StoragePool | None = None):
+        if step_width is not None and (isinstance(step_width, bool) or not isinstance(step_width, int) or step_width < 1):
+            raise ConfigError(f"step_width must be a positive integer or None (variable), got {step_width!r}")
+        if cuda_graphs and (model.device.type != "cuda" or step_width is None):
+            raise ConfigError("cuda_graphs needs the target on a CUDA device and a fixed step_width "
+                              f"(device {model.device}, step_width {step_width})")
+        self.model = model
+        self.width = step_width
+        self.cuda_graphs = bool(cuda_graphs)
+        self.pool = pool if pool is not None else StoragePool()
+        if self.cuda_graphs:
+            # Graphs read rope tables by address: make them once at their largest, so a later,
+            # longer session never replaces a table a graph was captured with.
+            self.model.ensure_positions(self._rows(model.cfg.max_position_embeddings))
+
+    # ------------------------------------------------------------------- validation
+
+    def check_prompt(self, prompt_ids: Sequence[int], max_new: int) -> None:
+        """Refuse an empty prompt, ids outside the vocabulary, or a length past the model's limit."""
+        m = self.model
+        n, source = len(prompt_ids), m.cfg.source
+        if n == 0:
+            raise PromptError("the prompt is empty (need at least one token id)")
+        for i, tok in enumerate(prompt_ids):
+            if isinstance(tok, bool) or not isinstance(tok, int) or not 0 <= tok < m.vocab_size:
+                raise PromptError(f"prompt token id {tok!r} at index {i} is outside the vocabulary "
+                                  f"[0, {m.vocab_size}) of {source}")
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
+            raise PromptError(f"max_new must be an integer >= 0, got {max_new!r}")
+        total, limit = n + max_new, m.cfg.max_position_embeddings
+        if total > limit:
+            raise PromptError(f"prompt ({n} tokens) + max_new ({max_new}) = {total} exceeds "
+                              f"max_position_embeddings {limit} of {source}")
+
+    # ------------------------------------------------------------------- states
+
+    def _rows(self, max_len: int) -> int:
+        rows = max_len + (self.width or 0)  # room for a fixed-width step's padding rows
+        if self.cuda_graphs:
+            rows = -(-rows // STATE_BUCKET) * STATE_BUCKET
+        return rows
+
+    def new_state(self, max_len: int):
+        """A state for `max_len` positions (prompt + generated), plus slack for padding rows.
+        With CUDA graphs it comes from the pool in buckets, so the next session finds a storage
+        (and the graphs captured over it)."""
+        limit = self.model.cfg.max_position_embeddings
+        if not 1 <= max_len <= limit:
+            raise PromptError(f"KV cache length {max_len} is outside [1, {limit}] "
+                              f"(max_position_embeddings of {self.model.cfg.source})")
+        rows = self._rows(max_len)
+        self.model.ensure_positions(rows)
+        if not self.cuda_graphs:
+            return self.model.new_state(rows)
+        state = self.pool.acquire((id(self.model), "target", rows), lambda: self.model.new_state(rows))
+        state.reset()
+        return state
+
+    def release(self, state) -> None:
+        """The session is over: a pooled state (and its graphs) goes back for the next one."""
+        self.pool.release(state)
+
+    # ------------------------------------------------------------------- steps
+
+    def prefill(self, ids: torch.Tensor, state, taps: Sequence[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Prompt `ids [t]` from position 0: float32 logits of the last row `[1, vocab]` and taps
+        `[t, n_taps*hidden]`. Only the last row goes through lm_head."""
+        state.reset()
+        hidden, tapped = self.model.forward(ids, 0, state, taps)
+        return self.model.logits(hidden[-1:]), tapped
+
+    def step(self, ids: torch.Tensor, start: int, state, taps: Sequence[int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows `ids [t]` at positions `start..start+t-1`: float32 logits `[t, vocab]` and taps
+        `[t, n_taps*hidden]`, under the step-width rule; `state.length` ends at `start + t`.
+        Plain decode is a step of one row; verify is a step of the candidates."""
+        if self.width is None:
+            hidden, tapped = self.model.forward(ids, start, state, taps)
+            return self.model.logits(hidden), tapped
+        if taps:
+            self.model.check_taps(taps)
+        width, t = self.width, ids.shape[0]
+        logits, tapped = [], []
+        for lo in range(0, t, width):
+            chunk = ids[lo:lo + width]
+            n = chunk.shape[0]
+            if n < width:
+                chunk = torch.cat([chunk, chunk[-1:].expand(width - n)])
+            lg, tp = self.fixed_step(chunk, start + lo, state, taps)
+            state.length = start + lo + n
+            logits.append(lg[:n])
+            if tp is not None:
+                tapped.append(tp[:n])
+        if len(logits) == 1:
+            return logits[0], (tapped[0] if tapped else None)
+        return torch.cat(logits), (torch.cat(tapped) if tapped else None)
+
+    def fixed_step(self, ids: torch.Tensor, start: int, state, taps: Sequence[int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step of exactly W rows `ids [W]` at `start..start+W-1`: logits `[W, vocab]`, taps.
+        Does not move `state.length`. Replayed from a CUDA graph when graphs are on (captured on
+        first use per storage and taps; outputs are copies, safe to keep), else run eagerly:
+        the same ops either way (`model.static_step`)."""
+        width = self.width
+        assert width is not None and ids.shape[0] == width
+        self.model.check_span(start, width, state)
+        if self.cuda_graphs:
+            from memra_cli.engine.runtime.graphs import StepGraph
+
+            key = ("step", tuple(taps or ()))
+            graph = state.graphs.get(key)
+            if graph is None:
+                graph = state.graphs[key] = StepGraph(self.model, width, state, key[1])
+            return graph.run(ids, start)
+        positions = torch.arange(start, start + width, device=self.model.device)
+        return self.model.static_step(ids, positions, state, taps)

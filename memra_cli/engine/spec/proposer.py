@@ -1,0 +1,148 @@
+"""Proposers: what the round asks of a drafter, and the real one (DFlash / DSpark forward over
+its KV cache, harvest, the target's lm_head, the markov chain, the confidence head).
+
+`Program` is what a speculative session runs, fully resolved (receipts name it). A proposer is
+made per session; its draft KV cache comes from the runtime's pool (with its CUDA graphs, when
+drafter rounds are graphed) and goes back on `release`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from memra_cli.engine.errors import MemraError
+from memra_cli.engine.models.drafter import DraftCapacityError, Drafter
+from memra_cli.engine.runtime.pool import StoragePool
+from memra_cli.engine.spec.policy import Harvest, VerifyWindow
+
+PRIME_CHUNK = 256  # prompt taps are ingested in row windows to bound transient memory
+
+
+class SpecError(MemraError):
+    """A speculative request that cannot run as asked (e.g. a confidence policy without a head)."""
+
+
+@dataclass(frozen=True)
+class Program:
+    """What a speculative session runs, fully resolved (receipts name it)."""
+
+    harvest: Harvest
+    window: VerifyWindow
+    markov: bool
+    verify_cap: int
+    adapt: bool
+    block_size: int
+
+    @property
+    def n_drafts(self) -> int:
+        return self.harvest.n_drafts(self.block_size)
+
+
+@dataclass
+class Proposal:
+    drafts: torch.Tensor  # [nd] long, on the device
+    raws: torch.Tensor | None = None  # [nd] float32 pre-sigmoid confidence, when asked for
+    probs: torch.Tensor | None = None  # [nd, vocab] draft distribution, for a sampler that needs it (none yet)
+
+
+class Proposer(Protocol):
+    """What the round needs from a drafter (the real one, or a test oracle)."""
+
+    def reset(self, capacity: int) -> None: ...
+    def ingest(self, taps: torch.Tensor, positions: torch.Tensor) -> None: ...
+    def propose(self, last: torch.Tensor, start: int, want_raws: bool) -> Proposal: ...
+    def release(self) -> None: ...  # the session is over (pooled caches go back)
+
+
+class DrafterProposer:
+    """The real proposer: drafter forward over its KV cache, harvest, target lm_head, markov."""
+
+    def __init__(self, drafter: Drafter, target, program: Program, *, graphs: bool = False,
+                 pool: StoragePool | None = None):
+        if program.window.is_confidence and not drafter.has_confidence:
+            raise SpecError(
+                f"verify-window {program.window} needs a checkpoint with an accept-rate head "
+                f"(confidence_head.* absent in {drafter.census.path})"
+            )
+        if graphs and pool is None:
+            raise ValueError("graphed drafter rounds need a pool (their graphs live on pooled storages)")
+        self.drafter, self.target, self.program = drafter, target, program
+        cfg = drafter.cfg
+        self.block_ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=target.device)
+        self.graphs, self.pool = graphs, pool  # drafter rounds as CUDA graphs (runtime/draft_graphs.py)
+        self.kv = None
+
+    def reset(self, capacity: int) -> None:
+        self.release()
+        if not self.graphs:
+            self.kv = self.drafter.new_cache(capacity)
+            return
+        cap = -(-capacity // 256) * 256  # buckets, so later sessions find a storage and its graphs
+        self.kv = self.pool.acquire((id(self.drafter), "draft", cap), lambda: self.drafter.new_cache(cap))
+        self.kv.length = 0
+
+    def release(self) -> None:
+        """The session is over: a pooled draft cache (and its graphs) goes to the next one."""
+        if self.kv is not None and self.pool is not None:
+            self.pool.release(self.kv)
+
+    def ingest(self, taps: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append committed rows. Graphed (after the prompt, at most a block of rows), the rows
+        go at `kv.length..` (`positions` unread: a Session always ingests contiguously)."""
+        t, b = taps.shape[0], self.program.block_size
+        if self.graphs and self.kv.length > 0 and t <= b:
+            from memra_cli.engine.runtime.draft_graphs import IngestGraph
+
+            if self.kv.length + t > self.kv.cap:
+                raise DraftCapacityError(f"draft KV cache full: {self.kv.length} + {t} rows > capacity {self.kv.cap}")
+            key = ("ingest", taps.shape[1])
+            graph = self.kv.graphs.get(key)
+            if graph is None:
+                graph = self.kv.graphs[key] = IngestGraph(self.drafter, self.kv, taps.shape[1])
+            graph.run(taps, self.kv.length)
+            self.kv.length += t
+            return
+        for lo in range(0, t, PRIME_CHUNK):
+            self.drafter.ingest(self.kv, taps[lo : lo + PRIME_CHUNK], positions[lo : lo + PRIME_CHUNK])
+
+    def propose(self, last: torch.Tensor, start: int, want_raws: bool) -> Proposal:
+        if self.graphs:
+            from memra_cli.engine.runtime.draft_graphs import ProposeGraph
+
+            assert self.kv.length == start, (self.kv.length, start)  # row index == position
+            key = ("propose", self.program, want_raws)  # one drafter (and its storages) serves several arms
+            graph = self.kv.graphs.get(key)
+            if graph is None:
+                graph = self.kv.graphs[key] = ProposeGraph(self.drafter, self.target, self.program, self.kv, want_raws)
+            return Proposal(*graph.run(last, start))
+        b = self.program.block_size
+        self.block_ids[0] = last[0]
+        noise = self.target.embed(self.block_ids)
+        positions = torch.arange(start, start + b, device=self.target.device)
+        hidden = self.drafter.forward_round(self.kv, noise, positions).hidden_out
+        return Proposal(*draft_heads(self.drafter, self.target, self.program, hidden, last, want_raws))
+
+
+def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last: torch.Tensor,
+                want_raws: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block hidden `[b, hidden]` -> drafts `[n_drafts]` (harvested rows through the target's
+    lm_head, then the markov chain or argmax) and, when asked, confidence raws `[n_drafts]`."""
+    rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
+    logits = target.logits(rows)
+    drafts = drafter.markov_chain(logits, last) if p.markov else torch.argmax(logits, dim=-1)
+    raws = None
+    if want_raws:
+        raws = drafter.confidence_raw(rows, torch.cat([last.reshape(1), drafts[:-1]]))
+    return drafts, raws
+
+
+def static_proposal(drafter: Drafter, target, p: Program, kv, last: torch.Tensor, tail: torch.Tensor,
+                    start: torch.Tensor, want_raws: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`propose` with static shapes (the body of a ProposeGraph): `last [1]`, the block's mask ids
+    `tail [b-1]`, `start` a 0-d device tensor -> drafts `[n_drafts]` and raws `[n_drafts]` or
+    None. Reads only its arguments and long-lived weights: nothing of any session."""
+    noise = target.embed(torch.cat([last.reshape(1), tail]))
+    return draft_heads(drafter, target, p, drafter.static_round(kv, noise, start), last, want_raws)
