@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from memra_cli.engine.models.drafter import Drafter
+from memra_cli.engine.api import resolve_precision
+from memra_cli.engine.errors import PolicyError
 from memra_cli.engine.oracle import (
     FORMAT, OPTIONAL, REQUIRED, THRESHOLDS, OracleError, compare_stage, confidence_scale, parity,
-    read_oracle, resolve_precision, target_tables, write_oracle,
+    read_oracle, target_tables, write_oracle,
 )
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
@@ -309,9 +311,9 @@ def test_resolve_precision():
     assert resolve_precision(None, "auto", cpu)[:2] == ("f32", torch.float32)
     assert resolve_precision(None, "bfloat16", cpu)[:2] == ("bf16", torch.bfloat16)
     assert resolve_precision("bf16", "auto", cpu)[:2] == ("bf16", torch.bfloat16)
-    with pytest.raises(OracleError, match="--prec f32 with --dtype bfloat16 is contradictory"):
+    with pytest.raises(PolicyError, match="--prec f32 with --dtype bfloat16 is contradictory"):
         resolve_precision("f32", "bfloat16", cpu)
-    with pytest.raises(OracleError, match="--prec q5: expected"):
+    with pytest.raises(PolicyError, match="--prec q5: expected"):
         resolve_precision("q5", "auto", cpu)
 
 
