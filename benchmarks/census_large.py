@@ -1,6 +1,6 @@
 """Census time on a synthetic multi-GB sharded drafter checkpoint (not a test).
 
-Writes a sharded safetensors checkpoint of a large DFlash drafter shape (default: the spec's 31B
+Writes a sharded safetensors checkpoint of a large DFlash drafter shape (default: the reference engine's 31B
 drafter geometry — hidden 5376, 5 layers, ffn 10752, 6 taps — in bf16, ~3 GB) and times
 `memra census` on it, in-process (take_census) and as a whole command. The shards' data sections
 are written as sparse files: their size on disk is real, the bytes are zeros, and census never

@@ -1,6 +1,6 @@
 """Build the embedded default models: `python -m memra_cli.assets.build [--out DIR] [--smoke]`.
 
-Reproducible recipe (DESIGN.md's embedded-pair issue), sized for one lent H200 in well under 15
+Reproducible recipe (the embedded-pair build), sized for one lent H200 in well under 15
 minutes of GPU time:
 
 1. corpus = the build machine's CPython stdlib `.py` files (Python version and a hash of the

@@ -38,7 +38,7 @@ CudaGraphsOpt = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", envvar="MEM
 
 
 def policy_settings(harvest: Optional[str], vt: Optional[str], tau: Optional[str], adapt: Optional[bool]):
-    """Flags/env as given -> engine PolicySettings (adapt as the spec's "0"/"1" strings)."""
+    """Flags/env as given -> engine PolicySettings (adapt as the environment's "0"/"1" strings)."""
     from memra_cli.engine.spec.policy import PolicySettings
 
     adapt_s = None if adapt is None else ("1" if adapt else "0")

@@ -96,7 +96,7 @@ def _hf_config(raw: dict[str, Any], cfg: DraftConfig):
 
 
 def layer_rules(cfg: DraftConfig) -> list[tuple[int | None, bool]]:
-    """(window, causal_in_block) per layer, from the config's own keys (DESIGN § data flow)."""
+    """(window, causal_in_block) per layer, from the config's own keys (docs/architecture.md § one round)."""
     out = []
     for kind in cfg.layer_types:
         sliding = kind == "sliding_attention"

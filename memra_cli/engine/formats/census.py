@@ -177,18 +177,23 @@ def _rope(cfg: DraftConfig) -> RopeInfo:
 
 
 def attention_layout(cfg: DraftConfig) -> tuple[LayerLayout, ...]:
-    """Per-layer attention. Sliding layers are causal within the block unless the config says
-    `is_causal: false` (z-lab after 2026-04, vLLM, SpecForge masks); full layers are
-    non-causal unless it says `is_causal: true`."""
+    """Per-layer attention. A `sliding_attention` layer is causal within the block unless the
+    config declares otherwise; a full layer is non-causal unless it declares `is_causal: true`.
+    A declared value (top-level `is_causal`, else `dflash_config.causal`) overrides every layer.
+    The window is per query on absolute positions (causal: p-W < k <= p; else |k-p| < W).
+    z-lab's current model code, SGLang and SpecForge agree on this; z-lab's code up to commit
+    44947fb passed no mask (sliding layers ran full and non-causal) and no published v1 drafter
+    relied on that."""
     out = []
     for i, kind in enumerate(cfg.layer_types):
         sliding = kind == "sliding_attention"
         if cfg.causal is None:
             causal = sliding
-            rule = "sliding => causal in block (newer z-lab rule)" if sliding else "full => non-causal"
+            rule = ("sliding => causal in block (undeclared; z-lab model code, SGLang, SpecForge)" if sliding
+                    else "full => non-causal (undeclared)")
         else:
             causal = cfg.causal
-            rule = f"declared is_causal={str(cfg.causal).lower()}"
+            rule = f"declared {cfg.causal_source}={str(cfg.causal).lower()}"
         out.append(LayerLayout(i, "sliding" if sliding else "full", cfg.sliding_window if sliding else None, causal, rule))
     return tuple(out)
 

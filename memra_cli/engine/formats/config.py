@@ -255,6 +255,7 @@ class DraftConfig:
     layer_types: tuple[str, ...]
     sliding_window: int | None
     causal: bool | None  # declared `is_causal` / `dflash_config.causal`; None = not declared
+    causal_source: str | None  # "is_causal" | "dflash_config.causal" | None
     strategy_dspark: bool
     markov_rank: int
     markov_head_type: str | None
@@ -272,7 +273,7 @@ class DraftConfig:
 
 
 def dspark_strategy(raw: dict[str, Any]) -> bool:
-    """The spec's `dspark_strategy_census` over parsed JSON: a DSpark class in `architectures`
+    """The reference engine's `dspark_strategy_census` over parsed JSON: a DSpark class in `architectures`
     or `dflash_config.projector_type == "dspark"`. z-lab mask-fill exports carry neither."""
     archs = raw.get("architectures")
     arch = isinstance(archs, list) and any(isinstance(a, str) and "DSpark" in a for a in archs)
@@ -360,9 +361,15 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
     sliding_window = top.int("sliding_window", default=None)
     if "sliding_attention" in layer_types and sliding_window is None:
         raise ConfigError(f"{source}: a layer is 'sliding_attention' but 'sliding_window' is missing")
-    causal = top.bool("is_causal", default=None)
-    if causal is None and dflash is not None:
-        causal = dflash.bool("causal", default=None)
+    # z-lab's key is the top-level `is_causal` (it overrides every layer); `dflash_config.causal`
+    # is vLLM's / ModelOpt's: honoured only where `is_causal` is absent, a contradiction refused.
+    causal, causal_source = top.bool("is_causal", default=None), "is_causal"
+    nested = dflash.bool("causal", default=None) if dflash is not None else None
+    if causal is not None and nested is not None and causal != nested:
+        raise ConfigError(f"{source}: 'is_causal' is {str(causal).lower()} but 'dflash_config.causal' is "
+                          f"{str(nested).lower()}; a drafter's block is one or the other")
+    if causal is None:
+        causal, causal_source = nested, ("dflash_config.causal" if nested is not None else None)
 
     markov_rank = pick("markov_rank").int("markov_rank", default=0, minimum=0)
     markov_type = None
@@ -401,6 +408,7 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
         layer_types=layer_types,
         sliding_window=sliding_window,
         causal=causal,
+        causal_source=causal_source,
         strategy_dspark=dspark_strategy(raw),
         markov_rank=markov_rank,
         markov_head_type=markov_type,

@@ -1,7 +1,7 @@
 """Rotary position embedding: default and YaRN, the NeoX (rotate-half) layout Qwen3 uses.
 
 Frequencies are computed the way HF transformers computes them (float32 torch arithmetic), so the
-target matches `Qwen3ForCausalLM` bit for bit in rope. YaRN is also expressed the spec's way, as
+target matches `Qwen3ForCausalLM` bit for bit in rope. YaRN is also expressed the reference engine's way, as
 per-dimension divisors of the plain frequencies plus an mscale applied to cos/sin; `census`
 reports those and tests check both forms against transformers.
 """
@@ -80,7 +80,7 @@ def rope_tables(rope: RopeConfig, head_dim: int) -> RopeTables:
 
 
 def yarn_divisors(rope: RopeConfig, head_dim: int) -> list[float]:
-    """The spec's form of YaRN: `inv_freq_j = plain_j / ff[j]` (computed in float64)."""
+    """The reference engine's form of YaRN: `inv_freq_j = plain_j / ff[j]` (computed in float64)."""
     low, high = yarn_correction_range(rope, head_dim)
     if low == high:
         high += 0.001

@@ -144,7 +144,7 @@ class Drafter:
         for name in (MARKOV_W1, OWN_EMBED, OWN_LM_HEAD):  # w1 is a gathered table: as stored
             if name in ckpt:
                 extras[name] = load.plain(name)
-        if MARKOV_W2 in ckpt:  # a matmul: follows the precision policy (DESIGN.md § Quantization)
+        if MARKOV_W2 in ckpt:  # a matmul: follows the precision policy (docs/quantize.md)
             extras[MARKOV_W2] = load.matmul(MARKOV_W2)
         if CONF_W in ckpt:
             extras[CONF_W] = load.plain(CONF_W, torch.float32)

@@ -1,6 +1,6 @@
-"""Drafter weight precision policies (the spec's `MEMRA_DFLASH_PREC` seam, `DflashDraft::load`).
+"""Drafter weight precision policies (the reference engine's `MEMRA_DFLASH_PREC` seam, `DflashDraft::load`).
 
-A policy maps every checkpoint tensor to a storage decision, by name (the spec's `upw`):
+A policy maps every checkpoint tensor to a storage decision, by name (the reference engine's `upw`):
 
     policy   attention q/k/v/o   MLP gate/up/down   fc      markov w2
     f32      f32                 f32                f32     f32
@@ -10,11 +10,11 @@ A policy maps every checkpoint tensor to a storage decision, by name (the spec's
     fc       q8_0                q8_0               bf16    q8_0
     q4       q4_0                q4_0               q4_0    q4_0
 
-Norm weights are f32 (the spec widens them at load); the markov `w1` (a gathered table, never a
+Norm weights are f32 (the reference engine widens them at load); the markov `w1` (a gathered table, never a
 matmul) and anything else the census knows (own embed / lm_head tables) stay as stored; the
 confidence head stays f32. Markov `w2` follows the policy except under `bf16`, where it is bf16
-(the spec: q8_0 would put quantization error inside the markov-logits parity gate); under
-`mixed` and `fc` it is q8_0 as in the spec, under `q4` it is q4_0. A tensor whose rows are not a
+(the reference engine: q8_0 would put quantization error inside the markov-logits parity gate); under
+`mixed` and `fc` it is q8_0 as in the reference engine, under `q4` it is q4_0. A tensor whose rows are not a
 whole number of 32-value blocks is kept unquantized (as stored) and the decision says why.
 
 `decide` is pure (names and shapes only): `memra quantize` (engine/gguf_io.py) writes what it

@@ -1,6 +1,6 @@
 """Harvest convention and verify-window policy: resolution, window sizing, accepted prefix.
 
-The behavioural contract is the spec's `DsparkHarvest` / `DsparkVtPolicy` and their unit tests
+The behavioural contract is the reference engine's `DsparkHarvest` / `DsparkVtPolicy` and their unit tests (docs/architecture.md)
 (`tests/engine/test_policy.py` pins every case they pin). Settings come from a CLI flag or its
 environment variable (one setting: typer `envvar=`); `None` or "" means unset. Unknown values,
 a tau outside (0, 1) and contradictions refuse with a `PolicyError` naming the variable.
@@ -31,7 +31,7 @@ class Harvest(str, Enum):
     DFLASH (mask-fill, z-lab): row k is trained to fill position anchor+k; drafts = rows 1..b-1.
     DSPARK (shifted, DeepSpec): row k is trained to predict anchor+k+1; drafts = rows 0..b-1.
     Reading a checkpoint through the other convention verifies every slot against a position its
-    row was never trained for (the spec's postmortem: acceptance collapses).
+    row was never trained for (the reference engine's postmortem: acceptance collapses).
     """
 
     DFLASH = "dflash"
@@ -161,7 +161,7 @@ def resolve_verify_window(
 ) -> VerifyWindow:
     """Explicit setting wins; unset -> confidence-slot at tau when the checkpoint has an
     accept-rate head and adapt is not 0, else the ladder. A tau that is set is always validated
-    (the spec ignores it on head-less checkpoints; we never let a bad value pass silently)."""
+    (the reference engine ignores it on head-less checkpoints; we never let a bad value pass silently)."""
     if not _unset(tau):
         _parse_tau(tau)
     if _unset(vt):
@@ -266,7 +266,7 @@ class Receipts:
 
 
 def resolve_receipts(settings: PolicySettings, strategy_dspark: bool, has_confidence_head: bool) -> Receipts:
-    """Resolve both settings against a checkpoint's census; refuses as the spec does."""
+    """Resolve both settings against a checkpoint's census; refuses as the reference engine does."""
     return Receipts(
         harvest=resolve_harvest(settings.harvest, strategy_dspark),
         harvest_set=not _unset(settings.harvest),
