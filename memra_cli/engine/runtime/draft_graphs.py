@@ -31,9 +31,9 @@ from memra_cli.engine.runtime import cuda_graphs
 class ProposeGraph:
     """One round's proposal over one draft cache storage, captured once."""
 
-    def __init__(self, drafter, target, program, kv, want_raws: bool):
-        from memra_cli.engine.spec.proposer import static_proposal
-
+    def __init__(self, body, drafter, target, program, kv, want_raws: bool):
+        """`body(drafter, target, program, kv, last, tail, start, want_raws)` is the static
+        proposal (spec/proposer.py `static_proposal`), passed in so runtime never imports spec."""
         dev = target.device
         # Every tensor the graph reads must outlive it: the graph stays with the pooled storage
         # while the session that captured it ends. So the graph owns its inputs, the block's
@@ -43,7 +43,7 @@ class ProposeGraph:
         self.tail = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
         self.start = torch.tensor(kv.cap, dtype=torch.long, device=dev)  # capture in the slack
         self.graph, self.out = cuda_graphs.capture(
-            lambda: static_proposal(drafter, target, program, kv, self.last, self.tail, self.start, want_raws), dev)
+            lambda: body(drafter, target, program, kv, self.last, self.tail, self.start, want_raws), dev)
 
     def run(self, last: torch.Tensor, start: int):
         self.last.copy_(last.reshape(1))

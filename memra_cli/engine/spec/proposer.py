@@ -116,7 +116,8 @@ class DrafterProposer:
             key = ("propose", self.program, want_raws)  # one drafter (and its storages) serves several arms
             graph = self.kv.graphs.get(key)
             if graph is None:
-                graph = self.kv.graphs[key] = ProposeGraph(self.drafter, self.target, self.program, self.kv, want_raws)
+                graph = self.kv.graphs[key] = ProposeGraph(static_proposal, self.drafter, self.target, self.program,
+                                                            self.kv, want_raws)
             return Proposal(*graph.run(last, start))
         b = self.program.block_size
         self.block_ids[0] = last[0]
