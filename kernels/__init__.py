@@ -1,6 +1,16 @@
 """memra's Triton kernels, installed as `memra_kernels`.
 
-Each op has a plain-torch reference of the same signature beside it; tests compare the two on
-random inputs with awkward shapes. (Empty until the performance work lands: the engine's plain
-torch path is the reference every kernel will be checked against.)
+Each op has a plain-torch reference of the same signature beside it (`*_ref`); tests compare the
+two on random inputs with awkward shapes, on the GPU and, in CI, through Triton's interpreter.
+Every kernel is row-count invariant: a row's result never depends on the other rows of its step
+or on the storage size, so fixed-width steps stay bit-exact.
+
+- `norm`: RMSNorm, and RMSNorm fused with the residual add
+- `rope`: per-head q/k RMSNorm + RoPE (table-driven: default and YaRN) + the K/V cache write
+- `activation`: SiLU(gate) * up
+- `attention`: causal GQA attention over the live length only, split over keys at a fixed size
+- `quant_linear`: q8_0 / q4_0 weights repacked once at load, dequantized in registers, small M
+
+Modules import triton at the top: import them only where a kernel will run (the engine's layer
+seam does, for CUDA tensors); the CPU runtime never needs triton.
 """

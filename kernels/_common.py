@@ -1,0 +1,56 @@
+"""Host-side helpers shared by memra's Triton kernel wrappers (no kernels here).
+
+Under `TRITON_INTERPRET=1` Triton runs kernels on CPU torch tensors (the tests); otherwise the
+tensors must live on a CUDA device. Two interpreter facts shape the kernels:
+
+* it stores bfloat16 as raw uint16 and does arithmetic (and `tl.dot`) on those bits, so every
+  kernel widens bf16/f16 to float32 before any arithmetic (they would anyway: statistics and
+  accumulations are float32), and attention's `tl.dot` widens its operands under the
+  interpreter only (`interpreting()`), which leaves the values multiplied unchanged;
+* Triton 3.6's interpreter turns a loop bound loaded from memory into a Python int with
+  `int(ndarray of shape (1,))`, which NumPy >= 2.4 rejects; tests/kernels/conftest.py carries the
+  shim. Compiled kernels are unaffected.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+# Model dtypes the kernels accept (the engine runs float32 on the CPU, bf16 on the GPU).
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_tensors(*tensors: torch.Tensor) -> None:
+    """All tensors on one device, and that device is CUDA unless the interpreter runs kernels."""
+    device = tensors[0].device
+    for x in tensors:
+        if x.device != device:
+            raise ValueError(f"tensors on different devices: {x.device} vs {device}")
+    if device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 to run "
+            "them on the CPU through Triton's interpreter (tests only: it is slow)"
+        )
+
+
+def check_dtype(x: torch.Tensor, name: str) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name}: dtype {x.dtype} not supported (float32, bfloat16, float16)")
+
+
+def check_last_contiguous(x: torch.Tensor, name: str) -> None:
+    """The kernels index rows through strides but read each row as one contiguous span."""
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name}: the last axis must be contiguous (stride {x.stride(-1)})")
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(n)

@@ -1,0 +1,63 @@
+"""SwiGLU's elementwise middle: `silu(gate) * up` from the fused gate/up projection.
+
+`silu_mul(gate_up)` reads `gate_up [t, 2*I]` (gate = first half, up = second half, as the engine's
+`chunk(2, dim=-1)`) once and writes `[t, I]`: the torch path launches silu and mul separately
+and materializes silu(gate).
+
+Numerics: silu is computed in float32 as `g / (1 + exp(-g))` (torch's formula) and, like the
+torch reference `F.silu(g) * u`, rounded to the model dtype BEFORE the multiply by `up`; that
+multiply is done in float32 and rounded once, bit-identical to torch's bf16/f16 multiply (the
+product is exact in float32). The only difference left is Triton's exp/divide (fast-math on the
+GPU) against torch's, a float32 ulp or so that rarely survives the rounding to bf16.
+
+Row invariance: purely elementwise; each output element depends only on its own gate/up pair.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_dtype, check_last_contiguous, check_tensors
+
+BLOCK_I = 1024  # columns per program
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    src = gu_ptr + row * stride_gu
+    g = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(src + inter + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # rounded like torch's F.silu output
+    tl.store(out_ptr + row * stride_out + offs, (act * u).to(dt), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate_up[:, :I]) * gate_up[:, I:]` for `gate_up [t, 2*I]` -> `[t, I]` (same dtype).
+
+    Rows may be strided; the last axis must be contiguous.
+    """
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [t, 2*I], got {tuple(gate_up.shape)}")
+    check_tensors(gate_up)
+    check_dtype(gate_up, "gate_up")
+    check_last_contiguous(gate_up, "gate_up")
+    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0 or inter == 0:
+        return out
+    _silu_mul_kernel[(t, triton.cdiv(inter, BLOCK_I))](
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=BLOCK_I, num_warps=4,
+    )
+    return out
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """Plain torch twin of `silu_mul` (the engine's `F.silu(gate) * up`, in the model dtype)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -1,0 +1,274 @@
+"""Causal GQA attention over the KV cache, for decode/verify steps and prefill chunks.
+
+`decode_attention(q, k_cache, v_cache, positions, scale)`: row i (at position p_i) attends to
+keys 0..p_i of the cache (key index == position), query head h to KV head h // g. It replaces
+the engine's masked SDPA over the whole cache storage, which reads every stored key (live or not)
+and builds a `[g*t, S]` mask; this reads only the live keys and never repeats K/V.
+
+Design (flash-decoding with fixed splits):
+
+* The key axis is cut into splits of SPLIT_KEYS keys at fixed key indices (split s covers keys
+  [s*SPLIT_KEYS, (s+1)*SPLIT_KEYS)). One program per (block of BLOCK_M query rows, split, KV
+  head) runs an online softmax over its split's keys in BLOCK_N blocks, in key order, and stores
+  the row's partial (running max m, sum l, unnormalized output acc) for that split.
+* The M axis of each `tl.dot` folds the g query heads of the KV head with the rows (M index =
+  row*g + head-in-group), so one K/V tile feeds every query that reads that KV head.
+* A combine pass merges, per (row, head), the partials of splits 0..p_i // SPLIT_KEYS with a
+  log-sum-exp merge, sequentially in split order, and writes the output in q's dtype.
+
+Why a row's output is bit-identical whatever shares its step (row-count invariance), and
+whatever the cache storage size S:
+
+* split boundaries depend only on key indices, and the splits a row merges only on its position;
+* inside a split a row visits the same key blocks in the same order whatever the tile holds;
+  blocks past the row's position (present because another row of the tile reaches further) are
+  fully masked for it, and a fully masked block leaves (m, l, acc) bit-identical: m unchanged,
+  alpha = exp2(0) = 1, p = 0. A row with no valid key yet in a split (m = -inf) is guarded so
+  exp2(-inf - -inf) never makes a NaN;
+* K/V are loaded only for keys <= the tile's largest position (masked to 0 beyond), so storage
+  past the live keys (garbage, NaN) is never read into the arithmetic, and the work per program
+  depends on positions, never on S; S only sizes the grid (static: CUDA-graph capturable; splits
+  past a tile's last position do nothing) and the workspace;
+* BLOCK_M/BLOCK_N/SPLIT_KEYS are constants, never derived from t, so the same instruction shapes
+  run for 1 row or 4096; `tl.dot` computes each output row from its own q row only, and the
+  per-row reductions (max, sum) see only that row.
+
+Rows may come in any order and at any positions (prefill chunks at consecutive positions use
+the same kernel: causal by position). Requirements: 0 <= positions[i] < S (not checked on the
+device), n_heads % n_kv == 0, head_dim <= 256 (any size; non-powers of two are masked).
+
+Numerics: scores in float32 (bf16/f16 q·k on tensor cores with float32 accumulation; float32
+inputs use IEEE float32 dot, not TF32), softmax in float32 with exp2, probabilities rounded to
+the K/V dtype for the P·V dot (as flash attention does), accumulation and merge in float32,
+one rounding to q's dtype at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_dtype, check_last_contiguous, check_tensors, interpreting, next_pow2
+
+# Keys per split. Split boundaries are multiples of this key index: changing it changes results
+# in the last bits (never their invariance). 512 keeps the float32 partials' traffic at about
+# 1/8 of the bf16 K/V traffic for a 16-row step with g = 4 (64 folded rows), while a 4k context
+# still spreads over 8 splits x n_kv programs.
+SPLIT_KEYS = 512
+BLOCK_N = 64  # keys per inner block (divides SPLIT_KEYS)
+BLOCK_M = 64  # folded (row, head-in-group) pairs per program: a 16-row step with g = 4 is one tile
+NUM_WARPS = 4
+NUM_STAGES = 2
+# Upper bound of the float32 partials (acc, m, l) of one launch; larger batches (long prefill
+# chunks over long caches) are processed in row chunks, which cannot change any row's result.
+WORKSPACE_BYTES = 256 << 20
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n_splits,
+                  qk_scale, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
+                  G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """Partial attention of BLOCK_M folded (row, head) pairs of one KV head over one split."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    kv_head = tl.program_id(2).to(tl.int64)
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = offs_m // G
+    head = kv_head * G + offs_m % G
+    row_ok = offs_m < n_rows * G
+    # Padding rows get position -1: every key is masked for them and they store nothing.
+    pos = tl.load(pos_ptr + row, mask=row_ok, other=-1).to(tl.int32)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HD
+    q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    lo = split * SPLIT
+    # Keys this tile needs from the split: up to its largest position (0 keys if beyond).
+    hi = tl.minimum(lo + SPLIT, tl.max(pos, axis=0) + 1)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi  # never read storage past the tile's last live key
+        kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
+                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
+                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        if DOT_F32:
+            kt = kt.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 domain
+        s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with no valid key so far keeps m = -inf: subtract 0 instead, so that
+        # alpha = exp2(-inf) = 0 and p = exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p_dot = p.to(v_ptr.dtype.element_ty)  # rounded to the K/V dtype, as flash attention
+        if DOT_F32:
+            p_dot = p_dot.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=PRECISION)
+        m_i = m_new
+
+    # A split is valid for a row iff it holds the row's key `lo` (then l > 0 and m is finite).
+    valid = row_ok & (pos >= lo)
+    ws = (row.to(tl.int64) * NH + head) * n_splits + split
+    tl.store(m_ptr + ws, m_i, mask=valid)
+    tl.store(l_ptr + ws, l_i, mask=valid)
+    tl.store(acc_ptr + ws[:, None] * HD + offs_d[None, :], acc, mask=valid[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(acc_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, n_splits, stride_out,
+                    G: tl.constexpr, BLOCK_G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr,
+                    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr):
+    """out[row, heads of one KV head] = log-sum-exp merge of the row's valid splits, in split
+    order (each head merged on its own: the g heads only share the loop)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) * G + tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = tl.arange(0, BLOCK_G) < G
+    mask = g_ok[:, None] & (offs_d[None, :] < HD)
+    n_valid = tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1  # splits 0..pos//SPLIT, whatever S is
+    base = (row * NH + head) * n_splits  # [BLOCK_G]
+    # Split 0 always holds key 0: start from it, so no -inf ever enters the merge.
+    m_run = tl.load(m_ptr + base, mask=g_ok, other=0.0)
+    l_run = tl.load(l_ptr + base, mask=g_ok, other=1.0)
+    o_run = tl.load(acc_ptr + base[:, None] * HD + offs_d[None, :], mask=mask, other=0.0)
+    for s in range(1, n_valid):
+        m_s = tl.load(m_ptr + base + s, mask=g_ok, other=0.0)
+        l_s = tl.load(l_ptr + base + s, mask=g_ok, other=1.0)
+        o_s = tl.load(acc_ptr + (base[:, None] + s) * HD + offs_d[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m_run, m_s)
+        a_run = tl.exp2(m_run - m_new)
+        a_s = tl.exp2(m_s - m_new)
+        l_run = l_run * a_run + l_s * a_s
+        o_run = o_run * a_run[:, None] + o_s * a_s[:, None]
+        m_run = m_new
+    out = o_run / l_run[:, None]
+    tl.store(out_ptr + row * stride_out + head[:, None] * HD + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(q, k_cache, v_cache, positions):
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"expected q [t, nh, hd], k/v_cache [nkv, S, hd]; got {tuple(q.shape)}, "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    t, nh, hd = q.shape
+    nkv, _, hd_k = k_cache.shape
+    if hd_k != hd or nh % nkv:
+        raise ValueError(f"head_dim {hd} vs {hd_k}, or n_heads {nh} not a multiple of n_kv {nkv}")
+    if hd > 256:
+        raise ValueError(f"head_dim {hd} > 256 is not supported (register tile)")
+    if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
+    check_tensors(q, k_cache, v_cache, positions)
+    for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_dtype(a, name)
+        check_last_contiguous(a, name)
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError("q, k_cache and v_cache must share one dtype")
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            positions: torch.Tensor, scale: float, *, split: int, block_m: int, block_n: int,
+            num_warps: int, num_stages: int, workspace_bytes: int = WORKSPACE_BYTES) -> torch.Tensor:
+    """The two launches with explicit tile constants (benchmarks sweep these; the engine must
+    not: results depend, in the last bits, on split and block_n)."""
+    _check(q, k_cache, v_cache, positions)
+    assert split % block_n == 0 and block_m >= 16 and block_n >= 16
+    t, nh, hd = q.shape
+    nkv, s_len, _ = k_cache.shape
+    g = nh // nkv
+    out = torch.empty((t, nh * hd), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    n_splits = triton.cdiv(s_len, split)
+    block_d = max(16, next_pow2(hd))
+    # Row chunks bound the workspace; a row's result does not depend on the chunking.
+    per_row = nh * n_splits * (hd + 2) * 4
+    chunk = max(1, min(t, workspace_bytes // per_row))
+    acc = torch.empty((chunk, nh, n_splits, hd), dtype=torch.float32, device=q.device)
+    m = torch.empty((chunk, nh, n_splits), dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    dot_f32 = interpreting()  # the interpreter multiplies bf16 as raw bits (see _common)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only names the default
+    for r0 in range(0, t, chunk):
+        rows = min(chunk, t - r0)
+        qc, pc, oc = q[r0:r0 + rows], positions[r0:r0 + rows], out[r0:r0 + rows]
+        grid = (triton.cdiv(rows * g, block_m), n_splits, nkv)
+        _split_kernel[grid](
+            qc, k_cache, v_cache, pc, acc, m, l, rows, n_splits, float(scale) * _LOG2E,
+            qc.stride(0), qc.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1),
+            G=g, NH=nh, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split,
+            DOT_F32=dot_f32, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        )
+        _combine_kernel[(rows, nkv)](
+            acc, m, l, pc, oc, n_splits, oc.stride(0), G=g, BLOCK_G=next_pow2(g), NH=nh, HD=hd,
+            BLOCK_D=block_d, SPLIT=split, num_warps=4 if g * block_d >= 512 else 2,
+        )
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal GQA attention of `q [t, nh, hd]` over the cache -> `[t, nh*hd]` in q's dtype.
+
+    k_cache, v_cache `[nkv, S, hd]` (row strides free, e.g. `kv[0]`, or a view `kv[0, :, :n]` to
+    bound the grid), positions `[t]` int64 on the device: row i attends to keys
+    0..positions[i] inclusive. `scale` multiplies q·k (1/sqrt(hd) for Qwen3).
+    """
+    return _launch(q, k_cache, v_cache, positions, scale, split=SPLIT_KEYS, block_m=BLOCK_M,
+                   block_n=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
+def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """Plain torch twin of `decode_attention`: one row at a time, float32 softmax.
+
+    Reads positions on the host (fine for a reference; the kernel never does).
+    """
+    t, nh, hd = q.shape
+    g = nh // k_cache.shape[0]
+    out = torch.empty((t, nh, hd), dtype=q.dtype, device=q.device)
+    for i, p in enumerate(positions.tolist()):
+        keys = k_cache[:, : p + 1].float().repeat_interleave(g, dim=0)  # [nh, p+1, hd]
+        values = v_cache[:, : p + 1].float().repeat_interleave(g, dim=0)
+        scores = torch.einsum("hd,hnd->hn", q[i].float(), keys) * scale
+        probs = torch.softmax(scores, dim=-1)
+        out[i] = torch.einsum("hn,hnd->hd", probs, values).to(q.dtype)
+    return out.reshape(t, nh * hd)
+
+
+def sdpa_live(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch op this kernel replaces, over the live keys only (benchmark baseline): SDPA of
+    the folded `[nkv, g*t, hd]` queries against `k/v_cache[:, :max(positions)+1]` with a causal
+    mask by position. Reads positions on the host."""
+    t, nh, hd = q.shape
+    nkv = k_cache.shape[0]
+    g = nh // nkv
+    n = int(positions.max()) + 1
+    qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
+    keys = torch.arange(n, device=q.device)
+    mask = (keys[None, :] <= positions[:, None]).repeat(g, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qf, k_cache[:, :n], v_cache[:, :n], attn_mask=mask, scale=scale)
+    return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
+

@@ -1,0 +1,115 @@
+"""RMSNorm, and the residual add fused in front of it.
+
+`rms_norm` replaces `layers.rms_norm` (HF Qwen3RMSNorm numerics); `add_rms_norm` fuses the
+residual add the decoder layer does before each norm (`x = x + attn_out; h = rms_norm(x)`), so
+the sum is read once instead of written, read back and read again.
+
+Numerics: the sum is rounded to the model dtype before the statistics (as the torch engine's
+`x + residual` is); the mean of squares and rsqrt are float32; the normalized value is rounded to
+the model dtype *before* the weight multiply, and that multiply is done in float32 and rounded
+once, which is bit-identical to torch's model-dtype multiply for bf16/f16 (the product of two
+8- or 11-bit mantissas is exact in float32). What can differ from torch is the float32 sum of
+squares (a different reduction order), i.e. a last-ulp difference of the statistic that rarely
+survives the rounding to bf16.
+
+Row invariance: one program per row; the block width depends only on the hidden size, so a row's
+result never depends on the other rows or on how many there are.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, stride_res,
+                     stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """One row: [res_out = x + res]; out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < d
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        # Rounded to the model dtype first: the statistics see exactly the stored residual.
+        s = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + offs, s, mask=mask)
+        x = s.to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=0) / d
+    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
+    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds here
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_warps(block_d: int) -> int:
+    return 4 if block_d <= 1024 else (8 if block_d <= 8192 else 16)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if x.dim() != 2 or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"expected x [t, d] and weight [d], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    tensors = [x, weight] + ([residual] if residual is not None else [])
+    check_tensors(*tensors)
+    for name, a in zip(("x", "weight", "residual"), tensors):
+        check_dtype(a, name)
+        check_last_contiguous(a, name)
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError("residual must have x's shape and dtype")
+    t, d = x.shape
+    out = torch.empty((t, d), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if t == 0:
+        return out, res_out
+    block_d = next_pow2(d)
+    res_in = residual if residual is not None else x  # unused when HAS_RESIDUAL is False
+    res_o = res_out if res_out is not None else out
+    _rms_norm_kernel[(t,)](
+        x, res_in, weight, out, res_o, d, x.stride(0), res_in.stride(0), out.stride(0),
+        res_o.stride(0), float(eps), HAS_RESIDUAL=residual is not None, BLOCK_D=block_d,
+        num_warps=_num_warps(block_d),
+    )
+    return out, res_out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of `x [t, d]` by `weight [d]` -> `[t, d]` (dtype: x's promoted with weight's).
+
+    Rows may be strided; the last axis must be contiguous.
+    """
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`new_residual = x + residual` (rounded to the model dtype), then its RMSNorm.
+
+    x, residual `[t, d]` (same dtype), weight `[d]` -> (normed `[t, d]`, new_residual `[t, d]`).
+    """
+    normed, new_residual = _launch(x, residual, weight, eps)
+    assert new_residual is not None
+    return normed, new_residual
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain torch twin of `rms_norm` (HF Qwen3RMSNorm, as the engine's `layers.rms_norm`)."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch twin of `add_rms_norm`: the add in the model dtype, then `rms_norm_ref`."""
+    new_residual = x + residual
+    return rms_norm_ref(new_residual, weight, eps), new_residual

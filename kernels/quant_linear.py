@@ -1,0 +1,609 @@
+"""Quantized-weight linear for small batches: y = x @ W.T with W stored as ggml q8_0 / q4_0.
+
+The engine's decode, verify and drafter rounds multiply a handful of rows (M = 1..32) by large
+weights, so the cost is reading the weight once. The Triton kernel here reads each weight byte
+once per call (every program handles all M rows of x for its tile of output features),
+dequantizes in registers and accumulates in float32.
+
+Packed layouts (made once at load by `pack_q8_0` / `pack_q4_0` from the raw ggml blocks):
+
+  q8_0  qweight int8  [out, in]       q[n, k], the ggml block payloads side by side
+        scales  f16   [out, in // 32] d of block (n, k // 32);       W[n, k] = q[n, k] * d
+  q4_0  qweight uint8 [out, in // 2]  ggml's nibble order kept, block payloads side by side:
+                                      byte 16 b + j of row n holds q[n, 32 b + j] in its low
+                                      nibble and q[n, 32 b + 16 + j] in its high nibble (j < 16)
+        scales  f16   [out, in // 32]                              W[n, k] = (q[n, k] - 8) * d
+
+Why these layouts: every row of qweight is contiguous and 16-byte aligned wherever `in` is a
+multiple of 32 (in bytes: `in` for q8_0, `in / 2` for q4_0), so a tile of rows loads with
+16-byte vector loads and full 32-byte sectors. For q4_0 the kernel never interleaves nibbles:
+the low nibbles of a tile's bytes multiply the first 16 columns of x of each block and the high
+nibbles the last 16, so x (small, cached) is gathered in that order instead of the weight being
+shuffled. Scales are split off the 34/18-byte blocks, whose odd sizes defeat aligned loads.
+
+Determinism: the tile sizes and split-K count are a function of (qtype, out, in) alone, never of
+M, the block of rows is always BLOCK_M (padded, masked), and split-K partials are summed in a
+fixed order by the last program of each tile (no float atomics). So a row's output is
+bit-identical whether it is multiplied alone or with up to any number of other rows.
+
+Public API: `Packed`, `pack_q8_0`, `pack_q4_0`, `pack`, `KernelConfig`, `config_for`,
+`quant_linear`, `quant_linear_ref`, `QuantLinear`, `set_force_triton`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from memra_cli.engine.quant.blocks import BLOCK_BYTES, QK, QuantError, quantize
+
+try:  # the package also works without Triton: QuantLinear then runs the torch reference
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is absent
+    triton = None
+    tl = None
+
+__all__ = [
+    "Packed", "pack_q8_0", "pack_q4_0", "pack", "KernelConfig", "config_for", "quant_linear",
+    "quant_linear_ref", "QuantLinear", "set_force_triton", "triton_available",
+]
+
+QTYPES = ("q8_0", "q4_0")
+# Triton's interpreter runs kernels on CPU tensors, but only when the variable is set before the
+# kernels below are defined (that is, before this module is imported).
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_available() -> bool:
+    """True when the Triton kernel can be launched at all (on CUDA, or on CPU when interpreted)."""
+    return triton is not None
+
+
+# --------------------------------------------------------------------------------------------
+# Packing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Packed:
+    """A q8_0 / q4_0 weight [out, in] repacked for the kernel (layouts in the module docstring).
+
+    qweight: int8 [out, in] (q8_0) or uint8 [out, in // 2] (q4_0); scales: float16 [out, in // 32].
+    Both contiguous, on the same device.
+    """
+
+    qtype: str
+    shape: tuple[int, int]
+    qweight: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the kernel reads per call for the weight (qweight + scales)."""
+        return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 2
+
+    def to(self, device) -> "Packed":
+        """A copy on `device` (self when already there)."""
+        device = torch.device(device)
+        if self.qweight.device == device:
+            return self
+        return replace(self, qweight=self.qweight.to(device), scales=self.scales.to(device))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [out, in] in `dtype`: ggml's decode (one f32 multiply), then a cast."""
+        n, k = self.shape
+        d = self.scales.float().reshape(n, k // QK, 1)
+        if self.qtype == "q8_0":
+            q = self.qweight.reshape(n, k // QK, QK).float()
+        else:
+            b = self.qweight.reshape(n, k // QK, QK // 2)
+            q = torch.cat([b & 15, b >> 4], dim=2).float() - 8.0  # lows are j, highs j + 16
+        return (q * d).reshape(n, k).to(dtype)
+
+    def to_ggml(self) -> torch.Tensor:
+        """The raw ggml blocks back: uint8 [out, in // 32 * block_bytes] (exact inverse of pack)."""
+        n, k = self.shape
+        payload = self.qweight.view(torch.uint8).reshape(n, k // QK, -1)
+        d = self.scales.contiguous().view(torch.uint8).reshape(n, k // QK, 2)
+        return torch.cat([d, payload], dim=2).reshape(n, -1)
+
+
+def _raw_blocks(raw, qtype: str, shape) -> tuple[torch.Tensor, int, int]:
+    """Validate raw ggml bytes for a 2-D `shape` and view them as [n_blocks, block_bytes] uint8."""
+    if qtype not in QTYPES:
+        raise QuantError(f"unknown quant type {qtype!r} (expected q8_0 or q4_0)")
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 2 or shape[0] <= 0 or shape[1] <= 0 or shape[1] % QK:
+        raise QuantError(f"{qtype} linear weight must be 2-D [out, in] with in a multiple of {QK}, "
+                         f"got {shape}")
+    if not isinstance(raw, torch.Tensor):
+        raw = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8))
+    if raw.dtype != torch.uint8:
+        raise QuantError(f"raw {qtype} blocks must be uint8, got {raw.dtype}")
+    n, k = shape
+    nbytes = BLOCK_BYTES[qtype]
+    if raw.numel() != n * (k // QK) * nbytes:
+        raise QuantError(f"{raw.numel()} bytes of {qtype} do not hold a tensor of shape {shape}")
+    return raw.contiguous().reshape(n * (k // QK), nbytes), n, k
+
+
+def pack_q8_0(raw, shape) -> Packed:
+    """Raw q8_0 blocks (uint8 numpy array or tensor, any shape, out * in/32 * 34 bytes, on any
+    device) for a weight of logical `shape` (out, in) -> Packed on the same device."""
+    b, n, k = _raw_blocks(raw, "q8_0", shape)
+    scales = b[:, :2].contiguous().view(torch.float16).reshape(n, k // QK)
+    qweight = b[:, 2:].contiguous().view(torch.int8).reshape(n, k)
+    return Packed("q8_0", (n, k), qweight, scales)
+
+
+def pack_q4_0(raw, shape) -> Packed:
+    """Raw q4_0 blocks (uint8, out * in/32 * 18 bytes) for logical `shape` (out, in) -> Packed.
+
+    The 16 nibble bytes of each block are kept in ggml's order (see the module docstring).
+    """
+    b, n, k = _raw_blocks(raw, "q4_0", shape)
+    scales = b[:, :2].contiguous().view(torch.float16).reshape(n, k // QK)
+    qweight = b[:, 2:].contiguous().reshape(n, k // 2)
+    return Packed("q4_0", (n, k), qweight, scales)
+
+
+def pack(raw, qtype: str, shape) -> Packed:
+    """`pack_q8_0` or `pack_q4_0` by name."""
+    if qtype not in QTYPES:
+        raise QuantError(f"unknown quant type {qtype!r} (expected q8_0 or q4_0)")
+    return (pack_q8_0 if qtype == "q8_0" else pack_q4_0)(raw, shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Tile configuration: a function of (qtype, out, in) only, never of M
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile sizes of one launch.
+
+    block_m: rows of x per program (M is padded up to it; larger M runs several row tiles, each
+    re-reading the weight); block_n: output features per program; block_k: `in` columns per
+    loop step; split_k: programs sharing one tile's `in` range (partials reduced in a fixed
+    order); scale_after_dot: multiply exact integer weights into x per 32-block and scale the
+    partial product (fewer conversions) instead of dequantizing the weight before the dot;
+    swap_ab: compute out.T tiles (weight tile as the dot's left operand).
+    """
+
+    block_m: int = 32
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    scale_after_dot: bool = False
+    swap_ab: bool = False
+
+    def check(self) -> "KernelConfig":
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.block_k < QK:
+            raise ValueError(f"block_k must be >= {QK}, got {self.block_k}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+        return self
+
+
+# Measured per-shape choices (benchmarks/gpu/kernels_quant.py on an H200); keys (qtype, out, in).
+TUNED: dict[tuple[str, int, int], KernelConfig] = {}
+
+# Programs worth having in flight: two per multiprocessor of an H200 (132). A constant rather
+# than the device's count, so a shape's tiles, hence its bits, are the same on every machine.
+_TARGET_PROGRAMS = 264
+_CONFIG_CACHE: dict[tuple[str, int, int], KernelConfig] = {}
+
+
+def _pow2_at_most(v: int) -> int:
+    return 1 << (max(int(v), 1).bit_length() - 1)
+
+
+def _heuristic(qtype: str, n: int, k: int) -> KernelConfig:
+    block_n = min(64, max(16, triton.next_power_of_2(n) if triton else 64))
+    block_k = max(QK, min(256, _pow2_at_most(k)))
+    n_tiles = -(-n // block_n)
+    k_tiles = -(-k // block_k)
+    split = 1
+    # split `in` while programs are scarce, keeping >= 2 loop steps per program to pipeline
+    while n_tiles * split * 2 <= _TARGET_PROGRAMS and split * 2 * 2 <= k_tiles:
+        split *= 2
+    return KernelConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+def config_for(qtype: str, n: int, k: int) -> KernelConfig:
+    """The fixed tile configuration for a weight [n, k] of `qtype` (same for every M)."""
+    key = (qtype, int(n), int(k))
+    cfg = _CONFIG_CACHE.get(key)
+    if cfg is None:
+        cfg = TUNED.get(key) or _heuristic(*key)
+        _CONFIG_CACHE[key] = cfg.check()
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _int8_to_f32(q):
+        """int8 tensor -> exact float32 without an int-to-float instruction (those run at a
+        quarter of the FMA rate): the bits 0x4B400000 + q are the float 1.5 * 2^23 + q."""
+        return (q.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+    @triton.jit
+    def _nibble_to_f32(nib):
+        """uint8 tensor of nibbles 0..15 -> exact float32 nib - 8 (2^23 + nib, minus 2^23 + 8)."""
+        return (nib.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+
+    @triton.jit
+    def _nibble_to_dot(nib, DOT: tl.constexpr, WIDEN: tl.constexpr):
+        """Nibbles 0..15 -> exact nib - 8 in the dot's dtype. For bfloat16 the bits 0x4300 | nib
+        are 128 + nib, so one bf16 subtraction gives the value without any conversion (not
+        under the interpreter, which does arithmetic on bf16's raw bits)."""
+        if DOT == tl.bfloat16 and not WIDEN:
+            return (nib.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
+        else:
+            return _nibble_to_f32(nib).to(DOT)
+
+    @triton.jit
+    def _dot(a, b, acc, PREC: tl.constexpr, WIDEN: tl.constexpr):
+        """acc + a @ b. WIDEN (the interpreter only: its tl.dot multiplies bf16/f16 raw bits)
+        widens both operands to float32 first, which leaves every product unchanged."""
+        if WIDEN:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc, input_precision=PREC)
+
+    @triton.jit
+    def _mma(xt, w, acc, SWAP: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] += xt @ w.T, or with SWAP acc [BLOCK_N, BLOCK_M] += w @ xt.T:
+        the weight tile as the left operand, the one the matrix units take from registers and
+        whose large side (BLOCK_N) fills their 64-row instruction shape."""
+        if SWAP:
+            return _dot(w, tl.trans(xt), acc, PREC, WIDEN)
+        else:
+            return _dot(xt, tl.trans(w), acc, PREC, WIDEN)
+
+    @triton.jit
+    def _load_x(x_rows, m_mask, cols, K, EVEN_K: tl.constexpr):
+        """x[rows, cols] -> [BLOCK_M, len(cols)], zero outside M (and outside K)."""
+        if EVEN_K:
+            return tl.load(x_rows + cols[None, :], mask=m_mask[:, None], other=0.0)
+        else:
+            return tl.load(x_rows + cols[None, :], mask=m_mask[:, None] & (cols[None, :] < K),
+                           other=0.0)
+
+    @triton.jit
+    def _load_w(w_rows, n_mask, cols, limit, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+        """Weight bytes w[rows, cols] -> [BLOCK_N, len(cols)], zero outside N (and `limit`)."""
+        if EVEN_N and EVEN_K:
+            return tl.load(w_rows + cols[None, :])
+        elif EVEN_K:
+            return tl.load(w_rows + cols[None, :], mask=n_mask[:, None], other=0)
+        else:
+            return tl.load(w_rows + cols[None, :], mask=n_mask[:, None] & (cols[None, :] < limit),
+                           other=0)
+
+    @triton.jit
+    def _tile_dequant_first(acc, x_rows, w_rows, s_rows, m_mask, n_mask, k0, K,
+                            Q4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
+                            PREC: tl.constexpr, WIDEN: tl.constexpr):
+        """acc += x[:, k0:k0+BLOCK_K] @ W[tile, k0:k0+BLOCK_K].T (see _mma for SWAP), with W
+        dequantized to x's dtype first (q * d rounded once: the same values as `dequantize`)."""
+        DOT: tl.constexpr = x_rows.dtype.element_ty
+        NB: tl.constexpr = BLOCK_K // 32
+        sb = k0 // 32 + tl.arange(0, NB)
+        s = _load_w(s_rows, n_mask, sb, K // 32, EVEN_N, EVEN_K).to(tl.float32)[:, :, None]
+        if Q4:
+            # byte column c of the tile: low nibble is column 32 (c // 16) + c % 16, high + 16
+            c = tl.arange(0, BLOCK_K // 2)
+            b = _load_w(w_rows, n_mask, k0 // 2 + c, K // 2, EVEN_N, EVEN_K)
+            lo = tl.reshape(_nibble_to_f32(b & 15), (BLOCK_N, NB, 16)) * s
+            hi = tl.reshape(_nibble_to_f32(b >> 4), (BLOCK_N, NB, 16)) * s
+            lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)).to(DOT)
+            hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)).to(DOT)
+            k_lo = k0 + (c // 16) * 32 + c % 16
+            acc = _mma(_load_x(x_rows, m_mask, k_lo, K, EVEN_K), lo, acc, SWAP, PREC, WIDEN)
+            acc = _mma(_load_x(x_rows, m_mask, k_lo + 16, K, EVEN_K), hi, acc, SWAP, PREC, WIDEN)
+        else:
+            cols = k0 + tl.arange(0, BLOCK_K)
+            q = _load_w(w_rows, n_mask, cols, K, EVEN_N, EVEN_K)
+            w = tl.reshape(_int8_to_f32(q), (BLOCK_N, NB, 32)) * s
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(DOT)
+            acc = _mma(_load_x(x_rows, m_mask, cols, K, EVEN_K), w, acc, SWAP, PREC, WIDEN)
+        return acc
+
+    @triton.jit
+    def _tile_scale_after(acc, x_rows, w_rows, s_rows, m_mask, n_mask, k0, K,
+                          Q4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                          SWAP: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr):
+        """The same product block by block: the integer weights (exact in x's dtype) go into
+        the dot and each 32-column partial is scaled by d in float32."""
+        DOT: tl.constexpr = x_rows.dtype.element_ty
+        for j in tl.static_range(BLOCK_K // 32):
+            kb = k0 // 32 + j
+            if EVEN_N and EVEN_K:
+                d = tl.load(s_rows + kb)
+            else:
+                d = tl.load(s_rows + kb, mask=n_mask & (kb < K // 32), other=0.0)
+            if SWAP:
+                part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            else:
+                part = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            if Q4:
+                c = tl.arange(0, 16)
+                b = _load_w(w_rows, n_mask, kb * 16 + c, K // 2, EVEN_N, EVEN_K)
+                part = _mma(_load_x(x_rows, m_mask, kb * 32 + c, K, EVEN_K),
+                            _nibble_to_dot(b & 15, DOT, WIDEN), part, SWAP, PREC, WIDEN)
+                part = _mma(_load_x(x_rows, m_mask, kb * 32 + 16 + c, K, EVEN_K),
+                            _nibble_to_dot(b >> 4, DOT, WIDEN), part, SWAP, PREC, WIDEN)
+            else:
+                cols = kb * 32 + tl.arange(0, 32)
+                q = _load_w(w_rows, n_mask, cols, K, EVEN_N, EVEN_K)
+                part = _mma(_load_x(x_rows, m_mask, cols, K, EVEN_K), _int8_to_f32(q).to(DOT),
+                            part, SWAP, PREC, WIDEN)
+            if SWAP:
+                acc += part * d.to(tl.float32)[:, None]
+            else:
+                acc += part * d.to(tl.float32)[None, :]
+        return acc
+
+    @triton.jit(do_not_specialize=["M"])  # one binary for every M: rows never change the code
+    def _quant_linear_kernel(
+        x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
+        M, N, K, stride_xm, stride_om,
+        Q4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, SCALE_AFTER: tl.constexpr, SWAP: tl.constexpr,
+        EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr,
+    ):
+        """out [M, N] = x [M, K] @ W.T for one (n tile, k split, m tile) per program.
+
+        W is the packed weight (w_ptr: int8 [N, K] or uint8 [N, K/2]; s_ptr: f16 [N, K/32]).
+        With SPLIT_K > 1 each program writes its float32 partial to ws [SPLIT_K, M, N]; the
+        last of a tile's programs to arrive (counted in cnt_ptr, which it resets to 0) sums the
+        partials in split order and writes out.
+        """
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        pid_m = tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_mask = offs_m < M
+        n_mask = offs_n < N
+        rows_n = offs_n.to(tl.int64)[:, None]
+        if Q4:
+            w_rows = w_ptr + rows_n * (K // 2)
+        else:
+            w_rows = w_ptr + rows_n * K
+        s_rows = s_ptr + offs_n.to(tl.int64) * (K // 32)
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        per_split = tl.cdiv(k_tiles, SPLIT_K)
+        t_begin = pid_k * per_split
+        t_end = tl.minimum(t_begin + per_split, k_tiles)
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for t in range(t_begin, t_end):
+            if SCALE_AFTER:
+                acc = _tile_scale_after(acc, x_rows, w_rows, s_rows, m_mask, n_mask, t * BLOCK_K,
+                                        K, Q4, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K, SWAP,
+                                        PREC, WIDEN)
+            else:
+                acc = _tile_dequant_first(acc, x_rows, w_rows, s_rows[:, None], m_mask, n_mask,
+                                          t * BLOCK_K, K, Q4, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K,
+                                          SWAP, PREC, WIDEN)
+        if SWAP:
+            acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N], once per program
+
+        out_mask = m_mask[:, None] & n_mask[None, :]
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            ws_off = offs_m[:, None] * N + offs_n[None, :]
+            tl.store(ws_ptr + pid_k * M * N + ws_off, acc, mask=out_mask)
+            # every thread's partial is stored before one thread announces it (release) ...
+            tl.debug_barrier()
+            tile = pid_m * tl.num_programs(0) + pid_n
+            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                # ... and the last one reads them through L2 (.cg: never a stale L1 line)
+                total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(ws_ptr + s * M * N + ws_off, mask=out_mask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+# Split-K arrival counters, one zeroed int32 per (m tile, n tile), per device and stream: the
+# kernel's last program of a tile puts its counter back to 0, so they stay zero between calls.
+# Keyed by stream so that calls on two streams never share a counter.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+_DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quant_linear(x: torch.Tensor, packed: Packed, *, config: KernelConfig | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [M, out] = x [M, in] @ W.T on the Triton kernel, in x's dtype (bf16, f16 or f32).
+
+    Float32 accumulation; W dequantized in registers. `config` overrides the per-shape tiles
+    (benchmarks); `out` (contiguous [M, out] of x's dtype) receives the result if given. Runs
+    on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1.
+    """
+    if triton is None:
+        raise RuntimeError("quant_linear needs Triton, which is not installed")
+    n, k = packed.shape
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x must be [M, {k}] for a {packed.qtype} weight {packed.shape}, "
+                         f"got {tuple(x.shape)}")
+    if x.dtype not in _DOT_DTYPES:
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.device != packed.device:
+        raise ValueError(f"x is on {x.device} but the weight is on {packed.device}")
+    if x.device.type != "cuda" and not _INTERPRET:
+        raise RuntimeError("the Triton kernel runs on CUDA tensors (or on CPU with "
+                           "TRITON_INTERPRET=1 set before importing memra_kernels)")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
+    if m == 0:
+        return out
+    _launch(x, packed, config.check() if config is not None else config_for(packed.qtype, n, k),
+            out)
+    return out
+
+
+def _launch(x: torch.Tensor, packed: Packed, cfg: KernelConfig, out: torch.Tensor):
+    """Launch the kernel for validated arguments; returns Triton's compiled-kernel handle."""
+    m, (n, k) = x.shape[0], packed.shape
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
+    if cfg.split_k > 1:
+        ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, grid[0] * grid[2])
+    else:
+        ws, cnt = out, out  # never touched: the kernel's split-K branch is compiled out
+    return _quant_linear_kernel[grid](
+        x, packed.qweight, packed.scales, out, ws, cnt,
+        m, n, k, x.stride(0), out.stride(0),
+        Q4=packed.qtype == "q4_0", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SCALE_AFTER=cfg.scale_after_dot,
+        SWAP=cfg.swap_ab,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
+        WIDEN=_INTERPRET and x.device.type != "cuda",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def quant_linear_ref(x: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """The obviously-right version: x [M, in] @ dequantize(x.dtype).T in float32, cast to x's
+    dtype (the weight is rounded to x's dtype exactly as the kernel rounds it)."""
+    w = packed.dequantize(x.dtype).to(x.device)
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Drop-in linear
+# --------------------------------------------------------------------------------------------
+
+_FORCE_TRITON = False
+
+
+def set_force_triton(flag: bool) -> bool:
+    """Make QuantLinear use the Triton kernel on CPU tensors too (interpreter tests); returns
+    the previous setting."""
+    global _FORCE_TRITON
+    prev, _FORCE_TRITON = _FORCE_TRITON, bool(flag)
+    return prev
+
+
+class QuantLinear:
+    """Drop-in for `QuantLinearRef`: `QuantLinear(raw, qtype, shape)(x [..., in]) -> [..., out]`.
+
+    Holds the weight packed once (`packed`); calls the Triton kernel for CUDA inputs and the
+    torch reference on CPU (unless `force_triton`, or `set_force_triton(True)`). Keeps
+    QuantLinearRef's `qtype`, `shape`, `raw` (ggml bytes, rebuilt on request), `to(device)`
+    (in place, returns self; dtype arguments are ignored: the weight stays quantized) and
+    `from_float`.
+    """
+
+    def __init__(self, raw, qtype: str, shape, *, force_triton: bool | None = None):
+        self.packed = pack(raw, qtype, shape)
+        self.force_triton = force_triton
+
+    @classmethod
+    def from_packed(cls, packed: Packed, *, force_triton: bool | None = None) -> "QuantLinear":
+        self = cls.__new__(cls)
+        self.packed, self.force_triton = packed, force_triton
+        return self
+
+    @classmethod
+    def from_ref(cls, ref, **kw) -> "QuantLinear":
+        """From a `QuantLinearRef` (its raw bytes, on its device)."""
+        return cls(ref.raw, ref.qtype, ref.shape, **kw)
+
+    @classmethod
+    def from_float(cls, weight, qtype: str, name: str = "tensor", **kw) -> "QuantLinear":
+        """Quantize a float weight [out, in] with memra's (ggml-identical) encoder and pack it."""
+        return cls(quantize(weight, qtype, name), qtype, tuple(weight.shape), **kw)
+
+    @property
+    def qtype(self) -> str:
+        return self.packed.qtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """The ggml blocks, uint8 [out, in // 32 * block_bytes] (rebuilt: a copy)."""
+        return self.packed.to_ggml()
+
+    def to(self, *args, **kwargs) -> "QuantLinear":
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            self.packed = self.packed.to(device)
+        return self
+
+    def _use_kernel(self, x: torch.Tensor) -> bool:
+        if triton is None or x.dtype not in _DOT_DTYPES:
+            return False
+        if x.device.type == "cuda":
+            return True
+        force = _FORCE_TRITON if self.force_triton is None else self.force_triton
+        return force
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        y = quant_linear(x2, self.packed) if self._use_kernel(x) else quant_linear_ref(x2, self.packed)
+        return y.reshape(*lead, self.shape[0])
+
+    forward = __call__
+
+    def __repr__(self) -> str:
+        return f"QuantLinear({self.qtype}, out={self.shape[0]}, in={self.shape[1]}, {self.device})"

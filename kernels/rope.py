@@ -1,0 +1,175 @@
+"""Everything between the fused q/k/v projection and attention, in one kernel.
+
+`qk_norm_rope_kv_write` takes the projection `qkv [t, (nh + 2*nkv)*hd]` and, per row and head:
+splits it into q, k, v heads; RMSNorms q and k per head (Qwen3's q_norm / k_norm); rotates them
+by RoPE at the row's position (NeoX rotate-half layout, cos/sin rows gathered from the tables by
+position, so default rope and YaRN, whose mscale is baked into the tables, are the same code);
+writes rotated k and raw v into the KV cache at that position; and returns rotated q. The torch
+path does this in about ten kernels with intermediates in memory.
+
+Numerics: the per-head RMSNorm is HF's (float32 statistics, rounded to the model dtype before
+the weight multiply, which is done in float32 and rounded once, bit-identical to torch's
+model-dtype multiply for bf16/f16). RoPE is `x*cos + rotate_half(x)*sin` computed in float32
+from the model-dtype normed values and tables and rounded ONCE to the model dtype; the torch
+reference rounds `x*cos`, `rotate_half(x)*sin` and their sum separately (three roundings), so
+kernel and reference can differ by about one model-dtype ulp (compared with a tolerance).
+
+Row invariance: one program per (row, head); its work and its arithmetic depend only on that
+row's slice of qkv and its position, never on the other rows, their count, or the cache size.
+Positions are read on the device (CUDA-graph capturable); they must lie in [0, min(S, S_tab)):
+nothing checks that on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+
+
+@triton.jit
+def _norm_rope(src, w_ptr, cos_row, sin_row, eps, offs, mask,
+               HD: tl.constexpr):
+    """One head at `src` (hd contiguous values): RMSNorm by `w_ptr`, then rotate-half RoPE.
+
+    Works on the two halves separately (`offs` indexes a half), which is what rotate-half pairs:
+    element i < hd/2 with i + hd/2. Returns the rotated halves in float32 (not yet rounded).
+    """
+    HALF: tl.constexpr = HD // 2
+    x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    mean_sq = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD
+    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
+    dt = src.dtype.element_ty
+    # HF rounds the normalized value to the model dtype, then multiplies by the weight there.
+    w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    n1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    n2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    c1 = tl.load(cos_row + offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_row + offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    # rotate_half(x) = cat(-x2, x1): out1 = x1*c1 - x2*s1, out2 = x2*c2 + x1*s2.
+    return n1 * c1 - n2 * s1, n2 * c2 + n1 * s2
+
+
+@triton.jit
+def _qk_norm_rope_kv_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr,
+                            k_cache_ptr, v_cache_ptr, stride_qkv, stride_cos, stride_sin,
+                            stride_q_out_t, stride_q_out_h, stride_kc_h, stride_kc_s,
+                            stride_vc_h, stride_vc_s, n_heads, n_kv, eps,
+                            HD: tl.constexpr, HALF_BLOCK: tl.constexpr):
+    """Program (row, head): heads [0, nh) are q heads, [nh, nh + nkv) the k/v heads."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = HD // 2
+    offs = tl.arange(0, HALF_BLOCK)
+    mask = offs < HALF
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    cos_row = cos_ptr + pos * stride_cos
+    sin_row = sin_ptr + pos * stride_sin
+    # q heads then k heads are adjacent in qkv: head h (q or k) starts at column h*hd.
+    src = qkv_ptr + row * stride_qkv + head * HD
+    if head < n_heads:
+        o1, o2 = _norm_rope(src, q_w_ptr, cos_row, sin_row, eps, offs, mask, HD)
+        dst = q_out_ptr + row * stride_q_out_t + head * stride_q_out_h
+        tl.store(dst + offs, o1.to(q_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst + HALF + offs, o2.to(q_out_ptr.dtype.element_ty), mask=mask)
+    else:
+        kv_head = (head - n_heads).to(tl.int64)
+        o1, o2 = _norm_rope(src, k_w_ptr, cos_row, sin_row, eps, offs, mask, HD)
+        k_dst = k_cache_ptr + kv_head * stride_kc_h + pos * stride_kc_s
+        tl.store(k_dst + offs, o1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst + HALF + offs, o2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        # v is copied as projected (no norm, no rope).
+        v_src = src + n_kv * HD
+        v_dst = v_cache_ptr + kv_head * stride_vc_h + pos * stride_vc_s
+        tl.store(v_dst + offs, tl.load(v_src + offs, mask=mask), mask=mask)
+        tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs, mask=mask), mask=mask)
+
+
+def _check(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache, n_heads, n_kv):
+    t = qkv.shape[0]
+    hd = q_norm_w.shape[0]
+    if hd % 2:
+        raise ValueError(f"head_dim must be even for rotate-half RoPE, got {hd}")
+    if qkv.dim() != 2 or qkv.shape[1] != (n_heads + 2 * n_kv) * hd:
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not [t, (n_heads + 2*n_kv)*head_dim] "
+                         f"with n_heads={n_heads}, n_kv={n_kv}, head_dim={hd}")
+    if k_norm_w.shape != (hd,) or cos.dim() != 2 or cos.shape[1] != hd or sin.shape != cos.shape:
+        raise ValueError("k_norm_w must be [head_dim], cos/sin [S_tab, head_dim]")
+    if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 3 or c.shape[0] != n_kv or c.shape[2] != hd:
+            raise ValueError(f"{name} {tuple(c.shape)} is not [n_kv={n_kv}, S, head_dim={hd}]")
+    check_tensors(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache)
+    check_dtype(qkv, "qkv")
+    for name, a in (("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w), ("cos", cos), ("sin", sin),
+                    ("k_cache", k_cache), ("v_cache", v_cache)):
+        if a.dtype != qkv.dtype:
+            raise TypeError(f"{name} is {a.dtype}; everything must be in the model dtype {qkv.dtype}")
+        check_last_contiguous(a, name)
+    check_last_contiguous(qkv, "qkv")
+
+
+def qk_norm_rope_kv_write(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int,
+                          eps: float) -> torch.Tensor:
+    """Split the fused projection, q/k RMSNorm, RoPE, KV-cache write; returns rotated q.
+
+    qkv `[t, (nh + 2*nkv)*hd]`; q_norm_w, k_norm_w `[hd]`; cos, sin `[S_tab, hd]` (model dtype,
+    YaRN mscale included); positions `[t]` int64 on the device, each in [0, min(S, S_tab));
+    k_cache, v_cache `[nkv, S, hd]` (e.g. views `kv[0]`, `kv[1]` of the engine's cache), written
+    in place at `[:, positions[i]]` (rotated k, raw v). Returns q `[t, nh, hd]` (rotated).
+    head_dim: any even size (a non-power-of-two half is masked). Everything in one dtype.
+    """
+    _check(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache, n_heads, n_kv)
+    t, hd = qkv.shape[0], q_norm_w.shape[0]
+    q = torch.empty((t, n_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    if t == 0:
+        return q
+    _qk_norm_rope_kv_kernel[(t, n_heads + n_kv)](
+        qkv, q_norm_w, k_norm_w, cos, sin, positions, q, k_cache, v_cache,
+        qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        n_heads, n_kv, float(eps), HD=hd, HALF_BLOCK=next_pow2(hd // 2), num_warps=1,
+    )
+    return q
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def _rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[t, heads, hd]`, cos/sin `[t, hd]`: NeoX rotate-half, in the model dtype."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
+                              cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                              k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int,
+                              n_kv: int, eps: float) -> torch.Tensor:
+    """Plain torch twin of `qk_norm_rope_kv_write` (the engine's `_qkv` + `index_copy_`)."""
+    t, hd = qkv.shape[0], q_norm_w.shape[0]
+    q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+    c, s = cos[positions], sin[positions]
+    q = _rope_ref(_rms_norm_ref(q.reshape(t, n_heads, hd), q_norm_w, eps), c, s)
+    k = _rope_ref(_rms_norm_ref(k.reshape(t, n_kv, hd), k_norm_w, eps), c, s)
+    k_cache.index_copy_(1, positions, k.transpose(0, 1))
+    v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
+    return q

@@ -1,0 +1,86 @@
+"""RMSNorm kernels vs their torch twins, and row invariance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from memra_kernels.norm import add_rms_norm, add_rms_norm_ref, rms_norm, rms_norm_ref  # noqa: E402
+
+EPS = 1e-6
+# The kernel rounds where torch rounds (to the model dtype after normalizing, after the weight
+# multiply, after the residual add), so the only difference is the float32 sum of squares
+# (another reduction order): a float32 ulp or two of the statistic. In float32 that is ~1e-7
+# relative; in bf16 it rarely flips a rounding, by one bf16 ulp (2^-7 relative at most) of the
+# normalized value, which the weight multiply can turn into two.
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
+# ...and in bf16 it may touch only a few elements: dropping a rounding step would touch many.
+MAX_MISMATCH_FRACTION = 0.02
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _inputs(t: int, d: int, dtype: torch.dtype, device: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, d, generator=g) * 3 + 0.5).to(dtype).to(device)
+    res = torch.randn(t, d, generator=g).to(dtype).to(device)
+    w = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype).to(device)
+    return x, res, w
+
+
+def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=RTOL[want.dtype], atol=0)
+    if want.dtype != torch.float32:
+        mismatched = (got != want).float().mean().item()
+        assert mismatched <= MAX_MISMATCH_FRACTION, f"{mismatched:.1%} of elements differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,d", [(1, 64), (3, 96), (16, 4096), (17, 1000)])
+def test_rms_norm_matches_ref(t, d, dtype, device):
+    x, _, w = _inputs(t, d, dtype, device)
+    _assert_matches(rms_norm(x, w, EPS), rms_norm_ref(x, w, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,d", [(1, 64), (3, 96), (16, 4096), (17, 1000)])
+def test_add_rms_norm_matches_ref(t, d, dtype, device):
+    x, res, w = _inputs(t, d, dtype, device, seed=1)
+    normed, new_res = add_rms_norm(x, res, w, EPS)
+    want_normed, want_res = add_rms_norm_ref(x, res, w, EPS)
+    assert torch.equal(new_res, want_res)  # one add, rounded once, exactly as torch
+    _assert_matches(normed, want_normed)
+
+
+def test_strided_rows_and_f32_weight(device):
+    """Rows of a wider buffer (a view) and a float32 weight on bf16 activations (promotes)."""
+    wide, _, _ = _inputs(5, 256, torch.bfloat16, device, seed=2)
+    x = wide[:, 64:192]
+    w = (1 + 0.3 * torch.randn(128, generator=torch.Generator().manual_seed(3))).to(device)
+    got = rms_norm(x, w, EPS)
+    assert got.dtype == torch.float32
+    _assert_matches(got, rms_norm_ref(x, w, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rows_are_independent(dtype, device):
+    """A row's output is bit-identical alone or among 16 other rows with other contents."""
+    x, res, w = _inputs(16, 512, dtype, device, seed=4)
+    other, other_res, _ = _inputs(16, 512, dtype, device, seed=5)
+    full, full_res = add_rms_norm(x, res, w, EPS)
+    for i in (0, 7, 15):
+        alone, alone_res = add_rms_norm(x[i:i + 1], res[i:i + 1], w, EPS)
+        assert torch.equal(alone[0], full[i]) and torch.equal(alone_res[0], full_res[i])
+        mixed_x, mixed_res = other.clone(), other_res.clone()
+        mixed_x[i], mixed_res[i] = x[i], res[i]
+        assert torch.equal(add_rms_norm(mixed_x, mixed_res, w, EPS)[0][i], full[i])
+        assert torch.equal(rms_norm(mixed_x, w, EPS)[i], rms_norm(x[i:i + 1], w, EPS)[0])
+
+
+def test_empty_batch(device):
+    x, res, w = _inputs(0, 64, torch.float32, device)
+    assert rms_norm(x, w, EPS).shape == (0, 64)
+    assert add_rms_norm(x, res, w, EPS)[1].shape == (0, 64)

@@ -1,0 +1,247 @@
+"""Quantized linear (memra_kernels.quant_linear): packing vs ggml's decoder, the Triton kernel vs
+the torch reference, row invariance, and the QuantLinearRef drop-in.
+
+Under the interpreter (no GPU) the kernel runs in float32 on small shapes; bfloat16 runs there
+too (operands widened, see the kernel's WIDEN) and on CUDA through the real bf16 path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from memra_cli.engine.quant.blocks import QuantError, QuantLinearRef, quantize
+from memra_kernels import quant_linear as ql
+from memra_kernels.quant_linear import KernelConfig
+
+try:
+    import gguf
+    from gguf import quants as gguf_quants
+except ImportError:  # pragma: no cover - gguf is a runtime dependency; the GPU image may lack it
+    gguf = gguf_quants = None
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+QTYPES = ("q8_0", "q4_0")
+
+# float32 x: kernel and reference round the same exact products (dequantized weights are exact
+# in f32) and differ only in summation order; each sum of K terms is within K * 2^-24 of the
+# exact one relative to sum_k |x_k w_k|, so the two are within 2 * K * 2^-24 (K <= 256 here).
+F32_TOL = 2 * 256 * 2.0**-24
+# bf16 x: the reference rounds each weight to bf16 once (scale_after_dot keeps it exact) and the
+# output is rounded to bf16 (2^-9); relative L2 error of a correct kernel sits near 2^-9, while a
+# wrong block, nibble or scale gives O(1).
+BF16_REL_TOL = 1e-2
+
+if CUDA:
+    SHAPES = [(33, 96), (64, 256), (1024, 4096)]
+else:
+    SHAPES = [(33, 96), (64, 256)]
+MS = (1, 3, 16, 17, 32)
+
+# Configs worth covering on small shapes: the default, split-K (even and uneven tile counts),
+# a 16-row tile (M = 17 and 32 take two row tiles), and the scale-after-dot variant.
+CONFIGS = {
+    "default": None,
+    "split3": KernelConfig(block_n=32, block_k=64, split_k=3),  # one split empty on both shapes
+    "m16_split2_sa": KernelConfig(block_m=16, block_n=32, block_k=64, split_k=2,
+                                  scale_after_dot=True),
+    "swap_split2": KernelConfig(block_n=32, block_k=64, split_k=2, swap_ab=True),
+    "swap_sa": KernelConfig(block_m=16, block_n=16, block_k=64, scale_after_dot=True,
+                            swap_ab=True),
+}
+
+
+def weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """A weight with per-block magnitudes that vary (so a wrong block's scale shows)."""
+    w = torch.randn((n, k), generator=gen)
+    return w * torch.rand((n, k // 32, 1), generator=gen).repeat_interleave(32, -1).reshape(n, k)
+
+
+def packed_weight(qtype: str, n: int, k: int, seed: int = 0) -> ql.Packed:
+    gen = torch.Generator().manual_seed(seed)
+    return ql.pack(quantize(weight(n, k, gen), qtype), qtype, (n, k)).to(DEVICE)
+
+
+def check_close(y: torch.Tensor, x: torch.Tensor, packed: ql.Packed) -> None:
+    """y against the reference: the f32 bound, or bf16's relative L2 error."""
+    assert not torch.isnan(y).any(), "output has NaN (an element never written?)"
+    ref = ql.quant_linear_ref(x, packed)
+    if x.dtype == torch.float32:
+        w = packed.dequantize(torch.float32).to(x.device)
+        bound = F32_TOL * (x.abs() @ w.abs().T) + 1e-30
+        excess = ((y - ref).abs() / bound).max().item()
+        assert excess <= 1.0, f"error {excess:.2f}x the f32 bound"
+    else:
+        rel = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert rel <= BF16_REL_TOL, f"relative error {rel:.2e}"
+
+
+def gguf_type(qtype: str):
+    return {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[qtype]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(gguf is None, reason="gguf not installed")
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("n", [1, 3, 33, 64])
+@pytest.mark.parametrize("k", [32, 96, 256])
+def test_pack_dequantize_equals_ggml(qtype, n, k):
+    """Blocks from gguf's encoder: dequantize is gguf's decode bit for bit; to_ggml is the bytes."""
+    w = weight(n, k, torch.Generator().manual_seed(n * 1000 + k)).numpy()
+    raw = gguf_quants.quantize(w, gguf_type(qtype))
+    packed = ql.pack(raw, qtype, (n, k))
+    want = gguf_quants.dequantize(raw, gguf_type(qtype)).reshape(n, k)
+    got = packed.dequantize(torch.float32).numpy()
+    assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
+    assert torch.equal(packed.to_ggml(), torch.from_numpy(np.asarray(raw)).reshape(n, -1))
+    assert packed.qweight.is_contiguous() and packed.scales.dtype == torch.float16
+    assert packed.scales.shape == (n, k // 32)
+
+
+@pytest.mark.skipif(gguf is None, reason="gguf not installed")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_pack_arbitrary_blocks(qtype):
+    """Random bytes (every int8 incl. -128, every nibble, scales of all signs and sizes), given as
+    a torch tensor: still gguf's decode exactly."""
+    gen = np.random.default_rng(1)
+    n, k = 5, 128
+    nbytes = {"q8_0": 34, "q4_0": 18}[qtype]
+    raw = gen.integers(0, 256, size=(n * k // 32, nbytes), dtype=np.uint8)
+    raw[:, :2] = (gen.standard_normal(len(raw)) * 10.0 ** gen.integers(-6, 3, len(raw))).astype(
+        np.float16).view(np.uint8).reshape(-1, 2)  # finite f16 scales
+    packed = ql.pack(torch.from_numpy(raw), qtype, (n, k))
+    want = gguf_quants.dequantize(raw.reshape(n, -1), gguf_type(qtype)).reshape(n, k)
+    assert np.array_equal(packed.dequantize().numpy(), want)
+    assert torch.equal(packed.to_ggml(), torch.from_numpy(raw).reshape(n, -1))
+
+
+def test_pack_refuses_bad_input():
+    raw = quantize(np.ones((4, 64), np.float32), "q8_0")
+    with pytest.raises(QuantError):
+        ql.pack_q8_0(raw, (4, 96))  # byte count does not match
+    with pytest.raises(QuantError):
+        ql.pack_q8_0(raw[:, :-1], (4, 64))
+    with pytest.raises(QuantError):
+        ql.pack_q8_0(raw, (256,))  # not 2-D
+    with pytest.raises(QuantError):
+        ql.pack(raw, "q5_0", (4, 64))
+    with pytest.raises(QuantError):
+        ql.pack_q4_0(np.zeros(18 * 3, np.uint8), (1, 48))  # rows not whole blocks
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("qtype", QTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_kernel_matches_reference_f32(shape, qtype, config):
+    n, k = shape
+    packed = packed_weight(qtype, n, k)
+    gen = torch.Generator().manual_seed(7)
+    for m in MS:
+        x = torch.randn((m, k), generator=gen).to(DEVICE)
+        out = torch.full((m, n), float("nan"), device=DEVICE)  # every element must be written
+        y = ql.quant_linear(x, packed, config=CONFIGS[config], out=out)
+        assert y is out and y.dtype == torch.float32 and y.shape == (m, n)
+        check_close(y, x, packed)
+
+
+@pytest.mark.parametrize("config", ["default", "m16_split2_sa"])
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_kernel_matches_reference_bf16(qtype, config):
+    """bf16 x, out in bf16 (on CUDA: the kernel's real bf16 path; on CPU: widened operands)."""
+    n, k = SHAPES[-1]
+    packed = packed_weight(qtype, n, k, seed=3)
+    gen = torch.Generator().manual_seed(11)
+    for m in (1, 16, 17) if not CUDA else MS:
+        x = torch.randn((m, k), generator=gen).to(DEVICE, torch.bfloat16)
+        out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+        y = ql.quant_linear(x, packed, config=CONFIGS[config], out=out)
+        assert y.dtype == torch.bfloat16
+        check_close(y, x, packed)
+
+
+@pytest.mark.parametrize("config", ["default", "split3", "m16_split2_sa"])
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_row_invariance(qtype, config):
+    """Row i of quant_linear(x[:M]) is bit-identical to quant_linear(x[i:i+1]) for every M."""
+    n, k = SHAPES[0] if not CUDA else SHAPES[-1]
+    packed = packed_weight(qtype, n, k, seed=5)
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    x = torch.randn((32, k), generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    cfg = CONFIGS[config]
+    alone = {i: ql.quant_linear(x[i:i + 1], packed, config=cfg) for i in (0, 2, 16, 31)}
+    for m in (3, 17, 32):
+        y = ql.quant_linear(x[:m], packed, config=cfg)
+        for i, yi in alone.items():
+            if i < m:
+                assert torch.equal(y[i:i + 1], yi), f"row {i} differs at M={m}"
+
+
+def test_kernel_refuses_bad_input():
+    packed = packed_weight("q8_0", 16, 64)
+    with pytest.raises(ValueError):
+        ql.quant_linear(torch.randn(2, 32, device=DEVICE), packed)  # wrong in_features
+    with pytest.raises(ValueError):
+        ql.quant_linear(torch.randn(2, 64, device=DEVICE).double(), packed)
+    with pytest.raises(ValueError):
+        ql.quant_linear(torch.randn(2, 64, device=DEVICE), packed,
+                        out=torch.empty(2, 8, device=DEVICE))
+
+
+def test_config_is_per_shape():
+    """The tiles come from (qtype, out, in) alone: every M of a shape runs the same launch."""
+    for qtype in QTYPES:
+        for n, k in [(4096, 4096), (1024, 4096), (33, 96)]:
+            cfg = ql.config_for(qtype, n, k)
+            assert cfg is ql.config_for(qtype, n, k) and cfg.split_k >= 1
+            assert cfg.split_k <= max(1, -(-k // cfg.block_k))
+
+
+# ---------------------------------------------------------------------------------------------
+# Drop-in for QuantLinearRef
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quant_linear_drop_in(qtype):
+    n, k = 24, 96
+    w = weight(n, k, torch.Generator().manual_seed(9))
+    ref = QuantLinearRef.from_float(w, qtype)
+    lin = ql.QuantLinear(ref.raw.numpy(), qtype, (n, k))
+    assert (lin.qtype, lin.shape) == (ref.qtype, ref.shape)
+    assert torch.equal(lin.raw, ref.raw)
+    assert lin.to("cpu") is lin and lin.to(torch.bfloat16) is lin  # dtype moves are ignored
+    x = torch.randn((2, 3, k), generator=torch.Generator().manual_seed(4))
+    y = lin(x)  # CPU: the reference path
+    assert y.shape == (2, 3, n) and y.dtype == x.dtype
+    torch.testing.assert_close(y, ref(x), rtol=1e-5, atol=1e-5)
+    # the kernel path through the same call (forced on CPU, or on CUDA by device)
+    kern = ql.QuantLinear.from_ref(ref, force_triton=True).to(DEVICE)
+    yk = kern(x.to(DEVICE))
+    assert yk.shape == (2, 3, n)
+    check_close(yk.reshape(6, n), x.reshape(6, k).to(DEVICE), kern.packed)
+    prev = ql.set_force_triton(True)
+    try:
+        assert ql.QuantLinear.from_float(w, qtype)._use_kernel(x) == ql.triton_available()
+    finally:
+        ql.set_force_triton(prev)
+    assert ql.QuantLinear.from_float(w, qtype).shape == (n, k)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_quant_linear_cuda_uses_kernel():
+    lin = ql.QuantLinear.from_float(weight(64, 128, torch.Generator().manual_seed(1)), "q4_0")
+    lin.to("cuda")
+    x = torch.randn(5, 128, device="cuda", dtype=torch.bfloat16)
+    assert lin._use_kernel(x)
+    assert torch.equal(lin(x), ql.quant_linear(x, lin.packed))
