@@ -20,7 +20,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ from memra_cli.engine.spec.policy import (
     LADDER, MARKOV_ENV, VT_ENV, PolicySettings, Receipts, adapt_on, parse_verify_cap, resolve_receipts,
 )
 from memra_cli.engine.models.base import load_target
+from memra_cli.engine.quant.precision import POLICIES as PRECISIONS
 from memra_cli.engine.runtime.pool import DEFAULT_IDLE_BUDGET, StoragePool
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.proposer import DrafterProposer, Program, SpecError

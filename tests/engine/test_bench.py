@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from memra_cli.engine import bench as eb
+from memra_cli.engine.api import Engine
 from memra_cli.engine.bench import ArmSpec, BenchError, Drafters, parse_arm, parse_arms
 from memra_cli.engine.errors import PromptError
 from memra_cli.engine.prompts import load_prompts
@@ -181,7 +182,12 @@ def model(pair):
     return Qwen3Target.from_dir(pair[0])
 
 
-def test_each_drafter_loads_once_and_arm_refusals_name_the_arm(monkeypatch, model, pair):
+@pytest.fixture(scope="module")
+def engine(model):
+    return Engine.from_model(model)  # variable-width steps, no graphs
+
+
+def test_each_drafter_loads_once_and_arm_refusals_name_the_arm(monkeypatch, engine, pair):
     _, drafters = pair
     from memra_cli.engine.models.drafter import Drafter
 
@@ -189,26 +195,30 @@ def test_each_drafter_loads_once_and_arm_refusals_name_the_arm(monkeypatch, mode
     real = Drafter.load.__func__
     monkeypatch.setattr(Drafter, "load", classmethod(lambda cls, path, *a, **k: calls.append((path, k.get("weight_fn"))) or real(cls, path, *a, **k)))
     specs = parse_arms(["dflash", "dspark", "dspark:vt=ladder", "dspark:harvest=dflash", "auto"])
-    arms = eb.load_arms(model, specs, Drafters(None, drafters))
+    arms = eb.load_arms(engine, specs, Drafters(None, drafters))
     assert [p for p, _ in calls] == [drafters["dflash"], drafters["dspark"]]
-    assert arms[2].setup.proposer.drafter is arms[3].setup.proposer.drafter is arms[5].setup.proposer.drafter
-    assert arms[2].setup.proposer is not arms[3].setup.proposer  # each arm its own program and cache
-    assert str(arms[3].setup.program.window) == "Ladder" and arms[4].setup.program.harvest.value == "dflash"
-    assert arms[0].setup.mode == "off" and arms[5].setup.mode == "dspark"
+    assert arms[2].loaded.drafter is arms[3].loaded.drafter is arms[5].loaded.drafter
+    assert arms[2].loaded.program != arms[3].loaded.program  # each arm its own program ...
+    with arms[2].session(PROMPTS[0], 4) as a, arms[3].session(PROMPTS[0], 4) as b:
+        a.prime()
+        b.prime()
+        assert a.proposer is not b.proposer and a.proposer.kv is not b.proposer.kv  # ... and cache
+    assert str(arms[3].loaded.program.window) == "Ladder" and arms[4].loaded.program.harvest.value == "dflash"
+    assert arms[0].loaded.mode == "off" and arms[5].loaded.mode == "dspark"
 
     for text, message in [("dflash:vt=confidence", "with --spec dflash"), ("dspark:cap=99", "verify cap must be in [2, 9]"),
                           ("dspark:draft=dflash,vt=confidence", "needs a checkpoint with an accept-rate head")]:
         with pytest.raises(BenchError) as e:
-            eb.load_arms(model, [parse_arm(text)], Drafters(None, drafters))
+            eb.load_arms(engine, [parse_arm(text)], Drafters(None, drafters))
         assert str(e.value).startswith(f"--arm {text!r}: ") and message in str(e.value), str(e.value)
 
 
-def test_prec_arm_loads_its_own_quantized_drafter(model, pair):
+def test_prec_arm_loads_its_own_quantized_drafter(engine, pair):
     from memra_cli.engine.quant.blocks import QuantLinearRef
 
     _, drafters = pair
-    arms = eb.load_arms(model, parse_arms(["dspark", "dspark:prec=q8"]), Drafters(None, drafters))
-    plain, quant = arms[1].setup.proposer.drafter, arms[2].setup.proposer.drafter
+    arms = eb.load_arms(engine, parse_arms(["dspark", "dspark:prec=q8"]), Drafters(None, drafters))
+    plain, quant = arms[1].loaded.drafter, arms[2].loaded.drafter
     assert plain is not quant
     assert isinstance(quant.layers[0].wq, QuantLinearRef) and isinstance(plain.layers[0].wq, torch.Tensor)
 
@@ -216,9 +226,9 @@ def test_prec_arm_loads_its_own_quantized_drafter(model, pair):
 PROMPTS = [[5, 17, 42, 99], [1, 2, 3], [300, 7, 7, 7, 11, 250]]
 
 
-def test_run_bench_gate_rotation_and_aggregates(monkeypatch, model, pair):
+def test_run_bench_gate_rotation_and_aggregates(monkeypatch, engine, model, pair):
     _, drafters = pair
-    arms = eb.load_arms(model, parse_arms(["dflash", "dspark", "dspark:harvest=dflash"]), Drafters(None, drafters))
+    arms = eb.load_arms(engine, parse_arms(["dflash", "dspark", "dspark:harvest=dflash"]), Drafters(None, drafters))
     order = []
     real = eb.generate_one
     monkeypatch.setattr(eb, "generate_one", lambda arm, *a: order.append(arm.name) or real(arm, *a))
@@ -242,9 +252,9 @@ def test_run_bench_gate_rotation_and_aggregates(monkeypatch, model, pair):
     assert j["exact"] is True and j["mismatches"] == [] and j["device"] == "cpu" and j["warmup"] == 1
 
 
-def test_gate_reports_first_difference(monkeypatch, model, pair):
+def test_gate_reports_first_difference(monkeypatch, engine, model, pair):
     _, drafters = pair
-    arms = eb.load_arms(model, parse_arms(["dflash", "dspark"]), Drafters(None, drafters))
+    arms = eb.load_arms(engine, parse_arms(["dflash", "dspark"]), Drafters(None, drafters))
     real = eb.generate_one
 
     def corrupt(arm, ids, max_new, timed):

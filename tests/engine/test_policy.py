@@ -14,7 +14,6 @@ from memra_cli.engine.spec.policy import (
     Harvest,
     PolicySettings,
     VerifyWindow,
-    accept_prefix,
     confidence_vt,
     ladder_next,
     parse_harvest,
@@ -25,6 +24,7 @@ from memra_cli.engine.spec.policy import (
     resolve_verify_window,
     slot_confidence_vt,
 )
+from memra_cli.engine.spec.sampling import accept_prefix
 
 B = 7  # the spec's block size in its fixtures
 

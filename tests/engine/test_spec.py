@@ -10,7 +10,7 @@
 - The real `DrafterProposer` (tiny random drafters; the DSpark ones carry a planted markov head
   that knows most of the target's bigrams, so acceptance is partial) reproduces
   `greedy_reference` token for token over programs x harvests x windows x markov x blocks
-  x caps x adapt, resolved through `pipeline.prepare`.
+  x caps x adapt, resolved and loaded through `Engine.arm`, run through `Engine.session`.
 - EOS inside an accepted block, as an anchor, as the very first token; `max_new` mid-block,
   0 and 1; `Session.burst` semantics; the pipeline's refusals.
 - A `gpu`-marked variant repeats a small matrix in float32 on CUDA.
@@ -33,12 +33,14 @@ from hypothesis import strategies as st
 
 from memra_cli.engine.formats.census import take_census
 from memra_cli.engine.models.drafter import Drafter
-from memra_cli.engine.errors import ConfigError, MemraError, PolicyError
-from memra_cli.engine.api import Prepared, prepare, resolve_program
+from memra_cli.engine.errors import ConfigError, MemraError, PolicyError, SettingError
+from memra_cli.engine.api import Arm, ArmConfig, Engine, resolve_program
 from memra_cli.engine.spec.policy import LADDER, Harvest, PolicySettings, VerifyWindow
-from memra_cli.engine.spec.session import DrafterProposer, Program, Proposal, Session, SpecError
+from memra_cli.engine.spec.proposer import DrafterProposer, Program, Proposal, SpecError
+from memra_cli.engine.spec.session import Session
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.models.qwen3 import Qwen3Target
+from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
 
@@ -124,7 +126,7 @@ def oracle_session(world: World, pi: int, max_new: int, wrong=(), *, block: int 
     nd = harvest.n_drafts(block)
     program = Program(harvest, window, False, cap or nd + 1, adapt, block)
     oracle = OracleProposer(truth or world.truths[pi], len(world.prompts[pi]), nd, target.device, wrong, raws)
-    session = Session(target, world.prompts[pi], max_new, proposer=oracle, program=program,
+    session = Session(StepRunner(target), world.prompts[pi], max_new, proposer=oracle, program=program,
                       taps=ORACLE_TAPS, eos_ids=eos)
     return session, oracle
 
@@ -174,7 +176,7 @@ def check_ingested_taps(world: World, pi: int, session: Session, oracle: OracleP
     assert len(world.prompts[pi]) <= n <= session.position
     ids = (world.prompts[pi] + session.tokens)[:n]
     target = session.target
-    cache = target.new_cache(n)
+    cache = target.new_state(n)
     _, want = target.forward(torch.tensor(ids, device=target.device), 0, cache, ORACLE_TAPS)
     assert got.shape == want.shape
     assert rel_err(got, want.cpu()) < 1e-5
@@ -356,11 +358,11 @@ def test_budget_is_exact(world, max_new, rounds, hist):
 
 def test_max_new_zero_and_one_with_a_real_drafter(world, ckpts):
     for max_new in (0, 1):
-        prep = prepare(world.target, world.prompts[0], max_new, draft_path=ckpts["spark8"], mode="dspark",
-                       settings=PolicySettings(), eos_ids=())
-        assert prep.session.burst(3) == world.truths[0][:max_new]
-        assert prep.session.finished and prep.session.run() == world.truths[0][:max_new]
-        assert prep.session.stats.rounds == max_new
+        _, session = spec_session(world.target, world.prompts[0], max_new, draft=ckpts["spark8"], mode="dspark",
+                                  eos_ids=())
+        assert session.burst(3) == world.truths[0][:max_new]
+        assert session.finished and session.run() == world.truths[0][:max_new]
+        assert session.stats.rounds == max_new
 
 
 # --------------------------------------------------------------------------- bursts
@@ -368,8 +370,8 @@ def test_max_new_zero_and_one_with_a_real_drafter(world, ckpts):
 
 def test_bursts_concatenate_to_the_run_stream(world, ckpts):
     def fresh() -> Session:
-        return prepare(world.target, world.prompts[2], 40, draft_path=ckpts["spark8"], mode="dspark",
-                       settings=PolicySettings(vt="ladder"), eos_ids=()).session
+        return spec_session(world.target, world.prompts[2], 40, draft=ckpts["spark8"], mode="dspark",
+                            settings=PolicySettings(vt="ladder"), eos_ids=())[1]
 
     whole = fresh().run()
     assert whole == world.truths[2][:40]
@@ -492,9 +494,21 @@ CASES = {
 }
 
 
-def prepared(world: World, ckpts, case: Case, pi: int, max_new: int = MAX_NEW, target=None, eos=()) -> Prepared:
-    return prepare(target or world.target, world.prompts[pi], max_new, draft_path=ckpts[case.ckpt], mode=case.mode,
-                   settings=PolicySettings(**case.settings), markov=case.markov, verify_cap=case.cap, eos_ids=eos)
+def spec_session(target, prompt, max_new: int, *, draft: Path | None, mode: str,
+                 settings: PolicySettings = PolicySettings(), markov: bool | None = None,
+                 verify_cap: str | int | None = None, eos_ids=None) -> tuple[Arm, Session]:
+    """An engine around `target` (variable-width steps, as the loaded target runs), an arm
+    resolved and loaded for the request, and an unprimed session of it (eos None: the target
+    config's). The arm refuses program and pair first, then loads; the session checks the prompt."""
+    engine = Engine.from_model(target)
+    arm = engine.arm(ArmConfig(draft=draft, mode=mode, settings=settings, markov=markov, verify_cap=verify_cap))
+    return arm, engine.session(prompt, max_new, arm, eos_ids=eos_ids)
+
+
+def prepared(world: World, ckpts, case: Case, pi: int, max_new: int = MAX_NEW, target=None,
+             eos=()) -> tuple[Arm, Session]:
+    return spec_session(target or world.target, world.prompts[pi], max_new, draft=ckpts[case.ckpt], mode=case.mode,
+                        settings=PolicySettings(**case.settings), markov=case.markov, verify_cap=case.cap, eos_ids=eos)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -502,15 +516,16 @@ def test_real_drafter_stream_is_greedy(world, ckpts, name):
     case = CASES[name]
     totals = Counter()
     for pi in range(len(PROMPT_LENS)):
-        prep = prepared(world, ckpts, case, pi)
-        p = prep.session.program
+        arm, session = prepared(world, ckpts, case, pi)
+        p = session.program
+        assert p is arm.program
         assert (p.harvest.value, p.window.kind, p.markov, p.verify_cap, p.adapt) == case.want, name
-        assert prep.mode in ("dflash", "dspark") and prep.receipts is not None
-        out = prep.session.run()
+        assert arm.mode in ("dflash", "dspark") and arm.receipts is not None
+        out = session.run()
         assert out == world.truths[pi][:MAX_NEW], f"{name}, prompt {pi}: diverged from plain greedy"
-        s = prep.session.stats
+        s = session.stats
         assert s.accepted + s.rounds == MAX_NEW == s.tokens  # every round commits m + 1
-        assert prep.session.position == PROMPT_LENS[pi] + MAX_NEW
+        assert session.position == PROMPT_LENS[pi] + MAX_NEW
         totals.update(accepted=s.accepted, drafted=s.drafted, rounds=s.rounds,
                       partial=sum(n for m, n in s.accept_hist.items() if 0 < m))
     if case.ckpt.startswith("spark") and case.want[2]:
@@ -523,13 +538,12 @@ def test_eos_with_the_real_drafter(world, ckpts):
     pi, j, eos = pick_eos(world, lambda j: 6 <= j < 20)
     want = greedy_reference(world.target, world.prompts[pi], 40, eos_ids=[eos])
     for name in ("dspark-spark8-ladder", "dspark-spark4-defaults", "dflash-zlab8-hdspark-cap4-fixed"):
-        assert prepared(world, ckpts, CASES[name], pi, 40, eos=[eos]).session.run() == want, name
-    # prepare's default: the target config's eos (508 = <|endoftext|>), as greedy_reference
+        assert prepared(world, ckpts, CASES[name], pi, 40, eos=[eos])[1].run() == want, name
+    # Engine.session's default: the target config's eos (508 = <|endoftext|>), as greedy_reference
     eos_cfg = world.target.cfg.eos_token_ids
     for pi in range(len(PROMPT_LENS)):
-        prep = prepare(world.target, world.prompts[pi], 40, draft_path=ckpts["spark8"], mode="dspark",
-                       settings=PolicySettings())
-        assert prep.session.run() == greedy_reference(world.target, world.prompts[pi], 40, eos_ids=eos_cfg)
+        _, session = spec_session(world.target, world.prompts[pi], 40, draft=ckpts["spark8"], mode="dspark")
+        assert session.run() == greedy_reference(world.target, world.prompts[pi], 40, eos_ids=eos_cfg)
 
 
 def reference_proposal(drafter: Drafter, target: Qwen3Target, taps, last: int, start: int, program: Program):
@@ -570,8 +584,10 @@ def test_drafter_proposer_is_its_definition(world, ckpts, name, prompt_len):
     prompt = world.prompts[1]
     if prompt_len != len(prompt):
         prompt = torch.randint(0, VOCAB, (prompt_len,), generator=torch.Generator().manual_seed(300)).tolist()
-    cache = world.target.new_cache(prompt_len + 1)
-    last, taps = world.target.prefill(torch.tensor(prompt), cache, census.config.target_layer_ids)
+    runner = StepRunner(world.target)
+    cache = runner.new_state(prompt_len + 1)
+    logits, taps = runner.prefill(torch.tensor(prompt), cache, census.config.target_layer_ids)
+    last = torch.argmax(logits, dim=-1)
     proposer.reset(prompt_len + 1)
     proposer.ingest(taps, torch.arange(len(prompt)))
     got = proposer.propose(last, len(prompt), True)
@@ -587,24 +603,21 @@ def test_session_that_fills_max_position_embeddings(world, ckpts, tmp_path):
     short = Qwen3Target.from_dir(make_tiny_qwen3(tmp_path / "short", max_position_embeddings=40))  # same weights
     max_new = 40 - PROMPT_LENS[2]
     for name in ("dspark-spark16-fixed-cap9", "dflash-zlab16"):
-        prep = prepared(world, ckpts, CASES[name], 2, max_new, target=short)
-        assert prep.session.run() == world.truths[2][:max_new] == greedy_reference(short, world.prompts[2], max_new)
-        assert prep.session.position == 40
+        _, session = prepared(world, ckpts, CASES[name], 2, max_new, target=short)
+        assert session.run() == world.truths[2][:max_new] == greedy_reference(short, world.prompts[2], max_new)
+        assert session.position == 40
 
 
-def test_setup_sessions_reused_one_after_another(world, ckpts):
-    """`Setup.session` shares one proposer: sessions run one after another must not see each
-    other's draft context (prime re-makes it) -- same stats as a freshly prepared session."""
-    from memra_cli.engine.api import load_setup, resolve_spec
-
+def test_arm_sessions_reused_one_after_another(world, ckpts):
+    """One arm (one loaded drafter) serves sessions one after another: none may see another's
+    draft context (prime re-makes it) -- same stats as a session of a freshly loaded arm."""
     case = CASES["dspark-spark8-conf-tau03"]
-    resolved = resolve_spec(world.target, draft_path=ckpts[case.ckpt], mode=case.mode,
-                            settings=PolicySettings(**case.settings))
-    setup = load_setup(world.target, resolved, eos_ids=())
+    engine = Engine.from_model(world.target)
+    arm = engine.arm(ArmConfig(draft=ckpts[case.ckpt], mode=case.mode, settings=PolicySettings(**case.settings)))
     for pi in (2, 0, 1):
-        session = setup.session(world.prompts[pi], MAX_NEW)
+        session = engine.session(world.prompts[pi], MAX_NEW, arm, eos_ids=())
         assert session.run() == world.truths[pi][:MAX_NEW]
-        fresh = prepared(world, ckpts, case, pi).session
+        _, fresh = prepared(world, ckpts, case, pi)
         fresh.run()
         assert session.stats.accept_hist == fresh.stats.accept_hist
 
@@ -616,7 +629,7 @@ def test_refusals(world, ckpts, tmp_path):
     t, prompt, s0 = world.target, world.prompts[0], PolicySettings()
 
     def prep(path, mode="dflash", settings=s0, markov=None):
-        return prepare(t, prompt, 8, draft_path=path, mode=mode, settings=settings, markov=markov)
+        return spec_session(t, prompt, 8, draft=path, mode=mode, settings=settings, markov=markov)
 
     narrow = make_tiny_draft(tmp_path / "h32", "zlab", hidden=32)
     with pytest.raises(ConfigError, match=r"hidden_size 32 .* != target hidden_size 64"):
@@ -628,25 +641,26 @@ def test_refusals(world, ckpts, tmp_path):
     with pytest.raises(ConfigError, match=r"target_layer_id 5 .*4-layer target"):
         prep(deep_tap)
     with pytest.raises(PolicyError, match=r"--spec dspark needs a drafter"):
-        prepare(t, prompt, 8, draft_path=None, mode="dspark", settings=s0)
+        spec_session(t, prompt, 8, draft=None, mode="dspark", settings=s0)
     with pytest.raises(SpecError, match=r"Confidence\{tau=0.5\}.*confidence_head"):
         prep(ckpts["zlab8"], "dspark", PolicySettings(vt="confidence"))
     with pytest.raises(PolicyError, match=r"MEMRA_DSPARK_VT=confidence-slot with --spec dflash"):
         prep(ckpts["spark8"], "dflash", PolicySettings(vt="confidence-slot"))
     with pytest.raises(PolicyError, match=r"MEMRA_DFLASH_MARKOV=1: .*zlab8 has no markov head"):
         prep(ckpts["zlab8"], "dspark", markov=True)
-    with pytest.raises(PolicyError, match=r"--spec turbo"):
+    with pytest.raises(SettingError, match=r"spec=turbo: expected off\|dflash\|dspark\|auto") as e:
         prep(ckpts["zlab8"], "turbo")
+    assert e.value.flag_message("--spec") == "--spec turbo: expected off|dflash|dspark|auto"
     # the proposer itself refuses a confidence program without a head
     program = Program(Harvest.DFLASH, VerifyWindow("confidence-slot", 0.5), False, 8, True, 8)
     with pytest.raises(SpecError, match="ConfidenceSlot"):
         DrafterProposer(Drafter.load(ckpts["zlab8"]), t, program)
-    for exc in (ConfigError, PolicyError, SpecError):
+    for exc in (ConfigError, PolicyError, SpecError, SettingError):
         assert issubclass(exc, MemraError)
     # not refusals: auto without a drafter is plain greedy; auto on a head-less dspark is fine
-    plain = prepare(t, prompt, 8, draft_path=None, mode="auto", settings=s0, eos_ids=())
-    assert plain.mode == "off" and plain.session.run() == world.truths[0][:8]
-    assert plain.session.stats.rounds == 8
+    arm, plain = spec_session(t, prompt, 8, draft=None, mode="auto", settings=s0, eos_ids=())
+    assert arm.mode == "off" and plain.proposer is None and plain.run() == world.truths[0][:8]
+    assert plain.stats.rounds == 8
 
 
 # --------------------------------------------------------------------------- GPU
@@ -661,25 +675,21 @@ def test_cuda_float32_matrix_is_exact(world, ckpts):
     print(f"\n[cuda f32] greedy agreement with the CPU stream (common prefix of {N_TRUTH}): {agree}")
     for name in ("dflash-zlab16", "dspark-spark8-conf-tau03", "dspark-tap-sliding-cap3", "dspark-spark4-defaults"):
         for pi in (0, 2):
-            prep = prepared(world, ckpts, CASES[name], pi, target=target)
-            assert prep.session.run() == truths[pi][:MAX_NEW], (name, pi)
+            _, session = prepared(world, ckpts, CASES[name], pi, target=target)
+            assert session.run() == truths[pi][:MAX_NEW], (name, pi)
     session, _ = oracle_session(world, 2, MAX_NEW, PARTIAL, target=target, truth=truths[2])
     assert session.run() == truths[2][:MAX_NEW]
     check_stats(session, Expected(rounds=8, accepted=16, drafted=27, hist=Counter({3: 3, 2: 3, 0: 1, 1: 1})))
 
 
-def test_interleaved_sessions_from_one_setup_do_not_share_a_draft_cache(tmp_path):
-    """Two live sessions from one Setup, bursts alternating: each keeps its own draft context."""
-    from memra_cli.engine.api import load_setup, resolve_spec
-    from memra_cli.engine.spec.policy import PolicySettings
-    from memra_cli.tiny.draft import make_tiny_draft
-    from memra_cli.tiny.target import make_tiny_qwen3
-
+def test_interleaved_sessions_from_one_arm_do_not_share_a_draft_cache(tmp_path):
+    """Two live sessions of one arm, bursts alternating: each keeps its own draft context."""
     target = Qwen3Target.from_dir(make_tiny_qwen3(tmp_path / "t"))
     draft = make_tiny_draft(tmp_path / "d", "deepspec", markov_rank=8, confidence="markov", target_layer_ids=(-1, 1, 3))
-    setup = load_setup(target, resolve_spec(target, draft_path=draft, mode="dspark", settings=PolicySettings()))
+    engine = Engine.from_model(target)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dspark", settings=PolicySettings()))
     long_p, short_p = list(range(3, 33)), [7, 8, 9, 10, 11]
-    a, b = setup.session(long_p, 30), setup.session(short_p, 30)
+    a, b = engine.session(long_p, 30, arm), engine.session(short_p, 30, arm)
     while not (a.finished and b.finished):
         a.burst(3)
         b.burst(3)

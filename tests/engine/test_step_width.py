@@ -1,6 +1,6 @@
 """Fixed-width target steps: a token's logits must not depend on how many tokens share its step.
 
-With `step_width` W every decode / verify step runs at exactly W rows (padded, or chunked), so
+With a `StepRunner` of width W every decode / verify step runs at exactly W rows (padded, or chunked), so
 the logits of a position are bit-identical whether it is decoded alone, verified inside a block,
 or split across chunks; then speculative streams equal plain greedy in bfloat16 too. Checked
 bit for bit on CPU in float32 and bfloat16; a `gpu`-marked variant repeats it on CUDA, where
@@ -9,14 +9,18 @@ variable-width bf16 steps are known to differ (docs/perf.md).
 
 from __future__ import annotations
 
+import re
+import types
+
 import pytest
 import torch
 
-from memra_cli.engine.errors import ConfigError
-from memra_cli.engine.api import prepare
+from memra_cli.engine.errors import ConfigError, SettingError
+from memra_cli.engine.api import ArmConfig, Engine
 from memra_cli.engine.spec.policy import PolicySettings
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.models.qwen3 import Qwen3Target
+from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
 
@@ -34,13 +38,13 @@ def _ids(n: int, seed: int, device="cpu") -> torch.Tensor:
     return torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def _logits_in_groups(target: Qwen3Target, prompt: torch.Tensor, cont: torch.Tensor, groups: list[int]):
+def _logits_in_groups(runner: StepRunner, prompt: torch.Tensor, cont: torch.Tensor, groups: list[int]):
     """Prefill `prompt`, then teacher-force `cont` in steps of the given sizes; logits `[len(cont), V]`."""
-    cache = target.new_cache(prompt.shape[0] + cont.shape[0] + 1)
-    target.prefill(prompt, cache)
+    cache = runner.new_state(prompt.shape[0] + cont.shape[0] + 1)
+    runner.prefill(prompt, cache)
     out, at = [], 0
     for g in groups:
-        logits, _ = target.step_logits(cont[at:at + g], cache.length, cache)
+        logits, _ = runner.step(cont[at:at + g], cache.length, cache)
         out.append(logits)
         at += g
     assert at == cont.shape[0] and cache.length == prompt.shape[0] + at
@@ -52,13 +56,14 @@ GROUPINGS = ([1] * 24, [24], [16, 8], [5, 7, 1, 11], [3] * 8)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_fixed_width_logits_do_not_depend_on_the_grouping(target_dir, dtype):
-    target = Qwen3Target.from_dir(target_dir, dtype=dtype, step_width=WIDTH)
+    model = Qwen3Target.from_dir(target_dir, dtype=dtype)
+    runner = StepRunner(model, WIDTH)
     prompt, cont = _ids(37, 0), _ids(24, 1)
-    runs = [_logits_in_groups(target, prompt, cont, g) for g in GROUPINGS]
+    runs = [_logits_in_groups(runner, prompt, cont, g) for g in GROUPINGS]
     for g, logits in zip(GROUPINGS[1:], runs[1:]):
         assert torch.equal(logits, runs[0]), f"grouping {g} differs from one row at a time"
     # and they are the model's logits: the same numbers as a variable-width run, to rounding
-    variable = Qwen3Target.from_dir(target_dir, dtype=dtype)
+    variable = StepRunner(Qwen3Target.from_dir(target_dir, dtype=dtype))
     ref = _logits_in_groups(variable, prompt, cont, [24])
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert ((runs[0] - ref).norm() / ref.norm()).item() < tol
@@ -66,71 +71,84 @@ def test_fixed_width_logits_do_not_depend_on_the_grouping(target_dir, dtype):
 
 def test_padding_rows_leave_no_trace(target_dir):
     """A padded step then a step over the padded positions: identical to never padding there."""
-    target = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, step_width=WIDTH)
+    runner = StepRunner(Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16), WIDTH)
     prompt, cont = _ids(20, 2), _ids(6, 3)
-    a = _logits_in_groups(target, prompt, cont, [2, 4])  # the first step pads 14 rows at 22..35
-    b = _logits_in_groups(target, prompt, cont, [6])
+    a = _logits_in_groups(runner, prompt, cont, [2, 4])  # the first step pads 14 rows at 22..35
+    b = _logits_in_groups(runner, prompt, cont, [6])
     assert torch.equal(a, b)
 
 
 def test_taps_come_back_for_the_real_rows_only(target_dir):
-    target = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
-    cache = target.new_cache(64)
-    target.prefill(_ids(10, 4), cache)
-    _, taps = target.step_logits(_ids(3, 5), 10, cache, taps=(-1, 1))
+    target = Qwen3Target.from_dir(target_dir)
+    runner = StepRunner(target, WIDTH)
+    cache = runner.new_state(64)
+    runner.prefill(_ids(10, 4), cache)
+    _, taps = runner.step(_ids(3, 5), 10, cache, taps=(-1, 1))
     assert taps.shape == (3, 2 * target.hidden_size) and cache.length == 13
-    _, taps = target.step_logits(_ids(20, 6), 13, cache, taps=(0,))  # two chunks: 16 + 4
+    _, taps = runner.step(_ids(20, 6), 13, cache, taps=(0,))  # two chunks: 16 + 4
     assert taps.shape == (20, target.hidden_size) and cache.length == 33
 
 
 def test_cache_has_room_for_the_padding(target_dir):
     """A session sized to its last token still fits a padded step there."""
-    target = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
+    runner = StepRunner(Qwen3Target.from_dir(target_dir), WIDTH)
     prompt = _ids(30, 7)
-    out = greedy_reference(target, prompt.tolist(), 5)  # cache of 35 positions: the last step pads to 49
+    out = greedy_reference(runner, prompt.tolist(), 5)  # cache of 35 positions: the last step pads to 49
     assert len(out) == 5
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "16"])
 def test_bad_width_is_refused(target_dir, bad):
     target = Qwen3Target.from_dir(target_dir)
-    with pytest.raises(ConfigError, match="step width"):
-        target.set_step_width(bad)
+    want = f"step_width must be a positive integer or None (variable), got {bad!r}"
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        StepRunner(target, bad)
+    with pytest.raises(ConfigError, match=re.escape(want)):
+        Engine.from_model(target, step_width=bad)
 
 
 @pytest.mark.parametrize("spec", ["dflash", "dspark"])
 def test_bf16_speculative_equals_plain_greedy_with_fixed_steps(target_dir, tmp_path, spec):
     """The point of it: in bfloat16, every arm's stream equals plain greedy of the same target."""
-    target = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, step_width=WIDTH)
+    engine = Engine.from_model(Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16), step_width=WIDTH)
     fmt = "zlab" if spec == "dflash" else "deepspec"
     extra = {} if spec == "dflash" else dict(markov_rank=16, confidence="markov")
     draft = make_tiny_draft(tmp_path / spec, fmt, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
                             block_size=16, target_layer_ids=(0, 2), num_target_layers=3, dtype=torch.bfloat16, **extra)
+    arms = {window: engine.arm(ArmConfig(draft=draft, mode=spec, settings=PolicySettings(adapt=window)))
+            for window in ("0", "1")}  # verify window pinned at the cap, and the ladder
     for seed in range(3):
         prompt = _ids(9 + 7 * seed, 10 + seed).tolist()
-        plain = greedy_reference(target, prompt, 40)
-        for window in ("0", "1"):  # verify window pinned at the cap, and the ladder
-            prep = prepare(target, prompt, 40, draft_path=draft, mode=spec, settings=PolicySettings(adapt=window),
-                           eos_ids=())
-            assert prep.session.run() == plain, (seed, window)
+        plain = greedy_reference(engine.runner, prompt, 40)
+        for window, arm in arms.items():
+            assert engine.session(prompt, 40, arm, eos_ids=()).run() == plain, (seed, window)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_fixed_width_logits_do_not_depend_on_the_grouping(target_dir):
-    target = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda", step_width=WIDTH)
+    runner = StepRunner(Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda"), WIDTH)
     prompt, cont = _ids(37, 0, "cuda"), _ids(24, 1, "cuda")
-    runs = [_logits_in_groups(target, prompt, cont, g) for g in GROUPINGS]
+    runs = [_logits_in_groups(runner, prompt, cont, g) for g in GROUPINGS]
     for g, logits in zip(GROUPINGS[1:], runs[1:]):
         assert torch.equal(logits, runs[0]), f"grouping {g} differs from one row at a time"
 
 
 def test_cuda_graphs_refused_off_cuda_or_without_a_width(target_dir):
-    target = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
-    with pytest.raises(ConfigError, match="CUDA graphs need the target on a CUDA device"):
-        target.set_cuda_graphs(True)
-    target.set_cuda_graphs(False)
-    assert target.new_cache(10).step_graphs == {}
+    target = Qwen3Target.from_dir(target_dir)
+    with pytest.raises(ConfigError, match=r"cuda_graphs needs the target on a CUDA device .*\(device cpu, step_width 16\)"):
+        StepRunner(target, WIDTH, cuda_graphs=True)
+    with pytest.raises(ConfigError, match="cuda_graphs needs the target on a CUDA device"):
+        Engine.from_model(target, step_width=WIDTH, cuda_graphs=True)
+    # on CUDA too, a graph needs a fixed width (a stand-in model: the check reads only its device)
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    with pytest.raises(ConfigError, match=r"fixed step_width \(device cuda, step_width None\)"):
+        StepRunner(on_cuda, None, cuda_graphs=True)
+    # drafter rounds are graphed only with the target's steps graphed
+    with pytest.raises(SettingError, match="draft_graphs=True: needs the target's CUDA graphs on"):
+        Engine.from_model(target, step_width=WIDTH, draft_graphs=True)
+    runner = StepRunner(target, WIDTH, cuda_graphs=False)
+    assert not runner.cuda_graphs and runner.new_state(10).graphs == {}
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -139,9 +157,9 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @cuda
 def test_cuda_graph_replay_is_bit_identical_to_the_eager_step(target_dir):
-    eager = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda", step_width=WIDTH)
-    graphed = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda", step_width=WIDTH)
-    graphed.set_cuda_graphs(True)
+    eager = StepRunner(Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda"), WIDTH)
+    graphed = StepRunner(Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda"), WIDTH,
+                         cuda_graphs=True)
     prompt, cont = _ids(37, 0, "cuda"), _ids(24, 1, "cuda")
     for g in GROUPINGS:
         a = _logits_in_groups(eager, prompt, cont, g)
@@ -152,24 +170,25 @@ def test_cuda_graph_replay_is_bit_identical_to_the_eager_step(target_dir):
 @pytest.mark.gpu
 @cuda
 def test_cuda_graph_sessions_reuse_the_pooled_storage_and_stay_exact(target_dir, tmp_path):
-    target = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda", step_width=WIDTH)
-    target.set_cuda_graphs(True)
+    engine = Engine.from_model(Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda"),
+                               step_width=WIDTH, cuda_graphs=True)
     draft = make_tiny_draft(tmp_path / "d", "deepspec", hidden=128, heads=4, kv_heads=2, head_dim=32,
                             intermediate=256, block_size=16, target_layer_ids=(0, 2), num_target_layers=3,
                             dtype=torch.bfloat16, markov_rank=16, confidence="markov")
     prompt = _ids(20, 3).tolist()
-    plain = greedy_reference(target, prompt, 40)
-    first = prepare(target, prompt, 40, draft_path=draft, mode="dspark", settings=PolicySettings(), eos_ids=())
-    storage = first.session.cache.kv.data_ptr()
-    assert first.session.run() == plain
-    graphs = dict(first.session.cache.step_graphs)
-    assert tuple(first.session.taps) in graphs  # captured for this drafter's taps
-    again = prepare(target, prompt, 40, draft_path=draft, mode="dspark", settings=PolicySettings(), eos_ids=())
-    assert again.session.cache.kv.data_ptr() == storage  # the released storage, graphs and all
-    assert again.session.run() == plain and again.session.cache.step_graphs == graphs  # no new capture
+    plain = greedy_reference(engine.runner, prompt, 40)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dspark"))
+    first = engine.session(prompt, 40, arm, eos_ids=())
+    storage = first.cache.kv.data_ptr()
+    assert first.run() == plain
+    graphs = dict(first.cache.graphs)
+    assert ("step", tuple(first.taps)) in graphs  # captured for this drafter's taps
+    again = engine.session(prompt, 40, arm, eos_ids=())
+    assert again.cache.kv.data_ptr() == storage  # the released storage, graphs and all
+    assert again.run() == plain and again.cache.graphs == graphs  # no new capture
     # two live sessions never share a storage; interleaved bursts stay exact
-    a = prepare(target, prompt, 40, draft_path=draft, mode="dspark", settings=PolicySettings(), eos_ids=()).session
-    b = prepare(target, prompt, 40, draft_path=draft, mode="dspark", settings=PolicySettings(), eos_ids=()).session
+    a = engine.session(prompt, 40, arm, eos_ids=())
+    b = engine.session(prompt, 40, arm, eos_ids=())
     assert a.cache.kv.data_ptr() != b.cache.kv.data_ptr()
     out_a, out_b = [], []
     while not (a.finished and b.finished):
@@ -186,21 +205,24 @@ def test_static_draft_round_and_ingest_match_the_eager_ones(target_dir, tmp_path
     """The graphed drafter runs `static_round` / `static_ingest` (whole-storage attention under a
     mask from device positions): they must draft and store what the eager cached path does, with
     a sliding, causal-in-block layer whose window is shorter than the context."""
-    target = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
+    from memra_cli.engine.spec.proposer import static_proposal
+
+    target = Qwen3Target.from_dir(target_dir)
+    engine = Engine.from_model(target, step_width=WIDTH)
     extra = {} if fmt == "zlab" else dict(markov_rank=16, confidence="markov")
     draft = make_tiny_draft(tmp_path / fmt, fmt, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
                             block_size=16, target_layer_ids=(0, 2), num_target_layers=3,
                             layer_types=("sliding_attention", "full_attention"), sliding_window=9, **extra)
     mode = "dflash" if fmt == "zlab" else "dspark"
-    session = prepare(target, _ids(30, 8).tolist(), 60, draft_path=draft, mode=mode, settings=PolicySettings(),
-                      eos_ids=()).session
+    session = engine.session(_ids(30, 8).tolist(), 60, engine.arm(ArmConfig(draft=draft, mode=mode)), eos_ids=())
     session.burst(12)
     proposer, start, last = session.proposer, session.cache.length, session.last
     kv = proposer.kv
     assert kv.length == start
     want_raws = proposer.program.window.is_confidence
     eager = proposer.propose(last, start, want_raws)
-    drafts, raws = proposer.static_proposal(kv, last, proposer.block_ids[1:], torch.tensor(start), want_raws)
+    drafts, raws = static_proposal(proposer.drafter, proposer.target, proposer.program, kv, last,
+                                   proposer.block_ids[1:], torch.tensor(start), want_raws)
     assert torch.equal(drafts, eager.drafts)
     if want_raws:
         assert torch.allclose(raws, eager.raws, rtol=1e-5, atol=1e-5)
@@ -228,17 +250,16 @@ def test_graphed_rounds_keep_the_eager_tau_and_stay_exact(target_dir, tmp_path):
                             intermediate=256, block_size=16, target_layer_ids=(0, 2), num_target_layers=3,
                             markov_rank=16, confidence="markov", layer_types=("sliding_attention", "full_attention"),
                             sliding_window=9)
-    graphed = Qwen3Target.from_dir(target_dir, device="cuda", step_width=WIDTH)
-    graphed.set_cuda_graphs(True, drafter=True)
-    eager = Qwen3Target.from_dir(target_dir, device="cuda", step_width=WIDTH)
+    graphed = Engine.from_model(Qwen3Target.from_dir(target_dir, device="cuda"), step_width=WIDTH,
+                                cuda_graphs=True, draft_graphs=True)
+    eager = Engine.from_model(Qwen3Target.from_dir(target_dir, device="cuda"), step_width=WIDTH)
     for seed in range(3):
         prompt = _ids(20 + 9 * seed, 30 + seed).tolist()
-        plain = greedy_reference(eager, prompt, 48)
+        plain = greedy_reference(eager.runner, prompt, 48)
         for vt in ("ladder", "confidence-slot"):
-            s_g = prepare(graphed, prompt, 48, draft_path=draft, mode="dspark", settings=PolicySettings(vt=vt),
-                          eos_ids=()).session
-            s_e = prepare(eager, prompt, 48, draft_path=draft, mode="dspark", settings=PolicySettings(vt=vt),
-                          eos_ids=()).session
+            arm = ArmConfig(draft=draft, mode="dspark", settings=PolicySettings(vt=vt))
+            s_g = graphed.session(prompt, 48, graphed.arm(arm), eos_ids=())
+            s_e = eager.session(prompt, 48, eager.arm(arm), eos_ids=())
             assert s_g.run() == plain == s_e.run(), (seed, vt)
             assert s_g.stats.accept_hist == s_e.stats.accept_hist, (seed, vt)
             assert s_g.proposer.kv.graphs  # the rounds really were graphed
@@ -260,9 +281,15 @@ def test_resolve_cuda_graphs_rules():
     assert resolve_cuda_graphs(None, gpu, None, {})[:2] == (False, False)  # variable widths: no graph
     assert resolve_cuda_graphs(None, cpu, 16, {})[:2] == (False, False)
     assert resolve_cuda_graphs(False, gpu, 16, {})[:2] == (False, False)
-    for args, match in (((True, cpu, 16, {}), "needs --device cuda"),
-                        ((True, gpu, None, {}), "fixed --step-width"),
-                        ((None, gpu, 16, {"MEMRA_DRAFT_GRAPHS": "on"}), "expected 0 or 1"),
+    # a refused setting names the setting; a front end words it as its flag (SettingError.flag_message)
+    for args, match, flag in (((True, cpu, 16, {}), r"cuda_graphs=True: needs a CUDA device .*\(device cpu, step width 16\)",
+                               "--cuda-graphs needs --device cuda"),
+                              ((True, gpu, None, {}), r"fixed step_width \(device cuda, step width variable\)",
+                               "fixed --step-width")):
+        with pytest.raises(SettingError, match=match) as e:
+            resolve_cuda_graphs(*args)
+        assert flag in e.value.flag_message("--cuda-graphs")
+    for args, match in (((None, gpu, 16, {"MEMRA_DRAFT_GRAPHS": "on"}), "expected 0 or 1"),
                         ((False, gpu, 16, {"MEMRA_DRAFT_GRAPHS": "1"}), "needs the target's CUDA graphs on")):
         with pytest.raises(ConfigError, match=match):
             resolve_cuda_graphs(*args)
@@ -303,32 +330,39 @@ def eager_graphs(monkeypatch):
     return captures
 
 
+def graphed_on_cpu(model, pool=None) -> Engine:
+    """What `Engine.from_model(model, step_width=WIDTH, cuda_graphs=True, draft_graphs=True)`
+    builds on CUDA. A runner refuses graphs off CUDA, so they are switched on after construction
+    (with `eager_graphs`, a capture is the eager stand-in); the rope tables are made at full
+    length as the runner's constructor does with graphs on."""
+    runner = StepRunner(model, WIDTH, pool=pool)
+    runner.cuda_graphs = True
+    model.ensure_positions(runner._rows(model.cfg.max_position_embeddings))
+    return Engine(model, runner, model.device, model.dtype, ["graphs on (CPU stand-in)"], draft_graphs=True)
+
+
 @pytest.mark.parametrize("spec", ["dflash", "dspark"])
 def test_graph_plumbing_runs_exact_sessions_and_reuses_pools(target_dir, tmp_path, eager_graphs, spec):
     """Target steps and drafter rounds through StepGraph / ProposeGraph / IngestGraph (replayed
     eagerly): streams equal plain greedy, drafts and acceptance equal the eager drafter's, and a
     second session reuses the pooled storages with no new capture."""
-    graphed = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
-    graphed.cuda_graphs = graphed.draft_graphs = True  # what set_cuda_graphs(True, drafter=True) sets on CUDA
-    eager = Qwen3Target.from_dir(target_dir, step_width=WIDTH)
+    graphed = graphed_on_cpu(Qwen3Target.from_dir(target_dir))
+    eager = Engine.from_model(Qwen3Target.from_dir(target_dir), step_width=WIDTH)
     fmt = "zlab" if spec == "dflash" else "deepspec"
     extra = {} if spec == "dflash" else dict(markov_rank=16, confidence="markov")
     draft = make_tiny_draft(tmp_path / spec, fmt, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
                             block_size=16, target_layer_ids=(0, 2), num_target_layers=3,
                             layer_types=("sliding_attention", "full_attention"), sliding_window=9, **extra)
     prompt = _ids(25, 40).tolist()
-    plain = greedy_reference(eager, prompt, 50)
+    plain = greedy_reference(eager.runner, prompt, 50)
 
-    from memra_cli.engine.api import load_setup, resolve_spec
+    def arm(engine):
+        return engine.arm(ArmConfig(draft=draft, mode=spec))
 
-    def setup(target):  # loaded once, as bench loads each arm once: one drafter, one pool
-        resolved = resolve_spec(target, draft_path=draft, mode=spec, settings=PolicySettings())
-        return load_setup(target, resolved, eos_ids=())
+    graphed_arm = arm(graphed)  # loaded once, as bench loads each arm once: one drafter, one pool
 
-    graphed_setup = setup(graphed)
-
-    def run(target):
-        s = (graphed_setup if target is graphed else setup(target)).session(prompt, 50)
+    def run(engine):
+        s = engine.session(prompt, 50, graphed_arm if engine is graphed else arm(engine), eos_ids=())
         return s, s.run()
 
     s_eager, out_eager = run(eager)
@@ -342,10 +376,58 @@ def test_graph_plumbing_runs_exact_sessions_and_reuses_pools(target_dir, tmp_pat
     for a, b in ((s1.proposer.kv.k, s_eager.proposer.kv.k), (s1.proposer.kv.v, s_eager.proposer.kv.v)):
         assert torch.allclose(a[:, :, :n_ctx], b[:, :, :n_ctx], rtol=1e-5, atol=1e-6)
     kinds = {key[0] for key in s1.proposer.kv.graphs}
-    assert kinds == {"propose", "ingest"} and tuple(s1.taps) in s1.cache.step_graphs
+    assert kinds == {"propose", "ingest"} and ("step", tuple(s1.taps)) in s1.cache.graphs
+    assert graphed.pool.live_count == 0 and graphed.pool.idle_count == 2  # both storages went back
     n = len(eager_graphs)
     storages = (s1.cache.kv.data_ptr(), s1.proposer.kv.k.data_ptr())
     s2, out2 = run(graphed)
     assert out2 == plain and len(eager_graphs) == n  # no new capture
     assert (s2.cache.kv.data_ptr(), s2.proposer.kv.k.data_ptr()) == storages
-    assert greedy_reference(graphed, prompt, 50) == plain  # plain decode through a graph too
+    assert greedy_reference(graphed.runner, prompt, 50) == plain  # plain decode through a graph too
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("when", ["prime", "round"])
+def test_a_session_that_raises_returns_its_pooled_storages(target_dir, tmp_path, eager_graphs, when, exc):
+    """A drafter that fails mid-stream (its 3rd proposal) or in the prompt's ingest: the error
+    reaches the caller, and the target state and the draft cache, both pooled (graphs on), are
+    back in the pool, idle, exactly once. The next session gets them (graphs and all) and is exact."""
+    engine = graphed_on_cpu(Qwen3Target.from_dir(target_dir))
+    draft = make_tiny_draft(tmp_path / "d", "deepspec", hidden=128, heads=4, kv_heads=2, head_dim=32,
+                            intermediate=256, block_size=16, target_layer_ids=(0, 2), num_target_layers=3,
+                            markov_rank=16, confidence="markov")
+    arm = engine.arm(ArmConfig(draft=draft, mode="dspark"))
+    prompt = _ids(25, 41).tolist()
+    plain = greedy_reference(StepRunner(engine.target, WIDTH), prompt, 40)  # unpooled: the pool stays empty
+    pool = engine.pool
+    assert (pool.live_count, pool.idle_count) == (0, 0)
+
+    session = engine.session(prompt, 40, arm, eos_ids=())
+    proposer, state = session.proposer, session.cache
+    assert pool.live_count == 1  # the target state, taken when the session was made
+    calls = []
+    name = "ingest" if when == "prime" else "propose"
+    real = getattr(proposer, name)
+
+    def failing(*args):
+        calls.append(args)
+        if len(calls) == (1 if when == "prime" else 3):
+            raise exc("the drafter blew up")
+        return real(*args)
+
+    setattr(proposer, name, failing)
+    with pytest.raises(exc, match="the drafter blew up"):
+        session.run()
+    assert session.finished and session.stats.rounds == (0 if when == "prime" else 2)
+    draft_kv = proposer.kv
+    assert draft_kv is not None
+    assert (pool.live_count, pool.idle_count) == (0, 2)  # both storages went back, idle
+    assert pool.idle_bytes == state.nbytes + draft_kv.nbytes
+
+    again = engine.session(prompt, 40, arm, eos_ids=())
+    again.prime()
+    assert again.cache is state and again.proposer.kv is draft_kv  # the released storages, reused
+    session.close()  # closing the failed session again is a no-op: it must not hand back what `again` holds
+    assert (pool.live_count, pool.idle_count) == (2, 0)
+    assert again.run() == plain
+    assert (pool.live_count, pool.idle_count) == (0, 2)

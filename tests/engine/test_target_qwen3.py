@@ -1,9 +1,10 @@
 """Qwen3Target against the real reference: HF `transformers.Qwen3ForCausalLM` on the same files.
 
 Tiny random checkpoints are written at test time (float32, CPU, eager attention on the HF side):
-prefill logits, cached incremental decode, greedy streams vs `generate`, taps vs
-`output_hidden_states`, verify/truncate rollback, and refusals. A `gpu`-marked variant repeats
-prefill and greedy on CUDA in float32 and bf16.
+prefill logits, cached incremental decode, greedy streams vs `generate` (at variable width and
+through a `StepRunner` at the product default of 16-row steps), taps vs `output_hidden_states`,
+verify/rollback, and refusals. A `gpu`-marked variant repeats prefill and greedy on CUDA in
+float32 and bf16.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from memra_cli.engine.errors import PromptError
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.engine.layers.ops import rms_norm
+from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.tiny.target import YARN, make_tiny_qwen3, make_tiny_tokenizer, special_token_ids
 
 transformers = pytest.importorskip("transformers")
@@ -67,7 +69,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def ours_logits(target: Qwen3Target, ids: list[int]) -> torch.Tensor:
-    cache = target.new_cache(len(ids))
+    cache = target.new_state(len(ids))
     hidden, _ = target.forward(torch.tensor(ids, device=target.device), 0, cache)
     return target.logits(hidden)
 
@@ -120,7 +122,7 @@ def test_incremental_decode_matches_full_sequence(models, variant):
     target, hf = models[variant]
     ids = prompt(170, 5)
     ref = hf_logits(hf, ids).logits[0]
-    cache = target.new_cache(len(ids))
+    cache = target.new_state(len(ids))
     rows, start = [], 0
     for chunk in (23, 1, 1, 6, 1, 16, 1, 2, 90, 1, 28):  # prefill, decode steps, verify blocks
         hidden, _ = target.forward(torch.tensor(ids[start:start + chunk]), start, cache)
@@ -148,6 +150,29 @@ def test_greedy_matches_hf_generate(models, variant, prompts):
         assert ours == hf_greedy(hf, ids, 256), (variant, n)
 
 
+DEFAULT_STEP_WIDTH = 16  # api.DEFAULT_STEP_WIDTH: what `generate` / `bench` run unless told otherwise
+
+
+@pytest.mark.parametrize("variant,prompts", [
+    ("untied", [(5, 10), (64, 11), (1, 12)]),
+    ("yarn", [(100, 13)]),  # runs to position 228, past YaRN's original 128
+])
+def test_greedy_at_the_default_step_width_matches_hf_generate(models, variant, prompts):
+    """The product default: every decode step runs 16 rows (15 of them padding) through
+    `static_step`. In float32 the stream is still transformers' greedy token for token."""
+    from memra_cli.engine.api import DEFAULT_STEP_WIDTH as product_default
+
+    assert product_default == DEFAULT_STEP_WIDTH
+    target, hf = models[variant]
+    runner = StepRunner(target, DEFAULT_STEP_WIDTH)
+    for n, seed in prompts:
+        ids = prompt(n, seed)
+        ours = greedy_reference(runner, ids, 128)
+        assert len(ours) == 128
+        assert len(set(ours)) > 20, "degenerate tiny model: greedy stream loops on a few tokens"
+        assert ours == hf_greedy(hf, ids, 128), (variant, n)
+
+
 def test_greedy_stops_at_eos_like_hf(models):
     target, hf = models["untied"]
     ids = prompt(9, 20)
@@ -169,7 +194,7 @@ def test_taps_match_hf_hidden_states(models):
     ids = prompt(33, 30)
     states = hf_logits(hf, ids, output_hidden_states=True).hidden_states
     taps = (2, -1, 0, 1)  # out of order on purpose: output follows the given order
-    cache = target.new_cache(len(ids))
+    cache = target.new_state(len(ids))
     hidden, tapped = target.forward(torch.tensor(ids), 0, cache, taps=taps)
     h = target.hidden_size
     assert tapped.shape == (len(ids), len(taps) * h)
@@ -191,19 +216,27 @@ def test_embed_is_the_embedding_table(models):
 # --------------------------------------------------------------------------- (e) rollback
 
 
-def test_verify_truncate_reverify_equals_fresh_run(models):
+def _verify(runner: StepRunner, ids, start, cache, taps):
+    """What the round loop's verify is: a runner step, then the argmax per row."""
+    logits, tapped = runner.step(torch.tensor(ids), start, cache, taps)
+    return torch.argmax(logits, dim=-1), tapped
+
+
+def test_verify_rollback_reverify_equals_fresh_run(models):
     target, hf = models["untied"]
+    runner = StepRunner(target)  # variable width: each step at its own width
     ids, block_a, block_b = prompt(20, 40), prompt(7, 41), prompt(6, 42)
     taps = (-1, 1, 3)
-    cache = target.new_cache(64)
-    first, _ = target.prefill(torch.tensor(ids), cache, taps)
-    target.verify(torch.tensor(block_a), len(ids), cache, taps)  # a round accepting 2 of 7
-    cache.truncate(len(ids) + 2)
-    vam, tapped = target.verify(torch.tensor(block_b), cache.length, cache, taps)
+    cache = runner.new_state(64)
+    logits, _ = runner.prefill(torch.tensor(ids), cache, taps)
+    first = torch.argmax(logits, dim=-1)
+    _verify(runner, block_a, len(ids), cache, taps)  # a round accepting 2 of 7
+    cache.rollback(len(ids) + 2)
+    vam, tapped = _verify(runner, block_b, cache.length, cache, taps)
 
-    fresh_cache = target.new_cache(64)
-    target.prefill(torch.tensor(ids + block_a[:2]), fresh_cache)
-    fresh_vam, fresh_taps = target.verify(torch.tensor(block_b), len(ids) + 2, fresh_cache, taps)
+    fresh_cache = runner.new_state(64)
+    runner.prefill(torch.tensor(ids + block_a[:2]), fresh_cache)
+    fresh_vam, fresh_taps = _verify(runner, block_b, len(ids) + 2, fresh_cache, taps)
     assert torch.equal(vam, fresh_vam)
     assert rel_err(tapped, fresh_taps) < 1e-6
     assert cache.length == fresh_cache.length == len(ids) + 2 + len(block_b)
@@ -214,16 +247,16 @@ def test_verify_truncate_reverify_equals_fresh_run(models):
 
 
 def test_forward_below_length_overwrites(models):
-    """`start < cache.length` is an implicit truncate (what a re-verify after rollback does)."""
+    """`start < cache.length` is an implicit rollback (what a re-verify after rollback does)."""
     target, _ = models["untied"]
     ids = prompt(12, 43)
-    cache = target.new_cache(16)
+    cache = target.new_state(16)
     target.forward(torch.tensor(ids), 0, cache)
     h1, _ = target.forward(torch.tensor(ids[8:]), 8, cache)
     assert cache.length == 12
     assert rel_err(target.logits(h1), ours_logits(target, ids)[8:]) < 1e-6
-    with pytest.raises(ValueError, match="truncate"):
-        cache.truncate(13)
+    with pytest.raises(ValueError, match="cannot roll a KV cache of length 12 back to 13"):
+        cache.rollback(13)
 
 
 # --------------------------------------------------------------------------- (f) refusals
@@ -241,13 +274,14 @@ def test_bad_prompts_are_refused_by_value(models):
         greedy_reference(target, [1] * 2000, 100)
     with pytest.raises(PromptError, match="max_new must be"):
         greedy_reference(target, [1], -1)
+    runner = StepRunner(target)
     with pytest.raises(PromptError, match="KV cache length 4096"):
-        target.new_cache(4096)
-    cache = target.new_cache(10)
+        runner.new_state(4096)
+    cache = runner.new_state(10)
     with pytest.raises(PromptError, match="positions up to 11 exceed the KV cache \\(10"):
         target.forward(torch.arange(11), 0, cache)
-    with pytest.raises(PromptError, match="exceeds the KV cache \\(10"):
-        target.check_prompt([1] * 8, 3, max_len=10)
+    # (check_prompt's old `max_len=` bound is gone: the runner sizes each state from the
+    # request itself, so a checked request always fits its state)
     with pytest.raises(ConfigError, match="tap layer id 4 .*\\[-1, 3\\]"):
         target.forward(torch.arange(3), 0, cache, taps=(0, 4))
     assert all(issubclass(e, MemraError) for e in (PromptError, ConfigError, CheckpointError))
@@ -311,13 +345,15 @@ def test_cuda_prefill_and_greedy(tiny_dirs, dtype):
         ids = prompt(n, seed)
         assert rel_err(ours_logits(target, ids), hf_logits(hf, ids).logits[0]) < tol, n
     # no host sync inside a forward: ids, cache and rope tables already live on the device
-    cache = target.new_cache(64)
+    runner = StepRunner(target)
+    cache = runner.new_state(64)
     x = torch.tensor(prompt(20, 7), device="cuda")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         target.forward(x, 0, cache, taps=(-1, 1))
-        target.verify(x[:5], 20, cache, taps=(2,))
+        logits, _ = runner.step(x[:5], 20, cache, taps=(2,))
+        torch.argmax(logits, dim=-1)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     agree = []
