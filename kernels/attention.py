@@ -14,7 +14,8 @@ Design (flash-decoding with fixed splits):
 * The M axis of each `tl.dot` folds the g query heads of the KV head with the rows (M index =
   row*g + head-in-group), so one K/V tile feeds every query that reads that KV head.
 * A combine pass merges, per (row, head), the partials of splits 0..p_i // SPLIT_KEYS with a
-  log-sum-exp merge, sequentially in split order, and writes the output in q's dtype.
+  log-sum-exp merge in a fixed order (chunks of COMBINE_CHUNK splits in split order, a fixed
+  tree inside a chunk), and writes the output in q's dtype.
 
 Why a row's output is bit-identical whatever shares its step (row-count invariance), and
 whatever the cache storage size S:
@@ -60,6 +61,7 @@ BLOCK_N = 64  # keys per inner block (divides SPLIT_KEYS)
 BLOCK_M = 64  # folded (row, head-in-group) pairs per program: a 16-row step with g = 4 is one tile
 NUM_WARPS = 4
 NUM_STAGES = 2
+COMBINE_CHUNK = 16  # splits the combine reads at once (a constant: its sum tree is fixed)
 # Upper bound of the float32 partials (acc, m, l) of one launch; larger batches (long prefill
 # chunks over long caches) are processed in row chunks, which cannot change any row's result.
 WORKSPACE_BYTES = 256 << 20
@@ -135,34 +137,41 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
 
 @triton.jit
 def _combine_kernel(acc_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, n_splits, stride_out,
-                    G: tl.constexpr, BLOCK_G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr,
-                    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr):
-    """out[row, heads of one KV head] = log-sum-exp merge of the row's valid splits, in split
-    order (each head merged on its own: the g heads only share the loop)."""
+                    NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
+                    SPLIT: tl.constexpr, CHUNK: tl.constexpr):
+    """out[row, head] = log-sum-exp merge of the row's valid splits 0..pos // SPLIT.
+
+    Splits are read CHUNK at a time (loads in parallel, not one dependent step per split):
+    pass 1 takes the largest partial max (max is exact, so its order is free); pass 2 sums the
+    rescaled partials lane by lane across chunks in split order, then one fixed-shape tree over
+    the CHUNK lanes. Lanes past the row's last valid split contribute exact zeros (weight
+    exp2(-inf) = 0), so the result depends on pos, never on n_splits (i.e. on S).
+    """
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1) * G + tl.arange(0, BLOCK_G)
+    head = tl.program_id(1)
+    offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
-    g_ok = tl.arange(0, BLOCK_G) < G
-    mask = g_ok[:, None] & (offs_d[None, :] < HD)
-    n_valid = tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1  # splits 0..pos//SPLIT, whatever S is
-    base = (row * NH + head) * n_splits  # [BLOCK_G]
-    # Split 0 always holds key 0: start from it, so no -inf ever enters the merge.
-    m_run = tl.load(m_ptr + base, mask=g_ok, other=0.0)
-    l_run = tl.load(l_ptr + base, mask=g_ok, other=1.0)
-    o_run = tl.load(acc_ptr + base[:, None] * HD + offs_d[None, :], mask=mask, other=0.0)
-    for s in range(1, n_valid):
-        m_s = tl.load(m_ptr + base + s, mask=g_ok, other=0.0)
-        l_s = tl.load(l_ptr + base + s, mask=g_ok, other=1.0)
-        o_s = tl.load(acc_ptr + (base[:, None] + s) * HD + offs_d[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m_run, m_s)
-        a_run = tl.exp2(m_run - m_new)
-        a_s = tl.exp2(m_s - m_new)
-        l_run = l_run * a_run + l_s * a_s
-        o_run = o_run * a_run[:, None] + o_s * a_s[:, None]
-        m_run = m_new
-    out = o_run / l_run[:, None]
-    tl.store(out_ptr + row * stride_out + head[:, None] * HD + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
+    d_ok = offs_d < HD
+    n_valid = tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1
+    base = (row * NH + head) * n_splits
+    m_max = tl.full([CHUNK], float("-inf"), tl.float32)
+    for c0 in range(0, n_valid, CHUNK):
+        ok = c0 + offs_c < n_valid
+        m_max = tl.maximum(m_max, tl.load(m_ptr + base + c0 + offs_c, mask=ok, other=float("-inf")))
+    m_all = tl.max(m_max, axis=0)  # finite: split 0 always holds key 0
+    l_lanes = tl.zeros([CHUNK], tl.float32)
+    o_lanes = tl.zeros([CHUNK, BLOCK_D], tl.float32)
+    for c0 in range(0, n_valid, CHUNK):
+        split = c0 + offs_c
+        ok = split < n_valid
+        weight = tl.exp2(tl.load(m_ptr + base + split, mask=ok, other=float("-inf")) - m_all)
+        l_lanes += tl.load(l_ptr + base + split, mask=ok, other=0.0) * weight
+        o = tl.load(acc_ptr + (base + split)[:, None] * HD + offs_d[None, :],
+                    mask=ok[:, None] & d_ok[None, :], other=0.0)
+        o_lanes += o * weight[:, None]
+    out = tl.sum(o_lanes, axis=0) / tl.sum(l_lanes, axis=0)
+    tl.store(out_ptr + row * stride_out + head * HD + offs_d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
 
 
 def _check(q, k_cache, v_cache, positions):
@@ -219,9 +228,9 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             G=g, NH=nh, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split,
             DOT_F32=dot_f32, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
         )
-        _combine_kernel[(rows, nkv)](
-            acc, m, l, pc, oc, n_splits, oc.stride(0), G=g, BLOCK_G=next_pow2(g), NH=nh, HD=hd,
-            BLOCK_D=block_d, SPLIT=split, num_warps=4 if g * block_d >= 512 else 2,
+        _combine_kernel[(rows, nh)](
+            acc, m, l, pc, oc, n_splits, oc.stride(0), NH=nh, HD=hd, BLOCK_D=block_d,
+            SPLIT=split, CHUNK=COMBINE_CHUNK, num_warps=4,
         )
     return out
 

@@ -123,27 +123,76 @@ def check(qtype: str, packed: ql.Packed, cfg: ql.KernelConfig | None, gen) -> di
     return res
 
 
+def graph_ms(call, n_copies: int) -> float:
+    """Median ms of one `call(i)` (i = which weight copy), timed as CUDA-graph replays of R
+    calls cycling through the copies: the engine replays graphs too, so Python and launch
+    overhead stay out, and each call reads a copy that L2 no longer holds."""
+    reps = n_copies * max(1, math.ceil(48 / n_copies))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles) off the capture
+        for i in range(n_copies):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(reps):
+            call(r % n_copies)
+    ms = median_ms(g.replay) / reps
+    del g
+    return ms
+
+
 def time_kernel(copies: list[ql.Packed], m: int, cfg: ql.KernelConfig | None) -> float:
+    k = copies[0].shape[1]
+    x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
+    return graph_ms(lambda i: ql.quant_linear(x, copies[i], config=cfg), len(copies))
+
+
+def eager_ms(copies: list[ql.Packed], m: int) -> tuple[float, float]:
+    """(do_bench median of one eager call, host microseconds per call): launch overhead."""
     k = copies[0].shape[1]
     x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
     i = [0]
 
     def step():
         i[0] = (i[0] + 1) % len(copies)
-        ql.quant_linear(x, copies[i[0]], config=cfg)
+        ql.quant_linear(x, copies[i[0]])
 
-    return median_ms(step)
+    dev = median_ms(step)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(200):
+        step()
+    host_us = (time.perf_counter() - t) / 200 * 1e6
+    torch.cuda.synchronize()
+    return dev, host_us
 
 
 def time_cublas(n: int, k: int, m: int, ws: list[torch.Tensor]) -> float:
     x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
-    i = [0]
+    return graph_ms(lambda i: F.linear(x, ws[i]), len(ws))
 
-    def step():
-        i[0] = (i[0] + 1) % len(ws)
-        F.linear(x, ws[i[0]])
 
-    return median_ms(step)
+def kernel_info(packed: ql.Packed, cfg: ql.KernelConfig) -> dict:
+    """Registers, spills, shared memory and a few markers of what Triton generated."""
+    n, k = packed.shape
+    x = torch.randn((16, k), device="cuda", dtype=torch.bfloat16)
+    out = torch.empty((16, n), device="cuda", dtype=torch.bfloat16)
+    kern = ql._launch(x, packed, cfg, out)
+    torch.cuda.synchronize()
+    info = {"regs": getattr(kern, "n_regs", None), "spills": getattr(kern, "n_spills", None),
+            "shared": getattr(getattr(kern, "metadata", None), "shared", None)}
+    asm = getattr(kern, "asm", {}) or {}
+    ttgir, ptx = asm.get("ttgir", ""), asm.get("ptx", "")
+    for key, text, pat in [("async_copy", ttgir, "async_copy_global_to_local"),
+                           ("convert_layout", ttgir, "convert_layout"),
+                           ("wgmma", ptx, "wgmma.mma_async"), ("mma_sync", ptx, "mma.sync"),
+                           ("ld_v4", ptx, "ld.global.v4"), ("cp_async", ptx, "cp.async.cg"),
+                           ("ldmatrix", ptx, "ldmatrix")]:
+        info[key] = text.count(pat)
+    return info
 
 
 def traffic(packed: ql.Packed, m: int) -> int:
@@ -152,19 +201,18 @@ def traffic(packed: ql.Packed, m: int) -> int:
 
 
 def candidates(qtype: str, n: int, k: int) -> list[ql.KernelConfig]:
-    """A few tile shapes and split counts for one weight (all fixed per shape)."""
+    """A few tile shapes, split counts and variants for one weight (all fixed per shape)."""
     out = []
     for sa in (False, True):
-        for bn in (32, 64, 128):
-            for bk in (128, 256):
-                k_tiles = k // bk
-                n_tiles = -(-n // bn)
-                for target in (264,):
-                    split = 1
-                    while n_tiles * split < target and split * 2 <= k_tiles:
+        for swap in (False, True):
+            for bn in (64, 128):
+                for bk in (128, 256):
+                    # split `in` until ~2 programs per multiprocessor (264 on an H200)
+                    n_tiles, k_tiles, split = -(-n // bn), k // bk, 1
+                    while n_tiles * split < 264 and split * 2 <= k_tiles:
                         split *= 2
                     out.append(ql.KernelConfig(block_n=bn, block_k=bk, split_k=split,
-                                               scale_after_dot=sa))
+                                               scale_after_dot=sa, swap_ab=swap))
     seen, uniq = set(), []
     for c in out:
         if c not in seen:
@@ -178,7 +226,8 @@ def refinements(best: ql.KernelConfig, k: int) -> list[ql.KernelConfig]:
     r = [best.__class__(**{**best.__dict__, "num_warps": 8}),
          best.__class__(**{**best.__dict__, "num_stages": 2}),
          best.__class__(**{**best.__dict__, "num_stages": 4}),
-         best.__class__(**{**best.__dict__, "block_m": 16})]
+         best.__class__(**{**best.__dict__, "block_m": 16}),
+         best.__class__(**{**best.__dict__, "block_n": 32})]
     if best.split_k > 1:
         r.append(best.__class__(**{**best.__dict__, "split_k": best.split_k // 2}))
     if best.split_k * 2 <= k // best.block_k:
@@ -190,7 +239,7 @@ def cfg_str(c: ql.KernelConfig | None) -> str:
     if c is None:
         return "-"
     return (f"m{c.block_m} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} "
-            f"st{c.num_stages}{' sa' if c.scale_after_dot else ''}")
+            f"st{c.num_stages}{' sa' if c.scale_after_dot else ''}{' sw' if c.swap_ab else ''}")
 
 
 def sweep(qtype, n, k, copies, deadline, gen) -> tuple[ql.KernelConfig | None, list]:
@@ -265,6 +314,15 @@ def main() -> int:
                         log(f"    {cfg_str(ql.KernelConfig(**t['config'])):36s} "
                             + (f"{t['ms'] * 1e3:8.1f} us" if "ms" in t else t["error"][:160]))
                 rec["best_config"] = best.__dict__
+                for name, c in (("default", default), ("best", best)):
+                    try:
+                        rec[f"{name}_info"] = kernel_info(first, c)
+                        log(f"  {name} {cfg_str(c)}: {rec[f'{name}_info']}")
+                    except Exception as e:
+                        log(f"  {name} kernel_info failed: {type(e).__name__}: {e}")
+                dev, host = eager_ms(copies, 16)
+                rec["eager_m16"] = {"do_bench_us": dev * 1e3, "host_us_per_call": host}
+                log(f"  eager M=16 (default): do_bench {dev * 1e3:.1f} us, host {host:.1f} us/call")
                 rec["m"] = {}
                 for m in MS:
                     td = time_kernel(copies, m, None)

@@ -10,7 +10,9 @@ Run without arguments on a CUDA machine (bf16):  python benchmarks/gpu/kernels_t
 3. timings (triton.testing.do_bench, median) of each kernel vs the torch ops it replaces;
    attention at live contexts 512 / 4096 / 32768 against SDPA over the same live keys (and
    against the engine's current masked SDPA over the whole storage), with achieved GB/s of K/V
-   read (2 * n_kv * live * head_dim * 2 bytes per call);
+   read (2 * n_kv * live * head_dim * 2 bytes per call). GPU times come from CUDA-graph replays
+   (as the engine runs its steps; attention over 36 distinct per-layer caches so K/V come from
+   HBM), eager do_bench times (host launch overhead included) are reported beside them;
 4. a small sweep of attention tile constants (informational: the engine uses the module's);
 then a compact table, and JSON to $OUT/kernels_target.json when OUT is set.
 
@@ -84,10 +86,41 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> dict:
 
 
 def bench(fn, warmup=25, rep=100) -> float:
-    """Median milliseconds of fn() (triton.testing.do_bench: flushes L2 between calls)."""
+    """Median milliseconds of one eager fn() (triton.testing.do_bench, L2 flushed between
+    calls). Includes the host's launch overhead whenever that exceeds the GPU time."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def bench_graph(fns, reps: int = 20) -> float:
+    """Median GPU milliseconds per call of the calls `fns` (e.g. one per layer, over distinct
+    caches) captured back to back in one CUDA graph: the engine's replayed steps, no host
+    launch overhead in the number."""
+    for fn in fns:  # compile / warm up outside the capture
+        fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fns[0]()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(fns))
+    del graph
+    return float(sorted(times)[len(times) // 2])
 
 
 def rope_tables(n: int, dtype=DTYPE):
@@ -258,14 +291,12 @@ def main() -> int:
         return {"ok": bool(ok)}
 
     # ------------------------------------------------------------------ 3. timing
-    def timing(name, kernel_fn, torch_fn, bytes_moved=None):
+    def timing(name, kernel_fn, torch_fn):
         @section("timing", name)
         def _():
-            t_k, t_t = bench(kernel_fn), bench(torch_fn)
-            out = {"kernel_us": 1e3 * t_k, "torch_us": 1e3 * t_t, "speedup": t_t / t_k}
-            if bytes_moved:
-                out["kernel_GBps"] = bytes_moved / (t_k * 1e-3) / 1e9
-            return out
+            t_k, t_t = bench_graph([kernel_fn] * 20), bench_graph([torch_fn] * 20)
+            return {"kernel_us": 1e3 * t_k, "torch_us": 1e3 * t_t, "speedup": t_t / t_k,
+                    "eager_kernel_us": 1e3 * bench(kernel_fn), "eager_torch_us": 1e3 * bench(torch_fn)}
 
     timing("rms_norm", lambda: norm.rms_norm(x, w_norm, EPS), lambda: norm.rms_norm_ref(x, w_norm, EPS))
     timing("add_rms_norm", lambda: norm.add_rms_norm(x, res, w_norm, EPS),
@@ -279,68 +310,83 @@ def main() -> int:
     del kc_t, vc_t
 
     g = N_HEADS // N_KV
+    n_layers = 36  # distinct caches, one per layer, so K/V come from HBM as in a real step
+
+    def attention_timing(ctx):
+        """Kernel vs SDPA over the live keys, both graph-replayed over `n_layers` caches of
+        `ctx` live keys (and eager, for reference)."""
+        caches = [make_cache(ctx, ctx, seed=i, fill=0.0) for i in range(n_layers)]
+        pos = torch.arange(ctx - W, ctx, device="cuda")
+        qf = q_att.view(W, N_KV, g, HEAD_DIM).permute(1, 2, 0, 3).reshape(N_KV, g * W, HEAD_DIM)
+        mask = (torch.arange(ctx, device="cuda")[None, :] <= pos[:, None]).repeat(g, 1)
+
+        def sdpa(k, v):  # the engine's op over the live keys, mask built once per step
+            o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+            return o.view(N_KV, g, W, HEAD_DIM).permute(2, 0, 1, 3).reshape(W, N_HEADS * HEAD_DIM)
+
+        kern = [lambda k=k, v=v: attention.decode_attention(q_att, k, v, pos, scale) for k, v in caches]
+        ref = [lambda k=k, v=v: sdpa(k, v) for k, v in caches]
+        t_k, t_t = bench_graph(kern), bench_graph(ref)
+        kv_bytes = 2 * N_KV * ctx * HEAD_DIM * 2
+        return {"kernel_us": 1e3 * t_k, "torch_us": 1e3 * t_t, "speedup": t_t / t_k,
+                "kernel_GBps": kv_bytes / (t_k * 1e-3) / 1e9,
+                "sdpa_live_GBps": kv_bytes / (t_t * 1e-3) / 1e9,
+                "eager_kernel_us": 1e3 * bench(kern[0]), "eager_torch_us": 1e3 * bench(ref[0])}
+
     for ctx in CONTEXTS:
-        @section("timing", f"decode_attention_ctx{ctx}")
-        def _(ctx=ctx):
-            k, v = make_cache(STORAGE, STORAGE, fill=0.0)
-            pos = torch.arange(ctx - W, ctx, device="cuda")
-            kv_bytes = 2 * N_KV * ctx * HEAD_DIM * 2
-            t_k = bench(lambda: attention.decode_attention(q_att, k, v, pos, scale))
-            # SDPA over the live keys, mask prebuilt (the engine builds it once per step).
-            qf = q_att.view(W, N_KV, g, HEAD_DIM).permute(1, 2, 0, 3).reshape(N_KV, g * W, HEAD_DIM)
-            keys = torch.arange(ctx, device="cuda")
-            mask_live = (keys[None, :] <= pos[:, None]).repeat(g, 1)
-            k_live, v_live = k[:, :ctx], v[:, :ctx]
+        section("timing", f"decode_attention_ctx{ctx}")(lambda ctx=ctx: attention_timing(ctx))
 
-            def sdpa_live():
-                o = F.scaled_dot_product_attention(qf, k_live, v_live, attn_mask=mask_live, scale=scale)
-                return o.view(N_KV, g, W, HEAD_DIM).permute(2, 0, 1, 3).reshape(W, N_HEADS * HEAD_DIM)
-
-            keys_all = torch.arange(STORAGE, device="cuda")
-            mask_all = (keys_all[None, :] <= pos[:, None]).repeat(g, 1)
-
-            def sdpa_storage():  # the engine's static_step today: the whole storage, masked
-                o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask_all, scale=scale)
-                return o.view(N_KV, g, W, HEAD_DIM).permute(2, 0, 1, 3).reshape(W, N_HEADS * HEAD_DIM)
-
-            t_live, t_all = bench(sdpa_live), bench(sdpa_storage)
-            return {"kernel_us": 1e3 * t_k, "torch_us": 1e3 * t_live, "speedup": t_live / t_k,
-                    "sdpa_storage_us": 1e3 * t_all, "speedup_vs_storage": t_all / t_k,
-                    "kernel_GBps": kv_bytes / (t_k * 1e-3) / 1e9,
-                    "sdpa_live_GBps": kv_bytes / (t_live * 1e-3) / 1e9}
+    @section("timing", "engine_masked_sdpa_whole_storage")
+    def _():
+        """Today's static_step: SDPA over all STORAGE positions under a mask (any context)."""
+        k, v = make_cache(STORAGE, STORAGE, fill=0.0)
+        pos = torch.arange(4096 - W, 4096, device="cuda")
+        qf = q_att.view(W, N_KV, g, HEAD_DIM).permute(1, 2, 0, 3).reshape(N_KV, g * W, HEAD_DIM)
+        mask = (torch.arange(STORAGE, device="cuda")[None, :] <= pos[:, None]).repeat(g, 1)
+        fn = lambda: F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)  # noqa: E731
+        kern = lambda: attention.decode_attention(q_att, k, v, pos, scale)  # noqa: E731
+        t_t, t_k = bench_graph([fn] * 10), bench_graph([kern] * 10)
+        return {"kernel_us": 1e3 * t_k, "torch_us": 1e3 * t_t, "speedup": t_t / t_k,
+                "note": f"storage {STORAGE}, live 4096; kernel reads only the live keys"}
 
     @section("timing", "decode_attention_prefill_2048_at_2048")
     def _():
         k, v = make_cache(4096, 4096, fill=0.0)
         q = randn(2048, N_HEADS, HEAD_DIM, seed=9)
         pos = torch.arange(2048, 4096, device="cuda")
-        t_k = bench(lambda: attention.decode_attention(q, k, v, pos, scale), warmup=5, rep=30)
-        t_t = bench(lambda: attention.sdpa_live(q, k, v, pos, scale), warmup=5, rep=30)
+        qf = q.view(2048, N_KV, g, HEAD_DIM).permute(1, 2, 0, 3).reshape(N_KV, g * 2048, HEAD_DIM)
+        mask = (torch.arange(4096, device="cuda")[None, :] <= pos[:, None]).repeat(g, 1)
+        t_k = bench_graph([lambda: attention.decode_attention(q, k, v, pos, scale)] * 3, reps=10)
+        t_t = bench_graph([lambda: F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)] * 3, reps=10)
         return {"kernel_us": 1e3 * t_k, "torch_us": 1e3 * t_t, "speedup": t_t / t_k}
 
     # ------------------------------------------------------------------ 4. tile sweep
     @section("sweep", "attention_tiles")
     def _():
-        k, v = make_cache(STORAGE, STORAGE, fill=0.0)
         configs = [
             dict(split=512, block_m=64, block_n=64, num_warps=4, num_stages=2),
             dict(split=512, block_m=64, block_n=64, num_warps=4, num_stages=3),
+            dict(split=512, block_m=64, block_n=64, num_warps=8, num_stages=2),
             dict(split=512, block_m=64, block_n=128, num_warps=8, num_stages=2),
             dict(split=512, block_m=64, block_n=32, num_warps=4, num_stages=3),
+            dict(split=512, block_m=64, block_n=32, num_warps=4, num_stages=4),
             dict(split=256, block_m=64, block_n=64, num_warps=4, num_stages=2),
+            dict(split=256, block_m=64, block_n=32, num_warps=4, num_stages=3),
             dict(split=1024, block_m=64, block_n=64, num_warps=4, num_stages=2),
-            dict(split=512, block_m=16, block_n=64, num_warps=4, num_stages=2),
-            dict(split=256, block_m=16, block_n=64, num_warps=4, num_stages=2),
             dict(split=128, block_m=64, block_n=64, num_warps=4, num_stages=2),
+            dict(split=512, block_m=16, block_n=64, num_warps=4, num_stages=2),
         ]
+        layers = {ctx: [make_cache(ctx, ctx, seed=i, fill=0.0) for i in range(8 if ctx > 4096 else 36)]
+                  for ctx in CONTEXTS}
         rows = []
         for cfg in configs:
             row = {"config": cfg}
             for ctx in CONTEXTS:
                 pos = torch.arange(ctx - W, ctx, device="cuda")
+                fns = [lambda k=k, v=v, pos=pos: attention._launch(q_att, k, v, pos, scale, **cfg)
+                       for k, v in layers[ctx]]
                 try:
-                    row[f"us_ctx{ctx}"] = 1e3 * bench(
-                        lambda: attention._launch(q_att, k, v, pos, scale, **cfg), warmup=10, rep=50)
+                    row[f"us_ctx{ctx}"] = 1e3 * bench_graph(fns, reps=10)
                 except Exception as exc:  # noqa: BLE001
                     row[f"us_ctx{ctx}"] = f"error: {type(exc).__name__}: {exc}"[:200]
             rows.append(row)
@@ -362,13 +408,13 @@ def report() -> None:
     print("\n==== invariance (torch.equal) ====")
     for name, r in RESULTS["invariance"].items():
         print(f"{name:34s} {'OK' if r.get('ok') else 'BROKEN'}  {r}")
-    print("\n==== timing (median, us) ====")
+    print("\n==== timing (median GPU us per call, CUDA-graph replay; eager in brackets) ====")
     for name, r in RESULTS["timing"].items():
-        line = f"{name:40s} kernel {r['kernel_us']:9.1f}  torch {r['torch_us']:9.1f}  x{r['speedup']:.2f}"
+        line = f"{name:40s} kernel {r['kernel_us']:8.1f}  torch {r['torch_us']:8.1f}  x{r['speedup']:.2f}"
+        if "eager_kernel_us" in r:
+            line += f"  [eager {r['eager_kernel_us']:.0f} vs {r['eager_torch_us']:.0f}]"
         if "kernel_GBps" in r:
-            line += f"  kernel {r['kernel_GBps']:7.0f} GB/s"
-        if "sdpa_live_GBps" in r:
-            line += f"  sdpa {r['sdpa_live_GBps']:7.0f} GB/s  storage-sdpa {r['sdpa_storage_us']:.1f} us"
+            line += f"  K/V read: kernel {r['kernel_GBps']:.0f} GB/s, sdpa {r['sdpa_live_GBps']:.0f} GB/s"
         print(line)
     if "attention_tiles" in RESULTS["sweep"]:
         print("\n==== attention tile sweep (us) ====")
