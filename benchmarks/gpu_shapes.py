@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
+from memra_cli.engine.api import ArmConfig, Engine
 from memra_cli.engine.formats.config import parse_target_config
 from memra_cli.engine.spec.policy import PolicySettings
 from memra_cli.engine.models.qwen3 import LayerWeights, Qwen3Target
-from memra_cli.engine.api import prepare
 from memra_cli.tiny.draft import make_tiny_draft
 
 SHAPES = {
@@ -58,33 +58,33 @@ def random_target(s: dict, dtype: torch.dtype, device: torch.device) -> Qwen3Tar
     return Qwen3Target(cfg, rnd(s["vocab"], h, std=1.0), layers, ones(h), rnd(s["vocab"], h))
 
 
-def run_arm(target, ids, n, draft, mode, settings, cap=None):
-    prep = prepare(target, ids, n, draft_path=draft, mode=mode, settings=settings, verify_cap=cap, timed=False, eos_ids=())
-    s = prep.session
+def run_arm(engine, arm, ids, n):
+    """One session of `arm` (None: plain greedy), primed outside the clock: (session, seconds)."""
+    s = engine.session(ids, n, arm, timed=False, eos_ids=())
     s.prime()
-    if target.device.type == "cuda":
+    if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     s.run()
-    if target.device.type == "cuda":
+    if engine.device.type == "cuda":
         torch.cuda.synchronize()
     return s, time.perf_counter() - t0
 
 
-def timed_phases(target, ids, n, draft, settings, cap):
-    prep = prepare(target, ids, n, draft_path=draft, mode="dflash", settings=settings, verify_cap=cap, timed=True, eos_ids=())
-    prep.session.run()
-    st = prep.session.stats
+def timed_phases(engine, arm, ids, n):
+    s = engine.session(ids, n, arm, timed=True, eos_ids=())
+    s.run()
+    st = s.stats
     return {k: 1e3 * v / max(1, st.rounds) for k, v in st.phase_s.items() if k != "prefill"}
 
 
-def measure(target, ids, tokens, draft, pinned) -> dict:
-    """Plain ms/token, round ms and phases, and exactness on one prompt, at the target's current step width."""
-    run_arm(target, ids, 8, None, "off", pinned)  # warm-up (allocator, kernels)
-    run_arm(target, ids, 8, draft, "dflash", pinned, 16)
-    plain, t_plain = run_arm(target, ids, tokens, None, "off", pinned)
-    spec, t_spec = run_arm(target, ids, tokens, draft, "dflash", pinned, 16)
-    phases = timed_phases(target, ids, min(tokens, 16), draft, pinned, 16)
+def measure(engine, spec_arm, ids, tokens) -> dict:
+    """Plain ms/token, round ms and phases, and exactness on one prompt, at the engine's step mode."""
+    run_arm(engine, None, ids, 8)  # warm-up (allocator, kernels, graph captures)
+    run_arm(engine, spec_arm, ids, 8)
+    plain, t_plain = run_arm(engine, None, ids, tokens)
+    spec, t_spec = run_arm(engine, spec_arm, ids, tokens)
+    phases = timed_phases(engine, spec_arm, ids, min(tokens, 16))
     first = next((i for i, (a, b) in enumerate(zip(spec.tokens, plain.tokens)) if a != b), None)
     return {"plain_ms_per_token": 1e3 * t_plain / len(plain.tokens), "round_ms": 1e3 * t_spec / spec.stats.rounds,
             "rounds": spec.stats.rounds, "tau": spec.stats.tau, "round_phase_ms": phases,
@@ -123,19 +123,24 @@ def main() -> None:
                                 num_target_layers=s["layers"], dtype=torch.bfloat16, std=0.02)
         prompts = [torch.randint(0, s["vocab"] - 1, (a.prompt,), generator=torch.Generator().manual_seed(1 + k)).tolist()
                    for k in range(a.prompts)]
-        pinned = PolicySettings(adapt="0")  # verify window pinned at the cap: 16 rows per round
+        # verify window pinned at the cap: 16 rows per round
+        arm_cfg = ArmConfig(draft=draft, mode="dflash", settings=PolicySettings(adapt="0"), verify_cap=16)
+        drafter = None  # loaded once (by the first engine's arm), shared by every step mode
         for name, w, graphs, draft_graphs in modes:
-            target.set_step_width(w)
-            target.set_cuda_graphs(graphs, drafter=draft_graphs)
-            first = measure(target, prompts[0], a.tokens, draft, pinned)
+            # one engine per step mode around the same target: its runner owns width and graphs
+            engine = Engine.from_model(target, step_width=w, cuda_graphs=graphs, draft_graphs=draft_graphs)
+            spec_arm = engine.arm(arm_cfg, drafter=drafter)
+            drafter = spec_arm.drafter
+            first = measure(engine, spec_arm, prompts[0], a.tokens)
             more = []
             for ids in prompts[1:]:
-                plain, _ = run_arm(target, ids, a.tokens, None, "off", pinned)
-                spec, _ = run_arm(target, ids, a.tokens, draft, "dflash", pinned, 16)
+                plain, _ = run_arm(engine, None, ids, a.tokens)
+                spec, _ = run_arm(engine, spec_arm, ids, a.tokens)
                 more.append(spec.tokens == plain.tokens)
             first["exact_prompts"] = f"{int(first['exact']) + sum(more)}/{len(prompts)}"
             runs[name] = first
             print(f"step mode {name}: " + json.dumps(first), flush=True)
+            del engine, spec_arm  # its pool (storages, graphs) goes before the next mode's
     out = {
         "shape": "small" if a.small else "qwen3-8b", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "dtype": str(dtype), "prompt": a.prompt, "tokens": a.tokens, "prompts": a.prompts, "by_step_width": runs,

@@ -149,6 +149,25 @@ def test_refusals_are_one_line(pair, monkeypatch, tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
 
 
+@pytest.mark.parametrize("vocab", [1024, 256], ids=["drafter-larger", "drafter-smaller"])
+def test_a_drafter_of_another_vocabulary_is_refused(pair, monkeypatch, tmp_path, vocab):
+    """Refused while the arms load, before any prompt runs: one `error:` line naming the arm, the
+    tensor and both sizes, exit 2, no traceback."""
+    _, target, _, prompts = pair
+    monkeypatch.setitem(sys.modules, "memra_cli.assets", None)
+    draft = make_tiny_draft(tmp_path / f"v{vocab}", "deepspec", vocab=vocab, mask_token_id=min(vocab, 512) - 1,
+                            markov_rank=16, confidence="markov")
+    r = run("--target", target, "--draft", draft, "--prompts", prompts, "--n", "1", "--max-new", "4", "--warmup", "0",
+            "--arm", "dspark")
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0] == (f"error: --arm 'dspark': drafter tensor 'embed_tokens.weight' has {vocab} vocabulary rows "
+                        f"({draft}) but the target's vocabulary is 512 ({target / 'config.json'}): a drafter must "
+                        "share its target's vocabulary")
+
+
 def test_chat_off_only_and_ignored_policy_env(pair):
     _, target, _, prompts = pair
     base = ["bench", "--target", str(target), "--prompts", str(prompts), "--n", "1", "--max-new", "2", "--arm", "off", "--warmup", "0"]

@@ -116,6 +116,32 @@ def test_bad_input(pair, case):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
 
 
+@pytest.mark.parametrize("vocab", [1024, 256], ids=["drafter-larger", "drafter-smaller"])
+@pytest.mark.parametrize("spec", ["auto", "dspark", "dflash"])
+def test_a_drafter_of_another_vocabulary_is_refused(pair, tmp_path, vocab, spec):
+    """A drafter must index the target's vocabulary: one `error:` line naming the tensor and
+    both sizes, exit 2, no traceback (MEMRA_DEBUG unset)."""
+    _, target, _, _ = pair
+    draft = make_tiny_draft(tmp_path / f"v{vocab}", "deepspec", vocab=vocab, mask_token_id=min(vocab, 512) - 1,
+                            markov_rank=16, confidence="markov")
+    r = run("--target", target, "--draft", draft, "--spec", spec, "--prompt-ids", "1,2,3", "--max-new", "4")
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0] == (f"error: drafter tensor 'embed_tokens.weight' has {vocab} vocabulary rows ({draft}) but the "
+                        f"target's vocabulary is 512 ({target / 'config.json'}): a drafter must share its target's "
+                        "vocabulary")
+
+
+def test_a_drafter_tapping_the_last_layer_is_warned_about(pair, tmp_path):
+    _, target, _, _ = pair
+    draft = make_tiny_draft(tmp_path / "last", "zlab", target_layer_ids=(0, 3))
+    r = run("--target", target, "--draft", draft, "--prompt-ids", "1,2,3", "--max-new", "4", "--json")
+    assert r.exit_code == 0, r.output
+    assert any(w.startswith("drafter taps the target's last layer (3)") for w in json.loads(r.stdout)["warnings"])
+
+
 @pytest.mark.parametrize("given, width", [(None, 16), ("4", 4), ("variable", None)])
 def test_step_width_is_applied_reported_and_exact(pair, given, width):
     """The target's step width reaches the JSON and a stderr note, and the stream stays greedy."""

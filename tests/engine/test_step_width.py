@@ -253,13 +253,18 @@ def test_graphed_rounds_keep_the_eager_tau_and_stay_exact(target_dir, tmp_path):
     graphed = Engine.from_model(Qwen3Target.from_dir(target_dir, device="cuda"), step_width=WIDTH,
                                 cuda_graphs=True, draft_graphs=True)
     eager = Engine.from_model(Qwen3Target.from_dir(target_dir, device="cuda"), step_width=WIDTH)
+    # one arm per engine and window, kept for every prompt (as bench keeps its arms): a later
+    # session replays graphs an earlier, freed session captured over the pooled storages
+    arms = {}
+    for vt in ("ladder", "confidence-slot"):
+        cfg = ArmConfig(draft=draft, mode="dspark", settings=PolicySettings(vt=vt))
+        arms[vt] = graphed.arm(cfg), eager.arm(cfg)
     for seed in range(3):
         prompt = _ids(20 + 9 * seed, 30 + seed).tolist()
         plain = greedy_reference(eager.runner, prompt, 48)
-        for vt in ("ladder", "confidence-slot"):
-            arm = ArmConfig(draft=draft, mode="dspark", settings=PolicySettings(vt=vt))
-            s_g = graphed.session(prompt, 48, graphed.arm(arm), eos_ids=())
-            s_e = eager.session(prompt, 48, eager.arm(arm), eos_ids=())
+        for vt, (arm_g, arm_e) in arms.items():
+            s_g = graphed.session(prompt, 48, arm_g, eos_ids=())
+            s_e = eager.session(prompt, 48, arm_e, eos_ids=())
             assert s_g.run() == plain == s_e.run(), (seed, vt)
             assert s_g.stats.accept_hist == s_e.stats.accept_hist, (seed, vt)
             assert s_g.proposer.kv.graphs  # the rounds really were graphed
