@@ -183,3 +183,31 @@ def test_the_pool_without_a_budget_keeps_everything_and_a_negative_budget_is_ref
     assert pool.idle_count == 0
     with pytest.raises(ValueError, match="idle_budget must be >= 0"):
         StoragePool(idle_budget=-1)
+
+
+def test_a_collected_owner_takes_its_idle_storages_and_its_token_is_never_reused():
+    """Storage keys carry an owner token, not `id()`: a new drafter that reuses a freed one's
+    address must never be handed the freed one's storage (its graphs read freed weights)."""
+    import gc
+
+    from memra_cli.engine.runtime.pool import StoragePool
+
+    class Owner:
+        pass
+
+    class Store:
+        def __init__(self):
+            self.nbytes, self.graphs = 10, {"g": object()}
+
+    pool = StoragePool(idle_budget=None)
+    first = Owner()
+    token = pool.owner_token(first)
+    assert pool.owner_token(first) == token
+    stored = pool.acquire((token, "draft", 256), Store)
+    pool.release(stored)
+    assert pool.idle_count == 1
+    del first
+    gc.collect()
+    assert pool.idle_count == 0 and stored.graphs == {}
+    tokens = {pool.owner_token(Owner()) for _ in range(50)}  # addresses get reused, tokens never
+    assert token not in tokens and len(tokens) == 50

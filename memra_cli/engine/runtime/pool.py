@@ -8,13 +8,18 @@ for the same key, and drops the least recently used idle ones when they would ho
 `idle_budget` bytes. A storage in use is never evicted. An evicted storage takes its graphs with
 it, so nothing can replay over freed memory.
 
-Keys say what can be shared: `(owner id, kind, rows)`. Storages carry `nbytes` and a `graphs`
-dict; the pool does not look inside them.
+Keys say what can be shared: `(owner token, kind, rows)`. An owner (a model, a drafter) gets a
+token that is never reused (`owner_token`), and when the owner is garbage-collected its idle
+storages are dropped: a storage whose graphs read a freed model's weights can never be handed to
+a new model that happens to get the same `id()`. Storages carry `nbytes` and a `graphs` dict; the
+pool does not look inside them.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 from collections import OrderedDict
 from typing import Callable, Hashable, Protocol
 
@@ -37,7 +42,23 @@ class StoragePool:
         self.idle_budget = idle_budget
         self._idle: OrderedDict[int, tuple[Hashable, Storage]] = OrderedDict()  # id -> (key, storage)
         self._live: dict[int, Hashable] = {}  # id(storage) -> key, for storages handed out
+        self._tokens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # owner -> token
+        self._next_token = itertools.count()
         self.evictions = 0
+
+    def owner_token(self, owner: object) -> int:
+        """A token for `owner` (a model or drafter) that no other object ever gets, and a hook
+        that drops the owner's idle storages when it is collected."""
+        token = self._tokens.get(owner)
+        if token is None:
+            token = self._tokens[owner] = next(self._next_token)
+            weakref.finalize(owner, self._drop_owner, token)
+        return token
+
+    def _drop_owner(self, token: int) -> None:
+        for sid in [sid for sid, (key, _) in self._idle.items() if isinstance(key, tuple) and key and key[0] == token]:
+            _, storage = self._idle.pop(sid)
+            storage.graphs.clear()
 
     @property
     def idle_bytes(self) -> int:

@@ -88,7 +88,7 @@ class StepRunner:
         self.model.ensure_positions(rows)
         if not self.cuda_graphs:
             return self.model.new_state(rows)
-        state = self.pool.acquire((id(self.model), "target", rows), lambda: self.model.new_state(rows))
+        state = self.pool.acquire((self.pool.owner_token(self.model), "target", rows), lambda: self.model.new_state(rows))
         state.reset()
         return state
 

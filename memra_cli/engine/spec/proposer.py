@@ -81,7 +81,8 @@ class DrafterProposer:
             self.kv = self.drafter.new_cache(capacity)
             return
         cap = -(-capacity // 256) * 256  # buckets, so later sessions find a storage and its graphs
-        self.kv = self.pool.acquire((id(self.drafter), "draft", cap), lambda: self.drafter.new_cache(cap))
+        self.kv = self.pool.acquire((self.pool.owner_token(self.drafter), "draft", cap),
+                                   lambda: self.drafter.new_cache(cap))
         self.kv.length = 0
 
     def release(self) -> None:
