@@ -201,37 +201,35 @@ def traffic(packed: ql.Packed, m: int) -> int:
 
 
 def candidates(qtype: str, n: int, k: int) -> list[ql.KernelConfig]:
-    """A few tile shapes, split counts and variants for one weight (all fixed per shape)."""
+    """A few tile shapes and variants for one weight, each with the split count that gives
+    about two programs per multiprocessor (all fixed per shape, never per M)."""
+    if qtype == "q8_0":  # dequantize-first (one FMA a weight)
+        grid = [(bn, bk, sw, False) for bn in (64, 128) for bk in (128, 256) for sw in (False, True)]
+    else:  # scale-after-dot (packed nibble conversion), and the dequantize-first variant
+        grid = [(bn, bk, sw, True) for bn in (64, 128, 256) for bk in (128, 256)
+                for sw in (False, True)] + [(64, 128, True, False), (128, 128, True, False)]
     out = []
-    for sa in (False, True):
-        for swap in (False, True):
-            for bn in (64, 128):
-                for bk in (128, 256):
-                    # split `in` until ~2 programs per multiprocessor (264 on an H200)
-                    n_tiles, k_tiles, split = -(-n // bn), k // bk, 1
-                    while n_tiles * split < 264 and split * 2 <= k_tiles:
-                        split *= 2
-                    out.append(ql.KernelConfig(block_n=bn, block_k=bk, split_k=split,
-                                               scale_after_dot=sa, swap_ab=swap))
-    seen, uniq = set(), []
-    for c in out:
-        if c not in seen:
-            seen.add(c)
-            uniq.append(c)
-    return uniq
+    for bn, bk, sw, sa in grid:
+        n_tiles, k_tiles, split = -(-n // bn), k // bk, 1
+        while n_tiles * split < 264 and split * 2 <= k_tiles:
+            split *= 2
+        out.append(ql.KernelConfig(block_m=16, block_n=bn, block_k=bk, split_k=split,
+                                   scale_after_dot=sa, swap_ab=sw,
+                                   num_warps=8 if bn == 256 else 4))
+    return out
 
 
 def refinements(best: ql.KernelConfig, k: int) -> list[ql.KernelConfig]:
     """Neighbours of the sweep's best: warps, stages, block_m, split halved/doubled."""
-    r = [best.__class__(**{**best.__dict__, "num_warps": 8}),
-         best.__class__(**{**best.__dict__, "num_stages": 2}),
-         best.__class__(**{**best.__dict__, "num_stages": 4}),
-         best.__class__(**{**best.__dict__, "block_m": 16}),
-         best.__class__(**{**best.__dict__, "block_n": 32})]
+    def with_(**kw):
+        return best.__class__(**{**best.__dict__, **kw})
+
+    r = [with_(num_warps=4 if best.num_warps == 8 else 8), with_(num_stages=2),
+         with_(num_stages=4), with_(block_m=32 if best.block_m == 16 else 16)]
     if best.split_k > 1:
-        r.append(best.__class__(**{**best.__dict__, "split_k": best.split_k // 2}))
+        r.append(with_(split_k=best.split_k // 2))
     if best.split_k * 2 <= k // best.block_k:
-        r.append(best.__class__(**{**best.__dict__, "split_k": best.split_k * 2}))
+        r.append(with_(split_k=best.split_k * 2))
     return r
 
 

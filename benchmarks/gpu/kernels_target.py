@@ -364,6 +364,8 @@ def main() -> int:
     @section("sweep", "attention_tiles")
     def _():
         configs = [
+            dict(split=attention.SPLIT_KEYS, block_m=attention.BLOCK_M, block_n=attention.BLOCK_N,
+                 num_warps=attention.NUM_WARPS, num_stages=attention.NUM_STAGES),  # the module's
             dict(split=512, block_m=64, block_n=64, num_warps=4, num_stages=2),
             dict(split=512, block_m=64, block_n=64, num_warps=4, num_stages=3),
             dict(split=512, block_m=64, block_n=64, num_warps=8, num_stages=2),

@@ -30,6 +30,7 @@ from memra_cli.engine.errors import ConfigError, MemraError, PolicyError, Settin
 from memra_cli.engine.spec.policy import (
     LADDER, MARKOV_ENV, VT_ENV, PolicySettings, Receipts, adapt_on, parse_verify_cap, resolve_receipts,
 )
+from memra_cli.engine.layers.step_ops import select_step_ops
 from memra_cli.engine.models.base import load_target
 from memra_cli.engine.quant.precision import POLICIES as PRECISIONS
 from memra_cli.engine.runtime.pool import DEFAULT_IDLE_BUDGET, StoragePool
@@ -268,7 +269,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16
     step_width: str | None = None  # "N" | "variable"; None: the default (16)
     cuda_graphs: bool | None = None  # None: on with CUDA and a fixed step width
-    env: dict = field(default_factory=dict)  # MEMRA_DRAFT_GRAPHS and friends, as read from the environment
+    env: dict = field(default_factory=dict)  # MEMRA_DRAFT_GRAPHS, MEMRA_KERNELS, as read from the environment
+    kernels: bool | None = None  # fused Triton step ops; None: on with CUDA (MEMRA_KERNELS=0 turns them off)
     pool_idle_bytes: int | None = DEFAULT_IDLE_BUDGET
 
 
@@ -328,9 +330,11 @@ class Engine:
         dev = resolve_device(cfg.device)
         dt = resolve_dtype(cfg.dtype, dev)
         graphs, draft_graphs, graphs_note = resolve_cuda_graphs(cfg.cuda_graphs, dev, width, cfg.env)
+        ops, ops_note = select_step_ops(dev, cfg.kernels, cfg.env)
         target = load_target(Path(cfg.target), dtype=dt, device=dev)
+        target.step_ops = ops
         runner = StepRunner(target, width, graphs, StoragePool(cfg.pool_idle_bytes))
-        return cls(target, runner, dev, dt, [width_note, graphs_note], draft_graphs)
+        return cls(target, runner, dev, dt, [width_note, graphs_note, ops_note], draft_graphs)
 
     @classmethod
     def from_model(cls, model, *, step_width: int | None = None, cuda_graphs: bool = False,

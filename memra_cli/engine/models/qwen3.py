@@ -20,6 +20,7 @@ lm_head in the model dtype (so bf16 logits round exactly where HF's do).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -32,6 +33,7 @@ from memra_cli.engine.formats.config import TargetConfig, load_target_config
 from memra_cli.engine.errors import CheckpointError, ConfigError, PromptError
 from memra_cli.engine.runtime.cache import KVCache
 from memra_cli.engine.layers.ops import rms_norm
+from memra_cli.engine.layers.step_ops import TorchStepOps
 from memra_cli.engine.layers.rope import apply_rope, cos_sin, rope_tables
 
 log = logging.getLogger(__name__)
@@ -164,6 +166,8 @@ class Qwen3Target:
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self._rope = rope_tables(cfg.rope, cfg.head_dim)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)  # what SDPA uses by default
+        self.step_ops = TorchStepOps()  # the fixed-width step's fused ops (Engine.load may pick kernels)
         self._cos = self._sin = torch.empty(0, cfg.head_dim, dtype=self.dtype, device=self.device)
 
     @classmethod
@@ -341,28 +345,29 @@ class Qwen3Target:
                     taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-width step with every shape static and every position on the device.
 
-        `ids [W]` at `positions [W]` (consecutive): K/V written with `index_copy_`, rope rows
-        gathered, and attention over the whole cache storage `[0, max_len)` under a mask built
-        from `positions` (keys after a row's position are masked: stale rows included). Nothing
-        depends on a host value, so a CUDA graph can capture it; masked key blocks leave the
-        softmax of a row unchanged, so the storage length does not change a row's result.
+        `ids [W]` at `positions [W]` (consecutive): each layer is a fused projection, then the
+        step ops (`self.step_ops`, layers/step_ops.py: torch reference or Triton kernels) do
+        q/k norm + rope + the K/V write, causal attention by position over the cache, the
+        residual add fused with the next norm, and SiLU·mul. Nothing depends on a host value, so
+        a CUDA graph can capture it, and every op is row-count invariant, so a token's logits do
+        not depend on what shares its step or on the storage size.
         """
+        ops, eps = self.step_ops, self.cfg.rms_norm_eps
+        self.ensure_positions(cache.max_len)
         x = self.embed(ids)
-        cos, sin = self._cos[positions], self._sin[positions]
-        keys = torch.arange(cache.max_len, device=self.device)
-        mask = (keys[None, :] <= positions[:, None]).repeat(self.n_heads // self.n_kv, 1)
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
-        eps = self.cfg.rms_norm_eps
+        h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for li, w in enumerate(self.layers):
             kv = cache.kv[li]
-            q, k, v = self._qkv(rms_norm(x, w.attn_norm, eps), w, cos, sin)
-            kv[0].index_copy_(1, positions, k.transpose(0, 1))
-            kv[1].index_copy_(1, positions, v.transpose(0, 1))
-            x = x + self._attend_over(q, w, kv[0], kv[1], mask)
-            x = self._mlp(x, w)
+            q = ops.qk_norm_rope_kv_write(F.linear(h, w.wqkv, w.bqkv), w.q_norm, w.k_norm, self._cos, self._sin,
+                                          positions, kv[0], kv[1], self.n_heads, self.n_kv, eps)
+            attn = F.linear(ops.attention(q, kv[0], kv[1], positions, self.scale), w.wo, w.bo)
+            h, x = ops.add_rms_norm(attn, x, w.mlp_norm, eps)
+            down = F.linear(ops.silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
+            next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
+            h, x = ops.add_rms_norm(down, x, next_norm, eps)
             if li in wanted:
                 tapped[li] = x
-        hidden = rms_norm(x, self.norm, eps)
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        return self.logits(hidden), taps_out
+        return self.logits(h), taps_out

@@ -1,0 +1,183 @@
+"""The target step against its floor, in one process (Qwen3-8B shape, bf16, random weights).
+
+Prints and writes (``--json``, default ``$OUT/h200-target-step.json``):
+
+- ``floor_ms[ctx]``: the cuBLAS matmul chain of one 16-row step (36 layers' fused qkv / o /
+  gate-up / down + lm_head), replayed as a CUDA graph, plus the time to read the live K/V once
+  at the measured copy bandwidth;
+- ``plain_ms[ctx]`` / ``verify16_ms[ctx]``: the graphed fixed-width step (16 rows; plain decode is
+  one real row padded to 16, verify is 16 real rows: the same kernels) with the torch step ops and
+  with the Triton step ops, at live context 512 / 4096 / 32768;
+- ``kernels_per_step``: CUDA kernels in one eager step (torch profiler), per ops;
+- ``peak_gib``: peak allocated GPU memory per context;
+- ``exact``: speculative == plain greedy for the prompts and lengths of the sweep, verify window
+  pinned at 16, Triton ops and graphs on.
+
+    python benchmarks/gpu/target_step.py [--contexts 512,4096,32768] [--sweep-lengths 512,4096]
+        [--sweep-prompts 3] [--sweep-tokens 64] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: gpu_shapes' helpers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from gpu_shapes import SHAPES, random_target, run_arm  # noqa: E402
+
+from memra_cli.engine.api import ArmConfig, Engine  # noqa: E402
+from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps  # noqa: E402
+from memra_cli.engine.runtime import cuda_graphs  # noqa: E402
+from memra_cli.engine.spec.policy import PolicySettings  # noqa: E402
+from memra_cli.tiny.draft import make_tiny_draft  # noqa: E402
+
+W = 16
+
+
+def graph_ms(fn, reps: int = 50) -> float:
+    """Median ms of replaying `fn` captured as a CUDA graph."""
+    graph, _ = cuda_graphs.capture(fn, torch.device("cuda"))
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_gbps() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = graph_ms(lambda: y.copy_(x), reps=20)
+    return 2 * x.numel() / ms / 1e6
+
+
+def matmul_chain_ms(target) -> float:
+    """Every weight matmul of one 16-row step (qkv, o, gate-up, down per layer; lm_head)."""
+    w0 = target.layers[0]
+    h = torch.randn(W, target.hidden_size, dtype=target.dtype, device="cuda")
+    attn = torch.randn(W, w0.wo.shape[1], dtype=target.dtype, device="cuda")
+    act = torch.randn(W, w0.w_down.shape[1], dtype=target.dtype, device="cuda")
+
+    def chain():
+        for w in target.layers:
+            F.linear(h, w.wqkv)
+            F.linear(attn, w.wo)
+            F.linear(h, w.w_gate_up)
+            F.linear(act, w.w_down)
+        return F.linear(h, target.lm_head_weight)
+
+    return graph_ms(chain)
+
+
+def kv_bytes(target, ctx: int) -> int:
+    return 2 * target.n_layers * target.n_kv * ctx * target.head_dim * target.dtype.itemsize
+
+
+def step_ms(engine, ctx: int, real_rows: int) -> tuple[float, float]:
+    """Median ms of the graphed fixed-width step at live context `ctx`, and peak GiB."""
+    runner = engine.runner
+    torch.cuda.reset_peak_memory_stats()
+    state = runner.new_state(ctx + 64)
+    state.length = ctx  # the K/V of a ctx-token context (random bytes are as good as real ones here)
+    ids = torch.randint(0, engine.target.vocab_size - 1, (W,), device="cuda")
+    ids[real_rows:] = ids[real_rows - 1]
+    runner.fixed_step(ids, ctx, state)  # capture
+    graph = state.graphs[("step", ())]
+    ms = graph_ms(lambda: graph.graph.replay())
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    runner.release(state)
+    return ms, peak
+
+
+def kernels_per_step(engine) -> int:
+    runner = engine.runner
+    state = runner.new_state(600)
+    ids = torch.randint(0, 1000, (W,), device="cuda")
+    pos = torch.arange(500, 500 + W, device="cuda")
+    engine.target.static_step(ids, pos, state)
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.target.static_step(ids, pos, state)
+        torch.cuda.synchronize()
+    runner.release(state)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", default="512,4096,32768")
+    p.add_argument("--sweep-lengths", default="512,4096")
+    p.add_argument("--sweep-prompts", type=int, default=3)
+    p.add_argument("--sweep-tokens", type=int, default=64)
+    p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-target-step.json")
+    a = p.parse_args()
+    s = SHAPES["8b"]
+    contexts = [int(c) for c in a.contexts.split(",")]
+    out: dict = {"shape": "qwen3-8b", "dtype": "bfloat16", "device": torch.cuda.get_device_name(), "step_width": W,
+                 "command": "python benchmarks/gpu/target_step.py " + " ".join(sys.argv[1:])}
+    with torch.inference_mode():
+        target = random_target(s, torch.bfloat16, torch.device("cuda"))
+        bw = copy_gbps()
+        chain = matmul_chain_ms(target)
+        out["copy_gbps"] = bw
+        out["matmul_chain_ms"] = chain
+        out["floor_ms"] = {str(c): chain + kv_bytes(target, c) / bw / 1e6 for c in contexts}
+        for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps())):
+            target.step_ops = ops
+            engine = Engine.from_model(target, step_width=W, cuda_graphs=True)
+            plain, verify, peak = {}, {}, {}
+            for c in contexts:
+                plain[str(c)], peak[str(c)] = step_ms(engine, c, 1)
+                verify[str(c)], _ = step_ms(engine, c, W)
+                print(f"{name} ctx {c}: plain {plain[str(c)]:.3f} ms, verify16 {verify[str(c)]:.3f} ms, "
+                      f"floor {out['floor_ms'][str(c)]:.3f} ms, peak {peak[str(c)]:.1f} GiB", flush=True)
+            out[name] = {"plain_ms": plain, "verify16_ms": verify, "peak_gib": peak,
+                         "kernels_per_step": kernels_per_step(Engine.from_model(target, step_width=W))}
+            del engine
+            torch.cuda.empty_cache()
+        # the headline keys: the shipped path (Triton ops)
+        for k in ("plain_ms", "verify16_ms", "peak_gib", "kernels_per_step"):
+            out[k] = out["triton"][k]
+        # exactness sweep: Triton ops, graphs on, verify window pinned at 16
+        target.step_ops = TritonStepOps()
+        draft = make_tiny_draft(Path(os.environ.get("TMPDIR", "/tmp")) / "ts_draft", "zlab", hidden=s["hidden"],
+                                layers=s["d_layers"], heads=s["heads"], kv_heads=s["kv"], head_dim=s["hd"],
+                                intermediate=s["ffn"], vocab=s["vocab"], mask_token_id=s["vocab"] - 1, block_size=16,
+                                target_layer_ids=s["taps"], num_target_layers=s["layers"], dtype=torch.bfloat16, std=0.02)
+        engine = Engine.from_model(target, step_width=W, cuda_graphs=True, draft_graphs=True)
+        arm = engine.arm(ArmConfig(draft=draft, mode="dflash", settings=PolicySettings(adapt="0"), verify_cap=16))
+        sweep, t0 = [], time.perf_counter()
+        for length in [int(x) for x in a.sweep_lengths.split(",")]:
+            for k in range(a.sweep_prompts):
+                ids = torch.randint(0, s["vocab"] - 1, (length,), generator=torch.Generator().manual_seed(100 + k)).tolist()
+                plain, _ = run_arm(engine, None, ids, a.sweep_tokens)
+                spec, _ = run_arm(engine, arm, ids, a.sweep_tokens)
+                sweep.append({"length": length, "prompt": k, "exact": spec.tokens == plain.tokens})
+        out["sweep"] = {"prompts": a.sweep_prompts, "tokens": a.sweep_tokens, "lengths": a.sweep_lengths,
+                        "runs": sweep, "seconds": time.perf_counter() - t0}
+        out["exact"] = all(r["exact"] for r in sweep)
+    print(json.dumps({k: v for k, v in out.items() if k not in ("torch", "triton", "sweep")}, indent=1))
+    print("sweep exact:", sum(r["exact"] for r in sweep), "/", len(sweep))
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The fixed-width step's fused operations, behind one seam: plain torch or Triton kernels.
+
+A model's `static_step` calls only these five operations (plus its weight matmuls), so the same
+model code runs the torch reference on any device and the fused kernels of `memra_kernels` on
+CUDA. Both implementations are row-count invariant (a row's result never depends on the other
+rows of its step or on the storage size), which is what keeps fixed-width steps bit-exact.
+
+- `rms_norm(x, w, eps)`; `add_rms_norm(x, residual, w, eps) -> (normed, x + residual)`
+- `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
+- `attention(q, k_cache, v_cache, positions, scale) -> [t, nh*hd]`: causal by position over the cache
+- `silu_mul(gate_up) -> silu(gate) * up`
+
+`TorchStepOps` is today's numerics exactly (HF transformers' Qwen3 order of roundings); its
+attention runs over the whole cache storage under a position mask. `TritonStepOps` reads only the
+live keys (split over keys at a fixed size) and fuses each norm with its neighbours.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from memra_cli.engine.errors import SettingError
+from memra_cli.engine.layers.ops import rms_norm
+from memra_cli.engine.layers.rope import apply_rope
+
+KERNELS_ENV = "MEMRA_KERNELS"
+
+
+class TorchStepOps:
+    """The reference: plain torch, any device."""
+
+    name = "torch"
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        new = residual + x
+        return rms_norm(new, weight, eps), new
+
+    @staticmethod
+    def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
+                              n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+        t, hd = qkv.shape[0], q_norm.shape[0]
+        q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+        c, s = cos[positions], sin[positions]
+        q = apply_rope(rms_norm(q.view(t, n_heads, hd), q_norm, eps), c, s)
+        k = apply_rope(rms_norm(k.view(t, n_kv, hd), k_norm, eps), c, s)
+        k_cache.index_copy_(1, positions, k.transpose(0, 1))
+        v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
+        return q
+
+    @staticmethod
+    def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  positions: torch.Tensor, scale: float) -> torch.Tensor:
+        """Over the whole storage under a position mask (masked keys leave a row unchanged, so
+        the storage size does not change a row's result). K/V are never repeated: the g query
+        heads of a KV head are folded into rows."""
+        t, nh, hd = q.shape
+        nkv, n = k_cache.shape[0], k_cache.shape[1]
+        g = nh // nkv
+        keys = torch.arange(n, device=q.device)
+        mask = (keys[None, :] <= positions[:, None]).repeat(g, 1)
+        qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
+        out = F.scaled_dot_product_attention(qf, k_cache, v_cache, attn_mask=mask, scale=scale)
+        return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class TritonStepOps:
+    """`memra_kernels` (CUDA tensors; on CPU only under Triton's interpreter, for tests)."""
+
+    name = "triton"
+
+    def __init__(self):
+        from memra_kernels import activation, attention, norm, rope
+
+        self.rms_norm = norm.rms_norm
+        self.add_rms_norm = norm.add_rms_norm
+        self.qk_norm_rope_kv_write = rope.qk_norm_rope_kv_write
+        self.attention = attention.decode_attention
+        self.silu_mul = activation.silu_mul
+
+
+def select_step_ops(device: torch.device, setting: bool | None = None, env: dict | None = None):
+    """The `kernels` setting -> (ops, what was applied). Unset: Triton kernels on CUDA when
+    `memra_kernels` imports (MEMRA_KERNELS=0 turns them off), torch elsewhere."""
+    env = os.environ if env is None else env
+    raw = env.get(KERNELS_ENV, "")
+    if setting is None and raw not in ("", "0", "1"):
+        raise SettingError("kernels", raw, "expected 0 or 1", flag_text=f"{KERNELS_ENV}={raw!r}: expected 0 or 1")
+    if setting is None and raw:
+        setting = raw == "1"
+    if setting is False:
+        return TorchStepOps(), "step ops: torch (kernels off)"
+    if device.type != "cuda":
+        if setting:
+            raise SettingError("kernels", True, f"the Triton kernels need a CUDA device (device {device})",
+                               quote=False, flag_text=f"{KERNELS_ENV}=1 needs a CUDA device (device {device})")
+        return TorchStepOps(), "step ops: torch (not on CUDA)"
+    try:
+        ops = TritonStepOps()
+    except ImportError as exc:
+        if setting:
+            raise SettingError("kernels", True, f"memra_kernels cannot load ({exc})", quote=False) from None
+        return TorchStepOps(), f"step ops: torch (memra_kernels unavailable: {exc})"
+    return ops, "step ops: Triton kernels (fused norms, rope + KV write, live-length attention)"

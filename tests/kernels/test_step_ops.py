@@ -1,0 +1,66 @@
+"""The fixed-width step through the Triton step ops (interpreter on CPU) against the torch ops:
+close logits, the same greedy stream, and speculative == plain with the kernels in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memra_cli.engine.api import ArmConfig, Engine
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps, select_step_ops
+from memra_cli.engine.models.qwen3 import Qwen3Target
+from memra_cli.engine.runtime.steps import StepRunner
+from memra_cli.engine.errors import SettingError
+from memra_cli.tiny.draft import make_tiny_draft
+from memra_cli.tiny.target import make_tiny_qwen3
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LOGIT_TOL = 1e-4  # f32 relative L2: the kernels accumulate in another order than torch
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("t") / "target", layers=2, head_dim=32, hidden=64)
+
+
+def _model(target_dir, ops):
+    model = Qwen3Target.from_dir(target_dir, torch.float32, DEVICE)
+    model.step_ops = ops
+    return model
+
+
+def test_a_step_through_the_kernels_matches_the_torch_ops(target_dir):
+    ids = torch.randint(0, 512, (16,), device=DEVICE)
+    out = {}
+    for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps())):
+        runner = StepRunner(_model(target_dir, ops), 16)
+        state = runner.new_state(64)
+        runner.prefill(torch.arange(5, 25, device=DEVICE), state)
+        out[name], _ = runner.step(ids, state.length, state)
+    ref, got = out["torch"], out["triton"]
+    assert torch.isfinite(got).all()
+    assert ((got - ref).norm() / ref.norm()).item() < LOGIT_TOL
+
+
+def test_greedy_and_speculative_streams_with_the_kernels(target_dir, tmp_path):
+    prompt = list(range(3, 24))
+    torch_stream = greedy_reference(StepRunner(_model(target_dir, TorchStepOps()), 16), prompt, 8)
+    model = _model(target_dir, TritonStepOps())
+    plain = greedy_reference(StepRunner(model, 16), prompt, 8)
+    assert plain == torch_stream  # f32 on a tiny model: no near-ties at this tolerance
+    draft = make_tiny_draft(tmp_path / "d", "deepspec", markov_rank=8, target_layer_ids=(0, 1), num_target_layers=2, block_size=8)
+    engine = Engine.from_model(model, step_width=16)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dspark"))
+    with engine.session(prompt, 8, arm, eos_ids=()) as session:
+        assert session.run() == plain
+
+
+def test_the_kernels_setting():
+    cpu = torch.device("cpu")
+    assert select_step_ops(cpu, None, {})[0].name == "torch"
+    assert select_step_ops(cpu, None, {"MEMRA_KERNELS": "0"})[0].name == "torch"
+    with pytest.raises(SettingError, match="need a CUDA device"):
+        select_step_ops(cpu, True, {})
+    with pytest.raises(SettingError, match="expected 0 or 1"):
+        select_step_ops(cpu, None, {"MEMRA_KERNELS": "yes"})
