@@ -15,6 +15,7 @@ import dataclasses
 import re
 
 import pytest
+import torch
 
 from memra_cli.engine.api import VOCAB_TABLES, ArmConfig, Engine, EngineConfig, check_pair
 from memra_cli.engine.errors import ConfigError
@@ -211,3 +212,43 @@ def test_a_collected_owner_takes_its_idle_storages_and_its_token_is_never_reused
     assert pool.idle_count == 0 and stored.graphs == {}
     tokens = {pool.owner_token(Owner()) for _ in range(50)}  # addresses get reused, tokens never
     assert token not in tokens and len(tokens) == 50
+
+
+def test_drafter_projections_are_fused_once_and_compute_what_the_separate_ones_do(tmp_path):
+    """q/k/v and gate/up are one GEMM each for plain weights (k/v for context rows), the
+    separate weights stay as views of the fused one; quantized weights stay separate."""
+    from memra_cli.engine.models.drafter import Drafter
+    from memra_cli.engine.quant.precision import weight_fn_for
+    from memra_cli.tiny.draft import make_tiny_draft
+
+    path = make_tiny_draft(tmp_path / "d", "zlab")
+    d = Drafter.load(path)
+    w = d.layers[0]
+    assert w.wqkv is not None and w.w_gate_up is not None
+    assert w.wq.data_ptr() == w.wqkv.data_ptr() and w.wkv.data_ptr() == w.wk.data_ptr()
+    x = torch.randn(5, d.cfg.hidden_size)
+    q, k, v = d._project_qkv(x, w)
+    assert torch.allclose(q, d._heads(x, w.wq, w.q_norm, d.cfg.num_attention_heads), atol=1e-6)
+    assert torch.allclose(k, d._heads(x, w.wk, w.k_norm, d.cfg.num_key_value_heads), atol=1e-6)
+    assert torch.allclose(v.reshape(5, -1), x @ w.wv.T, atol=1e-6)
+    kc, vc = d._project_kv(x, w)
+    assert torch.allclose(kc, k, atol=1e-6) and torch.allclose(vc, v, atol=1e-6)
+    gu = x @ w.w_gate.T, x @ w.w_up.T
+    assert torch.allclose(d._mlp(x, w), (torch.nn.functional.silu(gu[0]) * gu[1]) @ w.w_down.T, atol=1e-5)
+    quant = Drafter.load(path, weight_fn=weight_fn_for("q8")).layers[0]
+    assert quant.wqkv is None and quant.w_gate_up is None
+
+
+def test_quantized_weights_are_packed_for_the_kernels_only_on_cuda():
+    from memra_cli.engine.layers.quantized import for_device
+    from memra_cli.engine.quant.blocks import QuantLinearRef
+
+    ref = QuantLinearRef.from_float(torch.randn(8, 64), "q8_0")
+    assert for_device(ref, torch.device("cpu")) is ref
+    plain = torch.randn(3, 3)
+    assert for_device(plain, torch.device("cuda")) is plain
+    if torch.cuda.is_available():
+        packed = for_device(ref.to("cuda"), torch.device("cuda"))
+        x = torch.randn(4, 64, device="cuda")
+        assert type(packed).__name__ == "QuantLinear"
+        assert torch.allclose(packed(x), ref(x), rtol=1e-4, atol=1e-4)

@@ -28,6 +28,7 @@ from memra_cli.engine.formats.census import Census, LayerLayout, take_census
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.errors import CheckpointError, MemraError
 from memra_cli.engine.layers.ops import gqa_attention, linear, rms_norm, swiglu
+from memra_cli.engine.layers.quantized import for_device
 from memra_cli.engine.layers.rope import RopeTables, apply_rope, cos_sin, rope_tables
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,24 @@ class DraftLayer:
     ln_post: torch.Tensor
     q_norm: torch.Tensor
     k_norm: torch.Tensor
+    # Fused at load when the weights are plain tensors (one GEMM instead of three / two):
+    # wqkv `[(nh + 2*nkv)*hd, hidden]`, wkv its k/v rows (a view), w_gate_up `[2*ff, hidden]`.
+    wqkv: torch.Tensor | None = None
+    wkv: torch.Tensor | None = None
+    w_gate_up: torch.Tensor | None = None
+
+    def fuse(self) -> "DraftLayer":
+        """Concatenate the projections that share an input, when they are plain tensors."""
+        if all(isinstance(t, torch.Tensor) for t in (self.wq, self.wk, self.wv)):
+            self.wqkv = torch.cat([self.wq, self.wk, self.wv])
+            self.wkv = self.wqkv[self.wq.shape[0]:]
+            self.wq = self.wqkv[: self.wq.shape[0]]  # views: the weights live once
+            self.wk = self.wkv[: self.wk.shape[0]]
+            self.wv = self.wkv[self.wk.shape[0]:]
+        if isinstance(self.w_gate, torch.Tensor) and isinstance(self.w_up, torch.Tensor):
+            self.w_gate_up = torch.cat([self.w_gate, self.w_up])
+            self.w_gate, self.w_up = self.w_gate_up.chunk(2)
+        return self
 
 
 @dataclass
@@ -162,6 +181,38 @@ class Drafter:
         t = x.shape[0]
         return rms_norm(linear(x, w).view(t, n_heads, self.cfg.head_dim), norm, self.cfg.rms_norm_eps)
 
+    def _normed_heads(self, y: torch.Tensor, norm: torch.Tensor, n_heads: int) -> torch.Tensor:
+        return rms_norm(y.view(y.shape[0], n_heads, self.cfg.head_dim), norm, self.cfg.rms_norm_eps)
+
+    def _project_qkv(self, xn: torch.Tensor, w: DraftLayer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Block rows -> q, k (per-head normed, not yet roped) and v `[t, heads, hd]`."""
+        cfg = self.cfg
+        if w.wqkv is None:
+            return (self._heads(xn, w.wq, w.q_norm, cfg.num_attention_heads),
+                    self._heads(xn, w.wk, w.k_norm, cfg.num_key_value_heads),
+                    linear(xn, w.wv).view(-1, cfg.num_key_value_heads, cfg.head_dim))
+        kv_out = cfg.num_key_value_heads * cfg.head_dim
+        q, k, v = linear(xn, w.wqkv).split([cfg.num_attention_heads * cfg.head_dim, kv_out, kv_out], dim=-1)
+        return (self._normed_heads(q, w.q_norm, cfg.num_attention_heads),
+                self._normed_heads(k, w.k_norm, cfg.num_key_value_heads),
+                v.reshape(-1, cfg.num_key_value_heads, cfg.head_dim))
+
+    def _project_kv(self, ctx: torch.Tensor, w: DraftLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context rows -> k (per-head normed, not yet roped) and v `[t, nkv, hd]` (no q: ctx rows
+        are keys and values only)."""
+        cfg = self.cfg
+        if w.wkv is None:
+            return (self._heads(ctx, w.wk, w.k_norm, cfg.num_key_value_heads),
+                    linear(ctx, w.wv).view(-1, cfg.num_key_value_heads, cfg.head_dim))
+        k, v = linear(ctx, w.wkv).chunk(2, dim=-1)
+        return self._normed_heads(k, w.k_norm, cfg.num_key_value_heads), v.reshape(-1, cfg.num_key_value_heads, cfg.head_dim)
+
+    def _mlp(self, h: torch.Tensor, w: DraftLayer) -> torch.Tensor:
+        if w.w_gate_up is None:
+            return swiglu(h, w.w_gate, w.w_up, w.w_down)
+        gate, up = linear(h, w.w_gate_up).chunk(2, dim=-1)
+        return linear(torch.nn.functional.silu(gate) * up, w.w_down)
+
     def _mask(self, layout: LayerLayout, q_pos: torch.Tensor, k_pos: torch.Tensor, n_ctx: int) -> torch.Tensor | None:
         """`[b, n]` True = attend. Sliding layers drop keys `window` or more positions back;
         a layer causal in the block hides later block rows. None when nothing is masked."""
@@ -182,14 +233,13 @@ class Drafter:
         positions are `k_pos [n_ctx + b]`; or give the `mask` over whatever it returns."""
         cfg, w = self.cfg, self.layers[li]
         xn = rms_norm(x, w.ln_in, cfg.rms_norm_eps)
-        q = apply_rope(self._heads(xn, w.wq, w.q_norm, cfg.num_attention_heads), cos, sin)
-        kb = apply_rope(self._heads(xn, w.wk, w.k_norm, cfg.num_key_value_heads), cos, sin)
-        vb = linear(xn, w.wv).view(-1, cfg.num_key_value_heads, cfg.head_dim)
+        q, kb, vb = self._project_qkv(xn, w)
+        q, kb = apply_rope(q, cos, sin), apply_rope(kb, cos, sin)
         keys, values = write_kv(kb, vb)
         if mask is None:
             mask = self._mask(self.layouts[li], q_pos, k_pos, n_ctx)
         x = x + linear(gqa_attention(q, keys, values, mask, self.scale), w.wo)
-        return x + swiglu(rms_norm(x, w.ln_post, cfg.rms_norm_eps), w.w_gate, w.w_up, w.w_down)
+        return x + self._mlp(rms_norm(x, w.ln_post, cfg.rms_norm_eps), w)
 
     # ------------------------------------------------------------------- full path (oracle)
 
@@ -205,8 +255,8 @@ class Drafter:
         cos, sin = cos_all[n_ctx:], sin_all[n_ctx:]
         x, outs = noise.to(self.dtype), []
         for li, w in enumerate(self.layers):
-            kc = apply_rope(self._heads(ctx, w.wk, w.k_norm, cfg.num_key_value_heads), cos_all[:n_ctx], sin_all[:n_ctx])
-            vc = linear(ctx, w.wv).view(n_ctx, cfg.num_key_value_heads, cfg.head_dim)
+            kc, vc = self._project_kv(ctx, w)
+            kc = apply_rope(kc, cos_all[:n_ctx], sin_all[:n_ctx])
 
             def concat(kb, vb, kc=kc, vc=vc):
                 return torch.cat([kc, kb]).transpose(0, 1), torch.cat([vc, vb]).transpose(0, 1)
@@ -234,9 +284,9 @@ class Drafter:
         cos, sin = cos_sin(self.rope, positions, self.dtype)
         lo, hi = kv.length, kv.length + t
         for li, w in enumerate(self.layers):
-            k = apply_rope(self._heads(ctx, w.wk, w.k_norm, cfg.num_key_value_heads), cos, sin)
-            kv.k[li, :, lo:hi] = k.transpose(0, 1)
-            kv.v[li, :, lo:hi] = linear(ctx, w.wv).view(t, cfg.num_key_value_heads, cfg.head_dim).transpose(0, 1)
+            k, v = self._project_kv(ctx, w)
+            kv.k[li, :, lo:hi] = apply_rope(k, cos, sin).transpose(0, 1)
+            kv.v[li, :, lo:hi] = v.transpose(0, 1)
         kv.positions[lo:hi] = positions
         kv.length = hi
         return ctx
@@ -290,9 +340,8 @@ class Drafter:
         ctx = self.ctx_features(taps)
         cos, sin = cos_sin(self.rope, positions, self.dtype)
         for li, w in enumerate(self.layers):
-            k = apply_rope(self._heads(ctx, w.wk, w.k_norm, cfg.num_key_value_heads), cos, sin)
-            kv.k[li].index_copy_(1, positions, k.transpose(0, 1))
-            v = linear(ctx, w.wv).view(b, cfg.num_key_value_heads, cfg.head_dim)
+            k, v = self._project_kv(ctx, w)
+            kv.k[li].index_copy_(1, positions, apply_rope(k, cos, sin).transpose(0, 1))
             kv.v[li].index_copy_(1, positions, v.transpose(0, 1))
         kv.positions.index_copy_(0, positions, positions)
 
@@ -361,13 +410,15 @@ class _TensorLoader:
         return self.ckpt.load(name, dtype or self.dtype, self.device)
 
     def matmul(self, name: str) -> object:
+        """A matmul weight: plain, or quantized (GGUF blocks, or a precision policy's) and then
+        packed for the device at the layer seam (Triton kernels on CUDA)."""
         if self.ckpt.format == "gguf" and self.ckpt.tensors[name].dtype in ("Q8_0", "Q4_0"):
             from memra_cli.engine.quant.blocks import QuantLinearRef
 
             qtype, raw, shape = self.ckpt.raw(name)  # type: ignore[attr-defined]  # GGUFCheckpoint
-            return QuantLinearRef(raw, qtype, shape).to(self.device)
+            return for_device(QuantLinearRef(raw, qtype, shape), self.device)
         if self.weight_fn is not None:
-            return self.weight_fn(name, self.ckpt, self.dtype, self.device)
+            return for_device(self.weight_fn(name, self.ckpt, self.dtype, self.device), self.device)
         return self.plain(name)
 
     def layer(self, i: int) -> DraftLayer:
@@ -380,4 +431,4 @@ class _TensorLoader:
             w_down=m(p + "mlp.down_proj.weight"),
             ln_in=n(p + "input_layernorm.weight"), ln_post=n(p + "post_attention_layernorm.weight"),
             q_norm=n(p + "self_attn.q_norm.weight"), k_norm=n(p + "self_attn.k_norm.weight"),
-        )
+        ).fuse()
