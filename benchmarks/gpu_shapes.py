@@ -101,6 +101,7 @@ def main() -> None:
                    help="target step modes to compare: N (step_width N, eager), Ng (N with CUDA graphs), NG (Ng and "
                         "the drafter's rounds graphed too), variable")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    p.add_argument("--kernels", action="store_true", help="the target's fixed-width steps through memra_kernels")
     p.add_argument("--json", type=Path)
     a = p.parse_args()
     s = SHAPES["small" if a.small else "8b"]
@@ -116,6 +117,10 @@ def main() -> None:
     runs = {}
     with torch.inference_mode():
         target = random_target(s, dtype, device)
+        if a.kernels:
+            from memra_cli.engine.layers.step_ops import TritonStepOps
+
+            target.step_ops = TritonStepOps()
         tmp = Path(tempfile.mkdtemp())
         draft = make_tiny_draft(tmp / "draft", "zlab", hidden=s["hidden"], layers=s["d_layers"], heads=s["heads"],
                                 kv_heads=s["kv"], head_dim=s["hd"], intermediate=s["ffn"], vocab=s["vocab"],
@@ -142,7 +147,7 @@ def main() -> None:
             print(f"step mode {name}: " + json.dumps(first), flush=True)
             del engine, spec_arm  # its pool (storages, graphs) goes before the next mode's
     out = {
-        "shape": "small" if a.small else "qwen3-8b", "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "shape": "small" if a.small else "qwen3-8b", "step_ops": target.step_ops.name, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "dtype": str(dtype), "prompt": a.prompt, "tokens": a.tokens, "prompts": a.prompts, "by_step_width": runs,
         "anchors_hf_ms": {"plain": 32.8, "round": 57.2}, "floors_ms": {"plain": 3.85, "round": 4.7},
     }
