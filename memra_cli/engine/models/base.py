@@ -75,12 +75,21 @@ def _qwen3():
     return Qwen3Target
 
 
+def _qwen3_5():
+    from memra_cli.engine.models.qwen3_5 import Qwen35Target
+
+    return Qwen35Target
+
+
 # config.json `model_type` -> loader of the class (imported on demand: one family's deps never
-# load for another's).
-MODEL_FAMILIES = {"qwen3": _qwen3}
+# load for another's). qwen3_5 is the published multimodal layout (its text model is loaded),
+# qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM.
+MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_5": _qwen3_5, "qwen3_5_text": _qwen3_5}
 
 # recognized model types that are refused by name (rather than as unknown)
-REFUSED_FAMILIES: dict[str, str] = {}
+REFUSED_FAMILIES = {
+    "qwen3_5_moe": "the Qwen3.5 mixture-of-experts hybrid is not implemented (dense qwen3_5 / qwen3_5_text only)",
+}
 
 
 def target_family(path: Path) -> type:
