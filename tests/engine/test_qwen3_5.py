@@ -706,3 +706,17 @@ def _hf_greedy_cuda(hf, ids, max_new):
     gc.do_sample, gc.max_new_tokens, gc.min_new_tokens, gc.max_length = False, max_new, None, None
     x = torch.tensor([ids], device="cuda")
     return hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)[0, len(ids):].tolist()
+
+
+def test_oracle_target_tables_read_both_hybrid_layouts(tiny_dirs):
+    """`memra parity --target` reads embed / lm_head without the layers: the multimodal layout
+    keeps them under `model.language_model.`; a tied model's lm_head is its embedding."""
+    from memra_cli.engine.oracle import OracleError, target_tables
+
+    for name in ("multimodal", "text", "tied-bias-interval"):
+        target = Qwen35Target.from_dir(tiny_dirs[name])
+        embed, head = target_tables(tiny_dirs[name], torch.float32, "cpu", 64)
+        assert torch.equal(embed, target.embed_weight) and torch.equal(head, target.lm_head_weight), name
+    assert target_tables(tiny_dirs["multimodal"], torch.float32, "cpu", 64, embed=False)[0] is None
+    with pytest.raises(OracleError, match="target hidden_size 64 does not match the drafter's 32"):
+        target_tables(tiny_dirs["multimodal"], torch.float32, "cpu", 32)
