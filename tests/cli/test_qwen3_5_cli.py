@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 

@@ -58,7 +58,7 @@ in Python and the committed state is replaced, not written in place. Numerics fo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -79,8 +79,8 @@ log = logging.getLogger(__name__)
 
 ROLLBACK_MODES = ("stash", "replay")
 DEFAULT_ROLLBACK_ROWS = 64  # a step's rows are recorded for a rollback up to this many (a prompt is longer)
-GRAPHS_NOTE = ("the Qwen3.5 hybrid target's steps are not capturable yet (the DeltaNet recurrence loops over "
-               "rows in Python and its state is replaced, not written in place)")
+GRAPHS_NOTE = ("the Qwen3.5 hybrid target's steps are not capturable yet: the DeltaNet recurrence loops over "
+               "rows in Python and its state is replaced, not written in place")
 
 
 # --------------------------------------------------------------------------- weights
