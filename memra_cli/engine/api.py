@@ -31,7 +31,7 @@ from memra_cli.engine.spec.policy import (
     LADDER, MARKOV_ENV, VT_ENV, PolicySettings, Receipts, adapt_on, parse_verify_cap, resolve_receipts,
 )
 from memra_cli.engine.layers.step_ops import select_step_ops
-from memra_cli.engine.models.base import load_target
+from memra_cli.engine.models.base import target_family
 from memra_cli.engine.quant.precision import POLICIES as PRECISIONS
 from memra_cli.engine.runtime.pool import DEFAULT_IDLE_BUDGET, StoragePool
 from memra_cli.engine.runtime.steps import StepRunner
@@ -91,15 +91,23 @@ DRAFT_GRAPHS_ENV = "MEMRA_DRAFT_GRAPHS"
 
 
 def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | None,
-                        env: dict[str, str] | None = None) -> tuple[bool, bool, str]:
+                        env: dict[str, str] | None = None, family: Any = None) -> tuple[bool, bool, str]:
     """`--cuda-graphs/--no-cuda-graphs` (MEMRA_CUDA_GRAPHS) -> (target steps graphed, drafter
     rounds graphed, what was applied). Unset: on exactly when the target runs fixed-width steps on
-    CUDA (a graph replays fixed shapes). Drafter rounds are graphed only with MEMRA_DRAFT_GRAPHS=1
-    (experimental: docs/perf.md)."""
+    CUDA (a graph replays fixed shapes) and its model `family` (class) can be captured; a family
+    that cannot (`supports_cuda_graphs` false) runs eagerly, says why, and refuses the flag.
+    Drafter rounds are graphed only with MEMRA_DRAFT_GRAPHS=1 (experimental: docs/perf.md)."""
     possible = device.type == "cuda" and width is not None
     draft_env = (env or {}).get(DRAFT_GRAPHS_ENV, "")
     if draft_env not in ("", "0", "1"):
         raise ConfigError(f"{DRAFT_GRAPHS_ENV}={draft_env!r}: expected 0 or 1")
+    if family is not None and not getattr(family, "supports_cuda_graphs", True):
+        why = getattr(family, "graphs_note", f"{getattr(family, '__name__', 'this target')} steps are not capturable")
+        if flag:
+            raise SettingError("cuda_graphs", True, why, quote=False, flag_text=f"--cuda-graphs: {why}")
+        if draft_env == "1":
+            raise ConfigError(f"{DRAFT_GRAPHS_ENV}=1 needs the target's CUDA graphs on ({why})")
+        return False, False, f"CUDA graphs off ({why}; eager steps)"
     if flag is None:
         why = "on CUDA with fixed-width steps" if possible else (
             "not on CUDA" if device.type != "cuda" else "variable-width steps")
@@ -329,9 +337,10 @@ class Engine:
         width, width_note = resolve_step_width(cfg.step_width)
         dev = resolve_device(cfg.device)
         dt = resolve_dtype(cfg.dtype, dev)
-        graphs, draft_graphs, graphs_note = resolve_cuda_graphs(cfg.cuda_graphs, dev, width, cfg.env)
+        family = target_family(Path(cfg.target))  # config.json only: graphs are settled before any weight loads
+        graphs, draft_graphs, graphs_note = resolve_cuda_graphs(cfg.cuda_graphs, dev, width, cfg.env, family)
         ops, ops_note = select_step_ops(dev, cfg.kernels, cfg.env)
-        target = load_target(Path(cfg.target), dtype=dt, device=dev)
+        target = family.from_dir(Path(cfg.target), dtype=dt, device=dev)
         target.step_ops = ops
         runner = StepRunner(target, width, graphs, StoragePool(cfg.pool_idle_bytes))
         return cls(target, runner, dev, dt, [width_note, graphs_note, ops_note], draft_graphs)

@@ -1,5 +1,7 @@
 """Prompt text <-> token ids with the target directory's own tokenizer (`tokenizers`), and its
-chat template (jinja2) for `--chat`; plus the incremental decoder that streams text."""
+chat template (jinja2) for `--chat`: tokenizer_config.json's `chat_template` (a string, or the
+named list whose "default" entry is used), else a `chat_template.jinja` file; plus the
+incremental decoder that streams text."""
 
 from __future__ import annotations
 
@@ -25,9 +27,16 @@ class TextCodec:
         self.template, self.cfg_path = None, directory / "tokenizer_config.json"
         if self.cfg_path.is_file():
             try:
-                self.template = json.loads(self.cfg_path.read_text()).get("chat_template")
+                template = json.loads(self.cfg_path.read_text()).get("chat_template")
             except ValueError:
                 raise ConfigError(f"{self.cfg_path}: not valid JSON") from None
+            if isinstance(template, list):  # named templates (transformers' format): the default one
+                template = next((t.get("template") for t in template
+                                 if isinstance(t, dict) and t.get("name") == "default"), None)
+            self.template = template
+        jinja = directory / "chat_template.jinja"  # where newer exports (Qwen3.5's included) keep it
+        if self.template is None and jinja.is_file():
+            self.template, self.cfg_path = jinja.read_text(encoding="utf-8"), jinja
 
     def encode(self, text: str, chat: bool = False) -> list[int]:
         if chat:
@@ -36,10 +45,14 @@ class TextCodec:
 
     def apply_chat_template(self, user_text: str) -> str:
         if not isinstance(self.template, str):
-            raise PromptError(f"--chat: {self.cfg_path} has no chat_template")
+            raise PromptError(f"--chat: {self.cfg_path} has no chat_template (nor is there a chat_template.jinja beside it)")
         import jinja2
 
+        def raise_exception(message: str) -> None:  # what transformers gives templates to refuse with
+            raise PromptError(f"--chat: the chat template in {self.cfg_path} refused: {message}")
+
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.template).render(
                 messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,

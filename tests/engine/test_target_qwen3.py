@@ -259,6 +259,23 @@ def test_forward_below_length_overwrites(models):
         cache.rollback(13)
 
 
+def test_fixed_steps_commit_real_rows_and_roll_back_below_the_length(models):
+    """The runner keeps only a fixed step's real rows (`state.commit`), and a step that starts
+    below the length rolls the state back to its start first (an implicit rollback)."""
+    target, _ = models["untied"]
+    runner = StepRunner(target, 4)
+    ids = prompt(12, 44)
+    state = runner.new_state(16)
+    runner.prefill(torch.tensor(ids[:6]), state)
+    runner.step(torch.tensor(ids[6:12]), 6, state)  # 4 + 2 rows: the second step padded by 2
+    assert state.length == 12
+    again, _ = runner.step(torch.tensor(ids[9:12]), 9, state)
+    assert state.length == 12
+    assert rel_err(again, ours_logits(target, ids)[9:]) < 1e-5
+    with pytest.raises(ValueError, match="cannot commit a KV cache of length 12 to 11"):
+        state.commit(11)
+
+
 # --------------------------------------------------------------------------- (f) refusals
 
 

@@ -115,3 +115,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rope on the first `cos.shape[-1]` dims of each head of `x [t, heads, hd]`; the rest pass
+    through (partial rotary, e.g. Qwen3.5's `partial_rotary_factor`)."""
+    import torch
+
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return apply_rope(x, cos, sin)
+    return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)

@@ -12,7 +12,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from memra_cli.engine.errors import ConfigError
+from memra_cli.engine.errors import ConfigError, UnsupportedError
 from memra_cli.engine.formats.config import read_json_object
 
 
@@ -27,6 +27,12 @@ class TargetState(Protocol):
     def rollback(self, n_keep: int) -> None: ...  # forget every position from n_keep on
     def reset(self) -> None: ...
 
+    def commit(self, end: int, step_continues: bool = False) -> None:
+        """After a `static_step` at `length`: keep positions up to `end` (rows past it were
+        padding; `length = end`). `step_continues`: another fixed step of the same runner step
+        follows at `end` (a recurrent state keeps this one's record for a rollback)."""
+        ...
+
 
 class TargetModel(Protocol):
     """A causal LM the round loop verifies with. Tap id `i` is the raw output of layer `i`
@@ -40,6 +46,7 @@ class TargetModel(Protocol):
     vocab_size: int
     embed_weight: torch.Tensor  # [vocab, hidden]
     lm_head_weight: torch.Tensor  # [vocab, hidden]
+    supports_cuda_graphs: bool  # static_step is capturable (else `graphs_note` says why not)
 
     def new_state(self, rows: int) -> TargetState: ...
     def ensure_positions(self, rows: int) -> None: ...
@@ -56,8 +63,9 @@ class TargetModel(Protocol):
 
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, state: TargetState,
                     taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Fixed width, positions on the device, graph-capturable: f32 logits `[W, vocab]` and
-        taps; leaves `state.length` alone."""
+        """Fixed width, positions on the device (continuing `state.length`), graph-capturable
+        where `supports_cuda_graphs`: f32 logits `[W, vocab]` and taps; leaves `state.length`
+        alone (the rows stay pending until `state.commit`)."""
         ...
 
 
@@ -67,20 +75,40 @@ def _qwen3():
     return Qwen3Target
 
 
+def _qwen3_5():
+    from memra_cli.engine.models.qwen3_5 import Qwen35Target
+
+    return Qwen35Target
+
+
 # config.json `model_type` -> loader of the class (imported on demand: one family's deps never
-# load for another's)
-MODEL_FAMILIES = {"qwen3": _qwen3}
+# load for another's). qwen3_5 is the published multimodal layout (its text model is loaded),
+# qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM.
+MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_5": _qwen3_5, "qwen3_5_text": _qwen3_5}
+
+# recognized model types that are refused by name (rather than as unknown)
+REFUSED_FAMILIES = {
+    "qwen3_5_moe": "the Qwen3.5 mixture-of-experts hybrid is not implemented (dense qwen3_5 / qwen3_5_text only)",
+}
 
 
-def load_target(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> TargetModel:
-    """Load the target model directory `path`, dispatched on its config.json `model_type`."""
+def target_family(path: Path) -> type:
+    """The model class for the target directory `path`, from its config.json `model_type`
+    (no weights read): its class facts (`supports_cuda_graphs`) can shape settings first."""
     path = Path(path)
     if not path.is_dir():
         raise ConfigError(f"{path}: target directory does not exist" if not path.exists()
                           else f"{path}: expected a target model directory (config.json + safetensors)")
     model_type = read_json_object(path / "config.json").get("model_type")
+    if isinstance(model_type, str) and model_type in REFUSED_FAMILIES:
+        raise UnsupportedError(f"{path / 'config.json'}: model_type {model_type!r}: {REFUSED_FAMILIES[model_type]}")
     family = MODEL_FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ConfigError(f"{path / 'config.json'}: model_type {model_type!r} is not a supported target "
                           f"(supported: {', '.join(sorted(MODEL_FAMILIES))})")
-    return family().from_dir(path, dtype=dtype, device=device)
+    return family()
+
+
+def load_target(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> TargetModel:
+    """Load the target model directory `path`, dispatched on its config.json `model_type`."""
+    return target_family(path).from_dir(Path(path), dtype=dtype, device=device)

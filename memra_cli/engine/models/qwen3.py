@@ -155,6 +155,8 @@ class Qwen3Target:
     stream, never final-normed); `-1` is the embedding output (HF `hidden_states[0]`).
     """
 
+    supports_cuda_graphs = True
+
     def __init__(self, cfg: TargetConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: torch.Tensor):
         self.cfg = cfg

@@ -2,7 +2,9 @@
 
 Rollback belongs to the state: `rollback(n_keep)` is how the round loop forgets rejected rows.
 For K/V that only moves `length` (rows past it are stale and the next write overwrites them); a
-recurrent model's state would restore a kept snapshot instead, behind the same call.
+recurrent model's state restores a kept snapshot instead, behind the same call
+(models/qwen3_5.py `Qwen35State`). `commit(end)` is how the step runner keeps the real rows of a
+fixed-width step.
 """
 
 from __future__ import annotations
@@ -34,6 +36,14 @@ class KVCache:
         if not 0 <= n_keep <= self.length:
             raise ValueError(f"cannot roll a KV cache of length {self.length} back to {n_keep}")
         self.length = n_keep
+
+    def commit(self, end: int, step_continues: bool = False) -> None:
+        """After a fixed-width step at `length`: positions up to `end` hold real rows (the
+        padding rows' K/V past it are stale and overwritten later). `step_continues` (another
+        chunk of the same step follows) matters only to a recurrent state."""
+        if not self.length <= end <= self.max_len:
+            raise ValueError(f"cannot commit a KV cache of length {self.length} to {end} (storage {self.max_len})")
+        self.length = end
 
     def reset(self) -> None:
         self.length = 0

@@ -7,7 +7,8 @@ It owns what used to live inside the model class:
   then sees the same shapes whether a token is decoded alone or verified with 15 others, and
   since no kernel mixes rows, a token's logits are bit-identical either way: speculative output
   equals plain greedy in bf16 too. Padding rows come after the real ones, so causality hides
-  them; their K/V land past `state.length` and are overwritten later.
+  them; their K/V land past `state.length` and are overwritten later, and `state.commit` keeps
+  only the real rows (a recurrent state restores the one after the last real row).
 - **CUDA graphs**: a fixed-width step has static shapes (`model.static_step`), so one capture per
   state storage and taps tuple replays every later step (runtime/graphs.py).
 - **state lifetime**: states come from the shared `StoragePool` (graphs ride on the storage),
@@ -37,6 +38,9 @@ class StepRunner:
                  pool: StoragePool | None = None):
         if step_width is not None and (isinstance(step_width, bool) or not isinstance(step_width, int) or step_width < 1):
             raise ConfigError(f"step_width must be a positive integer or None (variable), got {step_width!r}")
+        if cuda_graphs and not getattr(model, "supports_cuda_graphs", True):
+            why = getattr(model, "graphs_note", "this target's steps are not capturable")
+            raise ConfigError(f"cuda_graphs: {why} ({model.cfg.source})")
         if cuda_graphs and (model.device.type != "cuda" or step_width is None):
             raise ConfigError("cuda_graphs needs the target on a CUDA device and a fixed step_width "
                               f"(device {model.device}, step_width {step_width})")
@@ -124,7 +128,9 @@ class StepRunner:
             if n < width:
                 chunk = torch.cat([chunk, chunk[-1:].expand(width - n)])
             lg, tp = self.fixed_step(chunk, start + lo, state, taps)
-            state.length = start + lo + n
+            # keep the real rows (padding ones are dropped); a recurrent state needs to know
+            # whether another chunk of this step follows (a rollback may reach back into this one)
+            state.commit(start + lo + n, step_continues=lo + width < t)
             logits.append(lg[:n])
             if tp is not None:
                 tapped.append(tp[:n])
@@ -135,12 +141,15 @@ class StepRunner:
     def fixed_step(self, ids: torch.Tensor, start: int, state, taps: Sequence[int] | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step of exactly W rows `ids [W]` at `start..start+W-1`: logits `[W, vocab]`, taps.
-        Does not move `state.length`. Replayed from a CUDA graph when graphs are on (captured on
-        first use per storage and taps; outputs are copies, safe to keep), else run eagerly:
-        the same ops either way (`model.static_step`)."""
+        A `start` below `state.length` rolls the state back to it first (the step overwrites from
+        there); the rows then stay pending until `state.commit(end)` keeps the real ones. Replayed
+        from a CUDA graph when graphs are on (captured on first use per storage and taps; outputs
+        are copies, safe to keep), else run eagerly: the same ops either way (`model.static_step`)."""
         width = self.width
         assert width is not None and ids.shape[0] == width
         self.model.check_span(start, width, state)
+        if start < state.length:
+            state.rollback(start)
         if self.cuda_graphs:
             from memra_cli.engine.runtime.graphs import StepGraph
 

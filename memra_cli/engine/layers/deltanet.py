@@ -1,0 +1,124 @@
+"""Gated DeltaNet pieces (Qwen3.5's linear-attention mixer) and its zero-centred norms: the
+plain-torch reference, any device.
+
+Numerics follow transformers' `Qwen3_5GatedDeltaNet` torch fallback (`torch_causal_conv1d_update`,
+`torch_recurrent_gated_delta_rule`, `torch_chunk_gated_delta_rule`) and `Qwen3_5RMSNorm` /
+`Qwen3_5RMSNormGated`. These are the functions a GPU path swaps for kernels (fla's
+`fused_recurrent_gated_delta_rule` / `chunk_gated_delta_rule`, causal-conv1d): model files call
+only these, never a kernel.
+
+Exactness across groupings: `causal_conv_silu` is a fixed-order sum over the K taps, elementwise,
+and `gated_delta_rule` runs one row at a time with the same ops whatever the row count, so a
+row's value never depends on how many rows share the call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_1p(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm as HF Qwen3_5RMSNorm: float32 stats, `* (1 + w)` in float32, then cast.
+    `w1p` is `1 + w` precomputed in float32 (the same value HF forms per call)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1p).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Qwen3_5RMSNormGated: `w * normed(x).to(dtype)`, then `* silu(z)` in float32, then cast."""
+    dtype = x.dtype
+    xf = x.float()
+    out = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (out * F.silu(z.float())).to(dtype)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """HF/fla l2norm over the last axis: `x * rsqrt(sum(x^2) + eps)`."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv_silu(xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU. `xs [K-1+t, C]` = the window before the rows, then the rows'
+    conv inputs; `w [C, K]` (float32). Returns `[t, C]` in xs's dtype.
+
+    A fixed-order float32 sum over the K taps, elementwise, so a row's value does not depend on
+    how many rows share the call (F.conv1d may pick a different algorithm per length)."""
+    k = w.shape[1]
+    t = xs.shape[0] - (k - 1)
+    xf = xs.float()
+    acc = xf[0:t] * w[:, 0]
+    for j in range(1, k):
+        acc = acc + xf[j:j + t] * w[:, j]
+    return F.silu(acc.to(xs.dtype))
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor, keep_states: bool = False,
+                     states_out: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The delta-rule recurrence, one row at a time (HF `torch_recurrent_gated_delta_rule`).
+
+    q, k `[t, Hv, dk]` (float32, L2-normalized, q scaled by 1/sqrt(dk), already repeated to the
+    value heads), v `[t, Hv, dv]`, g (log decay) and beta `[t, Hv]`, all float32; `state
+    [Hv, dk, dv]` float32 (not modified). Per row:
+
+        S = S * exp(g);  delta = (v - k.S) * beta;  S = S + k (x) delta;  o = q.S
+
+    Returns out `[t, Hv, dv]` float32, the state after the last row and, with `keep_states`, the
+    state after every row `[t, Hv, dk, dv]` (row i's state is exactly what a run stopped at row i
+    returns); `states_out [t, Hv, dk, dv]` is where to write them (else they are allocated).
+    """
+    t = q.shape[0]
+    out = torch.empty_like(v)
+    states = states_out
+    if keep_states and states is None:
+        states = torch.empty((t, *state.shape), dtype=state.dtype, device=state.device)
+    s = state
+    for i in range(t):
+        s = s * g[i].exp()[:, None, None]  # per row, as HF: a row's ops never depend on t
+        k_i = k[i].unsqueeze(-1)
+        kv_mem = (s * k_i).sum(dim=-2)
+        delta = (v[i] - kv_mem) * beta[i].unsqueeze(-1)
+        if states is None:
+            s = s + k_i * delta.unsqueeze(-2)
+        else:  # the same add, written straight into the stash (no copy)
+            s = torch.add(s, k_i * delta.unsqueeze(-2), out=states[i])
+        out[i] = (s * q[i].unsqueeze(-1)).sum(dim=-2)
+    return out, s, states
+
+
+def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                             beta: torch.Tensor, state: torch.Tensor, chunk: int = 64
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same recurrence in chunked (WY / UT-transform) form, as HF `torch_chunk_gated_delta_rule`
+    (what transformers runs for a prefill): the same arguments, out `[t, Hv, dv]` and the final
+    state, equal to `gated_delta_rule`'s to float32 rounding. For long prefills only (no per-row
+    states: nothing can roll back into them); every later row runs the sequential form."""
+    t, hv, _ = k.shape
+    dv = v.shape[-1]
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))  # [Hv, t, d]
+    g, beta = g.transpose(0, 1), beta.transpose(0, 1)  # [Hv, t]
+    pad = (chunk - t % chunk) % chunk
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (t + pad) // chunk
+    v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (x.reshape(hv, n, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    cum = g.reshape(hv, n, chunk).cumsum(dim=-1)
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    pair = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * pair
+    intra = (q @ k.transpose(-1, -2)) * pair
+    new_v = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False, unitriangular=True)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.zeros_like(new_v)
+    s = state
+    for i in range(n):
+        v_new = new_v[:, i] - k_cum[:, i] @ s
+        out[:, i] = q[:, i] @ s + intra[:, i] @ v_new
+        s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(hv, n * chunk, dv)[:, :t].transpose(0, 1), s

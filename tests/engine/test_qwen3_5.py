@@ -1,0 +1,722 @@
+"""Qwen35Target (Qwen3.5 hybrid: Gated DeltaNet + gated attention) against transformers, and its
+state under the step runner: fixed-width exactness, exact rollback of the recurrent state, the
+speculative round loop.
+
+- HF parity: tiny random `qwen3_5_text` checkpoints loaded by `Qwen3_5ForCausalLM.from_pretrained`
+  (float32, eager attention, the torch fallback of the DeltaNet kernels): prompt logits on
+  prompts longer than HF's 64-row GDN chunk, incremental decode, 256-token greedy streams vs
+  `generate` (variable width and the product default of 16-row steps), taps vs
+  `output_hidden_states`. The published multimodal layout (renamed keys, fake `model.visual.*` /
+  `mtp.*` tensors) loads the same weights and gives identical logits.
+- Exactness: with a step width, logits and states do not depend on how tokens are grouped into
+  steps (f32 and bf16), padding rows leave no trace, and a verify rolled back to k then continued
+  is bit-identical to running the first k tokens directly — under both rollback modes, which
+  agree bit for bit, and when a verify spans several fixed steps. Planted bugs (a rejected row's
+  state kept; a padding row's state committed) are run and must fail those checks.
+- The round loop: `Session` with an oracle proposer that is right for a while then wrong, over
+  the hybrid target, reproduces plain greedy with partially accepted rounds; so do real tiny
+  DFlash / DSpark drafters through `Engine.from_model` in bf16.
+- Refusals: configs missing their layer types (or other required keys), checkpoints missing a
+  DeltaNet tensor, rollbacks the state cannot do, CUDA graphs, bad requests: one line each.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from memra_cli.engine.api import ArmConfig, Engine, resolve_cuda_graphs
+from memra_cli.engine.errors import CheckpointError, ConfigError, PromptError, SettingError, UnsupportedError
+from memra_cli.engine.formats.qwen3_5_config import load_qwen35_config, parse_qwen35_config
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.layers.deltanet import gated_delta_rule, gated_delta_rule_chunked, l2norm
+from memra_cli.engine.models.base import MODEL_FAMILIES, load_target, target_family
+from memra_cli.engine.models.qwen3_5 import Qwen35State, Qwen35Target, _GdnRecord
+from memra_cli.engine.runtime.steps import StepRunner
+from memra_cli.engine.spec.policy import LADDER, Harvest
+from memra_cli.engine.spec.proposer import Program, Proposal
+from memra_cli.engine.spec.session import Session
+from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
+from memra_cli.tiny.target import special_token_ids
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+VOCAB = 512
+EOS = special_token_ids(VOCAB)["<|endoftext|>"]
+WIDTH = 16
+INTERVAL_TYPES = ("linear_attention", "linear_attention", "full_attention") * 2
+VARIANTS = {
+    "text": {},  # L F L L F, untied
+    "tied-bias-interval": {"tie": True, "attention_bias": True, "seed": 1, "layer_types": INTERVAL_TYPES,
+                           "write_layer_types": False, "full_attention_interval": 3, "partial_rotary_factor": 0.5,
+                           "mrope_section": (4, 2, 2), "linear_value_heads": 2, "shards": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3_5")
+    dirs = {name: make_tiny_qwen35(root / name, **kw) for name, kw in VARIANTS.items()}
+    dirs["multimodal"] = make_tiny_qwen35(root / "multimodal", layout="multimodal")  # "text"'s weights
+    return dirs
+
+
+def load_hf(path):
+    model = transformers.Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dirs):
+    return {name: (Qwen35Target.from_dir(tiny_dirs[name]), load_hf(tiny_dirs[name])) for name in VARIANTS}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    ids = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    if n > 3:
+        ids[n // 2] = EOS  # HF's pad-masking trap, as in the Qwen3 tests
+    return ids
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def ours_logits(target: Qwen35Target, ids: list[int]) -> torch.Tensor:
+    state = target.new_state(len(ids))
+    hidden, _ = target.forward(torch.tensor(ids, device=target.device), 0, state)
+    return target.logits(hidden)
+
+
+@torch.no_grad()
+def hf_out(hf, ids: list[int], **kw):
+    x = torch.tensor([ids])
+    return hf(x, attention_mask=torch.ones_like(x), **kw)
+
+
+@torch.no_grad()
+def hf_greedy(hf, ids: list[int], max_new: int) -> list[int]:
+    gc = copy.deepcopy(hf.generation_config)
+    gc.eos_token_id, gc.pad_token_id = VOCAB, EOS  # no EOS: the never-produced id VOCAB
+    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens, gc.max_length = False, max_new, None, None
+    x = torch.tensor([ids])
+    return hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)[0, len(ids):].tolist()
+
+
+def states_of(state: Qwen35State) -> list[torch.Tensor]:
+    """Everything a continuation reads: K/V up to the length, conv windows, recurrent states."""
+    return [state.kv[:, :, :, :state.length].clone(), *state.conv, *state.rec]
+
+
+def assert_same_states(a: Qwen35State, b: Qwen35State) -> None:
+    assert a.length == b.length
+    for x, y in zip(states_of(a), states_of(b), strict=True):
+        assert torch.equal(x, y)
+
+
+# --------------------------------------------------------------------------- HF parity
+
+
+def test_transformers_runs_its_torch_fallback():
+    """The reference is HF's plain-torch DeltaNet (chunked prefill, recurrent decode): no fla or
+    causal-conv1d kernels may stand in for it on this machine."""
+    assert importlib.util.find_spec("fla") is None
+    assert importlib.util.find_spec("causal_conv1d") is None
+
+
+def test_registry_dispatches_both_layouts_and_refuses_moe_by_name(tiny_dirs, tmp_path):
+    assert MODEL_FAMILIES["qwen3_5"]() is MODEL_FAMILIES["qwen3_5_text"]() is Qwen35Target
+    assert target_family(tiny_dirs["text"]) is target_family(tiny_dirs["multimodal"]) is Qwen35Target
+    assert isinstance(load_target(tiny_dirs["multimodal"]), Qwen35Target)
+    assert Qwen35Target.supports_cuda_graphs is False
+    moe = tmp_path / "moe"
+    moe.mkdir()
+    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": {}}))
+    with pytest.raises(UnsupportedError, match=r"model_type 'qwen3_5_moe': the Qwen3.5 mixture-of-experts hybrid "
+                                               r"is not implemented") as err:
+        load_target(moe)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_prompt_logits_match_hf(models, variant):
+    target, hf = models[variant]
+    for n, seed in ((1, 0), (7, 1), (150, 2)):  # 150 > HF's 64-row chunk: two full chunks and a tail
+        ids = prompt(n, seed)
+        ours, ref = ours_logits(target, ids), hf_out(hf, ids).logits[0]
+        assert rel_err(ours, ref) < 1e-5, (variant, n)
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_config_reads_like_transformers(models):
+    for target, hf in models.values():
+        cfg, ref = target.cfg, hf.config
+        assert cfg.layer_types == tuple(ref.layer_types)
+        assert cfg.partial_rotary_factor == ref.rope_parameters["partial_rotary_factor"]
+        assert cfg.tie_word_embeddings == ref.tie_word_embeddings
+        assert (cfg.rope.theta, cfg.head_dim) == (ref.rope_parameters["rope_theta"], ref.head_dim)
+        assert (cfg.vocab_size, cfg.max_position_embeddings) == (ref.vocab_size, ref.max_position_embeddings)
+    tied, _ = models["tied-bias-interval"]
+    assert tied.cfg.layer_types_from == "full_attention_interval=3"
+    assert tied.lm_head_weight is tied.embed_weight
+
+
+def test_incremental_decode_matches_full_sequence(models):
+    target, hf = models["text"]
+    ids = prompt(170, 5)
+    ref = hf_out(hf, ids).logits[0]
+    state = target.new_state(len(ids))
+    rows, start = [], 0
+    for chunk in (23, 1, 1, 6, 1, 16, 1, 2, 90, 1, 28):  # prefill, decodes, verify blocks
+        hidden, _ = target.forward(torch.tensor(ids[start:start + chunk]), start, state)
+        rows.append(target.logits(hidden))
+        start += chunk
+        assert state.length == start
+    assert rel_err(torch.cat(rows), ref) < 1e-5
+
+
+@pytest.mark.parametrize("width", [None, WIDTH], ids=["variable", "default-16"])
+def test_greedy_matches_hf_generate(models, width):
+    """HF prefills in 64-row chunks (the chunked delta rule), then decodes one token at a time;
+    ours decodes through the step runner, at the product default every step 16 rows (15 padding)."""
+    target, hf = models["text"]  # (a tied random model loops on a few tokens)
+    runner = StepRunner(target, width)
+    for n, seed, max_new in ((80, 11, 256), (5, 10, 64)):
+        ids = prompt(n, seed)
+        ours = greedy_reference(runner, ids, max_new)
+        assert len(ours) == max_new and len(set(ours)) > 20, "degenerate tiny model"
+        assert ours == hf_greedy(hf, ids, max_new), n
+
+
+def test_taps_match_hf_hidden_states(models):
+    target, hf = models["text"]
+    ids = prompt(33, 30)
+    states = hf_out(hf, ids, output_hidden_states=True).hidden_states
+    taps = (2, -1, 0, 1, 3)  # out of order on purpose; 0, 2, 3 DeltaNet, 1 attention
+    state = target.new_state(len(ids))
+    hidden, tapped = target.forward(torch.tensor(ids), 0, state, taps=taps)
+    h = target.hidden_size
+    assert tapped.shape == (len(ids), len(taps) * h)
+    for j, tap in enumerate(taps):
+        assert rel_err(tapped[:, j * h:(j + 1) * h], states[tap + 1][0]) < 1e-6, tap
+    _, last = target.forward(torch.tensor(ids), 0, state, taps=(target.n_layers - 1,))
+    assert rel_err(target.final_norm(last), states[-1][0]) < 1e-6  # HF's last entry is final-normed
+    assert rel_err(hidden, states[-1][0]) < 1e-6
+
+
+def test_embed_is_the_embedding_table(models):
+    target, hf = models["text"]
+    ids = torch.tensor(prompt(5, 31))
+    assert torch.equal(target.embed(ids), hf.model.embed_tokens(ids))
+
+
+def test_chunked_form_equals_the_sequential_one():
+    g = torch.Generator().manual_seed(0)
+    for t in (1, 63, 64, 65, 200):
+        hv, dk, dv = 4, 16, 32
+        q = l2norm(torch.randn(t, hv, dk, generator=g)) / dk ** 0.5
+        k = l2norm(torch.randn(t, hv, dk, generator=g))
+        v, s0 = torch.randn(t, hv, dv, generator=g), torch.randn(hv, dk, dv, generator=g)
+        decay, beta = -2 * torch.rand(t, hv, generator=g), torch.rand(t, hv, generator=g)
+        o1, s1, per_row = gated_delta_rule(q, k, v, decay, beta, s0, keep_states=True)
+        o2, s2 = gated_delta_rule_chunked(q, k, v, decay, beta, s0)
+        assert rel_err(o2, o1) < 1e-5 and rel_err(s2, s1) < 1e-5, t
+        assert torch.equal(per_row[-1], s1)
+        assert torch.equal(gated_delta_rule(q[:t // 2], k[:t // 2], v[:t // 2], decay[:t // 2], beta[:t // 2], s0)[1],
+                           per_row[t // 2 - 1] if t > 1 else s0)
+
+
+def test_chunked_prefill_matches_hf_and_the_sequential_prefill(models):
+    target, hf = models["text"]
+    ids = prompt(150, 3)  # > rollback_rows: the chunked form (HF prefills in 64-row chunks too)
+    last = target.n_layers - 1
+    runner = StepRunner(target)
+    states = {}
+    try:
+        for chunked in (True, False):
+            target.chunked_prefill = chunked
+            state = states[chunked] = runner.new_state(160)
+            _, tapped = runner.prefill(torch.tensor(ids), state, taps=(last,))
+            logits = target.logits(target.final_norm(tapped))
+            assert rel_err(logits, hf_out(hf, ids).logits[0]) < 1e-5, chunked
+    finally:
+        target.chunked_prefill = True
+    for a, b in zip(states_of(states[True]), states_of(states[False])):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_multimodal_layout_loads_the_same_weights(tiny_dirs, models, caplog):
+    text, _ = models["text"]
+    with caplog.at_level("INFO", logger="memra_cli.engine.models.qwen3_5"):
+        mm = Qwen35Target.from_dir(tiny_dirs["multimodal"])
+    assert mm.cfg.layout == "multimodal" and mm.cfg.model_type == "qwen3_5"
+    assert "model.language_model." in mm.load_note
+    assert "skipped 4 model.visual.* and 3 mtp.* tensor(s)" in mm.load_note
+    assert mm.load_note in caplog.text and "not used" not in caplog.text
+    assert mm.cfg.eos_token_ids == text.cfg.eos_token_ids == (EOS,)
+    for n, seed in ((9, 50), (100, 51)):
+        ids = prompt(n, seed)
+        assert torch.equal(ours_logits(mm, ids), ours_logits(text, ids))
+    # and transformers reads the multimodal directory to the same model
+    hf_mm = transformers.AutoModelForCausalLM.from_pretrained(tiny_dirs["multimodal"], dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    ids = prompt(70, 52)
+    assert rel_err(ours_logits(mm, ids), hf_out(hf_mm, ids).logits[0]) < 1e-5
+
+
+# --------------------------------------------------------------------------- fixed-width exactness
+
+
+def _ids(n: int, seed: int, device="cpu") -> torch.Tensor:
+    return torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def run_groups(runner: StepRunner, prompt_ids: torch.Tensor, cont: torch.Tensor, groups):
+    """Prefill, then teacher-force `cont` in runner steps of the given sizes: (logits, state)."""
+    state = runner.new_state(prompt_ids.shape[0] + cont.shape[0] + 1)
+    runner.prefill(prompt_ids, state)
+    out, at = [], 0
+    for g in groups:
+        logits, _ = runner.step(cont[at:at + g], state.length, state)
+        out.append(logits)
+        at += g
+    assert at == cont.shape[0] and state.length == prompt_ids.shape[0] + at
+    return torch.cat(out), state
+
+
+GROUPINGS = ([1] * 24, [24], [16, 8], [5, 7, 1, 11], [3] * 8)
+
+
+def check_groupings(runner: StepRunner) -> None:
+    """Every grouping gives the logits and states of one row at a time, bit for bit."""
+    dev = runner.model.device
+    p, cont = _ids(37, 0, dev), _ids(24, 1, dev)
+    runs = [run_groups(runner, p, cont, g) for g in GROUPINGS]
+    for g, (logits, state) in zip(GROUPINGS[1:], runs[1:]):
+        assert torch.equal(logits, runs[0][0]), f"grouping {g}: logits differ from one row at a time"
+        assert_same_states(state, runs[0][1])
+
+
+@pytest.fixture(scope="module")
+def step_dir(tmp_path_factory):
+    return make_tiny_qwen35(tmp_path_factory.mktemp("q35steps") / "t", hidden=128, intermediate=256,
+                            linear_key_heads=2, linear_value_heads=4, linear_key_head_dim=32,
+                            linear_value_head_dim=32, seed=7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+def test_fixed_width_logits_and_states_do_not_depend_on_the_grouping(step_dir, dtype, mode):
+    target = Qwen35Target.from_dir(step_dir, dtype=dtype, rollback=mode)
+    check_groupings(StepRunner(target, WIDTH))
+    # and they are the model's numbers: a variable-width run agrees to rounding
+    fixed, _ = run_groups(StepRunner(target, WIDTH), _ids(37, 0), _ids(24, 1), [24])
+    variable, _ = run_groups(StepRunner(target), _ids(37, 0), _ids(24, 1), [24])
+    assert rel_err(fixed, variable) < (1e-5 if dtype == torch.float32 else 3e-2)
+
+
+def test_padding_rows_leave_no_trace(step_dir):
+    """Padding rows run the recurrence too (every fixed step is W rows, as a kernel would run
+    it); the commit takes the state after the last real row."""
+    runner = StepRunner(Qwen35Target.from_dir(step_dir, dtype=torch.bfloat16), WIDTH)
+    a, ca = run_groups(runner, _ids(20, 2), _ids(6, 3), [2, 4])  # the first step pads 14 rows
+    b, cb = run_groups(runner, _ids(20, 2), _ids(6, 3), [6])
+    assert torch.equal(a, b)
+    assert_same_states(ca, cb)
+
+
+def test_planted_bug_padding_state_committed_is_caught(step_dir, monkeypatch):
+    """Plant it: the commit keeps the state after the padding rows."""
+    runner = StepRunner(Qwen35Target.from_dir(step_dir), WIDTH)
+    right = Qwen35State.commit
+
+    def commit_keeping_padding(self, end, step_continues=False):
+        chunk = self._pending
+        right(self, end, step_continues)
+        self._settle_to = (chunk, chunk.rows)  # the bug: the state after the whole W-row step
+
+    monkeypatch.setattr(Qwen35State, "commit", commit_keeping_padding)
+    with pytest.raises(AssertionError):
+        check_groupings(runner)
+
+
+# --------------------------------------------------------------------------- rollback
+
+
+def check_rollback(runner: StepRunner, exact: bool, ks=(0, 1, 2, 7, 15, 16)) -> None:
+    """Decode one token, verify 16 rows, roll back to k, continue: the same logits and states as
+    running the first k rows as their own step and continuing (bit for bit when `exact`). The
+    decode step first: its committed state is then one of the stash rows the verify reuses."""
+    dev = runner.model.device
+    p, block, after = _ids(40, 20, dev), _ids(16, 21, dev), _ids(5, 22, dev)
+    for k in ks:
+        state = runner.new_state(80)
+        runner.prefill(p[:-1], state)
+        runner.step(p[-1:], state.length, state)
+        runner.step(block, state.length, state, taps=(0, 1))
+        state.rollback(40 + k)
+        assert state.length == 40 + k
+        got, _ = runner.step(after, state.length, state)
+
+        fresh = runner.new_state(80)
+        runner.prefill(p[:-1], fresh)
+        runner.step(p[-1:], fresh.length, fresh)
+        if k:
+            runner.step(block[:k], fresh.length, fresh, taps=(0, 1))
+        want, _ = runner.step(after, fresh.length, fresh)
+        if exact:
+            assert torch.equal(got, want), k
+            assert_same_states(state, fresh)
+        else:
+            assert rel_err(got, want) < 1e-5, k
+            for x, y in zip(states_of(state), states_of(fresh)):
+                assert rel_err(x, y) < 1e-5, k
+
+
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+@pytest.mark.parametrize("width", [WIDTH, 4, None], ids=["fixed", "fixed-4-chunks", "variable"])
+def test_verify_rollback_continue_equals_direct(step_dir, mode, width):
+    """Width 4: the 16-row verify is four fixed steps, and a rollback reaches into any of them."""
+    ks = (0, 1, 2, 3, 4, 5, 7, 8, 11, 12, 15, 16) if width == 4 else (0, 1, 2, 7, 15, 16)
+    check_rollback(StepRunner(Qwen35Target.from_dir(step_dir, rollback=mode), width), exact=width is not None, ks=ks)
+
+
+def test_stash_and_replay_restore_the_same_bits(step_dir):
+    states = []
+    for mode in ("stash", "replay"):
+        runner = StepRunner(Qwen35Target.from_dir(step_dir, rollback=mode), WIDTH)
+        state = runner.new_state(64)
+        runner.prefill(_ids(30, 23), state)
+        runner.step(_ids(16, 24), 30, state)
+        state.rollback(30 + 9)
+        states.append(state)
+    assert_same_states(*states)
+
+
+@pytest.mark.parametrize("bug", ["final-state", "off-by-one"])
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+def test_planted_bug_rejected_row_state_kept_is_caught(step_dir, monkeypatch, bug, mode):
+    """Plant it: the restore gives the state of the last verified row (or of row k instead of
+    k-1), i.e. of a rejected draft."""
+    runner = StepRunner(Qwen35Target.from_dir(step_dir, rollback=mode), WIDTH)
+    right = _GdnRecord.state_after
+
+    def wrong(self, j, conv_k):
+        return right(self, self.rows if bug == "final-state" else min(j + 1, self.rows), conv_k)
+
+    monkeypatch.setattr(_GdnRecord, "state_after", wrong)
+    with pytest.raises(AssertionError):
+        check_rollback(runner, exact=True)
+
+
+def test_rollback_refusals(step_dir):
+    runner = StepRunner(Qwen35Target.from_dir(step_dir), WIDTH)
+    state = runner.new_state(120)
+    runner.prefill(_ids(70, 25), state)  # 70 rows > rollback_rows 64: no per-row record
+    with pytest.raises(ValueError, match="ran 70 rows, more than the rollback limit"):
+        state.rollback(69)
+    runner.step(_ids(10, 26), 70, state)
+    state.rollback(80)  # == length: a no-op, always allowed
+    with pytest.raises(ValueError, match=r"only back to the start of the last step \(position 70\)"):
+        state.rollback(69)
+    state.rollback(75)
+    with pytest.raises(ValueError, match="already rolled back to 75"):
+        state.rollback(72)
+    with pytest.raises(ValueError, match="of length 75 back to 76"):
+        state.rollback(76)
+    with pytest.raises(AttributeError):
+        state.length = 3  # length moves with the recurrent state, never alone
+    # a step starting below the length is an implicit rollback: allowed inside the last step only
+    runner.step(_ids(4, 27), 75, state)
+    runner.step(_ids(3, 28), 77, state)  # back to 77: inside the last step (75..79)
+    assert state.length == 80
+    with pytest.raises(ValueError, match="cannot roll"):
+        runner.step(_ids(3, 28), 76, state)
+    with pytest.raises(ValueError, match="no pending step"):
+        state.commit(81)  # nothing ran
+    state.rollback(0)  # a reset
+    assert state.length == 0 and all(not r.any() for r in state.rec)
+
+
+def test_a_step_past_rollback_rows_keeps_only_its_last_chunks(step_dir):
+    target = Qwen35Target.from_dir(step_dir)
+    target.set_rollback("stash", 8)
+    runner = StepRunner(target, 4)
+    state = runner.new_state(64)
+    runner.prefill(_ids(20, 29), state)
+    runner.step(_ids(16, 30), 20, state)  # four 4-row chunks, 8 rows recorded at a time
+    with pytest.raises(ValueError, match=r"more than rollback_rows \(8\) rows, so its per-row states are kept only "
+                                         r"back to position 28"):
+        state.rollback(27)
+    state.rollback(29)  # inside the last 8 rows: exact as ever
+    fresh = runner.new_state(64)
+    runner.prefill(_ids(20, 29), fresh)
+    runner.step(_ids(16, 30)[:9], 20, fresh)
+    assert_same_states(state, fresh)
+    assert state.nbytes > fresh.kv.numel() * fresh.kv.element_size()
+
+
+# --------------------------------------------------------------------------- the round loop
+
+
+class Oracle:
+    """Proposes the target's greedy continuation, wrong at scheduled draft slots."""
+
+    def __init__(self, truth, prompt_len, n_drafts, wrong):
+        self.truth, self.p, self.nd, self.wrong = truth, prompt_len, n_drafts, wrong
+        self.round = self.ingested = 0
+        self.taps: list[torch.Tensor] = []
+
+    def reset(self, capacity):
+        self.round = self.ingested = 0
+
+    def release(self):
+        pass
+
+    def ingest(self, taps, positions):
+        assert torch.equal(positions, torch.arange(self.ingested, self.ingested + taps.shape[0]))
+        self.ingested += taps.shape[0]
+        self.taps.append(taps)
+
+    def propose(self, last, start, want_raws):
+        i = start - self.p
+        assert int(last) == self.truth[i]
+        drafts = [self.truth[j] if j < len(self.truth) else 0 for j in range(i + 1, i + 1 + self.nd)]
+        for slot in self.wrong(self.round):
+            drafts[slot] = (drafts[slot] + 1) % VOCAB
+        self.round += 1
+        return Proposal(torch.tensor(drafts))
+
+
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+@pytest.mark.parametrize("width", [WIDTH, 4, None], ids=["fixed", "fixed-4-chunks", "variable"])
+def test_spec_session_equals_plain_greedy(tiny_dirs, mode, width):
+    engine = Engine.from_model(Qwen35Target.from_dir(tiny_dirs["text"], rollback=mode), step_width=width)
+    target, runner = engine.target, engine.runner
+    block, max_new, taps = 8, 40, (-1, 1, 3)
+    for seed, n in ((60, 9), (61, 30)):
+        ids = prompt(n, seed)
+        truth = greedy_reference(runner, ids, max_new + block + 1)
+        # wrong at a slot that moves round to round: accepted 0..7 of 7 drafts
+        oracle = Oracle(truth, n, block - 1, lambda r: {(3 * r + 1) % 9} if (3 * r + 1) % 9 < 7 else set())
+        program = Program(Harvest.DFLASH, LADDER, False, block, False, block)
+        session = Session(runner, ids, max_new, proposer=oracle, program=program, taps=taps)
+        assert session.run() == truth[:max_new]
+        hist = session.stats.accept_hist
+        assert any(0 < m < block - 1 for m in hist if hist[m]) and hist[block - 1] > 0, hist
+        # what the drafter was fed is the target's own taps of the committed stream
+        got = torch.cat(oracle.taps)
+        state = target.new_state(got.shape[0])
+        _, want = target.forward(torch.tensor((ids + truth)[:got.shape[0]]), 0, state, taps)
+        assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("spec", ["dflash", "dspark"])
+def test_bf16_drafter_sessions_equal_plain_greedy(tmp_path, spec):
+    """The real proposer path (`Engine.from_model` + `engine.arm`, tiny random drafters) over the
+    hybrid target in bfloat16 with fixed-width steps: every stream is plain greedy's."""
+    from memra_cli.tiny.draft import make_tiny_draft
+
+    target_dir = make_tiny_qwen35(tmp_path / "t", layout="multimodal", seed=3)
+    engine = Engine.from_model(Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16), step_width=WIDTH)
+    fmt = "zlab" if spec == "dflash" else "deepspec"
+    extra = {} if spec == "dflash" else dict(markov_rank=16, confidence="markov")
+    draft = make_tiny_draft(tmp_path / spec, fmt, block_size=8, target_layer_ids=(-1, 1, 3), num_target_layers=5,
+                            dtype=torch.bfloat16, **extra)
+    arm = engine.arm(ArmConfig(draft=draft, mode=spec))
+    assert arm.mode == spec and arm.taps == (-1, 1, 3)
+    for seed in range(2):
+        ids = prompt(9 + 11 * seed, 70 + seed)
+        plain = greedy_reference(engine.runner, ids, 30)
+        with engine.session(ids, 30, arm, eos_ids=()) as session:
+            assert session.run() == plain, seed
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _edit_config(src, dst, edit):
+    dst.mkdir()
+    raw = json.loads((src / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(edit(raw)))
+    for f in src.glob("*.safetensors*"):
+        (dst / f.name).symlink_to(f)
+    return dst
+
+
+def _drop(d: dict, *path):
+    inner = d
+    for key in path[:-1]:
+        inner = inner[key]
+    del inner[path[-1]]
+    return d
+
+
+@pytest.mark.parametrize("which,edit,match", [
+    ("multimodal", lambda c: _drop(c, "text_config", "layer_types"),
+     r"config.json: required key 'text_config.layer_types' is missing \(and no 'text_config.full_attention_interval'"),
+    ("text", lambda c: _drop(c, "layer_types"), r"config.json: required key 'layer_types' is missing"),
+    ("multimodal", lambda c: _drop(c, "text_config"), r"config.json: required key 'text_config' is missing"),
+    ("text", lambda c: _drop(c, "linear_num_value_heads"), r"required key 'linear_num_value_heads' is missing"),
+    ("multimodal", lambda c: _drop(c, "text_config", "linear_key_head_dim"),
+     r"required key 'text_config.linear_key_head_dim' is missing"),
+    ("text", lambda c: {**c, "layer_types": c["layer_types"][:-1]}, r"'layer_types' has 4 entries for num_hidden_layers 5"),
+    ("text", lambda c: {**c, "layer_types": ["mamba"] * 5}, r"key 'layer_types' must be a list of linear_attention\|full_attention"),
+    ("multimodal", lambda c: {**c, "tie_word_embeddings": True},
+     r"'tie_word_embeddings' \(true\) and 'text_config.tie_word_embeddings' \(false\) disagree"),
+    ("text", lambda c: {**c, "num_key_value_heads": 3}, r"num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+])
+def test_bad_configs_are_refused_by_key(tiny_dirs, tmp_path, which, edit, match):
+    bad = _edit_config(tiny_dirs[which], tmp_path / "bad", edit)
+    with pytest.raises(ConfigError, match=match) as err:
+        load_target(bad)
+    assert "\n" not in str(err.value) and str(bad / "config.json") in str(err.value)
+
+
+def test_other_model_types_are_refused(tmp_path):
+    with pytest.raises(UnsupportedError, match="model_type 'qwen3_5_moe' is not a Qwen3.5 dense hybrid target"):
+        parse_qwen35_config({"model_type": "qwen3_5_moe", "text_config": {}}, "x/config.json")
+    with pytest.raises(UnsupportedError, match="hidden_act='gelu'"):
+        parse_qwen35_config({"model_type": "qwen3_5_text", "hidden_act": "gelu"}, "x/config.json")
+
+
+def _rewrite(src, dst, edit):
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    save_file(edit(load_file(str(src / "model.safetensors"))), str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("which,name,shape", [
+    ("text", "model.layers.0.linear_attn.A_log", [4]),
+    ("text", "model.layers.3.linear_attn.in_proj_qkv.weight", [128, 64]),
+    ("multimodal", "model.language_model.layers.2.linear_attn.conv1d.weight", [128, 1, 4]),
+    ("text", "model.layers.1.self_attn.q_proj.weight", [256, 64]),
+])
+def test_missing_tensors_are_refused_by_name(tiny_dirs, tmp_path, which, name, shape):
+    missing = _rewrite(tiny_dirs[which], tmp_path / "missing", lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(CheckpointError, match=re.escape(f"tensor '{name}' is missing (expected shape {shape}")) as err:
+        load_target(missing)
+    assert "\n" not in str(err.value)
+    if ".linear_attn." in name:
+        assert "linear_attention (Gated DeltaNet)" in str(err.value)
+
+
+def test_wrong_shapes_are_refused_by_name(tiny_dirs, tmp_path):
+    name = "model.layers.2.linear_attn.dt_bias"
+    wrong = _rewrite(tiny_dirs["text"], tmp_path / "wrong", lambda t: {**t, name: torch.zeros(5)})
+    with pytest.raises(CheckpointError, match=rf"'{name}' has shape \[5\], expected shape \[4\]"):
+        load_target(wrong)
+
+
+def test_bad_requests_are_refused(models):
+    target, _ = models["text"]
+    with pytest.raises(PromptError, match="empty"):
+        greedy_reference(target, [], 4)
+    with pytest.raises(PromptError, match=r"id 512 at index 1 .*\[0, 512\)"):
+        greedy_reference(target, [3, 512], 4)
+    runner = StepRunner(target, WIDTH)
+    with pytest.raises(PromptError, match="KV cache length 4096"):
+        runner.new_state(4096)
+    state = target.new_state(10)
+    with pytest.raises(PromptError, match=r"positions up to 11 exceed the KV cache \(10"):
+        target.forward(torch.arange(11), 0, state)
+    with pytest.raises(ConfigError, match=r"tap layer id 5 .*\[-1, 4\]"):
+        target.forward(torch.arange(3), 0, state, taps=(0, 5))
+    with pytest.raises(ConfigError, match="rollback mode"):
+        target.set_rollback("undo")
+    with pytest.raises(ConfigError, match="rollback_rows must be a positive integer"):
+        target.set_rollback("stash", 0)
+
+
+def test_cuda_graphs_are_off_by_default_and_refused_when_asked_for(models):
+    """The hybrid target cannot be captured: the default is off (with the reason), an explicit
+    request is refused before any weight loads, and a runner refuses to be built graphed."""
+    target, _ = models["text"]
+    cuda = torch.device("cuda")
+    on, drafter, note = resolve_cuda_graphs(None, cuda, WIDTH, {}, Qwen35Target)
+    assert (on, drafter) == (False, False) and note.startswith("CUDA graphs off (the Qwen3.5 hybrid target")
+    with pytest.raises(SettingError, match="cuda_graphs=True: the Qwen3.5 hybrid target's steps are not capturable"):
+        resolve_cuda_graphs(True, cuda, WIDTH, {}, Qwen35Target)
+    assert resolve_cuda_graphs(False, cuda, WIDTH, {}, Qwen35Target)[0] is False
+    with pytest.raises(ConfigError, match="MEMRA_DRAFT_GRAPHS=1 needs the target's CUDA graphs on"):
+        resolve_cuda_graphs(None, cuda, WIDTH, {"MEMRA_DRAFT_GRAPHS": "1"}, Qwen35Target)
+    with pytest.raises(ConfigError, match="cuda_graphs: the Qwen3.5 hybrid target's steps are not capturable"):
+        StepRunner(target, WIDTH, cuda_graphs=True)
+
+
+def test_config_interval_rule_and_defaults(tiny_dirs):
+    cfg = load_qwen35_config(tiny_dirs["tied-bias-interval"])
+    assert cfg.layer_types == INTERVAL_TYPES and cfg.full_layers == (2, 5)
+    assert (cfg.rotary_dim, cfg.mrope_section, cfg.mrope_interleaved) == (16, (4, 2, 2), True)
+    mm = load_qwen35_config(tiny_dirs["multimodal"])
+    assert (mm.layout, mm.conv_dim, mm.rotary_dim) == ("multimodal", 2 * 32 + 64, 8)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_cuda_logits_greedy_exactness_and_rollback(tiny_dirs, step_dir, dtype):
+    """The plain-torch path on CUDA: HF parity (f32 exact streams; bf16 agreement printed),
+    fixed-width groupings and rollback bit for bit, both modes."""
+    path = tiny_dirs["text"]
+    target = Qwen35Target.from_dir(path, dtype=dtype, device="cuda")
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager").to("cuda").eval()
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for n, seed in ((7, 1), (150, 2)):
+        ids = prompt(n, seed)
+        assert rel_err(ours_logits(target, ids), _hf_cuda(hf, ids)) < tol, n
+    ids = prompt(80, 11)
+    ours, ref = greedy_reference(target, ids, 128), _hf_greedy_cuda(hf, ids, 128)
+    same = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), len(ours))
+    print(f"\n[{dtype}] greedy agreement with HF on CUDA (common prefix of 128): {same}")
+    if dtype == torch.float32:
+        assert ours == ref
+    for mode in ("stash", "replay"):
+        runner = StepRunner(Qwen35Target.from_dir(step_dir, dtype=dtype, device="cuda", rollback=mode), WIDTH)
+        check_groupings(runner)
+        check_rollback(runner, exact=True)
+
+
+@torch.no_grad()
+def _hf_cuda(hf, ids):
+    x = torch.tensor([ids], device="cuda")
+    return hf(x, attention_mask=torch.ones_like(x)).logits[0]
+
+
+@torch.no_grad()
+def _hf_greedy_cuda(hf, ids, max_new):
+    gc = copy.deepcopy(hf.generation_config)
+    gc.eos_token_id, gc.pad_token_id = VOCAB, EOS
+    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens, gc.max_length = False, max_new, None, None
+    x = torch.tensor([ids], device="cuda")
+    return hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)[0, len(ids):].tolist()
+
+
+def test_oracle_target_tables_read_both_hybrid_layouts(tiny_dirs):
+    """`memra parity --target` reads embed / lm_head without the layers: the multimodal layout
+    keeps them under `model.language_model.`; a tied model's lm_head is its embedding."""
+    from memra_cli.engine.oracle import OracleError, target_tables
+
+    for name in ("multimodal", "text", "tied-bias-interval"):
+        target = Qwen35Target.from_dir(tiny_dirs[name])
+        embed, head = target_tables(tiny_dirs[name], torch.float32, "cpu", 64)
+        assert torch.equal(embed, target.embed_weight) and torch.equal(head, target.lm_head_weight), name
+    assert target_tables(tiny_dirs["multimodal"], torch.float32, "cpu", 64, embed=False)[0] is None
+    with pytest.raises(OracleError, match="target hidden_size 64 does not match the drafter's 32"):
+        target_tables(tiny_dirs["multimodal"], torch.float32, "cpu", 32)
