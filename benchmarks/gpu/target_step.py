@@ -43,20 +43,25 @@ from memra_cli.tiny.draft import make_tiny_draft  # noqa: E402
 W = 16
 
 
-def graph_ms(fn, reps: int = 50) -> float:
-    """Median ms of replaying `fn` captured as a CUDA graph."""
-    graph, _ = cuda_graphs.capture(fn, torch.device("cuda"))
+def replay_ms(replay, reps: int = 50) -> float:
+    """Median ms of `replay()` (a CUDA graph's replay), timed with events."""
     for _ in range(5):
-        graph.replay()
+        replay()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        graph.replay()
+        replay()
         b.record()
         torch.cuda.synchronize()
         times.append(a.elapsed_time(b))
     return sorted(times)[len(times) // 2]
+
+
+def graph_ms(fn, reps: int = 50) -> float:
+    """Median ms of replaying `fn` captured as a CUDA graph."""
+    graph, _ = cuda_graphs.capture(fn, torch.device("cuda"))
+    return replay_ms(graph.replay, reps)
 
 
 def copy_gbps() -> float:
@@ -98,7 +103,7 @@ def step_ms(engine, ctx: int, real_rows: int) -> tuple[float, float]:
     ids[real_rows:] = ids[real_rows - 1]
     runner.fixed_step(ids, ctx, state)  # capture
     graph = state.graphs[("step", ())]
-    ms = graph_ms(lambda: graph.graph.replay())
+    ms = replay_ms(graph.graph.replay)
     peak = torch.cuda.max_memory_allocated() / 2**30
     runner.release(state)
     return ms, peak
