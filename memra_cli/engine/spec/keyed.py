@@ -1,0 +1,259 @@
+"""Sampling at temperature > 0: `SamplingParams`, the one logit processor, and the position-keyed
+sampler that keeps speculative decoding lossless and seeded streams reproducible.
+
+The rule. The token a target row at absolute position j selects is
+
+    argmax_v ( process(logits_j)[v] + G(seed, j, v) )
+
+where `process` is temperature, then top-k, top-p, min-p (`process_logits`, the same function
+wherever logits are turned into a token), and G is Gumbel noise drawn from a counter-based hash
+of (seed, j, v) (`keyed_gumbel`). By the Gumbel-max identity that is one sample from
+softmax(process(logits_j)). The selection is a deterministic function of the row's logits, the
+seed and the position only, so:
+
+- the speculative round's `accept_prefix` (a draft is kept while it equals the target's own
+  selection at its position) commits exactly the token plain decoding would have sampled at that
+  position: with the same seed the speculative stream is the plain sampled stream, token for
+  token (fixed-width steps make the logits bit-identical, `runtime/steps.py`);
+- it is lossless in distribution: each committed token is the target's own sample, with noise
+  that is independent across positions (distinct (j, v) keys hash to independent-looking words).
+
+The hash runs on the device as int64 tensor arithmetic kept inside 32-bit lanes: every value
+stays in [0, 2^32) and every multiplier is below 2^31, so no product reaches 2^63 (no signed
+overflow, no arithmetic-shift surprise), and the result is the same on any device. No Python RNG, no host sync: only tensor ops (a CUDA graph can capture them).
+The float work is done in float64 so that a row's token does not depend on how many rows share
+its tensor (vectorized and scalar transcendental paths may differ in their last bit; that bit
+is 2^-52 here and never decides an argmax in practice).
+
+Temperature 0 is greedy: `make_sampler` returns `GREEDY`, today's argmax, untouched.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from memra_cli.engine.errors import SettingError
+from memra_cli.engine.spec.sampling import GREEDY, Sampler
+
+DEFAULT_SEED = 0  # the seed a sampled run uses when none is given (said in its note / --json)
+
+_MASK32 = 0xFFFFFFFF
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a target row's logits become a token. `temperature` 0 = greedy (argmax; the other
+    settings have no effect). `top_k` 0 = off; `top_p` 1 = off; `min_p` 0 = off; `seed` None =
+    `DEFAULT_SEED` when sampling. Refused values raise a one-line `SettingError` naming the setting."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t, k, p, mp, s = self.temperature, self.top_k, self.top_p, self.min_p, self.seed
+        if not _real(t) or not math.isfinite(t) or t < 0:
+            raise SettingError("temperature", t, "expected a number >= 0 (0 = greedy)", quote=False)
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
+            raise SettingError("top_k", k, "expected an integer >= 0 (0 = off)", quote=False)
+        if not _real(p) or not 0.0 < p <= 1.0:
+            raise SettingError("top_p", p, "expected a number in (0, 1] (1 = off)", quote=False)
+        if not _real(mp) or not 0.0 <= mp < 1.0:
+            raise SettingError("min_p", mp, "expected a number in [0, 1) (0 = off)", quote=False)
+        if s is not None and (isinstance(s, bool) or not isinstance(s, numbers.Integral)):
+            raise SettingError("seed", s, "expected an integer", quote=False)
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_k", int(k))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "min_p", float(mp))
+
+    @classmethod
+    def parse(cls, temperature: str | None = None, top_k: str | None = None, top_p: str | None = None,
+              min_p: str | None = None, seed: str | None = None) -> "SamplingParams":
+        """Settings as text (flags, environment) -> params; unset (None) keeps the default.
+        A value that is not a number refuses in one line naming the setting."""
+        kw: dict = {}
+        for name, text, conv, want in (
+            ("temperature", temperature, float, "expected a number >= 0 (0 = greedy)"),
+            ("top_k", top_k, int, "expected an integer >= 0 (0 = off)"),
+            ("top_p", top_p, float, "expected a number in (0, 1] (1 = off)"),
+            ("min_p", min_p, float, "expected a number in [0, 1) (0 = off)"),
+            ("seed", seed, int, "expected an integer"),
+        ):
+            if text is None:
+                continue
+            try:
+                kw[name] = conv(str(text).strip())
+            except ValueError:
+                raise SettingError(name, text, want, quote=False) from None
+        return cls(**kw)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def applied_seed(self) -> int | None:
+        """The seed a sampled run uses (the default when none was given); None when greedy."""
+        if self.greedy:
+            return None
+        return DEFAULT_SEED if self.seed is None else self.seed
+
+    def as_json(self) -> dict:
+        return {
+            "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+            "seed": self.applied_seed,
+            "seed_source": None if self.greedy else ("default" if self.seed is None else "set"),
+            "sampler": "greedy" if self.greedy else PositionKeyed.name,
+            "acceptance": make_sampler(self).acceptance,
+        }
+
+    def describe(self) -> str:
+        """One line for a note: what ran, the seed (and whether it was the default)."""
+        if self.greedy:
+            return "sampling: greedy (temperature 0; --temperature samples)"
+        parts = [f"temperature {self.temperature:g}"]
+        if self.top_k:
+            parts.append(f"top-k {self.top_k}")
+        if self.top_p < 1.0:
+            parts.append(f"top-p {self.top_p:g}")
+        if self.min_p > 0.0:
+            parts.append(f"min-p {self.min_p:g}")
+        seed = f"seed {self.applied_seed}" + (" (default; --seed)" if self.seed is None else " (--seed)")
+        return f"sampling: {', '.join(parts)}, {seed}"
+
+
+def _real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+# --------------------------------------------------------------------------- processing
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """float logits `[t, V]` -> float64 scores `[t, V]`: divided by the temperature, then -inf
+    outside top-k (ties with the k-th value kept), outside top-p (a token is kept while the
+    probability mass ranked strictly before it is < top_p; ties ranked by id) and below min-p
+    (probability < min_p * the row's largest). softmax(scores) is the distribution a token is
+    sampled from. The same function on every path (plain, verify, drafter); row-wise only, so a
+    row's scores do not depend on the other rows."""
+    assert not params.greedy, "temperature 0 is greedy: no processing"
+    z = logits.double() / params.temperature
+    V = z.shape[-1]
+    if 0 < params.top_k < V:
+        kth = torch.topk(z, params.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, -math.inf)
+    if params.top_p < 1.0:
+        sz, order = torch.sort(z, dim=-1, descending=True, stable=True)
+        probs = torch.softmax(sz, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass ranked strictly before each token
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter_(-1, order, before >= params.top_p)
+        z = z.masked_fill(drop, -math.inf)
+    if params.min_p > 0.0:
+        top = z.max(dim=-1, keepdim=True).values  # p_v >= min_p * p_max  <=>  z_v >= z_max + log(min_p)
+        z = z.masked_fill(z < top + math.log(params.min_p), -math.inf)
+    return z
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a row samples from, float64 `[t, V]` (greedy: one-hot at the argmax)."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(torch.argmax(logits, dim=-1), logits.shape[-1]).double()
+    return torch.softmax(process_logits(logits, params), dim=-1)
+
+
+# --------------------------------------------------------------------------- the keyed noise
+
+
+# lowbias32 with the hash prospector's best published constants (C. Wellons, "exact bias"
+# 0.1076): both multipliers are below 2^31, so for x in [0, 2^32) a product stays below 2^63
+# and `(x * c) & MASK` is the exact product mod 2^32 in int64 (no signed overflow ever).
+_C1, _C2 = 0x21F0AAAD, 0x735A2D97
+assert _C1 < 1 << 31 and _C2 < 1 << 31
+
+
+def mix32(x):
+    """lowbias32: a bijection of [0, 2^32) with low bias. Works on Python ints and int64
+    tensors alike (every value stays in [0, 2^32), so `>>` is a logical shift)."""
+    x = x ^ (x >> 16)
+    x = (x * _C1) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _C2) & _MASK32
+    x = x ^ (x >> 15)
+    return x
+
+
+def seed_keys(seed: int) -> tuple[int, int, int, int]:
+    """Four 32-bit keys from a seed (any integer; taken mod 2^64): distinct for one seed."""
+    s = int(seed) % (1 << 64)
+    lo, hi = s & _MASK32, s >> 32
+    return tuple(mix32(mix32(mix32(i ^ 0x9E3779B9) ^ lo) ^ hi) for i in range(4))  # type: ignore[return-value]
+
+
+def keyed_bits(keys, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """32-bit words `[t, vocab]` (int64) hashed from (seed keys, position j, vocab index v):
+
+        a_j = mix(mix(j ^ k0) ^ k1),  b_j = mix(mix(j ^ k2) ^ k3),  h = mix(mix(v ^ a_j) ^ b_j)
+
+    Every stage is a bijection, so for one seed distinct positions get distinct (a_j, b_j) and
+    a row's words are a permutation-free hash of v. `keys` are four ints, or four int64 tensors
+    broadcastable to `[t, 1]` (a batch of seeds, one per row)."""
+    k0, k1, k2, k3 = keys
+    j = (positions.to(torch.int64) & _MASK32).reshape(-1, 1)
+    a = mix32(mix32(j ^ k0) ^ k1)
+    b = mix32(mix32(j ^ k2) ^ k3)
+    v = torch.arange(vocab, dtype=torch.int64, device=positions.device).reshape(1, -1)
+    return mix32(mix32(v ^ a) ^ b)
+
+
+def keyed_gumbel(keys, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise, float64 `[t, vocab]`, from `keyed_bits`: u = (h + 1/2) / 2^32 in
+    (0, 1) exactly, g = -log(-log(u)) (g at most ~22.9: no infinities)."""
+    u = (keyed_bits(keys, positions, vocab).double() + 0.5) * (2.0 ** -32)
+    return -torch.log(-torch.log(u))
+
+
+# --------------------------------------------------------------------------- the sampler
+
+
+class PositionKeyed:
+    """Samples row j as argmax(process(logits_j) + keyed_gumbel(seed, j)): one sample from the
+    processed distribution, a deterministic function of (logits_j, seed, j)."""
+
+    name = "position-keyed"
+
+    def __init__(self, params: SamplingParams):
+        if params.greedy:
+            raise ValueError("temperature 0 is greedy: use GREEDY (make_sampler does)")
+        self.params = params
+        self.seed = params.applied_seed
+        self.keys = seed_keys(self.seed)
+        self.acceptance = (
+            f"position-keyed sampling (seed {self.seed}): a draft is kept while it equals the target's own "
+            "sample at its position; lossless, stream identical to plain sampling with the same seed")
+
+    def scores(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """float64 `[t, V]`: processed logits + this seed's noise at `positions`."""
+        return process_logits(logits, self.params) + keyed_gumbel(self.keys, positions, logits.shape[-1])
+
+    def select(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.argmax(self.scores(logits, positions), dim=-1)
+
+    def __repr__(self) -> str:
+        return f"PositionKeyed({self.params})"
+
+
+def make_sampler(params: SamplingParams | None) -> Sampler:
+    """Temperature 0 (or no params) -> `GREEDY`, exactly today's argmax; else `PositionKeyed`."""
+    if params is None or params.greedy:
+        return GREEDY
+    return PositionKeyed(params)
