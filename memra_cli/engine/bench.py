@@ -4,8 +4,9 @@ An arm is one decoding program, written `NAME[:key=value,...]` (see `parse_arm`)
 the target once and each distinct drafter (path, prec) once, warms every arm up on the first K
 prompts (not counted), then runs every arm on every prompt, interleaved per prompt with the arm
 order rotated by one each prompt (so slow drift — clocks, thermals, caches — spreads over all
-arms). The `off` arm (plain greedy) always runs: it is the exactness reference, and every
-speculative stream must equal it token for token. Speedups are ratios of tok/s within one run.
+arms). The `off` arm (plain decoding: greedy, or sampled with the same `SamplingParams` and seed)
+always runs: it is the exactness reference, and every speculative stream must equal it token for
+token, at any temperature. Speedups are ratios of tok/s within one run.
 
 Nothing here prints: `cli/bench.py` renders a `BenchResult`.
 """
@@ -19,7 +20,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from memra_cli.engine.errors import MemraError
+from memra_cli.engine.spec.keyed import SamplingParams, make_sampler
 from memra_cli.engine.spec.policy import VT_CHOICES, PolicySettings, Receipts
+from memra_cli.engine.spec.sampling import GREEDY
 from memra_cli.engine.stats import DecodeStats
 
 ARM_NAMES = ("off", "dflash", "dspark", "auto")
@@ -210,18 +213,21 @@ class Arm:
     engine: object  # api.Engine
     loaded: object  # api.Arm: mode, receipts, program, drafter, warnings
     drafter: Path | None = None
+    sampler: object = GREEDY  # every arm of a bench, off included, selects with the same sampler
 
     @property
     def name(self) -> str:
         return self.spec.name
 
     def session(self, prompt_ids, max_new: int, timed: bool = False):
-        return self.engine.session(prompt_ids, max_new, self.loaded, timed=timed)  # type: ignore[attr-defined]
+        return self.engine.session(prompt_ids, max_new, self.loaded, sampler=self.sampler,  # type: ignore[attr-defined]
+                                   timed=timed)
 
 
-def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters) -> list[Arm]:
+def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters, sampler=GREEDY) -> list[Arm]:
     """Resolve every arm through the same assembly as `memra generate` (`Engine.arm`); each
-    distinct drafter (path, prec) is loaded once and shared (each arm keeps its own program)."""
+    distinct drafter (path, prec) is loaded once and shared (each arm keeps its own program).
+    Every arm selects tokens with `sampler` (the gate compares streams of one sampler and seed)."""
     from memra_cli.engine.api import ArmConfig
 
     loaded: dict[tuple[Path, str | None], object] = {}
@@ -239,7 +245,7 @@ def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters) -> list[Arm]
             raise
         except MemraError as exc:
             raise BenchError(f"--arm {spec.name!r}: {exc}") from None
-        arms.append(Arm(spec, engine, arm, path))
+        arms.append(Arm(spec, engine, arm, path, sampler))
     return arms
 
 
@@ -354,7 +360,9 @@ class BenchResult:
             "arms": [a.as_json(off, self.phase_times) for a in self.arms],
             "prompts": self.meta.get("prompts"), "max_new": self.max_new, "warmup": self.warmup,
             "target": self.meta.get("target"), "device": self.meta.get("device"), "dtype": self.meta.get("dtype"),
-            "step_width": self.meta.get("step_width"), "cuda_graphs": self.meta.get("cuda_graphs"), "phase_times": self.phase_times, "phase_unit": "ms per generated token", "exact": self.exact,
+            "step_width": self.meta.get("step_width"), "cuda_graphs": self.meta.get("cuda_graphs"),
+            "sampling": self.meta.get("sampling"),
+            "phase_times": self.phase_times, "phase_unit": "ms per generated token", "exact": self.exact,
             "mismatches": [dataclasses.asdict(m) for m in self.mismatches],
         }
 
@@ -452,6 +460,7 @@ class BenchRequest:
     phase_times: bool = True
     step_width: str | None = None  # --step-width as given (api.resolve_step_width)
     cuda_graphs: bool | None = None  # --cuda-graphs as given (api.resolve_cuda_graphs)
+    sampling: SamplingParams | None = None  # None: greedy (temperature 0)
 
 
 @dataclass
@@ -494,12 +503,14 @@ def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench
             engine.check_prompt(p, req.max_new)
         except MemraError as exc:
             raise BenchError(f"prompt {i} of {prompts.name}: {exc}") from None
-    arms = load_arms(engine, specs, drafters)
+    sampling = req.sampling or SamplingParams()
+    arms = load_arms(engine, specs, drafters, make_sampler(sampling))
     meta = {
         "prompts": {"set": prompts.name, "source": prompts.source, "n": len(ids), "chat": req.chat,
                     "prompt_tokens": sum(len(p) for p in ids)},
         "target": str(target_dir), "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
         "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs, "step_width_note": "; ".join(engine.notes),
+        "sampling": sampling.as_json(), "sampling_note": sampling.describe(),
     }
     ignored = [k for k in POLICY_ENV if (env or {}).get(k)]
     return Bench(req, arms, ids, meta, embedded, ignored)

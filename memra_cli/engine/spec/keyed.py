@@ -62,7 +62,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t, k, p, mp, s = self.temperature, self.top_k, self.top_p, self.min_p, self.seed
         if not _real(t) or not math.isfinite(t) or t < 0:
-            raise SettingError("temperature", t, "expected a number >= 0 (0 = greedy)", quote=False)
+            raise SettingError("temperature", t, "expected a finite number >= 0 (0 = greedy)", quote=False)
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
             raise SettingError("top_k", k, "expected an integer >= 0 (0 = off)", quote=False)
         if not _real(p) or not 0.0 < p <= 1.0:
@@ -83,7 +83,7 @@ class SamplingParams:
         A value that is not a number refuses in one line naming the setting."""
         kw: dict = {}
         for name, text, conv, want in (
-            ("temperature", temperature, float, "expected a number >= 0 (0 = greedy)"),
+            ("temperature", temperature, float, "expected a finite number >= 0 (0 = greedy)"),
             ("top_k", top_k, int, "expected an integer >= 0 (0 = off)"),
             ("top_p", top_p, float, "expected a number in (0, 1] (1 = off)"),
             ("min_p", min_p, float, "expected a number in [0, 1) (0 = off)"),
@@ -95,7 +95,11 @@ class SamplingParams:
                 kw[name] = conv(str(text).strip())
             except ValueError:
                 raise SettingError(name, text, want, quote=False) from None
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except SettingError as exc:  # out of range: say the value as it was given
+            given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed}
+            raise SettingError(exc.setting, given[exc.setting], exc.detail, quote=False) from None
 
     @property
     def greedy(self) -> bool:
