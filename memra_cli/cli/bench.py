@@ -23,8 +23,9 @@ ARM_HELP = (
     "exactness reference) | dflash | dspark | auto. Keys: harvest=dflash|dspark, "
     "vt=ladder|confidence|confidence-slot, tau=FLOAT in (0,1), cap=INT (verify cap), adapt=0|1, "
     "markov=0|1, prec=f32|bf16|q8|mixed|fc|q4 (drafter weights), draft=PATH or draft=dflash|dspark "
-    "(an embedded drafter). E.g. --arm dspark:vt=confidence,tau=0.3 --arm dspark:harvest=dflash. "
-    "Default: off, dflash, dspark."
+    "(an embedded drafter), accept=keyed|rejection (the acceptance rule with --temperature > 0: keyed, the "
+    "default, reproduces plain sampling token for token; rejection is lossless in distribution only and is "
+    "not gated). E.g. --arm dspark:vt=confidence,tau=0.3 --arm dspark:harvest=dflash. Default: off, dflash, dspark."
 )
 
 
@@ -123,6 +124,8 @@ def _render_receipts(b) -> None:
         prec = f", prec={arm.spec.prec}" if arm.spec.prec else ""
         render.err_console.print(f"arm {arm.name}: {arm.loaded.mode} program, drafter {arm.drafter}{prec}", markup=False, highlight=False, soft_wrap=True)
         render.print_receipts(arm.loaded.receipts.lines(), to_stderr=True)
+        if getattr(arm.sampler, "rejection", False):
+            render.note(f"arm {arm.name}: acceptance: {arm.sampler.acceptance} (not gated)")
         for w in arm.loaded.warnings:
             if (arm.drafter, w) not in warned:  # once per drafter, not once per arm
                 warned.add((arm.drafter, w))
@@ -148,7 +151,7 @@ def _render_table(report: dict) -> None:
     for c in cols:
         t.add_column(c, justify="left" if c == "arm" else "right", no_wrap=c != "arm")
     for a in report["arms"]:
-        exact = "ref" if a["mode"] == "off" else ("yes" if a["exact"] else "[bold red]NO[/bold red]")
+        exact = "ref" if a["mode"] == "off" else ("n/a" if a["exact"] is None else "yes" if a["exact"] else "[bold red]NO[/bold red]")
         row = [a["name"], str(a["n_prompts"]), str(a["tokens"]), _fmt(a["tau"]), _fmt(a["acceptance"], ".3f"),
                _fmt(a["tok_per_s"], ".1f"), _fmt(a["speedup"], ".2f") + "x", exact]
         row += [_fmt((a["phase_ms"] or {}).get(ph), ".3f") for ph in phases]

@@ -11,7 +11,9 @@ import typer
 from memra_cli.cli.common import (
     AdaptOpt, CudaGraphsOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, policy_settings, refusals,
 )
-from memra_cli.cli.sampling import MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params
+from memra_cli.cli.sampling import (
+    AcceptanceOpt, MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params,
+)
 
 
 PREC_HELP = ("Drafter weight precision, applied at load to a safetensors drafter: f32 | bf16 | q8 | mixed | fc | q4 "
@@ -54,6 +56,7 @@ def generate(
     top_p: Optional[str] = TopPOpt,
     min_p: Optional[str] = MinPOpt,
     seed: Optional[str] = SeedOpt,
+    acceptance: Optional[str] = AcceptanceOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Generation from a target (greedy, or sampled with --temperature), sped up by a DFlash /
@@ -75,7 +78,7 @@ def generate(
 
     resolve_step_width(step_width)  # bad settings refuse before anything loads
     drafter_precision(prec, None)
-    sampling = sampling_params(temperature, top_k, top_p, min_p, seed)
+    sampling = sampling_params(temperature, top_k, top_p, min_p, seed, acceptance)
     target, draft = _default_models(target, draft, spec, json_out)
     codec, ids = _prompt(target, prompt, prompt_ids, chat)
     arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy_settings(harvest, vt, tau, adapt), markov=markov,

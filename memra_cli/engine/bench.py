@@ -6,7 +6,8 @@ prompts (not counted), then runs every arm on every prompt, interleaved per prom
 order rotated by one each prompt (so slow drift — clocks, thermals, caches — spreads over all
 arms). The `off` arm (plain decoding: greedy, or sampled with the same `SamplingParams` and seed)
 always runs: it is the exactness reference, and every speculative stream must equal it token for
-token, at any temperature. Speedups are ratios of tok/s within one run.
+token, at any temperature (an arm with `accept=rejection` samples by rejection sampling, lossless
+in distribution only: it is measured, not gated). Speedups are ratios of tok/s within one run.
 
 Nothing here prints: `cli/bench.py` renders a `BenchResult`.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from memra_cli.engine.errors import MemraError
-from memra_cli.engine.spec.keyed import SamplingParams, make_sampler
+from memra_cli.engine.spec.keyed import ACCEPTANCE_RULES, SamplingParams, make_sampler
 from memra_cli.engine.spec.policy import VT_CHOICES, PolicySettings, Receipts
 from memra_cli.engine.spec.sampling import GREEDY
 from memra_cli.engine.stats import DecodeStats
@@ -32,7 +33,7 @@ EMBEDDED_DRAFTERS = ("dflash", "dspark")
 ARM_KEYS = {
     "harvest": "dflash|dspark", "vt": "|".join(VT_CHOICES), "tau": "a float in (0,1)",
     "cap": "an integer >= 2", "adapt": "0|1", "markov": "0|1", "prec": "|".join(PRECISIONS),
-    "draft": "PATH|dflash|dspark",
+    "draft": "PATH|dflash|dspark", "accept": "keyed|rejection",
 }
 ARM_GRAMMAR = (
     "NAME[:key=value,...] with NAME off|dflash|dspark|auto and keys "
@@ -63,6 +64,7 @@ class ArmSpec:
     markov: bool | None = None
     prec: str | None = None
     draft: str | None = None
+    accept: str | None = None  # keyed (default) | rejection: the acceptance rule at temperature > 0
 
     @property
     def settings(self) -> PolicySettings:
@@ -81,7 +83,7 @@ def _key_value(spec: str, key: str, value: str) -> object:
     if value == "":
         raise _bad(spec, f"{key}= has no value (expected {ARM_KEYS[key]})")
     choices = {"harvest": ("dflash", "dspark"), "vt": VT_CHOICES, "prec": PRECISIONS,
-               "adapt": ("0", "1"), "markov": ("0", "1")}
+               "adapt": ("0", "1"), "markov": ("0", "1"), "accept": ACCEPTANCE_RULES}
     if key in choices:
         if value not in choices[key]:
             raise _bad(spec, f"{key}={value} (expected {ARM_KEYS[key]})")
@@ -224,10 +226,12 @@ class Arm:
                                    timed=timed)
 
 
-def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters, sampler=GREEDY) -> list[Arm]:
+def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters, sampling: SamplingParams | None = None) -> list[Arm]:
     """Resolve every arm through the same assembly as `memra generate` (`Engine.arm`); each
     distinct drafter (path, prec) is loaded once and shared (each arm keeps its own program).
-    Every arm selects tokens with `sampler` (the gate compares streams of one sampler and seed)."""
+    Every arm samples with `sampling` (None: greedy), one seed for all (the gate compares
+    streams of one seed); an arm's `accept=` picks its acceptance rule."""
+    sampling = sampling or SamplingParams()
     from memra_cli.engine.api import ArmConfig
 
     loaded: dict[tuple[Path, str | None], object] = {}
@@ -245,7 +249,10 @@ def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters, sampler=GREE
             raise
         except MemraError as exc:
             raise BenchError(f"--arm {spec.name!r}: {exc}") from None
-        arms.append(Arm(spec, engine, arm, path, sampler))
+        if spec.accept == "rejection" and sampling.greedy:
+            raise BenchError(f"--arm {spec.name!r}: accept=rejection samples drafts: it needs --temperature > 0")
+        params = dataclasses.replace(sampling, acceptance=spec.accept or "keyed")
+        arms.append(Arm(spec, engine, arm, path, make_sampler(params)))
     return arms
 
 
@@ -289,7 +296,8 @@ class ArmResult:
     stats: DecodeStats = field(default_factory=DecodeStats)
     wall_s: float = 0.0  # sum over generations, prefill included, device synchronized
     n_prompts: int = 0
-    exact: bool = True
+    exact: bool | None = True  # None: not gated (rejection sampling: lossless in distribution only)
+    acceptance_rule: str | None = None  # the sampler's acceptance sentence
 
     def add(self, stats: DecodeStats, wall_s: float) -> None:
         s = self.stats
@@ -328,7 +336,7 @@ class ArmResult:
             "decode_tok_per_s": s.tokens / decode_s if phase_times and decode_s > 0 else None,
             "phase_ms": self.phase_ms_per_token() if phase_times else None,
             "phase_total_ms": {p: 1e3 * v for p, v in s.phase_s.items()} if phase_times else None,
-            "tau_hist": self.tau_hist, "exact": self.exact,
+            "tau_hist": self.tau_hist, "exact": self.exact, "acceptance_rule": self.acceptance_rule,
             "receipts": self.receipts.as_json() if self.receipts else None,
             "receipt_lines": self.receipts.lines() if self.receipts else [],
             "warnings": list(self.warnings),
@@ -406,7 +414,11 @@ def run_bench(arms: Sequence[Arm], prompts: Sequence[Sequence[int]], max_new: in
     meta = dict(meta or {})
     assert any(a.name == "off" for a in arms), "the off arm is the exactness reference"
     results = {a.name: ArmResult(a.name, a.loaded.mode, str(a.drafter) if a.drafter else None, a.spec.prec,
-                                 a.loaded.receipts, list(a.loaded.warnings)) for a in arms}
+                                 a.loaded.receipts, list(a.loaded.warnings),
+                                 acceptance_rule=getattr(a.sampler, "acceptance", None)) for a in arms}
+    ungated = {a.name for a in arms if getattr(a.sampler, "rejection", False) and a.loaded.mode != "off"}
+    for name in ungated:
+        results[name].exact = None
     mismatches: list[Mismatch] = []
     n_warm = min(warmup, len(prompts))
     with torch.inference_mode():
@@ -421,7 +433,7 @@ def run_bench(arms: Sequence[Arm], prompts: Sequence[Sequence[int]], max_new: in
                 tokens, stats, wall = generate_one(arm, ids, max_new, phase_times)
                 streams[arm.name] = tokens
                 results[arm.name].add(stats, wall)
-            mismatches += _gate(streams, i)
+            mismatches += _gate({k: v for k, v in streams.items() if k not in ungated}, i)
             if progress:
                 progress("measure", i + 1, len(prompts))
     for m in mismatches:
@@ -504,7 +516,7 @@ def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench
         except MemraError as exc:
             raise BenchError(f"prompt {i} of {prompts.name}: {exc}") from None
     sampling = req.sampling or SamplingParams()
-    arms = load_arms(engine, specs, drafters, make_sampler(sampling))
+    arms = load_arms(engine, specs, drafters, sampling)
     meta = {
         "prompts": {"set": prompts.name, "source": prompts.source, "n": len(ids), "chat": req.chat,
                     "prompt_tokens": sum(len(p) for p in ids)},

@@ -70,6 +70,7 @@ def test_json_and_notes_say_what_ran(pair):
         "sampler": "position-keyed",
         "acceptance": "position-keyed sampling (seed 0): a draft is kept while it equals the target's own sample at "
                       "its position; lossless, stream identical to plain sampling with the same seed",
+        "identical_to_plain": True,
     }
     greedy = json.loads(generate(*base, "--json").stdout)["sampling"]
     assert greedy["sampler"] == "greedy" and greedy["temperature"] == 0.0 and greedy["seed"] is None

@@ -40,6 +40,7 @@ from memra_cli.engine.errors import SettingError
 from memra_cli.engine.spec.sampling import GREEDY, Sampler
 
 DEFAULT_SEED = 0  # the seed a sampled run uses when none is given (said in its note / --json)
+ACCEPTANCE_RULES = ("keyed", "rejection")  # position-keyed (default) | rejection sampling
 
 _MASK32 = 0xFFFFFFFF
 
@@ -51,16 +52,21 @@ _MASK32 = 0xFFFFFFFF
 class SamplingParams:
     """How a target row's logits become a token. `temperature` 0 = greedy (argmax; the other
     settings have no effect). `top_k` 0 = off; `top_p` 1 = off; `min_p` 0 = off; `seed` None =
-    `DEFAULT_SEED` when sampling. Refused values raise a one-line `SettingError` naming the setting."""
+    `DEFAULT_SEED` when sampling. `acceptance`: "keyed" (position-keyed: the stream equals plain
+    sampling) or "rejection" (rejection sampling: lossless in distribution only). Refused values
+    raise a one-line `SettingError` naming the setting."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    acceptance: str = "keyed"
 
     def __post_init__(self) -> None:
         t, k, p, mp, s = self.temperature, self.top_k, self.top_p, self.min_p, self.seed
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise SettingError("acceptance", self.acceptance, f"expected {'|'.join(ACCEPTANCE_RULES)}", quote=False)
         if not _real(t) or not math.isfinite(t) or t < 0:
             raise SettingError("temperature", t, "expected a finite number >= 0 (0 = greedy)", quote=False)
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0:
@@ -78,10 +84,10 @@ class SamplingParams:
 
     @classmethod
     def parse(cls, temperature: str | None = None, top_k: str | None = None, top_p: str | None = None,
-              min_p: str | None = None, seed: str | None = None) -> "SamplingParams":
+              min_p: str | None = None, seed: str | None = None, acceptance: str | None = None) -> "SamplingParams":
         """Settings as text (flags, environment) -> params; unset (None) keeps the default.
         A value that is not a number refuses in one line naming the setting."""
-        kw: dict = {}
+        kw: dict = {} if acceptance is None else {"acceptance": acceptance.strip()}
         for name, text, conv, want in (
             ("temperature", temperature, float, "expected a finite number >= 0 (0 = greedy)"),
             ("top_k", top_k, int, "expected an integer >= 0 (0 = off)"),
@@ -98,7 +104,8 @@ class SamplingParams:
         try:
             return cls(**kw)
         except SettingError as exc:  # out of range: say the value as it was given
-            given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed}
+            given = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p, "seed": seed,
+                     "acceptance": acceptance}
             raise SettingError(exc.setting, given[exc.setting], exc.detail, quote=False) from None
 
     @property
@@ -117,8 +124,9 @@ class SamplingParams:
             "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
             "seed": self.applied_seed,
             "seed_source": None if self.greedy else ("default" if self.seed is None else "set"),
-            "sampler": "greedy" if self.greedy else PositionKeyed.name,
+            "sampler": make_sampler(self).name,
             "acceptance": make_sampler(self).acceptance,
+            "identical_to_plain": self.greedy or self.acceptance == "keyed",
         }
 
     def describe(self) -> str:
@@ -133,7 +141,8 @@ class SamplingParams:
         if self.min_p > 0.0:
             parts.append(f"min-p {self.min_p:g}")
         seed = f"seed {self.applied_seed}" + (" (default; --seed)" if self.seed is None else " (--seed)")
-        return f"sampling: {', '.join(parts)}, {seed}"
+        rule = ", rejection sampling (--acceptance)" if self.acceptance == "rejection" else ""
+        return f"sampling: {', '.join(parts)}, {seed}{rule}"
 
 
 def _real(x: object) -> bool:
@@ -196,11 +205,18 @@ def mix32(x):
     return x
 
 
-def seed_keys(seed: int) -> tuple[int, int, int, int]:
-    """Four 32-bit keys from a seed (any integer; taken mod 2^64): distinct for one seed."""
+# Independent keyed streams of one seed: the target's own samples, and, for rejection sampling,
+# the drafts, the acceptance uniforms and the residual samples.
+TARGET_STREAM, DRAFT_STREAM, ACCEPT_STREAM, RESIDUAL_STREAM = 0, 1, 2, 3
+
+
+def seed_keys(seed: int, stream: int = TARGET_STREAM) -> tuple[int, int, int, int]:
+    """Four 32-bit keys of one stream of a seed (any integer; taken mod 2^64): distinct within
+    a seed and across its streams (each is a bijective chain of a distinct 4*stream + i)."""
     s = int(seed) % (1 << 64)
     lo, hi = s & _MASK32, s >> 32
-    return tuple(mix32(mix32(mix32(i ^ 0x9E3779B9) ^ lo) ^ hi) for i in range(4))  # type: ignore[return-value]
+    return tuple(mix32(mix32(mix32((4 * stream + i) ^ 0x9E3779B9) ^ lo) ^ hi)  # type: ignore[return-value]
+                 for i in range(4))
 
 
 def keyed_bits(keys, positions: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -224,6 +240,40 @@ def keyed_gumbel(keys, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     (0, 1) exactly, g = -log(-log(u)) (g at most ~22.9: no infinities)."""
     u = (keyed_bits(keys, positions, vocab).double() + 0.5) * (2.0 ** -32)
     return -torch.log(-torch.log(u))
+
+
+def keyed_uniform(keys, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1) per position, float64 `[t]` (the word at vocab index 0)."""
+    return (keyed_bits(keys, positions, 1)[:, 0].double() + 0.5) * (2.0 ** -32)
+
+
+class Drafting:
+    """How one proposal's drafter scores become drafts under a sampler: the draft of slot k is
+    argmax(process(scores_k) + noise_k), one sample of the drafter's processed distribution q_k,
+    keyed by the position of the target row that judges it. `probs` keeps q (rejection sampling
+    needs it). The markov chain feeds each slot's scores (its bias added) through `pick`."""
+
+    def __init__(self, params: SamplingParams, noise: torch.Tensor, want_probs: bool):
+        self.params, self.noise, self.want_probs = params, noise, want_probs
+        self._q: list[torch.Tensor] = []
+
+    def pick(self, k: int, scores: torch.Tensor) -> torch.Tensor:
+        """Slot k's scores `[1, V]` -> its draft `[1]`."""
+        z = process_logits(scores, self.params)
+        if self.want_probs:
+            self._q.append(torch.softmax(z, dim=-1))
+        return torch.argmax(z + self.noise[k : k + 1], dim=-1)
+
+    def pick_rows(self, scores: torch.Tensor) -> torch.Tensor:
+        """Every slot at once (parallel drafting): `[n, V]` -> drafts `[n]`."""
+        z = process_logits(scores, self.params)
+        if self.want_probs:
+            self._q = [torch.softmax(z, dim=-1)]
+        return torch.argmax(z + self.noise[: z.shape[0]], dim=-1)
+
+    @property
+    def probs(self) -> torch.Tensor | None:
+        return torch.cat(self._q) if self.want_probs else None
 
 
 # --------------------------------------------------------------------------- the sampler
@@ -252,12 +302,69 @@ class PositionKeyed:
     def select(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.argmax(self.scores(logits, positions), dim=-1)
 
+    def drafting(self, positions: torch.Tensor, vocab: int) -> Drafting:
+        """Drafts coupled to the target: each is the drafter's own sample at the position with the
+        very noise the target will use there, so a draft is the target's sample whenever the two
+        distributions agree on it (the rule keeps a draft only when it equals the target's
+        sample: exactness does not depend on how drafts are made)."""
+        return Drafting(self.params, keyed_gumbel(self.keys, positions, vocab), want_probs=False)
+
     def __repr__(self) -> str:
-        return f"PositionKeyed({self.params})"
+        return f"{type(self).__name__}({self.params})"
+
+
+class RejectionSampling(PositionKeyed):
+    """Standard speculative sampling: drafts sampled from the drafter's processed distribution q
+    (their own keyed stream), a draft at slot k kept with probability min(1, p_k(d)/q_k(d)), and
+    at the first rejection the residual max(0, p_k - q_k) sampled; after a fully kept window the
+    target's own sample. Lossless in distribution (Leviathan et al. 2023; Chen et al. 2023) but
+    not identical to plain sampling with the same seed. Plain decoding (and the prefill's token)
+    is position-keyed sampling, as `PositionKeyed`.
+
+    Expressed in the round's terms, `verify` returns one selection per verify row: the draft
+    where kept, the residual sample at the first rejection (a token with q > p there, so never
+    the draft), the target's sample after the last row; `accept_prefix` then stops at the first
+    rejection and the next anchor is that row's selection, as for any sampler.
+
+    The verify window must not depend on the draft it judges: memra's windows (the ladder from
+    earlier rounds; confidence windows whose slot-k decision reads raws up to slot k, which see
+    drafts only up to slot k-1) do not."""
+
+    name = "rejection"
+    rejection = True  # Session verifies with `verify`, the proposer keeps q
+
+    def __init__(self, params: SamplingParams):
+        super().__init__(params)
+        self.draft_keys = seed_keys(self.seed, DRAFT_STREAM)
+        self.accept_keys = seed_keys(self.seed, ACCEPT_STREAM)
+        self.residual_keys = seed_keys(self.seed, RESIDUAL_STREAM)
+        self.acceptance = (
+            f"rejection sampling (seed {self.seed}): drafts sampled from the drafter's distribution q, a draft kept "
+            "with probability min(1, p/q), the residual max(0, p-q) resampled at the first rejection; lossless in "
+            "distribution, NOT identical to plain sampling with the same seed")
+
+    def drafting(self, positions: torch.Tensor, vocab: int) -> Drafting:
+        return Drafting(self.params, keyed_gumbel(self.draft_keys, positions, vocab), want_probs=True)
+
+    def verify(self, logits: torch.Tensor, cand: torch.Tensor, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Verify rows `logits [vt, V]` of `cand [vt]` (anchor + drafts) at `positions [vt]`, the
+        drafts' q `[>= vt-1, V]` -> selections `[vt]` (on the device, no host sync)."""
+        n = logits.shape[0] - 1
+        bonus = self.select(logits[n:], positions[n:])
+        if n == 0:
+            return bonus
+        d = cand[1:].reshape(-1, 1)
+        p = torch.softmax(process_logits(logits[:n], self.params), dim=-1)
+        qn = q[:n]
+        keep = keyed_uniform(self.accept_keys, positions[:n]) * qn.gather(1, d)[:, 0] < p.gather(1, d)[:, 0]
+        residual = torch.argmax(torch.log((p - qn).clamp_min(0.0)) + keyed_gumbel(self.residual_keys, positions[:n],
+                                                                                  logits.shape[-1]), dim=-1)
+        return torch.cat([torch.where(keep, d[:, 0], residual), bonus])
 
 
 def make_sampler(params: SamplingParams | None) -> Sampler:
-    """Temperature 0 (or no params) -> `GREEDY`, exactly today's argmax; else `PositionKeyed`."""
+    """Temperature 0 (or no params) -> `GREEDY`, exactly today's argmax; else `PositionKeyed`
+    (acceptance "keyed", the default) or `RejectionSampling` (acceptance "rejection")."""
     if params is None or params.greedy:
         return GREEDY
-    return PositionKeyed(params)
+    return RejectionSampling(params) if params.acceptance == "rejection" else PositionKeyed(params)
