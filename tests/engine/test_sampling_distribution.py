@@ -298,3 +298,129 @@ def test_argmax_drafts_with_a_p_over_q_test_fail(table):
     p_value = g_test(counts, exact_distribution(table, params))
     print(f"argmax draft + p/q test: G-test p = {p_value:.3g}")
     assert p_value < ALPHA, p_value
+
+
+# --------------------------------------------------------------------------- rejection sampling
+
+
+class TableState:
+    """The KV state of `TableRunner`: the ids at each position."""
+
+    def __init__(self):
+        self.ids: list[int] = []
+        self.graphs: dict = {}
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    def reset(self) -> None:
+        self.ids = []
+
+    def rollback(self, n: int) -> None:
+        del self.ids[n:]
+
+
+class TableRunner:
+    """A `StepRunner` that looks the target's logits up in the table (every row's logits are the
+    real target's, tabulated by prefix) instead of running it: a session's round costs only the
+    sampler's and the round's own work, so 20,000 real `Session`s run in seconds."""
+
+    def __init__(self, table: Table, target):
+        self.table, self.model = table, target
+
+    def check_prompt(self, prompt, max_new) -> None: ...
+    def new_state(self, max_len: int) -> TableState:
+        return TableState()
+    def release(self, state) -> None: ...
+
+    def _rows(self, state: TableState, n: int) -> torch.Tensor:
+        zeros = torch.zeros(V)
+        rows = []
+        for end in range(state.length - n + 1, state.length + 1):
+            stream = tuple(state.ids[N:end])
+            rows.append(self.table.logits(stream) if len(stream) < 3 else zeros)
+        return torch.stack(rows)
+
+    def prefill(self, ids, state, taps=None):
+        state.ids = ids.tolist()
+        return self._rows(state, 1), torch.zeros(len(state.ids), 1)
+
+    def step(self, ids, start, state, taps=None):
+        del state.ids[start:]
+        state.ids += ids.tolist()
+        return self._rows(state, ids.shape[0]), torch.zeros(ids.shape[0], 1)
+
+
+def drafter_logits(t: Table, prefix: tuple[int, ...]) -> torch.Tensor:
+    """The drafter of the rejection tests: sharper than the target (its logits x 1.6), blind past
+    the table."""
+    lg = t.logits(prefix) if len(prefix) < 3 else None
+    return torch.zeros(V) if lg is None else lg * 1.6
+
+
+class SampledTableProposer(TableProposer):
+    """Drafts from the sampler's `drafting` (q = the processed drafter distribution, chained on
+    the drafter's own previous drafts), with its q; raws either from the prefix (`raws_for`) or,
+    for the lossy control, from the judged draft itself."""
+
+    def __init__(self, table: Table, program: Program, raws_see_the_draft: bool = False):
+        super().__init__(table, program)
+        self.raws_see_the_draft = raws_see_the_draft
+
+    def propose(self, last, start, want_raws) -> Proposal:
+        prefix = tuple(self.session.tokens) + (int(last),)
+        nd = self.program.n_drafts
+        drafting = self.session.sampler.drafting(start + torch.arange(nd), V)
+        drafts: list[int] = []
+        for k in range(nd):
+            drafts.append(int(drafting.pick(k, drafter_logits(self.table, prefix + tuple(drafts))[None])))
+        raws = None
+        if want_raws:
+            if self.raws_see_the_draft:  # slot k judged only when its draft is the drafter's argmax: lossy
+                greedy = [int(torch.argmax(drafter_logits(self.table, prefix + tuple(drafts[:k])))) for k in range(nd)]
+                raws = torch.tensor([4.0 if d == g else -4.0 for d, g in zip(drafts, greedy)])
+            else:
+                raws = torch.tensor(raws_for(prefix, nd))
+        return Proposal(torch.tensor(drafts), raws, drafting.probs)
+
+
+def rejection_outcomes(t: Table, prog: Prog, seeds, raws_see_the_draft: bool = False):
+    from memra_cli.engine.spec.keyed import RejectionSampling
+
+    runner = TableRunner(t, t.runner.model)
+    out, accepted = [], 0
+    for seed in seeds:
+        sampler = RejectionSampling(SamplingParams(**{**prog.params.__dict__, "seed": seed, "acceptance": "rejection"}))
+        proposer = SampledTableProposer(t, prog.program, raws_see_the_draft)
+        session = Session(runner, PROMPT, 3, proposer=proposer, program=prog.program, taps=(-1,), sampler=sampler)
+        proposer.session = session
+        out.append(tuple(session.run()))
+        accepted += session.stats.accepted
+    return out, accepted
+
+
+RS_PROGRAMS = [PROGRAMS[0], PROGRAMS[1]]  # the ladder, and a confidence window (raws from the prefix)
+S_RS = 3_000  # real Sessions per program (~3 ms each on a CPU; a one-off run at 20,000: docs/sampling.md)
+
+
+@pytest.mark.parametrize("prog", RS_PROGRAMS, ids=[p.name for p in RS_PROGRAMS])
+def test_rejection_sampling_is_lossless_in_distribution(table, prog):
+    """Real `Session`s with the real `RejectionSampling` (drafting, q, verify), over the
+    tabulated target: `S_RS` seeds per program."""
+    outcomes, accepted = rejection_outcomes(table, prog, range(prog.seed0 + 500_000, prog.seed0 + 500_000 + S_RS))
+    p = g_test(counts_of(outcomes), exact_distribution(table, prog.params))
+    print(f"rejection {prog.name}: G-test p = {p:.3g}, accepted drafts {accepted}")
+    assert p > ALPHA
+    assert accepted > S_RS // 4  # drafts were kept often: a biased acceptance would show
+
+
+def test_rejection_sampling_with_a_window_that_reads_the_judged_draft_fails(table):
+    """The subtlety rejection sampling carries: the verify window must not depend on the draft
+    it judges. Raws that open slot k only when its draft is the drafter's argmax make the drafts
+    that get judged argmax-biased, and the same test fails."""
+    prog = RS_PROGRAMS[1]
+    outcomes, _ = rejection_outcomes(table, prog, range(prog.seed0 + 500_000, prog.seed0 + 500_000 + S_RS), True)
+    p = g_test(counts_of(outcomes), exact_distribution(table, prog.params))
+    print(f"rejection, window reads the judged draft: G-test p = {p:.3g}")
+    assert p < ALPHA

@@ -222,15 +222,16 @@ def seed_keys(seed: int, stream: int = TARGET_STREAM) -> tuple[int, int, int, in
 def keyed_bits(keys, positions: torch.Tensor, vocab: int) -> torch.Tensor:
     """32-bit words `[t, vocab]` (int64) hashed from (seed keys, position j, vocab index v):
 
-        a_j = mix(mix(j ^ k0) ^ k1),  b_j = mix(mix(j ^ k2) ^ k3),  h = mix(mix(v ^ a_j) ^ b_j)
+        a_j = mix(j ^ k0),  b_j = mix(j ^ k1),  h = mix(mix(v ^ a_j) ^ b_j)
 
-    Every stage is a bijection, so for one seed distinct positions get distinct (a_j, b_j) and
-    a row's words are a permutation-free hash of v. `keys` are four ints, or four int64 tensors
-    broadcastable to `[t, 1]` (a batch of seeds, one per row)."""
-    k0, k1, k2, k3 = keys
+    mix is a bijection, so for one seed distinct positions get distinct a_j (and b_j), and two
+    seeds' rows coincide only where both key differences agree; the two rounds over v leave no
+    xor-shift relation between rows. `keys` are the four ints of `seed_keys` (k2, k3 unused),
+    or int64 tensors broadcastable to `[t, 1]` (a batch of seeds, one per row)."""
+    k0, k1 = keys[0], keys[1]
     j = (positions.to(torch.int64) & _MASK32).reshape(-1, 1)
-    a = mix32(mix32(j ^ k0) ^ k1)
-    b = mix32(mix32(j ^ k2) ^ k3)
+    a = mix32(j ^ k0)
+    b = mix32(j ^ k1)
     v = torch.arange(vocab, dtype=torch.int64, device=positions.device).reshape(1, -1)
     return mix32(mix32(v ^ a) ^ b)
 
