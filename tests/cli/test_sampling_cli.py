@@ -128,3 +128,41 @@ def test_bench_gates_sampled_streams_and_reports_the_params(pair):
     assert "note: acceptance: position-keyed sampling (seed 3)" in r.stderr
     greedy = runner.invoke(bench_app, args[:-6] + ["--json"])
     assert json.loads(greedy.stdout)["sampling"]["sampler"] == "greedy"
+
+
+def test_rejection_arms_are_measured_not_gated(pair):
+    target, dspark, _, prompts = pair
+    base = ["bench", "--target", str(target), "--draft", str(dspark), "--prompts", str(prompts), "--max-new", "10",
+            "--warmup", "0", "--arm", "dspark", "--arm", "dspark:accept=rejection"]
+    r = runner.invoke(bench_app, base + ["--temperature", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    arms = {a["name"]: a for a in obj["arms"]}
+    assert arms["dspark"]["exact"] is True and arms["dspark:accept=rejection"]["exact"] is None
+    assert arms["dspark:accept=rejection"]["acceptance_rule"].startswith("rejection sampling (seed 0)")
+    assert "NOT identical to plain sampling" in arms["dspark:accept=rejection"]["acceptance_rule"]
+    assert arms["dspark"]["acceptance_rule"].startswith("position-keyed sampling (seed 0)")
+    assert obj["exact"] is True  # (a rejection stream may even stop at another EOS: it is another sample)
+    r = runner.invoke(bench_app, base + ["--temperature", "1"])
+    assert r.exit_code == 0 and "n/a" in r.stdout
+    assert "note: arm dspark:accept=rejection: acceptance: rejection sampling (seed 0)" in r.stderr
+    r = runner.invoke(bench_app, base)  # greedy: nothing to sample drafts from
+    assert r.exit_code == 2 and r.stderr.strip() == (
+        "error: --arm 'dspark:accept=rejection': accept=rejection samples drafts: it needs --temperature > 0")
+    r = runner.invoke(bench_app, base[:-1] + ["dspark:accept=sometimes"])
+    assert r.exit_code == 2 and "accept=sometimes (expected keyed|rejection)" in r.stderr
+
+
+def test_generate_with_rejection_sampling(pair):
+    target, dspark, _, _ = pair
+    base = ["--target", target, "--draft", dspark, "--prompt-ids", "5,17,42,99", "--max-new", "16", "--temperature", "1"]
+    r = generate(*base, "--acceptance", "rejection", "--json")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert len(obj["tokens"]) == 16 and obj["sampling"]["sampler"] == "rejection"
+    assert obj["sampling"]["identical_to_plain"] is False
+    r = generate(*base, "--acceptance", "rejection")
+    assert "note: sampling: temperature 1, seed 0 (default; --seed), rejection sampling (--acceptance)" in r.stderr
+    assert "note: acceptance: rejection sampling (seed 0)" in r.stderr
+    r = generate(*base, "--acceptance", "sometimes")
+    assert r.exit_code == 2 and r.stderr.strip() == "error: --acceptance sometimes: expected keyed|rejection"

@@ -307,3 +307,101 @@ def test_oracle_proposing_the_sampled_stream_keeps_the_greedy_accounting(world, 
             first_wrong = lambda r: min(PARTIAL[r], default=7) if r < len(PARTIAL) else 7  # noqa: E731
             check_stats(session, simulate(first_wrong, MAX_NEW, 8, True, sizes))
             assert session.stats.accepted > 0
+
+
+# --------------------------------------------------------------------------- drafts at temperature > 0
+
+
+@pytest.mark.parametrize("name", ["dspark-spark8-ladder", "dflash-zlab8-hdspark-cap4-fixed"])
+@pytest.mark.parametrize("rule", ["keyed", "rejection"])
+def test_drafts_are_the_drafters_keyed_samples(world, ckpts, name, rule):
+    """At T > 0 draft k is argmax(process(drafter scores_k [+ markov bias of the previous
+    draft]) + noise keyed to position start + k): the target's own noise under the position-keyed
+    rule (coupled drafts), the drafts' own stream under rejection sampling, which also keeps q."""
+    from memra_cli.engine.formats.census import take_census
+    from memra_cli.engine.layers.ops import linear
+    from memra_cli.engine.models.drafter import Drafter
+    from memra_cli.engine.api import resolve_program
+    from memra_cli.engine.spec.keyed import DRAFT_STREAM
+    from memra_cli.engine.spec.proposer import DrafterProposer
+
+    case = CASES[name]
+    census = take_census(ckpts[case.ckpt])
+    program, _, _ = resolve_program(case.mode, census, PolicySettings(**case.settings), case.markov, case.cap)
+    drafter = Drafter.load(ckpts[case.ckpt], census=census)
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, acceptance=rule)
+    sampler = make_sampler(params)
+    proposer = DrafterProposer(drafter, world.target, program, sampler=sampler)
+    prompt = world.prompts[1]
+    runner = StepRunner(world.target)
+    cache = runner.new_state(len(prompt) + 1)
+    _, taps = runner.prefill(torch.tensor(prompt), cache, census.config.target_layer_ids)
+    proposer.reset(len(prompt) + 1)
+    proposer.ingest(taps, torch.arange(len(prompt)))
+    last, start, b = torch.tensor([17]), len(prompt), program.block_size
+    got = proposer.propose(last, start, False)
+    # the reference: the same hidden rows, the chain written out
+    proposer.block_ids[0] = 17
+    hidden = drafter.forward_round(proposer.kv, world.target.embed(proposer.block_ids), torch.arange(start, start + b)).hidden_out
+    rows = hidden[program.harvest.first_row : program.harvest.first_row + program.n_drafts]
+    logits = world.target.logits(rows)
+    keys = seed_keys(5, DRAFT_STREAM) if rule == "rejection" else seed_keys(5)
+    noise = keyed_gumbel(keys, torch.arange(start, start + program.n_drafts), VOCAB)
+    prev, chain, qs = 17, [], []
+    for k in range(program.n_drafts):
+        scores = logits[k : k + 1]
+        if program.markov:
+            scores = scores + linear(drafter.markov_w1[torch.tensor([prev])], drafter.markov_w2).float()
+        z = process_logits(scores, params)
+        prev = int(torch.argmax(z + noise[k : k + 1]))
+        chain.append(prev)
+        qs.append(torch.softmax(z, -1))
+    assert got.drafts.tolist() == chain
+    if rule == "rejection":
+        assert torch.equal(got.probs, torch.cat(qs)) and (got.probs.gather(1, got.drafts[:, None]) > 0).all()
+    else:
+        assert got.probs is None
+
+
+def test_rejection_sampling_sessions(world, ckpts, engine16):
+    """Rejection sampling runs every program: exactly max_new tokens, the accounting holds,
+    plain decoding with it is position-keyed plain sampling; its speculative stream is a
+    different sample than the plain one (lossless in distribution only)."""
+    differs = 0
+    for name in ("dspark-spark8-conf-tau03", "dflash-zlab16", "dspark-spark16-fixed-cap9", "dspark-spark4-defaults"):
+        case = CASES[name]
+        arm = engine16.arm(ArmConfig(draft=ckpts[case.ckpt], mode=case.mode, settings=PolicySettings(**case.settings),
+                                     markov=case.markov, verify_cap=case.cap))
+        for t in (0.7, 1.0):
+            rs = make_sampler(SamplingParams(temperature=t, seed=2, acceptance="rejection"))
+            keyed = make_sampler(SamplingParams(temperature=t, seed=2))
+            for pi, prompt in enumerate(world.prompts):
+                session = engine16.session(prompt, MAX_NEW, arm, sampler=rs, eos_ids=())
+                out = session.run()
+                st = session.stats
+                assert len(out) == MAX_NEW == st.tokens and st.accepted + st.rounds == MAX_NEW
+                plain = engine16.session(prompt, MAX_NEW, None, sampler=rs, eos_ids=()).run()
+                assert plain == engine16.session(prompt, MAX_NEW, None, sampler=keyed, eos_ids=()).run()
+                differs += out != plain
+                assert out[0] == plain[0]  # the prefill's token is the target's own keyed sample
+    assert differs > 0
+
+
+def test_rejection_verify_rows():
+    """`verify`: p == q keeps every draft; a draft where p is 0 is rejected for a residual token
+    that is never the draft; after a kept window the last row is the target's keyed sample."""
+    from memra_cli.engine.spec.keyed import RejectionSampling
+
+    s = RejectionSampling(SamplingParams(temperature=1.0, seed=4, acceptance="rejection"))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 32, generator=g)
+    positions = torch.arange(50, 54)
+    q = torch.softmax(process_logits(logits, s.params), -1)
+    cand = torch.tensor([1, 5, 6, 7])
+    vam = s.verify(logits, cand, q[:3], positions)
+    assert vam[:3].tolist() == [5, 6, 7] and vam[3] == s.select(logits[3:], positions[3:])
+    masked = logits.clone()
+    masked[1, 6] = -math.inf  # the target cannot say 6 after row 1
+    vam = s.verify(masked, cand, q[:3], positions)
+    assert vam[0] == 5 and vam[1] != 6
+    assert s.verify(logits[:1], cand[:1], q[:0], positions[:1]).tolist() == s.select(logits[:1], positions[:1]).tolist()
