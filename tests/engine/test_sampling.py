@@ -40,7 +40,7 @@ from memra_cli.engine.spec.session import Session
 from memra_cli.engine.runtime.steps import StepRunner
 
 from test_spec import (  # noqa: F401  (world, ckpts: module fixtures shared with the greedy tests)
-    CASES, MAX_NEW, ORACLE_TAPS, PARTIAL, PROMPT_LENS, VOCAB, Expected, OracleProposer, check_stats, ckpts, simulate,
+    CASES, MAX_NEW, ORACLE_TAPS, PARTIAL, PROMPT_LENS, VOCAB, OracleProposer, check_stats, ckpts, simulate,
     world,
 )
 

@@ -20,12 +20,17 @@ seed and the position only, so:
 
 The hash runs on the device as int64 tensor arithmetic kept inside 32-bit lanes: every value
 stays in [0, 2^32) and every multiplier is below 2^31, so no product reaches 2^63 (no signed
-overflow, no arithmetic-shift surprise), and the result is the same on any device. No Python RNG, no host sync: only tensor ops (a CUDA graph can capture them).
-The float work is done in float64 so that a row's token does not depend on how many rows share
-its tensor (vectorized and scalar transcendental paths may differ in their last bit; that bit
-is 2^-52 here and never decides an argmax in practice).
+overflow, no arithmetic-shift surprise), and the result is the same on any device. No Python
+RNG, no host sync: only tensor ops (a CUDA graph can capture them). The float work is done in
+float64 so that a row's token does not depend on how many rows share its tensor (vectorized and
+scalar transcendental paths may differ in their last bit; that bit is 2^-52 here and never
+decides an argmax in practice).
 
+Drafts at temperature > 0 are the drafter's own sample with the target's noise at the position
+that judges them (`PositionKeyed.drafting`): exactness does not depend on drafts, acceptance
+does. `RejectionSampling` is the opt-in alternative (lossless in distribution only).
 Temperature 0 is greedy: `make_sampler` returns `GREEDY`, today's argmax, untouched.
+See docs/sampling.md.
 """
 
 from __future__ import annotations
