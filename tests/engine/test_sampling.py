@@ -372,7 +372,7 @@ def test_rejection_sampling_sessions(world, ckpts, engine16):
         case = CASES[name]
         arm = engine16.arm(ArmConfig(draft=ckpts[case.ckpt], mode=case.mode, settings=PolicySettings(**case.settings),
                                      markov=case.markov, verify_cap=case.cap))
-        for t in (0.7, 1.0):
+        for t in (0.7,) if name == "dflash-zlab16" else (1.0,):
             rs = make_sampler(SamplingParams(temperature=t, seed=2, acceptance="rejection"))
             keyed = make_sampler(SamplingParams(temperature=t, seed=2))
             for pi, prompt in enumerate(world.prompts):

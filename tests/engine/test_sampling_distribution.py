@@ -418,9 +418,9 @@ def test_rejection_sampling_is_lossless_in_distribution(table, prog):
 def test_rejection_sampling_with_a_window_that_reads_the_judged_draft_fails(table):
     """The subtlety rejection sampling carries: the verify window must not depend on the draft
     it judges. Raws that open slot k only when its draft is the drafter's argmax make the drafts
-    that get judged argmax-biased, and the same test fails."""
+    that get judged argmax-biased, and the same test fails (on half the samples: the bias is large)."""
     prog = RS_PROGRAMS[1]
-    outcomes, _ = rejection_outcomes(table, prog, range(prog.seed0 + 500_000, prog.seed0 + 500_000 + S_RS), True)
+    outcomes, _ = rejection_outcomes(table, prog, range(prog.seed0 + 500_000, prog.seed0 + 500_000 + S_RS // 2), True)
     p = g_test(counts_of(outcomes), exact_distribution(table, prog.params))
     print(f"rejection, window reads the judged draft: G-test p = {p:.3g}")
     assert p < ALPHA
