@@ -15,15 +15,17 @@ from typing import List, Optional
 import typer
 
 from memra_cli.cli.common import CudaGraphsOpt, JsonOpt, StepWidthOpt, refusals
+from memra_cli.cli.sampling import MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params
 
 # Kept in step with engine.bench.ARM_KEYS (a test checks); written out here so --help needs no torch.
 ARM_HELP = (
-    "An arm to run, repeatable: NAME[:key=value,...]. NAME: off (plain greedy, always run: the "
+    "An arm to run, repeatable: NAME[:key=value,...]. NAME: off (plain decoding, always run: the "
     "exactness reference) | dflash | dspark | auto. Keys: harvest=dflash|dspark, "
     "vt=ladder|confidence|confidence-slot, tau=FLOAT in (0,1), cap=INT (verify cap), adapt=0|1, "
     "markov=0|1, prec=f32|bf16|q8|mixed|fc|q4 (drafter weights), draft=PATH or draft=dflash|dspark "
-    "(an embedded drafter). E.g. --arm dspark:vt=confidence,tau=0.3 --arm dspark:harvest=dflash. "
-    "Default: off, dflash, dspark."
+    "(an embedded drafter), accept=keyed|rejection (the acceptance rule with --temperature > 0: keyed, the "
+    "default, reproduces plain sampling token for token; rejection is lossless in distribution only and is "
+    "not gated). E.g. --arm dspark:vt=confidence,tau=0.3 --arm dspark:harvest=dflash. Default: off, dflash, dspark."
 )
 
 
@@ -111,6 +113,8 @@ def _render_receipts(b) -> None:
     if b.embedded:
         render.err_console.print(f"using the embedded default pair (target {b.meta['target']})", markup=False, highlight=False)
     render.note(b.meta["step_width_note"])
+    for line in sampling_notes(b.request.sampling, speculative=any(a.loaded.mode != "off" for a in b.arms)):
+        render.note(line)
     for key in b.ignored_env:
         render.warn(f"{key} is set; bench arms ignore it (each arm's keys say its program, e.g. --arm dspark:vt=ladder)")
     warned: set[tuple] = set()
@@ -120,6 +124,8 @@ def _render_receipts(b) -> None:
         prec = f", prec={arm.spec.prec}" if arm.spec.prec else ""
         render.err_console.print(f"arm {arm.name}: {arm.loaded.mode} program, drafter {arm.drafter}{prec}", markup=False, highlight=False, soft_wrap=True)
         render.print_receipts(arm.loaded.receipts.lines(), to_stderr=True)
+        if getattr(arm.sampler, "rejection", False):
+            render.note(f"arm {arm.name}: acceptance: {arm.sampler.acceptance} (not gated)")
         for w in arm.loaded.warnings:
             if (arm.drafter, w) not in warned:  # once per drafter, not once per arm
                 warned.add((arm.drafter, w))
@@ -145,7 +151,7 @@ def _render_table(report: dict) -> None:
     for c in cols:
         t.add_column(c, justify="left" if c == "arm" else "right", no_wrap=c != "arm")
     for a in report["arms"]:
-        exact = "ref" if a["mode"] == "off" else ("yes" if a["exact"] else "[bold red]NO[/bold red]")
+        exact = "ref" if a["mode"] == "off" else ("n/a" if a["exact"] is None else "yes" if a["exact"] else "[bold red]NO[/bold red]")
         row = [a["name"], str(a["n_prompts"]), str(a["tokens"]), _fmt(a["tau"]), _fmt(a["acceptance"], ".3f"),
                _fmt(a["tok_per_s"], ".1f"), _fmt(a["speedup"], ".2f") + "x", exact]
         row += [_fmt((a["phase_ms"] or {}).get(ph), ".3f") for ph in phases]
@@ -205,6 +211,11 @@ def bench(
     step_width: Optional[str] = StepWidthOpt,
     cuda_graphs: Optional[bool] = CudaGraphsOpt,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: speedup per arm and the tau histograms (needs matplotlib)."),
+    temperature: Optional[str] = TemperatureOpt,
+    top_k: Optional[str] = TopKOpt,
+    top_p: Optional[str] = TopPOpt,
+    min_p: Optional[str] = MinPOpt,
+    seed: Optional[str] = SeedOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Measure decoding arms side by side over a prompt set, with an exactness gate.
@@ -214,15 +225,17 @@ def bench(
     accepted + 1), acceptance (accepted / drafted), tok/s (tokens / wall time of its
     generations, prefill included), speedup (tok/s over off's, same run), per-phase ms per
     generated token, and the tau histogram. Every speculative stream must equal the off arm's
-    token for token: a mismatch is reported and the exit code is 1.
+    token for token (sampled with --temperature: off samples with the same parameters and seed):
+    a mismatch is reported and the exit code is 1.
     """
     from memra_cli.engine.bench import BenchRequest, prepare_bench
 
+    sampling = sampling_params(temperature, top_k, top_p, min_p, seed)
     if plot is not None:
         _check_plot(plot)
     req = BenchRequest(target=target, draft=draft, prompts=prompts, n=n, max_new=max_new, chat=chat, arms=list(arm or []),
                        warmup=warmup, dtype=dtype, device=device, phase_times=phase_times, step_width=step_width,
-                       cuda_graphs=cuda_graphs)
+                       cuda_graphs=cuda_graphs, sampling=sampling)
     b = prepare_bench(req, env=dict(os.environ))
     if not json_out:
         _render_receipts(b)

@@ -48,6 +48,8 @@ def policy_settings(harvest: Optional[str], vt: Optional[str], tau: Optional[str
 # engine setting -> the flag that carries it (the engine names settings, the CLI names flags)
 SETTING_FLAGS = {"device": "--device", "dtype": "--dtype", "step_width": "--step-width",
                  "cuda_graphs": "--cuda-graphs", "spec": "--spec"}
+SETTING_FLAGS.update({"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+                      "min_p": "--min-p", "seed": "--seed", "acceptance": "--acceptance"})  # cli/sampling.py
 
 
 def debug_enabled() -> bool:

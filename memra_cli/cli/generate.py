@@ -1,4 +1,4 @@
-"""`memra generate`: speculative (or plain) greedy generation, streamed, with receipts and stats."""
+"""`memra generate`: speculative (or plain) generation, greedy or sampled, streamed, with receipts and stats."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import typer
 
 from memra_cli.cli.common import (
     AdaptOpt, CudaGraphsOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, policy_settings, refusals,
+)
+from memra_cli.cli.sampling import (
+    AcceptanceOpt, MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params,
 )
 
 
@@ -48,12 +51,21 @@ def generate(
     adapt: Optional[bool] = AdaptOpt,
     step_width: Optional[str] = StepWidthOpt,
     cuda_graphs: Optional[bool] = CudaGraphsOpt,
+    temperature: Optional[str] = TemperatureOpt,
+    top_k: Optional[str] = TopKOpt,
+    top_p: Optional[str] = TopPOpt,
+    min_p: Optional[str] = MinPOpt,
+    seed: Optional[str] = SeedOpt,
+    acceptance: Optional[str] = AcceptanceOpt,
     json_out: bool = JsonOpt,
 ) -> None:
-    """Greedy generation from a target, sped up by a DFlash / DSpark drafter.
+    """Generation from a target (greedy, or sampled with --temperature), sped up by a DFlash /
+    DSpark drafter.
 
-    The output equals plain greedy decoding of the target token for token: the drafter only
-    proposes, the target's argmax decides every committed token. Receipts come first (stderr),
+    The output equals plain decoding of the target token for token: the drafter only proposes,
+    the target's own selection decides every committed token (greedy: its argmax; sampled: its
+    position-keyed sample, so the same --seed gives the same stream with or without a drafter).
+    Receipts come first (stderr),
     text streams to stdout as rounds commit, and a final line reports tokens, rounds, tau (mean
     committed per round), acceptance, tok/s and per-phase times.
     """
@@ -61,10 +73,12 @@ def generate(
 
     from memra_cli.cli import render
     from memra_cli.engine.api import ArmConfig, Engine, EngineConfig, drafter_precision, resolve_step_width
+    from memra_cli.engine.spec.keyed import make_sampler
     from memra_cli.engine.text import StreamDecoder
 
     resolve_step_width(step_width)  # bad settings refuse before anything loads
     drafter_precision(prec, None)
+    sampling = sampling_params(temperature, top_k, top_p, min_p, seed, acceptance)
     target, draft = _default_models(target, draft, spec, json_out)
     codec, ids = _prompt(target, prompt, prompt_ids, chat)
     arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
@@ -77,8 +91,10 @@ def generate(
         arm = engine.arm(arm_cfg)
         if not json_out:
             _announce(arm, "; ".join(engine.notes))
+            for line in sampling_notes(sampling, arm.mode != "off"):
+                render.note(line)
         stream = StreamDecoder(codec) if codec else None
-        with engine.session(ids, max_new, arm, timed=True) as session:
+        with engine.session(ids, max_new, arm, sampler=make_sampler(sampling), timed=True) as session:
             session.prime()
             while not session.finished:
                 new = session.burst(1)
@@ -89,7 +105,7 @@ def generate(
         render.emit_json({
             "tokens": session.tokens, "text": codec.decode(session.tokens) if codec else None, "mode": arm.mode,
             "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-            "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs,
+            "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs, "sampling": sampling.as_json(),
             "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms")},
             "receipts": arm.receipts.as_json() if arm.receipts else None,
             "receipt_lines": arm.receipts.lines() if arm.receipts else [],

@@ -398,6 +398,7 @@ class Engine:
         eos = self.target.cfg.eos_token_ids if eos_ids is None else tuple(eos_ids)
         if arm is None or arm.mode == "off":
             return Session(self.runner, prompt_ids, max_new, eos_ids=eos, sampler=sampler, timed=timed)
-        proposer = DrafterProposer(arm.drafter, self.target, arm.program, graphs=self.draft_graphs, pool=self.pool)
+        proposer = DrafterProposer(arm.drafter, self.target, arm.program, graphs=self.draft_graphs, pool=self.pool,
+                                   sampler=sampler)
         return Session(self.runner, prompt_ids, max_new, proposer=proposer, program=arm.program, taps=arm.taps,
                        eos_ids=eos, sampler=sampler, timed=timed)

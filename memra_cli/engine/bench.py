@@ -4,8 +4,10 @@ An arm is one decoding program, written `NAME[:key=value,...]` (see `parse_arm`)
 the target once and each distinct drafter (path, prec) once, warms every arm up on the first K
 prompts (not counted), then runs every arm on every prompt, interleaved per prompt with the arm
 order rotated by one each prompt (so slow drift — clocks, thermals, caches — spreads over all
-arms). The `off` arm (plain greedy) always runs: it is the exactness reference, and every
-speculative stream must equal it token for token. Speedups are ratios of tok/s within one run.
+arms). The `off` arm (plain decoding: greedy, or sampled with the same `SamplingParams` and seed)
+always runs: it is the exactness reference, and every speculative stream must equal it token for
+token, at any temperature (an arm with `accept=rejection` samples by rejection sampling, lossless
+in distribution only: it is measured, not gated). Speedups are ratios of tok/s within one run.
 
 Nothing here prints: `cli/bench.py` renders a `BenchResult`.
 """
@@ -19,7 +21,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from memra_cli.engine.errors import MemraError
+from memra_cli.engine.spec.keyed import ACCEPTANCE_RULES, SamplingParams, make_sampler
 from memra_cli.engine.spec.policy import VT_CHOICES, PolicySettings, Receipts
+from memra_cli.engine.spec.sampling import GREEDY
 from memra_cli.engine.stats import DecodeStats
 
 ARM_NAMES = ("off", "dflash", "dspark", "auto")
@@ -29,7 +33,7 @@ EMBEDDED_DRAFTERS = ("dflash", "dspark")
 ARM_KEYS = {
     "harvest": "dflash|dspark", "vt": "|".join(VT_CHOICES), "tau": "a float in (0,1)",
     "cap": "an integer >= 2", "adapt": "0|1", "markov": "0|1", "prec": "|".join(PRECISIONS),
-    "draft": "PATH|dflash|dspark",
+    "draft": "PATH|dflash|dspark", "accept": "keyed|rejection",
 }
 ARM_GRAMMAR = (
     "NAME[:key=value,...] with NAME off|dflash|dspark|auto and keys "
@@ -60,6 +64,7 @@ class ArmSpec:
     markov: bool | None = None
     prec: str | None = None
     draft: str | None = None
+    accept: str | None = None  # keyed (default) | rejection: the acceptance rule at temperature > 0
 
     @property
     def settings(self) -> PolicySettings:
@@ -78,7 +83,7 @@ def _key_value(spec: str, key: str, value: str) -> object:
     if value == "":
         raise _bad(spec, f"{key}= has no value (expected {ARM_KEYS[key]})")
     choices = {"harvest": ("dflash", "dspark"), "vt": VT_CHOICES, "prec": PRECISIONS,
-               "adapt": ("0", "1"), "markov": ("0", "1")}
+               "adapt": ("0", "1"), "markov": ("0", "1"), "accept": ACCEPTANCE_RULES}
     if key in choices:
         if value not in choices[key]:
             raise _bad(spec, f"{key}={value} (expected {ARM_KEYS[key]})")
@@ -210,18 +215,23 @@ class Arm:
     engine: object  # api.Engine
     loaded: object  # api.Arm: mode, receipts, program, drafter, warnings
     drafter: Path | None = None
+    sampler: object = GREEDY  # every arm of a bench, off included, selects with the same sampler
 
     @property
     def name(self) -> str:
         return self.spec.name
 
     def session(self, prompt_ids, max_new: int, timed: bool = False):
-        return self.engine.session(prompt_ids, max_new, self.loaded, timed=timed)  # type: ignore[attr-defined]
+        return self.engine.session(prompt_ids, max_new, self.loaded, sampler=self.sampler,  # type: ignore[attr-defined]
+                                   timed=timed)
 
 
-def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters) -> list[Arm]:
+def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters, sampling: SamplingParams | None = None) -> list[Arm]:
     """Resolve every arm through the same assembly as `memra generate` (`Engine.arm`); each
-    distinct drafter (path, prec) is loaded once and shared (each arm keeps its own program)."""
+    distinct drafter (path, prec) is loaded once and shared (each arm keeps its own program).
+    Every arm samples with `sampling` (None: greedy), one seed for all (the gate compares
+    streams of one seed); an arm's `accept=` picks its acceptance rule."""
+    sampling = sampling or SamplingParams()
     from memra_cli.engine.api import ArmConfig
 
     loaded: dict[tuple[Path, str | None], object] = {}
@@ -239,7 +249,10 @@ def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters) -> list[Arm]
             raise
         except MemraError as exc:
             raise BenchError(f"--arm {spec.name!r}: {exc}") from None
-        arms.append(Arm(spec, engine, arm, path))
+        if spec.accept == "rejection" and sampling.greedy:
+            raise BenchError(f"--arm {spec.name!r}: accept=rejection samples drafts: it needs --temperature > 0")
+        params = dataclasses.replace(sampling, acceptance=spec.accept or "keyed")
+        arms.append(Arm(spec, engine, arm, path, make_sampler(params)))
     return arms
 
 
@@ -283,7 +296,8 @@ class ArmResult:
     stats: DecodeStats = field(default_factory=DecodeStats)
     wall_s: float = 0.0  # sum over generations, prefill included, device synchronized
     n_prompts: int = 0
-    exact: bool = True
+    exact: bool | None = True  # None: not gated (rejection sampling: lossless in distribution only)
+    acceptance_rule: str | None = None  # the sampler's acceptance sentence
 
     def add(self, stats: DecodeStats, wall_s: float) -> None:
         s = self.stats
@@ -322,7 +336,7 @@ class ArmResult:
             "decode_tok_per_s": s.tokens / decode_s if phase_times and decode_s > 0 else None,
             "phase_ms": self.phase_ms_per_token() if phase_times else None,
             "phase_total_ms": {p: 1e3 * v for p, v in s.phase_s.items()} if phase_times else None,
-            "tau_hist": self.tau_hist, "exact": self.exact,
+            "tau_hist": self.tau_hist, "exact": self.exact, "acceptance_rule": self.acceptance_rule,
             "receipts": self.receipts.as_json() if self.receipts else None,
             "receipt_lines": self.receipts.lines() if self.receipts else [],
             "warnings": list(self.warnings),
@@ -354,7 +368,9 @@ class BenchResult:
             "arms": [a.as_json(off, self.phase_times) for a in self.arms],
             "prompts": self.meta.get("prompts"), "max_new": self.max_new, "warmup": self.warmup,
             "target": self.meta.get("target"), "device": self.meta.get("device"), "dtype": self.meta.get("dtype"),
-            "step_width": self.meta.get("step_width"), "cuda_graphs": self.meta.get("cuda_graphs"), "phase_times": self.phase_times, "phase_unit": "ms per generated token", "exact": self.exact,
+            "step_width": self.meta.get("step_width"), "cuda_graphs": self.meta.get("cuda_graphs"),
+            "sampling": self.meta.get("sampling"),
+            "phase_times": self.phase_times, "phase_unit": "ms per generated token", "exact": self.exact,
             "mismatches": [dataclasses.asdict(m) for m in self.mismatches],
         }
 
@@ -398,7 +414,11 @@ def run_bench(arms: Sequence[Arm], prompts: Sequence[Sequence[int]], max_new: in
     meta = dict(meta or {})
     assert any(a.name == "off" for a in arms), "the off arm is the exactness reference"
     results = {a.name: ArmResult(a.name, a.loaded.mode, str(a.drafter) if a.drafter else None, a.spec.prec,
-                                 a.loaded.receipts, list(a.loaded.warnings)) for a in arms}
+                                 a.loaded.receipts, list(a.loaded.warnings),
+                                 acceptance_rule=getattr(a.sampler, "acceptance", None)) for a in arms}
+    ungated = {a.name for a in arms if getattr(a.sampler, "rejection", False) and a.loaded.mode != "off"}
+    for name in ungated:
+        results[name].exact = None
     mismatches: list[Mismatch] = []
     n_warm = min(warmup, len(prompts))
     with torch.inference_mode():
@@ -413,7 +433,7 @@ def run_bench(arms: Sequence[Arm], prompts: Sequence[Sequence[int]], max_new: in
                 tokens, stats, wall = generate_one(arm, ids, max_new, phase_times)
                 streams[arm.name] = tokens
                 results[arm.name].add(stats, wall)
-            mismatches += _gate(streams, i)
+            mismatches += _gate({k: v for k, v in streams.items() if k not in ungated}, i)
             if progress:
                 progress("measure", i + 1, len(prompts))
     for m in mismatches:
@@ -452,6 +472,7 @@ class BenchRequest:
     phase_times: bool = True
     step_width: str | None = None  # --step-width as given (api.resolve_step_width)
     cuda_graphs: bool | None = None  # --cuda-graphs as given (api.resolve_cuda_graphs)
+    sampling: SamplingParams | None = None  # None: greedy (temperature 0)
 
 
 @dataclass
@@ -494,12 +515,14 @@ def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench
             engine.check_prompt(p, req.max_new)
         except MemraError as exc:
             raise BenchError(f"prompt {i} of {prompts.name}: {exc}") from None
-    arms = load_arms(engine, specs, drafters)
+    sampling = req.sampling or SamplingParams()
+    arms = load_arms(engine, specs, drafters, sampling)
     meta = {
         "prompts": {"set": prompts.name, "source": prompts.source, "n": len(ids), "chat": req.chat,
                     "prompt_tokens": sum(len(p) for p in ids)},
         "target": str(target_dir), "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
         "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs, "step_width_note": "; ".join(engine.notes),
+        "sampling": sampling.as_json(), "sampling_note": sampling.describe(),
     }
     ignored = [k for k in POLICY_ENV if (env or {}).get(k)]
     return Bench(req, arms, ids, meta, embedded, ignored)

@@ -1,7 +1,8 @@
-"""The plain-greedy reference: the stream every speculative arm must reproduce token for token.
+"""The plain references: the streams every speculative arm must reproduce token for token.
 
-Deliberately naive (prefill, then one token per step through the state) so it is obviously
-right; it shares only the runner's `prefill` / `step` and argmax with the speculative path.
+Deliberately naive (prefill, then one token per step through the state) so they are obviously
+right; they share only the runner's `prefill` / `step` and the selection (argmax, or a sampler's
+`select`) with the speculative path.
 """
 
 from __future__ import annotations
@@ -36,6 +37,34 @@ def greedy_reference(runner, prompt_ids: Sequence[int], max_new: int,
         while True:
             token = torch.argmax(logits, dim=-1)  # [1]
             out.append(int(token))  # host sync per token: fine for a reference
+            if out[-1] in eos or len(out) == max_new:
+                return out
+            logits, _ = runner.step(token, state.length, state)
+    finally:
+        runner.release(state)
+
+
+def sampled_reference(runner, prompt_ids: Sequence[int], max_new: int, sampler,
+                      eos_ids: Sequence[int] = ()) -> list[int]:
+    """`greedy_reference` with `sampler.select(logits, positions)` in place of argmax: the token
+    after the row at position j is selected with `positions = [j]` (the prefill's last row is at
+    len(prompt) - 1). With the position-keyed sampler this is plain seeded sampling."""
+    if not isinstance(runner, StepRunner):
+        runner = StepRunner(runner)
+    prompt = list(prompt_ids)
+    runner.check_prompt(prompt, max_new)
+    if max_new == 0:
+        return []
+    eos = set(eos_ids)
+    state = runner.new_state(len(prompt) + max_new)
+    dev = runner.model.device
+    try:
+        logits, _ = runner.prefill(torch.tensor(prompt, dtype=torch.long, device=dev), state)
+        out: list[int] = []
+        while True:
+            row = state.length - 1
+            token = sampler.select(logits, torch.tensor([row], device=dev))  # [1]
+            out.append(int(token))
             if out[-1] in eos or len(out) == max_new:
                 return out
             logits, _ = runner.step(token, state.length, state)

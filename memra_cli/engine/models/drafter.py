@@ -376,16 +376,17 @@ class Drafter:
     def has_confidence(self) -> bool:
         return self.conf_w is not None
 
-    def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, pick=None) -> torch.Tensor:
         """Greedy semi-autoregressive chain over `logits [n, V]` (float32): slot k's logits get
         `w2 · w1[prev]`, prev starting at `anchor` (0-d or [1] long) and then each chosen token.
-        Returns tokens `[n]` on the device (no host sync)."""
+        Returns tokens `[n]` on the device (no host sync). `pick(k, scores [1, V]) -> [1]`
+        chooses instead of argmax (a sampler's drafting: spec/keyed.py `Drafting.pick`)."""
         assert self.markov_w1 is not None and self.markov_w2 is not None
         prev = anchor.reshape(1)
         out = []
         for k in range(logits.shape[0]):
             bias = linear(self.markov_w1[prev].to(self.dtype), self.markov_w2).float()  # [1, V]
-            prev = torch.argmax(logits[k : k + 1] + bias, dim=-1)
+            prev = torch.argmax(logits[k : k + 1] + bias, dim=-1) if pick is None else pick(k, logits[k : k + 1] + bias)
             out.append(prev)
         return torch.cat(out)
 

@@ -8,6 +8,7 @@ drafter rounds are graphed) and goes back on `release`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,6 +18,7 @@ from memra_cli.engine.errors import MemraError
 from memra_cli.engine.models.drafter import DraftCapacityError, Drafter
 from memra_cli.engine.runtime.pool import StoragePool
 from memra_cli.engine.spec.policy import Harvest, VerifyWindow
+from memra_cli.engine.spec.sampling import GREEDY, Sampler
 
 PRIME_CHUNK = 256  # prompt taps are ingested in row windows to bound transient memory
 
@@ -45,7 +47,7 @@ class Program:
 class Proposal:
     drafts: torch.Tensor  # [nd] long, on the device
     raws: torch.Tensor | None = None  # [nd] float32 pre-sigmoid confidence, when asked for
-    probs: torch.Tensor | None = None  # [nd, vocab] draft distribution, for a sampler that needs it (none yet)
+    probs: torch.Tensor | None = None  # [nd, vocab] float64 draft distribution q, for rejection sampling
 
 
 class Proposer(Protocol):
@@ -61,7 +63,7 @@ class DrafterProposer:
     """The real proposer: drafter forward over its KV cache, harvest, target lm_head, markov."""
 
     def __init__(self, drafter: Drafter, target, program: Program, *, graphs: bool = False,
-                 pool: StoragePool | None = None):
+                 pool: StoragePool | None = None, sampler: Sampler = GREEDY):
         if program.window.is_confidence and not drafter.has_confidence:
             raise SpecError(
                 f"verify-window {program.window} needs a checkpoint with an accept-rate head "
@@ -70,6 +72,7 @@ class DrafterProposer:
         if graphs and pool is None:
             raise ValueError("graphed drafter rounds need a pool (their graphs live on pooled storages)")
         self.drafter, self.target, self.program = drafter, target, program
+        self.sampler = sampler  # greedy: argmax drafts; a sampler with `drafting`: its drafts (spec/keyed.py)
         cfg = drafter.cfg
         self.block_ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=target.device)
         self.graphs, self.pool = graphs, pool  # drafter rounds as CUDA graphs (runtime/draft_graphs.py)
@@ -110,14 +113,17 @@ class DrafterProposer:
             self.drafter.ingest(self.kv, taps[lo : lo + PRIME_CHUNK], positions[lo : lo + PRIME_CHUNK])
 
     def propose(self, last: torch.Tensor, start: int, want_raws: bool) -> Proposal:
-        if self.graphs:
+        keeps_q = getattr(self.sampler, "rejection", False)
+        if self.graphs and not keeps_q:  # (rejection sampling's q is not graphed: eager rounds)
             from memra_cli.engine.runtime.draft_graphs import ProposeGraph
 
             assert self.kv.length == start, (self.kv.length, start)  # row index == position
-            key = ("propose", self.program, want_raws)  # one drafter (and its storages) serves several arms
+            # one drafter (and its storages) serves several arms, and sessions of several samplers
+            key = ("propose", self.program, want_raws, getattr(self.sampler, "params", None))
             graph = self.kv.graphs.get(key)
             if graph is None:
-                graph = self.kv.graphs[key] = ProposeGraph(static_proposal, self.drafter, self.target, self.program,
+                body = functools.partial(static_proposal, sampler=self.sampler)
+                graph = self.kv.graphs[key] = ProposeGraph(body, self.drafter, self.target, self.program,
                                                             self.kv, want_raws)
             return Proposal(*graph.run(last, start))
         b = self.program.block_size
@@ -125,26 +131,40 @@ class DrafterProposer:
         noise = self.target.embed(self.block_ids)
         positions = torch.arange(start, start + b, device=self.target.device)
         hidden = self.drafter.forward_round(self.kv, noise, positions).hidden_out
-        return Proposal(*draft_heads(self.drafter, self.target, self.program, hidden, last, want_raws))
+        return Proposal(*draft_heads(self.drafter, self.target, self.program, hidden, last, want_raws,
+                                     self.sampler, positions[0]))
 
 
 def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last: torch.Tensor,
-                want_raws: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                want_raws: bool, sampler: Sampler = GREEDY, start: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Block hidden `[b, hidden]` -> drafts `[n_drafts]` (harvested rows through the target's
-    lm_head, then the markov chain or argmax) and, when asked, confidence raws `[n_drafts]`."""
+    lm_head, then the markov chain or argmax), when asked confidence raws `[n_drafts]`, and the
+    drafts' distribution q when the sampler keeps it. Greedy drafts are argmax; a sampler with
+    `drafting` (temperature > 0) picks draft k with the noise keyed to position `start + k`
+    (0-d device tensor), the target row that judges it."""
     rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
     logits = target.logits(rows)
-    drafts = drafter.markov_chain(logits, last) if p.markov else torch.argmax(logits, dim=-1)
+    drafting = None
+    if hasattr(sampler, "drafting"):
+        drafting = sampler.drafting(start + torch.arange(p.n_drafts, device=logits.device), logits.shape[-1])
+    if drafting is None:
+        drafts = drafter.markov_chain(logits, last) if p.markov else torch.argmax(logits, dim=-1)
+    else:
+        drafts = drafter.markov_chain(logits, last, drafting.pick) if p.markov else drafting.pick_rows(logits)
     raws = None
     if want_raws:
         raws = drafter.confidence_raw(rows, torch.cat([last.reshape(1), drafts[:-1]]))
-    return drafts, raws
+    return drafts, raws, (drafting.probs if drafting is not None else None)
 
 
 def static_proposal(drafter: Drafter, target, p: Program, kv, last: torch.Tensor, tail: torch.Tensor,
-                    start: torch.Tensor, want_raws: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    start: torch.Tensor, want_raws: bool, sampler: Sampler = GREEDY
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`propose` with static shapes (the body of a ProposeGraph): `last [1]`, the block's mask ids
     `tail [b-1]`, `start` a 0-d device tensor -> drafts `[n_drafts]` and raws `[n_drafts]` or
     None. Reads only its arguments and long-lived weights: nothing of any session."""
     noise = target.embed(torch.cat([last.reshape(1), tail]))
-    return draft_heads(drafter, target, p, drafter.static_round(kv, noise, start), last, want_raws)
+    drafts, raws, _ = draft_heads(drafter, target, p, drafter.static_round(kv, noise, start), last, want_raws,
+                                  sampler, start)
+    return drafts, raws

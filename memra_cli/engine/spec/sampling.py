@@ -5,7 +5,8 @@ then accepts the longest prefix of drafts that equal the target's own selections
 positions and commits the target's selection at the first mismatch (`accept_prefix`). That rule
 is lossless for any sampler whose selection at a position is a deterministic function of that
 position's logits (and, for a seeded sampler, of the seed and the position): the committed
-stream is then exactly the plain stream. Greedy (argmax) is the only sampler today.
+stream is then exactly the plain stream. Greedy (argmax) is here; temperature sampling (the
+position-keyed sampler, and opt-in rejection sampling) is in `keyed.py`.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ One round:
     proposer.propose(...)   -> drafts [nd] (+ confidence raws [nd] under a confidence policy)
     vt from the window policy (ladder carried, or sized from the raws), capped, within budget
     runner.step([last, drafts[:vt-1]]) with taps -> logits [vt, V], taps [vt, n_taps*hidden]
-    sel = sampler.select(logits)   (greedy: argmax)
+    sel = sampler.select(logits)   (greedy: argmax; sampled: position-keyed; rejection sampling: verify)
     m = accepted prefix; commit last + drafts[:m]; next = sel[m]
     rollback: state.rollback(start + m + 1)
     proposer.ingest(taps[:m+1]) at positions start..start+m; last = next
@@ -143,7 +143,11 @@ class Session:
             cand = torch.cat([last.reshape(1), drafts[: vt - 1]])
         self.clock.lap("draft")
         logits, taps = self.runner.step(cand, start, self.cache, self.taps or None)
-        vam = self.sampler.select(logits, torch.arange(start, start + vt, device=cand.device))
+        positions = torch.arange(start, start + vt, device=cand.device)
+        if drafts is not None and getattr(self.sampler, "rejection", False):  # spec/keyed.py RejectionSampling
+            vam = self.sampler.verify(logits, cand, proposal.probs, positions)
+        else:
+            vam = self.sampler.select(logits, positions)
         host = torch.cat([cand, vam]).tolist()  # the round's one (ladder) host read
         cand_h, vam_h = host[:vt], host[vt:]
         self.clock.lap("verify")
