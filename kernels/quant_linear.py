@@ -21,6 +21,23 @@ the low nibbles of a tile's bytes multiply the first 16 columns of x of each blo
 nibbles the last 16, so x (small, cached) is gathered in that order instead of the weight being
 shuffled. Scales are split off the 34/18-byte blocks, whose odd sizes defeat aligned loads.
 
+Dequantization, two variants (KernelConfig.scale_after_dot, chosen per shape):
+  dequantize-first: W = q * d in float32 (one FMA a weight through a magic-number float, no
+    int-to-float instruction), rounded to x's dtype, then one dot per BLOCK_K tile; the weights
+    the dot sees equal `Packed.dequantize(x.dtype)` exactly (what `quant_linear_ref` uses).
+  scale-after-dot: the integers q (exact in bf16) go into one dot per 32-block and the float32
+    partial is multiplied by d; on CUDA with bf16 x the q4_0 nibbles become bf16 pairs with a
+    few 32-bit PTX instructions per 4 bytes. No weight is rounded, so the result is at least
+    as accurate as the reference but not bit-equal to it. Fewer instructions per weight, but
+    slower on the H200 as measured (a dot and a wait per 32 columns), so no TUNED shape uses it.
+
+Where it stands (H200, bf16 x, M = 16, CUDA-graph replay, fraction of a 4.27 TB/s copy): q8_0
+0.51-0.53 on the three large drafter matrices, 0.32 at 4096x4096, 0.14 at 1024x4096; q4_0
+0.22-0.26 large, 0.17 and 0.08 small. Far below the 0.8 / 0.7 targets: the kernel is bound by
+instruction issue, not memory (~6 SASS instructions per weight in the loop, so q4_0, with two
+weights a byte, is slower per byte than q8_0). Eager calls also cost ~50 us of host time (the
+Python wrapper and Triton's launcher), so they are meant to run under CUDA graphs.
+
 Determinism: the tile sizes and split-K count are a function of (qtype, out, in) alone, never of
 M, the block of rows is always BLOCK_M (padded, masked), and split-K partials are summed in a
 fixed order by the last program of each tile (no float atomics). So a row's output is
@@ -200,8 +217,24 @@ class KernelConfig:
         return self
 
 
-# Measured per-shape choices (benchmarks/gpu/kernels_quant.py on an H200); keys (qtype, out, in).
-TUNED: dict[tuple[str, int, int], KernelConfig] = {}
+# Measured per-shape choices, keys (qtype, out, in): the fastest at M = 16 of the sweep in
+# benchmarks/gpu/kernels_quant.py on an H200 (CUDA-graph timing), each checked there against the
+# reference and for row invariance. Rerun the script and paste its TUNED table to update.
+_C = KernelConfig
+TUNED: dict[tuple[str, int, int], KernelConfig] = {
+    ("q8_0", 4096, 4096): _C(block_m=32, block_n=64, block_k=128, split_k=8, num_stages=2,
+                             swap_ab=True),
+    ("q8_0", 1024, 4096): _C(block_m=16, block_n=64, block_k=256, split_k=16),
+    ("q8_0", 12288, 4096): _C(block_m=16, block_n=64, block_k=128, split_k=2),
+    ("q8_0", 4096, 12288): _C(block_m=16, block_n=64, block_k=128, split_k=8),
+    ("q8_0", 4096, 20480): _C(block_m=32, block_n=64, block_k=128, split_k=8, num_stages=2,
+                              swap_ab=True),
+    ("q4_0", 4096, 4096): _C(block_m=16, block_n=64, block_k=128, split_k=8, swap_ab=True),
+    ("q4_0", 1024, 4096): _C(block_m=16, block_n=64, block_k=256, split_k=16),
+    ("q4_0", 12288, 4096): _C(block_m=32, block_n=64, block_k=128, split_k=2, swap_ab=True),
+    ("q4_0", 4096, 12288): _C(block_m=16, block_n=64, block_k=128, split_k=8, swap_ab=True),
+    ("q4_0", 4096, 20480): _C(block_m=16, block_n=64, block_k=128, split_k=8, swap_ab=True),
+}
 
 # Programs worth having in flight: two per multiprocessor of an H200 (132). A constant rather
 # than the device's count, so a shape's tiles, hence its bits, are the same on every machine.
@@ -214,15 +247,18 @@ def _pow2_at_most(v: int) -> int:
 
 
 def _heuristic(qtype: str, n: int, k: int) -> KernelConfig:
+    """Tiles for shapes not in TUNED: the H200 sweep's usual winners, with `in` split until
+    there are about two programs per multiprocessor (keeping >= 2 loop steps per program)."""
+    q4 = qtype == "q4_0"
     block_n = min(64, max(16, triton.next_power_of_2(n) if triton else 64))
-    block_k = max(QK, min(256, _pow2_at_most(k)))
+    block_k = max(QK, min(128, _pow2_at_most(k)))
     n_tiles = -(-n // block_n)
     k_tiles = -(-k // block_k)
     split = 1
-    # split `in` while programs are scarce, keeping >= 2 loop steps per program to pipeline
     while n_tiles * split * 2 <= _TARGET_PROGRAMS and split * 2 * 2 <= k_tiles:
         split *= 2
-    return KernelConfig(block_n=block_n, block_k=block_k, split_k=split)
+    return KernelConfig(block_m=16, block_n=block_n, block_k=block_k, split_k=split,
+                        swap_ab=q4)
 
 
 def config_for(qtype: str, n: int, k: int) -> KernelConfig:
@@ -253,6 +289,29 @@ if triton is not None:
         return (nib.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
 
     @triton.jit
+    def _scaled(m, d, FUSED: tl.constexpr):
+        """m * d - 1.5 * 2^23 * d for m = 1.5 * 2^23 + q (the magic floats below): q * d exactly.
+
+        FUSED is one FMA per weight: the exact product m * d plus the exact constant (3 * 2^22
+        times an 11-bit d fits in 13 bits) is q * d (<= 19 bits), rounded once: exact. The
+        interpreter's fma rounds the product first, so it takes the two-step form instead.
+        """
+        if FUSED:
+            return tl.fma(m, d, d * -12582912.0)
+        else:
+            return (m - 12582912.0) * d
+
+    @triton.jit
+    def _int8_magic(q):
+        """int8 q -> the float 1.5 * 2^23 + q (its bits are 0x4B400000 + q)."""
+        return (q.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _nibble_magic(nib):
+        """nibble 0..15 -> the float 1.5 * 2^23 + nib - 8."""
+        return (nib.to(tl.int32) + (0x4B400000 - 8)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _nibble_to_dot(nib, DOT: tl.constexpr, WIDEN: tl.constexpr):
         """Nibbles 0..15 -> exact nib - 8 in the dot's dtype. For bfloat16 the bits 0x4300 | nib
         are 128 + nib, so one bf16 subtraction gives the value without any conversion (not
@@ -261,6 +320,39 @@ if triton is not None:
             return (nib.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
         else:
             return _nibble_to_f32(nib).to(DOT)
+
+    @triton.jit
+    def _nibbles_bf16(b):
+        """uint8 bytes -> (low nibble - 8, high nibble - 8) as exact bfloat16, 4 bytes per step
+        in 32-bit registers (PTX; the GPU only): mask the nibbles of 4 bytes at once, place each
+        under the bf16 exponent of 128 with one byte permute per pair (bits 0x43nn = 128 + nn),
+        and subtract 136 from a pair with one bf16x2 FMA: ~1.4 instructions a weight."""
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, e, one, off;
+            mov.b32 e, 0x43434343;
+            mov.b32 one, 0x3F803F80;
+            mov.b32 off, 0xC308C308;
+            and.b32 t, $4, 0x0F0F0F0F;
+            prmt.b32 $0, t, e, 0x5140;
+            prmt.b32 $1, t, e, 0x7362;
+            fma.rn.bf16x2 $0, $0, one, off;
+            fma.rn.bf16x2 $1, $1, one, off;
+            shr.u32 t, $4, 4;
+            and.b32 t, t, 0x0F0F0F0F;
+            prmt.b32 $2, t, e, 0x5140;
+            prmt.b32 $3, t, e, 0x7362;
+            fma.rn.bf16x2 $2, $2, one, off;
+            fma.rn.bf16x2 $3, $3, one, off;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[b],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
 
     @triton.jit
     def _dot(a, b, acc, PREC: tl.constexpr, WIDEN: tl.constexpr):
@@ -309,6 +401,7 @@ if triton is not None:
         """acc += x[:, k0:k0+BLOCK_K] @ W[tile, k0:k0+BLOCK_K].T (see _mma for SWAP), with W
         dequantized to x's dtype first (q * d rounded once: the same values as `dequantize`)."""
         DOT: tl.constexpr = x_rows.dtype.element_ty
+        FUSED: tl.constexpr = not WIDEN
         NB: tl.constexpr = BLOCK_K // 32
         sb = k0 // 32 + tl.arange(0, NB)
         s = _load_w(s_rows, n_mask, sb, K // 32, EVEN_N, EVEN_K).to(tl.float32)[:, :, None]
@@ -316,8 +409,8 @@ if triton is not None:
             # byte column c of the tile: low nibble is column 32 (c // 16) + c % 16, high + 16
             c = tl.arange(0, BLOCK_K // 2)
             b = _load_w(w_rows, n_mask, k0 // 2 + c, K // 2, EVEN_N, EVEN_K)
-            lo = tl.reshape(_nibble_to_f32(b & 15), (BLOCK_N, NB, 16)) * s
-            hi = tl.reshape(_nibble_to_f32(b >> 4), (BLOCK_N, NB, 16)) * s
+            lo = _scaled(tl.reshape(_nibble_magic(b & 15), (BLOCK_N, NB, 16)), s, FUSED)
+            hi = _scaled(tl.reshape(_nibble_magic(b >> 4), (BLOCK_N, NB, 16)), s, FUSED)
             lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)).to(DOT)
             hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)).to(DOT)
             k_lo = k0 + (c // 16) * 32 + c % 16
@@ -326,7 +419,7 @@ if triton is not None:
         else:
             cols = k0 + tl.arange(0, BLOCK_K)
             q = _load_w(w_rows, n_mask, cols, K, EVEN_N, EVEN_K)
-            w = tl.reshape(_int8_to_f32(q), (BLOCK_N, NB, 32)) * s
+            w = _scaled(tl.reshape(_int8_magic(q), (BLOCK_N, NB, 32)), s, FUSED)
             w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(DOT)
             acc = _mma(_load_x(x_rows, m_mask, cols, K, EVEN_K), w, acc, SWAP, PREC, WIDEN)
         return acc
@@ -352,10 +445,15 @@ if triton is not None:
             if Q4:
                 c = tl.arange(0, 16)
                 b = _load_w(w_rows, n_mask, kb * 16 + c, K // 2, EVEN_N, EVEN_K)
-                part = _mma(_load_x(x_rows, m_mask, kb * 32 + c, K, EVEN_K),
-                            _nibble_to_dot(b & 15, DOT, WIDEN), part, SWAP, PREC, WIDEN)
-                part = _mma(_load_x(x_rows, m_mask, kb * 32 + 16 + c, K, EVEN_K),
-                            _nibble_to_dot(b >> 4, DOT, WIDEN), part, SWAP, PREC, WIDEN)
+                if DOT == tl.bfloat16 and not WIDEN:
+                    lo, hi = _nibbles_bf16(b)
+                else:
+                    lo = _nibble_to_dot(b & 15, DOT, WIDEN)
+                    hi = _nibble_to_dot(b >> 4, DOT, WIDEN)
+                part = _mma(_load_x(x_rows, m_mask, kb * 32 + c, K, EVEN_K), lo, part, SWAP,
+                            PREC, WIDEN)
+                part = _mma(_load_x(x_rows, m_mask, kb * 32 + 16 + c, K, EVEN_K), hi, part,
+                            SWAP, PREC, WIDEN)
             else:
                 cols = kb * 32 + tl.arange(0, 32)
                 q = _load_w(w_rows, n_mask, cols, K, EVEN_N, EVEN_K)
@@ -367,20 +465,21 @@ if triton is not None:
                 acc += part * d.to(tl.float32)[None, :]
         return acc
 
-    @triton.jit(do_not_specialize=["M"])  # one binary for every M: rows never change the code
+    # one binary for every M (rows never change the code) and every split count
+    @triton.jit(do_not_specialize=["M", "SPLIT_K"])
     def _quant_linear_kernel(
         x_ptr, w_ptr, s_ptr, out_ptr, ws_ptr, cnt_ptr,
-        M, N, K, stride_xm, stride_om,
+        M, N, K, stride_xm, stride_om, SPLIT_K,
         Q4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, SCALE_AFTER: tl.constexpr, SWAP: tl.constexpr,
+        SPLIT: tl.constexpr, SCALE_AFTER: tl.constexpr, SWAP: tl.constexpr,
         EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr,
     ):
         """out [M, N] = x [M, K] @ W.T for one (n tile, k split, m tile) per program.
 
         W is the packed weight (w_ptr: int8 [N, K] or uint8 [N, K/2]; s_ptr: f16 [N, K/32]).
-        With SPLIT_K > 1 each program writes its float32 partial to ws [SPLIT_K, M, N]; the
-        last of a tile's programs to arrive (counted in cnt_ptr, which it resets to 0) sums the
-        partials in split order and writes out.
+        With SPLIT (SPLIT_K > 1, a run-time count) each program writes its float32 partial to
+        ws [SPLIT_K, M, N]; the last of a tile's programs to arrive (counted in cnt_ptr, which
+        it resets to 0) sums the partials in split order and writes out.
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -419,7 +518,7 @@ if triton is not None:
 
         out_mask = m_mask[:, None] & n_mask[None, :]
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        if SPLIT_K == 1:
+        if not SPLIT:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
         else:
             ws_off = offs_m[:, None] * N + offs_n[None, :]
@@ -431,7 +530,7 @@ if triton is not None:
             if arrived == SPLIT_K - 1:
                 # ... and the last one reads them through L2 (.cg: never a stale L1 line)
                 total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                for s in tl.static_range(SPLIT_K):
+                for s in range(SPLIT_K):
                     total += tl.load(ws_ptr + s * M * N + ws_off, mask=out_mask, other=0.0,
                                      cache_modifier=".cg")
                 tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -503,9 +602,9 @@ def _launch(x: torch.Tensor, packed: Packed, cfg: KernelConfig, out: torch.Tenso
         ws, cnt = out, out  # never touched: the kernel's split-K branch is compiled out
     return _quant_linear_kernel[grid](
         x, packed.qweight, packed.scales, out, ws, cnt,
-        m, n, k, x.stride(0), out.stride(0),
+        m, n, k, x.stride(0), out.stride(0), cfg.split_k,
         Q4=packed.qtype == "q4_0", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SCALE_AFTER=cfg.scale_after_dot,
+        BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1, SCALE_AFTER=cfg.scale_after_dot,
         SWAP=cfg.swap_ab,
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
@@ -600,7 +699,10 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
-        y = quant_linear(x2, self.packed) if self._use_kernel(x) else quant_linear_ref(x2, self.packed)
+        if self._use_kernel(x):
+            y = quant_linear(x2, self.packed)
+        else:
+            y = quant_linear_ref(x2, self.packed)
         return y.reshape(*lead, self.shape[0])
 
     forward = __call__

@@ -48,7 +48,7 @@ CONFIGS = {
     "m16_split2_sa": KernelConfig(block_m=16, block_n=32, block_k=64, split_k=2,
                                   scale_after_dot=True),
     "swap_split2": KernelConfig(block_n=32, block_k=64, split_k=2, swap_ab=True),
-    "swap_sa": KernelConfig(block_m=16, block_n=16, block_k=64, scale_after_dot=True,
+    "swap_sa": KernelConfig(block_m=16, block_n=32, block_k=64, scale_after_dot=True,
                             swap_ab=True),
 }
 
