@@ -280,9 +280,11 @@ def test_resolve_cuda_graphs_rules():
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     on, drafter, note = resolve_cuda_graphs(None, gpu, 16, {})
-    assert (on, drafter) == (True, False) and "default: on CUDA with fixed-width steps" in note
-    assert "drafter rounds eager" in note
+    assert (on, drafter) == (True, True) and "default: on CUDA with fixed-width steps" in note
+    assert "drafter rounds graphed (default" in note
     assert resolve_cuda_graphs(None, gpu, 16, {"MEMRA_DRAFT_GRAPHS": "1"})[:2] == (True, True)
+    on, drafter, note = resolve_cuda_graphs(None, gpu, 16, {"MEMRA_DRAFT_GRAPHS": "0"})
+    assert (on, drafter) == (True, False) and "drafter rounds eager (MEMRA_DRAFT_GRAPHS=0)" in note
     assert resolve_cuda_graphs(None, gpu, None, {})[:2] == (False, False)  # variable widths: no graph
     assert resolve_cuda_graphs(None, cpu, 16, {})[:2] == (False, False)
     assert resolve_cuda_graphs(False, gpu, 16, {})[:2] == (False, False)
