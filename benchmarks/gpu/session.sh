@@ -2,8 +2,10 @@
 # One device call: the GPU-marked tests, the Qwen3-8B-shape step modes (torch step ops: the
 # comparison with earlier numbers), and the target step against its floor with the Triton step ops.
 set -o pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PWD:/tmp/site; fi
+# memra is not pip-installed there: put the checkout on the path, and kernels/ under its import name
+mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/memra_kernels
+export PYTHONPATH=$PWD:/tmp/mk PYTHONUNBUFFERED=1
+if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site; fi
 OUT=${OUT:-/tmp/session_out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 timeout ${TESTS_S:-150} python3 -m pytest -q -m gpu -p no:cacheprovider tests -x 2>&1 | tail -12 | tee "$OUT/gpu_tests.txt"
