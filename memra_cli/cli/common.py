@@ -1,6 +1,10 @@
 """Shared CLI plumbing: the error boundary and the policy options every drafter load takes.
 
 A CLI flag and its environment variable are one setting (typer `envvar=`); defaults live here.
+`SETTINGS` is the one table of them, keyed by the engine's name for the setting. The engine
+names settings (`vt='fastest': ...`); the refusal boundary names them the way the user gave
+them: the flag as typed (`--vt fastest: ...`), or the flag and the variable when the value came
+from the environment (`--vt / MEMRA_DSPARK_VT=fastest (from the environment): ...`).
 """
 
 from __future__ import annotations
@@ -8,32 +12,118 @@ from __future__ import annotations
 import functools
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
 import typer
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting as the CLI carries it: its flag (None: environment only), its environment
+    variable (None: flag only), and a boolean flag's negative form. The command parameter that
+    carries it has the setting's name."""
+
+    name: str
+    flag: Optional[str]
+    env: Optional[str]
+    off: Optional[str] = None
+
+
+SETTINGS = {s.name: s for s in (
+    Setting("harvest", "--harvest", "MEMRA_DSPARK_HARVEST"),
+    Setting("vt", "--vt", "MEMRA_DSPARK_VT"),
+    Setting("tau", "--tau", "MEMRA_DSPARK_VT_TAU"),
+    Setting("adapt", "--adapt", "MEMRA_DFLASH_ADAPT", off="--no-adapt"),
+    Setting("verify_cap", "--verify-cap", "MEMRA_DFLASH_VERIFY_T"),
+    Setting("markov", "--markov", "MEMRA_DFLASH_MARKOV", off="--no-markov"),
+    Setting("prec", "--prec", "MEMRA_DFLASH_PREC"),
+    Setting("step_width", "--step-width", "MEMRA_STEP_WIDTH"),
+    Setting("cuda_graphs", "--cuda-graphs", "MEMRA_CUDA_GRAPHS", off="--no-cuda-graphs"),
+    Setting("device", "--device", None),
+    Setting("dtype", "--dtype", None),
+    Setting("spec", "--spec", None),
+    Setting("kernels", None, "MEMRA_KERNELS"),
+    Setting("draft_graphs", None, "MEMRA_DRAFT_GRAPHS"),
+)}
+_TRUE = ("1", "true", "yes", "on", "t", "y")
+
+
+def click_module():
+    """The click that typer runs on (typer >= 0.29 vendors its own copy as `typer._click`)."""
+    try:
+        from typer import _click as click
+        from typer._click import exceptions, globals  # noqa: F401  (loads the submodules)
+    except ImportError:
+        import click
+    return click
+
+
+def current_context():
+    """The running command's click context, or None outside a command."""
+    return click_module().globals.get_current_context(silent=True)
+
+
+def from_environment(param: str, ctx=None) -> bool:
+    """Whether parameter `param` of the running command took its value from its environment variable."""
+    ctx = ctx or current_context()
+    if ctx is None or param not in ctx.params:
+        return False
+    source = ctx.get_parameter_source(param)
+    return source is not None and source.name == "ENVIRONMENT"
+
+
+def _is_on(value: object) -> bool:
+    return value is True or str(value).strip().lower() in _TRUE
+
+
+def setting_label(name: str, value: object, ctx=None) -> str:
+    """How the user gave setting `name`: `--vt fastest`, `--no-adapt`, or with the variable when
+    the value came from the environment: `--vt / MEMRA_DSPARK_VT=fastest (from the environment)`.
+    A setting the CLI has no flag or variable for is named as the engine names it."""
+    s = SETTINGS.get(name)
+    if s is None:
+        return f"{name}={value!r}"
+    text = "1" if value is True else "0" if value is False else str(value)
+    if s.flag is None:  # a variable only: its name says where the value came from
+        return f"{s.env}={os.environ.get(s.env, text)}"
+    flag = (s.flag if _is_on(value) else s.off) if s.off else s.flag
+    if s.env and from_environment(s.name, ctx):
+        return f"{flag} / {s.env}={os.environ.get(s.env, text)} (from the environment)"
+    return flag if s.off else f"{flag} {text}"
+
+
+def describe(exc: Exception, ctx=None) -> str:
+    """An error's one line, every setting it names written the way the user gave it."""
+    from memra_cli.engine.errors import SettingError
+
+    if isinstance(exc, SettingError):
+        return exc.render(lambda name, value: setting_label(name, value, ctx), front_end=True)
+    return str(exc)
+
+
 HARVEST_HELP = "Harvest convention: dflash (rows 1..b-1) | dspark (rows 0..b-1). Unset: from the checkpoint census."
 VT_HELP = "Verify-window policy: ladder | confidence | confidence-slot. Unset: confidence-slot with an accept-rate head, else ladder."
 TAU_HELP = "Confidence threshold in (0,1) for the confidence policies (default 0.5)."
 ADAPT_HELP = "Adapt the verify window each round (--no-adapt pins it at the cap; refuses with a confidence policy)."
 
-HarvestOpt = typer.Option(None, "--harvest", envvar="MEMRA_DSPARK_HARVEST", help=HARVEST_HELP, show_envvar=True)
-VtOpt = typer.Option(None, "--vt", envvar="MEMRA_DSPARK_VT", help=VT_HELP, show_envvar=True)
-TauOpt = typer.Option(None, "--tau", envvar="MEMRA_DSPARK_VT_TAU", help=TAU_HELP, show_envvar=True)
-AdaptOpt = typer.Option(None, "--adapt/--no-adapt", envvar="MEMRA_DFLASH_ADAPT", help=ADAPT_HELP, show_envvar=True)
+HarvestOpt = typer.Option(None, "--harvest", envvar=SETTINGS["harvest"].env, help=HARVEST_HELP, show_envvar=True)
+VtOpt = typer.Option(None, "--vt", envvar=SETTINGS["vt"].env, help=VT_HELP, show_envvar=True)
+TauOpt = typer.Option(None, "--tau", envvar=SETTINGS["tau"].env, help=TAU_HELP, show_envvar=True)
+AdaptOpt = typer.Option(None, "--adapt/--no-adapt", envvar=SETTINGS["adapt"].env, help=ADAPT_HELP, show_envvar=True)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout instead of the report.")
 STEP_WIDTH_HELP = ("Rows per target step after the prefill: N (default 16) runs every decode and verify step at "
                    "exactly N rows (padded, or chunked), so a token's arithmetic never depends on how many tokens "
                    "share its step and speculative output equals plain greedy bit for bit, bf16 included | "
                    "variable: each step at its own width (plain decode one row; in bf16 the GEMMs then differ "
                    "between 1 and 16 rows and the output may differ from plain greedy).")
-StepWidthOpt = typer.Option(None, "--step-width", envvar="MEMRA_STEP_WIDTH", help=STEP_WIDTH_HELP, show_envvar=True)
+StepWidthOpt = typer.Option(None, "--step-width", envvar=SETTINGS["step_width"].env, help=STEP_WIDTH_HELP, show_envvar=True)
 CUDA_GRAPHS_HELP = ("Replay each fixed-width target step as a CUDA graph, captured once per cache storage (one "
                     "launch per step instead of hundreds; same kernels, same bits). Default: on with CUDA and a "
                     "fixed --step-width.")
-CudaGraphsOpt = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", envvar="MEMRA_CUDA_GRAPHS", help=CUDA_GRAPHS_HELP,
+CudaGraphsOpt = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", envvar=SETTINGS["cuda_graphs"].env, help=CUDA_GRAPHS_HELP,
                              show_envvar=True)
 
 
@@ -43,11 +133,6 @@ def policy_settings(harvest: Optional[str], vt: Optional[str], tau: Optional[str
 
     adapt_s = None if adapt is None else ("1" if adapt else "0")
     return PolicySettings(harvest=harvest, vt=vt, tau=tau, adapt=adapt_s)
-
-
-# engine setting -> the flag that carries it (the engine names settings, the CLI names flags)
-SETTING_FLAGS = {"device": "--device", "dtype": "--dtype", "step_width": "--step-width",
-                 "cuda_graphs": "--cuda-graphs", "spec": "--spec"}
 
 
 def debug_enabled() -> bool:
@@ -60,15 +145,14 @@ def refusals(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from memra_cli.engine.errors import MemraError, SettingError
+        from memra_cli.engine.errors import MemraError
 
         try:
             return fn(*args, **kwargs)
         except MemraError as exc:
             if debug_enabled():
                 raise
-            flag = SETTING_FLAGS.get(exc.setting) if isinstance(exc, SettingError) else None
-            print(f"error: {exc.flag_message(flag) if flag else exc}", file=sys.stderr)
+            print(f"error: {describe(exc)}", file=sys.stderr)
             raise typer.Exit(code=exc.exit_code) from None
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr)

@@ -141,7 +141,7 @@ def test_refusals_are_one_line(pair, monkeypatch, tmp_path, case):
         "prec": (base + ["--arm", "dspark:prec=q5"], "error: --arm 'dspark:prec=q5': prec=q5"),
         "needs drafter": (["--target", target, "--prompts", prompts, "--arm", "dflash"], "error: --arm 'dflash' needs a drafter: pass --draft PATH"),
         "missing plot dir": (base + ["--plot", tmp_path / "nope" / "x.png"], "does not exist"),
-        "arm policy": (base + ["--arm", "dspark:vt=confidence,adapt=0"], "error: --arm 'dspark:vt=confidence,adapt=0': MEMRA_DSPARK_VT=confidence together with MEMRA_DFLASH_ADAPT=0"),
+        "arm policy": (base + ["--arm", "dspark:vt=confidence,adapt=0"], "error: --arm 'dspark:vt=confidence,adapt=0': vt=confidence together with adapt=0 is contradictory"),
     }[case]
     r = run(*args)
     assert r.exit_code == 2, r.output
