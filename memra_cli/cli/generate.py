@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from memra_cli.cli.common import (
-    AdaptOpt, CudaGraphsOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, policy_settings, refusals,
+    AdaptOpt, CudaGraphsOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, at_least, policy_settings, refusals,
 )
 
 
@@ -36,7 +36,7 @@ def generate(
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text, tokenized with the target's tokenizer.json."),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3."),
     chat: bool = typer.Option(False, "--chat", help="Wrap --prompt in the target's chat template."),
-    max_new: int = typer.Option(128, "--max-new", min=0, help="Generate exactly this many tokens unless EOS comes first."),
+    max_new: int = typer.Option(128, "--max-new", callback=at_least(0), help="Generate exactly this many tokens (>= 0) unless EOS comes first."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     verify_cap: Optional[str] = typer.Option(None, "--verify-cap", envvar="MEMRA_DFLASH_VERIFY_T", show_envvar=True, help="Most candidates verified per round (anchor + drafts); default n_drafts+1."),

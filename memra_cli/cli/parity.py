@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import typer
 
-from memra_cli.cli.common import AdaptOpt, HarvestOpt, JsonOpt, TauOpt, VtOpt, policy_settings, refusals
+from memra_cli.cli.common import AdaptOpt, HarvestOpt, JsonOpt, TauOpt, VtOpt, at_least, policy_settings, refusals
 
 PREC_HELP = ("Precision policy of the engine under test: f32 | bf16 | q8 | mixed (MLP q8_0, attention+fc bf16) | "
              "fc (all q8_0 but fc) | q4. Picks the thresholds. Unset: f32 or bf16 from --dtype.")
@@ -29,7 +29,7 @@ def parity(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     dump: Optional[Path] = typer.Option(None, "--dump", help="Write the engine's per-stage arrays here as PATH.STAGE.npy (e.g. cached.hidden_out.npy)."),
     make_oracle: Optional[Path] = typer.Option(None, "--make-oracle", help="Write a memra-oracle/1 file from the reference implementation (float64, random inputs) instead of checking one."),
-    ctx: Optional[int] = typer.Option(None, "--ctx", min=1, help=f"Context rows of the oracle made by --make-oracle (default {DEFAULT_CTX})."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", callback=at_least(1), help=f"Context rows of the oracle made by --make-oracle (default {DEFAULT_CTX}; >= 1)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the random inputs of --make-oracle (default 0)."),
     json_out: bool = JsonOpt,
     harvest: Optional[str] = HarvestOpt,
