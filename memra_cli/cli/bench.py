@@ -64,6 +64,27 @@ def _check_plot(path: Path) -> None:
         raise MemraError(f"--plot {path}: directory {path.parent} does not exist")
 
 
+def _check_flags(*, target: Optional[Path], draft: Optional[Path], prompts: str, n: Optional[int], arms: list[str],
+                 chat: bool, dtype: str, device: str, step_width: Optional[str], plot: Optional[Path]) -> None:
+    """Everything that can be refused without torch, first (arms, prompt set, drafters, paths):
+    a typo is answered in a fraction of a second. `prepare_bench` checks them again."""
+    from memra_cli.cli.checks import check_run_flags
+    from memra_cli.engine.bench import parse_arms, resolve_inputs
+    from memra_cli.engine.prompts import load_prompts
+    from memra_cli.engine.text import TextCodec
+
+    check_run_flags(dtype, device, step_width)
+    specs = parse_arms(arms)
+    load_prompts(prompts, n)
+    target_dir, drafters, _ = resolve_inputs(target, draft)
+    for spec in specs:
+        drafters.for_arm(spec)
+    if chat:
+        TextCodec(Path(target_dir)).check_chat()
+    if plot is not None:
+        _check_plot(plot)
+
+
 def write_plot(report: dict, path: Path) -> None:
     """Speedup per arm (bars) and each speculative arm's tau histogram; written atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -216,10 +237,10 @@ def bench(
     generated token, and the tau histogram. Every speculative stream must equal the off arm's
     token for token: a mismatch is reported and the exit code is 1.
     """
+    _check_flags(target=target, draft=draft, prompts=prompts, n=n, arms=list(arm or []), chat=chat, dtype=dtype,
+                 device=device, step_width=step_width, plot=plot)
     from memra_cli.engine.bench import BenchRequest, prepare_bench
 
-    if plot is not None:
-        _check_plot(plot)
     req = BenchRequest(target=target, draft=draft, prompts=prompts, n=n, max_new=max_new, chat=chat, arms=list(arm or []),
                        warmup=warmup, dtype=dtype, device=device, phase_times=phase_times, step_width=step_width,
                        cuda_graphs=cuda_graphs)

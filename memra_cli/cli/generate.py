@@ -57,16 +57,19 @@ def generate(
     text streams to stdout as rounds commit, and a final line reports tokens, rounds, tau (mean
     committed per round), acceptance, tok/s and per-phase times.
     """
-    import torch
-
+    _check_flags(spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec, harvest=harvest, vt=vt,
+                 tau=tau, adapt=adapt, verify_cap=verify_cap)
+    target, draft, defaults_note = _default_models(target, draft, spec)
+    codec, ids = _prompt(target, prompt, prompt_ids, chat)
     from memra_cli.cli import render
-    from memra_cli.engine.api import ArmConfig, Engine, EngineConfig, drafter_precision, resolve_step_width
+
+    if defaults_note and not json_out:
+        render.note(defaults_note)
+    import torch  # only now: the flags and the prompt are good
+
+    from memra_cli.engine.api import ArmConfig, Engine, EngineConfig
     from memra_cli.engine.text import StreamDecoder
 
-    resolve_step_width(step_width)  # bad settings refuse before anything loads
-    drafter_precision(prec, None)
-    target, draft = _default_models(target, draft, spec, json_out)
-    codec, ids = _prompt(target, prompt, prompt_ids, chat)
     arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
                         verify_cap=verify_cap, prec=prec)
     with torch.inference_mode():
@@ -101,19 +104,30 @@ def generate(
         render.generate_summary(arm.mode, stats)
 
 
-def _default_models(target: Optional[Path], draft: Optional[Path], spec: str, quiet: bool) -> tuple[Path, Optional[Path]]:
-    """No --target: the embedded pair (its DSpark drafter, or DFlash for --spec dflash), said so."""
+def _check_flags(*, spec: str, dtype: str, device: str, step_width: Optional[str], prec: Optional[str],
+                 harvest: Optional[str], vt: Optional[str], tau: Optional[str], adapt: Optional[bool],
+                 verify_cap: Optional[str]) -> None:
+    """Everything that can be refused without a checkpoint or torch, first: a typo is answered
+    in a fraction of a second, not after torch's two-second import."""
+    from memra_cli.cli.checks import check_policy_values, check_prec, check_run_flags, check_spec
+
+    check_spec(spec)
+    check_run_flags(dtype, device, step_width)
+    check_prec(prec)
+    check_policy_values(harvest, vt, tau, adapt, verify_cap)
+
+
+def _default_models(target: Optional[Path], draft: Optional[Path], spec: str) -> tuple[Path, Optional[Path], Optional[str]]:
+    """No --target: the embedded pair (its DSpark drafter, or DFlash for --spec dflash), and a
+    note that says so (printed once the prompt is good)."""
     if target is not None:
-        return target, draft
+        return target, draft, None
     from memra_cli.assets import default_pair
-    from memra_cli.cli import render
 
     target, drafts = default_pair()
     if draft is None and spec != "off":
         draft = drafts["dflash" if spec == "dflash" else "dspark"]
-    if not quiet:
-        render.note(f"using the embedded default models: target {target}" + (f", drafter {draft}" if draft else ""))
-    return target, draft
+    return target, draft, f"using the embedded default models: target {target}" + (f", drafter {draft}" if draft else "")
 
 
 def _prompt(target: Path, prompt: Optional[str], prompt_ids: Optional[str], chat: bool):

@@ -32,7 +32,7 @@ from memra_cli.engine.spec.policy import (
 )
 from memra_cli.engine.layers.step_ops import select_step_ops
 from memra_cli.engine.models.base import target_family
-from memra_cli.engine.quant.precision import POLICIES as PRECISIONS
+from memra_cli.engine.quant.precision import POLICIES as PRECISIONS, check_prec
 from memra_cli.engine.runtime.pool import DEFAULT_IDLE_BUDGET, StoragePool
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.proposer import DrafterProposer, Program, SpecError
@@ -213,18 +213,13 @@ def own_table_warnings(drafter, target) -> list[str]:
 # --------------------------------------------------------------------------- drafter precision
 
 
-def _check_prec(prec: str | None) -> None:
-    if prec is not None and prec not in PRECISIONS:
-        raise SettingError("prec", prec, f"unknown precision policy (expected {'|'.join(PRECISIONS)})")
-
-
 def drafter_precision(prec: str | None, draft: Path | None):
     """The `prec` setting for a drafter load -> (Drafter.load weight_fn or None, the precision to
     report or None, where it came from). A GGUF drafter is already quantized: it loads as written,
     and `prec` may only repeat its policy."""
     from memra_cli.engine.quant.precision import weight_fn_for
 
-    _check_prec(prec)
+    check_prec(prec)
     if draft is None:
         return None, None, None
     if Path(draft).suffix == ".gguf":
@@ -241,7 +236,7 @@ def drafter_precision(prec: str | None, draft: Path | None):
 def resolve_precision(prec: str | None, dtype: str, device: Any) -> tuple[str, Any, Any]:
     """(policy, torch dtype, weight_fn) for a drafter judged alone (parity): unset `prec`
     follows the dtype (f32 / bf16)."""
-    _check_prec(prec)
+    check_prec(prec)
     if prec in ("f32", "bf16"):
         want = torch.float32 if prec == "f32" else torch.bfloat16
         if dtype != "auto" and resolve_dtype(dtype, device) != want:

@@ -43,6 +43,10 @@ class TextCodec:
             text = self.apply_chat_template(text)
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def check_chat(self) -> None:
+        """Refuse `--chat` up front when this directory has no chat template that renders."""
+        self.apply_chat_template("")
+
     def apply_chat_template(self, user_text: str) -> str:
         if not isinstance(self.template, str):
             raise PromptError(f"--chat: {self.cfg_path} has no chat_template (nor is there a chat_template.jinja beside it)")
