@@ -68,11 +68,13 @@ def _check_flags(*, target: Optional[Path], draft: Optional[Path], prompts: str,
                  chat: bool, dtype: str, device: str, step_width: Optional[str], plot: Optional[Path]) -> None:
     """Everything that can be refused without torch, first (arms, prompt set, drafters, paths):
     a typo is answered in a fraction of a second. `prepare_bench` checks them again."""
-    from memra_cli.cli.checks import check_run_flags
+    from memra_cli.cli.checks import check_exists, check_model_dir, check_run_flags
     from memra_cli.engine.bench import parse_arms, resolve_inputs
     from memra_cli.engine.prompts import load_prompts
     from memra_cli.engine.text import TextCodec
 
+    check_model_dir(target, "--target")  # before an arm asks where its drafter is
+    check_exists(draft, "--draft")
     check_run_flags(dtype, device, step_width)
     specs = parse_arms(arms)
     load_prompts(prompts, n)

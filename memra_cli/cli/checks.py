@@ -10,9 +10,10 @@ flag the user typed, or the flag and its variable when the value came from the e
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
-from memra_cli.engine.errors import SettingError
+from memra_cli.engine.errors import ConfigError, SettingError
 from memra_cli.engine.quant.precision import check_prec  # noqa: F401  (torch-free: the engine's own check)
 
 SPEC_MODES = ("off", "dflash", "dspark", "auto")  # engine.api.SPEC_MODES
@@ -71,3 +72,21 @@ def check_policy_values(harvest: Optional[str], vt: Optional[str], tau: Optional
         raise SettingError("verify_cap", verify_cap, "not an integer") from None
     if cap < 2:
         raise SettingError("verify_cap", verify_cap, "a verify cap is at least 2 (anchor + one draft)")
+
+
+def check_model_dir(path: Optional[Path], flag: str) -> None:
+    """`--target DIR`: a model directory that exists (said before anything else looks for a file in it)."""
+    if path is None:
+        return
+    if not path.exists():
+        raise ConfigError(f"{flag} {path}: no such directory")
+    if not path.is_dir():
+        raise ConfigError(f"{flag} {path}: not a directory (expected a model directory with config.json)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{flag} {path}: no config.json there (expected an HF Qwen3 or Qwen3.5 model directory)")
+
+
+def check_exists(path: Optional[Path], flag: str) -> None:
+    """A checkpoint flag (`--draft`): a directory or a .gguf file that exists."""
+    if path is not None and not path.exists():
+        raise ConfigError(f"{flag} {path}: no such file or directory")

@@ -57,7 +57,7 @@ def generate(
     text streams to stdout as rounds commit, and a final line reports tokens, rounds, tau (mean
     committed per round), acceptance, tok/s and per-phase times.
     """
-    _check_flags(spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec, harvest=harvest, vt=vt,
+    _check_flags(target=target, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec, harvest=harvest, vt=vt,
                  tau=tau, adapt=adapt, verify_cap=verify_cap)
     target, draft, defaults_note = _default_models(target, draft, spec)
     codec, ids = _prompt(target, prompt, prompt_ids, chat)
@@ -104,13 +104,14 @@ def generate(
         render.generate_summary(arm.mode, stats)
 
 
-def _check_flags(*, spec: str, dtype: str, device: str, step_width: Optional[str], prec: Optional[str],
+def _check_flags(*, target: Optional[Path], spec: str, dtype: str, device: str, step_width: Optional[str], prec: Optional[str],
                  harvest: Optional[str], vt: Optional[str], tau: Optional[str], adapt: Optional[bool],
                  verify_cap: Optional[str]) -> None:
     """Everything that can be refused without a checkpoint or torch, first: a typo is answered
     in a fraction of a second, not after torch's two-second import."""
-    from memra_cli.cli.checks import check_policy_values, check_prec, check_run_flags, check_spec
+    from memra_cli.cli.checks import check_model_dir, check_policy_values, check_prec, check_run_flags, check_spec
 
+    check_model_dir(target, "--target")
     check_spec(spec)
     check_run_flags(dtype, device, step_width)
     check_prec(prec)
