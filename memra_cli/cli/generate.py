@@ -35,7 +35,7 @@ def generate(
     spec: str = typer.Option("auto", "--spec", help="off | dflash (parallel drafts, ladder) | dspark (census-keyed DSpark program) | auto (dspark for DSpark-class drafters, else dflash; off without --draft)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text, tokenized with the target's tokenizer.json."),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3."),
-    chat: bool = typer.Option(False, "--chat", help="Wrap --prompt in the target's chat template."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap --prompt in the target's chat template. Needs a target made for chat (a chat_template in its tokenizer_config.json, or a chat_template.jinja); the embedded target is a raw code model and has none."),
     max_new: int = typer.Option(128, "--max-new", callback=at_least(0), help="Generate exactly this many tokens (>= 0) unless EOS comes first."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
