@@ -57,8 +57,10 @@ def generate(
     text streams to stdout as rounds commit, and a final line reports tokens, rounds, tau (mean
     committed per round), acceptance, tok/s and per-phase times.
     """
-    _check_flags(target=target, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec, harvest=harvest, vt=vt,
-                 tau=tau, adapt=adapt, verify_cap=verify_cap)
+    _check_flags(target=target, draft=draft, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec,
+                 harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap)
+    given = {"harvest": harvest, "vt": vt, "tau": tau, "adapt": adapt, "verify_cap": verify_cap, "markov": markov,
+             "prec": prec, "draft": draft}  # as the user gave them, before any default
     target, draft, defaults_note = _default_models(target, draft, spec)
     codec, ids = _prompt(target, prompt, prompt_ids, chat)
     from memra_cli.cli import render
@@ -78,6 +80,8 @@ def generate(
         engine.resolve(arm_cfg)  # program and pair first, then the prompt, then the (slow) drafter load
         engine.check_prompt(ids, max_new)
         arm = engine.arm(arm_cfg)
+        if arm.mode == "off":
+            arm.warnings += _ignored_by_plain(given)
         if not json_out:
             _announce(arm, "; ".join(engine.notes))
         stream = StreamDecoder(codec) if codec else None
@@ -104,18 +108,33 @@ def generate(
         render.generate_summary(arm.mode, stats)
 
 
-def _check_flags(*, target: Optional[Path], spec: str, dtype: str, device: str, step_width: Optional[str], prec: Optional[str],
-                 harvest: Optional[str], vt: Optional[str], tau: Optional[str], adapt: Optional[bool],
-                 verify_cap: Optional[str]) -> None:
+def _check_flags(*, target: Optional[Path], draft: Optional[Path], spec: str, dtype: str, device: str,
+                 step_width: Optional[str], prec: Optional[str], harvest: Optional[str], vt: Optional[str],
+                 tau: Optional[str], adapt: Optional[bool], verify_cap: Optional[str]) -> None:
     """Everything that can be refused without a checkpoint or torch, first: a typo is answered
     in a fraction of a second, not after torch's two-second import."""
-    from memra_cli.cli.checks import check_model_dir, check_policy_values, check_prec, check_run_flags, check_spec
+    from memra_cli.cli.checks import (
+        check_exists, check_model_dir, check_policy_values, check_prec, check_run_flags, check_spec,
+    )
 
     check_model_dir(target, "--target")
+    check_exists(draft, "--draft")  # before the note that names the models in use
     check_spec(spec)
     check_run_flags(dtype, device, step_width)
     check_prec(prec)
     check_policy_values(harvest, vt, tau, adapt, verify_cap)
+
+
+def _ignored_by_plain(given: dict) -> list[str]:
+    """Plain greedy (--spec off, or auto without a drafter) drafts nothing: name every drafter
+    setting that was given anyway (flag or environment), rather than ignore it silently."""
+    from memra_cli.cli.common import setting_label
+
+    named = [f"--draft {value}" if name == "draft" else setting_label(name, value)
+             for name, value in given.items() if value is not None]
+    if not named:
+        return []
+    return [f"plain greedy drafts nothing, so {', '.join(named)} {'has' if len(named) == 1 else 'have'} no effect"]
 
 
 def _default_models(target: Optional[Path], draft: Optional[Path], spec: str) -> tuple[Path, Optional[Path], Optional[str]]:
@@ -126,7 +145,9 @@ def _default_models(target: Optional[Path], draft: Optional[Path], spec: str) ->
     from memra_cli.assets import default_pair
 
     target, drafts = default_pair()
-    if draft is None and spec != "off":
+    if draft is not None:  # the user's drafter: only the target is a default
+        return target, draft, f"using the embedded default target {target}"
+    if spec != "off":
         draft = drafts["dflash" if spec == "dflash" else "dspark"]
     return target, draft, f"using the embedded default models: target {target}" + (f", drafter {draft}" if draft else "")
 

@@ -137,6 +137,17 @@ def _fmt(v: Any) -> str:
     return f"{v:.2e}"
 
 
+def _bound(r: Any) -> str:
+    """The row's bound on its rel L2 (markov_tokens has a token rule instead)."""
+    if isinstance(r.threshold, str):  # markov_tokens: "exact" or "reported"
+        return "tokens equal" if r.threshold == "exact" else "reported"
+    return f"≤ {r.threshold:.2e}"
+
+
+def _bound_words(th: Any) -> str:
+    return "every token equal" if th.tokens_exact else "reported, not required"
+
+
 def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
     from rich import box
     from rich.markup import escape
@@ -158,19 +169,22 @@ def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
         render.warn(f"oracle made for harvest={meta['harvest']}, receipts say {receipts.harvest.value} "
                     "(parity compares all rows, so the result does not depend on it)")
     table = Table(title="stages", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for col in ("stage", "path", "max-abs", "rel L2", "argmax", "threshold", "result", ""):
+    # the pass rule sits beside the value it bounds (rel L2) and says so; max-abs is information only
+    for col in ("stage", "path", "rel L2", "rel L2 bound", "argmax", "max-abs", "result", ""):
         table.add_column(col, no_wrap=True)
     notes = []  # under the table, whole: a notes column gets squeezed to nothing in 80 columns
     for r in report.results:
         argmax = "-" if r.argmax_agree is None else f"{r.argmax_agree:.3f}"
-        thr = r.threshold if isinstance(r.threshold, str) else f"≤ {r.threshold:.2e}"
         verdict = "[green]pass[/green]" if r.passed else "[bold red]FAIL[/bold red]"
         mark = ""
         if r.note:
             notes.append(f"[{len(notes) + 1}] {r.stage} {r.path}: {r.note}")
             mark = escape(f"[{len(notes)}]")
-        table.add_row(r.stage, r.path, _fmt(r.max_abs), _fmt(r.rel_l2), argmax, thr, verdict, mark)
+        table.add_row(r.stage, r.path, _fmt(r.rel_l2), _bound(r), argmax, _fmt(r.max_abs), verdict, mark)
     render.console.print(table)
+    argmax_rule = "; draft_logits also needs the oracle's argmax on every row that is not a near-tie" if th.argmax_required else ""
+    render.console.print(f"pass: rel L2 within its bound{argmax_rule}; markov_tokens: {_bound_words(th)}; "
+                         "max-abs is information, not a criterion", markup=False, soft_wrap=True)
     for line in notes:
         render.console.print(line, markup=False, soft_wrap=True)
     if result.get("dumped"):

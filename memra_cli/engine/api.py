@@ -135,7 +135,8 @@ def resolve_program(mode: str, census: Census, settings: PolicySettings, markov:
         raise SettingError("spec", mode, f"expected {'|'.join(SPEC_MODES)}", quote=False)
     if mode == "auto":
         mode = "dspark" if census.strategy_dspark else "dflash"
-    receipts = resolve_receipts(settings, census.strategy_dspark, census.confidence is not None)
+    receipts = dataclasses.replace(resolve_receipts(settings, census.strategy_dspark, census.confidence is not None),
+                                   program=mode)  # the receipts are tagged with the program that runs
     window = receipts.window
     if mode == "dflash":
         if receipts.window_set and window.is_confidence:

@@ -74,7 +74,7 @@ def test_json_over_three_prompts_with_the_default_pair(embedded):
         assert a["exact"] is True and a["n_prompts"] == 3 and a["tokens"] == obj["arms"][0]["tokens"]
         assert a["tau"] >= 1.0 and a["tok_per_s"] > 0 and a["speedup"] > 0
     assert obj["arms"][2]["receipts"] == {"harvest": "dspark", "verify_window": {"policy": "confidence-slot", "tau": 0.5}}
-    assert obj["arms"][1]["receipt_lines"][0].startswith("[dspark] harvest=dflash (checkpoint census strategy_dspark=false")
+    assert obj["arms"][1]["receipt_lines"][0].startswith("[dflash] harvest=dflash (checkpoint census strategy_dspark=false")
 
 
 def test_table_receipts_and_plot(pair, tmp_path):

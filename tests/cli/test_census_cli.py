@@ -25,8 +25,8 @@ def test_dflash_without_heads_receipts(draft_dir):
     assert r.exit_code == 0, r.output
     lines = r.stdout.strip().splitlines()
     assert lines[-2:] == [
-        "[dspark] harvest=dflash (checkpoint census strategy_dspark=false, MEMRA_DSPARK_HARVEST unset)",
-        "[dspark] verify-window=Ladder (accept-rate head ABSENT -> ladder, MEMRA_DSPARK_VT unset)",
+        "[dflash] harvest=dflash (checkpoint census strategy_dspark=false, MEMRA_DSPARK_HARVEST unset)",
+        "[dflash] verify-window=Ladder (accept-rate head ABSENT -> ladder, MEMRA_DSPARK_VT unset)",
     ]
 
 

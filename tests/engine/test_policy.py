@@ -204,7 +204,7 @@ def test_receipts_lines_and_json():
     assert r.as_json() == {"harvest": "dspark", "verify_window": {"policy": "confidence", "tau": 0.35}}
     r = resolve_receipts(PolicySettings(harvest="dspark"), False, False)
     assert r.lines()[0].endswith("strategy_dspark=false, MEMRA_DSPARK_HARVEST set)")
-    assert r.lines()[1] == "[dspark] verify-window=Ladder (accept-rate head ABSENT -> ladder, MEMRA_DSPARK_VT unset)"
+    assert r.lines()[1] == "[dflash] verify-window=Ladder (accept-rate head ABSENT -> ladder, MEMRA_DSPARK_VT unset)"
 
 
 # ---------------------------------------------------------------- properties

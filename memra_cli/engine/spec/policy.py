@@ -243,6 +243,13 @@ class Receipts:
     window_set: bool
     has_confidence_head: bool
     window_note: str | None = None  # e.g. why a program overrode the resolved window
+    program: str | None = None  # the program that runs ("dflash" | "dspark"); None: what auto would pick
+
+    @property
+    def tag(self) -> str:
+        """The receipts' prefix: the program they describe (a census or a quantize names the one
+        `--spec auto` would run: dspark for a DSpark-class checkpoint, else dflash)."""
+        return self.program or ("dspark" if self.strategy_dspark else "dflash")
 
     def lines(self) -> list[str]:
         h_src = "set" if self.harvest_set else "unset"
@@ -250,9 +257,9 @@ class Receipts:
         w_src = "set" if self.window_set else "unset"
         note = f", {self.window_note}" if self.window_note else ""
         return [
-            f"[dspark] harvest={self.harvest.value} (checkpoint census "
+            f"[{self.tag}] harvest={self.harvest.value} (checkpoint census "
             f"strategy_dspark={str(self.strategy_dspark).lower()}, {HARVEST_ENV} {h_src})",
-            f"[dspark] verify-window={self.window} (accept-rate head {head}, {VT_ENV} {w_src}{note})",
+            f"[{self.tag}] verify-window={self.window} (accept-rate head {head}, {VT_ENV} {w_src}{note})",
         ]
 
     def as_json(self) -> dict:
