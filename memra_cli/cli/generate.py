@@ -54,8 +54,9 @@ def generate(
 
     The output equals plain greedy decoding of the target token for token: the drafter only
     proposes, the target's argmax decides every committed token. Receipts come first (stderr),
-    text streams to stdout as rounds commit, and a final line reports tokens, rounds, tau (mean
-    committed per round), acceptance, tok/s and per-phase times.
+    text streams to stdout as rounds commit (an EOS token ends it and is not printed), and a
+    final line reports tokens, rounds, tau (mean committed per round), acceptance, tok/s and
+    per-phase times.
     """
     _check_flags(target=target, draft=draft, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec,
                  harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap)
@@ -85,17 +86,18 @@ def generate(
         if not json_out:
             _announce(arm, "; ".join(engine.notes))
         stream = StreamDecoder(codec) if codec else None
+        eos = set(engine.target.cfg.eos_token_ids)  # ends the stream; it is not text (the ids keep it)
         with engine.session(ids, max_new, arm, timed=True) as session:
             session.prime()
             while not session.finished:
                 new = session.burst(1)
                 if not json_out:
-                    render.stream_out(stream.push(new) if stream else "".join(f"{t} " for t in new))
+                    render.stream_out(stream.push([t for t in new if t not in eos]) if stream else "".join(f"{t} " for t in new))
     stats = session.stats.as_json()
     if json_out:
         render.emit_json({
-            "tokens": session.tokens, "text": codec.decode(session.tokens) if codec else None, "mode": arm.mode,
-            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+            "tokens": session.tokens, "text": codec.decode([t for t in session.tokens if t not in eos]) if codec else None,
+            "mode": arm.mode, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
             "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs,
             "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms")},
             "receipts": arm.receipts.as_json() if arm.receipts else None,

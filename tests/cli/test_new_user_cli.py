@@ -110,3 +110,19 @@ def test_parity_puts_the_bound_beside_the_value_it_bounds(tiny, tmp_path):
     assert row.split()[3] == "≤" and row.split()[4] == "1.00e-05"
     assert "pass: rel L2 within its bound; draft_logits also needs the oracle's argmax" in r.stdout
     assert "max-abs is information, not a criterion" in r.stdout
+
+
+# ---------------------------------------------------------------- item 7: EOS is not text
+
+END_OF_MODULE = '\n\nif __name__ == "__main__":\n    main()'  # the embedded target ends the file after this
+
+
+@pytest.mark.parametrize("spec", ["off", "dspark"])
+def test_the_eos_token_ends_the_text_without_being_printed(spec):
+    args = ["generate", "--prompt", END_OF_MODULE, "--max-new", "24", "--spec", spec]
+    obj = json.loads(runner.invoke(app, args + ["--json"]).stdout)
+    assert obj["tokens"] == [200, 0]  # "\n", then <|endoftext|> (id 0): the stream stopped at EOS
+    assert obj["text"] == "\n"
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and r.stdout == "\n\n"  # the text, then the closing newline
+    assert "<|endoftext|>" not in r.stdout
