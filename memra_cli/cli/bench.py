@@ -233,8 +233,8 @@ def bench(
     """Measure decoding arms side by side over a prompt set, with an exactness gate.
 
     Loads the target once and each drafter once, warms up, then runs every arm on every prompt,
-    interleaved (arm order rotated per prompt). Per arm: tau (mean tokens committed per round =
-    accepted + 1), acceptance (accepted / drafted), tok/s (tokens / wall time of its
+    interleaved (arm order rotated per prompt). Per arm: tau (mean tokens committed per round:
+    (accepted + rounds) / rounds), acceptance (accepted / drafted; none for off), tok/s (tokens / wall time of its
     generations, prefill included), speedup (tok/s over off's, same run), per-phase ms per
     generated token, and the tau histogram. Every speculative stream must equal the off arm's
     token for token: a mismatch is reported and the exit code is 1.

@@ -94,6 +94,8 @@ def generate(
                 if not json_out:
                     render.stream_out(stream.push([t for t in new if t not in eos]) if stream else "".join(f"{t} " for t in new))
     stats = session.stats.as_json()
+    if arm.mode == "off":  # nothing was drafted: no acceptance (null, as bench reports it), not 0
+        stats["acceptance"] = None
     if json_out:
         render.emit_json({
             "tokens": session.tokens, "text": codec.decode([t for t in session.tokens if t not in eos]) if codec else None,

@@ -126,3 +126,49 @@ def test_the_eos_token_ends_the_text_without_being_printed(spec):
     r = runner.invoke(app, args)
     assert r.exit_code == 0 and r.stdout == "\n\n"  # the text, then the closing newline
     assert "<|endoftext|>" not in r.stdout
+
+
+# ---------------------------------------------------------------- item 11: the docs say what the tools do
+
+ROOT = ASSETS.parents[1]
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_docs_give_the_embedded_drafters_census_counts():
+    from memra_cli.cli.render import human_count
+    from memra_cli.engine.formats.census import take_census
+
+    rows = {line.split("|")[1].strip(): line for line in (ROOT / "docs" / "bench.md").read_text().splitlines()
+            if line.startswith("| DSpark drafter") or line.startswith("| DFlash drafter")}
+    for name, kind in (("DSpark drafter", "dspark"), ("DFlash drafter", "dflash")):
+        count = human_count(take_census(ASSETS / kind).n_params)
+        assert f"{count} params" in rows[name], (name, count)
+    assert "2.30M of its own" in rows["DSpark drafter"]  # and what is left without the copied tables
+
+
+def test_readme_says_what_the_tiny_script_writes(tmp_path):
+    assert tiny_main([str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dflash", "dspark", "qwen3_5", "qwen3_5_dflash", "target"]
+    readme = _words((ROOT / "README.md").read_text())
+    assert "every format" not in readme
+    assert ("`python -m memra_cli.tiny DIR` writes five tiny random checkpoints for experiments: a Qwen3 target "
+            "with a tokenizer, a z-lab DFlash drafter and a DeepSpec DSpark drafter that ships the target's tables, "
+            "and a Qwen3.5 hybrid target (`qwen3_5`) with a z-lab DFlash drafter tapping it (`qwen3_5_dflash`)") in readme
+
+
+def test_bench_help_defines_tau_as_the_docs_do():
+    help_text = _words(runner.invoke(app, ["bench", "--help"], env={"COLUMNS": "400"}).stdout)
+    assert "(accepted + rounds) / rounds" in help_text and "= accepted + 1" not in help_text
+    assert "(accepted + rounds) / rounds" in (ROOT / "docs" / "bench.md").read_text()
+
+
+def test_generate_reports_no_acceptance_for_plain_greedy_as_bench_does():
+    args = ["generate", "--spec", "off", "--prompt-ids", "5,6,7", "--max-new", "3"]
+    assert json.loads(runner.invoke(app, args + ["--json"]).stdout)["stats"]["acceptance"] is None
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and " acceptance=- " in r.stderr.splitlines()[-1]
+    spec = json.loads(runner.invoke(app, ["generate", "--prompt-ids", "5,6,7", "--max-new", "3", "--json"]).stdout)
+    assert isinstance(spec["stats"]["acceptance"], float)
