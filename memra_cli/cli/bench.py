@@ -118,11 +118,13 @@ def write_plot(report: dict, path: Path) -> None:
     ax2.set_xticks(range(1, top + 1))
     if spec:
         ax2.legend(fontsize=8)
+    from memra_cli.engine.files import publish
+
     fd, tmp = tempfile.mkstemp(prefix=".memra-plot-", suffix=".png", dir=path.parent.resolve())
     try:
         with os.fdopen(fd, "wb") as fh:
             fig.savefig(fh, format="png", dpi=120)
-        os.replace(tmp, path)
+        publish(tmp, path)  # the user's file: the usual permissions, not mkstemp's 0600
     except BaseException:
         os.unlink(tmp)
         raise

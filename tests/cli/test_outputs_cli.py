@@ -1,0 +1,72 @@
+"""Files a user asks for (--out, --plot, --make-oracle): the usual permissions, one overwrite
+rule, nothing left behind however the write ends, and the reason when it fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+from typer.testing import CliRunner
+
+from memra_cli.cli.app import app
+from memra_cli.tiny.draft import make_tiny_draft
+from memra_cli.tiny.target import make_tiny_qwen3
+
+pytest.importorskip("matplotlib", reason="--plot needs matplotlib (a test dependency)")
+pytest.importorskip("transformers", reason="--make-oracle needs transformers (a test dependency)")
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("outputs")
+    target = make_tiny_qwen3(root / "target", tokenizer=True)
+    dspark = make_tiny_draft(root / "dspark", "deepspec", markov_rank=16, confidence="markov", target_layer_ids=(-1, 1, 3))
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    return target, dspark, prompts
+
+
+@pytest.fixture
+def umask():
+    """set(mask) for the test; the process umask is restored afterwards."""
+    old = os.umask(0o022)
+    yield os.umask
+    os.umask(old)
+
+
+def _mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _bench(pair, *extra):
+    target, dspark, prompts = pair
+    return runner.invoke(app, ["bench", "--target", str(target), "--draft", str(dspark), "--prompts", str(prompts),
+                               "--max-new", "2", "--warmup", "0", "--arm", "off", *map(str, extra)])
+
+
+def _oracle(pair, out, *extra):
+    _, dspark, _ = pair
+    return runner.invoke(app, ["parity", str(dspark), "--make-oracle", str(out), "--ctx", "4", *map(str, extra)])
+
+
+def _gguf(pair, out, *extra):
+    _, dspark, _ = pair
+    return runner.invoke(app, ["quantize", str(dspark), "--out", str(out), *map(str, extra)])
+
+
+# ---------------------------------------------------------------- item 3: permissions
+
+
+@pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_outputs_get_the_usual_permissions(pair, tmp_path, umask, mask, mode):
+    umask(mask)
+    png, npz, gguf = tmp_path / "b.png", tmp_path / "o.npz", tmp_path / "d.gguf"
+    assert _bench(pair, "--plot", png).exit_code == 0
+    assert _oracle(pair, npz).exit_code == 0
+    assert _gguf(pair, gguf).exit_code == 0
+    assert {p.name: oct(_mode(p)) for p in (png, npz, gguf)} == {p.name: oct(mode) for p in (png, npz, gguf)}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.png", "d.gguf", "o.npz"]
