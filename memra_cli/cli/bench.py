@@ -53,8 +53,14 @@ class _Progress:
         self.bar.update(self.tasks[stage], completed=done)
 
 
-def _check_plot(path: Path) -> None:
+PLOT_FORMATS = ("png", "svg", "pdf")  # the suffix names the format
+
+
+def _check_plot(path: Path, force: bool) -> None:
+    """--plot: matplotlib, an existing directory, a suffix naming a format it writes, and the
+    overwrite rule of every output flag (an existing file needs --force)."""
     from memra_cli.engine.errors import MemraError
+    from memra_cli.engine.files import refuse_existing
 
     try:
         import matplotlib  # noqa: F401
@@ -62,10 +68,14 @@ def _check_plot(path: Path) -> None:
         raise MemraError(f"--plot {path}: needs matplotlib (pip install 'memra[plot]')") from None
     if not path.parent.resolve().is_dir():
         raise MemraError(f"--plot {path}: directory {path.parent} does not exist")
+    if path.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise MemraError(f"--plot {path}: expected a .png, .svg or .pdf file name (the suffix names the format)")
+    refuse_existing(path, force, "--plot")
 
 
 def _check_flags(*, target: Optional[Path], draft: Optional[Path], prompts: str, n: Optional[int], arms: list[str],
-                 chat: bool, dtype: str, device: str, step_width: Optional[str], plot: Optional[Path]) -> None:
+                 chat: bool, dtype: str, device: str, step_width: Optional[str], plot: Optional[Path],
+                 force: bool) -> None:
     """Everything that can be refused without torch, first (arms, prompt set, drafters, paths):
     a typo is answered in a fraction of a second. `prepare_bench` checks them again."""
     from memra_cli.cli.checks import check_exists, check_model_dir, check_run_flags
@@ -84,11 +94,16 @@ def _check_flags(*, target: Optional[Path], draft: Optional[Path], prompts: str,
     if chat:
         TextCodec(Path(target_dir)).check_chat()
     if plot is not None:
-        _check_plot(plot)
+        _check_plot(plot, force)
+    elif force:
+        from memra_cli.engine.errors import ConfigError
+
+        raise ConfigError("--force applies to --plot (overwrite an existing plot file)")
 
 
 def write_plot(report: dict, path: Path) -> None:
-    """Speedup per arm (bars) and each speculative arm's tau histogram; written atomically."""
+    """Speedup per arm (bars) and each speculative arm's tau histogram, in the format the
+    suffix names; written atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -120,10 +135,11 @@ def write_plot(report: dict, path: Path) -> None:
         ax2.legend(fontsize=8)
     from memra_cli.engine.files import publish
 
-    fd, tmp = tempfile.mkstemp(prefix=".memra-plot-", suffix=".png", dir=path.parent.resolve())
+    fmt = path.suffix.lower().lstrip(".")
+    fd, tmp = tempfile.mkstemp(prefix=".memra-plot-", suffix=f".{fmt}", dir=path.parent.resolve())
     try:
         with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=120)
+            fig.savefig(fh, format=fmt, dpi=120)
         publish(tmp, path)  # the user's file: the usual permissions, not mkstemp's 0600
     except BaseException:
         os.unlink(tmp)
@@ -229,7 +245,8 @@ def bench(
     phase_times: bool = typer.Option(True, "--phase-times/--no-phase-times", help="Per-phase timers (on CUDA they synchronize at every phase boundary, which costs the off arm more per token than a speculative arm: use --no-phase-times for a headline speedup)."),
     step_width: Optional[str] = StepWidthOpt,
     cuda_graphs: Optional[bool] = CudaGraphsOpt,
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: speedup per arm and the tau histograms (needs matplotlib)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write FILE.png (or .svg, .pdf: the suffix names the format): speedup per arm and the tau histograms (needs matplotlib). An existing file needs --force."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --plot file."),
     json_out: bool = JsonOpt,
 ) -> None:
     """Measure decoding arms side by side over a prompt set, with an exactness gate.
@@ -242,7 +259,7 @@ def bench(
     token for token: a mismatch is reported and the exit code is 1.
     """
     _check_flags(target=target, draft=draft, prompts=prompts, n=n, arms=list(arm or []), chat=chat, dtype=dtype,
-                 device=device, step_width=step_width, plot=plot)
+                 device=device, step_width=step_width, plot=plot, force=force)
     from memra_cli.engine.bench import BenchRequest, prepare_bench
 
     req = BenchRequest(target=target, draft=draft, prompts=prompts, n=n, max_new=max_new, chat=chat, arms=list(arm or []),

@@ -28,7 +28,8 @@ def parity(
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     dump: Optional[Path] = typer.Option(None, "--dump", help="Write the engine's per-stage arrays here as PATH.STAGE.npy (e.g. cached.hidden_out.npy)."),
-    make_oracle: Optional[Path] = typer.Option(None, "--make-oracle", help="Write a memra-oracle/1 file from the reference implementation (float64, random inputs) instead of checking one."),
+    make_oracle: Optional[Path] = typer.Option(None, "--make-oracle", help="Write a memra-oracle/1 .npz file from the reference implementation (float64, random inputs) instead of checking one. An existing file needs --force."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --make-oracle file."),
     ctx: Optional[int] = typer.Option(None, "--ctx", callback=at_least(1), help=f"Context rows of the oracle made by --make-oracle (default {DEFAULT_CTX}; >= 1)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the random inputs of --make-oracle (default 0)."),
     json_out: bool = JsonOpt,
@@ -61,6 +62,10 @@ def parity(
     check_model_dir(target, "--target")
     if (oracle is None) == (make_oracle is None):
         raise OracleError("give exactly one of ORACLE.npz (to check) or --make-oracle OUT.npz (to write one)")
+    if make_oracle is not None:
+        _check_out(make_oracle, force)  # before the census and the reference's slow imports
+    elif force:
+        raise OracleError("--force applies to --make-oracle (overwrite an existing oracle file)")
     census = take_census(ckpt)
     receipts = resolve_receipts(policy_settings(harvest, vt, tau, adapt), census.strategy_dspark, census.confidence is not None)
     if make_oracle is not None:
@@ -80,6 +85,16 @@ def parity(
         _report(result, receipts, oracle)
     if not result["report"].passed:
         raise typer.Exit(code=1)
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """--make-oracle: a .npz name (what the file is), and the overwrite rule of every output flag."""
+    from memra_cli.engine.files import refuse_existing
+    from memra_cli.engine.oracle import OracleError
+
+    if out.suffix != ".npz":
+        raise OracleError(f"--make-oracle {out}: expected a .npz file name (a memra-oracle/1 file is an .npz)")
+    refuse_existing(out, force, "--make-oracle")
 
 
 def _check(census: Any, oracle_path: Path, target: Optional[Path], prec: Optional[str], dtype: str, device: str) -> dict:

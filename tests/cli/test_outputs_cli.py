@@ -70,3 +70,44 @@ def test_outputs_get_the_usual_permissions(pair, tmp_path, umask, mask, mode):
     assert _gguf(pair, gguf).exit_code == 0
     assert {p.name: oct(_mode(p)) for p in (png, npz, gguf)} == {p.name: oct(mode) for p in (png, npz, gguf)}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.png", "d.gguf", "o.npz"]
+
+
+# ---------------------------------------------------------------- item 10: one overwrite rule, honest suffixes
+
+
+def _one_error(r) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), r.output
+    return lines[0]
+
+
+def test_every_output_flag_refuses_an_existing_file_without_force(pair, tmp_path):
+    png, npz, gguf = tmp_path / "b.png", tmp_path / "o.npz", tmp_path / "d.gguf"
+    for path in (png, npz, gguf):
+        path.write_bytes(b"precious")
+    for run, flag, path in ((lambda *a: _bench(pair, "--plot", png, *a), "--plot", png),
+                            (lambda *a: _oracle(pair, npz, *a), "--make-oracle", npz),
+                            (lambda *a: _gguf(pair, gguf, *a), "--out", gguf)):
+        assert _one_error(run()) == f"error: {flag} {path}: file exists (pass --force to overwrite)"
+        assert path.read_bytes() == b"precious"
+        assert run("--force").exit_code == 0 and path.read_bytes() != b"precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.png", "d.gguf", "o.npz"]
+
+
+def test_force_without_an_output_is_refused(pair):
+    assert _one_error(_bench(pair, "--force")) == "error: --force applies to --plot (overwrite an existing plot file)"
+    _, dspark, _ = pair
+    r = runner.invoke(app, ["parity", str(dspark), "o.npz", "--force"])
+    assert _one_error(r) == "error: --force applies to --make-oracle (overwrite an existing oracle file)"
+
+
+def test_the_plot_suffix_names_its_format(pair, tmp_path):
+    for name, magic in (("p.svg", b"<?xml"), ("p.pdf", b"%PDF"), ("p.png", b"\x89PNG")):
+        assert _bench(pair, "--plot", tmp_path / name).exit_code == 0
+        assert (tmp_path / name).read_bytes().startswith(magic), name
+    jpg = tmp_path / "p.jpg"
+    assert _one_error(_bench(pair, "--plot", jpg)) == (
+        f"error: --plot {jpg}: expected a .png, .svg or .pdf file name (the suffix names the format)")
+    txt = tmp_path / "o.txt"
+    assert _one_error(_oracle(pair, txt)) == f"error: --make-oracle {txt}: expected a .npz file name (a memra-oracle/1 file is an .npz)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.pdf", "p.png", "p.svg"]
