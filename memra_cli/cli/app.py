@@ -9,21 +9,27 @@ from typer.core import TyperGroup
 
 from memra_cli import __version__
 from memra_cli.cli import bench, census, generate, parity, quantize
-from memra_cli.cli.common import click_module, debug_enabled, describe, usage_error_line
+from memra_cli.cli.common import (
+    Terminated, click_module, debug_enabled, describe, report_termination, terminations_as_exceptions, usage_error_line,
+)
 
 
 class _MemraGroup(TyperGroup):
     """The command group, with one convention for every bad input: a single `error:` line on
     stderr and exit 2 (typer would draw a boxed usage error for a bad flag value, an unknown
-    option or an unknown subcommand; memra's own refusals were already one line)."""
+    option or an unknown subcommand; memra's own refusals were already one line). While a
+    command runs, SIGTERM / SIGHUP unwind it like Ctrl-C, so its cleanups run."""
 
     def main(self, *args, standalone_mode: bool = True, **kwargs):
         from memra_cli.engine.errors import MemraError
 
         click = click_module().exceptions
         try:
-            rv = super().main(*args, standalone_mode=False, **kwargs)
+            with terminations_as_exceptions():  # SIGTERM cleans up as Ctrl-C does
+                rv = super().main(*args, standalone_mode=False, **kwargs)
             code = rv if isinstance(rv, int) else 0
+        except Terminated as exc:  # outside a command (while parsing): nothing to clean up
+            code = report_termination(exc)
         except click.UsageError as exc:
             code = _usage_error(exc)
         except click.ClickException as exc:

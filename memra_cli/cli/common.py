@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
@@ -166,6 +168,51 @@ def debug_enabled() -> bool:
     return os.environ.get("MEMRA_DEBUG", "") not in ("", "0")
 
 
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP, raised where the program is, so that every cleanup runs (a temporary
+    output file is removed) exactly as it does for Ctrl-C. A BaseException, like
+    KeyboardInterrupt: no `except Exception` swallows it."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+CAUGHT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextmanager
+def terminations_as_exceptions():
+    """For the duration of a command, turn SIGTERM / SIGHUP into `Terminated` (the default action
+    kills the process at once and leaves a half-written temporary file behind). A second signal
+    while the first unwinds gets the default action: whoever sends it twice means it."""
+
+    def raise_terminated(signum, frame):
+        signal.signal(signum, signal.SIG_DFL)
+        raise Terminated(signum)
+
+    previous = {}
+    try:
+        for sig in CAUGHT_SIGNALS:
+            previous[sig] = signal.signal(sig, raise_terminated)
+    except ValueError:  # not the main thread (an embedding program): leave its handlers alone
+        pass
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def report_termination(exc: Terminated) -> int:
+    """The one line for a caught termination, and the shell's exit status for it (128 + signal)."""
+    try:
+        print(f"error: terminated ({signal.Signals(exc.signum).name})", file=sys.stderr)
+    except OSError:  # SIGHUP: the terminal may be gone
+        pass
+    return 128 + exc.signum
+
+
 def refusals(fn: F) -> F:
     """Turn known errors into one `error:` line on stderr and a non-zero exit (traceback only
     under MEMRA_DEBUG=1)."""
@@ -184,5 +231,7 @@ def refusals(fn: F) -> F:
         except KeyboardInterrupt:
             print("error: interrupted", file=sys.stderr)
             raise typer.Exit(code=130) from None
+        except Terminated as exc:
+            raise typer.Exit(code=report_termination(exc)) from None
 
     return wrapper  # type: ignore[return-value]

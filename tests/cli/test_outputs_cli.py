@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -18,6 +23,7 @@ pytest.importorskip("matplotlib", reason="--plot needs matplotlib (a test depend
 pytest.importorskip("transformers", reason="--make-oracle needs transformers (a test dependency)")
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +117,41 @@ def test_the_plot_suffix_names_its_format(pair, tmp_path):
     txt = tmp_path / "o.txt"
     assert _one_error(_oracle(pair, txt)) == f"error: --make-oracle {txt}: expected a .npz file name (a memra-oracle/1 file is an .npz)"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.pdf", "p.png", "p.svg"]
+
+
+# ---------------------------------------------------------------- item 4: any catchable termination cleans up
+
+# The real entry point, with every tensor write slowed down (timing only), so that the signal
+# lands while the temporary file is being written.
+SLOW_QUANTIZE = """
+import sys, time
+import gguf
+real = gguf.GGUFWriter.write_tensor_data
+def slow(self, *args, **kwargs):
+    time.sleep(0.05)
+    return real(self, *args, **kwargs)
+gguf.GGUFWriter.write_tensor_data = slow
+from memra_cli.cli.app import main
+sys.argv = ["memra", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("sig, code, name", [(signal.SIGTERM, 143, "SIGTERM"), (signal.SIGHUP, 129, "SIGHUP"),
+                                              (signal.SIGINT, 130, None)])
+def test_a_signal_during_quantize_leaves_no_file(pair, tmp_path, sig, code, name):
+    _, dspark, _ = pair
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's memra_cli, whatever is installed
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_QUANTIZE, "quantize", str(dspark), "--out", str(out / "d.gguf")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not list(out.glob(".d.gguf.*.part")):  # the write has begun
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert list(out.iterdir()) == [], err  # neither the .part nor a half file
+    assert err.strip().splitlines()[-1] == (f"error: terminated ({name})" if name else "error: interrupted")
