@@ -155,3 +155,49 @@ def test_a_signal_during_quantize_leaves_no_file(pair, tmp_path, sig, code, name
     assert proc.returncode == code, err
     assert list(out.iterdir()) == [], err  # neither the .part nor a half file
     assert err.strip().splitlines()[-1] == (f"error: terminated ({name})" if name else "error: interrupted")
+
+
+# ---------------------------------------------------------------- item 5: a failed write says why
+
+
+def _full_disk_write(self, tensor, *args, **kwargs):
+    """What GGUFWriter.write_tensor_data meets on a full disk: numpy's tofile into a device
+    that is out of space (it raises a short-write OSError without an errno)."""
+    with open("/dev/full", "wb") as full:
+        tensor.tofile(full)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_is_named_and_debug_keeps_the_cause(pair, tmp_path, monkeypatch):
+    import gguf
+    import shutil
+
+    from memra_cli.engine.quant.gguf_write import GGUFWriteError
+
+    out = tmp_path / "d.gguf"
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", _full_disk_write)
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real_usage(p)._replace(free=4096))  # what is left
+    line = _one_error(_gguf(pair, out))
+    assert line.startswith(f"error: --out {out}: cannot write (No space left on device: ") and "requested and" in line
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(shutil, "disk_usage", real_usage)  # space left: a short write, said as it is
+    line = _one_error(_gguf(pair, out))
+    assert line.startswith(f"error: --out {out}: cannot write (") and line.endswith(" requested and 0 written)")
+    monkeypatch.setenv("MEMRA_DEBUG", "1")
+    r = _gguf(pair, out)
+    assert isinstance(r.exception, GGUFWriteError) and isinstance(r.exception.__cause__, OSError)
+
+
+def test_a_failed_write_with_an_errno_gives_its_reason(pair, tmp_path, monkeypatch):
+    import errno
+
+    import gguf
+
+    def no_space(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", no_space)
+    out = tmp_path / "d.gguf"
+    assert _one_error(_gguf(pair, out)) == f"error: --out {out}: cannot write (No space left on device)"
+    assert list(tmp_path.iterdir()) == []
