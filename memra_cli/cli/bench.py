@@ -171,37 +171,72 @@ def _fmt(v, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def _render_table(report: dict) -> None:
+def bench_tables(report: dict) -> list:
+    """The report as rich tables, narrowest first in what they must show.
+
+    1. per arm: tau, acceptance, tok/s, speedup, exact: the essential columns, and only those,
+       so that they stay whole on an 80-column terminal (a long arm name folds, numbers never
+       turn into `…`);
+    2. per arm: prompts, tokens and, with phase times, ms per generated token by phase;
+    3. the tau histogram, one row per tokens-committed count and one column per speculative arm
+       (as many columns as arms, not as block slots).
+    """
     from rich.table import Table
 
-    from memra_cli.cli.render import console
-
     p = report["prompts"]
-    title = (f"memra bench: {p['set']}, {p['n']} prompts x {report['max_new']} new tokens, "
+    title = (f"memra bench: {p['set']}, {p['n']} prompts x {report['max_new']} new, "
              f"{report['device']} {report['dtype']}, warm-up {report['warmup']}")
-    t = Table(title=title, title_justify="left")
-    cols = ["arm", "n", "tokens", "tau", "accept", "tok/s", "speedup", "exact"]
-    phases = list(report["arms"][0]["phase_ms"] or {})
-    cols += [f"{ph} ms/tok" for ph in phases]
-    for c in cols:
-        t.add_column(c, justify="left" if c == "arm" else "right", no_wrap=c != "arm")
+    main = Table(title=title, title_justify="left")
+    main.add_column("arm", overflow="fold")
+    for c in ("tau", "accept", "tok/s", "speedup", "exact"):
+        main.add_column(c, justify="right", no_wrap=True)
     for a in report["arms"]:
         exact = "ref" if a["mode"] == "off" else ("yes" if a["exact"] else "[bold red]NO[/bold red]")
-        row = [a["name"], str(a["n_prompts"]), str(a["tokens"]), _fmt(a["tau"]), _fmt(a["acceptance"], ".3f"),
-               _fmt(a["tok_per_s"], ".1f"), _fmt(a["speedup"], ".2f") + "x", exact]
-        row += [_fmt((a["phase_ms"] or {}).get(ph), ".3f") for ph in phases]
-        t.add_row(*row)
-    _print_wide(console, t)
+        main.add_row(a["name"], _fmt(a["tau"]), _fmt(a["acceptance"], ".3f"), _fmt(a["tok_per_s"], ".1f"),
+                     _fmt(a["speedup"], ".2f") + "x", exact)
+    tables = [main, _counts_table(report)]
+    hist = _histogram_table(report)
+    return tables + ([hist] if hist is not None else [])
+
+
+def _counts_table(report: dict):
+    """Prompts and tokens per arm, and the per-phase ms per generated token when timed."""
+    from rich.table import Table
+
+    phases = list(report["arms"][0]["phase_ms"] or {})
+    title = "per arm: prompts, tokens" + (", ms per generated token by phase" if phases else "")
+    t = Table(title=title, title_justify="left")
+    t.add_column("arm", overflow="fold")
+    for c in ["n", "tokens", *phases]:
+        t.add_column(c, justify="right", no_wrap=True)
+    for a in report["arms"]:
+        t.add_row(a["name"], str(a["n_prompts"]), str(a["tokens"]),
+                  *[_fmt((a["phase_ms"] or {}).get(ph), ".3f") for ph in phases])
+    return t
+
+
+def _histogram_table(report: dict):
+    """Rounds by tokens committed (accepted + 1): a row per count, a column per speculative arm."""
+    from rich.table import Table
+
     spec = [a for a in report["arms"] if a["mode"] != "off"]
     top = max([int(k) for a in spec for k in a["tau_hist"]] or [0])
-    if spec and top:
-        h = Table(title="tau histogram: rounds by tokens committed (accepted + 1)", title_justify="left")
-        h.add_column("arm")
-        for k in range(1, top + 1):
-            h.add_column(str(k), justify="right")
-        for a in spec:
-            h.add_row(a["name"], *[str(a["tau_hist"].get(str(k), 0)) for k in range(1, top + 1)])
-        _print_wide(console, h)
+    if not spec or not top:
+        return None
+    h = Table(title="tau histogram: rounds by tokens committed (accepted + 1)", title_justify="left")
+    h.add_column("committed", justify="right", no_wrap=True)
+    for a in spec:
+        h.add_column(a["name"], justify="right", overflow="fold")
+    for k in range(1, top + 1):
+        h.add_row(str(k), *[str(a["tau_hist"].get(str(k), 0)) for a in spec])
+    return h
+
+
+def _render_table(report: dict, console=None) -> None:
+    from memra_cli.cli.render import console as stdout
+
+    for table in bench_tables(report):
+        _print_wide(console or stdout, table)
 
 
 def _print_wide(console, table) -> None:
@@ -212,7 +247,7 @@ def _print_wide(console, table) -> None:
 
     if not console.is_terminal:
         natural = Measurement.get(console, console.options.update_width(100_000), table).maximum
-        console = Console(highlight=False, width=max(console.width, natural))  # stdout as it is now
+        console = Console(highlight=False, width=max(console.width, natural), file=console.file)
     console.print(table)
 
 

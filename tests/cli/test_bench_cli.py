@@ -88,7 +88,7 @@ def test_table_receipts_and_plot(pair, tmp_path):
     assert "[dspark] verify-window=Confidence{tau=0.3} (accept-rate head present, MEMRA_DSPARK_VT set)" in r.stderr
     assert "[dspark] harvest=dflash (checkpoint census strategy_dspark=true, MEMRA_DSPARK_HARVEST set)" in r.stderr
     assert "note: target steps: 16 rows (default; --step-width); CUDA graphs off (default: not on CUDA" in r.stderr
-    for name in ("off", "dspark", "dspark:vt=confidence,tau=0.3", "dspark:harvest=dflash", "speedup", "verify ms/tok", "tau histogram"):
+    for name in ("off", "dspark", "dspark:vt=confidence,tau=0.3", "dspark:harvest=dflash", "speedup", "verify", "rollback", "tau histogram"):
         assert name in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]  # no temp file left behind
