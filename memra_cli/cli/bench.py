@@ -172,7 +172,7 @@ def _fmt(v, spec: str = ".2f") -> str:
 
 
 def bench_tables(report: dict) -> list:
-    """The report as rich tables, narrowest first in what they must show.
+    """The report as a title line and rich tables, narrowest first in what they must show.
 
     1. per arm: tau, acceptance, tok/s, speedup, exact: the essential columns, and only those,
        so that they stay whole on an 80-column terminal (a long arm name folds, numbers never
@@ -182,11 +182,12 @@ def bench_tables(report: dict) -> list:
        (as many columns as arms, not as block slots).
     """
     from rich.table import Table
+    from rich.text import Text
 
     p = report["prompts"]
-    title = (f"memra bench: {p['set']}, {p['n']} prompts x {report['max_new']} new, "
-             f"{report['device']} {report['dtype']}, warm-up {report['warmup']}")
-    main = Table(title=title, title_justify="left")
+    title = Text(f"memra bench: {p['set']}, {p['n']} prompts x {report['max_new']} new, "
+                 f"{report['device']} {report['dtype']}, warm-up {report['warmup']}")  # a line, not squeezed to a table's width
+    main = Table()
     main.add_column("arm", overflow="fold")
     for c in ("tau", "accept", "tok/s", "speedup", "exact"):
         main.add_column(c, justify="right", no_wrap=True)
@@ -194,7 +195,7 @@ def bench_tables(report: dict) -> list:
         exact = "ref" if a["mode"] == "off" else ("yes" if a["exact"] else "[bold red]NO[/bold red]")
         main.add_row(a["name"], _fmt(a["tau"]), _fmt(a["acceptance"], ".3f"), _fmt(a["tok_per_s"], ".1f"),
                      _fmt(a["speedup"], ".2f") + "x", exact)
-    tables = [main, _counts_table(report)]
+    tables = [title, main, _counts_table(report)]
     hist = _histogram_table(report)
     return tables + ([hist] if hist is not None else [])
 

@@ -71,3 +71,8 @@ def test_a_long_arm_name_folds_and_the_numbers_stay_whole():
     text = _render(_report(arms), 80)
     assert "…" not in text
     assert _main_rows(text) == {"off": ["1.00", "-", "240.2", "1.00x", "ref"], long: ["1.70", "0.176", "201.8", "0.84x", "yes"]}
+
+
+def test_the_title_is_a_line_of_its_own_not_squeezed_to_a_narrow_table():
+    text = _render(_report(ARMS[:1]), 80)  # the off arm alone: a narrow table
+    assert text.splitlines()[0] == "memra bench: humaneval, 164 prompts x 128 new, cpu float32, warm-up 1"
