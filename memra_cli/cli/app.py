@@ -10,7 +10,7 @@ from typer.core import TyperGroup
 from memra_cli import __version__
 from memra_cli.cli import bench, census, generate, parity, quantize
 from memra_cli.cli.common import (
-    Terminated, click_module, debug_enabled, describe, report_termination, terminations_as_exceptions, usage_error_line,
+    Terminated, click_module, debug_enabled, describe, report_signal, signals_as_exceptions, usage_error_line,
 )
 
 
@@ -25,11 +25,11 @@ class _MemraGroup(TyperGroup):
 
         click = click_module().exceptions
         try:
-            with terminations_as_exceptions():  # SIGTERM cleans up as Ctrl-C does
+            with signals_as_exceptions():  # SIGTERM cleans up as Ctrl-C does
                 rv = super().main(*args, standalone_mode=False, **kwargs)
             code = rv if isinstance(rv, int) else 0
         except Terminated as exc:  # outside a command (while parsing): nothing to clean up
-            code = report_termination(exc)
+            code = report_signal(exc.signum)
         except click.UsageError as exc:
             code = _usage_error(exc)
         except click.ClickException as exc:

@@ -48,6 +48,9 @@ class _Progress:
         self.bar.__exit__(*exc)
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        from memra_cli.cli.common import raise_if_signalled
+
+        raise_if_signalled()  # between prompts: a signal whose exception native code swallowed
         if stage not in self.tasks:
             self.tasks[stage] = self.bar.add_task("warm-up" if stage == "warmup" else "prompts", total=total)
         self.bar.update(self.tasks[stage], completed=done)

@@ -178,23 +178,33 @@ class Terminated(BaseException):
         super().__init__(signal.Signals(signum).name)
 
 
-CAUGHT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+CAUGHT_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+_received: list[int] = []  # signals that arrived during the running command, first first
+
+
+def _raise_for(signum: int, frame: Any) -> None:
+    """Record the signal, then raise where the program is: KeyboardInterrupt for SIGINT (as
+    Python does), Terminated for the others. The record matters because native code (a
+    safetensors read, say) can turn the exception raised inside it into an error of its own;
+    whatever comes out, the command ends as the signal asked. A second SIGTERM / SIGHUP gets the
+    default action: whoever sends it twice means it."""
+    _received.append(signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_DFL)
+    raise Terminated(signum)
 
 
 @contextmanager
-def terminations_as_exceptions():
-    """For the duration of a command, turn SIGTERM / SIGHUP into `Terminated` (the default action
-    kills the process at once and leaves a half-written temporary file behind). A second signal
-    while the first unwinds gets the default action: whoever sends it twice means it."""
-
-    def raise_terminated(signum, frame):
-        signal.signal(signum, signal.SIG_DFL)
-        raise Terminated(signum)
-
+def signals_as_exceptions():
+    """For the duration of a command, SIGINT / SIGTERM / SIGHUP unwind it through its cleanups
+    (SIGTERM's and SIGHUP's default action kills the process at once and leaves a half-written
+    temporary file behind)."""
+    _received.clear()
     previous = {}
     try:
         for sig in CAUGHT_SIGNALS:
-            previous[sig] = signal.signal(sig, raise_terminated)
+            previous[sig] = signal.signal(sig, _raise_for)
     except ValueError:  # not the main thread (an embedding program): leave its handlers alone
         pass
     try:
@@ -204,34 +214,56 @@ def terminations_as_exceptions():
             signal.signal(sig, handler)
 
 
-def report_termination(exc: Terminated) -> int:
-    """The one line for a caught termination, and the shell's exit status for it (128 + signal)."""
+def raise_if_signalled() -> None:
+    """At a safe point (between tensors, rounds, prompts): end the command if a signal arrived
+    and its exception was swallowed on the way (native code can clear it)."""
+    if _received:
+        signum = _received[0]
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+
+def report_signal(signum: int) -> int:
+    """The one line for a caught signal, and the shell's exit status for it (128 + signal)."""
     try:
-        print(f"error: terminated ({signal.Signals(exc.signum).name})", file=sys.stderr)
+        if signum == signal.SIGINT:
+            print("error: interrupted", file=sys.stderr)
+        else:
+            print(f"error: terminated ({signal.Signals(signum).name})", file=sys.stderr)
     except OSError:  # SIGHUP: the terminal may be gone
         pass
-    return 128 + exc.signum
+    return 128 + signum
+
+
+def _ending(exc: BaseException) -> Optional[int]:
+    """The exit code of an exception that ends a command with one line (printed here), or None
+    for one that goes on (a bug keeps its traceback; typer.Exit its code)."""
+    from memra_cli.engine.errors import MemraError
+
+    if _received:  # whatever the signal's exception became on its way out
+        return report_signal(_received[0])
+    if isinstance(exc, Terminated):
+        return report_signal(exc.signum)
+    if isinstance(exc, KeyboardInterrupt):
+        return report_signal(signal.SIGINT)
+    if isinstance(exc, MemraError) and not debug_enabled():
+        print(f"error: {describe(exc)}", file=sys.stderr)
+        return exc.exit_code
+    return None
 
 
 def refusals(fn: F) -> F:
     """Turn known errors into one `error:` line on stderr and a non-zero exit (traceback only
-    under MEMRA_DEBUG=1)."""
+    under MEMRA_DEBUG=1); a signal ends the command as `error: interrupted` (130) or
+    `error: terminated (SIGTERM)` (143), after the cleanups ran."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from memra_cli.engine.errors import MemraError
-
         try:
             return fn(*args, **kwargs)
-        except MemraError as exc:
-            if debug_enabled():
+        except BaseException as exc:
+            code = _ending(exc)
+            if code is None:
                 raise
-            print(f"error: {describe(exc)}", file=sys.stderr)
-            raise typer.Exit(code=exc.exit_code) from None
-        except KeyboardInterrupt:
-            print("error: interrupted", file=sys.stderr)
-            raise typer.Exit(code=130) from None
-        except Terminated as exc:
-            raise typer.Exit(code=report_termination(exc)) from None
+            raise typer.Exit(code=code) from None
 
     return wrapper  # type: ignore[return-value]

@@ -70,6 +70,7 @@ def generate(
         render.note(defaults_note)
     import torch  # only now: the flags and the prompt are good
 
+    from memra_cli.cli.common import raise_if_signalled
     from memra_cli.engine.api import ArmConfig, Engine, EngineConfig
     from memra_cli.engine.text import StreamDecoder
 
@@ -90,6 +91,7 @@ def generate(
         with engine.session(ids, max_new, arm, timed=True) as session:
             session.prime()
             while not session.finished:
+                raise_if_signalled()  # between rounds: a signal whose exception native code swallowed
                 new = session.burst(1)
                 if not json_out:
                     render.stream_out(stream.push([t for t in new if t not in eos]) if stream else "".join(f"{t} " for t in new))

@@ -66,6 +66,7 @@ def _write(out: Path, ckpt: Path, policy: str, force: bool, census: Any):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from memra_cli.cli import render
+    from memra_cli.cli.common import raise_if_signalled
     from memra_cli.engine.quant.gguf_write import write_gguf
 
     progress = Progress(TextColumn("quantize"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -74,6 +75,7 @@ def _write(out: Path, ckpt: Path, policy: str, force: bool, census: Any):
         task = progress.add_task("quantize", total=len(census.tensors), name="")
 
         def step(done: int, total: int, name: str) -> None:
+            raise_if_signalled()  # between tensors: a signal whose exception native code swallowed
             progress.update(task, completed=done, name=name)
 
         return write_gguf(out, ckpt, policy, step, overwrite=force, census=census)

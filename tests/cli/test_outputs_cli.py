@@ -201,3 +201,40 @@ def test_a_failed_write_with_an_errno_gives_its_reason(pair, tmp_path, monkeypat
     out = tmp_path / "d.gguf"
     assert _one_error(_gguf(pair, out)) == f"error: --out {out}: cannot write (No space left on device)"
     assert list(tmp_path.iterdir()) == []
+
+
+# Native code can catch the exception a signal handler raises inside it and raise its own error
+# (a safetensors read turned Terminated into "ValueError: could not determine the shape ..."),
+# or clear it. The command must still end as the signal asked, with nothing left behind.
+NATIVE_QUANTIZE = """
+import os, signal, sys, time
+import gguf
+real = gguf.GGUFWriter.write_tensor_data
+calls = []
+def native(self, *args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:  # the third tensor: the signal lands inside 'native' code
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        except BaseException:
+            if sys.argv[1] == "converts":
+                raise ValueError("native code's own error") from None
+            # "clears": the exception is gone
+    return real(self, *args, **kwargs)
+gguf.GGUFWriter.write_tensor_data = native
+from memra_cli.cli.app import main
+sys.argv = ["memra", *sys.argv[2:]]
+main()
+"""
+
+
+@pytest.mark.parametrize("native", ["converts", "clears"])
+def test_a_signal_turned_into_another_error_by_native_code_still_terminates_cleanly(pair, tmp_path, native):
+    _, dspark, _ = pair
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", NATIVE_QUANTIZE, native, "quantize", str(dspark), "--out", str(tmp_path / "d.gguf")],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 143, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "error: terminated (SIGTERM)" and "Traceback" not in r.stderr
+    assert list(tmp_path.iterdir()) == []
