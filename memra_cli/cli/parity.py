@@ -51,15 +51,16 @@ def parity(
     With --make-oracle OUT.npz it writes an oracle instead, from a plain-torch float64 drafter
     built on transformers' Qwen3 blocks (independent of the engine's code path).
     """
-    from memra_cli.cli import render
     from memra_cli.cli.checks import check_model_dir, check_prec, check_run_flags
+
+    check_prec(prec)  # the flags first: they need neither the checkpoint nor torch (nor numpy)
+    check_run_flags(dtype, device, None)
+    check_model_dir(target, "--target")
+    from memra_cli.cli import render
     from memra_cli.engine.formats.census import take_census
     from memra_cli.engine.oracle import OracleError
     from memra_cli.engine.spec.policy import resolve_receipts
 
-    check_prec(prec)  # the flags first: they need neither the checkpoint nor torch
-    check_run_flags(dtype, device, None)
-    check_model_dir(target, "--target")
     if (oracle is None) == (make_oracle is None):
         raise OracleError("give exactly one of ORACLE.npz (to check) or --make-oracle OUT.npz (to write one)")
     if make_oracle is not None:

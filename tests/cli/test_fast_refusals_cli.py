@@ -94,3 +94,17 @@ def test_the_early_checks_refuse_what_the_engine_refuses_in_the_same_words():
         assert outcome(checks.check_spec, value) == engine, value
     with pytest.raises(SettingError, match="prec='q5'"):
         checks.check_prec("q5")
+
+
+def test_quantize_and_parity_refuse_a_bad_flag_before_numpy_loads_too(tmp_path):
+    """Their flag checks come before the census and the GGUF / oracle modules (numpy)."""
+    probe = RUNNER.replace('"torch" in sys.modules', '"numpy" in sys.modules or "torch" in sys.modules')
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for args in (["quantize", DSPARK, "--policy", "q5", "--out", "x.gguf"],
+                 ["parity", DSPARK, "--prec", "q5", "--make-oracle", "x.npz"],
+                 ["parity", DSPARK, "--device", "tpu", "o.npz"]):
+        r = subprocess.run([sys.executable, "-c", probe, json.dumps([args])], capture_output=True, text=True,
+                           cwd=tmp_path, env=env)
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout.strip().splitlines()[-1]) == [[2, False]], (args, r.stderr)
+    assert list(tmp_path.iterdir()) == []
