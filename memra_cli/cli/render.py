@@ -162,8 +162,9 @@ def generate_summary(mode: str, s: dict) -> None:
     """The final stats line of `memra generate` (stderr, so stdout stays the text)."""
     phases = " ".join(f"{k}={v:.1f}" for k, v in s["phase_ms"].items())
     tok_s = f"{s['tok_per_s']:.1f}" if s["tok_per_s"] else "-"
+    acceptance = "-" if s["acceptance"] is None else f"{s['acceptance']:.3f}"
     err_console.print(
         f"[{mode}] tokens={s['tokens']} rounds={s['rounds']} tau={s['tau']:.2f} "
-        f"acceptance={s['acceptance']:.3f} tok/s={tok_s} phase_ms: {phases}",
+        f"acceptance={acceptance} tok/s={tok_s} phase_ms: {phases}",
         markup=False, highlight=False, soft_wrap=True,
     )

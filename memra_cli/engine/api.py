@@ -28,11 +28,11 @@ from memra_cli.engine.formats.census import Census, take_census
 from memra_cli.engine.formats.names import MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
 from memra_cli.engine.errors import ConfigError, MemraError, PolicyError, SettingError
 from memra_cli.engine.spec.policy import (
-    LADDER, MARKOV_ENV, VT_ENV, PolicySettings, Receipts, adapt_on, parse_verify_cap, resolve_receipts,
+    LADDER, PolicySettings, Receipts, adapt_on, parse_verify_cap, resolve_receipts,
 )
 from memra_cli.engine.layers.step_ops import select_step_ops
 from memra_cli.engine.models.base import target_family
-from memra_cli.engine.quant.precision import POLICIES as PRECISIONS
+from memra_cli.engine.quant.precision import POLICIES as PRECISIONS, check_prec
 from memra_cli.engine.runtime.pool import DEFAULT_IDLE_BUDGET, StoragePool
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.proposer import DrafterProposer, Program, SpecError
@@ -105,7 +105,7 @@ def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | No
     if family is not None and not getattr(family, "supports_cuda_graphs", True):
         why = getattr(family, "graphs_note", f"{getattr(family, '__name__', 'this target')} steps are not capturable")
         if flag:
-            raise SettingError("cuda_graphs", True, why, quote=False, flag_text=f"--cuda-graphs: {why}")
+            raise SettingError("cuda_graphs", True, why, quote=False)
         if draft_env == "1":
             raise ConfigError(f"{DRAFT_GRAPHS_ENV}=1 needs the target's CUDA graphs on ({why})")
         return False, False, f"CUDA graphs off ({why}; eager steps)"
@@ -117,7 +117,7 @@ def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | No
         if flag and not possible:
             state = f"(device {device}, step width {'variable' if width is None else width})"
             raise SettingError("cuda_graphs", True, f"needs a CUDA device and a fixed step_width {state}", quote=False,
-                               flag_text=f"--cuda-graphs needs --device cuda and a fixed --step-width {state}")
+                               flag_text=f"{{cuda_graphs}} needs --device cuda and a fixed --step-width {state}")
         on, note = flag, f"CUDA graphs {'on' if flag else 'off'} (--cuda-graphs)"
     if draft_env == "1" and not on:
         raise ConfigError(f"{DRAFT_GRAPHS_ENV}=1 needs the target's CUDA graphs on ({note})")
@@ -136,19 +136,22 @@ def resolve_program(mode: str, census: Census, settings: PolicySettings, markov:
         raise SettingError("spec", mode, f"expected {'|'.join(SPEC_MODES)}", quote=False)
     if mode == "auto":
         mode = "dspark" if census.strategy_dspark else "dflash"
-    receipts = resolve_receipts(settings, census.strategy_dspark, census.confidence is not None)
+    receipts = dataclasses.replace(resolve_receipts(settings, census.strategy_dspark, census.confidence is not None),
+                                   program=mode)  # the receipts are tagged with the program that runs
     window = receipts.window
     if mode == "dflash":
         if receipts.window_set and window.is_confidence:
-            raise PolicyError(f"{VT_ENV}={settings.vt} with --spec dflash: the dflash program runs the ladder window; use --spec dspark")
+            raise SettingError("vt", settings.vt, "{vt} with {spec}: the dflash program runs the ladder window; use {spec=dspark}",
+                               settings={"spec": mode})
         if markov:
-            raise PolicyError(f"{MARKOV_ENV}=1 with --spec dflash: the dflash program drafts in parallel (markov off); use --spec dspark")
+            raise SettingError("markov", True, "{markov} with {spec}: the dflash program drafts in parallel (markov off); "
+                               "use {spec=dspark}", settings={"spec": mode})
         if window.is_confidence:
             receipts = dataclasses.replace(receipts, window=LADDER, window_note="--spec dflash -> ladder")
         window, markov_on = LADDER, False
     else:
         if markov and census.markov is None:
-            raise PolicyError(f"{MARKOV_ENV}=1: {census.path} has no markov head")
+            raise SettingError("markov", True, f"{census.path} has no markov head")
         markov_on = census.markov is not None if markov is None else markov
         if window.is_confidence and census.confidence is None:
             raise SpecError(f"verify-window {window} needs a checkpoint with an accept-rate head (confidence_head.* absent in {census.path})")
@@ -216,10 +219,9 @@ def drafter_precision(prec: str | None, draft: Path | None):
     """The `prec` setting for a drafter load -> (Drafter.load weight_fn or None, the precision to
     report or None, where it came from). A GGUF drafter is already quantized: it loads as written,
     and `prec` may only repeat its policy."""
-    from memra_cli.engine.quant.precision import check_policy, weight_fn_for
+    from memra_cli.engine.quant.precision import weight_fn_for
 
-    if prec is not None:
-        check_policy(prec)
+    check_prec(prec)
     if draft is None:
         return None, None, None
     if Path(draft).suffix == ".gguf":
@@ -227,8 +229,8 @@ def drafter_precision(prec: str | None, draft: Path | None):
 
         written = open_gguf(Path(draft)).policy
         if prec is not None and prec != written:
-            raise PolicyError(f"--prec {prec}: {draft} is a GGUF written under policy {written} and loads as "
-                              "written (drop --prec / MEMRA_DFLASH_PREC, or quantize the source again)")
+            raise SettingError("prec", prec, f"{draft} is a GGUF written under policy {written} and loads as "
+                               "written (drop the setting, or quantize the source again)")
         return None, written, "GGUF policy"
     return (weight_fn_for(prec), prec, "prec setting") if prec is not None else (None, None, None)
 
@@ -236,12 +238,11 @@ def drafter_precision(prec: str | None, draft: Path | None):
 def resolve_precision(prec: str | None, dtype: str, device: Any) -> tuple[str, Any, Any]:
     """(policy, torch dtype, weight_fn) for a drafter judged alone (parity): unset `prec`
     follows the dtype (f32 / bf16)."""
-    if prec is not None and prec not in PRECISIONS:
-        raise PolicyError(f"--prec {prec}: expected {'|'.join(PRECISIONS)}")
+    check_prec(prec)
     if prec in ("f32", "bf16"):
         want = torch.float32 if prec == "f32" else torch.bfloat16
         if dtype != "auto" and resolve_dtype(dtype, device) != want:
-            raise PolicyError(f"--prec {prec} with --dtype {dtype} is contradictory (drop one)")
+            raise SettingError("prec", prec, "{prec} with {dtype} is contradictory (drop one)", settings={"dtype": dtype})
         return prec, want, None
     dt = resolve_dtype(dtype, device)
     if prec is None:

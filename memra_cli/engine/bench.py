@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from memra_cli.engine.errors import MemraError
+from memra_cli.engine.errors import MemraError, SettingError
 from memra_cli.engine.spec.keyed import ACCEPTANCE_RULES, SamplingParams, make_sampler
 from memra_cli.engine.spec.policy import VT_CHOICES, PolicySettings, Receipts
 from memra_cli.engine.spec.sampling import GREEDY
@@ -226,6 +226,18 @@ class Arm:
                                    timed=timed)
 
 
+_ARM_KEY_OF_SETTING = {"verify_cap": "cap"}  # every other policy setting is its own arm key
+
+
+def arm_label(setting: str, value: object) -> str:
+    """How an arm spells a setting: `vt=confidence`, `cap=9`, `markov=1`; the program is the arm's
+    name (`the dflash arm`)."""
+    if setting == "spec":
+        return f"the {value} arm"
+    text = "1" if value is True else "0" if value is False else str(value)
+    return f"{_ARM_KEY_OF_SETTING.get(setting, setting)}={text}"
+
+
 def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters, sampling: SamplingParams | None = None) -> list[Arm]:
     """Resolve every arm through the same assembly as `memra generate` (`Engine.arm`); each
     distinct drafter (path, prec) is loaded once and shared (each arm keeps its own program).
@@ -247,6 +259,8 @@ def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters, sampling: Sa
                 loaded.setdefault(key, arm.drafter)
         except BenchError:
             raise
+        except SettingError as exc:  # name the arm's own keys (vt=..., cap=...)
+            raise BenchError(f"--arm {spec.name!r}: {exc.render(arm_label)}") from None
         except MemraError as exc:
             raise BenchError(f"--arm {spec.name!r}: {exc}") from None
         if spec.accept == "rejection" and sampling.greedy:

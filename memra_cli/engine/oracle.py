@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from memra_cli.engine.errors import MemraError
+from memra_cli.engine.files import publish
 
 FORMAT = "memra-oracle/1"
 REQUIRED = ("meta", "target_hidden", "noise_embedding", "position_ids", "hidden_out")
@@ -206,7 +207,7 @@ def write_oracle(path: Path | str, meta: dict[str, Any], arrays: dict[str, np.nd
             np.savez(fh, meta=meta_raw, **arrays)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        publish(tmp, path)  # the user's file: the usual permissions, not mkstemp's 0600
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

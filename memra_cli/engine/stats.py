@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # imported where used: `memra bench` checks its flags before torch loads
+    import torch
 
 PHASES = ("prefill", "draft", "verify", "rollback", "ingest")
 
@@ -57,6 +59,8 @@ class PhaseClock:
 
     def _now(self) -> float:
         if self.synced:
+            import torch
+
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 

@@ -43,9 +43,16 @@ class TextCodec:
             text = self.apply_chat_template(text)
         return self.tok.encode(text, add_special_tokens=False).ids
 
+    def check_chat(self) -> None:
+        """Refuse `--chat` up front when this directory has no chat template that renders."""
+        self.apply_chat_template("")
+
     def apply_chat_template(self, user_text: str) -> str:
         if not isinstance(self.template, str):
-            raise PromptError(f"--chat: {self.cfg_path} has no chat_template (nor is there a chat_template.jinja beside it)")
+            where = self.cfg_path if self.cfg_path.is_file() else f"{self.cfg_path.parent} (no {self.cfg_path.name})"
+            raise PromptError(f"--chat: the target has no chat template (no chat_template in {where}, nor a "
+                              "chat_template.jinja beside it); --chat needs a target made for chat: drop it for a raw "
+                              "code model such as the embedded one")
         import jinja2
 
         def raise_exception(message: str) -> None:  # what transformers gives templates to refuse with

@@ -21,20 +21,38 @@ from memra_cli.tiny.target import make_tiny_qwen3
 QWEN35_DRAFT_TAPS = (1, 3)
 
 
+USAGE = "usage: python -m memra_cli.tiny OUT_DIR"
+
+
 def main(argv: list[str]) -> int:
+    if argv in (["-h"], ["--help"]):  # asked for: the usage and what is written, on stdout, exit 0
+        print(f"{USAGE}\n\n{__doc__.strip().split(chr(10), 1)[1].strip()}")
+        return 0
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m memra_cli.tiny OUT_DIR", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     out = Path(argv[0])
-    make_tiny_qwen3(out / "target", tokenizer=True)
+    target = make_tiny_qwen3(out / "target", tokenizer=True)
     make_tiny_draft(out / "dflash", "zlab")
-    make_tiny_draft(out / "dspark", "deepspec", markov_rank=32, confidence="markov", target_layer_ids=(-1, 1, 3))
+    # taps short of the last layer (3), as the embedded DSpark drafter's are: no load warns about the pair
+    make_tiny_draft(out / "dspark", "deepspec", markov_rank=32, confidence="markov", target_layer_ids=(-1, 1, 2),
+                    extra_tensors=_target_tables(target))
     make_tiny_qwen35(out / "qwen3_5", layout="multimodal", tokenizer=True)
     make_tiny_draft(out / "qwen3_5_dflash", "zlab", target_layer_ids=QWEN35_DRAFT_TAPS,
                     num_target_layers=len(DEFAULT_LAYER_TYPES))
     print(f"wrote {out / 'target'} (Qwen3 + tokenizer), {out / 'dflash'} (z-lab DFlash), {out / 'dspark'} (DeepSpec DSpark), "
           f"{out / 'qwen3_5'} (Qwen3.5 hybrid, multimodal layout + tokenizer), {out / 'qwen3_5_dflash'} (z-lab DFlash for it)")
     return 0
+
+
+def _target_tables(target: Path) -> dict:
+    """The target's embed_tokens / lm_head under the names a DeepSpec export carries its copies
+    by: a DSpark drafter trained on this target ships exactly these (random copies would make
+    every load warn that the drafter's tables differ from the target's)."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(target / "model.safetensors"))
+    return {"embed_tokens.weight": weights["model.embed_tokens.weight"], "lm_head.weight": weights["lm_head.weight"]}
 
 
 if __name__ == "__main__":

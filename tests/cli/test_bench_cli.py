@@ -74,7 +74,7 @@ def test_json_over_three_prompts_with_the_default_pair(embedded):
         assert a["exact"] is True and a["n_prompts"] == 3 and a["tokens"] == obj["arms"][0]["tokens"]
         assert a["tau"] >= 1.0 and a["tok_per_s"] > 0 and a["speedup"] > 0
     assert obj["arms"][2]["receipts"] == {"harvest": "dspark", "verify_window": {"policy": "confidence-slot", "tau": 0.5}}
-    assert obj["arms"][1]["receipt_lines"][0].startswith("[dspark] harvest=dflash (checkpoint census strategy_dspark=false")
+    assert obj["arms"][1]["receipt_lines"][0].startswith("[dflash] harvest=dflash (checkpoint census strategy_dspark=false")
 
 
 def test_table_receipts_and_plot(pair, tmp_path):
@@ -88,7 +88,7 @@ def test_table_receipts_and_plot(pair, tmp_path):
     assert "[dspark] verify-window=Confidence{tau=0.3} (accept-rate head present, MEMRA_DSPARK_VT set)" in r.stderr
     assert "[dspark] harvest=dflash (checkpoint census strategy_dspark=true, MEMRA_DSPARK_HARVEST set)" in r.stderr
     assert "note: target steps: 16 rows (default; --step-width); CUDA graphs off (default: not on CUDA" in r.stderr
-    for name in ("off", "dspark", "dspark:vt=confidence,tau=0.3", "dspark:harvest=dflash", "speedup", "verify ms/tok", "tau histogram"):
+    for name in ("off", "dspark", "dspark:vt=confidence,tau=0.3", "dspark:harvest=dflash", "speedup", "verify", "rollback", "tau histogram"):
         assert name in r.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]  # no temp file left behind
@@ -141,7 +141,7 @@ def test_refusals_are_one_line(pair, monkeypatch, tmp_path, case):
         "prec": (base + ["--arm", "dspark:prec=q5"], "error: --arm 'dspark:prec=q5': prec=q5"),
         "needs drafter": (["--target", target, "--prompts", prompts, "--arm", "dflash"], "error: --arm 'dflash' needs a drafter: pass --draft PATH"),
         "missing plot dir": (base + ["--plot", tmp_path / "nope" / "x.png"], "does not exist"),
-        "arm policy": (base + ["--arm", "dspark:vt=confidence,adapt=0"], "error: --arm 'dspark:vt=confidence,adapt=0': MEMRA_DSPARK_VT=confidence together with MEMRA_DFLASH_ADAPT=0"),
+        "arm policy": (base + ["--arm", "dspark:vt=confidence,adapt=0"], "error: --arm 'dspark:vt=confidence,adapt=0': vt=confidence together with adapt=0 is contradictory"),
     }[case]
     r = run(*args)
     assert r.exit_code == 2, r.output

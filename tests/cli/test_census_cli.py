@@ -25,8 +25,8 @@ def test_dflash_without_heads_receipts(draft_dir):
     assert r.exit_code == 0, r.output
     lines = r.stdout.strip().splitlines()
     assert lines[-2:] == [
-        "[dspark] harvest=dflash (checkpoint census strategy_dspark=false, MEMRA_DSPARK_HARVEST unset)",
-        "[dspark] verify-window=Ladder (accept-rate head ABSENT -> ladder, MEMRA_DSPARK_VT unset)",
+        "[dflash] harvest=dflash (checkpoint census strategy_dspark=false, MEMRA_DSPARK_HARVEST unset)",
+        "[dflash] verify-window=Ladder (accept-rate head ABSENT -> ladder, MEMRA_DSPARK_VT unset)",
     ]
 
 
@@ -128,9 +128,9 @@ BAD = {
         {}, "in_dim 3, which matches neither hidden_size 64",
     ),
     "pickle checkpoint": (lambda mk, tmp: _pickle_only(mk("zlab")), {}, "memra never unpickles"),
-    "harvest=shifted": (lambda mk, tmp: mk("zlab"), {"MEMRA_DSPARK_HARVEST": "shifted"}, "MEMRA_DSPARK_HARVEST=shifted: unknown harvest convention"),
-    "vt=static": (lambda mk, tmp: mk("zlab"), {"MEMRA_DSPARK_VT": "static"}, "MEMRA_DSPARK_VT=static: unknown verify-window policy"),
-    "tau=1.5": (lambda mk, tmp: mk("deepspec", confidence="plain"), {"MEMRA_DSPARK_VT_TAU": "1.5"}, "MEMRA_DSPARK_VT_TAU=1.5: confidence threshold must be in (0,1)"),
+    "harvest=shifted": (lambda mk, tmp: mk("zlab"), {"MEMRA_DSPARK_HARVEST": "shifted"}, "--harvest / MEMRA_DSPARK_HARVEST=shifted (from the environment): unknown harvest convention"),
+    "vt=static": (lambda mk, tmp: mk("zlab"), {"MEMRA_DSPARK_VT": "static"}, "--vt / MEMRA_DSPARK_VT=static (from the environment): unknown verify-window policy"),
+    "tau=1.5": (lambda mk, tmp: mk("deepspec", confidence="plain"), {"MEMRA_DSPARK_VT_TAU": "1.5"}, "--tau / MEMRA_DSPARK_VT_TAU=1.5 (from the environment): confidence threshold must be in (0,1)"),
     "confidence with adapt=0": (lambda mk, tmp: mk("deepspec", confidence="plain"), {"MEMRA_DSPARK_VT": "confidence", "MEMRA_DFLASH_ADAPT": "0"}, "contradictory"),
 }
 

@@ -96,7 +96,7 @@ BAD = {
     "confidence without head": (lambda root: ["--draft", root / "dflash", "--spec", "dspark", "--vt", "confidence"], "needs a checkpoint with an accept-rate head"),
     "unknown spec": (lambda root: ["--spec", "fast"], "--spec fast: expected off|dflash|dspark|auto"),
     "both prompts": (lambda root: ["--prompt", "x"], "exactly one of --prompt"),
-    "step width zero": (lambda root: ["--step-width", "0"], "--step-width '0': expected a positive integer"),
+    "step width zero": (lambda root: ["--step-width", "0"], "--step-width 0: expected a positive integer"),
     "step width word": (lambda root: ["--step-width", "fixed"], "or 'variable'"),
 }
 

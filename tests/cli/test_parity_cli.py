@@ -85,7 +85,7 @@ def test_zlab_passes_both_paths_receipts_first(made):
     r = run(zlab, root / "zlab.npz", "--target", target)
     assert r.exit_code == 0, r.output
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("[dspark] harvest=dflash") and lines[1].startswith("[dspark] verify-window=Ladder")
+    assert lines[0].startswith("[dflash] harvest=dflash") and lines[1].startswith("[dflash] verify-window=Ladder")
     assert "parity PASS: 8/8 checks" in r.stdout
     # notes print whole under the table (80 columns), keyed by a marker in the row
     row = next(line for line in lines if line.split()[:2] == ["layer_out", "full"])

@@ -189,10 +189,10 @@ def test_generate_prec_reports_kept_tensors(made, tmp_path):
 
 
 @pytest.mark.parametrize("args,env,match", [
-    (["--prec", "q5"], {}, "MEMRA_DFLASH_PREC / --prec: unknown precision policy 'q5' (expected f32|bf16|q8|mixed|fc|q4)"),
-    ([], {"MEMRA_DFLASH_PREC": "int8"}, "unknown precision policy 'int8'"),
-    (["--draft", "GGUF", "--prec", "q4"], {}, "is a GGUF written under policy q8 and loads as written"),
-    (["--draft", "GGUF"], {"MEMRA_DFLASH_PREC": "bf16"}, "--prec bf16:"),
+    (["--prec", "q5"], {}, "error: --prec q5: unknown precision policy (expected f32|bf16|q8|mixed|fc|q4)"),
+    ([], {"MEMRA_DFLASH_PREC": "int8"}, "error: --prec / MEMRA_DFLASH_PREC=int8 (from the environment): unknown precision policy"),
+    (["--draft", "GGUF", "--prec", "q4"], {}, "error: --prec q4: {gguf} is a GGUF written under policy q8 and loads as written"),
+    (["--draft", "GGUF"], {"MEMRA_DFLASH_PREC": "bf16"}, "error: --prec / MEMRA_DFLASH_PREC=bf16 (from the environment): {gguf} is a GGUF"),
 ])
 def test_generate_prec_refusals(made, files, args, env, match):
     _, target, dspark, _ = made
@@ -201,7 +201,7 @@ def test_generate_prec_refusals(made, files, args, env, match):
         args += ["--draft", dspark]
     r = run("generate", "--target", target, "--prompt-ids", "1,2", *args, env=env)
     assert r.exit_code == 2, r.output
-    assert match in _one_error_line(r)
+    assert match.format(gguf=files["dspark-q8"]) in _one_error_line(r)
 
 
 # --------------------------------------------------------------------------- bad input

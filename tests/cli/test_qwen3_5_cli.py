@@ -76,7 +76,7 @@ def test_generate_text_with_receipts_and_the_graphs_note(tiny):
     r = run("generate", "--target", target, "--draft", draft, "--prompt", "def fibonacci(n):", "--max-new", "12", "--chat")
     assert r.exit_code == 0, r.output
     err = r.stderr.splitlines()
-    assert err[0].startswith("[dspark] harvest=dflash (checkpoint census strategy_dspark=false")
+    assert err[0].startswith("[dflash] harvest=dflash (checkpoint census strategy_dspark=false")
     assert any(line.startswith("note: target steps: 16 rows (default; --step-width); CUDA graphs off (the Qwen3.5 "
                                "hybrid target's steps are not capturable yet") for line in err), err
     assert err[-1].startswith("[dflash] tokens=12 rounds=")
@@ -115,7 +115,7 @@ def test_bench_gate_passes(tiny, tmp_path):
                 "--warmup", "0", "--arm", "dflash")
     assert table.exit_code == 0, table.output
     assert "note: target steps: 16 rows (default; --step-width); CUDA graphs off (the Qwen3.5 hybrid" in table.stderr
-    assert "[dspark] harvest=dflash" in table.stderr and "speedup" in table.stdout
+    assert "[dflash] harvest=dflash" in table.stderr and "speedup" in table.stdout
 
 
 def test_census_of_the_hybrid_drafter(tiny):

@@ -206,7 +206,7 @@ def test_each_drafter_loads_once_and_arm_refusals_name_the_arm(monkeypatch, engi
     assert str(arms[3].loaded.program.window) == "Ladder" and arms[4].loaded.program.harvest.value == "dflash"
     assert arms[0].loaded.mode == "off" and arms[5].loaded.mode == "dspark"
 
-    for text, message in [("dflash:vt=confidence", "with --spec dflash"), ("dspark:cap=99", "verify cap must be in [2, 9]"),
+    for text, message in [("dflash:vt=confidence", "vt=confidence with the dflash arm: the dflash program runs the ladder window; use the dspark arm"), ("dspark:cap=99", "verify cap must be in [2, 9]"),
                           ("dspark:draft=dflash,vt=confidence", "needs a checkpoint with an accept-rate head")]:
         with pytest.raises(BenchError) as e:
             eb.load_arms(engine, [parse_arm(text)], Drafters(None, drafters))

@@ -311,9 +311,10 @@ def test_resolve_precision():
     assert resolve_precision(None, "auto", cpu)[:2] == ("f32", torch.float32)
     assert resolve_precision(None, "bfloat16", cpu)[:2] == ("bf16", torch.bfloat16)
     assert resolve_precision("bf16", "auto", cpu)[:2] == ("bf16", torch.bfloat16)
-    with pytest.raises(PolicyError, match="--prec f32 with --dtype bfloat16 is contradictory"):
+    with pytest.raises(PolicyError, match="prec='f32' with dtype='bfloat16' is contradictory") as e:
         resolve_precision("f32", "bfloat16", cpu)
-    with pytest.raises(PolicyError, match="--prec q5: expected"):
+    assert e.value.render(lambda name, value: f"--{name} {value}") == "--prec f32 with --dtype bfloat16 is contradictory (drop one)"
+    with pytest.raises(PolicyError, match=r"prec='q5': unknown precision policy \(expected f32\|"):
         resolve_precision("q5", "auto", cpu)
 
 

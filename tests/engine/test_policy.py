@@ -61,7 +61,7 @@ def test_env_seam_parses_and_refuses():
     assert parse_harvest("") is Harvest.DFLASH
     assert parse_harvest("dspark") is Harvest.DSPARK
     assert parse_harvest("dflash") is Harvest.DFLASH
-    with pytest.raises(PolicyError, match="MEMRA_DSPARK_HARVEST=shifted"):
+    with pytest.raises(PolicyError, match="harvest='shifted'"):
         parse_harvest("shifted")
     assert Harvest.from_name("dspark") is Harvest.DSPARK
     assert Harvest.from_name("dflash") is Harvest.DFLASH
@@ -81,7 +81,7 @@ def test_ratified_default_harvest_is_strategy_keyed():
 def test_ratified_default_vt_is_confidence_slot_tau_half():
     assert resolve_verify_window(None, None, None, True) == VerifyWindow("confidence-slot", 0.5)
     assert resolve_verify_window(None, "0.35", None, True) == VerifyWindow("confidence-slot", 0.35)
-    with pytest.raises(PolicyError, match="MEMRA_DSPARK_VT_TAU=nan-ish"):
+    with pytest.raises(PolicyError, match="tau='nan-ish'"):
         resolve_verify_window(None, "nan-ish", None, True)
     assert resolve_verify_window(None, None, None, False) == LADDER
     assert resolve_verify_window(None, None, "0", True) == LADDER
@@ -146,14 +146,14 @@ def test_vt_policy_env_seam_parses_and_refuses():
     assert parse_verify_window("confidence", None, None) == VerifyWindow("confidence", 0.5)
     assert parse_verify_window("confidence", "0.35", "1") == VerifyWindow("confidence", 0.35)
     assert parse_verify_window("confidence-slot", "0.6", None) == VerifyWindow("confidence-slot", 0.6)
-    with pytest.raises(PolicyError, match="MEMRA_DFLASH_ADAPT=0"):
+    with pytest.raises(PolicyError, match="together with adapt='0'"):
         parse_verify_window("confidence-slot", None, "0")
-    with pytest.raises(PolicyError, match="MEMRA_DSPARK_VT=static: unknown verify-window policy"):
+    with pytest.raises(PolicyError, match="vt='static': unknown verify-window policy"):
         parse_verify_window("static", None, None)
     with pytest.raises(PolicyError):
         parse_verify_window("confidence", None, "0")
     for bad in ["0", "1", "1.5", "-0.1", "nan"]:
-        with pytest.raises(PolicyError, match=f"MEMRA_DSPARK_VT_TAU={bad}"):
+        with pytest.raises(PolicyError, match=f"tau='{bad}'"):
             parse_verify_window("confidence", bad, None)
 
 
@@ -169,14 +169,14 @@ def test_window_names_match_the_receipt_shape():
 
 
 def test_a_bad_tau_is_refused_even_where_the_ladder_would_ignore_it():
-    with pytest.raises(PolicyError, match="MEMRA_DSPARK_VT_TAU=1.5"):
+    with pytest.raises(PolicyError, match="tau='1.5'"):
         resolve_verify_window(None, "1.5", None, False)
 
 
 def test_adapt_values_are_validated():
     assert resolve_verify_window(None, None, "false", True) == LADDER
     assert resolve_verify_window(None, None, "1", True).kind == "confidence-slot"
-    with pytest.raises(PolicyError, match="MEMRA_DFLASH_ADAPT=maybe"):
+    with pytest.raises(PolicyError, match="adapt='maybe'"):
         resolve_verify_window("ladder", None, "maybe", True)
 
 
@@ -185,7 +185,7 @@ def test_ladder_and_cap():
     assert parse_verify_cap(None, 7) == 8
     assert parse_verify_cap("4", 7) == 4
     for bad in ("1", "9", "x"):
-        with pytest.raises(PolicyError, match="MEMRA_DFLASH_VERIFY_T"):
+        with pytest.raises(PolicyError, match="verify_cap="):
             parse_verify_cap(bad, 7)
 
 
@@ -204,7 +204,7 @@ def test_receipts_lines_and_json():
     assert r.as_json() == {"harvest": "dspark", "verify_window": {"policy": "confidence", "tau": 0.35}}
     r = resolve_receipts(PolicySettings(harvest="dspark"), False, False)
     assert r.lines()[0].endswith("strategy_dspark=false, MEMRA_DSPARK_HARVEST set)")
-    assert r.lines()[1] == "[dspark] verify-window=Ladder (accept-rate head ABSENT -> ladder, MEMRA_DSPARK_VT unset)"
+    assert r.lines()[1] == "[dflash] verify-window=Ladder (accept-rate head ABSENT -> ladder, MEMRA_DSPARK_VT unset)"
 
 
 # ---------------------------------------------------------------- properties

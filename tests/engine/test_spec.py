@@ -644,9 +644,9 @@ def test_refusals(world, ckpts, tmp_path):
         spec_session(t, prompt, 8, draft=None, mode="dspark", settings=s0)
     with pytest.raises(SpecError, match=r"Confidence\{tau=0.5\}.*confidence_head"):
         prep(ckpts["zlab8"], "dspark", PolicySettings(vt="confidence"))
-    with pytest.raises(PolicyError, match=r"MEMRA_DSPARK_VT=confidence-slot with --spec dflash"):
+    with pytest.raises(PolicyError, match=r"vt='confidence-slot' with spec='dflash': .*use spec='dspark'"):
         prep(ckpts["spark8"], "dflash", PolicySettings(vt="confidence-slot"))
-    with pytest.raises(PolicyError, match=r"MEMRA_DFLASH_MARKOV=1: .*zlab8 has no markov head"):
+    with pytest.raises(PolicyError, match=r"markov=True: .*zlab8 has no markov head"):
         prep(ckpts["zlab8"], "dspark", markov=True)
     with pytest.raises(SettingError, match=r"spec=turbo: expected off\|dflash\|dspark\|auto") as e:
         prep(ckpts["zlab8"], "turbo")

@@ -98,15 +98,14 @@ def select_step_ops(device: torch.device, setting: bool | None = None, env: dict
     env = os.environ if env is None else env
     raw = env.get(KERNELS_ENV, "")
     if setting is None and raw not in ("", "0", "1"):
-        raise SettingError("kernels", raw, "expected 0 or 1", flag_text=f"{KERNELS_ENV}={raw!r}: expected 0 or 1")
+        raise SettingError("kernels", raw, "expected 0 or 1")
     if setting is None and raw:
         setting = raw == "1"
     if setting is False:
         return TorchStepOps(), "step ops: torch (kernels off)"
     if device.type != "cuda":
         if setting:
-            raise SettingError("kernels", True, f"the Triton kernels need a CUDA device (device {device})",
-                               quote=False, flag_text=f"{KERNELS_ENV}=1 needs a CUDA device (device {device})")
+            raise SettingError("kernels", True, f"the Triton kernels need a CUDA device (device {device})", quote=False)
         return TorchStepOps(), "step ops: torch (not on CUDA)"
     try:
         ops = TritonStepOps()

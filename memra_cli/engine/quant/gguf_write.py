@@ -19,8 +19,10 @@ GGUF without memra's config metadata, or a truncated / corrupt file, in one line
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -199,6 +201,23 @@ def _encode(name: str, t: "torch.Tensor", kind: str, source_dtype: str) -> tuple
     return arr, _rel(_sumsq(err), _sumsq(src))
 
 
+_FULL_BYTES = 1 << 20  # less free space than this after a failed write: the disk is full
+
+
+def _write_failure(exc: OSError, directory: Path) -> str:
+    """Why a write failed, in words. An OSError with an errno says it ("No space left on
+    device"); numpy's tofile reports a full disk as a short write ("N requested and M
+    written") with no errno, so the free space left on the device says why."""
+    if exc.strerror:
+        return exc.strerror
+    detail = str(exc) or type(exc).__name__
+    try:
+        full = shutil.disk_usage(directory).free < _FULL_BYTES
+    except OSError:
+        full = False
+    return f"{os.strerror(errno.ENOSPC)}: {detail}" if full else detail
+
+
 def _unwritable(out: Path, reason: str) -> GGUFWriteError:
     return GGUFWriteError(f"--out {out}: cannot write ({reason})")
 
@@ -259,7 +278,7 @@ def write_gguf(out_path: Path, src_ckpt_dir: Path, policy: str,
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
     except OSError as exc:
-        raise _unwritable(out, exc.strerror or type(exc).__name__) from None
+        raise _unwritable(out, _write_failure(exc, out.parent)) from exc
     os.close(fd)
     tmp = Path(tmp_name)
     writer = None
@@ -310,8 +329,11 @@ def write_gguf(out_path: Path, src_ckpt_dir: Path, policy: str,
                 writer.close()
             except Exception:
                 pass
+        # disk full, permissions changed under us, ...: the reason is read before the temporary
+        # file goes (removing it frees the space that says the disk was full)
+        reason = _write_failure(exc, out.parent) if isinstance(exc, OSError) else None
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):  # disk full, permissions changed under us, ...
-            raise _unwritable(out, exc.strerror or type(exc).__name__) from None
+        if reason is not None:
+            raise _unwritable(out, reason) from exc  # MEMRA_DEBUG=1 shows the OSError behind it
         raise
     return WriteReport(out, src, policy, rows_out, time.perf_counter() - t0, out.stat().st_size)

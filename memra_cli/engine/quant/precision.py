@@ -29,9 +29,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from memra_cli.engine.errors import MemraError
+from memra_cli.engine.errors import MemraError, SettingError
 from memra_cli.engine.formats.names import CONF_B, CONF_W, MARKOV_W1, MARKOV_W2
-from memra_cli.engine.quant.blocks import QK, quantizable
 
 POLICIES = ("f32", "bf16", "q8", "mixed", "fc", "q4")  # MEMRA_DFLASH_PREC / --prec values
 FILE_POLICIES = ("q8", "mixed", "fc", "q4")  # what `memra quantize` writes
@@ -51,6 +50,12 @@ def check_policy(policy: str | None, allowed: tuple[str, ...] = POLICIES, flag: 
     if policy not in allowed:
         raise PrecisionError(f"{flag}: unknown precision policy {policy!r} (expected {'|'.join(allowed)})")
     return policy  # type: ignore[return-value]
+
+
+def check_prec(prec: str | None) -> None:
+    """The `prec` setting (a drafter's weight precision at load): unset, or one of POLICIES."""
+    if prec is not None and prec not in POLICIES:
+        raise SettingError("prec", prec, f"unknown precision policy (expected {'|'.join(POLICIES)})")
 
 
 def role_of(name: str) -> str:
@@ -128,6 +133,8 @@ def decide(name: str, shape: tuple[int, ...] | list[int], policy: str) -> Decisi
         what = "markov w1 (a gathered table)" if role == "markov_w1" else "not a drafter matmul weight"
         return Decision(name, role, "stored", f"{what}: as stored")
     storage, why = _matmul_storage(role, policy)
+    from memra_cli.engine.quant.blocks import QK, quantizable  # torch: imported where used (the CLI checks flags without it)
+
     if storage in QUANT_TYPES and not (len(shape) == 2 and quantizable(tuple(shape))):
         row = shape[-1] if len(shape) else 0
         return Decision(name, role, "stored",

@@ -3,7 +3,8 @@
 The behavioural contract is the reference engine's `DsparkHarvest` / `DsparkVtPolicy` and their unit tests (docs/architecture.md)
 (`tests/engine/test_policy.py` pins every case they pin). Settings come from a CLI flag or its
 environment variable (one setting: typer `envvar=`); `None` or "" means unset. Unknown values,
-a tau outside (0, 1) and contradictions refuse with a `PolicyError` naming the variable.
+a tau outside (0, 1) and contradictions refuse with a `SettingError` naming the setting
+(`vt='static': ...`); the CLI names the flag or the variable that carried it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Sequence
 
-from memra_cli.engine.errors import PolicyError
+from memra_cli.engine.errors import SettingError
 
 HARVEST_ENV = "MEMRA_DSPARK_HARVEST"
 VT_ENV = "MEMRA_DSPARK_VT"
@@ -65,8 +66,8 @@ def parse_harvest(value: str | None) -> Harvest:
         return Harvest.DFLASH
     harvest = Harvest.from_name(value)  # type: ignore[arg-type]
     if harvest is None:
-        raise PolicyError(
-            f"{HARVEST_ENV}={value}: unknown harvest convention (expected dflash|dspark); a wrong "
+        raise SettingError(
+            "harvest", value, "unknown harvest convention (expected dflash|dspark); a wrong "
             "convention verifies every draft slot against a position its row was not trained for"
         )
     return harvest
@@ -124,7 +125,7 @@ def _adapt_off(adapt: str | None) -> bool:
         return False
     if adapt.lower() in _ADAPT_OFF:  # type: ignore[union-attr]
         return True
-    raise PolicyError(f"{ADAPT_ENV}={adapt}: expected 0 or 1")
+    raise SettingError("adapt", adapt, "expected 0 or 1")
 
 
 def _parse_tau(tau: str | None) -> float:
@@ -133,9 +134,9 @@ def _parse_tau(tau: str | None) -> float:
     try:
         value = float(tau)  # type: ignore[arg-type]
     except ValueError:
-        raise PolicyError(f"{TAU_ENV}={tau}: not a number (expected a threshold in (0,1))") from None
+        raise SettingError("tau", tau, "not a number (expected a threshold in (0,1))") from None
     if not (0.0 < value < 1.0) or math.isnan(value):
-        raise PolicyError(f"{TAU_ENV}={tau}: confidence threshold must be in (0,1)")
+        raise SettingError("tau", tau, "confidence threshold must be in (0,1)")
     return value
 
 
@@ -145,13 +146,11 @@ def parse_verify_window(vt: str | None, tau: str | None, adapt: str | None) -> V
     if _unset(vt) or vt == "ladder":
         return LADDER
     if vt not in ("confidence", "confidence-slot"):
-        raise PolicyError(
-            f"{VT_ENV}={vt}: unknown verify-window policy (expected {'|'.join(VT_CHOICES)})"
-        )
+        raise SettingError("vt", vt, f"unknown verify-window policy (expected {'|'.join(VT_CHOICES)})")
     if adapt_off:
-        raise PolicyError(
-            f"{VT_ENV}={vt} together with {ADAPT_ENV}=0 is contradictory (a pinned fixed window vs "
-            "a per-round confidence window); unset one"
+        raise SettingError(
+            "vt", vt, "{vt} together with {adapt} is contradictory (a pinned fixed window vs "
+            "a per-round confidence window); drop one", settings={"adapt": adapt},
         )
     return VerifyWindow(vt, _parse_tau(tau))  # type: ignore[arg-type]
 
@@ -212,12 +211,10 @@ def parse_verify_cap(value: str | int | None, n_drafts: int) -> int:
     try:
         cap = int(value)
     except ValueError:
-        raise PolicyError(f"{VERIFY_CAP_ENV}={value}: not an integer") from None
+        raise SettingError("verify_cap", value, "not an integer") from None
     if not 2 <= cap <= n_drafts + 1:
-        raise PolicyError(
-            f"{VERIFY_CAP_ENV}={value}: verify cap must be in [2, {n_drafts + 1}] "
-            f"(anchor + at most {n_drafts} drafts)"
-        )
+        raise SettingError("verify_cap", value, f"verify cap must be in [2, {n_drafts + 1}] "
+                           f"(anchor + at most {n_drafts} drafts)")
     return cap
 
 
@@ -246,6 +243,13 @@ class Receipts:
     window_set: bool
     has_confidence_head: bool
     window_note: str | None = None  # e.g. why a program overrode the resolved window
+    program: str | None = None  # the program that runs ("dflash" | "dspark"); None: what auto would pick
+
+    @property
+    def tag(self) -> str:
+        """The receipts' prefix: the program they describe (a census or a quantize names the one
+        `--spec auto` would run: dspark for a DSpark-class checkpoint, else dflash)."""
+        return self.program or ("dspark" if self.strategy_dspark else "dflash")
 
     def lines(self) -> list[str]:
         h_src = "set" if self.harvest_set else "unset"
@@ -253,9 +257,9 @@ class Receipts:
         w_src = "set" if self.window_set else "unset"
         note = f", {self.window_note}" if self.window_note else ""
         return [
-            f"[dspark] harvest={self.harvest.value} (checkpoint census "
+            f"[{self.tag}] harvest={self.harvest.value} (checkpoint census "
             f"strategy_dspark={str(self.strategy_dspark).lower()}, {HARVEST_ENV} {h_src})",
-            f"[dspark] verify-window={self.window} (accept-rate head {head}, {VT_ENV} {w_src}{note})",
+            f"[{self.tag}] verify-window={self.window} (accept-rate head {head}, {VT_ENV} {w_src}{note})",
         ]
 
     def as_json(self) -> dict:
