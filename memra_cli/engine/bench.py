@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from memra_cli.engine.errors import MemraError, SettingError
-from memra_cli.engine.spec.keyed import ACCEPTANCE_RULES, SamplingParams, make_sampler
 from memra_cli.engine.spec.policy import VT_CHOICES, PolicySettings, Receipts
-from memra_cli.engine.spec.sampling import GREEDY
+from memra_cli.engine.spec.sampling import ACCEPTANCE_RULES, GREEDY
 from memra_cli.engine.stats import DecodeStats
 
 ARM_NAMES = ("off", "dflash", "dspark", "auto")
@@ -243,6 +242,8 @@ def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters, sampling: Sa
     distinct drafter (path, prec) is loaded once and shared (each arm keeps its own program).
     Every arm samples with `sampling` (None: greedy), one seed for all (the gate compares
     streams of one seed); an arm's `accept=` picks its acceptance rule."""
+    from memra_cli.engine.spec.keyed import SamplingParams, make_sampler
+
     sampling = sampling or SamplingParams()
     from memra_cli.engine.api import ArmConfig
 
@@ -529,6 +530,8 @@ def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench
             engine.check_prompt(p, req.max_new)
         except MemraError as exc:
             raise BenchError(f"prompt {i} of {prompts.name}: {exc}") from None
+    from memra_cli.engine.spec.keyed import SamplingParams
+
     sampling = req.sampling or SamplingParams()
     arms = load_arms(engine, specs, drafters, sampling)
     meta = {

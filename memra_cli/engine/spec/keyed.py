@@ -42,10 +42,9 @@ from dataclasses import dataclass
 import torch
 
 from memra_cli.engine.errors import SettingError
-from memra_cli.engine.spec.sampling import GREEDY, Sampler
+from memra_cli.engine.spec.sampling import ACCEPTANCE_RULES, GREEDY, Sampler
 
 DEFAULT_SEED = 0  # the seed a sampled run uses when none is given (said in its note / --json)
-ACCEPTANCE_RULES = ("keyed", "rejection")  # position-keyed (default) | rejection sampling
 
 _MASK32 = 0xFFFFFFFF
 

@@ -11,9 +11,12 @@ position-keyed sampler, and opt-in rejection sampling) is in `keyed.py`.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
-import torch
+if TYPE_CHECKING:  # torch loads where a sampler runs: the bench's arm grammar needs none of it
+    import torch
+
+ACCEPTANCE_RULES = ("keyed", "rejection")  # position-keyed (default) | rejection sampling
 
 
 class Sampler(Protocol):
@@ -32,7 +35,7 @@ class Greedy:
     acceptance = "a draft is kept while it equals the target's argmax at its position"
 
     def select(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return torch.argmax(logits, dim=-1)
+        return logits.argmax(dim=-1)
 
 
 GREEDY = Greedy()
