@@ -138,16 +138,19 @@ def write_plot(report: dict, path: Path) -> None:
     ax2.set_xticks(range(1, top + 1))
     if spec:
         ax2.legend(fontsize=8)
-    from memra_cli.engine.files import publish
+    from memra_cli.engine.files import publish, signals_held
 
     fmt = path.suffix.lower().lstrip(".")
-    fd, tmp = tempfile.mkstemp(prefix=".memra-plot-", suffix=f".{fmt}", dir=path.parent.resolve())
+    tmp = None
     try:
+        with signals_held():  # a signal lands once `tmp` is known, so the cleanup below removes the file
+            fd, tmp = tempfile.mkstemp(prefix=".memra-plot-", suffix=f".{fmt}", dir=path.parent.resolve())
         with os.fdopen(fd, "wb") as fh:
             fig.savefig(fh, format=fmt, dpi=120)
         publish(tmp, path)  # the user's file: the usual permissions, not mkstemp's 0600
     except BaseException:
-        os.unlink(tmp)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 

@@ -4,11 +4,17 @@ Outputs are written to a temporary file beside the destination and renamed into 
 temporary file from `tempfile.mkstemp` is private (mode 0600); the file the user asked for gets
 what any new file of theirs gets (0666 less the umask: 0644 under the usual umask), as `open()`
 would have given it.
+
+A signal that ends the command (Ctrl-C, SIGTERM, SIGHUP: the CLI turns them into exceptions)
+must find the temporary file's name already recorded, or the cleanup cannot remove it: the
+creation runs under `signals_held()`, inside the `try` whose cleanup removes the file.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 from memra_cli.engine.errors import MemraError
@@ -37,3 +43,22 @@ def refuse_existing(path: Path, force: bool, flag: str) -> None:
         raise OutputExistsError(f"{flag} {path}: is a directory (expected a file name)")
     if path.exists() and not force:
         raise OutputExistsError(f"{flag} {path}: file exists (pass --force to overwrite)")
+
+
+_HELD = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+@contextmanager
+def signals_held():
+    """Hold SIGINT / SIGTERM / SIGHUP for the few statements inside (create a temporary file and
+    record its name): one that arrives meanwhile is delivered when they are done, so its
+    exception is raised where the caller's cleanup already knows the file. Without
+    `pthread_sigmask` (not POSIX) the statements simply run."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from memra_cli.engine.errors import MemraError
-from memra_cli.engine.files import publish
+from memra_cli.engine.files import publish, signals_held
 
 FORMAT = "memra-oracle/1"
 REQUIRED = ("meta", "target_hidden", "noise_embedding", "position_ids", "hidden_out")
@@ -201,15 +201,18 @@ def write_oracle(path: Path | str, meta: dict[str, Any], arrays: dict[str, np.nd
     arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
     validate(meta_raw, arrays, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        with signals_held():  # a signal lands once `tmp` is known, so the cleanup below removes the file
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as fh:
             np.savez(fh, meta=meta_raw, **arrays)
             fh.flush()
             os.fsync(fh.fileno())
         publish(tmp, path)  # the user's file: the usual permissions, not mkstemp's 0600
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
     return path
 

@@ -238,3 +238,31 @@ def test_a_signal_turned_into_another_error_by_native_code_still_terminates_clea
     assert r.returncode == 143, r.stderr
     assert r.stderr.strip().splitlines()[-1] == "error: terminated (SIGTERM)" and "Traceback" not in r.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+# The signal can also land between the temporary file's creation and the moment its name is
+# known to the cleanup (a busy machine deschedules the process there): the creation is held.
+EARLY_SIGNAL_QUANTIZE = """
+import os, signal, sys, tempfile
+real = tempfile.mkstemp
+def mkstemp(*args, **kwargs):
+    made = real(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # the file exists, its name is not yet returned
+    return made
+tempfile.mkstemp = mkstemp
+from memra_cli.cli.app import main
+sys.argv = ["memra", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_signal_as_the_temporary_file_is_created_leaves_no_file(pair, tmp_path):
+    _, dspark, _ = pair
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-c", EARLY_SIGNAL_QUANTIZE, "quantize", str(dspark), "--out", str(out / "d.gguf")],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert r.returncode == 143, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "error: terminated (SIGTERM)"
+    assert list(out.iterdir()) == []

@@ -37,6 +37,7 @@ from memra_cli.engine.formats.gguf import (
     KEY_VERSION, GGUFCheckpoint, open_gguf,
 )
 from memra_cli.engine.errors import CheckpointError, MemraError
+from memra_cli.engine.files import signals_held
 
 if TYPE_CHECKING:
     import torch
@@ -275,14 +276,15 @@ def write_gguf(out_path: Path, src_ckpt_dir: Path, policy: str,
     kinds = {name: _gguf_type(d, ckpt.tensors[name].dtype, name) for name, d in decisions.items()}
 
     t0 = time.perf_counter()
+    tmp, writer = None, None
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
-    except OSError as exc:
-        raise _unwritable(out, _write_failure(exc, out.parent)) from exc
-    os.close(fd)
-    tmp = Path(tmp_name)
-    writer = None
-    try:
+        with signals_held():  # a signal lands once `tmp` is known, so the cleanup below removes the file
+            try:
+                fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=out.parent)
+            except OSError as exc:
+                raise _unwritable(out, _write_failure(exc, out.parent)) from exc
+            tmp = Path(tmp_name)
+        os.close(fd)
         writer = gguf.GGUFWriter(tmp, ARCH)
         archs = census.config.architectures
         writer.add_name(archs[0] if archs else src.name)
@@ -332,7 +334,8 @@ def write_gguf(out_path: Path, src_ckpt_dir: Path, policy: str,
         # disk full, permissions changed under us, ...: the reason is read before the temporary
         # file goes (removing it frees the space that says the disk was full)
         reason = _write_failure(exc, out.parent) if isinstance(exc, OSError) else None
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         if reason is not None:
             raise _unwritable(out, reason) from exc  # MEMRA_DEBUG=1 shows the OSError behind it
         raise
