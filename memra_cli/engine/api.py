@@ -32,7 +32,7 @@ from memra_cli.engine.spec.policy import (
 )
 from memra_cli.engine.layers.step_ops import select_step_ops
 from memra_cli.engine.models.base import target_family
-from memra_cli.engine.quant.precision import POLICIES as PRECISIONS, check_prec
+from memra_cli.engine.quant.precision import POLICIES as PRECISIONS, check_prec  # noqa: F401  (PRECISIONS: the CLI checks compare against it)
 from memra_cli.engine.runtime.pool import DEFAULT_IDLE_BUDGET, StoragePool
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.proposer import DrafterProposer, Program, SpecError

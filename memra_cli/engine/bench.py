@@ -18,11 +18,14 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from memra_cli.engine.errors import MemraError, SettingError
 from memra_cli.engine.spec.policy import VT_CHOICES, PolicySettings, Receipts
 from memra_cli.engine.spec.sampling import ACCEPTANCE_RULES, GREEDY
+
+if TYPE_CHECKING:  # keyed loads torch: imported where a sampler is made
+    from memra_cli.engine.spec.keyed import SamplingParams
 from memra_cli.engine.stats import DecodeStats
 
 ARM_NAMES = ("off", "dflash", "dspark", "auto")

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from memra_cli.engine.runtime.steps import StepRunner
+from memra_cli.engine.spec.sampling import GREEDY
 
 
 def greedy_reference(runner, prompt_ids: Sequence[int], max_new: int,
@@ -22,31 +23,12 @@ def greedy_reference(runner, prompt_ids: Sequence[int], max_new: int,
     Stops after the first token in `eos_ids` (which is included in the output) or after exactly
     `max_new` tokens. Raises PromptError for an empty / out-of-vocabulary / too-long request.
     """
-    if not isinstance(runner, StepRunner):
-        runner = StepRunner(runner)
-    prompt = list(prompt_ids)
-    runner.check_prompt(prompt, max_new)
-    if max_new == 0:
-        return []
-    eos = set(eos_ids)
-    state = runner.new_state(len(prompt) + max_new)
-    try:
-        ids = torch.tensor(prompt, dtype=torch.long, device=runner.model.device)
-        logits, _ = runner.prefill(ids, state)
-        out: list[int] = []
-        while True:
-            token = torch.argmax(logits, dim=-1)  # [1]
-            out.append(int(token))  # host sync per token: fine for a reference
-            if out[-1] in eos or len(out) == max_new:
-                return out
-            logits, _ = runner.step(token, state.length, state)
-    finally:
-        runner.release(state)
+    return sampled_reference(runner, prompt_ids, max_new, GREEDY, eos_ids)
 
 
 def sampled_reference(runner, prompt_ids: Sequence[int], max_new: int, sampler,
                       eos_ids: Sequence[int] = ()) -> list[int]:
-    """`greedy_reference` with `sampler.select(logits, positions)` in place of argmax: the token
+    """Plain decoding with `sampler.select(logits, positions)` choosing each token: the token
     after the row at position j is selected with `positions = [j]` (the prefill's last row is at
     len(prompt) - 1). With the position-keyed sampler this is plain seeded sampling."""
     if not isinstance(runner, StepRunner):

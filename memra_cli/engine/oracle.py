@@ -35,7 +35,6 @@ STAGES = ("ctx_features", "layer_out", "hidden_out", "draft_logits", "markov_tok
 FLOAT_KEYS = ("target_hidden", "noise_embedding", "hidden_out", "ctx_features", "layer_out", "draft_logits", "confidence_raw")
 INT_KEYS = ("position_ids", "markov_tokens")
 PATHS = ("full", "cached")
-from memra_cli.engine.quant.precision import POLICIES as PRECISIONS  # noqa: E402  (one list of names)
 QUANTIZED = ("q8", "mixed", "fc", "q4")
 
 

@@ -15,7 +15,7 @@ from memra_cli.engine.formats.checkpoint import Checkpoint, TensorInfo, open_che
 from memra_cli.engine.formats.config import DraftConfig, load_draft_config, parse_draft_config
 from memra_cli.engine.errors import CensusError, ConfigError, UnsupportedError
 from memra_cli.engine.formats.names import (
-    CONF_B, CONF_W, LAYER_TENSORS, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD,
+    CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD,
 )
 from memra_cli.engine.layers.rope import yarn_divisors, yarn_mscale
 

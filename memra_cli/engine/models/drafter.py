@@ -276,7 +276,7 @@ class Drafter:
     def ingest(self, kv: DraftKV, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append committed rows: taps `[t, n_taps*hidden]` at `positions [t]`. Returns the ctx
         features `[t, hidden]` (for parity)."""
-        cfg, t = self.cfg, taps.shape[0]
+        t = taps.shape[0]
         if kv.length + t > kv.cap:
             raise DraftCapacityError(f"draft KV cache full: {kv.length} + {t} rows > capacity {kv.cap}")
         ctx = self.ctx_features(taps)
@@ -335,7 +335,7 @@ class Drafter:
         """`ingest` of exactly `b` rows `taps [b, n_taps*hidden]` at positions `start..start+b-1`
         (`start` a 0-d device tensor; row index == position), without touching `kv.length`.
         Rows past the real ones are padding: they land where the next round writes its block."""
-        cfg, b = self.cfg, taps.shape[0]
+        b = taps.shape[0]
         positions = start + torch.arange(b, device=self.device)
         ctx = self.ctx_features(taps)
         cos, sin = cos_sin(self.rope, positions, self.dtype)

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import TargetConfig, load_target_config
-from memra_cli.engine.errors import CheckpointError, ConfigError, PromptError
+from memra_cli.engine.errors import CheckpointError
+from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.runtime.cache import KVCache
 from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.layers.step_ops import TorchStepOps
@@ -148,7 +149,7 @@ class _Loader:
 # --------------------------------------------------------------------------- the model
 
 
-class Qwen3Target:
+class Qwen3Target(TargetBase):
     """Qwen3ForCausalLM inference: `forward` over a static KV cache, with optional layer taps.
 
     A tap id `i` is the OUTPUT of decoder layer `i` (HF `hidden_states[i+1]`, raw residual
@@ -199,38 +200,6 @@ class Qwen3Target:
             positions = torch.arange(rows, device=self.device)
             self._cos, self._sin = cos_sin(self._rope, positions, self.dtype)
 
-    # ----------------------------------------------------------------------- shape facts
-
-    @property
-    def n_layers(self) -> int:
-        return self.cfg.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        """`[vocab, hidden]` in the model dtype (the drafter projects its rows through it)."""
-        return self._lm_head
-
-    # ----------------------------------------------------------------------- validation
-
-    def check_taps(self, taps: Sequence[int]) -> None:
-        """Tap ids must be -1 (embedding) or a layer index of this target."""
-        for tap in taps:
-            if isinstance(tap, bool) or not isinstance(tap, int) or not -1 <= tap < self.n_layers:
-                raise ConfigError(
-                    f"tap layer id {tap!r} (in target_layer_ids {list(taps)}) is outside "
-                    f"[-1, {self.n_layers - 1}] for the {self.n_layers}-layer target {self.cfg.source}"
-                )
-
-    # ----------------------------------------------------------------------- cache
-
     def new_state(self, rows: int) -> KVCache:
         """A session's state: a static KV cache of `rows` positions (the runner sizes it)."""
         return KVCache(self.n_layers, self.n_kv, rows, self.head_dim, self.dtype, self.device)
@@ -268,19 +237,6 @@ class Qwen3Target:
         hidden = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return hidden, taps_out
-
-    def check_span(self, start: int, t: int, cache: KVCache) -> None:
-        """Refuse a step that would leave a gap before `start` or run past the storage."""
-        if t < 1:
-            raise PromptError("forward needs at least one token id")
-        if not 0 <= start <= cache.length:
-            # a gap would attend to stale rows: only re-writing or appending is meaningful
-            raise ValueError(f"start {start} is past the cache length {cache.length}")
-        if start + t > cache.max_len:
-            raise PromptError(
-                f"positions up to {start + t} exceed the KV cache ({cache.max_len} positions); "
-                "allocate a longer cache for this prompt + max_new"
-            )
 
     def _mask(self, start: int, t: int) -> torch.Tensor | None:
         """Boolean `[g*t, start+t]` (True = attend): full over the cache, causal within the rows.

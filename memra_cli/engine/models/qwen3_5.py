@@ -65,7 +65,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from memra_cli.engine.errors import CheckpointError, ConfigError, PromptError
+from memra_cli.engine.models.common import TargetBase
+from memra_cli.engine.errors import CheckpointError, ConfigError
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.qwen3_5_config import (
     FULL, SKIPPED_PREFIXES, Qwen35Config, load_qwen35_config, text_prefix,
@@ -455,7 +456,7 @@ class Qwen35State:
 # --------------------------------------------------------------------------- the model
 
 
-class Qwen35Target:
+class Qwen35Target(TargetBase):
     """Qwen3.5 hybrid target (models/base.py `TargetModel`). Tap `i` = raw output of decoder layer
     `i`, `-1` = the embedding output.
 
@@ -530,46 +531,6 @@ class Qwen35Target:
         """cos/sin tables (over the rotary dims) reaching at least `rows` positions."""
         if self._cos.shape[0] < rows:
             self._cos, self._sin = cos_sin(self._rope, torch.arange(rows, device=self.device), self.dtype)
-
-    # ----------------------------------------------------------------------- shape facts
-
-    @property
-    def n_layers(self) -> int:
-        return self.cfg.num_hidden_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.cfg.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self._lm_head
-
-    # ----------------------------------------------------------------------- validation
-
-    def check_taps(self, taps: Sequence[int]) -> None:
-        for tap in taps:
-            if isinstance(tap, bool) or not isinstance(tap, int) or not -1 <= tap < self.n_layers:
-                raise ConfigError(
-                    f"tap layer id {tap!r} (in target_layer_ids {list(taps)}) is outside "
-                    f"[-1, {self.n_layers - 1}] for the {self.n_layers}-layer target {self.cfg.source}"
-                )
-
-    def check_span(self, start: int, t: int, state: Qwen35State) -> None:
-        """Refuse a step that would leave a gap before `start` or run past the storage."""
-        if t < 1:
-            raise PromptError("forward needs at least one token id")
-        if not 0 <= start <= state.length:
-            raise ValueError(f"start {start} is past the cache length {state.length}")
-        if start + t > state.max_len:
-            raise PromptError(
-                f"positions up to {start + t} exceed the KV cache ({state.max_len} positions); "
-                "allocate a longer cache for this prompt + max_new"
-            )
 
     # ----------------------------------------------------------------------- state
 

@@ -20,12 +20,11 @@ GGUF without memra's config metadata, or a truncated / corrupt file, in one line
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -34,7 +33,7 @@ import numpy as np
 from memra_cli import __version__
 from memra_cli.engine.formats.gguf import (
     _BLOCK_BYTES, _PLAIN, _QUANT, ARCH, FILE_TYPE_Q4_0, FILE_TYPE_Q8_0, FORMAT, KEY_CONFIG, KEY_FORMAT, KEY_POLICY,
-    KEY_VERSION, GGUFCheckpoint, open_gguf,
+    KEY_VERSION,
 )
 from memra_cli.engine.errors import CheckpointError, MemraError
 from memra_cli.engine.files import signals_held

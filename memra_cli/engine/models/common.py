@@ -1,0 +1,57 @@
+"""What every target family shares: shape facts read from its config, and the checks of taps and
+step spans. Families subclass `TargetBase`; the protocol they satisfy is in `base.py`."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from memra_cli.engine.errors import ConfigError, PromptError
+
+
+class TargetBase:
+    """What every target family shares: its shape facts from `cfg` and the checks of taps and
+    step spans. A family sets `cfg` and `_lm_head` (`[vocab, hidden]`, the embedding when tied)."""
+
+    cfg: object
+    _lm_head: torch.Tensor
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.num_hidden_layers  # type: ignore[attr-defined]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size  # type: ignore[attr-defined]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size  # type: ignore[attr-defined]
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """`[vocab, hidden]` in the model dtype (the drafter projects its rows through it)."""
+        return self._lm_head
+
+    def check_taps(self, taps: Sequence[int]) -> None:
+        """Tap ids must be -1 (embedding) or a layer index of this target."""
+        for tap in taps:
+            if isinstance(tap, bool) or not isinstance(tap, int) or not -1 <= tap < self.n_layers:
+                raise ConfigError(
+                    f"tap layer id {tap!r} (in target_layer_ids {list(taps)}) is outside "
+                    f"[-1, {self.n_layers - 1}] for the {self.n_layers}-layer target {self.cfg.source}"  # type: ignore[attr-defined]
+                )
+
+    def check_span(self, start: int, t: int, state) -> None:
+        """Refuse a step that would leave a gap before `start` or run past the storage."""
+        if t < 1:
+            raise PromptError("forward needs at least one token id")
+        if not 0 <= start <= state.length:
+            # a gap would read stale rows: only re-writing or appending is meaningful
+            raise ValueError(f"start {start} is past the cache length {state.length}")
+        if start + t > state.max_len:
+            raise PromptError(
+                f"positions up to {start + t} exceed the KV cache ({state.max_len} positions); "
+                "allocate a longer cache for this prompt + max_new"
+            )
