@@ -1,24 +1,35 @@
-"""Build the embedded default models: `python -m memra_cli.assets.build [--out DIR] [--smoke]`.
+"""Build the embedded default models: `python -m memra_cli.assets.build [--out DIR] [--work DIR] [--stage S]`.
 
-Reproducible recipe (the embedded-pair build), sized for one lent H200 in well under 15
-minutes of GPU time:
+Reproducible recipe (the embedded-pair build); on one H200 the target stage takes about 5 minutes
+and the drafter stage about 8 (each fits one 10-minute call; `--work` carries the state between):
 
 1. corpus = the build machine's CPython stdlib `.py` files (Python version and a hash of the
    file list are recorded); every 20th file is held out;
 2. a byte-level BPE tokenizer, vocabulary 4096, with `<|endoftext|>` (0) and `<|MASK|>` (1);
-3. a Qwen3-architecture target (~5.8M parameters) trained with transformers' Qwen3ForCausalLM;
-4. drafter data = the target's own greedy continuations of corpus prompts;
+3. a Qwen3-architecture target (~5.8M parameters) trained with transformers' Qwen3ForCausalLM,
+   then rounded to bf16: every later stage uses the weights as shipped;
+4. drafter data = the shipped target's own greedy continuations, in the dtype the bench runs it
+   in on that device (bf16 on CUDA, f32 on CPU), of two kinds of prompts: random corpus windows,
+   and windows that end where a function's docstring ends (the shape of a HumanEval prompt);
 5. a DFlash drafter (z-lab format, mask-fill) and a DSpark drafter (DeepSpec format, shifted
-   labels, vanilla markov head, confidence head), 2 layers over 3 taps, blocks of 16;
-6. held-out target loss and per-slot acceptance of each drafter go to build_info.json.
+   labels, vanilla markov head, confidence head) over 3 taps; block size and depth from the
+   sweep (`--stage sweep`, recorded in docs/bench.md); the confidence head is then calibrated
+   by Platt scaling on held-out drafted rounds and folded back into its weights;
+6. held-out loss, per-slot acceptance and the confidence head's reliability table go to
+   build_info.json; the `stdlib` bench prompt set (held-out functions' heads) is written to
+   memra_cli/engine/data/stdlib.jsonl.
 
-Weights are saved in bf16. `--smoke` runs every stage at toy size for a few steps (the CI test).
+Stages: `target` (1-4, state to `--work`), `drafters` (5-6, from `--work`), `all` (both),
+`sweep` (short DSpark runs over block size and depth on the `--work` data; prints and records
+`sweep.json`). Weights are saved in bf16. `--smoke` runs every stage at toy size (the CI test).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import shutil
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -26,12 +37,13 @@ from pathlib import Path
 import torch
 
 from memra_cli.assets.train import (
-    SPECIALS, TrainDrafter, collect_corpus, encode_corpus, greedy_continuations, heldout_loss, make_target,
-    train_target, train_tokenizer, windows,
+    SPECIALS, TrainDrafter, collect_corpus, encode_corpus, greedy_continuations, head_windows, heldout_loss,
+    make_target, stdlib_prompts, train_target, train_tokenizer, windows,
 )
-from memra_cli.assets.train_draft import DraftSpec, evaluate, param_count, train_drafter
+from memra_cli.assets.train_draft import DraftSpec, calibrate_confidence, evaluate, param_count, train_drafter
 
 ASSETS = Path(__file__).resolve().parent
+PROMPTS_OUT = ASSETS.parent / "engine" / "data" / "stdlib.jsonl"
 
 
 @dataclass(frozen=True)
@@ -43,56 +55,67 @@ class Recipe:
     kv_heads: int = 2
     ffn: int = 768
     max_pos: int = 4096
-    target_steps: int = 2400
+    target_steps: int = 12000
     target_batch: int = 64
     seq_len: int = 512
     target_lr: float = 3e-3
-    n_prompts: int = 3072
+    n_prompts: int = 8192  # random corpus windows
+    n_head_prompts: int = 8192  # windows ending at a docstring's end
     prompt_len: int = 128
     cont_len: int = 256
-    gen_batch: int = 512
+    gen_batch: int = 2048
     draft_layers: int = 2
-    block: int = 16
+    dflash_block: int = 16  # 15 drafts: anchor + drafts fill one 16-row verify step
+    dspark_block: int = 15  # 15 drafts, likewise
     dflash_taps: tuple[int, ...] = (1, 3, 4)
     dspark_taps: tuple[int, ...] = (-1, 2, 4)
     markov_rank: int = 64
-    draft_steps: int = 2500
-    draft_batch: int = 32
+    draft_steps: int = 40000
+    draft_batch: int = 64
     anchors: int = 32
     draft_lr: float = 2e-3
-    eval_prompts: int = 256
+    eval_prompts: int = 256  # of each held-out kind
     max_files: int | None = None
     heldout_every: int = 20
-    target_budget_s: float | None = 150.0  # wall-clock caps: the whole build fits one 10-minute call
-    draft_budget_s: float | None = 90.0
+    stdlib_prompts: int = 164
+    stdlib_prompt_tokens: int = 400
+    sweep: tuple[tuple[int, int], ...] = ((7, 2), (15, 1), (15, 2), (15, 3))  # (block, layers), DSpark
+    sweep_budget_s: float | None = 40.0
+    # wall-clock caps: each stage fits one 10-minute call on the lent H200
+    target_budget_s: float | None = 180.0
+    dflash_budget_s: float | None = 150.0
+    dspark_budget_s: float | None = 240.0
 
 
 SMOKE = Recipe(vocab=300, hidden=32, target_layers=4, heads=2, kv_heads=1, ffn=64, max_pos=512, target_steps=1,
-               target_batch=2, seq_len=64, n_prompts=8, prompt_len=16, cont_len=24, gen_batch=8, draft_layers=1,
-               block=4, dflash_taps=(0, 2), dspark_taps=(-1, 2), markov_rank=8, draft_steps=1, draft_batch=2,
-               anchors=4, eval_prompts=4, max_files=12, heldout_every=4,
-               target_budget_s=None, draft_budget_s=None)
+               target_batch=2, seq_len=64, n_prompts=8, n_head_prompts=4, prompt_len=16, cont_len=24, gen_batch=8,
+               draft_layers=1, dflash_block=4, dspark_block=3, dflash_taps=(0, 2), dspark_taps=(-1, 2), markov_rank=8,
+               draft_steps=1, draft_batch=2, anchors=4, eval_prompts=4, max_files=12, heldout_every=4,
+               stdlib_prompts=8, sweep=((3, 1), (4, 1)), sweep_budget_s=None,
+               target_budget_s=None, dflash_budget_s=None, dspark_budget_s=None)
 
 
 def _log(msg: str) -> None:
     print(f"[build {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _draft_config(kind: str, r: Recipe, taps: tuple[int, ...]) -> dict:
+def _draft_config(kind: str, r: Recipe, taps: tuple[int, ...], block: int | None = None, layers: int | None = None) -> dict:
+    block = block or (r.dflash_block if kind == "dflash" else r.dspark_block)
+    layers = layers or r.draft_layers
     base = {
-        "model_type": "qwen3", "hidden_size": r.hidden, "num_hidden_layers": r.draft_layers,
+        "model_type": "qwen3", "hidden_size": r.hidden, "num_hidden_layers": layers,
         "num_attention_heads": r.heads, "num_key_value_heads": r.kv_heads, "head_dim": r.hidden // r.heads,
         "intermediate_size": r.ffn, "hidden_act": "silu", "rms_norm_eps": 1e-6, "vocab_size": r.vocab,
         "max_position_embeddings": r.max_pos, "attention_bias": False, "tie_word_embeddings": False,
-        "num_target_layers": r.target_layers, "layer_types": ["full_attention"] * r.draft_layers,
+        "num_target_layers": r.target_layers, "layer_types": ["full_attention"] * layers,
         "sliding_window": None,
     }
     if kind == "dflash":  # z-lab DFlash v1 layout (legacy keys, as its exports carry)
         return {**base, "architectures": ["DFlashDraftModel"], "rope_theta": 10000.0, "rope_scaling": None,
-                "torch_dtype": "bfloat16", "block_size": r.block,
+                "torch_dtype": "bfloat16", "block_size": block,
                 "dflash_config": {"mask_token_id": SPECIALS.index("<|MASK|>"), "target_layer_ids": list(taps)}}
     return {**base, "architectures": ["Qwen3DSparkModel"], "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-            "dtype": "bfloat16", "block_size": r.block, "mask_token_id": SPECIALS.index("<|MASK|>"),
+            "dtype": "bfloat16", "block_size": block, "mask_token_id": SPECIALS.index("<|MASK|>"),
             "target_layer_ids": list(taps), "num_anchors": r.anchors, "markov_rank": r.markov_rank,
             "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True}
 
@@ -121,8 +144,26 @@ def _save_target(out: Path, model, tok) -> None:
     }, indent=2) + "\n")
 
 
-def build(out: Path, r: Recipe, device: torch.device) -> dict:
+def shipped(model, device: torch.device):
+    """The target as the engine runs it on `device`: bf16-rounded weights, computed in bf16 on
+    CUDA and in f32 on CPU (the bench's default dtypes)."""
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    return (model if device.type == "cuda" else model.float()).to(device).eval().requires_grad_(False)
+
+
+def _load_shipped_target(work: Path, device: torch.device):
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(work / "target", dtype=torch.bfloat16, attn_implementation="sdpa")
+    return shipped(model, device)
+
+
+def build_target(work: Path, r: Recipe, device: torch.device) -> dict:
+    """Stages 1-4: corpus, tokenizer, target, drafter data. Leaves `work/target`, `work/data.pt`,
+    `work/stdlib.jsonl` and `work/state.json`."""
     t0, info = time.time(), {"recipe": asdict(r), "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
     torch.manual_seed(0)
     corpus = collect_corpus(heldout_every=r.heldout_every, max_files=r.max_files)
     info["corpus"] = {"python": corpus.python_version, "files": corpus.n_files, "bytes": corpus.n_bytes,
@@ -140,39 +181,132 @@ def build(out: Path, r: Recipe, device: torch.device) -> dict:
     losses, steps = train_target(target, train_ids, r.target_steps, r.target_batch, r.seq_len, r.target_lr, device, _log,
                                  r.target_budget_s)
     info["target_train_s"], info["target_steps_run"] = round(time.time() - t, 1), steps
+    _save_target(work / "target", target, tok)
+    target = shipped(target, device)
     info["target_loss"] = {"train_last": losses[-1], "heldout": heldout_loss(target, held_ids, r.seq_len, device)}
-    _log(f"target: {info['target_params'] / 1e6:.2f}M params, held-out loss {info['target_loss']['heldout']:.3f}")
+    _log(f"target: {info['target_params'] / 1e6:.2f}M params, held-out loss {info['target_loss']['heldout']:.3f} (as shipped)")
 
     gen = torch.Generator().manual_seed(7)
     t = time.time()
-    seqs = greedy_continuations(target, windows(train_ids, r.n_prompts, r.prompt_len, gen), r.cont_len, r.gen_batch, device)
-    held = greedy_continuations(target, windows(held_ids, r.eval_prompts, r.prompt_len, gen), r.cont_len, r.gen_batch, device)
+    prompts = {
+        "train": torch.cat([windows(train_ids, r.n_prompts, r.prompt_len, gen),
+                            head_windows(tok, corpus.train, r.n_head_prompts, r.prompt_len, gen)]),
+        "held_windows": windows(held_ids, r.eval_prompts, r.prompt_len, gen),
+        "held_heads": head_windows(tok, corpus.heldout, r.eval_prompts, r.prompt_len, gen),
+    }
+    data = {k: greedy_continuations(target, v, r.cont_len, r.gen_batch, device).to(torch.int16) for k, v in prompts.items()}
     info["datagen_s"] = round(time.time() - t, 1)
-    _log(f"drafter data: {seqs.shape[0]} train / {held.shape[0]} held-out sequences of {seqs.shape[1]} tokens")
+    info["drafter_data"] = {k: list(v.shape) for k, v in data.items()}
+    _log(f"drafter data: {info['drafter_data']} (prompt {r.prompt_len} + continuation {r.cont_len} tokens)")
+    torch.save(data, work / "data.pt")
+    rows = stdlib_prompts(corpus, tok, r.stdlib_prompts, r.stdlib_prompt_tokens)
+    (work / "stdlib.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    info["stdlib_prompts"] = {"n": len(rows), "from_files": len(corpus.heldout_names)}
+    _log(f"stdlib prompt set: {len(rows)} held-out function heads")
+    info["target_stage_s"] = round(time.time() - t0, 1)
+    (work / "state.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
 
-    mask_id = tok.token_to_id("<|MASK|>")
-    for kind, taps in (("dflash", r.dflash_taps), ("dspark", r.dspark_taps)):
-        spec = DraftSpec(kind, r.block, taps, mask_id)
-        dspark = kind == "dspark"
-        drafter = TrainDrafter(r.hidden, r.draft_layers, r.heads, r.kv_heads, r.ffn, len(taps), tok.get_vocab_size(),
-                               markov_rank=r.markov_rank if dspark else 0, confidence=dspark)
+
+def _load_work(work: Path, device: torch.device):
+    missing = [p.name for p in (work / "state.json", work / "data.pt", work / "target") if not p.exists()]
+    if missing:
+        raise SystemExit(f"error: {work}: no {missing[0]} (run --stage target with this --work first)")
+    info = json.loads((work / "state.json").read_text())
+    data = {k: v.long() for k, v in torch.load(work / "data.pt").items()}
+    return info, data, _load_shipped_target(work, device)
+
+
+def _new_drafter(kind: str, r: Recipe, layers: int, taps: tuple[int, ...]) -> TrainDrafter:
+    dspark = kind == "dspark"
+    return TrainDrafter(r.hidden, layers, r.heads, r.kv_heads, r.ffn, len(taps), r.vocab,
+                        markov_rank=r.markov_rank if dspark else 0, confidence=dspark)
+
+
+def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = t.shape[0] // 2
+    return t[:h], t[h:]
+
+
+def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
+    """Short DSpark runs at each (block, layers) of `r.sweep` on the same data, each evaluated on
+    the held-out docstring-head continuations. `score` = tau_full / (1 + layers / target_layers):
+    tau over the cost of a round with the drafter's layers priced as target layers (same width,
+    same rows), the quantity the choice maximises. Writes `work/sweep.json`."""
+    info, data, target = _load_work(work, device)
+    mask_id = SPECIALS.index("<|MASK|>")
+    _, held = _halves(data["held_heads"])
+    rows = []
+    for block, layers in r.sweep:
+        torch.manual_seed(0)
+        spec = DraftSpec("dspark", block, r.dspark_taps, mask_id)
+        drafter = _new_drafter("dspark", r, layers, r.dspark_taps)
         t = time.time()
-        dl, steps = train_drafter(drafter, target, seqs, spec, steps=r.draft_steps, batch=r.draft_batch, anchors=r.anchors,
-                                  prompt_len=r.prompt_len, lr=r.draft_lr, device=device, log=_log, budget_s=r.draft_budget_s)
-        metrics = evaluate(drafter, target, held, spec, anchors=r.anchors, prompt_len=r.prompt_len, device=device)
-        info[kind] = {"params": param_count(drafter), "train_s": round(time.time() - t, 1), "steps_run": steps,
-                      "loss_last": dl[-1], **metrics}
-        _log(f"{kind}: tau_full {metrics['tau_full']}, p_prefix {metrics['p_prefix'][:6]}")
-        _save_drafter(out / kind, drafter, _draft_config(kind, r, taps), target if dspark else None)
-    _save_target(out / "target", target, tok)
-    info["total_s"] = round(time.time() - t0, 1)
-    (out / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+        _, steps = train_drafter(drafter, target, data["train"], spec, steps=r.draft_steps, batch=r.draft_batch,
+                                 anchors=r.anchors, prompt_len=r.prompt_len, lr=r.draft_lr, device=device, log=_log,
+                                 budget_s=r.sweep_budget_s)
+        m = evaluate(drafter, target, held, spec, anchors=r.anchors, prompt_len=r.prompt_len, device=device)
+        row = {"block": block, "layers": layers, "params": param_count(drafter), "steps": steps,
+               "train_s": round(time.time() - t, 1), "tau_full": m["tau_full"], "p_prefix": m["p_prefix"][:8],
+               "score": round(m["tau_full"] / (1 + layers / r.target_layers), 3)}
+        rows.append(row)
+        _log(f"sweep block {block} layers {layers}: tau_full {row['tau_full']} score {row['score']} ({steps} steps)")
+    best = max(rows, key=lambda x: x["score"])
+    (work / "sweep.json").write_text(json.dumps({"budget_s": r.sweep_budget_s, "rows": rows, "best": best}, indent=2) + "\n")
+    return rows
+
+
+def build_drafters(work: Path, out: Path, r: Recipe, device: torch.device) -> dict:
+    """Stages 5-6 from `work`: both drafters trained, calibrated, evaluated and saved to `out`
+    with the target, build_info.json and the stdlib prompt set."""
+    t0 = time.time()
+    info, data, target = _load_work(work, device)
+    info["recipe"] = asdict(r)
+    mask_id = SPECIALS.index("<|MASK|>")
+    calib_w, eval_w = _halves(data["held_windows"])
+    calib_h, eval_h = _halves(data["held_heads"])
+    staged = out / ".staging"
+    shutil.rmtree(staged, ignore_errors=True)
+    for kind, taps, block, budget in (("dflash", r.dflash_taps, r.dflash_block, r.dflash_budget_s),
+                                      ("dspark", r.dspark_taps, r.dspark_block, r.dspark_budget_s)):
+        torch.manual_seed(0)
+        spec = DraftSpec(kind, block, taps, mask_id)
+        drafter = _new_drafter(kind, r, r.draft_layers, taps)
+        t = time.time()
+        dl, steps = train_drafter(drafter, target, data["train"], spec, steps=r.draft_steps, batch=r.draft_batch,
+                                  anchors=r.anchors, prompt_len=r.prompt_len, lr=r.draft_lr, device=device, log=_log,
+                                  budget_s=budget)
+        entry = {"params": param_count(drafter), "block": block, "layers": r.draft_layers, "train_s": round(time.time() - t, 1),
+                 "steps_run": steps, "loss_last": dl[-1]}
+        ev = dict(anchors=r.anchors, prompt_len=r.prompt_len, device=device)
+        if drafter.confidence_head is not None:
+            entry["reliability_before"] = evaluate(drafter, target, eval_h, spec, **ev).get("reliability")
+            entry["calibration"] = calibrate_confidence(drafter, target, torch.cat([calib_w, calib_h]), spec, **ev)
+        entry["heldout_windows"] = evaluate(drafter, target, eval_w, spec, **ev)
+        entry["heldout_heads"] = evaluate(drafter, target, eval_h, spec, **ev)
+        info[kind] = entry
+        _log(f"{kind}: tau_full windows {entry['heldout_windows']['tau_full']}, heads {entry['heldout_heads']['tau_full']}")
+        _save_drafter(staged / kind, drafter, _draft_config(kind, r, taps), target if kind == "dspark" else None)
+    info["drafter_stage_s"] = round(time.time() - t0, 1)
+    if (work / "sweep.json").is_file():
+        info["sweep"] = json.loads((work / "sweep.json").read_text())
+    shutil.copytree(work / "target", staged / "target")
+    (staged / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    prompts_out = PROMPTS_OUT if out.resolve() == ASSETS else out / "stdlib.jsonl"
+    for name in ("target", "dflash", "dspark"):  # replace the old assets only once all are built
+        shutil.rmtree(out / name, ignore_errors=True)
+        (staged / name).rename(out / name)
+    (staged / "build_info.json").replace(out / "build_info.json")
+    shutil.copyfile(work / "stdlib.jsonl", prompts_out)
+    staged.rmdir()
     return info
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m memra_cli.assets.build", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ASSETS, help="output folder (default: the package's assets)")
+    p.add_argument("--work", type=Path, help="state between stages (default: OUT/.build-work, removed after 'all')")
+    p.add_argument("--stage", choices=("all", "target", "drafters", "sweep"), default="all")
     p.add_argument("--smoke", action="store_true", help="toy sizes, one step per stage (CI)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--target-steps", type=int)
@@ -183,8 +317,19 @@ def main(argv: list[str] | None = None) -> int:
         recipe = replace(recipe, target_steps=a.target_steps)
     if a.draft_steps is not None:
         recipe = replace(recipe, draft_steps=a.draft_steps)
-    info = build(a.out, recipe, torch.device(a.device))
-    _log(f"done in {info['total_s']} s -> {a.out}")
+    device = torch.device(a.device)
+    work = a.work or a.out / ".build-work"
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    if a.stage in ("all", "target"):
+        build_target(work, recipe, device)
+    if a.stage == "sweep":
+        sweep(work, recipe, device)
+    if a.stage in ("all", "drafters"):
+        build_drafters(work, a.out, recipe, device)
+    if a.stage == "all" and a.work is None:
+        shutil.rmtree(work)
+    _log(f"stage {a.stage} done in {time.time() - t0:.1f} s -> {a.out if a.stage in ('all', 'drafters') else work}")
     return 0
 
 

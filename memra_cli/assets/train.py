@@ -17,8 +17,10 @@ Nothing here runs at inference time; transformers and tokenizers are needed only
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import math
+import textwrap
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ class Corpus:
     files_sha256: str
     n_files: int
     n_bytes: int
+    heldout_names: list[str]  # the held-out files' paths relative to the stdlib root
 
 
 def collect_corpus(root: Path | None = None, heldout_every: int = 20, max_files: int | None = None) -> Corpus:
@@ -52,15 +55,34 @@ def collect_corpus(root: Path | None = None, heldout_every: int = 20, max_files:
     if max_files is not None:
         files = files[:max_files]
     digest = hashlib.sha256()
-    train, heldout, n_bytes = [], [], 0
+    train, heldout, heldout_names, n_bytes = [], [], [], 0
     for i, f in enumerate(files):
         data = f.read_bytes()
         n_bytes += len(data)
         digest.update(f"{f.relative_to(root)}\0{len(data)}\0".encode())
         text = data.decode("utf-8", errors="replace")
-        (heldout if i % heldout_every == heldout_every - 1 else train).append(text)
+        if i % heldout_every == heldout_every - 1:
+            heldout.append(text)
+            heldout_names.append(f.relative_to(root).as_posix())
+        else:
+            train.append(text)
     version = ".".join(map(str, sys.version_info[:3]))
-    return Corpus(train, heldout, version, digest.hexdigest(), len(files), n_bytes)
+    return Corpus(train, heldout, version, digest.hexdigest(), len(files), n_bytes, heldout_names)
+
+
+def stdlib_prompts(corpus: Corpus, tok, limit: int, max_tokens: int) -> list[dict]:
+    """The `stdlib` bench prompt set: held-out functions' heads (signature + docstring, dedented),
+    in file order, at most `limit`, each at most `max_tokens` tokens. Rows carry their source."""
+    rows = []
+    for name, text in zip(corpus.heldout_names, corpus.heldout):
+        for head in function_heads(text):
+            prompt = head_prompt(text, head)
+            if prompt and len(tok.encode(prompt, add_special_tokens=False).ids) <= max_tokens:
+                rows.append({"turns": [prompt], "source": f"{name}:{head.qualname}", "python": corpus.python_version})
+    if len(rows) <= limit:
+        return rows
+    step = len(rows) / limit  # spread over every held-out file rather than the first few
+    return [rows[int(i * step)] for i in range(limit)]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -88,6 +110,69 @@ def windows(stream: torch.Tensor, n: int, length: int, gen: torch.Generator) -> 
     """`n` random windows `[n, length]` (long) from a 1-D id stream."""
     starts = torch.randint(0, stream.numel() - length - 1, (n,), generator=gen)
     return torch.stack([stream[s : s + length] for s in starts.tolist()]).long()
+
+
+@dataclass(frozen=True)
+class FunctionHead:
+    """A function with a docstring: `text[start:end]` is its `def` line(s) through the docstring's
+    last line (the shape of a HumanEval prompt), `qualname` like `Class.method`."""
+
+    qualname: str
+    start: int  # char offset of the line holding `def`
+    end: int  # char offset just past the docstring's last line (its newline included)
+
+
+def function_heads(text: str) -> list[FunctionHead]:
+    """Every function or method of a source file that has a docstring followed by a body.
+    Files that do not parse give none."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    line_start = [0]
+    for line in text.splitlines(keepends=True):
+        line_start.append(line_start[-1] + len(line))
+    heads: list[FunctionHead] = []
+
+    def visit(body, prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                visit(node.body, f"{prefix}{node.name}.")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = node.body[0]
+                if (ast.get_docstring(node) and len(node.body) >= 2 and isinstance(doc, ast.Expr)
+                        and doc.end_lineno is not None and doc.end_lineno < len(line_start)):
+                    heads.append(FunctionHead(prefix + node.name, line_start[node.lineno - 1], line_start[doc.end_lineno]))
+                visit(node.body, f"{prefix}{node.name}.")
+
+    visit(tree.body, "")
+    return heads
+
+
+def head_prompt(text: str, head: FunctionHead) -> str | None:
+    """The head as a stand-alone prompt (dedented); None when it does not start with a def."""
+    prompt = textwrap.dedent(text[head.start : head.end])
+    return prompt if prompt.startswith(("def ", "async def ")) else None
+
+
+def head_windows(tok, texts: list[str], n: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """Up to `n` windows `[n, length]` (long) of file tokens that END where a function's docstring
+    ends: the target continues into a function body, as it does on HumanEval-style prompts.
+    Heads with fewer than `length` tokens before them in their file are skipped."""
+    import bisect
+
+    out: list[torch.Tensor] = []
+    for text, enc in zip(texts, tok.encode_batch(texts, add_special_tokens=False)):
+        ends = [e for _, e in enc.offsets]
+        ids = torch.tensor(enc.ids, dtype=torch.long)
+        for head in function_heads(text):
+            cut = bisect.bisect_right(ends, head.end)  # tokens wholly before the docstring's end
+            if cut >= length:
+                out.append(ids[cut - length : cut])
+    if not out:
+        return torch.empty(0, length, dtype=torch.long)
+    pick = torch.randperm(len(out), generator=gen)[:n]
+    return torch.stack([out[i] for i in pick.tolist()])
 
 
 # --------------------------------------------------------------------------- target

@@ -116,39 +116,106 @@ def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: Draft
 
 
 @torch.no_grad()
-def evaluate(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int, prompt_len: int,
-             device, batch: int = 32) -> dict:
-    """Per-slot greedy acceptance on held-out continuations, drafting as inference does (the
-    markov chain feeds on its own choices). `p_prefix[k]` = P(first k+1 drafts all accepted);
-    `tau_full` = 1 + E[accepted prefix] with the whole block verified."""
-    gen, L = torch.Generator().manual_seed(3), seqs.shape[1]
-    prefix_hits = torch.zeros(spec.n_drafts, dtype=torch.float64)
-    slot_hits = torch.zeros(spec.n_drafts, dtype=torch.float64)
-    conf_sum = torch.zeros(spec.n_drafts, dtype=torch.float64)
-    n = 0
+def _rounds(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int, prompt_len: int,
+            device, batch: int = 32, seed: int = 3):
+    """Draft every held-out block as inference does (the markov chain feeds on its own choices).
+    Yields (hits `[B, A, nd]` bool, confidence raw scores `[B, A, nd]` f32 or None) per batch."""
+    gen, L = torch.Generator().manual_seed(seed), seqs.shape[1]
     for lo in range(0, seqs.shape[0], batch):
         ids = seqs[lo : lo + batch].to(device)
         anc = sample_anchors(ids.shape[0], anchors, prompt_len - 1, L - 1 - spec.block, gen).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits, rows, labels, _ = draft_logits(drafter, target, ids, anc, spec)
             drafts, prevs = _chain(drafter, logits.float(), torch.gather(ids, 1, anc))
-        ok = drafts == labels  # [B, A, nd]
-        prefix_hits += ok.long().cumprod(-1).sum((0, 1)).double().cpu()
+            raw = None
+            if drafter.confidence_head is not None:
+                feats = rows.float()
+                if drafter.markov_head is not None:
+                    feats = torch.cat([feats, drafter.markov_head.markov_w1(prevs).float()], -1)
+                raw = drafter.confidence_head.proj(feats).squeeze(-1).float()
+        yield (drafts == labels), raw
+
+
+@torch.no_grad()
+def evaluate(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int, prompt_len: int,
+             device, batch: int = 32) -> dict:
+    """Per-slot greedy acceptance on held-out continuations. `p_prefix[k]` = P(first k+1 drafts
+    all accepted); `p_slot[k]` = P(draft k right); `p_reached[k]` = P(draft k right | drafts
+    before it right), the quantity a per-slot confidence score predicts; `tau_full` = 1 +
+    E[accepted prefix] with the whole block verified. With a confidence head, `reliability` is
+    its calibration over the reached slots: predicted vs observed acceptance per decile of score."""
+    nd = spec.n_drafts
+    prefix_hits, slot_hits, n = torch.zeros(nd, dtype=torch.float64), torch.zeros(nd, dtype=torch.float64), 0
+    raws, hits = [], []
+    for ok, raw in _rounds(drafter, target, seqs, spec, anchors=anchors, prompt_len=prompt_len, device=device, batch=batch):
+        prefix = ok.long().cumprod(-1)
+        prefix_hits += prefix.sum((0, 1)).double().cpu()
         slot_hits += ok.sum((0, 1)).double().cpu()
-        if drafter.confidence_head is not None:
-            feats = rows.float()
-            if drafter.markov_head is not None:
-                feats = torch.cat([feats, drafter.markov_head.markov_w1(prevs).float()], -1)
-            conf_sum += torch.sigmoid(drafter.confidence_head.proj(feats).squeeze(-1)).sum((0, 1)).double().cpu()
-        n += ids.shape[0] * anchors
+        n += ok.shape[0] * ok.shape[1]
+        if raw is not None:
+            reached = torch.cat([torch.ones_like(prefix[..., :1]), prefix[..., :-1]], -1).bool()
+            raws.append(raw[reached].cpu())
+            hits.append(ok[reached].cpu())
     p_prefix = (prefix_hits / n).tolist()
-    return {
+    reached_n = [n] + (prefix_hits[:-1]).tolist()
+    out = {
         "p_prefix": [round(p, 4) for p in p_prefix],
         "p_slot": [round(p, 4) for p in (slot_hits / n).tolist()],
-        "confidence_mean": [round(p, 4) for p in (conf_sum / n).tolist()] if drafter.confidence_head is not None else None,
+        "p_reached": [round(h / r, 4) if r else None for h, r in zip(prefix_hits.tolist(), reached_n)],
         "tau_full": round(1 + sum(p_prefix), 3),
         "blocks": n,
     }
+    if raws:
+        out["reliability"] = reliability(torch.cat(raws), torch.cat(hits))
+    return out
+
+
+def reliability(raw: torch.Tensor, hit: torch.Tensor, bins: int = 10) -> list[dict]:
+    """Calibration table: slots bucketed by predicted acceptance sigmoid(raw) into `bins` equal
+    bins of [0, 1]; each row `{bin, n, predicted, observed}` (means over the bucket)."""
+    p = torch.sigmoid(raw.float())
+    idx = (p * bins).long().clamp(max=bins - 1)
+    rows = []
+    for b in range(bins):
+        sel = idx == b
+        k = int(sel.sum())
+        if k:
+            rows.append({"bin": f"{b / bins:.1f}-{(b + 1) / bins:.1f}", "n": k,
+                         "predicted": round(float(p[sel].mean()), 4), "observed": round(float(hit[sel].float().mean()), 4)})
+    return rows
+
+
+@torch.no_grad()
+def calibrate_confidence(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int,
+                         prompt_len: int, device) -> dict:
+    """Platt scaling of the confidence head on drafted blocks of `seqs`: fit a, b so that
+    sigmoid(a * raw + b) matches acceptance of the slots a round reaches, and fold them into the
+    head's weights (the checkpoint keeps its format). Returns {a, b, n, bce_before, bce_after}."""
+    raws, hits = [], []
+    for ok, raw in _rounds(drafter, target, seqs, spec, anchors=anchors, prompt_len=prompt_len, device=device, seed=5):
+        prefix = ok.long().cumprod(-1)
+        reached = torch.cat([torch.ones_like(prefix[..., :1]), prefix[..., :-1]], -1).bool()
+        raws.append(raw[reached].cpu())
+        hits.append(ok[reached].float().cpu())
+    z, y = torch.cat(raws).double(), torch.cat(hits).double()
+    ab = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([ab], lr=0.5, max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(ab[0] * z + ab[1], y)
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        before = F.binary_cross_entropy_with_logits(z, y).item()
+        opt.step(closure)
+        after = F.binary_cross_entropy_with_logits(ab[0].detach() * z + ab[1].detach(), y).item()
+    a, b = (float(v) for v in ab.detach())
+    proj = drafter.confidence_head.proj
+    proj.weight.mul_(a)
+    proj.bias.mul_(a).add_(b)
+    return {"a": round(a, 4), "b": round(b, 4), "n": int(z.numel()), "bce_before": round(before, 4), "bce_after": round(after, 4)}
 
 
 def _chain(drafter: TrainDrafter, logits: torch.Tensor, anchor: torch.Tensor):
