@@ -55,12 +55,14 @@ class Recipe:
     kv_heads: int = 2
     ffn: int = 768
     max_pos: int = 4096
-    target_steps: int = 12000
+    target_steps: int = 6000
+    val_every: int = 250  # early stopping on the drafter-prompt files (never trained on)
+    drafter_files_every: int = 3  # every 3rd training file gives drafter prompts, not target text
     target_batch: int = 64
     seq_len: int = 512
     target_lr: float = 3e-3
     n_prompts: int = 8192  # random corpus windows
-    n_head_prompts: int = 8192  # windows ending at a docstring's end
+    n_head_prompts: int = 8192  # windows ending at a docstring's end (as many as there are)
     prompt_len: int = 128
     cont_len: int = 256
     gen_batch: int = 2048
@@ -80,18 +82,18 @@ class Recipe:
     stdlib_prompts: int = 164
     stdlib_prompt_tokens: int = 400
     sweep: tuple[tuple[int, int], ...] = ((7, 2), (15, 1), (15, 2), (15, 3))  # (block, layers), DSpark
-    sweep_budget_s: float | None = 40.0
+    sweep_budget_s: float | None = 30.0
     # wall-clock caps: each stage fits one 10-minute call on the lent H200
     target_budget_s: float | None = 180.0
-    dflash_budget_s: float | None = 150.0
-    dspark_budget_s: float | None = 240.0
+    dflash_budget_s: float | None = 140.0
+    dspark_budget_s: float | None = 200.0
 
 
 SMOKE = Recipe(vocab=300, hidden=32, target_layers=4, heads=2, kv_heads=1, ffn=64, max_pos=512, target_steps=1,
                target_batch=2, seq_len=64, n_prompts=8, n_head_prompts=4, prompt_len=16, cont_len=24, gen_batch=8,
                draft_layers=1, dflash_block=4, dspark_block=3, dflash_taps=(0, 2), dspark_taps=(-1, 2), markov_rank=8,
                draft_steps=1, draft_batch=2, anchors=4, eval_prompts=4, max_files=12, heldout_every=4,
-               stdlib_prompts=8, sweep=((3, 1), (4, 1)), sweep_budget_s=None,
+               stdlib_prompts=8, val_every=1, drafter_files_every=3, sweep=((3, 1), (4, 1)), sweep_budget_s=None,
                target_budget_s=None, dflash_budget_s=None, dspark_budget_s=None)
 
 
@@ -171,16 +173,22 @@ def build_target(work: Path, r: Recipe, device: torch.device) -> dict:
     _log(f"corpus: Python {corpus.python_version} stdlib, {corpus.n_files} files, {corpus.n_bytes / 1e6:.1f} MB")
     tok = train_tokenizer(corpus.train, r.vocab)
     eos = tok.token_to_id("<|endoftext|>")
-    train_ids, held_ids = encode_corpus(tok, corpus.train, eos), encode_corpus(tok, corpus.heldout, eos)
-    info["tokens"] = {"train": int(train_ids.numel()), "heldout": int(held_ids.numel()), "vocab": tok.get_vocab_size()}
-    _log(f"tokenizer: vocab {tok.get_vocab_size()}, {train_ids.numel()} train tokens")
+    # The training files split in two: the target learns from one part; the drafters' prompts come
+    # from the other, so the target continues text it never saw, as it does on a bench prompt.
+    target_files = [t for i, t in enumerate(corpus.train) if i % r.drafter_files_every != r.drafter_files_every - 1]
+    prompt_files = [t for i, t in enumerate(corpus.train) if i % r.drafter_files_every == r.drafter_files_every - 1]
+    train_ids, prompt_ids = encode_corpus(tok, target_files, eos), encode_corpus(tok, prompt_files, eos)
+    held_ids = encode_corpus(tok, corpus.heldout, eos)
+    info["tokens"] = {"target_train": int(train_ids.numel()), "drafter_prompts": int(prompt_ids.numel()),
+                      "heldout": int(held_ids.numel()), "vocab": tok.get_vocab_size()}
+    _log(f"tokenizer: vocab {tok.get_vocab_size()}, {train_ids.numel()} target tokens, {prompt_ids.numel()} prompt tokens")
 
     target = make_target(tok.get_vocab_size(), r.hidden, r.target_layers, r.heads, r.kv_heads, r.ffn, r.max_pos)
     info["target_params"] = param_count(target)
     t = time.time()
-    losses, steps = train_target(target, train_ids, r.target_steps, r.target_batch, r.seq_len, r.target_lr, device, _log,
-                                 r.target_budget_s)
-    info["target_train_s"], info["target_steps_run"] = round(time.time() - t, 1), steps
+    losses, steps, curve = train_target(target, train_ids, r.target_steps, r.target_batch, r.seq_len, r.target_lr,
+                                        device, _log, r.target_budget_s, val_stream=prompt_ids, val_every=r.val_every)
+    info["target_train_s"], info["target_steps_run"], info["target_validation"] = round(time.time() - t, 1), steps, curve
     _save_target(work / "target", target, tok)
     target = shipped(target, device)
     info["target_loss"] = {"train_last": losses[-1], "heldout": heldout_loss(target, held_ids, r.seq_len, device)}
@@ -189,8 +197,8 @@ def build_target(work: Path, r: Recipe, device: torch.device) -> dict:
     gen = torch.Generator().manual_seed(7)
     t = time.time()
     prompts = {
-        "train": torch.cat([windows(train_ids, r.n_prompts, r.prompt_len, gen),
-                            head_windows(tok, corpus.train, r.n_head_prompts, r.prompt_len, gen)]),
+        "train": torch.cat([windows(prompt_ids, r.n_prompts, r.prompt_len, gen),
+                            head_windows(tok, prompt_files, r.n_head_prompts, r.prompt_len, gen)]),
         "held_windows": windows(held_ids, r.eval_prompts, r.prompt_len, gen),
         "held_heads": head_windows(tok, corpus.heldout, r.eval_prompts, r.prompt_len, gen),
     }

@@ -220,10 +220,11 @@ def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def optimize(params, opt, steps: int, lr: float, device, loss_fn, log, label: str, budget_s: float | None = None,
-             log_every: int = 200) -> tuple[list[float], int]:
+             log_every: int = 200, stop=None) -> tuple[list[float], int]:
     """The shared training loop: cosine LR with warm-up, clipped AdamW steps, a wall-clock
     budget planned from steady-state step time. `loss_fn(step) -> loss`. Returns (losses logged,
-    steps actually run)."""
+    steps actually run). `stop(step) -> bool`, when given, is asked after every step and ends the
+    run early (early stopping)."""
     import time
 
     losses, t0, t_warm, step = [], time.time(), 0.0, 0
@@ -245,12 +246,20 @@ def optimize(params, opt, steps: int, lr: float, device, loss_fn, log, label: st
             losses.append(loss.item())
             log(f"{label} step {step}/{steps} loss {loss.item():.3f}")
         step += 1
+        if stop is not None and stop(step):
+            log(f"{label} stopped early at step {step}/{steps}")
+            return losses, step
     return losses, steps
 
 
 def train_target(model, stream: torch.Tensor, steps: int, batch: int, length: int, lr: float, device, log,
-                 budget_s: float | None = None) -> tuple[list[float], int]:
-    """Next-token training on random windows of the id stream. Returns (losses, steps run)."""
+                 budget_s: float | None = None, val_stream: torch.Tensor | None = None, val_every: int = 200,
+                 patience: int = 3) -> tuple[list[float], int, list[tuple[int, float]]]:
+    """Next-token training on random windows of the id stream. With `val_stream`, early stopping:
+    the loss on it is measured every `val_every` steps, the best weights are kept, and training
+    ends after `patience` measurements without improvement (a 5.8M model memorises a 3M-token
+    corpus in a few thousand steps; a memorising target regurgitates rather than writes, which is
+    not what it does on a bench prompt). Returns (losses, steps run, validation curve)."""
     model.to(device).train()
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda")
@@ -262,9 +271,27 @@ def train_target(model, stream: torch.Tensor, steps: int, batch: int, length: in
             logits = model(input_ids=x[:, :-1]).logits
         return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
 
-    out = optimize(params, opt, steps, lr, device, loss_fn, log, "target", budget_s)
+    curve: list[tuple[int, float]] = []
+    best: dict = {"loss": float("inf"), "state": None, "since": 0}
+
+    def stop(step: int) -> bool:
+        if val_stream is None or step % val_every:
+            return False
+        loss = heldout_loss(model, val_stream, length, device, max_windows=32)
+        model.train()
+        curve.append((step, round(loss, 4)))
+        log(f"target step {step}: validation loss {loss:.3f}")
+        if loss < best["loss"]:
+            best.update(loss=loss, since=0, state={k: v.detach().clone() for k, v in model.state_dict().items()})
+            return False
+        best["since"] += 1
+        return best["since"] >= patience
+
+    losses, run = optimize(params, opt, steps, lr, device, loss_fn, log, "target", budget_s, stop=stop)
+    if best["state"] is not None:
+        model.load_state_dict(best["state"])
     model.eval()
-    return out
+    return losses, run, curve
 
 
 @torch.no_grad()
