@@ -16,6 +16,7 @@ import typer
 
 from memra_cli.cli.common import CudaGraphsOpt, JsonOpt, StepWidthOpt, at_least, refusals
 from memra_cli.cli.sampling import MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params
+from memra_cli.cli.threads import ThreadsOpt, use_threads
 
 # Kept in step with engine.bench.ARM_KEYS (a test checks); written out here so --help needs no torch.
 ARM_HELP = (
@@ -300,6 +301,7 @@ def bench(
     top_p: Optional[str] = TopPOpt,
     min_p: Optional[str] = MinPOpt,
     seed: Optional[str] = SeedOpt,
+    threads: Optional[str] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Measure decoding arms side by side over a prompt set, with an exactness gate.
@@ -323,11 +325,12 @@ def bench(
     b = prepare_bench(req, env=dict(os.environ))
     if not json_out:
         _render_receipts(b)
+    cpu = use_threads(threads, device=b.meta["device"], target=b.meta["target"], announce=not json_out)
     from memra_cli.cli.render import err_console
 
     with _Progress(err_console.is_terminal) as progress:
         result = b.run(progress)
-    report = result.as_json()
+    report = {**result.as_json(), "threads": cpu.threads}
     if json_out:
         from memra_cli.cli.render import emit_json
 

@@ -36,6 +36,15 @@ def check_step_width(value: Optional[str]) -> None:
         raise SettingError("step_width", value, "expected a positive integer (rows per target step) or 'variable'")
 
 
+def check_threads(value: Optional[str]) -> None:
+    """`--threads` / MEMRA_THREADS: a positive integer (cli/threads.py applies it; no engine setting)."""
+    if value is None:
+        return
+    text = value.strip()
+    if not (text.isascii() and text.isdigit() and int(text) >= 1):
+        raise SettingError("threads", value, "expected a positive integer (CPU threads per op)")
+
+
 def check_device(device: str) -> None:
     """`--device`: auto | cpu | cuda | cuda:N (whether CUDA is there is asked once torch loads)."""
     if device not in DEVICES and not device.startswith("cuda:"):

@@ -44,6 +44,7 @@ SETTINGS = {s.name: s for s in (
     Setting("prec", "--prec", "MEMRA_DFLASH_PREC"),
     Setting("step_width", "--step-width", "MEMRA_STEP_WIDTH"),
     Setting("cuda_graphs", "--cuda-graphs", "MEMRA_CUDA_GRAPHS", off="--no-cuda-graphs"),
+    Setting("threads", "--threads", "MEMRA_THREADS"),  # cli/threads.py
     Setting("device", "--device", None),
     Setting("dtype", "--dtype", None),
     Setting("spec", "--spec", None),

@@ -14,6 +14,7 @@ from memra_cli.cli.common import (
 from memra_cli.cli.sampling import (
     AcceptanceOpt, MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params,
 )
+from memra_cli.cli.threads import ThreadsOpt, use_threads
 
 
 PREC_HELP = ("Drafter weight precision, applied at load to a safetensors drafter: f32 | bf16 | q8 | mixed | fc | q4 "
@@ -57,6 +58,7 @@ def generate(
     min_p: Optional[str] = MinPOpt,
     seed: Optional[str] = SeedOpt,
     acceptance: Optional[str] = AcceptanceOpt,
+    threads: Optional[str] = ThreadsOpt,
     json_out: bool = JsonOpt,
 ) -> None:
     """Generation from a target (greedy, or sampled with --temperature), sped up by a DFlash /
@@ -87,6 +89,8 @@ def generate(
     from memra_cli.engine.text import StreamDecoder
 
     from memra_cli.engine.spec.keyed import make_sampler
+
+    cpu = use_threads(threads, device=device, target=target)  # until the command ends; the note comes with the others
     arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
                         verify_cap=verify_cap, prec=prec)
     with torch.inference_mode():
@@ -98,7 +102,7 @@ def generate(
         if arm.mode == "off":
             arm.warnings += _ignored_by_plain(given)
         if not json_out:
-            _announce(arm, "; ".join(engine.notes))
+            _announce(arm, "; ".join(engine.notes), cpu.note)
             for line in sampling_notes(sampling, arm.mode != "off"):
                 render.note(line)
         stream = StreamDecoder(codec) if codec else None
@@ -117,7 +121,8 @@ def generate(
         render.emit_json({
             "tokens": session.tokens, "text": codec.decode([t for t in session.tokens if t not in eos]) if codec else None,
             "mode": arm.mode, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-            "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs, "sampling": sampling.as_json(),
+            "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs, "threads": cpu.threads,
+            "sampling": sampling.as_json(),
             "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms")},
             "receipts": arm.receipts.as_json() if arm.receipts else None,
             "receipt_lines": arm.receipts.lines() if arm.receipts else [],
@@ -189,8 +194,9 @@ def _prompt(target: Path, prompt: Optional[str], prompt_ids: Optional[str], chat
     return (TextCodec(target) if (target / "tokenizer.json").is_file() else None), ids
 
 
-def _announce(arm, width_note: str) -> None:
-    """Receipts first, then the drafter precision, the target's step width and any warnings (all on stderr)."""
+def _announce(arm, width_note: str, threads_note: Optional[str]) -> None:
+    """Receipts first, then the drafter precision, the target's step width, the CPU threads and
+    any warnings (all on stderr)."""
     from memra_cli.cli import render
 
     if arm.receipts:
@@ -199,5 +205,7 @@ def _announce(arm, width_note: str) -> None:
             source = "GGUF policy" if arm.precision_source == "GGUF policy" else "--prec / MEMRA_DFLASH_PREC"
             render.note(f"drafter precision {arm.precision} ({source})")
     render.note(width_note)
+    if threads_note:
+        render.note(threads_note)
     for w in arm.warnings:
         render.warn(w)

@@ -43,6 +43,8 @@ CASES = {
                    "--step-width / MEMRA_STEP_WIDTH=0", ": expected a positive integer (rows per target step) or 'variable'"),
     "prec": (["--prec", "q5"], {"MEMRA_DFLASH_PREC": "q5"}, "--prec q5", "--prec / MEMRA_DFLASH_PREC=q5",
              ": unknown precision policy (expected f32|bf16|q8|mixed|fc|q4)"),
+    "threads": (["--threads", "0"], {"MEMRA_THREADS": "0"}, "--threads 0", "--threads / MEMRA_THREADS=0",
+                ": expected a positive integer (CPU threads per op)"),
 }
 
 

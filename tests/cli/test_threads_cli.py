@@ -1,0 +1,114 @@
+"""The CPU thread policy of generate and bench: one thread for a small target (a second one only
+adds a synchronisation per op, and collapses when the other core is busy), the user's choice
+when there is one, the free cores for a larger target; always said in a note and in --json, and
+torch's setting restored when an in-process run ends."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from memra_cli.cli.app import app
+from memra_cli.cli.threads import SMALL_TARGET_PARAMS, choose_threads, decide
+from memra_cli.engine.errors import SettingError
+
+runner = CliRunner()
+
+EMBEDDED_PARAMS = 5_771_264
+
+
+def _choose(requested=None, device="cpu", params=EMBEDDED_PARAMS, env=None, default=2, cores=2, load=0.0,
+            from_env=False):
+    return choose_threads(requested, device, params, env=env or {}, default=default, cores=cores, load=load,
+                          from_env=from_env)
+
+
+def test_the_policy():
+    small = _choose()
+    assert small.threads == 1 and small.note.startswith("CPU threads: 1 (small target, 5.8M params")
+    assert _choose(params=SMALL_TARGET_PARAMS).threads == 2  # a larger target on an idle machine: every core
+    assert _choose(params=SMALL_TARGET_PARAMS, load=1.2).threads == 1  # ... less the cores other work holds
+    assert _choose(params=SMALL_TARGET_PARAMS, load=7.0).threads == 1  # at least one
+    assert _choose(params=SMALL_TARGET_PARAMS, cores=16, default=8, load=3.0).threads == 8  # at most torch's default
+    assert _choose(params=SMALL_TARGET_PARAMS, load=1.2).note == (
+        "CPU threads: 1 of 2 (32.0M params; 1-minute load 1.2 on 2 cores; --threads N to choose)")
+    assert _choose(params=None, cores=4, default=4, load=1.0).threads == 3  # size unknown: taken as large
+    assert _choose(requested=3) == _choose(requested=3, params=10**10)  # the user's choice wins
+    assert _choose(requested=3).note == "CPU threads: 3 (--threads)"
+    assert _choose(requested=3, from_env=True).note == "CPU threads: 3 (MEMRA_THREADS)"
+    omp = _choose(env={"OMP_NUM_THREADS": "2"})
+    assert omp.threads is None and omp.note == "CPU threads: 2 (OMP_NUM_THREADS=2)"  # torch read it at start
+    assert _choose(device="cuda") == _choose(device="cuda", params=10**10)  # CUDA: left alone, nothing to say
+    assert _choose(device="cuda").threads is None and _choose(device="cuda").note is None
+    assert _choose(requested=2, device="cuda").threads == 2  # unless the user asks
+
+
+def test_decide_refuses_what_the_flag_refuses():
+    """A Python caller gets the same check the option's callback makes."""
+    with pytest.raises(SettingError, match="threads='0': expected a positive integer"):
+        decide("0", "cpu", Path("unused"))
+
+
+GENERATE = ["generate", "--spec", "off", "--prompt-ids", "5,6,7", "--max-new", "3"]
+
+
+@pytest.mark.parametrize("args, env, threads, note", [
+    ([], {}, 1, "note: CPU threads: 1 (small target, 5.8M params: a second thread only adds synchronisation per op"),
+    (["--threads", "2"], {}, 2, "note: CPU threads: 2 (--threads)"),
+    ([], {"MEMRA_THREADS": "2"}, 2, "note: CPU threads: 2 (MEMRA_THREADS)"),
+    ([], {"OMP_NUM_THREADS": "3"}, None, "note: CPU threads: "),
+])
+def test_generate_applies_says_and_restores(monkeypatch, args, env, threads, note):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the caller's, if any, would decide every case
+    torch.set_num_threads(3)  # not the policy's 1 nor --threads 2: what comes back is the process's own
+    try:
+        obj = json.loads(runner.invoke(app, GENERATE + args + ["--json"], env=env).stdout)
+        assert obj["threads"] == (3 if threads is None else threads)
+        assert torch.get_num_threads() == 3  # an in-process run leaves the process as it found it
+        r = runner.invoke(app, GENERATE + args, env=env)
+        assert r.exit_code == 0, r.output
+        assert any(line.startswith(note) for line in r.stderr.splitlines()), r.stderr
+        if "OMP_NUM_THREADS" in env:
+            assert "note: CPU threads: 3 (OMP_NUM_THREADS=3)" in r.stderr.splitlines()
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(1)  # the session's setting (conftest)
+
+
+def test_a_refused_run_restores_the_setting_too():
+    before = torch.get_num_threads()
+    r = runner.invoke(app, ["generate", "--spec", "off", "--prompt-ids", "5,6,7", "--max-new", "1000000",
+                            "--threads", "2"])
+    assert r.exit_code == 2 and r.stderr.splitlines()[-1].startswith("error: prompt (3 tokens)"), r.output  # by the
+    # engine, once the threads were set
+    assert torch.get_num_threads() == before
+
+
+def test_bench_applies_and_reports_it(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    base = ["bench", "--n", "1", "--max-new", "2", "--warmup", "0", "--arm", "off"]
+    before = torch.get_num_threads()
+    r = runner.invoke(app, base + ["--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["threads"] == 1
+    r = runner.invoke(app, base + ["--threads", "2"])
+    assert r.exit_code == 0, r.output
+    assert "note: CPU threads: 2 (--threads)" in r.stderr.splitlines()
+    r = runner.invoke(app, base + ["--json"], env={"MEMRA_THREADS": "2"})
+    assert json.loads(r.stdout)["threads"] == 2
+    assert torch.get_num_threads() == before
+
+
+@pytest.mark.parametrize("command", [GENERATE, ["bench", "--n", "1", "--arm", "off"]])
+def test_a_bad_thread_count_is_one_line_naming_what_was_typed(command):
+    for value in ("0", "-1", "two", "1.5", "²"):
+        r = runner.invoke(app, command + ["--threads", value])
+        assert r.exit_code == 2 and r.stderr.strip() == (
+            f"error: --threads {value}: expected a positive integer (CPU threads per op)"), (value, r.output)
+    r = runner.invoke(app, command, env={"MEMRA_THREADS": "0"})
+    assert r.exit_code == 2 and r.stderr.strip() == (
+        "error: --threads / MEMRA_THREADS=0 (from the environment): expected a positive integer (CPU threads per op)")
