@@ -209,6 +209,29 @@ def test_no_phase_times_says_so_in_the_table_and_the_json(pair):
     assert "phases: not timed (--phase-times times them" in r.stdout and "prefill" not in r.stdout
 
 
+def test_stdlib_prompts_and_their_absence(pair, monkeypatch, tmp_path):
+    from memra_cli.engine import prompts as pr
+
+    _, target, drafters, _ = pair
+    monkeypatch.setattr(pr, "STDLIB_JSONL", tmp_path / "stdlib.jsonl")
+    base = ["--target", target, "--draft", drafters["dspark"], "--prompts", "stdlib", "--max-new", "4", "--warmup", "0",
+            "--arm", "dspark"]
+    r = run(*base)
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr.strip() == (f"error: --prompts stdlib: {tmp_path / 'stdlib.jsonl'} is missing (the embedded models' "
+                                "build writes it: python -m memra_cli.assets.build)")
+    rows = [{"turns": ["def quote(s):\n    \"\"\"Return a shell-escaped version of s.\"\"\"\n"], "source": "shlex.py:quote",
+             "python": "3.12.3"},
+            {"turns": ["def dedent(text):\n    \"\"\"Remove common leading whitespace.\"\"\"\n"], "source": "textwrap.py:dedent",
+             "python": "3.12.3"}]
+    (tmp_path / "stdlib.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    r = run(*base, "--json")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert obj["prompts"]["set"] == "stdlib" and obj["prompts"]["n"] == 2 and obj["exact"] is True
+    assert obj["prompts"]["source"].startswith("held-out CPython 3.12.3 standard-library functions")
+
+
 def test_the_plain_arm_takes_no_keys(pair):
     _, target, drafters, prompts = pair
     r = run("--target", target, "--draft", drafters["dspark"], "--prompts", prompts, "--arm", "plain:cap=3")

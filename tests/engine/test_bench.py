@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from memra_cli.engine import bench as eb
+from memra_cli.engine import prompts as pr
 from memra_cli.engine.api import Engine
 from memra_cli.engine.bench import ArmSpec, BenchError, Drafters, parse_arm, parse_arms
 from memra_cli.engine.errors import PromptError
@@ -149,6 +150,44 @@ def test_mbpp_bundled():
     assert len(load_prompts("mbpp", 1000).texts) == 257  # --n past the set: all of it
 
 
+STDLIB_ROWS = [
+    {"turns": ['def quote(s):\n    """Return a shell-escaped version of the string *s*."""\n'], "source": "shlex.py:quote", "python": "3.12.3"},
+    {"turns": ['def dedent(text):\n    """Remove any common leading whitespace from every line in `text`."""\n'],
+     "source": "textwrap.py:dedent", "python": "3.12.3"},
+]
+
+
+def test_stdlib_set_reads_the_bundled_file(monkeypatch, tmp_path):
+    f = tmp_path / "stdlib.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in STDLIB_ROWS))
+    monkeypatch.setattr(pr, "STDLIB_JSONL", f)
+    p = load_prompts("stdlib")
+    assert p.name == "stdlib" and p.texts == tuple(r["turns"][0] for r in STDLIB_ROWS)
+    assert p.source.startswith("held-out CPython 3.12.3 standard-library functions: signature + docstring")
+    assert "\n" not in p.source and "stdlib" in pr.BUILTIN_SETS
+    assert load_prompts("stdlib", 1).texts == (STDLIB_ROWS[0]["turns"][0],)
+
+
+def test_stdlib_set_absent_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(pr, "STDLIB_JSONL", tmp_path / "stdlib.jsonl")
+    with pytest.raises(PromptError) as e:
+        load_prompts("stdlib")
+    msg = str(e.value)
+    assert msg.startswith(f"--prompts stdlib: {tmp_path / 'stdlib.jsonl'} is missing") and "\n" not in msg
+    assert "python -m memra_cli.assets.build" in msg
+
+
+@pytest.mark.skipif(not pr.STDLIB_JSONL.is_file(), reason="this build has no stdlib.jsonl (the embedded models' build writes it)")
+def test_the_bundled_stdlib_file_has_the_documented_rows():
+    for i, line in enumerate(pr.STDLIB_JSONL.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            row = json.loads(line)
+            assert isinstance(row["turns"][0], str) and row["turns"][0].strip(), i
+            path, _, func = row["source"].rpartition(":")
+            assert path.endswith(".py") and func and isinstance(row["python"], str), (i, row["source"])
+    assert load_prompts("stdlib").source.startswith("held-out CPython")
+
+
 def test_jsonl_files(tmp_path):
     rows = [{"turns": ["first", "second"]}, {"prompt": "raw"}, {"turns": ["x"], "id": 3}]
     f = tmp_path / "p.jsonl"
@@ -174,7 +213,7 @@ def test_bad_prompt_files(tmp_path, content, message):
 
 
 def test_missing_prompt_file_and_bad_n(tmp_path):
-    with pytest.raises(PromptError, match="not humaneval|mbpp and no such file"):
+    with pytest.raises(PromptError, match=r"not humaneval\|mbpp\|stdlib and no such file"):
         load_prompts(str(tmp_path / "nope.jsonl"))
     with pytest.raises(PromptError, match="--n 0"):
         load_prompts("mbpp", 0)
