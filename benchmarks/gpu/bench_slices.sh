@@ -9,5 +9,5 @@ for i in 0 1 2 3; do
   python3 -m memra_cli bench --prompts .benchdata/he$i.jsonl --max-new 128 --dtype ${DTYPE:-float32} --no-phase-times --warmup 1 \
     --arm off --arm dflash --arm dspark --arm dspark:vt=ladder --arm dspark:vt=confidence --arm dspark:harvest=dflash \
     --json > $OUT/he$i.json 2> $OUT/he$i.err; echo "slice $i rc=$? $(( $(date +%s) - s )) s"
-  python3 -c "import json;d=json.load(open('$OUT/he$i.json'));[print(' ',a['name'],round(a['tau'],2),round(a['tok_per_s'],1),a['speedup'],a['exact']) for a in d['arms']]" 2>&1 | tail -7
+  python3 -c "import json;d=json.load(open('$OUT/he$i.json'));[print(' ',a['name'],round(a['tau'],2),round(a['tok_per_s'],1),a['speedup'],a.get('speedup_vs_off'),a['exact']) for a in d['arms']]" 2>&1 | tail -8
 done

