@@ -66,7 +66,7 @@ class Recipe:
     prompt_len: int = 128
     cont_len: int = 256
     gen_batch: int = 2048
-    draft_layers: int = 2
+    draft_layers: int = 1  # the sweep: block 15 at 1, 2, 3 layers gave tau_full 6.66 / 7.14 / 7.29, score 5.71 / 5.35 / 4.86
     dflash_block: int = 16  # 15 drafts: anchor + drafts fill one 16-row verify step
     dspark_block: int = 15  # 15 drafts, likewise
     dflash_taps: tuple[int, ...] = (1, 3, 4)
@@ -85,8 +85,8 @@ class Recipe:
     sweep_budget_s: float | None = 30.0
     # wall-clock caps: each stage fits one 10-minute call on the lent H200
     target_budget_s: float | None = 180.0
-    dflash_budget_s: float | None = 140.0
-    dspark_budget_s: float | None = 200.0
+    dflash_budget_s: float | None = 120.0
+    dspark_budget_s: float | None = 180.0
 
 
 SMOKE = Recipe(vocab=300, hidden=32, target_layers=4, heads=2, kv_heads=1, ffn=64, max_pos=512, target_steps=1,
