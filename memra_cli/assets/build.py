@@ -9,8 +9,9 @@ and the drafter stage about 8 (each fits one 10-minute call; `--work` carries th
 3. a Qwen3-architecture target (~5.8M parameters) trained with transformers' Qwen3ForCausalLM,
    then rounded to bf16: every later stage uses the weights as shipped;
 4. drafter data = the shipped target's own greedy continuations, in the dtype the bench runs it
-   in on that device (bf16 on CUDA, f32 on CPU), of two kinds of prompts: random corpus windows,
-   and windows that end where a function's docstring ends (the shape of a HumanEval prompt);
+   in on that device (bf16 on CUDA, f32 on CPU), of two kinds of prompts, each from position 0:
+   random corpus windows, and stand-alone function heads (`def` + docstring, the shape of a
+   HumanEval prompt), both from training files the target never learned from;
 5. a DFlash drafter (z-lab format, mask-fill) and a DSpark drafter (DeepSpec format, shifted
    labels, vanilla markov head, confidence head) over 3 taps; block size and depth from the
    sweep (`--stage sweep`, recorded in docs/bench.md); the confidence head is then calibrated
@@ -19,7 +20,8 @@ and the drafter stage about 8 (each fits one 10-minute call; `--work` carries th
    build_info.json; the `stdlib` bench prompt set (held-out functions' heads) is written to
    memra_cli/engine/data/stdlib.jsonl.
 
-Stages: `target` (1-4, state to `--work`), `drafters` (5-6, from `--work`), `all` (both),
+Stages: `target` (1-4, state to `--work`), `data` (4 again over a finished target stage),
+`drafters` (5-6, from `--work`), `all` (target + drafters),
 `sweep` (short DSpark runs over block size and depth on the `--work` data; prints and records
 `sweep.json`). Weights are saved in bf16. `--smoke` runs every stage at toy size (the CI test).
 """
@@ -37,7 +39,7 @@ from pathlib import Path
 import torch
 
 from memra_cli.assets.train import (
-    SPECIALS, TrainDrafter, collect_corpus, encode_corpus, greedy_continuations, head_windows, heldout_loss,
+    SPECIALS, TrainDrafter, collect_corpus, encode_corpus, function_heads, greedy_forced, head_prompt, heldout_loss,
     make_target, stdlib_prompts, train_target, train_tokenizer, windows,
 )
 from memra_cli.assets.train_draft import DraftSpec, calibrate_confidence, evaluate, param_count, train_drafter
@@ -61,8 +63,9 @@ class Recipe:
     target_batch: int = 64
     seq_len: int = 512
     target_lr: float = 3e-3
-    n_prompts: int = 8192  # random corpus windows
-    n_head_prompts: int = 8192  # windows ending at a docstring's end (as many as there are)
+    n_prompts: int = 6144  # random corpus windows
+    n_head_prompts: int = 8192  # stand-alone function heads (as many as there are)
+    head_tokens: int = 192  # longest head used as a prompt
     prompt_len: int = 128
     cont_len: int = 256
     gen_batch: int = 2048
@@ -85,15 +88,15 @@ class Recipe:
     sweep_budget_s: float | None = 30.0
     # wall-clock caps: each stage fits one 10-minute call on the lent H200
     target_budget_s: float | None = 180.0
-    dflash_budget_s: float | None = 120.0
-    dspark_budget_s: float | None = 180.0
+    dflash_budget_s: float | None = 90.0
+    dspark_budget_s: float | None = 150.0
 
 
 SMOKE = Recipe(vocab=300, hidden=32, target_layers=4, heads=2, kv_heads=1, ffn=64, max_pos=512, target_steps=1,
-               target_batch=2, seq_len=64, n_prompts=8, n_head_prompts=4, prompt_len=16, cont_len=24, gen_batch=8,
+               target_batch=2, seq_len=64, n_prompts=8, n_head_prompts=4, prompt_len=16, cont_len=240, gen_batch=8,
                draft_layers=1, dflash_block=4, dspark_block=3, dflash_taps=(0, 2), dspark_taps=(-1, 2), markov_rank=8,
                draft_steps=1, draft_batch=2, anchors=4, eval_prompts=4, max_files=12, heldout_every=4,
-               stdlib_prompts=8, val_every=1, drafter_files_every=3, sweep=((3, 1), (4, 1)), sweep_budget_s=None,
+               stdlib_prompts=8, head_tokens=200, val_every=1, drafter_files_every=3, sweep=((3, 1), (4, 1)), sweep_budget_s=None,
                target_budget_s=None, dflash_budget_s=None, dspark_budget_s=None)
 
 
@@ -160,6 +163,79 @@ def _load_shipped_target(work: Path, device: torch.device):
     return shipped(model, device)
 
 
+def standalone_heads(tok, texts: list[str], max_tokens: int) -> list[list[int]]:
+    """Every function head of `texts` as a stand-alone prompt (dedented `def` + docstring, as a
+    bench prompt is), tokenized; heads over `max_tokens` tokens are left out."""
+    out = []
+    for text in texts:
+        for head in function_heads(text):
+            prompt = head_prompt(text, head)
+            if prompt:
+                ids = tok.encode(prompt, add_special_tokens=False).ids
+                if 4 <= len(ids) <= max_tokens:
+                    out.append(ids)
+    return out
+
+
+def make_data(work: Path, r: Recipe, device: torch.device, corpus, tok, prompt_files, prompt_ids, held_ids, target) -> dict:
+    """Stage 4: the drafters' data, `work/data.pt` = {split: (sequences `[n, L]` int16, prompt
+    lengths `[n]`)} with L = prompt_len + cont_len, each row a prompt from position 0 and the
+    shipped target's greedy continuation. Two kinds of prompt: corpus windows of prompt_len
+    tokens, and stand-alone function heads (the bench's prompt shape, any length up to
+    head_tokens). Also writes the stdlib bench prompt set."""
+    gen = torch.Generator().manual_seed(7)
+    t = time.time()
+    total = r.prompt_len + r.cont_len
+    heads = standalone_heads(tok, prompt_files, r.head_tokens)
+    pick = torch.randperm(len(heads), generator=gen)[: r.n_head_prompts].tolist()
+    prompts = {
+        "train": windows(prompt_ids, r.n_prompts, r.prompt_len, gen).tolist() + [heads[i] for i in pick],
+        "held_windows": windows(held_ids, r.eval_prompts, r.prompt_len, gen).tolist(),
+        "held_heads": standalone_heads(tok, corpus.heldout, r.head_tokens)[: r.eval_prompts],
+    }
+    data = {}
+    for name, rows in prompts.items():
+        seqs, plens = greedy_forced(target, rows, total, r.gen_batch, device)
+        data[name] = (seqs.to(torch.int16), plens.to(torch.int16))
+    torch.save(data, work / "data.pt")
+    rows = stdlib_prompts(corpus, tok, r.stdlib_prompts, r.stdlib_prompt_tokens)
+    (work / "stdlib.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    shapes = {k: [int(v[0].shape[0]), total] for k, v in data.items()}
+    _log(f"drafter data: {shapes} in {time.time() - t:.1f} s; stdlib prompt set: {len(rows)} held-out function heads")
+    return {"datagen_s": round(time.time() - t, 1), "drafter_data": shapes,
+            "drafter_heads_available": len(heads),
+            "stdlib_prompts": {"n": len(rows), "from_files": len(corpus.heldout_names)}}
+
+
+def _corpus_and_split(r: Recipe, tok=None):
+    corpus = collect_corpus(heldout_every=r.heldout_every, max_files=r.max_files)
+    tok = tok or train_tokenizer(corpus.train, r.vocab)
+    eos = tok.token_to_id("<|endoftext|>")
+    # The training files split in two: the target learns from one part; the drafters' prompts come
+    # from the other, so the target continues text it never saw, as it does on a bench prompt.
+    every = r.drafter_files_every
+    target_files = [t for i, t in enumerate(corpus.train) if i % every != every - 1]
+    prompt_files = [t for i, t in enumerate(corpus.train) if i % every == every - 1]
+    return corpus, tok, target_files, prompt_files, encode_corpus(tok, target_files, eos), \
+        encode_corpus(tok, prompt_files, eos), encode_corpus(tok, corpus.heldout, eos)
+
+
+def rebuild_data(work: Path, r: Recipe, device: torch.device) -> dict:
+    """Stage 4 alone, over a finished target stage (same corpus and tokenizer)."""
+    from tokenizers import Tokenizer
+
+    info = json.loads((work / "state.json").read_text())
+    tok = Tokenizer.from_file(str(work / "target" / "tokenizer.json"))
+    corpus, tok, _, prompt_files, _, prompt_ids, held_ids = _corpus_and_split(r, tok)
+    if corpus.files_sha256 != info["corpus"]["files_sha256"]:
+        raise SystemExit(f"error: {work}: the target stage ran on another corpus (files_sha256 differs)")
+    info.update(make_data(work, r, device, corpus, tok, prompt_files, prompt_ids, held_ids,
+                          _load_shipped_target(work, device)))
+    info["recipe"] = asdict(r)
+    (work / "state.json").write_text(json.dumps(info, indent=2) + "\n")
+    return info
+
+
 def build_target(work: Path, r: Recipe, device: torch.device) -> dict:
     """Stages 1-4: corpus, tokenizer, target, drafter data. Leaves `work/target`, `work/data.pt`,
     `work/stdlib.jsonl` and `work/state.json`."""
@@ -167,18 +243,10 @@ def build_target(work: Path, r: Recipe, device: torch.device) -> dict:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     torch.manual_seed(0)
-    corpus = collect_corpus(heldout_every=r.heldout_every, max_files=r.max_files)
+    corpus, tok, target_files, prompt_files, train_ids, prompt_ids, held_ids = _corpus_and_split(r)
     info["corpus"] = {"python": corpus.python_version, "files": corpus.n_files, "bytes": corpus.n_bytes,
                       "files_sha256": corpus.files_sha256, "heldout_files": len(corpus.heldout)}
     _log(f"corpus: Python {corpus.python_version} stdlib, {corpus.n_files} files, {corpus.n_bytes / 1e6:.1f} MB")
-    tok = train_tokenizer(corpus.train, r.vocab)
-    eos = tok.token_to_id("<|endoftext|>")
-    # The training files split in two: the target learns from one part; the drafters' prompts come
-    # from the other, so the target continues text it never saw, as it does on a bench prompt.
-    target_files = [t for i, t in enumerate(corpus.train) if i % r.drafter_files_every != r.drafter_files_every - 1]
-    prompt_files = [t for i, t in enumerate(corpus.train) if i % r.drafter_files_every == r.drafter_files_every - 1]
-    train_ids, prompt_ids = encode_corpus(tok, target_files, eos), encode_corpus(tok, prompt_files, eos)
-    held_ids = encode_corpus(tok, corpus.heldout, eos)
     info["tokens"] = {"target_train": int(train_ids.numel()), "drafter_prompts": int(prompt_ids.numel()),
                       "heldout": int(held_ids.numel()), "vocab": tok.get_vocab_size()}
     _log(f"tokenizer: vocab {tok.get_vocab_size()}, {train_ids.numel()} target tokens, {prompt_ids.numel()} prompt tokens")
@@ -194,23 +262,7 @@ def build_target(work: Path, r: Recipe, device: torch.device) -> dict:
     info["target_loss"] = {"train_last": losses[-1], "heldout": heldout_loss(target, held_ids, r.seq_len, device)}
     _log(f"target: {info['target_params'] / 1e6:.2f}M params, held-out loss {info['target_loss']['heldout']:.3f} (as shipped)")
 
-    gen = torch.Generator().manual_seed(7)
-    t = time.time()
-    prompts = {
-        "train": torch.cat([windows(prompt_ids, r.n_prompts, r.prompt_len, gen),
-                            head_windows(tok, prompt_files, r.n_head_prompts, r.prompt_len, gen)]),
-        "held_windows": windows(held_ids, r.eval_prompts, r.prompt_len, gen),
-        "held_heads": head_windows(tok, corpus.heldout, r.eval_prompts, r.prompt_len, gen),
-    }
-    data = {k: greedy_continuations(target, v, r.cont_len, r.gen_batch, device).to(torch.int16) for k, v in prompts.items()}
-    info["datagen_s"] = round(time.time() - t, 1)
-    info["drafter_data"] = {k: list(v.shape) for k, v in data.items()}
-    _log(f"drafter data: {info['drafter_data']} (prompt {r.prompt_len} + continuation {r.cont_len} tokens)")
-    torch.save(data, work / "data.pt")
-    rows = stdlib_prompts(corpus, tok, r.stdlib_prompts, r.stdlib_prompt_tokens)
-    (work / "stdlib.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    info["stdlib_prompts"] = {"n": len(rows), "from_files": len(corpus.heldout_names)}
-    _log(f"stdlib prompt set: {len(rows)} held-out function heads")
+    info.update(make_data(work, r, device, corpus, tok, prompt_files, prompt_ids, held_ids, target))
     info["target_stage_s"] = round(time.time() - t0, 1)
     (work / "state.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
@@ -221,7 +273,7 @@ def _load_work(work: Path, device: torch.device):
     if missing:
         raise SystemExit(f"error: {work}: no {missing[0]} (run --stage target with this --work first)")
     info = json.loads((work / "state.json").read_text())
-    data = {k: v.long() for k, v in torch.load(work / "data.pt").items()}
+    data = {k: (v[0].long(), v[1].long()) for k, v in torch.load(work / "data.pt").items()}
     return info, data, _load_shipped_target(work, device)
 
 
@@ -231,14 +283,20 @@ def _new_drafter(kind: str, r: Recipe, layers: int, taps: tuple[int, ...]) -> Tr
                         markov_rank=r.markov_rank if dspark else 0, confidence=dspark)
 
 
-def _halves(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    h = t.shape[0] // 2
-    return t[:h], t[h:]
+def _halves(split: tuple[torch.Tensor, torch.Tensor]):
+    """A split (sequences, prompt lengths) cut in two halves of rows."""
+    seqs, plens = split
+    h = seqs.shape[0] // 2
+    return (seqs[:h], plens[:h]), (seqs[h:], plens[h:])
+
+
+def _cat(*splits):
+    return torch.cat([s[0] for s in splits]), torch.cat([s[1] for s in splits])
 
 
 def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
     """Short DSpark runs at each (block, layers) of `r.sweep` on the same data, each evaluated on
-    the held-out docstring-head continuations. `score` = tau_full / (1 + layers / target_layers):
+    the held-out stand-alone function heads' continuations. `score` = tau_full / (1 + layers / target_layers):
     tau over the cost of a round with the drafter's layers priced as target layers (same width,
     same rows), the quantity the choice maximises. Writes `work/sweep.json`."""
     info, data, target = _load_work(work, device)
@@ -250,10 +308,10 @@ def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
         spec = DraftSpec("dspark", block, r.dspark_taps, mask_id)
         drafter = _new_drafter("dspark", r, layers, r.dspark_taps)
         t = time.time()
-        _, steps = train_drafter(drafter, target, data["train"], spec, steps=r.draft_steps, batch=r.draft_batch,
-                                 anchors=r.anchors, prompt_len=r.prompt_len, lr=r.draft_lr, device=device, log=_log,
+        _, steps = train_drafter(drafter, target, data["train"][0], spec, steps=r.draft_steps, batch=r.draft_batch,
+                                 anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
                                  budget_s=r.sweep_budget_s)
-        m = evaluate(drafter, target, held, spec, anchors=r.anchors, prompt_len=r.prompt_len, device=device)
+        m = evaluate(drafter, target, held[0], spec, anchors=r.anchors, prompt_len=held[1], device=device)
         row = {"block": block, "layers": layers, "params": param_count(drafter), "steps": steps,
                "train_s": round(time.time() - t, 1), "tau_full": m["tau_full"], "p_prefix": m["p_prefix"][:8],
                "score": round(m["tau_full"] / (1 + layers / r.target_layers), 3)}
@@ -281,17 +339,18 @@ def build_drafters(work: Path, out: Path, r: Recipe, device: torch.device) -> di
         spec = DraftSpec(kind, block, taps, mask_id)
         drafter = _new_drafter(kind, r, r.draft_layers, taps)
         t = time.time()
-        dl, steps = train_drafter(drafter, target, data["train"], spec, steps=r.draft_steps, batch=r.draft_batch,
-                                  anchors=r.anchors, prompt_len=r.prompt_len, lr=r.draft_lr, device=device, log=_log,
+        dl, steps = train_drafter(drafter, target, data["train"][0], spec, steps=r.draft_steps, batch=r.draft_batch,
+                                  anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
                                   budget_s=budget)
         entry = {"params": param_count(drafter), "block": block, "layers": r.draft_layers, "train_s": round(time.time() - t, 1),
                  "steps_run": steps, "loss_last": dl[-1]}
-        ev = dict(anchors=r.anchors, prompt_len=r.prompt_len, device=device)
+        ev = dict(anchors=r.anchors, device=device)
         if drafter.confidence_head is not None:
-            entry["reliability_before"] = evaluate(drafter, target, eval_h, spec, **ev).get("reliability")
-            entry["calibration"] = calibrate_confidence(drafter, target, torch.cat([calib_w, calib_h]), spec, **ev)
-        entry["heldout_windows"] = evaluate(drafter, target, eval_w, spec, **ev)
-        entry["heldout_heads"] = evaluate(drafter, target, eval_h, spec, **ev)
+            entry["reliability_before"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev).get("reliability")
+            calib = _cat(calib_w, calib_h)
+            entry["calibration"] = calibrate_confidence(drafter, target, calib[0], spec, prompt_len=calib[1], **ev)
+        entry["heldout_windows"] = evaluate(drafter, target, eval_w[0], spec, prompt_len=eval_w[1], **ev)
+        entry["heldout_heads"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev)
         info[kind] = entry
         _log(f"{kind}: tau_full windows {entry['heldout_windows']['tau_full']}, heads {entry['heldout_heads']['tau_full']}")
         _save_drafter(staged / kind, drafter, _draft_config(kind, r, taps), target if kind == "dspark" else None)
@@ -314,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m memra_cli.assets.build", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ASSETS, help="output folder (default: the package's assets)")
     p.add_argument("--work", type=Path, help="state between stages (default: OUT/.build-work, removed after 'all')")
-    p.add_argument("--stage", choices=("all", "target", "drafters", "sweep"), default="all")
+    p.add_argument("--stage", choices=("all", "target", "data", "drafters", "sweep"), default="all")
     p.add_argument("--smoke", action="store_true", help="toy sizes, one step per stage (CI)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--target-steps", type=int)
@@ -331,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     if a.stage in ("all", "target"):
         build_target(work, recipe, device)
+    if a.stage == "data":
+        rebuild_data(work, recipe, device)
     if a.stage == "sweep":
         sweep(work, recipe, device)
     if a.stage in ("all", "drafters"):

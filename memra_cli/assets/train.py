@@ -306,6 +306,37 @@ def heldout_loss(model, stream: torch.Tensor, length: int, device, max_windows: 
 
 
 @torch.no_grad()
+def greedy_forced(model, prompts: list[list[int]], total: int, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of any lengths (each < `total`) -> (`[n, total]` sequences, `[n]` prompt lengths):
+    each prompt from position 0, then the model's greedy continuation up to `total` tokens. Rows
+    of different prompt lengths share one batch: decoding runs one position at a time for the
+    whole batch and a row still inside its prompt takes its prompt token instead of its argmax
+    (so no padding, and every row is what a bench run of that prompt would see)."""
+    from transformers import DynamicCache
+
+    seqs, plens = [], []
+    for lo in range(0, len(prompts), batch):
+        chunk = prompts[lo : lo + batch]
+        p = torch.tensor([len(x) for x in chunk])
+        x = torch.zeros(len(chunk), total, dtype=torch.long)
+        for i, ids in enumerate(chunk):
+            x[i, : len(ids)] = torch.tensor(ids[:total])
+        x, p_dev = x.to(device), p.to(device)
+        start = int(p.min())
+        cache = DynamicCache()
+        logits = model(input_ids=x[:, :start], past_key_values=cache, use_cache=True).logits[:, -1]
+        for t in range(start, total):
+            x[:, t] = torch.where(t < p_dev, x[:, t], logits.argmax(-1))
+            if t + 1 < total:
+                logits = model(input_ids=x[:, t : t + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+        seqs.append(x.cpu())
+        plens.append(p)
+    if not seqs:
+        return torch.empty(0, total, dtype=torch.long), torch.empty(0, dtype=torch.long)
+    return torch.cat(seqs), torch.cat(plens)
+
+
+@torch.no_grad()
 def greedy_continuations(model, prompts: torch.Tensor, new: int, batch: int, device) -> torch.Tensor:
     """`[n, p]` equal-length prompts -> `[n, p + new]` with the target's greedy continuations."""
     out = []

@@ -32,9 +32,19 @@ class DraftSpec:
         return self.block - 1 if self.kind == "dflash" else self.block
 
 
-def sample_anchors(n_seq: int, anchors: int, lo: int, hi: int, gen: torch.Generator) -> torch.Tensor:
-    """`[n_seq, anchors]` anchor positions in [lo, hi], sorted per row."""
-    return torch.randint(lo, hi + 1, (n_seq, anchors), generator=gen).sort(dim=1).values
+def per_row(prompt_len: int | torch.Tensor, n: int) -> torch.Tensor:
+    """Prompt lengths `[n]` (long) from one length or a per-row tensor."""
+    return torch.as_tensor(prompt_len).long().expand(n).clone() if torch.as_tensor(prompt_len).ndim == 0 \
+        else torch.as_tensor(prompt_len).long()
+
+
+def sample_anchors(n_seq: int, anchors: int, lo: int | torch.Tensor, hi: int, gen: torch.Generator) -> torch.Tensor:
+    """`[n_seq, anchors]` anchor positions in [lo, hi] (lo one int or `[n_seq]` per row), sorted
+    per row."""
+    lo = per_row(lo, n_seq)
+    span = (hi - lo + 1).clamp(min=1)
+    pos = lo[:, None] + (torch.rand((n_seq, anchors), generator=gen) * span[:, None]).long()
+    return pos.clamp(max=hi).sort(dim=1).values
 
 
 def block_batch(ids: torch.Tensor, anchors: torch.Tensor, spec: DraftSpec):
@@ -81,7 +91,8 @@ def markov_bias(drafter: TrainDrafter, prev: torch.Tensor) -> torch.Tensor:
 
 
 def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, steps: int, batch: int,
-                  anchors: int, prompt_len: int, lr: float, device, log, budget_s: float | None = None) -> tuple[list[float], int]:
+                  anchors: int, prompt_len: int | torch.Tensor, lr: float, device, log,
+                  budget_s: float | None = None) -> tuple[list[float], int]:
     """Train on `seqs [N, L]` (prompt + greedy continuation); anchors start at the last prompt
     token. CE per draft slot, decayed with depth (exp(-j / (b/2))), plus BCE for the confidence
     head against whether the slot's greedy draft hits. Returns (losses, steps actually run)."""
@@ -90,12 +101,13 @@ def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: Draft
     params = list(drafter.parameters())
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen, L = torch.Generator().manual_seed(2), seqs.shape[1]
+    plens = per_row(prompt_len, seqs.shape[0])
     decay = torch.exp(-torch.arange(spec.n_drafts, device=device) / (spec.block / 2))
 
     def loss_fn(step: int) -> torch.Tensor:
         pick = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
         ids = seqs[pick].to(device)
-        anc = sample_anchors(batch, anchors, prompt_len - 1, L - 1 - spec.block, gen).to(device)
+        anc = sample_anchors(batch, anchors, plens[pick] - 1, L - 1 - spec.block, gen).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits, rows, labels, prev = draft_logits(drafter, target, ids, anc, spec)
             if drafter.markov_head is not None:
@@ -116,14 +128,15 @@ def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: Draft
 
 
 @torch.no_grad()
-def _rounds(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int, prompt_len: int,
-            device, batch: int = 32, seed: int = 3):
+def _rounds(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int,
+            prompt_len: int | torch.Tensor, device, batch: int = 32, seed: int = 3):
     """Draft every held-out block as inference does (the markov chain feeds on its own choices).
     Yields (hits `[B, A, nd]` bool, confidence raw scores `[B, A, nd]` f32 or None) per batch."""
     gen, L = torch.Generator().manual_seed(seed), seqs.shape[1]
+    plens = per_row(prompt_len, seqs.shape[0])
     for lo in range(0, seqs.shape[0], batch):
         ids = seqs[lo : lo + batch].to(device)
-        anc = sample_anchors(ids.shape[0], anchors, prompt_len - 1, L - 1 - spec.block, gen).to(device)
+        anc = sample_anchors(ids.shape[0], anchors, plens[lo : lo + batch] - 1, L - 1 - spec.block, gen).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits, rows, labels, _ = draft_logits(drafter, target, ids, anc, spec)
             drafts, prevs = _chain(drafter, logits.float(), torch.gather(ids, 1, anc))
@@ -137,8 +150,8 @@ def _rounds(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, 
 
 
 @torch.no_grad()
-def evaluate(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int, prompt_len: int,
-             device, batch: int = 32) -> dict:
+def evaluate(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int,
+             prompt_len: int | torch.Tensor, device, batch: int = 32) -> dict:
     """Per-slot greedy acceptance on held-out continuations. `p_prefix[k]` = P(first k+1 drafts
     all accepted); `p_slot[k]` = P(draft k right); `p_reached[k]` = P(draft k right | drafts
     before it right), the quantity a per-slot confidence score predicts; `tau_full` = 1 +
@@ -187,7 +200,7 @@ def reliability(raw: torch.Tensor, hit: torch.Tensor, bins: int = 10) -> list[di
 
 @torch.no_grad()
 def calibrate_confidence(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int,
-                         prompt_len: int, device) -> dict:
+                         prompt_len: int | torch.Tensor, device) -> dict:
     """Platt scaling of the confidence head on drafted blocks of `seqs`: fit a, b so that
     sigmoid(a * raw + b) matches acceptance of the slots a round reaches, and fold them into the
     head's weights (the checkpoint keeps its format). Returns {a, b, n, bce_before, bce_after}."""
