@@ -195,7 +195,12 @@ def _raise_for(signum: int, frame: Any) -> None:
     Python does), Terminated for the others. The record matters because native code (a
     safetensors read, say) can turn the exception raised inside it into an error of its own;
     whatever comes out, the command ends as the signal asked. A second SIGTERM / SIGHUP gets the
-    default action: whoever sends it twice means it."""
+    default action: whoever sends it twice means it. Inside `signals_held()` (a temporary file
+    being created) the signal is deferred to the block's end instead."""
+    from memra_cli.engine.files import defer_signal
+
+    if defer_signal(signum):
+        return
     _received.append(signum)
     if signum == signal.SIGINT:
         raise KeyboardInterrupt

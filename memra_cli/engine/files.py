@@ -48,17 +48,39 @@ def refuse_existing(path: Path, force: bool, flag: str) -> None:
 _HELD = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
+_deferred: list[int] = []  # signals a handler deferred while held, first first
+_holding = 0  # depth of signals_held blocks running now
+
+
+def defer_signal(signum: int) -> bool:
+    """For a Python signal handler: inside `signals_held()`, record the signal and return True
+    (the handler returns without acting; it is delivered again when the block ends); outside,
+    False. Blocking alone is not enough: a process-directed signal can be taken by another
+    thread (torch's, OpenMP's) that does not block it, and Python then runs the handler in the
+    main thread at its next bytecode, inside the block."""
+    if _holding:
+        _deferred.append(signum)
+        return True
+    return False
+
+
 @contextmanager
 def signals_held():
     """Hold SIGINT / SIGTERM / SIGHUP for the few statements inside (create a temporary file and
     record its name): one that arrives meanwhile is delivered when they are done, so its
-    exception is raised where the caller's cleanup already knows the file. Without
-    `pthread_sigmask` (not POSIX) the statements simply run."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    exception is raised where the caller's cleanup already knows the file. The signals are
+    blocked for this thread (where `pthread_sigmask` exists) and, for a handler that asks
+    `defer_signal`, deferred at the Python level too."""
+    global _holding
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD) if hasattr(signal, "pthread_sigmask") else None
+    _holding += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        _holding -= 1
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        if not _holding and _deferred:
+            signum = _deferred[0]
+            _deferred.clear()
+            signal.raise_signal(signum)  # delivered to this thread: the handler runs now, past the block
