@@ -3,6 +3,7 @@ the same greedy stream, and the build recipe runs end to end at toy size on CPU.
 
 from __future__ import annotations
 
+import ast
 import json
 
 import pytest
@@ -31,7 +32,26 @@ def test_assets_census_as_their_formats(pair):
     total = sum(f.stat().st_size for d in (target, *drafts.values()) for f in d.iterdir())
     assert total <= 30 * 1024 * 1024
     info = json.loads((target.parent / "build_info.json").read_text())
-    assert info["corpus"]["files_sha256"] and info["dspark"]["p_prefix"]
+    assert info["corpus"]["files_sha256"] and info["dspark"]["heldout_heads"]["p_prefix"]
+    # the confidence head was calibrated and its reliability measured on held-out rounds
+    rel = info["dspark"]["heldout_heads"]["reliability"]
+    n = sum(row["n"] for row in rel)
+    assert info["dspark"]["calibration"]["n"] > 0 and n > 0
+    assert abs(sum(row["n"] * (row["predicted"] - row["observed"]) for row in rel) / n) < 0.1
+
+
+def test_stdlib_prompt_set_comes_from_held_out_files(pair):
+    """Every bundled stdlib prompt is a function head from a file the build held out of training."""
+    from memra_cli.engine.prompts import load_prompts
+
+    target, _ = pair
+    info = json.loads((target.parent / "build_info.json").read_text())
+    rows = [json.loads(line) for line in (target.parent.parent / "engine" / "data" / "stdlib.jsonl").read_text().splitlines()]
+    assert len(rows) == info["stdlib_prompts"]["n"] == len(load_prompts("stdlib").texts) >= 100
+    for r in rows:  # each a function whose body is its docstring: a signature and docstring to continue
+        fn = ast.parse(r["turns"][0]).body[0]
+        assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(fn) and len(fn.body) == 1
+    assert all(r["python"] == info["corpus"]["python"] and ".py:" in r["source"] for r in rows)
 
 
 def test_shipped_target_matches_transformers_greedy(pair):
@@ -56,6 +76,7 @@ def test_build_recipe_smoke_runs_on_cpu(tmp_path):
     assert take_census(tmp_path / "dspark").markov is not None
     info = json.loads((tmp_path / "build_info.json").read_text())
     assert info["target_steps_run"] == 1 and info["dflash"]["steps_run"] == 1
+    assert (tmp_path / "stdlib.jsonl").is_file() and not (tmp_path / ".build-work").exists()
 
 
 def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
@@ -77,7 +98,7 @@ def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
     engine = Drafter.load(tmp_path / "d", dtype=torch.float32)
     L, anchor = 20, 13
     ids = torch.randint(2, r.vocab, (1, L))
-    spec = DraftSpec("dspark", r.block, (-1, 2), 1)
+    spec = DraftSpec("dspark", r.dspark_block, (-1, 2), 1)
     noise_ids, blk_pos, _, _, mask = block_batch(ids, torch.tensor([[anchor]]), spec)
     embed = torch.randn(r.vocab, r.hidden)
     taps = torch.randn(1, L, 2 * r.hidden)
@@ -128,3 +149,30 @@ def test_generate_defaults_to_the_embedded_pair(pair):
     out = json.loads(r.stdout)
     assert out["mode"] == "dflash" and out["receipts"]["harvest"] == "dflash" and len(out["tokens"]) == 8
     assert out["tokens"] == greedy_reference(Qwen3Target.from_dir(pair[0]), [5, 6, 7], 8, Qwen3Target.from_dir(pair[0]).cfg.eos_token_ids)
+
+
+def test_greedy_forced_equals_generate_row_by_row():
+    """Rows of different prompt lengths decoded in one batch (prompt tokens forced) are each what
+    transformers' generate gives for that prompt alone."""
+    from memra_cli.assets.train import greedy_forced, make_target
+
+    torch.manual_seed(0)
+    model = make_target(64, 32, 2, 2, 1, 64, 128).eval()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(12, 30))]
+    with torch.no_grad():
+        seqs, plens = greedy_forced(model, prompts, 40, 8, torch.device("cpu"))
+        for row, p in zip(seqs, prompts):
+            x = torch.tensor([p])
+            want = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=40 - len(p), do_sample=False,
+                                  eos_token_id=64, pad_token_id=0)[0]
+            assert torch.equal(row, want)
+    assert plens.tolist() == [len(p) for p in prompts]
+
+
+def test_function_heads_are_signature_and_docstring():
+    from memra_cli.assets.train import function_heads, head_prompt
+
+    text = 'import os\n\nclass A:\n    def m(self, x):\n        """Doc of m.\n\n        More."""\n        return x\n\n' \
+           'def f():\n    "one line"\n    pass\n\ndef g():\n    return 1\n'
+    heads = {h.qualname: head_prompt(text, h) for h in function_heads(text)}
+    assert heads == {"A.m": 'def m(self, x):\n    """Doc of m.\n\n    More."""\n', "f": 'def f():\n    "one line"\n'}
