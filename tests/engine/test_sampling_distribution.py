@@ -342,9 +342,13 @@ class TableRunner:
             rows.append(self.table.logits(stream) if len(stream) < 3 else zeros)
         return torch.stack(rows)
 
-    def prefill(self, ids, state, taps=None):
+    def prefill(self, ids, state, taps=None, on_taps=None):
         state.ids = ids.tolist()
-        return self._rows(state, 1), torch.zeros(len(state.ids), 1)
+        tapped = torch.zeros(len(state.ids), 1)
+        if on_taps is not None:  # the runner's contract: taps go to the callback, not back
+            on_taps(tapped, 0)
+            tapped = None
+        return self._rows(state, 1), tapped
 
     def step(self, ids, start, state, taps=None):
         del state.ids[start:]

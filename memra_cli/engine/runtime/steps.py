@@ -13,6 +13,10 @@ It owns what used to live inside the model class:
   state storage and taps tuple replays every later step (runtime/graphs.py).
 - **state lifetime**: states come from the shared `StoragePool` (graphs ride on the storage),
   sized with W rows of slack for the padding, and go back on `release`.
+- **chunked prefill**: a prompt runs in forwards of at most `prefill_chunk` rows, so its
+  transient memory (the `[g*rows, length]` mask, attention scores on paths that materialise
+  them, the taps) is bounded by the chunk, not the prompt; each chunk's taps go to a callback
+  (the drafter ingests them) and are not kept.
 - prompt validation (vocabulary, lengths) against the model's shape facts.
 
 The model (models/base.py `TargetModel`) supplies `new_state`, `forward` (eager, any width) and
@@ -29,13 +33,17 @@ from memra_cli.engine.errors import ConfigError, PromptError
 from memra_cli.engine.runtime.pool import StoragePool
 
 STATE_BUCKET = 256  # pooled state lengths are multiples of this (CUDA graphs bind a storage)
+PREFILL_CHUNK = 512  # prompt rows per prefill forward: bounds the transient mask, scores and taps
 
 
 class StepRunner:
     """Runs one target model's prefill and fixed-width (or variable) steps over session states."""
 
     def __init__(self, model, step_width: int | None = None, cuda_graphs: bool = False,
-                 pool: StoragePool | None = None):
+                 pool: StoragePool | None = None, prefill_chunk: int = PREFILL_CHUNK):
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
         if step_width is not None and (isinstance(step_width, bool) or not isinstance(step_width, int) or step_width < 1):
             raise ConfigError(f"step_width must be a positive integer or None (variable), got {step_width!r}")
         if cuda_graphs and not getattr(model, "supports_cuda_graphs", True):
@@ -107,13 +115,27 @@ class StepRunner:
 
     # ------------------------------------------------------------------- steps
 
-    def prefill(self, ids: torch.Tensor, state, taps: Sequence[int] | None = None
+    def prefill(self, ids: torch.Tensor, state, taps: Sequence[int] | None = None, on_taps=None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prompt `ids [t]` from position 0: float32 logits of the last row `[1, vocab]` and taps
-        `[t, n_taps*hidden]`. Only the last row goes through lm_head."""
+        """Prompt `ids [t]` from position 0, in forwards of at most `prefill_chunk` rows: float32
+        logits of the last row `[1, vocab]` (only it goes through lm_head) and the taps. With
+        `on_taps(taps [c, n_taps*hidden], start)` each chunk's taps are handed over as they are
+        made and None is returned for them (nothing holds the whole prompt's); without it they
+        come back whole, `[t, n_taps*hidden]`."""
         state.reset()
-        hidden, tapped = self.model.forward(ids, 0, state, taps)
-        return self.model.logits(hidden[-1:]), tapped
+        t, chunk = ids.shape[0], self.prefill_chunk
+        kept: list[torch.Tensor] = []
+        hidden = None
+        for lo in range(0, t, chunk):
+            hidden, tapped = self.model.forward(ids[lo : lo + chunk], lo, state, taps)
+            if tapped is not None:
+                if on_taps is not None:
+                    on_taps(tapped, lo)
+                else:
+                    kept.append(tapped)
+        assert hidden is not None, "an empty prompt is refused by check_prompt"
+        whole = None if not kept else kept[0] if len(kept) == 1 else torch.cat(kept)
+        return self.model.logits(hidden[-1:]), whole
 
     def step(self, ids: torch.Tensor, start: int, state, taps: Sequence[int] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:

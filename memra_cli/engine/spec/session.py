@@ -70,11 +70,16 @@ class Session:
         try:
             n = len(self.prompt)
             ids = torch.tensor(self.prompt, dtype=torch.long, device=self.target.device)
-            logits, taps = self.runner.prefill(ids, self.cache, self.taps or None)
-            self.last = self.sampler.select(logits, torch.tensor([n - 1], device=self.target.device))
-            if self.proposer is not None:
+            on_taps = None
+            if self.proposer is not None:  # the drafter's context, chunk by chunk as the prefill makes it
                 self.proposer.reset(self.capacity)
-                self.proposer.ingest(taps, torch.arange(n, device=self.target.device))
+                dev = self.target.device
+
+                def on_taps(taps: torch.Tensor, lo: int) -> None:
+                    self.proposer.ingest(taps, torch.arange(lo, lo + taps.shape[0], device=dev))
+
+            logits, _ = self.runner.prefill(ids, self.cache, self.taps or None, on_taps=on_taps)
+            self.last = self.sampler.select(logits, torch.tensor([n - 1], device=self.target.device))
         except BaseException:
             self.close()
             raise
