@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from memra_cli.assets.train import (
-    SPECIALS, TrainDrafter, collect_corpus, encode_corpus, function_heads, greedy_forced, head_prompt, heldout_loss,
-    make_target, stdlib_prompts, train_target, train_tokenizer, windows,
+    SPECIALS, TrainDrafter, collect_corpus, encode_corpus, greedy_forced, heldout_loss, make_target, stdlib_prompts,
+    tokenized_heads, train_target, train_tokenizer, windows,
 )
 from memra_cli.assets.train_draft import DraftSpec, calibrate_confidence, evaluate, param_count, train_drafter
 
@@ -163,20 +163,6 @@ def _load_shipped_target(work: Path, device: torch.device):
     return shipped(model, device)
 
 
-def standalone_heads(tok, texts: list[str], max_tokens: int) -> list[list[int]]:
-    """Every function head of `texts` as a stand-alone prompt (dedented `def` + docstring, as a
-    bench prompt is), tokenized; heads over `max_tokens` tokens are left out."""
-    out = []
-    for text in texts:
-        for head in function_heads(text):
-            prompt = head_prompt(text, head)
-            if prompt:
-                ids = tok.encode(prompt, add_special_tokens=False).ids
-                if 4 <= len(ids) <= max_tokens:
-                    out.append(ids)
-    return out
-
-
 def make_data(work: Path, r: Recipe, device: torch.device, corpus, tok, prompt_files, prompt_ids, held_ids, target) -> dict:
     """Stage 4: the drafters' data, `work/data.pt` = {split: (sequences `[n, L]` int16, prompt
     lengths `[n]`)} with L = prompt_len + cont_len, each row a prompt from position 0 and the
@@ -186,12 +172,12 @@ def make_data(work: Path, r: Recipe, device: torch.device, corpus, tok, prompt_f
     gen = torch.Generator().manual_seed(7)
     t = time.time()
     total = r.prompt_len + r.cont_len
-    heads = standalone_heads(tok, prompt_files, r.head_tokens)
+    heads = [ids for *_, ids in tokenized_heads(tok, prompt_files, r.head_tokens)]
     pick = torch.randperm(len(heads), generator=gen)[: r.n_head_prompts].tolist()
     prompts = {
         "train": windows(prompt_ids, r.n_prompts, r.prompt_len, gen).tolist() + [heads[i] for i in pick],
         "held_windows": windows(held_ids, r.eval_prompts, r.prompt_len, gen).tolist(),
-        "held_heads": standalone_heads(tok, corpus.heldout, r.head_tokens)[: r.eval_prompts],
+        "held_heads": [ids for *_, ids in tokenized_heads(tok, corpus.heldout, r.head_tokens)][: r.eval_prompts],
     }
     data = {}
     for name, rows in prompts.items():

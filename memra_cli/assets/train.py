@@ -70,15 +70,23 @@ def collect_corpus(root: Path | None = None, heldout_every: int = 20, max_files:
     return Corpus(train, heldout, version, digest.hexdigest(), len(files), n_bytes, heldout_names)
 
 
+def tokenized_heads(tok, texts: list[str], max_tokens: int):
+    """Every function head of `texts` as a stand-alone prompt: yields (file index, head, prompt
+    text, token ids) for heads of 4..`max_tokens` tokens, in file order."""
+    for i, text in enumerate(texts):
+        for head in function_heads(text):
+            prompt = head_prompt(text, head)
+            if prompt:
+                ids = tok.encode(prompt, add_special_tokens=False).ids
+                if 4 <= len(ids) <= max_tokens:
+                    yield i, head, prompt, ids
+
+
 def stdlib_prompts(corpus: Corpus, tok, limit: int, max_tokens: int) -> list[dict]:
     """The `stdlib` bench prompt set: held-out functions' heads (signature + docstring, dedented),
     in file order, at most `limit`, each at most `max_tokens` tokens. Rows carry their source."""
-    rows = []
-    for name, text in zip(corpus.heldout_names, corpus.heldout):
-        for head in function_heads(text):
-            prompt = head_prompt(text, head)
-            if prompt and len(tok.encode(prompt, add_special_tokens=False).ids) <= max_tokens:
-                rows.append({"turns": [prompt], "source": f"{name}:{head.qualname}", "python": corpus.python_version})
+    rows = [{"turns": [prompt], "source": f"{corpus.heldout_names[i]}:{head.qualname}", "python": corpus.python_version}
+            for i, head, prompt, _ in tokenized_heads(tok, corpus.heldout, max_tokens)]
     if len(rows) <= limit:
         return rows
     step = len(rows) / limit  # spread over every held-out file rather than the first few
@@ -153,26 +161,6 @@ def head_prompt(text: str, head: FunctionHead) -> str | None:
     """The head as a stand-alone prompt (dedented); None when it does not start with a def."""
     prompt = textwrap.dedent(text[head.start : head.end])
     return prompt if prompt.startswith(("def ", "async def ")) else None
-
-
-def head_windows(tok, texts: list[str], n: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    """Up to `n` windows `[n, length]` (long) of file tokens that END where a function's docstring
-    ends: the target continues into a function body, as it does on HumanEval-style prompts.
-    Heads with fewer than `length` tokens before them in their file are skipped."""
-    import bisect
-
-    out: list[torch.Tensor] = []
-    for text, enc in zip(texts, tok.encode_batch(texts, add_special_tokens=False)):
-        ends = [e for _, e in enc.offsets]
-        ids = torch.tensor(enc.ids, dtype=torch.long)
-        for head in function_heads(text):
-            cut = bisect.bisect_right(ends, head.end)  # tokens wholly before the docstring's end
-            if cut >= length:
-                out.append(ids[cut - length : cut])
-    if not out:
-        return torch.empty(0, length, dtype=torch.long)
-    pick = torch.randperm(len(out), generator=gen)[:n]
-    return torch.stack([out[i] for i in pick.tolist()])
 
 
 # --------------------------------------------------------------------------- target
@@ -334,23 +322,6 @@ def greedy_forced(model, prompts: list[list[int]], total: int, batch: int, devic
     if not seqs:
         return torch.empty(0, total, dtype=torch.long), torch.empty(0, dtype=torch.long)
     return torch.cat(seqs), torch.cat(plens)
-
-
-@torch.no_grad()
-def greedy_continuations(model, prompts: torch.Tensor, new: int, batch: int, device) -> torch.Tensor:
-    """`[n, p]` equal-length prompts -> `[n, p + new]` with the target's greedy continuations."""
-    out = []
-    for lo in range(0, prompts.shape[0], batch):
-        x = prompts[lo : lo + batch].to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            # An id the model can never produce as EOS: greedy runs the full length unaltered
-            # (None would be filled back in from the generation config; min_new_tokens would
-            # suppress the EOS logit and change the continuation).
-            never = model.config.vocab_size
-            y = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=new,
-                               do_sample=False, eos_token_id=never, pad_token_id=0)
-        out.append(y.cpu())
-    return torch.cat(out)
 
 
 @torch.no_grad()

@@ -34,8 +34,8 @@ class DraftSpec:
 
 def per_row(prompt_len: int | torch.Tensor, n: int) -> torch.Tensor:
     """Prompt lengths `[n]` (long) from one length or a per-row tensor."""
-    return torch.as_tensor(prompt_len).long().expand(n).clone() if torch.as_tensor(prompt_len).ndim == 0 \
-        else torch.as_tensor(prompt_len).long()
+    p = torch.as_tensor(prompt_len).long()
+    return p.expand(n).clone() if p.ndim == 0 else p
 
 
 def sample_anchors(n_seq: int, anchors: int, lo: int | torch.Tensor, hi: int, gen: torch.Generator) -> torch.Tensor:

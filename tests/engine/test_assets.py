@@ -176,3 +176,22 @@ def test_function_heads_are_signature_and_docstring():
            'def f():\n    "one line"\n    pass\n\ndef g():\n    return 1\n'
     heads = {h.qualname: head_prompt(text, h) for h in function_heads(text)}
     assert heads == {"A.m": 'def m(self, x):\n    """Doc of m.\n\n    More."""\n', "f": 'def f():\n    "one line"\n'}
+
+
+def test_confidence_calibration_is_folded_into_the_head():
+    """Platt scaling fits a, b on drafted rounds and folds them into the head's weights: the head's
+    new raw scores are a * old + b on the same rounds, and the fitted loss is no worse."""
+    from memra_cli.assets.train import TrainDrafter, make_target
+    from memra_cli.assets.train_draft import DraftSpec, _rounds, calibrate_confidence
+
+    torch.manual_seed(0)
+    target = make_target(64, 32, 3, 2, 1, 64, 128).eval()
+    drafter = TrainDrafter(32, 1, 2, 1, 64, 2, 64, markov_rank=8, confidence=True).eval()
+    spec = DraftSpec("dspark", 4, (-1, 1), 1)
+    seqs = torch.randint(2, 64, (6, 40))
+    kw = dict(anchors=4, prompt_len=torch.tensor([8, 9, 10, 8, 12, 8]), device=torch.device("cpu"), seed=5)
+    before = torch.cat([raw.flatten() for _, raw in _rounds(drafter, target, seqs, spec, **kw)])
+    fit = calibrate_confidence(drafter, target, seqs, spec, anchors=4, prompt_len=kw["prompt_len"], device=kw["device"])
+    after = torch.cat([raw.flatten() for _, raw in _rounds(drafter, target, seqs, spec, **kw)])
+    torch.testing.assert_close(after, fit["a"] * before + fit["b"], rtol=1e-3, atol=1e-3)
+    assert fit["bce_after"] <= fit["bce_before"] and fit["n"] > 0

@@ -73,17 +73,18 @@ class Session:
             on_taps = None
             if self.proposer is not None:  # the drafter's context, chunk by chunk as the prefill makes it
                 self.proposer.reset(self.capacity)
-                dev = self.target.device
-
-                def on_taps(taps: torch.Tensor, lo: int) -> None:
-                    self.proposer.ingest(taps, torch.arange(lo, lo + taps.shape[0], device=dev))
-
+                on_taps = self._ingest_prompt_chunk
             logits, _ = self.runner.prefill(ids, self.cache, self.taps or None, on_taps=on_taps)
             self.last = self.sampler.select(logits, torch.tensor([n - 1], device=self.target.device))
         except BaseException:
             self.close()
             raise
         self.clock.lap("prefill")
+
+    def _ingest_prompt_chunk(self, taps: torch.Tensor, start: int) -> None:
+        """One prefill chunk's taps `[c, n_taps*hidden]` (positions start..start+c-1) into the
+        drafter's context."""
+        self.proposer.ingest(taps, torch.arange(start, start + taps.shape[0], device=self.target.device))
 
     def burst(self, n: int) -> list[int]:
         """Run rounds until at least `n` new tokens are committed or the stream ends."""
