@@ -9,6 +9,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
 - `attention(q, k_cache, v_cache, positions, scale) -> [t, nh*hd]`: causal by position over the cache
 - `silu_mul(gate_up) -> silu(gate) * up`
+- `markov_chain(logits, anchor, w1, w2, dtype) -> tokens`: DSpark's greedy chain (the drafter's
+  side of a round; one launch per slot with the kernels, ~6 with torch)
 
 `TorchStepOps` is today's numerics exactly (HF transformers' Qwen3 order of roundings); its
 attention runs over the whole cache storage under a position mask. `TritonStepOps` reads only the
@@ -76,6 +78,19 @@ class TorchStepOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    @staticmethod
+    def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+        """Greedy chain over `logits [n, V]` (float32) -> tokens `[n]`: slot k takes
+        `argmax(logits[k] + linear(w1[prev], w2))` in `dtype`, prev starting at `anchor`."""
+        prev = anchor.reshape(1)
+        out = []
+        for k in range(logits.shape[0]):
+            bias = F.linear(w1[prev].to(dtype), w2).float()  # [1, V]
+            prev = torch.argmax(logits[k : k + 1] + bias, dim=-1)
+            out.append(prev)
+        return torch.cat(out)
+
 
 class TritonStepOps:
     """`memra_kernels` (CUDA tensors; on CPU only under Triton's interpreter, for tests)."""
@@ -83,13 +98,14 @@ class TritonStepOps:
     name = "triton"
 
     def __init__(self):
-        from memra_kernels import activation, attention, norm, rope
+        from memra_kernels import activation, attention, markov, norm, rope
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
         self.qk_norm_rope_kv_write = rope.qk_norm_rope_kv_write
         self.attention = attention.decode_attention
         self.silu_mul = activation.silu_mul
+        self.markov_chain = markov.markov_chain
 
 
 def select_step_ops(device: torch.device, setting: bool | None = None, env: dict | None = None):

@@ -30,6 +30,7 @@ from memra_cli.engine.errors import CheckpointError, MemraError
 from memra_cli.engine.layers.ops import gqa_attention, linear, rms_norm, swiglu
 from memra_cli.engine.layers.quantized import for_device
 from memra_cli.engine.layers.rope import RopeTables, apply_rope, cos_sin, rope_tables
+from memra_cli.engine.layers.step_ops import TorchStepOps
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +122,7 @@ class Drafter:
         self.census, self.cfg = census, census.config
         self.layers, self.fc, self.hidden_norm, self.norm = layers, fc, hidden_norm, norm
         self.dtype, self.device = dtype, device
+        self.step_ops = TorchStepOps()  # the seam's fused ops (Engine.arm gives it the target's)
         self.markov_w1 = extras.get(MARKOV_W1)  # [V, r] gathered table, kept as stored
         self.markov_w2 = extras.get(MARKOV_W2)  # [V, r] (Linear(r, V).weight), or a quantized linear
         self.conf_w = extras.get(CONF_W)  # [1, in_dim], float32 (the head stays f32)
@@ -382,6 +384,8 @@ class Drafter:
         Returns tokens `[n]` on the device (no host sync). `pick(k, scores [1, V]) -> [1]`
         chooses instead of argmax (a sampler's drafting: spec/keyed.py `Drafting.pick`)."""
         assert self.markov_w1 is not None and self.markov_w2 is not None
+        if pick is None and isinstance(self.markov_w2, torch.Tensor):  # greedy, plain weights: the seam's chain
+            return self.step_ops.markov_chain(logits, anchor, self.markov_w1, self.markov_w2, self.dtype)
         prev = anchor.reshape(1)
         out = []
         for k in range(logits.shape[0]):

@@ -1,0 +1,133 @@
+"""DSpark's greedy markov chain on the device in `n + 1` launches instead of ~5 per draft.
+
+The chain picks draft k as `argmax(logits[k] + w2 · w1[prev])` with `prev` the token it picked
+for slot k-1 (the anchor for slot 0): `w1 [V_in, r]` is a table gathered by token, `w2 [V, r]`
+a linear layer (`Linear(r, V).weight`). Each slot depends on the one before, so the torch path
+launches a gather, a cast, a GEMV, a cast, an add and an argmax per slot: 6 launches of a few
+microseconds each, which on a small drafter cost more than its whole forward.
+
+Here one launch per slot does all of it, split over the vocabulary (`BLOCK_V` rows of `w2` per
+program): each program writes the maximum of its rows and the first index where it occurs to a
+workspace. The next slot's programs first reduce the previous slot's partials (a few dozen
+values, redundantly in every program: no atomics, no grid-wide barrier, so it also runs under
+Triton's interpreter) to find `prev`; the launch after the last slot reduces the last one. The
+partials are in vocabulary order and each holds the first index of its maximum, so the chain
+keeps `torch.argmax`'s rule: the first index among equal maxima.
+
+Numerics follow `markov_chain_ref` (the engine's torch loop): `w1[prev]` rounded to the compute
+dtype, the dot accumulated in float32 and rounded to the compute dtype (a linear layer's output),
+widened and added to the float32 logits. The only difference is the dot's summation order, an
+ulp before the rounding. A draft never decides a committed token (the target does), so such a
+difference could cost acceptance, never exactness. Rows never mix: each slot reads only its own
+logits row.
+
+Public API: `markov_chain(logits, anchor, w1, w2, dtype)` and its twin `markov_chain_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_tensors, next_pow2
+
+BLOCK_V = 128  # vocabulary rows of w2 per program
+BLOCK_R = 64  # columns of w2 per loop step
+
+
+@triton.jit
+def _reduce_prev(val_ptr, idx_ptr, n_parts, BLOCK_P: tl.constexpr):
+    """The chain's token from one slot's partials: the first index of the overall maximum."""
+    p = tl.arange(0, BLOCK_P)
+    vals = tl.load(val_ptr + p, mask=p < n_parts, other=float("-inf"))
+    idxs = tl.load(idx_ptr + p, mask=p < n_parts, other=2147483647)
+    best = tl.max(vals, axis=0)
+    return tl.min(tl.where(vals == best, idxs, 2147483647), axis=0)
+
+
+@triton.jit
+def _markov_slot_kernel(logits_ptr, w1_ptr, w2_ptr, anchor_ptr, val_ptr, idx_ptr, out_ptr,
+                        slot, V, R, n_parts, stride_logits, stride_w1, stride_w2,
+                        COMPUTE: tl.constexpr, FIRST: tl.constexpr, REDUCE_ONLY: tl.constexpr,
+                        BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """Slot `slot` over this program's BLOCK_V vocabulary rows; `slot == n` (REDUCE_ONLY)
+    only writes the last slot's token. Workspace `val/idx [n, BLOCK_P]`, tokens `out [n]`."""
+    pid = tl.program_id(0)
+    if FIRST:
+        prev = tl.load(anchor_ptr).to(tl.int32)
+    else:
+        prev = _reduce_prev(val_ptr + (slot - 1) * BLOCK_P, idx_ptr + (slot - 1) * BLOCK_P, n_parts, BLOCK_P)
+        if pid == 0:
+            tl.store(out_ptr + slot - 1, prev.to(tl.int64))
+    if not REDUCE_ONLY:
+        rows = pid * BLOCK_V + tl.arange(0, BLOCK_V)
+        in_v = rows < V
+        acc = tl.zeros((BLOCK_V,), tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            cols = r0 + tl.arange(0, BLOCK_R)
+            in_r = cols < R
+            a = tl.load(w1_ptr + prev.to(tl.int64) * stride_w1 + cols, mask=in_r, other=0.0)
+            a = a.to(tl.float32).to(COMPUTE).to(tl.float32)  # w1[prev] in the compute dtype
+            b = tl.load(w2_ptr + rows.to(tl.int64)[:, None] * stride_w2 + cols[None, :],
+                        mask=in_v[:, None] & in_r[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(b * a[None, :], axis=1)
+        bias = acc.to(COMPUTE).to(tl.float32)  # the linear layer's output dtype
+        s = tl.load(logits_ptr + slot * stride_logits + rows, mask=in_v, other=0.0) + bias
+        s = tl.where(in_v, s, float("-inf"))
+        best = tl.max(s, axis=0)
+        first = tl.min(tl.where(s == best, rows, 2147483647), axis=0)
+        tl.store(val_ptr + slot * BLOCK_P + pid, best)
+        tl.store(idx_ptr + slot * BLOCK_P + pid, first)
+
+
+_COMPUTE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Greedy chain over `logits [n, V]` (float32): tokens `[n]` (int64, on the device), slot
+    k picking `argmax(logits[k] + (w1[prev] @ w2.T))` in `dtype` as described above, `prev`
+    starting at `anchor` (one int64 element). `w1 [V_in, r]`, `w2 [V, r]`, last axes contiguous.
+    No host sync: capturable in a CUDA graph."""
+    if logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"logits must be float32 [n, V], got {logits.dtype} {tuple(logits.shape)}")
+    n, V = logits.shape
+    if w2.dim() != 2 or w2.shape[0] != V or w1.dim() != 2 or w1.shape[1] != w2.shape[1]:
+        raise ValueError(f"w1 [V_in, r] and w2 [V={V}, r] expected, got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    if dtype not in _COMPUTE:
+        raise TypeError(f"compute dtype {dtype} not supported (float32, bfloat16, float16)")
+    check_tensors(logits, anchor, w1, w2)
+    for x, name in ((logits, "logits"), (w1, "w1"), (w2, "w2")):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name}: the last axis must be contiguous")
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    if n == 0:
+        return out
+    parts = triton.cdiv(V, BLOCK_V)
+    block_p = max(16, next_pow2(parts))
+    vals = torch.empty((n, block_p), dtype=torch.float32, device=logits.device)
+    idxs = torch.empty((n, block_p), dtype=torch.int32, device=logits.device)
+    anchor = anchor.reshape(1)
+    R = w1.shape[1]
+    for slot in range(n + 1):
+        last = slot == n
+        _markov_slot_kernel[(1 if last else parts,)](
+            logits, w1, w2, anchor, vals, idxs, out, slot, V, R, parts,
+            logits.stride(0), w1.stride(0), w2.stride(0),
+            COMPUTE=_COMPUTE[dtype], FIRST=slot == 0, REDUCE_ONLY=last,
+            BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, BLOCK_P=block_p, num_warps=4,
+        )
+    return out
+
+
+def markov_chain_ref(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Plain torch twin of `markov_chain`: the engine's loop, one slot at a time."""
+    prev = anchor.reshape(1)
+    out = []
+    for k in range(logits.shape[0]):
+        bias = torch.nn.functional.linear(w1[prev].to(dtype), w2.to(dtype)).float()  # [1, V]
+        prev = torch.argmax(logits[k : k + 1] + bias, dim=-1)
+        out.append(prev)
+    return torch.cat(out) if out else torch.empty(0, dtype=torch.long, device=logits.device)

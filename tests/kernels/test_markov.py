@@ -1,0 +1,85 @@
+"""The fused markov chain (one launch per slot) against its torch twin, the engine's loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from memra_kernels.markov import BLOCK_R, BLOCK_V, markov_chain, markov_chain_ref  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _inputs(n, V, r, v_in, dtype, device, seed=0, spread=4.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, V, generator=g) * spread).to(device)
+    w1 = (torch.randn(v_in, r, generator=g) / r ** 0.5).to(dtype).to(device)
+    w2 = torch.randn(V, r, generator=g).to(dtype).to(device)
+    anchor = torch.tensor([v_in // 3], dtype=torch.long, device=device)
+    return logits, anchor, w1, w2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,V,r", [(1, 37, 8), (3, BLOCK_V * 3 + 5, BLOCK_R + 36), (15, 1000, 64), (16, 512, 16)])
+def test_matches_ref(n, V, r, dtype, device):
+    """Same tokens as the twin (the logits' spread keeps every slot far from a tie, so the dot's
+    summation order cannot flip a pick), and a token's bias matches the twin's to an ulp."""
+    logits, anchor, w1, w2 = _inputs(n, V, r, V, dtype, device)
+    got = markov_chain(logits, anchor, w1, w2, dtype)
+    ref = markov_chain_ref(logits, anchor, w1, w2, dtype)
+    assert got.dtype == torch.long and got.shape == (n,)
+    assert got.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_chain_depends_on_the_previous_pick(dtype, device):
+    """Weak logits and a strong w2 · w1[prev]: each pick is decided by the previous one, so a
+    kernel that used the anchor (or a stale slot) for every slot gives another chain."""
+    n, V, r = 8, 300, 32
+    logits, anchor, w1, w2 = _inputs(n, V, r, V, dtype, device, seed=3, spread=0.01)
+    w1 = (w1 * 8).to(dtype)
+    ref = markov_chain_ref(logits, anchor, w1, w2, dtype)
+    assert len(set(ref.tolist())) > 3  # the chain moves
+    assert markov_chain(logits, anchor, w1, w2, dtype).tolist() == ref.tolist()
+
+
+def test_ties_go_to_the_first_index_across_programs(device):
+    """Equal maxima in several programs' rows: torch.argmax's rule, the first index."""
+    n, V, r = 2, BLOCK_V * 4, 8
+    logits = torch.zeros(n, V, device=device)
+    logits[0, [BLOCK_V * 3 + 1, BLOCK_V + 7, BLOCK_V * 2]] = 5.0
+    logits[1, [V - 1, BLOCK_V * 2 + 3]] = 2.0
+    w1 = torch.zeros(V, r, device=device)
+    w2 = torch.zeros(V, r, device=device)
+    anchor = torch.tensor([0], device=device)
+    got = markov_chain(logits, anchor, w1, w2, torch.float32)
+    assert got.tolist() == [BLOCK_V + 7, BLOCK_V * 2 + 3]
+    assert got.tolist() == markov_chain_ref(logits, anchor, w1, w2, torch.float32).tolist()
+
+
+def test_a_bias_rounded_in_the_compute_dtype(device):
+    """The bias is rounded to bf16 as the linear layer's output is: a logit gap smaller than
+    that rounding decides the pick the way the twin does."""
+    V, r = 64, 4
+    logits = torch.zeros(1, V, device=device)
+    w1 = torch.zeros(V, r, device=device)
+    w1[0, 0] = 1.0
+    w2 = torch.zeros(V, r, device=device)
+    w2[10, 0] = 1.0 + 2**-9  # rounds to 1.0 in bf16
+    w2[20, 0] = 1.0
+    logits[0, 20] = 2**-12  # beats row 10 only once row 10's bias is rounded to 1.0
+    anchor = torch.tensor([0], device=device)
+    bf = markov_chain(logits, anchor, w1, w2, torch.bfloat16)
+    assert bf.tolist() == markov_chain_ref(logits, anchor, w1, w2, torch.bfloat16).tolist() == [20]
+    assert markov_chain(logits, anchor, w1, w2, torch.float32).tolist() == [10]
+
+
+def test_refuses_bad_shapes(device):
+    logits, anchor, w1, w2 = _inputs(2, 50, 8, 50, torch.float32, device)
+    with pytest.raises(ValueError, match="w1 \\[V_in, r\\] and w2"):
+        markov_chain(logits, anchor, w1, w2[:40], torch.float32)
+    with pytest.raises(ValueError, match="logits must be float32"):
+        markov_chain(logits.double(), anchor, w1, w2, torch.float32)
+    assert markov_chain(logits[:0], anchor, w1, w2, torch.float32).shape == (0,)
