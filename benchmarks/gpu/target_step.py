@@ -10,8 +10,14 @@ Prints and writes (``--json``, default ``$OUT/h200-target-step.json``):
   with the Triton step ops, at live context 512 / 4096 / 32768;
 - ``kernels_per_step``: CUDA kernels in one eager step (torch profiler), per ops;
 - ``peak_gib``: peak allocated GPU memory per context;
+- ``prefill``: a long prompt (``--prefill-length``, default 32,768) through the chunked prefill:
+  seconds, tokens/s and peak GPU memory (weights included), against the weights alone;
 - ``exact``: speculative == plain greedy for the prompts and lengths of the sweep, verify window
-  pinned at 16, Triton ops and graphs on.
+  pinned at 16, Triton ops and graphs on, with two proposers: an oracle that proposes the plain
+  stream's continuation with one slot in a random place corrupted (or none), so rounds accept
+  0..15 drafts and every verify, partial acceptance and rollback path runs; and the random-weight
+  DFlash drafter (its drafts are never right: every round a full 16-row verify of one real token)
+  on the first length.
 
     python benchmarks/gpu/target_step.py [--contexts 512,4096,32768] [--sweep-lengths 512,4096]
         [--sweep-prompts 3] [--sweep-tokens 64] [--json OUT.json]
@@ -37,7 +43,9 @@ from gpu_shapes import SHAPES, random_target, run_arm  # noqa: E402
 from memra_cli.engine.api import ArmConfig, Engine  # noqa: E402
 from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps  # noqa: E402
 from memra_cli.engine.runtime import cuda_graphs  # noqa: E402
-from memra_cli.engine.spec.policy import PolicySettings  # noqa: E402
+from memra_cli.engine.spec.policy import Harvest, PolicySettings, VerifyWindow  # noqa: E402
+from memra_cli.engine.spec.proposer import Program, Proposal  # noqa: E402
+from memra_cli.engine.spec.session import Session  # noqa: E402
 from memra_cli.tiny.draft import make_tiny_draft  # noqa: E402
 
 W = 16
@@ -125,12 +133,69 @@ def kernels_per_step(engine) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+class StreamOracle:
+    """Proposes the plain stream's continuation with one draft slot corrupted per round at a
+    seeded random place (or none, one round in five): partial acceptance of every length."""
+
+    def __init__(self, stream: list[int], prompt_len: int, n_drafts: int, vocab: int, seed: int, device):
+        self.stream, self.p, self.nd, self.vocab, self.device = stream, prompt_len, n_drafts, vocab, device
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def reset(self, capacity: int) -> None:
+        pass
+
+    def ingest(self, taps, positions) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+    def propose(self, last, start: int, want_raws: bool) -> Proposal:
+        i = start - self.p  # `last` is stream[i]
+        drafts = [self.stream[j] if j < len(self.stream) else 0 for j in range(i + 1, i + 1 + self.nd)]
+        slot = int(torch.randint(0, self.nd + self.nd // 4, (1,), generator=self.rng))
+        if slot < self.nd:
+            drafts[slot] = (drafts[slot] + 1) % self.vocab
+        return Proposal(torch.tensor(drafts, dtype=torch.long, device=self.device))
+
+
+def oracle_run(engine, ids: list[int], stream: list[int], seed: int) -> tuple[list[int], float]:
+    """The stream again through speculative rounds fed by StreamOracle: (tokens, tau)."""
+    program = Program(Harvest.DFLASH, VerifyWindow("ladder"), False, W, False, W)
+    oracle = StreamOracle(stream, len(ids), program.n_drafts, engine.target.vocab_size, seed, engine.device)
+    taps = (0,)  # one tapped layer: the round hands its rows to the (ignoring) oracle, as to a drafter
+    s = Session(engine.runner, ids, len(stream), proposer=oracle, program=program, taps=taps, eos_ids=())
+    out = s.run()
+    return out, len(out) / max(1, s.stats.rounds)
+
+
+def prefill_measure(engine, length: int) -> dict:
+    """A `length`-token prompt through the chunked prefill (the plain arm's path, no taps)."""
+    runner = engine.runner
+    ids = torch.randint(0, engine.target.vocab_size - 1, (length,), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    state = runner.new_state(length + 64)
+    t0 = time.perf_counter()
+    runner.prefill(ids, state)
+    torch.cuda.synchronize()
+    sec = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated()
+    cache = getattr(state, "nbytes", None)
+    runner.release(state)
+    return {"length": length, "chunk": runner.prefill_chunk, "seconds": sec, "tokens_per_s": length / sec,
+            "peak_gib": peak / 2**30, "before_gib": base / 2**30, "cache_gib": None if cache is None else cache / 2**30,
+            "transient_gib": (peak - base - (cache or 0)) / 2**30}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", default="512,4096,32768")
     p.add_argument("--sweep-lengths", default="512,4096")
     p.add_argument("--sweep-prompts", type=int, default=3)
     p.add_argument("--sweep-tokens", type=int, default=64)
+    p.add_argument("--prefill-length", type=int, default=32768)
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-target-step.json")
     a = p.parse_args()
     s = SHAPES["8b"]
@@ -167,14 +232,28 @@ def main() -> None:
                                 intermediate=s["ffn"], vocab=s["vocab"], mask_token_id=s["vocab"] - 1, block_size=16,
                                 target_layer_ids=s["taps"], num_target_layers=s["layers"], dtype=torch.bfloat16, std=0.02)
         engine = Engine.from_model(target, step_width=W, cuda_graphs=True, draft_graphs=True)
+        if a.prefill_length:
+            out["prefill"] = prefill_measure(engine, a.prefill_length)
+            print("prefill", json.dumps(out["prefill"]), flush=True)
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(out, indent=2))
         arm = engine.arm(ArmConfig(draft=draft, mode="dflash", settings=PolicySettings(adapt="0"), verify_cap=16))
         sweep, t0 = [], time.perf_counter()
-        for length in [int(x) for x in a.sweep_lengths.split(",")]:
+        lengths = [int(x) for x in a.sweep_lengths.split(",")]
+        for length in lengths:
             for k in range(a.sweep_prompts):
                 ids = torch.randint(0, s["vocab"] - 1, (length,), generator=torch.Generator().manual_seed(100 + k)).tolist()
                 plain, _ = run_arm(engine, None, ids, a.sweep_tokens)
-                spec, _ = run_arm(engine, arm, ids, a.sweep_tokens)
-                sweep.append({"length": length, "prompt": k, "exact": spec.tokens == plain.tokens})
+                oracle, tau = oracle_run(engine, ids, plain.tokens, seed=k)
+                run = {"length": length, "prompt": k, "oracle_exact": oracle == plain.tokens, "oracle_tau": tau}
+                if length == lengths[0] and k < 3:
+                    spec, _ = run_arm(engine, arm, ids, a.sweep_tokens)
+                    run["drafter_exact"] = spec.tokens == plain.tokens
+                run["exact"] = run["oracle_exact"] and run.get("drafter_exact", True)
+                sweep.append(run)
+            print(f"sweep length {length}: {sum(r['exact'] for r in sweep if r['length'] == length)}/{a.sweep_prompts} exact, "
+                  f"oracle tau {sum(r['oracle_tau'] for r in sweep if r['length'] == length) / a.sweep_prompts:.2f}, "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
         out["sweep"] = {"prompts": a.sweep_prompts, "tokens": a.sweep_tokens, "lengths": a.sweep_lengths,
                         "runs": sweep, "seconds": time.perf_counter() - t0}
         out["exact"] = all(r["exact"] for r in sweep)
