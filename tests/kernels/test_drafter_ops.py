@@ -26,7 +26,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # statistics and attention, and rope rounded once instead of three times (kernels/rope.py)
 F32_TOL = 1e-5
 # bfloat16: the same differences, each able to flip a last bf16 bit, compounded over 2 layers
-BF16_TOL = 3e-2
+# (measured ~4e-3 on these drafters; a block row made causal in the block measures ~4e-2)
+BF16_TOL = 1e-2
 LAYOUTS = {
     "full": {},
     "sliding": dict(layer_types=("sliding_attention", "full_attention"), sliding_window=5),
