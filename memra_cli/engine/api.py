@@ -424,7 +424,8 @@ class Engine:
             from memra_cli.engine.models.drafter import Drafter
 
             drafter = Drafter.load(Path(arm.draft), self.dtype, self.device, census=census, weight_fn=weight_fn)
-        drafter.step_ops = getattr(self.target, "step_ops", drafter.step_ops)  # the ops Engine.load picked
+        # the drafter runs the fused ops its target runs (Triton kernels on CUDA by default)
+        drafter.step_ops = getattr(self.target, "step_ops", drafter.step_ops)
         warnings += own_table_warnings(drafter, self.target)
         warnings += [f"drafter tensor '{d.name}' {d.why}" for d in getattr(weight_fn, "kept", [])]
         DrafterProposer(drafter, self.target, program)  # refuses a program the drafter cannot run

@@ -61,8 +61,11 @@ else:
         _interp._patch_lang_tensor = _patch_lang_tensor
 
 # `kernels/` installs as `memra_kernels`; with only PYTHONPATH=<repo> (the GPU image), alias it.
-if importlib.util.find_spec("memra_kernels") is None:  # pragma: no cover
-    _root = Path(__file__).resolve().parents[2] / "kernels"
+# Alias it too when the installed one is another checkout's (an editable install of a sibling
+# worktree): these tests must test this checkout's kernels.
+_root = Path(__file__).resolve().parents[2] / "kernels"
+_found = importlib.util.find_spec("memra_kernels")
+if _found is None or Path(_found.origin or "").resolve().parent != _root:  # pragma: no cover
     _spec = importlib.util.spec_from_file_location(
         "memra_kernels", _root / "__init__.py", submodule_search_locations=[str(_root)])
     sys.modules["memra_kernels"] = importlib.util.module_from_spec(_spec)

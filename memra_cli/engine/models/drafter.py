@@ -13,6 +13,17 @@ Two paths compute it. `forward_full` recomputes everything from raw taps (the or
 `ingest` + `forward_round` cache the ctx K/V (projected, k-normed, roped) in a preallocated
 `DraftKV`, so a round only projects the b block rows; block K/V are written transiently past the
 committed length and never committed. Both paths must agree (tests: f32 rel err < 1e-5).
+
+Block-level norms (input, post-attention and final, fused with the residual adds), the ctx
+`hidden_norm` and SiLU·mul go through the step-ops seam (`self.step_ops`, layers/step_ops.py:
+the torch reference, or the Triton kernels on CUDA, set by `Engine.arm`), as the target's step
+does. The static path (`static_ingest` / `static_round`, what CUDA graphs replay) also takes
+q/k norm + rope + the K/V write from the seam, and, on layers that attend to every ctx and block
+key (full attention, not causal in the block), the seam's attention with every block row at the
+block's last position: causal-by-position attention then sees exactly ctx + the whole block.
+The eager paths keep per-head norms, rope and attention in plain torch: their positions need not
+equal storage rows (forward_full, ingest at given positions), which the fused kernels assume.
+With the torch ops every path computes exactly what it did before the seam (bit for bit).
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ from memra_cli.engine.formats.names import CONF_B, CONF_W, MARKOV_W1, MARKOV_W2,
 from memra_cli.engine.formats.census import Census, LayerLayout, take_census
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.errors import CheckpointError, MemraError
-from memra_cli.engine.layers.ops import gqa_attention, linear, rms_norm, swiglu
+from memra_cli.engine.layers.ops import gqa_attention, linear, rms_norm
 from memra_cli.engine.layers.quantized import for_device
 from memra_cli.engine.layers.rope import RopeTables, apply_rope, cos_sin, rope_tables
 from memra_cli.engine.layers.step_ops import TorchStepOps
@@ -89,15 +100,22 @@ class DraftKV:
     Rows `[0, length)` are committed ctx rows (k normed and roped); a round writes its block K/V
     transiently at `[length, length + b)`. `positions [cap + block]` holds each row's absolute
     position (sliding-window and causal masks are computed from positions, not indices).
+    `cos`, `sin [cap + block, head_dim]` are the rope tables of every storage row (the static
+    path, where row index == position, reads them by position); they belong to the storage, so
+    the CUDA graphs captured over it never read a table that was replaced.
     """
 
-    def __init__(self, n_layers: int, cap: int, block: int, n_kv: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, n_layers: int, cap: int, block: int, n_kv: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, rope: RopeTables | None = None):
         self.cap, self.block, self.length = cap, block, 0
         # zeros, not empty: the static round attends over the whole storage under a mask, and a
         # masked key must be finite (NaN + -inf is NaN)
         self.k = torch.zeros(n_layers, n_kv, cap + block, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.positions = torch.zeros(cap + block, dtype=torch.long, device=device)
+        self.cos = self.sin = None
+        if rope is not None:  # the same float32 product as a per-call `cos_sin`, then cast
+            self.cos, self.sin = cos_sin(rope, torch.arange(cap + block, device=device), dtype)
         self.graphs: dict = {}  # CUDA graphs captured over this storage (runtime/draft_graphs.py)
 
     @property
@@ -107,7 +125,8 @@ class DraftKV:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size() + self.positions.numel() * 8
+        tables = 0 if self.cos is None else 2 * self.cos.numel() * self.cos.element_size()
+        return 2 * self.k.numel() * self.k.element_size() + self.positions.numel() * 8 + tables
 
     def truncate(self, n: int) -> None:
         assert 0 <= n <= self.length
@@ -122,7 +141,6 @@ class Drafter:
         self.census, self.cfg = census, census.config
         self.layers, self.fc, self.hidden_norm, self.norm = layers, fc, hidden_norm, norm
         self.dtype, self.device = dtype, device
-        self.step_ops = TorchStepOps()  # the seam's fused ops (Engine.arm gives it the target's)
         self.markov_w1 = extras.get(MARKOV_W1)  # [V, r] gathered table, kept as stored
         self.markov_w2 = extras.get(MARKOV_W2)  # [V, r] (Linear(r, V).weight), or a quantized linear
         self.conf_w = extras.get(CONF_W)  # [1, in_dim], float32 (the head stays f32)
@@ -135,6 +153,9 @@ class Drafter:
         self.rope: RopeTables = RopeTables(rope.inv_freq.to(device), rope.attention_scaling)
         self.layouts: tuple[LayerLayout, ...] = census.layers
         self.scale = self.cfg.head_dim ** -0.5
+        # the fused norms / rope / SiLU·mul / attention (layers/step_ops.py); Engine.arm hands
+        # the drafter the engine's, so it runs the kernels its target runs
+        self.step_ops = TorchStepOps()
 
     # ------------------------------------------------------------------- loading
 
@@ -177,7 +198,7 @@ class Drafter:
 
     def ctx_features(self, taps: torch.Tensor) -> torch.Tensor:
         """`[t, n_taps*hidden]` raw target taps -> `[t, hidden]` = hidden_norm(fc(taps))."""
-        return rms_norm(linear(taps.to(self.dtype), self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
+        return self.step_ops.rms_norm(linear(taps.to(self.dtype), self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
 
     def _heads(self, x: torch.Tensor, w: torch.Tensor | object, norm: torch.Tensor, n_heads: int) -> torch.Tensor:
         t = x.shape[0]
@@ -209,11 +230,47 @@ class Drafter:
         k, v = linear(ctx, w.wkv).chunk(2, dim=-1)
         return self._normed_heads(k, w.k_norm, cfg.num_key_value_heads), v.reshape(-1, cfg.num_key_value_heads, cfg.head_dim)
 
+    def _qkv(self, xn: torch.Tensor, w: DraftLayer) -> torch.Tensor:
+        """Block rows -> the fused projection `[t, (nh + 2*nkv)*hd]` (q, k, v side by side, as
+        the step ops' `qk_norm_rope_kv_write` takes it); quantized weights stay three matmuls."""
+        if w.wqkv is not None:
+            return linear(xn, w.wqkv)
+        return torch.cat([linear(xn, w.wq), linear(xn, w.wk), linear(xn, w.wv)], dim=-1)
+
+    def _kv(self, ctx: torch.Tensor, w: DraftLayer) -> torch.Tensor:
+        """Context rows -> `[t, 2*nkv*hd]` (k, v side by side: a qkv with no q heads)."""
+        if w.wkv is not None:
+            return linear(ctx, w.wkv)
+        return torch.cat([linear(ctx, w.wk), linear(ctx, w.wv)], dim=-1)
+
     def _mlp(self, h: torch.Tensor, w: DraftLayer) -> torch.Tensor:
+        """SwiGLU of normed rows `h [t, hidden]`; the SiLU·mul through the step ops (which take
+        gate and up side by side, so unfused quantized projections are concatenated)."""
         if w.w_gate_up is None:
-            return swiglu(h, w.w_gate, w.w_up, w.w_down)
-        gate, up = linear(h, w.w_gate_up).chunk(2, dim=-1)
-        return linear(torch.nn.functional.silu(gate) * up, w.w_down)
+            gate_up = torch.cat([linear(h, w.w_gate), linear(h, w.w_up)], dim=-1)
+        else:
+            gate_up = linear(h, w.w_gate_up)
+        return linear(self.step_ops.silu_mul(gate_up), w.w_down)
+
+    def _plain(self, layout: LayerLayout) -> bool:
+        """A layer whose block rows attend every ctx and block key (no mask at all)."""
+        return layout.window is None and not layout.causal_in_block
+
+    def _layers(self, x: torch.Tensor, attend, keep_layers: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The layer stack on block rows `x [b, hidden]`: `attend(li, h) -> [b, nh*hd]` is a
+        layer's attention of its input-normed rows `h`. Each residual add is fused with the
+        norm after it (the next layer's input norm, the final norm last), as the target's step.
+        Returns the final-normed hidden `[b, hidden]` and, when kept, the residual after each
+        layer."""
+        ops, eps, outs = self.step_ops, self.cfg.rms_norm_eps, []
+        h = ops.rms_norm(x, self.layers[0].ln_in, eps)
+        for li, w in enumerate(self.layers):
+            h, x = ops.add_rms_norm(linear(attend(li, h), w.wo), x, w.ln_post, eps)
+            after = self.layers[li + 1].ln_in if li + 1 < len(self.layers) else self.norm
+            h, x = ops.add_rms_norm(self._mlp(h, w), x, after, eps)
+            if keep_layers:
+                outs.append(x)
+        return h, outs
 
     def _mask(self, layout: LayerLayout, q_pos: torch.Tensor, k_pos: torch.Tensor, n_ctx: int) -> torch.Tensor | None:
         """`[b, n]` True = attend. Sliding layers drop keys `window` or more positions back;
@@ -228,44 +285,41 @@ class Drafter:
             mask[:, n_ctx:] &= diff[:, n_ctx:] >= 0
         return mask
 
-    def _block_layer(self, li: int, x: torch.Tensor, q_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     k_pos: torch.Tensor | None, n_ctx: int, write_kv, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """One layer on block rows `x [b, hidden]` at `q_pos [b]`. `write_kv(k_block, v_block)`
+    def _attend_eager(self, li: int, xn: torch.Tensor, q_pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_pos: torch.Tensor, n_ctx: int, write_kv) -> torch.Tensor:
+        """One layer's attention of input-normed block rows `xn [b, hidden]` at `q_pos [b]`
+        (plain torch: positions need not equal storage rows). `write_kv(k_block, v_block)`
         returns all keys/values `[n_kv, n_ctx + b, head_dim]` (ctx rows, then the block's) whose
-        positions are `k_pos [n_ctx + b]`; or give the `mask` over whatever it returns."""
-        cfg, w = self.cfg, self.layers[li]
-        xn = rms_norm(x, w.ln_in, cfg.rms_norm_eps)
+        positions are `k_pos [n_ctx + b]`."""
+        w = self.layers[li]
         q, kb, vb = self._project_qkv(xn, w)
         q, kb = apply_rope(q, cos, sin), apply_rope(kb, cos, sin)
         keys, values = write_kv(kb, vb)
-        if mask is None:
-            mask = self._mask(self.layouts[li], q_pos, k_pos, n_ctx)
-        x = x + linear(gqa_attention(q, keys, values, mask, self.scale), w.wo)
-        return x + self._mlp(rms_norm(x, w.ln_post, cfg.rms_norm_eps), w)
+        return gqa_attention(q, keys, values, self._mask(self.layouts[li], q_pos, k_pos, n_ctx), self.scale)
 
     # ------------------------------------------------------------------- full path (oracle)
 
     def forward_full(self, target_hidden: torch.Tensor, noise: torch.Tensor, positions: torch.Tensor) -> DraftStages:
         """Fresh forward: `target_hidden [ctx, n_taps*hidden]`, `noise [b, hidden]` (embedding
         rows of [anchor, MASK x (b-1)]), `positions [ctx + b]` (ctx rows, then block rows)."""
-        cfg = self.cfg
         n_ctx = target_hidden.shape[0]
         ctx = self.ctx_features(target_hidden)
         positions = positions.to(self.device)
         q_pos, k_pos = positions[n_ctx:], positions
         cos_all, sin_all = cos_sin(self.rope, positions, self.dtype)
         cos, sin = cos_all[n_ctx:], sin_all[n_ctx:]
-        x, outs = noise.to(self.dtype), []
-        for li, w in enumerate(self.layers):
-            kc, vc = self._project_kv(ctx, w)
+
+        def attend(li, xn):
+            kc, vc = self._project_kv(ctx, self.layers[li])
             kc = apply_rope(kc, cos_all[:n_ctx], sin_all[:n_ctx])
 
-            def concat(kb, vb, kc=kc, vc=vc):
+            def concat(kb, vb):
                 return torch.cat([kc, kb]).transpose(0, 1), torch.cat([vc, vb]).transpose(0, 1)
 
-            x = self._block_layer(li, x, q_pos, cos, sin, k_pos, n_ctx, concat)
-            outs.append(x)
-        return DraftStages(rms_norm(x, self.norm, cfg.rms_norm_eps), torch.stack(outs), ctx)
+            return self._attend_eager(li, xn, q_pos, cos, sin, k_pos, n_ctx, concat)
+
+        out, outs = self._layers(noise.to(self.dtype), attend, keep_layers=True)
+        return DraftStages(out, torch.stack(outs), ctx)
 
     # ------------------------------------------------------------------- cached path
 
@@ -273,7 +327,7 @@ class Drafter:
         """A draft KV cache of `cap` committed rows (plus the block's transient rows)."""
         cfg = self.cfg
         return DraftKV(cfg.num_hidden_layers, cap, cfg.block_size, cfg.num_key_value_heads, cfg.head_dim,
-                       self.dtype, self.device)
+                       self.dtype, self.device, self.rope)
 
     def ingest(self, kv: DraftKV, taps: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Append committed rows: taps `[t, n_taps*hidden]` at `positions [t]`. Returns the ctx
@@ -302,18 +356,16 @@ class Drafter:
         kv.positions[lo:hi] = positions
         cos, sin = cos_sin(self.rope, positions, self.dtype)
         k_pos = kv.positions[:hi]
-        x, outs = noise.to(self.dtype), []
-        for li in range(len(self.layers)):
 
-            def write(kb, vb, li=li):
+        def attend(li, xn):
+            def write(kb, vb):
                 kv.k[li, :, lo:hi] = kb.transpose(0, 1)
                 kv.v[li, :, lo:hi] = vb.transpose(0, 1)
                 return kv.k[li, :, :hi], kv.v[li, :, :hi]
 
-            x = self._block_layer(li, x, positions, cos, sin, k_pos, lo, write)
-            if keep_layers:
-                outs.append(x)
-        out = rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+            return self._attend_eager(li, xn, positions, cos, sin, k_pos, lo, write)
+
+        out, outs = self._layers(noise.to(self.dtype), attend, keep_layers)
         return DraftStages(out, torch.stack(outs) if keep_layers else None)
 
     # ------------------------------------------------------------------- static path (CUDA graphs)
@@ -336,37 +388,43 @@ class Drafter:
     def static_ingest(self, kv: DraftKV, taps: torch.Tensor, start: torch.Tensor) -> None:
         """`ingest` of exactly `b` rows `taps [b, n_taps*hidden]` at positions `start..start+b-1`
         (`start` a 0-d device tensor; row index == position), without touching `kv.length`.
-        Rows past the real ones are padding: they land where the next round writes its block."""
-        b = taps.shape[0]
+        Rows past the real ones are padding: they land where the next round writes its block.
+        Per layer: the k/v projection, then the step ops' k norm + rope + K/V write (a qkv with
+        no q heads)."""
+        b, cfg, ops = taps.shape[0], self.cfg, self.step_ops
         positions = start + torch.arange(b, device=self.device)
         ctx = self.ctx_features(taps)
-        cos, sin = cos_sin(self.rope, positions, self.dtype)
         for li, w in enumerate(self.layers):
-            k, v = self._project_kv(ctx, w)
-            kv.k[li].index_copy_(1, positions, apply_rope(k, cos, sin).transpose(0, 1))
-            kv.v[li].index_copy_(1, positions, v.transpose(0, 1))
+            ops.qk_norm_rope_kv_write(self._kv(ctx, w), w.q_norm, w.k_norm, kv.cos, kv.sin, positions,
+                                      kv.k[li], kv.v[li], 0, cfg.num_key_value_heads, cfg.rms_norm_eps)
         kv.positions.index_copy_(0, positions, positions)
 
     def static_round(self, kv: DraftKV, noise: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """`forward_round` with static shapes for a CUDA graph: block `noise [b, hidden]` at
         positions `start..start+b-1` (`start` a 0-d device tensor equal to the committed length;
-        row index == position), attending over the whole storage under `_static_mask`.
-        Returns the final-normed hidden `[b, hidden]`."""
-        b = noise.shape[0]
+        row index == position), attending over the whole storage. Returns the final-normed
+        hidden `[b, hidden]`.
+
+        Per layer: the fused projection, the step ops' q/k norm + rope + block K/V write, then
+        attention. A plain layer (every ctx and block key visible) is the step ops' causal
+        attention with every block row at the block's last position `start+b-1`: it then sees
+        keys `0..start+b-1`, i.e. the committed ctx and the whole block, never the stale rows
+        after it. Sliding and block-causal layers keep `_static_mask` (torch attention)."""
+        b, cfg, ops = noise.shape[0], self.cfg, self.step_ops
         positions = start + torch.arange(b, device=self.device)
+        last = positions[-1:].repeat(b)  # [b], contiguous: the kernel reads one position a row
         keys = torch.arange(kv.rows, device=self.device)
-        cos, sin = cos_sin(self.rope, positions, self.dtype)
-        x = noise.to(self.dtype)
-        for li in range(len(self.layers)):
 
-            def write(kb, vb, li=li):
-                kv.k[li].index_copy_(1, positions, kb.transpose(0, 1))
-                kv.v[li].index_copy_(1, positions, vb.transpose(0, 1))
-                return kv.k[li], kv.v[li]
+        def attend(li, xn):
+            w, layout = self.layers[li], self.layouts[li]
+            q = ops.qk_norm_rope_kv_write(self._qkv(xn, w), w.q_norm, w.k_norm, kv.cos, kv.sin, positions,
+                                          kv.k[li], kv.v[li], cfg.num_attention_heads, cfg.num_key_value_heads,
+                                          cfg.rms_norm_eps)
+            if self._plain(layout):
+                return ops.attention(q, kv.k[li], kv.v[li], last, self.scale)
+            return gqa_attention(q, kv.k[li], kv.v[li], self._static_mask(layout, positions, keys, start), self.scale)
 
-            mask = self._static_mask(self.layouts[li], positions, keys, start)
-            x = self._block_layer(li, x, positions, cos, sin, None, 0, write, mask=mask)
-        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return self._layers(noise.to(self.dtype), attend, keep_layers=False)[0]
 
     # ------------------------------------------------------------------- heads
 

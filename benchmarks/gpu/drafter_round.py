@@ -1,0 +1,439 @@
+"""The drafter's side of the round against its floor, in one process (Qwen3-8B shape, bf16).
+
+Builds the random-weight Qwen3-8B-shape target (gpu_shapes.py `random_target`) and writes a
+random 5-layer DFlash drafter (5 taps, block 16) to disk, so it loads through the real loader at
+each precision (`--prec` policies as `engine.arm` applies them: bf16 = the weights at the compute
+dtype, q8 / q4 = quantized at load and packed for the Triton kernels). With the engine's CUDA
+defaults (16-row target steps and drafter rounds as CUDA graphs, Triton step ops) it measures:
+
+- `copy_bw`: a device-to-device copy, bytes read + written per second (median);
+- `drafter_bytes[prec]`, `lm_head_bytes`, `floor_ms[prec]` = (drafter weights + the target's
+  lm_head, which the harvested rows go through) / copy_bw: the drafter's side at its floor;
+- `plain_step_ms` (one real row in the fixed 16-row step), `verify_step_ms` (16 rows, taps on),
+  at live context `--ctx`: the graphed steps as the runner replays them;
+- `propose_ms[prec]`, `ingest_ms[prec]` (one kept row, as a random drafter's round keeps), and
+  `draft_ingest_ms[prec]` = their sum: the drafter's side of one round;
+- `round_ms` (bf16 drafter, verify window pinned at 16) and `plain_token_ms`: sessions timed as
+  the round loop runs them; `round_over_plain` = round_ms / plain_token_ms; `round_phase_ms`;
+- `quant_bw`: the q8_0 / q4_0 kernels on the drafter's matrices (weights [out, in]) at M = 1,
+  16, 32 (benchmarks/gpu/kernels_quant.py's timing: graph replays over enough weight copies that
+  L2 never holds the one being read), and `q8_0_bw_frac` / `q4_0_bw_frac`: the worst fraction
+  of copy_bw over the shapes at M = 16;
+- `exact`: speculative == plain greedy over `--prompts` random prompts (bf16, graphs on, window
+  pinned at 16).
+
+Every section catches its own failure (`errors[section]`) and the JSON is rewritten after each
+one, so a run cut short by a time limit keeps what it measured. Times are medians: CUDA events
+around graph replays on the GPU, perf_counter on the CPU. `--tiny` runs the whole script on the
+CPU at a tiny shape (float32, eager, torch step ops, kernel section skipped): a smoke test.
+
+    PYTHONPATH=$PWD python3 benchmarks/gpu/drafter_round.py [--json OUT.json] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # gpu_shapes' helpers
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))  # kernels_quant's timing (imported on CUDA only)
+sys.path.insert(0, str(ROOT))
+
+
+def _alias_kernels() -> None:
+    """`kernels/` installs as `memra_kernels`; measure this checkout's, whatever is installed."""
+    found = importlib.util.find_spec("memra_kernels")
+    if found is not None and Path(found.origin or "").resolve().parent == ROOT / "kernels":
+        return
+    spec = importlib.util.spec_from_file_location("memra_kernels", ROOT / "kernels" / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT / "kernels")])
+    sys.modules["memra_kernels"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["memra_kernels"])
+
+
+_alias_kernels()
+
+from gpu_shapes import SHAPES, random_target, run_arm  # noqa: E402
+
+from memra_cli.engine.api import ArmConfig, Engine  # noqa: E402
+from memra_cli.engine.layers.step_ops import TorchStepOps, select_step_ops  # noqa: E402
+from memra_cli.engine.spec.policy import PolicySettings  # noqa: E402
+from memra_cli.engine.spec.proposer import DrafterProposer  # noqa: E402
+from memra_cli.tiny.draft import make_tiny_draft  # noqa: E402
+
+W = 16  # target step width = drafter block
+PRECS = ("bf16", "q8", "q4")  # bf16: the weights at the compute dtype (no policy applied)
+QUANT_SHAPES = [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288), (4096, 20480)]  # [out, in]
+QUANT_MS = (1, 16, 32)
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+class Report:
+    """The JSON being built: sections record into it, and it is rewritten after each one."""
+
+    def __init__(self, path: Path | None, data: dict):
+        self.path, self.data = path, data
+        data.setdefault("errors", {})
+        data.setdefault("section_s", {})
+
+    def write(self) -> None:
+        if self.path is None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(self.path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.path)  # a reader never sees half a file
+
+    @contextmanager
+    def section(self, name: str):
+        """Run a section: its failure is recorded (not raised) and the report written either way."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        except Exception as e:  # one broken section must not cost the others
+            self.data["errors"][name] = f"{type(e).__name__}: {e}"
+            log(f"[{name}] FAILED: {type(e).__name__}: {e}")
+            traceback.print_exc()
+        finally:
+            self.data["section_s"][name] = round(time.perf_counter() - t0, 2)
+            self.write()
+
+
+def median_ms(fn, device: torch.device, reps: int, warmup: int = 3) -> float:
+    """Median ms of `fn()`: CUDA events around each call (graph replays) or perf_counter."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    else:
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written (median)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    if device.type == "cuda":
+        from memra_cli.engine.runtime import cuda_graphs
+
+        graph, _ = cuda_graphs.capture(lambda: dst.copy_(src), device)
+        ms = median_ms(graph.replay, device, reps=30)
+    else:
+        ms = median_ms(lambda: dst.copy_(src), device, reps=10)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+# ------------------------------------------------------------------------------- weight bytes
+
+
+def weight_bytes(w) -> int:
+    """Bytes a matmul reads for weight `w`: a plain tensor, a packed `QuantLinear` (int8 /
+    nibbles + f16 scales) or a reference `QuantLinearRef` (its ggml blocks)."""
+    if w is None:
+        return 0
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    packed = getattr(w, "packed", None)
+    if packed is not None:
+        return int(packed.nbytes)
+    raw = getattr(w, "raw", None)
+    if isinstance(raw, torch.Tensor):
+        return raw.numel() * raw.element_size()
+    return int(getattr(raw, "nbytes", 0))
+
+
+def drafter_bytes(drafter) -> dict:
+    """The drafter's weights, split by what reads them: a proposal reads every layer's
+    projections (and a markov w2), an ingest reads fc and every layer's k/v projections."""
+    layers = kv = 0
+    for w in drafter.layers:
+        qkv = weight_bytes(w.wqkv) if w.wqkv is not None else sum(weight_bytes(x) for x in (w.wq, w.wk, w.wv))
+        gu = weight_bytes(w.w_gate_up) if w.w_gate_up is not None else weight_bytes(w.w_gate) + weight_bytes(w.w_up)
+        layers += qkv + weight_bytes(w.wo) + gu + weight_bytes(w.w_down)
+        kv += weight_bytes(w.wkv) if w.wkv is not None else weight_bytes(w.wk) + weight_bytes(w.wv)
+    fc, markov = weight_bytes(drafter.fc), weight_bytes(drafter.markov_w2)
+    return {"layers": layers, "fc": fc, "markov_w2": markov, "ingest_kv": kv, "total": layers + fc + markov}
+
+
+# ------------------------------------------------------------------------------- measurements
+
+
+def target_steps(engine, ctx: int, taps, reps: int) -> tuple[float, float]:
+    """(plain ms, verify ms): the fixed 16-row step at live context `ctx` (random K/V), one real
+    row (padding repeats it) and 16 real rows with the drafter's taps, as the round runs them."""
+    runner, device = engine.runner, engine.device
+    state = runner.new_state(ctx + 4 * W)
+    state.length = ctx  # the K/V of a ctx-token context: random bytes cost what real ones do
+    ids = torch.randint(0, engine.target.vocab_size - 1, (W,), device=device)
+    plain_ids = ids[:1].expand(W).clone()
+    try:
+        plain = median_ms(lambda: runner.fixed_step(plain_ids, ctx, state), device, reps)
+        verify = median_ms(lambda: runner.fixed_step(ids, ctx, state, taps), device, reps)
+    finally:
+        runner.release(state)
+    return plain, verify
+
+
+def drafter_side(engine, arm, ctx: int, reps: int) -> tuple[float, float]:
+    """(propose ms, ingest ms) of `arm`'s drafter over a ctx-row draft context: one proposal
+    (block forward, harvest, lm_head, drafts) and one ingest of one kept row, graphed as the
+    engine runs them (the first calls capture, outside the clock)."""
+    device, target, drafter = engine.device, engine.target, arm.drafter
+    proposer = DrafterProposer(drafter, target, arm.program, graphs=engine.draft_graphs, pool=engine.pool)
+    width = drafter.cfg.hidden_size * len(arm.taps)
+    g = torch.Generator(device=device).manual_seed(7)
+    taps = torch.randn(ctx + 1, width, generator=g, device=device, dtype=torch.float32).to(engine.dtype)
+    proposer.reset(ctx + 8 * W)
+    try:
+        proposer.ingest(taps[:ctx], torch.arange(ctx, device=device))  # the prompt: eager chunks
+        start = proposer.kv.length
+        last = torch.tensor([11], device=device)
+        propose = median_ms(lambda: proposer.propose(last, start, False), device, reps)
+        one, pos = taps[ctx:], torch.arange(start, start + 1, device=device)
+
+        def ingest_one():
+            proposer.ingest(one, pos)
+            proposer.kv.length -= 1  # the same row again next time
+
+        ingest = median_ms(ingest_one, device, reps)
+    finally:
+        proposer.release()
+    return propose, ingest
+
+
+def timed_phases(engine, arm, ids, n) -> dict:
+    s = engine.session(ids, n, arm, timed=True, eos_ids=())
+    s.run()
+    st = s.stats
+    return {k: 1e3 * v / max(1, st.rounds) for k, v in st.phase_s.items() if k != "prefill"}
+
+
+def quant_bandwidth(copy_bw: float, budget_end: float) -> dict:
+    """q8_0 / q4_0 kernels on the drafter's matrices: us and fraction of copy_bw per M (the
+    kernel's default per-shape config), through kernels_quant.py's timing and checks."""
+    import kernels_quant as kq
+
+    props = torch.cuda.get_device_properties(0)
+    kq.L2_BYTES = getattr(props, "L2_cache_size", kq.L2_BYTES) or kq.L2_BYTES
+    gen = torch.Generator().manual_seed(0)
+    out: dict = {}
+    for qtype in ("q8_0", "q4_0"):
+        rows = out[qtype] = []
+        for n, k in QUANT_SHAPES:
+            rec: dict = {"out": n, "in": k}
+            rows.append(rec)
+            if time.time() > budget_end:
+                rec["error"] = "skipped: time budget spent"
+                continue
+            try:
+                first = kq.random_packed(qtype, n, k, gen)
+                copies = [first] + [kq.ql.Packed(qtype, (n, k), first.qweight.clone(), first.scales.clone())
+                                    for _ in range(kq.copies_for(first.nbytes) - 1)]
+                rec["check_ok"] = bool(kq.check(qtype, first, None, gen)["ok"])
+                for m in QUANT_MS:
+                    ms = kq.time_kernel(copies, m, None)
+                    rec[f"m{m}_us"] = 1e3 * ms
+                    rec[f"m{m}_frac"] = kq.traffic(first, m) / (ms * 1e-3) / copy_bw
+                log(f"  {qtype} [{n}, {k}]: " + ", ".join(f"M={m} {rec[f'm{m}_us']:.1f} us "
+                                                         f"({rec[f'm{m}_frac']:.2f})" for m in QUANT_MS))
+                del copies, first
+                torch.cuda.empty_cache()
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(f"  {qtype} [{n}, {k}] FAILED: {rec['error']}")
+    return out
+
+
+def worst_frac(rows: list[dict], m: int = 16) -> float | None:
+    fracs = [r[f"m{m}_frac"] for r in rows if f"m{m}_frac" in r]
+    return min(fracs) if len(fracs) == len(rows) and fracs else None
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny shape on the CPU (smoke test: eager, torch ops, no kernels)")
+    p.add_argument("--ctx", type=int, default=None, help="live context of the timed steps and rounds (default 512; tiny 32)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens of the timed sessions (default 64; tiny 8)")
+    p.add_argument("--prompts", type=int, default=3, help="random prompts of the exactness check")
+    p.add_argument("--reps", type=int, default=None, help="timed calls per median (default 40; tiny 3)")
+    p.add_argument("--budget-s", type=float, default=225.0, help="the kernel section is skipped past this")
+    p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "drafter-round.json")
+    a = p.parse_args(argv)
+    t_start = time.time()
+    tiny = a.tiny
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    if device.type != "cuda" and not tiny:
+        log("no CUDA device: run with --tiny for the CPU smoke test")
+        return 1
+    cuda = device.type == "cuda"
+    if not cuda:  # tiny matmuls: a second thread only adds contention (tests/conftest.py)
+        torch.set_num_threads(1)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    s = SHAPES["small" if tiny else "8b"]
+    ctx = a.ctx or (32 if tiny else 512)
+    tokens = a.tokens or (8 if tiny else 64)
+    reps = a.reps or (3 if tiny else 40)
+    rep = Report(a.json, {
+        "shape": "small" if tiny else "qwen3-8b", "dtype": str(dtype).replace("torch.", ""),
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "step_width": W, "ctx": ctx, "tokens": tokens, "prompts": a.prompts,
+        "command": "python benchmarks/gpu/drafter_round.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    })
+    d = rep.data
+    for key in ("draft_ingest_ms", "propose_ms", "ingest_ms", "drafter_bytes", "floor_ms", "draft_over_floor"):
+        d[key] = {}
+    for key in ("copy_bw", "plain_step_ms", "verify_step_ms", "round_ms", "plain_token_ms", "round_over_plain",
+                "q8_0_bw_frac", "q4_0_bw_frac", "lm_head_bytes", "exact"):
+        d[key] = None
+    rep.write()
+
+    with rep.section("copy_bw"):
+        bw = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20))
+        d["copy_bw"], d["copy_gbps"] = bw, bw / 1e9
+        log(f"copy bandwidth (read + write): {bw / 1e9:.0f} GB/s")
+
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        engine = arm = None
+        with rep.section("build"):
+            target = random_target(s, dtype, device)
+            target.step_ops = select_step_ops(device)[0] if cuda else TorchStepOps()
+            d["step_ops"] = target.step_ops.name
+            tmp = Path(tempfile.mkdtemp(prefix="drafter_round_"))
+            draft = make_tiny_draft(tmp / "draft", "zlab", hidden=s["hidden"], layers=s["d_layers"], heads=s["heads"],
+                                    kv_heads=s["kv"], head_dim=s["hd"], intermediate=s["ffn"], vocab=s["vocab"],
+                                    mask_token_id=s["vocab"] - 1, block_size=W, target_layer_ids=s["taps"],
+                                    num_target_layers=s["layers"], dtype=torch.bfloat16, std=0.02)
+            # the engine's defaults: fixed 16-row steps; on CUDA target steps and drafter rounds graphed
+            engine = Engine.from_model(target, step_width=W, cuda_graphs=cuda, draft_graphs=cuda)
+            d["lm_head_bytes"] = weight_bytes(target.lm_head_weight)
+            log(f"built: target {d['shape']} ({d['step_ops']} step ops), drafter {s['d_layers']} layers; "
+                f"graphs {'on' if cuda else 'off'}")
+
+        def arm_for(prec: str):
+            cfg = ArmConfig(draft=draft, mode="dflash", settings=PolicySettings(adapt="0"), verify_cap=W,
+                            prec=None if prec == "bf16" else prec)
+            return engine.arm(cfg)
+
+        if engine is not None:
+            with rep.section("target_steps"):
+                taps = tuple(s["taps"])
+                d["plain_step_ms"], d["verify_step_ms"] = target_steps(engine, ctx, taps, reps)
+                log(f"target step at ctx {ctx}: plain {d['plain_step_ms']:.3f} ms, verify16 {d['verify_step_ms']:.3f} ms")
+
+        prompts = [torch.randint(0, s["vocab"] - 1, (ctx,), generator=torch.Generator().manual_seed(1 + k)).tolist()
+                   for k in range(max(1, a.prompts))]
+        for prec in PRECS:
+            if engine is None:
+                break
+            with rep.section(f"drafter_{prec}"):
+                arm = arm_for(prec)
+                sizes = drafter_bytes(arm.drafter)
+                d["drafter_bytes"][prec] = sizes["total"]
+                d.setdefault("drafter_bytes_parts", {})[prec] = sizes
+                if d["copy_bw"]:
+                    d["floor_ms"][prec] = 1e3 * (sizes["total"] + d["lm_head_bytes"]) / d["copy_bw"]
+                propose, ingest = drafter_side(engine, arm, ctx, reps)
+                d["propose_ms"][prec], d["ingest_ms"][prec] = propose, ingest
+                d["draft_ingest_ms"][prec] = propose + ingest
+                if d["floor_ms"].get(prec):
+                    d["draft_over_floor"][prec] = (propose + ingest) / d["floor_ms"][prec]
+                log(f"drafter {prec}: propose {propose:.3f} ms + ingest {ingest:.3f} ms = {propose + ingest:.3f} ms; "
+                    f"weights {sizes['total'] / 1e9:.3f} GB, floor {d['floor_ms'].get(prec, float('nan')):.3f} ms")
+            if prec == "bf16" and arm is not None:
+                with rep.section("round"):
+                    run_arm(engine, None, prompts[0], 8)  # warm-up: allocator, captures
+                    run_arm(engine, arm, prompts[0], 8)
+                    plain, t_plain = run_arm(engine, None, prompts[0], tokens)
+                    spec, t_spec = run_arm(engine, arm, prompts[0], tokens)
+                    d["plain_token_ms"] = 1e3 * t_plain / len(plain.tokens)
+                    d["round_ms"] = 1e3 * t_spec / spec.stats.rounds
+                    d["rounds"], d["tau"] = spec.stats.rounds, spec.stats.tau
+                    d["round_over_plain"] = d["round_ms"] / d["plain_token_ms"]
+                    log(f"round (bf16 drafter): {d['round_ms']:.3f} ms over {spec.stats.rounds} rounds; plain "
+                        f"{d['plain_token_ms']:.3f} ms/token; round/plain {d['round_over_plain']:.2f}")
+                with rep.section("round_phases"):
+                    d["round_phase_ms"] = timed_phases(engine, arm, prompts[0], min(tokens, 16))
+                with rep.section("exact"):
+                    runs = []
+                    for ids in prompts:
+                        plain, _ = run_arm(engine, None, ids, tokens)
+                        spec, _ = run_arm(engine, arm, ids, tokens)
+                        runs.append(spec.tokens == plain.tokens)
+                    d["exact"] = all(runs)
+                    d["exact_prompts"] = f"{sum(runs)}/{len(runs)}"
+                    log(f"exact (speculative == plain greedy): {d['exact_prompts']}")
+            arm = None  # the drafter goes before the next precision's loads
+            if cuda:
+                torch.cuda.empty_cache()
+
+    with rep.section("quant_bw"):
+        if not cuda:
+            d["quant_bw"] = {"skipped": "no CUDA (the kernels are timed on the GPU only)"}
+        else:
+            d["quant_bw"] = quant_bandwidth(d["copy_bw"], t_start + a.budget_s)
+            d["q8_0_bw_frac"] = worst_frac(d["quant_bw"]["q8_0"])
+            d["q4_0_bw_frac"] = worst_frac(d["quant_bw"]["q4_0"])
+    d["seconds"] = round(time.time() - t_start, 1)
+    rep.write()
+    print_table(d)
+    return 0
+
+
+def print_table(d: dict) -> None:
+    def f(v, fmt="{:.3f}"):
+        return "-" if v is None else fmt.format(v)
+
+    log("")
+    log(f"drafter round, {d['shape']} {d['dtype']} on {d['device']}, ctx {d['ctx']}, step ops {d.get('step_ops')}; "
+        f"copy {f(d.get('copy_gbps'), '{:.0f}')} GB/s")
+    log(f"  plain step {f(d['plain_step_ms'])} ms   verify16 step {f(d['verify_step_ms'])} ms   "
+        f"round {f(d['round_ms'])} ms   plain/token {f(d['plain_token_ms'])} ms   round/plain {f(d['round_over_plain'], '{:.2f}')}")
+    log(f"  {'prec':5s} {'propose ms':>10s} {'ingest ms':>10s} {'sum ms':>8s} {'floor ms':>9s} {'x floor':>8s} {'weights GB':>11s}")
+    for prec in PRECS:
+        b = d["drafter_bytes"].get(prec)
+        log(f"  {prec:5s} {f(d['propose_ms'].get(prec)):>10s} {f(d['ingest_ms'].get(prec)):>10s} "
+            f"{f(d['draft_ingest_ms'].get(prec)):>8s} {f(d['floor_ms'].get(prec)):>9s} "
+            f"{f(d['draft_over_floor'].get(prec), '{:.2f}'):>8s} {f(None if b is None else b / 1e9):>11s}")
+    q = d.get("quant_bw") or {}
+    for qtype in ("q8_0", "q4_0"):
+        for r in q.get(qtype, []) if isinstance(q, dict) else []:
+            cells = "  ".join(f"M={m} {f(r.get(f'm{m}_us'), '{:.1f}')} us {f(r.get(f'm{m}_frac'), '{:.2f}')}" for m in QUANT_MS)
+            log(f"  {qtype} [{r['out']}, {r['in']}]  {cells}  {r.get('error', '')}")
+    log(f"  q8_0 worst frac at M=16: {f(d['q8_0_bw_frac'], '{:.2f}')}   q4_0: {f(d['q4_0_bw_frac'], '{:.2f}')}")
+    log(f"  exact: {d['exact']} ({d.get('exact_prompts', '-')})   errors: {sorted(d['errors']) or 'none'}   "
+        f"{d.get('seconds')} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""benchmarks/gpu/drafter_round.py on the CPU (`--tiny`): every section runs, the JSON carries
+the keys the GPU run is read for, and speculative == plain greedy."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu" / "drafter_round.py"
+KEYS = ("draft_ingest_ms", "propose_ms", "ingest_ms", "plain_step_ms", "verify_step_ms", "round_ms",
+        "round_over_plain", "q8_0_bw_frac", "q4_0_bw_frac", "quant_bw", "drafter_bytes", "floor_ms", "exact",
+        "copy_bw", "lm_head_bytes")
+
+
+def test_tiny_run_writes_every_key_and_is_exact(tmp_path):
+    out = tmp_path / "round.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--prompts", "2", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(out.read_text())
+    for key in KEYS:
+        assert key in d, key
+    assert d["errors"] == {}, d["errors"]
+    assert d["exact"] is True and d["exact_prompts"] == "2/2"
+    for prec in ("bf16", "q8", "q4"):
+        assert d["draft_ingest_ms"][prec] > 0 and d["floor_ms"][prec] > 0
+    # quantized weights are fewer bytes than the compute-dtype ones
+    assert d["drafter_bytes"]["q4"] < d["drafter_bytes"]["q8"] < d["drafter_bytes"]["bf16"]
+    assert d["plain_step_ms"] > 0 and d["verify_step_ms"] > 0 and d["round_ms"] > 0
+    assert "skipped" in d["quant_bw"]  # the kernels are timed on the GPU only
+    assert "exact: True" in proc.stdout  # the table is printed
+
+
+@pytest.fixture
+def script_module():
+    spec = importlib.util.spec_from_file_location("drafter_round_script", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_failing_section_is_recorded_and_the_report_still_written(script_module, tmp_path):
+    rep = script_module.Report(tmp_path / "r.json", {"value": None})
+    with rep.section("broken"):
+        raise RuntimeError("boom")
+    with rep.section("fine"):
+        rep.data["value"] = 3
+    d = json.loads((tmp_path / "r.json").read_text())
+    assert d["errors"] == {"broken": "RuntimeError: boom"} and d["value"] == 3
+    assert set(d["section_s"]) == {"broken", "fine"}

@@ -1,0 +1,171 @@
+"""The drafter through the Triton step ops (interpreter on CPU) against the torch step ops.
+
+The drafter's static path (what CUDA graphs replay) takes its norms, q/k norm + rope + K/V
+write, SiLU·mul and, on plain layers, attention from the step-ops seam; the eager paths take
+the block-level norms and SiLU·mul from it. The torch ops are the reference (bit-identical to
+the drafter before the seam); the kernels must agree with them to float32 rounding, and must
+keep a round's drafts independent of the storage size and of how the context was ingested.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memra_cli.engine.api import ArmConfig, Engine
+from memra_cli.engine.layers.ops import gqa_attention
+from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+from memra_cli.engine.models.drafter import Drafter
+from memra_cli.engine.models.qwen3 import Qwen3Target
+from memra_cli.engine.quant.precision import weight_fn_for
+from memra_cli.tiny.draft import make_tiny_draft
+from memra_cli.tiny.target import make_tiny_qwen3
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float32 relative L2 error, kernels vs torch ops: a different summation order in the norms'
+# statistics and attention, and rope rounded once instead of three times (kernels/rope.py)
+F32_TOL = 1e-5
+# bfloat16: the same differences, each able to flip a last bf16 bit, compounded over 2 layers
+# (measured ~4e-3 on these drafters; a block row made causal in the block measures ~4e-2)
+BF16_TOL = 1e-2
+LAYOUTS = {
+    "full": {},
+    "sliding": dict(layer_types=("sliding_attention", "full_attention"), sliding_window=5),
+    "causal": dict(is_causal=True),
+}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafts")
+    return {name: make_tiny_draft(root / name, "zlab", **kw) for name, kw in LAYOUTS.items()}
+
+
+def _drafter(path, ops, dtype=torch.float32, prec=None) -> Drafter:
+    d = Drafter.load(path, dtype, DEVICE, weight_fn=weight_fn_for(prec) if prec else None)
+    d.step_ops = ops
+    return d
+
+
+def _inputs(d: Drafter, n_ctx: int, seed: int = 3):
+    g = torch.Generator().manual_seed(seed)
+    width = d.cfg.hidden_size * len(d.cfg.target_layer_ids)
+    taps = torch.randn(n_ctx, width, generator=g).to(DEVICE, d.dtype)
+    noise = torch.randn(d.cfg.block_size, d.cfg.hidden_size, generator=g).to(DEVICE, d.dtype)
+    return taps, noise
+
+
+def _static(d: Drafter, taps: torch.Tensor, noise: torch.Tensor, cap: int, kept=None):
+    """Eager-ingest the first rows (the prompt), static-ingest the last block of rows in blocks
+    of `kept` rows each padded to `b` by repeating its last row (as runtime/draft_graphs.py
+    `IngestGraph` does with a round's kept rows; default: one block), then a static round.
+    Returns (hidden [b, hidden], the cache)."""
+    b = d.cfg.block_size
+    n_eager = taps.shape[0] - b
+    kv = d.new_cache(cap)
+    d.ingest(kv, taps[:n_eager], torch.arange(n_eager, device=DEVICE))
+    lo = n_eager
+    for m in kept or [b]:
+        rows = taps[lo:lo + m]
+        rows = torch.cat([rows, rows[-1:].expand(b - m, -1)])
+        d.static_ingest(kv, rows, torch.tensor(lo, device=DEVICE))
+        lo += m
+    assert lo == n_eager + b
+    kv.length = lo
+    return d.static_round(kv, noise, torch.tensor(kv.length, device=DEVICE)), kv
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, F32_TOL), (torch.bfloat16, BF16_TOL)], ids=["f32", "bf16"])
+def test_static_round_through_the_kernels_matches_the_torch_ops(drafts, layout, dtype, tol):
+    """The kernels' static round and ingest against the torch ops' (the same code), and against
+    the torch eager round over an eagerly ingested context (other code: the reference)."""
+    out = {}
+    for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps())):
+        d = _drafter(drafts[layout], ops, dtype)
+        taps, noise = _inputs(d, 21)
+        hidden, kv = _static(d, taps, noise, 48)
+        out[name] = hidden, kv.k[:, :, : kv.length].clone(), kv.v[:, :, : kv.length].clone()
+    for got, ref in zip(out["triton"], out["torch"]):
+        assert torch.isfinite(got).all()
+        assert _rel(got, ref) < tol
+    d = _drafter(drafts[layout], TorchStepOps(), dtype)
+    kv = d.new_cache(48)
+    d.ingest(kv, taps, torch.arange(21, device=DEVICE))
+    eager = d.forward_round(kv, noise, torch.arange(21, 21 + d.cfg.block_size, device=DEVICE)).hidden_out
+    assert _rel(out["triton"][0], eager) < tol
+
+
+@pytest.mark.parametrize("prec", ["q8", "q4"])
+def test_quantized_static_round_through_the_kernels(drafts, prec):
+    """Unfused (quantized) projections are concatenated for the fused ops: same function."""
+    out = {}
+    for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps())):
+        d = _drafter(drafts["full"], ops, prec=prec)
+        taps, noise = _inputs(d, 21)
+        out[name] = _static(d, taps, noise, 48)[0]
+    assert _rel(out["triton"], out["torch"]) < F32_TOL
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_eager_paths_through_the_kernels_match_the_torch_ops(drafts, layout):
+    """forward_full, ingest and forward_round take the block norms and SiLU·mul from the seam."""
+    out = {}
+    for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps())):
+        d = _drafter(drafts[layout], ops)
+        taps, noise = _inputs(d, 19)
+        b = d.cfg.block_size
+        full = d.forward_full(taps, noise, torch.arange(19 + b, device=DEVICE))
+        kv = d.new_cache(40)
+        d.ingest(kv, taps, torch.arange(19, device=DEVICE))
+        rnd = d.forward_round(kv, noise, torch.arange(19, 19 + b, device=DEVICE), keep_layers=True)
+        out[name] = full.hidden_out, full.layer_out, full.ctx_features, rnd.hidden_out, rnd.layer_out
+    for got, ref in zip(out["triton"], out["torch"]):
+        assert _rel(got, ref) < F32_TOL
+
+
+def test_block_attention_is_causal_attention_at_the_last_position():
+    """The claim the static round rests on: every query row at the block's last position `n-1`
+    under the causal kernel == unmasked attention over keys `[0, n)`, whatever lies after."""
+    from memra_kernels.attention import decode_attention
+
+    g = torch.Generator().manual_seed(0)
+    t, nh, nkv, hd, n, rows = 8, 4, 2, 16, 37, 64
+    q = torch.randn(t, nh, hd, generator=g).to(DEVICE)
+    k = torch.randn(nkv, rows, hd, generator=g).to(DEVICE)
+    v = torch.randn(nkv, rows, hd, generator=g).to(DEVICE)
+    k[:, n:], v[:, n:] = float("nan"), float("nan")  # stale storage past the block: never read
+    last = torch.full((t,), n - 1, dtype=torch.long, device=DEVICE)
+    got = decode_attention(q, k, v, last, hd ** -0.5)
+    ref = gqa_attention(q, k[:, :n], v[:, :n], None, hd ** -0.5)
+    assert torch.isfinite(got).all()
+    assert _rel(got, ref) < F32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_kernel_round_is_invariant_to_the_storage_and_the_ingest_chunks(drafts, dtype):
+    """With the kernels, a round's hidden rows (hence its drafts) are bit-identical whether the
+    draft cache storage is small or large (pooled storages come in 256-row buckets) and whether
+    the kept rows were ingested in one block or over several rounds (each block padded to b
+    rows: a row's K/V must not depend on the rows beside it)."""
+    d = _drafter(drafts["full"], TritonStepOps(), dtype)
+    taps, noise = _inputs(d, 29)
+    ref, _ = _static(d, taps, noise, 40)
+    big, _ = _static(d, taps, noise, 300)
+    chunked, _ = _static(d, taps, noise, 40, kept=[1, 3, d.cfg.block_size - 4])
+    assert torch.equal(big, ref)
+    assert torch.equal(chunked, ref)
+
+
+def test_an_engine_arms_its_drafter_with_its_step_ops(drafts, tmp_path):
+    target = make_tiny_qwen3(tmp_path / "target", layers=2, head_dim=32, hidden=64)
+    model = Qwen3Target.from_dir(target, torch.float32, DEVICE)
+    model.step_ops = TritonStepOps()
+    draft = make_tiny_draft(tmp_path / "d", "zlab", target_layer_ids=(0, 1), num_target_layers=2)
+    engine = Engine.from_model(model, step_width=16)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    assert arm.drafter.step_ops is model.step_ops
