@@ -22,37 +22,38 @@ its conv window (the last K-1 conv inputs, model dtype) and recurrent state (flo
 Steps. The step runner (runtime/steps.py) owns width, padding and chunking, as for Qwen3:
 `forward` is the eager step of any width (the prefill; variable-width steps), `static_step` the
 fixed-width one. A fixed step runs all W rows (padding included) through the recurrence from the
-committed state and leaves them pending; the runner's `state.commit(end)` then keeps the state
+committed state (which it only reads) and leaves them pending; the runner's `state.commit(end)` then keeps the state
 after the last real row, so a padding row's state can never become the committed one.
 
 Rollback. A KV cache rolls back by moving its length; a recurrent state cannot be un-applied.
-Each step therefore keeps, for its rows, what is needed to produce the state after any of them:
+Each step therefore records, in the state's ring (`Qwen35State`), what is needed to produce the
+state after any of its rows, on top of the state at the start of the runner step (the base):
 
-- "stash" (default): the per-row recurrent states (the recurrence computes them anyway; written
-  into a per-session buffer reused step after step) and the step's conv inputs (the window after
-  row j is a slice of them). Restoring is a copy. Memory: rows x Hv x dk x dv float32 per layer;
-- "replay": the state before the step plus the per-row recurrence inputs (q, k, v, g, beta); the
-  kept prefix is replayed through the same function, so the state is bit-identical to the
-  stash's. A few percent of the stash's memory, one recurrence row per kept row at restore time
-  (benchmarks/qwen3_5_rollback.py).
+- "stash" (CPU default): the per-row recurrent states (the recurrence writes them) and the rows'
+  conv inputs (the window after row j is a slice of them). Restoring is a copy. Memory:
+  rollback_rows x Hv x dk x dv float32 per layer;
+- "replay" (CUDA default): the rows' conv inputs and outputs, g and beta; the kept prefix is
+  re-run from the base through the same recurrence, so the state is bit-identical to the stash's.
+  A few percent of the stash's memory and of its per-step writes.
 
 `state.rollback(n)` restores the state after position n-1, which must lie in the LAST runner
 step (all of its fixed-width chunks, up to `rollback_rows` recorded rows). Anything else (a
 position before that step, a second rollback below the length, a step of more than
-`rollback_rows` rows such as a long prompt) is refused with the reason. Restores are lazy: a
-commit or rollback only says which row's state is wanted; it is materialized once, before the
-next step (or when the state is read).
+`rollback_rows` rows such as a long prompt) is refused with the reason. `commit` and `rollback`
+restore at once, with host-known ints and device copies (no device value read back).
 
 Exactness across groupings: after the prefill every row runs the recurrence on its own, one row
 at a time with the same ops, and the conv is a fixed-order sum of K taps; with a fixed step width
 the projections see W rows every step. A token's logits and state are then bit-identical however
 the tokens are grouped into steps. A prompt longer than `rollback_rows` is prefilled with the
 chunked form (`gated_delta_rule_chunked`, as transformers prefills; equal to float32 rounding),
-shorter ones and every later step with the sequential form (`gated_delta_rule`).
+shorter ones and every later step with the sequential form (`step_ops.gated_delta_rule`).
 
-Not capturable in a CUDA graph (`supports_cuda_graphs = False`): the recurrence loops over rows
-in Python and the committed state is replaced, not written in place. Numerics follow
-`transformers.Qwen3_5ForCausalLM` (torch fallback path, no fla kernels).
+Capturable in a CUDA graph (`supports_cuda_graphs`): every state tensor is allocated once and
+written in place, and `static_step` only reads the committed state and writes its rows into the
+ring by position, so a replay needs nothing from Python; `commit` runs outside the graph. The
+conv, recurrence, attention and SiLU-mul go through `step_ops` (torch, or `memra_kernels` on
+CUDA). Numerics of the torch path follow `transformers.Qwen3_5ForCausalLM` (torch fallback path).
 """
 
 from __future__ import annotations
