@@ -5,10 +5,11 @@
 Writes a random mid-size hybrid target (hidden 1024, 8 layers = 6 Gated DeltaNet + 2 attention,
 16 value heads x 128 x 128 f32 state = 1 MiB per DeltaNet layer), prefills 256 tokens, then times
 rounds of `runner.step(16 rows)` (the verify) + `state.rollback(start + k)` for k in 1, 4, 8, 16
-under both modes, plus the per-step record each mode keeps. Restores are lazy (a rollback only
-says which row's state is wanted); the rollback time here includes materializing it (reading
-`state.rec`), which the next step would otherwise do. Variable-width steps by default (the
-rollback cost is the same with a fixed width of 16: one fixed step, no padding for 16 rows).
+under both modes, plus the record each mode keeps. A step's time includes its commit (in replay
+mode the commit re-runs the kept rows from the step's start state); the rollback restores the
+state at once. Variable-width steps by default (with a fixed width of 16: one fixed step, no
+padding for 16 rows). The record is allocated once per state (`rollback_rows` ring rows), so
+"record MiB" is its full size, not what one step used.
 """
 
 from __future__ import annotations
@@ -33,22 +34,16 @@ PROMPT, BLOCK = 256, 16
 
 
 def record_bytes(state) -> int:
-    """Bytes the last step's per-row record holds beyond the committed state (stash rows or
-    replay inputs, and the conv inputs)."""
-    total = 0
-    for chunk in state._chunks:
-        for layer in chunk.layers:
-            total += layer.xs.numel() * layer.xs.element_size()
-            if layer.states is not None:
-                total += layer.states.numel() * layer.states.element_size()
-            for x in layer.inputs or ():
-                total += x.numel() * x.element_size()
-    return total
+    """Bytes the rollback record holds beyond the committed state (the step-start state, the ring
+    of conv inputs, and stash rows or replay inputs)."""
+    committed = [state.kv, *state.conv, *state.rec]
+    return state.nbytes - sum(t.numel() * t.element_size() for t in committed)
 
 
 def back_to_the_prompt(state, snapshot) -> None:
-    """The state right after the prefill again (its tensors are replaced, never written in place)."""
-    state._conv, state._rec = list(snapshot[0]), list(snapshot[1])
+    """The state right after the prefill again (written in place, as every state tensor is)."""
+    for dst, src in zip((*state.conv, *state.rec), (*snapshot[0], *snapshot[1])):
+        dst.copy_(src)
     state._length = PROMPT
     state._forget()
 
@@ -72,7 +67,7 @@ def main() -> None:
         runner = runners[mode] = StepRunner(Qwen35Target.from_dir(out, rollback=mode), width)
         state = states[mode] = runner.new_state(PROMPT + BLOCK + 1)
         runner.prefill(prompt, state)
-        snaps[mode] = (list(state.conv), list(state.rec))
+        snaps[mode] = ([c.clone() for c in state.conv], [r.clone() for r in state.rec])
     print(f"step width {args.step_width}; {torch.get_num_threads()} thread")
     print(f"{'mode':7} {'k':>3} {'verify16 ms (min/med)':>22} {'rollback ms (min/med)':>22} {'record MiB':>11}")
     for k in (1, 4, 8, 16):
@@ -87,7 +82,6 @@ def main() -> None:
                 t1 = time.perf_counter()
                 mib[mode] = record_bytes(state) / 2**20
                 state.rollback(PROMPT + k)
-                state.rec  # materialize the restored state (else the next step would)
                 t2 = time.perf_counter()
                 times[mode][0].append(1e3 * (t1 - t0))
                 times[mode][1].append(1e3 * (t2 - t1))

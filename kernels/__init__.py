@@ -10,6 +10,8 @@ or on the storage size, so fixed-width steps stay bit-exact.
 - `activation`: SiLU(gate) * up
 - `attention`: causal GQA attention over the live length only, split over keys at a fixed size
 - `quant_linear`: q8_0 / q4_0 weights repacked once at load, dequantized in registers, small M
+- `deltanet`: Gated DeltaNet's step (Qwen3.5): causal conv update + SiLU, and the gated delta rule
+  over a step's rows (float32 state; final state and per-row stash on request)
 
 Modules import triton at the top: import them only where a kernel will run (the engine's layer
 seam does, for CUDA tensors); the CPU runtime never needs triton.

@@ -3,7 +3,7 @@ target and a z-lab DFlash drafter for it; `memra generate` / `memra bench` run t
 usual receipts and the speculative stream equals plain greedy (`--spec off`) token for token;
 `memra census` reads the drafter; `memra parity` reads the hybrid's tables (multimodal layout).
 Refusals (config without layer types, a missing DeltaNet tensor, a drafter tapping a layer the
-hybrid does not have, --cuda-graphs, the MoE model type) exit 2 with one `error:` line."""
+hybrid does not have, --cuda-graphs off CUDA, the MoE model type) exit 2 with one `error:` line."""
 
 from __future__ import annotations
 
@@ -77,8 +77,9 @@ def test_generate_text_with_receipts_and_the_graphs_note(tiny):
     assert r.exit_code == 0, r.output
     err = r.stderr.splitlines()
     assert err[0].startswith("[dflash] harvest=dflash (checkpoint census strategy_dspark=false")
-    assert any(line.startswith("note: target steps: 16 rows (default; --step-width); CUDA graphs off (the Qwen3.5 "
-                               "hybrid target's steps are not capturable yet") for line in err), err
+    # the hybrid is capturable now: off here only because this is not CUDA, as for Qwen3
+    assert any(line.startswith("note: target steps: 16 rows (default; --step-width); CUDA graphs off (default: "
+                               "not on CUDA; --cuda-graphs)") for line in err), err
     assert err[-1].startswith("[dflash] tokens=12 rounds=")
     assert r.stdout.strip()
 
@@ -112,11 +113,11 @@ def test_bench_gate_passes(tiny, tmp_path):
     assert [a["name"] for a in obj["arms"]] == ["off", "plain", "dflash"]
     assert [a["exact"] for a in obj["arms"]] == [True, None, True]  # plain: the speed baseline, not gated
     assert obj["arms"][2]["tokens"] == obj["arms"][0]["tokens"]
-    assert obj["baselines"]["plain"]["steps"] == "one-row steps (variable width), eager"  # the hybrid: no graphs anywhere
+    assert obj["baselines"]["plain"]["steps"] == "one-row steps (variable width), eager"  # no graphs off CUDA
     table = run("bench", "--target", target, "--draft", draft, "--prompts", prompts, "--n", "1", "--max-new", "8",
                 "--warmup", "0", "--arm", "dflash")
     assert table.exit_code == 0, table.output
-    assert "note: target steps: 16 rows (default; --step-width); CUDA graphs off (the Qwen3.5 hybrid" in table.stderr
+    assert "note: target steps: 16 rows (default; --step-width); CUDA graphs off (default: not on CUDA" in table.stderr
     assert "[dflash] harvest=dflash" in table.stderr and "speedup" in table.stdout
 
 
@@ -178,7 +179,7 @@ def test_refusals_are_one_line(tiny, tmp_path):
         assert "drafter target_layer_id 5" in line and "outside the 5-layer target [-1, 4]" in line, line
 
     line = one_error_line(run("generate", "--target", target, "--cuda-graphs", *base))
-    assert line.startswith("error: --cuda-graphs: the Qwen3.5 hybrid target's steps are not capturable yet")
+    assert line.startswith("error: --cuda-graphs needs --device cuda and a fixed --step-width (device cpu")
 
     moe = tmp_path / "moe"
     moe.mkdir()

@@ -37,7 +37,7 @@ from memra_cli.engine.formats.qwen3_5_config import load_qwen35_config, parse_qw
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.layers.deltanet import gated_delta_rule, gated_delta_rule_chunked, l2norm
 from memra_cli.engine.models.base import MODEL_FAMILIES, load_target, target_family
-from memra_cli.engine.models.qwen3_5 import Qwen35State, Qwen35Target, _GdnRecord
+from memra_cli.engine.models.qwen3_5 import Qwen35State, Qwen35Target
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import LADDER, Harvest
 from memra_cli.engine.spec.proposer import Program, Proposal
@@ -137,7 +137,7 @@ def test_registry_dispatches_both_layouts_and_refuses_moe_by_name(tiny_dirs, tmp
     assert MODEL_FAMILIES["qwen3_5"]() is MODEL_FAMILIES["qwen3_5_text"]() is Qwen35Target
     assert target_family(tiny_dirs["text"]) is target_family(tiny_dirs["multimodal"]) is Qwen35Target
     assert isinstance(load_target(tiny_dirs["multimodal"]), Qwen35Target)
-    assert Qwen35Target.supports_cuda_graphs is False
+    assert Qwen35Target.supports_cuda_graphs is True
     moe = tmp_path / "moe"
     moe.mkdir()
     (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": {}}))
@@ -340,9 +340,9 @@ def test_planted_bug_padding_state_committed_is_caught(step_dir, monkeypatch):
     right = Qwen35State.commit
 
     def commit_keeping_padding(self, end, step_continues=False):
-        chunk = self._pending
+        start, rows = self._pending
         right(self, end, step_continues)
-        self._settle_to = (chunk, chunk.rows)  # the bug: the state after the whole W-row step
+        self._restore(start + rows)  # the bug: the state after the whole W-row step
 
     monkeypatch.setattr(Qwen35State, "commit", commit_keeping_padding)
     with pytest.raises(AssertionError):
@@ -408,12 +408,12 @@ def test_planted_bug_rejected_row_state_kept_is_caught(step_dir, monkeypatch, bu
     """Plant it: the restore gives the state of the last verified row (or of row k instead of
     k-1), i.e. of a rejected draft."""
     runner = StepRunner(Qwen35Target.from_dir(step_dir, rollback=mode), WIDTH)
-    right = _GdnRecord.state_after
+    right = Qwen35State._restore
 
-    def wrong(self, j, conv_k):
-        return right(self, self.rows if bug == "final-state" else min(j + 1, self.rows), conv_k)
+    def wrong(self, n):
+        return right(self, self._recorded if bug == "final-state" else min(n + 1, self._recorded))
 
-    monkeypatch.setattr(_GdnRecord, "state_after", wrong)
+    monkeypatch.setattr(Qwen35State, "_restore", wrong)
     with pytest.raises(AssertionError):
         check_rollback(runner, exact=True)
 
@@ -638,20 +638,111 @@ def test_bad_requests_are_refused(models):
         target.set_rollback("stash", 0)
 
 
-def test_cuda_graphs_are_off_by_default_and_refused_when_asked_for(models):
-    """The hybrid target cannot be captured: the default is off (with the reason), an explicit
-    request is refused before any weight loads, and a runner refuses to be built graphed."""
-    target, _ = models["text"]
+def test_cuda_graphs_default_on_with_cuda_and_a_fixed_width(models):
+    """The hybrid's static_step is capturable: graphs default on with CUDA and a fixed width
+    (drafter graphs with them), as for Qwen3; off elsewhere."""
     cuda = torch.device("cuda")
-    on, drafter, note = resolve_cuda_graphs(None, cuda, WIDTH, {}, Qwen35Target)
-    assert (on, drafter) == (False, False) and note.startswith("CUDA graphs off (the Qwen3.5 hybrid target")
-    with pytest.raises(SettingError, match="cuda_graphs=True: the Qwen3.5 hybrid target's steps are not capturable"):
-        resolve_cuda_graphs(True, cuda, WIDTH, {}, Qwen35Target)
-    assert resolve_cuda_graphs(False, cuda, WIDTH, {}, Qwen35Target)[0] is False
-    with pytest.raises(ConfigError, match="MEMRA_DRAFT_GRAPHS=1 needs the target's CUDA graphs on"):
-        resolve_cuda_graphs(None, cuda, WIDTH, {"MEMRA_DRAFT_GRAPHS": "1"}, Qwen35Target)
-    with pytest.raises(ConfigError, match="cuda_graphs: the Qwen3.5 hybrid target's steps are not capturable"):
-        StepRunner(target, WIDTH, cuda_graphs=True)
+    on, drafter, _ = resolve_cuda_graphs(None, cuda, WIDTH, {}, Qwen35Target)
+    assert (on, drafter) == (True, True)
+    assert resolve_cuda_graphs(None, cuda, None, {}, Qwen35Target)[0] is False
+    assert resolve_cuda_graphs(None, torch.device("cpu"), WIDTH, {}, Qwen35Target)[0] is False
+    target, _ = models["text"]
+    with pytest.raises(ConfigError, match="cuda_graphs needs the target on a CUDA device"):
+        StepRunner(target, WIDTH, cuda_graphs=True)  # on the CPU: refused by the runner, not the family
+
+
+@pytest.fixture
+def replay_graphs(monkeypatch):
+    """`cuda_graphs.capture` swapped for an eager stand-in (as tests/engine/test_step_width.py's
+    `eager_graphs`) that also undoes static_step's Python side effects on the state at each
+    replay: a real graph replays kernels only, so `commit` must not need them. Returns the list
+    of captures."""
+    from memra_cli.engine.runtime import cuda_graphs
+
+    captures, replaying = [], [False]
+    right = Qwen35Target.static_step
+
+    def static_step(self, ids, positions, state, taps=None):
+        before = (state._pending, state._width)
+        out = right(self, ids, positions, state, taps)
+        if replaying[0]:
+            state._pending, state._width = before
+        return out
+
+    def capture(fn, device):
+        out = fn()
+
+        class Replay:
+            def replay(self):
+                replaying[0] = True
+                try:
+                    fresh = fn()
+                finally:
+                    replaying[0] = False
+                for mine, new in zip((out[0], out[1]), fresh):
+                    if mine is not None:
+                        mine.copy_(new)
+
+        captures.append(fn)
+        return Replay(), out
+
+    monkeypatch.setattr(Qwen35Target, "static_step", static_step)
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    return captures
+
+
+def graphed(model, width=WIDTH) -> StepRunner:
+    """A runner with graphs on, on the CPU (the runner refuses them off CUDA, so they are switched
+    on after construction, rope tables made at full length as its constructor does)."""
+    runner = StepRunner(model, width)
+    runner.cuda_graphs = True
+    model.ensure_positions(runner.max_rows())
+    return runner
+
+
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+def test_graph_plumbing_groupings_rollback_and_sessions(tiny_dirs, step_dir, replay_graphs, mode):
+    """Fixed steps through StepGraph (replayed by the stand-in): groupings and verify + rollback
+    bit for bit as eager steps give them, one capture per pooled storage, and speculative
+    sessions equal plain greedy."""
+    runner = graphed(Qwen35Target.from_dir(step_dir, rollback=mode))
+    check_groupings(runner)
+    check_rollback(runner, exact=True)
+    eager = StepRunner(Qwen35Target.from_dir(step_dir, rollback=mode), WIDTH)
+    p, cont = _ids(37, 0), _ids(24, 1)
+    for groups in ([24], [5, 7, 1, 11]):
+        got, s_graph = run_groups(runner, p, cont, groups)
+        want, s_eager = run_groups(eager, p, cont, groups)
+        assert torch.equal(got, want)
+        assert_same_states(s_graph, s_eager)
+    # a released storage comes back from the pool with its graph: no new capture, same numbers
+    first = runner.new_state(64)
+    runner.prefill(p, first)
+    runner.step(cont[:3], 37, first)
+    n = len(replay_graphs)
+    runner.release(first)
+    again = runner.new_state(64)
+    assert again is first and again.length == 0
+    runner.prefill(p, again)
+    got, _ = runner.step(cont[:3], 37, again)
+    fresh = eager.new_state(64)
+    eager.prefill(p, fresh)
+    assert torch.equal(got, eager.step(cont[:3], 37, fresh)[0]) and len(replay_graphs) == n
+    assert_same_states(again, fresh)
+
+    target = Qwen35Target.from_dir(tiny_dirs["text"], rollback=mode)
+    g_runner = graphed(target)
+    block, max_new = 8, 30
+    ids = prompt(12, 62)
+    truth = greedy_reference(StepRunner(Qwen35Target.from_dir(tiny_dirs["text"], rollback=mode), WIDTH), ids,
+                             max_new + block + 1)
+    assert greedy_reference(g_runner, ids, max_new + block + 1) == truth
+    oracle = Oracle(truth, len(ids), block - 1, lambda r: {(3 * r + 1) % 9} if (3 * r + 1) % 9 < 7 else set())
+    program = Program(Harvest.DFLASH, LADDER, False, block, False, block)
+    session = Session(g_runner, ids, max_new, proposer=oracle, program=program, taps=(-1, 1, 3))
+    assert session.run() == truth[:max_new]
+    hist = session.stats.accept_hist
+    assert any(0 < m < block - 1 for m in hist if hist[m]), hist
 
 
 def test_config_interval_rule_and_defaults(tiny_dirs):

@@ -10,6 +10,12 @@ only these, never a kernel.
 Exactness across groupings: `causal_conv_silu` is a fixed-order sum over the K taps, elementwise,
 and `gated_delta_rule` runs one row at a time with the same ops whatever the row count, so a
 row's value never depends on how many rows share the call.
+
+`conv_silu_update` and `gated_delta_step` are the fixed-width step's two operations in the form
+the step-ops seam (layers/step_ops.py) exposes, the torch side of `memra_kernels.deltanet`'s
+kernels (same signatures): the step passes the kept conv window and the conv output rows, and
+the recurrence writes its final state / per-row stash into buffers it is given, so a CUDA graph
+can bind them.
 """
 
 from __future__ import annotations
@@ -122,3 +128,48 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         out[:, i] = q[:, i] @ s + intra[:, i] @ v_new
         s = s * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
     return out.reshape(hv, n * chunk, dv)[:, :t].transpose(0, 1), s
+
+
+def prep_qkv(qkv: torch.Tensor, n_k_heads: int, n_v_heads: int, dk: int, dv: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The conv output `qkv [t, 2*Hk*dk + Hv*dv]` -> the recurrence's float32 q, k `[t, Hv, dk]`
+    (L2-normalized, q divided by sqrt(dk), key heads repeated to the value heads) and v `[t, Hv, dv]`."""
+    t, key_dim = qkv.shape[0], n_k_heads * dk
+    q, k, v = qkv.split([key_dim, key_dim, n_v_heads * dv], dim=-1)
+    qf = l2norm(q.reshape(t, n_k_heads, dk).float())
+    kf = l2norm(k.reshape(t, n_k_heads, dk).float())
+    if n_v_heads != n_k_heads:
+        qf = qf.repeat_interleave(n_v_heads // n_k_heads, dim=1)
+        kf = kf.repeat_interleave(n_v_heads // n_k_heads, dim=1)
+    return qf / (dk ** 0.5), kf, v.reshape(t, n_v_heads, dv).float()
+
+
+def conv_silu_update(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`causal_conv_silu` of rows `x [t, C]` after the kept window `[K-1, C]` -> `[t, C]`."""
+    return causal_conv_silu(torch.cat([window, x], dim=0), w)
+
+
+def gated_delta_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                     n_k_heads: int, final: torch.Tensor | None = None, stash: torch.Tensor | None = None,
+                     stash_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The recurrence over a step's conv output rows `qkv [t, C]`, `g`, `beta` `[t, Hv]` float32,
+    from `state [Hv, dk, dv]` (read; may also be `final`). Returns out `[t, Hv, dv]` float32;
+    writes the state after the last row into `final` and the state after row r into
+    `stash[stash_idx[r]]` when given. `prep_qkv` then `gated_delta_rule`'s per-row ops, so its
+    numbers are `gated_delta_rule`'s bit for bit."""
+    hv, dk, dv = state.shape
+    q, k, v = prep_qkv(qkv, n_k_heads, hv, dk, dv)
+    out = torch.empty_like(v)
+    s = state
+    for i in range(qkv.shape[0]):
+        s = s * g[i].exp()[:, None, None]
+        k_i = k[i].unsqueeze(-1)
+        kv_mem = (s * k_i).sum(dim=-2)
+        delta = (v[i] - kv_mem) * beta[i].unsqueeze(-1)
+        s = s + k_i * delta.unsqueeze(-2)
+        out[i] = (s * q[i].unsqueeze(-1)).sum(dim=-2)
+        if stash is not None:
+            stash.index_copy_(0, stash_idx[i:i + 1], s.unsqueeze(0))  # device index: capturable
+    if final is not None:
+        final.copy_(s)
+    return out

@@ -1,6 +1,6 @@
 """The fixed-width step's fused operations, behind one seam: plain torch or Triton kernels.
 
-A model's `static_step` calls only these five operations (plus its weight matmuls), so the same
+A model's `static_step` calls only these operations (plus its weight matmuls), so the same
 model code runs the torch reference on any device and the fused kernels of `memra_kernels` on
 CUDA. The drafter (models/drafter.py) calls them too: its norms and SiLU·mul on every path, and
 in its static round and ingest the q/k norm + rope + K/V write and (plain layers) the attention,
@@ -14,6 +14,9 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `silu_mul(gate_up) -> silu(gate) * up`
 - `markov_chain(logits, anchor, w1, w2, dtype) -> tokens`: DSpark's greedy chain (the drafter's
   side of a round; one launch per slot with the kernels, ~6 with torch)
+- `conv_silu(window, x, w)`: Gated DeltaNet's causal conv update + SiLU over a step's rows
+- `gated_delta_rule(qkv, g, beta, state, n_k_heads, final, stash, stash_idx) -> out`: its
+  recurrence over the rows (float32 state; final state and per-row stash written on request)
 
 `TorchStepOps` is today's numerics exactly (HF transformers' Qwen3 order of roundings); its
 attention runs over the whole cache storage under a position mask. `TritonStepOps` reads only the
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from memra_cli.engine.errors import SettingError
+from memra_cli.engine.layers.deltanet import conv_silu_update, gated_delta_step
 from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.layers.rope import apply_rope
 
@@ -94,6 +98,9 @@ class TorchStepOps:
             out.append(prev)
         return torch.cat(out)
 
+    conv_silu = staticmethod(conv_silu_update)
+    gated_delta_rule = staticmethod(gated_delta_step)
+
 
 class TritonStepOps:
     """`memra_kernels` (CUDA tensors; on CPU only under Triton's interpreter, for tests)."""
@@ -101,7 +108,7 @@ class TritonStepOps:
     name = "triton"
 
     def __init__(self):
-        from memra_kernels import activation, attention, markov, norm, rope
+        from memra_kernels import activation, attention, deltanet, markov, norm, rope
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
@@ -109,6 +116,8 @@ class TritonStepOps:
         self.attention = attention.decode_attention
         self.silu_mul = activation.silu_mul
         self.markov_chain = markov.markov_chain
+        self.conv_silu = deltanet.causal_conv_silu
+        self.gated_delta_rule = deltanet.gated_delta_rule
 
 
 def select_step_ops(device: torch.device, setting: bool | None = None, env: dict | None = None):
@@ -132,4 +141,4 @@ def select_step_ops(device: torch.device, setting: bool | None = None, env: dict
         if setting:
             raise SettingError("kernels", True, f"memra_kernels cannot load ({exc})", quote=False) from None
         return TorchStepOps(), f"step ops: torch (memra_kernels unavailable: {exc})"
-    return ops, "step ops: Triton kernels (fused norms, rope + KV write, live-length attention)"
+    return ops, "step ops: Triton kernels (fused norms, rope + KV write, live-length attention, DeltaNet conv and recurrence)"

@@ -22,42 +22,44 @@ its conv window (the last K-1 conv inputs, model dtype) and recurrent state (flo
 Steps. The step runner (runtime/steps.py) owns width, padding and chunking, as for Qwen3:
 `forward` is the eager step of any width (the prefill; variable-width steps), `static_step` the
 fixed-width one. A fixed step runs all W rows (padding included) through the recurrence from the
-committed state and leaves them pending; the runner's `state.commit(end)` then keeps the state
+committed state (which it only reads) and leaves them pending; the runner's `state.commit(end)` then keeps the state
 after the last real row, so a padding row's state can never become the committed one.
 
 Rollback. A KV cache rolls back by moving its length; a recurrent state cannot be un-applied.
-Each step therefore keeps, for its rows, what is needed to produce the state after any of them:
+Each step therefore records, in the state's ring (`Qwen35State`), what is needed to produce the
+state after any of its rows, on top of the state at the start of the runner step (the base):
 
-- "stash" (default): the per-row recurrent states (the recurrence computes them anyway; written
-  into a per-session buffer reused step after step) and the step's conv inputs (the window after
-  row j is a slice of them). Restoring is a copy. Memory: rows x Hv x dk x dv float32 per layer;
-- "replay": the state before the step plus the per-row recurrence inputs (q, k, v, g, beta); the
-  kept prefix is replayed through the same function, so the state is bit-identical to the
-  stash's. A few percent of the stash's memory, one recurrence row per kept row at restore time
-  (benchmarks/qwen3_5_rollback.py).
+- "stash" (CPU default): the per-row recurrent states (the recurrence writes them) and the rows'
+  conv inputs (the window after row j is a slice of them). Restoring is a copy. Memory:
+  rollback_rows x Hv x dk x dv float32 per layer;
+- "replay" (CUDA default): the rows' conv inputs and outputs, g and beta; the kept prefix is
+  re-run from the base through the same recurrence, so the state is bit-identical to the stash's.
+  A few percent of the stash's memory and of its per-step writes.
 
 `state.rollback(n)` restores the state after position n-1, which must lie in the LAST runner
 step (all of its fixed-width chunks, up to `rollback_rows` recorded rows). Anything else (a
 position before that step, a second rollback below the length, a step of more than
-`rollback_rows` rows such as a long prompt) is refused with the reason. Restores are lazy: a
-commit or rollback only says which row's state is wanted; it is materialized once, before the
-next step (or when the state is read).
+`rollback_rows` rows such as a long prompt) is refused with the reason. `commit` and `rollback`
+restore at once, with host-known ints and device copies (no device value read back).
 
 Exactness across groupings: after the prefill every row runs the recurrence on its own, one row
 at a time with the same ops, and the conv is a fixed-order sum of K taps; with a fixed step width
 the projections see W rows every step. A token's logits and state are then bit-identical however
 the tokens are grouped into steps. A prompt longer than `rollback_rows` is prefilled with the
 chunked form (`gated_delta_rule_chunked`, as transformers prefills; equal to float32 rounding),
-shorter ones and every later step with the sequential form (`gated_delta_rule`).
+shorter ones and every later step with the sequential form (`step_ops.gated_delta_rule`).
 
-Not capturable in a CUDA graph (`supports_cuda_graphs = False`): the recurrence loops over rows
-in Python and the committed state is replaced, not written in place. Numerics follow
-`transformers.Qwen3_5ForCausalLM` (torch fallback path, no fla kernels).
+Capturable in a CUDA graph (`supports_cuda_graphs`): every state tensor is allocated once and
+written in place, and `static_step` only reads the committed state and writes its rows into the
+ring by position, so a replay needs nothing from Python; `commit` runs outside the graph. The
+conv, recurrence, attention and SiLU-mul go through `step_ops` (torch, or `memra_kernels` on
+CUDA). Numerics of the torch path follow `transformers.Qwen3_5ForCausalLM` (torch fallback path).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -71,17 +73,23 @@ from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.qwen3_5_config import (
     FULL, SKIPPED_PREFIXES, Qwen35Config, load_qwen35_config, text_prefix,
 )
-from memra_cli.engine.layers.deltanet import (
-    causal_conv_silu, gated_delta_rule, gated_delta_rule_chunked, gated_rms_norm, l2norm, rms_norm_1p,
-)
+from memra_cli.engine.layers.deltanet import gated_delta_rule_chunked, gated_rms_norm, prep_qkv, rms_norm_1p
+from memra_cli.engine.layers.step_ops import TorchStepOps
 from memra_cli.engine.layers.rope import apply_partial_rope, cos_sin, rope_tables
 
 log = logging.getLogger(__name__)
 
 ROLLBACK_MODES = ("stash", "replay")
 DEFAULT_ROLLBACK_ROWS = 64  # a step's rows are recorded for a rollback up to this many (a prompt is longer)
-GRAPHS_NOTE = ("the Qwen3.5 hybrid target's steps are not capturable yet: the DeltaNet recurrence loops over "
-               "rows in Python and its state is replaced, not written in place")
+
+
+def default_rollback(device: torch.device) -> str:
+    """The rollback mode a target gets unless told: "stash" on the CPU (the recurrence computes
+    the per-row states anyway; a restore is a copy), "replay" on CUDA, where a stash would write
+    W whole states per layer per step and hold `rollback_rows` of them per session (at
+    Qwen3.5-4B's shapes 32 MiB per layer per 16-row step, 3 GiB per session) against a record
+    of conv outputs and gates (~1 MiB per layer) and one re-run of the kept rows at commit."""
+    return "replay" if torch.device(device).type == "cuda" else "stash"
 
 
 # --------------------------------------------------------------------------- weights
@@ -249,79 +257,60 @@ class _Loader:
 # --------------------------------------------------------------------------- state
 
 
-@dataclass
-class _GdnRecord:
-    """One DeltaNet layer over one step's rows: what it takes to give the state after any of them.
-
-    `xs [K-1+rows, C]`: the conv window before the step, then the step's conv inputs (the window
-    after j rows is `xs[j:j+K-1]`). `pre`: the recurrent state before the step; `final`: after its
-    last row. Stash mode keeps `states [rows, Hv, dk, dv]`; replay mode keeps `inputs` (q, k, v, g,
-    beta of the rows) and re-runs the recurrence on a prefix. A step too long to record keeps
-    neither (only its start and its end can be given)."""
-
-    xs: torch.Tensor
-    pre: torch.Tensor
-    final: torch.Tensor
-    rows: int
-    states: torch.Tensor | None = None
-    inputs: tuple[torch.Tensor, ...] | None = None
-
-    def state_after(self, j: int, conv_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv window, recurrent state) after the first `j` rows of the step (0 <= j <= rows)."""
-        assert 0 <= j <= self.rows, (j, self.rows)
-        window = self.xs[j:j + conv_k - 1]
-        if j == self.rows:
-            return window, self.final
-        if j == 0:
-            return window, self.pre
-        if self.states is not None:
-            return window, self.states[j - 1]
-        if self.inputs is None:
-            raise AssertionError("no per-row record kept for this step")
-        q, k, v, g, beta = (x[:j] for x in self.inputs)
-        return window, gated_delta_rule(q, k, v, g, beta, self.pre)[1]
-
-
-@dataclass
-class _Chunk:
-    """The rows one forward / static_step ran from `start` (`rows` of them; `live` committed), per
-    DeltaNet layer. `kept`: whether the per-row record exists (every fixed step; eager steps of at
-    most `rollback_rows` rows)."""
-
-    start: int
-    rows: int
-    layers: list[_GdnRecord]
-    kept: bool
-    live: int = 0
-
-
 class Qwen35State:
-    """One session's state: attention K/V `kv [n_full, 2, n_kv, max_len, hd]` (static, as Qwen3's
-    KVCache), and per DeltaNet layer `conv[i] [K-1, conv_dim]` (model dtype) and `rec[i]
-    [Hv, dk, dv]` (float32), committed at `length`.
+    """One session's state, every tensor allocated once and written in place (a CUDA graph binds
+    their addresses):
+
+    - `kv [n_full, 2, n_kv, max_len, hd]`: the attention layers' static K/V (as Qwen3's KVCache);
+    - per DeltaNet layer i, the committed `conv[i] [K-1, conv_dim]` (model dtype: the last K-1
+      conv inputs) and `rec[i] [Hv, dk, dv]` (float32), at position `length`;
+    - the record that lets a rollback reach back into the last runner step: the state at its
+      start (`_base_conv[i]`, `_base_rec[i]`, at position `_base`) and, in a ring of `ring` rows
+      indexed by position % ring, the conv inputs of its rows (`_xs[i] [ring, conv_dim]`) plus
+      either the per-row states (`_stash[i] [ring, Hv, dk, dv]`, "stash") or the recurrence
+      inputs (`_qkv[i] [ring, conv_dim]` conv outputs, `_g[i]`, `_beta[i] [ring, Hv]`, "replay").
+
+    A step (eager `forward` or `static_step`) reads only the committed `conv` / `rec` and writes
+    its rows into the ring by position, so a graph replay needs nothing from Python. The host side
+    is `commit` and `rollback` (the runner and the round loop call them after each step): they
+    pick the kept row's state with host-known ints and device copies (a stash row, or the base
+    advanced through the kept rows by the same recurrence), never reading a device value back.
 
     `length` is read-only from outside: it moves with the recurrent state (`commit`, `rollback`,
-    `reset` and the target's eager `forward`), never alone. `graphs` exists for the runtime's
-    interface (the hybrid target is never captured, so it stays empty)."""
+    `reset` and the target's eager `forward`), never alone. `graphs` holds the CUDA graphs
+    captured over this storage (runtime/graphs.py)."""
 
-    def __init__(self, kv: torch.Tensor, conv: list[torch.Tensor], rec: list[torch.Tensor], max_len: int,
-                 conv_k: int):
+    def __init__(self, kv: torch.Tensor, conv_shape: tuple[int, int], rec_shape: tuple[int, int, int],
+                 n_linear: int, dtype: torch.dtype, device: torch.device, max_len: int, ring: int, mode: str,
+                 n_k_heads: int, ops):
         self.kv = kv
-        self._conv, self._rec = conv, rec
-        self.max_len, self.conv_k = max_len, conv_k
+        self.max_len, self.conv_k, self.ring, self.mode = max_len, conv_shape[0] + 1, ring, mode
+        self.n_k_heads, self._ops = n_k_heads, ops  # the recurrence a replay restore runs (the target's)
         self.graphs: dict = {}
+
+        def per_layer(shape, dt):
+            return [torch.zeros(shape, dtype=dt, device=device) for _ in range(n_linear)]
+
+        f32, (c, hv) = torch.float32, (conv_shape[1], rec_shape[0])
+        self.conv, self.rec = per_layer(conv_shape, dtype), per_layer(rec_shape, f32)
+        self._base_conv, self._base_rec = per_layer(conv_shape, dtype), per_layer(rec_shape, f32)
+        self._xs = per_layer((ring, c), dtype)
+        if mode == "stash":
+            self._stash = per_layer((ring, *rec_shape), f32)
+        else:
+            self._qkv, self._g, self._beta = per_layer((ring, c), dtype), per_layer((ring, hv), f32), per_layer((ring, hv), f32)
         self._length = 0
-        self._stash: list[torch.Tensor | None] = [None] * len(rec)  # per DeltaNet layer, reused step after step
+        self._width: int | None = None  # rows of the fixed step graphs were captured with
         self._forget()
 
     def _forget(self) -> None:
-        """Drop every record (nothing left to roll back into)."""
-        self._pending: _Chunk | None = None  # rows a static_step ran, not committed yet
-        self._chunks: list[_Chunk] = []  # the committed chunks of the last runner step (tile [base, length])
+        """Drop the record (nothing left to roll back into)."""
+        self._pending: tuple[int, int] | None = None  # (start, rows) of a step run eagerly, not committed yet
+        self._base: int | None = None  # where the record starts (None: no record)
+        self._reach = 0  # the lowest position a rollback may go back to (>= _base)
+        self._recorded = 0  # the ring holds rows up to this position (padding rows included)
         self._continues = False  # the last commit said the runner's step goes on with another fixed step
-        self._settle_to: tuple[_Chunk, int] | None = None  # (chunk, j): the committed state, not materialized yet
-        self._why_not = ""  # why a rollback below the last step's start is impossible, when it is
-        self._stash_used = 0  # stash rows the chunks of the current step hold
+        self._why_not = ""  # why a rollback below `_reach` is impossible, when it is
 
     # ----------------------------------------------------------------- the TargetState surface
 
@@ -330,27 +319,16 @@ class Qwen35State:
         return self._length
 
     @property
-    def conv(self) -> list[torch.Tensor]:
-        """Committed conv windows (materialized on read)."""
-        self._settle()
-        return self._conv
-
-    @property
-    def rec(self) -> list[torch.Tensor]:
-        """Committed recurrent states (materialized on read)."""
-        self._settle()
-        return self._rec
-
-    @property
     def nbytes(self) -> int:
-        tensors = [self.kv, *self._conv, *self._rec, *(s for s in self._stash if s is not None)]
+        tensors = [self.kv, *self.conv, *self.rec, *self._base_conv, *self._base_rec, *self._xs]
+        tensors += self._stash if self.mode == "stash" else [*self._qkv, *self._g, *self._beta]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def reset(self) -> None:
         """Back to an empty context: length 0, zero conv windows and states."""
         self._length = 0
-        self._conv = [torch.zeros_like(c) for c in self._conv]
-        self._rec = [torch.zeros_like(r) for r in self._rec]
+        for x in (*self.conv, *self.rec):
+            x.zero_()
         self._forget()
 
     def rollback(self, n_keep: int) -> None:
@@ -366,91 +344,91 @@ class Qwen35State:
         if n == 0:
             self.reset()
             return
-        base = self._chunks[0].start if self._chunks else None
-        if base is None or n < base:
+        if self._base is None or n < self._reach:
             why = self._why_not or (
-                f"the recurrent state is kept only back to the start of the last step (position {base}), "
-                "and cannot be un-applied further" if base is not None else "no step to roll back into")
+                f"the recurrent state is kept only back to the start of the last step (position {self._base}), "
+                "and cannot be un-applied further" if self._base is not None else "no step to roll back into")
             raise ValueError(f"cannot roll the Qwen3.5 state back from length {self._length} to {n}: {why}")
-        for chunk in self._chunks:
-            if chunk.start <= n <= chunk.start + chunk.live:
-                self._settle_to = (chunk, n - chunk.start)
-                break
-        else:  # unreachable: the chunks tile [base, length]
-            raise AssertionError((n, [(c.start, c.live) for c in self._chunks]))
-        self._length = n
-        self._chunks, self._pending, self._continues = [], None, False
+        self._restore(n)
+        self._length, self._reach = n, n
+        self._pending, self._continues = None, False
         self._why_not = f"it was already rolled back to {n} since its last step (one rollback per step)"
 
     def commit(self, end: int, step_continues: bool = False) -> None:
         """The runner keeps positions `[length, end)` of the static_step just run (rows past `end`
         were padding): the state after the last kept row becomes the committed one.
         `step_continues`: the runner's step goes on with another fixed step at `end`, so a
-        rollback may still reach back into this one."""
-        chunk = self._pending
-        if chunk is None or chunk.start != self._length:
-            raise ValueError(f"commit to {end}: no pending step at length {self._length}")
-        j = end - chunk.start
-        if not 0 <= j <= chunk.rows:
-            raise ValueError(f"commit to {end}: the pending step ran positions {chunk.start}..{chunk.start + chunk.rows - 1}")
-        chunk.live = j
-        self._pending = None
-        self._settle_to = (chunk, j)
-        self._length = end
-        self._continues = step_continues
-        if chunk.kept:
-            self._chunks.append(chunk)
+        rollback may still reach back into this one.
+
+        A graph replay runs no Python, so with graphs captured over this storage a commit with no
+        eagerly recorded step trusts the runner: a step of the captured width ran at `length`."""
+        start = self._length
+        if self._pending is not None and self._pending[0] == start:
+            rows = self._pending[1]
+        elif self.graphs and self._width is not None:
+            rows = self._width
         else:
-            self._chunks = []
-            self._why_not = (f"the last step ran {chunk.rows} rows, more than the rollback limit "
-                             "(rollback_rows), so its per-row states were not kept")
+            raise ValueError(f"commit to {end}: no pending step at length {start}")
+        if not 0 <= end - start <= rows:
+            raise ValueError(f"commit to {end}: the pending step ran positions {start}..{start + rows - 1}")
+        self._pending = None
+        if not self._continues or self._base is None:
+            self._new_base(start)  # a new runner step starts here: its start is the committed state
+            self._why_not = ""
+        self._recorded = start + rows
+        self._restore(end)
+        self._length, self._reach, self._continues = end, self._base, step_continues
+        if step_continues and end - self._base + rows > self.ring:
+            # the next chunk would overwrite ring rows still reachable: keep only from here on
+            self._new_base(end)
+            self._why_not = (f"the last step ran more than rollback_rows ({self.ring}) rows, so its per-row states "
+                             f"are kept only back to position {end}")
 
     # ----------------------------------------------------------------- the target's side
 
-    def _settle(self) -> None:
-        """Materialize the committed conv windows and states (after a commit or a rollback)."""
-        if self._settle_to is None:
-            return
-        chunk, j = self._settle_to
-        self._settle_to = None
-        for li, layer in enumerate(chunk.layers):
-            conv, rec = layer.state_after(j, self.conv_k)
-            # a stashed state is a view into the reused stash buffer: the committed one is a copy
-            self._conv[li], self._rec[li] = conv, (rec.clone() if layer.states is not None else rec)
+    def _new_base(self, start: int) -> None:
+        """The committed state (at `start`) becomes the record's base."""
+        for dst, src in zip((*self._base_conv, *self._base_rec), (*self.conv, *self.rec)):
+            dst.copy_(src)
+        self._base, self._reach = start, start
 
-    def _begin(self, rows: int, fixed: bool, limit: int) -> int:
-        """A step of `rows` rows starts at `length`: materialize the committed state; keep the
-        runner step's earlier chunks when this fixed step continues it (while they and this one
-        stay within `limit` recorded rows), else drop the record. Returns the stash row offset
-        for this step's per-row states."""
-        self._settle()
-        self._pending = None
-        if fixed and self._continues and self._chunks:
-            self._continues = False
-            if self._stash_used + rows <= max(limit, rows):
-                return self._stash_used
-            self._why_not = (f"the last step ran more than rollback_rows ({limit}) rows, so its per-row states "
-                             f"are kept only back to position {self._length}")
-        else:
+    def _ring_rows(self, buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Rows of positions `[lo, hi)` (at most `ring` of them) from a ring buffer, in order."""
+        a, b = lo % self.ring, hi - lo
+        if a + b <= self.ring:
+            return buf[a:a + b]
+        return torch.cat([buf[a:], buf[:a + b - self.ring]])
+
+    def _restore(self, n: int) -> None:
+        """Committed conv windows and states := those after position n-1 (`_base <= n <=
+        _recorded`): device copies, or a replay of the kept rows from the base."""
+        base, k1 = self._base, self.conv_k - 1
+        assert base is not None and base <= n <= self._recorded, (base, n, self._recorded)
+        for i in range(len(self.rec)):
+            window = self._base_conv[i]
+            if n > base:
+                window = torch.cat([window, self._ring_rows(self._xs[i], max(base, n - k1), n)])[-k1:]
+            self.conv[i].copy_(window)
+            if n == base:
+                self.rec[i].copy_(self._base_rec[i])
+            elif self.mode == "stash":
+                self.rec[i].copy_(self._stash[i][(n - 1) % self.ring])
+            else:  # replay: the same recurrence, so the same bits as the step computed in its registers
+                self._ops.gated_delta_rule(self._ring_rows(self._qkv[i], base, n), self._ring_rows(self._g[i], base, n),
+                                           self._ring_rows(self._beta[i], base, n), self._base_rec[i], self.n_k_heads,
+                                           final=self.rec[i])
+
+    def _ran_eager(self, start: int, rows: int) -> None:
+        """An eager `forward` ran `rows` rows from `start` (after `_new_base(start)` when it kept
+        them in the ring, i.e. `rows <= ring`) and committed them all at once."""
+        if rows <= self.ring:
+            self._recorded = start + rows
             self._why_not = ""
-        self._chunks, self._continues, self._stash_used = [], False, 0
-        return 0
-
-    def _ran(self, chunk: _Chunk, stash_rows: int) -> None:
-        """`chunk` was just run from `length` (pending until committed)."""
-        self._pending = chunk
-        self._stash_used += stash_rows
-
-    def _stash_rows(self, slot: int, offset: int, rows: int) -> torch.Tensor:
-        """`[rows, Hv, dk, dv]` of layer `slot`'s stash buffer from `offset`. The buffer is reused
-        step after step (a fresh multi-MiB allocation per step costs more than the stash itself
-        on the CPU); it grows when a step needs more (views of earlier chunks stay valid)."""
-        need = offset + rows
-        buf = self._stash[slot]
-        if buf is None or buf.shape[0] < need:
-            r = self._rec[slot]
-            buf = self._stash[slot] = torch.empty((-(-need // 16) * 16, *r.shape), dtype=r.dtype, device=r.device)
-        return buf[offset:need]
+        else:
+            self._forget()
+            self._why_not = (f"the last step ran {rows} rows, more than the rollback limit "
+                             "(rollback_rows), so its per-row states were not kept")
+        self._length, self._pending, self._continues = start + rows, None, False
 
 
 # --------------------------------------------------------------------------- the model
@@ -460,15 +438,16 @@ class Qwen35Target(TargetBase):
     """Qwen3.5 hybrid target (models/base.py `TargetModel`). Tap `i` = raw output of decoder layer
     `i`, `-1` = the embedding output.
 
-    `rollback_mode`: "stash" (per-row states) or "replay" (pre-step state + per-row inputs);
+    `rollback_mode`: "stash" (per-row states) or "replay" (step-start state + per-row inputs);
     `rollback_rows`: eager steps longer than this (a prompt) keep no per-row record, and a
-    runner step's fixed-width chunks are recorded back to this many rows."""
+    runner step's fixed-width chunks are recorded back to this many rows (the size of a state's
+    ring; a fixed step may not be wider). `step_ops` (layers/step_ops.py; `Engine.load` picks the
+    Triton kernels on CUDA) runs the fixed-width step's conv, recurrence, attention and SiLU·mul."""
 
-    supports_cuda_graphs = False
-    graphs_note = GRAPHS_NOTE
+    supports_cuda_graphs = True
 
     def __init__(self, cfg: Qwen35Config, embed: torch.Tensor, layers: list[LayerWeights],
-                 norm: torch.Tensor, lm_head: torch.Tensor, rollback: str = "stash",
+                 norm: torch.Tensor, lm_head: torch.Tensor, rollback: str | None = None,
                  rollback_rows: int = DEFAULT_ROLLBACK_ROWS, note: str = ""):
         self.cfg = cfg
         self.embed_weight = embed
@@ -483,17 +462,19 @@ class Qwen35Target(TargetBase):
         self._lin_slot = {li: s for s, li in enumerate(cfg.linear_layers)}
         self._rope = rope_tables(cfg.rope, cfg.rotary_dim)
         self._cos = self._sin = torch.empty(0, cfg.rotary_dim, dtype=self.dtype, device=self.device)
-        self.set_rollback(rollback, rollback_rows)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)  # what SDPA uses by default
+        self.step_ops = TorchStepOps()  # the fixed-width step's ops (Engine.load may pick the kernels)
+        self.set_rollback(default_rollback(self.device) if rollback is None else rollback, rollback_rows)
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", rollback: str = "stash") -> "Qwen35Target":
+                 device: str | torch.device = "cpu", rollback: str | None = None) -> "Qwen35Target":
         """Load a Qwen3.5 directory (either layout; single or sharded safetensors). The vision
         tower (`model.visual.*`) and MTP head (`mtp.*`) are recognized and skipped (counted in
-        `load_note`, logged)."""
+        `load_note`, logged). `rollback` None: `default_rollback(device)`."""
         path = Path(path)
         cfg = load_qwen35_config(path)
-        if rollback not in ROLLBACK_MODES:  # before the weights load
+        if rollback is not None and rollback not in ROLLBACK_MODES:  # before the weights load
             raise ConfigError(f"rollback mode must be one of {'|'.join(ROLLBACK_MODES)}, got {rollback!r}")
         loader = _Loader(open_checkpoint(path), cfg, dtype, torch.device(device))
         loader.check_all()
@@ -518,7 +499,7 @@ class Qwen35Target(TargetBase):
 
     def set_rollback(self, mode: str, rows: int | None = None) -> None:
         """How steps are recorded for a rollback: "stash" | "replay", and `rollback_rows`. Takes
-        effect from the next step."""
+        effect for states made after the call (a state's buffers are allocated once)."""
         if mode not in ROLLBACK_MODES:
             raise ConfigError(f"rollback mode must be one of {'|'.join(ROLLBACK_MODES)}, got {mode!r}")
         self.rollback_mode = mode
@@ -536,14 +517,14 @@ class Qwen35Target(TargetBase):
 
     def new_state(self, rows: int) -> Qwen35State:
         """A session's state of `rows` positions (the runner sizes it): static K/V, zero conv
-        windows and recurrent states."""
+        windows and recurrent states, and the rollback record's buffers (`rollback_rows` ring
+        rows in this target's rollback mode), all allocated here, once."""
         cfg = self.cfg
         kv = torch.zeros(len(cfg.full_layers), 2, self.n_kv, rows, self.head_dim, dtype=self.dtype, device=self.device)
-        k = cfg.linear_conv_kernel_dim
-        conv = [torch.zeros(k - 1, cfg.conv_dim, dtype=self.dtype, device=self.device) for _ in cfg.linear_layers]
-        rec = [torch.zeros(cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                           dtype=torch.float32, device=self.device) for _ in cfg.linear_layers]
-        return Qwen35State(kv, conv, rec, rows, k)
+        rec_shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        return Qwen35State(kv, (cfg.linear_conv_kernel_dim - 1, cfg.conv_dim), rec_shape, len(cfg.linear_layers),
+                           self.dtype, self.device, rows, self.rollback_rows, self.rollback_mode,
+                           cfg.linear_num_key_heads, self.step_ops)
 
     # ----------------------------------------------------------------------- forward
 
@@ -563,8 +544,9 @@ class Qwen35Target(TargetBase):
         """Run `ids [t]` at positions `start..start+t-1` over the committed context; commit them
         (`state.length = start + t`). `start` below the length is an implicit `rollback(start)`
         (refused unless the state can). Returns the final-normed hidden `[t, hidden]` and, with
-        `taps`, `[t, len(taps)*hidden]`. A prompt (from 0) longer than `rollback_rows` runs the
-        DeltaNet recurrence in its chunked form when `chunked_prefill` is on."""
+        `taps`, `[t, len(taps)*hidden]`. Rows of a step of at most `rollback_rows` are recorded
+        for a rollback; a longer prompt (from 0) runs the DeltaNet recurrence in its chunked form
+        when `chunked_prefill` is on."""
         t = ids.shape[0]
         end = start + t
         self.check_span(start, t, state)
@@ -573,8 +555,9 @@ class Qwen35Target(TargetBase):
             self.check_taps(taps)
         if start < state.length:
             state.rollback(start)
-        keep = t <= self.rollback_rows
-        offset = state._begin(t, fixed=False, limit=self.rollback_rows)
+        keep = t <= state.ring
+        if keep:
+            state._new_base(start)
         mask = self._mask(start, t)
 
         def attend(q, k, v, kv):
@@ -582,31 +565,40 @@ class Qwen35Target(TargetBase):
             kv[1, :, start:end] = v.transpose(0, 1)
             return self._attend(q, kv[0, :, :end], kv[1, :, :end], mask)
 
+        ring_idx = torch.arange(start, end, device=self.device) % state.ring if keep else None
         chunked = not keep and start == 0 and self.chunked_prefill
-        hidden, tapped = self._run(ids, self._cos[start:end], self._sin[start:end], attend, state, start, keep,
-                                   offset, taps, chunked)
-        state.commit(end)
+        hidden, tapped = self._run(ids, self._cos[start:end], self._sin[start:end], attend, state, ring_idx,
+                                   chunked, True, taps)
+        state._ran_eager(start, t)
         return hidden, tapped
 
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen35State,
                     taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fixed-width step (as Qwen3Target's): K/V written with `index_copy_`, attention over
-        the whole storage under a mask from `positions`, every one of the W rows through the
-        DeltaNet layers from the committed state, which `positions` must continue (the runner
-        rolls back first when a step starts below the length). Returns float32 logits `[W, vocab]`
-        and taps; the rows stay pending until `state.commit(end)` keeps the real ones."""
+        """The fixed-width step (as Qwen3Target's), capturable: `ids [W]` at device `positions
+        [W]` continuing the committed state. Attention layers: fused projection, q/k norm and
+        partial rope in torch (the zero-centred norms round differently from Qwen3's fused
+        kernel), K/V written with `index_copy_`, `step_ops.attention` over the cache by position,
+        then the output gate. DeltaNet layers: `step_ops.conv_silu` and `step_ops.gated_delta_rule`
+        over all W rows from the committed conv window and state, which this step only reads; the
+        rows go into the state's ring by position % ring (conv inputs, plus the per-row states or
+        the recurrence inputs). Nothing reads a host value that changes from step to step, so a
+        CUDA graph replays it; `state.commit(end)` then keeps the real rows (runs no kernel of the
+        step). Returns float32 logits `[W, vocab]` and taps."""
         width = ids.shape[0]
-        offset = state._begin(width, fixed=True, limit=self.rollback_rows)
-        cos, sin = self._cos[positions], self._sin[positions]
-        keys = torch.arange(state.max_len, device=self.device)
-        mask = (keys[None, :] <= positions[:, None]).repeat(self.n_heads // self.n_kv, 1)
+        if width > state.ring:
+            raise ConfigError(f"a fixed step of {width} rows is wider than rollback_rows ({state.ring}): "
+                              "its rows could not all be recorded for a rollback")
+        self.ensure_positions(state.max_len)
+        state._pending, state._width = (state.length, width), width  # Python: runs eagerly or at capture only
+        ops = self.step_ops
 
         def attend(q, k, v, kv):
             kv[0].index_copy_(1, positions, k.transpose(0, 1))
             kv[1].index_copy_(1, positions, v.transpose(0, 1))
-            return self._attend(q, kv[0], kv[1], mask)
+            return ops.attention(q, kv[0], kv[1], positions, self.scale)
 
-        hidden, tapped = self._run(ids, cos, sin, attend, state, state.length, True, offset, taps, False)
+        hidden, tapped = self._run(ids, self._cos[positions], self._sin[positions], attend, state,
+                                   positions % state.ring, False, False, taps)
         return self.logits(hidden), tapped
 
     def _mask(self, start: int, t: int) -> torch.Tensor | None:
@@ -618,17 +610,15 @@ class Qwen35Target(TargetBase):
         return mask.repeat(self.n_heads // self.n_kv, 1)
 
     def _run(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, state: Qwen35State,
-             start: int, keep: bool, offset: int, taps: Sequence[int] | None, chunked: bool
+             ring_idx: torch.Tensor | None, chunked: bool, commit_now: bool, taps: Sequence[int] | None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder over `ids [t]`: attention layers through `attend(q, k, v, kv)`, DeltaNet
-        layers from the committed state over all t rows. Leaves the rows pending on `state`."""
+        layers from the committed state over all t rows (recorded at `ring_idx` when given;
+        committed at once when `commit_now`, the eager forward)."""
         eps = self.cfg.rms_norm_eps
-        t = ids.shape[0]
         x = self.embed(ids)
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
-        stash = keep and self.rollback_mode == "stash" and not chunked
-        records: list[_GdnRecord] = []
         for li, w in enumerate(self.layers):
             h = rms_norm_1p(x, w.attn_norm, eps)
             if w.attn is not None:
@@ -636,15 +626,10 @@ class Qwen35Target(TargetBase):
                 out = attend(q, k, v, state.kv[self._full_slot[li]])
                 x = x + F.linear(out * torch.sigmoid(gate), w.attn.wo, w.attn.bo)
             else:
-                slot = self._lin_slot[li]
-                buf = state._stash_rows(slot, offset, t) if stash else None
-                out, record = self._gdn(h, w.gdn, state._conv[slot], state._rec[slot], keep, chunked, buf)
-                records.append(record)
-                x = x + out
+                x = x + self._gdn(h, w.gdn, state, self._lin_slot[li], ring_idx, chunked, commit_now)
             x = self._mlp(x, w)
             if li in wanted:
                 tapped[li] = x
-        state._ran(_Chunk(start, t, records, keep), t if stash else 0)
         hidden = self.final_norm(x)
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return hidden, taps_out
@@ -670,39 +655,43 @@ class Qwen35Target(TargetBase):
         out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
         return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
 
-    def _gdn(self, h: torch.Tensor, w: GdnWeights, conv_win: torch.Tensor, rec: torch.Tensor, keep: bool,
-             chunked: bool, stash_out: torch.Tensor | None) -> tuple[torch.Tensor, _GdnRecord]:
-        """A Gated DeltaNet mixer over `h [t, hidden]` from (conv window, state). Returns `[t,
-        hidden]` and the layer's record of the step (per-row states into `stash_out` in stash
-        mode, the recurrence inputs in replay mode, neither when `keep` is off)."""
-        cfg = self.cfg
+    def _gdn(self, h: torch.Tensor, w: GdnWeights, state: Qwen35State, slot: int, ring_idx: torch.Tensor | None,
+             chunked: bool, commit_now: bool) -> torch.Tensor:
+        """A Gated DeltaNet mixer over `h [t, hidden]` from layer `slot`'s committed conv window
+        and state -> `[t, hidden]`. With `ring_idx [t]` the rows are recorded into the state's
+        ring (conv inputs; per-row states in stash mode, conv outputs, g and beta in replay mode);
+        with `commit_now` the window and state after the last row replace the committed ones (in
+        place). `chunked`: a long prefill's WY form (nothing recorded, committed at once)."""
+        cfg, ops = self.cfg, self.step_ops
         t = h.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         mixed, z, b, a = F.linear(h, w.w_in).split([cfg.conv_dim, cfg.value_dim, hv, hv], dim=-1)
-        xs = torch.cat([conv_win, mixed], dim=0)  # [K-1+t, conv_dim]
-        conv = causal_conv_silu(xs, w.conv)
-        q, k, v = conv.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        window, rec = state.conv[slot], state.rec[slot]
+        conv = ops.conv_silu(window, mixed, w.conv)
         beta = torch.sigmoid(b).float()
         g = w.a_neg * F.softplus(a.float() + w.dt_bias)
-        qf = l2norm(q.reshape(t, hk, dk).float())
-        kf = l2norm(k.reshape(t, hk, dk).float())
-        if hv != hk:
-            qf = qf.repeat_interleave(hv // hk, dim=1)
-            kf = kf.repeat_interleave(hv // hk, dim=1)
-        qf = qf / (dk ** 0.5)
-        vf = v.reshape(t, hv, dv).float()
-        stash = stash_out is not None
-        if chunked:  # a long prefill: no per-row record is kept, so nothing needs the row states
-            core, final = gated_delta_rule_chunked(qf, kf, vf, g, beta, rec)
-            states = None
+        stash = None
+        if ring_idx is not None:
+            state._xs[slot].index_copy_(0, ring_idx, mixed)
+            if state.mode == "stash":
+                stash = state._stash[slot]
+            else:
+                state._qkv[slot].index_copy_(0, ring_idx, conv)
+                state._g[slot].index_copy_(0, ring_idx, g)
+                state._beta[slot].index_copy_(0, ring_idx, beta)
+        if chunked:
+            q, k, v = prep_qkv(conv, hk, hv, dk, dv)
+            core, final = gated_delta_rule_chunked(q, k, v, g, beta, rec)
+            rec.copy_(final)
         else:
-            core, final, states = gated_delta_rule(qf, kf, vf, g, beta, rec, keep_states=stash, states_out=stash_out)
-        record = _GdnRecord(xs=xs, pre=rec, final=final, rows=t, states=states,
-                            inputs=(qf, kf, vf, g, beta) if keep and not stash else None)
+            core = ops.gated_delta_rule(conv, g, beta, rec, hk, final=rec if commit_now else None, stash=stash,
+                                        stash_idx=None if stash is None else ring_idx)
+        if commit_now:
+            window.copy_(torch.cat([window, mixed], dim=0)[-window.shape[0]:])
         normed = gated_rms_norm(core.to(h.dtype), z.reshape(t, hv, dv), w.norm, cfg.rms_norm_eps)
-        return F.linear(normed.reshape(t, cfg.value_dim), w.w_out), record
+        return F.linear(normed.reshape(t, cfg.value_dim), w.w_out)
 
     def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        gate, up = F.linear(rms_norm_1p(x, w.mlp_norm, self.cfg.rms_norm_eps), w.w_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.w_down)
+        gate_up = F.linear(rms_norm_1p(x, w.mlp_norm, self.cfg.rms_norm_eps), w.w_gate_up)
+        return x + F.linear(self.step_ops.silu_mul(gate_up), w.w_down)

@@ -1,0 +1,214 @@
+"""Gated DeltaNet's fixed-width step (Qwen3.5's linear-attention mixer): the causal conv update
+and the gated delta-rule recurrence, each beside its plain-torch twin (`*_ref`).
+
+- `causal_conv_silu(window, x, w)`: depthwise causal conv over `x [t, C]` given the kept window
+  `[K-1, C]` (the last K-1 conv inputs before the rows), then SiLU. A fixed-order float32 sum over
+  the K taps per element, rounded to the model dtype, SiLU in float32, rounded again (the twin
+  is the engine's `causal_conv_silu` on `cat([window, x])`).
+- `gated_delta_rule(qkv, g, beta, state, n_k_heads, out, final, stash, stash_idx)`: the delta
+  rule over the t rows of a step, one row after the other, float32 state `[Hv, dk, dv]`. It reads
+  the conv output `qkv [t, 2*Hk*dk + Hv*dv]` (q | k | v, model dtype) and does the rest of the
+  per-row preparation itself (float32, q and k L2-normalized, q divided by sqrt(dk), value head h
+  reading key head h // (Hv/Hk)), so a recorded step can be re-run from its conv outputs alone.
+  Per row:
+
+      S = S * exp(g);  delta = (v - k.S) * beta;  S = S + k (x) delta;  o = q.S
+
+  Writes `out [t, Hv, dv]` (float32), and on request the state after the last row (`final`, may
+  be `state` itself: each program reads its tile before writing it) and the state after every
+  row into `stash[stash_idx[r]]` (a per-row stash; rollback to any row is then an index).
+
+Row-count invariance (what keeps fixed-width steps bit-exact): the conv is elementwise per row;
+the recurrence runs the same per-row code from the state it is given whatever `t` is, so a
+one-row step from the state after row r-1 gives row r's output and state bit for bit. `t` and the
+write flags are runtime arguments (not specialized), so a 1-row and a 16-row launch run one
+compiled kernel. The recurrence is launch-width bound: grid (Hv, dv / BLOCK_V), one program keeps
+a `[dk, BLOCK_V]` float32 tile of the state in registers for all t rows.
+
+Numerics against the twins: the same formulas, but Triton's exp / rsqrt / divide (fast-math on
+the GPU) and FMA contraction differ from torch's in the last float32 bits, and the recurrence
+carries those differences from row to row; tests/kernels/test_deltanet.py states the tolerances.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+
+BLOCK_C = 256  # conv channels per program
+L2_EPS = 1e-6  # HF / fla l2norm epsilon
+
+
+# --------------------------------------------------------------------------- conv
+
+
+@triton.jit
+def _conv_silu_kernel(win_ptr, x_ptr, w_ptr, out_ptr, C, stride_win, stride_x, stride_out,
+                      K: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        src = r + j  # row of [window; x]
+        from_win = src < K - 1
+        a = tl.load(win_ptr + src * stride_win + offs, mask=mask & from_win, other=0.0)
+        b = tl.load(x_ptr + (src - (K - 1)) * stride_x + offs, mask=mask & (src >= K - 1), other=0.0)
+        val = tl.where(from_win, a, b).to(tl.float32)
+        wj = tl.load(w_ptr + offs * K + j, mask=mask, other=0.0)
+        acc = acc + val * wj
+    dt = out_ptr.dtype.element_ty
+    y = acc.to(dt).to(tl.float32)  # rounded to the model dtype before SiLU, as the twin
+    tl.store(out_ptr + r * stride_out + offs, (y / (1.0 + tl.exp(-y))).to(dt), mask=mask)
+
+
+def causal_conv_silu(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU of `x [t, C]` after `window [K-1, C]` (both model dtype),
+    weights `w [C, K]` float32 -> `[t, C]` in x's dtype. Row r reads window rows r.. and x rows
+    ..r (position r of `[window; x]` through r + K-1)."""
+    check_tensors(window, x, w)
+    check_dtype(x, "x")
+    for name, tensor in (("window", window), ("x", x)):
+        check_last_contiguous(tensor, name)
+    t, c = x.shape
+    k = w.shape[1]
+    if window.shape != (k - 1, c) or w.shape != (c, k) or w.dtype != torch.float32 or not w.is_contiguous():
+        raise ValueError(f"window {tuple(window.shape)} / w {tuple(w.shape)} {w.dtype} do not fit x {tuple(x.shape)}")
+    out = torch.empty((t, c), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    _conv_silu_kernel[(t, triton.cdiv(c, BLOCK_C))](
+        window, x, w, out, c, window.stride(0), x.stride(0), out.stride(0), K=k, BLOCK=BLOCK_C, num_warps=4)
+    return out
+
+
+def causal_conv_silu_ref(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Plain torch twin of `causal_conv_silu` (the engine's fixed-order K-tap sum, layers/deltanet.py)."""
+    xs = torch.cat([window, x], dim=0)
+    k = w.shape[1]
+    t = xs.shape[0] - (k - 1)
+    xf = xs.float()
+    acc = xf[0:t] * w[:, 0]
+    for j in range(1, k):
+        acc = acc + xf[j:j + t] * w[:, j]
+    return F.silu(acc.to(xs.dtype))
+
+
+# --------------------------------------------------------------------------- recurrence
+
+
+@triton.jit(do_not_specialize=["t", "ratio", "write_final", "write_stash"])
+def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_ptr, idx_ptr,
+                t, ratio, write_final, write_stash, stride_qkv, stride_g, stride_beta, sqrt_dk, eps,
+                HV: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                BLOCK_V: tl.constexpr):
+    h = tl.program_id(0)
+    offs_k = tl.arange(0, DK)
+    offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    kh = h // ratio
+    tile = h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]  # [DK, BLOCK_V] of one head's state
+    s = tl.load(state_ptr + tile)
+    for r in range(t):
+        row = qkv_ptr + r * stride_qkv
+        q = tl.load(row + kh * DK + offs_k).to(tl.float32)
+        k = tl.load(row + KEY_DIM + kh * DK + offs_k).to(tl.float32)
+        v = tl.load(row + 2 * KEY_DIM + h * DV + offs_v).to(tl.float32)
+        g = tl.load(g_ptr + r * stride_g + h)
+        beta = tl.load(beta_ptr + r * stride_beta + h)
+        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) / sqrt_dk
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+        s = s * tl.exp(g)
+        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+        s = s + k[:, None] * delta[None, :]
+        tl.store(out_ptr + (r * HV + h) * DV + offs_v, tl.sum(s * q[:, None], axis=0))
+        if write_stash != 0:
+            slot = tl.load(idx_ptr + r).to(tl.int64)
+            tl.store(stash_ptr + slot * (HV * DK * DV) + tile, s)
+    if write_final != 0:
+        tl.store(final_ptr + tile, s)
+
+
+def _check_recurrence(qkv, g, beta, state, n_k_heads, final, stash, stash_idx):
+    check_tensors(qkv, g, beta, state)
+    check_dtype(qkv, "qkv")
+    t = qkv.shape[0]
+    hv, dk, dv = state.shape
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError("state must be a contiguous float32 [Hv, dk, dv]")
+    if qkv.shape[1] != 2 * n_k_heads * dk + hv * dv or hv % n_k_heads:
+        raise ValueError(f"qkv {tuple(qkv.shape)} does not fit {n_k_heads} key heads and state {tuple(state.shape)}")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (t, hv) or x.dtype != torch.float32 or x.stride(-1) != 1:
+            raise ValueError(f"{name} must be float32 [{t}, {hv}] with contiguous heads, got {tuple(x.shape)} {x.dtype}")
+    check_last_contiguous(qkv, "qkv")
+    for name, x in (("final", final), ("stash", stash)):
+        if x is not None and (x.dtype != torch.float32 or not x.is_contiguous() or x.shape[-3:] != state.shape):
+            raise ValueError(f"{name} must be contiguous float32 [..., {hv}, {dk}, {dv}]")
+    if (stash is None) != (stash_idx is None) or (stash_idx is not None and stash_idx.shape != (t,)):
+        raise ValueError("stash and stash_idx [t] come together")
+
+
+def gated_delta_rule(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                     n_k_heads: int, final: torch.Tensor | None = None, stash: torch.Tensor | None = None,
+                     stash_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """The delta rule over `qkv [t, 2*Hk*dk + Hv*dv]` (conv output, model dtype), `g`, `beta`
+    `[t, Hv]` float32, from `state [Hv, dk, dv]` float32 (read only, unless it is `final`).
+    Returns `out [t, Hv, dv]` float32; writes the state after the last row into `final [Hv, dk,
+    dv]` and the state after row r into `stash[stash_idx[r]]` (`stash [n, Hv, dk, dv]`) when given."""
+    _check_recurrence(qkv, g, beta, state, n_k_heads, final, stash, stash_idx)
+    t = qkv.shape[0]
+    hv, dk, dv = state.shape
+    out = torch.empty((t, hv, dv), dtype=torch.float32, device=state.device)
+    if dk != next_pow2(dk) or dv != next_pow2(dv):
+        raise ValueError(f"head dims must be powers of two (dk {dk}, dv {dv})")
+    if t == 0 and final is None:
+        return out
+    block_v = min(dv, 32)
+    _gdn_kernel[(hv, dv // block_v)](
+        qkv, g, beta, state, out, state if final is None else final, state if stash is None else stash,
+        g if stash_idx is None else stash_idx,
+        t, hv // n_k_heads, int(final is not None), int(stash is not None),
+        qkv.stride(0), g.stride(0), beta.stride(0), float(dk) ** 0.5, L2_EPS,
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=4)
+    return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def gated_delta_rule_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                         n_k_heads: int, final: torch.Tensor | None = None, stash: torch.Tensor | None = None,
+                         stash_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch twin of `gated_delta_rule`: the engine's prep (float32, l2norm, q / sqrt(dk),
+    key heads repeated to the value heads) and HF's per-row recurrence, one row at a time with
+    the same ops whatever t is."""
+    _check_recurrence(qkv, g, beta, state, n_k_heads, final, stash, stash_idx)
+    t = qkv.shape[0]
+    hv, dk, dv = state.shape
+    key_dim = n_k_heads * dk
+    q, k, v = qkv.split([key_dim, key_dim, hv * dv], dim=-1)
+    q = _l2norm(q.reshape(t, n_k_heads, dk).float())
+    k = _l2norm(k.reshape(t, n_k_heads, dk).float())
+    if hv != n_k_heads:
+        q = q.repeat_interleave(hv // n_k_heads, dim=1)
+        k = k.repeat_interleave(hv // n_k_heads, dim=1)
+    q = q / (dk ** 0.5)
+    v = v.reshape(t, hv, dv).float()
+    out = torch.empty((t, hv, dv), dtype=torch.float32, device=state.device)
+    s = state
+    for i in range(t):
+        s = s * g[i].exp()[:, None, None]
+        k_i = k[i].unsqueeze(-1)
+        delta = (v[i] - (s * k_i).sum(dim=-2)) * beta[i].unsqueeze(-1)
+        s = s + k_i * delta.unsqueeze(-2)
+        out[i] = (s * q[i].unsqueeze(-1)).sum(dim=-2)
+        if stash is not None:
+            stash.index_copy_(0, stash_idx[i:i + 1], s.unsqueeze(0))
+    if final is not None:
+        final.copy_(s)
+    return out

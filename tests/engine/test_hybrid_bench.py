@@ -1,0 +1,29 @@
+"""benchmarks/gpu/hybrid_step.py --tiny: the GPU benchmark's every section runs on the CPU at toy
+shapes (no graphs) and writes its JSON, so the lead's H200 run does not fail on plumbing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "hybrid_step.py"
+
+
+def test_hybrid_bench_tiny_smoke(tmp_path):
+    out = tmp_path / "out.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--json", str(out), "--ckpt", str(tmp_path / "ck")],
+                   check=True, capture_output=True, text=True, env=env, timeout=120)
+    d = json.loads(out.read_text())
+    for name in ("plain", "verify", "exact", "transformers"):
+        assert "error" not in d[name], (name, d[name])
+    assert d["exact"]["all_exact"] is True and d["summary"]["exact"] is True
+    assert {"width1", "width16"} <= set(d["plain"]) and "replay_k8" in d["verify"] and "stash_k1" in d["verify"]
+    assert d["transformers"]["token_ms"] > 0 and d["summary"]["transformers_agree_prefix"] >= 0

@@ -1,0 +1,131 @@
+"""Gated DeltaNet step kernels (conv update, delta-rule recurrence) vs their torch twins, and the
+grouping invariance that keeps fixed-width steps exact: a token's output and state are the same
+bits whether it runs alone or in a 16-row step, through the kernel and through the twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from memra_kernels.deltanet import (  # noqa: E402
+    causal_conv_silu, causal_conv_silu_ref, gated_delta_rule, gated_delta_rule_ref,
+)
+
+# Tolerances against the twin. Conv: one K-tap float32 sum (FMA contraction and Triton's exp in
+# SiLU differ from torch by a float32 ulp or so), then rounded: f32 1e-5, bf16 a rare one-ulp flip
+# of the rounded value (2^-7 relative). Recurrence: float32 throughout, but the per-row rsqrt /
+# exp / sums differ from torch's by ulps and the state carries them from row to row; over 17 rows
+# they stay below 1e-5 relative (measured ~1e-6 under the interpreter).
+CONV_RTOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
+REC_RTOL, REC_ATOL = 1e-5, 1e-6
+ROWS = (1, 3, 16, 17)
+# (key heads, value heads, dk, dv): Qwen3.5 repeats key heads to value heads (4B: 16 -> 32, 128 x 128)
+HEADS = [(2, 4, 64, 64), (1, 2, 128, 128), (2, 2, 64, 128)]
+
+
+def _rand(*shape, seed, scale=1.0, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+
+def _inputs(t, hk, hv, dk, dv, dtype, device, seed=0):
+    """Conv output rows, g (log decay, negative) and beta in (0, 1), a non-trivial state."""
+    qkv = _rand(t, 2 * hk * dk + hv * dv, seed=seed, dtype=dtype, device=device)
+    g = -torch.nn.functional.softplus(_rand(t, hv, seed=seed + 1)).to(device) * 0.5
+    beta = torch.sigmoid(_rand(t, hv, seed=seed + 2)).to(device)
+    state = _rand(hv, dk, dv, seed=seed + 3, scale=0.3, device=device)
+    return qkv, g, beta, state
+
+
+# --------------------------------------------------------------------------- conv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("t", ROWS)
+@pytest.mark.parametrize("c", [64, 640 + 37])
+def test_conv_matches_ref(t, c, dtype, device):
+    window = _rand(3, c, seed=1, dtype=dtype, device=device)
+    x = _rand(t, c, seed=2, dtype=dtype, device=device)
+    w = _rand(c, 4, seed=3, scale=0.5, device=device)
+    got, want = causal_conv_silu(window, x, w), causal_conv_silu_ref(window, x, w)
+    assert got.shape == (t, c) and got.dtype == dtype
+    torch.testing.assert_close(got, want, rtol=CONV_RTOL[dtype], atol=1e-6)
+    if dtype != torch.float32:
+        assert (got != want).float().mean().item() <= 0.02
+
+
+@pytest.mark.parametrize("fn", [causal_conv_silu, causal_conv_silu_ref], ids=["kernel", "twin"])
+def test_conv_rows_do_not_depend_on_the_grouping(fn, device):
+    c = 200
+    window = _rand(3, c, seed=4, dtype=torch.bfloat16, device=device)
+    x = _rand(16, c, seed=5, dtype=torch.bfloat16, device=device)
+    w = _rand(c, 4, seed=6, device=device)
+    whole = fn(window, x, w)
+    xs = torch.cat([window, x])
+    for r in range(16):  # one row at a time, each given the window of the three inputs before it
+        assert torch.equal(fn(xs[r:r + 3], x[r:r + 1], w)[0], whole[r]), r
+
+
+# --------------------------------------------------------------------------- recurrence
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("t", ROWS)
+@pytest.mark.parametrize("hk,hv,dk,dv", HEADS)
+def test_recurrence_matches_ref(t, hk, hv, dk, dv, dtype, device):
+    qkv, g, beta, state = _inputs(t, hk, hv, dk, dv, dtype, device)
+    idx = torch.arange(t, device=device).flip(0) + 2  # stash rows written out of order, not from 0
+    outs, finals, stashes = [], [], []
+    for fn in (gated_delta_rule, gated_delta_rule_ref):
+        final = torch.empty_like(state)
+        stash = torch.full((t + 2, hv, dk, dv), float("nan"), device=device)
+        outs.append(fn(qkv, g, beta, state, hk, final=final, stash=stash, stash_idx=idx))
+        finals.append(final)
+        stashes.append(stash)
+    for got, want in zip((outs[0], finals[0], stashes[0][2:]), (outs[1], finals[1], stashes[1][2:])):
+        torch.testing.assert_close(got, want, rtol=REC_RTOL, atol=REC_ATOL)
+    assert torch.isnan(stashes[0][:2]).all()  # rows outside stash_idx untouched
+    assert torch.equal(stashes[0][2], finals[0])  # the last row (idx 2) is the final state
+
+
+@pytest.mark.parametrize("fn", [gated_delta_rule, gated_delta_rule_ref], ids=["kernel", "twin"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_recurrence_does_not_depend_on_the_grouping(fn, dtype, device):
+    """16 rows in one call == one row at a time (each from the previous call's final state) ==
+    groups 5 + 7 + 1 + 3: outputs, final states and stash rows, bit for bit."""
+    hk, hv, dk, dv = 2, 4, 64, 64
+    qkv, g, beta, state = _inputs(16, hk, hv, dk, dv, dtype, device, seed=7)
+    idx = torch.arange(16, device=device)
+    stash = torch.empty(16, hv, dk, dv, device=device)
+    final = torch.empty_like(state)
+    whole = fn(qkv, g, beta, state, hk, final=final, stash=stash, stash_idx=idx)
+    for groups in ([1] * 16, [5, 7, 1, 3]):
+        s, lo = state.clone(), 0
+        for n in groups:
+            nxt = torch.empty_like(s)
+            out = fn(qkv[lo:lo + n], g[lo:lo + n], beta[lo:lo + n], s, hk, final=nxt)
+            assert torch.equal(out, whole[lo:lo + n]), (groups, lo)
+            s, lo = nxt, lo + n
+            assert torch.equal(s, stash[lo - 1]), (groups, lo)
+        assert torch.equal(s, final)
+
+
+def test_final_may_be_the_state_itself(device):
+    qkv, g, beta, state = _inputs(3, 2, 4, 64, 64, torch.float32, device, seed=9)
+    want = torch.empty_like(state)
+    out = gated_delta_rule(qkv, g, beta, state, 2, final=want)
+    inplace = state.clone()
+    assert torch.equal(gated_delta_rule(qkv, g, beta, inplace, 2, final=inplace), out)
+    assert torch.equal(inplace, want)
+
+
+def test_bad_shapes_are_refused(device):
+    qkv, g, beta, state = _inputs(3, 2, 4, 64, 64, torch.float32, device)
+    with pytest.raises(ValueError, match="does not fit 3 key heads"):
+        gated_delta_rule(qkv, g, beta, state, 3)
+    with pytest.raises(ValueError, match="g must be float32"):
+        gated_delta_rule(qkv, g.double(), beta, state, 2)
+    with pytest.raises(ValueError, match="stash and stash_idx"):
+        gated_delta_rule(qkv, g, beta, state, 2, stash=torch.empty(3, 4, 64, 64, device=device))
