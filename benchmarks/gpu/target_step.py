@@ -225,6 +225,8 @@ def main() -> None:
         # the headline keys: the shipped path (Triton ops)
         for k in ("plain_ms", "verify16_ms", "peak_gib", "kernels_per_step"):
             out[k] = out["triton"][k]
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(out, indent=2))
         # exactness sweep: Triton ops, graphs on, verify window pinned at 16
         target.step_ops = TritonStepOps()
         draft = make_tiny_draft(Path(os.environ.get("TMPDIR", "/tmp")) / "ts_draft", "zlab", hidden=s["hidden"],
@@ -254,6 +256,9 @@ def main() -> None:
             print(f"sweep length {length}: {sum(r['exact'] for r in sweep if r['length'] == length)}/{a.sweep_prompts} exact, "
                   f"oracle tau {sum(r['oracle_tau'] for r in sweep if r['length'] == length) / a.sweep_prompts:.2f}, "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
+            out["sweep"] = {"prompts": a.sweep_prompts, "tokens": a.sweep_tokens, "lengths": a.sweep_lengths,
+                            "runs": sweep, "seconds": time.perf_counter() - t0, "partial": True}
+            a.json.write_text(json.dumps(out, indent=2))  # a run cut short keeps the lengths done
         out["sweep"] = {"prompts": a.sweep_prompts, "tokens": a.sweep_tokens, "lengths": a.sweep_lengths,
                         "runs": sweep, "seconds": time.perf_counter() - t0}
         out["exact"] = all(r["exact"] for r in sweep)
