@@ -64,3 +64,21 @@ def test_the_kernels_setting():
         select_step_ops(cpu, True, {})
     with pytest.raises(SettingError, match="expected 0 or 1"):
         select_step_ops(cpu, None, {"MEMRA_KERNELS": "yes"})
+
+
+@pytest.mark.parametrize("t,start,nh,nkv", [(5, 0, 4, 2), (7, 30, 8, 2), (1, 9, 4, 4), (16, 100, 4, 1)])
+def test_prefill_attention_is_the_masked_reference(t, start, nh, nkv):
+    """The fused prefill attention (a lower-right causal bias, K/V repeated per head) computes
+    the reference's folded, masked attention: query i sees keys up to start + i. A chunk after
+    cached rows (start > 0) fails with the upper-left rule, so this pins the alignment."""
+    g = torch.Generator().manual_seed(t + start)
+    n, hd = start + t, 32
+    q = torch.randn(t, nh, hd, generator=g).to(DEVICE)
+    k, v = (torch.randn(nkv, n, hd, generator=g).to(DEVICE) for _ in range(2))
+    keys, rows = torch.arange(n, device=DEVICE), torch.arange(start, n, device=DEVICE)
+    mask = (keys[None] <= rows[:, None]).repeat(nh // nkv, 1) if t > 1 else None
+    assert TorchStepOps.prefill_mask and not TritonStepOps.prefill_mask
+    ref = TorchStepOps.prefill_attention(q, k, v, mask)
+    got = TritonStepOps.prefill_attention(q, k, v, None)
+    assert got.shape == (t, nh * hd)
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5

@@ -12,6 +12,9 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
 - `attention(q, k_cache, v_cache, positions, scale) -> [t, nh*hd]`: causal by position over the cache
 - `silu_mul(gate_up) -> silu(gate) * up`
+- `prefill_attention(q, keys, values, mask) -> [t, nh*hd]`: a prefill chunk's attention (rows at
+  the cache's last positions, causal by position; `mask` the forward's folded boolean mask,
+  built only when `prefill_mask` is True)
 - `markov_chain(logits, anchor, w1, w2, dtype) -> tokens`: DSpark's greedy chain (the drafter's
   side of a round; one launch per slot with the kernels, ~6 with torch)
 - `conv_silu(window, x, w)`: Gated DeltaNet's causal conv update + SiLU over a step's rows
@@ -85,6 +88,21 @@ class TorchStepOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    prefill_mask = True  # prefill_attention reads the forward's folded [g*t, n] mask
+
+    @staticmethod
+    def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          mask: torch.Tensor | None) -> torch.Tensor:
+        """`q [t, nh, hd]` (positions n-t..n-1) over `keys/values [nkv, n, hd]` under the folded
+        `mask [g*t, n]` (None: one row, which sees every key): the g query heads of a KV head are
+        folded into rows, so K/V are never repeated. Returns `[t, nh*hd]`."""
+        t, nh, hd = q.shape
+        nkv = keys.shape[0]
+        g = nh // nkv
+        qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
+        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
+        return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
+
     @staticmethod
     def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
@@ -106,6 +124,28 @@ class TritonStepOps:
     """`memra_kernels` (CUDA tensors; on CPU only under Triton's interpreter, for tests)."""
 
     name = "triton"
+    prefill_mask = False  # the prefill's attention is causal by construction (no mask tensor)
+
+    @staticmethod
+    def prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          mask: torch.Tensor | None) -> torch.Tensor:
+        """`TorchStepOps.prefill_attention` through PyTorch's fused SDPA kernels: the causal rule
+        as a lower-right `CausalBias` (query i of t sees keys up to n-t+i) instead of a boolean
+        mask, which sends a long prompt's chunks to the math path (a 32k prompt took 17 s on the
+        H200). K/V are repeated per query head for the chunk (one layer's worth at a time): the
+        fused kernels take equal head counts. Prefill is shared by plain and speculative
+        decoding, so this changes no comparison the exactness gate makes."""
+        t, nh, hd = q.shape
+        if t == 1:
+            return TorchStepOps.prefill_attention(q, keys, values, None)
+        from torch.nn.attention.bias import causal_lower_right
+
+        g = nh // keys.shape[0]
+        n = keys.shape[1]
+        k = keys.repeat_interleave(g, dim=0)[None]  # [1, nh, n, hd]
+        v = values.repeat_interleave(g, dim=0)[None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=causal_lower_right(t, n))
+        return out[0].transpose(0, 1).reshape(t, nh * hd)
 
     def __init__(self):
         from memra_kernels import activation, attention, deltanet, markov, norm, rope

@@ -226,7 +226,7 @@ class Qwen3Target(TargetBase):
             self.check_taps(taps)
         x = self.embed(ids)
         cos, sin = self._cos[start:end], self._sin[start:end]
-        mask = self._mask(start, t)
+        mask = self._mask(start, t) if self.step_ops.prefill_mask else None
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
         for li, w in enumerate(self.layers):
@@ -277,12 +277,7 @@ class Qwen3Target(TargetBase):
 
         The g query heads of each KV head are folded into rows: `[nkv, g*t, hd]` attends to
         `[nkv, n, hd]` directly, so K/V are never repeated (HF's repeat_kv copies them)."""
-        t, nh, nkv, hd = q.shape[0], self.n_heads, self.n_kv, self.head_dim
-        g = nh // nkv
-        qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
-        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
-        out = out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
-        return F.linear(out, w.wo, w.bo)
+        return F.linear(self.step_ops.prefill_attention(q, keys, values, mask), w.wo, w.bo)
 
     def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The residual MLP half of a layer: `x + down(silu(gate) * up)` of the normed `x`."""
