@@ -249,6 +249,32 @@ def test_oracle_confidence_window_sizes_the_verify(world):
     check_stats(session, want)
 
 
+def test_oracle_confidence_window_sized_after_a_fixed_width_verify(world, monkeypatch):
+    """With 16-row steps the window is sized after the verify (one host read a round): the same
+    stream and the same accounting as sizing it first, which the model of the round predicts; and
+    the raws are never read on their own (no `.tolist()` of the raws before the verify)."""
+    nd = 7
+    keep = [2, 0, 6, 7, 1]
+    raws = lambda r: [3.0] * keep[r % 5] + [-3.0] * (nd - keep[r % 5])  # noqa: E731
+    want = simulate(lambda r: nd, MAX_NEW, 8, True, window=lambda r: min(max(1 + keep[r % 5], 2), 8))
+    truth = greedy_reference(StepRunner(world.target, 16), world.prompts[1], N_TRUTH)
+    program = Program(Harvest.DFLASH, VerifyWindow("confidence-slot", 0.5), False, nd + 1, True, 8)
+    runs = {}
+    for late in (True, False):
+        with monkeypatch.context() as mp:
+            if not late:
+                mp.setattr(Session, "_sizes_after_verify", lambda self: False)
+            else:
+                mp.setattr(Session, "_window", lambda self, proposal: pytest.fail("raws read before verify"))
+            oracle = OracleProposer(truth, len(world.prompts[1]), nd, world.target.device, (), raws)
+            session = Session(StepRunner(world.target, 16), world.prompts[1], MAX_NEW, proposer=oracle,
+                              program=program, taps=ORACLE_TAPS, eos_ids=())
+            assert session._sizes_after_verify() == late
+            runs[late] = session.run()
+            check_stats(session, want)
+    assert runs[True] == runs[False] == truth[:MAX_NEW]
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_oracle_accounting_matches_the_model(world, data):
@@ -696,3 +722,23 @@ def test_interleaved_sessions_from_one_arm_do_not_share_a_draft_cache(tmp_path):
     eos = target.cfg.eos_token_ids
     assert a.tokens == greedy_reference(target, long_p, 30, eos)
     assert b.tokens == greedy_reference(target, short_p, 30, eos)
+
+
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.want[1] != "ladder"])
+def test_real_confidence_rounds_sized_after_verify_match_sizing_first(world, ckpts, name, monkeypatch):
+    """The real drafters' confidence programs at 16-row steps: sizing the window after the
+    verify gives the stream, rounds, drafted and accepted counts of sizing it first."""
+    case = CASES[name]
+    engine = Engine.from_model(world.target, step_width=16)
+    arm = engine.arm(ArmConfig(draft=ckpts[case.ckpt], mode=case.mode, settings=PolicySettings(**case.settings),
+                               markov=case.markov, verify_cap=case.cap))
+    for pi in range(len(PROMPT_LENS)):
+        late = engine.session(world.prompts[pi], MAX_NEW, arm, eos_ids=())
+        assert late._sizes_after_verify() == (arm.program.verify_cap <= 16)
+        out = late.run()
+        with monkeypatch.context() as mp:
+            mp.setattr(Session, "_sizes_after_verify", lambda self: False)
+            early = engine.session(world.prompts[pi], MAX_NEW, arm, eos_ids=())
+            assert early.run() == out, (name, pi)
+        a, b = late.stats, early.stats
+        assert (a.rounds, a.drafted, a.accepted, +a.accept_hist) == (b.rounds, b.drafted, b.accepted, +b.accept_hist)

@@ -12,9 +12,15 @@ One round:
     proposer.ingest(taps[:m+1]) at positions start..start+m; last = next
 
 Exactness is structural: the target's own selection decides every committed token. Tensors stay
-on the device; a ladder round reads the host once (drafts and selections together), a
-confidence round twice (the raws size the window before verify). A session returns its pooled
-storages exactly once: when the stream ends, on `close()`, or when a round raises.
+on the device and a round reads the host once: drafts and selections together, and under a
+confidence window the raws with them. With fixed-width steps the window is sized after the
+verify: the step verifies every draft the window could admit (the same W-row step it would run
+for fewer), and the window then decides how many of them count. A row's logits do not depend on
+the rows after it (causality, row-invariant kernels), so the accepted prefix, the commit and the
+stream are exactly those of sizing it first, without stopping the device mid-round to read the
+raws. (Rejection sampling judges rows in sequence, so it sizes the window first.) A session
+returns its pooled storages exactly once: when the stream ends, on `close()`, or when a round
+raises.
 """
 
 from __future__ import annotations
@@ -126,26 +132,39 @@ class Session:
 
     # ------------------------------------------------------------------- one round
 
+    def _budget(self, vt: int) -> int:
+        return max(1, min(vt, self.max_new - len(self.tokens)))  # never verify past the budget
+
     def _window(self, proposal: Proposal) -> int:
+        """The window before verify: the ladder's carried size, or sized from the raws."""
         p = self.program
         assert p is not None
         vt = self.vt
         if p.window.is_confidence:
             assert proposal.raws is not None
-            vt = p.window.size_window(proposal.raws.tolist(), p.verify_cap)  # host read 1 of 2
-        return max(1, min(vt, self.max_new - len(self.tokens)))  # never verify past the budget
+            vt = p.window.size_window(proposal.raws.tolist(), p.verify_cap)  # a host read before verify
+        return self._budget(vt)
+
+    def _sizes_after_verify(self) -> bool:
+        """A confidence window may be sized after the verify (see the module docstring): fixed
+        steps that hold the widest window in one step, and a sampler that selects row by row."""
+        p, width = self.program, self.runner.width
+        return (p is not None and p.window.is_confidence and width is not None and p.verify_cap <= width
+                and not getattr(self.sampler, "rejection", False))
 
     def _round(self) -> list[int]:
         start, last = self.cache.length, self.last
         assert last is not None
         self.clock.start()
+        late = False  # the confidence window sized after the verify
         if self.proposer is None:
             cand, vt, drafts = last, 1, None
         else:
             want = self.program.window.is_confidence  # type: ignore[union-attr]
             proposal = self.proposer.propose(last, start, want)
             drafts = proposal.drafts
-            vt = self._window(proposal)
+            late = self._sizes_after_verify()
+            vt = self._budget(self.program.verify_cap) if late else self._window(proposal)  # type: ignore[union-attr]
             cand = torch.cat([last.reshape(1), drafts[: vt - 1]])
         self.clock.lap("draft")
         logits, taps = self.runner.step(cand, start, self.cache, self.taps or None)
@@ -154,8 +173,13 @@ class Session:
             vam = self.sampler.verify(logits, cand, proposal.probs, positions)
         else:
             vam = self.sampler.select(logits, positions)
-        host = torch.cat([cand, vam]).tolist()  # the round's one (ladder) host read
-        cand_h, vam_h = host[:vt], host[vt:]
+        if late:  # the round's one host read: candidates, selections and raws in one transfer
+            host = torch.cat([cand.double(), vam.double(), proposal.raws.double()]).tolist()  # ids < 2^53: exact
+            cand_h, vam_h = [int(x) for x in host[:vt]], [int(x) for x in host[vt : 2 * vt]]
+            vt = self._budget(self.program.window.size_window(host[2 * vt:], self.program.verify_cap))  # type: ignore[union-attr]
+        else:
+            host = torch.cat([cand, vam]).tolist()  # the round's one (ladder) host read
+            cand_h, vam_h = host[:vt], host[vt:]
         self.clock.lap("verify")
         m = accept_prefix(cand_h, vam_h, vt) if vt > 1 else 0
         committed = self._commit(cand_h, m)
