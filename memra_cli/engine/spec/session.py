@@ -148,9 +148,11 @@ class Session:
     def _sizes_after_verify(self) -> bool:
         """A confidence window may be sized after the verify (see the module docstring): fixed
         steps that hold the widest window in one step, and a sampler that selects row by row."""
-        p, width = self.program, self.runner.width
-        return (p is not None and p.window.is_confidence and width is not None and p.verify_cap <= width
-                and not getattr(self.sampler, "rejection", False))
+        p = self.program
+        if p is None or not p.window.is_confidence or getattr(self.sampler, "rejection", False):
+            return False
+        width = getattr(self.runner, "width", None)  # a runner stand-in may have no fixed width
+        return width is not None and p.verify_cap <= width
 
     def _round(self) -> list[int]:
         start, last = self.cache.length, self.last
