@@ -269,7 +269,7 @@ def test_oracle_confidence_window_sized_after_a_fixed_width_verify(world, monkey
             oracle = OracleProposer(truth, len(world.prompts[1]), nd, world.target.device, (), raws)
             session = Session(StepRunner(world.target, 16), world.prompts[1], MAX_NEW, proposer=oracle,
                               program=program, taps=ORACLE_TAPS, eos_ids=())
-            assert session._sizes_after_verify() == late
+            assert session.late_window == late
             runs[late] = session.run()
             check_stats(session, want)
     assert runs[True] == runs[False] == truth[:MAX_NEW]
@@ -734,7 +734,7 @@ def test_real_confidence_rounds_sized_after_verify_match_sizing_first(world, ckp
                                markov=case.markov, verify_cap=case.cap))
     for pi in range(len(PROMPT_LENS)):
         late = engine.session(world.prompts[pi], MAX_NEW, arm, eos_ids=())
-        assert late._sizes_after_verify() == (arm.program.verify_cap <= 16)
+        assert late.late_window == (arm.program.verify_cap <= 16)
         out = late.run()
         with monkeypatch.context() as mp:
             mp.setattr(Session, "_sizes_after_verify", lambda self: False)

@@ -60,6 +60,7 @@ class Session:
         self.tokens: list[int] = []
         self.finished = max_new == 0
         self.vt = program.verify_cap if program else 1
+        self.late_window = self._sizes_after_verify()  # fixed for the session: program, sampler, runner
         self.last: torch.Tensor | None = None
         self._t0 = 0.0
         self._released = False  # storages handed back (once: end of stream, close() or an error)
@@ -165,7 +166,7 @@ class Session:
             want = self.program.window.is_confidence  # type: ignore[union-attr]
             proposal = self.proposer.propose(last, start, want)
             drafts = proposal.drafts
-            late = self._sizes_after_verify()
+            late = self.late_window
             vt = self._budget(self.program.verify_cap) if late else self._window(proposal)  # type: ignore[union-attr]
             cand = torch.cat([last.reshape(1), drafts[: vt - 1]])
         self.clock.lap("draft")
