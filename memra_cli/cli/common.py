@@ -50,6 +50,7 @@ SETTINGS = {s.name: s for s in (
     Setting("spec", "--spec", None),
     Setting("kernels", None, "MEMRA_KERNELS"),
     Setting("draft_graphs", None, "MEMRA_DRAFT_GRAPHS"),
+    Setting("round_graphs", None, "MEMRA_ROUND_GRAPHS"),
     # sampling (cli/sampling.py): flags only
     Setting("temperature", "--temperature", None),
     Setting("top_k", "--top-k", None),

@@ -98,6 +98,23 @@ def describe_steps(width: int | None, graphs: bool, plain_only: bool = False) ->
 
 
 DRAFT_GRAPHS_ENV = "MEMRA_DRAFT_GRAPHS"
+ROUND_GRAPHS_ENV = "MEMRA_ROUND_GRAPHS"
+
+
+def resolve_round_graphs(graphs: bool, env: dict[str, str] | None = None) -> tuple[bool, str | None]:
+    """Whole greedy rounds (and plain steps) as one CUDA graph each (runtime/round_graphs.py):
+    on whenever the target's steps are graphed; MEMRA_ROUND_GRAPHS=0 keeps the per-part graphs.
+    Returns (on, the note to show, or None when graphs are off)."""
+    raw = (env or {}).get(ROUND_GRAPHS_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{ROUND_GRAPHS_ENV}={raw!r}: expected 0 or 1")
+    if raw == "1" and not graphs:
+        raise ConfigError(f"{ROUND_GRAPHS_ENV}=1 needs the target's CUDA graphs on")
+    if not graphs:
+        return False, None
+    on = raw != "0"
+    return on, ("greedy rounds graphed whole (default with CUDA graphs; MEMRA_ROUND_GRAPHS=0 graphs their parts)"
+                if on else "greedy rounds graphed by parts (MEMRA_ROUND_GRAPHS=0)")
 
 
 def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | None,
@@ -326,11 +343,12 @@ class Engine:
     """A loaded target with its step runner and storage pool; makes arms and sessions."""
 
     def __init__(self, target, runner: StepRunner, device: torch.device, dtype: torch.dtype,
-                 notes: list[str], draft_graphs: bool):
+                 notes: list[str], draft_graphs: bool, round_graphs: bool = False):
         self.target, self.runner = target, runner
         self.device, self.dtype = device, dtype
         self.notes = notes  # what was applied (step width, graphs), for receipts / --json
         self.draft_graphs = draft_graphs
+        self.round_graphs = round_graphs  # whole greedy rounds as one graph (spec/session.py)
         self.plain_only = False  # made by `fastest_plain`: only plain (one-row) decoding runs here
 
     @property
@@ -352,22 +370,28 @@ class Engine:
         dt = resolve_dtype(cfg.dtype, dev)
         family = target_family(Path(cfg.target))  # config.json only: graphs are settled before any weight loads
         graphs, draft_graphs, graphs_note = resolve_cuda_graphs(cfg.cuda_graphs, dev, width, cfg.env, family)
+        round_graphs, round_note = resolve_round_graphs(graphs, cfg.env)
+        if round_note:
+            graphs_note += f", {round_note}"
         ops, ops_note = select_step_ops(dev, cfg.kernels, cfg.env)
         target = family.from_dir(Path(cfg.target), dtype=dt, device=dev)
         target.step_ops = ops
         runner = StepRunner(target, width, graphs, StoragePool(cfg.pool_idle_bytes))
-        return cls(target, runner, dev, dt, [width_note, graphs_note, ops_note], draft_graphs)
+        return cls(target, runner, dev, dt, [width_note, graphs_note, ops_note], draft_graphs, round_graphs)
 
     @classmethod
     def from_model(cls, model, *, step_width: int | None = None, cuda_graphs: bool = False,
-                   draft_graphs: bool = False, pool: StoragePool | None = None) -> "Engine":
+                   draft_graphs: bool = False, pool: StoragePool | None = None,
+                   round_graphs: bool = False) -> "Engine":
         """An engine around an already-loaded model (tests, benchmarks, a server that loads
         weights itself). Settings are typed here: `step_width` an int or None (variable)."""
         if draft_graphs and not cuda_graphs:
             raise SettingError("draft_graphs", True, "needs the target's CUDA graphs on", quote=False)
         runner = StepRunner(model, step_width, cuda_graphs, pool)
         notes = [f"target steps: {step_width if step_width else 'variable'} rows", f"CUDA graphs {'on' if cuda_graphs else 'off'}"]
-        return cls(model, runner, model.device, model.dtype, notes, draft_graphs)
+        if round_graphs and not cuda_graphs:
+            raise SettingError("round_graphs", True, "needs the target's CUDA graphs on", quote=False)
+        return cls(model, runner, model.device, model.dtype, notes, draft_graphs, round_graphs)
 
     @property
     def steps(self) -> str:
@@ -391,7 +415,7 @@ class Engine:
         if graphs:  # rope tables at their largest for both runners before the new one captures
             self.target.ensure_positions(self.runner.max_rows())
         plain = Engine.from_model(self.target, step_width=1 if graphs else None, cuda_graphs=graphs,
-                                  pool=StoragePool(self.pool.idle_budget))
+                                  pool=StoragePool(self.pool.idle_budget), round_graphs=graphs and self.round_graphs)
         plain.plain_only = True
         return plain
 
@@ -438,8 +462,9 @@ class Engine:
         its own proposer and draft cache: sessions of one engine may run interleaved."""
         eos = self.target.cfg.eos_token_ids if eos_ids is None else tuple(eos_ids)
         if arm is None or arm.mode == "off":
-            return Session(self.runner, prompt_ids, max_new, eos_ids=eos, sampler=sampler, timed=timed)
+            return Session(self.runner, prompt_ids, max_new, eos_ids=eos, sampler=sampler, timed=timed,
+                           round_graphs=self.round_graphs)
         proposer = DrafterProposer(arm.drafter, self.target, arm.program, graphs=self.draft_graphs, pool=self.pool,
                                    sampler=sampler)
         return Session(self.runner, prompt_ids, max_new, proposer=proposer, program=arm.program, taps=arm.taps,
-                       eos_ids=eos, sampler=sampler, timed=timed)
+                       eos_ids=eos, sampler=sampler, timed=timed, round_graphs=self.round_graphs)

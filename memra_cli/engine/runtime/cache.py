@@ -20,6 +20,8 @@ class KVCache:
     the CUDA graphs captured over this storage (runtime/graphs.py): they live and die with it.
     """
 
+    host_bookkeeping = True  # commit / rollback only move `length`: a round graph may run over it
+
     def __init__(self, n_layers: int, n_kv: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         self.kv = torch.zeros(n_layers, 2, n_kv, max_len, head_dim, dtype=dtype, device=device)

@@ -32,7 +32,7 @@ import torch
 
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import ladder_next
-from memra_cli.engine.spec.proposer import Program, Proposal, Proposer
+from memra_cli.engine.spec.proposer import DrafterProposer, Program, Proposal, Proposer
 from memra_cli.engine.spec.sampling import GREEDY, Sampler, accept_prefix
 from memra_cli.engine.stats import DecodeStats, PhaseClock
 
@@ -46,7 +46,8 @@ class Session:
 
     def __init__(self, runner: StepRunner, prompt_ids: Sequence[int], max_new: int, *,
                  proposer: Proposer | None = None, program: Program | None = None, taps: Sequence[int] = (),
-                 eos_ids: Sequence[int] = (), sampler: Sampler = GREEDY, timed: bool = False):
+                 eos_ids: Sequence[int] = (), sampler: Sampler = GREEDY, timed: bool = False,
+                 round_graphs: bool = False):
         runner.check_prompt(list(prompt_ids), max_new)
         self.runner, self.target = runner, runner.model
         self.proposer, self.program, self.sampler = proposer, program, sampler
@@ -61,7 +62,9 @@ class Session:
         self.finished = max_new == 0
         self.vt = program.verify_cap if program else 1
         self.late_window = self._sizes_after_verify()  # fixed for the session: program, sampler, runner
+        self.graphed_rounds = round_graphs and not timed and self._rounds_capturable()
         self.last: torch.Tensor | None = None
+        self.last_id: int | None = None  # the anchor as a host int, between graphed rounds
         self._t0 = 0.0
         self._released = False  # storages handed back (once: end of stream, close() or an error)
 
@@ -95,12 +98,12 @@ class Session:
 
     def burst(self, n: int) -> list[int]:
         """Run rounds until at least `n` new tokens are committed or the stream ends."""
-        if self.last is None:
+        if self.last is None and self.last_id is None:
             self.prime()
         out: list[int] = []
         try:
             while len(out) < n and not self.finished:
-                out += self._round()
+                out += self._graphed_round() if self.graphed_rounds else self._round()
         except BaseException:  # an error or an interrupt mid-stream: the storages still go back
             self.close()
             raise
@@ -155,7 +158,70 @@ class Session:
         width = getattr(self.runner, "width", None)  # a runner stand-in may have no fixed width
         return width is not None and p.verify_cap <= width
 
+    def _rounds_capturable(self) -> bool:
+        """Whether this session's rounds can run as one graph each (module docstring)."""
+        r = self.runner
+        if not (r.cuda_graphs and r.width is not None and self.sampler is GREEDY):
+            return False
+        if not getattr(self.cache, "host_bookkeeping", False):  # a recurrent state restores on device
+            return False
+        if self.proposer is None:
+            return True
+        return (isinstance(self.proposer, DrafterProposer) and self.proposer.graphs and self.program is not None
+                and self.program.verify_cap <= r.width)
+
+    def _graphed_round(self) -> list[int]:
+        """`_round` as one replay (spec/round_bodies.py): same selections, commits and stats."""
+        from memra_cli.engine.runtime.round_graphs import RoundGraph
+        from memra_cli.engine.spec import round_bodies
+
+        start, width, cache = self.cache.length, self.runner.width, self.cache
+        model = self.target
+        model.check_span(start, width, cache)
+        if self.last_id is None:
+            assert self.last is not None
+            self.last_id = int(self.last.item())  # once per session, after the prefill
+        self.last = None
+        slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
+        if self.proposer is None:
+            key = ("plain-round", width)
+            graph = cache.graphs.get(key)
+            if graph is None:
+                graph = cache.graphs[key] = RoundGraph(round_bodies.plain_step(model, cache, width),
+                                                       (slack, 0), model.device)
+            out = graph.run((start, self.last_id))
+            cand_h, vam_h, vt, m = [self.last_id], [int(out[0])], 1, 0
+        else:
+            p, kv = self.program, self.proposer.kv
+            assert kv.length == start, (kv.length, start)  # row index == position in both caches
+            raws = p.window.is_confidence
+            model.check_taps(self.taps)
+            key = ("round", id(kv), p, raws, self.taps, width)
+            graph = cache.graphs.get(key)
+            if graph is None:
+                body = round_bodies.speculative_round(self.proposer.drafter, model, p, kv, cache, self.taps, width, raws)
+                d_slack = kv.rows - max(width, p.block_size)
+                graph = cache.graphs[key] = RoundGraph(body, (slack, d_slack, 0), model.device, keep=(kv,))
+            out = graph.run((start, start, self.last_id))
+            cand_h, vam_h = [int(x) for x in out[:width]], [int(x) for x in out[width : 2 * width]]
+            vt = self._budget(p.window.size_window(out[2 * width:], p.verify_cap) if raws else self.vt)
+            m = accept_prefix(cand_h, vam_h, vt) if vt > 1 else 0
+        committed = self._commit(cand_h, m)
+        cache.commit(start + m + 1)
+        if self.proposer is not None and not self.finished:  # (the stream's end ingests nothing, as `_round`)
+            self.proposer.kv.length = start + m + 1
+        self.last_id = vam_h[m]
+        self.stats.rounds += 1
+        self.stats.drafted += vt - 1
+        self.stats.accepted += m
+        self.stats.accept_hist[m] += 1
+        if self.program is not None:
+            self.vt = ladder_next(m, self.program.verify_cap) if self.program.adapt else self.program.verify_cap
+        return committed
+
     def _round(self) -> list[int]:
+        if self.last is None:  # after graphed rounds (none today: a session keeps its kind)
+            self.last = torch.tensor([self.last_id], dtype=torch.long, device=self.target.device)
         start, last = self.cache.length, self.last
         assert last is not None
         self.clock.start()

@@ -1,0 +1,74 @@
+"""What a graphed round computes (runtime/round_graphs.py captures it; spec/session.py runs it).
+
+Both bodies read their inputs from one long vector and return one packed vector, so a round is
+one host-to-device copy, one replay and one read.
+
+Speculative round, inputs `[t_start, d_start, last]` (equal starts in a session; the capture
+uses each storage's slack), output `[cand (W), sel (W), raws (n_drafts, under a confidence
+window)]` as float64 (ids < 2^53 are exact):
+
+    drafts, raws = the static proposal of the block [last, MASK...] at d_start (draft graphs' body)
+    cand = [last, drafts][:W]       (padded by repeating its last id when the block is shorter)
+    logits, taps = target.static_step(cand at t_start..t_start+W-1)
+    sel = argmax(logits)            (greedy)
+    drafter.static_ingest(taps, all W rows at d_start)
+
+The verify covers W rows whatever the window: the window is sized on the host after the read,
+from the raws, and only decides how many rows count, exactly as `Session` does with fixed-width
+steps (a row's logits do not depend on the rows after it). The ingest takes all W rows: the
+rows past the accepted prefix land at positions the next round's block overwrites before any
+query reads them (the padding argument of draft_graphs.IngestGraph), so the drafter's cache
+holds what an ingest of the kept rows alone would. The host then sets both lengths to
+`start + m + 1`.
+
+Plain step, inputs `[t_start, last]`, output `[sel]` (long): the fixed-width step of `last`
+padded to W by repetition (as the runner pads), then the argmax of its first row.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from memra_cli.engine.spec.proposer import Program, static_proposal
+
+
+def speculative_round(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int,
+                      want_raws: bool):
+    """The speculative round's body over one target state and one draft cache (see module)."""
+    dev = target.device
+    cfg = drafter.cfg
+    tail = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
+    rows = torch.arange(width, device=dev)
+    taps = tuple(taps)
+
+    def body(inputs: torch.Tensor) -> torch.Tensor:
+        t_start, d_start, last = inputs[0], inputs[1], inputs[2:3]
+        drafts, raws = static_proposal(drafter, target, program, kv, last, tail, d_start, want_raws)
+        cand = torch.cat([last, drafts])
+        if cand.shape[0] >= width:
+            cand = cand[:width]
+        else:
+            cand = torch.cat([cand, cand[-1:].expand(width - cand.shape[0])])
+        logits, tapped = target.static_step(cand, rows + t_start, cache, taps)
+        sel = logits.argmax(dim=-1)
+        drafter.static_ingest(kv, tapped, d_start)
+        parts = [cand.double(), sel.double()]
+        if raws is not None:
+            parts.append(raws.double())
+        return torch.cat(parts)
+
+    return body
+
+
+def plain_step(target, cache, width: int):
+    """The plain decode step's body (see module)."""
+    rows = torch.arange(width, device=target.device)
+
+    def body(inputs: torch.Tensor) -> torch.Tensor:
+        t_start, last = inputs[0], inputs[1:2]
+        logits, _ = target.static_step(last.expand(width).contiguous(), rows + t_start, cache, None)
+        return logits[:1].argmax(dim=-1)
+
+    return body
