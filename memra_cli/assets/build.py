@@ -1,7 +1,8 @@
 """Build the embedded default models: `python -m memra_cli.assets.build [--out DIR] [--work DIR] [--stage S]`.
 
-Reproducible recipe (the embedded-pair build); on one H200 the target stage takes about 5 minutes
-and the drafter stage about 8 (each fits one 10-minute call; `--work` carries the state between):
+Reproducible recipe (the embedded-pair build); on one H200 the target stage with the sweep takes
+about 6 minutes and the two drafters about 8 side by side (each fits one 10-minute call; `--work`
+carries the state between):
 
 1. corpus = the build machine's CPython stdlib `.py` files (Python version and a hash of the
    file list are recorded); every 20th file is held out;
@@ -11,19 +12,23 @@ and the drafter stage about 8 (each fits one 10-minute call; `--work` carries th
 4. drafter data = the shipped target's own greedy continuations, in the dtype the bench runs it
    in on that device (bf16 on CUDA, f32 on CPU), of two kinds of prompts, each from position 0:
    random corpus windows, and stand-alone function heads (`def` + docstring, the shape of a
-   HumanEval prompt), both from training files the target never learned from;
+   HumanEval prompt), both from training files the target never learned from; each continued
+   for the bench's 128 tokens plus one block;
 5. a DFlash drafter (z-lab format, mask-fill) and a DSpark drafter (DeepSpec format, shifted
-   labels, vanilla markov head, confidence head) over 3 taps; block size and depth from the
-   sweep (`--stage sweep`, recorded in docs/bench.md); the confidence head is then calibrated
+   labels, vanilla markov head, confidence head) over 3 taps; blocks fill one 16-row verify
+   step, depth from the sweep (`--stage sweep`); the confidence head is then calibrated
    by Platt scaling on held-out drafted rounds and folded back into its weights;
 6. held-out loss, per-slot acceptance and the confidence head's reliability table go to
    build_info.json; the `stdlib` bench prompt set (held-out functions' heads) is written to
-   memra_cli/engine/data/stdlib.jsonl.
+   memra_cli/engine/data/stdlib.jsonl;
+7. the target and both drafters replace the old assets together.
 
 Stages: `target` (1-4, state to `--work`), `data` (4 again over a finished target stage),
-`drafters` (5-6, from `--work`), `all` (target + drafters),
-`sweep` (short DSpark runs over block size and depth on the `--work` data; prints and records
-`sweep.json`). Weights are saved in bf16. `--smoke` runs every stage at toy size (the CI test).
+`sweep` (short DSpark runs over drafter depth on the `--work` data; records `sweep.json`, whose
+best row sets the drafters' depth), `drafter --kind dflash|dspark` (5-6 for one drafter, into
+`--work`; the two may run side by side), `assemble` (7: the finished pair into `--out`),
+`drafters` (both drafters one after the other, then assemble), `all` (target, sweep, drafters).
+Weights are saved in bf16. `--smoke` runs every stage at toy size (the CI test).
 """
 
 from __future__ import annotations
@@ -63,20 +68,24 @@ class Recipe:
     target_batch: int = 64
     seq_len: int = 512
     target_lr: float = 3e-3
-    n_prompts: int = 6144  # random corpus windows
+    n_prompts: int = 24576  # random corpus windows (overlapping windows of the prompt files)
     n_head_prompts: int = 8192  # stand-alone function heads (as many as there are)
     head_tokens: int = 192  # longest head used as a prompt
     prompt_len: int = 128
-    cont_len: int = 256
-    gen_batch: int = 2048
-    draft_layers: int = 1  # the sweep: block 15 at 1, 2, 3 layers gave tau_full 6.66 / 7.14 / 7.29, score 5.71 / 5.35 / 4.86
+    # Continuations as long as the bench's (128 new tokens) plus a block: measured on the 2025 pair,
+    # a drafter's acceptance at anchors 128-256 tokens into a continuation (deep in the small
+    # target's loops) ran ~1.4x its acceptance in the first 128, so longer continuations spent
+    # half the training on a regime the bench never reaches and inflated the held-out tau.
+    cont_len: int = 144
+    gen_batch: int = 4096
+    draft_layers: int | None = None  # None: the sweep's best (work/sweep.json), else 1
     dflash_block: int = 16  # 15 drafts: anchor + drafts fill one 16-row verify step
     dspark_block: int = 15  # 15 drafts, likewise
     dflash_taps: tuple[int, ...] = (1, 3, 4)
     dspark_taps: tuple[int, ...] = (-1, 2, 4)
     markov_rank: int = 64
-    draft_steps: int = 40000
-    draft_batch: int = 64
+    draft_steps: int = 60000
+    draft_batch: int = 128
     anchors: int = 32
     draft_lr: float = 2e-3
     eval_prompts: int = 256  # of each held-out kind
@@ -84,17 +93,18 @@ class Recipe:
     heldout_every: int = 20
     stdlib_prompts: int = 164
     stdlib_prompt_tokens: int = 400
-    sweep: tuple[tuple[int, int], ...] = ((7, 2), (15, 1), (15, 2), (15, 3))  # (block, layers), DSpark
-    sweep_budget_s: float | None = 30.0
-    # wall-clock caps: each stage fits one 10-minute call on the lent H200
+    sweep: tuple[tuple[int, int], ...] = ((15, 1), (15, 2), (15, 3))  # (block, layers), DSpark
+    sweep_budget_s: float | None = 45.0
+    # wall-clock caps: each stage fits one 10-minute call on the lent H200 (the two drafters train
+    # side by side in one call: `--stage drafter --kind K` each, then `--stage assemble`)
     target_budget_s: float | None = 180.0
-    dflash_budget_s: float | None = 90.0
-    dspark_budget_s: float | None = 150.0
+    dflash_budget_s: float | None = 400.0
+    dspark_budget_s: float | None = 400.0
 
 
 SMOKE = Recipe(vocab=300, hidden=32, target_layers=4, heads=2, kv_heads=1, ffn=64, max_pos=512, target_steps=1,
                target_batch=2, seq_len=64, n_prompts=8, n_head_prompts=4, prompt_len=16, cont_len=240, gen_batch=8,
-               draft_layers=1, dflash_block=4, dspark_block=3, dflash_taps=(0, 2), dspark_taps=(-1, 2), markov_rank=8,
+               draft_layers=None, dflash_block=4, dspark_block=3, dflash_taps=(0, 2), dspark_taps=(-1, 2), markov_rank=8,
                draft_steps=1, draft_batch=2, anchors=4, eval_prompts=4, max_files=12, heldout_every=4,
                stdlib_prompts=8, head_tokens=200, val_every=1, drafter_files_every=3, sweep=((3, 1), (4, 1)), sweep_budget_s=None,
                target_budget_s=None, dflash_budget_s=None, dspark_budget_s=None)
@@ -106,7 +116,7 @@ def _log(msg: str) -> None:
 
 def _draft_config(kind: str, r: Recipe, taps: tuple[int, ...], block: int | None = None, layers: int | None = None) -> dict:
     block = block or (r.dflash_block if kind == "dflash" else r.dspark_block)
-    layers = layers or r.draft_layers
+    layers = layers or r.draft_layers or 1
     base = {
         "model_type": "qwen3", "hidden_size": r.hidden, "num_hidden_layers": layers,
         "num_attention_heads": r.heads, "num_key_value_heads": r.kv_heads, "head_dim": r.hidden // r.heads,
@@ -308,41 +318,71 @@ def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
     return rows
 
 
-def build_drafters(work: Path, out: Path, r: Recipe, device: torch.device) -> dict:
-    """Stages 5-6 from `work`: both drafters trained, calibrated, evaluated and saved to `out`
-    with the target, build_info.json and the stdlib prompt set."""
-    t0 = time.time()
+def drafter_layers(work: Path, r: Recipe) -> tuple[int, str]:
+    """(drafter layers, where the number came from): the recipe's when it sets one, else the
+    best-scoring row of the sweep in `work/sweep.json`, else 1."""
+    if r.draft_layers is not None:
+        return r.draft_layers, "recipe"
+    if (work / "sweep.json").is_file():
+        best = json.loads((work / "sweep.json").read_text())["best"]
+        return int(best["layers"]), f"sweep (block {best['block']}, score {best['score']})"
+    return 1, "default (no sweep.json in the work folder)"
+
+
+def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device) -> dict:
+    """Stage 5-6 for one drafter: trained, (DSpark: confidence head calibrated), evaluated on the
+    held-out continuations, saved to `work/drafters/KIND/` with its entry in `KIND.json`. The two
+    kinds are independent, so they may run side by side (two processes on one GPU)."""
     info, data, target = _load_work(work, device)
-    info["recipe"] = asdict(r)
     mask_id = SPECIALS.index("<|MASK|>")
     calib_w, eval_w = _halves(data["held_windows"])
     calib_h, eval_h = _halves(data["held_heads"])
-    staged = out / ".staging"
-    shutil.rmtree(staged, ignore_errors=True)
-    for kind, taps, block, budget in (("dflash", r.dflash_taps, r.dflash_block, r.dflash_budget_s),
-                                      ("dspark", r.dspark_taps, r.dspark_block, r.dspark_budget_s)):
-        torch.manual_seed(0)
-        spec = DraftSpec(kind, block, taps, mask_id)
-        drafter = _new_drafter(kind, r, r.draft_layers, taps)
-        t = time.time()
-        dl, steps = train_drafter(drafter, target, data["train"][0], spec, steps=r.draft_steps, batch=r.draft_batch,
-                                  anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
-                                  budget_s=budget)
-        entry = {"params": param_count(drafter), "block": block, "layers": r.draft_layers, "train_s": round(time.time() - t, 1),
-                 "steps_run": steps, "loss_last": dl[-1]}
-        ev = dict(anchors=r.anchors, device=device)
-        if drafter.confidence_head is not None:
-            entry["reliability_before"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev).get("reliability")
-            calib = _cat(calib_w, calib_h)
-            entry["calibration"] = calibrate_confidence(drafter, target, calib[0], spec, prompt_len=calib[1], **ev)
-        entry["heldout_windows"] = evaluate(drafter, target, eval_w[0], spec, prompt_len=eval_w[1], **ev)
-        entry["heldout_heads"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev)
-        info[kind] = entry
-        _log(f"{kind}: tau_full windows {entry['heldout_windows']['tau_full']}, heads {entry['heldout_heads']['tau_full']}")
-        _save_drafter(staged / kind, drafter, _draft_config(kind, r, taps), target if kind == "dspark" else None)
-    info["drafter_stage_s"] = round(time.time() - t0, 1)
+    taps, block, budget = ((r.dflash_taps, r.dflash_block, r.dflash_budget_s) if kind == "dflash"
+                           else (r.dspark_taps, r.dspark_block, r.dspark_budget_s))
+    layers, layers_from = drafter_layers(work, r)
+    torch.manual_seed(0)
+    spec = DraftSpec(kind, block, taps, mask_id)
+    drafter = _new_drafter(kind, r, layers, taps)
+    t = time.time()
+    dl, steps = train_drafter(drafter, target, data["train"][0], spec, steps=r.draft_steps, batch=r.draft_batch,
+                              anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
+                              budget_s=budget)
+    entry = {"params": param_count(drafter), "block": block, "layers": layers, "layers_from": layers_from,
+             "train_s": round(time.time() - t, 1), "steps_run": steps, "loss_last": dl[-1]}
+    ev = dict(anchors=r.anchors, device=device)
+    if drafter.confidence_head is not None:
+        entry["reliability_before"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev).get("reliability")
+        calib = _cat(calib_w, calib_h)
+        entry["calibration"] = calibrate_confidence(drafter, target, calib[0], spec, prompt_len=calib[1], **ev)
+    entry["heldout_windows"] = evaluate(drafter, target, eval_w[0], spec, prompt_len=eval_w[1], **ev)
+    entry["heldout_heads"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev)
+    _log(f"{kind}: {layers} layer(s) ({layers_from}), tau_full windows {entry['heldout_windows']['tau_full']}, "
+         f"heads {entry['heldout_heads']['tau_full']}")
+    out = work / "drafters"
+    _save_drafter(out / kind, drafter, _draft_config(kind, r, taps, block, layers), target if kind == "dspark" else None)
+    (out / f"{kind}.json").write_text(json.dumps(entry, indent=2) + "\n")
+    return entry
+
+
+def assemble(work: Path, out: Path, r: Recipe) -> dict:
+    """Stage 7: the target and both trained drafters from `work` into `out` with build_info.json
+    and the stdlib prompt set; the old assets are replaced only once everything is there."""
+    drafters = work / "drafters"
+    missing = [k for k in ("dflash", "dspark") if not (drafters / f"{k}.json").is_file()]
+    if missing:
+        raise SystemExit(f"error: {work}: no trained {missing[0]} drafter (run --stage drafter --kind {missing[0]} first)")
+    info = json.loads((work / "state.json").read_text())
+    info["recipe"] = asdict(r)
+    for kind in ("dflash", "dspark"):
+        info[kind] = json.loads((drafters / f"{kind}.json").read_text())
+    info["drafter_stage_s"] = round(sum(info[k]["train_s"] for k in ("dflash", "dspark")), 1)
     if (work / "sweep.json").is_file():
         info["sweep"] = json.loads((work / "sweep.json").read_text())
+    staged = out / ".staging"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    for name in ("dflash", "dspark"):
+        shutil.copytree(drafters / name, staged / name)
     shutil.copytree(work / "target", staged / "target")
     (staged / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     prompts_out = PROMPTS_OUT if out.resolve() == ASSETS else out / "stdlib.jsonl"
@@ -355,11 +395,19 @@ def build_drafters(work: Path, out: Path, r: Recipe, device: torch.device) -> di
     return info
 
 
+def build_drafters(work: Path, out: Path, r: Recipe, device: torch.device) -> dict:
+    """Stages 5-7 in one process: both drafters one after the other, then `assemble`."""
+    for kind in ("dflash", "dspark"):
+        build_drafter(work, kind, r, device)
+    return assemble(work, out, r)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m memra_cli.assets.build", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ASSETS, help="output folder (default: the package's assets)")
     p.add_argument("--work", type=Path, help="state between stages (default: OUT/.build-work, removed after 'all')")
-    p.add_argument("--stage", choices=("all", "target", "data", "drafters", "sweep"), default="all")
+    p.add_argument("--stage", choices=("all", "target", "data", "sweep", "drafters", "drafter", "assemble"), default="all")
+    p.add_argument("--kind", choices=("dflash", "dspark"), help="which drafter --stage drafter trains")
     p.add_argument("--smoke", action="store_true", help="toy sizes, one step per stage (CI)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--target-steps", type=int)
@@ -378,13 +426,19 @@ def main(argv: list[str] | None = None) -> int:
         build_target(work, recipe, device)
     if a.stage == "data":
         rebuild_data(work, recipe, device)
-    if a.stage == "sweep":
+    if a.stage in ("all", "sweep"):
         sweep(work, recipe, device)
+    if a.stage == "drafter":
+        if a.kind is None:
+            raise SystemExit("error: --stage drafter needs --kind dflash|dspark")
+        build_drafter(work, a.kind, recipe, device)
+    if a.stage == "assemble":
+        assemble(work, a.out, recipe)
     if a.stage in ("all", "drafters"):
         build_drafters(work, a.out, recipe, device)
     if a.stage == "all" and a.work is None:
         shutil.rmtree(work)
-    _log(f"stage {a.stage} done in {time.time() - t0:.1f} s -> {a.out if a.stage in ('all', 'drafters') else work}")
+    _log(f"stage {a.stage} done in {time.time() - t0:.1f} s -> {a.out if a.stage in ('all', 'drafters', 'assemble') else work}")
     return 0
 
 
