@@ -7,8 +7,12 @@ separates the two (CUDA events; bf16; the engine's defaults):
 - ``replay_gpu_ms``: one step's graph replayed back to back (GPU time per step, host hidden);
 - ``step_call_ms``: `runner.step` called in a loop with a host read per step (the runner's
   Python + one replay + the sync);
+- ``round_replay_gpu_ms`` / ``round_run_ms``: the step + argmax as one graph (what a graphed
+  session replays per plain token, runtime/round_graphs.py): replayed back to back, and run with
+  its input copy and its read;
 - ``session_ms_per_token``: the bench's `plain` arm (`Engine.fastest_plain`, one-row graphed
-  steps) over whole 128-token sessions, prefill included;
+  steps) over whole 128-token sessions, prefill included, and the same sessions' rounds after
+  the prefill alone;
 - ``kernels``: CUDA kernels of one eager step (torch profiler), with the heaviest listed,
 
 for the one-row steps (the fastest plain decoding) and the 16-row steps (the fixed-width plain
@@ -109,6 +113,16 @@ def measure(engine: Engine, prompt: list[int], label: str, reps: int) -> dict:
         if graph is not None:
             out["replay_gpu_ms"] = round(events_ms(graph.graph.replay, reps), 4)
             out["replay_wall_ms"] = round(wall_ms(graph.graph.replay, reps), 4)
+        if runner.cuda_graphs:  # the step + argmax as one graph, as a graphed session decodes
+            from memra_cli.engine.runtime.round_graphs import RoundGraph
+            from memra_cli.engine.spec.round_bodies import plain_step
+
+            try:  # (not yet run on a GPU when written: a failure is reported, not fatal)
+                rg = RoundGraph(plain_step(engine.target, state, width), (state.max_len - width, 0), dev)
+                out["round_replay_gpu_ms"] = round(events_ms(rg.graph.replay, reps), 4)
+                out["round_run_ms"] = round(wall_ms(lambda: rg.run((start, int(tok))), reps), 4)
+            except Exception as e:  # noqa: BLE001
+                out["round_error"] = f"{type(e).__name__}: {e}"
         positions = torch.arange(start, start + (width or 1), device=dev)
         out["eager_step_gpu"] = kernel_profile(lambda: engine.target.static_step(row, positions, state, None))
         print(label, json.dumps({k: v for k, v in out.items() if k != "eager_step_gpu"}),
@@ -118,15 +132,24 @@ def measure(engine: Engine, prompt: list[int], label: str, reps: int) -> dict:
         runner.release(state)
 
 
-def session_ms_per_token(engine: Engine, prompts: list[list[int]], max_new: int) -> float:
+def session_ms_per_token(engine: Engine, prompts: list[list[int]], max_new: int, decode_only: bool = False) -> float:
+    """Whole sessions (prefill included, as the bench times them), or with `decode_only` the
+    rounds after the prefill alone."""
     for p in prompts[:2]:
         engine.session(p, max_new).run()
     sync()
-    t, n = time.perf_counter(), 0
+    elapsed, n = 0.0, 0
     for p in prompts:
-        n += len(engine.session(p, max_new, eos_ids=()).run())
-    sync()
-    return (time.perf_counter() - t) * 1e3 / n
+        s = engine.session(p, max_new, eos_ids=())
+        t = time.perf_counter()
+        if decode_only:
+            s.prime()
+            sync()
+            t = time.perf_counter()
+        n += len(s.run())
+        sync()
+        elapsed += time.perf_counter() - t
+    return elapsed * 1e3 / n
 
 
 def main() -> None:
@@ -148,6 +171,7 @@ def main() -> None:
     report["session_ms_per_token"] = {
         "plain (Engine.fastest_plain)": round(session_ms_per_token(plain, prompts, args.max_new), 4),
         "off (fixed 16-row steps)": round(session_ms_per_token(engine, prompts, args.max_new), 4),
+        "plain, rounds after the prefill": round(session_ms_per_token(plain, prompts, args.max_new, True), 4),
     }
     print("session ms/token", report["session_ms_per_token"], flush=True)
     Path(args.json).write_text(json.dumps(report, indent=1))

