@@ -18,7 +18,8 @@ carries the state between):
    labels, vanilla markov head, confidence head) over 3 taps; blocks fill one 16-row verify
    step, depth from the sweep (`--stage sweep`); the confidence head is then calibrated
    by Platt scaling on held-out drafted rounds and folded back into its weights;
-6. held-out loss, per-slot acceptance and the confidence head's reliability table go to
+6. held-out loss, per-slot acceptance, tau with rounds walked as the bench walks them, and the
+   confidence head's reliability table go to
    build_info.json; the `stdlib` bench prompt set (held-out functions' heads) is written to
    memra_cli/engine/data/stdlib.jsonl;
 7. the target and both drafters replace the old assets together.
@@ -47,7 +48,7 @@ from memra_cli.assets.train import (
     SPECIALS, TrainDrafter, collect_corpus, encode_corpus, greedy_forced, heldout_loss, make_target, stdlib_prompts,
     tokenized_heads, train_target, train_tokenizer, windows,
 )
-from memra_cli.assets.train_draft import DraftSpec, calibrate_confidence, evaluate, param_count, train_drafter
+from memra_cli.assets.train_draft import DraftSpec, calibrate_confidence, evaluate, param_count, train_drafter, walk_tau
 
 ASSETS = Path(__file__).resolve().parent
 PROMPTS_OUT = ASSETS.parent / "engine" / "data" / "stdlib.jsonl"
@@ -292,7 +293,9 @@ def _cat(*splits):
 
 def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
     """Short DSpark runs at each (block, layers) of `r.sweep` on the same data, each evaluated on
-    the held-out stand-alone function heads' continuations. `score` = tau_full / (1 + layers / target_layers):
+    the held-out stand-alone function heads' continuations. `score` = tau_walk / (1 + layers / target_layers)
+    (tau as the bench counts it, `train_draft.walk_tau`; until 2026-12-03 it was tau_full, which
+    overstates the bench where acceptance is uneven):
     tau over the cost of a round with the drafter's layers priced as target layers (same width,
     same rows), the quantity the choice maximises. Writes `work/sweep.json`."""
     info, data, target = _load_work(work, device)
@@ -308,11 +311,12 @@ def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
                                  anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
                                  budget_s=r.sweep_budget_s)
         m = evaluate(drafter, target, held[0], spec, anchors=r.anchors, prompt_len=held[1], device=device)
+        walk = walk_tau(drafter, target, held[0], spec, prompt_len=held[1], device=device)["tau_walk"]
         row = {"block": block, "layers": layers, "params": param_count(drafter), "steps": steps,
-               "train_s": round(time.time() - t, 1), "tau_full": m["tau_full"], "p_prefix": m["p_prefix"][:8],
-               "score": round(m["tau_full"] / (1 + layers / r.target_layers), 3)}
+               "train_s": round(time.time() - t, 1), "tau_full": m["tau_full"], "tau_walk": walk,
+               "p_prefix": m["p_prefix"][:8], "score": round(walk / (1 + layers / r.target_layers), 3)}
         rows.append(row)
-        _log(f"sweep block {block} layers {layers}: tau_full {row['tau_full']} score {row['score']} ({steps} steps)")
+        _log(f"sweep block {block} layers {layers}: tau_full {row['tau_full']} tau_walk {walk} score {row['score']} ({steps} steps)")
     best = max(rows, key=lambda x: x["score"])
     (work / "sweep.json").write_text(json.dumps({"budget_s": r.sweep_budget_s, "rows": rows, "best": best}, indent=2) + "\n")
     return rows
@@ -356,8 +360,11 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device) -> dic
         entry["calibration"] = calibrate_confidence(drafter, target, calib[0], spec, prompt_len=calib[1], **ev)
     entry["heldout_windows"] = evaluate(drafter, target, eval_w[0], spec, prompt_len=eval_w[1], **ev)
     entry["heldout_heads"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev)
+    for name, split in (("heldout_windows", eval_w), ("heldout_heads", eval_h)):
+        entry[name].update(walk_tau(drafter, target, split[0], spec, prompt_len=split[1], device=device))
     _log(f"{kind}: {layers} layer(s) ({layers_from}), tau_full windows {entry['heldout_windows']['tau_full']}, "
-         f"heads {entry['heldout_heads']['tau_full']}")
+         f"heads {entry['heldout_heads']['tau_full']}; tau_walk windows {entry['heldout_windows']['tau_walk']}, "
+         f"heads {entry['heldout_heads']['tau_walk']}")
     out = work / "drafters"
     _save_drafter(out / kind, drafter, _draft_config(kind, r, taps, block, layers), target if kind == "dspark" else None)
     (out / f"{kind}.json").write_text(json.dumps(entry, indent=2) + "\n")

@@ -72,11 +72,12 @@ def block_batch(ids: torch.Tensor, anchors: torch.Tensor, spec: DraftSpec):
     return noise.reshape(B, A * b), blk_pos, labels, prev, mask
 
 
-def draft_logits(drafter: TrainDrafter, target, ids, anchors, spec: DraftSpec):
-    """Drafter forward on a batch: (rows' base logits `[B, A, nd, V]`, rows' hidden, labels, prev)."""
+def draft_logits(drafter: TrainDrafter, target, ids, anchors, spec: DraftSpec, taps: torch.Tensor | None = None):
+    """Drafter forward on a batch: (rows' base logits `[B, A, nd, V]`, rows' hidden, labels, prev).
+    `taps`: the target's taps of `ids` when the caller has them already."""
     B, L = ids.shape
     embed = target.get_input_embeddings().weight
-    taps = target_taps(target, ids, spec.taps)
+    taps = target_taps(target, ids, spec.taps) if taps is None else taps
     noise_ids, blk_pos, labels, prev, mask = block_batch(ids, anchors, spec)
     ctx_pos = torch.arange(L, device=ids.device).expand(B, L)
     hidden = drafter(taps, F.embedding(noise_ids, embed), ctx_pos, blk_pos, mask)
@@ -181,6 +182,42 @@ def evaluate(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec,
     if raws:
         out["reliability"] = reliability(torch.cat(raws), torch.cat(hits))
     return out
+
+
+@torch.no_grad()
+def walk_tau(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, prompt_len: int | torch.Tensor,
+             device, batch: int = 32) -> dict:
+    """Acceptance as the bench measures it: rounds walked along each held-out continuation.
+
+    `evaluate`'s `tau_full` averages the accepted prefix over anchors drawn uniformly over the
+    positions. The bench instead starts a round where the last one stopped, so a stretch the
+    drafter gets right (a loop of the small target) is crossed in a few long rounds and a hard
+    stretch costs a round per token: its tau is tokens / rounds, which weighs the hard stretches
+    far more. Here each sequence is walked from its last prompt token: draft a block, accept the
+    prefix that matches the continuation (the target's greedy tokens; the whole block verified,
+    as `adapt=0`), jump past it, until a block no longer fits. Returns `tau_walk` (tokens covered
+    / rounds) and `rounds`."""
+    L, nd = seqs.shape[1], spec.n_drafts
+    plens = per_row(prompt_len, seqs.shape[0])
+    rounds, tokens = 0, 0
+    for lo in range(0, seqs.shape[0], batch):
+        ids = seqs[lo : lo + batch].to(device)
+        at = (plens[lo : lo + batch] - 1).to(device)  # each row's anchor: the last committed token
+        last = L - 1 - spec.block  # the last anchor whose block has labels
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            taps = target_taps(target, ids, spec.taps)
+            while True:
+                live = at <= last
+                if not bool(live.any()):
+                    break
+                anc = at.clamp(max=last)[:, None]
+                logits, _, labels, _ = draft_logits(drafter, target, ids, anc, spec, taps)
+                drafts, _ = _chain(drafter, logits.float(), torch.gather(ids, 1, anc))
+                accepted = (drafts == labels).long().cumprod(-1).sum(-1)[:, 0]  # [B]
+                rounds += int(live.sum())
+                tokens += int(((accepted + 1) * live).sum())
+                at = torch.where(live, at + accepted + 1, at)
+    return {"tau_walk": round(tokens / max(rounds, 1), 3), "rounds": rounds, "max_accept": nd}
 
 
 def reliability(raw: torch.Tensor, hit: torch.Tensor, bins: int = 10) -> list[dict]:

@@ -195,3 +195,29 @@ def test_confidence_calibration_is_folded_into_the_head():
     after = torch.cat([raw.flatten() for _, raw in _rounds(drafter, target, seqs, spec, **kw)])
     torch.testing.assert_close(after, fit["a"] * before + fit["b"], rtol=1e-3, atol=1e-3)
     assert fit["bce_after"] <= fit["bce_before"] and fit["n"] > 0
+
+
+def test_walk_tau_counts_rounds_as_the_bench_does(monkeypatch):
+    """`walk_tau` walks rounds from the last prompt token: a drafter right on every slot of the
+    first 20 positions and wrong after them crosses the first stretch in 5 rounds of 4 tokens and
+    the rest one token a round: 36 tokens / 21 rounds. The position-uniform `tau_full` of the same
+    drafter would say 1 + (20 * 3) / 36 = 2.67."""
+    import types
+
+    from memra_cli.assets import train_draft
+    from memra_cli.assets.train_draft import DraftSpec, block_batch, walk_tau
+
+    L, V = 40, 50
+    spec = DraftSpec("dflash", 4, (0,), 1)  # 3 drafts a block
+    seqs = torch.randint(2, V, (2, L))
+
+    def fake_logits(drafter, target, ids, anchors, spec, taps=None):
+        _, _, labels, prev, _ = block_batch(ids, anchors, spec)
+        right = (anchors < 20)[..., None].expand_as(labels)
+        picks = torch.where(right, labels, (labels + 1) % V)
+        return torch.nn.functional.one_hot(picks, V).float(), None, labels, prev
+
+    monkeypatch.setattr(train_draft, "draft_logits", fake_logits)
+    monkeypatch.setattr(train_draft, "target_taps", lambda target, ids, taps: None)
+    out = walk_tau(types.SimpleNamespace(markov_head=None), None, seqs, spec, prompt_len=1, device=torch.device("cpu"))
+    assert out["rounds"] == 2 * 21 and out["tau_walk"] == round(36 / 21, 3)
