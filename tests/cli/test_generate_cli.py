@@ -168,11 +168,13 @@ def test_cuda_graphs_refused_without_cuda(pair):
         "error: --cuda-graphs needs --device cuda and a fixed --step-width (device cpu, step width 16)")
     obj = json.loads(run("--target", target, "--prompt-ids", "1", "--no-cuda-graphs", "--json").stdout)
     assert obj["cuda_graphs"] is False
-    for value, message in (("yes", "error: MEMRA_DRAFT_GRAPHS='yes': expected 0 or 1"),
-                           ("1", "error: MEMRA_DRAFT_GRAPHS=1 needs the target's CUDA graphs on")):
-        r = run("--target", target, "--prompt-ids", "1", env={"MEMRA_DRAFT_GRAPHS": value})
-        assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.output
-        assert r.stderr.startswith(message)
+    for name in ("MEMRA_DRAFT_GRAPHS", "MEMRA_ROUND_GRAPHS"):
+        for value, message in (("yes", f"error: {name}='yes': expected 0 or 1"),
+                               ("1", f"error: {name}=1 needs the target's CUDA graphs on")):
+            r = run("--target", target, "--prompt-ids", "1", env={name: value})
+            assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, r.output
+            assert r.stderr.startswith(message)
+    assert run("--target", target, "--prompt-ids", "1", env={"MEMRA_ROUND_GRAPHS": "0"}).exit_code == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
