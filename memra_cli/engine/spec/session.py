@@ -211,12 +211,7 @@ class Session:
         if self.proposer is not None and not self.finished:  # (the stream's end ingests nothing, as `_round`)
             self.proposer.kv.length = start + m + 1
         self.last_id = vam_h[m]
-        self.stats.rounds += 1
-        self.stats.drafted += vt - 1
-        self.stats.accepted += m
-        self.stats.accept_hist[m] += 1
-        if self.program is not None:
-            self.vt = ladder_next(m, self.program.verify_cap) if self.program.adapt else self.program.verify_cap
+        self._count_round(vt, m)
         return committed
 
     def _round(self) -> list[int]:
@@ -258,13 +253,17 @@ class Session:
             self.proposer.ingest(taps[: m + 1], torch.arange(start, start + m + 1, device=self.target.device))
         self.clock.lap("ingest")
         self.last = vam[m : m + 1]
+        self._count_round(vt, m)
+        return committed
+
+    def _count_round(self, vt: int, m: int) -> None:
+        """A round's stats (vt rows verified, m drafts accepted) and the ladder's next window."""
         self.stats.rounds += 1
         self.stats.drafted += vt - 1
         self.stats.accepted += m
         self.stats.accept_hist[m] += 1
         if self.program is not None:
             self.vt = ladder_next(m, self.program.verify_cap) if self.program.adapt else self.program.verify_cap
-        return committed
 
     def _commit(self, cand: list[int], m: int) -> list[int]:
         """Push anchor + accepted drafts; the budget check comes before each push, EOS ends."""
