@@ -1,0 +1,135 @@
+"""Where a speculative round of the embedded pair goes on the GPU, part by part, in one process.
+
+A graphed greedy round (spec/round_bodies.py) is one replay: the drafter's block forward and
+heads (propose), the 16-row target step (verify) and the drafter's ingest of the verified rows.
+On the embedded pair every part is a chain of tiny kernels, so a part costs about its kernel
+count times a few microseconds. This script measures, for each arm (bf16, the engine's
+defaults):
+
+- ``round_replay_gpu_ms``: the round's graph replayed back to back (CUDA events: GPU time);
+- ``round_run_ms``: the same graph run as a session runs it (input copy, replay, one read);
+- ``plain_replay_gpu_ms``: the plain one-row step + argmax graph, for scale;
+- ``parts``: the round's body split into propose / verify (+ argmax) / ingest, each run eagerly
+  under the torch profiler: kernel count, summed GPU microseconds and the heaviest kernels
+  (eager kernel times are what the graph replays, without the launch gaps);
+- ``session_ms_per_token``: whole 128-token sessions of the arm and of the plain arm.
+
+JSON to ``--json`` (default ``$OUT/h200-embedded-round.json``).
+
+    python benchmarks/gpu/embedded_round.py [--prompts 8] [--arm dspark --arm dflash]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from embedded_plain import events_ms, kernel_profile, session_ms_per_token, sync, wall_ms  # noqa: E402
+
+from memra_cli.engine.api import ArmConfig, Engine, EngineConfig  # noqa: E402
+from memra_cli.engine.prompts import load_prompts  # noqa: E402
+from memra_cli.engine.spec.proposer import static_proposal  # noqa: E402
+from memra_cli.engine.text import TextCodec  # noqa: E402
+
+ASSETS = Path(__file__).resolve().parents[2] / "memra_cli" / "assets"
+
+
+def round_parts(engine: Engine, arm, prompt: list[int], reps: int) -> dict:
+    """Prime a session, run a few graphed rounds, then time its round graph and profile the
+    body's parts eagerly at the session's current position."""
+    s = engine.session(prompt, 96, arm, eos_ids=())
+    s.prime()
+    for _ in range(4):
+        s.burst(1)
+    out: dict = {"graphed_rounds": bool(getattr(s, "graphed_rounds", False))}
+    cache, kv = s.cache, s.proposer.kv
+    start = cache.length
+    last = int(s.last_id) if s.last_id is not None else int(s.last.item())
+    graph = next((g for key, g in cache.graphs.items() if key[0] == "round"), None)
+    if graph is not None and torch.cuda.is_available():
+        out["round_replay_gpu_ms"] = round(events_ms(graph.graph.replay, reps), 4)
+        out["round_run_ms"] = round(wall_ms(lambda: graph.run((start, start, last)), reps), 4)
+    target, drafter, program = engine.target, s.proposer.drafter, s.program
+    width = engine.runner.width
+    dev = target.device
+    tail = torch.full((drafter.cfg.block_size - 1,), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
+    last_t = torch.tensor([last], dtype=torch.long, device=dev)
+    start_t = torch.tensor(start, dtype=torch.long, device=dev)
+    rows = torch.arange(width, device=dev)
+    want_raws = program.window.is_confidence
+    taps = tuple(s.taps)
+    holder: dict = {}
+
+    def propose():
+        holder["drafts"], _ = static_proposal(drafter, target, program, kv, last_t, tail, start_t, want_raws)
+
+    def verify():
+        cand = torch.cat([last_t, holder["drafts"]])[:width]
+        if cand.shape[0] < width:
+            cand = torch.cat([cand, cand[-1:].expand(width - cand.shape[0])])
+        logits, holder["taps"] = target.static_step(cand, rows + start_t, cache, taps)
+        logits.argmax(dim=-1)
+
+    def ingest():
+        drafter.static_ingest(kv, holder["taps"], start_t)
+
+    with torch.inference_mode():
+        propose()
+        verify()
+        out["parts"] = {name: kernel_profile(fn) for name, fn in
+                        (("propose", propose), ("verify", verify), ("ingest", ingest))}
+    for name, prof in out["parts"].items():
+        print(f"  {name}: {prof['kernels']} kernels, {prof['gpu_us']} us", flush=True)
+    s.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
+    ap.add_argument("--arm", action="append", default=None, help="dspark | dflash (repeatable)")
+    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "h200-embedded-round.json"))
+    args = ap.parse_args()
+    codec = TextCodec(ASSETS / "target")
+    prompts = [codec.encode(t) for t in load_prompts("humaneval", args.prompts).texts]
+    engine = Engine.load(EngineConfig(target=ASSETS / "target", device=args.device, dtype="bfloat16"))
+    plain = engine.fastest_plain()
+    report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "notes": engine.notes, "arms": {}}
+    report["plain_session_ms_per_token"] = round(session_ms_per_token(plain, prompts, args.max_new), 4)
+    for mode in args.arm or ["dspark", "dflash"]:
+        arm = engine.arm(ArmConfig(draft=ASSETS / mode, mode=mode))
+        print(mode, flush=True)
+        rec = round_parts(engine, arm, prompts[0], args.reps)
+
+        # whole sessions of this arm (tokens per ms as the bench counts them, prefill included)
+        for p in prompts[:2]:
+            engine.session(p, args.max_new, arm).run()
+        sync()
+        t, n, rounds = time.perf_counter(), 0, 0
+        for p in prompts:
+            s = engine.session(p, args.max_new, arm, eos_ids=())
+            n += len(s.run())
+            rounds += s.stats.rounds
+        sync()
+        rec["session_ms_per_token"] = round((time.perf_counter() - t) * 1e3 / n, 4)
+        rec["tau"] = round(n / max(rounds, 1), 3)
+        print(" ", json.dumps({k: v for k, v in rec.items() if k != "parts"}), flush=True)
+        report["arms"][mode] = rec
+    print("plain session ms/token", report["plain_session_ms_per_token"], flush=True)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
