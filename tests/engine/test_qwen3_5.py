@@ -669,7 +669,7 @@ def replay_graphs(monkeypatch):
             state._pending, state._width = before
         return out
 
-    def capture(fn, device):
+    def capture(fn, device, pool=None):
         out = fn()
 
         class Replay:

@@ -322,7 +322,7 @@ def eager_graphs(monkeypatch):
 
     captures = []
 
-    def capture(fn, device):
+    def capture(fn, device, pool=None):
         out = fn()
 
         class Replay:
@@ -384,7 +384,8 @@ def test_graph_plumbing_runs_exact_sessions_and_reuses_pools(target_dir, tmp_pat
     for a, b in ((s1.proposer.kv.k, s_eager.proposer.kv.k), (s1.proposer.kv.v, s_eager.proposer.kv.v)):
         assert torch.allclose(a[:, :, :n_ctx], b[:, :, :n_ctx], rtol=1e-5, atol=1e-6)
     kinds = {key[0] for key in s1.proposer.kv.graphs}
-    assert kinds == {"propose", "ingest"} and ("step", tuple(s1.taps)) in s1.cache.graphs
+    assert kinds == {"propose", "ingest", "prompt-ingest"} and ("step", tuple(s1.taps)) in s1.cache.graphs
+    assert ("prefill", 64, tuple(s1.taps)) in s1.cache.graphs  # the 25-token prompt's bucket
     assert graphed.pool.live_count == 0 and graphed.pool.idle_count == 2  # both storages went back
     n = len(eager_graphs)
     storages = (s1.cache.kv.data_ptr(), s1.proposer.kv.k.data_ptr())
@@ -647,3 +648,97 @@ def test_a_round_graph_keeps_what_its_body_closes_over(eager_graphs):
     del consts
     gc.collect()
     assert seen() is not None and graph.body is not None
+
+
+# --------------------------------------------------------------------------- graphed prefill
+
+
+def test_graphed_prefill_pads_to_a_bucket_and_matches_the_eager_prefill(target_dir, eager_graphs):
+    """A one-chunk prompt replays a prefill graph of its bucket (eager stand-in on the CPU): the
+    last row's logits, the real rows' taps and the real rows' K/V equal an eager prefill's, the
+    length is the prompt's, and a second prompt of the same bucket reuses the capture."""
+    from memra_cli.engine.runtime.steps import PREFILL_BUCKET
+
+    model = Qwen3Target.from_dir(target_dir)
+    graphed = graphed_on_cpu(model).runner
+    eager = StepRunner(model, WIDTH)
+    taps = (0, 2)
+    for seed, t in ((0, 37), (1, 50), (2, PREFILL_BUCKET + 1)):
+        prompt = _ids(t, seed)
+        a, b = graphed.new_state(t + 40), eager.new_state(t + 40)
+        got, got_taps = graphed.prefill(prompt, a, taps)
+        want, want_taps = eager.prefill(prompt, b, taps)
+        rows = graphed.prefill_rows(t, a)
+        assert rows == -(-t // PREFILL_BUCKET) * PREFILL_BUCKET and ("prefill", rows, taps) in a.graphs
+        assert a.length == b.length == t
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(got_taps, want_taps, rtol=1e-5, atol=1e-5) and got_taps.shape[0] == t
+        assert torch.allclose(a.kv[:, :, :, :t], b.kv[:, :, :, :t], rtol=1e-5, atol=1e-5)
+        graphed.release(a)
+    assert len([f for f in eager_graphs]) == 2  # 37 and 50 share the 64-row bucket's capture
+
+
+def test_graphed_prefill_padding_leaves_no_trace_on_the_stream(target_dir, eager_graphs, monkeypatch):
+    """Decoding after a padded prefill equals decoding after an eager one, token for token (the
+    padding rows' K/V are overwritten before any query reads them). Planted: a prefill graph
+    that kept its padding rows as context changes the stream, so the check can fail."""
+    from memra_cli.engine.runtime.graphs import PrefillGraph
+
+    model = Qwen3Target.from_dir(target_dir)
+    prompt = _ids(41, 7).tolist()
+    plain = greedy_reference(StepRunner(model, WIDTH), prompt, 48)
+    s = graphed_on_cpu(model).session(prompt, 48, eos_ids=())
+    assert s.run() == plain
+    assert any(key[0] == "prefill" for key in s.cache.graphs)
+
+    run = PrefillGraph.run
+
+    def keeps_padding(self, ids):
+        out = run(self, ids)
+        self.cache.length = self.rows  # the bug: padding rows committed as context
+        return out
+
+    monkeypatch.setattr(PrefillGraph, "run", keeps_padding)
+    assert graphed_on_cpu(model).session(prompt, 48, eos_ids=()).run() != plain
+
+
+def test_prefill_stays_eager_where_padding_could_leave_a_trace(target_dir, eager_graphs):
+    """More than one chunk, a bucket past the storage, or graphs off: the eager chunked path."""
+    model = Qwen3Target.from_dir(target_dir)
+    runner = graphed_on_cpu(model).runner
+    state = runner.new_state(300)
+    assert runner.prefill_rows(runner.prefill_chunk + 1, state) is None
+    small = model.new_state(100)  # not a bucketed storage: a 90-token prompt's 128 rows overrun it
+    small.graphs = {}
+    assert runner.prefill_rows(90, small) is None and runner.prefill_rows(60, small) == 64
+    assert StepRunner(model, WIDTH).prefill_rows(10, state) is None
+
+    class Recurrent:  # a state without host bookkeeping (a recurrent one restores on device)
+        max_len = 1024
+
+    assert runner.prefill_rows(10, Recurrent()) is None
+    runner.release(state)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_graphed_prefill_is_bit_identical_to_the_eager_padded_forward(target_dir):
+    """On CUDA: the prefill graph's replay gives the bits of an eager forward of the padded ids
+    (last real row's logits, real rows' taps and K/V), bf16."""
+    from memra_cli.engine.runtime.steps import PREFILL_BUCKET
+
+    model = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda")
+    runner = StepRunner(model, WIDTH, cuda_graphs=True)
+    taps = (0, 2)
+    for seed, t in ((0, 37), (1, 64), (2, 100)):
+        prompt = _ids(t, seed, "cuda")
+        state = runner.new_state(t + 40)
+        got, got_taps = runner.prefill(prompt, state, taps)
+        rows = -(-t // PREFILL_BUCKET) * PREFILL_BUCKET
+        padded = torch.cat([prompt, prompt[-1:].expand(rows - t)])
+        ref = model.new_state(state.max_len)
+        hidden, want_taps = model.forward(padded, 0, ref, taps)
+        want = model.logits(hidden[t - 1 : t])
+        assert torch.equal(got, want) and torch.equal(got_taps, want_taps[:t])
+        assert torch.equal(state.kv[:, :, :, :t], ref.kv[:, :, :, :t])
+        runner.release(state)

@@ -18,8 +18,12 @@ from typing import Any, Callable
 import torch
 
 
-def capture(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
-    """Capture `fn` (no host syncs, no host-to-device copies, static shapes) as a CUDA graph."""
+def capture(fn: Callable[[], Any], device: torch.device, pool=None) -> tuple[Any, Any]:
+    """Capture `fn` (no host syncs, no host-to-device copies, static shapes) as a CUDA graph.
+
+    `pool` (from `torch.cuda.graph_pool_handle()`): a memory pool shared with other graphs, for
+    graphs that never replay at the same time and whose outputs are copied out after each
+    replay (the prefill graphs): their intermediates then take one graph's memory, not the sum."""
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -27,6 +31,6 @@ def capture(fn: Callable[[], Any], device: torch.device) -> tuple[Any, Any]:
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out

@@ -13,7 +13,9 @@ So each part is captured once per cache storage and replayed every round.
   wanted; it reads the drafter, the target and its own buffers, never a session's.
 - `IngestGraph`: exactly `b` tap rows at `start..start+b-1`. The session keeps `m+1 <= b` of
   them. The padding rows land at positions the next round's block K/V overwrite before any
-  query can see them.
+  query can see them. The prompt's ingest is one too, over its prefill bucket's rows (the
+  same padding argument: a block at `t` attends keys up to `t+b-1` only, and later ingests
+  overwrite the rest before any block reaches them).
 
 Warm-up and capture write at the storage's block slack `[cap, cap+b)`, which never holds
 committed rows. Drafts never decide a committed token: the target does. So a graphed proposal
@@ -54,13 +56,18 @@ class ProposeGraph:
 
 
 class IngestGraph:
-    """The ingest of `b` rows of taps over one draft cache storage, captured once."""
+    """The ingest of `rows` rows of taps (default: a block) over one draft cache storage,
+    captured once.
 
-    def __init__(self, drafter, kv, taps_width: int):
+    A round's ingest captures in the block slack. The prompt's ingest (`rows` a prefill bucket,
+    larger than the slack) captures at row 0: it is captured when a session starts on an empty
+    cache, and its first replay, right after, overwrites those rows with the prompt's."""
+
+    def __init__(self, drafter, kv, taps_width: int, rows: int | None = None, capture_start: int | None = None):
         dev = drafter.device
-        b = drafter.cfg.block_size
-        self.taps = torch.zeros(b, taps_width, dtype=drafter.dtype, device=dev)
-        self.start = torch.tensor(kv.cap, dtype=torch.long, device=dev)
+        rows = drafter.cfg.block_size if rows is None else rows
+        self.taps = torch.zeros(rows, taps_width, dtype=drafter.dtype, device=dev)
+        self.start = torch.tensor(kv.cap if capture_start is None else capture_start, dtype=torch.long, device=dev)
         self.graph, _ = cuda_graphs.capture(lambda: drafter.static_ingest(kv, self.taps, self.start), dev)
 
     def run(self, taps: torch.Tensor, start: int) -> None:

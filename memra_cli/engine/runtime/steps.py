@@ -13,6 +13,10 @@ It owns what used to live inside the model class:
   state storage and taps tuple replays every later step (runtime/graphs.py).
 - **state lifetime**: states come from the shared `StoragePool` (graphs ride on the storage),
   sized with W rows of slack for the padding, and go back on `release`.
+- **graphed prefill**: with CUDA graphs, a prompt of one chunk is padded to a bucket of
+  `PREFILL_BUCKET` rows and replayed from a graph kept on the storage (runtime/graphs.py
+  `PrefillGraph`): one launch instead of a few hundred. Only where padding rows leave no trace
+  (a K/V cache; a recurrent state would carry them) and the bucket fits the storage.
 - **chunked prefill**: a prompt runs in forwards of at most `prefill_chunk` rows, so its
   transient memory (the `[g*rows, length]` mask, attention scores on paths that materialise
   them, the taps) is bounded by the chunk, not the prompt; each chunk's taps go to a callback
@@ -34,6 +38,7 @@ from memra_cli.engine.runtime.pool import StoragePool
 
 STATE_BUCKET = 256  # pooled state lengths are multiples of this (CUDA graphs bind a storage)
 PREFILL_CHUNK = 512  # prompt rows per prefill forward: bounds the transient mask, scores and taps
+PREFILL_BUCKET = 64  # with CUDA graphs, a one-chunk prompt is padded to a multiple of this and replayed
 
 
 class StepRunner:
@@ -56,6 +61,7 @@ class StepRunner:
         self.width = step_width
         self.cuda_graphs = bool(cuda_graphs)
         self.pool = pool if pool is not None else StoragePool()
+        self._prefill_pool = None  # one memory pool for every prefill graph (made on first capture)
         if self.cuda_graphs:
             # Graphs read rope tables by address: make them once at their largest, so a later,
             # longer session never replaces a table a graph was captured with.
@@ -124,6 +130,13 @@ class StepRunner:
         come back whole, `[t, n_taps*hidden]`."""
         state.reset()
         t, chunk = ids.shape[0], self.prefill_chunk
+        graph = self._prefill_graph(t, state, taps)
+        if graph is not None:
+            logits, tapped = graph.run(ids)
+            if tapped is not None and on_taps is not None:
+                on_taps(tapped, 0)
+                tapped = None
+            return logits, tapped
         kept: list[torch.Tensor] = []
         hidden = None
         for lo in range(0, t, chunk):
@@ -136,6 +149,31 @@ class StepRunner:
         assert hidden is not None, "an empty prompt is refused by check_prompt"
         whole = None if not kept else kept[0] if len(kept) == 1 else torch.cat(kept)
         return self.model.logits(hidden[-1:]), whole
+
+    def prefill_rows(self, t: int, state) -> int | None:
+        """The padded rows a graphed prefill of a `t`-token prompt runs over `state`, or None
+        when it runs eagerly (graphs off, more than one chunk, a recurrent state, or a bucket
+        past the storage)."""
+        if not self.cuda_graphs or t > self.prefill_chunk:
+            return None
+        if not getattr(state, "host_bookkeeping", False):  # padding rows would enter the recurrence
+            return None
+        rows = -(-t // PREFILL_BUCKET) * PREFILL_BUCKET
+        return rows if rows <= state.max_len else None
+
+    def _prefill_graph(self, t: int, state, taps: Sequence[int] | None):
+        rows = self.prefill_rows(t, state)
+        if rows is None:
+            return None
+        from memra_cli.engine.runtime.graphs import PrefillGraph
+
+        key = ("prefill", rows, tuple(taps or ()))
+        graph = state.graphs.get(key)
+        if graph is None:
+            if self._prefill_pool is None and self.model.device.type == "cuda":
+                self._prefill_pool = torch.cuda.graph_pool_handle()
+            graph = state.graphs[key] = PrefillGraph(self.model, rows, state, key[2], pool=self._prefill_pool)
+        return graph
 
     def step(self, ids: torch.Tensor, start: int, state, taps: Sequence[int] | None = None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:

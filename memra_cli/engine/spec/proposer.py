@@ -21,6 +21,7 @@ from memra_cli.engine.spec.policy import Harvest, VerifyWindow
 from memra_cli.engine.spec.sampling import GREEDY, Sampler
 
 PRIME_CHUNK = 256  # prompt taps are ingested in row windows to bound transient memory
+PROMPT_BUCKET = 64  # graphed, a prompt of one window is ingested padded to a multiple of this
 
 
 class SpecError(MemraError):
@@ -94,8 +95,9 @@ class DrafterProposer:
             self.pool.release(self.kv)
 
     def ingest(self, taps: torch.Tensor, positions: torch.Tensor) -> None:
-        """Append committed rows. Graphed (after the prompt, at most a block of rows), the rows
-        go at `kv.length..` (`positions` unread: a Session always ingests contiguously)."""
+        """Append committed rows. Graphed, the rows go at `kv.length..` (`positions` unread: a
+        Session always ingests contiguously): after the prompt at most a block of rows, one
+        replay; the prompt itself (one window) padded to a bucket, one replay."""
         t, b = taps.shape[0], self.program.block_size
         if self.graphs and self.kv.length > 0 and t <= b:
             from memra_cli.engine.runtime.draft_graphs import IngestGraph
@@ -109,6 +111,18 @@ class DrafterProposer:
             graph.run(taps, self.kv.length)
             self.kv.length += t
             return
+        if self.graphs and self.kv.length == 0 and t <= PRIME_CHUNK:
+            from memra_cli.engine.runtime.draft_graphs import IngestGraph
+
+            rows = -(-t // PROMPT_BUCKET) * PROMPT_BUCKET  # the prompt padded to a bucket: one replay
+            if rows <= self.kv.cap:
+                key = ("prompt-ingest", rows, taps.shape[1])
+                graph = self.kv.graphs.get(key)
+                if graph is None:
+                    graph = self.kv.graphs[key] = IngestGraph(self.drafter, self.kv, taps.shape[1], rows, 0)
+                graph.run(taps, 0)
+                self.kv.length = t
+                return
         for lo in range(0, t, PRIME_CHUNK):
             self.drafter.ingest(self.kv, taps[lo : lo + PRIME_CHUNK], positions[lo : lo + PRIME_CHUNK])
 
