@@ -82,3 +82,19 @@ def test_prefill_attention_is_the_masked_reference(t, start, nh, nkv):
     got = TritonStepOps.prefill_attention(q, k, v, None)
     assert got.shape == (t, nh * hd)
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def test_argmax_through_both_ops():
+    """The seam's argmax: the same int64 row indices from the torch op and the kernel, ties
+    (first index), NaN (the first NaN) and a row of -inf (0) included."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-3, 3, (16, 4097), generator=g).float()
+    x[1, [70, 9]] = float("nan")
+    x[2] = float("-inf")
+    x = x.to(DEVICE)
+    ref = TorchStepOps.argmax(x)
+    got = TritonStepOps().argmax(x)
+    assert got.dtype == ref.dtype == torch.long
+    assert got.tolist() == ref.tolist()
+    assert ref[1].item() == 9 and ref[2].item() == 0
+    assert TritonStepOps().argmax(x[:1]).tolist() == ref[:1].tolist()

@@ -47,6 +47,7 @@ class TargetModel(Protocol):
     embed_weight: torch.Tensor  # [vocab, hidden]
     lm_head_weight: torch.Tensor  # [vocab, hidden]
     supports_cuda_graphs: bool  # static_step is capturable (else `graphs_note` says why not)
+    step_ops: object  # layers/step_ops.py: static_step's fused ops, and a graphed round's argmax
 
     def new_state(self, rows: int) -> TargetState: ...
     def ensure_positions(self, rows: int) -> None: ...

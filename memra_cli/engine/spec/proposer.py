@@ -163,7 +163,7 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last
     if hasattr(sampler, "drafting"):
         drafting = sampler.drafting(start + torch.arange(p.n_drafts, device=logits.device), logits.shape[-1])
     if drafting is None:
-        drafts = drafter.markov_chain(logits, last) if p.markov else torch.argmax(logits, dim=-1)
+        drafts = drafter.markov_chain(logits, last) if p.markov else drafter.step_ops.argmax(logits)
     else:
         drafts = drafter.markov_chain(logits, last, drafting.pick) if p.markov else drafting.pick_rows(logits)
     raws = None

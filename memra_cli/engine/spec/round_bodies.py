@@ -10,7 +10,7 @@ window)]` as float64 (ids < 2^53 are exact):
     drafts, raws = the static proposal of the block [last, MASK...] at d_start (draft graphs' body)
     cand = [last, drafts][:W]       (padded by repeating its last id when the block is shorter)
     logits, taps = target.static_step(cand at t_start..t_start+W-1)
-    sel = argmax(logits)            (greedy)
+    sel = argmax(logits)            (greedy: target.step_ops.argmax)
     drafter.static_ingest(taps, all W rows at d_start)
 
 The verify covers W rows whatever the window: the window is sized on the host after the read,
@@ -52,7 +52,7 @@ def speculative_round(drafter, target, program: Program, kv, cache, taps: Sequen
         else:
             cand = torch.cat([cand, cand[-1:].expand(width - cand.shape[0])])
         logits, tapped = target.static_step(cand, rows + t_start, cache, taps)
-        sel = logits.argmax(dim=-1)
+        sel = target.step_ops.argmax(logits)
         drafter.static_ingest(kv, tapped, d_start)
         parts = [cand.double(), sel.double()]
         if raws is not None:
@@ -69,6 +69,6 @@ def plain_step(target, cache, width: int):
     def body(inputs: torch.Tensor) -> torch.Tensor:
         t_start, last = inputs[0], inputs[1:2]
         logits, _ = target.static_step(last.expand(width).contiguous(), rows + t_start, cache, None)
-        return logits[:1].argmax(dim=-1)
+        return target.step_ops.argmax(logits[:1])
 
     return body
