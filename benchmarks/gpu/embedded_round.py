@@ -37,6 +37,7 @@ from embedded_plain import events_ms, kernel_profile, session_ms_per_token, sync
 
 from memra_cli.engine.api import ArmConfig, Engine, EngineConfig  # noqa: E402
 from memra_cli.engine.prompts import load_prompts  # noqa: E402
+from memra_cli.engine.spec.policy import PolicySettings  # noqa: E402
 from memra_cli.engine.spec.proposer import static_proposal  # noqa: E402
 from memra_cli.engine.text import TextCodec  # noqa: E402
 
@@ -99,7 +100,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
-    ap.add_argument("--arm", action="append", default=None, help="dspark | dflash (repeatable)")
+    ap.add_argument("--arm", action="append", default=None, help="dspark | dflash, with :key=value settings as the bench's arms (repeatable)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "h200-embedded-round.json"))
     args = ap.parse_args()
     codec = TextCodec(ASSETS / "target")
@@ -108,9 +109,11 @@ def main() -> None:
     plain = engine.fastest_plain()
     report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "notes": engine.notes, "arms": {}}
     report["plain_session_ms_per_token"] = round(session_ms_per_token(plain, prompts, args.max_new), 4)
-    for mode in args.arm or ["dspark", "dflash"]:
-        arm = engine.arm(ArmConfig(draft=ASSETS / mode, mode=mode))
-        print(mode, flush=True)
+    for spec in args.arm or ["dspark", "dflash"]:
+        mode, _, setting = spec.partition(":")
+        settings = PolicySettings(**dict(kv.split("=", 1) for kv in setting.split(",") if kv))
+        arm = engine.arm(ArmConfig(draft=ASSETS / mode, mode=mode, settings=settings))
+        print(spec, flush=True)
         rec = round_parts(engine, arm, prompts[0], args.reps)
 
         # whole sessions of this arm (tokens per ms as the bench counts them, prefill included)
@@ -126,7 +129,7 @@ def main() -> None:
         rec["session_ms_per_token"] = round((time.perf_counter() - t) * 1e3 / n, 4)
         rec["tau"] = round(n / max(rounds, 1), 3)
         print(" ", json.dumps({k: v for k, v in rec.items() if k != "parts"}), flush=True)
-        report["arms"][mode] = rec
+        report["arms"][spec] = rec
     print("plain session ms/token", report["plain_session_ms_per_token"], flush=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -58,7 +58,8 @@ class _Progress:
 
         raise_if_signalled()  # between prompts: a signal whose exception native code swallowed
         if stage not in self.tasks:
-            self.tasks[stage] = self.bar.add_task("warm-up" if stage == "warmup" else "prompts", total=total)
+            label = {"warmup": "warm-up", "graphs": "graph capture"}.get(stage, "prompts")
+            self.tasks[stage] = self.bar.add_task(label, total=total)
         self.bar.update(self.tasks[stage], completed=done)
 
 
@@ -211,7 +212,8 @@ def bench_tables(report: dict) -> list:
 
     p = report["prompts"]
     title = Text(f"memra bench: {p['set']}, {p['n']} prompts x {report['max_new']} new, "
-                 f"{report['device']} {report['dtype']}, warm-up {report['warmup']}")  # a line, not squeezed to a table's width
+                 f"{report['device']} {report['dtype']}, warm-up {report['warmup']}"
+                 + (", graphs captured first" if report.get("graph_warmup") else ""))  # a line, not squeezed to a table's width
     main = Table()
     main.add_column("arm", overflow="fold")
     for c in ("tau", "accept", "tok/s", "speedup", "vs off", "exact"):
@@ -322,7 +324,7 @@ def bench(
     max_new: int = typer.Option(128, "--max-new", callback=at_least(1), help="New tokens per prompt, >= 1 (fewer only at EOS)."),
     chat: bool = typer.Option(False, "--chat/--no-chat", help="Wrap each prompt in the target's chat template. Needs a target made for chat (a chat_template in its tokenizer_config.json, or a chat_template.jinja); the embedded target is a raw code model and has none."),
     arm: Optional[List[str]] = typer.Option(None, "--arm", help=ARM_HELP),
-    warmup: int = typer.Option(1, "--warmup", callback=at_least(0), help="Run every arm on the first K prompts first, not counted (K >= 0)."),
+    warmup: int = typer.Option(1, "--warmup", callback=at_least(0), help="Run every arm on the first K prompts first, not counted (K >= 0). With CUDA graphs every arm also primes every prompt and runs one round first, untimed, so no graph capture lands in a timed run."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     phase_times: Optional[bool] = typer.Option(None, "--phase-times/--no-phase-times", show_default=False, help="Per-phase timers. Default: on for CPU (perf_counter alone, no cost), off for CUDA, where they synchronize at every phase boundary and slow every arm (plain decoding most): the default run's tok/s and speedups are the headline."),

@@ -429,3 +429,50 @@ def test_broken_embedded_pair_only_matters_without_target(monkeypatch, pair):
     with pytest.raises(eb.MemraError, match="missing from this installation"):
         eb.resolve_inputs(None, None)
     assert eb.resolve_inputs(target, None) == (target, Drafters(None), False)
+
+
+def test_graphs_are_captured_before_the_timed_pass(monkeypatch, pair):
+    """With CUDA graphs (the eager stand-in on the CPU), every arm primes every prompt and runs a
+    round before timing, so no capture lands in a timed run: counted per stage. Without graphs
+    there is no such pass (the test above: warm-up and measure stages only)."""
+    from memra_cli.engine.runtime import cuda_graphs
+    from memra_cli.engine.runtime.steps import StepRunner
+
+    captures = []
+
+    def capture(fn, device, pool=None):
+        out = fn()
+        captures.append(fn)
+
+        class Replay:
+            def replay(self):
+                fresh = fn()
+                for mine, new in zip(_flat(out), _flat(fresh)):
+                    mine.copy_(new)
+        return Replay(), out
+
+    def _flat(x):
+        if isinstance(x, torch.Tensor):
+            return [x]
+        if isinstance(x, (tuple, list)):
+            return [t for y in x for t in _flat(y)]
+        return []
+
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    model = Qwen3Target.from_dir(pair[0])
+    runner = StepRunner(model, 16)
+    runner.cuda_graphs = True  # a runner refuses graphs off CUDA: switched on after construction
+    model.ensure_positions(runner._rows(model.cfg.max_position_embeddings))
+    engine = Engine(model, runner, model.device, model.dtype, ["graphs on (CPU stand-in)"], draft_graphs=True,
+                    round_graphs=True)
+    arms = eb.load_arms(engine, parse_arms(["dspark", "dspark:adapt=0"]), Drafters(None, pair[1]))
+    after_graphs = []
+
+    def progress(stage, done, total):
+        if stage == "graphs" and done == total:
+            after_graphs.append(len(captures))
+
+    result = eb.run_bench(arms, PROMPTS, 10, warmup=0, progress=progress)
+    assert after_graphs and after_graphs[0] > 0
+    assert len(captures) == after_graphs[0]  # the timed pass captured nothing
+    assert result.as_json()["graph_warmup"] is True and result.exact
