@@ -21,7 +21,19 @@ ulp before the rounding. A draft never decides a committed token (the target doe
 difference could cost acceptance, never exactness. Rows never mix: each slot reads only its own
 logits row.
 
-Public API: `markov_chain(logits, anchor, w1, w2, dtype)` and its twin `markov_chain_ref`.
+Small vocabularies: one launch for the whole chain. When the table of every bias row,
+`T[p] = w2 · w1[p]` (`[V_in, V]` in the compute dtype), is small (<= `TABLE_MAX_BYTES`, 64 MiB:
+the embedded DSpark drafter's 4096 x 4096 bf16 is 32 MiB), `bias_table` builds it once and
+`markov_chain(..., table=T)` runs one program that walks the slots: gather row `T[prev]`, add
+slot k's logits, argmax, next. A slot is then two dependent loads instead of a launch. On the
+H200 the per-slot launches were 16 of the embedded DSpark round's 52 proposal kernels (39 of its
+112 microseconds). The table's rows are one GEMM's (`linear(w1, w2)`), so a bias can differ
+from the per-slot GEMV's in its summation order (an ulp before the rounding), as above. Large
+vocabularies keep the per-slot kernel: their table would not fit, and each slot's GEMV reads
+megabytes, so the launches are not what they wait on.
+
+Public API: `markov_chain(logits, anchor, w1, w2, dtype, table=None)`, `bias_table(w1, w2,
+dtype)`, `table_fits(w1, w2, dtype)`, and the twin `markov_chain_ref`.
 """
 
 from __future__ import annotations
@@ -34,6 +46,8 @@ from ._common import check_tensors, next_pow2
 
 BLOCK_V = 128  # vocabulary rows of w2 per program
 BLOCK_R = 64  # columns of w2 per loop step
+TABLE_MAX_BYTES = 64 << 20  # the largest bias table built (the one-launch chain)
+TABLE_BLOCK = 4096  # vocabulary entries per loop step of the one-launch chain
 
 
 @triton.jit
@@ -81,20 +95,59 @@ def _markov_slot_kernel(logits_ptr, w1_ptr, w2_ptr, anchor_ptr, val_ptr, idx_ptr
         tl.store(idx_ptr + slot * BLOCK_P + pid, first)
 
 
+@triton.jit
+def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
+                         stride_logits, stride_table, BLOCK: tl.constexpr):
+    """The whole chain in one program: slot k's scores are `logits[k] + table[prev]` (the table
+    already rounded to the compute dtype), its pick the first index of their maximum."""
+    prev = tl.load(anchor_ptr).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    for k in range(0, n):
+        best = tl.full((BLOCK,), float("-inf"), tl.float32)
+        first = tl.full((BLOCK,), 2147483647, tl.int32)
+        for v0 in range(0, V, BLOCK):
+            idx = v0 + cols
+            ok = idx < V
+            bias = tl.load(table_ptr + prev * stride_table + idx, mask=ok, other=0.0).to(tl.float32)
+            s = tl.load(logits_ptr + k * stride_logits + idx, mask=ok, other=0.0) + bias
+            s = tl.where(ok, s, float("-inf"))
+            better = s > best  # strictly: an earlier tile's equal maximum keeps its index
+            first = tl.where(better, idx, first)
+            best = tl.where(better, s, best)
+        top = tl.max(best, axis=0)
+        pick = tl.min(tl.where(best == top, first, 2147483647), axis=0)
+        tl.store(out_ptr + k, pick.to(tl.int64))
+        prev = pick.to(tl.int64)
+
+
 _COMPUTE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
+def table_fits(w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the bias table `[V_in, V]` in `dtype` is small enough to build (TABLE_MAX_BYTES)."""
+    return w1.shape[0] * w2.shape[0] * torch.tensor([], dtype=dtype).element_size() <= TABLE_MAX_BYTES
+
+
+def bias_table(w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Every chain bias at once: `[V_in, V]` in `dtype`, row p = `linear(w1[p], w2)` rounded to
+    `dtype` as the linear layer's output is. Built once per drafter (one GEMM), outside graphs."""
+    return torch.nn.functional.linear(w1.to(dtype), w2.to(dtype)).contiguous()
+
+
 def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
+                 dtype: torch.dtype, table: torch.Tensor | None = None) -> torch.Tensor:
     """Greedy chain over `logits [n, V]` (float32): tokens `[n]` (int64, on the device), slot
     k picking `argmax(logits[k] + (w1[prev] @ w2.T))` in `dtype` as described above, `prev`
     starting at `anchor` (one int64 element). `w1 [V_in, r]`, `w2 [V, r]`, last axes contiguous.
-    No host sync: capturable in a CUDA graph."""
+    With `table` (`bias_table(w1, w2, dtype)`) the whole chain is one launch. No host sync:
+    capturable in a CUDA graph."""
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise ValueError(f"logits must be float32 [n, V], got {logits.dtype} {tuple(logits.shape)}")
     n, V = logits.shape
     if w2.dim() != 2 or w2.shape[0] != V or w1.dim() != 2 or w1.shape[1] != w2.shape[1]:
         raise ValueError(f"w1 [V_in, r] and w2 [V={V}, r] expected, got {tuple(w1.shape)} and {tuple(w2.shape)}")
+    if w1.shape[0] < V:
+        raise ValueError(f"w1 must have at least {V} rows (a pick, any of the V tokens, indexes it), got {w1.shape[0]}")
     if dtype not in _COMPUTE:
         raise TypeError(f"compute dtype {dtype} not supported (float32, bfloat16, float16)")
     check_tensors(logits, anchor, w1, w2)
@@ -103,6 +156,14 @@ def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w
             raise ValueError(f"{name}: the last axis must be contiguous")
     out = torch.empty(n, dtype=torch.long, device=logits.device)
     if n == 0:
+        return out
+    if table is not None:
+        if table.shape != (w1.shape[0], V) or table.dtype != dtype or table.stride(-1) != 1:
+            raise ValueError(f"table must be [{w1.shape[0]}, {V}] {dtype} with a contiguous last axis, "
+                             f"got {table.dtype} {tuple(table.shape)}")
+        check_tensors(logits, table)
+        _markov_table_kernel[(1,)](logits, table, anchor.reshape(1), out, n, V, logits.stride(0), table.stride(0),
+                                   BLOCK=min(TABLE_BLOCK, next_pow2(V)), num_warps=8)
         return out
     parts = triton.cdiv(V, BLOCK_V)
     block_p = max(16, next_pow2(parts))

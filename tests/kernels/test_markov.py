@@ -7,7 +7,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from memra_kernels.markov import BLOCK_R, BLOCK_V, markov_chain, markov_chain_ref  # noqa: E402
+from memra_kernels.markov import (  # noqa: E402
+    BLOCK_R, BLOCK_V, TABLE_BLOCK, bias_table, markov_chain, markov_chain_ref, table_fits,
+)
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -83,3 +85,65 @@ def test_refuses_bad_shapes(device):
     with pytest.raises(ValueError, match="logits must be float32"):
         markov_chain(logits.double(), anchor, w1, w2, torch.float32)
     assert markov_chain(logits[:0], anchor, w1, w2, torch.float32).shape == (0,)
+
+
+# ------------------------------------------------------------------------ the one-launch chain
+
+
+def _table_chain(logits, anchor, w1, w2, dtype):
+    return markov_chain(logits, anchor, w1, w2, dtype, table=bias_table(w1, w2, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,V,r,v_in", [(1, 37, 8, 37), (3, TABLE_BLOCK + 5, 24, TABLE_BLOCK + 5), (15, 1000, 64, 1000),
+                                         (16, 512, 16, 700)])
+def test_table_chain_matches_ref(n, V, r, v_in, dtype, device):
+    """The one-launch chain over the bias table: the twin's tokens (vocabularies of one tile,
+    several tiles, an input vocabulary larger than the output one)."""
+    logits, anchor, w1, w2 = _inputs(n, V, r, v_in, dtype, device, seed=5)
+    got = _table_chain(logits, anchor, w1, w2, dtype)
+    assert got.dtype == torch.long and got.shape == (n,)
+    assert got.tolist() == markov_chain_ref(logits, anchor, w1, w2, dtype).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_table_chain_follows_the_previous_pick(dtype, device):
+    """Each pick decided by the previous one (weak logits, strong bias): a kernel reading the
+    anchor's (or a stale) table row for every slot gives another chain."""
+    n, V, r = 8, 300, 32
+    logits, anchor, w1, w2 = _inputs(n, V, r, V, dtype, device, seed=3, spread=0.01)
+    w1 = (w1 * 8).to(dtype)
+    ref = markov_chain_ref(logits, anchor, w1, w2, dtype)
+    assert len(set(ref.tolist())) > 3
+    assert _table_chain(logits, anchor, w1, w2, dtype).tolist() == ref.tolist()
+
+
+def test_table_chain_ties_go_to_the_first_index_across_tiles(device):
+    """Equal maxima in several tiles and lanes: the first index, as torch.argmax."""
+    n, V, r = 2, TABLE_BLOCK * 2 + 9, 4
+    logits = torch.zeros(n, V, device=device)
+    logits[0, [TABLE_BLOCK + 1, 7, TABLE_BLOCK * 2 + 3]] = 5.0  # 7 is first
+    logits[1, [TABLE_BLOCK * 2 + 8, TABLE_BLOCK + 3]] = 2.0  # TABLE_BLOCK + 3 is first
+    w1 = torch.zeros(V, r, device=device)
+    w2 = torch.zeros(V, r, device=device)
+    anchor = torch.tensor([0], device=device)
+    got = _table_chain(logits, anchor, w1, w2, torch.float32)
+    assert got.tolist() == [7, TABLE_BLOCK + 3] == markov_chain_ref(logits, anchor, w1, w2, torch.float32).tolist()
+
+
+def test_table_is_the_rounded_linear_and_refused_when_malformed(device):
+    """Row p of the table is linear(w1[p], w2) rounded to the compute dtype (bf16 here), and a
+    table of the wrong shape or dtype is refused; the size rule keeps big vocabularies out."""
+    logits, anchor, w1, w2 = _inputs(2, 64, 8, 80, torch.bfloat16, device)
+    t = bias_table(w1, w2, torch.bfloat16)
+    assert t.shape == (80, 64) and t.dtype == torch.bfloat16
+    row = torch.nn.functional.linear(w1[5:6].to(torch.bfloat16), w2.to(torch.bfloat16))
+    assert torch.allclose(t[5].float(), row[0].float(), rtol=2**-7, atol=1e-6)
+    with pytest.raises(ValueError, match="table must be"):
+        markov_chain(logits, anchor, w1, w2, torch.bfloat16, table=t.float())
+    with pytest.raises(ValueError, match="table must be"):
+        markov_chain(logits, anchor, w1, w2, torch.bfloat16, table=t[:, :32])
+    with pytest.raises(ValueError, match="at least 64 rows"):  # a pick indexes w1 (and the table)
+        markov_chain(logits, anchor, w1[:40], w2, torch.bfloat16)
+    big = torch.empty(151936, 8, dtype=torch.bfloat16, device="meta")
+    assert table_fits(w1, w2, torch.bfloat16) and not table_fits(big, big, torch.bfloat16)

@@ -98,3 +98,28 @@ def test_argmax_through_both_ops():
     assert got.tolist() == ref.tolist()
     assert ref[1].item() == 9 and ref[2].item() == 0
     assert TritonStepOps().argmax(x[:1]).tolist() == ref[:1].tolist()
+
+
+def test_the_markov_chain_op_builds_its_table_once_for_a_small_vocabulary(monkeypatch):
+    """The Triton op runs a small vocabulary's chain over a bias table, built on first use and
+    reused (keyed by the weights); a vocabulary whose table would be too big keeps the per-slot
+    kernel. Both pick the torch op's tokens."""
+    from memra_kernels import markov
+
+    g = torch.Generator().manual_seed(0)
+    V, r = 300, 16
+    logits = (torch.randn(6, V, generator=g) * 4).to(DEVICE)
+    w1 = (torch.randn(V, r, generator=g) / 4).to(DEVICE)
+    w2 = torch.randn(V, r, generator=g).to(DEVICE)
+    anchor = torch.tensor([7], device=DEVICE)
+    ref = TorchStepOps.markov_chain(logits, anchor, w1, w2, torch.float32)
+    ops = TritonStepOps()
+    assert ops.markov_chain(logits, anchor, w1, w2, torch.float32).tolist() == ref.tolist()
+    assert len(ops._markov_tables) == 1
+    table = next(iter(ops._markov_tables.values()))[2]
+    assert ops.markov_chain(logits, anchor, w1, w2, torch.float32).tolist() == ref.tolist()
+    assert next(iter(ops._markov_tables.values()))[2] is table  # reused, not rebuilt
+    monkeypatch.setattr(markov, "TABLE_MAX_BYTES", V * V * 4 - 1)
+    small = TritonStepOps()
+    assert small.markov_chain(logits, anchor, w1, w2, torch.float32).tolist() == ref.tolist()
+    assert not small._markov_tables

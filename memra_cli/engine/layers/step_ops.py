@@ -16,7 +16,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   the cache's last positions, causal by position; `mask` the forward's folded boolean mask,
   built only when `prefill_mask` is True)
 - `markov_chain(logits, anchor, w1, w2, dtype) -> tokens`: DSpark's greedy chain (the drafter's
-  side of a round; one launch per slot with the kernels, ~6 with torch)
+  side of a round; with the kernels one launch per slot, or one launch in all over a bias table
+  built once where the vocabulary is small; ~6 launches a slot with torch)
 - `argmax(x) -> int64 [rows]`: each row's `torch.argmax` (first index among equal maxima, NaN
   as the maximum), a greedy round's picks from its logits (one program per row with the
   kernels, where torch's generic reduce took ~15 µs for 16 rows on the H200)
@@ -163,10 +164,27 @@ class TritonStepOps:
         self.qk_norm_rope_kv_write = rope.qk_norm_rope_kv_write
         self.attention = attention.decode_attention
         self.silu_mul = activation.silu_mul
-        self.markov_chain = markov.markov_chain
+        self._markov = markov
+        self._markov_tables: dict[tuple, tuple] = {}  # (w1, w2, dtype) -> (w1, w2, table)
         self.argmax = argmax.row_argmax
         self.conv_silu = deltanet.causal_conv_silu
         self.gated_delta_rule = deltanet.gated_delta_rule
+
+
+    def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+        """The chain kernel; for a small vocabulary through its bias table (one launch), built
+        on first use and kept with references to its weights (so their addresses, its key, stay
+        theirs). The first use is outside any capture: graphs warm their body up first."""
+        m = self._markov
+        table = None
+        if m.table_fits(w1, w2, dtype):
+            key = (w1.data_ptr(), tuple(w1.shape), w2.data_ptr(), tuple(w2.shape), dtype)
+            entry = self._markov_tables.get(key)
+            if entry is None:
+                entry = self._markov_tables[key] = (w1, w2, m.bias_table(w1, w2, dtype))
+            table = entry[2]
+        return m.markov_chain(logits, anchor, w1, w2, dtype, table=table)
 
 
 def select_step_ops(device: torch.device, setting: bool | None = None, env: dict | None = None):
