@@ -162,19 +162,19 @@ def unfused_load(monkeypatch, path, **kw) -> Drafter:
 def every_output(d: Drafter, seed: int = 0) -> list[torch.Tensor]:
     """Everything the drafter computes from one context and block: the full (oracle) forward,
     eager ingest + round, and the static (graphed) ingest + round, with their K/V."""
-    cfg, b, n_ctx = d.cfg, d.cfg.block_size, 11
+    cfg, b, n_ctx, dev = d.cfg, d.cfg.block_size, 11, d.device
     g = torch.Generator().manual_seed(seed)
-    taps = torch.randn(n_ctx, cfg.n_taps * cfg.hidden_size, generator=g).to(d.dtype)
-    noise = torch.randn(b, cfg.hidden_size, generator=g).to(d.dtype)
-    positions = torch.arange(n_ctx + b)
+    taps = torch.randn(n_ctx, cfg.n_taps * cfg.hidden_size, generator=g).to(dev, d.dtype)
+    noise = torch.randn(b, cfg.hidden_size, generator=g).to(dev, d.dtype)
+    positions = torch.arange(n_ctx + b, device=dev)
     full = d.forward_full(taps, noise, positions)
     kv = d.new_cache(n_ctx)
     d.ingest(kv, taps[:4], positions[:4])
     d.ingest(kv, taps[4:], positions[4:n_ctx])
     rnd = d.forward_round(kv, noise, positions[n_ctx:], keep_layers=True)
     skv = d.new_cache(2 * b)
-    d.static_ingest(skv, taps[:b], torch.tensor(0))
-    static = d.static_round(skv, noise, torch.tensor(b))
+    d.static_ingest(skv, taps[:b], torch.tensor(0, device=dev))
+    static = d.static_round(skv, noise, torch.tensor(b, device=dev))
     return [full.hidden_out, full.layer_out, full.ctx_features, rnd.hidden_out, rnd.layer_out, kv.k, kv.v,
             static, skv.k, skv.v]
 
@@ -251,3 +251,19 @@ def test_projections_of_mixed_kinds_stay_separate_and_still_compute(dspark, monk
     # and the cached round still computes the full forward (the paths agree, as unquantized)
     full, rnd = got[1], got[4]
     assert ((rnd - full).norm() / full.norm()).item() < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["q8", "q4"])
+def test_cuda_quantized_drafter_fuses_into_one_kernel_weight(dspark, monkeypatch, policy):
+    """On CUDA the stacks are packed `QuantLinear`s (one launch for q/k/v, one for k/v, one for
+    gate/up) whose parts are views of their rows. Outputs match the unfused drafter within
+    float32 rounding, not bit for bit: a stack's tiles come from its own shape (config_for)."""
+    fused = Drafter.load(dspark, torch.float32, "cuda", weight_fn=weight_fn_for(policy))
+    plain = unfused_load(monkeypatch, dspark, dtype=torch.float32, device="cuda", weight_fn=weight_fn_for(policy))
+    for w in fused.layers:
+        for stack, part in ((w.wqkv, w.wq), (w.wkv, w.wk), (w.w_gate_up, w.w_gate)):
+            assert type(stack).__name__ == "QuantLinear" and stack.device.type == "cuda"
+            assert part.packed.qweight.data_ptr() == stack.packed.qweight.data_ptr()
+    for a, b in zip(every_output(fused), every_output(plain)):
+        assert ((a - b).norm() / b.norm()).item() < 1e-4
