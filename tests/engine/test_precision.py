@@ -256,14 +256,23 @@ def test_projections_of_mixed_kinds_stay_separate_and_still_compute(dspark, monk
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("policy", ["q8", "q4"])
 def test_cuda_quantized_drafter_fuses_into_one_kernel_weight(dspark, monkeypatch, policy):
-    """On CUDA the stacks are packed `QuantLinear`s (one launch for q/k/v, one for k/v, one for
-    gate/up) whose parts are views of their rows. Outputs match the unfused drafter within
-    float32 rounding, not bit for bit: a stack's tiles come from its own shape (config_for)."""
-    fused = Drafter.load(dspark, torch.float32, "cuda", weight_fn=weight_fn_for(policy))
-    plain = unfused_load(monkeypatch, dspark, dtype=torch.float32, device="cuda", weight_fn=weight_fn_for(policy))
+    """On CUDA the stacks are what `for_device` packs quantized weights into (`QuantLinear`:
+    one launch for q/k/v, one for k/v, one for gate/up; the reference where memra_kernels is
+    not importable), with the parts views of their rows. Outputs match the unfused drafter
+    within float32 rounding, not bit for bit: a stack's tiles come from its own shape."""
+    from memra_cli.engine.layers.quantized import for_device
+
+    cuda = torch.device("cuda")
+    kind = type(for_device(QuantLinearRef.from_float(torch.ones(32, 32), "q8_0").to(cuda), cuda))
+    fused = Drafter.load(dspark, torch.float32, cuda, weight_fn=weight_fn_for(policy))
+    plain = unfused_load(monkeypatch, dspark, dtype=torch.float32, device=cuda, weight_fn=weight_fn_for(policy))
+
+    def first_byte(w):
+        return (w.packed.qweight if hasattr(w, "packed") else w.raw).data_ptr()
+
     for w in fused.layers:
         for stack, part in ((w.wqkv, w.wq), (w.wkv, w.wk), (w.w_gate_up, w.w_gate)):
-            assert type(stack).__name__ == "QuantLinear" and stack.device.type == "cuda"
-            assert part.packed.qweight.data_ptr() == stack.packed.qweight.data_ptr()
+            assert type(stack) is kind and type(part) is kind
+            assert first_byte(part) == first_byte(stack)
     for a, b in zip(every_output(fused), every_output(plain)):
-        assert ((a - b).norm() / b.norm()).item() < 1e-4
+        assert a.is_cuda and ((a - b).norm() / b.norm()).item() < 1e-4
