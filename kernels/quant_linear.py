@@ -43,6 +43,12 @@ M, the block of rows is always BLOCK_M (padded, masked), and split-K partials ar
 fixed order by the last program of each tile (no float atomics). So a row's output is
 bit-identical whether it is multiplied alone or with up to any number of other rows.
 
+Fused projections: both layouts are row-major per output feature, so weights sharing an input
+stack along out by concatenating rows (`Packed.concat`, `QuantLinear.concat`: one launch for a
+drafter's q/k/v or gate/up), and any run of output features is a view of those rows
+(`Packed.rows`, `QuantLinear.rows`). The fused call's tiles are those of its own (qtype, out,
+in), so its outputs match the parts' calls within the kernel's tolerance, not bit for bit.
+
 Public API: `Packed`, `pack_q8_0`, `pack_q4_0`, `pack`, `KernelConfig`, `config_for`,
 `quant_linear`, `quant_linear_ref`, `QuantLinear`, `set_force_triton`.
 """
@@ -131,6 +137,38 @@ class Packed:
         payload = self.qweight.view(torch.uint8).reshape(n, k // QK, -1)
         d = self.scales.contiguous().view(torch.uint8).reshape(n, k // QK, 2)
         return torch.cat([d, payload], dim=2).reshape(n, -1)
+
+    @classmethod
+    def concat(cls, parts: "list[Packed]") -> "Packed":
+        """Weights [out_i, in] of one qtype stacked along out -> [sum(out_i), in].
+
+        Both layouts are row-major per output feature, so this is concatenating qweight rows
+        and scales rows: the result's row n is exactly the part's row it came from, and one
+        call computes the parts' outputs side by side (a fused q/k/v or gate/up projection).
+        """
+        parts = list(parts)
+        if not parts:
+            raise QuantError("concat needs at least one weight")
+        qtype, k = parts[0].qtype, parts[0].shape[1]
+        for p in parts:
+            if p.qtype != qtype or p.shape[1] != k:
+                raise QuantError(f"cannot stack a {p.qtype} weight {p.shape} under a {qtype} weight "
+                                 f"with {k} in-features: parts must share qtype and in-features")
+        n = sum(p.shape[0] for p in parts)
+        return cls(qtype, (n, k), torch.cat([p.qweight for p in parts]),
+                   torch.cat([p.scales for p in parts]))
+
+    def rows(self, lo: int, hi: int) -> "Packed":
+        """Output features [lo, hi) as a weight [hi - lo, in] of their own: views of this one's
+        qweight and scales rows (no bytes copied). A row slice of a contiguous [out, x] tensor
+        is contiguous and its rows keep their stride, which is all the kernel asks. qweight
+        rows are multiples of 16 bytes, so a slice starts as aligned as the whole; a scales
+        slice may not (rows of in/16 bytes), which Triton sees at launch (it specializes on
+        pointer alignment) and compiles for."""
+        n, k = self.shape
+        if not 0 <= lo < hi <= n:
+            raise QuantError(f"rows [{lo}, {hi}) are not a non-empty range of a weight with {n} rows")
+        return replace(self, shape=(hi - lo, k), qweight=self.qweight[lo:hi], scales=self.scales[lo:hi])
 
 
 def _raw_blocks(raw, qtype: str, shape) -> tuple[torch.Tensor, int, int]:
@@ -664,6 +702,19 @@ class QuantLinear:
     def from_float(cls, weight, qtype: str, name: str = "tensor", **kw) -> "QuantLinear":
         """Quantize a float weight [out, in] with memra's (ggml-identical) encoder and pack it."""
         return cls(quantize(weight, qtype, name), qtype, tuple(weight.shape), **kw)
+
+    @classmethod
+    def concat(cls, parts: "list[QuantLinear]") -> "QuantLinear":
+        """One linear computing `parts`' outputs side by side: their packed weights stacked
+        along out (`Packed.concat`; qtype and in-features must agree). Bytes are copied once
+        into the new weight; slice it with `rows` to share them."""
+        parts = list(parts)
+        return cls.from_packed(Packed.concat([p.packed for p in parts]),
+                               force_triton=parts[0].force_triton if parts else None)
+
+    def rows(self, lo: int, hi: int) -> "QuantLinear":
+        """The linear of output features [lo, hi): a view of this weight's rows (`Packed.rows`)."""
+        return QuantLinear.from_packed(self.packed.rows(lo, hi), force_triton=self.force_triton)
 
     @property
     def qtype(self) -> str:

@@ -216,7 +216,8 @@ def test_a_collected_owner_takes_its_idle_storages_and_its_token_is_never_reused
 
 def test_drafter_projections_are_fused_once_and_compute_what_the_separate_ones_do(tmp_path):
     """q/k/v and gate/up are one GEMM each for plain weights (k/v for context rows), the
-    separate weights stay as views of the fused one; quantized weights stay separate."""
+    separate weights stay as views of the fused one; quantized weights of one qtype fuse the
+    same way (test_precision.py checks them bit for bit against separate matmuls)."""
     from memra_cli.engine.models.drafter import Drafter
     from memra_cli.engine.quant.precision import weight_fn_for
     from memra_cli.tiny.draft import make_tiny_draft
@@ -236,7 +237,8 @@ def test_drafter_projections_are_fused_once_and_compute_what_the_separate_ones_d
     gu = x @ w.w_gate.T, x @ w.w_up.T
     assert torch.allclose(d._mlp(x, w), (torch.nn.functional.silu(gu[0]) * gu[1]) @ w.w_down.T, atol=1e-5)
     quant = Drafter.load(path, weight_fn=weight_fn_for("q8")).layers[0]
-    assert quant.wqkv is None and quant.w_gate_up is None
+    assert quant.wqkv.qtype == quant.w_gate_up.qtype == "q8_0"
+    assert quant.wkv.raw.data_ptr() == quant.wk.raw.data_ptr() == quant.wqkv.raw[quant.wq.shape[0]].data_ptr()
 
 
 def test_quantized_weights_are_packed_for_the_kernels_only_on_cuda():

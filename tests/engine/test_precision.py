@@ -144,3 +144,135 @@ def test_kept_tensors_are_reported_at_load(tmp_path):
     drafter = Drafter.load(d, weight_fn=fn)
     assert [k.name for k in fn.kept] == [W2]
     assert isinstance(drafter.markov_w2, torch.Tensor) and isinstance(drafter.layers[0].wq, QuantLinearRef)
+
+
+# ----------------------------------------------------------- fused projections of quantized drafters
+
+
+def unfused_load(monkeypatch, path, **kw) -> Drafter:
+    """The same drafter with every layer's projections left as the loader made them (separate
+    matmuls, outputs concatenated): the path a quantized drafter took before it fused."""
+    from memra_cli.engine.models.drafter import DraftLayer
+
+    with monkeypatch.context() as m:
+        m.setattr(DraftLayer, "fuse", lambda self: self)
+        return Drafter.load(path, **kw)
+
+
+def every_output(d: Drafter, seed: int = 0) -> list[torch.Tensor]:
+    """Everything the drafter computes from one context and block: the full (oracle) forward,
+    eager ingest + round, and the static (graphed) ingest + round, with their K/V."""
+    cfg, b, n_ctx, dev = d.cfg, d.cfg.block_size, 11, d.device
+    g = torch.Generator().manual_seed(seed)
+    taps = torch.randn(n_ctx, cfg.n_taps * cfg.hidden_size, generator=g).to(dev, d.dtype)
+    noise = torch.randn(b, cfg.hidden_size, generator=g).to(dev, d.dtype)
+    positions = torch.arange(n_ctx + b, device=dev)
+    full = d.forward_full(taps, noise, positions)
+    kv = d.new_cache(n_ctx)
+    d.ingest(kv, taps[:4], positions[:4])
+    d.ingest(kv, taps[4:], positions[4:n_ctx])
+    rnd = d.forward_round(kv, noise, positions[n_ctx:], keep_layers=True)
+    skv = d.new_cache(2 * b)
+    d.static_ingest(skv, taps[:b], torch.tensor(0, device=dev))
+    static = d.static_round(skv, noise, torch.tensor(b, device=dev))
+    return [full.hidden_out, full.layer_out, full.ctx_features, rnd.hidden_out, rnd.layer_out, kv.k, kv.v,
+            static, skv.k, skv.v]
+
+
+def raw_of(w) -> torch.Tensor:
+    return w if isinstance(w, torch.Tensor) else w.raw
+
+
+# policy, compute dtype -> (wqkv kind, w_gate_up kind): a qtype, or "plain" (bf16-rounded floats)
+FUSED = {
+    ("q8", torch.float32): ("q8_0", "q8_0"),
+    ("q4", torch.float32): ("q4_0", "q4_0"),
+    ("q4", torch.bfloat16): ("q4_0", "q4_0"),
+    ("mixed", torch.float32): ("plain", "q8_0"),
+    ("fc", torch.float32): ("q8_0", "q8_0"),
+}
+
+
+@pytest.mark.parametrize("policy,dtype", list(FUSED), ids=[f"{p}-{str(t)[6:]}" for p, t in FUSED])
+def test_quantized_drafter_fuses_at_load_and_computes_what_the_separate_matmuls_did(dspark, monkeypatch, policy, dtype):
+    """Under a policy that gives q/k/v (and gate/up) one qtype, the layers stack them at load as
+    plain ones do: one quantized weight each, the separate projections and the ctx rows' k/v
+    views of its block rows. The drafter's every output is bit-identical to the unfused copy's
+    (the reference dequantizes row by row, so the stacked matmul is the parts' side by side)."""
+    fused = Drafter.load(dspark, dtype, weight_fn=weight_fn_for(policy))
+    plain = unfused_load(monkeypatch, dspark, dtype=dtype, weight_fn=weight_fn_for(policy))
+    want_qkv, want_gu = FUSED[(policy, dtype)]
+    for w, u in zip(fused.layers, plain.layers):
+        assert u.wqkv is None and u.wkv is None and u.w_gate_up is None
+        for stack, kind, names in ((w.wqkv, want_qkv, ("wq", "wk", "wv")), (w.w_gate_up, want_gu, ("w_gate", "w_up"))):
+            if kind == "plain":
+                assert isinstance(stack, torch.Tensor)
+            else:
+                assert isinstance(stack, QuantLinearRef) and stack.qtype == kind
+            # the stack holds the loader's bytes, in order; the parts are views of its rows
+            assert torch.equal(raw_of(stack), torch.cat([raw_of(getattr(u, n)) for n in names]))
+            row = 0
+            for n in names:
+                part = raw_of(getattr(w, n))
+                assert part.data_ptr() == raw_of(stack)[row].data_ptr(), n
+                row += part.shape[0]
+        assert raw_of(w.wkv).data_ptr() == raw_of(w.wk).data_ptr()
+        assert raw_of(w.wkv).shape[0] == raw_of(w.wk).shape[0] + raw_of(w.wv).shape[0]
+    for a, b in zip(every_output(fused), every_output(plain)):
+        assert torch.equal(a, b)
+
+
+class _MixedQtypes:
+    """A weight_fn whose first layer mixes kinds: q4_0 q beside q8_0 k/v, a plain (f32) gate
+    beside a q4_0 up; every other matmul q8_0."""
+
+    def __call__(self, name, ckpt, dtype, device):
+        w = ckpt.load(name, torch.float32)
+        if name.startswith("layers.0."):
+            if "q_proj" in name or "up_proj" in name:
+                return QuantLinearRef.from_float(w, "q4_0", name)
+            if "gate_proj" in name:
+                return w.to(dtype)
+        return QuantLinearRef.from_float(w, "q8_0", name)
+
+
+def test_projections_of_mixed_kinds_stay_separate_and_still_compute(dspark, monkeypatch):
+    fused = Drafter.load(dspark, weight_fn=_MixedQtypes())
+    plain = unfused_load(monkeypatch, dspark, weight_fn=_MixedQtypes())
+    mixed, same = fused.layers[0], fused.layers[1]
+    assert mixed.wqkv is None and mixed.wkv is None and mixed.w_gate_up is None
+    assert (mixed.wq.qtype, mixed.wk.qtype, mixed.wv.qtype, mixed.w_up.qtype) == ("q4_0", "q8_0", "q8_0", "q4_0")
+    assert isinstance(mixed.w_gate, torch.Tensor)
+    # the layer where every part is q8_0 fuses all the same
+    assert same.wqkv.qtype == same.w_gate_up.qtype == same.wkv.qtype == "q8_0"
+    got, want = every_output(fused, seed=1), every_output(plain, seed=1)
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+    # and the cached round still computes the full forward (the paths agree, as unquantized)
+    full, rnd = got[1], got[4]
+    assert ((rnd - full).norm() / full.norm()).item() < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["q8", "q4"])
+def test_cuda_quantized_drafter_fuses_into_one_kernel_weight(dspark, monkeypatch, policy):
+    """On CUDA the stacks are what `for_device` packs quantized weights into (`QuantLinear`:
+    one launch for q/k/v, one for k/v, one for gate/up; the reference where memra_kernels is
+    not importable), with the parts views of their rows. Outputs match the unfused drafter
+    within float32 rounding, not bit for bit: a stack's tiles come from its own shape."""
+    from memra_cli.engine.layers.quantized import for_device
+
+    cuda = torch.device("cuda")
+    kind = type(for_device(QuantLinearRef.from_float(torch.ones(32, 32), "q8_0").to(cuda), cuda))
+    fused = Drafter.load(dspark, torch.float32, cuda, weight_fn=weight_fn_for(policy))
+    plain = unfused_load(monkeypatch, dspark, dtype=torch.float32, device=cuda, weight_fn=weight_fn_for(policy))
+
+    def first_byte(w):
+        return (w.packed.qweight if hasattr(w, "packed") else w.raw).data_ptr()
+
+    for w in fused.layers:
+        for stack, part in ((w.wqkv, w.wq), (w.wkv, w.wk), (w.w_gate_up, w.w_gate)):
+            assert type(stack) is kind and type(part) is kind
+            assert first_byte(part) == first_byte(stack)
+    for a, b in zip(every_output(fused), every_output(plain)):
+        assert a.is_cuda and ((a - b).norm() / b.norm()).item() < 1e-4

@@ -317,3 +317,45 @@ def test_quant_linear_ref_matches_gguf_dequant(qtype):
     assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
     half = QuantLinearRef.from_float(torch.from_numpy(w), qtype)(x.bfloat16())
     assert half.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_quant_linear_ref_concat_is_block_rows_and_computes_the_parts_side_by_side(qtype):
+    """ggml stores a weight row by row, so stacking along out is stacking block rows; the stack's
+    matmul is the parts' matmuls side by side bit for bit (the reference dequantizes each row
+    alone), and its `rows` are views that compute each part again."""
+    rng = np.random.default_rng(4)
+    outs, k = (64, 32, 32), 96
+    parts = [QuantLinearRef.from_float(rng.standard_normal((n, k)).astype(np.float32), qtype) for n in outs]
+    fused = QuantLinearRef.concat(parts)
+    assert fused.shape == (sum(outs), k) and fused.qtype == qtype
+    assert torch.equal(fused.raw, torch.cat([p.raw for p in parts]))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32)).to(dtype)
+        assert torch.equal(fused(x), torch.cat([p(x) for p in parts], dim=-1))
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    lo = 0
+    for p in parts:
+        view = fused.rows(lo, lo + p.shape[0])
+        assert view.shape == p.shape and view.raw.data_ptr() == fused.raw[lo].data_ptr()
+        assert torch.equal(view.raw, p.raw) and torch.equal(view(x), p(x))
+        lo += p.shape[0]
+    kv = fused.rows(64, 128)  # a view of a view is a view of the first
+    assert kv.rows(32, 64).raw.data_ptr() == fused.raw[96].data_ptr()
+    # raw as `quantize` or a GGUF gives it ([rows, row_bytes]) or flat: stacked the same
+    flat = QuantLinearRef(parts[0].raw.reshape(-1), qtype, parts[0].shape)
+    assert torch.equal(QuantLinearRef.concat([flat, parts[1]]).raw, torch.cat([p.raw for p in parts[:2]]))
+
+
+def test_quant_linear_ref_concat_and_rows_refuse_what_does_not_stack():
+    w = np.ones((16, 64), np.float32)
+    a = QuantLinearRef.from_float(w, "q8_0")
+    with pytest.raises(QuantError, match="share qtype"):
+        QuantLinearRef.concat([a, QuantLinearRef.from_float(w, "q4_0")])
+    with pytest.raises(QuantError, match="in-features"):
+        QuantLinearRef.concat([a, QuantLinearRef.from_float(np.ones((16, 96), np.float32), "q8_0")])
+    with pytest.raises(QuantError):
+        QuantLinearRef.concat([])
+    for lo, hi in ((0, 0), (4, 2), (-1, 3), (0, 17)):
+        with pytest.raises(QuantError, match="rows"):
+            a.rows(lo, hi)

@@ -245,3 +245,95 @@ def test_quant_linear_cuda_uses_kernel():
     x = torch.randn(5, 128, device="cuda", dtype=torch.bfloat16)
     assert lin._use_kernel(x)
     assert torch.equal(lin(x), ql.quant_linear(x, lin.packed))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused projections: stacking weights along out, and views of their rows
+# ---------------------------------------------------------------------------------------------
+
+# a q/k/v-like stack: parts of unequal out (so the fused shape gets other tiles than each part)
+FUSE_K = 96
+FUSE_OUTS = (40, 24, 24)
+
+
+def fuse_parts(qtype: str, seed: int = 0) -> list[ql.QuantLinear]:
+    gen = torch.Generator().manual_seed(seed)
+    return [ql.QuantLinear.from_float(weight(n, FUSE_K, gen), qtype, force_triton=True).to(DEVICE)
+            for n in FUSE_OUTS]
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_packed_concat_is_the_parts_rows_and_rows_are_views(qtype):
+    parts = fuse_parts(qtype)
+    fused = ql.QuantLinear.concat(parts)
+    p = fused.packed
+    assert fused.shape == (sum(FUSE_OUTS), FUSE_K) and fused.qtype == qtype and fused.force_triton
+    assert torch.equal(p.qweight, torch.cat([q.packed.qweight for q in parts]))
+    assert torch.equal(p.scales, torch.cat([q.packed.scales for q in parts]))
+    # the ggml bytes of the stack are the parts' block rows, in order
+    assert torch.equal(fused.raw, torch.cat([q.raw for q in parts]))
+    lo = 0
+    for part in parts:
+        hi = lo + part.shape[0]
+        view = fused.rows(lo, hi)
+        assert view.shape == part.shape and view.force_triton
+        # views of the fused rows: nothing copied, and still what the kernel asks of a weight
+        assert view.packed.qweight.data_ptr() == p.qweight[lo].data_ptr()
+        assert view.packed.scales.data_ptr() == p.scales[lo].data_ptr()
+        assert view.packed.qweight.is_contiguous() and view.packed.scales.is_contiguous()
+        assert torch.equal(view.packed.dequantize(), part.packed.dequantize())
+        lo = hi
+    # a view of a view is a view of the first
+    inner = fused.rows(8, 64).rows(32, 56)
+    assert inner.packed.qweight.data_ptr() == p.qweight[40].data_ptr()
+    assert torch.equal(inner.raw, parts[1].raw)
+
+
+def test_packed_concat_and_rows_refuse_what_does_not_stack():
+    a = ql.QuantLinear.from_float(torch.randn(16, 64), "q8_0")
+    with pytest.raises(QuantError, match="share qtype"):
+        ql.QuantLinear.concat([a, ql.QuantLinear.from_float(torch.randn(16, 64), "q4_0")])
+    with pytest.raises(QuantError, match="in-features"):
+        ql.QuantLinear.concat([a, ql.QuantLinear.from_float(torch.randn(16, 96), "q8_0")])
+    with pytest.raises(QuantError):
+        ql.Packed.concat([])
+    for lo, hi in ((0, 0), (4, 2), (-1, 3), (0, 17)):
+        with pytest.raises(QuantError, match="rows"):
+            a.rows(lo, hi)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_fused_kernel_computes_the_parts_side_by_side(qtype, dtype):
+    """One launch on the stack vs one per part, concatenated: both within the kernel's stated
+    tolerance of the stack's reference (f32: the summation-order bound F32_TOL; bf16: relative
+    L2 BF16_REL_TOL), so in f32 within twice the bound of each other. Not asserted equal: the
+    tiles (block_n, split-K) are `config_for(qtype, out, in)`, and `out` differs between the
+    stack and its parts, so a K sum may be split and added in another order."""
+    parts = fuse_parts(qtype, seed=1)
+    fused = ql.QuantLinear.concat(parts)
+    assert ql.config_for(qtype, *fused.shape) != ql.config_for(qtype, *parts[1].shape)
+    gen = torch.Generator().manual_seed(6)
+    for m in (1, 5, 17):
+        x = torch.randn((m, FUSE_K), generator=gen).to(DEVICE, dtype)
+        y = fused(x)
+        y_parts = torch.cat([part(x) for part in parts], dim=-1)
+        check_close(y, x, fused.packed)
+        check_close(y_parts, x, fused.packed)
+        if dtype == torch.float32:
+            w = fused.packed.dequantize().to(DEVICE)
+            bound = F32_TOL * (x.abs() @ w.abs().T) + 1e-30
+            assert ((y - y_parts).abs() <= 2 * bound).all()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_rows_view_runs_exactly_as_its_own_weight(qtype):
+    """A view of rows [lo, hi) and the same rows packed on their own have one shape, hence one
+    tile config and one launch: bit-identical outputs (only the weight pointers differ)."""
+    parts = fuse_parts(qtype, seed=2)
+    fused = ql.QuantLinear.concat(parts)
+    x = torch.randn((5, FUSE_K), generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    kv = fused.rows(FUSE_OUTS[0], sum(FUSE_OUTS))  # the k/v rows, as a drafter's ingest uses them
+    own = ql.QuantLinear.concat(parts[1:])
+    assert torch.equal(kv(x), own(x))
+    assert torch.equal(fused.rows(0, FUSE_OUTS[0])(x), parts[0](x))

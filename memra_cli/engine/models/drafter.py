@@ -39,7 +39,7 @@ from memra_cli.engine.formats.census import Census, LayerLayout, take_census
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.errors import CheckpointError, MemraError
 from memra_cli.engine.layers.ops import gqa_attention, linear, rms_norm
-from memra_cli.engine.layers.quantized import for_device
+from memra_cli.engine.layers.quantized import for_device, out_rows, stack_out
 from memra_cli.engine.layers.rope import RopeTables, apply_rope, cos_sin, rope_tables
 from memra_cli.engine.layers.step_ops import TorchStepOps
 
@@ -65,24 +65,34 @@ class DraftLayer:
     ln_post: torch.Tensor
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    # Fused at load when the weights are plain tensors (one GEMM instead of three / two):
-    # wqkv `[(nh + 2*nkv)*hd, hidden]`, wkv its k/v rows (a view), w_gate_up `[2*ff, hidden]`.
-    wqkv: torch.Tensor | None = None
-    wkv: torch.Tensor | None = None
-    w_gate_up: torch.Tensor | None = None
+    # Fused at load (one GEMM instead of three / two) when the parts are one kind of weight:
+    # plain tensors of one dtype, or quantized linears of one qtype (layers/quantized.py
+    # `stack_out`). wqkv `[(nh + 2*nkv)*hd, hidden]`, wkv its k/v rows, w_gate_up `[2*ff, hidden]`;
+    # the separate projections (and wkv) become views of the fused rows, so the bytes live once.
+    wqkv: object | None = None
+    wkv: object | None = None
+    w_gate_up: object | None = None
 
     def fuse(self) -> "DraftLayer":
-        """Concatenate the projections that share an input, when they are plain tensors."""
-        if all(isinstance(t, torch.Tensor) for t in (self.wq, self.wk, self.wv)):
-            self.wqkv = torch.cat([self.wq, self.wk, self.wv])
-            self.wkv = self.wqkv[self.wq.shape[0]:]
-            self.wq = self.wqkv[: self.wq.shape[0]]  # views: the weights live once
-            self.wk = self.wkv[: self.wk.shape[0]]
-            self.wv = self.wkv[self.wk.shape[0]:]
-        if isinstance(self.w_gate, torch.Tensor) and isinstance(self.w_up, torch.Tensor):
-            self.w_gate_up = torch.cat([self.w_gate, self.w_up])
-            self.w_gate, self.w_up = self.w_gate_up.chunk(2)
+        """Concatenate the projections that share an input along out, when they can stack
+        (a layer whose q has another qtype than k/v, say, keeps them separate)."""
+        nq, nk = _out_features(self.wq), _out_features(self.wk)
+        wqkv = stack_out([self.wq, self.wk, self.wv])
+        if wqkv is not None:
+            self.wqkv, self.wkv = wqkv, out_rows(wqkv, nq, _out_features(wqkv))
+            self.wq = out_rows(wqkv, 0, nq)
+            self.wk, self.wv = out_rows(self.wkv, 0, nk), out_rows(self.wkv, nk, _out_features(self.wkv))
+        ff = _out_features(self.w_gate)
+        w_gate_up = stack_out([self.w_gate, self.w_up])
+        if w_gate_up is not None:
+            self.w_gate_up = w_gate_up
+            self.w_gate, self.w_up = out_rows(w_gate_up, 0, ff), out_rows(w_gate_up, ff, _out_features(w_gate_up))
         return self
+
+
+def _out_features(w: object) -> int:
+    """Rows of a plain `[out, in]` weight or a quantized linear's `shape[0]`."""
+    return int(w.shape[0])  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -232,7 +242,8 @@ class Drafter:
 
     def _qkv(self, xn: torch.Tensor, w: DraftLayer) -> torch.Tensor:
         """Block rows -> the fused projection `[t, (nh + 2*nkv)*hd]` (q, k, v side by side, as
-        the step ops' `qk_norm_rope_kv_write` takes it); quantized weights stay three matmuls."""
+        the step ops' `qk_norm_rope_kv_write` takes it); parts that could not fuse (DraftLayer.fuse)
+        stay three matmuls."""
         if w.wqkv is not None:
             return linear(xn, w.wqkv)
         return torch.cat([linear(xn, w.wq), linear(xn, w.wk), linear(xn, w.wv)], dim=-1)
@@ -245,7 +256,7 @@ class Drafter:
 
     def _mlp(self, h: torch.Tensor, w: DraftLayer) -> torch.Tensor:
         """SwiGLU of normed rows `h [t, hidden]`; the SiLU·mul through the step ops (which take
-        gate and up side by side, so unfused quantized projections are concatenated)."""
+        gate and up side by side, so projections that could not fuse are concatenated)."""
         if w.w_gate_up is None:
             gate_up = torch.cat([linear(h, w.w_gate), linear(h, w.w_up)], dim=-1)
         else:
