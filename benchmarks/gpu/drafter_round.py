@@ -274,7 +274,9 @@ def quant_bandwidth(copy_bw: float, budget_end: float) -> dict:
 
 
 def worst_frac(rows: list[dict], m: int = 16) -> float | None:
-    fracs = [r[f"m{m}_frac"] for r in rows if f"m{m}_frac" in r and not r.get("fused")]
+    """The worst fraction over the issue's five shapes (None unless every one was measured)."""
+    rows = [r for r in rows if not r.get("fused")]
+    fracs = [r[f"m{m}_frac"] for r in rows if f"m{m}_frac" in r]
     return min(fracs) if len(fracs) == len(rows) and fracs else None
 
 
