@@ -13,6 +13,7 @@ or on the storage size, so fixed-width steps stay bit-exact.
 - `deltanet`: Gated DeltaNet's step (Qwen3.5): causal conv update + SiLU, and the gated delta rule
   over a step's rows (float32 state; final state and per-row stash on request)
 - `argmax`: a greedy round's argmax over each row of its logits, one program per row
+- `gather`: embedding rows, and DSpark's confidence head, one program per row
 
 Modules import triton at the top: import them only where a kernel will run (the engine's layer
 seam does, for CUDA tensors); the CPU runtime never needs triton.

@@ -123,3 +123,16 @@ def test_the_markov_chain_op_builds_its_table_once_for_a_small_vocabulary(monkey
     small = TritonStepOps()
     assert small.markov_chain(logits, anchor, w1, w2, torch.float32).tolist() == ref.tolist()
     assert not small._markov_tables
+
+
+def test_the_gather_ops_match_the_torch_ops():
+    """The seam's embedding lookup (bit for bit) and confidence head (to float32 rounding)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 24, generator=g).to(DEVICE)
+    ids = torch.tensor([3, 39, 0, 3], device=DEVICE)
+    assert torch.equal(TritonStepOps().embed(ids, w), TorchStepOps.embed(ids, w))
+    hidden, w1 = torch.randn(4, 24, generator=g).to(DEVICE), torch.randn(40, 8, generator=g).to(DEVICE)
+    cw, cb = torch.randn(32, generator=g).to(DEVICE), torch.randn(1, generator=g).to(DEVICE)
+    for args in ((hidden, cw, cb, ids, w1), (hidden, cw[:24].contiguous(), cb)):
+        got, ref = TritonStepOps().confidence_raw(*args), TorchStepOps.confidence_raw(*args)
+        assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)

@@ -15,6 +15,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `prefill_attention(q, keys, values, mask) -> [t, nh*hd]`: a prefill chunk's attention (rows at
   the cache's last positions, causal by position; `mask` the forward's folded boolean mask,
   built only when `prefill_mask` is True)
+- `embed(ids, weight) -> rows`: an embedding lookup (a copy of the rows)
+- `confidence_raw(hidden, w, b, prev=None, w1=None) -> f32 [n]`: DSpark's accept-rate head
 - `markov_chain(logits, anchor, w1, w2, dtype) -> tokens`: DSpark's greedy chain (the drafter's
   side of a round; with the kernels one launch per slot, or one launch in all over a bias table
   built once where the vocabulary is small; ~6 launches a slot with torch)
@@ -121,6 +123,20 @@ class TorchStepOps:
         return torch.cat(out)
 
     @staticmethod
+    def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def confidence_raw(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor | None = None,
+                       w1: torch.Tensor | None = None) -> torch.Tensor:
+        """DSpark's accept-rate head: float32 `[n]` = `[hidden ; w1[prev]] · w + b` (the markov
+        features only when `w1` is given), the features widened to float32."""
+        feats = hidden.float()
+        if w1 is not None:
+            feats = torch.cat([feats, w1[prev].float()], dim=-1)
+        return feats @ w + b[0]
+
+    @staticmethod
     def argmax(x: torch.Tensor) -> torch.Tensor:
         """`x [rows, V]` -> int64 `[rows]`: each row's first index of its maximum."""
         return torch.argmax(x, dim=-1)
@@ -157,7 +173,7 @@ class TritonStepOps:
         return out[0].transpose(0, 1).reshape(t, nh * hd)
 
     def __init__(self):
-        from memra_kernels import activation, argmax, attention, deltanet, markov, norm, rope
+        from memra_kernels import activation, argmax, gather, attention, deltanet, markov, norm, rope
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
@@ -167,6 +183,8 @@ class TritonStepOps:
         self._markov = markov
         self._markov_tables: dict[tuple, tuple] = {}  # (w1, w2, dtype) -> (w1, w2, table)
         self.argmax = argmax.row_argmax
+        self.embed = gather.embed_rows
+        self.confidence_raw = gather.confidence_raw
         self.conv_silu = deltanet.causal_conv_silu
         self.gated_delta_rule = deltanet.gated_delta_rule
 

@@ -467,11 +467,10 @@ class Drafter:
         """Pre-sigmoid accept-rate scores `[n]` for draft rows `hidden [n, hidden]`;
         `prev_ids [n]` = each slot's previous chain token ([anchor, chain[:-1]])."""
         assert self.conf_w is not None and self.conf_b is not None
-        feats = hidden.float()
         if self.census.confidence is not None and self.census.confidence.with_markov:
             assert self.markov_w1 is not None
-            feats = torch.cat([feats, self.markov_w1[prev_ids].float()], dim=-1)
-        return feats @ self.conf_w[0] + self.conf_b[0]
+            return self.step_ops.confidence_raw(hidden, self.conf_w[0], self.conf_b, prev_ids, self.markov_w1)
+        return self.step_ops.confidence_raw(hidden, self.conf_w[0], self.conf_b)
 
 
 class _TensorLoader:

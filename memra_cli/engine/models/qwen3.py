@@ -207,8 +207,9 @@ class Qwen3Target(TargetBase):
     # ----------------------------------------------------------------------- forward
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows `[t, hidden]` (model dtype) for ids `[t]`."""
-        return F.embedding(ids, self.embed_weight)
+        """Embedding rows `[t, hidden]` (model dtype) for ids `[t]` (the step ops' gather: a
+        copy of the rows either way)."""
+        return self.step_ops.embed(ids, self.embed_weight)
 
     def forward(self, ids: torch.Tensor, start: int, cache: KVCache,
                 taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,0 +1,127 @@
+"""Small row gathers of a round: embedding lookups, and DSpark's confidence head.
+
+On the H200 a graphed round of the small embedded pair looked its embedding rows up with
+PyTorch's `index_select` kernel: 5.4 us for the drafter block's 15 rows and 6.7 us for the verify
+step's 16 (hidden 256), where the job is a few kilobytes. DSpark's confidence head,
+`[hidden_k ; w1[prev_k]] · w + b` per draft slot in float32, ran as ~7 launches (casts, a
+gather, a concatenation, a GEMV, an add) of ~2 us each. Each here is one launch of one program
+per row:
+
+- `embed_rows(ids [n], weight [V, H]) -> [n, H]`: `F.embedding` exactly (a copy of the rows);
+- `confidence_raw(hidden [n, H], w [F], b [1], prev [n] | None, w1 [V, r] | None) -> f32 [n]`:
+  the pre-sigmoid accept-rate score of each slot, `hidden[k] · w[:H] (+ w1[prev[k]] · w[H:]) + b`,
+  the features widened to float32 as the torch head widens them. The dot is summed in another
+  order than torch's GEMV, so a score can differ in its last bits; a score only sizes the verify
+  window (how many verified rows count), never what the target commits.
+
+Each row is read and written by its own program, so a row's result never depends on the row
+count. No host sync: capturable in a CUDA graph.
+
+Public API: `embed_rows`, `confidence_raw` and their twins `embed_rows_ref`, `confidence_raw_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import FLOAT_DTYPES, check_tensors, next_pow2
+
+MAX_BLOCK = 4096  # columns per loop step
+
+
+@triton.jit
+def _embed_kernel(ids_ptr, w_ptr, out_ptr, H, stride_w, stride_out, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    tok = tl.load(ids_ptr + row).to(tl.int64)
+    for c0 in range(0, H, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        ok = cols < H
+        v = tl.load(w_ptr + tok * stride_w + cols, mask=ok)
+        tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, v, mask=ok)
+
+
+def embed_rows(ids: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`weight[ids]`: ids `[n]` (int32/int64, each in [0, V)), weight `[V, H]` with a contiguous
+    last axis -> `[n, H]` in weight's dtype (into `out` if given)."""
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if weight.dim() != 2 or weight.stride(-1) != 1:
+        raise ValueError(f"weight must be 2-D [V, H] with a contiguous last axis, got {tuple(weight.shape)}")
+    n, H = ids.shape[0], weight.shape[1]
+    if out is None:
+        out = torch.empty((n, H), dtype=weight.dtype, device=weight.device)
+    elif out.shape != (n, H) or out.dtype != weight.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{n}, {H}] {weight.dtype} with a contiguous last axis")
+    check_tensors(ids, weight, out)
+    if n:
+        _embed_kernel[(n,)](ids, weight, out, H, weight.stride(0), out.stride(0),
+                            BLOCK=min(MAX_BLOCK, next_pow2(H)), num_warps=4)
+    return out
+
+
+def embed_rows_ref(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.embedding(ids, weight)
+
+
+@triton.jit
+def _confidence_kernel(h_ptr, w_ptr, b_ptr, prev_ptr, w1_ptr, out_ptr, H, R, stride_h, stride_w1,
+                       WITH_MARKOV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    row = tl.program_id(0)
+    acc = tl.zeros((BLOCK_H,), tl.float32)
+    for c0 in range(0, H, BLOCK_H):
+        cols = c0 + tl.arange(0, BLOCK_H)
+        ok = cols < H
+        x = tl.load(h_ptr + row.to(tl.int64) * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
+        acc += x * tl.load(w_ptr + cols, mask=ok, other=0.0)
+    total = tl.sum(acc, axis=0)
+    if WITH_MARKOV:
+        tok = tl.load(prev_ptr + row).to(tl.int64)
+        acc_r = tl.zeros((BLOCK_R,), tl.float32)
+        for c0 in range(0, R, BLOCK_R):
+            cols = c0 + tl.arange(0, BLOCK_R)
+            ok = cols < R
+            m = tl.load(w1_ptr + tok * stride_w1 + cols, mask=ok, other=0.0).to(tl.float32)
+            acc_r += m * tl.load(w_ptr + H + cols, mask=ok, other=0.0)
+        total += tl.sum(acc_r, axis=0)
+    tl.store(out_ptr + row, total + tl.load(b_ptr))
+
+
+def confidence_raw(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor | None = None,
+                   w1: torch.Tensor | None = None) -> torch.Tensor:
+    """Pre-sigmoid scores float32 `[n]` of draft rows `hidden [n, H]` (any float dtype): `w`
+    float32 `[H]` or, with the markov features, `[H + r]` with `prev [n]` ids into `w1 [V, r]`;
+    `b` float32 `[1]`."""
+    if hidden.dim() != 2 or hidden.dtype not in FLOAT_DTYPES or hidden.stride(-1) != 1:
+        raise ValueError(f"hidden must be 2-D float with a contiguous last axis, got {hidden.dtype} {tuple(hidden.shape)}")
+    n, H = hidden.shape
+    R = 0
+    if (prev is None) != (w1 is None):
+        raise ValueError("prev and w1 come together (the markov features) or not at all")
+    if w1 is not None:
+        if w1.dim() != 2 or w1.stride(-1) != 1 or prev.shape != (n,):
+            raise ValueError(f"w1 must be 2-D [V, r] (contiguous last axis) and prev [{n}]")
+        R = w1.shape[1]
+    if w.dtype != torch.float32 or w.shape != (H + R,) or not w.is_contiguous():
+        raise ValueError(f"w must be a contiguous float32 [{H + R}], got {w.dtype} {tuple(w.shape)}")
+    if b.dtype != torch.float32 or b.numel() != 1:
+        raise ValueError(f"b must be one float32 value, got {b.dtype} {tuple(b.shape)}")
+    tensors = [hidden, w, b] + ([prev, w1] if w1 is not None else [])
+    check_tensors(*tensors)
+    out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    if n:
+        _confidence_kernel[(n,)](hidden, w, b, prev if prev is not None else b, w1 if w1 is not None else w, out,
+                                 H, R, hidden.stride(0), w1.stride(0) if w1 is not None else 0,
+                                 WITH_MARKOV=w1 is not None, BLOCK_H=min(MAX_BLOCK, next_pow2(H)),
+                                 BLOCK_R=min(MAX_BLOCK, next_pow2(max(R, 1))), num_warps=4)
+    return out
+
+
+def confidence_raw_ref(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor | None = None,
+                       w1: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch head: features widened to float32, concatenated, one GEMV, plus the bias."""
+    feats = hidden.float()
+    if w1 is not None:
+        feats = torch.cat([feats, w1[prev].float()], dim=-1)
+    return feats @ w + b[0]
