@@ -54,6 +54,12 @@ from memra_kernels import quant_linear as ql  # noqa: E402
 SHAPES = [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288), (4096, 20480)]
 MS = (1, 16, 32)
 QTYPES = ("q8_0", "q4_0")
+# QUANT_BENCH_SHAPES="4096x4096,6144x4096" and QUANT_BENCH_QTYPES="q8_0" narrow a run (the fused
+# drafter's stacks are 6144x4096 qkv, 2048x4096 kv and 24576x4096 gate_up)
+if os.environ.get("QUANT_BENCH_SHAPES"):
+    SHAPES = [tuple(int(v) for v in s.split("x")) for s in os.environ["QUANT_BENCH_SHAPES"].split(",")]
+if os.environ.get("QUANT_BENCH_QTYPES"):
+    QTYPES = tuple(os.environ["QUANT_BENCH_QTYPES"].split(","))
 SWEEP_M = 16
 # bf16 x against an f32 reference of the same bf16-rounded weights: only the accumulation order
 # and the final bf16 rounding differ, so the relative L2 error sits near bf16's 2^-9
@@ -203,11 +209,20 @@ def traffic(packed: ql.Packed, m: int) -> int:
 def candidates(qtype: str, n: int, k: int) -> list[ql.KernelConfig]:
     """A few tile shapes and variants for one weight, each with the split count that gives
     about two programs per multiprocessor (all fixed per shape, never per M)."""
+    out = []
+    # narrow tiles, little or no split: enough programs from the output axis alone, so a call
+    # pays no split-K reduction (its atomics and the last program's sum), which dominates the
+    # small matrices (~7.6 us fixed per call fitted on the H200); tried first
+    for bn in (16, 32):
+        for bk in (256, 512):
+            for split in (1, 2, 4):
+                if split * bk <= k and (n // bn) * split >= 128 and (split == 1 or (n // bn) * split // 2 < 128):
+                    out.append(ql.KernelConfig(block_m=16, block_n=bn, block_k=bk, split_k=split,
+                                               num_warps=4))
     # dequantize-first (one FMA a weight), both orientations
     grid = [(bn, bk, sw, False) for bn in (64, 128) for bk in (128, 256) for sw in (False, True)]
     if qtype == "q4_0":  # and a few scale-after-dot (packed nibble conversion) shapes
         grid += [(64, 128, False, True), (128, 128, True, True), (128, 256, False, True)]
-    out = []
     for bn, bk, sw, sa in grid:
         n_tiles, k_tiles, split = -(-n // bn), k // bk, 1
         while n_tiles * split < 264 and split * 2 <= k_tiles:
