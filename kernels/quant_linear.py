@@ -260,13 +260,15 @@ class KernelConfig:
 # reference and for row invariance. Rerun the script and paste its TUNED table to update.
 _C = KernelConfig
 TUNED: dict[tuple[str, int, int], KernelConfig] = {
-    ("q8_0", 4096, 4096): _C(block_m=32, block_n=64, block_k=128, split_k=8, num_stages=2,
-                             swap_ab=True),
-    ("q8_0", 1024, 4096): _C(block_m=16, block_n=64, block_k=256, split_k=16),
+    ("q8_0", 4096, 4096): _C(block_m=16, block_n=64, block_k=128, split_k=8, num_stages=2),
+    ("q8_0", 1024, 4096): _C(block_m=16, block_n=32, block_k=256, split_k=8),
     ("q8_0", 12288, 4096): _C(block_m=16, block_n=64, block_k=128, split_k=2),
     ("q8_0", 4096, 12288): _C(block_m=16, block_n=64, block_k=128, split_k=8),
     ("q8_0", 4096, 20480): _C(block_m=32, block_n=64, block_k=128, split_k=8, num_stages=2,
                               swap_ab=True),
+    # the fused drafter's stacks (q/k/v, and k/v for the ingest), swept 2026-12-03
+    ("q8_0", 6144, 4096): _C(block_m=16, block_n=64, block_k=128, split_k=4),
+    ("q8_0", 2048, 4096): _C(block_m=16, block_n=64, block_k=128, split_k=8, num_warps=8),
     ("q4_0", 4096, 4096): _C(block_m=16, block_n=64, block_k=128, split_k=8, swap_ab=True),
     ("q4_0", 1024, 4096): _C(block_m=16, block_n=64, block_k=256, split_k=16),
     ("q4_0", 12288, 4096): _C(block_m=32, block_n=64, block_k=128, split_k=2, swap_ab=True),
