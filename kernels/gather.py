@@ -17,7 +17,11 @@ per row:
 Each row is read and written by its own program, so a row's result never depends on the row
 count. No host sync: capturable in a CUDA graph.
 
-Public API: `embed_rows`, `confidence_raw` and their twins `embed_rows_ref`, `confidence_raw_ref`.
+And the round's output: `pack_round(cand, sel, raws=None) -> f64` writes a graphed round's one
+host read in one launch (four with `.double()` of each part and a concatenation).
+
+Public API: `embed_rows`, `confidence_raw`, `pack_round` and their twins `embed_rows_ref`,
+`confidence_raw_ref`, `pack_round_ref`.
 """
 
 from __future__ import annotations
@@ -125,3 +129,35 @@ def confidence_raw_ref(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, p
     if w1 is not None:
         feats = torch.cat([feats, w1[prev].float()], dim=-1)
     return feats @ w + b[0]
+
+
+@triton.jit
+def _pack_kernel(a_ptr, b_ptr, c_ptr, out_ptr, NA, NB, NC, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + i, mask=i < NA, other=0).to(tl.float64)
+    tl.store(out_ptr + i, a, mask=i < NA)
+    b = tl.load(b_ptr + i, mask=i < NB, other=0).to(tl.float64)
+    tl.store(out_ptr + NA + i, b, mask=i < NB)
+    if NC > 0:
+        c = tl.load(c_ptr + i, mask=i < NC, other=0.0).to(tl.float64)
+        tl.store(out_ptr + NA + NB + i, c, mask=i < NC)
+
+
+def pack_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None = None) -> torch.Tensor:
+    """A graphed round's one host read, `[cand ; sel ; raws]` as float64 `[2W (+ n)]` in one
+    launch (ids < 2^53 and float32 scores are exact in float64), where `.double()` of each part
+    and a concatenation took four. 1-D contiguous int64 `cand`, `sel`; float32 `raws`."""
+    parts = [cand, sel] + ([raws] if raws is not None else [])
+    for x, name, dtype in zip(parts, ("cand", "sel", "raws"), (torch.int64, torch.int64, torch.float32)):
+        if x.dim() != 1 or x.dtype != dtype or not x.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D {dtype} tensor, got {x.dtype} {tuple(x.shape)}")
+    check_tensors(*parts)
+    na, nb, nc = cand.shape[0], sel.shape[0], 0 if raws is None else raws.shape[0]
+    out = torch.empty(na + nb + nc, dtype=torch.float64, device=cand.device)
+    _pack_kernel[(1,)](cand, sel, raws if raws is not None else cand, out, na, nb, nc,
+                       BLOCK=next_pow2(max(na, nb, nc, 1)), num_warps=1)
+    return out
+
+
+def pack_round_ref(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.cat([cand.double(), sel.double()] + ([raws.double()] if raws is not None else []))

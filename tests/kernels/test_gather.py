@@ -7,7 +7,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from memra_kernels.gather import MAX_BLOCK, confidence_raw, confidence_raw_ref, embed_rows, embed_rows_ref  # noqa: E402
+from memra_kernels.gather import (  # noqa: E402
+    MAX_BLOCK, confidence_raw, confidence_raw_ref, embed_rows, embed_rows_ref, pack_round, pack_round_ref,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 CONF_TOL = 1e-5  # relative: float32 dots summed in another order than torch's GEMV
@@ -87,3 +89,25 @@ def test_confidence_raw_refuses_bad_arguments(device):
         confidence_raw(hidden, w[:16].contiguous(), b, prev, w1)
     with pytest.raises(ValueError, match="b must be"):
         confidence_raw(hidden, w, b.double(), prev, w1)
+
+
+@pytest.mark.parametrize("w,n", [(16, 15), (16, None), (1, None), (17, 3), (4, 40)])
+def test_pack_round_is_the_float64_concatenation(w, n, device):
+    """Ids up to 2^53 and float32 scores are exact in float64: the packed vector equals torch's
+    `.double()` of each part, concatenated, element for element (raws longer than the ids too)."""
+    g = torch.Generator().manual_seed(w)
+    cand = torch.randint(0, 2**40, (w,), generator=g).to(device)
+    cand[0] = 2**53 - 1
+    sel = torch.randint(0, 151936, (w,), generator=g).to(device)
+    raws = None if n is None else (torch.randn(n, generator=g) * 1e3).to(device)
+    got = pack_round(cand, sel, raws)
+    assert got.dtype == torch.float64 and torch.equal(got, pack_round_ref(cand, sel, raws))
+    assert int(got[0].item()) == 2**53 - 1
+
+
+def test_pack_round_refuses_bad_parts(device):
+    ids = torch.zeros(4, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="sel must be"):
+        pack_round(ids, ids.int())
+    with pytest.raises(ValueError, match="raws must be"):
+        pack_round(ids, ids, torch.zeros(3, dtype=torch.float64, device=device))

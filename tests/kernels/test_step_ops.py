@@ -136,3 +136,11 @@ def test_the_gather_ops_match_the_torch_ops():
     for args in ((hidden, cw, cb, ids, w1), (hidden, cw[:24].contiguous(), cb)):
         got, ref = TritonStepOps().confidence_raw(*args), TorchStepOps.confidence_raw(*args)
         assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_round_pack_op_matches_the_torch_op():
+    cand = torch.tensor([5, 4095, 7, 7], device=DEVICE)
+    sel = torch.tensor([1, 2, 3, 4], device=DEVICE)
+    raws = torch.tensor([0.5, -3.25, 1e-3], device=DEVICE)
+    for args in ((cand, sel, raws), (cand, sel)):
+        assert torch.equal(TritonStepOps().pack_round(*args), TorchStepOps.pack_round(*args))

@@ -17,6 +17,7 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   built only when `prefill_mask` is True)
 - `embed(ids, weight) -> rows`: an embedding lookup (a copy of the rows)
 - `confidence_raw(hidden, w, b, prev=None, w1=None) -> f32 [n]`: DSpark's accept-rate head
+- `pack_round(cand, sel, raws=None) -> f64`: a graphed round's one host read, packed
 - `markov_chain(logits, anchor, w1, w2, dtype) -> tokens`: DSpark's greedy chain (the drafter's
   side of a round; with the kernels one launch per slot, or one launch in all over a bias table
   built once where the vocabulary is small; ~6 launches a slot with torch)
@@ -137,6 +138,11 @@ class TorchStepOps:
         return feats @ w + b[0]
 
     @staticmethod
+    def pack_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None = None) -> torch.Tensor:
+        """A graphed round's output `[cand ; sel (; raws)]` as float64 (exact for ids < 2^53)."""
+        return torch.cat([cand.double(), sel.double()] + ([raws.double()] if raws is not None else []))
+
+    @staticmethod
     def argmax(x: torch.Tensor) -> torch.Tensor:
         """`x [rows, V]` -> int64 `[rows]`: each row's first index of its maximum."""
         return torch.argmax(x, dim=-1)
@@ -185,6 +191,7 @@ class TritonStepOps:
         self.argmax = argmax.row_argmax
         self.embed = gather.embed_rows
         self.confidence_raw = gather.confidence_raw
+        self.pack_round = gather.pack_round
         self.conv_silu = deltanet.causal_conv_silu
         self.gated_delta_rule = deltanet.gated_delta_rule
 

@@ -54,10 +54,7 @@ def speculative_round(drafter, target, program: Program, kv, cache, taps: Sequen
         logits, tapped = target.static_step(cand, rows + t_start, cache, taps)
         sel = target.step_ops.argmax(logits)
         drafter.static_ingest(kv, tapped, d_start)
-        parts = [cand.double(), sel.double()]
-        if raws is not None:
-            parts.append(raws.double())
-        return torch.cat(parts)
+        return target.step_ops.pack_round(cand, sel, raws)
 
     return body
 
