@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (H200), the session's measurements:
-#   1. every `gpu`-marked test;
+#   1. every `gpu`-marked test, and tests/kernels on CUDA;
 #   2. the embedded bench, HumanEval and the stdlib set, all prompts x 128 tokens, engine
 #      defaults, arms as in docs/bench.md, with plots;
 #   3. the embedded round split into parts (embedded_round.py), DSpark and DFlash;
@@ -15,6 +15,8 @@ pack() { tar czf "$OUT/results.tgz" -C $R .; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
 if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TESTS_S:-170} python3 -m pytest -q -m gpu -p no:cacheprovider tests > $R/gpu_tests.txt 2>&1; echo "rc=$?" >> $R/gpu_tests.txt
+  # the kernel tests run on CUDA whenever there is a GPU, but are not `gpu`-marked: run them too
+  timeout ${KTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/kernels >> $R/gpu_tests.txt 2>&1; echo "kernels rc=$?" >> $R/gpu_tests.txt
   grep -E "passed|failed|FAILED|Error" $R/gpu_tests.txt | tail -8; pack
 fi
 ARMS="--arm off --arm plain --arm dflash --arm dspark --arm dspark:vt=ladder --arm dspark:adapt=0"
