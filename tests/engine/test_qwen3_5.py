@@ -324,6 +324,22 @@ def test_fixed_width_logits_and_states_do_not_depend_on_the_grouping(step_dir, d
     assert rel_err(fixed, variable) < (1e-5 if dtype == torch.float32 else 3e-2)
 
 
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+def test_per_layer_state_tensors_are_views_of_one_stacked_tensor(step_dir, mode):
+    """A commit or rollback moves every layer's state with one copy per kind of tensor, which
+    is only right while each layer's tensor the model writes is a view of the stacked one."""
+    state = StepRunner(Qwen35Target.from_dir(step_dir, rollback=mode), WIDTH).new_state(64)
+    pairs = [(state._conv_all, state.conv), (state._rec_all, state.rec), (state._base_conv_all, state._base_conv),
+             (state._base_rec_all, state._base_rec), (state._xs_all, state._xs)]
+    if mode == "stash":
+        pairs.append((state._stash_all, state._stash))
+    for stacked, views in pairs:
+        assert len(views) == stacked.shape[0] > 0
+        for i, v in enumerate(views):
+            assert v.data_ptr() == stacked[i].data_ptr() and v.shape == stacked.shape[1:]
+    assert state.nbytes >= sum(t.numel() * t.element_size() for t in (state.kv, *state._all))
+
+
 def test_padding_rows_leave_no_trace(step_dir):
     """Padding rows run the recurrence too (every fixed step is W rows, as a kernel would run
     it); the commit takes the state after the last real row."""

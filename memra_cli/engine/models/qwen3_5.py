@@ -291,17 +291,28 @@ class Qwen35State:
         self.n_k_heads, self._ops = n_k_heads, ops  # the recurrence a replay restore runs (the target's)
         self.graphs: dict = {}
 
+        # Each kind of tensor is one stacked allocation `[n_linear, ...]`, and the per-layer
+        # tensors the model reads and writes (`conv[i]`, `rec[i]`, ...) are views of it: a commit
+        # or rollback then moves every layer's state with one copy per kind, not one per layer
+        # (24 DeltaNet layers made a commit ~150 launches, run eagerly after every graphed step).
+        self._all: list[torch.Tensor] = []
+
         def per_layer(shape, dt):
-            return [torch.zeros(shape, dtype=dt, device=device) for _ in range(n_linear)]
+            stacked = torch.zeros((n_linear, *shape), dtype=dt, device=device)
+            self._all.append(stacked)
+            return stacked, list(stacked.unbind(0))
 
         f32, (c, hv) = torch.float32, (conv_shape[1], rec_shape[0])
-        self.conv, self.rec = per_layer(conv_shape, dtype), per_layer(rec_shape, f32)
-        self._base_conv, self._base_rec = per_layer(conv_shape, dtype), per_layer(rec_shape, f32)
-        self._xs = per_layer((ring, c), dtype)
+        (self._conv_all, self.conv), (self._rec_all, self.rec) = per_layer(conv_shape, dtype), per_layer(rec_shape, f32)
+        self._base_conv_all, self._base_conv = per_layer(conv_shape, dtype)
+        self._base_rec_all, self._base_rec = per_layer(rec_shape, f32)
+        self._xs_all, self._xs = per_layer((ring, c), dtype)
         if mode == "stash":
-            self._stash = per_layer((ring, *rec_shape), f32)
+            self._stash_all, self._stash = per_layer((ring, *rec_shape), f32)
         else:
-            self._qkv, self._g, self._beta = per_layer((ring, c), dtype), per_layer((ring, hv), f32), per_layer((ring, hv), f32)
+            _, self._qkv = per_layer((ring, c), dtype)
+            _, self._g = per_layer((ring, hv), f32)
+            _, self._beta = per_layer((ring, hv), f32)
         self._length = 0
         self._width: int | None = None  # rows of the fixed step graphs were captured with
         self._forget()
@@ -323,15 +334,13 @@ class Qwen35State:
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.kv, *self.conv, *self.rec, *self._base_conv, *self._base_rec, *self._xs]
-        tensors += self._stash if self.mode == "stash" else [*self._qkv, *self._g, *self._beta]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in (self.kv, *self._all))
 
     def reset(self) -> None:
         """Back to an empty context: length 0, zero conv windows and states."""
         self._length = 0
-        for x in (*self.conv, *self.rec):
-            x.zero_()
+        self._conv_all.zero_()
+        self._rec_all.zero_()
         self._forget()
 
     def rollback(self, n_keep: int) -> None:
@@ -391,32 +400,35 @@ class Qwen35State:
 
     def _new_base(self, start: int) -> None:
         """The committed state (at `start`) becomes the record's base."""
-        for dst, src in zip((*self._base_conv, *self._base_rec), (*self.conv, *self.rec)):
-            dst.copy_(src)
+        self._base_conv_all.copy_(self._conv_all)
+        self._base_rec_all.copy_(self._rec_all)
         self._base, self._reach = start, start
 
-    def _ring_rows(self, buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Rows of positions `[lo, hi)` (at most `ring` of them) from a ring buffer, in order."""
+    def _ring_rows(self, buf: torch.Tensor, lo: int, hi: int, dim: int = 0) -> torch.Tensor:
+        """Rows of positions `[lo, hi)` (at most `ring` of them) from a ring buffer whose ring
+        axis is `dim` (1 for the stacked `[n_linear, ring, ...]` ones), in order."""
         a, b = lo % self.ring, hi - lo
         if a + b <= self.ring:
-            return buf[a:a + b]
-        return torch.cat([buf[a:], buf[:a + b - self.ring]])
+            return buf.narrow(dim, a, b)
+        return torch.cat([buf.narrow(dim, a, self.ring - a), buf.narrow(dim, 0, a + b - self.ring)], dim=dim)
 
     def _restore(self, n: int) -> None:
         """Committed conv windows and states := those after position n-1 (`_base <= n <=
-        _recorded`): device copies, or a replay of the kept rows from the base."""
+        _recorded`): device copies over every layer at once, or (replay mode) the kept rows run
+        from the base through the recurrence, layer by layer."""
         base, k1 = self._base, self.conv_k - 1
         assert base is not None and base <= n <= self._recorded, (base, n, self._recorded)
-        for i in range(len(self.rec)):
-            window = self._base_conv[i]
-            if n > base:
-                window = torch.cat([window, self._ring_rows(self._xs[i], max(base, n - k1), n)])[-k1:]
-            self.conv[i].copy_(window)
-            if n == base:
-                self.rec[i].copy_(self._base_rec[i])
-            elif self.mode == "stash":
-                self.rec[i].copy_(self._stash[i][(n - 1) % self.ring])
-            else:  # replay: the same recurrence, so the same bits as the step computed in its registers
+        if n > base:
+            rows = self._ring_rows(self._xs_all, max(base, n - k1), n, dim=1)
+            self._conv_all.copy_(torch.cat([self._base_conv_all, rows], dim=1)[:, -k1:])
+        else:
+            self._conv_all.copy_(self._base_conv_all)
+        if n == base:
+            self._rec_all.copy_(self._base_rec_all)
+        elif self.mode == "stash":
+            self._rec_all.copy_(self._stash_all[:, (n - 1) % self.ring])
+        else:  # replay: the same recurrence, so the same bits as the step computed in its registers
+            for i in range(len(self.rec)):
                 self._ops.gated_delta_rule(self._ring_rows(self._qkv[i], base, n), self._ring_rows(self._g[i], base, n),
                                            self._ring_rows(self._beta[i], base, n), self._base_rec[i], self.n_k_heads,
                                            final=self.rec[i])
