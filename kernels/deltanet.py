@@ -40,6 +40,7 @@ import triton.language as tl
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 
 BLOCK_C = 256  # conv channels per program
+BLOCK_V = 32  # value columns of a state tile per recurrence program ([dk, BLOCK_V] float32 in registers)
 L2_EPS = 1e-6  # HF / fla l2norm epsilon
 
 
@@ -101,33 +102,45 @@ def causal_conv_silu_ref(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor)
 # --------------------------------------------------------------------------- recurrence
 
 
-@triton.jit(do_not_specialize=["t", "ratio", "write_final", "write_stash"])
+@triton.jit(do_not_specialize=["t", "ratio", "write_final", "write_stash", "write_out", "row0", "ring",
+                               "layer_qkv", "layer_gb"])
 def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_ptr, idx_ptr,
-                t, ratio, write_final, write_stash, stride_qkv, stride_g, stride_beta, sqrt_dk, eps,
+                t, ratio, write_final, write_stash, write_out, row0, ring, layer_qkv, layer_gb,
+                stride_qkv, stride_g, stride_beta, sqrt_dk, eps,
                 HV: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_V: tl.constexpr):
-    h = tl.program_id(0)
+    # program (layer * HV + head, value block); row r of the step reads input row (row0 + r) % ring
+    # of its layer (layer_qkv / layer_gb: the layer strides of the inputs; states are contiguous
+    # [layers, HV, DK, DV]). One compiled kernel serves the step (1 layer, rows 0..t-1) and the
+    # batched replay over a ring (every layer, rows from the record's base): same per-row code,
+    # so the same bits.
+    pid = tl.program_id(0)
+    layer = (pid // HV).to(tl.int64)
+    h = pid % HV
+    n_layers = tl.num_programs(0) // HV
     offs_k = tl.arange(0, DK)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     kh = h // ratio
-    tile = h * DK * DV + offs_k[:, None] * DV + offs_v[None, :]  # [DK, BLOCK_V] of one head's state
+    tile = (layer * HV + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]  # [DK, BLOCK_V] of one head's state
     s = tl.load(state_ptr + tile)
     for r in range(t):
-        row = qkv_ptr + r * stride_qkv
+        slot = (row0 + r) % ring
+        row = qkv_ptr + layer * layer_qkv + slot * stride_qkv
         q = tl.load(row + kh * DK + offs_k).to(tl.float32)
         k = tl.load(row + KEY_DIM + kh * DK + offs_k).to(tl.float32)
         v = tl.load(row + 2 * KEY_DIM + h * DV + offs_v).to(tl.float32)
-        g = tl.load(g_ptr + r * stride_g + h)
-        beta = tl.load(beta_ptr + r * stride_beta + h)
+        g = tl.load(g_ptr + layer * layer_gb + slot * stride_g + h)
+        beta = tl.load(beta_ptr + layer * layer_gb + slot * stride_beta + h)
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) / sqrt_dk
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
         s = s * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * delta[None, :]
-        tl.store(out_ptr + (r * HV + h) * DV + offs_v, tl.sum(s * q[:, None], axis=0))
+        if write_out != 0:
+            tl.store(out_ptr + ((r * n_layers + layer) * HV + h) * DV + offs_v, tl.sum(s * q[:, None], axis=0))
         if write_stash != 0:
-            slot = tl.load(idx_ptr + r).to(tl.int64)
-            tl.store(stash_ptr + slot * (HV * DK * DV) + tile, s)
+            st = tl.load(idx_ptr + r).to(tl.int64)
+            tl.store(stash_ptr + st * (HV * DK * DV) + tile, s)
     if write_final != 0:
         tl.store(final_ptr + tile, s)
 
@@ -167,14 +180,66 @@ def gated_delta_rule(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, sta
         raise ValueError(f"head dims must be powers of two (dk {dk}, dv {dv})")
     if t == 0 and final is None:
         return out
-    block_v = min(dv, 32)
+    block_v = min(dv, BLOCK_V)
     _gdn_kernel[(hv, dv // block_v)](
         qkv, g, beta, state, out, state if final is None else final, state if stash is None else stash,
         g if stash_idx is None else stash_idx,
-        t, hv // n_k_heads, int(final is not None), int(stash is not None),
+        t, hv // n_k_heads, int(final is not None), int(stash is not None), 1, 0, max(t, 1), 0, 0,
         qkv.stride(0), g.stride(0), beta.stride(0), float(dk) ** 0.5, L2_EPS,
         HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=4)
     return out
+
+
+def _check_layers(qkv, g, beta, state, final, n_k_heads, row0, rows):
+    check_tensors(qkv, g, beta, state, final)
+    check_dtype(qkv, "qkv")
+    n, hv, dk, dv = state.shape
+    for name, x in (("state", state), ("final", final)):
+        if x.dtype != torch.float32 or not x.is_contiguous() or x.shape != state.shape:
+            raise ValueError(f"{name} must be a contiguous float32 [layers, Hv, dk, dv] like state, got {tuple(x.shape)}")
+    if qkv.dim() != 3 or qkv.shape[0] != n or qkv.shape[2] != 2 * n_k_heads * dk + hv * dv or qkv.stride(2) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not a [layers, ring, C] ring fitting state {tuple(state.shape)}")
+    ring = qkv.shape[1]
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (n, ring, hv) or x.dtype != torch.float32 or x.stride(2) != 1:
+            raise ValueError(f"{name} must be float32 [{n}, {ring}, {hv}], got {tuple(x.shape)} {x.dtype}")
+    if g.stride() != beta.stride():
+        raise ValueError("g and beta must share their strides")
+    if not 0 <= rows <= ring or row0 < 0:
+        raise ValueError(f"rows {rows} from {row0} do not fit a ring of {ring}")
+
+
+def gated_delta_rule_layers(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                            n_k_heads: int, row0: int, rows: int, final: torch.Tensor) -> None:
+    """Every layer's recurrence over `rows` recorded rows, in one launch: layer l runs rows
+    `(row0 + r) % ring`, r = 0..rows-1, of its ring `qkv [L, ring, C]` (conv outputs, model dtype),
+    `g`, `beta` `[L, ring, Hv]` float32, from `state [L, Hv, dk, dv]` float32, and writes the state
+    after the last row into `final` (same shape; may be `state`). No outputs: a rollback's replay.
+    The per-row code is `gated_delta_rule`'s (one kernel), so its states are the step's bits."""
+    _check_layers(qkv, g, beta, state, final, n_k_heads, row0, rows)
+    n, hv, dk, dv = state.shape
+    if dk != next_pow2(dk) or dv != next_pow2(dv):
+        raise ValueError(f"head dims must be powers of two (dk {dk}, dv {dv})")
+    if n == 0:
+        return
+    ring, block_v = qkv.shape[1], min(dv, BLOCK_V)  # the step's tile: the same per-row code
+    _gdn_kernel[(n * hv, dv // block_v)](
+        qkv, g, beta, state, state, final, state, g,
+        rows, hv // n_k_heads, 1, 0, 0, row0 % ring, ring, qkv.stride(0), g.stride(0),
+        qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=4)
+
+
+def gated_delta_rule_layers_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                                n_k_heads: int, row0: int, rows: int, final: torch.Tensor) -> None:
+    """Plain torch twin of `gated_delta_rule_layers`: `gated_delta_rule_ref` layer by layer over
+    the ring's rows in order."""
+    _check_layers(qkv, g, beta, state, final, n_k_heads, row0, rows)
+    ring = qkv.shape[1]
+    idx = torch.tensor([(row0 + r) % ring for r in range(rows)], dtype=torch.long, device=qkv.device)
+    for i in range(state.shape[0]):
+        gated_delta_rule_ref(qkv[i].index_select(0, idx), g[i].index_select(0, idx), beta[i].index_select(0, idx),
+                             state[i], n_k_heads, final=final[i])
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 from memra_kernels.deltanet import (  # noqa: E402
-    causal_conv_silu, causal_conv_silu_ref, gated_delta_rule, gated_delta_rule_ref,
+    causal_conv_silu, causal_conv_silu_ref, gated_delta_rule, gated_delta_rule_layers,
+    gated_delta_rule_layers_ref, gated_delta_rule_ref,
 )
 
 # Tolerances against the twin. Conv: one K-tap float32 sum (FMA contraction and Triton's exp in
@@ -129,3 +130,48 @@ def test_bad_shapes_are_refused(device):
         gated_delta_rule(qkv, g.double(), beta, state, 2)
     with pytest.raises(ValueError, match="stash and stash_idx"):
         gated_delta_rule(qkv, g, beta, state, 2, stash=torch.empty(3, 4, 64, 64, device=device))
+
+
+# --------------------------------------------------------------------------- batched replay
+
+
+def _ring(layers, ring, hk, hv, dk, dv, dtype, device, seed):
+    """Per-layer rings of recorded rows and per-layer start states, stacked `[L, ...]`."""
+    parts = [_inputs(ring, hk, hv, dk, dv, dtype, device, seed=seed + 10 * i) for i in range(layers)]
+    return [torch.stack([p[j] for p in parts]) for j in range(4)]
+
+
+@pytest.mark.parametrize("fn", [gated_delta_rule_layers, gated_delta_rule_layers_ref], ids=["kernel", "twin"])
+@pytest.mark.parametrize("row0,rows", [(0, 1), (5, 7), (6, 4), (3, 0)])  # (6, 4) wraps the ring of 8
+def test_batched_replay_is_the_per_layer_recurrence(fn, row0, rows, device):
+    """Every layer replayed in one call over ring rows row0.. (wrapping) == each layer's own
+    `gated_delta_rule` (kernel, resp. twin) over the same rows in order, bit for bit: the replay a
+    rollback runs gives the states the step computed."""
+    single = gated_delta_rule if fn is gated_delta_rule_layers else gated_delta_rule_ref
+    qkv, g, beta, state = _ring(3, 8, 2, 4, 64, 64, torch.bfloat16, device, seed=3)
+    final = torch.full_like(state, float("nan"))
+    fn(qkv, g, beta, state, 2, row0, rows, final)
+    idx = torch.tensor([(row0 + r) % 8 for r in range(rows)], dtype=torch.long, device=device)
+    for i in range(3):
+        want = torch.empty_like(state[i])
+        single(qkv[i][idx], g[i][idx], beta[i][idx], state[i], 2, final=want)
+        assert torch.equal(final[i], want), i
+
+
+def test_batched_replay_matches_its_twin_and_may_run_in_place(device):
+    qkv, g, beta, state = _ring(2, 8, 1, 2, 128, 128, torch.float32, device, seed=5)
+    got, want = torch.empty_like(state), torch.empty_like(state)
+    gated_delta_rule_layers(qkv, g, beta, state, 1, 6, 5, got)
+    gated_delta_rule_layers_ref(qkv, g, beta, state, 1, 6, 5, want)
+    torch.testing.assert_close(got, want, rtol=REC_RTOL, atol=REC_ATOL)
+    inplace = state.clone()
+    gated_delta_rule_layers(qkv, g, beta, inplace, 1, 6, 5, inplace)
+    assert torch.equal(inplace, got)
+
+
+def test_batched_replay_refuses_bad_shapes(device):
+    qkv, g, beta, state = _ring(2, 8, 2, 4, 64, 64, torch.float32, device, seed=1)
+    with pytest.raises(ValueError, match="do not fit a ring of 8"):
+        gated_delta_rule_layers(qkv, g, beta, state, 2, 0, 9, state)
+    with pytest.raises(ValueError, match="ring fitting state"):
+        gated_delta_rule_layers(qkv[:1], g, beta, state, 2, 0, 1, state)

@@ -173,3 +173,17 @@ def gated_delta_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, sta
     if final is not None:
         final.copy_(s)
     return out
+
+
+def gated_delta_replay(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                       n_k_heads: int, row0: int, rows: int, final: torch.Tensor) -> None:
+    """Every layer's recurrence over recorded ring rows, the form a rollback's replay takes (the
+    torch side of `memra_kernels.deltanet.gated_delta_rule_layers`, same signature): layer l runs
+    rows `(row0 + r) % ring`, r < rows, of `qkv [L, ring, C]`, `g`, `beta [L, ring, Hv]` from
+    `state [L, Hv, dk, dv]` and writes the state after the last row into `final [L, Hv, dk, dv]`.
+    Layer by layer through `gated_delta_step`, so the states are the step's bits."""
+    ring = qkv.shape[1]
+    idx = (torch.arange(rows, device=qkv.device) + row0) % ring
+    for i in range(state.shape[0]):
+        gated_delta_step(qkv[i].index_select(0, idx), g[i].index_select(0, idx), beta[i].index_select(0, idx),
+                         state[i], n_k_heads, final=final[i])

@@ -27,6 +27,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `conv_silu(window, x, w)`: Gated DeltaNet's causal conv update + SiLU over a step's rows
 - `gated_delta_rule(qkv, g, beta, state, n_k_heads, final, stash, stash_idx) -> out`: its
   recurrence over the rows (float32 state; final state and per-row stash written on request)
+- `gated_delta_replay(qkv, g, beta, state, n_k_heads, row0, rows, final)`: that recurrence for
+  every layer at once over recorded ring rows (a rollback's replay: one launch with the kernels)
 
 `TorchStepOps` is today's numerics exactly (HF transformers' Qwen3 order of roundings); its
 attention runs over the whole cache storage under a position mask. `TritonStepOps` reads only the
@@ -41,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from memra_cli.engine.errors import SettingError
-from memra_cli.engine.layers.deltanet import conv_silu_update, gated_delta_step
+from memra_cli.engine.layers.deltanet import conv_silu_update, gated_delta_replay, gated_delta_step
 from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.layers.rope import apply_rope
 
@@ -149,6 +151,7 @@ class TorchStepOps:
 
     conv_silu = staticmethod(conv_silu_update)
     gated_delta_rule = staticmethod(gated_delta_step)
+    gated_delta_replay = staticmethod(gated_delta_replay)
 
 
 class TritonStepOps:
@@ -194,6 +197,7 @@ class TritonStepOps:
         self.pack_round = gather.pack_round
         self.conv_silu = deltanet.causal_conv_silu
         self.gated_delta_rule = deltanet.gated_delta_rule
+        self.gated_delta_replay = deltanet.gated_delta_rule_layers
 
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

@@ -310,9 +310,12 @@ class Qwen35State:
         if mode == "stash":
             self._stash_all, self._stash = per_layer((ring, *rec_shape), f32)
         else:
-            _, self._qkv = per_layer((ring, c), dtype)
-            _, self._g = per_layer((ring, hv), f32)
-            _, self._beta = per_layer((ring, hv), f32)
+            self._qkv_all, self._qkv = per_layer((ring, c), dtype)
+            self._g_all, self._g = per_layer((ring, hv), f32)
+            self._beta_all, self._beta = per_layer((ring, hv), f32)
+            # the state after a fixed step's last row (padding rows included), which the step
+            # writes beside the committed one: a commit that keeps every row is then one copy
+            self._final_all, self._final = per_layer(rec_shape, f32)
         self._length = 0
         self._width: int | None = None  # rows of the fixed step graphs were captured with
         self._forget()
@@ -324,6 +327,7 @@ class Qwen35State:
         self._reach = 0  # the lowest position a rollback may go back to (>= _base)
         self._recorded = 0  # the ring holds rows up to this position (padding rows included)
         self._continues = False  # the last commit said the runner's step goes on with another fixed step
+        self._final_at: int | None = None  # replay mode: `_final` holds the state at this position
         self._why_not = ""  # why a rollback below `_reach` is impossible, when it is
 
     # ----------------------------------------------------------------- the TargetState surface
@@ -388,6 +392,7 @@ class Qwen35State:
             self._new_base(start)  # a new runner step starts here: its start is the committed state
             self._why_not = ""
         self._recorded = start + rows
+        self._final_at = start + rows if self.mode == "replay" else None
         self._restore(end)
         self._length, self._reach, self._continues = end, self._base, step_continues
         if step_continues and end - self._base + rows > self.ring:
@@ -427,15 +432,16 @@ class Qwen35State:
             self._rec_all.copy_(self._base_rec_all)
         elif self.mode == "stash":
             self._rec_all.copy_(self._stash_all[:, (n - 1) % self.ring])
+        elif n == self._final_at:  # the last step's every row kept: the state it wrote
+            self._rec_all.copy_(self._final_all)
         else:  # replay: the same recurrence, so the same bits as the step computed in its registers
-            for i in range(len(self.rec)):
-                self._ops.gated_delta_rule(self._ring_rows(self._qkv[i], base, n), self._ring_rows(self._g[i], base, n),
-                                           self._ring_rows(self._beta[i], base, n), self._base_rec[i], self.n_k_heads,
-                                           final=self.rec[i])
+            self._ops.gated_delta_replay(self._qkv_all, self._g_all, self._beta_all, self._base_rec_all,
+                                         self.n_k_heads, base % self.ring, n - base, self._rec_all)
 
     def _ran_eager(self, start: int, rows: int) -> None:
         """An eager `forward` ran `rows` rows from `start` (after `_new_base(start)` when it kept
         them in the ring, i.e. `rows <= ring`) and committed them all at once."""
+        self._final_at = None  # an eager forward commits in place: `_final` is not its state
         if rows <= self.ring:
             self._recorded = start + rows
             self._why_not = ""
@@ -686,7 +692,7 @@ class Qwen35Target(TargetBase):
         conv = ops.conv_silu(window, mixed, w.conv)
         beta = torch.sigmoid(b).float()
         g = w.a_neg * F.softplus(a.float() + w.dt_bias)
-        stash = None
+        stash, final = None, (rec if commit_now else None)
         if ring_idx is not None:
             state._xs[slot].index_copy_(0, ring_idx, mixed)
             if state.mode == "stash":
@@ -695,12 +701,14 @@ class Qwen35Target(TargetBase):
                 state._qkv[slot].index_copy_(0, ring_idx, conv)
                 state._g[slot].index_copy_(0, ring_idx, g)
                 state._beta[slot].index_copy_(0, ring_idx, beta)
+                if not commit_now:  # a fixed step: its last row's state beside the committed one
+                    final = state._final[slot]
         if chunked:
             q, k, v = prep_qkv(conv, hk, hv, dk, dv)
             core, final = gated_delta_rule_chunked(q, k, v, g, beta, rec)
             rec.copy_(final)
         else:
-            core = ops.gated_delta_rule(conv, g, beta, rec, hk, final=rec if commit_now else None, stash=stash,
+            core = ops.gated_delta_rule(conv, g, beta, rec, hk, final=final, stash=stash,
                                         stash_idx=None if stash is None else ring_idx)
         if commit_now:
             window.copy_(torch.cat([window, mixed], dim=0)[-window.shape[0]:])

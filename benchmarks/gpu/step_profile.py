@@ -1,0 +1,160 @@
+"""Where a target step's GPU time goes: per-kernel tables of one eager step, in one process.
+
+For the Qwen3-8B shape (random weights, 16-row step at live context 512) and the Qwen3.5-4B
+hybrid shape (random weights, one-row and 16-row steps after a 512-token prompt), each with the
+step ops `select_step_ops` picks (Triton on CUDA): the CUDA kernels of one eager step under the
+torch profiler, grouped by kernel name (count, summed GPU µs), the sum, and the graphed step's
+replay time beside it (GPU time between kernels is what a graph cannot remove); then the
+hybrid's graphed plain token and verify + rollback (hybrid_step.py's sections). Also times the
+attention kernel's tile constants at the 8B shape (informational: the engine uses the module's).
+
+    python benchmarks/gpu/step_profile.py [--json OUT.json] [--skip 8b,hybrid,attention]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+import hybrid_step  # noqa: E402  (binds this checkout's kernels/ as memra_kernels)
+from gpu_shapes import SHAPES, random_target  # noqa: E402
+
+from memra_cli.engine.api import Engine  # noqa: E402
+from memra_cli.engine.layers.step_ops import select_step_ops  # noqa: E402
+from memra_cli.engine.models.qwen3_5 import Qwen35Target  # noqa: E402
+from memra_cli.engine.runtime import cuda_graphs  # noqa: E402
+
+W = 16
+
+
+def kernel_table(fn, top: int = 30) -> dict:
+    """The CUDA kernels of one call of `fn` (run once before, to warm up), grouped by name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    return {"kernels": sum(e.count for e in rows), "gpu_us": round(sum(e.self_device_time_total for e in rows), 1),
+            "top": [[e.key[:90], e.count, round(e.self_device_time_total, 1)] for e in rows[:top]]}
+
+
+def replay_ms(replay, reps: int = 30) -> float:
+    return hybrid_step.replay_ms(replay, reps)
+
+
+def profile_8b() -> dict:
+    target = random_target(SHAPES["8b"], torch.bfloat16, torch.device("cuda"))
+    target.step_ops, note = select_step_ops(torch.device("cuda"))
+    out = {"step_ops": note}
+    engine = Engine.from_model(target, step_width=W, cuda_graphs=True)
+    runner = engine.runner
+    state = runner.new_state(600)
+    state.length = 512
+    ids = torch.randint(0, 1000, (W,), device="cuda")
+    pos = torch.arange(512, 512 + W, device="cuda")
+    out["rows16"] = kernel_table(lambda: target.static_step(ids, pos, state))
+    runner.fixed_step(ids, 512, state)
+    out["rows16"]["replay_ms"] = replay_ms(state.graphs[("step", ())].graph.replay)
+    runner.release(state)
+    del target
+    torch.cuda.empty_cache()
+    return out
+
+
+def profile_hybrid(ckpt: Path) -> dict:
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    if not (ckpt / "config.json").exists():
+        from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
+        make_tiny_qwen35(ckpt, dtype=dt, seed=0, **hybrid_step.SHAPE_4B)
+    target = Qwen35Target.from_dir(ckpt, dtype=dt, device=dev)
+    target.step_ops, note = select_step_ops(dev)
+    out = {"step_ops": note, "rollback_default": target.rollback_mode}
+    prompt = torch.randint(0, 248000, (512,), generator=torch.Generator().manual_seed(0)).tolist()
+    for width in (1, W):
+        runner = hybrid_step.make_runner(target, width, False)
+        state = runner.new_state(len(prompt) + 64)
+        runner.prefill(torch.tensor(prompt, device=dev), state)
+        ids = torch.randint(0, 1000, (width,), device=dev)
+        pos = torch.arange(state.length, state.length + width, device=dev)
+
+        def step():
+            target.static_step(ids, pos, state)
+            state._pending = None  # the profile runs the same uncommitted step again
+
+        out[f"width{width}"] = kernel_table(step)
+        runner.release(state)
+    with torch.inference_mode():
+        out["plain"] = hybrid_step.plain(target, prompt, True, 24, 20)
+        out["verify"] = hybrid_step.verify(target, prompt, True, 8)
+    del target
+    torch.cuda.empty_cache()
+    return out
+
+
+def attention_tiles() -> dict:
+    """decode_attention's tile constants at the 8B shape: µs per call, graph over 36 caches."""
+    from memra_kernels import attention as A
+
+    s = SHAPES["8b"]
+    out = {}
+    for ctx in (512, 4096, 32768):
+        caches = [torch.randn(2, s["kv"], ctx + 64, s["hd"], dtype=torch.bfloat16, device="cuda") for _ in range(36)]
+        for rows in (1, W):
+            q = torch.randn(rows, s["heads"], s["hd"], dtype=torch.bfloat16, device="cuda")
+            pos = torch.arange(ctx - rows, ctx, device="cuda")
+            for split, bn, stages, warps in ((256, 32, 3, 4), (128, 64, 2, 4), (128, 32, 3, 4), (64, 32, 3, 4),
+                                             (64, 64, 2, 4), (512, 64, 3, 4)):
+                def calls():
+                    for kv in caches:
+                        A._launch(q, kv[0], kv[1], pos, 0.088, split=split, block_m=64, block_n=bn,
+                                  num_warps=warps, num_stages=stages)
+                try:
+                    graph, _ = cuda_graphs.capture(calls, torch.device("cuda"))
+                    us = 1e3 * replay_ms(graph.replay, 20) / len(caches)
+                except Exception as exc:  # noqa: BLE001
+                    us = f"{type(exc).__name__}: {exc}"[:200]
+                out[f"ctx{ctx}_rows{rows}_split{split}_bn{bn}_st{stages}"] = us
+        del caches
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-step-profile.json")
+    p.add_argument("--ckpt", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "memra-qwen35-4b-random")
+    p.add_argument("--skip", default="")
+    a = p.parse_args()
+    skip = set(a.skip.split(","))
+    data: dict = {"device": torch.cuda.get_device_name(), "command": "python benchmarks/gpu/step_profile.py " + " ".join(sys.argv[1:])}
+    for name, fn in (("attention", attention_tiles), ("8b", profile_8b), ("hybrid", lambda: profile_hybrid(a.ckpt))):
+        if name in skip:
+            continue
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                data[name] = fn()
+        except Exception as exc:  # noqa: BLE001 - each section reports its own failure
+            data[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2500:]}
+        data[name]["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"[{name}] {json.dumps(data[name])[:3000]}", flush=True)
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(data, indent=2))
+
+
+if __name__ == "__main__":
+    main()
