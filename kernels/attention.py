@@ -71,7 +71,8 @@ from ._common import check_dtype, check_last_contiguous, check_tensors, interpre
 # Keys per split. Split boundaries are multiples of this key index: changing it changes results
 # in the last bits (never their invariance), so it is a constant of the deployment, not a knob.
 # Measured on an H200 (bf16, Qwen3-8B shape, 16-row step, CUDA-graph replay over 36 per-layer
-# caches; us per call at live contexts 512 / 4096 / 32768):
+# caches; us per call at live contexts 512 / 4096 / 32768; the two-launch path, before the
+# one-launch one: benchmarks/gpu/attention_tiles.py times both per tile set):
 #   SPLIT 256, BLOCK_N 32, 3 stages: 13.0 / 14.3 / 64.0   <- chosen: short contexts dominate
 #   SPLIT 512, BLOCK_N 64, 3 stages: 16.4 / 17.3 / 53.0      (fewer float32 partials at 32k)
 #   SPLIT 128, BLOCK_N 64, 2 stages: 10.5 / 14.4 / 93.8
@@ -267,8 +268,8 @@ def _merge_splits(acc_ptr, m_ptr, l_ptr, out_ptr, row, head, pos, ok, n_splits, 
                         mask=take[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
             o_sum += o * weight[:, None]
     out = o_sum / tl.where(n_valid > 0, l_sum, 1.0)[:, None]  # (absent pairs: never stored)
-    tl.store(out_ptr + row.to(tl.int64)[:, None] * stride_out + head[:, None] * HD + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
+    dst = out_ptr + row.to(tl.int64)[:, None] * stride_out + head[:, None] * HD + offs_d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -331,7 +332,8 @@ def _counter_buffer(device: torch.device, needed: int) -> torch.Tensor:
             f"decode_attention (fused combine): needs {needed} counters on {device} but "
             f"{'none are' if not have else f'only {have} are'} allocated, and the stream is "
             "capturing a CUDA graph; run the same call once eagerly before capturing it")
-    buffers.append(torch.zeros(max(MIN_COUNTERS, next_pow2(needed)), dtype=torch.int32, device=device))
+    size = max(MIN_COUNTERS, next_pow2(needed))
+    buffers.append(torch.zeros(size, dtype=torch.int32, device=device))
     return buffers[-1]
 
 
