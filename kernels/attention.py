@@ -45,10 +45,13 @@ whatever the cache storage size S:
 * K/V are loaded only for keys <= the tile's largest position (masked to 0 beyond), so storage
   past the live keys (garbage, NaN) is never read into the arithmetic, and the work per program
   depends on positions, never on S; S only sizes the grid (static: CUDA-graph capturable; splits
-  past a tile's last position do nothing) and the workspace;
+  past a tile's last position do nothing, and do not count towards the fused merge) and the
+  workspace;
 * BLOCK_M/BLOCK_N/SPLIT_KEYS are constants, never derived from t, so the same instruction shapes
   run for 1 row or 4096; `tl.dot` computes each output row from its own q row only, and the
-  per-row reductions (max, sum) see only that row.
+  per-row reductions (max, sum) see only that row;
+* the merge is elementwise per (row, head) (see above), so which program merges a row, with
+  which other rows, in one launch or two, cannot change its bits.
 
 Rows may come in any order and at any positions (prefill chunks at consecutive positions use
 the same kernel: causal by position). Requirements: 0 <= positions[i] < S (not checked on the
@@ -96,7 +99,8 @@ COMBINE_PAIRS = 8  # (row, head) pairs per program of the two-launch path's comb
 # chunks over long caches) are processed in row chunks, which cannot change any row's result.
 WORKSPACE_BYTES = 256 << 20
 # Smallest counter buffer of the fused path (int32 per (row tile, KV head) of one launch): 64 KiB
-# covers 2048-row chunks at g = 4 with 32 KV heads, so the buffer is sized once, eagerly.
+# covers 32768-row chunks at the Qwen3-8B shape (g = 4, 8 KV heads; the workspace bound keeps
+# chunks far smaller), so the buffer is sized once, on the first eager call.
 MIN_COUNTERS = 1 << 14
 
 _LOG2E = 1.4426950408889634
