@@ -25,7 +25,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 # values that cancel, e.g. a rope sum); in bf16 that rarely flips a rounding, by one bf16 ulp
 # (2^-8..2^-7 relative), on a few elements only: MAX_MISMATCH bounds the fraction of elements
 # that differ at all, which is what catches a missing or extra rounding (it touches many).
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-8)}
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-8),
+       torch.float16: dict(rtol=2**-10, atol=2**-11)}
 MAX_MISMATCH = 0.02
 
 
@@ -277,3 +278,21 @@ def test_gated_rms_norm_rows_are_independent(dtype, device):
         c2, z2 = other_core.clone(), other_z.clone()
         c2[i], z2[i] = core[i], z[i]
         assert torch.equal(gated_rms_norm(c2, z2, w, EPS)[i], full[i])
+
+
+def test_float16(device):
+    """Every kernel in float16 too (one shape each; the same criteria, at half's ulp)."""
+    dt = torch.float16
+    args = _attn_inputs(5, 4, 2, 64, 16, dt, device, seed=11, pad=8)
+    q, kv = _run_qk(gated_qk_norm_rope_kv_write, *args, 4, 2)
+    q_ref, kv_ref = _run_qk(gated_qk_norm_rope_kv_write_ref, *args, 4, 2)
+    _assert_matches(q, q_ref)
+    _assert_matches(kv, kv_ref)
+    out = torch.randn(5, 4 * 64, generator=_gen(12)).to(dt).to(device)
+    _assert_matches(output_gate(out, args[0], 4), output_gate_ref(out, args[0], 4))
+    _, ba, a_neg, dt_bias, _ = _gate_inputs(5, 8, dt, device, seed=13)
+    (g, beta), (g_ref, beta_ref) = gdn_gates(ba, a_neg, dt_bias), gdn_gates_ref(ba, a_neg, dt_bias)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=0)
+    torch.testing.assert_close(beta, beta_ref, rtol=2**-10, atol=0)
+    core, z, w = _norm_inputs(5, 4, 128, dt, device, seed=14)
+    _assert_matches(gated_rms_norm(core, z, w, EPS), gated_rms_norm_ref(core, z, w, EPS))

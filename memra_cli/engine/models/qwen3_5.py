@@ -641,10 +641,10 @@ class Qwen35Target(TargetBase):
         h = ops.rms_norm_1p(x, self.layers[0].attn_norm, eps)
         for li, w in enumerate(self.layers):
             if w.attn is not None:
-                mixed = self._attention(h, w.attn, positions, attend, state.kv[self._full_slot[li]])
+                mixer_out = self._attention(h, w.attn, positions, attend, state.kv[self._full_slot[li]])
             else:
-                mixed = self._gdn(h, w.gdn, state, self._lin_slot[li], ring_idx, chunked, commit_now)
-            h, x = ops.add_rms_norm_1p(mixed, x, w.mlp_norm, eps)
+                mixer_out = self._gdn(h, w.gdn, state, self._lin_slot[li], ring_idx, chunked, commit_now)
+            h, x = ops.add_rms_norm_1p(mixer_out, x, w.mlp_norm, eps)
             down = F.linear(ops.silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
             h, x = ops.add_rms_norm_1p(down, x, next_norm, eps)
