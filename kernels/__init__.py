@@ -5,13 +5,15 @@ two on random inputs with awkward shapes, on the GPU and, in CI, through Triton'
 Every kernel is row-count invariant: a row's result never depends on the other rows of its step
 or on the storage size, so fixed-width steps stay bit-exact.
 
-- `norm`: RMSNorm, and RMSNorm fused with the residual add
+- `norm`: RMSNorm, and RMSNorm fused with the residual add (also zero-centred, Qwen3.5's)
 - `rope`: per-head q/k RMSNorm + RoPE (table-driven: default and YaRN) + the K/V cache write
 - `activation`: SiLU(gate) * up
 - `attention`: causal GQA attention over the live length only, split over keys at a fixed size
 - `quant_linear`: q8_0 / q4_0 weights repacked once at load, dequantized in registers, small M
 - `deltanet`: Gated DeltaNet's step (Qwen3.5): causal conv update + SiLU, and the gated delta rule
   over a step's rows (float32 state; final state and per-row stash on request)
+- `qwen35`: Qwen3.5's fused elementwise work: gated attention's q/k norm + partial rope + K/V
+  write and its output gate; the DeltaNet's gates (+ the rollback record) and gated RMSNorm
 - `argmax`: a greedy round's argmax over each row of its logits, one program per row
 - `gather`: embedding rows, and DSpark's confidence head, one program per row
 

@@ -12,6 +12,11 @@ once, which is bit-identical to torch's model-dtype multiply for bf16/f16 (the p
 squares (a different reduction order), i.e. a last-ulp difference of the statistic that rarely
 survives the rounding to bf16.
 
+Zero-centred variant (Qwen3.5, HF `Qwen3_5RMSNorm`): `rms_norm_1p` / `add_rms_norm_1p` take
+`w1p = 1 + w` in float32 (what the loader keeps) and multiply the float32 normalized value by it
+in float32, rounding once at the end (no rounding before the weight multiply); the output is in
+x's dtype. Against the twin, again only the sum of squares' order differs.
+
 Row invariance: one program per row; the block width depends only on the hidden size, so a row's
 result never depends on the other rows or on how many there are.
 """
@@ -28,8 +33,9 @@ from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, stride_res,
                      stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-    """One row: [res_out = x + res]; out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)."""
+                     ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One row: [res_out = x + res]; out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), or with
+    ZERO_CENTRED (w is float32 1 + w) out = (x * rsqrt(mean(x^2) + eps) * w) rounded once."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < d
@@ -42,9 +48,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, s
         x = s.to(tl.float32)
     mean_sq = tl.sum(x * x, axis=0) / d
     rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
-    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF rounds here
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    if ZERO_CENTRED:  # HF Qwen3_5RMSNorm: float32 all the way, one rounding
+        y = (x * rstd) * w
+    else:
+        y = w * (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)  # HF Qwen3RMSNorm rounds first
+    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_warps(block_d: int) -> int:
@@ -52,7 +61,7 @@ def _num_warps(block_d: int) -> int:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+            eps: float, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() != 2 or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"expected x [t, d] and weight [d], got {tuple(x.shape)} and {tuple(weight.shape)}")
     tensors = [x, weight] + ([residual] if residual is not None else [])
@@ -62,8 +71,11 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         check_last_contiguous(a, name)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError("residual must have x's shape and dtype")
+    if zero_centred and weight.dtype != torch.float32:
+        raise TypeError(f"the zero-centred norm takes 1 + w in float32, got {weight.dtype}")
     t, d = x.shape
-    out = torch.empty((t, d), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out_dtype = x.dtype if zero_centred else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty((t, d), dtype=out_dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     if t == 0:
         return out, res_out
@@ -72,7 +84,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     res_o = res_out if res_out is not None else out
     _rms_norm_kernel[(t,)](
         x, res_in, weight, out, res_o, d, x.stride(0), res_in.stride(0), out.stride(0),
-        res_o.stride(0), float(eps), HAS_RESIDUAL=residual is not None, BLOCK_D=block_d,
+        res_o.stride(0), float(eps), HAS_RESIDUAL=residual is not None, ZERO_CENTRED=zero_centred,
+        BLOCK_D=block_d,
         num_warps=_num_warps(block_d),
     )
     return out, res_out
@@ -97,6 +110,21 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return normed, new_residual
 
 
+def rms_norm_1p(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm (Qwen3.5) of `x [t, d]` by `w1p [d]` (float32 `1 + w`) -> `[t, d]` in
+    x's dtype: float32 statistics and weight multiply, one rounding. Rows may be strided."""
+    return _launch(x, None, w1p, eps, zero_centred=True)[0]
+
+
+def add_rms_norm_1p(x: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor,
+                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`new_residual = x + residual` (rounded to the model dtype), then its zero-centred RMSNorm:
+    x, residual `[t, d]`, w1p `[d]` float32 -> (normed `[t, d]`, new_residual `[t, d]`)."""
+    normed, new_residual = _launch(x, residual, w1p, eps, zero_centred=True)
+    assert new_residual is not None
+    return normed, new_residual
+
+
 # ----------------------------------------------------------------------------- references
 
 
@@ -113,3 +141,16 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     """Plain torch twin of `add_rms_norm`: the add in the model dtype, then `rms_norm_ref`."""
     new_residual = x + residual
     return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def rms_norm_1p_ref(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain torch twin of `rms_norm_1p` (HF Qwen3_5RMSNorm, the engine's `layers.deltanet.rms_norm_1p`)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1p).to(x.dtype)
+
+
+def add_rms_norm_1p_ref(x: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch twin of `add_rms_norm_1p`: the add in the model dtype, then `rms_norm_1p_ref`."""
+    new_residual = residual + x
+    return rms_norm_1p_ref(new_residual, w1p, eps), new_residual

@@ -84,3 +84,71 @@ def test_empty_batch(device):
     x, res, w = _inputs(0, 64, torch.float32, device)
     assert rms_norm(x, w, EPS).shape == (0, 64)
     assert add_rms_norm(x, res, w, EPS)[1].shape == (0, 64)
+
+
+# --------------------------------------------------------------------------- zero-centred (Qwen3.5)
+
+
+def _inputs_1p(t: int, d: int, dtype: torch.dtype, device: str, seed: int = 0, pad: int = 0):
+    """x as a column slice of a wider buffer when pad > 0 (strided rows); w1p float32 1 + w."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, d + pad, generator=g) * 3 + 0.5).to(dtype).to(device)[:, pad:]
+    res = torch.randn(t, d, generator=g).to(dtype).to(device)
+    w1p = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype).float().to(device)  # 1 + w of a model-dtype w
+    return x, res, w1p
+
+
+# One rounding (after the float32 weight multiply) where the Qwen3 norm has two, so the bf16
+# difference is at most one bf16 ulp of the output (2^-8..2^-7 relative), on a few elements.
+RTOL_1P = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
+
+
+def _assert_1p(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=RTOL_1P[want.dtype], atol=0)
+    if want.dtype != torch.float32:
+        mismatched = (got != want).float().mean().item()
+        assert mismatched <= MAX_MISMATCH_FRACTION, f"{mismatched:.1%} of elements differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,d,pad", [(1, 64, 0), (3, 96, 16), (16, 2560, 0), (17, 1000, 8)])
+def test_rms_norm_1p_matches_ref(t, d, pad, dtype, device):
+    from memra_cli.engine.layers.deltanet import rms_norm_1p as engine_rms_norm_1p
+    from memra_kernels.norm import add_rms_norm_1p, add_rms_norm_1p_ref, rms_norm_1p, rms_norm_1p_ref
+
+    x, res, w1p = _inputs_1p(t, d, dtype, device, pad=pad)
+    want = rms_norm_1p_ref(x, w1p, EPS)
+    assert torch.equal(want, engine_rms_norm_1p(x, w1p, EPS))  # the twin is the engine's formula
+    _assert_1p(rms_norm_1p(x, w1p, EPS), want)
+    normed, new_res = add_rms_norm_1p(x, res, w1p, EPS)
+    want_normed, want_res = add_rms_norm_1p_ref(x, res, w1p, EPS)
+    assert torch.equal(new_res, want_res) and torch.equal(want_res, x + res)
+    _assert_1p(normed, want_normed)
+
+
+def test_rms_norm_1p_catches_the_qwen3_order(device):
+    """A planted bug: the Qwen3 kernel's order (round before the weight multiply) on the same
+    inputs differs from the zero-centred twin in many bf16 elements, which the check rejects."""
+    from memra_kernels.norm import rms_norm, rms_norm_1p_ref
+
+    x, _, w1p = _inputs_1p(16, 2560, torch.bfloat16, device, seed=6)
+    wrong = rms_norm(x, w1p, EPS).to(torch.bfloat16)  # float32 out (promoted), rounded again
+    with pytest.raises(AssertionError):
+        _assert_1p(wrong, rms_norm_1p_ref(x, w1p, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_1p_rows_are_independent(dtype, device):
+    from memra_kernels.norm import add_rms_norm_1p, rms_norm_1p
+
+    x, res, w1p = _inputs_1p(16, 512, dtype, device, seed=4)
+    other, other_res, _ = _inputs_1p(16, 512, dtype, device, seed=5)
+    full, full_res = add_rms_norm_1p(x, res, w1p, EPS)
+    for i in (0, 7, 15):
+        alone, alone_res = add_rms_norm_1p(x[i:i + 1], res[i:i + 1], w1p, EPS)
+        assert torch.equal(alone[0], full[i]) and torch.equal(alone_res[0], full_res[i])
+        mixed_x, mixed_res = other.clone(), other_res.clone()
+        mixed_x[i], mixed_res[i] = x[i], res[i]
+        assert torch.equal(add_rms_norm_1p(mixed_x, mixed_res, w1p, EPS)[0][i], full[i])
+        assert torch.equal(rms_norm_1p(mixed_x, w1p, EPS)[i], rms_norm_1p(x[i:i + 1], w1p, EPS)[0])

@@ -4,8 +4,13 @@ bit in both rollback modes, and a speculative session equal to plain greedy."""
 
 from __future__ import annotations
 
+import importlib.util
+from collections import Counter
+from pathlib import Path
+
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from memra_cli.engine.api import ArmConfig, Engine
 from memra_cli.engine.greedy import greedy_reference
@@ -95,3 +100,40 @@ def test_speculative_equals_plain_with_the_kernels(target_dir, tmp_path):
     arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
     with engine.session(prompt, 10, arm, eos_ids=()) as session:
         assert session.run() == plain
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's launches")
+def test_a_kernel_step_is_seven_launches_a_layer_and_the_matmuls(target_dir, monkeypatch):
+    """The Triton path itself, counted (not inferred from the torch ops): every Triton launch of
+    one fixed step, and the torch ops left around them (benchmarks/qwen3_5_step_ops.py's rule).
+    The tiny target has 5 layers: 7 launches each (attention counts its two), plus the
+    embedding gather and the first norm; outside the kernels only the weight matmuls and the
+    ring index (`positions % ring`)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "qwen3_5_step_ops.py"
+    spec = importlib.util.spec_from_file_location("qwen3_5_step_ops", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    launches: Counter = Counter()
+    run = InterpretedFunction.run
+
+    def counted(self, *args, **kwargs):
+        launches[self.__name__] += 1
+        with record_function(f"stepop::{self.__name__}"):  # outside the torch-op count
+            return run(self, *args, **kwargs)
+
+    model = _model(target_dir, TritonStepOps())
+    runner = StepRunner(model, W)
+    state = runner.new_state(40)
+    runner.prefill(_ids(12, 0), state)
+    ids, positions = _ids(W, 1), torch.arange(12, 12 + W, device=DEVICE)
+    monkeypatch.setattr(InterpretedFunction, "run", counted)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model.static_step(ids, positions, state)
+    torch_ops = bench._torch_leaves(prof)
+    n_layers = len(model.layers)
+    assert sum(launches.values()) == 2 + 7 * n_layers, launches
+    # (the logits' widening is a no-op in float32)
+    assert {k: v for k, v in torch_ops.items() if k not in bench.GEMMS} == {"aten::remainder": 1}
+    assert sum(v for k, v in torch_ops.items() if k in bench.GEMMS) == 4 * n_layers + 1

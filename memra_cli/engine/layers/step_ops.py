@@ -30,9 +30,23 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `gated_delta_replay(qkv, g, beta, state, n_k_heads, row0, rows, final)`: that recurrence for
   every layer at once over recorded ring rows (a rollback's replay: one launch with the kernels)
 
-`TorchStepOps` is today's numerics exactly (HF transformers' Qwen3 order of roundings); its
-attention runs over the whole cache storage under a position mask. `TritonStepOps` reads only the
-live keys (split over keys at a fixed size) and fuses each norm with its neighbours.
+Qwen3.5's (models/qwen3_5.py; every norm but the DeltaNet's gated one is zero-centred, `w1p` the
+float32 `1 + w`):
+
+- `rms_norm_1p(x, w1p, eps)`; `add_rms_norm_1p(x, residual, w1p, eps) -> (normed, x + residual)`
+- `gated_qk_norm_rope_kv_write(qgkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh,
+  nkv, eps) -> q`: gated attention's q/k norms + partial rope + K/V write, from the projection
+  whose query heads carry their output gate (`[q | gate]` per head); the gate stays there
+- `output_gate(out, qgkv, nh) -> out * sigmoid(gate)`, the gate read from the projection
+- `gdn_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay) -> (g, beta)`: the DeltaNet's
+  decay and write strength, plus (with `ring_idx`) the step's rollback record into the ring
+- `gated_rms_norm(core, z, w, eps) -> [t, Hv*dv]`: the per-head gated norm of the recurrence output
+
+`TorchStepOps` is today's numerics exactly (HF transformers' Qwen3 / Qwen3.5 order of
+roundings: the model code before the seam, moved behind it op for op); its attention runs over the
+whole cache storage under a position mask. `TritonStepOps` reads only the live keys (split over
+keys at a fixed size) and fuses each norm with its neighbours; its kernels round where torch
+rounds, so they differ from torch only in float32 arithmetic (reduction order, exp / log).
 """
 
 from __future__ import annotations
@@ -43,9 +57,10 @@ import torch
 import torch.nn.functional as F
 
 from memra_cli.engine.errors import SettingError
-from memra_cli.engine.layers.deltanet import conv_silu_update, gated_delta_replay, gated_delta_step
+from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_step, gated_rms_norm,
+                                              rms_norm_1p)
 from memra_cli.engine.layers.ops import rms_norm
-from memra_cli.engine.layers.rope import apply_rope
+from memra_cli.engine.layers.rope import apply_partial_rope, apply_rope
 
 KERNELS_ENV = "MEMRA_KERNELS"
 
@@ -153,6 +168,64 @@ class TorchStepOps:
     gated_delta_rule = staticmethod(gated_delta_step)
     gated_delta_replay = staticmethod(gated_delta_replay)
 
+    # ------------------------------------------------------------------ Qwen3.5
+
+    rms_norm_1p = staticmethod(rms_norm_1p)
+
+    @staticmethod
+    def add_rms_norm_1p(x: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        new = residual + x
+        return rms_norm_1p(new, w1p, eps), new
+
+    @staticmethod
+    def gated_qk_norm_rope_kv_write(qgkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
+                                    n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+        """`qgkv [t, (2*nh + 2*nkv)*hd]` -> q `[t, nh, hd]`; k/v written at `positions`. cos/sin
+        `[S_tab, r]` over the rotary dims (the first r of each head)."""
+        t, hd = qgkv.shape[0], q_norm.shape[0]
+        qg, k, v = qgkv.split([2 * n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+        c, s = cos[positions], sin[positions]
+        q = apply_partial_rope(rms_norm_1p(qg.view(t, n_heads, 2 * hd)[..., :hd], q_norm, eps), c, s)
+        k = apply_partial_rope(rms_norm_1p(k.view(t, n_kv, hd), k_norm, eps), c, s)
+        k_cache.index_copy_(1, positions, k.transpose(0, 1))
+        v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
+        return q
+
+    @staticmethod
+    def output_gate(out: torch.Tensor, qgkv: torch.Tensor, n_heads: int) -> torch.Tensor:
+        """`out [t, nh*hd] * sigmoid(gate)`, head h's gate the hd columns after its query."""
+        t, width = out.shape
+        hd = width // n_heads
+        return out * torch.sigmoid(qgkv[:, :2 * width].view(t, n_heads, 2 * hd)[..., hd:].reshape(t, width))
+
+    @staticmethod
+    def gdn_gates(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
+                  ring_idx: torch.Tensor | None = None, xs_ring: torch.Tensor | None = None,
+                  mixed: torch.Tensor | None = None, replay: tuple | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ba [t, 2*Hv]` (b | a) -> g, beta `[t, Hv]` float32; with `ring_idx` the conv inputs
+        `mixed` go into `xs_ring` at it, and `replay = (qkv_ring, conv, g_ring, beta_ring)` the
+        recurrence inputs too."""
+        hv = a_neg.shape[0]
+        b, a = ba.split([hv, hv], dim=-1)
+        beta = torch.sigmoid(b).float()
+        g = a_neg * F.softplus(a.float() + dt_bias)
+        if ring_idx is not None:
+            xs_ring.index_copy_(0, ring_idx, mixed)
+            if replay is not None:
+                qkv_ring, conv, g_ring, beta_ring = replay
+                qkv_ring.index_copy_(0, ring_idx, conv)
+                g_ring.index_copy_(0, ring_idx, g)
+                beta_ring.index_copy_(0, ring_idx, beta)
+        return g, beta
+
+    @staticmethod
+    def gated_rms_norm(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """`core [t, Hv, dv]` float32, `z [t, Hv*dv]` -> `[t, Hv*dv]` in z's dtype."""
+        t, hv, dv = core.shape
+        return gated_rms_norm(core.to(z.dtype), z.reshape(t, hv, dv), w, eps).reshape(t, hv * dv)
+
 
 class TritonStepOps:
     """`memra_kernels` (CUDA tensors; on CPU only under Triton's interpreter, for tests)."""
@@ -182,7 +255,7 @@ class TritonStepOps:
         return out[0].transpose(0, 1).reshape(t, nh * hd)
 
     def __init__(self):
-        from memra_kernels import activation, argmax, attention, deltanet, gather, markov, norm, rope
+        from memra_kernels import activation, argmax, attention, deltanet, gather, markov, norm, qwen35, rope
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
@@ -198,6 +271,12 @@ class TritonStepOps:
         self.conv_silu = deltanet.causal_conv_silu
         self.gated_delta_rule = deltanet.gated_delta_rule
         self.gated_delta_replay = deltanet.gated_delta_rule_layers
+        self.rms_norm_1p = norm.rms_norm_1p
+        self.add_rms_norm_1p = norm.add_rms_norm_1p
+        self.gated_qk_norm_rope_kv_write = qwen35.gated_qk_norm_rope_kv_write
+        self.output_gate = qwen35.output_gate
+        self.gdn_gates = qwen35.gdn_gates
+        self.gated_rms_norm = qwen35.gated_rms_norm
 
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -237,4 +316,5 @@ def select_step_ops(device: torch.device, setting: bool | None = None, env: dict
         if setting:
             raise SettingError("kernels", True, f"memra_kernels cannot load ({exc})", quote=False) from None
         return TorchStepOps(), f"step ops: torch (memra_kernels unavailable: {exc})"
-    return ops, "step ops: Triton kernels (fused norms, rope + KV write, live-length attention, DeltaNet conv and recurrence)"
+    return ops, ("step ops: Triton kernels (fused norms, rope + KV write, live-length attention, DeltaNet conv, "
+                 "gates and recurrence, gated norm)")

@@ -52,8 +52,10 @@ shorter ones and every later step with the sequential form (`step_ops.gated_delt
 Capturable in a CUDA graph (`supports_cuda_graphs`): every state tensor is allocated once and
 written in place, and `static_step` only reads the committed state and writes its rows into the
 ring by position, so a replay needs nothing from Python; `commit` runs outside the graph. The
-conv, recurrence, attention and SiLU-mul go through `step_ops` (torch, or `memra_kernels` on
-CUDA). Numerics of the torch path follow `transformers.Qwen3_5ForCausalLM` (torch fallback path).
+step's every op but the weight matmuls goes through `step_ops` (torch, or `memra_kernels` on
+CUDA: fused norms with the residual adds, attention prep and output gate, DeltaNet gates + ring
+record, conv, recurrence, gated norm, attention, SiLU-mul). Numerics of the torch path follow
+`transformers.Qwen3_5ForCausalLM` (torch fallback path).
 """
 
 from __future__ import annotations
@@ -73,9 +75,9 @@ from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.qwen3_5_config import (
     FULL, SKIPPED_PREFIXES, Qwen35Config, load_qwen35_config, text_prefix,
 )
-from memra_cli.engine.layers.deltanet import gated_delta_rule_chunked, gated_rms_norm, prep_qkv, rms_norm_1p
+from memra_cli.engine.layers.deltanet import gated_delta_rule_chunked, prep_qkv, rms_norm_1p
 from memra_cli.engine.layers.step_ops import TorchStepOps
-from memra_cli.engine.layers.rope import apply_partial_rope, cos_sin, rope_tables
+from memra_cli.engine.layers.rope import cos_sin, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -463,7 +465,7 @@ class Qwen35Target(TargetBase):
     `rollback_rows`: eager steps longer than this (a prompt) keep no per-row record, and a
     runner step's fixed-width chunks are recorded back to this many rows (the size of a state's
     ring; a fixed step may not be wider). `step_ops` (layers/step_ops.py; `Engine.load` picks the
-    Triton kernels on CUDA) runs the fixed-width step's conv, recurrence, attention and SiLU·mul."""
+    Triton kernels on CUDA) runs every op of a step but the weight matmuls (`_run`)."""
 
     supports_cuda_graphs = True
 
@@ -550,7 +552,8 @@ class Qwen35Target(TargetBase):
     # ----------------------------------------------------------------------- forward
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed_weight)
+        """Embedding rows `[t, hidden]` (the step ops' gather: a copy of the rows either way)."""
+        return self.step_ops.embed(ids, self.embed_weight)
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         """The model's final (zero-centred) RMSNorm."""
@@ -581,30 +584,26 @@ class Qwen35Target(TargetBase):
             state._new_base(start)
         mask = self._mask(start, t)
 
-        def attend(q, k, v, kv):
-            kv[0, :, start:end] = k.transpose(0, 1)
-            kv[1, :, start:end] = v.transpose(0, 1)
+        def attend(q, kv):  # the prep wrote K/V at positions start..end-1
             return self._attend(q, kv[0, :, :end], kv[1, :, :end], mask)
 
-        ring_idx = torch.arange(start, end, device=self.device) % state.ring if keep else None
+        positions = torch.arange(start, end, device=self.device)
+        ring_idx = positions % state.ring if keep else None
         chunked = not keep and start == 0 and self.chunked_prefill
-        hidden, tapped = self._run(ids, self._cos[start:end], self._sin[start:end], attend, state, ring_idx,
-                                   chunked, True, taps)
+        hidden, tapped = self._run(ids, positions, attend, state, ring_idx, chunked, True, taps)
         state._ran_eager(start, t)
         return hidden, tapped
 
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen35State,
                     taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-width step (as Qwen3Target's), capturable: `ids [W]` at device `positions
-        [W]` continuing the committed state. Attention layers: fused projection, q/k norm and
-        partial rope in torch (the zero-centred norms round differently from Qwen3's fused
-        kernel), K/V written with `index_copy_`, `step_ops.attention` over the cache by position,
-        then the output gate. DeltaNet layers: `step_ops.conv_silu` and `step_ops.gated_delta_rule`
-        over all W rows from the committed conv window and state, which this step only reads; the
-        rows go into the state's ring by position % ring (conv inputs, plus the per-row states or
-        the recurrence inputs). Nothing reads a host value that changes from step to step, so a
-        CUDA graph replays it; `state.commit(end)` then keeps the real rows (runs no kernel of the
-        step). Returns float32 logits `[W, vocab]` and taps."""
+        [W]` continuing the committed state (`_run`: every op but the weight matmuls is a step
+        op). Attention layers: `step_ops.attention` over the cache by position. DeltaNet layers:
+        the conv and recurrence over all W rows from the committed conv window and state, which
+        this step only reads; the rows go into the state's ring by position % ring (conv inputs,
+        plus the per-row states or the recurrence inputs). Nothing reads a host value that changes
+        from step to step, so a CUDA graph replays it; `state.commit(end)` then keeps the real
+        rows (runs no kernel of the step). Returns float32 logits `[W, vocab]` and taps."""
         width = ids.shape[0]
         if width > state.ring:
             raise ConfigError(f"a fixed step of {width} rows is wider than rollback_rows ({state.ring}): "
@@ -613,13 +612,10 @@ class Qwen35Target(TargetBase):
         state._pending, state._width = (state.length, width), width  # Python: runs eagerly or at capture only
         ops = self.step_ops
 
-        def attend(q, k, v, kv):
-            kv[0].index_copy_(1, positions, k.transpose(0, 1))
-            kv[1].index_copy_(1, positions, v.transpose(0, 1))
+        def attend(q, kv):  # the prep wrote K/V at positions
             return ops.attention(q, kv[0], kv[1], positions, self.scale)
 
-        hidden, tapped = self._run(ids, self._cos[positions], self._sin[positions], attend, state,
-                                   positions % state.ring, False, False, taps)
+        hidden, tapped = self._run(ids, positions, attend, state, positions % state.ring, False, False, taps)
         return self.logits(hidden), tapped
 
     def _mask(self, start: int, t: int) -> torch.Tensor | None:
@@ -630,42 +626,50 @@ class Qwen35Target(TargetBase):
         mask = keys[None, :] <= queries[:, None]
         return mask.repeat(self.n_heads // self.n_kv, 1)
 
-    def _run(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, state: Qwen35State,
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, attend, state: Qwen35State,
              ring_idx: torch.Tensor | None, chunked: bool, commit_now: bool, taps: Sequence[int] | None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder over `ids [t]`: attention layers through `attend(q, k, v, kv)`, DeltaNet
-        layers from the committed state over all t rows (recorded at `ring_idx` when given;
-        committed at once when `commit_now`, the eager forward)."""
-        eps = self.cfg.rms_norm_eps
+        """The decoder over `ids [t]` at device `positions [t]` -> (final-normed hidden, taps):
+        attention layers through `attend(q, kv)` (K/V already written), DeltaNet layers from the
+        committed state over all t rows (recorded at `ring_idx` when given; committed at once when
+        `commit_now`, the eager forward).
+
+        Every op but the weight matmuls goes through `step_ops`, and each residual add is fused
+        into the norm after it (the last into the final norm), as Qwen3's static_step: a layer is
+        norm, mixer (projection, fused prep, conv / recurrence or attention, fused epilogue, out
+        projection), add + norm, MLP (gate_up, SiLU·mul, down), add + the next layer's norm. The
+        torch ops compute each value with the same ops as before the fusion, so the bits do not
+        change."""
+        ops, eps = self.step_ops, self.cfg.rms_norm_eps
         x = self.embed(ids)
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
+        h = ops.rms_norm_1p(x, self.layers[0].attn_norm, eps)
         for li, w in enumerate(self.layers):
-            h = rms_norm_1p(x, w.attn_norm, eps)
             if w.attn is not None:
-                q, gate, k, v = self._qkv(h, w.attn, cos, sin)
-                out = attend(q, k, v, state.kv[self._full_slot[li]])
-                x = x + F.linear(out * torch.sigmoid(gate), w.attn.wo, w.attn.bo)
+                mixer_out = self._attention(h, w.attn, positions, attend, state.kv[self._full_slot[li]])
             else:
-                x = x + self._gdn(h, w.gdn, state, self._lin_slot[li], ring_idx, chunked, commit_now)
-            x = self._mlp(x, w)
+                mixer_out = self._gdn(h, w.gdn, state, self._lin_slot[li], ring_idx, chunked, commit_now)
+            h, x = ops.add_rms_norm_1p(mixer_out, x, w.mlp_norm, eps)
+            down = F.linear(ops.silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
+            next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
+            h, x = ops.add_rms_norm_1p(down, x, next_norm, eps)
             if li in wanted:
                 tapped[li] = x
-        hidden = self.final_norm(x)
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        return hidden, taps_out
+        return h, taps_out
 
-    def _qkv(self, h: torch.Tensor, w: AttnWeights, cos: torch.Tensor, sin: torch.Tensor):
-        """Fused projection of `h [t, hidden]`: q `[t, nh, hd]` (normed, rope'd), the output gate
-        `[t, nh*hd]`, k `[t, nkv, hd]` (normed, rope'd), v `[t, nkv, hd]`."""
-        t, nh, nkv, hd = h.shape[0], self.n_heads, self.n_kv, self.head_dim
-        qg, k, v = F.linear(h, w.wqkv, w.bqkv).split([2 * nh * hd, nkv * hd, nkv * hd], dim=-1)
-        qg = qg.view(t, nh, 2 * hd)
-        q, gate = qg[..., :hd], qg[..., hd:].reshape(t, nh * hd)
-        eps = self.cfg.rms_norm_eps
-        q = apply_partial_rope(rms_norm_1p(q, w.q_norm, eps), cos, sin)
-        k = apply_partial_rope(rms_norm_1p(k.view(t, nkv, hd), w.k_norm, eps), cos, sin)
-        return q, gate, k, v.view(t, nkv, hd)
+    def _attention(self, h: torch.Tensor, w: AttnWeights, positions: torch.Tensor, attend,
+                   kv: torch.Tensor) -> torch.Tensor:
+        """A gated attention mixer over `h [t, hidden]` -> `[t, hidden]`: the fused projection
+        (per query head `[q | gate]`, then k, v), q/k zero-centred norms + partial rope + the K/V
+        write at `positions` (one step op), `attend(q, kv)`, `out * sigmoid(gate)` (one step op,
+        the gate read from the projection), o_proj. `kv [2, nkv, S, hd]`."""
+        ops = self.step_ops
+        qgkv = F.linear(h, w.wqkv, w.bqkv)
+        q = ops.gated_qk_norm_rope_kv_write(qgkv, w.q_norm, w.k_norm, self._cos, self._sin, positions, kv[0], kv[1],
+                                            self.n_heads, self.n_kv, self.cfg.rms_norm_eps)
+        return F.linear(ops.output_gate(attend(q, kv), qgkv, self.n_heads), w.wo, w.bo)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -684,25 +688,23 @@ class Qwen35Target(TargetBase):
         with `commit_now` the window and state after the last row replace the committed ones (in
         place). `chunked`: a long prefill's WY form (nothing recorded, committed at once)."""
         cfg, ops = self.cfg, self.step_ops
-        t = h.shape[0]
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed, z, b, a = F.linear(h, w.w_in).split([cfg.conv_dim, cfg.value_dim, hv, hv], dim=-1)
+        mixed, z, ba = F.linear(h, w.w_in).split([cfg.conv_dim, cfg.value_dim, 2 * hv], dim=-1)
         window, rec = state.conv[slot], state.rec[slot]
         conv = ops.conv_silu(window, mixed, w.conv)
-        beta = torch.sigmoid(b).float()
-        g = w.a_neg * F.softplus(a.float() + w.dt_bias)
         stash, final = None, (rec if commit_now else None)
-        if ring_idx is not None:
-            state._xs[slot].index_copy_(0, ring_idx, mixed)
+        if ring_idx is None:
+            g, beta = ops.gdn_gates(ba, w.a_neg, w.dt_bias)
+        else:  # the gates and the step's rollback record, one op
+            replay = None
             if state.mode == "stash":
                 stash = state._stash[slot]
             else:
-                state._qkv[slot].index_copy_(0, ring_idx, conv)
-                state._g[slot].index_copy_(0, ring_idx, g)
-                state._beta[slot].index_copy_(0, ring_idx, beta)
+                replay = (state._qkv[slot], conv, state._g[slot], state._beta[slot])
                 if not commit_now:  # a fixed step: its last row's state beside the committed one
                     final = state._final[slot]
+            g, beta = ops.gdn_gates(ba, w.a_neg, w.dt_bias, ring_idx, state._xs[slot], mixed, replay)
         if chunked:
             q, k, v = prep_qkv(conv, hk, hv, dk, dv)
             core, final = gated_delta_rule_chunked(q, k, v, g, beta, rec)
@@ -712,9 +714,4 @@ class Qwen35Target(TargetBase):
                                         stash_idx=None if stash is None else ring_idx)
         if commit_now:
             window.copy_(torch.cat([window, mixed], dim=0)[-window.shape[0]:])
-        normed = gated_rms_norm(core.to(h.dtype), z.reshape(t, hv, dv), w.norm, cfg.rms_norm_eps)
-        return F.linear(normed.reshape(t, cfg.value_dim), w.w_out)
-
-    def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        gate_up = F.linear(rms_norm_1p(x, w.mlp_norm, self.cfg.rms_norm_eps), w.w_gate_up)
-        return x + F.linear(self.step_ops.silu_mul(gate_up), w.w_down)
+        return F.linear(ops.gated_rms_norm(core, z, w.norm, cfg.rms_norm_eps), w.w_out)

@@ -1,0 +1,167 @@
+"""What one Qwen3.5 `static_step` launches, counted on the CPU: step-op calls and the torch ops
+left around them, per layer kind.
+
+On the GPU every step-op call is one Triton kernel (`attention` two: split over keys, then the
+combine) and every other torch op of the step a kernel of its own; the weight matmuls are the
+GEMMs. This runs one fixed-width step of a tiny random hybrid through `TorchStepOps` behind a
+counting proxy (each call inside a `stepop::<name>` profiler range) and counts, with the CPU
+profiler, the leaf aten ops outside those ranges that would launch a kernel (views, allocations
+and no-op casts excluded), GEMMs apart. Steps of a few layer mixes give the per-layer numbers of
+each kind by least squares (the per-step constant: embedding, final norm, lm_head, position
+arithmetic). An op count, not a time: time it on a GPU with benchmarks/gpu/hybrid_step.py.
+
+    python benchmarks/qwen3_5_step_ops.py [--width 1] [--dtype bfloat16|float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from memra_cli.engine.layers.step_ops import TorchStepOps  # noqa: E402
+from memra_cli.engine.models.qwen3_5 import Qwen35Target  # noqa: E402
+from memra_cli.engine.runtime.steps import StepRunner  # noqa: E402
+from memra_cli.tiny.qwen3_5 import make_tiny_qwen35  # noqa: E402
+
+GEMMS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+# ops that are one kernel on CUDA, whatever they decompose into on the CPU (mean: sum + div_)
+ONE_KERNEL = {
+    "aten::add", "aten::sub", "aten::mul", "aten::div", "aten::neg", "aten::pow", "aten::rsqrt",
+    "aten::mean", "aten::sum", "aten::sigmoid", "aten::silu", "aten::softplus", "aten::exp",
+    "aten::copy_", "aten::clone", "aten::index_copy_", "aten::cat", "aten::index", "aten::index_select",
+    "aten::embedding", "aten::remainder", "aten::fill_", "aten::zero_", "aten::arange", "aten::where",
+}
+# leaf ops that launch nothing: views, metadata, allocations, casts that return their input
+NO_LAUNCH = {
+    "aten::view", "aten::_unsafe_view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided",
+    "aten::slice", "aten::select", "aten::split", "aten::split_with_sizes", "aten::narrow",
+    "aten::transpose", "aten::t", "aten::permute", "aten::unsqueeze", "aten::squeeze", "aten::expand",
+    "aten::expand_as", "aten::view_as", "aten::empty", "aten::empty_like", "aten::empty_strided",
+    "aten::alias", "aten::detach", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg",
+    "aten::unbind", "aten::chunk", "aten::result_type", "aten::to", "aten::contiguous", "aten::dim",
+}
+LAUNCHES = {"attention": 2}  # Triton launches of a step-op call (1 unless listed)
+
+
+class CountingOps:
+    """A step-ops object that counts its calls and marks each with a profiler range."""
+
+    def __init__(self, ops):
+        self._ops, self.calls = ops, Counter()
+
+    def __getattr__(self, name):
+        attr = getattr(self._ops, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            with record_function(f"stepop::{name}"):
+                return attr(*args, **kwargs)
+
+        return call
+
+
+def _torch_leaves(prof) -> Counter:
+    """Torch ops outside step-op ranges that launch a kernel on CUDA, by name: the outermost op
+    of `GEMMS` / `ONE_KERNEL`, else any leaf aten op not in `NO_LAUNCH`."""
+    out: Counter = Counter()
+
+    def walk(ev):
+        if ev.name.startswith("stepop::"):
+            return
+        if ev.name in GEMMS or ev.name in ONE_KERNEL:
+            out[ev.name] += 1
+            return
+        if ev.name.startswith("aten::") and not any(c.name.startswith("aten::") for c in ev.cpu_children):
+            if ev.name not in NO_LAUNCH:
+                out[ev.name] += 1
+            return
+        for c in ev.cpu_children:
+            walk(c)
+
+    for ev in prof.events():
+        if ev.cpu_parent is None:
+            walk(ev)
+    return out
+
+
+def count_step(types: tuple[str, ...], width: int, ops=None, root: Path | None = None,
+               dtype: torch.dtype = torch.bfloat16):
+    """One `static_step` of `width` rows after a short prefill: (step-op calls, torch leaves)."""
+    root = root or Path(tempfile.mkdtemp())
+    path = make_tiny_qwen35(root / f"t{len(types)}_{types.count('full_attention')}", layer_types=types)
+    model = Qwen35Target.from_dir(path, dtype)
+    counting = CountingOps(ops or TorchStepOps())
+    model.step_ops = counting
+    runner = StepRunner(model, width)
+    state = runner.new_state(64)
+    runner.prefill(torch.arange(3, 12), state)
+    ids, positions = torch.arange(width), torch.arange(state.length, state.length + width)
+    counting.calls.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model.static_step(ids, positions, state)
+    return Counter(counting.calls), _torch_leaves(prof)
+
+
+def per_layer(width: int = 1, ops=None, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Per-layer counts of each kind (and the per-step constant) from three layer mixes."""
+    lin, full = "linear_attention", "full_attention"
+    mixes = [(lin, lin, lin, full), (lin, full, full, full), (lin, lin, lin, full) * 2]
+    rows, results = [], []
+    root = Path(tempfile.mkdtemp())
+    for types in mixes:
+        calls, leaves = count_step(types, width, ops, root, dtype)
+        rows.append([1.0, types.count(lin), types.count(full)])
+        results.append((calls, leaves))
+    a = torch.tensor(rows, dtype=torch.float64)
+
+    def solve(values):
+        sol = torch.linalg.lstsq(a, torch.tensor(values, dtype=torch.float64)[:, None]).solution[:, 0]
+        return [round(v, 2) for v in sol.tolist()]
+
+    out = {}
+    names_calls = sorted(set().union(*(c for c, _ in results)))
+    names_leaves = sorted(set().union(*(lv for _, lv in results)))
+    out["step_op_calls"] = {n: solve([c[n] for c, _ in results]) for n in names_calls}
+    out["torch_ops"] = {n: solve([lv[n] for _, lv in results]) for n in names_leaves}
+
+    def total(pick):
+        return solve([pick(c, lv) for c, lv in results])
+
+    out["launches_step_ops"] = total(lambda c, lv: sum(LAUNCHES.get(n, 1) * k for n, k in c.items()))
+    out["launches_torch_non_gemm"] = total(lambda c, lv: sum(k for n, k in lv.items() if n not in GEMMS))
+    out["gemms"] = total(lambda c, lv: sum(k for n, k in lv.items() if n in GEMMS))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--width", type=int, default=1)
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    args = ap.parse_args()
+    res = per_layer(args.width, dtype=getattr(torch, args.dtype))
+    print(f"one static_step, width {args.width}, {args.dtype}: "
+          "[per step constant, per DeltaNet layer, per attention layer]")
+    print("step-op calls (one Triton kernel each on CUDA; attention two):")
+    for n, v in res["step_op_calls"].items():
+        print(f"  {n:24s} {v}")
+    print("torch ops outside the step ops (each a kernel on CUDA):")
+    for n, v in res["torch_ops"].items():
+        print(f"  {n:24s} {v}")
+    for key in ("launches_step_ops", "launches_torch_non_gemm", "gemms"):
+        print(f"{key:24s} {res[key]}")
+    non_gemm = [round(x + y, 2) for x, y in zip(res["launches_step_ops"], res["launches_torch_non_gemm"])]
+    print(f"{'non-GEMM launches (Triton ops)':24s} {non_gemm}")
+
+
+if __name__ == "__main__":
+    main()

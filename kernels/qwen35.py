@@ -1,0 +1,403 @@
+"""Qwen3.5's fused elementwise work around its mixers, each kernel beside its plain-torch twin
+(`*_ref`, the engine's torch formulas, same signature).
+
+Gated attention (`full_attention` layers):
+
+- `gated_qk_norm_rope_kv_write(qgkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
+  n_heads, n_kv, eps) -> q`: from the fused projection `qgkv [t, (2*nh + 2*nkv)*hd]` (per query
+  head its query and output gate side by side, `[q | gate]` of hd each, then k, then v): the
+  zero-centred per-head RMSNorm of q and k, rope on the first `r = cos.shape[-1]` dims of each
+  head (partial rotary, rotate-half over those r dims, cos/sin rows gathered by position), the
+  K/V write into the cache at `positions`, and q returned `[t, nh, hd]`. The gate stays in
+  `qgkv`: `output_gate` reads it there.
+- `output_gate(out, qgkv, n_heads) -> out * sigmoid(gate)` `[t, nh*hd]`, the gate read in place.
+
+Gated DeltaNet (`linear_attention` layers):
+
+- `gdn_gates(ba, a_neg, dt_bias, ...) -> (g, beta)`: `beta = sigmoid(b)` (in the model dtype, then
+  float32) and `g = a_neg * softplus(a + dt_bias)` (float32) from the projection's `b | a`
+  columns; on request in the same launch the step's rollback record: the conv inputs into the
+  state's ring at `ring_idx`, and in replay mode the conv outputs, g and beta too.
+- `gated_rms_norm(core, z, w, eps) -> [t, Hv*dv]`: the recurrence output `core [t, Hv, dv]`
+  (float32) rounded to the model dtype, RMSNorm over each value head, `* w` in the model dtype,
+  `* silu(z)` in float32, one rounding (HF `Qwen3_5RMSNormGated`).
+
+Numerics: every kernel rounds where its twin rounds (to the model dtype after the norm's weight
+multiply, after each rope product and the rope sum, after sigmoid, ...), so in float32 and bf16
+what differs is only the float32 arithmetic itself: a sum of squares in another order, Triton's
+exp / log / divide (fast-math on the GPU) against torch's, FMA contraction on the GPU. A float32
+ulp or so, which rarely survives a rounding to bf16; tests/kernels/test_qwen35.py states the
+tolerances.
+
+Row invariance (what keeps fixed-width steps bit-exact): one program per (row, head) or per (row,
+column block); block sizes derive from head dims and head counts only, never from t; positions
+and ring indices are read on the device (CUDA-graph capturable; they must be in range: nothing
+checks that on the device).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+
+SOFTPLUS_THRESHOLD = 20.0  # F.softplus's default: above it softplus(x) = x
+BLOCK_COLS = 1024  # columns per program of the elementwise kernels
+
+
+# --------------------------------------------------------------------------- gated attention
+
+
+@triton.jit
+def _gated_qk_kernel(qgkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr,
+                     v_cache_ptr, stride_qgkv, stride_cos, stride_sin, stride_q_t, stride_q_h,
+                     stride_kc_h, stride_kc_s, stride_vc_h, stride_vc_s, n_heads, n_kv, eps,
+                     HD: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, head): heads [0, nh) are query heads, [nh, nh + nkv) the k/v heads."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HD
+    HALF: tl.constexpr = R // 2
+    dt = q_out_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    base = qgkv_ptr + row * stride_qgkv
+    is_q = head < n_heads
+    kv_head = tl.maximum(head - n_heads, 0).to(tl.int64)
+    # query head h at column h*2hd ([q | gate]); key head j at 2*nh*hd + j*hd
+    if is_q:
+        src = base + head * 2 * HD
+        w_ptr = qw_ptr
+    else:
+        src = base + 2 * n_heads * HD + kv_head * HD
+        w_ptr = kw_ptr
+    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / HD + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    n = ((x * rstd) * w).to(dt).to(tl.float32)  # zero-centred norm: float32, one rounding
+    # rotate-half over the first R dims: element i pairs with i + R/2 (i < R/2) or i - R/2
+    rot = offs < R
+    first = offs < HALF
+    partner = tl.where(first, offs + HALF, offs - HALF)
+    xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0)
+    n_p = ((xp * rstd) * wp).to(dt).to(tl.float32)  # the partner's normed value, same bits as n there
+    c = tl.load(cos_ptr + pos * stride_cos + offs, mask=rot, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + pos * stride_sin + offs, mask=rot, other=0.0).to(tl.float32)
+    # x*cos + rotate_half(x)*sin in the model dtype: each product rounded, then the sum
+    a = (n * c).to(dt).to(tl.float32)
+    b = (n_p * s).to(dt).to(tl.float32)
+    y = tl.where(rot, tl.where(first, a - b, a + b), n).to(dt)
+    if is_q:
+        tl.store(q_out_ptr + row * stride_q_t + head * stride_q_h + offs, y, mask=mask)
+    else:
+        tl.store(k_cache_ptr + kv_head * stride_kc_h + pos * stride_kc_s + offs, y, mask=mask)
+        v = tl.load(base + 2 * n_heads * HD + n_kv * HD + kv_head * HD + offs, mask=mask)
+        tl.store(v_cache_ptr + kv_head * stride_vc_h + pos * stride_vc_s + offs, v, mask=mask)
+
+
+def _check_gated_qk(qgkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, n_heads, n_kv):
+    t, hd = qgkv.shape[0], q_norm.shape[0]
+    if qgkv.dim() != 2 or qgkv.shape[1] != (2 * n_heads + 2 * n_kv) * hd:
+        raise ValueError(f"qgkv {tuple(qgkv.shape)} is not [t, (2*n_heads + 2*n_kv)*head_dim] "
+                         f"with n_heads={n_heads}, n_kv={n_kv}, head_dim={hd}")
+    if k_norm.shape != (hd,) or q_norm.dtype != torch.float32 or k_norm.dtype != torch.float32:
+        raise ValueError("q_norm / k_norm must be float32 [head_dim] (1 + w)")
+    r = cos.shape[-1]
+    if cos.dim() != 2 or sin.shape != cos.shape or r % 2 or not 0 < r <= hd:
+        raise ValueError(f"cos/sin must be [S_tab, r] with r even, 0 < r <= {hd}; got {tuple(cos.shape)}")
+    if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.dim() != 3 or c.shape[0] != n_kv or c.shape[2] != hd:
+            raise ValueError(f"{name} {tuple(c.shape)} is not [n_kv={n_kv}, S, head_dim={hd}]")
+    check_tensors(qgkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache)
+    check_dtype(qgkv, "qgkv")
+    for name, a in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if a.dtype != qgkv.dtype:
+            raise TypeError(f"{name} is {a.dtype}; it must be in the model dtype {qgkv.dtype}")
+    for name, a in (("qgkv", qgkv), ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_last_contiguous(a, name)
+    if not (q_norm.is_contiguous() and k_norm.is_contiguous()):
+        raise ValueError("q_norm / k_norm must be contiguous")
+
+
+def gated_qk_norm_rope_kv_write(qgkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                                cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int,
+                                eps: float) -> torch.Tensor:
+    """Gated attention's prep in one launch; returns q `[t, nh, hd]` (normed, rope'd).
+
+    qgkv `[t, (2*nh + 2*nkv)*hd]` (rows may be strided); q_norm, k_norm `[hd]` float32 `1 + w`;
+    cos, sin `[S_tab, r]` (model dtype, r even <= hd: the rotary dims); positions `[t]` int on the
+    device, each in [0, min(S, S_tab)); k_cache, v_cache `[nkv, S, hd]`, written in place at
+    `[:, positions[i]]` (normed rope'd k, raw v). Any head dim (a non-power-of-two one is masked).
+    """
+    _check_gated_qk(qgkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, n_heads, n_kv)
+    t, hd = qgkv.shape[0], q_norm.shape[0]
+    q = torch.empty((t, n_heads, hd), dtype=qgkv.dtype, device=qgkv.device)
+    if t == 0:
+        return q
+    block = next_pow2(hd)
+    _gated_qk_kernel[(t, n_heads + n_kv)](
+        qgkv, q_norm, k_norm, cos, sin, positions, q, k_cache, v_cache,
+        qgkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        n_heads, n_kv, float(eps), HD=hd, R=cos.shape[-1], BLOCK=block, num_warps=1 if block <= 128 else 2,
+    )
+    return q
+
+
+@triton.jit
+def _output_gate_kernel(out_ptr, qgkv_ptr, res_ptr, width, stride_out, stride_qgkv, stride_res,
+                        HD: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < width
+    head = offs // HD
+    gate_col = head * 2 * HD + HD + (offs - head * HD)  # head h's gate follows its query
+    dt = res_ptr.dtype.element_ty
+    o = tl.load(out_ptr + row * stride_out + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(qgkv_ptr + row * stride_qgkv + gate_col, mask=mask, other=0.0).to(tl.float32)
+    sig = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # torch.sigmoid rounds to the model dtype
+    tl.store(res_ptr + row * stride_res + offs, (o * sig).to(dt), mask=mask)
+
+
+def output_gate(out: torch.Tensor, qgkv: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """`out [t, nh*hd]` (attention output) times `sigmoid(gate)`, the gate read from the fused
+    projection `qgkv [t, (2*nh + 2*nkv)*hd]` in place -> `[t, nh*hd]` (model dtype). Rows of
+    either input may be strided."""
+    check_tensors(out, qgkv)
+    check_dtype(out, "out")
+    check_last_contiguous(out, "out")
+    check_last_contiguous(qgkv, "qgkv")
+    t, width = out.shape
+    if width % n_heads or qgkv.shape[0] != t or qgkv.shape[1] < 2 * width or qgkv.dtype != out.dtype:
+        raise ValueError(f"out {tuple(out.shape)} and qgkv {tuple(qgkv.shape)} {qgkv.dtype} do not fit "
+                         f"{n_heads} heads")
+    res = torch.empty((t, width), dtype=out.dtype, device=out.device)
+    if t == 0:
+        return res
+    _output_gate_kernel[(t, triton.cdiv(width, BLOCK_COLS))](
+        out, qgkv, res, width, out.stride(0), qgkv.stride(0), res.stride(0),
+        HD=width // n_heads, BLOCK=BLOCK_COLS, num_warps=4)
+    return res
+
+
+# --------------------------------------------------------------------------- Gated DeltaNet
+
+
+@triton.jit
+def _gdn_gates_kernel(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, idx_ptr, mixed_ptr, xs_ptr,
+                      conv_ptr, qkv_ring_ptr, g_ring_ptr, beta_ring_ptr, hv, C, stride_ba,
+                      stride_g, stride_beta, stride_mixed, stride_xs, stride_conv, stride_qkv_ring,
+                      stride_g_ring, stride_beta_ring, threshold, RECORD: tl.constexpr,
+                      REPLAY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, column block): block 0 also computes the row's gates."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    slot = tl.load(idx_ptr + row).to(tl.int64) if RECORD else row  # the row's ring slot
+    if RECORD:
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        cmask = cols < C
+        x = tl.load(mixed_ptr + row * stride_mixed + cols, mask=cmask)
+        tl.store(xs_ptr + slot * stride_xs + cols, x, mask=cmask)
+        if REPLAY:
+            y = tl.load(conv_ptr + row * stride_conv + cols, mask=cmask)
+            tl.store(qkv_ring_ptr + slot * stride_qkv_ring + cols, y, mask=cmask)
+    if blk == 0:
+        h = tl.arange(0, BLOCK_H)
+        hmask = h < hv
+        dt = ba_ptr.dtype.element_ty
+        b = tl.load(ba_ptr + row * stride_ba + h, mask=hmask, other=0.0).to(tl.float32)
+        a = tl.load(ba_ptr + row * stride_ba + hv + h, mask=hmask, other=0.0).to(tl.float32)
+        beta = (1.0 / (1.0 + tl.exp(-b))).to(dt).to(tl.float32)  # sigmoid in the model dtype, then float
+        x = a + tl.load(dt_bias_ptr + h, mask=hmask, other=0.0)
+        # softplus = log1p(exp(x)); log1p as log(u) * e / (u - 1) (exact where u rounds, Goldberg)
+        e = tl.exp(x)
+        u = 1.0 + e
+        d = tl.where(u == 1.0, 1.0, u - 1.0)
+        sp = tl.where(x > threshold, x, tl.where(u == 1.0, e, tl.log(u) * (e / d)))
+        g = tl.load(a_neg_ptr + h, mask=hmask, other=0.0) * sp
+        tl.store(g_ptr + row * stride_g + h, g, mask=hmask)
+        tl.store(beta_ptr + row * stride_beta + h, beta, mask=hmask)
+        if REPLAY:
+            tl.store(g_ring_ptr + slot * stride_g_ring + h, g, mask=hmask)
+            tl.store(beta_ring_ptr + slot * stride_beta_ring + h, beta, mask=hmask)
+
+
+def _check_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay):
+    check_tensors(ba, a_neg, dt_bias)
+    check_dtype(ba, "ba")
+    check_last_contiguous(ba, "ba")
+    t, hv = ba.shape[0], a_neg.shape[0]
+    if ba.dim() != 2 or ba.shape[1] != 2 * hv or dt_bias.shape != (hv,):
+        raise ValueError(f"ba {tuple(ba.shape)} is not [t, 2*Hv] for a_neg / dt_bias [{hv}]")
+    if a_neg.dtype != torch.float32 or dt_bias.dtype != torch.float32:
+        raise ValueError("a_neg and dt_bias must be float32")
+    if ring_idx is None:
+        if xs_ring is not None or mixed is not None or replay is not None:
+            raise ValueError("a record needs ring_idx")
+        return
+    if xs_ring is None or mixed is None or ring_idx.shape != (t,) or mixed.shape[0] != t:
+        raise ValueError("a record needs ring_idx [t], xs_ring [ring, C] and mixed [t, C]")
+    rows = [("xs_ring", xs_ring), ("mixed", mixed)]
+    if replay is not None:
+        qkv_ring, conv, g_ring, beta_ring = replay
+        rows += [("qkv_ring", qkv_ring), ("conv", conv)]
+        for name, r in (("g_ring", g_ring), ("beta_ring", beta_ring)):
+            if r.dim() != 2 or r.shape[1] != hv or r.dtype != torch.float32 or r.stride(-1) != 1:
+                raise ValueError(f"{name} must be float32 [ring, {hv}] with contiguous heads")
+    c = mixed.shape[1]
+    for name, r in rows:
+        check_last_contiguous(r, name)
+        if r.dim() != 2 or r.shape[1] != c or r.dtype != mixed.dtype:
+            raise ValueError(f"{name} {tuple(r.shape)} {r.dtype} does not fit mixed {tuple(mixed.shape)} {mixed.dtype}")
+    check_tensors(ba, ring_idx, *(r for _, r in rows))
+
+
+def gdn_gates(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
+              ring_idx: torch.Tensor | None = None, xs_ring: torch.Tensor | None = None,
+              mixed: torch.Tensor | None = None, replay: tuple | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The DeltaNet's gates from `ba [t, 2*Hv]` (the projection's `b | a` columns, model dtype;
+    rows may be strided), `a_neg = -exp(A_log)` and `dt_bias` `[Hv]` float32 -> g, beta `[t, Hv]`
+    float32 (`g = a_neg * softplus(a + dt_bias)`, `beta = sigmoid(b)`).
+
+    With `ring_idx [t]` (device ints) it also records the rows for a rollback, in the same
+    launch: `xs_ring[ring_idx[r]] = mixed[r]` (`mixed [t, C]` the conv inputs, `xs_ring [ring,
+    C]`), and with `replay = (qkv_ring, conv, g_ring, beta_ring)` the conv outputs, g and beta
+    into their rings too (as `index_copy_` would)."""
+    _check_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay)
+    t, hv = ba.shape[0], a_neg.shape[0]
+    g = torch.empty((t, hv), dtype=torch.float32, device=ba.device)
+    beta = torch.empty((t, hv), dtype=torch.float32, device=ba.device)
+    if t == 0:
+        return g, beta
+    record = ring_idx is not None
+    c = mixed.shape[1] if record else 0
+    qkv_ring, conv, g_ring, beta_ring = replay if replay is not None else (mixed, mixed, g, beta)
+    idx = ring_idx if record else g
+    mixed_, xs = (mixed, xs_ring) if record else (ba, ba)
+    qkv_ring_, conv_ = (qkv_ring, conv) if record else (ba, ba)
+    _gdn_gates_kernel[(t, triton.cdiv(c, BLOCK_COLS) if record else 1)](
+        ba, a_neg, dt_bias, g, beta, idx, mixed_, xs, conv_, qkv_ring_, g_ring, beta_ring, hv, c,
+        ba.stride(0), g.stride(0), beta.stride(0), mixed_.stride(0), xs.stride(0), conv_.stride(0),
+        qkv_ring_.stride(0), g_ring.stride(0), beta_ring.stride(0), SOFTPLUS_THRESHOLD,
+        RECORD=record, REPLAY=replay is not None, BLOCK_H=next_pow2(hv), BLOCK=BLOCK_COLS, num_warps=4)
+    return g, beta
+
+
+@triton.jit
+def _gated_norm_kernel(core_ptr, z_ptr, w_ptr, out_ptr, stride_core_t, stride_core_h, stride_z,
+                       stride_out, eps, DV: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row, value head)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < DV
+    dt = out_ptr.dtype.element_ty
+    x = tl.load(core_ptr + row * stride_core_t + head * stride_core_h + offs, mask=mask, other=0.0)
+    x = x.to(dt).to(tl.float32)  # the twin casts core to the model dtype first
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / DV + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (w * (x * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)  # w * normed, in the model dtype
+    z = tl.load(z_ptr + row * stride_z + head * DV + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + head * DV + offs, (y * (z / (1.0 + tl.exp(-z)))).to(dt), mask=mask)
+
+
+def gated_rms_norm(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF `Qwen3_5RMSNormGated` over each value head: `core [t, Hv, dv]` float32 (the recurrence's
+    output; cast to z's dtype first), `z [t, Hv*dv]` (model dtype, rows may be strided), `w [dv]`
+    (model dtype) -> `[t, Hv*dv]` in z's dtype."""
+    check_tensors(core, z, w)
+    check_dtype(z, "z")
+    check_last_contiguous(core, "core")
+    check_last_contiguous(z, "z")
+    t, hv, dv = core.shape
+    if core.dtype != torch.float32 or z.shape != (t, hv * dv) or w.shape != (dv,) or w.dtype != z.dtype:
+        raise ValueError(f"core {tuple(core.shape)} {core.dtype}, z {tuple(z.shape)}, w {tuple(w.shape)} {w.dtype} "
+                         "do not fit (core float32 [t, Hv, dv], z [t, Hv*dv], w [dv] in z's dtype)")
+    out = torch.empty((t, hv * dv), dtype=z.dtype, device=z.device)
+    if t == 0:
+        return out
+    block = next_pow2(dv)
+    _gated_norm_kernel[(t, hv)](core, z, w, out, core.stride(0), core.stride(1), z.stride(0), out.stride(0),
+                                float(eps), DV=dv, BLOCK=block, num_warps=1 if block <= 128 else 2)
+    return out
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _rms_norm_1p_ref(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1p).to(x.dtype)
+
+
+def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x `[t, heads, r]`, cos/sin `[t, r]`: rotate-half, in the model dtype."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _partial_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    r = cos.shape[-1]
+    if r == x.shape[-1]:
+        return _rope_ref(x, cos, sin)
+    return torch.cat([_rope_ref(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+
+def gated_qk_norm_rope_kv_write_ref(qgkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor,
+                                    cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                                    k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int,
+                                    eps: float) -> torch.Tensor:
+    """Plain torch twin of `gated_qk_norm_rope_kv_write` (the engine's torch formulas)."""
+    t, hd = qgkv.shape[0], q_norm.shape[0]
+    qg, k, v = qgkv.split([2 * n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+    c, s = cos[positions], sin[positions]
+    q = _partial_rope_ref(_rms_norm_1p_ref(qg.view(t, n_heads, 2 * hd)[..., :hd], q_norm, eps), c, s)
+    k = _partial_rope_ref(_rms_norm_1p_ref(k.view(t, n_kv, hd), k_norm, eps), c, s)
+    k_cache.index_copy_(1, positions, k.transpose(0, 1))
+    v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
+    return q
+
+
+def output_gate_ref(out: torch.Tensor, qgkv: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Plain torch twin of `output_gate`: `out * torch.sigmoid(gate)` in the model dtype."""
+    t, width = out.shape
+    hd = width // n_heads
+    gate = qgkv[:, :2 * width].view(t, n_heads, 2 * hd)[..., hd:].reshape(t, width)
+    return out * torch.sigmoid(gate)
+
+
+def gdn_gates_ref(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
+                  ring_idx: torch.Tensor | None = None, xs_ring: torch.Tensor | None = None,
+                  mixed: torch.Tensor | None = None, replay: tuple | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch twin of `gdn_gates` (the engine's formulas and `index_copy_` record)."""
+    _check_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay)
+    b, a = ba.split([a_neg.shape[0], a_neg.shape[0]], dim=-1)
+    beta = torch.sigmoid(b).float()
+    g = a_neg * F.softplus(a.float() + dt_bias)
+    if ring_idx is not None:
+        xs_ring.index_copy_(0, ring_idx, mixed)
+        if replay is not None:
+            qkv_ring, conv, g_ring, beta_ring = replay
+            qkv_ring.index_copy_(0, ring_idx, conv)
+            g_ring.index_copy_(0, ring_idx, g)
+            beta_ring.index_copy_(0, ring_idx, beta)
+    return g, beta
+
+
+def gated_rms_norm_ref(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain torch twin of `gated_rms_norm` (HF Qwen3_5RMSNormGated on `core.to(dtype)`)."""
+    t, hv, dv = core.shape
+    dtype = z.dtype
+    xf = core.to(dtype).float()
+    out = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (out * F.silu(z.reshape(t, hv, dv).float())).to(dtype).reshape(t, hv * dv)

@@ -1,0 +1,298 @@
+"""Qwen3.5's fused kernels (kernels/qwen35.py) vs their torch twins, row invariance, and planted
+bugs the comparisons must catch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from memra_kernels.qwen35 import (  # noqa: E402
+    gated_qk_norm_rope_kv_write, gated_qk_norm_rope_kv_write_ref, gated_rms_norm, gated_rms_norm_ref,
+    gdn_gates, gdn_gates_ref, output_gate, output_gate_ref,
+)
+
+from memra_cli.engine.layers.deltanet import gated_rms_norm as engine_gated_rms_norm  # noqa: E402
+from memra_cli.engine.layers.deltanet import rms_norm_1p  # noqa: E402
+from memra_cli.engine.layers.rope import apply_partial_rope  # noqa: E402
+
+EPS = 1e-6
+DTYPES = [torch.float32, torch.bfloat16]
+# Each kernel rounds where its twin rounds, so what differs is float32 arithmetic: a sum of
+# squares in another order, exp / log / divide. In float32 a few ulps (~1e-7 relative; atol for
+# values that cancel, e.g. a rope sum); in bf16 that rarely flips a rounding, by one bf16 ulp
+# (2^-8..2^-7 relative), on a few elements only: MAX_MISMATCH bounds the fraction of elements
+# that differ at all, which is what catches a missing or extra rounding (it touches many).
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2**-7, atol=2**-8),
+       torch.float16: dict(rtol=2**-10, atol=2**-11)}
+MAX_MISMATCH = 0.02
+
+
+def _assert_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, **TOL[want.dtype])
+    if want.dtype != torch.float32:
+        mismatched = (got != want).float().mean().item()
+        assert mismatched <= MAX_MISMATCH, f"{mismatched:.1%} of elements differ"
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# --------------------------------------------------------------------------- gated attention
+
+
+def _attn_inputs(t, nh, nkv, hd, r, dtype, device, seed=0, s=40, pad=0):
+    """qgkv as a column slice of a wider buffer when pad > 0 (strided rows, as the engine's
+    projection views are not, but a kernel must not assume it)."""
+    g = _gen(seed)
+    width = (2 * nh + 2 * nkv) * hd
+    buf = (torch.randn(t, width + 2 * pad, generator=g) * 2 + 0.3).to(dtype)
+    qgkv = buf[:, pad:pad + width]
+    q_norm = (1 + 0.3 * torch.randn(hd, generator=g)).float()
+    k_norm = (1 + 0.3 * torch.randn(hd, generator=g)).float()
+    ang = torch.arange(s)[:, None].float() * torch.rand(r // 2, generator=g)[None] * 0.3
+    ang = torch.cat([ang, ang], dim=-1)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    positions = torch.randperm(s, generator=g)[:t]
+    kv = torch.randn(2, nkv, s, hd, generator=g).to(dtype)
+    to = (lambda x: x.to(device))
+    return (to(qgkv), to(q_norm), to(k_norm), to(cos), to(sin), to(positions), to(kv))
+
+
+def _run_qk(fn, qgkv, q_norm, k_norm, cos, sin, positions, kv, nh, nkv):
+    kv = kv.clone()
+    q = fn(qgkv, q_norm, k_norm, cos, sin, positions, kv[0], kv[1], nh, nkv, EPS)
+    return q, kv
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,nh,nkv,hd,r,pad", [
+    (1, 4, 2, 32, 8, 0), (3, 4, 2, 32, 32, 16), (16, 4, 2, 64, 16, 0), (17, 2, 1, 128, 32, 8),
+    (3, 2, 1, 256, 64, 0), (16, 4, 2, 256, 256, 8),
+])
+def test_gated_qk_matches_ref(t, nh, nkv, hd, r, pad, dtype, device):
+    args = _attn_inputs(t, nh, nkv, hd, r, dtype, device, pad=pad)
+    kv_before = args[-1].clone()
+    q, kv = _run_qk(gated_qk_norm_rope_kv_write, *args, nh, nkv)
+    q_ref, kv_ref = _run_qk(gated_qk_norm_rope_kv_write_ref, *args, nh, nkv)
+    _assert_matches(q, q_ref)
+    _assert_matches(kv[0], kv_ref[0])
+    assert torch.equal(kv[1], kv_ref[1])  # v is copied as projected
+    written = torch.zeros(kv.shape[2], dtype=torch.bool, device=device)
+    written[args[5]] = True
+    assert torch.equal(kv[:, :, ~written], kv_before[:, :, ~written])  # nothing else touched
+
+
+def test_gated_qk_ref_is_the_engine_formula(device):
+    """The twin is the model's torch code: zero-centred norm, then partial rope, bit for bit."""
+    nh, nkv, hd, r = 4, 2, 64, 16
+    qgkv, q_norm, k_norm, cos, sin, positions, kv = _attn_inputs(5, nh, nkv, hd, r, torch.bfloat16, device)
+    q, kv = _run_qk(gated_qk_norm_rope_kv_write_ref, qgkv, q_norm, k_norm, cos, sin, positions, kv, nh, nkv)
+    qg = qgkv[:, :2 * nh * hd].view(5, nh, 2 * hd)
+    want = apply_partial_rope(rms_norm_1p(qg[..., :hd], q_norm, EPS), cos[positions], sin[positions])
+    assert torch.equal(q, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_qk_catches_planted_bugs(dtype, device):
+    """What the comparison would miss if it were loose: the Qwen3 norm order (rounded before the
+    weight multiply) and rope over the whole head instead of the rotary dims both fail it."""
+    nh, nkv, hd, r = 4, 2, 64, 16
+    args = _attn_inputs(16, nh, nkv, hd, r, dtype, device, seed=3)
+    qgkv, q_norm, k_norm, cos, sin, positions, _ = args
+    q, _ = _run_qk(gated_qk_norm_rope_kv_write, *args, nh, nkv)
+    qh = qgkv[:, :2 * nh * hd].view(16, nh, 2 * hd)[..., :hd]
+    xf = qh.float()
+    qwen3_order = (q_norm * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(dtype)).to(dtype)
+    wrong = [apply_partial_rope(qwen3_order, cos[positions], sin[positions])]
+    full = torch.cat([cos, torch.ones(cos.shape[0], hd - r, dtype=dtype, device=device)], dim=-1)
+    zeros = torch.cat([sin, torch.zeros(sin.shape[0], hd - r, dtype=dtype, device=device)], dim=-1)
+    wrong.append(apply_partial_rope(rms_norm_1p(qh, q_norm, EPS), full[positions], zeros[positions]))
+    if dtype == torch.float32:
+        wrong = wrong[1:]  # in float32 the two norm orders round alike
+    for w in wrong:
+        with pytest.raises(AssertionError):
+            _assert_matches(q, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_qk_rows_are_independent(dtype, device):
+    nh, nkv, hd, r = 4, 2, 64, 16
+    args = _attn_inputs(16, nh, nkv, hd, r, dtype, device, seed=4)
+    qgkv, q_norm, k_norm, cos, sin, positions, kv = args
+    q, kv_full = _run_qk(gated_qk_norm_rope_kv_write, *args, nh, nkv)
+    other = _attn_inputs(16, nh, nkv, hd, r, dtype, device, seed=5)[0]
+    for i in (0, 7, 15):
+        qi, kvi = _run_qk(gated_qk_norm_rope_kv_write, qgkv[i:i + 1], q_norm, k_norm, cos, sin,
+                          positions[i:i + 1], kv, nh, nkv)
+        assert torch.equal(qi[0], q[i])
+        p = positions[i]
+        assert torch.equal(kvi[:, :, p], kv_full[:, :, p])
+        mixed = other.clone()
+        mixed[i] = qgkv[i]
+        qm, _ = _run_qk(gated_qk_norm_rope_kv_write, mixed, q_norm, k_norm, cos, sin, positions, kv, nh, nkv)
+        assert torch.equal(qm[i], q[i])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,nh,hd,pad", [(1, 4, 32, 0), (3, 2, 256, 8), (16, 4, 64, 0), (17, 16, 128, 4)])
+def test_output_gate_matches_ref(t, nh, hd, pad, dtype, device):
+    g = _gen(6)
+    width = (2 * nh + 2) * hd
+    qgkv = (torch.randn(t, width + pad, generator=g) * 3).to(dtype).to(device)[:, pad:]
+    out = torch.randn(t, nh * hd + pad, generator=g).to(dtype).to(device)[:, :nh * hd]
+    got = output_gate(out, qgkv, nh)
+    want = output_gate_ref(out, qgkv, nh)
+    _assert_matches(got, want)
+    # planted bug: a gate read from the query half instead (an off-by-hd column) must fail
+    wrong = out * torch.sigmoid(qgkv[:, :2 * nh * hd].view(t, nh, 2 * hd)[..., :hd].reshape(t, nh * hd))
+    with pytest.raises(AssertionError):
+        _assert_matches(got, wrong)
+    # rows alone == rows in the launch
+    for i in (0, t - 1):
+        assert torch.equal(output_gate(out[i:i + 1], qgkv[i:i + 1], nh)[0], got[i])
+
+
+# --------------------------------------------------------------------------- Gated DeltaNet
+
+
+def _gate_inputs(t, hv, dtype, device, seed=0, c=96, ring=20):
+    g = _gen(seed)
+    proj = torch.randn(t, c + 2 * hv + 8, generator=g) * 4
+    proj[:, c + hv] = 25.0  # above softplus' threshold (a + dt_bias > 20)
+    proj[:, c + hv + 1] = -30.0  # where log1p(exp(x)) ~ exp(x)
+    proj = proj.to(dtype).to(device)
+    ba = proj[:, c:c + 2 * hv]  # a strided view, as the engine's split
+    a_neg = -(torch.rand(hv, generator=g) * 8 + 0.5).to(device)
+    dt_bias = (torch.randn(hv, generator=g) * 0.5).to(device)
+    ring_idx = torch.randperm(ring, generator=g)[:t].to(device)
+    return proj, ba, a_neg, dt_bias, ring_idx
+
+
+def _record_buffers(t, hv, c, ring, dtype, device, replay, seed=1):
+    g = _gen(seed)
+    xs = torch.randn(ring, c, generator=g).to(dtype).to(device)
+    conv = torch.randn(t, c, generator=g).to(dtype).to(device)
+    if not replay:
+        return xs, None
+    return xs, (torch.randn(ring, c, generator=g).to(dtype).to(device), conv,
+                torch.randn(ring, hv, generator=g).to(device), torch.randn(ring, hv, generator=g).to(device))
+
+
+def _clone(record):
+    xs, replay = record
+    return xs.clone(), None if replay is None else (replay[0].clone(), replay[1], replay[2].clone(), replay[3].clone())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,hv", [(1, 4), (3, 32), (16, 48), (17, 4)])
+def test_gdn_gates_match_ref(t, hv, dtype, device):
+    proj, ba, a_neg, dt_bias, _ = _gate_inputs(t, hv, dtype, device)
+    g, beta = gdn_gates(ba, a_neg, dt_bias)
+    g_ref, beta_ref = gdn_gates_ref(ba, a_neg, dt_bias)
+    assert g.dtype == beta.dtype == torch.float32
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=0)  # log1p by Goldberg's form: a few ulps
+    if dtype == torch.float32:
+        torch.testing.assert_close(beta, beta_ref, rtol=1e-6, atol=0)
+    else:  # sigmoid rounded to bf16: equal unless a float32 ulp flips the rounding
+        torch.testing.assert_close(beta, beta_ref, rtol=2**-7, atol=0)
+        assert (beta != beta_ref).float().mean().item() <= MAX_MISMATCH
+    # planted bug: softplus without its threshold branch overflows nothing here, but log(1 + e)
+    # for tiny e (a + dt_bias = -30) loses everything: g would be 0 where it must not be
+    x = ba[:, hv:].float() + dt_bias
+    naive = a_neg * torch.log(1 + torch.exp(x))
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(g, naive, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["stash", "replay"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gdn_gates_record_like_index_copy(replay, dtype, device):
+    t, hv, c, ring = 5, 8, 1100, 20  # c spans two column blocks
+    proj, ba, a_neg, dt_bias, ring_idx = _gate_inputs(t, hv, dtype, device, c=c, ring=ring)
+    mixed = proj[:, :c]
+    record = _record_buffers(t, hv, c, ring, dtype, device, replay)
+    got_rec, want_rec = _clone(record), _clone(record)
+    g, beta = gdn_gates(ba, a_neg, dt_bias, ring_idx, got_rec[0], mixed, got_rec[1])
+    gdn_gates_ref(ba, a_neg, dt_bias, ring_idx, want_rec[0], mixed, want_rec[1])
+    assert torch.equal(got_rec[0], want_rec[0])
+    if replay:
+        assert torch.equal(got_rec[1][0], want_rec[1][0])
+        untouched = torch.ones(ring, dtype=torch.bool, device=device)
+        untouched[ring_idx] = False
+        assert torch.equal(got_rec[1][2][ring_idx], g) and torch.equal(got_rec[1][3][ring_idx], beta)
+        assert torch.equal(got_rec[1][2][untouched], record[1][2][untouched])
+        assert torch.equal(got_rec[1][3][untouched], record[1][3][untouched])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gdn_gates_rows_are_independent(dtype, device):
+    proj, ba, a_neg, dt_bias, _ = _gate_inputs(16, 32, dtype, device, seed=7)
+    g, beta = gdn_gates(ba, a_neg, dt_bias)
+    for i in (0, 9, 15):
+        gi, bi = gdn_gates(ba[i:i + 1], a_neg, dt_bias)
+        assert torch.equal(gi[0], g[i]) and torch.equal(bi[0], beta[i])
+
+
+def _norm_inputs(t, hv, dv, dtype, device, seed=0, pad=8):
+    g = _gen(seed)
+    core = (torch.randn(t, hv, dv, generator=g) * 0.2).to(device)
+    z = (torch.randn(t, hv * dv + pad, generator=g) * 2).to(dtype).to(device)[:, pad:]
+    w = (1 + 0.3 * torch.randn(dv, generator=g)).to(dtype).to(device)
+    return core, z, w
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,hv,dv", [(1, 4, 32), (3, 2, 64), (16, 4, 128), (17, 32, 128), (3, 2, 256)])
+def test_gated_rms_norm_matches_ref(t, hv, dv, dtype, device):
+    core, z, w = _norm_inputs(t, hv, dv, dtype, device)
+    got = gated_rms_norm(core, z, w, EPS)
+    want = gated_rms_norm_ref(core, z, w, EPS)
+    # the twin is the engine's formula (layers/deltanet.py) bit for bit
+    engine = engine_gated_rms_norm(core.to(dtype), z.reshape(t, hv, dv), w, EPS).reshape(t, hv * dv)
+    assert torch.equal(want, engine)
+    _assert_matches(got, want)
+    # planted bug: skipping the cast of core to the model dtype first (bf16) or the silu gate
+    wrong = [gated_rms_norm_ref(core, torch.zeros_like(z), w, EPS) + 0 * z]
+    if dtype != torch.float32:
+        xf = core.float()
+        out = w.float() * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS))
+        wrong.append((out * F.silu(z.reshape(t, hv, dv).float())).to(dtype).reshape(t, hv * dv))
+    for bad in wrong:
+        with pytest.raises(AssertionError):
+            _assert_matches(got, bad)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gated_rms_norm_rows_are_independent(dtype, device):
+    core, z, w = _norm_inputs(16, 4, 64, dtype, device, seed=8)
+    full = gated_rms_norm(core, z, w, EPS)
+    other_core, other_z, _ = _norm_inputs(16, 4, 64, dtype, device, seed=9)
+    for i in (0, 5, 15):
+        assert torch.equal(gated_rms_norm(core[i:i + 1], z[i:i + 1], w, EPS)[0], full[i])
+        c2, z2 = other_core.clone(), other_z.clone()
+        c2[i], z2[i] = core[i], z[i]
+        assert torch.equal(gated_rms_norm(c2, z2, w, EPS)[i], full[i])
+
+
+def test_float16(device):
+    """Every kernel in float16 too (one shape each; the same criteria, at half's ulp)."""
+    dt = torch.float16
+    args = _attn_inputs(5, 4, 2, 64, 16, dt, device, seed=11, pad=8)
+    q, kv = _run_qk(gated_qk_norm_rope_kv_write, *args, 4, 2)
+    q_ref, kv_ref = _run_qk(gated_qk_norm_rope_kv_write_ref, *args, 4, 2)
+    _assert_matches(q, q_ref)
+    _assert_matches(kv, kv_ref)
+    out = torch.randn(5, 4 * 64, generator=_gen(12)).to(dt).to(device)
+    _assert_matches(output_gate(out, args[0], 4), output_gate_ref(out, args[0], 4))
+    _, ba, a_neg, dt_bias, _ = _gate_inputs(5, 8, dt, device, seed=13)
+    (g, beta), (g_ref, beta_ref) = gdn_gates(ba, a_neg, dt_bias), gdn_gates_ref(ba, a_neg, dt_bias)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=0)
+    torch.testing.assert_close(beta, beta_ref, rtol=2**-10, atol=0)
+    core, z, w = _norm_inputs(5, 4, 128, dt, device, seed=14)
+    _assert_matches(gated_rms_norm(core, z, w, EPS), gated_rms_norm_ref(core, z, w, EPS))
