@@ -8,7 +8,7 @@ replay time beside it (GPU time between kernels is what a graph cannot remove); 
 hybrid's graphed plain token and verify + rollback (hybrid_step.py's sections). Also times the
 attention kernel's tile constants at the 8B shape (informational: the engine uses the module's).
 
-    python benchmarks/gpu/step_profile.py [--json OUT.json] [--skip 8b,hybrid,attention]
+    python benchmarks/gpu/step_profile.py [--json OUT.json] [--skip gdn,8b,hybrid,attention]
 """
 
 from __future__ import annotations
@@ -133,6 +133,49 @@ def attention_tiles() -> dict:
     return out
 
 
+def gdn_tiles() -> dict:
+    """The DeltaNet recurrence kernel's tile (value columns per program, warps) at the 4B shape
+    (16 key / 32 value heads of 128): µs per layer, graph over 24 layers, 1 and 16 rows, with and
+    without the per-row stash (informational: the engine uses the module's BLOCK_V and 4 warps)."""
+    from memra_kernels import deltanet as D
+
+    hk, hv, dk, dv, layers = 16, 32, 128, 128, 24
+    c = 2 * hk * dk + hv * dv
+    out = {}
+    for rows in (1, W):
+        qkv = torch.randn(layers, rows, c, dtype=torch.bfloat16, device="cuda")
+        g = -torch.rand(layers, rows, hv, device="cuda")
+        beta = torch.rand(layers, rows, hv, device="cuda")
+        state = torch.randn(layers, hv, dk, dv, device="cuda") * 0.1
+        final = torch.empty_like(state)
+        res = torch.empty(rows, hv, dv, device="cuda")
+        stash = torch.empty(layers, rows, hv, dk, dv, device="cuda")
+        idx = torch.arange(rows, device="cuda")
+        for block_v, warps in ((32, 4), (16, 4), (16, 2), (64, 4), (64, 8), (32, 2)):
+            for with_stash in (False, True):
+                def calls():
+                    for i in range(layers):
+                        D._gdn_kernel[(hv, dv // block_v)](
+                            qkv[i], g[i], beta[i], state[i], res, final[i], stash[i], idx,
+                            rows, hv // hk, 1, int(with_stash), 1, 0, rows, 0, 0,
+                            qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, D.L2_EPS,
+                            HV=hv, KEY_DIM=hk * dk, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=warps)
+                try:
+                    graph, _ = cuda_graphs.capture(calls, torch.device("cuda"))
+                    us = 1e3 * replay_ms(graph.replay, 20) / layers
+                except Exception as exc:  # noqa: BLE001
+                    us = f"{type(exc).__name__}: {exc}"[:200]
+                out[f"rows{rows}_bv{block_v}_w{warps}_stash{int(with_stash)}"] = us
+        # the batched replay a rollback runs: every layer, `rows` rows, one launch
+        try:
+            graph, _ = cuda_graphs.capture(lambda: D.gated_delta_rule_layers(qkv, g, beta, state, hk, 0, rows, final),
+                                           torch.device("cuda"))
+            out[f"replay_all_layers_rows{rows}_us"] = 1e3 * replay_ms(graph.replay, 20)
+        except Exception as exc:  # noqa: BLE001
+            out[f"replay_all_layers_rows{rows}_us"] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-step-profile.json")
@@ -141,7 +184,8 @@ def main() -> None:
     a = p.parse_args()
     skip = set(a.skip.split(","))
     data: dict = {"device": torch.cuda.get_device_name(), "command": "python benchmarks/gpu/step_profile.py " + " ".join(sys.argv[1:])}
-    for name, fn in (("attention", attention_tiles), ("8b", profile_8b), ("hybrid", lambda: profile_hybrid(a.ckpt))):
+    for name, fn in (("gdn", gdn_tiles), ("attention", attention_tiles), ("8b", profile_8b),
+                     ("hybrid", lambda: profile_hybrid(a.ckpt))):
         if name in skip:
             continue
         t0 = time.perf_counter()
