@@ -13,8 +13,7 @@ Run without arguments on a CUDA machine (bf16):  python benchmarks/gpu/kernels_t
    read (2 * n_kv * live * head_dim * 2 bytes per call). GPU times come from CUDA-graph replays
    (as the engine runs its steps; attention over 36 distinct per-layer caches so K/V come from
    HBM), eager do_bench times (host launch overhead included) are reported beside them;
-4. a small sweep of attention tile constants (informational: the engine uses the module's;
-   the merge path follows FUSED_COMBINE: attention_tiles.py compares one launch with two);
+4. a small sweep of attention tile constants (informational: the engine uses the module's);
 then a compact table, and JSON to $OUT/kernels_target.json when OUT is set.
 
 Each check is caught and reported on its own: one failure does not stop the others.
@@ -160,8 +159,7 @@ def main() -> int:
                                                   block_m=attention.BLOCK_M,
                                                   block_n=attention.BLOCK_N,
                                                   num_warps=attention.NUM_WARPS,
-                                                  num_stages=attention.NUM_STAGES,
-                                                  fused_combine=getattr(attention, "FUSED_COMBINE", False))}
+                                                  num_stages=attention.NUM_STAGES)}
     print(json.dumps(RESULTS["env"]), flush=True)
     scale = HEAD_DIM ** -0.5
 

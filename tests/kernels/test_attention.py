@@ -2,12 +2,6 @@
 
 The invariance tests are the point: a row's output must not change (torch.equal) with the rows
 beside it, their positions or queries, the cache storage size, or the row chunking.
-
-The one-launch path (the last split program of a tile merges) must equal the two-launch path
-bit for bit and leave its counters at 0. The interpreter runs programs one at a time in grid
-order, so these tests catch counting bugs (a counter not reset, a combine one split early, a
-wrong target), never ordering ones (a missing barrier or acquire, two programs merging): those
-are the GPU benchmark's (benchmarks/gpu/attention_tiles.py).
 """
 
 from __future__ import annotations
@@ -162,124 +156,6 @@ def test_row_chunking_does_not_matter(device):
     per_row = nkv * g * (S // SPLIT_KEYS + 1) * (hd + 2) * 4
     chunked = attention._launch(q, k, v, pos, _scale(hd), workspace_bytes=4 * per_row, **kw)
     assert torch.equal(one, chunked)
-
-
-# ---------------------------------------------------------------- one launch vs two
-
-def _tiles(**kw):
-    """The module's tile constants, overridden by kw (for `attention._launch`)."""
-    cfg = dict(split=attention.SPLIT_KEYS, block_m=attention.BLOCK_M, block_n=attention.BLOCK_N,
-               num_warps=attention.NUM_WARPS, num_stages=attention.NUM_STAGES)
-    return {**cfg, **kw}
-
-
-def _counters_zero(device) -> bool:
-    buffers = attention._COUNTERS.get(torch.device(device), [])
-    return all(int(b.abs().sum()) == 0 for b in buffers)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("t,nh,nkv,hd,positions", CASES, ids=CASE_IDS)
-def test_fused_equals_two_launch(t, nh, nkv, hd, positions, dtype, device):
-    """The one-launch path (the split programs merge) == the two-launch path, bit for bit, and
-    it leaves every counter at 0. Storage 1100 (not a multiple of the split), odd positions."""
-    q = _q(t, nh, hd, dtype, device, seed=40 + t)
-    k, v = _cache(nkv, hd, max(positions) + 1, dtype, device)
-    pos = torch.tensor(positions, device=device)
-    fused = attention._launch(q, k, v, pos, _scale(hd), fused=True, **_tiles())
-    two = attention._launch(q, k, v, pos, _scale(hd), fused=False, **_tiles())
-    assert torch.isfinite(fused).all()
-    assert torch.equal(fused, two)
-    assert _counters_zero(device)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_fused_equals_two_launch_small_tiles(dtype, device):
-    """Many tiles and many splits per row (split 64, block_m 16: 17 rows at g = 4 are 5 tiles,
-    row 16 alone in the last; up to 10 splits a row), and merge shapes that differ between the
-    paths and from the defaults: every variant gives the same bits, counters end at 0."""
-    nkv, g, hd, t = 2, 4, 64, 17
-    q = _q(t, nkv * g, hd, dtype, device, seed=41)
-    k, v = _cache(nkv, hd, 600, dtype, device, storage=620)
-    pos = torch.tensor([599, 0, 63, 64, 65, 127, 128, 500, 1, 2, 300, 301, 302, 590, 62, 5, 598],
-                       device=device)
-    tiles = _tiles(split=64, block_m=16, block_n=32)
-    base = attention._launch(q, k, v, pos, _scale(hd), fused=False, **tiles)
-    torch.testing.assert_close(base, decode_attention_ref(q, k, v, pos, _scale(hd)), **TOL[dtype])
-    for fused, merge in ((True, {}), (True, dict(merge_pairs=16, merge_unroll=4)),
-                         (True, dict(merge_pairs=64, merge_unroll=1)),
-                         (False, dict(combine_pairs=32, merge_unroll=4))):
-        got = attention._launch(q, k, v, pos, _scale(hd), fused=fused, **tiles, **merge)
-        assert torch.equal(got, base), (fused, merge)
-    assert _counters_zero(device)
-
-
-def test_fused_consecutive_calls(device):
-    """Calls back to back through the same counters, each needing a different number of splits
-    per tile (1, 4, 2, then 4 again): each equals the two-launch result, so a counter left
-    non-zero by one call (the next then combines too early, or never) fails here. The fused
-    calls run first, all of them: a workspace reused from a two-launch call on the same inputs
-    would hold the right partials even for a program that merged too early."""
-    dtype, nkv, g, hd = torch.bfloat16, 2, 4, 64
-    k, v = _cache(nkv, hd, 1000, dtype, device)
-    tiles = _tiles(split=256, block_m=16)
-    q = _q(6, nkv * g, hd, dtype, device, seed=42)
-    calls = []  # outputs kept alive: no call's output may reuse another's memory
-    for start in (0, 990, 300, 800):
-        pos = torch.arange(start, start + 6, device=device)
-        calls.append((pos, attention._launch(q, k, v, pos, _scale(hd), fused=True, **tiles)))
-    for pos, got in calls:
-        want = attention._launch(q, k, v, pos, _scale(hd), fused=False, **tiles)
-        assert torch.equal(got, want), int(pos[0])
-    assert _counters_zero(device)
-
-
-@pytest.mark.parametrize("g,hd", [(4, 64), (1, 128)])
-def test_fused_row_alone_equals_row_in_step(g, hd, device):
-    """Row-count invariance of the one-launch path with small tiles (block_m 16, split 128):
-    a row merged by another tile's combining program, among other rows, == the row alone."""
-    dtype, nkv = torch.bfloat16, 2
-    nh = g * nkv
-    k, v = _cache(nkv, hd, LIVE, dtype, device)
-    tiles = _tiles(split=128, block_m=16)
-    q = _q(17, nh, hd, dtype, device, seed=43)
-    pos = _step(43, device, t=17)
-    slots, targets = (16, 3, 9, 12), (0, 127, 128, LIVE - 1)
-    for slot, p in zip(slots, targets):
-        pos[slot] = p
-    batch = attention._launch(q, k, v, pos, _scale(hd), fused=True, **tiles)
-    for slot in slots:
-        alone = attention._launch(q[slot:slot + 1], k, v, pos[slot:slot + 1], _scale(hd),
-                                  fused=True, **tiles)
-        assert torch.equal(alone[0], batch[slot]), (slot, int(pos[slot]))
-    assert _counters_zero(device)
-
-
-def test_counter_buffer_not_allocated_during_capture(monkeypatch, device):
-    """The counters are allocated (and grown) only outside stream capture; a capture that would
-    need them says how to fix it instead of allocating inside the graph."""
-    monkeypatch.setattr(attention, "_COUNTERS", {})
-    monkeypatch.setattr(attention, "MIN_COUNTERS", 4)
-    dtype, nkv, g, hd = torch.bfloat16, 2, 4, 64
-    k, v = _cache(nkv, hd, 300, dtype, device, storage=300)
-    q = _q(17, nkv * g, hd, dtype, device, seed=44)
-    pos = torch.arange(283, 300, device=device)
-    capturing = {"on": True}
-    monkeypatch.setattr(attention, "_capturing", lambda dev: capturing["on"])
-    with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
-        decode_attention(q[:1], k, v, pos[:1], _scale(hd))
-    capturing["on"] = False
-    small = decode_attention(q[:1], k, v, pos[:1], _scale(hd))  # eager: 1 tile x 2 KV heads
-    assert [b.numel() for b in attention._COUNTERS[torch.device(device)]] == [4]
-    capturing["on"] = True
-    assert torch.equal(decode_attention(q[:1], k, v, pos[:1], _scale(hd)), small)  # fits
-    with pytest.raises(RuntimeError, match="only 4 are"):  # 17 rows at g = 4: 5 tiles x 2 heads
-        attention._launch(q, k, v, pos, _scale(hd), fused=True, **_tiles(block_m=16))
-    capturing["on"] = False
-    attention._launch(q, k, v, pos, _scale(hd), fused=True, **_tiles(block_m=16))
-    sizes = [b.numel() for b in attention._COUNTERS[torch.device(device)]]
-    assert sizes == [4, 16]  # grown, and the old buffer kept alive (a graph may hold it)
-    assert _counters_zero(device)
 
 
 @pytest.mark.gpu
