@@ -102,6 +102,22 @@ def causal_conv_silu_ref(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor)
 # --------------------------------------------------------------------------- recurrence
 
 
+@triton.jit
+def _gdn_row(qkv_ptr, g_ptr, beta_ptr, layer, slot, layer_qkv, layer_gb, stride_qkv, stride_g, stride_beta,
+             kh, h, offs_k, offs_v, live, sqrt_dk, eps, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """One row's recurrence inputs from ring slot `slot` of `layer`: q (L2-normalized, / sqrt(dk)),
+    k (L2-normalized) `[DK]`, v `[BLOCK_V]` float32, g and beta scalars (zeros unless `live`)."""
+    row = qkv_ptr + layer * layer_qkv + slot * stride_qkv
+    q = tl.load(row + kh * DK + offs_k, mask=live, other=0.0).to(tl.float32)
+    k = tl.load(row + KEY_DIM + kh * DK + offs_k, mask=live, other=0.0).to(tl.float32)
+    v = tl.load(row + 2 * KEY_DIM + h * DV + offs_v, mask=live, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + layer * layer_gb + slot * stride_g + h, mask=live, other=0.0)
+    beta = tl.load(beta_ptr + layer * layer_gb + slot * stride_beta + h, mask=live, other=0.0)
+    q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) / sqrt_dk
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+    return q, k, v, g, beta
+
+
 @triton.jit(do_not_specialize=["t", "ratio", "write_final", "write_stash", "write_out", "row0", "ring",
                                "layer_qkv", "layer_gb"])
 def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_ptr, idx_ptr,
@@ -123,16 +139,17 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
     kh = h // ratio
     tile = (layer * HV + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]  # [DK, BLOCK_V] of one head's state
     s = tl.load(state_ptr + tile)
+    # Row r+1's inputs are loaded (and q, k normalized) while row r updates the state: they do
+    # not depend on it, and the step is a chain of t dependent row updates, so their load latency
+    # would otherwise sit on that chain. The arithmetic is the same per row either way.
+    live = t > 0  # a zero-row call still writes `final` (its state): load nothing then
+    q, k, v, g, beta = _gdn_row(qkv_ptr, g_ptr, beta_ptr, layer, row0 % ring, layer_qkv, layer_gb, stride_qkv,
+                                stride_g, stride_beta, kh, h, offs_k, offs_v, live, sqrt_dk, eps, KEY_DIM, DK, DV)
     for r in range(t):
-        slot = (row0 + r) % ring
-        row = qkv_ptr + layer * layer_qkv + slot * stride_qkv
-        q = tl.load(row + kh * DK + offs_k).to(tl.float32)
-        k = tl.load(row + KEY_DIM + kh * DK + offs_k).to(tl.float32)
-        v = tl.load(row + 2 * KEY_DIM + h * DV + offs_v).to(tl.float32)
-        g = tl.load(g_ptr + layer * layer_gb + slot * stride_g + h)
-        beta = tl.load(beta_ptr + layer * layer_gb + slot * stride_beta + h)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) / sqrt_dk
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
+        nxt = tl.minimum(r + 1, t - 1)  # the last row reloads itself (in bounds, unused)
+        q_n, k_n, v_n, g_n, beta_n = _gdn_row(qkv_ptr, g_ptr, beta_ptr, layer, (row0 + nxt) % ring, layer_qkv,
+                                              layer_gb, stride_qkv, stride_g, stride_beta, kh, h, offs_k, offs_v,
+                                              live, sqrt_dk, eps, KEY_DIM, DK, DV)
         s = s * tl.exp(g)
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * delta[None, :]
@@ -141,6 +158,7 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
         if write_stash != 0:
             st = tl.load(idx_ptr + r).to(tl.int64)
             tl.store(stash_ptr + st * (HV * DK * DV) + tile, s)
+        q, k, v, g, beta = q_n, k_n, v_n, g_n, beta_n
     if write_final != 0:
         tl.store(final_ptr + tile, s)
 

@@ -215,12 +215,13 @@ def _gdn_gates_kernel(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, idx_ptr, 
         b = tl.load(ba_ptr + row * stride_ba + h, mask=hmask, other=0.0).to(tl.float32)
         a = tl.load(ba_ptr + row * stride_ba + hv + h, mask=hmask, other=0.0).to(tl.float32)
         beta = (1.0 / (1.0 + tl.exp(-b))).to(dt).to(tl.float32)  # sigmoid in the model dtype, then float
-        x = a + tl.load(dt_bias_ptr + h, mask=hmask, other=0.0)
-        # softplus = log1p(exp(x)); log1p as log(u) * e / (u - 1) (exact where u rounds, Goldberg)
-        e = tl.exp(x)
+        # (not `x`: a name bound in one branch must keep its type in the compiled kernel)
+        xa = a + tl.load(dt_bias_ptr + h, mask=hmask, other=0.0)
+        # softplus = log1p(exp(xa)); log1p as log(u) * e / (u - 1) (exact where u rounds, Goldberg)
+        e = tl.exp(xa)
         u = 1.0 + e
         d = tl.where(u == 1.0, 1.0, u - 1.0)
-        sp = tl.where(x > threshold, x, tl.where(u == 1.0, e, tl.log(u) * (e / d)))
+        sp = tl.where(xa > threshold, xa, tl.where(u == 1.0, e, tl.log(u) * (e / d)))
         g = tl.load(a_neg_ptr + h, mask=hmask, other=0.0) * sp
         tl.store(g_ptr + row * stride_g + h, g, mask=hmask)
         tl.store(beta_ptr + row * stride_beta + h, beta, mask=hmask)
