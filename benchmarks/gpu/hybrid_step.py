@@ -355,6 +355,13 @@ def main() -> None:
         if "floor" in d:
             summary["floor_rows1_ms"] = d["floor"]["rows1_ms"]
             summary["floor_rows16_ms"] = d["floor"]["rows16_ms"]
+            summary["plain_over_floor"] = summary["memra_plain_token_ms_w1"] / summary["floor_rows1_ms"]
+        for mode in ("stash", "replay"):  # a round's target side: 16-row verify + rollback, k = 8 kept
+            row = d["verify"].get(f"{mode}_k8")
+            if row:
+                both = row["verify16_ms"] + row["rollback_ms"]
+                summary[f"verify16_rollback_ms_{mode}"] = both
+                summary[f"verify16_rollback_over_plain_{mode}"] = both / summary["memra_plain_token_ms_w1"]
         ours, theirs = d["exact"]["plain_stream"], d["transformers"]["stream"]
         summary["transformers_agree_prefix"] = next(  # bf16: streams may part at a near-tie
             (i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
