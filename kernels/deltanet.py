@@ -41,6 +41,7 @@ from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow
 
 BLOCK_C = 256  # conv channels per program
 BLOCK_V = 32  # value columns of a state tile per recurrence program ([dk, BLOCK_V] float32 in registers)
+REC_WARPS = 4  # warps per recurrence program (with BLOCK_V: where dk's reductions run, so the last bits)
 L2_EPS = 1e-6  # HF / fla l2norm epsilon
 
 
@@ -204,7 +205,7 @@ def gated_delta_rule(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, sta
         g if stash_idx is None else stash_idx,
         t, hv // n_k_heads, int(final is not None), int(stash is not None), 1, 0, max(t, 1), 0, 0,
         qkv.stride(0), g.stride(0), beta.stride(0), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=4)
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=REC_WARPS)
     return out
 
 
@@ -245,7 +246,7 @@ def gated_delta_rule_layers(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tens
         qkv, g, beta, state, state, final, state, g,
         rows, hv // n_k_heads, 1, 0, 0, row0 % ring, ring, qkv.stride(0), g.stride(0),
         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=4)
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=REC_WARPS)
 
 
 def gated_delta_rule_layers_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,

@@ -309,7 +309,13 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-hybrid-step.json")
     p.add_argument("--ckpt", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "memra-qwen35-4b-random")
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU, no graphs (a smoke run)")
+    p.add_argument("--gdn-tile", default="", help="BLOCK_V,WARPS of the DeltaNet recurrence kernel (a sweep's "
+                   "candidate; the engine's are memra_kernels.deltanet's constants)")
+    p.add_argument("--skip-transformers", action="store_true", help="leave out the transformers section")
     a = p.parse_args()
+    if a.gdn_tile:
+        from memra_kernels import deltanet as _gdn
+        _gdn.BLOCK_V, _gdn.REC_WARPS = (int(x) for x in a.gdn_tile.split(","))
     tiny = a.tiny
     dev = torch.device("cpu" if tiny else "cuda")
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -320,7 +326,7 @@ def main() -> None:
     report = Report(a.json, {"shape": "tiny" if tiny else "qwen3.5-4b (random weights)", "dims": {
         k: v for k, v in shape.items() if k != "layer_types"}, "layer_types": list(shape["layer_types"]),
         "dtype": str(dtype), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-        "step_width": W, "torch": torch.__version__,
+        "step_width": W, "torch": torch.__version__, "gdn_tile": a.gdn_tile or "module constants",
         "command": "python benchmarks/gpu/hybrid_step.py " + " ".join(sys.argv[1:])})
     t0 = time.perf_counter()
     if not (ckpt / "config.json").exists():
@@ -346,12 +352,14 @@ def main() -> None:
     del target
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    report.section("transformers", lambda: hf_greedy(ckpt, prompt, dev, dtype, 4 if tiny else 32))
+    if not a.skip_transformers:
+        report.section("transformers", lambda: hf_greedy(ckpt, prompt, dev, dtype, 4 if tiny else 32))
     d = report.data
     try:  # headline: memra's graphed plain token vs transformers', and vs the 16-row floor
         summary = {"memra_plain_token_ms_w1": d["plain"]["width1"]["token_ms"],
                    "memra_plain_token_ms_w16": d["plain"]["width16"]["token_ms"],
-                   "transformers_token_ms": d["transformers"]["token_ms"], "exact": d["exact"]["all_exact"]}
+                   "transformers_token_ms": d.get("transformers", {}).get("token_ms"),
+                   "exact": d["exact"]["all_exact"], "rollback_default": d.get("rollback_default")}
         if "floor" in d:
             summary["floor_rows1_ms"] = d["floor"]["rows1_ms"]
             summary["floor_rows16_ms"] = d["floor"]["rows16_ms"]
@@ -362,7 +370,7 @@ def main() -> None:
                 both = row["verify16_ms"] + row["rollback_ms"]
                 summary[f"verify16_rollback_ms_{mode}"] = both
                 summary[f"verify16_rollback_over_plain_{mode}"] = both / summary["memra_plain_token_ms_w1"]
-        ours, theirs = d["exact"]["plain_stream"], d["transformers"]["stream"]
+        ours, theirs = d["exact"]["plain_stream"], d.get("transformers", {}).get("stream", [])
         summary["transformers_agree_prefix"] = next(  # bf16: streams may part at a near-tie
             (i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
         d["summary"] = summary

@@ -29,7 +29,7 @@ Rollback. A KV cache rolls back by moving its length; a recurrent state cannot b
 Each step therefore records, in the state's ring (`Qwen35State`), what is needed to produce the
 state after any of its rows, on top of the state at the start of the runner step (the base):
 
-- "stash" (the default): the per-row recurrent states (the recurrence writes them) and the rows'
+- "stash" (the default off CUDA; "replay" on CUDA, see `default_rollback`): the per-row recurrent states (the recurrence writes them) and the rows'
   conv inputs (the window after row j is a slice of them). Restoring is a copy. Memory:
   rollback_rows x Hv x dk x dv float32 per layer;
 - "replay": the rows' conv inputs and outputs, g and beta; the kept prefix is
@@ -86,15 +86,14 @@ DEFAULT_ROLLBACK_ROWS = 64  # a step's rows are recorded for a rollback up to th
 
 
 def default_rollback(device: torch.device) -> str:
-    """The rollback mode a target gets unless told: "stash" everywhere. It was measured the
-    faster on both devices: on the CPU the recurrence computes the per-row states anyway and a
-    restore is a copy; on the H200 at Qwen3.5-4B's shapes (bf16, graphs, Triton kernels) a
-    16-row verify took 7.5 ms with the stash and 8.1 ms with replay's record, and a rollback
-    1.1 ms against 2.9 ms (replay re-runs the kept rows; docs/hybrid.md). Its cost is memory:
-    `rollback_rows` whole states per layer per session (3.2 GiB at that shape with 64 rows,
-    against 0.2 GiB for replay), so a memory-bound deployment may pick "replay"."""
-    del device  # one rule on every device, as measured; the argument stays for callers
-    return "stash"
+    """The rollback mode a target gets unless told, as measured per device. CUDA: "replay". On
+    the H200 at Qwen3.5-4B's shapes (bf16, graphs, Triton kernels, 2026-12-03) a 16-row verify
+    took 3.95 ms with replay's record against 4.21 ms with the stash (which writes 16 whole
+    states per DeltaNet layer), and verify + rollback (8 of 16 kept) 4.19 against 4.34 ms (the
+    replay re-runs the kept rows of all 24 layers in one launch); replay also holds 0.23 GiB of
+    record per session against 3.2 GiB. Elsewhere: "stash" (on the CPU the recurrence computes
+    the per-row states anyway and a restore is a copy, where a replay recomputes; docs/hybrid.md)."""
+    return "replay" if device.type == "cuda" else "stash"
 
 
 # --------------------------------------------------------------------------- weights
@@ -514,11 +513,14 @@ class Qwen35Target(TargetBase):
                 f"+ {n_full} full_attention (from {cfg.layer_types_from}), "
                 f"{'tied' if cfg.tie_word_embeddings else 'untied'} lm_head; skipped "
                 f"{skipped['model.visual.']} model.visual.* and {skipped['mtp.']} mtp.* tensor(s)")
+        mode = default_rollback(torch.device(device)) if rollback is None else rollback
+        note += (f"; rollback record {mode} (" + ("as asked" if rollback is not None else
+                 f"the default on {torch.device(device).type}, the faster one measured there") + ")")
         log.info("%s", note)
         if extra:
             log.warning("%s: %d tensor(s) not used by the Qwen3.5 target, e.g. %s", path, len(extra), extra[0])
         return cls(cfg, embed, layers, loader.norm_1p(loader.prefix + "norm.weight"), lm_head,
-                   rollback=rollback, note=note)
+                   rollback=mode, note=note)
 
     def set_rollback(self, mode: str, rows: int | None = None) -> None:
         """How steps are recorded for a rollback: "stash" | "replay", and `rollback_rows`. Takes
