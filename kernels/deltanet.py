@@ -40,8 +40,12 @@ import triton.language as tl
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 
 BLOCK_C = 256  # conv channels per program
-BLOCK_V = 32  # value columns of a state tile per recurrence program ([dk, BLOCK_V] float32 in registers)
-REC_WARPS = 4  # warps per recurrence program (with BLOCK_V: where dk's reductions run, so the last bits)
+# The recurrence's tile, measured on the H200 at Qwen3.5-4B's DeltaNet (32 value heads, 128 x 128,
+# graph over 24 layers, us per layer for 1 / 16 rows, no stash; docs/results/h200-gdn-tiles.json):
+#   BLOCK_V 32, 4 warps: 4.8 / 24.5;  32, 1: 4.0 / 17.2;  16, 1: 4.1 / 16.7 (chosen);  8, 1: 4.3 / 17.1
+# One warp keeps dk's reductions inside the warp; the 16-row verify is a chain of dependent rows.
+BLOCK_V = 16  # value columns of a state tile per recurrence program ([dk, BLOCK_V] float32 in registers)
+REC_WARPS = 1  # warps per recurrence program (with BLOCK_V: where dk's reductions run, so the last bits)
 L2_EPS = 1e-6  # HF / fla l2norm epsilon
 
 
