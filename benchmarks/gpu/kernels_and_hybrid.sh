@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# One device call (H200): the step kernels' CUDA tests, the attention tile sweep (one launch vs
-# two), per-kernel step profiles (8B, hybrid) with the DeltaNet tile sweep, and the hybrid step
+# One device call (H200): the step kernels' CUDA tests, per-kernel step profiles (8B, hybrid) with the DeltaNet tile sweep, and the hybrid step
 # benchmark (floor, plain, verify + rollback in both modes, exactness, transformers).
 # Each part under its own cap; the results tar is rewritten after each part (<= 8 files return).
 set -o pipefail
@@ -13,9 +12,6 @@ if [ "${TESTS:-1}" = 1 ]; then
   timeout ${GTESTS_S:-120} python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_qwen3_5.py tests/engine/test_step_width.py \
     >> $R/cuda_kernel_tests.txt 2>&1; echo "gpu rc=$?" >> $R/cuda_kernel_tests.txt
   grep -E "passed|failed|FAILED|rc=" $R/cuda_kernel_tests.txt | tail -12; pack
-fi
-if [ "${TILES:-1}" = 1 ]; then
-  OUT=$R timeout ${TILES_S:-120} python3 benchmarks/gpu/attention_tiles.py 2>&1 | grep -v -i warn | tail -40; pack
 fi
 timeout ${PROFILE_S:-150} python3 benchmarks/gpu/step_profile.py --skip attention --json $R/h200-step-profile.json 2>&1 \
   | grep -v -i warn | cut -c1-1500; pack
