@@ -17,13 +17,17 @@ and the gated delta-rule recurrence, each beside its plain-torch twin (`*_ref`).
   Writes `out [t, Hv, dv]` (float32), and on request the state after the last row (`final`, may
   be `state` itself: each program reads its tile before writing it) and the state after every
   row into `stash[stash_idx[r]]` (a per-row stash; rollback to any row is then an index).
+- `gated_delta_rule_layers(qkv, g, beta, state, n_k_heads, row0, rows, final)`: the same kernel
+  over every layer at once (`[L, ...]` inputs and states), its rows read from a ring by
+  position % ring: a rollback's replay of the recorded rows in one launch.
 
 Row-count invariance (what keeps fixed-width steps bit-exact): the conv is elementwise per row;
 the recurrence runs the same per-row code from the state it is given whatever `t` is, so a
 one-row step from the state after row r-1 gives row r's output and state bit for bit. `t` and the
 write flags are runtime arguments (not specialized), so a 1-row and a 16-row launch run one
-compiled kernel. The recurrence is launch-width bound: grid (Hv, dv / BLOCK_V), one program keeps
-a `[dk, BLOCK_V]` float32 tile of the state in registers for all t rows.
+compiled kernel, and the layer-batched replay runs that kernel too. The recurrence is a chain of
+dependent rows: grid (L * Hv, dv / BLOCK_V), one program keeps a `[dk, BLOCK_V]` float32 tile of
+the state in registers for all t rows.
 
 Numerics against the twins: the same formulas, but Triton's exp / rsqrt / divide (fast-math on
 the GPU) and FMA contraction differ from torch's in the last float32 bits, and the recurrence

@@ -43,6 +43,8 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from .norm import rms_norm_1p_ref
+from .rope import _rope_ref
 
 SOFTPLUS_THRESHOLD = 20.0  # F.softplus's default: above it softplus(x) = x
 BLOCK_COLS = 1024  # columns per program of the elementwise kernels
@@ -334,18 +336,6 @@ def gated_rms_norm(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: fl
 # ----------------------------------------------------------------------------- references
 
 
-def _rms_norm_1p_ref(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1p).to(x.dtype)
-
-
-def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[t, heads, r]`, cos/sin `[t, r]`: rotate-half, in the model dtype."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 def _partial_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     r = cos.shape[-1]
     if r == x.shape[-1]:
@@ -361,8 +351,8 @@ def gated_qk_norm_rope_kv_write_ref(qgkv: torch.Tensor, q_norm: torch.Tensor, k_
     t, hd = qgkv.shape[0], q_norm.shape[0]
     qg, k, v = qgkv.split([2 * n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
     c, s = cos[positions], sin[positions]
-    q = _partial_rope_ref(_rms_norm_1p_ref(qg.view(t, n_heads, 2 * hd)[..., :hd], q_norm, eps), c, s)
-    k = _partial_rope_ref(_rms_norm_1p_ref(k.view(t, n_kv, hd), k_norm, eps), c, s)
+    q = _partial_rope_ref(rms_norm_1p_ref(qg.view(t, n_heads, 2 * hd)[..., :hd], q_norm, eps), c, s)
+    k = _partial_rope_ref(rms_norm_1p_ref(k.view(t, n_kv, hd), k_norm, eps), c, s)
     k_cache.index_copy_(1, positions, k.transpose(0, 1))
     v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
     return q

@@ -315,7 +315,10 @@ def main() -> None:
     a = p.parse_args()
     if a.gdn_tile:
         from memra_kernels import deltanet as _gdn
-        _gdn.BLOCK_V, _gdn.REC_WARPS = (int(x) for x in a.gdn_tile.split(","))
+        try:
+            _gdn.BLOCK_V, _gdn.REC_WARPS = (int(x) for x in a.gdn_tile.split(","))
+        except ValueError:
+            p.error(f"--gdn-tile: expected BLOCK_V,WARPS (two integers), got {a.gdn_tile!r}")
     tiny = a.tiny
     dev = torch.device("cpu" if tiny else "cuda")
     dtype = torch.float32 if tiny else torch.bfloat16

@@ -38,7 +38,7 @@ from memra_cli.engine.formats.qwen3_5_config import load_qwen35_config, parse_qw
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.layers.deltanet import gated_delta_rule, gated_delta_rule_chunked, l2norm
 from memra_cli.engine.models.base import MODEL_FAMILIES, load_target, target_family
-from memra_cli.engine.models.qwen3_5 import Qwen35State, Qwen35Target
+from memra_cli.engine.models.qwen3_5 import Qwen35State, Qwen35Target, default_rollback
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import LADDER, Harvest
 from memra_cli.engine.spec.proposer import Program, Proposal
@@ -255,6 +255,15 @@ def test_chunked_prefill_matches_hf_and_the_sequential_prefill(models):
         assert rel_err(a, b) < 1e-5
 
 
+def test_the_rollback_default_is_per_device_and_an_asked_mode_is_said(tiny_dirs):
+    """Replay on CUDA, stash elsewhere (each measured the faster there); a mode asked for is
+    kept and the load note says it was asked."""
+    assert default_rollback(torch.device("cuda")) == "replay"
+    assert default_rollback(torch.device("cpu")) == "stash"
+    asked = Qwen35Target.from_dir(tiny_dirs["text"], rollback="replay")
+    assert asked.rollback_mode == "replay" and "rollback record replay (as asked)" in asked.load_note
+
+
 def test_multimodal_layout_loads_the_same_weights(tiny_dirs, models, caplog):
     text, _ = models["text"]
     with caplog.at_level("INFO", logger="memra_cli.engine.models.qwen3_5"):
@@ -263,6 +272,8 @@ def test_multimodal_layout_loads_the_same_weights(tiny_dirs, models, caplog):
     assert "model.language_model." in mm.load_note
     assert "skipped 4 model.visual.* and 3 mtp.* tensor(s)" in mm.load_note
     assert mm.load_note in caplog.text and "not used" not in caplog.text
+    assert "rollback record stash (the default on cpu" in mm.load_note  # a default applied says so
+    assert mm.rollback_mode == "stash"
     assert mm.cfg.eos_token_ids == text.cfg.eos_token_ids == (EOS,)
     for n, seed in ((9, 50), (100, 51)):
         ids = prompt(n, seed)

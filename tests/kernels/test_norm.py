@@ -65,19 +65,25 @@ def test_strided_rows_and_f32_weight(device):
     _assert_matches(got, rms_norm_ref(x, w, EPS))
 
 
+@pytest.mark.parametrize("variant", ["qwen3", "zero_centred"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rows_are_independent(dtype, device):
-    """A row's output is bit-identical alone or among 16 other rows with other contents."""
-    x, res, w = _inputs(16, 512, dtype, device, seed=4)
-    other, other_res, _ = _inputs(16, 512, dtype, device, seed=5)
-    full, full_res = add_rms_norm(x, res, w, EPS)
+def test_rows_are_independent(variant, dtype, device):
+    """A row's output is bit-identical alone or among 16 other rows with other contents (the
+    Qwen3 norms and their zero-centred `(1 + w)` forms)."""
+    from memra_kernels.norm import add_rms_norm_1p, rms_norm_1p
+
+    make, add_norm, norm = ((_inputs, add_rms_norm, rms_norm) if variant == "qwen3"
+                            else (_inputs_1p, add_rms_norm_1p, rms_norm_1p))
+    x, res, w = make(16, 512, dtype, device, seed=4)
+    other, other_res, _ = make(16, 512, dtype, device, seed=5)
+    full, full_res = add_norm(x, res, w, EPS)
     for i in (0, 7, 15):
-        alone, alone_res = add_rms_norm(x[i:i + 1], res[i:i + 1], w, EPS)
+        alone, alone_res = add_norm(x[i:i + 1], res[i:i + 1], w, EPS)
         assert torch.equal(alone[0], full[i]) and torch.equal(alone_res[0], full_res[i])
         mixed_x, mixed_res = other.clone(), other_res.clone()
         mixed_x[i], mixed_res[i] = x[i], res[i]
-        assert torch.equal(add_rms_norm(mixed_x, mixed_res, w, EPS)[0][i], full[i])
-        assert torch.equal(rms_norm(mixed_x, w, EPS)[i], rms_norm(x[i:i + 1], w, EPS)[0])
+        assert torch.equal(add_norm(mixed_x, mixed_res, w, EPS)[0][i], full[i])
+        assert torch.equal(norm(mixed_x, w, EPS)[i], norm(x[i:i + 1], w, EPS)[0])
 
 
 def test_empty_batch(device):
@@ -136,19 +142,3 @@ def test_rms_norm_1p_catches_the_qwen3_order(device):
     wrong = rms_norm(x, w1p, EPS).to(torch.bfloat16)  # float32 out (promoted), rounded again
     with pytest.raises(AssertionError):
         _assert_1p(wrong, rms_norm_1p_ref(x, w1p, EPS))
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_rms_norm_1p_rows_are_independent(dtype, device):
-    from memra_kernels.norm import add_rms_norm_1p, rms_norm_1p
-
-    x, res, w1p = _inputs_1p(16, 512, dtype, device, seed=4)
-    other, other_res, _ = _inputs_1p(16, 512, dtype, device, seed=5)
-    full, full_res = add_rms_norm_1p(x, res, w1p, EPS)
-    for i in (0, 7, 15):
-        alone, alone_res = add_rms_norm_1p(x[i:i + 1], res[i:i + 1], w1p, EPS)
-        assert torch.equal(alone[0], full[i]) and torch.equal(alone_res[0], full_res[i])
-        mixed_x, mixed_res = other.clone(), other_res.clone()
-        mixed_x[i], mixed_res[i] = x[i], res[i]
-        assert torch.equal(add_rms_norm_1p(mixed_x, mixed_res, w1p, EPS)[0][i], full[i])
-        assert torch.equal(rms_norm_1p(mixed_x, w1p, EPS)[i], rms_norm_1p(x[i:i + 1], w1p, EPS)[0])
