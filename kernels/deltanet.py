@@ -50,6 +50,10 @@ BLOCK_C = 256  # conv channels per program
 # One warp keeps dk's reductions inside the warp; the 16-row verify is a chain of dependent rows.
 BLOCK_V = 16  # value columns of a state tile per recurrence program ([dk, BLOCK_V] float32 in registers)
 REC_WARPS = 1  # warps per recurrence program (with BLOCK_V: where dk's reductions run, so the last bits)
+# Where row r+1's normalization (and exp(g)) runs: after row r's state update (True), so the
+# single warp's in-order issue does not wait on row r+1's loads before updating; or before it.
+# The same ops on the same values either way (the same bits); only the schedule differs.
+LATE_PREP = True
 L2_EPS = 1e-6  # HF / fla l2norm epsilon
 
 
@@ -112,19 +116,25 @@ def causal_conv_silu_ref(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor)
 
 
 @triton.jit
-def _gdn_row(qkv_ptr, g_ptr, beta_ptr, layer, slot, layer_qkv, layer_gb, stride_qkv, stride_g, stride_beta,
-             kh, h, offs_k, offs_v, live, sqrt_dk, eps, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
-    """One row's recurrence inputs from ring slot `slot` of `layer`: q (L2-normalized, / sqrt(dk)),
-    k (L2-normalized) `[DK]`, v `[BLOCK_V]` float32, g and beta scalars (zeros unless `live`)."""
+def _gdn_load(qkv_ptr, g_ptr, beta_ptr, layer, slot, layer_qkv, layer_gb, stride_qkv, stride_g, stride_beta,
+              kh, h, offs_k, offs_v, live, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr):
+    """One row's raw recurrence inputs from ring slot `slot` of `layer`: q, k `[DK]`, v `[BLOCK_V]`
+    float32, g and beta scalars (zeros unless `live`)."""
     row = qkv_ptr + layer * layer_qkv + slot * stride_qkv
     q = tl.load(row + kh * DK + offs_k, mask=live, other=0.0).to(tl.float32)
     k = tl.load(row + KEY_DIM + kh * DK + offs_k, mask=live, other=0.0).to(tl.float32)
     v = tl.load(row + 2 * KEY_DIM + h * DV + offs_v, mask=live, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + layer * layer_gb + slot * stride_g + h, mask=live, other=0.0)
     beta = tl.load(beta_ptr + layer * layer_gb + slot * stride_beta + h, mask=live, other=0.0)
+    return q, k, v, g, beta
+
+
+@triton.jit
+def _gdn_prep(q, k, g, sqrt_dk, eps):
+    """q L2-normalized and divided by sqrt(dk), k L2-normalized, the decay exp(g)."""
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) / sqrt_dk
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
-    return q, k, v, g, beta
+    return q, k, tl.exp(g)
 
 
 @triton.jit(do_not_specialize=["t", "ratio", "write_final", "write_stash", "write_out", "row0", "ring",
@@ -133,7 +143,7 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
                 t, ratio, write_final, write_stash, write_out, row0, ring, layer_qkv, layer_gb,
                 stride_qkv, stride_g, stride_beta, sqrt_dk, eps,
                 HV: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                BLOCK_V: tl.constexpr):
+                BLOCK_V: tl.constexpr, LATE_PREP: tl.constexpr):
     # program (layer * HV + head, value block); row r of the step reads input row (row0 + r) % ring
     # of its layer (layer_qkv / layer_gb: the layer strides of the inputs; states are contiguous
     # [layers, HV, DK, DV]). One compiled kernel serves the step (1 layer, rows 0..t-1) and the
@@ -152,14 +162,17 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
     # not depend on it, and the step is a chain of t dependent row updates, so their load latency
     # would otherwise sit on that chain. The arithmetic is the same per row either way.
     live = t > 0  # a zero-row call still writes `final` (its state): load nothing then
-    q, k, v, g, beta = _gdn_row(qkv_ptr, g_ptr, beta_ptr, layer, row0 % ring, layer_qkv, layer_gb, stride_qkv,
-                                stride_g, stride_beta, kh, h, offs_k, offs_v, live, sqrt_dk, eps, KEY_DIM, DK, DV)
+    q, k, v, g, beta = _gdn_load(qkv_ptr, g_ptr, beta_ptr, layer, row0 % ring, layer_qkv, layer_gb, stride_qkv,
+                                 stride_g, stride_beta, kh, h, offs_k, offs_v, live, KEY_DIM, DK, DV)
+    q, k, decay = _gdn_prep(q, k, g, sqrt_dk, eps)
     for r in range(t):
         nxt = tl.minimum(r + 1, t - 1)  # the last row reloads itself (in bounds, unused)
-        q_n, k_n, v_n, g_n, beta_n = _gdn_row(qkv_ptr, g_ptr, beta_ptr, layer, (row0 + nxt) % ring, layer_qkv,
-                                              layer_gb, stride_qkv, stride_g, stride_beta, kh, h, offs_k, offs_v,
-                                              live, sqrt_dk, eps, KEY_DIM, DK, DV)
-        s = s * tl.exp(g)
+        q_n, k_n, v_n, g_n, beta_n = _gdn_load(qkv_ptr, g_ptr, beta_ptr, layer, (row0 + nxt) % ring, layer_qkv,
+                                               layer_gb, stride_qkv, stride_g, stride_beta, kh, h, offs_k, offs_v,
+                                               live, KEY_DIM, DK, DV)
+        if not LATE_PREP:  # normalize row r+1 before row r's update: waits for its loads first
+            q_n, k_n, decay_n = _gdn_prep(q_n, k_n, g_n, sqrt_dk, eps)
+        s = s * decay
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * delta[None, :]
         if write_out != 0:
@@ -167,7 +180,9 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
         if write_stash != 0:
             st = tl.load(idx_ptr + r).to(tl.int64)
             tl.store(stash_ptr + st * (HV * DK * DV) + tile, s)
-        q, k, v, g, beta = q_n, k_n, v_n, g_n, beta_n
+        if LATE_PREP:  # after the update: row r+1's loads land while row r computes
+            q_n, k_n, decay_n = _gdn_prep(q_n, k_n, g_n, sqrt_dk, eps)
+        q, k, v, decay, beta = q_n, k_n, v_n, decay_n, beta_n
     if write_final != 0:
         tl.store(final_ptr + tile, s)
 
@@ -213,7 +228,7 @@ def gated_delta_rule(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, sta
         g if stash_idx is None else stash_idx,
         t, hv // n_k_heads, int(final is not None), int(stash is not None), 1, 0, max(t, 1), 0, 0,
         qkv.stride(0), g.stride(0), beta.stride(0), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=REC_WARPS)
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, num_warps=REC_WARPS)
     return out
 
 
@@ -254,7 +269,7 @@ def gated_delta_rule_layers(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tens
         qkv, g, beta, state, state, final, state, g,
         rows, hv // n_k_heads, 1, 0, 0, row0 % ring, ring, qkv.stride(0), g.stride(0),
         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, num_warps=REC_WARPS)
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, num_warps=REC_WARPS)
 
 
 def gated_delta_rule_layers_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
