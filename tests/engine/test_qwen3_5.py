@@ -338,18 +338,55 @@ def test_fixed_width_logits_and_states_do_not_depend_on_the_grouping(step_dir, d
 
 @pytest.mark.parametrize("mode", ["stash", "replay"])
 def test_per_layer_state_tensors_are_views_of_one_stacked_tensor(step_dir, mode):
-    """A commit or rollback moves every layer's state with one copy per kind of tensor, which
-    is only right while each layer's tensor the model writes is a view of the stacked one."""
+    """A commit or rollback moves every layer's state with one op per kind of tensor, which
+    is only right while each layer's tensor the model reads and writes is a view of the stacked
+    one (of the buffer `_cur` names, for the committed conv windows and states)."""
     state = StepRunner(Qwen35Target.from_dir(step_dir, rollback=mode), WIDTH).new_state(64)
-    pairs = [(state._conv_all, state.conv), (state._rec_all, state.rec), (state._base_conv_all, state._base_conv),
-             (state._base_rec_all, state._base_rec), (state._xs_all, state._xs)]
+    pairs = [(state._xs_all, state._xs)]
     if mode == "stash":
         pairs.append((state._stash_all, state._stash))
+    else:
+        pairs += [(state._qkv_all, state._qkv), (state._g_all, state._g), (state._beta_all, state._beta)]
+    for cur in (0, 1):
+        state._cur = cur
+        pairs += [(state._conv2[cur], state.conv), (state._rec2[cur], state.rec), (state._rec2[1 - cur], state._final)]
     for stacked, views in pairs:
         assert len(views) == stacked.shape[0] > 0
         for i, v in enumerate(views):
             assert v.data_ptr() == stacked[i].data_ptr() and v.shape == stacked.shape[1:]
     assert state.nbytes >= sum(t.numel() * t.element_size() for t in (state.kv, *state._all))
+
+
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+def test_a_commit_flips_buffers_instead_of_copying_states(step_dir, mode, monkeypatch):
+    """The committed state lives in one of two buffers: a fixed step reads it and (replay mode)
+    writes its last row's state into the other, so keeping every row flips `_cur` and moves no
+    recurrent state; a partial keep computes the kept row's state into the buffer the step did
+    not read, whose contents (the base) stay untouched either way."""
+    target = Qwen35Target.from_dir(step_dir, rollback=mode)
+    replays = []
+    real = target.step_ops.gated_delta_replay
+    monkeypatch.setattr(target.step_ops, "gated_delta_replay", lambda *a, **k: replays.append(a) or real(*a, **k))
+    runner = StepRunner(target, 1)
+    state = runner.new_state(64)
+    runner.prefill(_ids(20, 4), state)
+    for _ in range(3):
+        cur, base = state._cur, state._rec2[state._cur].clone()
+        copies, copy_ = [], torch.Tensor.copy_
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self.shape) or copy_(self, *a, **k))
+            runner.step(_ids(1, 5), state.length, state)
+        assert state._cur == 1 - cur and torch.equal(state._rec2[cur], base)
+        rec_shape = state._rec2.shape[1:]
+        moved = [c for c in copies if tuple(c) == tuple(rec_shape)]
+        assert moved == ([] if mode == "replay" else [rec_shape])  # stash: the kept row's state, once
+    assert replays == []
+    # width 4, one real row: the state after it is computed (replayed or copied) into the other buffer
+    runner4 = StepRunner(target, 4)
+    cur, base = state._cur, state._rec2[state._cur].clone()
+    runner4.step(_ids(1, 6), state.length, state)
+    assert state._cur == 1 - cur and torch.equal(state._rec2[cur], base)
+    assert len(replays) == (1 if mode == "replay" else 0)
 
 
 def test_padding_rows_leave_no_trace(step_dir):
@@ -679,6 +716,35 @@ def test_cuda_graphs_default_on_with_cuda_and_a_fixed_width(models):
         StepRunner(target, WIDTH, cuda_graphs=True)  # on the CPU: refused by the runner, not the family
 
 
+@pytest.mark.parametrize("spec", ["plain", "dflash"])
+def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs, spec):
+    """Whole rounds as one graph each (spec/session.py `_graphed_round`) over the hybrid: a graph
+    per buffer arrangement (the stand-in fails a replay in another one), the commit after each
+    replay queued on the device, and every stream plain greedy's, in bfloat16."""
+    from memra_cli.engine.api import Engine as _Engine
+    from memra_cli.tiny.draft import make_tiny_draft
+
+    target_dir = make_tiny_qwen35(tmp_path / "t", seed=5)
+    model = Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16)
+    runner = graphed(model)
+    engine = _Engine(model, runner, model.device, model.dtype, ["graphs on (CPU stand-in)"], draft_graphs=True,
+                     round_graphs=True)
+    arm = None
+    if spec != "plain":
+        draft = make_tiny_draft(tmp_path / spec, "zlab", block_size=8, target_layer_ids=(-1, 1, 3),
+                                num_target_layers=5, dtype=torch.bfloat16)
+        arm = engine.arm(ArmConfig(draft=draft, mode=spec))
+    reference = Engine.from_model(Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16), step_width=WIDTH)
+    for seed in range(2):
+        ids = prompt(9 + 11 * seed, 80 + seed)
+        plain = greedy_reference(reference.runner, ids, 24)
+        with engine.session(ids, 24, arm, eos_ids=()) as session:
+            assert session.graphed_rounds
+            assert session.run() == plain, seed
+    variants = {k[-1] for k in session.cache.graphs if k[0] in ("plain-round", "round")}
+    assert variants == {0, 1}
+
+
 @pytest.fixture
 def replay_graphs(monkeypatch):
     """`cuda_graphs.capture` swapped for an eager stand-in (as tests/engine/test_step_width.py's
@@ -689,27 +755,37 @@ def replay_graphs(monkeypatch):
 
     captures, replaying = [], [False]
     right = Qwen35Target.static_step
+    capturing, variant_of = [None], {}
 
     def static_step(self, ids, positions, state, taps=None):
+        # a real graph binds the buffers of the arrangement it was captured in: a replay in
+        # another arrangement would read and write the wrong ones
+        if replaying[0] is not False:
+            assert state.graph_variant == variant_of[replaying[0]], "a graph replayed in another arrangement"
+        elif capturing[0] is not None:
+            variant_of.setdefault(capturing[0], state.graph_variant)
         before = (state._pending, state._width)
         out = right(self, ids, positions, state, taps)
-        if replaying[0]:
+        if replaying[0] is not False:
             state._pending, state._width = before
         return out
 
     def capture(fn, device, pool=None):
-        out = fn()
+        capturing[0] = fn
+        try:
+            out = fn()
+        finally:
+            capturing[0] = None
 
         class Replay:
             def replay(self):
-                replaying[0] = True
+                replaying[0] = fn
                 try:
                     fresh = fn()
                 finally:
                     replaying[0] = False
-                for mine, new in zip((out[0], out[1]), fresh):
-                    if mine is not None:
-                        mine.copy_(new)
+                for mine, new in zip(_flat(out), _flat(fresh)):
+                    mine.copy_(new)
 
         captures.append(fn)
         return Replay(), out
@@ -717,6 +793,12 @@ def replay_graphs(monkeypatch):
     monkeypatch.setattr(Qwen35Target, "static_step", static_step)
     monkeypatch.setattr(cuda_graphs, "capture", capture)
     return captures
+
+
+def _flat(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for y in x for t in _flat(y)] if isinstance(x, (tuple, list)) else []
 
 
 def graphed(model, width=WIDTH) -> StepRunner:
@@ -736,6 +818,9 @@ def test_graph_plumbing_groupings_rollback_and_sessions(tiny_dirs, step_dir, rep
     runner = graphed(Qwen35Target.from_dir(step_dir, rollback=mode))
     check_groupings(runner)
     check_rollback(runner, exact=True)
+    # a 16-row verify as four graphed steps: the base moves aside before a later one overwrites it
+    check_rollback(graphed(Qwen35Target.from_dir(step_dir, rollback=mode), width=4), exact=True,
+                   ks=(0, 1, 3, 4, 5, 8, 12, 15, 16))
     eager = StepRunner(Qwen35Target.from_dir(step_dir, rollback=mode), WIDTH)
     p, cont = _ids(37, 0), _ids(24, 1)
     for groups in ([24], [5, 7, 1, 11]):

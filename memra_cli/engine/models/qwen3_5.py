@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -269,20 +270,41 @@ class Qwen35State:
     - per DeltaNet layer i, the committed `conv[i] [K-1, conv_dim]` (model dtype: the last K-1
       conv inputs) and `rec[i] [Hv, dk, dv]` (float32), at position `length`;
     - the record that lets a rollback reach back into the last runner step: the state at its
-      start (`_base_conv[i]`, `_base_rec[i]`, at position `_base`) and, in a ring of `ring` rows
-      indexed by position % ring, the conv inputs of its rows (`_xs[i] [ring, conv_dim]`) plus
-      either the per-row states (`_stash[i] [ring, Hv, dk, dv]`, "stash") or the recurrence
-      inputs (`_qkv[i] [ring, conv_dim]` conv outputs, `_g[i]`, `_beta[i] [ring, Hv]`, "replay").
+      start (the base, at position `_base`) and, in a ring of `ring` rows indexed by position %
+      ring, the conv inputs of its rows (`_xs[i] [ring, conv_dim]`) plus either the per-row states
+      (`_stash[i] [ring, Hv, dk, dv]`, "stash") or the recurrence inputs (`_qkv[i] [ring,
+      conv_dim]` conv outputs, `_g[i]`, `_beta[i] [ring, Hv]`, "replay").
+
+    Two buffers, no copies. The conv windows and recurrent states live in two stacked buffers
+    (`_conv2`, `_rec2`, `[2, n_linear, ...]`); `_cur` says which holds the committed state. A
+    fixed step reads buffer `_cur` and (replay mode) writes the state after its last row into the
+    other one. The base of a runner step is then simply the buffer the step read, and a commit
+    that keeps every row only flips `_cur`; any other commit or rollback writes the kept row's
+    state (a stash row, or the base advanced through the kept rows) into the buffer that is not
+    the base. Before, each commit copied the committed state into a base buffer and the step's
+    last-row state back (two 48 MiB copies per token at Qwen3.5-4B's shapes). A CUDA graph binds
+    one arrangement, so a state has two (`graph_variants`): the step graph is captured once per
+    arrangement and the replay picks `graph_variant`. A third buffer (`_spare_*`) keeps the base
+    only when a runner step of several fixed steps would otherwise overwrite it.
 
     A step (eager `forward` or `static_step`) reads only the committed `conv` / `rec` and writes
     its rows into the ring by position, so a graph replay needs nothing from Python. The host side
     is `commit` and `rollback` (the runner and the round loop call them after each step): they
-    pick the kept row's state with host-known ints and device copies (a stash row, or the base
-    advanced through the kept rows by the same recurrence), never reading a device value back.
+    pick the kept row's state with host-known ints and device work (a flip, a stash row copy, or
+    the base advanced through the kept rows by the same recurrence), never reading a device value back.
 
     `length` is read-only from outside: it moves with the recurrent state (`commit`, `rollback`,
     `reset` and the target's eager `forward`), never alone. `graphs` holds the CUDA graphs
     captured over this storage (runtime/graphs.py)."""
+
+    graph_variants = 2  # buffer arrangements a fixed step can run over (see the class docstring)
+    # A commit or rollback queues its device work (a flip, a copy, a replay launch) behind the
+    # step on the same stream with host-known ints: a round graph may run over this state.
+    round_graphs_ok = True
+    # whether a fixed step also writes the conv window after its last row into the other buffer
+    # (`_final_window`); without it a commit assembles the window from the ring
+    step_writes_window = False
+    SPARE = 2  # `_base_at` when the base lives in the spare buffer
 
     def __init__(self, kv: torch.Tensor, conv_shape: tuple[int, int], rec_shape: tuple[int, int, int],
                  n_linear: int, dtype: torch.dtype, device: torch.device, max_len: int, ring: int, mode: str,
@@ -292,43 +314,91 @@ class Qwen35State:
         self.n_k_heads, self._ops = n_k_heads, ops  # the recurrence a replay restore runs (the target's)
         self.graphs: dict = {}
 
-        # Each kind of tensor is one stacked allocation `[n_linear, ...]`, and the per-layer
-        # tensors the model reads and writes (`conv[i]`, `rec[i]`, ...) are views of it: a commit
-        # or rollback then moves every layer's state with one copy per kind, not one per layer
-        # (24 DeltaNet layers made a commit ~150 launches, run eagerly after every graphed step).
+        # Each kind of tensor is one stacked allocation `[n_linear, ...]` (`[2, n_linear, ...]`
+        # for the two committed-state buffers), and the per-layer tensors the model reads and
+        # writes (`conv[i]`, `rec[i]`, ...) are views of it: a commit or rollback then moves every
+        # layer's state with one op per kind of tensor, not one per layer.
         self._all: list[torch.Tensor] = []
 
-        def per_layer(shape, dt):
-            stacked = torch.zeros((n_linear, *shape), dtype=dt, device=device)
-            self._all.append(stacked)
-            return stacked, list(stacked.unbind(0))
+        def stacked(shape, dt, lead=()):
+            t = torch.zeros((*lead, n_linear, *shape), dtype=dt, device=device)
+            self._all.append(t)
+            return t
 
         f32, (c, hv) = torch.float32, (conv_shape[1], rec_shape[0])
-        (self._conv_all, self.conv), (self._rec_all, self.rec) = per_layer(conv_shape, dtype), per_layer(rec_shape, f32)
-        self._base_conv_all, self._base_conv = per_layer(conv_shape, dtype)
-        self._base_rec_all, self._base_rec = per_layer(rec_shape, f32)
-        self._xs_all, self._xs = per_layer((ring, c), dtype)
+        self._conv2, self._rec2 = stacked(conv_shape, dtype, (2,)), stacked(rec_shape, f32, (2,))
+        self._spare_conv, self._spare_rec = stacked(conv_shape, dtype), stacked(rec_shape, f32)
+        self._conv_views = [list(self._conv2[i].unbind(0)) for i in range(2)]
+        self._rec_views = [list(self._rec2[i].unbind(0)) for i in range(2)]
+        self._xs_all = stacked((ring, c), dtype)
+        self._xs = list(self._xs_all.unbind(0))
         if mode == "stash":
-            self._stash_all, self._stash = per_layer((ring, *rec_shape), f32)
+            self._stash_all = stacked((ring, *rec_shape), f32)
+            self._stash = list(self._stash_all.unbind(0))
         else:
-            self._qkv_all, self._qkv = per_layer((ring, c), dtype)
-            self._g_all, self._g = per_layer((ring, hv), f32)
-            self._beta_all, self._beta = per_layer((ring, hv), f32)
-            # the state after a fixed step's last row (padding rows included), which the step
-            # writes beside the committed one: a commit that keeps every row is then one copy
-            self._final_all, self._final = per_layer(rec_shape, f32)
+            self._qkv_all, self._g_all = stacked((ring, c), dtype), stacked((ring, hv), f32)
+            self._beta_all = stacked((ring, hv), f32)
+            self._qkv, self._g, self._beta = (list(t.unbind(0)) for t in (self._qkv_all, self._g_all, self._beta_all))
+        self._cur = 0  # the buffer holding the committed state
         self._length = 0
         self._width: int | None = None  # rows of the fixed step graphs were captured with
         self._forget()
+
+    # ----------------------------------------------------------------- the buffers
+
+    @property
+    def conv(self) -> list[torch.Tensor]:
+        """The committed conv windows, per DeltaNet layer `[K-1, conv_dim]` (views of `_conv2[_cur]`)."""
+        return self._conv_views[self._cur]
+
+    @property
+    def rec(self) -> list[torch.Tensor]:
+        """The committed recurrent states, per DeltaNet layer `[Hv, dk, dv]` float32."""
+        return self._rec_views[self._cur]
+
+    @property
+    def _final(self) -> list[torch.Tensor]:
+        """Where a replay-mode fixed step writes its last row's state: the other buffer."""
+        return self._rec_views[1 - self._cur]
+
+    @property
+    def graph_variant(self) -> int:
+        """The buffer arrangement the next fixed step runs over (the graph a replay must use)."""
+        return self._cur
+
+    def _conv_buf(self, i: int) -> torch.Tensor:
+        return self._spare_conv if i == self.SPARE else self._conv2[i]
+
+    def _rec_buf(self, i: int) -> torch.Tensor:
+        return self._spare_rec if i == self.SPARE else self._rec2[i]
+
+    @contextmanager
+    def arranged_for_capture(self, variant: int):
+        """Arrange the state as `variant` for a graph capture, and put every committed and base
+        state back afterwards: the capture's warm-up runs the step for real, and in the other
+        arrangement it would write its last row's state over the committed one. (Ring rows and
+        K/V it writes lie at the storage's slack positions or belong to steps no rollback can
+        reach any more: a capture happens before a runner step, after its rollback.)"""
+        saved = [t.clone() for t in (self._conv2, self._rec2, self._spare_conv, self._spare_rec)]
+        cur = self._cur
+        self._cur = variant
+        try:
+            yield
+        finally:
+            self._cur = cur
+            for dst, src in zip((self._conv2, self._rec2, self._spare_conv, self._spare_rec), saved):
+                dst.copy_(src)
 
     def _forget(self) -> None:
         """Drop the record (nothing left to roll back into)."""
         self._pending: tuple[int, int] | None = None  # (start, rows) of a step run eagerly, not committed yet
         self._base: int | None = None  # where the record starts (None: no record)
+        self._base_at = self._cur  # the buffer holding the base (0, 1 or SPARE), when `_base` is set
         self._reach = 0  # the lowest position a rollback may go back to (>= _base)
         self._recorded = 0  # the ring holds rows up to this position (padding rows included)
         self._continues = False  # the last commit said the runner's step goes on with another fixed step
-        self._final_at: int | None = None  # replay mode: `_final` holds the state at this position
+        self._final_at: int | None = None  # buffer `_final_buf` holds what the last step wrote at this position
+        self._final_buf = 0
         self._why_not = ""  # why a rollback below `_reach` is impossible, when it is
 
     # ----------------------------------------------------------------- the TargetState surface
@@ -344,8 +414,8 @@ class Qwen35State:
     def reset(self) -> None:
         """Back to an empty context: length 0, zero conv windows and states."""
         self._length = 0
-        self._conv_all.zero_()
-        self._rec_all.zero_()
+        self._conv2[self._cur].zero_()
+        self._rec2[self._cur].zero_()
         self._forget()
 
     def rollback(self, n_keep: int) -> None:
@@ -390,25 +460,33 @@ class Qwen35State:
             raise ValueError(f"commit to {end}: the pending step ran positions {start}..{start + rows - 1}")
         self._pending = None
         if not self._continues or self._base is None:
-            self._new_base(start)  # a new runner step starts here: its start is the committed state
-            self._why_not = ""
+            self._base, self._base_at = start, self._cur  # a new runner step: the buffer it read is its base
+            self._reach, self._why_not = start, ""
         self._recorded = start + rows
-        self._final_at = start + rows if self.mode == "replay" else None
+        if self.mode == "replay" or self.step_writes_window:  # the step wrote its last row's state
+            self._final_at, self._final_buf = start + rows, 1 - self._cur  # into the other buffer
         self._restore(end)
         self._length, self._reach, self._continues = end, self._base, step_continues
         if step_continues and end - self._base + rows > self.ring:
             # the next chunk would overwrite ring rows still reachable: keep only from here on
-            self._new_base(end)
+            self._base, self._base_at, self._reach = end, self._cur, end
             self._why_not = (f"the last step ran more than rollback_rows ({self.ring}) rows, so its per-row states "
                              f"are kept only back to position {end}")
+        elif step_continues and self._base_at == 1 - self._cur:
+            # the next fixed step writes its last row's state into the other buffer: move the base
+            self._spare_conv.copy_(self._conv2[self._base_at])
+            self._spare_rec.copy_(self._rec2[self._base_at])
+            self._base_at = self.SPARE
 
     # ----------------------------------------------------------------- the target's side
 
     def _new_base(self, start: int) -> None:
-        """The committed state (at `start`) becomes the record's base."""
-        self._base_conv_all.copy_(self._conv_all)
-        self._base_rec_all.copy_(self._rec_all)
-        self._base, self._reach = start, start
+        """Before an eager forward that updates the committed state in place: a copy of it (at
+        `start`) in the other buffer becomes the record's base."""
+        other = 1 - self._cur
+        self._conv2[other].copy_(self._conv2[self._cur])
+        self._rec2[other].copy_(self._rec2[self._cur])
+        self._base, self._base_at, self._reach = start, other, start
 
     def _ring_rows(self, buf: torch.Tensor, lo: int, hi: int, dim: int = 0) -> torch.Tensor:
         """Rows of positions `[lo, hi)` (at most `ring` of them) from a ring buffer whose ring
@@ -420,29 +498,49 @@ class Qwen35State:
 
     def _restore(self, n: int) -> None:
         """Committed conv windows and states := those after position n-1 (`_base <= n <=
-        _recorded`): device copies over every layer at once, or (replay mode) the kept rows run
-        from the base through the recurrence, layer by layer."""
-        base, k1 = self._base, self.conv_k - 1
+        _recorded`), in a buffer that is not the base's, which becomes `_cur`: a flip when a
+        step already wrote that state (the base itself, or a replay step's last row), else a
+        stash row copy or the kept rows run from the base through the recurrence (one launch
+        over every layer with the kernels)."""
+        base, base_at, k1 = self._base, self._base_at, self.conv_k - 1
         assert base is not None and base <= n <= self._recorded, (base, n, self._recorded)
-        if n > base:
-            rows = self._ring_rows(self._xs_all, max(base, n - k1), n, dim=1)
-            self._conv_all.copy_(torch.cat([self._base_conv_all, rows], dim=1)[:, -k1:])
+        if n == base and base_at != self.SPARE:
+            self._cur = base_at
+            return
+        # the last fixed step's every row kept: what it wrote into the other buffer is that state
+        stepped = n == self._final_at and self._final_buf != base_at
+        rec_done = stepped and self.mode == "replay"
+        conv_done = stepped and self.step_writes_window
+        if stepped:
+            dst = self._final_buf
         else:
-            self._conv_all.copy_(self._base_conv_all)
-        if n == base:
-            self._rec_all.copy_(self._base_rec_all)
+            dst = 1 - base_at if base_at != self.SPARE else self._cur
+        base_conv, base_rec = self._conv_buf(base_at), self._rec_buf(base_at)
+        conv_dst, rec_dst = self._conv2[dst], self._rec2[dst]
+        if conv_done:
+            pass
+        elif n > base:
+            rows = self._ring_rows(self._xs_all, max(base, n - k1), n, dim=1)
+            conv_dst.copy_(torch.cat([base_conv, rows], dim=1)[:, -k1:])
+        else:
+            conv_dst.copy_(base_conv)
+        if rec_done:
+            pass
+        elif n == base:
+            rec_dst.copy_(base_rec)
         elif self.mode == "stash":
-            self._rec_all.copy_(self._stash_all[:, (n - 1) % self.ring])
-        elif n == self._final_at:  # the last step's every row kept: the state it wrote
-            self._rec_all.copy_(self._final_all)
+            rec_dst.copy_(self._stash_all[:, (n - 1) % self.ring])
         else:  # replay: the same recurrence, so the same bits as the step computed in its registers
-            self._ops.gated_delta_replay(self._qkv_all, self._g_all, self._beta_all, self._base_rec_all,
-                                         self.n_k_heads, base % self.ring, n - base, self._rec_all)
+            self._ops.gated_delta_replay(self._qkv_all, self._g_all, self._beta_all, base_rec,
+                                         self.n_k_heads, base % self.ring, n - base, rec_dst)
+        if dst == self._final_buf and not stepped:
+            self._final_at = None  # that buffer no longer holds the step's last row
+        self._cur = dst
 
     def _ran_eager(self, start: int, rows: int) -> None:
         """An eager `forward` ran `rows` rows from `start` (after `_new_base(start)` when it kept
-        them in the ring, i.e. `rows <= ring`) and committed them all at once."""
-        self._final_at = None  # an eager forward commits in place: `_final` is not its state
+        them in the ring, i.e. `rows <= ring`) and committed them all at once, in place."""
+        self._final_at = None
         if rows <= self.ring:
             self._recorded = start + rows
             self._why_not = ""

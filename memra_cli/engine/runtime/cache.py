@@ -20,7 +20,8 @@ class KVCache:
     the CUDA graphs captured over this storage (runtime/graphs.py): they live and die with it.
     """
 
-    host_bookkeeping = True  # commit / rollback only move `length`: a round graph may run over it
+    host_bookkeeping = True  # commit / rollback only move `length` (padding rows leave no trace)
+    round_graphs_ok = True  # a commit after a round graph's replay needs no host read of the device
 
     def __init__(self, n_layers: int, n_kv: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):

@@ -20,6 +20,7 @@ eager step's (a `gpu`-marked test checks it).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Sequence
 
 import torch
@@ -28,26 +29,46 @@ from memra_cli.engine.runtime import cuda_graphs
 
 
 class StepGraph:
-    """`static_step` over one cache storage, captured once, replayed per step."""
+    """`static_step` over one cache storage, captured once, replayed per step.
+
+    A state whose fixed step can run over several arrangements of its buffers (`graph_variants`,
+    e.g. the hybrid's two committed-state buffers, flipped by a commit instead of copied) gets one
+    capture per arrangement, made under `cache.arranged_for_capture(v)`, sharing one memory pool
+    and the input buffers; `run` replays the one `cache.graph_variant` names."""
 
     def __init__(self, model, width: int, cache, taps: Sequence[int]):
         self.width = width
+        self.cache = cache
         dev = model.device
         self._arange = torch.arange(width, device=dev)
         self.ids = torch.zeros(width, dtype=torch.long, device=dev)
         # capture at the slack rows: nothing real lives there (see the module docstring)
         self.positions = self._arange + (cache.max_len - width)
         taps = tuple(taps) or None
-        self.graph, (self.logits, self.taps) = cuda_graphs.capture(
-            lambda: model.static_step(self.ids, self.positions, cache, taps), dev)
+        n = getattr(cache, "graph_variants", 1)
+        pool = torch.cuda.graph_pool_handle() if n > 1 and dev.type == "cuda" else None
+        self.graphs, self.outputs = [], []
+        for variant in range(n):
+            with cache.arranged_for_capture(variant) if n > 1 else nullcontext():
+                graph, out = cuda_graphs.capture(
+                    lambda: model.static_step(self.ids, self.positions, cache, taps), dev, pool=pool)
+            self.graphs.append(graph)
+            self.outputs.append(out)
 
     def run(self, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Step `ids [W]` at `start..start+W-1`: (logits `[W, vocab]`, taps or None), copied
         out of the graph's buffers so the caller may keep them past the next replay."""
         self.ids.copy_(ids)
         torch.add(self._arange, start, out=self.positions)
-        self.graph.replay()
-        return self.logits.clone(), (None if self.taps is None else self.taps.clone())
+        variant = getattr(self.cache, "graph_variant", 0)
+        self.graphs[variant].replay()
+        logits, taps = self.outputs[variant]
+        return logits.clone(), (None if taps is None else taps.clone())
+
+    @property
+    def graph(self):
+        """The capture of the state's current arrangement (benchmarks time its replay)."""
+        return self.graphs[getattr(self.cache, "graph_variant", 0)]
 
 
 class PrefillGraph:

@@ -26,6 +26,7 @@ raises.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Sequence
 
 import torch
@@ -163,7 +164,7 @@ class Session:
         r = self.runner
         if not (r.cuda_graphs and r.width is not None and self.sampler is GREEDY):
             return False
-        if not getattr(self.cache, "host_bookkeeping", False):  # a recurrent state restores on device
+        if not getattr(self.cache, "round_graphs_ok", False):  # the state's commit needs no host read
             return False
         if self.proposer is None:
             return True
@@ -183,12 +184,17 @@ class Session:
             self.last_id = int(self.last.item())  # once per session, after the prefill
         self.last = None
         slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
+        # A state whose steps run over one of several buffer arrangements (the hybrid's two
+        # committed-state buffers) gets a round graph per arrangement, captured in it.
+        variant = getattr(cache, "graph_variant", None)
+        arranged = cache.arranged_for_capture(variant) if variant is not None else nullcontext()
         if self.proposer is None:
-            key = ("plain-round", width)
+            key = ("plain-round", width, variant)
             graph = cache.graphs.get(key)
             if graph is None:
-                graph = cache.graphs[key] = RoundGraph(round_bodies.plain_step(model, cache, width),
-                                                       (slack, 0), model.device)
+                with arranged:
+                    graph = cache.graphs[key] = RoundGraph(round_bodies.plain_step(model, cache, width),
+                                                           (slack, 0), model.device)
             out = graph.run((start, self.last_id))
             cand_h, vam_h, vt, m = [self.last_id], [int(out[0])], 1, 0
         else:
@@ -196,12 +202,13 @@ class Session:
             assert kv.length == start, (kv.length, start)  # row index == position in both caches
             raws = p.window.is_confidence
             model.check_taps(self.taps)
-            key = ("round", id(kv), p, raws, self.taps, width)
+            key = ("round", id(kv), p, raws, self.taps, width, variant)
             graph = cache.graphs.get(key)
             if graph is None:
                 body = round_bodies.speculative_round(self.proposer.drafter, model, p, kv, cache, self.taps, width, raws)
                 d_slack = kv.rows - max(width, p.block_size)
-                graph = cache.graphs[key] = RoundGraph(body, (slack, d_slack, 0), model.device, keep=(kv,))
+                with arranged:
+                    graph = cache.graphs[key] = RoundGraph(body, (slack, d_slack, 0), model.device, keep=(kv,))
             out = graph.run((start, start, self.last_id))
             cand_h, vam_h = [int(x) for x in out[:width]], [int(x) for x in out[width : 2 * width]]
             vt = self._budget(p.window.size_window(out[2 * width:], p.verify_cap) if raws else self.vt)
