@@ -193,6 +193,32 @@ def output_gate(out: torch.Tensor, qgkv: torch.Tensor, n_heads: int) -> torch.Te
 
 
 @triton.jit
+def _gdn_gates_row(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, g_ring_ptr, beta_ring_ptr, row, slot, hv,
+                   stride_ba, stride_g, stride_beta, stride_g_ring, stride_beta_ring, threshold,
+                   REPLAY: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row `row`'s gates -> g, beta (and with REPLAY into their rings at `slot`). The code of
+    `gdn_gates` and of the fused `gdn_conv_gates` (one code, one set of bits)."""
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < hv
+    dt = ba_ptr.dtype.element_ty
+    b = tl.load(ba_ptr + row * stride_ba + h, mask=hmask, other=0.0).to(tl.float32)
+    a = tl.load(ba_ptr + row * stride_ba + hv + h, mask=hmask, other=0.0).to(tl.float32)
+    beta = (1.0 / (1.0 + tl.exp(-b))).to(dt).to(tl.float32)  # sigmoid in the model dtype, then float
+    xa = a + tl.load(dt_bias_ptr + h, mask=hmask, other=0.0)
+    # softplus = log1p(exp(xa)); log1p as log(u) * e / (u - 1) (exact where u rounds, Goldberg)
+    e = tl.exp(xa)
+    u = 1.0 + e
+    d = tl.where(u == 1.0, 1.0, u - 1.0)
+    sp = tl.where(xa > threshold, xa, tl.where(u == 1.0, e, tl.log(u) * (e / d)))
+    g = tl.load(a_neg_ptr + h, mask=hmask, other=0.0) * sp
+    tl.store(g_ptr + row * stride_g + h, g, mask=hmask)
+    tl.store(beta_ptr + row * stride_beta + h, beta, mask=hmask)
+    if REPLAY:
+        tl.store(g_ring_ptr + slot * stride_g_ring + h, g, mask=hmask)
+        tl.store(beta_ring_ptr + slot * stride_beta_ring + h, beta, mask=hmask)
+
+
+@triton.jit
 def _gdn_gates_kernel(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, idx_ptr, mixed_ptr, xs_ptr,
                       conv_ptr, qkv_ring_ptr, g_ring_ptr, beta_ring_ptr, hv, C, stride_ba,
                       stride_g, stride_beta, stride_mixed, stride_xs, stride_conv, stride_qkv_ring,
@@ -211,25 +237,8 @@ def _gdn_gates_kernel(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, idx_ptr, 
             y = tl.load(conv_ptr + row * stride_conv + cols, mask=cmask)
             tl.store(qkv_ring_ptr + slot * stride_qkv_ring + cols, y, mask=cmask)
     if blk == 0:
-        h = tl.arange(0, BLOCK_H)
-        hmask = h < hv
-        dt = ba_ptr.dtype.element_ty
-        b = tl.load(ba_ptr + row * stride_ba + h, mask=hmask, other=0.0).to(tl.float32)
-        a = tl.load(ba_ptr + row * stride_ba + hv + h, mask=hmask, other=0.0).to(tl.float32)
-        beta = (1.0 / (1.0 + tl.exp(-b))).to(dt).to(tl.float32)  # sigmoid in the model dtype, then float
-        # (not `x`: a name bound in one branch must keep its type in the compiled kernel)
-        xa = a + tl.load(dt_bias_ptr + h, mask=hmask, other=0.0)
-        # softplus = log1p(exp(xa)); log1p as log(u) * e / (u - 1) (exact where u rounds, Goldberg)
-        e = tl.exp(xa)
-        u = 1.0 + e
-        d = tl.where(u == 1.0, 1.0, u - 1.0)
-        sp = tl.where(xa > threshold, xa, tl.where(u == 1.0, e, tl.log(u) * (e / d)))
-        g = tl.load(a_neg_ptr + h, mask=hmask, other=0.0) * sp
-        tl.store(g_ptr + row * stride_g + h, g, mask=hmask)
-        tl.store(beta_ptr + row * stride_beta + h, beta, mask=hmask)
-        if REPLAY:
-            tl.store(g_ring_ptr + slot * stride_g_ring + h, g, mask=hmask)
-            tl.store(beta_ring_ptr + slot * stride_beta_ring + h, beta, mask=hmask)
+        _gdn_gates_row(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, g_ring_ptr, beta_ring_ptr, row, slot, hv,
+                       stride_ba, stride_g, stride_beta, stride_g_ring, stride_beta_ring, threshold, REPLAY, BLOCK_H)
 
 
 def _check_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay):
