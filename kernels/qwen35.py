@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from .deltanet import BLOCK_C, _conv_silu_cols, causal_conv_silu_ref
 from .norm import rms_norm_1p_ref
 from .rope import _rope_ref
 
@@ -304,6 +305,119 @@ def gdn_gates(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
 
 
 @triton.jit
+def _gdn_conv_gates_kernel(win_ptr, x_ptr, w_ptr, out_ptr, fw_ptr, ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr,
+                           idx_ptr, xs_ptr, qkv_ring_ptr, g_ring_ptr, beta_ring_ptr, hv, C, stride_win, stride_x,
+                           stride_out, stride_fw, stride_ba, stride_g, stride_beta, stride_xs, stride_qkv_ring,
+                           stride_g_ring, stride_beta_ring, threshold, K: tl.constexpr, BLOCK: tl.constexpr,
+                           BLOCK_H: tl.constexpr, RECORD: tl.constexpr, REPLAY: tl.constexpr,
+                           FINAL: tl.constexpr):
+    """Program (row, block): blocks [0, n) each run the conv over BLOCK columns of the row (and
+    record its inputs / outputs, and for the last row the final window, from what they loaded);
+    block n (the last) computes the row's gates, beside them rather than after a conv block."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    slot = tl.load(idx_ptr + row).to(tl.int64) if RECORD else row  # the row's ring slot
+    if blk == tl.num_programs(1) - 1:
+        _gdn_gates_row(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, g_ring_ptr, beta_ring_ptr, row, slot, hv,
+                       stride_ba, stride_g, stride_beta, stride_g_ring, stride_beta_ring, threshold, REPLAY, BLOCK_H)
+    else:
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < C
+        last = row == tl.num_programs(0) - 1  # its taps 1..K-1 are the window after the step
+        y, x = _conv_silu_cols(win_ptr, x_ptr, w_ptr, out_ptr, fw_ptr, row, offs, mask, mask & last, stride_win,
+                               stride_x, stride_fw, K, BLOCK, FINAL)
+        tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
+        if RECORD:
+            tl.store(xs_ptr + slot * stride_xs + offs, x, mask=mask)
+            if REPLAY:
+                tl.store(qkv_ring_ptr + slot * stride_qkv_ring + offs, y, mask=mask)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of a and b intersect (a conservative test on their byte ranges)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(x):
+        lo = x.data_ptr()
+        return lo, lo + (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings, final_window):
+    check_tensors(window, mixed, conv_w, ba)
+    check_dtype(mixed, "mixed")
+    if mixed.dim() != 2:
+        raise ValueError(f"mixed {tuple(mixed.shape)} is not [t, C]")
+    t, c = mixed.shape
+    k = conv_w.shape[1] if conv_w.dim() == 2 else 0
+    if conv_w.shape != (c, k) or k < 1 or conv_w.dtype != torch.float32 or not conv_w.is_contiguous():
+        raise ValueError(f"conv_w {tuple(conv_w.shape)} {conv_w.dtype} is not a contiguous float32 [C={c}, K]")
+    if window.shape != (k - 1, c) or window.dtype != mixed.dtype:
+        raise ValueError(f"window {tuple(window.shape)} {window.dtype} is not [K-1={k - 1}, C={c}] {mixed.dtype}")
+    for name, x in (("window", window), ("mixed", mixed)):
+        check_last_contiguous(x, name)
+    if ba.dim() != 2 or ba.shape[0] != t:
+        raise ValueError(f"ba {tuple(ba.shape)} is not [t={t}, 2*Hv]")
+    if replay_rings is not None and len(replay_rings) != 3:
+        raise ValueError("replay_rings must be (qkv_ring, g_ring, beta_ring)")
+    # the gates' checks, the conv output standing in for the replay's conv rows (same shape and dtype)
+    replay = None if replay_rings is None else (replay_rings[0], mixed, replay_rings[1], replay_rings[2])
+    _check_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, None if ring_idx is None else mixed, replay)
+    if final_window is not None:
+        check_tensors(mixed, final_window)
+        check_last_contiguous(final_window, "final_window")
+        if final_window.shape != (k - 1, c) or final_window.dtype != mixed.dtype:
+            raise ValueError(f"final_window {tuple(final_window.shape)} {final_window.dtype} is not "
+                             f"[K-1={k - 1}, C={c}] {mixed.dtype}")
+        if _overlap(final_window, window):
+            raise ValueError("final_window must not overlap window (the step's rows read window while its last "
+                             "row writes final_window)")
+
+
+def gdn_conv_gates(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, ba: torch.Tensor,
+                   a_neg: torch.Tensor, dt_bias: torch.Tensor, ring_idx: torch.Tensor | None = None,
+                   xs_ring: torch.Tensor | None = None, replay_rings: tuple | None = None,
+                   final_window: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The DeltaNet step's conv and gates in one launch -> (conv_out `[t, C]` model dtype, g, beta
+    `[t, Hv]` float32): exactly `causal_conv_silu(window, mixed, conv_w)` then `gdn_gates(ba,
+    a_neg, dt_bias, ring_idx, xs_ring, mixed, (qkv_ring, conv_out, g_ring, beta_ring))`, bit for
+    bit (the same jit code: `deltanet._conv_silu_cols`, `_gdn_gates_row`).
+
+    `window [K-1, C]`, `mixed [t, C]` (the conv inputs, model dtype; rows may be strided),
+    `conv_w [C, K]` float32, `ba [t, 2*Hv]`, `a_neg`, `dt_bias [Hv]` float32. With `ring_idx [t]`
+    the record as `gdn_gates` writes it, `replay_rings = (qkv_ring, g_ring, beta_ring)` taking the
+    conv outputs, g and beta. `final_window [K-1, C]` (model dtype, not overlapping `window`),
+    when given, receives the conv window after the last row: the last K-1 rows of
+    `cat([window, mixed])` (for t < K-1 partly window rows), written by the last row's programs
+    from the taps they load."""
+    _check_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings, final_window)
+    t, c = mixed.shape
+    k, hv = conv_w.shape[1], a_neg.shape[0]
+    conv = torch.empty((t, c), dtype=mixed.dtype, device=mixed.device)
+    g = torch.empty((t, hv), dtype=torch.float32, device=ba.device)
+    beta = torch.empty((t, hv), dtype=torch.float32, device=ba.device)
+    if t == 0:
+        if final_window is not None:
+            final_window.copy_(window)
+        return conv, g, beta
+    record, replay = ring_idx is not None, replay_rings is not None
+    qkv_ring, g_ring, beta_ring = replay_rings if replay else (conv, g, beta)
+    idx, xs = (ring_idx, xs_ring) if record else (g, conv)
+    fw = final_window if final_window is not None else conv
+    _gdn_conv_gates_kernel[(t, triton.cdiv(c, BLOCK_C) + 1)](
+        window, mixed, conv_w, conv, fw, ba, a_neg, dt_bias, g, beta, idx, xs, qkv_ring, g_ring, beta_ring, hv, c,
+        window.stride(0), mixed.stride(0), conv.stride(0), fw.stride(0), ba.stride(0), g.stride(0), beta.stride(0),
+        xs.stride(0), qkv_ring.stride(0), g_ring.stride(0), beta_ring.stride(0), SOFTPLUS_THRESHOLD,
+        K=k, BLOCK=BLOCK_C, BLOCK_H=next_pow2(hv), RECORD=record, REPLAY=replay,
+        FINAL=final_window is not None, num_warps=4)
+    return conv, g, beta
+
+
+@triton.jit
 def _gated_norm_kernel(core_ptr, z_ptr, w_ptr, out_ptr, stride_core_t, stride_core_h, stride_z,
                        stride_out, eps, DV: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row, value head)."""
@@ -392,6 +506,24 @@ def gdn_gates_ref(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
             g_ring.index_copy_(0, ring_idx, g)
             beta_ring.index_copy_(0, ring_idx, beta)
     return g, beta
+
+
+def gdn_conv_gates_ref(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, ba: torch.Tensor,
+                       a_neg: torch.Tensor, dt_bias: torch.Tensor, ring_idx: torch.Tensor | None = None,
+                       xs_ring: torch.Tensor | None = None, replay_rings: tuple | None = None,
+                       final_window: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch twin of `gdn_conv_gates`: `causal_conv_silu_ref`, then `gdn_gates_ref` with the
+    conv output as the replay's conv rows, then the final window as the last K-1 rows of
+    `cat([window, mixed])`."""
+    _check_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings, final_window)
+    conv = causal_conv_silu_ref(window, mixed, conv_w)
+    replay = None if replay_rings is None else (replay_rings[0], conv, replay_rings[1], replay_rings[2])
+    g, beta = gdn_gates_ref(ba, a_neg, dt_bias, ring_idx, xs_ring, None if ring_idx is None else mixed, replay)
+    if final_window is not None:
+        xs = torch.cat([window, mixed], dim=0)
+        final_window.copy_(xs[xs.shape[0] - window.shape[0]:])
+    return conv, g, beta
 
 
 def gated_rms_norm_ref(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
