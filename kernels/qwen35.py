@@ -18,6 +18,11 @@ Gated DeltaNet (`linear_attention` layers):
   float32) and `g = a_neg * softplus(a + dt_bias)` (float32) from the projection's `b | a`
   columns; on request in the same launch the step's rollback record: the conv inputs into the
   state's ring at `ring_idx`, and in replay mode the conv outputs, g and beta too.
+- `gdn_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings,
+  final_window) -> (conv_out, g, beta)`: `deltanet.causal_conv_silu` and `gdn_gates` in one
+  launch (the step's one-row decode is launch-bound), the same jit code so the same bits, and on
+  request the conv window after the last row into `final_window`. Grid (row, conv block + 1):
+  the extra program of a row computes its gates.
 - `gated_rms_norm(core, z, w, eps) -> [t, Hv*dv]`: the recurrence output `core [t, Hv, dv]`
   (float32) rounded to the model dtype, RMSNorm over each value head, `* w` in the model dtype,
   `* silu(z)` in float32, one rounding (HF `Qwen3_5RMSNormGated`).
