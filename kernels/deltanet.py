@@ -61,23 +61,39 @@ L2_EPS = 1e-6  # HF / fla l2norm epsilon
 
 
 @triton.jit
-def _conv_silu_kernel(win_ptr, x_ptr, w_ptr, out_ptr, C, stride_win, stride_x, stride_out,
-                      K: tl.constexpr, BLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < C
+def _conv_silu_cols(win_ptr, x_ptr, w_ptr, out_ptr, fw_ptr, r, offs, mask, fw_mask, stride_win, stride_x,
+                    stride_fw, K: tl.constexpr, BLOCK: tl.constexpr, FINAL: tl.constexpr):
+    """Row r's conv + SiLU over the columns `offs`: returns (the output in out's dtype, the row's
+    own conv input `x[r]`, the last tap). With FINAL, taps 1..K-1 (rows r+1..r+K-1 of
+    `[window; x]`, the window after row r) also go to `fw` rows 0..K-2 where `fw_mask`.
+    The code of `causal_conv_silu` and of qwen35's fused `gdn_conv_gates` (one code, one set of bits)."""
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
         src = r + j  # row of [window; x]
         from_win = src < K - 1
         a = tl.load(win_ptr + src * stride_win + offs, mask=mask & from_win, other=0.0)
         b = tl.load(x_ptr + (src - (K - 1)) * stride_x + offs, mask=mask & (src >= K - 1), other=0.0)
-        val = tl.where(from_win, a, b).to(tl.float32)
+        raw = tl.where(from_win, a, b)
+        if FINAL:
+            if j > 0:
+                tl.store(fw_ptr + (j - 1) * stride_fw + offs, raw, mask=fw_mask)
+        val = raw.to(tl.float32)
         wj = tl.load(w_ptr + offs * K + j, mask=mask, other=0.0)
         acc = acc + val * wj
     dt = out_ptr.dtype.element_ty
     y = acc.to(dt).to(tl.float32)  # rounded to the model dtype before SiLU, as the twin
-    tl.store(out_ptr + r * stride_out + offs, (y / (1.0 + tl.exp(-y))).to(dt), mask=mask)
+    return (y / (1.0 + tl.exp(-y))).to(dt), raw
+
+
+@triton.jit
+def _conv_silu_kernel(win_ptr, x_ptr, w_ptr, out_ptr, C, stride_win, stride_x, stride_out,
+                      K: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    y, _ = _conv_silu_cols(win_ptr, x_ptr, w_ptr, out_ptr, out_ptr, r, offs, mask, mask, stride_win, stride_x, 0,
+                           K, BLOCK, False)
+    tl.store(out_ptr + r * stride_out + offs, y, mask=mask)
 
 
 def causal_conv_silu(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,11 @@ Gated DeltaNet (`linear_attention` layers):
   float32) and `g = a_neg * softplus(a + dt_bias)` (float32) from the projection's `b | a`
   columns; on request in the same launch the step's rollback record: the conv inputs into the
   state's ring at `ring_idx`, and in replay mode the conv outputs, g and beta too.
+- `gdn_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings,
+  final_window) -> (conv_out, g, beta)`: `deltanet.causal_conv_silu` and `gdn_gates` in one
+  launch (the step's one-row decode is launch-bound), the same jit code so the same bits, and on
+  request the conv window after the last row into `final_window`. Grid (row, conv block + 1):
+  the extra program of a row computes its gates.
 - `gated_rms_norm(core, z, w, eps) -> [t, Hv*dv]`: the recurrence output `core [t, Hv, dv]`
   (float32) rounded to the model dtype, RMSNorm over each value head, `* w` in the model dtype,
   `* silu(z)` in float32, one rounding (HF `Qwen3_5RMSNormGated`).
@@ -43,6 +48,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from .deltanet import BLOCK_C, _conv_silu_cols, causal_conv_silu_ref
 from .norm import rms_norm_1p_ref
 from .rope import _rope_ref
 
@@ -193,6 +199,32 @@ def output_gate(out: torch.Tensor, qgkv: torch.Tensor, n_heads: int) -> torch.Te
 
 
 @triton.jit
+def _gdn_gates_row(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, g_ring_ptr, beta_ring_ptr, row, slot, hv,
+                   stride_ba, stride_g, stride_beta, stride_g_ring, stride_beta_ring, threshold,
+                   REPLAY: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row `row`'s gates -> g, beta (and with REPLAY into their rings at `slot`). The code of
+    `gdn_gates` and of the fused `gdn_conv_gates` (one code, one set of bits)."""
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < hv
+    dt = ba_ptr.dtype.element_ty
+    b = tl.load(ba_ptr + row * stride_ba + h, mask=hmask, other=0.0).to(tl.float32)
+    a = tl.load(ba_ptr + row * stride_ba + hv + h, mask=hmask, other=0.0).to(tl.float32)
+    beta = (1.0 / (1.0 + tl.exp(-b))).to(dt).to(tl.float32)  # sigmoid in the model dtype, then float
+    xa = a + tl.load(dt_bias_ptr + h, mask=hmask, other=0.0)
+    # softplus = log1p(exp(xa)); log1p as log(u) * e / (u - 1) (exact where u rounds, Goldberg)
+    e = tl.exp(xa)
+    u = 1.0 + e
+    d = tl.where(u == 1.0, 1.0, u - 1.0)
+    sp = tl.where(xa > threshold, xa, tl.where(u == 1.0, e, tl.log(u) * (e / d)))
+    g = tl.load(a_neg_ptr + h, mask=hmask, other=0.0) * sp
+    tl.store(g_ptr + row * stride_g + h, g, mask=hmask)
+    tl.store(beta_ptr + row * stride_beta + h, beta, mask=hmask)
+    if REPLAY:
+        tl.store(g_ring_ptr + slot * stride_g_ring + h, g, mask=hmask)
+        tl.store(beta_ring_ptr + slot * stride_beta_ring + h, beta, mask=hmask)
+
+
+@triton.jit
 def _gdn_gates_kernel(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, idx_ptr, mixed_ptr, xs_ptr,
                       conv_ptr, qkv_ring_ptr, g_ring_ptr, beta_ring_ptr, hv, C, stride_ba,
                       stride_g, stride_beta, stride_mixed, stride_xs, stride_conv, stride_qkv_ring,
@@ -211,25 +243,8 @@ def _gdn_gates_kernel(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, idx_ptr, 
             y = tl.load(conv_ptr + row * stride_conv + cols, mask=cmask)
             tl.store(qkv_ring_ptr + slot * stride_qkv_ring + cols, y, mask=cmask)
     if blk == 0:
-        h = tl.arange(0, BLOCK_H)
-        hmask = h < hv
-        dt = ba_ptr.dtype.element_ty
-        b = tl.load(ba_ptr + row * stride_ba + h, mask=hmask, other=0.0).to(tl.float32)
-        a = tl.load(ba_ptr + row * stride_ba + hv + h, mask=hmask, other=0.0).to(tl.float32)
-        beta = (1.0 / (1.0 + tl.exp(-b))).to(dt).to(tl.float32)  # sigmoid in the model dtype, then float
-        # (not `x`: a name bound in one branch must keep its type in the compiled kernel)
-        xa = a + tl.load(dt_bias_ptr + h, mask=hmask, other=0.0)
-        # softplus = log1p(exp(xa)); log1p as log(u) * e / (u - 1) (exact where u rounds, Goldberg)
-        e = tl.exp(xa)
-        u = 1.0 + e
-        d = tl.where(u == 1.0, 1.0, u - 1.0)
-        sp = tl.where(xa > threshold, xa, tl.where(u == 1.0, e, tl.log(u) * (e / d)))
-        g = tl.load(a_neg_ptr + h, mask=hmask, other=0.0) * sp
-        tl.store(g_ptr + row * stride_g + h, g, mask=hmask)
-        tl.store(beta_ptr + row * stride_beta + h, beta, mask=hmask)
-        if REPLAY:
-            tl.store(g_ring_ptr + slot * stride_g_ring + h, g, mask=hmask)
-            tl.store(beta_ring_ptr + slot * stride_beta_ring + h, beta, mask=hmask)
+        _gdn_gates_row(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, g_ring_ptr, beta_ring_ptr, row, slot, hv,
+                       stride_ba, stride_g, stride_beta, stride_g_ring, stride_beta_ring, threshold, REPLAY, BLOCK_H)
 
 
 def _check_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay):
@@ -292,6 +307,119 @@ def gdn_gates(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
         qkv_ring_.stride(0), g_ring.stride(0), beta_ring.stride(0), SOFTPLUS_THRESHOLD,
         RECORD=record, REPLAY=replay is not None, BLOCK_H=next_pow2(hv), BLOCK=BLOCK_COLS, num_warps=4)
     return g, beta
+
+
+@triton.jit
+def _gdn_conv_gates_kernel(win_ptr, x_ptr, w_ptr, out_ptr, fw_ptr, ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr,
+                           idx_ptr, xs_ptr, qkv_ring_ptr, g_ring_ptr, beta_ring_ptr, hv, C, stride_win, stride_x,
+                           stride_out, stride_fw, stride_ba, stride_g, stride_beta, stride_xs, stride_qkv_ring,
+                           stride_g_ring, stride_beta_ring, threshold, K: tl.constexpr, BLOCK: tl.constexpr,
+                           BLOCK_H: tl.constexpr, RECORD: tl.constexpr, REPLAY: tl.constexpr,
+                           FINAL: tl.constexpr):
+    """Program (row, block): blocks [0, n) each run the conv over BLOCK columns of the row (and
+    record its inputs / outputs, and for the last row the final window, from what they loaded);
+    block n (the last) computes the row's gates, beside them rather than after a conv block."""
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    slot = tl.load(idx_ptr + row).to(tl.int64) if RECORD else row  # the row's ring slot
+    if blk == tl.num_programs(1) - 1:
+        _gdn_gates_row(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, g_ring_ptr, beta_ring_ptr, row, slot, hv,
+                       stride_ba, stride_g, stride_beta, stride_g_ring, stride_beta_ring, threshold, REPLAY, BLOCK_H)
+    else:
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < C
+        last = row == tl.num_programs(0) - 1  # its taps 1..K-1 are the window after the step
+        y, x = _conv_silu_cols(win_ptr, x_ptr, w_ptr, out_ptr, fw_ptr, row, offs, mask, mask & last, stride_win,
+                               stride_x, stride_fw, K, BLOCK, FINAL)
+        tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
+        if RECORD:
+            tl.store(xs_ptr + slot * stride_xs + offs, x, mask=mask)
+            if REPLAY:
+                tl.store(qkv_ring_ptr + slot * stride_qkv_ring + offs, y, mask=mask)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of a and b intersect (a conservative test on their byte ranges)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(x):
+        lo = x.data_ptr()
+        return lo, lo + (sum((n - 1) * st for n, st in zip(x.shape, x.stride())) + 1) * x.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings, final_window):
+    check_tensors(window, mixed, conv_w, ba)
+    check_dtype(mixed, "mixed")
+    if mixed.dim() != 2:
+        raise ValueError(f"mixed {tuple(mixed.shape)} is not [t, C]")
+    t, c = mixed.shape
+    k = conv_w.shape[1] if conv_w.dim() == 2 else 0
+    if conv_w.shape != (c, k) or k < 1 or conv_w.dtype != torch.float32 or not conv_w.is_contiguous():
+        raise ValueError(f"conv_w {tuple(conv_w.shape)} {conv_w.dtype} is not a contiguous float32 [C={c}, K]")
+    if window.shape != (k - 1, c) or window.dtype != mixed.dtype:
+        raise ValueError(f"window {tuple(window.shape)} {window.dtype} is not [K-1={k - 1}, C={c}] {mixed.dtype}")
+    for name, x in (("window", window), ("mixed", mixed)):
+        check_last_contiguous(x, name)
+    if ba.dim() != 2 or ba.shape[0] != t:
+        raise ValueError(f"ba {tuple(ba.shape)} is not [t={t}, 2*Hv]")
+    if replay_rings is not None and len(replay_rings) != 3:
+        raise ValueError("replay_rings must be (qkv_ring, g_ring, beta_ring)")
+    # the gates' checks, the conv output standing in for the replay's conv rows (same shape and dtype)
+    replay = None if replay_rings is None else (replay_rings[0], mixed, replay_rings[1], replay_rings[2])
+    _check_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, None if ring_idx is None else mixed, replay)
+    if final_window is not None:
+        check_tensors(mixed, final_window)
+        check_last_contiguous(final_window, "final_window")
+        if final_window.shape != (k - 1, c) or final_window.dtype != mixed.dtype:
+            raise ValueError(f"final_window {tuple(final_window.shape)} {final_window.dtype} is not "
+                             f"[K-1={k - 1}, C={c}] {mixed.dtype}")
+        if _overlap(final_window, window):
+            raise ValueError("final_window must not overlap window (the step's rows read window while its last "
+                             "row writes final_window)")
+
+
+def gdn_conv_gates(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, ba: torch.Tensor,
+                   a_neg: torch.Tensor, dt_bias: torch.Tensor, ring_idx: torch.Tensor | None = None,
+                   xs_ring: torch.Tensor | None = None, replay_rings: tuple | None = None,
+                   final_window: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The DeltaNet step's conv and gates in one launch -> (conv_out `[t, C]` model dtype, g, beta
+    `[t, Hv]` float32): exactly `causal_conv_silu(window, mixed, conv_w)` then `gdn_gates(ba,
+    a_neg, dt_bias, ring_idx, xs_ring, mixed, (qkv_ring, conv_out, g_ring, beta_ring))`, bit for
+    bit (the same jit code: `deltanet._conv_silu_cols`, `_gdn_gates_row`).
+
+    `window [K-1, C]`, `mixed [t, C]` (the conv inputs, model dtype; rows may be strided),
+    `conv_w [C, K]` float32, `ba [t, 2*Hv]`, `a_neg`, `dt_bias [Hv]` float32. With `ring_idx [t]`
+    the record as `gdn_gates` writes it, `replay_rings = (qkv_ring, g_ring, beta_ring)` taking the
+    conv outputs, g and beta. `final_window [K-1, C]` (model dtype, not overlapping `window`),
+    when given, receives the conv window after the last row: the last K-1 rows of
+    `cat([window, mixed])` (for t < K-1 partly window rows), written by the last row's programs
+    from the taps they load."""
+    _check_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings, final_window)
+    t, c = mixed.shape
+    k, hv = conv_w.shape[1], a_neg.shape[0]
+    conv = torch.empty((t, c), dtype=mixed.dtype, device=mixed.device)
+    g = torch.empty((t, hv), dtype=torch.float32, device=ba.device)
+    beta = torch.empty((t, hv), dtype=torch.float32, device=ba.device)
+    if t == 0:
+        if final_window is not None:
+            final_window.copy_(window)
+        return conv, g, beta
+    record, replay = ring_idx is not None, replay_rings is not None
+    qkv_ring, g_ring, beta_ring = replay_rings if replay else (conv, g, beta)
+    idx, xs = (ring_idx, xs_ring) if record else (g, conv)
+    fw = final_window if final_window is not None else conv
+    _gdn_conv_gates_kernel[(t, triton.cdiv(c, BLOCK_C) + 1)](
+        window, mixed, conv_w, conv, fw, ba, a_neg, dt_bias, g, beta, idx, xs, qkv_ring, g_ring, beta_ring, hv, c,
+        window.stride(0), mixed.stride(0), conv.stride(0), fw.stride(0), ba.stride(0), g.stride(0), beta.stride(0),
+        xs.stride(0), qkv_ring.stride(0), g_ring.stride(0), beta_ring.stride(0), SOFTPLUS_THRESHOLD,
+        K=k, BLOCK=BLOCK_C, BLOCK_H=next_pow2(hv), RECORD=record, REPLAY=replay,
+        FINAL=final_window is not None, num_warps=4)
+    return conv, g, beta
 
 
 @triton.jit
@@ -383,6 +511,24 @@ def gdn_gates_ref(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
             g_ring.index_copy_(0, ring_idx, g)
             beta_ring.index_copy_(0, ring_idx, beta)
     return g, beta
+
+
+def gdn_conv_gates_ref(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, ba: torch.Tensor,
+                       a_neg: torch.Tensor, dt_bias: torch.Tensor, ring_idx: torch.Tensor | None = None,
+                       xs_ring: torch.Tensor | None = None, replay_rings: tuple | None = None,
+                       final_window: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain torch twin of `gdn_conv_gates`: `causal_conv_silu_ref`, then `gdn_gates_ref` with the
+    conv output as the replay's conv rows, then the final window as the last K-1 rows of
+    `cat([window, mixed])`."""
+    _check_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings, final_window)
+    conv = causal_conv_silu_ref(window, mixed, conv_w)
+    replay = None if replay_rings is None else (replay_rings[0], conv, replay_rings[1], replay_rings[2])
+    g, beta = gdn_gates_ref(ba, a_neg, dt_bias, ring_idx, xs_ring, None if ring_idx is None else mixed, replay)
+    if final_window is not None:
+        xs = torch.cat([window, mixed], dim=0)
+        final_window.copy_(xs[xs.shape[0] - window.shape[0]:])
+    return conv, g, beta
 
 
 def gated_rms_norm_ref(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -928,17 +928,19 @@ def test_oracle_target_tables_read_both_hybrid_layouts(tiny_dirs):
 
 def test_the_fixed_step_is_step_ops_and_weight_matmuls():
     """What a fixed step launches on the GPU, counted on the CPU (benchmarks/qwen3_5_step_ops.py):
-    per layer of either kind, 7 step-op launches (the norms fused with the residual adds, the
-    mixer's fused prep and epilogue, conv + recurrence or attention, SiLU·mul) and the weight
-    matmuls, no torch op left outside the seam (before the fusion: 41 non-GEMM launches per
-    DeltaNet layer, 54 per attention layer, in bf16 at width 1). Fails when a torch op creeps
-    back into the step."""
+    per DeltaNet layer 6 step-op launches (the two norms fused with the residual adds, the conv
+    and gates in one, the recurrence, the gated norm, SiLU·mul; 7 while conv and gates were two),
+    per attention layer 7 (the norms, the fused prep, attention's two, the output gate, SiLU·mul),
+    and the weight matmuls, no torch op left outside the seam (before the fusion: 41 non-GEMM
+    launches per DeltaNet layer, 54 per attention layer, in bf16 at width 1). Fails when a torch
+    op creeps back into the step."""
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "qwen3_5_step_ops.py"
     spec = importlib.util.spec_from_file_location("qwen3_5_step_ops", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     counts = bench.per_layer(width=3)
     _, per_gdn, per_attn = counts["launches_step_ops"]
-    assert (per_gdn, per_attn) == (7, 7), counts["step_op_calls"]
+    assert (per_gdn, per_attn) == (6, 7), counts["step_op_calls"]
+    assert counts["step_op_calls"]["gdn_conv_gates"][1:] == [1, 0], counts["step_op_calls"]
     assert counts["launches_torch_non_gemm"][1:] == [0, 0], counts["torch_ops"]
     assert counts["gemms"][1:] == [4, 4]

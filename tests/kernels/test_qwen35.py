@@ -9,14 +9,16 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from memra_kernels.deltanet import causal_conv_silu  # noqa: E402
 from memra_kernels.qwen35 import (  # noqa: E402
     gated_qk_norm_rope_kv_write, gated_qk_norm_rope_kv_write_ref, gated_rms_norm, gated_rms_norm_ref,
-    gdn_gates, gdn_gates_ref, output_gate, output_gate_ref,
+    gdn_conv_gates, gdn_conv_gates_ref, gdn_gates, gdn_gates_ref, output_gate, output_gate_ref,
 )
 
 from memra_cli.engine.layers.deltanet import gated_rms_norm as engine_gated_rms_norm  # noqa: E402
 from memra_cli.engine.layers.deltanet import rms_norm_1p  # noqa: E402
 from memra_cli.engine.layers.rope import apply_partial_rope  # noqa: E402
+from memra_cli.engine.layers.step_ops import TorchStepOps  # noqa: E402
 
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16]
@@ -239,6 +241,172 @@ def test_gdn_gates_rows_are_independent(dtype, device):
         assert torch.equal(gi[0], g[i]) and torch.equal(bi[0], beta[i])
 
 
+# ---------------------------------------------------- the fused conv + gates (gdn_conv_gates)
+
+RECORDS = ["none", "stash", "replay"]  # no record (prefill), conv inputs only, + conv out / g / beta
+
+
+def _conv_gates_inputs(t, k, c, hv, dtype, device, record, final, seed=0, ring=20):
+    """As the engine passes them: `mixed` and `ba` strided column views of one projection (with
+    softplus' threshold and its tiny-exp end in `a`), a contiguous window, rings and the final
+    window pre-filled with noise (so a missed or stray write shows)."""
+    g = _gen(seed)
+    proj = torch.randn(t, c + 5 + 2 * hv + 3, generator=g) * 3
+    proj[:, c + 5 + hv] = 25.0
+    proj[:, c + 5 + hv + 1] = -30.0
+    proj = proj.to(dtype).to(device)
+    mixed, ba = proj[:, :c], proj[:, c + 5:c + 5 + 2 * hv]
+    window = torch.randn(k - 1, c, generator=g).to(dtype).to(device)
+    conv_w = (torch.randn(c, k, generator=g) * 0.5).to(device)
+    a_neg = -(torch.rand(hv, generator=g) * 8 + 0.5).to(device)
+    dt_bias = (torch.randn(hv, generator=g) * 0.5).to(device)
+    ring_idx = torch.randperm(ring, generator=g)[:t].to(device) if record != "none" else None
+    xs = torch.randn(ring, c, generator=g).to(dtype).to(device) if record != "none" else None
+    rings = None
+    if record == "replay":
+        rings = (torch.randn(ring, c, generator=g).to(dtype).to(device), torch.randn(ring, hv, generator=g).to(device),
+                 torch.randn(ring, hv, generator=g).to(device))
+    fw = torch.randn(k - 1, c, generator=g).to(dtype).to(device) if final else None
+    return (window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs, rings, fw)
+
+
+def _fresh(args):
+    """The inputs with fresh copies of everything written (rings, final window)."""
+    window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs, rings, fw = args
+    return (window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, None if xs is None else xs.clone(),
+            None if rings is None else tuple(r.clone() for r in rings), None if fw is None else fw.clone())
+
+
+def _written(args):
+    """What an op wrote: xs ring, replay rings, final window (None where not asked)."""
+    return [args[7], *(args[8] or (None, None, None)), args[9]]
+
+
+def _old_ops(args):
+    """The two separate kernels, as the step ran them before the fusion."""
+    window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs, rings, fw = args
+    conv = causal_conv_silu(window, mixed, conv_w)
+    replay = None if rings is None else (rings[0], conv, rings[1], rings[2])
+    g, beta = gdn_gates(ba, a_neg, dt_bias, ring_idx, xs, None if ring_idx is None else mixed, replay)
+    if fw is not None:  # not the old ops' job: the window after the last row, by hand
+        fw.copy_(torch.cat([window, mixed])[mixed.shape[0]:])
+    return conv, g, beta
+
+
+CONV_GATES_SHAPES = [  # (t, K, C): C not a multiple of the 256-column conv block, t below / at / above K-1
+    (1, 4, 300), (2, 4, 96), (3, 4, 513), (16, 4, 300), (17, 4, 96), (1, 2, 300), (3, 2, 257), (17, 2, 96),
+]
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["nofw", "fw"])
+@pytest.mark.parametrize("record", RECORDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,k,c", CONV_GATES_SHAPES)
+def test_gdn_conv_gates_is_the_two_old_kernels_bit_for_bit(t, k, c, dtype, record, final, device):
+    """The contract: one launch, the same bits as `causal_conv_silu` then `gdn_gates` (outputs and
+    every ring row), and the final window exactly the last K-1 rows of [window; mixed]."""
+    args = _conv_gates_inputs(t, k, c, 8, dtype, device, record, final, seed=t * 10 + k)
+    got_args, old_args = _fresh(args), _fresh(args)
+    got = gdn_conv_gates(*got_args)
+    want = _old_ops(old_args)
+    for a, b, name in zip(got, want, ("conv", "g", "beta"), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for a, b in zip(_written(got_args), _written(old_args), strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    if record != "none":  # rows outside the step's slots untouched (the old ops' own guarantee)
+        kept = torch.ones(args[7].shape[0], dtype=torch.bool, device=device)
+        kept[args[6]] = False
+        for before, after in zip(_written(args)[:4], _written(got_args)[:4]):
+            if before is not None:
+                assert torch.equal(after[kept], before[kept])
+
+
+@pytest.mark.parametrize("final", [False, True], ids=["nofw", "fw"])
+@pytest.mark.parametrize("record", RECORDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,k,c", [(1, 4, 300), (3, 4, 513), (17, 4, 96), (3, 2, 257)])
+def test_gdn_conv_gates_matches_its_twin(t, k, c, dtype, record, final, device):
+    """Against the torch twin: the conv at the conv kernel's tolerance (test_deltanet.py), the
+    gates at the gates kernel's, everything copied (record, final window) exactly, and the twin
+    is the engine's torch op bit for bit."""
+    args = _conv_gates_inputs(t, k, c, 8, dtype, device, record, final, seed=1)
+    got_args, ref_args, eng_args = _fresh(args), _fresh(args), _fresh(args)
+    conv, g, beta = gdn_conv_gates(*got_args)
+    conv_r, g_r, beta_r = gdn_conv_gates_ref(*ref_args)
+    eng = TorchStepOps.gdn_conv_gates(*eng_args)
+    present = (lambda xs: [x for x in xs if x is not None])
+    for a, b in zip((conv_r, g_r, beta_r, *present(_written(ref_args))), (*eng, *present(_written(eng_args))),
+                    strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(conv, conv_r, rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-6)
+    torch.testing.assert_close(g, g_r, rtol=1e-5, atol=0)
+    torch.testing.assert_close(beta, beta_r, rtol=1e-6 if dtype == torch.float32 else 2**-7, atol=0)
+    if dtype != torch.float32:
+        assert (conv != conv_r).float().mean().item() <= MAX_MISMATCH
+    got_w, ref_w = _written(got_args), _written(ref_args)
+    assert (got_w[0] is None) == (ref_w[0] is None) and (got_w[0] is None or torch.equal(got_w[0], ref_w[0]))
+    assert (got_w[4] is None) == (ref_w[4] is None) and (got_w[4] is None or torch.equal(got_w[4], ref_w[4]))
+    if record == "replay":  # the rings hold the op's own outputs at the step's slots
+        idx = args[6]
+        assert torch.equal(got_w[1][idx], conv) and torch.equal(got_w[2][idx], g) and torch.equal(got_w[3][idx], beta)
+
+
+@pytest.mark.parametrize("k", [4, 2])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gdn_conv_gates_rows_one_at_a_time_through_the_final_window(k, dtype, device):
+    """Grouping invariance with the final window as the carried state: 16 rows one launch at a
+    time, each from the previous launch's final window, give the 16-row launch's bits (outputs,
+    ring rows, final window)."""
+    t, c, hv = 16, 300, 8
+    args = _conv_gates_inputs(t, k, c, hv, dtype, device, "replay", True, seed=21)
+    whole_args = _fresh(args)
+    whole = gdn_conv_gates(*whole_args)
+    window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs, rings, fw = _fresh(args)
+    win = window.clone()
+    for r in range(t):
+        out = gdn_conv_gates(win, mixed[r:r + 1], conv_w, ba[r:r + 1], a_neg, dt_bias, ring_idx[r:r + 1], xs, rings,
+                             fw)
+        for a, b in zip(out, whole, strict=True):
+            assert torch.equal(a[0], b[r]), r
+        win = fw.clone()  # the next row's window (final_window must not overlap window)
+    assert torch.equal(fw, whole_args[9])
+    assert torch.equal(xs, whole_args[7]) and all(torch.equal(a, b) for a, b in zip(rings, whole_args[8]))
+
+
+def test_gdn_conv_gates_refuses_bad_inputs(device):
+    args = _conv_gates_inputs(3, 4, 96, 8, torch.float32, device, "replay", True)
+    window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs, rings, fw = args
+    cases = [
+        (dict(final_window=fw[:2]), r"final_window \(2, 96\) torch.float32 is not \[K-1=3, C=96\]"),
+        (dict(final_window=fw.to(torch.bfloat16)), "final_window .* is not"),
+        (dict(final_window=window), "final_window must not overlap window"),
+        (dict(window=window[:2]), r"window \(2, 96\) torch.float32 is not \[K-1=3, C=96\]"),
+        (dict(window=window.to(torch.bfloat16)), "window .* is not"),
+        (dict(conv_w=conv_w[:, :3].contiguous().T), r"conv_w .* is not a contiguous float32 \[C=96, K\]"),
+        (dict(ba=ba[:2]), r"ba \(2, 16\) is not \[t=3, 2\*Hv\]"),
+        (dict(replay_rings=rings[:2]), r"replay_rings must be \(qkv_ring, g_ring, beta_ring\)"),
+        (dict(ring_idx=None), "a record needs ring_idx"),
+        (dict(replay_rings=(rings[0][:, :95], rings[1], rings[2])), "qkv_ring .* does not fit mixed"),
+    ]
+    base = dict(window=window, mixed=mixed, conv_w=conv_w, ba=ba, a_neg=a_neg, dt_bias=dt_bias, ring_idx=ring_idx,
+                xs_ring=xs, replay_rings=rings, final_window=fw)
+    for fn in (gdn_conv_gates, gdn_conv_gates_ref):
+        for change, match in cases:
+            with pytest.raises(ValueError, match=match):
+                fn(**{**base, **change})
+    # an adjacent, non-overlapping final window (one stacked buffer, as the state's) is fine
+    buf = torch.zeros(2, 3, 96, device=device)
+    gdn_conv_gates(buf[0], mixed, conv_w, ba, a_neg, dt_bias, final_window=buf[1])
+
+
+def test_gdn_conv_gates_zero_rows(device):
+    args = _conv_gates_inputs(1, 4, 96, 8, torch.float32, device, "none", True)
+    window, mixed, conv_w, ba, a_neg, dt_bias, _, _, _, fw = args
+    conv, g, beta = gdn_conv_gates(window, mixed[:0], conv_w, ba[:0], a_neg, dt_bias, final_window=fw)
+    assert conv.shape == (0, 96) and g.shape == beta.shape == (0, 8)
+    assert torch.equal(fw, window)  # no rows: the window after them is the window
+
+
 def _norm_inputs(t, hv, dv, dtype, device, seed=0, pad=8):
     g = _gen(seed)
     core = (torch.randn(t, hv, dv, generator=g) * 0.2).to(device)
@@ -296,3 +464,8 @@ def test_float16(device):
     torch.testing.assert_close(beta, beta_ref, rtol=2**-10, atol=0)
     core, z, w = _norm_inputs(5, 4, 128, dt, device, seed=14)
     _assert_matches(gated_rms_norm(core, z, w, EPS), gated_rms_norm_ref(core, z, w, EPS))
+    args = _conv_gates_inputs(5, 4, 300, 8, dt, device, "replay", True, seed=15)
+    got_args, old_args = _fresh(args), _fresh(args)
+    for a, b in zip((*gdn_conv_gates(*got_args), *_written(got_args)), (*_old_ops(old_args), *_written(old_args)),
+                    strict=True):
+        assert torch.equal(a, b)

@@ -103,12 +103,14 @@ def test_speculative_equals_plain_with_the_kernels(target_dir, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's launches")
-def test_a_kernel_step_is_seven_launches_a_layer_and_the_matmuls(target_dir, monkeypatch):
+def test_a_kernel_step_is_six_launches_a_deltanet_layer_seven_an_attention_one(target_dir, monkeypatch):
     """The Triton path itself, counted (not inferred from the torch ops): every Triton launch of
     one fixed step, and the torch ops left around them (benchmarks/qwen3_5_step_ops.py's rule).
-    The tiny target has 5 layers: 7 launches each (attention counts its two), plus the
-    embedding gather and the first norm; outside the kernels only the weight matmuls and the
-    ring index (`positions % ring`)."""
+    The tiny target has 3 DeltaNet layers of 6 launches (two add + norms, the fused conv + gates,
+    the recurrence, the gated norm, SiLU·mul; 7 while conv and gates were two launches) and 2
+    attention layers of 7 (its two counted), plus the embedding gather and the first norm;
+    outside the kernels only the weight matmuls and the ring index (`positions % ring`). An op
+    falling back to torch fails both the count and the torch-op check."""
     from triton.runtime.interpreter import InterpretedFunction
 
     path = Path(__file__).resolve().parents[2] / "benchmarks" / "qwen3_5_step_ops.py"
@@ -133,7 +135,11 @@ def test_a_kernel_step_is_seven_launches_a_layer_and_the_matmuls(target_dir, mon
         model.static_step(ids, positions, state)
     torch_ops = bench._torch_leaves(prof)
     n_layers = len(model.layers)
-    assert sum(launches.values()) == 2 + 7 * n_layers, launches
+    n_gdn = sum(w.attn is None for w in model.layers)
+    assert 0 < n_gdn < n_layers
+    assert sum(launches.values()) == 2 + 6 * n_gdn + 7 * (n_layers - n_gdn), launches
+    assert launches["_gdn_conv_gates_kernel"] == n_gdn, launches  # one launch: conv, gates, record
+    assert launches["_conv_silu_kernel"] == launches["_gdn_gates_kernel"] == 0, launches
     # (the logits' widening is a no-op in float32)
     assert {k: v for k, v in torch_ops.items() if k not in bench.GEMMS} == {"aten::remainder": 1}
     assert sum(v for k, v in torch_ops.items() if k in bench.GEMMS) == 4 * n_layers + 1

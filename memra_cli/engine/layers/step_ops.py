@@ -40,6 +40,10 @@ float32 `1 + w`):
 - `output_gate(out, qgkv, nh) -> out * sigmoid(gate)`, the gate read from the projection
 - `gdn_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay) -> (g, beta)`: the DeltaNet's
   decay and write strength, plus (with `ring_idx`) the step's rollback record into the ring
+- `gdn_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings,
+  final_window) -> (conv_out, g, beta)`: `conv_silu` then `gdn_gates` as one op (one launch with
+  the kernels, the same bits as the two), `replay_rings = (qkv_ring, g_ring, beta_ring)` taking
+  its own conv output; with `final_window [K-1, C]` also the conv window after the last row
 - `gated_rms_norm(core, z, w, eps) -> [t, Hv*dv]`: the per-head gated norm of the recurrence output
 
 `TorchStepOps` is today's numerics exactly (HF transformers' Qwen3 / Qwen3.5 order of
@@ -221,6 +225,23 @@ class TorchStepOps:
         return g, beta
 
     @staticmethod
+    def gdn_conv_gates(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, ba: torch.Tensor,
+                       a_neg: torch.Tensor, dt_bias: torch.Tensor, ring_idx: torch.Tensor | None = None,
+                       xs_ring: torch.Tensor | None = None, replay_rings: tuple | None = None,
+                       final_window: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`conv_silu(window, mixed, conv_w)` then `gdn_gates` (the record's replay rings
+        `(qkv_ring, g_ring, beta_ring)` taking that conv output) -> (conv_out, g, beta); with
+        `final_window [K-1, C]` the last K-1 rows of `cat([window, mixed])` copied into it."""
+        conv = conv_silu_update(window, mixed, conv_w)
+        replay = None if replay_rings is None else (replay_rings[0], conv, replay_rings[1], replay_rings[2])
+        g, beta = TorchStepOps.gdn_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay)
+        if final_window is not None:
+            xs = torch.cat([window, mixed], dim=0)
+            final_window.copy_(xs[xs.shape[0] - window.shape[0]:])
+        return conv, g, beta
+
+    @staticmethod
     def gated_rms_norm(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """`core [t, Hv, dv]` float32, `z [t, Hv*dv]` -> `[t, Hv*dv]` in z's dtype."""
         t, hv, dv = core.shape
@@ -276,6 +297,7 @@ class TritonStepOps:
         self.gated_qk_norm_rope_kv_write = qwen35.gated_qk_norm_rope_kv_write
         self.output_gate = qwen35.output_gate
         self.gdn_gates = qwen35.gdn_gates
+        self.gdn_conv_gates = qwen35.gdn_conv_gates
         self.gated_rms_norm = qwen35.gated_rms_norm
 
 

@@ -792,19 +792,19 @@ class Qwen35Target(TargetBase):
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         mixed, z, ba = F.linear(h, w.w_in).split([cfg.conv_dim, cfg.value_dim, 2 * hv], dim=-1)
         window, rec = state.conv[slot], state.rec[slot]
-        conv = ops.conv_silu(window, mixed, w.conv)
-        stash, final = None, (rec if commit_now else None)
-        if ring_idx is None:
-            g, beta = ops.gdn_gates(ba, w.a_neg, w.dt_bias)
-        else:  # the gates and the step's rollback record, one op
-            replay = None
+        stash, final, xs_ring, replay = None, (rec if commit_now else None), None, None
+        if ring_idx is not None:  # the step's rollback record, written by the conv + gates op
+            xs_ring = state._xs[slot]
             if state.mode == "stash":
                 stash = state._stash[slot]
             else:
-                replay = (state._qkv[slot], conv, state._g[slot], state._beta[slot])
+                replay = (state._qkv[slot], state._g[slot], state._beta[slot])
                 if not commit_now:  # a fixed step: its last row's state beside the committed one
                     final = state._final[slot]
-            g, beta = ops.gdn_gates(ba, w.a_neg, w.dt_bias, ring_idx, state._xs[slot], mixed, replay)
+        # the conv, the gates and the record: one op (one launch with the kernels). final_window
+        # stays None here: a later change gives it a buffer for the window after the last row.
+        conv, g, beta = ops.gdn_conv_gates(window, mixed, w.conv, ba, w.a_neg, w.dt_bias, ring_idx, xs_ring, replay,
+                                           final_window=None)
         if chunked:
             q, k, v = prep_qkv(conv, hk, hv, dk, dv)
             core, final = gated_delta_rule_chunked(q, k, v, g, beta, rec)
