@@ -377,8 +377,9 @@ def test_a_commit_flips_buffers_instead_of_copying_states(step_dir, mode, monkey
             mp.setattr(torch.Tensor, "copy_", lambda self, *a, **k: copies.append(self.shape) or copy_(self, *a, **k))
             runner.step(_ids(1, 5), state.length, state)
         assert state._cur == 1 - cur and torch.equal(state._rec2[cur], base)
-        rec_shape = state._rec2.shape[1:]
-        moved = [c for c in copies if tuple(c) == tuple(rec_shape)]
+        # what the commit moves: every layer at once (stacked shapes; the step's own writes are per layer)
+        rec_shape, conv_shape = tuple(state._rec2.shape[1:]), tuple(state._conv2.shape[1:])
+        moved = [tuple(c) for c in copies if tuple(c) in (rec_shape, conv_shape)]
         assert moved == ([] if mode == "replay" else [rec_shape])  # stash: the kept row's state, once
     assert replays == []
     # width 4, one real row: the state after it is computed (replayed or copied) into the other buffer

@@ -301,9 +301,9 @@ class Qwen35State:
     # A commit or rollback queues its device work (a flip, a copy, a replay launch) behind the
     # step on the same stream with host-known ints: a round graph may run over this state.
     round_graphs_ok = True
-    # whether a fixed step also writes the conv window after its last row into the other buffer
-    # (`_final_window`); without it a commit assembles the window from the ring
-    step_writes_window = False
+    # a fixed step also writes the conv window after its last row into the other buffer
+    # (`_final_window`, by the conv op), so a commit keeping every row assembles no window
+    step_writes_window = True
     SPARE = 2  # `_base_at` when the base lives in the spare buffer
 
     def __init__(self, kv: torch.Tensor, conv_shape: tuple[int, int], rec_shape: tuple[int, int, int],
@@ -360,6 +360,11 @@ class Qwen35State:
     def _final(self) -> list[torch.Tensor]:
         """Where a replay-mode fixed step writes its last row's state: the other buffer."""
         return self._rec_views[1 - self._cur]
+
+    @property
+    def _final_window(self) -> list[torch.Tensor]:
+        """Where a fixed step writes the conv window after its last row: the other buffer."""
+        return self._conv_views[1 - self._cur]
 
     @property
     def graph_variant(self) -> int:
@@ -793,18 +798,21 @@ class Qwen35Target(TargetBase):
         mixed, z, ba = F.linear(h, w.w_in).split([cfg.conv_dim, cfg.value_dim, 2 * hv], dim=-1)
         window, rec = state.conv[slot], state.rec[slot]
         stash, final, xs_ring, replay = None, (rec if commit_now else None), None, None
+        final_window = None
         if ring_idx is not None:  # the step's rollback record, written by the conv + gates op
             xs_ring = state._xs[slot]
+            if not commit_now:  # a fixed step: its last row's window (and state) into the other buffer
+                final_window = state._final_window[slot]
             if state.mode == "stash":
                 stash = state._stash[slot]
             else:
                 replay = (state._qkv[slot], state._g[slot], state._beta[slot])
-                if not commit_now:  # a fixed step: its last row's state beside the committed one
+                if not commit_now:
                     final = state._final[slot]
-        # the conv, the gates and the record: one op (one launch with the kernels). final_window
-        # stays None here: a later change gives it a buffer for the window after the last row.
+        # the conv, the gates, the record and the window after the last row: one op (one launch
+        # with the kernels), so a commit that keeps every row moves nothing (Qwen35State)
         conv, g, beta = ops.gdn_conv_gates(window, mixed, w.conv, ba, w.a_neg, w.dt_bias, ring_idx, xs_ring, replay,
-                                           final_window=None)
+                                           final_window=final_window)
         if chunked:
             q, k, v = prep_qkv(conv, hk, hv, dk, dv)
             core, final = gated_delta_rule_chunked(q, k, v, g, beta, rec)
