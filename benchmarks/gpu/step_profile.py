@@ -260,7 +260,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-step-profile.json")
     p.add_argument("--ckpt", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "memra-qwen35-4b-random")
-    p.add_argument("--skip", default="")
+    p.add_argument("--skip", default="", help="comma-separated sections to leave out: gdn, attention, 8b, hybrid; "
+                   "attention8b leaves out only the attention section's 8B part")
     a = p.parse_args()
     skip = set(a.skip.split(","))
     data: dict = {"device": torch.cuda.get_device_name(), "command": "python benchmarks/gpu/step_profile.py " + " ".join(sys.argv[1:])}
