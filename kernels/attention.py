@@ -7,13 +7,14 @@ and builds a `[g*t, S]` mask; this reads only the live keys and never repeats K/
 
 Design (flash-decoding with fixed splits):
 
-* The key axis is cut into splits of SPLIT_KEYS keys at fixed key indices (split s covers keys
-  [s*SPLIT_KEYS, (s+1)*SPLIT_KEYS)). One program per (block of BLOCK_M query rows, split, KV
-  head) runs an online softmax over its split's keys in BLOCK_N blocks, in key order, and stores
-  the row's partial (running max m, sum l, unnormalized output acc) for that split.
+* The key axis is cut into splits of SPLIT keys at fixed key indices (split s covers keys
+  [s*SPLIT, (s+1)*SPLIT); SPLIT, BLOCK_M, BLOCK_N are the head size's `tile_for`). One program
+  per (block of BLOCK_M query rows, split, KV head) runs an online softmax over its split's
+  keys in BLOCK_N blocks, in key order, and stores the row's partial (running max m, sum l,
+  unnormalized output acc) for that split.
 * The M axis of each `tl.dot` folds the g query heads of the KV head with the rows (M index =
   row*g + head-in-group), so one K/V tile feeds every query that reads that KV head.
-* A combine pass merges, per (row, head), the partials of splits 0..p_i // SPLIT_KEYS with a
+* A combine pass merges, per (row, head), the partials of splits 0..p_i // SPLIT with a
   log-sum-exp merge in a fixed order (chunks of COMBINE_CHUNK splits in split order, a fixed
   tree inside a chunk), and writes the output in q's dtype.
 
@@ -30,8 +31,9 @@ whatever the cache storage size S:
   past the live keys (garbage, NaN) is never read into the arithmetic, and the work per program
   depends on positions, never on S; S only sizes the grid (static: CUDA-graph capturable; splits
   past a tile's last position do nothing) and the workspace;
-* BLOCK_M/BLOCK_N/SPLIT_KEYS are constants, never derived from t, so the same instruction shapes
-  run for 1 row or 4096; `tl.dot` computes each output row from its own q row only, and the
+* the tile (split, BLOCK_M, BLOCK_N, warps, stages) is `tile_for(head_dim)`: a function of the
+  model's head size only, never of t or S, so the same instruction shapes run for 1 row or 4096
+  and for any storage; `tl.dot` computes each output row from its own q row only, and the
   per-row reductions (max, sum) see only that row.
 
 Rows may come in any order and at any positions (prefill chunks at consecutive positions use
@@ -46,25 +48,99 @@ one rounding to q's dtype at the end.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, interpreting, next_pow2
 
-# Keys per split. Split boundaries are multiples of this key index: changing it changes results
-# in the last bits (never their invariance), so it is a constant of the deployment, not a knob.
-# Measured on an H200 (bf16, Qwen3-8B shape, 16-row step, CUDA-graph replay over 36 per-layer
-# caches; us per call at live contexts 512 / 4096 / 32768):
+
+@dataclass(frozen=True)
+class Tile:
+    """One launch configuration of the split kernel (field order = the benchmarks' lists and
+    hybrid_step.py's `--attn-tile SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS`).
+
+    split: keys per split; split boundaries are multiples of it, so it changes results in the
+    last bits (never their invariance). block_n: keys per inner block (divides split).
+    block_m: folded (row, head-in-group) pairs per program. num_stages, num_warps: Triton's.
+    """
+
+    split: int
+    block_n: int
+    block_m: int
+    num_stages: int
+    num_warps: int
+
+    def __post_init__(self):
+        def pow2(x):
+            return x > 0 and x & (x - 1) == 0
+
+        # tl.arange wants powers of two, and so does Triton's num_warps; tl.dot wants M, N,
+        # K >= 16 (block_m is M of both dots, block_n N of q.K and K of P.V).
+        if not all(pow2(x) for x in (self.block_n, self.block_m, self.num_warps)):
+            raise ValueError(f"{self}: block_n, block_m and num_warps must be powers of two")
+        if min(self.block_m, self.block_n) < 16 or self.split % self.block_n or self.num_stages < 1:
+            raise ValueError(f"{self}: need block_m, block_n >= 16, block_n dividing split, "
+                             "stages >= 1")
+
+
+# Tiles per head-size class, keyed by the widest head_dim of the class (see `tile_for`). A row's
+# result depends on its tile (the split, in the last bits), so the tile is a property of the
+# model (its head size), never of a step (t) or a cache (S): the engine must not change this
+# dict at run time. Benchmarks may replace an entry before their first call (it is a plain dict:
+# `TILES[256] = Tile(...)`, as hybrid_step.py's --attn-tile does) to time a candidate.
+#
+# 128 (Qwen3-8B: 32 q / 8 kv heads of 128). Measured on an H200 (bf16, 16-row step, CUDA-graph
+# replay over 36 per-layer caches; us per call at live contexts 512 / 4096 / 32768):
 #   SPLIT 256, BLOCK_N 32, 3 stages: 13.0 / 14.3 / 64.0   <- chosen: short contexts dominate
 #   SPLIT 512, BLOCK_N 64, 3 stages: 16.4 / 17.3 / 53.0      (fewer float32 partials at 32k)
 #   SPLIT 128, BLOCK_N 64, 2 stages: 10.5 / 14.4 / 93.8
-# (torch SDPA over the same live keys: 61 / 267 / 1844.)
-SPLIT_KEYS = 256
-BLOCK_N = 32  # keys per inner block (divides SPLIT_KEYS)
-BLOCK_M = 64  # folded (row, head-in-group) pairs per program: a 16-row step with g = 4 is one tile
-NUM_WARPS = 4
-NUM_STAGES = 3
+# (torch SDPA over the same live keys: 61 / 267 / 1844.) BLOCK_M 64: a 16-row step with g = 4
+# is one M tile.
+#
+# 256 (Qwen3.5's gated attention: 16 q / 4 kv heads of 256). Not yet measured: a reasoned
+# default until step_profile.py's `attention` section (its `best_hd256`) says otherwise. The
+# 128 tile runs there with a [64, 256] float32 accumulator per program (128 registers a thread
+# at 4 warps, before q, p and the K/V tiles: likely spilling) and only 12 programs for a
+# one-row step at ~560 keys (3 splits x 4 kv heads x 1 M tile), each a chain of 8 key blocks.
+# BLOCK_M 16 (the least tl.dot takes) fits a one-row step's 4 folded (row, head) pairs with the
+# least waste and a 16-row verify's 64 in 4 M tiles, with a quarter of that accumulator.
+# SPLIT 128 doubles the programs (5 splits at ~560 keys) and halves each one's dependent chain
+# of key blocks, while the float32 partials the combine reads (256 wide, per row, head and
+# split) stay half of what SPLIT 64 would write at long contexts. BLOCK_N 32: a K and a V block
+# are 16 KiB each in bf16, so 3 stages of them stay under half of an H200 SM's shared memory
+# (BLOCK_N 64 doubles that).
+TILES: dict[int, Tile] = {
+    128: Tile(split=256, block_n=32, block_m=64, num_stages=3, num_warps=4),
+    256: Tile(split=128, block_n=32, block_m=16, num_stages=3, num_warps=4),
+}
+
+
+def tile_for(head_dim: int) -> Tile:
+    """The split kernel's tile for a model's head size: head_dim <= 128 -> TILES[128],
+    129..256 -> TILES[256] (> 256 is refused).
+
+    Classes, not exact sizes: the kernel pads head_dim to BLOCK_D = next_pow2(head_dim) (>= 16),
+    the width of its q, K/V and accumulator tiles, which sets registers and shared memory; every
+    size of a class pads to at most the class's width, so the class's tile fits it. (Sizes
+    <= 64 run the 128 tile unchanged, as before the table.) Takes head_dim only, so that no
+    property of a step or a cache can reach a row's tile (see the module docstring).
+    """
+    if not 0 < head_dim <= 256:
+        raise ValueError(f"head_dim {head_dim} is not in 1..256 (register tile)")
+    return TILES[128 if head_dim <= 128 else 256]
+
+
+# The 128 entry's values at import, under their names from before the table (for callers that
+# predate it); decode_attention never reads them, only `tile_for`.
+SPLIT_KEYS = TILES[128].split
+BLOCK_N = TILES[128].block_n
+BLOCK_M = TILES[128].block_m
+NUM_WARPS = TILES[128].num_warps
+NUM_STAGES = TILES[128].num_stages
+
 COMBINE_CHUNK = 16  # splits the combine reads at once (a constant: its sum tree is fixed)
 # Upper bound of the float32 partials (acc, m, l) of one launch; larger batches (long prefill
 # chunks over long caches) are processed in row chunks, which cannot change any row's result.
@@ -204,10 +280,10 @@ def _check(q, k_cache, v_cache, positions):
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             positions: torch.Tensor, scale: float, *, split: int, block_m: int, block_n: int,
             num_warps: int, num_stages: int, workspace_bytes: int = WORKSPACE_BYTES) -> torch.Tensor:
-    """The two launches with explicit tile constants (benchmarks sweep these; the engine must
-    not: results depend, in the last bits, on split and block_n)."""
+    """The two launches with explicit tile constants (the fields of a `Tile`: benchmarks sweep
+    these; the engine must not: results depend, in the last bits, on split and block_n)."""
     _check(q, k_cache, v_cache, positions)
-    assert split % block_n == 0 and block_m >= 16 and block_n >= 16
+    Tile(split, block_n, block_m, num_stages, num_warps)  # raises on a tile the kernel cannot run
     t, nh, hd = q.shape
     nkv, s_len, _ = k_cache.shape
     g = nh // nkv
@@ -250,8 +326,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     bound the grid), positions `[t]` int64 on the device: row i attends to keys
     0..positions[i] inclusive. `scale` multiplies q·k (1/sqrt(hd) for Qwen3).
     """
-    return _launch(q, k_cache, v_cache, positions, scale, split=SPLIT_KEYS, block_m=BLOCK_M,
-                   block_n=BLOCK_N, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if q.dim() != 3:
+        _check(q, k_cache, v_cache, positions)  # raises: the message names the expected shapes
+    return _launch(q, k_cache, v_cache, positions, scale, **asdict(tile_for(q.shape[-1])))
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

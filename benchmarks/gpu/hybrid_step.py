@@ -20,6 +20,12 @@ measures, each section's failure caught and reported in the JSON:
   proposes the plain stream's next tokens with some slots corrupted, both rollback modes.
 
     python benchmarks/gpu/hybrid_step.py [--json OUT.json] [--ckpt DIR] [--tiny]
+        [--gdn-tile BLOCK_V,WARPS[,LATE_PREP]] [--attn-tile SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS]
+
+`--gdn-tile` / `--attn-tile` replace, for this run only, the DeltaNet recurrence's tile / the
+attention kernel's head_dim-256 tile (`attention.TILES[256]`; step_profile.py's `best_hd256` is
+in this form) with a sweep's candidate, and the report header records them (`gdn_tile`,
+`attn_tile_hd256`); the engine runs the modules' own.
 
 `--tiny`: small shapes on the CPU, no graphs, torch ops (a smoke run for tests, seconds).
 """
@@ -325,6 +331,9 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU, no graphs (a smoke run)")
     p.add_argument("--gdn-tile", default="", help="BLOCK_V,WARPS[,LATE_PREP] of the DeltaNet recurrence kernel (a sweep's "
                    "candidate; the engine's are memra_kernels.deltanet's constants)")
+    p.add_argument("--attn-tile", default="", help="SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS of the attention "
+                   "kernel at head_dim 256 (a sweep's candidate, e.g. step_profile.py's best_hd256; the "
+                   "engine's is memra_kernels.attention.TILES[256])")
     p.add_argument("--skip-transformers", action="store_true", help="leave out the transformers section")
     a = p.parse_args()
     if a.gdn_tile:
@@ -338,6 +347,16 @@ def main() -> None:
         _gdn.BLOCK_V, _gdn.REC_WARPS = parts[:2]
         if len(parts) == 3:
             _gdn.LATE_PREP = bool(parts[2])
+    if a.attn_tile:
+        from memra_kernels import attention as _attn
+        try:  # before any launch: decode_attention reads tile_for(256) -> TILES[256] at each call
+            fields = [int(x) for x in a.attn_tile.split(",")]
+            if len(fields) != 5:
+                raise ValueError(f"{len(fields)} values")
+            _attn.TILES[256] = _attn.Tile(*fields)  # checks it is a tile the kernel runs
+        except ValueError as exc:
+            p.error(f"--attn-tile: expected SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS (five integers), "
+                    f"got {a.attn_tile!r}: {exc}")
     tiny = a.tiny
     dev = torch.device("cpu" if tiny else "cuda")
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -349,6 +368,7 @@ def main() -> None:
         k: v for k, v in shape.items() if k != "layer_types"}, "layer_types": list(shape["layer_types"]),
         "dtype": str(dtype), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "step_width": W, "torch": torch.__version__, "gdn_tile": a.gdn_tile or "module constants",
+        "attn_tile_hd256": a.attn_tile or "module table",
         "command": "python benchmarks/gpu/hybrid_step.py " + " ".join(sys.argv[1:])})
     t0 = time.perf_counter()
     if not (ckpt / "config.json").exists():

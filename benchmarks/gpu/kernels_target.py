@@ -21,6 +21,7 @@ Each check is caught and reported on its own: one failure does not stop the othe
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -155,11 +156,8 @@ def main() -> int:
                       "triton": triton.__version__, "dtype": str(DTYPE),
                       "shape": dict(hidden=HIDDEN, n_heads=N_HEADS, n_kv=N_KV, head_dim=HEAD_DIM,
                                     ffn=FFN, rows=W),
-                      "attention_constants": dict(split=attention.SPLIT_KEYS,
-                                                  block_m=attention.BLOCK_M,
-                                                  block_n=attention.BLOCK_N,
-                                                  num_warps=attention.NUM_WARPS,
-                                                  num_stages=attention.NUM_STAGES)}
+                      # the tile decode_attention runs at this head size
+                      "attention_constants": dataclasses.asdict(attention.tile_for(HEAD_DIM))}
     print(json.dumps(RESULTS["env"]), flush=True)
     scale = HEAD_DIM ** -0.5
 
@@ -364,8 +362,7 @@ def main() -> int:
     @section("sweep", "attention_tiles")
     def _():
         configs = [
-            dict(split=attention.SPLIT_KEYS, block_m=attention.BLOCK_M, block_n=attention.BLOCK_N,
-                 num_warps=attention.NUM_WARPS, num_stages=attention.NUM_STAGES),  # the module's
+            dataclasses.asdict(attention.tile_for(HEAD_DIM)),  # the module's
             dict(split=512, block_m=64, block_n=64, num_warps=4, num_stages=2),
             dict(split=512, block_m=64, block_n=64, num_warps=4, num_stages=3),
             dict(split=512, block_m=64, block_n=64, num_warps=8, num_stages=2),

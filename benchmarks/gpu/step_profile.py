@@ -5,15 +5,29 @@ hybrid shape (random weights, one-row and 16-row steps after a 512-token prompt)
 step ops `select_step_ops` picks (Triton on CUDA): the CUDA kernels of one eager step under the
 torch profiler, grouped by kernel name (count, summed GPU µs), the sum, and the graphed step's
 replay time beside it (GPU time between kernels is what a graph cannot remove); then the
-hybrid's graphed plain token and verify + rollback (hybrid_step.py's sections). Also times the
-attention kernel's tile constants at the 8B shape (informational: the engine uses the module's).
+hybrid's graphed plain token and verify + rollback (hybrid_step.py's sections).
 
-    python benchmarks/gpu/step_profile.py [--json OUT.json] [--skip gdn,8b,hybrid,attention]
+Section `attention` times the attention kernel's tiles (`attention.Tile`; the engine runs
+`attention.tile_for(head_dim)`) per call, one CUDA graph over a model's per-layer caches, at
+live contexts 512 / 4,096 / 32,768 and 1 and 16 rows: first the hybrid shape (8 caches, 16 q / 4
+kv heads of 256) over TILES_HD256, then the 8B shape (36 caches, 32 q / 8 kv heads of 128) over
+a short TILES_8B list (informational). Its key `best_hd256` is the hd-256 candidate of least
+score (sum over contexts of one-row + 16-row µs, weights 1 / 1 / 0.25: short contexts are what
+the engine runs), as [split, block_n, block_m, stages, warps], the form of hybrid_step.py's
+`--attn-tile`:
+
+    python3 -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['attention']['best_hd256'])))" OUT.json
+
+(absent when no candidate ran: then the command fails, as a script should). `--skip attention`
+leaves the section out; `--skip attention8b` only its 8B part.
+
+    python benchmarks/gpu/step_profile.py [--json OUT.json] [--skip gdn,8b,hybrid,attention,attention8b]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -105,31 +119,92 @@ def profile_hybrid(ckpt: Path) -> dict:
     return out
 
 
-def attention_tiles() -> dict:
-    """decode_attention's tile constants at the 8B shape: µs per call, graph over 36 caches."""
+# Attention tiles, as (split, block_n, block_m, stages, warps): the order of attention.Tile's
+# fields and of hybrid_step.py's --attn-tile, so `best_hd256` can be passed on as it is.
+# The 8B list is informational (the module's entry first): the engine's hd-128 tile stays
+# the one the module's comment records.
+TILES_8B = ((256, 32, 64, 3, 4), (512, 64, 64, 3, 4), (128, 64, 64, 2, 4), (128, 32, 32, 3, 4))
+# head_dim 256 (Qwen3.5's gated attention): the 128 tile (the entry before the table), then
+# smaller M tiles (a one-row step folds 4 (row, head) pairs, a 16-row verify 64) and splits.
+TILES_HD256 = ((256, 32, 64, 3, 4), (128, 32, 16, 3, 4), (128, 32, 32, 3, 4), (64, 32, 16, 3, 4),
+               (64, 32, 32, 2, 4), (128, 64, 16, 2, 4), (64, 16, 16, 3, 4), (128, 32, 64, 3, 4),
+               (32, 32, 16, 3, 4))
+TILE_CONTEXTS = (512, 4096, 32768)
+# best_hd256's score: sum over contexts of weight * (one-row us + 16-row us). The engine's
+# hybrid decode runs one-row steps and 16-row verifies at short contexts; 32k counts a quarter.
+TILE_SCORE_WEIGHTS = {512: 1.0, 4096: 1.0, 32768: 0.25}
+
+
+def sweep_tiles(heads: int, kv: int, hd: int, n_caches: int, candidates) -> list[dict]:
+    """µs per call of `attention._launch` for each candidate tile, at TILE_CONTEXTS x rows 1 and
+    16 (positions ctx-rows..ctx-1): one CUDA graph over `n_caches` per-layer caches
+    `[2, kv, ctx + 64, hd]` bf16, replay time / n_caches. One dict per candidate: its "tile"
+    [split, block_n, block_m, stages, warps], "ctx{C}_rows{R}" -> µs (or the error, a string),
+    and "score" (TILE_SCORE_WEIGHTS; None if any of its timings failed)."""
     from memra_kernels import attention as A
 
-    s = SHAPES["8b"]
-    out = {}
-    for ctx in (512, 4096, 32768):
-        caches = [torch.randn(2, s["kv"], ctx + 64, s["hd"], dtype=torch.bfloat16, device="cuda") for _ in range(36)]
-        for rows in (1, W):
-            q = torch.randn(rows, s["heads"], s["hd"], dtype=torch.bfloat16, device="cuda")
+    rows_list = (1, W)
+    out = []
+    for c in candidates:
+        row = {"tile": list(c)}
+        try:
+            row["launch"] = dataclasses.asdict(A.Tile(*c))  # raises on a tile the kernel cannot run
+        except (TypeError, ValueError) as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        out.append(row)
+    for ctx in TILE_CONTEXTS:
+        caches = [torch.randn(2, kv, ctx + 64, hd, dtype=torch.bfloat16, device="cuda") for _ in range(n_caches)]
+        for rows in rows_list:
+            q = torch.randn(rows, heads, hd, dtype=torch.bfloat16, device="cuda")
             pos = torch.arange(ctx - rows, ctx, device="cuda")
-            for split, bn, stages, warps in ((256, 32, 3, 4), (128, 64, 2, 4), (128, 32, 3, 4), (64, 32, 3, 4),
-                                             (64, 64, 2, 4), (512, 64, 3, 4)):
-                def calls():
-                    for kv in caches:
-                        A._launch(q, kv[0], kv[1], pos, 0.088, split=split, block_m=64, block_n=bn,
-                                  num_warps=warps, num_stages=stages)
-                try:
+            for row in out:
+                if "error" in row:
+                    continue
+
+                def calls(kw=row["launch"]):
+                    for cache in caches:
+                        A._launch(q, cache[0], cache[1], pos, hd ** -0.5, **kw)
+                try:  # capture() runs calls() twice first: a compile error raises outside the graph
                     graph, _ = cuda_graphs.capture(calls, torch.device("cuda"))
-                    us = 1e3 * replay_ms(graph.replay, 20) / len(caches)
+                    us = 1e3 * replay_ms(graph.replay, 20) / n_caches
+                    del graph
                 except Exception as exc:  # noqa: BLE001
                     us = f"{type(exc).__name__}: {exc}"[:200]
-                out[f"ctx{ctx}_rows{rows}_split{split}_bn{bn}_st{stages}"] = us
+                row[f"ctx{ctx}_rows{rows}"] = us
         del caches
         torch.cuda.empty_cache()
+    for row in out:
+        timed = [row.get(f"ctx{ctx}_rows{r}") for ctx in TILE_CONTEXTS for r in rows_list]
+        row["score"] = (sum(TILE_SCORE_WEIGHTS[ctx] * (row[f"ctx{ctx}_rows1"] + row[f"ctx{ctx}_rows{W}"])
+                            for ctx in TILE_CONTEXTS)
+                        if all(isinstance(x, float) for x in timed) else None)
+    return out
+
+
+def attention_tiles(with_8b: bool = True) -> dict:
+    """decode_attention's tiles: the hybrid shape (8 caches, 16 q / 4 kv heads of 256) over
+    TILES_HD256 (plus the module's current entry), then the 8B shape (36 caches, 32 q / 8 kv
+    heads of 128) over TILES_8B, informational. `best_hd256`: the hd-256 candidate of least
+    score, [split, block_n, block_m, stages, warps] (absent if none ran)."""
+    from memra_kernels import attention as A
+
+    module = A.tile_for(256)
+    current = [module.split, module.block_n, module.block_m, module.num_stages, module.num_warps]
+    candidates = list(TILES_HD256) + ([tuple(current)] if tuple(current) not in TILES_HD256 else [])
+    out = {"score_weights": {str(k): v for k, v in TILE_SCORE_WEIGHTS.items()}, "module_hd256": current}
+    h = hybrid_step.SHAPE_4B  # 16 q / 4 kv heads of 256, 8 of its 32 layers attention
+    out["hd256"] = sweep_tiles(h["heads"], h["kv_heads"], h["head_dim"],
+                               h["layer_types"].count("full_attention"), candidates)
+    scored = [row for row in out["hd256"] if row["score"] is not None]
+    if scored:
+        best = min(scored, key=lambda row: row["score"])
+        out["best_hd256"], out["best_hd256_score"] = best["tile"], best["score"]
+    if with_8b:
+        s = SHAPES["8b"]
+        try:
+            out["hd128"] = sweep_tiles(s["heads"], s["kv"], s["hd"], 36, TILES_8B)
+        except Exception as exc:  # noqa: BLE001 - keep the hd-256 result
+            out["hd128"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     return out
 
 
@@ -189,11 +264,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-step-profile.json")
     p.add_argument("--ckpt", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "memra-qwen35-4b-random")
-    p.add_argument("--skip", default="")
+    p.add_argument("--skip", default="", help="comma-separated sections to leave out: gdn, attention, 8b, hybrid; "
+                   "attention8b leaves out only the attention section's 8B part")
     a = p.parse_args()
     skip = set(a.skip.split(","))
     data: dict = {"device": torch.cuda.get_device_name(), "command": "python benchmarks/gpu/step_profile.py " + " ".join(sys.argv[1:])}
-    for name, fn in (("gdn", gdn_tiles), ("attention", attention_tiles), ("8b", profile_8b),
+    for name, fn in (("gdn", gdn_tiles), ("attention", lambda: attention_tiles("attention8b" not in skip)),
+                     ("8b", profile_8b),
                      ("hybrid", lambda: profile_hybrid(a.ckpt))):
         if name in skip:
             continue

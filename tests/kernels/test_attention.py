@@ -6,13 +6,17 @@ beside it, their positions or queries, the cache storage size, or the row chunki
 
 from __future__ import annotations
 
+import inspect
+from dataclasses import asdict, replace
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from memra_kernels import attention  # noqa: E402
-from memra_kernels.attention import SPLIT_KEYS, decode_attention, decode_attention_ref  # noqa: E402
+from memra_kernels.attention import (  # noqa: E402
+    TILES, Tile, decode_attention, decode_attention_ref, tile_for)
 
 # float32: scores, softmax and accumulation are float32 in both; only summation orders (and the
 # GPU's exp2 approximation) differ: a few float32 ulps of outputs of magnitude ~1.
@@ -49,6 +53,11 @@ CASES = [  # t, n_heads, n_kv, head_dim, positions (odd live lengths 1, 37, 300,
     (3, 2, 2, 64, [0, 36, 299]),
     (16, 8, 2, 64, [0, 36, 299, 999, 511, 512, 513, 1, 2, 100, 700, 255, 256, 998, 31, 32]),
     (17, 8, 2, 128, list(range(980, 997))),  # a verify step: consecutive positions
+    # Qwen3.5's gated attention (16 q / 4 kv heads of 256, its own tile): positions across
+    # multiples of 256 (split boundaries of any power-of-two split up to 256) and odd lengths.
+    (1, 16, 4, 256, [558]),
+    (16, 16, 4, 256, [0, 36, 127, 128, 129, 255, 256, 257, 299, 383, 384, 511, 512, 513, 558, 1]),
+    (17, 16, 4, 256, list(range(500, 517))),  # a verify step across key 512
 ]
 CASE_IDS = [f"t{c[0]}-nh{c[1]}-kv{c[2]}-hd{c[3]}" for c in CASES]
 
@@ -81,7 +90,11 @@ def test_prefill_chunk_matches_ref(device):
 INV_DTYPES = [torch.float32, torch.bfloat16] if torch.cuda.is_available() else [torch.bfloat16]
 
 
-LIVE = 600  # live keys in the invariance tests: 3 splits of 256, kept short for the interpreter
+LIVE = 600  # live keys in the invariance tests: 3 splits of 256 (5 of 128), short for the interpreter
+# Qwen3.5's attention shape (nkv, g, hd), run by the invariance tests beside the 128 tile's: its
+# own tile. 16 heads of 256 cost the interpreter a few times more, so (c) leaves it out: (a)
+# already puts other rows' queries and positions beside a row.
+HD256 = (4, 4, 256)
 
 
 def _step(seed, device, t=16, max_pos=LIVE - 1):
@@ -90,15 +103,15 @@ def _step(seed, device, t=16, max_pos=LIVE - 1):
 
 
 @pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
-@pytest.mark.parametrize("g,hd", [(4, 64), (1, 128)])
-def test_row_alone_equals_row_in_step(g, hd, dtype, device):
+@pytest.mark.parametrize("nkv,g,hd", [(2, 4, 64), (2, 1, 128), HD256])
+def test_row_alone_equals_row_in_step(nkv, g, hd, dtype, device):
     """(a) Row i alone == row i inside 16 (and 17) rows at other random positions."""
-    nkv = 2
     nh = g * nkv
+    split = tile_for(hd).split
     k, v = _cache(nkv, hd, LIVE, dtype, device)
-    targets = (0, 36, SPLIT_KEYS - 1, SPLIT_KEYS, LIVE - 1)  # split boundaries included
+    targets = (0, 36, split - 1, split, LIVE - 1)  # split boundaries included
     for t, slots, seed in ((16, (13, 2, 7, 0, 15), 1), (17, (16, 3, 9, 15, 1), 2)):
-        # (slot 16 of 17 rows lands in the second M tile when g = 4)
+        # (slot 16 of 17 rows lands in an M tile of its own when g = 4 and BLOCK_M is 64 or 16)
         q = _q(t, nh, hd, dtype, device, seed=seed)
         pos = _step(seed, device, t=t)
         for slot, p in zip(slots, targets):
@@ -110,10 +123,10 @@ def test_row_alone_equals_row_in_step(g, hd, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
-def test_storage_size_does_not_matter(dtype, device):
+@pytest.mark.parametrize("nkv,g,hd", [(2, 4, 64), HD256])
+def test_storage_size_does_not_matter(nkv, g, hd, dtype, device):
     """(b) Same live keys in storages of LIVE and 2085 positions, NaN past the live keys:
     identical outputs, and no NaN leaks in."""
-    nkv, g, hd = 2, 4, 64
     q = _q(16, nkv * g, hd, dtype, device, seed=3)
     pos = _step(3, device)
     pos[0] = LIVE - 1
@@ -143,26 +156,82 @@ def test_other_rows_queries_do_not_matter(dtype, device):
         assert torch.equal(decode_attention(mixed, k, v, pos, _scale(hd))[i], base[i])
 
 
-def test_row_chunking_does_not_matter(device):
+@pytest.mark.parametrize("nkv,g,hd", [(2, 4, 64), HD256])
+def test_row_chunking_does_not_matter(nkv, g, hd, device):
     """Large batches run in row chunks (bounded workspace): chunking changes nothing."""
     dtype = torch.bfloat16
-    nkv, g, hd = 2, 4, 64
     k, v = _cache(nkv, hd, LIVE, dtype, device)
     q = _q(9, nkv * g, hd, dtype, device, seed=6)
     pos = _step(6, device, t=9)
-    kw = dict(split=attention.SPLIT_KEYS, block_m=attention.BLOCK_M, block_n=attention.BLOCK_N,
-              num_warps=attention.NUM_WARPS, num_stages=attention.NUM_STAGES)
+    kw = asdict(tile_for(hd))
     one = attention._launch(q, k, v, pos, _scale(hd), **kw)
-    per_row = nkv * g * (S // SPLIT_KEYS + 1) * (hd + 2) * 4
+    per_row = nkv * g * (S // kw["split"] + 1) * (hd + 2) * 4  # >= the workspace of one row
     chunked = attention._launch(q, k, v, pos, _scale(hd), workspace_bytes=4 * per_row, **kw)
     assert torch.equal(one, chunked)
 
 
+# ---------------------------------------------------------------- the tile table
+
+
+def test_tile_depends_on_head_dim_only():
+    """tile_for takes the head size and nothing else (no t, no S can reach a row's tile), maps
+    each size to its class's entry, and refuses what the register tile cannot hold."""
+    assert list(inspect.signature(tile_for).parameters) == ["head_dim"]
+    for hd in (1, 16, 64, 100, 128):
+        assert tile_for(hd) is TILES[128]
+    for hd in (129, 192, 255, 256):
+        assert tile_for(hd) is TILES[256]
+    for hd in (0, 257, 512):
+        with pytest.raises(ValueError):
+            tile_for(hd)
+    # The entries are runnable tiles (Tile checks tl.dot's >= 16 and the powers of two).
+    for tile in TILES.values():
+        assert Tile(**asdict(tile)) == tile
+    with pytest.raises(ValueError):
+        Tile(split=128, block_n=32, block_m=8, num_stages=3, num_warps=4)  # M < 16: tl.dot refuses
+    with pytest.raises(ValueError):
+        Tile(split=96, block_n=64, block_m=16, num_stages=3, num_warps=4)  # block_n not dividing split
+
+
+def test_decode_attention_launches_the_head_dims_tile(monkeypatch, device):
+    """decode_attention launches tile_for(hd): the 256 entry for hd 256 whatever t (a spy on
+    _launch), the 128 entry for hd 128; and a replaced 256 entry (as a benchmark sets it) is the
+    one that runs: still matching the reference, with other last bits at another split."""
+    seen = []
+    real = attention._launch
+
+    def spy(*args, **kw):
+        seen.append({k: kw[k] for k in asdict(TILES[128])})
+        return real(*args, **kw)
+
+    monkeypatch.setattr(attention, "_launch", spy)
+    dtype = torch.float32
+    nkv, g, hd = HD256
+    k, v = _cache(nkv, hd, 560, dtype, device, storage=600)
+    q = _q(5, nkv * g, hd, dtype, device, seed=11)  # 20 folded pairs: two M tiles of 16
+    pos = torch.tensor([559, 300, 7, 558, 512], device=device)
+    base = decode_attention(q, k, v, pos, _scale(hd))
+    decode_attention(q[:1], k, v, pos[:1], _scale(hd))
+    assert seen == [asdict(TILES[256])] * 2
+    k128, v128 = _cache(2, 128, 40, dtype, device, storage=40)
+    decode_attention(_q(1, 2, 128, dtype, device, seed=12), k128, v128, torch.tensor([39], device=device),
+                     _scale(128))
+    assert seen[-1] == asdict(TILES[128])
+
+    other = replace(TILES[256], split=64 if TILES[256].split != 64 else 128)
+    monkeypatch.setitem(attention.TILES, 256, other)
+    got = decode_attention(q, k, v, pos, _scale(hd))
+    assert seen[-1] == asdict(other)
+    torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, _scale(hd)), **TOL[dtype])
+    assert not torch.equal(got, base)  # another split: another summation order, other last bits
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_graph_replay_follows_positions():
+@pytest.mark.parametrize("nkv,g,hd", [(8, 4, 128), HD256])
+def test_cuda_graph_replay_follows_positions(nkv, g, hd):
     """Captured once, replayed with new positions written in place: equals eager."""
-    dtype, nkv, g, hd = torch.bfloat16, 8, 4, 128
+    dtype = torch.bfloat16
     k, v = _cache(nkv, hd, 1000, dtype, "cuda", storage=4096)
     q = _q(16, nkv * g, hd, dtype, "cuda", seed=8)
     pos = torch.arange(16, device="cuda")
