@@ -100,21 +100,21 @@ class Tile:
 # (torch SDPA over the same live keys: 61 / 267 / 1844.) BLOCK_M 64: a 16-row step with g = 4
 # is one M tile.
 #
-# 256 (Qwen3.5's gated attention: 16 q / 4 kv heads of 256). Not yet measured: a reasoned
-# default until step_profile.py's `attention` section (its `best_hd256`) says otherwise. The
-# 128 tile runs there with a [64, 256] float32 accumulator per program (128 registers a thread
-# at 4 warps, before q, p and the K/V tiles: likely spilling) and only 12 programs for a
-# one-row step at ~560 keys (3 splits x 4 kv heads x 1 M tile), each a chain of 8 key blocks.
-# BLOCK_M 16 (the least tl.dot takes) fits a one-row step's 4 folded (row, head) pairs with the
-# least waste and a 16-row verify's 64 in 4 M tiles, with a quarter of that accumulator.
-# SPLIT 128 doubles the programs (5 splits at ~560 keys) and halves each one's dependent chain
-# of key blocks, while the float32 partials the combine reads (256 wide, per row, head and
-# split) stay half of what SPLIT 64 would write at long contexts. BLOCK_N 32: a K and a V block
-# are 16 KiB each in bf16, so 3 stages of them stay under half of an H200 SM's shared memory
-# (BLOCK_N 64 doubles that).
+# 256 (Qwen3.5's gated attention: 16 q / 4 kv heads of 256). Measured on an H200 (bf16, CUDA-graph
+# replay over 8 per-layer caches, 2026-12-03, docs/results/h200-tiles.json; us per call, one row /
+# 16 rows, at live contexts 512 / 4096 / 32768; SPLIT, BLOCK_N, BLOCK_M, stages, warps):
+#   128, 64, 16, 2, 4:  8.5 /  9.0,  14.4 / 22.1,  74.7 / 138.6   <- chosen (least weighted sum)
+#   128, 32, 16, 3, 4:  9.2 /  9.6,  13.4 / 21.7,  75.1 / 154.1
+#   128, 32, 32, 3, 4: 10.4 / 10.9,  14.3 / 18.2,  85.0 / 135.1
+#    64, 32, 16, 3, 4:  7.9 /  9.2,  15.6 / 29.8, 112.8 / 222.8
+#   256, 32, 64, 3, 4: 16.7 / 17.5,  18.9 / 20.2,  77.6 /  87.0   (the 128 tile: 12 programs for
+#                                                                 one row at ~560 keys)
+# The score weights contexts 512 and 4096 by 1 and 32768 by 0.25 (one row + 16 rows): the hybrid
+# decodes mostly at short contexts; at 32k its 16-row verify is slower with this tile than with
+# the 128 one (BLOCK_M 16 makes a 16-row step four M tiles, each reading the keys).
 TILES: dict[int, Tile] = {
     128: Tile(split=256, block_n=32, block_m=64, num_stages=3, num_warps=4),
-    256: Tile(split=128, block_n=32, block_m=16, num_stages=3, num_warps=4),
+    256: Tile(split=128, block_n=64, block_m=16, num_stages=2, num_warps=4),
 }
 
 
