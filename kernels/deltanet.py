@@ -159,12 +159,15 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
                 t, ratio, write_final, write_stash, write_out, row0, ring, layer_qkv, layer_gb,
                 stride_qkv, stride_g, stride_beta, sqrt_dk, eps,
                 HV: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                BLOCK_V: tl.constexpr, LATE_PREP: tl.constexpr):
+                BLOCK_V: tl.constexpr, LATE_PREP: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr = False):
     # program (layer * HV + head, value block); row r of the step reads input row (row0 + r) % ring
     # of its layer (layer_qkv / layer_gb: the layer strides of the inputs; states are contiguous
     # [layers, HV, DK, DV]). One compiled kernel serves the step (1 layer, rows 0..t-1) and the
     # batched replay over a ring (every layer, rows from the record's base): same per-row code,
     # so the same bits.
+    if ROWS_ON_DEVICE:  # (row0, t) from the int32 pair at idx_ptr: a graphed replay's inputs
+        row0 = tl.load(idx_ptr)
+        t = tl.load(idx_ptr + 1)
     pid = tl.program_id(0)
     layer = (pid // HV).to(tl.int64)
     h = pid % HV
@@ -286,6 +289,89 @@ def gated_delta_rule_layers(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tens
         rows, hv // n_k_heads, 1, 0, 0, row0 % ring, ring, qkv.stride(0), g.stride(0),
         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
         HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, num_warps=REC_WARPS)
+
+
+def gated_delta_replay_dev(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                           n_k_heads: int, params: torch.Tensor, final: torch.Tensor) -> None:
+    """`gated_delta_rule_layers` with its ring start and row count read on the device from
+    `params` (int32 `[row0, rows]`, 0 <= rows <= ring), so a CUDA graph captured once replays any
+    rollback: the same compiled per-row code (the same bits), only where t and row0 come from."""
+    _check_layers(qkv, g, beta, state, final, n_k_heads, 0, 0)
+    if params.shape != (2,) or params.dtype != torch.int32 or params.device != state.device:
+        raise ValueError(f"params must be int32 [row0, rows] on {state.device}, got {tuple(params.shape)} {params.dtype}")
+    n, hv, dk, dv = state.shape
+    if dk != next_pow2(dk) or dv != next_pow2(dv):
+        raise ValueError(f"head dims must be powers of two (dk {dk}, dv {dv})")
+    if n == 0:
+        return
+    ring, block_v = qkv.shape[1], min(dv, BLOCK_V)
+    _gdn_kernel[(n * hv, dv // block_v)](
+        qkv, g, beta, state, state, final, state, params,
+        0, hv // n_k_heads, 1, 0, 0, 0, ring, qkv.stride(0), g.stride(0),
+        qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, ROWS_ON_DEVICE=True,
+        num_warps=REC_WARPS)
+
+
+@triton.jit
+def _ring_window_kernel(base_ptr, xs_ptr, params_ptr, out_ptr, C, ring, layer_base, layer_xs, layer_out,
+                        stride_base, stride_xs, stride_out, K1: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (layer, window row j, column block): row j of the last K1 rows of
+    [base (K1 rows); ring rows row0 .. row0+rows-1]."""
+    layer = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1)
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    row0 = tl.load(params_ptr)
+    rows = tl.load(params_ptr + 1)
+    i = rows + j  # index into the K1 + rows sequence
+    from_base = i < K1
+    slot = (row0 + tl.maximum(i - K1, 0)) % ring
+    a = tl.load(base_ptr + layer * layer_base + tl.minimum(i, K1 - 1) * stride_base + offs, mask=mask & from_base,
+                other=0.0)
+    b = tl.load(xs_ptr + layer * layer_xs + slot * stride_xs + offs, mask=mask & (i >= K1), other=0.0)
+    tl.store(out_ptr + layer * layer_out + j * stride_out + offs, tl.where(from_base, a, b), mask=mask)
+
+
+def _check_window(base, xs, params, out):
+    check_tensors(base, xs, params, out)
+    if base.dim() != 3 or xs.dim() != 3 or out.shape != base.shape or xs.shape[0] != base.shape[0] \
+            or xs.shape[2] != base.shape[2] or xs.dtype != base.dtype or out.dtype != base.dtype:
+        raise ValueError(f"base/out [L, K-1, C] and xs [L, ring, C] of one dtype, got {tuple(base.shape)} "
+                         f"{tuple(xs.shape)} {tuple(out.shape)}")
+    for name, x in (("base", base), ("xs", xs), ("out", out)):
+        check_last_contiguous(x, name)
+    if params.shape != (2,) or params.dtype != torch.int32:
+        raise ValueError(f"params must be int32 [row0, rows], got {tuple(params.shape)} {params.dtype}")
+
+
+def ring_window(base: torch.Tensor, xs: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
+    """Every layer's conv window after a run of recorded rows: `out[l]` = the last K-1 rows of
+    `[base[l]; xs[l][(row0 + r) % ring] for r < rows]` with `(row0, rows)` = `params` (int32, on
+    the device). `base`, `out` `[L, K-1, C]`, `xs` `[L, ring, C]` (one dtype; `out` must not overlap
+    `base`). A rollback's conv restore, graph-capturable (a copy: the bits are the rows')."""
+    _check_window(base, xs, params, out)
+    n, k1, c = base.shape
+    if n == 0 or k1 == 0:
+        return
+    _ring_window_kernel[(n, k1, triton.cdiv(c, BLOCK_C))](
+        base, xs, params, out, c, xs.shape[1], base.stride(0), xs.stride(0), out.stride(0),
+        base.stride(1), xs.stride(1), out.stride(1), K1=k1, BLOCK=BLOCK_C, num_warps=4)
+
+
+def ring_window_ref(base: torch.Tensor, xs: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
+    """Plain torch twin of `ring_window` (reads params on the host)."""
+    _check_window(base, xs, params, out)
+    row0, rows = (int(v) for v in params.tolist())
+    idx = (torch.arange(rows, device=xs.device) + row0) % xs.shape[1]
+    out.copy_(torch.cat([base, xs.index_select(1, idx)], dim=1)[:, -base.shape[1]:])
+
+
+def gated_delta_replay_dev_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                               n_k_heads: int, params: torch.Tensor, final: torch.Tensor) -> None:
+    """Plain torch twin of `gated_delta_replay_dev` (reads params on the host)."""
+    row0, rows = (int(v) for v in params.tolist())
+    gated_delta_rule_layers_ref(qkv, g, beta, state, n_k_heads, row0, rows, final)
 
 
 def gated_delta_rule_layers_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,

@@ -390,6 +390,47 @@ def test_a_commit_flips_buffers_instead_of_copying_states(step_dir, mode, monkey
     assert len(replays) == (1 if mode == "replay" else 0)
 
 
+@pytest.mark.parametrize("width", [WIDTH, 4], ids=["fixed", "fixed-4-chunks"])
+def test_graphed_replay_restores_give_the_eager_restores_bits(step_dir, monkeypatch, width):
+    """On CUDA a replay-mode rollback (and a partial commit) runs as a CUDA graph per (base,
+    destination) buffer pair, reading its rows on the device. Here with a stand-in capture
+    (replay reruns the body): the same logits and states as the eager restore for every k, one
+    capture per pair, reused after."""
+    from memra_cli.engine.runtime import cuda_graphs
+
+    captured = []
+
+    def capture(fn, device, pool=None):
+        out = fn()
+        captured.append(fn)
+
+        class Replay:
+            def replay(self):
+                fn()
+
+        return Replay(), out
+
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    target = Qwen35Target.from_dir(step_dir, rollback="replay")
+    runner = StepRunner(target, width)
+    p, block, after = _ids(40, 20), _ids(16, 21), _ids(5, 22)
+    for k in (0, 1, 2, 5, 7, 12, 15, 16):
+        states, outs = [], []
+        for graphed in (True, False):
+            state = runner.new_state(80)
+            state.graph_restores = graphed
+            runner.prefill(p[:-1], state)
+            runner.step(p[-1:], state.length, state)  # a partial commit at width > 1
+            runner.step(block, state.length, state, taps=(0, 1))
+            state.rollback(40 + k)
+            outs.append(runner.step(after, state.length, state)[0])
+            states.append(state)
+        assert torch.equal(outs[0], outs[1]), k
+        assert_same_states(*states)
+        assert all(key[0] == "restore" for key in states[0].graphs) and len(states[0].graphs) <= 6
+    assert 0 < len(captured) <= 8 * 6  # a few per fresh state, never one per restore
+
+
 def test_padding_rows_leave_no_trace(step_dir):
     """Padding rows run the recurrence too (every fixed step is W rows, as a kernel would run
     it); the commit takes the state after the last real row."""

@@ -10,8 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 from memra_kernels.deltanet import (  # noqa: E402
-    causal_conv_silu, causal_conv_silu_ref, gated_delta_rule, gated_delta_rule_layers,
-    gated_delta_rule_layers_ref, gated_delta_rule_ref,
+    causal_conv_silu, causal_conv_silu_ref, gated_delta_replay_dev, gated_delta_replay_dev_ref, gated_delta_rule,
+    gated_delta_rule_layers, gated_delta_rule_layers_ref, gated_delta_rule_ref, ring_window, ring_window_ref,
 )
 
 # Tolerances against the twin. Conv: one K-tap float32 sum (FMA contraction and Triton's exp in
@@ -167,6 +167,39 @@ def test_batched_replay_matches_its_twin_and_may_run_in_place(device):
     inplace = state.clone()
     gated_delta_rule_layers(qkv, g, beta, inplace, 1, 6, 5, inplace)
     assert torch.equal(inplace, got)
+
+
+@pytest.mark.parametrize("row0,rows", [(0, 1), (6, 4), (3, 0), (2, 8)])
+def test_device_rows_replay_is_the_host_rows_replay(row0, rows, device):
+    """The graphed rollback's replay reads (row0, rows) on the device: the same compiled per-row
+    code as the host-argument launch, so the same bits; its twin reads them on the host."""
+    qkv, g, beta, state = _ring(3, 8, 2, 4, 64, 64, torch.bfloat16, device, seed=7)
+    params = torch.tensor([row0, rows], dtype=torch.int32, device=device)
+    want, got, twin = (torch.full_like(state, float("nan")) for _ in range(3))
+    gated_delta_rule_layers(qkv, g, beta, state, 2, row0, rows, want)
+    gated_delta_replay_dev(qkv, g, beta, state, 2, params, got)
+    assert torch.equal(got, want)
+    gated_delta_replay_dev_ref(qkv, g, beta, state, 2, params, twin)
+    torch.testing.assert_close(twin, want, rtol=REC_RTOL, atol=REC_ATOL)
+    with pytest.raises(ValueError, match="params must be int32"):
+        gated_delta_replay_dev(qkv, g, beta, state, 2, params.long(), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("k1,row0,rows", [(3, 0, 1), (3, 6, 4), (3, 5, 0), (3, 2, 2), (1, 7, 3), (3, 1, 8)])
+def test_ring_window_is_the_last_rows_of_base_then_ring(k1, row0, rows, dtype, device):
+    """The conv windows after `rows` ring rows from `row0` (wrapping a ring of 8; fewer rows than
+    the window takes the rest from the base), every layer at once, C off the column block."""
+    g = torch.Generator().manual_seed(k1 * 100 + row0 * 10 + rows)
+    layers, ring, c = 3, 8, 300
+    base = torch.randn(layers, k1, c, generator=g).to(dtype).to(device)
+    xs = torch.randn(layers, ring, c, generator=g).to(dtype).to(device)
+    params = torch.tensor([row0, rows], dtype=torch.int32, device=device)
+    got, twin = torch.full_like(base, float("nan")), torch.full_like(base, float("nan"))
+    ring_window(base, xs, params, got)
+    ring_window_ref(base, xs, params, twin)
+    seq = torch.cat([base, xs[:, [(row0 + r) % ring for r in range(rows)]]], dim=1)
+    assert torch.equal(got, seq[:, -k1:]) and torch.equal(twin, got)
 
 
 def test_batched_replay_refuses_bad_shapes(device):

@@ -187,3 +187,19 @@ def gated_delta_replay(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, s
     for i in range(state.shape[0]):
         gated_delta_step(qkv[i].index_select(0, idx), g[i].index_select(0, idx), beta[i].index_select(0, idx),
                          state[i], n_k_heads, final=final[i])
+
+
+def gated_delta_replay_dev(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                           n_k_heads: int, params: torch.Tensor, final: torch.Tensor) -> None:
+    """`gated_delta_replay` with `(row0, rows)` = `params` (int32 `[2]`), the form a graphed
+    rollback takes (`memra_kernels.deltanet.gated_delta_replay_dev`); here read on the host."""
+    row0, rows = (int(v) for v in params.tolist())
+    gated_delta_replay(qkv, g, beta, state, n_k_heads, row0, rows, final)
+
+
+def ring_window(base: torch.Tensor, xs: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
+    """Every layer's conv window after recorded ring rows: `out` `[L, K-1, C]` = the last K-1 rows
+    of `[base; xs[:, (row0 + r) % ring] for r < rows]`, `(row0, rows)` = `params` (int32 `[2]`)."""
+    row0, rows = (int(v) for v in params.tolist())
+    idx = (torch.arange(rows, device=xs.device) + row0) % xs.shape[1]
+    out.copy_(torch.cat([base, xs.index_select(1, idx)], dim=1)[:, -base.shape[1]:])

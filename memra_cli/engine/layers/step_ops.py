@@ -28,7 +28,10 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `gated_delta_rule(qkv, g, beta, state, n_k_heads, final, stash, stash_idx) -> out`: its
   recurrence over the rows (float32 state; final state and per-row stash written on request)
 - `gated_delta_replay(qkv, g, beta, state, n_k_heads, row0, rows, final)`: that recurrence for
-  every layer at once over recorded ring rows (a rollback's replay: one launch with the kernels)
+  every layer at once over recorded ring rows (a rollback's replay: one launch with the kernels);
+  `gated_delta_replay_dev(..., params, final)` the same with `(row0, rows)` read on the device,
+  and `ring_window(base, xs, params, out)` the conv windows after those rows: a rollback as a
+  CUDA graph captured once (models/qwen3_5.py `Qwen35State`)
 
 Qwen3.5's (models/qwen3_5.py; every norm but the DeltaNet's gated one is zero-centred, `w1p` the
 float32 `1 + w`):
@@ -61,8 +64,8 @@ import torch
 import torch.nn.functional as F
 
 from memra_cli.engine.errors import SettingError
-from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_step, gated_rms_norm,
-                                              rms_norm_1p)
+from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_replay_dev,
+                                              gated_delta_step, gated_rms_norm, ring_window, rms_norm_1p)
 from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.layers.rope import apply_partial_rope, apply_rope
 
@@ -171,6 +174,8 @@ class TorchStepOps:
     conv_silu = staticmethod(conv_silu_update)
     gated_delta_rule = staticmethod(gated_delta_step)
     gated_delta_replay = staticmethod(gated_delta_replay)
+    gated_delta_replay_dev = staticmethod(gated_delta_replay_dev)
+    ring_window = staticmethod(ring_window)
 
     # ------------------------------------------------------------------ Qwen3.5
 
@@ -292,6 +297,8 @@ class TritonStepOps:
         self.conv_silu = deltanet.causal_conv_silu
         self.gated_delta_rule = deltanet.gated_delta_rule
         self.gated_delta_replay = deltanet.gated_delta_rule_layers
+        self.gated_delta_replay_dev = deltanet.gated_delta_replay_dev
+        self.ring_window = deltanet.ring_window
         self.rms_norm_1p = norm.rms_norm_1p
         self.add_rms_norm_1p = norm.add_rms_norm_1p
         self.gated_qk_norm_rope_kv_write = qwen35.gated_qk_norm_rope_kv_write

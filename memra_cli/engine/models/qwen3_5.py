@@ -340,6 +340,14 @@ class Qwen35State:
             self._beta_all = stacked((ring, hv), f32)
             self._qkv, self._g, self._beta = (list(t.unbind(0)) for t in (self._qkv_all, self._g_all, self._beta_all))
         self._cur = 0  # the buffer holding the committed state
+        # Replay restores as CUDA graphs (`_graphed_replay`): on CUDA with ops that read the
+        # replay's rows on the device. Their inputs: `(row0, rows)` int32, via pinned memory.
+        self.graph_restores = (device.type == "cuda" and mode == "replay"
+                               and hasattr(ops, "gated_delta_replay_dev") and hasattr(ops, "ring_window"))
+        self._params = torch.zeros(2, dtype=torch.int32, device=device)
+        self._params_host = torch.zeros(2, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._params_host_np = self._params_host.numpy()
+        self._params_copied = None  # the event after the last params copy (CUDA)
         self._length = 0
         self._width: int | None = None  # rows of the fixed step graphs were captured with
         self._forget()
@@ -457,7 +465,7 @@ class Qwen35State:
         start = self._length
         if self._pending is not None and self._pending[0] == start:
             rows = self._pending[1]
-        elif self.graphs and self._width is not None:
+        elif self._width is not None and any(key[0] != "restore" for key in self.graphs):
             rows = self._width
         else:
             raise ValueError(f"commit to {end}: no pending step at length {start}")
@@ -522,14 +530,16 @@ class Qwen35State:
             dst = 1 - base_at if base_at != self.SPARE else self._cur
         base_conv, base_rec = self._conv_buf(base_at), self._rec_buf(base_at)
         conv_dst, rec_dst = self._conv2[dst], self._rec2[dst]
-        if conv_done:
+        if self.graph_restores and self.mode == "replay" and n > base and not rec_done:
+            self._graphed_replay(base_at, dst, base % self.ring, n - base)
+        elif conv_done:
             pass
         elif n > base:
             rows = self._ring_rows(self._xs_all, max(base, n - k1), n, dim=1)
             conv_dst.copy_(torch.cat([base_conv, rows], dim=1)[:, -k1:])
         else:
             conv_dst.copy_(base_conv)
-        if rec_done:
+        if rec_done or (self.graph_restores and self.mode == "replay" and n > base):
             pass
         elif n == base:
             rec_dst.copy_(base_rec)
@@ -541,6 +551,40 @@ class Qwen35State:
         if dst == self._final_buf and not stepped:
             self._final_at = None  # that buffer no longer holds the step's last row
         self._cur = dst
+
+    def _graphed_replay(self, base_at: int, dst: int, row0: int, rows: int) -> None:
+        """The replay restore (conv windows and states after `rows` ring rows from `row0`, from
+        the base in buffer `base_at` into buffer `dst`) as a CUDA graph, one per (base, dst)
+        pair, captured on first use: its two launches read `(row0, rows)` on the device, so the
+        host's part is one small copy and a replay. (Eagerly, the Triton launchers and their
+        checks cost ~0.1 ms of host time a rollback, with the GPU waiting.) The capture's warm-up
+        computes the restore itself: it only reads the base and the ring, so running it again
+        changes nothing."""
+        from memra_cli.engine.runtime import cuda_graphs
+
+        if self._params_copied is not None:
+            self._params_copied.synchronize()  # the last copy read the pinned buffer: done?
+        self._params_host_np[:] = (row0, rows)
+        self._params.copy_(self._params_host, non_blocking=True)
+        if self._params.device.type == "cuda":
+            self._params_copied = torch.cuda.Event()
+            self._params_copied.record()
+        key = ("restore", base_at, dst)
+        entry = self.graphs.get(key)
+        if entry is not None:
+            entry[0].replay()
+            return
+        ops, params = self._ops, self._params
+        base_conv, base_rec = self._conv_buf(base_at), self._rec_buf(base_at)
+        conv_dst, rec_dst = self._conv2[dst], self._rec2[dst]
+
+        def body():
+            ops.ring_window(base_conv, self._xs_all, params, conv_dst)
+            ops.gated_delta_replay_dev(self._qkv_all, self._g_all, self._beta_all, base_rec, self.n_k_heads,
+                                       params, rec_dst)
+
+        graph, _ = cuda_graphs.capture(body, params.device)
+        self.graphs[key] = (graph, body)  # the body's tensors outlive the graph that reads them
 
     def _ran_eager(self, start: int, rows: int) -> None:
         """An eager `forward` ran `rows` rows from `start` (after `_new_base(start)` when it kept
