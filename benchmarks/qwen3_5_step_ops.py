@@ -48,7 +48,7 @@ NO_LAUNCH = {
     "aten::alias", "aten::detach", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg",
     "aten::unbind", "aten::chunk", "aten::result_type", "aten::to", "aten::contiguous", "aten::dim",
 }
-LAUNCHES = {"attention": 2}  # Triton launches of a step-op call (1 unless listed)
+LAUNCHES = {"attention": 2, "gated_attention": 2}  # Triton launches of a step-op call (1 unless listed)
 
 
 class CountingOps:

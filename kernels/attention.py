@@ -219,9 +219,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
 
 
 @triton.jit
-def _combine_kernel(acc_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, n_splits, stride_out,
+def _combine_kernel(acc_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, gate_ptr, n_splits, stride_out, stride_gate,
                     NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
-                    SPLIT: tl.constexpr, CHUNK: tl.constexpr):
+                    SPLIT: tl.constexpr, CHUNK: tl.constexpr, GATED: tl.constexpr = False):
     """out[row, head] = log-sum-exp merge of the row's valid splits 0..pos // SPLIT.
 
     Splits are read CHUNK at a time (loads in parallel, not one dependent step per split):
@@ -252,9 +252,13 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, n_splits, stride_ou
         o = tl.load(acc_ptr + (base + split)[:, None] * HD + offs_d[None, :],
                     mask=ok[:, None] & d_ok[None, :], other=0.0)
         o_lanes += o * weight[:, None]
-    out = tl.sum(o_lanes, axis=0) / tl.sum(l_lanes, axis=0)
-    tl.store(out_ptr + row * stride_out + head * HD + offs_d, out.to(out_ptr.dtype.element_ty),
-             mask=d_ok)
+    dt = out_ptr.dtype.element_ty
+    out = (tl.sum(o_lanes, axis=0) / tl.sum(l_lanes, axis=0)).to(dt)
+    if GATED:  # Qwen3.5's output gate, as memra_kernels.qwen35.output_gate computes it (same bits)
+        g = tl.load(gate_ptr + row * stride_gate + head * 2 * HD + HD + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        out = (out.to(tl.float32) * sig).to(dt)
+    tl.store(out_ptr + row * stride_out + head * HD + offs_d, out, mask=d_ok)
 
 
 def _check(q, k_cache, v_cache, positions):
@@ -279,7 +283,8 @@ def _check(q, k_cache, v_cache, positions):
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             positions: torch.Tensor, scale: float, *, split: int, block_m: int, block_n: int,
-            num_warps: int, num_stages: int, workspace_bytes: int = WORKSPACE_BYTES) -> torch.Tensor:
+            num_warps: int, num_stages: int, workspace_bytes: int = WORKSPACE_BYTES,
+            gate: torch.Tensor | None = None) -> torch.Tensor:
     """The two launches with explicit tile constants (the fields of a `Tile`: benchmarks sweep
     these; the engine must not: results depend, in the last bits, on split and block_n)."""
     _check(q, k_cache, v_cache, positions)
@@ -311,9 +316,10 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             G=g, NH=nh, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split,
             DOT_F32=dot_f32, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
         )
+        gc = oc if gate is None else gate[r0:r0 + rows]
         _combine_kernel[(rows, nh)](
-            acc, m, l, pc, oc, n_splits, oc.stride(0), NH=nh, HD=hd, BLOCK_D=block_d,
-            SPLIT=split, CHUNK=COMBINE_CHUNK, num_warps=4,
+            acc, m, l, pc, oc, gc, n_splits, oc.stride(0), gc.stride(0), NH=nh, HD=hd, BLOCK_D=block_d,
+            SPLIT=split, CHUNK=COMBINE_CHUNK, GATED=gate is not None, num_warps=4,
         )
     return out
 
@@ -329,6 +335,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.dim() != 3:
         _check(q, k_cache, v_cache, positions)  # raises: the message names the expected shapes
     return _launch(q, k_cache, v_cache, positions, scale, **asdict(tile_for(q.shape[-1])))
+
+
+def gated_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           positions: torch.Tensor, scale: float, qgkv: torch.Tensor) -> torch.Tensor:
+    """`decode_attention` times Qwen3.5's output gate, `sigmoid(gate)`, in its combine launch:
+    `qgkv [t, (2*nh + 2*nkv)*hd]` is the gated attention's fused projection (per query head
+    `[q | gate]`), read in place. Equal bit for bit to `qwen35.output_gate(decode_attention(...),
+    qgkv, nh)`, one launch fewer."""
+    t, nh, hd = q.shape
+    if qgkv.dim() != 2 or qgkv.shape[0] != t or qgkv.shape[1] < 2 * nh * hd or qgkv.dtype != q.dtype \
+            or qgkv.stride(-1) != 1:
+        raise ValueError(f"qgkv must be [{t}, >= {2 * nh * hd}] {q.dtype} with contiguous rows, "
+                         f"got {tuple(qgkv.shape)} {qgkv.dtype}")
+    check_tensors(q, qgkv)
+    return _launch(q, k_cache, v_cache, positions, scale, **asdict(tile_for(hd)), gate=qgkv)
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

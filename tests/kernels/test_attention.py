@@ -244,3 +244,25 @@ def test_cuda_graph_replay_follows_positions(nkv, g, hd):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, decode_attention(q, k, v, pos, _scale(hd)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,nh,nkv,hd", [(1, 4, 2, 64), (3, 16, 4, 256), (17, 8, 2, 128)], ids=str)
+def test_gated_attention_is_attention_then_the_output_gate(t, nh, nkv, hd, dtype, device):
+    """Qwen3.5's output gate applied in the combine launch == `qwen35.output_gate` of
+    `decode_attention`, bit for bit (the same formulas on the same rounded values), the gate read
+    in place from a fused projection whose rows are wider than the gates (`[q | gate]` per head,
+    then k and v)."""
+    from memra_kernels.attention import gated_decode_attention
+    from memra_kernels.qwen35 import output_gate
+
+    positions = torch.tensor([(37 * i + 5) % 300 + 250 for i in range(t)], device=device)
+    q = _q(t, nh, hd, dtype, device, seed=t + hd)
+    k, v = _cache(nkv, hd, int(positions.max()) + 1, dtype, device, storage=600)
+    g = torch.Generator().manual_seed(9)
+    qgkv = (3 * torch.randn(t, (2 * nh + 2 * nkv) * hd, generator=g)).to(dtype).to(device)
+    got = gated_decode_attention(q, k, v, positions, _scale(hd), qgkv)
+    want = output_gate(decode_attention(q, k, v, positions, _scale(hd)), qgkv, nh)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="qgkv must be"):
+        gated_decode_attention(q, k, v, positions, _scale(hd), qgkv[:, : nh * hd])

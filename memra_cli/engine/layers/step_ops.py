@@ -41,6 +41,8 @@ float32 `1 + w`):
   nkv, eps) -> q`: gated attention's q/k norms + partial rope + K/V write, from the projection
   whose query heads carry their output gate (`[q | gate]` per head); the gate stays there
 - `output_gate(out, qgkv, nh) -> out * sigmoid(gate)`, the gate read from the projection
+- `gated_attention(q, k_cache, v_cache, positions, scale, qgkv, nh)`: `attention` then
+  `output_gate` (with the kernels, the gate is applied in the attention's combine launch)
 - `gdn_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay) -> (g, beta)`: the DeltaNet's
   decay and write strength, plus (with `ring_idx`) the step's rollback record into the ring
 - `gdn_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings,
@@ -201,6 +203,12 @@ class TorchStepOps:
         v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
         return q
 
+    @classmethod
+    def gated_attention(cls, q, k_cache, v_cache, positions, scale: float, qgkv: torch.Tensor,
+                        n_heads: int) -> torch.Tensor:
+        """`attention` then `output_gate` (Qwen3.5's gated attention in a fixed step)."""
+        return cls.output_gate(cls.attention(q, k_cache, v_cache, positions, scale), qgkv, n_heads)
+
     @staticmethod
     def output_gate(out: torch.Tensor, qgkv: torch.Tensor, n_heads: int) -> torch.Tensor:
         """`out [t, nh*hd] * sigmoid(gate)`, head h's gate the hd columns after its query."""
@@ -303,6 +311,8 @@ class TritonStepOps:
         self.add_rms_norm_1p = norm.add_rms_norm_1p
         self.gated_qk_norm_rope_kv_write = qwen35.gated_qk_norm_rope_kv_write
         self.output_gate = qwen35.output_gate
+        self.gated_attention = lambda q, k, v, pos, scale, qgkv, nh: attention.gated_decode_attention(
+            q, k, v, pos, scale, qgkv)  # the gate in the combine launch (nh: q's heads)
         self.gdn_gates = qwen35.gdn_gates
         self.gdn_conv_gates = qwen35.gdn_conv_gates
         self.gated_rms_norm = qwen35.gated_rms_norm

@@ -733,8 +733,8 @@ class Qwen35Target(TargetBase):
             state._new_base(start)
         mask = self._mask(start, t)
 
-        def attend(q, kv):  # the prep wrote K/V at positions start..end-1
-            return self._attend(q, kv[0, :, :end], kv[1, :, :end], mask)
+        def attend(q, kv, qgkv):  # the prep wrote K/V at positions start..end-1; then the output gate
+            return self.step_ops.output_gate(self._attend(q, kv[0, :, :end], kv[1, :, :end], mask), qgkv, self.n_heads)
 
         positions = torch.arange(start, end, device=self.device)
         ring_idx = positions % state.ring if keep else None
@@ -761,8 +761,8 @@ class Qwen35Target(TargetBase):
         state._pending, state._width = (state.length, width), width  # Python: runs eagerly or at capture only
         ops = self.step_ops
 
-        def attend(q, kv):  # the prep wrote K/V at positions
-            return ops.attention(q, kv[0], kv[1], positions, self.scale)
+        def attend(q, kv, qgkv):  # the prep wrote K/V at positions; the output gate in the same op
+            return ops.gated_attention(q, kv[0], kv[1], positions, self.scale, qgkv, self.n_heads)
 
         hidden, tapped = self._run(ids, positions, attend, state, positions % state.ring, False, False, taps)
         return self.logits(hidden), tapped
@@ -779,7 +779,7 @@ class Qwen35Target(TargetBase):
              ring_idx: torch.Tensor | None, chunked: bool, commit_now: bool, taps: Sequence[int] | None
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder over `ids [t]` at device `positions [t]` -> (final-normed hidden, taps):
-        attention layers through `attend(q, kv)` (K/V already written), DeltaNet layers from the
+        attention layers through `attend(q, kv, qgkv)` (K/V already written; gated), DeltaNet layers from the
         committed state over all t rows (recorded at `ring_idx` when given; committed at once when
         `commit_now`, the eager forward).
 
@@ -812,13 +812,14 @@ class Qwen35Target(TargetBase):
                    kv: torch.Tensor) -> torch.Tensor:
         """A gated attention mixer over `h [t, hidden]` -> `[t, hidden]`: the fused projection
         (per query head `[q | gate]`, then k, v), q/k zero-centred norms + partial rope + the K/V
-        write at `positions` (one step op), `attend(q, kv)`, `out * sigmoid(gate)` (one step op,
-        the gate read from the projection), o_proj. `kv [2, nkv, S, hd]`."""
+        write at `positions` (one step op), `attend(q, kv, qgkv)`: attention then `out *
+        sigmoid(gate)`, the gate read from the projection (one step op in a fixed step, whose
+        kernels gate in the attention's combine launch), o_proj. `kv [2, nkv, S, hd]`."""
         ops = self.step_ops
         qgkv = F.linear(h, w.wqkv, w.bqkv)
         q = ops.gated_qk_norm_rope_kv_write(qgkv, w.q_norm, w.k_norm, self._cos, self._sin, positions, kv[0], kv[1],
                                             self.n_heads, self.n_kv, self.cfg.rms_norm_eps)
-        return F.linear(ops.output_gate(attend(q, kv), qgkv, self.n_heads), w.wo, w.bo)
+        return F.linear(attend(q, kv, qgkv), w.wo, w.bo)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
