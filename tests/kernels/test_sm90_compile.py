@@ -1,0 +1,608 @@
+"""Every kernel the engine launches, compiled for sm_90 (the H200) on the CPU.
+
+The other tests here run the kernels through Triton's interpreter, which runs their Python
+semantics and checks nothing the compiler checks (one type per name across the branches of a
+run-time `if`, constexpr rules, shapes that lower, shared memory a block, ...): a kernel can pass
+all of them and fail to compile on the GPU. This module compiles them for real, down to a cubin
+with Triton's bundled ptxas, through Triton's own launch path rather than hand-written signatures:
+each public wrapper runs on small CPU tensors while Triton's active driver is a stand-in for one
+H200 (target cuda / sm_90, warps of 32, 227 KiB of shared memory a block) whose launcher
+launches nothing. So what compiles is exactly what a wrapper launches (its constexprs, num_warps
+and num_stages, argument dtypes and the alignment / divisibility specialization, from the CPU
+tensors' data_ptr), and Triton's load-time checks (shared memory, threads a block) run as on the
+GPU. The wrappers' "CUDA tensors only" checks are the only thing relaxed (see `_relax_checks`).
+
+Configurations: the engine's shapes (the embedded Qwen3 pair, Qwen3-8B, Qwen3.5-4B), the module
+tile constants (attention's TILES per head_dim class, DeltaNet's BLOCK_V / REC_WARPS with LATE_PREP
+both ways, quant_linear's TUNED table and its heuristic, aligned or not), each in bf16 and f32.
+The coverage tests then require that every kernel launched in kernels/*.py compiled, that every
+boolean constexpr compiled both ways, and the tile constants exactly; so a wrapper that stops
+launching (a silent torch fallback) fails too.
+
+conftest.py sets TRITON_INTERPRET=1 on a CPU-only machine before the kernel modules import
+(Triton picks the interpreter when it decorates), so the compiles run in subprocesses (this file
+as a script, TRITON_INTERPRET unset, a fresh TRITON_CACHE_DIR), a few shards side by side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = ROOT / "kernels"
+
+# The H200 as Triton's loader sees it (cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90).
+SM90_MAX_SHARED = 232448
+# Constexprs that only the interpreter sets True (its bf16 arithmetic on raw bits): on the GPU,
+# hence here, they must compile False.
+INTERPRETER_ONLY = {"DOT_F32", "WIDEN"}
+DTYPES = ("bf16", "f32")
+WORKER_TIMEOUT_S = 540
+
+# --------------------------------------------------------------------------------------------
+# Cases: each calls public wrappers as the engine does; `ctx.launch` checks the named kernels
+# were launched (so compiled) and records any error. Run in the worker only.
+# --------------------------------------------------------------------------------------------
+
+CASES: dict[str, tuple] = {}  # name -> (function, argument, relative cost for the shards)
+
+
+def _case(name, fn, arg=None, cost=1.0):
+    CASES[name] = (fn, arg, cost)
+
+
+# Engine shapes: (n_heads, n_kv, head_dim) of the embedded Qwen3 pair, Qwen3-8B, Qwen3.5-4B.
+ATTN_SHAPES = ((4, 2, 64), (32, 8, 128), (16, 4, 256))
+
+
+def _norm(ctx, dt):
+    n = ctx.k.norm
+    for d in (256, 4096):  # the embedded models, Qwen3-8B (BLOCK_D 4096: 8 warps)
+        x, r, w = ctx.t(3, d, dtype=dt), ctx.t(3, d, dtype=dt), ctx.t(d, dtype=dt)
+        ctx.launch(f"rms_norm d{d}", "_rms_norm_kernel", n.rms_norm, x, w, 1e-6)
+        ctx.launch(f"add_rms_norm d{d}", "_rms_norm_kernel", n.add_rms_norm, x, r, w, 1e-6)
+    d = 2560  # Qwen3.5-4B's zero-centred norms (1 + w in float32)
+    x, r, w1p = ctx.t(3, d, dtype=dt), ctx.t(3, d, dtype=dt), ctx.t(d, dtype="f32")
+    ctx.launch("rms_norm_1p", "_rms_norm_kernel", n.rms_norm_1p, x, w1p, 1e-6)
+    ctx.launch("add_rms_norm_1p", "_rms_norm_kernel", n.add_rms_norm_1p, x, r, w1p, 1e-6)
+
+
+def _rope(ctx, dt):
+    for nh, nkv, hd in ATTN_SHAPES[:2]:
+        t, s = 16, 512
+        kv = ctx.t(2, nkv, s, hd, dtype=dt)
+        ctx.launch(f"qk_norm_rope_kv_write hd{hd}", "_qk_norm_rope_kv_kernel", ctx.k.rope.qk_norm_rope_kv_write,
+                   ctx.t(t, (nh + 2 * nkv) * hd, dtype=dt), ctx.t(hd, dtype=dt), ctx.t(hd, dtype=dt),
+                   ctx.t(s, hd, dtype=dt), ctx.t(s, hd, dtype=dt), ctx.idx(t), kv[0], kv[1], nh, nkv, 1e-6)
+
+
+def _activation(ctx, dt):
+    for inter in (768, 12288, 9216):
+        ctx.launch(f"silu_mul I{inter}", "_silu_mul_kernel", ctx.k.activation.silu_mul, ctx.t(16, 2 * inter, dtype=dt))
+
+
+def _argmax(ctx, dt):
+    am = ctx.k.argmax
+    for v in (4096, 151936, 248320, 100):  # the embedded vocabulary, Qwen3, Qwen3.5, a small one
+        ctx.launch(f"row_argmax V{v}", "_row_argmax_kernel", am.row_argmax, ctx.t(16, v, dtype=dt))
+    ctx.launch("row_argmax out=", "_row_argmax_kernel", am.row_argmax, ctx.t(16, 4096, dtype=dt), out=ctx.idx(16))
+
+
+def _attention(ctx, dt):
+    a = ctx.k.attention
+    for nh, nkv, hd in ATTN_SHAPES:
+        t, s = 16, 1100
+        kv = ctx.t(2, nkv, s, hd, dtype=dt)
+        ctx.launch(f"decode_attention {nh}/{nkv}x{hd}", ("_split_kernel", "_combine_kernel"), a.decode_attention,
+                   ctx.t(t, nh, hd, dtype=dt), kv[0], kv[1], ctx.idx(t), hd ** -0.5)
+
+
+def _deltanet(ctx, dt):
+    dn = ctx.k.deltanet
+    hk, hv, dk, dv, t, ring, layers = 16, 32, 128, 128, 16, 32, 3  # Qwen3.5-4B's DeltaNet
+    c = 2 * hk * dk + hv * dv
+    ctx.launch("causal_conv_silu", "_conv_silu_kernel", dn.causal_conv_silu,
+               ctx.t(3, c, dtype=dt), ctx.t(t, c, dtype=dt), ctx.t(c, 4, dtype="f32"))
+    saved = dn.LATE_PREP
+    try:
+        for late in (True, False):  # the module's choice and the other schedule (hybrid_step.py --gdn-tile)
+            dn.LATE_PREP = late
+            state = ctx.t(hv, dk, dv, dtype="f32")
+            qkv, g, beta = ctx.t(t, c, dtype=dt), ctx.t(t, hv, dtype="f32"), ctx.t(t, hv, dtype="f32")
+            ctx.launch(f"gated_delta_rule LATE_PREP={late}", "_gdn_kernel", dn.gated_delta_rule,
+                       qkv, g, beta, state, hk)
+            ctx.launch(f"gated_delta_rule final+stash LATE_PREP={late}", "_gdn_kernel", dn.gated_delta_rule,
+                       qkv, g, beta, state, hk, final=ctx.t(hv, dk, dv, dtype="f32"),
+                       stash=ctx.t(ring, hv, dk, dv, dtype="f32"), stash_idx=ctx.idx(t))
+            states = ctx.t(layers, hv, dk, dv, dtype="f32")
+            ctx.launch(f"gated_delta_rule_layers LATE_PREP={late}", "_gdn_kernel", dn.gated_delta_rule_layers,
+                       ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, ring, hv, dtype="f32"),
+                       ctx.t(layers, ring, hv, dtype="f32"), states, hk, 5, t, states)
+    finally:
+        dn.LATE_PREP = saved
+
+
+def _gather(ctx, dt):
+    gt = ctx.k.gather
+    for h in (256, 4096, 2560):
+        ctx.launch(f"embed_rows H{h}", "_embed_kernel", gt.embed_rows, ctx.idx(16), ctx.t(64, h, dtype=dt))
+    h, r, n = 256, 64, 15  # the embedded DSpark drafter's confidence head (+ markov features)
+    w, b = ctx.t(h, dtype="f32"), ctx.t(1, dtype="f32")
+    ctx.launch("confidence_raw", "_confidence_kernel", gt.confidence_raw, ctx.t(n, h, dtype=dt), w, b)
+    ctx.launch("confidence_raw markov", "_confidence_kernel", gt.confidence_raw, ctx.t(n, h, dtype=dt),
+               ctx.t(h + r, dtype="f32"), b, ctx.idx(n), ctx.t(4096, r, dtype=dt))
+
+
+def _pack_round(ctx, _):
+    gt = ctx.k.gather
+    ctx.launch("pack_round", "_pack_kernel", gt.pack_round, ctx.idx(16), ctx.idx(16))
+    ctx.launch("pack_round raws", "_pack_kernel", gt.pack_round, ctx.idx(16), ctx.idx(16), ctx.t(15, dtype="f32"))
+
+
+def _markov(ctx, dt):
+    mk = ctx.k.markov
+    v, r, n = 4096, 64, 15  # the embedded DSpark drafter
+    logits, anchor = ctx.t(n, v, dtype="f32"), ctx.idx(1)
+    w1, w2 = ctx.t(v, r, dtype=dt), ctx.t(v, r, dtype=dt)
+    ctx.launch("markov_chain slots", "_markov_slot_kernel", mk.markov_chain, logits, anchor, w1, w2, ctx.dtype(dt))
+    table = ctx.t(v, v, dtype=dt)  # bias_table's shape and dtype
+    ctx.launch("markov_chain table", "_markov_table_kernel", mk.markov_chain, logits, anchor, w1, w2, ctx.dtype(dt),
+               table=table)
+
+
+# Shapes quant_linear meets outside TUNED (its heuristic): the embedded pair's projections
+# (fused q/k/v, o, gate/up, down), Qwen3.5-4B's, and odd ones (out and in off the tiles).
+QUANT_HEURISTIC_SHAPES = ((512, 256), (256, 256), (1536, 256), (256, 768), (18432, 2560), (2560, 9216),
+                          (80, 96), (200, 160))
+
+
+def _quant_linear(ctx, arg):
+    qtype, dt, which = arg
+    ql = ctx.k.quant_linear
+    if which == "tuned":
+        shapes = [(n, k) for (q, n, k) in ql.TUNED if q == qtype]
+    else:
+        shapes = list(QUANT_HEURISTIC_SHAPES)
+    for n, k in shapes:
+        packed = ctx.packed(qtype, n, k)
+        cfg = ql.config_for(qtype, n, k)
+        label = f"quant_linear {qtype} {n}x{k} {cfg}"
+        ctx.launch(label, "_quant_linear_kernel", ql.quant_linear, ctx.t(16, k, dtype=dt), packed)
+    if which == "heuristic":
+        # Packed.rows: a view whose scales start off 16 bytes (Triton compiles for that alignment)
+        packed = ctx.packed(qtype, 1024, 4096).rows(3, 515)
+        ctx.launch(f"quant_linear {qtype} rows(3, 515)", "_quant_linear_kernel", ql.quant_linear,
+                   ctx.t(16, 4096, dtype=dt), packed)
+
+
+def _quant_scale_after(ctx, dt):
+    """The scale-after-dot variant: no TUNED shape uses it, but benchmarks launch it (`config=`),
+    and with bf16 q4_0 it is the inline-PTX nibble path."""
+    ql = ctx.k.quant_linear
+    for qtype in ("q8_0", "q4_0"):
+        cfg = ql.KernelConfig(block_m=16, block_n=64, block_k=128, split_k=2, scale_after_dot=True)
+        ctx.launch(f"quant_linear {qtype} scale_after_dot", "_quant_linear_kernel", ql.quant_linear,
+                   ctx.t(16, 4096, dtype=dt), ctx.packed(qtype, 1024, 4096), config=cfg)
+
+
+def _qwen35(ctx, dt):
+    q = ctx.k.qwen35
+    nh, nkv, hd, r, t, s = 16, 4, 256, 64, 16, 512  # Qwen3.5-4B's gated attention (partial rope)
+    qgkv = ctx.t(t, (2 * nh + 2 * nkv) * hd, dtype=dt)
+    kv = ctx.t(2, nkv, s, hd, dtype=dt)
+    ctx.launch("gated_qk_norm_rope_kv_write", "_gated_qk_kernel", q.gated_qk_norm_rope_kv_write, qgkv,
+               ctx.t(hd, dtype="f32"), ctx.t(hd, dtype="f32"), ctx.t(s, r, dtype=dt), ctx.t(s, r, dtype=dt),
+               ctx.idx(t), kv[0], kv[1], nh, nkv, 1e-6)
+    ctx.launch("output_gate", "_output_gate_kernel", q.output_gate, ctx.t(t, nh * hd, dtype=dt), qgkv, nh)
+
+    hk, hv, dk, dv, ring, k = 16, 32, 128, 128, 32, 4  # its DeltaNet
+    c = 2 * hk * dk + hv * dv
+    ba, a_neg, dt_bias = ctx.t(t, 2 * hv, dtype=dt), ctx.t(hv, dtype="f32"), ctx.t(hv, dtype="f32")
+    mixed, xs_ring = ctx.t(t, c, dtype=dt), ctx.t(ring, c, dtype=dt)
+    qkv_ring, g_ring, beta_ring = ctx.t(ring, c, dtype=dt), ctx.t(ring, hv, dtype="f32"), ctx.t(ring, hv, dtype="f32")
+    ctx.launch("gdn_gates", "_gdn_gates_kernel", q.gdn_gates, ba, a_neg, dt_bias)
+    ctx.launch("gdn_gates record", "_gdn_gates_kernel", q.gdn_gates, ba, a_neg, dt_bias, ctx.idx(t), xs_ring, mixed)
+    ctx.launch("gdn_gates replay", "_gdn_gates_kernel", q.gdn_gates, ba, a_neg, dt_bias, ctx.idx(t), xs_ring, mixed,
+               (qkv_ring, ctx.t(t, c, dtype=dt), g_ring, beta_ring))
+    window, conv_w = ctx.t(k - 1, c, dtype=dt), ctx.t(c, k, dtype="f32")
+    records = {"": {}, " record": dict(ring_idx=ctx.idx(t), xs_ring=xs_ring),
+               " replay": dict(ring_idx=ctx.idx(t), xs_ring=xs_ring, replay_rings=(qkv_ring, g_ring, beta_ring))}
+    for name, kw in records.items():  # the engine's modes: no record, stash, replay; each with a final window or not
+        for final in (None, ctx.t(k - 1, c, dtype=dt)):
+            ctx.launch(f"gdn_conv_gates{name}{' final' if final is not None else ''}", "_gdn_conv_gates_kernel",
+                       q.gdn_conv_gates, window, mixed, conv_w, ba, a_neg, dt_bias, final_window=final, **kw)
+    ctx.launch("gated_rms_norm", "_gated_norm_kernel", q.gated_rms_norm, ctx.t(t, hv, dv, dtype="f32"),
+               ctx.t(t, hv * dv, dtype=dt), ctx.t(dv, dtype=dt), 1e-6)
+
+
+# Costs: seconds a case took on one CPU core with an empty cache (they only balance the shards).
+for _dt in DTYPES:
+    _f32 = _dt == "f32"  # float32 dots (IEEE, no tensor cores) take the compiler longer
+    _case(f"norm-{_dt}", _norm, _dt, 0.8)
+    _case(f"rope-{_dt}", _rope, _dt, 0.3)
+    _case(f"activation-{_dt}", _activation, _dt, 0.1)
+    _case(f"argmax-{_dt}", _argmax, _dt, 0.2)
+    _case(f"attention-{_dt}", _attention, _dt, 6.5 if _f32 else 2.0)
+    _case(f"deltanet-{_dt}", _deltanet, _dt, 1.7)
+    _case(f"gather-{_dt}", _gather, _dt, 0.3)
+    _case(f"markov-{_dt}", _markov, _dt, 0.8)
+    _case(f"qwen35-{_dt}", _qwen35, _dt, 2.3)
+    for _q in ("q8_0", "q4_0"):
+        _case(f"quant_linear-{_q}-tuned-{_dt}", _quant_linear, (_q, _dt, "tuned"), 4.5 if _f32 else 1.5)
+        _case(f"quant_linear-{_q}-heuristic-{_dt}", _quant_linear, (_q, _dt, "heuristic"), 2.1 if _f32 else 0.8)
+    _case(f"quant_linear-scale_after-{_dt}", _quant_scale_after, _dt, 2.2 if _f32 else 0.7)
+_case("pack_round", _pack_round, None, 0.2)
+
+
+# --------------------------------------------------------------------------------------------
+# Worker: this file run as a script, with TRITON_INTERPRET unset
+# --------------------------------------------------------------------------------------------
+
+
+def _sm90_driver(records):
+    """A stand-in for Triton's CUDA driver: one H200 (sm_90), stream 0, a launcher that records
+    what it was asked to launch and launches nothing."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    class Utils:
+        def get_device_properties(self, device):
+            return {"max_shared_mem": SM90_MAX_SHARED, "multiprocessor_count": 132, "max_num_regs": 65536,
+                    "warpSize": 32, "arch": "sm_90"}
+
+        def load_binary(self, name, kernel, shared, device):
+            return None, None, 0, 0, 1024  # module, function, n_regs, n_spills, max threads a block
+
+    class Launcher:
+        def __init__(self, src, metadata):
+            fn = src.fn
+            const = {p.name: src.constants[(p.num,)] for p in fn.params if p.is_constexpr}
+            self.record = {
+                "kernel": fn.__name__,
+                "module": fn.fn.__module__,
+                "constexprs": {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in const.items()},
+                "signature": {k: str(v) for k, v in src.signature.items() if v != "constexpr"},
+                "num_warps": metadata.num_warps,
+                "num_stages": metadata.num_stages,
+                "shared": metadata.shared,
+            }
+
+        def __call__(self, *args, **kwargs):
+            records.append(dict(self.record))
+
+    class Sm90Driver(DriverBase):
+        def __init__(self):
+            self.utils = Utils()
+            self.launcher_cls = Launcher
+
+        @classmethod
+        def is_active(cls):
+            return False
+
+        def map_python_to_cpp_type(self, ty):
+            raise NotImplementedError
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_benchmarker(self):
+            raise NotImplementedError
+
+        def get_current_device(self):
+            return 0
+
+        def set_current_device(self, device):
+            pass
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    return Sm90Driver()
+
+
+def _import_kernels():
+    """This checkout's kernels/ as `memra_kernels` (as conftest.py aliases it), every module."""
+    import importlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("memra_kernels", KERNELS / "__init__.py",
+                                                  submodule_search_locations=[str(KERNELS)])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["memra_kernels"] = pkg
+    spec.loader.exec_module(pkg)
+    for path in sorted(KERNELS.glob("*.py")):
+        if path.stem != "__init__":
+            setattr(pkg, path.stem, importlib.import_module(f"memra_kernels.{path.stem}"))
+    return pkg
+
+
+def _relax_checks(pkg):
+    """The wrappers refuse CPU tensors unless TRITON_INTERPRET is set (`_common.check_tensors`,
+    `quant_linear`'s own check). Here only that refusal goes: tensors must still share a device.
+    quant_linear reads one flag for the check and for WIDEN (the interpreter's bf16 workaround),
+    so the check sees it set and its launch sees it clear (WIDEN False, as on the GPU)."""
+    common = pkg._common
+    original = common.check_tensors
+
+    def check_tensors(*tensors):
+        device = tensors[0].device
+        for x in tensors:
+            if x.device != device:
+                raise ValueError(f"tensors on different devices: {x.device} vs {device}")
+
+    for path in KERNELS.glob("*.py"):
+        mod = sys.modules.get(f"memra_kernels.{path.stem}")
+        if mod is None:
+            continue
+        for name, value in list(vars(mod).items()):
+            if value is original:  # `from ._common import check_tensors` (under any name)
+                setattr(mod, name, check_tensors)
+    ql = pkg.quant_linear
+    ql._INTERPRET = True
+    launch = ql._launch
+
+    def _launch(*args, **kwargs):
+        ql._INTERPRET = False
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            ql._INTERPRET = True
+
+    ql._launch = _launch
+
+
+def _jit_functions(pkg):
+    """{module: {@triton.jit function defined there: whether the module launches it}}, launched
+    meaning `name[grid](...)` in its source (the others are helpers that kernels call)."""
+    from triton.runtime.jit import JITFunction
+
+    out = {}
+    for path in sorted(KERNELS.glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        mod = getattr(pkg, path.stem)
+        src = path.read_text()
+        out[path.stem] = {name: bool(re.search(rf"(?<![\w.]){re.escape(name)}\s*\[", src))
+                          for name, obj in vars(mod).items()
+                          if isinstance(obj, JITFunction) and obj.fn.__module__ == mod.__name__}
+    return out
+
+
+class _Ctx:
+    def __init__(self, torch, pkg, records):
+        self.torch, self.k, self.records = torch, pkg, records
+        self.errors: list[str] = []
+        self.calls = 0
+
+    def dtype(self, name):
+        return {"bf16": self.torch.bfloat16, "f32": self.torch.float32}[name]
+
+    def t(self, *shape, dtype):
+        return self.torch.empty(shape, dtype=self.dtype(dtype))
+
+    def idx(self, n):
+        return self.torch.zeros(n, dtype=self.torch.int64)
+
+    def packed(self, qtype, n, k):
+        torch, ql = self.torch, self.k.quant_linear
+        q = torch.empty((n, k), dtype=torch.int8) if qtype == "q8_0" else torch.empty((n, k // 2), dtype=torch.uint8)
+        return ql.Packed(qtype, (n, k), q, torch.empty((n, k // 32), dtype=torch.float16))
+
+    def launch(self, label, expect, fn, *args, **kwargs):
+        """Call a wrapper; an exception (a compile error among them) or a kernel in `expect` that
+        it did not launch is an error of the case."""
+        expect = (expect,) if isinstance(expect, str) else tuple(expect)
+        before = len(self.records)
+        self.calls += 1
+        try:
+            fn(*args, **kwargs)
+        except Exception:
+            self.errors.append(f"{label}:\n{traceback.format_exc()[-6000:]}")
+            return
+        launched = {r["kernel"] for r in self.records[before:]}
+        missing = [k for k in expect if k not in launched]
+        if missing:
+            self.errors.append(f"{label}: launched {sorted(launched)}, not {missing} (a fallback?)")
+
+
+def _constants(pkg):
+    from dataclasses import asdict
+
+    a, dn, ql = pkg.attention, pkg.deltanet, pkg.quant_linear
+    return {
+        "attention_tiles": {str(k): asdict(v) for k, v in a.TILES.items()},
+        "deltanet": {"BLOCK_V": dn.BLOCK_V, "REC_WARPS": dn.REC_WARPS, "LATE_PREP": dn.LATE_PREP},
+        "quant_tuned": [[list(key), asdict(cfg)] for key, cfg in ql.TUNED.items()],
+    }
+
+
+def _worker(out_path, names):
+    sys.path.insert(0, str(ROOT))  # this checkout's memra_cli (quant_linear imports it)
+    import torch
+    from triton.runtime.driver import driver
+
+    records: list[dict] = []
+    driver.set_active(_sm90_driver(records))
+    pkg = _import_kernels()
+    _relax_checks(pkg)
+    result = {"cases": {}, "jit": _jit_functions(pkg), "constants": _constants(pkg)}
+    for name in names:
+        fn, arg, _ = CASES[name]
+        ctx = _Ctx(torch, pkg, records)
+        start, first = time.perf_counter(), len(records)
+        try:
+            fn(ctx, arg)
+        except Exception:
+            ctx.errors.append(f"case {name}:\n{traceback.format_exc()[-6000:]}")
+        result["cases"][name] = {"records": records[first:], "errors": ctx.errors, "calls": ctx.calls,
+                                 "seconds": round(time.perf_counter() - start, 2)}
+    Path(out_path).write_text(json.dumps(result))
+
+
+# --------------------------------------------------------------------------------------------
+# The tests (pytest process): shards of the cases in subprocesses, then checks on their records
+# --------------------------------------------------------------------------------------------
+
+
+def _toolchain_missing() -> str | None:
+    try:
+        from triton.backends import backends
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        return f"triton is not importable ({exc})"
+    if "nvidia" not in backends:
+        return "Triton's nvidia backend is not installed"
+    try:
+        from triton import knobs
+
+        ptxas = knobs.nvidia.ptxas.path
+    except Exception as exc:  # pragma: no cover - depends on the environment
+        return f"no ptxas for Triton's nvidia backend ({exc})"
+    if not ptxas or not os.access(ptxas, os.X_OK):
+        return f"ptxas not executable: {ptxas!r}"
+    return None
+
+
+def _shards(n):
+    """Greedy by cost, largest first: n lists of case names."""
+    shards = [[0.0, []] for _ in range(n)]
+    for name, (_, _, cost) in sorted(CASES.items(), key=lambda kv: -kv[1][2]):
+        shard = min(shards, key=lambda s: s[0])
+        shard[0] += cost
+        shard[1].append(name)
+    return [names for _, names in shards if names]
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    reason = _toolchain_missing()
+    if reason:
+        pytest.skip(f"sm_90 compile needs Triton's nvidia backend and ptxas: {reason}")
+    tmp = tmp_path_factory.mktemp("sm90")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp / "triton-cache")
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cpus = os.cpu_count() or 1
+    procs = []
+    for i, names in enumerate(_shards(max(1, min(cpus, 4)))):
+        out = tmp / f"shard{i}.json"
+        log = open(tmp / f"shard{i}.log", "w+")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out), *names]
+        procs.append((names, out, log, subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)))
+    result = {"cases": {}, "jit": None, "constants": None, "crashed": {}}
+    start = time.perf_counter()
+    for names, out, log, proc in procs:
+        try:
+            rc = proc.wait(timeout=max(1.0, WORKER_TIMEOUT_S - (time.perf_counter() - start)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+        log.seek(0)
+        text = log.read()
+        log.close()
+        if rc != 0 or not out.exists():
+            for name in names:
+                result["crashed"][name] = f"worker exit {rc}:\n{text[-6000:]}"
+            continue
+        part = json.loads(out.read_text())
+        result["cases"].update(part["cases"])
+        result["jit"], result["constants"] = part["jit"], part["constants"]
+    return result
+
+
+def _records(compiled, kernel=None):
+    return [r for c in compiled["cases"].values() for r in c["records"] if kernel is None or r["kernel"] == kernel]
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiles_for_sm90(compiled, name):
+    """The case's wrappers compiled for sm_90 (to a cubin) and launched what they should."""
+    if name in compiled["crashed"]:
+        pytest.fail(compiled["crashed"][name])
+    case = compiled["cases"][name]
+    assert not case["errors"], "\n\n".join(case["errors"])
+    assert case["records"], "no launch recorded"
+
+
+def _need_records(compiled):
+    if not compiled["cases"] or compiled["jit"] is None:
+        pytest.fail("no worker finished: see test_compiles_for_sm90")
+
+
+def test_every_launched_kernel_compiled(compiled):
+    """Each kernel that kernels/*.py launches compiled at least once (a new kernel needs a case)."""
+    _need_records(compiled)
+    for module, fns in compiled["jit"].items():  # the scan still finds the launches
+        assert not fns or any(fns.values()), f"kernels/{module}.py: no launch of {sorted(fns)} found"
+    launched = {name for fns in compiled["jit"].values() for name, is_launched in fns.items() if is_launched}
+    missing = launched - {r["kernel"] for r in _records(compiled)}
+    assert not missing, f"never compiled: {sorted(missing)}"
+
+
+def test_every_flag_both_ways(compiled):
+    """Every boolean constexpr compiled True and False; interpreter-only ones False only."""
+    _need_records(compiled)
+    values: dict[tuple, set] = {}
+    for r in _records(compiled):
+        for k, v in r["constexprs"].items():
+            if isinstance(v, bool):
+                values.setdefault((r["kernel"], k), set()).add(v)
+    assert values
+    for (kernel, flag), seen in sorted(values.items()):
+        want = {False} if flag in INTERPRETER_ONLY else {False, True}
+        assert seen == want, f"{kernel}.{flag}: compiled {sorted(seen)}, want {sorted(want)}"
+
+
+def _dtype_of(record, arg):
+    return record["signature"][arg].lstrip("*")
+
+
+def test_engine_tiles_compiled(compiled):
+    """The module tile constants the engine launches compiled as they stand, in bf16 and f32."""
+    _need_records(compiled)
+    const = compiled["constants"]
+    split = _records(compiled, "_split_kernel")
+    for hd_class, tile in const["attention_tiles"].items():
+        for dt in ("bf16", "fp32"):
+            assert any(r["constexprs"]["SPLIT"] == tile["split"] and r["constexprs"]["BLOCK_N"] == tile["block_n"]
+                       and r["constexprs"]["BLOCK_M"] == tile["block_m"] and r["num_warps"] == tile["num_warps"]
+                       and r["num_stages"] == tile["num_stages"] and 64 < r["constexprs"]["BLOCK_D"] <= int(hd_class)
+                       and _dtype_of(r, "q_ptr") == dt for r in split), f"attention TILES[{hd_class}] {dt}"
+    dn = const["deltanet"]
+    gdn = _records(compiled, "_gdn_kernel")
+    for late in (True, False):
+        for dt in ("bf16", "fp32"):
+            assert any(r["constexprs"]["LATE_PREP"] is late and r["constexprs"]["BLOCK_V"] == dn["BLOCK_V"]
+                       and r["num_warps"] == dn["REC_WARPS"] and _dtype_of(r, "qkv_ptr") == dt for r in gdn), \
+                f"_gdn_kernel LATE_PREP={late} {dt}"
+    quant = _records(compiled, "_quant_linear_kernel")
+    for (qtype, n, k), cfg in const["quant_tuned"]:
+        for dt in ("bf16", "fp32"):
+            assert any(r["constexprs"]["Q4"] == (qtype == "q4_0") and r["constexprs"]["BLOCK_M"] == cfg["block_m"]
+                       and r["constexprs"]["BLOCK_N"] == cfg["block_n"] and r["constexprs"]["BLOCK_K"] == cfg["block_k"]
+                       and r["constexprs"]["SPLIT"] == (cfg["split_k"] > 1)
+                       and r["constexprs"]["SCALE_AFTER"] == cfg["scale_after_dot"]
+                       and r["constexprs"]["SWAP"] == cfg["swap_ab"] and r["num_warps"] == cfg["num_warps"]
+                       and r["num_stages"] == cfg["num_stages"] and _dtype_of(r, "x_ptr") == dt
+                       for r in quant), f"TUNED {qtype} {n}x{k} {dt}"
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 3 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2], sys.argv[3:])
+    else:
+        sys.exit(f"usage: {sys.argv[0]} --worker OUT.json CASE...  (run the tests with pytest)")
