@@ -104,6 +104,9 @@ def _attention(ctx, dt):
         kv = ctx.t(2, nkv, s, hd, dtype=dt)
         ctx.launch(f"decode_attention {nh}/{nkv}x{hd}", ("_split_kernel", "_combine_kernel"), a.decode_attention,
                    ctx.t(t, nh, hd, dtype=dt), kv[0], kv[1], ctx.idx(t), hd ** -0.5)
+        ctx.launch(f"gated_decode_attention {nh}/{nkv}x{hd}", ("_split_kernel", "_combine_kernel"),
+                   a.gated_decode_attention, ctx.t(t, nh, hd, dtype=dt), kv[0], kv[1], ctx.idx(t), hd ** -0.5,
+                   ctx.t(t, (2 * nh + 2 * nkv) * hd, dtype=dt))
 
 
 def _deltanet(ctx, dt):
@@ -112,6 +115,8 @@ def _deltanet(ctx, dt):
     c = 2 * hk * dk + hv * dv
     ctx.launch("causal_conv_silu", "_conv_silu_kernel", dn.causal_conv_silu,
                ctx.t(3, c, dtype=dt), ctx.t(t, c, dtype=dt), ctx.t(c, 4, dtype="f32"))
+    ctx.launch("ring_window", "_ring_window_kernel", dn.ring_window, ctx.t(layers, 3, c, dtype=dt),
+               ctx.t(layers, ring, c, dtype=dt), ctx.torch.zeros(2, dtype=ctx.torch.int32), ctx.t(layers, 3, c, dtype=dt))
     saved = dn.LATE_PREP
     try:
         for late in (True, False):  # the module's choice and the other schedule (hybrid_step.py --gdn-tile)
@@ -127,6 +132,10 @@ def _deltanet(ctx, dt):
             ctx.launch(f"gated_delta_rule_layers LATE_PREP={late}", "_gdn_kernel", dn.gated_delta_rule_layers,
                        ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, ring, hv, dtype="f32"),
                        ctx.t(layers, ring, hv, dtype="f32"), states, hk, 5, t, states)
+            params = ctx.torch.zeros(2, dtype=ctx.torch.int32)  # a graphed rollback's (row0, rows)
+            ctx.launch(f"gated_delta_replay_dev LATE_PREP={late}", "_gdn_kernel", dn.gated_delta_replay_dev,
+                       ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, ring, hv, dtype="f32"),
+                       ctx.t(layers, ring, hv, dtype="f32"), states, hk, params, ctx.t(layers, hv, dk, dv, dtype="f32"))
     finally:
         dn.LATE_PREP = saved
 
