@@ -188,8 +188,9 @@ class Session:
         # committed-state buffers) gets a round graph per arrangement, captured in it.
         variant = getattr(cache, "graph_variant", None)
         arranged = cache.arranged_for_capture(variant) if variant is not None else nullcontext()
+        tail = () if variant is None else (variant,)  # a KV cache has one arrangement
         if self.proposer is None:
-            key = ("plain-round", width, variant)
+            key = ("plain-round", width, *tail)
             graph = cache.graphs.get(key)
             if graph is None:
                 with arranged:
@@ -202,7 +203,7 @@ class Session:
             assert kv.length == start, (kv.length, start)  # row index == position in both caches
             raws = p.window.is_confidence
             model.check_taps(self.taps)
-            key = ("round", id(kv), p, raws, self.taps, width, variant)
+            key = ("round", id(kv), p, raws, self.taps, width, *tail)
             graph = cache.graphs.get(key)
             if graph is None:
                 body = round_bodies.speculative_round(self.proposer.drafter, model, p, kv, cache, self.taps, width, raws)
