@@ -390,6 +390,20 @@ def test_a_commit_flips_buffers_instead_of_copying_states(step_dir, mode, monkey
     assert len(replays) == (1 if mode == "replay" else 0)
 
 
+def test_restores_are_graphed_only_with_ops_that_read_their_rows_on_the_device():
+    """The torch ops read a replay's rows on the host, which a CUDA graph capture refuses (the
+    H200 caught a torch-ops target on CUDA trying): only the kernels' ops are graphed, on CUDA,
+    in replay mode."""
+    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+    from memra_cli.engine.models.qwen3_5 import restores_as_graphs
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not restores_as_graphs(cuda, "replay", TorchStepOps())
+    assert TritonStepOps.restores_on_device and restores_as_graphs(cuda, "replay", TritonStepOps)
+    assert not restores_as_graphs(cuda, "stash", TritonStepOps)
+    assert not restores_as_graphs(cpu, "replay", TritonStepOps)
+
+
 @pytest.mark.parametrize("width", [WIDTH, 4], ids=["fixed", "fixed-4-chunks"])
 def test_graphed_replay_restores_give_the_eager_restores_bits(step_dir, monkeypatch, width):
     """On CUDA a replay-mode rollback (and a partial commit) runs as a CUDA graph per (base,

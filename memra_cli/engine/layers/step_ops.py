@@ -265,6 +265,7 @@ class TritonStepOps:
     """`memra_kernels` (CUDA tensors; on CPU only under Triton's interpreter, for tests)."""
 
     name = "triton"
+    restores_on_device = True  # gated_delta_replay_dev / ring_window read their rows on the device
     prefill_mask = False  # the prefill's attention is causal by construction (no mask tensor)
 
     @staticmethod

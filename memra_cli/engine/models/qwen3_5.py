@@ -262,6 +262,13 @@ class _Loader:
 # --------------------------------------------------------------------------- state
 
 
+def restores_as_graphs(device: torch.device, mode: str, ops) -> bool:
+    """Whether a state's replay restores run as CUDA graphs: on CUDA, in replay mode, with step
+    ops whose replay and window restore read their rows on the device (`restores_on_device`: the
+    Triton kernels; the torch ops read them on the host, which a graph capture refuses)."""
+    return device.type == "cuda" and mode == "replay" and bool(getattr(ops, "restores_on_device", False))
+
+
 class Qwen35State:
     """One session's state, every tensor allocated once and written in place (a CUDA graph binds
     their addresses):
@@ -341,9 +348,9 @@ class Qwen35State:
             self._qkv, self._g, self._beta = (list(t.unbind(0)) for t in (self._qkv_all, self._g_all, self._beta_all))
         self._cur = 0  # the buffer holding the committed state
         # Replay restores as CUDA graphs (`_graphed_replay`): on CUDA with ops that read the
-        # replay's rows on the device. Their inputs: `(row0, rows)` int32, via pinned memory.
-        self.graph_restores = (device.type == "cuda" and mode == "replay"
-                               and hasattr(ops, "gated_delta_replay_dev") and hasattr(ops, "ring_window"))
+        # replay's rows on the device (the kernels; the torch ops read them on the host, which a
+        # capture refuses). Their inputs: `(row0, rows)` int32, via pinned memory.
+        self.graph_restores = restores_as_graphs(device, mode, ops)
         self._params = torch.zeros(2, dtype=torch.int32, device=device)
         self._params_host = torch.zeros(2, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._params_host_np = self._params_host.numpy()
