@@ -30,11 +30,5 @@ if at:
 print("modules set:", gt, at)
 PY
 grep -nE "^BLOCK_V|^REC_WARPS|^LATE_PREP" kernels/deltanet.py; grep -n "256: Tile" kernels/attention.py
-timeout ${PROFILE_S:-90} python3 benchmarks/gpu/step_profile.py --skip gdn,attention,8b --json $R/h200-step-profile.json 2>&1 \
-  | grep -v -i warn | cut -c1-1500; pack
-timeout ${KTESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_attention.py tests/kernels/test_deltanet.py \
-  tests/kernels/test_qwen35.py tests/kernels/test_qwen3_5_step.py > $R/cuda_tests.txt 2>&1; echo "kernels rc=$?" >> $R/cuda_tests.txt
-timeout ${GTESTS_S:-100} python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_qwen3_5.py tests/engine/test_step_width.py \
-  >> $R/cuda_tests.txt 2>&1; echo "gpu rc=$?" >> $R/cuda_tests.txt
-grep -E "passed|failed|FAILED|rc=" $R/cuda_tests.txt | tail -14; pack
+hybrid_profile_and_tests
 ls -la "$OUT"

@@ -355,6 +355,7 @@ class Qwen35State:
         self._params_host = torch.zeros(2, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._params_host_np = self._params_host.numpy()
         self._params_copied = None  # the event after the last params copy (CUDA)
+        self._restore_graphs: dict = {}  # (base buffer, destination buffer) -> (graph, body)
         self._length = 0
         self._width: int | None = None  # rows of the fixed step graphs were captured with
         self._forget()
@@ -472,7 +473,7 @@ class Qwen35State:
         start = self._length
         if self._pending is not None and self._pending[0] == start:
             rows = self._pending[1]
-        elif self._width is not None and any(key[0] != "restore" for key in self.graphs):
+        elif self.graphs and self._width is not None:
             rows = self._width
         else:
             raise ValueError(f"commit to {end}: no pending step at length {start}")
@@ -538,23 +539,24 @@ class Qwen35State:
         base_conv, base_rec = self._conv_buf(base_at), self._rec_buf(base_at)
         conv_dst, rec_dst = self._conv2[dst], self._rec2[dst]
         if self.graph_restores and self.mode == "replay" and n > base and not rec_done:
-            self._graphed_replay(base_at, dst, base % self.ring, n - base)
-        elif conv_done:
-            pass
-        elif n > base:
-            rows = self._ring_rows(self._xs_all, max(base, n - k1), n, dim=1)
-            conv_dst.copy_(torch.cat([base_conv, rows], dim=1)[:, -k1:])
+            self._graphed_replay(base_at, dst, base % self.ring, n - base)  # the window and the state
         else:
-            conv_dst.copy_(base_conv)
-        if rec_done or (self.graph_restores and self.mode == "replay" and n > base):
-            pass
-        elif n == base:
-            rec_dst.copy_(base_rec)
-        elif self.mode == "stash":
-            rec_dst.copy_(self._stash_all[:, (n - 1) % self.ring])
-        else:  # replay: the same recurrence, so the same bits as the step computed in its registers
-            self._ops.gated_delta_replay(self._qkv_all, self._g_all, self._beta_all, base_rec,
-                                         self.n_k_heads, base % self.ring, n - base, rec_dst)
+            if conv_done:
+                pass
+            elif n > base:
+                rows = self._ring_rows(self._xs_all, max(base, n - k1), n, dim=1)
+                conv_dst.copy_(torch.cat([base_conv, rows], dim=1)[:, -k1:])
+            else:
+                conv_dst.copy_(base_conv)
+            if rec_done:
+                pass
+            elif n == base:
+                rec_dst.copy_(base_rec)
+            elif self.mode == "stash":
+                rec_dst.copy_(self._stash_all[:, (n - 1) % self.ring])
+            else:  # replay: the same recurrence, so the same bits as the step computed in its registers
+                self._ops.gated_delta_replay(self._qkv_all, self._g_all, self._beta_all, base_rec,
+                                             self.n_k_heads, base % self.ring, n - base, rec_dst)
         if dst == self._final_buf and not stepped:
             self._final_at = None  # that buffer no longer holds the step's last row
         self._cur = dst
@@ -576,8 +578,8 @@ class Qwen35State:
         if self._params.device.type == "cuda":
             self._params_copied = torch.cuda.Event()
             self._params_copied.record()
-        key = ("restore", base_at, dst)
-        entry = self.graphs.get(key)
+        key = (base_at, dst)
+        entry = self._restore_graphs.get(key)
         if entry is not None:
             entry[0].replay()
             return
@@ -591,7 +593,7 @@ class Qwen35State:
                                        params, rec_dst)
 
         graph, _ = cuda_graphs.capture(body, params.device)
-        self.graphs[key] = (graph, body)  # the body's tensors outlive the graph that reads them
+        self._restore_graphs[key] = (graph, body)  # the body's tensors outlive the graph that reads them
 
     def _ran_eager(self, start: int, rows: int) -> None:
         """An eager `forward` ran `rows` rows from `start` (after `_new_base(start)` when it kept
