@@ -12,7 +12,8 @@ separates the two (CUDA events; bf16; the engine's defaults):
   its input copy and its read;
 - ``session_ms_per_token``: the bench's `plain` arm (`Engine.fastest_plain`, one-row graphed
   steps) over whole 128-token sessions, prefill included, and the same sessions' rounds after
-  the prefill alone;
+  the prefill alone, with the next round queued before the host reads a token (the default)
+  and without (MEMRA_PIPELINE=0);
 - ``kernels``: CUDA kernels of one eager step (torch profiler), with the heaviest listed,
 
 for the one-row steps (the fastest plain decoding) and the 16-row steps (the fixed-width plain
@@ -173,6 +174,13 @@ def main() -> None:
         "off (fixed 16-row steps)": round(session_ms_per_token(engine, prompts, args.max_new), 4),
         "plain, rounds after the prefill": round(session_ms_per_token(plain, prompts, args.max_new, True), 4),
     }
+    if plain.pipelined:  # the same sessions with each token read before the next round is queued
+        plain.pipelined = False
+        report["session_ms_per_token"]["plain, unpipelined (MEMRA_PIPELINE=0)"] = round(
+            session_ms_per_token(plain, prompts, args.max_new), 4)
+        report["session_ms_per_token"]["plain, unpipelined, rounds after the prefill"] = round(
+            session_ms_per_token(plain, prompts, args.max_new, True), 4)
+        plain.pipelined = True
     print("session ms/token", report["session_ms_per_token"], flush=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
 

@@ -11,7 +11,9 @@ measures, each section's failure caught and reported in the JSON:
   down per layer, then lm_head) at 1 and 16 rows, replayed as a CUDA graph;
 - ``plain``: memra's plain decode, graphed, step ops as `select_step_ops` picks them (Triton on
   CUDA), at step width 1 (the engine's fastest plain) and 16 (one real row padded to 16): the
-  graph replay alone and a whole token (replay + commit + argmax) after a 512-token prompt;
+  graph replay alone and a whole token (replay + commit + argmax) after a 512-token prompt, and
+  the engine's greedy decode (`Session`, one round graph a token) with the next round queued
+  before the host reads a token (the default) and without (`width1_round_unpipelined`);
 - ``verify``: a 16-row verify step + `state.rollback(start + k)` per round, rollback modes
   replay (the CUDA default) and stash;
 - ``transformers``: `Qwen3_5ForCausalLM` (eager attention; fla kernels if transformers finds them)
@@ -191,12 +193,14 @@ def plain(target, prompt: list[int], graphs: bool, tokens: int, reps: int) -> di
             row["replay_ms"] = replay_ms(graph.graph.replay, reps)
         out[f"width{width}"] = row
         runner.release(state)
-        if graphs:  # the engine's greedy decode with graphs on: each token one round graph, one host read
-            session = Session(runner, prompt, tokens + 8, round_graphs=True)
+        # the engine's greedy decode with graphs on: each token one round graph, queued one ahead
+        # of the host's read (the default) or read before the next is queued (MEMRA_PIPELINE=0)
+        for pipelined in (True, False) if graphs else ():
+            session = Session(runner, prompt, tokens + 8, round_graphs=True, pipelined=pipelined)
             session.burst(4)  # prefill, the captures of both buffer arrangements, warm-up
-            assert session.graphed_rounds
+            assert session.graphed_rounds and session.pipelined == pipelined
             got, times = [], []
-            for _ in range(tokens):  # one round a token; each ends with the round's host read
+            for _ in range(tokens):  # a burst of one token; pipelined, the next round is queued meanwhile
                 t0 = time.perf_counter()
                 got += session.burst(1)
                 times.append(1e3 * (time.perf_counter() - t0))
@@ -206,7 +210,7 @@ def plain(target, prompt: list[int], graphs: bool, tokens: int, reps: int) -> di
             session.close()
             truth = greedy_reference(runner, prompt, len(first) + len(got))  # step by step, no round graphs
             row["exact"] = truth == first + got
-            out[f"width{width}_round"] = row
+            out[f"width{width}_round" + ("" if pipelined else "_unpipelined")] = row
     return out
 
 
@@ -400,10 +404,13 @@ def main() -> None:
         report.section("transformers", lambda: hf_greedy(ckpt, prompt, dev, dtype, 4 if tiny else 32))
     d = report.data
     try:  # headline: memra's graphed plain token vs transformers', and vs the 16-row floor
-        fastest = min(d["plain"][k]["token_ms"] for k in ("width1", "width1_round") if k in d["plain"])
+        fastest = min(d["plain"][k]["token_ms"] for k in ("width1", "width1_round", "width1_round_unpipelined")
+                      if k in d["plain"])
         summary = {"memra_plain_token_ms_w1": fastest,
                    "memra_plain_token_ms_w1_step": d["plain"]["width1"]["token_ms"],
                    "memra_plain_token_ms_w1_round": d["plain"].get("width1_round", {}).get("token_ms"),
+                   "memra_plain_token_ms_w1_round_unpipelined":
+                       d["plain"].get("width1_round_unpipelined", {}).get("token_ms"),
                    "memra_plain_token_ms_w16": d["plain"]["width16"]["token_ms"],
                    "transformers_token_ms": d.get("transformers", {}).get("token_ms"),
                    "exact": d["exact"]["all_exact"] and all(d["plain"][k].get("exact", True) for k in d["plain"]

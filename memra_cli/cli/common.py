@@ -51,6 +51,7 @@ SETTINGS = {s.name: s for s in (
     Setting("kernels", None, "MEMRA_KERNELS"),
     Setting("draft_graphs", None, "MEMRA_DRAFT_GRAPHS"),
     Setting("round_graphs", None, "MEMRA_ROUND_GRAPHS"),
+    Setting("pipeline", None, "MEMRA_PIPELINE"),
     # sampling (cli/sampling.py): flags only
     Setting("temperature", "--temperature", None),
     Setting("top_k", "--top-k", None),

@@ -117,6 +117,26 @@ def resolve_round_graphs(graphs: bool, env: dict[str, str] | None = None) -> tup
                 if on else "greedy rounds graphed by parts (MEMRA_ROUND_GRAPHS=0)")
 
 
+PIPELINE_ENV = "MEMRA_PIPELINE"
+
+
+def resolve_pipeline(round_graphs: bool, env: dict[str, str] | None = None) -> tuple[bool, str | None]:
+    """Plain graphed rounds queued one ahead of the host's read (spec/session.py
+    `_pipelined_plain`): on with whole-round graphs; MEMRA_PIPELINE=0 reads each token before
+    queueing the next round. The same graphs run in the same order either way (the same
+    tokens); only the host's reads move. Returns (on, the note to show, or None)."""
+    raw = (env or {}).get(PIPELINE_ENV, "")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{PIPELINE_ENV}={raw!r}: expected 0 or 1")
+    if raw == "1" and not round_graphs:
+        raise ConfigError(f"{PIPELINE_ENV}=1 needs whole-round graphs (CUDA graphs on, {ROUND_GRAPHS_ENV} not 0)")
+    if not round_graphs:
+        return False, None
+    on = raw != "0"
+    return on, ("plain rounds queued one ahead of the host (default; MEMRA_PIPELINE=0 reads each token first)"
+                if on else "plain rounds read one by one (MEMRA_PIPELINE=0)")
+
+
 def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | None,
                         env: dict[str, str] | None = None, family: Any = None) -> tuple[bool, bool, str]:
     """`--cuda-graphs/--no-cuda-graphs` (MEMRA_CUDA_GRAPHS) -> (target steps graphed, drafter
@@ -343,12 +363,14 @@ class Engine:
     """A loaded target with its step runner and storage pool; makes arms and sessions."""
 
     def __init__(self, target, runner: StepRunner, device: torch.device, dtype: torch.dtype,
-                 notes: list[str], draft_graphs: bool, round_graphs: bool = False):
+                 notes: list[str], draft_graphs: bool, round_graphs: bool = False, pipelined: bool | None = None):
         self.target, self.runner = target, runner
         self.device, self.dtype = device, dtype
         self.notes = notes  # what was applied (step width, graphs), for receipts / --json
         self.draft_graphs = draft_graphs
         self.round_graphs = round_graphs  # whole greedy rounds as one graph (spec/session.py)
+        # plain rounds queued one ahead of the host (spec/session.py `_pipelined_plain`)
+        self.pipelined = round_graphs if pipelined is None else pipelined
         self.plain_only = False  # made by `fastest_plain`: only plain (one-row) decoding runs here
 
     @property
@@ -371,13 +393,15 @@ class Engine:
         family = target_family(Path(cfg.target))  # config.json only: graphs are settled before any weight loads
         graphs, draft_graphs, graphs_note = resolve_cuda_graphs(cfg.cuda_graphs, dev, width, cfg.env, family)
         round_graphs, round_note = resolve_round_graphs(graphs, cfg.env)
-        if round_note:
-            graphs_note += f", {round_note}"
+        pipelined, pipe_note = resolve_pipeline(round_graphs, cfg.env)
+        for note in (round_note, pipe_note):
+            if note:
+                graphs_note += f", {note}"
         ops, ops_note = select_step_ops(dev, cfg.kernels, cfg.env)
         target = family.from_dir(Path(cfg.target), dtype=dt, device=dev)
         target.step_ops = ops
         runner = StepRunner(target, width, graphs, StoragePool(cfg.pool_idle_bytes))
-        return cls(target, runner, dev, dt, [width_note, graphs_note, ops_note], draft_graphs, round_graphs)
+        return cls(target, runner, dev, dt, [width_note, graphs_note, ops_note], draft_graphs, round_graphs, pipelined)
 
     @classmethod
     def from_model(cls, model, *, step_width: int | None = None, cuda_graphs: bool = False,
@@ -416,6 +440,7 @@ class Engine:
             self.target.ensure_positions(self.runner.max_rows())
         plain = Engine.from_model(self.target, step_width=1 if graphs else None, cuda_graphs=graphs,
                                   pool=StoragePool(self.pool.idle_budget), round_graphs=graphs and self.round_graphs)
+        plain.pipelined = plain.round_graphs and self.pipelined
         plain.plain_only = True
         return plain
 
@@ -463,7 +488,7 @@ class Engine:
         eos = self.target.cfg.eos_token_ids if eos_ids is None else tuple(eos_ids)
         if arm is None or arm.mode == "off":
             return Session(self.runner, prompt_ids, max_new, eos_ids=eos, sampler=sampler, timed=timed,
-                           round_graphs=self.round_graphs)
+                           round_graphs=self.round_graphs, pipelined=self.pipelined)
         proposer = DrafterProposer(arm.drafter, self.target, arm.program, graphs=self.draft_graphs, pool=self.pool,
                                    sampler=sampler)
         return Session(self.runner, prompt_ids, max_new, proposer=proposer, program=arm.program, taps=arm.taps,

@@ -773,11 +773,12 @@ def test_cuda_graphs_default_on_with_cuda_and_a_fixed_width(models):
         StepRunner(target, WIDTH, cuda_graphs=True)  # on the CPU: refused by the runner, not the family
 
 
-@pytest.mark.parametrize("spec", ["plain", "dflash"])
+@pytest.mark.parametrize("spec", ["plain", "plain-unpipelined", "dflash"])
 def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs, spec):
-    """Whole rounds as one graph each (spec/session.py `_graphed_round`) over the hybrid: a graph
-    per buffer arrangement (the stand-in fails a replay in another one), the commit after each
-    replay queued on the device, and every stream plain greedy's, in bfloat16."""
+    """Whole rounds as one graph each (spec/session.py `_graphed_round`, and plain rounds queued
+    one ahead, `_pipelined_plain`) over the hybrid: a graph per buffer arrangement (the stand-in
+    fails a replay in another one), the commit after each replay queued on the device, and every
+    stream plain greedy's, in bfloat16."""
     from memra_cli.engine.api import Engine as _Engine
     from memra_cli.tiny.draft import make_tiny_draft
 
@@ -786,8 +787,9 @@ def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs
     runner = graphed(model)
     engine = _Engine(model, runner, model.device, model.dtype, ["graphs on (CPU stand-in)"], draft_graphs=True,
                      round_graphs=True)
+    engine.pipelined = spec == "plain"
     arm = None
-    if spec != "plain":
+    if spec == "dflash":
         draft = make_tiny_draft(tmp_path / spec, "zlab", block_size=8, target_layer_ids=(-1, 1, 3),
                                 num_target_layers=5, dtype=torch.bfloat16)
         arm = engine.arm(ArmConfig(draft=draft, mode=spec))
@@ -798,7 +800,11 @@ def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs
         with engine.session(ids, 24, arm, eos_ids=()) as session:
             assert session.graphed_rounds
             assert session.run() == plain, seed
-    variants = {k[-1] for k in session.cache.graphs if k[0] in ("plain-round", "round")}
+            assert session.pipelined == (spec == "plain")
+    if spec == "plain":
+        variants = set(session.cache.graphs[("plain-chain", WIDTH)].graphs)
+    else:
+        variants = {k[-1] for k in session.cache.graphs if k[0] in ("plain-round", "round")}
     assert variants == {0, 1}
 
 

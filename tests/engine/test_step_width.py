@@ -537,22 +537,92 @@ def test_round_graphs_equal_the_per_part_graphs(embedded_pair, eager_graphs, arm
     assert again.run() == plain and len(eager_graphs) == n  # pooled storages, their round graph reused
 
 
-def test_round_graphs_plain_decoding_equals_the_runner(target_dir, eager_graphs):
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_round_graphs_plain_decoding_equals_the_runner(target_dir, eager_graphs, pipelined):
     """Plain decoding as one replay per token (step + argmax), at width 16 (the exactness arm)
-    and 1 (the fastest plain): the runner's greedy stream, and one capture per storage."""
+    and 1 (the fastest plain), queued one ahead of the host's read or not: the runner's greedy
+    stream, and one capture per storage."""
     model = Qwen3Target.from_dir(target_dir)
     prompt = _ids(25, 43).tolist()
     plain = greedy_reference(StepRunner(model, WIDTH), prompt, 40)
     for width in (WIDTH, 1):
         engine = graphed_on_cpu(model, round_graphs=True, width=width)
+        engine.pipelined = pipelined
         s = engine.session(prompt, 40, eos_ids=())
-        assert s.graphed_rounds
+        assert s.graphed_rounds and s.pipelined == pipelined
         out = s.run()
         if width == WIDTH:
             assert out == plain
         else:  # another width: f32 on the CPU happens to agree here; what matters is the runner's
             assert out == greedy_reference(StepRunner(model, 1), prompt, 40)
-        assert ("plain-round", width) in s.cache.graphs and s.stats.rounds == 40
+        key = ("plain-chain" if pipelined else "plain-round", width)
+        assert key in s.cache.graphs and s.stats.rounds == 40
+
+
+def _chain_launches(engine, width: int) -> int:
+    """Plain rounds launched so far over the engine's pooled storages (their PlainChains)."""
+    return sum(c.launched for c in _chains(engine, width))
+
+
+def _chains(engine, width: int) -> list:
+    return [g for _, st in engine.pool._idle.values() for k, g in st.graphs.items() if k == ("plain-chain", width)]
+
+
+def test_pipelined_plain_rounds_stop_where_the_stream_stops(target_dir, eager_graphs):
+    """Plain rounds queued one ahead of the host's read (spec/session.py `_pipelined_plain`):
+    bursts of any size, an EOS mid-stream, the budget, a session closed with a round queued and
+    the next session on that storage all give the runner's stream; the committed length is
+    always prompt + tokens, every launch is read, and no round runs past the stream's end (one
+    launch per committed token)."""
+    model = Qwen3Target.from_dir(target_dir)
+    prompt = _ids(30, 7).tolist()
+    full = greedy_reference(StepRunner(model, 1), prompt, 48)
+    engine = graphed_on_cpu(model, round_graphs=True, width=1)
+    assert engine.pipelined
+    for size in (1, 5, 48):
+        before = _chain_launches(engine, 1)
+        with engine.session(prompt, 48, eos_ids=()) as s:
+            got = []
+            while not s.finished:
+                got += s.burst(size)
+                assert s.position == len(prompt) + len(s.tokens), size
+                assert (s._ahead is not None) == (not s.finished), size  # one queued while it goes on
+            assert got == full and s.stats.rounds == 48, size
+        assert _chain_launches(engine, 1) - before == 48, size
+    eos = full[20]
+    stop = full.index(eos) + 1  # through its first occurrence, included
+    before = _chain_launches(engine, 1)
+    with engine.session(prompt, 48, eos_ids=(eos,)) as s:
+        assert s.run() == full[:stop] and s.stats.rounds == stop
+    assert _chain_launches(engine, 1) - before == stop
+    before = _chain_launches(engine, 1)
+    with engine.session(prompt, 7, eos_ids=()) as s:
+        assert s.run() == full[:7]
+    assert _chain_launches(engine, 1) - before == 7
+    with engine.session(prompt, 48, eos_ids=()) as s:  # stopped with a round queued
+        assert s.burst(3) == full[:3] and s._ahead is not None
+    chains = _chains(engine, 1)
+    assert chains and all(c.read_upto == c.launched for c in chains)  # drained on close
+    with engine.session(prompt, 48, eos_ids=()) as s:  # the same storage, its chain reused
+        assert s.run() == full
+
+
+def test_plain_chain_refuses_a_third_unread_launch(target_dir, eager_graphs):
+    """Two pinned slots: a launch with two rounds unread, an out-of-order read, or a first
+    launch without an anchor would read or overwrite a slot in use, and are refused."""
+    from memra_cli.engine.runtime.round_graphs import PlainChain, RoundGraph
+
+    chain = PlainChain(torch.device("cpu"))
+    chain.graphs[0] = RoundGraph(lambda inputs: inputs[1:2] + inputs[0:1], (0, 0), torch.device("cpu"),
+                                 inputs=chain.inputs)
+    with pytest.raises(RuntimeError, match="first launch needs its anchor"):
+        chain.launch(0, 5, None)
+    assert chain.launch(0, 5, 3) == 0 and chain.launch(0, 6, None) == 1
+    with pytest.raises(RuntimeError, match="two rounds unread"):
+        chain.launch(0, 7, None)
+    with pytest.raises(RuntimeError, match="read of launch 1, expected 0"):
+        chain.read(1)
+    assert chain.read(0) == 8  # 5 + 3: the body's output
 
 
 def test_round_graphs_stay_off_where_a_round_cannot_be_one_replay(target_dir, eager_graphs, tmp_path):
@@ -572,6 +642,18 @@ def test_round_graphs_stay_off_where_a_round_cannot_be_one_replay(target_dir, ea
     assert not engine.session(prompt, 8, engine.arm(ArmConfig(draft=draft, mode="dflash")), eos_ids=()).graphed_rounds
     narrow = engine.arm(ArmConfig(draft=draft, mode="dflash", verify_cap=16))  # fits one step again
     assert engine.session(prompt, 8, narrow, eos_ids=()).graphed_rounds
+
+
+def test_pipeline_setting():
+    from memra_cli.engine.api import resolve_pipeline
+
+    assert resolve_pipeline(True, {})[0] is True
+    assert resolve_pipeline(True, {"MEMRA_PIPELINE": "0"})[0] is False
+    assert resolve_pipeline(False, {}) == (False, None)
+    with pytest.raises(ConfigError, match="MEMRA_PIPELINE=1 needs whole-round graphs"):
+        resolve_pipeline(False, {"MEMRA_PIPELINE": "1"})
+    with pytest.raises(ConfigError, match=r"MEMRA_PIPELINE='yes': expected 0 or 1"):
+        resolve_pipeline(True, {"MEMRA_PIPELINE": "yes"})
 
 
 def test_round_graphs_setting():
@@ -621,6 +703,34 @@ def test_cuda_round_graphs_equal_the_per_part_graphs(embedded_pair, dtype):
             junk = torch.full((1 << 22,), 1 << 30, dtype=torch.long, device="cuda")
             del junk
     assert accepted > 50  # the embedded drafters are often right: partial acceptance was exercised
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_pipelined_plain_equals_one_by_one(embedded_pair):
+    """On CUDA, real graphs and real pinned-memory reads: plain rounds queued one ahead of the
+    host (the default) give the stream of rounds read one by one (MEMRA_PIPELINE=0), at widths 1
+    and 16, in bursts of one token and whole, and stop at an EOS with every launch read."""
+    target_dir, _ = embedded_pair
+    model = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda")
+    engine = Engine.from_model(model, step_width=WIDTH, cuda_graphs=True, draft_graphs=True, round_graphs=True)
+    for eng in (engine, engine.fastest_plain()):
+        for seed in range(2):
+            prompt = _ids(40 + 9 * seed, 90 + seed).tolist()
+            eng.pipelined = False
+            ref = eng.session(prompt, 96, eos_ids=()).run()
+            eng.pipelined = True
+            s = eng.session(prompt, 96, eos_ids=())
+            got = []
+            while not s.finished:
+                got += s.burst(1)
+                assert s.position == len(prompt) + len(s.tokens)
+            assert s.pipelined and got == ref, seed
+            assert eng.session(prompt, 96, eos_ids=()).run() == ref
+            stop = ref.index(ref[50]) + 1
+            with eng.session(prompt, 96, eos_ids=(ref[50],)) as s:
+                assert s.run() == ref[:stop]
+            assert all(c.read_upto == c.launched for c in _chains(eng, eng.step_width))
 
 
 def test_a_round_graph_keeps_what_its_body_closes_over(eager_graphs):

@@ -22,7 +22,10 @@ holds what an ingest of the kept rows alone would. The host then sets both lengt
 `start + m + 1`.
 
 Plain step, inputs `[t_start, last]`, output `[sel]` (long): the fixed-width step of `last`
-padded to W by repetition (as the runner pads), then the argmax of its first row.
+padded to W by repetition (as the runner pads), then the argmax of its first row. The chained
+variant (`plain_step_chained`, for runtime/round_graphs.py `PlainChain`) also writes that
+selection into `inputs[1]`: the next round's anchor, so the next replay needs no host value but
+its start.
 """
 
 from __future__ import annotations
@@ -67,5 +70,17 @@ def plain_step(target, cache, width: int):
         t_start, last = inputs[0], inputs[1:2]
         logits, _ = target.static_step(last.expand(width).contiguous(), rows + t_start, cache, None)
         return target.step_ops.argmax(logits[:1])
+
+    return body
+
+
+def plain_step_chained(target, cache, width: int):
+    """`plain_step` whose selection also becomes the next round's anchor (`inputs[1]`)."""
+    step = plain_step(target, cache, width)
+
+    def body(inputs: torch.Tensor) -> torch.Tensor:
+        sel = step(inputs)
+        inputs[1:2].copy_(sel.reshape(1))  # after the step read its anchor: stream order
+        return sel
 
     return body

@@ -48,7 +48,7 @@ class Session:
     def __init__(self, runner: StepRunner, prompt_ids: Sequence[int], max_new: int, *,
                  proposer: Proposer | None = None, program: Program | None = None, taps: Sequence[int] = (),
                  eos_ids: Sequence[int] = (), sampler: Sampler = GREEDY, timed: bool = False,
-                 round_graphs: bool = False):
+                 round_graphs: bool = False, pipelined: bool = True):
         runner.check_prompt(list(prompt_ids), max_new)
         self.runner, self.target = runner, runner.model
         self.proposer, self.program, self.sampler = proposer, program, sampler
@@ -64,6 +64,10 @@ class Session:
         self.vt = program.verify_cap if program else 1
         self.late_window = self._sizes_after_verify()  # fixed for the session: program, sampler, runner
         self.graphed_rounds = round_graphs and not timed and self._rounds_capturable()
+        # plain graphed rounds queued one ahead of the host (`_pipelined_plain`)
+        self.pipelined = pipelined and self.graphed_rounds and proposer is None
+        self._chain = None  # the state's PlainChain while this session uses it
+        self._ahead: int | None = None  # the chain launch in flight (its anchor committed), if any
         self.last: torch.Tensor | None = None
         self.last_id: int | None = None  # the anchor as a host int, between graphed rounds
         self._t0 = 0.0
@@ -103,6 +107,8 @@ class Session:
             self.prime()
         out: list[int] = []
         try:
+            if self.pipelined and not self.finished:
+                out += self._pipelined_plain(n)
             while len(out) < n and not self.finished:
                 out += self._graphed_round() if self.graphed_rounds else self._round()
         except BaseException:  # an error or an interrupt mid-stream: the storages still go back
@@ -125,6 +131,9 @@ class Session:
             return
         self._released = True
         self.finished = True
+        if self._chain is not None:  # a round still queued: read it before the storage goes back
+            self._chain.drain()
+            self._ahead = None
         self.runner.release(self.cache)
         if self.proposer is not None:
             self.proposer.release()
@@ -221,6 +230,74 @@ class Session:
         self.last_id = vam_h[m]
         self._count_round(vt, m)
         return committed
+
+    def _plain_chain(self):
+        """The state's PlainChain (kept in `cache.graphs`, like every graph over the storage),
+        with a round graph captured for each buffer arrangement of the state. Captured here,
+        before any launch: a capture's warm-up writes the shared anchor."""
+        from memra_cli.engine.runtime.round_graphs import PlainChain, RoundGraph
+        from memra_cli.engine.spec import round_bodies
+
+        cache, width, model = self.cache, self.runner.width, self.target
+        key = ("plain-chain", width)
+        chain = cache.graphs.get(key)
+        if chain is None:
+            chain = cache.graphs[key] = PlainChain(model.device)
+        chain.drain()  # a session that ended with a round queued over this storage
+        variants = range(getattr(cache, "graph_variants", 1)) if hasattr(cache, "graph_variant") else (None,)
+        slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
+        for v in variants:
+            tag = 0 if v is None else v
+            if tag not in chain.graphs:
+                arranged = cache.arranged_for_capture(v) if v is not None else nullcontext()
+                with arranged:
+                    chain.graphs[tag] = RoundGraph(round_bodies.plain_step_chained(model, cache, width),
+                                                   (slack, 0), model.device, inputs=chain.inputs)
+        return chain
+
+    def _launch_plain(self, anchor: int | None) -> None:
+        """Queue one plain round at the committed length and commit its row on the host: a plain
+        round keeps its one row, so the commit needs no device value (a KV length, or the
+        hybrid's buffer flip)."""
+        cache, chain = self.cache, self._chain
+        start = cache.length
+        self.target.check_span(start, self.runner.width, cache)
+        variant = getattr(cache, "graph_variant", None)
+        self._ahead = chain.launch(0 if variant is None else variant, start, anchor)
+        cache.commit(start + 1)
+
+    def _pipelined_plain(self, n: int) -> list[int]:
+        """Plain rounds with the next one queued before this one's token is read, until `n` new
+        tokens are committed or the stream ends. The same graphs' work as `_graphed_round`, in
+        the same order: only the host's reads move.
+
+        Round j commits its anchor a_j and selects a_{j+1}; round j+1 may run once a_j is known
+        not to end the stream (EOS, budget). So round j+1 is queued right after a_j is read
+        (round j-1's selection), while round j runs, and never past the stream's end: nothing to
+        undo. Between bursts one round may stay queued, its anchor committed (`_ahead`): the
+        caller's work on the tokens (printing them) overlaps it too."""
+        out: list[int] = []
+        if self._ahead is None:  # nothing queued: the first round's anchor is a host value
+            if self.last_id is None:
+                assert self.last is not None
+                self.last_id = int(self.last.item())  # once per session, after the prefill
+            self.last = None
+            self._chain = self._plain_chain()
+            self._launch_plain(self.last_id)
+            out += self._commit([self.last_id], 0)
+            self._count_round(1, 0)
+        while True:  # a round queued, its anchor committed
+            k = self._ahead
+            assert k is not None
+            if self.finished:
+                self.last_id, self._ahead = self._chain.read(k), None
+                return out
+            if len(out) >= n:
+                return out  # it stays queued for the next burst
+            self._launch_plain(None)  # round k+1 on round k's selection, already on the device
+            anchor = self._chain.read(k)
+            out += self._commit([anchor], 0)
+            self._count_round(1, 0)
 
     def _round(self) -> list[int]:
         if self.last is None:  # after graphed rounds (none today: a session keeps its kind)
