@@ -492,4 +492,5 @@ class Engine:
         proposer = DrafterProposer(arm.drafter, self.target, arm.program, graphs=self.draft_graphs, pool=self.pool,
                                    sampler=sampler)
         return Session(self.runner, prompt_ids, max_new, proposer=proposer, program=arm.program, taps=arm.taps,
-                       eos_ids=eos, sampler=sampler, timed=timed, round_graphs=self.round_graphs)
+                       eos_ids=eos, sampler=sampler, timed=timed, round_graphs=self.round_graphs,
+                       pipelined=self.pipelined)

@@ -498,11 +498,14 @@ def _kv_rows(session):
 
 
 @pytest.mark.parametrize("arm_key", ["dflash", "dspark", "dspark:vt=ladder", "dspark:adapt=0"])
-def test_round_graphs_equal_the_per_part_graphs(embedded_pair, eager_graphs, arm_key):
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_round_graphs_equal_the_per_part_graphs(embedded_pair, eager_graphs, arm_key, pipelined):
     """The embedded pair (real partial acceptance), graphed rounds (one replay each, eager
-    stand-in) against graphed parts: the same stream as plain greedy, the same rounds, the same
-    accepted prefix every round (so the same drafts: the drafter saw the same context), and the
-    drafter's cache holding the same committed rows. A second session reuses the round graph."""
+    stand-in; queued one ahead of the host's read, which settles each round on the device, or
+    read one by one) against graphed parts: the same stream as plain greedy, the same rounds,
+    the same accepted prefix every round (so the same drafts: the drafter saw the same context),
+    and the drafter's cache holding the same committed rows. A second session reuses the round
+    graph."""
     target_dir, drafts = embedded_pair
     mode, _, setting = arm_key.partition(":")
     settings = PolicySettings()
@@ -517,11 +520,12 @@ def test_round_graphs_equal_the_per_part_graphs(embedded_pair, eager_graphs, arm
     runs = {}
     for whole in (False, True):
         engine = graphed_on_cpu(model, round_graphs=whole)
+        engine.pipelined = whole and pipelined
         arm = engine.arm(ArmConfig(draft=draft, mode=mode, settings=settings))
         s = engine.session(prompt, 64, arm, eos_ids=())
         out = s.run()
         runs[whole] = (s, out, _kv_rows(s))
-        assert s.graphed_rounds == whole
+        assert s.graphed_rounds == whole and s.pipelined == (whole and pipelined)
     (parts, out_parts, kv_parts), (whole, out_whole, kv_whole) = runs[False], runs[True]
     assert out_whole == out_parts == plain
     assert whole.stats.accept_hist == parts.stats.accept_hist and whole.stats.rounds == parts.stats.rounds
@@ -530,11 +534,71 @@ def test_round_graphs_equal_the_per_part_graphs(embedded_pair, eager_graphs, arm
     assert whole.proposer.kv.length == parts.proposer.kv.length
     for a, b in zip(kv_whole, kv_parts):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert any(key[0] == "round" for key in whole.cache.graphs)
+    assert any(key[0] == ("spec-chain" if pipelined else "round") for key in whole.cache.graphs)
     assert not any(key[0] == "propose" for key in whole.proposer.kv.graphs)  # the parts never ran
     n = len(eager_graphs)
     again = engine.session(prompt, 64, arm, eos_ids=())
     assert again.run() == plain and len(eager_graphs) == n  # pooled storages, their round graph reused
+
+
+@pytest.mark.parametrize("arm_key", ["dflash", "dspark", "dspark:vt=confidence", "dspark:vt=ladder",
+                                     "dspark:adapt=0"])
+def test_pipelined_speculative_rounds_equal_rounds_read_one_by_one(embedded_pair, eager_graphs, arm_key):
+    """Speculative rounds queued one ahead of the host's read, each settled on the device (window,
+    accepted prefix, next inputs; round_bodies.speculative_round_chained) against the same
+    rounds read one by one: in bursts of 1, 3 and whole, with budgets that end mid-round and an
+    EOS inside an accepted run, the same tokens, round for round the same accepted counts and
+    windows, the committed lengths of both caches prompt + tokens between bursts, and every
+    launch read when the stream ends."""
+    target_dir, drafts = embedded_pair
+    mode, _, setting = arm_key.partition(":")
+    key, _, value = setting.partition("=")
+    settings = PolicySettings(**({key: value} if key else {}))
+    model = Qwen3Target.from_dir(target_dir)
+    engine = graphed_on_cpu(model, round_graphs=True)
+    arm = engine.arm(ArmConfig(draft=drafts[mode], mode=mode, settings=settings))
+
+    def run(prompt, max_new, eos, burst, pipelined):
+        engine.pipelined = pipelined
+        with engine.session(prompt, max_new, arm, eos_ids=eos) as s:
+            assert s.pipelined == pipelined
+            while not s.finished:
+                s.burst(burst)
+                if not s.finished:  # (an EOS mid-run ends the stream; the round's rows stay committed)
+                    assert s.position == len(prompt) + len(s.tokens) == s.proposer.kv.length
+            chains = [g for k, g in s.cache.graphs.items() if k[0] == "spec-chain"]
+            assert all(c.read_upto == c.launched for c in chains)
+            return list(s.tokens), dict(s.stats.accept_hist), s.stats.drafted, s.stats.rounds
+
+    for seed, max_new in ((0, 64), (1, 45)):
+        prompt = _ids(30 + 7 * seed, 120 + seed).tolist()
+        ref = run(prompt, max_new, (), 1 << 30, False)
+        assert sum(k * v for k, v in ref[1].items()) > 5, arm_key  # drafts were accepted
+        for burst in (1, 3, 1 << 30):
+            assert run(prompt, max_new, (), burst, True) == ref, (seed, burst)
+        stream = ref[0]
+        eos = stream[max_new // 2]
+        ref_eos = run(prompt, max_new, (eos,), 1 << 30, False)
+        assert ref_eos[0] == stream[: stream.index(eos) + 1]
+        assert run(prompt, max_new, (eos,), 2, True) == ref_eos, seed
+
+
+@pytest.mark.parametrize("kind", ["confidence", "confidence-slot"])
+def test_the_window_on_the_device_is_the_hosts(kind):
+    """round_bodies.window_on_device against VerifyWindow.size_window (the host's, the policy
+    contract) on random raws, every cap and a few thresholds."""
+    from memra_cli.engine.spec.policy import VerifyWindow
+    from memra_cli.engine.spec.round_bodies import window_on_device
+
+    gen = torch.Generator().manual_seed(3)
+    for tau in (0.1, 0.5, 0.9):
+        window = VerifyWindow(kind, tau)
+        for trial in range(60):
+            n = 1 + trial % 16
+            raws = (torch.randn(n, generator=gen) * 3 + 1.5).float()
+            for cap in (2, 3, 9, 17):
+                host = window.size_window(raws.double().tolist(), cap)
+                assert int(window_on_device(window, raws, cap)) == host, (tau, trial, cap)
 
 
 @pytest.mark.parametrize("pipelined", [True, False])
@@ -560,7 +624,7 @@ def test_round_graphs_plain_decoding_equals_the_runner(target_dir, eager_graphs,
 
 
 def _chain_launches(engine, width: int) -> int:
-    """Plain rounds launched so far over the engine's pooled storages (their PlainChains)."""
+    """Plain rounds launched so far over the engine's pooled storages (their plain RoundChains)."""
     return sum(c.launched for c in _chains(engine, width))
 
 
@@ -607,41 +671,22 @@ def test_pipelined_plain_rounds_stop_where_the_stream_stops(target_dir, eager_gr
         assert s.run() == full
 
 
-def test_plain_chain_refuses_a_third_unread_launch(target_dir, eager_graphs):
+def test_round_chain_refuses_a_third_unread_launch(target_dir, eager_graphs):
     """Two pinned slots: a launch with two rounds unread, an out-of-order read, or a first
-    launch without an anchor would read or overwrite a slot in use, and are refused."""
-    from memra_cli.engine.runtime.round_graphs import PlainChain, RoundGraph
+    launch without every input would read or overwrite a slot in use, and are refused."""
+    from memra_cli.engine.runtime.round_graphs import RoundChain, RoundGraph
 
-    chain = PlainChain(torch.device("cpu"))
+    chain = RoundChain(torch.device("cpu"), 2)
     chain.graphs[0] = RoundGraph(lambda inputs: inputs[1:2] + inputs[0:1], (0, 0), torch.device("cpu"),
                                  inputs=chain.inputs)
-    with pytest.raises(RuntimeError, match="first launch needs its anchor"):
-        chain.launch(0, 5, None)
-    assert chain.launch(0, 5, 3) == 0 and chain.launch(0, 6, None) == 1
+    with pytest.raises(RuntimeError, match="first launch needs every input"):
+        chain.launch(0, (5,))
+    assert chain.launch(0, (5, 3)) == 0 and chain.launch(0, (6,)) == 1
     with pytest.raises(RuntimeError, match="two rounds unread"):
-        chain.launch(0, 7, None)
+        chain.launch(0, (7,))
     with pytest.raises(RuntimeError, match="read of launch 1, expected 0"):
         chain.read(1)
-    assert chain.read(0) == 8  # 5 + 3: the body's output
-
-
-def test_round_graphs_stay_off_where_a_round_cannot_be_one_replay(target_dir, eager_graphs, tmp_path):
-    """Timed phases, a sampler other than greedy, and a verify cap wider than the step keep the
-    per-part path."""
-    from memra_cli.engine.spec.keyed import SamplingParams, make_sampler
-
-    model = Qwen3Target.from_dir(target_dir)
-    engine = graphed_on_cpu(model, round_graphs=True)
-    prompt = _ids(20, 44).tolist()
-    assert engine.session(prompt, 8, eos_ids=()).graphed_rounds
-    assert not engine.session(prompt, 8, eos_ids=(), timed=True).graphed_rounds
-    sampled = make_sampler(SamplingParams(temperature=0.7, seed=1))
-    assert not engine.session(prompt, 8, eos_ids=(), sampler=sampled).graphed_rounds
-    draft = make_tiny_draft(tmp_path / "d", "zlab", hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
-                            block_size=32, target_layer_ids=(0, 2), num_target_layers=3)
-    assert not engine.session(prompt, 8, engine.arm(ArmConfig(draft=draft, mode="dflash")), eos_ids=()).graphed_rounds
-    narrow = engine.arm(ArmConfig(draft=draft, mode="dflash", verify_cap=16))  # fits one step again
-    assert engine.session(prompt, 8, narrow, eos_ids=()).graphed_rounds
+    assert chain.read(0)[0] == 8 and chain.read(1)[0] == 9  # start + anchor: the body's output
 
 
 def test_pipeline_setting():

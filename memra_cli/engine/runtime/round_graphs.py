@@ -24,6 +24,10 @@ import torch
 from memra_cli.engine.runtime import cuda_graphs
 
 
+def _stream_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class RoundGraph:
     """`body(inputs [n] long) -> packed [k]` captured once; `run(values)` -> the packed list."""
 
@@ -32,23 +36,31 @@ class RoundGraph:
         """`capture_inputs`: the values the warm-up and capture run with (positions in the
         storages' slack, where nothing real lives). `keep`: objects the graph writes into that
         must live as long as it does (another storage). `inputs`: a long vector to read the
-        inputs from instead of the graph's own (graphs that share them: `PlainChain`); it is set
-        to `capture_inputs` for the capture."""
+        inputs from instead of the graph's own (graphs that share them: `RoundChain`). Each warm-up
+        run of the capture starts from `capture_inputs`."""
         self.keep = tuple(keep)
         # The replay reads every tensor the body closes over (its constant rows, the block's
         # mask ids) at the addresses of the capture, but a CUDA graph holds no Python reference
         # to them: keep the body, or they are freed and their memory reused under the graph.
         self.body = body
-        values = torch.tensor(list(capture_inputs), dtype=torch.long)
-        if inputs is None:
-            self.inputs = values.to(device)
-        else:
-            self.inputs = inputs
-            inputs.copy_(values)
+        values = torch.tensor(list(capture_inputs), dtype=torch.long).to(device)
+        self.inputs = values.clone() if inputs is None else inputs
         pin = device.type == "cuda"
         self._host = torch.zeros(len(capture_inputs), dtype=torch.long, pin_memory=pin)
         self._host_np = self._host.numpy()  # writes through numpy: no torch op per value
-        self.graph, self.out = cuda_graphs.capture(lambda: body(self.inputs), device)
+        capturing = [True]
+
+        def run():
+            # A chained body writes its inputs (the next round's): each warm-up run of the
+            # capture starts again from the capture values, or the second would run at the
+            # positions the first wrote (past the slack). Not recorded in the graph (a capture
+            # executes nothing), and not done by the replays of the tests' eager stand-in.
+            if capturing[0] and not _stream_capturing():
+                self.inputs.copy_(values)
+            return body(self.inputs)
+
+        self.graph, self.out = cuda_graphs.capture(run, device)
+        capturing[0] = False
 
     def run(self, values: Sequence[int]) -> list:
         """Set the inputs (one copy from pinned memory, no sync), replay, and read the packed
@@ -60,50 +72,56 @@ class RoundGraph:
         return self.out.tolist()
 
 
-class PlainChain:
-    """Plain decoding one round ahead: the device side of `Session`'s pipelined plain rounds.
+class RoundChain:
+    """Rounds queued one ahead of the host's read: the device side of `Session`'s pipelined rounds.
 
-    A graphed plain round costs its replay plus the host's part between two replays: reading the
-    token (a sync), Python bookkeeping, the next input copy and the launch. The GPU idles
-    through all of it (measured on the H200: ~0.2 ms a token on the embedded target, whose
-    replay is 0.15 ms; ~0.1 ms on a 4B-shape hybrid). Here each round's graph writes its
-    selection into the shared `inputs[1]`, the next round's anchor, so the host can queue round
-    j+1 before it reads round j's token: the host's part then overlaps the GPU's.
+    A graphed round costs its replay plus the host's part between two replays: reading the
+    round's output (a sync), Python bookkeeping, the next input copy and the launch. The GPU
+    idles through all of it (on the H200 ~0.2 ms a token on the embedded target, whose plain
+    replay is 0.15 ms; ~0.1 ms on a 4B-shape hybrid). Here each round's graph also writes the
+    next round's inputs (a chained body: round_bodies.py), so the host can queue round j+1
+    before it reads round j: the host's part then overlaps the GPU's.
 
-    `inputs [2] long` (start, anchor) is shared by the round graphs of every buffer arrangement
-    of the state (`graphs[variant]`). A launch copies the start (host-known) and, for the first
-    round of a run, the anchor from a pinned slot, replays, and queues the selection's copy into
-    another pinned slot and an event. Slots alternate, so a launch may be queued while the
-    previous launch is unread, but not two (`launch` refuses): the slot it rewrites was read by
-    then, and so was the input copy that read its start.
+    `inputs [n] long` is shared by the round graphs of every buffer arrangement of the state
+    (`graphs[variant]`). A launch copies a seed from a pinned slot into the first entries of
+    `inputs` (the host-known ones: a plain round's start; everything for the first round of a
+    run; nothing when the device has them all), replays, and queues the copy of the output
+    (`[k]`) into another pinned slot and an event. Slots alternate, so a launch may be queued
+    while the previous launch is unread, but not two (`launch` refuses): the slot it rewrites
+    was read by then, and so was the seed copy that read it.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.inputs = torch.zeros(2, dtype=torch.long, device=device)
-        pin = device.type == "cuda"
-        self._in_host = torch.zeros((2, 2), dtype=torch.long, pin_memory=pin)
-        self._out_host = torch.zeros((2, 1), dtype=torch.long, pin_memory=pin)
-        self._in_np, self._out_np = self._in_host.numpy(), self._out_host.numpy()
+    def __init__(self, device: torch.device, n_inputs: int):
+        self.device, self.n_inputs = device, n_inputs
+        self.inputs = torch.zeros(n_inputs, dtype=torch.long, device=device)
+        self._pin = device.type == "cuda"
+        self._in_host = torch.zeros((2, n_inputs), dtype=torch.long, pin_memory=self._pin)
+        self._in_np = self._in_host.numpy()
+        self._out_host: torch.Tensor | None = None  # [2, k] float64 or long, made at the first launch
+        self._out_np = None
         self._events: list = [None, None]
         self.graphs: dict[int, RoundGraph] = {}  # buffer arrangement -> the round's graph
         self.launched = 0  # launches so far; launch k uses slot k % 2
-        self.read_upto = 0  # launches whose selection has been read: [0, read_upto)
+        self.read_upto = 0  # launches whose output has been read: [0, read_upto)
 
-    def launch(self, variant: int, start: int, anchor: int | None) -> int:
-        """Queue one round at `start`: anchor `anchor`, or (None) the selection of the previous
-        launch, already on the device. Returns the launch's index for `read`."""
+    def launch(self, variant: int, seed: Sequence[int] = ()) -> int:
+        """Queue one round: `inputs[:len(seed)] = seed`, the rest as the previous round left
+        them on the device. Returns the launch's index for `read`."""
         k = self.launched
         if k - self.read_upto >= 2:
-            raise RuntimeError("PlainChain: launch with two rounds unread (their pinned slots are in use)")
-        if anchor is None and k == 0:
-            raise RuntimeError("PlainChain: the first launch needs its anchor")
+            raise RuntimeError("RoundChain: launch with two rounds unread (their pinned slots are in use)")
+        if k == 0 and len(seed) != self.n_inputs:
+            raise RuntimeError("RoundChain: the first launch needs every input")
         slot, graph = k % 2, self.graphs[variant]
-        self._in_np[slot] = (start, 0 if anchor is None else anchor)
-        src = self._in_host[slot] if anchor is not None else self._in_host[slot, :1]
-        self.inputs[: src.shape[0]].copy_(src, non_blocking=True)
+        if seed:
+            self._in_np[slot, : len(seed)] = seed
+            self.inputs[: len(seed)].copy_(self._in_host[slot, : len(seed)], non_blocking=True)
         graph.graph.replay()
-        self._out_host[slot].copy_(graph.out.reshape(-1)[:1], non_blocking=True)
+        out = graph.out.reshape(-1)
+        if self._out_host is None:
+            self._out_host = torch.zeros((2, out.shape[0]), dtype=out.dtype, pin_memory=self._pin)
+            self._out_np = self._out_host.numpy()
+        self._out_host[slot].copy_(out, non_blocking=True)
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
@@ -111,15 +129,16 @@ class PlainChain:
         self.launched = k + 1
         return k
 
-    def read(self, k: int) -> int:
-        """The selection of launch `k` (waits for it; launches are read in order)."""
+    def read(self, k: int):
+        """The output of launch `k` as a numpy row (waits for it; launches are read in order).
+        The row is the pinned slot itself: use it before launch k + 2 reuses the slot."""
         if k != self.read_upto or k >= self.launched:
-            raise RuntimeError(f"PlainChain: read of launch {k}, expected {self.read_upto} of {self.launched}")
+            raise RuntimeError(f"RoundChain: read of launch {k}, expected {self.read_upto} of {self.launched}")
         event = self._events[k % 2]
         if event is not None:
             event.synchronize()
         self.read_upto = k + 1
-        return int(self._out_np[k % 2, 0])
+        return self._out_np[k % 2]
 
     def drain(self) -> None:
         """Read whatever is still queued (a session that stops with a round ahead)."""

@@ -23,7 +23,7 @@ holds what an ingest of the kept rows alone would. The host then sets both lengt
 
 Plain step, inputs `[t_start, last]`, output `[sel]` (long): the fixed-width step of `last`
 padded to W by repetition (as the runner pads), then the argmax of its first row. The chained
-variant (`plain_step_chained`, for runtime/round_graphs.py `PlainChain`) also writes that
+variant (`plain_step_chained`, for runtime/round_graphs.py `RoundChain`) also writes that
 selection into `inputs[1]`: the next round's anchor, so the next replay needs no host value but
 its start.
 """
@@ -34,19 +34,19 @@ from typing import Sequence
 
 import torch
 
+from memra_cli.engine.spec.policy import VerifyWindow
 from memra_cli.engine.spec.proposer import Program, static_proposal
 
 
-def speculative_round(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int,
-                      want_raws: bool):
-    """The speculative round's body over one target state and one draft cache (see module)."""
+def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int, want_raws: bool):
+    """`core(inputs) -> (cand [W], sel [W], raws [nd] or None)`: draft, verify and ingest."""
     dev = target.device
     cfg = drafter.cfg
     tail = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
     rows = torch.arange(width, device=dev)
     taps = tuple(taps)
 
-    def body(inputs: torch.Tensor) -> torch.Tensor:
+    def core(inputs: torch.Tensor):
         t_start, d_start, last = inputs[0], inputs[1], inputs[2:3]
         drafts, raws = static_proposal(drafter, target, program, kv, last, tail, d_start, want_raws)
         cand = torch.cat([last, drafts])
@@ -57,7 +57,65 @@ def speculative_round(drafter, target, program: Program, kv, cache, taps: Sequen
         logits, tapped = target.static_step(cand, rows + t_start, cache, taps)
         sel = target.step_ops.argmax(logits)
         drafter.static_ingest(kv, tapped, d_start)
-        return target.step_ops.pack_round(cand, sel, raws)
+        return cand, sel, raws
+
+    return core
+
+
+def speculative_round(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int,
+                      want_raws: bool):
+    """The speculative round's body over one target state and one draft cache (see module)."""
+    core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws)
+    ops = target.step_ops
+
+    def body(inputs: torch.Tensor) -> torch.Tensor:
+        return ops.pack_round(*core(inputs))
+
+    return body
+
+
+def window_on_device(window: VerifyWindow, raws: torch.Tensor, cap: int) -> torch.Tensor:
+    """`VerifyWindow.size_window` for a confidence window, on the device: raws `[nd]` -> the
+    window (long, 0-d). The host's float64 sigmoid and running product (policy.py), as tensor
+    ops: a product formed by a scan may round differently in the last bit, which can move a
+    window only when the survival lands within an ulp of tau (never the stream: acceptance is
+    the target's; the session counts the window the device used)."""
+    assert window.is_confidence and window.tau is not None
+    p = torch.sigmoid(raws.double())
+    keep = (torch.cumprod(p, 0) if window.kind == "confidence" else p) >= window.tau
+    kept = torch.cumprod(keep.long(), 0).sum()
+    return (1 + kept).clamp(min=2, max=max(cap, 2))
+
+
+def speculative_round_chained(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int,
+                              want_raws: bool):
+    """`speculative_round` that also settles the round on the device and writes the next
+    round's inputs, for a round queued before the host reads the previous one
+    (runtime/round_graphs.py `RoundChain`; spec/session.py `_pipelined_spec`).
+
+    Inputs `[t_start, d_start, last, vt, budget]` (`vt`: the ladder's window; `budget`: tokens
+    the stream may still commit). As the host's `_graphed_round`: the window (the ladder's, or
+    sized from the raws), capped by the budget (at least 1); m = accepted prefix inside it;
+    then the next inputs `[t_start + m + 1, d_start + m + 1, sel[m], ladder_next(m) or the cap,
+    budget - m - 1]`. Output `[cand (W), sel (W), raws (nd, under a confidence window), vt, m]`
+    float64: the host commits the m the device used."""
+    core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws)
+    ops, cap, window = target.step_ops, program.verify_cap, program.window
+    slots = torch.arange(width - 1, device=target.device)
+    fixed = torch.tensor(cap, dtype=torch.long, device=target.device)
+
+    def body(inputs: torch.Tensor) -> torch.Tensor:
+        cand, sel, raws = core(inputs)
+        vt = window_on_device(window, raws, cap) if window.is_confidence else inputs[3]
+        vt = torch.minimum(vt, inputs[4]).clamp(min=1)
+        ok = (cand[1:] == sel[:-1]) & (slots < vt - 1)
+        m = torch.cumprod(ok.long(), 0).sum()
+        step = m + 1
+        next_vt = (m + 2).clamp(min=3, max=cap) if program.adapt else fixed  # policy.ladder_next
+        nxt = torch.stack([inputs[0] + step, inputs[1] + step, sel[m], next_vt, inputs[4] - step])
+        packed = torch.cat([ops.pack_round(cand, sel, raws), torch.stack([vt, m]).double()])
+        inputs.copy_(nxt)  # after everything above read them: stream order
+        return packed
 
     return body
 

@@ -64,9 +64,11 @@ class Session:
         self.vt = program.verify_cap if program else 1
         self.late_window = self._sizes_after_verify()  # fixed for the session: program, sampler, runner
         self.graphed_rounds = round_graphs and not timed and self._rounds_capturable()
-        # plain graphed rounds queued one ahead of the host (`_pipelined_plain`)
-        self.pipelined = pipelined and self.graphed_rounds and proposer is None
-        self._chain = None  # the state's PlainChain while this session uses it
+        # graphed rounds queued one ahead of the host (`_pipelined_plain`, `_pipelined_spec`):
+        # speculative ones over a state whose commit only moves a host length (a KV cache)
+        self.pipelined = pipelined and self.graphed_rounds and (
+            proposer is None or bool(getattr(self.cache, "host_bookkeeping", False)))
+        self._chain = None  # the state's RoundChain while this session uses it
         self._ahead: int | None = None  # the chain launch in flight (its anchor committed), if any
         self.last: torch.Tensor | None = None
         self.last_id: int | None = None  # the anchor as a host int, between graphed rounds
@@ -108,7 +110,7 @@ class Session:
         out: list[int] = []
         try:
             if self.pipelined and not self.finished:
-                out += self._pipelined_plain(n)
+                out += self._pipelined_plain(n) if self.proposer is None else self._pipelined_spec(n)
             while len(out) < n and not self.finished:
                 out += self._graphed_round() if self.graphed_rounds else self._round()
         except BaseException:  # an error or an interrupt mid-stream: the storages still go back
@@ -232,17 +234,17 @@ class Session:
         return committed
 
     def _plain_chain(self):
-        """The state's PlainChain (kept in `cache.graphs`, like every graph over the storage),
-        with a round graph captured for each buffer arrangement of the state. Captured here,
-        before any launch: a capture's warm-up writes the shared anchor."""
-        from memra_cli.engine.runtime.round_graphs import PlainChain, RoundGraph
+        """The state's plain RoundChain (kept in `cache.graphs`, like every graph over the
+        storage), with a round graph captured for each buffer arrangement of the state. Captured
+        here, before any launch: a capture's warm-up writes the shared inputs."""
+        from memra_cli.engine.runtime.round_graphs import RoundChain, RoundGraph
         from memra_cli.engine.spec import round_bodies
 
         cache, width, model = self.cache, self.runner.width, self.target
         key = ("plain-chain", width)
         chain = cache.graphs.get(key)
         if chain is None:
-            chain = cache.graphs[key] = PlainChain(model.device)
+            chain = cache.graphs[key] = RoundChain(model.device, 2)
         chain.drain()  # a session that ended with a round queued over this storage
         variants = range(getattr(cache, "graph_variants", 1)) if hasattr(cache, "graph_variant") else (None,)
         slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
@@ -263,7 +265,8 @@ class Session:
         start = cache.length
         self.target.check_span(start, self.runner.width, cache)
         variant = getattr(cache, "graph_variant", None)
-        self._ahead = chain.launch(0 if variant is None else variant, start, anchor)
+        seed = (start,) if anchor is None else (start, anchor)
+        self._ahead = chain.launch(0 if variant is None else variant, seed)
         cache.commit(start + 1)
 
     def _pipelined_plain(self, n: int) -> list[int]:
@@ -290,14 +293,95 @@ class Session:
             k = self._ahead
             assert k is not None
             if self.finished:
-                self.last_id, self._ahead = self._chain.read(k), None
+                self.last_id, self._ahead = int(self._chain.read(k)[0]), None
                 return out
             if len(out) >= n:
                 return out  # it stays queued for the next burst
             self._launch_plain(None)  # round k+1 on round k's selection, already on the device
-            anchor = self._chain.read(k)
+            anchor = int(self._chain.read(k)[0])
             out += self._commit([anchor], 0)
             self._count_round(1, 0)
+
+    def _spec_chain(self):
+        """The speculative RoundChain of this session's program, draft cache, taps and width,
+        kept in `cache.graphs` (one arrangement: only a KV cache, `host_bookkeeping`, gets here)."""
+        from memra_cli.engine.runtime.round_graphs import RoundChain, RoundGraph
+        from memra_cli.engine.spec import round_bodies
+
+        cache, width, model = self.cache, self.runner.width, self.target
+        p, kv = self.program, self.proposer.kv
+        raws = p.window.is_confidence
+        model.check_taps(self.taps)
+        key = ("spec-chain", id(kv), p, raws, self.taps, width)
+        chain = cache.graphs.get(key)
+        if chain is None:
+            chain = RoundChain(model.device, 5)
+            body = round_bodies.speculative_round_chained(self.proposer.drafter, model, p, kv, cache, self.taps,
+                                                          width, raws)
+            slack, d_slack = cache.max_len - width, kv.rows - max(width, p.block_size)
+            chain.graphs[0] = RoundGraph(body, (slack, d_slack, 0, p.verify_cap, width), model.device, keep=(kv,),
+                                         inputs=chain.inputs)
+            cache.graphs[key] = chain
+        chain.drain()
+        return chain
+
+    def _settle_spec(self, row) -> list[int]:
+        """Commit a chained round from its output row `[cand, sel, raws?, vt, m]` (the window and
+        the accepted count the device used), as `_graphed_round` does after its read."""
+        width, cache = self.runner.width, self.cache
+        start = cache.length
+        assert self.proposer.kv.length == start, (self.proposer.kv.length, start)
+        vt, m = int(row[-2]), int(row[-1])
+        cand_h = [int(x) for x in row[:width]]
+        committed = self._commit(cand_h, m)
+        cache.commit(start + m + 1)
+        if not self.finished:
+            self.proposer.kv.length = start + m + 1
+        self.last_id = int(row[width + m])
+        self._count_round(vt, m)
+        return committed
+
+    def _pipelined_spec(self, n: int) -> list[int]:
+        """Speculative rounds with the next one queued before this one is read, until `n` new
+        tokens are committed or the stream ends (a KV cache, `host_bookkeeping`: the commit needs no
+        device work). Each round's graph settles the round on the device (window, accepted
+        count, next inputs: round_bodies.speculative_round_chained) and the host commits what
+        the device decided, one round behind: the same rounds as `_graphed_round`.
+
+        Round j+1 is queued before round j is read only while round j cannot exhaust the budget
+        (more than W tokens left) and round j+1's rows fit the storage: a round past the end
+        would write past the storage's reach. An EOS can still end the stream at round j; round j+1 then ran for nothing, its
+        rows past the committed length (a KV cache forgets them by its length). Between bursts
+        one round may stay queued (`_ahead`), not yet read."""
+        out: list[int] = []
+        width, cache = self.runner.width, self.cache
+        if self._ahead is None:
+            if self.last_id is None:
+                assert self.last is not None
+                self.last_id = int(self.last.item())  # once per session, after the prefill
+            self.last = None
+            self._chain = self._spec_chain()
+            start = cache.length
+            self.target.check_span(start, width, cache)
+            self._ahead = self._chain.launch(0, (start, start, self.last_id, self.vt, self.max_new - len(self.tokens)))
+        while len(out) < n:
+            k = self._ahead
+            assert k is not None
+            # round k+1 starts at most W positions after round k: inside the budget, and its
+            # W rows inside the storage
+            ahead = self.max_new - len(self.tokens) > width and cache.length + 2 * width <= cache.max_len
+            if ahead:
+                nxt = self._chain.launch(0)
+            out += self._settle_spec(self._chain.read(k))
+            if self.finished:
+                self._chain.drain()
+                self._ahead = None
+                return out
+            if not ahead:
+                self.target.check_span(cache.length, width, cache)
+                nxt = self._chain.launch(0)  # its inputs as round k left them on the device
+            self._ahead = nxt
+        return out  # the newest round stays queued for the next burst
 
     def _round(self) -> list[int]:
         if self.last is None:  # after graphed rounds (none today: a session keeps its kind)
