@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from memra_cli.engine.errors import ConfigError, SettingError
 from memra_cli.engine.api import ArmConfig, Engine
@@ -313,22 +314,40 @@ def _tensors(out):
     return [t for item in out for t in _tensors(item)]
 
 
+class NoHostReads(TorchFunctionMode):
+    """Refuses what reads a tensor's value on the host (`item`, `int()`, `bool()`, indexing by a
+    0-d tensor...): on CUDA each is a sync, which a graph capture refuses (the H200 found
+    `sel[m]` with a device m in a round body). The CPU runs of captured bodies go through it."""
+
+    READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__")
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS or (name == "__getitem__" and any(
+                isinstance(i, torch.Tensor) and i.dim() == 0 for i in (args[1] if isinstance(args[1], tuple) else (args[1],)))):
+            raise AssertionError(f"a captured body reads a device value on the host ({name})")
+        return func(*args, **(kwargs or {}))
+
+
 @pytest.fixture
 def eager_graphs(monkeypatch):
     """`cuda_graphs.capture` swapped for an eager stand-in: replay reruns the function and copies
-    its results into the outputs of the first run, as a real graph writes into its buffers. The
-    list records every capture."""
+    its results into the outputs of the first run, as a real graph writes into its buffers; both
+    runs refuse host reads of device values (`NoHostReads`). The list records every capture."""
     from memra_cli.engine.runtime import cuda_graphs
 
     captures = []
 
     def capture(fn, device, pool=None):
-        out = fn()
+        with NoHostReads():
+            out = fn()
 
         class Replay:
             def replay(self):
-                for mine, fresh in zip(_tensors(out), _tensors(fn())):
-                    mine.copy_(fresh)
+                with NoHostReads():
+                    fresh = fn()
+                for mine, new in zip(_tensors(out), _tensors(fresh)):
+                    mine.copy_(new)
 
         captures.append(fn)
         return Replay(), out

@@ -112,7 +112,8 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
         m = torch.cumprod(ok.long(), 0).sum()
         step = m + 1
         next_vt = (m + 2).clamp(min=3, max=cap) if program.adapt else fixed  # policy.ladder_next
-        nxt = torch.stack([inputs[0] + step, inputs[1] + step, sel[m], next_vt, inputs[4] - step])
+        anchor = sel.index_select(0, m.reshape(1)).reshape(())  # (sel[m] would read m on the host)
+        nxt = torch.stack([inputs[0] + step, inputs[1] + step, anchor, next_vt, inputs[4] - step])
         packed = torch.cat([ops.pack_round(cand, sel, raws), torch.stack([vt, m]).double()])
         inputs.copy_(nxt)  # after everything above read them: stream order
         return packed
