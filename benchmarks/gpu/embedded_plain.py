@@ -169,6 +169,12 @@ def main() -> None:
                     "notes": engine.notes}
     report["one_row"] = measure(plain, prompts[0], "one-row", args.reps)
     report["fixed16"] = measure(engine, prompts[0], "fixed-16", args.reps)
+    default = plain.pipelined
+    for pipelined in (True, False) if default else (False,):  # every graph captured before timing
+        plain.pipelined = pipelined
+        session_ms_per_token(plain, prompts, args.max_new)
+    plain.pipelined = default
+    session_ms_per_token(engine, prompts, args.max_new)
     report["session_ms_per_token"] = {
         "plain (Engine.fastest_plain)": round(session_ms_per_token(plain, prompts, args.max_new), 4),
         "off (fixed 16-row steps)": round(session_ms_per_token(engine, prompts, args.max_new), 4),
