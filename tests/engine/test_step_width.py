@@ -604,12 +604,14 @@ def test_pipelined_speculative_rounds_equal_rounds_read_one_by_one(embedded_pair
 
 @pytest.mark.parametrize("kind", ["confidence", "confidence-slot"])
 def test_the_window_on_the_device_is_the_hosts(kind):
-    """round_bodies.window_on_device against VerifyWindow.size_window (the host's, the policy
-    contract) on random raws, every cap and a few thresholds."""
+    """spec/settle.py's window (the torch settle_round; the kernel is tested against it) against
+    VerifyWindow.size_window (the host's, the policy contract) on random raws, every cap and a
+    few thresholds, with the budget out of the way."""
     from memra_cli.engine.spec.policy import VerifyWindow
-    from memra_cli.engine.spec.round_bodies import window_on_device
+    from memra_cli.engine.spec.settle import settle_round
 
     gen = torch.Generator().manual_seed(3)
+    cand = sel = torch.zeros(17, dtype=torch.long)
     for tau in (0.1, 0.5, 0.9):
         window = VerifyWindow(kind, tau)
         for trial in range(60):
@@ -617,7 +619,9 @@ def test_the_window_on_the_device_is_the_hosts(kind):
             raws = (torch.randn(n, generator=gen) * 3 + 1.5).float()
             for cap in (2, 3, 9, 17):
                 host = window.size_window(raws.double().tolist(), cap)
-                assert int(window_on_device(window, raws, cap)) == host, (tau, trial, cap)
+                out = settle_round(cand, sel, raws, torch.tensor([0, 0, 0, 2, 1000]), torch.tensor([tau], dtype=torch.float64),
+                                   kind=kind, cap=cap, adapt=True)
+                assert int(out[-2]) == host, (tau, trial, cap)
 
 
 @pytest.mark.parametrize("pipelined", [True, False])

@@ -157,6 +157,16 @@ def _pack_round(ctx, _):
     ctx.launch("pack_round raws", "_pack_kernel", gt.pack_round, ctx.idx(16), ctx.idx(16), ctx.t(15, dtype="f32"))
 
 
+def _settle(ctx, _):
+    st, torch = ctx.k.settle, ctx.torch
+    tau = torch.zeros(1, dtype=torch.float64)
+    for kind, nd in (("ladder", 0), ("confidence", 15), ("confidence-slot", 16)):
+        for adapt in (True, False):
+            raws = ctx.t(nd, dtype="f32") if nd else None
+            ctx.launch(f"settle_round {kind} adapt={adapt}", "_settle_kernel", st.settle_round, ctx.idx(16), ctx.idx(16),
+                       raws, ctx.idx(5), tau if nd else None, kind=kind, cap=16, adapt=adapt)
+
+
 def _markov(ctx, dt):
     mk = ctx.k.markov
     v, r, n = 4096, 64, 15  # the embedded DSpark drafter
@@ -250,6 +260,7 @@ for _dt in DTYPES:
         _case(f"quant_linear-{_q}-heuristic-{_dt}", _quant_linear, (_q, _dt, "heuristic"), 2.1 if _f32 else 0.8)
     _case(f"quant_linear-scale_after-{_dt}", _quant_scale_after, _dt, 2.2 if _f32 else 0.7)
 _case("pack_round", _pack_round, None, 0.2)
+_case("settle_round", _settle, None, 0.4)
 
 
 # --------------------------------------------------------------------------------------------

@@ -144,3 +144,47 @@ def test_the_round_pack_op_matches_the_torch_op():
     raws = torch.tensor([0.5, -3.25, 1e-3], device=DEVICE)
     for args in ((cand, sel, raws), (cand, sel)):
         assert torch.equal(TritonStepOps().pack_round(*args), TorchStepOps.pack_round(*args))
+
+
+def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch):
+    """Plain and speculative rounds queued one ahead of the host, settled on the device by the
+    settle kernel (through the interpreter; graph capture replaced by an eager stand-in as in
+    tests/engine/test_step_width.py): the plain stream, and the same rounds as read one by one."""
+    from memra_cli.engine.runtime import cuda_graphs
+    from memra_cli.engine.spec.policy import PolicySettings
+
+    def capture(fn, device, pool=None):
+        out = fn()
+
+        class Replay:
+            def replay(self):
+                fresh = fn()
+                for mine, new in zip(out if isinstance(out, tuple) else (out,),
+                                     fresh if isinstance(fresh, tuple) else (fresh,)):
+                    if isinstance(mine, torch.Tensor):
+                        mine.copy_(new)
+
+        return Replay(), out
+
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    prompt = list(range(3, 24))
+    model = _model(target_dir, TritonStepOps())
+    plain = greedy_reference(StepRunner(model, 16), prompt, 8)
+    draft = make_tiny_draft(tmp_path / "d", "deepspec", markov_rank=8, confidence="markov", target_layer_ids=(0, 1),
+                            num_target_layers=2, block_size=8)
+    runner = StepRunner(model, 16)
+    runner.cuda_graphs = True  # refused off CUDA at construction; the stand-in captures
+    model.ensure_positions(runner.max_rows())
+    engine = Engine(model, runner, model.device, model.dtype, ["graphs on (CPU stand-in)"], draft_graphs=True,
+                    round_graphs=True)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dspark", settings=PolicySettings(vt="confidence-slot")))
+    runs = {}
+    for pipelined in (True, False):
+        engine.pipelined = pipelined
+        with engine.session(prompt, 8, arm, eos_ids=()) as s:
+            assert s.graphed_rounds and s.pipelined == pipelined
+            runs[pipelined] = (s.run(), dict(s.stats.accept_hist))
+    engine.pipelined = True
+    with engine.session(prompt, 8, eos_ids=()) as s:
+        assert s.pipelined and s.run() == plain
+    assert runs[True] == runs[False] and runs[True][0] == plain

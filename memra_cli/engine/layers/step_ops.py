@@ -18,6 +18,9 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `embed(ids, weight) -> rows`: an embedding lookup (a copy of the rows)
 - `confidence_raw(hidden, w, b, prev=None, w1=None) -> f32 [n]`: DSpark's accept-rate head
 - `pack_round(cand, sel, raws=None) -> f64`: a graphed round's one host read, packed
+- `settle_round(cand, sel, raws, inputs, tau, kind=, cap=, adapt=) -> f64`: a chained round's
+  settlement on the device (window, accepted prefix, next inputs written into `inputs`) and its
+  packed output (spec/settle.py; one launch with the kernels instead of ~30)
 - `markov_chain(logits, anchor, w1, w2, dtype) -> tokens`: DSpark's greedy chain (the drafter's
   side of a round; with the kernels one launch per slot, or one launch in all over a bias table
   built once where the vocabulary is small; ~6 launches a slot with torch)
@@ -70,6 +73,7 @@ from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_repl
                                               gated_delta_step, gated_rms_norm, ring_window, rms_norm_1p)
 from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.layers.rope import apply_partial_rope, apply_rope
+from memra_cli.engine.spec.settle import settle_round
 
 KERNELS_ENV = "MEMRA_KERNELS"
 
@@ -172,6 +176,8 @@ class TorchStepOps:
     def argmax(x: torch.Tensor) -> torch.Tensor:
         """`x [rows, V]` -> int64 `[rows]`: each row's first index of its maximum."""
         return torch.argmax(x, dim=-1)
+
+    settle_round = staticmethod(settle_round)
 
     conv_silu = staticmethod(conv_silu_update)
     gated_delta_rule = staticmethod(gated_delta_step)
@@ -290,7 +296,7 @@ class TritonStepOps:
         return out[0].transpose(0, 1).reshape(t, nh * hd)
 
     def __init__(self):
-        from memra_kernels import activation, argmax, attention, deltanet, gather, markov, norm, qwen35, rope
+        from memra_kernels import activation, argmax, attention, deltanet, gather, markov, norm, qwen35, rope, settle
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
@@ -303,6 +309,7 @@ class TritonStepOps:
         self.embed = gather.embed_rows
         self.confidence_raw = gather.confidence_raw
         self.pack_round = gather.pack_round
+        self.settle_round = settle.settle_round
         self.conv_silu = deltanet.causal_conv_silu
         self.gated_delta_rule = deltanet.gated_delta_rule
         self.gated_delta_replay = deltanet.gated_delta_rule_layers

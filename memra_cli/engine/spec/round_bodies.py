@@ -34,7 +34,6 @@ from typing import Sequence
 
 import torch
 
-from memra_cli.engine.spec.policy import VerifyWindow
 from memra_cli.engine.spec.proposer import Program, static_proposal
 
 
@@ -74,19 +73,6 @@ def speculative_round(drafter, target, program: Program, kv, cache, taps: Sequen
     return body
 
 
-def window_on_device(window: VerifyWindow, raws: torch.Tensor, cap: int) -> torch.Tensor:
-    """`VerifyWindow.size_window` for a confidence window, on the device: raws `[nd]` -> the
-    window (long, 0-d). The host's float64 sigmoid and running product (policy.py), as tensor
-    ops: a product formed by a scan may round differently in the last bit, which can move a
-    window only when the survival lands within an ulp of tau (never the stream: acceptance is
-    the target's; the session counts the window the device used)."""
-    assert window.is_confidence and window.tau is not None
-    p = torch.sigmoid(raws.double())
-    keep = (torch.cumprod(p, 0) if window.kind == "confidence" else p) >= window.tau
-    kept = torch.cumprod(keep.long(), 0).sum()
-    return (1 + kept).clamp(min=2, max=max(cap, 2))
-
-
 def speculative_round_chained(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int,
                               want_raws: bool):
     """`speculative_round` that also settles the round on the device and writes the next
@@ -98,25 +84,16 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     sized from the raws), capped by the budget (at least 1); m = accepted prefix inside it;
     then the next inputs `[t_start + m + 1, d_start + m + 1, sel[m], ladder_next(m) or the cap,
     budget - m - 1]`. Output `[cand (W), sel (W), raws (nd, under a confidence window), vt, m]`
-    float64: the host commits the m the device used."""
+    float64: the host commits the m the device used. The settlement is the step op
+    `settle_round` (spec/settle.py; one launch with the kernels: memra_kernels.settle)."""
     core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws)
-    ops, cap, window = target.step_ops, program.verify_cap, program.window
-    slots = torch.arange(width - 1, device=target.device)
-    fixed = torch.tensor(cap, dtype=torch.long, device=target.device)
+    ops, window = target.step_ops, program.window
+    tau = torch.tensor([window.tau if window.is_confidence else 0.0], dtype=torch.float64, device=target.device)
 
     def body(inputs: torch.Tensor) -> torch.Tensor:
         cand, sel, raws = core(inputs)
-        vt = window_on_device(window, raws, cap) if window.is_confidence else inputs[3]
-        vt = torch.minimum(vt, inputs[4]).clamp(min=1)
-        ok = (cand[1:] == sel[:-1]) & (slots < vt - 1)
-        m = torch.cumprod(ok.long(), 0).sum()
-        step = m + 1
-        next_vt = (m + 2).clamp(min=3, max=cap) if program.adapt else fixed  # policy.ladder_next
-        anchor = sel.index_select(0, m.reshape(1)).reshape(())  # (sel[m] would read m on the host)
-        nxt = torch.stack([inputs[0] + step, inputs[1] + step, anchor, next_vt, inputs[4] - step])
-        packed = torch.cat([ops.pack_round(cand, sel, raws), torch.stack([vt, m]).double()])
-        inputs.copy_(nxt)  # after everything above read them: stream order
-        return packed
+        return ops.settle_round(cand, sel, raws if window.is_confidence else None, inputs, tau,
+                                kind=window.kind, cap=program.verify_cap, adapt=program.adapt)
 
     return body
 

@@ -1,0 +1,107 @@
+"""A chained speculative round's settlement on the device: window, accepted prefix, next inputs.
+
+A round queued before the host has read the previous one (the engine's pipelined rounds) must
+decide on the device what the host decides after its read in an ordinary round: how many of
+the verified rows count (the verify window), how many drafts were accepted (m), and where the
+next round starts with which anchor. Written as tensor ops, that is some thirty tiny kernels at
+the end of every round (~2 us each on the H200, the round's whole host saving); here it is one
+launch that also packs the round's output for the host's read.
+
+`settle_round(cand, sel, raws, inputs, tau, kind=, cap=, adapt=)`, one program:
+
+- window `vt`: the ladder's (`inputs[3]`), or from the drafter's confidence raws: keep leading
+  slots while the running product of sigmoids (`confidence`) or each sigmoid
+  (`confidence-slot`) stays >= tau, `vt = clamp(1 + kept, 2, max(cap, 2))`; then capped by the
+  budget `inputs[4]` and at least 1. The sigmoid is `1 / (1 + exp(-x))` in float64 (0 below
+  -700) and the product runs slot after slot, as the host's policy code computes it (its
+  float64 `exp` may differ from the host's in the last bit: a window moves only when the
+  survival lands within an ulp of tau, and the stream never does: acceptance is the target's);
+- `m` = the leading run of `cand[j + 1] == sel[j]` for `j < vt - 1`;
+- `inputs := [t_start + m + 1, d_start + m + 1, sel[m], next vt, budget - m - 1]`, next vt
+  `clamp(m + 2, 3, cap)` when the ladder adapts (`min(max(m + 2, 3), cap)`), else `cap`;
+- `out [2W + n + 2]` float64: `cand ; sel ; raws ; vt ; m` (ids < 2^53 and float32 raws exact).
+
+`inputs` is read whole before it is written (one program). `tau` is a float64 `[1]` tensor (a
+Python float would reach the kernel as float32). The twin `settle_round_ref` is the same
+arithmetic in torch ops (memra_cli/engine/spec/settle.py: the CPU path, and what the kernel is
+tested against).
+
+Public API: `settle_round`, `settle_round_ref`, `KINDS`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from memra_cli.engine.spec.settle import KINDS, check_settle
+from memra_cli.engine.spec.settle import settle_round as settle_round_ref  # the torch twin
+
+from ._common import check_tensors, next_pow2
+
+
+@triton.jit
+def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, tau_ptr, out_ptr, cap,
+                   W: tl.constexpr, ND: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
+                   ADAPT: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    in_w = offs < W
+    cand = tl.load(cand_ptr + offs, mask=in_w, other=0)
+    sel = tl.load(sel_ptr + offs, mask=in_w, other=0)
+    tl.store(out_ptr + offs, cand.to(tl.float64), mask=in_w)
+    tl.store(out_ptr + W + offs, sel.to(tl.float64), mask=in_w)
+    t_start = tl.load(inputs_ptr)
+    d_start = tl.load(inputs_ptr + 1)
+    budget = tl.load(inputs_ptr + 4)
+    if KIND == 0:
+        vt = tl.load(inputs_ptr + 3)
+    else:
+        tau = tl.load(tau_ptr)
+        survival = tl.full((), 1.0, tl.float64)
+        going = tl.full((), 1, tl.int64)
+        kept = tl.full((), 0, tl.int64)
+        for i in tl.static_range(ND):  # slot after slot: the host's order of the product
+            raw = tl.load(raws_ptr + i).to(tl.float64)
+            tl.store(out_ptr + 2 * W + i, raw)
+            p = tl.where(raw >= -700.0, 1.0 / (1.0 + tl.exp(-raw)), 0.0)
+            if KIND == 1:
+                survival = survival * p
+                ok = survival >= tau
+            else:
+                ok = p >= tau
+            going = going * ok.to(tl.int64)
+            kept += going
+        vt = tl.minimum(tl.maximum(1 + kept, 2), tl.maximum(cap, 2))
+    vt = tl.maximum(tl.minimum(vt, budget), 1)
+    # drafts j = 0..W-2 (cand[j + 1]) against the target's picks sel[j], inside the window
+    nxt_cand = tl.load(cand_ptr + offs + 1, mask=offs + 1 < W, other=0)
+    agree = (nxt_cand == sel) & (offs < W - 1) & (offs < vt - 1)
+    m = tl.min(tl.where(agree, BLOCK, offs), axis=0).to(tl.int64)  # the first disagreement
+    anchor = tl.sum(tl.where(offs == m, sel, 0), axis=0)
+    if ADAPT:
+        next_vt = tl.minimum(tl.maximum(m + 2, 3), cap)
+    else:
+        next_vt = (m * 0 + cap).to(tl.int64)
+    tl.store(out_ptr + 2 * W + ND, vt.to(tl.float64))
+    tl.store(out_ptr + 2 * W + ND + 1, m.to(tl.float64))
+    tl.store(inputs_ptr, t_start + m + 1)
+    tl.store(inputs_ptr + 1, d_start + m + 1)
+    tl.store(inputs_ptr + 2, anchor)
+    tl.store(inputs_ptr + 3, next_vt.to(tl.int64))
+    tl.store(inputs_ptr + 4, budget - m - 1)
+
+
+def settle_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None, inputs: torch.Tensor,
+                 tau: torch.Tensor | None, *, kind: str, cap: int, adapt: bool) -> torch.Tensor:
+    """Settle a round (module docstring): returns `out [2W + n + 2]` float64 and rewrites `inputs`
+    `[t_start, d_start, last, vt, budget]` (int64) for the next round. `raws` (float32 `[n]`)
+    and `tau` (float64 `[1]`) only under a confidence window; the ladder's output has no raws."""
+    check_settle(cand, sel, raws, inputs, tau, kind, cap)
+    nd = 0 if raws is None else raws.shape[0]
+    check_tensors(*[x for x in (cand, sel, raws, inputs, tau) if x is not None])
+    w = cand.shape[0]
+    out = torch.empty(2 * w + nd + 2, dtype=torch.float64, device=cand.device)
+    _settle_kernel[(1,)](cand, sel, raws if raws is not None else out, inputs, tau if tau is not None else out,
+                         out, cap, W=w, ND=nd, BLOCK=next_pow2(w), KIND=KINDS[kind], ADAPT=bool(adapt), num_warps=1)
+    return out

@@ -1,0 +1,64 @@
+"""The chained round's settlement kernel (memra_kernels.settle) against its torch twin
+(memra_cli/engine/spec/settle.py): every window kind, adapt on and off, caps, budgets that cut
+the window, odd widths and partial agreement; the packed output and the rewritten inputs must
+be equal, value for value (they are integers and float32 raws widened exactly)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from memra_kernels.settle import settle_round, settle_round_ref  # noqa: E402
+
+
+def _case(gen, w, nd, agree_upto):
+    """cand / sel agreeing on drafts 0..agree_upto-1 (cand[j+1] == sel[j]), not on draft
+    agree_upto, and on about half of the drafts after it (only the leading run counts)."""
+    sel = torch.randint(0, 1000, (w,), generator=gen)
+    cand = torch.randint(1000, 2000, (w,), generator=gen)  # never equal to a pick
+    cand[1: agree_upto + 1] = sel[:agree_upto]
+    later = torch.arange(agree_upto + 1, max(agree_upto + 1, w - 1))
+    later = later[torch.rand(later.shape[0], generator=gen) < 0.5]
+    cand[later + 1] = sel[later]
+    raws = (torch.randn(nd, generator=gen) * 1.5 + 3.0).float() if nd else None  # sigmoids ~0.95, some low
+    return cand, sel, raws
+
+
+@pytest.mark.parametrize("kind", ["ladder", "confidence", "confidence-slot"])
+@pytest.mark.parametrize("adapt", [True, False])
+def test_settle_kernel_equals_its_twin(kind, adapt, device):
+    gen = torch.Generator().manual_seed(11)
+    seen_m = set()
+    for trial in range(40):
+        w = (16, 7, 17, 2)[trial % 4]
+        nd = 0 if kind == "ladder" else max(1, w - (trial % 2))
+        cand, sel, raws = _case(gen, w, nd, int(torch.randint(0, w, (1,), generator=gen)))
+        cap = int(torch.randint(2, w + 1, (1,), generator=gen)) if w > 2 else 2
+        inputs = torch.tensor([100 + trial, 50 + trial, 7, int(torch.randint(max(2, cap - 2), cap + 1, (1,), generator=gen)),
+                               (1000, 3, 1, 0)[trial % 4]])
+        tau = torch.tensor([(0.3, 0.5, 0.8)[trial % 3]], dtype=torch.float64)
+        args = dict(kind=kind, cap=cap, adapt=adapt)
+        ref_inputs = inputs.clone()
+        ref = settle_round_ref(cand, sel, raws, ref_inputs, tau, **args)
+        dev_inputs = inputs.to(device)
+        got = settle_round(cand.to(device), sel.to(device), None if raws is None else raws.to(device), dev_inputs,
+                           tau.to(device), **args)
+        assert torch.equal(got.cpu(), ref), (trial, got, ref)
+        assert torch.equal(dev_inputs.cpu(), ref_inputs), (trial, dev_inputs, ref_inputs)
+        seen_m.add(int(ref[-1]))
+    assert len(seen_m) >= 4  # partial acceptance of several lengths, not only 0
+
+
+def test_settle_refuses_bad_arguments():
+    cand = sel = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        settle_round_ref(cand, sel, None, torch.zeros(5, dtype=torch.long), None, kind="wide", cap=4, adapt=True)
+    with pytest.raises(ValueError, match="needs contiguous float32 raws"):
+        settle_round_ref(cand, sel, None, torch.zeros(5, dtype=torch.long), None, kind="confidence", cap=4, adapt=True)
+    with pytest.raises(ValueError, match="tau as a float64"):
+        settle_round_ref(cand, sel, torch.zeros(3), torch.zeros(5, dtype=torch.long), torch.zeros(1), kind="confidence",
+                         cap=4, adapt=True)
+    with pytest.raises(ValueError, match="inputs must be"):
+        settle_round_ref(cand, sel, None, torch.zeros(4, dtype=torch.long), None, kind="ladder", cap=4, adapt=True)
