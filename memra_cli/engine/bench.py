@@ -447,6 +447,10 @@ class BenchResult:
             "graph_warmup": self.graph_warmup,
             "target": self.meta.get("target"), "device": self.meta.get("device"), "dtype": self.meta.get("dtype"),
             "step_width": self.meta.get("step_width"), "cuda_graphs": self.meta.get("cuda_graphs"),
+            # greedy rounds graphed whole, and queued one ahead of the host's read (phase timers
+            # keep sessions on the per-part path, so neither applies to a phase-timed run)
+            "round_graphs": bool(self.meta.get("round_graphs")) and not self.phase_times,
+            "pipelined": bool(self.meta.get("pipelined")) and not self.phase_times,
             "sampling": self.meta.get("sampling"),
             "phase_times": self.phase_times, "phase_clock": self.phase_clock if self.phase_times else None,
             "phase_unit": "ms per generated token", "exact": self.exact,
@@ -660,6 +664,7 @@ def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench
                     "prompt_tokens": sum(len(p) for p in ids)},
         "target": str(target_dir), "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
         "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs, "step_width_note": "; ".join(engine.notes),
+        "round_graphs": engine.round_graphs, "pipelined": engine.pipelined,
         "sampling": sampling.as_json(), "sampling_note": sampling.describe(),
     }
     ignored = [k for k in POLICY_ENV if (env or {}).get(k)]

@@ -66,6 +66,7 @@ def test_json_over_three_prompts_with_the_default_pair(embedded):
     assert set(obj) >= {"arms", "prompts", "max_new", "device", "dtype", "exact", "warmup", "mismatches"}
     assert obj["exact"] is True and obj["max_new"] == 8 and obj["device"] == "cpu" and obj["dtype"] == "float32"
     assert obj["step_width"] == 16 and obj["cuda_graphs"] is False  # defaults on CPU: 16-row steps, no graphs
+    assert obj["round_graphs"] is False and obj["pipelined"] is False  # (both need graphs)
     assert obj["prompts"]["n"] == 3 and obj["prompts"]["set"] == str(prompts) and obj["target"] == str(target)
     assert [a["name"] for a in obj["arms"]] == ["off", "plain", "dflash", "dspark"]
     assert [a["drafter"] for a in obj["arms"]] == [None, None, str(drafters["dflash"]), str(drafters["dspark"])]
