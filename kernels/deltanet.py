@@ -54,10 +54,6 @@ REC_WARPS = 1  # warps per recurrence program (with BLOCK_V: where dk's reductio
 # single warp's in-order issue does not wait on row r+1's loads before updating; or before it.
 # The same ops on the same values either way (the same bits); only the schedule differs.
 LATE_PREP = True
-# The row update's grouping (`_gdn_update`): False, the formulas as written; True, both
-# reductions on the state the row starts from (one pass fewer on the row-to-row chain). The same
-# bits for every row count either way; the sweep (benchmarks/gpu/step_profile.py) times both.
-FOLD = False
 L2_EPS = 1e-6  # HF / fla l2norm epsilon
 
 
@@ -151,34 +147,10 @@ def _gdn_load(qkv_ptr, g_ptr, beta_ptr, layer, slot, layer_qkv, layer_gb, stride
 
 @triton.jit
 def _gdn_prep(q, k, g, sqrt_dk, eps):
-    """q L2-normalized and divided by sqrt(dk), k L2-normalized, the decay exp(g), and q.k (for
-    FOLD's output; unused, and dropped by the compiler, otherwise)."""
+    """q L2-normalized and divided by sqrt(dk), k L2-normalized, the decay exp(g)."""
     q = q * tl.rsqrt(tl.sum(q * q, axis=0) + eps) / sqrt_dk
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + eps)
-    return q, k, tl.exp(g), tl.sum(q * k, axis=0)
-
-
-@triton.jit
-def _gdn_update(s, q, k, v, decay, beta, qk, FOLD: tl.constexpr):
-    """One row of the delta rule on a `[DK, BLOCK_V]` state tile: (new state, output `[BLOCK_V]`).
-
-    FOLD=False, the formulas as written: S' = S * exp(g); delta = (v - k.S') * beta;
-    S'' = S' + k (x) delta; o = q.S''. Three dependent passes over the tile, then the output's.
-    FOLD=True, the same algebra regrouped so both reductions read the state the row starts from,
-    side by side: k.S and q.S on S, delta = (v - exp(g) * k.S) * beta, S'' = S * exp(g) + k (x)
-    delta, o = exp(g) * q.S + (q.k) * delta. Other roundings (a different float32 result in the
-    last bits, within the twins' tolerance), the same for every row count."""
-    if FOLD:
-        ks = tl.sum(s * k[:, None], axis=0)
-        qs = tl.sum(s * q[:, None], axis=0)
-        delta = (v - decay * ks) * beta
-        s = s * decay + k[:, None] * delta[None, :]
-        return s, decay * qs + qk * delta
-    else:
-        s = s * decay
-        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-        s = s + k[:, None] * delta[None, :]
-        return s, tl.sum(s * q[:, None], axis=0)
+    return q, k, tl.exp(g)
 
 
 @triton.jit(do_not_specialize=["t", "ratio", "write_final", "write_stash", "write_out", "row0", "ring",
@@ -187,8 +159,7 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
                 t, ratio, write_final, write_stash, write_out, row0, ring, layer_qkv, layer_gb,
                 stride_qkv, stride_g, stride_beta, sqrt_dk, eps,
                 HV: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                BLOCK_V: tl.constexpr, LATE_PREP: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr = False,
-                FOLD: tl.constexpr = False):
+                BLOCK_V: tl.constexpr, LATE_PREP: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr = False):
     # program (layer * HV + head, value block); row r of the step reads input row (row0 + r) % ring
     # of its layer (layer_qkv / layer_gb: the layer strides of the inputs; states are contiguous
     # [layers, HV, DK, DV]). One compiled kernel serves the step (1 layer, rows 0..t-1) and the
@@ -212,23 +183,25 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
     live = t > 0  # a zero-row call still writes `final` (its state): load nothing then
     q, k, v, g, beta = _gdn_load(qkv_ptr, g_ptr, beta_ptr, layer, row0 % ring, layer_qkv, layer_gb, stride_qkv,
                                  stride_g, stride_beta, kh, h, offs_k, offs_v, live, KEY_DIM, DK, DV)
-    q, k, decay, qk = _gdn_prep(q, k, g, sqrt_dk, eps)
+    q, k, decay = _gdn_prep(q, k, g, sqrt_dk, eps)
     for r in range(t):
         nxt = tl.minimum(r + 1, t - 1)  # the last row reloads itself (in bounds, unused)
         q_n, k_n, v_n, g_n, beta_n = _gdn_load(qkv_ptr, g_ptr, beta_ptr, layer, (row0 + nxt) % ring, layer_qkv,
                                                layer_gb, stride_qkv, stride_g, stride_beta, kh, h, offs_k, offs_v,
                                                live, KEY_DIM, DK, DV)
         if not LATE_PREP:  # normalize row r+1 before row r's update: waits for its loads first
-            q_n, k_n, decay_n, qk_n = _gdn_prep(q_n, k_n, g_n, sqrt_dk, eps)
-        s, o = _gdn_update(s, q, k, v, decay, beta, qk, FOLD)
+            q_n, k_n, decay_n = _gdn_prep(q_n, k_n, g_n, sqrt_dk, eps)
+        s = s * decay
+        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+        s = s + k[:, None] * delta[None, :]
         if write_out != 0:
-            tl.store(out_ptr + ((r * n_layers + layer) * HV + h) * DV + offs_v, o)
+            tl.store(out_ptr + ((r * n_layers + layer) * HV + h) * DV + offs_v, tl.sum(s * q[:, None], axis=0))
         if write_stash != 0:
             st = tl.load(idx_ptr + r).to(tl.int64)
             tl.store(stash_ptr + st * (HV * DK * DV) + tile, s)
         if LATE_PREP:  # after the update: row r+1's loads land while row r computes
-            q_n, k_n, decay_n, qk_n = _gdn_prep(q_n, k_n, g_n, sqrt_dk, eps)
-        q, k, v, decay, beta, qk = q_n, k_n, v_n, decay_n, beta_n, qk_n
+            q_n, k_n, decay_n = _gdn_prep(q_n, k_n, g_n, sqrt_dk, eps)
+        q, k, v, decay, beta = q_n, k_n, v_n, decay_n, beta_n
     if write_final != 0:
         tl.store(final_ptr + tile, s)
 
@@ -274,7 +247,7 @@ def gated_delta_rule(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, sta
         g if stash_idx is None else stash_idx,
         t, hv // n_k_heads, int(final is not None), int(stash is not None), 1, 0, max(t, 1), 0, 0,
         qkv.stride(0), g.stride(0), beta.stride(0), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, FOLD=FOLD, num_warps=REC_WARPS)
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, num_warps=REC_WARPS)
     return out
 
 
@@ -315,7 +288,7 @@ def gated_delta_rule_layers(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tens
         qkv, g, beta, state, state, final, state, g,
         rows, hv // n_k_heads, 1, 0, 0, row0 % ring, ring, qkv.stride(0), g.stride(0),
         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, FOLD=FOLD, num_warps=REC_WARPS)
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, num_warps=REC_WARPS)
 
 
 def gated_delta_replay_dev(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
@@ -336,7 +309,7 @@ def gated_delta_replay_dev(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tenso
         qkv, g, beta, state, state, final, state, params,
         0, hv // n_k_heads, 1, 0, 0, 0, ring, qkv.stride(0), g.stride(0),
         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, FOLD=FOLD, ROWS_ON_DEVICE=True,
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, ROWS_ON_DEVICE=True,
         num_warps=REC_WARPS)
 
 

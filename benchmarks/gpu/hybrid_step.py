@@ -22,7 +22,7 @@ measures, each section's failure caught and reported in the JSON:
   proposes the plain stream's next tokens with some slots corrupted, both rollback modes.
 
     python benchmarks/gpu/hybrid_step.py [--json OUT.json] [--ckpt DIR] [--tiny]
-        [--gdn-tile BLOCK_V,WARPS[,LATE_PREP[,FOLD]]] [--attn-tile SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS]
+        [--gdn-tile BLOCK_V,WARPS[,LATE_PREP]] [--attn-tile SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS]
 
 `--gdn-tile` / `--attn-tile` replace, for this run only, the DeltaNet recurrence's tile / the
 attention kernel's head_dim-256 tile (`attention.TILES[256]`; step_profile.py's `best_hd256` is
@@ -335,7 +335,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-hybrid-step.json")
     p.add_argument("--ckpt", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "memra-qwen35-4b-random")
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU, no graphs (a smoke run)")
-    p.add_argument("--gdn-tile", default="", help="BLOCK_V,WARPS[,LATE_PREP[,FOLD]] of the DeltaNet recurrence kernel (a sweep's "
+    p.add_argument("--gdn-tile", default="", help="BLOCK_V,WARPS[,LATE_PREP] of the DeltaNet recurrence kernel (a sweep's "
                    "candidate; the engine's are memra_kernels.deltanet's constants)")
     p.add_argument("--attn-tile", default="", help="SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS of the attention "
                    "kernel at head_dim 256 (a sweep's candidate, e.g. step_profile.py's best_hd256; the "
@@ -346,15 +346,13 @@ def main() -> None:
         from memra_kernels import deltanet as _gdn
         try:
             parts = [int(x) for x in a.gdn_tile.split(",")]
-            if len(parts) not in (2, 3, 4):
+            if len(parts) not in (2, 3):
                 raise ValueError
         except ValueError:
-            p.error(f"--gdn-tile: expected BLOCK_V,WARPS[,LATE_PREP[,FOLD]] (two to four integers), got {a.gdn_tile!r}")
+            p.error(f"--gdn-tile: expected BLOCK_V,WARPS[,LATE_PREP] (two or three integers), got {a.gdn_tile!r}")
         _gdn.BLOCK_V, _gdn.REC_WARPS = parts[:2]
-        if len(parts) >= 3:
+        if len(parts) == 3:
             _gdn.LATE_PREP = bool(parts[2])
-        if len(parts) == 4:
-            _gdn.FOLD = bool(parts[3])
     if a.attn_tile:
         from memra_kernels import attention as _attn
         try:  # before any launch: decode_attention reads tile_for(256) -> TILES[256] at each call

@@ -211,9 +211,8 @@ def attention_tiles(with_8b: bool = True) -> dict:
 def gdn_tiles() -> dict:
     """The DeltaNet recurrence kernel's tile (value columns per program, warps) at the 4B shape
     (16 key / 32 value heads of 128): µs per layer, graph over 24 layers, 1 and 16 rows, with and
-    without the per-row stash, with row r+1's prep before or after row r's update (LATE_PREP), and
-    the row update as written or regrouped (FOLD).
-    `best_rows16` = [BLOCK_V, warps, LATE_PREP, FOLD] of the fastest 16-row no-stash run (informational:
+    without the per-row stash, with row r+1's prep before or after row r's update (LATE_PREP).
+    `best_rows16` = [BLOCK_V, warps, LATE_PREP] of the fastest 16-row no-stash run (informational:
     the engine uses the module's constants)."""
     from memra_kernels import deltanet as D
 
@@ -229,24 +228,22 @@ def gdn_tiles() -> dict:
         res = torch.empty(rows, hv, dv, device="cuda")
         stash = torch.empty(layers, rows, hv, dk, dv, device="cuda")
         idx = torch.arange(rows, device="cuda")
-        configs = [(bv, w, late, fold, False) for bv, w in ((32, 2), (32, 1), (16, 2), (16, 1), (8, 1))
-                   for late in (False, True) for fold in (False, True)]
-        configs += [(16, 1, late, fold, True) for late in (False, True) for fold in (False, True)]  # + the stash
-        for block_v, warps, late, fold, with_stash in configs:
+        for block_v, warps, late, with_stash in [(bv, w, late, st) for bv, w in ((32, 2), (32, 1), (16, 2), (16, 1), (8, 1))
+                                                 for late in (False, True) for st in (False, True)]:
             def calls():
                 for i in range(layers):
                     D._gdn_kernel[(hv, dv // block_v)](
                         qkv[i], g[i], beta[i], state[i], res, final[i], stash[i], idx,
                         rows, hv // hk, 1, int(with_stash), 1, 0, rows, 0, 0,
                         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, D.L2_EPS,
-                        HV=hv, KEY_DIM=hk * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=late, FOLD=fold,
+                        HV=hv, KEY_DIM=hk * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=late,
                         num_warps=warps)
             try:
                 graph, _ = cuda_graphs.capture(calls, torch.device("cuda"))
                 us = 1e3 * replay_ms(graph.replay, 20) / layers
             except Exception as exc:  # noqa: BLE001
                 us = f"{type(exc).__name__}: {exc}"[:200]
-            out[f"rows{rows}_bv{block_v}_w{warps}_late{int(late)}_fold{int(fold)}_stash{int(with_stash)}"] = us
+            out[f"rows{rows}_bv{block_v}_w{warps}_late{int(late)}_stash{int(with_stash)}"] = us
         # the batched replay a rollback runs: every layer, `rows` rows, one launch
         try:
             graph, _ = cuda_graphs.capture(lambda: D.gated_delta_rule_layers(qkv, g, beta, state, hk, 0, rows, final),
@@ -259,7 +256,7 @@ def gdn_tiles() -> dict:
     if timed:
         best = min(timed, key=timed.get)
         out["best_rows16"] = [int(best.split("_bv")[1].split("_")[0]), int(best.split("_w")[1].split("_")[0]),
-                              int(best.split("_late")[1].split("_")[0]), int(best.split("_fold")[1].split("_")[0])]
+                              int(best.split("_late")[1].split("_")[0])]
     return out
 
 

@@ -40,16 +40,6 @@ def _inputs(t, hk, hv, dk, dv, dtype, device, seed=0):
     return qkv, g, beta, state
 
 
-@pytest.fixture(params=[False, True], ids=["as-written", "fold"])
-def fold(request, monkeypatch):
-    """The recurrence kernel's row grouping (`deltanet.FOLD`), both ways: each must match the
-    twin within its tolerance and keep every row-count invariance."""
-    from memra_kernels import deltanet
-
-    monkeypatch.setattr(deltanet, "FOLD", request.param)
-    return request.param
-
-
 # --------------------------------------------------------------------------- conv
 
 
@@ -85,7 +75,7 @@ def test_conv_rows_do_not_depend_on_the_grouping(fn, device):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("t", ROWS)
 @pytest.mark.parametrize("hk,hv,dk,dv", HEADS)
-def test_recurrence_matches_ref(t, hk, hv, dk, dv, dtype, device, fold):
+def test_recurrence_matches_ref(t, hk, hv, dk, dv, dtype, device):
     qkv, g, beta, state = _inputs(t, hk, hv, dk, dv, dtype, device)
     idx = torch.arange(t, device=device).flip(0) + 2  # stash rows written out of order, not from 0
     outs, finals, stashes = [], [], []
@@ -103,7 +93,7 @@ def test_recurrence_matches_ref(t, hk, hv, dk, dv, dtype, device, fold):
 
 @pytest.mark.parametrize("fn", [gated_delta_rule, gated_delta_rule_ref], ids=["kernel", "twin"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_recurrence_does_not_depend_on_the_grouping(fn, dtype, device, fold):
+def test_recurrence_does_not_depend_on_the_grouping(fn, dtype, device):
     """16 rows in one call == one row at a time (each from the previous call's final state) ==
     groups 5 + 7 + 1 + 3: outputs, final states and stash rows, bit for bit."""
     hk, hv, dk, dv = 2, 4, 64, 64
@@ -153,7 +143,7 @@ def _ring(layers, ring, hk, hv, dk, dv, dtype, device, seed):
 
 @pytest.mark.parametrize("fn", [gated_delta_rule_layers, gated_delta_rule_layers_ref], ids=["kernel", "twin"])
 @pytest.mark.parametrize("row0,rows", [(0, 1), (5, 7), (6, 4), (3, 0)])  # (6, 4) wraps the ring of 8
-def test_batched_replay_is_the_per_layer_recurrence(fn, row0, rows, device, fold):
+def test_batched_replay_is_the_per_layer_recurrence(fn, row0, rows, device):
     """Every layer replayed in one call over ring rows row0.. (wrapping) == each layer's own
     `gated_delta_rule` (kernel, resp. twin) over the same rows in order, bit for bit: the replay a
     rollback runs gives the states the step computed."""
@@ -180,7 +170,7 @@ def test_batched_replay_matches_its_twin_and_may_run_in_place(device):
 
 
 @pytest.mark.parametrize("row0,rows", [(0, 1), (6, 4), (3, 0), (2, 8)])
-def test_device_rows_replay_is_the_host_rows_replay(row0, rows, device, fold):
+def test_device_rows_replay_is_the_host_rows_replay(row0, rows, device):
     """The graphed rollback's replay reads (row0, rows) on the device: the same compiled per-row
     code as the host-argument launch, so the same bits; its twin reads them on the host."""
     qkv, g, beta, state = _ring(3, 8, 2, 4, 64, 64, torch.bfloat16, device, seed=7)

@@ -14,7 +14,7 @@ GPU. The wrappers' "CUDA tensors only" checks are the only thing relaxed (see `_
 
 Configurations: the engine's shapes (the embedded Qwen3 pair, Qwen3-8B, Qwen3.5-4B), the module
 tile constants (attention's TILES per head_dim class, DeltaNet's BLOCK_V / REC_WARPS with LATE_PREP
-and FOLD both ways, quant_linear's TUNED table and its heuristic, aligned or not), each in bf16 and f32.
+both ways, quant_linear's TUNED table and its heuristic, aligned or not), each in bf16 and f32.
 The coverage tests then require that every kernel launched in kernels/*.py compiled, that every
 boolean constexpr compiled both ways, and the tile constants exactly; so a wrapper that stops
 launching (a silent torch fallback) fails too.
@@ -117,12 +117,10 @@ def _deltanet(ctx, dt):
                ctx.t(3, c, dtype=dt), ctx.t(t, c, dtype=dt), ctx.t(c, 4, dtype="f32"))
     ctx.launch("ring_window", "_ring_window_kernel", dn.ring_window, ctx.t(layers, 3, c, dtype=dt),
                ctx.t(layers, ring, c, dtype=dt), ctx.torch.zeros(2, dtype=ctx.torch.int32), ctx.t(layers, 3, c, dtype=dt))
-    saved = dn.LATE_PREP, dn.FOLD
+    saved = dn.LATE_PREP
     try:
-        # each schedule (LATE_PREP) and each row grouping (FOLD) both ways (hybrid_step.py --gdn-tile)
-        for late, fold in ((True, False), (False, False), (True, True)):
-            dn.LATE_PREP, dn.FOLD = late, fold
-            late = f"{late} FOLD={fold}"
+        for late in (True, False):  # the module's choice and the other schedule (hybrid_step.py --gdn-tile)
+            dn.LATE_PREP = late
             state = ctx.t(hv, dk, dv, dtype="f32")
             qkv, g, beta = ctx.t(t, c, dtype=dt), ctx.t(t, hv, dtype="f32"), ctx.t(t, hv, dtype="f32")
             ctx.launch(f"gated_delta_rule LATE_PREP={late}", "_gdn_kernel", dn.gated_delta_rule,
@@ -139,7 +137,7 @@ def _deltanet(ctx, dt):
                        ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, ring, hv, dtype="f32"),
                        ctx.t(layers, ring, hv, dtype="f32"), states, hk, params, ctx.t(layers, hv, dk, dv, dtype="f32"))
     finally:
-        dn.LATE_PREP, dn.FOLD = saved
+        dn.LATE_PREP = saved
 
 
 def _gather(ctx, dt):
@@ -253,7 +251,7 @@ for _dt in DTYPES:
     _case(f"activation-{_dt}", _activation, _dt, 0.1)
     _case(f"argmax-{_dt}", _argmax, _dt, 0.2)
     _case(f"attention-{_dt}", _attention, _dt, 6.5 if _f32 else 2.0)
-    _case(f"deltanet-{_dt}", _deltanet, _dt, 2.4)
+    _case(f"deltanet-{_dt}", _deltanet, _dt, 1.7)
     _case(f"gather-{_dt}", _gather, _dt, 0.3)
     _case(f"markov-{_dt}", _markov, _dt, 0.8)
     _case(f"qwen35-{_dt}", _qwen35, _dt, 2.3)
