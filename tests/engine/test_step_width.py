@@ -14,7 +14,6 @@ import types
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from memra_cli.engine.errors import ConfigError, SettingError
 from memra_cli.engine.api import ArmConfig, Engine
@@ -24,6 +23,8 @@ from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
+
+from host_reads import NoHostReads
 
 WIDTH = 16
 VOCAB = 512
@@ -312,21 +313,6 @@ def _tensors(out):
     if isinstance(out, torch.Tensor):
         return [out]
     return [t for item in out for t in _tensors(item)]
-
-
-class NoHostReads(TorchFunctionMode):
-    """Refuses what reads a tensor's value on the host (`item`, `int()`, `bool()`, indexing by a
-    0-d tensor...): on CUDA each is a sync, which a graph capture refuses (the H200 found
-    `sel[m]` with a device m in a round body). The CPU runs of captured bodies go through it."""
-
-    READS = ("item", "tolist", "__bool__", "__int__", "__index__", "__float__")
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.READS or (name == "__getitem__" and any(
-                isinstance(i, torch.Tensor) and i.dim() == 0 for i in (args[1] if isinstance(args[1], tuple) else (args[1],)))):
-            raise AssertionError(f"a captured body reads a device value on the host ({name})")
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture
