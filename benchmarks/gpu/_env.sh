@@ -20,3 +20,19 @@ hybrid_profile_and_tests() {
     >> $R/cuda_tests.txt 2>&1; echo "gpu rc=$?" >> $R/cuda_tests.txt
   grep -E "passed|failed|FAILED|Error|rc=" $R/cuda_tests.txt | tail -14; pack
 }
+# The pipelining calls' shared blocks (pipeline*.sh): the gpu-marked engine tests into
+# $R/gpu_tests.txt, and the embedded pair's bench on prompt set $1 with MEMRA_PIPELINE=$2
+# (every arm, 128 tokens) into $R/h200-$1-pipeline$2.json with its table printed.
+engine_gpu_tests() {
+  timeout ${TESTS_S:-200} python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_step_width.py \
+    tests/engine/test_qwen3_5.py tests/engine/test_spec.py > $R/gpu_tests.txt 2>&1; echo "gpu rc=$?" >> $R/gpu_tests.txt
+}
+pipeline_bench() {
+  local s=$(date +%s) json=$R/h200-$1-pipeline$2.json
+  MEMRA_PIPELINE=$2 timeout ${BENCH_S:-100} python3 -m memra_cli bench --prompts $1 --max-new 128 --warmup 2 \
+    --arm off --arm plain --arm dflash --arm dspark --arm dspark:vt=ladder --arm dspark:adapt=0 \
+    --json > $json 2> ${json%.json}.err
+  echo "bench $1 MEMRA_PIPELINE=$2 rc=$? $(( $(date +%s) - s )) s"
+  python3 -c "import json;d=json.load(open('$json'));print(' exact',d['exact']);[print(' ',a['name'],a['tau'] and round(a['tau'],2),round(a['tok_per_s'],1),round(a['speedup'],3),a['exact']) for a in d['arms']]" 2>&1 | tail -8
+  tail -2 ${json%.json}.err | cut -c1-300; pack
+}

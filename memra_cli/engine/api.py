@@ -101,40 +101,49 @@ DRAFT_GRAPHS_ENV = "MEMRA_DRAFT_GRAPHS"
 ROUND_GRAPHS_ENV = "MEMRA_ROUND_GRAPHS"
 
 
+def _switch(env: dict[str, str] | None, name: str) -> str:
+    """A 0/1 environment switch's value: "" (unset), "0" or "1"; anything else refuses."""
+    raw = (env or {}).get(name, "")
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{name}={raw!r}: expected 0 or 1")
+    return raw
+
+
+def _default_on_switch(env: dict[str, str] | None, name: str, possible: bool, needs: str, on_note: str,
+                       off_note: str) -> tuple[bool, str | None]:
+    """A switch on by default wherever it is `possible`: (on, the note to show, or None when it is
+    not possible). `name=1` where it is not refuses, saying what it `needs`."""
+    raw = _switch(env, name)
+    if raw == "1" and not possible:
+        raise ConfigError(f"{name}=1 needs {needs}")
+    if not possible:
+        return False, None
+    on = raw != "0"
+    return on, on_note if on else off_note
+
+
 def resolve_round_graphs(graphs: bool, env: dict[str, str] | None = None) -> tuple[bool, str | None]:
     """Whole greedy rounds (and plain steps) as one CUDA graph each (runtime/round_graphs.py):
     on whenever the target's steps are graphed; MEMRA_ROUND_GRAPHS=0 keeps the per-part graphs.
     Returns (on, the note to show, or None when graphs are off)."""
-    raw = (env or {}).get(ROUND_GRAPHS_ENV, "")
-    if raw not in ("", "0", "1"):
-        raise ConfigError(f"{ROUND_GRAPHS_ENV}={raw!r}: expected 0 or 1")
-    if raw == "1" and not graphs:
-        raise ConfigError(f"{ROUND_GRAPHS_ENV}=1 needs the target's CUDA graphs on")
-    if not graphs:
-        return False, None
-    on = raw != "0"
-    return on, ("greedy rounds graphed whole (default with CUDA graphs; MEMRA_ROUND_GRAPHS=0 graphs their parts)"
-                if on else "greedy rounds graphed by parts (MEMRA_ROUND_GRAPHS=0)")
+    return _default_on_switch(
+        env, ROUND_GRAPHS_ENV, graphs, "the target's CUDA graphs on",
+        "greedy rounds graphed whole (default with CUDA graphs; MEMRA_ROUND_GRAPHS=0 graphs their parts)",
+        "greedy rounds graphed by parts (MEMRA_ROUND_GRAPHS=0)")
 
 
 PIPELINE_ENV = "MEMRA_PIPELINE"
 
 
 def resolve_pipeline(round_graphs: bool, env: dict[str, str] | None = None) -> tuple[bool, str | None]:
-    """Plain graphed rounds queued one ahead of the host's read (spec/session.py
-    `_pipelined_plain`): on with whole-round graphs; MEMRA_PIPELINE=0 reads each token before
-    queueing the next round. The same graphs run in the same order either way (the same
-    tokens); only the host's reads move. Returns (on, the note to show, or None)."""
-    raw = (env or {}).get(PIPELINE_ENV, "")
-    if raw not in ("", "0", "1"):
-        raise ConfigError(f"{PIPELINE_ENV}={raw!r}: expected 0 or 1")
-    if raw == "1" and not round_graphs:
-        raise ConfigError(f"{PIPELINE_ENV}=1 needs whole-round graphs (CUDA graphs on, {ROUND_GRAPHS_ENV} not 0)")
-    if not round_graphs:
-        return False, None
-    on = raw != "0"
-    return on, ("plain rounds queued one ahead of the host (default; MEMRA_PIPELINE=0 reads each token first)"
-                if on else "plain rounds read one by one (MEMRA_PIPELINE=0)")
+    """Graphed rounds queued one ahead of the host's read (spec/session.py `_pipelined_plain`,
+    `_pipelined_spec`): on with whole-round graphs; MEMRA_PIPELINE=0 reads each round before
+    queueing the next. The same graphs run in the same order either way (the same tokens); only
+    the host's reads move. Returns (on, the note to show, or None)."""
+    return _default_on_switch(
+        env, PIPELINE_ENV, round_graphs, f"whole-round graphs (CUDA graphs on, {ROUND_GRAPHS_ENV} not 0)",
+        "rounds queued one ahead of the host (default; MEMRA_PIPELINE=0 reads each round first)",
+        "rounds read one by one (MEMRA_PIPELINE=0)")
 
 
 def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | None,
@@ -146,9 +155,7 @@ def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | No
     Drafter rounds are graphed whenever the target's steps are (MEMRA_DRAFT_GRAPHS=0 runs them
     eagerly): on the H200 that took the 8B-shape round from 18.2 to 14.3 ms, exact (docs/perf.md)."""
     possible = device.type == "cuda" and width is not None
-    draft_env = (env or {}).get(DRAFT_GRAPHS_ENV, "")
-    if draft_env not in ("", "0", "1"):
-        raise ConfigError(f"{DRAFT_GRAPHS_ENV}={draft_env!r}: expected 0 or 1")
+    draft_env = _switch(env, DRAFT_GRAPHS_ENV)
     if family is not None and not getattr(family, "supports_cuda_graphs", True):
         why = getattr(family, "graphs_note", f"{getattr(family, '__name__', 'this target')} steps are not capturable")
         if flag:
@@ -369,7 +376,7 @@ class Engine:
         self.notes = notes  # what was applied (step width, graphs), for receipts / --json
         self.draft_graphs = draft_graphs
         self.round_graphs = round_graphs  # whole greedy rounds as one graph (spec/session.py)
-        # plain rounds queued one ahead of the host (spec/session.py `_pipelined_plain`)
+        # rounds queued one ahead of the host (spec/session.py `_pipelined_plain` / `_spec`)
         self.pipelined = round_graphs if pipelined is None else pipelined
         self.plain_only = False  # made by `fastest_plain`: only plain (one-row) decoding runs here
 

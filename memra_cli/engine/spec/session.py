@@ -182,6 +182,14 @@ class Session:
         return (isinstance(self.proposer, DrafterProposer) and self.proposer.graphs and self.program is not None
                 and self.program.verify_cap <= r.width)
 
+    def _anchor_to_host(self) -> None:
+        """Graphed rounds carry the anchor as a host int (`last_id`): read the prefill's
+        selection once per session."""
+        if self.last_id is None:
+            assert self.last is not None
+            self.last_id = int(self.last.item())
+        self.last = None
+
     def _graphed_round(self) -> list[int]:
         """`_round` as one replay (spec/round_bodies.py): same selections, commits and stats."""
         from memra_cli.engine.runtime.round_graphs import RoundGraph
@@ -190,10 +198,7 @@ class Session:
         start, width, cache = self.cache.length, self.runner.width, self.cache
         model = self.target
         model.check_span(start, width, cache)
-        if self.last_id is None:
-            assert self.last is not None
-            self.last_id = int(self.last.item())  # once per session, after the prefill
-        self.last = None
+        self._anchor_to_host()
         slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
         # A state whose steps run over one of several buffer arrangements (the hybrid's two
         # committed-state buffers) gets a round graph per arrangement, captured in it.
@@ -246,15 +251,13 @@ class Session:
         if chain is None:
             chain = cache.graphs[key] = RoundChain(model.device, 2)
         chain.drain()  # a session that ended with a round queued over this storage
-        variants = range(getattr(cache, "graph_variants", 1)) if hasattr(cache, "graph_variant") else (None,)
+        n = getattr(cache, "graph_variants", 1)
         slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
-        for v in variants:
-            tag = 0 if v is None else v
-            if tag not in chain.graphs:
-                arranged = cache.arranged_for_capture(v) if v is not None else nullcontext()
-                with arranged:
-                    chain.graphs[tag] = RoundGraph(round_bodies.plain_step_chained(model, cache, width),
-                                                   (slack, 0), model.device, inputs=chain.inputs)
+        for variant in range(n):
+            if variant not in chain.graphs:
+                with cache.arranged_for_capture(variant) if n > 1 else nullcontext():
+                    chain.graphs[variant] = RoundGraph(round_bodies.plain_step_chained(model, cache, width),
+                                                       (slack, 0), model.device, inputs=chain.inputs)
         return chain
 
     def _launch_plain(self, anchor: int | None) -> None:
@@ -264,9 +267,8 @@ class Session:
         cache, chain = self.cache, self._chain
         start = cache.length
         self.target.check_span(start, self.runner.width, cache)
-        variant = getattr(cache, "graph_variant", None)
         seed = (start,) if anchor is None else (start, anchor)
-        self._ahead = chain.launch(0 if variant is None else variant, seed)
+        self._ahead = chain.launch(getattr(cache, "graph_variant", 0), seed)
         cache.commit(start + 1)
 
     def _pipelined_plain(self, n: int) -> list[int]:
@@ -281,10 +283,7 @@ class Session:
         caller's work on the tokens (printing them) overlaps it too."""
         out: list[int] = []
         if self._ahead is None:  # nothing queued: the first round's anchor is a host value
-            if self.last_id is None:
-                assert self.last is not None
-                self.last_id = int(self.last.item())  # once per session, after the prefill
-            self.last = None
+            self._anchor_to_host()
             self._chain = self._plain_chain()
             self._launch_plain(self.last_id)
             out += self._commit([self.last_id], 0)
@@ -350,16 +349,13 @@ class Session:
 
         Round j+1 is queued before round j is read only while round j cannot exhaust the budget
         (more than W tokens left) and round j+1's rows fit the storage: a round past the end
-        would write past the storage's reach. An EOS can still end the stream at round j; round j+1 then ran for nothing, its
-        rows past the committed length (a KV cache forgets them by its length). Between bursts
-        one round may stay queued (`_ahead`), not yet read."""
+        would write past the storage's reach. An EOS can still end the stream at round j; round
+        j+1 then ran for nothing, its rows past the committed length (a KV cache forgets them by
+        its length). Between bursts one round may stay queued (`_ahead`), not yet read."""
         out: list[int] = []
         width, cache = self.runner.width, self.cache
         if self._ahead is None:
-            if self.last_id is None:
-                assert self.last is not None
-                self.last_id = int(self.last.item())  # once per session, after the prefill
-            self.last = None
+            self._anchor_to_host()
             self._chain = self._spec_chain()
             start = cache.length
             self.target.check_span(start, width, cache)
