@@ -51,6 +51,24 @@ else:
 
         _interp._convert_float = _convert_float
 
+    # Its tl.dot is one np.matmul, whose BLAS may sum row i's products in an order that depends
+    # on where row i sits in its block of rows (OpenBLAS's AVX2 kernels on a 2-core EPYC do), so
+    # a row's bits would change with the rows beside it: the very property the invariance tests
+    # check, and one a GPU's tl.dot has (each output row from its own input row). Multiply row by
+    # row instead: every row is then one identical [1, K] x [K, N] call whatever surrounds it.
+    _builder = getattr(_interp, "InterpreterBuilder", None)
+    if _builder is not None and hasattr(_builder, "create_dot"):
+        _orig_create_dot = _builder.create_dot
+
+        def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+            a_data, b_data = a.data, b.data
+            if a_data.ndim != 2 or a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+                return _orig_create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+            rows = [np.matmul(a_data[i:i + 1], b_data, dtype=d.data.dtype) for i in range(a_data.shape[0])]
+            return _interp.TensorHandle(np.concatenate(rows) + d.data, d.dtype.scalar)
+
+        _builder.create_dot = create_dot
+
     if _needs_index_shim() and hasattr(_interp, "_patch_lang_tensor"):
         _orig_patch_lang_tensor = _interp._patch_lang_tensor
 
