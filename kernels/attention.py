@@ -17,11 +17,22 @@ Design (flash-decoding with fixed splits):
 * A combine pass merges, per (row, head), the partials of splits 0..p_i // SPLIT with a
   log-sum-exp merge in a fixed order (chunks of COMBINE_CHUNK splits in split order, a fixed
   tree inside a chunk), and writes the output in q's dtype.
+* Long contexts (a tile's optional `long_from`, `long_split`): a row's split doubles at
+  position long_from and at each doubling of long_from after it, up to long_split keys, so a
+  row's number of splits stays about the same as its context grows. With 256-key splits a
+  16-row step of the 8B shape at 32k keys writes and re-reads 34 MB of float32 partials a layer
+  (a quarter of its K/V), and each program walks only 8 key blocks. The grid does not change:
+  program j starts at key j*SPLIT and serves the rows whose split starts there (split size
+  dividing j*SPLIT), walking up to the end of the longest such split; the other rows of its
+  tile are masked. Partials live in SPLIT-sized units (a row's at the unit of its split's
+  start); the combine reads every (row_split / SPLIT)-th unit.
 
 Why a row's output is bit-identical whatever shares its step (row-count invariance), and
 whatever the cache storage size S:
 
 * split boundaries depend only on key indices, and the splits a row merges only on its position;
+  so does the size of its splits (a function of its position). A program walks keys past a
+  row's split only for another row of its tile, and those blocks are fully masked for it;
 * inside a split a row visits the same key blocks in the same order whatever the tile holds;
   blocks past the row's position (present because another row of the tile reaches further) are
   fully masked for it, and a fully masked block leaves (m, l, acc) bit-identical: m unchanged,
@@ -65,6 +76,13 @@ class Tile:
     split: keys per split; split boundaries are multiples of it, so it changes results in the
     last bits (never their invariance). block_n: keys per inner block (divides split).
     block_m: folded (row, head-in-group) pairs per program. num_stages, num_warps: Triton's.
+    long_from, long_split: a row's split doubles at position long_from and at every doubling
+    of long_from after it, up to long_split keys (split times a power of two; 0 = one split
+    size for every row): with split 256, long_from 8192 and long_split 1024, a row at 5000 uses
+    256, at 9000 512, at 20000 and at 60000 1024. A row's split depends on its own position
+    only, so it is as invariant as the split itself; growing splits keep a long context's float32
+    partials (written by one launch, read by the next) and its programs' loops in proportion
+    (module docstring).
     """
 
     split: int
@@ -72,6 +90,8 @@ class Tile:
     block_m: int
     num_stages: int
     num_warps: int
+    long_split: int = 0
+    long_from: int = 0
 
     def __post_init__(self):
         def pow2(x):
@@ -84,6 +104,13 @@ class Tile:
         if min(self.block_m, self.block_n) < 16 or self.split % self.block_n or self.num_stages < 1:
             raise ValueError(f"{self}: need block_m, block_n >= 16, block_n dividing split, "
                              "stages >= 1")
+        ratio = self.long_split // self.split
+        if self.long_split and (self.long_split % self.split or not pow2(ratio) or ratio < 2
+                                or self.long_from < 1):
+            raise ValueError(f"{self}: long_split must be split times a power of two >= 2, with "
+                             "long_from >= 1 (or long_split 0: no long splits)")
+        if not self.long_split and self.long_from:
+            raise ValueError(f"{self}: long_from without long_split")
 
 
 # Tiles per head-size class, keyed by the widest head_dim of the class (see `tile_for`). A row's
@@ -99,6 +126,17 @@ class Tile:
 #   SPLIT 128, BLOCK_N 64, 2 stages: 10.5 / 14.4 / 93.8
 # (torch SDPA over the same live keys: 61 / 267 / 1844.) BLOCK_M 64: a 16-row step with g = 4
 # is one M tile.
+# Growing splits (`long_split`, `long_from`), measured and left off for this tile: with 1024
+# from 8192 (256 keys below 8192, 512 to 16383, 1024 beyond) the attention alone, one process
+# (benchmarks/gpu/long_attention.py, us per layer, one row / 16 rows; docs/results/h200-long-attention.json):
+#   context   512: 10.0 / 11.5  vs 10.3 / 11.8     4096: 13.2 / 15.1 vs 13.7 / 15.6
+#   context  8192: 15.7 / 18.5  vs 16.5 / 19.1    16384: 28.9 / 34.6 vs 27.9 / 31.4
+#   context 32768: 50.9 / 62.5  vs 49.4 / 53.4    (the live K/V at copy speed: 31.6)
+# but the whole graphed 16-row step, the two tiles back to back on one H200
+# (long_attention_ab.sh; docs/results/h200-target-step-{base,module}.json), plain / verify:
+#   context 512: 5.118 / 5.119 ms vs 5.240 / 5.262;  4096: 5.256 / 5.267 vs 5.390 / 5.404;
+#   32768: 6.942 / 7.083 vs 6.777 / 6.769
+# 2.4% slower where decoding mostly happens for 2-4% faster at 32k: off.
 #
 # 256 (Qwen3.5's gated attention: 16 q / 4 kv heads of 256). Measured on an H200 (bf16, CUDA-graph
 # replay over 8 per-layer caches, 2026-12-03, docs/results/h200-tiles.json; us per call, one row /
@@ -150,14 +188,29 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _row_split(pos, long_from, SPLIT: tl.constexpr, LEVELS: tl.constexpr):
+    """Keys per split of a row at `pos`: SPLIT, doubled at long_from and at each doubling of
+    long_from after it, LEVELS times at most (long_split = SPLIT << LEVELS)."""
+    level = tl.zeros_like(pos)
+    threshold = long_from
+    for _ in tl.static_range(LEVELS):
+        level += (pos >= threshold).to(tl.int32)
+        threshold = threshold * 2
+    return SPLIT << level
+
+
+@triton.jit(do_not_specialize=["long_from"])
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n_splits,
-                  qk_scale, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
+                  qk_scale, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, long_from,
                   G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LEVELS: tl.constexpr,
                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
-    """Partial attention of BLOCK_M folded (row, head) pairs of one KV head over one split."""
+    """Partial attention of BLOCK_M folded (row, head) pairs of one KV head: program `prog`
+    starts at key prog * SPLIT and takes, for each row whose split starts there (its split size
+    divides the start), the keys of that split up to the row's position. A row's split size
+    depends on its position only (`_row_split`); its partial goes to unit `prog`."""
     tile = tl.program_id(0)
-    split = tl.program_id(1)
+    prog = tl.program_id(1)
     kv_head = tl.program_id(2).to(tl.int64)
 
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -166,16 +219,20 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
     row_ok = offs_m < n_rows * G
     # Padding rows get position -1: every key is masked for them and they store nothing.
     pos = tl.load(pos_ptr + row, mask=row_ok, other=-1).to(tl.int32)
+    lo = prog * SPLIT
+    row_split = _row_split(pos, long_from, SPLIT, LEVELS)
+    # Rows whose split starts at `lo` and holds a key they see (then l > 0 and m is finite at the
+    # end); the others are computed alongside but never stored.
+    mine = row_ok & (pos >= lo) & (lo % row_split == 0)
+    row_end = tl.minimum(lo + row_split, pos + 1)  # a row takes keys lo..row_end-1 from here
+    # Keys this tile needs from here (lo when no row's split starts here: nothing to do).
+    hi = tl.max(tl.where(mine, row_end, lo), axis=0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HD
     q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+                mask=(mine & (hi > lo))[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-
-    lo = split * SPLIT
-    # Keys this tile needs from the split: up to its largest position (0 keys if beyond).
-    hi = tl.minimum(lo + SPLIT, tl.max(pos, axis=0) + 1)
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
 
@@ -192,13 +249,14 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
         if DOT_F32:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 domain
-        s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
+        # A row sees keys up to its position and within its own split: blocks past either are
+        # fully masked for it, which leaves its (m, l, acc) bit-identical (module docstring).
+        s = tl.where(offs_n[None, :] < row_end[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with no valid key so far keeps m = -inf: subtract 0 instead, so that
         # alpha = exp2(-inf) = 0 and p = exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN.
-        # (Only rows for which this split is not valid get here, since a valid row's first
-        # block holds its key `lo`; their partials are never stored, so this keeps NaN out of
-        # the registers rather than out of the results.)
+        # (Only rows not stored here get there, since a stored row's first block holds its key
+        # `lo`; this keeps NaN out of the registers rather than out of the results.)
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(s - m_sub[:, None])
@@ -210,19 +268,19 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
         acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=PRECISION)
         m_i = m_new
 
-    # A split is valid for a row iff it holds the row's key `lo` (then l > 0 and m is finite).
-    valid = row_ok & (pos >= lo)
-    ws = (row.to(tl.int64) * NH + head) * n_splits + split
-    tl.store(m_ptr + ws, m_i, mask=valid)
-    tl.store(l_ptr + ws, l_i, mask=valid)
-    tl.store(acc_ptr + ws[:, None] * HD + offs_d[None, :], acc, mask=valid[:, None] & d_ok[None, :])
+    ws = (row.to(tl.int64) * NH + head) * n_splits + prog
+    tl.store(m_ptr + ws, m_i, mask=mine)
+    tl.store(l_ptr + ws, l_i, mask=mine)
+    tl.store(acc_ptr + ws[:, None] * HD + offs_d[None, :], acc, mask=mine[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["long_from"])
 def _combine_kernel(acc_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, gate_ptr, n_splits, stride_out, stride_gate,
-                    NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
-                    SPLIT: tl.constexpr, CHUNK: tl.constexpr, GATED: tl.constexpr = False):
-    """out[row, head] = log-sum-exp merge of the row's valid splits 0..pos // SPLIT.
+                    long_from, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
+                    SPLIT: tl.constexpr, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
+                    GATED: tl.constexpr = False):
+    """out[row, head] = log-sum-exp merge of the row's valid splits 0..pos // row_split, of
+    row_split = `_row_split(pos)` keys each: every (row_split // SPLIT)-th partial unit.
 
     Splits are read CHUNK at a time (loads in parallel, not one dependent step per split):
     pass 1 takes the largest partial max (max is exact, so its order is free); pass 2 sums the
@@ -235,21 +293,26 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, gate_ptr, n_splits,
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HD
-    n_valid = tl.load(pos_ptr + row).to(tl.int32) // SPLIT + 1
+    pos = tl.load(pos_ptr + row).to(tl.int32)
+    row_split = _row_split(pos, long_from, SPLIT, LEVELS)
+    stride_unit = row_split // SPLIT
+    n_valid = pos // row_split + 1
     base = (row * NH + head) * n_splits
     m_max = tl.full([CHUNK], float("-inf"), tl.float32)
     for c0 in range(0, n_valid, CHUNK):
         ok = c0 + offs_c < n_valid
-        m_max = tl.maximum(m_max, tl.load(m_ptr + base + c0 + offs_c, mask=ok, other=float("-inf")))
+        m_max = tl.maximum(m_max, tl.load(m_ptr + base + (c0 + offs_c) * stride_unit, mask=ok,
+                                          other=float("-inf")))
     m_all = tl.max(m_max, axis=0)  # finite: split 0 always holds key 0
     l_lanes = tl.zeros([CHUNK], tl.float32)
     o_lanes = tl.zeros([CHUNK, BLOCK_D], tl.float32)
     for c0 in range(0, n_valid, CHUNK):
         split = c0 + offs_c
         ok = split < n_valid
-        weight = tl.exp2(tl.load(m_ptr + base + split, mask=ok, other=float("-inf")) - m_all)
-        l_lanes += tl.load(l_ptr + base + split, mask=ok, other=0.0) * weight
-        o = tl.load(acc_ptr + (base + split)[:, None] * HD + offs_d[None, :],
+        unit = base + split * stride_unit
+        weight = tl.exp2(tl.load(m_ptr + unit, mask=ok, other=float("-inf")) - m_all)
+        l_lanes += tl.load(l_ptr + unit, mask=ok, other=0.0) * weight
+        o = tl.load(acc_ptr + unit[:, None] * HD + offs_d[None, :],
                     mask=ok[:, None] & d_ok[None, :], other=0.0)
         o_lanes += o * weight[:, None]
     dt = out_ptr.dtype.element_ty
@@ -283,19 +346,24 @@ def _check(q, k_cache, v_cache, positions):
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             positions: torch.Tensor, scale: float, *, split: int, block_m: int, block_n: int,
-            num_warps: int, num_stages: int, workspace_bytes: int = WORKSPACE_BYTES,
-            gate: torch.Tensor | None = None) -> torch.Tensor:
+            num_warps: int, num_stages: int, long_split: int = 0, long_from: int = 0,
+            workspace_bytes: int = WORKSPACE_BYTES, gate: torch.Tensor | None = None) -> torch.Tensor:
     """The two launches with explicit tile constants (the fields of a `Tile`: benchmarks sweep
-    these; the engine must not: results depend, in the last bits, on split and block_n)."""
+    these; the engine must not: results depend, in the last bits, on split, block_n and the
+    long split)."""
     _check(q, k_cache, v_cache, positions)
-    Tile(split, block_n, block_m, num_stages, num_warps)  # raises on a tile the kernel cannot run
+    # raises on a tile the kernel cannot run
+    Tile(split, block_n, block_m, num_stages, num_warps, long_split, long_from)
     t, nh, hd = q.shape
     nkv, s_len, _ = k_cache.shape
     g = nh // nkv
     out = torch.empty((t, nh * hd), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    n_splits = triton.cdiv(s_len, split)
+    n_splits = triton.cdiv(s_len, split)  # programs and partial units: one per split of keys
+    levels = (long_split // split).bit_length() - 1 if long_split else 0  # doublings of the split
+    if not long_split:
+        long_from = 1 << 30  # past every position (LEVELS is 0 anyway)
     block_d = max(16, next_pow2(hd))
     # Row chunks bound the workspace; a row's result does not depend on the chunking.
     per_row = nh * n_splits * (hd + 2) * 4
@@ -312,14 +380,15 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _split_kernel[grid](
             qc, k_cache, v_cache, pc, acc, m, l, rows, n_splits, float(scale) * _LOG2E,
             qc.stride(0), qc.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1),
-            G=g, NH=nh, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split,
+            v_cache.stride(0), v_cache.stride(1), long_from,
+            G=g, NH=nh, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, LEVELS=levels,
             DOT_F32=dot_f32, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
         )
         gc = oc if gate is None else gate[r0:r0 + rows]
         _combine_kernel[(rows, nh)](
-            acc, m, l, pc, oc, gc, n_splits, oc.stride(0), gc.stride(0), NH=nh, HD=hd, BLOCK_D=block_d,
-            SPLIT=split, CHUNK=COMBINE_CHUNK, GATED=gate is not None, num_warps=4,
+            acc, m, l, pc, oc, gc, n_splits, oc.stride(0), gc.stride(0), long_from,
+            NH=nh, HD=hd, BLOCK_D=block_d,
+            SPLIT=split, LEVELS=levels, CHUNK=COMBINE_CHUNK, GATED=gate is not None, num_warps=4,
         )
     return out
 

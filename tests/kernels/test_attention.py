@@ -170,6 +170,77 @@ def test_row_chunking_does_not_matter(nkv, g, hd, device):
     assert torch.equal(one, chunked)
 
 
+# ---------------------------------------------------------------- long splits
+
+# A small tile the interpreter runs quickly: splits of 32 keys, doubled for rows at positions
+# >= 200 (64 keys) and again >= 400 (128 keys, the cap).
+SMALL = dict(split=32, block_n=16, block_m=16, num_stages=1, num_warps=4)
+LONG = dict(SMALL, long_split=128, long_from=200)
+# In an order that puts rows of different split sizes in every M tile (4 rows of g = 4 a tile),
+# so programs walk keys past some rows' splits: those keys must stay masked for them.
+LONG_POS = [447, 150, 31, 300, 0, 401, 255, 198, 128, 399, 32, 384, 200, 127, 400, 256, 201, 383, 199]
+
+
+def _own_split(p: int) -> int:
+    return 32 if p < 200 else 64 if p < 400 else 128
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_long_split_matches_ref(dtype, device):
+    """Rows at every split size in one step: the reference's result, usual tolerance."""
+    nkv, g, hd = 2, 4, 64
+    k, v = _cache(nkv, hd, 448, dtype, device, storage=460)
+    q = _q(len(LONG_POS), nkv * g, hd, dtype, device, seed=21)
+    pos = torch.tensor(LONG_POS, device=device)
+    got = attention._launch(q, k, v, pos, _scale(hd), **LONG)
+    torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, _scale(hd)), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
+def test_long_split_rows_run_their_own_split(dtype, device):
+    """The definition, bit for bit: each row gets what a one-size launch with its own split
+    (32, 64 or 128 keys by its position) gives it, whatever the storage and whatever shares
+    the step. Fails if a program stores a row whose split does not start there, lets a row see
+    keys past its split, or if the combine reads a row's partials at the wrong units."""
+    nkv, g, hd = 2, 4, 64
+    q = _q(len(LONG_POS), nkv * g, hd, dtype, device, seed=22)
+    pos = torch.tensor(LONG_POS, device=device)
+    own = torch.tensor([_own_split(p) for p in LONG_POS], device=device)
+    for storage in (448, 700):
+        k, v = _cache(nkv, hd, 448, dtype, device, storage=storage)
+        got = attention._launch(q, k, v, pos, _scale(hd), **LONG)
+        for split in (32, 64, 128):
+            want = attention._launch(q, k, v, pos, _scale(hd), **dict(SMALL, split=split))
+            assert torch.equal(got[own == split], want[own == split]), (storage, split)
+
+
+@pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
+def test_long_split_row_alone_equals_row_in_step(dtype, device):
+    """Rows on either side of long_from: alone == inside a step of rows on both sides."""
+    nkv, g, hd = 2, 4, 64
+    k, v = _cache(nkv, hd, 448, dtype, device, storage=520)
+    q = _q(len(LONG_POS), nkv * g, hd, dtype, device, seed=23)
+    pos = torch.tensor(LONG_POS, device=device)
+    batch = attention._launch(q, k, v, pos, _scale(hd), **LONG)
+    for i in (0, 1, 2, 3, 7, 12, 14, 18):
+        alone = attention._launch(q[i:i + 1], k, v, pos[i:i + 1], _scale(hd), **LONG)
+        assert torch.equal(alone[0], batch[i]), int(pos[i])
+
+
+def test_long_split_tiles_are_checked():
+    with pytest.raises(ValueError):
+        Tile(**dict(LONG, long_split=80))  # not a multiple of split
+    with pytest.raises(ValueError):
+        Tile(**dict(LONG, long_split=96))  # not split times a power of two
+    with pytest.raises(ValueError):
+        Tile(**dict(LONG, long_split=32))  # not above split
+    with pytest.raises(ValueError):
+        Tile(**dict(LONG, long_from=0))
+    with pytest.raises(ValueError):
+        Tile(**dict(SMALL, long_from=200))  # long_from without long_split
+    assert Tile(**LONG).long_split == 128
+
+
 # ---------------------------------------------------------------- the tile table
 
 
