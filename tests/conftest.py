@@ -7,7 +7,11 @@ import os
 import pytest
 import torch
 
-from memra_cli.tiny.draft import make_tiny_draft
+from memra_cli.hf_compat import protect_kernels_name
+
+protect_kernels_name()  # before any test imports transformers (memra_cli/hf_compat.py says why)
+
+from memra_cli.tiny.draft import make_tiny_draft  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -168,6 +168,8 @@ def shipped(model, device: torch.device):
 
 
 def _load_shipped_target(work: Path, device: torch.device):
+    from memra_cli.hf_compat import protect_kernels_name
+    protect_kernels_name()  # our kernels/ folder must not shadow HF kernels
     from transformers import Qwen3ForCausalLM
 
     model = Qwen3ForCausalLM.from_pretrained(work / "target", dtype=torch.bfloat16, attn_implementation="sdpa")

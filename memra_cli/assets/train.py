@@ -167,6 +167,8 @@ def head_prompt(text: str, head: FunctionHead) -> str | None:
 
 
 def make_target(vocab: int, hidden: int, layers: int, heads: int, kv: int, ffn: int, max_pos: int):
+    from memra_cli.hf_compat import protect_kernels_name
+    protect_kernels_name()  # our kernels/ folder must not shadow HF kernels
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(
@@ -300,6 +302,8 @@ def greedy_forced(model, prompts: list[list[int]], total: int, batch: int, devic
     of different prompt lengths share one batch: decoding runs one position at a time for the
     whole batch and a row still inside its prompt takes its prompt token instead of its argmax
     (so no padding, and every row is what a bench run of that prompt would see)."""
+    from memra_cli.hf_compat import protect_kernels_name
+    protect_kernels_name()  # our kernels/ folder must not shadow HF kernels
     from transformers import DynamicCache
 
     seqs, plens = [], []

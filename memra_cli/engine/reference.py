@@ -51,6 +51,8 @@ class ReferenceError(MemraError):
 
 def _qwen3_modules():
     try:
+        from memra_cli.hf_compat import protect_kernels_name
+        protect_kernels_name()  # our kernels/ folder must not shadow HF kernels
         from transformers import Qwen3Config
         from transformers.models.qwen3 import modeling_qwen3
     except ImportError as exc:
@@ -303,6 +305,8 @@ def make_oracle(ckpt_path: Path | str, out_npz: Path | str, target_dir: Path | s
               "position_ids": pos.numpy().astype(np.int64)}
     for name, t in stages.items():
         arrays[name] = t.numpy().astype(np.int64 if name == "markov_tokens" else np.float32)
+    from memra_cli.hf_compat import protect_kernels_name
+    protect_kernels_name()  # our kernels/ folder must not shadow HF kernels
     import transformers
 
     meta = {
