@@ -29,6 +29,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     from safetensors.torch import load_file
+
+    from memra_cli.hf_compat import protect_kernels_name
+
+    protect_kernels_name()  # the repository's kernels/ folder must not shadow Hugging Face's
     from transformers import Qwen3ForCausalLM
 
     torch.set_grad_enabled(False)

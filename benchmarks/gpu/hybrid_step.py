@@ -251,6 +251,9 @@ def verify(target, prompt: list[int], graphs: bool, reps: int) -> dict:
 
 
 def hf_greedy(path: Path, prompt: list[int], dev: torch.device, dtype, tokens: int) -> dict:
+    from memra_cli.hf_compat import protect_kernels_name
+
+    protect_kernels_name()  # the repository's kernels/ folder must not shadow Hugging Face's
     import transformers
 
     try:
