@@ -27,7 +27,11 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: target_step's helpers
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from target_step import eager_copy_gbps, replay_ms  # noqa: E402
 
 from memra_cli.engine.runtime import cuda_graphs  # noqa: E402
 
@@ -44,38 +48,6 @@ CANDIDATES = (
 )
 
 
-def replay_us(graph, reps: int = 20) -> float:
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return 1e3 * sorted(times)[len(times) // 2]
-
-
-def eager_copy_gbps() -> float:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(5):
-        y.copy_(x)
-    times = []
-    for _ in range(30):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    del x, y
-    torch.cuda.empty_cache()
-    return 2 * (2 << 30) / sorted(times)[len(times) // 2] / 1e6
-
-
 def main() -> None:
     from memra_kernels import attention as A
 
@@ -83,7 +55,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-long-attention.json")
     a = p.parse_args()
     t0 = time.time()
-    bw = eager_copy_gbps()
+    bw = eager_copy_gbps(reps=30)
     out: dict = {"device": torch.cuda.get_device_name(), "command": "python benchmarks/gpu/long_attention.py",
                  "shape": f"{HEADS} q / {KV} kv heads of {HD}, {LAYERS} layers", "copy_gbps": bw,
                  "module_hd128": dataclasses.asdict(A.TILES[128]), "rows": {}}
@@ -111,7 +83,7 @@ def main() -> None:
                         A._launch(q, cache[0], cache[1], pos, HD ** -0.5, **kw)
                 try:
                     graph, _ = cuda_graphs.capture(calls, torch.device("cuda"))
-                    row[f"ctx{ctx}_rows{n}"] = replay_us(graph) / LAYERS
+                    row[f"ctx{ctx}_rows{n}"] = 1e3 * replay_ms(graph.replay, 20) / LAYERS
                     del graph
                 except Exception as exc:  # noqa: BLE001 - report the candidate's failure, go on
                     row[f"ctx{ctx}_rows{n}"] = f"{type(exc).__name__}: {exc}"[:200]

@@ -185,13 +185,17 @@ def _own_split(p: int) -> int:
     return 32 if p < 200 else 64 if p < 400 else 128
 
 
+def _long_step(dtype, device, seed):
+    """q for LONG_POS's rows (2 KV heads, g = 4, head_dim 64) and their positions."""
+    return _q(len(LONG_POS), 8, 64, dtype, device, seed=seed), torch.tensor(LONG_POS, device=device)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_long_split_matches_ref(dtype, device):
     """Rows at every split size in one step: the reference's result, usual tolerance."""
-    nkv, g, hd = 2, 4, 64
+    nkv, hd = 2, 64
     k, v = _cache(nkv, hd, 448, dtype, device, storage=460)
-    q = _q(len(LONG_POS), nkv * g, hd, dtype, device, seed=21)
-    pos = torch.tensor(LONG_POS, device=device)
+    q, pos = _long_step(dtype, device, seed=21)
     got = attention._launch(q, k, v, pos, _scale(hd), **LONG)
     torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, _scale(hd)), **TOL[dtype])
 
@@ -200,11 +204,11 @@ def test_long_split_matches_ref(dtype, device):
 def test_long_split_rows_run_their_own_split(dtype, device):
     """The definition, bit for bit: each row gets what a one-size launch with its own split
     (32, 64 or 128 keys by its position) gives it, whatever the storage and whatever shares
-    the step. Fails if a program stores a row whose split does not start there, lets a row see
-    keys past its split, or if the combine reads a row's partials at the wrong units."""
-    nkv, g, hd = 2, 4, 64
-    q = _q(len(LONG_POS), nkv * g, hd, dtype, device, seed=22)
-    pos = torch.tensor(LONG_POS, device=device)
+    the step. Fails if a row sees keys past its split or if the combine reads a row's partials
+    at the wrong units. (A program that also stored a row whose split starts elsewhere would
+    only waste work: the combine never reads that unit, and no value shows it.)"""
+    nkv, hd = 2, 64
+    q, pos = _long_step(dtype, device, seed=22)
     own = torch.tensor([_own_split(p) for p in LONG_POS], device=device)
     for storage in (448, 700):
         k, v = _cache(nkv, hd, 448, dtype, device, storage=storage)
@@ -217,10 +221,9 @@ def test_long_split_rows_run_their_own_split(dtype, device):
 @pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
 def test_long_split_row_alone_equals_row_in_step(dtype, device):
     """Rows on either side of long_from: alone == inside a step of rows on both sides."""
-    nkv, g, hd = 2, 4, 64
+    nkv, hd = 2, 64
     k, v = _cache(nkv, hd, 448, dtype, device, storage=520)
-    q = _q(len(LONG_POS), nkv * g, hd, dtype, device, seed=23)
-    pos = torch.tensor(LONG_POS, device=device)
+    q, pos = _long_step(dtype, device, seed=23)
     batch = attention._launch(q, k, v, pos, _scale(hd), **LONG)
     for i in (0, 1, 2, 3, 7, 12, 14, 18):
         alone = attention._launch(q[i:i + 1], k, v, pos[i:i + 1], _scale(hd), **LONG)
