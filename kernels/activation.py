@@ -20,12 +20,14 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors
+from ._pdl import pdl_args, pdl_wait
 
 BLOCK_I = 1024  # columns per program
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -52,7 +54,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if t == 0 or inter == 0:
         return out
     _silu_mul_kernel[(t, triton.cdiv(inter, BLOCK_I))](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=BLOCK_I, num_warps=4,
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=BLOCK_I, num_warps=4, **pdl_args(gate_up),
     )
     return out
 

@@ -40,13 +40,15 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from ._pdl import pdl_args, pdl_wait
 
 MAX_BLOCK = 4096  # columns per tile: a 4096-column row (the embedded model's vocab) is one tile
 NO_INDEX = 2147483647  # int32 max (spelled out in the kernel): above every column, as V < 2^31 - MAX_BLOCK
 
 
 @triton.jit
-def _row_argmax_kernel(x_ptr, out_ptr, V, stride_x, stride_out, BLOCK: tl.constexpr):
+def _row_argmax_kernel(x_ptr, out_ptr, V, stride_x, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     src = x_ptr + row * stride_x
     offs = tl.arange(0, BLOCK)
@@ -94,7 +96,7 @@ def row_argmax(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
         return out
     block = min(MAX_BLOCK, next_pow2(V))
     _row_argmax_kernel[(rows,)](
-        x, out, V, x.stride(0), out.stride(0), BLOCK=block, num_warps=max(1, min(8, block // 256)),
+        x, out, V, x.stride(0), out.stride(0), BLOCK=block, num_warps=max(1, min(8, block // 256)), **pdl_args(x),
     )
     return out
 

@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, interpreting, next_pow2
+from ._pdl import pdl_args, pdl_wait
 
 
 @dataclass(frozen=True)
@@ -204,11 +205,12 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
                   qk_scale, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, long_from,
                   G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LEVELS: tl.constexpr,
-                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """Partial attention of BLOCK_M folded (row, head) pairs of one KV head: program `prog`
     starts at key prog * SPLIT and takes, for each row whose split starts there (its split size
     divides the start), the keys of that split up to the row's position. A row's split size
     depends on its position only (`_row_split`); its partial goes to unit `prog`."""
+    pdl_wait(PDL)
     tile = tl.program_id(0)
     prog = tl.program_id(1)
     kv_head = tl.program_id(2).to(tl.int64)
@@ -278,7 +280,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
 def _combine_kernel(acc_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, gate_ptr, n_splits, stride_out, stride_gate,
                     long_from, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
                     SPLIT: tl.constexpr, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
-                    GATED: tl.constexpr = False):
+                    GATED: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[row, head] = log-sum-exp merge of the row's valid splits 0..pos // row_split, of
     row_split = `_row_split(pos)` keys each: every (row_split // SPLIT)-th partial unit.
 
@@ -288,6 +290,7 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, gate_ptr, n_splits,
     the CHUNK lanes. Lanes past the row's last valid split contribute exact zeros (weight
     exp2(-inf) = 0), so the result depends on pos, never on n_splits (i.e. on S).
     """
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_c = tl.arange(0, CHUNK)
@@ -382,13 +385,13 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             qc.stride(0), qc.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), long_from,
             G=g, NH=nh, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, LEVELS=levels,
-            DOT_F32=dot_f32, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+            DOT_F32=dot_f32, PRECISION=precision, num_warps=num_warps, num_stages=num_stages, **pdl_args(qc),
         )
         gc = oc if gate is None else gate[r0:r0 + rows]
         _combine_kernel[(rows, nh)](
             acc, m, l, pc, oc, gc, n_splits, oc.stride(0), gc.stride(0), long_from,
             NH=nh, HD=hd, BLOCK_D=block_d,
-            SPLIT=split, LEVELS=levels, CHUNK=COMBINE_CHUNK, GATED=gate is not None, num_warps=4,
+            SPLIT=split, LEVELS=levels, CHUNK=COMBINE_CHUNK, GATED=gate is not None, num_warps=4, **pdl_args(acc),
         )
     return out
 

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from ._pdl import pdl_args, pdl_wait
 
 BLOCK_C = 256  # conv channels per program
 # The recurrence's tile, measured on the H200 at Qwen3.5-4B's DeltaNet (32 value heads, 128 x 128,
@@ -87,7 +88,8 @@ def _conv_silu_cols(win_ptr, x_ptr, w_ptr, out_ptr, fw_ptr, r, offs, mask, fw_ma
 
 @triton.jit
 def _conv_silu_kernel(win_ptr, x_ptr, w_ptr, out_ptr, C, stride_win, stride_x, stride_out,
-                      K: tl.constexpr, BLOCK: tl.constexpr):
+                      K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < C
@@ -112,7 +114,7 @@ def causal_conv_silu(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> 
     if t == 0:
         return out
     _conv_silu_kernel[(t, triton.cdiv(c, BLOCK_C))](
-        window, x, w, out, c, window.stride(0), x.stride(0), out.stride(0), K=k, BLOCK=BLOCK_C, num_warps=4)
+        window, x, w, out, c, window.stride(0), x.stride(0), out.stride(0), K=k, BLOCK=BLOCK_C, num_warps=4, **pdl_args(window))
     return out
 
 
@@ -159,12 +161,13 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
                 t, ratio, write_final, write_stash, write_out, row0, ring, layer_qkv, layer_gb,
                 stride_qkv, stride_g, stride_beta, sqrt_dk, eps,
                 HV: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                BLOCK_V: tl.constexpr, LATE_PREP: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr = False):
+                BLOCK_V: tl.constexpr, LATE_PREP: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr = False, PDL: tl.constexpr = False):
     # program (layer * HV + head, value block); row r of the step reads input row (row0 + r) % ring
     # of its layer (layer_qkv / layer_gb: the layer strides of the inputs; states are contiguous
     # [layers, HV, DK, DV]). One compiled kernel serves the step (1 layer, rows 0..t-1) and the
     # batched replay over a ring (every layer, rows from the record's base): same per-row code,
     # so the same bits.
+    pdl_wait(PDL)
     if ROWS_ON_DEVICE:  # (row0, t) from the int32 pair at idx_ptr: a graphed replay's inputs
         row0 = tl.load(idx_ptr)
         t = tl.load(idx_ptr + 1)
@@ -247,7 +250,7 @@ def gated_delta_rule(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, sta
         g if stash_idx is None else stash_idx,
         t, hv // n_k_heads, int(final is not None), int(stash is not None), 1, 0, max(t, 1), 0, 0,
         qkv.stride(0), g.stride(0), beta.stride(0), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, num_warps=REC_WARPS)
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, num_warps=REC_WARPS, **pdl_args(qkv))
     return out
 
 
@@ -288,7 +291,7 @@ def gated_delta_rule_layers(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tens
         qkv, g, beta, state, state, final, state, g,
         rows, hv // n_k_heads, 1, 0, 0, row0 % ring, ring, qkv.stride(0), g.stride(0),
         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, num_warps=REC_WARPS)
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, num_warps=REC_WARPS, **pdl_args(qkv))
 
 
 def gated_delta_replay_dev(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
@@ -310,14 +313,15 @@ def gated_delta_replay_dev(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tenso
         0, hv // n_k_heads, 1, 0, 0, 0, ring, qkv.stride(0), g.stride(0),
         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
         HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, ROWS_ON_DEVICE=True,
-        num_warps=REC_WARPS)
+        num_warps=REC_WARPS, **pdl_args(qkv))
 
 
 @triton.jit
 def _ring_window_kernel(base_ptr, xs_ptr, params_ptr, out_ptr, C, ring, layer_base, layer_xs, layer_out,
-                        stride_base, stride_xs, stride_out, K1: tl.constexpr, BLOCK: tl.constexpr):
+                        stride_base, stride_xs, stride_out, K1: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (layer, window row j, column block): row j of the last K1 rows of
     [base (K1 rows); ring rows row0 .. row0+rows-1]."""
+    pdl_wait(PDL)
     layer = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -356,7 +360,7 @@ def ring_window(base: torch.Tensor, xs: torch.Tensor, params: torch.Tensor, out:
         return
     _ring_window_kernel[(n, k1, triton.cdiv(c, BLOCK_C))](
         base, xs, params, out, c, xs.shape[1], base.stride(0), xs.stride(0), out.stride(0),
-        base.stride(1), xs.stride(1), out.stride(1), K1=k1, BLOCK=BLOCK_C, num_warps=4)
+        base.stride(1), xs.stride(1), out.stride(1), K1=k1, BLOCK=BLOCK_C, num_warps=4, **pdl_args(base))
 
 
 def ring_window_ref(base: torch.Tensor, xs: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:

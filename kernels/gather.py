@@ -31,12 +31,14 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_tensors, next_pow2
+from ._pdl import pdl_args, pdl_wait
 
 MAX_BLOCK = 4096  # columns per loop step
 
 
 @triton.jit
-def _embed_kernel(ids_ptr, w_ptr, out_ptr, H, stride_w, stride_out, BLOCK: tl.constexpr):
+def _embed_kernel(ids_ptr, w_ptr, out_ptr, H, stride_w, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     tok = tl.load(ids_ptr + row).to(tl.int64)
     for c0 in range(0, H, BLOCK):
@@ -61,7 +63,7 @@ def embed_rows(ids: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
     check_tensors(ids, weight, out)
     if n:
         _embed_kernel[(n,)](ids, weight, out, H, weight.stride(0), out.stride(0),
-                            BLOCK=min(MAX_BLOCK, next_pow2(H)), num_warps=4)
+                            BLOCK=min(MAX_BLOCK, next_pow2(H)), num_warps=4, **pdl_args(ids))
     return out
 
 
@@ -71,7 +73,8 @@ def embed_rows_ref(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _confidence_kernel(h_ptr, w_ptr, b_ptr, prev_ptr, w1_ptr, out_ptr, H, R, stride_h, stride_w1,
-                       WITH_MARKOV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+                       WITH_MARKOV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     acc = tl.zeros((BLOCK_H,), tl.float32)
     for c0 in range(0, H, BLOCK_H):
@@ -118,7 +121,7 @@ def confidence_raw(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, prev:
         _confidence_kernel[(n,)](hidden, w, b, prev if prev is not None else b, w1 if w1 is not None else w, out,
                                  H, R, hidden.stride(0), w1.stride(0) if w1 is not None else 0,
                                  WITH_MARKOV=w1 is not None, BLOCK_H=min(MAX_BLOCK, next_pow2(H)),
-                                 BLOCK_R=min(MAX_BLOCK, next_pow2(max(R, 1))), num_warps=4)
+                                 BLOCK_R=min(MAX_BLOCK, next_pow2(max(R, 1))), num_warps=4, **pdl_args(hidden))
     return out
 
 
@@ -132,7 +135,8 @@ def confidence_raw_ref(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, p
 
 
 @triton.jit
-def _pack_kernel(a_ptr, b_ptr, c_ptr, out_ptr, NA, NB, NC, BLOCK: tl.constexpr):
+def _pack_kernel(a_ptr, b_ptr, c_ptr, out_ptr, NA, NB, NC, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i = tl.arange(0, BLOCK)
     a = tl.load(a_ptr + i, mask=i < NA, other=0).to(tl.float64)
     tl.store(out_ptr + i, a, mask=i < NA)
@@ -155,7 +159,7 @@ def pack_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None 
     na, nb, nc = cand.shape[0], sel.shape[0], 0 if raws is None else raws.shape[0]
     out = torch.empty(na + nb + nc, dtype=torch.float64, device=cand.device)
     _pack_kernel[(1,)](cand, sel, raws if raws is not None else cand, out, na, nb, nc,
-                       BLOCK=next_pow2(max(na, nb, nc, 1)), num_warps=1)
+                       BLOCK=next_pow2(max(na, nb, nc, 1)), num_warps=1, **pdl_args(cand))
     return out
 
 

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_tensors, next_pow2
+from ._pdl import pdl_args, pdl_wait
 
 BLOCK_V = 128  # vocabulary rows of w2 per program
 BLOCK_R = 64  # columns of w2 per loop step
@@ -64,9 +65,10 @@ def _reduce_prev(val_ptr, idx_ptr, n_parts, BLOCK_P: tl.constexpr):
 def _markov_slot_kernel(logits_ptr, w1_ptr, w2_ptr, anchor_ptr, val_ptr, idx_ptr, out_ptr,
                         slot, V, R, n_parts, stride_logits, stride_w1, stride_w2,
                         COMPUTE: tl.constexpr, FIRST: tl.constexpr, REDUCE_ONLY: tl.constexpr,
-                        BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+                        BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PDL: tl.constexpr = False):
     """Slot `slot` over this program's BLOCK_V vocabulary rows; `slot == n` (REDUCE_ONLY)
     only writes the last slot's token. Workspace `val/idx [n, BLOCK_P]`, tokens `out [n]`."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     if FIRST:
         prev = tl.load(anchor_ptr).to(tl.int32)
@@ -97,9 +99,10 @@ def _markov_slot_kernel(logits_ptr, w1_ptr, w2_ptr, anchor_ptr, val_ptr, idx_ptr
 
 @triton.jit
 def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
-                         stride_logits, stride_table, BLOCK: tl.constexpr):
+                         stride_logits, stride_table, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """The whole chain in one program: slot k's scores are `logits[k] + table[prev]` (the table
     already rounded to the compute dtype), its pick the first index of their maximum."""
+    pdl_wait(PDL)
     prev = tl.load(anchor_ptr).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     for k in range(0, n):
@@ -163,7 +166,7 @@ def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w
                              f"got {table.dtype} {tuple(table.shape)}")
         check_tensors(logits, table)
         _markov_table_kernel[(1,)](logits, table, anchor.reshape(1), out, n, V, logits.stride(0), table.stride(0),
-                                   BLOCK=min(TABLE_BLOCK, next_pow2(V)), num_warps=8)
+                                   BLOCK=min(TABLE_BLOCK, next_pow2(V)), num_warps=8, **pdl_args(logits))
         return out
     parts = triton.cdiv(V, BLOCK_V)
     block_p = max(16, next_pow2(parts))
@@ -177,7 +180,7 @@ def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w
             logits, w1, w2, anchor, vals, idxs, out, slot, V, R, parts,
             logits.stride(0), w1.stride(0), w2.stride(0),
             COMPUTE=_COMPUTE[dtype], FIRST=slot == 0, REDUCE_ONLY=last,
-            BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, BLOCK_P=block_p, num_warps=4,
+            BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, BLOCK_P=block_p, num_warps=4, **pdl_args(logits),
         )
     return out
 

@@ -28,14 +28,16 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from ._pdl import pdl_args, pdl_wait
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, stride_res,
                      stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
-                     ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr):
+                     ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """One row: [res_out = x + res]; out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), or with
     ZERO_CENTRED (w is float32 1 + w) out = (x * rsqrt(mean(x^2) + eps) * w) rounded once."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < d
@@ -86,7 +88,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x, res_in, weight, out, res_o, d, x.stride(0), res_in.stride(0), out.stride(0),
         res_o.stride(0), float(eps), HAS_RESIDUAL=residual is not None, ZERO_CENTRED=zero_centred,
         BLOCK_D=block_d,
-        num_warps=_num_warps(block_d),
+        num_warps=_num_warps(block_d), **pdl_args(x),
     )
     return out, res_out
 

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from ._pdl import pdl_args, pdl_wait
 from .deltanet import BLOCK_C, _conv_silu_cols, causal_conv_silu_ref
 from .norm import rms_norm_1p_ref
 from .rope import _rope_ref
@@ -63,8 +64,9 @@ BLOCK_COLS = 1024  # columns per program of the elementwise kernels
 def _gated_qk_kernel(qgkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr,
                      v_cache_ptr, stride_qgkv, stride_cos, stride_sin, stride_q_t, stride_q_h,
                      stride_kc_h, stride_kc_s, stride_vc_h, stride_vc_s, n_heads, n_kv, eps,
-                     HD: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+                     HD: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, head): heads [0, nh) are query heads, [nh, nh + nkv) the k/v heads."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -154,14 +156,15 @@ def gated_qk_norm_rope_kv_write(qgkv: torch.Tensor, q_norm: torch.Tensor, k_norm
         qgkv, q_norm, k_norm, cos, sin, positions, q, k_cache, v_cache,
         qgkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        n_heads, n_kv, float(eps), HD=hd, R=cos.shape[-1], BLOCK=block, num_warps=1 if block <= 128 else 2,
+        n_heads, n_kv, float(eps), HD=hd, R=cos.shape[-1], BLOCK=block, num_warps=1 if block <= 128 else 2, **pdl_args(qgkv),
     )
     return q
 
 
 @triton.jit
 def _output_gate_kernel(out_ptr, qgkv_ptr, res_ptr, width, stride_out, stride_qgkv, stride_res,
-                        HD: tl.constexpr, BLOCK: tl.constexpr):
+                        HD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < width
@@ -191,7 +194,7 @@ def output_gate(out: torch.Tensor, qgkv: torch.Tensor, n_heads: int) -> torch.Te
         return res
     _output_gate_kernel[(t, triton.cdiv(width, BLOCK_COLS))](
         out, qgkv, res, width, out.stride(0), qgkv.stride(0), res.stride(0),
-        HD=width // n_heads, BLOCK=BLOCK_COLS, num_warps=4)
+        HD=width // n_heads, BLOCK=BLOCK_COLS, num_warps=4, **pdl_args(out))
     return res
 
 
@@ -229,8 +232,9 @@ def _gdn_gates_kernel(ba_ptr, a_neg_ptr, dt_bias_ptr, g_ptr, beta_ptr, idx_ptr, 
                       conv_ptr, qkv_ring_ptr, g_ring_ptr, beta_ring_ptr, hv, C, stride_ba,
                       stride_g, stride_beta, stride_mixed, stride_xs, stride_conv, stride_qkv_ring,
                       stride_g_ring, stride_beta_ring, threshold, RECORD: tl.constexpr,
-                      REPLAY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+                      REPLAY: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, column block): block 0 also computes the row's gates."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     slot = tl.load(idx_ptr + row).to(tl.int64) if RECORD else row  # the row's ring slot
@@ -305,7 +309,7 @@ def gdn_gates(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
         ba, a_neg, dt_bias, g, beta, idx, mixed_, xs, conv_, qkv_ring_, g_ring, beta_ring, hv, c,
         ba.stride(0), g.stride(0), beta.stride(0), mixed_.stride(0), xs.stride(0), conv_.stride(0),
         qkv_ring_.stride(0), g_ring.stride(0), beta_ring.stride(0), SOFTPLUS_THRESHOLD,
-        RECORD=record, REPLAY=replay is not None, BLOCK_H=next_pow2(hv), BLOCK=BLOCK_COLS, num_warps=4)
+        RECORD=record, REPLAY=replay is not None, BLOCK_H=next_pow2(hv), BLOCK=BLOCK_COLS, num_warps=4, **pdl_args(ba))
     return g, beta
 
 
@@ -315,10 +319,11 @@ def _gdn_conv_gates_kernel(win_ptr, x_ptr, w_ptr, out_ptr, fw_ptr, ba_ptr, a_neg
                            stride_out, stride_fw, stride_ba, stride_g, stride_beta, stride_xs, stride_qkv_ring,
                            stride_g_ring, stride_beta_ring, threshold, K: tl.constexpr, BLOCK: tl.constexpr,
                            BLOCK_H: tl.constexpr, RECORD: tl.constexpr, REPLAY: tl.constexpr,
-                           FINAL: tl.constexpr):
+                           FINAL: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, block): blocks [0, n) each run the conv over BLOCK columns of the row (and
     record its inputs / outputs, and for the last row the final window, from what they loaded);
     block n (the last) computes the row's gates, beside them rather than after a conv block."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     slot = tl.load(idx_ptr + row).to(tl.int64) if RECORD else row  # the row's ring slot
@@ -418,14 +423,15 @@ def gdn_conv_gates(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tens
         window.stride(0), mixed.stride(0), conv.stride(0), fw.stride(0), ba.stride(0), g.stride(0), beta.stride(0),
         xs.stride(0), qkv_ring.stride(0), g_ring.stride(0), beta_ring.stride(0), SOFTPLUS_THRESHOLD,
         K=k, BLOCK=BLOCK_C, BLOCK_H=next_pow2(hv), RECORD=record, REPLAY=replay,
-        FINAL=final_window is not None, num_warps=4)
+        FINAL=final_window is not None, num_warps=4, **pdl_args(window))
     return conv, g, beta
 
 
 @triton.jit
 def _gated_norm_kernel(core_ptr, z_ptr, w_ptr, out_ptr, stride_core_t, stride_core_h, stride_z,
-                       stride_out, eps, DV: tl.constexpr, BLOCK: tl.constexpr):
+                       stride_out, eps, DV: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, value head)."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -457,7 +463,7 @@ def gated_rms_norm(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: fl
         return out
     block = next_pow2(dv)
     _gated_norm_kernel[(t, hv)](core, z, w, out, core.stride(0), core.stride(1), z.stride(0), out.stride(0),
-                                float(eps), DV=dv, BLOCK=block, num_warps=1 if block <= 128 else 2)
+                                float(eps), DV=dv, BLOCK=block, num_warps=1 if block <= 128 else 2, **pdl_args(core))
     return out
 
 

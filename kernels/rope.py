@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from ._pdl import pdl_args, pdl_wait
 
 
 @triton.jit
@@ -61,8 +62,9 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr
                             k_cache_ptr, v_cache_ptr, stride_qkv, stride_cos, stride_sin,
                             stride_q_out_t, stride_q_out_h, stride_kc_h, stride_kc_s,
                             stride_vc_h, stride_vc_s, n_heads, n_kv, eps,
-                            HD: tl.constexpr, HALF_BLOCK: tl.constexpr):
+                            HD: tl.constexpr, HALF_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, head): heads [0, nh) are q heads, [nh, nh + nkv) the k/v heads."""
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = HD // 2
@@ -137,7 +139,7 @@ def qk_norm_rope_kv_write(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: t
         qkv, q_norm_w, k_norm_w, cos, sin, positions, q, k_cache, v_cache,
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        n_heads, n_kv, float(eps), HD=hd, HALF_BLOCK=next_pow2(hd // 2), num_warps=1,
+        n_heads, n_kv, float(eps), HD=hd, HALF_BLOCK=next_pow2(hd // 2), num_warps=1, **pdl_args(qkv),
     )
     return q
 

@@ -39,12 +39,14 @@ from memra_cli.engine.spec.settle import KINDS, check_settle
 from memra_cli.engine.spec.settle import settle_round as settle_round_ref  # the torch twin
 
 from ._common import check_tensors, next_pow2
+from ._pdl import pdl_args, pdl_wait
 
 
 @triton.jit
 def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, tau_ptr, out_ptr, cap,
                    W: tl.constexpr, ND: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
-                   ADAPT: tl.constexpr):
+                   ADAPT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     offs = tl.arange(0, BLOCK)
     in_w = offs < W
     cand = tl.load(cand_ptr + offs, mask=in_w, other=0)
@@ -103,5 +105,5 @@ def settle_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | Non
     w = cand.shape[0]
     out = torch.empty(2 * w + nd + 2, dtype=torch.float64, device=cand.device)
     _settle_kernel[(1,)](cand, sel, raws if raws is not None else out, inputs, tau if tau is not None else out,
-                         out, cap, W=w, ND=nd, BLOCK=next_pow2(w), KIND=KINDS[kind], ADAPT=bool(adapt), num_warps=1)
+                         out, cap, W=w, ND=nd, BLOCK=next_pow2(w), KIND=KINDS[kind], ADAPT=bool(adapt), num_warps=1, **pdl_args(cand))
     return out

@@ -103,6 +103,15 @@ class Report:
             self.path.write_text(json.dumps(self.data, indent=2))
 
 
+def pdl_on(dev: torch.device) -> bool:
+    """Whether the kernels launch with programmatic dependent launch here (memra_kernels._pdl)."""
+    if dev.type != "cuda":
+        return False
+    from memra_kernels import _pdl
+
+    return _pdl.enabled(dev)
+
+
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -344,7 +353,11 @@ def main() -> None:
                    "kernel at head_dim 256 (a sweep's candidate, e.g. step_profile.py's best_hd256; the "
                    "engine's is memra_kernels.attention.TILES[256])")
     p.add_argument("--skip-transformers", action="store_true", help="leave out the transformers section")
+    p.add_argument("--no-pdl", action="store_true", help="launch the kernels in plain stream order (MEMRA_PDL=0) "
+                   "instead of with programmatic dependent launch (the default on sm_90+)")
     a = p.parse_args()
+    if a.no_pdl:
+        os.environ["MEMRA_PDL"] = "0"
     if a.gdn_tile:
         from memra_kernels import deltanet as _gdn
         try:
@@ -377,7 +390,7 @@ def main() -> None:
         k: v for k, v in shape.items() if k != "layer_types"}, "layer_types": list(shape["layer_types"]),
         "dtype": str(dtype), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "step_width": W, "torch": torch.__version__, "gdn_tile": a.gdn_tile or "module constants",
-        "attn_tile_hd256": a.attn_tile or "module table",
+        "attn_tile_hd256": a.attn_tile or "module table", "pdl": pdl_on(dev),
         "command": "python benchmarks/gpu/hybrid_step.py " + " ".join(sys.argv[1:])})
     t0 = time.perf_counter()
     if not (ckpt / "config.json").exists():

@@ -238,6 +238,7 @@ def main() -> None:
                  "command": "python benchmarks/gpu/target_step.py " + " ".join(sys.argv[1:])}
     from dataclasses import asdict
 
+    from memra_kernels import _pdl
     from memra_kernels import attention as _attn
 
     out["attention_tile_hd128"] = asdict(_attn.TILES[128])
@@ -250,8 +251,14 @@ def main() -> None:
         out["copy_gbps_measured"] = copies
         out["matmul_chain_ms"] = chain
         out["floor_ms"] = {str(c): chain + kv_bytes(target, c) / bw / 1e6 for c in contexts}
-        for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps())):
+        # "triton-nopdl": the shipped Triton ops with their launches in plain stream order
+        # (MEMRA_PDL=0 while its graphs capture), beside "triton" (PDL on, the default)
+        for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps()), ("triton-nopdl", TritonStepOps())):
             target.step_ops = ops
+            if name == "triton-nopdl":
+                os.environ[_pdl.ENV] = "0"
+            else:
+                os.environ.pop(_pdl.ENV, None)
             engine = Engine.from_model(target, step_width=W, cuda_graphs=True)
             plain, verify, peak = {}, {}, {}
             for c in contexts:
@@ -263,6 +270,10 @@ def main() -> None:
                          "kernels_per_step": kernels_per_step(Engine.from_model(target, step_width=W))}
             del engine
             torch.cuda.empty_cache()
+        os.environ.pop(_pdl.ENV, None)
+        out["pdl"] = _pdl.enabled(torch.device("cuda"))
+        out["pdl_plain_speedup"] = {c: out["triton-nopdl"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
+                                    for c in out["triton"]["plain_ms"]}
         # the headline keys: the shipped path (Triton ops)
         for k in ("plain_ms", "verify16_ms", "peak_gib", "kernels_per_step"):
             out[k] = out["triton"][k]

@@ -787,6 +787,36 @@ def test_cuda_pipelined_plain_equals_one_by_one(embedded_pair):
             assert all(c.read_upto == c.launched for c in _chains(eng, eng.step_width))
 
 
+@pytest.mark.gpu
+@cuda
+def test_cuda_pdl_launches_change_no_bit(embedded_pair, monkeypatch):
+    """Our kernels launched with programmatic dependent launch (kernels/_pdl.py, the default on
+    sm_90+) against plain launches (MEMRA_PDL=0), each captured into its own graphs: the same
+    plain and DSpark streams and the same accepted prefixes, bf16, whole-round graphs."""
+    from memra_kernels import _pdl
+
+    target_dir, drafts = embedded_pair
+    monkeypatch.delenv(_pdl.ENV, raising=False)
+    if not _pdl.enabled(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    runs = {}
+    for pdl in ("1", "0"):
+        monkeypatch.setenv(_pdl.ENV, pdl)
+        model = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda")
+        engine = Engine.from_model(model, step_width=WIDTH, cuda_graphs=True, draft_graphs=True, round_graphs=True)
+        arm = engine.arm(ArmConfig(draft=drafts["dspark"], mode="dspark"))
+        out = []
+        for seed in range(3):
+            prompt = _ids(30 + 7 * seed, 70 + seed).tolist()
+            out.append(engine.session(prompt, 96, eos_ids=()).run())
+            out.append(engine.fastest_plain().session(prompt, 96, eos_ids=()).run())
+            s = engine.session(prompt, 96, arm, eos_ids=())
+            out += [s.run(), dict(s.stats.accept_hist)]
+        runs[pdl] = out
+    assert runs["1"] == runs["0"]
+    assert runs["1"][0] == runs["1"][2]  # and speculative == plain greedy
+
+
 def test_a_round_graph_keeps_what_its_body_closes_over(eager_graphs):
     """A real CUDA graph keeps no Python reference to the tensors its body reads (here a
     constant row index), so the RoundGraph must: dropped, their memory would be reused under

@@ -261,6 +261,15 @@ for _dt in DTYPES:
     _case(f"quant_linear-scale_after-{_dt}", _quant_scale_after, _dt, 2.2 if _f32 else 0.7)
 _case("pack_round", _pack_round, None, 0.2)
 _case("settle_round", _settle, None, 0.4)
+_case("pack_round-pdl", _pack_round, None, 0.2)
+_case("settle_round-pdl", _settle, None, 0.4)
+
+
+def _pdl_on(case: str) -> bool:
+    """Programmatic dependent launch (kernels/_pdl.py) for a case: on for the bf16 cases (the
+    GPU's dtype, and PDL is on by default there) and the `-pdl` twins, off for the f32 ones, so
+    every kernel compiles its `PDL` flag both ways."""
+    return case.endswith("-bf16") or case.endswith("-pdl")
 
 
 # --------------------------------------------------------------------------------------------
@@ -295,6 +304,7 @@ def _sm90_driver(records):
                 "num_warps": metadata.num_warps,
                 "num_stages": metadata.num_stages,
                 "shared": metadata.shared,
+                "launch_pdl": bool(getattr(metadata, "launch_pdl", False)),
             }
 
         def __call__(self, *args, **kwargs):
@@ -391,7 +401,7 @@ def _jit_functions(pkg):
 
     out = {}
     for path in sorted(KERNELS.glob("*.py")):
-        if path.stem == "__init__":
+        if path.stem.startswith("_"):  # __init__ and the shared helpers (_pdl's pdl_wait), no launches
             continue
         mod = getattr(pkg, path.stem)
         src = path.read_text()
@@ -461,6 +471,7 @@ def _worker(out_path, names):
     result = {"cases": {}, "jit": _jit_functions(pkg), "constants": _constants(pkg)}
     for name in names:
         fn, arg, _ = CASES[name]
+        pkg._pdl.enabled = lambda device, on=_pdl_on(name): on  # what pdl_args consults
         ctx = _Ctx(torch, pkg, records)
         start, first = time.perf_counter(), len(records)
         try:
@@ -585,6 +596,19 @@ def test_every_flag_both_ways(compiled):
     for (kernel, flag), seen in sorted(values.items()):
         want = {False} if flag in INTERPRETER_ONLY else {False, True}
         assert seen == want, f"{kernel}.{flag}: compiled {sorted(seen)}, want {sorted(want)}"
+
+
+def test_pdl_launch_matches_wait(compiled):
+    """Every launched kernel has the `PDL` flag, and a kernel launched with the PDL attribute is
+    the variant that waits for the previous kernel (PDL True) and the other way round: a PDL
+    launch of a kernel that does not wait could read what the previous kernel is still writing."""
+    _need_records(compiled)
+    records = _records(compiled)
+    assert {r["launch_pdl"] for r in records} == {False, True}
+    for r in records:
+        assert "PDL" in r["constexprs"], f"{r['kernel']} has no PDL flag"
+        assert r["constexprs"]["PDL"] is r["launch_pdl"], \
+            f"{r['kernel']}: launch_pdl={r['launch_pdl']} but PDL={r['constexprs']['PDL']}"
 
 
 def _dtype_of(record, arg):

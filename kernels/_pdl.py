@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (PDL): a kernel's launch overlaps the end of the one before it.
+
+On sm_90+ a kernel launched with CUDA's programmatic-stream-serialization attribute may start
+while the previous kernel in its stream is still running; it must then wait (`griddepcontrol.wait`)
+before it touches memory that kernel wrote or reads. Every memra kernel that the wrappers launch
+with PDL waits first thing (`pdl_wait(PDL)` is its first statement), so the only thing that
+overlaps is the launch itself: block scheduling and argument set-up, a few microseconds per kernel
+in a decode step of hundreds of small kernels. The math and the bits are unchanged; the wait
+orders every access exactly as plain stream order does.
+
+Each kernel also signals `griddepcontrol.launch_dependents` right after its wait, so the next
+PDL-launched kernel may be scheduled as soon as every block of this one is running. Kernels that
+are not ours (cuBLAS, torch) are launched as usual and keep plain stream order on both sides.
+
+Off on the CPU, under Triton's interpreter, below sm_90, and with `MEMRA_PDL=0` (read at each
+launch, so a graph captured after changing it follows it).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import interpreting
+
+ENV = "MEMRA_PDL"
+_ON = {"PDL": True, "launch_pdl": True}
+_OFF: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL now."""
+    if device.type != "cuda" or interpreting() or os.environ.get(ENV, "1") == "0":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_args(x: torch.Tensor) -> dict:
+    """Launch keywords for a kernel whose tensors live where `x` does: `PDL=True` (the kernel's
+    wait) together with `launch_pdl=True` (the launch attribute), or nothing."""
+    return _ON if enabled(x.device) else _OFF
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """First statement of every launched kernel: with PDL, wait for the previous kernel to finish
+    and its writes to be visible, then let the next kernel's launch begin."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
