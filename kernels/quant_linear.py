@@ -316,7 +316,6 @@ def config_for(qtype: str, n: int, k: int) -> KernelConfig:
 # --------------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ._pdl import pdl_args, pdl_wait
 
     @triton.jit
     def _int8_to_f32(q):
@@ -513,7 +512,7 @@ if triton is not None:
         M, N, K, stride_xm, stride_om, SPLIT_K,
         Q4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT: tl.constexpr, SCALE_AFTER: tl.constexpr, SWAP: tl.constexpr,
-        EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr, PDL: tl.constexpr = False,
+        EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr,
     ):
         """out [M, N] = x [M, K] @ W.T for one (n tile, k split, m tile) per program.
 
@@ -522,7 +521,6 @@ if triton is not None:
         ws [SPLIT_K, M, N]; the last of a tile's programs to arrive (counted in cnt_ptr, which
         it resets to 0) sums the partials in split order and writes out.
         """
-        pdl_wait(PDL)
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -651,7 +649,10 @@ def _launch(x: torch.Tensor, packed: Packed, cfg: KernelConfig, out: torch.Tenso
         EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
         WIDEN=_INTERPRET and x.device.type != "cuda",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        # Launched in plain stream order, not with PDL (kernels/_pdl.py): a weight stream over
+        # many blocks measured slower with it on the H200 (q8_0 [24576, 4096] at M = 16: 38.6 ->
+        # 52.4 us; docs/perf.md), where the small kernels around it gain.
     )
 
 

@@ -34,6 +34,13 @@ def _launches(tree: ast.AST) -> list[ast.Call]:
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript) and isinstance(n.func.value, ast.Name)]
 
 
+# Kernels launched in plain stream order on purpose (never with PDL), and why: they must then
+# have no PDL flag and no pdl_args at their launches, so the choice is visible in one place.
+PLAIN_ORDER = {
+    "_quant_linear_kernel": "a weight stream over many blocks: slower with PDL on the H200 (docs/perf.md)",
+}
+
+
 def pdl_violations(source: str, module: str = "<src>") -> list[str]:
     """The PDL rule breaches of one kernel module's source (empty when it follows them)."""
     tree = ast.parse(source)
@@ -46,14 +53,22 @@ def pdl_violations(source: str, module: str = "<src>") -> list[str]:
             continue
         launched.add(name)
         starred = [k.value for k in call.keywords if k.arg is None]
-        if not any(isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "pdl_args"
-                   for v in starred):
+        has_args = any(isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "pdl_args"
+                       for v in starred)
+        if name in PLAIN_ORDER:
+            if has_args:
+                out.append(f"{module}:{call.lineno}: {name} is launched in plain order (PLAIN_ORDER) but passes pdl_args")
+        elif not has_args:
             out.append(f"{module}:{call.lineno}: launch of {name} without **pdl_args(...)")
         if any(k.arg in ("PDL", "launch_pdl") for k in call.keywords):
             out.append(f"{module}:{call.lineno}: launch of {name} sets PDL / launch_pdl by hand")
     for name in sorted(launched):
         fn = jits[name]
         params = {a.arg: a for a in fn.args.args}
+        if name in PLAIN_ORDER:
+            if "PDL" in params:
+                out.append(f"{module}: {name} is launched in plain order (PLAIN_ORDER) but has a PDL parameter")
+            continue
         if "PDL" not in params:
             out.append(f"{module}: {name} has no PDL parameter")
         body = fn.body
@@ -101,6 +116,14 @@ def test_planted_breaches_are_reported(plant, expect):
     assert broken != NORM, "the plant did not apply: update this test with norm.py"
     found = pdl_violations(broken, "norm.py")
     assert any(expect in v for v in found), found
+
+
+def test_a_plain_order_kernel_given_pdl_args_is_reported():
+    src = (KERNELS / "quant_linear.py").read_text()
+    broken = src.replace("num_warps=cfg.num_warps, num_stages=cfg.num_stages,",
+                         "num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x),", 1)
+    assert broken != src
+    assert any("PLAIN_ORDER" in v for v in pdl_violations(broken, "quant_linear.py"))
 
 
 def test_off_on_cpu_and_by_switch(monkeypatch):
