@@ -39,7 +39,10 @@ def _capable(index: int) -> bool:
 
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL now."""
-    if device.type != "cuda" or interpreting() or os.environ.get(ENV, "1") == "0":
+    raw = os.environ.get(ENV, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{ENV}={raw!r}: expected 0 or 1")
+    if device.type != "cuda" or interpreting() or raw == "0":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

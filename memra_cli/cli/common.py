@@ -52,6 +52,7 @@ SETTINGS = {s.name: s for s in (
     Setting("draft_graphs", None, "MEMRA_DRAFT_GRAPHS"),
     Setting("round_graphs", None, "MEMRA_ROUND_GRAPHS"),
     Setting("pipeline", None, "MEMRA_PIPELINE"),
+    Setting("pdl", None, "MEMRA_PDL"),
     # sampling (cli/sampling.py): flags only
     Setting("temperature", "--temperature", None),
     Setting("top_k", "--top-k", None),

@@ -64,6 +64,10 @@ def test_the_kernels_setting():
         select_step_ops(cpu, True, {})
     with pytest.raises(SettingError, match="expected 0 or 1"):
         select_step_ops(cpu, None, {"MEMRA_KERNELS": "yes"})
+    with pytest.raises(SettingError, match="expected 0 or 1") as err:
+        select_step_ops(cpu, None, {"MEMRA_PDL": "on"})
+    assert err.value.setting == "pdl"
+    assert select_step_ops(cpu, None, {"MEMRA_PDL": "0"})[0].name == "torch"
 
 
 @pytest.mark.parametrize("t,start,nh,nkv", [(5, 0, 4, 2), (7, 30, 8, 2), (1, 9, 4, 4), (16, 100, 4, 1)])

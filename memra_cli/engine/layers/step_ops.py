@@ -76,6 +76,7 @@ from memra_cli.engine.layers.rope import apply_partial_rope, apply_rope
 from memra_cli.engine.spec.settle import settle_round
 
 KERNELS_ENV = "MEMRA_KERNELS"
+PDL_ENV = "MEMRA_PDL"  # memra_kernels._pdl reads it at each launch; checked here so a bad value is refused up front
 
 
 class TorchStepOps:
@@ -349,6 +350,9 @@ def select_step_ops(device: torch.device, setting: bool | None = None, env: dict
     raw = env.get(KERNELS_ENV, "")
     if setting is None and raw not in ("", "0", "1"):
         raise SettingError("kernels", raw, "expected 0 or 1")
+    pdl_raw = env.get(PDL_ENV, "")
+    if pdl_raw not in ("", "0", "1"):
+        raise SettingError("pdl", pdl_raw, "expected 0 or 1")
     if setting is None and raw:
         setting = raw == "1"
     if setting is False:
@@ -363,5 +367,13 @@ def select_step_ops(device: torch.device, setting: bool | None = None, env: dict
         if setting:
             raise SettingError("kernels", True, f"memra_kernels cannot load ({exc})", quote=False) from None
         return TorchStepOps(), f"step ops: torch (memra_kernels unavailable: {exc})"
+    from memra_kernels import _pdl
+
+    if pdl_raw == "0":
+        launch = "launched in stream order (MEMRA_PDL=0)"
+    elif _pdl.enabled(device):
+        launch = "launches overlapped with programmatic dependent launch"
+    else:
+        launch = "launched in stream order (programmatic dependent launch needs sm_90+)"
     return ops, ("step ops: Triton kernels (fused norms, rope + KV write, live-length attention, DeltaNet conv, "
-                 "gates and recurrence, gated norm)")
+                 f"gates and recurrence, gated norm; {launch})")
