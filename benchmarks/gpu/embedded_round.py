@@ -78,7 +78,7 @@ def round_parts(engine: Engine, arm, prompt: list[int], reps: int) -> dict:
         if cand.shape[0] < width:
             cand = torch.cat([cand, cand[-1:].expand(width - cand.shape[0])])
         logits, holder["taps"] = target.static_step(cand, rows + start_t, cache, taps)
-        logits.argmax(dim=-1)
+        target.step_ops.argmax(logits)  # the round's own argmax (row_argmax with the kernels)
 
     def ingest():
         drafter.static_ingest(kv, holder["taps"], start_t)
