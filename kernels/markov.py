@@ -49,6 +49,7 @@ BLOCK_V = 128  # vocabulary rows of w2 per program
 BLOCK_R = 64  # columns of w2 per loop step
 TABLE_MAX_BYTES = 64 << 20  # the largest bias table built (the one-launch chain)
 TABLE_BLOCK = 4096  # vocabulary entries per loop step of the one-launch chain
+TABLE_WARPS = 8  # warps of the one-launch chain's program
 
 
 @triton.jit
@@ -89,7 +90,7 @@ def _markov_slot_kernel(logits_ptr, w1_ptr, w2_ptr, anchor_ptr, val_ptr, idx_ptr
                         mask=in_v[:, None] & in_r[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(b * a[None, :], axis=1)
         bias = acc.to(COMPUTE).to(tl.float32)  # the linear layer's output dtype
-        s = tl.load(logits_ptr + slot * stride_logits + rows, mask=in_v, other=0.0) + bias
+        s = tl.load(logits_ptr + slot * stride_logits + rows, mask=in_v, other=0.0).to(tl.float32) + bias
         s = tl.where(in_v, s, float("-inf"))
         best = tl.max(s, axis=0)
         first = tl.min(tl.where(s == best, rows, 2147483647), axis=0)
@@ -98,29 +99,53 @@ def _markov_slot_kernel(logits_ptr, w1_ptr, w2_ptr, anchor_ptr, val_ptr, idx_ptr
 
 
 @triton.jit
+def _first_max_key(s, idx):
+    """One int64 key per element whose maximum is the first index of the maximum score: the
+    float32 score's bits mapped to an order-preserving unsigned 32-bit value (negatives
+    flipped whole, positives with the sign bit set), shifted above `2^31 - 1 - idx`."""
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties +0.0 (as torch.argmax compares), so one bit pattern
+    u = s.to(tl.int32, bitcast=True)
+    ordered = tl.where(u < 0, ~u, u | -2147483648)  # as unsigned 32 bits: the float order
+    return ((ordered.to(tl.uint32, bitcast=True).to(tl.int64)) << 31) | (2147483647 - idx).to(tl.int64)
+
+
+@triton.jit
 def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
-                         stride_logits, stride_table, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                         stride_logits, stride_table, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """The whole chain in one program: slot k's scores are `logits[k] + table[prev]` (the table
-    already rounded to the compute dtype), its pick the first index of their maximum."""
+    already rounded to the compute dtype, the logits widened to float32), its pick the first
+    index of their maximum, found with one reduction over packed (score, index) keys. With
+    ONE_TILE (V <= BLOCK) slot k+1's logits are loaded while slot k waits on its table row:
+    they do not depend on the pick."""
     pdl_wait(PDL)
     prev = tl.load(anchor_ptr).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    for k in range(0, n):
-        best = tl.full((BLOCK,), float("-inf"), tl.float32)
-        first = tl.full((BLOCK,), 2147483647, tl.int32)
-        for v0 in range(0, V, BLOCK):
-            idx = v0 + cols
-            ok = idx < V
-            bias = tl.load(table_ptr + prev * stride_table + idx, mask=ok, other=0.0).to(tl.float32)
-            s = tl.load(logits_ptr + k * stride_logits + idx, mask=ok, other=0.0) + bias
-            s = tl.where(ok, s, float("-inf"))
-            better = s > best  # strictly: an earlier tile's equal maximum keeps its index
-            first = tl.where(better, idx, first)
-            best = tl.where(better, s, best)
-        top = tl.max(best, axis=0)
-        pick = tl.min(tl.where(best == top, first, 2147483647), axis=0)
-        tl.store(out_ptr + k, pick.to(tl.int64))
-        prev = pick.to(tl.int64)
+    if ONE_TILE:
+        ok = cols < V
+        lg = tl.load(logits_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        for k in range(0, n):
+            nxt = tl.minimum(k + 1, n - 1)  # the last slot reloads itself (in bounds, unused)
+            lg_next = tl.load(logits_ptr + nxt * stride_logits + cols, mask=ok, other=0.0).to(tl.float32)
+            bias = tl.load(table_ptr + prev * stride_table + cols, mask=ok, other=0.0).to(tl.float32)
+            key = _first_max_key(tl.where(ok, lg + bias, float("-inf")), cols)
+            pick = 2147483647 - (tl.max(key, axis=0) & 2147483647)
+            tl.store(out_ptr + k, pick)
+            prev = pick
+            lg = lg_next
+    else:
+        for k in range(0, n):
+            best = tl.full((BLOCK,), -9223372036854775807 - 1, tl.int64)
+            for v0 in range(0, V, BLOCK):
+                idx = v0 + cols
+                ok = idx < V
+                bias = tl.load(table_ptr + prev * stride_table + idx, mask=ok, other=0.0).to(tl.float32)
+                lg = tl.load(logits_ptr + k * stride_logits + idx, mask=ok, other=0.0).to(tl.float32)
+                key = _first_max_key(lg + bias, idx)
+                best = tl.maximum(best, tl.where(ok, key, best))
+            pick = 2147483647 - (tl.max(best, axis=0) & 2147483647)
+            tl.store(out_ptr + k, pick)
+            prev = pick
 
 
 _COMPUTE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -144,8 +169,8 @@ def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w
     starting at `anchor` (one int64 element). `w1 [V_in, r]`, `w2 [V, r]`, last axes contiguous.
     With `table` (`bias_table(w1, w2, dtype)`) the whole chain is one launch. No host sync:
     capturable in a CUDA graph."""
-    if logits.dim() != 2 or logits.dtype != torch.float32:
-        raise ValueError(f"logits must be float32 [n, V], got {logits.dtype} {tuple(logits.shape)}")
+    if logits.dim() != 2 or logits.dtype not in _COMPUTE:
+        raise ValueError(f"logits must be [n, V] float32, bfloat16 or float16, got {logits.dtype} {tuple(logits.shape)}")
     n, V = logits.shape
     if w2.dim() != 2 or w2.shape[0] != V or w1.dim() != 2 or w1.shape[1] != w2.shape[1]:
         raise ValueError(f"w1 [V_in, r] and w2 [V={V}, r] expected, got {tuple(w1.shape)} and {tuple(w2.shape)}")
@@ -165,8 +190,9 @@ def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w
             raise ValueError(f"table must be [{w1.shape[0]}, {V}] {dtype} with a contiguous last axis, "
                              f"got {table.dtype} {tuple(table.shape)}")
         check_tensors(logits, table)
+        block = min(TABLE_BLOCK, next_pow2(V))
         _markov_table_kernel[(1,)](logits, table, anchor.reshape(1), out, n, V, logits.stride(0), table.stride(0),
-                                   BLOCK=min(TABLE_BLOCK, next_pow2(V)), num_warps=8, **pdl_args(logits))
+                                   BLOCK=block, ONE_TILE=V <= block, num_warps=TABLE_WARPS, **pdl_args(logits))
         return out
     parts = triton.cdiv(V, BLOCK_V)
     block_p = max(16, next_pow2(parts))

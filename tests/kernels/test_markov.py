@@ -82,7 +82,7 @@ def test_refuses_bad_shapes(device):
     logits, anchor, w1, w2 = _inputs(2, 50, 8, 50, torch.float32, device)
     with pytest.raises(ValueError, match="w1 \\[V_in, r\\] and w2"):
         markov_chain(logits, anchor, w1, w2[:40], torch.float32)
-    with pytest.raises(ValueError, match="logits must be float32"):
+    with pytest.raises(ValueError, match="logits must be \\[n, V\\] float32, bfloat16 or float16"):
         markov_chain(logits.double(), anchor, w1, w2, torch.float32)
     assert markov_chain(logits[:0], anchor, w1, w2, torch.float32).shape == (0,)
 
@@ -147,3 +147,32 @@ def test_table_is_the_rounded_linear_and_refused_when_malformed(device):
         markov_chain(logits, anchor, w1[:40], w2, torch.bfloat16)
     big = torch.empty(151936, 8, dtype=torch.bfloat16, device="meta")
     assert table_fits(w1, w2, torch.bfloat16) and not table_fits(big, big, torch.bfloat16)
+
+
+@pytest.mark.parametrize("use_table", [True, False], ids=["table", "slots"])
+def test_model_dtype_logits_are_widened_exactly(use_table, device):
+    """bf16 logits (the lm_head's own output, before its float32 widening) give the chain of the
+    widened ones: the kernels widen what they load, exactly."""
+    n, V, r = 15, 700, 16
+    logits, anchor, w1, w2 = _inputs(n, V, r, V, torch.bfloat16, device, seed=11)
+    low = logits.to(torch.bfloat16)
+    table = bias_table(w1, w2, torch.bfloat16) if use_table else None
+    want = markov_chain_ref(low.float(), anchor, w1, w2, torch.bfloat16).tolist()
+    assert markov_chain(low, anchor, w1, w2, torch.bfloat16, table=table).tolist() == want
+    assert markov_chain(low.float(), anchor, w1, w2, torch.bfloat16, table=table).tolist() == want
+
+
+def test_table_chain_signed_zero_ties_go_to_the_first_index(device):
+    """A maximum of 0 reached as -0.0 (index 5: -0.0 logit + -0.0 bias) before +0.0 (index 9):
+    equal, so the first index, torch's rule, although the two bit patterns order differently."""
+    V, r = 64, 4
+    logits = torch.full((1, V), -1.0, device=device)
+    logits[0, 5], logits[0, 9] = -0.0, 0.0
+    table = torch.zeros(V, V, device=device)
+    table[:, 5] = -0.0
+    w1, w2 = torch.zeros(V, r, device=device), torch.zeros(V, r, device=device)  # shapes only: the table decides
+    anchor = torch.tensor([0], device=device)
+    scores = logits[0] + table[0]
+    assert torch.signbit(scores[5]) and not torch.signbit(scores[9])
+    assert torch.argmax(scores).item() == 5
+    assert markov_chain(logits, anchor, w1, w2, torch.float32, table=table).tolist() == [5]

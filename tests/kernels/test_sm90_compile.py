@@ -176,6 +176,11 @@ def _markov(ctx, dt):
     table = ctx.t(v, v, dtype=dt)  # bias_table's shape and dtype
     ctx.launch("markov_chain table", "_markov_table_kernel", mk.markov_chain, logits, anchor, w1, w2, ctx.dtype(dt),
                table=table)
+    ctx.launch("markov_chain table, model-dtype logits", "_markov_table_kernel", mk.markov_chain,
+               ctx.t(n, v, dtype=dt), anchor, w1, w2, ctx.dtype(dt), table=table)
+    vb = mk.TABLE_BLOCK + 64  # a vocabulary over one tile (ONE_TILE False)
+    ctx.launch("markov_chain table, two tiles", "_markov_table_kernel", mk.markov_chain, ctx.t(n, vb, dtype="f32"),
+               anchor, ctx.t(vb, r, dtype=dt), ctx.t(vb, r, dtype=dt), ctx.dtype(dt), table=ctx.t(vb, vb, dtype=dt))
 
 
 # Shapes quant_linear meets outside TUNED (its heuristic): the embedded pair's projections

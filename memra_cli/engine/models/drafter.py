@@ -448,7 +448,8 @@ class Drafter:
         return self.conf_w is not None
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, pick=None) -> torch.Tensor:
-        """Greedy semi-autoregressive chain over `logits [n, V]` (float32): slot k's logits get
+        """Greedy semi-autoregressive chain over `logits [n, V]` (float32, or the model dtype:
+        widened exactly where they are added to the bias): slot k's logits get
         `w2 · w1[prev]`, prev starting at `anchor` (0-d or [1] long) and then each chosen token.
         Returns tokens `[n]` on the device (no host sync). `pick(k, scores [1, V]) -> [1]`
         chooses instead of argmax (a sampler's drafting: spec/keyed.py `Drafting.pick`)."""

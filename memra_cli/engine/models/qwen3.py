@@ -293,7 +293,12 @@ class Qwen3Target(TargetBase):
         The matmul runs in the model dtype (as HF's lm_head) and is widened afterwards, so bf16
         logits, and hence argmax ties, are exactly HF's.
         """
-        return F.linear(hidden, self._lm_head).float()
+        return self.lm_head(hidden).float()
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`logits` before the widening: `[t, vocab]` in the model dtype (widening it to float32
+        is exact, so a consumer that widens as it reads sees the same numbers)."""
+        return F.linear(hidden, self._lm_head)
 
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                     taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

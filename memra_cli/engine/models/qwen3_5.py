@@ -719,7 +719,11 @@ class Qwen35Target(TargetBase):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[t, vocab]` float32 logits (matmul in the model dtype, widened after, as HF)."""
-        return F.linear(hidden, self._lm_head).float()
+        return self.lm_head(hidden).float()
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`logits` before the widening: `[t, vocab]` in the model dtype."""
+        return F.linear(hidden, self._lm_head)
 
     def forward(self, ids: torch.Tensor, start: int, state: Qwen35State,
                 taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

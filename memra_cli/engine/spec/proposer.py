@@ -158,7 +158,12 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last
     `drafting` (temperature > 0) picks draft k with the noise keyed to position `start + k`
     (0-d device tensor), the target row that judges it."""
     rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
-    logits = target.logits(rows)
+    if p.markov and not hasattr(sampler, "drafting"):
+        # The greedy chain widens the lm_head's model-dtype output as it reads it (exactly), so
+        # the float32 copy of the logits is never written: one launch less a round.
+        logits = target.lm_head(rows)
+    else:
+        logits = target.logits(rows)
     drafting = None
     if hasattr(sampler, "drafting"):
         drafting = sampler.drafting(start + torch.arange(p.n_drafts, device=logits.device), logits.shape[-1])
