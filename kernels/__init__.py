@@ -17,6 +17,9 @@ or on the storage size, so fixed-width steps stay bit-exact.
 - `argmax`: a greedy round's argmax over each row of its logits, one program per row
 - `gather`: embedding rows, and DSpark's confidence head, one program per row
 
+Every launched kernel except quant_linear's starts with `_pdl.pdl_wait(PDL)` and is launched with
+`**_pdl.pdl_args(x)`: programmatic dependent launch on sm_90+ (`MEMRA_PDL=0` turns it off).
+
 Modules import triton at the top: import them only where a kernel will run (the engine's layer
 seam does, for CUDA tensors); the CPU runtime never needs triton.
 """
