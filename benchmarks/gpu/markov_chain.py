@@ -1,7 +1,7 @@
 """The one-launch markov chain (memra_kernels.markov, the table path) on the embedded DSpark
 drafter's shape: 15 slots over a 4096-token vocabulary, bf16 table, logits in bf16 (the
 lm_head's output, as a greedy round passes them) and float32. Times each TABLE_WARPS candidate
-as a CUDA graph of 20 chained launches (median of 30 replays, events), after checking its
+as a CUDA graph of 20 chained launches (kernels_target.py's `bench_graph`), after checking its
 tokens against the torch twin.
 
     python benchmarks/gpu/markov_chain.py --json $OUT/h200-markov-chain.json
@@ -20,24 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from memra_kernels import markov  # noqa: E402
 
-
-def graph_us(fn, reps: int = 30, inner: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / inner)
-    times.sort()
-    return times[len(times) // 2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels_target import bench_graph  # noqa: E402  (its graph timing: ms per call, median)
 
 
 def main() -> None:
@@ -59,7 +43,8 @@ def main() -> None:
         markov.TABLE_WARPS = warps
         for name, lg in (("bf16", logits.to(torch.bfloat16)), ("f32", logits.to(torch.bfloat16).float())):
             got = markov.markov_chain(lg, anchor, w1, w2, torch.bfloat16, table=table).tolist()
-            us = graph_us(lambda: markov.markov_chain(lg, anchor, w1, w2, torch.bfloat16, table=table))
+            us = 1e3 * bench_graph([lambda: markov.markov_chain(lg, anchor, w1, w2, torch.bfloat16, table=table)] * 20,
+                                   reps=30)
             out["us"][f"warps{warps}_{name}"] = {"us": round(us, 2), "exact": got == ref}
             print(f"warps {warps:2d} logits {name}: {us:6.2f} us  exact {got == ref}", flush=True)
     markov.TABLE_WARPS = saved

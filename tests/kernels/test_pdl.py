@@ -132,6 +132,10 @@ def test_off_on_cpu_and_by_switch(monkeypatch):
     assert _pdl.pdl_args(torch.zeros(1)) == {}
     monkeypatch.setenv(_pdl.ENV, "0")
     assert not _pdl.enabled(torch.device("cpu"))
+    monkeypatch.setenv(_pdl.ENV, "yes")
+    with pytest.raises(ValueError, match="MEMRA_PDL='yes': expected 0 or 1"):
+        _pdl.enabled(torch.device("cpu"))
+    monkeypatch.setenv(_pdl.ENV, "0")
     if torch.cuda.is_available():
         assert _pdl.pdl_args(torch.zeros(1, device="cuda")) == {}
 
