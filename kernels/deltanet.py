@@ -23,9 +23,12 @@ and the gated delta-rule recurrence, each beside its plain-torch twin (`*_ref`).
 
 Row-count invariance (what keeps fixed-width steps bit-exact): the conv is elementwise per row;
 the recurrence runs the same per-row code from the state it is given whatever `t` is, so a
-one-row step from the state after row r-1 gives row r's output and state bit for bit. `t` and the
-write flags are runtime arguments (not specialized), so a 1-row and a 16-row launch run one
-compiled kernel, and the layer-batched replay runs that kernel too. The recurrence is a chain of
+one-row step from the state after row r-1 gives row r's output and state bit for bit. `t` is a
+runtime argument (not specialized), so a 1-row and a 16-row launch run one compiled kernel. The
+output and stash writes are compile-time flags (a run-time `if` split the loop body, so the
+compiler could not overlap a row's output reduction with the next row's update): the
+layer-batched replay, which writes neither, is a variant of the same per-row code, and the tests
+hold it to the step's bits (tests/kernels/test_deltanet.py, the engine's rollback tests). The recurrence is a chain of
 dependent rows: grid (L * Hv, dv / BLOCK_V), one program keeps a `[dk, BLOCK_V]` float32 tile of
 the state in registers for all t rows.
 
@@ -55,6 +58,13 @@ REC_WARPS = 1  # warps per recurrence program (with BLOCK_V: where dk's reductio
 # single warp's in-order issue does not wait on row r+1's loads before updating; or before it.
 # The same ops on the same values either way (the same bits); only the schedule differs.
 LATE_PREP = True
+# How many rows ahead the recurrence loads its inputs (1 or 2): the chain of row updates waits on
+# a row's loads when they land later than the row before it finishes. The same ops on the same
+# values either way (the same bits); only when the loads are issued differs. Measured on the H200
+# (16 rows, the module's tile, us per layer, two calls; docs/results/h200-gdn-prefetch.json,
+# h200-gdn-loop.json): 1 row ahead 14.85 / 15.03, 2 rows ahead 13.79 / 13.98; one row 4.0 either
+# way. (tl.range's pipelining stages 2 / 3 and unroll 2 measured 17.5 / 13.75 / 19.1: not kept.)
+PREFETCH = 2
 L2_EPS = 1e-6  # HF / fla l2norm epsilon
 
 
@@ -155,13 +165,13 @@ def _gdn_prep(q, k, g, sqrt_dk, eps):
     return q, k, tl.exp(g)
 
 
-@triton.jit(do_not_specialize=["t", "ratio", "write_final", "write_stash", "write_out", "row0", "ring",
-                               "layer_qkv", "layer_gb"])
+@triton.jit(do_not_specialize=["t", "ratio", "write_final", "row0", "ring", "layer_qkv", "layer_gb"])
 def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_ptr, idx_ptr,
-                t, ratio, write_final, write_stash, write_out, row0, ring, layer_qkv, layer_gb,
+                t, ratio, write_final, row0, ring, layer_qkv, layer_gb,
                 stride_qkv, stride_g, stride_beta, sqrt_dk, eps,
                 HV: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                BLOCK_V: tl.constexpr, LATE_PREP: tl.constexpr, ROWS_ON_DEVICE: tl.constexpr = False, PDL: tl.constexpr = False):
+                BLOCK_V: tl.constexpr, LATE_PREP: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STASH: tl.constexpr,
+                PREFETCH: tl.constexpr = 1, ROWS_ON_DEVICE: tl.constexpr = False, PDL: tl.constexpr = False):
     # program (layer * HV + head, value block); row r of the step reads input row (row0 + r) % ring
     # of its layer (layer_qkv / layer_gb: the layer strides of the inputs; states are contiguous
     # [layers, HV, DK, DV]). One compiled kernel serves the step (1 layer, rows 0..t-1) and the
@@ -171,6 +181,9 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
     if ROWS_ON_DEVICE:  # (row0, t) from the int32 pair at idx_ptr: a graphed replay's inputs
         row0 = tl.load(idx_ptr)
         t = tl.load(idx_ptr + 1)
+        if t < 0:  # rows -1: the state is already in `final` (a round that kept every row)
+            write_final = 0
+            t = 0
     pid = tl.program_id(0)
     layer = (pid // HV).to(tl.int64)
     h = pid % HV
@@ -179,7 +192,10 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     kh = h // ratio
     tile = (layer * HV + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]  # [DK, BLOCK_V] of one head's state
-    s = tl.load(state_ptr + tile)
+    if ROWS_ON_DEVICE:  # nothing to replay: not even the state's read (48 MiB at the 4B's shapes)
+        s = tl.load(state_ptr + tile, mask=(offs_k[:, None] < DK) & (write_final != 0), other=0.0)
+    else:
+        s = tl.load(state_ptr + tile)
     # Row r+1's inputs are loaded (and q, k normalized) while row r updates the state: they do
     # not depend on it, and the step is a chain of t dependent row updates, so their load latency
     # would otherwise sit on that chain. The arithmetic is the same per row either way.
@@ -187,19 +203,29 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
     q, k, v, g, beta = _gdn_load(qkv_ptr, g_ptr, beta_ptr, layer, row0 % ring, layer_qkv, layer_gb, stride_qkv,
                                  stride_g, stride_beta, kh, h, offs_k, offs_v, live, KEY_DIM, DK, DV)
     q, k, decay = _gdn_prep(q, k, g, sqrt_dk, eps)
+    if PREFETCH == 2:  # row 1's raw inputs, in flight while row 0 computes
+        q_1, k_1, v_1, g_1, beta_1 = _gdn_load(qkv_ptr, g_ptr, beta_ptr, layer, (row0 + tl.maximum(tl.minimum(1, t - 1), 0)) % ring,
+                                               layer_qkv, layer_gb, stride_qkv, stride_g, stride_beta, kh, h, offs_k,
+                                               offs_v, live, KEY_DIM, DK, DV)
     for r in range(t):
-        nxt = tl.minimum(r + 1, t - 1)  # the last row reloads itself (in bounds, unused)
-        q_n, k_n, v_n, g_n, beta_n = _gdn_load(qkv_ptr, g_ptr, beta_ptr, layer, (row0 + nxt) % ring, layer_qkv,
+        # the last rows reload the last one (in bounds, unused)
+        nxt = tl.minimum(r + PREFETCH, t - 1)
+        q_f, k_f, v_f, g_f, beta_f = _gdn_load(qkv_ptr, g_ptr, beta_ptr, layer, (row0 + nxt) % ring, layer_qkv,
                                                layer_gb, stride_qkv, stride_g, stride_beta, kh, h, offs_k, offs_v,
                                                live, KEY_DIM, DK, DV)
+        if PREFETCH == 2:  # row r+1 was loaded a row ago; row r+2's loads start now
+            q_n, k_n, v_n, g_n, beta_n = q_1, k_1, v_1, g_1, beta_1
+            q_1, k_1, v_1, g_1, beta_1 = q_f, k_f, v_f, g_f, beta_f
+        else:
+            q_n, k_n, v_n, g_n, beta_n = q_f, k_f, v_f, g_f, beta_f
         if not LATE_PREP:  # normalize row r+1 before row r's update: waits for its loads first
             q_n, k_n, decay_n = _gdn_prep(q_n, k_n, g_n, sqrt_dk, eps)
         s = s * decay
         delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
         s = s + k[:, None] * delta[None, :]
-        if write_out != 0:
+        if WRITE_OUT:
             tl.store(out_ptr + ((r * n_layers + layer) * HV + h) * DV + offs_v, tl.sum(s * q[:, None], axis=0))
-        if write_stash != 0:
+        if WRITE_STASH:
             st = tl.load(idx_ptr + r).to(tl.int64)
             tl.store(stash_ptr + st * (HV * DK * DV) + tile, s)
         if LATE_PREP:  # after the update: row r+1's loads land while row r computes
@@ -248,9 +274,10 @@ def gated_delta_rule(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, sta
     _gdn_kernel[(hv, dv // block_v)](
         qkv, g, beta, state, out, state if final is None else final, state if stash is None else stash,
         g if stash_idx is None else stash_idx,
-        t, hv // n_k_heads, int(final is not None), int(stash is not None), 1, 0, max(t, 1), 0, 0,
+        t, hv // n_k_heads, int(final is not None), 0, max(t, 1), 0, 0,
         qkv.stride(0), g.stride(0), beta.stride(0), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, num_warps=REC_WARPS, **pdl_args(qkv))
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, WRITE_OUT=True,
+        WRITE_STASH=stash is not None, PREFETCH=PREFETCH, num_warps=REC_WARPS, **pdl_args(qkv))
     return out
 
 
@@ -289,16 +316,18 @@ def gated_delta_rule_layers(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tens
     ring, block_v = qkv.shape[1], min(dv, BLOCK_V)  # the step's tile: the same per-row code
     _gdn_kernel[(n * hv, dv // block_v)](
         qkv, g, beta, state, state, final, state, g,
-        rows, hv // n_k_heads, 1, 0, 0, row0 % ring, ring, qkv.stride(0), g.stride(0),
+        rows, hv // n_k_heads, 1, row0 % ring, ring, qkv.stride(0), g.stride(0),
         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, num_warps=REC_WARPS, **pdl_args(qkv))
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, WRITE_OUT=False,
+        WRITE_STASH=False, PREFETCH=PREFETCH, num_warps=REC_WARPS, **pdl_args(qkv))
 
 
 def gated_delta_replay_dev(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
                            n_k_heads: int, params: torch.Tensor, final: torch.Tensor) -> None:
     """`gated_delta_rule_layers` with its ring start and row count read on the device from
     `params` (int32 `[row0, rows]`, 0 <= rows <= ring), so a CUDA graph captured once replays any
-    rollback: the same compiled per-row code (the same bits), only where t and row0 come from."""
+    rollback: the same compiled per-row code (the same bits), only where t and row0 come from.
+    `rows` -1 writes nothing (`final` already holds the state: a round that kept every row)."""
     _check_layers(qkv, g, beta, state, final, n_k_heads, 0, 0)
     if params.shape != (2,) or params.dtype != torch.int32 or params.device != state.device:
         raise ValueError(f"params must be int32 [row0, rows] on {state.device}, got {tuple(params.shape)} {params.dtype}")
@@ -310,10 +339,10 @@ def gated_delta_replay_dev(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tenso
     ring, block_v = qkv.shape[1], min(dv, BLOCK_V)
     _gdn_kernel[(n * hv, dv // block_v)](
         qkv, g, beta, state, state, final, state, params,
-        0, hv // n_k_heads, 1, 0, 0, 0, ring, qkv.stride(0), g.stride(0),
+        0, hv // n_k_heads, 1, 0, ring, qkv.stride(0), g.stride(0),
         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
-        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, ROWS_ON_DEVICE=True,
-        num_warps=REC_WARPS, **pdl_args(qkv))
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, WRITE_OUT=False,
+        WRITE_STASH=False, PREFETCH=PREFETCH, ROWS_ON_DEVICE=True, num_warps=REC_WARPS, **pdl_args(qkv))
 
 
 @triton.jit
@@ -328,6 +357,7 @@ def _ring_window_kernel(base_ptr, xs_ptr, params_ptr, out_ptr, C, ring, layer_ba
     mask = offs < C
     row0 = tl.load(params_ptr)
     rows = tl.load(params_ptr + 1)
+    mask = mask & (rows >= 0)  # rows -1: `out` already holds the window (nothing written)
     i = rows + j  # index into the K1 + rows sequence
     from_base = i < K1
     slot = (row0 + tl.maximum(i - K1, 0)) % ring
@@ -352,8 +382,9 @@ def _check_window(base, xs, params, out):
 def ring_window(base: torch.Tensor, xs: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
     """Every layer's conv window after a run of recorded rows: `out[l]` = the last K-1 rows of
     `[base[l]; xs[l][(row0 + r) % ring] for r < rows]` with `(row0, rows)` = `params` (int32, on
-    the device). `base`, `out` `[L, K-1, C]`, `xs` `[L, ring, C]` (one dtype; `out` must not overlap
-    `base`). A rollback's conv restore, graph-capturable (a copy: the bits are the rows')."""
+    the device; `rows` -1 writes nothing). `base`, `out` `[L, K-1, C]`, `xs` `[L, ring, C]` (one
+    dtype; `out` must not overlap `base`). A rollback's conv restore, graph-capturable (a copy:
+    the bits are the rows')."""
     _check_window(base, xs, params, out)
     n, k1, c = base.shape
     if n == 0 or k1 == 0:
@@ -367,6 +398,8 @@ def ring_window_ref(base: torch.Tensor, xs: torch.Tensor, params: torch.Tensor, 
     """Plain torch twin of `ring_window` (reads params on the host)."""
     _check_window(base, xs, params, out)
     row0, rows = (int(v) for v in params.tolist())
+    if rows < 0:
+        return
     idx = (torch.arange(rows, device=xs.device) + row0) % xs.shape[1]
     out.copy_(torch.cat([base, xs.index_select(1, idx)], dim=1)[:, -base.shape[1]:])
 
@@ -375,6 +408,8 @@ def gated_delta_replay_dev_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.T
                                n_k_heads: int, params: torch.Tensor, final: torch.Tensor) -> None:
     """Plain torch twin of `gated_delta_replay_dev` (reads params on the host)."""
     row0, rows = (int(v) for v in params.tolist())
+    if rows < 0:
+        return
     gated_delta_rule_layers_ref(qkv, g, beta, state, n_k_heads, row0, rows, final)
 
 

@@ -19,7 +19,10 @@ launch that also packs the round's output for the host's read.
 - `m` = the leading run of `cand[j + 1] == sel[j]` for `j < vt - 1`;
 - `inputs := [t_start + m + 1, d_start + m + 1, sel[m], next vt, budget - m - 1]`, next vt
   `clamp(m + 2, 3, cap)` when the ladder adapts (`min(max(m + 2, 3), cap)`), else `cap`;
-- `out [2W + n + 2]` float64: `cand ; sel ; raws ; vt ; m` (ids < 2^53 and float32 raws exact).
+- `out [2W + n + 2]` float64: `cand ; sel ; raws ; vt ; m` (ids < 2^53 and float32 raws exact);
+- with `restore=` (int32 `[2]`) and `ring=`: `restore := [t_start % ring, m + 1]`, the rows a
+  replay restore of the hybrid's recurrent state re-runs, or `[t_start % ring, -1]` when all W
+  rows are kept (the step already wrote that state: nothing to re-run).
 
 `inputs` is read whole before it is written (one program). `tau` is a float64 `[1]` tensor (a
 Python float would reach the kernel as float32). The twin `settle_round_ref` is the same
@@ -43,9 +46,9 @@ from ._pdl import pdl_args, pdl_wait
 
 
 @triton.jit
-def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, tau_ptr, out_ptr, cap,
+def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, tau_ptr, out_ptr, restore_ptr, cap, ring,
                    W: tl.constexpr, ND: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
-                   ADAPT: tl.constexpr, PDL: tl.constexpr = False):
+                   ADAPT: tl.constexpr, RESTORE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     offs = tl.arange(0, BLOCK)
     in_w = offs < W
@@ -87,6 +90,9 @@ def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, tau_ptr, out_ptr, ca
         next_vt = (m * 0 + cap).to(tl.int64)
     tl.store(out_ptr + 2 * W + ND, vt.to(tl.float64))
     tl.store(out_ptr + 2 * W + ND + 1, m.to(tl.float64))
+    if RESTORE:  # the replay restore's ring rows: none when the step's last row is kept
+        tl.store(restore_ptr, (t_start % ring).to(tl.int32))
+        tl.store(restore_ptr + 1, tl.where(m + 1 == W, -1, m + 1).to(tl.int32))
     tl.store(inputs_ptr, t_start + m + 1)
     tl.store(inputs_ptr + 1, d_start + m + 1)
     tl.store(inputs_ptr + 2, anchor)
@@ -95,15 +101,19 @@ def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, tau_ptr, out_ptr, ca
 
 
 def settle_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None, inputs: torch.Tensor,
-                 tau: torch.Tensor | None, *, kind: str, cap: int, adapt: bool) -> torch.Tensor:
+                 tau: torch.Tensor | None, *, kind: str, cap: int, adapt: bool,
+                 restore: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
     """Settle a round (module docstring): returns `out [2W + n + 2]` float64 and rewrites `inputs`
     `[t_start, d_start, last, vt, budget]` (int64) for the next round. `raws` (float32 `[n]`)
-    and `tau` (float64 `[1]`) only under a confidence window; the ladder's output has no raws."""
-    check_settle(cand, sel, raws, inputs, tau, kind, cap)
+    and `tau` (float64 `[1]`) only under a confidence window; the ladder's output has no raws.
+    `restore` (int32 `[2]`) and `ring`: also write a replay restore's ring rows."""
+    check_settle(cand, sel, raws, inputs, tau, kind, cap, restore, ring)
     nd = 0 if raws is None else raws.shape[0]
-    check_tensors(*[x for x in (cand, sel, raws, inputs, tau) if x is not None])
+    check_tensors(*[x for x in (cand, sel, raws, inputs, tau, restore) if x is not None])
     w = cand.shape[0]
     out = torch.empty(2 * w + nd + 2, dtype=torch.float64, device=cand.device)
     _settle_kernel[(1,)](cand, sel, raws if raws is not None else out, inputs, tau if tau is not None else out,
-                         out, cap, W=w, ND=nd, BLOCK=next_pow2(w), KIND=KINDS[kind], ADAPT=bool(adapt), num_warps=1, **pdl_args(cand))
+                         out, restore if restore is not None else inputs, cap, max(ring, 1), W=w, ND=nd,
+                         BLOCK=next_pow2(w), KIND=KINDS[kind], ADAPT=bool(adapt), RESTORE=restore is not None,
+                         num_warps=1, **pdl_args(cand))
     return out

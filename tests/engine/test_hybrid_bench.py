@@ -22,8 +22,11 @@ def test_hybrid_bench_tiny_smoke(tmp_path):
     subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--json", str(out), "--ckpt", str(tmp_path / "ck")],
                    check=True, capture_output=True, text=True, env=env, timeout=120)
     d = json.loads(out.read_text())
-    for name in ("plain", "verify", "exact", "transformers"):
+    for name in ("plain", "verify", "rounds", "exact", "transformers"):
         assert "error" not in d[name], (name, d[name])
     assert d["exact"]["all_exact"] is True and d["summary"]["exact"] is True
     assert {"width1", "width16"} <= set(d["plain"]) and "replay_k8" in d["verify"] and "stash_k1" in d["verify"]
+    # rounds with the rollback inside the round (replay mode): picks and states exact, every k
+    assert d["rounds"]["mode"] == "replay" and d["rounds"]["all_exact"] is True
+    assert all(d["rounds"][f"k{k}"]["state_exact"] and d["rounds"][f"k{k}"]["rounds"] == 4 for k in (1, 8, 16))
     assert d["transformers"]["token_ms"] > 0 and d["summary"]["transformers_agree_prefix"] >= 0

@@ -450,6 +450,34 @@ def test_graphed_replay_restores_give_the_eager_restores_bits(step_dir, monkeypa
     assert 0 < len(captured) <= 8 * 6  # a few per fresh state, never one per restore
 
 
+@pytest.mark.parametrize("row0,rows", [(0, 1), (6, 4), (3, 0), (2, 8), (5, -1)])
+def test_the_torch_device_row_restores_read_nothing_on_the_host(row0, rows):
+    """The torch step ops' graphed-restore forms (layers/deltanet.py `gated_delta_replay_dev`,
+    `ring_window`: every ring row masked by a device row count) give the host-argument forms'
+    bits, and run with host reads forbidden (a graph body or its stand-in runs them)."""
+    from memra_cli.engine.layers import deltanet as torch_dn
+
+    gen = torch.Generator().manual_seed(rows + 20)
+    layers, ring, hk, hv, dk, dv = 3, 8, 2, 4, 16, 16
+    qkv = torch.randn(layers, ring, 2 * hk * dk + hv * dv, generator=gen)
+    g = -torch.nn.functional.softplus(torch.randn(layers, ring, hv, generator=gen)) * 0.5
+    beta = torch.sigmoid(torch.randn(layers, ring, hv, generator=gen))
+    state = torch.randn(layers, hv, dk, dv, generator=gen) * 0.3
+    params = torch.tensor([row0, rows], dtype=torch.int32)
+    want = torch.full_like(state, 7.0)
+    if rows >= 0:
+        torch_dn.gated_delta_replay(qkv, g, beta, state, 2, row0, rows, want)
+    got = torch.full_like(state, 7.0)
+    base, xs = torch.randn(3, 3, 40), torch.randn(3, 8, 40)
+    win_want, win_got = torch.full_like(base, 7.0), torch.full_like(base, 7.0)
+    if rows >= 0:  # the last 3 rows of [base; ring rows row0..row0+rows-1]
+        win_want = torch.cat([base, xs[:, [(row0 + r) % ring for r in range(rows)]]], dim=1)[:, -3:]
+    with NoHostReads():
+        torch_dn.gated_delta_replay_dev(qkv, g, beta, state, 2, params, got)
+        torch_dn.ring_window(base, xs, params, win_got)
+    assert torch.equal(got, want) and torch.equal(win_got, win_want)
+
+
 def test_padding_rows_leave_no_trace(step_dir):
     """Padding rows run the recurrence too (every fixed step is W rows, as a kernel would run
     it); the commit takes the state after the last real row."""
@@ -526,6 +554,54 @@ def test_stash_and_replay_restore_the_same_bits(step_dir):
         state.rollback(30 + 9)
         states.append(state)
     assert_same_states(*states)
+
+
+def restored_in_round(runner: StepRunner, prompt_ids, block, keep: int, rows_written: int | None = None):
+    """A round restored on the device, as a round graph runs it: the fixed step of `block`
+    (W rows) at the committed length, `round_params` as the settlement writes them for `keep`
+    kept rows (`rows_written` overrides the row count: a planted bug), `restore_round`, then
+    the host's `settled_on_device`."""
+    model, width = runner.model, runner.width
+    state = runner.new_state(80)
+    runner.prefill(prompt_ids, state)
+    start = state.length
+    model.static_step(block, torch.arange(start, start + width), state)
+    rows = rows_written if rows_written is not None else (-1 if keep == width else keep)
+    state.round_params.copy_(torch.tensor([start % state.ring, rows], dtype=torch.int32))
+    state.restore_round()
+    state.settled_on_device(start + keep)
+    return state
+
+
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_round_restored_on_the_device_is_the_host_rollback(step_dir, mode, dtype):
+    """`restore_round` (the rollback inside a pipelined round's graph) leaves the conv windows and
+    recurrent states a host rollback does, bit for bit, for every kept count 1..W (W: the step's
+    own last row), and the next step's logits follow. Planted: the restore told one row too many
+    (a rejected draft's state) or every row (a padding row's) is caught by the same comparison."""
+    runner = StepRunner(Qwen35Target.from_dir(step_dir, dtype=dtype, rollback=mode), WIDTH)
+    p, block, after = _ids(30, 40), _ids(WIDTH, 41), _ids(3, 42)
+    for keep in (1, 2, 7, WIDTH - 1, WIDTH):
+        want = runner.new_state(80)
+        runner.prefill(p, want)
+        runner.step(block, want.length, want)
+        want.rollback(30 + keep)
+        got = restored_in_round(runner, p, block, keep)
+        assert_same_states(got, want)
+        truth = states_of(want)
+        if keep > 1:  # the round's record is spent: no rollback reaches back into it
+            with pytest.raises(ValueError, match="settled on the device"):
+                got.rollback(30 + 1)
+        a, _ = runner.step(after, got.length, got)
+        b, _ = runner.step(after, want.length, want)
+        assert torch.equal(a, b), keep
+        if keep < WIDTH:
+            for wrong in (keep + 1, -1):  # a rejected row's state; the step's last (padding) row's
+                bad = restored_in_round(runner, p, block, keep, rows_written=wrong)
+                ours = states_of(bad)
+                assert [x.shape for x in ours] == [x.shape for x in truth]
+                assert any(not torch.equal(x, y) for x, y in zip(ours, truth)), (keep, wrong)
 
 
 @pytest.mark.parametrize("bug", ["final-state", "off-by-one"])
@@ -777,26 +853,36 @@ def test_cuda_graphs_default_on_with_cuda_and_a_fixed_width(models):
         StepRunner(target, WIDTH, cuda_graphs=True)  # on the CPU: refused by the runner, not the family
 
 
-@pytest.mark.parametrize("spec", ["plain", "plain-unpipelined", "dflash"])
-def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs, spec):
-    """Whole rounds as one graph each (spec/session.py `_graphed_round`, and plain rounds queued
-    one ahead, `_pipelined_plain`) over the hybrid: a graph per buffer arrangement (the stand-in
-    fails a replay in another one), the commit after each replay queued on the device, and every
-    stream plain greedy's, in bfloat16."""
+@pytest.mark.parametrize("spec", ["plain", "plain-unpipelined", "dflash", "dflash-pipelined", "dspark-pipelined",
+                                  "dflash-pipelined-stash"])
+def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs, spec, monkeypatch):
+    """Whole rounds as one graph each (spec/session.py `_graphed_round`, and rounds queued one
+    ahead: `_pipelined_plain`, `_pipelined_spec`) over the hybrid: a graph per buffer
+    arrangement (the stand-in fails a replay in another one, except a speculative round queued
+    ahead, which it replays in its own as a real graph would), the commit after each replay
+    queued on the device or, queued ahead, the rollback inside the round's graph
+    (`restore_round`), and every stream plain greedy's, in bfloat16."""
     from memra_cli.engine.api import Engine as _Engine
     from memra_cli.tiny.draft import make_tiny_draft
 
+    mode, _, how = spec.partition("-")
+    pipelined = how.startswith("pipelined") or spec == "plain"
     target_dir = make_tiny_qwen35(tmp_path / "t", seed=5)
-    model = Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16)
+    rollback = "stash" if how.endswith("stash") else "replay"  # (the CPU's default is stash, CUDA's replay)
+    model = Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16, rollback=rollback)
     runner = graphed(model)
     engine = _Engine(model, runner, model.device, model.dtype, ["graphs on (CPU stand-in)"], draft_graphs=True,
                      round_graphs=True)
-    engine.pipelined = spec == "plain"
+    engine.pipelined = pipelined
+    if mode != "plain" and pipelined:
+        monkeypatch.setattr(Qwen35State, "_ahead_ok", True, raising=False)
     arm = None
-    if spec == "dflash":
-        draft = make_tiny_draft(tmp_path / spec, "zlab", block_size=8, target_layer_ids=(-1, 1, 3),
-                                num_target_layers=5, dtype=torch.bfloat16)
-        arm = engine.arm(ArmConfig(draft=draft, mode=spec))
+    if mode != "plain":
+        fmt = "zlab" if mode == "dflash" else "deepspec"
+        extra = {} if mode == "dflash" else dict(markov_rank=16, confidence="markov")
+        draft = make_tiny_draft(tmp_path / spec, fmt, block_size=8, target_layer_ids=(-1, 1, 3),
+                                num_target_layers=5, dtype=torch.bfloat16, **extra)
+        arm = engine.arm(ArmConfig(draft=draft, mode=mode))
     reference = Engine.from_model(Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16), step_width=WIDTH)
     for seed in range(2):
         ids = prompt(9 + 11 * seed, 80 + seed)
@@ -804,9 +890,11 @@ def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs
         with engine.session(ids, 24, arm, eos_ids=()) as session:
             assert session.graphed_rounds
             assert session.run() == plain, seed
-            assert session.pipelined == (spec == "plain")
+            assert session.pipelined == pipelined
     if spec == "plain":
         variants = set(session.cache.graphs[("plain-chain", WIDTH)].graphs)
+    elif pipelined:
+        variants = {v for k, chain in session.cache.graphs.items() if k[0] == "spec-chain" for v in chain.graphs}
     else:
         variants = {k[-1] for k in session.cache.graphs if k[0] in ("plain-round", "round")}
     assert variants == {0, 1}
@@ -826,11 +914,15 @@ def replay_graphs(monkeypatch):
 
     def static_step(self, ids, positions, state, taps=None):
         # a real graph binds the buffers of the arrangement it was captured in: a replay in
-        # another arrangement would read and write the wrong ones
+        # another arrangement would read and write the wrong ones. A round queued ahead of the
+        # host's read (a speculative round that restores the state itself) runs while the host
+        # still holds the previous arrangement: the stand-in then replays in the captured one,
+        # as the bound buffers of a real graph do, and exactness decides.
         if replaying[0] is not False:
-            assert state.graph_variant == variant_of[replaying[0]], "a graph replayed in another arrangement"
+            if not getattr(state, "_ahead_ok", False):
+                assert state.graph_variant == variant_of[replaying[0]][1], "a graph replayed in another arrangement"
         elif capturing[0] is not None:
-            variant_of.setdefault(capturing[0], state.graph_variant)
+            variant_of.setdefault(capturing[0], (state, state.graph_variant))
         before = (state._pending, state._width)
         out = right(self, ids, positions, state, taps)
         if replaying[0] is not False:
@@ -848,11 +940,17 @@ def replay_graphs(monkeypatch):
         class Replay:
             def replay(self):
                 replaying[0] = fn
+                state, variant = variant_of.get(fn, (None, None))
+                host = None if state is None else state._cur
                 try:
+                    if state is not None and getattr(state, "_ahead_ok", False):
+                        state._cur = variant  # the captured arrangement, as a real graph's buffers
                     with NoHostReads():
                         fresh = fn()
                 finally:
                     replaying[0] = False
+                    if state is not None:
+                        state._cur = host
                 for mine, new in zip(_flat(out), _flat(fresh)):
                     mine.copy_(new)
 
@@ -964,6 +1062,39 @@ def test_cuda_logits_greedy_exactness_and_rollback(tiny_dirs, step_dir, dtype):
         runner = StepRunner(Qwen35Target.from_dir(step_dir, dtype=dtype, device="cuda", rollback=mode), WIDTH)
         check_groupings(runner)
         check_rollback(runner, exact=True)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("spec", ["dflash", "dspark"])
+def test_cuda_pipelined_hybrid_rounds_equal_plain_greedy(tmp_path, spec):
+    """On CUDA with the kernels and every graph on: speculative rounds over the hybrid queued one
+    ahead of the host, each rolling the recurrent state back inside its own graph
+    (`restore_round`), give plain greedy's stream in bfloat16, rollback replay and stash."""
+    from memra_cli.engine.layers.step_ops import select_step_ops
+    from memra_cli.tiny.draft import make_tiny_draft
+
+    target_dir = make_tiny_qwen35(tmp_path / "t", seed=5)
+    fmt = "zlab" if spec == "dflash" else "deepspec"
+    extra = {} if spec == "dflash" else dict(markov_rank=16, confidence="markov")
+    draft = make_tiny_draft(tmp_path / spec, fmt, block_size=8, target_layer_ids=(-1, 1, 3), num_target_layers=5,
+                            dtype=torch.bfloat16, **extra)
+    ref_model = Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda")
+    ref_model.step_ops, _ = select_step_ops(ref_model.device)  # the same kernels: the same bits
+    reference = Engine.from_model(ref_model, step_width=WIDTH)
+    for mode in ("replay", "stash"):
+        model = Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda", rollback=mode)
+        model.step_ops, _ = select_step_ops(model.device)
+        engine = Engine.from_model(model, step_width=WIDTH, cuda_graphs=True, draft_graphs=True, round_graphs=True)
+        arm = engine.arm(ArmConfig(draft=draft, mode=spec))
+        for seed in range(3):
+            ids = prompt(9 + 11 * seed, 80 + seed)
+            plain = greedy_reference(reference.runner, ids, 40)
+            for pipelined in (True, False):  # queued ahead (rollback in the graph) and read one by one
+                engine.pipelined = pipelined
+                with engine.session(ids, 40, arm, eos_ids=()) as session:
+                    assert session.graphed_rounds and session.pipelined == pipelined, (mode, seed)
+                    assert session.run() == plain, (mode, seed, pipelined)
 
 
 @torch.no_grad()

@@ -113,6 +113,28 @@ def test_recurrence_does_not_depend_on_the_grouping(fn, dtype, device):
         assert torch.equal(s, final)
 
 
+@pytest.mark.parametrize("t", [1, 2, 3, 16, 17])
+def test_loading_two_rows_ahead_changes_no_bit(t, device, monkeypatch):
+    """PREFETCH 2 (row r+2's inputs loaded while row r updates) against 1: the same per-row ops
+    on the same values, so the outputs, final state, stash and the batched replay are the same
+    bits; only when the loads are issued moves."""
+    import memra_kernels.deltanet as dn
+
+    qkv, g, beta, state = _inputs(t, 2, 4, 64, 64, torch.bfloat16, device, seed=t)
+    idx = torch.arange(t, device=device)
+    ring_args = _ring(2, 8, 2, 4, 64, 64, torch.bfloat16, device, seed=t + 50)
+    got = []
+    for ahead in (1, 2):
+        monkeypatch.setattr(dn, "PREFETCH", ahead)
+        final, stash = torch.empty_like(state), torch.empty(t, *state.shape, device=device)
+        out = gated_delta_rule(qkv, g, beta, state, 2, final=final, stash=stash, stash_idx=idx)
+        replayed = torch.empty_like(ring_args[3])
+        gated_delta_rule_layers(*ring_args, 2, 6, min(t, 8), replayed)
+        got.append((out, final, stash, replayed))
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+
+
 def test_final_may_be_the_state_itself(device):
     qkv, g, beta, state = _inputs(3, 2, 4, 64, 64, torch.float32, device, seed=9)
     want = torch.empty_like(state)
@@ -200,6 +222,23 @@ def test_ring_window_is_the_last_rows_of_base_then_ring(k1, row0, rows, dtype, d
     ring_window_ref(base, xs, params, twin)
     seq = torch.cat([base, xs[:, [(row0 + r) % ring for r in range(rows)]]], dim=1)
     assert torch.equal(got, seq[:, -k1:]) and torch.equal(twin, got)
+
+
+def test_rows_minus_one_leaves_the_destination_alone(device):
+    """A round that kept every row passes rows -1 (settle's restore): the step already wrote that
+    state and window, so the replay and the window restore write nothing (kernels and twins)."""
+    qkv, g, beta, state = _ring(2, 8, 2, 4, 64, 64, torch.float32, device, seed=9)
+    params = torch.tensor([3, -1], dtype=torch.int32, device=device)
+    for replay in (gated_delta_replay_dev, gated_delta_replay_dev_ref):
+        final = torch.full_like(state, 7.0)
+        replay(qkv, g, beta, state, 2, params, final)
+        assert bool((final == 7.0).all()), replay.__name__
+    base = torch.randn(2, 3, 40).to(device)
+    xs = torch.randn(2, 8, 40).to(device)
+    for window in (ring_window, ring_window_ref):
+        out = torch.full_like(base, 7.0)
+        window(base, xs, params, out)
+        assert bool((out == 7.0).all()), window.__name__
 
 
 def test_batched_replay_refuses_bad_shapes(device):

@@ -51,6 +51,29 @@ def test_settle_kernel_equals_its_twin(kind, adapt, device):
     assert len(seen_m) >= 4  # partial acceptance of several lengths, not only 0
 
 
+@pytest.mark.parametrize("w", [16, 5])
+def test_settle_writes_the_replay_restore_rows_like_its_twin(w, device):
+    """With `restore=`: the ring rows a replay restore re-runs, `[t_start % ring, m + 1]`, and
+    rows -1 when every row is kept (the step wrote that state), every m from 0 to W - 1."""
+    gen = torch.Generator().manual_seed(w)
+    ring = 24
+    for m_want in range(w):
+        cand, sel, _ = _case(gen, w, 0, m_want)
+        if m_want == w - 1:
+            cand[1:] = sel[:-1]  # every draft agrees
+        t_start = 37 + m_want
+        inputs = torch.tensor([t_start, 5, 0, w, 1000])
+        ref_restore = torch.full((2,), 99, dtype=torch.int32)
+        ref = settle_round_ref(cand, sel, None, inputs.clone(), None, kind="ladder", cap=w, adapt=False,
+                               restore=ref_restore, ring=ring)
+        got_restore = torch.full((2,), 99, dtype=torch.int32, device=device)
+        got = settle_round(cand.to(device), sel.to(device), None, inputs.to(device), None, kind="ladder", cap=w,
+                           adapt=False, restore=got_restore, ring=ring)
+        assert int(ref[-1]) == m_want and torch.equal(got.cpu(), ref)
+        kept = -1 if m_want + 1 == w else m_want + 1
+        assert ref_restore.tolist() == [t_start % ring, kept] == got_restore.cpu().tolist(), m_want
+
+
 def test_settle_refuses_bad_arguments():
     cand = sel = torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -62,3 +85,9 @@ def test_settle_refuses_bad_arguments():
                          cap=4, adapt=True)
     with pytest.raises(ValueError, match="inputs must be"):
         settle_round_ref(cand, sel, None, torch.zeros(4, dtype=torch.long), None, kind="ladder", cap=4, adapt=True)
+    five = torch.zeros(5, dtype=torch.long)
+    with pytest.raises(ValueError, match="restore must be int32"):
+        settle_round_ref(cand, sel, None, five, None, kind="ladder", cap=4, adapt=True, restore=five[:2], ring=8)
+    with pytest.raises(ValueError, match="a ring of at least the round's 4 rows, got 2"):
+        settle_round_ref(cand, sel, None, five, None, kind="ladder", cap=4, adapt=True,
+                         restore=torch.zeros(2, dtype=torch.int32), ring=2)

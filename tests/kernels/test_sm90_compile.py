@@ -117,27 +117,29 @@ def _deltanet(ctx, dt):
                ctx.t(3, c, dtype=dt), ctx.t(t, c, dtype=dt), ctx.t(c, 4, dtype="f32"))
     ctx.launch("ring_window", "_ring_window_kernel", dn.ring_window, ctx.t(layers, 3, c, dtype=dt),
                ctx.t(layers, ring, c, dtype=dt), ctx.torch.zeros(2, dtype=ctx.torch.int32), ctx.t(layers, 3, c, dtype=dt))
-    saved = dn.LATE_PREP
+    saved = dn.LATE_PREP, dn.PREFETCH
     try:
-        for late in (True, False):  # the module's choice and the other schedule (hybrid_step.py --gdn-tile)
-            dn.LATE_PREP = late
+        # the module's choice and the other schedules (hybrid_step.py --gdn-tile): both LATE_PREP
+        # with the module's PREFETCH, and the other PREFETCH
+        for late, ahead in ((True, saved[1]), (False, saved[1]), (saved[0], 3 - saved[1])):
+            dn.LATE_PREP, dn.PREFETCH = late, ahead
             state = ctx.t(hv, dk, dv, dtype="f32")
             qkv, g, beta = ctx.t(t, c, dtype=dt), ctx.t(t, hv, dtype="f32"), ctx.t(t, hv, dtype="f32")
-            ctx.launch(f"gated_delta_rule LATE_PREP={late}", "_gdn_kernel", dn.gated_delta_rule,
+            ctx.launch(f"gated_delta_rule LATE_PREP={late} PREFETCH={ahead}", "_gdn_kernel", dn.gated_delta_rule,
                        qkv, g, beta, state, hk)
-            ctx.launch(f"gated_delta_rule final+stash LATE_PREP={late}", "_gdn_kernel", dn.gated_delta_rule,
+            ctx.launch(f"gated_delta_rule final+stash LATE_PREP={late} PREFETCH={ahead}", "_gdn_kernel", dn.gated_delta_rule,
                        qkv, g, beta, state, hk, final=ctx.t(hv, dk, dv, dtype="f32"),
                        stash=ctx.t(ring, hv, dk, dv, dtype="f32"), stash_idx=ctx.idx(t))
             states = ctx.t(layers, hv, dk, dv, dtype="f32")
-            ctx.launch(f"gated_delta_rule_layers LATE_PREP={late}", "_gdn_kernel", dn.gated_delta_rule_layers,
+            ctx.launch(f"gated_delta_rule_layers LATE_PREP={late} PREFETCH={ahead}", "_gdn_kernel", dn.gated_delta_rule_layers,
                        ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, ring, hv, dtype="f32"),
                        ctx.t(layers, ring, hv, dtype="f32"), states, hk, 5, t, states)
             params = ctx.torch.zeros(2, dtype=ctx.torch.int32)  # a graphed rollback's (row0, rows)
-            ctx.launch(f"gated_delta_replay_dev LATE_PREP={late}", "_gdn_kernel", dn.gated_delta_replay_dev,
+            ctx.launch(f"gated_delta_replay_dev LATE_PREP={late} PREFETCH={ahead}", "_gdn_kernel", dn.gated_delta_replay_dev,
                        ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, ring, hv, dtype="f32"),
                        ctx.t(layers, ring, hv, dtype="f32"), states, hk, params, ctx.t(layers, hv, dk, dv, dtype="f32"))
     finally:
-        dn.LATE_PREP = saved
+        dn.LATE_PREP, dn.PREFETCH = saved
 
 
 def _gather(ctx, dt):
@@ -165,6 +167,9 @@ def _settle(ctx, _):
             raws = ctx.t(nd, dtype="f32") if nd else None
             ctx.launch(f"settle_round {kind} adapt={adapt}", "_settle_kernel", st.settle_round, ctx.idx(16), ctx.idx(16),
                        raws, ctx.idx(5), tau if nd else None, kind=kind, cap=16, adapt=adapt)
+    # a hybrid state's round: also the replay restore's ring rows (int32 [2])
+    ctx.launch("settle_round restore", "_settle_kernel", st.settle_round, ctx.idx(16), ctx.idx(16), None, ctx.idx(5),
+               None, kind="ladder", cap=16, adapt=False, restore=torch.zeros(2, dtype=torch.int32), ring=64)
 
 
 def _markov(ctx, dt):
@@ -459,7 +464,8 @@ def _constants(pkg):
     a, dn, ql = pkg.attention, pkg.deltanet, pkg.quant_linear
     return {
         "attention_tiles": {str(k): asdict(v) for k, v in a.TILES.items()},
-        "deltanet": {"BLOCK_V": dn.BLOCK_V, "REC_WARPS": dn.REC_WARPS, "LATE_PREP": dn.LATE_PREP},
+        "deltanet": {"BLOCK_V": dn.BLOCK_V, "REC_WARPS": dn.REC_WARPS, "LATE_PREP": dn.LATE_PREP,
+                     "PREFETCH": dn.PREFETCH},
         "quant_tuned": [[list(key), asdict(cfg)] for key, cfg in ql.TUNED.items()],
     }
 
@@ -641,8 +647,10 @@ def test_engine_tiles_compiled(compiled):
     for late in (True, False):
         for dt in ("bf16", "fp32"):
             assert any(r["constexprs"]["LATE_PREP"] is late and r["constexprs"]["BLOCK_V"] == dn["BLOCK_V"]
+                       and r["constexprs"]["PREFETCH"] == dn["PREFETCH"]
                        and r["num_warps"] == dn["REC_WARPS"] and _dtype_of(r, "qkv_ptr") == dt for r in gdn), \
                 f"_gdn_kernel LATE_PREP={late} {dt}"
+    assert {r["constexprs"]["PREFETCH"] for r in gdn} == {1, 2}
     quant = _records(compiled, "_quant_linear_kernel")
     for (qtype, n, k), cfg in const["quant_tuned"]:
         for dt in ("bf16", "fp32"):

@@ -149,6 +149,16 @@ def conv_silu_update(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> 
     return causal_conv_silu(torch.cat([window, x], dim=0), w)
 
 
+def _delta_row(s: torch.Tensor, g: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """One row of the delta rule: `s [Hv, dk, dv]` after decay `exp(g) [Hv]` and the update with
+    the (normalized) key `k [Hv, dk]`, value `v [Hv, dv]` and `beta [Hv]` (every float32)."""
+    s = s * g.exp()[:, None, None]
+    k_i = k.unsqueeze(-1)
+    kv_mem = (s * k_i).sum(dim=-2)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    return s + k_i * delta.unsqueeze(-2)
+
+
 def gated_delta_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
                      n_k_heads: int, final: torch.Tensor | None = None, stash: torch.Tensor | None = None,
                      stash_idx: torch.Tensor | None = None) -> torch.Tensor:
@@ -162,11 +172,7 @@ def gated_delta_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, sta
     out = torch.empty_like(v)
     s = state
     for i in range(qkv.shape[0]):
-        s = s * g[i].exp()[:, None, None]
-        k_i = k[i].unsqueeze(-1)
-        kv_mem = (s * k_i).sum(dim=-2)
-        delta = (v[i] - kv_mem) * beta[i].unsqueeze(-1)
-        s = s + k_i * delta.unsqueeze(-2)
+        s = _delta_row(s, g[i], k[i], v[i], beta[i])
         out[i] = (s * q[i].unsqueeze(-1)).sum(dim=-2)
         if stash is not None:
             stash.index_copy_(0, stash_idx[i:i + 1], s.unsqueeze(0))  # device index: capturable
@@ -191,15 +197,34 @@ def gated_delta_replay(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, s
 
 def gated_delta_replay_dev(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
                            n_k_heads: int, params: torch.Tensor, final: torch.Tensor) -> None:
-    """`gated_delta_replay` with `(row0, rows)` = `params` (int32 `[2]`), the form a graphed
-    rollback takes (`memra_kernels.deltanet.gated_delta_replay_dev`); here read on the host."""
-    row0, rows = (int(v) for v in params.tolist())
-    gated_delta_replay(qkv, g, beta, state, n_k_heads, row0, rows, final)
+    """`gated_delta_replay` with `(row0, rows)` = `params` (int32 `[2]`) read on the device, the form
+    a graphed rollback takes (`memra_kernels.deltanet.gated_delta_replay_dev`); `rows` -1 writes
+    nothing (`final` already holds the state). No host read, so a graph body (or the tests'
+    eager stand-in of one) may run it: every ring row goes through `_delta_row`, and a row past
+    `rows` leaves the state as it was (`torch.where` picks, so the kept rows' bits are the step's).
+    A CPU cost of `ring` rows per layer, not `rows`: the eager rollback (`gated_delta_replay`)
+    is the CPU's path; this one serves graphed rounds."""
+    n, hv, dk, dv = state.shape
+    ring = qkv.shape[1]
+    row0, rows = params[0].long(), params[1].long()
+    idx = (torch.arange(ring, device=qkv.device) + row0) % ring
+    for i in range(n):
+        _, k, v = prep_qkv(qkv[i].index_select(0, idx), n_k_heads, hv, dk, dv)
+        g_i, beta_i = g[i].index_select(0, idx), beta[i].index_select(0, idx)
+        s = state[i]
+        for r in range(ring):
+            s = torch.where(r < rows, _delta_row(s, g_i[r], k[r], v[r], beta_i[r]), s)
+        final[i].copy_(torch.where(rows >= 0, s, final[i]))
 
 
 def ring_window(base: torch.Tensor, xs: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
     """Every layer's conv window after recorded ring rows: `out` `[L, K-1, C]` = the last K-1 rows
-    of `[base; xs[:, (row0 + r) % ring] for r < rows]`, `(row0, rows)` = `params` (int32 `[2]`)."""
-    row0, rows = (int(v) for v in params.tolist())
-    idx = (torch.arange(rows, device=xs.device) + row0) % xs.shape[1]
-    out.copy_(torch.cat([base, xs.index_select(1, idx)], dim=1)[:, -base.shape[1]:])
+    of `[base; xs[:, (row0 + r) % ring] for r < rows]`, `(row0, rows)` = `params` (int32 `[2]`),
+    read on the device (`rows` -1 writes nothing: `out` already holds the window)."""
+    k1, ring = base.shape[1], xs.shape[1]
+    row0, rows = params[0].long(), params[1].long()
+    i = rows.clamp(min=0) + torch.arange(k1, device=xs.device)  # rows of [base; ring rows]
+    from_base = (i < k1)[None, :, None]
+    a = base.index_select(1, i.clamp(max=k1 - 1))
+    b = xs.index_select(1, (row0 + (i - k1).clamp(min=0)) % ring)
+    out.copy_(torch.where(rows >= 0, torch.where(from_base, a, b), out))

@@ -18,9 +18,10 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `embed(ids, weight) -> rows`: an embedding lookup (a copy of the rows)
 - `confidence_raw(hidden, w, b, prev=None, w1=None) -> f32 [n]`: DSpark's accept-rate head
 - `pack_round(cand, sel, raws=None) -> f64`: a graphed round's one host read, packed
-- `settle_round(cand, sel, raws, inputs, tau, kind=, cap=, adapt=) -> f64`: a chained round's
-  settlement on the device (window, accepted prefix, next inputs written into `inputs`) and its
-  packed output (spec/settle.py; one launch with the kernels instead of ~30)
+- `settle_round(cand, sel, raws, inputs, tau, kind=, cap=, adapt=, restore=None, ring=0) -> f64`:
+  a chained round's settlement on the device (window, accepted prefix, next inputs written into
+  `inputs`; with `restore`, the ring rows a recurrent state's restore re-runs) and its packed
+  output (spec/settle.py; one launch with the kernels instead of ~30)
 - `markov_chain(logits, anchor, w1, w2, dtype) -> tokens`: DSpark's greedy chain (the drafter's
   side of a round; with the kernels one launch per slot, or one launch in all over a bias table
   built once where the vocabulary is small; ~6 launches a slot with torch)
@@ -32,9 +33,11 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   recurrence over the rows (float32 state; final state and per-row stash written on request)
 - `gated_delta_replay(qkv, g, beta, state, n_k_heads, row0, rows, final)`: that recurrence for
   every layer at once over recorded ring rows (a rollback's replay: one launch with the kernels);
-  `gated_delta_replay_dev(..., params, final)` the same with `(row0, rows)` read on the device,
-  and `ring_window(base, xs, params, out)` the conv windows after those rows: a rollback as a
-  CUDA graph captured once (models/qwen3_5.py `Qwen35State`)
+  `gated_delta_replay_dev(..., params, final)` the same with `(row0, rows)` read on the device
+  (rows -1: nothing written), and `ring_window(base, xs, params, out)` the conv windows after
+  those rows: a rollback as a CUDA graph captured once, or inside a round's graph
+  (models/qwen3_5.py `Qwen35State.restore_round`). Neither reads a value on the host, in torch
+  either (there every ring row runs, masked: a graph body's form, not the CPU's rollback)
 
 Qwen3.5's (models/qwen3_5.py; every norm but the DeltaNet's gated one is zero-centred, `w1p` the
 float32 `1 + w`):

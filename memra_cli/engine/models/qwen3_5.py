@@ -356,6 +356,9 @@ class Qwen35State:
         self._params_host_np = self._params_host.numpy()
         self._params_copied = None  # the event after the last params copy (CUDA)
         self._restore_graphs: dict = {}  # (base buffer, destination buffer) -> (graph, body)
+        # A round settled on the device (`restore_round`): `(row0, rows)` int32, written by the
+        # round's settlement (rows -1: every row kept, the step wrote that state).
+        self.round_params = torch.zeros(2, dtype=torch.int32, device=device)
         self._length = 0
         self._width: int | None = None  # rows of the fixed step graphs were captured with
         self._forget()
@@ -594,6 +597,47 @@ class Qwen35State:
 
         graph, _ = cuda_graphs.capture(body, params.device)
         self._restore_graphs[key] = (graph, body)  # the body's tensors outlive the graph that reads them
+
+    # ----------------------------------------------------------------- rounds settled on the device
+
+    # A round graph may restore this state itself (`restore_round`), so rounds can be queued
+    # before the host reads the previous one (spec/session.py `_pipelined_spec`).
+    settles_on_device = True
+
+    def restore_round(self) -> None:
+        """Inside a round graph, after its fixed step and the settlement that wrote
+        `round_params` = `(row0, rows)` (`settle_round(restore=state.round_params, ring=state.ring)`):
+        the conv windows and recurrent states after the round's kept rows, into the buffer that
+        is not the step's base. Rows -1: every row kept, and the step already wrote the window
+        there (and, in replay mode, the state). The base is the committed buffer of the
+        arrangement being captured (`_cur`), like the step's own reads; the next round runs over
+        the other arrangement whatever the round kept, so queued rounds alternate without a host
+        value (`settled_on_device`). Replay mode re-runs the kept rows from the base (one
+        launch); stash mode copies the last kept row's stashed state."""
+        base, dst, params = self._cur, 1 - self._cur, self.round_params
+        self._ops.ring_window(self._conv2[base], self._xs_all, params, self._conv2[dst])
+        if self.mode == "replay":
+            self._ops.gated_delta_replay_dev(self._qkv_all, self._g_all, self._beta_all, self._rec2[base],
+                                             self.n_k_heads, params, self._rec2[dst])
+            return
+        if self._width is None:
+            raise ValueError("restore_round runs after a fixed step (in a round graph)")
+        rows = torch.where(params[1] < 0, self._width, params[1]).long()  # the stash holds every row's state
+        last = (params[0].long() + rows - 1) % self.ring
+        self._rec2[dst].copy_(self._stash_all.index_select(1, last.reshape(1)).squeeze(1))
+
+    def settled_on_device(self, end: int) -> None:
+        """The host's side of a round whose graph ran `restore_round`: its fixed step ran at
+        `length` and kept positions up to `end`; the state after them is in the other buffer,
+        which becomes the committed one. The round's record is spent (its base buffer is the
+        next round's destination): no rollback reaches back into it."""
+        start = self._length
+        if self._width is None or not 0 < end - start <= self._width:
+            raise ValueError(f"settled to {end}: a round at {start} keeps 1..{self._width} rows")
+        self._cur = 1 - self._cur
+        self._length = end
+        self._forget()
+        self._why_not = "its last round was settled on the device (nothing kept to roll back into)"
 
     def _ran_eager(self, start: int, rows: int) -> None:
         """An eager `forward` ran `rows` rows from `start` (after `_new_base(start)` when it kept

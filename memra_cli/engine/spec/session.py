@@ -65,9 +65,12 @@ class Session:
         self.late_window = self._sizes_after_verify()  # fixed for the session: program, sampler, runner
         self.graphed_rounds = round_graphs and not timed and self._rounds_capturable()
         # graphed rounds queued one ahead of the host (`_pipelined_plain`, `_pipelined_spec`):
-        # speculative ones over a state whose commit only moves a host length (a KV cache)
+        # speculative ones over a state whose commit only moves a host length (a KV cache) or
+        # whose rollback the round's graph does itself (the hybrid's, `settles_on_device`)
+        self._device_settle = bool(getattr(self.cache, "settles_on_device", False))
         self.pipelined = pipelined and self.graphed_rounds and (
-            proposer is None or bool(getattr(self.cache, "host_bookkeeping", False)))
+            proposer is None or bool(getattr(self.cache, "host_bookkeeping", False)) or self._device_settle)
+        self._next_variant = 0  # the buffer arrangement the next queued speculative round runs over
         self._chain = None  # the state's RoundChain while this session uses it
         self._ahead: int | None = None  # the chain launch in flight (its anchor committed), if any
         self.last: torch.Tensor | None = None
@@ -303,7 +306,9 @@ class Session:
 
     def _spec_chain(self):
         """The speculative RoundChain of this session's program, draft cache, taps and width,
-        kept in `cache.graphs` (one arrangement: only a KV cache, `host_bookkeeping`, gets here)."""
+        kept in `cache.graphs`, with a round graph per buffer arrangement of the state (a KV
+        cache has one; the hybrid's two alternate round after round, its graphs restoring the
+        recurrent state themselves). Captured here, before any launch."""
         from memra_cli.engine.runtime.round_graphs import RoundChain, RoundGraph
         from memra_cli.engine.spec import round_bodies
 
@@ -314,15 +319,26 @@ class Session:
         key = ("spec-chain", id(kv), p, raws, self.taps, width)
         chain = cache.graphs.get(key)
         if chain is None:
-            chain = RoundChain(model.device, 5)
-            body = round_bodies.speculative_round_chained(self.proposer.drafter, model, p, kv, cache, self.taps,
-                                                          width, raws)
-            slack, d_slack = cache.max_len - width, kv.rows - max(width, p.block_size)
-            chain.graphs[0] = RoundGraph(body, (slack, d_slack, 0, p.verify_cap, width), model.device, keep=(kv,),
-                                         inputs=chain.inputs)
-            cache.graphs[key] = chain
+            chain = cache.graphs[key] = RoundChain(model.device, 5)
         chain.drain()
+        n = getattr(cache, "graph_variants", 1)
+        slack, d_slack = cache.max_len - width, kv.rows - max(width, p.block_size)
+        for variant in range(n):
+            if variant not in chain.graphs:
+                with cache.arranged_for_capture(variant) if n > 1 else nullcontext():
+                    body = round_bodies.speculative_round_chained(self.proposer.drafter, model, p, kv, cache,
+                                                                  self.taps, width, raws)
+                    chain.graphs[variant] = RoundGraph(body, (slack, d_slack, 0, p.verify_cap, width), model.device,
+                                                       keep=(kv,), inputs=chain.inputs)
         return chain
+
+    def _launch_spec(self, seed=()) -> int:
+        """Queue one chained speculative round over the arrangement the previous one left
+        (each round of a state restored on the device flips it, whatever it kept)."""
+        k = self._chain.launch(self._next_variant, seed)
+        if self._device_settle:
+            self._next_variant ^= 1
+        return k
 
     def _settle_spec(self, row) -> list[int]:
         """Commit a chained round from its output row `[cand, sel, raws?, vt, m]` (the window and
@@ -333,7 +349,10 @@ class Session:
         vt, m = int(row[-2]), int(row[-1])
         cand_h = [int(x) for x in row[:width]]
         committed = self._commit(cand_h, m)
-        cache.commit(start + m + 1)
+        if self._device_settle:  # the round's graph restored the state: only the host's side is left
+            cache.settled_on_device(start + m + 1)
+        else:
+            cache.commit(start + m + 1)
         if not self.finished:
             self.proposer.kv.length = start + m + 1
         self.last_id = int(row[width + m])
@@ -343,15 +362,17 @@ class Session:
     def _pipelined_spec(self, n: int) -> list[int]:
         """Speculative rounds with the next one queued before this one is read, until `n` new
         tokens are committed or the stream ends (a KV cache, `host_bookkeeping`: the commit needs no
-        device work). Each round's graph settles the round on the device (window, accepted
-        count, next inputs: round_bodies.speculative_round_chained) and the host commits what
-        the device decided, one round behind: the same rounds as `_graphed_round`.
+        device work; or a state the round's graph restores itself, `settles_on_device`). Each
+        round's graph settles the round on the device (window, accepted count, next inputs, and
+        the hybrid's recurrent state: round_bodies.speculative_round_chained) and the host
+        commits what the device decided, one round behind: the same rounds as `_graphed_round`.
 
         Round j+1 is queued before round j is read only while round j cannot exhaust the budget
         (more than W tokens left) and round j+1's rows fit the storage: a round past the end
         would write past the storage's reach. An EOS can still end the stream at round j; round
         j+1 then ran for nothing, its rows past the committed length (a KV cache forgets them by
-        its length). Between bursts one round may stay queued (`_ahead`), not yet read."""
+        its length; the hybrid's wrote only the buffer that is not the committed one). Between
+        bursts one round may stay queued (`_ahead`), not yet read."""
         out: list[int] = []
         width, cache = self.runner.width, self.cache
         if self._ahead is None:
@@ -359,7 +380,8 @@ class Session:
             self._chain = self._spec_chain()
             start = cache.length
             self.target.check_span(start, width, cache)
-            self._ahead = self._chain.launch(0, (start, start, self.last_id, self.vt, self.max_new - len(self.tokens)))
+            self._next_variant = getattr(cache, "graph_variant", 0)
+            self._ahead = self._launch_spec((start, start, self.last_id, self.vt, self.max_new - len(self.tokens)))
         while len(out) < n:
             k = self._ahead
             assert k is not None
@@ -367,7 +389,7 @@ class Session:
             # W rows inside the storage
             ahead = self.max_new - len(self.tokens) > width and cache.length + 2 * width <= cache.max_len
             if ahead:
-                nxt = self._chain.launch(0)
+                nxt = self._launch_spec()
             out += self._settle_spec(self._chain.read(k))
             if self.finished:
                 self._chain.drain()
@@ -375,7 +397,7 @@ class Session:
                 return out
             if not ahead:
                 self.target.check_span(cache.length, width, cache)
-                nxt = self._chain.launch(0)  # its inputs as round k left them on the device
+                nxt = self._launch_spec()  # its inputs as round k left them on the device
             self._ahead = nxt
         return out  # the newest round stays queued for the next burst
 

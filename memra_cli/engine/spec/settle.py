@@ -9,7 +9,10 @@ in one launch (its docstring states the arithmetic; this is its twin, `settle_ro
   (float64 sigmoid, the product slot after slot), then capped by the budget `inputs[4]`, >= 1;
 - `m` = the leading run of `cand[j + 1] == sel[j]` for `j < vt - 1`;
 - `inputs := [t_start + m + 1, d_start + m + 1, sel[m], next vt, budget - m - 1]`;
-- returns `cand ; sel ; raws ; vt ; m` as float64.
+- returns `cand ; sel ; raws ; vt ; m` as float64;
+- with `restore` (int32 `[2]`, a state whose rollback runs on the device: the hybrid's), also
+  `restore := [t_start % ring, m + 1]`, or `[t_start % ring, -1]` when every row is kept
+  (`m + 1 == W`: the step itself left that state), the ring rows a replay restore re-runs.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 KINDS = {"ladder": 0, "confidence": 1, "confidence-slot": 2}
 
 
-def check_settle(cand, sel, raws, inputs, tau, kind, cap):
+def check_settle(cand, sel, raws, inputs, tau, kind, cap, restore=None, ring=0):
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     for x, name, dt in ((cand, "cand", torch.int64), (sel, "sel", torch.int64), (inputs, "inputs", torch.int64)):
@@ -34,14 +37,21 @@ def check_settle(cand, sel, raws, inputs, tau, kind, cap):
             raise ValueError("a confidence window needs tau as a float64 [1] tensor")
     if cap < 2:
         raise ValueError(f"cap must be >= 2, got {cap}")
+    if restore is not None:
+        if restore.shape != (2,) or restore.dtype != torch.int32 or restore.device != cand.device:
+            raise ValueError(f"restore must be int32 [2] on {cand.device}, got {tuple(restore.shape)} {restore.dtype}")
+        if ring < cand.shape[0]:
+            raise ValueError(f"a restore needs a ring of at least the round's {cand.shape[0]} rows, got {ring}")
 
 
 def settle_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None, inputs: torch.Tensor,
-                     tau: torch.Tensor | None, *, kind: str, cap: int, adapt: bool) -> torch.Tensor:
+                     tau: torch.Tensor | None, *, kind: str, cap: int, adapt: bool,
+                     restore: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
     """Settle a round (module docstring); rewrites `inputs` `[t_start, d_start, last, vt,
     budget]` (int64) for the next round. `raws` (float32 `[n]`) and `tau` (float64 `[1]`) only
-    under a confidence window."""
-    check_settle(cand, sel, raws, inputs, tau, kind, cap)
+    under a confidence window; `restore` (int32 `[2]`) and `ring` only for a state restored on
+    the device."""
+    check_settle(cand, sel, raws, inputs, tau, kind, cap, restore, ring)
     w = cand.shape[0]
     if kind == "ladder":
         vt = inputs[3]
@@ -68,5 +78,8 @@ def settle_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | Non
     anchor = sel.index_select(0, m.reshape(1)).reshape(())  # (sel[m] would read m on the host)
     nxt = torch.stack([inputs[0] + step, inputs[1] + step, anchor, next_vt, inputs[4] - step])
     out = torch.cat(parts + [torch.stack([vt, m]).double()])
+    if restore is not None:
+        rows = torch.where(step == w, torch.full_like(step, -1), step)
+        restore.copy_(torch.stack([inputs[0] % ring, rows]).to(torch.int32))
     inputs.copy_(nxt)  # after everything above read them
     return out
