@@ -15,14 +15,17 @@ measures, each section's failure caught and reported in the JSON:
   the engine's greedy decode (`Session`, one round graph a token) with the next round queued
   before the host reads a token (the default) and without (`width1_round_unpipelined`);
 - ``verify``: a 16-row verify step + `state.rollback(start + k)` per round, rollback modes
-  replay (the CUDA default) and stash;
+  replay (the CUDA default) and stash, each timed between syncs;
+- ``rounds``: the same verify + rollback as the engine's pipelined speculative rounds run it:
+  one graph a round (verify, argmax, settlement, the rollback re-run inside the graph), queued
+  one ahead of the host's read, drafts from the plain stream with slot k wrong (k kept rows);
 - ``transformers``: `Qwen3_5ForCausalLM` (eager attention; fla kernels if transformers finds them)
   greedy ms/token over a few dozen tokens after the same prompt;
 - ``exact``: speculative == plain greedy in bf16 (graphs on), with a drafter stand-in that
   proposes the plain stream's next tokens with some slots corrupted, both rollback modes.
 
     python benchmarks/gpu/hybrid_step.py [--json OUT.json] [--ckpt DIR] [--tiny]
-        [--gdn-tile BLOCK_V,WARPS[,LATE_PREP]] [--attn-tile SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS]
+        [--gdn-tile BLOCK_V,WARPS[,LATE_PREP[,PREFETCH]]] [--attn-tile SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS]
 
 `--gdn-tile` / `--attn-tile` replace, for this run only, the DeltaNet recurrence's tile / the
 attention kernel's head_dim-256 tile (`attention.TILES[256]`; step_profile.py's `best_hd256` is
@@ -259,6 +262,109 @@ def verify(target, prompt: list[int], graphs: bool, reps: int) -> dict:
     return out
 
 
+def verify_rounds(target, prompt: list[int], graphs: bool, rounds: int) -> dict:
+    """A speculative round's target side as the engine's pipelined rounds run it: one graph per
+    round (16-row verify, argmax, settlement, and the rollback inside the graph:
+    `Qwen35State.restore_round`), each round queued before the host reads the previous one
+    (`RoundChain`), rounds alternating the state's two buffer arrangements. The drafts are the
+    plain stream's own tokens, read on the device from the round's start, with slot k wrong
+    (k = 16: none), so every round keeps k rows and re-runs them (k < 16) from its base; the
+    proposal costs a gather and a select. Exact when every round accepts k - 1 drafts and picks
+    the plain stream's tokens. Without graphs (`--tiny`), the same body eagerly, read each round."""
+    from memra_cli.engine.runtime.round_graphs import RoundChain, RoundGraph
+
+    dev, ops = target.device, target.step_ops
+    target.set_rollback("replay")  # the CUDA default (the CPU smoke run's default is stash)
+    out = {"mode": target.rollback_mode, "rounds": rounds}
+    runner = make_runner(target, W, graphs)
+    cap = len(prompt) + W * (rounds + 4) + 8
+    truth = greedy_reference(runner, prompt, W * (rounds + 2) + 1)
+    seq = torch.tensor(prompt + truth, device=dev)
+    for k in (1, 8, W):
+        state = runner.new_state(cap)
+        runner.prefill(torch.tensor(prompt, device=dev), state)
+        # positions up to the storage's end (the capture runs at its slack): the plain stream,
+        # then filler
+        tokens = torch.cat([seq, seq.new_zeros(state.max_len + W)])
+        rows = torch.arange(W, device=dev)
+
+        def body(inputs, state=state, k=k, tokens=tokens, rows=rows):
+            t_start = inputs[0]
+            cand = tokens.index_select(0, rows + t_start)
+            if k < W:  # slot k wrong: drafts 1..k-1 accepted, k rows kept
+                cand = torch.where(rows == k, (cand + 1) % target.vocab_size, cand)
+            logits, _ = target.static_step(cand, rows + t_start, state, None)
+            sel = ops.argmax(logits)
+            packed = ops.settle_round(cand, sel, None, inputs, None, kind="ladder", cap=W, adapt=False,
+                                      restore=state.round_params, ring=state.ring)
+            state.restore_round()
+            return packed
+
+        start0 = state.length
+        seed = (start0, 0, int(seq[start0]), W, 1 << 40)
+        results, times = [], []
+        if graphs:
+            chain = RoundChain(dev, 5)
+            slack = state.max_len - W
+            for variant in range(2):
+                with state.arranged_for_capture(variant):
+                    chain.graphs[variant] = RoundGraph(body, (slack, 0, 0, W, 1 << 40), dev, inputs=chain.inputs)
+            variant = state.graph_variant
+            sync(dev)
+            t0 = time.perf_counter()
+            ahead = chain.launch(variant, seed)
+            for j in range(rounds):
+                variant ^= 1
+                nxt = chain.launch(variant) if j + 1 < rounds else None
+                row = chain.read(ahead)
+                results.append((state.length, [int(x) for x in row[W:2 * W]], int(row[-1])))
+                state.settled_on_device(state.length + int(row[-1]) + 1)
+                ahead = nxt
+            sync(dev)
+            times.append(1e3 * (time.perf_counter() - t0) / rounds)
+        else:
+            inputs = torch.tensor(seed, device=dev)
+            t0 = time.perf_counter()
+            for j in range(rounds):
+                row = body(inputs).tolist()
+                results.append((state.length, [int(x) for x in row[W:2 * W]], int(row[-1])))
+                state.settled_on_device(state.length + int(row[-1]) + 1)
+            times.append(1e3 * (time.perf_counter() - t0) / rounds)
+        ok = True
+        for start, sel, m in results:
+            want = seq[start + 1: start + 1 + m + 1].tolist()
+            ok &= m == min(k, W) - 1 and sel[:m + 1] == want
+        # and the state the rounds left is, bit for bit, the one steps of another grouping (7
+        # tokens a step, host rollbacks) leave after the same tokens: K/V, windows, states
+        ref = runner.new_state(cap)
+        runner.prefill(torch.tensor(prompt, device=dev), ref)
+        while ref.length < state.length:
+            n = min(7, state.length - ref.length)
+            runner.step(seq[ref.length: ref.length + n], ref.length, ref)
+        same = ref.length == state.length and all(
+            torch.equal(x, y) for x, y in zip([*state.conv, *state.rec], [*ref.conv, *ref.rec]))
+        same = same and torch.equal(state.kv[..., :state.length, :], ref.kv[..., :ref.length, :])
+        runner.release(ref)
+        out[f"k{k}"] = {"round_ms": times[0], "exact": bool(ok and same), "picks_exact": bool(ok),
+                        "state_exact": bool(same), "rounds": len(results)}
+        runner.release(state)
+        del state
+    out["all_exact"] = all(out[f"k{k}"]["exact"] for k in (1, 8, W))
+    if graphs:  # the in-graph restore alone (windows + the kept rows' replay), a graph of its own
+        from memra_cli.engine.runtime import cuda_graphs
+
+        state = runner.new_state(cap)
+        runner.prefill(torch.tensor(prompt, device=dev), state)
+        runner.step(seq[state.length: state.length + W], state.length, state)  # a recorded step to re-run
+        graph, _ = cuda_graphs.capture(state.restore_round, dev)
+        for rows in (1, 8, -1):
+            state.round_params.copy_(torch.tensor([0, rows], dtype=torch.int32))
+            out[f"restore_ms_rows{rows}"] = replay_ms(graph.replay, 50)
+        runner.release(state)
+    target.set_rollback("replay" if dev.type == "cuda" else "stash")
+    return out
+
+
 def hf_greedy(path: Path, prompt: list[int], dev: torch.device, dtype, tokens: int) -> dict:
     from memra_cli.hf_compat import protect_kernels_name
 
@@ -347,7 +453,7 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-hybrid-step.json")
     p.add_argument("--ckpt", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "memra-qwen35-4b-random")
     p.add_argument("--tiny", action="store_true", help="small shapes on the CPU, no graphs (a smoke run)")
-    p.add_argument("--gdn-tile", default="", help="BLOCK_V,WARPS[,LATE_PREP] of the DeltaNet recurrence kernel (a sweep's "
+    p.add_argument("--gdn-tile", default="", help="BLOCK_V,WARPS[,LATE_PREP[,PREFETCH]] of the DeltaNet recurrence kernel (a sweep's "
                    "candidate; the engine's are memra_kernels.deltanet's constants)")
     p.add_argument("--attn-tile", default="", help="SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS of the attention "
                    "kernel at head_dim 256 (a sweep's candidate, e.g. step_profile.py's best_hd256; the "
@@ -362,13 +468,16 @@ def main() -> None:
         from memra_kernels import deltanet as _gdn
         try:
             parts = [int(x) for x in a.gdn_tile.split(",")]
-            if len(parts) not in (2, 3):
+            if len(parts) not in (2, 3, 4) or (len(parts) == 4 and parts[3] not in (1, 2)):
                 raise ValueError
         except ValueError:
-            p.error(f"--gdn-tile: expected BLOCK_V,WARPS[,LATE_PREP] (two or three integers), got {a.gdn_tile!r}")
+            p.error(f"--gdn-tile: expected BLOCK_V,WARPS[,LATE_PREP[,PREFETCH]] (two to four integers, PREFETCH 1 or 2), "
+                    f"got {a.gdn_tile!r}")
         _gdn.BLOCK_V, _gdn.REC_WARPS = parts[:2]
-        if len(parts) == 3:
+        if len(parts) >= 3:
             _gdn.LATE_PREP = bool(parts[2])
+        if len(parts) == 4:
+            _gdn.PREFETCH = parts[3]
     if a.attn_tile:
         from memra_kernels import attention as _attn
         try:  # before any launch: decode_attention reads tile_for(256) -> TILES[256] at each call
@@ -411,6 +520,7 @@ def main() -> None:
             report.section("floor", lambda: floor(target, reps))
         report.section("plain", lambda: plain(target, prompt, graphs, tokens, reps))
         report.section("verify", lambda: verify(target, prompt, graphs, max(3, reps // 3)))
+        report.section("rounds", lambda: verify_rounds(target, prompt, graphs, 4 if tiny else 40))
         short = [prompt[:prompt_len // 4], prompt]
         report.section("exact", lambda: exact(target, short, graphs, tokens if tiny else 64))
     del target
@@ -442,6 +552,12 @@ def main() -> None:
                 both = row["verify16_ms"] + row["rollback_ms"]
                 summary[f"verify16_rollback_ms_{mode}"] = both
                 summary[f"verify16_rollback_over_plain_{mode}"] = both / summary["memra_plain_token_ms_w1"]
+        rounds = d.get("rounds", {})
+        if "k8" in rounds:  # the same, as the engine's pipelined rounds run it (rollback in the graph)
+            summary["verify16_round_ms_k8"] = rounds["k8"]["round_ms"]
+            summary["verify16_round_over_plain"] = rounds["k8"]["round_ms"] / summary["memra_plain_token_ms_w1"]
+            summary["verify16_round_over_plain_k16"] = rounds[f"k{W}"]["round_ms"] / summary["memra_plain_token_ms_w1"]
+            summary["exact"] = summary["exact"] and rounds["all_exact"]
         ours, theirs = d["exact"]["plain_stream"], d.get("transformers", {}).get("stream", [])
         summary["transformers_agree_prefix"] = next(  # bf16: streams may part at a near-tie
             (i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))

@@ -211,9 +211,10 @@ def attention_tiles(with_8b: bool = True) -> dict:
 def gdn_tiles() -> dict:
     """The DeltaNet recurrence kernel's tile (value columns per program, warps) at the 4B shape
     (16 key / 32 value heads of 128): µs per layer, graph over 24 layers, 1 and 16 rows, with and
-    without the per-row stash, with row r+1's prep before or after row r's update (LATE_PREP).
-    `best_rows16` = [BLOCK_V, warps, LATE_PREP] of the fastest 16-row no-stash run (informational:
-    the engine uses the module's constants)."""
+    without the per-row stash, with row r+1's prep before or after row r's update (LATE_PREP),
+    inputs loaded one or two rows ahead (PREFETCH). `best_rows16` = [BLOCK_V, warps, LATE_PREP,
+    PREFETCH] of the fastest 16-row no-stash run (informational: the engine uses the module's
+    constants)."""
     from memra_kernels import deltanet as D
 
     hk, hv, dk, dv, layers = 16, 32, 128, 128, 24
@@ -228,35 +229,40 @@ def gdn_tiles() -> dict:
         res = torch.empty(rows, hv, dv, device="cuda")
         stash = torch.empty(layers, rows, hv, dk, dv, device="cuda")
         idx = torch.arange(rows, device="cuda")
-        for block_v, warps, late, with_stash in [(bv, w, late, st) for bv, w in ((32, 2), (32, 1), (16, 2), (16, 1), (8, 1))
-                                                 for late in (False, True) for st in (False, True)]:
+        for block_v, warps, late, with_stash, ahead in [
+                (bv, w, late, st, pf) for bv, w in ((32, 1), (16, 1), (8, 1)) for late in (False, True)
+                for st in (False, True) for pf in (1, 2)]:
             def calls():
                 for i in range(layers):
                     D._gdn_kernel[(hv, dv // block_v)](
                         qkv[i], g[i], beta[i], state[i], res, final[i], stash[i], idx,
-                        rows, hv // hk, 1, int(with_stash), 1, 0, rows, 0, 0,
+                        rows, hv // hk, 1, 0, rows, 0, 0,
                         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, D.L2_EPS,
-                        HV=hv, KEY_DIM=hk * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=late,
-                        num_warps=warps)
+                        HV=hv, KEY_DIM=hk * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=late, WRITE_OUT=True,
+                        WRITE_STASH=with_stash, PREFETCH=ahead, num_warps=warps)
             try:
                 graph, _ = cuda_graphs.capture(calls, torch.device("cuda"))
                 us = 1e3 * replay_ms(graph.replay, 20) / layers
             except Exception as exc:  # noqa: BLE001
                 us = f"{type(exc).__name__}: {exc}"[:200]
-            out[f"rows{rows}_bv{block_v}_w{warps}_late{int(late)}_stash{int(with_stash)}"] = us
-        # the batched replay a rollback runs: every layer, `rows` rows, one launch
-        try:
-            graph, _ = cuda_graphs.capture(lambda: D.gated_delta_rule_layers(qkv, g, beta, state, hk, 0, rows, final),
-                                           torch.device("cuda"))
-            out[f"replay_all_layers_rows{rows}_us"] = 1e3 * replay_ms(graph.replay, 20)
-        except Exception as exc:  # noqa: BLE001
-            out[f"replay_all_layers_rows{rows}_us"] = f"{type(exc).__name__}: {exc}"[:200]
+            out[f"rows{rows}_bv{block_v}_w{warps}_late{int(late)}_stash{int(with_stash)}_pf{ahead}"] = us
+        # the batched replay a rollback runs: every layer, `rows` rows, one launch (module constants)
+        for ahead in (1, 2):
+            D.PREFETCH, saved = ahead, D.PREFETCH
+            try:
+                graph, _ = cuda_graphs.capture(lambda: D.gated_delta_rule_layers(qkv, g, beta, state, hk, 0, rows, final),
+                                               torch.device("cuda"))
+                out[f"replay_all_layers_rows{rows}_pf{ahead}_us"] = 1e3 * replay_ms(graph.replay, 20)
+            except Exception as exc:  # noqa: BLE001
+                out[f"replay_all_layers_rows{rows}_pf{ahead}_us"] = f"{type(exc).__name__}: {exc}"[:200]
+            finally:
+                D.PREFETCH = saved
     # the tile a replay-mode verify runs fastest with: 16 rows, no stash (ties to the larger tile)
-    timed = {k: v for k, v in out.items() if k.startswith(f"rows{W}_") and k.endswith("stash0") and isinstance(v, float)}
+    timed = {k: v for k, v in out.items() if k.startswith(f"rows{W}_") and "stash0" in k and isinstance(v, float)}
     if timed:
         best = min(timed, key=timed.get)
         out["best_rows16"] = [int(best.split("_bv")[1].split("_")[0]), int(best.split("_w")[1].split("_")[0]),
-                              int(best.split("_late")[1].split("_")[0])]
+                              int(best.split("_late")[1].split("_")[0]), int(best.split("_pf")[1].split("_")[0])]
     return out
 
 
