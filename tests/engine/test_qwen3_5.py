@@ -912,7 +912,7 @@ def replay_graphs(monkeypatch):
     right = Qwen35Target.static_step
     capturing, variant_of = [None], {}
 
-    def static_step(self, ids, positions, state, taps=None):
+    def static_step(self, ids, positions, state, taps=None, widen=True):
         # a real graph binds the buffers of the arrangement it was captured in: a replay in
         # another arrangement would read and write the wrong ones. A round queued ahead of the
         # host's read (a speculative round that restores the state itself) runs while the host
@@ -924,7 +924,7 @@ def replay_graphs(monkeypatch):
         elif capturing[0] is not None:
             variant_of.setdefault(capturing[0], (state, state.graph_variant))
         before = (state._pending, state._width)
-        out = right(self, ids, positions, state, taps)
+        out = right(self, ids, positions, state, taps, widen)
         if replaying[0] is not False:
             state._pending, state._width = before
         return out

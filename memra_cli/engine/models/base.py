@@ -64,10 +64,11 @@ class TargetModel(Protocol):
         ...
 
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, state: TargetState,
-                    taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Fixed width, positions on the device (continuing `state.length`), graph-capturable
-        where `supports_cuda_graphs`: f32 logits `[W, vocab]` and taps; leaves `state.length`
-        alone (the rows stay pending until `state.commit`)."""
+        where `supports_cuda_graphs`: f32 logits `[W, vocab]` (`widen=False`: the lm_head's
+        model-dtype output, for an argmax that needs no float32 copy) and taps; leaves
+        `state.length` alone (the rows stay pending until `state.commit`)."""
         ...
 
 

@@ -396,6 +396,16 @@ class Drafter:
             mask = mask & ((keys < start)[None, :] | (diff >= 0))
         return mask
 
+    def _offsets(self, n: int) -> torch.Tensor:
+        """`arange(n)` on the drafter's device, made once per n and kept here: a round's graph
+        reads it as a constant (one launch less each time it is used), and it outlives the
+        graphs that read it. Read only."""
+        made = self.__dict__.setdefault("_offset_rows", {})
+        rows = made.get(n)
+        if rows is None:
+            rows = made[n] = torch.arange(n, device=self.device)
+        return rows
+
     def static_ingest(self, kv: DraftKV, taps: torch.Tensor, start: torch.Tensor) -> None:
         """`ingest` of exactly `b` rows `taps [b, n_taps*hidden]` at positions `start..start+b-1`
         (`start` a 0-d device tensor; row index == position), without touching `kv.length`.
@@ -403,7 +413,7 @@ class Drafter:
         Per layer: the k/v projection, then the step ops' k norm + rope + K/V write (a qkv with
         no q heads)."""
         b, cfg, ops = taps.shape[0], self.cfg, self.step_ops
-        positions = start + torch.arange(b, device=self.device)
+        positions = start + self._offsets(b)
         ctx = self.ctx_features(taps)
         for li, w in enumerate(self.layers):
             ops.qk_norm_rope_kv_write(self._kv(ctx, w), w.q_norm, w.k_norm, kv.cos, kv.sin, positions,
@@ -422,9 +432,8 @@ class Drafter:
         keys `0..start+b-1`, i.e. the committed ctx and the whole block, never the stale rows
         after it. Sliding and block-causal layers keep `_static_mask` (torch attention)."""
         b, cfg, ops = noise.shape[0], self.cfg, self.step_ops
-        positions = start + torch.arange(b, device=self.device)
+        positions = start + self._offsets(b)
         last = positions[-1:].repeat(b)  # [b], contiguous: the kernel reads one position a row
-        keys = torch.arange(kv.rows, device=self.device)
 
         def attend(li, xn):
             w, layout = self.layers[li], self.layouts[li]
@@ -433,6 +442,7 @@ class Drafter:
                                           cfg.rms_norm_eps)
             if self._plain(layout):
                 return ops.attention(q, kv.k[li], kv.v[li], last, self.scale)
+            keys = self._offsets(kv.rows)  # (only masked layers need every key's position)
             return gqa_attention(q, kv.k[li], kv.v[li], self._static_mask(layout, positions, keys, start), self.scale)
 
         return self._layers(noise.to(self.dtype), attend, keep_layers=False)[0]

@@ -301,7 +301,7 @@ class Qwen3Target(TargetBase):
         return F.linear(hidden, self._lm_head)
 
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                    taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-width step with every shape static and every position on the device.
 
         `ids [W]` at `positions [W]` (consecutive): each layer is a fused projection, then the
@@ -309,7 +309,9 @@ class Qwen3Target(TargetBase):
         q/k norm + rope + the K/V write, causal attention by position over the cache, the
         residual add fused with the next norm, and SiLU·mul. Nothing depends on a host value, so
         a CUDA graph can capture it, and every op is row-count invariant, so a token's logits do
-        not depend on what shares its step or on the storage size.
+        not depend on what shares its step or on the storage size. `widen=False` returns the
+        lm_head's model-dtype logits (an argmax of them is the float32 copy's: the widening is
+        exact and keeps the order), without writing that copy.
         """
         ops, eps = self.step_ops, self.cfg.rms_norm_eps
         self.ensure_positions(cache.max_len)
@@ -329,4 +331,4 @@ class Qwen3Target(TargetBase):
             if li in wanted:
                 tapped[li] = x
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        return self.logits(h), taps_out
+        return (self.logits(h) if widen else self.lm_head(h)), taps_out

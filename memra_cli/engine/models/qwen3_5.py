@@ -801,7 +801,7 @@ class Qwen35Target(TargetBase):
         return hidden, tapped
 
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen35State,
-                    taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-width step (as Qwen3Target's), capturable: `ids [W]` at device `positions
         [W]` continuing the committed state (`_run`: every op but the weight matmuls is a step
         op). Attention layers: `step_ops.attention` over the cache by position. DeltaNet layers:
@@ -809,7 +809,8 @@ class Qwen35Target(TargetBase):
         this step only reads; the rows go into the state's ring by position % ring (conv inputs,
         plus the per-row states or the recurrence inputs). Nothing reads a host value that changes
         from step to step, so a CUDA graph replays it; `state.commit(end)` then keeps the real
-        rows (runs no kernel of the step). Returns float32 logits `[W, vocab]` and taps."""
+        rows (runs no kernel of the step). Returns float32 logits `[W, vocab]` (`widen=False`:
+        the lm_head's model-dtype output) and taps."""
         width = ids.shape[0]
         if width > state.ring:
             raise ConfigError(f"a fixed step of {width} rows is wider than rollback_rows ({state.ring}): "
@@ -822,7 +823,7 @@ class Qwen35Target(TargetBase):
             return ops.gated_attention(q, kv[0], kv[1], positions, self.scale, qgkv, self.n_heads)
 
         hidden, tapped = self._run(ids, positions, attend, state, positions % state.ring, False, False, taps)
-        return self.logits(hidden), tapped
+        return (self.logits(hidden) if widen else self.lm_head(hidden)), tapped
 
     def _mask(self, start: int, t: int) -> torch.Tensor | None:
         if t == 1:

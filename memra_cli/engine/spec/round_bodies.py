@@ -53,7 +53,8 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
             cand = cand[:width]
         else:
             cand = torch.cat([cand, cand[-1:].expand(width - cand.shape[0])])
-        logits, tapped = target.static_step(cand, rows + t_start, cache, taps)
+        # model-dtype logits: their argmax is the float32 copy's (an exact widening), unwritten
+        logits, tapped = target.static_step(cand, rows + t_start, cache, taps, widen=False)
         sel = target.step_ops.argmax(logits)
         drafter.static_ingest(kv, tapped, d_start)
         return cand, sel, raws
@@ -114,7 +115,7 @@ def plain_step(target, cache, width: int):
 
     def body(inputs: torch.Tensor) -> torch.Tensor:
         t_start, last = inputs[0], inputs[1:2]
-        logits, _ = target.static_step(last.expand(width).contiguous(), rows + t_start, cache, None)
+        logits, _ = target.static_step(last.expand(width).contiguous(), rows + t_start, cache, None, widen=False)
         return target.step_ops.argmax(logits[:1])
 
     return body
