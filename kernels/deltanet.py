@@ -174,9 +174,9 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
                 PREFETCH: tl.constexpr = 1, ROWS_ON_DEVICE: tl.constexpr = False, PDL: tl.constexpr = False):
     # program (layer * HV + head, value block); row r of the step reads input row (row0 + r) % ring
     # of its layer (layer_qkv / layer_gb: the layer strides of the inputs; states are contiguous
-    # [layers, HV, DK, DV]). One compiled kernel serves the step (1 layer, rows 0..t-1) and the
-    # batched replay over a ring (every layer, rows from the record's base): same per-row code,
-    # so the same bits.
+    # [layers, HV, DK, DV]). One kernel serves the step (1 layer, rows 0..t-1) and the batched
+    # replay over a ring (every layer, rows from the record's base): the same per-row code, so
+    # the same bits (the replay's variant only drops the output and stash writes).
     pdl_wait(PDL)
     if ROWS_ON_DEVICE:  # (row0, t) from the int32 pair at idx_ptr: a graphed replay's inputs
         row0 = tl.load(idx_ptr)
@@ -192,8 +192,8 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     kh = h // ratio
     tile = (layer * HV + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]  # [DK, BLOCK_V] of one head's state
-    if ROWS_ON_DEVICE:  # nothing to replay: not even the state's read (48 MiB at the 4B's shapes)
-        s = tl.load(state_ptr + tile, mask=(offs_k[:, None] < DK) & (write_final != 0), other=0.0)
+    if ROWS_ON_DEVICE:  # rows -1: not even the state's read (48 MiB at the 4B's shapes)
+        s = tl.load(state_ptr + tile, mask=(tile >= 0) & (write_final != 0), other=0.0)  # (a tile-shaped mask)
     else:
         s = tl.load(state_ptr + tile)
     # Row r+1's inputs are loaded (and q, k normalized) while row r updates the state: they do

@@ -166,6 +166,7 @@ class Drafter:
         # the fused norms / rope / SiLU·mul / attention (layers/step_ops.py); Engine.arm hands
         # the drafter the engine's, so it runs the kernels its target runs
         self.step_ops = TorchStepOps()
+        self._offset_rows: dict[int, torch.Tensor] = {}  # `_offsets(n)`: arange(n), made once per n
 
     # ------------------------------------------------------------------- loading
 
@@ -400,10 +401,9 @@ class Drafter:
         """`arange(n)` on the drafter's device, made once per n and kept here: a round's graph
         reads it as a constant (one launch less each time it is used), and it outlives the
         graphs that read it. Read only."""
-        made = self.__dict__.setdefault("_offset_rows", {})
-        rows = made.get(n)
+        rows = self._offset_rows.get(n)
         if rows is None:
-            rows = made[n] = torch.arange(n, device=self.device)
+            rows = self._offset_rows[n] = torch.arange(n, device=self.device)
         return rows
 
     def static_ingest(self, kv: DraftKV, taps: torch.Tensor, start: torch.Tensor) -> None:

@@ -89,7 +89,7 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     `settle_round` (spec/settle.py; one launch with the kernels: memra_kernels.settle).
 
     A target state that rolls back on the device (`settles_on_device`: the hybrid's recurrent
-    state in replay mode) is restored here too: the settlement also writes the ring rows to
+    state, either rollback mode) is restored here too: the settlement also writes the ring rows to
     re-run (`state.round_params`) and `state.restore_round()` re-runs them from the step's base,
     so the round needs no host rollback between it and the next."""
     core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws)
