@@ -2,13 +2,19 @@
 # On the lent H200: the embedded-model build in two calls (each fits the 10-minute cap).
 #   bash benchmarks/gpu/build_assets.sh target   # corpus, tokenizer, target, drafter data, the depth sweep
 #   bash benchmarks/gpu/build_assets.sh drafters # both drafters side by side, then the assembled pair
+# or, to retrain the drafters for the target already shipped (memra_cli/assets):
+#   bash benchmarks/gpu/build_assets.sh seed     # the shipped target into build-work, then the drafter data
+#   bash benchmarks/gpu/build_assets.sh drafters
+# or all of that in one call (the new pair also lands in build-work/assets, for a warm next call:
+# benchmarks/gpu/retrain_compare.sh benches it beside the shipped one):
+#   bash benchmarks/gpu/build_assets.sh retrain
 # State lives in build-work/ (git-ignored; carry it to the second call: the machine is bare again).
 # Results come back under $OUT as tar parts (the device returns at most 8 files of 16 MiB).
 # TESTS_S > 0 also runs the `gpu`-marked tests after the target stage (they do not share the GPU
 # with anything timed).
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-stage=${1:?stage: target or drafters}
+stage=${1:?stage: target, seed, drafters or retrain}
 R=/tmp/results; mkdir -p $R "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
 python3 -c "import sys, torch, transformers, tokenizers; print(sys.version, torch.__version__, transformers.__version__, tokenizers.__version__)" | tee -a $R/gpu.txt
@@ -24,7 +30,19 @@ if [ "$stage" = target ]; then
     PYTHONPATH=$PWD:/tmp/mk:/tmp/site timeout "$TESTS_S" python3 -m pytest -q -m gpu -p no:cacheprovider tests > $R/gpu_tests.txt 2>&1
     echo "rc=$?" >> $R/gpu_tests.txt; tail -4 $R/gpu_tests.txt
   fi
+elif [ "$stage" = seed ]; then
+  rm -rf build-work
+  python3 -m memra_cli.assets.build --stage seed --work build-work 2>&1 | tee $R/build-seed.log
+  python3 -m memra_cli.assets.build --stage data --work build-work 2>&1 | grep -v "Loading weights" | tee $R/build-data.log
+  cp build-work/state.json $R/
+  tar cf - build-work | split -b 15M - "$OUT/work.tar.part-"
 else
+  if [ "$stage" = retrain ]; then
+    rm -rf build-work
+    python3 -m memra_cli.assets.build --stage seed --work build-work 2>&1 | tee $R/build-seed.log
+    python3 -m memra_cli.assets.build --stage data --work build-work 2>&1 | grep -v "Loading weights" | tee $R/build-data.log
+    cp build-work/state.json $R/; tar czf "$OUT/results.tgz" -C $R .
+  fi
   for kind in dflash dspark; do
     python3 -m memra_cli.assets.build --stage drafter --kind $kind --work build-work 2>&1 | grep -v "Loading weights" > $R/build-$kind.log &
   done
@@ -33,6 +51,7 @@ else
   python3 -m memra_cli.assets.build --stage assemble --work build-work --out /tmp/assets 2>&1 | tee $R/build-assemble.log
   cp /tmp/assets/build_info.json $R/
   tar cf - -C /tmp/assets target dflash dspark build_info.json stdlib.jsonl | split -b 15M - "$OUT/assets.tar.part-"
+  rm -rf build-work/assets; cp -r /tmp/assets build-work/assets
 fi
 tar czf "$OUT/results.tgz" -C $R .
 ls -la "$OUT"

@@ -24,7 +24,10 @@ carries the state between):
    memra_cli/engine/data/stdlib.jsonl;
 7. the target and both drafters replace the old assets together.
 
-Stages: `target` (1-4, state to `--work`), `data` (4 again over a finished target stage),
+Stages: `target` (1-4, state to `--work`), `seed` (a work folder whose target stage is an already
+built assets folder's target, `--from DIR`, default the package's: the drafters are then retrained
+for the target users already have, and the corpus must hash the same), `data` (4 again over a
+finished or seeded target stage),
 `sweep` (short DSpark runs over drafter depth on the `--work` data; records `sweep.json`, whose
 best row sets the drafters' depth), `drafter --kind dflash|dspark` (5-6 for one drafter, into
 `--work`; the two may run side by side), `assemble` (7: the finished pair into `--out`),
@@ -69,7 +72,9 @@ class Recipe:
     target_batch: int = 64
     seq_len: int = 512
     target_lr: float = 3e-3
-    n_prompts: int = 24576  # random corpus windows (overlapping windows of the prompt files)
+    # random corpus windows (overlapping windows of the prompt files). 49,152 since 2026-12-04:
+    # the 2026-12-03 drafters (26,230 sequences) ran ~31 epochs over their data in 400 s.
+    n_prompts: int = 49152
     n_head_prompts: int = 8192  # stand-alone function heads (as many as there are)
     head_tokens: int = 192  # longest head used as a prompt
     prompt_len: int = 128
@@ -99,8 +104,17 @@ class Recipe:
     # wall-clock caps: each stage fits one 10-minute call on the lent H200 (the two drafters train
     # side by side in one call: `--stage drafter --kind K` each, then `--stage assemble`)
     target_budget_s: float | None = 180.0
-    dflash_budget_s: float | None = 400.0
-    dspark_budget_s: float | None = 400.0
+    # (the depth sweep measured tau_full 6.74 at 45 s and 7.77 at 400 s on the same data: training
+    # time still pays; 430 s keeps seed + data + both drafters side by side inside one 10-minute call)
+    dflash_budget_s: float | None = 430.0
+    dspark_budget_s: float | None = 430.0
+
+
+# Recipe fields that decide the target stage (corpus split, tokenizer, target): a seeded work folder
+# must have been built with the same, or the recorded recipe would not describe its target.
+TARGET_FIELDS = ("vocab", "hidden", "target_layers", "heads", "kv_heads", "ffn", "max_pos", "target_steps", "val_every",
+                 "drafter_files_every", "target_batch", "seq_len", "target_lr", "max_files", "heldout_every",
+                 "target_budget_s")
 
 
 SMOKE = Recipe(vocab=300, hidden=32, target_layers=4, heads=2, kv_heads=1, ffn=64, max_pos=512, target_steps=1,
@@ -217,6 +231,47 @@ def _corpus_and_split(r: Recipe, tok=None):
     prompt_files = [t for i, t in enumerate(corpus.train) if i % every == every - 1]
     return corpus, tok, target_files, prompt_files, encode_corpus(tok, target_files, eos), \
         encode_corpus(tok, prompt_files, eos), encode_corpus(tok, corpus.heldout, eos)
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def seed_from_assets(work: Path, src: Path, r: Recipe) -> dict:
+    """Stage `seed`: `work` gets `src`'s target and a state.json made of `src/build_info.json`'s
+    target-stage entries (corpus, tokens, target training), so `data` and the drafter stages run
+    over the target already shipped. The depth sweep of that build comes along as
+    `work/sweep.json` (it was measured on this target). Refuses an assets folder built with other
+    target-stage recipe fields."""
+    info_path = src / "build_info.json"
+    if not info_path.is_file() or not (src / "target" / "model.safetensors").is_file():
+        raise SystemExit(f"error: {src}: not a built assets folder (expected build_info.json and target/model.safetensors)")
+    info = json.loads(info_path.read_text())
+    built, ours = info.get("recipe", {}), asdict(r)
+    for key in TARGET_FIELDS:
+        if built.get(key) != ours[key]:
+            raise SystemExit(f"error: {info_path}: recipe.{key} is {built.get(key)!r}, this recipe's is {ours[key]!r} "
+                             f"(a seeded target must come from the same target-stage recipe)")
+    shutil.rmtree(work / "target", ignore_errors=True)
+    shutil.copytree(src / "target", work / "target")
+    for stale in ("data.pt", "drafters", "sweep.json", "stdlib.jsonl"):
+        p = work / stale
+        shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+    if "sweep" in info:
+        (work / "sweep.json").write_text(json.dumps(info["sweep"], indent=2) + "\n")
+    state = {k: v for k, v in info.items() if k not in ("dflash", "dspark", "sweep", "drafter_stage_s")}
+    state["target_from"] = {"assets": src.name if src.resolve() != ASSETS else "memra_cli/assets",
+                            "model_sha256": _sha256(src / "target" / "model.safetensors"),
+                            "built_with": {k: built[k] for k in TARGET_FIELDS}}
+    (work / "state.json").write_text(json.dumps(state, indent=2) + "\n")
+    _log(f"seeded {work} with the target of {src} (sha256 {state['target_from']['model_sha256'][:12]}…)")
+    return state
 
 
 def rebuild_data(work: Path, r: Recipe, device: torch.device) -> dict:
@@ -415,7 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m memra_cli.assets.build", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ASSETS, help="output folder (default: the package's assets)")
     p.add_argument("--work", type=Path, help="state between stages (default: OUT/.build-work, removed after 'all')")
-    p.add_argument("--stage", choices=("all", "target", "data", "sweep", "drafters", "drafter", "assemble"), default="all")
+    p.add_argument("--stage", choices=("all", "target", "seed", "data", "sweep", "drafters", "drafter", "assemble"),
+                   default="all")
+    p.add_argument("--from", dest="src", type=Path, default=ASSETS,
+                   help="--stage seed: the built assets folder whose target to reuse (default: the package's)")
     p.add_argument("--kind", choices=("dflash", "dspark"), help="which drafter --stage drafter trains")
     p.add_argument("--smoke", action="store_true", help="toy sizes, one step per stage (CI)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -433,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     if a.stage in ("all", "target"):
         build_target(work, recipe, device)
+    if a.stage == "seed":
+        if a.work is None:
+            raise SystemExit("error: --stage seed needs --work DIR (the folder the later stages read)")
+        seed_from_assets(work, a.src, recipe)
     if a.stage == "data":
         rebuild_data(work, recipe, device)
     if a.stage in ("all", "sweep"):

@@ -79,6 +79,30 @@ def test_build_recipe_smoke_runs_on_cpu(tmp_path):
     assert (tmp_path / "stdlib.jsonl").is_file() and not (tmp_path / ".build-work").exists()
 
 
+def test_drafters_retrain_over_a_shipped_target(tmp_path):
+    """`--stage seed` reuses a built assets folder's target: the data and drafter stages over it
+    assemble a pair whose target is byte for byte the old one, and the build record says so; an
+    assets folder built with other target-stage recipe fields is refused by name."""
+    old, work, new = tmp_path / "old", tmp_path / "work", tmp_path / "new"
+    assert build_main(["--smoke", "--out", str(old), "--device", "cpu"]) == 0
+    for stage in (["--stage", "seed", "--from", str(old)], ["--stage", "data"], ["--stage", "drafters", "--out", str(new)]):
+        assert build_main(["--smoke", "--work", str(work), "--device", "cpu", *stage]) == 0
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (new / "target" / name).read_bytes() == (old / "target" / name).read_bytes()
+    assert (new / "stdlib.jsonl").read_text() == (old / "stdlib.jsonl").read_text()
+    info, before = (json.loads((d / "build_info.json").read_text()) for d in (new, old))
+    assert info["target_from"]["built_with"]["hidden"] == before["recipe"]["hidden"]
+    assert info["target_steps_run"] == before["target_steps_run"] and info["dspark"]["steps_run"] == 1
+    assert take_census(new / "dspark").markov is not None
+
+    before["recipe"]["hidden"] += 1  # as if built by another recipe
+    (old / "build_info.json").write_text(json.dumps(before))
+    with pytest.raises(SystemExit, match=r"build_info.json: recipe.hidden is 33, this recipe's is 32"):
+        build_main(["--smoke", "--work", str(work), "--stage", "seed", "--from", str(old)])
+    with pytest.raises(SystemExit, match="not a built assets folder"):
+        build_main(["--smoke", "--work", str(work), "--stage", "seed", "--from", str(tmp_path)])
+
+
 def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
     """The training twin and the engine compute the same function on exported weights, so the
     acceptance measured at build time is the acceptance the engine will see."""
