@@ -2,13 +2,13 @@
 # On the lent H200, the call after `build_assets.sh retrain` (warm machine: build-work/assets is
 # still there): the retrained pair beside the shipped one in one bench run per prompt set, so the
 # two pairs' ratios come from the same process, same target, same plain baseline.
-#   bash benchmarks/gpu/retrain_compare.sh
+#   bash benchmarks/gpu/retrain_compare.sh [SET...]   # prompt sets, default humaneval stdlib
 # (With a cold machine, carry the new assets as build-work/assets.)
 set -o pipefail
 source benchmarks/gpu/_env.sh
 NEW=build-work/assets
 [ -f $NEW/dspark/config.json ] || { echo "error: $NEW/dspark/config.json: no retrained pair here (cold machine? carry it)"; exit 2; }
-for set in humaneval stdlib; do
+for set in ${@:-humaneval stdlib}; do
   s=$(date +%s); json=$R/h200-retrain-$set.json
   timeout ${BENCH_S:-150} python3 -m memra_cli bench --prompts $set --max-new 128 --warmup 2 \
     --arm off --arm plain --arm dflash --arm dspark --arm dspark:adapt=0 \
