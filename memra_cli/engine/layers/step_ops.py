@@ -74,7 +74,7 @@ import torch.nn.functional as F
 from memra_cli.engine.errors import SettingError
 from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_replay_dev,
                                               gated_delta_step, gated_rms_norm, ring_window, rms_norm_1p)
-from memra_cli.engine.layers.ops import rms_norm
+from memra_cli.engine.layers.ops import rms_norm, sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope, apply_rope
 from memra_cli.engine.spec.settle import settle_round
 
@@ -121,7 +121,7 @@ class TorchStepOps:
         keys = torch.arange(n, device=q.device)
         mask = (keys[None, :] <= positions[:, None]).repeat(g, 1)
         qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
-        out = F.scaled_dot_product_attention(qf, k_cache, v_cache, attn_mask=mask, scale=scale)
+        out = sdpa(qf, k_cache, v_cache, mask, scale)
         return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
 
     @staticmethod
@@ -141,7 +141,7 @@ class TorchStepOps:
         nkv = keys.shape[0]
         g = nh // nkv
         qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
-        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
+        out = sdpa(qf, keys, values, mask)
         return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
 
     @staticmethod
