@@ -110,21 +110,8 @@ def test_prefill_logits_match_hf(models, variant):
 
 
 def test_tied_lm_head_is_the_embedding(models):
-    """On the CPU the tied head is the embedding's values in-major (layers/ops.gemm_layout), a
-    copy of its own: the embedding stays row-major for its gathers."""
     target, _ = models["tied"]
-    assert torch.equal(target.lm_head_weight, target.embed_weight)
-    assert target.lm_head_weight.t().is_contiguous() and target.embed_weight.is_contiguous()
-
-
-def test_cpu_matmul_weights_are_in_major(models):
-    """Every plain matmul weight of a CPU target is stored as the transpose of a contiguous
-    `[in, out]` (MKL then reads it without a transpose: layers/ops.gemm_layout)."""
-    target, _ = models["untied"]
-    for w in target.layers:
-        for m in (w.wqkv, w.wo, w.w_gate_up, w.w_down):
-            assert m.t().is_contiguous() and not m.is_contiguous()
-    assert target.lm_head_weight.t().is_contiguous()
+    assert target.lm_head_weight is target.embed_weight
 
 
 # --------------------------------------------------------------------------- (b) incremental

@@ -23,18 +23,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(dtype)
 
 
-def gemm_layout(w: object) -> object:
-    """A plain `[out, in]` matmul weight on the CPU, stored in-major: the transpose of a
-    contiguous `[in, out]` (same shape, same values, other strides). `F.linear(x, w)` multiplies
-    by `w.T`, which is then contiguous, and MKL's sgemm reads it as it lies instead of through a
-    transpose. On the 2-core dev CPU, weights not in cache (a step reads each once): one row
-    2.6x faster, 16 rows 1.3x (1536 x 256); from 4 rows up the products are the same bits as
-    the out-major weight's, at 1 and 2 rows not. Anything else (CUDA, quantized, not 2-D) as is."""
-    if isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dim() == 2 and w.is_floating_point():
-        return w.t().contiguous().t()
-    return w
-
-
 def linear(x: torch.Tensor, w: object) -> torch.Tensor:
     """`x @ w.T` for a plain weight `[out, in]`, or `w(x)` for a quantized linear module."""
     if isinstance(w, torch.Tensor):

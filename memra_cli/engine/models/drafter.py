@@ -38,7 +38,7 @@ from memra_cli.engine.formats.names import CONF_B, CONF_W, MARKOV_W1, MARKOV_W2,
 from memra_cli.engine.formats.census import Census, LayerLayout, take_census
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.errors import CheckpointError, MemraError
-from memra_cli.engine.layers.ops import gemm_layout, gqa_attention, linear, rms_norm
+from memra_cli.engine.layers.ops import gqa_attention, linear, rms_norm
 from memra_cli.engine.layers.quantized import for_device, out_rows, stack_out
 from memra_cli.engine.layers.rope import RopeTables, apply_rope, cos_sin, rope_tables
 from memra_cli.engine.layers.step_ops import TorchStepOps
@@ -87,26 +87,6 @@ class DraftLayer:
         if w_gate_up is not None:
             self.w_gate_up = w_gate_up
             self.w_gate, self.w_up = out_rows(w_gate_up, 0, ff), out_rows(w_gate_up, ff, _out_features(w_gate_up))
-        return self
-
-    def gemm_layout(self) -> "DraftLayer":
-        """The fused matmul weights in-major on the CPU (layers/ops.gemm_layout), and the
-        separate projections views of them again."""
-        if self.wqkv is not None:
-            nq, nk = _out_features(self.wq), _out_features(self.wk)
-            self.wqkv = gemm_layout(self.wqkv)
-            self.wkv = out_rows(self.wqkv, nq, _out_features(self.wqkv))
-            self.wq = out_rows(self.wqkv, 0, nq)
-            self.wk, self.wv = out_rows(self.wkv, 0, nk), out_rows(self.wkv, nk, _out_features(self.wkv))
-        else:
-            self.wq, self.wk, self.wv = gemm_layout(self.wq), gemm_layout(self.wk), gemm_layout(self.wv)
-        if self.w_gate_up is not None:
-            ff = _out_features(self.w_gate)
-            self.w_gate_up = gemm_layout(self.w_gate_up)
-            self.w_gate, self.w_up = out_rows(self.w_gate_up, 0, ff), out_rows(self.w_gate_up, ff, _out_features(self.w_gate_up))
-        else:
-            self.w_gate, self.w_up = gemm_layout(self.w_gate), gemm_layout(self.w_up)
-        self.wo, self.w_down = gemm_layout(self.wo), gemm_layout(self.w_down)
         return self
 
 
@@ -169,8 +149,6 @@ class Drafter:
     def __init__(self, census: Census, layers: list[DraftLayer], fc: object, hidden_norm: torch.Tensor,
                  norm: torch.Tensor, extras: dict[str, object], dtype: torch.dtype, device: torch.device):
         self.census, self.cfg = census, census.config
-        if device.type == "cpu":  # matmul weights in-major for MKL (layers/ops.gemm_layout)
-            layers, fc = [w.gemm_layout() for w in layers], gemm_layout(fc)
         self.layers, self.fc, self.hidden_norm, self.norm = layers, fc, hidden_norm, norm
         self.dtype, self.device = dtype, device
         self.markov_w1 = extras.get(MARKOV_W1)  # [V, r] gathered table, kept as stored

@@ -19,7 +19,6 @@ lm_head in the model dtype (so bf16 logits round exactly where HF's do).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -34,13 +33,11 @@ from memra_cli.engine.formats.config import TargetConfig, load_target_config
 from memra_cli.engine.errors import CheckpointError
 from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.runtime.cache import KVCache
-from memra_cli.engine.layers.ops import gemm_layout, rms_norm
+from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.layers.step_ops import TorchStepOps
 from memra_cli.engine.layers.rope import apply_rope, cos_sin, rope_tables
 
 log = logging.getLogger(__name__)
-
-TIED_HEAD_COPY_MAX_BYTES = 64 << 20  # on the CPU, the largest tied lm_head given its own in-major copy
 
 
 # --------------------------------------------------------------------------- pieces
@@ -164,18 +161,10 @@ class Qwen3Target(TargetBase):
     def __init__(self, cfg: TargetConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: torch.Tensor):
         self.cfg = cfg
-        if embed.device.type == "cpu":  # matmul weights in-major for MKL (layers/ops.gemm_layout)
-            layers = [dataclasses.replace(w, wqkv=gemm_layout(w.wqkv), wo=gemm_layout(w.wo),
-                                          w_gate_up=gemm_layout(w.w_gate_up), w_down=gemm_layout(w.w_down))
-                      for w in layers]
-            # a tied head is the embedding, whose gathers want rows: the head gets an in-major
-            # copy of its own where that is small (the embedded target's: 4 MiB), else stays
-            if lm_head is not embed or lm_head.numel() * lm_head.element_size() <= TIED_HEAD_COPY_MAX_BYTES:
-                lm_head = gemm_layout(lm_head)
         self.embed_weight = embed  # [vocab, hidden]
         self.layers = layers
         self.norm = norm  # [hidden]
-        self._lm_head = lm_head  # [vocab, hidden]; the same tensor as embed when tied (on the CPU an in-major copy)
+        self._lm_head = lm_head  # [vocab, hidden]; the same tensor as embed when tied
         self.dtype, self.device = embed.dtype, embed.device
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
