@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from memra_cli.engine.layers.step_ops import TorchStepOps
 from memra_cli.engine.models.drafter import DraftCapacityError, Drafter
 from memra_cli.tiny.draft import make_tiny_draft
 
@@ -329,6 +330,29 @@ def test_markov_chain_bias_changes_the_chain(heads_drafter):
     logits = torch.randn(12, 512, generator=torch.Generator().manual_seed(0)) * 0.1
     got = drafter.markov_chain(logits, torch.tensor(7)).tolist()
     assert got != torch.argmax(logits, -1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_markov_chain_over_its_bias_table_is_the_per_slot_chain(heads_drafter, dtype):
+    """The torch chain reads its biases from a table built row by row through the per-slot
+    GEMV (layers/step_ops.py): each row holds that GEMV's bits, so the chain picks what the
+    per-slot chain picks, on logits where the bias decides as well as where the logits do (the
+    model-dtype logits of a bf16 drafter too)."""
+    drafter = heads_drafter[0]
+    w1, w2 = drafter.markov_w1.to(dtype), drafter.markov_w2.to(dtype)
+    tabled, per_slot = TorchStepOps(), TorchStepOps()
+    per_slot.MARKOV_TABLE_MAX_BYTES = 0  # no table fits: every slot runs its GEMV
+    assert per_slot._markov_table(w1, w2, dtype) is None
+    table = tabled._markov_table(w1, w2, dtype)
+    assert table.shape == (w1.shape[0], w2.shape[0]) and table.dtype == torch.float32
+    for p in (0, 7, w1.shape[0] - 1):
+        assert torch.equal(table[p : p + 1], TorchStepOps.markov_bias(w1, w2, torch.tensor([p]), dtype))
+    assert tabled._markov_table(w1, w2, dtype) is table  # built once
+    for seed, temp in ((0, 0.1), (1, 1.0), (2, 4.0)):
+        logits = (torch.randn(16, w2.shape[0], generator=torch.Generator().manual_seed(seed)) * temp).to(dtype)
+        anchor = torch.tensor([seed * 11])
+        want = per_slot.markov_chain(logits, anchor, w1, w2, dtype)
+        assert torch.equal(tabled.markov_chain(logits, anchor, w1, w2, dtype), want)
 
 
 @pytest.mark.parametrize("which", ["with-markov", "plain"])

@@ -116,7 +116,7 @@ def test_the_markov_chain_op_builds_its_table_once_for_a_small_vocabulary(monkey
     w1 = (torch.randn(V, r, generator=g) / 4).to(DEVICE)
     w2 = torch.randn(V, r, generator=g).to(DEVICE)
     anchor = torch.tensor([7], device=DEVICE)
-    ref = TorchStepOps.markov_chain(logits, anchor, w1, w2, torch.float32)
+    ref = TorchStepOps().markov_chain(logits, anchor, w1, w2, torch.float32)
     ops = TritonStepOps()
     assert ops.markov_chain(logits, anchor, w1, w2, torch.float32).tolist() == ref.tolist()
     assert len(ops._markov_tables) == 1

@@ -24,7 +24,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   output (spec/settle.py; one launch with the kernels instead of ~30)
 - `markov_chain(logits, anchor, w1, w2, dtype) -> tokens`: DSpark's greedy chain (the drafter's
   side of a round; with the kernels one launch per slot, or one launch in all over a bias table
-  built once where the vocabulary is small; ~6 launches a slot with torch)
+  built once where the vocabulary is small; with torch ~6 ops a slot, or 3 over the same table,
+  built once row by row: the same picks)
 - `argmax(x) -> int64 [rows]`: each row's `torch.argmax` (first index among equal maxima, NaN
   as the maximum), a greedy round's picks from its logits (one program per row with the
   kernels, where torch's generic reduce took ~15 µs for 16 rows on the H200)
@@ -74,7 +75,7 @@ import torch.nn.functional as F
 from memra_cli.engine.errors import SettingError
 from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_replay_dev,
                                               gated_delta_step, gated_rms_norm, ring_window, rms_norm_1p)
-from memra_cli.engine.layers.ops import rms_norm
+from memra_cli.engine.layers.ops import rms_norm, sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope, apply_rope
 from memra_cli.engine.spec.settle import settle_round
 
@@ -121,7 +122,7 @@ class TorchStepOps:
         keys = torch.arange(n, device=q.device)
         mask = (keys[None, :] <= positions[:, None]).repeat(g, 1)
         qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
-        out = F.scaled_dot_product_attention(qf, k_cache, v_cache, attn_mask=mask, scale=scale)
+        out = sdpa(qf, k_cache, v_cache, mask, scale)
         return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
 
     @staticmethod
@@ -141,21 +142,52 @@ class TorchStepOps:
         nkv = keys.shape[0]
         g = nh // nkv
         qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
-        out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask)
+        out = sdpa(qf, keys, values, mask)
         return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
 
+    MARKOV_TABLE_MAX_BYTES = 64 << 20  # the largest float32 bias table built (the embedded drafter's: 64 MiB)
+
+    def __init__(self):
+        self._markov_tables: dict[tuple, tuple] = {}  # (w1, w2, dtype) -> (w1, w2, table)
+
     @staticmethod
-    def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+    def markov_bias(w1: torch.Tensor, w2: torch.Tensor, prev: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The chain's bias after token `prev [1]`: float32 `[1, V]` = `linear(w1[prev], w2)` in `dtype`."""
+        return F.linear(w1[prev].to(dtype), w2).float()
+
+    def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
-        """Greedy chain over `logits [n, V]` (float32) -> tokens `[n]`: slot k takes
-        `argmax(logits[k] + linear(w1[prev], w2))` in `dtype`, prev starting at `anchor`."""
+        """Greedy chain over `logits [n, V]` (float32, or the model dtype) -> tokens `[n]`: slot k
+        takes `argmax(logits[k] + linear(w1[prev], w2))` in `dtype`, prev starting at `anchor`.
+
+        A slot's bias comes from a table of every bias row, `[V_in, V]` float32, where it fits
+        (`MARKOV_TABLE_MAX_BYTES`): one gather instead of a gather, a cast, a rank-r GEMV and a
+        widening. On the CPU the GEMV and its ops cost ~4x the gather + add + argmax that are
+        left (the embedded drafter: 15 slots a round). The table is built once per weights, row
+        by row through `markov_bias` itself, so each row is the very bits the GEMV gives (one
+        GEMM over every row may sum in another order) and the chain picks what it picked without
+        it; kept with references to its weights, so their addresses, its key, stay theirs."""
+        table = self._markov_table(w1, w2, dtype)
         prev = anchor.reshape(1)
         out = []
         for k in range(logits.shape[0]):
-            bias = F.linear(w1[prev].to(dtype), w2).float()  # [1, V]
+            bias = table[prev] if table is not None else self.markov_bias(w1, w2, prev, dtype)  # [1, V]
             prev = torch.argmax(logits[k : k + 1] + bias, dim=-1)
             out.append(prev)
         return torch.cat(out)
+
+    def _markov_table(self, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Every bias row `[V_in, V]` float32 (row p = `markov_bias(w1, w2, [p], dtype)`), built on
+        first use; None where it would pass `MARKOV_TABLE_MAX_BYTES`."""
+        if w1.shape[0] * w2.shape[0] * 4 > self.MARKOV_TABLE_MAX_BYTES:
+            return None
+        key = (w1.data_ptr(), tuple(w1.shape), w2.data_ptr(), tuple(w2.shape), dtype)
+        entry = self._markov_tables.get(key)
+        if entry is None:
+            rows = torch.arange(w1.shape[0], device=w1.device)
+            table = torch.cat([self.markov_bias(w1, w2, rows[p : p + 1], dtype) for p in range(w1.shape[0])])
+            entry = self._markov_tables[key] = (w1, w2, table)
+        return entry[2]
 
     @staticmethod
     def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
