@@ -4,6 +4,7 @@ the same greedy stream, and the build recipe runs end to end at toy size on CPU.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 
 import pytest
@@ -38,6 +39,11 @@ def test_assets_census_as_their_formats(pair):
     n = sum(row["n"] for row in rel)
     assert info["dspark"]["calibration"]["n"] > 0 and n > 0
     assert abs(sum(row["n"] * (row["predicted"] - row["observed"]) for row in rel) / n) < 0.1
+    # drafters retrained over a seeded target (--stage seed) name the target they trained against:
+    # it must be the one shipped beside them
+    if "target_from" in info:
+        shipped = hashlib.sha256((target / "model.safetensors").read_bytes()).hexdigest()
+        assert info["target_from"]["model_sha256"] == shipped
 
 
 def test_stdlib_prompt_set_comes_from_held_out_files(pair):
