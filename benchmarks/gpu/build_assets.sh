@@ -18,6 +18,13 @@ stage=${1:?stage: target, seed, drafters or retrain}
 R=/tmp/results; mkdir -p $R "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
 python3 -c "import sys, torch, transformers, tokenizers; print(sys.version, torch.__version__, transformers.__version__, tokenizers.__version__)" | tee -a $R/gpu.txt
+# a fresh build-work seeded with the shipped target (and its record), then the drafter data over it
+seed_and_data() {
+  rm -rf build-work
+  python3 -m memra_cli.assets.build --stage seed --work build-work 2>&1 | tee $R/build-seed.log
+  python3 -m memra_cli.assets.build --stage data --work build-work 2>&1 | grep -v "Loading weights" | tee $R/build-data.log
+  cp build-work/state.json $R/
+}
 if [ "$stage" = target ]; then
   rm -rf build-work
   python3 -m memra_cli.assets.build --stage target --work build-work 2>&1 | grep -v "Writing model shards\|Loading weights" | tee $R/build-target.log
@@ -31,18 +38,10 @@ if [ "$stage" = target ]; then
     echo "rc=$?" >> $R/gpu_tests.txt; tail -4 $R/gpu_tests.txt
   fi
 elif [ "$stage" = seed ]; then
-  rm -rf build-work
-  python3 -m memra_cli.assets.build --stage seed --work build-work 2>&1 | tee $R/build-seed.log
-  python3 -m memra_cli.assets.build --stage data --work build-work 2>&1 | grep -v "Loading weights" | tee $R/build-data.log
-  cp build-work/state.json $R/
+  seed_and_data
   tar cf - build-work | split -b 15M - "$OUT/work.tar.part-"
 else
-  if [ "$stage" = retrain ]; then
-    rm -rf build-work
-    python3 -m memra_cli.assets.build --stage seed --work build-work 2>&1 | tee $R/build-seed.log
-    python3 -m memra_cli.assets.build --stage data --work build-work 2>&1 | grep -v "Loading weights" | tee $R/build-data.log
-    cp build-work/state.json $R/; tar czf "$OUT/results.tgz" -C $R .
-  fi
+  if [ "$stage" = retrain ]; then seed_and_data; tar czf "$OUT/results.tgz" -C $R .; fi
   for kind in dflash dspark; do
     python3 -m memra_cli.assets.build --stage drafter --kind $kind --work build-work 2>&1 | grep -v "Loading weights" > $R/build-$kind.log &
   done

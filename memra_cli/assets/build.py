@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import shutil
 import time
@@ -233,16 +234,6 @@ def _corpus_and_split(r: Recipe, tok=None):
         encode_corpus(tok, prompt_files, eos), encode_corpus(tok, corpus.heldout, eos)
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def seed_from_assets(work: Path, src: Path, r: Recipe) -> dict:
     """Stage `seed`: `work` gets `src`'s target and a state.json made of `src/build_info.json`'s
     target-stage entries (corpus, tokens, target training), so `data` and the drafter stages run
@@ -258,6 +249,7 @@ def seed_from_assets(work: Path, src: Path, r: Recipe) -> dict:
         if built.get(key) != ours[key]:
             raise SystemExit(f"error: {info_path}: recipe.{key} is {built.get(key)!r}, this recipe's is {ours[key]!r} "
                              f"(a seeded target must come from the same target-stage recipe)")
+    work.mkdir(parents=True, exist_ok=True)  # only once the source is known good
     shutil.rmtree(work / "target", ignore_errors=True)
     shutil.copytree(src / "target", work / "target")
     for stale in ("data.pt", "drafters", "sweep.json", "stdlib.jsonl"):
@@ -267,7 +259,7 @@ def seed_from_assets(work: Path, src: Path, r: Recipe) -> dict:
         (work / "sweep.json").write_text(json.dumps(info["sweep"], indent=2) + "\n")
     state = {k: v for k, v in info.items() if k not in ("dflash", "dspark", "sweep", "drafter_stage_s")}
     state["target_from"] = {"assets": src.name if src.resolve() != ASSETS else "memra_cli/assets",
-                            "model_sha256": _sha256(src / "target" / "model.safetensors"),
+                            "model_sha256": hashlib.sha256((src / "target" / "model.safetensors").read_bytes()).hexdigest(),
                             "built_with": {k: built[k] for k in TARGET_FIELDS}}
     (work / "state.json").write_text(json.dumps(state, indent=2) + "\n")
     _log(f"seeded {work} with the target of {src} (sha256 {state['target_from']['model_sha256'][:12]}…)")
@@ -485,15 +477,16 @@ def main(argv: list[str] | None = None) -> int:
         recipe = replace(recipe, target_steps=a.target_steps)
     if a.draft_steps is not None:
         recipe = replace(recipe, draft_steps=a.draft_steps)
+    if a.stage == "seed" and a.work is None:  # refused before anything is made
+        raise SystemExit("error: --stage seed needs --work DIR (the folder the later stages read)")
     device = torch.device(a.device)
     work = a.work or a.out / ".build-work"
-    work.mkdir(parents=True, exist_ok=True)
+    if a.stage != "seed":
+        work.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     if a.stage in ("all", "target"):
         build_target(work, recipe, device)
     if a.stage == "seed":
-        if a.work is None:
-            raise SystemExit("error: --stage seed needs --work DIR (the folder the later stages read)")
         seed_from_assets(work, a.src, recipe)
     if a.stage == "data":
         rebuild_data(work, recipe, device)

@@ -98,6 +98,7 @@ def test_drafters_retrain_over_a_shipped_target(tmp_path):
     assert (new / "stdlib.jsonl").read_text() == (old / "stdlib.jsonl").read_text()
     info, before = (json.loads((d / "build_info.json").read_text()) for d in (new, old))
     assert info["target_from"]["built_with"]["hidden"] == before["recipe"]["hidden"]
+    assert info["target_from"]["model_sha256"] == hashlib.sha256((old / "target" / "model.safetensors").read_bytes()).hexdigest()
     assert info["target_steps_run"] == before["target_steps_run"] and info["dspark"]["steps_run"] == 1
     assert take_census(new / "dspark").markov is not None
 
@@ -106,7 +107,10 @@ def test_drafters_retrain_over_a_shipped_target(tmp_path):
     with pytest.raises(SystemExit, match=r"build_info.json: recipe.hidden is 33, this recipe's is 32"):
         build_main(["--smoke", "--work", str(work), "--stage", "seed", "--from", str(old)])
     with pytest.raises(SystemExit, match="not a built assets folder"):
-        build_main(["--smoke", "--work", str(work), "--stage", "seed", "--from", str(tmp_path)])
+        build_main(["--smoke", "--work", str(tmp_path / "fresh"), "--stage", "seed", "--from", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--stage seed needs --work DIR"):
+        build_main(["--smoke", "--out", str(tmp_path / "out"), "--stage", "seed", "--from", str(old)])
+    assert not (tmp_path / "fresh").exists() and not (tmp_path / "out").exists()  # refused before anything is made
 
 
 def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
