@@ -231,6 +231,76 @@ def drafter_side(engine, arm, ctx: int, reps: int) -> tuple[float, float]:
     return propose, ingest
 
 
+def kernel_table(fn, top: int = 25) -> dict:
+    """The CUDA kernels of one call of `fn` (called once before, to warm up) under the torch
+    profiler, grouped by name: count, summed GPU us. Graph replays show their kernels too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    return {"kernels": sum(e.count for e in rows), "gpu_us": round(sum(e.self_device_time_total for e in rows), 1),
+            "top": [[e.key[:90], e.count, round(e.self_device_time_total, 1)] for e in rows[:top]]}
+
+
+def drafter_profile(engine, arm, ctx: int) -> dict:
+    """Where the drafter's side goes: kernel tables of one graphed proposal and one graphed
+    ingest of one row (the same calls `drafter_side` times)."""
+    device, target, drafter = engine.device, engine.target, arm.drafter
+    proposer = DrafterProposer(drafter, target, arm.program, graphs=engine.draft_graphs, pool=engine.pool)
+    width = drafter.cfg.hidden_size * len(arm.taps)
+    g = torch.Generator(device=device).manual_seed(7)
+    taps = torch.randn(ctx + 1, width, generator=g, device=device, dtype=torch.float32).to(engine.dtype)
+    proposer.reset(ctx + 8 * W)
+    try:
+        proposer.ingest(taps[:ctx], torch.arange(ctx, device=device))
+        start = proposer.kv.length
+        last = torch.tensor([11], device=device)
+        out = {"propose": kernel_table(lambda: proposer.propose(last, start, False))}
+        one, pos = taps[ctx:], torch.arange(start, start + 1, device=device)
+
+        def ingest_one():
+            proposer.ingest(one, pos)
+            proposer.kv.length -= 1
+
+        out["ingest"] = kernel_table(ingest_one)
+    finally:
+        proposer.release()
+    return out
+
+
+def same_size_references(shapes, m: int = 16) -> list[dict]:
+    """Yardsticks at each quantized shape, timed as the kernels are (graph replays over copies
+    L2 cannot hold): a device copy of the q8_0 weight's bytes (what moving those bytes costs in
+    one launch of that size) and cuBLAS's bf16 matmul of the same [out, in] at M rows."""
+    import kernels_quant as kq
+
+    rows = []
+    for n, k in shapes:
+        rec = {"out": n, "in": k}
+        nbytes = n * k + n * (k // 32) * 2  # q8_0: int8 weights + f16 scales
+        srcs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(kq.copies_for(nbytes))]
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        ms = kq.graph_ms(lambda i: dst.copy_(srcs[i]), len(srcs))
+        rec["copy_q8_bytes_us"], rec["copy_q8_bytes_gbps"] = 1e3 * ms, 2 * nbytes / (ms * 1e-3) / 1e9
+        del srcs, dst
+        wb = n * k * 2
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(kq.copies_for(wb))]
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ms = kq.graph_ms(lambda i: x @ ws[i].T, len(ws))
+        rec["cublas_bf16_us"], rec["cublas_bf16_read_gbps"] = 1e3 * ms, wb / (ms * 1e-3) / 1e9
+        del ws
+        torch.cuda.empty_cache()
+        rows.append(rec)
+        log(f"  [{n}, {k}] same-size copy {rec['copy_q8_bytes_us']:.1f} us ({rec['copy_q8_bytes_gbps']:.0f} GB/s r+w), "
+            f"cuBLAS bf16 M={m} {rec['cublas_bf16_us']:.1f} us ({rec['cublas_bf16_read_gbps']:.0f} GB/s read)")
+    return rows
+
+
 def timed_phases(engine, arm, ids, n) -> dict:
     s = engine.session(ids, n, arm, timed=True, eos_ids=())
     s.run()
@@ -292,6 +362,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=3, help="random prompts of the exactness check")
     p.add_argument("--reps", type=int, default=None, help="timed calls per median (default 40; tiny 3)")
     p.add_argument("--budget-s", type=float, default=225.0, help="the kernel section is skipped past this")
+    p.add_argument("--profile", action="store_true",
+                   help="also: kernel tables of the bf16 / q8 drafter's proposal and ingest, and same-size copy "
+                        "and cuBLAS yardsticks at the quantized shapes (CUDA only)")
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "drafter-round.json")
     a = p.parse_args(argv)
     t_start = time.time()
@@ -384,6 +457,13 @@ def main(argv=None) -> int:
                     d["draft_over_floor"][prec] = (propose + ingest) / d["floor_ms"][prec]
                 log(f"drafter {prec}: propose {propose:.3f} ms + ingest {ingest:.3f} ms = {propose + ingest:.3f} ms; "
                     f"weights {sizes['total'] / 1e9:.3f} GB, floor {d['floor_ms'].get(prec, float('nan')):.3f} ms")
+            if a.profile and cuda and arm is not None and prec in ("bf16", "q8"):
+                with rep.section(f"profile_{prec}"):
+                    d.setdefault("profile", {})[prec] = prof = drafter_profile(engine, arm, ctx)
+                    for part, tab in prof.items():
+                        log(f"profile {prec} {part}: {tab['kernels']} kernels, {tab['gpu_us']} us of GPU time")
+                        for name, count, us in tab["top"][:12]:
+                            log(f"    {us:8.1f} us  x{count:<4d} {name}")
             if prec == "bf16" and arm is not None:
                 with rep.section("round"):
                     run_arm(engine, None, prompts[0], 8)  # warm-up: allocator, captures
@@ -418,6 +498,9 @@ def main(argv=None) -> int:
             d["quant_bw"] = quant_bandwidth(d["copy_bw"], t_start + a.budget_s)
             d["q8_0_bw_frac"] = worst_frac(d["quant_bw"]["q8_0"])
             d["q4_0_bw_frac"] = worst_frac(d["quant_bw"]["q4_0"])
+    if a.profile and cuda:
+        with rep.section("same_size"):
+            d["same_size_m16"] = same_size_references(QUANT_SHAPES + FUSED_SHAPES)
     d["seconds"] = round(time.time() - t_start, 1)
     rep.write()
     print_table(d)
