@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from memra_kernels.argmax import MAX_BLOCK, row_argmax, row_argmax_ref  # noqa: E402
+from memra_kernels.argmax import MAX_BLOCK, SPLIT_FROM, plan, row_argmax, row_argmax_ref  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 INF, NAN = float("inf"), float("nan")
@@ -109,6 +109,49 @@ def test_huge_vocab(dtype, V, device):
     x[0, [V - 7, V - 2]] = 100.0
     x[1, 123] = 100.0
     assert _check(x).tolist() == [V - 7, 123]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+def test_split_rows_first_max_and_nan_across_chunks(rows, device):
+    """Rows cut into chunks (the plan depends on the row count): equal maxima and NaNs planted in
+    several chunks, and signed zeros at the top of a row, give the first column every time."""
+    V = 151936
+    block, chunk, n = plan(rows, V)
+    assert n > 1 and chunk % block == 0 and (n - 1) * chunk < V <= n * chunk
+    x = -torch.rand(rows, V, generator=torch.Generator().manual_seed(rows))  # all below 0
+    c = lambda i, off: min(i * chunk + off, V - 1)  # column `off` into chunk i
+    cases = []
+    for r in range(rows):
+        kind = r % 4
+        if kind == 0:  # the same maximum in a later and an earlier chunk (written later first)
+            x[r, c(n - 1, 5)] = 7.0
+            x[r, c(1, chunk - 1)] = 7.0
+            cases.append(c(1, chunk - 1))
+        elif kind == 1:  # NaNs in two chunks beat +inf in the first
+            x[r, 3] = INF
+            x[r, c(n - 2, 0)] = NAN
+            x[r, c(n - 1, 2)] = NAN
+            cases.append(c(n - 2, 0))
+        elif kind == 2:  # -0.0 in an early chunk ties +0.0 in a later one: the first wins
+            x[r, c(n - 1, 1)] = 0.0
+            x[r, c(0, chunk - 2)] = -0.0
+            cases.append(c(0, chunk - 2))
+        else:  # the row's last column
+            x[r, V - 1] = 1.0
+            cases.append(V - 1)
+    x = x.to(device)
+    assert _check(x).tolist() == cases
+
+
+@pytest.mark.parametrize("V", [SPLIT_FROM, SPLIT_FROM + 1, 151936])
+def test_split_index_is_the_same_for_any_row_count(V, device):
+    """A row's index alone, among 16 or among 17 rows (three different cuts of the row)."""
+    x = _logits(17, V, torch.bfloat16, device, seed=V, levels=3)  # many ties in every row
+    full = row_argmax(x)
+    assert full.tolist() == row_argmax_ref(x).tolist()
+    assert torch.equal(row_argmax(x[:16]), full[:16])
+    for i in (0, 9, 16):
+        assert torch.equal(row_argmax(x[i:i + 1])[0], full[i])
 
 
 def test_strided_rows_and_out(device):

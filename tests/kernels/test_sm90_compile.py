@@ -92,8 +92,12 @@ def _activation(ctx, dt):
 
 def _argmax(ctx, dt):
     am = ctx.k.argmax
-    for v in (4096, 151936, 248320, 100):  # the embedded vocabulary, Qwen3, Qwen3.5, a small one
+    for v in (4096, 100):  # the embedded vocabulary, a small one: one program a row
         ctx.launch(f"row_argmax V{v}", "_row_argmax_kernel", am.row_argmax, ctx.t(16, v, dtype=dt))
+    for v in (151936, 248320):  # Qwen3, Qwen3.5: rows cut into chunks, then folded
+        for rows in (1, 16):
+            ctx.launch(f"row_argmax V{v} rows{rows}", ("_row_argmax_kernel", "_fold_chunks_kernel"), am.row_argmax,
+                       ctx.t(rows, v, dtype=dt))
     ctx.launch("row_argmax out=", "_row_argmax_kernel", am.row_argmax, ctx.t(16, 4096, dtype=dt), out=ctx.idx(16))
 
 
