@@ -12,14 +12,16 @@ Each kernel also signals `griddepcontrol.launch_dependents` right after its wait
 PDL-launched kernel may be scheduled as soon as every block of this one is running. Kernels that
 are not ours (cuBLAS, torch) are launched as usual and keep plain stream order on both sides.
 
-Off on the CPU, under Triton's interpreter, below sm_90, and with `MEMRA_PDL=0` (read at each
-launch, so a graph captured after changing it follows it).
+Off on the CPU, under Triton's interpreter, below sm_90, with `MEMRA_PDL=0` (read at each
+launch, so a graph captured after changing it follows it), and inside `plain_launches()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 import triton
@@ -37,12 +39,28 @@ def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def plain_launches():
+    """Launch every kernel in plain stream order inside this block, this thread (and so in any
+    CUDA graph captured in it), whatever `MEMRA_PDL` says. For a chain measured slower with PDL:
+    the quantized drafter's round (docs/perf.md, "PDL and quantized drafters")."""
+    prev = getattr(_SCOPE, "plain", False)
+    _SCOPE.plain = True
+    try:
+        yield
+    finally:
+        _SCOPE.plain = prev
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL now."""
     raw = os.environ.get(ENV, "")
     if raw not in ("", "0", "1"):
         raise ValueError(f"{ENV}={raw!r}: expected 0 or 1")
-    if device.type != "cuda" or interpreting() or raw == "0":
+    if device.type != "cuda" or interpreting() or raw == "0" or getattr(_SCOPE, "plain", False):
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -140,6 +140,33 @@ def test_off_on_cpu_and_by_switch(monkeypatch):
         assert _pdl.pdl_args(torch.zeros(1, device="cuda")) == {}
 
 
+def test_plain_launches_scope(monkeypatch):
+    """`plain_launches()` turns PDL off inside it (nested too), on this thread only, and back."""
+    import threading
+
+    from memra_kernels import _pdl
+
+    monkeypatch.setattr(_pdl, "interpreting", lambda: False)  # as on an sm_90 GPU
+    monkeypatch.setattr(_pdl, "_capable", lambda index: True)
+    monkeypatch.delenv(_pdl.ENV, raising=False)
+    dev = torch.device("cuda", 0)
+    assert _pdl.enabled(dev)
+    seen = []
+    with _pdl.plain_launches():
+        assert not _pdl.enabled(dev)
+        with _pdl.plain_launches():
+            assert not _pdl.enabled(dev)
+        assert not _pdl.enabled(dev)
+        other = threading.Thread(target=lambda: seen.append(_pdl.enabled(dev)))
+        other.start()
+        other.join()
+    assert seen == [True] and _pdl.enabled(dev)
+    with pytest.raises(RuntimeError):
+        with _pdl.plain_launches():
+            raise RuntimeError("boom")
+    assert _pdl.enabled(dev)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_chain_with_pdl_equals_plain_launches(monkeypatch):

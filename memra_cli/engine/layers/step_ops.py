@@ -57,6 +57,8 @@ float32 `1 + w`):
   the kernels, the same bits as the two), `replay_rings = (qkv_ring, g_ring, beta_ring)` taking
   its own conv output; with `final_window [K-1, C]` also the conv window after the last row
 - `gated_rms_norm(core, z, w, eps) -> [t, Hv*dv]`: the per-head gated norm of the recurrence output
+- `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
+  programmatic dependent launch); a no-op for the torch ops
 
 `TorchStepOps` is today's numerics exactly (HF transformers' Qwen3 / Qwen3.5 order of
 roundings: the model code before the seam, moved behind it op for op); its attention runs over the
@@ -66,6 +68,8 @@ rounds, so they differ from torch only in float32 arithmetic (reduction order, e
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import os
 
@@ -87,6 +91,10 @@ class TorchStepOps:
     """The reference: plain torch, any device."""
 
     name = "torch"
+
+    @staticmethod
+    def plain_launches():
+        return contextlib.nullcontext()
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -360,6 +368,9 @@ class TritonStepOps:
         self.gdn_gates = qwen35.gdn_gates
         self.gdn_conv_gates = qwen35.gdn_conv_gates
         self.gated_rms_norm = qwen35.gated_rms_norm
+        from memra_kernels import _pdl
+
+        self.plain_launches = _pdl.plain_launches
 
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
