@@ -21,7 +21,12 @@ defaults (16-row target steps and drafter rounds as CUDA graphs, Triton step ops
   L2 never holds the one being read), and `q8_0_bw_frac` / `q4_0_bw_frac`: the worst fraction
   of copy_bw over the shapes at M = 16;
 - `exact`: speculative == plain greedy over `--prompts` random prompts (bf16, graphs on, window
-  pinned at 16).
+  pinned at 16);
+- with `--profile` (CUDA): `profile[prec]` (bf16, q8), the kernels of one graphed proposal and
+  one graphed ingest by name (count, GPU µs; with PDL on, an early-launched kernel is charged its
+  wait: run with MEMRA_PDL=0 for kernel times), and `same_size_m16`, the yardsticks at each
+  quantized shape: a device copy of its q8_0 bytes and cuBLAS's bf16 product at M = 16, timed
+  as the kernels are.
 
 Every section catches its own failure (`errors[section]`) and the JSON is rewritten after each
 one, so a run cut short by a time limit keeps what it measured. Times are medians: CUDA events
