@@ -18,7 +18,7 @@ its lanes. The result is `torch.argmax(x, dim=-1)`'s, rule for rule:
 * -0.0 and +0.0 are equal (IEEE comparison), so the first of them wins, as in torch.
 
 Bf16/f16 are widened to float32 on load, which is exact, so comparisons are those of the input
-values. Each row is read only by its own program: a row's index never depends on the other rows
+values. Each row is read only by its own programs: a row's index never depends on the other rows
 or on the row count (fixed-width steps stay bit-exact). No host sync, so it is capturable in a
 CUDA graph; pass `out=` to write into a buffer the graph owns.
 

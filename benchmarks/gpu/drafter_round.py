@@ -209,10 +209,12 @@ def target_steps(engine, ctx: int, taps, reps: int) -> tuple[float, float]:
     return plain, verify
 
 
-def drafter_side(engine, arm, ctx: int, reps: int) -> tuple[float, float]:
-    """(propose ms, ingest ms) of `arm`'s drafter over a ctx-row draft context: one proposal
-    (block forward, harvest, lm_head, drafts) and one ingest of one kept row, graphed as the
-    engine runs them (the first calls capture, outside the clock)."""
+@contextmanager
+def primed_proposer(engine, arm, ctx: int):
+    """`arm`'s drafter over a ctx-row draft context (random taps, the prompt ingested), as
+    (propose, ingest_one): one proposal (block forward, harvest, lm_head, drafts) and one ingest
+    of one kept row (the same row again each call), graphed as the engine runs them (the first
+    calls capture)."""
     device, target, drafter = engine.device, engine.target, arm.drafter
     proposer = DrafterProposer(drafter, target, arm.program, graphs=engine.draft_graphs, pool=engine.pool)
     width = drafter.cfg.hidden_size * len(arm.taps)
@@ -223,59 +225,31 @@ def drafter_side(engine, arm, ctx: int, reps: int) -> tuple[float, float]:
         proposer.ingest(taps[:ctx], torch.arange(ctx, device=device))  # the prompt: eager chunks
         start = proposer.kv.length
         last = torch.tensor([11], device=device)
-        propose = median_ms(lambda: proposer.propose(last, start, False), device, reps)
         one, pos = taps[ctx:], torch.arange(start, start + 1, device=device)
 
         def ingest_one():
             proposer.ingest(one, pos)
             proposer.kv.length -= 1  # the same row again next time
 
-        ingest = median_ms(ingest_one, device, reps)
+        yield (lambda: proposer.propose(last, start, False)), ingest_one
     finally:
         proposer.release()
-    return propose, ingest
 
 
-def kernel_table(fn, top: int = 25) -> dict:
-    """The CUDA kernels of one call of `fn` (called once before, to warm up) under the torch
-    profiler, grouped by name: count, summed GPU us. Graph replays show their kernels too."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    rows.sort(key=lambda e: -e.self_device_time_total)
-    return {"kernels": sum(e.count for e in rows), "gpu_us": round(sum(e.self_device_time_total for e in rows), 1),
-            "top": [[e.key[:90], e.count, round(e.self_device_time_total, 1)] for e in rows[:top]]}
+def drafter_side(engine, arm, ctx: int, reps: int) -> tuple[float, float]:
+    """(propose ms, ingest ms) of `arm`'s drafter (`primed_proposer`'s calls; captures outside
+    the clock)."""
+    with primed_proposer(engine, arm, ctx) as (propose, ingest_one):
+        return median_ms(propose, engine.device, reps), median_ms(ingest_one, engine.device, reps)
 
 
 def drafter_profile(engine, arm, ctx: int) -> dict:
-    """Where the drafter's side goes: kernel tables of one graphed proposal and one graphed
-    ingest of one row (the same calls `drafter_side` times)."""
-    device, target, drafter = engine.device, engine.target, arm.drafter
-    proposer = DrafterProposer(drafter, target, arm.program, graphs=engine.draft_graphs, pool=engine.pool)
-    width = drafter.cfg.hidden_size * len(arm.taps)
-    g = torch.Generator(device=device).manual_seed(7)
-    taps = torch.randn(ctx + 1, width, generator=g, device=device, dtype=torch.float32).to(engine.dtype)
-    proposer.reset(ctx + 8 * W)
-    try:
-        proposer.ingest(taps[:ctx], torch.arange(ctx, device=device))
-        start = proposer.kv.length
-        last = torch.tensor([11], device=device)
-        out = {"propose": kernel_table(lambda: proposer.propose(last, start, False))}
-        one, pos = taps[ctx:], torch.arange(start, start + 1, device=device)
+    """Where the drafter's side goes: kernel tables (`_profile.kernel_table`) of the calls
+    `drafter_side` times."""
+    from _profile import kernel_table
 
-        def ingest_one():
-            proposer.ingest(one, pos)
-            proposer.kv.length -= 1
-
-        out["ingest"] = kernel_table(ingest_one)
-    finally:
-        proposer.release()
-    return out
+    with primed_proposer(engine, arm, ctx) as (propose, ingest_one):
+        return {"propose": kernel_table(propose, top=25), "ingest": kernel_table(ingest_one, top=25)}
 
 
 def same_size_references(shapes, m: int = 16) -> list[dict]:

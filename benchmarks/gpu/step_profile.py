@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import hybrid_step  # noqa: E402  (binds this checkout's kernels/ as memra_kernels)
+from _profile import kernel_table  # noqa: E402
 from gpu_shapes import SHAPES, random_target  # noqa: E402
 
 from memra_cli.engine.api import Engine  # noqa: E402
@@ -49,21 +50,6 @@ from memra_cli.engine.models.qwen3_5 import Qwen35Target  # noqa: E402
 from memra_cli.engine.runtime import cuda_graphs  # noqa: E402
 
 W = 16
-
-
-def kernel_table(fn, top: int = 30) -> dict:
-    """The CUDA kernels of one call of `fn` (run once before, to warm up), grouped by name."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    rows.sort(key=lambda e: -e.self_device_time_total)
-    return {"kernels": sum(e.count for e in rows), "gpu_us": round(sum(e.self_device_time_total for e in rows), 1),
-            "top": [[e.key[:90], e.count, round(e.self_device_time_total, 1)] for e in rows[:top]]}
 
 
 def replay_ms(replay, reps: int = 30) -> float:

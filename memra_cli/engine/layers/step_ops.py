@@ -340,7 +340,7 @@ class TritonStepOps:
         return out[0].transpose(0, 1).reshape(t, nh * hd)
 
     def __init__(self):
-        from memra_kernels import activation, argmax, attention, deltanet, gather, markov, norm, qwen35, rope, settle
+        from memra_kernels import _pdl, activation, argmax, attention, deltanet, gather, markov, norm, qwen35, rope, settle
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
@@ -368,8 +368,6 @@ class TritonStepOps:
         self.gdn_gates = qwen35.gdn_gates
         self.gdn_conv_gates = qwen35.gdn_conv_gates
         self.gated_rms_norm = qwen35.gated_rms_norm
-        from memra_kernels import _pdl
-
         self.plain_launches = _pdl.plain_launches
 
 

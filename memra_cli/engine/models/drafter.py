@@ -153,6 +153,7 @@ class Drafter:
         self.dtype, self.device = dtype, device
         self.markov_w1 = extras.get(MARKOV_W1)  # [V, r] gathered table, kept as stored
         self.markov_w2 = extras.get(MARKOV_W2)  # [V, r] (Linear(r, V).weight), or a quantized linear
+        self._markov_w2_dense: torch.Tensor | None = None  # a quantized w2's values, made on first use
         self.conf_w = extras.get(CONF_W)  # [1, in_dim], float32 (the head stays f32)
         self.conf_b = extras.get(CONF_B)  # [1]
         self.own_embed = extras.get(OWN_EMBED)
@@ -491,13 +492,11 @@ class Drafter:
         w2 = self.markov_w2
         if isinstance(w2, torch.Tensor):
             return w2
-        dense = getattr(self, "_markov_w2_dense", None)
-        if dense is None:
+        if self._markov_w2_dense is None:
             from memra_cli.engine.quant.blocks import dequantize_torch
 
-            dense = self._markov_w2_dense = dequantize_torch(w2.raw, w2.qtype, w2.shape, dtype=self.dtype,
-                                                              device=self.device)
-        return dense
+            self._markov_w2_dense = dequantize_torch(w2.raw, w2.qtype, w2.shape, dtype=self.dtype, device=self.device)
+        return self._markov_w2_dense
 
     def confidence_raw(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """Pre-sigmoid accept-rate scores `[n]` for draft rows `hidden [n, hidden]`;
