@@ -41,6 +41,14 @@ PLAIN_ORDER = {
 }
 
 
+# Kernels whose first statement may be a helper that reads weights (no kernel writes them) before
+# it waits for the previous kernel: kernel -> the helper. The helper must take PDL first and must
+# not load (tl.load) anything; `test_prefetching_waits_load_nothing` reads it.
+WAITS_AFTER_PREFETCH = {
+    "_dense_linear_kernel": "_prefetch_then_wait",
+}
+
+
 def pdl_violations(source: str, module: str = "<src>") -> list[str]:
     """The PDL rule breaches of one kernel module's source (empty when it follows them)."""
     tree = ast.parse(source)
@@ -76,9 +84,12 @@ def pdl_violations(source: str, module: str = "<src>") -> list[str]:
                 and isinstance(body[0].value.value, str):
             body = body[1:]
         first = body[0] if body else None
-        if not (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
-                and isinstance(first.value.func, ast.Name) and first.value.func.id == "pdl_wait"
-                and [ast.unparse(a) for a in first.value.args] == ["PDL"]):
+        call = first.value if isinstance(first, ast.Expr) and isinstance(first.value, ast.Call) else None
+        callee = call.func.id if call is not None and isinstance(call.func, ast.Name) else None
+        args = [ast.unparse(a) for a in call.args] if call is not None else []
+        plain_wait = callee == "pdl_wait" and args == ["PDL"]
+        prefetch_wait = callee is not None and callee == WAITS_AFTER_PREFETCH.get(name) and args[:1] == ["PDL"]
+        if not (plain_wait or prefetch_wait):
             out.append(f"{module}: {name} does not start with pdl_wait(PDL)")
     return out
 
@@ -116,6 +127,21 @@ def test_planted_breaches_are_reported(plant, expect):
     assert broken != NORM, "the plant did not apply: update this test with norm.py"
     found = pdl_violations(broken, "norm.py")
     assert any(expect in v for v in found), found
+
+
+def test_prefetching_waits_load_nothing():
+    """A helper allowed before the wait only prefetches (never tl.load) and waits when PDL is set."""
+    src = (KERNELS / "dense_linear.py").read_text()
+    tree = ast.parse(src)
+    for kernel, helper in WAITS_AFTER_PREFETCH.items():
+        fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == helper)
+        body = ast.unparse(fn)
+        assert fn.args.args[0].arg == "PDL", helper
+        assert "tl.load" not in body and "gdc_wait()" in body, helper
+        assert "gdc_launch_dependents" not in body, f"{helper}: the next kernel would squat while this one streams"
+    broken = src.replace("    _prefetch_then_wait(PDL, ", "    _prefetch_then_wait(True, ", 1)
+    assert broken != src
+    assert any("does not start with pdl_wait" in v for v in pdl_violations(broken, "dense_linear.py"))
 
 
 def test_a_plain_order_kernel_given_pdl_args_is_reported():

@@ -217,6 +217,26 @@ def _quant_linear(ctx, arg):
                    ctx.t(16, 4096, dtype=dt), packed)
 
 
+# Shapes the dense kernel meets outside TUNED when called directly (its heuristic), out and in off
+# the tiles (masked rows, a last k tile cut short).
+DENSE_HEURISTIC_SHAPES = ((80, 96), (200, 320))
+
+
+def _dense_linear(ctx, dt):
+    dl = ctx.k.dense_linear
+    for n, k in list(dl.TUNED) + list(DENSE_HEURISTIC_SHAPES):
+        ctx.launch(f"dense_linear {n}x{k} {dl.config_for(n, k)}", "_dense_linear_kernel", dl.dense_linear,
+                   ctx.t(16, k, dtype=dt), ctx.t(n, k, dtype=dt))
+    saved = dl.PDL_PREFETCH
+    dl.PDL_PREFETCH = 2  # the early-launch variant: weight lines asked of L2 before the wait
+    try:
+        for n, k in list(dl.TUNED)[:2]:
+            ctx.launch(f"dense_linear {n}x{k} prefetch", "_dense_linear_kernel", dl.dense_linear,
+                       ctx.t(16, k, dtype=dt), ctx.t(n, k, dtype=dt))
+    finally:
+        dl.PDL_PREFETCH = saved
+
+
 def _quant_scale_after(ctx, dt):
     """The scale-after-dot variant: no TUNED shape uses it, but benchmarks launch it (`config=`),
     and with bf16 q4_0 it is the inline-PTX nibble path."""
@@ -273,6 +293,7 @@ for _dt in DTYPES:
         _case(f"quant_linear-{_q}-tuned-{_dt}", _quant_linear, (_q, _dt, "tuned"), 4.5 if _f32 else 1.5)
         _case(f"quant_linear-{_q}-heuristic-{_dt}", _quant_linear, (_q, _dt, "heuristic"), 2.1 if _f32 else 0.8)
     _case(f"quant_linear-scale_after-{_dt}", _quant_scale_after, _dt, 2.2 if _f32 else 0.7)
+    _case(f"dense_linear-{_dt}", _dense_linear, _dt, 2.0 if _f32 else 0.8)
 _case("pack_round", _pack_round, None, 0.2)
 _case("settle_round", _settle, None, 0.4)
 _case("pack_round-pdl", _pack_round, None, 0.2)

@@ -1,0 +1,328 @@
+"""Dense linear for the few rows of a decode step: y = x @ W.T with W in bf16 / f16 / f32.
+
+A decode, verify or drafter step multiplies 1..32 rows by a large weight, so its cost is reading
+W once. cuBLAS does that well for the widest matrices but not for the middle-sized ones a layer
+has (on the H200, at M = 16, it read a [4096, 4096] bf16 weight at ~2.5 TB/s and a [6144, 4096]
+one at ~3.2 TB/s where a copy of the same bytes runs at ~3.9: docs/perf.md, "Dense linear").
+This kernel streams the weight in tiles through a software pipeline (the loads feed `tl.dot`
+directly, so they become asynchronous copies several tiles ahead) and splits `in` over enough
+programs to keep every multiprocessor reading.
+
+Layout of the work: program (n tile, k split, m tile) computes acc [BLOCK_N, BLOCK_M] = W[tile,
+split] @ x[rows, split].T: the weight tile is the dot's left operand, whose large side fills the
+matrix units' 64-row instruction shape even when x has one row. x rows beyond M are zeros.
+
+Determinism (the engine's fixed-width exactness rests on it): the tile sizes and the split count
+are a function of (out, in) alone (`config_for`), never of M; a row's products and their
+summation order do not depend on the other rows (each output element is its own dot); the
+split partials are summed in split order by the last program of a tile (an arrival counter, no
+float atomics). So a row's output is bit-identical whether it is multiplied alone or with up to
+any number of other rows, and from call to call.
+
+Where it is used: the Triton step ops' `linear` (engine/layers/step_ops.py) for a weight whose
+(out, in) is in `TUNED` (shapes measured faster than cuBLAS on the H200) and a step of at most
+`MAX_ROWS` rows; everything else keeps `F.linear`.
+
+Public API: `KernelConfig`, `TUNED`, `config_for`, `dense_linear`, `dense_linear_ref`,
+`eligible`, `load_tuned`, `MAX_ROWS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_dtype, check_tensors, interpreting
+from ._pdl import pdl_args
+
+__all__ = ["KernelConfig", "TUNED", "config_for", "dense_linear", "dense_linear_ref", "eligible",
+           "load_tuned", "MAX_ROWS"]
+
+# Rows a call may have for the step ops to take the kernel (each 16-row tile re-reads W, so past
+# a couple of tiles cuBLAS's large-M kernels win; prefill chunks never come here).
+MAX_ROWS = 32
+BLOCK_M = 16
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tiles of one launch: block_n output features and block_k `in` columns per loop step,
+    split_k programs sharing a tile's `in` range, warps and pipeline stages."""
+
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def check(self) -> "KernelConfig":
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.split_k < 1:
+            raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+        return self
+
+
+# (out, in) -> tiles: the engine's shapes, each at the fastest tiles of the H200 sweep at M = 16
+# (benchmarks/gpu/dense_linear_sweep.py, 2026-12-04, alone in a graph, plain launches; its TUNED
+# table lists the shapes that beat cuBLAS there by over 3%). A shape absent here runs F.linear in
+# the step ops. Qwen3-8B and its DFlash drafter: o 13.40 -> 11.46 us, down 28.52 -> 27.49,
+# lm_head 290.6 -> 279.8, the drafter's fc over five taps 43.72 -> 42.37 and fused ingest k/v
+# 9.68 -> 8.15 (docs/results/h200-dense-linear.json). Fused q/k/v (15.49 vs 15.98) and gate/up
+# (48.99 vs 48.13) tie cuBLAS alone but are here too: in the step, with every matmul on the kernel
+# the whole layer is one chain of early launches (PDL_PREFETCH below), measured faster than with
+# those two on cuBLAS (docs/perf.md, "Dense linear").
+_C = KernelConfig
+TUNED: dict[tuple[int, int], KernelConfig] = {
+    (6144, 4096): _C(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4),
+    (24576, 4096): _C(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=3),
+    (4096, 4096): _C(block_n=32, block_k=256, split_k=1, num_warps=4, num_stages=5),
+    (4096, 12288): _C(block_n=64, block_k=256, split_k=2, num_warps=4, num_stages=4),
+    (151936, 4096): _C(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3),
+    (4096, 20480): _C(block_n=64, block_k=256, split_k=2, num_warps=4, num_stages=4),
+    (2048, 4096): _C(block_n=64, block_k=256, split_k=4, num_warps=4, num_stages=3),
+    # Qwen3.5-4B (hybrid): DeltaNet in 19.16 -> 17.71 us and out 11.01 -> 9.35, gated attention
+    # q/k/v 16.36 -> 15.44, gate/up 27.13 -> 25.51, down 17.48 -> 15.96, lm_head 312.9 -> 293.0
+    # (docs/results/h200-dense-linear-hybrid.json); the attention's o shares the DeltaNet out's shape
+    (12352, 2560): _C(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    (2560, 4096): _C(block_n=32, block_k=128, split_k=4, num_warps=2, num_stages=4),
+    (10240, 2560): _C(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    (18432, 2560): _C(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=3),
+    (2560, 9216): _C(block_n=32, block_k=128, split_k=4, num_warps=4, num_stages=4),
+    (248320, 2560): _C(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3),
+}
+
+# Weight tiles a program asks L2 for before it waits for the previous kernel, when kernels launch
+# with programmatic dependent launch (kernels/_pdl.py: on by default on sm_90+). Measured in the
+# 8B step (benchmarks/gpu/target_step.py, two rounds in one process): 2 tiles with every weight
+# matmul on the kernel 5.02 / 4.93 ms at context 512, against 5.22 / 5.12 with no prefetch and
+# 5.43 / 5.27 with cuBLAS (docs/perf.md, "Dense linear").
+PDL_PREFETCH = 2
+
+# Programs worth having in flight: two per multiprocessor of an H200 (132); a constant, not the
+# device's count, so a shape's tiles (hence its bits) are the same on every machine.
+_TARGET_PROGRAMS = 264
+
+
+def _heuristic(n: int, k: int) -> KernelConfig:
+    """Tiles for a shape outside TUNED (direct calls only): 64 x 128 tiles, `in` split until
+    there are about two programs per multiprocessor, keeping >= 2 loop steps per program."""
+    block_n, block_k = 64, 128
+    n_tiles, k_tiles = -(-n // block_n), -(-k // block_k)
+    split = 1
+    while n_tiles * split * 2 <= _TARGET_PROGRAMS and split * 2 * 2 <= k_tiles:
+        split *= 2
+    return KernelConfig(block_n=block_n, block_k=block_k, split_k=split)
+
+
+def config_for(n: int, k: int, itemsize: int = 2) -> KernelConfig:
+    """The fixed tiles for a weight [n, k] of `itemsize`-byte floats (the same for every M).
+    TUNED is measured in bf16; wider floats drop pipeline stages until the weight and x tiles fit
+    the shared memory the bf16 stages take (float32 weights run on the GPU only when called
+    directly: the step ops send them to cuBLAS)."""
+    cfg = (TUNED.get((int(n), int(k))) or _heuristic(int(n), int(k))).check()
+    budget = 2 * cfg.num_stages * (cfg.block_n + BLOCK_M) * cfg.block_k
+    stages = cfg.num_stages
+    while stages > 2 and itemsize * stages * (cfg.block_n + BLOCK_M) * cfg.block_k > budget:
+        stages -= 1
+    if stages != cfg.num_stages:
+        cfg = KernelConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, stages)
+    if itemsize * stages * (cfg.block_n + BLOCK_M) * cfg.block_k > budget:
+        cfg = KernelConfig(cfg.block_n, max(16, cfg.block_k // 2), cfg.split_k, cfg.num_warps, stages)
+    return cfg
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line at each pointer (no registers written, nothing waited for)."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_then_wait(PDL: tl.constexpr, PREFETCH: tl.constexpr, w_ptr, N, K, stride_wn, SPLIT_K,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The kernel's start under programmatic dependent launch (kernels/_pdl.py), where it may run
+    while the previous kernel still does: ask L2 for the lines of this program's first PREFETCH
+    weight tiles (weights, which no kernel writes; no register is written and nothing is waited
+    for), then wait for the previous kernel, before any access to x. Without PDL: nothing."""
+    if PDL:
+        if PREFETCH > 0:
+            LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
+            rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+            k0 = tl.program_id(1) * tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+            cols = tl.minimum(k0 + tl.arange(0, PREFETCH * BLOCK_K // LINE) * LINE, K - 1)
+            _prefetch_l2(w_ptr + rows[:, None] * stride_wn + cols[None, :])
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride_xm, stride_wn,
+                         stride_om, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+                         PREC: tl.constexpr, WIDEN: tl.constexpr, PREFETCH: tl.constexpr = 0,
+                         PDL: tl.constexpr = False):
+    """out [M, N] = x [M, K] @ w [N, K].T for one (n tile, k split, m tile) per program.
+
+    With SPLIT (SPLIT_K > 1, a run-time count) each program writes its float32 partial to
+    ws [SPLIT_K, M, N]; the last of a tile's programs to arrive (counted in cnt_ptr, which it
+    resets to 0) sums the partials in split order and writes out.
+
+    With PDL the kernel starts early (`_prefetch_then_wait`) and lets the next kernel launch only
+    once its loop is done (a kernel launched earlier would hold multiprocessor slots idle while
+    this one streams the weight).
+    """
+    _prefetch_then_wait(PDL, PREFETCH, w_ptr, N, K, stride_wn, SPLIT_K, BLOCK_N, BLOCK_K)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    t_begin = pid_k * per_split
+    t_end = tl.minimum(t_begin + per_split, k_tiles)
+    k0 = t_begin * BLOCK_K
+    # rows past N read row N - 1 (in bounds, never stored) so that full tiles load unmasked
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k0 + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for t in range(t_begin, t_end):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_ok = (t * BLOCK_K + offs_k) < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+        if WIDEN:  # the interpreter multiplies bf16/f16 raw bits: widen (the products are equal)
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if not SPLIT:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        ws_off = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + pid_k * M * N + ws_off, acc, mask=out_mask)
+        # every thread's partial is stored before one thread announces it (release) ...
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            # ... and the last one reads them through L2 (.cg: never a stale L1 line)
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(ws_ptr + s * M * N + ws_off, mask=out_mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
+
+
+# Split-K arrival counters, one zeroed int32 per (m tile, n tile), per device and stream; the
+# last program of a tile puts its counter back to 0, so they stay zero between calls (and
+# inside CUDA graphs). Keyed by stream so that calls on two streams never share one.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the step ops route `x @ w.T` here: a TUNED weight shape, the same 16-bit float
+    dtype on both sides (TUNED is measured in bf16), contiguous rows, at most MAX_ROWS rows."""
+    return (w.dim() == 2 and (w.shape[0], w.shape[1]) in TUNED and x.dtype == w.dtype
+            and w.element_size() == 2
+            and x.shape[-1] == w.shape[1] and w.stride(1) == 1
+            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """y [..., out] = x [..., in] @ w [out, in].T on the kernel, in x's dtype (float32
+    accumulation). `config` overrides the shape's tiles (benchmarks, tests); `out` (contiguous,
+    x's dtype) receives the result if given."""
+    check_tensors(x, w)
+    check_dtype(x, "x")
+    if w.dim() != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"x [..., {x.shape[-1]}] does not match a weight {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise ValueError(f"x is {x.dtype} but the weight is {w.dtype}")
+    if w.stride(1) != 1:
+        raise ValueError("the weight's rows must be contiguous")
+    n, k = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if out is None:
+        out = torch.empty((*lead, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (*lead, n) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {(*lead, n)} {x.dtype} tensor")
+    if m == 0:
+        return out
+    cfg = config.check() if config is not None else config_for(n, k, x.element_size())
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
+    if cfg.split_k > 1:
+        ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, grid[0] * grid[2])
+    else:
+        ws, cnt = out, out  # never touched: the split-K branch is compiled out
+    pdl = pdl_args(x)
+    _dense_linear_kernel[grid](
+        x2, w, out, ws, cnt, m, n, k, x2.stride(0), w.stride(0), n, cfg.split_k,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1,
+        EVEN_K=k % cfg.block_k == 0,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
+        WIDEN=interpreting() and x.device.type != "cuda",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=PDL_PREFETCH if pdl else 0, **pdl_args(x),
+    )
+    return out
+
+
+def dense_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The obviously-right version: float32 x @ w.T, rounded to x's dtype."""
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def load_tuned(path) -> dict[tuple[int, int], KernelConfig]:
+    """Replace TUNED with the table a sweep wrote (benchmarks/gpu/dense_linear_sweep.py
+    `--tuned`: {"OUTxIN": {block_n, block_k, split_k, num_warps, num_stages}}), for a benchmark
+    that times a candidate table before its first launch; returns the table."""
+    import json
+    from pathlib import Path
+
+    raw = json.loads(Path(path).read_text())
+    table = {}
+    for key, cfg in raw.items():
+        n, k = (int(v) for v in key.split("x"))
+        table[(n, k)] = KernelConfig(**cfg).check()
+    TUNED.clear()
+    TUNED.update(table)
+    return table

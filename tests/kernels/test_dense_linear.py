@@ -1,0 +1,150 @@
+"""Few-row dense linear (memra_kernels.dense_linear): the kernel against its reference on awkward
+shapes and every tile path, row-count invariance bit for bit, and the step ops' routing.
+
+Under the interpreter (no GPU) the kernel runs small shapes in float32 and bfloat16 (operands
+widened, see the kernel's WIDEN); on CUDA the real bf16 path runs too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memra_kernels import dense_linear as dl
+from memra_kernels.dense_linear import KernelConfig
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+# float32: kernel and reference sum the same products in different orders; each output is within
+# K * 2^-24 of the exact sum relative to sum_k |x_k w_k| (K <= 320 here).
+F32_TOL = 2 * 320 * 2.0**-24
+# bf16: both accumulate in float32 and round the output once (2^-9 relative); a wrong tile, split
+# or row gives O(1) errors.
+BF16_REL_TOL = 1e-2
+
+SHAPES = [(33, 96), (64, 256), (80, 320)]  # odd out (masked tiles), in not a multiple of block_k
+MS = (1, 3, 16, 17, 32)
+CONFIGS = {
+    "heuristic": None,
+    "split3": KernelConfig(block_n=32, block_k=64, split_k=3),  # uneven splits, one may be empty
+    "n16_k32": KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2),
+    "one_split": KernelConfig(block_n=64, block_k=128, split_k=1),
+}
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((m, k), generator=gen).to(DEVICE, dtype)
+    w = (torch.randn((n, k), generator=gen) * 0.05).to(DEVICE, dtype)
+    return x, w
+
+
+def _rel(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("cfg", list(CONFIGS), ids=str)
+def test_f32_matches_reference(shape, cfg):
+    n, k = shape
+    x, w = _inputs(max(MS), n, k, torch.float32)
+    bound = (x.abs() @ w.abs().T) * F32_TOL
+    for m in MS:
+        out = torch.full((m, n), float("nan"), device=DEVICE)
+        y = dl.dense_linear(x[:m], w, config=CONFIGS[cfg], out=out)
+        ref = dl.dense_linear_ref(x[:m], w)
+        assert not torch.isnan(y).any(), f"unwritten outputs at M={m}"
+        assert ((y - ref).abs() <= bound[:m]).all(), f"M={m}: max err {(y - ref).abs().max().item()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("cfg", ["heuristic", "split3"], ids=str)
+def test_half_matches_reference(dtype, cfg):
+    n, k = 80, 320
+    x, w = _inputs(17, n, k, dtype, seed=1)
+    y = dl.dense_linear(x, w, config=CONFIGS[cfg])
+    assert y.dtype == dtype
+    assert _rel(y, dl.dense_linear_ref(x, w)) < BF16_REL_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cfg", ["heuristic", "split3", "n16_k32"], ids=str)
+def test_row_invariant(dtype, cfg):
+    """A row's output is the same bits alone, in a 16-row call, in a 17- or 32-row call, and
+    whatever the other rows hold: what the fixed-width exactness rule needs."""
+    n, k = 64, 256
+    x, w = _inputs(32, n, k, dtype, seed=2)
+    full = dl.dense_linear(x, w, config=CONFIGS[cfg])
+    for m in (1, 3, 16, 17):
+        part = dl.dense_linear(x[:m], w, config=CONFIGS[cfg])
+        assert torch.equal(part, full[:m]), f"rows of an M={m} call differ from the M=32 call"
+    other = x.clone()
+    other[1:] = torch.randn_like(other[1:].float()).to(dtype) * 100
+    assert torch.equal(dl.dense_linear(other, w, config=CONFIGS[cfg])[0], full[0])
+
+
+def test_leading_dims_and_repeat_calls():
+    """[..., in] inputs keep their leading shape; calls repeat bit for bit (the split-K counters
+    are back at zero after every call)."""
+    x, w = _inputs(12, 33, 96, torch.float32, seed=3)
+    x3 = x.view(3, 4, 96)
+    y1 = dl.dense_linear(x3, w, config=CONFIGS["split3"])
+    assert y1.shape == (3, 4, 33)
+    for _ in range(3):
+        assert torch.equal(dl.dense_linear(x3, w, config=CONFIGS["split3"]), y1)
+    assert torch.equal(y1.view(12, 33), dl.dense_linear(x, w, config=CONFIGS["split3"]))
+
+
+def test_refusals():
+    x, w = _inputs(2, 33, 96, torch.float32)
+    with pytest.raises(ValueError, match="does not match"):
+        dl.dense_linear(x[:, :64], w)
+    with pytest.raises(ValueError, match="weight is"):
+        dl.dense_linear(x, w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="rows must be contiguous"):
+        dl.dense_linear(x, w.t().contiguous().t())
+    with pytest.raises(ValueError, match="power of two"):
+        dl.dense_linear(x, w, config=KernelConfig(block_n=48))
+
+
+def test_config_is_a_function_of_shape_only():
+    """Tiles never depend on M: the same object for any row count, TUNED before the heuristic;
+    float32 takes fewer stages (or shorter k tiles) so its tiles fit the bf16 shared memory."""
+    for (n, k), cfg in dl.TUNED.items():
+        wide = dl.config_for(n, k, 4)
+        assert 4 * wide.num_stages * (wide.block_n + dl.BLOCK_M) * wide.block_k \
+            <= 2 * cfg.num_stages * (cfg.block_n + dl.BLOCK_M) * cfg.block_k
+        assert (wide.block_n, wide.split_k) == (cfg.block_n, cfg.split_k)
+    assert dl.config_for(4096, 4096) == dl.config_for(4096, 4096)
+    key = (96, 64)
+    dl.TUNED[key] = KernelConfig(block_n=16, block_k=32, split_k=2)
+    try:
+        assert dl.config_for(*key) == dl.TUNED[key]
+    finally:
+        del dl.TUNED[key]
+    assert dl.config_for(*key) == dl._heuristic(*key)
+
+
+def test_step_ops_route_tuned_shapes_only(monkeypatch):
+    """TritonStepOps.linear takes the kernel for a TUNED shape at <= MAX_ROWS rows without a bias,
+    and F.linear for everything else; TorchStepOps.linear is F.linear (or the module's call)."""
+    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+
+    ops = TritonStepOps()
+    calls = []
+    real = dl.dense_linear
+    monkeypatch.setattr(dl, "dense_linear", lambda x, w, **kw: calls.append(tuple(x.shape)) or real(x, w, **kw))
+    x, w = _inputs(40, 33, 96, torch.bfloat16, seed=4)
+    bias = torch.randn(33, device=DEVICE).to(torch.bfloat16)
+    ref = torch.nn.functional.linear(x, w)
+    assert torch.equal(ops.linear(x[:16], w), ref[:16]) and not calls  # shape not tuned: F.linear
+    monkeypatch.setitem(dl.TUNED, (33, 96), KernelConfig(block_n=32, block_k=64, split_k=2))
+    y = ops.linear(x[:16], w)
+    assert calls == [(16, 96)]
+    assert _rel(y, ref[:16]) < BF16_REL_TOL
+    ops.linear(x, w)  # 40 rows > MAX_ROWS: cuBLAS
+    ops.linear(x[:4], w, bias)  # a bias: F.linear
+    ops.linear(x[:4].float(), w.float())  # float32 weights: cuBLAS (TUNED is measured in bf16)
+    assert calls == [(16, 96)]
+    assert torch.equal(TorchStepOps.linear(x, w, bias), torch.nn.functional.linear(x, w, bias))
