@@ -8,6 +8,9 @@ with every block row at the block's last position, which makes the causal rule "
 block". Both implementations are row-count invariant (a row's result never depends on the other
 rows of its step or on the storage size), which is what keeps fixed-width steps bit-exact.
 
+- `linear(x, w, bias=None) -> x @ w.T (+ bias)`: a step's weight matmul (`w` a plain `[out, in]`
+  weight or a quantized linear module); with the kernels, the few-row dense kernel
+  (`memra_kernels.dense_linear`) for the weight shapes it was measured faster on, cuBLAS else
 - `rms_norm(x, w, eps)`; `add_rms_norm(x, residual, w, eps) -> (normed, x + residual)`
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
 - `attention(q, k_cache, v_cache, positions, scale) -> [t, nh*hd]`: causal by position over the cache
@@ -95,6 +98,14 @@ class TorchStepOps:
     @staticmethod
     def plain_launches():
         return contextlib.nullcontext()
+
+    @staticmethod
+    def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x @ w.T (+ bias)` for a plain weight `[out, in]`; `w(x)` for a quantized linear."""
+        if isinstance(w, torch.Tensor):
+            return F.linear(x, w, bias)
+        y = w(x)
+        return y if bias is None else y + bias
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -340,7 +351,8 @@ class TritonStepOps:
         return out[0].transpose(0, 1).reshape(t, nh * hd)
 
     def __init__(self):
-        from memra_kernels import _pdl, activation, argmax, attention, deltanet, gather, markov, norm, qwen35, rope, settle
+        from memra_kernels import (_pdl, activation, argmax, attention, deltanet, dense_linear, gather, markov, norm,
+                                   qwen35, rope, settle)
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
@@ -369,7 +381,17 @@ class TritonStepOps:
         self.gdn_conv_gates = qwen35.gdn_conv_gates
         self.gated_rms_norm = qwen35.gated_rms_norm
         self.plain_launches = _pdl.plain_launches
+        self._dense = dense_linear
 
+    def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`TorchStepOps.linear`, with a plain weight whose shape is in `dense_linear.TUNED` (and
+        a call of at most `dense_linear.MAX_ROWS` rows, no bias) on the few-row kernel. The
+        choice depends on the weight's shape and the row count only up to MAX_ROWS, and the
+        kernel's rows never depend on each other, so every fixed-width step (and the one-row
+        plain step) gets the same bits for a row."""
+        if bias is None and isinstance(w, torch.Tensor) and self._dense.eligible(x, w):
+            return self._dense.dense_linear(x, w)
+        return TorchStepOps.linear(x, w, bias)
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:

@@ -210,11 +210,11 @@ class Drafter:
 
     def ctx_features(self, taps: torch.Tensor) -> torch.Tensor:
         """`[t, n_taps*hidden]` raw target taps -> `[t, hidden]` = hidden_norm(fc(taps))."""
-        return self.step_ops.rms_norm(linear(taps.to(self.dtype), self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
+        return self.step_ops.rms_norm(self.step_ops.linear(taps.to(self.dtype), self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
 
     def _heads(self, x: torch.Tensor, w: torch.Tensor | object, norm: torch.Tensor, n_heads: int) -> torch.Tensor:
         t = x.shape[0]
-        return rms_norm(linear(x, w).view(t, n_heads, self.cfg.head_dim), norm, self.cfg.rms_norm_eps)
+        return rms_norm(self.step_ops.linear(x, w).view(t, n_heads, self.cfg.head_dim), norm, self.cfg.rms_norm_eps)
 
     def _normed_heads(self, y: torch.Tensor, norm: torch.Tensor, n_heads: int) -> torch.Tensor:
         return rms_norm(y.view(y.shape[0], n_heads, self.cfg.head_dim), norm, self.cfg.rms_norm_eps)
@@ -225,9 +225,9 @@ class Drafter:
         if w.wqkv is None:
             return (self._heads(xn, w.wq, w.q_norm, cfg.num_attention_heads),
                     self._heads(xn, w.wk, w.k_norm, cfg.num_key_value_heads),
-                    linear(xn, w.wv).view(-1, cfg.num_key_value_heads, cfg.head_dim))
+                    self.step_ops.linear(xn, w.wv).view(-1, cfg.num_key_value_heads, cfg.head_dim))
         kv_out = cfg.num_key_value_heads * cfg.head_dim
-        q, k, v = linear(xn, w.wqkv).split([cfg.num_attention_heads * cfg.head_dim, kv_out, kv_out], dim=-1)
+        q, k, v = self.step_ops.linear(xn, w.wqkv).split([cfg.num_attention_heads * cfg.head_dim, kv_out, kv_out], dim=-1)
         return (self._normed_heads(q, w.q_norm, cfg.num_attention_heads),
                 self._normed_heads(k, w.k_norm, cfg.num_key_value_heads),
                 v.reshape(-1, cfg.num_key_value_heads, cfg.head_dim))
@@ -238,8 +238,8 @@ class Drafter:
         cfg = self.cfg
         if w.wkv is None:
             return (self._heads(ctx, w.wk, w.k_norm, cfg.num_key_value_heads),
-                    linear(ctx, w.wv).view(-1, cfg.num_key_value_heads, cfg.head_dim))
-        k, v = linear(ctx, w.wkv).chunk(2, dim=-1)
+                    self.step_ops.linear(ctx, w.wv).view(-1, cfg.num_key_value_heads, cfg.head_dim))
+        k, v = self.step_ops.linear(ctx, w.wkv).chunk(2, dim=-1)
         return self._normed_heads(k, w.k_norm, cfg.num_key_value_heads), v.reshape(-1, cfg.num_key_value_heads, cfg.head_dim)
 
     def _qkv(self, xn: torch.Tensor, w: DraftLayer) -> torch.Tensor:
@@ -247,23 +247,23 @@ class Drafter:
         the step ops' `qk_norm_rope_kv_write` takes it); parts that could not fuse (DraftLayer.fuse)
         stay three matmuls."""
         if w.wqkv is not None:
-            return linear(xn, w.wqkv)
-        return torch.cat([linear(xn, w.wq), linear(xn, w.wk), linear(xn, w.wv)], dim=-1)
+            return self.step_ops.linear(xn, w.wqkv)
+        return torch.cat([self.step_ops.linear(xn, w.wq), self.step_ops.linear(xn, w.wk), self.step_ops.linear(xn, w.wv)], dim=-1)
 
     def _kv(self, ctx: torch.Tensor, w: DraftLayer) -> torch.Tensor:
         """Context rows -> `[t, 2*nkv*hd]` (k, v side by side: a qkv with no q heads)."""
         if w.wkv is not None:
-            return linear(ctx, w.wkv)
-        return torch.cat([linear(ctx, w.wk), linear(ctx, w.wv)], dim=-1)
+            return self.step_ops.linear(ctx, w.wkv)
+        return torch.cat([self.step_ops.linear(ctx, w.wk), self.step_ops.linear(ctx, w.wv)], dim=-1)
 
     def _mlp(self, h: torch.Tensor, w: DraftLayer) -> torch.Tensor:
         """SwiGLU of normed rows `h [t, hidden]`; the SiLU·mul through the step ops (which take
         gate and up side by side, so projections that could not fuse are concatenated)."""
         if w.w_gate_up is None:
-            gate_up = torch.cat([linear(h, w.w_gate), linear(h, w.w_up)], dim=-1)
+            gate_up = torch.cat([self.step_ops.linear(h, w.w_gate), self.step_ops.linear(h, w.w_up)], dim=-1)
         else:
-            gate_up = linear(h, w.w_gate_up)
-        return linear(self.step_ops.silu_mul(gate_up), w.w_down)
+            gate_up = self.step_ops.linear(h, w.w_gate_up)
+        return self.step_ops.linear(self.step_ops.silu_mul(gate_up), w.w_down)
 
     def _plain(self, layout: LayerLayout) -> bool:
         """A layer whose block rows attend every ctx and block key (no mask at all)."""
@@ -278,7 +278,7 @@ class Drafter:
         ops, eps, outs = self.step_ops, self.cfg.rms_norm_eps, []
         h = ops.rms_norm(x, self.layers[0].ln_in, eps)
         for li, w in enumerate(self.layers):
-            h, x = ops.add_rms_norm(linear(attend(li, h), w.wo), x, w.ln_post, eps)
+            h, x = ops.add_rms_norm(ops.linear(attend(li, h), w.wo), x, w.ln_post, eps)
             after = self.layers[li + 1].ln_in if li + 1 < len(self.layers) else self.norm
             h, x = ops.add_rms_norm(self._mlp(h, w), x, after, eps)
             if keep_layers:

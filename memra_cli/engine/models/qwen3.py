@@ -298,7 +298,7 @@ class Qwen3Target(TargetBase):
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """`logits` before the widening: `[t, vocab]` in the model dtype (widening it to float32
         is exact, so a consumer that widens as it reads sees the same numbers)."""
-        return F.linear(hidden, self._lm_head)
+        return self.step_ops.linear(hidden, self._lm_head)
 
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                     taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -311,7 +311,8 @@ class Qwen3Target(TargetBase):
         a CUDA graph can capture it, and every op is row-count invariant, so a token's logits do
         not depend on what shares its step or on the storage size. `widen=False` returns the
         lm_head's model-dtype logits (an argmax of them is the float32 copy's: the widening is
-        exact and keeps the order), without writing that copy.
+        exact and keeps the order), without writing that copy. The weight matmuls are the step
+        ops' `linear` too (cuBLAS, or the few-row kernel on the shapes it wins).
         """
         ops, eps = self.step_ops, self.cfg.rms_norm_eps
         self.ensure_positions(cache.max_len)
@@ -321,11 +322,11 @@ class Qwen3Target(TargetBase):
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for li, w in enumerate(self.layers):
             kv = cache.kv[li]
-            q = ops.qk_norm_rope_kv_write(F.linear(h, w.wqkv, w.bqkv), w.q_norm, w.k_norm, self._cos, self._sin,
+            q = ops.qk_norm_rope_kv_write(ops.linear(h, w.wqkv, w.bqkv), w.q_norm, w.k_norm, self._cos, self._sin,
                                           positions, kv[0], kv[1], self.n_heads, self.n_kv, eps)
-            attn = F.linear(ops.attention(q, kv[0], kv[1], positions, self.scale), w.wo, w.bo)
+            attn = ops.linear(ops.attention(q, kv[0], kv[1], positions, self.scale), w.wo, w.bo)
             h, x = ops.add_rms_norm(attn, x, w.mlp_norm, eps)
-            down = F.linear(ops.silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
+            down = ops.linear(ops.silu_mul(ops.linear(h, w.w_gate_up)), w.w_down)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
             h, x = ops.add_rms_norm(down, x, next_norm, eps)
             if li in wanted:

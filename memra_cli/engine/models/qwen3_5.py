@@ -767,7 +767,7 @@ class Qwen35Target(TargetBase):
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """`logits` before the widening: `[t, vocab]` in the model dtype."""
-        return F.linear(hidden, self._lm_head)
+        return self.step_ops.linear(hidden, self._lm_head)
 
     def forward(self, ids: torch.Tensor, start: int, state: Qwen35State,
                 taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -858,7 +858,7 @@ class Qwen35Target(TargetBase):
             else:
                 mixer_out = self._gdn(h, w.gdn, state, self._lin_slot[li], ring_idx, chunked, commit_now)
             h, x = ops.add_rms_norm_1p(mixer_out, x, w.mlp_norm, eps)
-            down = F.linear(ops.silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
+            down = ops.linear(ops.silu_mul(ops.linear(h, w.w_gate_up)), w.w_down)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
             h, x = ops.add_rms_norm_1p(down, x, next_norm, eps)
             if li in wanted:
@@ -874,10 +874,10 @@ class Qwen35Target(TargetBase):
         sigmoid(gate)`, the gate read from the projection (one step op in a fixed step, whose
         kernels gate in the attention's combine launch), o_proj. `kv [2, nkv, S, hd]`."""
         ops = self.step_ops
-        qgkv = F.linear(h, w.wqkv, w.bqkv)
+        qgkv = ops.linear(h, w.wqkv, w.bqkv)
         q = ops.gated_qk_norm_rope_kv_write(qgkv, w.q_norm, w.k_norm, self._cos, self._sin, positions, kv[0], kv[1],
                                             self.n_heads, self.n_kv, self.cfg.rms_norm_eps)
-        return F.linear(attend(q, kv, qgkv), w.wo, w.bo)
+        return ops.linear(attend(q, kv, qgkv), w.wo, w.bo)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 mask: torch.Tensor | None) -> torch.Tensor:
@@ -898,7 +898,7 @@ class Qwen35Target(TargetBase):
         cfg, ops = self.cfg, self.step_ops
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        mixed, z, ba = F.linear(h, w.w_in).split([cfg.conv_dim, cfg.value_dim, 2 * hv], dim=-1)
+        mixed, z, ba = ops.linear(h, w.w_in).split([cfg.conv_dim, cfg.value_dim, 2 * hv], dim=-1)
         window, rec = state.conv[slot], state.rec[slot]
         stash, final, xs_ring, replay = None, (rec if commit_now else None), None, None
         final_window = None
@@ -925,4 +925,4 @@ class Qwen35Target(TargetBase):
                                         stash_idx=None if stash is None else ring_idx)
         if commit_now:
             window.copy_(torch.cat([window, mixed], dim=0)[-window.shape[0]:])
-        return F.linear(ops.gated_rms_norm(core, z, w.norm, cfg.rms_norm_eps), w.w_out)
+        return ops.linear(ops.gated_rms_norm(core, z, w.norm, cfg.rms_norm_eps), w.w_out)
