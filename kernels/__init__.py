@@ -10,6 +10,8 @@ or on the storage size, so fixed-width steps stay bit-exact.
 - `activation`: SiLU(gate) * up
 - `attention`: causal GQA attention over the live length only, split over keys at a fixed size
 - `quant_linear`: q8_0 / q4_0 weights repacked once at load, dequantized in registers, small M
+- `dense_linear`: bf16 / f16 weights at small M (the step's weight matmuls on the shapes where it
+  beats cuBLAS), split over `in` at a per-shape constant, partials summed in a fixed order
 - `deltanet`: Gated DeltaNet's step (Qwen3.5): causal conv update + SiLU, and the gated delta rule
   over a step's rows (float32 state; final state and per-row stash on request)
 - `qwen35`: Qwen3.5's fused elementwise work: gated attention's q/k norm + partial rope + K/V
@@ -17,7 +19,8 @@ or on the storage size, so fixed-width steps stay bit-exact.
 - `argmax`: a greedy round's argmax over each row of its logits, one program per row
 - `gather`: embedding rows, and DSpark's confidence head, one program per row
 
-Every launched kernel except quant_linear's starts with `_pdl.pdl_wait(PDL)` and is launched with
+Every launched kernel except quant_linear's starts with `_pdl.pdl_wait(PDL)` (dense_linear's with a
+helper that first asks L2 for weight lines, which no kernel writes, then waits) and is launched with
 `**_pdl.pdl_args(x)`: programmatic dependent launch on sm_90+ (`MEMRA_PDL=0` turns it off).
 
 Modules import triton at the top: import them only where a kernel will run (the engine's layer

@@ -345,7 +345,20 @@ def main(argv=None) -> int:
                    help="also: kernel tables of the bf16 / q8 drafter's proposal and ingest, and same-size copy "
                         "and cuBLAS yardsticks at the quantized shapes (CUDA only)")
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "drafter-round.json")
+    p.add_argument("--dense-tuned", type=Path, default=None,
+                   help="a dense_linear_sweep.py --tuned table to use as dense_linear.TUNED for this run")
+    p.add_argument("--ab-precs", default="bf16",
+                   help="drafter precisions --dense-ab times on cuBLAS too (comma-separated; bf16 always runs)")
+    p.add_argument("--dense-ab", action="store_true",
+                   help="also time the target steps, the bf16 drafter and a round with every weight matmul on "
+                        "cuBLAS (dense_linear.TUNED emptied), in the same process, into d['cublas']")
     a = p.parse_args(argv)
+    _dense = None
+    if torch.cuda.is_available() and not a.tiny:
+        from memra_kernels import dense_linear as _dense
+
+        if a.dense_tuned:
+            _dense.load_tuned(a.dense_tuned)  # before any launch
     t_start = time.time()
     tiny = a.tiny
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
@@ -469,6 +482,38 @@ def main(argv=None) -> int:
             arm = None  # the drafter goes before the next precision's loads
             if cuda:
                 torch.cuda.empty_cache()
+        if a.dense_ab and _dense is not None and engine is not None:
+            with rep.section("cublas"):
+                table = dict(_dense.TUNED)
+                d["dense_tuned"] = {f"{n}x{k}": vars(c) for (n, k), c in table.items()}
+                _dense.TUNED.clear()  # a new engine: its graphs capture cuBLAS for every matmul
+                try:
+                    engine = Engine.from_model(target, step_width=W, cuda_graphs=cuda, draft_graphs=cuda)
+                    cb = d["cublas"] = {}
+                    cb["plain_step_ms"], cb["verify_step_ms"] = target_steps(engine, ctx, tuple(s["taps"]), reps)
+                    for prec in a.ab_precs.split(","):
+                        arm = arm_for(prec)
+                        propose, ingest = drafter_side(engine, arm, ctx, reps)
+                        cb.setdefault("draft_ingest_by_prec", {})[prec] = propose + ingest
+                        log(f"cuBLAS for every matmul, drafter {prec}: propose {propose:.3f} + ingest {ingest:.3f} ms")
+                        if prec == "bf16":
+                            cb["propose_ms"], cb["ingest_ms"], cb["draft_ingest_ms"] = propose, ingest, propose + ingest
+                        else:
+                            arm = None
+                    arm = arm_for("bf16")
+                    run_arm(engine, None, prompts[0], 8)
+                    run_arm(engine, arm, prompts[0], 8)
+                    plain, t_plain = run_arm(engine, None, prompts[0], tokens)
+                    spec, t_spec = run_arm(engine, arm, prompts[0], tokens)
+                    cb["plain_token_ms"] = 1e3 * t_plain / len(plain.tokens)
+                    cb["round_ms"] = 1e3 * t_spec / spec.stats.rounds
+                    cb["exact"] = spec.tokens == plain.tokens
+                    log(f"cuBLAS for every matmul: steps {cb['plain_step_ms']:.3f} / {cb['verify_step_ms']:.3f} ms, "
+                        f"bf16 draft + ingest {cb['draft_ingest_ms']:.3f} ms, round {cb['round_ms']:.3f} ms, "
+                        f"plain token {cb['plain_token_ms']:.3f} ms, exact {cb['exact']}")
+                finally:
+                    _dense.TUNED.update(table)
+                    arm = None
 
     with rep.section("quant_bw"):
         if not cuda:

@@ -461,9 +461,25 @@ def main() -> None:
     p.add_argument("--skip-transformers", action="store_true", help="leave out the transformers section")
     p.add_argument("--no-pdl", action="store_true", help="launch the kernels in plain stream order (MEMRA_PDL=0) "
                    "instead of with programmatic dependent launch (the default on sm_90+)")
+    p.add_argument("--dense-tuned", type=Path, default=None,
+                   help="a dense_linear_sweep.py --tuned table as dense_linear.TUNED for this run; 'none' empties it "
+                        "(every weight matmul on cuBLAS)")
+    p.add_argument("--dense-prefetch", type=int, default=None,
+                   help="dense_linear.PDL_PREFETCH for this run (weight tiles asked of L2 before the PDL wait)")
     a = p.parse_args()
+    if a.dense_prefetch is not None and not a.tiny:
+        from memra_kernels import dense_linear as _dense
+
+        _dense.PDL_PREFETCH = a.dense_prefetch
     if a.no_pdl:
         os.environ["MEMRA_PDL"] = "0"
+    if a.dense_tuned and not a.tiny:
+        from memra_kernels import dense_linear as _dense
+
+        if str(a.dense_tuned) == "none":
+            _dense.TUNED.clear()
+        else:
+            _dense.load_tuned(a.dense_tuned)
     if a.gdn_tile:
         from memra_kernels import deltanet as _gdn
         try:

@@ -12,7 +12,7 @@ alone and over a storage cut to the live keys; and the time to read one layer's 
 eager copy bandwidth measured in the same process (the attention's floor). `best` is the
 candidate of least summed time at contexts >= 4096 (shorter ones run the same code for all).
 
-    python benchmarks/gpu/long_attention.py [--json OUT.json]
+    python benchmarks/gpu/long_attention.py [--json OUT.json] [--candidates 'S,BN,BM,ST,W[,LS,LF];...'] [--pick F]
 """
 
 from __future__ import annotations
@@ -53,14 +53,20 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-long-attention.json")
+    p.add_argument("--candidates", default="",
+                   help="tiles to time instead of the built-in list: 'S,BN,BM,ST,W[,LONG_SPLIT,LONG_FROM];...'")
+    p.add_argument("--pick", type=Path, default=None,
+                   help="also write the candidate of least 16-row time at 512 + 4096 keys whose 16-row time at "
+                        "32768 is within 10 us a layer of the first candidate's, as --attn-tile text, here")
     a = p.parse_args()
+    candidates = [tuple(int(v) for v in c.split(",")) for c in a.candidates.split(";") if c] or CANDIDATES
     t0 = time.time()
     bw = eager_copy_gbps(reps=30)
     out: dict = {"device": torch.cuda.get_device_name(), "command": "python benchmarks/gpu/long_attention.py",
                  "shape": f"{HEADS} q / {KV} kv heads of {HD}, {LAYERS} layers", "copy_gbps": bw,
                  "module_hd128": dataclasses.asdict(A.TILES[128]), "rows": {}}
     rows = []
-    for c in CANDIDATES:
+    for c in candidates:
         row = {"tile": list(c)}
         try:
             row["launch"] = dataclasses.asdict(A.Tile(*c))
@@ -112,6 +118,16 @@ def main() -> None:
         best = min(scored, key=lambda r: r["long_score"])
         out["best"], out["best_score"] = best["tile"], best["long_score"]
         print("best", best["tile"], round(best["long_score"], 1))
+    if a.pick:
+        ok = [r for r in rows if all(isinstance(r.get(f"ctx{c}_rows16"), float) for c in (512, 4096, 32768))
+              and all(r.get(f"ctx{c}_invariant", True) for c in CONTEXTS)]
+        if ok and ok[0] is rows[0]:
+            limit = rows[0]["ctx32768_rows16"] + 10.0
+            pick = min((r for r in ok if r["ctx32768_rows16"] <= limit),
+                       key=lambda r: r["ctx512_rows16"] + r["ctx4096_rows16"])
+            out["pick"] = pick["tile"]
+            a.pick.write_text(",".join(str(v) for v in pick["tile"]))
+            print("pick", pick["tile"], flush=True)
     out["seconds"] = round(time.time() - t0, 1)
     a.json.parent.mkdir(parents=True, exist_ok=True)
     a.json.write_text(json.dumps(out, indent=1))

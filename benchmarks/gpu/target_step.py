@@ -226,12 +226,31 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-target-step.json")
     p.add_argument("--attn-tile", default=None,
                    help="SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS[,LONG_SPLIT,LONG_FROM]: time the attention "
-                        "with this head_dim-128 tile instead of the module's (memra_kernels.attention.TILES[128])")
+                        "with this head_dim-128 tile instead of the module's (memra_kernels.attention.TILES[128]); "
+                        "if some variants name a 'tile' part, only those (and the exactness sweep) use it")
+    p.add_argument("--variants", default="torch,triton,triton-nopdl,triton-cublas",
+                   help="step-ops variants to time: torch, triton (the shipped ops), triton-nopdl (plain "
+                        "launches), triton-cublas (every weight matmul on cuBLAS: dense_linear.TUNED emptied)")
+    p.add_argument("--dense-tuned", type=Path, default=None,
+                   help="a dense_linear_sweep.py --tuned table to use as dense_linear.TUNED for this run")
+    p.add_argument("--dense-all", type=Path, default=None,
+                   help="a dense_linear_sweep.py --json report: variants with an 'all' part put every shape it "
+                        "swept on the kernel at its best tiles; a 'pfN' part sets dense_linear.PDL_PREFETCH = N")
     a = p.parse_args()
-    if a.attn_tile:
-        from memra_kernels import attention as _attn
+    from memra_kernels import dense_linear as _dense
 
-        _attn.TILES[128] = _attn.Tile(*(int(x) for x in a.attn_tile.split(",")))  # before any launch
+    if a.dense_tuned:
+        _dense.load_tuned(a.dense_tuned)  # before any launch
+    dense_table = dict(_dense.TUNED)
+    default_prefetch = _dense.PDL_PREFETCH
+    from memra_kernels import attention as _attn
+
+    module_tile = _attn.TILES[128]
+    cand_tile = _attn.Tile(*(int(x) for x in a.attn_tile.split(","))) if a.attn_tile else None
+    # with variants naming a "tile" part, only those run the candidate; else every launch does
+    tile_variants = any("tile" in v.split("-") for v in a.variants.split(","))
+    if cand_tile is not None and not tile_variants:
+        _attn.TILES[128] = cand_tile  # before any launch
     s = SHAPES["8b"]
     contexts = [int(c) for c in a.contexts.split(",")]
     out: dict = {"shape": "qwen3-8b", "dtype": "bfloat16", "device": torch.cuda.get_device_name(), "step_width": W,
@@ -242,6 +261,8 @@ def main() -> None:
     from memra_kernels import attention as _attn
 
     out["attention_tile_hd128"] = asdict(_attn.TILES[128])
+    if cand_tile is not None:
+        out["attention_tile_candidate"] = asdict(cand_tile)
     with torch.inference_mode():
         target = random_target(s, torch.bfloat16, torch.device("cuda"))
         copies = copy_gbps()
@@ -251,14 +272,35 @@ def main() -> None:
         out["copy_gbps_measured"] = copies
         out["matmul_chain_ms"] = chain
         out["floor_ms"] = {str(c): chain + kv_bytes(target, c) / bw / 1e6 for c in contexts}
+        # a stricter yardstick beside the floor: every weight byte (and the live K/V) read
+        # once at the copy bandwidth (which counts bytes read + written, so this is generous)
+        wbytes = sum(t.numel() * t.element_size() for w in target.layers
+                     for t in (w.wqkv, w.wo, w.w_gate_up, w.w_down)) + target.lm_head_weight.numel() * 2
+        out["weight_bytes"] = wbytes
+        out["byte_floor_ms"] = {str(c): (wbytes + kv_bytes(target, c)) / bw / 1e6 for c in contexts}
         # "triton-nopdl": the shipped Triton ops with their launches in plain stream order
         # (MEMRA_PDL=0 while its graphs capture), beside "triton" (PDL on, the default)
-        for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps()), ("triton-nopdl", TritonStepOps())):
-            target.step_ops = ops
-            if name == "triton-nopdl":
+        out["dense_tuned"] = {f"{n}x{k}": asdict(c) for (n, k), c in dense_table.items()}
+        variants = [v for v in a.variants.split(",") if v]
+        wide_table = dict(dense_table)
+        if a.dense_all:  # every shape of a sweep at its best tiles, for the "-all" variants
+            for row in json.loads(a.dense_all.read_text())["shapes"]:
+                if row.get("best_cfg"):
+                    wide_table.setdefault((row["out"], row["in"]), _dense.KernelConfig(**row["best_cfg"]))
+        for name in variants:
+            parts = name.split("-")
+            target.step_ops = TorchStepOps() if parts[0] == "torch" else TritonStepOps()
+            if "nopdl" in parts:
                 os.environ[_pdl.ENV] = "0"
             else:
                 os.environ.pop(_pdl.ENV, None)
+            # graphs capture which matmuls run where: set the table before the engine
+            _dense.TUNED.clear()
+            if "cublas" not in parts:
+                _dense.TUNED.update(wide_table if "all" in parts else dense_table)
+            _dense.PDL_PREFETCH = next((int(x[2:]) for x in parts if x.startswith("pf")), default_prefetch)
+            if tile_variants:
+                _attn.TILES[128] = cand_tile if "tile" in parts and cand_tile is not None else module_tile
             engine = Engine.from_model(target, step_width=W, cuda_graphs=True)
             plain, verify, peak = {}, {}, {}
             for c in contexts:
@@ -271,9 +313,18 @@ def main() -> None:
             del engine
             torch.cuda.empty_cache()
         os.environ.pop(_pdl.ENV, None)
+        _dense.TUNED.clear()
+        _dense.TUNED.update(dense_table)
+        _dense.PDL_PREFETCH = default_prefetch
+        if tile_variants:  # the sweep below runs the candidate when one was given
+            _attn.TILES[128] = cand_tile or module_tile
         out["pdl"] = _pdl.enabled(torch.device("cuda"))
-        out["pdl_plain_speedup"] = {c: out["triton-nopdl"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
-                                    for c in out["triton"]["plain_ms"]}
+        if "triton-nopdl" in out:
+            out["pdl_plain_speedup"] = {c: out["triton-nopdl"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
+                                        for c in out["triton"]["plain_ms"]}
+        if "triton-cublas" in out:
+            out["dense_plain_speedup"] = {c: out["triton-cublas"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
+                                          for c in out["triton"]["plain_ms"]}
         # the headline keys: the shipped path (Triton ops)
         for k in ("plain_ms", "verify16_ms", "peak_gib", "kernels_per_step"):
             out[k] = out["triton"][k]

@@ -1,0 +1,205 @@
+"""The few-row dense kernel (memra_kernels.dense_linear) against cuBLAS on the engine's shapes.
+
+For each weight shape [out, in] (bf16): cuBLAS's `F.linear` at M = 16 and M = 1, then a sweep of
+the kernel's tiles at M = 16 (each candidate checked against the reference and for row
+invariance first), the best one also at M = 1. Every time is a CUDA-graph replay of calls that
+cycle through enough copies of the weight that L2 never holds the one being read (as the engine
+reads weights: once per step). Prints a TUNED table of the shapes where the kernel beat cuBLAS
+at M = 16 by more than `--margin`, and writes everything to `--json` (the table also to
+`--tuned`, which `dense_linear.load_tuned` and the benchmarks' `--dense-tuned` read).
+
+    python benchmarks/gpu/dense_linear_sweep.py [--shapes 8b,drafter,hybrid] [--json F] [--tuned F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from memra_kernels import dense_linear as dl  # noqa: E402
+
+SHAPES = {
+    # Qwen3-8B target: fused q/k/v, o, fused gate/up, down, lm_head
+    "8b": [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096)],
+    # its DFlash drafter beyond those: fc over 5 taps, the ingest's fused k/v
+    "drafter": [(4096, 20480), (2048, 4096)],
+    # Qwen3.5-4B hybrid: DeltaNet in/out, gated attention qkv, o, gate/up, down, lm_head
+    "hybrid": [(12352, 2560), (2560, 4096), (10240, 2560), (18432, 2560), (2560, 9216), (248320, 2560)],
+}
+L2_BYTES = 60 * 2**20
+REL_TOL = 1e-2
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def median_ms(fn, rep: int = 60) -> float:
+    return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (bytes read + written)."""
+    n = 2 * 2**30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), rep=200)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3)
+
+
+def graph_us(call, n_copies: int) -> float:
+    """Median µs of one `call(i)`, as CUDA-graph replays of calls cycling through the copies."""
+    reps = n_copies * max(1, math.ceil(48 / n_copies))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(n_copies):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for r in range(reps):
+            call(r % n_copies)
+    us = median_ms(g.replay) / reps * 1e3
+    del g
+    return us
+
+
+def candidates(n: int, k: int) -> list[dl.KernelConfig]:
+    out = []
+    for bn, bk in itertools.product((32, 64, 128), (128, 256)):
+        stages, warps = (3 if bn * bk >= 128 * 256 else 4), 4
+        if bn * bk * 2 * stages > 200 * 1024:  # shared memory for the weight tiles alone
+            continue
+        n_tiles, k_tiles = -(-n // bn), -(-k // bk)
+        for split in (1, 2, 4, 8, 16, 32):
+            progs = n_tiles * split
+            if split > 1 and k_tiles / split < 2:
+                continue
+            if not 100 <= progs <= 1100 and not (split == 1 and progs > 1100):
+                continue
+            out.append(dl.KernelConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages))
+    return out
+
+
+def refinements(best: dl.KernelConfig) -> list[dl.KernelConfig]:
+    from dataclasses import replace
+
+    return [replace(best, num_warps=8), replace(best, num_stages=best.num_stages + 1),
+            replace(best, num_stages=best.num_stages - 1), replace(best, num_warps=2),
+            replace(best, block_k=64, num_stages=6)]
+
+
+def check(w: torch.Tensor, cfg: dl.KernelConfig, x: torch.Tensor) -> bool:
+    y = dl.dense_linear(x, w, config=cfg)
+    ref = dl.dense_linear_ref(x, w)
+    rel = ((y.float() - ref.float()).norm() / ref.float().norm()).item()
+    inv = all(torch.equal(dl.dense_linear(x[i:i + 1], w, config=cfg), y[i:i + 1]) for i in (0, 15))
+    return rel < REL_TOL and inv
+
+
+def cfg_str(c: dl.KernelConfig) -> str:
+    return f"n{c.block_n}_k{c.block_k}_s{c.split_k}_w{c.num_warps}_st{c.num_stages}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="8b,drafter,hybrid")
+    p.add_argument("--margin", type=float, default=0.03, help="kernel must beat cuBLAS at M = 16 by this fraction")
+    p.add_argument("--budget-s", type=float, default=300.0)
+    p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-dense-linear.json")
+    p.add_argument("--tuned", type=Path, default=None)
+    a = p.parse_args()
+    t0 = time.perf_counter()
+    shapes = [s for name in a.shapes.split(",") for s in SHAPES[name]]
+    bw = copy_bandwidth()
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbps": bw / 1e9,
+           "command": "python benchmarks/gpu/dense_linear_sweep.py " + " ".join(sys.argv[1:]), "shapes": []}
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    tuned = {}
+    gen = torch.Generator().manual_seed(0)
+    for n, k in shapes:
+        nbytes = n * k * 2
+        copies = max(2, min(64, math.ceil(3 * L2_BYTES / nbytes)))
+        ws = [(torch.randn((n, k), generator=gen) * 0.02).to("cuda", torch.bfloat16) for _ in range(copies)]
+        x16 = torch.randn((16, k), generator=gen).to("cuda", torch.bfloat16)
+        x1 = x16[:1].clone()
+        row = {"out": n, "in": k, "bytes": nbytes,
+               "cublas_m16_us": graph_us(lambda i: F.linear(x16, ws[i]), copies),
+               "cublas_m1_us": graph_us(lambda i: F.linear(x1, ws[i]), copies), "candidates": {}}
+        best, best_us = None, float("inf")
+
+        def run(cfg):
+            nonlocal best, best_us
+            key = cfg_str(cfg)
+            if key in row["candidates"] or time.perf_counter() - t0 > a.budget_s:
+                return
+            try:
+                if not check(ws[0], cfg, x16):
+                    row["candidates"][key] = "wrong"
+                    return
+                us = graph_us(lambda i: dl.dense_linear(x16, ws[i], config=cfg), copies)
+            except Exception as exc:  # out of resources and the like: skip the candidate
+                row["candidates"][key] = f"error: {type(exc).__name__}: {str(exc)[:100]}"
+                return
+            row["candidates"][key] = us
+            if us < best_us:
+                best, best_us = cfg, us
+
+        for cfg in candidates(n, k):
+            run(cfg)
+        if best is not None:
+            for cfg in refinements(best):
+                run(cfg)
+        if best is not None:
+            row["best"] = cfg_str(best)
+            row["best_cfg"] = {"block_n": best.block_n, "block_k": best.block_k, "split_k": best.split_k,
+                               "num_warps": best.num_warps, "num_stages": best.num_stages}
+            row["best_m16_us"] = best_us
+            row["best_m1_us"] = graph_us(lambda i: dl.dense_linear(x1, ws[i], config=best), copies)
+            row["kernel_frac_m16"] = nbytes / (best_us * 1e-6) / bw
+            row["cublas_frac_m16"] = nbytes / (row["cublas_m16_us"] * 1e-6) / bw
+            row["speedup_m16"] = row["cublas_m16_us"] / best_us
+            row["speedup_m1"] = row["cublas_m1_us"] / row["best_m1_us"]
+            if best_us < (1 - a.margin) * row["cublas_m16_us"]:
+                tuned[f"{n}x{k}"] = row["best_cfg"]
+        log(f"[{n:>6} x {k:>5}] cuBLAS m16 {row['cublas_m16_us']:7.2f} us  m1 {row['cublas_m1_us']:7.2f} | "
+            f"kernel {row.get('best', '-')} m16 {row.get('best_m16_us', float('nan')):7.2f} "
+            f"m1 {row.get('best_m1_us', float('nan')):7.2f} | frac {row.get('kernel_frac_m16', 0):.2f} vs "
+            f"{row.get('cublas_frac_m16', 0):.2f}")
+        res["shapes"].append(row)
+        del ws
+        torch.cuda.empty_cache()
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(res, indent=1))
+    res["tuned"] = tuned
+    res["seconds"] = time.perf_counter() - t0
+    a.json.write_text(json.dumps(res, indent=1))
+    if a.tuned:
+        a.tuned.write_text(json.dumps(tuned, indent=1))
+    log("TUNED = {")
+    for key, c in tuned.items():
+        n, k = key.split("x")
+        log(f"    ({n}, {k}): _C(block_n={c['block_n']}, block_k={c['block_k']}, split_k={c['split_k']}, "
+            f"num_warps={c['num_warps']}, num_stages={c['num_stages']}),")
+    log("}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
