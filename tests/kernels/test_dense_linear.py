@@ -148,3 +148,21 @@ def test_step_ops_route_tuned_shapes_only(monkeypatch):
     ops.linear(x[:4].float(), w.float())  # float32 weights: cuBLAS (TUNED is measured in bf16)
     assert calls == [(16, 96)]
     assert torch.equal(TorchStepOps.linear(x, w, bias), torch.nn.functional.linear(x, w, bias))
+
+
+def test_load_tuned_replaces_the_table(tmp_path):
+    """A sweep's --tuned file becomes TUNED (benchmarks time a candidate table with it); a bad
+    tile in it is refused before anything changes."""
+    saved = dict(dl.TUNED)
+    path = tmp_path / "tuned.json"
+    try:
+        path.write_text('{"96x64": {"block_n": 16, "block_k": 32, "split_k": 2, "num_warps": 4, "num_stages": 2}}')
+        table = dl.load_tuned(path)
+        assert dl.TUNED == table == {(96, 64): KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)}
+        path.write_text('{"96x64": {"block_n": 48, "block_k": 32, "split_k": 2, "num_warps": 4, "num_stages": 2}}')
+        with pytest.raises(ValueError, match="power of two"):
+            dl.load_tuned(path)
+        assert dl.TUNED == table
+    finally:
+        dl.TUNED.clear()
+        dl.TUNED.update(saved)
