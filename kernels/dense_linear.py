@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args
+from ._splitk import counters, store_or_reduce
 
 __all__ = ["KernelConfig", "TUNED", "config_for", "dense_linear", "dense_linear_ref", "eligible",
            "load_tuned", "MAX_ROWS"]
@@ -169,9 +170,8 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
                          PDL: tl.constexpr = False):
     """out [M, N] = x [M, K] @ w [N, K].T for one (n tile, k split, m tile) per program.
 
-    With SPLIT (SPLIT_K > 1, a run-time count) each program writes its float32 partial to
-    ws [SPLIT_K, M, N]; the last of a tile's programs to arrive (counted in cnt_ptr, which it
-    resets to 0) sums the partials in split order and writes out.
+    With SPLIT (SPLIT_K > 1, a run-time count) the tile's partials meet in ws [SPLIT_K, M, N]
+    and the last program to arrive sums them in split order (kernels/_splitk.py).
 
     With PDL the kernel starts early (`_prefetch_then_wait`) and lets the next kernel launch only
     once its loop is done (a kernel launched earlier would hold multiprocessor slots idle while
@@ -215,41 +215,8 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
 
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if not SPLIT:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        ws_off = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptr + pid_k * M * N + ws_off, acc, mask=out_mask)
-        # every thread's partial is stored before one thread announces it (release) ...
-        tl.debug_barrier()
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            # ... and the last one reads them through L2 (.cg: never a stale L1 line)
-            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-            for s in range(SPLIT_K):
-                total += tl.load(ws_ptr + s * M * N + ws_off, mask=out_mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-# Split-K arrival counters, one zeroed int32 per (m tile, n tile), per device and stream; the
-# last program of a tile puts its counter back to 0, so they stay zero between calls (and
-# inside CUDA graphs). Keyed by stream so that calls on two streams never share one.
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+    store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
+                    SPLIT, BLOCK_M, BLOCK_N)
 
 
 def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -290,7 +257,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, grid[0] * grid[2])
+        cnt = counters("dense_linear", x.device, grid[0] * grid[2])
     else:
         ws, cnt = out, out  # never touched: the split-K branch is compiled out
     pdl = pdl_args(x)

@@ -316,6 +316,7 @@ def config_for(qtype: str, n: int, k: int) -> KernelConfig:
 # --------------------------------------------------------------------------------------------
 
 if triton is not None:
+    from ._splitk import counters, store_or_reduce
 
     @triton.jit
     def _int8_to_f32(q):
@@ -517,9 +518,8 @@ if triton is not None:
         """out [M, N] = x [M, K] @ W.T for one (n tile, k split, m tile) per program.
 
         W is the packed weight (w_ptr: int8 [N, K] or uint8 [N, K/2]; s_ptr: f16 [N, K/32]).
-        With SPLIT (SPLIT_K > 1, a run-time count) each program writes its float32 partial to
-        ws [SPLIT_K, M, N]; the last of a tile's programs to arrive (counted in cnt_ptr, which
-        it resets to 0) sums the partials in split order and writes out.
+        With SPLIT (SPLIT_K > 1, a run-time count) the tile's partials meet in ws [SPLIT_K, M, N]
+        and the last program to arrive sums them in split order (kernels/_splitk.py).
         """
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
@@ -556,41 +556,8 @@ if triton is not None:
         if SWAP:
             acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N], once per program
 
-        out_mask = m_mask[:, None] & n_mask[None, :]
-        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        if not SPLIT:
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            ws_off = offs_m[:, None] * N + offs_n[None, :]
-            tl.store(ws_ptr + pid_k * M * N + ws_off, acc, mask=out_mask)
-            # every thread's partial is stored before one thread announces it (release) ...
-            tl.debug_barrier()
-            tile = pid_m * tl.num_programs(0) + pid_n
-            arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                # ... and the last one reads them through L2 (.cg: never a stale L1 line)
-                total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-                for s in range(SPLIT_K):
-                    total += tl.load(ws_ptr + s * M * N + ws_off, mask=out_mask, other=0.0,
-                                     cache_modifier=".cg")
-                tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
-                tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
-
-
-# Split-K arrival counters, one zeroed int32 per (m tile, n tile), per device and stream: the
-# kernel's last program of a tile puts its counter back to 0, so they stay zero between calls.
-# Keyed by stream so that calls on two streams never share a counter.
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device.type, device.index, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
+        store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
+                        SPLIT, BLOCK_M, BLOCK_N)
 
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -637,7 +604,7 @@ def _launch(x: torch.Tensor, packed: Packed, cfg: KernelConfig, out: torch.Tenso
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, grid[0] * grid[2])
+        cnt = counters("quant_linear", x.device, grid[0] * grid[2])
     else:
         ws, cnt = out, out  # never touched: the kernel's split-K branch is compiled out
     return _quant_linear_kernel[grid](

@@ -1,0 +1,60 @@
+"""Split-K for the few-row matmul kernels (dense_linear, quant_linear): the arrival counters and
+the fixed-order sum of a tile's float32 partials (no kernels launched here).
+
+A matmul of a few rows by a wide-`in` weight splits `in` over SPLIT_K programs per output tile so
+that every multiprocessor streams part of the weight. Each program writes its float32 partial to a
+workspace `ws [SPLIT_K, M, N]` and bumps the tile's arrival counter; the last to arrive sums the
+SPLIT_K partials in split order (the same order whatever order the programs ran in, so the bits
+never depend on scheduling or on M) and writes the output, then puts the counter back to 0.
+
+Both kernels use the grid (n tiles, SPLIT_K, m tiles); the tile's counter is
+`pid_m * n_tiles + pid_n`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Arrival counters, one zeroed int32 per (m tile, n tile), per kernel family, device and stream:
+# a tile's last program puts its counter back to 0, so they stay zero between calls (and inside
+# CUDA graphs). Keyed by stream so that calls on two streams never share a counter.
+_COUNTERS: dict[tuple, torch.Tensor] = {}
+
+
+def counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
+    """At least `n` zeroed int32 counters for `owner`'s launches on `device`'s current stream."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (owner, device.type, device.index, stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+@triton.jit
+def store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_om,
+                    SPLIT_K, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write one program's `acc [BLOCK_M, BLOCK_N]` (float32) for rows `offs_m`, columns `offs_n`:
+    straight to `out` without SPLIT; with it, as partial `program_id(1)` of the tile, the last of
+    the tile's SPLIT_K programs to arrive summing the partials in split order into `out`."""
+    out_mask = m_mask[:, None] & n_mask[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if not SPLIT:
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        ws_off = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws_ptr + tl.program_id(1) * M * N + ws_off, acc, mask=out_mask)
+        # every thread's partial is stored before one thread announces it (release) ...
+        tl.debug_barrier()
+        tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            # ... and the last one reads them through L2 (.cg: never a stale L1 line)
+            total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(ws_ptr + s * M * N + ws_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")
