@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 import time
@@ -24,9 +23,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import kernels_quant as kq  # noqa: E402  (the copy bandwidth and graph timing of the quant sweep)
 
 from memra_kernels import dense_linear as dl  # noqa: E402
 
@@ -38,7 +40,6 @@ SHAPES = {
     # Qwen3.5-4B hybrid: DeltaNet in/out, gated attention qkv, o, gate/up, down, lm_head
     "hybrid": [(12352, 2560), (2560, 4096), (10240, 2560), (18432, 2560), (2560, 9216), (248320, 2560)],
 }
-L2_BYTES = 60 * 2**20
 REL_TOL = 1e-2
 
 
@@ -46,38 +47,10 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
-def median_ms(fn, rep: int = 60) -> float:
-    return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a 2 GiB device-to-device copy (bytes read + written)."""
-    n = 2 * 2**30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), rep=200)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / (ms * 1e-3)
-
-
 def graph_us(call, n_copies: int) -> float:
-    """Median µs of one `call(i)`, as CUDA-graph replays of calls cycling through the copies."""
-    reps = n_copies * max(1, math.ceil(48 / n_copies))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(n_copies):
-            call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for r in range(reps):
-            call(r % n_copies)
-    us = median_ms(g.replay) / reps * 1e3
-    del g
-    return us
+    """Median µs of one `call(i)`: CUDA-graph replays of calls cycling through the weight copies
+    (kernels_quant.graph_ms, the quantized kernels' yardstick)."""
+    return 1e3 * kq.graph_ms(call, n_copies)
 
 
 def candidates(n: int, k: int) -> list[dl.KernelConfig]:
@@ -127,7 +100,7 @@ def main() -> int:
     a = p.parse_args()
     t0 = time.perf_counter()
     shapes = [s for name in a.shapes.split(",") for s in SHAPES[name]]
-    bw = copy_bandwidth()
+    bw = kq.copy_bandwidth()
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbps": bw / 1e9,
            "command": "python benchmarks/gpu/dense_linear_sweep.py " + " ".join(sys.argv[1:]), "shapes": []}
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -135,7 +108,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     for n, k in shapes:
         nbytes = n * k * 2
-        copies = max(2, min(64, math.ceil(3 * L2_BYTES / nbytes)))
+        copies = kq.copies_for(nbytes)
         ws = [(torch.randn((n, k), generator=gen) * 0.02).to("cuda", torch.bfloat16) for _ in range(copies)]
         x16 = torch.randn((16, k), generator=gen).to("cuda", torch.bfloat16)
         x1 = x16[:1].clone()
