@@ -19,12 +19,14 @@ split partials are summed in split order by the last program of a tile (an arriv
 float atomics). So a row's output is bit-identical whether it is multiplied alone or with up to
 any number of other rows, and from call to call.
 
-Where it is used: the Triton step ops' `linear` (engine/layers/step_ops.py) for a weight whose
-(out, in) is in `TUNED` (shapes measured faster than cuBLAS on the H200) and a step of at most
-`MAX_ROWS` rows; everything else keeps `F.linear`.
+Where it is used: the Triton step ops' `linear` (engine/layers/step_ops.py) for a bf16 / f16
+weight whose (out, in) is in `TUNED` (the engine's shapes, chosen by measuring the whole step on
+the H200) and a call of at most `MAX_ROWS` rows; everything else keeps `F.linear`. Under
+programmatic dependent launch it starts while the previous kernel runs and asks L2 for its first
+`PDL_PREFETCH` weight tiles before waiting (`_prefetch_then_wait`).
 
 Public API: `KernelConfig`, `TUNED`, `config_for`, `dense_linear`, `dense_linear_ref`,
-`eligible`, `load_tuned`, `MAX_ROWS`.
+`eligible`, `load_tuned`, `MAX_ROWS`, `PDL_PREFETCH`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ __all__ = ["KernelConfig", "TUNED", "config_for", "dense_linear", "dense_linear_
            "load_tuned", "MAX_ROWS"]
 
 # Rows a call may have for the step ops to take the kernel (each 16-row tile re-reads W, so past
-# a couple of tiles cuBLAS's large-M kernels win; prefill chunks never come here).
+# a couple of tiles cuBLAS's large-M kernels win; full prefill chunks never come here).
 MAX_ROWS = 32
 BLOCK_M = 16
 
