@@ -70,6 +70,17 @@ def test_the_kernels_setting():
     assert select_step_ops(cpu, None, {"MEMRA_PDL": "0"})[0].name == "torch"
 
 
+def test_the_kernels_receipt_names_where_the_matmuls_run():
+    """On CUDA the receipt says which weight matmuls the dense kernel takes (its measured table)
+    and that the rest stay on cuBLAS. Built on the CPU: the Triton ops construct without a GPU."""
+    from memra_kernels import dense_linear
+
+    ops, note = select_step_ops(torch.device("cuda"), None, {})
+    assert ops.name == "triton"
+    assert f"dense kernel for the {len(dense_linear.TUNED)} weight shapes" in note
+    assert f"up to {dense_linear.MAX_ROWS} rows" in note and "cuBLAS for the others" in note
+
+
 @pytest.mark.parametrize("t,start,nh,nkv", [(5, 0, 4, 2), (7, 30, 8, 2), (1, 9, 4, 4), (16, 100, 4, 1)])
 def test_prefill_attention_is_the_masked_reference(t, start, nh, nkv):
     """The fused prefill attention (a lower-right causal bias, K/V repeated per head) computes

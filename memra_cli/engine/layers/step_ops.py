@@ -441,5 +441,9 @@ def select_step_ops(device: torch.device, setting: bool | None = None, env: dict
         launch = "launches overlapped with programmatic dependent launch"
     else:
         launch = "launched in stream order (programmatic dependent launch needs sm_90+)"
+    from memra_kernels import dense_linear
+
     return ops, ("step ops: Triton kernels (fused norms, rope + KV write, live-length attention, DeltaNet conv, "
-                 f"gates and recurrence, gated norm; {launch})")
+                 f"gates and recurrence, gated norm; {launch}); weight matmuls of up to {dense_linear.MAX_ROWS} rows "
+                 f"on memra's dense kernel for the {len(dense_linear.TUNED)} weight shapes it was measured on "
+                 "(Qwen3-8B and its DFlash drafter, Qwen3.5-4B), cuBLAS for the others")
