@@ -1,5 +1,6 @@
-"""Split-K for the few-row matmul kernels (dense_linear, quant_linear): the arrival counters and
-the fixed-order sum of a tile's float32 partials (no kernels launched here).
+"""Split-K for the few-row matmul kernels (dense_linear, quant_linear): the split count for an
+unmeasured shape, the arrival counters and the fixed-order sum of a tile's float32 partials (no
+kernels launched here).
 
 A matmul of a few rows by a wide-`in` weight splits `in` over SPLIT_K programs per output tile so
 that every multiprocessor streams part of the weight. Each program writes its float32 partial to a
@@ -16,6 +17,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# Programs worth having in flight: two per multiprocessor of an H200 (132). A constant rather than
+# the device's count, so a shape's tiles, hence its bits, are the same on every machine.
+TARGET_PROGRAMS = 264
+
+
+def split_for(n_tiles: int, k_tiles: int) -> int:
+    """The split count for a shape outside a kernel's measured table: `in` halved again and again
+    until there are about TARGET_PROGRAMS programs, keeping at least two k tiles per program."""
+    split = 1
+    while n_tiles * split * 2 <= TARGET_PROGRAMS and split * 2 * 2 <= k_tiles:
+        split *= 2
+    return split
+
 
 # Arrival counters, one zeroed int32 per (m tile, n tile), per kernel family, device and stream:
 # a tile's last program puts its counter back to 0, so they stay zero between calls (and inside

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args
-from ._splitk import counters, store_or_reduce
+from ._splitk import counters, split_for, store_or_reduce
 
 __all__ = ["KernelConfig", "TUNED", "config_for", "dense_linear", "dense_linear_ref", "eligible",
            "load_tuned", "MAX_ROWS"]
@@ -107,20 +107,11 @@ TUNED: dict[tuple[int, int], KernelConfig] = {
 # 5.43 / 5.27 with cuBLAS (docs/perf.md, "Dense linear").
 PDL_PREFETCH = 2
 
-# Programs worth having in flight: two per multiprocessor of an H200 (132); a constant, not the
-# device's count, so a shape's tiles (hence its bits) are the same on every machine.
-_TARGET_PROGRAMS = 264
-
-
 def _heuristic(n: int, k: int) -> KernelConfig:
     """Tiles for a shape outside TUNED (direct calls only): 64 x 128 tiles, `in` split until
     there are about two programs per multiprocessor, keeping >= 2 loop steps per program."""
     block_n, block_k = 64, 128
-    n_tiles, k_tiles = -(-n // block_n), -(-k // block_k)
-    split = 1
-    while n_tiles * split * 2 <= _TARGET_PROGRAMS and split * 2 * 2 <= k_tiles:
-        split *= 2
-    return KernelConfig(block_n=block_n, block_k=block_k, split_k=split)
+    return KernelConfig(block_n=block_n, block_k=block_k, split_k=split_for(-(-n // block_n), -(-k // block_k)))
 
 
 def config_for(n: int, k: int, itemsize: int = 2) -> KernelConfig:
@@ -262,7 +253,6 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
         cnt = counters("dense_linear", x.device, grid[0] * grid[2])
     else:
         ws, cnt = out, out  # never touched: the split-K branch is compiled out
-    pdl = pdl_args(x)
     _dense_linear_kernel[grid](
         x2, w, out, ws, cnt, m, n, k, x2.stride(0), w.stride(0), n, cfg.split_k,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1,
@@ -270,7 +260,7 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
         WIDEN=interpreting() and x.device.type != "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        PREFETCH=PDL_PREFETCH if pdl else 0, **pdl_args(x),
+        PREFETCH=PDL_PREFETCH, **pdl_args(x),  # the prefetch runs only with PDL (_prefetch_then_wait)
     )
     return out
 

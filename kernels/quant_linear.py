@@ -276,9 +276,6 @@ TUNED: dict[tuple[str, int, int], KernelConfig] = {
     ("q4_0", 4096, 20480): _C(block_m=16, block_n=64, block_k=128, split_k=8, swap_ab=True),
 }
 
-# Programs worth having in flight: two per multiprocessor of an H200 (132). A constant rather
-# than the device's count, so a shape's tiles, hence its bits, are the same on every machine.
-_TARGET_PROGRAMS = 264
 _CONFIG_CACHE: dict[tuple[str, int, int], KernelConfig] = {}
 
 
@@ -292,11 +289,9 @@ def _heuristic(qtype: str, n: int, k: int) -> KernelConfig:
     q4 = qtype == "q4_0"
     block_n = min(64, max(16, triton.next_power_of_2(n) if triton else 64))
     block_k = max(QK, min(128, _pow2_at_most(k)))
-    n_tiles = -(-n // block_n)
-    k_tiles = -(-k // block_k)
-    split = 1
-    while n_tiles * split * 2 <= _TARGET_PROGRAMS and split * 2 * 2 <= k_tiles:
-        split *= 2
+    from ._splitk import split_for  # imports triton, as every caller of these tiles does
+
+    split = split_for(-(-n // block_n), -(-k // block_k))
     return KernelConfig(block_m=16, block_n=block_n, block_k=block_k, split_k=split,
                         swap_ab=q4)
 

@@ -21,7 +21,6 @@ timeout ${STEP_S:-240} python3 benchmarks/gpu/target_step.py --dense-all docs/re
   --contexts ${CONTEXTS:-512,32768} --sweep-lengths 512 --sweep-prompts 2 --sweep-tokens 48 --prefill-length 0 \
   --json $R/h200-target-step-prefetch.json 2>&1 | grep -v -i warn | grep -E "ctx|exact|floor" | tail -24; pack
 [ "${HYBRID:-1}" = 1 ] || exit 0
-mkdir -p /tmp/hyb && export TMPDIR=/tmp/hyb
 for v in ${HYB_VARIANTS:-merged none}; do
   t=$R/dense_tuned_merged.json; pf=""
   [ $v = none ] && t=none; [ $v = merged-pf2 ] && pf="--dense-prefetch 2"

@@ -348,7 +348,7 @@ def main(argv=None) -> int:
     p.add_argument("--dense-tuned", type=Path, default=None,
                    help="a dense_linear_sweep.py --tuned table to use as dense_linear.TUNED for this run")
     p.add_argument("--ab-precs", default="bf16",
-                   help="drafter precisions --dense-ab times on cuBLAS too (comma-separated; bf16 always runs)")
+                   help="drafter precisions --dense-ab times on cuBLAS too (comma-separated; bf16 always runs, last)")
     p.add_argument("--dense-ab", action="store_true",
                    help="also time the target steps, the bf16 drafter and a round with every weight matmul on "
                         "cuBLAS (dense_linear.TUNED emptied), in the same process, into d['cublas']")
@@ -358,7 +358,10 @@ def main(argv=None) -> int:
         from memra_kernels import dense_linear as _dense
 
         if a.dense_tuned:
-            _dense.load_tuned(a.dense_tuned)  # before any launch
+            try:
+                _dense.load_tuned(a.dense_tuned)  # before any launch
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                p.error(f"--dense-tuned {a.dense_tuned}: {exc}")
     t_start = time.time()
     tiny = a.tiny
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
@@ -491,16 +494,14 @@ def main(argv=None) -> int:
                     engine = Engine.from_model(target, step_width=W, cuda_graphs=cuda, draft_graphs=cuda)
                     cb = d["cublas"] = {}
                     cb["plain_step_ms"], cb["verify_step_ms"] = target_steps(engine, ctx, tuple(s["taps"]), reps)
-                    for prec in a.ab_precs.split(","):
+                    # bf16 last: its arm stays for the round below
+                    for prec in [q for q in a.ab_precs.split(",") if q != "bf16"] + ["bf16"]:
+                        arm = None  # the previous precision's drafter goes before this one loads
                         arm = arm_for(prec)
                         propose, ingest = drafter_side(engine, arm, ctx, reps)
                         cb.setdefault("draft_ingest_by_prec", {})[prec] = propose + ingest
                         log(f"cuBLAS for every matmul, drafter {prec}: propose {propose:.3f} + ingest {ingest:.3f} ms")
-                        if prec == "bf16":
-                            cb["propose_ms"], cb["ingest_ms"], cb["draft_ingest_ms"] = propose, ingest, propose + ingest
-                        else:
-                            arm = None
-                    arm = arm_for("bf16")
+                    cb["propose_ms"], cb["ingest_ms"], cb["draft_ingest_ms"] = propose, ingest, propose + ingest
                     run_arm(engine, None, prompts[0], 8)
                     run_arm(engine, arm, prompts[0], 8)
                     plain, t_plain = run_arm(engine, None, prompts[0], tokens)

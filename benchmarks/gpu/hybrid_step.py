@@ -479,7 +479,10 @@ def main() -> None:
         if str(a.dense_tuned) == "none":
             _dense.TUNED.clear()
         else:
-            _dense.load_tuned(a.dense_tuned)
+            try:
+                _dense.load_tuned(a.dense_tuned)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                p.error(f"--dense-tuned {a.dense_tuned}: {exc}")
     if a.gdn_tile:
         from memra_kernels import deltanet as _gdn
         try:

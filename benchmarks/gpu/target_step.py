@@ -240,13 +240,19 @@ def main() -> None:
     from memra_kernels import dense_linear as _dense
 
     if a.dense_tuned:
-        _dense.load_tuned(a.dense_tuned)  # before any launch
+        try:
+            _dense.load_tuned(a.dense_tuned)  # before any launch
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            p.error(f"--dense-tuned {a.dense_tuned}: {exc}")
     dense_table = dict(_dense.TUNED)
     default_prefetch = _dense.PDL_PREFETCH
     from memra_kernels import attention as _attn
 
     module_tile = _attn.TILES[128]
-    cand_tile = _attn.Tile(*(int(x) for x in a.attn_tile.split(","))) if a.attn_tile else None
+    try:
+        cand_tile = _attn.Tile(*(int(x) for x in a.attn_tile.split(","))) if a.attn_tile else None
+    except (TypeError, ValueError) as exc:
+        p.error(f"--attn-tile {a.attn_tile!r}: {exc}")
     # with variants naming a "tile" part, only those run the candidate; else every launch does
     tile_variants = any("tile" in v.split("-") for v in a.variants.split(","))
     if cand_tile is not None and not tile_variants:
@@ -258,7 +264,6 @@ def main() -> None:
     from dataclasses import asdict
 
     from memra_kernels import _pdl
-    from memra_kernels import attention as _attn
 
     out["attention_tile_hd128"] = asdict(_attn.TILES[128])
     if cand_tile is not None:
