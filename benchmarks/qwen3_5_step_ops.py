@@ -59,6 +59,10 @@ class CountingOps:
         self._ops, self.calls = ops, Counter()
 
     def __getattr__(self, name):
+        if name == "swiglu":
+            # the MLP's gate/up matmul and its activation as the torch path runs them (a GEMM,
+            # then SiLU·mul); the kernels fuse the two only for the shapes of their measured table
+            return lambda x, w: self.silu_mul(self.linear(x, w))
         attr = getattr(self._ops, name)
         if not callable(attr) or name == "linear":
             # the weight matmuls go through the seam too (`linear`), but they are the step's

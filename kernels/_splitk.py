@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation import silu_mul_rounded
+
 # Programs worth having in flight: two per multiprocessor of an H200 (132). A constant rather than
 # the device's count, so a shape's tiles, hence its bits, are the same on every machine.
 TARGET_PROGRAMS = 264
@@ -50,18 +52,39 @@ def counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
 
 
 @triton.jit
-def store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_om,
-                    SPLIT_K, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Write one program's `acc [BLOCK_M, BLOCK_N]` (float32) for rows `offs_m`, columns `offs_n`:
-    straight to `out` without SPLIT; with it, as partial `program_id(1)` of the tile, the last of
-    the tile's SPLIT_K programs to arrive summing the partials in split order into `out`."""
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    if not SPLIT:
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+def _store_out(total, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    """Write a tile's float32 result `total [BLOCK_M, BLOCK_N]` to `out` in out's dtype. GLU: the
+    tile's columns are gate j then up j for j < BLOCK_N / 2 (dense_linear's `_weight_rows`), and
+    `out [M, N / 2]` gets silu(gate) * up, each factor first rounded to out's dtype as the
+    unfused matmul's output is (activation.silu_mul_rounded: the same bits as the two launches)."""
+    dt = out_ptr.dtype.element_ty
+    if GLU:
+        HALF: tl.constexpr = BLOCK_N // 2
+        gate, up = tl.split(tl.permute(tl.reshape(total, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+        cols = tl.program_id(0) * HALF + tl.arange(0, HALF)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + cols[None, :],
+                 silu_mul_rounded(gate.to(dt), up.to(dt), dt),
+                 mask=m_mask[:, None] & (cols < N // 2)[None, :])
     else:
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(dt),
+                 mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_om,
+                    SPLIT_K, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    GLU: tl.constexpr = False):
+    """Write one program's `acc [BLOCK_M, BLOCK_N]` (float32) for rows `offs_m`, columns `offs_n`
+    (of the [M, N] product; GLU: see `_store_out`): straight to `out` without SPLIT; with it, as
+    partial `program_id(1)` of the tile, the last of the tile's SPLIT_K programs to arrive summing
+    the partials in split order and writing the result."""
+    if not SPLIT:
+        _store_out(acc, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M, BLOCK_N, GLU)
+    else:
+        ws_mask = m_mask[:, None] & n_mask[None, :]
         ws_off = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptr + tl.program_id(1) * M * N + ws_off, acc, mask=out_mask)
+        tl.store(ws_ptr + tl.program_id(1) * M * N + ws_off, acc, mask=ws_mask)
         # every thread's partial is stored before one thread announces it (release) ...
         tl.debug_barrier()
         tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
@@ -70,6 +93,6 @@ def store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mas
             # ... and the last one reads them through L2 (.cg: never a stale L1 line)
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in range(SPLIT_K):
-                total += tl.load(ws_ptr + s * M * N + ws_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=out_mask)
+                total += tl.load(ws_ptr + s * M * N + ws_off, mask=ws_mask, other=0.0, cache_modifier=".cg")
+            _store_out(total, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M, BLOCK_N, GLU)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")

@@ -26,17 +26,25 @@ BLOCK_I = 1024  # columns per program
 
 
 @triton.jit
+def silu_mul_rounded(g, u, dt: tl.constexpr):
+    """silu(g) * u in `dt` for g, u already in `dt`: silu in float32, rounded to `dt` before the
+    float32 multiply by u, and the product rounded once (the numerics above). Shared with
+    dense_linear's gate/up epilogue, which therefore gives this kernel's bits."""
+    g = g.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # rounded like torch's F.silu output
+    return (act * u.to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     src = gu_ptr + row * stride_gu
-    g = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(src + inter + offs, mask=mask, other=0.0).to(tl.float32)
-    dt = out_ptr.dtype.element_ty
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # rounded like torch's F.silu output
-    tl.store(out_ptr + row * stride_out + offs, (act * u).to(dt), mask=mask)
+    g = tl.load(src + offs, mask=mask, other=0.0)
+    u = tl.load(src + inter + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + offs, silu_mul_rounded(g, u, out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

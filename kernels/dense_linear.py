@@ -139,8 +139,30 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    """The weight rows of n tile `pid_n` -> (rows [BLOCK_N] int64, clamped into the weight, and
+    which of them are real). Plain: rows pid_n * BLOCK_N + j. GLU (a fused [gate; up] weight of
+    N = 2 I rows): the tile's first half is gate rows pid_n * BLOCK_N / 2 + j, its second half
+    the up rows of the same output columns (I further down), so one program holds both factors
+    of its outputs. Rows past the end read the last real row (in bounds, never stored), so full
+    tiles load unmasked."""
+    j = tl.arange(0, BLOCK_N)
+    if GLU:
+        HALF: tl.constexpr = BLOCK_N // 2
+        inter = N // 2
+        col = pid_n * HALF + j % HALF
+        ok = col < inter
+        rows = tl.minimum(col, inter - 1) + (j // HALF) * inter
+    else:
+        rows = pid_n * BLOCK_N + j
+        ok = rows < N
+        rows = tl.minimum(rows, N - 1)
+    return rows.to(tl.int64), ok
+
+
+@triton.jit
 def _prefetch_then_wait(PDL: tl.constexpr, PREFETCH: tl.constexpr, w_ptr, N, K, stride_wn, SPLIT_K,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr):
     """The kernel's start under programmatic dependent launch (kernels/_pdl.py), where it may run
     while the previous kernel still does: ask L2 for the lines of this program's first PREFETCH
     weight tiles (weights, which no kernel writes; no register is written and nothing is waited
@@ -148,7 +170,7 @@ def _prefetch_then_wait(PDL: tl.constexpr, PREFETCH: tl.constexpr, w_ptr, N, K, 
     if PDL:
         if PREFETCH > 0:
             LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
-            rows = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+            rows, _ = _weight_rows(tl.program_id(0), N, BLOCK_N, GLU)
             k0 = tl.program_id(1) * tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
             cols = tl.minimum(k0 + tl.arange(0, PREFETCH * BLOCK_K // LINE) * LINE, K - 1)
             _prefetch_l2(w_ptr + rows[:, None] * stride_wn + cols[None, :])
@@ -160,8 +182,9 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
                          stride_om, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                          PREC: tl.constexpr, WIDEN: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                         PDL: tl.constexpr = False):
-    """out [M, N] = x [M, K] @ w [N, K].T for one (n tile, k split, m tile) per program.
+                         GLU: tl.constexpr = False, PDL: tl.constexpr = False):
+    """out [M, N] = x [M, K] @ w [N, K].T for one (n tile, k split, m tile) per program; with GLU,
+    out [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for w = [gate; up] (`_weight_rows`).
 
     With SPLIT (SPLIT_K > 1, a run-time count) the tile's partials meet in ws [SPLIT_K, M, N]
     and the last program to arrive sums them in split order (kernels/_splitk.py).
@@ -170,23 +193,20 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
     once its loop is done (a kernel launched earlier would hold multiprocessor slots idle while
     this one streams the weight).
     """
-    _prefetch_then_wait(PDL, PREFETCH, w_ptr, N, K, stride_wn, SPLIT_K, BLOCK_N, BLOCK_K)
+    _prefetch_then_wait(PDL, PREFETCH, w_ptr, N, K, stride_wn, SPLIT_K, BLOCK_N, BLOCK_K, GLU)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n, n_mask = _weight_rows(pid_n, N, BLOCK_N, GLU)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
-    n_mask = offs_n < N
 
     k_tiles = tl.cdiv(K, BLOCK_K)
     per_split = tl.cdiv(k_tiles, SPLIT_K)
     t_begin = pid_k * per_split
     t_end = tl.minimum(t_begin + per_split, k_tiles)
     k0 = t_begin * BLOCK_K
-    # rows past N read row N - 1 (in bounds, never stored) so that full tiles load unmasked
-    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k0 + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -208,8 +228,9 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
 
-    store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
-                    SPLIT, BLOCK_M, BLOCK_N)
+    # the weight rows name the tile's columns of the split-K workspace (one per row, gate or up)
+    store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, rows_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
+                    SPLIT, BLOCK_M, BLOCK_N, GLU)
 
 
 def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -222,10 +243,15 @@ def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """y [..., out] = x [..., in] @ w [out, in].T on the kernel, in x's dtype (float32
     accumulation). `config` overrides the shape's tiles (benchmarks, tests); `out` (contiguous,
-    x's dtype) receives the result if given."""
+    x's dtype) receives the result if given.
+
+    glu: `w` is a fused [gate; up] weight [2 I, in] and the result is the SwiGLU middle
+    y [..., I] = silu(x @ gate.T) * (x @ up.T), computed in the same launch and equal bit for bit
+    to `activation.silu_mul(dense_linear(x, w))` (the same tiles, each product rounded to x's
+    dtype before the activation), one launch and one [.., 2 I] round trip fewer."""
     check_tensors(x, w)
     check_dtype(x, "x")
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
@@ -235,39 +261,49 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
     if w.stride(1) != 1:
         raise ValueError("the weight's rows must be contiguous")
     n, k = w.shape
+    if glu and n % 2:
+        raise ValueError(f"glu needs a fused [gate; up] weight with an even row count, got {tuple(w.shape)}")
+    n_out = n // 2 if glu else n
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
     if out is None:
-        out = torch.empty((*lead, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (*lead, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {(*lead, n)} {x.dtype} tensor")
+        out = torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
+    elif out.shape != (*lead, n_out) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {(*lead, n_out)} {x.dtype} tensor")
     if m == 0:
         return out
     cfg = config.check() if config is not None else config_for(n, k, x.element_size())
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
+    # a GLU tile holds block_n / 2 output columns (their gate and up rows)
+    grid = (triton.cdiv(n_out, cfg.block_n // 2 if glu else cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         cnt = counters("dense_linear", x.device, grid[0] * grid[2])
     else:
         ws, cnt = out, out  # never touched: the split-K branch is compiled out
     _dense_linear_kernel[grid](
-        x2, w, out, ws, cnt, m, n, k, x2.stride(0), w.stride(0), n, cfg.split_k,
+        x2, w, out, ws, cnt, m, n, k, x2.stride(0), w.stride(0), n_out, cfg.split_k,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1,
         EVEN_K=k % cfg.block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
         WIDEN=interpreting() and x.device.type != "cuda",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, GLU=glu,
         PREFETCH=PDL_PREFETCH, **pdl_args(x),  # the prefetch runs only with PDL (_prefetch_then_wait)
     )
     return out
 
 
-def dense_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The obviously-right version: float32 x @ w.T, rounded to x's dtype."""
-    return (x.float() @ w.float().T).to(x.dtype)
+def dense_linear_ref(x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> torch.Tensor:
+    """The obviously-right version: float32 x @ w.T, rounded to x's dtype (glu: then the
+    SwiGLU middle of its two halves, `activation.silu_mul_ref`)."""
+    y = (x.float() @ w.float().T).to(x.dtype)
+    if glu:
+        from .activation import silu_mul_ref
+
+        y = silu_mul_ref(y)
+    return y
 
 
 def load_tuned(path) -> dict[tuple[int, int], KernelConfig]:

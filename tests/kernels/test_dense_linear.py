@@ -166,3 +166,76 @@ def test_load_tuned_replaces_the_table(tmp_path):
     finally:
         dl.TUNED.clear()
         dl.TUNED.update(saved)
+
+
+# --------------------------------------------------------------------------------------------
+# GLU: the SwiGLU middle in the matmul's launch
+# --------------------------------------------------------------------------------------------
+
+GLU_SHAPES = [(66, 96), (128, 256), (160, 320)]  # 2 I rows: I = 33 (a partial tile), 64, 80
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", GLU_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("cfg", list(CONFIGS), ids=str)
+def test_glu_equals_the_two_launches(dtype, shape, cfg):
+    """glu=True gives exactly silu_mul(dense_linear(x, w)) (the same tiles, products rounded to
+    the dtype before the activation), and the reference within tolerance, for every tile path:
+    plain, uneven split-K, 16-wide tiles (8 gate + 8 up rows a program), a partial last tile."""
+    from memra_kernels import activation
+
+    n, k = shape
+    x, w = _inputs(17, n, k, dtype, seed=5)
+    w = w * 10  # gate values of a few units: silu far from linear
+    for m in (1, 3, 17):
+        out = torch.full((m, n // 2), float("nan"), device=DEVICE, dtype=dtype)
+        y = dl.dense_linear(x[:m], w, config=CONFIGS[cfg], glu=True, out=out)
+        two = activation.silu_mul(dl.dense_linear(x[:m], w, config=CONFIGS[cfg]))
+        assert y.shape == (m, n // 2) and not torch.isnan(y.float()).any(), f"unwritten outputs at M={m}"
+        assert torch.equal(y, two), f"M={m}: glu differs from the two launches by {(y.float() - two.float()).abs().max()}"
+        assert _rel(y, dl.dense_linear_ref(x[:m], w, glu=True)) < (1e-5 if dtype == torch.float32 else BF16_REL_TOL)
+
+
+def test_glu_rows_invariant_and_pairs_gate_with_up():
+    """A row's GLU output is the same bits alone and among 17; swapping the gate and up halves of
+    the weight changes the result (each output pairs its own gate row with its own up row)."""
+    x, w = _inputs(17, 128, 256, torch.float32, seed=6)
+    full = dl.dense_linear(x, w, config=CONFIGS["split3"], glu=True)
+    for m in (1, 3, 16):
+        assert torch.equal(dl.dense_linear(x[:m], w, config=CONFIGS["split3"], glu=True), full[:m])
+    swapped = torch.cat([w[64:], w[:64]])
+    ref = dl.dense_linear_ref(x, swapped, glu=True)
+    assert _rel(dl.dense_linear(x, swapped, config=CONFIGS["split3"], glu=True), ref) < 1e-5
+    assert _rel(full, ref) > 0.1
+
+
+def test_glu_refuses_an_odd_weight():
+    x, w = _inputs(2, 33, 96, torch.float32)
+    with pytest.raises(ValueError, match="even row count"):
+        dl.dense_linear(x, w, glu=True)
+    with pytest.raises(ValueError, match="out must be"):
+        dl.dense_linear(x, w[:32], glu=True, out=torch.empty(2, 32, device=DEVICE))
+
+
+def test_step_ops_swiglu_fuses_where_linear_takes_the_kernel(monkeypatch):
+    """TritonStepOps.swiglu is one glu launch exactly where `linear` would take the kernel, and
+    silu_mul(linear(...)) elsewhere; both give the torch path's SwiGLU within bf16 tolerance and
+    the fused launch the unfused launches' bits."""
+    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+
+    ops = TritonStepOps()
+    calls = []
+    real = dl.dense_linear
+    monkeypatch.setattr(dl, "dense_linear", lambda x, w, **kw: calls.append(kw.get("glu", False)) or real(x, w, **kw))
+    x, w = _inputs(40, 66, 96, torch.bfloat16, seed=7)
+    w = w * 10
+    ref = TorchStepOps.swiglu(x, w)
+    assert torch.equal(ops.swiglu(x[:16], w), ops.silu_mul(torch.nn.functional.linear(x[:16], w))) and not calls
+    monkeypatch.setitem(dl.TUNED, (66, 96), KernelConfig(block_n=32, block_k=64, split_k=2))
+    y = ops.swiglu(x[:16], w)
+    assert calls == [True]
+    assert torch.equal(y, ops.silu_mul(ops.linear(x[:16], w)))  # the unfused kernel path's bits
+    assert _rel(y, ref[:16]) < BF16_REL_TOL
+    calls.clear()
+    ops.swiglu(x, w)  # 40 rows > MAX_ROWS: cuBLAS, then silu_mul
+    assert calls == []

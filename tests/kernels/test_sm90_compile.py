@@ -235,6 +235,11 @@ def _dense_linear(ctx, dt):
                        ctx.t(16, k, dtype=dt), ctx.t(n, k, dtype=dt))
     finally:
         dl.PDL_PREFETCH = saved
+    # the SwiGLU epilogue (gate and up rows in one tile): the step's gate/up shapes, one split and
+    # (the drafter's fc shape as if it were one) split-K
+    for n, k in ((24576, 4096), (18432, 2560), (4096, 12288)):
+        ctx.launch(f"dense_linear {n}x{k} glu", "_dense_linear_kernel", dl.dense_linear,
+                   ctx.t(16, k, dtype=dt), ctx.t(n, k, dtype=dt), glu=True)
 
 
 def _quant_scale_after(ctx, dt):

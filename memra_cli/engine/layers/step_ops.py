@@ -15,6 +15,9 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
 - `attention(q, k_cache, v_cache, positions, scale) -> [t, nh*hd]`: causal by position over the cache
 - `silu_mul(gate_up) -> silu(gate) * up`
+- `swiglu(x, w_gate_up) -> silu_mul(linear(x, w_gate_up))`: the MLP's fused gate/up matmul and
+  its activation; with the kernels one launch of the dense kernel (the activation in its
+  epilogue, the same bits as the two launches) wherever `linear` would take that kernel
 - `prefill_attention(q, keys, values, mask) -> [t, nh*hd]`: a prefill chunk's attention (rows at
   the cache's last positions, causal by position; `mask` the forward's folded boolean mask,
   built only when `prefill_mask` is True)
@@ -148,6 +151,11 @@ class TorchStepOps:
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    @classmethod
+    def swiglu(cls, x: torch.Tensor, w_gate_up) -> torch.Tensor:
+        """`silu(x @ gate.T) * (x @ up.T)` for the fused `[gate; up]` weight (or linear module)."""
+        return cls.silu_mul(cls.linear(x, w_gate_up))
 
     prefill_mask = True  # prefill_attention reads the forward's folded [g*t, n] mask
 
@@ -392,6 +400,15 @@ class TritonStepOps:
         if bias is None and isinstance(w, torch.Tensor) and self._dense.eligible(x, w):
             return self._dense.dense_linear(x, w)
         return TorchStepOps.linear(x, w, bias)
+
+    def swiglu(self, x: torch.Tensor, w_gate_up) -> torch.Tensor:
+        """`TorchStepOps.swiglu`; where `linear` would take the dense kernel (the same rule), one
+        launch of it with the activation in its epilogue (`dense_linear(..., glu=True)`: the
+        bits of `silu_mul(linear(...))`, so the choice can never split a step's rows)."""
+        if isinstance(w_gate_up, torch.Tensor) and self._dense.eligible(x, w_gate_up) \
+                and w_gate_up.shape[0] % 2 == 0:
+            return self._dense.dense_linear(x, w_gate_up, glu=True)
+        return self.silu_mul(self.linear(x, w_gate_up))
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:

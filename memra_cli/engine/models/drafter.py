@@ -257,13 +257,13 @@ class Drafter:
         return torch.cat([self.step_ops.linear(ctx, w.wk), self.step_ops.linear(ctx, w.wv)], dim=-1)
 
     def _mlp(self, h: torch.Tensor, w: DraftLayer) -> torch.Tensor:
-        """SwiGLU of normed rows `h [t, hidden]`; the SiLU·mul through the step ops (which take
-        gate and up side by side, so projections that could not fuse are concatenated)."""
+        """SwiGLU of normed rows `h [t, hidden]` through the step ops: `swiglu` for a fused
+        gate/up weight (one launch where the dense kernel takes it), else the two projections
+        side by side into `silu_mul`."""
         if w.w_gate_up is None:
             gate_up = torch.cat([self.step_ops.linear(h, w.w_gate), self.step_ops.linear(h, w.w_up)], dim=-1)
-        else:
-            gate_up = self.step_ops.linear(h, w.w_gate_up)
-        return self.step_ops.linear(self.step_ops.silu_mul(gate_up), w.w_down)
+            return self.step_ops.linear(self.step_ops.silu_mul(gate_up), w.w_down)
+        return self.step_ops.linear(self.step_ops.swiglu(h, w.w_gate_up), w.w_down)
 
     def _plain(self, layout: LayerLayout) -> bool:
         """A layer whose block rows attend every ctx and block key (no mask at all)."""

@@ -326,7 +326,7 @@ class Qwen3Target(TargetBase):
                                           positions, kv[0], kv[1], self.n_heads, self.n_kv, eps)
             attn = ops.linear(ops.attention(q, kv[0], kv[1], positions, self.scale), w.wo, w.bo)
             h, x = ops.add_rms_norm(attn, x, w.mlp_norm, eps)
-            down = ops.linear(ops.silu_mul(ops.linear(h, w.w_gate_up)), w.w_down)
+            down = ops.linear(ops.swiglu(h, w.w_gate_up), w.w_down)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
             h, x = ops.add_rms_norm(down, x, next_norm, eps)
             if li in wanted:

@@ -858,7 +858,7 @@ class Qwen35Target(TargetBase):
             else:
                 mixer_out = self._gdn(h, w.gdn, state, self._lin_slot[li], ring_idx, chunked, commit_now)
             h, x = ops.add_rms_norm_1p(mixer_out, x, w.mlp_norm, eps)
-            down = ops.linear(ops.silu_mul(ops.linear(h, w.w_gate_up)), w.w_down)
+            down = ops.linear(ops.swiglu(h, w.w_gate_up), w.w_down)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
             h, x = ops.add_rms_norm_1p(down, x, next_norm, eps)
             if li in wanted:
