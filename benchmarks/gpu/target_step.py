@@ -230,7 +230,8 @@ def main() -> None:
                         "if some variants name a 'tile' part, only those (and the exactness sweep) use it")
     p.add_argument("--variants", default="torch,triton,triton-nopdl,triton-cublas",
                    help="step-ops variants to time: torch, triton (the shipped ops), triton-nopdl (plain "
-                        "launches), triton-cublas (every weight matmul on cuBLAS: dense_linear.TUNED emptied)")
+                        "launches), triton-cublas (every weight matmul on cuBLAS: dense_linear.TUNED emptied), "
+                        "a 'noglu' part: the MLP's gate/up matmul and SiLU·mul as two launches (no swiglu fusion)")
     p.add_argument("--dense-tuned", type=Path, default=None,
                    help="a dense_linear_sweep.py --tuned table to use as dense_linear.TUNED for this run")
     p.add_argument("--dense-all", type=Path, default=None,
@@ -295,6 +296,9 @@ def main() -> None:
         for name in variants:
             parts = name.split("-")
             target.step_ops = TorchStepOps() if parts[0] == "torch" else TritonStepOps()
+            if "noglu" in parts:  # the MLP's gate/up matmul and SiLU·mul as two launches
+                ops = target.step_ops
+                ops.swiglu = lambda x, w, ops=ops: ops.silu_mul(ops.linear(x, w))
             if "nopdl" in parts:
                 os.environ[_pdl.ENV] = "0"
             else:
@@ -326,6 +330,9 @@ def main() -> None:
         out["pdl"] = _pdl.enabled(torch.device("cuda"))
         if "triton-nopdl" in out:
             out["pdl_plain_speedup"] = {c: out["triton-nopdl"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
+                                        for c in out["triton"]["plain_ms"]}
+        if "triton-noglu" in out:
+            out["glu_plain_speedup"] = {c: out["triton-noglu"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
                                         for c in out["triton"]["plain_ms"]}
         if "triton-cublas" in out:
             out["dense_plain_speedup"] = {c: out["triton-cublas"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
