@@ -340,3 +340,81 @@ def test_gated_attention_is_attention_then_the_output_gate(t, nh, nkv, hd, dtype
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="qgkv must be"):
         gated_decode_attention(q, k, v, positions, _scale(hd), qgkv[:, : nh * hd])
+
+
+# --------------------------------------------------------------------------------------------
+# rope_decode_attention: q/k norm + rope + the K/V write folded into the split launch
+# --------------------------------------------------------------------------------------------
+
+ROPE_CASES = [  # t, n_heads, n_kv, head_dim, positions: decode / verify steps (one M tile)
+    (1, 4, 1, 128, [999]),
+    (16, 8, 2, 64, [300 + i for i in range(16)]),  # a verify step across no split boundary
+    (16, 8, 2, 64, [250 + i for i in range(16)]),  # ... across key 256 (two programs write)
+    (5, 8, 2, 32, [0, 1, 2, 3, 4]),  # the first keys of a sequence
+    (16, 32, 8, 128, [500 + i for i in range(16)]),  # the 8B's heads, 64 pairs: a full M tile
+]
+
+
+def _rope_inputs(t, nh, nkv, hd, positions, dtype, device, seed=7):
+    """A raw projection, norm weights, tables, and a cache with live keys below the step's first
+    position (NaN beyond, where the step writes)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(t, (nh + 2 * nkv) * hd, generator=g) * 2 + 0.3).to(dtype).to(device)
+    q_w = (1 + 0.3 * torch.randn(hd, generator=g)).to(dtype).to(device)
+    k_w = (1 + 0.3 * torch.randn(hd, generator=g)).to(dtype).to(device)
+    pos = torch.arange(S, dtype=torch.float32)[:, None]
+    inv = 1.0 / (1e4 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    ang = torch.cat([pos * inv, pos * inv], dim=-1)
+    cos, sin = ang.cos().to(dtype).to(device), ang.sin().to(dtype).to(device)
+    k, v = _cache(nkv, hd, min(positions), dtype, device)
+    return qkv, q_w, k_w, cos, sin, torch.tensor(positions, device=device), k, v
+
+
+@pytest.mark.parametrize("t, nh, nkv, hd, positions", ROPE_CASES, ids=lambda c: str(c)[:24])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_attention_equals_the_two_ops(t, nh, nkv, hd, positions, dtype, device):
+    """The fused launch writes the same K/V (every row's, at its position, nothing else) and
+    returns the attention of the two launches, within a rounding of the norm's sum order."""
+    from memra_kernels.rope import qk_norm_rope_kv_write
+
+    qkv, q_w, k_w, cos, sin, pos, k, v = _rope_inputs(t, nh, nkv, hd, positions, dtype, device)
+    k2, v2 = k.clone(), v.clone()
+    assert attention.rope_fusable(t, nh, nkv, hd)
+    got = attention.rope_decode_attention(qkv, q_w, k_w, cos, sin, pos, k, v, nh, nkv, 1e-6, _scale(hd))
+    q = qk_norm_rope_kv_write(qkv, q_w, k_w, cos, sin, pos, k2, v2, nh, nkv, 1e-6)
+    want = decode_attention(q, k2, v2, pos, _scale(hd))
+    written = torch.zeros(S, dtype=torch.bool)
+    written[pos.cpu()] = True
+    live = torch.arange(S) < min(positions)
+    for name, a, b in (("k", k, k2), ("v", v, v2)):
+        assert torch.equal(a[:, written | live].cpu(), b[:, written | live].cpu()), f"{name} cache differs"
+        assert torch.isnan(a[:, ~(written | live)].float()).all(), f"{name} written outside the step's positions"
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    torch.testing.assert_close(got.float(), decode_attention_ref(q, k2, v2, pos, _scale(hd)).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rope_attention_row_alone_equals_row_in_step(dtype, device):
+    """A verify step's row gets the same bits as that row alone (plain decode) once the keys
+    before it are in the cache: what the fixed-width exactness rule needs."""
+    t, nh, nkv, hd = 16, 8, 2, 64
+    positions = [250 + i for i in range(t)]
+    qkv, q_w, k_w, cos, sin, pos, k, v = _rope_inputs(t, nh, nkv, hd, positions, dtype, device)
+    full = attention.rope_decode_attention(qkv, q_w, k_w, cos, sin, pos, k, v, nh, nkv, 1e-6, _scale(hd))
+    k_step, v_step = k.clone(), v.clone()
+    _, _, _, _, _, _, k, v = _rope_inputs(t, nh, nkv, hd, positions, dtype, device)
+    for i in range(t):  # one row a step, in order: each sees the keys the earlier ones wrote
+        one = attention.rope_decode_attention(qkv[i:i + 1], q_w, k_w, cos, sin, pos[i:i + 1], k, v, nh, nkv, 1e-6,
+                                              _scale(hd))
+        assert torch.equal(one[0], full[i]), f"row {i}"
+    for a, b in ((k, k_step), (v, v_step)):  # the same keys written (NaN where none is)
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_rope_attention_refuses_what_it_cannot_fuse(device):
+    assert not attention.rope_fusable(17, 8, 2, 128)  # 68 pairs > block_m 64
+    assert not attention.rope_fusable(1, 8, 2, 96)  # halves of 48: not a power of two
+    assert attention.rope_fusable(16, 32, 8, 128)
+    qkv, q_w, k_w, cos, sin, pos, k, v = _rope_inputs(17, 8, 2, 128, list(range(300, 317)), torch.float32, device)
+    with pytest.raises(ValueError, match="t \\* \\(n_heads / n_kv\\)"):
+        attention.rope_decode_attention(qkv, q_w, k_w, cos, sin, pos, k, v, 8, 2, 1e-6, 0.1)
