@@ -67,7 +67,6 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, interpreting, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from .rope import norm_rope_rows
 
 
 @dataclass(frozen=True)
@@ -201,56 +200,16 @@ def _row_split(pos, long_from, SPLIT: tl.constexpr, LEVELS: tl.constexpr):
     return SPLIT << level
 
 
-@triton.jit
-def _rope_prologue(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_base, v_base, pos_ptr, n_rows, lo, row, head,
-                   pos, q_ok, kv_head, stride_qkv, stride_cos, stride_sin, stride_ks, stride_vs, eps,
-                   G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
-    """The fused form's start (`rope_decode_attention`): from the raw projection `qkv [t,
-    (NH + 2 NKV) HD]`, write the K/V of the step's rows whose key falls in this program's split
-    (q/k RMSNorm + RoPE as `qk_norm_rope_kv_write`; the step is one M tile and splits do not grow,
-    so no other program reads those keys), wait for the whole program to have written them, and
-    return this tile's rotated q [BLOCK_M, HD] (zeros where not `q_ok`) in the cache dtype."""
-    NKV: tl.constexpr = NH // G
-    HALF: tl.constexpr = HD // 2
-    dt = k_base.dtype.element_ty
-    offs_h = tl.arange(0, HALF)
-    rr = tl.arange(0, BLOCK_M)  # the step's rows (t * G <= BLOCK_M)
-    r_ok = rr < n_rows
-    kpos = tl.load(pos_ptr + rr, mask=r_ok, other=-1).to(tl.int64)
-    w_ok = r_ok & (kpos >= lo) & (kpos < lo + SPLIT)
-    src = qkv_ptr + rr.to(tl.int64) * stride_qkv + (NH + kv_head) * HD
-    k1, k2 = norm_rope_rows(src, kw_ptr, cos_ptr + kpos * stride_cos, sin_ptr + kpos * stride_sin, eps, w_ok, HD)
-    k_dst = k_base + kpos[:, None] * stride_ks + offs_h[None, :]
-    tl.store(k_dst, k1.to(dt), mask=w_ok[:, None])
-    tl.store(k_dst + HALF, k2.to(dt), mask=w_ok[:, None])
-    v_src = src[:, None] + NKV * HD + offs_h[None, :]
-    v_dst = v_base + kpos[:, None] * stride_vs + offs_h[None, :]
-    tl.store(v_dst, tl.load(v_src, mask=w_ok[:, None], other=0.0), mask=w_ok[:, None])
-    tl.store(v_dst + HALF, tl.load(v_src + HALF, mask=w_ok[:, None], other=0.0), mask=w_ok[:, None])
-    # every thread's K/V stores are visible to the whole program before any key block is read
-    tl.debug_barrier()
-    qpos = tl.maximum(pos, 0).to(tl.int64)
-    q_src = qkv_ptr + row.to(tl.int64) * stride_qkv + head * HD
-    q1, q2 = norm_rope_rows(q_src, qw_ptr, cos_ptr + qpos * stride_cos, sin_ptr + qpos * stride_sin, eps, q_ok, HD)
-    # the halves side by side: [BLOCK_M, HALF, 2] -> [BLOCK_M, 2, HALF] -> [BLOCK_M, HD]
-    return tl.reshape(tl.permute(tl.join(q1.to(dt), q2.to(dt)), (0, 2, 1)), (BLOCK_M, HD))
-
-
 @triton.jit(do_not_specialize=["long_from"])
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n_splits,
                   qk_scale, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, long_from,
-                  qw_ptr, kw_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin, eps,
                   G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LEVELS: tl.constexpr,
-                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr = False,
-                  PDL: tl.constexpr = False):
+                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """Partial attention of BLOCK_M folded (row, head) pairs of one KV head: program `prog`
     starts at key prog * SPLIT and takes, for each row whose split starts there (its split size
     divides the start), the keys of that split up to the row's position. A row's split size
-    depends on its position only (`_row_split`); its partial goes to unit `prog`.
-
-    ROPE: `q_ptr` is the raw projection qkv (row stride `stride_qt`) and the program first does
-    what `qk_norm_rope_kv_write` would for its rows (`_rope_prologue`)."""
+    depends on its position only (`_row_split`); its partial goes to unit `prog`."""
     pdl_wait(PDL)
     tile = tl.program_id(0)
     prog = tl.program_id(1)
@@ -272,17 +231,12 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
     hi = tl.max(tl.where(mine, row_end, lo), axis=0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HD
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    if ROPE:
-        q = _rope_prologue(q_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_base, v_base, pos_ptr, n_rows, lo, row, head,
-                           pos, mine & (hi > lo), kv_head, stride_qt, stride_cos, stride_sin, stride_ks, stride_vs,
-                           eps, G, NH, HD, BLOCK_M, SPLIT)
-    else:
-        q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=(mine & (hi > lo))[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=(mine & (hi > lo))[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -396,8 +350,7 @@ def _check(q, k_cache, v_cache, positions):
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             positions: torch.Tensor, scale: float, *, split: int, block_m: int, block_n: int,
             num_warps: int, num_stages: int, long_split: int = 0, long_from: int = 0,
-            workspace_bytes: int = WORKSPACE_BYTES, gate: torch.Tensor | None = None,
-            rope: tuple | None = None) -> torch.Tensor:
+            workspace_bytes: int = WORKSPACE_BYTES, gate: torch.Tensor | None = None) -> torch.Tensor:
     """The two launches with explicit tile constants (the fields of a `Tile`: benchmarks sweep
     these; the engine must not: results depend, in the last bits, on split, block_n and the
     long split)."""
@@ -423,24 +376,16 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     l = torch.empty_like(m)
     dot_f32 = interpreting()  # the interpreter multiplies bf16 as raw bits (see _common)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only names the default
-    if rope is not None:  # one launch does the prologue: one M tile, fixed splits (rope_decode_attention)
-        qkv, q_norm_w, k_norm_w, cos, sin, eps = rope
-        assert t * g <= block_m and not long_split and chunk == t
-        rope_args = (q_norm_w, k_norm_w, cos, sin, cos.stride(0), sin.stride(0), float(eps))
-    else:
-        rope_args = (q, q, q, q, 0, 0, 0.0)  # never read: the prologue is compiled out
     for r0 in range(0, t, chunk):
         rows = min(chunk, t - r0)
         qc, pc, oc = q[r0:r0 + rows], positions[r0:r0 + rows], out[r0:r0 + rows]
-        src, stride_t, stride_h = (qkv, qkv.stride(0), hd) if rope is not None else (qc, qc.stride(0), qc.stride(1))
         grid = (triton.cdiv(rows * g, block_m), n_splits, nkv)
         _split_kernel[grid](
-            src, k_cache, v_cache, pc, acc, m, l, rows, n_splits, float(scale) * _LOG2E,
-            stride_t, stride_h, k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), long_from, *rope_args,
+            qc, k_cache, v_cache, pc, acc, m, l, rows, n_splits, float(scale) * _LOG2E,
+            qc.stride(0), qc.stride(1), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), long_from,
             G=g, NH=nh, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, LEVELS=levels,
-            DOT_F32=dot_f32, PRECISION=precision, ROPE=rope is not None, num_warps=num_warps, num_stages=num_stages,
-            **pdl_args(qc),
+            DOT_F32=dot_f32, PRECISION=precision, num_warps=num_warps, num_stages=num_stages, **pdl_args(qc),
         )
         gc = oc if gate is None else gate[r0:r0 + rows]
         _combine_kernel[(rows, nh)](
@@ -462,41 +407,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.dim() != 3:
         _check(q, k_cache, v_cache, positions)  # raises: the message names the expected shapes
     return _launch(q, k_cache, v_cache, positions, scale, **asdict(tile_for(q.shape[-1])))
-
-
-def rope_fusable(t: int, n_heads: int, n_kv: int, head_dim: int) -> bool:
-    """Whether `rope_decode_attention` takes a step of `t` rows in one launch: its tile's M block
-    holds every (row, head) pair of a KV head (t * g <= block_m: one program writes each new
-    key, and only it reads it), the tile's splits do not grow with the position, and head_dim is
-    a power of two >= 32 (the prologue's halves are register tiles)."""
-    if n_kv <= 0 or n_heads % n_kv or not 32 <= head_dim <= 256 or head_dim & (head_dim - 1):
-        return False
-    tile = tile_for(head_dim)
-    return t * (n_heads // n_kv) <= tile.block_m and not tile.long_split
-
-
-def rope_decode_attention(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          n_heads: int, n_kv: int, eps: float, scale: float) -> torch.Tensor:
-    """`decode_attention(qk_norm_rope_kv_write(qkv, ...), ...)` with the first launch folded into
-    the attention's: each program of the split launch RMSNorms and rotates its q heads from the
-    raw projection `qkv [t, (nh + 2 nkv) hd]`, and the program whose split holds a row's position
-    writes that row's rotated k and raw v into the cache before it reads its keys (arguments as
-    the two functions'). Only for steps `rope_fusable` accepts (a decode or verify step: a few
-    rows); refuses the others. q's values are `qk_norm_rope_kv_write`'s (the same per-head
-    arithmetic, its norm's sum in another order: within a rounding of it); a row's result still
-    depends on nothing but its own values and position."""
-    from .rope import _check as _rope_check
-
-    _rope_check(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache, n_heads, n_kv)
-    t, hd = qkv.shape[0], q_norm_w.shape[0]
-    if not rope_fusable(t, n_heads, n_kv, hd):
-        raise ValueError(f"rope_decode_attention takes steps with t * (n_heads / n_kv) <= the tile's block_m, fixed "
-                         f"splits and a power-of-two head_dim >= 32; got t={t}, n_heads={n_heads}, n_kv={n_kv}, "
-                         f"head_dim={hd} (use qk_norm_rope_kv_write, then decode_attention)")
-    q = qkv.view(t, -1)[:, : n_heads * hd].view(t, n_heads, hd)  # shapes and dtype only: the kernel reads qkv
-    return _launch(q, k_cache, v_cache, positions, scale, **asdict(tile_for(hd)),
-                   rope=(qkv, q_norm_w, k_norm_w, cos, sin, eps))
 
 
 def gated_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -58,32 +58,6 @@ def _norm_rope(src, w_ptr, cos_row, sin_row, eps, offs, mask,
 
 
 @triton.jit
-def norm_rope_rows(src, w_ptr, cos_rows, sin_rows, eps, ok, HD: tl.constexpr):
-    """`_norm_rope` for several heads at once: `src [R]` points at each head's first value,
-    `cos_rows` / `sin_rows [R]` at its position's table rows, `ok [R]` the heads to load (the
-    others read as zeros). Returns the rotated halves `[R, HD // 2]` in float32, each row's
-    arithmetic that of `_norm_rope` (HD // 2 a power of two). Used by attention's fused prologue
-    (memra_kernels.attention.rope_decode_attention)."""
-    HALF: tl.constexpr = HD // 2
-    offs = tl.arange(0, HALF)
-    m2 = ok[:, None]
-    x1 = tl.load(src[:, None] + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-    x2 = tl.load(src[:, None] + HALF + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-    mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HD
-    rstd = (1.0 / tl.sqrt_rn(mean_sq + eps))[:, None]
-    dt = src.dtype.element_ty
-    w1 = tl.load(w_ptr + offs).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)[None, :]
-    n1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    n2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    c1 = tl.load(cos_rows[:, None] + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_rows[:, None] + HALF + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_rows[:, None] + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_rows[:, None] + HALF + offs[None, :], mask=m2, other=0.0).to(tl.float32)
-    return n1 * c1 - n2 * s1, n2 * c2 + n1 * s2
-
-
-@triton.jit
 def _qk_norm_rope_kv_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr,
                             k_cache_ptr, v_cache_ptr, stride_qkv, stride_cos, stride_sin,
                             stride_q_out_t, stride_q_out_h, stride_kc_h, stride_kc_s,

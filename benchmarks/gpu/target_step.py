@@ -231,8 +231,7 @@ def main() -> None:
     p.add_argument("--variants", default="torch,triton,triton-nopdl,triton-cublas",
                    help="step-ops variants to time: torch, triton (the shipped ops), triton-nopdl (plain "
                         "launches), triton-cublas (every weight matmul on cuBLAS: dense_linear.TUNED emptied), "
-                        "a 'noglu' part: the MLP's gate/up matmul and SiLU·mul as two launches (no swiglu fusion); "
-                        "a 'norope' part: q/k norm + rope + the K/V write as their own launch before attention")
+                        "a 'noglu' part: the MLP's gate/up matmul and SiLU·mul as two launches (no swiglu fusion)")
     p.add_argument("--dense-tuned", type=Path, default=None,
                    help="a dense_linear_sweep.py --tuned table to use as dense_linear.TUNED for this run")
     p.add_argument("--dense-all", type=Path, default=None,
@@ -297,11 +296,9 @@ def main() -> None:
         for name in variants:
             parts = name.split("-")
             target.step_ops = TorchStepOps() if parts[0] == "torch" else TritonStepOps()
-            ops = target.step_ops
             if "noglu" in parts:  # the MLP's gate/up matmul and SiLU·mul as two launches
+                ops = target.step_ops
                 ops.swiglu = lambda x, w, ops=ops: ops.silu_mul(ops.linear(x, w))
-            if "norope" in parts:  # q/k norm + rope + K/V write as its own launch before attention
-                ops.rope_attention = lambda *args, ops=ops: TorchStepOps.rope_attention(ops, *args)
             if "nopdl" in parts:
                 os.environ[_pdl.ENV] = "0"
             else:
@@ -337,9 +334,6 @@ def main() -> None:
         if "triton-noglu" in out:
             out["glu_plain_speedup"] = {c: out["triton-noglu"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
                                         for c in out["triton"]["plain_ms"]}
-        if "triton-norope" in out:
-            out["rope_fusion_plain_speedup"] = {c: out["triton-norope"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
-                                                for c in out["triton"]["plain_ms"]}
         if "triton-cublas" in out:
             out["dense_plain_speedup"] = {c: out["triton-cublas"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
                                           for c in out["triton"]["plain_ms"]}

@@ -111,11 +111,6 @@ def _attention(ctx, dt):
         ctx.launch(f"gated_decode_attention {nh}/{nkv}x{hd}", ("_split_kernel", "_combine_kernel"),
                    a.gated_decode_attention, ctx.t(t, nh, hd, dtype=dt), kv[0], kv[1], ctx.idx(t), hd ** -0.5,
                    ctx.t(t, (2 * nh + 2 * nkv) * hd, dtype=dt))
-        if a.rope_fusable(t, nh, nkv, hd):  # q/k norm + rope + the K/V write in the split launch
-            ctx.launch(f"rope_decode_attention {nh}/{nkv}x{hd}", ("_split_kernel", "_combine_kernel"),
-                       a.rope_decode_attention, ctx.t(t, (nh + 2 * nkv) * hd, dtype=dt), ctx.t(hd, dtype=dt),
-                       ctx.t(hd, dtype=dt), ctx.t(s, hd, dtype=dt), ctx.t(s, hd, dtype=dt), ctx.idx(t), kv[0], kv[1],
-                       nh, nkv, 1e-6, hd ** -0.5)
 
 
 def _deltanet(ctx, dt):

@@ -43,25 +43,6 @@ def test_a_step_through_the_kernels_matches_the_torch_ops(target_dir):
     assert ((got - ref).norm() / ref.norm()).item() < LOGIT_TOL
 
 
-def test_a_step_folds_the_rope_launch_into_attention(target_dir, monkeypatch):
-    """The tiny target's 16-row step (4 q / 2 KV heads: 32 pairs a KV head, one tile) takes the
-    fused rope + attention launch in every layer, so the stream tests here run it, and never a
-    separate qk_norm_rope_kv_write."""
-    from memra_kernels import attention
-
-    ops = TritonStepOps()
-    fused, separate = [], []
-    real = attention.rope_decode_attention
-    monkeypatch.setattr(attention, "rope_decode_attention", lambda *a: fused.append(a[0].shape[0]) or real(*a))
-    real_rope = ops.qk_norm_rope_kv_write
-    ops.qk_norm_rope_kv_write = lambda *a: separate.append(a[0].shape[0]) or real_rope(*a)
-    model = _model(target_dir, ops)
-    runner = StepRunner(model, 16)
-    state = runner.new_state(64)
-    runner.step(torch.randint(0, 512, (16,), device=DEVICE), 0, state)
-    assert fused == [16] * len(model.layers) and separate == []
-
-
 def test_greedy_and_speculative_streams_with_the_kernels(target_dir, tmp_path):
     prompt = list(range(3, 24))
     torch_stream = greedy_reference(StepRunner(_model(target_dir, TorchStepOps()), 16), prompt, 8)

@@ -14,10 +14,6 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `rms_norm(x, w, eps)`; `add_rms_norm(x, residual, w, eps) -> (normed, x + residual)`
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
 - `attention(q, k_cache, v_cache, positions, scale) -> [t, nh*hd]`: causal by position over the cache
-- `rope_attention(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps, scale)`:
-  `attention(qk_norm_rope_kv_write(...), ...)`; with the kernels, for a decode or verify step
-  (`memra_kernels.attention.rope_fusable`), one launch fewer: the attention's split launch
-  norms and rotates q and writes the step's K/V itself
 - `silu_mul(gate_up) -> silu(gate) * up`
 - `swiglu(x, w_gate_up) -> silu_mul(linear(x, w_gate_up))`: the MLP's fused gate/up matmul and
   its activation; with the kernels one launch of the dense kernel (the activation in its
@@ -155,13 +151,6 @@ class TorchStepOps:
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
-
-    def rope_attention(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       n_heads: int, n_kv: int, eps: float, scale: float) -> torch.Tensor:
-        """q/k norm + rope + the K/V write, then attention over the cache: `[t, nh*hd]`."""
-        q = self.qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, n_heads, n_kv, eps)
-        return self.attention(q, k_cache, v_cache, positions, scale)
 
     @classmethod
     def swiglu(cls, x: torch.Tensor, w_gate_up) -> torch.Tensor:
@@ -401,7 +390,6 @@ class TritonStepOps:
         self.gated_rms_norm = qwen35.gated_rms_norm
         self.plain_launches = _pdl.plain_launches
         self._dense = dense_linear
-        self._attention = attention
 
     def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`TorchStepOps.linear`, with a plain weight whose shape is in `dense_linear.TUNED` (and
@@ -412,19 +400,6 @@ class TritonStepOps:
         if bias is None and isinstance(w, torch.Tensor) and self._dense.eligible(x, w):
             return self._dense.dense_linear(x, w)
         return TorchStepOps.linear(x, w, bias)
-
-    def rope_attention(self, qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       n_heads: int, n_kv: int, eps: float, scale: float) -> torch.Tensor:
-        """`TorchStepOps.rope_attention`; a step the fused launch takes (`rope_fusable`: a decode
-        or verify step of the shipped widths) runs it, others the two ops. The choice depends on
-        the step's row count only, and every step of a session has the same width."""
-        hd = q_norm.shape[0]
-        if self._attention.rope_fusable(qkv.shape[0], n_heads, n_kv, hd):
-            return self._attention.rope_decode_attention(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
-                                                          n_heads, n_kv, eps, scale)
-        return TorchStepOps.rope_attention(self, qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
-                                           n_heads, n_kv, eps, scale)
 
     def swiglu(self, x: torch.Tensor, w_gate_up) -> torch.Tensor:
         """`TorchStepOps.swiglu`; where `linear` would take the dense kernel (the same rule), one

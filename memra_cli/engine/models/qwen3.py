@@ -322,9 +322,9 @@ class Qwen3Target(TargetBase):
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for li, w in enumerate(self.layers):
             kv = cache.kv[li]
-            attn = ops.rope_attention(ops.linear(h, w.wqkv, w.bqkv), w.q_norm, w.k_norm, self._cos, self._sin,
-                                      positions, kv[0], kv[1], self.n_heads, self.n_kv, eps, self.scale)
-            attn = ops.linear(attn, w.wo, w.bo)
+            q = ops.qk_norm_rope_kv_write(ops.linear(h, w.wqkv, w.bqkv), w.q_norm, w.k_norm, self._cos, self._sin,
+                                          positions, kv[0], kv[1], self.n_heads, self.n_kv, eps)
+            attn = ops.linear(ops.attention(q, kv[0], kv[1], positions, self.scale), w.wo, w.bo)
             h, x = ops.add_rms_norm(attn, x, w.mlp_norm, eps)
             down = ops.linear(ops.swiglu(h, w.w_gate_up), w.w_down)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
