@@ -466,7 +466,13 @@ def main() -> None:
                         "(every weight matmul on cuBLAS)")
     p.add_argument("--dense-prefetch", type=int, default=None,
                    help="dense_linear.PDL_PREFETCH for this run (weight tiles asked of L2 before the PDL wait)")
+    p.add_argument("--no-glu", action="store_true", help="the MLP's gate/up matmul and SiLU·mul as two launches "
+                   "(the swiglu step op unfused), to time the SwiGLU epilogue against")
     a = p.parse_args()
+    if a.no_glu:
+        from memra_cli.engine.layers.step_ops import TritonStepOps
+
+        TritonStepOps.swiglu = lambda self, x, w: self.silu_mul(self.linear(x, w))
     if a.dense_prefetch is not None and not a.tiny:
         from memra_kernels import dense_linear as _dense
 
