@@ -25,6 +25,12 @@ the H200) and a call of at most `MAX_ROWS` rows; everything else keeps `F.linear
 programmatic dependent launch it starts while the previous kernel runs and asks L2 for its first
 `PDL_PREFETCH` weight tiles before waiting (`_prefetch_then_wait`).
 
+SwiGLU epilogue (`glu=True`, the step ops' `swiglu`): for the MLP's fused [gate; up] weight a
+program's tile takes gate rows and the up rows of the same output columns (`_weight_rows`, by
+pointer: the weight keeps its layout), and its epilogue writes silu(gate) * up with the SiLU·mul
+kernel's code (`activation.silu_mul_rounded`), so the result is that of the two launches bit for
+bit, without the [rows, 2 I] round trip and the second launch.
+
 Public API: `KernelConfig`, `TUNED`, `config_for`, `dense_linear`, `dense_linear_ref`,
 `eligible`, `load_tuned`, `MAX_ROWS`, `PDL_PREFETCH`.
 """
