@@ -56,6 +56,44 @@ def test_greedy_and_speculative_streams_with_the_kernels(target_dir, tmp_path):
         assert session.run() == plain
 
 
+def test_the_swiglu_epilogue_in_a_model_step(target_dir, tmp_path, monkeypatch):
+    """With the tiny target's gate/up shape in the dense kernel's table (bf16: the kernel's
+    dtypes), every layer's MLP runs the one-launch SwiGLU (dense_linear glu=True): logits stay
+    within bf16 tolerance of the torch ops, and speculative == plain greedy through it."""
+    from memra_kernels import dense_linear as dl
+
+    def model_with(ops):
+        model = Qwen3Target.from_dir(target_dir, torch.bfloat16, DEVICE)
+        model.step_ops = ops
+        return model
+
+    model = model_with(TritonStepOps())
+    w = model.layers[0].w_gate_up
+    monkeypatch.setitem(dl.TUNED, tuple(w.shape), dl.KernelConfig(block_n=32, block_k=32, split_k=2, num_stages=2))
+    glu_calls = []
+    real = dl.dense_linear
+    monkeypatch.setattr(dl, "dense_linear", lambda x, w, **kw: glu_calls.append(kw.get("glu", False)) or real(x, w, **kw))
+    ids = torch.randint(0, 512, (16,), device=DEVICE)
+    out = {}
+    for name, m in (("torch", model_with(TorchStepOps())), ("triton", model)):
+        runner = StepRunner(m, 16)
+        state = runner.new_state(64)
+        runner.prefill(torch.arange(5, 25, device=DEVICE), state)
+        glu_calls.clear()
+        out[name], _ = runner.step(ids, state.length, state)
+    assert glu_calls.count(True) == len(model.layers)
+    ref, got = out["torch"].float(), out["triton"].float()
+    assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+    prompt = list(range(3, 24))
+    plain = greedy_reference(StepRunner(model, 16), prompt, 6)
+    draft = make_tiny_draft(tmp_path / "d", "deepspec", markov_rank=8, target_layer_ids=(0, 1), num_target_layers=2,
+                            block_size=8, dtype=torch.bfloat16)
+    engine = Engine.from_model(model, step_width=16)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dspark"))
+    with engine.session(prompt, 6, arm, eos_ids=()) as session:
+        assert session.run() == plain
+
+
 def test_the_kernels_setting():
     cpu = torch.device("cpu")
     assert select_step_ops(cpu, None, {})[0].name == "torch"
