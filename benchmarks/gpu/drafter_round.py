@@ -352,7 +352,13 @@ def main(argv=None) -> int:
     p.add_argument("--dense-ab", action="store_true",
                    help="also time the target steps, the bf16 drafter and a round with every weight matmul on "
                         "cuBLAS (dense_linear.TUNED emptied), in the same process, into d['cublas']")
+    p.add_argument("--no-glu", action="store_true", help="the MLPs' gate/up matmul and SiLU·mul as two launches "
+                   "(the swiglu step op unfused), to time the SwiGLU epilogue against")
     a = p.parse_args(argv)
+    if a.no_glu:
+        from memra_cli.engine.layers.step_ops import TritonStepOps
+
+        TritonStepOps.swiglu = lambda self, x, w: self.silu_mul(self.linear(x, w))
     _dense = None
     if torch.cuda.is_available() and not a.tiny:
         from memra_kernels import dense_linear as _dense
