@@ -52,10 +52,32 @@ def counters(owner: str, device: torch.device, n: int) -> torch.Tensor:
 
 
 @triton.jit
+def tile_rows(pid_n, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+    """The weight rows of n tile `pid_n` -> (rows [BLOCK_N] int64, clamped into the weight, and
+    which of them are real), for both few-row matmul kernels. Plain: rows pid_n * BLOCK_N + j. GLU (a fused [gate; up] weight of
+    N = 2 I rows): the tile's first half is gate rows pid_n * BLOCK_N / 2 + j, its second half
+    the up rows of the same output columns (I further down), so one program holds both factors
+    of its outputs. Rows past the end read the last real row (in bounds, never stored), so full
+    tiles load unmasked."""
+    j = tl.arange(0, BLOCK_N)
+    if GLU:
+        HALF: tl.constexpr = BLOCK_N // 2
+        inter = N // 2
+        col = pid_n * HALF + j % HALF
+        ok = col < inter
+        rows = tl.minimum(col, inter - 1) + (j // HALF) * inter
+    else:
+        rows = pid_n * BLOCK_N + j
+        ok = rows < N
+        rows = tl.minimum(rows, N - 1)
+    return rows.to(tl.int64), ok
+
+
+@triton.jit
 def _store_out(total, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, GLU: tl.constexpr):
     """Write a tile's float32 result `total [BLOCK_M, BLOCK_N]` to `out` in out's dtype. GLU: the
-    tile's columns are gate j then up j for j < BLOCK_N / 2 (dense_linear's `_weight_rows`), and
+    tile's columns are gate j then up j for j < BLOCK_N / 2 (`tile_rows`), and
     `out [M, N / 2]` gets silu(gate) * up, each factor first rounded to out's dtype as the
     unfused matmul's output is (activation.silu_mul_rounded: the same bits as the two launches)."""
     dt = out_ptr.dtype.element_ty

@@ -26,7 +26,7 @@ programmatic dependent launch it starts while the previous kernel runs and asks 
 `PDL_PREFETCH` weight tiles before waiting (`_prefetch_then_wait`).
 
 SwiGLU epilogue (`glu=True`, the step ops' `swiglu`): for the MLP's fused [gate; up] weight a
-program's tile takes gate rows and the up rows of the same output columns (`_weight_rows`, by
+program's tile takes gate rows and the up rows of the same output columns (`_splitk.tile_rows`, by
 pointer: the weight keeps its layout), and its epilogue writes silu(gate) * up with the SiLU·mul
 kernel's code (`activation.silu_mul_rounded`), so the result is that of the two launches bit for
 bit, without the [rows, 2 I] round trip and the second launch.
@@ -45,7 +45,7 @@ import triton.language as tl
 
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args
-from ._splitk import counters, split_for, store_or_reduce
+from ._splitk import counters, split_for, store_or_reduce, tile_rows
 
 __all__ = ["KernelConfig", "TUNED", "config_for", "dense_linear", "dense_linear_ref", "eligible",
            "load_tuned", "MAX_ROWS"]
@@ -145,28 +145,6 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _weight_rows(pid_n, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
-    """The weight rows of n tile `pid_n` -> (rows [BLOCK_N] int64, clamped into the weight, and
-    which of them are real). Plain: rows pid_n * BLOCK_N + j. GLU (a fused [gate; up] weight of
-    N = 2 I rows): the tile's first half is gate rows pid_n * BLOCK_N / 2 + j, its second half
-    the up rows of the same output columns (I further down), so one program holds both factors
-    of its outputs. Rows past the end read the last real row (in bounds, never stored), so full
-    tiles load unmasked."""
-    j = tl.arange(0, BLOCK_N)
-    if GLU:
-        HALF: tl.constexpr = BLOCK_N // 2
-        inter = N // 2
-        col = pid_n * HALF + j % HALF
-        ok = col < inter
-        rows = tl.minimum(col, inter - 1) + (j // HALF) * inter
-    else:
-        rows = pid_n * BLOCK_N + j
-        ok = rows < N
-        rows = tl.minimum(rows, N - 1)
-    return rows.to(tl.int64), ok
-
-
-@triton.jit
 def _prefetch_then_wait(PDL: tl.constexpr, PREFETCH: tl.constexpr, w_ptr, N, K, stride_wn, SPLIT_K,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr):
     """The kernel's start under programmatic dependent launch (kernels/_pdl.py), where it may run
@@ -176,7 +154,7 @@ def _prefetch_then_wait(PDL: tl.constexpr, PREFETCH: tl.constexpr, w_ptr, N, K, 
     if PDL:
         if PREFETCH > 0:
             LINE: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
-            rows, _ = _weight_rows(tl.program_id(0), N, BLOCK_N, GLU)
+            rows, _ = tile_rows(tl.program_id(0), N, BLOCK_N, GLU)
             k0 = tl.program_id(1) * tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
             cols = tl.minimum(k0 + tl.arange(0, PREFETCH * BLOCK_K // LINE) * LINE, K - 1)
             _prefetch_l2(w_ptr + rows[:, None] * stride_wn + cols[None, :])
@@ -190,7 +168,7 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
                          PREC: tl.constexpr, WIDEN: tl.constexpr, PREFETCH: tl.constexpr = 0,
                          GLU: tl.constexpr = False, PDL: tl.constexpr = False):
     """out [M, N] = x [M, K] @ w [N, K].T for one (n tile, k split, m tile) per program; with GLU,
-    out [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for w = [gate; up] (`_weight_rows`).
+    out [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for w = [gate; up] (`_splitk.tile_rows`).
 
     With SPLIT (SPLIT_K > 1, a run-time count) the tile's partials meet in ws [SPLIT_K, M, N]
     and the last program to arrive sums them in split order (kernels/_splitk.py).
@@ -204,7 +182,7 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows_n, n_mask = _weight_rows(pid_n, N, BLOCK_N, GLU)
+    rows_n, n_mask = tile_rows(pid_n, N, BLOCK_N, GLU)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
 

@@ -311,7 +311,7 @@ def config_for(qtype: str, n: int, k: int) -> KernelConfig:
 # --------------------------------------------------------------------------------------------
 
 if triton is not None:
-    from ._splitk import counters, store_or_reduce
+    from ._splitk import counters, store_or_reduce, tile_rows
 
     @triton.jit
     def _int8_to_f32(q):
@@ -509,8 +509,10 @@ if triton is not None:
         Q4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT: tl.constexpr, SCALE_AFTER: tl.constexpr, SWAP: tl.constexpr,
         EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr,
+        GLU: tl.constexpr = False,
     ):
-        """out [M, N] = x [M, K] @ W.T for one (n tile, k split, m tile) per program.
+        """out [M, N] = x [M, K] @ W.T for one (n tile, k split, m tile) per program; with GLU,
+        out [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for W = [gate; up] (`_splitk.tile_rows`).
 
         W is the packed weight (w_ptr: int8 [N, K] or uint8 [N, K/2]; s_ptr: f16 [N, K/32]).
         With SPLIT (SPLIT_K > 1, a run-time count) the tile's partials meet in ws [SPLIT_K, M, N]
@@ -520,9 +522,12 @@ if triton is not None:
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if GLU:  # gate rows and the up rows of the same outputs, clamped into the weight
+            offs_n, n_mask = tile_rows(pid_n, N, BLOCK_N, True)
+        else:
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < N
         m_mask = offs_m < M
-        n_mask = offs_n < N
         rows_n = offs_n.to(tl.int64)[:, None]
         if Q4:
             w_rows = w_ptr + rows_n * (K // 2)
@@ -552,19 +557,23 @@ if triton is not None:
             acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N], once per program
 
         store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
-                        SPLIT, BLOCK_M, BLOCK_N)
+                        SPLIT, BLOCK_M, BLOCK_N, GLU)
 
 
 _DOT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def quant_linear(x: torch.Tensor, packed: Packed, *, config: KernelConfig | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
     """y [M, out] = x [M, in] @ W.T on the Triton kernel, in x's dtype (bf16, f16 or f32).
 
     Float32 accumulation; W dequantized in registers. `config` overrides the per-shape tiles
     (benchmarks); `out` (contiguous [M, out] of x's dtype) receives the result if given. Runs
     on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1.
+
+    glu: W is a fused [gate; up] weight [2 I, in] and y [M, I] = silu(x @ gate.T) * (x @ up.T),
+    in the same launch and bit for bit `activation.silu_mul(quant_linear(x, packed))` (the
+    tiles of W's shape; the SwiGLU epilogue of dense_linear, kernels/_splitk.py).
     """
     if triton is None:
         raise RuntimeError("quant_linear needs Triton, which is not installed")
@@ -579,24 +588,29 @@ def quant_linear(x: torch.Tensor, packed: Packed, *, config: KernelConfig | None
     if x.device.type != "cuda" and not _INTERPRET:
         raise RuntimeError("the Triton kernel runs on CUDA tensors (or on CPU with "
                            "TRITON_INTERPRET=1 set before importing memra_kernels)")
+    if glu and n % 2:
+        raise ValueError(f"glu needs a fused [gate; up] weight with an even row count, got {packed.shape}")
     if x.stride(1) != 1:
         x = x.contiguous()
     m = x.shape[0]
+    n_out = n // 2 if glu else n
     if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor")
+        out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n_out) or out.dtype != x.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{m}, {n_out}] {x.dtype} tensor")
     if m == 0:
         return out
     _launch(x, packed, config.check() if config is not None else config_for(packed.qtype, n, k),
-            out)
+            out, glu=glu)
     return out
 
 
-def _launch(x: torch.Tensor, packed: Packed, cfg: KernelConfig, out: torch.Tensor):
+def _launch(x: torch.Tensor, packed: Packed, cfg: KernelConfig, out: torch.Tensor, glu: bool = False):
     """Launch the kernel for validated arguments; returns Triton's compiled-kernel handle."""
     m, (n, k) = x.shape[0], packed.shape
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(m, cfg.block_m))
+    # a GLU tile holds block_n / 2 output columns (their gate and up rows)
+    cols = cfg.block_n // 2 if glu else cfg.block_n
+    grid = (triton.cdiv(out.shape[1], cols), cfg.split_k, triton.cdiv(m, cfg.block_m))
     if cfg.split_k > 1:
         ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device)
         cnt = counters("quant_linear", x.device, grid[0] * grid[2])
@@ -608,10 +622,10 @@ def _launch(x: torch.Tensor, packed: Packed, cfg: KernelConfig, out: torch.Tenso
         Q4=packed.qtype == "q4_0", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1, SCALE_AFTER=cfg.scale_after_dot,
         SWAP=cfg.swap_ab,
-        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+        EVEN_N=out.shape[1] % cols == 0, EVEN_K=k % cfg.block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
         WIDEN=_INTERPRET and x.device.type != "cuda",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, GLU=glu,
         # Launched in plain stream order, not with PDL (kernels/_pdl.py): a weight stream over
         # many blocks measured slower with it on the H200 (q8_0 [24576, 4096] at M = 16: 38.6 ->
         # 52.4 us; docs/perf.md), where the small kernels around it gain.
@@ -724,6 +738,19 @@ class QuantLinear:
         return y.reshape(*lead, self.shape[0])
 
     forward = __call__
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) for this fused [gate; up] weight: `[..., out / 2]`, in one
+        kernel launch (`quant_linear(glu=True)`) wherever a call would take the kernel, else the
+        reference then torch's SiLU·mul."""
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if self._use_kernel(x):
+            y = quant_linear(x2, self.packed, glu=True)
+        else:
+            gate, up = quant_linear_ref(x2, self.packed).chunk(2, dim=-1)
+            y = torch.nn.functional.silu(gate) * up
+        return y.reshape(*lead, self.shape[0] // 2)
 
     def __repr__(self) -> str:
         return f"QuantLinear({self.qtype}, out={self.shape[0]}, in={self.shape[1]}, {self.device})"

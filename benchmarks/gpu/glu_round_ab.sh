@@ -4,6 +4,11 @@
 #   bash benchmarks/gpu/glu_round_ab.sh        (results.tgz under $OUT)
 set -o pipefail
 source benchmarks/gpu/_env.sh
+if [ -n "${QTESTS:-}" ]; then  # the quantized kernels' glu tests and the drafter's ops on CUDA first
+  timeout ${QTESTS_S:-90} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_linear.py \
+    tests/kernels/test_drafter_ops.py > $R/gpu_tests.txt 2>&1; echo "tests rc=$?" >> $R/gpu_tests.txt
+  grep -E "passed|failed|FAILED|rc=" $R/gpu_tests.txt | tail -4; pack
+fi
 for run in on off; do
   flag=""; [ $run = off ] && flag="--no-glu"
   timeout ${ROUND_S:-150} python3 benchmarks/gpu/drafter_round.py --reps 20 --budget-s 110 $flag \

@@ -337,3 +337,46 @@ def test_rows_view_runs_exactly_as_its_own_weight(qtype):
     own = ql.QuantLinear.concat(parts[1:])
     assert torch.equal(kv(x), own(x))
     assert torch.equal(fused.rows(0, FUSE_OUTS[0])(x), parts[0](x))
+
+
+# --------------------------------------------------------------------------------------------
+# GLU: a quantized drafter's SwiGLU in the gate/up matmul's launch
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_glu_equals_the_two_launches(qtype, config, dtype):
+    """glu=True gives silu_mul(quant_linear(x, w)) bit for bit on every tile path (dequantize
+    first or scale after the dot, swapped operands, split-K), with a partial last tile (I = 33)."""
+    from memra_kernels import activation
+
+    for n in (66, 128):
+        packed = packed_weight(qtype, n, 96, seed=n)
+        x = torch.randn((17, 96), generator=torch.Generator().manual_seed(3)).to(DEVICE, dtype)
+        for m in (1, 3, 17):
+            out = torch.full((m, n // 2), float("nan"), device=DEVICE, dtype=dtype)
+            y = ql.quant_linear(x[:m], packed, config=CONFIGS[config], glu=True, out=out)
+            two = activation.silu_mul(ql.quant_linear(x[:m], packed, config=CONFIGS[config]))
+            assert not torch.isnan(y.float()).any(), f"unwritten outputs at M={m}"
+            assert torch.equal(y, two), f"n={n} M={m}: glu differs from the two launches"
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_glu_drop_in_and_refusals(qtype):
+    """QuantLinear.swiglu is the kernel's glu when forced (and on CUDA), torch's SiLU·mul of the
+    reference otherwise: the two agree within the kernel's tolerance. An odd weight is refused."""
+    gen = torch.Generator().manual_seed(9)
+    w = weight(128, 96, gen)
+    lin = ql.QuantLinear.from_float(w, qtype, force_triton=True).to(DEVICE)
+    ref = ql.QuantLinear.from_float(w, qtype, force_triton=False).to(DEVICE)
+    x = torch.randn((2, 5, 96), generator=gen).to(DEVICE)
+    y, y_ref = lin.swiglu(x), ref.swiglu(x)
+    assert y.shape == (2, 5, 64)
+    assert ((y - y_ref).norm() / y_ref.norm()).item() < 1e-5
+    from memra_cli.engine.layers.step_ops import TritonStepOps
+
+    assert torch.equal(TritonStepOps().swiglu(x, lin), y)  # the step op takes the same launch
+    with pytest.raises(ValueError, match="even row count"):
+        ql.quant_linear(x[0], packed_weight(qtype, 33, 96), glu=True)

@@ -215,6 +215,11 @@ def _quant_linear(ctx, arg):
         packed = ctx.packed(qtype, 1024, 4096).rows(3, 515)
         ctx.launch(f"quant_linear {qtype} rows(3, 515)", "_quant_linear_kernel", ql.quant_linear,
                    ctx.t(16, 4096, dtype=dt), packed)
+    else:
+        # the SwiGLU epilogue: the drafter's fused gate/up (heuristic tiles) and a TUNED split-K shape
+        for n, k in ((24576, 4096), (4096, 12288)):
+            ctx.launch(f"quant_linear {qtype} {n}x{k} glu", "_quant_linear_kernel", ql.quant_linear,
+                       ctx.t(16, k, dtype=dt), ctx.packed(qtype, n, k), glu=True)
 
 
 # Shapes the dense kernel meets outside TUNED when called directly (its heuristic), out and in off

@@ -17,7 +17,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `silu_mul(gate_up) -> silu(gate) * up`
 - `swiglu(x, w_gate_up) -> silu_mul(linear(x, w_gate_up))`: the MLP's fused gate/up matmul and
   its activation; with the kernels one launch of the dense kernel (the activation in its
-  epilogue, the same bits as the two launches) wherever `linear` would take that kernel
+  epilogue, the same bits as the two launches) wherever `linear` would take that kernel, and of
+  the q8_0 / q4_0 kernel for a quantized drafter's fused gate/up
 - `prefill_attention(q, keys, values, mask) -> [t, nh*hd]`: a prefill chunk's attention (rows at
   the cache's last positions, causal by position; `mask` the forward's folded boolean mask,
   built only when `prefill_mask` is True)
@@ -360,7 +361,7 @@ class TritonStepOps:
 
     def __init__(self):
         from memra_kernels import (_pdl, activation, argmax, attention, deltanet, dense_linear, gather, markov, norm,
-                                   qwen35, rope, settle)
+                                   quant_linear, qwen35, rope, settle)
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
@@ -390,6 +391,7 @@ class TritonStepOps:
         self.gated_rms_norm = qwen35.gated_rms_norm
         self.plain_launches = _pdl.plain_launches
         self._dense = dense_linear
+        self._quant = quant_linear
 
     def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`TorchStepOps.linear`, with a plain weight whose shape is in `dense_linear.TUNED` (and
@@ -408,6 +410,8 @@ class TritonStepOps:
         if isinstance(w_gate_up, torch.Tensor) and self._dense.eligible(x, w_gate_up) \
                 and w_gate_up.shape[0] % 2 == 0:
             return self._dense.dense_linear(x, w_gate_up, glu=True)
+        if isinstance(w_gate_up, self._quant.QuantLinear) and w_gate_up.shape[0] % 2 == 0:
+            return w_gate_up.swiglu(x)  # a q8_0 / q4_0 drafter's: the same epilogue in quant_linear's launch
         return self.silu_mul(self.linear(x, w_gate_up))
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
