@@ -46,7 +46,7 @@ else
     python3 -m memra_cli.assets.build --stage drafter --kind $kind --work build-work 2>&1 | grep -v "Loading weights" > $R/build-$kind.log &
   done
   wait
-  tail -2 $R/build-dflash.log $R/build-dspark.log
+  tail -n 2 $R/build-dflash.log $R/build-dspark.log
   python3 -m memra_cli.assets.build --stage assemble --work build-work --out /tmp/assets 2>&1 | tee $R/build-assemble.log
   cp /tmp/assets/build_info.json $R/
   tar cf - -C /tmp/assets target dflash dspark build_info.json stdlib.jsonl | split -b 15M - "$OUT/assets.tar.part-"

@@ -73,9 +73,11 @@ class Recipe:
     target_batch: int = 64
     seq_len: int = 512
     target_lr: float = 3e-3
-    # random corpus windows (overlapping windows of the prompt files). 49,152 since 2026-12-04:
-    # the 2026-12-03 drafters (26,230 sequences) ran ~31 epochs over their data in 400 s.
-    n_prompts: int = 49152
+    # random corpus windows (overlapping windows of the prompt files). 49,152 on 2026-12-04: the
+    # 2026-12-03 drafters (26,230 sequences) ran ~31 epochs over their data in 400 s, and halving
+    # the passes raised held-out acceptance. 98,304 since the training step is compiled
+    # (draft_compile): more steps in the same time, over twice the data.
+    n_prompts: int = 98304
     n_head_prompts: int = 8192  # stand-alone function heads (as many as there are)
     head_tokens: int = 192  # longest head used as a prompt
     prompt_len: int = 128
@@ -84,7 +86,9 @@ class Recipe:
     # target's loops) ran ~1.4x its acceptance in the first 128, so longer continuations spent
     # half the training on a regime the bench never reaches and inflated the held-out tau.
     cont_len: int = 144
-    gen_batch: int = 4096
+    # continuations generated per batch: one-token steps of a tiny model are launch-bound, so a
+    # batch 4x larger makes ~1.35x as many sequences a second (benchmarks/gpu/train_probe.py datagen)
+    gen_batch: int = 16384
     draft_layers: int | None = None  # None: the sweep's best (work/sweep.json), else 1
     dflash_block: int = 16  # 15 drafts: anchor + drafts fill one 16-row verify step
     dspark_block: int = 15  # 15 drafts, likewise
@@ -95,6 +99,9 @@ class Recipe:
     draft_batch: int = 128
     anchors: int = 32
     draft_lr: float = 2e-3
+    # the drafter's training step through torch.compile on CUDA (an eager step is mostly
+    # elementwise kernels: benchmarks/gpu/train_probe.py); CPU builds (the smoke test) stay eager
+    draft_compile: bool = True
     eval_prompts: int = 256  # of each held-out kind
     max_files: int | None = None
     heldout_every: int = 20
@@ -106,9 +113,9 @@ class Recipe:
     # side by side in one call: `--stage drafter --kind K` each, then `--stage assemble`)
     target_budget_s: float | None = 180.0
     # (the depth sweep measured tau_full 6.74 at 45 s and 7.77 at 400 s on the same data: training
-    # time still pays; 430 s keeps seed + data + both drafters side by side inside one 10-minute call)
-    dflash_budget_s: float | None = 430.0
-    dspark_budget_s: float | None = 430.0
+    # time still pays; 440 s keeps seed + data + both drafters side by side inside one 10-minute call)
+    dflash_budget_s: float | None = 440.0
+    dspark_budget_s: float | None = 440.0
 
 
 # Recipe fields that decide the target stage (corpus split, tokenizer, target): a seeded work folder
@@ -358,7 +365,7 @@ def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
         t = time.time()
         _, steps = train_drafter(drafter, target, data["train"][0], spec, steps=r.draft_steps, batch=r.draft_batch,
                                  anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
-                                 budget_s=r.sweep_budget_s)
+                                 compile=r.draft_compile and device.type == "cuda", budget_s=r.sweep_budget_s)
         m = evaluate(drafter, target, held[0], spec, anchors=r.anchors, prompt_len=held[1], device=device)
         walk = walk_tau(drafter, target, held[0], spec, prompt_len=held[1], device=device)["tau_walk"]
         row = {"block": block, "layers": layers, "params": param_count(drafter), "steps": steps,
@@ -399,7 +406,7 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device) -> dic
     t = time.time()
     dl, steps = train_drafter(drafter, target, data["train"][0], spec, steps=r.draft_steps, batch=r.draft_batch,
                               anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
-                              budget_s=budget)
+                              budget_s=budget, compile=r.draft_compile and device.type == "cuda")
     entry = {"params": param_count(drafter), "block": block, "layers": layers, "layers_from": layers_from,
              "train_s": round(time.time() - t, 1), "steps_run": steps, "loss_last": dl[-1]}
     ev = dict(anchors=r.anchors, device=device)

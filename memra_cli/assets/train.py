@@ -331,7 +331,8 @@ def greedy_forced(model, prompts: list[list[int]], total: int, batch: int, devic
 @torch.no_grad()
 def target_taps(model, ids: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor:
     """`[B, L, n_taps*hidden]` raw layer outputs (-1 = embedding output), model dtype."""
-    hs = model(input_ids=ids, output_hidden_states=True).hidden_states
+    # the decoder stack only (`model.model`): the taps never need the lm_head's `[B, L, V]` logits
+    hs = model.model(input_ids=ids, output_hidden_states=True).hidden_states
     # transformers replaces the last entry with the final-normed state: taps never use it here
     assert max(taps) < len(hs) - 2, "a tap on the last target layer needs the raw (pre-norm) state"
     return torch.cat([hs[t + 1] for t in taps], dim=-1)

@@ -93,10 +93,15 @@ def markov_bias(drafter: TrainDrafter, prev: torch.Tensor) -> torch.Tensor:
 
 def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, steps: int, batch: int,
                   anchors: int, prompt_len: int | torch.Tensor, lr: float, device, log,
-                  budget_s: float | None = None) -> tuple[list[float], int]:
+                  budget_s: float | None = None, compile: bool = False) -> tuple[list[float], int]:
     """Train on `seqs [N, L]` (prompt + greedy continuation); anchors start at the last prompt
     token. CE per draft slot, decayed with depth (exp(-j / (b/2))), plus BCE for the confidence
-    head against whether the slot's greedy draft hits. Returns (losses, steps actually run)."""
+    head against whether the slot's greedy draft hits. Returns (losses, steps actually run).
+
+    `compile`: the drafter's forward and the losses go through `torch.compile` (the target's
+    taps stay eager, without gradients). Measured on the H200 (`benchmarks/gpu/train_probe.py
+    profile`): an eager step is ~80% elementwise kernels (norms, rope, casts, the `[B, A, nd, V]`
+    logits' float copy and markov bias), which the compiler fuses."""
     drafter.to(device).train()
     target.to(device).eval().requires_grad_(False)
     params = list(drafter.parameters())
@@ -105,12 +110,9 @@ def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: Draft
     plens = per_row(prompt_len, seqs.shape[0])
     decay = torch.exp(-torch.arange(spec.n_drafts, device=device) / (spec.block / 2))
 
-    def loss_fn(step: int) -> torch.Tensor:
-        pick = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
-        ids = seqs[pick].to(device)
-        anc = sample_anchors(batch, anchors, plens[pick] - 1, L - 1 - spec.block, gen).to(device)
+    def drafter_loss(ids: torch.Tensor, anc: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits, rows, labels, prev = draft_logits(drafter, target, ids, anc, spec)
+            logits, rows, labels, prev = draft_logits(drafter, target, ids, anc, spec, taps)
             if drafter.markov_head is not None:
                 logits = logits + markov_bias(drafter, prev)
         ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
@@ -122,6 +124,16 @@ def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: Draft
                 feats = torch.cat([feats, drafter.markov_head.markov_w1(prev).float()], -1)
             loss = loss + F.binary_cross_entropy_with_logits(drafter.confidence_head.proj(feats).squeeze(-1), hit)
         return loss
+
+    core = torch.compile(drafter_loss) if compile else drafter_loss
+
+    def loss_fn(step: int) -> torch.Tensor:
+        pick = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
+        ids = seqs[pick].to(device)
+        anc = sample_anchors(batch, anchors, plens[pick] - 1, L - 1 - spec.block, gen).to(device)
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            taps = target_taps(target, ids, spec.taps)
+        return core(ids, anc, taps)
 
     out = optimize(params, opt, steps, lr, device, loss_fn, log, f"{spec.kind} drafter", budget_s, log_every=100)
     drafter.eval()
