@@ -16,6 +16,7 @@ arithmetic). An op count, not a time: time it on a GPU with benchmarks/gpu/hybri
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import tempfile
 from collections import Counter
@@ -26,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memra_cli.engine.layers.step_ops import TorchStepOps  # noqa: E402
+from memra_cli.engine.layers.step_ops import TorchStepOps, unfused_swiglu  # noqa: E402
 from memra_cli.engine.models.qwen3_5 import Qwen35Target  # noqa: E402
 from memra_cli.engine.runtime.steps import StepRunner  # noqa: E402
 from memra_cli.tiny.qwen3_5 import make_tiny_qwen35  # noqa: E402
@@ -62,7 +63,7 @@ class CountingOps:
         if name == "swiglu":
             # the MLP's gate/up matmul and its activation as the torch path runs them (a GEMM,
             # then SiLU·mul); the kernels fuse the two only for the shapes of their measured table
-            return lambda x, w: self.silu_mul(self.linear(x, w))
+            return functools.partial(unfused_swiglu, self)
         attr = getattr(self._ops, name)
         if not callable(attr) or name == "linear":
             # the weight matmuls go through the seam too (`linear`), but they are the step's

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import sys
 import tempfile
@@ -356,9 +355,9 @@ def main(argv=None) -> int:
                    "(the swiglu step op unfused), to time the SwiGLU epilogue against")
     a = p.parse_args(argv)
     if a.no_glu:
-        from memra_cli.engine.layers.step_ops import TritonStepOps
+        from memra_cli.engine.layers.step_ops import TritonStepOps, unfused_swiglu
 
-        TritonStepOps.swiglu = lambda self, x, w: self.silu_mul(self.linear(x, w))
+        TritonStepOps.swiglu = unfused_swiglu
     _dense = None
     if torch.cuda.is_available() and not a.tiny:
         from memra_kernels import dense_linear as _dense

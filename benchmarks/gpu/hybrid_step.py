@@ -470,9 +470,9 @@ def main() -> None:
                    "(the swiglu step op unfused), to time the SwiGLU epilogue against")
     a = p.parse_args()
     if a.no_glu:
-        from memra_cli.engine.layers.step_ops import TritonStepOps
+        from memra_cli.engine.layers.step_ops import TritonStepOps, unfused_swiglu
 
-        TritonStepOps.swiglu = lambda self, x, w: self.silu_mul(self.linear(x, w))
+        TritonStepOps.swiglu = unfused_swiglu
     if a.dense_prefetch is not None and not a.tiny:
         from memra_kernels import dense_linear as _dense
 

@@ -27,6 +27,7 @@ Prints and writes (``--json``, default ``$OUT/h200-target-step.json``):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from gpu_shapes import SHAPES, random_target, run_arm  # noqa: E402
 
 from memra_cli.engine.api import ArmConfig, Engine  # noqa: E402
-from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps  # noqa: E402
+from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps, unfused_swiglu  # noqa: E402
 from memra_cli.engine.runtime import cuda_graphs  # noqa: E402
 from memra_cli.engine.spec.policy import Harvest, PolicySettings, VerifyWindow  # noqa: E402
 from memra_cli.engine.spec.proposer import Program, Proposal  # noqa: E402
@@ -298,7 +299,7 @@ def main() -> None:
             target.step_ops = TorchStepOps() if parts[0] == "torch" else TritonStepOps()
             if "noglu" in parts:  # the MLP's gate/up matmul and SiLU·mul as two launches
                 ops = target.step_ops
-                ops.swiglu = lambda x, w, ops=ops: ops.silu_mul(ops.linear(x, w))
+                ops.swiglu = functools.partial(unfused_swiglu, ops)
             if "nopdl" in parts:
                 os.environ[_pdl.ENV] = "0"
             else:

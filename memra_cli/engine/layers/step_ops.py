@@ -94,6 +94,14 @@ KERNELS_ENV = "MEMRA_KERNELS"
 PDL_ENV = "MEMRA_PDL"  # memra_kernels._pdl reads it at each launch; checked here so a bad value is refused up front
 
 
+def unfused_swiglu(ops, x: torch.Tensor, w_gate_up) -> torch.Tensor:
+    """The MLP's SwiGLU as two step ops, `ops.silu_mul(ops.linear(x, w_gate_up))`: the torch path's
+    `swiglu`, the kernels' fallback where the fused launch does not apply, and what the benchmarks'
+    unfused variants (`--no-glu`, target_step's `noglu`) install as `swiglu` to time the epilogue
+    against. `x [t, hidden]`, `w_gate_up` `[2*ffn, hidden]` (or a linear module) -> `[t, ffn]`."""
+    return ops.silu_mul(ops.linear(x, w_gate_up))
+
+
 class TorchStepOps:
     """The reference: plain torch, any device."""
 
@@ -156,7 +164,7 @@ class TorchStepOps:
     @classmethod
     def swiglu(cls, x: torch.Tensor, w_gate_up) -> torch.Tensor:
         """`silu(x @ gate.T) * (x @ up.T)` for the fused `[gate; up]` weight (or linear module)."""
-        return cls.silu_mul(cls.linear(x, w_gate_up))
+        return unfused_swiglu(cls, x, w_gate_up)
 
     prefill_mask = True  # prefill_attention reads the forward's folded [g*t, n] mask
 
@@ -412,7 +420,7 @@ class TritonStepOps:
             return self._dense.dense_linear(x, w_gate_up, glu=True)
         if isinstance(w_gate_up, self._quant.QuantLinear) and w_gate_up.shape[0] % 2 == 0:
             return w_gate_up.swiglu(x)  # a q8_0 / q4_0 drafter's: the same epilogue in quant_linear's launch
-        return self.silu_mul(self.linear(x, w_gate_up))
+        return unfused_swiglu(self, x, w_gate_up)
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
