@@ -93,13 +93,14 @@ def markov_bias(drafter: TrainDrafter, prev: torch.Tensor) -> torch.Tensor:
 
 def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, steps: int, batch: int,
                   anchors: int, prompt_len: int | torch.Tensor, lr: float, device, log,
-                  budget_s: float | None = None, compile: bool = False) -> tuple[list[float], int]:
+                  budget_s: float | None = None, compile: bool | str = False) -> tuple[list[float], int]:
     """Train on `seqs [N, L]` (prompt + greedy continuation); anchors start at the last prompt
     token. CE per draft slot, decayed with depth (exp(-j / (b/2))), plus BCE for the confidence
     head against whether the slot's greedy draft hits. Returns (losses, steps actually run).
 
-    `compile`: the drafter's forward and the losses go through `torch.compile` (the target's
-    taps stay eager, without gradients). Measured on the H200 (`benchmarks/gpu/train_probe.py
+    `compile`: the drafter's forward and the losses go through `torch.compile` (True: its default
+    backend; a string names the backend, as the CPU test does), the target's taps staying eager
+    and gradient-free. Measured on the H200 (`benchmarks/gpu/train_probe.py
     profile`): an eager step is ~80% elementwise kernels (norms, rope, casts, the `[B, A, nd, V]`
     logits' float copy and markov bias), which the compiler fuses."""
     drafter.to(device).train()
@@ -125,7 +126,10 @@ def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: Draft
             loss = loss + F.binary_cross_entropy_with_logits(drafter.confidence_head.proj(feats).squeeze(-1), hit)
         return loss
 
-    core = torch.compile(drafter_loss) if compile else drafter_loss
+    if compile:
+        core = torch.compile(drafter_loss, **({"backend": compile} if isinstance(compile, str) else {}))
+    else:
+        core = drafter_loss
 
     def loss_fn(step: int) -> torch.Tensor:
         pick = torch.randint(0, seqs.shape[0], (batch,), generator=gen)

@@ -143,6 +143,38 @@ def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
 
 
+def test_compiled_drafter_training_takes_the_eager_steps():
+    """`train_drafter(compile=...)` (the build compiles on CUDA) traces the drafter's forward and
+    losses without changing them: three steps through torch.compile's `aot_eager` backend (the
+    graph capture and autograd split the GPU build uses, without a C++ toolchain) log the eager
+    run's losses and leave the same weights. The taps it trains on are the full model's hidden
+    states (computed without the lm_head)."""
+    from memra_cli.assets.train import TrainDrafter, make_target, target_taps
+    from memra_cli.assets.train_draft import DraftSpec, train_drafter
+
+    torch.manual_seed(0)
+    target = make_target(64, 32, 3, 2, 1, 64, 128).eval()
+    seqs = torch.randint(2, 64, (8, 40))
+    with torch.no_grad():
+        hs = target(input_ids=seqs[:2], output_hidden_states=True).hidden_states
+        assert torch.equal(target_taps(target, seqs[:2], (-1, 1)), torch.cat([hs[0], hs[2]], -1))
+    spec = DraftSpec("dspark", 4, (-1, 1), 1)
+    runs = []
+    for compile in (False, "aot_eager"):
+        torch.manual_seed(1)
+        drafter = TrainDrafter(32, 1, 2, 1, 64, 2, 64, markov_rank=8, confidence=True)
+        logged: list[str] = []
+        losses, steps = train_drafter(drafter, target, seqs, spec, steps=3, batch=4, anchors=3, prompt_len=6,
+                                      lr=1e-2, device=torch.device("cpu"), log=logged.append, compile=compile)
+        runs.append((losses, steps, {k: v.clone() for k, v in drafter.state_dict().items()}))
+    (eager, n_eager, w_eager), (compiled, n_compiled, w_compiled) = runs
+    assert n_eager == n_compiled == 3 and len(eager) == len(compiled) == 2  # logged at steps 0 and 2
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    assert eager[-1] != eager[0]  # it trained
+    for name, w in w_eager.items():
+        torch.testing.assert_close(w_compiled[name], w, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_step_planner_uses_the_steady_step_time():
     """Warm-up steps must not shrink the plan: 40 steps in 4 s after a 10 s warm-up, with a
     100 s budget, leave room for ~(100 - 14) / 0.1 more steps (capped by the requested total)."""
