@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu/pair_bench.sh            # SETS="humaneval stdlib" QUANT=1 BENCH_S=150
 set -o pipefail
 source benchmarks/gpu/_env.sh
-show() { python3 -c "import json;d=json.load(open('$1'));print(' exact',d['exact']);[print(' ',a['name'],a['tau'] and round(a['tau'],2),a.get('verified_rows_per_round') or '',round(a['tok_per_s'],1),round(a['speedup'],3),a['exact']) for a in d['arms']]" 2>&1 | tail -12; }
+show() { python3 -c "import json;d=json.load(open('$1'));print(' exact',d['exact']);[print(' ',a['name'],a['tau'] and round(a['tau'],2),round(a['tok_per_s'],1),round(a['speedup'],3),a['exact']) for a in d['arms']]" 2>&1 | tail -12; }
 for set in ${SETS:-humaneval stdlib}; do
   s=$(date +%s); json=$R/h200-pair-$set.json
   timeout ${BENCH_S:-150} python3 -m memra_cli bench --prompts $set --max-new 128 --warmup 2 \

@@ -37,23 +37,43 @@ def _target(device):
     return shipped(model, device)  # as the build runs it
 
 
+def _setup(kind: str, n_seqs: int, device):
+    """(recipe, shipped target, random `[n_seqs, L]` sequences of the build's length, DraftSpec)."""
+    r = Recipe()
+    taps, block = (r.dflash_taps, r.dflash_block) if kind == "dflash" else (r.dspark_taps, r.dspark_block)
+    seqs = torch.randint(2, r.vocab, (n_seqs, r.prompt_len + r.cont_len), generator=torch.Generator().manual_seed(0))
+    return r, _target(device), seqs, DraftSpec(kind, block, taps, 1)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers") from None
+    if min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers")
+    return values
+
+
+def _modes(text: str) -> list[str]:
+    modes = text.split(",")
+    if not set(modes) <= {"eager", "compile"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected eager and/or compile, comma-separated")
+    return modes
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
 def probe_drafter(kind: str, batches: list[int], steps: int, device, modes: list[str]) -> list[dict]:
-    r = Recipe()
-    target = _target(device)
-    taps, block = (r.dflash_taps, r.dflash_block) if kind == "dflash" else (r.dspark_taps, r.dspark_block)
-    L = r.prompt_len + r.cont_len
-    seqs = torch.randint(2, r.vocab, (4096, L), generator=torch.Generator().manual_seed(0))
-    spec = DraftSpec(kind, block, taps, 1)
+    r, target, seqs, spec = _setup(kind, 4096, device)
     rows = []
     for batch in batches:
         for mode in modes:
             torch.manual_seed(0)
-            drafter = _new_drafter(kind, r, 2, taps)
+            drafter = _new_drafter(kind, r, 2, spec.taps)
             stamps: list[float] = []  # train_drafter logs after step 0 and after the last step
             kw = dict(batch=batch, anchors=r.anchors, prompt_len=r.prompt_len, lr=r.draft_lr, device=device,
                       log=lambda _m: stamps.append(time.time()), budget_s=None, compile=mode == "compile")
@@ -73,12 +93,8 @@ def profile_drafter(kind: str, batch: int, device, rows: int = 30) -> str:
     """The torch profiler's table (top `rows` by device time) over 5 training steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    r = Recipe()
-    target = _target(device)
-    taps, block = (r.dflash_taps, r.dflash_block) if kind == "dflash" else (r.dspark_taps, r.dspark_block)
-    seqs = torch.randint(2, r.vocab, (1024, r.prompt_len + r.cont_len), generator=torch.Generator().manual_seed(0))
-    spec = DraftSpec(kind, block, taps, 1)
-    drafter = _new_drafter(kind, r, 2, taps)
+    r, target, seqs, spec = _setup(kind, 1024, device)
+    drafter = _new_drafter(kind, r, 2, spec.taps)
     kw = dict(batch=batch, anchors=r.anchors, prompt_len=r.prompt_len, lr=r.draft_lr, device=device,
               log=lambda _m: None, budget_s=None)
     train_drafter(drafter, target, seqs, spec, steps=5, **kw)
@@ -113,24 +129,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("what", choices=("drafter", "datagen", "profile"))
     ap.add_argument("--kind", choices=("dflash", "dspark"), default="dspark")
-    ap.add_argument("--batches", default="128,256,512")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--modes", default="eager,compile", help="eager and/or compile (train_drafter's compile=)")
-    ap.add_argument("--gen-batches", default="4096,16384")
+    ap.add_argument("--batches", type=_ints, default="128,256,512")
+    ap.add_argument("--steps", type=int, default=60)  # logged at step 0 and the last: at least 1
+    ap.add_argument("--modes", default="eager,compile", type=_modes,
+                    help="eager and/or compile (train_drafter's compile=)")
+    ap.add_argument("--gen-batches", type=_ints, default="4096,16384")
     ap.add_argument("--sequences", type=int, default=16384)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.what == "profile":
-        table = profile_drafter(a.kind, int(a.batches.split(",")[0]), device)
+        table = profile_drafter(a.kind, a.batches[0], device)
         print(table)
         if a.json:
             a.json.write_text(table)
         return
     if a.what == "drafter":
-        rows = probe_drafter(a.kind, [int(b) for b in a.batches.split(",")], a.steps, device, a.modes.split(","))
+        rows = probe_drafter(a.kind, a.batches, a.steps, device, a.modes)
     else:
-        rows = probe_datagen([int(b) for b in a.gen_batches.split(",")], a.sequences, device)
+        rows = probe_datagen(a.gen_batches, a.sequences, device)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1) + "\n")
 

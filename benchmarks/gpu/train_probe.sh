@@ -3,6 +3,8 @@
 # sizes, eager and compiled (benchmarks/gpu/train_probe.py), the two kinds side by side as the
 # build runs them, then one kind alone; then the data generator at two batch sizes.
 #   bash benchmarks/gpu/train_probe.sh            # BATCHES=128,256 MODES=eager,compile ALONE=1 DATAGEN=1
+# Side by side, the two processes' phases need not line up (one compiles while the other trains),
+# so compare modes on the ALONE rows; the side-by-side rows say what the build's stage gets.
 source benchmarks/gpu/_env.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $R/gpu.txt
 B=${BATCHES:-128,256}; M=${MODES:-eager,compile}

@@ -336,6 +336,12 @@ def _new_drafter(kind: str, r: Recipe, layers: int, taps: tuple[int, ...]) -> Tr
                         markov_rank=r.markov_rank if dspark else 0, confidence=dspark)
 
 
+def _compile(r: Recipe, device: torch.device) -> bool:
+    """Whether the drafter's training step goes through torch.compile: the recipe's
+    `draft_compile`, on CUDA only (CPU builds, the smoke test among them, stay eager)."""
+    return r.draft_compile and device.type == "cuda"
+
+
 def _halves(split: tuple[torch.Tensor, torch.Tensor]):
     """A split (sequences, prompt lengths) cut in two halves of rows."""
     seqs, plens = split
@@ -365,7 +371,7 @@ def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
         t = time.time()
         _, steps = train_drafter(drafter, target, data["train"][0], spec, steps=r.draft_steps, batch=r.draft_batch,
                                  anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
-                                 compile=r.draft_compile and device.type == "cuda", budget_s=r.sweep_budget_s)
+                                 compile=_compile(r, device), budget_s=r.sweep_budget_s)
         m = evaluate(drafter, target, held[0], spec, anchors=r.anchors, prompt_len=held[1], device=device)
         walk = walk_tau(drafter, target, held[0], spec, prompt_len=held[1], device=device)["tau_walk"]
         row = {"block": block, "layers": layers, "params": param_count(drafter), "steps": steps,
@@ -406,7 +412,7 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device) -> dic
     t = time.time()
     dl, steps = train_drafter(drafter, target, data["train"][0], spec, steps=r.draft_steps, batch=r.draft_batch,
                               anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
-                              budget_s=budget, compile=r.draft_compile and device.type == "cuda")
+                              budget_s=budget, compile=_compile(r, device))
     entry = {"params": param_count(drafter), "block": block, "layers": layers, "layers_from": layers_from,
              "train_s": round(time.time() - t, 1), "steps_run": steps, "loss_last": dl[-1]}
     ev = dict(anchors=r.anchors, device=device)

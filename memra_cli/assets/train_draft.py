@@ -135,8 +135,8 @@ def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: Draft
         pick = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
         ids = seqs[pick].to(device)
         anc = sample_anchors(batch, anchors, plens[pick] - 1, L - 1 - spec.block, gen).to(device)
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            taps = target_taps(target, ids, spec.taps)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            taps = target_taps(target, ids, spec.taps)  # no_grad (target_taps is), outside the compiled part
         return core(ids, anc, taps)
 
     out = optimize(params, opt, steps, lr, device, loss_fn, log, f"{spec.kind} drafter", budget_s, log_every=100)
