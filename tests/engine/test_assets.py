@@ -186,11 +186,18 @@ def test_step_planner_uses_the_steady_step_time():
     assert fit_steps(500, 40, t0, t_warm, now, None) == 500
 
 
-def test_short_bench_on_the_embedded_pair_passes_its_exactness_gate():
-    """Three HumanEval prompts through `memra bench`'s defaults (the embedded pair)."""
+def test_short_bench_on_the_embedded_pair_passes_its_exactness_gate(monkeypatch):
+    """Three HumanEval prompts through `memra bench`'s defaults (the embedded pair). On the CPU
+    the DSpark arms' markov chain loops in numpy (eager rounds): counted, so the gate below
+    covers that loop too."""
     from typer.testing import CliRunner
 
+    import memra_cli.engine.layers.step_ops as step_ops
     from memra_cli.cli.app import app
+
+    host_chains = []
+    real = step_ops.markov_chain_host
+    monkeypatch.setattr(step_ops, "markov_chain_host", lambda *a: host_chains.append(1) or real(*a))
 
     r = CliRunner().invoke(app, ["bench", "--n", "3", "--max-new", "24", "--warmup", "0", "--arm", "off", "--arm", "dflash",
                                  "--arm", "dspark", "--arm", "dspark:harvest=dflash", "--json"], env={"OMP_NUM_THREADS": "1"})
@@ -200,6 +207,7 @@ def test_short_bench_on_the_embedded_pair_passes_its_exactness_gate():
     assert [a["name"] for a in out["arms"]] == ["off", "plain", "dflash", "dspark", "dspark:harvest=dflash"]
     assert all(a["tokens"] == 3 * 24 for a in out["arms"])
     assert out["arms"][3]["receipts"]["harvest"] == "dspark"
+    assert len(host_chains) >= out["arms"][3]["rounds"]  # every eager DSpark round's chain
 
 
 def test_generate_defaults_to_the_embedded_pair(pair):

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from memra_cli.engine.layers.step_ops import TorchStepOps
+from memra_cli.engine.layers.step_ops import TorchStepOps, markov_chain_host
 from memra_cli.engine.models.drafter import DraftCapacityError, Drafter
 from memra_cli.tiny.draft import make_tiny_draft
 
@@ -353,6 +353,66 @@ def test_markov_chain_over_its_bias_table_is_the_per_slot_chain(heads_drafter, d
         anchor = torch.tensor([seed * 11])
         want = per_slot.markov_chain(logits, anchor, w1, w2, dtype)
         assert torch.equal(tabled.markov_chain(logits, anchor, w1, w2, dtype), want)
+        assert torch.equal(tabled.markov_chain(logits, anchor, w1, w2, dtype, host_loop=True), want)
+
+
+def _torch_table_chain(logits: torch.Tensor, anchor: int, table: torch.Tensor) -> list[int]:
+    """The torch loop over a bias table, one slot at a time (what the CPU chain replaced)."""
+    prev, out = torch.tensor([anchor]), []
+    for k in range(logits.shape[0]):
+        prev = torch.argmax(logits[k : k + 1] + table[prev], dim=-1)
+        out.append(int(prev))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_markov_chain_host_is_the_torch_loop(dtype):
+    """The CPU chain runs in numpy: the same picks as torch's loop, including where they are
+    hard to get right: ties (the first index wins), a NaN (it is the maximum), rows of -inf, a
+    bias that overturns the logits' pick in every slot, and narrower logits (widened exactly)."""
+    g = torch.Generator().manual_seed(5)
+    V = 64
+    table = torch.randn(V, V, generator=g) * 3
+    cases = [torch.randn(12, V, generator=g) * s for s in (0.01, 1.0, 10.0)]
+    ties = torch.zeros(6, V)
+    ties[:, 5] = ties[:, 9] = 100.0  # two maxima a row, far above any bias ...
+    table_ties = table.clone()
+    table_ties[:, 9] = table_ties[:, 5]  # ... and still tied after it: the first (5) wins
+    nan = torch.randn(5, V, generator=g)
+    nan[2, 40] = float("nan")
+    neg_inf = torch.full((3, V), float("-inf"))
+    for logits, tab in [(c, table) for c in cases] + [(ties, table_ties), (nan, table), (neg_inf, table)]:
+        logits = logits.to(dtype)
+        for anchor in (0, 17, V - 1):
+            got = markov_chain_host(logits, torch.tensor(anchor), tab)
+            assert got.dtype == torch.int64 and got.shape == (logits.shape[0],)
+            assert got.tolist() == _torch_table_chain(logits, anchor, tab), (dtype, anchor)
+    # not vacuous: with weak logits the bias decides every pick
+    weak = cases[0]
+    assert markov_chain_host(weak, torch.tensor(3), table).tolist() != torch.argmax(weak, -1).tolist()
+    assert markov_chain_host(ties, torch.tensor(0), table_ties).tolist() == [5] * 6
+
+
+def test_cpu_markov_chain_loops_in_numpy_only_when_eager_and_over_a_table(heads_drafter, monkeypatch):
+    """TorchStepOps takes the numpy loop only for an eager caller (`host_loop`: a graph body
+    reads nothing on the host) on CPU tensors with a table; the torch loop otherwise (a body
+    that may be captured; a vocabulary too large for the table). Every way, the same chain."""
+    import memra_cli.engine.layers.step_ops as step_ops
+
+    drafter = heads_drafter[0]
+    w1, w2 = drafter.markov_w1, drafter.markov_w2
+    logits = torch.randn(9, w2.shape[0], generator=torch.Generator().manual_seed(1)) * 0.3
+    calls = []
+    monkeypatch.setattr(step_ops, "markov_chain_host", lambda *a: calls.append(1) or markov_chain_host(*a))
+    tabled, per_slot = TorchStepOps(), TorchStepOps()
+    per_slot.MARKOV_TABLE_MAX_BYTES = 0
+    anchor = torch.tensor([4])
+    want = per_slot.markov_chain(logits, anchor, w1, w2, torch.float32, host_loop=True)
+    assert calls == []
+    assert torch.equal(tabled.markov_chain(logits, anchor, w1, w2, torch.float32), want)
+    assert calls == []
+    assert torch.equal(tabled.markov_chain(logits, anchor, w1, w2, torch.float32, host_loop=True), want)
+    assert calls == [1]
 
 
 @pytest.mark.parametrize("which", ["with-markov", "plain"])

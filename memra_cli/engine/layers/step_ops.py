@@ -29,10 +29,11 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   a chained round's settlement on the device (window, accepted prefix, next inputs written into
   `inputs`; with `restore`, the ring rows a recurrent state's restore re-runs) and its packed
   output (spec/settle.py; one launch with the kernels instead of ~30)
-- `markov_chain(logits, anchor, w1, w2, dtype) -> tokens`: DSpark's greedy chain (the drafter's
-  side of a round; with the kernels one launch per slot, or one launch in all over a bias table
-  built once where the vocabulary is small; with torch ~6 ops a slot, or 3 over the same table,
-  built once row by row: the same picks)
+- `markov_chain(logits, anchor, w1, w2, dtype, host_loop=False) -> tokens`: DSpark's greedy chain
+  (the drafter's side of a round; with the kernels one launch per slot, or one launch in all over
+  a bias table built once where the vocabulary is small; with torch ~6 ops a slot, or 3 over the
+  same table, built once row by row, or, for an eager caller on the CPU, a numpy loop over that
+  table: the same picks)
 - `argmax(x) -> int64 [rows]`: each row's `torch.argmax` (first index among equal maxima, NaN
   as the maximum), a greedy round's picks from its logits (one program per row with the
   kernels, where torch's generic reduce took ~15 µs for 16 rows on the H200)
@@ -80,6 +81,7 @@ import contextlib
 
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -100,6 +102,28 @@ def unfused_swiglu(ops, x: torch.Tensor, w_gate_up) -> torch.Tensor:
     unfused variants (`--no-glu`, target_step's `noglu`) install as `swiglu` to time the epilogue
     against. `x [t, hidden]`, `w_gate_up` `[2*ffn, hidden]` (or a linear module) -> `[t, ffn]`."""
     return ops.silu_mul(ops.linear(x, w_gate_up))
+
+
+def markov_chain_host(logits: torch.Tensor, anchor: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The greedy markov chain `tok_k = argmax(logits[k] + table[tok_{k-1}])` (`tok_-1 = anchor`)
+    over CPU tensors, `logits [n, V]` (float32 or a narrower float) and the float32 bias
+    `table [V_in, V]`, looped in numpy over zero-copy views. Returns int64 tokens `[n]`.
+
+    The picks are the torch loop's, bit for bit: torch adds a narrower logit row to the float32
+    bias by widening it exactly first, as `.float()` does here; a float32 add is the same IEEE
+    operation in both libraries; and both argmaxes return the first index of the maximum, a NaN
+    counting as the maximum. Why: the chain is ~4 tiny ops a slot, 15 slots a round for the
+    embedded DSpark drafter, and torch's dispatch cost per op is several times numpy's; on the
+    2-core dev CPU the torch loop took ~0.4 ms a round warm (~1.7 ms inside a session, where
+    every round's matmuls have just evicted the caches) and this ~0.1 ms warm."""
+    rows = logits.detach().float().contiguous().numpy()
+    bias = table.detach().numpy()
+    prev = int(anchor.reshape(-1)[0])
+    out = np.empty(rows.shape[0], dtype=np.int64)
+    for k in range(rows.shape[0]):
+        prev = int(np.argmax(rows[k] + bias[prev]))
+        out[k] = prev
+    return torch.from_numpy(out)
 
 
 class TorchStepOps:
@@ -192,7 +216,7 @@ class TorchStepOps:
         return F.linear(w1[prev].to(dtype), w2).float()
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     dtype: torch.dtype) -> torch.Tensor:
+                     dtype: torch.dtype, host_loop: bool = False) -> torch.Tensor:
         """Greedy chain over `logits [n, V]` (float32, or the model dtype) -> tokens `[n]`: slot k
         takes `argmax(logits[k] + linear(w1[prev], w2))` in `dtype`, prev starting at `anchor`.
 
@@ -202,8 +226,15 @@ class TorchStepOps:
         left (the embedded drafter: 15 slots a round). The table is built once per weights, row
         by row through `markov_bias` itself, so each row is the very bits the GEMV gives (one
         GEMM over every row may sum in another order) and the chain picks what it picked without
-        it; kept with references to its weights, so their addresses, its key, stay theirs."""
+        it; kept with references to its weights, so their addresses, its key, stay theirs.
+
+        `host_loop`: the caller is eager, never a graph body (the eager proposer, the oracle), so
+        on CPU tensors over a table the loop may run in numpy (`markov_chain_host`): the same
+        picks at a fraction of torch's per-op cost. A body that may be captured reads nothing on
+        the host, so it keeps the torch loop (the CPU stand-ins of capture check that too)."""
         table = self._markov_table(w1, w2, dtype)
+        if host_loop and table is not None and logits.device.type == "cpu":
+            return markov_chain_host(logits, anchor, table)
         prev = anchor.reshape(1)
         out = []
         for k in range(logits.shape[0]):
@@ -423,8 +454,8 @@ class TritonStepOps:
         return unfused_swiglu(self, x, w_gate_up)
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     dtype: torch.dtype) -> torch.Tensor:
-        """The chain kernel; for a small vocabulary through its bias table (one launch), built
+                     dtype: torch.dtype, host_loop: bool = False) -> torch.Tensor:
+        """The chain kernel (`host_loop` is the torch seam's CPU choice: unused on CUDA); for a small vocabulary through its bias table (one launch), built
         on first use and kept with references to its weights (so their addresses, its key, stay
         theirs). The first use is outside any capture: graphs warm their body up first."""
         m = self._markov

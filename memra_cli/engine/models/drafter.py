@@ -466,15 +466,17 @@ class Drafter:
     def has_confidence(self) -> bool:
         return self.conf_w is not None
 
-    def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, pick=None) -> torch.Tensor:
+    def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, pick=None, host_loop: bool = False) -> torch.Tensor:
         """Greedy semi-autoregressive chain over `logits [n, V]` (float32, or the model dtype:
         widened exactly where they are added to the bias): slot k's logits get
         `w2 · w1[prev]`, prev starting at `anchor` (0-d or [1] long) and then each chosen token.
         Returns tokens `[n]` on the device (no host sync). `pick(k, scores [1, V]) -> [1]`
-        chooses instead of argmax (a sampler's drafting: spec/keyed.py `Drafting.pick`)."""
+        chooses instead of argmax (a sampler's drafting: spec/keyed.py `Drafting.pick`).
+        `host_loop`: the caller is never captured as a graph (step_ops `markov_chain`)."""
         assert self.markov_w1 is not None and self.markov_w2 is not None
         if pick is None:  # greedy: the seam's chain (one launch with the kernels)
-            return self.step_ops.markov_chain(logits, anchor, self.markov_w1, self._markov_w2_values(), self.dtype)
+            return self.step_ops.markov_chain(logits, anchor, self.markov_w1, self._markov_w2_values(), self.dtype,
+                                              host_loop=host_loop)
         prev = anchor.reshape(1)
         out = []
         for k in range(logits.shape[0]):

@@ -146,17 +146,18 @@ class DrafterProposer:
         positions = torch.arange(start, start + b, device=self.target.device)
         hidden = self.drafter.forward_round(self.kv, noise, positions).hidden_out
         return Proposal(*draft_heads(self.drafter, self.target, self.program, hidden, last, want_raws,
-                                     self.sampler, positions[0]))
+                                     self.sampler, positions[0], host_loop=True))
 
 
 def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last: torch.Tensor,
                 want_raws: bool, sampler: Sampler = GREEDY, start: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                host_loop: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Block hidden `[b, hidden]` -> drafts `[n_drafts]` (harvested rows through the target's
     lm_head, then the markov chain or argmax), when asked confidence raws `[n_drafts]`, and the
     drafts' distribution q when the sampler keeps it. Greedy drafts are argmax; a sampler with
     `drafting` (temperature > 0) picks draft k with the noise keyed to position `start + k`
-    (0-d device tensor), the target row that judges it."""
+    (0-d device tensor), the target row that judges it. `host_loop`: the caller is eager, never
+    a graph body, so the chain may loop on the host (CPU; step_ops `markov_chain`)."""
     rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
     if not hasattr(sampler, "drafting"):
         # Greedy drafts (the markov chain or argmax) read the lm_head's model-dtype output as it
@@ -169,7 +170,7 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last
     if hasattr(sampler, "drafting"):
         drafting = sampler.drafting(start + torch.arange(p.n_drafts, device=logits.device), logits.shape[-1])
     if drafting is None:
-        drafts = drafter.markov_chain(logits, last) if p.markov else drafter.step_ops.argmax(logits)
+        drafts = drafter.markov_chain(logits, last, host_loop=host_loop) if p.markov else drafter.step_ops.argmax(logits)
     else:
         drafts = drafter.markov_chain(logits, last, drafting.pick) if p.markov else drafting.pick_rows(logits)
     raws = None
