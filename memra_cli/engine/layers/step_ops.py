@@ -114,8 +114,8 @@ def markov_chain_host(logits: torch.Tensor, anchor: torch.Tensor, table: torch.T
     operation in both libraries; and both argmaxes return the first index of the maximum, a NaN
     counting as the maximum. Why: the chain is ~4 tiny ops a slot, 15 slots a round for the
     embedded DSpark drafter, and torch's dispatch cost per op is several times numpy's; on the
-    2-core dev CPU the torch loop took ~0.4 ms a round warm (~1.7 ms inside a session, where
-    every round's matmuls have just evicted the caches) and this ~0.1 ms warm."""
+    2-core dev CPU, inside sessions (benchmarks/cpu_round_parts.py), the torch loop took ~0.45
+    ms a round and this ~0.22."""
     rows = logits.detach().float().contiguous().numpy()
     bias = table.detach().numpy()
     prev = int(anchor.reshape(-1)[0])
