@@ -8,13 +8,21 @@
 # or all of that in one call (the new pair also lands in build-work/assets, for a warm next call:
 # benchmarks/gpu/retrain_compare.sh benches it beside the shipped one):
 #   bash benchmarks/gpu/build_assets.sh retrain
+# or the split retrain, each drafter alone on the GPU (about twice the steps a second of two side
+# by side: docs/results/h200-train-probe.json, eager 32.3 vs 15.3 steps/s), three calls:
+#   BUDGET_S=400 bash benchmarks/gpu/build_assets.sh solo dflash  # seed + data + the DFlash drafter
+#   BUDGET_S=400 bash benchmarks/gpu/build_assets.sh solo dspark  # the same data again + the DSpark drafter
+#   bash benchmarks/gpu/build_assets.sh assemble   # carry build-work/ holding both calls' drafters/
+#                                                  # (and one call's state.json, stdlib.jsonl, target/)
+# Each solo call regenerates the drafter data (~90 s; the data, ~54 MB, does not fit the carry
+# limit beside the tree) and returns build-work less data.pt as tar parts.
 # State lives in build-work/ (git-ignored; carry it to the second call: the machine is bare again).
 # Results come back under $OUT as tar parts (the device returns at most 8 files of 16 MiB).
 # TESTS_S > 0 also runs the `gpu`-marked tests after the target stage (they do not share the GPU
 # with anything timed).
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-stage=${1:?stage: target, seed, drafters or retrain}
+stage=${1:?stage: target, seed, drafters, retrain, solo KIND or assemble}
 R=/tmp/results; mkdir -p $R "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
 python3 -c "import sys, torch, transformers, tokenizers; print(sys.version, torch.__version__, transformers.__version__, tokenizers.__version__)" | tee -a $R/gpu.txt
@@ -40,6 +48,16 @@ if [ "$stage" = target ]; then
 elif [ "$stage" = seed ]; then
   seed_and_data
   tar cf - build-work | split -b 15M - "$OUT/work.tar.part-"
+elif [ "$stage" = solo ]; then
+  kind=${2:?solo needs dflash or dspark}
+  seed_and_data
+  python3 -m memra_cli.assets.build --stage drafter --kind "$kind" --work build-work --draft-budget-s "${BUDGET_S:-400}" \
+    2>&1 | grep -v "Loading weights" | tee $R/build-$kind.log | grep -v " step "
+  tar cf - --exclude=build-work/data.pt build-work | split -b 15M - "$OUT/work-$kind.tar.part-"
+elif [ "$stage" = assemble ]; then
+  python3 -m memra_cli.assets.build --stage assemble --work build-work --out /tmp/assets 2>&1 | tee $R/build-assemble.log
+  cp /tmp/assets/build_info.json $R/
+  tar cf - -C /tmp/assets target dflash dspark build_info.json stdlib.jsonl | split -b 15M - "$OUT/assets.tar.part-"
 else
   if [ "$stage" = retrain ]; then seed_and_data; tar czf "$OUT/results.tgz" -C $R .; fi
   for kind in dflash dspark; do

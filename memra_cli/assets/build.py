@@ -414,7 +414,7 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device) -> dic
                               anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
                               budget_s=budget, compile=_compile(r, device))
     entry = {"params": param_count(drafter), "block": block, "layers": layers, "layers_from": layers_from,
-             "train_s": round(time.time() - t, 1), "steps_run": steps, "loss_last": dl[-1]}
+             "budget_s": budget, "train_s": round(time.time() - t, 1), "steps_run": steps, "loss_last": dl[-1]}
     ev = dict(anchors=r.anchors, device=device)
     if drafter.confidence_head is not None:
         entry["reliability_before"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev).get("reliability")
@@ -484,12 +484,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--target-steps", type=int)
     p.add_argument("--draft-steps", type=int)
+    p.add_argument("--draft-budget-s", type=float,
+                   help="seconds of training per drafter (the drafter stages; default: the recipe's). A drafter "
+                        "trained alone on the GPU (one per device call) gets about twice the steps a second of two "
+                        "side by side, so a split build trains each alone (benchmarks/gpu/build_assets.sh solo)")
     a = p.parse_args(argv)
+    if a.draft_budget_s is not None and not a.draft_budget_s > 0:  # refused before anything is made
+        raise SystemExit(f"error: --draft-budget-s {a.draft_budget_s:g}: expected seconds > 0")
     recipe = SMOKE if a.smoke else Recipe()
     if a.target_steps is not None:
         recipe = replace(recipe, target_steps=a.target_steps)
     if a.draft_steps is not None:
         recipe = replace(recipe, draft_steps=a.draft_steps)
+    if a.draft_budget_s is not None:
+        recipe = replace(recipe, dflash_budget_s=a.draft_budget_s, dspark_budget_s=a.draft_budget_s)
     if a.stage == "seed" and a.work is None:  # refused before anything is made
         raise SystemExit("error: --stage seed needs --work DIR (the folder the later stages read)")
     device = torch.device(a.device)

@@ -113,6 +113,33 @@ def test_drafters_retrain_over_a_shipped_target(tmp_path):
     assert not (tmp_path / "fresh").exists() and not (tmp_path / "out").exists()  # refused before anything is made
 
 
+def test_split_build_trains_each_drafter_in_its_own_process_with_its_budget(tmp_path):
+    """The split build (benchmarks/gpu/build_assets.sh solo KIND, then assemble): each drafter
+    stage in its own process over its own seeded work folder, `--draft-budget-s` recorded in its
+    entry, the two drafter folders gathered into one work folder and assembled. A budget that is
+    not a positive number of seconds is refused in one line before anything is made."""
+    import shutil
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    assert build_main(["--smoke", "--out", str(old), "--device", "cpu"]) == 0
+    for kind in ("dflash", "dspark"):
+        work = tmp_path / f"work-{kind}"
+        for stage in (["--stage", "seed", "--from", str(old)], ["--stage", "data"],
+                      ["--stage", "drafter", "--kind", kind, "--draft-budget-s", "30"]):
+            assert build_main(["--smoke", "--work", str(work), "--device", "cpu", *stage]) == 0
+    shutil.copytree(tmp_path / "work-dspark" / "drafters" / "dspark", tmp_path / "work-dflash" / "drafters" / "dspark")
+    shutil.copyfile(tmp_path / "work-dspark" / "drafters" / "dspark.json", tmp_path / "work-dflash" / "drafters" / "dspark.json")
+    assert build_main(["--smoke", "--work", str(tmp_path / "work-dflash"), "--out", str(new), "--stage", "assemble"]) == 0
+    info = json.loads((new / "build_info.json").read_text())
+    assert info["dflash"]["budget_s"] == info["dspark"]["budget_s"] == 30.0
+    assert take_census(new / "dflash").markov is None and take_census(new / "dspark").markov is not None
+    for bad in ("0", "-5"):
+        with pytest.raises(SystemExit, match=rf"--draft-budget-s {bad}: expected seconds > 0"):
+            build_main(["--smoke", "--work", str(tmp_path / "never"), "--stage", "drafter", "--kind", "dspark",
+                        "--draft-budget-s", bad])
+    assert not (tmp_path / "never").exists()
+
+
 def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
     """The training twin and the engine compute the same function on exported weights, so the
     acceptance measured at build time is the acceptance the engine will see."""
