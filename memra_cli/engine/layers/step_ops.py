@@ -228,7 +228,7 @@ class TorchStepOps:
         GEMM over every row may sum in another order) and the chain picks what it picked without
         it; kept with references to its weights, so their addresses, its key, stay theirs.
 
-        `host_loop`: the caller is eager, never a graph body (the eager proposer, the oracle), so
+        `host_loop`: the caller is eager, never a graph body (the proposer's eager rounds), so
         on CPU tensors over a table the loop may run in numpy (`markov_chain_host`): the same
         picks at a fraction of torch's per-op cost. A body that may be captured reads nothing on
         the host, so it keeps the torch loop (the CPU stand-ins of capture check that too)."""
@@ -455,9 +455,10 @@ class TritonStepOps:
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      dtype: torch.dtype, host_loop: bool = False) -> torch.Tensor:
-        """The chain kernel (`host_loop` is the torch seam's CPU choice: unused on CUDA); for a small vocabulary through its bias table (one launch), built
+        """The chain kernel; for a small vocabulary through its bias table (one launch), built
         on first use and kept with references to its weights (so their addresses, its key, stay
-        theirs). The first use is outside any capture: graphs warm their body up first."""
+        theirs). The first use is outside any capture: graphs warm their body up first.
+        `host_loop` is the torch seam's CPU choice, unused here."""
         m = self._markov
         table = None
         if m.table_fits(w1, w2, dtype):
