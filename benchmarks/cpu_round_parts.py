@@ -9,7 +9,8 @@ would charge to the chain). Timing inside sessions matters here: every round's m
 caches, so a piece costs 2-4x what it costs timed alone in a loop.
 
 `--chain torch` makes the eager rounds take the torch loop of the markov chain instead of the
-numpy one (the A/B of docs/perf.md § The DSpark round on the CPU); `--passes` alternates
+numpy one (the A/B of docs/perf.md § The DSpark round on the CPU; the numpy loop's own line is
+printed only when it ran); `--passes` alternates
 nothing, it repeats the timed pass (the median is printed beside every pass).
 
     python benchmarks/cpu_round_parts.py [--n 12] [--max-new 128] [--arm dspark] [--chain numpy|torch] [--passes 2]
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=12)
     p.add_argument("--max-new", type=int, default=128)
@@ -34,7 +35,10 @@ def main() -> None:
     p.add_argument("--chain", choices=("numpy", "torch"), default="numpy")
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    for name in ("n", "max_new", "passes", "threads"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: expected an integer >= 1")
     torch.set_num_threads(a.threads)
 
     import memra_cli.assets as assets
@@ -66,7 +70,10 @@ def main() -> None:
 
         setattr(owner, name, timed)
 
+    import memra_cli.engine.layers.step_ops as step_ops
+
     drafter = arm.drafter
+    clock(step_ops, "markov_chain_host", "  (of which the numpy loop)")  # counts that --chain took effect
     clock(proposer.DrafterProposer, "propose", "propose")
     clock(proposer.DrafterProposer, "ingest", "ingest")
     clock(drafter, "forward_round", "  block forward")

@@ -35,6 +35,12 @@ seed_and_data() {
   python3 -m memra_cli.assets.build --stage data --work build-work 2>&1 | grep -v "Loading weights" | tee $R/build-data.log
   cp build-work/state.json $R/
 }
+# both drafters of build-work into the assembled pair at /tmp/assets, returned as tar parts
+assemble_and_pack() {
+  python3 -m memra_cli.assets.build --stage assemble --work build-work --out /tmp/assets 2>&1 | tee $R/build-assemble.log
+  cp /tmp/assets/build_info.json $R/
+  tar cf - -C /tmp/assets target dflash dspark build_info.json stdlib.jsonl | split -b 15M - "$OUT/assets.tar.part-"
+}
 if [ "$stage" = target ]; then
   rm -rf build-work
   python3 -m memra_cli.assets.build --stage target --work build-work 2>&1 | grep -v "Writing model shards\|Loading weights" | tee $R/build-target.log
@@ -57,9 +63,7 @@ elif [ "$stage" = solo ]; then
     2>&1 | grep -v "Loading weights" | tee $R/build-$kind.log | grep -v " step "
   tar cf - --exclude=build-work/data.pt build-work | split -b 15M - "$OUT/work-$kind.tar.part-"
 elif [ "$stage" = assemble ]; then
-  python3 -m memra_cli.assets.build --stage assemble --work build-work --out /tmp/assets 2>&1 | tee $R/build-assemble.log
-  cp /tmp/assets/build_info.json $R/
-  tar cf - -C /tmp/assets target dflash dspark build_info.json stdlib.jsonl | split -b 15M - "$OUT/assets.tar.part-"
+  assemble_and_pack
 else
   if [ "$stage" = retrain ]; then seed_and_data; tar czf "$OUT/results.tgz" -C $R .; fi
   # on a machine of two GPUs (kind nvidia-h200-x2) each drafter trains alone on its own GPU: about
@@ -73,9 +77,7 @@ else
   echo "drafters on $(( ngpu > 1 ? 2 : 1 )) GPU(s)" | tee $R/drafter-gpus.txt
   wait
   tail -n 2 $R/build-dflash.log $R/build-dspark.log
-  python3 -m memra_cli.assets.build --stage assemble --work build-work --out /tmp/assets 2>&1 | tee $R/build-assemble.log
-  cp /tmp/assets/build_info.json $R/
-  tar cf - -C /tmp/assets target dflash dspark build_info.json stdlib.jsonl | split -b 15M - "$OUT/assets.tar.part-"
+  assemble_and_pack
   rm -rf build-work/assets; cp -r /tmp/assets build-work/assets
 fi
 tar czf "$OUT/results.tgz" -C $R .
