@@ -10,8 +10,8 @@ caches, so a piece costs 2-4x what it costs timed alone in a loop.
 
 `--chain torch` makes the eager rounds take the torch loop of the markov chain instead of the
 numpy one (the A/B of docs/perf.md § The DSpark round on the CPU; the numpy loop's own line is
-printed only when it ran); `--passes` alternates
-nothing, it repeats the timed pass (the median is printed beside every pass).
+printed only when it ran); `--passes` repeats
+the timed pass (each pass is printed, then the median ms/token of all).
 
     python benchmarks/cpu_round_parts.py [--n 12] [--max-new 128] [--arm dspark] [--chain numpy|torch] [--passes 2]
 """
