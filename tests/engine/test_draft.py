@@ -29,6 +29,8 @@ from memra_cli.engine.layers.step_ops import TorchStepOps, markov_chain_host
 from memra_cli.engine.models.drafter import DraftCapacityError, Drafter
 from memra_cli.tiny.draft import make_tiny_draft
 
+from fp32_bounds import reorder_bound
+
 HIDDEN = 64
 
 
@@ -128,7 +130,10 @@ def test_full_and_cached_paths_agree(drafts, name):
     # ctx features returned by ingest are the full path's
     kv2 = drafter.new_cache(n_ctx)
     feats = torch.cat([drafter.ingest(kv2, taps[lo:hi], positions[lo:hi]) for lo, hi in chunks(n_ctx)])
-    assert rel_err(feats, full.ctx_features) < 1e-6
+    # chunks of other row counts: fc (over n_taps × hidden) and its norm (over hidden) may sum
+    # in another order (fp32_bounds.py)
+    cfg = drafter.cfg
+    assert rel_err(feats, full.ctx_features) < reorder_bound(cfg.n_taps * cfg.hidden_size, cfg.hidden_size)
 
     # The next round: 3 more committed rows land where the transient block K/V sat; the block
     # moves 3 positions on. It must equal a fresh full forward over the longer context.

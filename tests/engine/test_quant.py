@@ -30,6 +30,8 @@ from memra_cli.engine.quant.blocks import (
     quantize,
 )
 
+from fp32_bounds import reorder_bound
+
 GG = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 QTYPES = sorted(GG)
 F16_MAX = 65504.0
@@ -314,7 +316,8 @@ def test_quant_linear_ref_matches_gguf_dequant(qtype):
     want = (x.double() @ wg.double().T)
     got = lin(x)
     assert got.dtype == torch.float32 and got.shape == (5, 7, 96)
-    assert ((got.double() - want).norm() / want.norm()).item() < 1e-6
+    # float32 against float64 over K = 160: the float32 sum's rounding (tests/engine/fp32_bounds.py)
+    assert ((got.double() - want).norm() / want.norm()).item() < reorder_bound(w.shape[1])
     half = QuantLinearRef.from_float(torch.from_numpy(w), qtype)(x.bfloat16())
     assert half.dtype == torch.bfloat16
 

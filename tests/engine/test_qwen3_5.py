@@ -46,6 +46,7 @@ from memra_cli.engine.spec.session import Session
 from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
 from memra_cli.tiny.target import special_token_ids
 
+from fp32_bounds import layer_reductions, reorder_bound
 from host_reads import NoHostReads
 
 transformers = pytest.importorskip("transformers")
@@ -209,13 +210,26 @@ def test_taps_match_hf_hidden_states(models):
     hidden, tapped = target.forward(torch.tensor(ids), 0, state, taps=taps)
     h = target.hidden_size
     assert tapped.shape == (len(ids), len(taps) * h)
+    # HF and we sum in different orders (and BLAS's order depends on the CPU): the bound is the
+    # float32 reordering bound of the layers' chained reductions (fp32_bounds.py), the wider of
+    # the attention and DeltaNet mixers for every layer; a tap after layer t chains t + 1 layers.
+    per_layer = _layer_reductions(target.cfg, len(ids))
     for j, tap in enumerate(taps):
-        assert rel_err(tapped[:, j * h:(j + 1) * h], states[tap + 1][0]) < 1e-6, tap
+        depth = tap % target.n_layers + 1
+        assert rel_err(tapped[:, j * h:(j + 1) * h], states[tap + 1][0]) < reorder_bound(*per_layer * depth), tap
     _, last = target.forward(torch.tensor(ids), 0, state, taps=(target.n_layers - 1,))
-    # HF's last entry is final-normed. The norm divides by the rows' RMS, so it scales the
-    # layers' float32 differences up: transformers 5.25 measured 1.02e-6 here (5.17: under 1e-6).
-    assert rel_err(target.final_norm(last), states[-1][0]) < 2e-6
-    assert rel_err(hidden, states[-1][0]) < 2e-6
+    # HF's last entry is final-normed: one more reduction over the hidden size
+    whole = reorder_bound(*per_layer * target.n_layers, target.hidden_size)
+    assert rel_err(target.final_norm(last), states[-1][0]) < whole
+    assert rel_err(hidden, states[-1][0]) < whole
+
+
+def _layer_reductions(cfg, keys: int) -> tuple[int, ...]:
+    """One hybrid layer's reduction lengths (fp32_bounds.layer_reductions), each the larger of
+    the gated attention's and the DeltaNet's: the state of a DeltaNet layer sums `keys` rows too."""
+    mixer = max(cfg.num_attention_heads * cfg.head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim)
+    head = max(cfg.head_dim, cfg.linear_key_head_dim)
+    return layer_reductions(cfg.hidden_size, mixer, head, keys, cfg.intermediate_size)
 
 
 def test_embed_is_the_embedding_table(models):
