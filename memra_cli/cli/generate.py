@@ -127,6 +127,7 @@ def generate(
             "receipts": arm.receipts.as_json() if arm.receipts else None,
             "receipt_lines": arm.receipts.lines() if arm.receipts else [],
             "precision": arm.precision if arm.mode != "off" else None,
+            "drafter_load_ms": arm.load_ms,
             "warnings": arm.warnings,
         })
     else:
@@ -204,6 +205,8 @@ def _announce(arm, width_note: str, threads_note: Optional[str]) -> None:
         if arm.precision is not None:
             source = "GGUF policy" if arm.precision_source == "GGUF policy" else "--prec / MEMRA_DFLASH_PREC"
             render.note(f"drafter precision {arm.precision} ({source})")
+    if arm.load_ms is not None:
+        render.note(f"drafter loaded in {arm.load_ms:.0f} ms (weights and one-time tables; not in tok/s)")
     render.note(width_note)
     if threads_note:
         render.note(threads_note)

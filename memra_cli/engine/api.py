@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -364,6 +365,7 @@ class Arm:
     precision: str | None = None  # the drafter's weight precision, when one was applied
     precision_source: str | None = None
     warnings: list[str] = field(default_factory=list)
+    load_ms: float | None = None  # drafter load and one-time set-up (the markov bias table), outside any session
 
 
 class Engine:
@@ -476,17 +478,23 @@ class Engine:
             return Arm("off")
         warnings = list(census.warnings) + pair_warnings
         weight_fn, precision, source = drafter_precision(arm.prec, arm.draft)
+        started = time.perf_counter()
         if drafter is None:
             from memra_cli.engine.models.drafter import Drafter
 
             drafter = Drafter.load(Path(arm.draft), self.dtype, self.device, census=census, weight_fn=weight_fn)
         # the drafter runs the fused ops its target runs (Triton kernels on CUDA by default)
         drafter.step_ops = getattr(self.target, "step_ops", drafter.step_ops)
+        if program.markov:  # the chain's bias table belongs to loading, not to the first round
+            drafter.prepare_markov()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        load_ms = 1e3 * (time.perf_counter() - started)
         warnings += own_table_warnings(drafter, self.target)
         warnings += [f"drafter tensor '{d.name}' {d.why}" for d in getattr(weight_fn, "kept", [])]
         DrafterProposer(drafter, self.target, program)  # refuses a program the drafter cannot run
         return Arm(mode, receipts, program, drafter, tuple(census.config.target_layer_ids), census,
-                   precision, source, warnings)
+                   precision, source, warnings, load_ms)
 
     def session(self, prompt_ids: Sequence[int], max_new: int, arm: Arm | None = None, *,
                 sampler: Sampler = GREEDY, timed: bool = False, eos_ids: Sequence[int] | None = None) -> Session:

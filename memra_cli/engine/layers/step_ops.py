@@ -243,6 +243,11 @@ class TorchStepOps:
             out.append(prev)
         return torch.cat(out)
 
+    def prepare_markov(self, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Build the chain's bias table now (at load) rather than in the first round; whether
+        one fits. Building it reads every row: a one-time cost of loading, not of decoding."""
+        return self._markov_table(w1, w2, dtype) is not None
+
     def _markov_table(self, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """Every bias row `[V_in, V]` float32 (row p = `markov_bias(w1, w2, [p], dtype)`), built on
         first use; None where it would pass `MARKOV_TABLE_MAX_BYTES`."""
@@ -459,15 +464,22 @@ class TritonStepOps:
         on first use and kept with references to its weights (so their addresses, its key, stay
         theirs). The first use is outside any capture: graphs warm their body up first.
         `host_loop` is the torch seam's CPU choice, unused here."""
-        m = self._markov
-        table = None
-        if m.table_fits(w1, w2, dtype):
-            key = (w1.data_ptr(), tuple(w1.shape), w2.data_ptr(), tuple(w2.shape), dtype)
-            entry = self._markov_tables.get(key)
-            if entry is None:
-                entry = self._markov_tables[key] = (w1, w2, m.bias_table(w1, w2, dtype))
-            table = entry[2]
-        return m.markov_chain(logits, anchor, w1, w2, dtype, table=table)
+        return self._markov.markov_chain(logits, anchor, w1, w2, dtype, table=self._markov_table(w1, w2, dtype))
+
+    def prepare_markov(self, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Build the chain's bias table now (at load) rather than in the first round; whether one fits."""
+        return self._markov_table(w1, w2, dtype) is not None
+
+    def _markov_table(self, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The bias table for a small vocabulary, built on first use and kept with references to
+        its weights (their addresses are its key); None where it does not fit."""
+        if not self._markov.table_fits(w1, w2, dtype):
+            return None
+        key = (w1.data_ptr(), tuple(w1.shape), w2.data_ptr(), tuple(w2.shape), dtype)
+        entry = self._markov_tables.get(key)
+        if entry is None:
+            entry = self._markov_tables[key] = (w1, w2, self._markov.bias_table(w1, w2, dtype))
+        return entry[2]
 
 
 def select_step_ops(device: torch.device, setting: bool | None = None, env: dict | None = None):

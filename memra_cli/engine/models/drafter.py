@@ -485,6 +485,13 @@ class Drafter:
             out.append(prev)
         return torch.cat(out)
 
+    def prepare_markov(self) -> bool:
+        """Build the greedy chain's bias table at load (step_ops `prepare_markov`), so the first
+        round does not pay for it; whether the seam keeps one (a small vocabulary)."""
+        if self.markov_w1 is None or self.markov_w2 is None:
+            return False
+        return self.step_ops.prepare_markov(self.markov_w1, self._markov_w2_values(), self.dtype)
+
     def _markov_w2_values(self) -> torch.Tensor:
         """w2 as a `[V, r]` tensor of the compute dtype for the seam's chain. A quantized w2 (a
         precision policy's, a GGUF's) is dequantized once: the chain then runs on exactly its

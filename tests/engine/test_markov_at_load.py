@@ -1,0 +1,32 @@
+"""DSpark's markov bias table is one-time set-up of a loaded drafter: `engine.arm` builds it
+(counted in the arm's `load_ms`), so no session's first round pays for it in its draft phase."""
+
+from __future__ import annotations
+
+import torch
+
+from memra_cli.assets import default_pair
+from memra_cli.engine.api import ArmConfig, Engine, EngineConfig
+from memra_cli.engine.layers.step_ops import TorchStepOps
+
+
+def test_the_bias_table_is_built_by_arm_not_by_the_first_round(monkeypatch):
+    target_dir, drafts = default_pair()
+    engine = Engine.load(EngineConfig(target=target_dir, device="cpu"))
+    built = []
+    real = TorchStepOps.markov_bias
+
+    def counting(w1, w2, prev, dtype):
+        built.append(int(prev[0]))
+        return real(w1, w2, prev, dtype)
+
+    monkeypatch.setattr(TorchStepOps, "markov_bias", staticmethod(counting))
+    arm = engine.arm(ArmConfig(draft=drafts["dspark"], mode="dspark"))
+    assert arm.program.markov and len(built) == arm.drafter.markov_w1.shape[0]  # every row, at load
+    assert arm.load_ms is not None and arm.load_ms > 0
+    built.clear()
+    with torch.inference_mode():
+        session = engine.session(list(range(40, 60)), 32, arm, eos_ids=())
+        out = session.run()
+    assert len(out) == 32 and session.stats.drafted > 0
+    assert built == []  # the rounds gathered from the table; none built a row
