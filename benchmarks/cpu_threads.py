@@ -56,7 +56,8 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/memra-threads"))
     args = ap.parse_args()
 
-    from memra_cli.cli.threads import target_params
+    from memra_cli.engine.formats.checkpoint import open_checkpoint
+    from memra_cli.engine.threads import checkpoint_params
     from memra_cli.engine.api import Engine, EngineConfig
 
     path = target_dir(args.size, args.dir)
@@ -70,7 +71,7 @@ def main() -> None:
         for threads in (1, 2) if r % 2 == 0 else (2, 1):
             torch.set_num_threads(threads)
             runs[threads].append(tok_per_s(engine, ids, args.tokens))
-    print(f"{args.size} ({target_params(path) / 1e6:.1f}M params), {args.tokens} tokens, load {os.getloadavg()[0]:.2f}, "
+    print(f"{args.size} ({checkpoint_params(open_checkpoint(path)) / 1e6:.1f}M params), {args.tokens} tokens, load {os.getloadavg()[0]:.2f}, "
           f"nice {os.nice(0)}")
     for threads, values in runs.items():
         print(f"  {threads} thread(s): median {statistics.median(values):.1f} tok/s  "

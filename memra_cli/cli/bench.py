@@ -17,7 +17,7 @@ import typer
 
 from memra_cli.cli.common import CudaGraphsOpt, JsonOpt, StepWidthOpt, at_least, refusals
 from memra_cli.cli.sampling import MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params
-from memra_cli.cli.threads import ThreadsOpt, use_threads
+from memra_cli.cli.threads import ThreadsOpt, threads_setting, use_threads
 
 # Kept in step with engine.bench.ARM_KEYS (a test checks); written out here so --help needs no torch.
 ARM_HELP = (
@@ -358,11 +358,11 @@ def bench(
     sampling = sampling_params(temperature, top_k, top_p, min_p, seed)
     req = BenchRequest(target=target, draft=draft, prompts=prompts, n=n, max_new=max_new, chat=chat, arms=list(arm or []),
                        warmup=warmup, dtype=dtype, device=device, phase_times=phase_times, step_width=step_width,
-                       cuda_graphs=cuda_graphs, sampling=sampling)
+                       cuda_graphs=cuda_graphs, sampling=sampling, **threads_setting(threads))
     b = prepare_bench(req, env=dict(os.environ))
     if not json_out:
         _render_receipts(b)
-    cpu = use_threads(threads, device=b.meta["device"], target=b.meta["target"], announce=not json_out)
+    cpu = use_threads(b.arms[0].engine.threads, announce=not json_out)  # the engine's choice, decided at its load
     from memra_cli.cli.render import err_console
 
     with _Progress(err_console.is_terminal) as progress:

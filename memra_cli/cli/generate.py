@@ -14,7 +14,8 @@ from memra_cli.cli.common import (
 from memra_cli.cli.sampling import (
     AcceptanceOpt, MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params,
 )
-from memra_cli.cli.threads import ThreadsOpt, use_threads
+from memra_cli.cli.threads import ThreadsOpt, threads_setting, use_threads
+from memra_cli.engine.defaults import default_models as _default_models
 
 
 PREC_HELP = ("Drafter weight precision, applied at load to a safetensors drafter: f32 | bf16 | q8 | mixed | fc | q4 "
@@ -90,12 +91,12 @@ def generate(
 
     from memra_cli.engine.spec.keyed import make_sampler
 
-    cpu = use_threads(threads, device=device, target=target)  # until the command ends; the note comes with the others
     arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
                         verify_cap=verify_cap, prec=prec)
     with torch.inference_mode():
         engine = Engine.load(EngineConfig(target=target, device=device, dtype=dtype, step_width=step_width,
-                                          cuda_graphs=cuda_graphs, env=dict(os.environ)))
+                                          cuda_graphs=cuda_graphs, env=dict(os.environ), **threads_setting(threads)))
+        cpu = use_threads(engine.threads)  # until the command ends; the note comes with the others
         engine.resolve(arm_cfg)  # program and pair first, then the prompt, then the (slow) drafter load
         engine.check_prompt(ids, max_new)
         arm = engine.arm(arm_cfg)
@@ -162,21 +163,6 @@ def _ignored_by_plain(given: dict) -> list[str]:
     if not named:
         return []
     return [f"plain greedy drafts nothing, so {', '.join(named)} {'has' if len(named) == 1 else 'have'} no effect"]
-
-
-def _default_models(target: Optional[Path], draft: Optional[Path], spec: str) -> tuple[Path, Optional[Path], Optional[str]]:
-    """No --target: the embedded pair (its DSpark drafter, or DFlash for --spec dflash), and a
-    note that says so (printed once the prompt is good)."""
-    if target is not None:
-        return target, draft, None
-    from memra_cli.assets import default_pair
-
-    target, drafts = default_pair()
-    if draft is not None:  # the user's drafter: only the target is a default
-        return target, draft, f"using the embedded default target {target}"
-    if spec != "off":
-        draft = drafts["dflash" if spec == "dflash" else "dspark"]
-    return target, draft, f"using the embedded default models: target {target}" + (f", drafter {draft}" if draft else "")
 
 
 def _prompt(target: Path, prompt: Optional[str], prompt_ids: Optional[str], chat: bool):

@@ -1,29 +1,17 @@
-"""How many CPU threads each torch op may use (`generate`, `bench`), and the note that says so.
+"""`--threads` / MEMRA_THREADS for `generate`, `bench` and `serve`: the option, its check, and
+applying the engine's choice for as long as the command runs.
 
-torch gives every op one thread per core by default. A small target's ops are tiny (the
-embedded 5.8M-parameter target multiplies [16, 256] by [256, 768]): a second thread adds a
-synchronisation per op and gains nothing, and when another process holds the other core every
-op waits for a thread that is not running. Measured on a shared 2-core machine (plain greedy
-decoding, median tok/s at 1 vs 2 threads; docs/perf.md § CPU threads): the embedded target
-101.6 vs 88.2 in the quietest window and 86.1 vs 24.6 beside a busy loop; a 29M-parameter
-target 35.7 vs 44.8 and 29.6 vs 9.5; a 59M-parameter one 16.0 vs 5.5 and 9.5 vs 1.4. A second
-thread won once (by 1.25x) and lost up to 8x. Hence:
-
-1. `--threads N` / MEMRA_THREADS, or OMP_NUM_THREADS, when the user set one;
-2. on CUDA, torch's default (the CPU only launches work there);
-3. a target under `SMALL_TARGET_PARAMS`: one thread;
-4. a larger one: torch's default, less the cores other work already keeps busy (the 1-minute
-   load average), at least one.
-
-The value is checked as it is parsed (`ThreadsOpt`'s callback, `checks.check_threads`), so a
-bad one is refused before torch loads. A command applies the choice with `use_threads`, which
-restores torch's setting when the command ends: the CLI can run in-process.
+The policy itself (how many threads for which target on which device, and the note that says
+why) is the engine's (`engine/threads.py`): `Engine.load` decides once, from the device it
+resolved and the checkpoint it opened. Here the value is checked as it is parsed
+(`ThreadsOpt`'s callback, `checks.check_threads`), so a bad one is refused before torch loads;
+`threads_setting` turns it into the engine's settings, and `use_threads` applies the engine's
+choice until the command ends (torch's setting comes back after: the CLI can run in-process).
 """
 
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
@@ -31,16 +19,7 @@ from typing import Mapping, Optional
 import typer
 
 from memra_cli.cli.common import SETTINGS
-
-SMALL_TARGET_PARAMS = 32_000_000  # at 29M a second thread won 1.25x at best and lost 5x beside other work
-
-
-@dataclass(frozen=True)
-class ThreadChoice:
-    """Threads to set (None: leave torch's setting as it is) and the note that says why (None: nothing to say)."""
-
-    threads: Optional[int]
-    note: Optional[str]
+from memra_cli.engine.threads import SMALL_TARGET_PARAMS, ThreadChoice, applied  # noqa: F401  (the policy's names, for callers)
 
 
 @dataclass(frozen=True)
@@ -51,98 +30,62 @@ class ThreadsUsed:
     note: Optional[str]
 
 
+def _source(from_env: bool) -> str:
+    """How the note names a requested count: the flag, or the variable it came from."""
+    return SETTINGS["threads"].env if from_env else SETTINGS["threads"].flag
+
+
 def choose_threads(requested: Optional[int], device_type: str, target_params: Optional[int], *,
                    env: Mapping[str, str], default: int, cores: int, load: float,
                    from_env: bool = False) -> ThreadChoice:
-    """The policy above, from facts the caller gathers (so a test can give any of them).
-    `target_params` None: not known (the load will say why); the target is taken as large."""
-    if requested is not None:
-        source = SETTINGS["threads"].env if from_env else SETTINGS["threads"].flag
-        return ThreadChoice(requested, f"CPU threads: {requested} ({source})")
-    if device_type != "cpu":
-        return ThreadChoice(None, None)
-    if env.get("OMP_NUM_THREADS"):  # torch read it when it started
-        return ThreadChoice(None, f"CPU threads: {default} (OMP_NUM_THREADS={env['OMP_NUM_THREADS']})")
-    size = "size unknown" if target_params is None else f"{target_params / 1e6:.1f}M params"
-    if target_params is not None and target_params < SMALL_TARGET_PARAMS:
-        return ThreadChoice(1, f"CPU threads: 1 (small target, {size}: a second thread only adds "
-                               "synchronisation per op; --threads N to choose)")
-    free = max(1, cores - round(load))
-    threads = min(default, free)
-    return ThreadChoice(threads, f"CPU threads: {threads} of {default} ({size}; 1-minute load {load:.1f} "
-                                 f"on {cores} cores; --threads N to choose)")
+    """The engine's policy (`engine.threads.choose_threads`) with the note naming the CLI's flag or variable."""
+    from memra_cli.engine.threads import choose_threads as policy
+
+    return policy(requested, device_type, target_params, env=env, default=default, cores=cores, load=load,
+                  source=_source(from_env))
 
 
-def machine_facts() -> tuple[int, float]:
-    """(cores this process may run on, 1-minute load average; 0 where the system has none)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except (AttributeError, OSError):
-        load = 0.0
-    return cores, load
+def threads_setting(value: Optional[str], ctx=None) -> dict:
+    """`--threads` / MEMRA_THREADS as given -> the engine's settings (`EngineConfig.threads`,
+    `.threads_source`)."""
+    from memra_cli.cli.checks import check_threads
+    from memra_cli.cli.common import current_context, from_environment
 
-
-def target_params(target_dir: Path) -> int:
-    """Parameters of a target directory, from its safetensors headers (nothing is loaded)."""
-    from memra_cli.engine.formats.checkpoint import open_checkpoint
-
-    return sum(t.numel for t in open_checkpoint(Path(target_dir)).tensors.values())
+    check_threads(value)  # the option's callback did; this is the backstop for a Python caller
+    ctx = ctx or current_context()
+    return {"threads": None if value is None else int(value),
+            "threads_source": _source(from_environment("threads", ctx))}
 
 
 def decide(value: Optional[str], device: str, target_dir: Path, from_env: bool = False) -> ThreadChoice:
-    """The choice for this machine and target: `value` as given (`--threads` / MEMRA_THREADS, or
-    None), `device` as given (`auto` resolved here)."""
-    import torch
-
+    """The choice for this machine and target outside a load (a Python caller): `value` as given
+    (`--threads` / MEMRA_THREADS, or None), `device` as given (`auto` resolved here). A command
+    gets the same choice from `Engine.load` (`engine.threads`), which opens the checkpoint once."""
     from memra_cli.cli.checks import check_threads
     from memra_cli.engine.api import resolve_device
     from memra_cli.engine.errors import MemraError
+    from memra_cli.engine.formats.checkpoint import open_checkpoint
+    from memra_cli.engine.threads import checkpoint_params, needs_size, thread_choice
 
-    check_threads(value)  # the option's callback did; this is the backstop for a Python caller
+    check_threads(value)
     requested = None if value is None else int(value)
     device_type = resolve_device(device).type
     params = None
-    if requested is None and device_type == "cpu" and not os.environ.get("OMP_NUM_THREADS"):
+    if needs_size(requested, device_type, os.environ):
         try:
-            params = target_params(target_dir)
+            params = checkpoint_params(open_checkpoint(Path(target_dir)))
         except MemraError:  # a checkpoint the load refuses, in its own words, next
             params = None
-    cores, load = machine_facts()
-    return choose_threads(requested, device_type, params, env=os.environ, default=torch.get_num_threads(),
-                          cores=cores, load=load, from_env=from_env)
+    return thread_choice(requested, device_type, params, source=_source(from_env))
 
 
-@contextmanager
-def applied(choice: ThreadChoice):
-    """Set the chosen thread count for the duration, and yield the count in effect (torch's
-    setting is restored after)."""
-    import torch
+def use_threads(choice: ThreadChoice, *, announce: bool = False) -> ThreadsUsed:
+    """Apply the engine's thread choice (`engine.threads`) for the running command; torch's
+    setting comes back when the command ends (its click context closes, error or not).
+    `announce`: print the note now (else the caller prints `.note`)."""
+    from memra_cli.cli.common import current_context
 
-    before = torch.get_num_threads()
-    if choice.threads is not None:
-        torch.set_num_threads(choice.threads)
-    try:
-        yield torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
-
-
-def use_threads(value: Optional[str], *, device: str, target: Optional[Path], announce: bool = False) -> ThreadsUsed:
-    """Decide and apply the thread count for the running command; torch's setting comes back
-    when the command ends (its click context closes, error or not). `target` None: the embedded
-    default target. `announce`: print the note now (else the caller prints `.note`)."""
-    from memra_cli.cli.common import current_context, from_environment
-
-    if target is None:
-        from memra_cli.assets import default_pair
-
-        target = default_pair()[0]
     ctx = current_context()
-    choice = decide(value, device, Path(target), from_env=from_environment("threads", ctx))
     if ctx is not None:
         threads = ctx.with_resource(applied(choice))
     else:  # a Python caller outside a command: the setting stays, as torch.set_num_threads leaves it

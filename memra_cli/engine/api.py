@@ -26,6 +26,7 @@ from typing import Any, Sequence
 import torch
 
 from memra_cli.engine.formats.census import Census, take_census
+from memra_cli.engine.formats.checkpoint import open_checkpoint
 from memra_cli.engine.formats.names import MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
 from memra_cli.engine.errors import ConfigError, MemraError, PolicyError, SettingError
 from memra_cli.engine.spec.policy import (
@@ -39,6 +40,7 @@ from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.proposer import DrafterProposer, Program, SpecError
 from memra_cli.engine.spec.sampling import GREEDY, Sampler
 from memra_cli.engine.spec.session import Session
+from memra_cli.engine.threads import ThreadChoice, checkpoint_params, needs_size, thread_choice
 
 log = logging.getLogger(__name__)
 SPEC_MODES = ("off", "dflash", "dspark", "auto")
@@ -325,6 +327,20 @@ def load_drafter(census: Census, *, prec: str | None, dtype: str, device: str):
 # --------------------------------------------------------------------------- the engine
 
 
+def _threads_for(cfg: "EngineConfig", dev: torch.device):
+    """(the target's checkpoint, opened once here when the thread policy reads its size, else None;
+    the thread choice). A checkpoint that does not open leaves the size unknown: the load refuses
+    it next, in its own words."""
+    ckpt, params = None, None
+    if needs_size(cfg.threads, dev.type, cfg.env):
+        try:
+            ckpt = open_checkpoint(Path(cfg.target))
+            params = checkpoint_params(ckpt)
+        except MemraError:
+            ckpt = None
+    return ckpt, thread_choice(cfg.threads, dev.type, params, source=cfg.threads_source, env=cfg.env)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything that decides how the target runs (raw setting values, as a user gives them)."""
@@ -337,6 +353,8 @@ class EngineConfig:
     env: dict = field(default_factory=dict)  # MEMRA_DRAFT_GRAPHS, MEMRA_KERNELS, as read from the environment
     kernels: bool | None = None  # fused Triton step ops; None: on with CUDA (MEMRA_KERNELS=0 turns them off)
     pool_idle_bytes: int | None = DEFAULT_IDLE_BUDGET
+    threads: int | None = None  # CPU threads per op as requested; None: the policy decides (engine/threads.py)
+    threads_source: str = "--threads"  # how the threads note names a requested count (the front end's flag or variable)
 
 
 @dataclass(frozen=True)
@@ -381,6 +399,8 @@ class Engine:
         # rounds queued one ahead of the host (spec/session.py `_pipelined_plain` / `_spec`)
         self.pipelined = round_graphs if pipelined is None else pipelined
         self.plain_only = False  # made by `fastest_plain`: only plain (one-row) decoding runs here
+        # the CPU thread policy's choice for this target on this device; a front end applies it
+        self.threads = ThreadChoice(None, None)
 
     @property
     def pool(self) -> StoragePool:
@@ -407,10 +427,13 @@ class Engine:
             if note:
                 graphs_note += f", {note}"
         ops, ops_note = select_step_ops(dev, cfg.kernels, cfg.env)
-        target = family.from_dir(Path(cfg.target), dtype=dt, device=dev)
+        ckpt, threads = _threads_for(cfg, dev)
+        target = family.from_dir(Path(cfg.target), dtype=dt, device=dev, checkpoint=ckpt)
         target.step_ops = ops
         runner = StepRunner(target, width, graphs, StoragePool(cfg.pool_idle_bytes))
-        return cls(target, runner, dev, dt, [width_note, graphs_note, ops_note], draft_graphs, round_graphs, pipelined)
+        engine = cls(target, runner, dev, dt, [width_note, graphs_note, ops_note], draft_graphs, round_graphs, pipelined)
+        engine.threads = threads
+        return engine
 
     @classmethod
     def from_model(cls, model, *, step_width: int | None = None, cuda_graphs: bool = False,

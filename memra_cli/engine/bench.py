@@ -607,6 +607,8 @@ class BenchRequest:
     step_width: str | None = None  # --step-width as given (api.resolve_step_width)
     cuda_graphs: bool | None = None  # --cuda-graphs as given (api.resolve_cuda_graphs)
     sampling: SamplingParams | None = None  # None: greedy (temperature 0)
+    threads: int | None = None  # --threads as given (None: the engine's policy, engine/threads.py)
+    threads_source: str = "--threads"  # how the threads note names a requested count
 
 
 @dataclass
@@ -649,7 +651,8 @@ def prepare_bench(req: BenchRequest, env: dict[str, str] | None = None) -> Bench
     codec = TextCodec(Path(target_dir))
     ids = [codec.encode(text, chat=req.chat) for text in prompts.texts]
     engine = Engine.load(EngineConfig(target=Path(target_dir), device=req.device, dtype=req.dtype,
-                                      step_width=req.step_width, cuda_graphs=req.cuda_graphs, env=dict(env or {})))
+                                      step_width=req.step_width, cuda_graphs=req.cuda_graphs, env=dict(env or {}),
+                                      threads=req.threads, threads_source=req.threads_source))
     for i, p in enumerate(ids):
         try:
             engine.check_prompt(p, req.max_new)

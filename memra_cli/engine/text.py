@@ -48,25 +48,33 @@ class TextCodec:
         self.apply_chat_template("")
 
     def apply_chat_template(self, user_text: str) -> str:
+        """`--chat`: one user turn through the template, refused in lines that name the flag."""
         if not isinstance(self.template, str):
             where = self.cfg_path if self.cfg_path.is_file() else f"{self.cfg_path.parent} (no {self.cfg_path.name})"
             raise PromptError(f"--chat: the target has no chat template (no chat_template in {where}, nor a "
                               "chat_template.jinja beside it); --chat needs a target made for chat: drop it for a raw "
                               "code model such as the embedded one")
+        try:
+            return self.render_chat([{"role": "user", "content": user_text}])
+        except PromptError as exc:
+            raise PromptError(f"--chat: {exc}") from None
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """A conversation (`[{"role", "content"}]`) through the chat template, ready for the
+        assistant's turn. Needs a template (`self.template`); a template that refuses (its
+        `raise_exception`) or fails is a PromptError."""
         import jinja2
 
         def raise_exception(message: str) -> None:  # what transformers gives templates to refuse with
-            raise PromptError(f"--chat: the chat template in {self.cfg_path} refused: {message}")
+            raise PromptError(f"the chat template in {self.cfg_path} refused: {message}")
 
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.template).render(
-                messages=[{"role": "user", "content": user_text}], add_generation_prompt=True,
-                bos_token="", eos_token="",
-            )
+            return env.from_string(self.template).render(messages=messages, add_generation_prompt=True,
+                                                         bos_token="", eos_token="")
         except jinja2.TemplateError as exc:
-            raise PromptError(f"--chat: the chat template in {self.cfg_path} failed ({exc})") from None
+            raise PromptError(f"the chat template in {self.cfg_path} failed ({exc})") from None
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)

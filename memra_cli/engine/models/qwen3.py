@@ -175,11 +175,12 @@ class Qwen3Target(TargetBase):
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> "Qwen3Target":
-        """Load an HF Qwen3 directory (config.json + single or sharded safetensors)."""
+                 device: str | torch.device = "cpu", checkpoint: Checkpoint | None = None) -> "Qwen3Target":
+        """Load an HF Qwen3 directory (config.json + single or sharded safetensors); `checkpoint`:
+        its headers when the caller opened them already (`Engine.load`)."""
         path = Path(path)
         cfg = load_target_config(path)
-        loader = _Loader(open_checkpoint(path), cfg, dtype, torch.device(device))
+        loader = _Loader(open_checkpoint(path) if checkpoint is None else checkpoint, cfg, dtype, torch.device(device))
         loader.check_all()
         embed = loader.get("model.embed_tokens.weight")
         layers = [loader.layer(i) for i in range(cfg.num_hidden_layers)]

@@ -690,15 +690,17 @@ class Qwen35Target(TargetBase):
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", rollback: str | None = None) -> "Qwen35Target":
+                 device: str | torch.device = "cpu", rollback: str | None = None,
+                 checkpoint: Checkpoint | None = None) -> "Qwen35Target":
         """Load a Qwen3.5 directory (either layout; single or sharded safetensors). The vision
         tower (`model.visual.*`) and MTP head (`mtp.*`) are recognized and skipped (counted in
-        `load_note`, logged). `rollback` None: `default_rollback(device)`."""
+        `load_note`, logged). `rollback` None: `default_rollback(device)`. `checkpoint`: its headers
+        when the caller opened them already (`Engine.load`)."""
         path = Path(path)
         cfg = load_qwen35_config(path)
         if rollback is not None and rollback not in ROLLBACK_MODES:  # before the weights load
             raise ConfigError(f"rollback mode must be one of {'|'.join(ROLLBACK_MODES)}, got {rollback!r}")
-        loader = _Loader(open_checkpoint(path), cfg, dtype, torch.device(device))
+        loader = _Loader(open_checkpoint(path) if checkpoint is None else checkpoint, cfg, dtype, torch.device(device))
         loader.check_all()
         embed = loader.get(loader.prefix + "embed_tokens.weight")
         layers = [loader.layer(i) for i in range(cfg.num_hidden_layers)]
