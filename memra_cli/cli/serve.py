@@ -137,4 +137,9 @@ def _serve(sock, *, target, draft, spec, name, max_tokens, max_sessions, max_que
     host, port = sock.getsockname()[:2]
     render.note(f"serving {served.name} ({arm.mode}) at http://{host}:{port}/v1 "
                 f"({max_sessions} at once, {max_queue} waiting; Ctrl-C stops)")
-    uvicorn_server(build_app(served)).run(sockets=[sock])
+    from memra_cli.cli.common import Terminated
+
+    try:
+        uvicorn_server(build_app(served)).run(sockets=[sock])  # until SIGINT / SIGTERM: a graceful shutdown
+    except (KeyboardInterrupt, Terminated) as exc:  # uvicorn hands the signal on once it has shut down
+        render.note(f"stopped ({'SIGINT' if isinstance(exc, KeyboardInterrupt) else exc}): every session closed")
