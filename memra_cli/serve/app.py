@@ -382,6 +382,7 @@ def bind(host: str, port: int):
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(128)  # connections made before the server runs wait in the backlog, not refused
     return sock
 
 
