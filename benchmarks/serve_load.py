@@ -16,7 +16,8 @@ the embedded pair by default, and talk to it with the official `openai` client.
   --json` (the CLI in this process, the same flags) and with a warm in-process session of the
   same program (the engine's own loop, no HTTP): median per-request tok/s of each (server: the
   completion tokens over the request's wall time seen by the client, streamed; generate: its
-  own tok_per_s) and the ratios server/generate and server/session.
+  own tok_per_s) and the ratios server/generate and server/session. (A client in a process of
+  its own measured the same ratio on the CPU: the client's parsing is not what it costs.)
 
       python benchmarks/serve_load.py single [--requests 16] [--max-tokens 256] [--device cuda]
 

@@ -187,9 +187,19 @@ def _stats(served: Served, stats, seed: Optional[int]) -> dict:
 
 
 async def _events(run: _Run) -> AsyncIterator[tuple[str, Any]]:
-    """The job's events until it ends (its caller cancels the job when it stops reading early)."""
+    """The job's events until it ends (its caller cancels the job when it stops reading early).
+    Rounds that queued up while the client's side was busy come as one: one text delta, one
+    event sent, however far the worker got ahead."""
+    queue = run.job.events
     while True:
-        kind, value = await run.job.events.get()
+        kind, value = await queue.get()
+        while kind == "tokens" and not queue.empty():
+            later_kind, later = queue.get_nowait()
+            if later_kind != "tokens":
+                yield kind, value
+                kind, value = later_kind, later
+                break
+            value = value + later
         yield kind, value
         if kind != "tokens":
             return
