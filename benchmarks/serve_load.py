@@ -128,7 +128,7 @@ def run_load(a: argparse.Namespace) -> dict:
 
     engine, arm, target, name = _load(a)
     served = Served.load(engine, arm, target, name=name, max_tokens=a.max_tokens, max_live=a.clients,
-                         max_waiting=a.requests, threads=engine.threads)
+                         max_waiting=a.requests)
     reqs = _requests(a)
     keys = [json.dumps(r, sort_keys=True) for r in reqs]
     with applied(engine.threads):  # the engine's CPU thread choice, as the server's worker applies it
@@ -200,7 +200,7 @@ def run_single(a: argparse.Namespace) -> dict:
     from memra_cli.serve.app import ServerThread, Served, build_app
 
     engine, arm, target, name = _load(a)
-    served = Served.load(engine, arm, target, name=name, max_tokens=a.max_tokens, threads=engine.threads)
+    served = Served.load(engine, arm, target, name=name, max_tokens=a.max_tokens)
     own, own_arm, _, _ = _load(a)  # the session arm's engine: the server's belongs to its worker thread
     reqs = [{"prompt": r["prompt"], "max_tokens": r["max_tokens"], "temperature": 0.0} for r in _requests(a)]  # greedy
     arms: dict[str, list[float]] = {"server": [], "generate": [], "session": []}

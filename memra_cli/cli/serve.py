@@ -133,7 +133,7 @@ def _serve(sock, *, target, draft, spec, name, max_tokens, max_sessions, max_que
     cpu = use_threads(engine.threads)  # the note, and this thread's count; the worker applies the choice too
     _announce(arm, engine.notes, cpu.note)
     served = Served.load(engine, arm, Path(target), name=name or (EMBEDDED_NAME if embedded else Path(target).resolve().name),
-                         max_tokens=max_tokens, max_live=max_sessions, max_waiting=max_queue, threads=engine.threads)
+                         max_tokens=max_tokens, max_live=max_sessions, max_waiting=max_queue)
     host, port = sock.getsockname()[:2]
     render.note(f"serving {served.name} ({arm.mode}) at http://{host}:{port}/v1 "
                 f"({max_sessions} at once, {max_queue} waiting; Ctrl-C stops)")
