@@ -175,6 +175,8 @@ class StopMatcher:
         self.stops, self.pending, self.stopped = stops, "", False
 
     def push(self, delta: str) -> str:
+        if self.stopped:  # nothing after the stop string is text
+            return ""
         if not self.stops:
             return delta
         self.pending += delta
