@@ -95,7 +95,7 @@ def serve(
     or sampled with a seed), whatever else runs at the same time: one engine, one session per
     request, every session advanced a round at a time on one worker thread. Receipts are printed
     once at start-up; usage.memra carries each request's speculative stats (tau, acceptance,
-    rounds). Needs the serve extra: pip install 'memra[serve]'.
+    rounds). Needs memra's serve extra (Starlette and uvicorn).
     """
     _check_flags(target=target, draft=draft, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec,
                  harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap, port=port)
@@ -117,7 +117,12 @@ def _serve(sock, *, target, draft, spec, name, max_tokens, max_sessions, max_que
 
     embedded = target is None
     target, draft, defaults_note = default_models(target, draft, spec)
-    TextCodec(Path(target))  # a target without a tokenizer is refused before the load
+    if not (Path(target) / "tokenizer.json").is_file():
+        from memra_cli.engine.errors import ConfigError
+
+        raise ConfigError(f"{Path(target) / 'tokenizer.json'}: no such file (memra serve reads and writes text with the "
+                          "target's own tokenizer)")
+    TextCodec(Path(target))  # an unreadable tokenizer is refused before the load
     if defaults_note:
         render.note(defaults_note)
     import torch

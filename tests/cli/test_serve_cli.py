@@ -31,6 +31,16 @@ def test_refusals_are_one_line(args, line):
     assert r.exit_code == 2 and r.stderr.strip().splitlines() == [line], r.output
 
 
+def test_a_target_without_a_tokenizer_is_refused(tmp_path):
+    from memra_cli.tiny.target import make_tiny_qwen3
+
+    target = make_tiny_qwen3(tmp_path / "t")  # no tokenizer.json
+    r = runner.invoke(app, ["serve", "--target", str(target), "--port", "0"])
+    assert r.exit_code == 2 and r.stderr.strip() == (
+        f"error: {target / 'tokenizer.json'}: no such file (memra serve reads and writes text with the target's own "
+        "tokenizer)"), r.output
+
+
 def test_a_taken_port_is_refused_before_anything_loads():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
