@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from memra_cli.cli.common import AdaptOpt, CudaGraphsOpt, HarvestOpt, StepWidthOpt, TauOpt, VtOpt, at_least, policy_settings, refusals
+from memra_cli.cli.generate import PREC_HELP  # the drafter flags read as generate's
 from memra_cli.cli.threads import ThreadsOpt, threads_setting, use_threads
 
 EMBEDDED_NAME = "memra-embedded"  # the served model's name for the embedded pair
@@ -68,7 +69,7 @@ def _announce(arm, notes: list[str], threads_note: Optional[str]) -> None:
 def serve(
     target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (with tokenizer.json). Default: the embedded model."),
     draft: Optional[Path] = typer.Option(None, "--draft", help="Drafter checkpoint directory (or memra .gguf). Default with no --target: the embedded DSpark drafter; with --target: none (plain decoding)."),
-    spec: str = typer.Option("auto", "--spec", help="off | dflash | dspark | auto (as generate)."),
+    spec: str = typer.Option("auto", "--spec", help="off | dflash (parallel drafts, ladder) | dspark (census-keyed DSpark program) | auto (dspark for DSpark-class drafters, else dflash; off without --draft)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: a free one, printed at start-up)."),
     name: Optional[str] = typer.Option(None, "--name", help="The model name clients send (`model`). Default: the target directory's name (memra-embedded for the embedded pair)."),
@@ -79,7 +80,7 @@ def serve(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     verify_cap: Optional[str] = typer.Option(None, "--verify-cap", envvar="MEMRA_DFLASH_VERIFY_T", show_envvar=True, help="Most candidates verified per round (anchor + drafts); default n_drafts+1."),
     markov: Optional[bool] = typer.Option(None, "--markov/--no-markov", envvar="MEMRA_DFLASH_MARKOV", show_envvar=True, help="Markov chain over the drafts (dspark program; default: when the checkpoint has a markov head)."),
-    prec: Optional[str] = typer.Option(None, "--prec", envvar="MEMRA_DFLASH_PREC", show_envvar=True, help="Drafter weight precision (as generate)."),
+    prec: Optional[str] = typer.Option(None, "--prec", envvar="MEMRA_DFLASH_PREC", show_envvar=True, help=PREC_HELP),
     harvest: Optional[str] = HarvestOpt,
     vt: Optional[str] = VtOpt,
     tau: Optional[str] = TauOpt,
