@@ -37,6 +37,8 @@ def test_no_stops_passes_everything():
     ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
     ({"model": "m", "prompt": "x", "logprobs": 2}, "logprobs"),
     ({"model": "m", "prompt": "x", "max_tokens": True}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"model": "m", "prompt": "x", "ignore_eos": True}, "ignore_eos"),
 ])
 def test_bad_fields_are_named(body, param):
     with pytest.raises(ApiError) as exc:
@@ -53,3 +55,9 @@ def test_chat_messages_take_text_parts():
         parse_request({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, chat=True,
                       models=("m",))
     assert exc.value.param == "messages"
+
+
+def test_neutral_values_of_unsupported_settings_pass():
+    body = {"model": "m", "prompt": "x", "n": 1, "logit_bias": {}, "tools": [], "presence_penalty": 0,
+            "repetition_penalty": 1.0, "echo": False, "user": "someone"}
+    assert parse_request(body, chat=False, models=("m",)).prompt == "x"
