@@ -338,6 +338,8 @@ def bench(
     min_p: Optional[str] = MinPOpt,
     seed: Optional[str] = SeedOpt,
     threads: Optional[str] = ThreadsOpt,
+    server: Optional[List[str]] = typer.Option(None, "--server", help="Measure an OpenAI-compatible server instead of memra's arms, repeatable: URL (e.g. http://127.0.0.1:8000, of memra serve, vLLM, SGLang or llama.cpp's server). Each gets every prompt as token ids, greedy, streamed; the report gives its tok/s, time to first token and whether its text equals memra's plain decoding of --target (the gate)."),
+    model: Optional[str] = typer.Option(None, "--model", help="With --server: the model name to request (default: the first one the server's /v1/models lists)."),
     json_out: bool = JsonOpt,
 ) -> None:
     """Measure decoding arms side by side over a prompt set, with an exactness gate.
@@ -349,8 +351,15 @@ def bench(
     decoding on the device, same run), vs off (over the off arm's), per-phase ms per generated
     token (when timed), and the tau histogram. Every speculative stream must equal the off arm's
     token for token (sampled with --temperature: off samples with the same parameters and seed):
-    a mismatch is reported and the exit code is 1.
+    a mismatch is reported and the exit code is 1. With --server, the arms are OpenAI-compatible
+    servers, gated on memra's plain decoding of --target.
     """
+    if server or model is not None:
+        given = {"--arm": arm, "--draft": draft, "--plot": plot, "--force": force or None, "--temperature": temperature,
+                 "--top-k": top_k, "--top-p": top_p, "--min-p": min_p, "--seed": seed, "--phase-times": phase_times}
+        return _bench_servers(list(server or []), model, given, target=target, prompts=prompts, n=n, max_new=max_new,
+                              chat=chat, warmup=warmup, dtype=dtype, device=device, step_width=step_width,
+                              threads=threads, json_out=json_out)
     _check_flags(target=target, draft=draft, prompts=prompts, n=n, arms=list(arm or []), chat=chat, dtype=dtype,
                  device=device, step_width=step_width, plot=plot, force=force)
     from memra_cli.engine.bench import BenchRequest, prepare_bench
@@ -379,3 +388,82 @@ def bench(
     if not result.exact:
         _render_gate(report)
         raise typer.Exit(code=1)
+
+
+def _bench_servers(servers: list[str], model: Optional[str], given: dict, *, target: Optional[Path], prompts: str,
+                   n: Optional[int], max_new: int, chat: bool, warmup: int, dtype: str, device: str,
+                   step_width: Optional[str], threads: Optional[str], json_out: bool) -> None:
+    """`--server URL ...`: servers measured on the prompt set, gated on memra's plain decoding."""
+    from memra_cli.engine.errors import ConfigError
+
+    if not servers:
+        raise ConfigError("--model applies to --server (the model name a server is asked for)")
+    if step_width is not None:
+        raise ConfigError("--step-width with --server: the reference is memra's plain decoding at its default steps")
+    bad = [flag for flag, value in given.items() if value]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)} with --server: a server arm runs greedy plain requests (drop {bad[0]})")
+    for url in servers:
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"--server {url}: expected an http:// or https:// URL")
+    from memra_cli.cli.checks import check_model_dir, check_run_flags
+
+    check_model_dir(target, "--target")
+    check_run_flags(dtype, device, None)
+    try:
+        import httpx  # noqa: F401
+    except ImportError:
+        raise ConfigError("--server needs httpx: pip install 'memra[serve]'") from None
+    from memra_cli.serve.bench import prepare, run_server_bench, server_arms
+
+    arms = server_arms(servers, model)  # every server answers, before anything loads
+    import torch
+
+    from memra_cli.cli import render
+
+    if target is None and not json_out:
+        render.note("reference: the embedded default target (--target names another)")
+    with torch.inference_mode():
+        engine, codec, prompt_set, ids = prepare(target, prompts, n, chat, device, dtype, max_new, dict(os.environ),
+                                                 **threads_setting(threads))
+    use_threads(engine.threads, announce=not json_out)
+    from memra_cli.cli.render import err_console
+
+    with _Progress(err_console.is_terminal) as progress:
+        result = run_server_bench(engine, codec, prompt_set, ids, arms, max_new, warmup, timeout_s=600.0,
+                                  progress=progress)
+    report = result.as_json()
+    if json_out:
+        render.emit_json(report)
+    else:
+        for table in server_tables(report):
+            _print_wide(render.console, table)
+    if not result.exact:
+        for arm in report["servers"]:
+            for m in arm["mismatches"][:5]:
+                err_console.print(f"[bold red]EXACTNESS GATE FAILED[/bold red]: {arm['name']} differs from memra's plain "
+                                  f"decoding on prompt {m['prompt']} at character {m['char']}: expected "
+                                  f"{m['expected']!r}, got {m['got']!r}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=1)
+
+
+def server_tables(report: dict) -> list:
+    """A title line and one table: the reference, then each server: tok/s, TTFT p50, exact."""
+    from rich.table import Table
+    from rich.text import Text
+
+    p = report["prompts"]
+    title = Text(f"memra bench --server: {p['set']}, {p['n']} prompts x {report['max_new']} new, greedy, streamed")
+    t = Table()
+    for c in ("arm", "model"):
+        t.add_column(c, overflow="fold")
+    for c in ("tok/s", "TTFT p50 ms", "exact"):
+        t.add_column(c, justify="right", no_wrap=True)
+    ref = report["reference"]
+    t.add_row(ref["name"], "-", _fmt(ref["tok_per_s"], ".1f"), _fmt(ref["ttft_ms_p50"], ".1f"), "ref")
+    for a in report["servers"]:
+        exact = "yes" if a["exact"] else f"[bold red]NO[/bold red] ({a['exact_prompts']}/{a['n_prompts']})"
+        t.add_row(a["name"], a["model"], _fmt(a["tok_per_s"], ".1f"), _fmt(a["ttft_ms_p50"], ".1f"), exact)
+    note = Text(f"reference: memra's plain greedy decoding here ({ref['steps']}); a server is exact when its text "
+                "equals the reference's on every prompt; tok/s: its completion tokens over its requests' wall time")
+    return [title, t, note]

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from memra_cli.cli.common import AdaptOpt, CudaGraphsOpt, HarvestOpt, StepWidthOpt, TauOpt, VtOpt, at_least, policy_settings, refusals
+from memra_cli.cli.generate import PREC_HELP  # the drafter flags read as generate's
 from memra_cli.cli.threads import ThreadsOpt, threads_setting, use_threads
 
 EMBEDDED_NAME = "memra-embedded"  # the served model's name for the embedded pair
@@ -68,7 +69,7 @@ def _announce(arm, notes: list[str], threads_note: Optional[str]) -> None:
 def serve(
     target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (with tokenizer.json). Default: the embedded model."),
     draft: Optional[Path] = typer.Option(None, "--draft", help="Drafter checkpoint directory (or memra .gguf). Default with no --target: the embedded DSpark drafter; with --target: none (plain decoding)."),
-    spec: str = typer.Option("auto", "--spec", help="off | dflash | dspark | auto (as generate)."),
+    spec: str = typer.Option("auto", "--spec", help="off | dflash (parallel drafts, ladder) | dspark (census-keyed DSpark program) | auto (dspark for DSpark-class drafters, else dflash; off without --draft)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: a free one, printed at start-up)."),
     name: Optional[str] = typer.Option(None, "--name", help="The model name clients send (`model`). Default: the target directory's name (memra-embedded for the embedded pair)."),
@@ -79,7 +80,7 @@ def serve(
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
     verify_cap: Optional[str] = typer.Option(None, "--verify-cap", envvar="MEMRA_DFLASH_VERIFY_T", show_envvar=True, help="Most candidates verified per round (anchor + drafts); default n_drafts+1."),
     markov: Optional[bool] = typer.Option(None, "--markov/--no-markov", envvar="MEMRA_DFLASH_MARKOV", show_envvar=True, help="Markov chain over the drafts (dspark program; default: when the checkpoint has a markov head)."),
-    prec: Optional[str] = typer.Option(None, "--prec", envvar="MEMRA_DFLASH_PREC", show_envvar=True, help="Drafter weight precision (as generate)."),
+    prec: Optional[str] = typer.Option(None, "--prec", envvar="MEMRA_DFLASH_PREC", show_envvar=True, help=PREC_HELP),
     harvest: Optional[str] = HarvestOpt,
     vt: Optional[str] = VtOpt,
     tau: Optional[str] = TauOpt,
@@ -95,7 +96,7 @@ def serve(
     or sampled with a seed), whatever else runs at the same time: one engine, one session per
     request, every session advanced a round at a time on one worker thread. Receipts are printed
     once at start-up; usage.memra carries each request's speculative stats (tau, acceptance,
-    rounds). Needs the serve extra: pip install 'memra[serve]'.
+    rounds). Needs memra's serve extra (Starlette and uvicorn).
     """
     _check_flags(target=target, draft=draft, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec,
                  harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap, port=port)
@@ -117,7 +118,12 @@ def _serve(sock, *, target, draft, spec, name, max_tokens, max_sessions, max_que
 
     embedded = target is None
     target, draft, defaults_note = default_models(target, draft, spec)
-    TextCodec(Path(target))  # a target without a tokenizer is refused before the load
+    if not (Path(target) / "tokenizer.json").is_file():
+        from memra_cli.engine.errors import ConfigError
+
+        raise ConfigError(f"{Path(target) / 'tokenizer.json'}: no such file (memra serve reads and writes text with the "
+                          "target's own tokenizer)")
+    TextCodec(Path(target))  # an unreadable tokenizer is refused before the load
     if defaults_note:
         render.note(defaults_note)
     import torch
@@ -133,8 +139,13 @@ def _serve(sock, *, target, draft, spec, name, max_tokens, max_sessions, max_que
     cpu = use_threads(engine.threads)  # the note, and this thread's count; the worker applies the choice too
     _announce(arm, engine.notes, cpu.note)
     served = Served.load(engine, arm, Path(target), name=name or (EMBEDDED_NAME if embedded else Path(target).resolve().name),
-                         max_tokens=max_tokens, max_live=max_sessions, max_waiting=max_queue, threads=engine.threads)
+                         max_tokens=max_tokens, max_live=max_sessions, max_waiting=max_queue)
     host, port = sock.getsockname()[:2]
     render.note(f"serving {served.name} ({arm.mode}) at http://{host}:{port}/v1 "
                 f"({max_sessions} at once, {max_queue} waiting; Ctrl-C stops)")
-    uvicorn_server(build_app(served)).run(sockets=[sock])
+    from memra_cli.cli.common import Terminated
+
+    try:
+        uvicorn_server(build_app(served)).run(sockets=[sock])  # until SIGINT / SIGTERM: a graceful shutdown
+    except (KeyboardInterrupt, Terminated) as exc:  # uvicorn hands the signal on once it has shut down
+        render.note(f"stopped ({'SIGINT' if isinstance(exc, KeyboardInterrupt) else exc}): every session closed")

@@ -49,15 +49,15 @@ class Served:
 
     @classmethod
     def load(cls, engine, arm, target: Path, *, name: str, max_tokens: int, max_live: int = 16,
-             max_waiting: int = 64, threads=None) -> "Served":
+             max_waiting: int = 64) -> "Served":
         """Around a loaded engine and arm (`Engine.load`, `engine.arm`) of the target directory
         `target`: its tokenizer, and a worker (not started: `build_app`'s lifespan starts and
-        stops it). `threads`: the engine's CPU thread choice, applied on the worker thread."""
+        stops it) that runs at the engine's CPU thread choice (`engine.threads`)."""
         from memra_cli.engine.text import TextCodec
 
         codec = TextCodec(Path(target))
         served = cls(name, engine, arm, codec, max_tokens, None)  # type: ignore[arg-type]
-        served.worker = Worker(served._open, lambda: _model_thread(threads), max_live=max_live,
+        served.worker = Worker(served._open, lambda: _model_thread(engine.device, engine.threads), max_live=max_live,
                                max_waiting=max_waiting)
         return served
 
@@ -129,14 +129,16 @@ class Served:
 
 
 @contextmanager
-def _model_thread(threads):
-    """The worker thread's lifetime: inference mode (grad mode is per thread) and the engine's
-    CPU thread choice."""
+def _model_thread(device, threads):
+    """The worker thread's lifetime: inference mode, the engine's CUDA device as the current one,
+    and the engine's CPU thread choice (all three are per-thread settings)."""
     import torch
 
-    from memra_cli.engine.threads import ThreadChoice, applied
+    from memra_cli.engine.threads import applied
 
-    with torch.inference_mode(), applied(threads or ThreadChoice(None, None)):
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    with torch.inference_mode(), applied(threads):
         yield
 
 
@@ -187,9 +189,19 @@ def _stats(served: Served, stats, seed: Optional[int]) -> dict:
 
 
 async def _events(run: _Run) -> AsyncIterator[tuple[str, Any]]:
-    """The job's events until it ends (its caller cancels the job when it stops reading early)."""
+    """The job's events until it ends (its caller cancels the job when it stops reading early).
+    Rounds that queued up while the client's side was busy come as one: one text delta, one
+    event sent, however far the worker got ahead."""
+    queue = run.job.events
     while True:
-        kind, value = await run.job.events.get()
+        kind, value = await queue.get()
+        while kind == "tokens" and not queue.empty():
+            later_kind, later = queue.get_nowait()
+            if later_kind != "tokens":
+                yield kind, value
+                kind, value = later_kind, later
+                break
+            value = value + later
         yield kind, value
         if kind != "tokens":
             return
@@ -382,6 +394,7 @@ def bind(host: str, port: int):
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(128)  # connections made before the server runs wait in the backlog, not refused
     return sock
 
 

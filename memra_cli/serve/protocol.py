@@ -53,10 +53,13 @@ class Request:
 
 
 # Settings with no effect at their neutral value; anything else changes what runs, so it is refused.
+# (vLLM's and SGLang's extensions that change the output too: repetition_penalty, ignore_eos,
+# min_tokens, stop_token_ids.) An empty object or list is neutral as well.
 _NEUTRAL = {"n": (1, None), "best_of": (1, None), "presence_penalty": (0, 0.0, None),
             "frequency_penalty": (0, 0.0, None), "logprobs": (None, False), "top_logprobs": (None, 0),
             "echo": (False, None), "logit_bias": (None,), "suffix": (None, ""), "tools": (None,),
-            "response_format": (None,)}
+            "response_format": (None,), "repetition_penalty": (1, 1.0, None), "ignore_eos": (False, None),
+            "min_tokens": (0, None), "stop_token_ids": (None,)}
 
 
 def _number(body: dict, name: str, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
@@ -134,7 +137,7 @@ def parse_request(body: Any, *, chat: bool, models: tuple[str, ...]) -> Request:
         raise ApiError(f"model {model!r} does not exist here (served: {', '.join(models)})", param="model",
                        code="model_not_found")
     for name, neutral in _NEUTRAL.items():
-        if name in body and body[name] not in neutral and body[name] != {}:
+        if name in body and body[name] not in neutral and body[name] not in ({}, []):
             raise ApiError(f"{name}={body[name]!r} is not supported by memra serve (it would change what runs)",
                            param=name, code="unsupported_parameter")
     limit_key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
@@ -175,6 +178,8 @@ class StopMatcher:
         self.stops, self.pending, self.stopped = stops, "", False
 
     def push(self, delta: str) -> str:
+        if self.stopped:  # nothing after the stop string is text
+            return ""
         if not self.stops:
             return delta
         self.pending += delta

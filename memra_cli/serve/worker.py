@@ -123,8 +123,9 @@ class Worker:
             new = job.session.burst(1)
             self.rounds += 1
             job.post("tokens", new)
-            if job.session.finished:
+            if job.session.finished:  # the session closed itself: its storages are back
                 job.post("done", job.session.stats)
+                job.session = None
                 return False
             return True
         except Exception as exc:  # a failure of one request ends that request, not the server
@@ -133,8 +134,10 @@ class Worker:
 
     @staticmethod
     def _close(job: Job) -> bool:
+        """Close the job's session (pooled storages back to the pool) and drop it (the rest is freed)."""
         if job.session is not None:
             job.session.close()
+            job.session = None
         return False
 
     def _close_all(self) -> None:
