@@ -68,20 +68,18 @@ PLAIN_MODES = ("off", "plain")  # engine.bench.PLAIN_MODES, written out here so 
 
 
 def _check_plot(path: Path, force: bool) -> None:
-    """--plot: matplotlib, an existing directory, a suffix naming a format it writes, and the
-    overwrite rule of every output flag (an existing file needs --force)."""
+    """--plot: matplotlib, a suffix naming a format it writes, and the rule of every output
+    (`files.check_output`: an existing file needs --force; its directory must exist and take a file)."""
     from memra_cli.engine.errors import MemraError
-    from memra_cli.engine.files import refuse_existing
+    from memra_cli.engine.files import check_output
 
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise MemraError(f"--plot {path}: needs matplotlib (pip install 'memra[plot]')") from None
-    if not path.parent.resolve().is_dir():
-        raise MemraError(f"--plot {path}: directory {path.parent} does not exist")
     if path.suffix.lower().lstrip(".") not in PLOT_FORMATS:
         raise MemraError(f"--plot {path}: expected a .png, .svg or .pdf file name (the suffix names the format)")
-    refuse_existing(path, force, "--plot")
+    check_output(path, "--plot", force=force)
 
 
 def _check_flags(*, target: Optional[Path], draft: Optional[Path], prompts: str, n: Optional[int], arms: list[str],

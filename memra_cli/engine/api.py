@@ -88,6 +88,21 @@ def resolve_step_width(value: str | None) -> tuple[int | None, str]:
     return int(text), f"target steps: {int(text)} rows (--step-width)"
 
 
+def check_width_fits(width: int | None, target_dir: Path) -> None:
+    """A fixed step width of at most the target's positions (config.json's
+    max_position_embeddings, top level or `text_config`): a step cannot hold more rows than the
+    model has positions, and each row costs a logits row of the vocabulary."""
+    if width is None:
+        return
+    from memra_cli.engine.formats.config import read_json_object
+
+    raw = read_json_object(target_dir / "config.json")
+    scope = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    positions = scope.get("max_position_embeddings")
+    if isinstance(positions, int) and width > positions:
+        raise SettingError("step_width", str(width), f"expected at most the target's max_position_embeddings ({positions})")
+
+
 def describe_steps(width: int | None, graphs: bool, plain_only: bool = False) -> str:
     """How a runner's target steps run, in words: `fixed 16-row steps, CUDA graphs on`,
     `one-row steps, CUDA graphs on`, `variable-width steps, eager`; an engine that only decodes
@@ -400,6 +415,7 @@ class Engine:
         dev = resolve_device(cfg.device)
         dt = resolve_dtype(cfg.dtype, dev)
         family = target_family(Path(cfg.target))  # config.json only: graphs are settled before any weight loads
+        check_width_fits(width, Path(cfg.target))
         graphs, draft_graphs, graphs_note = resolve_cuda_graphs(cfg.cuda_graphs, dev, width, cfg.env, family)
         round_graphs, round_note = resolve_round_graphs(graphs, cfg.env)
         pipelined, pipe_note = resolve_pipeline(round_graphs, cfg.env)
