@@ -110,38 +110,16 @@ def _check_flags(*, target: Optional[Path], draft: Optional[Path], prompts: str,
         raise ConfigError("--force applies to --plot (overwrite an existing plot file)")
 
 
-def write_plot(report: dict, path: Path) -> None:
-    """Speedup per arm (bars) and each speculative arm's tau histogram, in the format the
-    suffix names; written atomically."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+def arm_colours(arms: list[dict]) -> dict[str, str]:
+    """Arm name -> its plot colour: grey for the plain arms, matplotlib's colour cycle (C0, C1,
+    ...) in order for the speculative ones."""
+    spec = [a["name"] for a in arms if a["mode"] not in PLAIN_MODES]
+    return {a["name"]: "#999999" if a["mode"] in PLAIN_MODES else f"C{spec.index(a['name']) % 10}" for a in arms}
 
-    arms = report["arms"]
-    spec = [a for a in arms if a["mode"] not in PLAIN_MODES]
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax1, ax2 = fig.subplots(1, 2, width_ratios=[1, 1.4])
-    names = [a["name"] for a in arms]
-    bars = ax1.bar(names, [a["speedup"] or 0.0 for a in arms], color=["#999999" if a["mode"] in PLAIN_MODES else "#3b75af" for a in arms])
-    ax1.bar_label(bars, labels=[f"{a['speedup']:.2f}x" if a["speedup"] else "-" for a in arms], fontsize=8)
-    ax1.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax1.set_ylabel(f"speedup vs {report.get('speedup_baseline', 'off')} (tok/s ratio)")
-    ax1.set_title(f"{report['prompts']['set']}: {report['prompts']['n']} prompts x {report['max_new']} new, {report['device']}")
-    for label in ax1.get_xticklabels():
-        label.set(rotation=30, horizontalalignment="right")
-    top = max([int(k) for a in spec for k in a["tau_hist"]] or [1])
-    width = 0.8 / max(len(spec), 1)
-    for j, a in enumerate(spec):
-        rounds = max(a["rounds"], 1)
-        xs = [k + (j - (len(spec) - 1) / 2) * width for k in range(1, top + 1)]
-        ax2.bar(xs, [a["tau_hist"].get(str(k), 0) / rounds for k in range(1, top + 1)], width,
-                label=f"{a['name']} (tau={a['tau']:.2f})")
-    ax2.set_xlabel("tokens committed per round (accepted + 1)")
-    ax2.set_ylabel("fraction of rounds")
-    ax2.set_title("tau histogram")
-    ax2.set_xticks(range(1, top + 1))
-    if spec:
-        ax2.legend(fontsize=8)
+
+def write_plot(report: dict, path: Path) -> None:
+    """The report's figure (`plot_figure`) in the format the suffix names; written atomically."""
+    fig = plot_figure(report)
     from memra_cli.engine.files import publish, signals_held
 
     fmt = path.suffix.lower().lstrip(".")
@@ -156,6 +134,41 @@ def write_plot(report: dict, path: Path) -> None:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def plot_figure(report: dict):
+    """Speedup per arm (bars) and each speculative arm's tau histogram: a matplotlib Figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    arms = report["arms"]
+    spec = [a for a in arms if a["mode"] not in PLAIN_MODES]
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2, width_ratios=[1, 1.4])
+    names = [a["name"] for a in arms]
+    colour = arm_colours(arms)  # one colour per arm, the same in both panels
+    bars = ax1.bar(names, [a["speedup"] or 0.0 for a in arms], color=[colour[a["name"]] for a in arms])
+    ax1.bar_label(bars, labels=[f"{a['speedup']:.2f}x" if a["speedup"] else "-" for a in arms], fontsize=8)
+    ax1.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax1.set_ylabel(f"speedup vs {report.get('speedup_baseline', 'off')} (tok/s ratio)")
+    ax1.set_title(f"{report['prompts']['set']}: {report['prompts']['n']} prompts x {report['max_new']} new, {report['device']}")
+    for label in ax1.get_xticklabels():
+        label.set(rotation=30, horizontalalignment="right")
+    top = max([int(k) for a in spec for k in a["tau_hist"]] or [1])
+    width = 0.8 / max(len(spec), 1)
+    for j, a in enumerate(spec):
+        rounds = max(a["rounds"], 1)
+        xs = [k + (j - (len(spec) - 1) / 2) * width for k in range(1, top + 1)]
+        ax2.bar(xs, [a["tau_hist"].get(str(k), 0) / rounds for k in range(1, top + 1)], width,
+                label=f"{a['name']} (tau={a['tau']:.2f})", color=colour[a["name"]])
+    ax2.set_xlabel("tokens committed per round (accepted + 1)")
+    ax2.set_ylabel("fraction of rounds")
+    ax2.set_title("tau histogram")
+    ax2.set_xticks(range(1, top + 1))
+    if spec:
+        ax2.legend(fontsize=8)
+    return fig
 
 
 def _render_receipts(b) -> None:
@@ -290,12 +303,13 @@ def _render_table(report: dict, console=None) -> None:
 def _print_wide(console, table) -> None:
     """On a terminal rich fits the table to it; piped output gets the table's natural width
     (not rich's 80-column default, which would squash every number)."""
-    from rich.console import Console
     from rich.measure import Measurement
+
+    from memra_cli.cli.render import PipeAwareConsole
 
     if not console.is_terminal:
         natural = Measurement.get(console, console.options.update_width(100_000), table).maximum
-        console = Console(highlight=False, width=max(console.width, natural), file=console.file)
+        console = PipeAwareConsole(highlight=False, width=max(console.width, natural), file=console.file)
     console.print(table)
 
 
@@ -374,6 +388,12 @@ def bench(
         _render_table(report)
     if plot is not None:
         write_plot(report, plot)
+        from memra_cli.cli import render
+
+        if json_out:  # stdout is the one JSON object
+            render.note(f"wrote {plot}")
+        else:
+            render.console.print(f"wrote {plot}", markup=False, soft_wrap=True)
     if not result.exact:
         _render_gate(report)
         raise typer.Exit(code=1)

@@ -100,9 +100,7 @@ def _table(report: Any, render: Any) -> None:
     if console.is_terminal:
         console.print(table)  # names fold to the terminal's width
     else:  # a pipe or a log file gets whole lines (rich would assume 80 columns there)
-        from rich.console import Console
-
-        Console(highlight=False, width=max(console.width, 132)).print(table)
+        render.PipeAwareConsole(highlight=False, width=max(console.width, 132)).print(table)
     types = ", ".join(f"{k}×{v}" for k, v in report.as_json()["totals"]["types"].items())
     console.print(
         f"total: {len(report.rows)} tensors ({types}); {render.human_bytes(report.bytes_before)} → "
