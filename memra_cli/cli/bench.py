@@ -302,12 +302,16 @@ def _render_table(report: dict, console=None) -> None:
 
 def _print_wide(console, table) -> None:
     """On a terminal rich fits the table to it; piped output gets the table's natural width
-    (not rich's 80-column default, which would squash every number)."""
+    (not rich's 80-column default, which would squash every number), and at least its title's
+    (rich wraps a title to the table's width)."""
+    from rich.cells import cell_len
     from rich.measure import Measurement
 
     from memra_cli.cli.render import PipeAwareConsole
 
     if not console.is_terminal:
+        if getattr(table, "title", None):  # a Table (the title line above them is Text)
+            table.min_width = max(table.min_width or 0, cell_len(str(table.title)))
         natural = Measurement.get(console, console.options.update_width(100_000), table).maximum
         console = PipeAwareConsole(highlight=False, width=max(console.width, natural), file=console.file)
     console.print(table)

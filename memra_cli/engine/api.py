@@ -295,14 +295,20 @@ def drafter_precision(prec: str | None, draft: Path | None):
     if draft is None:
         return None, None, None
     if Path(draft).suffix == ".gguf":
-        from memra_cli.engine.formats.gguf import open_gguf
-
-        written = open_gguf(Path(draft)).policy
-        if prec is not None and prec != written:
-            raise SettingError("prec", prec, f"{draft} is a GGUF written under policy {written} and loads as "
-                               "written (drop the setting, or quantize the source again)")
-        return None, written, "GGUF policy"
+        return None, gguf_policy(prec, Path(draft)), "GGUF policy"
     return (weight_fn_for(prec), prec, "prec setting") if prec is not None else (None, None, None)
+
+
+def gguf_policy(prec: str | None, path: Path) -> str:
+    """The policy a GGUF drafter was written under, which it loads as: `prec` may only repeat
+    it (one refusal for every command that loads a drafter)."""
+    from memra_cli.engine.formats.gguf import open_gguf
+
+    written = open_gguf(path).policy
+    if prec is not None and prec != written:
+        raise SettingError("prec", prec, f"{path} is a GGUF written under policy {written} and loads as "
+                           "written (drop the setting, or quantize the source again)")
+    return written
 
 
 def resolve_precision(prec: str | None, dtype: str, device: Any) -> tuple[str, Any, Any]:
@@ -329,10 +335,8 @@ def load_drafter(census: Census, *, prec: str | None, dtype: str, device: str):
     from memra_cli.engine.models.drafter import Drafter
 
     dev = resolve_device(device)
-    if prec is None and census.checkpoint_format == "gguf":
-        from memra_cli.engine.formats.gguf import open_gguf
-
-        prec = open_gguf(census.path).policy
+    if census.checkpoint_format == "gguf":
+        prec = gguf_policy(prec, Path(census.path))
     policy, dt, weight_fn = resolve_precision(prec, dtype, dev)
     return Drafter.load(census.path, dtype=dt, device=dev, census=census, weight_fn=weight_fn), policy, dt, dev
 
