@@ -193,7 +193,7 @@ def _render_receipts(b) -> None:
         if arm.loaded.receipts is None:
             continue
         prec = f", prec={arm.spec.prec}" if arm.spec.prec else ""
-        render.err_console.print(f"arm {arm.name}: {arm.loaded.mode} program, drafter {arm.drafter}{prec}", markup=False, highlight=False, soft_wrap=True)
+        render.err_console.print(f"arm {arm.name}: {arm.loaded.mode} program, drafter {arm.drafter}{prec}", markup=False, highlight=False, soft_wrap=render.unwrapped(render.err_console))
         render.print_receipts(arm.loaded.receipts.lines(), to_stderr=True)
         if getattr(arm.sampler, "rejection", False):
             render.note(f"arm {arm.name}: acceptance: {arm.sampler.acceptance} (not gated)")
@@ -318,6 +318,7 @@ def _print_wide(console, table) -> None:
 
 
 def _render_gate(report: dict) -> None:
+    from memra_cli.cli import render
     from memra_cli.cli.render import err_console
 
     ms = report["mismatches"]
@@ -325,7 +326,7 @@ def _render_gate(report: dict) -> None:
         err_console.print(
             f"[bold red]EXACTNESS GATE FAILED[/bold red]: arm {m['arm']!r} differs from off on prompt "
             f"{m['prompt']} at token {m['index']}: off={m['expected']}, {m['arm']}={m['got']}",
-            highlight=False, soft_wrap=True,
+            highlight=False, soft_wrap=render.unwrapped(err_console),
         )
     if len(ms) > 20:
         err_console.print(f"[bold red]... and {len(ms) - 20} more mismatches[/bold red]")
@@ -397,7 +398,7 @@ def bench(
         if json_out:  # stdout is the one JSON object
             render.note(f"wrote {plot}")
         else:
-            render.console.print(f"wrote {plot}", markup=False, soft_wrap=True)
+            render.console.print(f"wrote {plot}", markup=False, soft_wrap=render.unwrapped(render.console))
     if not result.exact:
         _render_gate(report)
         raise typer.Exit(code=1)

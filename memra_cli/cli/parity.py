@@ -195,11 +195,11 @@ def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
     report, oracle = result["report"], result["oracle"]
     render.print_receipts(receipts.lines())
     meta, th = oracle.meta, THRESHOLDS[result["policy"]]
-    render.console.print(f"memra parity {oracle_path}  ({meta['source']})", markup=False, soft_wrap=True)
+    render.console.print(f"memra parity {oracle_path}  ({meta['source']})", markup=False, soft_wrap=render.unwrapped(render.console))
     render.console.print(
         f"ctx {oracle.ctx}, block {oracle.block}, anchor {oracle.anchor}; all {oracle.block} block rows compared; "
         f"precision {th.name} ({th.why}); {result['dtype']} on {result['device']}; lm_head from {result['lm_head']}",
-        markup=False, soft_wrap=True,
+        markup=False, soft_wrap=render.unwrapped(render.console),
     )
     if meta.get("harvest") and meta["harvest"] != receipts.harvest.value:
         render.warn(f"oracle made for harvest={meta['harvest']}, receipts say {receipts.harvest.value} "
@@ -220,9 +220,9 @@ def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
     render.console.print(table)
     argmax_rule = "; draft_logits also needs the oracle's argmax on every row that is not a near-tie" if th.argmax_required else ""
     render.console.print(f"pass: rel L2 within its bound{argmax_rule}; markov_tokens: {_bound_words(th)}; "
-                         "max-abs is information, not a criterion", markup=False, soft_wrap=True)
+                         "max-abs is information, not a criterion", markup=False, soft_wrap=render.unwrapped(render.console))
     for line in notes:
-        render.console.print(line, markup=False, soft_wrap=True)
+        render.console.print(line, markup=False, soft_wrap=render.unwrapped(render.console))
     if result.get("dumped"):
         render.console.print(f"dumped {len(result['dumped'])} arrays to {Path(result['dumped'][0]).parent}", markup=False)
     n = len(report.results)
@@ -246,8 +246,8 @@ def _make(ckpt: Path, out: Path, target: Optional[Path], ctx: int, seed: int, re
     render.print_receipts(receipts.lines())
     render.console.print(
         f"wrote {out} (memra-oracle/1): stages {', '.join(meta['stages'])}; ctx {ctx}, block {meta['block_size']}, "
-        f"anchor {meta['anchor_token']}, seed {seed}", markup=False, soft_wrap=True,
+        f"anchor {meta['anchor_token']}, seed {seed}", markup=False, soft_wrap=render.unwrapped(render.console),
     )
-    render.console.print(f"source: {meta['source']}", markup=False, soft_wrap=True)
+    render.console.print(f"source: {meta['source']}", markup=False, soft_wrap=render.unwrapped(render.console))
     for stage, why in (meta.get("omitted") or {}).items():
         render.warn(f"{stage} left out: {why}")
