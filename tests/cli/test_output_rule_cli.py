@@ -1,4 +1,4 @@
-"""Every output follows one rule, checked before any work (docs/outputs in the README):
+"""Every output follows one rule, checked before any work (the README says it):
 a file output is a file name and an existing one needs --force; a directory output is a
 directory or a new name; the directory it goes in must exist (memra creates none) and must take
 a file. Every size a user gives has a bound from the model or the machine, named in the
