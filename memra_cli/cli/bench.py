@@ -68,20 +68,18 @@ PLAIN_MODES = ("off", "plain")  # engine.bench.PLAIN_MODES, written out here so 
 
 
 def _check_plot(path: Path, force: bool) -> None:
-    """--plot: matplotlib, an existing directory, a suffix naming a format it writes, and the
-    overwrite rule of every output flag (an existing file needs --force)."""
+    """--plot: matplotlib, a suffix naming a format it writes, and the rule of every output
+    (`files.check_output`: an existing file needs --force; its directory must exist and take a file)."""
     from memra_cli.engine.errors import MemraError
-    from memra_cli.engine.files import refuse_existing
+    from memra_cli.engine.files import check_output
 
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         raise MemraError(f"--plot {path}: needs matplotlib (pip install 'memra[plot]')") from None
-    if not path.parent.resolve().is_dir():
-        raise MemraError(f"--plot {path}: directory {path.parent} does not exist")
     if path.suffix.lower().lstrip(".") not in PLOT_FORMATS:
         raise MemraError(f"--plot {path}: expected a .png, .svg or .pdf file name (the suffix names the format)")
-    refuse_existing(path, force, "--plot")
+    check_output(path, "--plot", force=force)
 
 
 def _check_flags(*, target: Optional[Path], draft: Optional[Path], prompts: str, n: Optional[int], arms: list[str],
@@ -112,38 +110,16 @@ def _check_flags(*, target: Optional[Path], draft: Optional[Path], prompts: str,
         raise ConfigError("--force applies to --plot (overwrite an existing plot file)")
 
 
-def write_plot(report: dict, path: Path) -> None:
-    """Speedup per arm (bars) and each speculative arm's tau histogram, in the format the
-    suffix names; written atomically."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+def arm_colours(arms: list[dict]) -> dict[str, str]:
+    """Arm name -> its plot colour: grey for the plain arms, matplotlib's colour cycle (C0, C1,
+    ...) in order for the speculative ones."""
+    spec = [a["name"] for a in arms if a["mode"] not in PLAIN_MODES]
+    return {a["name"]: "#999999" if a["mode"] in PLAIN_MODES else f"C{spec.index(a['name']) % 10}" for a in arms}
 
-    arms = report["arms"]
-    spec = [a for a in arms if a["mode"] not in PLAIN_MODES]
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    ax1, ax2 = fig.subplots(1, 2, width_ratios=[1, 1.4])
-    names = [a["name"] for a in arms]
-    bars = ax1.bar(names, [a["speedup"] or 0.0 for a in arms], color=["#999999" if a["mode"] in PLAIN_MODES else "#3b75af" for a in arms])
-    ax1.bar_label(bars, labels=[f"{a['speedup']:.2f}x" if a["speedup"] else "-" for a in arms], fontsize=8)
-    ax1.axhline(1.0, color="black", lw=0.8, ls="--")
-    ax1.set_ylabel(f"speedup vs {report.get('speedup_baseline', 'off')} (tok/s ratio)")
-    ax1.set_title(f"{report['prompts']['set']}: {report['prompts']['n']} prompts x {report['max_new']} new, {report['device']}")
-    for label in ax1.get_xticklabels():
-        label.set(rotation=30, horizontalalignment="right")
-    top = max([int(k) for a in spec for k in a["tau_hist"]] or [1])
-    width = 0.8 / max(len(spec), 1)
-    for j, a in enumerate(spec):
-        rounds = max(a["rounds"], 1)
-        xs = [k + (j - (len(spec) - 1) / 2) * width for k in range(1, top + 1)]
-        ax2.bar(xs, [a["tau_hist"].get(str(k), 0) / rounds for k in range(1, top + 1)], width,
-                label=f"{a['name']} (tau={a['tau']:.2f})")
-    ax2.set_xlabel("tokens committed per round (accepted + 1)")
-    ax2.set_ylabel("fraction of rounds")
-    ax2.set_title("tau histogram")
-    ax2.set_xticks(range(1, top + 1))
-    if spec:
-        ax2.legend(fontsize=8)
+
+def write_plot(report: dict, path: Path) -> None:
+    """The report's figure (`plot_figure`) in the format the suffix names; written atomically."""
+    fig = plot_figure(report)
     from memra_cli.engine.files import publish, signals_held
 
     fmt = path.suffix.lower().lstrip(".")
@@ -158,6 +134,41 @@ def write_plot(report: dict, path: Path) -> None:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def plot_figure(report: dict):
+    """Speedup per arm (bars) and each speculative arm's tau histogram: a matplotlib Figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    arms = report["arms"]
+    spec = [a for a in arms if a["mode"] not in PLAIN_MODES]
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2, width_ratios=[1, 1.4])
+    names = [a["name"] for a in arms]
+    colour = arm_colours(arms)  # one colour per arm, the same in both panels
+    bars = ax1.bar(names, [a["speedup"] or 0.0 for a in arms], color=[colour[a["name"]] for a in arms])
+    ax1.bar_label(bars, labels=[f"{a['speedup']:.2f}x" if a["speedup"] else "-" for a in arms], fontsize=8)
+    ax1.axhline(1.0, color="black", lw=0.8, ls="--")
+    ax1.set_ylabel(f"speedup vs {report.get('speedup_baseline', 'off')} (tok/s ratio)")
+    ax1.set_title(f"{report['prompts']['set']}: {report['prompts']['n']} prompts x {report['max_new']} new, {report['device']}")
+    for label in ax1.get_xticklabels():
+        label.set(rotation=30, horizontalalignment="right")
+    top = max([int(k) for a in spec for k in a["tau_hist"]] or [1])
+    width = 0.8 / max(len(spec), 1)
+    for j, a in enumerate(spec):
+        rounds = max(a["rounds"], 1)
+        xs = [k + (j - (len(spec) - 1) / 2) * width for k in range(1, top + 1)]
+        ax2.bar(xs, [a["tau_hist"].get(str(k), 0) / rounds for k in range(1, top + 1)], width,
+                label=f"{a['name']} (tau={a['tau']:.2f})", color=colour[a["name"]])
+    ax2.set_xlabel("tokens committed per round (accepted + 1)")
+    ax2.set_ylabel("fraction of rounds")
+    ax2.set_title("tau histogram")
+    ax2.set_xticks(range(1, top + 1))
+    if spec:
+        ax2.legend(fontsize=8)
+    return fig
 
 
 def _render_receipts(b) -> None:
@@ -182,7 +193,7 @@ def _render_receipts(b) -> None:
         if arm.loaded.receipts is None:
             continue
         prec = f", prec={arm.spec.prec}" if arm.spec.prec else ""
-        render.err_console.print(f"arm {arm.name}: {arm.loaded.mode} program, drafter {arm.drafter}{prec}", markup=False, highlight=False, soft_wrap=True)
+        render.err_console.print(f"arm {arm.name}: {arm.loaded.mode} program, drafter {arm.drafter}{prec}", markup=False, highlight=False, soft_wrap=render.unwrapped(render.err_console))
         render.print_receipts(arm.loaded.receipts.lines(), to_stderr=True)
         if getattr(arm.sampler, "rejection", False):
             render.note(f"arm {arm.name}: acceptance: {arm.sampler.acceptance} (not gated)")
@@ -291,17 +302,23 @@ def _render_table(report: dict, console=None) -> None:
 
 def _print_wide(console, table) -> None:
     """On a terminal rich fits the table to it; piped output gets the table's natural width
-    (not rich's 80-column default, which would squash every number)."""
-    from rich.console import Console
+    (not rich's 80-column default, which would squash every number), and at least its title's
+    (rich wraps a title to the table's width)."""
+    from rich.cells import cell_len
     from rich.measure import Measurement
 
+    from memra_cli.cli.render import PipeAwareConsole
+
     if not console.is_terminal:
+        if getattr(table, "title", None):  # a Table (the title line above them is Text)
+            table.min_width = max(table.min_width or 0, cell_len(str(table.title)))
         natural = Measurement.get(console, console.options.update_width(100_000), table).maximum
-        console = Console(highlight=False, width=max(console.width, natural), file=console.file)
+        console = PipeAwareConsole(highlight=False, width=max(console.width, natural), file=console.file)
     console.print(table)
 
 
 def _render_gate(report: dict) -> None:
+    from memra_cli.cli import render
     from memra_cli.cli.render import err_console
 
     ms = report["mismatches"]
@@ -309,7 +326,7 @@ def _render_gate(report: dict) -> None:
         err_console.print(
             f"[bold red]EXACTNESS GATE FAILED[/bold red]: arm {m['arm']!r} differs from off on prompt "
             f"{m['prompt']} at token {m['index']}: off={m['expected']}, {m['arm']}={m['got']}",
-            highlight=False, soft_wrap=True,
+            highlight=False, soft_wrap=render.unwrapped(err_console),
         )
     if len(ms) > 20:
         err_console.print(f"[bold red]... and {len(ms) - 20} more mismatches[/bold red]")
@@ -385,6 +402,12 @@ def bench(
         _render_table(report)
     if plot is not None:
         write_plot(report, plot)
+        from memra_cli.cli import render
+
+        if json_out:  # stdout is the one JSON object
+            render.note(f"wrote {plot}")
+        else:
+            render.console.print(f"wrote {plot}", markup=False, soft_wrap=render.unwrapped(render.console))
     if not result.exact:
         _render_gate(report)
         raise typer.Exit(code=1)

@@ -10,6 +10,7 @@ flag the user typed, or the flag and its variable when the value came from the e
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -43,6 +44,9 @@ def check_threads(value: Optional[str]) -> None:
     text = value.strip()
     if not (text.isascii() and text.isdigit() and int(text) >= 1):
         raise SettingError("threads", value, "expected a positive integer (CPU threads per op)")
+    cores = os.cpu_count() or 1
+    if int(text) > cores:  # more threads than cores only wait for each other
+        raise SettingError("threads", value, f"expected at most this machine's {cores} CPU cores")
 
 
 def check_device(device: str) -> None:

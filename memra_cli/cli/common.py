@@ -9,6 +9,7 @@ from the environment (`--vt / MEMRA_DSPARK_VT=fastest (from the environment): ..
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
@@ -250,6 +251,37 @@ def report_signal(signum: int) -> int:
     return 128 + signum
 
 
+CLOSED_PIPE_EXIT = 128 + getattr(signal, "SIGPIPE", 13)  # what a shell reports for a process SIGPIPE ended
+
+
+def closed_pipe() -> int:
+    """The reader of stdout went away (`memra bench | head -1`): say nothing (there is no one to
+    say it to, and stderr is not the reader), point stdout at /dev/null so the interpreter's
+    last flush does not fail again, and end with the conventional code."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (an embedding program's stream)
+        pass
+    return CLOSED_PIPE_EXIT
+
+
+def _is_closed_pipe(exc: BaseException) -> bool:
+    return isinstance(exc, BrokenPipeError) or (isinstance(exc, OSError) and exc.errno == errno.EPIPE)
+
+
+def flush_stdout(code: int) -> int:
+    """Flush stdout at the command's end: a reader that left after its last line gets the
+    closed-pipe ending rather than Python's 'Exception ignored' at exit."""
+    try:
+        sys.stdout.flush()
+    except (BrokenPipeError, OSError) as exc:
+        if not _is_closed_pipe(exc):
+            raise
+        return closed_pipe()
+    return code
+
+
 def _ending(exc: BaseException) -> Optional[int]:
     """The exit code of an exception that ends a command with one line (printed here), or None
     for one that goes on (a bug keeps its traceback; typer.Exit its code)."""
@@ -261,6 +293,8 @@ def _ending(exc: BaseException) -> Optional[int]:
         return report_signal(exc.signum)
     if isinstance(exc, KeyboardInterrupt):
         return report_signal(signal.SIGINT)
+    if _is_closed_pipe(exc):
+        return closed_pipe()
     if isinstance(exc, MemraError) and not debug_enabled():
         print(f"error: {describe(exc)}", file=sys.stderr)
         return exc.exit_code

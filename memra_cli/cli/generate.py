@@ -81,8 +81,6 @@ def generate(
     sampling = sampling_params(temperature, top_k, top_p, min_p, seed, acceptance)
     from memra_cli.cli import render
 
-    if defaults_note and not json_out:
-        render.note(defaults_note)
     import torch  # only now: the flags and the prompt are good
 
     from memra_cli.cli.common import raise_if_signalled
@@ -102,6 +100,8 @@ def generate(
         arm = engine.arm(arm_cfg)
         if arm.mode == "off":
             arm.warnings += _ignored_by_plain(given)
+        if defaults_note and not json_out:  # once everything was accepted: a refusal stays one line
+            render.note(defaults_note)
         if not json_out:
             _announce(arm, "; ".join(engine.notes), cpu.note)
             for line in sampling_notes(sampling, arm.mode != "off"):

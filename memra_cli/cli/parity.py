@@ -17,6 +17,7 @@ from memra_cli.cli.common import AdaptOpt, HarvestOpt, JsonOpt, TauOpt, VtOpt, a
 PREC_HELP = ("Precision policy of the engine under test: f32 | bf16 | q8 | mixed (MLP q8_0, attention+fc bf16) | "
              "fc (all q8_0 but fc) | q4. Picks the thresholds. Unset: f32 or bf16 from --dtype.")
 DEFAULT_CTX = 32
+SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
 @refusals
@@ -67,12 +68,20 @@ def parity(
         _check_out(make_oracle, force)  # before the census and the reference's slow imports
     elif force:
         raise OracleError("--force applies to --make-oracle (overwrite an existing oracle file)")
+    if dump is not None:
+        from memra_cli.engine.files import check_output
+
+        check_output(dump, "--dump", directory=True)  # before the check runs
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise OracleError(f"--seed {seed}: expected an integer from 0 to 2^64-1 (a torch generator's seed)")
     census = take_census(ckpt)
     receipts = resolve_receipts(policy_settings(harvest, vt, tau, adapt), census.strategy_dspark, census.confidence is not None)
     if make_oracle is not None:
         if dump is not None or dtype != "auto" or device != "auto":
             raise OracleError("--dump, --dtype and --device apply to a check; --make-oracle computes in float64 on CPU")
-        _make(ckpt, make_oracle, target, DEFAULT_CTX if ctx is None else ctx, 0 if seed is None else seed, receipts, json_out)
+        rows = DEFAULT_CTX if ctx is None else ctx
+        _check_ctx(rows, census.config)
+        _make(ckpt, make_oracle, target, rows, 0 if seed is None else seed, receipts, json_out)
         return
     if ctx is not None or seed is not None:
         raise OracleError("--ctx and --seed apply to --make-oracle only (a check takes its inputs from the oracle)")
@@ -89,13 +98,24 @@ def parity(
 
 
 def _check_out(out: Path, force: bool) -> None:
-    """--make-oracle: a .npz name (what the file is), and the overwrite rule of every output flag."""
-    from memra_cli.engine.files import refuse_existing
+    """--make-oracle: a .npz name (what the file is), and the rule of every output
+    (`files.check_output`: an existing file needs --force; its directory must exist and take a file)."""
+    from memra_cli.engine.files import check_output
     from memra_cli.engine.oracle import OracleError
 
     if out.suffix != ".npz":
         raise OracleError(f"--make-oracle {out}: expected a .npz file name (a memra-oracle/1 file is an .npz)")
-    refuse_existing(out, force, "--make-oracle")
+    check_output(out, "--make-oracle", force=force)
+
+
+def _check_ctx(ctx: int, cfg: Any) -> None:
+    """--ctx: the oracle's positions run 0 .. ctx + block - 1, within the drafter's positions."""
+    from memra_cli.engine.oracle import OracleError
+
+    limit = cfg.max_position_embeddings - cfg.block_size
+    if ctx > limit:
+        raise OracleError(f"--ctx {ctx}: expected at most {limit} (the drafter's max_position_embeddings "
+                          f"{cfg.max_position_embeddings} less its block of {cfg.block_size})")
 
 
 def _check(census: Any, oracle_path: Path, target: Optional[Path], prec: Optional[str], dtype: str, device: str) -> dict:
@@ -121,7 +141,7 @@ def _check(census: Any, oracle_path: Path, target: Optional[Path], prec: Optiona
 def _dump(directory: Path, engine: dict) -> list[str]:
     import numpy as np
 
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(exist_ok=True)  # its parent was checked to exist (check_output)
     written = []
     for path, stages in engine.items():
         for stage, arr in stages.items():
@@ -175,11 +195,11 @@ def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
     report, oracle = result["report"], result["oracle"]
     render.print_receipts(receipts.lines())
     meta, th = oracle.meta, THRESHOLDS[result["policy"]]
-    render.console.print(f"memra parity {oracle_path}  ({meta['source']})", markup=False, soft_wrap=True)
+    render.console.print(f"memra parity {oracle_path}  ({meta['source']})", markup=False, soft_wrap=render.unwrapped(render.console))
     render.console.print(
         f"ctx {oracle.ctx}, block {oracle.block}, anchor {oracle.anchor}; all {oracle.block} block rows compared; "
         f"precision {th.name} ({th.why}); {result['dtype']} on {result['device']}; lm_head from {result['lm_head']}",
-        markup=False, soft_wrap=True,
+        markup=False, soft_wrap=render.unwrapped(render.console),
     )
     if meta.get("harvest") and meta["harvest"] != receipts.harvest.value:
         render.warn(f"oracle made for harvest={meta['harvest']}, receipts say {receipts.harvest.value} "
@@ -200,9 +220,9 @@ def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
     render.console.print(table)
     argmax_rule = "; draft_logits also needs the oracle's argmax on every row that is not a near-tie" if th.argmax_required else ""
     render.console.print(f"pass: rel L2 within its bound{argmax_rule}; markov_tokens: {_bound_words(th)}; "
-                         "max-abs is information, not a criterion", markup=False, soft_wrap=True)
+                         "max-abs is information, not a criterion", markup=False, soft_wrap=render.unwrapped(render.console))
     for line in notes:
-        render.console.print(line, markup=False, soft_wrap=True)
+        render.console.print(line, markup=False, soft_wrap=render.unwrapped(render.console))
     if result.get("dumped"):
         render.console.print(f"dumped {len(result['dumped'])} arrays to {Path(result['dumped'][0]).parent}", markup=False)
     n = len(report.results)
@@ -226,8 +246,8 @@ def _make(ckpt: Path, out: Path, target: Optional[Path], ctx: int, seed: int, re
     render.print_receipts(receipts.lines())
     render.console.print(
         f"wrote {out} (memra-oracle/1): stages {', '.join(meta['stages'])}; ctx {ctx}, block {meta['block_size']}, "
-        f"anchor {meta['anchor_token']}, seed {seed}", markup=False, soft_wrap=True,
+        f"anchor {meta['anchor_token']}, seed {seed}", markup=False, soft_wrap=render.unwrapped(render.console),
     )
-    render.console.print(f"source: {meta['source']}", markup=False, soft_wrap=True)
+    render.console.print(f"source: {meta['source']}", markup=False, soft_wrap=render.unwrapped(render.console))
     for stage, why in (meta.get("omitted") or {}).items():
         render.warn(f"{stage} left out: {why}")

@@ -48,11 +48,11 @@ def quantize(
     receipts = resolve_receipts(policy_settings(harvest, vt, tau, adapt), census.strategy_dspark,
                                 census.confidence is not None)
     if not json_out:
-        render.console.print(f"[bold]memra quantize[/bold] {ckpt} → {out} (policy {policy})", soft_wrap=True)
+        render.console.print(f"[bold]memra quantize[/bold] {ckpt} → {out} (policy {policy})", soft_wrap=render.unwrapped(render.console))
         render.console.print(
             f"source: {census.kind} drafter, {census.config.num_hidden_layers} layers × hidden "
             f"{census.config.hidden_size}, {len(census.tensors)} tensors, {render.human_count(census.n_params)} params, "
-            f"{render.human_bytes(census.n_bytes)} ({census.checkpoint_format})", markup=False, soft_wrap=True)
+            f"{render.human_bytes(census.n_bytes)} ({census.checkpoint_format})", markup=False, soft_wrap=render.unwrapped(render.console))
         render.print_receipts(receipts.lines())
     report = _write(out, ckpt, policy, force, census)
     if json_out:
@@ -100,12 +100,10 @@ def _table(report: Any, render: Any) -> None:
     if console.is_terminal:
         console.print(table)  # names fold to the terminal's width
     else:  # a pipe or a log file gets whole lines (rich would assume 80 columns there)
-        from rich.console import Console
-
-        Console(highlight=False, width=max(console.width, 132)).print(table)
+        render.PipeAwareConsole(highlight=False, width=max(console.width, 132)).print(table)
     types = ", ".join(f"{k}×{v}" for k, v in report.as_json()["totals"]["types"].items())
     console.print(
         f"total: {len(report.rows)} tensors ({types}); {render.human_bytes(report.bytes_before)} → "
         f"{render.human_bytes(report.bytes_after)} of tensors (ratio {report.ratio:.2f}x), file "
-        f"{render.human_bytes(report.file_bytes)}; {report.seconds:.2f} s", markup=False, soft_wrap=True)
-    console.print(f"wrote {report.out}", markup=False, soft_wrap=True)
+        f"{render.human_bytes(report.file_bytes)}; {report.seconds:.2f} s", markup=False, soft_wrap=render.unwrapped(render.console))
+    console.print(f"wrote {report.out}", markup=False, soft_wrap=render.unwrapped(render.console))

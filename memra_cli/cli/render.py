@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from collections import Counter
@@ -10,8 +11,24 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+class PipeAwareConsole(Console):
+    """rich's Console, except that a closed pipe raises BrokenPipeError for the CLI's boundary
+    to end quietly with the closed-pipe code (rich's own answer is exit 1, a failure's code)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "the reader of the output went away")
+
+
+console = PipeAwareConsole(highlight=False)
+err_console = PipeAwareConsole(stderr=True, highlight=False)
+
+
+def unwrapped(target: Console) -> bool:
+    """Whether `target` prints a line as one line: when it is not a terminal (a file or a pipe is
+    read by programs: no breaks added). On a terminal rich wraps at word boundaries, where the
+    terminal itself would break a long line mid-word."""
+    return not target.is_terminal
 
 
 def emit_json(obj: Any) -> None:
@@ -38,16 +55,16 @@ def print_receipts(lines: list[str], to_stderr: bool = False) -> None:
     """The two receipt lines, verbatim (no markup, no highlighting)."""
     target = err_console if to_stderr else console
     for line in lines:
-        target.print(line, markup=False, highlight=False, soft_wrap=True)
+        target.print(line, markup=False, highlight=False, soft_wrap=unwrapped(target))
 
 
 def note(message: str) -> None:
     """An informational line on stderr (defaults applied, files written)."""
-    err_console.print(f"[dim]note:[/dim] {message}", soft_wrap=True, highlight=False)
+    err_console.print(f"[dim]note:[/dim] {message}", soft_wrap=unwrapped(err_console), highlight=False)
 
 
 def warn(message: str) -> None:
-    err_console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=True)
+    err_console.print(f"[yellow]warning:[/yellow] {message}", soft_wrap=unwrapped(err_console))
 
 
 def _kv_table(title: str, rows: list[tuple[str, Any]]) -> Table:
@@ -166,5 +183,5 @@ def generate_summary(mode: str, s: dict) -> None:
     err_console.print(
         f"[{mode}] tokens={s['tokens']} rounds={s['rounds']} tau={s['tau']:.2f} "
         f"acceptance={acceptance} tok/s={tok_s} phase_ms: {phases}",
-        markup=False, highlight=False, soft_wrap=True,
+        markup=False, highlight=False, soft_wrap=unwrapped(err_console),
     )

@@ -90,6 +90,21 @@ def resolve_step_width(value: str | None) -> tuple[int | None, str]:
     return int(text), f"target steps: {int(text)} rows (--step-width)"
 
 
+def check_width_fits(width: int | None, target_dir: Path) -> None:
+    """A fixed step width of at most the target's positions (config.json's
+    max_position_embeddings, top level or `text_config`): a step cannot hold more rows than the
+    model has positions, and each row costs a logits row of the vocabulary."""
+    if width is None:
+        return
+    from memra_cli.engine.formats.config import read_json_object
+
+    raw = read_json_object(target_dir / "config.json")
+    scope = raw["text_config"] if isinstance(raw.get("text_config"), dict) else raw
+    positions = scope.get("max_position_embeddings")
+    if isinstance(positions, int) and width > positions:
+        raise SettingError("step_width", str(width), f"expected at most the target's max_position_embeddings ({positions})")
+
+
 def describe_steps(width: int | None, graphs: bool, plain_only: bool = False) -> str:
     """How a runner's target steps run, in words: `fixed 16-row steps, CUDA graphs on`,
     `one-row steps, CUDA graphs on`, `variable-width steps, eager`; an engine that only decodes
@@ -282,14 +297,20 @@ def drafter_precision(prec: str | None, draft: Path | None):
     if draft is None:
         return None, None, None
     if Path(draft).suffix == ".gguf":
-        from memra_cli.engine.formats.gguf import open_gguf
-
-        written = open_gguf(Path(draft)).policy
-        if prec is not None and prec != written:
-            raise SettingError("prec", prec, f"{draft} is a GGUF written under policy {written} and loads as "
-                               "written (drop the setting, or quantize the source again)")
-        return None, written, "GGUF policy"
+        return None, gguf_policy(prec, Path(draft)), "GGUF policy"
     return (weight_fn_for(prec), prec, "prec setting") if prec is not None else (None, None, None)
+
+
+def gguf_policy(prec: str | None, path: Path) -> str:
+    """The policy a GGUF drafter was written under, which it loads as: `prec` may only repeat
+    it (one refusal for every command that loads a drafter)."""
+    from memra_cli.engine.formats.gguf import open_gguf
+
+    written = open_gguf(path).policy
+    if prec is not None and prec != written:
+        raise SettingError("prec", prec, f"{path} is a GGUF written under policy {written} and loads as "
+                           "written (drop the setting, or quantize the source again)")
+    return written
 
 
 def resolve_precision(prec: str | None, dtype: str, device: Any) -> tuple[str, Any, Any]:
@@ -316,10 +337,8 @@ def load_drafter(census: Census, *, prec: str | None, dtype: str, device: str):
     from memra_cli.engine.models.drafter import Drafter
 
     dev = resolve_device(device)
-    if prec is None and census.checkpoint_format == "gguf":
-        from memra_cli.engine.formats.gguf import open_gguf
-
-        prec = open_gguf(census.path).policy
+    if census.checkpoint_format == "gguf":
+        prec = gguf_policy(prec, Path(census.path))
     policy, dt, weight_fn = resolve_precision(prec, dtype, dev)
     return Drafter.load(census.path, dtype=dt, device=dev, census=census, weight_fn=weight_fn), policy, dt, dev
 
@@ -420,6 +439,7 @@ class Engine:
         dev = resolve_device(cfg.device)
         dt = resolve_dtype(cfg.dtype, dev)
         family = target_family(Path(cfg.target))  # config.json only: graphs are settled before any weight loads
+        check_width_fits(width, Path(cfg.target))
         graphs, draft_graphs, graphs_note = resolve_cuda_graphs(cfg.cuda_graphs, dev, width, cfg.env, family)
         round_graphs, round_note = resolve_round_graphs(graphs, cfg.env)
         pipelined, pipe_note = resolve_pipeline(round_graphs, cfg.env)

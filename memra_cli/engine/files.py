@@ -37,12 +37,50 @@ def publish(tmp: Path | str, path: Path | str) -> None:
     os.replace(tmp, path)
 
 
+class OutputPathError(MemraError):
+    """An output cannot be written where the user asked: its directory is missing, is not a
+    directory, or takes no new file."""
+
+
 def refuse_existing(path: Path, force: bool, flag: str) -> None:
     """The overwrite rule of every output flag: an existing file needs --force."""
     if path.is_dir():
         raise OutputExistsError(f"{flag} {path}: is a directory (expected a file name)")
     if path.exists() and not force:
         raise OutputExistsError(f"{flag} {path}: file exists (pass --force to overwrite)")
+
+
+def check_output(path: Path, flag: str, *, force: bool = False, directory: bool = False) -> None:
+    """The one rule of every output, checked before any work: a file output is a file name (not a
+    directory) and an existing one needs --force; a directory output (`directory=True`) is a
+    directory or a new name, never a file. Either way the directory it goes in must exist (memra
+    creates none but a directory output itself) and must take a new file: probed by creating
+    and removing one, since `os.access` says yes to root anywhere (/sys, a read-only mount)."""
+    path = Path(path)
+    if directory:
+        if path.exists() and not path.is_dir():
+            raise OutputExistsError(f"{flag} {path}: exists and is not a directory (expected a directory)")
+        home = path if path.is_dir() else path.parent
+    else:
+        refuse_existing(path, force, flag)
+        home = path.parent
+    if not home.exists():
+        raise OutputPathError(f"{flag} {path}: directory {home} does not exist (memra creates no directories)")
+    if not home.is_dir():
+        raise OutputPathError(f"{flag} {path}: {home} is not a directory")
+    _probe_writable(home, path, flag)
+
+
+def _probe_writable(home: Path, path: Path, flag: str) -> None:
+    import tempfile
+
+    try:
+        with signals_held():  # created and removed before a signal can leave it behind
+            fd, probe = tempfile.mkstemp(prefix=".memra-probe-", dir=home)
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as exc:
+        raise OutputPathError(f"{flag} {path}: cannot write in {home} ({exc.strerror or exc})") from None
 
 
 _HELD = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))

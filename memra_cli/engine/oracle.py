@@ -199,7 +199,8 @@ def write_oracle(path: Path | str, meta: dict[str, Any], arrays: dict[str, np.nd
     meta_raw = np.array(json.dumps(meta, sort_keys=True))
     arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
     validate(meta_raw, arrays, str(path))
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():  # memra creates no directories for its outputs
+        raise OracleError(f"{path}: directory {path.parent} does not exist")
     tmp = None
     try:
         with signals_held():  # a signal lands once `tmp` is known, so the cleanup below removes the file

@@ -263,7 +263,11 @@ def make_oracle(ckpt_path: Path | str, out_npz: Path | str, target_dir: Path | s
         raise ReferenceError(f"--ctx {ctx}: the context needs at least one row")
     ref = ReferenceDrafter(ckpt_path)
     cfg, census, ckpt = ref.cfg, ref.census, ref.ckpt
-    b, gen = cfg.block_size, torch.Generator().manual_seed(seed)
+    b = cfg.block_size
+    if ctx + b > cfg.max_position_embeddings:  # the positions run 0 .. ctx + b - 1
+        raise ReferenceError(f"--ctx {ctx}: expected at most {cfg.max_position_embeddings - b} (the drafter's "
+                             f"max_position_embeddings {cfg.max_position_embeddings} less its block of {b})")
+    gen = torch.Generator().manual_seed(seed)
     embed, e_src, head, h_src = _tables(census, ckpt, Path(target_dir) if target_dir else None)
     vocab = _vocab(cfg, embed, head, ckpt)
     if head is not None and vocab is not None and census.markov is not None and MARKOV_W1 in ckpt:

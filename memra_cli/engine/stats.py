@@ -30,8 +30,9 @@ class DecodeStats:
         return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
 
     @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def acceptance(self) -> float | None:
+        """accepted / drafted; None when nothing was drafted (no rate to report, not a rate of 0)."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def decode_s(self) -> float:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from memra_cli.engine.errors import MemraError
+from memra_cli.engine.files import check_output
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.qwen3_5 import DEFAULT_LAYER_TYPES, make_tiny_qwen35
 from memra_cli.tiny.target import make_tiny_qwen3
@@ -32,6 +34,11 @@ def main(argv: list[str]) -> int:
         print(USAGE, file=sys.stderr)
         return 2
     out = Path(argv[0])
+    try:  # the rule of every output, before anything is written
+        check_output(out, "OUT_DIR", directory=True)
+    except MemraError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     target = make_tiny_qwen3(out / "target", tokenizer=True)
     make_tiny_draft(out / "dflash", "zlab")
     # taps short of the last layer (3), as the embedded DSpark drafter's are: no load warns about the pair

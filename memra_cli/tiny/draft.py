@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+
+from memra_cli.tiny.target import save_weights
 
 FORMATS = ("zlab", "deepspec", "nested", "projector")
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
@@ -152,5 +153,5 @@ def make_tiny_draft(
     gen = torch.Generator().manual_seed(seed)
     tensors = {k: v.to(dtype).contiguous() for k, v in _tensors(a, gen).items()}
     tensors.update(extra_tensors or {})
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_weights(tensors, out / "model.safetensors")
     return out

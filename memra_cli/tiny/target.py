@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from memra_cli.engine.files import default_mode
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
@@ -115,10 +118,17 @@ def _tensors(a: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]
     return t
 
 
+def save_weights(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """One safetensors file with the permissions of any new file (0666 less the umask), as the
+    config.json beside it gets: safetensors writes its files 0600."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, default_mode())
+
+
 def _save(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
     """model.safetensors, or `shards` files + index.json exactly as HF names them."""
     if shards <= 1:
-        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_weights(tensors, out / "model.safetensors")
         return
     names = list(tensors)
     per = math.ceil(len(names) / shards)
@@ -126,7 +136,7 @@ def _save(out: Path, tensors: dict[str, torch.Tensor], shards: int) -> None:
     for k in range(shards):
         part = names[k * per:(k + 1) * per]
         fname = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in part}, str(out / fname), metadata={"format": "pt"})
+        save_weights({n: tensors[n] for n in part}, out / fname)
         weight_map.update({n: fname for n in part})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

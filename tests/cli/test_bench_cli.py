@@ -110,6 +110,7 @@ def test_table_receipts_and_plot(pair, tmp_path):
     assert "plain is not gated; its stream equalled off's on 2 of 2 prompts" in out
     assert "phases: timed (perf_counter, no device synchronization)" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {png}" in r.stdout.splitlines()  # as quantize and parity say what they wrote
     assert [p.name for p in tmp_path.iterdir()] == ["bench.png"]  # no temp file left behind
 
 

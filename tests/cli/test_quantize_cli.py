@@ -222,9 +222,9 @@ def test_existing_out_needs_force(made, tmp_path):
 
 
 @pytest.mark.parametrize("where,match", [
-    ("missing-dir", "cannot write (no directory"),
+    ("missing-dir", "does not exist (memra creates no directories)"),
     ("under-a-file", "is not a directory"),
-    ("read-only-dir", "cannot write (Permission denied)"),
+    ("read-only-dir", "cannot write in"),
     ("not-gguf", "expected a .gguf file name"),
 ])
 def test_unwritable_out(made, tmp_path, where, match):

@@ -325,7 +325,7 @@ def test_out_refusals(sources, tmp_path):
     (tmp_path / "afile").write_bytes(b"x")
     cases = [
         (tmp_path / "exists.gguf", "file exists (pass --force to overwrite)"),
-        (tmp_path / "missing" / "x.gguf", "cannot write (no directory"),
+        (tmp_path / "missing" / "x.gguf", "does not exist (memra creates no directories)"),
         (tmp_path / "afile" / "x.gguf", "is not a directory"),
         (tmp_path / "x.bin", "expected a .gguf file name"),
         (tmp_path, "expected a .gguf file name"),
@@ -335,7 +335,7 @@ def test_out_refusals(sources, tmp_path):
             write_gguf(out, src, "q8")
         assert match in _one_line(e), out
     (tmp_path / "dir.gguf").mkdir()
-    with pytest.raises(GGUFWriteError, match="it is a directory"):
+    with pytest.raises(GGUFWriteError, match="is a directory"):
         write_gguf(tmp_path / "dir.gguf", src, "q8", overwrite=True)
     assert (tmp_path / "exists.gguf").read_bytes() == b"x"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dir.gguf", "exists.gguf"]

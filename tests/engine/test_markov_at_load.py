@@ -30,3 +30,16 @@ def test_the_bias_table_is_built_by_arm_not_by_the_first_round(monkeypatch):
         out = session.run()
     assert len(out) == 32 and session.stats.drafted > 0
     assert built == []  # the rounds gathered from the table; none built a row
+
+
+def test_the_kernel_seam_builds_its_table_once_at_prepare(monkeypatch):
+    from memra_cli.engine.layers.step_ops import TritonStepOps
+
+    ops = TritonStepOps()
+    built = []
+    real = ops._markov.bias_table
+    monkeypatch.setattr(ops._markov, "bias_table", lambda *a: built.append(1) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    w1, w2 = torch.randn(64, 8, generator=g), torch.randn(64, 8, generator=g)
+    assert ops.prepare_markov(w1, w2, torch.float32) and built == [1]
+    assert ops.prepare_markov(w1, w2, torch.float32) and built == [1]  # kept, keyed by its weights

@@ -301,6 +301,10 @@ def test_write_is_atomic_and_validated(pair, tmp_path):
         write_oracle(tmp_path / "never.npz", meta, {**o.arrays, "hidden_out": o.arrays["hidden_out"][:3]})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.npz"]  # no temp file, no partial oracle
     assert set(OPTIONAL) >= set(o.stages) - {"hidden_out"}
+    # the rule of every output: memra creates no directories
+    with pytest.raises(OracleError, match="directory .*missing does not exist"):
+        write_oracle(tmp_path / "missing" / "o.npz", meta, o.arrays)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.npz"]
 
 
 # --------------------------------------------------------------------------- precision

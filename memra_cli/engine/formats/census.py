@@ -250,6 +250,9 @@ def take_census(path: Path) -> Census:
     if path.is_dir():
         cfg = load_draft_config(path / "config.json")  # config errors before weight errors
         ckpt = open_checkpoint(path)
+    elif path.suffix != ".gguf":  # a lone weights file has no config: its directory is the checkpoint
+        raise ConfigError(f"{path}: expected a drafter checkpoint directory (config.json + safetensors) or a memra "
+                          f".gguf file; for this file's checkpoint give its directory {path.parent}")
     else:
         ckpt = open_checkpoint(path)
         cfg = _config_for(path, ckpt)

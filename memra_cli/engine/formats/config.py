@@ -301,12 +301,27 @@ def _first(*scopes: _Fields | None, key: str) -> _Fields | None:
     return None
 
 
+TARGET_ARCHITECTURE_ENDINGS = ("ForCausalLM", "ForConditionalGeneration")
+
+
+def _refuse_a_target(raw: dict[str, Any], source: str) -> None:
+    """A config.json without a block size that names a causal LM (or a multimodal model) is a
+    target, not a drafter: say so, rather than that `block_size` is missing."""
+    names = [a for a in raw.get("architectures") or [] if isinstance(a, str)]
+    arch = next((a for a in names if a.endswith(TARGET_ARCHITECTURE_ENDINGS)), None)
+    if arch is not None:
+        raise ConfigError(f"{source}: a target model ({arch}, model_type {raw.get('model_type')!r}), not a drafter "
+                          "(a drafter's config.json has block_size and mask_token_id); give it as --target")
+
+
 def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
     """Normalize a drafter config.json (already parsed) into a `DraftConfig`."""
     top = _Fields(raw, source)
     nested = top.obj("dspark_config")
     dflash = top.obj("dflash_config")
     scopes = (nested, dflash, top)
+    if _first(*scopes, key="block_size") is None:
+        _refuse_a_target(raw, source)
 
     def pick(key: str) -> _Fields:
         return _first(*scopes, key=key) or top

@@ -223,19 +223,17 @@ def _unwritable(out: Path, reason: str) -> GGUFWriteError:
 
 
 def check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an --out that is not .gguf, is a directory, exists (unless `overwrite`), or whose
-    directory is missing. (Permissions are checked by creating the temporary file.)"""
+    """Refuse an --out that is not .gguf, or that the rule of every output refuses
+    (`files.check_output`: a directory, an existing file unless `overwrite`, a missing or
+    unwritable directory)."""
+    from memra_cli.engine.files import check_output
+
     if out.suffix != ".gguf":
         raise GGUFWriteError(f"--out {out}: expected a .gguf file name (memra opens GGUF drafters by suffix)")
-    if out.is_dir():
-        raise _unwritable(out, "it is a directory")
-    if out.exists() and not overwrite:
-        raise GGUFWriteError(f"--out {out}: file exists (pass --force to overwrite)")
-    parent = out.parent
-    if not parent.exists():
-        raise _unwritable(out, f"no directory {parent}")
-    if not parent.is_dir():
-        raise _unwritable(out, f"{parent} is not a directory")
+    try:
+        check_output(out, "--out", force=overwrite)
+    except MemraError as exc:
+        raise GGUFWriteError(str(exc)) from None
 
 
 def _umask() -> int:
