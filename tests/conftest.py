@@ -41,3 +41,67 @@ def draft_dir(tmp_path):
         return make_tiny_draft(tmp_path / (name or f"{fmt}-{next(counter)}"), fmt, **kw)
 
     return make
+
+
+# --------------------------------------------------------------------------- test tiers
+#
+# Two tiers (README "Test"): the quick default run, and `--exhaustive`, which runs exactly what
+# the quick run leaves out, so the two together are the whole suite. What is left out:
+# - tests marked `exhaustive` (end-to-end runs through Triton's interpreter whose behaviour
+#   the quick tier already covers piece by piece);
+# - the extra combinations of a test parametrised over several parameters:
+#   the quick tier keeps a covering subset in which every value of every parameter runs at
+#   least once (a kernel configuration, a dtype, a shape), and the exhaustive tier runs the
+#   rest of the cross product.
+
+
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true", default=False,
+                     help="run the exhaustive tier: the tests and parameter combinations the quick default "
+                          "run leaves out (the two runs together are the whole suite)")
+
+
+def _covering_subset(items) -> set[str]:
+    """Node ids of a subset of one test function's parametrised items in which every
+    (parameter, value) pair occurs at least once, picked greedily in collection order."""
+    covered: set[tuple[str, str]] = set()
+    keep: set[str] = set()
+    pending = list(items)
+    while pending:
+        best = max(pending, key=lambda it: len(_pairs(it) - covered))
+        new = _pairs(best) - covered
+        if not new:
+            break
+        covered |= new
+        keep.add(best.nodeid)
+        pending.remove(best)
+    return keep
+
+
+def _pairs(item) -> set[tuple[str, str]]:
+    return {(name, repr(value)) for name, value in item.callspec.params.items()}
+
+
+def _exhaustive_only(items) -> set[str]:
+    """Node ids the quick tier leaves out."""
+    out = {it.nodeid for it in items if it.get_closest_marker("exhaustive")}
+    by_function: dict[tuple[str, str], list] = {}
+    for it in items:
+        callspec = getattr(it, "callspec", None)
+        if callspec is None or len(callspec.params) < 2:
+            continue
+        by_function.setdefault((str(it.path), it.originalname), []).append(it)
+    for group in by_function.values():
+        keep = _covering_subset(group)
+        out |= {it.nodeid for it in group if it.nodeid not in keep}
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    exhaustive = _exhaustive_only(items)
+    want_exhaustive = config.getoption("--exhaustive")
+    selected = [it for it in items if (it.nodeid in exhaustive) == want_exhaustive]
+    deselected = [it for it in items if (it.nodeid in exhaustive) != want_exhaustive]
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected

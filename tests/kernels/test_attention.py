@@ -200,6 +200,7 @@ def test_long_split_matches_ref(dtype, device):
     torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, _scale(hd)), **TOL[dtype])
 
 
+@pytest.mark.exhaustive  # the long split's path is quick in test_long_split_matches_ref / _row_alone_equals_row_in_step
 @pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
 def test_long_split_rows_run_their_own_split(dtype, device):
     """The definition, bit for bit: each row gets what a one-size launch with its own split

@@ -67,6 +67,7 @@ def test_a_step_through_the_kernels_matches_the_torch_ops(target_dir):
     assert ((got - ref).norm() / ref.norm()).item() < LOGIT_TOL
 
 
+@pytest.mark.exhaustive  # quick: test_kernel_step_grouping_and_one_rollback
 @pytest.mark.parametrize("mode,dtype", [("stash", torch.float32), ("replay", torch.bfloat16)], ids=["stash-f32", "replay-bf16"])
 def test_kernel_steps_are_grouping_invariant_and_roll_back_exactly(target_dir, mode, dtype):
     runner = StepRunner(_model(target_dir, TritonStepOps(), mode, dtype), W)
@@ -91,6 +92,29 @@ def test_kernel_steps_are_grouping_invariant_and_roll_back_exactly(target_dir, m
         _same_state(state, fresh)
 
 
+def test_kernel_step_grouping_and_one_rollback(target_dir):
+    """The quick tier's share of the test above: through the kernels (stash rollback, f32), one
+    step of W rows equals the same rows split 3 + 5, and verifying W rows then keeping 3 leaves
+    the state a fresh run of those 3 rows leaves, bit for bit."""
+    runner = StepRunner(_model(target_dir, TritonStepOps(), "stash", torch.float32), W)
+    p, cont = _ids(12, 2), _ids(W, 3)
+    whole, s_whole = _grouped(runner, p, cont, [W])
+    split, s_split = _grouped(runner, p, cont, [3, W - 3])
+    assert torch.equal(split, whole)
+    _same_state(s_split, s_whole)
+    state = runner.new_state(40)
+    runner.prefill(p, state)
+    runner.step(cont, 12, state)
+    state.rollback(12 + 3)
+    fresh = runner.new_state(40)
+    runner.prefill(p, fresh)
+    runner.step(cont[:3], 12, fresh)
+    _same_state(state, fresh)
+    assert torch.equal(runner.step(_ids(2, 4), state.length, state)[0],
+                       runner.step(_ids(2, 4), fresh.length, fresh)[0])
+
+
+@pytest.mark.exhaustive  # quick: the grouping/rollback check below and the hybrid's spec == plain over the torch ops
 def test_speculative_equals_plain_with_the_kernels(target_dir, tmp_path):
     model = _model(target_dir, TritonStepOps(), "replay")
     prompt = _ids(9, 5).tolist()

@@ -55,6 +55,10 @@ WORKER_TIMEOUT_S = 540
 
 CASES: dict[str, tuple] = {}  # name -> (function, argument, relative cost for the shards)
 
+# Compiles every kernel for sm_90 in subprocesses: the exhaustive tier (CI runs it; the quick tier
+# runs every kernel through the interpreter).
+pytestmark = pytest.mark.exhaustive
+
 
 def _case(name, fn, arg=None, cost=1.0):
     CASES[name] = (fn, arg, cost)

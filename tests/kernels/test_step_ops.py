@@ -56,6 +56,7 @@ def test_greedy_and_speculative_streams_with_the_kernels(target_dir, tmp_path):
         assert session.run() == plain
 
 
+@pytest.mark.exhaustive  # the epilogue's own tests (test_dense_linear, test_quant_linear) are quick
 def test_the_swiglu_epilogue_in_a_model_step(target_dir, tmp_path, monkeypatch):
     """With the tiny target's gate/up shape in the dense kernel's table (bf16: the kernel's
     dtypes), every layer's MLP runs the one-launch SwiGLU (dense_linear glu=True): logits stay
@@ -199,6 +200,7 @@ def test_the_round_pack_op_matches_the_torch_op():
         assert torch.equal(TritonStepOps().pack_round(*args), TorchStepOps.pack_round(*args))
 
 
+@pytest.mark.exhaustive  # pipelined rounds run quick over the torch ops (tests/engine/test_step_width.py), settle's kernel in test_settle.py
 def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch):
     """Plain and speculative rounds queued one ahead of the host, settled on the device by the
     settle kernel (through the interpreter; graph capture replaced by an eager stand-in as in
