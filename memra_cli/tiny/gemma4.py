@@ -12,7 +12,8 @@
 The same `seed` gives the same text weights in every layout. Switches: sliding window, k_eq_v,
 per-layer inputs (`ple`), KV-shared layers (`shared`, double-wide MLP), softcap, tied or not.
 Weights are random but scaled so greedy streams wander: projections ~1/sqrt(fan_in), norms near 1,
-layer scalars near 1, embeddings of std 1/sqrt(hidden) (the model scales them by sqrt(hidden)).
+layer scalars near 1, embeddings of std 0.5/sqrt(hidden) (the model scales them by sqrt(hidden):
+the scaled rows stay below the normed layer outputs, so a tied head does not echo the last token).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _tensors(a: dict[str, Any], gen: torch.Generator, prefix: str) -> dict[str, 
     def norm(d: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(d, generator=gen)
 
-    t = {prefix + "embed_tokens.weight": torch.randn(a["vocab"], h, generator=gen) / h ** 0.5 * 2.0,
+    t = {prefix + "embed_tokens.weight": torch.randn(a["vocab"], h, generator=gen) / h ** 0.5 * 0.5,
          prefix + "norm.weight": norm(h)}
     for i in range(n):
         hd, kv, owns, k_eq_v, inter = _layer_shape(a, i)
