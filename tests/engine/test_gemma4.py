@@ -352,3 +352,28 @@ def test_published_defaults_are_noted():
     assert cfg.head_dims == (8,) * 5 + (512,) and cfg.kv_heads == (2,) * 6
     assert cfg.rope["full_attention"].type == "proportional" and cfg.rope["full_attention"].partial_rotary_factor == 0.25
     assert len(cfg.notes) == 3 and any("global_head_dim absent" in n for n in cfg.notes)
+
+
+# --------------------------------------------------------------------------- the GPU benchmark's pieces
+
+
+def test_gemma4_step_benchmark_pieces_on_cpu():
+    """benchmarks/gpu/gemma4_step.py (run on the H200 through target_step.py --shape gemma4-31b):
+    its config is the 31B's layout, its random target steps, and its byte counts are the state's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "gemma4_step.py"
+    spec = importlib.util.spec_from_file_location("gemma4_step", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    big = mod.gemma4_config(mod.GEMMA4_31B)
+    assert big.layer_types.count("full_attention") == 10 and big.head_dims[5] == 512 and big.kv_heads[5] == 4
+    assert big.head_dims[0] == 256 and big.kv_heads[0] == 16 and big.k_eq_v(5) and not big.k_eq_v(0)
+    target = mod.random_gemma4(mod.SMALL, torch.float32, torch.device("cpu"))
+    assert mod.matmul_chain(target, 16)().shape == (16, 512)
+    state = target.new_state(100)
+    assert state.nbytes == mod.kv_bytes(target, 100)
+    logits, _ = StepRunner(target, WIDTH).step(torch.arange(20), 0, state)
+    assert logits.shape == (20, 512) and torch.isfinite(logits).all()
+    assert logits.abs().max() <= 30.0  # the softcap
