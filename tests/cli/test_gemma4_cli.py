@@ -98,3 +98,24 @@ def test_bad_configs_are_one_error_line(tiny, tmp_path, change, want):
     (bad / "config.json").write_text(json.dumps(cfg))
     line = one_error_line(run("generate", "--target", bad, "--prompt-ids", IDS, "--max-new", "4", "--spec", "off"))
     assert want in line and str(bad / "config.json") in line
+
+
+def test_parity_reads_the_gemma_tables(tiny, tmp_path):
+    """`memra parity --make-oracle` takes the noise rows and lm_head from a Gemma target (the raw
+    embedding table; the multimodal checkpoint's under model.language_model.), and the drafter passes."""
+    from memra_cli.tiny.gemma4 import make_tiny_gemma4
+
+    target, draft = tiny
+    mm = make_tiny_gemma4(tmp_path / "mm", layout="multimodal")
+    for t in (target, mm):
+        oracle = tmp_path / f"{t.name}.npz"
+        made = run("parity", draft, "--make-oracle", oracle, "--target", t)
+        assert made.exit_code == 0, made.output
+        r = run("parity", draft, oracle, "--target", t)
+        assert r.exit_code == 0 and "parity PASS" in r.stdout, r.output
+    # a drafter whose hidden size differs from the target's: one error line
+    from memra_cli.tiny.draft import make_tiny_draft
+
+    narrow = make_tiny_draft(tmp_path / "narrow", "zlab", hidden=32, target_layer_ids=(-1, 1, 2), num_target_layers=5)
+    line = one_error_line(run("generate", "--target", target, "--draft", narrow, "--prompt-ids", IDS, "--max-new", "4"))
+    assert "drafter hidden_size 32" in line and "!= target hidden_size 64" in line
