@@ -131,7 +131,8 @@ def _eos_ids(f: _Fields) -> tuple[int, ...]:
 def _layer_types(f: _Fields, n_layers: int, notes: list[str]) -> tuple[str, ...]:
     raw = f.raw.get("layer_types")
     if raw is None:
-        notes.append(f"layer_types absent: every {DEFAULT_PATTERN}th layer full, the rest sliding (transformers' default)")
+        notes.append(f"layer_types absent: every {DEFAULT_PATTERN}th layer full, the rest sliding "
+                     "(transformers' default)")
         types = [SLIDING if (i + 1) % DEFAULT_PATTERN else FULL for i in range(n_layers)]
         types[-1] = FULL
         return tuple(types)
@@ -159,7 +160,8 @@ def _rope(f: _Fields, layer_types: tuple[str, ...], notes: list[str]) -> dict:
     for kind in sorted(set(layer_types)):
         p = params.obj(kind)
         if p is None:
-            raise ConfigError(f"{f.source}: required key '{params.prefix}{kind}' is missing (each layer type has its rope)")
+            raise ConfigError(f"{f.source}: required key '{params.prefix}{kind}' is missing "
+                              "(each layer type has its rope)")
         rtype = p.str("rope_type", default="default")
         if rtype not in ROPE_TYPES:
             raise UnsupportedError(f"{f.source}: {p.prefix}rope_type={rtype!r} is not implemented for Gemma 4 "
@@ -208,7 +210,8 @@ def _refusals(f: _Fields) -> None:
                                "is not implemented (dense Gemma 4 only; it belongs to the MoE work)")
     act = f.str("hidden_activation", default="gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
-        raise UnsupportedError(f"{f.source}: {f.prefix}hidden_activation={act!r} is not implemented (gelu_pytorch_tanh only)")
+        raise UnsupportedError(f"{f.source}: {f.prefix}hidden_activation={act!r} is not implemented "
+                               "(gelu_pytorch_tanh only)")
     if f.bool("attention_bias", default=False):
         raise UnsupportedError(f"{f.source}: {f.prefix}attention_bias=true is not implemented for Gemma 4")
     if f.str("use_bidirectional_attention", default=None) == "all":

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 TEXT_PREFIXES = ("model.language_model.", "model.")
 # the multimodal checkpoint's towers and their projections into the text model: recognized, skipped
 SKIPPED_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 # --------------------------------------------------------------------------- pieces
@@ -105,8 +106,7 @@ def expected_shapes(cfg: Gemma4Config, prefix: str) -> dict[str, tuple[int, ...]
                        p + "self_attn.q_norm.weight": (hd,), p + "layer_scalar": (1,),
                        p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
                        p + "mlp.down_proj.weight": (h, inter)})
-        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                     "post_feedforward_layernorm"):
+        for norm in LAYER_NORMS:
             shapes[p + norm + ".weight"] = (h,)
         if src[i] == i:
             shapes[p + "self_attn.k_proj.weight"] = (kv * hd, h)
@@ -161,8 +161,7 @@ class _Loader:
         return LayerWeights(
             wqkv=torch.cat(qkv), wo=self.get(a + "o_proj.weight"), q_norm=self.get(a + "q_norm.weight"),
             k_norm=self.opt(a + "k_norm.weight"),
-            norms=tuple(self.get(p + n + ".weight") for n in ("input_layernorm", "post_attention_layernorm",
-                                                              "pre_feedforward_layernorm", "post_feedforward_layernorm")),
+            norms=tuple(self.get(p + n + ".weight") for n in LAYER_NORMS),
             w_gate_up=torch.cat([self.get(m + "gate_proj.weight"), self.get(m + "up_proj.weight")]),
             w_down=self.get(m + "down_proj.weight"), layer_scalar=self.get(p + "layer_scalar"),
             ple_gate=self.opt(p + "per_layer_input_gate.weight"), ple_proj=self.opt(p + "per_layer_projection.weight"),
@@ -198,7 +197,9 @@ class Gemma4Target(TargetBase):
         self.kv_source = cfg.kv_source
         # transformers keeps the scale as a float32 buffer and casts it to the weights' dtype
         self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5).to(self.dtype))
+        # 0-dim scales in the model dtype (host scalars: a captured graph keeps them as constants)
         self._scale_t = torch.tensor(cfg.hidden_size ** 0.5).to(self.dtype)
+        self._ple_scale_t = torch.tensor(cfg.hidden_size_per_layer_input ** 0.5).to(self.dtype)
         self._rope = {kind: RopeTables(rope_inv_freq(cfg.rope[kind], self._type_head_dim(kind)), 1.0)
                       for kind in cfg.rope}
         self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -294,7 +295,7 @@ class Gemma4Target(TargetBase):
         if self.ple is None:
             return None
         t, n, d = ids.shape[0], self.cfg.num_hidden_layers, self.cfg.hidden_size_per_layer_input
-        token = self.step_ops.embed(ids, self.ple.embed) * torch.tensor(d ** 0.5).to(self.dtype)
+        token = self.step_ops.embed(ids, self.ple.embed) * self._ple_scale_t
         context = self.step_ops.linear(x, self.ple.proj) * self.cfg.hidden_size ** -0.5
         context = gemma_rms_norm(context.view(t, n, d), self.ple.norm, self.cfg.rms_norm_eps)
         return (context + token.view(t, n, d)) * 2.0 ** -0.5
@@ -328,7 +329,8 @@ class Gemma4Target(TargetBase):
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """q `[t, nh, hd]` (normed, roped); a layer owning its K/V also writes normed, roped k and
         the unweighted-normed v (k_eq_v: v is the raw key projection) at `positions`."""
-        t, nh, hd, nkv, eps = h.shape[0], self.n_heads, self.cfg.head_dims[li], self.cfg.kv_heads[li], self.cfg.rms_norm_eps
+        t, nh, eps = h.shape[0], self.n_heads, self.cfg.rms_norm_eps
+        hd, nkv = self.cfg.head_dims[li], self.cfg.kv_heads[li]
         proj = self.step_ops.linear(h, w.wqkv)
         q = apply_rope(gemma_rms_norm(proj[:, :nh * hd].view(t, nh, hd), w.q_norm, eps), cos, sin)
         if self.kv_source[li] == li:
@@ -366,8 +368,8 @@ class Gemma4Target(TargetBase):
 def _load_note(path: Path, cfg: Gemma4Config, loader: _Loader) -> str:
     """What was loaded and what was applied, for receipts (logged)."""
     names = set(loader.ckpt.tensors)
-    skipped = sum(1 for n in names if n.startswith(SKIPPED_PREFIXES))
-    extra = sorted(names - set(loader.shapes) - {"lm_head.weight"} - {n for n in names if n.startswith(SKIPPED_PREFIXES)})
+    towers = {n for n in names if n.startswith(SKIPPED_PREFIXES)}
+    extra = sorted(names - set(loader.shapes) - {"lm_head.weight"} - towers)
     n_full = sum(1 for t in cfg.layer_types if t == FULL)
     note = (f"Gemma 4 target {path}: {cfg.layout} layout (model_type {cfg.model_type}, text weights under "
             f"{loader.prefix}), {cfg.num_hidden_layers} layers = {cfg.num_hidden_layers - n_full} sliding "
@@ -376,7 +378,7 @@ def _load_note(path: Path, cfg: Gemma4Config, loader: _Loader) -> str:
             + (f", softcap {cfg.final_logit_softcapping}" if cfg.final_logit_softcapping else "")
             + (f", {cfg.num_kv_shared_layers} KV-shared layers" if cfg.num_kv_shared_layers else "")
             + (f", per-layer inputs of {cfg.hidden_size_per_layer_input}" if cfg.hidden_size_per_layer_input else "")
-            + f"; skipped {skipped} vision/audio tensor(s)")
+            + f"; skipped {len(towers)} vision/audio tensor(s)")
     if cfg.notes:
         note += "; defaults applied: " + "; ".join(cfg.notes)
     log.info("%s", note)
