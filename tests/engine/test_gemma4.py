@@ -175,17 +175,20 @@ def test_taps_are_hf_hidden_states(models, variant):
     assert rel_err(last, ref[-1][0]) < 1e-5
 
 
+@pytest.mark.parametrize("width", [None, WIDTH], ids=["forward", "static-16"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_several_row_steps_match_full_sequence(models, variant):
-    """Verify-sized steps whose rows straddle the window edge see exactly their window."""
+def test_several_row_steps_match_full_sequence(models, variant, width):
+    """Verify-sized steps whose rows straddle the window edge see exactly their window, through
+    the eager forward and through fixed 16-row static steps (padding rows included)."""
     target, hf = models[variant]
+    runner = StepRunner(target, width)
     ids = prompt(90, 5)
     ref = hf_out(hf, ids).logits[0]
-    state = target.new_state(len(ids))
+    state = target.new_state(len(ids) + WIDTH)
     rows, start = [], 0
     for chunk in (11, 1, 1, 6, 1, 16, 3, 9, 1, 25, 16):
-        hidden, _ = target.forward(torch.tensor(ids[start:start + chunk]), start, state)
-        rows.append(target.logits(hidden))
+        logits, _ = runner.step(torch.tensor(ids[start:start + chunk]), start, state)
+        rows.append(logits)
         start += chunk
     assert start == len(ids) and rel_err(torch.cat(rows), ref) < 1e-5
 
