@@ -378,6 +378,9 @@ def test_published_defaults_are_noted():
     assert cfg.head_dims == (8,) * 5 + (512,) and cfg.kv_heads == (2,) * 6
     assert cfg.rope["full_attention"].type == "proportional" and cfg.rope["full_attention"].partial_rotary_factor == 0.25
     assert len(cfg.notes) == 3 and any("global_head_dim absent" in n for n in cfg.notes)
+    # per-layer inputs: absent -> transformers' 256; an explicit null (published large configs) -> none
+    assert cfg.hidden_size_per_layer_input == 256
+    assert parse_gemma4_config({**raw, "hidden_size_per_layer_input": None}, "c").hidden_size_per_layer_input == 0
 
 
 # --------------------------------------------------------------------------- the GPU benchmark's pieces

@@ -204,6 +204,15 @@ def _head_shapes(f: _Fields, layer_types, head_dim: int, n_kv: int, k_eq_v: bool
     return tuple(dims), tuple(kvs), "global_head_dim"
 
 
+def _ple_width(f: _Fields) -> int:
+    """`hidden_size_per_layer_input`: absent means transformers' default 256; an explicit null (which
+    some exports of the large variants write, and transformers 5.25's strict config rejects) means
+    none, as the modeling code's truth test of the value reads it."""
+    if "hidden_size_per_layer_input" in f.raw and f.raw["hidden_size_per_layer_input"] is None:
+        return 0
+    return f.int("hidden_size_per_layer_input", default=256, minimum=0)
+
+
 def _refusals(f: _Fields) -> None:
     if f.bool("enable_moe_block", default=False):
         raise UnsupportedError(f"{f.source}: {f.prefix}enable_moe_block=true: the Gemma 4 mixture-of-experts block "
@@ -269,7 +278,7 @@ def parse_gemma4_config(raw: dict[str, Any], source: str) -> Gemma4Config:
         num_attention_heads=n_heads, layer_types=layer_types,
         sliding_window=f.int("sliding_window", default=512), head_dims=dims, kv_heads=kvs,
         rope=_rope(f, layer_types, notes), attention_k_eq_v=k_eq_v, final_logit_softcapping=softcap,
-        hidden_size_per_layer_input=f.int("hidden_size_per_layer_input", default=256, minimum=0),
+        hidden_size_per_layer_input=_ple_width(f),
         vocab_size_per_layer_input=f.int("vocab_size_per_layer_input", default=262_144),
         num_kv_shared_layers=shared, use_double_wide_mlp=f.bool("use_double_wide_mlp", default=False),
         rms_norm_eps=f.float("rms_norm_eps", default=1e-6),
