@@ -6,8 +6,7 @@ heads, a -1 tap), all mutually compatible; and OUT_DIR/qwen3_5 (a Qwen3.5 hybrid
 DeltaNet + gated attention, in the published multimodal layout, with the same tokenizer) with
 OUT_DIR/qwen3_5_dflash (a z-lab DFlash drafter tapping it); and OUT_DIR/gemma4 (a Gemma 4 text target:
 sliding + full layers, k_eq_v, softcap, tied head, with the same tokenizer) with OUT_DIR/gemma4_dflash
-(a z-lab DFlash drafter tapping it). Random weights: for exercising the
-tools, not for acceptance.
+(a z-lab DFlash drafter tapping it). Random weights: for exercising the tools, not for acceptance.
 """
 
 from __future__ import annotations
