@@ -22,6 +22,9 @@ Prints and writes (``--json``, default ``$OUT/h200-target-step.json``):
 
     python benchmarks/gpu/target_step.py [--contexts 512,4096,32768] [--sweep-lengths 512,4096]
         [--sweep-prompts 3] [--sweep-tokens 64] [--json OUT.json]
+
+``--shape gemma4-31b`` times the Gemma 4 31B text shape instead (gemma4_step.py: its step with
+the torch step ops, the matmul chain and HBM read floors, peak memory).
 """
 
 from __future__ import annotations
@@ -238,7 +241,15 @@ def main() -> None:
     p.add_argument("--dense-all", type=Path, default=None,
                    help="a dense_linear_sweep.py --json report: variants with an 'all' part put every shape it "
                         "swept on the kernel at its best tiles; a 'pfN' part sets dense_linear.PDL_PREFETCH = N")
+    p.add_argument("--shape", default="qwen3-8b", choices=("qwen3-8b", "gemma4-31b"),
+                   help="gemma4-31b: the Gemma 4 31B text shape's step and floors only (gemma4_step.py)")
     a = p.parse_args()
+    if a.shape == "gemma4-31b":
+        import gemma4_step
+
+        json_out = a.json if "--json" in sys.argv else a.json.with_name("h200-gemma4-31b-step.json")
+        gemma4_step.measure([int(c) for c in a.contexts.split(",")], json_out, sys.modules[__name__])
+        return
     from memra_kernels import dense_linear as _dense
 
     if a.dense_tuned:

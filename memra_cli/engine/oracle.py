@@ -522,21 +522,25 @@ def parity(drafter: Any, oracle: Oracle, lm_head: Any, policy: str) -> ParityRep
 
 def target_tables(target_dir: Path, dtype: Any, device: Any, hidden: int, embed: bool = True) -> tuple[Any, Any]:
     """(embed [V, hidden] or None, lm_head [V, hidden]) of an HF target, without loading its
-    layers: Qwen3 (`model.embed_tokens.weight`) or Qwen3.5 in either layout (the multimodal one
-    keeps the text model under `model.language_model.`). lm_head is the embedding when
-    tie_word_embeddings is set, as HF ties it."""
+    layers: Qwen3 (`model.embed_tokens.weight`), Qwen3.5 or Gemma 4 in either layout (the
+    multimodal ones keep the text model under `model.language_model.`). lm_head is the embedding
+    when tie_word_embeddings is set, as HF ties it; a Gemma embedding is the raw table (unscaled)."""
     from memra_cli.engine.formats.checkpoint import open_checkpoint
     from memra_cli.engine.formats.config import load_target_config, read_json_object
+    from memra_cli.engine.formats.gemma4_config import MODEL_TYPES as GEMMA4_TYPES
+    from memra_cli.engine.formats.gemma4_config import load_gemma4_config
     from memra_cli.engine.formats.qwen3_5_config import MODEL_TYPES as QWEN35_TYPES
     from memra_cli.engine.formats.qwen3_5_config import load_qwen35_config, text_prefix
 
     target_dir = Path(target_dir)
-    hybrid = target_dir.is_dir() and read_json_object(target_dir / "config.json").get("model_type") in QWEN35_TYPES
-    cfg = load_qwen35_config(target_dir) if hybrid else load_target_config(target_dir)
+    model_type = read_json_object(target_dir / "config.json").get("model_type") if target_dir.is_dir() else None
+    hybrid, gemma = model_type in QWEN35_TYPES, model_type in GEMMA4_TYPES
+    cfg = (load_qwen35_config(target_dir) if hybrid else load_gemma4_config(target_dir) if gemma
+           else load_target_config(target_dir))
     if cfg.hidden_size != hidden:
         raise OracleError(f"{cfg.source}: target hidden_size {cfg.hidden_size} does not match the drafter's {hidden}")
     ckpt = open_checkpoint(target_dir)
-    prefix = text_prefix(ckpt.tensors, ckpt.root) if hybrid else "model."
+    prefix = text_prefix(ckpt.tensors, ckpt.root) if hybrid or gemma else "model."
     table = ckpt.load(prefix + "embed_tokens.weight", dtype, device) if embed or cfg.tie_word_embeddings else None
     head = table if cfg.tie_word_embeddings else ckpt.load("lm_head.weight", dtype, device)
     return table, head

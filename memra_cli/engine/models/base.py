@@ -84,10 +84,18 @@ def _qwen3_5():
     return Qwen35Target
 
 
+def _gemma4():
+    from memra_cli.engine.models.gemma4 import Gemma4Target
+
+    return Gemma4Target
+
+
 # config.json `model_type` -> loader of the class (imported on demand: one family's deps never
 # load for another's). qwen3_5 is the published multimodal layout (its text model is loaded),
 # qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM.
-MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_5": _qwen3_5, "qwen3_5_text": _qwen3_5}
+# gemma4 is the multimodal layout (its language model is loaded), gemma4_text Gemma4ForCausalLM's.
+MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_5": _qwen3_5, "qwen3_5_text": _qwen3_5,
+                  "gemma4": _gemma4, "gemma4_text": _gemma4}
 
 # recognized model types that are refused by name (rather than as unknown)
 REFUSED_FAMILIES = {

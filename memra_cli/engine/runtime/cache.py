@@ -50,3 +50,31 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+
+class LayerKVCache:
+    """Static K/V for one session of a model whose layers differ in K/V shape (Gemma 4: sliding
+    and full layers with their own head dims and head counts, KV-shared layers with none).
+
+    `kv[l]` is layer l's `[2, n_kv_l, max_len, head_dim_l]`, or None for a layer that reads
+    another's. Bookkeeping is `KVCache`'s: `length` only (a sliding layer keeps every position;
+    its window is the attention mask's), so rollback and commit only move it.
+    """
+
+    host_bookkeeping = True
+    round_graphs_ok = True
+
+    def __init__(self, shapes: list[tuple[int, int] | None], max_len: int, dtype: torch.dtype, device: torch.device):
+        self.kv = [None if s is None else torch.zeros(2, s[0], max_len, s[1], dtype=dtype, device=device)
+                   for s in shapes]
+        self.max_len = max_len
+        self.length = 0
+        self.graphs: dict = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv if t is not None)
+
+    rollback = KVCache.rollback
+    commit = KVCache.commit
+    reset = KVCache.reset

@@ -1,0 +1,123 @@
+"""The Gemma 4 target step against its floor, in one process (random weights, bf16 on CUDA):
+`python benchmarks/gpu/target_step.py --shape gemma4-31b [--contexts 512,4096,32768] [--json OUT]`.
+
+The 31B text shape (`GEMMA4_31B`) is google/gemma-4-31b-it's published text_config: hidden 5376,
+60 layers in a 5 sliding : 1 full pattern, 32 query heads, 16 KV heads of 256 on sliding layers,
+4 KV heads of 512 on full ones with attention_k_eq_v, MLP 21504, vocab 262144, window 1024, final
+softcap 30, tied embeddings, no per-layer inputs or KV sharing (the values several public configs
+and test fixtures of Gemma 4 runtimes carry; hidden 5376 is also the reference engine's drafter).
+
+Prints and writes: the cuBLAS matmul chain of one 16-row step (graphed), the HBM read floor
+(weights + live K/V once at the measured copy bandwidth), the graphed fixed-width step with the
+torch step ops as plain decode (1 real row of 16) and as a 16-row verify at each live context,
+and peak GPU memory. The family runs its norms, rope and attention in torch on every device
+(docs/gemma4.md); `small=True` is the CPU smoke test's shape.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from memra_cli.engine.formats.gemma4_config import FULL, SLIDING, parse_gemma4_config
+from memra_cli.engine.models.gemma4 import Gemma4Target, LayerWeights
+
+GEMMA4_31B = dict(vocab=262144, hidden=5376, layers=60, heads=32, kv=16, hd=256, global_kv=4, global_hd=512,
+                  ffn=21504, window=1024, softcap=30.0)
+SMALL = dict(vocab=512, hidden=128, layers=6, heads=4, kv=2, hd=32, global_kv=1, global_hd=64, ffn=256,
+             window=64, softcap=30.0)
+
+
+def gemma4_config(s: dict):
+    """The Gemma 4 text config of shape `s` (published key layout)."""
+    types = [SLIDING if (i + 1) % 6 else FULL for i in range(s["layers"])]
+    raw = {"model_type": "gemma4_text", "vocab_size": s["vocab"], "hidden_size": s["hidden"],
+           "intermediate_size": s["ffn"], "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"],
+           "num_key_value_heads": s["kv"], "head_dim": s["hd"], "global_head_dim": s["global_hd"],
+           "num_global_key_value_heads": s["global_kv"], "attention_k_eq_v": True, "sliding_window": s["window"],
+           "layer_types": types, "final_logit_softcapping": s["softcap"], "hidden_size_per_layer_input": 0,
+           "max_position_embeddings": 262144, "tie_word_embeddings": True,
+           "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 1e4},
+                               FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}}
+    return parse_gemma4_config(raw, f"random-gemma4-{s['hidden']}")
+
+
+def random_gemma4(s: dict, dtype: torch.dtype, device: torch.device) -> Gemma4Target:
+    """A Gemma4Target of shape `s` with random weights (~1/sqrt(fan_in) projections, unit norms)."""
+    cfg = gemma4_config(s)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g, device=device, dtype=torch.float32) * std).to(dtype)
+
+    ones = lambda n: torch.ones(n, dtype=dtype, device=device)  # noqa: E731
+    h, nh, layers = cfg.hidden_size, cfg.num_attention_heads, []
+    for i in range(cfg.num_hidden_layers):
+        hd, kv = cfg.head_dims[i], cfg.kv_heads[i]
+        rows = (nh + kv * (1 if cfg.k_eq_v(i) else 2)) * hd
+        layers.append(LayerWeights(rnd(rows, h), rnd(h, nh * hd), ones(hd), ones(hd), (ones(h),) * 4,
+                                   rnd(2 * cfg.intermediate(i), h), rnd(h, cfg.intermediate(i)), ones(1),
+                                   None, None, None))
+    embed = rnd(cfg.vocab_size, h, std=1.0)
+    return Gemma4Target(cfg, embed, layers, ones(h), embed)
+
+
+def kv_bytes(target: Gemma4Target, ctx: int) -> int:
+    """Live K/V bytes at context `ctx` (every layer owns its K/V in the 31B shape)."""
+    cfg = target.cfg
+    return sum(2 * cfg.kv_heads[i] * cfg.head_dims[i] * ctx * target.dtype.itemsize for i in range(cfg.num_hidden_layers))
+
+
+def weight_bytes(target: Gemma4Target) -> int:
+    return sum(t.numel() * t.element_size() for w in target.layers for t in (w.wqkv, w.wo, w.w_gate_up, w.w_down)) \
+        + target.lm_head_weight.numel() * target.dtype.itemsize
+
+
+def matmul_chain(target: Gemma4Target, rows: int):
+    """Every weight matmul of one `rows`-row step, as one callable (inputs allocated once)."""
+    dev, dt, h = target.device, target.dtype, target.hidden_size
+    x = torch.randn(rows, h, dtype=dt, device=dev)
+    ins = [(torch.randn(rows, w.wo.shape[1], dtype=dt, device=dev), torch.randn(rows, w.w_down.shape[1], dtype=dt,
+                                                                                device=dev)) for w in target.layers]
+
+    def chain():
+        for w, (attn, act) in zip(target.layers, ins):
+            F.linear(x, w.wqkv)
+            F.linear(attn, w.wo)
+            F.linear(x, w.w_gate_up)
+            F.linear(act, w.w_down)
+        return F.linear(x, target.lm_head_weight)
+
+    return chain
+
+
+def measure(contexts: list[int], out_path, helpers) -> dict:
+    """The CUDA run (`helpers`: target_step's graph_ms / replay_ms / copy_gbps / step_ms)."""
+    from memra_cli.engine.api import Engine
+
+    W = 16
+    out: dict = {"shape": "gemma4-31b", "config": GEMMA4_31B, "dtype": "bfloat16",
+                 "device": torch.cuda.get_device_name(), "step_width": W, "step_ops": "torch",
+                 "command": "python benchmarks/gpu/target_step.py " + " ".join(sys.argv[1:])}
+    with torch.inference_mode():
+        target = random_gemma4(GEMMA4_31B, torch.bfloat16, torch.device("cuda"))
+        bw = helpers.copy_gbps()["used"]
+        chain = helpers.graph_ms(matmul_chain(target, W))
+        wb = weight_bytes(target)
+        out.update(copy_gbps=bw, matmul_chain_ms=chain, weight_bytes=wb,
+                   floor_ms={str(c): chain + kv_bytes(target, c) / bw / 1e6 for c in contexts},
+                   hbm_read_floor_ms={str(c): (wb + kv_bytes(target, c)) / bw / 1e6 for c in contexts})
+        engine = Engine.from_model(target, step_width=W, cuda_graphs=True)
+        out["plain_ms"], out["verify16_ms"], out["peak_gib"] = {}, {}, {}
+        for c in contexts:
+            plain, _ = helpers.step_ms(engine, c, 1)
+            verify, peak = helpers.step_ms(engine, c, W)
+            out["plain_ms"][str(c)], out["verify16_ms"][str(c)], out["peak_gib"][str(c)] = plain, verify, peak
+            print(f"ctx {c}: plain {plain:.3f} ms (floor {out['floor_ms'][str(c)]:.3f}, HBM read floor "
+                  f"{out['hbm_read_floor_ms'][str(c)]:.3f}), verify16 {verify:.3f} ms, peak {peak:.1f} GiB")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(out, indent=2) + "\n")
+    return out

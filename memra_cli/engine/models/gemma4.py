@@ -1,0 +1,392 @@
+"""Gemma 4 dense text model (HF `model_type: gemma4_text`, and `gemma4`'s language model) for
+inference: prefill, verify, taps. The switches and what is covered: docs/gemma4.md.
+
+Per layer, as `transformers.Gemma4TextDecoderLayer` (5.25) computes it:
+
+    h = attn(norm_in(x));            x = x + norm_post_attn(h)
+    h = mlp(norm_pre_ff(x));         x = x + norm_post_ff(h)       (GELU-tanh MLP)
+    [per-layer input]                x = x + norm_ple(proj(gelu(gate(x)) * ple_i))
+    x = x * layer_scalar
+
+Attention: q/k RMSNorm (weighted), v RMSNorm without weight, rope per layer type (sliding:
+default; full: proportional), scaling 1.0; sliding layers see the last `sliding_window` positions
+(query p attends keys j with p - window < j <= p), full layers every earlier one. Full layers may
+have their own head dim and KV heads, and with `attention_k_eq_v` take V from the key projection
+(before its norm and rope). The last `num_kv_shared_layers` layers project only q and attend over
+the K/V of the last earlier layer of their type. Norms are Gemma 4's: `x * (ms + eps)^-0.5 * w`
+all in float32, then cast (no `1 + w`). The embedding is scaled by sqrt(hidden) (the scale cast to
+the model dtype first, as transformers does); the lm_head is the embedding when tied, and the
+logits are soft-capped by `final_logit_softcapping`.
+
+Only weight matmuls (`step_ops.linear`) and the embedding gather go through the step-op seam:
+the fused Triton ops assume Qwen's norm order, no windows and no v norm, so this family computes
+its norms, rope and attention in torch on every device (see docs/gemma4.md, "Kernels").
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from memra_cli.engine.errors import CheckpointError
+from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
+from memra_cli.engine.formats.gemma4_config import FULL, SLIDING, Gemma4Config, Gemma4Rope, load_gemma4_config
+from memra_cli.engine.layers.ops import sdpa
+from memra_cli.engine.layers.rope import RopeTables, apply_rope, cos_sin
+from memra_cli.engine.layers.step_ops import TorchStepOps
+from memra_cli.engine.models.common import TargetBase
+from memra_cli.engine.runtime.cache import LayerKVCache
+
+log = logging.getLogger(__name__)
+
+TEXT_PREFIXES = ("model.language_model.", "model.")
+# the multimodal checkpoint's towers and their projections into the text model: recognized, skipped
+SKIPPED_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+# --------------------------------------------------------------------------- pieces
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma 4's RMSNorm over the last axis: `x * (mean(x^2) + eps)^-0.5 [* w]`, all in float32,
+    then cast to x's dtype (`weight` None: the unweighted v norm)."""
+    xf = x.float()
+    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        out = out * weight.float()
+    return out.to(x.dtype)
+
+
+def rope_inv_freq(rope: Gemma4Rope, head_dim: int) -> torch.Tensor:
+    """inv_freq `[head_dim/2]` float32 of one layer type. `proportional`: the first
+    `int(partial * head_dim // 2)` frequencies `theta^(-2i/head_dim)` (exponents over the FULL
+    head dim), the rest 0 (cos 1, sin 0: those dim pairs pass through), all divided by `factor`."""
+    if rope.type == "default":
+        return 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = int(rope.partial_rotary_factor * head_dim // 2)
+    rotated = 1.0 / (rope.theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+    inv = torch.cat([rotated, torch.zeros(head_dim // 2 - angles, dtype=torch.float32)])
+    return inv / rope.factor
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer. `wqkv` `[(nh + 2*nkv)*hd, hidden]` ([q; k] with k_eq_v, [q] on a
+    KV-shared layer); `w_gate_up` `[2*inter, hidden]`; the per-layer-input tensors are None
+    without `hidden_size_per_layer_input`; `layer_scalar` `[1]`."""
+
+    wqkv: torch.Tensor
+    wo: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor | None
+    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # in, post-attn, pre-ff, post-ff
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    layer_scalar: torch.Tensor
+    ple_gate: torch.Tensor | None
+    ple_proj: torch.Tensor | None
+    ple_norm: torch.Tensor | None
+
+
+def expected_shapes(cfg: Gemma4Config, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, for every tensor the forward needs (lm_head only when untied)."""
+    h, nh, ple = cfg.hidden_size, cfg.num_attention_heads, cfg.hidden_size_per_layer_input
+    shapes: dict[str, tuple[int, ...]] = {prefix + "embed_tokens.weight": (cfg.vocab_size, h),
+                                          prefix + "norm.weight": (h,)}
+    src = cfg.kv_source
+    for i in range(cfg.num_hidden_layers):
+        p, hd, kv, inter = f"{prefix}layers.{i}.", cfg.head_dims[i], cfg.kv_heads[i], cfg.intermediate(i)
+        shapes.update({p + "self_attn.q_proj.weight": (nh * hd, h), p + "self_attn.o_proj.weight": (h, nh * hd),
+                       p + "self_attn.q_norm.weight": (hd,), p + "layer_scalar": (1,),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
+        for norm in LAYER_NORMS:
+            shapes[p + norm + ".weight"] = (h,)
+        if src[i] == i:
+            shapes[p + "self_attn.k_proj.weight"] = (kv * hd, h)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+            if not cfg.k_eq_v(i):
+                shapes[p + "self_attn.v_proj.weight"] = (kv * hd, h)
+        if ple:
+            shapes.update({p + "per_layer_input_gate.weight": (ple, h), p + "per_layer_projection.weight": (h, ple),
+                           p + "post_per_layer_input_norm.weight": (h,)})
+    if ple:
+        n = cfg.num_hidden_layers * ple
+        shapes.update({prefix + "embed_tokens_per_layer.weight": (cfg.vocab_size_per_layer_input, n),
+                       prefix + "per_layer_model_projection.weight": (n, h),
+                       prefix + "per_layer_projection_norm.weight": (ple,)})
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+class _Loader:
+    """Reads named tensors, each checked against the config's shape before anything loads."""
+
+    def __init__(self, ckpt: Checkpoint, cfg: Gemma4Config, dtype: torch.dtype, device: torch.device):
+        self.ckpt, self.cfg, self.dtype, self.device = ckpt, cfg, dtype, device
+        names = set(ckpt.tensors)
+        self.prefix = next((p for p in TEXT_PREFIXES if p + "embed_tokens.weight" in names), None)
+        if self.prefix is None:
+            raise CheckpointError(f"{ckpt.root}: tensor 'model.language_model.embed_tokens.weight' (multimodal "
+                                  "layout) or 'model.embed_tokens.weight' (text-only layout) is missing")
+        self.shapes = expected_shapes(cfg, self.prefix)
+
+    def check_all(self) -> None:
+        for name, shape in self.shapes.items():
+            info = self.ckpt.tensors.get(name)
+            tail = f"(expected shape {list(shape)} from {self.cfg.source})"
+            if info is None:
+                raise CheckpointError(f"{self.ckpt.root}: tensor '{name}' is missing {tail}")
+            if tuple(info.shape) != shape:
+                raise CheckpointError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, {tail[1:-1]}")
+
+    def get(self, name: str, prefixed: bool = True) -> torch.Tensor:
+        return self.ckpt.load((self.prefix if prefixed else "") + name, self.dtype, self.device)
+
+    def opt(self, name: str) -> torch.Tensor | None:
+        return self.get(name) if self.prefix + name in self.shapes else None
+
+    def layer(self, i: int) -> LayerWeights:
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        qkv = [self.get(a + "q_proj.weight")] + [t for t in (self.opt(a + "k_proj.weight"),
+                                                             self.opt(a + "v_proj.weight")) if t is not None]
+        return LayerWeights(
+            wqkv=torch.cat(qkv), wo=self.get(a + "o_proj.weight"), q_norm=self.get(a + "q_norm.weight"),
+            k_norm=self.opt(a + "k_norm.weight"),
+            norms=tuple(self.get(p + n + ".weight") for n in LAYER_NORMS),
+            w_gate_up=torch.cat([self.get(m + "gate_proj.weight"), self.get(m + "up_proj.weight")]),
+            w_down=self.get(m + "down_proj.weight"), layer_scalar=self.get(p + "layer_scalar"),
+            ple_gate=self.opt(p + "per_layer_input_gate.weight"), ple_proj=self.opt(p + "per_layer_projection.weight"),
+            ple_norm=self.opt(p + "post_per_layer_input_norm.weight"),
+        )
+
+
+@dataclass
+class PerLayerInputs:
+    """The small variants' per-layer input tables: `embed [V_ple, L*ple]`, `proj [L*ple, hidden]`,
+    `norm [ple]`."""
+
+    embed: torch.Tensor
+    proj: torch.Tensor
+    norm: torch.Tensor
+
+
+# --------------------------------------------------------------------------- the model
+
+
+class Gemma4Target(TargetBase):
+    """Gemma4ForCausalLM inference over a `LayerKVCache`. Tap id `i` is the raw output of layer
+    `i` (after its `layer_scalar`: HF `hidden_states[i+1]`), `-1` the scaled embedding."""
+
+    supports_cuda_graphs = True
+    # the step-op seam's kernels are Qwen-shaped (norm order, no windows, no v norm): said in the
+    # engine's step-ops note when the Triton ops are selected (docs/gemma4.md, "Kernels and CUDA")
+    step_ops_used = ("linear and embed (weight matmuls and gathers); Gemma 4's norms, rope and windowed "
+                     "attention run in torch")
+
+    def __init__(self, cfg: Gemma4Config, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
+                 lm_head: torch.Tensor, ple: PerLayerInputs | None = None, note: str = ""):
+        self.cfg, self.embed_weight, self.layers, self.norm, self._lm_head = cfg, embed, layers, norm, lm_head
+        self.ple, self.load_note = ple, note
+        self.dtype, self.device = embed.dtype, embed.device
+        self.n_heads = cfg.num_attention_heads
+        self.kv_source = cfg.kv_source
+        # transformers keeps the scale as a float32 buffer and casts it to the weights' dtype
+        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5).to(self.dtype))
+        # 0-dim scales in the model dtype (host scalars: a captured graph keeps them as constants)
+        self._scale_t = torch.tensor(cfg.hidden_size ** 0.5).to(self.dtype)
+        self._ple_scale_t = torch.tensor(cfg.hidden_size_per_layer_input ** 0.5).to(self.dtype)
+        self._rope = {kind: RopeTables(rope_inv_freq(cfg.rope[kind], self._type_head_dim(kind)), 1.0)
+                      for kind in cfg.rope}
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.step_ops = TorchStepOps()
+
+    def _type_head_dim(self, kind: str) -> int:
+        return next(self.cfg.head_dims[i] for i, t in enumerate(self.cfg.layer_types) if t == kind)
+
+    @classmethod
+    def from_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", checkpoint: Checkpoint | None = None) -> "Gemma4Target":
+        """Load a Gemma 4 directory (text or multimodal layout; single or sharded safetensors).
+        The multimodal towers are recognized and skipped (counted in `load_note`). `checkpoint`:
+        its headers when the caller opened them already (`Engine.load`)."""
+        path = Path(path)
+        cfg = load_gemma4_config(path)
+        loader = _Loader(open_checkpoint(path) if checkpoint is None else checkpoint, cfg, dtype, torch.device(device))
+        loader.check_all()
+        embed = loader.get("embed_tokens.weight")
+        layers = [loader.layer(i) for i in range(cfg.num_hidden_layers)]
+        lm_head = embed if cfg.tie_word_embeddings else loader.get("lm_head.weight", prefixed=False)
+        ple = None
+        if cfg.hidden_size_per_layer_input:
+            ple = PerLayerInputs(loader.get("embed_tokens_per_layer.weight"),
+                                 loader.get("per_layer_model_projection.weight"),
+                                 loader.get("per_layer_projection_norm.weight"))
+        return cls(cfg, embed, layers, loader.get("norm.weight"), lm_head, ple, _load_note(path, cfg, loader))
+
+    # ----------------------------------------------------------------------- state and tables
+
+    def new_state(self, rows: int) -> LayerKVCache:
+        """K/V storage of `rows` positions for every layer that owns its K/V."""
+        shapes = [(self.cfg.kv_heads[i], self.cfg.head_dims[i]) if src == i else None
+                  for i, src in enumerate(self.kv_source)]
+        return LayerKVCache(shapes, rows, self.dtype, self.device)
+
+    def ensure_positions(self, rows: int) -> None:
+        """cos/sin tables per layer type reaching `rows` positions (grown, never shrunk)."""
+        for kind, tables in self._rope.items():
+            have = self._tables.get(kind)
+            if have is None or have[0].shape[0] < rows:
+                self._tables[kind] = cos_sin(tables, torch.arange(rows, device=self.device), self.dtype)
+
+    # ----------------------------------------------------------------------- forward
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The RAW embedding rows `[t, hidden]` (unscaled: what a z-lab drafter's block takes by
+        default; `embed_scale` is the factor the model itself multiplies in)."""
+        return self.step_ops.embed(ids, self.embed_weight)
+
+    def forward(self, ids: torch.Tensor, start: int, cache: LayerKVCache,
+                taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`ids [t]` at positions `start..start+t-1`: final-normed hidden `[t, hidden]` and taps
+        `[t, n_taps*hidden]`; writes K/V there and sets `cache.length = start + t`."""
+        t = ids.shape[0]
+        self.check_span(start, t, cache)
+        self.ensure_positions(start + t)
+        positions = torch.arange(start, start + t, device=self.device)
+        hidden, tapped = self._run(ids, positions, cache, start + t, taps)
+        cache.length = start + t
+        return hidden, tapped
+
+    def static_step(self, ids: torch.Tensor, positions: torch.Tensor, cache: LayerKVCache,
+                    taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fixed-width step: attention over the whole storage under a position mask (keys
+        past a row's position, or before its window, are masked and leave it unchanged), so a
+        row's result depends neither on the rows beside it nor on the storage size."""
+        self.ensure_positions(cache.max_len)
+        hidden, tapped = self._run(ids, positions, cache, cache.max_len, taps)
+        return (self.logits(hidden) if widen else self.lm_head(hidden)), tapped
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, cache: LayerKVCache, n_keys: int,
+             taps: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers over `ids [t]` at `positions [t]`, attending the first `n_keys` storage rows."""
+        if taps:
+            self.check_taps(taps)
+        x = self.embed(ids) * self._scale_t
+        ple = self._per_layer_inputs(ids, x)
+        wanted = set(taps or ())
+        tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
+        masks = {kind: self._mask(positions, n_keys, kind) for kind in self.cfg.rope}
+        for li, w in enumerate(self.layers):
+            kind = self.cfg.layer_types[li]
+            cos, sin = (tab[positions] for tab in self._tables[kind])
+            x = self._layer(li, x, w, cache, positions, n_keys, cos, sin, masks[kind],
+                            None if ple is None else ple[:, li])
+            if li in wanted:
+                tapped[li] = x
+        hidden = gemma_rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        return hidden, (torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
+
+    def _per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """`[t, L, ple]`: (norm(proj(x) / sqrt(hidden)) + table[ids] * sqrt(ple)) / sqrt(2)."""
+        if self.ple is None:
+            return None
+        t, n, d = ids.shape[0], self.cfg.num_hidden_layers, self.cfg.hidden_size_per_layer_input
+        token = self.step_ops.embed(ids, self.ple.embed) * self._ple_scale_t
+        context = self.step_ops.linear(x, self.ple.proj) * self.cfg.hidden_size ** -0.5
+        context = gemma_rms_norm(context.view(t, n, d), self.ple.norm, self.cfg.rms_norm_eps)
+        return (context + token.view(t, n, d)) * 2.0 ** -0.5
+
+    def _mask(self, positions: torch.Tensor, n_keys: int, kind: str) -> torch.Tensor:
+        """Boolean `[t, n_keys]` (True = attend): causal, and within the window on sliding layers."""
+        keys = torch.arange(n_keys, device=self.device)
+        mask = keys[None, :] <= positions[:, None]
+        if kind == SLIDING:
+            mask &= keys[None, :] > positions[:, None] - self.cfg.sliding_window
+        return mask
+
+    def _layer(self, li: int, x: torch.Tensor, w: LayerWeights, cache: LayerKVCache, positions: torch.Tensor,
+               n_keys: int, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+               ple: torch.Tensor | None) -> torch.Tensor:
+        """One decoder layer on `x [t, hidden]` (module docstring); K/V written at `positions`."""
+        eps, ops = self.cfg.rms_norm_eps, self.step_ops
+        n_in, n_post_attn, n_pre_ff, n_post_ff = w.norms
+        q = self._qkv_write(li, gemma_rms_norm(x, n_in, eps), w, cache, positions, cos, sin)
+        kv = cache.kv[self.kv_source[li]]
+        attn = ops.linear(self._attend(q, kv[0, :, :n_keys], kv[1, :, :n_keys], mask), w.wo)
+        x = x + gemma_rms_norm(attn, n_post_attn, eps)
+        gate, up = ops.linear(gemma_rms_norm(x, n_pre_ff, eps), w.w_gate_up).chunk(2, dim=-1)
+        x = x + gemma_rms_norm(ops.linear(F.gelu(gate, approximate="tanh") * up, w.w_down), n_post_ff, eps)
+        if ple is not None:
+            h = F.gelu(ops.linear(x, w.ple_gate), approximate="tanh") * ple
+            x = x + gemma_rms_norm(ops.linear(h, w.ple_proj), w.ple_norm, eps)
+        return x * w.layer_scalar
+
+    def _qkv_write(self, li: int, h: torch.Tensor, w: LayerWeights, cache: LayerKVCache, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q `[t, nh, hd]` (normed, roped); a layer owning its K/V also writes normed, roped k and
+        the unweighted-normed v (k_eq_v: v is the raw key projection) at `positions`."""
+        t, nh, eps = h.shape[0], self.n_heads, self.cfg.rms_norm_eps
+        hd, nkv = self.cfg.head_dims[li], self.cfg.kv_heads[li]
+        proj = self.step_ops.linear(h, w.wqkv)
+        q = apply_rope(gemma_rms_norm(proj[:, :nh * hd].view(t, nh, hd), w.q_norm, eps), cos, sin)
+        if self.kv_source[li] == li:
+            k = proj[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
+            v = k if self.cfg.k_eq_v(li) else proj[:, (nh + nkv) * hd:].view(t, nkv, hd)
+            kv = cache.kv[li]
+            kv[0].index_copy_(1, positions, apply_rope(gemma_rms_norm(k, w.k_norm, eps), cos, sin).transpose(0, 1))
+            kv[1].index_copy_(1, positions, gemma_rms_norm(v, None, eps).transpose(0, 1))
+        return q
+
+    @staticmethod
+    def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """GQA attention (scaling 1.0) of `q [t, nh, hd]` over `keys/values [nkv, n, hd]` under
+        `mask [t, n]`; the g query heads of a KV head are folded into rows. `[t, nh*hd]`."""
+        t, nh, hd = q.shape
+        nkv = keys.shape[0]
+        g = nh // nkv
+        qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
+        out = sdpa(qf, keys, values, mask.repeat(g, 1), 1.0)
+        return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
+
+    # ----------------------------------------------------------------------- heads
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[t, vocab]` float32: the soft-capped model-dtype logits, widened (exact)."""
+        return self.lm_head(hidden).float()
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[t, vocab]` in the model dtype, soft-capped (`cap * tanh(z / cap)`) when configured."""
+        z = self.step_ops.linear(hidden, self._lm_head)
+        cap = self.cfg.final_logit_softcapping
+        return z if cap is None else torch.tanh(z / cap) * cap
+
+
+def _load_note(path: Path, cfg: Gemma4Config, loader: _Loader) -> str:
+    """What was loaded and what was applied, for receipts (logged)."""
+    names = set(loader.ckpt.tensors)
+    towers = {n for n in names if n.startswith(SKIPPED_PREFIXES)}
+    extra = sorted(names - set(loader.shapes) - {"lm_head.weight"} - towers)
+    n_full = sum(1 for t in cfg.layer_types if t == FULL)
+    note = (f"Gemma 4 target {path}: {cfg.layout} layout (model_type {cfg.model_type}, text weights under "
+            f"{loader.prefix}), {cfg.num_hidden_layers} layers = {cfg.num_hidden_layers - n_full} sliding "
+            f"(window {cfg.sliding_window}) + {n_full} full, full-layer heads from {cfg.head_layout}, "
+            f"{'tied' if cfg.tie_word_embeddings else 'untied'} lm_head"
+            + (f", softcap {cfg.final_logit_softcapping}" if cfg.final_logit_softcapping else "")
+            + (f", {cfg.num_kv_shared_layers} KV-shared layers" if cfg.num_kv_shared_layers else "")
+            + (f", per-layer inputs of {cfg.hidden_size_per_layer_input}" if cfg.hidden_size_per_layer_input else "")
+            + f"; skipped {len(towers)} vision/audio tensor(s)")
+    if cfg.notes:
+        note += "; defaults applied: " + "; ".join(cfg.notes)
+    log.info("%s", note)
+    if extra:
+        log.warning("%s: %d tensor(s) not used by the Gemma 4 target, e.g. %s", path, len(extra), extra[0])
+    return note
