@@ -73,10 +73,8 @@ class Recipe:
     target_batch: int = 64
     seq_len: int = 512
     target_lr: float = 3e-3
-    # random corpus windows (overlapping windows of the prompt files). 49,152 on 2026-12-04: the
-    # 2026-12-03 drafters (26,230 sequences) ran ~31 epochs over their data in 400 s, and halving
-    # the passes raised held-out acceptance. 98,304 since the training step is compiled
-    # (draft_compile): more steps in the same time, over twice the data.
+    # random corpus windows (overlapping windows of the prompt files): enough that the compiled
+    # training step sees each window only a few times in its budget (docs/tuning.md#drafter-data).
     n_prompts: int = 98304
     n_head_prompts: int = 8192  # stand-alone function heads (as many as there are)
     head_tokens: int = 192  # longest head used as a prompt
@@ -356,8 +354,8 @@ def _cat(*splits):
 def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
     """Short DSpark runs at each (block, layers) of `r.sweep` on the same data, each evaluated on
     the held-out stand-alone function heads' continuations. `score` = tau_walk / (1 + layers / target_layers)
-    (tau as the bench counts it, `train_draft.walk_tau`; until 2026-12-03 it was tau_full, which
-    overstates the bench where acceptance is uneven):
+    (tau as the bench counts it, `train_draft.walk_tau`, not tau_full, which overstates the bench
+    where acceptance is uneven):
     tau over the cost of a round with the drafter's layers priced as target layers (same width,
     same rows), the quantity the choice maximises. Writes `work/sweep.json`."""
     info, data, target = _load_work(work, device)

@@ -3,11 +3,8 @@
 torch gives every op one thread per core by default. A small target's ops are tiny (the
 embedded 5.8M-parameter target multiplies [16, 256] by [256, 768]): a second thread adds a
 synchronisation per op and gains nothing, and when another process holds the other core every
-op waits for a thread that is not running. Measured on a shared 2-core machine (plain greedy
-decoding, median tok/s at 1 vs 2 threads; docs/perf.md § CPU threads): the embedded target
-101.6 vs 88.2 in the quietest window and 86.1 vs 24.6 beside a busy loop; a 29M-parameter
-target 35.7 vs 44.8 and 29.6 vs 9.5; a 59M-parameter one 16.0 vs 5.5 and 9.5 vs 1.4. A second
-thread won once (by 1.25x) and lost up to 8x. Hence:
+op waits for a thread that is not running. On a shared 2-core machine a second thread won once
+and lost up to 8x (docs/tuning.md#cpu-threads). Hence:
 
 1. `--threads N` / MEMRA_THREADS, or OMP_NUM_THREADS, when the user set one;
 2. on CUDA, torch's default (the CPU only launches work there);

@@ -153,7 +153,7 @@ def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | No
     CUDA (a graph replays fixed shapes) and its model `family` (class) can be captured; a family
     that cannot (`supports_cuda_graphs` false) runs eagerly, says why, and refuses the flag.
     Drafter rounds are graphed whenever the target's steps are (MEMRA_DRAFT_GRAPHS=0 runs them
-    eagerly): on the H200 that took the 8B-shape round from 18.2 to 14.3 ms, exact (docs/perf.md)."""
+    eagerly; the gain is in docs/tuning.md#drafter-graphs)."""
     possible = device.type == "cuda" and width is not None
     draft_env = _switch(env, DRAFT_GRAPHS_ENV)
     if family is not None and not getattr(family, "supports_cuda_graphs", True):
