@@ -2,8 +2,7 @@
 
 A decode, verify or drafter step multiplies 1..32 rows by a large weight, so its cost is reading
 W once. cuBLAS does that well for the widest matrices but not for the middle-sized ones a layer
-has (on the H200, at M = 16, it read a [4096, 4096] bf16 weight at ~2.5 TB/s and a [6144, 4096]
-one at ~3.2 TB/s where a copy of the same bytes runs at ~3.9: docs/perf.md, "Dense linear").
+has, well below the copy speed of the same bytes (docs/tuning.md#dense-linear).
 This kernel streams the weight in tiles through a software pipeline (the loads feed `tl.dot`
 directly, so they become asynchronous copies several tiles ahead) and splits `in` over enough
 programs to keep every multiprocessor reading.

@@ -1,8 +1,7 @@
 """Build the embedded default models: `python -m memra_cli.assets.build [--out DIR] [--work DIR] [--stage S]`.
 
-Reproducible recipe (the embedded-pair build); on one H200 the target stage with the sweep takes
-about 6 minutes and the two drafters about 8 side by side (each fits one 10-minute call; `--work`
-carries the state between):
+Reproducible recipe (the embedded-pair build); each stage fits one 10-minute call on one H200
+(`--work` carries the state between):
 
 1. corpus = the build machine's CPython stdlib `.py` files (Python version and a hash of the
    file list are recorded); every 20th file is held out;
@@ -79,13 +78,11 @@ class Recipe:
     n_head_prompts: int = 8192  # stand-alone function heads (as many as there are)
     head_tokens: int = 192  # longest head used as a prompt
     prompt_len: int = 128
-    # Continuations as long as the bench's (128 new tokens) plus a block: measured on the 2025 pair,
-    # a drafter's acceptance at anchors 128-256 tokens into a continuation (deep in the small
-    # target's loops) ran ~1.4x its acceptance in the first 128, so longer continuations spent
-    # half the training on a regime the bench never reaches and inflated the held-out tau.
+    # Continuations as long as the bench's (128 new tokens) plus a block: longer ones train on a
+    # regime the bench never reaches and inflate the held-out tau (docs/tuning.md#drafter-data).
     cont_len: int = 144
     # continuations generated per batch: one-token steps of a tiny model are launch-bound, so a
-    # batch 4x larger makes ~1.35x as many sequences a second (benchmarks/gpu/train_probe.py datagen)
+    # larger batch makes more sequences a second (docs/tuning.md#drafter-data)
     gen_batch: int = 16384
     draft_layers: int | None = None  # None: the sweep's best (work/sweep.json), else 1
     dflash_block: int = 16  # 15 drafts: anchor + drafts fill one 16-row verify step
@@ -110,8 +107,8 @@ class Recipe:
     # wall-clock caps: each stage fits one 10-minute call on the lent H200 (the two drafters train
     # side by side in one call: `--stage drafter --kind K` each, then `--stage assemble`)
     target_budget_s: float | None = 180.0
-    # (the depth sweep measured tau_full 6.74 at 45 s and 7.77 at 400 s on the same data: training
-    # time still pays; 440 s keeps seed + data + both drafters side by side inside one 10-minute call)
+    # (training time still pays: docs/tuning.md#drafter-data; 440 s keeps seed + data + both
+    # drafters side by side inside one 10-minute call)
     dflash_budget_s: float | None = 440.0
     dspark_budget_s: float | None = 440.0
 

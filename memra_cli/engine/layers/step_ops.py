@@ -382,8 +382,8 @@ class TritonStepOps:
                           mask: torch.Tensor | None) -> torch.Tensor:
         """`TorchStepOps.prefill_attention` through PyTorch's fused SDPA kernels: the causal rule
         as a lower-right `CausalBias` (query i of t sees keys up to n-t+i) instead of a boolean
-        mask, which sends a long prompt's chunks to the math path (a 32k prompt took 17 s on the
-        H200). K/V are repeated per query head for the chunk (one layer's worth at a time): the
+        mask, which sends a long prompt's chunks to the slow math path (docs/tuning.md#prefill-sdpa).
+        K/V are repeated per query head for the chunk (one layer's worth at a time): the
         fused kernels take equal head counts. Prefill is shared by plain and speculative
         decoding, so this changes no comparison the exactness gate makes."""
         t, nh, hd = q.shape
