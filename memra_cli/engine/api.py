@@ -437,7 +437,7 @@ class Engine:
           step is one row, and a graph makes the launch-bound step one launch);
         - otherwise (CPU; a family that cannot be captured): variable-width eager steps, one row
           per plain step. On the 2-core dev CPU that ran faster than a fixed one-row step, whose
-          torch attention covers the whole storage under a mask, and 1.5-2x faster than 16 rows.
+          torch attention covers the whole storage under a mask, and than 16 rows.
 
         Its steps are not the fixed-width ones, so in bf16 its stream may differ from this
         engine's. It has its own storage pool: a state's graphs are keyed by storage and taps,
