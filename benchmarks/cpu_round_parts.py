@@ -13,7 +13,7 @@ numpy one (the A/B of docs/perf.md § The DSpark round on the CPU; the numpy loo
 printed only when it ran); `--passes` repeats
 the timed pass (each pass is printed, then the median ms/token of all).
 
-    python benchmarks/cpu_round_parts.py [--n 12] [--max-new 128] [--arm dspark] [--chain numpy|torch] [--passes 2]
+    python -m benchmarks.cpu_round_parts [--n 12] [--max-new 128] [--arm dspark] [--chain numpy|torch] [--passes 2]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Random drafters are almost never accepted, so rounds commit ~1 token: this measu
 speed-up. The anchors (HF transformers + z-lab loop on the same H200): 32.8 ms/token
 plain, 57.2 ms/round; floors ~3.85 / ~4.7 ms.
 
-    python benchmarks/gpu_shapes.py [--small] [--tokens 48] [--prompts 3] [--widths 16,variable] [--json OUT.json]
+    python -m benchmarks.gpu_shapes [--small] [--tokens 48] [--prompts 3] [--widths 16,variable] [--json OUT.json]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """tau of the embedded drafters on a build's held-out heads, counted two ways (CPU, float32).
 
-    python benchmarks/walk_tau.py --work build-work [--json out.json]
+    python -m benchmarks.walk_tau --work build-work [--json out.json]
 
 `--work` is the work folder of the build that made the shipped pair (its `data.pt` holds the
 held-out continuations; `python -m memra_cli.assets.build --stage target --work W` makes one).
