@@ -9,7 +9,7 @@
 # to bench beside the shipped one with `memra bench --target/--draft`):
 #   bash benchmarks/gpu/build_assets.sh retrain
 # or the split retrain, each drafter alone on the GPU (more steps a second than two side by side:
-# docs/bench.md, "Building the embedded pair"), three calls:
+# docs/bench.md, "The embedded models"), three calls:
 #   BUDGET_S=400 bash benchmarks/gpu/build_assets.sh solo dflash  # seed + data + the DFlash drafter
 #   BUDGET_S=400 bash benchmarks/gpu/build_assets.sh solo dspark  # the same data again + the DSpark drafter
 #   bash benchmarks/gpu/build_assets.sh assemble   # carry build-work/ holding both calls' drafters/
