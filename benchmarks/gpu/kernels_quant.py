@@ -175,7 +175,7 @@ def candidates(qtype: str, n: int, k: int) -> list[ql.KernelConfig]:
     out = []
     # narrow tiles, little or no split: enough programs from the output axis alone, so a call
     # pays no split-K reduction (its atomics and the last program's sum), which dominates the
-    # small matrices (~7.6 us fixed per call fitted on the H200); tried first
+    # small matrices (a fixed cost per call: docs/tuning.md#quantized-linear); tried first
     for bn in (16, 32):
         for bk in (256, 512):
             for split in (1, 2, 4):
