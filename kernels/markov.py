@@ -26,7 +26,8 @@ Small vocabularies: one launch for the whole chain. When the table of every bias
 the embedded DSpark drafter's 4096 x 4096 bf16 is 32 MiB), `bias_table` builds it once and
 `markov_chain(..., table=T)` runs one program that walks the slots: gather row `T[prev]`, add
 slot k's logits, argmax, next. A slot is then two dependent loads instead of a launch: the
-per-slot launches were a third of a small round's proposal time (docs/tuning.md#markov-chain). The table's rows are one GEMM's (`linear(w1, w2)`), so a bias can differ
+per-slot launches were a third of a small round's proposal time (docs/tuning.md#markov-chain).
+The table's rows are one GEMM's (`linear(w1, w2)`), so a bias can differ
 from the per-slot GEMV's in its summation order (an ulp before the rounding), as above. Large
 vocabularies keep the per-slot kernel: their table would not fit, and each slot's GEMV reads
 megabytes, so the launches are not what they wait on.
