@@ -6,7 +6,7 @@ drafter geometry — hidden 5376, 5 layers, ffn 10752, 6 taps — in bf16, ~3 GB
 are written as sparse files: their size on disk is real, the bytes are zeros, and census never
 reads them (that is the point being measured).
 
-    python benchmarks/census_large.py [--dir /tmp/memra-big] [--hidden 5376] [--layers 5] [--json]
+    python -m benchmarks.census_large [--dir /tmp/memra-big] [--hidden 5376] [--layers 5] [--json]
 """
 
 from __future__ import annotations

@@ -9,11 +9,11 @@ would charge to the chain). Timing inside sessions matters here: every round's m
 caches, so a piece costs 2-4x what it costs timed alone in a loop.
 
 `--chain torch` makes the eager rounds take the torch loop of the markov chain instead of the
-numpy one (the A/B of docs/perf.md § The DSpark round on the CPU; the numpy loop's own line is
+numpy one (the A/B of docs/perf.md, "The DSpark round on the CPU"; the numpy loop's own line is
 printed only when it ran); `--passes` repeats
 the timed pass (each pass is printed, then the median ms/token of all).
 
-    python benchmarks/cpu_round_parts.py [--n 12] [--max-new 128] [--arm dspark] [--chain numpy|torch] [--passes 2]
+    python -m benchmarks.cpu_round_parts [--n 12] [--max-new 128] [--arm dspark] [--chain numpy|torch] [--passes 2]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ speed does not depend on the values) and decodes N tokens of plain greedy throug
 as it is, under `nice -n -20` (the closest a shared machine gets to idle), and beside a busy
 loop (`python -c 'while 1: pass' &`) to see the three conditions of docs/perf.md § CPU threads.
 
-    python benchmarks/cpu_threads.py [--size embedded|29m|59m|235m] [--reps 6] [--tokens 128]
+    python -m benchmarks.cpu_threads [--size embedded|29m|59m|235m] [--reps 6] [--tokens 128]
 """
 
 from __future__ import annotations

@@ -13,10 +13,10 @@ steps eager, natural widths): fixed-width modes must be exact; variable steps ar
 reported (in bf16 they are not exact: docs/perf.md).
 
 Random drafters are almost never accepted, so rounds commit ~1 token: this measures cost, not
-speed-up. The anchors (HF transformers + z-lab loop on the same H200): 32.8 ms/token
-plain, 57.2 ms/round; floors ~3.85 / ~4.7 ms.
+speed-up. The HF transformers + z-lab anchors and the floors it was compared with are in
+docs/journal.md ("First numbers at the Qwen3-8B shape").
 
-    python benchmarks/gpu_shapes.py [--small] [--tokens 48] [--prompts 3] [--widths 16,variable] [--json OUT.json]
+    python -m benchmarks.gpu_shapes [--small] [--tokens 48] [--prompts 3] [--widths 16,variable] [--json OUT.json]
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ arms interleaved, best of --repeat; checks the bytes are identical and prints MB
 consumed per arm (wall clock) and the ratio ours/gguf, also as a ratio of process CPU time, which
 moves less when other work shares the host. Both encoders are single-threaded numpy.
 
-    python benchmarks/quant_throughput.py [--mb 256] [--repeat 5] [--json]
+    python -m benchmarks.quant_throughput [--mb 256] [--repeat 5] [--json]
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import time
 import gguf
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from memra_cli.engine.quant.blocks import quantize  # noqa: E402
+from memra_cli.engine.quant.blocks import quantize
 
 GG = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 COLS = 4096

@@ -7,7 +7,7 @@ and `--policy q4` as whole commands (interpreter start, imports, census, quantiz
 statistics, writing the GGUF), each in a fresh process. The command's own JSON report gives the
 sizes and its in-process time.
 
-    python benchmarks/quantize_8b.py [--dir /tmp/memra-quant-8b] [--policies q8,q4] [--repeat 1] [--json]
+    python -m benchmarks.quantize_8b [--dir /tmp/memra-quant-8b] [--policies q8,q4] [--repeat 1] [--json]
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 SHAPE = dict(layers=5, hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128,
              target_layer_ids=(1, 9, 17, 25, 33), num_target_layers=36)

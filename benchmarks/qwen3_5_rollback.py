@@ -1,6 +1,6 @@
 """Stash vs replay rollback of the Qwen3.5 DeltaNet state, on the CPU (f32, one thread).
 
-    python benchmarks/qwen3_5_rollback.py [--out DIR] [--reps N] [--step-width N|variable]
+    python -m benchmarks.qwen3_5_rollback [--out DIR] [--reps N] [--step-width N|variable]
 
 Writes a random mid-size hybrid target (hidden 1024, 8 layers = 6 Gated DeltaNet + 2 attention,
 16 value heads x 128 x 128 f32 state = 1 MiB per DeltaNet layer), prefills 256 tokens, then times

@@ -10,14 +10,13 @@ and no-op casts excluded), GEMMs apart. Steps of a few layer mixes give the per-
 each kind by least squares (the per-step constant: embedding, final norm, lm_head, position
 arithmetic). An op count, not a time: time it on a GPU with benchmarks/gpu/hybrid_step.py.
 
-    python benchmarks/qwen3_5_step_ops.py [--width 1] [--dtype bfloat16|float32]
+    python -m benchmarks.qwen3_5_step_ops [--width 1] [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -25,12 +24,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from memra_cli.engine.layers.step_ops import TorchStepOps, unfused_swiglu  # noqa: E402
-from memra_cli.engine.models.qwen3_5 import Qwen35Target  # noqa: E402
-from memra_cli.engine.runtime.steps import StepRunner  # noqa: E402
-from memra_cli.tiny.qwen3_5 import make_tiny_qwen35  # noqa: E402
+from memra_cli.engine.layers.step_ops import TorchStepOps, unfused_swiglu
+from memra_cli.engine.models.qwen3_5 import Qwen35Target
+from memra_cli.engine.runtime.steps import StepRunner
+from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
 
 GEMMS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 # ops that are one kernel on CUDA, whatever they decompose into on the CPU (mean: sum + div_)

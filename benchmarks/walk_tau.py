@@ -1,11 +1,11 @@
 """tau of the embedded drafters on a build's held-out heads, counted two ways (CPU, float32).
 
-    python benchmarks/walk_tau.py --work build-work [--json out.json]
+    python -m benchmarks.walk_tau --work build-work [--json out.json]
 
 `--work` is the work folder of the build that made the shipped pair (its `data.pt` holds the
 held-out continuations; `python -m memra_cli.assets.build --stage target --work W` makes one).
 Prints and writes, per drafter, `tau_full` (the accepted prefix averaged over anchors drawn
-uniformly over the positions: what the build reported until 2026-12-03) and `tau_walk` (rounds
+uniformly over the positions: the build's earlier score) and `tau_walk` (rounds
 walked as the bench walks them, tokens / rounds: `memra_cli.assets.train_draft.walk_tau`), on the
 half of the held-out heads the confidence calibration did not use.
 """

@@ -46,7 +46,7 @@ _SCOPE = threading.local()
 def plain_launches():
     """Launch every kernel in plain stream order inside this block, this thread (and so in any
     CUDA graph captured in it), whatever `MEMRA_PDL` says. For a chain measured slower with PDL:
-    the quantized drafter's round (docs/perf.md, "PDL and quantized drafters")."""
+    the quantized drafter's round (docs/perf.md, "The drafter's side of the round")."""
     prev = getattr(_SCOPE, "plain", False)
     _SCOPE.plain = True
     try:

@@ -1,10 +1,8 @@
 """A greedy round's `argmax` over each row of its logits.
 
-On the H200, a graphed speculative round of the small embedded model spent ~15 µs in
-`logits.argmax(dim=-1)` over float32 logits `[16, 4096]` (and ~9 µs in the drafter's argmax):
-PyTorch's generic reduce kernel, built for any shape and dim. The job is 16 rows of 16 KiB, which
-one program per row reads in a single pass, ~2-3 µs for the launch and the reads. A round is a
-CUDA graph of small kernels, so those microseconds are a visible slice of every token.
+PyTorch's generic reduce kernel, built for any shape and dim, is a visible slice of a graphed
+round of a small model, where the job is 16 rows of 16 KiB that one program per row reads in a
+single pass (docs/tuning.md#argmax).
 
 `row_argmax(x)` takes `x [rows, V]` (float32, bf16 or f16; any row stride, the last axis
 contiguous). A program walks its columns in `BLOCK`-sized tiles, turning each value and its
@@ -23,8 +21,8 @@ or on the row count (fixed-width steps stay bit-exact). No host sync, so it is c
 CUDA graph; pass `out=` to write into a buffer the graph owns.
 
 A large vocabulary is split over programs: with one program per row, a Qwen row (151,936 or
-248,320 columns, 0.6-1 MB in float32) was one SM walking it alone while the rest idled, 33.5 µs
-for the drafter's 15 rows on the H200 (`benchmarks/gpu/drafter_round.py --profile`). Rows longer
+248,320 columns, 0.6-1 MB in float32) was one SM walking it alone while the rest idled
+(docs/tuning.md#argmax). Rows longer
 than `SPLIT_FROM` columns are cut into chunks (about `TARGET_PROGRAMS` programs in all); each
 program writes its chunk's winner as one int64 key and a second launch, one program per row,
 takes the largest key of its row. The key orders (value, column) exactly as the rules above:

@@ -120,37 +120,8 @@ class Tile:
 # dict at run time. Benchmarks may replace an entry before their first call (it is a plain dict:
 # `TILES[256] = Tile(...)`, as hybrid_step.py's --attn-tile does) to time a candidate.
 #
-# 128 (Qwen3-8B: 32 q / 8 kv heads of 128). Measured on an H200 (bf16, 16-row step, CUDA-graph
-# replay over 36 per-layer caches; us per call at live contexts 512 / 4096 / 32768):
-#   SPLIT 256, BLOCK_N 32, 3 stages: 13.0 / 14.3 / 64.0   <- chosen: short contexts dominate
-#   SPLIT 512, BLOCK_N 64, 3 stages: 16.4 / 17.3 / 53.0      (fewer float32 partials at 32k)
-#   SPLIT 128, BLOCK_N 64, 2 stages: 10.5 / 14.4 / 93.8
-# (torch SDPA over the same live keys: 61 / 267 / 1844.) BLOCK_M 64: a 16-row step with g = 4
-# is one M tile.
-# Growing splits (`long_split`, `long_from`), measured and left off for this tile: with 1024
-# from 8192 (256 keys below 8192, 512 to 16383, 1024 beyond) the attention alone, one process
-# (benchmarks/gpu/long_attention.py, us per layer, one row / 16 rows; docs/results/h200-long-attention.json):
-#   context   512: 10.0 / 11.5  vs 10.3 / 11.8     4096: 13.2 / 15.1 vs 13.7 / 15.6
-#   context  8192: 15.7 / 18.5  vs 16.5 / 19.1    16384: 28.9 / 34.6 vs 27.9 / 31.4
-#   context 32768: 50.9 / 62.5  vs 49.4 / 53.4    (the live K/V at copy speed: 31.6)
-# but the whole graphed 16-row step, the two tiles back to back on one H200
-# (long_attention_ab.sh; docs/results/h200-target-step-{base,module}.json), plain / verify:
-#   context 512: 5.118 / 5.119 ms vs 5.240 / 5.262;  4096: 5.256 / 5.267 vs 5.390 / 5.404;
-#   32768: 6.942 / 7.083 vs 6.777 / 6.769
-# 2.4% slower where decoding mostly happens for 2-4% faster at 32k: off.
-#
-# 256 (Qwen3.5's gated attention: 16 q / 4 kv heads of 256). Measured on an H200 (bf16, CUDA-graph
-# replay over 8 per-layer caches, 2026-12-03, docs/results/h200-tiles.json; us per call, one row /
-# 16 rows, at live contexts 512 / 4096 / 32768; SPLIT, BLOCK_N, BLOCK_M, stages, warps):
-#   128, 64, 16, 2, 4:  8.5 /  9.0,  14.4 / 22.1,  74.7 / 138.6   <- chosen (least weighted sum)
-#   128, 32, 16, 3, 4:  9.2 /  9.6,  13.4 / 21.7,  75.1 / 154.1
-#   128, 32, 32, 3, 4: 10.4 / 10.9,  14.3 / 18.2,  85.0 / 135.1
-#    64, 32, 16, 3, 4:  7.9 /  9.2,  15.6 / 29.8, 112.8 / 222.8
-#   256, 32, 64, 3, 4: 16.7 / 17.5,  18.9 / 20.2,  77.6 /  87.0   (the 128 tile: 12 programs for
-#                                                                 one row at ~560 keys)
-# The score weights contexts 512 and 4096 by 1 and 32768 by 0.25 (one row + 16 rows): the hybrid
-# decodes mostly at short contexts; at 32k its 16-row verify is slower with this tile than with
-# the 128 one (BLOCK_M 16 makes a 16-row step four M tiles, each reading the keys).
+# Chosen per class from an H200 sweep: short contexts dominate the score; the numbers and the
+# growing-splits trial are in docs/tuning.md#attention-tiles.
 TILES: dict[int, Tile] = {
     128: Tile(split=256, block_n=32, block_m=64, num_stages=3, num_warps=4),
     256: Tile(split=128, block_n=64, block_m=16, num_stages=2, num_warps=4),
@@ -164,7 +135,7 @@ def tile_for(head_dim: int) -> Tile:
     Classes, not exact sizes: the kernel pads head_dim to BLOCK_D = next_pow2(head_dim) (>= 16),
     the width of its q, K/V and accumulator tiles, which sets registers and shared memory; every
     size of a class pads to at most the class's width, so the class's tile fits it. (Sizes
-    <= 64 run the 128 tile unchanged, as before the table.) Takes head_dim only, so that no
+    <= 64 run the 128 tile.) Takes head_dim only, so that no
     property of a step or a cache can reach a row's tile (see the module docstring).
     """
     if not 0 < head_dim <= 256:

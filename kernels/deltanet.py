@@ -48,9 +48,7 @@ from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow
 from ._pdl import pdl_args, pdl_wait
 
 BLOCK_C = 256  # conv channels per program
-# The recurrence's tile, measured on the H200 at Qwen3.5-4B's DeltaNet (32 value heads, 128 x 128,
-# graph over 24 layers, us per layer for 1 / 16 rows, no stash; docs/results/h200-gdn-tiles.json):
-#   BLOCK_V 32, 4 warps: 4.8 / 24.5;  32, 1: 4.0 / 17.2;  16, 1: 4.1 / 16.7 (chosen);  8, 1: 4.3 / 17.1
+# The recurrence's tile, the fastest of an H200 sweep (docs/tuning.md#deltanet-recurrence).
 # One warp keeps dk's reductions inside the warp; the 16-row verify is a chain of dependent rows.
 BLOCK_V = 16  # value columns of a state tile per recurrence program ([dk, BLOCK_V] float32 in registers)
 REC_WARPS = 1  # warps per recurrence program (with BLOCK_V: where dk's reductions run, so the last bits)
@@ -60,10 +58,8 @@ REC_WARPS = 1  # warps per recurrence program (with BLOCK_V: where dk's reductio
 LATE_PREP = True
 # How many rows ahead the recurrence loads its inputs (1 or 2): the chain of row updates waits on
 # a row's loads when they land later than the row before it finishes. The same ops on the same
-# values either way (the same bits); only when the loads are issued differs. Measured on the H200
-# (16 rows, the module's tile, us per layer, two calls; docs/results/h200-gdn-prefetch.json,
-# h200-gdn-loop.json): 1 row ahead 14.85 / 15.03, 2 rows ahead 13.79 / 13.98; one row 4.0 either
-# way. (tl.range's pipelining stages 2 / 3 and unroll 2 measured 17.5 / 13.75 / 19.1: not kept.)
+# values either way (the same bits); only when the loads are issued differs. Two rows ahead
+# measured faster (docs/tuning.md#deltanet-recurrence).
 PREFETCH = 2
 L2_EPS = 1e-6  # HF / fla l2norm epsilon
 

@@ -2,8 +2,7 @@
 
 A decode, verify or drafter step multiplies 1..32 rows by a large weight, so its cost is reading
 W once. cuBLAS does that well for the widest matrices but not for the middle-sized ones a layer
-has (on the H200, at M = 16, it read a [4096, 4096] bf16 weight at ~2.5 TB/s and a [6144, 4096]
-one at ~3.2 TB/s where a copy of the same bytes runs at ~3.9: docs/perf.md, "Dense linear").
+has, well below the copy speed of the same bytes (docs/tuning.md#dense-linear).
 This kernel streams the weight in tiles through a software pipeline (the loads feed `tl.dot`
 directly, so they become asynchronous copies several tiles ahead) and splits `in` over enough
 programs to keep every multiprocessor reading.
@@ -77,15 +76,10 @@ class KernelConfig:
         return self
 
 
-# (out, in) -> tiles: the engine's shapes, each at the fastest tiles of the H200 sweep at M = 16
-# (benchmarks/gpu/dense_linear_sweep.py, 2026-12-04, alone in a graph, plain launches; its TUNED
-# table lists the shapes that beat cuBLAS there by over 3%). A shape absent here runs F.linear in
-# the step ops. Qwen3-8B and its DFlash drafter: o 13.40 -> 11.46 us, down 28.52 -> 27.49,
-# lm_head 290.6 -> 279.8, the drafter's fc over five taps 43.72 -> 42.37 and fused ingest k/v
-# 9.68 -> 8.15 (docs/results/h200-dense-linear.json). Fused q/k/v (15.49 vs 15.98) and gate/up
-# (48.99 vs 48.13) tie cuBLAS alone but are here too: in the step, with every matmul on the kernel
-# the whole layer is one chain of early launches (PDL_PREFETCH below), measured faster than with
-# those two on cuBLAS (docs/perf.md, "Dense linear").
+# (out, in) -> tiles: the engine's shapes at the fastest tiles of the H200 sweep at M = 16
+# (benchmarks/gpu/dense_linear_sweep.py); a shape absent here runs F.linear in the step ops.
+# Fused q/k/v and gate/up tie cuBLAS alone but keep the layer one chain of early launches.
+# Per-shape numbers: docs/tuning.md#dense-linear.
 _C = KernelConfig
 TUNED: dict[tuple[int, int], KernelConfig] = {
     (6144, 4096): _C(block_n=64, block_k=128, split_k=2, num_warps=4, num_stages=4),
@@ -95,9 +89,7 @@ TUNED: dict[tuple[int, int], KernelConfig] = {
     (151936, 4096): _C(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3),
     (4096, 20480): _C(block_n=64, block_k=256, split_k=2, num_warps=4, num_stages=4),
     (2048, 4096): _C(block_n=64, block_k=256, split_k=4, num_warps=4, num_stages=3),
-    # Qwen3.5-4B (hybrid): DeltaNet in 19.16 -> 17.71 us and out 11.01 -> 9.35, gated attention
-    # q/k/v 16.36 -> 15.44, gate/up 27.13 -> 25.51, down 17.48 -> 15.96, lm_head 312.9 -> 293.0
-    # (docs/results/h200-dense-linear-hybrid.json); the attention's o shares the DeltaNet out's shape
+    # Qwen3.5-4B (hybrid); the attention's o shares the DeltaNet out's shape (docs/tuning.md#dense-linear)
     (12352, 2560): _C(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
     (2560, 4096): _C(block_n=32, block_k=128, split_k=4, num_warps=2, num_stages=4),
     (10240, 2560): _C(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=4),
@@ -107,10 +99,7 @@ TUNED: dict[tuple[int, int], KernelConfig] = {
 }
 
 # Weight tiles a program asks L2 for before it waits for the previous kernel, when kernels launch
-# with programmatic dependent launch (kernels/_pdl.py: on by default on sm_90+). Measured in the
-# 8B step (benchmarks/gpu/target_step.py, two rounds in one process): 2 tiles with every weight
-# matmul on the kernel 5.02 / 4.93 ms at context 512, against 5.22 / 5.12 with no prefetch and
-# 5.43 / 5.27 with cuBLAS (docs/perf.md, "Dense linear").
+# with programmatic dependent launch (kernels/_pdl.py); chosen in the 8B step: docs/tuning.md#pdl-prefetch.
 PDL_PREFETCH = 2
 
 def _heuristic(n: int, k: int) -> KernelConfig:

@@ -1,11 +1,8 @@
 """Small row gathers of a round: embedding lookups, and DSpark's confidence head.
 
-On the H200 a graphed round of the small embedded pair looked its embedding rows up with
-PyTorch's `index_select` kernel: 5.4 us for the drafter block's 15 rows and 6.7 us for the verify
-step's 16 (hidden 256), where the job is a few kilobytes. DSpark's confidence head,
-`[hidden_k ; w1[prev_k]] · w + b` per draft slot in float32, ran as ~7 launches (casts, a
-gather, a concatenation, a GEMV, an add) of ~2 us each. Each here is one launch of one program
-per row:
+PyTorch's `index_select` kernel and DSpark's confidence head as torch ops (casts, a gather, a
+concatenation, a GEMV, an add) cost a graphed round of a small pair far more than their few
+kilobytes (docs/tuning.md#row-gathers). Each here is one launch of one program per row:
 
 - `embed_rows(ids [n], weight [V, H]) -> [n, H]`: `F.embedding` exactly (a copy of the rows);
 - `confidence_raw(hidden [n, H], w [F], b [1], prev [n] | None, w1 [V, r] | None) -> f32 [n]`:

@@ -25,9 +25,9 @@ Small vocabularies: one launch for the whole chain. When the table of every bias
 `T[p] = w2 · w1[p]` (`[V_in, V]` in the compute dtype), is small (<= `TABLE_MAX_BYTES`, 64 MiB:
 the embedded DSpark drafter's 4096 x 4096 bf16 is 32 MiB), `bias_table` builds it once and
 `markov_chain(..., table=T)` runs one program that walks the slots: gather row `T[prev]`, add
-slot k's logits, argmax, next. A slot is then two dependent loads instead of a launch. On the
-H200 the per-slot launches were 16 of the embedded DSpark round's 52 proposal kernels (39 of its
-112 microseconds). The table's rows are one GEMM's (`linear(w1, w2)`), so a bias can differ
+slot k's logits, argmax, next. A slot is then two dependent loads instead of a launch: the
+per-slot launches were a third of a small round's proposal time (docs/tuning.md#markov-chain).
+The table's rows are one GEMM's (`linear(w1, w2)`), so a bias can differ
 from the per-slot GEMV's in its summation order (an ulp before the rounding), as above. Large
 vocabularies keep the per-slot kernel: their table would not fit, and each slot's GEMV reads
 megabytes, so the launches are not what they wait on.

@@ -31,12 +31,9 @@ Dequantization, two variants (KernelConfig.scale_after_dot, chosen per shape):
     as accurate as the reference but not bit-equal to it. Fewer instructions per weight, but
     slower on the H200 as measured (a dot and a wait per 32 columns), so no TUNED shape uses it.
 
-Where it stands (H200, bf16 x, M = 16, CUDA-graph replay, fraction of a 4.27 TB/s copy): q8_0
-0.51-0.53 on the three large drafter matrices, 0.32 at 4096x4096, 0.14 at 1024x4096; q4_0
-0.22-0.26 large, 0.17 and 0.08 small. Far below the 0.8 / 0.7 targets: the kernel is bound by
-instruction issue, not memory (~6 SASS instructions per weight in the loop, so q4_0, with two
-weights a byte, is slower per byte than q8_0). Eager calls also cost ~50 us of host time (the
-Python wrapper and Triton's launcher), so they are meant to run under CUDA graphs.
+The kernel is bound by instruction issue, not memory (so q4_0, with two weights a byte, is
+slower per byte than q8_0), and eager calls cost host time, so they are meant to run under CUDA
+graphs; where it stands against the copy speed: docs/tuning.md#quantized-linear.
 
 Determinism: the tile sizes and split-K count are a function of (qtype, out, in) alone, never of
 M, the block of rows is always BLOCK_M (padded, masked), and split-K partials are summed in a
@@ -266,7 +263,7 @@ TUNED: dict[tuple[str, int, int], KernelConfig] = {
     ("q8_0", 4096, 12288): _C(block_m=16, block_n=64, block_k=128, split_k=8),
     ("q8_0", 4096, 20480): _C(block_m=32, block_n=64, block_k=128, split_k=8, num_stages=2,
                               swap_ab=True),
-    # the fused drafter's stacks (q/k/v, and k/v for the ingest), swept 2026-12-03
+    # the fused drafter's stacks (q/k/v, and k/v for the ingest)
     ("q8_0", 6144, 4096): _C(block_m=16, block_n=64, block_k=128, split_k=4),
     ("q8_0", 2048, 4096): _C(block_m=16, block_n=64, block_k=128, split_k=8, num_warps=8),
     ("q4_0", 4096, 4096): _C(block_m=16, block_n=64, block_k=128, split_k=8, swap_ab=True),
@@ -627,8 +624,7 @@ def _launch(x: torch.Tensor, packed: Packed, cfg: KernelConfig, out: torch.Tenso
         WIDEN=_INTERPRET and x.device.type != "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, GLU=glu,
         # Launched in plain stream order, not with PDL (kernels/_pdl.py): a weight stream over
-        # many blocks measured slower with it on the H200 (q8_0 [24576, 4096] at M = 16: 38.6 ->
-        # 52.4 us; docs/perf.md), where the small kernels around it gain.
+        # many blocks measured slower with it (docs/tuning.md#quantized-linear).
     )
 
 

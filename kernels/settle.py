@@ -4,7 +4,7 @@ A round queued before the host has read the previous one (the engine's pipelined
 decide on the device what the host decides after its read in an ordinary round: how many of
 the verified rows count (the verify window), how many drafts were accepted (m), and where the
 next round starts with which anchor. Written as tensor ops, that is some thirty tiny kernels at
-the end of every round (~2 us each on the H200, the round's whole host saving); here it is one
+the end of every round (docs/tuning.md#device-settlement); here it is one
 launch that also packs the round's output for the host's read.
 
 `settle_round(cand, sel, raws, inputs, tau, kind=, cap=, adapt=)`, one program:

@@ -5,18 +5,18 @@
 # or, to retrain the drafters for the target already shipped (memra_cli/assets):
 #   bash benchmarks/gpu/build_assets.sh seed     # the shipped target into build-work, then the drafter data
 #   bash benchmarks/gpu/build_assets.sh drafters
-# or all of that in one call (the new pair also lands in build-work/assets, for a warm next call:
-# benchmarks/gpu/retrain_compare.sh benches it beside the shipped one):
+# or all of that in one call (the new pair also lands in build-work/assets, for a warm next call
+# to bench beside the shipped one with `memra bench --target/--draft`):
 #   bash benchmarks/gpu/build_assets.sh retrain
-# or the split retrain, each drafter alone on the GPU (about twice the steps a second of two side
-# by side: docs/results/h200-train-probe.json, eager 32.3 vs 15.3 steps/s), three calls:
+# or the split retrain, each drafter alone on the GPU (more steps a second than two side by side:
+# docs/bench.md, "The embedded models"), three calls:
 #   BUDGET_S=400 bash benchmarks/gpu/build_assets.sh solo dflash  # seed + data + the DFlash drafter
 #   BUDGET_S=400 bash benchmarks/gpu/build_assets.sh solo dspark  # the same data again + the DSpark drafter
 #   bash benchmarks/gpu/build_assets.sh assemble   # carry build-work/ holding both calls' drafters/
 #                                                  # (and one call's state.json, stdlib.jsonl, target/)
 # On two GPUs (kind nvidia-h200-x2) `retrain` already trains each drafter alone, on its own GPU,
 # in one call: device time counts the call's wall time whatever the kind, so that is the cheaper way.
-# Each solo call regenerates the drafter data (~90 s; the data, ~54 MB, does not fit the carry
+# Each solo call regenerates the drafter data (the data does not fit the carry
 # limit beside the tree) and returns build-work less data.pt as tar parts.
 # State lives in build-work/ (git-ignored; carry it to the second call: the machine is bare again).
 # Results come back under $OUT as tar parts (the device returns at most 8 files of 16 MiB).

@@ -8,7 +8,7 @@ reads weights: once per step). Prints a TUNED table of the shapes where the kern
 at M = 16 by more than `--margin`, and writes everything to `--json` (the table also to
 `--tuned`, which `dense_linear.load_tuned` and the benchmarks' `--dense-tuned` read).
 
-    python benchmarks/gpu/dense_linear_sweep.py [--shapes 8b,drafter,hybrid] [--json F] [--tuned F]
+    python -m benchmarks.gpu.dense_linear_sweep [--shapes 8b,drafter,hybrid] [--json F] [--tuned F]
 """
 
 from __future__ import annotations
@@ -24,13 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from memra_kernels import dense_linear as dl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import kernels_quant as kq  # noqa: E402  (the copy bandwidth and graph timing of the quant sweep)
-
-from memra_kernels import dense_linear as dl  # noqa: E402
+from benchmarks import timing
+from benchmarks.gpu import kernels_quant as kq  # copies_for: weight copies enough to defeat L2
 
 SHAPES = {
     # Qwen3-8B target: fused q/k/v, o, fused gate/up, down, lm_head
@@ -49,8 +46,8 @@ def log(*a) -> None:
 
 def graph_us(call, n_copies: int) -> float:
     """Median µs of one `call(i)`: CUDA-graph replays of calls cycling through the weight copies
-    (kernels_quant.graph_ms, the quantized kernels' yardstick)."""
-    return 1e3 * kq.graph_ms(call, n_copies)
+    (benchmarks/timing.py, the quantized kernels' yardstick)."""
+    return 1e3 * timing.cycled_graph_ms(call, n_copies)
 
 
 def candidates(n: int, k: int) -> list[dl.KernelConfig]:
@@ -100,9 +97,9 @@ def main() -> int:
     a = p.parse_args()
     t0 = time.perf_counter()
     shapes = [s for name in a.shapes.split(",") for s in SHAPES[name]]
-    bw = kq.copy_bandwidth()
+    bw = timing.copy_gbps() * 1e9
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbps": bw / 1e9,
-           "command": "python benchmarks/gpu/dense_linear_sweep.py " + " ".join(sys.argv[1:]), "shapes": []}
+           "command": "python -m benchmarks.gpu.dense_linear_sweep " + " ".join(sys.argv[1:]), "shapes": []}
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     tuned = {}
     gen = torch.Generator().manual_seed(0)

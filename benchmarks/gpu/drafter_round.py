@@ -7,7 +7,7 @@ dtype, q8 / q4 = quantized at load and packed for the Triton kernels). With the 
 defaults (16-row target steps and drafter rounds as CUDA graphs, Triton step ops) it measures:
 
 - `copy_bw`: a device-to-device copy, bytes read + written per second (median; on CUDA the
-  higher of a graph-replayed 1 GiB copy and kernels_quant.py's eager 2 GiB one, both recorded);
+  higher of a graph-replayed 1 GiB copy and an eager 2 GiB one, both recorded; benchmarks/timing.py);
 - `drafter_bytes[prec]`, `lm_head_bytes`, `floor_ms[prec]` = (drafter weights + the target's
   lm_head, which the harvested rows go through) / copy_bw: the drafter's side at its floor;
 - `plain_step_ms` (one real row in the fixed 16-row step), `verify_step_ms` (16 rows, taps on),
@@ -33,13 +33,12 @@ one, so a run cut short by a time limit keeps what it measured. Times are median
 around graph replays on the GPU, perf_counter on the CPU. `--tiny` runs the whole script on the
 CPU at a tiny shape (float32, eager, torch step ops, kernel section skipped): a smoke test.
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu/drafter_round.py [--json OUT.json] [--tiny]
+    python -m benchmarks.gpu.drafter_round [--json OUT.json] [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -51,32 +50,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))  # gpu_shapes' helpers
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))  # kernels_quant's timing (imported on CUDA only)
-sys.path.insert(0, str(ROOT))
-
-
-def _alias_kernels() -> None:
-    """`kernels/` installs as `memra_kernels`; measure this checkout's, whatever is installed."""
-    found = importlib.util.find_spec("memra_kernels")
-    if found is not None and Path(found.origin or "").resolve().parent == ROOT / "kernels":
-        return
-    spec = importlib.util.spec_from_file_location("memra_kernels", ROOT / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT / "kernels")])
-    sys.modules["memra_kernels"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules["memra_kernels"])
-
-
-_alias_kernels()
-
-from gpu_shapes import SHAPES, random_target, run_arm  # noqa: E402
-
-from memra_cli.engine.api import ArmConfig, Engine  # noqa: E402
-from memra_cli.engine.layers.step_ops import TorchStepOps, select_step_ops  # noqa: E402
-from memra_cli.engine.spec.policy import PolicySettings  # noqa: E402
-from memra_cli.engine.spec.proposer import DrafterProposer  # noqa: E402
-from memra_cli.tiny.draft import make_tiny_draft  # noqa: E402
+from benchmarks import timing
+from benchmarks.gpu_shapes import SHAPES, random_target, run_arm
+from memra_cli.engine.api import ArmConfig, Engine
+from memra_cli.engine.layers.step_ops import TorchStepOps, select_step_ops
+from memra_cli.engine.spec.policy import PolicySettings
+from memra_cli.engine.spec.proposer import DrafterProposer
+from memra_cli.tiny.draft import make_tiny_draft
 
 W = 16  # target step width = drafter block
 PRECS = ("bf16", "q8", "q4")  # bf16: the weights at the compute dtype (no policy applied)
@@ -122,39 +102,8 @@ class Report:
 
 
 def median_ms(fn, device: torch.device, reps: int, warmup: int = 3) -> float:
-    """Median ms of `fn()`: CUDA events around each call (graph replays) or perf_counter."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-    else:
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t))
-    return sorted(times)[len(times) // 2]
-
-
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written (median)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).random_()
-    dst = torch.empty_like(src)
-    if device.type == "cuda":
-        from memra_cli.engine.runtime import cuda_graphs
-
-        graph, _ = cuda_graphs.capture(lambda: dst.copy_(src), device)
-        ms = median_ms(graph.replay, device, reps=30)
-    else:
-        ms = median_ms(lambda: dst.copy_(src), device, reps=10)
-    return 2 * nbytes / (ms * 1e-3)
+    """Median ms of `fn()` (benchmarks/timing.py: CUDA events per call, perf_counter on the CPU)."""
+    return timing.median_ms(fn, reps, warmup, device=device)
 
 
 # ------------------------------------------------------------------------------- weight bytes
@@ -243,9 +192,9 @@ def drafter_side(engine, arm, ctx: int, reps: int) -> tuple[float, float]:
 
 
 def drafter_profile(engine, arm, ctx: int) -> dict:
-    """Where the drafter's side goes: kernel tables (`_profile.kernel_table`) of the calls
+    """Where the drafter's side goes: kernel tables (`benchmarks.timing.kernel_table`) of the calls
     `drafter_side` times."""
-    from _profile import kernel_table
+    from benchmarks.timing import kernel_table
 
     with primed_proposer(engine, arm, ctx) as (propose, ingest_one):
         return {"propose": kernel_table(propose, top=25), "ingest": kernel_table(ingest_one, top=25)}
@@ -255,7 +204,7 @@ def same_size_references(shapes, m: int = 16) -> list[dict]:
     """Yardsticks at each quantized shape, timed as the kernels are (graph replays over copies
     L2 cannot hold): a device copy of the q8_0 weight's bytes (what moving those bytes costs in
     one launch of that size) and cuBLAS's bf16 matmul of the same [out, in] at M rows."""
-    import kernels_quant as kq
+    from benchmarks.gpu import kernels_quant as kq
 
     rows = []
     for n, k in shapes:
@@ -263,13 +212,13 @@ def same_size_references(shapes, m: int = 16) -> list[dict]:
         nbytes = n * k + n * (k // 32) * 2  # q8_0: int8 weights + f16 scales
         srcs = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(kq.copies_for(nbytes))]
         dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        ms = kq.graph_ms(lambda i: dst.copy_(srcs[i]), len(srcs))
+        ms = timing.cycled_graph_ms(lambda i: dst.copy_(srcs[i]), len(srcs))
         rec["copy_q8_bytes_us"], rec["copy_q8_bytes_gbps"] = 1e3 * ms, 2 * nbytes / (ms * 1e-3) / 1e9
         del srcs, dst
         wb = n * k * 2
         ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(kq.copies_for(wb))]
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        ms = kq.graph_ms(lambda i: x @ ws[i].T, len(ws))
+        ms = timing.cycled_graph_ms(lambda i: x @ ws[i].T, len(ws))
         rec["cublas_bf16_us"], rec["cublas_bf16_read_gbps"] = 1e3 * ms, wb / (ms * 1e-3) / 1e9
         del ws
         torch.cuda.empty_cache()
@@ -289,7 +238,7 @@ def timed_phases(engine, arm, ids, n) -> dict:
 def quant_bandwidth(copy_bw: float, budget_end: float) -> dict:
     """q8_0 / q4_0 kernels on the drafter's matrices: us and fraction of copy_bw per M (the
     kernel's default per-shape config), through kernels_quant.py's timing and checks."""
-    import kernels_quant as kq
+    from benchmarks.gpu import kernels_quant as kq
 
     props = torch.cuda.get_device_properties(0)
     kq.L2_BYTES = getattr(props, "L2_cache_size", kq.L2_BYTES) or kq.L2_BYTES
@@ -385,7 +334,7 @@ def main(argv=None) -> int:
         "shape": "small" if tiny else "qwen3-8b", "dtype": str(dtype).replace("torch.", ""),
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
         "step_width": W, "ctx": ctx, "tokens": tokens, "prompts": a.prompts,
-        "command": "python benchmarks/gpu/drafter_round.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m benchmarks.gpu.drafter_round " + " ".join(sys.argv[1:] if argv is None else argv),
     })
     d = rep.data
     for key in ("draft_ingest_ms", "propose_ms", "ingest_ms", "drafter_bytes", "floor_ms", "draft_over_floor"):
@@ -396,15 +345,12 @@ def main(argv=None) -> int:
     rep.write()
 
     with rep.section("copy_bw"):
-        bw = copy_bandwidth(device, (1 << 30) if cuda else (64 << 20))
+        bw = 1e9 * timing.copy_gbps((1 << 30) if cuda else (64 << 20), reps=30 if cuda else 10,
+                                    graphed=cuda, device=device)
         if cuda:
-            # A graph-replayed 1 GiB copy measured 2.7 TB/s on the H200 where an eager 2 GiB copy
-            # timed by do_bench (kernels_quant.py's) measured 4.24, in one process, warm or cold
-            # (benchmarks/gpu/copy_bw.py). Fractions and floors divide by the higher: the lower
-            # one made every kernel look 1.55x closer to the copy than it is.
-            import kernels_quant as kq
-
-            d["copy_bw_graph"], d["copy_bw_eager"] = bw, kq.copy_bandwidth()
+            # The graph-replayed copy reads lower than an eager 2 GiB one (docs/perf.md, "How to
+            # measure"): fractions and floors divide by the higher, the one a kernel can reach.
+            d["copy_bw_graph"], d["copy_bw_eager"] = bw, 1e9 * timing.copy_gbps(2 * timing.GIB)
             bw = max(bw, d["copy_bw_eager"])
         d["copy_bw"], d["copy_gbps"] = bw, bw / 1e9
         log(f"copy bandwidth (read + write): {bw / 1e9:.0f} GB/s")

@@ -19,7 +19,7 @@ separates the two (CUDA events; bf16; the engine's defaults):
 for the one-row steps (the fastest plain decoding) and the 16-row steps (the fixed-width plain
 reference and the verify step). JSON to ``--json`` (default ``$OUT/h200-embedded-plain.json``).
 
-    python benchmarks/gpu/embedded_plain.py [--prompts 8] [--max-new 128]
+    python -m benchmarks.gpu.embedded_plain [--prompts 8] [--max-new 128]
 """
 
 from __future__ import annotations
@@ -27,49 +27,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from memra_cli.engine.api import Engine, EngineConfig  # noqa: E402
-from memra_cli.engine.prompts import load_prompts  # noqa: E402
-from memra_cli.engine.text import TextCodec  # noqa: E402
+from benchmarks import timing
+from memra_cli.engine.api import Engine, EngineConfig
+from memra_cli.engine.prompts import load_prompts
+from memra_cli.engine.text import TextCodec
 
 ASSETS = Path(__file__).resolve().parents[2] / "memra_cli" / "assets"
 
 
-def events_ms(fn, reps: int) -> float:
-    """GPU ms per call of `fn` run `reps` times back to back (no host syncs in between)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def wall_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    sync()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    sync()
-    return (time.perf_counter() - t) * 1e3 / reps
+events_ms = timing.mean_ms  # GPU ms per call of `reps` back-to-back calls (no syncs between)
+wall_ms = timing.wall_ms
+sync = timing.sync
 
 
 def kernel_profile(fn) -> dict:

@@ -17,7 +17,7 @@ Whole sessions (prefill included, graphs captured first) are embedded_session.py
 
 JSON to ``--json`` (default ``$OUT/h200-embedded-round.json``).
 
-    python benchmarks/gpu/embedded_round.py [--arm dspark --arm dflash:adapt=0]
+    python -m benchmarks.gpu.embedded_round [--arm dspark --arm dflash:adapt=0]
 """
 
 from __future__ import annotations
@@ -25,21 +25,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.gpu.embedded_plain import events_ms, kernel_profile, wall_ms
 
-from embedded_plain import events_ms, kernel_profile, wall_ms  # noqa: E402
-
-from memra_cli.engine.api import ArmConfig, Engine, EngineConfig  # noqa: E402
-from memra_cli.engine.prompts import load_prompts  # noqa: E402
-from memra_cli.engine.spec.policy import PolicySettings  # noqa: E402
-from memra_cli.engine.spec.proposer import static_proposal  # noqa: E402
-from memra_cli.engine.text import TextCodec  # noqa: E402
+from memra_cli.engine.api import ArmConfig, Engine, EngineConfig
+from memra_cli.engine.prompts import load_prompts
+from memra_cli.engine.spec.policy import PolicySettings
+from memra_cli.engine.spec.proposer import static_proposal
+from memra_cli.engine.text import TextCodec
 
 ASSETS = Path(__file__).resolve().parents[2] / "memra_cli" / "assets"
 

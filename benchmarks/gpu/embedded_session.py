@@ -13,7 +13,7 @@ timed) and splits every session's wall time, synchronizing at each boundary:
 and profiles one session's creation + prime on the host (cProfile, top functions by cumulative
 time). JSON to ``--json`` (default ``$OUT/h200-embedded-session.json``).
 
-    python benchmarks/gpu/embedded_session.py [--prompts 32] [--arm plain --arm dspark]
+    python -m benchmarks.gpu.embedded_session [--prompts 32] [--arm plain --arm dspark]
 """
 
 from __future__ import annotations
@@ -24,24 +24,17 @@ import io
 import json
 import os
 import pstats
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from memra_cli.engine.api import ArmConfig, Engine, EngineConfig  # noqa: E402
-from memra_cli.engine.prompts import load_prompts  # noqa: E402
-from memra_cli.engine.text import TextCodec  # noqa: E402
+from benchmarks.timing import sync
+from memra_cli.engine.api import ArmConfig, Engine, EngineConfig
+from memra_cli.engine.prompts import load_prompts
+from memra_cli.engine.text import TextCodec
 
 ASSETS = Path(__file__).resolve().parents[2] / "memra_cli" / "assets"
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def one(make, prompt: list[int], max_new: int) -> dict:

@@ -24,7 +24,7 @@ measures, each section's failure caught and reported in the JSON:
 - ``exact``: speculative == plain greedy in bf16 (graphs on), with a drafter stand-in that
   proposes the plain stream's next tokens with some slots corrupted, both rollback modes.
 
-    python benchmarks/gpu/hybrid_step.py [--json OUT.json] [--ckpt DIR] [--tiny]
+    python -m benchmarks.gpu.hybrid_step [--json OUT.json] [--ckpt DIR] [--tiny]
         [--gdn-tile BLOCK_V,WARPS[,LATE_PREP[,PREFETCH]]] [--attn-tile SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS]
 
 `--gdn-tile` / `--attn-tile` replace, for this run only, the DeltaNet recurrence's tile / the
@@ -38,7 +38,6 @@ in this form) with a sweep's candidate, and the report header records them (`gdn
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -49,24 +48,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-# kernels/ installs as memra_kernels; bind this checkout's (an installed copy may be another tree's)
-_found = importlib.util.find_spec("memra_kernels")
-if _found is None or Path(_found.origin or "").resolve().parent != (ROOT / "kernels").resolve():
-    _spec = importlib.util.spec_from_file_location("memra_kernels", ROOT / "kernels" / "__init__.py",
-                                                   submodule_search_locations=[str(ROOT / "kernels")])
-    sys.modules["memra_kernels"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["memra_kernels"])
+from benchmarks import timing
 
-from memra_cli.engine.greedy import greedy_reference  # noqa: E402
-from memra_cli.engine.layers.step_ops import select_step_ops  # noqa: E402
-from memra_cli.engine.models.qwen3_5 import Qwen35Target  # noqa: E402
-from memra_cli.engine.runtime.steps import StepRunner  # noqa: E402
-from memra_cli.engine.spec.policy import LADDER, Harvest  # noqa: E402
-from memra_cli.engine.spec.proposer import Program, Proposal  # noqa: E402
-from memra_cli.engine.spec.session import Session  # noqa: E402
-from memra_cli.tiny.qwen3_5 import make_tiny_qwen35  # noqa: E402
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.layers.step_ops import select_step_ops
+from memra_cli.engine.models.qwen3_5 import Qwen35Target
+from memra_cli.engine.runtime.steps import StepRunner
+from memra_cli.engine.spec.policy import LADDER, Harvest
+from memra_cli.engine.spec.proposer import Program, Proposal
+from memra_cli.engine.spec.session import Session
+from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
 
 W = 16
 FULL_EVERY = 4
@@ -115,28 +106,13 @@ def pdl_on(dev: torch.device) -> bool:
     return _pdl.enabled(dev)
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
+sync = timing.sync
+median = timing.median
 
 
 def replay_ms(replay, reps: int) -> float:
     """Median ms of `replay()` (a CUDA graph's replay), timed with events."""
-    for _ in range(3):
-        replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return median(times)
+    return timing.median_ms(replay, reps, device="cuda")
 
 
 def floor(target: Qwen35Target, reps: int) -> dict:
@@ -525,7 +501,7 @@ def main() -> None:
         "dtype": str(dtype), "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
         "step_width": W, "torch": torch.__version__, "gdn_tile": a.gdn_tile or "module constants",
         "attn_tile_hd256": a.attn_tile or "module table", "pdl": pdl_on(dev),
-        "command": "python benchmarks/gpu/hybrid_step.py " + " ".join(sys.argv[1:])})
+        "command": "python -m benchmarks.gpu.hybrid_step " + " ".join(sys.argv[1:])})
     t0 = time.perf_counter()
     if not (ckpt / "config.json").exists():
         make_tiny_qwen35(ckpt, dtype=dtype, seed=0, **shape)

@@ -2,7 +2,7 @@
 
 Run with no arguments on a CUDA machine (written for an H200, PyTorch 2.11, Triton 3.6):
 
-    PYTHONPATH=$PWD python3 benchmarks/gpu/kernels_quant.py
+    python -m benchmarks.gpu.kernels_quant
 
 In one process it
   1. measures copy bandwidth: a 2 GiB device-to-device copy, bytes read + written, median;
@@ -22,32 +22,21 @@ per-config failures are caught and reported. Env: QUANT_BENCH_BUDGET_S (sweep bu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-# `kernels/` installs as `memra_kernels`; with only the repo on the path, load it under that name.
-if importlib.util.find_spec("memra_kernels") is None:
-    _spec = importlib.util.spec_from_file_location(
-        "memra_kernels", ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")])
-    sys.modules["memra_kernels"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["memra_kernels"])
+import triton
 
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from memra_kernels import quant_linear as ql
 
-from memra_kernels import quant_linear as ql  # noqa: E402
+from benchmarks import timing
 
 # [out, in] as stored; the drafter's "in -> out" matrices: 4096->4096, 4096->1024, 4096->12288,
 # 12288->4096, 20480->4096
@@ -71,19 +60,9 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
-def median_ms(fn, rep: int = 60) -> float:
-    return float(do_bench(fn, warmup=10, rep=rep, return_mode="median"))
-
-
 def copy_bandwidth() -> float:
     """Bytes/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
-    n = 2 * 2**30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), rep=200)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / (ms * 1e-3)
+    return timing.copy_gbps(2 * timing.GIB) * 1e9
 
 
 def random_packed(qtype: str, n: int, k: int, gen: torch.Generator) -> ql.Packed:
@@ -129,25 +108,9 @@ def check(qtype: str, packed: ql.Packed, cfg: ql.KernelConfig | None, gen) -> di
     return res
 
 
-def graph_ms(call, n_copies: int) -> float:
-    """Median ms of one `call(i)` (i = which weight copy), timed as CUDA-graph replays of R
-    calls cycling through the copies: the engine replays graphs too, so Python and launch
-    overhead stay out, and each call reads a copy that L2 no longer holds."""
-    reps = n_copies * max(1, math.ceil(48 / n_copies))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compiles) off the capture
-        for i in range(n_copies):
-            call(i)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for r in range(reps):
-            call(r % n_copies)
-    ms = median_ms(g.replay) / reps
-    del g
-    return ms
+# one call(i) (i = which weight copy) as graph replays cycling through the copies: no launch
+# overhead, and each call reads a copy that L2 no longer holds
+graph_ms = timing.cycled_graph_ms
 
 
 def time_kernel(copies: list[ql.Packed], m: int, cfg: ql.KernelConfig | None) -> float:
@@ -166,7 +129,7 @@ def eager_ms(copies: list[ql.Packed], m: int) -> tuple[float, float]:
         i[0] = (i[0] + 1) % len(copies)
         ql.quant_linear(x, copies[i[0]])
 
-    dev = median_ms(step)
+    dev = timing.do_bench_ms(step)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(200):
@@ -212,7 +175,7 @@ def candidates(qtype: str, n: int, k: int) -> list[ql.KernelConfig]:
     out = []
     # narrow tiles, little or no split: enough programs from the output axis alone, so a call
     # pays no split-K reduction (its atomics and the last program's sum), which dominates the
-    # small matrices (~7.6 us fixed per call fitted on the H200); tried first
+    # small matrices (a fixed cost per call: docs/tuning.md#quantized-linear); tried first
     for bn in (16, 32):
         for bk in (256, 512):
             for split in (1, 2, 4):

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The target's Triton kernels on a GPU at the Qwen3-8B shape: correctness, invariance, speed.
 
-Run without arguments on a CUDA machine (bf16):  python benchmarks/gpu/kernels_target.py
+Run without arguments on a CUDA machine (bf16):  python -m benchmarks.gpu.kernels_target
 
 1. every kernel vs its plain-torch `_ref` twin at hidden 4096, 32 q / 8 kv heads, head_dim 128,
    ffn 12288, W = 16 rows: max relative error (max |a - b| / max |b|) and mismatch fraction;
@@ -22,7 +22,6 @@ Each check is caught and reported on its own: one failure does not stop the othe
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import sys
@@ -33,7 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks import timing
+
 
 HIDDEN, N_HEADS, N_KV, HEAD_DIM, FFN, W = 4096, 32, 8, 128, 12288, 16
 EPS = 1e-6
@@ -44,13 +44,7 @@ DTYPE = torch.bfloat16
 
 
 def _import_kernels():
-    """`memra_kernels` when memra is installed, else the repo's `kernels/` under that name."""
-    if importlib.util.find_spec("memra_kernels") is None:
-        root = ROOT / "kernels"
-        spec = importlib.util.spec_from_file_location(
-            "memra_kernels", root / "__init__.py", submodule_search_locations=[str(root)])
-        sys.modules["memra_kernels"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["memra_kernels"])
+    """The kernel modules (imported late: the module loads without triton's GPU backend)."""
     from memra_kernels import activation, attention, norm, rope
 
     return norm, rope, activation, attention
@@ -87,41 +81,11 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> dict:
 
 
 def bench(fn, warmup=25, rep=100) -> float:
-    """Median milliseconds of one eager fn() (triton.testing.do_bench, L2 flushed between
-    calls). Includes the host's launch overhead whenever that exceeds the GPU time."""
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    """Median ms of one eager fn() (do_bench: L2 flushed, host launch overhead included)."""
+    return timing.do_bench_ms(fn, warmup=warmup, rep=rep)
 
 
-def bench_graph(fns, reps: int = 20) -> float:
-    """Median GPU milliseconds per call of the calls `fns` (e.g. one per layer, over distinct
-    caches) captured back to back in one CUDA graph: the engine's replayed steps, no host
-    launch overhead in the number."""
-    for fn in fns:  # compile / warm up outside the capture
-        fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fns[0]()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(fns))
-    del graph
-    return float(sorted(times)[len(times) // 2])
+bench_graph = timing.graph_ms  # median GPU ms per call of fns captured back to back in one graph
 
 
 def rope_tables(n: int, dtype=DTYPE):

@@ -12,7 +12,7 @@ alone and over a storage cut to the live keys; and the time to read one layer's 
 eager copy bandwidth measured in the same process (the attention's floor). `best` is the
 candidate of least summed time at contexts >= 4096 (shorter ones run the same code for all).
 
-    python benchmarks/gpu/long_attention.py [--json OUT.json] [--candidates 'S,BN,BM,ST,W[,LS,LF];...'] [--pick F]
+    python -m benchmarks.gpu.long_attention [--json OUT.json] [--candidates 'S,BN,BM,ST,W[,LS,LF];...'] [--pick F]
 """
 
 from __future__ import annotations
@@ -21,19 +21,13 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: target_step's helpers
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from target_step import eager_copy_gbps, replay_ms  # noqa: E402
-
-from memra_cli.engine.runtime import cuda_graphs  # noqa: E402
+from benchmarks.gpu.target_step import eager_copy_gbps, replay_ms
+from memra_cli.engine.runtime import cuda_graphs
 
 HEADS, KV, HD, LAYERS = 32, 8, 128, 36
 CONTEXTS = (512, 4096, 8192, 16384, 32768)
@@ -62,7 +56,7 @@ def main() -> None:
     candidates = [tuple(int(v) for v in c.split(",")) for c in a.candidates.split(";") if c] or CANDIDATES
     t0 = time.time()
     bw = eager_copy_gbps(reps=30)
-    out: dict = {"device": torch.cuda.get_device_name(), "command": "python benchmarks/gpu/long_attention.py",
+    out: dict = {"device": torch.cuda.get_device_name(), "command": "python -m benchmarks.gpu.long_attention",
                  "shape": f"{HEADS} q / {KV} kv heads of {HD}, {LAYERS} layers", "copy_gbps": bw,
                  "module_hd128": dataclasses.asdict(A.TILES[128]), "rows": {}}
     rows = []

@@ -1,27 +1,23 @@
 """The one-launch markov chain (memra_kernels.markov, the table path) on the embedded DSpark
 drafter's shape: 15 slots over a 4096-token vocabulary, bf16 table, logits in bf16 (the
 lm_head's output, as a greedy round passes them) and float32. Times each TABLE_WARPS candidate
-as a CUDA graph of 20 chained launches (kernels_target.py's `bench_graph`), after checking its
+as a CUDA graph of 20 chained launches (benchmarks/timing.py `graph_ms`), after checking its
 tokens against the torch twin.
 
-    python benchmarks/gpu/markov_chain.py --json $OUT/h200-markov-chain.json
+    python -m benchmarks.gpu.markov_chain --json $OUT/h200-markov-chain.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from memra_kernels import markov
 
-from memra_kernels import markov  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels_target import bench_graph  # noqa: E402  (its graph timing: ms per call, median)
+from benchmarks.timing import graph_ms as bench_graph
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ the engine runs), as [split, block_n, block_m, stages, warps], the form of hybri
 (absent when no candidate ran: then the command fails, as a script should). `--skip attention`
 leaves the section out; `--skip attention8b` only its 8B part.
 
-    python benchmarks/gpu/step_profile.py [--json OUT.json] [--skip gdn,8b,hybrid,attention,attention8b]
+    python -m benchmarks.gpu.step_profile [--json OUT.json] [--skip gdn,8b,hybrid,attention,attention8b]
 """
 
 from __future__ import annotations
@@ -37,23 +37,20 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
-import hybrid_step  # noqa: E402  (binds this checkout's kernels/ as memra_kernels)
-from _profile import kernel_table  # noqa: E402
-from gpu_shapes import SHAPES, random_target  # noqa: E402
-
-from memra_cli.engine.api import Engine  # noqa: E402
-from memra_cli.engine.layers.step_ops import select_step_ops  # noqa: E402
-from memra_cli.engine.models.qwen3_5 import Qwen35Target  # noqa: E402
-from memra_cli.engine.runtime import cuda_graphs  # noqa: E402
+from benchmarks import timing
+from benchmarks.gpu import hybrid_step
+from benchmarks.gpu_shapes import SHAPES, random_target
+from benchmarks.timing import kernel_table
+from memra_cli.engine.api import Engine
+from memra_cli.engine.layers.step_ops import select_step_ops
+from memra_cli.engine.models.qwen3_5 import Qwen35Target
+from memra_cli.engine.runtime import cuda_graphs
 
 W = 16
 
 
 def replay_ms(replay, reps: int = 30) -> float:
-    return hybrid_step.replay_ms(replay, reps)
+    return timing.median_ms(replay, reps, device="cuda")
 
 
 def profile_8b() -> dict:
@@ -260,7 +257,7 @@ def main() -> None:
                    "attention8b leaves out only the attention section's 8B part")
     a = p.parse_args()
     skip = set(a.skip.split(","))
-    data: dict = {"device": torch.cuda.get_device_name(), "command": "python benchmarks/gpu/step_profile.py " + " ".join(sys.argv[1:])}
+    data: dict = {"device": torch.cuda.get_device_name(), "command": "python -m benchmarks.gpu.step_profile " + " ".join(sys.argv[1:])}
     for name, fn in (("gdn", gdn_tiles), ("attention", lambda: attention_tiles("attention8b" not in skip)),
                      ("8b", profile_8b),
                      ("hybrid", lambda: profile_hybrid(a.ckpt))):

@@ -20,7 +20,7 @@ Prints and writes (``--json``, default ``$OUT/h200-target-step.json``):
   DFlash drafter (its drafts are never right: every round a full 16-row verify of one real token)
   on the first length.
 
-    python benchmarks/gpu/target_step.py [--contexts 512,4096,32768] [--sweep-lengths 512,4096]
+    python -m benchmarks.gpu.target_step [--contexts 512,4096,32768] [--sweep-lengths 512,4096]
         [--sweep-prompts 3] [--sweep-tokens 64] [--json OUT.json]
 
 ``--shape gemma4-31b`` times the Gemma 4 31B text shape instead (gemma4_step.py: its step with
@@ -40,74 +40,41 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: gpu_shapes' helpers
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from gpu_shapes import SHAPES, random_target, run_arm  # noqa: E402
-
-from memra_cli.engine.api import ArmConfig, Engine  # noqa: E402
-from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps, unfused_swiglu  # noqa: E402
-from memra_cli.engine.runtime import cuda_graphs  # noqa: E402
-from memra_cli.engine.spec.policy import Harvest, PolicySettings, VerifyWindow  # noqa: E402
-from memra_cli.engine.spec.proposer import Program, Proposal  # noqa: E402
-from memra_cli.engine.spec.session import Session  # noqa: E402
-from memra_cli.tiny.draft import make_tiny_draft  # noqa: E402
+from benchmarks import timing
+from benchmarks.gpu_shapes import SHAPES, random_target, run_arm
+from memra_cli.engine.api import ArmConfig, Engine
+from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps, unfused_swiglu
+from memra_cli.engine.spec.policy import Harvest, PolicySettings, VerifyWindow
+from memra_cli.engine.spec.proposer import Program, Proposal
+from memra_cli.engine.spec.session import Session
+from memra_cli.tiny.draft import make_tiny_draft
 
 W = 16
 
 
 def replay_ms(replay, reps: int = 50) -> float:
     """Median ms of `replay()` (a CUDA graph's replay), timed with events."""
-    for _ in range(5):
-        replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return timing.median_ms(replay, reps, warmup=5, device="cuda")
 
 
 def graph_ms(fn, reps: int = 50) -> float:
     """Median ms of replaying `fn` captured as a CUDA graph."""
-    graph, _ = cuda_graphs.capture(fn, torch.device("cuda"))
-    return replay_ms(graph.replay, reps)
+    return timing.graph_ms(fn, reps)
 
 
 def copy_gbps() -> dict:
-    """GB/s of a device-to-device copy (bytes read + written), two ways: a 1 GiB copy replayed
-    as a CUDA graph, and an eager 2 GiB copy timed with events (median of 50). On the H200 the
-    graphed copy measured 2.70 TB/s and the eager one 4.24 in one process
-    (docs/results/h200-copy-bw.json): the floor takes the higher, the one a kernel can reach."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    graph = 2 * x.numel() / graph_ms(lambda: y.copy_(x), reps=20) / 1e6
-    del x, y
+    """GB/s of the memory floors (benchmarks/timing.py): a 1 GiB copy replayed as a CUDA graph
+    and an eager 2 GiB copy (bytes read + written), and a sum over 2 GiB (bytes read). The
+    floor takes the higher copy, the one a kernel can reach (docs/perf.md, "How to measure")."""
+    graph = timing.copy_gbps(1 << 30, reps=20, graphed=True)
     eager = eager_copy_gbps()
-    return {"graph_1gib": graph, "eager_2gib": eager, "used": max(graph, eager)}
+    return {"graph_1gib": graph, "eager_2gib": eager, "read_sum_2gib": timing.read_gbps(),
+            "used": max(graph, eager)}
 
 
 def eager_copy_gbps(reps: int = 50) -> float:
     """GB/s (bytes read + written) of an eager 2 GiB device copy, median of `reps` event-timed."""
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(5):
-        y.copy_(x)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    gbps = 2 * x.numel() / sorted(times)[len(times) // 2] / 1e6
-    del x, y
-    torch.cuda.empty_cache()
-    return gbps
+    return timing.copy_gbps(2 * timing.GIB, reps)
 
 
 def matmul_chain_ms(target) -> float:
@@ -273,7 +240,7 @@ def main() -> None:
     s = SHAPES["8b"]
     contexts = [int(c) for c in a.contexts.split(",")]
     out: dict = {"shape": "qwen3-8b", "dtype": "bfloat16", "device": torch.cuda.get_device_name(), "step_width": W,
-                 "command": "python benchmarks/gpu/target_step.py " + " ".join(sys.argv[1:])}
+                 "command": "python -m benchmarks.gpu.target_step " + " ".join(sys.argv[1:])}
     from dataclasses import asdict
 
     from memra_kernels import _pdl

@@ -1,7 +1,7 @@
 """Throughput of the embedded build's two slow parts, to size a recipe before spending a build on it.
 
-    python benchmarks/gpu/train_probe.py drafter --kind dspark --batches 128,256,512 [--json out.json]
-    python benchmarks/gpu/train_probe.py datagen --gen-batches 4096,16384 [--json out.json]
+    python -m benchmarks.gpu.train_probe drafter --kind dspark --batches 128,256,512 [--json out.json]
+    python -m benchmarks.gpu.train_probe datagen --gen-batches 4096,16384 [--json out.json]
 
 `drafter`: steady-state training steps per second (eager and through torch.compile) of a fresh drafter (the recipe's depth,
 taps and block) over the shipped target, at each batch size, on random token sequences of the

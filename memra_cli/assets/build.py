@@ -1,8 +1,7 @@
 """Build the embedded default models: `python -m memra_cli.assets.build [--out DIR] [--work DIR] [--stage S]`.
 
-Reproducible recipe (the embedded-pair build); on one H200 the target stage with the sweep takes
-about 6 minutes and the two drafters about 8 side by side (each fits one 10-minute call; `--work`
-carries the state between):
+Reproducible recipe (the embedded-pair build); each stage fits one 10-minute call on one H200
+(`--work` carries the state between):
 
 1. corpus = the build machine's CPython stdlib `.py` files (Python version and a hash of the
    file list are recorded); every 20th file is held out;
@@ -73,21 +72,17 @@ class Recipe:
     target_batch: int = 64
     seq_len: int = 512
     target_lr: float = 3e-3
-    # random corpus windows (overlapping windows of the prompt files). 49,152 on 2026-12-04: the
-    # 2026-12-03 drafters (26,230 sequences) ran ~31 epochs over their data in 400 s, and halving
-    # the passes raised held-out acceptance. 98,304 since the training step is compiled
-    # (draft_compile): more steps in the same time, over twice the data.
+    # random corpus windows (overlapping windows of the prompt files): enough that the compiled
+    # training step sees each window only a few times in its budget (docs/tuning.md#drafter-data).
     n_prompts: int = 98304
     n_head_prompts: int = 8192  # stand-alone function heads (as many as there are)
     head_tokens: int = 192  # longest head used as a prompt
     prompt_len: int = 128
-    # Continuations as long as the bench's (128 new tokens) plus a block: measured on the 2025 pair,
-    # a drafter's acceptance at anchors 128-256 tokens into a continuation (deep in the small
-    # target's loops) ran ~1.4x its acceptance in the first 128, so longer continuations spent
-    # half the training on a regime the bench never reaches and inflated the held-out tau.
+    # Continuations as long as the bench's (128 new tokens) plus a block: longer ones train on a
+    # regime the bench never reaches and inflate the held-out tau (docs/tuning.md#drafter-data).
     cont_len: int = 144
     # continuations generated per batch: one-token steps of a tiny model are launch-bound, so a
-    # batch 4x larger makes ~1.35x as many sequences a second (benchmarks/gpu/train_probe.py datagen)
+    # larger batch makes more sequences a second (docs/tuning.md#drafter-data)
     gen_batch: int = 16384
     draft_layers: int | None = None  # None: the sweep's best (work/sweep.json), else 1
     dflash_block: int = 16  # 15 drafts: anchor + drafts fill one 16-row verify step
@@ -112,8 +107,8 @@ class Recipe:
     # wall-clock caps: each stage fits one 10-minute call on the lent H200 (the two drafters train
     # side by side in one call: `--stage drafter --kind K` each, then `--stage assemble`)
     target_budget_s: float | None = 180.0
-    # (the depth sweep measured tau_full 6.74 at 45 s and 7.77 at 400 s on the same data: training
-    # time still pays; 440 s keeps seed + data + both drafters side by side inside one 10-minute call)
+    # (training time still pays: docs/tuning.md#drafter-data; 440 s keeps seed + data + both
+    # drafters side by side inside one 10-minute call)
     dflash_budget_s: float | None = 440.0
     dspark_budget_s: float | None = 440.0
 
@@ -356,8 +351,8 @@ def _cat(*splits):
 def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
     """Short DSpark runs at each (block, layers) of `r.sweep` on the same data, each evaluated on
     the held-out stand-alone function heads' continuations. `score` = tau_walk / (1 + layers / target_layers)
-    (tau as the bench counts it, `train_draft.walk_tau`; until 2026-12-03 it was tau_full, which
-    overstates the bench where acceptance is uneven):
+    (tau as the bench counts it, `train_draft.walk_tau`, not tau_full, which overstates the bench
+    where acceptance is uneven):
     tau over the cost of a round with the drafter's layers priced as target layers (same width,
     same rows), the quantity the choice maximises. Writes `work/sweep.json`."""
     info, data, target = _load_work(work, device)

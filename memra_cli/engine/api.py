@@ -171,7 +171,7 @@ def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | No
     CUDA (a graph replays fixed shapes) and its model `family` (class) can be captured; a family
     that cannot (`supports_cuda_graphs` false) runs eagerly, says why, and refuses the flag.
     Drafter rounds are graphed whenever the target's steps are (MEMRA_DRAFT_GRAPHS=0 runs them
-    eagerly): on the H200 that took the 8B-shape round from 18.2 to 14.3 ms, exact (docs/perf.md)."""
+    eagerly; the gain is in docs/tuning.md#drafter-graphs)."""
     possible = device.type == "cuda" and width is not None
     draft_env = _switch(env, DRAFT_GRAPHS_ENV)
     if family is not None and not getattr(family, "supports_cuda_graphs", True):
@@ -485,7 +485,7 @@ class Engine:
           step is one row, and a graph makes the launch-bound step one launch);
         - otherwise (CPU; a family that cannot be captured): variable-width eager steps, one row
           per plain step. On the 2-core dev CPU that ran faster than a fixed one-row step, whose
-          torch attention covers the whole storage under a mask, and 1.5-2x faster than 16 rows.
+          torch attention covers the whole storage under a mask, and than 16 rows.
 
         Its steps are not the fixed-width ones, so in bf16 its stream may differ from this
         engine's. It has its own storage pool: a state's graphs are keyed by storage and taps,

@@ -525,8 +525,7 @@ def run_bench(arms: Sequence[Arm], prompts: Sequence[Sequence[int]], max_new: in
     With CUDA graphs, every arm first primes every prompt and runs one round (`capture_graphs`),
     untimed: a graph is captured on first use per storage and prompt bucket, tens of
     milliseconds each, and left in the timed pass it lands on whichever arm meets a bucket
-    first (measured on the H200: the first-listed of two DSpark arms 10-18% slower than the
-    other, whichever it was). A server captures before serving; so does the bench."""
+    first (docs/tuning.md#bench-capture). A server captures before serving; so does the bench."""
     import torch
 
     meta = dict(meta or {})

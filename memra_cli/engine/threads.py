@@ -3,7 +3,7 @@
 torch gives every op one thread per core by default. A small target's ops are tiny (the
 embedded 5.8M-parameter target multiplies [16, 256] by [256, 768]): a second thread adds a
 synchronisation per op and gains nothing, and when another process holds the other core every
-op waits for a thread that is not running (the measurements: docs/perf.md § CPU threads).
+op waits for a thread that is not running (the measurements: docs/tuning.md#cpu-threads).
 Hence:
 
 1. a requested count (the front end's `--threads` / MEMRA_THREADS), or OMP_NUM_THREADS, when set;
@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-SMALL_TARGET_PARAMS = 32_000_000  # at 29M a second thread won 1.25x at best and lost 5x beside other work
+SMALL_TARGET_PARAMS = 32_000_000  # where a second thread stops paying: docs/tuning.md#cpu-threads
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "cpu_round_parts.py"
+MODULE = "benchmarks.cpu_round_parts"  # run as a module from the repo root
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
     env["PYTHONPATH"] = str(ROOT)
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", MODULE, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
 
 

@@ -1,9 +1,9 @@
-"""benchmarks/gpu/drafter_round.py on the CPU (`--tiny`): every section runs, the JSON carries
+"""`python -m benchmarks.gpu.drafter_round` on the CPU (`--tiny`): every section runs, the JSON carries
 the keys the GPU run is read for, and speculative == plain greedy."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "drafter_round.py"
+MODULE = "benchmarks.gpu.drafter_round"  # run as a module from the repo root, as on the GPU
 KEYS = ("draft_ingest_ms", "propose_ms", "ingest_ms", "plain_step_ms", "verify_step_ms", "round_ms",
         "round_over_plain", "q8_0_bw_frac", "q4_0_bw_frac", "quant_bw", "drafter_bytes", "floor_ms", "exact",
         "copy_bw", "lm_head_bytes")
@@ -23,7 +23,7 @@ def test_tiny_run_writes_every_key_and_is_exact(tmp_path):
     out = tmp_path / "round.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--prompts", "2", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--tiny", "--prompts", "2", "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(out.read_text())
@@ -41,11 +41,9 @@ def test_tiny_run_writes_every_key_and_is_exact(tmp_path):
 
 
 @pytest.fixture
-def script_module():
-    spec = importlib.util.spec_from_file_location("drafter_round_script", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def script_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # `benchmarks` is a package of the repo, not installed
+    return importlib.import_module(MODULE)
 
 
 def test_a_failing_section_is_recorded_and_the_report_still_written(script_module, tmp_path):

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/embedded_plain.py on the CPU (`--device cpu`): it loads the embedded target,
+"""`python -m benchmarks.gpu.embedded_plain` on the CPU (`--device cpu`): it loads the embedded target,
 times one-row and 16-row steps through the runner and whole plain sessions, and writes its JSON
 (the GPU-only parts, graph replay and the kernel profile, are left out there)."""
 
@@ -11,14 +11,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "embedded_plain.py"
+MODULE = "benchmarks.gpu.embedded_plain"  # run as a module from the repo root
 
 
 def test_cpu_run_writes_its_report(tmp_path):
     out = tmp_path / "plain.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--prompts", "2", "--max-new", "4",
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--device", "cpu", "--prompts", "2", "--max-new", "4",
                            "--reps", "2", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]

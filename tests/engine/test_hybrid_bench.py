@@ -1,4 +1,4 @@
-"""benchmarks/gpu/hybrid_step.py --tiny: the GPU benchmark's every section runs on the CPU at toy
+"""`python -m benchmarks.gpu.hybrid_step --tiny`: the GPU benchmark's every section runs on the CPU at toy
 shapes (no graphs) and writes its JSON, so the lead's H200 run does not fail on plumbing."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import pytest
 
 pytest.importorskip("transformers")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "hybrid_step.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_hybrid_bench_tiny_smoke(tmp_path):
     out = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--json", str(out), "--ckpt", str(tmp_path / "ck")],
-                   check=True, capture_output=True, text=True, env=env, timeout=120)
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu.hybrid_step", "--tiny", "--json", str(out), "--ckpt",
+                    str(tmp_path / "ck")], cwd=ROOT, check=True, capture_output=True, text=True, env=env, timeout=120)
     d = json.loads(out.read_text())
     for name in ("plain", "verify", "rounds", "exact", "transformers"):
         assert "error" not in d[name], (name, d[name])

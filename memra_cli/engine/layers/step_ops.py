@@ -36,7 +36,7 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   table: the same picks)
 - `argmax(x) -> int64 [rows]`: each row's `torch.argmax` (first index among equal maxima, NaN
   as the maximum), a greedy round's picks from its logits (one program per row with the
-  kernels, where torch's generic reduce took ~15 µs for 16 rows on the H200)
+  kernels: torch's generic reduce is slow for 16 rows; kernels/argmax.py)
 - `conv_silu(window, x, w)`: Gated DeltaNet's causal conv update + SiLU over a step's rows
 - `gated_delta_rule(qkv, g, beta, state, n_k_heads, final, stash, stash_idx) -> out`: its
   recurrence over the rows (float32 state; final state and per-row stash written on request)
@@ -68,8 +68,8 @@ float32 `1 + w`):
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
   programmatic dependent launch); a no-op for the torch ops
 
-`TorchStepOps` is today's numerics exactly (HF transformers' Qwen3 / Qwen3.5 order of
-roundings: the model code before the seam, moved behind it op for op); its attention runs over the
+`TorchStepOps` is the reference numerics exactly (HF transformers' Qwen3 / Qwen3.5 order of
+roundings, op for op); its attention runs over the
 whole cache storage under a position mask. `TritonStepOps` reads only the live keys (split over
 keys at a fixed size) and fuses each norm with its neighbours; its kernels round where torch
 rounds, so they differ from torch only in float32 arithmetic (reduction order, exp / log).
@@ -387,8 +387,8 @@ class TritonStepOps:
                           mask: torch.Tensor | None) -> torch.Tensor:
         """`TorchStepOps.prefill_attention` through PyTorch's fused SDPA kernels: the causal rule
         as a lower-right `CausalBias` (query i of t sees keys up to n-t+i) instead of a boolean
-        mask, which sends a long prompt's chunks to the math path (a 32k prompt took 17 s on the
-        H200). K/V are repeated per query head for the chunk (one layer's worth at a time): the
+        mask, which sends a long prompt's chunks to the slow math path (docs/tuning.md#prefill-sdpa).
+        K/V are repeated per query head for the chunk (one layer's worth at a time): the
         fused kernels take equal head counts. Prefill is shared by plain and speculative
         decoding, so this changes no comparison the exactness gate makes."""
         t, nh, hd = q.shape

@@ -177,8 +177,8 @@ class Drafter:
         """Load a drafter checkpoint (after its census passes).
 
         `weight_fn(name, ckpt, dtype, device) -> weight` may replace matmul weights (attention,
-        MLP, fc and markov w2; e.g. quantize at load: engine/precision.py); by default weights
-        are plain tensors in `dtype`. `path` may be a memra GGUF (engine/gguf_io.py), which
+        MLP, fc and markov w2; e.g. quantize at load: quant/precision.py); by default weights
+        are plain tensors in `dtype`. `path` may be a memra GGUF (formats/gguf.py), which
         loads as written: its quantized tensors become reference quantized linears built from
         the stored blocks, its float tensors load as above; a `weight_fn` of another precision
         policy than the file's is refused (one of the same policy has nothing left to do).
@@ -496,7 +496,7 @@ class Drafter:
         """w2 as a `[V, r]` tensor of the compute dtype for the seam's chain. A quantized w2 (a
         precision policy's, a GGUF's) is dequantized once: the chain then runs on exactly its
         q8_0 / q4_0 values, in one launch, where a per-slot loop through the quantized linear
-        cost the H200's embedded DSpark arm 2.05x -> 1.28x (`--prec q8`). w2 is small
+        cost most of the quantized DSpark arm's speedup (docs/tuning.md#markov-w2). w2 is small
         (V x rank), so the copy is too; the first call comes outside any graph capture."""
         w2 = self.markov_w2
         if isinstance(w2, torch.Tensor):

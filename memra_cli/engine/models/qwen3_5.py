@@ -87,13 +87,10 @@ DEFAULT_ROLLBACK_ROWS = 64  # a step's rows are recorded for a rollback up to th
 
 
 def default_rollback(device: torch.device) -> str:
-    """The rollback mode a target gets unless told, as measured per device. CUDA: "replay". On
-    the H200 at Qwen3.5-4B's shapes (bf16, graphs, Triton kernels, 2026-12-03) a 16-row verify
-    took 3.95 ms with replay's record against 4.21 ms with the stash (which writes 16 whole
-    states per DeltaNet layer), and verify + rollback (8 of 16 kept) 4.19 against 4.34 ms (the
-    replay re-runs the kept rows of all 24 layers in one launch); replay also holds 0.23 GiB of
-    record per session against 3.2 GiB. Elsewhere: "stash" (on the CPU the recurrence computes
-    the per-row states anyway and a restore is a copy, where a replay recomputes; docs/hybrid.md)."""
+    """The rollback mode a target gets unless told, as measured per device. CUDA: "replay" (faster
+    and a fraction of the stash's memory: docs/tuning.md#hybrid-rollback). Elsewhere: "stash" (on
+    the CPU the recurrence computes the per-row states anyway and a restore is a copy, where a
+    replay recomputes; docs/hybrid.md)."""
     return "replay" if device.type == "cuda" else "stash"
 
 
@@ -568,8 +565,8 @@ class Qwen35State:
         """The replay restore (conv windows and states after `rows` ring rows from `row0`, from
         the base in buffer `base_at` into buffer `dst`) as a CUDA graph, one per (base, dst)
         pair, captured on first use: its two launches read `(row0, rows)` on the device, so the
-        host's part is one small copy and a replay. (Eagerly, the Triton launchers and their
-        checks cost ~0.1 ms of host time a rollback, with the GPU waiting.) The capture's warm-up
+        host's part is one small copy and a replay (eagerly, the Triton launchers' host time would
+        leave the GPU waiting every rollback). The capture's warm-up
         computes the restore itself: it only reads the base and the ring, so running it again
         changes nothing."""
         from memra_cli.engine.runtime import cuda_graphs
@@ -847,7 +844,7 @@ class Qwen35Target(TargetBase):
         into the norm after it (the last into the final norm), as Qwen3's static_step: a layer is
         norm, mixer (projection, fused prep, conv / recurrence or attention, fused epilogue, out
         projection), add + norm, MLP (gate_up, SiLU·mul, down), add + the next layer's norm. The
-        torch ops compute each value with the same ops as before the fusion, so the bits do not
+        torch ops compute each value with the same ops as the unfused layer, so the bits do not
         change."""
         ops, eps = self.step_ops, self.cfg.rms_norm_eps
         x = self.embed(ids)

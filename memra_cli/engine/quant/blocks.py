@@ -83,7 +83,7 @@ class _Chunk:
     """Scratch for chunks of up to n blocks, reused across chunks (no per-chunk allocation).
 
     `cols(m)` is [32, m] f32, a chunk transposed: numpy reduces a short last axis one row at a
-    time (~10x slower than a plain pass), so per-block max/min run down columns instead.
+    time (far slower than a plain pass), so per-block max/min run down columns instead.
     Views are prefixes of flat buffers, so every one is contiguous whatever m is.
     """
 
@@ -110,7 +110,7 @@ class _Chunk:
 def _payload_words(out: np.ndarray, words: int) -> np.ndarray:
     """[n_blocks, words] u64 view of the bytes after each block's 2-byte scale (unaligned).
 
-    Copying 8-byte words into the 34-byte strided rows is ~2x faster than copying bytes.
+    Copying 8-byte words into the 34-byte strided rows is faster than copying bytes.
     """
     return np.ndarray((out.shape[0], words), np.uint64, buffer=out, offset=2,
                       strides=(out.shape[1], 8))

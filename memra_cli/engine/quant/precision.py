@@ -17,9 +17,9 @@ confidence head stays f32. Markov `w2` follows the policy except under `bf16`, w
 `mixed` and `fc` it is q8_0 as in the reference engine, under `q4` it is q4_0. A tensor whose rows are not a
 whole number of 32-value blocks is kept unquantized (as stored) and the decision says why.
 
-`decide` is pure (names and shapes only): `memra quantize` (engine/gguf_io.py) writes what it
+`decide` is pure (names and shapes only): `memra quantize` (quant/gguf_write.py) writes what it
 says, and `weight_fn_for(policy)` applies it at load time (Drafter.load's `weight_fn`) with the
-same encoder (engine/quant.py), so a GGUF written under a policy and a safetensors drafter
+same encoder (quant/blocks.py), so a GGUF written under a policy and a safetensors drafter
 quantized at load under it hold the same bytes.
 """
 

@@ -1,5 +1,5 @@
-"""The one place that captures CUDA graphs (target steps: target/graphs.py; drafter rounds:
-draft_graphs.py).
+"""The one place that captures CUDA graphs (target steps: runtime/graphs.py; drafter rounds:
+runtime/draft_graphs.py).
 
 `capture(fn, device)` warms `fn` up twice on a side stream, which runs lazy inits such as cuBLAS
 handles and workspaces outside the capture. It then records `fn` into a graph and returns

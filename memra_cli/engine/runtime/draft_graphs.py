@@ -18,9 +18,8 @@ So each part is captured once per cache storage and replayed every round.
   overwrite the rest before any block reaches them).
 
 A quantized drafter's graphs are captured with every kernel in plain stream order (the step ops'
-`plain_launches`): in every comparison on the H200 (two A/Bs in one call each, one across runs)
-its side of a round was slower with programmatic dependent launch than without, q8 by 1-7% and
-q4 by 7-14%, where a bf16 drafter's was level (docs/perf.md).
+`plain_launches`): on the H200 its side of a round was slower with programmatic dependent launch
+than without, where a bf16 drafter's was level (docs/tuning.md#quantized-drafter-launches).
 
 Warm-up and capture write at the storage's block slack `[cap, cap+b)`, which never holds
 committed rows. Drafts never decide a committed token: the target does. So a graphed proposal

@@ -76,9 +76,8 @@ class PrefillGraph:
     cache storage, captured once, replayed per session.
 
     Why: on a small target the prefill is an eager chain of a few hundred launches, queued by
-    Python far slower than the GPU runs them. On the H200 the embedded target's prefill of a
-    120-token prompt cost 7.7 ms, as much as 39 of its graphed decode tokens, and every
-    arm of a bench pays it once per prompt.
+    Python far slower than the GPU runs them, and every arm of a bench pays it once per prompt
+    (docs/tuning.md#prefill-graphs).
 
     The prompt `ids [t]` is padded to `rows` by repeating its last id. Padding rows come after
     the real ones, so causality hides them from every real row, and their K/V land at positions

@@ -4,8 +4,7 @@ With the target's step and the drafter's two parts graphed separately (graphs.py
 draft_graphs.py), a round on a small model is still host-bound: between the three replays the
 host runs some twenty eager ops (input copies, the candidate concatenation, position ranges,
 the argmax, copies out, the packing of the one host read), each a few microseconds of Python
-and a launch, and the GPU waits for them after every read. Measured on the H200 with the
-embedded pair, a DSpark round cost ~2.5 graphed plain steps where its kernels cost ~2.
+and a launch, and the GPU waits for them after every read (docs/tuning.md#round-graphs).
 
 A `RoundGraph` captures everything between two host reads as one replay. Its inputs are a few
 integers written by one host-to-device copy; its output is one packed vector the host reads
@@ -77,8 +76,7 @@ class RoundChain:
 
     A graphed round costs its replay plus the host's part between two replays: reading the
     round's output (a sync), Python bookkeeping, the next input copy and the launch. The GPU
-    idles through all of it (on the H200 ~0.2 ms a token on the embedded target, whose plain
-    replay is 0.15 ms; ~0.1 ms on a 4B-shape hybrid). Here each round's graph also writes the
+    idles through all of it (docs/tuning.md#round-graphs). Here each round's graph also writes the
     next round's inputs (a chained body: round_bodies.py), so the host can queue round j+1
     before it reads round j: the host's part then overlaps the GPU's.
 

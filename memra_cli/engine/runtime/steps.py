@@ -1,6 +1,6 @@
 """The step runner: how a target model's forwards are scheduled, not what they compute.
 
-It owns what used to live inside the model class:
+It owns the scheduling that every model family shares, so model classes only compute:
 
 - the **step width** W: after the prefill, every decode and verify step runs at exactly W rows
   (shorter steps padded by repeating their last id, longer ones in W-row chunks). Every kernel

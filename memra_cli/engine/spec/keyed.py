@@ -29,7 +29,7 @@ decides an argmax in practice).
 Drafts at temperature > 0 are the drafter's own sample with the target's noise at the position
 that judges them (`PositionKeyed.drafting`): exactness does not depend on drafts, acceptance
 does. `RejectionSampling` is the opt-in alternative (lossless in distribution only).
-Temperature 0 is greedy: `make_sampler` returns `GREEDY`, today's argmax, untouched.
+Temperature 0 is greedy: `make_sampler` returns `GREEDY`, the plain argmax, untouched.
 See docs/sampling.md.
 """
 
@@ -368,7 +368,7 @@ class RejectionSampling(PositionKeyed):
 
 
 def make_sampler(params: SamplingParams | None) -> Sampler:
-    """Temperature 0 (or no params) -> `GREEDY`, exactly today's argmax; else `PositionKeyed`
+    """Temperature 0 (or no params) -> `GREEDY`, exactly the plain argmax; else `PositionKeyed`
     (acceptance "keyed", the default) or `RejectionSampling` (acceptance "rejection")."""
     if params is None or params.greedy:
         return GREEDY

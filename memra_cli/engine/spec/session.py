@@ -402,7 +402,7 @@ class Session:
         return out  # the newest round stays queued for the next burst
 
     def _round(self) -> list[int]:
-        if self.last is None:  # after graphed rounds (none today: a session keeps its kind)
+        if self.last is None:  # after graphed rounds (unreachable while a session keeps its kind)
             self.last = torch.tensor([self.last_id], dtype=torch.long, device=self.target.device)
         start, last = self.cache.length, self.last
         assert last is not None

@@ -1,0 +1,171 @@
+"""The GPU benchmark suite: one entry point, parts chosen by name, one results folder.
+
+    python -m benchmarks.gpu.suite --parts target_step,drafter_round,hybrid_step,embedded_bench,tests --out DIR
+
+Each part runs the kept script (or `memra bench`, or pytest) in its own process under its own
+time cap, writes a results file named by what it measures into DIR, and the suite writes
+DIR/suite.json (per part: the command, exit code, seconds, files) after every part, so a run cut
+short keeps what it measured. Parts run in the order given. The whole run is held under
+`--budget-s` (a device call is at most 10 minutes): a part gets the smaller of its cap and what
+is left, and is skipped (recorded so) when less than `MIN_PART_S` is left.
+
+`--tiny`: the parts that have a CPU mode run it (the smoke test, tests/benchmarks); the others
+are recorded as skipped. `--dry-run`: print and record every part's command, run nothing.
+docs/perf.md, "How to measure", lists the parts and the numbers each one gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+MIN_PART_S = 20.0
+# the embedded bench's arms (docs/bench.md): off and plain are the baselines every ratio uses
+BENCH_ARMS = ("off", "plain", "dflash", "dspark", "dspark:vt=ladder", "dspark:adapt=0")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One measurement: `commands(out, tiny)` -> argv lists (None: no CPU mode), its cap, and
+    whether a command's stdout is the results file (`stdout_to`, relative to DIR)."""
+
+    name: str
+    what: str
+    cap_s: float
+    commands: Callable[[Path, bool], list[list[str]] | None]
+    stdout_to: str | None = None
+
+
+def _py(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def _target_step(out: Path, tiny: bool):
+    if tiny:
+        return None  # the 8B-shape step is a GPU measurement only
+    return [_py("-m", "benchmarks.gpu.target_step", "--prefill-length", "0", "--json", str(out / "target_step.json"))]
+
+
+def _drafter_round(out: Path, tiny: bool):
+    args = ["--tiny", "--prompts", "2"] if tiny else ["--reps", "20", "--budget-s", "60"]
+    return [_py("-m", "benchmarks.gpu.drafter_round", *args, "--json", str(out / "drafter_round.json"))]
+
+
+def _hybrid_step(out: Path, tiny: bool):
+    args = ["--tiny", "--ckpt", str(out / "hybrid_tiny_ckpt")] if tiny else []
+    return [_py("-m", "benchmarks.gpu.hybrid_step", *args, "--json", str(out / "hybrid_step.json"))]
+
+
+def _embedded_bench(out: Path, tiny: bool):
+    size = ["--n", "2", "--max-new", "8", "--warmup", "0"] if tiny else ["--max-new", "128", "--warmup", "2"]
+    arms = [a for arm in BENCH_ARMS for a in ("--arm", arm)]
+    return [_py("-m", "memra_cli", "bench", "--prompts", "stdlib", *size, *arms, "--json")]
+
+
+def _bandwidth(out: Path, tiny: bool):
+    args = ["--device", "cpu", "--gib", "0.03125", "--reps", "3"] if tiny else []
+    return [_py("-m", "benchmarks.gpu.bandwidth", *args, "--json", str(out / "bandwidth.json"))]
+
+
+def _kernels(out: Path, tiny: bool):
+    if tiny:
+        return None
+    return [_py("-m", "benchmarks.gpu.kernels_target"), _py("-m", "benchmarks.gpu.kernels_quant")]
+
+
+def _tests(out: Path, tiny: bool):
+    if tiny:
+        return None  # every gpu-marked test skips on the CPU
+    return [_py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests")]
+
+
+PARTS = {p.name: p for p in (
+    Part("bandwidth", "copy and read floors, GB/s", 40, _bandwidth),
+    Part("target_step", "Qwen3-8B-shape graphed step vs its floor, ms", 150, _target_step),
+    Part("drafter_round", "Qwen3-8B-shape DFlash drafter's side of a round and the round, ms", 100, _drafter_round),
+    Part("hybrid_step", "Qwen3.5-4B-shape hybrid step, verify, rollback, rounds, ms", 90, _hybrid_step),
+    Part("embedded_bench", "the embedded pair's bench on the stdlib set, tok/s and tau", 140, _embedded_bench,
+         stdout_to="embedded_bench_stdlib.json"),
+    Part("kernels", "the Triton kernels against torch and cuBLAS at the 8B shape, µs", 200, _kernels),
+    Part("tests", "the gpu-marked tests on the device", 200, _tests, stdout_to="gpu_tests.txt"),
+)}
+DEFAULT_PARTS = "target_step,drafter_round,hybrid_step,embedded_bench,tests"
+
+
+def run_part(part: Part, out: Path, tiny: bool, limit_s: float, dry_run: bool) -> dict:
+    """Run one part's commands in order under `limit_s` in all; its record for suite.json."""
+    cmds = part.commands(out, tiny)
+    rec: dict = {"what": part.what, "commands": None if cmds is None else [" ".join(["python", *c[1:]]) for c in cmds]}
+    if cmds is None:
+        return {**rec, "skipped": "no CPU mode (--tiny)"}
+    if dry_run:
+        return {**rec, "skipped": "dry run"}
+    t0, rcs = time.monotonic(), []
+    for cmd in cmds:
+        left = limit_s - (time.monotonic() - t0)
+        sink = open(out / part.stdout_to, "a") if part.stdout_to else None
+        try:
+            proc = subprocess.run(cmd, stdout=sink, timeout=max(1.0, left), env=_env(out))
+            rcs.append(proc.returncode)
+        except subprocess.TimeoutExpired:
+            rcs.append(124)
+        finally:
+            if sink:
+                sink.close()
+        if rcs[-1] == 124:
+            break
+    return {**rec, "rc": rcs, "ok": all(rc == 0 for rc in rcs), "seconds": round(time.monotonic() - t0, 1)}
+
+
+def _env(out: Path) -> dict:
+    """The child's environment: OUT points at the results folder (scripts that write there by
+    default, kernels_target and kernels_quant, use it)."""
+    return {**os.environ, "OUT": str(out)}
+
+
+def parse_parts(text: str) -> list[Part]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PARTS]
+    if unknown or not names:
+        print(f"error: --parts {text!r}: unknown part(s) {', '.join(unknown) or '(none given)'}; "
+              f"expected a comma-separated list of {', '.join(PARTS)}", file=sys.stderr)
+        raise SystemExit(2)
+    return [PARTS[n] for n in names]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default=DEFAULT_PARTS, help=f"comma-separated, in order, of: {', '.join(PARTS)}")
+    p.add_argument("--out", type=Path, required=True, help="results folder (created)")
+    p.add_argument("--budget-s", type=float, default=570.0, help="wall-clock budget of the whole run")
+    p.add_argument("--tiny", action="store_true", help="CPU modes only (smoke test)")
+    p.add_argument("--dry-run", action="store_true", help="record the commands, run nothing")
+    a = p.parse_args(argv)
+    parts = parse_parts(a.parts)
+    a.out.mkdir(parents=True, exist_ok=True)
+    report = {"command": "python -m benchmarks.gpu.suite " + " ".join(sys.argv[1:] if argv is None else argv),
+              "parts": {}}
+    t0 = time.monotonic()
+    for part in parts:
+        left = a.budget_s - (time.monotonic() - t0)
+        if left < MIN_PART_S and not a.dry_run:
+            report["parts"][part.name] = {"what": part.what, "skipped": f"budget spent ({left:.0f} s left)"}
+        else:
+            report["parts"][part.name] = run_part(part, a.out, a.tiny, min(part.cap_s, left), a.dry_run)
+        print(f"[suite] {part.name}: {json.dumps(report['parts'][part.name])}", flush=True)
+        (a.out / "suite.json").write_text(json.dumps(report, indent=1))
+    report["seconds"] = round(time.monotonic() - t0, 1)
+    (a.out / "suite.json").write_text(json.dumps(report, indent=1))
+    ran = [r for r in report["parts"].values() if "ok" in r]
+    return 0 if all(r["ok"] for r in ran) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The GPU suite's plumbing on the CPU (`python -m benchmarks.gpu.suite`): every part has a command,
+a part with a CPU mode runs and writes its named results file, a GPU-only part is recorded as
+skipped, an unknown part is refused in one line; and the shared timing module's CPU paths."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _suite(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu.suite", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def timing(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # `benchmarks` is a package of the repo, not installed
+    return importlib.import_module("benchmarks.timing")
+
+
+def test_dry_run_records_a_command_for_every_part(tmp_path):
+    proc = _suite("--dry-run", "--parts", "bandwidth,target_step,drafter_round,hybrid_step,embedded_bench,"
+                  "kernels,tests", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    parts = json.loads((tmp_path / "suite.json").read_text())["parts"]
+    assert list(parts) == ["bandwidth", "target_step", "drafter_round", "hybrid_step", "embedded_bench",
+                           "kernels", "tests"]
+    for name, rec in parts.items():
+        assert rec["skipped"] == "dry run" and rec["commands"], name
+    assert parts["target_step"]["commands"] == [
+        f"python -m benchmarks.gpu.target_step --prefill-length 0 --json {tmp_path / 'target_step.json'}"]
+    assert parts["embedded_bench"]["commands"][0].startswith("python -m memra_cli bench --prompts stdlib")
+    assert parts["tests"]["commands"] == ["python -m pytest -q -m gpu -p no:cacheprovider tests"]
+
+
+def test_tiny_run_measures_what_has_a_cpu_mode_and_skips_the_rest(tmp_path):
+    proc = _suite("--tiny", "--parts", "bandwidth,target_step", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    parts = json.loads((tmp_path / "suite.json").read_text())["parts"]
+    assert parts["bandwidth"]["ok"] is True and parts["bandwidth"]["rc"] == [0]
+    assert parts["target_step"]["skipped"] == "no CPU mode (--tiny)"
+    bw = json.loads((tmp_path / "bandwidth.json").read_text())
+    assert bw["device"] == "cpu" and bw["copy_eager_gbps"] > 0 and bw["read_sum_gbps"] > 0
+
+
+def test_an_unknown_part_is_refused_in_one_line(tmp_path):
+    proc = _suite("--parts", "target_step,warp_drive", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --parts 'target_step,warp_drive': unknown part(s) warp_drive; expected a comma-separated list of "
+        "bandwidth, target_step, drafter_round, hybrid_step, embedded_bench, kernels, tests"]
+    assert not (tmp_path / "suite.json").exists()
+
+
+def test_median_ms_on_the_cpu_times_each_call(timing):
+    calls = []
+    ms = timing.median_ms(lambda: calls.append(1), reps=5, warmup=2, device="cpu")
+    assert len(calls) == 7 and ms >= 0.0
+    assert timing.median([3.0, 1.0, 2.0, 9.0]) == 3.0  # the upper median
+
+
+def test_copy_and_read_probes_count_their_bytes(timing, monkeypatch):
+    """With every call timed at exactly 1 ms, the probes' GB/s are their byte counts per ms: a
+    copy moves its bytes twice (read + write), a read once."""
+    monkeypatch.setattr(timing, "median_ms", lambda fn, reps, warmup=3, device=None: (fn(), 1.0)[1])
+    n = 1 << 20
+    assert timing.copy_gbps(n, reps=1, device="cpu") == pytest.approx(2 * n / 1e-3 / 1e9)
+    assert timing.read_gbps(n, reps=1, device="cpu") == pytest.approx(n / 1e-3 / 1e9)
