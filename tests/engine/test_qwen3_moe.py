@@ -261,3 +261,19 @@ def test_bad_input_is_refused_in_one_line(pair, tmp_path, variant, error, words)
     with pytest.raises(error) as info:
         Qwen3MoeTarget.from_dir(bad)
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_tiny_maker_writes_a_target_transformers_reads_the_same_and_a_drafter_for_it(tmp_path):
+    from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
+
+    out = make_tiny_qwen3_moe(tmp_path / "moe")
+    ours = Qwen3MoeTarget.from_dir(out)
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = prompt(20, 7)
+    hidden, _ = ours.forward(torch.tensor(ids), 0, ours.new_state(20))
+    with torch.no_grad():
+        assert rel_err(ours.logits(hidden), hf(torch.tensor([ids])).logits[0]) <= 1e-5
+    draft = make_tiny_draft(tmp_path / "dflash", "zlab")
+    engine = Engine.from_model(ours, step_width=16)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    assert engine.session(ids, 40, arm, eos_ids=()).run() == greedy_reference(StepRunner(ours, 16), ids, 40)
