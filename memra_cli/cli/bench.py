@@ -25,7 +25,7 @@ ARM_HELP = (
     "fixed-width steps, always run: the exactness reference) | plain (the fastest plain decoding on the "
     "device: one-row steps, CUDA graphs on CUDA; always run: the speedup baseline, not gated) | dflash | "
     "dspark | auto. Keys: harvest=dflash|dspark, "
-    "vt=ladder|confidence|confidence-slot, tau=FLOAT in (0,1), cap=INT (verify cap), adapt=0|1, "
+    "vt=ladder|confidence|confidence-slot|priced, tau=FLOAT in (0,1), cap=INT (verify cap), adapt=0|1, "
     "markov=0|1, prec=f32|bf16|q8|mixed|fc|q4 (drafter weights), draft=PATH or draft=dflash|dspark "
     "(an embedded drafter), accept=keyed|rejection (the acceptance rule with --temperature > 0: keyed, the "
     "default, reproduces plain sampling token for token; rejection is lossless in distribution only and is "

@@ -9,6 +9,7 @@ expert or weight moves the logits by O(1).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -24,6 +25,7 @@ from memra_cli.engine.models import qwen3_moe
 from memra_cli.engine.models.qwen3_moe import Qwen3MoeTarget
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import PolicySettings
+from memra_cli.engine.spec.priced import StepCost
 from memra_cli.tiny.draft import make_tiny_draft
 
 transformers = pytest.importorskip("transformers")
@@ -277,3 +279,38 @@ def test_tiny_maker_writes_a_target_transformers_reads_the_same_and_a_drafter_fo
     engine = Engine.from_model(ours, step_width=16)
     arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
     assert engine.session(ids, 40, arm, eos_ids=()).run() == greedy_reference(StepRunner(ours, 16), ids, 40)
+
+
+# --------------------------------------------------------------------------- the priced window
+
+
+def test_priced_window_arm_equals_plain_and_is_named_with_its_cost(target, tmp_path):
+    draft = make_tiny_draft(tmp_path / "spark", "deepspec", target_layer_ids=(0, 2), num_target_layers=4, **SPARK)
+    engine = Engine.from_model(target, step_width=16)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dspark", settings=PolicySettings(vt="priced")))
+    assert arm.program.window.kind == "priced" and arm.program.window.cost.num_experts == EXPERTS
+    line = arm.receipts.lines()[1]
+    assert "verify-window=Priced{experts=8,top_k=2}" in line and "cost(1)=" in line
+    ids = prompt(9, 4)
+    session = engine.session(ids, 64, arm, eos_ids=())
+    assert session.run() == greedy_reference(StepRunner(target, 16), ids, 64)
+    # slots that each survive with p = 0.5: a flat cost verifies them all, this target's expert
+    # bytes (a quarter of a one-row step's, the lm_head most of the rest) make it narrower
+    window, cap = arm.program.window, arm.program.verify_cap
+    flat = dataclasses.replace(window, cost=StepCost(fixed_bytes=1.0))
+    assert flat.size_window([0.0] * (cap - 1), cap) == cap > window.size_window([0.0] * (cap - 1), cap)
+
+
+def test_priced_window_on_a_dense_target_is_the_confidence_slot_window_and_says_so(tmp_path):
+    from memra_cli.tiny.target import make_tiny_qwen3
+
+    dense = load_target(make_tiny_qwen3(tmp_path / "dense"))
+    draft = make_tiny_draft(tmp_path / "spark", "deepspec", **SPARK)
+    engine = Engine.from_model(dense, step_width=16)
+    priced = engine.arm(ArmConfig(draft=draft, mode="dspark", settings=PolicySettings(vt="priced", tau="0.4")))
+    slot = engine.arm(ArmConfig(draft=draft, mode="dspark", settings=PolicySettings(vt="confidence-slot", tau="0.4")))
+    assert priced.program == slot.program
+    assert "priced -> confidence-slot (flat step cost" in priced.receipts.lines()[1]
+    ids = prompt(7, 2)
+    a, b = engine.session(ids, 40, priced, eos_ids=()), engine.session(ids, 40, slot, eos_ids=())
+    assert a.run() == b.run() and a.stats.accept_hist == b.stats.accept_hist

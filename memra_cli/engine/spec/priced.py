@@ -89,3 +89,17 @@ def survival_from_raws(raws: Sequence[float]) -> list[float]:
 def geometric_survival(alpha: float, n: int) -> list[float]:
     """The prior: each draft accepted with probability `alpha` given the ones before it."""
     return [alpha ** (j + 1) for j in range(n)]
+
+
+def step_cost_of(model) -> StepCost | None:
+    """The step cost of a loaded target: priced when it routes experts (a `moe` settings object
+    beside a Qwen3-style `cfg`), None for any other target (its cost is flat in vt)."""
+    moe, cfg = getattr(model, "moe", None), getattr(model, "cfg", None)
+    if moe is None or cfg is None:
+        return None
+    n_sparse = len(moe.sparse_layers)
+    return qwen3_moe_cost(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+                          kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
+                          num_experts=moe.num_experts, top_k=moe.top_k, moe_intermediate=moe.moe_intermediate_size,
+                          dense_intermediate=cfg.intermediate_size, dense_layers=cfg.num_hidden_layers - n_sparse,
+                          dtype_bytes=model.dtype.itemsize)
