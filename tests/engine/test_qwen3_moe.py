@@ -314,3 +314,4 @@ def test_priced_window_on_a_dense_target_is_the_confidence_slot_window_and_says_
     ids = prompt(7, 2)
     a, b = engine.session(ids, 40, priced, eos_ids=()), engine.session(ids, 40, slot, eos_ids=())
     assert a.run() == b.run() and a.stats.accept_hist == b.stats.accept_hist
+

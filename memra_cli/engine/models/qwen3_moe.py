@@ -149,6 +149,8 @@ class Qwen3MoeTarget(Qwen3Target):
     def __init__(self, cfg, moe: MoeSettings, *args):
         super().__init__(cfg, *args)
         self.moe = moe
+        # (sparse-layer calls, experts run in them) over every forward and step, for the bench
+        self.expert_reads = [0, 0]
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
@@ -172,6 +174,8 @@ class Qwen3MoeTarget(Qwen3Target):
     def _moe(self, h: torch.Tensor, ex: MoeWeights) -> torch.Tensor:
         """A routed feed-forward on the normed `h [t, hidden]` (before the residual add)."""
         weights, ids = route(h, ex.router, self.moe.top_k, self.moe.norm_topk_prob)
+        self.expert_reads[0] += 1
+        self.expert_reads[1] += int(torch.unique(ids).numel())  # the op reads its ids on the host anyway
         return moe_swiglu(h, weights, ids, ex.w_gate_up, ex.w_down)
 
     def _mlp(self, x: torch.Tensor, w: MoeLayerWeights) -> torch.Tensor:
