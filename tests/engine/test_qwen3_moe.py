@@ -253,6 +253,8 @@ def write_variant(src, dst, config=None, drop=None, reshape=None):
 
 @pytest.mark.parametrize("variant,error,words", [
     ({"config": {"num_experts_per_tok": 9}}, ConfigError, "num_experts_per_tok 9 is more than num_experts 8"),
+    ({"config": {"hidden_act": "gelu"}}, ConfigError, "key 'hidden_act' must be one of silu"),
+    ({"config": {"mlp_only_layers": [4]}}, ConfigError, "key 'mlp_only_layers' must be a list of layer ids in [0, 4)"),
     ({"drop": "model.layers.2.mlp.experts.5.up_proj.weight"}, CheckpointError,
      "'model.layers.2.mlp.experts.5.up_proj.weight' is missing"),
     ({"reshape": "model.layers.0.mlp.gate.weight"}, CheckpointError,
