@@ -220,18 +220,49 @@ def test_planted_row_order_combine_is_caught():
 
 
 SPARK = dict(markov_rank=16, confidence="markov")
+SPEC_PROMPTS = [prompt(9, 3), prompt(14, 8)]
+SPEC_NEW = 64
 
 
-@pytest.mark.parametrize("fmt,mode,extra,vt", [("zlab", "dflash", {}, "ladder"), ("deepspec", "dspark", SPARK, "ladder"),
-                                               ("deepspec", "dspark", SPARK, "confidence"),
-                                               ("deepspec", "dspark", SPARK, "confidence-slot")])
-def test_speculative_arms_equal_plain_greedy(target, tmp_path, fmt, mode, extra, vt):
-    draft = make_tiny_draft(tmp_path / fmt, fmt, target_layer_ids=(0, 2), num_target_layers=4, **extra)
-    ids = prompt(9, 3)
+def planted_head(target, drop: float = 0.25) -> dict:
+    """A rank-V markov head that knows most of the target's greedy bigrams on SPEC_PROMPTS
+    (w1 = I, w2[v, u] = 30 for u -> v, a quarter dropped) and a confidence head scoring +3 / -3 on
+    whether the previous token has a planted successor: acceptance is partial, so the verify
+    keeps some drafts and rejects others."""
+    rng, succ = torch.Generator().manual_seed(11), {}
+    for ids in SPEC_PROMPTS:
+        seq = ids[-1:] + greedy_reference(StepRunner(target, 16), ids, SPEC_NEW + 16)
+        succ.update(zip(seq, seq[1:]))
+    keep = {u: v for u, v in succ.items() if torch.rand(1, generator=rng).item() >= drop}
+    w2 = torch.zeros(VOCAB, VOCAB)
+    for u, v in keep.items():
+        w2[v, u] = 30.0
+    conf = torch.cat([torch.zeros(64), torch.full((VOCAB,), -3.0)])
+    conf[64 + torch.tensor(sorted(keep))] = 3.0
+    return {"markov_head.markov_w1.weight": torch.eye(VOCAB), "markov_head.markov_w2.weight": w2,
+            "confidence_head.proj.weight": conf[None, :], "confidence_head.proj.bias": torch.zeros(1)}
+
+
+@pytest.fixture(scope="module")
+def drafts(target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafts")
+    return {"dflash": make_tiny_draft(root / "zlab", "zlab", target_layer_ids=(0, 2), num_target_layers=4),
+            "dspark": make_tiny_draft(root / "spark", "deepspec", target_layer_ids=(0, 2), num_target_layers=4,
+                                      markov_rank=VOCAB, confidence="markov", extra_tensors=planted_head(target))}
+
+
+@pytest.mark.parametrize("mode,vt", [("dflash", "ladder"), ("dspark", "ladder"), ("dspark", "confidence"),
+                                     ("dspark", "confidence-slot"), ("dspark", "priced")])
+def test_speculative_arms_equal_plain_greedy(target, drafts, mode, vt):
     engine = Engine.from_model(target, step_width=16)
-    plain = greedy_reference(StepRunner(target, 16), ids, 64)
-    arm = engine.arm(ArmConfig(draft=draft, mode=mode, settings=PolicySettings(vt=vt)))
-    assert engine.session(ids, 64, arm, eos_ids=()).run() == plain
+    arm = engine.arm(ArmConfig(draft=drafts[mode], mode=mode, settings=PolicySettings(vt=vt)))
+    accepted = drafted = 0
+    for ids in SPEC_PROMPTS:
+        session = engine.session(ids, SPEC_NEW, arm, eos_ids=())
+        assert session.run() == greedy_reference(StepRunner(target, 16), ids, SPEC_NEW)
+        accepted, drafted = accepted + session.stats.accepted, drafted + session.stats.drafted
+    if mode == "dspark":  # the planted head: some drafts kept, some rejected
+        assert 0 < accepted < drafted
 
 
 # --------------------------------------------------------------------------- refusals
@@ -286,16 +317,12 @@ def test_tiny_maker_writes_a_target_transformers_reads_the_same_and_a_drafter_fo
 # --------------------------------------------------------------------------- the priced window
 
 
-def test_priced_window_arm_equals_plain_and_is_named_with_its_cost(target, tmp_path):
-    draft = make_tiny_draft(tmp_path / "spark", "deepspec", target_layer_ids=(0, 2), num_target_layers=4, **SPARK)
+def test_priced_window_is_named_with_its_cost(target, drafts):
     engine = Engine.from_model(target, step_width=16)
-    arm = engine.arm(ArmConfig(draft=draft, mode="dspark", settings=PolicySettings(vt="priced")))
+    arm = engine.arm(ArmConfig(draft=drafts["dspark"], mode="dspark", settings=PolicySettings(vt="priced")))
     assert arm.program.window.kind == "priced" and arm.program.window.cost.num_experts == EXPERTS
     line = arm.receipts.lines()[1]
     assert "verify-window=Priced{experts=8,top_k=2}" in line and "cost(1)=" in line
-    ids = prompt(9, 4)
-    session = engine.session(ids, 64, arm, eos_ids=())
-    assert session.run() == greedy_reference(StepRunner(target, 16), ids, 64)
     # slots that each survive with p = 0.5: a flat cost verifies them all, this target's expert
     # bytes (a quarter of a one-row step's, the lm_head most of the rest) make it narrower
     window, cap = arm.program.window, arm.program.verify_cap
