@@ -25,7 +25,7 @@ ARM_HELP = (
     "fixed-width steps, always run: the exactness reference) | plain (the fastest plain decoding on the "
     "device: one-row steps, CUDA graphs on CUDA; always run: the speedup baseline, not gated) | dflash | "
     "dspark | auto. Keys: harvest=dflash|dspark, "
-    "vt=ladder|confidence|confidence-slot, tau=FLOAT in (0,1), cap=INT (verify cap), adapt=0|1, "
+    "vt=ladder|confidence|confidence-slot|priced, tau=FLOAT in (0,1), cap=INT (verify cap), adapt=0|1, "
     "markov=0|1, prec=f32|bf16|q8|mixed|fc|q4 (drafter weights), draft=PATH or draft=dflash|dspark "
     "(an embedded drafter), accept=keyed|rejection (the acceptance rule with --temperature > 0: keyed, the "
     "default, reproduces plain sampling token for token; rejection is lossless in distribution only and is "
@@ -234,8 +234,28 @@ def bench_tables(report: dict) -> list:
         main.add_row(a["name"], _fmt(a["tau"]), _fmt(a["acceptance"], ".3f"), _fmt(a["tok_per_s"], ".1f"),
                      _fmt(a["speedup"], ".2f") + "x", _fmt(a.get("speedup_vs_off"), ".2f") + "x", exact)
     tables = [title, main, _baseline_lines(report), _counts_table(report)]
+    moe = _moe_table(report)
     hist = _histogram_table(report)
-    return tables + ([hist] if hist is not None else [])
+    return tables + [t for t in (moe, hist) if t is not None]
+
+
+def _moe_table(report: dict):
+    """On an MoE target: rows verified and experts run per round beside tau (None elsewhere)."""
+    from rich.table import Table
+
+    arms = [a for a in report["arms"] if a.get("moe")]
+    if not arms:
+        return None
+    t = Table(title="MoE target: rows verified per round, experts run per sparse layer per call and per round (all layers)",
+              title_justify="left")
+    t.add_column("arm", overflow="fold")
+    for c in ("tau", "rows / round", "experts / layer call", "experts / round"):
+        t.add_column(c, justify="right", no_wrap=True)
+    for a in arms:
+        m = a["moe"]
+        t.add_row(a["name"], _fmt(a["tau"]), _fmt(m["rows_per_round"]), _fmt(m["experts_per_layer_step"]),
+                  _fmt(m["experts_per_round"], ".1f"))
+    return t
 
 
 def _baseline_lines(report: dict):

@@ -146,7 +146,7 @@ def describe(exc: Exception, ctx=None) -> str:
 
 
 HARVEST_HELP = "Harvest convention: dflash (rows 1..b-1) | dspark (rows 0..b-1). Unset: from the checkpoint census."
-VT_HELP = "Verify-window policy: ladder | confidence | confidence-slot. Unset: confidence-slot with an accept-rate head, else ladder."
+VT_HELP = "Verify-window policy: ladder | confidence | confidence-slot | priced (expert-priced on an MoE target; confidence-slot on a dense one). Unset: confidence-slot with an accept-rate head, else ladder."
 TAU_HELP = "Confidence threshold in (0,1) for the confidence policies (default 0.5)."
 ADAPT_HELP = "Adapt the verify window each round (--no-adapt pins it at the cap; refuses with a confidence policy)."
 

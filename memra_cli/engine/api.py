@@ -30,7 +30,7 @@ from memra_cli.engine.formats.checkpoint import open_checkpoint
 from memra_cli.engine.formats.names import MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
 from memra_cli.engine.errors import ConfigError, MemraError, PolicyError, SettingError
 from memra_cli.engine.spec.policy import (
-    LADDER, PolicySettings, Receipts, adapt_on, parse_verify_cap, resolve_receipts,
+    LADDER, PolicySettings, Receipts, VerifyWindow, adapt_on, parse_verify_cap, resolve_receipts,
 )
 from memra_cli.engine.layers.step_ops import select_step_ops
 from memra_cli.engine.models.base import target_family
@@ -201,9 +201,10 @@ def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | No
 
 
 def resolve_program(mode: str, census: Census, settings: PolicySettings, markov: bool | None,
-                    verify_cap: str | int | None) -> tuple[Program, Receipts, str]:
+                    verify_cap: str | int | None, step_cost=None) -> tuple[Program, Receipts, str]:
     """The spec mode (`auto` resolved) -> Program + receipts. `dflash` = parallel drafting
-    only (markov off, ladder window); `dspark` = the census-keyed DSpark program."""
+    only (markov off, ladder window); `dspark` = the census-keyed DSpark program. `step_cost`
+    (spec/priced.py, the target's) prices the `priced` window; None or flat: a dense target."""
     if mode not in SPEC_MODES:
         raise SettingError("spec", mode, f"expected {'|'.join(SPEC_MODES)}", quote=False)
     if mode == "auto":
@@ -227,10 +228,26 @@ def resolve_program(mode: str, census: Census, settings: PolicySettings, markov:
         markov_on = census.markov is not None if markov is None else markov
         if window.is_confidence and census.confidence is None:
             raise SpecError(f"verify-window {window} needs a checkpoint with an accept-rate head (confidence_head.* absent in {census.path})")
+    if window.kind == "priced":
+        window, receipts = _resolve_priced(window, receipts, census, step_cost)
     b = census.config.block_size
     cap = parse_verify_cap(verify_cap, receipts.harvest.n_drafts(b))
     program = Program(receipts.harvest, window, markov_on, cap, adapt_on(settings.adapt), b)
     return program, receipts, mode
+
+
+def _resolve_priced(window, receipts: Receipts, census: Census, step_cost):
+    """The expert-priced window over this target: priced by its step cost, or on a flat cost (a
+    dense target, where every verified row is free) the window the other policies already give:
+    confidence-slot at the same tau (said in the receipts)."""
+    if step_cost is None or step_cost.is_flat:
+        flat = VerifyWindow("confidence-slot", window.tau)
+        note = "priced -> confidence-slot (flat step cost: a dense target's verify rows are free)"
+        return flat, dataclasses.replace(receipts, window=flat, window_note=note)
+    priced = dataclasses.replace(window, cost=step_cost)
+    note = (f"cost(1)={step_cost.bytes(1) / 1e9:.3g} GB, cost(16)={step_cost.bytes(16) / 1e9:.3g} GB "
+            f"of weights, independent routing")
+    return priced, dataclasses.replace(receipts, window=priced, window_note=note)
 
 
 def check_pair(target, census: Census) -> list[str]:
@@ -513,7 +530,10 @@ class Engine:
         if arm.draft is None:
             raise PolicyError(f"--spec {mode} needs a drafter (--draft)")
         census = take_census(Path(arm.draft))
-        program, receipts, mode = resolve_program(mode, census, arm.settings, arm.markov, arm.verify_cap)
+        from memra_cli.engine.spec.priced import step_cost_of
+
+        program, receipts, mode = resolve_program(mode, census, arm.settings, arm.markov, arm.verify_cap,
+                                                  step_cost_of(self.target))
         return mode, census, program, receipts, check_pair(self.target, census)
 
     def arm(self, arm: ArmConfig, drafter=None) -> Arm:

@@ -355,6 +355,9 @@ class ArmResult:
         for phase, v in stats.phase_s.items():
             s.phase_s[phase] += v
         s.accept_hist.update(stats.accept_hist)
+        if stats.expert_reads is not None:
+            steps, experts = s.expert_reads or (0, 0)
+            s.expert_reads = (steps + stats.expert_reads[0], experts + stats.expert_reads[1])
         self.wall_s += wall_s
         s.wall_s = self.wall_s
         self.n_prompts += 1
@@ -367,6 +370,19 @@ class ArmResult:
     def tau_hist(self) -> dict[str, int]:
         """Rounds by tokens committed in the round (accepted + 1)."""
         return {str(m + 1): n for m, n in sorted(self.stats.accept_hist.items())}
+
+    def moe_counts(self) -> dict | None:
+        """On an MoE target: rows verified per round (anchor + drafts), experts run per sparse
+        layer per target call (steps and prefill chunks), and per round (summed over the sparse
+        layers, the prefill's included); None elsewhere."""
+        s = self.stats
+        if s.expert_reads is None:
+            return None
+        steps, experts = s.expert_reads
+        rounds = s.rounds if self.mode not in PLAIN_MODES else 0
+        return {"rows_per_round": (s.drafted + s.rounds) / rounds if rounds else None,
+                "experts_per_layer_step": experts / steps if steps else None,
+                "experts_per_round": experts / rounds if rounds else None}
 
     def phase_ms_per_token(self) -> dict[str, float] | None:
         t = self.stats.tokens
@@ -391,6 +407,7 @@ class ArmResult:
             "phase_ms": self.phase_ms_per_token() if phase_times else None,
             "phase_total_ms": {p: 1e3 * v for p, v in s.phase_s.items()} if phase_times else None,
             "tau_hist": self.tau_hist, "exact": self.exact, "acceptance_rule": self.acceptance_rule,
+            "moe": self.moe_counts(),
             "receipts": self.receipts.as_json() if self.receipts else None,
             "receipt_lines": self.receipts.lines() if self.receipts else [],
             "warnings": list(self.warnings),
@@ -472,11 +489,16 @@ def generate_one(arm: Arm, prompt_ids: Sequence[int], max_new: int, timed: bool)
     """One timed generation: (tokens, stats, wall seconds, prefill included, device synced)."""
     session = arm.session(prompt_ids, max_new, timed=timed)
     device = arm.engine.device  # type: ignore[attr-defined]
+    reads = getattr(arm.engine.target, "expert_reads", None)  # type: ignore[attr-defined]
+    before = tuple(reads) if reads is not None else None
     _sync(device)
     t0 = time.perf_counter()
     session.run()
     _sync(device)
-    return list(session.tokens), session.stats, time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    if before is not None:
+        session.stats.expert_reads = (reads[0] - before[0], reads[1] - before[1])
+    return list(session.tokens), session.stats, wall
 
 
 Progress = Callable[[str, int, int], None]  # (stage "graphs"|"warmup"|"measure", done, total)

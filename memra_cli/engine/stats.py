@@ -24,6 +24,7 @@ class DecodeStats:
     phase_s: dict[str, float] = field(default_factory=lambda: {p: 0.0 for p in PHASES})
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per round -> rounds
     wall_s: float = 0.0
+    expert_reads: tuple[int, int] | None = None  # MoE target: (sparse-layer steps, experts they ran)
 
     @property
     def tau(self) -> float:

@@ -156,7 +156,7 @@ def test_refusals_are_one_line(pair, monkeypatch, tmp_path, case):
     base = ["--target", target, "--draft", drafters["dspark"], "--prompts", prompts, "--max-new", "4"]
     args, message = {
         "no pair": ([], "error: no embedded default model pair in this build: pass --target DIR and --draft PATH"),
-        "bad arm": (base + ["--arm", "dspark:vt=wide"], "error: --arm 'dspark:vt=wide': vt=wide (expected ladder|confidence|confidence-slot)"),
+        "bad arm": (base + ["--arm", "dspark:vt=wide"], "error: --arm 'dspark:vt=wide': vt=wide (expected ladder|confidence|confidence-slot|priced)"),
         "bad file": (base[:4] + ["--prompts", bad], f"error: {bad}:2: expected"),
         "prec": (base + ["--arm", "dspark:prec=q5"], "error: --arm 'dspark:prec=q5': prec=q5"),
         "needs drafter": (["--target", target, "--prompts", prompts, "--arm", "dflash"], "error: --arm 'dflash' needs a drafter: pass --draft PATH"),

@@ -30,7 +30,7 @@ def pair(tmp_path_factory):
 # (flags typed, the same setting from the environment, what the message says after the label)
 CASES = {
     "vt": (["--vt", "fastest"], {"MEMRA_DSPARK_VT": "fastest"}, "--vt fastest", "--vt / MEMRA_DSPARK_VT=fastest",
-           ": unknown verify-window policy (expected ladder|confidence|confidence-slot)"),
+           ": unknown verify-window policy (expected ladder|confidence|confidence-slot|priced)"),
     "tau": (["--tau", "1.5"], {"MEMRA_DSPARK_VT_TAU": "1.5"}, "--tau 1.5", "--tau / MEMRA_DSPARK_VT_TAU=1.5",
             ": confidence threshold must be in (0,1)"),
     "harvest": (["--harvest", "shifted"], {"MEMRA_DSPARK_HARVEST": "shifted"}, "--harvest shifted",

@@ -57,7 +57,7 @@ BAD_ARMS = {
     "dspark:": "no key=value",
     "dspark:vt": "'vt' is not key=value",
     "dspark:speed=2": "unknown key 'speed'",
-    "dspark:vt=wide": "vt=wide (expected ladder|confidence|confidence-slot)",
+    "dspark:vt=wide": "vt=wide (expected ladder|confidence|confidence-slot|priced)",
     "dspark:tau=abc": "tau=abc is not a number",
     "dspark:tau=1.5": "tau=1.5 is outside (0,1)",
     "dspark:cap=x": "cap=x is not an integer",

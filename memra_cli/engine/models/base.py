@@ -78,6 +78,12 @@ def _qwen3():
     return Qwen3Target
 
 
+def _qwen3_moe():
+    from memra_cli.engine.models.qwen3_moe import Qwen3MoeTarget
+
+    return Qwen3MoeTarget
+
+
 def _qwen3_5():
     from memra_cli.engine.models.qwen3_5 import Qwen35Target
 
@@ -94,7 +100,7 @@ def _gemma4():
 # load for another's). qwen3_5 is the published multimodal layout (its text model is loaded),
 # qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM.
 # gemma4 is the multimodal layout (its language model is loaded), gemma4_text Gemma4ForCausalLM's.
-MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_5": _qwen3_5, "qwen3_5_text": _qwen3_5,
+MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "qwen3_5": _qwen3_5, "qwen3_5_text": _qwen3_5,
                   "gemma4": _gemma4, "gemma4_text": _gemma4}
 
 # recognized model types that are refused by name (rather than as unknown)

@@ -286,6 +286,12 @@ class Qwen3Target(TargetBase):
         gate, up = F.linear(rms_norm(x, w.mlp_norm, self.cfg.rms_norm_eps), w.w_gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, w.w_down)
 
+    def _step_ffn(self, h: torch.Tensor, li: int, w: LayerWeights) -> torch.Tensor:
+        """The fixed-width step's feed-forward of layer `li` on the normed `h [W, hidden]`
+        (before the residual add): a family with another feed-forward overrides this."""
+        ops = self.step_ops
+        return ops.linear(ops.swiglu(h, w.w_gate_up), w.w_down)
+
     # ----------------------------------------------------------------------- heads
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -327,7 +333,7 @@ class Qwen3Target(TargetBase):
                                           positions, kv[0], kv[1], self.n_heads, self.n_kv, eps)
             attn = ops.linear(ops.attention(q, kv[0], kv[1], positions, self.scale), w.wo, w.bo)
             h, x = ops.add_rms_norm(attn, x, w.mlp_norm, eps)
-            down = ops.linear(ops.swiglu(h, w.w_gate_up), w.w_down)
+            down = self._step_ffn(h, li, w)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
             h, x = ops.add_rms_norm(down, x, next_norm, eps)
             if li in wanted:

@@ -23,7 +23,7 @@ ADAPT_ENV = "MEMRA_DFLASH_ADAPT"
 VERIFY_CAP_ENV = "MEMRA_DFLASH_VERIFY_T"
 MARKOV_ENV = "MEMRA_DFLASH_MARKOV"
 DEFAULT_TAU = 0.5
-VT_CHOICES = ("ladder", "confidence", "confidence-slot")
+VT_CHOICES = ("ladder", "confidence", "confidence-slot", "priced")
 
 
 class Harvest(str, Enum):
@@ -84,8 +84,9 @@ def resolve_harvest(value: str | None, strategy_dspark: bool) -> Harvest:
 class VerifyWindow:
     """A verify-window policy: `ladder`, or a confidence policy with its threshold tau."""
 
-    kind: str  # "ladder" | "confidence" | "confidence-slot"
+    kind: str  # "ladder" | "confidence" | "confidence-slot" | "priced"
     tau: float | None = None
+    cost: object | None = None  # priced: the target's spec/priced.py StepCost (set at arm time)
 
     @property
     def is_confidence(self) -> bool:
@@ -94,6 +95,9 @@ class VerifyWindow:
     def __str__(self) -> str:
         if self.kind == "ladder":
             return "Ladder"
+        if self.kind == "priced":
+            c = self.cost
+            return f"Priced{{experts={c.num_experts},top_k={c.top_k}}}" if c is not None else "Priced"
         name = "Confidence" if self.kind == "confidence" else "ConfidenceSlot"
         return f"{name}{{tau={self.tau!r}}}"
 
@@ -104,6 +108,10 @@ class VerifyWindow:
         assert self.tau is not None
         if self.kind == "confidence":
             return confidence_vt(raws, self.tau, cap)
+        if self.kind == "priced":
+            from memra_cli.engine.spec.priced import priced_vt, survival_from_raws
+
+            return priced_vt(survival_from_raws(raws), self.cost, cap)  # type: ignore[arg-type]
         return slot_confidence_vt(raws, self.tau, cap)
 
 
@@ -145,7 +153,7 @@ def parse_verify_window(vt: str | None, tau: str | None, adapt: str | None) -> V
     adapt_off = _adapt_off(adapt)
     if _unset(vt) or vt == "ladder":
         return LADDER
-    if vt not in ("confidence", "confidence-slot"):
+    if vt not in ("confidence", "confidence-slot", "priced"):
         raise SettingError("vt", vt, f"unknown verify-window policy (expected {'|'.join(VT_CHOICES)})")
     if adapt_off:
         raise SettingError(

@@ -178,6 +178,8 @@ class Session:
         r = self.runner
         if not (r.cuda_graphs and r.width is not None and self.sampler is GREEDY):
             return False
+        if self.program is not None and self.program.window.kind == "priced":  # the device settle has no cost model
+            return False
         if not getattr(self.cache, "round_graphs_ok", False):  # the state's commit needs no host read
             return False
         if self.proposer is None:

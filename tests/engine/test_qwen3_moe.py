@@ -1,0 +1,346 @@
+"""Qwen3MoeTarget against transformers' Qwen3MoeForCausalLM, the MoE op's row invariance (with
+planted breakage), speculative arms over an MoE target, and the loader's refusals.
+
+Tolerance: float32 on the CPU, a few layers of 64-wide reductions; logits differ from HF's only
+by summation order (BLAS blocking, our fused q/k/v and gate/up), each op's error ~ a few f32 ulps
+(6e-8 relative) growing with depth, so 1e-5 relative leaves two orders of margin while a wrong
+expert or weight moves the logits by O(1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from memra_cli.engine.api import ArmConfig, Engine
+from memra_cli.engine.errors import CheckpointError, ConfigError
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.layers import moe
+from memra_cli.engine.models.base import load_target
+from memra_cli.engine.models import qwen3_moe
+from memra_cli.engine.models.qwen3_moe import Qwen3MoeTarget
+from memra_cli.engine.runtime.steps import StepRunner
+from memra_cli.engine.spec.policy import PolicySettings
+from memra_cli.engine.spec.priced import StepCost
+from memra_cli.tiny.draft import make_tiny_draft
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.set_verbosity_error()
+transformers.utils.logging.disable_progress_bar()
+
+VOCAB, EXPERTS, TOP_K = 512, 8, 2
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=EXPERTS,
+             num_experts_per_tok=TOP_K, norm_topk_prob=True, mlp_only_layers=[1], decoder_sparse_step=1,
+             max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=VOCAB - 4)
+
+
+def make_hf(seed: int = 0, **over):
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**SHAPE, **over})).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # wide weights: routing decisions and logits far from ties
+            p.normal_(0.0, 0.15)
+    return model
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(directory in the per-expert layout transformers saves, the HF model)."""
+    hf = make_hf()
+    out = tmp_path_factory.mktemp("moe") / "target"
+    hf.save_pretrained(out)
+    return out, hf
+
+
+@pytest.fixture(scope="module")
+def target(pair):
+    return Qwen3MoeTarget.from_dir(pair[0])
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB - 8, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def rel_err(a, b) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_saved_layout_is_per_expert_and_registry_dispatches(pair):
+    names = load_file(str(pair[0] / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" in names
+    assert "model.layers.1.mlp.gate_proj.weight" in names  # mlp_only_layers: a dense layer
+    assert type(load_target(pair[0])) is Qwen3MoeTarget
+
+
+@pytest.mark.parametrize("n", [1, 9, 70])
+def test_logits_match_transformers(pair, target, n):
+    ids = prompt(n, n)
+    cache = target.new_state(n)
+    hidden, _ = target.forward(torch.tensor(ids), 0, cache)
+    with torch.no_grad():
+        ref = pair[1](torch.tensor([ids])).logits[0]
+    assert rel_err(target.logits(hidden), ref) <= 1e-5
+
+
+def test_stacked_layout_loads_the_same_model(pair, target, tmp_path):
+    """transformers 5 holds experts as [E, 2I, h] / [E, h, I] tensors: a checkpoint of its state
+    dict loads to the same weights as the per-expert one."""
+    state = {k: v.contiguous() for k, v in pair[1].state_dict().items()}
+    assert state["model.layers.0.mlp.experts.gate_up_proj"].shape == (EXPERTS, 64, 64)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text((pair[0] / "config.json").read_text())
+    stacked = Qwen3MoeTarget.from_dir(tmp_path)
+    for a, b in zip(stacked.layers, target.layers):
+        if a.experts is not None:
+            assert torch.equal(a.experts.w_gate_up, b.experts.w_gate_up)
+            assert torch.equal(a.experts.w_down, b.experts.w_down)
+
+
+def test_greedy_256_tokens_equal_transformers_and_steps_share_and_split_experts(pair, target, monkeypatch):
+    ids = prompt(11, 5)
+    x = torch.tensor([ids])
+    gc = transformers.GenerationConfig(do_sample=False, max_new_tokens=256, min_new_tokens=256,
+                                       eos_token_id=VOCAB, pad_token_id=0)
+    with torch.no_grad():
+        ref = pair[1].generate(x, attention_mask=torch.ones_like(x), generation_config=gc)[0, len(ids):].tolist()
+    routed = []  # every 16-row step's expert ids [16, k], per sparse layer
+    real_route = qwen3_moe.route
+
+    def recording_route(h, router, k, normalize):
+        w, e = real_route(h, router, k, normalize)
+        if h.shape[0] == 16:
+            routed.append(e.tolist())
+        return w, e
+
+    monkeypatch.setattr(qwen3_moe, "route", recording_route)
+    assert greedy_reference(StepRunner(target, 16), ids, 256) == ref
+    monkeypatch.undo()
+    assert greedy_reference(StepRunner(target), ids, 256) == ref  # variable width too
+    pairs = [(set(a), set(b)) for step in routed for a in step for b in step if a is not b]
+    assert any(a & b for a, b in pairs) and any(not a & b for a, b in pairs)
+
+
+# --------------------------------------------------------------------------- the MoE op
+
+
+def weights(seed=0, e=EXPERTS, h=32, i=16):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(e, h, generator=g), torch.randn(e, 2 * i, h, generator=g) * 0.3,
+            torch.randn(e, h, i, generator=g) * 0.3)
+
+
+def run_op(x, router, gate_up, down, route=moe.route, op=moe.moe_swiglu):
+    w, ids = route(x, router, TOP_K, True)
+    return op(x, w, ids, gate_up, down)
+
+
+def invariance_violations(route=moe.route, op=moe.moe_swiglu) -> int:
+    """Rows whose output is not the same bits alone (padded with zero rows to the same width)
+    as beside other rows, at the same step width."""
+    router, gate_up, down = weights()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    together = run_op(x, router, gate_up, down, route, op)
+    bad = 0
+    for r in range(16):
+        alone = torch.zeros_like(x)
+        alone[r] = x[r]
+        bad += not torch.equal(run_op(alone, router, gate_up, down, route, op)[r], together[r])
+    return bad
+
+
+def reference_rows(x, router, gate_up, down):
+    """One row at a time, experts in the row's own ascending order: the naive definition."""
+    out = []
+    for row in x:
+        p = torch.softmax(router @ row, -1)
+        top = sorted(range(len(p)), key=lambda e: (-p[e].item(), e))[:TOP_K]
+        wsum = sum(p[e] for e in top)
+        acc = torch.zeros_like(row)
+        for e in sorted(top):
+            g, u = (gate_up[e] @ row).chunk(2)
+            acc = acc + (down[e] @ (torch.nn.functional.silu(g) * u)) * (p[e] / wsum)
+        out.append(acc)
+    return torch.stack(out)
+
+
+def test_op_is_row_invariant_and_matches_the_naive_definition():
+    router, gate_up, down = weights()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+    assert invariance_violations() == 0
+    # f32, 32- and 16-long dots: a few ulps apart from the per-row matvecs
+    assert rel_err(run_op(x, router, gate_up, down), reference_rows(x, router, gate_up, down)) < 1e-5
+
+
+def test_planted_wrong_expert_index_is_caught():
+    router, gate_up, down = weights()
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(1))
+
+    def off_by_one(x, router, k, normalize):
+        w, ids = moe.route(x, router, k, normalize)
+        return w, (ids + 1) % EXPERTS
+
+    assert rel_err(run_op(x, router, gate_up, down, off_by_one), reference_rows(x, router, gate_up, down)) > 0.1
+
+
+def test_topk_ties_break_to_the_lower_index_and_a_planted_reversal_is_caught():
+    probs = torch.tensor([[0.1, 0.3, 0.3, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    assert moe.topk_lowest_index(probs, 2)[1].tolist() == [[1, 2], [0, 1]]
+
+    def higher_index_first(p, k):  # the planted bug: ties go to the higher index
+        flipped = p.flip(-1)
+        v, i = moe.topk_lowest_index(flipped, k)
+        return v, p.shape[-1] - 1 - i
+
+    assert higher_index_first(probs, 2)[1].tolist() != [[1, 2], [0, 1]]
+    # through the router: equal router rows make exact ties, the lower index must win
+    router = torch.zeros(4, 8)
+    assert moe.route(torch.randn(3, 8), router, 2, True)[1].tolist() == [[0, 1]] * 3
+
+
+def test_planted_row_order_combine_is_caught():
+    """A combine that keeps one running f32 sum across the step's rows (a prefix-sum segmented
+    reduce) gives each row acc_after - acc_before: equal in exact arithmetic, but its rounding
+    depends on the rows before it, which the invariance check sees."""
+
+    def running_sum_combine(x, w, ids, gate_up, down):
+        per_row = moe.moe_swiglu(x, w, ids, gate_up, down)
+        running = torch.cumsum(per_row * 1000.0 + 1.0, dim=0)
+        prev = torch.cat([torch.zeros_like(running[:1]), running[:-1]])
+        return (running - prev - 1.0) / 1000.0
+
+    assert invariance_violations(op=running_sum_combine) > 0
+
+
+# --------------------------------------------------------------------------- speculative arms
+
+
+SPARK = dict(markov_rank=16, confidence="markov")
+SPEC_PROMPTS = [prompt(9, 3), prompt(14, 8)]
+SPEC_NEW = 64
+
+
+def planted_head(target, drop: float = 0.25) -> dict:
+    """A rank-V markov head that knows most of the target's greedy bigrams on SPEC_PROMPTS
+    (w1 = I, w2[v, u] = 30 for u -> v, a quarter dropped) and a confidence head scoring +3 / -3 on
+    whether the previous token has a planted successor: acceptance is partial, so the verify
+    keeps some drafts and rejects others."""
+    rng, succ = torch.Generator().manual_seed(11), {}
+    for ids in SPEC_PROMPTS:
+        seq = ids[-1:] + greedy_reference(StepRunner(target, 16), ids, SPEC_NEW + 16)
+        succ.update(zip(seq, seq[1:]))
+    keep = {u: v for u, v in succ.items() if torch.rand(1, generator=rng).item() >= drop}
+    w2 = torch.zeros(VOCAB, VOCAB)
+    for u, v in keep.items():
+        w2[v, u] = 30.0
+    conf = torch.cat([torch.zeros(64), torch.full((VOCAB,), -3.0)])
+    conf[64 + torch.tensor(sorted(keep))] = 3.0
+    return {"markov_head.markov_w1.weight": torch.eye(VOCAB), "markov_head.markov_w2.weight": w2,
+            "confidence_head.proj.weight": conf[None, :], "confidence_head.proj.bias": torch.zeros(1)}
+
+
+@pytest.fixture(scope="module")
+def drafts(target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafts")
+    return {"dflash": make_tiny_draft(root / "zlab", "zlab", target_layer_ids=(0, 2), num_target_layers=4),
+            "dspark": make_tiny_draft(root / "spark", "deepspec", target_layer_ids=(0, 2), num_target_layers=4,
+                                      markov_rank=VOCAB, confidence="markov", extra_tensors=planted_head(target))}
+
+
+@pytest.mark.parametrize("mode,vt", [("dflash", "ladder"), ("dspark", "ladder"), ("dspark", "confidence"),
+                                     ("dspark", "confidence-slot"), ("dspark", "priced")])
+def test_speculative_arms_equal_plain_greedy(target, drafts, mode, vt):
+    engine = Engine.from_model(target, step_width=16)
+    arm = engine.arm(ArmConfig(draft=drafts[mode], mode=mode, settings=PolicySettings(vt=vt)))
+    accepted = drafted = 0
+    for ids in SPEC_PROMPTS:
+        session = engine.session(ids, SPEC_NEW, arm, eos_ids=())
+        assert session.run() == greedy_reference(StepRunner(target, 16), ids, SPEC_NEW)
+        accepted, drafted = accepted + session.stats.accepted, drafted + session.stats.drafted
+    if mode == "dspark":  # the planted head: some drafts kept, some rejected
+        assert 0 < accepted < drafted
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def write_variant(src, dst, config=None, drop=None, reshape=None):
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(config or {})
+    (dst / "config.json").write_text(json.dumps(cfg))
+    state = load_file(str(src / "model.safetensors"))
+    if drop:
+        del state[drop]
+    if reshape:
+        state[reshape] = state[reshape][:-1].contiguous()
+    save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
+@pytest.mark.parametrize("variant,error,words", [
+    ({"config": {"num_experts_per_tok": 9}}, ConfigError, "num_experts_per_tok 9 is more than num_experts 8"),
+    ({"config": {"hidden_act": "gelu"}}, ConfigError, "key 'hidden_act' must be one of silu"),
+    ({"config": {"mlp_only_layers": [4]}}, ConfigError, "key 'mlp_only_layers' must be a list of layer ids in [0, 4)"),
+    ({"drop": "model.layers.2.mlp.experts.5.up_proj.weight"}, CheckpointError,
+     "'model.layers.2.mlp.experts.5.up_proj.weight' is missing"),
+    ({"reshape": "model.layers.0.mlp.gate.weight"}, CheckpointError,
+     "'model.layers.0.mlp.gate.weight' has shape [7, 64], expected shape [8, 64]"),
+])
+def test_bad_input_is_refused_in_one_line(pair, tmp_path, variant, error, words):
+    bad = write_variant(pair[0], tmp_path / "bad", **variant)
+    with pytest.raises(error) as info:
+        Qwen3MoeTarget.from_dir(bad)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_tiny_maker_writes_a_target_transformers_reads_the_same_and_a_drafter_for_it(tmp_path):
+    from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
+
+    out = make_tiny_qwen3_moe(tmp_path / "moe")
+    ours = Qwen3MoeTarget.from_dir(out)
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ids = prompt(20, 7)
+    hidden, _ = ours.forward(torch.tensor(ids), 0, ours.new_state(20))
+    with torch.no_grad():
+        assert rel_err(ours.logits(hidden), hf(torch.tensor([ids])).logits[0]) <= 1e-5
+    draft = make_tiny_draft(tmp_path / "dflash", "zlab")
+    engine = Engine.from_model(ours, step_width=16)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    assert engine.session(ids, 40, arm, eos_ids=()).run() == greedy_reference(StepRunner(ours, 16), ids, 40)
+
+
+# --------------------------------------------------------------------------- the priced window
+
+
+def test_priced_window_is_named_with_its_cost(target, drafts):
+    engine = Engine.from_model(target, step_width=16)
+    arm = engine.arm(ArmConfig(draft=drafts["dspark"], mode="dspark", settings=PolicySettings(vt="priced")))
+    assert arm.program.window.kind == "priced" and arm.program.window.cost.num_experts == EXPERTS
+    line = arm.receipts.lines()[1]
+    assert "verify-window=Priced{experts=8,top_k=2}" in line and "cost(1)=" in line
+    # slots that each survive with p = 0.5: a flat cost verifies them all, this target's expert
+    # bytes (a quarter of a one-row step's, the lm_head most of the rest) make it narrower
+    window, cap = arm.program.window, arm.program.verify_cap
+    flat = dataclasses.replace(window, cost=StepCost(fixed_bytes=1.0))
+    assert flat.size_window([0.0] * (cap - 1), cap) == cap > window.size_window([0.0] * (cap - 1), cap)
+
+
+def test_priced_window_on_a_dense_target_is_the_confidence_slot_window_and_says_so(tmp_path):
+    from memra_cli.tiny.target import make_tiny_qwen3
+
+    dense = load_target(make_tiny_qwen3(tmp_path / "dense"))
+    draft = make_tiny_draft(tmp_path / "spark", "deepspec", **SPARK)
+    engine = Engine.from_model(dense, step_width=16)
+    priced = engine.arm(ArmConfig(draft=draft, mode="dspark", settings=PolicySettings(vt="priced", tau="0.4")))
+    slot = engine.arm(ArmConfig(draft=draft, mode="dspark", settings=PolicySettings(vt="confidence-slot", tau="0.4")))
+    assert priced.program == slot.program
+    assert "priced -> confidence-slot (flat step cost" in priced.receipts.lines()[1]
+    ids = prompt(7, 2)
+    a, b = engine.session(ids, 40, priced, eos_ids=()), engine.session(ids, 40, slot, eos_ids=())
+    assert a.run() == b.run() and a.stats.accept_hist == b.stats.accept_hist
+
