@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from memra_cli.engine.errors import CheckpointError, ConfigError
-from memra_cli.engine.formats.checkpoint import open_checkpoint
+from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import _Fields, parse_target_config, read_json_object
 from memra_cli.engine.layers.moe import moe_swiglu, route
 from memra_cli.engine.layers.ops import rms_norm
@@ -155,14 +155,15 @@ class Qwen3MoeTarget(Qwen3Target):
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> "Qwen3MoeTarget":
-        """Load an HF Qwen3-MoE directory (config.json + safetensors, either expert layout)."""
+                 device: str | torch.device = "cpu", checkpoint: Checkpoint | None = None) -> "Qwen3MoeTarget":
+        """Load an HF Qwen3-MoE directory (config.json + safetensors, either expert layout);
+        `checkpoint`: its headers when the caller opened them already (`Engine.load`)."""
         path = Path(path)
         source = str(path / "config.json")
         raw = read_json_object(path / "config.json")
         cfg = parse_target_config({**raw, "model_type": "qwen3"}, source)
         moe = parse_moe(raw, source, cfg.num_hidden_layers)
-        loader = _MoeLoader(open_checkpoint(path), cfg, moe, dtype, torch.device(device))
+        loader = _MoeLoader(open_checkpoint(path) if checkpoint is None else checkpoint, cfg, moe, dtype, torch.device(device))
         loader.check_all()
         embed = loader.get("model.embed_tokens.weight")
         layers = [loader.layer(i) for i in range(cfg.num_hidden_layers)]
