@@ -78,6 +78,12 @@ def _qwen3():
     return Qwen3Target
 
 
+def _llama():
+    from memra_cli.engine.models.llama import LlamaTarget
+
+    return LlamaTarget
+
+
 def _qwen3_5():
     from memra_cli.engine.models.qwen3_5 import Qwen35Target
 
@@ -87,7 +93,7 @@ def _qwen3_5():
 # config.json `model_type` -> loader of the class (imported on demand: one family's deps never
 # load for another's). qwen3_5 is the published multimodal layout (its text model is loaded),
 # qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM.
-MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_5": _qwen3_5, "qwen3_5_text": _qwen3_5}
+MODEL_FAMILIES = {"qwen3": _qwen3, "llama": _llama, "qwen3_5": _qwen3_5, "qwen3_5_text": _qwen3_5}
 
 # recognized model types that are refused by name (rather than as unknown)
 REFUSED_FAMILIES = {
