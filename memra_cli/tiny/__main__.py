@@ -4,8 +4,9 @@ Writes OUT_DIR/target (an HF Qwen3 directory with a tiny byte-level BPE tokenize
 OUT_DIR/dflash (z-lab DFlash format) and OUT_DIR/dspark (DeepSpec format: markov and confidence
 heads, a -1 tap), all mutually compatible; and OUT_DIR/qwen3_5 (a Qwen3.5 hybrid target: Gated
 DeltaNet + gated attention, in the published multimodal layout, with the same tokenizer) with
-OUT_DIR/qwen3_5_dflash (a z-lab DFlash drafter tapping it). Random weights: for exercising the
-tools, not for acceptance.
+OUT_DIR/qwen3_5_dflash (a z-lab DFlash drafter tapping it); and OUT_DIR/llama (a LLaMA target:
+no q/k norm, llama3 rope scaling, with the same tokenizer) with OUT_DIR/llama_dflash (a z-lab
+DFlash drafter tapping it). Random weights: for exercising the tools, not for acceptance.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from memra_cli.engine.errors import MemraError
 from memra_cli.engine.files import check_output
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.qwen3_5 import DEFAULT_LAYER_TYPES, make_tiny_qwen35
-from memra_cli.tiny.target import make_tiny_qwen3
+from memra_cli.tiny.target import make_tiny_llama, make_tiny_qwen3
 
 # the hybrid drafter taps a full-attention and a DeltaNet layer of the tiny hybrid (L F L L F)
 QWEN35_DRAFT_TAPS = (1, 3)
+LLAMA_LAYERS, LLAMA_DRAFT_TAPS = 4, (0, 2)
 
 
 USAGE = "usage: python -m memra_cli.tiny OUT_DIR"
@@ -47,8 +49,12 @@ def main(argv: list[str]) -> int:
     make_tiny_qwen35(out / "qwen3_5", layout="multimodal", tokenizer=True)
     make_tiny_draft(out / "qwen3_5_dflash", "zlab", target_layer_ids=QWEN35_DRAFT_TAPS,
                     num_target_layers=len(DEFAULT_LAYER_TYPES))
+    make_tiny_llama(out / "llama", layers=LLAMA_LAYERS, tokenizer=True, seed=11)
+    make_tiny_draft(out / "llama_dflash", "zlab", target_layer_ids=LLAMA_DRAFT_TAPS, num_target_layers=LLAMA_LAYERS,
+                    seed=12)
     print(f"wrote {out / 'target'} (Qwen3 + tokenizer), {out / 'dflash'} (z-lab DFlash), {out / 'dspark'} (DeepSpec DSpark), "
-          f"{out / 'qwen3_5'} (Qwen3.5 hybrid, multimodal layout + tokenizer), {out / 'qwen3_5_dflash'} (z-lab DFlash for it)")
+          f"{out / 'qwen3_5'} (Qwen3.5 hybrid, multimodal layout + tokenizer), {out / 'qwen3_5_dflash'} (z-lab DFlash for it), "
+          f"{out / 'llama'} (LLaMA + tokenizer), {out / 'llama_dflash'} (z-lab DFlash for it)")
     return 0
 
 

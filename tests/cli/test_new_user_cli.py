@@ -154,12 +154,14 @@ def test_docs_give_the_embedded_drafters_census_counts():
 
 def test_readme_says_what_the_tiny_script_writes(tmp_path):
     assert tiny_main([str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["dflash", "dspark", "qwen3_5", "qwen3_5_dflash", "target"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dflash", "dspark", "llama", "llama_dflash", "qwen3_5",
+                                                          "qwen3_5_dflash", "target"]
     readme = _words((ROOT / "README.md").read_text())
     assert "every format" not in readme
-    assert ("`python -m memra_cli.tiny DIR` writes five tiny random checkpoints for experiments: a Qwen3 target "
+    assert ("`python -m memra_cli.tiny DIR` writes seven tiny random checkpoints for experiments: a Qwen3 target "
             "with a tokenizer, a z-lab DFlash drafter and a DeepSpec DSpark drafter that ships the target's tables, "
-            "and a Qwen3.5 hybrid target (`qwen3_5`) with a z-lab DFlash drafter tapping it (`qwen3_5_dflash`)") in readme
+            "a Qwen3.5 hybrid target (`qwen3_5`) with a z-lab DFlash drafter tapping it (`qwen3_5_dflash`), "
+            "and a LLaMA target (`llama`) with a z-lab DFlash drafter tapping it (`llama_dflash`)") in readme
 
 
 def test_bench_help_defines_tau_as_the_docs_do():
