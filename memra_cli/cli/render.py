@@ -155,6 +155,8 @@ def census_json(c: Any, receipts: Any) -> dict:
             "original_max_position_embeddings": r.original_max_position_embeddings,
             "beta_fast": r.beta_fast, "beta_slow": r.beta_slow, "mscale": r.mscale,
             "divisors": list(r.divisors) if r.divisors else None,
+            **({"low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor}
+               if r.type == "llama3" else {}),
         },
         "layers": [
             {"index": l.index, "attention": l.attention, "window": l.window, "causal_in_block": l.causal_in_block, "rule": l.rule}

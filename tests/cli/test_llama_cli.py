@@ -100,3 +100,17 @@ def test_unimplemented_switches_are_one_line_errors(tiny, tmp_path, edit, want):
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and want in lines[0], r.stderr
+
+
+def test_census_reports_a_drafters_llama3_rope(tmp_path):
+    from memra_cli.tiny.draft import make_tiny_draft
+    from memra_cli.tiny.target import LLAMA3
+
+    draft = make_tiny_draft(tmp_path / "d", "zlab", config_overrides={"rope_parameters": {**LLAMA3, "rope_theta": 5e5}})
+    r = run("census", draft, "--json")
+    assert r.exit_code == 0, r.output
+    rope = json.loads(r.stdout)["rope"]
+    assert (rope["type"], rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"],
+            rope["original_max_position_embeddings"]) == ("llama3", 8.0, 1.0, 4.0, 64)
+    table = run("census", draft)
+    assert table.exit_code == 0 and "low/high freq factor" in table.stdout and "1.0/4.0" in table.stdout, table.output
