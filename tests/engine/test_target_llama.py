@@ -273,3 +273,27 @@ def test_oracle_partial_acceptance_over_the_llama_target(world):
     assert session.run() == world.truths[2][:24]
     assert 0 < session.stats.accepted < session.stats.drafted
     check_ingested_taps(world, 2, session, oracle)
+
+
+# --------------------------------------------------------------------------- the benchmark preset
+
+
+def test_the_gpu_benchmarks_llama_preset_builds_a_llama_target():
+    """benchmarks/gpu/target_step.py --family llama builds its target with gpu_shapes.random_target
+    from the `llama-8b` shape; its small twin here: a LlamaTarget (no q/k norms, llama3 rope) whose
+    16-row fixed steps give the eager greedy stream past its 32 original positions."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from gpu_shapes import SHAPES, random_target
+
+    big = SHAPES["llama-8b"]
+    assert (big["hidden"], big["layers"], big["heads"], big["kv"], big["ffn"], big["vocab"]) == \
+        (4096, 32, 32, 8, 14336, 128256)
+    assert big["rope"]["original_max_position_embeddings"] == 8192 and big["rope"]["factor"] == 8.0
+    target = random_target(SHAPES["llama-small"], torch.float32, torch.device("cpu"))
+    assert type(target) is LlamaTarget and target.cfg.rope.type == "llama3"
+    assert all(w.q_norm is None for w in target.layers)
+    ids = prompt(20, 50)
+    assert greedy_reference(StepRunner(target, 16), ids, 40) == greedy_reference(target, ids, 40)
