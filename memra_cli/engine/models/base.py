@@ -45,6 +45,7 @@ class TargetModel(Protocol):
     hidden_size: int
     vocab_size: int
     embed_weight: torch.Tensor  # [vocab, hidden]
+    embed_scale: float  # the family's embedding multiplier (1.0: raw rows, as Qwen3 / LLaMA)
     lm_head_weight: torch.Tensor  # [vocab, hidden]
     supports_cuda_graphs: bool  # static_step is capturable (else `graphs_note` says why not)
     step_ops: object  # layers/step_ops.py: static_step's fused ops, and a graphed round's argmax
