@@ -114,3 +114,14 @@ def test_census_reports_a_drafters_llama3_rope(tmp_path):
             rope["original_max_position_embeddings"]) == ("llama3", 8.0, 1.0, 4.0, 64)
     table = run("census", draft)
     assert table.exit_code == 0 and "low/high freq factor" in table.stdout and "1.0/4.0" in table.stdout, table.output
+
+
+def test_parity_reads_the_llama_tables(tiny, tmp_path):
+    target, draft = tiny
+    oracle = tmp_path / "o.npz"
+    made = run("parity", draft, "--make-oracle", oracle, "--target", target, "--ctx", "6")
+    assert made.exit_code == 0, made.output
+    r = run("parity", draft, oracle, "--target", target, "--json")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert obj["lm_head"] == f"target {target}"
