@@ -297,3 +297,19 @@ def test_the_gpu_benchmarks_llama_preset_builds_a_llama_target():
     assert all(w.q_norm is None for w in target.layers)
     ids = prompt(20, 50)
     assert greedy_reference(StepRunner(target, 16), ids, 40) == greedy_reference(target, ids, 40)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_arms_with_kernels_and_graphs_equal_plain_greedy(tiny_dirs, world, drafts):
+    """As `memra generate` runs on CUDA: bf16, 16-row steps, Triton step ops (the no-norm
+    `rope_kv_write`), CUDA graphs by default; every arm's stream is the plain one."""
+    from memra_cli.engine.api import EngineConfig
+
+    engine = Engine.load(EngineConfig(target=tiny_dirs["untied"], device="cuda", dtype="bfloat16"))
+    assert engine.target.step_ops.name == "triton"
+    for draft, mode in (("zlab", "dflash"), ("spark", "dflash"), ("spark", "dspark")):
+        arm = engine.arm(ArmConfig(draft=drafts[draft], mode=mode))
+        for p in world.prompts:
+            plain = greedy_reference(engine.runner, p, MAX_NEW)
+            assert engine.session(p, MAX_NEW, arm, eos_ids=()).run() == plain, (draft, mode)
