@@ -32,20 +32,33 @@ import torch
 from memra_cli.engine.api import ArmConfig, Engine
 from memra_cli.engine.formats.config import parse_target_config
 from memra_cli.engine.spec.policy import PolicySettings
+from memra_cli.engine.models.llama import LlamaTarget
 from memra_cli.engine.models.qwen3 import LayerWeights, Qwen3Target
 from memra_cli.tiny.draft import make_tiny_draft
 
+# LLaMA-3.1-8B (its published config.json): llama3 rope, factor 8 over 8192 original positions,
+# theta 5e5; the drafter taps by z-lab's default rule for 32 target layers and 5 draft layers.
+LLAMA3_8B_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 SHAPES = {
     "8b": dict(vocab=151936, hidden=4096, layers=36, heads=32, kv=8, hd=128, ffn=12288, d_layers=5, taps=(1, 9, 17, 25, 33)),
     "small": dict(vocab=512, hidden=128, layers=4, heads=4, kv=2, hd=32, ffn=256, d_layers=2, taps=(0, 2)),
+    "llama-8b": dict(vocab=128256, hidden=4096, layers=32, heads=32, kv=8, hd=128, ffn=14336, d_layers=5,
+                     taps=(1, 8, 15, 22, 29), family="llama", rope=LLAMA3_8B_ROPE, max_pos=131072),
+    "llama-small": dict(vocab=512, hidden=128, layers=4, heads=4, kv=2, hd=32, ffn=256, d_layers=2, taps=(0, 2),
+                        family="llama", rope={**LLAMA3_8B_ROPE, "original_max_position_embeddings": 32}, max_pos=2048),
 }
 
 
 def random_target(s: dict, dtype: torch.dtype, device: torch.device) -> Qwen3Target:
-    raw = {"model_type": "qwen3", "vocab_size": s["vocab"], "hidden_size": s["hidden"], "intermediate_size": s["ffn"],
+    """A random-weight target of shape `s` in memory: Qwen3, or LLaMA when `s["family"]` says so
+    (no q/k norms, its rope parameters)."""
+    family = s.get("family", "qwen3")
+    raw = {"model_type": family, "vocab_size": s["vocab"], "hidden_size": s["hidden"], "intermediate_size": s["ffn"],
            "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"], "num_key_value_heads": s["kv"],
-           "head_dim": s["hd"], "max_position_embeddings": 40960, "rope_theta": 1e6, "tie_word_embeddings": False}
-    cfg = parse_target_config(raw, f"random-{s['hidden']}")
+           "head_dim": s["hd"], "max_position_embeddings": s.get("max_pos", 40960),
+           "rope_parameters": s.get("rope", {"rope_type": "default", "rope_theta": 1e6}), "tie_word_embeddings": False}
+    cfg = parse_target_config(raw, f"random-{family}-{s['hidden']}")
     g = torch.Generator(device=device).manual_seed(0)
 
     def rnd(*shape, std=0.02):
@@ -53,9 +66,11 @@ def random_target(s: dict, dtype: torch.dtype, device: torch.device) -> Qwen3Tar
 
     h, q, kv, ff = s["hidden"], s["heads"] * s["hd"], s["kv"] * s["hd"], s["ffn"]
     ones = lambda n: torch.ones(n, dtype=dtype, device=device)  # noqa: E731
-    layers = [LayerWeights(rnd(q + 2 * kv, h), None, rnd(h, q), None, ones(s["hd"]), ones(s["hd"]), ones(h), ones(h),
+    qk_norm = (lambda: ones(s["hd"])) if cfg.qk_norm else (lambda: None)  # noqa: E731
+    layers = [LayerWeights(rnd(q + 2 * kv, h), None, rnd(h, q), None, qk_norm(), qk_norm(), ones(h), ones(h),
                            rnd(2 * ff, h), rnd(h, ff)) for _ in range(s["layers"])]
-    return Qwen3Target(cfg, rnd(s["vocab"], h, std=1.0), layers, ones(h), rnd(s["vocab"], h))
+    cls = LlamaTarget if family == "llama" else Qwen3Target
+    return cls(cfg, rnd(s["vocab"], h, std=1.0), layers, ones(h), rnd(s["vocab"], h))
 
 
 def run_arm(engine, arm, ids, n):

@@ -1,5 +1,7 @@
 """Everything between the fused q/k/v projection and attention, in one kernel.
 
+`rope_kv_write` is the same kernel without the q/k norm (LLaMA), a compile-time switch.
+
 `qk_norm_rope_kv_write` takes the projection `qkv [t, (nh + 2*nkv)*hd]` and, per row and head:
 splits it into q, k, v heads; RMSNorms q and k per head (Qwen3's q_norm / k_norm); rotates them
 by RoPE at the row's position (NeoX rotate-half layout, cos/sin rows gathered from the tables by
@@ -32,8 +34,9 @@ from ._pdl import pdl_args, pdl_wait
 
 @triton.jit
 def _norm_rope(src, w_ptr, cos_row, sin_row, eps, offs, mask,
-               HD: tl.constexpr):
-    """One head at `src` (hd contiguous values): RMSNorm by `w_ptr`, then rotate-half RoPE.
+               HD: tl.constexpr, NORM: tl.constexpr = True):
+    """One head at `src` (hd contiguous values): RMSNorm by `w_ptr` (NORM; else none: LLaMA's
+    q/k go to rope as projected), then rotate-half RoPE.
 
     Works on the two halves separately (`offs` indexes a half), which is what rotate-half pairs:
     element i < hd/2 with i + hd/2. Returns the rotated halves in float32 (not yet rounded).
@@ -41,14 +44,17 @@ def _norm_rope(src, w_ptr, cos_row, sin_row, eps, offs, mask,
     HALF: tl.constexpr = HD // 2
     x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    mean_sq = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD
-    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
-    dt = src.dtype.element_ty
-    # HF rounds the normalized value to the model dtype, then multiplies by the weight there.
-    w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    n1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    n2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if NORM:
+        mean_sq = (tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD
+        rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
+        dt = src.dtype.element_ty
+        # HF rounds the normalized value to the model dtype, then multiplies by the weight there.
+        w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        n1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        n2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    else:
+        n1, n2 = x1, x2
     c1 = tl.load(cos_row + offs, mask=mask, other=0.0).to(tl.float32)
     c2 = tl.load(cos_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_row + offs, mask=mask, other=0.0).to(tl.float32)
@@ -62,8 +68,10 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr
                             k_cache_ptr, v_cache_ptr, stride_qkv, stride_cos, stride_sin,
                             stride_q_out_t, stride_q_out_h, stride_kc_h, stride_kc_s,
                             stride_vc_h, stride_vc_s, n_heads, n_kv, eps,
-                            HD: tl.constexpr, HALF_BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row, head): heads [0, nh) are q heads, [nh, nh + nkv) the k/v heads."""
+                            HD: tl.constexpr, HALF_BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                            NORM: tl.constexpr = True):
+    """Program (row, head): heads [0, nh) are q heads, [nh, nh + nkv) the k/v heads (NORM off:
+    the norm weight pointers are never read)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -76,13 +84,13 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr
     # q heads then k heads are adjacent in qkv: head h (q or k) starts at column h*hd.
     src = qkv_ptr + row * stride_qkv + head * HD
     if head < n_heads:
-        o1, o2 = _norm_rope(src, q_w_ptr, cos_row, sin_row, eps, offs, mask, HD)
+        o1, o2 = _norm_rope(src, q_w_ptr, cos_row, sin_row, eps, offs, mask, HD, NORM)
         dst = q_out_ptr + row * stride_q_out_t + head * stride_q_out_h
         tl.store(dst + offs, o1.to(q_out_ptr.dtype.element_ty), mask=mask)
         tl.store(dst + HALF + offs, o2.to(q_out_ptr.dtype.element_ty), mask=mask)
     else:
         kv_head = (head - n_heads).to(tl.int64)
-        o1, o2 = _norm_rope(src, k_w_ptr, cos_row, sin_row, eps, offs, mask, HD)
+        o1, o2 = _norm_rope(src, k_w_ptr, cos_row, sin_row, eps, offs, mask, HD, NORM)
         k_dst = k_cache_ptr + kv_head * stride_kc_h + pos * stride_kc_s
         tl.store(k_dst + offs, o1.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(k_dst + HALF + offs, o2.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -93,25 +101,29 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr
         tl.store(v_dst + HALF + offs, tl.load(v_src + HALF + offs, mask=mask), mask=mask)
 
 
-def _check(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache, n_heads, n_kv):
+def _check(qkv, norms, cos, sin, positions, k_cache, v_cache, n_heads, n_kv):
+    """Shapes, devices and dtypes; `norms` the q/k norm weights (empty for the no-norm kernel)."""
     t = qkv.shape[0]
-    hd = q_norm_w.shape[0]
+    if cos.dim() != 2 or sin.shape != cos.shape:
+        raise ValueError(f"cos/sin {tuple(cos.shape)}/{tuple(sin.shape)} must both be [S_tab, head_dim]")
+    hd = cos.shape[1]
     if hd % 2:
         raise ValueError(f"head_dim must be even for rotate-half RoPE, got {hd}")
     if qkv.dim() != 2 or qkv.shape[1] != (n_heads + 2 * n_kv) * hd:
         raise ValueError(f"qkv {tuple(qkv.shape)} is not [t, (n_heads + 2*n_kv)*head_dim] "
                          f"with n_heads={n_heads}, n_kv={n_kv}, head_dim={hd}")
-    if k_norm_w.shape != (hd,) or cos.dim() != 2 or cos.shape[1] != hd or sin.shape != cos.shape:
-        raise ValueError("k_norm_w must be [head_dim], cos/sin [S_tab, head_dim]")
+    if any(w.shape != (hd,) for w in norms):
+        raise ValueError(f"q_norm_w / k_norm_w must be [head_dim={hd}] (cos/sin's width)")
     if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if c.dim() != 3 or c.shape[0] != n_kv or c.shape[2] != hd:
             raise ValueError(f"{name} {tuple(c.shape)} is not [n_kv={n_kv}, S, head_dim={hd}]")
-    check_tensors(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache)
+    check_tensors(qkv, *norms, cos, sin, positions, k_cache, v_cache)
     check_dtype(qkv, "qkv")
-    for name, a in (("q_norm_w", q_norm_w), ("k_norm_w", k_norm_w), ("cos", cos), ("sin", sin),
-                    ("k_cache", k_cache), ("v_cache", v_cache)):
+    named = list(zip(("q_norm_w", "k_norm_w"), norms)) + [("cos", cos), ("sin", sin), ("k_cache", k_cache),
+                                                         ("v_cache", v_cache)]
+    for name, a in named:
         if a.dtype != qkv.dtype:
             raise TypeError(f"{name} is {a.dtype}; everything must be in the model dtype {qkv.dtype}")
         check_last_contiguous(a, name)
@@ -130,8 +142,22 @@ def qk_norm_rope_kv_write(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: t
     in place at `[:, positions[i]]` (rotated k, raw v). Returns q `[t, nh, hd]` (rotated).
     head_dim: any even size (a non-power-of-two half is masked). Everything in one dtype.
     """
-    _check(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache, n_heads, n_kv)
-    t, hd = qkv.shape[0], q_norm_w.shape[0]
+    _check(qkv, (q_norm_w, k_norm_w), cos, sin, positions, k_cache, v_cache, n_heads, n_kv)
+    return _launch(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache, n_heads, n_kv, eps, True)
+
+
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
+    """`qk_norm_rope_kv_write` without the q/k norm (LLaMA): split, RoPE, KV-cache write; returns
+    rotated q `[t, nh, hd]`, hd = cos's width. The rotated values are the normed variant's
+    arithmetic on the projected values (one rounding from float32)."""
+    _check(qkv, (), cos, sin, positions, k_cache, v_cache, n_heads, n_kv)
+    # the norm weight pointers are never read with NORM off: qkv stands in for them
+    return _launch(qkv, qkv, qkv, cos, sin, positions, k_cache, v_cache, n_heads, n_kv, 0.0, False)
+
+
+def _launch(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache, n_heads, n_kv, eps, norm):
+    t, hd = qkv.shape[0], cos.shape[1]
     q = torch.empty((t, n_heads, hd), dtype=qkv.dtype, device=qkv.device)
     if t == 0:
         return q
@@ -139,7 +165,8 @@ def qk_norm_rope_kv_write(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: t
         qkv, q_norm_w, k_norm_w, cos, sin, positions, q, k_cache, v_cache,
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        n_heads, n_kv, float(eps), HD=hd, HALF_BLOCK=next_pow2(hd // 2), num_warps=1, **pdl_args(qkv),
+        n_heads, n_kv, float(eps), HD=hd, HALF_BLOCK=next_pow2(hd // 2), num_warps=1, NORM=norm,
+        **pdl_args(qkv),
     )
     return q
 
@@ -172,6 +199,19 @@ def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_
     c, s = cos[positions], sin[positions]
     q = _rope_ref(_rms_norm_ref(q.reshape(t, n_heads, hd), q_norm_w, eps), c, s)
     k = _rope_ref(_rms_norm_ref(k.reshape(t, n_kv, hd), k_norm_w, eps), c, s)
+    k_cache.index_copy_(1, positions, k.transpose(0, 1))
+    v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
+    return q
+
+
+def rope_kv_write_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
+    """Plain torch twin of `rope_kv_write` (the LLaMA path of the engine's `_qkv` + `index_copy_`)."""
+    t, hd = qkv.shape[0], cos.shape[1]
+    q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+    c, s = cos[positions], sin[positions]
+    q = _rope_ref(q.reshape(t, n_heads, hd), c, s)
+    k = _rope_ref(k.reshape(t, n_kv, hd), c, s)
     k_cache.index_copy_(1, positions, k.transpose(0, 1))
     v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
     return q

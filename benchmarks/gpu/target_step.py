@@ -1,4 +1,6 @@
-"""The target step against its floor, in one process (Qwen3-8B shape, bf16, random weights).
+"""The target step against its floor, in one process (Qwen3-8B shape, or with ``--family llama``
+LLaMA-3.1-8B's: hidden 4096, 32 layers, 32/8 heads x 128, ffn 14336, vocab 128256, llama3 rope;
+bf16, random weights).
 
 Prints and writes (``--json``, default ``$OUT/h200-target-step.json``):
 
@@ -20,8 +22,8 @@ Prints and writes (``--json``, default ``$OUT/h200-target-step.json``):
   DFlash drafter (its drafts are never right: every round a full 16-row verify of one real token)
   on the first length.
 
-    python -m benchmarks.gpu.target_step [--contexts 512,4096,32768] [--sweep-lengths 512,4096]
-        [--sweep-prompts 3] [--sweep-tokens 64] [--json OUT.json]
+    python -m benchmarks.gpu.target_step [--family qwen3|llama] [--contexts 512,4096,32768]
+        [--sweep-lengths 512,4096] [--sweep-prompts 3] [--sweep-tokens 64] [--json OUT.json]
 
 ``--shape gemma4-31b`` times the Gemma 4 31B text shape instead (gemma4_step.py: its step with
 the torch step ops, the matmul chain and HBM read floors, peak memory).
@@ -50,6 +52,7 @@ from memra_cli.engine.spec.session import Session
 from memra_cli.tiny.draft import make_tiny_draft
 
 W = 16
+FAMILY_SHAPES = {"qwen3": "8b", "llama": "llama-8b"}  # --family -> gpu_shapes.SHAPES key
 
 
 def replay_ms(replay, reps: int = 50) -> float:
@@ -189,12 +192,14 @@ def prefill_measure(engine, length: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", choices=sorted(FAMILY_SHAPES), default="qwen3",
+                   help="the target's shape: Qwen3-8B, or LLaMA-3.1-8B (its json default: h200-target-step-llama.json)")
     p.add_argument("--contexts", default="512,4096,32768")
     p.add_argument("--sweep-lengths", default="512,4096")
     p.add_argument("--sweep-prompts", type=int, default=3)
     p.add_argument("--sweep-tokens", type=int, default=64)
     p.add_argument("--prefill-length", type=int, default=32768)
-    p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-target-step.json")
+    p.add_argument("--json", type=Path, default=None, help="default $OUT/h200-target-step[-llama].json")
     p.add_argument("--attn-tile", default=None,
                    help="SPLIT,BLOCK_N,BLOCK_M,STAGES,WARPS[,LONG_SPLIT,LONG_FROM]: time the attention "
                         "with this head_dim-128 tile instead of the module's (memra_kernels.attention.TILES[128]); "
@@ -212,11 +217,14 @@ def main() -> None:
                    help="gemma4-31b: the Gemma 4 31B text shape's step and floors only (gemma4_step.py)")
     a = p.parse_args()
     if a.shape == "gemma4-31b":
-        import gemma4_step
+        from benchmarks.gpu import gemma4_step
 
-        json_out = a.json if "--json" in sys.argv else a.json.with_name("h200-gemma4-31b-step.json")
+        json_out = a.json or Path(os.environ.get("OUT", ".")) / "h200-gemma4-31b-step.json"
         gemma4_step.measure([int(c) for c in a.contexts.split(",")], json_out, sys.modules[__name__])
         return
+    if a.json is None:
+        suffix = "" if a.family == "qwen3" else f"-{a.family}"
+        a.json = Path(os.environ.get("OUT", ".")) / f"h200-target-step{suffix}.json"
     from memra_kernels import dense_linear as _dense
 
     if a.dense_tuned:
@@ -237,9 +245,11 @@ def main() -> None:
     tile_variants = any("tile" in v.split("-") for v in a.variants.split(","))
     if cand_tile is not None and not tile_variants:
         _attn.TILES[128] = cand_tile  # before any launch
-    s = SHAPES["8b"]
+    shape = FAMILY_SHAPES[a.family]
+    s = SHAPES[shape]
     contexts = [int(c) for c in a.contexts.split(",")]
-    out: dict = {"shape": "qwen3-8b", "dtype": "bfloat16", "device": torch.cuda.get_device_name(), "step_width": W,
+    out: dict = {"shape": {"8b": "qwen3-8b", "llama-8b": "llama-3.1-8b"}[shape], "family": a.family,
+                 "dtype": "bfloat16", "device": torch.cuda.get_device_name(), "step_width": W,
                  "command": "python -m benchmarks.gpu.target_step " + " ".join(sys.argv[1:])}
     from dataclasses import asdict
 

@@ -42,6 +42,7 @@ SETTINGS = {s.name: s for s in (
     Setting("adapt", "--adapt", "MEMRA_DFLASH_ADAPT", off="--no-adapt"),
     Setting("verify_cap", "--verify-cap", "MEMRA_DFLASH_VERIFY_T"),
     Setting("markov", "--markov", "MEMRA_DFLASH_MARKOV", off="--no-markov"),
+    Setting("emb_scale", "--emb-scale", "MEMRA_DFLASH_EMB_SCALE", off="--no-emb-scale"),
     Setting("prec", "--prec", "MEMRA_DFLASH_PREC"),
     Setting("step_width", "--step-width", "MEMRA_STEP_WIDTH"),
     Setting("cuda_graphs", "--cuda-graphs", "MEMRA_CUDA_GRAPHS", off="--no-cuda-graphs"),
@@ -154,6 +155,11 @@ HarvestOpt = typer.Option(None, "--harvest", envvar=SETTINGS["harvest"].env, hel
 VtOpt = typer.Option(None, "--vt", envvar=SETTINGS["vt"].env, help=VT_HELP, show_envvar=True)
 TauOpt = typer.Option(None, "--tau", envvar=SETTINGS["tau"].env, help=TAU_HELP, show_envvar=True)
 AdaptOpt = typer.Option(None, "--adapt/--no-adapt", envvar=SETTINGS["adapt"].env, help=ADAPT_HELP, show_envvar=True)
+EMB_SCALE_HELP = ("The drafter's block embedding: the target's embedding rows times the target's embed_scale "
+                  "(Gemma: sqrt(hidden); 1 for Qwen3 / LLaMA) with --emb-scale, the raw rows with --no-emb-scale "
+                  "(default: raw, as the reference engine; a z-lab checkpoint does not record which it was trained with).")
+EmbScaleOpt = typer.Option(None, "--emb-scale/--no-emb-scale", envvar=SETTINGS["emb_scale"].env, help=EMB_SCALE_HELP,
+                           show_envvar=True)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout instead of the report.")
 STEP_WIDTH_HELP = ("Rows per target step after the prefill: N (default 16) runs every decode and verify step at "
                    "exactly N rows (padded, or chunked), so a token's arithmetic never depends on how many tokens "

@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 
 from memra_cli.cli.common import (
-    AdaptOpt, CudaGraphsOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, at_least, policy_settings, refusals,
+    AdaptOpt, CudaGraphsOpt, EmbScaleOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, at_least, policy_settings,
+    refusals,
 )
 from memra_cli.cli.sampling import (
     AcceptanceOpt, MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params,
@@ -51,6 +52,7 @@ def generate(
     vt: Optional[str] = VtOpt,
     tau: Optional[str] = TauOpt,
     adapt: Optional[bool] = AdaptOpt,
+    emb_scale: Optional[bool] = EmbScaleOpt,
     step_width: Optional[str] = StepWidthOpt,
     cuda_graphs: Optional[bool] = CudaGraphsOpt,
     temperature: Optional[str] = TemperatureOpt,
@@ -75,6 +77,7 @@ def generate(
     _check_flags(target=target, draft=draft, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec,
                  harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap)
     given = {"harvest": harvest, "vt": vt, "tau": tau, "adapt": adapt, "verify_cap": verify_cap, "markov": markov,
+             "emb_scale": emb_scale,
              "prec": prec, "draft": draft}  # as the user gave them, before any default
     target, draft, defaults_note = _default_models(target, draft, spec)
     codec, ids = _prompt(target, prompt, prompt_ids, chat)
@@ -90,7 +93,7 @@ def generate(
     from memra_cli.engine.spec.keyed import make_sampler
 
     arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
-                        verify_cap=verify_cap, prec=prec)
+                        verify_cap=verify_cap, prec=prec, emb_scale=emb_scale)
     with torch.inference_mode():
         engine = Engine.load(EngineConfig(target=target, device=device, dtype=dtype, step_width=step_width,
                                           cuda_graphs=cuda_graphs, env=dict(os.environ), **threads_setting(threads)))

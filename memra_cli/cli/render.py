@@ -109,6 +109,9 @@ def census_report(c: Any, receipts: Any) -> None:
             ("beta fast/slow", f"{r.beta_fast}/{r.beta_slow}"), ("mscale", f"{r.mscale:.6f}"),
             ("divisors", f"{r.divisors[0]:.4g} … {r.divisors[-1]:.4g} over {len(r.divisors)} dims"),
         ]
+    if r.type == "llama3":
+        rope_rows += [("factor", r.factor), ("original ctx", r.original_max_position_embeddings),
+                      ("low/high freq factor", f"{r.low_freq_factor}/{r.high_freq_factor}")]
     console.print(_kv_table("rope", rope_rows))
     layout = Table(title="attention layout", title_justify="left")
     for col in ("layer", "attention", "window", "causal in block", "rule"):
@@ -152,6 +155,8 @@ def census_json(c: Any, receipts: Any) -> dict:
             "original_max_position_embeddings": r.original_max_position_embeddings,
             "beta_fast": r.beta_fast, "beta_slow": r.beta_slow, "mscale": r.mscale,
             "divisors": list(r.divisors) if r.divisors else None,
+            **({"low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor}
+               if r.type == "llama3" else {}),
         },
         "layers": [
             {"index": l.index, "attention": l.attention, "window": l.window, "causal_in_block": l.causal_in_block, "rule": l.rule}

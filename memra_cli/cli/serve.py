@@ -8,7 +8,9 @@ from typing import Optional
 
 import typer
 
-from memra_cli.cli.common import AdaptOpt, CudaGraphsOpt, HarvestOpt, StepWidthOpt, TauOpt, VtOpt, at_least, policy_settings, refusals
+from memra_cli.cli.common import (
+    AdaptOpt, CudaGraphsOpt, EmbScaleOpt, HarvestOpt, StepWidthOpt, TauOpt, VtOpt, at_least, policy_settings, refusals,
+)
 from memra_cli.cli.generate import PREC_HELP  # the drafter flags read as generate's
 from memra_cli.cli.threads import ThreadsOpt, threads_setting, use_threads
 
@@ -85,6 +87,7 @@ def serve(
     vt: Optional[str] = VtOpt,
     tau: Optional[str] = TauOpt,
     adapt: Optional[bool] = AdaptOpt,
+    emb_scale: Optional[bool] = EmbScaleOpt,
     step_width: Optional[str] = StepWidthOpt,
     cuda_graphs: Optional[bool] = CudaGraphsOpt,
     threads: Optional[str] = ThreadsOpt,
@@ -104,14 +107,15 @@ def serve(
     try:
         _serve(sock, target=target, draft=draft, spec=spec, name=name, max_tokens=max_tokens,
                max_sessions=max_sessions, max_queue=max_queue, dtype=dtype, device=device, verify_cap=verify_cap,
-               markov=markov, prec=prec, policy=policy_settings(harvest, vt, tau, adapt), step_width=step_width,
+               markov=markov, prec=prec, policy=policy_settings(harvest, vt, tau, adapt), emb_scale=emb_scale,
+               step_width=step_width,
                cuda_graphs=cuda_graphs, threads=threads)
     finally:
         sock.close()
 
 
 def _serve(sock, *, target, draft, spec, name, max_tokens, max_sessions, max_queue, dtype, device, verify_cap,
-           markov, prec, policy, step_width, cuda_graphs, threads) -> None:
+           markov, prec, policy, emb_scale, step_width, cuda_graphs, threads) -> None:
     from memra_cli.cli import render
     from memra_cli.engine.defaults import default_models
     from memra_cli.engine.text import TextCodec
@@ -131,7 +135,8 @@ def _serve(sock, *, target, draft, spec, name, max_tokens, max_sessions, max_que
     from memra_cli.engine.api import ArmConfig, Engine, EngineConfig
     from memra_cli.serve.app import Served, build_app, uvicorn_server
 
-    arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy, markov=markov, verify_cap=verify_cap, prec=prec)
+    arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy, markov=markov, verify_cap=verify_cap, prec=prec,
+                        emb_scale=emb_scale)
     with torch.inference_mode():
         engine = Engine.load(EngineConfig(target=target, device=device, dtype=dtype, step_width=step_width,
                                           cuda_graphs=cuda_graphs, env=dict(os.environ), **threads_setting(threads)))

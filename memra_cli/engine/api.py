@@ -30,7 +30,8 @@ from memra_cli.engine.formats.checkpoint import open_checkpoint
 from memra_cli.engine.formats.names import MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
 from memra_cli.engine.errors import ConfigError, MemraError, PolicyError, SettingError
 from memra_cli.engine.spec.policy import (
-    LADDER, PolicySettings, Receipts, VerifyWindow, adapt_on, parse_verify_cap, resolve_receipts,
+    LADDER, PolicySettings, Receipts, VerifyWindow, adapt_on, parse_verify_cap, resolve_block_embedding,
+    resolve_receipts,
 )
 from memra_cli.engine.layers.step_ops import select_step_ops
 from memra_cli.engine.models.base import target_family
@@ -403,6 +404,7 @@ class ArmConfig:
     markov: bool | None = None
     verify_cap: str | int | None = None
     prec: str | None = None
+    emb_scale: bool | None = None  # block embedding times the target's embed_scale (None/False: raw)
 
 
 @dataclass
@@ -534,7 +536,16 @@ class Engine:
 
         program, receipts, mode = resolve_program(mode, census, arm.settings, arm.markov, arm.verify_cap,
                                                   step_cost_of(self.target))
+        program, receipts = self._block_embedding(arm.emb_scale, program, receipts)
         return mode, census, program, receipts, check_pair(self.target, census)
+
+    def _block_embedding(self, setting: bool | None, program: Program, receipts: Receipts) -> tuple[Program, Receipts]:
+        """The arm's `emb_scale` resolved against the loaded target: its `embed_scale` rounded to
+        the model dtype (the multiplier a scaling family's own embedding applies), or raw."""
+        scale = float(torch.tensor(getattr(self.target, "embed_scale", 1.0), dtype=self.dtype))
+        embedding = resolve_block_embedding(setting, scale)
+        return (dataclasses.replace(program, emb_scale=embedding.scale),
+                dataclasses.replace(receipts, embedding=embedding))
 
     def arm(self, arm: ArmConfig, drafter=None) -> Arm:
         """Resolve and check an arm, then load its drafter (unless `drafter` is given: one

@@ -44,7 +44,7 @@ DEFAULT_ARMS = ("off", "dflash", "dspark")
 EMBEDDED_DRAFTERS = ("dflash", "dspark")
 ARM_KEYS = {
     "harvest": "dflash|dspark", "vt": "|".join(VT_CHOICES), "tau": "a float in (0,1)",
-    "cap": "an integer >= 2", "adapt": "0|1", "markov": "0|1", "prec": "|".join(PRECISIONS),
+    "cap": "an integer >= 2", "adapt": "0|1", "markov": "0|1", "emb_scale": "0|1", "prec": "|".join(PRECISIONS),
     "draft": "PATH|dflash|dspark", "accept": "keyed|rejection",
 }
 ARM_GRAMMAR = (
@@ -52,7 +52,7 @@ ARM_GRAMMAR = (
     + ", ".join(f"{k}={v}" for k, v in ARM_KEYS.items())
 )
 POLICY_ENV = ("MEMRA_DSPARK_HARVEST", "MEMRA_DSPARK_VT", "MEMRA_DSPARK_VT_TAU", "MEMRA_DFLASH_ADAPT",
-              "MEMRA_DFLASH_VERIFY_T", "MEMRA_DFLASH_MARKOV")
+              "MEMRA_DFLASH_VERIFY_T", "MEMRA_DFLASH_MARKOV", "MEMRA_DFLASH_EMB_SCALE")
 
 
 class BenchError(MemraError):
@@ -74,6 +74,7 @@ class ArmSpec:
     cap: int | None = None
     adapt: bool | None = None
     markov: bool | None = None
+    emb_scale: bool | None = None  # the block embedding times the target's embed_scale
     prec: str | None = None
     draft: str | None = None
     accept: str | None = None  # keyed (default) | rejection: the acceptance rule at temperature > 0
@@ -95,11 +96,11 @@ def _key_value(spec: str, key: str, value: str) -> object:
     if value == "":
         raise _bad(spec, f"{key}= has no value (expected {ARM_KEYS[key]})")
     choices = {"harvest": ("dflash", "dspark"), "vt": VT_CHOICES, "prec": PRECISIONS,
-               "adapt": ("0", "1"), "markov": ("0", "1"), "accept": ACCEPTANCE_RULES}
+               "adapt": ("0", "1"), "markov": ("0", "1"), "emb_scale": ("0", "1"), "accept": ACCEPTANCE_RULES}
     if key in choices:
         if value not in choices[key]:
             raise _bad(spec, f"{key}={value} (expected {ARM_KEYS[key]})")
-        return value == "1" if key in ("adapt", "markov") else value
+        return value == "1" if key in ("adapt", "markov", "emb_scale") else value
     if key == "tau":
         try:
             tau = float(value)
@@ -285,7 +286,7 @@ def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters, sampling: Sa
         path = drafters.for_arm(spec)
         try:
             cfg = ArmConfig(draft=path, mode=spec.mode, settings=spec.settings, markov=spec.markov,
-                            verify_cap=spec.cap, prec=spec.prec)
+                            verify_cap=spec.cap, prec=spec.prec, emb_scale=spec.emb_scale)
             key = (Path(path).resolve(), spec.prec) if path is not None else None
             arm = engine.arm(cfg, drafter=loaded.get(key))
             if key is not None and arm.drafter is not None:

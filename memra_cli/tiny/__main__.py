@@ -6,9 +6,11 @@ heads, a -1 tap), all mutually compatible; and OUT_DIR/qwen3_5 (a Qwen3.5 hybrid
 DeltaNet + gated attention, in the published multimodal layout, with the same tokenizer) with
 OUT_DIR/qwen3_5_dflash (a z-lab DFlash drafter tapping it); OUT_DIR/gemma4 (a Gemma 4 text target:
 sliding + full layers, k_eq_v, softcap, tied head, with the same tokenizer) with OUT_DIR/gemma4_dflash
-(a z-lab DFlash drafter tapping it); and OUT_DIR/qwen3_moe (a Qwen3-MoE target: 8 experts, top-2,
-layer 1 dense, with the same tokenizer) with OUT_DIR/qwen3_moe_dflash (a z-lab DFlash drafter for it).
-Random weights: for exercising the tools, not for acceptance.
+(a z-lab DFlash drafter tapping it); OUT_DIR/qwen3_moe (a Qwen3-MoE target: 8 experts, top-2,
+layer 1 dense, with the same tokenizer) with OUT_DIR/qwen3_moe_dflash (a z-lab DFlash drafter for it);
+and OUT_DIR/llama (a LLaMA target: no q/k norm, llama3 rope scaling, with the same tokenizer) with
+OUT_DIR/llama_dflash (a z-lab DFlash drafter tapping it). Random weights: for exercising the tools,
+not for acceptance.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.gemma4 import DEFAULT_LAYER_TYPES as GEMMA4_LAYER_TYPES, make_tiny_gemma4
 from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
 from memra_cli.tiny.qwen3_5 import DEFAULT_LAYER_TYPES, make_tiny_qwen35
-from memra_cli.tiny.target import make_tiny_qwen3
+from memra_cli.tiny.target import make_tiny_llama, make_tiny_qwen3
 
 # the hybrid drafter taps a full-attention and a DeltaNet layer of the tiny hybrid (L F L L F)
 QWEN35_DRAFT_TAPS = (1, 3)
 # the Gemma 4 drafter taps the embedding, a sliding and a full layer of the tiny target (S S F S F)
 GEMMA4_DRAFT_TAPS = (-1, 1, 2)
+LLAMA_LAYERS, LLAMA_DRAFT_TAPS = 4, (0, 2)
 
 
 USAGE = "usage: python -m memra_cli.tiny OUT_DIR"
@@ -59,10 +62,14 @@ def main(argv: list[str]) -> int:
                     num_target_layers=len(GEMMA4_LAYER_TYPES))
     make_tiny_qwen3_moe(out / "qwen3_moe", tokenizer=True)
     make_tiny_draft(out / "qwen3_moe_dflash", "zlab")
+    make_tiny_llama(out / "llama", layers=LLAMA_LAYERS, tokenizer=True, seed=11)
+    make_tiny_draft(out / "llama_dflash", "zlab", target_layer_ids=LLAMA_DRAFT_TAPS, num_target_layers=LLAMA_LAYERS,
+                    seed=12)
     print(f"wrote {out / 'target'} (Qwen3 + tokenizer), {out / 'dflash'} (z-lab DFlash), {out / 'dspark'} (DeepSpec DSpark), "
           f"{out / 'qwen3_5'} (Qwen3.5 hybrid, multimodal layout + tokenizer), {out / 'qwen3_5_dflash'} (z-lab DFlash for it), "
           f"{out / 'gemma4'} (Gemma 4 text + tokenizer), {out / 'gemma4_dflash'} (z-lab DFlash for it), "
-          f"{out / 'qwen3_moe'} (Qwen3-MoE + tokenizer), {out / 'qwen3_moe_dflash'} (z-lab DFlash for it)")
+          f"{out / 'qwen3_moe'} (Qwen3-MoE + tokenizer), {out / 'qwen3_moe_dflash'} (z-lab DFlash for it), "
+          f"{out / 'llama'} (LLaMA + tokenizer), {out / 'llama_dflash'} (z-lab DFlash for it)")
     return 0
 
 

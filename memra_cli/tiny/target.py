@@ -1,7 +1,8 @@
-"""Tiny random Qwen3 targets (and a matching tiny tokenizer) in the real HF format.
+"""Tiny random Qwen3 and LLaMA targets (and a matching tiny tokenizer) in the real HF format.
 
 `make_tiny_qwen3(dir)` writes config.json (model_type qwen3, `Qwen3ForCausalLM`) and
-model.safetensors, or N shards plus model.safetensors.index.json, loadable by both memra and
+model.safetensors; `make_tiny_llama(dir)` the same for model_type llama (`LlamaForCausalLM`:
+no q/k norms, `llama3` rope scaling over 64 original positions by default), each or N shards plus model.safetensors.index.json, loadable by both memra and
 `transformers`. Weights are random but scaled so the model is not degenerate: projections at
 ~1/sqrt(fan_in) (attention and MLP move the residual stream, so the context matters), unit
 embeddings and an lm_head giving logits of std ~2, so greedy streams wander over the vocabulary
@@ -28,6 +29,10 @@ from memra_cli.engine.files import default_mode
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>")
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
         "beta_fast": 32.0, "beta_slow": 1.0}
+# LLaMA-3.1's scaling over a small original context: with head_dim 16 and theta 1e4 the
+# wavelengths (2π·1e4^(j/8)) fall in all three bands (kept < 16 < blended < 64 < divided)
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -60,9 +65,10 @@ def _config(a: dict[str, Any]) -> dict[str, Any]:
     eos = a["eos_token_id"]
     if eos is None:
         eos = special_token_ids(a["vocab"])["<|endoftext|>"]
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
+    llama = a["family"] == "llama"
+    cfg = {
+        "architectures": ["LlamaForCausalLM" if llama else "Qwen3ForCausalLM"],
+        "model_type": a["family"],
         "vocab_size": a["vocab"],
         "hidden_size": a["hidden"],
         "intermediate_size": a["intermediate"],
@@ -85,6 +91,11 @@ def _config(a: dict[str, Any]) -> dict[str, Any]:
         "dtype": "bfloat16" if a["dtype"] == torch.bfloat16 else "float32",
         "use_cache": True,
     }
+    if llama:  # LlamaConfig's own keys; no sliding-window switches
+        for key in ("use_sliding_window", "sliding_window", "max_window_layers"):
+            del cfg[key]
+        cfg.update(mlp_bias=False, pretraining_tp=1)
+    return cfg
 
 
 def _tensors(a: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -104,11 +115,12 @@ def _tensors(a: dict[str, Any], gen: torch.Generator) -> dict[str, torch.Tensor]
         t.update({
             s + "q_proj.weight": proj(q, h), s + "k_proj.weight": proj(kv, h),
             s + "v_proj.weight": proj(kv, h), s + "o_proj.weight": proj(h, q, 0.7),
-            s + "q_norm.weight": norm(hd), s + "k_norm.weight": norm(hd),
             p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
             m + "gate_proj.weight": proj(ff, h), m + "up_proj.weight": proj(ff, h),
             m + "down_proj.weight": proj(h, ff, 0.7),
         })
+        if a["family"] == "qwen3":
+            t.update({s + "q_norm.weight": norm(hd), s + "k_norm.weight": norm(hd)})
         if a["attention_bias"]:
             for name, n in (("q_proj", q), ("k_proj", kv), ("v_proj", kv), ("o_proj", h)):
                 t[s + name + ".bias"] = 0.1 * torch.randn(n, generator=gen)
@@ -163,11 +175,13 @@ def make_tiny_qwen3(
     shards: int = 1,
     eos_token_id: int | list[int] | None = None,
     tokenizer: bool = False,
+    family: str = "qwen3",
 ) -> Path:
     """Write a tiny random Qwen3ForCausalLM to `directory`; returns the directory.
 
     `rope` is None (default rope) or a `rope_parameters` dict such as `YARN`; `eos_token_id`
     defaults to the tiny tokenizer's `<|endoftext|>` (V-4); `tokenizer=True` also writes one.
+    `family="llama"` writes a LlamaForCausalLM instead (`make_tiny_llama`).
     """
     a = dict(locals())
     out = Path(directory)
@@ -179,6 +193,12 @@ def make_tiny_qwen3(
     if tokenizer:
         make_tiny_tokenizer(out, vocab)
     return out
+
+
+def make_tiny_llama(directory: Path | str, *, rope: dict[str, Any] | None = LLAMA3, **kw: Any) -> Path:
+    """Write a tiny random LlamaForCausalLM to `directory` (`make_tiny_qwen3`'s arguments;
+    `llama3` rope scaling unless `rope` says otherwise); returns the directory."""
+    return make_tiny_qwen3(directory, rope=rope, family="llama", **kw)
 
 
 # --------------------------------------------------------------------------- tokenizer

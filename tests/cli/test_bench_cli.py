@@ -84,7 +84,8 @@ def test_json_over_three_prompts_with_the_default_pair(embedded):
     assert obj["baselines"]["off"]["steps"] == "fixed 16-row steps, eager" == obj["arms"][0]["steps"] == obj["arms"][2]["steps"]
     assert obj["baselines"]["plain"]["same_as_off"] == obj["arms"][1]["same_as_off"] == 3  # float32: the same stream
     assert obj["phase_times"] is True and obj["phase_clock"] == "perf_counter, no device synchronization"
-    assert obj["arms"][3]["receipts"] == {"harvest": "dspark", "verify_window": {"policy": "confidence-slot", "tau": 0.5}}
+    assert obj["arms"][3]["receipts"] == {"harvest": "dspark", "verify_window": {"policy": "confidence-slot", "tau": 0.5},
+                                          "block_embedding": {"scaled": False, "scale": 1.0, "set": False}}
     assert obj["arms"][2]["receipt_lines"][0].startswith("[dflash] harvest=dflash (checkpoint census strategy_dspark=false")
 
 

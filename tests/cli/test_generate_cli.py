@@ -51,7 +51,8 @@ def test_json_stream_equals_plain_greedy(pair, which):
     assert set(obj["stats"]) >= {"rounds", "drafted", "accepted", "tau", "tok_per_s", "phase_ms"}
     assert obj["stats"]["rounds"] >= 1 and obj["stats"]["tau"] >= 1.0
     if which == "dspark":
-        assert obj["receipts"] == {"harvest": "dspark", "verify_window": {"policy": "confidence-slot", "tau": 0.5}}
+        assert obj["receipts"] == {"harvest": "dspark", "verify_window": {"policy": "confidence-slot", "tau": 0.5},
+                                   "block_embedding": {"scaled": False, "scale": 1.0, "set": False}}
     elif which == "dflash":
         assert obj["receipts"]["harvest"] == "dflash" and obj["receipts"]["verify_window"]["policy"] == "ladder"
     else:

@@ -136,7 +136,47 @@ def test_target_config_old_and_new_rope(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     t = load_target_config(tmp_path)
     assert t.rope.type == "yarn" and t.rope.original_max_position_embeddings == 128
-    raw["model_type"] = "llama"
+    raw["model_type"] = "mistral"
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(UnsupportedError, match="model_type 'llama'"):
+    with pytest.raises(UnsupportedError, match="model_type 'mistral' is not a supported target"):
+        load_target_config(tmp_path)
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "max_position_embeddings": 512, "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("layout", ["rope_scaling", "rope_parameters"])
+def test_llama_target_config_reads_llama3_scaling_from_either_key(tmp_path, layout):
+    raw = dict(LLAMA)
+    if layout == "rope_scaling":  # the published 3.1 layout: theta beside, `rope_type` inside
+        raw.update(rope_theta=5e5, rope_scaling=dict(LLAMA3_SCALING))
+    else:
+        raw.update(rope_parameters={**LLAMA3_SCALING, "rope_theta": 5e5})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    t = load_target_config(tmp_path)
+    assert (t.model_type, t.qk_norm, t.head_dim) == ("llama", False, 8)  # head_dim: hidden / heads
+    r = t.rope
+    assert (r.type, r.theta, r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings,
+            r.source_key) == ("llama3", 5e5, 8.0, 1.0, 4.0, 64, layout)
+
+
+@pytest.mark.parametrize("edit,error,match", [
+    ({"attention_bias": True}, UnsupportedError, "attention_bias=true is not implemented for model_type 'llama'"),
+    ({"mlp_bias": True}, UnsupportedError, "mlp_bias=true is not implemented for model_type 'llama'"),
+    ({"hidden_act": "gelu"}, UnsupportedError, "hidden_act 'gelu' is not implemented \\(expected 'silu'\\)"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, UnsupportedError,
+     "rope_parameters.rope_type='longrope' is not implemented \\(supported: default, yarn, llama3\\)"),
+    ({"rope_parameters": {**LLAMA3_SCALING, "rope_theta": 1e4, "low_freq_factor": None}}, ConfigError,
+     "required key 'rope_parameters.low_freq_factor' is missing"),
+    ({"rope_parameters": {**LLAMA3_SCALING, "rope_theta": 1e4, "high_freq_factor": 1.0}}, ConfigError,
+     "'rope_parameters.high_freq_factor' must be greater than low_freq_factor 1.0, got 1.0"),
+])
+def test_llama_target_config_refusals_name_the_key(tmp_path, edit, error, match):
+    raw = {**LLAMA, "rope_theta": 1e4, **edit}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(error, match=match):
         load_target_config(tmp_path)

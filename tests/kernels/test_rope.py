@@ -1,4 +1,4 @@
-"""Fused q/k RMSNorm + RoPE + KV-cache write vs its torch twin."""
+"""Fused q/k RMSNorm + RoPE + KV-cache write (and its no-norm variant) vs their torch twins."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from memra_kernels.rope import (  # noqa: E402
     _rms_norm_ref,
     qk_norm_rope_kv_write,
     qk_norm_rope_kv_write_ref,
+    rope_kv_write,
+    rope_kv_write_ref,
 )
 
 EPS = 1e-6
@@ -128,3 +130,52 @@ def test_rows_are_independent(dtype, device):
         p = positions[i]
         assert torch.equal(q1[0], q[i])
         assert torch.equal(kc1[:, p], kc[:, p]) and torch.equal(vc1[:, p], vc[:, p])
+
+
+# --------------------------------------------------------------------------- no q/k norm (LLaMA)
+
+
+def _assert_no_norm_close(got, want, qkv, cos, sin, dtype):
+    """The no-norm kernel's only difference from the twin is rope's rounding (once from float32
+    against three model-dtype roundings), so the bound is the normed variant's with the raw
+    projected values as the terms."""
+    table = max(float(cos.float().abs().max()), float(sin.float().abs().max()))
+    _assert_rope_close(got, want, float(qkv.float().abs().max()) * table, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("t,nh,nkv,hd,table", [
+    (1, 4, 2, 64, "default"),
+    (16, 4, 1, 64, "random"),
+    (5, 2, 1, 96, "yarn"),  # head_dim whose half is not a power of two
+])
+def test_rope_kv_write_matches_ref_and_applies_no_norm(t, nh, nkv, hd, table, dtype, device):
+    qkv, _, _, cos, sin, positions = _inputs(t, nh, nkv, hd, dtype, device, table, seed=7)
+    kc, vc = _poisoned_caches(nkv, hd, dtype, device)
+    kc_ref, vc_ref = _poisoned_caches(nkv, hd, dtype, device)
+    q = rope_kv_write(qkv, cos, sin, positions, kc, vc, nh, nkv)
+    q_ref = rope_kv_write_ref(qkv, cos, sin, positions, kc_ref, vc_ref, nh, nkv)
+    assert q.shape == (t, nh, hd) and q.dtype == dtype
+    _assert_no_norm_close(q, q_ref, qkv, cos, sin, dtype)
+    written = torch.zeros(S, dtype=torch.bool, device=device)
+    written[positions] = True
+    _assert_no_norm_close(kc[:, written], kc_ref[:, written], qkv, cos, sin, dtype)
+    assert torch.equal(vc[:, written], vc_ref[:, written])
+    assert torch.isnan(kc[:, ~written]).all() and torch.isnan(vc[:, ~written]).all()
+    # not a unit-weight norm in disguise: the normed kernel with unit weights rescales each head
+    unit = torch.ones(hd, dtype=dtype, device=device)
+    normed = qk_norm_rope_kv_write(qkv, unit, unit, cos, sin, positions, *_poisoned_caches(nkv, hd, dtype, device),
+                                   nh, nkv, EPS)
+    assert not torch.allclose(normed.float(), q.float(), rtol=0.05, atol=0.05)
+
+
+def test_rope_kv_write_rows_are_independent(device):
+    nh, nkv, hd, dtype = 4, 2, 64, torch.bfloat16
+    qkv, _, _, cos, sin, positions = _inputs(16, nh, nkv, hd, dtype, device, "yarn", seed=8)
+    kc, vc = _poisoned_caches(nkv, hd, dtype, device)
+    q = rope_kv_write(qkv, cos, sin, positions, kc, vc, nh, nkv)
+    for i in (0, 15):
+        kc1, vc1 = _poisoned_caches(nkv, hd, dtype, device)
+        q1 = rope_kv_write(qkv[i:i + 1], cos, sin, positions[i:i + 1], kc1, vc1, nh, nkv)
+        p = positions[i]
+        assert torch.equal(q1[0], q[i]) and torch.equal(kc1[:, p], kc[:, p]) and torch.equal(vc1[:, p], vc[:, p])

@@ -87,6 +87,9 @@ def _rope(ctx, dt):
         ctx.launch(f"qk_norm_rope_kv_write hd{hd}", "_qk_norm_rope_kv_kernel", ctx.k.rope.qk_norm_rope_kv_write,
                    ctx.t(t, (nh + 2 * nkv) * hd, dtype=dt), ctx.t(hd, dtype=dt), ctx.t(hd, dtype=dt),
                    ctx.t(s, hd, dtype=dt), ctx.t(s, hd, dtype=dt), ctx.idx(t), kv[0], kv[1], nh, nkv, 1e-6)
+        ctx.launch(f"rope_kv_write hd{hd}", "_qk_norm_rope_kv_kernel", ctx.k.rope.rope_kv_write,
+                   ctx.t(t, (nh + 2 * nkv) * hd, dtype=dt), ctx.t(s, hd, dtype=dt), ctx.t(s, hd, dtype=dt),
+                   ctx.idx(t), kv[0], kv[1], nh, nkv)  # LLaMA's: no q/k norm (NORM off)
 
 
 def _activation(ctx, dt):

@@ -9,11 +9,12 @@ import torch
 from memra_cli.engine.api import ArmConfig, Engine
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps, select_step_ops
+from memra_cli.engine.models.base import load_target
 from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.errors import SettingError
 from memra_cli.tiny.draft import make_tiny_draft
-from memra_cli.tiny.target import make_tiny_qwen3
+from memra_cli.tiny.target import make_tiny_llama, make_tiny_qwen3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LOGIT_TOL = 1e-4  # f32 relative L2: the kernels accumulate in another order than torch
@@ -30,13 +31,23 @@ def _model(target_dir, ops):
     return model
 
 
-def test_a_step_through_the_kernels_matches_the_torch_ops(target_dir):
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("t") / "llama", layers=2, head_dim=32, hidden=64)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_step_through_the_kernels_matches_the_torch_ops(target_dir, llama_dir, family):
+    """LLaMA's step takes the no-norm `rope_kv_write` (and its llama3 tables past the 64
+    original positions)."""
     ids = torch.randint(0, 512, (16,), device=DEVICE)
     out = {}
     for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps())):
-        runner = StepRunner(_model(target_dir, ops), 16)
-        state = runner.new_state(64)
-        runner.prefill(torch.arange(5, 25, device=DEVICE), state)
+        model = load_target(target_dir if family == "qwen3" else llama_dir, torch.float32, DEVICE)
+        model.step_ops = ops
+        runner = StepRunner(model, 16)
+        state = runner.new_state(96)
+        runner.prefill(torch.arange(5, 25, device=DEVICE).repeat(3), state)  # 60 + 16 rows: past 64
         out[name], _ = runner.step(ids, state.length, state)
     ref, got = out["torch"], out["triton"]
     assert torch.isfinite(got).all()
@@ -78,7 +89,7 @@ def test_the_swiglu_epilogue_in_a_model_step(target_dir, tmp_path, monkeypatch):
     out = {}
     for name, m in (("torch", model_with(TorchStepOps())), ("triton", model)):
         runner = StepRunner(m, 16)
-        state = runner.new_state(64)
+        state = runner.new_state(96)
         runner.prefill(torch.arange(5, 25, device=DEVICE), state)
         glu_calls.clear()
         out[name], _ = runner.step(ids, state.length, state)

@@ -44,6 +44,8 @@ class RopeInfo:
     beta_slow: float | None = None
     mscale: float | None = None
     divisors: tuple[float, ...] | None = None  # spec form: inv_freq_j = plain_j / divisors[j]
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,10 @@ def _rope(cfg: DraftConfig) -> RopeInfo:
     r = cfg.rope
     if r.type == "default":
         return RopeInfo(type="default", theta=r.theta)
+    if r.type == "llama3":
+        return RopeInfo(type="llama3", theta=r.theta, factor=r.factor,
+                        original_max_position_embeddings=r.original_max_position_embeddings,
+                        low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
     return RopeInfo(
         type="yarn", theta=r.theta, factor=r.factor,
         original_max_position_embeddings=r.original_max_position_embeddings,

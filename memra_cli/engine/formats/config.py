@@ -11,7 +11,7 @@ Reads every public drafter exporter (see docs/formats.md):
 - other DSpark exports: `architectures ["DSparkDraftModel"]` with a nested `dspark_config`, or
   `dflash_config.projector_type == "dspark"`.
 
-and the Qwen3 target's HF config. Nothing is inferred from a folder name; every error names the
+and the dense targets' HF configs (Qwen3, LLaMA). Nothing is inferred from a folder name; every error names the
 file, the key, the value and what was expected.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from memra_cli.engine.errors import ConfigError, UnsupportedError
 
-SUPPORTED_ROPE_TYPES = ("default", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "yarn", "llama3")
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 ATTENTION_TYPES = ("full_attention", "sliding_attention")
 
@@ -147,8 +147,8 @@ class _Fields:
 class RopeConfig:
     """Rotary embedding parameters (HF `rope_parameters` / legacy `rope_scaling`).
 
-    `type` is "default" or "yarn"; the YaRN fields are None for default rope. Frequencies and the
-    attention scaling are computed in `rope.py`.
+    `type` is "default", "yarn" or "llama3"; the fields a type does not use are None.
+    Frequencies and the attention scaling are computed in `rope.py`.
     """
 
     theta: float
@@ -162,6 +162,8 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     truncate: bool = True
     source_key: str = "rope_theta"
+    low_freq_factor: float | None = None  # llama3: wavelengths past original/low are divided by factor
+    high_freq_factor: float | None = None  # llama3: wavelengths below original/high are kept
 
 
 def parse_rope(f: _Fields, max_position_embeddings: int) -> RopeConfig:
@@ -194,6 +196,8 @@ def parse_rope(f: _Fields, max_position_embeddings: int) -> RopeConfig:
     original = params.int("original_max_position_embeddings", default=None)
     if original is None:
         original = f.int("original_max_position_embeddings", default=max_position_embeddings)
+    if kind == "llama3":
+        return _llama3_rope(params, theta, original, key)
     factor = params.float("factor", default=None)
     if factor is None:
         factor = max_position_embeddings / original  # transformers' rule when factor is absent
@@ -210,6 +214,18 @@ def parse_rope(f: _Fields, max_position_embeddings: int) -> RopeConfig:
         truncate=params.bool("truncate", default=True),
         source_key=key,
     )
+
+
+def _llama3_rope(params: _Fields, theta: float, original: int, key: str) -> RopeConfig:
+    """LLaMA-3.1's scaling: `factor`, `low_freq_factor`, `high_freq_factor` are required (no
+    transformers default), and the ramp between them needs high > low."""
+    low, high = params.float("low_freq_factor"), params.float("high_freq_factor")
+    if not high > low:
+        raise ConfigError(f"{params.source}: key '{params.prefix}high_freq_factor' must be greater than "
+                          f"low_freq_factor {low}, got {high}")
+    return RopeConfig(theta=theta, type="llama3", factor=params.float("factor"),
+                      original_max_position_embeddings=original, low_freq_factor=low,
+                      high_freq_factor=high, source_key=key)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> tuple[int, ...]:
@@ -442,7 +458,8 @@ def load_draft_config(path: Path) -> DraftConfig:
 
 @dataclass(frozen=True)
 class TargetConfig:
-    """A Qwen3 causal LM's config.json (model_type `qwen3`)."""
+    """A dense decoder's config.json: Qwen3 (`qwen3`) or LLaMA (`llama`). The families share
+    the layer math and differ in the switches below (`qk_norm`)."""
 
     source: str
     vocab_size: int
@@ -461,9 +478,20 @@ class TargetConfig:
     bos_token_id: int | None
     pad_token_id: int | None
     dtype: str | None
+    model_type: str = "qwen3"
+    qk_norm: bool = True  # per-head RMSNorm of q and k before rope (Qwen3 has it, LLaMA not)
 
 
-TARGET_MODEL_TYPES = ("qwen3",)
+TARGET_MODEL_TYPES = ("qwen3", "llama")
+
+
+def _refuse_llama_switches(f: _Fields) -> None:
+    """LLaMA checkpoints with projection biases exist (`attention_bias`, `mlp_bias`); the dense
+    decoder here has none for this family, so such a config is refused by name."""
+    for key in ("attention_bias", "mlp_bias"):
+        if f.bool(key, default=False):
+            raise UnsupportedError(f"{f.source}: {key}=true is not implemented for model_type 'llama' "
+                                   "(expected false or absent)")
 
 
 def parse_target_config(raw: dict[str, Any], source: str) -> TargetConfig:
@@ -476,6 +504,11 @@ def parse_target_config(raw: dict[str, Any], source: str) -> TargetConfig:
         )
     if f.bool("use_sliding_window", default=False):
         raise UnsupportedError(f"{source}: use_sliding_window=true targets are not implemented")
+    act = f.str("hidden_act", default="silu")
+    if act != "silu":
+        raise UnsupportedError(f"{source}: hidden_act {act!r} is not implemented (expected 'silu')")
+    if model_type == "llama":
+        _refuse_llama_switches(f)
     hidden = f.int("hidden_size")
     n_heads = f.int("num_attention_heads")
     n_kv = f.int("num_key_value_heads", default=n_heads)
@@ -511,11 +544,13 @@ def parse_target_config(raw: dict[str, Any], source: str) -> TargetConfig:
         bos_token_id=f.int("bos_token_id", default=None, minimum=0),
         pad_token_id=f.int("pad_token_id", default=None, minimum=0),
         dtype=f.str("dtype", default=None) or f.str("torch_dtype", default=None),
+        model_type=model_type,
+        qk_norm=model_type == "qwen3",
     )
 
 
 def load_target_config(directory: Path) -> TargetConfig:
-    """Read `directory/config.json` as a Qwen3 target config."""
+    """Read `directory/config.json` as a dense target config (Qwen3 or LLaMA)."""
     if not directory.is_dir():
         raise ConfigError(f"{directory}: not a directory (expected an HF model directory)")
     path = directory / "config.json"

@@ -1,4 +1,5 @@
-"""Rotary position embedding: default and YaRN, the NeoX (rotate-half) layout Qwen3 uses.
+"""Rotary position embedding: default, YaRN and LLaMA-3.1's `llama3` scaling, in the NeoX
+(rotate-half) layout Qwen3 and LLaMA use.
 
 Frequencies are computed the way HF transformers computes them (float32 torch arithmetic), so the
 target matches `Qwen3ForCausalLM` bit for bit in rope. YaRN is also expressed the reference engine's way, as
@@ -68,7 +69,9 @@ def rope_tables(rope: RopeConfig, head_dim: int) -> RopeTables:
     plain = _plain_inv_freq(rope.theta, head_dim)
     if rope.type == "default":
         return RopeTables(plain, 1.0)
-    assert rope.type == "yarn" and rope.factor is not None
+    if rope.type == "llama3":
+        return RopeTables(llama3_inv_freq(rope, plain), 1.0)
+    assert rope.type == "yarn" and rope.factor is not None, rope.type
     low, high = yarn_correction_range(rope, head_dim)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
@@ -77,6 +80,28 @@ def rope_tables(rope: RopeConfig, head_dim: int) -> RopeTables:
     interpolated = plain / rope.factor
     inv_freq = interpolated * (1 - extrapolation) + plain * extrapolation
     return RopeTables(inv_freq, yarn_mscale(rope))
+
+
+def llama3_inv_freq(rope: RopeConfig, plain: "torch.Tensor") -> "torch.Tensor":
+    """LLaMA-3.1's frequencies from the plain ones `[head_dim/2]` (float32, no cos/sin scaling).
+
+    By wavelength `2π/f` against the original context L: shorter than L/high_freq_factor kept,
+    longer than L/low_freq_factor divided by `factor`, and in between a blend whose weight
+    `s = (L/wavelength - low) / (high - low)` goes from 0 (divided) to 1 (kept). Every step is a
+    float32 tensor op in the order transformers uses, so the table is bit-identical to its table.
+    """
+    import torch
+
+    assert rope.factor is not None and rope.original_max_position_embeddings is not None
+    assert rope.low_freq_factor is not None and rope.high_freq_factor is not None
+    original, low, high = rope.original_max_position_embeddings, rope.low_freq_factor, rope.high_freq_factor
+    wavelength = 2 * math.pi / plain
+    long_wave = wavelength > original / low
+    short_wave = wavelength < original / high
+    divided = torch.where(long_wave, plain / rope.factor, plain)
+    weight = (original / wavelength - low) / (high - low)
+    blended = (1 - weight) * divided / rope.factor + weight * divided
+    return torch.where(~short_wave & ~long_wave, blended, divided)
 
 
 def yarn_divisors(rope: RopeConfig, head_dim: int) -> list[float]:

@@ -13,6 +13,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   (`memra_kernels.dense_linear`) for the weight shapes it was measured faster on, cuBLAS else
 - `rms_norm(x, w, eps)`; `add_rms_norm(x, residual, w, eps) -> (normed, x + residual)`
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
+- `rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, nh, nkv) -> q`: the same without
+  the q/k norm (LLaMA), hd the tables' width
 - `attention(q, k_cache, v_cache, positions, scale) -> [t, nh*hd]`: causal by position over the cache
 - `silu_mul(gate_up) -> silu(gate) * up`
 - `swiglu(x, w_gate_up) -> silu_mul(linear(x, w_gate_up))`: the MLP's fused gate/up matmul and
@@ -161,6 +163,18 @@ class TorchStepOps:
         c, s = cos[positions], sin[positions]
         q = apply_rope(rms_norm(q.view(t, n_heads, hd), q_norm, eps), c, s)
         k = apply_rope(rms_norm(k.view(t, n_kv, hd), k_norm, eps), c, s)
+        k_cache.index_copy_(1, positions, k.transpose(0, 1))
+        v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
+        return q
+
+    @staticmethod
+    def rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, n_heads: int, n_kv: int) -> torch.Tensor:
+        """`qk_norm_rope_kv_write` with no q/k norm: q and k are roped as projected."""
+        t, hd = qkv.shape[0], cos.shape[-1]
+        q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
+        c, s = cos[positions], sin[positions]
+        q = apply_rope(q.view(t, n_heads, hd), c, s)
+        k = apply_rope(k.view(t, n_kv, hd), c, s)
         k_cache.index_copy_(1, positions, k.transpose(0, 1))
         v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
         return q
@@ -410,6 +424,7 @@ class TritonStepOps:
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
         self.qk_norm_rope_kv_write = rope.qk_norm_rope_kv_write
+        self.rope_kv_write = rope.rope_kv_write
         self.attention = attention.decode_attention
         self.silu_mul = activation.silu_mul
         self._markov = markov

@@ -45,6 +45,7 @@ class TargetModel(Protocol):
     hidden_size: int
     vocab_size: int
     embed_weight: torch.Tensor  # [vocab, hidden]
+    embed_scale: float  # the family's embedding multiplier (1.0: raw rows, as Qwen3 / LLaMA)
     lm_head_weight: torch.Tensor  # [vocab, hidden]
     supports_cuda_graphs: bool  # static_step is capturable (else `graphs_note` says why not)
     step_ops: object  # layers/step_ops.py: static_step's fused ops, and a graphed round's argmax
@@ -84,6 +85,12 @@ def _qwen3_moe():
     return Qwen3MoeTarget
 
 
+def _llama():
+    from memra_cli.engine.models.llama import LlamaTarget
+
+    return LlamaTarget
+
+
 def _qwen3_5():
     from memra_cli.engine.models.qwen3_5 import Qwen35Target
 
@@ -100,8 +107,8 @@ def _gemma4():
 # load for another's). qwen3_5 is the published multimodal layout (its text model is loaded),
 # qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM.
 # gemma4 is the multimodal layout (its language model is loaded), gemma4_text Gemma4ForCausalLM's.
-MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "qwen3_5": _qwen3_5, "qwen3_5_text": _qwen3_5,
-                  "gemma4": _gemma4, "gemma4_text": _gemma4}
+MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama": _llama, "qwen3_5": _qwen3_5,
+                  "qwen3_5_text": _qwen3_5, "gemma4": _gemma4, "gemma4_text": _gemma4}
 
 # recognized model types that are refused by name (rather than as unknown)
 REFUSED_FAMILIES = {

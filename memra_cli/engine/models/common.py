@@ -16,6 +16,9 @@ class TargetBase:
 
     cfg: object
     _lm_head: torch.Tensor
+    # what the family multiplies its embedding rows by before the first layer (Gemma: √hidden);
+    # a z-lab drafter's block embedding may apply it (the `emb_scale` setting, spec/policy.py)
+    embed_scale: float = 1.0
 
     @property
     def n_layers(self) -> int:

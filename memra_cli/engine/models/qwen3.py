@@ -1,5 +1,9 @@
 """Qwen3 dense causal LM (HF `model_type: qwen3`) for inference: prefill, verify, taps.
 
+The same decoder serves LLaMA (models/llama.py): the families differ only in switches read
+from the config (`cfg.qk_norm`: Qwen3's per-head q/k RMSNorm; LLaMA has none, and its
+`llama3` rope scaling lives in the rope tables), so the Qwen3 path is the same code either way.
+
 Built for the speculative round loop and GPU-ready from the start:
 
 - state is a static KV cache (runtime/cache.py) preallocated at its full length; its
@@ -30,7 +34,7 @@ import torch.nn.functional as F
 
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import TargetConfig, load_target_config
-from memra_cli.engine.errors import CheckpointError
+from memra_cli.engine.errors import CheckpointError, ConfigError
 from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.runtime.cache import KVCache
 from memra_cli.engine.layers.ops import rms_norm
@@ -49,15 +53,16 @@ class LayerWeights:
 
     wqkv `[(n_heads + 2*n_kv)*head_dim, hidden]`, wo `[hidden, n_heads*head_dim]`,
     w_gate_up `[2*intermediate, hidden]`, w_down `[hidden, intermediate]`, norms `[hidden]`
-    or `[head_dim]` (q_norm, k_norm); biases only when `attention_bias` is true.
+    or `[head_dim]` (q_norm, k_norm: None for a family without q/k norm); biases only when
+    `attention_bias` is true.
     """
 
     wqkv: torch.Tensor
     bqkv: torch.Tensor | None
     wo: torch.Tensor
     bo: torch.Tensor | None
-    q_norm: torch.Tensor
-    k_norm: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
     attn_norm: torch.Tensor
     mlp_norm: torch.Tensor
     w_gate_up: torch.Tensor
@@ -79,14 +84,14 @@ def expected_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_out, h),
             p + "self_attn.v_proj.weight": (kv_out, h),
             p + "self_attn.o_proj.weight": (h, q_out),
-            p + "self_attn.q_norm.weight": (hd,),
-            p + "self_attn.k_norm.weight": (hd,),
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
             p + "mlp.gate_proj.weight": (inter, h),
             p + "mlp.up_proj.weight": (inter, h),
             p + "mlp.down_proj.weight": (h, inter),
         })
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         if cfg.attention_bias:
             shapes.update({
                 p + "self_attn.q_proj.bias": (q_out,),
@@ -137,8 +142,8 @@ class _Loader:
             bqkv=self.cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias") if bias else None,
             wo=self.get(a + "o_proj.weight"),
             bo=self.get(a + "o_proj.bias") if bias else None,
-            q_norm=self.get(a + "q_norm.weight"),
-            k_norm=self.get(a + "k_norm.weight"),
+            q_norm=self.get(a + "q_norm.weight") if self.cfg.qk_norm else None,
+            k_norm=self.get(a + "k_norm.weight") if self.cfg.qk_norm else None,
             attn_norm=self.get(p + "input_layernorm.weight"),
             mlp_norm=self.get(p + "post_attention_layernorm.weight"),
             w_gate_up=self.cat(m + "gate_proj.weight", m + "up_proj.weight"),
@@ -157,6 +162,7 @@ class Qwen3Target(TargetBase):
     """
 
     supports_cuda_graphs = True
+    model_type = "qwen3"  # the config.json `model_type` this class loads
 
     def __init__(self, cfg: TargetConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: torch.Tensor):
@@ -180,6 +186,8 @@ class Qwen3Target(TargetBase):
         its headers when the caller opened them already (`Engine.load`)."""
         path = Path(path)
         cfg = load_target_config(path)
+        if cfg.model_type != cls.model_type:
+            raise ConfigError(f"{cfg.source}: model_type {cfg.model_type!r} is not a {cls.model_type} target")
         loader = _Loader(open_checkpoint(path) if checkpoint is None else checkpoint, cfg, dtype, torch.device(device))
         loader.check_all()
         embed = loader.get("model.embed_tokens.weight")
@@ -189,7 +197,8 @@ class Qwen3Target(TargetBase):
         lm_head = embed if cfg.tie_word_embeddings else loader.get("lm_head.weight")
         extra = sorted(set(loader.ckpt.tensors) - set(loader.shapes) - {"lm_head.weight"})
         if extra:
-            log.warning("%s: %d tensor(s) not used by the Qwen3 target, e.g. %s", path, len(extra), extra[0])
+            log.warning("%s: %d tensor(s) not used by the %s target, e.g. %s", path, len(extra), cfg.model_type,
+                        extra[0])
         return cls(cfg, embed, layers, loader.get("model.norm.weight"), lm_head)
 
     def ensure_positions(self, rows: int) -> None:
@@ -265,13 +274,14 @@ class Qwen3Target(TargetBase):
 
     def _qkv(self, h: torch.Tensor, w: LayerWeights, cos: torch.Tensor,
              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Fused q/k/v projection of `h [t, hidden]`, per-head q/k RMSNorm, rope:
-        q `[t, n_heads, hd]`, k and v `[t, n_kv, hd]`."""
+        """Fused q/k/v projection of `h [t, hidden]`, per-head q/k RMSNorm (where the family has
+        it), rope: q `[t, n_heads, hd]`, k and v `[t, n_kv, hd]`."""
         t, nh, nkv, hd = h.shape[0], self.n_heads, self.n_kv, self.head_dim
         q, k, v = F.linear(h, w.wqkv, w.bqkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
-        q = apply_rope(rms_norm(q.view(t, nh, hd), w.q_norm, self.cfg.rms_norm_eps), cos, sin)
-        k = apply_rope(rms_norm(k.view(t, nkv, hd), w.k_norm, self.cfg.rms_norm_eps), cos, sin)
-        return q, k, v.view(t, nkv, hd)
+        q, k = q.view(t, nh, hd), k.view(t, nkv, hd)
+        if w.q_norm is not None:
+            q, k = rms_norm(q, w.q_norm, self.cfg.rms_norm_eps), rms_norm(k, w.k_norm, self.cfg.rms_norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(t, nkv, hd)
 
     def _attend_over(self, q: torch.Tensor, w: LayerWeights, keys: torch.Tensor, values: torch.Tensor,
                      mask: torch.Tensor | None) -> torch.Tensor:
@@ -307,6 +317,15 @@ class Qwen3Target(TargetBase):
         is exact, so a consumer that widens as it reads sees the same numbers)."""
         return self.step_ops.linear(hidden, self._lm_head)
 
+    def _step_qkv(self, qkv: torch.Tensor, w: LayerWeights, positions: torch.Tensor,
+                  kv: torch.Tensor) -> torch.Tensor:
+        """The step ops' (q/k norm +) rope + K/V write of `qkv [W, (nh + 2*nkv)*hd]` -> q `[W, nh, hd]`."""
+        ops = self.step_ops
+        if w.q_norm is None:
+            return ops.rope_kv_write(qkv, self._cos, self._sin, positions, kv[0], kv[1], self.n_heads, self.n_kv)
+        return ops.qk_norm_rope_kv_write(qkv, w.q_norm, w.k_norm, self._cos, self._sin, positions, kv[0], kv[1],
+                                         self.n_heads, self.n_kv, self.cfg.rms_norm_eps)
+
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                     taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-width step with every shape static and every position on the device.
@@ -329,8 +348,7 @@ class Qwen3Target(TargetBase):
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for li, w in enumerate(self.layers):
             kv = cache.kv[li]
-            q = ops.qk_norm_rope_kv_write(ops.linear(h, w.wqkv, w.bqkv), w.q_norm, w.k_norm, self._cos, self._sin,
-                                          positions, kv[0], kv[1], self.n_heads, self.n_kv, eps)
+            q = self._step_qkv(ops.linear(h, w.wqkv, w.bqkv), w, positions, kv)
             attn = ops.linear(ops.attention(q, kv[0], kv[1], positions, self.scale), w.wo, w.bo)
             h, x = ops.add_rms_norm(attn, x, w.mlp_norm, eps)
             down = self._step_ffn(h, li, w)

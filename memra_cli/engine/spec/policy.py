@@ -22,6 +22,7 @@ TAU_ENV = "MEMRA_DSPARK_VT_TAU"
 ADAPT_ENV = "MEMRA_DFLASH_ADAPT"
 VERIFY_CAP_ENV = "MEMRA_DFLASH_VERIFY_T"
 MARKOV_ENV = "MEMRA_DFLASH_MARKOV"
+EMB_SCALE_ENV = "MEMRA_DFLASH_EMB_SCALE"
 DEFAULT_TAU = 0.5
 VT_CHOICES = ("ladder", "confidence", "confidence-slot", "priced")
 
@@ -241,6 +242,32 @@ class PolicySettings:
 
 
 @dataclass(frozen=True)
+class BlockEmbedding:
+    """How an arm's drafter embeds its block: the target's raw embedding rows (the default, as
+    the reference engine) or those rows times the target's `embed_scale` (Gemma's √hidden). A
+    z-lab checkpoint does not record which its drafter was trained with (docs/formats.md)."""
+
+    scaled: bool
+    scale: float  # the multiplier applied (1.0 when raw), rounded to the model dtype
+    set: bool  # the `emb_scale` setting was given (flag or MEMRA_DFLASH_EMB_SCALE)
+
+    def line(self, tag: str) -> str:
+        src = "set" if self.set else "unset: the reference engine's default"
+        what = f"scaled x{self.scale:g} (the target's embed_scale)" if self.scaled else "raw (the target's embedding rows)"
+        return f"[{tag}] block-embedding={what} ({EMB_SCALE_ENV} {src})"
+
+    def as_json(self) -> dict:
+        return {"scaled": self.scaled, "scale": self.scale, "set": self.set}
+
+
+def resolve_block_embedding(setting: bool | None, target_scale: float) -> BlockEmbedding:
+    """The `emb_scale` setting against a target: scaled by `target_scale` (already rounded to the
+    model dtype) when set on, raw otherwise."""
+    scaled = bool(setting)
+    return BlockEmbedding(scaled, target_scale if scaled else 1.0, setting is not None)
+
+
+@dataclass(frozen=True)
 class Receipts:
     """The resolved program, named at load, and why."""
 
@@ -252,6 +279,7 @@ class Receipts:
     has_confidence_head: bool
     window_note: str | None = None  # e.g. why a program overrode the resolved window
     program: str | None = None  # the program that runs ("dflash" | "dspark"); None: what auto would pick
+    embedding: BlockEmbedding | None = None  # an arm's block embedding (None where no target is loaded)
 
     @property
     def tag(self) -> str:
@@ -268,13 +296,16 @@ class Receipts:
             f"[{self.tag}] harvest={self.harvest.value} (checkpoint census "
             f"strategy_dspark={str(self.strategy_dspark).lower()}, {HARVEST_ENV} {h_src})",
             f"[{self.tag}] verify-window={self.window} (accept-rate head {head}, {VT_ENV} {w_src}{note})",
-        ]
+        ] + ([self.embedding.line(self.tag)] if self.embedding is not None else [])
 
     def as_json(self) -> dict:
-        return {
+        out = {
             "harvest": self.harvest.value,
             "verify_window": {"policy": self.window.kind, "tau": self.window.tau},
         }
+        if self.embedding is not None:
+            out["block_embedding"] = self.embedding.as_json()
+        return out
 
 
 def resolve_receipts(settings: PolicySettings, strategy_dspark: bool, has_confidence_head: bool) -> Receipts:

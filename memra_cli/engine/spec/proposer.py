@@ -38,6 +38,7 @@ class Program:
     verify_cap: int
     adapt: bool
     block_size: int
+    emb_scale: float = 1.0  # the block embedding's multiplier (1.0: the target's raw rows)
 
     @property
     def n_drafts(self) -> int:
@@ -142,11 +143,19 @@ class DrafterProposer:
             return Proposal(*graph.run(last, start))
         b = self.program.block_size
         self.block_ids[0] = last[0]
-        noise = self.target.embed(self.block_ids)
+        noise = block_embedding(self.target, self.program, self.block_ids)
         positions = torch.arange(start, start + b, device=self.target.device)
         hidden = self.drafter.forward_round(self.kv, noise, positions).hidden_out
         return Proposal(*draft_heads(self.drafter, self.target, self.program, hidden, last, want_raws,
                                      self.sampler, positions[0], host_loop=True))
+
+
+def block_embedding(target, p: Program, ids: torch.Tensor) -> torch.Tensor:
+    """The drafter's block input `[b, hidden]`: the target's embedding rows of `ids [b]`, times
+    `p.emb_scale` when the arm resolved a scaled embedding (a model-dtype multiply by the scale
+    already rounded to that dtype, as a scaling family's own embedding does)."""
+    noise = target.embed(ids)
+    return noise if p.emb_scale == 1.0 else noise * p.emb_scale
 
 
 def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last: torch.Tensor,
@@ -185,7 +194,7 @@ def static_proposal(drafter: Drafter, target, p: Program, kv, last: torch.Tensor
     """`propose` with static shapes (the body of a ProposeGraph): `last [1]`, the block's mask ids
     `tail [b-1]`, `start` a 0-d device tensor -> drafts `[n_drafts]` and raws `[n_drafts]` or
     None. Reads only its arguments and long-lived weights: nothing of any session."""
-    noise = target.embed(torch.cat([last.reshape(1), tail]))
+    noise = block_embedding(target, p, torch.cat([last.reshape(1), tail]))
     drafts, raws, _ = draft_heads(drafter, target, p, drafter.static_round(kv, noise, start), last, want_raws,
                                   sampler, start)
     return drafts, raws
