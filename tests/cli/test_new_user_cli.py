@@ -160,7 +160,7 @@ def test_readme_says_what_the_tiny_script_writes(tmp_path):
     readme = _words((ROOT / "README.md").read_text())
     assert "every format" not in readme
     said = readme[readme.index("`python -m memra_cli.tiny DIR` writes eleven tiny random checkpoints"):]
-    said = said[:said.index(".")]
+    said = said[:said.index(". ")]
     assert said.startswith("`python -m memra_cli.tiny DIR` writes eleven tiny random checkpoints for experiments: "
                            "a Qwen3 target with a tokenizer, a z-lab DFlash drafter and a DeepSpec DSpark drafter "
                            "that ships the target's tables")

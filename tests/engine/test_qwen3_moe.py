@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from memra_cli.engine.api import ArmConfig, Engine
-from memra_cli.engine.errors import CheckpointError, ConfigError
+from memra_cli.engine.errors import CheckpointError, ConfigError, UnsupportedError
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.layers import moe
 from memra_cli.engine.models.base import load_target
@@ -284,7 +284,7 @@ def write_variant(src, dst, config=None, drop=None, reshape=None):
 
 @pytest.mark.parametrize("variant,error,words", [
     ({"config": {"num_experts_per_tok": 9}}, ConfigError, "num_experts_per_tok 9 is more than num_experts 8"),
-    ({"config": {"hidden_act": "gelu"}}, ConfigError, "key 'hidden_act' must be one of silu"),
+    ({"config": {"hidden_act": "gelu"}}, UnsupportedError, "hidden_act 'gelu' is not implemented (expected 'silu')"),
     ({"config": {"mlp_only_layers": [4]}}, ConfigError, "key 'mlp_only_layers' must be a list of layer ids in [0, 4)"),
     ({"drop": "model.layers.2.mlp.experts.5.up_proj.weight"}, CheckpointError,
      "'model.layers.2.mlp.experts.5.up_proj.weight' is missing"),

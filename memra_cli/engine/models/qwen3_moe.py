@@ -41,7 +41,6 @@ class MoeSettings:
 def parse_moe(raw: dict, source: str, n_layers: int) -> MoeSettings:
     """The MoE keys of a qwen3_moe config.json, refused with the key named when out of range."""
     f = _Fields(raw, source)
-    f.str("hidden_act", default="silu", choices=("silu",))  # the experts' and the dense MLP's SwiGLU
     # transformers 5 writes the count as num_local_experts; published configs say num_experts
     experts = f.int("num_experts" if f.has("num_experts") else "num_local_experts")
     top_k = f.int("num_experts_per_tok")
