@@ -22,12 +22,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from memra_cli.engine.formats.config import parse_target_config  # noqa: E402
-from memra_cli.engine.models.qwen3 import LayerWeights  # noqa: E402
-from memra_cli.engine.models.qwen3_moe import MoeLayerWeights, MoeWeights, Qwen3MoeTarget, parse_moe  # noqa: E402
-from memra_cli.engine.spec.priced import step_cost_of  # noqa: E402
+from memra_cli.engine.formats.config import parse_target_config
+from memra_cli.engine.models.qwen3 import LayerWeights
+from memra_cli.engine.models.qwen3_moe import MoeLayerWeights, MoeWeights, Qwen3MoeTarget, parse_moe
+from memra_cli.engine.spec.priced import step_cost_of
 
 SHAPES = {  # config.json keys (Qwen3-30B-A3B's published shape; a tiny one for the smoke test)
     "a3b": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,

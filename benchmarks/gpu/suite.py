@@ -63,6 +63,27 @@ def _hybrid_step(out: Path, tiny: bool):
     return [_py("-m", "benchmarks.gpu.hybrid_step", *args, "--json", str(out / "hybrid_step.json"))]
 
 
+def _llama_step(out: Path, tiny: bool):
+    if tiny:
+        return None  # an 8B-shape step is a GPU measurement only
+    return [_py("-m", "benchmarks.gpu.target_step", "--family", "llama", "--contexts", "512,32768",
+                "--sweep-lengths", "512", "--sweep-prompts", "3", "--prefill-length", "0", "--variants", "torch,triton",
+                "--json", str(out / "llama_step.json"))]
+
+
+def _gemma4_step(out: Path, tiny: bool):
+    if tiny:
+        return None
+    return [_py("-m", "benchmarks.gpu.target_step", "--shape", "gemma4-31b", "--contexts", "512,32768",
+                "--json", str(out / "gemma4_31b_step.json"))]
+
+
+def _moe_step(out: Path, tiny: bool):
+    args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--vts", "1,4", "--iters", "2"] if tiny else \
+        ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16", "--vts", "1,2,4,8,12,16", "--iters", "20"]
+    return [_py("-m", "benchmarks.moe_step", *args, "--json", str(out / "moe_step.json"))]
+
+
 def _embedded_bench(out: Path, tiny: bool):
     size = ["--n", "2", "--max-new", "8", "--warmup", "0"] if tiny else ["--max-new", "128", "--warmup", "2"]
     arms = [a for arm in BENCH_ARMS for a in ("--arm", arm)]
@@ -91,6 +112,9 @@ PARTS = {p.name: p for p in (
     Part("target_step", "Qwen3-8B-shape graphed step vs its floor, ms", 150, _target_step),
     Part("drafter_round", "Qwen3-8B-shape DFlash drafter's side of a round and the round, ms", 100, _drafter_round),
     Part("hybrid_step", "Qwen3.5-4B-shape hybrid step, verify, rollback, rounds, ms", 90, _hybrid_step),
+    Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor, ms", 150, _llama_step),
+    Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, torch step ops, ms", 150, _gemma4_step),
+    Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows vs the read floor of its expert union, ms", 120, _moe_step),
     Part("embedded_bench", "the embedded pair's bench on the stdlib set, tok/s and tau", 140, _embedded_bench,
          stdout_to="embedded_bench_stdlib.json"),
     Part("kernels", "the Triton kernels against torch and cuBLAS at the 8B shape, µs", 200, _kernels),
