@@ -26,7 +26,7 @@ import torch
 
 from memra_cli.engine.formats.census import Census, take_census
 from memra_cli.engine.formats.names import MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
-from memra_cli.engine.errors import ConfigError, MemraError, PolicyError, SettingError
+from memra_cli.engine.errors import ConfigError, PolicyError, SettingError
 from memra_cli.engine.spec.policy import (
     LADDER, PolicySettings, Receipts, adapt_on, parse_verify_cap, resolve_receipts,
 )
@@ -41,10 +41,6 @@ from memra_cli.engine.spec.session import Session
 
 log = logging.getLogger(__name__)
 SPEC_MODES = ("off", "dflash", "dspark", "auto")
-
-
-class DeviceError(MemraError):
-    """A device or dtype that this machine cannot provide."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -156,8 +152,8 @@ def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | No
     eagerly): on the H200 that took the 8B-shape round from 18.2 to 14.3 ms, exact (docs/perf.md)."""
     possible = device.type == "cuda" and width is not None
     draft_env = _switch(env, DRAFT_GRAPHS_ENV)
-    if family is not None and not getattr(family, "supports_cuda_graphs", True):
-        why = getattr(family, "graphs_note", f"{getattr(family, '__name__', 'this target')} steps are not capturable")
+    if family is not None and not family.supports_cuda_graphs:
+        why = family.graphs_note
         if flag:
             raise SettingError("cuda_graphs", True, why, quote=False)
         if draft_env == "1":
@@ -442,7 +438,7 @@ class Engine:
         Its steps are not the fixed-width ones, so in bf16 its stream may differ from this
         engine's. It has its own storage pool: a state's graphs are keyed by storage and taps,
         not by width, so two runners of different widths must not share storages."""
-        graphs = self.device.type == "cuda" and getattr(self.target, "supports_cuda_graphs", True)
+        graphs = self.device.type == "cuda" and self.target.supports_cuda_graphs
         if graphs:  # rope tables at their largest for both runners before the new one captures
             self.target.ensure_positions(self.runner.max_rows())
         plain = Engine.from_model(self.target, step_width=1 if graphs else None, cuda_graphs=graphs,
@@ -481,7 +477,7 @@ class Engine:
 
             drafter = Drafter.load(Path(arm.draft), self.dtype, self.device, census=census, weight_fn=weight_fn)
         # the drafter runs the fused ops its target runs (Triton kernels on CUDA by default)
-        drafter.step_ops = getattr(self.target, "step_ops", drafter.step_ops)
+        drafter.step_ops = self.target.step_ops
         warnings += own_table_warnings(drafter, self.target)
         warnings += [f"drafter tensor '{d.name}' {d.why}" for d in getattr(weight_fn, "kept", [])]
         DrafterProposer(drafter, self.target, program)  # refuses a program the drafter cannot run

@@ -16,6 +16,11 @@ class TargetBase:
 
     cfg: object
     _lm_head: torch.Tensor
+    # Declared capabilities (models/base.py `TargetModel`), off until a family opts in; the state
+    # class is checked at load (`check_family`).
+    supports_cuda_graphs = False
+    graphs_note = "this target's steps are not capturable"
+    state_class: type | None = None
 
     @property
     def n_layers(self) -> int:

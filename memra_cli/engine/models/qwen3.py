@@ -2,7 +2,7 @@
 
 Built for the speculative round loop and GPU-ready from the start:
 
-- state is a static KV cache (runtime/cache.py) preallocated at its full length; its
+- state is a static KV cache (models/kv_cache.py) preallocated at its full length; its
   `rollback(n)` after a partially accepted verify only moves `length`;
 - `forward` takes the start position as a python int, so slicing, masks and cache writes never
   read a device value back (no host sync inside a forward);
@@ -32,7 +32,7 @@ from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import TargetConfig, load_target_config
 from memra_cli.engine.errors import CheckpointError
 from memra_cli.engine.models.common import TargetBase
-from memra_cli.engine.runtime.cache import KVCache
+from memra_cli.engine.models.kv_cache import KVCache
 from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.layers.step_ops import TorchStepOps
 from memra_cli.engine.layers.rope import apply_rope, cos_sin, rope_tables
@@ -157,6 +157,7 @@ class Qwen3Target(TargetBase):
     """
 
     supports_cuda_graphs = True
+    state_class = KVCache
 
     def __init__(self, cfg: TargetConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: torch.Tensor):

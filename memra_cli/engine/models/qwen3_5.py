@@ -70,6 +70,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from memra_cli.engine.models.state import StateBase
 from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.errors import CheckpointError, ConfigError
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
@@ -269,7 +270,7 @@ def restores_as_graphs(device: torch.device, mode: str, ops) -> bool:
     return device.type == "cuda" and mode == "replay" and bool(getattr(ops, "restores_on_device", False))
 
 
-class Qwen35State:
+class Qwen35State(StateBase):
     """One session's state, every tensor allocated once and written in place (a CUDA graph binds
     their addresses):
 
@@ -667,6 +668,7 @@ class Qwen35Target(TargetBase):
     Triton kernels on CUDA) runs every op of a step but the weight matmuls (`_run`)."""
 
     supports_cuda_graphs = True
+    state_class = Qwen35State
 
     def __init__(self, cfg: Qwen35Config, embed: torch.Tensor, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: torch.Tensor, rollback: str | None = None,

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from memra_cli.engine.models.state import StateBase
 
-class KVCache:
+
+class KVCache(StateBase):
     """Static K/V for one session: `kv [n_layers, 2, n_kv, max_len, head_dim]`.
 
     Heads before positions so each layer's `kv[l, 0, :, :end]` is what attention reads, with no
