@@ -327,6 +327,8 @@ class TableRunner:
     real target's, tabulated by prefix) instead of running it: a session's round costs only the
     sampler's and the round's own work, so 20,000 real `Session`s run in seconds."""
 
+    width = None  # variable-width steps, as a runner declares
+
     def __init__(self, table: Table, target):
         self.table, self.model = table, target
 

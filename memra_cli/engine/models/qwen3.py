@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import TargetConfig, load_target_config
-from memra_cli.engine.errors import CheckpointError
 from memra_cli.engine.models.common import TargetBase
+from memra_cli.engine.models.loading import WeightLoader
 from memra_cli.engine.models.kv_cache import KVCache
 from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.layers.step_ops import TorchStepOps
@@ -100,33 +100,11 @@ def expected_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class _Loader:
-    """Reads named tensors from a checkpoint, checking each against the config's shape."""
+class _Loader(WeightLoader):
+    """Qwen3's weights: every layer's tensors under `model.layers.{i}.`."""
 
     def __init__(self, ckpt: Checkpoint, cfg: TargetConfig, dtype: torch.dtype, device: torch.device):
-        self.ckpt, self.cfg, self.dtype, self.device = ckpt, cfg, dtype, device
-        self.shapes = expected_shapes(cfg)
-
-    def check_all(self) -> None:
-        """Refuse before loading anything: a missing tensor or a wrong shape, named."""
-        for name, shape in self.shapes.items():
-            info = self.ckpt.tensors.get(name)
-            tail = f"(expected shape {list(shape)} from {self.cfg.source})"
-            if info is None:
-                hint = ""
-                if name == "lm_head.weight":
-                    hint = " — lm_head.weight is needed because tie_word_embeddings is false"
-                raise CheckpointError(f"{self.ckpt.root}: tensor '{name}' is missing {tail}{hint}")
-            if tuple(info.shape) != shape:
-                raise CheckpointError(
-                    f"{info.file}: tensor '{name}' has shape {list(info.shape)}, {tail[1:-1]}"
-                )
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.ckpt.load(name, self.dtype, self.device)
-
-    def cat(self, *names: str) -> torch.Tensor:
-        return torch.cat([self.get(n) for n in names], dim=0)
+        super().__init__(ckpt, cfg, dtype, device, expected_shapes(cfg))
 
     def layer(self, i: int) -> LayerWeights:
         p = f"model.layers.{i}."

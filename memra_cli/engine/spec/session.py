@@ -170,7 +170,7 @@ class Session:
         p = self.program
         if p is None or not p.window.is_confidence or self.sampler.rejection:
             return False
-        width = getattr(self.runner, "width", None)  # a runner stand-in may have no fixed width
+        width = self.runner.width
         return width is not None and p.verify_cap <= width
 
     def _rounds_capturable(self) -> bool:
