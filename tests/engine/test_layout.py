@@ -155,7 +155,7 @@ def test_a_planted_upward_import_is_found():
 
 
 KERNELS = ROOT.parent / "kernels"
-KERNELS_KNOWN = {"quant_linear.py", "settle.py"}  # not yet free of memra_cli (docs/architecture.md)
+KERNELS_KNOWN = {"quant_linear.py"}  # not yet free of memra_cli (docs/architecture.md)
 
 
 def test_kernels_import_nothing_from_memra_cli():

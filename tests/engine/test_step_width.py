@@ -590,11 +590,11 @@ def test_pipelined_speculative_rounds_equal_rounds_read_one_by_one(embedded_pair
 
 @pytest.mark.parametrize("kind", ["confidence", "confidence-slot"])
 def test_the_window_on_the_device_is_the_hosts(kind):
-    """layers/settle.py's window (the torch settle_round; the kernel is tested against it) against
+    """memra_kernels.settle_ref's window (the torch settle_round; the kernel is tested against it) against
     VerifyWindow.size_window (the host's, the policy contract) on random raws, every cap and a
     few thresholds, with the budget out of the way."""
     from memra_cli.engine.spec.policy import VerifyWindow
-    from memra_cli.engine.layers.settle import settle_round
+    from memra_kernels.settle_ref import settle_round
 
     gen = torch.Generator().manual_seed(3)
     cand = sel = torch.zeros(17, dtype=torch.long)

@@ -23,12 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def rms_norm_1p(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm as HF Qwen3_5RMSNorm: float32 stats, `* (1 + w)` in float32, then cast.
-    `w1p` is `1 + w` precomputed in float32 (the same value HF forms per call)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1p).to(x.dtype)
+from memra_kernels.norm_ref import rms_norm_1p_ref as rms_norm_1p  # noqa: F401  HF Qwen3_5RMSNorm: the op's one body
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -28,7 +28,7 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `settle_round(cand, sel, raws, inputs, tau, kind=, cap=, adapt=, restore=None, ring=0) -> f64`:
   a chained round's settlement on the device (window, accepted prefix, next inputs written into
   `inputs`; with `restore`, the ring rows a recurrent state's restore re-runs) and its packed
-  output (layers/settle.py; one launch with the kernels instead of ~30)
+  output (memra_kernels.settle_ref; one launch with the kernels instead of ~30)
 - `markov_chain(logits, anchor, w1, w2, dtype, host_loop=False) -> tokens`: DSpark's greedy chain
   (the drafter's side of a round; with the kernels one launch per slot, or one launch in all over
   a bias table built once where the vocabulary is small; with torch ~6 ops a slot, or 3 over the
@@ -90,7 +90,7 @@ from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_repl
                                               gated_delta_step, gated_rms_norm, ring_window, rms_norm_1p)
 from memra_cli.engine.layers.ops import rms_norm, sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope, apply_rope
-from memra_cli.engine.layers.settle import settle_round
+from memra_kernels.settle_ref import settle_round
 
 KERNELS_ENV = "MEMRA_KERNELS"
 PDL_ENV = "MEMRA_PDL"  # memra_kernels._pdl reads it at each launch; checked here so a bad value is refused up front
@@ -130,6 +130,7 @@ class TorchStepOps:
     """The reference: plain torch, any device."""
 
     name = "torch"
+    restores_on_device = False  # its replay and window restore read their rows on the host
 
     @staticmethod
     def plain_launches():
