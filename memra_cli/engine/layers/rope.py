@@ -9,13 +9,12 @@ reports those and tests check both forms against transformers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import torch
 
 from memra_cli.engine.formats.config import RopeConfig
 from memra_cli.engine.formats.yarn import yarn_correction_range, yarn_mscale
-
-if TYPE_CHECKING:  # torch is imported where tables are built: census needs only the math
-    import torch
+from memra_kernels.rope_ref import rope_ref as apply_rope  # noqa: F401  rotate-half: the op's one torch body
 
 
 @dataclass(frozen=True)
@@ -61,16 +60,6 @@ def cos_sin(tables: RopeTables, positions: torch.Tensor, dtype: torch.dtype) -> 
     freqs = positions.to(torch.float32)[..., None] * inv
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * tables.attention_scaling).to(dtype), (emb.sin() * tables.attention_scaling).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [..., t, heads, head_dim]` by cos/sin `[t, head_dim]` (rotate-half layout)."""
-    import torch
-
-    cos, sin = cos[..., :, None, :], sin[..., :, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,8 @@ from memra_cli.engine.errors import SettingError
 from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_replay_dev,
                                               gated_delta_step, gated_rms_norm, ring_window, rms_norm_1p)
 from memra_cli.engine.layers.ops import rms_norm, sdpa
-from memra_cli.engine.layers.rope import apply_partial_rope, apply_rope
+from memra_cli.engine.layers.rope import apply_partial_rope
+from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref
 from memra_kernels.settle_ref import settle_round
 
 KERNELS_ENV = "MEMRA_KERNELS"
@@ -154,17 +155,7 @@ class TorchStepOps:
         new = residual + x
         return rms_norm(new, weight, eps), new
 
-    @staticmethod
-    def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
-                              n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
-        t, hd = qkv.shape[0], q_norm.shape[0]
-        q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
-        c, s = cos[positions], sin[positions]
-        q = apply_rope(rms_norm(q.view(t, n_heads, hd), q_norm, eps), c, s)
-        k = apply_rope(rms_norm(k.view(t, n_kv, hd), k_norm, eps), c, s)
-        k_cache.index_copy_(1, positions, k.transpose(0, 1))
-        v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
-        return q
+    qk_norm_rope_kv_write = staticmethod(qk_norm_rope_kv_write_ref)  # the op's one torch body
 
     @staticmethod
     def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
