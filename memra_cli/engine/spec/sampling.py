@@ -74,10 +74,11 @@ class Greedy(SamplerBase):
 GREEDY = Greedy()
 
 
-def accept_prefix(cand: Sequence[int], vam: Sequence[int], vt: int) -> int:
-    """Accepted drafts: `cand[0]` is the anchor, `cand[1:]` the drafts, `vam[j]` the target's
-    selection (greedy: argmax) for anchor+j+1. Returns m; `cand[1..=m]` commit and `vam[m]` is the next anchor."""
+def accept_prefix(cand: Sequence[int], selected: Sequence[int], rows: int) -> int:
+    """Accepted drafts of a verify over `rows` rows: `cand[0]` is the anchor, `cand[1:]` the
+    drafts, `selected[j]` the target's selection (greedy: argmax) for anchor+j+1. Returns m;
+    `cand[1..=m]` commit and `selected[m]` is the next anchor."""
     m = 0
-    while m < vt - 1 and cand[m + 1] == vam[m]:
+    while m < rows - 1 and cand[m + 1] == selected[m]:
         m += 1
     return m

@@ -407,38 +407,38 @@ class Session:
         self.clock.start()
         late = False  # the confidence window sized after the verify
         if self.proposer is None:
-            cand, vt, drafts = last, 1, None
+            cand, rows, drafts = last, 1, None
         else:
             want = self.program.window.is_confidence  # type: ignore[union-attr]
             proposal = self.proposer.propose(last, start, want)
             drafts = proposal.drafts
             late = self.late_window
-            vt = self._budget(self.program.verify_cap) if late else self._window(proposal)  # type: ignore[union-attr]
-            cand = torch.cat([last.reshape(1), drafts[: vt - 1]])
+            rows = self._budget(self.program.verify_cap) if late else self._window(proposal)  # type: ignore[union-attr]
+            cand = torch.cat([last.reshape(1), drafts[: rows - 1]])
         self.clock.lap("draft")
         logits, taps = self.runner.step(cand, start, self.cache, self.taps or None)
-        positions = torch.arange(start, start + vt, device=cand.device)
+        positions = torch.arange(start, start + rows, device=cand.device)
         if drafts is not None and self.sampler.rejection:  # spec/keyed.py RejectionSampling
-            vam = self.sampler.verify(logits, cand, proposal.probs, positions)
+            selected = self.sampler.verify(logits, cand, proposal.probs, positions)
         else:
-            vam = self.sampler.select(logits, positions)
+            selected = self.sampler.select(logits, positions)
         if late:  # the round's one host read: candidates, selections and raws in one transfer
-            host = torch.cat([cand.double(), vam.double(), proposal.raws.double()]).tolist()  # ids < 2^53: exact
-            cand_h, vam_h = [int(x) for x in host[:vt]], [int(x) for x in host[vt : 2 * vt]]
-            vt = self._budget(self.program.window.size_window(host[2 * vt:], self.program.verify_cap))  # type: ignore[union-attr]
+            host = torch.cat([cand.double(), selected.double(), proposal.raws.double()]).tolist()  # ids < 2^53: exact
+            cand_h, selected_h = [int(x) for x in host[:rows]], [int(x) for x in host[rows : 2 * rows]]
+            rows = self._budget(self.program.window.size_window(host[2 * rows:], self.program.verify_cap))  # type: ignore[union-attr]
         else:
-            host = torch.cat([cand, vam]).tolist()  # the round's one (ladder) host read
-            cand_h, vam_h = host[:vt], host[vt:]
+            host = torch.cat([cand, selected]).tolist()  # the round's one (ladder) host read
+            cand_h, selected_h = host[:rows], host[rows:]
         self.clock.lap("verify")
-        m = accept_prefix(cand_h, vam_h, vt) if vt > 1 else 0
+        m = accept_prefix(cand_h, selected_h, rows) if rows > 1 else 0
         committed = self._commit(cand_h, m)
         self.cache.rollback(start + m + 1)
         self.clock.lap("rollback")
         if self.proposer is not None and not self.finished:
             self.proposer.ingest(taps[: m + 1], torch.arange(start, start + m + 1, device=self.target.device))
         self.clock.lap("ingest")
-        self.last = vam[m : m + 1]
-        self._count_round(vt, m)
+        self.last = selected[m : m + 1]
+        self._count_round(rows, m)
         return committed
 
     def _count_round(self, vt: int, m: int) -> None:
