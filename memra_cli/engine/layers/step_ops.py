@@ -90,6 +90,7 @@ from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_repl
                                               gated_delta_step, gated_rms_norm, ring_window, rms_norm_1p)
 from memra_cli.engine.layers.ops import rms_norm, sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope
+from memra_kernels.qwen35_ref import gdn_gates_body
 from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref
 from memra_kernels.settle_ref import settle_round
 
@@ -317,26 +318,7 @@ class TorchStepOps:
         hd = width // n_heads
         return out * torch.sigmoid(qgkv[:, :2 * width].view(t, n_heads, 2 * hd)[..., hd:].reshape(t, width))
 
-    @staticmethod
-    def gdn_gates(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
-                  ring_idx: torch.Tensor | None = None, xs_ring: torch.Tensor | None = None,
-                  mixed: torch.Tensor | None = None, replay: tuple | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`ba [t, 2*Hv]` (b | a) -> g, beta `[t, Hv]` float32; with `ring_idx` the conv inputs
-        `mixed` go into `xs_ring` at it, and `replay = (qkv_ring, conv, g_ring, beta_ring)` the
-        recurrence inputs too."""
-        hv = a_neg.shape[0]
-        b, a = ba.split([hv, hv], dim=-1)
-        beta = torch.sigmoid(b).float()
-        g = a_neg * F.softplus(a.float() + dt_bias)
-        if ring_idx is not None:
-            xs_ring.index_copy_(0, ring_idx, mixed)
-            if replay is not None:
-                qkv_ring, conv, g_ring, beta_ring = replay
-                qkv_ring.index_copy_(0, ring_idx, conv)
-                g_ring.index_copy_(0, ring_idx, g)
-                beta_ring.index_copy_(0, ring_idx, beta)
-        return g, beta
+    gdn_gates = staticmethod(gdn_gates_body)  # the op's one torch body (memra_kernels.qwen35_ref)
 
     @staticmethod
     def gdn_conv_gates(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, ba: torch.Tensor,
