@@ -88,8 +88,9 @@ import torch.nn.functional as F
 from memra_cli.engine.errors import SettingError
 from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_replay_dev,
                                               gated_delta_step, gated_rms_norm, ring_window, rms_norm_1p)
-from memra_cli.engine.layers.ops import rms_norm, sdpa
+from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope
+from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, rms_norm_ref
 from memra_kernels.qwen35_ref import gdn_gates_body
 from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref
 from memra_kernels.settle_ref import settle_round
@@ -146,15 +147,9 @@ class TorchStepOps:
         y = w(x)
         return y if bias is None else y + bias
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
-
-    @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        new = residual + x
-        return rms_norm(new, weight, eps), new
+    # the norms' one torch bodies (memra_kernels.norm_ref; a float add is commutative, bit for bit)
+    rms_norm = staticmethod(rms_norm_ref)
+    add_rms_norm = staticmethod(add_rms_norm_ref)
 
     qk_norm_rope_kv_write = staticmethod(qk_norm_rope_kv_write_ref)  # the op's one torch body
 
@@ -288,8 +283,7 @@ class TorchStepOps:
     @staticmethod
     def add_rms_norm_1p(x: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        new = residual + x
-        return rms_norm_1p(new, w1p, eps), new
+        return add_rms_norm_1p_ref(x, residual, w1p, eps)  # the op's one torch body
 
     @staticmethod
     def gated_qk_norm_rope_kv_write(qgkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
