@@ -40,12 +40,12 @@ carries those differences from row to row; tests/kernels/test_deltanet.py states
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
+from .deltanet_ref import causal_conv_silu_body
 
 BLOCK_C = 256  # conv channels per program
 # The recurrence's tile, the fastest of an H200 sweep (docs/tuning.md#deltanet-recurrence).
@@ -125,15 +125,9 @@ def causal_conv_silu(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> 
 
 
 def causal_conv_silu_ref(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Plain torch twin of `causal_conv_silu` (the engine's fixed-order K-tap sum, layers/deltanet.py)."""
-    xs = torch.cat([window, x], dim=0)
-    k = w.shape[1]
-    t = xs.shape[0] - (k - 1)
-    xf = xs.float()
-    acc = xf[0:t] * w[:, 0]
-    for j in range(1, k):
-        acc = acc + xf[j:j + t] * w[:, j]
-    return F.silu(acc.to(xs.dtype))
+    """Plain torch twin of `causal_conv_silu`: the window and rows stacked, then the op's one
+    torch body (deltanet_ref.py, also the engine's `layers.deltanet.causal_conv_silu`)."""
+    return causal_conv_silu_body(torch.cat([window, x], dim=0), w)
 
 
 # --------------------------------------------------------------------------- recurrence

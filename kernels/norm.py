@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
+from .norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, rms_norm_1p_ref, rms_norm_ref  # noqa: F401  (the twins)
 
 
 @triton.jit
@@ -125,34 +126,3 @@ def add_rms_norm_1p(x: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor,
     normed, new_residual = _launch(x, residual, w1p, eps, zero_centred=True)
     assert new_residual is not None
     return normed, new_residual
-
-
-# ----------------------------------------------------------------------------- references
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Plain torch twin of `rms_norm` (HF Qwen3RMSNorm, as the engine's `layers.rms_norm`)."""
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch twin of `add_rms_norm`: the add in the model dtype, then `rms_norm_ref`."""
-    new_residual = x + residual
-    return rms_norm_ref(new_residual, weight, eps), new_residual
-
-
-def rms_norm_1p_ref(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:
-    """Plain torch twin of `rms_norm_1p` (HF Qwen3_5RMSNorm, the engine's `layers.deltanet.rms_norm_1p`)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1p).to(x.dtype)
-
-
-def add_rms_norm_1p_ref(x: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch twin of `add_rms_norm_1p`: the add in the model dtype, then `rms_norm_1p_ref`."""
-    new_residual = residual + x
-    return rms_norm_1p_ref(new_residual, w1p, eps), new_residual

@@ -51,6 +51,7 @@ from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow
 from ._pdl import pdl_args, pdl_wait
 from .deltanet import BLOCK_C, _conv_silu_cols, causal_conv_silu_ref
 from .norm import rms_norm_1p_ref
+from .qwen35_ref import gdn_gates_body
 from .rope import _rope_ref
 
 SOFTPLUS_THRESHOLD = 20.0  # F.softplus's default: above it softplus(x) = x
@@ -504,19 +505,9 @@ def gdn_gates_ref(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
                   ring_idx: torch.Tensor | None = None, xs_ring: torch.Tensor | None = None,
                   mixed: torch.Tensor | None = None, replay: tuple | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch twin of `gdn_gates` (the engine's formulas and `index_copy_` record)."""
+    """Plain torch twin of `gdn_gates`: its checks, then the op's one torch body."""
     _check_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay)
-    b, a = ba.split([a_neg.shape[0], a_neg.shape[0]], dim=-1)
-    beta = torch.sigmoid(b).float()
-    g = a_neg * F.softplus(a.float() + dt_bias)
-    if ring_idx is not None:
-        xs_ring.index_copy_(0, ring_idx, mixed)
-        if replay is not None:
-            qkv_ring, conv, g_ring, beta_ring = replay
-            qkv_ring.index_copy_(0, ring_idx, conv)
-            g_ring.index_copy_(0, ring_idx, g)
-            beta_ring.index_copy_(0, ring_idx, beta)
-    return g, beta
+    return gdn_gates_body(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay)
 
 
 def gdn_conv_gates_ref(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, ba: torch.Tensor,

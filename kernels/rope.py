@@ -30,6 +30,8 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
+from .norm_ref import rms_norm_ref as _rms_norm_ref  # noqa: F401  (the twins)
+from .rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref, rope_ref as _rope_ref  # noqa: F401
 
 
 @triton.jit
@@ -168,50 +170,4 @@ def _launch(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache, n_he
         n_heads, n_kv, float(eps), HD=hd, HALF_BLOCK=next_pow2(hd // 2), num_warps=1, NORM=norm,
         **pdl_args(qkv),
     )
-    return q
-
-
-# ----------------------------------------------------------------------------- reference
-
-
-def _rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    xf = x.to(torch.float32)
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
-
-def _rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[t, heads, hd]`, cos/sin `[t, hd]`: NeoX rotate-half, in the model dtype."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def qk_norm_rope_kv_write_ref(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
-                              cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                              k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int,
-                              n_kv: int, eps: float) -> torch.Tensor:
-    """Plain torch twin of `qk_norm_rope_kv_write` (the engine's `_qkv` + `index_copy_`)."""
-    t, hd = qkv.shape[0], q_norm_w.shape[0]
-    q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
-    c, s = cos[positions], sin[positions]
-    q = _rope_ref(_rms_norm_ref(q.reshape(t, n_heads, hd), q_norm_w, eps), c, s)
-    k = _rope_ref(_rms_norm_ref(k.reshape(t, n_kv, hd), k_norm_w, eps), c, s)
-    k_cache.index_copy_(1, positions, k.transpose(0, 1))
-    v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
-    return q
-
-
-def rope_kv_write_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int) -> torch.Tensor:
-    """Plain torch twin of `rope_kv_write` (the LLaMA path of the engine's `_qkv` + `index_copy_`)."""
-    t, hd = qkv.shape[0], cos.shape[1]
-    q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
-    c, s = cos[positions], sin[positions]
-    q = _rope_ref(q.reshape(t, n_heads, hd), c, s)
-    k = _rope_ref(k.reshape(t, n_kv, hd), c, s)
-    k_cache.index_copy_(1, positions, k.transpose(0, 1))
-    v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
     return q

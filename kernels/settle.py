@@ -26,7 +26,7 @@ launch that also packs the round's output for the host's read.
 
 `inputs` is read whole before it is written (one program). `tau` is a float64 `[1]` tensor (a
 Python float would reach the kernel as float32). The twin `settle_round_ref` is the same
-arithmetic in torch ops (memra_cli/engine/spec/settle.py: the CPU path, and what the kernel is
+arithmetic in torch ops (settle_ref.py: the CPU path, and what the kernel is
 tested against).
 
 Public API: `settle_round`, `settle_round_ref`, `KINDS`.
@@ -38,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from memra_cli.engine.spec.settle import KINDS, check_settle
-from memra_cli.engine.spec.settle import settle_round as settle_round_ref  # the torch twin
+from .settle_ref import KINDS, check_settle
+from .settle_ref import settle_round as settle_round_ref  # the torch twin
 
 from ._common import check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait

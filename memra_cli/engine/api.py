@@ -47,10 +47,6 @@ log = logging.getLogger(__name__)
 SPEC_MODES = ("off", "dflash", "dspark", "auto")
 
 
-class DeviceError(MemraError):
-    """A device or dtype that this machine cannot provide."""
-
-
 def resolve_device(device: str) -> torch.device:
     """`auto` -> cuda when available, else cpu; `cuda` without CUDA refuses."""
     if device == "auto":
@@ -175,8 +171,8 @@ def resolve_cuda_graphs(flag: bool | None, device: torch.device, width: int | No
     eagerly; the gain is in docs/tuning.md#drafter-graphs)."""
     possible = device.type == "cuda" and width is not None
     draft_env = _switch(env, DRAFT_GRAPHS_ENV)
-    if family is not None and not getattr(family, "supports_cuda_graphs", True):
-        why = getattr(family, "graphs_note", f"{getattr(family, '__name__', 'this target')} steps are not capturable")
+    if family is not None and not family.supports_cuda_graphs:
+        why = family.graphs_note
         if flag:
             raise SettingError("cuda_graphs", True, why, quote=False)
         if draft_env == "1":
@@ -509,7 +505,7 @@ class Engine:
         Its steps are not the fixed-width ones, so in bf16 its stream may differ from this
         engine's. It has its own storage pool: a state's graphs are keyed by storage and taps,
         not by width, so two runners of different widths must not share storages."""
-        graphs = self.device.type == "cuda" and getattr(self.target, "supports_cuda_graphs", True)
+        graphs = self.device.type == "cuda" and self.target.supports_cuda_graphs
         if graphs:  # rope tables at their largest for both runners before the new one captures
             self.target.ensure_positions(self.runner.max_rows())
         plain = Engine.from_model(self.target, step_width=1 if graphs else None, cuda_graphs=graphs,
@@ -561,7 +557,7 @@ class Engine:
 
             drafter = Drafter.load(Path(arm.draft), self.dtype, self.device, census=census, weight_fn=weight_fn)
         # the drafter runs the fused ops its target runs (Triton kernels on CUDA by default)
-        drafter.step_ops = getattr(self.target, "step_ops", drafter.step_ops)
+        drafter.step_ops = self.target.step_ops
         if program.markov:  # the chain's bias table belongs to loading, not to the first round
             drafter.prepare_markov()
         if self.device.type == "cuda":

@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from memra_cli.engine.api import Engine
+from memra_cli.engine.models.state import StateBase
 from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.engine.spec.keyed import (
     PositionKeyed, SamplingParams, keyed_bits, keyed_gumbel, process_logits, processed_probs, seed_keys,
@@ -303,8 +304,8 @@ def test_argmax_drafts_with_a_p_over_q_test_fail(table):
 # --------------------------------------------------------------------------- rejection sampling
 
 
-class TableState:
-    """The KV state of `TableRunner`: the ids at each position."""
+class TableState(StateBase):
+    """The KV state of `TableRunner`: the ids at each position (no capability: `StateBase`)."""
 
     def __init__(self):
         self.ids: list[int] = []
@@ -325,6 +326,8 @@ class TableRunner:
     """A `StepRunner` that looks the target's logits up in the table (every row's logits are the
     real target's, tabulated by prefix) instead of running it: a session's round costs only the
     sampler's and the round's own work, so 20,000 real `Session`s run in seconds."""
+
+    width = None  # variable-width steps, as a runner declares
 
     def __init__(self, table: Table, target):
         self.table, self.model = table, target

@@ -144,7 +144,7 @@ def test_cuda_graphs_refused_off_cuda_or_without_a_width(target_dir):
     with pytest.raises(ConfigError, match="cuda_graphs needs the target on a CUDA device"):
         Engine.from_model(target, step_width=WIDTH, cuda_graphs=True)
     # on CUDA too, a graph needs a fixed width (a stand-in model: the check reads only its device)
-    on_cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    on_cuda = types.SimpleNamespace(device=torch.device("cuda"), supports_cuda_graphs=True)  # a declared capability
     with pytest.raises(ConfigError, match=r"fixed step_width \(device cuda, step_width None\)"):
         StepRunner(on_cuda, None, cuda_graphs=True)
     # drafter rounds are graphed only with the target's steps graphed
@@ -605,11 +605,11 @@ def test_pipelined_speculative_rounds_equal_rounds_read_one_by_one(embedded_pair
 
 @pytest.mark.parametrize("kind", ["confidence", "confidence-slot"])
 def test_the_window_on_the_device_is_the_hosts(kind):
-    """spec/settle.py's window (the torch settle_round; the kernel is tested against it) against
+    """memra_kernels.settle_ref's window (the torch settle_round; the kernel is tested against it) against
     VerifyWindow.size_window (the host's, the policy contract) on random raws, every cap and a
     few thresholds, with the budget out of the way."""
     from memra_cli.engine.spec.policy import VerifyWindow
-    from memra_cli.engine.spec.settle import settle_round
+    from memra_kernels.settle_ref import settle_round
 
     gen = torch.Generator().manual_seed(3)
     cand = sel = torch.zeros(17, dtype=torch.long)
@@ -931,6 +931,7 @@ def test_prefill_stays_eager_where_padding_could_leave_a_trace(target_dir, eager
 
     class Recurrent:  # a state without host bookkeeping (a recurrent one restores on device)
         max_len = 1024
+        host_bookkeeping = False  # the capability, declared (models/base.py TargetState)
 
     assert runner.prefill_rows(10, Recurrent()) is None
     runner.release(state)

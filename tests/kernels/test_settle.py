@@ -1,5 +1,5 @@
 """The chained round's settlement kernel (memra_kernels.settle) against its torch twin
-(memra_cli/engine/spec/settle.py): every window kind, adapt on and off, caps, budgets that cut
+(kernels/settle_ref.py): every window kind, adapt on and off, caps, budgets that cut
 the window, odd widths and partial agreement; the packed output and the rewritten inputs must
 be equal, value for value (they are integers and float32 raws widened exactly)."""
 

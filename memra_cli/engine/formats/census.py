@@ -17,7 +17,7 @@ from memra_cli.engine.errors import CensusError, ConfigError, UnsupportedError
 from memra_cli.engine.formats.names import (
     CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD,
 )
-from memra_cli.engine.layers.rope import yarn_divisors, yarn_mscale
+from memra_cli.engine.formats.yarn import yarn_divisors, yarn_mscale
 
 IMPLEMENTED_MARKOV = ("vanilla",)
 

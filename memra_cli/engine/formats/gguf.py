@@ -75,7 +75,7 @@ class GGUFCheckpoint(Checkpoint):
         to `dtype` if given, on `device`."""
         import torch
 
-        from memra_cli.engine.quant.blocks import dequantize_torch
+        from memra_cli.engine.formats.ggml_blocks import dequantize_torch
 
         info = self.tensors.get(name)
         if info is None:

@@ -23,12 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def rms_norm_1p(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm as HF Qwen3_5RMSNorm: float32 stats, `* (1 + w)` in float32, then cast.
-    `w1p` is `1 + w` precomputed in float32 (the same value HF forms per call)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1p).to(x.dtype)
+from memra_kernels.deltanet_ref import causal_conv_silu_body as causal_conv_silu  # noqa: F401  the op's one body
+from memra_kernels.norm_ref import rms_norm_1p_ref as rms_norm_1p  # noqa: F401  HF Qwen3_5RMSNorm: the op's one body
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,21 +38,6 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """HF/fla l2norm over the last axis: `x * rsqrt(sum(x^2) + eps)`."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def causal_conv_silu(xs: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Depthwise causal conv + SiLU. `xs [K-1+t, C]` = the window before the rows, then the rows'
-    conv inputs; `w [C, K]` (float32). Returns `[t, C]` in xs's dtype.
-
-    A fixed-order float32 sum over the K taps, elementwise, so a row's value does not depend on
-    how many rows share the call (F.conv1d may pick a different algorithm per length)."""
-    k = w.shape[1]
-    t = xs.shape[0] - (k - 1)
-    xf = xs.float()
-    acc = xf[0:t] * w[:, 0]
-    for j in range(1, k):
-        acc = acc + xf[j:j + t] * w[:, j]
-    return F.silu(acc.to(xs.dtype))
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

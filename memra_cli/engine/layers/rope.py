@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+
+import torch
 
 from memra_cli.engine.formats.config import RopeConfig
-
-if TYPE_CHECKING:  # torch is imported where tables are built: census needs only the math
-    import torch
+from memra_cli.engine.formats.yarn import yarn_correction_range, yarn_mscale
+from memra_kernels.rope_ref import rope_ref as apply_rope  # noqa: F401  rotate-half: the op's one torch body
 
 
 @dataclass(frozen=True)
@@ -31,35 +31,6 @@ def _plain_inv_freq(theta: float, head_dim: int) -> "torch.Tensor":
     import torch
 
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-
-
-def yarn_mscale(rope: RopeConfig) -> float:
-    """The cos/sin scaling YaRN applies (`attention_factor`, else 0.1*ln(factor)+1)."""
-    if rope.attention_factor is not None:
-        return rope.attention_factor
-
-    def get(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    assert rope.factor is not None
-    if rope.mscale and rope.mscale_all_dim:
-        return float(get(rope.factor, rope.mscale) / get(rope.factor, rope.mscale_all_dim))
-    return get(rope.factor)
-
-
-def yarn_correction_range(rope: RopeConfig, head_dim: int) -> tuple[float, float]:
-    """Dimension range [low, high] over which YaRN ramps from extrapolation to interpolation."""
-    base = rope.theta
-    original = rope.original_max_position_embeddings
-    assert original is not None
-
-    def dim_for(rotations: float) -> float:
-        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = dim_for(rope.beta_fast or 32.0), dim_for(rope.beta_slow or 1.0)
-    if rope.truncate:
-        low, high = math.floor(low), math.ceil(high)
-    return max(low, 0), min(high, head_dim - 1)
 
 
 def rope_tables(rope: RopeConfig, head_dim: int) -> RopeTables:
@@ -104,21 +75,6 @@ def llama3_inv_freq(rope: RopeConfig, plain: "torch.Tensor") -> "torch.Tensor":
     return torch.where(~short_wave & ~long_wave, blended, divided)
 
 
-def yarn_divisors(rope: RopeConfig, head_dim: int) -> list[float]:
-    """The reference engine's form of YaRN: `inv_freq_j = plain_j / ff[j]` (computed in float64)."""
-    low, high = yarn_correction_range(rope, head_dim)
-    if low == high:
-        high += 0.001
-    assert rope.factor is not None
-    out = []
-    for j in range(head_dim // 2):
-        plain = rope.theta ** (-2.0 * j / head_dim)
-        extrapolation = 1.0 - min(max((j - low) / (high - low), 0.0), 1.0)
-        yarn = (plain / rope.factor) * (1.0 - extrapolation) + plain * extrapolation
-        out.append(plain / yarn)
-    return out
-
-
 def cos_sin(tables: RopeTables, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin `[*positions.shape, head_dim]` for integer `positions`, cast to `dtype`.
 
@@ -130,16 +86,6 @@ def cos_sin(tables: RopeTables, positions: torch.Tensor, dtype: torch.dtype) -> 
     freqs = positions.to(torch.float32)[..., None] * inv
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * tables.attention_scaling).to(dtype), (emb.sin() * tables.attention_scaling).to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate `x [..., t, heads, head_dim]` by cos/sin `[t, head_dim]` (rotate-half layout)."""
-    import torch
-
-    cos, sin = cos[..., :, None, :], sin[..., :, None, :]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `settle_round(cand, sel, raws, inputs, tau, kind=, cap=, adapt=, restore=None, ring=0) -> f64`:
   a chained round's settlement on the device (window, accepted prefix, next inputs written into
   `inputs`; with `restore`, the ring rows a recurrent state's restore re-runs) and its packed
-  output (spec/settle.py; one launch with the kernels instead of ~30)
+  output (memra_kernels.settle_ref; one launch with the kernels instead of ~30)
 - `markov_chain(logits, anchor, w1, w2, dtype, host_loop=False) -> tokens`: DSpark's greedy chain
   (the drafter's side of a round; with the kernels one launch per slot, or one launch in all over
   a bias table built once where the vocabulary is small; with torch ~6 ops a slot, or 3 over the
@@ -90,9 +90,12 @@ import torch.nn.functional as F
 from memra_cli.engine.errors import SettingError
 from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_replay_dev,
                                               gated_delta_step, gated_rms_norm, ring_window, rms_norm_1p)
-from memra_cli.engine.layers.ops import rms_norm, sdpa
-from memra_cli.engine.layers.rope import apply_partial_rope, apply_rope
-from memra_cli.engine.spec.settle import settle_round
+from memra_cli.engine.layers.ops import sdpa
+from memra_cli.engine.layers.rope import apply_partial_rope
+from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, rms_norm_ref
+from memra_kernels.qwen35_ref import gdn_gates_body
+from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref
+from memra_kernels.settle_ref import settle_round
 
 KERNELS_ENV = "MEMRA_KERNELS"
 PDL_ENV = "MEMRA_PDL"  # memra_kernels._pdl reads it at each launch; checked here so a bad value is refused up front
@@ -132,6 +135,7 @@ class TorchStepOps:
     """The reference: plain torch, any device."""
 
     name = "torch"
+    restores_on_device = False  # its replay and window restore read their rows on the host
 
     @staticmethod
     def plain_launches():
@@ -145,39 +149,13 @@ class TorchStepOps:
         y = w(x)
         return y if bias is None else y + bias
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm(x, weight, eps)
+    # the norms' one torch bodies (memra_kernels.norm_ref; a float add is commutative, bit for bit)
+    rms_norm = staticmethod(rms_norm_ref)
+    add_rms_norm = staticmethod(add_rms_norm_ref)
 
-    @staticmethod
-    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        new = residual + x
-        return rms_norm(new, weight, eps), new
+    qk_norm_rope_kv_write = staticmethod(qk_norm_rope_kv_write_ref)  # the op's one torch body
 
-    @staticmethod
-    def qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
-                              n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
-        t, hd = qkv.shape[0], q_norm.shape[0]
-        q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
-        c, s = cos[positions], sin[positions]
-        q = apply_rope(rms_norm(q.view(t, n_heads, hd), q_norm, eps), c, s)
-        k = apply_rope(rms_norm(k.view(t, n_kv, hd), k_norm, eps), c, s)
-        k_cache.index_copy_(1, positions, k.transpose(0, 1))
-        v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
-        return q
-
-    @staticmethod
-    def rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, n_heads: int, n_kv: int) -> torch.Tensor:
-        """`qk_norm_rope_kv_write` with no q/k norm: q and k are roped as projected."""
-        t, hd = qkv.shape[0], cos.shape[-1]
-        q, k, v = qkv.split([n_heads * hd, n_kv * hd, n_kv * hd], dim=-1)
-        c, s = cos[positions], sin[positions]
-        q = apply_rope(q.view(t, n_heads, hd), c, s)
-        k = apply_rope(k.view(t, n_kv, hd), c, s)
-        k_cache.index_copy_(1, positions, k.transpose(0, 1))
-        v_cache.index_copy_(1, positions, v.reshape(t, n_kv, hd).transpose(0, 1))
-        return q
+    rope_kv_write = staticmethod(rope_kv_write_ref)  # no q/k norm (LLaMA): the op's one torch body
 
     @staticmethod
     def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -314,8 +292,7 @@ class TorchStepOps:
     @staticmethod
     def add_rms_norm_1p(x: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        new = residual + x
-        return rms_norm_1p(new, w1p, eps), new
+        return add_rms_norm_1p_ref(x, residual, w1p, eps)  # the op's one torch body
 
     @staticmethod
     def gated_qk_norm_rope_kv_write(qgkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
@@ -344,26 +321,7 @@ class TorchStepOps:
         hd = width // n_heads
         return out * torch.sigmoid(qgkv[:, :2 * width].view(t, n_heads, 2 * hd)[..., hd:].reshape(t, width))
 
-    @staticmethod
-    def gdn_gates(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
-                  ring_idx: torch.Tensor | None = None, xs_ring: torch.Tensor | None = None,
-                  mixed: torch.Tensor | None = None, replay: tuple | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`ba [t, 2*Hv]` (b | a) -> g, beta `[t, Hv]` float32; with `ring_idx` the conv inputs
-        `mixed` go into `xs_ring` at it, and `replay = (qkv_ring, conv, g_ring, beta_ring)` the
-        recurrence inputs too."""
-        hv = a_neg.shape[0]
-        b, a = ba.split([hv, hv], dim=-1)
-        beta = torch.sigmoid(b).float()
-        g = a_neg * F.softplus(a.float() + dt_bias)
-        if ring_idx is not None:
-            xs_ring.index_copy_(0, ring_idx, mixed)
-            if replay is not None:
-                qkv_ring, conv, g_ring, beta_ring = replay
-                qkv_ring.index_copy_(0, ring_idx, conv)
-                g_ring.index_copy_(0, ring_idx, g)
-                beta_ring.index_copy_(0, ring_idx, beta)
-        return g, beta
+    gdn_gates = staticmethod(gdn_gates_body)  # the op's one torch body (memra_kernels.qwen35_ref)
 
     @staticmethod
     def gdn_conv_gates(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, ba: torch.Tensor,

@@ -14,15 +14,26 @@ import torch
 
 from memra_cli.engine.errors import ConfigError, UnsupportedError
 from memra_cli.engine.formats.config import read_json_object
+from memra_cli.engine.models.state import StateBase
 
 
 class TargetState(Protocol):
-    """A session's model state (KV cache; recurrent state for hybrid models)."""
+    """A session's model state (KV cache; recurrent state for hybrid models). Every member here
+    is read by the runtime; `StateBase` gives the optional capabilities their off defaults."""
 
     length: int  # committed positions
     max_len: int  # storage positions
     graphs: dict  # CUDA graphs captured over this storage (kept by the runtime)
     nbytes: int
+
+    # capabilities (class-level, declared once per state class)
+    host_bookkeeping: bool  # commit / rollback only move `length`: padding rows leave no trace
+    round_graphs_ok: bool  # a commit after a whole-round graph's replay needs no host read
+    settles_on_device: bool  # a round graph restores the state itself (`restore_round`)
+    graph_variants: int  # buffer arrangements a fixed step runs over (one graph per arrangement)
+
+    @property
+    def graph_variant(self) -> int: ...  # the arrangement the next fixed step runs over
 
     def rollback(self, n_keep: int) -> None: ...  # forget every position from n_keep on
     def reset(self) -> None: ...
@@ -31,6 +42,19 @@ class TargetState(Protocol):
         """After a `static_step` at `length`: keep positions up to `end` (rows past it were
         padding; `length = end`). `step_continues`: another fixed step of the same runner step
         follows at `end` (a recurrent state keeps this one's record for a rollback)."""
+        ...
+
+    def arranged_for_capture(self, variant: int):
+        """Context manager: the state arranged as `variant` for a graph capture, put back after."""
+        ...
+
+    def restore_round(self) -> None:
+        """Inside a round graph (`settles_on_device` only): restore the state after the round's
+        kept rows, read on the device."""
+        ...
+
+    def settled_on_device(self, end: int) -> None:
+        """The host's side of a round whose graph ran `restore_round`: positions up to `end` kept."""
         ...
 
 
@@ -48,8 +72,12 @@ class TargetModel(Protocol):
     embed_scale: float  # the family's embedding multiplier (1.0: raw rows, as Qwen3 / LLaMA)
     lm_head_weight: torch.Tensor  # [vocab, hidden]
     supports_cuda_graphs: bool  # static_step is capturable (else `graphs_note` says why not)
+    graphs_note: str  # why static_step is not capturable (read only when supports_cuda_graphs is false)
+    state_class: type  # what `new_state` returns: a `TargetState` (checked at load, `check_family`)
     step_ops: object  # layers/step_ops.py: static_step's fused ops, and a graphed round's argmax
 
+    @classmethod
+    def from_dir(cls, path: Path, dtype: torch.dtype, device: str | torch.device) -> "TargetModel": ...
     def new_state(self, rows: int) -> TargetState: ...
     def ensure_positions(self, rows: int) -> None: ...
     def check_taps(self, taps: Sequence[int]) -> None: ...
@@ -71,6 +99,41 @@ class TargetModel(Protocol):
         model-dtype output, for an argmax that needs no float32 copy) and taps; leaves
         `state.length` alone (the rows stay pending until `state.commit`)."""
         ...
+
+
+# What the runtime calls on a family class, on its state class, and the capabilities each state
+# capability needs: checked once when a family is picked, never probed in the round loop.
+MODEL_MEMBERS = ("from_dir", "new_state", "ensure_positions", "check_taps", "check_span", "embed", "logits",
+                 "lm_head", "forward", "static_step", "supports_cuda_graphs", "graphs_note", "state_class")
+STATE_MEMBERS = ("rollback", "reset", "commit", "nbytes", "host_bookkeeping", "round_graphs_ok",
+                 "settles_on_device", "graph_variants", "graph_variant", "arranged_for_capture",
+                 "restore_round", "settled_on_device")
+_CLAIMS = {  # a claimed capability -> the methods a state must override (not inherit from StateBase)
+    "settles_on_device": ("restore_round", "settled_on_device"),
+    "graph_variants": ("arranged_for_capture", "graph_variant"),
+}
+
+
+def check_family(model_type: str, family: type) -> None:
+    """Refuse a family class (and its `state_class`) lacking a member the runtime uses, or claiming
+    a state capability without the methods behind it: `UnsupportedError` naming both."""
+    def refuse(what: str) -> None:
+        raise UnsupportedError(f"model family {model_type!r} ({family.__name__}): {what}")
+
+    missing = [m for m in MODEL_MEMBERS if not hasattr(family, m)]
+    if missing:
+        refuse(f"lacks {', '.join(missing)} (models/base.py TargetModel)")
+    state = family.state_class
+    if not isinstance(state, type):
+        refuse(f"state_class must be the class new_state returns, got {state!r}")
+    missing = [m for m in STATE_MEMBERS if not hasattr(state, m)]
+    if missing:
+        refuse(f"its state {state.__name__} lacks {', '.join(missing)} (models/base.py TargetState; "
+               "StateBase gives the optional ones)")
+    for claim, needs in _CLAIMS.items():
+        default = getattr(StateBase, claim)
+        if getattr(state, claim) != default and any(getattr(state, m) is getattr(StateBase, m, None) for m in needs):
+            refuse(f"its state {state.__name__} sets {claim} but does not provide {' and '.join(needs)}")
 
 
 def _qwen3():
@@ -130,7 +193,9 @@ def target_family(path: Path) -> type:
     if family is None:
         raise ConfigError(f"{path / 'config.json'}: model_type {model_type!r} is not a supported target "
                           f"(supported: {', '.join(sorted(MODEL_FAMILIES))})")
-    return family()
+    cls = family()
+    check_family(model_type, cls)
+    return cls
 
 
 def load_target(path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> TargetModel:

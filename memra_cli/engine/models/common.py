@@ -16,6 +16,11 @@ class TargetBase:
 
     cfg: object
     _lm_head: torch.Tensor
+    # Declared capabilities (models/base.py `TargetModel`), off until a family opts in; the state
+    # class is checked at load (`check_family`).
+    supports_cuda_graphs = False
+    graphs_note = "this target's steps are not capturable"
+    state_class: type | None = None
     # what the family multiplies its embedding rows by before the first layer (Gemma: √hidden);
     # a z-lab drafter's block embedding may apply it (the `emb_scale` setting, spec/policy.py)
     embed_scale: float = 1.0

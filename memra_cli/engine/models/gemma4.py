@@ -40,7 +40,7 @@ from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import RopeTables, apply_rope, cos_sin
 from memra_cli.engine.layers.step_ops import TorchStepOps
 from memra_cli.engine.models.common import TargetBase
-from memra_cli.engine.runtime.cache import LayerKVCache
+from memra_cli.engine.models.kv_cache import LayerKVCache
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from the config (`cfg.qk_norm`: Qwen3's per-head q/k RMSNorm; LLaMA has none, an
 
 Built for the speculative round loop and GPU-ready from the start:
 
-- state is a static KV cache (runtime/cache.py) preallocated at its full length; its
+- state is a static KV cache (models/kv_cache.py) preallocated at its full length; its
   `rollback(n)` after a partially accepted verify only moves `length`;
 - `forward` takes the start position as a python int, so slicing, masks and cache writes never
   read a device value back (no host sync inside a forward);
@@ -34,9 +34,10 @@ import torch.nn.functional as F
 
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import TargetConfig, load_target_config
-from memra_cli.engine.errors import CheckpointError, ConfigError
+from memra_cli.engine.errors import ConfigError
 from memra_cli.engine.models.common import TargetBase
-from memra_cli.engine.runtime.cache import KVCache
+from memra_cli.engine.models.loading import WeightLoader
+from memra_cli.engine.models.kv_cache import KVCache
 from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.layers.step_ops import TorchStepOps
 from memra_cli.engine.layers.rope import apply_rope, cos_sin, rope_tables
@@ -105,33 +106,11 @@ def expected_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class _Loader:
-    """Reads named tensors from a checkpoint, checking each against the config's shape."""
+class _Loader(WeightLoader):
+    """Qwen3's weights: every layer's tensors under `model.layers.{i}.`."""
 
     def __init__(self, ckpt: Checkpoint, cfg: TargetConfig, dtype: torch.dtype, device: torch.device):
-        self.ckpt, self.cfg, self.dtype, self.device = ckpt, cfg, dtype, device
-        self.shapes = expected_shapes(cfg)
-
-    def check_all(self) -> None:
-        """Refuse before loading anything: a missing tensor or a wrong shape, named."""
-        for name, shape in self.shapes.items():
-            info = self.ckpt.tensors.get(name)
-            tail = f"(expected shape {list(shape)} from {self.cfg.source})"
-            if info is None:
-                hint = ""
-                if name == "lm_head.weight":
-                    hint = " — lm_head.weight is needed because tie_word_embeddings is false"
-                raise CheckpointError(f"{self.ckpt.root}: tensor '{name}' is missing {tail}{hint}")
-            if tuple(info.shape) != shape:
-                raise CheckpointError(
-                    f"{info.file}: tensor '{name}' has shape {list(info.shape)}, {tail[1:-1]}"
-                )
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.ckpt.load(name, self.dtype, self.device)
-
-    def cat(self, *names: str) -> torch.Tensor:
-        return torch.cat([self.get(n) for n in names], dim=0)
+        super().__init__(ckpt, cfg, dtype, device, expected_shapes(cfg))
 
     def layer(self, i: int) -> LayerWeights:
         p = f"model.layers.{i}."
@@ -163,6 +142,7 @@ class Qwen3Target(TargetBase):
 
     supports_cuda_graphs = True
     model_type = "qwen3"  # the config.json `model_type` this class loads
+    state_class = KVCache
 
     def __init__(self, cfg: TargetConfig, embed: torch.Tensor, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: torch.Tensor):

@@ -70,8 +70,10 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from memra_cli.engine.models.state import StateBase
 from memra_cli.engine.models.common import TargetBase
-from memra_cli.engine.errors import CheckpointError, ConfigError
+from memra_cli.engine.models.loading import WeightLoader
+from memra_cli.engine.errors import ConfigError
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.qwen3_5_config import (
     FULL, SKIPPED_PREFIXES, Qwen35Config, load_qwen35_config, text_prefix,
@@ -186,38 +188,22 @@ def expected_shapes(cfg: Qwen35Config, prefix: str = "model.") -> dict[str, tupl
     return shapes
 
 
-class _Loader:
-    """Checks every expected tensor (name and shape) before anything loads, then reads them."""
+class _Loader(WeightLoader):
+    """Qwen3.5's weights, under the text model's prefix of either layout."""
 
     def __init__(self, ckpt: Checkpoint, cfg: Qwen35Config, dtype: torch.dtype, device: torch.device):
-        self.ckpt, self.cfg, self.dtype, self.device = ckpt, cfg, dtype, device
         self.prefix = text_prefix(ckpt.tensors, ckpt.root)
-        self.shapes = expected_shapes(cfg, self.prefix)
+        super().__init__(ckpt, cfg, dtype, device, expected_shapes(cfg, self.prefix))
 
-    def check_all(self) -> None:
-        for name, shape in self.shapes.items():
-            info = self.ckpt.tensors.get(name)
-            tail = f"(expected shape {list(shape)} from {self.cfg.source})"
-            if info is None:
-                hint = ""
-                if name == "lm_head.weight":
-                    hint = " — lm_head.weight is needed because tie_word_embeddings is false"
-                elif ".linear_attn." in name:
-                    hint = " — layer_types makes this layer linear_attention (Gated DeltaNet)"
-                elif ".self_attn." in name:
-                    hint = " — layer_types makes this layer full_attention"
-                raise CheckpointError(f"{self.ckpt.root}: tensor '{name}' is missing {tail}{hint}")
-            if tuple(info.shape) != shape:
-                raise CheckpointError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, {tail[1:-1]}")
-
-    def get(self, name: str) -> torch.Tensor:
-        return self.ckpt.load(name, self.dtype, self.device)
+    def missing_hint(self, name: str) -> str:
+        if ".linear_attn." in name:
+            return " — layer_types makes this layer linear_attention (Gated DeltaNet)"
+        if ".self_attn." in name:
+            return " — layer_types makes this layer full_attention"
+        return super().missing_hint(name)
 
     def norm_1p(self, name: str) -> torch.Tensor:
         return 1.0 + self.get(name).float()  # HF: 1.0 + weight.float(), weight in the model dtype
-
-    def cat(self, *names: str) -> torch.Tensor:
-        return torch.cat([self.get(n) for n in names], dim=0)
 
     def layer(self, i: int) -> LayerWeights:
         p = f"{self.prefix}layers.{i}."
@@ -263,10 +249,10 @@ def restores_as_graphs(device: torch.device, mode: str, ops) -> bool:
     """Whether a state's replay restores run as CUDA graphs: on CUDA, in replay mode, with step
     ops whose replay and window restore read their rows on the device (`restores_on_device`: the
     Triton kernels; the torch ops read them on the host, which a graph capture refuses)."""
-    return device.type == "cuda" and mode == "replay" and bool(getattr(ops, "restores_on_device", False))
+    return device.type == "cuda" and mode == "replay" and ops.restores_on_device
 
 
-class Qwen35State:
+class Qwen35State(StateBase):
     """One session's state, every tensor allocated once and written in place (a CUDA graph binds
     their addresses):
 
@@ -664,6 +650,7 @@ class Qwen35Target(TargetBase):
     Triton kernels on CUDA) runs every op of a step but the weight matmuls (`_run`)."""
 
     supports_cuda_graphs = True
+    state_class = Qwen35State
 
     def __init__(self, cfg: Qwen35Config, embed: torch.Tensor, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: torch.Tensor, rollback: str | None = None,

@@ -45,7 +45,7 @@ class StepGraph:
         # capture at the slack rows: nothing real lives there (see the module docstring)
         self.positions = self._arange + (cache.max_len - width)
         taps = tuple(taps) or None
-        n = getattr(cache, "graph_variants", 1)
+        n = cache.graph_variants
         pool = torch.cuda.graph_pool_handle() if n > 1 and dev.type == "cuda" else None
         self.graphs, self.outputs = [], []
         for variant in range(n):
@@ -60,7 +60,7 @@ class StepGraph:
         out of the graph's buffers so the caller may keep them past the next replay."""
         self.ids.copy_(ids)
         torch.add(self._arange, start, out=self.positions)
-        variant = getattr(self.cache, "graph_variant", 0)
+        variant = self.cache.graph_variant
         self.graphs[variant].replay()
         logits, taps = self.outputs[variant]
         return logits.clone(), (None if taps is None else taps.clone())
@@ -68,7 +68,7 @@ class StepGraph:
     @property
     def graph(self):
         """The capture of the state's current arrangement (benchmarks time its replay)."""
-        return self.graphs[getattr(self.cache, "graph_variant", 0)]
+        return self.graphs[self.cache.graph_variant]
 
 
 class PrefillGraph:

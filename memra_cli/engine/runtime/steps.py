@@ -51,8 +51,8 @@ class StepRunner:
         self.prefill_chunk = prefill_chunk
         if step_width is not None and (isinstance(step_width, bool) or not isinstance(step_width, int) or step_width < 1):
             raise ConfigError(f"step_width must be a positive integer or None (variable), got {step_width!r}")
-        if cuda_graphs and not getattr(model, "supports_cuda_graphs", True):
-            why = getattr(model, "graphs_note", "this target's steps are not capturable")
+        if cuda_graphs and not model.supports_cuda_graphs:
+            why = model.graphs_note
             raise ConfigError(f"cuda_graphs: {why} ({model.cfg.source})")
         if cuda_graphs and (model.device.type != "cuda" or step_width is None):
             raise ConfigError("cuda_graphs needs the target on a CUDA device and a fixed step_width "
@@ -156,7 +156,7 @@ class StepRunner:
         past the storage)."""
         if not self.cuda_graphs or t > self.prefill_chunk:
             return None
-        if not getattr(state, "host_bookkeeping", False):  # padding rows would enter the recurrence
+        if not state.host_bookkeeping:  # padding rows would enter the recurrence
             return None
         rows = -(-t // PREFILL_BUCKET) * PREFILL_BUCKET
         return rows if rows <= state.max_len else None

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from memra_cli.engine.errors import SettingError
-from memra_cli.engine.spec.sampling import ACCEPTANCE_RULES, GREEDY, Sampler
+from memra_cli.engine.spec.sampling import ACCEPTANCE_RULES, GREEDY, Sampler, SamplerBase
 
 DEFAULT_SEED = 0  # the seed a sampled run uses when none is given (said in its note / --json)
 
@@ -284,7 +284,7 @@ class Drafting:
 # --------------------------------------------------------------------------- the sampler
 
 
-class PositionKeyed:
+class PositionKeyed(SamplerBase):
     """Samples row j as argmax(process(logits_j) + keyed_gumbel(seed, j)): one sample from the
     processed distribution, a deterministic function of (logits_j, seed, j)."""
 

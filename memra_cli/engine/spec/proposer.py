@@ -128,13 +128,13 @@ class DrafterProposer:
             self.drafter.ingest(self.kv, taps[lo : lo + PRIME_CHUNK], positions[lo : lo + PRIME_CHUNK])
 
     def propose(self, last: torch.Tensor, start: int, want_raws: bool) -> Proposal:
-        keeps_q = getattr(self.sampler, "rejection", False)
+        keeps_q = self.sampler.rejection
         if self.graphs and not keeps_q:  # (rejection sampling's q is not graphed: eager rounds)
             from memra_cli.engine.runtime.draft_graphs import ProposeGraph
 
             assert self.kv.length == start, (self.kv.length, start)  # row index == position
             # one drafter (and its storages) serves several arms, and sessions of several samplers
-            key = ("propose", self.program, want_raws, getattr(self.sampler, "params", None))
+            key = ("propose", self.program, want_raws, self.sampler.params)
             graph = self.kv.graphs.get(key)
             if graph is None:
                 body = functools.partial(static_proposal, sampler=self.sampler)
@@ -168,7 +168,7 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last
     (0-d device tensor), the target row that judges it. `host_loop`: the caller is eager, never
     a graph body, so the chain may loop on the host (CPU; step_ops `markov_chain`)."""
     rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
-    if not hasattr(sampler, "drafting"):
+    if sampler.greedy:
         # Greedy drafts (the markov chain or argmax) read the lm_head's model-dtype output as it
         # is: widening it to float32 is exact and changes no maximum, so the float32 copy of the
         # logits ([n_drafts, vocab], 9 MB at a 152k vocabulary) is never written or read again.
@@ -176,7 +176,7 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last
     else:
         logits = target.logits(rows)
     drafting = None
-    if hasattr(sampler, "drafting"):
+    if not sampler.greedy:
         drafting = sampler.drafting(start + torch.arange(p.n_drafts, device=logits.device), logits.shape[-1])
     if drafting is None:
         drafts = drafter.markov_chain(logits, last, host_loop=host_loop) if p.markov else drafter.step_ops.argmax(logits)

@@ -86,7 +86,7 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     then the next inputs `[t_start + m + 1, d_start + m + 1, sel[m], ladder_next(m) or the cap,
     budget - m - 1]`. Output `[cand (W), sel (W), raws (nd, under a confidence window), vt, m]`
     float64: the host commits the m the device used. The settlement is the step op
-    `settle_round` (spec/settle.py; one launch with the kernels: memra_kernels.settle).
+    `settle_round` (memra_kernels.settle_ref; one launch with the kernels: memra_kernels.settle).
 
     A target state that rolls back on the device (`settles_on_device`: the hybrid's recurrent
     state, either rollback mode) is restored here too: the settlement also writes the ring rows to
@@ -95,7 +95,7 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws)
     ops, window = target.step_ops, program.window
     tau = torch.tensor([window.tau if window.is_confidence else 0.0], dtype=torch.float64, device=target.device)
-    on_device = bool(getattr(cache, "settles_on_device", False))
+    on_device = cache.settles_on_device
     restore = dict(restore=cache.round_params, ring=cache.ring) if on_device else {}
 
     def body(inputs: torch.Tensor) -> torch.Tensor:

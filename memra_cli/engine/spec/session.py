@@ -67,9 +67,9 @@ class Session:
         # graphed rounds queued one ahead of the host (`_pipelined_plain`, `_pipelined_spec`):
         # speculative ones over a state whose commit only moves a host length (a KV cache) or
         # whose rollback the round's graph does itself (the hybrid's, `settles_on_device`)
-        self._device_settle = bool(getattr(self.cache, "settles_on_device", False))
+        self._device_settle = self.cache.settles_on_device
         self.pipelined = pipelined and self.graphed_rounds and (
-            proposer is None or bool(getattr(self.cache, "host_bookkeeping", False)) or self._device_settle)
+            proposer is None or self.cache.host_bookkeeping or self._device_settle)
         self._next_variant = 0  # the buffer arrangement the next queued speculative round runs over
         self._chain = None  # the state's RoundChain while this session uses it
         self._ahead: int | None = None  # the chain launch in flight (its anchor committed), if any
@@ -168,19 +168,19 @@ class Session:
         """A confidence window may be sized after the verify (see the module docstring): fixed
         steps that hold the widest window in one step, and a sampler that selects row by row."""
         p = self.program
-        if p is None or not p.window.is_confidence or getattr(self.sampler, "rejection", False):
+        if p is None or not p.window.is_confidence or self.sampler.rejection:
             return False
-        width = getattr(self.runner, "width", None)  # a runner stand-in may have no fixed width
+        width = self.runner.width
         return width is not None and p.verify_cap <= width
 
     def _rounds_capturable(self) -> bool:
         """Whether this session's rounds can run as one graph each (module docstring)."""
         r = self.runner
-        if not (r.cuda_graphs and r.width is not None and self.sampler is GREEDY):
+        if not (r.cuda_graphs and r.width is not None and self.sampler.greedy):
             return False
         if self.program is not None and self.program.window.kind == "priced":  # the device settle has no cost model
             return False
-        if not getattr(self.cache, "round_graphs_ok", False):  # the state's commit needs no host read
+        if not self.cache.round_graphs_ok:  # the state's commit needs no host read
             return False
         if self.proposer is None:
             return True
@@ -207,9 +207,9 @@ class Session:
         slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
         # A state whose steps run over one of several buffer arrangements (the hybrid's two
         # committed-state buffers) gets a round graph per arrangement, captured in it.
-        variant = getattr(cache, "graph_variant", None)
-        arranged = cache.arranged_for_capture(variant) if variant is not None else nullcontext()
-        tail = () if variant is None else (variant,)  # a KV cache has one arrangement
+        variant = cache.graph_variant
+        arranged = cache.arranged_for_capture(variant)
+        tail = (variant,) if cache.graph_variants > 1 else ()  # a KV cache has one arrangement
         if self.proposer is None:
             key = ("plain-round", width, *tail)
             graph = cache.graphs.get(key)
@@ -256,7 +256,7 @@ class Session:
         if chain is None:
             chain = cache.graphs[key] = RoundChain(model.device, 2)
         chain.drain()  # a session that ended with a round queued over this storage
-        n = getattr(cache, "graph_variants", 1)
+        n = cache.graph_variants
         slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
         for variant in range(n):
             if variant not in chain.graphs:
@@ -273,7 +273,7 @@ class Session:
         start = cache.length
         self.target.check_span(start, self.runner.width, cache)
         seed = (start,) if anchor is None else (start, anchor)
-        self._ahead = chain.launch(getattr(cache, "graph_variant", 0), seed)
+        self._ahead = chain.launch(cache.graph_variant, seed)
         cache.commit(start + 1)
 
     def _pipelined_plain(self, n: int) -> list[int]:
@@ -323,7 +323,7 @@ class Session:
         if chain is None:
             chain = cache.graphs[key] = RoundChain(model.device, 5)
         chain.drain()
-        n = getattr(cache, "graph_variants", 1)
+        n = cache.graph_variants
         slack, d_slack = cache.max_len - width, kv.rows - max(width, p.block_size)
         for variant in range(n):
             if variant not in chain.graphs:
@@ -382,7 +382,7 @@ class Session:
             self._chain = self._spec_chain()
             start = cache.length
             self.target.check_span(start, width, cache)
-            self._next_variant = getattr(cache, "graph_variant", 0)
+            self._next_variant = cache.graph_variant
             self._ahead = self._launch_spec((start, start, self.last_id, self.vt, self.max_new - len(self.tokens)))
         while len(out) < n:
             k = self._ahead
@@ -404,45 +404,43 @@ class Session:
         return out  # the newest round stays queued for the next burst
 
     def _round(self) -> list[int]:
-        if self.last is None:  # after graphed rounds (unreachable while a session keeps its kind)
-            self.last = torch.tensor([self.last_id], dtype=torch.long, device=self.target.device)
         start, last = self.cache.length, self.last
         assert last is not None
         self.clock.start()
         late = False  # the confidence window sized after the verify
         if self.proposer is None:
-            cand, vt, drafts = last, 1, None
+            cand, rows, drafts = last, 1, None
         else:
             want = self.program.window.is_confidence  # type: ignore[union-attr]
             proposal = self.proposer.propose(last, start, want)
             drafts = proposal.drafts
             late = self.late_window
-            vt = self._budget(self.program.verify_cap) if late else self._window(proposal)  # type: ignore[union-attr]
-            cand = torch.cat([last.reshape(1), drafts[: vt - 1]])
+            rows = self._budget(self.program.verify_cap) if late else self._window(proposal)  # type: ignore[union-attr]
+            cand = torch.cat([last.reshape(1), drafts[: rows - 1]])
         self.clock.lap("draft")
         logits, taps = self.runner.step(cand, start, self.cache, self.taps or None)
-        positions = torch.arange(start, start + vt, device=cand.device)
-        if drafts is not None and getattr(self.sampler, "rejection", False):  # spec/keyed.py RejectionSampling
-            vam = self.sampler.verify(logits, cand, proposal.probs, positions)
+        positions = torch.arange(start, start + rows, device=cand.device)
+        if drafts is not None and self.sampler.rejection:  # spec/keyed.py RejectionSampling
+            selected = self.sampler.verify(logits, cand, proposal.probs, positions)
         else:
-            vam = self.sampler.select(logits, positions)
+            selected = self.sampler.select(logits, positions)
         if late:  # the round's one host read: candidates, selections and raws in one transfer
-            host = torch.cat([cand.double(), vam.double(), proposal.raws.double()]).tolist()  # ids < 2^53: exact
-            cand_h, vam_h = [int(x) for x in host[:vt]], [int(x) for x in host[vt : 2 * vt]]
-            vt = self._budget(self.program.window.size_window(host[2 * vt:], self.program.verify_cap))  # type: ignore[union-attr]
+            host = torch.cat([cand.double(), selected.double(), proposal.raws.double()]).tolist()  # ids < 2^53: exact
+            cand_h, selected_h = [int(x) for x in host[:rows]], [int(x) for x in host[rows : 2 * rows]]
+            rows = self._budget(self.program.window.size_window(host[2 * rows:], self.program.verify_cap))  # type: ignore[union-attr]
         else:
-            host = torch.cat([cand, vam]).tolist()  # the round's one (ladder) host read
-            cand_h, vam_h = host[:vt], host[vt:]
+            host = torch.cat([cand, selected]).tolist()  # the round's one (ladder) host read
+            cand_h, selected_h = host[:rows], host[rows:]
         self.clock.lap("verify")
-        m = accept_prefix(cand_h, vam_h, vt) if vt > 1 else 0
+        m = accept_prefix(cand_h, selected_h, rows) if rows > 1 else 0
         committed = self._commit(cand_h, m)
         self.cache.rollback(start + m + 1)
         self.clock.lap("rollback")
         if self.proposer is not None and not self.finished:
             self.proposer.ingest(taps[: m + 1], torch.arange(start, start + m + 1, device=self.target.device))
         self.clock.lap("ingest")
-        self.last = vam[m : m + 1]
-        self._count_round(vt, m)
+        self.last = selected[m : m + 1]
+        self._count_round(rows, m)
         return committed
 
     def _count_round(self, vt: int, m: int) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from memra_cli.engine.models.state import StateBase
 
-class KVCache:
+
+class KVCache(StateBase):
     """Static K/V for one session: `kv [n_layers, 2, n_kv, max_len, head_dim]`.
 
     Heads before positions so each layer's `kv[l, 0, :, :end]` is what attention reads, with no
@@ -52,7 +54,7 @@ class KVCache:
         self.length = 0
 
 
-class LayerKVCache:
+class LayerKVCache(StateBase):
     """Static K/V for one session of a model whose layers differ in K/V shape (Gemma 4: sliding
     and full layers with their own head dims and head counts, KV-shared layers with none).
 

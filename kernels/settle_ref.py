@@ -3,7 +3,9 @@
 The torch side of the step-op seam's `settle_round` (layers/step_ops.py): a round queued before
 the host has read the previous one (spec/session.py `_pipelined_spec`) decides on the device
 what the host decides after its read in an ordinary round. `memra_kernels.settle` does the same
-in one launch (its docstring states the arithmetic; this is its twin, `settle_round_ref` there):
+in one launch (its docstring states the arithmetic; this is its twin, `settle_round_ref` there).
+It is the op's one torch body and imports no triton, so the engine's torch step ops call it on
+any machine:
 
 - window `vt`: the ladder's (`inputs[3]`), or from the confidence raws as policy.py sizes it
   (float64 sigmoid, the product slot after slot), then capped by the budget `inputs[4]`, >= 1;

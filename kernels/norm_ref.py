@@ -1,0 +1,39 @@
+"""The norms' one torch body each (no triton): the twins `norm.py`'s kernels are tested against,
+and what the engine's torch path runs (`layers/ops.py`, `layers/deltanet.py` import them), so
+the CPU runtime needs no triton and the two can never drift apart."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis as HF Qwen3RMSNorm: statistics in float32, the normalized value
+    cast back to the input dtype *before* the weight multiply (in bf16 that is where HF rounds).
+    The twin of `norm.rms_norm`, and the engine's `layers.ops.rms_norm`."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch twin of `add_rms_norm`: the add in the model dtype, then `rms_norm_ref`."""
+    new_residual = x + residual
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def rms_norm_1p_ref(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm as HF Qwen3_5RMSNorm: float32 stats, `* (1 + w)` in float32, then cast.
+    `w1p` is `1 + w` precomputed in float32 (the same value HF forms per call). The twin of
+    `norm.rms_norm_1p`, and the engine's `layers.deltanet.rms_norm_1p`."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1p).to(x.dtype)
+
+
+def add_rms_norm_1p_ref(x: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch twin of `add_rms_norm_1p`: the add in the model dtype, then `rms_norm_1p_ref`."""
+    new_residual = residual + x
+    return rms_norm_1p_ref(new_residual, w1p, eps), new_residual

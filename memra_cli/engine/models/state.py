@@ -1,0 +1,30 @@
+"""The defaults of a target state's optional capabilities (models/base.py `TargetState`): a leaf
+module, so a state class (models/kv_cache.py, models/qwen3_5.py) and the registry's load-time
+check (`check_family`) share it without an import cycle."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+
+class StateBase:
+    """Defaults for a state's optional capabilities: all off, so a family opts in to each by
+    overriding it (and `check_family` refuses a capability claimed without its methods)."""
+
+    host_bookkeeping = False
+    round_graphs_ok = False
+    settles_on_device = False
+    graph_variants = 1
+
+    @property
+    def graph_variant(self) -> int:
+        return 0
+
+    def arranged_for_capture(self, variant: int):
+        return nullcontext()
+
+    def restore_round(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not settle rounds on the device")
+
+    def settled_on_device(self, end: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not settle rounds on the device")
