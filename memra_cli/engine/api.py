@@ -462,9 +462,8 @@ class Engine:
             if note:
                 graphs_note += f", {note}"
         ops, ops_note = select_step_ops(dev, cfg.kernels, cfg.env)
-        partial = getattr(family, "step_ops_used", None)  # a family that takes only some of the seam's ops
-        if partial and ops.name != "torch":
-            ops_note += f"; this target uses only {partial}"
+        if family.step_ops_used and ops.name != "torch":  # a family that takes only some of the seam's ops
+            ops_note += f"; this target uses only {family.step_ops_used}"
         ckpt, threads = _threads_for(cfg, dev)
         target = family.from_dir(Path(cfg.target), dtype=dt, device=dev, checkpoint=ckpt)
         target.step_ops = ops

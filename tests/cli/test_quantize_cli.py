@@ -175,7 +175,7 @@ def test_generate_prec_human_output_names_it(made):
     r = run("generate", "--target", target, "--draft", dspark, "--prec", "q4", "--prompt-ids", "1,2,3", "--max-new", "4")
     assert r.exit_code == 0, r.output
     err = r.stderr.splitlines()
-    assert err[0].startswith("[dspark] harvest=") and err[2] == "note: drafter precision q4 (--prec / MEMRA_DFLASH_PREC)"
+    assert err[0].startswith("[dspark] harvest=") and err[3] == "note: drafter precision q4 (--prec / MEMRA_DFLASH_PREC)"
 
 
 def test_generate_prec_reports_kept_tensors(made, tmp_path):

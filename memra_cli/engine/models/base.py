@@ -74,6 +74,7 @@ class TargetModel(Protocol):
     supports_cuda_graphs: bool  # static_step is capturable (else `graphs_note` says why not)
     graphs_note: str  # why static_step is not capturable (read only when supports_cuda_graphs is false)
     state_class: type  # what `new_state` returns: a `TargetState` (checked at load, `check_family`)
+    step_ops_used: str | None  # what of the step-op seam the family runs, when not all (None: all of it)
     step_ops: object  # layers/step_ops.py: static_step's fused ops, and a graphed round's argmax
 
     @classmethod
@@ -104,7 +105,8 @@ class TargetModel(Protocol):
 # What the runtime calls on a family class, on its state class, and the capabilities each state
 # capability needs: checked once when a family is picked, never probed in the round loop.
 MODEL_MEMBERS = ("from_dir", "new_state", "ensure_positions", "check_taps", "check_span", "embed", "logits",
-                 "lm_head", "forward", "static_step", "supports_cuda_graphs", "graphs_note", "state_class")
+                 "lm_head", "forward", "static_step", "supports_cuda_graphs", "graphs_note", "state_class",
+                 "step_ops_used", "embed_scale")
 STATE_MEMBERS = ("rollback", "reset", "commit", "nbytes", "host_bookkeeping", "round_graphs_ok",
                  "settles_on_device", "graph_variants", "graph_variant", "arranged_for_capture",
                  "restore_round", "settled_on_device")

@@ -21,6 +21,8 @@ class TargetBase:
     supports_cuda_graphs = False
     graphs_note = "this target's steps are not capturable"
     state_class: type | None = None
+    # what of the step-op seam the family runs, when not all of it (said in the engine's note)
+    step_ops_used: str | None = None
     # what the family multiplies its embedding rows by before the first layer (Gemma: √hidden);
     # a z-lab drafter's block embedding may apply it (the `emb_scale` setting, spec/policy.py)
     embed_scale: float = 1.0

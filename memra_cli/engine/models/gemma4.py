@@ -187,6 +187,7 @@ class Gemma4Target(TargetBase):
     `i` (after its `layer_scalar`: HF `hidden_states[i+1]`), `-1` the scaled embedding."""
 
     supports_cuda_graphs = True
+    state_class = LayerKVCache
     # the step-op seam's kernels are Qwen-shaped (norm order, no windows, no v norm): said in the
     # engine's step-ops note when the Triton ops are selected (docs/gemma4.md, "Kernels and CUDA")
     step_ops_used = ("linear and embed (weight matmuls and gathers); Gemma 4's norms, rope and windowed "
