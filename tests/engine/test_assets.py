@@ -283,7 +283,7 @@ def test_confidence_calibration_is_folded_into_the_head():
     """Platt scaling fits a, b on drafted rounds and folds them into the head's weights: the head's
     new raw scores are a * old + b on the same rounds, and the fitted loss is no worse."""
     from memra_cli.assets.train import TrainDrafter, make_target
-    from memra_cli.assets.train_draft import DraftSpec, _rounds, calibrate_confidence
+    from memra_cli.train.losses import DraftSpec, _rounds, calibrate_confidence
 
     torch.manual_seed(0)
     target = make_target(64, 32, 3, 2, 1, 64, 128).eval()
@@ -305,7 +305,7 @@ def test_walk_tau_counts_rounds_as_the_bench_does(monkeypatch):
     drafter would say 1 + (20 * 3) / 36 = 2.67."""
     import types
 
-    from memra_cli.assets import train_draft
+    from memra_cli.train import losses as train_draft
     from memra_cli.assets.train_draft import DraftSpec, block_batch, walk_tau
 
     L, V = 40, 50
