@@ -27,13 +27,13 @@ class TrainDrafter(nn.Module):
     """Trainable drafter whose `state_dict` has exactly the checkpoint's tensor names."""
 
     def __init__(self, hidden: int, layers: int, heads: int, kv: int, ffn: int, n_taps: int, vocab: int,
-                 markov_rank: int = 0, confidence: bool = False):
+                 markov_rank: int = 0, confidence: bool = False, head_dim: int | None = None):
         super().__init__()
-        self.hidden, self.heads, self.kv, self.hd = hidden, heads, kv, hidden // heads
+        self.hidden, self.heads, self.kv, self.hd = hidden, heads, kv, head_dim or hidden // heads
         self.fc = nn.Linear(n_taps * hidden, hidden, bias=False)
         self.hidden_norm = nn.RMSNorm(hidden)
         self.norm = nn.RMSNorm(hidden)
-        self.layers = nn.ModuleList([_TrainLayer(hidden, heads, kv, ffn) for _ in range(layers)])
+        self.layers = nn.ModuleList([_TrainLayer(hidden, heads, kv, ffn, self.hd) for _ in range(layers)])
         self.markov_head = _Markov(vocab, markov_rank) if markov_rank else None
         self.confidence_head = _Confidence(hidden + markov_rank) if confidence else None
 
@@ -49,9 +49,8 @@ class TrainDrafter(nn.Module):
 
 
 class _TrainLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv: int, ffn: int):
+    def __init__(self, hidden: int, heads: int, kv: int, ffn: int, hd: int):
         super().__init__()
-        hd = hidden // heads
         self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
         self.self_attn = nn.Module()
         self.self_attn.q_proj = nn.Linear(hidden, heads * hd, bias=False)

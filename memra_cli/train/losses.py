@@ -40,13 +40,14 @@ def per_row(prompt_len: int | torch.Tensor, n: int) -> torch.Tensor:
     return p.expand(n).clone() if p.ndim == 0 else p
 
 
-def sample_anchors(n_seq: int, anchors: int, lo: int | torch.Tensor, hi: int, gen: torch.Generator) -> torch.Tensor:
-    """`[n_seq, anchors]` anchor positions in [lo, hi] (lo one int or `[n_seq]` per row), sorted
+def sample_anchors(n_seq: int, anchors: int, lo: int | torch.Tensor, hi: int | torch.Tensor,
+                   gen: torch.Generator) -> torch.Tensor:
+    """`[n_seq, anchors]` anchor positions in [lo, hi] (each one int or `[n_seq]` per row), sorted
     per row."""
-    lo = per_row(lo, n_seq)
+    lo, hi = per_row(lo, n_seq), per_row(hi, n_seq)
     span = (hi - lo + 1).clamp(min=1)
     pos = lo[:, None] + (torch.rand((n_seq, anchors), generator=gen) * span[:, None]).long()
-    return pos.clamp(max=hi).sort(dim=1).values
+    return torch.minimum(pos, hi[:, None]).sort(dim=1).values
 
 
 def block_batch(ids: torch.Tensor, anchors: torch.Tensor, spec: DraftSpec):
@@ -99,6 +100,33 @@ def markov_bias(drafter: TrainDrafter, prev: torch.Tensor) -> torch.Tensor:
     return m.markov_w2(m.markov_w1(prev))
 
 
+def slot_decay(spec: DraftSpec, device) -> torch.Tensor:
+    """`[nd]` per-slot loss weights exp(-j / (b/2)): a late slot only counts when the earlier ones hit."""
+    return torch.exp(-torch.arange(spec.n_drafts, device=device) / (spec.block / 2))
+
+
+def drafter_loss(drafter: TrainDrafter, target, ids: torch.Tensor, anc: torch.Tensor, taps: torch.Tensor,
+                 spec: DraftSpec, decay: torch.Tensor) -> torch.Tensor:
+    """The training loss of one batch: ids `[B, L]`, anchors `[B, A]`, the target's taps of ids.
+    CE per draft slot weighted by `decay` (DFlash rows 1..b-1 mask-fill; DSpark shifted labels
+    plus the markov head's bias, teacher-forced), plus for a confidence head BCE against whether
+    the slot's greedy draft hits its label."""
+    device = ids.device
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        logits, rows, labels, prev = draft_logits(drafter, target, ids, anc, spec, taps)
+        if drafter.markov_head is not None:
+            logits = logits + markov_bias(drafter, prev)
+    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+    loss = (ce * decay).sum() / (decay.sum() * labels.shape[0] * labels.shape[1])
+    if drafter.confidence_head is not None:
+        hit = (logits.argmax(-1) == labels).float()
+        feats = rows.float()
+        if drafter.markov_head is not None:
+            feats = torch.cat([feats, drafter.markov_head.markov_w1(prev).float()], -1)
+        loss = loss + F.binary_cross_entropy_with_logits(drafter.confidence_head.proj(feats).squeeze(-1), hit)
+    return loss
+
+
 def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, steps: int, batch: int,
                   anchors: int, prompt_len: int | torch.Tensor, lr: float, device, log,
                   budget_s: float | None = None, compile: bool | str = False) -> tuple[list[float], int]:
@@ -118,27 +146,15 @@ def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: Draft
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen, L = torch.Generator().manual_seed(2), seqs.shape[1]
     plens = per_row(prompt_len, seqs.shape[0])
-    decay = torch.exp(-torch.arange(spec.n_drafts, device=device) / (spec.block / 2))
+    decay = slot_decay(spec, device)
 
-    def drafter_loss(ids: torch.Tensor, anc: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits, rows, labels, prev = draft_logits(drafter, target, ids, anc, spec, taps)
-            if drafter.markov_head is not None:
-                logits = logits + markov_bias(drafter, prev)
-        ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
-        loss = (ce * decay).sum() / (decay.sum() * labels.shape[0] * labels.shape[1])
-        if drafter.confidence_head is not None:
-            hit = (logits.argmax(-1) == labels).float()
-            feats = rows.float()
-            if drafter.markov_head is not None:
-                feats = torch.cat([feats, drafter.markov_head.markov_w1(prev).float()], -1)
-            loss = loss + F.binary_cross_entropy_with_logits(drafter.confidence_head.proj(feats).squeeze(-1), hit)
-        return loss
+    def core_loss(ids: torch.Tensor, anc: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+        return drafter_loss(drafter, target, ids, anc, taps, spec, decay)
 
     if compile:
-        core = torch.compile(drafter_loss, **({"backend": compile} if isinstance(compile, str) else {}))
+        core = torch.compile(core_loss, **({"backend": compile} if isinstance(compile, str) else {}))
     else:
-        core = drafter_loss
+        core = core_loss
 
     def loss_fn(step: int) -> torch.Tensor:
         pick = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
