@@ -8,7 +8,7 @@ import typer
 from typer.core import TyperGroup
 
 from memra_cli import __version__
-from memra_cli.cli import bench, census, generate, parity, quantize, serve
+from memra_cli.cli import bench, census, generate, parity, quantize, serve, train
 from memra_cli.cli.common import (
     Terminated, click_module, debug_enabled, describe, report_signal, signals_as_exceptions, usage_error_line,
 )
@@ -70,6 +70,7 @@ app.command(name="generate")(generate.generate)
 app.command(name="parity")(parity.parity)
 app.command(name="bench")(bench.bench)
 app.command(name="serve")(serve.serve)
+app.command(name="train")(train.train)
 
 
 def _version(value: bool) -> None:

@@ -1,0 +1,147 @@
+"""`memra train`: a DFlash or DSpark drafter for a target, trained online through memra's engine
+(the library is memra_cli/train/; this module only parses flags and renders)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from memra_cli.cli.common import JsonOpt, at_least, refusals
+
+
+def _parse_taps(text: Optional[str]) -> Optional[tuple[int, ...]]:
+    from memra_cli.engine.errors import SettingError
+
+    if text is None:
+        return None
+    try:
+        taps = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise SettingError("taps", text, "expected comma-separated layer ids such as 1,9,17") from None
+    return taps
+
+
+class _Progress:
+    """A rich bar (loss, target tokens/s, ETA) on a terminal's stderr; elsewhere one line every
+    `every` steps."""
+
+    def __init__(self, total: int, every: int, quiet: bool):
+        self.every, self.quiet, self.bar = every, quiet, None
+        if not quiet and sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+            from memra_cli.cli.render import err_console
+
+            self.bar = Progress(TextColumn("train"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                                TimeElapsedColumn(), TimeRemainingColumn(), console=err_console)
+            self.task = self.bar.add_task("train", total=total, loss="-", tps="-")
+            self.bar.start()
+
+    def __call__(self, p) -> None:
+        tps = p.tokens / p.elapsed_s if p.elapsed_s > 0 else 0.0
+        if self.bar is not None:
+            self.bar.update(self.task, completed=p.step, loss=f"{p.loss:.3f}", tps=f"{tps:,.0f}")
+        elif not self.quiet and (p.step % self.every == 0 or p.step == p.steps):
+            print(f"train step {p.step}/{p.steps} loss {p.loss:.4f} {tps:,.0f} tok/s {p.elapsed_s:.1f} s", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+@refusals
+def train(
+    target: Path = typer.Option(..., "--target", help="Target model directory (any family memra runs)."),
+    kind: str = typer.Option(..., "--kind", help="dflash (z-lab format) or dspark (DeepSpec format)."),
+    prompts: str = typer.Option(..., "--prompts", help="humaneval | mbpp | stdlib | a JSONL file (prompts, turns, or chat messages)."),
+    out: Path = typer.Option(..., "--out", help="Directory for the trained drafter (its checkpoint goes to OUT.ckpt/)."),
+    steps: int = typer.Option(2000, "--steps", callback=at_least(1), help="Optimizer steps (the cosine schedule's length)."),
+    budget_s: Optional[float] = typer.Option(None, "--budget-s", help="Stop training after this many seconds (then export)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the interrupted run of --out from OUT.ckpt/."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out (and its checkpoint)."),
+    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda[:N]."),
+    dtype: str = typer.Option("auto", "--dtype", help="The target's dtype: auto | float32 | bfloat16."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="Drafter layers (default: 5 for a target of 20+ layers, else 1)."),
+    block: Optional[int] = typer.Option(None, "--block", help="Block size (default: dflash 16, dspark 7)."),
+    taps: Optional[str] = typer.Option(None, "--taps", help="Target layers to tap, comma-separated (default: spread over the depth)."),
+    mask_token: Optional[int] = typer.Option(None, "--mask-token", help="Mask token id (default: from the tokenizer)."),
+    markov_rank: Optional[int] = typer.Option(None, "--markov-rank", help="DSpark markov head rank (default 256)."),
+    confidence: Optional[bool] = typer.Option(None, "--confidence/--no-confidence", help="DSpark confidence head (default on)."),
+    max_new: int = typer.Option(128, "--max-new", callback=at_least(2), help="Tokens of each regenerated answer."),
+    heldout: Optional[int] = typer.Option(None, "--heldout", help="Prompts held out for the final tau (default: a tenth, 1..16)."),
+    batch: int = typer.Option(8, "--batch", callback=at_least(1), help="Sequences per step."),
+    anchors: int = typer.Option(16, "--anchors", callback=at_least(1), help="Blocks drawn per sequence."),
+    lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the drafter's init and the batch draws."),
+    checkpoint_every: int = typer.Option(200, "--checkpoint-every", callback=at_least(1), help="Steps between checkpoints."),
+    export_dtype: str = typer.Option("bfloat16", "--export-dtype", help="bfloat16 | float32."),
+    eval_new: int = typer.Option(64, "--eval-new", callback=at_least(1), help="Tokens per held-out prompt in the final tau."),
+    log_every: int = typer.Option(50, "--log-every", callback=at_least(1), help="Without a terminal: a progress line every N steps."),
+    json_out: bool = JsonOpt,
+) -> None:
+    """Train a DFlash or DSpark drafter for TARGET online and export it.
+
+    The target regenerates each prompt's answer (greedy) and its taps are computed batch by
+    batch through memra's engine; nothing is cached to disk but the resumable checkpoint
+    (OUT.ckpt/state.pt, written every --checkpoint-every steps and on Ctrl-C). At the end the
+    drafter is written to OUT in the format `memra census` reads, and evaluated on held-out
+    prompts through the engine's round loop (speculative must equal plain). See docs/train.md.
+    """
+    from memra_cli.cli import render
+    from memra_cli.engine.errors import SettingError
+    from memra_cli.train.export import DTYPES
+    from memra_cli.train.run import TrainRequest, plan_training, run_training
+
+    if export_dtype not in DTYPES:
+        raise SettingError("export_dtype", export_dtype, f"expected {'|'.join(DTYPES)}", quote=False)
+    req = TrainRequest(target=target, kind=kind, prompts=prompts, out=out, steps=steps, budget_s=budget_s, resume=resume,
+                       force=force, device=device, dtype=dtype, max_new=max_new, heldout=heldout, layers=layers,
+                       block=block, taps=_parse_taps(taps), mask_token=mask_token, markov_rank=markov_rank,
+                       confidence=confidence, batch=batch, anchors=anchors, lr=lr, seed=seed,
+                       checkpoint_every=checkpoint_every, export_dtype=export_dtype, eval_new=eval_new)
+    plan = plan_training(req)
+    if not json_out:
+        for line in plan.notes:
+            render.note(line)
+    progress = _Progress(steps, log_every, quiet=json_out)
+    t0 = time.perf_counter()
+    try:
+        report = run_training(plan, on_step=progress)
+    except BaseException as exc:
+        progress.close()
+        if not isinstance(exc, Exception):
+            render.note(f"checkpoint kept in {plan.ckpt_dir}: `memra train ... --resume` continues the run")
+        raise
+    progress.close()
+    report["wall_s"] = round(time.perf_counter() - t0, 3)
+    if json_out:
+        render.emit_json(report)
+    else:
+        _summary(report, out)
+    held = report.get("heldout")
+    if held and not held["exact"]:  # the exactness gate: a drafter must never change what the target writes
+        m = held["mismatch"]
+        print(f"error: held-out prompt {m['prompt']}: speculative output differs from plain at token {m['position']}",
+              file=sys.stderr)
+        raise typer.Exit(code=1)
+
+
+def _summary(report: dict, out: Path) -> None:
+    from memra_cli.cli import render
+
+    tps = report["tokens"] / report["train_s"] if report["train_s"] else 0.0
+    loss = report["losses"][-1][1] if report["losses"] else float("nan")
+    render.console.print(f"trained {report['kind']} drafter: {report['steps_run']} steps, {report['tokens']:,} target tokens "
+                         f"({tps:,.0f} tok/s), last loss {loss:.4f}", highlight=False)
+    held = report.get("heldout")
+    if held:
+        verdict = "exact" if held["exact"] else f"NOT exact (prompt {held['mismatch']['prompt']})"
+        render.console.print(f"held-out tau {held['tau']} over {held['prompts']} prompts x {held['max_new']} tokens, {verdict}",
+                             highlight=False)
+    render.console.print(f"wrote {out} (config.json, model.safetensors, train_report.json)", highlight=False)
