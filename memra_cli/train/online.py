@@ -50,7 +50,7 @@ def _chat_rows(spec: str) -> list[list[dict]] | None:
         if not msgs:
             raise PromptError(f"--prompts {path}:{i}: a conversation with no turn before the answer")
         rows.append(msgs)
-    return rows
+    return rows or None  # no rows: load_prompts words the refusal
 
 
 def encode_prompts(spec: str, codec, max_prompt: int) -> Prompts:

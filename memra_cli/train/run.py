@@ -135,11 +135,12 @@ def run_training(plan: Plan, *, on_step: Callable[[Progress], None] = lambda p: 
         job.load(plan.ckpt_dir)
     elif plan.ckpt_dir.exists():
         shutil.rmtree(plan.ckpt_dir)  # --force: start over
+    resumed_from = job.step if req.resume else None
     result = job.run(plan.ckpt_dir, budget_s=req.budget_s, stop_after=stop_after, should_stop=should_stop,
                      on_step=on_step)
     report = {"target": str(req.target), "kind": req.kind, "prompts": plan.prompts.source,
               "geometry": plan.geometry.as_json(), "hyper": json.loads(json.dumps(job.state()["hyper"])),
-              "notes": plan.notes, "steps_run": result.steps_run, "finished": result.finished,
+              "notes": plan.notes, "resumed_from": resumed_from, "steps_run": result.steps_run, "finished": result.finished,
               "stopped_by": result.stopped_by, "tokens": result.tokens, "train_s": round(result.train_s, 3),
               "generated_tokens": data.generated_tokens, "losses": result.losses,
               "checkpoint": str(plan.ckpt_dir / "state.pt")}

@@ -1,0 +1,127 @@
+"""`memra train` on a tiny target: trained a few steps, interrupted and resumed (bit for bit the
+uninterrupted run), exported, read by `census`, run exactly by `generate`; bad input refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from memra_cli.cli.app import app
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.models.qwen3 import Qwen3Target
+from memra_cli.tiny.target import make_tiny_qwen3
+from memra_cli.train.run import TrainRequest, plan_training, run_training
+
+runner = CliRunner()
+STEPS = 4
+SMALL = ["--max-new", "24", "--batch", "2", "--anchors", "4", "--block", "4", "--device", "cpu", "--eval-new", "16",
+         "--export-dtype", "float32", "--checkpoint-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_tiny_qwen3(root / "target", tokenizer=True)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return x * {i} +"}) + "\n" for i in range(6)))
+    return root, target, prompts
+
+
+def train(*args):
+    return runner.invoke(app, ["train", *[str(a) for a in args]], env={})
+
+
+def _request(target: Path, prompts: Path, out: Path, kind: str, **kw) -> TrainRequest:
+    return TrainRequest(target=target, kind=kind, prompts=str(prompts), out=out, steps=STEPS, device="cpu", max_new=24,
+                        batch=2, anchors=4, block=4, eval_new=16, export_dtype="float32", checkpoint_every=1,
+                        **({"markov_rank": 16} if kind == "dspark" else {}), **kw)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_resumed_run_equals_uninterrupted_and_exports_a_drafter_generate_runs_exactly(setup, kind):
+    root, target, prompts = setup
+    extra = ["--markov-rank", "16"] if kind == "dspark" else []
+    whole, parts = root / f"whole_{kind}", root / f"parts_{kind}"
+    r = train("--target", target, "--kind", kind, "--prompts", prompts, "--out", whole, "--steps", STEPS, *SMALL, *extra,
+              "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["finished"] and report["steps_run"] == STEPS and report["heldout"]["exact"]
+
+    # the same run stopped after 2 steps (as Ctrl-C leaves it: a checkpoint, no --out), then resumed
+    stopped = run_training(plan_training(_request(target, prompts, parts, kind)), stop_after=2)
+    assert stopped["steps_run"] == 2 and not stopped["finished"] and not parts.exists()
+    r = train("--target", target, "--kind", kind, "--prompts", prompts, "--out", parts, "--steps", STEPS, *SMALL, *extra,
+              "--resume", "--json")
+    assert r.exit_code == 0, r.output
+    resumed = json.loads(r.stdout)
+    assert resumed["resumed_from"] == 2 and resumed["steps_run"] == STEPS  # it continued, it did not start over
+
+    a, b = load_file(str(whole / "model.safetensors")), load_file(str(parts / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:  # f32 on the CPU, same ops in the same order: bit for bit
+        assert torch.equal(a[name], b[name]), name
+    sa = torch.load(root / f"whole_{kind}.ckpt" / "state.pt", weights_only=False)
+    sb = torch.load(root / f"parts_{kind}.ckpt" / "state.pt", weights_only=False)
+    assert sa["losses"] == sb["losses"] and sa["tokens"] == sb["tokens"]
+
+    census = runner.invoke(app, ["census", str(whole), "--json"], env={})
+    assert census.exit_code == 0, census.output
+    c = json.loads(census.stdout)
+    assert json.dumps(c).count("dspark" if kind == "dspark" else "dflash") > 0
+
+    ids = [5, 17, 42, 99]
+    g = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(whole), "--prompt-ids", "5,17,42,99",
+                            "--max-new", "24", "--json"], env={})
+    assert g.exit_code == 0, g.output
+    ref = greedy_reference(Qwen3Target.from_dir(target), ids, 24, Qwen3Target.from_dir(target).cfg.eos_token_ids)
+    assert json.loads(g.stdout)["tokens"] == ref
+
+
+def _refused(r, out: Path, needle: str) -> None:
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.exit_code == 2, r.output
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+    assert not out.exists() and not out.with_name(out.name + ".ckpt").exists()
+
+
+def test_a_family_memra_cannot_run_is_refused(setup, tmp_path):
+    root, target, prompts = setup
+    other = tmp_path / "llama"
+    other.mkdir()
+    cfg = json.loads((target / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    out = tmp_path / "out"
+    _refused(train("--target", other, "--kind", "dflash", "--prompts", prompts, "--out", out), out, "llama")
+
+
+def test_taps_past_the_targets_depth_are_refused(setup, tmp_path):
+    root, target, prompts = setup
+    out = tmp_path / "out"
+    # 4 layers: taps are -1..2 (layer 3's raw output only feeds the final norm)
+    _refused(train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, "--taps", "1,3"), out,
+             "tap 3")
+
+
+def test_an_empty_prompt_set_is_refused(setup, tmp_path):
+    root, target, _ = setup
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    out = tmp_path / "out"
+    _refused(train("--target", target, "--kind", "dflash", "--prompts", empty, "--out", out), out, "no prompts")
+
+
+def test_an_existing_out_without_force_is_refused(setup, tmp_path):
+    root, target, prompts = setup
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    r = train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and "--force" in lines[0], r.output
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and not (tmp_path / "out.ckpt").exists()
