@@ -22,7 +22,7 @@ def drafter_config(geo: Geometry, dtype: str, num_anchors: int) -> dict:
         "model_type": "qwen3", "hidden_size": geo.hidden, "num_hidden_layers": geo.layers,
         "num_attention_heads": geo.heads, "num_key_value_heads": geo.kv_heads, "head_dim": geo.head_dim,
         "intermediate_size": geo.ffn, "hidden_act": "silu", "rms_norm_eps": 1e-6, "vocab_size": geo.vocab,
-        "max_position_embeddings": 32768, "attention_bias": False, "tie_word_embeddings": False,
+        "max_position_embeddings": geo.max_positions, "attention_bias": False, "tie_word_embeddings": False,
         "num_target_layers": geo.target_layers, "layer_types": ["full_attention"] * geo.layers,
         "sliding_window": None,
     }

@@ -40,6 +40,7 @@ class Geometry:
     vocab: int
     target_layers: int
     rope_theta: float = 10000.0  # the trainable drafter's rope (train/drafter.py)
+    max_positions: int = 32768  # config.json's max_position_embeddings (the target's)
 
     def as_json(self) -> dict:
         d = asdict(self)
@@ -130,7 +131,8 @@ def resolve_geometry(target: Path, kind: str, *, layers: int | None = None, bloc
         raise SettingError("layers" if layers < 1 else "block", layers if layers < 1 else block,
                            "expected layers >= 1 and block >= 2")
     geo = Geometry(kind, layers, block, tuple(taps), mask_token, markov_rank, confidence, hidden, heads, kv, head_dim,
-                   int(cfg.get("intermediate_size") or 4 * hidden), vocab, L)
+                   int(cfg.get("intermediate_size") or 4 * hidden), vocab, L,
+                   max_positions=int(cfg.get("max_position_embeddings") or 32768))
     return geo, notes
 
 

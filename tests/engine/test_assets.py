@@ -143,7 +143,10 @@ def test_split_build_trains_each_drafter_in_its_own_process_with_its_budget(tmp_
 def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
     """The training twin and the engine compute the same function on exported weights, so the
     acceptance measured at build time is the acceptance the engine will see."""
-    from memra_cli.assets.build import SMOKE, _draft_config, _save_drafter
+    import types
+
+    from memra_cli.assets.build import SMOKE, _geometry
+    from memra_cli.train.export import write_drafter
     from memra_cli.assets.train import TrainDrafter
     from memra_cli.assets.train_draft import DraftSpec, block_batch
     from memra_cli.engine.models.drafter import Drafter
@@ -153,9 +156,8 @@ def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
     drafter = TrainDrafter(r.hidden, 2, r.heads, r.kv_heads, r.ffn, 2, r.vocab, markov_rank=8, confidence=True).eval()
     for p in drafter.parameters():  # make norms non-trivial too
         p.data.normal_(0, 0.2).add_(1.0 if p.ndim == 1 else 0.0)
-    cfg = _draft_config("dspark", r, (-1, 2))
-    cfg["num_hidden_layers"], cfg["layer_types"] = 2, ["full_attention"] * 2
-    _save_drafter(tmp_path / "d", drafter, cfg)
+    tables = types.SimpleNamespace(embed_weight=torch.randn(r.vocab, r.hidden), head_weight=torch.randn(r.vocab, r.hidden))
+    write_drafter(tmp_path / "d", drafter, _geometry("dspark", r, (-1, 2), layers=2), tables)
     engine = Drafter.load(tmp_path / "d", dtype=torch.float32)
     L, anchor = 20, 13
     ids = torch.randint(2, r.vocab, (1, L))
