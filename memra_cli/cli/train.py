@@ -82,6 +82,7 @@ def train(
     checkpoint_every: int = typer.Option(200, "--checkpoint-every", callback=at_least(1), help="Steps between checkpoints."),
     export_dtype: str = typer.Option("bfloat16", "--export-dtype", help="bfloat16 | float32."),
     eval_new: int = typer.Option(64, "--eval-new", callback=at_least(1), help="Tokens per held-out prompt in the final tau."),
+    gguf: Optional[str] = typer.Option(None, "--gguf", help="Also write OUT/model.POLICY.gguf through `memra quantize` (q8|mixed|fc|q4)."),
     log_every: int = typer.Option(50, "--log-every", callback=at_least(1), help="Without a terminal: a progress line every N steps."),
     json_out: bool = JsonOpt,
 ) -> None:
@@ -104,7 +105,7 @@ def train(
                        force=force, device=device, dtype=dtype, max_new=max_new, heldout=heldout, layers=layers,
                        block=block, taps=_parse_taps(taps), mask_token=mask_token, markov_rank=markov_rank,
                        confidence=confidence, batch=batch, anchors=anchors, lr=lr, seed=seed,
-                       checkpoint_every=checkpoint_every, export_dtype=export_dtype, eval_new=eval_new)
+                       checkpoint_every=checkpoint_every, export_dtype=export_dtype, eval_new=eval_new, gguf=gguf)
     plan = plan_training(req)
     if not json_out:
         for line in plan.notes:

@@ -55,6 +55,7 @@ class TrainRequest:
     checkpoint_every: int = 200
     export_dtype: str = "bfloat16"
     eval_new: int = 64
+    gguf: str | None = None  # a quantize policy: also write OUT/model.POLICY.gguf
 
 
 @dataclass
@@ -104,6 +105,10 @@ def plan_training(req: TrainRequest) -> Plan:
     from memra_cli.engine.text import TextCodec
 
     _check_outputs(req)
+    if req.gguf is not None:
+        from memra_cli.engine.quant.precision import FILE_POLICIES, check_policy
+
+        check_policy(req.gguf, FILE_POLICIES, "--gguf")
     check_target_dir(req.target)
     target_family(req.target)  # a family memra cannot run is refused before anything loads
     geo, notes = resolve_geometry(req.target, req.kind, layers=req.layers, block=req.block, taps=req.taps,
@@ -152,6 +157,11 @@ def run_training(plan: Plan, *, on_step: Callable[[Progress], None] = lambda p: 
     job.drafter.eval()
     out = write_drafter(req.out, job.drafter, plan.geometry, source, dtype=req.export_dtype,
                         num_anchors=req.anchors)
+    if req.gguf is not None:  # the quantize command's writer, on the exported drafter
+        from memra_cli.engine.quant.gguf_write import write_gguf
+
+        gg = write_gguf(out / f"model.{req.gguf}.gguf", out, req.gguf, overwrite=True)
+        report["gguf"] = {"path": str(gg.out), "policy": req.gguf, "file_bytes": gg.file_bytes}
     held = [plan.prompts.ids[i] for i in plan.heldout_rows]
     report["heldout"] = heldout_tau(engine, out, req.kind, held, req.eval_new) if held else None
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -48,7 +48,7 @@ def test_resumed_run_equals_uninterrupted_and_exports_a_drafter_generate_runs_ex
     extra = ["--markov-rank", "16"] if kind == "dspark" else []
     whole, parts = root / f"whole_{kind}", root / f"parts_{kind}"
     r = train("--target", target, "--kind", kind, "--prompts", prompts, "--out", whole, "--steps", STEPS, *SMALL, *extra,
-              "--json")
+              "--gguf", "q8", "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert report["finished"] and report["steps_run"] == STEPS and report["heldout"]["exact"]
@@ -74,6 +74,11 @@ def test_resumed_run_equals_uninterrupted_and_exports_a_drafter_generate_runs_ex
     assert census.exit_code == 0, census.output
     c = json.loads(census.stdout)
     assert json.dumps(c).count("dspark" if kind == "dspark" else "dflash") > 0
+
+    gguf = whole / "model.q8.gguf"
+    assert report["gguf"]["path"] == str(gguf) and gguf.is_file()
+    census = runner.invoke(app, ["census", str(gguf), "--json"], env={})
+    assert census.exit_code == 0, census.output
 
     ids = [5, 17, 42, 99]
     g = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(whole), "--prompt-ids", "5,17,42,99",
@@ -114,6 +119,13 @@ def test_an_empty_prompt_set_is_refused(setup, tmp_path):
     empty.write_text("\n\n")
     out = tmp_path / "out"
     _refused(train("--target", target, "--kind", "dflash", "--prompts", empty, "--out", out), out, "no prompts")
+
+
+def test_an_unknown_gguf_policy_is_refused(setup, tmp_path):
+    root, target, prompts = setup
+    out = tmp_path / "out"
+    _refused(train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, "--gguf", "q3"), out,
+             "--gguf")
 
 
 def test_an_existing_out_without_force_is_refused(setup, tmp_path):
