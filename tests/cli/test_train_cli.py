@@ -137,3 +137,19 @@ def test_an_existing_out_without_force_is_refused(setup, tmp_path):
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert r.exit_code == 2 and len(lines) == 1 and "--force" in lines[0], r.output
     assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and not (tmp_path / "out.ckpt").exists()
+
+
+def test_a_hybrid_qwen3_5_target_trains_through_the_engine(setup, tmp_path):
+    """The taps come from memra's engine, so a family transformers-free training never saw (the
+    Qwen3.5 Gated DeltaNet hybrid, multimodal layout) trains the same way; its held-out streams
+    are exact."""
+    from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
+
+    _, _, prompts = setup
+    target = make_tiny_qwen35(tmp_path / "q35", layout="multimodal", tokenizer=True)
+    out = tmp_path / "out"
+    r = train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, "--steps", 2, *SMALL, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["steps_run"] == 2 and report["heldout"]["exact"] and report["heldout"]["prompts"] == 1
+    assert runner.invoke(app, ["census", str(out)], env={}).exit_code == 0
