@@ -75,6 +75,13 @@ def test_resumed_run_equals_uninterrupted_and_exports_a_drafter_generate_runs_ex
     c = json.loads(census.stdout)
     assert json.dumps(c).count("dspark" if kind == "dspark" else "dflash") > 0
 
+    # the export against memra's independent float64 oracle (engine/reference.py), stage by stage
+    oracle = root / f"oracle_{kind}.npz"
+    made = runner.invoke(app, ["parity", str(whole), "--make-oracle", str(oracle), "--target", str(target)], env={})
+    assert made.exit_code == 0, made.output
+    par = runner.invoke(app, ["parity", str(whole), str(oracle), "--target", str(target), "--json"], env={})
+    assert par.exit_code == 0 and json.loads(par.stdout)["pass"] is True, par.output
+
     gguf = whole / "model.q8.gguf"
     assert report["gguf"]["path"] == str(gguf) and gguf.is_file()
     census = runner.invoke(app, ["census", str(gguf), "--json"], env={})
@@ -153,3 +160,32 @@ def test_a_hybrid_qwen3_5_target_trains_through_the_engine(setup, tmp_path):
     report = json.loads(r.stdout)
     assert report["steps_run"] == 2 and report["heldout"]["exact"] and report["heldout"]["prompts"] == 1
     assert runner.invoke(app, ["census", str(out)], env={}).exit_code == 0
+
+
+def test_ctrl_c_leaves_a_resumable_checkpoint_and_no_output(setup, tmp_path):
+    """A real SIGINT in the middle of training: exit 130, no --out, a checkpoint of whole steps that
+    --resume finishes from."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    _, target, prompts = setup
+    out = tmp_path / "out"
+    args = ["--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, *SMALL, "--log-every", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "memra_cli", "train", *map(str, args), "--steps", "100000",
+                             "--checkpoint-every", "100000"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in proc.stderr:  # wait until training runs
+        if line.startswith("train step 3/"):
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, rest
+    assert "error: interrupted" in rest and not out.exists()
+    state = torch.load(tmp_path / "out.ckpt" / "state.pt", weights_only=False)
+    assert state["step"] >= 3  # saved on the signal, not only at --checkpoint-every
+    done = state["step"] + 2
+    r = train(*args, "--steps", done, "--resume", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["resumed_from"] == state["step"] and (out / "model.safetensors").is_file()
