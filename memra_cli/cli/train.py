@@ -83,6 +83,7 @@ def train(
     export_dtype: str = typer.Option("bfloat16", "--export-dtype", help="bfloat16 | float32."),
     eval_new: int = typer.Option(64, "--eval-new", callback=at_least(1), help="Tokens per held-out prompt in the final tau."),
     gguf: Optional[str] = typer.Option(None, "--gguf", help="Also write OUT/model.POLICY.gguf through `memra quantize` (q8|mixed|fc|q4)."),
+    plot: bool = typer.Option(False, "--plot", help="Also write OUT/train.png: the loss curve and the held-out tau per prompt (needs matplotlib)."),
     log_every: int = typer.Option(50, "--log-every", callback=at_least(1), help="Without a terminal: a progress line every N steps."),
     json_out: bool = JsonOpt,
 ) -> None:
@@ -101,6 +102,12 @@ def train(
 
     if export_dtype not in DTYPES:
         raise SettingError("export_dtype", export_dtype, f"expected {'|'.join(DTYPES)}", quote=False)
+    if plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SettingError("plot", True, "needs matplotlib (pip install 'memra[plot]')", quote=False,
+                               flag_text="--plot needs matplotlib (pip install 'memra[plot]')") from None
     req = TrainRequest(target=target, kind=kind, prompts=prompts, out=out, steps=steps, budget_s=budget_s, resume=resume,
                        force=force, device=device, dtype=dtype, max_new=max_new, heldout=heldout, layers=layers,
                        block=block, taps=_parse_taps(taps), mask_token=mask_token, markov_rank=markov_rank,
@@ -121,6 +128,8 @@ def train(
         raise
     progress.close()
     report["wall_s"] = round(time.perf_counter() - t0, 3)
+    if plot and report.get("finished") is not None and out.is_dir():
+        report["plot"] = str(_write_plot(report, out / "train.png"))
     if json_out:
         render.emit_json(report)
     else:
@@ -131,6 +140,42 @@ def train(
         print(f"error: held-out prompt {m['prompt']}: speculative output differs from plain at token {m['position']}",
               file=sys.stderr)
         raise typer.Exit(code=1)
+
+
+def _write_plot(report: dict, path: Path) -> Path:
+    """Loss per logged step, and the held-out tau of each prompt; written atomically."""
+    import os
+    import tempfile
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from memra_cli.engine.files import publish, signals_held
+
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
+    steps, losses = zip(*report["losses"]) if report["losses"] else ((), ())
+    ax1.plot(steps, losses, color="#3b75af")
+    ax1.set(xlabel="step", ylabel="loss", title=f"{report['kind']} drafter: training loss")
+    held = report.get("heldout") or {}
+    taus = held.get("tau_per_prompt") or []
+    ax2.bar(range(len(taus)), taus, color="#3b75af")
+    ax2.axhline(held.get("tau", 1.0), color="black", lw=0.8, ls="--")
+    ax2.set(xlabel="held-out prompt", ylabel="tau (tokens / round)",
+            title=f"held-out tau {held.get('tau', '-')} ({'exact' if held.get('exact') else 'not exact'})")
+    tmp = None
+    try:
+        with signals_held():
+            fd, tmp = tempfile.mkstemp(prefix=".memra-plot-", suffix=".png", dir=path.parent)
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=120)
+        publish(tmp, path)
+    except BaseException:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def _summary(report: dict, out: Path) -> None:

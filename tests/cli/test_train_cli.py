@@ -48,10 +48,11 @@ def test_resumed_run_equals_uninterrupted_and_exports_a_drafter_generate_runs_ex
     extra = ["--markov-rank", "16"] if kind == "dspark" else []
     whole, parts = root / f"whole_{kind}", root / f"parts_{kind}"
     r = train("--target", target, "--kind", kind, "--prompts", prompts, "--out", whole, "--steps", STEPS, *SMALL, *extra,
-              "--gguf", "q8", "--json")
+              "--gguf", "q8", "--plot", "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert report["finished"] and report["steps_run"] == STEPS and report["heldout"]["exact"]
+    assert (whole / "train.png").read_bytes()[:4] == b"\x89PNG" and report["plot"] == str(whole / "train.png")
 
     # the same run stopped after 2 steps (as Ctrl-C leaves it: a checkpoint, no --out), then resumed
     stopped = run_training(plan_training(_request(target, prompts, parts, kind)), stop_after=2)
