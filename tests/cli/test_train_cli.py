@@ -190,3 +190,20 @@ def test_ctrl_c_leaves_a_resumable_checkpoint_and_no_output(setup, tmp_path):
     r = train(*args, "--steps", done, "--resume", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["resumed_from"] == state["step"] and (out / "model.safetensors").is_file()
+
+
+def test_chat_rows_go_through_the_targets_chat_template(setup, tmp_path):
+    """A chat JSONL's conversations are rendered by the target's template, ready for the
+    assistant's turn (a trailing assistant answer is dropped: the target writes its own), the
+    same ids `generate --chat` gives a single user turn."""
+    from memra_cli.engine.text import TextCodec
+    from memra_cli.train.online import encode_prompts
+
+    _, target, _ = setup
+    chats = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "sort a list"}, {"role": "assistant", "content": "sorted(x)"}]},
+            {"messages": [{"role": "user", "content": "reverse it"}]}]
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    codec = TextCodec(target)
+    got = encode_prompts(str(chats), codec, max_prompt=512)
+    assert got.chat and got.ids == (tuple(codec.encode("sort a list", chat=True)), tuple(codec.encode("reverse it", chat=True)))
