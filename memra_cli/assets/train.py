@@ -1,4 +1,6 @@
-"""Training pieces for the embedded default models (used by `python -m memra_cli.assets.build`).
+"""Training pieces for the embedded default models (used by `python -m memra_cli.assets.build`):
+the corpus, tokenizer, target and its greedy data. The drafter, its losses and its exporter are
+`memra train`'s (memra_cli/train/), shared so the two cannot drift.
 
 Corpus: the CPython standard library's Python sources on the build machine. Tokenizer: byte-level
 BPE. Target: transformers' Qwen3ForCausalLM (so the shipped weights are HF format by
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import math
 import textwrap
 import sys
 import sysconfig

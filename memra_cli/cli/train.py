@@ -95,6 +95,28 @@ def train(
     drafter is written to OUT in the format `memra census` reads, and evaluated on held-out
     prompts through the engine's round loop (speculative must equal plain). See docs/train.md.
     """
+    flags = dict(locals())
+    from memra_cli.engine.errors import SettingError
+
+    try:
+        _train(**flags)
+    except SettingError as exc:  # the library names settings (`taps`); words them as this command's flags
+        raise _as_flags(exc) from None
+
+
+def _as_flags(exc):
+    from memra_cli.cli.common import SETTINGS, setting_label
+    from memra_cli.engine.errors import ConfigError
+
+    def label(name: str, value: object) -> str:
+        return setting_label(name, value) if name in SETTINGS else f"--{name.replace('_', '-')} {value}"
+
+    return ConfigError(exc.render(label, front_end=True))
+
+
+def _train(*, target, kind, prompts, out, steps, budget_s, resume, force, device, dtype, layers, block, taps, mask_token,
+           markov_rank, confidence, max_new, heldout, batch, anchors, lr, seed, checkpoint_every, export_dtype,
+           eval_new, gguf, plot, log_every, json_out) -> None:
     from memra_cli.cli import render
     from memra_cli.engine.errors import SettingError
     from memra_cli.train.export import DTYPES

@@ -109,8 +109,10 @@ def resolve_geometry(target: Path, kind: str, *, layers: int | None = None, bloc
         notes.append(f"taps: {','.join(map(str, taps))} ({layers} spread over the target's {L} layers; --taps)")
     bad = [t for t in taps if not -1 <= t <= L - 2]
     if bad:
-        raise SettingError("taps", ",".join(map(str, taps)),
-                           f"tap {bad[0]} is outside the target's layers (expected -1..{L - 2} for {L} layers)")
+        why = (f"tap {bad[0]} is the target's last layer (its raw output feeds only the final norm; the published "
+               "drafters tap below it)"
+               if bad[0] == L - 1 else f"tap {bad[0]} is outside the target's layers")
+        raise SettingError("taps", ",".join(map(str, taps)), f"{why}; expected -1..{L - 2} for {L} layers")
     if mask_token is None:
         mask_token, note = default_mask_token(target, vocab)
         notes.append(note)

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from memra_cli.engine.errors import ConfigError, SettingError
 from memra_cli.engine.files import OutputExistsError
 from memra_cli.train.geometry import Geometry, check_target_dir, resolve_geometry
