@@ -207,3 +207,16 @@ def test_chat_rows_go_through_the_targets_chat_template(setup, tmp_path):
     codec = TextCodec(target)
     got = encode_prompts(str(chats), codec, max_prompt=512)
     assert got.chat and got.ids == (tuple(codec.encode("sort a list", chat=True)), tuple(codec.encode("reverse it", chat=True)))
+
+
+def test_a_spent_budget_stops_training_and_still_exports(setup, tmp_path):
+    """--budget-s ends training at the first step boundary past it; the drafter is then exported
+    and evaluated as after --steps (the report says what stopped it)."""
+    _, target, prompts = setup
+    out = tmp_path / "out"
+    r = train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, "--steps", 1000, *SMALL,
+              "--budget-s", 0, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["stopped_by"] == "budget" and report["steps_run"] == 0 and not report["finished"]
+    assert (out / "model.safetensors").is_file() and report["heldout"]["exact"]
