@@ -111,6 +111,12 @@ class TrainJob:
         if st["geometry"] != self.geo.as_json():
             raise ConfigError(f"{path}: the checkpoint's drafter geometry differs from this run's "
                               f"(checkpoint {st['geometry']}, asked {self.geo.as_json()})")
+        mine = asdict(self.hyper)
+        changed = [k for k in ("batch", "anchors", "lr", "warmup_frac", "seed") if st["hyper"].get(k) != mine[k]]
+        if changed:  # a resumed run must be the same run: only its length and checkpoint interval may change
+            k = changed[0]
+            raise ConfigError(f"{path}: the checkpoint was trained with {k}={st['hyper'].get(k)!r}, this run asks "
+                              f"{k}={mine[k]!r} (resume with the same settings, or start over with --force)")
         self.drafter.load_state_dict(st["drafter"])
         self.opt.load_state_dict(st["optimizer"])
         self.gen.set_state(st["gen"])

@@ -187,6 +187,8 @@ def test_ctrl_c_leaves_a_resumable_checkpoint_and_no_output(setup, tmp_path):
     state = torch.load(tmp_path / "out.ckpt" / "state.pt", weights_only=False)
     assert state["step"] >= 3  # saved on the signal, not only at --checkpoint-every
     done = state["step"] + 2
+    other = train(*args, "--steps", done, "--resume", "--batch", 3)  # a resumed run must be the same run
+    assert other.exit_code == 2 and "batch=2" in other.stderr and "batch=3" in other.stderr, other.output
     r = train(*args, "--steps", done, "--resume", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["resumed_from"] == state["step"] and (out / "model.safetensors").is_file()
