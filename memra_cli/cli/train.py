@@ -73,6 +73,8 @@ def train(
     mask_token: Optional[int] = typer.Option(None, "--mask-token", help="Mask token id (default: from the tokenizer)."),
     markov_rank: Optional[int] = typer.Option(None, "--markov-rank", help="DSpark markov head rank (default 256)."),
     confidence: Optional[bool] = typer.Option(None, "--confidence/--no-confidence", help="DSpark confidence head (default on)."),
+    temperature: float = typer.Option(0.0, "--temperature", help="Answers: 0 = greedy (default), else sampled at this temperature (seed --seed + prompt index)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling for sampled answers (1 = off)."),
     max_new: int = typer.Option(128, "--max-new", callback=at_least(2), help="Tokens of each regenerated answer."),
     heldout: Optional[int] = typer.Option(None, "--heldout", help="Prompts held out for the final tau (default: a tenth, 1..16)."),
     batch: int = typer.Option(8, "--batch", callback=at_least(1), help="Sequences per step."),
@@ -115,7 +117,7 @@ def _as_flags(exc):
 
 
 def _train(*, target, kind, prompts, out, steps, budget_s, resume, force, device, dtype, layers, block, taps, mask_token,
-           markov_rank, confidence, max_new, heldout, batch, anchors, lr, seed, checkpoint_every, export_dtype,
+           markov_rank, confidence, temperature, top_p, max_new, heldout, batch, anchors, lr, seed, checkpoint_every, export_dtype,
            eval_new, gguf, plot, log_every, json_out) -> None:
     from memra_cli.cli import render
     from memra_cli.engine.errors import SettingError
@@ -134,7 +136,8 @@ def _train(*, target, kind, prompts, out, steps, budget_s, resume, force, device
                        force=force, device=device, dtype=dtype, max_new=max_new, heldout=heldout, layers=layers,
                        block=block, taps=_parse_taps(taps), mask_token=mask_token, markov_rank=markov_rank,
                        confidence=confidence, batch=batch, anchors=anchors, lr=lr, seed=seed,
-                       checkpoint_every=checkpoint_every, export_dtype=export_dtype, eval_new=eval_new, gguf=gguf)
+                       checkpoint_every=checkpoint_every, export_dtype=export_dtype, eval_new=eval_new, gguf=gguf,
+                       temperature=temperature, top_p=top_p)
     plan = plan_training(req)
     if not json_out:
         for line in plan.notes:

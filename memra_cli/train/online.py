@@ -75,23 +75,37 @@ def encode_prompts(spec: str, codec, max_prompt: int) -> Prompts:
 class OnlineData:
     """Sequences `[prompt ; the target's greedy answer]` made on demand through the engine."""
 
-    def __init__(self, engine, prompts: Prompts, max_new: int):
-        self.engine, self.prompts, self.max_new = engine, prompts, max_new
+    def __init__(self, engine, prompts: Prompts, max_new: int, sampling=None):
+        """`sampling`: engine SamplingParams for sampled answers (None: greedy). Prompt `i` is
+        sampled with seed `sampling.seed + i`: each answer is a pure function of its prompt, so
+        a resumed run regenerates exactly what it had."""
+        self.engine, self.prompts, self.max_new, self.sampling = engine, prompts, max_new, sampling
         self._answers: dict[int, tuple[int, ...]] = {}
         self.generated_tokens = 0
 
     def answer(self, i: int) -> tuple[int, ...]:
-        """Prompt `i`'s answer: `max_new` tokens of plain greedy decoding by the engine. EOS does not
+        """Prompt `i`'s answer: `max_new` tokens of plain decoding by the engine. EOS does not
         stop it (every sequence then has a full answer to anchor blocks in; what the target writes
         past an EOS is still its own distribution)."""
         if i not in self._answers:
-            with torch.inference_mode(), self.engine.session(list(self.prompts.ids[i]), self.max_new, eos_ids=()) as s:
+            with torch.inference_mode(), self.engine.session(list(self.prompts.ids[i]), self.max_new, eos_ids=(),
+                                                             sampler=self._sampler(i)) as s:
                 s.prime()
                 while not s.finished:
                     s.burst(64)
                 self._answers[i] = tuple(s.tokens)
             self.generated_tokens += len(self._answers[i])
         return self._answers[i]
+
+    def _sampler(self, i: int):
+        from dataclasses import replace
+
+        from memra_cli.engine.spec.keyed import make_sampler
+        from memra_cli.engine.spec.sampling import GREEDY
+
+        if self.sampling is None:
+            return GREEDY
+        return make_sampler(replace(self.sampling, seed=(self.sampling.seed or 0) + i))
 
     def batch(self, rows: list[int], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids `[B, L]` padded with `pad` at the end, lengths `[B]`, prompt lengths `[B]`)."""

@@ -53,6 +53,8 @@ class TrainRequest:
     checkpoint_every: int = 200
     export_dtype: str = "bfloat16"
     eval_new: int = 64
+    temperature: float = 0.0  # answers: 0 = greedy, else sampled (engine keyed sampling, seed + prompt index)
+    top_p: float = 1.0
     gguf: str | None = None  # a quantize policy: also write OUT/model.POLICY.gguf
 
 
@@ -115,10 +117,21 @@ def plan_training(req: TrainRequest) -> Plan:
         raise SettingError("max_new", req.max_new, f"expected more than the block size {geo.block}")
     prompts = encode_prompts(req.prompts, TextCodec(req.target), req.max_prompt)
     train_rows, held = _split(len(prompts.ids), req.heldout, notes)
+    _sampling(req)  # refused before the engine loads
+    notes.append("answers: greedy (default; --temperature)" if req.temperature == 0 else
+                 f"answers: sampled at temperature {req.temperature}, top-p {req.top_p}, seed {req.seed} + prompt index")
     engine = Engine.load(EngineConfig(target=req.target, device=req.device, dtype=req.dtype))
     engine.target.check_taps(geo.taps)
     notes += list(engine.notes)
     return Plan(req, engine, geo, prompts, train_rows, held, notes)
+
+
+def _sampling(req: TrainRequest):
+    from memra_cli.engine.spec.keyed import SamplingParams
+
+    if req.temperature == 0 and req.top_p == 1.0:
+        return None
+    return SamplingParams(temperature=req.temperature, top_p=req.top_p, seed=req.seed)
 
 
 def _hyper(req: TrainRequest) -> Hyper:
@@ -132,7 +145,7 @@ def run_training(plan: Plan, *, on_step: Callable[[Progress], None] = lambda p: 
     `out/train_report.json`); a run stopped early returns `finished: False` and exports nothing."""
     req, engine = plan.req, plan.engine
     source = EngineTaps(engine.target)
-    data = OnlineData(engine, plan.prompts, req.max_new)
+    data = OnlineData(engine, plan.prompts, req.max_new, _sampling(req))
     job = TrainJob(plan.geometry, _hyper(req), data, source, engine.device, plan.train_rows)
     if req.resume:
         job.load(plan.ckpt_dir)

@@ -222,3 +222,23 @@ def test_a_spent_budget_stops_training_and_still_exports(setup, tmp_path):
     report = json.loads(r.stdout)
     assert report["stopped_by"] == "budget" and report["steps_run"] == 0 and not report["finished"]
     assert (out / "model.safetensors").is_file() and report["heldout"]["exact"]
+
+
+def test_sampled_answers_are_a_pure_function_of_the_prompt(setup):
+    """--temperature: each prompt's answer is sampled with seed + its index, so two runs (a resumed
+    one regenerates its answers) draw the same answers; greedy ones are the argmax stream."""
+    from memra_cli.engine.api import Engine, EngineConfig
+    from memra_cli.engine.spec.keyed import SamplingParams
+    from memra_cli.engine.text import TextCodec
+    from memra_cli.train.online import OnlineData, encode_prompts
+
+    _, target, prompts = setup
+    engine = Engine.load(EngineConfig(target=target, device="cpu"))
+    rows = encode_prompts(str(prompts), TextCodec(target), 512)
+    hot = SamplingParams(temperature=5.0, seed=7)
+    first, second = OnlineData(engine, rows, 8, hot), OnlineData(engine, rows, 8, hot)
+    assert [first.answer(i) for i in (0, 1)] == [second.answer(i) for i in (0, 1)]
+    greedy = OnlineData(engine, rows, 8)
+    ids = list(rows.ids[0])
+    assert list(greedy.answer(0)) == greedy_reference(Qwen3Target.from_dir(target), ids, 8, ())
+    assert first.answer(0) != greedy.answer(0)  # temperature 5 over 512 tokens: a different stream
