@@ -15,7 +15,7 @@ taps come from the engine's target (`EngineTaps`), as in `memra train`. Reports:
   (n_taps * hidden * 2 bytes in bf16), for comparison with a cached pipeline.
 
     PYTHONPATH=$PWD python benchmarks/gpu/train_throughput.py [--kind dspark] [--batch 8] [--anchors 16] \
-        [--steps 10] [--json OUT.json]
+        [--steps 10] [--compile] [--json OUT.json]
     PYTHONPATH=$PWD python benchmarks/gpu/train_throughput.py --tiny --json OUT.json   # CPU smoke test
 """
 
@@ -73,7 +73,8 @@ def measure(args) -> dict:
     geo = geometry(args.kind, s, s["d_layers"])
     data = RandomData(s["vocab"], args.prompt + args.answer, args.prompt)
     source = EngineTaps(target)
-    job = TrainJob(geo, Hyper(steps=10**6, batch=args.batch, anchors=args.anchors), data, source, device, list(range(64)))
+    job = TrainJob(geo, Hyper(steps=10**6, batch=args.batch, anchors=args.anchors), data, source, device, list(range(64)),
+                   compile=args.compile)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     for _ in range(args.warmup):
@@ -98,7 +99,7 @@ def measure(args) -> dict:
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "shape": "small" if args.tiny else "8b", "dtype": str(dtype).removeprefix("torch."), "geometry": geo.as_json(),
-        "batch": args.batch, "anchors": args.anchors, "seq_len": args.prompt + args.answer, "steps_timed": args.steps,
+        "compile": args.compile, "batch": args.batch, "anchors": args.anchors, "seq_len": args.prompt + args.answer, "steps_timed": args.steps,
         "step_ms": round(1e3 * step_s, 2), "taps_ms": round(1e3 * taps_s, 2),
         "drafter_ms": round(1e3 * (step_s - taps_s), 2),
         "target_tokens_per_s": round(tokens_per_step / step_s, 1),
@@ -117,6 +118,7 @@ def main() -> None:
     p.add_argument("--answer", type=int, default=128)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="the drafter's forward and losses through torch.compile")
     p.add_argument("--tiny", action="store_true", help="the small shape on the CPU (smoke test)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()

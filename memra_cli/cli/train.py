@@ -82,6 +82,7 @@ def train(
     lr: float = typer.Option(6e-4, "--lr", help="Peak learning rate."),
     seed: int = typer.Option(0, "--seed", help="Seed of the drafter's init and the batch draws."),
     checkpoint_every: int = typer.Option(200, "--checkpoint-every", callback=at_least(1), help="Steps between checkpoints."),
+    compile: bool = typer.Option(False, "--compile", help="Run the drafter's forward and losses through torch.compile (fuses the elementwise kernels on CUDA)."),
     export_dtype: str = typer.Option("bfloat16", "--export-dtype", help="bfloat16 | float32."),
     eval_new: int = typer.Option(64, "--eval-new", callback=at_least(1), help="Tokens per held-out prompt in the final tau."),
     gguf: Optional[str] = typer.Option(None, "--gguf", help="Also write OUT/model.POLICY.gguf through `memra quantize` (q8|mixed|fc|q4)."),
@@ -117,7 +118,7 @@ def _as_flags(exc):
 
 
 def _train(*, target, kind, prompts, out, steps, budget_s, resume, force, device, dtype, layers, block, taps, mask_token,
-           markov_rank, confidence, temperature, top_p, max_new, heldout, batch, anchors, lr, seed, checkpoint_every, export_dtype,
+           markov_rank, confidence, temperature, top_p, max_new, heldout, batch, anchors, lr, seed, checkpoint_every, compile, export_dtype,
            eval_new, gguf, plot, log_every, json_out) -> None:
     from memra_cli.cli import render
     from memra_cli.engine.errors import SettingError
@@ -137,7 +138,7 @@ def _train(*, target, kind, prompts, out, steps, budget_s, resume, force, device
                        block=block, taps=_parse_taps(taps), mask_token=mask_token, markov_rank=markov_rank,
                        confidence=confidence, batch=batch, anchors=anchors, lr=lr, seed=seed,
                        checkpoint_every=checkpoint_every, export_dtype=export_dtype, eval_new=eval_new, gguf=gguf,
-                       temperature=temperature, top_p=top_p)
+                       temperature=temperature, top_p=top_p, compile=compile)
     plan = plan_training(req)
     if not json_out:
         for line in plan.notes:

@@ -76,7 +76,11 @@ def spec_of(geo: Geometry) -> DraftSpec:
 class TrainJob:
     """The drafter, its optimizer and the loop's state; `run` trains, `save`/`load` checkpoint."""
 
-    def __init__(self, geo: Geometry, hyper: Hyper, data, source, device: torch.device, train_rows: list[int]):
+    def __init__(self, geo: Geometry, hyper: Hyper, data, source, device: torch.device, train_rows: list[int],
+                 compile: bool | str = False):
+        """`compile`: the drafter's forward and losses through torch.compile (True: its default
+        backend; a string names one), the taps staying eager and gradient-free: an eager step is
+        mostly elementwise kernels the compiler fuses (docs/bench.md, the embedded build's profile)."""
         self.geo, self.hyper, self.data, self.source, self.device = geo, hyper, data, source, device
         self.train_rows = train_rows
         self.spec = spec_of(geo)
@@ -85,6 +89,12 @@ class TrainJob:
         self.gen = torch.Generator().manual_seed(hyper.seed + 1)
         self.step, self.tokens, self.losses = 0, 0, []
         self.decay = slot_decay(self.spec, device)
+        self.loss = self._eager_loss
+        if compile:
+            self.loss = torch.compile(self._eager_loss, **({"backend": compile} if isinstance(compile, str) else {}))
+
+    def _eager_loss(self, ids: torch.Tensor, anc: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
+        return drafter_loss(self.drafter, self.source, ids, anc, taps, self.spec, self.decay)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -135,7 +145,7 @@ class TrainJob:
         taps = self.source.tap_batch(ids, spec.taps, lengths.tolist())
         for g in self.opt.param_groups:
             g["lr"] = cosine_lr(self.step, h.steps, h.lr, max(1, int(h.steps * h.warmup_frac)))
-        loss = drafter_loss(self.drafter, self.source, ids, anc, taps, spec, self.decay)
+        loss = self.loss(ids, anc, taps)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)

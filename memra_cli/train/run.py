@@ -55,6 +55,7 @@ class TrainRequest:
     eval_new: int = 64
     temperature: float = 0.0  # answers: 0 = greedy, else sampled (engine keyed sampling, seed + prompt index)
     top_p: float = 1.0
+    compile: bool | str = False  # the drafter's forward and losses through torch.compile (job.py)
     gguf: str | None = None  # a quantize policy: also write OUT/model.POLICY.gguf
 
 
@@ -118,6 +119,8 @@ def plan_training(req: TrainRequest) -> Plan:
     prompts = encode_prompts(req.prompts, TextCodec(req.target), req.max_prompt)
     train_rows, held = _split(len(prompts.ids), req.heldout, notes)
     _sampling(req)  # refused before the engine loads
+    notes.append("drafter forward and losses compiled (--compile)" if req.compile else
+                 "drafter eager (default; --compile fuses its elementwise kernels)")
     notes.append("answers: greedy (default; --temperature)" if req.temperature == 0 else
                  f"answers: sampled at temperature {req.temperature}, top-p {req.top_p}, seed {req.seed} + prompt index")
     engine = Engine.load(EngineConfig(target=req.target, device=req.device, dtype=req.dtype))
@@ -146,7 +149,7 @@ def run_training(plan: Plan, *, on_step: Callable[[Progress], None] = lambda p: 
     req, engine = plan.req, plan.engine
     source = EngineTaps(engine.target)
     data = OnlineData(engine, plan.prompts, req.max_new, _sampling(req))
-    job = TrainJob(plan.geometry, _hyper(req), data, source, engine.device, plan.train_rows)
+    job = TrainJob(plan.geometry, _hyper(req), data, source, engine.device, plan.train_rows, compile=req.compile)
     if req.resume:
         job.load(plan.ckpt_dir)
     elif plan.ckpt_dir.exists():
