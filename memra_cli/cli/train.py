@@ -92,7 +92,7 @@ def train(
 ) -> None:
     """Train a DFlash or DSpark drafter for TARGET online and export it.
 
-    The target regenerates each prompt's answer (greedy) and its taps are computed batch by
+    The target regenerates each prompt's answer (greedy by default) and its taps are computed batch by
     batch through memra's engine; nothing is cached to disk but the resumable checkpoint
     (OUT.ckpt/state.pt, written every --checkpoint-every steps and on Ctrl-C). At the end the
     drafter is written to OUT in the format `memra census` reads, and evaluated on held-out
