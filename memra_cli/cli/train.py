@@ -207,7 +207,7 @@ def _write_plot(report: dict, path: Path) -> Path:
 def _summary(report: dict, out: Path) -> None:
     from memra_cli.cli import render
 
-    tps = report["tokens"] / report["train_s"] if report["train_s"] else 0.0
+    tps = report["tokens_per_s"] or 0.0
     loss = report["losses"][-1][1] if report["losses"] else float("nan")
     render.console.print(f"trained {report['kind']} drafter: {report['steps_run']} steps, {report['tokens']:,} target tokens "
                          f"({tps:,.0f} tok/s), last loss {loss:.4f}", highlight=False)

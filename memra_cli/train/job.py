@@ -49,8 +49,8 @@ class Progress:
     step: int
     steps: int
     loss: float
-    tokens: int  # target tokens the drafter has trained on (sequence positions)
-    elapsed_s: float
+    tokens: int  # target tokens trained on in this run (sequence positions; a resumed run counts from its start)
+    elapsed_s: float  # since this run started
 
 
 @dataclass
@@ -59,8 +59,9 @@ class RunResult:
     finished: bool  # False: stopped early (a signal or the budget) with a checkpoint to resume
     stopped_by: str | None
     losses: list[tuple[int, float]] = field(default_factory=list)
-    tokens: int = 0
-    train_s: float = 0.0
+    tokens: int = 0  # over the whole training, resumed parts included
+    tokens_this_run: int = 0
+    train_s: float = 0.0  # this run's
 
 
 def new_drafter(geo: Geometry, seed: int) -> TrainDrafter:
@@ -160,7 +161,7 @@ class TrainJob:
         `should_stop()`), checkpointing every `checkpoint_every` steps and at any early stop. A
         signal's exception (Ctrl-C) is held until the step ends, then the state is saved and
         the exception goes on."""
-        t0, start = time.perf_counter(), self.step
+        t0, start, tokens0 = time.perf_counter(), self.step, self.tokens
         stopped_by = None
         try:
             while self.step < self.hyper.steps:
@@ -178,7 +179,7 @@ class TrainJob:
                     self.step += 1
                     if self.step % 10 == 0 or self.step == self.hyper.steps:
                         self.losses.append((self.step, round(loss, 5)))
-                on_step(Progress(self.step, self.hyper.steps, loss, self.tokens, time.perf_counter() - t0))
+                on_step(Progress(self.step, self.hyper.steps, loss, self.tokens - tokens0, time.perf_counter() - t0))
                 if self.step % self.hyper.checkpoint_every == 0:
                     self.save(ckpt_dir)
         except Exception:
@@ -188,4 +189,4 @@ class TrainJob:
             raise
         self.save(ckpt_dir)
         return RunResult(self.step, self.step >= self.hyper.steps, stopped_by, list(self.losses), self.tokens,
-                         time.perf_counter() - t0)
+                         self.tokens - tokens0, time.perf_counter() - t0)

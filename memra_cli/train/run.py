@@ -160,7 +160,9 @@ def run_training(plan: Plan, *, on_step: Callable[[Progress], None] = lambda p: 
     report = {"target": str(req.target), "kind": req.kind, "prompts": plan.prompts.source,
               "geometry": plan.geometry.as_json(), "hyper": json.loads(json.dumps(job.state()["hyper"])),
               "notes": plan.notes, "resumed_from": resumed_from, "steps_run": result.steps_run, "finished": result.finished,
-              "stopped_by": result.stopped_by, "tokens": result.tokens, "train_s": round(result.train_s, 3),
+              "stopped_by": result.stopped_by, "tokens": result.tokens, "tokens_this_run": result.tokens_this_run,
+              "train_s": round(result.train_s, 3),
+              "tokens_per_s": round(result.tokens_this_run / result.train_s, 1) if result.train_s > 0 else None,
               "generated_tokens": data.generated_tokens, "losses": result.losses,
               "checkpoint": str(plan.ckpt_dir / "state.pt")}
     if result.stopped_by in ("signal", "stop_after"):
