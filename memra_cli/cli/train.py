@@ -212,6 +212,8 @@ def _summary(report: dict, out: Path) -> None:
     render.console.print(f"trained {report['kind']} drafter: {report['steps_run']} steps, {report['tokens']:,} target tokens "
                          f"({tps:,.0f} tok/s), last loss {loss:.4f}", highlight=False)
     held = report.get("heldout")
+    for line in (held or {}).get("warnings", []):
+        render.warn(line)
     if held:
         verdict = "exact" if held["exact"] else f"NOT exact (prompt {held['mismatch']['prompt']})"
         render.console.print(f"held-out tau {held['tau']} over {held['prompts']} prompts x {held['max_new']} tokens, {verdict}",

@@ -89,8 +89,8 @@ def resolve_geometry(target: Path, kind: str, *, layers: int | None = None, bloc
                      taps: tuple[int, ...] | None = None, mask_token: int | None = None,
                      markov_rank: int | None = None, confidence: bool | None = None) -> tuple[Geometry, list[str]]:
     """The geometry for `kind` over the target directory, and one note per default applied.
-    Refuses taps outside [-1, L-2] (the last layer's raw output is not what a drafter taps: the
-    engine's taps are raw residuals, and the last one feeds only the final norm)."""
+    Refuses taps outside [-1, L-1]. The engine's taps are raw layer outputs, the last layer's
+    included (as DeepSpec's training cache records them), so training and inference agree."""
     if kind not in KINDS:
         raise SettingError("kind", kind, f"expected {'|'.join(KINDS)}", quote=False)
     cfg, notes = text_config(target), []
@@ -107,12 +107,11 @@ def resolve_geometry(target: Path, kind: str, *, layers: int | None = None, bloc
     if taps is None:
         taps = spread_taps(layers, L)
         notes.append(f"taps: {','.join(map(str, taps))} ({layers} spread over the target's {L} layers; --taps)")
-    bad = [t for t in taps if not -1 <= t <= L - 2]
+    bad = [t for t in taps if not -1 <= t <= L - 1]
     if bad:
-        why = (f"tap {bad[0]} is the target's last layer (its raw output feeds only the final norm; the published "
-               "drafters tap below it)"
-               if bad[0] == L - 1 else f"tap {bad[0]} is outside the target's layers")
-        raise SettingError("taps", ",".join(map(str, taps)), f"{why}; expected -1..{L - 2} for {L} layers")
+        raise SettingError("taps", ",".join(map(str, taps)),
+                           f"tap {bad[0]} is outside the target's layers (expected -1..{L - 1} for {L} layers; -1 is "
+                           "the embedding output)")
     if mask_token is None:
         mask_token, note = default_mask_token(target, vocab)
         notes.append(note)

@@ -38,4 +38,4 @@ def heldout_tau(engine, drafter_dir: Path, kind: str, prompts: Sequence[Sequence
         per_prompt.append(stats["tau"])
     return {"prompts": len(prompts), "max_new": max_new, "tau": round(tokens / max(rounds, 1), 4),
             "tau_per_prompt": per_prompt, "exact": mismatch is None, "mismatch": mismatch,
-            "program": arm.mode}
+            "program": arm.mode, "warnings": list(arm.warnings)}

@@ -125,7 +125,8 @@ def plan_training(req: TrainRequest) -> Plan:
                  f"answers: sampled at temperature {req.temperature}, top-p {req.top_p}, seed {req.seed} + prompt index")
     engine = Engine.load(EngineConfig(target=req.target, device=req.device, dtype=req.dtype))
     engine.target.check_taps(geo.taps)
-    notes += list(engine.notes)
+    notes.append(f"target on {engine.device} in {str(engine.dtype).removeprefix('torch.')}: {engine.steps} "
+                 "(--device, --dtype)")
     return Plan(req, engine, geo, prompts, train_rows, held, notes)
 
 

@@ -116,9 +116,9 @@ def test_a_family_memra_cannot_run_is_refused(setup, tmp_path):
 def test_taps_past_the_targets_depth_are_refused(setup, tmp_path):
     root, target, prompts = setup
     out = tmp_path / "out"
-    # 4 layers: taps are -1..2 (layer 3's raw output only feeds the final norm)
-    _refused(train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, "--taps", "1,3"), out,
-             "tap 3")
+    # 4 layers: taps are -1..3
+    _refused(train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, "--taps", "1,4"), out,
+             "tap 4 is outside the target's layers (expected -1..3")
 
 
 def test_an_empty_prompt_set_is_refused(setup, tmp_path):
