@@ -74,7 +74,13 @@ def test_resumed_run_equals_uninterrupted_and_exports_a_drafter_generate_runs_ex
     census = runner.invoke(app, ["census", str(whole), "--json"], env={})
     assert census.exit_code == 0, census.output
     c = json.loads(census.stdout)
-    assert json.dumps(c).count("dspark" if kind == "dspark" else "dflash") > 0
+    geo = report["geometry"]
+    assert (c["block_size"], c["target_layer_ids"], c["mask_token_id"]) == (4, geo["taps"], 511)
+    if kind == "dflash":  # z-lab's layout
+        assert c["exporter"] == "zlab-dflash" and c["strategy_dspark"] is False and c["markov"] is None
+    else:  # DeepSpec's, with the markov and confidence heads
+        assert c["exporter"] == "deepspec" and c["strategy_dspark"] is True
+        assert c["markov"] is not None and c["confidence"] is not None
 
     # the export against memra's independent float64 oracle (engine/reference.py), stage by stage
     oracle = root / f"oracle_{kind}.npz"
