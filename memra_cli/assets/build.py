@@ -51,6 +51,9 @@ from memra_cli.assets.train import (
     SPECIALS, TrainDrafter, collect_corpus, encode_corpus, greedy_forced, heldout_loss, make_target, stdlib_prompts,
     tokenized_heads, train_target, train_tokenizer, windows,
 )
+from memra_cli.train.export import write_drafter
+from memra_cli.train.geometry import Geometry
+from memra_cli.train.taps import HFTaps
 from memra_cli.assets.train_draft import DraftSpec, calibrate_confidence, evaluate, param_count, train_drafter, walk_tau
 
 ASSETS = Path(__file__).resolve().parent
@@ -132,38 +135,12 @@ def _log(msg: str) -> None:
     print(f"[build {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _draft_config(kind: str, r: Recipe, taps: tuple[int, ...], block: int | None = None, layers: int | None = None) -> dict:
-    block = block or (r.dflash_block if kind == "dflash" else r.dspark_block)
-    layers = layers or r.draft_layers or 1
-    base = {
-        "model_type": "qwen3", "hidden_size": r.hidden, "num_hidden_layers": layers,
-        "num_attention_heads": r.heads, "num_key_value_heads": r.kv_heads, "head_dim": r.hidden // r.heads,
-        "intermediate_size": r.ffn, "hidden_act": "silu", "rms_norm_eps": 1e-6, "vocab_size": r.vocab,
-        "max_position_embeddings": r.max_pos, "attention_bias": False, "tie_word_embeddings": False,
-        "num_target_layers": r.target_layers, "layer_types": ["full_attention"] * layers,
-        "sliding_window": None,
-    }
-    if kind == "dflash":  # z-lab DFlash v1 layout (legacy keys, as its exports carry)
-        return {**base, "architectures": ["DFlashDraftModel"], "rope_theta": 10000.0, "rope_scaling": None,
-                "torch_dtype": "bfloat16", "block_size": block,
-                "dflash_config": {"mask_token_id": SPECIALS.index("<|MASK|>"), "target_layer_ids": list(taps)}}
-    return {**base, "architectures": ["Qwen3DSparkModel"], "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-            "dtype": "bfloat16", "block_size": block, "mask_token_id": SPECIALS.index("<|MASK|>"),
-            "target_layer_ids": list(taps), "num_anchors": r.anchors, "markov_rank": r.markov_rank,
-            "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True}
-
-
-def _save_drafter(out: Path, drafter: TrainDrafter, config: dict, target=None) -> None:
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu() for k, v in drafter.state_dict().items()}
-    if target is not None:  # DeepSpec exports carry copies of the target's tables
-        emb = target.get_input_embeddings().weight.detach().to(torch.bfloat16).cpu()
-        tensors["embed_tokens.weight"] = emb.clone()
-        tensors["lm_head.weight"] = target.get_output_embeddings().weight.detach().to(torch.bfloat16).cpu().clone()
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+def _geometry(kind: str, r: Recipe, taps: tuple[int, ...], block: int | None = None, layers: int | None = None) -> Geometry:
+    """The drafter's geometry as `memra train` describes it (the export is shared: train/export.py)."""
+    dspark = kind == "dspark"
+    return Geometry(kind, layers or r.draft_layers or 1, block or (r.dflash_block if kind == "dflash" else r.dspark_block),
+                    tuple(taps), SPECIALS.index("<|MASK|>"), r.markov_rank if dspark else 0, dspark, r.hidden, r.heads,
+                    r.kv_heads, r.hidden // r.heads, r.ffn, r.vocab, r.target_layers, max_positions=r.max_pos)
 
 
 def _save_target(out: Path, model, tok) -> None:
@@ -423,7 +400,8 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device) -> dic
          f"heads {entry['heldout_heads']['tau_full']}; tau_walk windows {entry['heldout_windows']['tau_walk']}, "
          f"heads {entry['heldout_heads']['tau_walk']}")
     out = work / "drafters"
-    _save_drafter(out / kind, drafter, _draft_config(kind, r, taps, block, layers), target if kind == "dspark" else None)
+    out.mkdir(parents=True, exist_ok=True)
+    write_drafter(out / kind, drafter, _geometry(kind, r, taps, block, layers), HFTaps(target), num_anchors=r.anchors)
     (out / f"{kind}.json").write_text(json.dumps(entry, indent=2) + "\n")
     return entry
 

@@ -1,4 +1,6 @@
-"""Training pieces for the embedded default models (used by `python -m memra_cli.assets.build`).
+"""Training pieces for the embedded default models (used by `python -m memra_cli.assets.build`):
+the corpus, tokenizer, target and its greedy data. The drafter, its losses and its exporter are
+`memra train`'s (memra_cli/train/), shared so the two cannot drift.
 
 Corpus: the CPython standard library's Python sources on the build machine. Tokenizer: byte-level
 BPE. Target: transformers' Qwen3ForCausalLM (so the shipped weights are HF format by
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import math
 import textwrap
 import sys
 import sysconfig
@@ -27,8 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+
+from memra_cli.train.drafter import TrainDrafter  # noqa: F401  (the build and its tests import it from here)
+from memra_cli.train.schedule import PLAN_AT_STEP, WARM_STEPS, cosine_lr, fit_steps, optimize  # noqa: F401
+from memra_cli.train.taps import hf_taps as target_taps  # noqa: F401
 
 SPECIALS = ("<|endoftext|>", "<|MASK|>")
 
@@ -181,67 +185,6 @@ def make_target(vocab: int, hidden: int, layers: int, heads: int, kv: int, ffn: 
     return Qwen3ForCausalLM(cfg)
 
 
-def fit_steps(steps: int, step: int, t0: float, t_warm: float, now: float, budget_s: float | None) -> int:
-    """Re-plan the total so the run fits `budget_s`, from the steady step time measured since
-    step WARM_STEPS (the first steps pay CUDA start-up and allocator warm-up; timing from step
-    0 once cut a 150 s budget to 31 s of training). The cosine schedule is re-planned around
-    the new total, so it still finishes its decay."""
-    if budget_s is None or step <= WARM_STEPS:
-        return steps
-    per_step = (now - t_warm) / (step - WARM_STEPS)
-    remaining = budget_s - (now - t0)
-    return max(step + 1, min(steps, step + int(remaining / per_step)))
-
-
-WARM_STEPS = 10
-PLAN_AT_STEP = 40
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def cosine_lr(step: int, total: int, peak: float, warmup: int) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-
-
-def optimize(params, opt, steps: int, lr: float, device, loss_fn, log, label: str, budget_s: float | None = None,
-             log_every: int = 200, stop=None) -> tuple[list[float], int]:
-    """The shared training loop: cosine LR with warm-up, clipped AdamW steps, a wall-clock
-    budget planned from steady-state step time. `loss_fn(step) -> loss`. Returns (losses logged,
-    steps actually run). `stop(step) -> bool`, when given, is asked after every step and ends the
-    run early (early stopping)."""
-    import time
-
-    losses, t0, t_warm, step = [], time.time(), 0.0, 0
-    while step < steps:
-        if step == WARM_STEPS:
-            _sync(device)
-            t_warm = time.time()
-        if step == PLAN_AT_STEP:
-            _sync(device)
-            steps = fit_steps(steps, step, t0, t_warm, time.time(), budget_s)
-        for g in opt.param_groups:
-            g["lr"] = cosine_lr(step, steps, lr, max(1, steps // 20))
-        loss = loss_fn(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        if step % log_every == 0 or step == steps - 1:
-            losses.append(loss.item())
-            log(f"{label} step {step}/{steps} loss {loss.item():.3f}")
-        step += 1
-        if stop is not None and stop(step):
-            log(f"{label} stopped early at step {step}/{steps}")
-            return losses, step
-    return losses, steps
-
-
 def train_target(model, stream: torch.Tensor, steps: int, batch: int, length: int, lr: float, device, log,
                  budget_s: float | None = None, val_stream: torch.Tensor | None = None, val_every: int = 200,
                  patience: int = 3) -> tuple[list[float], int, list[tuple[int, float]]]:
@@ -328,101 +271,3 @@ def greedy_forced(model, prompts: list[list[int]], total: int, batch: int, devic
     return torch.cat(seqs), torch.cat(plens)
 
 
-@torch.no_grad()
-def target_taps(model, ids: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor:
-    """`[B, L, n_taps*hidden]` raw layer outputs (-1 = embedding output), model dtype."""
-    # the decoder stack only (`model.model`): the taps never need the lm_head's `[B, L, V]` logits
-    hs = model.model(input_ids=ids, output_hidden_states=True).hidden_states
-    # transformers replaces the last entry with the final-normed state: taps never use it here
-    assert max(taps) < len(hs) - 2, "a tap on the last target layer needs the raw (pre-norm) state"
-    return torch.cat([hs[t + 1] for t in taps], dim=-1)
-
-
-# --------------------------------------------------------------------------- trainable drafter
-
-
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
-    """x `[B, H, T, D]`, pos `[B, T]` (rotate-half layout, float32 angles)."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
-    ang = pos.float()[..., None] * inv
-    cos, sin = torch.cat([ang, ang], -1).cos()[:, None].to(x.dtype), torch.cat([ang, ang], -1).sin()[:, None].to(x.dtype)
-    half = d // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
-
-class TrainDrafter(nn.Module):
-    """Trainable drafter whose `state_dict` has exactly the checkpoint's tensor names."""
-
-    def __init__(self, hidden: int, layers: int, heads: int, kv: int, ffn: int, n_taps: int, vocab: int,
-                 markov_rank: int = 0, confidence: bool = False):
-        super().__init__()
-        self.hidden, self.heads, self.kv, self.hd = hidden, heads, kv, hidden // heads
-        self.fc = nn.Linear(n_taps * hidden, hidden, bias=False)
-        self.hidden_norm = nn.RMSNorm(hidden)
-        self.norm = nn.RMSNorm(hidden)
-        self.layers = nn.ModuleList([_TrainLayer(hidden, heads, kv, ffn) for _ in range(layers)])
-        self.markov_head = _Markov(vocab, markov_rank) if markov_rank else None
-        self.confidence_head = _Confidence(hidden + markov_rank) if confidence else None
-
-    def forward(self, taps: torch.Tensor, noise: torch.Tensor, ctx_pos: torch.Tensor, blk_pos: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:
-        """taps `[B, L, n_taps*h]`, noise `[B, Q, h]`, positions `[B, L]` / `[B, Q]`, mask
-        `[B, 1, Q, L+Q]` (True = attend). Returns final-normed hidden `[B, Q, h]`."""
-        ctx = _rms(self.fc(taps), self.hidden_norm.weight)
-        x = noise
-        for layer in self.layers:
-            x = layer(x, ctx, ctx_pos, blk_pos, mask, self)
-        return _rms(x, self.norm.weight)
-
-
-class _TrainLayer(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv: int, ffn: int):
-        super().__init__()
-        hd = hidden // heads
-        self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(hidden, heads * hd, bias=False)
-        self.self_attn.k_proj = nn.Linear(hidden, kv * hd, bias=False)
-        self.self_attn.v_proj = nn.Linear(hidden, kv * hd, bias=False)
-        self.self_attn.o_proj = nn.Linear(heads * hd, hidden, bias=False)
-        self.self_attn.q_norm, self.self_attn.k_norm = nn.RMSNorm(hd), nn.RMSNorm(hd)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.mlp.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.mlp.down_proj = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x, ctx, ctx_pos, blk_pos, mask, d: TrainDrafter):
-        a, B, Q = self.self_attn, x.shape[0], x.shape[1]
-        L = ctx.shape[1]
-        xn = _rms(x, self.input_layernorm.weight)
-        q = _rms(a.q_proj(xn).view(B, Q, d.heads, d.hd), a.q_norm.weight).transpose(1, 2)
-        kin = torch.cat([ctx, xn], 1)  # ctx rows are not input-layernormed
-        k = _rms(a.k_proj(kin).view(B, L + Q, d.kv, d.hd), a.k_norm.weight).transpose(1, 2)
-        v = a.v_proj(kin).view(B, L + Q, d.kv, d.hd).transpose(1, 2)
-        pos = torch.cat([ctx_pos, blk_pos], 1)
-        q, k = _rope(q, blk_pos, 10000.0), _rope(k, pos, 10000.0)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        x = x + a.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
-        h = _rms(x, self.post_attention_layernorm.weight)
-        return x + self.mlp.down_proj(F.silu(self.mlp.gate_proj(h)) * self.mlp.up_proj(h))
-
-
-class _Markov(nn.Module):
-    def __init__(self, vocab: int, rank: int):
-        super().__init__()
-        self.markov_w1 = nn.Embedding(vocab, rank)
-        self.markov_w2 = nn.Linear(rank, vocab, bias=False)
-        nn.init.normal_(self.markov_w1.weight, std=0.02)
-        nn.init.zeros_(self.markov_w2.weight)  # starts as a no-op on the backbone's logits
-
-
-class _Confidence(nn.Module):
-    def __init__(self, in_dim: int):
-        super().__init__()
-        self.proj = nn.Linear(in_dim, 1)

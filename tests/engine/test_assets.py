@@ -143,7 +143,10 @@ def test_split_build_trains_each_drafter_in_its_own_process_with_its_budget(tmp_
 def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
     """The training twin and the engine compute the same function on exported weights, so the
     acceptance measured at build time is the acceptance the engine will see."""
-    from memra_cli.assets.build import SMOKE, _draft_config, _save_drafter
+    import types
+
+    from memra_cli.assets.build import SMOKE, _geometry
+    from memra_cli.train.export import write_drafter
     from memra_cli.assets.train import TrainDrafter
     from memra_cli.assets.train_draft import DraftSpec, block_batch
     from memra_cli.engine.models.drafter import Drafter
@@ -153,9 +156,8 @@ def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
     drafter = TrainDrafter(r.hidden, 2, r.heads, r.kv_heads, r.ffn, 2, r.vocab, markov_rank=8, confidence=True).eval()
     for p in drafter.parameters():  # make norms non-trivial too
         p.data.normal_(0, 0.2).add_(1.0 if p.ndim == 1 else 0.0)
-    cfg = _draft_config("dspark", r, (-1, 2))
-    cfg["num_hidden_layers"], cfg["layer_types"] = 2, ["full_attention"] * 2
-    _save_drafter(tmp_path / "d", drafter, cfg)
+    tables = types.SimpleNamespace(embed_weight=torch.randn(r.vocab, r.hidden), head_weight=torch.randn(r.vocab, r.hidden))
+    write_drafter(tmp_path / "d", drafter, _geometry("dspark", r, (-1, 2), layers=2), tables)
     engine = Drafter.load(tmp_path / "d", dtype=torch.float32)
     L, anchor = 20, 13
     ids = torch.randint(2, r.vocab, (1, L))
@@ -283,7 +285,7 @@ def test_confidence_calibration_is_folded_into_the_head():
     """Platt scaling fits a, b on drafted rounds and folds them into the head's weights: the head's
     new raw scores are a * old + b on the same rounds, and the fitted loss is no worse."""
     from memra_cli.assets.train import TrainDrafter, make_target
-    from memra_cli.assets.train_draft import DraftSpec, _rounds, calibrate_confidence
+    from memra_cli.train.losses import DraftSpec, _rounds, calibrate_confidence
 
     torch.manual_seed(0)
     target = make_target(64, 32, 3, 2, 1, 64, 128).eval()
@@ -305,7 +307,7 @@ def test_walk_tau_counts_rounds_as_the_bench_does(monkeypatch):
     drafter would say 1 + (20 * 3) / 36 = 2.67."""
     import types
 
-    from memra_cli.assets import train_draft
+    from memra_cli.train import losses as train_draft
     from memra_cli.assets.train_draft import DraftSpec, block_batch, walk_tau
 
     L, V = 40, 50

@@ -1,0 +1,269 @@
+"""`memra train` on a tiny target: trained a few steps, interrupted and resumed (bit for bit the
+uninterrupted run), exported, read by `census`, run exactly by `generate`; bad input refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from memra_cli.cli.app import app
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.models.qwen3 import Qwen3Target
+from memra_cli.tiny.target import make_tiny_qwen3
+from memra_cli.train.run import TrainRequest, plan_training, run_training
+
+runner = CliRunner()
+STEPS = 4
+SMALL = ["--max-new", "24", "--batch", "2", "--anchors", "4", "--block", "4", "--device", "cpu", "--eval-new", "16",
+         "--export-dtype", "float32", "--checkpoint-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    target = make_tiny_qwen3(root / "target", tokenizer=True)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):\n    return x * {i} +"}) + "\n" for i in range(6)))
+    return root, target, prompts
+
+
+def train(*args):
+    return runner.invoke(app, ["train", *[str(a) for a in args]], env={})
+
+
+def _request(target: Path, prompts: Path, out: Path, kind: str, **kw) -> TrainRequest:
+    return TrainRequest(target=target, kind=kind, prompts=str(prompts), out=out, steps=STEPS, device="cpu", max_new=24,
+                        batch=2, anchors=4, block=4, eval_new=16, export_dtype="float32", checkpoint_every=1,
+                        **({"markov_rank": 16} if kind == "dspark" else {}), **kw)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_resumed_run_equals_uninterrupted_and_exports_a_drafter_generate_runs_exactly(setup, kind):
+    root, target, prompts = setup
+    extra = ["--markov-rank", "16"] if kind == "dspark" else []
+    whole, parts = root / f"whole_{kind}", root / f"parts_{kind}"
+    r = train("--target", target, "--kind", kind, "--prompts", prompts, "--out", whole, "--steps", STEPS, *SMALL, *extra,
+              "--gguf", "q8", "--plot", "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["finished"] and report["steps_run"] == STEPS and report["heldout"]["exact"]
+    assert (whole / "train.png").read_bytes()[:4] == b"\x89PNG" and report["plot"] == str(whole / "train.png")
+
+    # the same run stopped after 2 steps (as Ctrl-C leaves it: a checkpoint, no --out), then resumed
+    stopped = run_training(plan_training(_request(target, prompts, parts, kind)), stop_after=2)
+    assert stopped["steps_run"] == 2 and not stopped["finished"] and not parts.exists()
+    r = train("--target", target, "--kind", kind, "--prompts", prompts, "--out", parts, "--steps", STEPS, *SMALL, *extra,
+              "--resume", "--json")
+    assert r.exit_code == 0, r.output
+    resumed = json.loads(r.stdout)
+    assert resumed["resumed_from"] == 2 and resumed["steps_run"] == STEPS  # it continued, it did not start over
+
+    a, b = load_file(str(whole / "model.safetensors")), load_file(str(parts / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for name in a:  # f32 on the CPU, same ops in the same order: bit for bit
+        assert torch.equal(a[name], b[name]), name
+    sa = torch.load(root / f"whole_{kind}.ckpt" / "state.pt", weights_only=False)
+    sb = torch.load(root / f"parts_{kind}.ckpt" / "state.pt", weights_only=False)
+    assert sa["losses"] == sb["losses"] and sa["tokens"] == sb["tokens"]
+
+    census = runner.invoke(app, ["census", str(whole), "--json"], env={})
+    assert census.exit_code == 0, census.output
+    c = json.loads(census.stdout)
+    geo = report["geometry"]
+    assert (c["block_size"], c["target_layer_ids"], c["mask_token_id"]) == (4, geo["taps"], 511)
+    if kind == "dflash":  # z-lab's layout
+        assert c["exporter"] == "zlab-dflash" and c["strategy_dspark"] is False and c["markov"] is None
+    else:  # DeepSpec's, with the markov and confidence heads
+        assert c["exporter"] == "deepspec" and c["strategy_dspark"] is True
+        assert c["markov"] is not None and c["confidence"] is not None
+
+    # the export against memra's independent float64 oracle (engine/reference.py), stage by stage
+    oracle = root / f"oracle_{kind}.npz"
+    made = runner.invoke(app, ["parity", str(whole), "--make-oracle", str(oracle), "--target", str(target)], env={})
+    assert made.exit_code == 0, made.output
+    par = runner.invoke(app, ["parity", str(whole), str(oracle), "--target", str(target), "--json"], env={})
+    assert par.exit_code == 0 and json.loads(par.stdout)["pass"] is True, par.output
+
+    gguf = whole / "model.q8.gguf"
+    assert report["gguf"]["path"] == str(gguf) and gguf.is_file()
+    census = runner.invoke(app, ["census", str(gguf), "--json"], env={})
+    assert census.exit_code == 0, census.output
+
+    ids = [5, 17, 42, 99]
+    g = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(whole), "--prompt-ids", "5,17,42,99",
+                            "--max-new", "24", "--json"], env={})
+    assert g.exit_code == 0, g.output
+    ref = greedy_reference(Qwen3Target.from_dir(target), ids, 24, Qwen3Target.from_dir(target).cfg.eos_token_ids)
+    assert json.loads(g.stdout)["tokens"] == ref
+
+
+def _refused(r, out: Path, needle: str) -> None:
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.exit_code == 2, r.output
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+    assert not out.exists() and not out.with_name(out.name + ".ckpt").exists()
+
+
+def test_a_family_memra_cannot_run_is_refused(setup, tmp_path):
+    root, target, prompts = setup
+    other = tmp_path / "llama"
+    other.mkdir()
+    cfg = json.loads((target / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    out = tmp_path / "out"
+    _refused(train("--target", other, "--kind", "dflash", "--prompts", prompts, "--out", out), out, "llama")
+
+
+def test_taps_past_the_targets_depth_are_refused(setup, tmp_path):
+    root, target, prompts = setup
+    out = tmp_path / "out"
+    # 4 layers: taps are -1..3
+    _refused(train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, "--taps", "1,4"), out,
+             "tap 4 is outside the target's layers (expected -1..3")
+
+
+def test_an_empty_prompt_set_is_refused(setup, tmp_path):
+    root, target, _ = setup
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    out = tmp_path / "out"
+    _refused(train("--target", target, "--kind", "dflash", "--prompts", empty, "--out", out), out, "no prompts")
+
+
+def test_an_unknown_gguf_policy_is_refused(setup, tmp_path):
+    root, target, prompts = setup
+    out = tmp_path / "out"
+    _refused(train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, "--gguf", "q3"), out,
+             "--gguf")
+
+
+def test_an_existing_out_without_force_is_refused(setup, tmp_path):
+    root, target, prompts = setup
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    r = train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and "--force" in lines[0], r.output
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"] and not (tmp_path / "out.ckpt").exists()
+
+
+def test_a_hybrid_qwen3_5_target_trains_through_the_engine(setup, tmp_path):
+    """The taps come from memra's engine, so a family transformers-free training never saw (the
+    Qwen3.5 Gated DeltaNet hybrid, multimodal layout) trains the same way; its held-out streams
+    are exact."""
+    from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
+
+    _, _, prompts = setup
+    target = make_tiny_qwen35(tmp_path / "q35", layout="multimodal", tokenizer=True)
+    out = tmp_path / "out"
+    r = train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, "--steps", 2, *SMALL, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["steps_run"] == 2 and report["heldout"]["exact"] and report["heldout"]["prompts"] == 1
+    assert runner.invoke(app, ["census", str(out)], env={}).exit_code == 0
+
+
+def test_ctrl_c_leaves_a_resumable_checkpoint_and_no_output(setup, tmp_path):
+    """A real SIGINT in the middle of training: exit 130, no --out, a checkpoint of whole steps that
+    --resume finishes from."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    _, target, prompts = setup
+    out = tmp_path / "out"
+    args = ["--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, *SMALL, "--log-every", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "memra_cli", "train", *map(str, args), "--steps", "100000",
+                             "--checkpoint-every", "100000"], stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for line in proc.stderr:  # wait until training runs
+        if line.startswith("train step 3/"):
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130, rest
+    assert "error: interrupted" in rest and not out.exists()
+    state = torch.load(tmp_path / "out.ckpt" / "state.pt", weights_only=False)
+    assert state["step"] >= 3  # saved on the signal, not only at --checkpoint-every
+    done = state["step"] + 2
+    other = train(*args, "--steps", done, "--resume", "--batch", 3)  # a resumed run must be the same run
+    assert other.exit_code == 2 and "batch=2" in other.stderr and "batch=3" in other.stderr, other.output
+    r = train(*args, "--steps", done, "--resume", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["resumed_from"] == state["step"] and (out / "model.safetensors").is_file()
+
+
+def test_chat_rows_go_through_the_targets_chat_template(setup, tmp_path):
+    """A chat JSONL's conversations are rendered by the target's template, ready for the
+    assistant's turn (a trailing assistant answer is dropped: the target writes its own), the
+    same ids `generate --chat` gives a single user turn."""
+    from memra_cli.engine.text import TextCodec
+    from memra_cli.train.online import encode_prompts
+
+    _, target, _ = setup
+    chats = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "sort a list"}, {"role": "assistant", "content": "sorted(x)"}]},
+            {"messages": [{"role": "user", "content": "reverse it"}]}]
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    codec = TextCodec(target)
+    got = encode_prompts(str(chats), codec, max_prompt=512)
+    assert got.chat and got.ids == (tuple(codec.encode("sort a list", chat=True)), tuple(codec.encode("reverse it", chat=True)))
+
+
+def test_a_spent_budget_stops_training_and_still_exports(setup, tmp_path):
+    """--budget-s ends training at the first step boundary past it; the drafter is then exported
+    and evaluated as after --steps (the report says what stopped it)."""
+    _, target, prompts = setup
+    out = tmp_path / "out"
+    r = train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, "--steps", 1000, *SMALL,
+              "--budget-s", 0, "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    assert report["stopped_by"] == "budget" and report["steps_run"] == 0 and not report["finished"]
+    assert (out / "model.safetensors").is_file() and report["heldout"]["exact"]
+
+
+def test_sampled_answers_are_a_pure_function_of_the_prompt(setup):
+    """--temperature: each prompt's answer is sampled with seed + its index, so two runs (a resumed
+    one regenerates its answers) draw the same answers; greedy ones are the argmax stream."""
+    from memra_cli.engine.api import Engine, EngineConfig
+    from memra_cli.engine.spec.keyed import SamplingParams
+    from memra_cli.engine.text import TextCodec
+    from memra_cli.train.online import OnlineData, encode_prompts
+
+    _, target, prompts = setup
+    engine = Engine.load(EngineConfig(target=target, device="cpu"))
+    rows = encode_prompts(str(prompts), TextCodec(target), 512)
+    hot = SamplingParams(temperature=5.0, seed=7)
+    first, second = OnlineData(engine, rows, 8, hot), OnlineData(engine, rows, 8, hot)
+    assert [first.answer(i) for i in (0, 1)] == [second.answer(i) for i in (0, 1)]
+    greedy = OnlineData(engine, rows, 8)
+    ids = list(rows.ids[0])
+    assert list(greedy.answer(0)) == greedy_reference(Qwen3Target.from_dir(target), ids, 8, ())
+    assert first.answer(0) != greedy.answer(0)  # temperature 5 over 512 tokens: a different stream
+
+
+def test_compiled_training_takes_the_eager_steps(setup, tmp_path):
+    """compile= sends the drafter's forward and losses through torch.compile (here its
+    `aot_eager` backend: the graph capture and autograd split, without a C++ toolchain): after 3
+    steps the same weights as eager, to float32 reordering (1e-4 relative, 1e-5 absolute on
+    weights of O(0.1-1), a few AdamW steps of lr 6e-4 each)."""
+    _, target, prompts = setup
+    runs = []
+    for compile in (False, "aot_eager"):
+        out = tmp_path / f"c_{compile}"
+        plan = plan_training(_request(target, prompts, out, "dspark", heldout=1, compile=compile))
+        report = run_training(plan, stop_after=3)
+        state = torch.load(tmp_path / f"c_{compile}.ckpt" / "state.pt", weights_only=False)
+        runs.append((report["steps_run"], state["drafter"]))
+    (n_eager, eager), (n_comp, comp) = runs
+    assert n_eager == n_comp == 3
+    for name, w in eager.items():
+        torch.testing.assert_close(comp[name], w, rtol=1e-4, atol=1e-5, msg=name)
