@@ -136,9 +136,9 @@ def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: Draft
 
     `compile`: the drafter's forward and the losses go through `torch.compile` (True: its default
     backend; a string names the backend, as the CPU test does), the target's taps staying eager
-    and gradient-free. Measured on the H200 (`benchmarks/gpu/train_probe.py
-    profile`): an eager step is ~80% elementwise kernels (norms, rope, casts, the `[B, A, nd, V]`
-    logits' float copy and markov bias), which the compiler fuses."""
+    and gradient-free. An eager step is mostly elementwise kernels (norms, rope, casts, the
+    `[B, A, nd, V]` logits' float copy and markov bias), which the compiler fuses
+    (docs/tuning.md has the profile)."""
     drafter.to(device).train()
     if not hasattr(target, "tap_batch"):
         target.to(device).eval().requires_grad_(False)

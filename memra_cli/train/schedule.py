@@ -9,8 +9,8 @@ import torch
 
 def fit_steps(steps: int, step: int, t0: float, t_warm: float, now: float, budget_s: float | None) -> int:
     """Re-plan the total so the run fits `budget_s`, from the steady step time measured since
-    step WARM_STEPS (the first steps pay CUDA start-up and allocator warm-up; timing from step
-    0 once cut a 150 s budget to 31 s of training). The cosine schedule is re-planned around
+    step WARM_STEPS (the first steps pay CUDA start-up and allocator warm-up, which would
+    shrink the planned total far below what the budget holds). The cosine schedule is re-planned around
     the new total, so it still finishes its decay."""
     if budget_s is None or step <= WARM_STEPS:
         return steps

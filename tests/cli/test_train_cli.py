@@ -111,12 +111,12 @@ def _refused(r, out: Path, needle: str) -> None:
 
 def test_a_family_memra_cannot_run_is_refused(setup, tmp_path):
     root, target, prompts = setup
-    other = tmp_path / "llama"
+    other = tmp_path / "mistral"
     other.mkdir()
     cfg = json.loads((target / "config.json").read_text())
-    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "mistral"}))
     out = tmp_path / "out"
-    _refused(train("--target", other, "--kind", "dflash", "--prompts", prompts, "--out", out), out, "llama")
+    _refused(train("--target", other, "--kind", "dflash", "--prompts", prompts, "--out", out), out, "mistral")
 
 
 def test_taps_past_the_targets_depth_are_refused(setup, tmp_path):
