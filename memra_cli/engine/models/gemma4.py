@@ -41,6 +41,7 @@ from memra_cli.engine.layers.rope import RopeTables, apply_rope, cos_sin
 from memra_cli.engine.layers.step_ops import TorchStepOps
 from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.models.kv_cache import LayerKVCache
+from memra_cli.engine.models.loading import WeightLoader
 
 log = logging.getLogger(__name__)
 
@@ -126,26 +127,17 @@ def expected_shapes(cfg: Gemma4Config, prefix: str) -> dict[str, tuple[int, ...]
     return shapes
 
 
-class _Loader:
-    """Reads named tensors, each checked against the config's shape before anything loads."""
+class _Loader(WeightLoader):
+    """The Gemma 4 layout of `WeightLoader`: names under the text model's prefix (the multimodal
+    checkpoint's `model.language_model.` or the text-only `model.`)."""
 
     def __init__(self, ckpt: Checkpoint, cfg: Gemma4Config, dtype: torch.dtype, device: torch.device):
-        self.ckpt, self.cfg, self.dtype, self.device = ckpt, cfg, dtype, device
         names = set(ckpt.tensors)
         self.prefix = next((p for p in TEXT_PREFIXES if p + "embed_tokens.weight" in names), None)
         if self.prefix is None:
             raise CheckpointError(f"{ckpt.root}: tensor 'model.language_model.embed_tokens.weight' (multimodal "
                                   "layout) or 'model.embed_tokens.weight' (text-only layout) is missing")
-        self.shapes = expected_shapes(cfg, self.prefix)
-
-    def check_all(self) -> None:
-        for name, shape in self.shapes.items():
-            info = self.ckpt.tensors.get(name)
-            tail = f"(expected shape {list(shape)} from {self.cfg.source})"
-            if info is None:
-                raise CheckpointError(f"{self.ckpt.root}: tensor '{name}' is missing {tail}")
-            if tuple(info.shape) != shape:
-                raise CheckpointError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, {tail[1:-1]}")
+        super().__init__(ckpt, cfg, dtype, device, expected_shapes(cfg, self.prefix))
 
     def get(self, name: str, prefixed: bool = True) -> torch.Tensor:
         return self.ckpt.load((self.prefix if prefixed else "") + name, self.dtype, self.device)
