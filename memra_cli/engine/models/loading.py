@@ -26,7 +26,11 @@ class WeightLoader:
 
     def check_all(self) -> None:
         """Refuse before loading anything: a missing tensor or a wrong shape, named."""
-        for name, shape in self.shapes.items():
+        self.check(self.shapes)
+
+    def check(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Each tensor of `shapes` present at its shape, else a refusal naming it."""
+        for name, shape in shapes.items():
             info = self.ckpt.tensors.get(name)
             tail = f"(expected shape {list(shape)} from {self.cfg.source})"
             if info is None:

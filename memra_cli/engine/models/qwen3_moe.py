@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from memra_cli.engine.errors import CheckpointError, ConfigError
+from memra_cli.engine.errors import ConfigError
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import _Fields, parse_target_config, read_json_object
 from memra_cli.engine.layers.moe import moe_swiglu, route
 from memra_cli.engine.layers.ops import rms_norm
-from memra_cli.engine.models.qwen3 import LayerWeights, Qwen3Target, _Loader, expected_shapes
+from memra_cli.engine.models.qwen3 import LayerWeights, Qwen3Target, _Loader
 
 log = logging.getLogger(__name__)
 
@@ -93,19 +93,9 @@ class _MoeLoader(_Loader):
             for x in range(e):
                 need.update({f"{p}{x}.gate_proj.weight": (inter, h), f"{p}{x}.up_proj.weight": (inter, h),
                              f"{p}{x}.down_proj.weight": (h, inter)})
-        self._check(need)
+        self.check(need)
         self.used.update(need)
         return p + "gate_up_proj" in need
-
-    def _check(self, need: dict[str, tuple[int, ...]]) -> None:
-        for name, shape in need.items():
-            info = self.ckpt.tensors.get(name)
-            if info is None:
-                raise CheckpointError(f"{self.ckpt.root}: tensor '{name}' is missing "
-                                      f"(expected shape {list(shape)} from {self.cfg.source})")
-            if tuple(info.shape) != shape:
-                raise CheckpointError(f"{info.file}: tensor '{name}' has shape {list(info.shape)}, "
-                                      f"expected shape {list(shape)} from {self.cfg.source}")
 
     def experts(self, i: int) -> MoeWeights:
         p = f"model.layers.{i}.mlp."
