@@ -537,7 +537,7 @@ class Engine:
     def _block_embedding(self, setting: bool | None, program: Program, receipts: Receipts) -> tuple[Program, Receipts]:
         """The arm's `emb_scale` resolved against the loaded target: its `embed_scale` rounded to
         the model dtype (the multiplier a scaling family's own embedding applies), or raw."""
-        scale = float(torch.tensor(getattr(self.target, "embed_scale", 1.0), dtype=self.dtype))
+        scale = float(torch.tensor(self.target.embed_scale, dtype=self.dtype))
         embedding = resolve_block_embedding(setting, scale)
         return (dataclasses.replace(program, emb_scale=embedding.scale),
                 dataclasses.replace(receipts, embedding=embedding))

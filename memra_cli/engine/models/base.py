@@ -75,6 +75,7 @@ class TargetModel(Protocol):
     graphs_note: str  # why static_step is not capturable (read only when supports_cuda_graphs is false)
     state_class: type  # what `new_state` returns: a `TargetState` (checked at load, `check_family`)
     step_ops_used: str | None  # what of the step-op seam the family runs, when not all (None: all of it)
+    moe: object | None  # a family that routes experts: its MoE settings (the priced window's cost); else None
     step_ops: object  # layers/step_ops.py: static_step's fused ops, and a graphed round's argmax
 
     @classmethod
@@ -106,7 +107,7 @@ class TargetModel(Protocol):
 # capability needs: checked once when a family is picked, never probed in the round loop.
 MODEL_MEMBERS = ("from_dir", "new_state", "ensure_positions", "check_taps", "check_span", "embed", "logits",
                  "lm_head", "forward", "static_step", "supports_cuda_graphs", "graphs_note", "state_class",
-                 "step_ops_used", "embed_scale")
+                 "step_ops_used", "embed_scale", "moe")
 STATE_MEMBERS = ("rollback", "reset", "commit", "nbytes", "host_bookkeeping", "round_graphs_ok",
                  "settles_on_device", "graph_variants", "graph_variant", "arranged_for_capture",
                  "restore_round", "settled_on_device")

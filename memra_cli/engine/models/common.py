@@ -23,6 +23,8 @@ class TargetBase:
     state_class: type | None = None
     # what of the step-op seam the family runs, when not all of it (said in the engine's note)
     step_ops_used: str | None = None
+    # a family that routes experts sets its MoE settings here (the priced verify window reads them)
+    moe = None
     # what the family multiplies its embedding rows by before the first layer (Gemma: √hidden);
     # a z-lab drafter's block embedding may apply it (the `emb_scale` setting, spec/policy.py)
     embed_scale: float = 1.0

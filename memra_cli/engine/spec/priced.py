@@ -92,10 +92,10 @@ def geometric_survival(alpha: float, n: int) -> list[float]:
 
 
 def step_cost_of(model) -> StepCost | None:
-    """The step cost of a loaded target: priced when it routes experts (a `moe` settings object
-    beside a Qwen3-style `cfg`), None for any other target (its cost is flat in vt)."""
-    moe, cfg = getattr(model, "moe", None), getattr(model, "cfg", None)
-    if moe is None or cfg is None:
+    """The step cost of a loaded target: priced when it routes experts (its declared `moe`
+    settings, models/base.py), None for any other target (its cost is flat in vt)."""
+    moe, cfg = model.moe, model.cfg
+    if moe is None:
         return None
     n_sparse = len(moe.sparse_layers)
     return qwen3_moe_cost(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
