@@ -30,12 +30,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (gpu_shapes)
-from gpu_shapes import SHAPES, random_target  # noqa: E402
-
-from memra_cli.train.geometry import DEFAULT_BLOCK, DEFAULT_MARKOV_RANK, Geometry, spread_taps  # noqa: E402
-from memra_cli.train.job import Hyper, TrainJob  # noqa: E402
-from memra_cli.train.taps import EngineTaps  # noqa: E402
+from benchmarks.gpu_shapes import SHAPES, random_target
+from memra_cli.train.geometry import DEFAULT_BLOCK, DEFAULT_MARKOV_RANK, Geometry, spread_taps
+from memra_cli.train.job import Hyper, TrainJob
+from memra_cli.train.taps import EngineTaps
 
 
 class RandomData:

@@ -10,14 +10,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "train_throughput.py"
 
 
 def test_train_throughput_tiny_smoke(tmp_path):
     out = tmp_path / "out.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--json", str(out)], check=True, capture_output=True,
-                   text=True, env=env, timeout=120)
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu.train_throughput", "--tiny", "--json", str(out)], cwd=ROOT,
+                   check=True, capture_output=True, text=True, env=env, timeout=120)
     d = json.loads(out.read_text())
     assert d["geometry"]["taps"] == [0, 2] and d["seq_len"] == 48
     assert d["step_ms"] > 0 and 0 < d["taps_ms"] and d["target_tokens_per_s"] > 0
