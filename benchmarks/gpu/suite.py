@@ -84,6 +84,23 @@ def _moe_step(out: Path, tiny: bool):
     return [_py("-m", "benchmarks.moe_step", *args, "--json", str(out / "moe_step.json"))]
 
 
+def _train_throughput(out: Path, tiny: bool):
+    args = ["--tiny"] if tiny else ["--kind", "dspark"]
+    return [_py("-m", "benchmarks.gpu.train_throughput", *args, "--json", str(out / "train_throughput.json"))]
+
+
+def _serve_single(out: Path, tiny: bool):
+    args = ["--device", "cpu", "--requests", "2", "--max-tokens", "8"] if tiny else \
+        ["--device", "cuda", "--requests", "16", "--max-tokens", "256"]
+    return [_py("-m", "benchmarks.serve_load", "single", *args, "--json")]
+
+
+def _serve_load(out: Path, tiny: bool):
+    args = ["--device", "cpu", "--requests", "4", "--clients", "2", "--max-tokens", "8"] if tiny else \
+        ["--device", "cuda", "--requests", "200", "--clients", "16", "--max-tokens", "64", "--timeout-s", "280"]
+    return [_py("-m", "benchmarks.serve_load", "load", *args, "--json")]
+
+
 def _embedded_bench(out: Path, tiny: bool):
     size = ["--n", "2", "--max-new", "8", "--warmup", "0"] if tiny else ["--max-new", "128", "--warmup", "2"]
     arms = [a for arm in BENCH_ARMS for a in ("--arm", arm)]
@@ -115,6 +132,12 @@ PARTS = {p.name: p for p in (
     Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor, ms", 150, _llama_step),
     Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, torch step ops, ms", 150, _gemma4_step),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows vs the read floor of its expert union, ms", 120, _moe_step),
+    Part("train_throughput", "memra train's step at the Qwen3-8B shape with online taps, target tokens/s", 150,
+         _train_throughput),
+    Part("serve_single", "memra serve's per-request tok/s against generate, one client (needs the serve wheels)", 240,
+         _serve_single, stdout_to="serve_single.json"),
+    Part("serve_load", "memra serve under 200 requests from 16 clients, every stream against plain decoding", 300,
+         _serve_load, stdout_to="serve_load.json"),
     Part("embedded_bench", "the embedded pair's bench on the stdlib set, tok/s and tau", 140, _embedded_bench,
          stdout_to="embedded_bench_stdlib.json"),
     Part("kernels", "the Triton kernels against torch and cuBLAS at the 8B shape, µs", 200, _kernels),
