@@ -1,6 +1,6 @@
 """`memra bench`: decoding arms side by side over a prompt set, with an exactness gate.
 
-Validate flags -> `engine.bench.prepare_bench` (load once) -> `Bench.run` (interleaved) -> render
+Validate flags -> `bench.runner.prepare_bench` (load once) -> `Bench.run` (interleaved) -> render
 (rich table, or one JSON object) -> optional plot. Exit 1 when any speculative stream left the
 off arm's plain stream (after the table), 2 on a refusal. Speedups are over the plain arm (the
 fastest plain decoding on the device), with the ratio over off beside them.
@@ -19,7 +19,7 @@ from memra_cli.cli.common import CudaGraphsOpt, JsonOpt, StepWidthOpt, at_least,
 from memra_cli.cli.sampling import MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params
 from memra_cli.cli.threads import ThreadsOpt, threads_setting, use_threads
 
-# Kept in step with engine.bench.ARM_KEYS (a test checks); written out here so --help needs no torch.
+# Kept in step with bench.runner.ARM_KEYS (a test checks); written out here so --help needs no torch.
 ARM_HELP = (
     "An arm to run, repeatable: NAME[:key=value,...]. NAME: off (plain decoding through the engine's "
     "fixed-width steps, always run: the exactness reference) | plain (the fastest plain decoding on the "
@@ -65,7 +65,7 @@ class _Progress:
 
 
 PLOT_FORMATS = ("png", "svg", "pdf")  # the suffix names the format
-PLAIN_MODES = ("off", "plain")  # engine.bench.PLAIN_MODES, written out here so rendering needs no torch
+PLAIN_MODES = ("off", "plain")  # bench.runner.PLAIN_MODES, written out here so rendering needs no torch
 
 
 def _check_plot(path: Path, force: bool) -> None:
@@ -89,7 +89,7 @@ def _check_flags(*, target: Optional[Path], draft: Optional[Path], prompts: str,
     """Everything that can be refused without torch, first (arms, prompt set, drafters, paths):
     a typo is answered in a fraction of a second. `prepare_bench` checks them again."""
     from memra_cli.cli.checks import check_exists, check_model_dir, check_run_flags
-    from memra_cli.engine.bench import parse_arms, resolve_inputs
+    from memra_cli.bench.runner import parse_arms, resolve_inputs
     from memra_cli.engine.prompts import load_prompts
     from memra_cli.engine.text import TextCodec
 
@@ -400,7 +400,7 @@ def bench(
                               threads=threads, json_out=json_out)
     _check_flags(target=target, draft=draft, prompts=prompts, n=n, arms=list(arm or []), chat=chat, dtype=dtype,
                  device=device, step_width=step_width, plot=plot, force=force)
-    from memra_cli.engine.bench import BenchRequest, prepare_bench
+    from memra_cli.bench.runner import BenchRequest, prepare_bench
 
     sampling = sampling_params(temperature, top_k, top_p, min_p, seed)
     req = BenchRequest(target=target, draft=draft, prompts=prompts, n=n, max_new=max_new, chat=chat, arms=list(arm or []),

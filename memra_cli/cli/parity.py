@@ -1,7 +1,7 @@
 """`memra parity CKPT ORACLE.npz`: the drafter against a reference oracle, stage by stage.
 
 Also `memra parity CKPT --make-oracle OUT.npz`: write an oracle from the independent reference
-implementation (`engine/reference.py`). Exit 0 when every stage passes on both paths, 1 when any
+implementation (`parity/reference.py`). Exit 0 when every stage passes on both paths, 1 when any
 fails, 2 on bad input (one `error:` line).
 """
 
@@ -59,7 +59,7 @@ def parity(
     check_model_dir(target, "--target")
     from memra_cli.cli import render
     from memra_cli.engine.formats.census import take_census
-    from memra_cli.engine.oracle import OracleError
+    from memra_cli.parity.oracle import OracleError
     from memra_cli.engine.spec.policy import resolve_receipts
 
     if (oracle is None) == (make_oracle is None):
@@ -101,7 +101,7 @@ def _check_out(out: Path, force: bool) -> None:
     """--make-oracle: a .npz name (what the file is), and the rule of every output
     (`files.check_output`: an existing file needs --force; its directory must exist and take a file)."""
     from memra_cli.engine.files import check_output
-    from memra_cli.engine.oracle import OracleError
+    from memra_cli.parity.oracle import OracleError
 
     if out.suffix != ".npz":
         raise OracleError(f"--make-oracle {out}: expected a .npz file name (a memra-oracle/1 file is an .npz)")
@@ -110,7 +110,7 @@ def _check_out(out: Path, force: bool) -> None:
 
 def _check_ctx(ctx: int, cfg: Any) -> None:
     """--ctx: the oracle's positions run 0 .. ctx + block - 1, within the drafter's positions."""
-    from memra_cli.engine.oracle import OracleError
+    from memra_cli.parity.oracle import OracleError
 
     limit = cfg.max_position_embeddings - cfg.block_size
     if ctx > limit:
@@ -122,7 +122,7 @@ def _check(census: Any, oracle_path: Path, target: Optional[Path], prec: Optiona
     import torch
 
     from memra_cli.engine.api import load_drafter
-    from memra_cli.engine.oracle import parity as run_parity, read_oracle, target_tables
+    from memra_cli.parity.oracle import parity as run_parity, read_oracle, target_tables
 
     oracle = read_oracle(oracle_path)
     drafter, policy, dt, dev = load_drafter(census, prec=prec, dtype=dtype, device=device)
@@ -190,7 +190,7 @@ def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
     from rich.table import Table
 
     from memra_cli.cli import render
-    from memra_cli.engine.oracle import THRESHOLDS
+    from memra_cli.parity.oracle import THRESHOLDS
 
     report, oracle = result["report"], result["oracle"]
     render.print_receipts(receipts.lines())
@@ -235,7 +235,7 @@ def _report(result: dict, receipts: Any, oracle_path: Path) -> None:
 
 def _make(ckpt: Path, out: Path, target: Optional[Path], ctx: int, seed: int, receipts: Any, json_out: bool) -> None:
     from memra_cli.cli import render
-    from memra_cli.engine.reference import make_oracle
+    from memra_cli.parity.reference import make_oracle
 
     meta = make_oracle(ckpt, out, target_dir=target, ctx=ctx, seed=seed)
     if json_out:

@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from memra_cli.cli import bench as bench_cli
-from memra_cli.engine import bench as eb
+from memra_cli.bench import runner as eb
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
 

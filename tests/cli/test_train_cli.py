@@ -82,7 +82,7 @@ def test_resumed_run_equals_uninterrupted_and_exports_a_drafter_generate_runs_ex
         assert c["exporter"] == "deepspec" and c["strategy_dspark"] is True
         assert c["markov"] is not None and c["confidence"] is not None
 
-    # the export against memra's independent float64 oracle (engine/reference.py), stage by stage
+    # the export against memra's independent float64 oracle (parity/reference.py), stage by stage
     oracle = root / f"oracle_{kind}.npz"
     made = runner.invoke(app, ["parity", str(whole), "--make-oracle", str(oracle), "--target", str(target)], env={})
     assert made.exit_code == 0, made.output

@@ -1,4 +1,4 @@
-"""engine.bench + engine.prompts: arm grammar, drafter sources, prompt sets, loading once,
+"""bench.runner + engine.prompts: arm grammar, drafter sources, prompt sets, loading once,
 interleaving, the exactness gate and the aggregates."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from memra_cli.engine import bench as eb
+from memra_cli.bench import runner as eb
 from memra_cli.engine import prompts as pr
 from memra_cli.engine.api import Engine
-from memra_cli.engine.bench import ArmSpec, BenchError, Drafters, parse_arm, parse_arms
+from memra_cli.bench.runner import ArmSpec, BenchError, Drafters, parse_arm, parse_arms
 from memra_cli.engine.errors import PromptError
 from memra_cli.engine.prompts import load_prompts
 from memra_cli.engine.greedy import greedy_reference

@@ -13,7 +13,7 @@ import torch
 from memra_cli.engine.models.drafter import Drafter
 from memra_cli.engine.api import resolve_precision
 from memra_cli.engine.errors import PolicyError
-from memra_cli.engine.oracle import (
+from memra_cli.parity.oracle import (
     FORMAT, OPTIONAL, REQUIRED, THRESHOLDS, OracleError, compare_stage, confidence_scale, parity,
     read_oracle, target_tables, write_oracle,
 )
@@ -21,7 +21,7 @@ from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.target import make_tiny_qwen3
 
 pytest.importorskip("transformers", reason="the reference oracle maker needs transformers (a test dependency)")
-from memra_cli.engine.reference import ReferenceDrafter, make_oracle  # noqa: E402
+from memra_cli.parity.reference import ReferenceDrafter, make_oracle  # noqa: E402
 
 CTX, WINDOW = 32, 12  # a sliding window smaller than the context, so it masks real keys
 SLIDING = ("sliding_attention", "full_attention")
@@ -111,7 +111,7 @@ def test_the_sliding_window_and_block_causality_shape_the_oracle(pair, tmp_path)
 
 
 def test_reference_is_not_the_engine():
-    code = ("import sys, memra_cli.engine.reference; "
+    code = ("import sys, memra_cli.parity.reference; "
             "print(sorted(m for m in sys.modules if m in ('memra_cli.engine.models.drafter', 'memra_cli.engine.layers.ops')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1129,7 +1129,7 @@ def _hf_greedy_cuda(hf, ids, max_new):
 def test_oracle_target_tables_read_both_hybrid_layouts(tiny_dirs):
     """`memra parity --target` reads embed / lm_head without the layers: the multimodal layout
     keeps them under `model.language_model.`; a tied model's lm_head is its embedding."""
-    from memra_cli.engine.oracle import OracleError, target_tables
+    from memra_cli.parity.oracle import OracleError, target_tables
 
     for name in ("multimodal", "text", "tied-bias-interval"):
         target = Qwen35Target.from_dir(tiny_dirs[name])

@@ -38,7 +38,7 @@ from memra_cli.engine.formats.census import Census, take_census
 from memra_cli.engine.formats.checkpoint import open_checkpoint
 from memra_cli.engine.formats.config import DraftConfig
 from memra_cli.engine.errors import MemraError
-from memra_cli.engine.oracle import FORMAT, target_tables, write_oracle
+from memra_cli.parity.oracle import FORMAT, target_tables, write_oracle
 
 SOURCE = "memra reference (float64 plain torch + transformers Qwen3RMSNorm/Qwen3MLP/Qwen3RotaryEmbedding)"
 OUTLIER_GAIN = 20.0  # a few "massive activation" channels per tap, as real residual streams have
