@@ -61,7 +61,7 @@ class _MemraGroup(TyperGroup):
 
 def _usage_error(exc) -> int:
     """Print a usage error as one `error:` line (or the help, when no arguments were given)."""
-    if type(exc).__name__ == "NoArgsIsHelpError":  # `memra` alone: the help, as before
+    if type(exc).__name__ == "NoArgsIsHelpError":  # `memra` alone: the help
         text = exc.format_message()  # empty when typer's rich help already printed itself
         if text.strip():
             print(text, file=sys.stderr)

@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-TEMPERATURE_HELP = ("Sampling temperature: 0 (default) = greedy, exactly as before; > 0 samples with the "
+TEMPERATURE_HELP = ("Sampling temperature: 0 (default) = greedy (argmax); > 0 samples with the "
                     "position-keyed rule (docs/sampling.md): lossless, and with the same --seed the speculative "
                     "stream equals plain sampling token for token.")
 TOP_K_HELP = "Sample among the K most likely tokens only (0 = off, the default). Ignored at temperature 0."
