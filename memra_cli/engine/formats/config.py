@@ -10,6 +10,7 @@ Reads every public drafter exporter (see docs/formats.md):
   `enable_confidence_head`, `confidence_head_with_markov`.
 - other DSpark exports: `architectures ["DSparkDraftModel"]` with a nested `dspark_config`, or
   `dflash_config.projector_type == "dspark"`.
+- DeepSpec's Gemma 4 export (`Gemma4DSparkModel`): recognised and refused by name (not implemented).
 
 and the Qwen3 target's HF config. Nothing is inferred from a folder name; every error names the
 file, the key, the value and what was expected.
