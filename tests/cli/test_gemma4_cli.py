@@ -119,3 +119,20 @@ def test_parity_reads_the_gemma_tables(tiny, tmp_path):
     narrow = make_tiny_draft(tmp_path / "narrow", "zlab", hidden=32, target_layer_ids=(-1, 1, 2), num_target_layers=5)
     line = one_error_line(run("generate", "--target", target, "--draft", narrow, "--prompt-ids", IDS, "--max-new", "4"))
     assert "drafter hidden_size 32" in line and "!= target hidden_size 64" in line
+
+
+def test_deepspec_gemma4_dspark_drafter_is_one_error_line(tiny, tmp_path):
+    """DeepSpec's Gemma 4 DSpark export is recognised and refused by name, before any weight is read."""
+    target, draft = tiny
+    bad = tmp_path / "gemma_dspark"
+    bad.mkdir()
+    for f in draft.iterdir():
+        if f.name != "config.json":
+            (bad / f.name).symlink_to(f)
+    cfg = {**json.loads((draft / "config.json").read_text()), "architectures": ["Gemma4DSparkModel"],
+           "model_type": "gemma4_text", "block_size": 4, "mask_token_id": 1, "markov_rank": 0}
+    (bad / "config.json").write_text(json.dumps(cfg))
+    for args in (("census", bad), ("generate", "--target", target, "--draft", bad, "--prompt-ids", IDS, "--max-new", "4")):
+        line = one_error_line(run(*args))
+        assert "DeepSpec Gemma 4 DSpark drafter (Gemma4DSparkModel) is recognised but not implemented" in line
+        assert str(bad / "config.json") in line

@@ -118,3 +118,24 @@ def test_yarn_matches_transformers(draft_dir):
     assert c.rope.mscale == pytest.approx(0.1 * math.log(4.0) + 1.0)
     tables = rope_tables(c.config.rope, 32)
     assert torch.equal(tables.inv_freq, inv_hf.float())
+
+
+def _as_gemma4_dspark(path, **overrides):
+    """Rewrite a DeepSpec drafter's config.json with the keys DeepSpec's Gemma 4 exporter writes."""
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(architectures=["Gemma4DSparkModel"], model_type="gemma4_text", global_head_dim=32,
+               num_global_key_value_heads=1, attention_k_eq_v=True, final_logit_softcapping=30.0,
+               layer_types=["full_attention"] * cfg["num_hidden_layers"])
+    cfg.update(overrides)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({}, "Gemma4DSparkModel"),
+    ({"architectures": ["DSparkDraftModel"]}, "model_type 'gemma4_text'"),
+])
+def test_gemma4_dspark_export_is_refused_by_name(draft_dir, overrides, named):
+    path = _as_gemma4_dspark(draft_dir("deepspec", markov_rank=16, confidence="markov"), **overrides)
+    with pytest.raises(UnsupportedError, match=rf"DeepSpec Gemma 4 DSpark drafter \({named}\) is recognised but not implemented"):
+        take_census(path)

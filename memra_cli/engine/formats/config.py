@@ -10,6 +10,7 @@ Reads every public drafter exporter (see docs/formats.md):
   `enable_confidence_head`, `confidence_head_with_markov`.
 - other DSpark exports: `architectures ["DSparkDraftModel"]` with a nested `dspark_config`, or
   `dflash_config.projector_type == "dspark"`.
+- DeepSpec's Gemma 4 export (`Gemma4DSparkModel`): recognised and refused by name (not implemented).
 
 and the dense targets' HF configs (Qwen3, LLaMA). Nothing is inferred from a folder name; every error names the
 file, the key, the value and what was expected.
@@ -330,6 +331,22 @@ def _refuse_a_target(raw: dict[str, Any], source: str) -> None:
                           "(a drafter's config.json has block_size and mask_token_id); give it as --target")
 
 
+GEMMA4_DRAFTER_MODEL_TYPES = ("gemma4_text", "gemma4_unified_text", "gemma4", "gemma4_unified")
+
+
+def _refuse_gemma4_dspark(raw: dict[str, Any], source: str, has_block_size: bool) -> None:
+    """DeepSpec's `Gemma4DSparkModel` export (Gemma 4 decoder layers as the drafter backbone,
+    model_type `gemma4_text`) is recognised but its forward is not implemented: refuse it by name
+    rather than let the Qwen-layout reader misread its keys (docs/gemma4.md, Not yet)."""
+    archs = [a for a in raw.get("architectures") or [] if isinstance(a, str)]
+    gemma_arch = next((a for a in archs if a.startswith("Gemma4") and "DSpark" in a), None)
+    if gemma_arch is None and not (has_block_size and raw.get("model_type") in GEMMA4_DRAFTER_MODEL_TYPES):
+        return
+    named = gemma_arch or f"model_type {raw.get('model_type')!r}"
+    raise UnsupportedError(f"{source}: a DeepSpec Gemma 4 DSpark drafter ({named}) is recognised but not "
+                           "implemented (Gemma 4 drafter layers); memra runs Qwen3-layout DFlash/DSpark drafters")
+
+
 def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
     """Normalize a drafter config.json (already parsed) into a `DraftConfig`."""
     top = _Fields(raw, source)
@@ -338,6 +355,7 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
     scopes = (nested, dflash, top)
     if _first(*scopes, key="block_size") is None:
         _refuse_a_target(raw, source)
+    _refuse_gemma4_dspark(raw, source, _first(*scopes, key="block_size") is not None)
 
     def pick(key: str) -> _Fields:
         return _first(*scopes, key=key) or top
