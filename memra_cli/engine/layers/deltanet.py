@@ -25,14 +25,7 @@ import torch.nn.functional as F
 
 from memra_kernels.deltanet_ref import causal_conv_silu_body as causal_conv_silu  # noqa: F401  the op's one body
 from memra_kernels.norm_ref import rms_norm_1p_ref as rms_norm_1p  # noqa: F401  HF Qwen3_5RMSNorm: the op's one body
-
-
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Qwen3_5RMSNormGated: `w * normed(x).to(dtype)`, then `* silu(z)` in float32, then cast."""
-    dtype = x.dtype
-    xf = x.float()
-    out = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return (out * F.silu(z.float())).to(dtype)
+from memra_kernels.norm_ref import gated_rms_norm_body as gated_rms_norm  # noqa: F401  HF Qwen3_5RMSNormGated: the op's one body
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

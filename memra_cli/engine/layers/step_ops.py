@@ -89,10 +89,11 @@ import torch.nn.functional as F
 
 from memra_cli.engine.errors import SettingError
 from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_replay_dev,
-                                              gated_delta_step, gated_rms_norm, ring_window, rms_norm_1p)
+                                              gated_delta_step, ring_window, rms_norm_1p)
 from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope
-from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, rms_norm_ref
+from memra_kernels.activation_ref import silu_mul_ref
+from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, gated_rms_norm_heads, rms_norm_ref
 from memra_kernels.qwen35_ref import gdn_gates_body
 from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref
 from memra_kernels.settle_ref import settle_round
@@ -172,10 +173,7 @@ class TorchStepOps:
         out = sdpa(qf, k_cache, v_cache, mask, scale)
         return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
 
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    silu_mul = staticmethod(silu_mul_ref)  # the op's one torch body
 
     @classmethod
     def swiglu(cls, x: torch.Tensor, w_gate_up) -> torch.Tensor:
@@ -343,8 +341,7 @@ class TorchStepOps:
     @staticmethod
     def gated_rms_norm(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """`core [t, Hv, dv]` float32, `z [t, Hv*dv]` -> `[t, Hv*dv]` in z's dtype."""
-        t, hv, dv = core.shape
-        return gated_rms_norm(core.to(z.dtype), z.reshape(t, hv, dv), w, eps).reshape(t, hv * dv)
+        return gated_rms_norm_heads(core, z, w, eps)
 
 
 class TritonStepOps:
