@@ -93,6 +93,8 @@ from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_repl
 from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope
 from memra_kernels.activation_ref import silu_mul_ref
+from memra_kernels.argmax_ref import row_argmax_ref
+from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref
 from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, gated_rms_norm_heads, rms_norm_ref
 from memra_kernels.qwen35_ref import gdn_gates_body
 from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref
@@ -251,29 +253,13 @@ class TorchStepOps:
             entry = self._markov_tables[key] = (w1, w2, table)
         return entry[2]
 
-    @staticmethod
-    def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, weight)
+    embed = staticmethod(embed_rows_ref)  # the op's one torch body
 
-    @staticmethod
-    def confidence_raw(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor | None = None,
-                       w1: torch.Tensor | None = None) -> torch.Tensor:
-        """DSpark's accept-rate head: float32 `[n]` = `[hidden ; w1[prev]] · w + b` (the markov
-        features only when `w1` is given), the features widened to float32."""
-        feats = hidden.float()
-        if w1 is not None:
-            feats = torch.cat([feats, w1[prev].float()], dim=-1)
-        return feats @ w + b[0]
+    confidence_raw = staticmethod(confidence_raw_ref)  # DSpark's accept-rate head: the op's one torch body
 
-    @staticmethod
-    def pack_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None = None) -> torch.Tensor:
-        """A graphed round's output `[cand ; sel (; raws)]` as float64 (exact for ids < 2^53)."""
-        return torch.cat([cand.double(), sel.double()] + ([raws.double()] if raws is not None else []))
+    pack_round = staticmethod(pack_round_ref)  # the op's one torch body
 
-    @staticmethod
-    def argmax(x: torch.Tensor) -> torch.Tensor:
-        """`x [rows, V]` -> int64 `[rows]`: each row's first index of its maximum."""
-        return torch.argmax(x, dim=-1)
+    argmax = staticmethod(row_argmax_ref)  # the op's one torch body
 
     settle_round = staticmethod(settle_round)
 
