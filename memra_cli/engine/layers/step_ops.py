@@ -95,6 +95,7 @@ from memra_cli.engine.layers.rope import apply_partial_rope
 from memra_kernels.activation_ref import silu_mul_ref
 from memra_kernels.argmax_ref import row_argmax_ref
 from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref
+from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
 from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, gated_rms_norm_heads, rms_norm_ref
 from memra_kernels.qwen35_ref import gdn_gates_body
 from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref
@@ -202,10 +203,7 @@ class TorchStepOps:
     def __init__(self):
         self._markov_tables: dict[tuple, tuple] = {}  # (w1, w2, dtype) -> (w1, w2, table)
 
-    @staticmethod
-    def markov_bias(w1: torch.Tensor, w2: torch.Tensor, prev: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The chain's bias after token `prev [1]`: float32 `[1, V]` = `linear(w1[prev], w2)` in `dtype`."""
-        return F.linear(w1[prev].to(dtype), w2).float()
+    markov_bias = staticmethod(markov_bias_ref)  # the chain's bias after a token: the op's one torch body
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      dtype: torch.dtype, host_loop: bool = False) -> torch.Tensor:
@@ -227,13 +225,9 @@ class TorchStepOps:
         table = self._markov_table(w1, w2, dtype)
         if host_loop and table is not None and logits.device.type == "cpu":
             return markov_chain_host(logits, anchor, table)
-        prev = anchor.reshape(1)
-        out = []
-        for k in range(logits.shape[0]):
-            bias = table[prev] if table is not None else self.markov_bias(w1, w2, prev, dtype)  # [1, V]
-            prev = torch.argmax(logits[k : k + 1] + bias, dim=-1)
-            out.append(prev)
-        return torch.cat(out)
+        if table is not None:
+            return markov_chain_body(logits, anchor, lambda prev: table[prev])
+        return markov_chain_body(logits, anchor, lambda prev: self.markov_bias(w1, w2, prev, dtype))
 
     def prepare_markov(self, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> bool:
         """Build the chain's bias table now (at load) rather than in the first round; whether
