@@ -21,6 +21,7 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors
 from ._pdl import pdl_args, pdl_wait
+from .activation_ref import silu_mul_ref  # noqa: F401  (the twin: the op's one torch body)
 
 BLOCK_I = 1024  # columns per program
 
@@ -65,9 +66,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=BLOCK_I, num_warps=4, **pdl_args(gate_up),
     )
     return out
-
-
-def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """Plain torch twin of `silu_mul` (the engine's `F.silu(gate) * up`, in the model dtype)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up

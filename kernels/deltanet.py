@@ -45,7 +45,7 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from .deltanet_ref import causal_conv_silu_body
+from .deltanet_ref import causal_conv_silu_body, delta_rule_row
 
 BLOCK_C = 256  # conv channels per program
 # The recurrence's tile, the fastest of an H200 sweep (docs/tuning.md#deltanet-recurrence).
@@ -440,11 +440,7 @@ def gated_delta_rule_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     out = torch.empty((t, hv, dv), dtype=torch.float32, device=state.device)
     s = state
     for i in range(t):
-        s = s * g[i].exp()[:, None, None]
-        k_i = k[i].unsqueeze(-1)
-        delta = (v[i] - (s * k_i).sum(dim=-2)) * beta[i].unsqueeze(-1)
-        s = s + k_i * delta.unsqueeze(-2)
-        out[i] = (s * q[i].unsqueeze(-1)).sum(dim=-2)
+        s, out[i] = delta_rule_row(s, q[i], k[i], v[i], g[i], beta[i])
         if stash is not None:
             stash.index_copy_(0, stash_idx[i:i + 1], s.unsqueeze(0))
     if final is not None:

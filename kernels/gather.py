@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
+from .gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref  # noqa: F401  (the twins: one torch body each)
 
 MAX_BLOCK = 4096  # columns per loop step
 
@@ -62,10 +63,6 @@ def embed_rows(ids: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
         _embed_kernel[(n,)](ids, weight, out, H, weight.stride(0), out.stride(0),
                             BLOCK=min(MAX_BLOCK, next_pow2(H)), num_warps=4, **pdl_args(ids))
     return out
-
-
-def embed_rows_ref(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.embedding(ids, weight)
 
 
 @triton.jit
@@ -122,15 +119,6 @@ def confidence_raw(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, prev:
     return out
 
 
-def confidence_raw_ref(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor | None = None,
-                       w1: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch head: features widened to float32, concatenated, one GEMV, plus the bias."""
-    feats = hidden.float()
-    if w1 is not None:
-        feats = torch.cat([feats, w1[prev].float()], dim=-1)
-    return feats @ w + b[0]
-
-
 @triton.jit
 def _pack_kernel(a_ptr, b_ptr, c_ptr, out_ptr, NA, NB, NC, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
@@ -158,7 +146,3 @@ def pack_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None 
     _pack_kernel[(1,)](cand, sel, raws if raws is not None else cand, out, na, nb, nc,
                        BLOCK=next_pow2(max(na, nb, nc, 1)), num_warps=1, **pdl_args(cand))
     return out
-
-
-def pack_round_ref(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.cat([cand.double(), sel.double()] + ([raws.double()] if raws is not None else []))

@@ -44,6 +44,7 @@ import triton.language as tl
 
 from ._common import check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
+from .markov_ref import markov_chain_ref  # noqa: F401  (the twin: the op's one torch body)
 
 BLOCK_V = 128  # vocabulary rows of w2 per program
 BLOCK_R = 64  # columns of w2 per loop step
@@ -209,15 +210,3 @@ def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w
             BLOCK_V=BLOCK_V, BLOCK_R=BLOCK_R, BLOCK_P=block_p, num_warps=4, **pdl_args(logits),
         )
     return out
-
-
-def markov_chain_ref(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """Plain torch twin of `markov_chain`: the engine's loop, one slot at a time."""
-    prev = anchor.reshape(1)
-    out = []
-    for k in range(logits.shape[0]):
-        bias = torch.nn.functional.linear(w1[prev].to(dtype), w2.to(dtype)).float()  # [1, V]
-        prev = torch.argmax(logits[k : k + 1] + bias, dim=-1)
-        out.append(prev)
-    return torch.cat(out) if out else torch.empty(0, dtype=torch.long, device=logits.device)

@@ -37,3 +37,19 @@ def add_rms_norm_1p_ref(x: torch.Tensor, residual: torch.Tensor, w1p: torch.Tens
     """Plain torch twin of `add_rms_norm_1p`: the add in the model dtype, then `rms_norm_1p_ref`."""
     new_residual = residual + x
     return rms_norm_1p_ref(new_residual, w1p, eps), new_residual
+
+
+def gated_rms_norm_body(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Qwen3_5RMSNormGated over the last axis, `x, z [..., dv]` -> `[..., dv]` in x's dtype:
+    `w * normed(x).to(dtype)`, then `* silu(z)` in float32, then cast."""
+    dtype = x.dtype
+    xf = x.float()
+    out = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (out * torch.nn.functional.silu(z.float())).to(dtype)
+
+
+def gated_rms_norm_heads(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The gated norm per head: `core [t, Hv, dv]` (float32), `z [t, Hv*dv]` -> `[t, Hv*dv]` in z's
+    dtype (core rounded to it first, as HF does): `qwen35.py`'s twin and `TorchStepOps`."""
+    t, hv, dv = core.shape
+    return gated_rms_norm_body(core.to(z.dtype), z.reshape(t, hv, dv), w, eps).reshape(t, hv * dv)

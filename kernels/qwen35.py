@@ -51,6 +51,7 @@ from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow
 from ._pdl import pdl_args, pdl_wait
 from .deltanet import BLOCK_C, _conv_silu_cols, causal_conv_silu_ref
 from .norm import rms_norm_1p_ref
+from .norm_ref import gated_rms_norm_heads
 from .qwen35_ref import gdn_gates_body
 from .rope import _rope_ref
 
@@ -530,8 +531,4 @@ def gdn_conv_gates_ref(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.
 
 def gated_rms_norm_ref(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Plain torch twin of `gated_rms_norm` (HF Qwen3_5RMSNormGated on `core.to(dtype)`)."""
-    t, hv, dv = core.shape
-    dtype = z.dtype
-    xf = core.to(dtype).float()
-    out = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return (out * F.silu(z.reshape(t, hv, dv).float())).to(dtype).reshape(t, hv * dv)
+    return gated_rms_norm_heads(core, z, w, eps)

@@ -24,15 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from memra_kernels.deltanet_ref import causal_conv_silu_body as causal_conv_silu  # noqa: F401  the op's one body
+from memra_kernels.deltanet_ref import delta_rule_row
 from memra_kernels.norm_ref import rms_norm_1p_ref as rms_norm_1p  # noqa: F401  HF Qwen3_5RMSNorm: the op's one body
-
-
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Qwen3_5RMSNormGated: `w * normed(x).to(dtype)`, then `* silu(z)` in float32, then cast."""
-    dtype = x.dtype
-    xf = x.float()
-    out = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return (out * F.silu(z.float())).to(dtype)
+from memra_kernels.norm_ref import gated_rms_norm_body as gated_rms_norm  # noqa: F401  HF Qwen3_5RMSNormGated: the op's one body
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -63,15 +57,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         states = torch.empty((t, *state.shape), dtype=state.dtype, device=state.device)
     s = state
     for i in range(t):
-        s = s * g[i].exp()[:, None, None]  # per row, as HF: a row's ops never depend on t
-        k_i = k[i].unsqueeze(-1)
-        kv_mem = (s * k_i).sum(dim=-2)
-        delta = (v[i] - kv_mem) * beta[i].unsqueeze(-1)
-        if states is None:
-            s = s + k_i * delta.unsqueeze(-2)
-        else:  # the same add, written straight into the stash (no copy)
-            s = torch.add(s, k_i * delta.unsqueeze(-2), out=states[i])
-        out[i] = (s * q[i].unsqueeze(-1)).sum(dim=-2)
+        # per row, as HF: a row's ops never depend on t; with a stash the add writes straight into it
+        s, out[i] = delta_rule_row(s, q[i], k[i], v[i], g[i], beta[i], None if states is None else states[i])
     return out, s, states
 
 

@@ -89,10 +89,14 @@ import torch.nn.functional as F
 
 from memra_cli.engine.errors import SettingError
 from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_replay_dev,
-                                              gated_delta_step, gated_rms_norm, ring_window, rms_norm_1p)
+                                              gated_delta_step, ring_window, rms_norm_1p)
 from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope
-from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, rms_norm_ref
+from memra_kernels.activation_ref import silu_mul_ref
+from memra_kernels.argmax_ref import row_argmax_ref
+from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref
+from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
+from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, gated_rms_norm_heads, rms_norm_ref
 from memra_kernels.qwen35_ref import gdn_gates_body
 from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref
 from memra_kernels.settle_ref import settle_round
@@ -172,10 +176,7 @@ class TorchStepOps:
         out = sdpa(qf, k_cache, v_cache, mask, scale)
         return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
 
-    @staticmethod
-    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    silu_mul = staticmethod(silu_mul_ref)  # the op's one torch body
 
     @classmethod
     def swiglu(cls, x: torch.Tensor, w_gate_up) -> torch.Tensor:
@@ -202,10 +203,7 @@ class TorchStepOps:
     def __init__(self):
         self._markov_tables: dict[tuple, tuple] = {}  # (w1, w2, dtype) -> (w1, w2, table)
 
-    @staticmethod
-    def markov_bias(w1: torch.Tensor, w2: torch.Tensor, prev: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The chain's bias after token `prev [1]`: float32 `[1, V]` = `linear(w1[prev], w2)` in `dtype`."""
-        return F.linear(w1[prev].to(dtype), w2).float()
+    markov_bias = staticmethod(markov_bias_ref)  # the chain's bias after a token: the op's one torch body
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      dtype: torch.dtype, host_loop: bool = False) -> torch.Tensor:
@@ -227,13 +225,9 @@ class TorchStepOps:
         table = self._markov_table(w1, w2, dtype)
         if host_loop and table is not None and logits.device.type == "cpu":
             return markov_chain_host(logits, anchor, table)
-        prev = anchor.reshape(1)
-        out = []
-        for k in range(logits.shape[0]):
-            bias = table[prev] if table is not None else self.markov_bias(w1, w2, prev, dtype)  # [1, V]
-            prev = torch.argmax(logits[k : k + 1] + bias, dim=-1)
-            out.append(prev)
-        return torch.cat(out)
+        if table is not None:
+            return markov_chain_body(logits, anchor, lambda prev: table[prev])
+        return markov_chain_body(logits, anchor, lambda prev: self.markov_bias(w1, w2, prev, dtype))
 
     def prepare_markov(self, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> bool:
         """Build the chain's bias table now (at load) rather than in the first round; whether
@@ -253,29 +247,13 @@ class TorchStepOps:
             entry = self._markov_tables[key] = (w1, w2, table)
         return entry[2]
 
-    @staticmethod
-    def embed(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, weight)
+    embed = staticmethod(embed_rows_ref)  # the op's one torch body
 
-    @staticmethod
-    def confidence_raw(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor | None = None,
-                       w1: torch.Tensor | None = None) -> torch.Tensor:
-        """DSpark's accept-rate head: float32 `[n]` = `[hidden ; w1[prev]] · w + b` (the markov
-        features only when `w1` is given), the features widened to float32."""
-        feats = hidden.float()
-        if w1 is not None:
-            feats = torch.cat([feats, w1[prev].float()], dim=-1)
-        return feats @ w + b[0]
+    confidence_raw = staticmethod(confidence_raw_ref)  # DSpark's accept-rate head: the op's one torch body
 
-    @staticmethod
-    def pack_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None = None) -> torch.Tensor:
-        """A graphed round's output `[cand ; sel (; raws)]` as float64 (exact for ids < 2^53)."""
-        return torch.cat([cand.double(), sel.double()] + ([raws.double()] if raws is not None else []))
+    pack_round = staticmethod(pack_round_ref)  # the op's one torch body
 
-    @staticmethod
-    def argmax(x: torch.Tensor) -> torch.Tensor:
-        """`x [rows, V]` -> int64 `[rows]`: each row's first index of its maximum."""
-        return torch.argmax(x, dim=-1)
+    argmax = staticmethod(row_argmax_ref)  # the op's one torch body
 
     settle_round = staticmethod(settle_round)
 
@@ -343,8 +321,7 @@ class TorchStepOps:
     @staticmethod
     def gated_rms_norm(core: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         """`core [t, Hv, dv]` float32, `z [t, Hv*dv]` -> `[t, Hv*dv]` in z's dtype."""
-        t, hv, dv = core.shape
-        return gated_rms_norm(core.to(z.dtype), z.reshape(t, hv, dv), w, eps).reshape(t, hv * dv)
+        return gated_rms_norm_heads(core, z, w, eps)
 
 
 class TritonStepOps:
