@@ -260,31 +260,33 @@ def test_past_the_queue_a_request_gets_a_429(tmp_path):
     with an OpenAI-shaped 429, and served once the first is done."""
     target, draft, _ = default_models(None, None, "auto")
     served, server = _serve(target, draft, NAME, max_tokens=LONG, max_live=1, max_waiting=0)
-    # the first request holds its place until the second was answered: its session's second
+    # the first request holds its place until the second was answered: its session's first
     # round waits for this event, so how fast the machine decodes cannot end it early
     release, opened = threading.Event(), served.worker.open_session
 
     def held_session(job):
-        session, burst = opened(job), None
-        rounds = iter(range(1 << 30))
+        session = opened(job)
+        burst = session.burst
 
         def held_burst(n):
-            if next(rounds) == 1:
-                release.wait(30)
+            release.wait(30)
             return burst(n)
 
-        burst, session.burst = session.burst, held_burst
+        session.burst = held_burst
         return session
 
     served.worker.open_session = held_session
     with server as url, httpx.Client(timeout=30) as http:
         body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": LONG, "temperature": 0, "stream": True}
         with http.stream("POST", url + "/v1/completions", json=body) as first:
-            next(first.iter_lines())
+            deadline = time.monotonic() + 20
+            while not served.worker.pending and time.monotonic() < deadline:  # admitted, held
+                time.sleep(0.01)
             r = http.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
             release.set()
             assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full", r.text
             assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+            assert any(line for line in first.iter_lines())  # and the first is served in full
         served.worker.open_session = opened
         deadline = time.monotonic() + 20
         while served.worker.pending and time.monotonic() < deadline:
