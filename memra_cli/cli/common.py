@@ -160,6 +160,17 @@ EMB_SCALE_HELP = ("The drafter's block embedding: the target's embedding rows ti
                   "(default: raw, as the reference engine; a z-lab checkpoint does not record which it was trained with).")
 EmbScaleOpt = typer.Option(None, "--emb-scale/--no-emb-scale", envvar=SETTINGS["emb_scale"].env, help=EMB_SCALE_HELP,
                            show_envvar=True)
+# The options every command that runs a target with a drafter shares (generate, serve).
+DtypeOpt = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16.")
+DeviceOpt = typer.Option("auto", "--device", help="auto | cpu | cuda.")
+VerifyCapOpt = typer.Option(None, "--verify-cap", envvar="MEMRA_DFLASH_VERIFY_T", show_envvar=True,
+                            help="Most candidates verified per round (anchor + drafts); default n_drafts+1.")
+MarkovOpt = typer.Option(None, "--markov/--no-markov", envvar="MEMRA_DFLASH_MARKOV", show_envvar=True,
+                         help="Markov chain over the drafts (dspark program; default: when the checkpoint has a markov head).")
+PREC_HELP = ("Drafter weight precision, applied at load to a safetensors drafter: f32 | bf16 | q8 | mixed | fc | q4 "
+             "(q8_0 / q4_0 with the same encoder as `memra quantize`). Unset: weights as stored, in --dtype. "
+             "A .gguf drafter carries its own policy (--prec may only repeat it).")
+DrafterPrecOpt = typer.Option(None, "--prec", envvar="MEMRA_DFLASH_PREC", show_envvar=True, help=PREC_HELP)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object on stdout instead of the report.")
 STEP_WIDTH_HELP = ("Rows per target step after the prefill: N (default 16) runs every decode and verify step at "
                    "exactly N rows (padded, or chunked), so a token's arithmetic never depends on how many tokens "

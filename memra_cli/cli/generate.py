@@ -9,19 +9,14 @@ from typing import Optional
 import typer
 
 from memra_cli.cli.common import (
-    AdaptOpt, CudaGraphsOpt, EmbScaleOpt, HarvestOpt, JsonOpt, StepWidthOpt, TauOpt, VtOpt, at_least, policy_settings,
-    refusals,
+    AdaptOpt, CudaGraphsOpt, DeviceOpt, DrafterPrecOpt, DtypeOpt, EmbScaleOpt, HarvestOpt, JsonOpt, MarkovOpt,
+    StepWidthOpt, TauOpt, VerifyCapOpt, VtOpt, at_least, policy_settings, refusals,
 )
 from memra_cli.cli.sampling import (
     AcceptanceOpt, MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params,
 )
 from memra_cli.cli.threads import ThreadsOpt, threads_setting, use_threads
 from memra_cli.engine.defaults import default_models as _default_models
-
-
-PREC_HELP = ("Drafter weight precision, applied at load to a safetensors drafter: f32 | bf16 | q8 | mixed | fc | q4 "
-             "(q8_0 / q4_0 with the same encoder as `memra quantize`). Unset: weights as stored, in --dtype. "
-             "A .gguf drafter carries its own policy (--prec may only repeat it).")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -43,11 +38,11 @@ def generate(
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Prompt as comma-separated token ids, e.g. 1,2,3."),
     chat: bool = typer.Option(False, "--chat", help="Wrap --prompt in the target's chat template. Needs a target made for chat (a chat_template in its tokenizer_config.json, or a chat_template.jinja); the embedded target is a raw code model and has none."),
     max_new: int = typer.Option(128, "--max-new", callback=at_least(0), help="Generate exactly this many tokens (>= 0) unless EOS comes first."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
-    verify_cap: Optional[str] = typer.Option(None, "--verify-cap", envvar="MEMRA_DFLASH_VERIFY_T", show_envvar=True, help="Most candidates verified per round (anchor + drafts); default n_drafts+1."),
-    markov: Optional[bool] = typer.Option(None, "--markov/--no-markov", envvar="MEMRA_DFLASH_MARKOV", show_envvar=True, help="Markov chain over the drafts (dspark program; default: when the checkpoint has a markov head)."),
-    prec: Optional[str] = typer.Option(None, "--prec", envvar="MEMRA_DFLASH_PREC", show_envvar=True, help=PREC_HELP),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    verify_cap: Optional[str] = VerifyCapOpt,
+    markov: Optional[bool] = MarkovOpt,
+    prec: Optional[str] = DrafterPrecOpt,
     harvest: Optional[str] = HarvestOpt,
     vt: Optional[str] = VtOpt,
     tau: Optional[str] = TauOpt,

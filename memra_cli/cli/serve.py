@@ -9,9 +9,9 @@ from typing import Optional
 import typer
 
 from memra_cli.cli.common import (
-    AdaptOpt, CudaGraphsOpt, EmbScaleOpt, HarvestOpt, StepWidthOpt, TauOpt, VtOpt, at_least, policy_settings, refusals,
+    AdaptOpt, CudaGraphsOpt, DeviceOpt, DrafterPrecOpt, DtypeOpt, EmbScaleOpt, HarvestOpt, MarkovOpt, StepWidthOpt,
+    TauOpt, VerifyCapOpt, VtOpt, at_least, policy_settings, refusals,
 )
-from memra_cli.cli.generate import PREC_HELP  # the drafter flags read as generate's
 from memra_cli.cli.threads import ThreadsOpt, threads_setting, use_threads
 
 EMBEDDED_NAME = "memra-embedded"  # the served model's name for the embedded pair
@@ -78,11 +78,11 @@ def serve(
     max_tokens: int = typer.Option(1024, "--max-tokens", callback=at_least(1), help="The most tokens a request may ask for (max_tokens); a chat request without max_tokens gets up to this many (a completion gets OpenAI's 16)."),
     max_sessions: int = typer.Option(16, "--max-sessions", callback=at_least(1), help="Requests decoded at once, interleaved a round at a time."),
     max_queue: int = typer.Option(64, "--max-queue", callback=at_least(0), help="Requests that may wait beyond --max-sessions; more are answered 429."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16."),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda."),
-    verify_cap: Optional[str] = typer.Option(None, "--verify-cap", envvar="MEMRA_DFLASH_VERIFY_T", show_envvar=True, help="Most candidates verified per round (anchor + drafts); default n_drafts+1."),
-    markov: Optional[bool] = typer.Option(None, "--markov/--no-markov", envvar="MEMRA_DFLASH_MARKOV", show_envvar=True, help="Markov chain over the drafts (dspark program; default: when the checkpoint has a markov head)."),
-    prec: Optional[str] = typer.Option(None, "--prec", envvar="MEMRA_DFLASH_PREC", show_envvar=True, help=PREC_HELP),
+    dtype: str = DtypeOpt,
+    device: str = DeviceOpt,
+    verify_cap: Optional[str] = VerifyCapOpt,
+    markov: Optional[bool] = MarkovOpt,
+    prec: Optional[str] = DrafterPrecOpt,
     harvest: Optional[str] = HarvestOpt,
     vt: Optional[str] = VtOpt,
     tau: Optional[str] = TauOpt,
