@@ -121,7 +121,9 @@ def _kernels(out: Path, tiny: bool):
 def _tests(out: Path, tiny: bool):
     if tiny:
         return None  # every gpu-marked test skips on the CPU
-    return [_py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests")]
+    # both tiers (tests/conftest.py): `--exhaustive` selects only the exhaustive-marked cases
+    return [_py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"),
+            _py("-m", "pytest", "-q", "-m", "gpu", "--exhaustive", "-p", "no:cacheprovider", "tests")]
 
 
 PARTS = {p.name: p for p in (
