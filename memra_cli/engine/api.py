@@ -151,8 +151,8 @@ PIPELINE_ENV = "MEMRA_PIPELINE"
 
 
 def resolve_pipeline(round_graphs: bool, env: dict[str, str] | None = None) -> tuple[bool, str | None]:
-    """Graphed rounds queued one ahead of the host's read (spec/session.py `_pipelined_plain`,
-    `_pipelined_spec`): on with whole-round graphs; MEMRA_PIPELINE=0 reads each round before
+    """Graphed rounds queued one ahead of the host's read (spec/chained.py
+    `ChainedRounds`): on with whole-round graphs; MEMRA_PIPELINE=0 reads each round before
     queueing the next. The same graphs run in the same order either way (the same tokens); only
     the host's reads move. Returns (on, the note to show, or None)."""
     return _default_on_switch(
@@ -430,7 +430,7 @@ class Engine:
         self.notes = notes  # what was applied (step width, graphs), for receipts / --json
         self.draft_graphs = draft_graphs
         self.round_graphs = round_graphs  # whole greedy rounds as one graph (spec/session.py)
-        # rounds queued one ahead of the host (spec/session.py `_pipelined_plain` / `_spec`)
+        # rounds queued one ahead of the host (spec/chained.py)
         self.pipelined = round_graphs if pipelined is None else pipelined
         self.plain_only = False  # made by `fastest_plain`: only plain (one-row) decoding runs here
         # the CPU thread policy's choice for this target on this device; a front end applies it

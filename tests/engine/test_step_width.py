@@ -554,7 +554,7 @@ def test_round_graphs_equal_the_per_part_graphs(embedded_pair, eager_graphs, arm
     bound = _kv_bound(whole.proposer.drafter.cfg)
     for a, b in zip(kv_whole, kv_parts):
         assert_close_at_scale(a, b, bound, arm_key)
-    assert any(key[0] == ("spec-chain" if pipelined else "round") for key in whole.cache.graphs)
+    assert any(key[0] == "spec-chain" for key in whole.cache.graphs)  # one round driver, queued ahead or not
     assert not any(key[0] == "propose" for key in whole.proposer.kv.graphs)  # the parts never ran
     n = len(eager_graphs)
     again = engine.session(prompt, 64, arm, eos_ids=())
@@ -643,7 +643,7 @@ def test_round_graphs_plain_decoding_equals_the_runner(target_dir, eager_graphs,
             assert out == plain
         else:  # another width: f32 on the CPU happens to agree here; what matters is the runner's
             assert out == greedy_reference(StepRunner(model, 1), prompt, 40)
-        key = ("plain-chain" if pipelined else "plain-round", width)
+        key = ("plain-chain", width)  # one round driver, queued ahead or not
         assert key in s.cache.graphs and s.stats.rounds == 40
 
 
@@ -656,8 +656,10 @@ def _chains(engine, width: int) -> list:
     return [g for _, st in engine.pool._idle.values() for k, g in st.graphs.items() if k == ("plain-chain", width)]
 
 
-def test_pipelined_plain_rounds_stop_where_the_stream_stops(target_dir, eager_graphs):
-    """Plain rounds queued one ahead of the host's read (spec/session.py `_pipelined_plain`):
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_pipelined_plain_rounds_stop_where_the_stream_stops(target_dir, eager_graphs, lookahead):
+    """Plain rounds queued one ahead of the host's read, or read before the next is queued
+    (spec/chained.py, MEMRA_PIPELINE=0):
     bursts of any size, an EOS mid-stream, the budget, a session closed with a round queued and
     the next session on that storage all give the runner's stream; the committed length is
     always prompt + tokens, every launch is read, and no round runs past the stream's end (one
@@ -667,6 +669,7 @@ def test_pipelined_plain_rounds_stop_where_the_stream_stops(target_dir, eager_gr
     full = greedy_reference(StepRunner(model, 1), prompt, 48)
     engine = graphed_on_cpu(model, round_graphs=True, width=1)
     assert engine.pipelined
+    engine.pipelined = lookahead
     for size in (1, 5, 48):
         before = _chain_launches(engine, 1)
         with engine.session(prompt, 48, eos_ids=()) as s:
@@ -674,7 +677,7 @@ def test_pipelined_plain_rounds_stop_where_the_stream_stops(target_dir, eager_gr
             while not s.finished:
                 got += s.burst(size)
                 assert s.position == len(prompt) + len(s.tokens), size
-                assert (s._ahead is not None) == (not s.finished), size  # one queued while it goes on
+                assert (s.chained.ahead is not None) == (not s.finished), size  # one queued while it goes on
             assert got == full and s.stats.rounds == 48, size
         assert _chain_launches(engine, 1) - before == 48, size
     eos = full[20]
@@ -688,7 +691,7 @@ def test_pipelined_plain_rounds_stop_where_the_stream_stops(target_dir, eager_gr
         assert s.run() == full[:7]
     assert _chain_launches(engine, 1) - before == 7
     with engine.session(prompt, 48, eos_ids=()) as s:  # stopped with a round queued
-        assert s.burst(3) == full[:3] and s._ahead is not None
+        assert s.burst(3) == full[:3] and s.chained.ahead is not None
     chains = _chains(engine, 1)
     assert chains and all(c.read_upto == c.launched for c in chains)  # drained on close
     with engine.session(prompt, 48, eos_ids=()) as s:  # the same storage, its chain reused

@@ -584,7 +584,7 @@ class Qwen35State(StateBase):
     # ----------------------------------------------------------------- rounds settled on the device
 
     # A round graph may restore this state itself (`restore_round`), so rounds can be queued
-    # before the host reads the previous one (spec/session.py `_pipelined_spec`).
+    # before the host reads the previous one (spec/chained.py).
     settles_on_device = True
 
     def restore_round(self) -> None:

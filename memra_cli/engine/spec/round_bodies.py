@@ -1,30 +1,30 @@
-"""What a graphed round computes (runtime/round_graphs.py captures it; spec/session.py runs it).
+"""What a graphed round computes (runtime/round_graphs.py captures it; spec/chained.py runs it).
 
-Both bodies read their inputs from one long vector and return one packed vector, so a round is
-one host-to-device copy, one replay and one read.
+Both bodies read their inputs from one long vector (shared by a `RoundChain`'s graphs) and
+return one packed vector, so a round is at most one host-to-device copy, one replay and one read;
+each also writes the next round's inputs, so a round can be queued before the previous is read.
 
-Speculative round, inputs `[t_start, d_start, last]` (equal starts in a session; the capture
-uses each storage's slack), output `[cand (W), sel (W), raws (n_drafts, under a confidence
-window)]` as float64 (ids < 2^53 are exact):
+Speculative round, inputs `[t_start, d_start, last, vt, budget]` (equal starts in a session; the
+capture uses each storage's slack), output `[cand (W), sel (W), raws (n_drafts, under a
+confidence window), vt, m]` as float64 (ids < 2^53 are exact):
 
     drafts, raws = the static proposal of the block [last, MASK...] at d_start (draft graphs' body)
     cand = [last, drafts][:W]       (padded by repeating its last id when the block is shorter)
     logits, taps = target.static_step(cand at t_start..t_start+W-1)
     sel = argmax(logits)            (greedy: target.step_ops.argmax)
     drafter.static_ingest(taps, all W rows at d_start)
+    vt, m, next inputs = settle_round(...)   (the window, the accepted prefix, the next round)
 
-The verify covers W rows whatever the window: the window is sized on the host after the read,
-from the raws, and only decides how many rows count, exactly as `Session` does with fixed-width
-steps (a row's logits do not depend on the rows after it). The ingest takes all W rows: the
-rows past the accepted prefix land at positions the next round's block overwrites before any
-query reads them (the padding argument of draft_graphs.IngestGraph), so the drafter's cache
-holds what an ingest of the kept rows alone would. The host then sets both lengths to
-`start + m + 1`.
+The verify covers W rows whatever the window: the window is sized after it, from the raws, and
+only decides how many rows count, exactly as `Session._round` does with fixed-width steps (a
+row's logits do not depend on the rows after it). The ingest takes all W rows: the rows past the
+accepted prefix land at positions the next round's block overwrites before any query reads them
+(the padding argument of draft_graphs.IngestGraph), so the drafter's cache holds what an ingest
+of the kept rows alone would. The host then sets both lengths to `start + m + 1`.
 
 Plain step, inputs `[t_start, last]`, output `[sel]` (long): the fixed-width step of `last`
-padded to W by repetition (as the runner pads), then the argmax of its first row. The chained
-variant (`plain_step_chained`, for runtime/round_graphs.py `RoundChain`) also writes that
-selection into `inputs[1]`: the next round's anchor, so the next replay needs no host value but
+padded to W by repetition (as the runner pads), then the argmax of its first row, which is also
+written into `inputs[1]`: the next round's anchor, so the next replay needs no host value but
 its start.
 """
 
@@ -62,26 +62,14 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
     return core
 
 
-def speculative_round(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int,
-                      want_raws: bool):
-    """The speculative round's body over one target state and one draft cache (see module)."""
-    core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws)
-    ops = target.step_ops
-
-    def body(inputs: torch.Tensor) -> torch.Tensor:
-        return ops.pack_round(*core(inputs))
-
-    return body
-
-
 def speculative_round_chained(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int,
                               want_raws: bool):
-    """`speculative_round` that also settles the round on the device and writes the next
-    round's inputs, for a round queued before the host reads the previous one
-    (runtime/round_graphs.py `RoundChain`; spec/session.py `_pipelined_spec`).
+    """The speculative round's body over one target state and one draft cache (see module): it
+    settles the round on the device and writes the next round's inputs
+    (runtime/round_graphs.py `RoundChain`; spec/chained.py).
 
     Inputs `[t_start, d_start, last, vt, budget]` (`vt`: the ladder's window; `budget`: tokens
-    the stream may still commit). As the host's `_graphed_round`: the window (the ladder's, or
+    the stream may still commit). As `Session._round` does on the host: the window (the ladder's, or
     sized from the raws), capped by the budget (at least 1); m = accepted prefix inside it;
     then the next inputs `[t_start + m + 1, d_start + m + 1, sel[m], ladder_next(m) or the cap,
     budget - m - 1]`. Output `[cand (W), sel (W), raws (nd, under a confidence window), vt, m]`
@@ -110,7 +98,7 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
 
 
 def plain_step(target, cache, width: int):
-    """The plain decode step's body (see module)."""
+    """The plain decode step (see module) without the anchor write: a one-off replay's body."""
     rows = torch.arange(width, device=target.device)
 
     def body(inputs: torch.Tensor) -> torch.Tensor:
@@ -122,7 +110,8 @@ def plain_step(target, cache, width: int):
 
 
 def plain_step_chained(target, cache, width: int):
-    """`plain_step` whose selection also becomes the next round's anchor (`inputs[1]`)."""
+    """The plain round's body (see module): `plain_step` whose selection also becomes the next
+    round's anchor (`inputs[1]`)."""
     step = plain_step(target, cache, width)
 
     def body(inputs: torch.Tensor) -> torch.Tensor:

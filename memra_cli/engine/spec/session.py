@@ -26,12 +26,12 @@ raises.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from typing import Sequence
 
 import torch
 
 from memra_cli.engine.runtime.steps import StepRunner
+from memra_cli.engine.spec.chained import ChainedRounds
 from memra_cli.engine.spec.policy import ladder_next
 from memra_cli.engine.spec.proposer import DrafterProposer, Program, Proposal, Proposer
 from memra_cli.engine.spec.sampling import GREEDY, Sampler, accept_prefix
@@ -64,15 +64,10 @@ class Session:
         self.vt = program.verify_cap if program else 1
         self.late_window = self._sizes_after_verify()  # fixed for the session: program, sampler, runner
         self.graphed_rounds = round_graphs and not timed and self._rounds_capturable()
-        # graphed rounds queued one ahead of the host (`_pipelined_plain`, `_pipelined_spec`):
-        # speculative ones over a state whose commit only moves a host length (a KV cache) or
-        # whose rollback the round's graph does itself (the hybrid's, `settles_on_device`)
-        self._device_settle = self.cache.settles_on_device
-        self.pipelined = pipelined and self.graphed_rounds and (
-            proposer is None or self.cache.host_bookkeeping or self._device_settle)
-        self._next_variant = 0  # the buffer arrangement the next queued speculative round runs over
-        self._chain = None  # the state's RoundChain while this session uses it
-        self._ahead: int | None = None  # the chain launch in flight (its anchor committed), if any
+        # graphed rounds settle on the device (spec/chained.py), queued one ahead of the host's
+        # read unless `pipelined` is off; otherwise `_round` runs them (its parts graphed or not)
+        self.pipelined = pipelined and self.graphed_rounds
+        self.chained = ChainedRounds(self, self.pipelined) if self.graphed_rounds else None
         self.last: torch.Tensor | None = None
         self.last_id: int | None = None  # the anchor as a host int, between graphed rounds
         self._t0 = 0.0
@@ -112,10 +107,11 @@ class Session:
             self.prime()
         out: list[int] = []
         try:
-            if self.pipelined and not self.finished:
-                out += self._pipelined_plain(n) if self.proposer is None else self._pipelined_spec(n)
-            while len(out) < n and not self.finished:
-                out += self._graphed_round() if self.graphed_rounds else self._round()
+            if self.chained is not None:
+                out += self.chained.advance(n) if not self.finished else []
+            else:
+                while len(out) < n and not self.finished:
+                    out += self._round()
         except BaseException:  # an error or an interrupt mid-stream: the storages still go back
             self.close()
             raise
@@ -136,9 +132,8 @@ class Session:
             return
         self._released = True
         self.finished = True
-        if self._chain is not None:  # a round still queued: read it before the storage goes back
-            self._chain.drain()
-            self._ahead = None
+        if self.chained is not None:  # a round still queued: read it before the storage goes back
+            self.chained.drain()
         self.runner.release(self.cache)
         if self.proposer is not None:
             self.proposer.release()
@@ -184,6 +179,9 @@ class Session:
             return False
         if self.proposer is None:
             return True
+        c = self.cache  # the commit of a speculative round the device settled: a length, or done there
+        if not (c.host_bookkeeping or c.settles_on_device):
+            return False
         return (isinstance(self.proposer, DrafterProposer) and self.proposer.graphs and self.program is not None
                 and self.program.verify_cap <= r.width)
 
@@ -194,214 +192,6 @@ class Session:
             assert self.last is not None
             self.last_id = int(self.last.item())
         self.last = None
-
-    def _graphed_round(self) -> list[int]:
-        """`_round` as one replay (spec/round_bodies.py): same selections, commits and stats."""
-        from memra_cli.engine.runtime.round_graphs import RoundGraph
-        from memra_cli.engine.spec import round_bodies
-
-        start, width, cache = self.cache.length, self.runner.width, self.cache
-        model = self.target
-        model.check_span(start, width, cache)
-        self._anchor_to_host()
-        slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
-        # A state whose steps run over one of several buffer arrangements (the hybrid's two
-        # committed-state buffers) gets a round graph per arrangement, captured in it.
-        variant = cache.graph_variant
-        arranged = cache.arranged_for_capture(variant)
-        tail = (variant,) if cache.graph_variants > 1 else ()  # a KV cache has one arrangement
-        if self.proposer is None:
-            key = ("plain-round", width, *tail)
-            graph = cache.graphs.get(key)
-            if graph is None:
-                with arranged:
-                    graph = cache.graphs[key] = RoundGraph(round_bodies.plain_step(model, cache, width),
-                                                           (slack, 0), model.device)
-            out = graph.run((start, self.last_id))
-            cand_h, vam_h, vt, m = [self.last_id], [int(out[0])], 1, 0
-        else:
-            p, kv = self.program, self.proposer.kv
-            assert kv.length == start, (kv.length, start)  # row index == position in both caches
-            raws = p.window.is_confidence
-            model.check_taps(self.taps)
-            key = ("round", id(kv), p, raws, self.taps, width, *tail)
-            graph = cache.graphs.get(key)
-            if graph is None:
-                body = round_bodies.speculative_round(self.proposer.drafter, model, p, kv, cache, self.taps, width, raws)
-                d_slack = kv.rows - max(width, p.block_size)
-                with arranged:
-                    graph = cache.graphs[key] = RoundGraph(body, (slack, d_slack, 0), model.device, keep=(kv,))
-            out = graph.run((start, start, self.last_id))
-            cand_h, vam_h = [int(x) for x in out[:width]], [int(x) for x in out[width : 2 * width]]
-            vt = self._budget(p.window.size_window(out[2 * width:], p.verify_cap) if raws else self.vt)
-            m = accept_prefix(cand_h, vam_h, vt) if vt > 1 else 0
-        committed = self._commit(cand_h, m)
-        cache.commit(start + m + 1)
-        if self.proposer is not None and not self.finished:  # (the stream's end ingests nothing, as `_round`)
-            self.proposer.kv.length = start + m + 1
-        self.last_id = vam_h[m]
-        self._count_round(vt, m)
-        return committed
-
-    def _plain_chain(self):
-        """The state's plain RoundChain (kept in `cache.graphs`, like every graph over the
-        storage), with a round graph captured for each buffer arrangement of the state. Captured
-        here, before any launch: a capture's warm-up writes the shared inputs."""
-        from memra_cli.engine.runtime.round_graphs import RoundChain, RoundGraph
-        from memra_cli.engine.spec import round_bodies
-
-        cache, width, model = self.cache, self.runner.width, self.target
-        key = ("plain-chain", width)
-        chain = cache.graphs.get(key)
-        if chain is None:
-            chain = cache.graphs[key] = RoundChain(model.device, 2)
-        chain.drain()  # a session that ended with a round queued over this storage
-        n = cache.graph_variants
-        slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
-        for variant in range(n):
-            if variant not in chain.graphs:
-                with cache.arranged_for_capture(variant) if n > 1 else nullcontext():
-                    chain.graphs[variant] = RoundGraph(round_bodies.plain_step_chained(model, cache, width),
-                                                       (slack, 0), model.device, inputs=chain.inputs)
-        return chain
-
-    def _launch_plain(self, anchor: int | None) -> None:
-        """Queue one plain round at the committed length and commit its row on the host: a plain
-        round keeps its one row, so the commit needs no device value (a KV length, or the
-        hybrid's buffer flip)."""
-        cache, chain = self.cache, self._chain
-        start = cache.length
-        self.target.check_span(start, self.runner.width, cache)
-        seed = (start,) if anchor is None else (start, anchor)
-        self._ahead = chain.launch(cache.graph_variant, seed)
-        cache.commit(start + 1)
-
-    def _pipelined_plain(self, n: int) -> list[int]:
-        """Plain rounds with the next one queued before this one's token is read, until `n` new
-        tokens are committed or the stream ends. The same graphs' work as `_graphed_round`, in
-        the same order: only the host's reads move.
-
-        Round j commits its anchor a_j and selects a_{j+1}; round j+1 may run once a_j is known
-        not to end the stream (EOS, budget). So round j+1 is queued right after a_j is read
-        (round j-1's selection), while round j runs, and never past the stream's end: nothing to
-        undo. Between bursts one round may stay queued, its anchor committed (`_ahead`): the
-        caller's work on the tokens (printing them) overlaps it too."""
-        out: list[int] = []
-        if self._ahead is None:  # nothing queued: the first round's anchor is a host value
-            self._anchor_to_host()
-            self._chain = self._plain_chain()
-            self._launch_plain(self.last_id)
-            out += self._commit([self.last_id], 0)
-            self._count_round(1, 0)
-        while True:  # a round queued, its anchor committed
-            k = self._ahead
-            assert k is not None
-            if self.finished:
-                self.last_id, self._ahead = int(self._chain.read(k)[0]), None
-                return out
-            if len(out) >= n:
-                return out  # it stays queued for the next burst
-            self._launch_plain(None)  # round k+1 on round k's selection, already on the device
-            anchor = int(self._chain.read(k)[0])
-            out += self._commit([anchor], 0)
-            self._count_round(1, 0)
-
-    def _spec_chain(self):
-        """The speculative RoundChain of this session's program, draft cache, taps and width,
-        kept in `cache.graphs`, with a round graph per buffer arrangement of the state (a KV
-        cache has one; the hybrid's two alternate round after round, its graphs restoring the
-        recurrent state themselves). Captured here, before any launch."""
-        from memra_cli.engine.runtime.round_graphs import RoundChain, RoundGraph
-        from memra_cli.engine.spec import round_bodies
-
-        cache, width, model = self.cache, self.runner.width, self.target
-        p, kv = self.program, self.proposer.kv
-        raws = p.window.is_confidence
-        model.check_taps(self.taps)
-        key = ("spec-chain", id(kv), p, raws, self.taps, width)
-        chain = cache.graphs.get(key)
-        if chain is None:
-            chain = cache.graphs[key] = RoundChain(model.device, 5)
-        chain.drain()
-        n = cache.graph_variants
-        slack, d_slack = cache.max_len - width, kv.rows - max(width, p.block_size)
-        for variant in range(n):
-            if variant not in chain.graphs:
-                with cache.arranged_for_capture(variant) if n > 1 else nullcontext():
-                    body = round_bodies.speculative_round_chained(self.proposer.drafter, model, p, kv, cache,
-                                                                  self.taps, width, raws)
-                    chain.graphs[variant] = RoundGraph(body, (slack, d_slack, 0, p.verify_cap, width), model.device,
-                                                       keep=(kv,), inputs=chain.inputs)
-        return chain
-
-    def _launch_spec(self, seed=()) -> int:
-        """Queue one chained speculative round over the arrangement the previous one left
-        (each round of a state restored on the device flips it, whatever it kept)."""
-        k = self._chain.launch(self._next_variant, seed)
-        if self._device_settle:
-            self._next_variant ^= 1
-        return k
-
-    def _settle_spec(self, row) -> list[int]:
-        """Commit a chained round from its output row `[cand, sel, raws?, vt, m]` (the window and
-        the accepted count the device used), as `_graphed_round` does after its read."""
-        width, cache = self.runner.width, self.cache
-        start = cache.length
-        assert self.proposer.kv.length == start, (self.proposer.kv.length, start)
-        vt, m = int(row[-2]), int(row[-1])
-        cand_h = [int(x) for x in row[:width]]
-        committed = self._commit(cand_h, m)
-        if self._device_settle:  # the round's graph restored the state: only the host's side is left
-            cache.settled_on_device(start + m + 1)
-        else:
-            cache.commit(start + m + 1)
-        if not self.finished:
-            self.proposer.kv.length = start + m + 1
-        self.last_id = int(row[width + m])
-        self._count_round(vt, m)
-        return committed
-
-    def _pipelined_spec(self, n: int) -> list[int]:
-        """Speculative rounds with the next one queued before this one is read, until `n` new
-        tokens are committed or the stream ends (a KV cache, `host_bookkeeping`: the commit needs no
-        device work; or a state the round's graph restores itself, `settles_on_device`). Each
-        round's graph settles the round on the device (window, accepted count, next inputs, and
-        the hybrid's recurrent state: round_bodies.speculative_round_chained) and the host
-        commits what the device decided, one round behind: the same rounds as `_graphed_round`.
-
-        Round j+1 is queued before round j is read only while round j cannot exhaust the budget
-        (more than W tokens left) and round j+1's rows fit the storage: a round past the end
-        would write past the storage's reach. An EOS can still end the stream at round j; round
-        j+1 then ran for nothing, its rows past the committed length (a KV cache forgets them by
-        its length; the hybrid's wrote only the buffer that is not the committed one). Between
-        bursts one round may stay queued (`_ahead`), not yet read."""
-        out: list[int] = []
-        width, cache = self.runner.width, self.cache
-        if self._ahead is None:
-            self._anchor_to_host()
-            self._chain = self._spec_chain()
-            start = cache.length
-            self.target.check_span(start, width, cache)
-            self._next_variant = cache.graph_variant
-            self._ahead = self._launch_spec((start, start, self.last_id, self.vt, self.max_new - len(self.tokens)))
-        while len(out) < n:
-            k = self._ahead
-            assert k is not None
-            # round k+1 starts at most W positions after round k: inside the budget, and its
-            # W rows inside the storage
-            ahead = self.max_new - len(self.tokens) > width and cache.length + 2 * width <= cache.max_len
-            if ahead:
-                nxt = self._launch_spec()
-            out += self._settle_spec(self._chain.read(k))
-            if self.finished:
-                self._chain.drain()
-                self._ahead = None
-                return out
-            if not ahead:
-                self.target.check_span(cache.length, width, cache)
-                nxt = self._launch_spec()  # its inputs as round k left them on the device
-            self._ahead = nxt
-        return out  # the newest round stays queued for the next burst
 
     def _round(self) -> list[int]:
         start, last = self.cache.length, self.last
