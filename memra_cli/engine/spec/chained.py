@@ -27,19 +27,15 @@ Between bursts one round may stay queued (`ahead`), its anchor committed (plain)
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING
-
 from memra_cli.engine.runtime.round_graphs import RoundChain, RoundGraph
 from memra_cli.engine.spec import round_bodies
 
-if TYPE_CHECKING:
-    from memra_cli.engine.spec.session import Session
-
 
 class ChainedRounds:
-    """The device-settled round driver of one `Session` (module docstring)."""
+    """The device-settled round driver of one `spec.session.Session` (module docstring): it
+    reads the session's state and commits through its `_commit` / `_count_round`."""
 
-    def __init__(self, session: "Session", lookahead: bool):
+    def __init__(self, session, lookahead: bool):
         self.s = session
         self.lookahead = lookahead
         self.chain: RoundChain | None = None  # the state's RoundChain while this session uses it
