@@ -111,12 +111,12 @@ class StepRunner:
         rows = self._rows(max_len)
         self.model.ensure_positions(rows)
         if not self.cuda_graphs:
-            return self._made(rows)
-        state = self.pool.acquire((self.pool.owner_token(self.model), "target", rows), lambda: self._made(rows))
+            return self._fresh_state(rows)
+        state = self.pool.acquire((self.pool.owner_token(self.model), "target", rows), lambda: self._fresh_state(rows))
         state.reset()
         return state
 
-    def _made(self, rows: int):
+    def _fresh_state(self, rows: int):
         """The model's new state of `rows` positions; one that replays graphs inside its own
         methods (`graphed_restores`) gets the cache that captures them."""
         state = self.model.new_state(rows)
