@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from memra_cli.engine.quant.blocks import BLOCK_BYTES, QK, QuantError, quantize
+from .ggml_blocks_ref import BLOCK_BYTES, QK, QuantError, quantize
 
 try:  # the package also works without Triton: QuantLinear then runs the torch reference
     import triton
@@ -677,7 +677,7 @@ class QuantLinear:
 
     @classmethod
     def from_float(cls, weight, qtype: str, name: str = "tensor", **kw) -> "QuantLinear":
-        """Quantize a float weight [out, in] with memra's (ggml-identical) encoder and pack it."""
+        """Quantize a float weight [out, in] with the ggml-identical encoder (`ggml_blocks_ref`) and pack it."""
         return cls(quantize(weight, qtype, name), qtype, tuple(weight.shape), **kw)
 
     @classmethod

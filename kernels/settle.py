@@ -7,15 +7,15 @@ next round starts with which anchor. Written as tensor ops, that is some thirty 
 the end of every round (docs/tuning.md#device-settlement); here it is one
 launch that also packs the round's output for the host's read.
 
-`settle_round(cand, sel, raws, inputs, tau, kind=, cap=, adapt=)`, one program:
+`settle_round(cand, sel, raws, inputs, threshold, kind=, cap=, adapt=)`, one program:
 
 - window `vt`: the ladder's (`inputs[3]`), or from the drafter's confidence raws: keep leading
   slots while the running product of sigmoids (`confidence`) or each sigmoid
-  (`confidence-slot`) stays >= tau, `vt = clamp(1 + kept, 2, max(cap, 2))`; then capped by the
+  (`confidence-slot`) stays >= threshold, `vt = clamp(1 + kept, 2, max(cap, 2))`; then capped by the
   budget `inputs[4]` and at least 1. The sigmoid is `1 / (1 + exp(-x))` in float64 (0 below
   -700) and the product runs slot after slot, as the host's policy code computes it (its
   float64 `exp` may differ from the host's in the last bit: a window moves only when the
-  survival lands within an ulp of tau, and the stream never does: acceptance is the target's);
+  survival lands within an ulp of threshold, and the stream never does: acceptance is the target's);
 - `m` = the leading run of `cand[j + 1] == sel[j]` for `j < vt - 1`;
 - `inputs := [t_start + m + 1, d_start + m + 1, sel[m], next vt, budget - m - 1]`, next vt
   `clamp(m + 2, 3, cap)` when the ladder adapts (`min(max(m + 2, 3), cap)`), else `cap`;
@@ -24,7 +24,7 @@ launch that also packs the round's output for the host's read.
   replay restore of the hybrid's recurrent state re-runs, or `[t_start % ring, -1]` when all W
   rows are kept (the step already wrote that state: nothing to re-run).
 
-`inputs` is read whole before it is written (one program). `tau` is a float64 `[1]` tensor (a
+`inputs` is read whole before it is written (one program). `threshold` is a float64 `[1]` tensor (a
 Python float would reach the kernel as float32). The twin `settle_round_ref` is the same
 arithmetic in torch ops (settle_ref.py: the CPU path, and what the kernel is
 tested against).
@@ -46,7 +46,7 @@ from ._pdl import pdl_args, pdl_wait
 
 
 @triton.jit
-def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, tau_ptr, out_ptr, restore_ptr, cap, ring,
+def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, threshold_ptr, out_ptr, restore_ptr, cap, ring,
                    W: tl.constexpr, ND: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
                    ADAPT: tl.constexpr, RESTORE: tl.constexpr = False, PDL: tl.constexpr = False):
     pdl_wait(PDL)
@@ -62,7 +62,7 @@ def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, tau_ptr, out_ptr, re
     if KIND == 0:
         vt = tl.load(inputs_ptr + 3)
     else:
-        tau = tl.load(tau_ptr)
+        threshold = tl.load(threshold_ptr)
         survival = tl.full((), 1.0, tl.float64)
         going = tl.full((), 1, tl.int64)
         kept = tl.full((), 0, tl.int64)
@@ -72,9 +72,9 @@ def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, tau_ptr, out_ptr, re
             p = tl.where(raw >= -700.0, 1.0 / (1.0 + tl.exp(-raw)), 0.0)
             if KIND == 1:
                 survival = survival * p
-                ok = survival >= tau
+                ok = survival >= threshold
             else:
-                ok = p >= tau
+                ok = p >= threshold
             going = going * ok.to(tl.int64)
             kept += going
         vt = tl.minimum(tl.maximum(1 + kept, 2), tl.maximum(cap, 2))
@@ -101,18 +101,18 @@ def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, tau_ptr, out_ptr, re
 
 
 def settle_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None, inputs: torch.Tensor,
-                 tau: torch.Tensor | None, *, kind: str, cap: int, adapt: bool,
+                 threshold: torch.Tensor | None, *, kind: str, cap: int, adapt: bool,
                  restore: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
     """Settle a round (module docstring): returns `out [2W + n + 2]` float64 and rewrites `inputs`
     `[t_start, d_start, last, vt, budget]` (int64) for the next round. `raws` (float32 `[n]`)
-    and `tau` (float64 `[1]`) only under a confidence window; the ladder's output has no raws.
+    and `threshold` (float64 `[1]`) only under a confidence window; the ladder's output has no raws.
     `restore` (int32 `[2]`) and `ring`: also write a replay restore's ring rows."""
-    check_settle(cand, sel, raws, inputs, tau, kind, cap, restore, ring)
+    check_settle(cand, sel, raws, inputs, threshold, kind, cap, restore, ring)
     nd = 0 if raws is None else raws.shape[0]
-    check_tensors(*[x for x in (cand, sel, raws, inputs, tau, restore) if x is not None])
+    check_tensors(*[x for x in (cand, sel, raws, inputs, threshold, restore) if x is not None])
     w = cand.shape[0]
     out = torch.empty(2 * w + nd + 2, dtype=torch.float64, device=cand.device)
-    _settle_kernel[(1,)](cand, sel, raws if raws is not None else out, inputs, tau if tau is not None else out,
+    _settle_kernel[(1,)](cand, sel, raws if raws is not None else out, inputs, threshold if threshold is not None else out,
                          out, restore if restore is not None else inputs, cap, max(ring, 1), W=w, ND=nd,
                          BLOCK=next_pow2(w), KIND=KINDS[kind], ADAPT=bool(adapt), RESTORE=restore is not None,
                          num_warps=1, **pdl_args(cand))

@@ -24,7 +24,7 @@ import torch
 KINDS = {"ladder": 0, "confidence": 1, "confidence-slot": 2}
 
 
-def check_settle(cand, sel, raws, inputs, tau, kind, cap, restore=None, ring=0):
+def check_settle(cand, sel, raws, inputs, threshold, kind, cap, restore=None, ring=0):
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {list(KINDS)}, got {kind!r}")
     for x, name, dt in ((cand, "cand", torch.int64), (sel, "sel", torch.int64), (inputs, "inputs", torch.int64)):
@@ -35,8 +35,8 @@ def check_settle(cand, sel, raws, inputs, tau, kind, cap, restore=None, ring=0):
     if kind != "ladder":
         if raws is None or raws.dim() != 1 or raws.dtype != torch.float32 or not raws.is_contiguous():
             raise ValueError("a confidence window needs contiguous float32 raws [n]")
-        if tau is None or tau.shape != (1,) or tau.dtype != torch.float64:
-            raise ValueError("a confidence window needs tau as a float64 [1] tensor")
+        if threshold is None or threshold.shape != (1,) or threshold.dtype != torch.float64:
+            raise ValueError("a confidence window needs threshold as a float64 [1] tensor")
     if cap < 2:
         raise ValueError(f"cap must be >= 2, got {cap}")
     if restore is not None:
@@ -47,13 +47,13 @@ def check_settle(cand, sel, raws, inputs, tau, kind, cap, restore=None, ring=0):
 
 
 def settle_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None, inputs: torch.Tensor,
-                     tau: torch.Tensor | None, *, kind: str, cap: int, adapt: bool,
+                     threshold: torch.Tensor | None, *, kind: str, cap: int, adapt: bool,
                      restore: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
     """Settle a round (module docstring); rewrites `inputs` `[t_start, d_start, last, vt,
-    budget]` (int64) for the next round. `raws` (float32 `[n]`) and `tau` (float64 `[1]`) only
+    budget]` (int64) for the next round. `raws` (float32 `[n]`) and `threshold` (float64 `[1]`) only
     under a confidence window; `restore` (int32 `[2]`) and `ring` only for a state restored on
     the device."""
-    check_settle(cand, sel, raws, inputs, tau, kind, cap, restore, ring)
+    check_settle(cand, sel, raws, inputs, threshold, kind, cap, restore, ring)
     w = cand.shape[0]
     if kind == "ladder":
         vt = inputs[3]
@@ -67,7 +67,7 @@ def settle_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | Non
                 survival = survival * p[i]
                 surv.append(survival)
             p = torch.stack(surv) if surv else p
-        keep = p >= tau[0]
+        keep = p >= threshold[0]
         kept = torch.cumprod(keep.long(), 0).sum()
         vt = (1 + kept).clamp(min=2, max=max(cap, 2))
         parts = [cand.double(), sel.double(), r]

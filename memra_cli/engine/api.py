@@ -236,9 +236,9 @@ def resolve_program(mode: str, census: Census, settings: PolicySettings, markov:
 def _resolve_priced(window, receipts: Receipts, census: Census, step_cost):
     """The expert-priced window over this target: priced by its step cost, or on a flat cost (a
     dense target, where every verified row is free) the window the other policies already give:
-    confidence-slot at the same tau (said in the receipts)."""
+    confidence-slot at the same threshold (said in the receipts)."""
     if step_cost is None or step_cost.is_flat:
-        flat = VerifyWindow("confidence-slot", window.tau)
+        flat = VerifyWindow("confidence-slot", window.threshold)
         note = "priced -> confidence-slot (flat step cost: a dense target's verify rows are free)"
         return flat, dataclasses.replace(receipts, window=flat, window_note=note)
     priced = dataclasses.replace(window, cost=step_cost)

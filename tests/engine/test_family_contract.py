@@ -82,3 +82,13 @@ def test_a_claimed_capability_without_its_methods_is_refused(monkeypatch, tmp_pa
     with pytest.raises(UnsupportedError, match=r"ClaimsState sets settles_on_device but does not provide "
                                                r"restore_round and settled_on_device"):
         _pick(monkeypatch, tmp_path, Family)
+
+
+def test_a_claimed_restore_graph_without_the_cache_hook_is_refused(monkeypatch, tmp_path):
+    """A state that replays graphs of its own must take the runtime's cache (the runtime, not the
+    model, captures them)."""
+    Claims = type("RestoresState", (KVCache,), {"graphed_restores": True})
+    Family = type("Restorer", (_Complete,), {"state_class": Claims})
+    with pytest.raises(UnsupportedError, match=r"RestoresState sets graphed_restores but does not provide "
+                                               r"attach_graph_cache"):
+        _pick(monkeypatch, tmp_path, Family)

@@ -210,21 +210,21 @@ def test_receipts_lines_and_json():
 # ---------------------------------------------------------------- properties
 
 raws_st = st.lists(st.floats(-30, 30, allow_nan=False), max_size=16)
-tau_st = st.floats(0.001, 0.999)
+threshold_st = st.floats(0.001, 0.999)
 cap_st = st.integers(2, 17)
 
 
 @settings(max_examples=300, deadline=None)
-@given(raws_st, tau_st, cap_st)
-def test_survival_window_never_exceeds_slot_window_and_stays_in_bounds(raws, tau, cap):
-    surv, slot = confidence_vt(raws, tau, cap), slot_confidence_vt(raws, tau, cap)
+@given(raws_st, threshold_st, cap_st)
+def test_survival_window_never_exceeds_slot_window_and_stays_in_bounds(raws, threshold, cap):
+    surv, slot = confidence_vt(raws, threshold, cap), slot_confidence_vt(raws, threshold, cap)
     assert 2 <= surv <= cap and 2 <= slot <= cap
     assert surv <= slot  # survival <= each slot's own sigmoid
 
 
 @settings(max_examples=300, deadline=None)
-@given(raws_st, tau_st, tau_st, cap_st)
-def test_windows_shrink_as_tau_grows(raws, t1, t2, cap):
+@given(raws_st, threshold_st, threshold_st, cap_st)
+def test_windows_shrink_as_the_threshold_grows(raws, t1, t2, cap):
     lo, hi = min(t1, t2), max(t1, t2)
     assert confidence_vt(raws, hi, cap) <= confidence_vt(raws, lo, cap)
     assert slot_confidence_vt(raws, hi, cap) <= slot_confidence_vt(raws, lo, cap)

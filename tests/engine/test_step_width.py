@@ -613,16 +613,16 @@ def test_the_window_on_the_device_is_the_hosts(kind):
 
     gen = torch.Generator().manual_seed(3)
     cand = sel = torch.zeros(17, dtype=torch.long)
-    for tau in (0.1, 0.5, 0.9):
-        window = VerifyWindow(kind, tau)
+    for threshold in (0.1, 0.5, 0.9):
+        window = VerifyWindow(kind, threshold)
         for trial in range(60):
             n = 1 + trial % 16
             raws = (torch.randn(n, generator=gen) * 3 + 1.5).float()
             for cap in (2, 3, 9, 17):
                 host = window.size_window(raws.double().tolist(), cap)
-                out = settle_round(cand, sel, raws, torch.tensor([0, 0, 0, 2, 1000]), torch.tensor([tau], dtype=torch.float64),
+                out = settle_round(cand, sel, raws, torch.tensor([0, 0, 0, 2, 1000]), torch.tensor([threshold], dtype=torch.float64),
                                    kind=kind, cap=cap, adapt=True)
-                assert int(out[-2]) == host, (tau, trial, cap)
+                assert int(out[-2]) == host, (threshold, trial, cap)
 
 
 @pytest.mark.parametrize("pipelined", [True, False])

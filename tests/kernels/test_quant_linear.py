@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from memra_cli.engine.quant.blocks import QuantError, QuantLinearRef, quantize
+from memra_cli.engine.quant.blocks import QuantLinearRef, quantize
 from memra_kernels import quant_linear as ql
+from memra_kernels.ggml_blocks_ref import QuantError  # the kernels' own (the engine's subclasses it)
 from memra_kernels.quant_linear import KernelConfig
 
 try:

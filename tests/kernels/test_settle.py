@@ -38,13 +38,13 @@ def test_settle_kernel_equals_its_twin(kind, adapt, device):
         cap = int(torch.randint(2, w + 1, (1,), generator=gen)) if w > 2 else 2
         inputs = torch.tensor([100 + trial, 50 + trial, 7, int(torch.randint(max(2, cap - 2), cap + 1, (1,), generator=gen)),
                                (1000, 3, 1, 0)[trial % 4]])
-        tau = torch.tensor([(0.3, 0.5, 0.8)[trial % 3]], dtype=torch.float64)
+        threshold = torch.tensor([(0.3, 0.5, 0.8)[trial % 3]], dtype=torch.float64)
         args = dict(kind=kind, cap=cap, adapt=adapt)
         ref_inputs = inputs.clone()
-        ref = settle_round_ref(cand, sel, raws, ref_inputs, tau, **args)
+        ref = settle_round_ref(cand, sel, raws, ref_inputs, threshold, **args)
         dev_inputs = inputs.to(device)
         got = settle_round(cand.to(device), sel.to(device), None if raws is None else raws.to(device), dev_inputs,
-                           tau.to(device), **args)
+                           threshold.to(device), **args)
         assert torch.equal(got.cpu(), ref), (trial, got, ref)
         assert torch.equal(dev_inputs.cpu(), ref_inputs), (trial, dev_inputs, ref_inputs)
         seen_m.add(int(ref[-1]))
@@ -80,7 +80,7 @@ def test_settle_refuses_bad_arguments():
         settle_round_ref(cand, sel, None, torch.zeros(5, dtype=torch.long), None, kind="wide", cap=4, adapt=True)
     with pytest.raises(ValueError, match="needs contiguous float32 raws"):
         settle_round_ref(cand, sel, None, torch.zeros(5, dtype=torch.long), None, kind="confidence", cap=4, adapt=True)
-    with pytest.raises(ValueError, match="tau as a float64"):
+    with pytest.raises(ValueError, match="threshold as a float64"):
         settle_round_ref(cand, sel, torch.zeros(3), torch.zeros(5, dtype=torch.long), torch.zeros(1), kind="confidence",
                          cap=4, adapt=True)
     with pytest.raises(ValueError, match="inputs must be"):

@@ -172,12 +172,12 @@ def _pack_round(ctx, _):
 
 def _settle(ctx, _):
     st, torch = ctx.k.settle, ctx.torch
-    tau = torch.zeros(1, dtype=torch.float64)
+    threshold = torch.zeros(1, dtype=torch.float64)
     for kind, nd in (("ladder", 0), ("confidence", 15), ("confidence-slot", 16)):
         for adapt in (True, False):
             raws = ctx.t(nd, dtype="f32") if nd else None
             ctx.launch(f"settle_round {kind} adapt={adapt}", "_settle_kernel", st.settle_round, ctx.idx(16), ctx.idx(16),
-                       raws, ctx.idx(5), tau if nd else None, kind=kind, cap=16, adapt=adapt)
+                       raws, ctx.idx(5), threshold if nd else None, kind=kind, cap=16, adapt=adapt)
     # a hybrid state's round: also the replay restore's ring rows (int32 [2])
     ctx.launch("settle_round restore", "_settle_kernel", st.settle_round, ctx.idx(16), ctx.idx(16), None, ctx.idx(5),
                None, kind="ladder", cap=16, adapt=False, restore=torch.zeros(2, dtype=torch.int32), ring=64)

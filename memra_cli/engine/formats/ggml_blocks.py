@@ -1,6 +1,8 @@
-"""ggml q8_0 / q4_0 blocks, the reading half: the block layout and the decoders (numpy, and the
-torch twin `dequantize_torch`), which the GGUF reader needs. The encoders, byte-identical to
-llama.cpp's, are in quant/blocks.py, which re-exports these names.
+"""ggml q8_0 / q4_0 blocks as the engine sees them: the codec's one body is
+`memra_kernels.ggml_blocks_ref` (layout, encoder, decoders; triton-free), which `quant_linear`
+shares; here its refusals become the engine's `QuantError`, a `MemraError` the CLI renders as a
+one-line `error:`. The GGUF reader needs the decoders; quant/blocks.py re-exports these names
+beside the encoders.
 
 Block layouts (32 values per block, little-endian):
   q8_0: [d: f16][q: 32 x int8]                    34 B, value = q * d
@@ -9,77 +11,41 @@ Block layouts (32 values per block, little-endian):
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+import functools
+from typing import Callable, TypeVar
+
+from memra_kernels import ggml_blocks_ref as _codec
 
 from memra_cli.engine.errors import MemraError
 
-QK = 32
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18}
+QK = _codec.QK
+BLOCK_BYTES = _codec.BLOCK_BYTES
+quantizable = _codec.quantizable
+
+F = TypeVar("F", bound=Callable)
 
 
-class QuantError(MemraError, ValueError):
-    """A tensor cannot be quantized (NaN/Inf, row not a multiple of 32, unknown qtype)."""
+class QuantError(MemraError, _codec.QuantError):
+    """A tensor cannot be quantized (NaN/Inf, row not a multiple of 32, unknown qtype), or bytes
+    do not hold the shape they claim."""
 
 
-def quantizable(shape) -> bool:
-    """True when the last dim holds whole 32-value blocks (and the tensor is not empty)."""
-    return len(shape) >= 1 and shape[-1] > 0 and shape[-1] % QK == 0
+def refusing(fn: F) -> F:
+    """`fn` from the codec, raising the engine's `QuantError` (same message) where it refuses."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except _codec.QuantError as exc:
+            if isinstance(exc, QuantError):
+                raise
+            raise QuantError(str(exc)) from None
+
+    return call  # type: ignore[return-value]
 
 
-def _blocks_of(raw, qtype: str, shape) -> np.ndarray:
-    if qtype not in BLOCK_BYTES:
-        raise QuantError(f"unknown quant type {qtype!r} (expected q8_0 or q4_0)")
-    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1)
-    n = int(np.prod(shape))
-    if not quantizable(tuple(shape)) or raw.size != n // QK * BLOCK_BYTES[qtype]:
-        raise QuantError(f"{raw.size} bytes of {qtype} do not hold a tensor of shape {tuple(shape)}")
-    return raw.reshape(-1, BLOCK_BYTES[qtype])
-
-
-def decode_q8_0(raw, shape) -> np.ndarray:
-    """uint8 q8_0 bytes -> float32 array of `shape` (value = q * d, one f32 multiply)."""
-    b = _blocks_of(raw, "q8_0", shape)
-    d = b[:, :2].copy().view("<f2").astype(np.float32)  # [n, 1]
-    return (b[:, 2:].view(np.int8).astype(np.float32) * d).reshape(shape)
-
-
-def decode_q4_0(raw, shape) -> np.ndarray:
-    """uint8 q4_0 bytes -> float32 array of `shape` (value = (nibble - 8) * d)."""
-    b = _blocks_of(raw, "q4_0", shape)
-    d = b[:, :2].copy().view("<f2").astype(np.float32)
-    packed = b[:, 2:]
-    q = np.concatenate([packed & 15, packed >> 4], axis=1).astype(np.int8) - np.int8(8)
-    return (q.astype(np.float32) * d).reshape(shape)
-
-
-_DECODERS = {"q8_0": decode_q8_0, "q4_0": decode_q4_0}
-
-
-def dequantize(raw, qtype: str, shape) -> np.ndarray:
-    """uint8 bytes of `qtype` -> float32 array of the logical `shape`."""
-    if qtype not in _DECODERS:
-        raise QuantError(f"unknown quant type {qtype!r} (expected q8_0 or q4_0)")
-    return _DECODERS[qtype](raw, shape)
-
-
-def dequantize_torch(raw, qtype: str, shape, dtype=torch.float32, device=None) -> torch.Tensor:
-    """Torch twin of `dequantize`: uint8 bytes -> `shape` tensor of `dtype` on `device`.
-
-    Computed in float32 (bit-equal to the numpy decoder) and cast to `dtype` at the end.
-    """
-    if qtype not in BLOCK_BYTES:
-        raise QuantError(f"unknown quant type {qtype!r} (expected q8_0 or q4_0)")
-    raw = torch.as_tensor(raw, device=device)
-    n = 1
-    for s in shape:
-        n *= int(s)
-    if raw.dtype != torch.uint8 or raw.numel() != n // QK * BLOCK_BYTES[qtype] or n % QK:
-        raise QuantError(f"{raw.numel()} {raw.dtype} values do not hold {qtype} of shape {tuple(shape)}")
-    b = raw.reshape(-1, BLOCK_BYTES[qtype])
-    d = b[:, :2].contiguous().view(torch.float16).float()  # [n_blocks, 1]
-    if qtype == "q8_0":
-        q = b[:, 2:].view(torch.int8).float()
-    else:
-        q = torch.cat([b[:, 2:] & 15, b[:, 2:] >> 4], dim=1).float() - 8.0
-    return (q * d).reshape(tuple(shape)).to(dtype)
+decode_q8_0 = refusing(_codec.decode_q8_0)
+decode_q4_0 = refusing(_codec.decode_q4_0)
+dequantize = refusing(_codec.dequantize)
+dequantize_torch = refusing(_codec.dequantize_torch)

@@ -31,6 +31,7 @@ class TargetState(Protocol):
     round_graphs_ok: bool  # a commit after a whole-round graph's replay needs no host read
     settles_on_device: bool  # a round graph restores the state itself (`restore_round`)
     graph_variants: int  # buffer arrangements a fixed step runs over (one graph per arrangement)
+    graphed_restores: bool  # replays graphs in its own methods, captured by `attach_graph_cache`'s cache
 
     @property
     def graph_variant(self) -> int: ...  # the arrangement the next fixed step runs over
@@ -46,6 +47,12 @@ class TargetState(Protocol):
 
     def arranged_for_capture(self, variant: int):
         """Context manager: the state arranged as `variant` for a graph capture, put back after."""
+        ...
+
+    def attach_graph_cache(self, cache) -> None:
+        """(`graphed_restores` only) The runtime's `GraphCache` (runtime/cuda_graphs.py), given once
+        when the runtime makes the state: its `run(key, build, *args)` replays the graph of the body
+        `build(*args)` returns, capturing it the first time."""
         ...
 
     def restore_round(self) -> None:
@@ -110,10 +117,11 @@ MODEL_MEMBERS = ("from_dir", "new_state", "ensure_positions", "check_taps", "che
                  "step_ops_used", "embed_scale", "moe")
 STATE_MEMBERS = ("rollback", "reset", "commit", "nbytes", "host_bookkeeping", "round_graphs_ok",
                  "settles_on_device", "graph_variants", "graph_variant", "arranged_for_capture",
-                 "restore_round", "settled_on_device")
+                 "restore_round", "settled_on_device", "graphed_restores", "attach_graph_cache")
 _CLAIMS = {  # a claimed capability -> the methods a state must override (not inherit from StateBase)
     "settles_on_device": ("restore_round", "settled_on_device"),
     "graph_variants": ("arranged_for_capture", "graph_variant"),
+    "graphed_restores": ("attach_graph_cache",),
 }
 
 

@@ -285,7 +285,8 @@ class Qwen35State(StateBase):
 
     `length` is read-only from outside: it moves with the recurrent state (`commit`, `rollback`,
     `reset` and the target's eager `forward`), never alone. `graphs` holds the CUDA graphs
-    captured over this storage (runtime/graphs.py)."""
+    captured over this storage (runtime/graphs.py); its own restore graphs live in the runtime's
+    `GraphCache` (`attach_graph_cache`)."""
 
     graph_variants = 2  # buffer arrangements a fixed step can run over (see the class docstring)
     # A commit or rollback queues its device work (a flip, a copy, a replay launch) behind the
@@ -330,15 +331,14 @@ class Qwen35State(StateBase):
             self._beta_all = stacked((ring, hv), f32)
             self._qkv, self._g, self._beta = (list(t.unbind(0)) for t in (self._qkv_all, self._g_all, self._beta_all))
         self._cur = 0  # the buffer holding the committed state
-        # Replay restores as CUDA graphs (`_graphed_replay`): on CUDA with ops that read the
-        # replay's rows on the device (the kernels; the torch ops read them on the host, which a
-        # capture refuses). Their inputs: `(row0, rows)` int32, via pinned memory.
-        self.graph_restores = restores_as_graphs(device, mode, ops)
+        # Replay restores as CUDA graphs (`_graphed_replay`), once the runtime attached the cache
+        # that captures them (`attach_graph_cache`). Their inputs: `(row0, rows)` int32, via pinned memory.
+        self.graph_restores = False
         self._params = torch.zeros(2, dtype=torch.int32, device=device)
         self._params_host = torch.zeros(2, dtype=torch.int32, pin_memory=device.type == "cuda")
         self._params_host_np = self._params_host.numpy()
         self._params_copied = None  # the event after the last params copy (CUDA)
-        self._restore_graphs: dict = {}  # (base buffer, destination buffer) -> (graph, body)
+        self._restore_graphs = None  # the runtime's GraphCache: (base buffer, destination buffer) -> graph
         # A round settled on the device (`restore_round`): `(row0, rows)` int32, written by the
         # round's settlement (rows -1: every row kept, the step wrote that state).
         self.round_params = torch.zeros(2, dtype=torch.int32, device=device)
@@ -547,16 +547,23 @@ class Qwen35State(StateBase):
             self._final_at = None  # that buffer no longer holds the step's last row
         self._cur = dst
 
+    # The replay restore runs as a CUDA graph where it can; the runtime captures it.
+    graphed_restores = True
+
+    def attach_graph_cache(self, cache) -> None:
+        """Run replay restores as graphs captured by `cache` (runtime/cuda_graphs.py
+        `GraphCache`) where a capture can: on CUDA, in replay mode, with ops that read the
+        replay's rows on the device (`restores_as_graphs`)."""
+        self._restore_graphs = cache
+        self.graph_restores = restores_as_graphs(self.kv.device, self.mode, self._ops)
+
     def _graphed_replay(self, base_at: int, dst: int, row0: int, rows: int) -> None:
         """The replay restore (conv windows and states after `rows` ring rows from `row0`, from
         the base in buffer `base_at` into buffer `dst`) as a CUDA graph, one per (base, dst)
         pair, captured on first use: its two launches read `(row0, rows)` on the device, so the
         host's part is one small copy and a replay (eagerly, the Triton launchers' host time would
-        leave the GPU waiting every rollback). The capture's warm-up
-        computes the restore itself: it only reads the base and the ring, so running it again
-        changes nothing."""
-        from memra_cli.engine.runtime import cuda_graphs
-
+        leave the GPU waiting every rollback). The capture's warm-up computes the restore itself:
+        it only reads the base and the ring, so running it again changes nothing."""
         if self._params_copied is not None:
             self._params_copied.synchronize()  # the last copy read the pinned buffer: done?
         self._params_host_np[:] = (row0, rows)
@@ -564,11 +571,11 @@ class Qwen35State(StateBase):
         if self._params.device.type == "cuda":
             self._params_copied = torch.cuda.Event()
             self._params_copied.record()
-        key = (base_at, dst)
-        entry = self._restore_graphs.get(key)
-        if entry is not None:
-            entry[0].replay()
-            return
+        self._restore_graphs.run((base_at, dst), self._restore_body, base_at, dst)
+
+    def _restore_body(self, base_at: int, dst: int):
+        """What `_graphed_replay` captures for the pair: the window and the state restored from
+        buffer `base_at` into `dst`, `(row0, rows)` read from `_params` on the device."""
         ops, params = self._ops, self._params
         base_conv, base_rec = self._conv_buf(base_at), self._rec_buf(base_at)
         conv_dst, rec_dst = self._conv2[dst], self._rec2[dst]
@@ -578,8 +585,7 @@ class Qwen35State(StateBase):
             ops.gated_delta_replay_dev(self._qkv_all, self._g_all, self._beta_all, base_rec, self.n_k_heads,
                                        params, rec_dst)
 
-        graph, _ = cuda_graphs.capture(body, params.device)
-        self._restore_graphs[key] = (graph, body)  # the body's tensors outlive the graph that reads them
+        return body
 
     # ----------------------------------------------------------------- rounds settled on the device
 

@@ -15,6 +15,9 @@ class StateBase:
     round_graphs_ok = False
     settles_on_device = False
     graph_variants = 1
+    # Graphs replayed inside the state's own methods (Qwen35State's rollback restores): the state
+    # builds each body, the runtime's cache (runtime/cuda_graphs.py `GraphCache`) captures it.
+    graphed_restores = False
 
     @property
     def graph_variant(self) -> int:
@@ -22,6 +25,9 @@ class StateBase:
 
     def arranged_for_capture(self, variant: int):
         return nullcontext()
+
+    def attach_graph_cache(self, cache) -> None:
+        raise NotImplementedError(f"{type(self).__name__} replays no graphs of its own")
 
     def restore_round(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not settle rounds on the device")

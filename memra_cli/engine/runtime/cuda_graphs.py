@@ -1,5 +1,5 @@
 """The one place that captures CUDA graphs (target steps: runtime/graphs.py; drafter rounds:
-runtime/draft_graphs.py).
+runtime/draft_graphs.py; graphs a state replays inside its own methods: `GraphCache`).
 
 `capture(fn, device)` warms `fn` up twice on a side stream, which runs lazy inits such as cuBLAS
 handles and workspaces outside the capture. It then records `fn` into a graph and returns
@@ -13,7 +13,7 @@ pooled storages, copies out) then runs on the CPU too.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -34,3 +34,30 @@ def capture(fn: Callable[[], Any], device: torch.device, pool=None) -> tuple[Any
     with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
+
+
+class GraphCache:
+    """The graphs a state replays inside its own methods (models/state.py `graphed_restores`:
+    Qwen35State's rollback restores), one per key: the state declares each body, this captures it
+    on first use and replays it after. `StepRunner.new_state` hands every such state one, so a
+    pooled storage keeps its graphs with it.
+
+    A first use runs the body through the capture's warm-up and does not replay it: the body
+    must be one whose second run changes nothing (a restore reads only its sources)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._graphs: dict = {}  # key -> (graph, body): the body's tensors outlive the graph reading them
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def run(self, key: Hashable, build: Callable[..., Callable[[], Any]], *args) -> None:
+        """Replay `key`'s graph; the first time, capture `build(*args)` (the body) as it."""
+        entry = self._graphs.get(key)
+        if entry is not None:
+            entry[0].replay()
+            return
+        body = build(*args)
+        graph, _ = capture(body, self.device)
+        self._graphs[key] = (graph, body)

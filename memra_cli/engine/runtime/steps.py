@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 
 from memra_cli.engine.errors import ConfigError, PromptError
+from memra_cli.engine.runtime.cuda_graphs import GraphCache
 from memra_cli.engine.runtime.pool import StoragePool
 
 STATE_BUCKET = 256  # pooled state lengths are multiples of this (CUDA graphs bind a storage)
@@ -110,9 +111,17 @@ class StepRunner:
         rows = self._rows(max_len)
         self.model.ensure_positions(rows)
         if not self.cuda_graphs:
-            return self.model.new_state(rows)
-        state = self.pool.acquire((self.pool.owner_token(self.model), "target", rows), lambda: self.model.new_state(rows))
+            return self._fresh_state(rows)
+        state = self.pool.acquire((self.pool.owner_token(self.model), "target", rows), lambda: self._fresh_state(rows))
         state.reset()
+        return state
+
+    def _fresh_state(self, rows: int):
+        """The model's new state of `rows` positions; one that replays graphs inside its own
+        methods (`graphed_restores`) gets the cache that captures them."""
+        state = self.model.new_state(rows)
+        if state.graphed_restores:
+            state.attach_graph_cache(GraphCache(self.model.device))
         return state
 
     def release(self, state) -> None:

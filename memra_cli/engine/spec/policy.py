@@ -3,7 +3,7 @@
 The behavioural contract is the reference engine's `DsparkHarvest` / `DsparkVtPolicy` and their unit tests (docs/architecture.md)
 (`tests/engine/test_policy.py` pins every case they pin). Settings come from a CLI flag or its
 environment variable (one setting: typer `envvar=`); `None` or "" means unset. Unknown values,
-a tau outside (0, 1) and contradictions refuse with a `SettingError` naming the setting
+a `tau` (the confidence threshold) outside (0, 1) and contradictions refuse with a `SettingError` naming the setting
 (`vt='static': ...`); the CLI names the flag or the variable that carried it.
 """
 
@@ -23,7 +23,7 @@ ADAPT_ENV = "MEMRA_DFLASH_ADAPT"
 VERIFY_CAP_ENV = "MEMRA_DFLASH_VERIFY_T"
 MARKOV_ENV = "MEMRA_DFLASH_MARKOV"
 EMB_SCALE_ENV = "MEMRA_DFLASH_EMB_SCALE"
-DEFAULT_TAU = 0.5
+DEFAULT_THRESHOLD = 0.5  # the confidence windows' threshold when the `tau` setting is unset
 VT_CHOICES = ("ladder", "confidence", "confidence-slot", "priced")
 
 
@@ -83,15 +83,23 @@ def resolve_harvest(value: str | None, strategy_dspark: bool) -> Harvest:
 
 @dataclass(frozen=True)
 class VerifyWindow:
-    """A verify-window policy: `ladder`, or a confidence policy with its threshold tau."""
+    """A verify-window policy: `ladder`, or a confidence policy with its `threshold` on the slots'
+    sigmoid scores (the `tau` setting, `--tau`; receipts write it `{tau=...}` as the reference
+    engine does). Not the acceptance length tau of the stats (committed tokens per round)."""
 
     kind: str  # "ladder" | "confidence" | "confidence-slot" | "priced"
-    tau: float | None = None
+    threshold: float | None = None
     cost: object | None = None  # priced: the target's spec/priced.py StepCost (set at arm time)
 
     @property
     def is_confidence(self) -> bool:
         return self.kind != "ladder"
+
+    @property
+    def tau(self) -> float | None:
+        """`threshold` under the setting's name, for spec/round_bodies.py's one read (owned by the
+        round driver's rewrite, which reads `threshold`; this alias goes with it)."""
+        return self.threshold
 
     def __str__(self) -> str:
         if self.kind == "ladder":
@@ -100,20 +108,20 @@ class VerifyWindow:
             c = self.cost
             return f"Priced{{experts={c.num_experts},top_k={c.top_k}}}" if c is not None else "Priced"
         name = "Confidence" if self.kind == "confidence" else "ConfidenceSlot"
-        return f"{name}{{tau={self.tau!r}}}"
+        return f"{name}{{tau={self.threshold!r}}}"
 
     def size_window(self, raws: Sequence[float], cap: int) -> int | None:
         """This round's window from pre-sigmoid slot scores; None under the ladder."""
         if self.kind == "ladder":
             return None
-        assert self.tau is not None
+        assert self.threshold is not None
         if self.kind == "confidence":
-            return confidence_vt(raws, self.tau, cap)
+            return confidence_vt(raws, self.threshold, cap)
         if self.kind == "priced":
             from memra_cli.engine.spec.priced import priced_vt, survival_from_raws
 
             return priced_vt(survival_from_raws(raws), self.cost, cap)  # type: ignore[arg-type]
-        return slot_confidence_vt(raws, self.tau, cap)
+        return slot_confidence_vt(raws, self.threshold, cap)
 
 
 LADDER = VerifyWindow("ladder")
@@ -137,9 +145,10 @@ def _adapt_off(adapt: str | None) -> bool:
     raise SettingError("adapt", adapt, "expected 0 or 1")
 
 
-def _parse_tau(tau: str | None) -> float:
+def _parse_threshold(tau: str | None) -> float:
+    """The `tau` setting as the confidence threshold (unset: `DEFAULT_THRESHOLD`)."""
     if _unset(tau):
-        return DEFAULT_TAU
+        return DEFAULT_THRESHOLD
     try:
         value = float(tau)  # type: ignore[arg-type]
     except ValueError:
@@ -161,17 +170,17 @@ def parse_verify_window(vt: str | None, tau: str | None, adapt: str | None) -> V
             "vt", vt, "{vt} together with {adapt} is contradictory (a pinned fixed window vs "
             "a per-round confidence window); drop one", settings={"adapt": adapt},
         )
-    return VerifyWindow(vt, _parse_tau(tau))  # type: ignore[arg-type]
+    return VerifyWindow(vt, _parse_threshold(tau))  # type: ignore[arg-type]
 
 
 def resolve_verify_window(
     vt: str | None, tau: str | None, adapt: str | None, has_confidence_head: bool
 ) -> VerifyWindow:
-    """Explicit setting wins; unset -> confidence-slot at tau when the checkpoint has an
-    accept-rate head and adapt is not 0, else the ladder. A tau that is set is always validated
+    """Explicit setting wins; unset -> confidence-slot at the `tau` threshold when the checkpoint
+    has an accept-rate head and adapt is not 0, else the ladder. A `tau` that is set is always validated
     (the reference engine ignores it on head-less checkpoints; we never let a bad value pass silently)."""
     if not _unset(tau):
-        _parse_tau(tau)
+        _parse_threshold(tau)
     if _unset(vt):
         if _adapt_off(adapt) or not has_confidence_head:
             return LADDER
@@ -183,22 +192,22 @@ def _sigmoid(x: float) -> float:
     return 1.0 / (1.0 + math.exp(-x)) if x >= -700 else 0.0
 
 
-def confidence_vt(raws: Sequence[float], tau: float, cap: int) -> int:
-    """Survival window: keep leading slots while prod(sigmoid) >= tau; 1 + kept in [2, cap]."""
+def confidence_vt(raws: Sequence[float], threshold: float, cap: int) -> int:
+    """Survival window: keep leading slots while prod(sigmoid) >= threshold; 1 + kept in [2, cap]."""
     survival, kept = 1.0, 0
     for raw in raws:
         survival *= _sigmoid(raw)
-        if survival < tau:
+        if survival < threshold:
             break
         kept += 1
     return min(max(1 + kept, 2), max(cap, 2))
 
 
-def slot_confidence_vt(raws: Sequence[float], tau: float, cap: int) -> int:
-    """Per-slot window: keep leading slots while each sigmoid >= tau; 1 + kept in [2, cap]."""
+def slot_confidence_vt(raws: Sequence[float], threshold: float, cap: int) -> int:
+    """Per-slot window: keep leading slots while each sigmoid >= threshold; 1 + kept in [2, cap]."""
     kept = 0
     for raw in raws:
-        if _sigmoid(raw) < tau:
+        if _sigmoid(raw) < threshold:
             break
         kept += 1
     return min(max(1 + kept, 2), max(cap, 2))
@@ -301,7 +310,7 @@ class Receipts:
     def as_json(self) -> dict:
         out = {
             "harvest": self.harvest.value,
-            "verify_window": {"policy": self.window.kind, "tau": self.window.tau},
+            "verify_window": {"policy": self.window.kind, "tau": self.window.threshold},
         }
         if self.embedding is not None:
             out["block_embedding"] = self.embedding.as_json()
