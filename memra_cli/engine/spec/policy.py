@@ -95,12 +95,6 @@ class VerifyWindow:
     def is_confidence(self) -> bool:
         return self.kind != "ladder"
 
-    @property
-    def tau(self) -> float | None:
-        """`threshold` under the setting's name, for spec/round_bodies.py's one read (owned by the
-        round driver's rewrite, which reads `threshold`; this alias goes with it)."""
-        return self.threshold
-
     def __str__(self) -> str:
         if self.kind == "ladder":
             return "Ladder"

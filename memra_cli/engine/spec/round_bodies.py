@@ -82,13 +82,14 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     so the round needs no host rollback between it and the next."""
     core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws)
     ops, window = target.step_ops, program.window
-    tau = torch.tensor([window.tau if window.is_confidence else 0.0], dtype=torch.float64, device=target.device)
+    threshold = torch.tensor([window.threshold if window.is_confidence else 0.0], dtype=torch.float64,
+                             device=target.device)
     on_device = cache.settles_on_device
     restore = dict(restore=cache.round_params, ring=cache.ring) if on_device else {}
 
     def body(inputs: torch.Tensor) -> torch.Tensor:
         cand, sel, raws = core(inputs)
-        out = ops.settle_round(cand, sel, raws if window.is_confidence else None, inputs, tau,
+        out = ops.settle_round(cand, sel, raws if window.is_confidence else None, inputs, threshold,
                                kind=window.kind, cap=program.verify_cap, adapt=program.adapt, **restore)
         if on_device:
             cache.restore_round()
