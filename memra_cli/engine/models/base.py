@@ -163,6 +163,12 @@ def _qwen3_5():
     return Qwen35Target
 
 
+def _qwen3_5_moe():
+    from memra_cli.engine.models.qwen3_5_moe import Qwen35MoeTarget
+
+    return Qwen35MoeTarget
+
+
 def _gemma4():
     from memra_cli.engine.models.gemma4 import Gemma4Target
 
@@ -171,15 +177,15 @@ def _gemma4():
 
 # config.json `model_type` -> loader of the class (imported on demand: one family's deps never
 # load for another's). qwen3_5 is the published multimodal layout (its text model is loaded),
-# qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM.
+# qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM; qwen3_5_moe / qwen3_5_moe_text
+# the same two for the mixture-of-experts hybrid.
 # gemma4 is the multimodal layout (its language model is loaded), gemma4_text Gemma4ForCausalLM's.
 MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama": _llama, "qwen3_5": _qwen3_5,
-                  "qwen3_5_text": _qwen3_5, "gemma4": _gemma4, "gemma4_text": _gemma4}
+                  "qwen3_5_text": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_5_moe_text": _qwen3_5_moe,
+                  "gemma4": _gemma4, "gemma4_text": _gemma4}
 
 # recognized model types that are refused by name (rather than as unknown)
-REFUSED_FAMILIES = {
-    "qwen3_5_moe": "the Qwen3.5 mixture-of-experts hybrid is not implemented (dense qwen3_5 / qwen3_5_text only)",
-}
+REFUSED_FAMILIES: dict[str, str] = {}
 
 
 def target_family(path: Path) -> type:
