@@ -76,6 +76,7 @@ class TargetModel(Protocol):
     state_class: type  # what `new_state` returns: a `TargetState` (checked at load, `check_family`)
     step_ops_used: str | None  # what of the step-op seam the family runs, when not all (None: all of it)
     moe: object | None  # a family that routes experts: its MoE settings (the priced window's cost); else None
+    # classmethod variant(raw_config) -> type: the class that loads this config.json (TargetBase: the family's own)
     step_ops: object  # layers/step_ops.py: static_step's fused ops, and a graphed round's argmax
 
     @classmethod
@@ -107,7 +108,7 @@ class TargetModel(Protocol):
 # capability needs: checked once when a family is picked, never probed in the round loop.
 MODEL_MEMBERS = ("from_dir", "new_state", "ensure_positions", "check_taps", "check_span", "embed", "logits",
                  "lm_head", "forward", "static_step", "supports_cuda_graphs", "graphs_note", "state_class",
-                 "step_ops_used", "embed_scale", "moe")
+                 "step_ops_used", "embed_scale", "moe", "variant")
 STATE_MEMBERS = ("rollback", "reset", "commit", "nbytes", "host_bookkeeping", "round_graphs_ok",
                  "settles_on_device", "graph_variants", "graph_variant", "arranged_for_capture",
                  "restore_round", "settled_on_device")
@@ -195,14 +196,15 @@ def target_family(path: Path) -> type:
     if not path.is_dir():
         raise ConfigError(f"{path}: target directory does not exist" if not path.exists()
                           else f"{path}: expected a target model directory (config.json + safetensors)")
-    model_type = read_json_object(path / "config.json").get("model_type")
+    raw = read_json_object(path / "config.json")
+    model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type in REFUSED_FAMILIES:
         raise UnsupportedError(f"{path / 'config.json'}: model_type {model_type!r}: {REFUSED_FAMILIES[model_type]}")
     family = MODEL_FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ConfigError(f"{path / 'config.json'}: model_type {model_type!r} is not a supported target "
                           f"(supported: {', '.join(sorted(MODEL_FAMILIES))})")
-    cls = family()
+    cls = family().variant(raw)
     check_family(model_type, cls)
     return cls
 
