@@ -76,7 +76,6 @@ class TargetModel(Protocol):
     state_class: type  # what `new_state` returns: a `TargetState` (checked at load, `check_family`)
     step_ops_used: str | None  # what of the step-op seam the family runs, when not all (None: all of it)
     moe: object | None  # a family that routes experts: its MoE settings (the priced window's cost); else None
-    # classmethod variant(raw_config) -> type: the class that loads this config.json (TargetBase: the family's own)
     step_ops: object  # layers/step_ops.py: static_step's fused ops, and a graphed round's argmax
 
     @classmethod
@@ -108,7 +107,7 @@ class TargetModel(Protocol):
 # capability needs: checked once when a family is picked, never probed in the round loop.
 MODEL_MEMBERS = ("from_dir", "new_state", "ensure_positions", "check_taps", "check_span", "embed", "logits",
                  "lm_head", "forward", "static_step", "supports_cuda_graphs", "graphs_note", "state_class",
-                 "step_ops_used", "embed_scale", "moe", "variant")
+                 "step_ops_used", "embed_scale", "moe")
 STATE_MEMBERS = ("rollback", "reset", "commit", "nbytes", "host_bookkeeping", "round_graphs_ok",
                  "settles_on_device", "graph_variants", "graph_variant", "arranged_for_capture",
                  "restore_round", "settled_on_device")
@@ -185,6 +184,22 @@ MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama": _llama, "qw
                   "qwen3_5_text": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_5_moe_text": _qwen3_5_moe,
                   "gemma4": _gemma4, "gemma4_text": _gemma4}
 
+def _gemma4_moe():
+    from memra_cli.engine.models.gemma4_moe import Gemma4MoeTarget
+
+    return Gemma4MoeTarget
+
+
+def _gemma4_moe_block(raw: dict) -> bool:
+    text = raw.get("text_config") if raw.get("model_type") == "gemma4" else raw
+    return isinstance(text, dict) and text.get("enable_moe_block") is True
+
+
+# model types whose config.json picks a second class with other declarations (Gemma 4's MoE
+# block: its steps read expert ids on the host, which the graphs decision, made from config.json
+# alone, must know): model_type -> (does this parsed config pick it?, loader of that class)
+VARIANTS = {"gemma4": (_gemma4_moe_block, _gemma4_moe), "gemma4_text": (_gemma4_moe_block, _gemma4_moe)}
+
 # recognized model types that are refused by name (rather than as unknown)
 REFUSED_FAMILIES: dict[str, str] = {}
 
@@ -204,7 +219,8 @@ def target_family(path: Path) -> type:
     if family is None:
         raise ConfigError(f"{path / 'config.json'}: model_type {model_type!r} is not a supported target "
                           f"(supported: {', '.join(sorted(MODEL_FAMILIES))})")
-    cls = family().variant(raw)
+    picks, variant = VARIANTS.get(model_type, (None, None))
+    cls = variant() if picks is not None and picks(raw) else family()
     check_family(model_type, cls)
     return cls
 

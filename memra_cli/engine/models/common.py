@@ -29,12 +29,6 @@ class TargetBase:
     # a z-lab drafter's block embedding may apply it (the `emb_scale` setting, spec/policy.py)
     embed_scale: float = 1.0
 
-    @classmethod
-    def variant(cls, raw_config: dict) -> type:
-        """The class that loads this config.json (parsed): the family's own, unless its configs
-        switch between classes with different declarations (Gemma 4's MoE block)."""
-        return cls
-
     @property
     def n_layers(self) -> int:
         return self.cfg.num_hidden_layers  # type: ignore[attr-defined]

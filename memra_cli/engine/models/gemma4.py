@@ -210,17 +210,6 @@ class Gemma4Target(TargetBase):
                      "attention run in torch")
     loader_class = _Loader  # the weights' reader (the MoE block's adds its experts)
 
-    @classmethod
-    def variant(cls, raw_config: dict) -> type:
-        """`enable_moe_block` picks the MoE class (models/gemma4_moe.py): its steps read expert ids
-        on the host, which the graphs decision made from config.json alone must know."""
-        text = raw_config.get("text_config") if raw_config.get("model_type") == "gemma4" else raw_config
-        if isinstance(text, dict) and text.get("enable_moe_block") is True:
-            from memra_cli.engine.models.gemma4_moe import Gemma4MoeTarget
-
-            return Gemma4MoeTarget
-        return cls
-
     def __init__(self, cfg: Gemma4Config, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
                  lm_head: torch.Tensor, ple: PerLayerInputs | None = None, note: str = ""):
         self.cfg, self.embed_weight, self.layers, self.norm, self._lm_head = cfg, embed, layers, norm, lm_head

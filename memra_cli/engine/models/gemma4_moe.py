@@ -103,10 +103,6 @@ class Gemma4MoeTarget(Gemma4Target):
                                frozenset(range(cfg.num_hidden_layers)), fixed)
         self.expert_reads = [0, 0]
 
-    @classmethod
-    def variant(cls, raw_config: dict) -> type:
-        return Gemma4Target.variant(raw_config)
-
     def _feed_forward(self, x: torch.Tensor, w: Gemma4MoeLayerWeights) -> torch.Tensor:
         """The dense MLP's and the experts' outputs, each normed, summed (before the post norm)."""
         eps = self.cfg.rms_norm_eps
