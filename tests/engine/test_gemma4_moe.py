@@ -245,3 +245,39 @@ def test_more_routed_experts_than_experts_is_refused(dirs, tmp_path):
     (tmp_path / "model.safetensors").symlink_to(dirs["base"] / "model.safetensors")
     with pytest.raises(ConfigError, match="top_k_experts 9 is more than num_experts 8"):
         load_target(tmp_path)
+
+
+# --------------------------------------------------------------------------- the GLU op
+
+
+def test_the_gelu_expert_op_is_row_invariant_and_a_planted_row_order_combine_is_caught():
+    """`moe_glu` (layers/moe.py) under the rule `moe_swiglu` keeps: a row alone (zeros beside it,
+    the same step width) gets the same bits as among 15 others; a combine keeping one running sum
+    across the step's rows (its rounding then depends on the rows before) is caught."""
+    from memra_cli.engine.layers.moe import moe_glu, route
+
+    g = torch.Generator().manual_seed(0)
+    router, gate_up, down = (torch.randn(EXPERTS, 32, generator=g), torch.randn(EXPERTS, 32, 32, generator=g) * 0.3,
+                             torch.randn(EXPERTS, 32, 16, generator=g) * 0.3)
+    x = torch.randn(16, 32, generator=g)
+    act = lambda v: torch.nn.functional.gelu(v, approximate="tanh")  # noqa: E731
+
+    def run(rows, op):
+        w, ids = route(rows, router, TOP_K, True)
+        return op(rows, w, ids, gate_up, down, act)
+
+    def running_sum(rows, w, ids, gu, dn, a):
+        per_row = moe_glu(rows, w, ids, gu, dn, a)
+        total = torch.cumsum(per_row * 1000.0 + 1.0, dim=0)
+        return (total - torch.cat([torch.zeros_like(total[:1]), total[:-1]]) - 1.0) / 1000.0
+
+    def violations(op) -> int:
+        together, bad = run(x, op), 0
+        for r in range(16):
+            alone = torch.zeros_like(x)
+            alone[r] = x[r]
+            bad += not torch.equal(run(alone, op)[r], together[r])
+        return bad
+
+    assert violations(moe_glu) == 0 and violations(running_sum) > 0
+    assert torch.unique(route(x, router, TOP_K, True)[1]).numel() > TOP_K  # rows use different experts
