@@ -55,3 +55,35 @@ def assert_arm_equals_plain(target, drafts: dict, mode: str, vt: str, prompts, n
         accepted, drafted = accepted + session.stats.accepted, drafted + session.stats.drafted
     if mode == "dspark":
         assert 0 < accepted < drafted, (accepted, drafted)
+
+
+GROUPINGS = ([1] * 24, [24], [16, 8], [5, 7, 1, 11], [3] * 8)
+
+
+def assert_groupings_equal(target, vocab: int = 512) -> None:
+    """At 16-row fixed steps, teacher-forcing 24 tokens after a 37-token prompt in runner steps
+    of any grouping gives every token the logits of one row at a time, bit for bit: a token's
+    routing and experts do not depend on which rows share its step."""
+    runner = StepRunner(target, 16)
+    g = torch.Generator().manual_seed(0)
+    prompt, cont = torch.randint(0, vocab - 1, (37,), generator=g), torch.randint(0, vocab - 1, (24,), generator=g)
+    runs = []
+    for groups in GROUPINGS:
+        state = runner.new_state(64)
+        runner.prefill(prompt, state)
+        out, at = [], 0
+        for n in groups:
+            out.append(runner.step(cont[at:at + n], state.length, state)[0])
+            at += n
+        runs.append(torch.cat(out))
+    for groups, logits in zip(GROUPINGS[1:], runs[1:]):
+        assert torch.equal(logits, runs[0]), f"grouping {groups}: logits differ from one row at a time"
+
+
+def assert_bf16_dflash_equals_plain(target, draft, prompts, new: int) -> None:
+    """A z-lab DFlash arm over the bfloat16 target at 16-row steps: plain greedy's stream."""
+    engine = Engine.from_model(target, step_width=16)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    for ids in prompts:
+        with engine.session(ids, new, arm, eos_ids=()) as session:
+            assert session.run() == greedy_reference(engine.runner, ids, new)

@@ -36,7 +36,7 @@ from memra_cli.tiny.gemma4 import make_tiny_gemma4
 from memra_cli.tiny.target import special_token_ids
 
 from fp32_bounds import layer_reductions, reorder_bound
-from spec_arms import assert_arm_equals_plain, make_drafts
+from spec_arms import assert_arm_equals_plain, assert_bf16_dflash_equals_plain, assert_groupings_equal, make_drafts
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -214,6 +214,20 @@ def drafts(models, tmp_path_factory):
 @pytest.mark.parametrize("mode,vt", [("dflash", "ladder"), ("dspark", "priced")])
 def test_speculative_arms_equal_plain_greedy(models, drafts, mode, vt):
     assert_arm_equals_plain(models["ple-shared"][0], drafts, mode, vt, SPEC_PROMPTS, SPEC_NEW)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fixed_width_logits_do_not_depend_on_the_grouping(dirs, dtype):
+    assert_groupings_equal(Gemma4MoeTarget.from_dir(dirs["ple-shared"], dtype=dtype))
+
+
+def test_bf16_dflash_session_equals_plain_greedy(dirs, tmp_path):
+    from memra_cli.tiny.draft import make_tiny_draft
+
+    target = Gemma4MoeTarget.from_dir(dirs["ple-shared"], dtype=torch.bfloat16)
+    draft = make_tiny_draft(tmp_path / "zlab", "zlab", target_layer_ids=(-1, 1, 3), num_target_layers=target.n_layers,
+                            dtype=torch.bfloat16)
+    assert_bf16_dflash_equals_plain(target, draft, SPEC_PROMPTS, 32)
 
 
 # --------------------------------------------------------------------------- refusals

@@ -34,7 +34,7 @@ from memra_cli.engine.spec.priced import step_cost_of
 from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
 
 from fp32_bounds import layer_reductions, reorder_bound
-from spec_arms import assert_arm_equals_plain, make_drafts
+from spec_arms import assert_arm_equals_plain, assert_bf16_dflash_equals_plain, assert_groupings_equal, make_drafts
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -199,6 +199,20 @@ def drafts(target, tmp_path_factory):
 @pytest.mark.parametrize("mode,vt", [("dflash", "ladder"), ("dspark", "priced")])
 def test_speculative_arms_equal_plain_greedy(target, drafts, mode, vt):
     assert_arm_equals_plain(target, drafts, mode, vt, SPEC_PROMPTS, SPEC_NEW)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fixed_width_logits_do_not_depend_on_the_grouping(dirs, dtype):
+    assert_groupings_equal(Qwen35MoeTarget.from_dir(dirs["multimodal"], dtype=dtype))
+
+
+def test_bf16_dflash_session_equals_plain_greedy(dirs, tmp_path):
+    from memra_cli.tiny.draft import make_tiny_draft
+
+    target = Qwen35MoeTarget.from_dir(dirs["multimodal"], dtype=torch.bfloat16)
+    draft = make_tiny_draft(tmp_path / "zlab", "zlab", target_layer_ids=(1, 3), num_target_layers=target.n_layers,
+                            dtype=torch.bfloat16)
+    assert_bf16_dflash_equals_plain(target, draft, SPEC_PROMPTS, 32)
 
 
 # --------------------------------------------------------------------------- refusals
