@@ -80,7 +80,8 @@ def main(argv: list[str]) -> int:
           f"{out / 'qwen3_5'} (Qwen3.5 hybrid, multimodal layout + tokenizer), {out / 'qwen3_5_dflash'} (z-lab DFlash for it), "
           f"{out / 'gemma4'} (Gemma 4 text + tokenizer), {out / 'gemma4_dflash'} (z-lab DFlash for it), "
           f"{out / 'qwen3_moe'} (Qwen3-MoE + tokenizer), {out / 'qwen3_moe_dflash'} (z-lab DFlash for it), "
-          f"{out / 'qwen3_5_moe'} (Qwen3.5 MoE hybrid + tokenizer), {out / 'qwen3_5_moe_dflash'} (z-lab DFlash for it), "
+          f"{out / 'qwen3_5_moe'} (Qwen3.5 MoE hybrid + tokenizer), {out / 'qwen3_5_moe_dflash'} "
+          f"(z-lab DFlash for it), "
           f"{out / 'gemma4_moe'} (Gemma 4 with its MoE block + tokenizer), {out / 'gemma4_moe_dflash'} "
           f"(z-lab DFlash for it), "
           f"{out / 'llama'} (LLaMA + tokenizer), {out / 'llama_dflash'} (z-lab DFlash for it)")

@@ -87,7 +87,8 @@ def _config(a: dict[str, Any]) -> dict[str, Any]:
     moe = "Moe" if a["moe"] is not None else ""
     if a["layout"] == "text":
         return {"architectures": [f"Qwen3_5{moe}ForCausalLM"], **text}
-    vision = {"model_type": "qwen3_5_moe_vision" if moe else "qwen3_5_vision", "depth": 1, "hidden_size": 32, "intermediate_size": 64,
+    vision = {"model_type": "qwen3_5_moe_vision" if moe else "qwen3_5_vision", "depth": 1, "hidden_size": 32,
+              "intermediate_size": 64,
               "num_heads": 2, "in_channels": 3, "patch_size": 4, "spatial_merge_size": 2,
               "temporal_patch_size": 2, "out_hidden_size": a["hidden"], "num_position_embeddings": 16,
               "hidden_act": "gelu_pytorch_tanh"}

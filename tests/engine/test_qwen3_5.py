@@ -797,7 +797,8 @@ def test_other_model_types_are_refused(tmp_path):
     with pytest.raises(UnsupportedError, match="model_type 'qwen3_next' is not a Qwen3.5 hybrid target"):
         parse_qwen35_config({"model_type": "qwen3_next"}, "x/config.json")
     with pytest.raises(UnsupportedError, match="text_config.model_type 'qwen3_5_text' is not 'qwen3_5_moe_text'"):
-        parse_qwen35_config({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_text"}}, "x/config.json")
+        parse_qwen35_config({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_text"}},
+                            "x/config.json")
     with pytest.raises(UnsupportedError, match="hidden_act='gelu'"):
         parse_qwen35_config({"model_type": "qwen3_5_text", "hidden_act": "gelu"}, "x/config.json")
 

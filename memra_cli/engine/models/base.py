@@ -175,15 +175,6 @@ def _gemma4():
     return Gemma4Target
 
 
-# config.json `model_type` -> loader of the class (imported on demand: one family's deps never
-# load for another's). qwen3_5 is the published multimodal layout (its text model is loaded),
-# qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM; qwen3_5_moe / qwen3_5_moe_text
-# the same two for the mixture-of-experts hybrid.
-# gemma4 is the multimodal layout (its language model is loaded), gemma4_text Gemma4ForCausalLM's.
-MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama": _llama, "qwen3_5": _qwen3_5,
-                  "qwen3_5_text": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_5_moe_text": _qwen3_5_moe,
-                  "gemma4": _gemma4, "gemma4_text": _gemma4}
-
 def _gemma4_moe():
     from memra_cli.engine.models.gemma4_moe import Gemma4MoeTarget
 
@@ -194,6 +185,15 @@ def _gemma4_moe_block(raw: dict) -> bool:
     text = raw.get("text_config") if raw.get("model_type") == "gemma4" else raw
     return isinstance(text, dict) and text.get("enable_moe_block") is True
 
+
+# config.json `model_type` -> loader of the class (imported on demand: one family's deps never
+# load for another's). qwen3_5 is the published multimodal layout (its text model is loaded),
+# qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM; qwen3_5_moe / qwen3_5_moe_text
+# the same two for the mixture-of-experts hybrid.
+# gemma4 is the multimodal layout (its language model is loaded), gemma4_text Gemma4ForCausalLM's.
+MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama": _llama, "qwen3_5": _qwen3_5,
+                  "qwen3_5_text": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_5_moe_text": _qwen3_5_moe,
+                  "gemma4": _gemma4, "gemma4_text": _gemma4}
 
 # model types whose config.json picks a second class with other declarations (Gemma 4's MoE
 # block: its steps read expert ids on the host, which the graphs decision, made from config.json

@@ -209,6 +209,7 @@ class Gemma4Target(TargetBase):
     step_ops_used = ("linear and embed (weight matmuls and gathers); Gemma 4's norms, rope and windowed "
                      "attention run in torch")
     loader_class = _Loader  # the weights' reader (the MoE block's adds its experts)
+    routes_experts = False  # the config this class loads: without (cfg.moe None) or with enable_moe_block
 
     def __init__(self, cfg: Gemma4Config, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
                  lm_head: torch.Tensor, ple: PerLayerInputs | None = None, note: str = ""):
@@ -238,7 +239,7 @@ class Gemma4Target(TargetBase):
         its headers when the caller opened them already (`Engine.load`)."""
         path = Path(path)
         cfg = load_gemma4_config(path)
-        if (cfg.moe is not None) != (cls.loader_class is not _Loader):
+        if (cfg.moe is not None) != cls.routes_experts:
             raise UnsupportedError(f"{cfg.source}: enable_moe_block={json.dumps(cfg.moe is not None)} is not a "
                                    f"{cls.__name__} target (load it through the registry: models/base.py)")
         loader = cls.loader_class(open_checkpoint(path) if checkpoint is None else checkpoint, cfg, dtype,
@@ -354,7 +355,8 @@ class Gemma4Target(TargetBase):
     def _feed_forward(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The layer's feed-forward on the residual stream `x [t, hidden]`, before its post norm:
         the GELU-tanh MLP of the pre-normed `x` (the MoE block adds its experts: gemma4_moe.py)."""
-        gate, up = self.step_ops.linear(gemma_rms_norm(x, w.norms[2], self.cfg.rms_norm_eps), w.w_gate_up).chunk(2, -1)
+        h = gemma_rms_norm(x, w.norms[2], self.cfg.rms_norm_eps)
+        gate, up = self.step_ops.linear(h, w.w_gate_up).chunk(2, dim=-1)
         return self.step_ops.linear(F.gelu(gate, approximate="tanh") * up, w.w_down)
 
     def _qkv_write(self, li: int, h: torch.Tensor, w: LayerWeights, cache: LayerKVCache, positions: torch.Tensor,

@@ -93,6 +93,7 @@ class Gemma4MoeTarget(Gemma4Target):
     supports_cuda_graphs = False
     graphs_note = "the Gemma 4 MoE block's torch op reads the routed expert ids on the host (no kernel yet)"
     loader_class = _MoeLoader
+    routes_experts = True
 
     def __init__(self, cfg, *args, **kwargs):
         super().__init__(cfg, *args, **kwargs)
