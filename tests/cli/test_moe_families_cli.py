@@ -1,7 +1,8 @@
 """The Qwen3.5 MoE hybrid and Gemma 4's MoE block through the CLI: `python -m memra_cli.tiny OUT`
 writes each with a z-lab DFlash drafter; `memra generate` gives the plain stream (`--spec off`)
-token for token and says why graphs are off; `memra census` reads each drafter; `memra bench`
-reports experts run per round; a config routing more experts than it has exits 2 in one line."""
+token for token and says why graphs are off; `memra census` reads each drafter; `memra parity`
+reads the target's tables; `memra bench` reports experts run per round; a config routing more
+experts than it has exits 2 in one line."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ def test_generate_spec_equals_plain_and_census_reads_the_drafter(tiny, family):
     assert s["mode"] == "dflash" and s["tokens"] == p["tokens"] and len(s["tokens"]) == 32
     assert s["stats"]["drafted"] > 0 and s["cuda_graphs"] is False
     assert s["tokens"] == greedy_reference(load_target(target), [int(i) for i in IDS.split(",")], 32)
+    text = run("generate", "--target", target, "--prompt-ids", IDS, "--max-new", "4", "--spec", "off")
+    assert text.exit_code == 0 and "expert ids on the host (no kernel yet)" in text.stderr, text.output
     census = run("census", draft, "--json")
     assert census.exit_code == 0, census.output
     obj = json.loads(census.stdout)
@@ -59,6 +62,17 @@ def test_bench_reports_experts_per_round(tiny, family, tmp_path):
     arm = {a["name"]: a for a in obj["arms"]}["dflash"]
     # top-2 of 8 on every layer (5 layers): a call runs 2..8 experts, a round at least 5 * 2
     assert 2 <= arm["moe"]["experts_per_layer_step"] <= 8 and arm["moe"]["experts_per_round"] >= 10
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_parity_reads_the_target_tables(tiny, family, tmp_path):
+    target, draft = tiny / family, tiny / f"{family}_dflash"
+    oracle = tmp_path / "o.npz"
+    made = run("parity", draft, "--make-oracle", oracle, "--target", target, "--ctx", "6")
+    assert made.exit_code == 0, made.output
+    r = run("parity", draft, oracle, "--target", target, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["lm_head"] == f"target {target}"
 
 
 @pytest.mark.parametrize("family,key", [("qwen3_5_moe", "num_experts_per_tok"), ("gemma4_moe", "top_k_experts")])
