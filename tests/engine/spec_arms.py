@@ -66,7 +66,8 @@ def assert_groupings_equal(target, vocab: int = 512) -> None:
     routing and experts do not depend on which rows share its step."""
     runner = StepRunner(target, 16)
     g = torch.Generator().manual_seed(0)
-    prompt, cont = torch.randint(0, vocab - 1, (37,), generator=g), torch.randint(0, vocab - 1, (24,), generator=g)
+    prompt = torch.randint(0, vocab - 1, (37,), generator=g).to(target.device)
+    cont = torch.randint(0, vocab - 1, (24,), generator=g).to(target.device)
     runs = []
     for groups in GROUPINGS:
         state = runner.new_state(64)
@@ -80,10 +81,10 @@ def assert_groupings_equal(target, vocab: int = 512) -> None:
         assert torch.equal(logits, runs[0]), f"grouping {groups}: logits differ from one row at a time"
 
 
-def assert_bf16_dflash_equals_plain(target, draft, prompts, new: int) -> None:
-    """A z-lab DFlash arm over the bfloat16 target at 16-row steps: plain greedy's stream."""
+def assert_session_equals_plain(target, draft, prompts, new: int, mode: str = "dflash") -> None:
+    """An arm of `mode` with `draft` over the target at 16-row steps: plain greedy's stream."""
     engine = Engine.from_model(target, step_width=16)
-    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    arm = engine.arm(ArmConfig(draft=draft, mode=mode))
     for ids in prompts:
         with engine.session(ids, new, arm, eos_ids=()) as session:
             assert session.run() == greedy_reference(engine.runner, ids, new)

@@ -34,7 +34,7 @@ from memra_cli.engine.spec.priced import step_cost_of
 from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
 
 from fp32_bounds import layer_reductions, reorder_bound
-from spec_arms import assert_arm_equals_plain, assert_bf16_dflash_equals_plain, assert_groupings_equal, make_drafts
+from spec_arms import assert_arm_equals_plain, assert_session_equals_plain, assert_groupings_equal, make_drafts
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -212,7 +212,24 @@ def test_bf16_dflash_session_equals_plain_greedy(dirs, tmp_path):
     target = Qwen35MoeTarget.from_dir(dirs["multimodal"], dtype=torch.bfloat16)
     draft = make_tiny_draft(tmp_path / "zlab", "zlab", target_layer_ids=(1, 3), num_target_layers=target.n_layers,
                             dtype=torch.bfloat16)
-    assert_bf16_dflash_equals_plain(target, draft, SPEC_PROMPTS, 32)
+    assert_session_equals_plain(target, draft, SPEC_PROMPTS, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_groupings_and_arms_equal_plain_greedy(dirs, tmp_path):
+    """On CUDA in bfloat16 with the step ops' kernels (this family runs without graphs): the
+    fixed-width logits do not depend on the grouping, and DFlash / DSpark sessions equal plain greedy."""
+    from memra_cli.engine.layers.step_ops import select_step_ops
+    from memra_cli.tiny.draft import make_tiny_draft
+
+    target = Qwen35MoeTarget.from_dir(dirs["text"], dtype=torch.bfloat16, device="cuda")
+    target.step_ops, _ = select_step_ops(target.device)
+    assert_groupings_equal(target)
+    for mode, fmt, extra in (("dflash", "zlab", {}), ("dspark", "deepspec", dict(markov_rank=16, confidence="markov"))):
+        draft = make_tiny_draft(tmp_path / mode, fmt, target_layer_ids=(1, 3), num_target_layers=target.n_layers,
+                                dtype=torch.bfloat16, **extra)
+        assert_session_equals_plain(target, draft, SPEC_PROMPTS, 32, mode)
 
 
 # --------------------------------------------------------------------------- refusals
