@@ -1,7 +1,8 @@
 """Qwen3.5 hybrid causal LM (HF `model_type: qwen3_5` / `qwen3_5_text`), text model: math,
 weights and state for the `TargetModel` protocol (models/base.py).
 
-The decoder interleaves two token mixers (`layer_types`), each followed by the same SwiGLU MLP:
+The decoder interleaves two token mixers (`layer_types`), each followed by the same SwiGLU MLP
+(`_feed_forward`; the mixture-of-experts hybrid overrides it: models/qwen3_5_moe.py):
 
 - `full_attention`: gated GQA attention. `q_proj` emits, per head, the query and an output gate
   side by side (`[q | gate]` of head_dim each); per-head zero-centred RMSNorm on q and k, rope on
