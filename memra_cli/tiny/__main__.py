@@ -8,6 +8,10 @@ OUT_DIR/qwen3_5_dflash (a z-lab DFlash drafter tapping it); OUT_DIR/gemma4 (a Ge
 sliding + full layers, k_eq_v, softcap, tied head, with the same tokenizer) with OUT_DIR/gemma4_dflash
 (a z-lab DFlash drafter tapping it); OUT_DIR/qwen3_moe (a Qwen3-MoE target: 8 experts, top-2,
 layer 1 dense, with the same tokenizer) with OUT_DIR/qwen3_moe_dflash (a z-lab DFlash drafter for it);
+OUT_DIR/qwen3_5_moe (the Qwen3.5 mixture-of-experts hybrid, multimodal layout: 8 experts, top-2, a
+gated shared expert, with the same tokenizer) with OUT_DIR/qwen3_5_moe_dflash; OUT_DIR/gemma4_moe (Gemma 4
+with its MoE block: 8 experts, top-2, beside the dense MLP, with the same tokenizer) with
+OUT_DIR/gemma4_moe_dflash;
 and OUT_DIR/llama (a LLaMA target: no q/k norm, llama3 rope scaling, with the same tokenizer) with
 OUT_DIR/llama_dflash (a z-lab DFlash drafter tapping it). Random weights: for exercising the tools,
 not for acceptance.
@@ -31,6 +35,7 @@ QWEN35_DRAFT_TAPS = (1, 3)
 # the Gemma 4 drafter taps the embedding, a sliding and a full layer of the tiny target (S S F S F)
 GEMMA4_DRAFT_TAPS = (-1, 1, 2)
 LLAMA_LAYERS, LLAMA_DRAFT_TAPS = 4, (0, 2)
+TINY_MOE = (8, 2, 32)  # the MoE hybrid's and MoE Gemma's experts: (count, top-k, intermediate)
 
 
 USAGE = "usage: python -m memra_cli.tiny OUT_DIR"
@@ -62,6 +67,12 @@ def main(argv: list[str]) -> int:
                     num_target_layers=len(GEMMA4_LAYER_TYPES))
     make_tiny_qwen3_moe(out / "qwen3_moe", tokenizer=True)
     make_tiny_draft(out / "qwen3_moe_dflash", "zlab")
+    make_tiny_qwen35(out / "qwen3_5_moe", layout="multimodal", moe=TINY_MOE, tokenizer=True, seed=5)
+    make_tiny_draft(out / "qwen3_5_moe_dflash", "zlab", target_layer_ids=QWEN35_DRAFT_TAPS,
+                    num_target_layers=len(DEFAULT_LAYER_TYPES), seed=6)
+    make_tiny_gemma4(out / "gemma4_moe", moe=TINY_MOE, tie=False, tokenizer=True, seed=7)
+    make_tiny_draft(out / "gemma4_moe_dflash", "zlab", target_layer_ids=GEMMA4_DRAFT_TAPS,
+                    num_target_layers=len(GEMMA4_LAYER_TYPES), seed=8)
     make_tiny_llama(out / "llama", layers=LLAMA_LAYERS, tokenizer=True, seed=11)
     make_tiny_draft(out / "llama_dflash", "zlab", target_layer_ids=LLAMA_DRAFT_TAPS, num_target_layers=LLAMA_LAYERS,
                     seed=12)
@@ -69,6 +80,10 @@ def main(argv: list[str]) -> int:
           f"{out / 'qwen3_5'} (Qwen3.5 hybrid, multimodal layout + tokenizer), {out / 'qwen3_5_dflash'} (z-lab DFlash for it), "
           f"{out / 'gemma4'} (Gemma 4 text + tokenizer), {out / 'gemma4_dflash'} (z-lab DFlash for it), "
           f"{out / 'qwen3_moe'} (Qwen3-MoE + tokenizer), {out / 'qwen3_moe_dflash'} (z-lab DFlash for it), "
+          f"{out / 'qwen3_5_moe'} (Qwen3.5 MoE hybrid + tokenizer), {out / 'qwen3_5_moe_dflash'} "
+          f"(z-lab DFlash for it), "
+          f"{out / 'gemma4_moe'} (Gemma 4 with its MoE block + tokenizer), {out / 'gemma4_moe_dflash'} "
+          f"(z-lab DFlash for it), "
           f"{out / 'llama'} (LLaMA + tokenizer), {out / 'llama_dflash'} (z-lab DFlash for it)")
     return 0
 

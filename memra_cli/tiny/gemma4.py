@@ -10,7 +10,8 @@
   audio tower tensors a text target must recognize and skip.
 
 The same `seed` gives the same text weights in every layout. Switches: sliding window, k_eq_v,
-per-layer inputs (`ple`), KV-shared layers (`shared`, double-wide MLP), softcap, tied or not.
+per-layer inputs (`ple`), KV-shared layers (`shared`, double-wide MLP), softcap, tied or not, the
+MoE block (`moe`, stacked experts as transformers writes them).
 Weights are random but scaled so greedy streams wander: projections ~1/sqrt(fan_in), norms near 1,
 layer scalars near 1, embeddings of std 0.5/sqrt(hidden) (the model scales them by sqrt(hidden):
 the scaled rows stay below the normed layer outputs, so a tied head does not echo the last token).
@@ -44,10 +45,12 @@ def _text_config(a: dict[str, Any]) -> dict[str, Any]:
         "final_logit_softcapping": a["softcap"], "attention_k_eq_v": a["k_eq_v"],
         "hidden_size_per_layer_input": a["ple"], "vocab_size_per_layer_input": a["vocab"],
         "num_kv_shared_layers": a["shared"], "use_double_wide_mlp": a["shared"] > 0,
-        "enable_moe_block": False, "attention_bias": False,
+        "enable_moe_block": a["moe"] is not None, "attention_bias": False,
         "eos_token_id": special_token_ids(a["vocab"])["<|endoftext|>"], "pad_token_id": 0, "bos_token_id": None,
         "dtype": "float32",
     }
+    if a["moe"] is not None:
+        cfg["num_experts"], cfg["top_k_experts"], cfg["moe_intermediate_size"] = a["moe"]
     full_kv = a["global_kv_heads"] if a["k_eq_v"] else a["kv_heads"]
     if a["heads_layout"] == "global":
         cfg["global_head_dim"] = a["global_head_dim"]
@@ -74,6 +77,26 @@ def _layer_shape(a: dict[str, Any], i: int) -> tuple[int, int, bool, bool, int]:
     hd = a["global_head_dim"] if full else a["head_dim"]
     kv = a["global_kv_heads"] if (full and a["k_eq_v"]) else a["kv_heads"]
     return hd, kv, not shared, full and a["k_eq_v"], a["intermediate"] * (2 if shared else 1)
+
+
+def _moe_tensors(a: dict[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+    """Every layer's MoE block in the stacked layout transformers writes for Gemma 4: a router
+    (`proj` wide enough that tokens pick different experts, `scale` and `per_expert_scale` near
+    1), experts ~1/sqrt(fan_in), the block's norms near 1. Its own generator: the dense weights
+    stay those of the same seed without the block."""
+    gen = torch.Generator().manual_seed(a["seed"] + 7)
+    h, (e, _, inter) = a["hidden"], a["moe"]
+    t = {}
+    for i in range(len(a["layer_types"])):
+        p = f"{prefix}layers.{i}."
+        t.update({p + "router.proj.weight": 2.0 * torch.randn(e, h, generator=gen) / h ** 0.5,
+                  p + "router.scale": 1.0 + 0.1 * torch.randn(h, generator=gen),
+                  p + "router.per_expert_scale": 1.0 + 0.2 * torch.randn(e, generator=gen),
+                  p + "experts.gate_up_proj": torch.randn(e, 2 * inter, h, generator=gen) / h ** 0.5,
+                  p + "experts.down_proj": torch.randn(e, h, inter, generator=gen) / inter ** 0.5})
+        for name in ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2"):
+            t[p + name + ".weight"] = 1.0 + 0.1 * torch.randn(h, generator=gen)
+    return t
 
 
 def _tensors(a: dict[str, Any], gen: torch.Generator, prefix: str) -> dict[str, torch.Tensor]:
@@ -137,19 +160,23 @@ def make_tiny_gemma4(
     seed: int = 0,
     shards: int = 1,
     tokenizer: bool = False,
+    moe: tuple[int, int, int] | None = None,
 ) -> Path:
-    """Write a tiny Gemma 4 target to `directory` (module docstring) and return its path."""
+    """Write a tiny Gemma 4 target to `directory` (module docstring) and return its path.
+    `moe=(experts, top_k, intermediate)`: `enable_moe_block` with every layer's block."""
     if layout not in ("text", "multimodal") or heads_layout not in ("global", "per_layer"):
         raise ValueError(f"layout {layout!r} / heads_layout {heads_layout!r}: expected text|multimodal, global|per_layer")
     a = dict(layout=layout, heads_layout=heads_layout, vocab=vocab, hidden=hidden, intermediate=intermediate,
              heads=heads, kv_heads=kv_heads, head_dim=head_dim, global_head_dim=global_head_dim,
              global_kv_heads=global_kv_heads, layer_types=tuple(layer_types), window=window, k_eq_v=k_eq_v,
-             ple=ple, shared=shared, softcap=softcap, tie=tie)
+             ple=ple, shared=shared, softcap=softcap, tie=tie, moe=moe, seed=seed)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)
     prefix = "model." if layout == "text" else "model.language_model."
     tensors = _tensors(a, gen, prefix)
+    if moe is not None:
+        tensors.update(_moe_tensors(a, prefix))
     if layout == "multimodal":
         tensors.update({"model.vision_tower.encoder.layers.0.mlp.weight": torch.zeros(4, 4),
                         "model.embed_vision.embedding_projection.weight": torch.zeros(hidden, 4),

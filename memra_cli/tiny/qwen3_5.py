@@ -3,7 +3,7 @@
 `make_tiny_qwen35(dir)` writes config.json + model.safetensors (or shards + index):
 
 - `layout="text"`: what transformers writes for `Qwen3_5ForCausalLM` (model_type `qwen3_5_text`,
-  weights under `model.`);
+  weights under `model.`; `qwen3_5_moe_text` with `moe`);
 - `layout="multimodal"`: the published layout (`Qwen3_5ForConditionalGeneration`, model_type
   `qwen3_5`, the text config under `text_config`, text weights under `model.language_model.`),
   plus a few fake vision-tower (`model.visual.*`) and MTP (`mtp.*`) tensors a text target must
@@ -66,6 +66,11 @@ def _text_config(a: dict[str, Any]) -> dict[str, Any]:
         "dtype": "bfloat16" if a["dtype"] == torch.bfloat16 else "float32",
         "use_cache": True,
     }
+    if a["moe"] is not None:  # transformers' Qwen3_5MoeTextConfig has no dense intermediate_size
+        del cfg["intermediate_size"]
+        cfg["model_type"] = "qwen3_5_moe_text"
+        cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"] = a["moe"]
+        cfg["shared_expert_intermediate_size"] = a["intermediate"]
     if a["write_layer_types"]:
         cfg["layer_types"] = list(a["layer_types"])
     else:  # the interval rule must reproduce the given types
@@ -79,15 +84,17 @@ def _text_config(a: dict[str, Any]) -> dict[str, Any]:
 
 def _config(a: dict[str, Any]) -> dict[str, Any]:
     text = _text_config(a)
+    moe = "Moe" if a["moe"] is not None else ""
     if a["layout"] == "text":
-        return {"architectures": ["Qwen3_5ForCausalLM"], **text}
-    vision = {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 32, "intermediate_size": 64,
+        return {"architectures": [f"Qwen3_5{moe}ForCausalLM"], **text}
+    vision = {"model_type": "qwen3_5_moe_vision" if moe else "qwen3_5_vision", "depth": 1, "hidden_size": 32,
+              "intermediate_size": 64,
               "num_heads": 2, "in_channels": 3, "patch_size": 4, "spatial_merge_size": 2,
               "temporal_patch_size": 2, "out_hidden_size": a["hidden"], "num_position_embeddings": 16,
               "hidden_act": "gelu_pytorch_tanh"}
     return {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
+        "architectures": [f"Qwen3_5{moe}ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
         "text_config": text,
         "vision_config": vision,
         "image_token_id": a["vocab"] - 8, "video_token_id": a["vocab"] - 7,
@@ -146,6 +153,24 @@ def _tensors(a: dict[str, Any], gen: torch.Generator, prefix: str) -> dict[str, 
     return t
 
 
+def _moe_tensors(a: dict[str, Any], t: dict[str, torch.Tensor], prefix: str) -> None:
+    """Turn every layer's MLP of `t` into the MoE block, in the per-expert layout the published
+    checkpoints (and transformers' save_pretrained) use: the MLP becomes the shared expert, and a
+    router wide enough that tokens pick different experts, a shared-expert gate and the experts
+    are added (their own generator: the rest stay the dense weights of the same seed)."""
+    gen = torch.Generator().manual_seed(a["seed"] + 7)
+    h, (e, _, inter) = a["hidden"], a["moe"]
+    for i in range(len(a["layer_types"])):
+        m = f"{prefix}layers.{i}.mlp."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            t[f"{m}shared_expert.{name}.weight"] = t.pop(f"{m}{name}.weight")
+        t[m + "gate.weight"] = 2.0 * torch.randn(e, h, generator=gen) / math.sqrt(h)
+        t[m + "shared_expert_gate.weight"] = torch.randn(1, h, generator=gen) / math.sqrt(h)
+        for x in range(e):
+            for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+                t[f"{m}experts.{x}.{name}.weight"] = torch.randn(*shape, generator=gen) / math.sqrt(shape[1])
+
+
 def _extras(a: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Fake vision-tower and MTP tensors (names as published; values irrelevant: they are skipped)."""
     h = a["hidden"]
@@ -190,11 +215,14 @@ def make_tiny_qwen35(
     shards: int = 1,
     eos_token_id: int | list[int] | None = None,
     tokenizer: bool = False,
+    moe: tuple[int, int, int] | None = None,
 ) -> Path:
     """Write a tiny random Qwen3.5 hybrid target to `directory`; returns the directory.
 
     `write_layer_types=False` writes `full_attention_interval` instead of `layer_types` (the given
-    types must follow the interval rule). `tokenizer=True` also writes the tiny tokenizer."""
+    types must follow the interval rule). `tokenizer=True` also writes the tiny tokenizer.
+    `moe=(experts, top_k, intermediate)`: the mixture-of-experts hybrid (`qwen3_5_moe` /
+    `qwen3_5_moe_text`), its shared expert of `intermediate` (`_moe_tensors`)."""
     if layout not in ("text", "multimodal"):
         raise ValueError(f"layout must be 'text' or 'multimodal', got {layout!r}")
     a = dict(locals())
@@ -204,6 +232,8 @@ def make_tiny_qwen35(
     gen = torch.Generator().manual_seed(seed)
     prefix = "model." if layout == "text" else "model.language_model."
     tensors = _tensors(a, gen, prefix)
+    if moe is not None:
+        _moe_tensors(a, tensors, prefix)
     if layout == "multimodal":
         tensors.update(_extras(a))
     _save(out, {k: v.to(dtype).contiguous() for k, v in tensors.items()}, shards)

@@ -1,8 +1,8 @@
 """The Gemma 4 target through the CLI: `python -m memra_cli.tiny OUT` writes a tiny Gemma 4 text
 target (with the tiny tokenizer) and a z-lab DFlash drafter for it; `memra generate` / `memra bench`
 run the pair and the speculative stream equals plain greedy (`--spec off`) token for token;
-`memra census` reads the drafter; a MoE Gemma config and an unknown layer type exit 2 with one
-`error:` line."""
+`memra census` reads the drafter; an MoE Gemma config routing more experts than it has and an
+unknown layer type exit 2 with one `error:` line."""
 
 from __future__ import annotations
 
@@ -83,7 +83,8 @@ def test_bench_gate_passes(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("change,want", [
-    ({"enable_moe_block": True}, "enable_moe_block=true: the Gemma 4 mixture-of-experts block is not implemented"),
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 8, "moe_intermediate_size": 16},
+     "top_k_experts 8 is more than num_experts 4"),
     ({"layer_types": ["sliding_attention"] * 4 + ["bogus_attention"]},
      "layer_types has 'bogus_attention', a layer type Gemma 4 does not have"),
 ])

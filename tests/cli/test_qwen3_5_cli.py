@@ -3,7 +3,8 @@ target and a z-lab DFlash drafter for it; `memra generate` / `memra bench` run t
 usual receipts and the speculative stream equals plain greedy (`--spec off`) token for token;
 `memra census` reads the drafter; `memra parity` reads the hybrid's tables (multimodal layout).
 Refusals (config without layer types, a missing DeltaNet tensor, a drafter tapping a layer the
-hybrid does not have, --cuda-graphs off CUDA, the MoE model type) exit 2 with one `error:` line."""
+hybrid does not have, --cuda-graphs off CUDA, an MoE hybrid config without its experts) exit 2
+with one `error:` line."""
 
 from __future__ import annotations
 
@@ -185,4 +186,4 @@ def test_refusals_are_one_line(tiny, tmp_path):
     moe.mkdir()
     (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": {}}))
     line = one_error_line(run("generate", "--target", moe, *base))
-    assert "model_type 'qwen3_5_moe': the Qwen3.5 mixture-of-experts hybrid is not implemented" in line
+    assert f"{moe / 'config.json'}: required key 'text_config.num_experts' is missing" in line

@@ -19,7 +19,8 @@ and under the step runner and the round loop.
   continuation is bit-identical to running the kept prefix straight; the oracle proposer with
   partial acceptance and every speculative arm over a tiny z-lab DFlash drafter reproduce plain
   greedy (float32 and bfloat16).
-- Refusals: MoE, an unknown layer type, a missing tensor: one line each.
+- Refusals: an MoE block without its keys, an unknown layer type, a missing tensor: one line each
+  (the MoE block itself: tests/engine/test_gemma4_moe.py).
 """
 
 from __future__ import annotations
@@ -345,7 +346,9 @@ def _text_cfg(tiny_dirs):
 def test_refusals_are_one_line(tiny_dirs, tmp_path):
     raw = _text_cfg(tiny_dirs)
     cases = [
-        ({**raw, "enable_moe_block": True}, UnsupportedError, r"enable_moe_block=true: the Gemma 4 mixture-of-experts"),
+        ({**raw, "enable_moe_block": True}, ConfigError, r"required key 'num_experts' is missing"),
+        ({**raw, "enable_moe_block": True, "num_experts": 4, "top_k_experts": 5, "moe_intermediate_size": 8},
+         ConfigError, r"top_k_experts 5 is more than num_experts 4"),
         ({**raw, "layer_types": raw["layer_types"][:-1] + ["chunked_attention"]}, UnsupportedError,
          r"layer_types has 'chunked_attention', a layer type Gemma 4 does not have"),
         ({**raw, "layer_types": raw["layer_types"][:-1] + ["sliding_attention"]}, ConfigError, r"last layer"),
@@ -354,8 +357,8 @@ def test_refusals_are_one_line(tiny_dirs, tmp_path):
          UnsupportedError, r"rope_parameters.sliding_attention.rope_type='yarn' is not implemented"),
         ({**raw, "hidden_activation": "silu"}, UnsupportedError, r"hidden_activation='silu'"),
         ({**raw, "per_layer_config": {"2": {"sliding_window": 4}}}, UnsupportedError, r"per_layer_config.2.sliding_window"),
-        ({"model_type": "gemma4", "text_config": {**raw, "enable_moe_block": True}}, UnsupportedError,
-         r"text_config.enable_moe_block=true"),
+        ({"model_type": "gemma4", "text_config": {**raw, "enable_moe_block": True, "num_experts": 4}}, ConfigError,
+         r"required key 'text_config.top_k_experts' is missing"),
     ]
     for cfg, err, pattern in cases:
         with pytest.raises(err, match=pattern) as info:

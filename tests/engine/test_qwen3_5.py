@@ -137,18 +137,13 @@ def test_transformers_runs_its_torch_fallback():
     assert importlib.util.find_spec("causal_conv1d") is None
 
 
-def test_registry_dispatches_both_layouts_and_refuses_moe_by_name(tiny_dirs, tmp_path):
+def test_registry_dispatches_both_layouts_and_the_moe_hybrid_to_its_class(tiny_dirs):
     assert MODEL_FAMILIES["qwen3_5"]() is MODEL_FAMILIES["qwen3_5_text"]() is Qwen35Target
     assert target_family(tiny_dirs["text"]) is target_family(tiny_dirs["multimodal"]) is Qwen35Target
     assert isinstance(load_target(tiny_dirs["multimodal"]), Qwen35Target)
-    assert Qwen35Target.supports_cuda_graphs is True
-    moe = tmp_path / "moe"
-    moe.mkdir()
-    (moe / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "text_config": {}}))
-    with pytest.raises(UnsupportedError, match=r"model_type 'qwen3_5_moe': the Qwen3.5 mixture-of-experts hybrid "
-                                               r"is not implemented") as err:
-        load_target(moe)
-    assert "\n" not in str(err.value)
+    assert Qwen35Target.supports_cuda_graphs is True and Qwen35Target.moe is None
+    moe = MODEL_FAMILIES["qwen3_5_moe"]()  # tests/engine/test_qwen3_5_moe.py covers it
+    assert moe is MODEL_FAMILIES["qwen3_5_moe_text"]() and issubclass(moe, Qwen35Target) and moe.routes_experts
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -799,8 +794,11 @@ def test_bad_configs_are_refused_by_key(tiny_dirs, tmp_path, which, edit, match)
 
 
 def test_other_model_types_are_refused(tmp_path):
-    with pytest.raises(UnsupportedError, match="model_type 'qwen3_5_moe' is not a Qwen3.5 dense hybrid target"):
-        parse_qwen35_config({"model_type": "qwen3_5_moe", "text_config": {}}, "x/config.json")
+    with pytest.raises(UnsupportedError, match="model_type 'qwen3_next' is not a Qwen3.5 hybrid target"):
+        parse_qwen35_config({"model_type": "qwen3_next"}, "x/config.json")
+    with pytest.raises(UnsupportedError, match="text_config.model_type 'qwen3_5_text' is not 'qwen3_5_moe_text'"):
+        parse_qwen35_config({"model_type": "qwen3_5_moe", "text_config": {"model_type": "qwen3_5_text"}},
+                            "x/config.json")
     with pytest.raises(UnsupportedError, match="hidden_act='gelu'"):
         parse_qwen35_config({"model_type": "qwen3_5_text", "hidden_act": "gelu"}, "x/config.json")
 

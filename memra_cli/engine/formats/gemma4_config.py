@@ -17,8 +17,9 @@ and two ways of giving the full-attention layers their own head shape, both read
 Semantics follow `transformers.Gemma4TextConfig` (5.25): `layer_types` default to five sliding
 layers then one full, `rope_parameters` keyed by layer type (`default` or `proportional`),
 `kv_sharing_modes` for the last `num_kv_shared_layers` layers. What would change the math in a
-way not implemented is refused by name (`enable_moe_block`, bidirectional attention, rope types
-other than default / proportional, attention biases).
+way not implemented is refused by name (bidirectional attention, rope types other than default /
+proportional, attention biases). `enable_moe_block` reads `num_experts`, `top_k_experts` and
+`moe_intermediate_size` (`Gemma4Moe`).
 """
 
 from __future__ import annotations
@@ -57,8 +58,18 @@ class Gemma4Rope:
 
 
 @dataclass(frozen=True)
+class Gemma4Moe:
+    """`enable_moe_block`: every layer runs `num_experts` GELU-tanh GLU experts of
+    `moe_intermediate_size` (`top_k_experts` per token) beside its dense MLP."""
+
+    num_experts: int
+    top_k_experts: int
+    moe_intermediate_size: int
+
+
+@dataclass(frozen=True)
 class Gemma4Config:
-    """The text model of a Gemma 4 checkpoint (dense: no MoE block)."""
+    """The text model of a Gemma 4 checkpoint (`moe`: its MoE block, None when dense)."""
 
     source: str
     layout: str  # "text" (gemma4_text) | "multimodal" (gemma4, text_config)
@@ -88,6 +99,7 @@ class Gemma4Config:
     pad_token_id: int | None
     dtype: str | None
     notes: tuple[str, ...]  # defaults applied, said in the load receipt
+    moe: Gemma4Moe | None = None
 
     @property
     def first_shared_layer(self) -> int:
@@ -213,10 +225,17 @@ def _ple_width(f: _Fields) -> int:
     return f.int("hidden_size_per_layer_input", default=256, minimum=0)
 
 
+def _moe(f: _Fields) -> Gemma4Moe | None:
+    """The MoE block's keys when `enable_moe_block` is set (every layer then has one), else None."""
+    if not f.bool("enable_moe_block", default=False):
+        return None
+    experts, top_k = f.int("num_experts"), f.int("top_k_experts")
+    if top_k > experts:
+        raise ConfigError(f"{f.source}: {f.prefix}top_k_experts {top_k} is more than {f.prefix}num_experts {experts}")
+    return Gemma4Moe(experts, top_k, f.int("moe_intermediate_size"))
+
+
 def _refusals(f: _Fields) -> None:
-    if f.bool("enable_moe_block", default=False):
-        raise UnsupportedError(f"{f.source}: {f.prefix}enable_moe_block=true: the Gemma 4 mixture-of-experts block "
-                               "is not implemented (dense Gemma 4 only; it belongs to the MoE work)")
     act = f.str("hidden_activation", default="gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
         raise UnsupportedError(f"{f.source}: {f.prefix}hidden_activation={act!r} is not implemented "
@@ -288,7 +307,7 @@ def parse_gemma4_config(raw: dict[str, Any], source: str) -> Gemma4Config:
         pad_token_id=f.int("pad_token_id", default=None, minimum=0),
         dtype=(f.str("dtype", default=None) or f.str("torch_dtype", default=None)
                or top.str("dtype", default=None) or top.str("torch_dtype", default=None)),
-        notes=tuple(notes),
+        notes=tuple(notes), moe=_moe(f),
     )
 
 

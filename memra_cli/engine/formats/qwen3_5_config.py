@@ -8,6 +8,10 @@ Two layouts, both read (text model only):
 - the text-only one transformers writes for `Qwen3_5ForCausalLM`: top-level
   `model_type: qwen3_5_text`.
 
+The mixture-of-experts hybrid (`qwen3_5_moe` with `text_config`, or `qwen3_5_moe_text`) has the
+same two layouts and the same keys, plus its experts (`Qwen35MoeKeys`, as
+`transformers.Qwen3_5MoeTextConfig`: every layer routes; no dense `intermediate_size`).
+
 Semantics follow `transformers.Qwen3_5TextConfig`:
 
 - `layer_types` (`linear_attention` | `full_attention`, one per layer), else the interval rule
@@ -38,8 +42,11 @@ from memra_cli.engine.errors import CheckpointError, ConfigError, UnsupportedErr
 LINEAR, FULL = "linear_attention", "full_attention"
 LAYER_TYPES = (LINEAR, FULL)
 MULTIMODAL_TYPE, TEXT_TYPE = "qwen3_5", "qwen3_5_text"
-MODEL_TYPES = (MULTIMODAL_TYPE, TEXT_TYPE)
-MOE_TYPE = "qwen3_5_moe"  # recognized, refused by name (the mixture-of-experts hybrid)
+MOE_MULTIMODAL_TYPE, MOE_TEXT_TYPE = "qwen3_5_moe", "qwen3_5_moe_text"
+# the multimodal model type -> its text model's; the text-only types are the values
+TEXT_TYPES = {MULTIMODAL_TYPE: TEXT_TYPE, MOE_MULTIMODAL_TYPE: MOE_TEXT_TYPE}
+MODEL_TYPES = (MULTIMODAL_TYPE, TEXT_TYPE, MOE_MULTIMODAL_TYPE, MOE_TEXT_TYPE)
+MOE_TYPES = (MOE_MULTIMODAL_TYPE, MOE_TEXT_TYPE)
 # where a checkpoint keeps the text model's tensors: the published multimodal layout, then the
 # text-only one; and what a text target recognizes and skips (vision tower, multi-token-prediction head)
 TEXT_PREFIXES = ("model.language_model.", "model.")
@@ -48,8 +55,21 @@ DEFAULT_PARTIAL_ROTARY = 0.25  # transformers' Qwen3_5TextConfig default
 
 
 @dataclass(frozen=True)
+class Qwen35MoeKeys:
+    """The mixture-of-experts feed-forward of a `qwen3_5_moe` text model (every layer routes):
+    `num_experts` SwiGLU experts of `moe_intermediate_size`, `num_experts_per_tok` per token, and a
+    shared SwiGLU expert of `shared_expert_intermediate_size` gated by `sigmoid(x @ gate.T)`."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+
+
+@dataclass(frozen=True)
 class Qwen35Config:
-    """The text model of a Qwen3.5 (dense, hybrid Gated DeltaNet / gated attention) checkpoint."""
+    """The text model of a Qwen3.5 hybrid (Gated DeltaNet / gated attention) checkpoint: dense
+    (`moe` None) or with a routed feed-forward on every layer (`moe`)."""
 
     source: str
     layout: str  # "multimodal" (model_type qwen3_5, text_config) | "text" (model_type qwen3_5_text)
@@ -83,6 +103,7 @@ class Qwen35Config:
     bos_token_id: int | None
     pad_token_id: int | None
     dtype: str | None
+    moe: Qwen35MoeKeys | None = None  # the qwen3_5_moe types only (intermediate_size is then 0: no dense MLP)
 
     # ---------------------------------------------------------------- derived shapes
 
@@ -146,43 +167,63 @@ def _layer_types(f: _Fields, n_layers: int) -> tuple[tuple[str, ...], str]:
     return types, f"full_attention_interval={interval}"
 
 
+def _moe_keys(f: _Fields) -> Qwen35MoeKeys:
+    """The MoE keys of a qwen3_5_moe text config. transformers' Qwen3_5MoeTextConfig routes every
+    layer and always renormalises the top k, so keys that would ask otherwise are refused."""
+    experts, top_k = f.int("num_experts"), f.int("num_experts_per_tok")
+    if top_k > experts:
+        raise ConfigError(f"{f.source}: {f.prefix}num_experts_per_tok {top_k} is more than "
+                          f"{f.prefix}num_experts {experts}")
+    if f.bool("norm_topk_prob", default=True) is False:
+        raise UnsupportedError(f"{f.source}: {f.prefix}norm_topk_prob=false is not how Qwen3.5-MoE routes "
+                               "(its top-k weights are always renormalised)")
+    if f.int("decoder_sparse_step", default=1) != 1 or f.raw.get("mlp_only_layers") not in (None, []):
+        raise UnsupportedError(f"{f.source}: {f.prefix}decoder_sparse_step / {f.prefix}mlp_only_layers: every "
+                               "Qwen3.5-MoE layer is sparse (expected 1 and [] or absent)")
+    return Qwen35MoeKeys(experts, top_k, f.int("moe_intermediate_size"), f.int("shared_expert_intermediate_size"))
+
+
+def _text_fields(top: _Fields, model_type: str, source: str) -> tuple[_Fields, str, bool, dict, str]:
+    """The text model's fields of either layout: (fields, layout, tie_word_embeddings, the object
+    eos_token_id is read from, its key prefix)."""
+    if model_type not in TEXT_TYPES:
+        return top, "text", top.bool("tie_word_embeddings", default=False), top.raw, ""
+    f = top.obj("text_config")
+    if f is None:
+        raise ConfigError(
+            f"{source}: required key 'text_config' is missing (model_type {model_type} keeps "
+            "the language model's config there)"
+        )
+    inner = f.str("model_type", default=TEXT_TYPES[model_type])
+    if inner != TEXT_TYPES[model_type]:
+        raise UnsupportedError(
+            f"{source}: text_config.model_type {inner!r} is not {TEXT_TYPES[model_type]!r} (the text model "
+            f"of model_type {model_type})"
+        )
+    # the ConditionalGeneration class ties by the top-level flag; refuse two that disagree
+    tie_top = top.bool("tie_word_embeddings", default=None)
+    tie_text = f.bool("tie_word_embeddings", default=None)
+    if tie_top is not None and tie_text is not None and tie_top != tie_text:
+        raise ConfigError(
+            f"{source}: 'tie_word_embeddings' ({json.dumps(tie_top)}) and "
+            f"'text_config.tie_word_embeddings' ({json.dumps(tie_text)}) disagree"
+        )
+    tie = tie_top if tie_top is not None else bool(tie_text)
+    eos_raw, eos_prefix = (f.raw, f.prefix) if f.has("eos_token_id") else (top.raw, "")
+    return f, "multimodal", tie, eos_raw, eos_prefix
+
+
 def parse_qwen35_config(raw: dict[str, Any], source: str) -> Qwen35Config:
-    """Normalize a Qwen3.5 config.json (already parsed), either layout."""
+    """Normalize a Qwen3.5 config.json (already parsed), either layout, dense or MoE."""
     top = _Fields(raw, source)
     model_type = top.str("model_type")
     if model_type not in MODEL_TYPES:
         raise UnsupportedError(
-            f"{source}: model_type {model_type!r} is not a Qwen3.5 dense hybrid target "
+            f"{source}: model_type {model_type!r} is not a Qwen3.5 hybrid target "
             f"(supported: {', '.join(MODEL_TYPES)})"
         )
-    if model_type == MULTIMODAL_TYPE:
-        f = top.obj("text_config")
-        if f is None:
-            raise ConfigError(
-                f"{source}: required key 'text_config' is missing (model_type {MULTIMODAL_TYPE} keeps "
-                "the language model's config there)"
-            )
-        inner = f.str("model_type", default=TEXT_TYPE)
-        if inner != TEXT_TYPE:
-            raise UnsupportedError(
-                f"{source}: text_config.model_type {inner!r} is not {TEXT_TYPE!r} (only the dense "
-                "Qwen3.5 text model is implemented)"
-            )
-        layout = "multimodal"
-        # the ConditionalGeneration class ties by the top-level flag; refuse two that disagree
-        tie_top = top.bool("tie_word_embeddings", default=None)
-        tie_text = f.bool("tie_word_embeddings", default=None)
-        if tie_top is not None and tie_text is not None and tie_top != tie_text:
-            raise ConfigError(
-                f"{source}: 'tie_word_embeddings' ({json.dumps(tie_top)}) and "
-                f"'text_config.tie_word_embeddings' ({json.dumps(tie_text)}) disagree"
-            )
-        tie = tie_top if tie_top is not None else bool(tie_text)
-        eos_raw, eos_prefix = (f.raw, f.prefix) if f.has("eos_token_id") else (raw, "")
-    else:
-        f, layout = top, "text"
-        tie = f.bool("tie_word_embeddings", default=False)
-        eos_raw, eos_prefix = raw, ""
+    f, layout, tie, eos_raw, eos_prefix = _text_fields(top, model_type, source)
+    moe = _moe_keys(f) if model_type in MOE_TYPES else None
 
     hidden_act = f.str("hidden_act", default="silu")
     if hidden_act != "silu":
@@ -233,7 +274,8 @@ def parse_qwen35_config(raw: dict[str, Any], source: str) -> Qwen35Config:
         model_type=model_type,
         vocab_size=f.int("vocab_size"),
         hidden_size=f.int("hidden_size"),
-        intermediate_size=f.int("intermediate_size"),
+        # the MoE model has no dense MLP (transformers' config has no such key)
+        intermediate_size=f.int("intermediate_size") if moe is None else 0,
         num_hidden_layers=n_layers,
         layer_types=layer_types,
         layer_types_from=types_from,
@@ -258,6 +300,7 @@ def parse_qwen35_config(raw: dict[str, Any], source: str) -> Qwen35Config:
         pad_token_id=f.int("pad_token_id", default=None, minimum=0),
         dtype=(f.str("dtype", default=None) or f.str("torch_dtype", default=None)
                or top.str("dtype", default=None) or top.str("torch_dtype", default=None)),
+        moe=moe,
     )
 
 

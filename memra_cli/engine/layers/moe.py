@@ -55,3 +55,21 @@ def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         w = (weights * hit).sum(dim=-1)  # the row's weight for e, 0 where it did not pick e
         out = torch.where(rows[:, None], out + y * w[:, None], out)
     return out
+
+
+def moe_glu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+            w_down: torch.Tensor, act) -> torch.Tensor:
+    """`moe_swiglu` with another gate activation `act` (Gemma 4's experts: GELU-tanh), under the
+    same rule: each routed expert runs once over a step-wide buffer holding its rows in their own
+    slots, and a row's contributions are added in ascending expert index from zeros. Returns
+    `[t, hidden]` for `x [t, hidden]`, `weights` / `experts [t, k]`."""
+    out = torch.zeros_like(x)
+    for e in torch.unique(experts).tolist():
+        hit = experts == e
+        rows = hit.any(dim=-1)
+        buf = torch.where(rows[:, None], x, torch.zeros((), dtype=x.dtype))
+        gate, up = F.linear(buf, w_gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(act(gate) * up, w_down[e])
+        w = (weights * hit).sum(dim=-1)
+        out = torch.where(rows[:, None], out + y * w[:, None], out)
+    return out

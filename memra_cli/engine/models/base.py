@@ -171,23 +171,45 @@ def _qwen3_5():
     return Qwen35Target
 
 
+def _qwen3_5_moe():
+    from memra_cli.engine.models.qwen3_5_moe import Qwen35MoeTarget
+
+    return Qwen35MoeTarget
+
+
 def _gemma4():
     from memra_cli.engine.models.gemma4 import Gemma4Target
 
     return Gemma4Target
 
 
+def _gemma4_moe():
+    from memra_cli.engine.models.gemma4_moe import Gemma4MoeTarget
+
+    return Gemma4MoeTarget
+
+
+def _gemma4_moe_block(raw: dict) -> bool:
+    text = raw.get("text_config") if raw.get("model_type") == "gemma4" else raw
+    return isinstance(text, dict) and text.get("enable_moe_block") is True
+
+
 # config.json `model_type` -> loader of the class (imported on demand: one family's deps never
 # load for another's). qwen3_5 is the published multimodal layout (its text model is loaded),
-# qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM.
+# qwen3_5_text the layout transformers writes for Qwen3_5ForCausalLM; qwen3_5_moe / qwen3_5_moe_text
+# the same two for the mixture-of-experts hybrid.
 # gemma4 is the multimodal layout (its language model is loaded), gemma4_text Gemma4ForCausalLM's.
 MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama": _llama, "qwen3_5": _qwen3_5,
-                  "qwen3_5_text": _qwen3_5, "gemma4": _gemma4, "gemma4_text": _gemma4}
+                  "qwen3_5_text": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_5_moe_text": _qwen3_5_moe,
+                  "gemma4": _gemma4, "gemma4_text": _gemma4}
+
+# model types whose config.json picks a second class with other declarations (Gemma 4's MoE
+# block: its steps read expert ids on the host, which the graphs decision, made from config.json
+# alone, must know): model_type -> (does this parsed config pick it?, loader of that class)
+VARIANTS = {"gemma4": (_gemma4_moe_block, _gemma4_moe), "gemma4_text": (_gemma4_moe_block, _gemma4_moe)}
 
 # recognized model types that are refused by name (rather than as unknown)
-REFUSED_FAMILIES = {
-    "qwen3_5_moe": "the Qwen3.5 mixture-of-experts hybrid is not implemented (dense qwen3_5 / qwen3_5_text only)",
-}
+REFUSED_FAMILIES: dict[str, str] = {}
 
 
 def target_family(path: Path) -> type:
@@ -197,14 +219,16 @@ def target_family(path: Path) -> type:
     if not path.is_dir():
         raise ConfigError(f"{path}: target directory does not exist" if not path.exists()
                           else f"{path}: expected a target model directory (config.json + safetensors)")
-    model_type = read_json_object(path / "config.json").get("model_type")
+    raw = read_json_object(path / "config.json")
+    model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type in REFUSED_FAMILIES:
         raise UnsupportedError(f"{path / 'config.json'}: model_type {model_type!r}: {REFUSED_FAMILIES[model_type]}")
     family = MODEL_FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         raise ConfigError(f"{path / 'config.json'}: model_type {model_type!r} is not a supported target "
                           f"(supported: {', '.join(sorted(MODEL_FAMILIES))})")
-    cls = family()
+    picks, variant = VARIANTS.get(model_type, (None, None))
+    cls = variant() if picks is not None and picks(raw) else family()
     check_family(model_type, cls)
     return cls
 

@@ -5,6 +5,8 @@ Per layer, as `transformers.Gemma4TextDecoderLayer` (5.25) computes it:
 
     h = attn(norm_in(x));            x = x + norm_post_attn(h)
     h = mlp(norm_pre_ff(x));         x = x + norm_post_ff(h)       (GELU-tanh MLP)
+        with enable_moe_block, h = norm_ff_1(mlp(..)) + norm_ff_2(experts(norm_pre_ff_2(x)))
+        before that post norm (models/gemma4_moe.py)
     [per-layer input]                x = x + norm_ple(proj(gelu(gate(x)) * ple_i))
     x = x * layer_scalar
 
@@ -25,6 +27,7 @@ its norms, rope and attention in torch on every device (see docs/gemma4.md, "Ker
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +36,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from memra_cli.engine.errors import CheckpointError
+from memra_cli.engine.errors import CheckpointError, UnsupportedError
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.gemma4_config import FULL, SLIDING, Gemma4Config, Gemma4Rope, load_gemma4_config
 from memra_cli.engine.layers.ops import sdpa
@@ -48,6 +51,8 @@ log = logging.getLogger(__name__)
 TEXT_PREFIXES = ("model.language_model.", "model.")
 # the multimodal checkpoint's towers and their projections into the text model: recognized, skipped
 SKIPPED_PREFIXES = ("model.vision_tower.", "model.audio_tower.", "model.embed_vision.", "model.embed_audio.")
+# the MoE block's: the experts' input norm, then one after each of the dense MLP and the experts
+MOE_NORMS = ("pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
@@ -117,6 +122,8 @@ def expected_shapes(cfg: Gemma4Config, prefix: str) -> dict[str, tuple[int, ...]
         if ple:
             shapes.update({p + "per_layer_input_gate.weight": (ple, h), p + "per_layer_projection.weight": (h, ple),
                            p + "post_per_layer_input_norm.weight": (h,)})
+    if cfg.moe is not None:
+        shapes.update(moe_block_shapes(cfg, prefix))
     if ple:
         n = cfg.num_hidden_layers * ple
         shapes.update({prefix + "embed_tokens_per_layer.weight": (cfg.vocab_size_per_layer_input, n),
@@ -124,6 +131,19 @@ def expected_shapes(cfg: Gemma4Config, prefix: str) -> dict[str, tuple[int, ...]
                        prefix + "per_layer_projection_norm.weight": (ple,)})
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def moe_block_shapes(cfg: Gemma4Config, prefix: str) -> dict[str, tuple[int, ...]]:
+    """Every layer's MoE block tensors but its experts (whose layout the MoE reader finds): the
+    router (`proj [E, h]`, `scale [h]`, `per_expert_scale [E]`) and the block's three norms."""
+    h, e = cfg.hidden_size, cfg.moe.num_experts
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"{prefix}layers.{i}."
+        shapes.update({p + "router.proj.weight": (e, h), p + "router.scale": (h,), p + "router.per_expert_scale": (e,)})
+        for norm in MOE_NORMS:
+            shapes[p + norm + ".weight"] = (h,)
     return shapes
 
 
@@ -138,6 +158,10 @@ class _Loader(WeightLoader):
             raise CheckpointError(f"{ckpt.root}: tensor 'model.language_model.embed_tokens.weight' (multimodal "
                                   "layout) or 'model.embed_tokens.weight' (text-only layout) is missing")
         super().__init__(ckpt, cfg, dtype, device, expected_shapes(cfg, self.prefix))
+
+    def describe(self) -> str:
+        """What this reader adds to the load note (the MoE reader: its experts)."""
+        return ""
 
     def get(self, name: str, prefixed: bool = True) -> torch.Tensor:
         return self.ckpt.load((self.prefix if prefixed else "") + name, self.dtype, self.device)
@@ -184,6 +208,8 @@ class Gemma4Target(TargetBase):
     # engine's step-ops note when the Triton ops are selected (docs/gemma4.md, "Kernels and CUDA")
     step_ops_used = ("linear and embed (weight matmuls and gathers); Gemma 4's norms, rope and windowed "
                      "attention run in torch")
+    loader_class = _Loader  # the weights' reader (the MoE block's adds its experts)
+    routes_experts = False  # the config this class loads: without (cfg.moe None) or with enable_moe_block
 
     def __init__(self, cfg: Gemma4Config, embed: torch.Tensor, layers: list[LayerWeights], norm: torch.Tensor,
                  lm_head: torch.Tensor, ple: PerLayerInputs | None = None, note: str = ""):
@@ -213,7 +239,11 @@ class Gemma4Target(TargetBase):
         its headers when the caller opened them already (`Engine.load`)."""
         path = Path(path)
         cfg = load_gemma4_config(path)
-        loader = _Loader(open_checkpoint(path) if checkpoint is None else checkpoint, cfg, dtype, torch.device(device))
+        if (cfg.moe is not None) != cls.routes_experts:
+            raise UnsupportedError(f"{cfg.source}: enable_moe_block={json.dumps(cfg.moe is not None)} is not a "
+                                   f"{cls.__name__} target (load it through the registry: models/base.py)")
+        loader = cls.loader_class(open_checkpoint(path) if checkpoint is None else checkpoint, cfg, dtype,
+                                  torch.device(device))
         loader.check_all()
         embed = loader.get("embed_tokens.weight")
         layers = [loader.layer(i) for i in range(cfg.num_hidden_layers)]
@@ -311,17 +341,23 @@ class Gemma4Target(TargetBase):
                ple: torch.Tensor | None) -> torch.Tensor:
         """One decoder layer on `x [t, hidden]` (module docstring); K/V written at `positions`."""
         eps, ops = self.cfg.rms_norm_eps, self.step_ops
-        n_in, n_post_attn, n_pre_ff, n_post_ff = w.norms
+        n_in, n_post_attn, _, n_post_ff = w.norms  # the pre-feed-forward norm: _feed_forward's
         q = self._qkv_write(li, gemma_rms_norm(x, n_in, eps), w, cache, positions, cos, sin)
         kv = cache.kv[self.kv_source[li]]
         attn = ops.linear(self._attend(q, kv[0, :, :n_keys], kv[1, :, :n_keys], mask), w.wo)
         x = x + gemma_rms_norm(attn, n_post_attn, eps)
-        gate, up = ops.linear(gemma_rms_norm(x, n_pre_ff, eps), w.w_gate_up).chunk(2, dim=-1)
-        x = x + gemma_rms_norm(ops.linear(F.gelu(gate, approximate="tanh") * up, w.w_down), n_post_ff, eps)
+        x = x + gemma_rms_norm(self._feed_forward(x, w), n_post_ff, eps)
         if ple is not None:
             h = F.gelu(ops.linear(x, w.ple_gate), approximate="tanh") * ple
             x = x + gemma_rms_norm(ops.linear(h, w.ple_proj), w.ple_norm, eps)
         return x * w.layer_scalar
+
+    def _feed_forward(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """The layer's feed-forward on the residual stream `x [t, hidden]`, before its post norm:
+        the GELU-tanh MLP of the pre-normed `x` (the MoE block adds its experts: gemma4_moe.py)."""
+        h = gemma_rms_norm(x, w.norms[2], self.cfg.rms_norm_eps)
+        gate, up = self.step_ops.linear(h, w.w_gate_up).chunk(2, dim=-1)
+        return self.step_ops.linear(F.gelu(gate, approximate="tanh") * up, w.w_down)
 
     def _qkv_write(self, li: int, h: torch.Tensor, w: LayerWeights, cache: LayerKVCache, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -376,7 +412,7 @@ def _load_note(path: Path, cfg: Gemma4Config, loader: _Loader) -> str:
             + (f", softcap {cfg.final_logit_softcapping}" if cfg.final_logit_softcapping else "")
             + (f", {cfg.num_kv_shared_layers} KV-shared layers" if cfg.num_kv_shared_layers else "")
             + (f", per-layer inputs of {cfg.hidden_size_per_layer_input}" if cfg.hidden_size_per_layer_input else "")
-            + f"; skipped {len(towers)} vision/audio tensor(s)")
+            + loader.describe() + f"; skipped {len(towers)} vision/audio tensor(s)")
     if cfg.notes:
         note += "; defaults applied: " + "; ".join(cfg.notes)
     log.info("%s", note)

@@ -1,7 +1,8 @@
 """Qwen3.5 hybrid causal LM (HF `model_type: qwen3_5` / `qwen3_5_text`), text model: math,
 weights and state for the `TargetModel` protocol (models/base.py).
 
-The decoder interleaves two token mixers (`layer_types`), each followed by the same SwiGLU MLP:
+The decoder interleaves two token mixers (`layer_types`), each followed by the same SwiGLU MLP
+(`_feed_forward`; the mixture-of-experts hybrid overrides it: models/qwen3_5_moe.py):
 
 - `full_attention`: gated GQA attention. `q_proj` emits, per head, the query and an output gate
   side by side (`[q | gate]` of head_dim each); per-head zero-centred RMSNorm on q and k, rope on
@@ -73,7 +74,7 @@ import torch.nn.functional as F
 from memra_cli.engine.models.state import StateBase
 from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.models.loading import WeightLoader
-from memra_cli.engine.errors import ConfigError
+from memra_cli.engine.errors import ConfigError, UnsupportedError
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.qwen3_5_config import (
     FULL, SKIPPED_PREFIXES, Qwen35Config, load_qwen35_config, text_prefix,
@@ -137,21 +138,34 @@ class LayerWeights:
     gdn: GdnWeights | None = None
 
 
+def ffn_prefix(cfg: Qwen35Config) -> str:
+    """Where a layer's SwiGLU MLP lives under `layers.{i}.`: the dense MLP, or on the MoE model
+    the shared expert (its routed experts, router and shared gate are models/qwen3_5_moe.py's)."""
+    return "mlp." if cfg.moe is None else "mlp.shared_expert."
+
+
+def ffn_shapes(cfg: Qwen35Config, p: str) -> dict[str, tuple[int, ...]]:
+    """The feed-forward tensors of the layer under `p` but the routed experts (whose layout the
+    MoE loader reads): the dense MLP, or the shared expert, its gate `[1, hidden]` and the router
+    `[E, hidden]`."""
+    h, m = cfg.hidden_size, p + ffn_prefix(cfg)
+    inter = cfg.intermediate_size if cfg.moe is None else cfg.moe.shared_expert_intermediate_size
+    shapes = {m + "gate_proj.weight": (inter, h), m + "up_proj.weight": (inter, h), m + "down_proj.weight": (h, inter)}
+    if cfg.moe is not None:
+        shapes.update({p + "mlp.shared_expert_gate.weight": (1, h), p + "mlp.gate.weight": (cfg.moe.num_experts, h)})
+    return shapes
+
+
 def expected_shapes(cfg: Qwen35Config, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape for every tensor the text model needs (lm_head only when untied)."""
-    h, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    h, hd = cfg.hidden_size, cfg.head_dim
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     hv = cfg.linear_num_value_heads
     shapes: dict[str, tuple[int, ...]] = {prefix + "embed_tokens.weight": (cfg.vocab_size, h)}
     for i, kind in enumerate(cfg.layer_types):
         p = f"{prefix}layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        })
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        shapes.update(ffn_shapes(cfg, p))
         if kind == FULL:
             a = p + "self_attn."
             shapes.update({
@@ -202,12 +216,16 @@ class _Loader(WeightLoader):
             return " — layer_types makes this layer full_attention"
         return super().missing_hint(name)
 
+    def describe(self) -> str:
+        """What this reader adds to the load note (the MoE reader: the experts' layout)."""
+        return ""
+
     def norm_1p(self, name: str) -> torch.Tensor:
         return 1.0 + self.get(name).float()  # HF: 1.0 + weight.float(), weight in the model dtype
 
     def layer(self, i: int) -> LayerWeights:
         p = f"{self.prefix}layers.{i}."
-        m = p + "mlp."
+        m = p + ffn_prefix(self.cfg)
         kind = self.cfg.layer_types[i]
         lw = LayerWeights(
             kind=kind,
@@ -657,6 +675,8 @@ class Qwen35Target(TargetBase):
 
     supports_cuda_graphs = True
     state_class = Qwen35State
+    loader_class = _Loader  # the weights' reader (the MoE hybrid's adds its experts)
+    routes_experts = False  # the config this class loads: dense (cfg.moe None) or mixture-of-experts
 
     def __init__(self, cfg: Qwen35Config, embed: torch.Tensor, layers: list[LayerWeights],
                  norm: torch.Tensor, lm_head: torch.Tensor, rollback: str | None = None,
@@ -690,7 +710,11 @@ class Qwen35Target(TargetBase):
         cfg = load_qwen35_config(path)
         if rollback is not None and rollback not in ROLLBACK_MODES:  # before the weights load
             raise ConfigError(f"rollback mode must be one of {'|'.join(ROLLBACK_MODES)}, got {rollback!r}")
-        loader = _Loader(open_checkpoint(path) if checkpoint is None else checkpoint, cfg, dtype, torch.device(device))
+        if (cfg.moe is not None) != cls.routes_experts:
+            raise UnsupportedError(f"{cfg.source}: model_type {cfg.model_type!r} is not a {cls.__name__} target "
+                                   f"({'a mixture-of-experts' if cfg.moe is not None else 'a dense'} Qwen3.5 hybrid)")
+        ckpt = open_checkpoint(path) if checkpoint is None else checkpoint
+        loader = cls.loader_class(ckpt, cfg, dtype, torch.device(device))
         loader.check_all()
         embed = loader.get(loader.prefix + "embed_tokens.weight")
         layers = [loader.layer(i) for i in range(cfg.num_hidden_layers)]
@@ -704,7 +728,8 @@ class Qwen35Target(TargetBase):
                 f"weights under {loader.prefix}), {cfg.num_hidden_layers} layers = {n_lin} linear_attention "
                 f"+ {n_full} full_attention (from {cfg.layer_types_from}), "
                 f"{'tied' if cfg.tie_word_embeddings else 'untied'} lm_head; skipped "
-                f"{skipped['model.visual.']} model.visual.* and {skipped['mtp.']} mtp.* tensor(s)")
+                f"{skipped['model.visual.']} model.visual.* and {skipped['mtp.']} mtp.* tensor(s)"
+                + loader.describe())
         mode = default_rollback(torch.device(device)) if rollback is None else rollback
         note += (f"; rollback record {mode} (" + ("as asked" if rollback is not None else
                  f"the default on {torch.device(device).type}, the faster one measured there") + ")")
@@ -850,13 +875,19 @@ class Qwen35Target(TargetBase):
             else:
                 mixer_out = self._gdn(h, w.gdn, state, self._lin_slot[li], ring_idx, chunked, commit_now)
             h, x = ops.add_rms_norm_1p(mixer_out, x, w.mlp_norm, eps)
-            down = ops.linear(ops.swiglu(h, w.w_gate_up), w.w_down)
+            down = self._feed_forward(h, w)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
             h, x = ops.add_rms_norm_1p(down, x, next_norm, eps)
             if li in wanted:
                 tapped[li] = x
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return h, taps_out
+
+    def _feed_forward(self, h: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+        """A layer's feed-forward on the normed `h [t, hidden]`, before the residual add: the
+        SwiGLU MLP here (a family with a routed one overrides it, models/qwen3_5_moe.py)."""
+        ops = self.step_ops
+        return ops.linear(ops.swiglu(h, w.w_gate_up), w.w_down)
 
     def _attention(self, h: torch.Tensor, w: AttnWeights, positions: torch.Tensor, attend,
                    kv: torch.Tensor) -> torch.Tensor:

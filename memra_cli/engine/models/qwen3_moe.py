@@ -22,6 +22,7 @@ from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import _Fields, parse_target_config, read_json_object
 from memra_cli.engine.layers.moe import moe_swiglu, route
 from memra_cli.engine.layers.ops import rms_norm
+from memra_cli.engine.models.experts import expert_shapes, load_experts
 from memra_cli.engine.models.qwen3 import LayerWeights, Qwen3Target, _Loader
 
 log = logging.getLogger(__name__)
@@ -29,13 +30,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class MoeSettings:
-    """The routed feed-forward's shape: `sparse_layers` holds the layer ids with an MoE block."""
+    """The routed feed-forward's shape: `sparse_layers` holds the layer ids with an MoE block.
+    `fixed_elements`: the weight elements a one-row step reads outside the routed experts, counted
+    at load by a family whose shape the Qwen3 cost formula (spec/priced.py) does not describe
+    (None: that formula applies)."""
 
     num_experts: int
     top_k: int
     moe_intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: frozenset[int]
+    fixed_elements: int | None = None
 
 
 def parse_moe(raw: dict, source: str, n_layers: int) -> MoeSettings:
@@ -84,28 +89,15 @@ class _MoeLoader(_Loader):
     def stacked(self, i: int) -> bool:
         """Whether layer `i`'s experts are in the stacked layout (checked: every tensor of the
         layout found present at its shape, or the per-expert layout's, else a named refusal)."""
-        p, e, h, inter = f"model.layers.{i}.mlp.experts.", self.moe.num_experts, self.cfg.hidden_size, \
-            self.moe.moe_intermediate_size
-        if p + "gate_up_proj" in self.ckpt.tensors:
-            need = {p + "gate_up_proj": (e, 2 * inter, h), p + "down_proj": (e, h, inter)}
-        else:
-            need = {}
-            for x in range(e):
-                need.update({f"{p}{x}.gate_proj.weight": (inter, h), f"{p}{x}.up_proj.weight": (inter, h),
-                             f"{p}{x}.down_proj.weight": (h, inter)})
+        need, stacked = expert_shapes(self.ckpt.tensors, f"model.layers.{i}.mlp.experts.", self.moe.num_experts,
+                                      self.cfg.hidden_size, self.moe.moe_intermediate_size)
         self.check(need)
         self.used.update(need)
-        return p + "gate_up_proj" in need
+        return stacked
 
     def experts(self, i: int) -> MoeWeights:
         p = f"model.layers.{i}.mlp."
-        if self.stacked(i):
-            gate_up, down = self.get(p + "experts.gate_up_proj"), self.get(p + "experts.down_proj")
-        else:
-            n = range(self.moe.num_experts)
-            gate_up = torch.stack([self.cat(f"{p}experts.{x}.gate_proj.weight", f"{p}experts.{x}.up_proj.weight")
-                                   for x in n])
-            down = torch.stack([self.get(f"{p}experts.{x}.down_proj.weight") for x in n])
+        gate_up, down = load_experts(self.get, p + "experts.", self.moe.num_experts, self.stacked(i))
         return MoeWeights(self.get(p + "gate.weight"), gate_up, down)
 
     def get(self, name: str) -> torch.Tensor:

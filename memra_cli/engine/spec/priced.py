@@ -98,6 +98,10 @@ def step_cost_of(model) -> StepCost | None:
     if moe is None:
         return None
     n_sparse = len(moe.sparse_layers)
+    if moe.fixed_elements is not None:  # counted from the loaded weights (the hybrid, Gemma 4)
+        size = model.dtype.itemsize
+        return StepCost(moe.fixed_elements * size, 3 * cfg.hidden_size * moe.moe_intermediate_size * size, n_sparse,
+                        max(moe.num_experts, 1), max(moe.top_k, 1))
     return qwen3_moe_cost(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
                           kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
                           num_experts=moe.num_experts, top_k=moe.top_k, moe_intermediate=moe.moe_intermediate_size,

@@ -1,0 +1,72 @@
+"""Routed experts' weights as every MoE family reads them, and the weights a step reads besides.
+
+Two checkpoint layouts hold a layer's `E` SwiGLU experts under `<prefix>experts.`:
+
+- per expert: `{e}.gate_proj.weight [I, h]`, `{e}.up_proj.weight [I, h]`, `{e}.down_proj.weight
+  [h, I]` (what transformers 5.25's `save_pretrained` writes for the Qwen MoE families, and the
+  published Qwen checkpoints);
+- stacked: `gate_up_proj [E, 2I, h]` (gate rows first) and `down_proj [E, h, I]` (transformers 5's
+  in-memory layout, which it writes as is for Gemma 4).
+
+Either loads to the stacked tensors layers/moe.py's `moe_swiglu` takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+def expert_shapes(tensors, prefix: str, num_experts: int, hidden: int, inter: int) -> tuple[dict, bool]:
+    """The expert tensors a layer needs in the layout the checkpoint holds (name -> shape), and
+    whether that layout is the stacked one. `tensors`: the checkpoint's names; `prefix`: up to and
+    including `experts.`. The stacked layout is picked when its `gate_up_proj` is present."""
+    if prefix + "gate_up_proj" in tensors:
+        return {prefix + "gate_up_proj": (num_experts, 2 * inter, hidden),
+                prefix + "down_proj": (num_experts, hidden, inter)}, True
+    need = {}
+    for e in range(num_experts):
+        need.update({f"{prefix}{e}.gate_proj.weight": (inter, hidden), f"{prefix}{e}.up_proj.weight": (inter, hidden),
+                     f"{prefix}{e}.down_proj.weight": (hidden, inter)})
+    return need, False
+
+
+def load_experts(load, prefix: str, num_experts: int, stacked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(w_gate_up [E, 2I, h], w_down [E, h, I])` of the experts under `prefix`, read by `load(name)`
+    (in the model dtype, on the device) from the layout `expert_shapes` found (and checked)."""
+    if stacked:
+        return load(prefix + "gate_up_proj"), load(prefix + "down_proj")
+    gate_up = torch.stack([torch.cat([load(f"{prefix}{e}.gate_proj.weight"), load(f"{prefix}{e}.up_proj.weight")])
+                           for e in range(num_experts)])
+    down = torch.stack([load(f"{prefix}{e}.down_proj.weight") for e in range(num_experts)])
+    return gate_up, down
+
+
+def step_weight_elements(layers, lm_head: torch.Tensor, hidden: int, final_norm: torch.Tensor | None = None) -> int:
+    """Weight elements a one-row step reads outside the routed experts: every tensor of every
+    layer's weights (dataclasses, walked; a stacked `w_gate_up` / `w_down` of `[E, ., .]` under
+    an `experts` field left out), the final norm, the lm_head and one embedding row. The priced
+    verify window's fixed cost for a family whose shape the Qwen3 formula does not describe."""
+    total = lm_head.numel() + hidden + (0 if final_norm is None else final_norm.numel())
+    for layer in layers:
+        total += _elements(layer)
+    return total
+
+
+def _elements(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel()
+    if isinstance(obj, (tuple, list)):
+        return sum(_elements(x) for x in obj)
+    if not dataclasses.is_dataclass(obj):
+        return 0
+    total = 0
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if field.name == "experts" and value is not None:  # routed: priced per expert, not here
+            total += sum(_elements(getattr(value, f.name)) for f in dataclasses.fields(value)
+                         if f.name not in ("w_gate_up", "w_down"))
+        else:
+            total += _elements(value)
+    return total

@@ -1,0 +1,117 @@
+"""Gemma 4 with `enable_moe_block`: every layer runs routed experts beside its dense MLP.
+
+As `transformers.Gemma4TextDecoderLayer` (5.25) combines them, on the residual stream `x` after
+the attention's add (models/gemma4.py holds the rest of the layer):
+
+    dense   = norm_post_ff_1(mlp(norm_pre_ff(x)))
+    routed  = norm_post_ff_2(Σ_j w_j · expert_{e_j}(norm_pre_ff_2(x)))      GELU-tanh GLU experts
+    x       = x + norm_post_ff(dense + routed)
+
+The router reads `x` itself: `r = rms(x) · scale · hidden^-0.5` (an unweighted norm, then a
+learned per-channel scale), logits `r @ proj.T`, softmax in float32, top-k (ties to the lower
+index, layers/moe.py), renormalised over the k, each weight then multiplied by its expert's
+`per_expert_scale`, in float32, and cast to the model dtype for the combine (transformers
+multiplies the model-dtype expert output by the float32 weight and rounds the product: in
+bfloat16 the two differ by one rounding of the weight; in float32 they are the same).
+
+Experts load from the stacked layout (`experts.gate_up_proj [E, 2I, h]`, `experts.down_proj
+[E, h, I]`, what transformers writes for Gemma 4) or the per-expert one (models/experts.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from memra_cli.engine.layers.moe import moe_glu, topk_lowest_index
+from memra_cli.engine.models.experts import expert_shapes, load_experts, step_weight_elements
+from memra_cli.engine.models.gemma4 import MOE_NORMS, Gemma4Target, LayerWeights, _Loader, gemma_rms_norm
+from memra_cli.engine.models.qwen3_moe import MoeSettings, MoeWeights
+
+
+@dataclass
+class Gemma4MoeLayerWeights(LayerWeights):
+    """A Gemma 4 layer plus its MoE block: `experts` (router `proj [E, h]`, stacked experts),
+    `router_scale [h]`, `expert_scale [E]` and `moe_norms` (pre-ff 2, post-ff 1, post-ff 2)."""
+
+    experts: MoeWeights | None = None
+    router_scale: torch.Tensor | None = None
+    expert_scale: torch.Tensor | None = None
+    moe_norms: tuple[torch.Tensor, ...] = ()
+
+
+def gemma_route(x: torch.Tensor, w: Gemma4MoeLayerWeights, top_k: int, eps: float, linear
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights `[t, k]` (model dtype) and expert ids `[t, k]` for the residual `x [t, h]`
+    (module docstring); `linear` is the step ops' weight matmul."""
+    r = gemma_rms_norm(x, None, eps) * w.router_scale * x.shape[-1] ** -0.5
+    probs = torch.softmax(linear(r, w.experts.router), dim=-1, dtype=torch.float32)
+    weights, ids = topk_lowest_index(probs, top_k)
+    weights = weights / weights.sum(dim=-1, keepdim=True) * w.expert_scale[ids]
+    return weights.to(x.dtype), ids
+
+
+class _MoeLoader(_Loader):
+    """Gemma 4's reader with every layer's MoE block, its experts in either layout."""
+
+    def __init__(self, ckpt, cfg, dtype, device):
+        super().__init__(ckpt, cfg, dtype, device)
+        self.stacked: dict[int, bool] = {}
+
+    def check_all(self) -> None:
+        super().check_all()
+        moe, h = self.cfg.moe, self.cfg.hidden_size
+        for i in range(self.cfg.num_hidden_layers):
+            need, self.stacked[i] = expert_shapes(self.ckpt.tensors, f"{self.prefix}layers.{i}.experts.",
+                                                  moe.num_experts, h, moe.moe_intermediate_size)
+            self.check(need)
+            self.shapes.update(need)
+
+    def layer(self, i: int) -> Gemma4MoeLayerWeights:
+        p = f"layers.{i}."
+        gate_up, down = load_experts(lambda n: self.get(n, prefixed=False), f"{self.prefix}{p}experts.",
+                                     self.cfg.moe.num_experts, self.stacked[i])
+        return Gemma4MoeLayerWeights(
+            **vars(super().layer(i)), experts=MoeWeights(self.get(p + "router.proj.weight"), gate_up, down),
+            router_scale=self.get(p + "router.scale"), expert_scale=self.get(p + "router.per_expert_scale"),
+            moe_norms=tuple(self.get(p + n + ".weight") for n in MOE_NORMS))
+
+    def describe(self) -> str:
+        moe = self.cfg.moe
+        layouts = sorted({"stacked" if s else "per-expert" for s in self.stacked.values()})
+        return (f", an MoE block on every layer ({moe.num_experts} experts of intermediate "
+                f"{moe.moe_intermediate_size}, top {moe.top_k_experts}, read from the {' and '.join(layouts)} layout)")
+
+
+class Gemma4MoeTarget(Gemma4Target):
+    """Gemma 4 with its MoE block. `expert_reads`: (sparse-layer calls, experts run in them)
+    over every forward and step, for the bench. The torch MoE op reads the routed expert ids on
+    the host, so the family is not CUDA-graph capturable yet."""
+
+    supports_cuda_graphs = False
+    graphs_note = "the Gemma 4 MoE block's torch op reads the routed expert ids on the host (no kernel yet)"
+    loader_class = _MoeLoader
+    routes_experts = True
+
+    def __init__(self, cfg, *args, **kwargs):
+        super().__init__(cfg, *args, **kwargs)
+        fixed = step_weight_elements(self.layers, self._lm_head, cfg.hidden_size, self.norm)
+        if self.ple is not None:  # one row of the per-layer table, and its projection
+            fixed += self.ple.embed.shape[1] + self.ple.proj.numel() + self.ple.norm.numel()
+        self.moe = MoeSettings(cfg.moe.num_experts, cfg.moe.top_k_experts, cfg.moe.moe_intermediate_size, True,
+                               frozenset(range(cfg.num_hidden_layers)), fixed)
+        self.expert_reads = [0, 0]
+
+    def _feed_forward(self, x: torch.Tensor, w: Gemma4MoeLayerWeights) -> torch.Tensor:
+        """The dense MLP's and the experts' outputs, each normed, summed (before the post norm)."""
+        eps = self.cfg.rms_norm_eps
+        pre_2, post_1, post_2 = w.moe_norms
+        dense = gemma_rms_norm(super()._feed_forward(x, w), post_1, eps)
+        weights, ids = gemma_route(x, w, self.moe.top_k, eps, self.step_ops.linear)
+        self.expert_reads[0] += 1
+        self.expert_reads[1] += int(torch.unique(ids).numel())  # the op reads its ids on the host anyway
+        routed = moe_glu(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up, w.experts.w_down,
+                         lambda g: F.gelu(g, approximate="tanh"))
+        return dense + gemma_rms_norm(routed, post_2, eps)

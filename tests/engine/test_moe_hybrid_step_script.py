@@ -1,0 +1,30 @@
+"""benchmarks/moe_hybrid_step.py on the tiny shape on the CPU: it builds a random Qwen3.5 MoE
+hybrid in memory, prefills a context, times fixed steps of several widths, counts the experts
+each ran and writes its table."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_times_hybrid_steps_and_counts_their_experts(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
+    env["PYTHONPATH"] = str(ROOT)
+    out = tmp_path / "hybrid.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.moe_hybrid_step", "--shape", "tiny", "--device", "cpu",
+                           "--dtype", "float32", "--iters", "1", "--vts", "1,16", "--context", "40", "--json",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    obj = json.loads(out.read_text())
+    rows = obj["rows"]
+    assert [r["vt"] for r in rows] == [1, 16]
+    assert rows[0]["experts_per_layer"] == 2.0  # one row runs exactly its top-2
+    assert 2.0 < rows[1]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union
+    assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in rows) and obj["fixed_gb"] > 0
+    assert rows[1]["floor_gb"] > rows[0]["floor_gb"]  # the wider union reads more expert bytes
