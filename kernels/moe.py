@@ -1,8 +1,8 @@
 """The routed experts of a few-row step: grouped SwiGLU and the weighted combine, three launches.
 
-A decode or verify step of M rows (M <= 32, the verify width) with top-k routing already
-computed (`experts [M, k]`, `weights [M, k]`) reads, per sparse layer, the union of the experts
-its rows chose. The kernels read each routed expert's weights once per step however many rows
+A decode or verify step of M rows (M <= 32, the verify width; a longer call runs in row tiles)
+with top-k routing already computed (`experts [M, k]`, `weights [M, k]`) reads, per sparse
+layer, the union of the experts its rows chose. The kernels read each routed expert's weights once per step however many rows
 chose it, and never touch the others:
 
 1. `_moe_gate_up_kernel`, one program per (expert, `I` tile): the rows that picked the expert
@@ -26,7 +26,7 @@ op for op in the model dtype), so kernel and twin differ only in float32 summati
 
 Preconditions (what `layers/moe.route` produces): expert ids in [0, E), distinct within a row.
 
-Public API: `MoeConfig`, `CONFIG`, `MAX_ROWS`, `eligible`, `moe_swiglu`, `moe_swiglu_ref`.
+Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `eligible`, `moe_swiglu`, `moe_swiglu_ref`.
 """
 
 from __future__ import annotations
@@ -42,13 +42,11 @@ from ._pdl import pdl_args, pdl_wait
 from .activation import silu_mul_rounded
 from .moe_ref import moe_swiglu_ref  # noqa: F401  (the twin: the op's one torch body)
 
-__all__ = ["MoeConfig", "CONFIG", "MAX_ROWS", "eligible", "moe_swiglu", "moe_swiglu_ref"]
+__all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "eligible", "moe_swiglu", "moe_swiglu_ref"]
 
-# Rows a call may have for the step ops to take the kernels (a step up to the verify width). The
-# kernels take any M (row tiles of BLOCK_M, each re-reading its experts); the seam keeps longer
-# prefill chunks on the twin.
-MAX_ROWS = 32
-BLOCK_M = 32  # rows a program multiplies: every step up to MAX_ROWS reads an expert once
+# Rows a program multiplies: a step of up to BLOCK_M rows (the verify width) reads each routed
+# expert once; a longer call (a prefill chunk) runs row tiles of BLOCK_M, each reading its own.
+BLOCK_M = 32
 COMBINE_BLOCK = 1024  # hidden columns a combine program adds
 
 
@@ -195,9 +193,9 @@ def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, stride_om, K_TOP: t
 
 
 def eligible(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
-    """Whether the step ops take the kernels: at most MAX_ROWS rows, one float dtype for x and
-    both weights, each weight's rows contiguous."""
-    return (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.dtype == w_gate_up.dtype == w_down.dtype
+    """Whether the step ops take the kernels: one float dtype for x and both weights, each
+    weight's rows contiguous."""
+    return (x.dim() == 2 and x.dtype == w_gate_up.dtype == w_down.dtype
             and w_gate_up.dim() == 3 and w_down.dim() == 3 and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1)
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memra_kernels import moe
+from memra_kernels import moe, moe_ref
 from memra_kernels._pdl import pdl_wait
 from memra_kernels.moe_ref import moe_swiglu_ref
 
@@ -231,21 +231,45 @@ def test_routing_ties_go_to_the_lower_index_and_a_planted_reversal_is_caught():
 # ----------------------------------------------------------------------------- the seam
 
 
-def test_step_ops_take_the_kernel_up_to_max_rows(monkeypatch):
-    """TritonStepOps.moe_swiglu runs the kernels for a step of <= MAX_ROWS rows and the twin for
-    a longer prefill chunk; TorchStepOps.moe_swiglu is the twin."""
+def test_step_ops_take_the_kernels_and_the_torch_ops_the_twin(monkeypatch):
+    """TritonStepOps.moe_swiglu runs the kernels for a step and for a prefill chunk past one row
+    tile, the twin only for weights the kernels do not take (rows not contiguous);
+    TorchStepOps.moe_swiglu is the twin."""
     from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
 
     calls = []
     real = moe.moe_swiglu
     monkeypatch.setattr(moe, "moe_swiglu", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     ops = TritonStepOps()
-    x, w, ids, gu, down = inputs(moe.MAX_ROWS + 1, 2, torch.float32, seed=7)
+    x, w, ids, gu, down = inputs(moe.BLOCK_M + 8, 2, torch.float32, seed=7)
     ops.moe_swiglu(x[:4], w[:4], ids[:4], gu, down)
-    assert calls == [4]
-    assert torch.equal(ops.moe_swiglu(x, w, ids, gu, down), moe_swiglu_ref(x, w, ids, gu, down))
-    assert calls == [4]
+    ops.moe_swiglu(x, w, ids, gu, down)
+    assert calls == [4, moe.BLOCK_M + 8]
+    strided = gu.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, columns contiguous
+    assert torch.equal(ops.moe_swiglu(x, w, ids, strided, down), moe_swiglu_ref(x, w, ids, strided, down))
+    assert calls == [4, moe.BLOCK_M + 8]
     assert TorchStepOps.moe_swiglu is moe_swiglu_ref
+
+
+def test_the_twin_while_capturing_runs_every_expert_for_the_same_bits(monkeypatch):
+    """While a CUDA graph is captured the twin may read nothing on the host: it runs every expert
+    instead of the routed ones (`unique`), and gives the same bits. Here the capture is stood in
+    for: `moe_ref.capturing` says so, and NoHostReads refuses any host read."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "engine" / "host_reads.py"
+    spec = importlib.util.spec_from_file_location("host_reads", path)
+    host_reads = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_reads)
+    x, w, ids, gu, down = inputs(16, 3, torch.bfloat16, seed=8)
+    eager = moe_swiglu_ref(x, w, ids, gu, down)
+    with pytest.raises(AssertionError, match="reads a device value on the host"), host_reads.NoHostReads():
+        moe_swiglu_ref(x, w, ids, gu, down)  # eagerly it reads the routed ids
+    monkeypatch.setattr(moe_ref, "capturing", lambda x: True)
+    with host_reads.NoHostReads():
+        captured = moe_swiglu_ref(x, w, ids, gu, down)
+    assert torch.equal(captured, eager)
 
 
 def test_refusals():

@@ -103,3 +103,86 @@ def test_speculative_equals_plain_with_the_kernels(target_dir, tmp_path, dtype):
     arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
     with engine.session(prompt, 12, arm, eos_ids=()) as session:
         assert session.run() == plain
+
+
+# --------------------------------------------------------------------------- graphs, stood in for on the CPU
+
+
+class MoeKernelOps(TorchStepOps):
+    """The torch step ops with the MoE kernels in the twin's place (the Triton seam's choice for
+    the experts), so a session's other ops stay quick on the interpreter."""
+
+    moe_swiglu = staticmethod(moe.moe_swiglu)
+
+
+def _tensors(out):
+    if out is None:
+        return []
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for item in out for t in _tensors(item)]
+
+
+@pytest.fixture
+def eager_graphs(monkeypatch):
+    """`cuda_graphs.capture` swapped for an eager stand-in (tests/engine/test_step_width.py's):
+    replay reruns the body and copies its results into the first run's outputs; both runs refuse
+    host reads of device values (`NoHostReads`), as a capture does. The list records captures."""
+    import importlib.util
+    from pathlib import Path
+
+    from memra_cli.engine.runtime import cuda_graphs
+
+    path = Path(__file__).resolve().parents[1] / "engine" / "host_reads.py"
+    spec = importlib.util.spec_from_file_location("host_reads", path)
+    host_reads = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_reads)
+    captures = []
+
+    def capture(fn, device, pool=None):
+        with host_reads.NoHostReads():
+            out = fn()
+
+        class Replay:
+            def replay(self):
+                with host_reads.NoHostReads():
+                    fresh = fn()
+                for mine, new in zip(_tensors(out), _tensors(fresh)):
+                    mine.copy_(new)
+
+        captures.append(fn)
+        return Replay(), out
+
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    return captures
+
+
+def _graphed_on_cpu(model, round_graphs: bool) -> Engine:
+    """What `Engine.from_model(model, step_width=W, cuda_graphs=True, draft_graphs=True)` builds
+    on CUDA (a runner refuses graphs off CUDA, so they are switched on after construction)."""
+    runner = StepRunner(model, W)
+    runner.cuda_graphs = True
+    model.ensure_positions(runner._rows(model.cfg.max_position_embeddings))
+    return Engine(model, runner, model.device, model.dtype, ["graphs on (CPU stand-in)"], draft_graphs=True,
+                  round_graphs=round_graphs)
+
+
+@pytest.mark.parametrize("round_graphs", [False, pytest.param(True, marks=pytest.mark.exhaustive)],  # quick: steps
+                         ids=["step-graphs", "round-graphs"])
+def test_graphed_sessions_with_the_kernels_read_nothing_on_the_host(target_dir, tmp_path, eager_graphs, round_graphs):
+    """The family declares itself capturable: with the MoE kernels, a graphed prefill (its 64-row
+    bucket: two row tiles), graphed steps or whole rounds (queued, settled on the device), and
+    the drafter's graphs run
+    without a host read, and the session equals plain greedy over eager steps."""
+    assert Qwen3MoeTarget.supports_cuda_graphs
+    prompt = _ids(9, 5).tolist()
+    plain = greedy_reference(StepRunner(_model(target_dir, MoeKernelOps()), W), prompt, 12)
+    engine = _graphed_on_cpu(_model(target_dir, MoeKernelOps()), round_graphs)
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=(0, 2), num_target_layers=4)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    with engine.session(prompt, 12, arm, eos_ids=()) as session:
+        assert session.run() == plain
+        keys = {k[0] for k in session.cache.graphs}
+    assert keys == ({"prefill", "spec-chain"} if round_graphs else {"prefill", "step"}), keys  # what was captured
+    assert eager_graphs
+    assert greedy_reference(engine.runner, prompt, 12) == plain  # plain decoding through the graphs too

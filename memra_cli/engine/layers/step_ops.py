@@ -18,8 +18,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `attention(q, k_cache, v_cache, positions, scale) -> [t, nh*hd]`: causal by position over the cache
 - `silu_mul(gate_up) -> silu(gate) * up`
 - `moe_swiglu(x, weights, experts, w_gate_up, w_down) -> [t, hidden]`: the routed experts' SwiGLU
-  and weighted combine (memra_kernels.moe_ref; with the kernels, `memra_kernels.moe` for a call of
-  up to 32 rows: each routed expert read once, the ids read on the device)
+  and weighted combine (memra_kernels.moe_ref; with the kernels, `memra_kernels.moe`: each routed
+  expert read once per 32 rows, the ids read on the device)
 - `swiglu(x, w_gate_up) -> silu_mul(linear(x, w_gate_up))`: the MLP's fused gate/up matmul and
   its activation; with the kernels one launch of the dense kernel (the activation in its
   epilogue, the same bits as the two launches) wherever `linear` would take that kernel, and of
@@ -417,9 +417,9 @@ class TritonStepOps:
 
     def moe_swiglu(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                    w_down: torch.Tensor) -> torch.Tensor:
-        """`TorchStepOps.moe_swiglu` on the few-row MoE kernels (`memra_kernels.moe`) for a call of
-        at most `moe.MAX_ROWS` rows (every step), the twin for a longer prefill chunk. The kernels'
-        rows never depend on each other, so the choice never splits a step's rows."""
+        """`TorchStepOps.moe_swiglu` on the MoE kernels (`memra_kernels.moe`): every step and
+        prefill chunk (a graphed prefill bucket reads no value on the host either); the twin only
+        for weights the kernels do not take (`moe.eligible`: strided rows)."""
         if self._moe.eligible(x, w_gate_up, w_down):
             return self._moe.moe_swiglu(x, weights, experts, w_gate_up, w_down)
         return moe_swiglu_ref(x, weights, experts, w_gate_up, w_down)

@@ -130,11 +130,11 @@ class MoeLayerWeights(LayerWeights):
 
 
 class Qwen3MoeTarget(Qwen3Target):
-    """Qwen3MoeForCausalLM inference. The torch expert op reads the routed expert ids on the host
-    (`unique`), so the family is not CUDA-graph capturable (docs/moe.md, "Not yet")."""
+    """Qwen3MoeForCausalLM inference. Capturable in a CUDA graph (`supports_cuda_graphs`, the
+    Qwen3 step's): the MoE kernels read the routed ids on the device, and the torch twin runs
+    every expert while a capture is under way instead of reading them on the host."""
 
-    supports_cuda_graphs = False
-    graphs_note = "the qwen3_moe torch MoE op reads the routed expert ids on the host"
+    supports_cuda_graphs = True
 
     def __init__(self, cfg, moe: MoeSettings, *args):
         super().__init__(cfg, *args)
