@@ -6,7 +6,7 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
 - the step (`static_step`) for vt = 1..16 with each step-ops variant (`--ops`: `torch` = the
   twin and torch ops, `triton` = the Triton step ops with the MoE kernels): median ms of eager
   steps (device synchronised), and on CUDA with the kernels the step replayed as a CUDA graph
-  (the kernels read no value on the host; the twin does, so it has no graphed number);
+  (a captured twin runs every expert, so it has no graphed number);
 - the MoE feed-forward alone, every sparse layer once per call (each layer its own weights, so
   no expert is read from L2 twice): the twin eager, the kernels eager and as a CUDA graph, the
   ratio twin / kernels, and the kernels' graphed time against the read floor of the experts the
