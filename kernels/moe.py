@@ -2,8 +2,8 @@
 
 A decode or verify step of M rows (M <= 32, the verify width; a longer call runs in row tiles)
 with top-k routing already computed (`experts [M, k]`, `weights [M, k]`) reads, per sparse
-layer, the union of the experts its rows chose. The kernels read each routed expert's weights once per step however many rows
-chose it, and never touch the others:
+layer, the union of the experts its rows chose. The kernels read each routed expert's weights
+once per step however many rows chose it, and never touch the others:
 
 1. `_moe_gate_up_kernel`, one program per (expert, `I` tile): the rows that picked the expert
    (found on the device, from `experts`) form one tile of x; gate and up are two dots over the

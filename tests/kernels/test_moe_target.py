@@ -72,8 +72,9 @@ def test_a_step_through_the_kernels_matches_the_torch_ops(target_dir, monkeypatc
 
 
 def test_kernel_step_grouping_and_rollback(target_dir):
-    """Through the kernels: one step of W rows equals the same rows split 3 + 5, and verifying W rows then keeping 3 leaves the state (and the next step's logits) a
-    fresh run of those 3 rows leaves, bit for bit."""
+    """Through the kernels: one step of W rows equals the same rows split 3 + 5, and verifying
+    W rows then keeping 3 leaves the state (and the next step's logits) a fresh run of those 3
+    rows leaves, bit for bit."""
     runner = StepRunner(_model(target_dir, TritonStepOps()), W)
     p, cont = _ids(12, 2), _ids(W, 3)
     whole, s_whole = _grouped(runner, p, cont, [W])
