@@ -128,11 +128,27 @@ def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int) -> dict:
     return row
 
 
+def parse_tiles(raw: str):
+    """`--tiles` "IxNxKxWxS,..." (block_i, block_n, block_k, warps, stages) -> MoeConfigs."""
+    from memra_kernels.moe import MoeConfig
+
+    out = []
+    for item in raw.split(","):
+        i, n, k, w, s = (int(v) for v in item.split("x"))
+        out.append(MoeConfig(block_i=i, block_n=n, block_k=k, num_warps=w, num_stages=s).check())
+    return out
+
+
+def tiles_name(cfg) -> str:
+    return f"{cfg.block_i}x{cfg.block_n}x{cfg.block_k}x{cfg.num_warps}x{cfg.num_stages}"
+
+
 @torch.no_grad()
-def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float) -> dict:
+def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) -> dict:
     """The MoE feed-forward alone over every sparse layer (its own weights and routing, one
     random normed input of vt rows): ms per layer of the twin (eager) and of the kernels (eager
-    and graphed), and the kernels' graphed time against the read floor of the routed experts."""
+    and graphed), and the kernels' graphed time against the read floor of the routed experts;
+    with `tiles`, the kernels' graphed time at each of those tile configurations too."""
     from benchmarks.timing import median_ms
     from memra_cli.engine.layers.moe import route
     from memra_kernels.moe import moe_swiglu
@@ -162,6 +178,10 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float) -> dict:
         row["twin_over_kernel"] = row["twin_us"] / row["kernel_us"]
         if graph is not None:
             row["kernel_graph_over_floor"] = row["kernel_graph_us"] / floor_us
+        row["tiles_graph_us"] = {}
+        for cfg in tiles:
+            ms, err = graphed_ms(every_layer(lambda *a, cfg=cfg: moe_swiglu(*a, config=cfg)), iters)
+            row["tiles_graph_us"][tiles_name(cfg)] = err if ms is None else 1e3 * ms / n
     return row
 
 
@@ -182,6 +202,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton "
                     "(default: both on CUDA, torch elsewhere)")
+    ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "
+                    "configurations: comma-separated block_i x block_n x block_k x warps x stages, e.g. 64x64x128x4x3")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", type=Path)
@@ -190,6 +212,14 @@ def main(argv: list[str]) -> int:
     ops = parse_ops(a.ops, dev)
     if ops is None:
         print(f"error: --ops {a.ops!r}: expected torch and/or triton (triton needs --device cuda)", file=sys.stderr)
+        return 2
+    try:
+        tiles = parse_tiles(a.tiles) if a.tiles else []
+    except ValueError as exc:
+        print(f"error: --tiles {a.tiles!r}: {exc} (expected e.g. 64x64x128x4x3)", file=sys.stderr)
+        return 2
+    if tiles and dev.type != "cuda":
+        print(f"error: --tiles {a.tiles!r}: the kernels need --device cuda", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     model = build(a.shape, dtype, dev)
@@ -213,7 +243,7 @@ def main(argv: list[str]) -> int:
                   f"x{r['ratio']:.2f}{graphed}")
     op_rows = []
     for vt in vts:
-        r = measure_op(model, vt, a.iters, bw)
+        r = measure_op(model, vt, a.iters, bw, tiles)
         op_rows.append(r)
         kernel = "" if "kernel_us" not in r else (
             f"  kernels {r['kernel_us']:8.1f} us eager, "
@@ -222,6 +252,8 @@ def main(argv: list[str]) -> int:
             + f"  twin/kernels x{r['twin_over_kernel']:.1f}")
         print(f"op vt={vt:2d}  experts/layer {r['experts_per_layer']:6.1f}  floor {r['floor_us']:7.1f} us  "
               f"twin {r['twin_us']:8.1f} us{kernel}")
+        for name, us in r.get("tiles_graph_us", {}).items():
+            print(f"   tiles {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     out = {"shape": a.shape, "device": str(dev), "dtype": a.dtype, "context": a.context, "iters": a.iters,
            "read_tbps": bw / 1e12, "peak_gib": peak, "rows": rows, "op_rows": op_rows,
