@@ -157,6 +157,11 @@ def test_slot_order_does_not_change_a_row():
     assert torch.equal(moe.moe_swiglu(x, w[:, perm], ids[:, perm], gu, down), out)
 
 
+def test_int32_ids_give_the_int64_bits():
+    x, w, ids, gu, down = inputs(6, 3, torch.bfloat16, seed=10)
+    assert torch.equal(moe.moe_swiglu(x, w, ids.int(), gu, down), moe.moe_swiglu(x, w, ids, gu, down))
+
+
 @triton.jit
 def _row_order_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, stride_om, K_TOP: tl.constexpr,
                               KP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
