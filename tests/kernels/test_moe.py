@@ -37,14 +37,15 @@ F32_UNITS = 4.2 * H + 2 * I + 2 * 8 + 8
 BF16_REL = (6 + 3) * 2.0**-8
 
 
-def inputs(m: int, k: int, dtype: torch.dtype, seed: int = 0):
-    """x [m, H], routing weights [m, k] (normalised softmax values), ids [m, k] (distinct in a
-    row, in descending weight like top-k), and the expert weights, in `dtype`."""
+def inputs(m: int, k: int, dtype: torch.dtype, seed: int = 0, shape=(E, H, I)):
+    """x [m, h], routing weights [m, k] (normalised softmax values), ids [m, k] (distinct in a
+    row, in descending weight like top-k), and the expert weights, in `dtype`; `shape` (E, h, I)."""
+    n_exp, h, inter = shape
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, H, generator=g)
-    w_gate_up = torch.randn(E, 2 * I, H, generator=g) * 0.2
-    w_down = torch.randn(E, H, I, generator=g) * 0.2
-    probs = torch.softmax(torch.randn(m, E, generator=g) * 2, dim=-1)
+    x = torch.randn(m, h, generator=g)
+    w_gate_up = torch.randn(n_exp, 2 * inter, h, generator=g) * h ** -0.5
+    w_down = torch.randn(n_exp, h, inter, generator=g) * inter ** -0.5
+    probs = torch.softmax(torch.randn(m, n_exp, generator=g) * 2, dim=-1)
     weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, ids = weights[:, :k], ids[:, :k]
     weights = weights / weights.sum(-1, keepdim=True)
@@ -107,12 +108,12 @@ def test_planted_wrong_expert_index_is_caught():
 # ----------------------------------------------------------------------------- invariance
 
 
-def sharing_variants(x, w, ids, r: int):
+def sharing_variants(x, w, ids, r: int, n_exp: int = E):
     """Steps in which row r keeps its input, weights and experts while every other row (a) routes
     to exactly row r's experts, in another slot order, or (b) to none of them."""
     m, k = ids.shape
     mine = ids[r]
-    others = torch.tensor([e for e in range(E) if e not in mine.tolist()], device=ids.device)
+    others = torch.tensor([e for e in range(n_exp) if e not in mine.tolist()], device=ids.device)
     share, apart = ids.clone(), ids.clone()
     for q in range(m):
         if q != r:
@@ -121,11 +122,11 @@ def sharing_variants(x, w, ids, r: int):
     return [(x, w, share), (x, w, apart)]
 
 
-def invariance_violations(op, dtype: torch.dtype, rows=(0, 7, 31)) -> list[str]:
+def invariance_violations(op, dtype: torch.dtype, rows=(0, 7, 31), k: int = 3, shape=(E, H, I)) -> list[str]:
     """How `op` breaks row invariance: row r of a 32-row step must be the same bits computed
     alone (M = 1), in the first r+1 rows, with every other row sharing its experts or none of
     them, and with other rows' inputs changed."""
-    x, w, ids, gu, down = inputs(32, 3, dtype, seed=3)
+    x, w, ids, gu, down = inputs(32, k, dtype, seed=3, shape=shape)
     full = op(x, w, ids, gu, down)
     bad = []
     for r in rows:
@@ -133,11 +134,11 @@ def invariance_violations(op, dtype: torch.dtype, rows=(0, 7, 31)) -> list[str]:
             bad.append(f"row {r} alone")
         if not torch.equal(op(x[:r + 1], w[:r + 1], ids[:r + 1], gu, down)[r], full[r]):
             bad.append(f"row {r} in a {r + 1}-row step")
-        for name, (xs, ws, idv) in zip(("sharing", "apart"), sharing_variants(x, w, ids, r)):
+        for name, (xs, ws, idv) in zip(("sharing", "apart"), sharing_variants(x, w, ids, r, shape[0])):
             if not torch.equal(op(xs, ws, idv, gu, down)[r], full[r]):
                 bad.append(f"row {r} with the others {name}")
     noisy = x.clone()
-    noisy[1:] = (torch.randn(31, H, generator=torch.Generator().manual_seed(9)) * 4).to(DEVICE, dtype)
+    noisy[1:] = (torch.randn(31, shape[1], generator=torch.Generator().manual_seed(9)) * 4).to(DEVICE, dtype)
     if not torch.equal(op(noisy, w, ids, gu, down)[0], full[0]):
         bad.append("row 0 with other inputs")
     return bad
@@ -289,3 +290,40 @@ def test_refusals():
         moe.moe_swiglu(x, w, ids.float(), gu, down)
     with pytest.raises(ValueError, match="block_k"):
         moe.moe_swiglu(x, w, ids, gu, down, config=moe.MoeConfig(block_k=24))
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+A3B = (128, 2048, 768)  # Qwen3-30B-A3B's experts, hidden, expert intermediate (top-8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_on_the_gpu_at_the_a3b_shape_rows_are_invariant_and_match_the_twin():
+    """The real matrix units (the interpreter multiplies row by row): a row's bits do not depend
+    on its place in the row tile or on the rows beside it, and bf16 kernels match the twin."""
+    assert invariance_violations(moe.moe_swiglu, torch.bfloat16, rows=(0, 13, 31), k=8, shape=A3B) == []
+    x, w, ids, gu, down = inputs(16, 8, torch.bfloat16, seed=12, shape=A3B)
+    out, ref = moe.moe_swiglu(x, w, ids, gu, down), moe_swiglu_ref(x, w, ids, gu, down)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() <= (6 + 8) * 2.0**-8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_graph_replay_follows_the_routing():
+    """Captured once (the kernels, and the twin, which then runs every expert), replayed over new
+    inputs and routing written in place: each equals its eager call, bit for bit."""
+    x, w, ids, gu, down = inputs(16, 8, torch.bfloat16, seed=13, shape=A3B)
+    for op in (moe.moe_swiglu, moe_swiglu_ref):
+        op(x, w, ids, gu, down)  # compile / warm up outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = op(x, w, ids, gu, down)
+        for seed in (14, 15):
+            x2, w2, ids2, _, _ = inputs(16, 8, torch.bfloat16, seed=seed, shape=A3B)
+            x.copy_(x2)
+            w.copy_(w2)
+            ids.copy_(ids2)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, op(x, w, ids, gu, down)), (op.__name__, seed)

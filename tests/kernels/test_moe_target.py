@@ -187,3 +187,26 @@ def test_graphed_sessions_with_the_kernels_read_nothing_on_the_host(target_dir, 
     assert keys == ({"prefill", "spec-chain"} if round_graphs else {"prefill", "step"}), keys  # what was captured
     assert eager_graphs
     assert greedy_reference(engine.runner, prompt, 12) == plain  # plain decoding through the graphs too
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("round_graphs", [False, True], ids=["step-graphs", "round-graphs"])
+def test_on_the_gpu_graphed_sessions_equal_plain_greedy(target_dir, tmp_path, round_graphs):
+    """On CUDA with the kernels and graphs on (the family's default there), in bfloat16: a
+    speculative session equals plain greedy over eager steps with the same kernels."""
+    from memra_cli.engine.layers.step_ops import select_step_ops
+
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=(0, 2), num_target_layers=4,
+                            dtype=torch.bfloat16)
+    ref_model = Qwen3MoeTarget.from_dir(target_dir, torch.bfloat16, "cuda")
+    ref_model.step_ops, _ = select_step_ops(ref_model.device)
+    model = Qwen3MoeTarget.from_dir(target_dir, torch.bfloat16, "cuda")
+    model.step_ops, _ = select_step_ops(model.device)
+    engine = Engine.from_model(model, step_width=W, cuda_graphs=True, draft_graphs=True, round_graphs=round_graphs)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    for seed in range(3):
+        ids = _ids(9 + 11 * seed, 80 + seed).tolist()
+        plain = greedy_reference(StepRunner(ref_model, W), ids, 40)
+        with engine.session(ids, 40, arm, eos_ids=()) as session:
+            assert session.run() == plain, seed
