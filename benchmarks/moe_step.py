@@ -1,13 +1,22 @@
-"""A Qwen3-MoE target step of vt rows against the read floor of the weights it touched.
+"""A Qwen3-MoE target step of vt rows against the read floor of the weights it touched, on the
+torch expert op (the twin) and on memra's few-row MoE kernels, side by side in one process.
 
-Random weights at a published shape (built in memory, no checkpoint), one process: the step's
-time for vt = 1..16 (median of --iters, device synchronised), the experts it ran per sparse
-layer (counted by the target), the bytes those weights hold (attention, router, dense MLPs,
-lm_head, and the measured expert union), the read bandwidth measured in the same process (a
-large tensor's sum), and the ratio of time to that floor. This times memra's torch MoE op: the
-few-row kernel is what should bring the ratio toward 1.
+Random weights at a published shape (built in memory, no checkpoint), one process:
 
-    python benchmarks/moe_step.py --shape a3b --device cuda --dtype bfloat16 --json OUT.json
+- the step (`static_step`) for vt = 1..16 with each step-ops variant (`--ops`: `torch` = the
+  twin and torch ops, `triton` = the Triton step ops with the MoE kernels): median ms of eager
+  steps (device synchronised), and on CUDA with the kernels the step replayed as a CUDA graph
+  (a captured twin runs every expert, so it has no graphed number);
+- the MoE feed-forward alone, every sparse layer once per call (each layer its own weights, so
+  no expert is read from L2 twice): the twin eager, the kernels eager and as a CUDA graph, the
+  ratio twin / kernels, and the kernels' graphed time against the read floor of the experts the
+  rows routed to;
+- per step: the experts run per sparse layer (counted by the target), the bytes those weights
+  hold (attention, router, dense MLPs, lm_head, and the measured expert union), the read
+  bandwidth measured in the same process (a large tensor's sum), the ratio of time to that
+  floor, and peak memory.
+
+    python -m benchmarks.moe_step --shape a3b --device cuda --dtype bfloat16 --json OUT.json
     python benchmarks/moe_step.py --shape tiny --device cpu --iters 1   # the CPU smoke test's run
 """
 
@@ -21,7 +30,6 @@ import time
 from pathlib import Path
 
 import torch
-
 
 from memra_cli.engine.formats.config import parse_target_config
 from memra_cli.engine.models.qwen3 import LayerWeights
@@ -78,6 +86,24 @@ def read_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     return nbytes / statistics.median(times[1:])
 
 
+def step_ops(name: str):
+    """The step-ops variant `name`: `torch` (the twin) or `triton` (the MoE kernels; CUDA)."""
+    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+
+    return TorchStepOps() if name == "torch" else TritonStepOps()
+
+
+def graphed_ms(fn, iters: int) -> tuple[float | None, str | None]:
+    """`timing.graph_ms` of `fn`, or the capture's error in one line (the torch op reads on the host)."""
+    from benchmarks.timing import graph_ms
+
+    try:
+        return graph_ms(fn, iters), None
+    except Exception as exc:  # a capture refused: recorded, the other numbers still come
+        torch.cuda.synchronize()
+        return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
 @torch.no_grad()
 def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int) -> dict:
     """Median ms of one vt-row step at `context` cached positions, and the experts it ran."""
@@ -87,15 +113,85 @@ def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int) -> dict:
     cache.length = context
     ids = torch.randint(0, model.cfg.vocab_size, (vt,), device=dev)
     positions = torch.arange(context, context + vt, device=dev)
-    times, before = [], list(model.expert_reads)
+    times, before = [], model.expert_reads
     for _ in range(iters + 1):
         sync(dev)
         t0 = time.perf_counter()
         model.static_step(ids, positions, cache)
         sync(dev)
         times.append(time.perf_counter() - t0)
-    calls, experts = model.expert_reads[0] - before[0], model.expert_reads[1] - before[1]
-    return {"vt": vt, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
+    after = model.expert_reads
+    calls, experts = after[0] - before[0], after[1] - before[1]
+    row = {"vt": vt, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
+    if dev.type == "cuda" and model.step_ops.name == "triton":
+        row["graph_ms"], row["graph_error"] = graphed_ms(lambda: model.static_step(ids, positions, cache), iters)
+    return row
+
+
+def parse_tiles(raw: str):
+    """`--tiles` "IxNxKxWxS,..." (block_i, block_n, block_k, warps, stages) -> MoeConfigs."""
+    from memra_kernels.moe import MoeConfig
+
+    out = []
+    for item in raw.split(","):
+        i, n, k, w, s = (int(v) for v in item.split("x"))
+        out.append(MoeConfig(block_i=i, block_n=n, block_k=k, num_warps=w, num_stages=s).check())
+    return out
+
+
+def tiles_name(cfg) -> str:
+    return f"{cfg.block_i}x{cfg.block_n}x{cfg.block_k}x{cfg.num_warps}x{cfg.num_stages}"
+
+
+@torch.no_grad()
+def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) -> dict:
+    """The MoE feed-forward alone over every sparse layer (its own weights and routing, one
+    random normed input of vt rows): ms per layer of the twin (eager) and of the kernels (eager
+    and graphed), and the kernels' graphed time against the read floor of the routed experts;
+    with `tiles`, the kernels' graphed time at each of those tile configurations too."""
+    from benchmarks.timing import median_ms
+    from memra_cli.engine.layers.moe import route
+    from memra_kernels.moe import moe_swiglu
+    from memra_kernels.moe_ref import moe_swiglu_ref
+
+    dev, moe = model.device, model.moe
+    x = torch.nn.functional.rms_norm(torch.randn(vt, model.cfg.hidden_size, device=dev), (model.cfg.hidden_size,))
+    x = x.to(model.dtype)
+    calls, union = [], 0
+    for ex in (layer.experts for layer in model.layers if layer.experts is not None):
+        weights, ids = route(x, ex.router, moe.top_k, moe.norm_topk_prob)
+        union += int(torch.unique(ids).numel())
+        calls.append((weights, ids, ex.w_gate_up, ex.w_down))
+
+    def every_layer(op):
+        return lambda: [op(x, *c) for c in calls]
+
+    n = len(calls)
+    expert_bytes = 3 * moe.moe_intermediate_size * model.cfg.hidden_size * model.dtype.itemsize
+    floor_us = 1e6 * union * expert_bytes / bw / n
+    row = {"vt": vt, "experts_per_layer": union / n, "floor_us": floor_us,
+           "twin_us": 1e3 * median_ms(every_layer(moe_swiglu_ref), iters, warmup=1, device=dev) / n}
+    if dev.type == "cuda":
+        row["kernel_us"] = 1e3 * median_ms(every_layer(moe_swiglu), iters, warmup=1, device=dev) / n
+        graph, row["kernel_graph_error"] = graphed_ms(every_layer(moe_swiglu), iters)
+        row["kernel_graph_us"] = None if graph is None else 1e3 * graph / n
+        row["twin_over_kernel"] = row["twin_us"] / row["kernel_us"]
+        if graph is not None:
+            row["kernel_graph_over_floor"] = row["kernel_graph_us"] / floor_us
+        row["tiles_graph_us"] = {}
+        for cfg in tiles:
+            ms, err = graphed_ms(every_layer(lambda *a, cfg=cfg: moe_swiglu(*a, config=cfg)), iters)
+            row["tiles_graph_us"][tiles_name(cfg)] = err if ms is None else 1e3 * ms / n
+    return row
+
+
+def parse_ops(raw: str | None, dev: torch.device) -> list[str] | None:
+    """`--ops` -> variants (None: refused); unset: both on CUDA, the twin alone elsewhere (the
+    kernels need CUDA)."""
+    ops = (["torch", "triton"] if dev.type == "cuda" else ["torch"]) if raw is None else raw.split(",")
+    if any(o not in ("torch", "triton") for o in ops) or ("triton" in ops and dev.type != "cuda"):
+        return None
+    return ops
 
 
 def main(argv: list[str]) -> int:
@@ -104,29 +200,64 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
+    ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton "
+                    "(default: both on CUDA, torch elsewhere)")
+    ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "
+                    "configurations: comma-separated block_i x block_n x block_k x warps x stages, e.g. 64x64x128x4x3")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    ops = parse_ops(a.ops, dev)
+    if ops is None:
+        print(f"error: --ops {a.ops!r}: expected torch and/or triton (triton needs --device cuda)", file=sys.stderr)
+        return 2
+    try:
+        tiles = parse_tiles(a.tiles) if a.tiles else []
+    except ValueError as exc:
+        print(f"error: --tiles {a.tiles!r}: {exc} (expected e.g. 64x64x128x4x3)", file=sys.stderr)
+        return 2
+    if tiles and dev.type != "cuda":
+        print(f"error: --tiles {a.tiles!r}: the kernels need --device cuda", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     model = build(a.shape, dtype, dev)
     cost = step_cost_of(model)
     bw = read_bandwidth(dev, 1 << (32 if dev.type == "cuda" else 26), a.iters)
+    vts = [int(v) for v in a.vts.split(",")]
     rows = []
-    for vt in (int(v) for v in a.vts.split(",")):
-        r = measure(model, vt, a.context, a.iters)
-        floor = cost.fixed_bytes + cost.sparse_layers * r["experts_per_layer"] * cost.expert_bytes
-        r.update(floor_gb=floor / 1e9, floor_ms=1e3 * floor / bw, ratio=r["ms"] / (1e3 * floor / bw),
-                 model_union=cost.expected_union(vt))
-        rows.append(r)
-        print(f"vt={vt:2d}  {r['ms']:8.3f} ms  experts/layer {r['experts_per_layer']:6.1f} "
-              f"(independent {r['model_union']:6.1f})  floor {r['floor_gb']:.3f} GB {r['floor_ms']:.3f} ms  "
-              f"x{r['ratio']:.2f}")
+    for name in ops:
+        model.step_ops = step_ops(name)
+        for vt in vts:
+            r = {"ops": name, **measure(model, vt, a.context, a.iters)}
+            floor = cost.fixed_bytes + cost.sparse_layers * r["experts_per_layer"] * cost.expert_bytes
+            r.update(floor_gb=floor / 1e9, floor_ms=1e3 * floor / bw, ratio=r["ms"] / (1e3 * floor / bw),
+                     model_union=cost.expected_union(vt))
+            if r.get("graph_ms"):
+                r["graph_ratio"] = r["graph_ms"] / r["floor_ms"]
+            rows.append(r)
+            graphed = f"  graph {r['graph_ms']:8.3f} ms x{r['graph_ratio']:.2f}" if r.get("graph_ms") else ""
+            print(f"{name:6s} vt={vt:2d}  {r['ms']:8.3f} ms  experts/layer {r['experts_per_layer']:6.1f} "
+                  f"(independent {r['model_union']:6.1f})  floor {r['floor_gb']:.3f} GB {r['floor_ms']:.3f} ms  "
+                  f"x{r['ratio']:.2f}{graphed}")
+    op_rows = []
+    for vt in vts:
+        r = measure_op(model, vt, a.iters, bw, tiles)
+        op_rows.append(r)
+        kernel = "" if "kernel_us" not in r else (
+            f"  kernels {r['kernel_us']:8.1f} us eager, "
+            + (f"{r['kernel_graph_us']:8.1f} us graphed (x{r['kernel_graph_over_floor']:.2f} of the floor)"
+               if r.get("kernel_graph_us") else "graph failed")
+            + f"  twin/kernels x{r['twin_over_kernel']:.1f}")
+        print(f"op vt={vt:2d}  experts/layer {r['experts_per_layer']:6.1f}  floor {r['floor_us']:7.1f} us  "
+              f"twin {r['twin_us']:8.1f} us{kernel}")
+        for name, us in r.get("tiles_graph_us", {}).items():
+            print(f"   tiles {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     out = {"shape": a.shape, "device": str(dev), "dtype": a.dtype, "context": a.context, "iters": a.iters,
-           "read_tbps": bw / 1e12, "peak_gib": peak, "rows": rows,
-           "command": "python benchmarks/moe_step.py " + " ".join(argv)}
+           "read_tbps": bw / 1e12, "peak_gib": peak, "rows": rows, "op_rows": op_rows,
+           "command": "python -m benchmarks.moe_step " + " ".join(argv)}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
     return 0

@@ -80,7 +80,8 @@ def _gemma4_step(out: Path, tiny: bool):
 
 def _moe_step(out: Path, tiny: bool):
     args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--vts", "1,4", "--iters", "2"] if tiny else \
-        ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16", "--vts", "1,2,4,8,12,16", "--iters", "20"]
+        ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16", "--vts", "1,2,4,8,12,16", "--iters", "20",
+         "--tiles", "16x16x256x4x4,64x64x128x4x3,32x64x128x4x4,64x32x64x4x4"]  # candidates for moe.CONFIG
     return [_py("-m", "benchmarks.moe_step", *args, "--json", str(out / "moe_step.json"))]
 
 
@@ -133,7 +134,8 @@ PARTS = {p.name: p for p in (
     Part("hybrid_step", "Qwen3.5-4B-shape hybrid step, verify, rollback, rounds, ms", 90, _hybrid_step),
     Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor, ms", 150, _llama_step),
     Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, torch step ops, ms", 150, _gemma4_step),
-    Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows vs the read floor of its expert union, ms", 120, _moe_step),
+    Part("moe_step", "Qwen3-30B-A3B-shape MoE step and MoE op at vt rows, torch twin vs the MoE kernels, vs the read "
+         "floor of the expert union, ms", 240, _moe_step),
     Part("train_throughput", "memra train's step at the Qwen3-8B shape with online taps, target tokens/s", 150,
          _train_throughput),
     Part("serve_single", "memra serve's per-request tok/s against generate, one client (needs the serve wheels)", 240,

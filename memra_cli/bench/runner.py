@@ -490,15 +490,16 @@ def generate_one(arm: Arm, prompt_ids: Sequence[int], max_new: int, timed: bool)
     """One timed generation: (tokens, stats, wall seconds, prefill included, device synced)."""
     session = arm.session(prompt_ids, max_new, timed=timed)
     device = arm.engine.device  # type: ignore[attr-defined]
-    reads = getattr(arm.engine.target, "expert_reads", None)  # type: ignore[attr-defined]
-    before = tuple(reads) if reads is not None else None
+    target = arm.engine.target  # type: ignore[attr-defined]
+    before = getattr(target, "expert_reads", None)
     _sync(device)
     t0 = time.perf_counter()
     session.run()
     _sync(device)
     wall = time.perf_counter() - t0
     if before is not None:
-        session.stats.expert_reads = (reads[0] - before[0], reads[1] - before[1])
+        after = target.expert_reads
+        session.stats.expert_reads = (after[0] - before[0], after[1] - before[1])
     return list(session.tokens), session.stats, wall
 
 

@@ -1,5 +1,6 @@
 """benchmarks/moe_step.py on the tiny shape on the CPU: it builds a random MoE target in memory,
-times steps of several widths, counts the experts each ran and writes its table."""
+times steps of several widths and the MoE op alone over every sparse layer (the twin: the kernels
+need CUDA), counts the experts each ran and writes its table; the kernels off CUDA are refused."""
 
 from __future__ import annotations
 
@@ -12,16 +13,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_times_steps_and_counts_their_experts(tmp_path):
+def _run(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
     env["PYTHONPATH"] = str(ROOT)
-    out = tmp_path / "moe.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_step.py"), "--shape", "tiny", "--device",
-                           "cpu", "--dtype", "float32", "--iters", "1", "--vts", "1,16", "--json", str(out)],
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_step.py"), "--shape", "tiny", "--device",
+                           "cpu", "--dtype", "float32", "--iters", "1", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_times_steps_and_counts_their_experts(tmp_path):
+    out = tmp_path / "moe.json"
+    proc = _run("--vts", "1,16", "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["vt"] for r in rows] == [1, 16]
+    result = json.loads(out.read_text())
+    rows, ops = result["rows"], result["op_rows"]
+    assert [(r["ops"], r["vt"]) for r in rows] == [("torch", 1), ("torch", 16)]  # the twin alone on the CPU
     assert rows[0]["experts_per_layer"] == 2.0  # one row runs exactly its top-2
     assert 2.0 < rows[1]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union
-    assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in rows)
+    assert all(r["ms"] > 0 and r["floor_ms"] > 0 and "graph_ms" not in r for r in rows)
+    assert [r["vt"] for r in ops] == [1, 16] and ops[0]["experts_per_layer"] == 2.0
+    assert all(r["twin_us"] > 0 and r["floor_us"] > 0 and "kernel_us" not in r for r in ops)
+
+
+def test_the_kernels_off_cuda_are_refused_in_one_line():
+    proc = _run("--ops", "torch,triton")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: --ops 'torch,triton': expected torch and/or triton (triton needs --device cuda)"]
+    proc = _run("--tiles", "64x64x128x4x3")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: --tiles '64x64x128x4x3': the kernels need --device cuda"]

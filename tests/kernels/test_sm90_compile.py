@@ -294,6 +294,21 @@ def _qwen35(ctx, dt):
                ctx.t(t, hv * dv, dtype=dt), ctx.t(dv, dtype=dt), 1e-6)
 
 
+# MoE shapes (experts, hidden, expert intermediate, top-k): Qwen3-30B-A3B, Qwen3.5-35B-A3B, and an
+# odd one off every tile (masked I, hidden and K tiles; k not a power of two).
+MOE_SHAPES = ((128, 2048, 768, 8), (256, 2048, 512, 8), (8, 80, 48, 3))
+
+
+def _moe(ctx, dt):
+    mo = ctx.k.moe
+    for n_exp, h, inter, k in MOE_SHAPES:
+        for rows in (16, 33):  # a verify step; two row tiles
+            ctx.launch(f"moe_swiglu E{n_exp} h{h} I{inter} k{k} rows{rows}",
+                       ("_moe_gate_up_kernel", "_moe_down_kernel", "_moe_combine_kernel"), mo.moe_swiglu,
+                       ctx.t(rows, h, dtype=dt), ctx.t(rows, k, dtype=dt), ctx.torch.zeros(rows, k, dtype=ctx.torch.int64),
+                       ctx.t(n_exp, 2 * inter, h, dtype=dt), ctx.t(n_exp, h, inter, dtype=dt))
+
+
 # Costs: seconds a case took on one CPU core with an empty cache (they only balance the shards).
 for _dt in DTYPES:
     _f32 = _dt == "f32"  # float32 dots (IEEE, no tensor cores) take the compiler longer
@@ -311,6 +326,7 @@ for _dt in DTYPES:
         _case(f"quant_linear-{_q}-heuristic-{_dt}", _quant_linear, (_q, _dt, "heuristic"), 2.1 if _f32 else 0.8)
     _case(f"quant_linear-scale_after-{_dt}", _quant_scale_after, _dt, 2.2 if _f32 else 0.7)
     _case(f"dense_linear-{_dt}", _dense_linear, _dt, 2.0 if _f32 else 0.8)
+    _case(f"moe-{_dt}", _moe, _dt, 1.0)
 _case("pack_round", _pack_round, None, 0.2)
 _case("settle_round", _settle, None, 0.4)
 _case("pack_round-pdl", _pack_round, None, 0.2)

@@ -17,6 +17,9 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   the q/k norm (LLaMA), hd the tables' width
 - `attention(q, k_cache, v_cache, positions, scale) -> [t, nh*hd]`: causal by position over the cache
 - `silu_mul(gate_up) -> silu(gate) * up`
+- `moe_swiglu(x, weights, experts, w_gate_up, w_down) -> [t, hidden]`: the routed experts' SwiGLU
+  and weighted combine (memra_kernels.moe_ref; with the kernels, `memra_kernels.moe`: each routed
+  expert read once per 32 rows, the ids read on the device)
 - `swiglu(x, w_gate_up) -> silu_mul(linear(x, w_gate_up))`: the MLP's fused gate/up matmul and
   its activation; with the kernels one launch of the dense kernel (the activation in its
   epilogue, the same bits as the two launches) wherever `linear` would take that kernel, and of
@@ -96,6 +99,7 @@ from memra_kernels.activation_ref import silu_mul_ref
 from memra_kernels.argmax_ref import row_argmax_ref
 from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
+from memra_kernels.moe_ref import moe_swiglu_ref
 from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, gated_rms_norm_heads, rms_norm_ref
 from memra_kernels.qwen35_ref import gdn_gates_body
 from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref
@@ -182,6 +186,8 @@ class TorchStepOps:
     def swiglu(cls, x: torch.Tensor, w_gate_up) -> torch.Tensor:
         """`silu(x @ gate.T) * (x @ up.T)` for the fused `[gate; up]` weight (or linear module)."""
         return unfused_swiglu(cls, x, w_gate_up)
+
+    moe_swiglu = staticmethod(moe_swiglu_ref)  # the routed experts' SwiGLU + combine: the op's one torch body
 
     prefill_mask = True  # prefill_attention reads the forward's folded [g*t, n] mask
 
@@ -353,8 +359,8 @@ class TritonStepOps:
         return out[0].transpose(0, 1).reshape(t, nh * hd)
 
     def __init__(self):
-        from memra_kernels import (_pdl, activation, argmax, attention, deltanet, dense_linear, gather, markov, norm,
-                                   quant_linear, qwen35, rope, settle)
+        from memra_kernels import (_pdl, activation, argmax, attention, deltanet, dense_linear, gather, markov, moe,
+                                   norm, quant_linear, qwen35, rope, settle)
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
@@ -386,6 +392,7 @@ class TritonStepOps:
         self.plain_launches = _pdl.plain_launches
         self._dense = dense_linear
         self._quant = quant_linear
+        self._moe = moe
 
     def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`TorchStepOps.linear`, with a plain weight whose shape is in `dense_linear.TUNED` (and
@@ -407,6 +414,15 @@ class TritonStepOps:
         if isinstance(w_gate_up, self._quant.QuantLinear) and w_gate_up.shape[0] % 2 == 0:
             return w_gate_up.swiglu(x)  # a q8_0 / q4_0 drafter's: the same epilogue in quant_linear's launch
         return unfused_swiglu(self, x, w_gate_up)
+
+    def moe_swiglu(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+        """`TorchStepOps.moe_swiglu` on the MoE kernels (`memra_kernels.moe`): every step and
+        prefill chunk (a graphed prefill bucket reads no value on the host either); the twin only
+        for weights the kernels do not take (`moe.eligible`: strided rows)."""
+        if self._moe.eligible(x, w_gate_up, w_down):
+            return self._moe.moe_swiglu(x, weights, experts, w_gate_up, w_down)
+        return moe_swiglu_ref(x, weights, experts, w_gate_up, w_down)
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      dtype: torch.dtype, host_loop: bool = False) -> torch.Tensor:

@@ -1,0 +1,252 @@
+"""The routed experts of a few-row step: grouped SwiGLU and the weighted combine, three launches.
+
+A decode or verify step of M rows (M <= 32, the verify width; a longer call runs in row tiles)
+with top-k routing already computed (`experts [M, k]`, `weights [M, k]`) reads, per sparse
+layer, the union of the experts its rows chose. The kernels read each routed expert's weights
+once per step however many rows chose it, and never touch the others:
+
+1. `_moe_gate_up_kernel`, one program per (expert, `I` tile): the rows that picked the expert
+   (found on the device, from `experts`) form one tile of x; gate and up are two dots over the
+   same weight stream, SiLU·mul in the epilogue (`activation.silu_mul_rounded`), written to the
+   row's (row, slot) line of an `[M*k, I]` buffer. An expert no row picked exits at once.
+2. `_moe_down_kernel`, one program per (expert, hidden tile): the down matmul of those lines,
+   written to `[M*k, hidden]` (model dtype).
+3. `_moe_combine_kernel`, one program per (row, hidden tile): the row's k expert outputs times
+   their routing weights, added in ascending expert index from zeros.
+
+The grid covers every expert, so nothing is read on the host and the launches take the same
+arguments every step (a CUDA graph can hold them).
+
+Exactness (the fixed-width rule, extended to any row count): a token's output never depends on
+which or how many other rows share its experts, nor on M. The tiles are a function of the weight
+shapes alone; every dot is one row of x against the weight tile over the same K loop (a row's
+place in the row tile does not change its products or their order); a row's combine reads only
+its own k lines, in its own fixed order. Roundings are the twin's (`moe_ref.moe_swiglu_ref`,
+op for op in the model dtype), so kernel and twin differ only in float32 summation order.
+
+Preconditions (what `layers/moe.route` produces): expert ids in [0, E), distinct within a row.
+
+Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `eligible`, `moe_swiglu`, `moe_swiglu_ref`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_dtype, check_tensors, interpreting
+from ._pdl import pdl_args, pdl_wait
+from .activation import silu_mul_rounded
+from .moe_ref import moe_swiglu_ref  # noqa: F401  (the twin: the op's one torch body)
+
+__all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "eligible", "moe_swiglu", "moe_swiglu_ref"]
+
+# Rows a program multiplies: a step of up to BLOCK_M rows (the verify width) reads each routed
+# expert once; a longer call (a prefill chunk) runs row tiles of BLOCK_M, each reading its own.
+BLOCK_M = 32
+COMBINE_BLOCK = 1024  # hidden columns a combine program adds
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tiles: block_i gate/up rows (and as many up rows) and block_n down rows per program,
+    block_k reduction columns per loop step; warps and pipeline stages of the two matmuls."""
+
+    block_i: int = 32
+    block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def check(self) -> "MoeConfig":
+        for name in ("block_i", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        return self
+
+
+CONFIG = MoeConfig()  # the launch tiles (not M-dependent: changing them changes no row's order across M)
+
+
+@triton.jit
+def _rows_of_expert(ids_ptr, e, m0, M, K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The row tile starting at m0: its row ids [BLOCK_M], whether each row picked expert `e`,
+    and the top-k slot it sits in (0 where it did not pick `e`)."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    slots = tl.arange(0, KP)
+    valid = (rows[:, None] < M) & (slots[None, :] < K_TOP)
+    ids = tl.load(ids_ptr + rows.to(tl.int64)[:, None] * K_TOP + slots[None, :], mask=valid, other=-1)
+    hit = ids == e
+    picked = tl.max(hit.to(tl.int32), axis=1) > 0
+    slot = tl.sum(tl.where(hit, slots[None, :], 0), axis=1)
+    return rows, picked, slot
+
+
+@triton.jit
+def _dot(w, x, acc, PREC: tl.constexpr, WIDEN: tl.constexpr):
+    """acc [BLOCK_W, BLOCK_M] += w [BLOCK_W, BLOCK_K] @ x[BLOCK_M, BLOCK_K].T in float32: the
+    weight tile is the left operand, whose large side fills the matrix units even for one row."""
+    if WIDEN:  # the interpreter multiplies bf16/f16 raw bits: widen (the products are equal)
+        return tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _moe_gate_up_kernel(x_ptr, ids_ptr, wgu_ptr, act_ptr, M, H, I, stride_xm, stride_we, stride_wr,
+                        K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_I: tl.constexpr, PREC: tl.constexpr,
+                        WIDEN: tl.constexpr, PDL: tl.constexpr = False):
+    """act [(row, slot), I tile] = silu(x_row @ gate_e.T) * (x_row @ up_e.T) for the rows of this
+    row tile that picked expert e = program_id(0); `wgu [E, 2I, H]` (gate rows first)."""
+    pdl_wait(PDL)
+    e = tl.program_id(0)
+    rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
+    if tl.max(picked.to(tl.int32), axis=0) > 0:
+        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+        i_ok = offs_i < I
+        offs_k = tl.arange(0, BLOCK_K)
+        g_ptrs = wgu_ptr + e.to(tl.int64) * stride_we + offs_i[:, None] * stride_wr + offs_k[None, :]
+        u_ptrs = g_ptrs + I * stride_wr
+        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+        acc_g = tl.zeros((BLOCK_I, BLOCK_M), tl.float32)
+        acc_u = tl.zeros((BLOCK_I, BLOCK_M), tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = (k0 + offs_k) < H
+            if EVEN_K and EVEN_I:
+                g = tl.load(g_ptrs)
+                u = tl.load(u_ptrs)
+            else:
+                g = tl.load(g_ptrs, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+                u = tl.load(u_ptrs, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
+            acc_g = _dot(g, x, acc_g, PREC, WIDEN)
+            acc_u = _dot(u, x, acc_u, PREC, WIDEN)
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        dt = act_ptr.dtype.element_ty
+        # gate and up rounded to the model dtype first, as the twin's matmul output is
+        act = silu_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)  # [BLOCK_M, BLOCK_I]
+        line = (rows * K_TOP + slot).to(tl.int64)
+        tl.store(act_ptr + line[:, None] * I + offs_i[None, :], act, mask=picked[:, None] & i_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, stride_we, stride_wr,
+                     K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr,
+                     WIDEN: tl.constexpr, PDL: tl.constexpr = False):
+    """y [(row, slot), hidden tile] = act[(row, slot)] @ down_e.T for the rows of this row tile
+    that picked expert e = program_id(0); `wd [E, H, I]`."""
+    pdl_wait(PDL)
+    e = tl.program_id(0)
+    rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
+    if tl.max(picked.to(tl.int32), axis=0) > 0:
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < H
+        offs_k = tl.arange(0, BLOCK_K)
+        line = (rows * K_TOP + slot).to(tl.int64)
+        w_ptrs = wd_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wr + offs_k[None, :]
+        a_ptrs = act_ptr + line[:, None] * I + offs_k[None, :]
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_ok = (k0 + offs_k) < I
+            if EVEN_K and EVEN_N:
+                w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
+            acc = _dot(w, a, acc, PREC, WIDEN)
+            w_ptrs += BLOCK_K
+            a_ptrs += BLOCK_K
+        y = tl.trans(acc).to(y_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
+        tl.store(y_ptr + line[:, None] * H + offs_n[None, :], y, mask=picked[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, stride_om, K_TOP: tl.constexpr, KP: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """out[row, tile] = Σ_j weights[row, j] · y[(row, j)], the j taken in ascending expert index,
+    each product and each add rounded to the model dtype, from zeros (the twin's order)."""
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < H
+    slots = tl.arange(0, KP)
+    valid = slots < K_TOP
+    ids = tl.load(ids_ptr + row * K_TOP + slots, mask=valid, other=0x7FFFFFFF)  # padding slots rank last
+    wts = tl.load(wts_ptr + row * K_TOP + slots, mask=valid, other=0.0).to(tl.float32)
+    rank = tl.sum((ids[None, :] < ids[:, None]).to(tl.int32), axis=1)  # [KP]: experts of the row below slot j's
+    dt = out_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for q in range(K_TOP):
+        here = rank == q
+        slot = tl.sum(tl.where(here, slots, 0), axis=0)
+        w = tl.sum(tl.where(here, wts, 0.0), axis=0)  # one term: exact
+        y = tl.load(y_ptr + (row * K_TOP + slot) * H + offs, mask=ok, other=0.0).to(tl.float32)
+        acc = (acc + (y * w).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + offs, acc.to(dt), mask=ok)
+
+
+def eligible(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether the step ops take the kernels: one float dtype for x and both weights, each
+    weight's rows contiguous."""
+    return (x.dim() == 2 and x.dtype == w_gate_up.dtype == w_down.dtype
+            and w_gate_up.dim() == 3 and w_down.dim() == 3 and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1)
+
+
+def _check(x, weights, experts, w_gate_up, w_down) -> None:
+    check_tensors(x, weights, experts, w_gate_up, w_down)
+    check_dtype(x, "x")
+    if x.dim() != 2 or weights.shape != experts.shape or weights.dim() != 2 or weights.shape[0] != x.shape[0]:
+        raise ValueError(f"x [t, hidden] {tuple(x.shape)}, weights {tuple(weights.shape)} and experts "
+                         f"{tuple(experts.shape)} [t, k] do not match")
+    n_exp, two_i, h = w_gate_up.shape
+    if h != x.shape[1] or two_i % 2 or tuple(w_down.shape) != (n_exp, h, two_i // 2):
+        raise ValueError(f"w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} are not "
+                         f"[E, 2I, {x.shape[1]}] and [E, {x.shape[1]}, I]")
+    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+        raise ValueError(f"x is {x.dtype} but the expert weights are {w_gate_up.dtype} / {w_down.dtype}")
+    if w_gate_up.stride(-1) != 1 or w_down.stride(-1) != 1:
+        raise ValueError("the expert weights' rows must be contiguous")
+    if experts.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"experts: dtype {experts.dtype}, expected int32 or int64")
+
+
+def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+               w_down: torch.Tensor, *, config: MoeConfig | None = None) -> torch.Tensor:
+    """`moe_swiglu_ref` on the kernels: `x [t, hidden]`, `weights [t, k]`, `experts [t, k]`
+    (ids in [0, E), distinct in a row), `w_gate_up [E, 2I, hidden]`, `w_down [E, hidden, I]`
+    -> `[t, hidden]` in x's dtype (float32 accumulation). `config` overrides the tiles (tests,
+    benchmarks)."""
+    _check(x, weights, experts, w_gate_up, w_down)
+    cfg = (config or CONFIG).check()
+    m, h = x.shape
+    n_exp, two_i, _ = w_gate_up.shape
+    inter, k = two_i // 2, experts.shape[1]
+    out = torch.empty_like(x)
+    if m == 0 or k == 0:
+        return out.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ids, wts = experts.contiguous(), weights.contiguous()
+    act = torch.empty((m * k, inter), dtype=x.dtype, device=x.device)
+    y = torch.empty((m * k, h), dtype=x.dtype, device=x.device)
+    common = dict(K_TOP=k, KP=triton.next_power_of_2(k), BLOCK_M=BLOCK_M, BLOCK_K=cfg.block_k,
+                  PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
+                  WIDEN=interpreting() and x.device.type != "cuda", num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    row_tiles = triton.cdiv(m, BLOCK_M)
+    _moe_gate_up_kernel[(n_exp, triton.cdiv(inter, cfg.block_i), row_tiles)](
+        x, ids, w_gate_up, act, m, h, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        BLOCK_I=cfg.block_i, EVEN_K=h % cfg.block_k == 0, EVEN_I=inter % cfg.block_i == 0, **common, **pdl_args(x))
+    _moe_down_kernel[(n_exp, triton.cdiv(h, cfg.block_n), row_tiles)](
+        act, ids, w_down, y, m, h, inter, w_down.stride(0), w_down.stride(1),
+        BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0, EVEN_N=h % cfg.block_n == 0, **common, **pdl_args(x))
+    _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK))](
+        y, ids, wts, out, h, out.stride(0), K_TOP=k, KP=common["KP"], BLOCK=COMBINE_BLOCK, num_warps=4,
+        **pdl_args(x))
+    return out

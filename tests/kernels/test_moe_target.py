@@ -1,0 +1,212 @@
+"""The Qwen3-MoE target's fixed-width step through the Triton step ops (interpreter on CPU), the
+MoE kernels in place: close to the torch ops' logits, a step's rows the same bits however the
+rows are grouped into steps and after a verify + rollback, and a speculative session equal to
+plain greedy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memra_cli.engine.api import ArmConfig, Engine
+from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+from memra_cli.engine.models.qwen3_moe import Qwen3MoeTarget
+from memra_cli.engine.runtime.steps import StepRunner
+from memra_cli.tiny.draft import make_tiny_draft
+from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
+from memra_kernels import moe
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+W = 8  # a small fixed width keeps the interpreter quick
+# f32 relative L2 of the logits: the kernels sum in another order than torch's matmuls (a few
+# f32 ulps a reduction, over 4 layers of 64-wide ones) and round exp differently; a wrong expert
+# or weight moves the logits by O(1)
+LOGIT_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return make_tiny_qwen3_moe(tmp_path_factory.mktemp("moek") / "t", seed=3)
+
+
+def _model(path, ops, dtype=torch.float32):
+    model = Qwen3MoeTarget.from_dir(path, dtype, DEVICE)
+    model.step_ops = ops
+    return model
+
+
+def _ids(n, seed):
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def _grouped(runner, prompt, cont, groups):
+    state = runner.new_state(prompt.shape[0] + cont.shape[0] + 1)
+    runner.prefill(prompt, state)
+    out, at = [], 0
+    for g in groups:
+        out.append(runner.step(cont[at:at + g], state.length, state)[0])
+        at += g
+    return torch.cat(out), state
+
+
+def _same_state(a, b):
+    assert a.length == b.length
+    assert torch.equal(a.kv[:, :, :, :a.length], b.kv[:, :, :, :b.length])
+
+
+def test_a_step_through_the_kernels_matches_the_torch_ops(target_dir, monkeypatch):
+    calls = []
+    real = moe.moe_swiglu
+    monkeypatch.setattr(moe, "moe_swiglu", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    out = {}
+    for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps())):
+        model = _model(target_dir, ops)
+        out[name], _ = _grouped(StepRunner(model, W), _ids(12, 0), _ids(W, 1), [W])
+    sparse = len(model.moe.sparse_layers)
+    assert 0 < sparse < len(model.layers)
+    assert calls == [12] * sparse + [W] * sparse  # the prefill's 12 rows and the step, on the kernels
+    ref, got = out["torch"], out["triton"]
+    assert torch.isfinite(got).all()
+    assert ((got - ref).norm() / ref.norm()).item() < LOGIT_TOL
+
+
+def test_kernel_step_grouping_and_rollback(target_dir):
+    """Through the kernels: one step of W rows equals the same rows split 3 + 5, and verifying
+    W rows then keeping 3 leaves the state (and the next step's logits) a fresh run of those 3
+    rows leaves, bit for bit."""
+    runner = StepRunner(_model(target_dir, TritonStepOps()), W)
+    p, cont = _ids(12, 2), _ids(W, 3)
+    whole, s_whole = _grouped(runner, p, cont, [W])
+    split, s_split = _grouped(runner, p, cont, [3, W - 3])
+    assert torch.equal(split, whole)
+    _same_state(s_split, s_whole)
+    state = runner.new_state(40)
+    runner.prefill(p, state)
+    runner.step(cont, 12, state)
+    state.rollback(12 + 3)
+    fresh = runner.new_state(40)
+    runner.prefill(p, fresh)
+    runner.step(cont[:3], 12, fresh)
+    _same_state(state, fresh)
+    assert torch.equal(runner.step(_ids(2, 4), state.length, state)[0],
+                       runner.step(_ids(2, 4), fresh.length, fresh)[0])
+
+
+@pytest.mark.exhaustive  # quick: the grouping/rollback check above and test_qwen3_moe's arms over the torch ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_speculative_equals_plain_with_the_kernels(target_dir, tmp_path, dtype):
+    model = _model(target_dir, TritonStepOps(), dtype)
+    prompt = _ids(9, 5).tolist()
+    plain = greedy_reference(StepRunner(model, W), prompt, 12)
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=(0, 2), num_target_layers=4)
+    engine = Engine.from_model(model, step_width=W)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    with engine.session(prompt, 12, arm, eos_ids=()) as session:
+        assert session.run() == plain
+
+
+# --------------------------------------------------------------------------- graphs, stood in for on the CPU
+
+
+class MoeKernelOps(TorchStepOps):
+    """The torch step ops with the MoE kernels in the twin's place (the Triton seam's choice for
+    the experts), so a session's other ops stay quick on the interpreter."""
+
+    moe_swiglu = staticmethod(moe.moe_swiglu)
+
+
+def _tensors(out):
+    if out is None:
+        return []
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for item in out for t in _tensors(item)]
+
+
+@pytest.fixture
+def eager_graphs(monkeypatch):
+    """`cuda_graphs.capture` swapped for an eager stand-in (tests/engine/test_step_width.py's):
+    replay reruns the body and copies its results into the first run's outputs; both runs refuse
+    host reads of device values (`NoHostReads`), as a capture does. The list records captures."""
+    import importlib.util
+    from pathlib import Path
+
+    from memra_cli.engine.runtime import cuda_graphs
+
+    path = Path(__file__).resolve().parents[1] / "engine" / "host_reads.py"
+    spec = importlib.util.spec_from_file_location("host_reads", path)
+    host_reads = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_reads)
+    captures = []
+
+    def capture(fn, device, pool=None):
+        with host_reads.NoHostReads():
+            out = fn()
+
+        class Replay:
+            def replay(self):
+                with host_reads.NoHostReads():
+                    fresh = fn()
+                for mine, new in zip(_tensors(out), _tensors(fresh)):
+                    mine.copy_(new)
+
+        captures.append(fn)
+        return Replay(), out
+
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    return captures
+
+
+def _graphed_on_cpu(model, round_graphs: bool) -> Engine:
+    """What `Engine.from_model(model, step_width=W, cuda_graphs=True, draft_graphs=True)` builds
+    on CUDA (a runner refuses graphs off CUDA, so they are switched on after construction)."""
+    runner = StepRunner(model, W)
+    runner.cuda_graphs = True
+    model.ensure_positions(runner._rows(model.cfg.max_position_embeddings))
+    return Engine(model, runner, model.device, model.dtype, ["graphs on (CPU stand-in)"], draft_graphs=True,
+                  round_graphs=round_graphs)
+
+
+@pytest.mark.parametrize("round_graphs", [False, pytest.param(True, marks=pytest.mark.exhaustive)],  # quick: steps
+                         ids=["step-graphs", "round-graphs"])
+def test_graphed_sessions_with_the_kernels_read_nothing_on_the_host(target_dir, tmp_path, eager_graphs, round_graphs):
+    """The family declares itself capturable: with the MoE kernels, a graphed prefill (its 64-row
+    bucket: two row tiles), graphed steps or whole rounds (queued, settled on the device), and
+    the drafter's graphs run
+    without a host read, and the session equals plain greedy over eager steps."""
+    assert Qwen3MoeTarget.supports_cuda_graphs
+    prompt = _ids(9, 5).tolist()
+    plain = greedy_reference(StepRunner(_model(target_dir, MoeKernelOps()), W), prompt, 12)
+    engine = _graphed_on_cpu(_model(target_dir, MoeKernelOps()), round_graphs)
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=(0, 2), num_target_layers=4)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    with engine.session(prompt, 12, arm, eos_ids=()) as session:
+        assert session.run() == plain
+        keys = {k[0] for k in session.cache.graphs}
+    assert keys == ({"prefill", "spec-chain"} if round_graphs else {"prefill", "step"}), keys  # what was captured
+    assert eager_graphs
+    assert greedy_reference(engine.runner, prompt, 12) == plain  # plain decoding through the graphs too
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("round_graphs", [False, True], ids=["step-graphs", "round-graphs"])
+def test_on_the_gpu_graphed_sessions_equal_plain_greedy(target_dir, tmp_path, round_graphs):
+    """On CUDA with the kernels and graphs on (the family's default there), in bfloat16: a
+    speculative session equals plain greedy over eager steps with the same kernels."""
+    from memra_cli.engine.layers.step_ops import select_step_ops
+
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=(0, 2), num_target_layers=4,
+                            dtype=torch.bfloat16)
+    ref_model = Qwen3MoeTarget.from_dir(target_dir, torch.bfloat16, "cuda")
+    ref_model.step_ops, _ = select_step_ops(ref_model.device)
+    model = Qwen3MoeTarget.from_dir(target_dir, torch.bfloat16, "cuda")
+    model.step_ops, _ = select_step_ops(model.device)
+    engine = Engine.from_model(model, step_width=W, cuda_graphs=True, draft_graphs=True, round_graphs=round_graphs)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    for seed in range(3):
+        ids = _ids(9 + 11 * seed, 80 + seed).tolist()
+        plain = greedy_reference(StepRunner(ref_model, W), ids, 40)
+        with engine.session(ids, 40, arm, eos_ids=()) as session:
+            assert session.run() == plain, seed
