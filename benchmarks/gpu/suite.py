@@ -85,6 +85,12 @@ def _moe_step(out: Path, tiny: bool):
     return [_py("-m", "benchmarks.moe_step", *args, "--json", str(out / "moe_step.json"))]
 
 
+def _moe_hybrid_step(out: Path, tiny: bool):
+    args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32"] if tiny else \
+        ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16"]
+    return [_py("-m", "benchmarks.moe_hybrid_step", *args, "--json", str(out / "moe_hybrid_step.json"))]
+
+
 def _train_throughput(out: Path, tiny: bool):
     args = ["--tiny"] if tiny else ["--kind", "dspark"]
     return [_py("-m", "benchmarks.gpu.train_throughput", *args, "--json", str(out / "train_throughput.json"))]
@@ -136,6 +142,8 @@ PARTS = {p.name: p for p in (
     Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, torch step ops, ms", 150, _gemma4_step),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step and MoE op at vt rows, torch twin vs the MoE kernels, vs the read "
          "floor of the expert union, ms", 240, _moe_step),
+    Part("moe_hybrid_step", "Qwen3.5-35B-A3B-shape hybrid MoE step (torch expert op) vs its read floor, ms", 200,
+         _moe_hybrid_step),
     Part("train_throughput", "memra train's step at the Qwen3-8B shape with online taps, target tokens/s", 150,
          _train_throughput),
     Part("serve_single", "memra serve's per-request tok/s against generate, one client (needs the serve wheels)", 240,

@@ -40,7 +40,8 @@ def test_dry_run_records_a_command_for_every_part(tmp_path):
     assert parts["target_step"]["commands"] == [
         f"python -m benchmarks.gpu.target_step --prefill-length 0 --json {tmp_path / 'target_step.json'}"]
     assert parts["embedded_bench"]["commands"][0].startswith("python -m memra_cli bench --prompts stdlib")
-    assert parts["tests"]["commands"] == ["python -m pytest -q -m gpu -p no:cacheprovider tests"]
+    assert parts["tests"]["commands"] == ["python -m pytest -q -m gpu -p no:cacheprovider tests",  # both tiers
+                                          "python -m pytest -q -m gpu --exhaustive -p no:cacheprovider tests"]
 
 
 def test_tiny_run_measures_what_has_a_cpu_mode_and_skips_the_rest(tmp_path):
@@ -58,7 +59,8 @@ def test_an_unknown_part_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --parts 'target_step,warp_drive': unknown part(s) warp_drive; expected a comma-separated list of "
-        "bandwidth, target_step, drafter_round, hybrid_step, llama_step, gemma4_step, moe_step, train_throughput, "
+        "bandwidth, target_step, drafter_round, hybrid_step, llama_step, gemma4_step, moe_step, moe_hybrid_step, "
+        "train_throughput, "
         "serve_single, serve_load, embedded_bench, kernels, tests"]
     assert not (tmp_path / "suite.json").exists()
 
