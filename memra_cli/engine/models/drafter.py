@@ -158,7 +158,7 @@ class Drafter:
         self.conf_b = extras.get(CONF_B)  # [1]
         self.own_embed = extras.get(OWN_EMBED)
         self.own_lm_head = extras.get(OWN_LM_HEAD)
-        rope = rope_tables(self.cfg.rope, self.cfg.head_dim)
+        rope = self._rope_tables()
         # inv_freq lives on the device: no host-to-device copy per call (none is allowed while a
         # CUDA graph captures the static round)
         self.rope: RopeTables = RopeTables(rope.inv_freq.to(device), rope.attention_scaling)
@@ -168,6 +168,13 @@ class Drafter:
         # the drafter the engine's, so it runs the kernels its target runs
         self.step_ops = TorchStepOps()
         self._offset_rows: dict[int, torch.Tensor] = {}  # `_offsets(n)`: arange(n), made once per n
+
+    # the draft logits' softcap (`cap * tanh(z / cap)`): a Gemma 4 drafter's (models/drafter_gemma4.py)
+    logit_softcap: float | None = None
+
+    def _rope_tables(self) -> RopeTables:
+        """The rope of every layer (one table: a drafter's layers share it), float32 on the CPU."""
+        return rope_tables(self.cfg.rope, self.cfg.head_dim)
 
     # ------------------------------------------------------------------- loading
 
