@@ -168,9 +168,8 @@ class Drafter:
         # the drafter the engine's, so it runs the kernels its target runs
         self.step_ops = TorchStepOps()
         self._offset_rows: dict[int, torch.Tensor] = {}  # `_offsets(n)`: arange(n), made once per n
-
-    # the draft logits' softcap (`cap * tanh(z / cap)`): a Gemma 4 drafter's (models/drafter_gemma4.py)
-    logit_softcap: float | None = None
+        # the draft logits' softcap (`cap * tanh(z / cap)`): a Gemma 4 drafter's (drafter_gemma4.py)
+        self.logit_softcap: float | None = None
 
     def _rope_tables(self) -> RopeTables:
         """The rope of every layer (one table: a drafter's layers share it), float32 on the CPU."""
@@ -191,15 +190,9 @@ class Drafter:
         policy than the file's is refused (one of the same policy has nothing left to do).
         """
         census = census or take_census(Path(path))
-        ckpt = open_checkpoint(Path(path))
-        if ckpt.format == "gguf" and weight_fn is not None:
-            written, wanted = getattr(ckpt, "policy", None), getattr(weight_fn, "policy", None)
-            if wanted != written:
-                raise CheckpointError(f"{path}: a GGUF written under precision policy {written} loads as written; "
-                                      f"precision {wanted or 'of the given weight_fn'} cannot apply to it")
-            weight_fn = None
         device = torch.device(device)
-        load = _TensorLoader(ckpt, dtype, device, weight_fn)
+        load = _TensorLoader.open(Path(path), dtype, device, weight_fn)
+        ckpt = load.ckpt
         layers = [load.layer(i) for i in range(census.config.num_hidden_layers)]
         extras: dict[str, object] = {}
         for name in (MARKOV_W1, OWN_EMBED, OWN_LM_HEAD):  # w1 is a gathered table: as stored
@@ -529,6 +522,19 @@ class _TensorLoader:
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, weight_fn):
         self.ckpt, self.dtype, self.device, self.weight_fn = ckpt, dtype, device, weight_fn
+
+    @classmethod
+    def open(cls, path: Path, dtype: torch.dtype, device: torch.device, weight_fn) -> "_TensorLoader":
+        """A loader over `path`'s checkpoint. A GGUF loads as written: a `weight_fn` of another
+        precision policy than the file's is refused (one of the same policy has nothing to do)."""
+        ckpt = open_checkpoint(path)
+        if ckpt.format == "gguf" and weight_fn is not None:
+            written, wanted = getattr(ckpt, "policy", None), getattr(weight_fn, "policy", None)
+            if wanted != written:
+                raise CheckpointError(f"{path}: a GGUF written under precision policy {written} loads as written; "
+                                      f"precision {wanted or 'of the given weight_fn'} cannot apply to it")
+            weight_fn = None
+        return cls(ckpt, dtype, device, weight_fn)
 
     def plain(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.ckpt.load(name, dtype or self.dtype, self.device)

@@ -36,9 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from memra_cli.engine.errors import CheckpointError
 from memra_cli.engine.formats.census import Census, take_census
-from memra_cli.engine.formats.checkpoint import open_checkpoint
 from memra_cli.engine.formats.gemma4_config import Gemma4Rope
 from memra_cli.engine.formats.names import CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
 from memra_cli.engine.layers.ops import gqa_attention
@@ -85,14 +83,11 @@ class Gemma4Drafter(Drafter):
     @classmethod
     def load(cls, path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
              census: Census | None = None, weight_fn=None) -> "Gemma4Drafter":
-        """Load a Gemma4DSparkModel checkpoint directory (after its census passes). `weight_fn`
-        as `Drafter.load` (a precision policy's matmul weights)."""
+        """Load a Gemma4DSparkModel checkpoint (after its census passes): its directory or a memra
+        GGUF of it (loads as written). `weight_fn` as `Drafter.load` (a policy's matmul weights)."""
         census = census or take_census(Path(path))
-        ckpt = open_checkpoint(Path(path))
-        if ckpt.format == "gguf":
-            raise CheckpointError(f"{path}: a Gemma 4 DSpark drafter loads from its safetensors directory "
-                                  "(memra quantize does not write this format)")
-        load = _TensorLoader(ckpt, dtype, torch.device(device), weight_fn)
+        load = _TensorLoader.open(Path(path), dtype, torch.device(device), weight_fn)
+        ckpt = load.ckpt
         k_eq_v = census.config.gemma4.attention_k_eq_v
         layers = [_load_layer(load, i, k_eq_v) for i in range(census.config.num_hidden_layers)]
         extras: dict[str, object] = {name: load.plain(name) for name in (MARKOV_W1, OWN_EMBED, OWN_LM_HEAD)
