@@ -260,7 +260,8 @@ class BlockEmbedding:
         return f"[{tag}] block-embedding={what} ({EMB_SCALE_ENV} {src})"
 
     def as_json(self) -> dict:
-        return {"scaled": self.scaled, "scale": self.scale, "set": self.set, "recorded": self.recorded}
+        out = {"scaled": self.scaled, "scale": self.scale, "set": self.set}
+        return out if self.recorded is None else {**out, "recorded": self.recorded}
 
 
 def resolve_block_embedding(setting: bool | None, target_scale: float, recorded: str | None = None) -> BlockEmbedding:
