@@ -191,3 +191,18 @@ def test_gemma_dspark_refusals_are_one_error_line(tiny, dspark, tmp_path):
     assert "drafts for a Gemma 4 target, not model_type 'qwen3'" in line
     line = one_error_line(run("generate", "--target", target, "--draft", dspark, "--prompt-ids", IDS, "--no-emb-scale"))
     assert "--no-emb-scale" in line and "block embedding is scaled" in line
+
+
+def test_quantize_writes_a_gguf_of_the_gemma_dspark_drafter_that_runs(tiny, dspark, tmp_path):
+    """`memra quantize` over the Gemma 4 layer names (sandwich norms, layer_scalar, no v_proj): the
+    GGUF's census is the source's, and generate with it equals plain greedy."""
+    target, _ = tiny
+    gguf = tmp_path / "d.gguf"
+    q = run("quantize", dspark, "--out", gguf, "--policy", "q8")
+    assert q.exit_code == 0, q.output
+    c = json.loads(run("census", gguf, "--json").stdout)
+    assert c["backbone"] == "gemma4" and c["n_tensors"] == json.loads(run("census", dspark, "--json").stdout)["n_tensors"]
+    common = ["--target", target, "--prompt-ids", IDS, "--max-new", "24", "--json"]
+    spec, plain = run("generate", "--draft", gguf, *common), run("generate", "--spec", "off", *common)
+    assert spec.exit_code == 0, spec.output
+    assert json.loads(spec.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]
