@@ -54,9 +54,11 @@ def _layer(p: str, shape: dict, gen: torch.Generator) -> dict[str, torch.Tensor]
     def norm(d: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(d, generator=gen)
 
+    # q/k norms near 0.4: attention scaling is 1.0, so RMS-normed q.k scores reach ~head_dim x
+    # the norms' product; at 1.0 the tiny softmax saturates and bfloat16 rounding of q/k swings it
     t = {p + "self_attn.q_proj.weight": lin(nh * hd, h), p + "self_attn.k_proj.weight": lin(kv * hd, h),
-         p + "self_attn.o_proj.weight": lin(h, nh * hd), p + "self_attn.q_norm.weight": norm(hd),
-         p + "self_attn.k_norm.weight": norm(hd), p + "mlp.gate_proj.weight": lin(inter, h),
+         p + "self_attn.o_proj.weight": lin(h, nh * hd), p + "self_attn.q_norm.weight": 0.4 * norm(hd),
+         p + "self_attn.k_norm.weight": 0.4 * norm(hd), p + "mlp.gate_proj.weight": lin(inter, h),
          p + "mlp.up_proj.weight": lin(inter, h), p + "mlp.down_proj.weight": lin(h, inter),
          p + "layer_scalar": 0.8 + 0.4 * torch.rand(1, generator=gen)}
     if not shape["k_eq_v"]:

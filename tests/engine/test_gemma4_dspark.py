@@ -1,6 +1,8 @@
 """DeepSpec's Gemma4DSparkModel drafter (models/drafter_gemma4.py) on tiny checkpoints from
 `memra_cli.tiny.gemma4_dspark`, over the tiny Gemma 4 target of `memra_cli.tiny.gemma4`.
 
+- DeepSpec's own forward: oracles it computed once on these tiny drafters (tests/data/gemma4_dspark)
+  pass parity on both engine paths, float32 and bfloat16.
 - Reference: `parity/reference.py`'s `Gemma4ReferenceDrafter`, a float64 drafter built from
   transformers' own Gemma 4 pieces (`Gemma4RMSNorm`, `Gemma4TextMLP`, `Gemma4TextRotaryEmbedding`
   over `global_head_dim`, `apply_rotary_pos_emb`, `Gemma4TextScaledWordEmbedding`), sharing no code
@@ -15,7 +17,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,6 +160,27 @@ def test_softcap_is_applied_to_the_oracle_and_the_engine(pair, tmp_path):
     assert logits.abs().max() < 0.5 and torch.allclose(logits, torch.tanh(raw / 0.5) * 0.5, rtol=1e-5, atol=1e-6)
     assert (logits - raw).abs().max() > 0.3
     assert parity(Gemma4Drafter.load(path), oracle, embed, "f32").passed
+
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "gemma4_dspark"
+
+
+@pytest.mark.parametrize("dtype,policy", [(torch.float32, "f32"), (torch.bfloat16, "bf16")])
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_parity_against_deepspecs_own_forward(pair, name, dtype, policy):
+    """Oracles computed once by DeepSpec's Gemma4DSparkModel itself on these tiny drafters
+    (tests/data/gemma4_dspark/README.md says how): every stage of both engine paths within parity's
+    bounds. The drafter is regenerated here, so its tensors' hash must be the one the oracle saw."""
+    target, drafts = pair
+    oracle = read_oracle(DATA / f"deepspec-{name}.npz")
+    weights = load_file(str(drafts[name] / "model.safetensors"))
+    digest = hashlib.sha256(b"".join(weights[k].numpy().tobytes() for k in sorted(weights))).hexdigest()
+    assert digest == oracle.meta["weights_sha256"], "the tiny maker's weights changed: remake the oracle (README)"
+    assert oracle.meta["source"].startswith("DeepSpec Gemma4DSparkModel")
+    embed = load_file(str(target / "model.safetensors"))["model.embed_tokens.weight"]
+    report = parity(Gemma4Drafter.load(drafts[name], dtype=dtype), oracle, embed.to(dtype), policy)
+    assert report.passed, [(r.stage, r.path, r.rel_l2) for r in report.results if not r.passed]
+    assert set(oracle.stages) >= {"ctx_features", "layer_out", "hidden_out", "draft_logits", "confidence_raw"}
 
 
 # --------------------------------------------------------------------------- exactness
