@@ -291,3 +291,33 @@ def test_pair_refusals(pair, tmp_path):
     q = Engine.from_model(Qwen3Target.from_dir(make_tiny_qwen3(tmp_path / "q", hidden=64, vocab=VOCAB)))
     with pytest.raises(ConfigError, match="drafts for a Gemma 4 target, not model_type 'qwen3'"):
         q.arm(ArmConfig(draft=drafts["k_eq_v"], mode="dspark"))
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_cuda_graphed_dspark_rounds_equal_plain_greedy(pair, tmp_path, name):
+    """bf16 on CUDA with the target's steps, the drafter's rounds and whole rounds as CUDA graphs
+    (the drafter's static path replayed), queued ahead and not: the stream is an eager plain run's."""
+    from memra_cli.engine.layers.step_ops import select_step_ops
+
+    target, _ = pair
+    draft = repeater(make_tiny_gemma4_dspark(tmp_path / "d", target=target, **DRAFTERS[name]))
+    ref_model = Gemma4Target.from_dir(target, dtype=torch.bfloat16, device="cuda")
+    ref_model.step_ops, _ = select_step_ops(ref_model.device)  # the same kernels: the same bits
+    reference = Engine.from_model(ref_model, step_width=16)
+    model = Gemma4Target.from_dir(target, dtype=torch.bfloat16, device="cuda")
+    model.step_ops, _ = select_step_ops(model.device)
+    engine = Engine.from_model(model, step_width=16, cuda_graphs=True, draft_graphs=True, round_graphs=True)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dspark"))
+    for seed in range(3):
+        ids = torch.randint(0, VOCAB - 4, (9 + 14 * seed,), generator=torch.Generator().manual_seed(70 + seed)).tolist()
+        plain = greedy_reference(reference.runner, ids, 48)
+        for pipelined in (True, False):
+            engine.pipelined = pipelined
+            with engine.session(ids, 48, arm, eos_ids=()) as session:
+                assert session.graphed_rounds, (name, seed)
+                assert session.run() == plain, (name, seed, pipelined)
