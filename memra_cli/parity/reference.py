@@ -261,7 +261,9 @@ class Gemma4ReferenceDrafter(ReferenceDrafter):
         kv_in = torch.cat([ctx, xn])  # ctx rows enter K/V as they are: no input_layernorm
         q = self.gnorm((xn @ self.w(p + "q_proj.weight").T).view(b, nh, hd), p + "q_norm.weight")
         k_raw = (kv_in @ self.w(p + "k_proj.weight").T).view(n_ctx + b, nkv, hd)
-        v_raw = k_raw if cfg.gemma4.attention_k_eq_v else (kv_in @ self.w(p + "v_proj.weight").T).view(n_ctx + b, nkv, hd)
+        v_raw = k_raw  # k_eq_v: V is the raw key projection
+        if not cfg.gemma4.attention_k_eq_v:
+            v_raw = (kv_in @ self.w(p + "v_proj.weight").T).view(n_ctx + b, nkv, hd)
         k, v = self.gnorm(k_raw, p + "k_norm.weight"), self.gnorm(v_raw, None)
         q = self.mg.apply_rotary_pos_emb(q, cos[n_ctx:], sin[n_ctx:], unsqueeze_dim=1)
         k = self.mg.apply_rotary_pos_emb(k, cos, sin, unsqueeze_dim=1)

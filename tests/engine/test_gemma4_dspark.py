@@ -253,7 +253,8 @@ def _rewrite(path, **changes):
 
 
 @pytest.mark.parametrize("changes,error,words", [
-    ({"layer_types": ["full_attention", "sliding_attention"]}, UnsupportedError, "drafter's layers are all 'full_attention'"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, UnsupportedError,
+     "drafter's layers are all 'full_attention'"),
     ({"hidden_size_per_layer_input": 8}, UnsupportedError, "has no per-layer inputs"),
     ({"global_head_dim": None}, ConfigError, "required key 'global_head_dim' is missing"),
     ({"num_global_key_value_heads": None}, ConfigError, "required key 'num_global_key_value_heads' is missing"),

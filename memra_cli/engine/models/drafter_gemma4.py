@@ -109,7 +109,8 @@ class Gemma4Drafter(Drafter):
 
     def ctx_features(self, taps: torch.Tensor) -> torch.Tensor:
         """`[t, n_taps*hidden]` raw target taps -> `[t, hidden]` = gnorm(fc(taps), hidden_norm)."""
-        return gemma_rms_norm(self.step_ops.linear(taps.to(self.dtype), self.fc), self.hidden_norm, self.cfg.rms_norm_eps)
+        fused = self.step_ops.linear(taps.to(self.dtype), self.fc)
+        return gemma_rms_norm(fused, self.hidden_norm, self.cfg.rms_norm_eps)
 
     def _project_kv(self, rows: torch.Tensor, w: Gemma4DraftLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows `[t, hidden]` -> k (per-head normed, not yet roped) and v (unweighted-normed)
