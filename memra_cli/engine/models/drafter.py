@@ -192,19 +192,9 @@ class Drafter:
         census = census or take_census(Path(path))
         device = torch.device(device)
         load = _TensorLoader.open(Path(path), dtype, device, weight_fn)
-        ckpt = load.ckpt
         layers = [load.layer(i) for i in range(census.config.num_hidden_layers)]
-        extras: dict[str, object] = {}
-        for name in (MARKOV_W1, OWN_EMBED, OWN_LM_HEAD):  # w1 is a gathered table: as stored
-            if name in ckpt:
-                extras[name] = load.plain(name)
-        if MARKOV_W2 in ckpt:  # a matmul: follows the precision policy (docs/quantize.md)
-            extras[MARKOV_W2] = load.matmul(MARKOV_W2)
-        if CONF_W in ckpt:
-            extras[CONF_W] = load.plain(CONF_W, torch.float32)
-            extras[CONF_B] = load.plain(CONF_B, torch.float32)
         return cls(census, layers, load.matmul("fc.weight"), load.plain("hidden_norm.weight"),
-                   load.plain("norm.weight"), extras, dtype, device)
+                   load.plain("norm.weight"), load.extras(), dtype, device)
 
     # ------------------------------------------------------------------- shared pieces
 
@@ -535,6 +525,19 @@ class _TensorLoader:
                                       f"precision {wanted or 'of the given weight_fn'} cannot apply to it")
             weight_fn = None
         return cls(ckpt, dtype, device, weight_fn)
+
+    def extras(self) -> dict[str, object]:
+        """The DSpark heads and the table copies the checkpoint has, by name (formats/names.py)."""
+        out: dict[str, object] = {}
+        for name in (MARKOV_W1, OWN_EMBED, OWN_LM_HEAD):  # w1 is a gathered table: as stored
+            if name in self.ckpt:
+                out[name] = self.plain(name)
+        if MARKOV_W2 in self.ckpt:  # a matmul: follows the precision policy (docs/quantize.md)
+            out[MARKOV_W2] = self.matmul(MARKOV_W2)
+        if CONF_W in self.ckpt:  # the confidence head stays float32
+            out[CONF_W] = self.plain(CONF_W, torch.float32)
+            out[CONF_B] = self.plain(CONF_B, torch.float32)
+        return out
 
     def plain(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.ckpt.load(name, dtype or self.dtype, self.device)

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 
 from memra_cli.engine.formats.census import Census, take_census
 from memra_cli.engine.formats.gemma4_config import Gemma4Rope
-from memra_cli.engine.formats.names import CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
 from memra_cli.engine.layers.ops import gqa_attention
 from memra_cli.engine.layers.rope import RopeTables, apply_rope
 from memra_cli.engine.models.drafter import Drafter, _TensorLoader
@@ -87,18 +86,10 @@ class Gemma4Drafter(Drafter):
         GGUF of it (loads as written). `weight_fn` as `Drafter.load` (a policy's matmul weights)."""
         census = census or take_census(Path(path))
         load = _TensorLoader.open(Path(path), dtype, torch.device(device), weight_fn)
-        ckpt = load.ckpt
         k_eq_v = census.config.gemma4.attention_k_eq_v
         layers = [_load_layer(load, i, k_eq_v) for i in range(census.config.num_hidden_layers)]
-        extras: dict[str, object] = {name: load.plain(name) for name in (MARKOV_W1, OWN_EMBED, OWN_LM_HEAD)
-                                     if name in ckpt}
-        if MARKOV_W2 in ckpt:
-            extras[MARKOV_W2] = load.matmul(MARKOV_W2)
-        if CONF_W in ckpt:
-            extras[CONF_W] = load.plain(CONF_W, torch.float32)
-            extras[CONF_B] = load.plain(CONF_B, torch.float32)
         return cls(census, layers, load.matmul("fc.weight"), load.plain("hidden_norm.weight"),
-                   load.plain("norm.weight"), extras, dtype, torch.device(device))
+                   load.plain("norm.weight"), load.extras(), dtype, torch.device(device))
 
     @property
     def quantized(self) -> bool:
