@@ -11,7 +11,8 @@
 - Exactness: speculative == plain greedy for the dspark arm under every policy (harvest, verify
   window, verify cap, markov on/off, confidence heads with and without markov) in float32 and
   bfloat16, with partial acceptance (a drafter whose layers barely move the block rows re-proposes
-  its anchor: the tiny target's streams repeat tokens, so some drafts are accepted, most not).
+  its anchor: the tiny target's streams repeat tokens, so some drafts are accepted, most not);
+  and under temperature sampling (the position-keyed sampler) the same stream as plain sampling.
 - Refusals: malformed configs, a Gemma drafter over a Qwen target, `emb_scale` off: one line each.
 """
 
@@ -236,6 +237,23 @@ def test_dspark_arms_equal_plain_greedy(pair, tmp_path, arm_name, dtype):
     # partial acceptance happened, wherever row 0 (the re-proposed anchor) is a draft: DFlash's
     # harvest drafts from rows 1.. only, the mask rows, which this drafter never gets right
     assert accepted > 0 or settings.get("harvest") == "dflash", (accepted, rejected)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.7, 1.0), (1.0, 0.9)])
+def test_sampled_dspark_stream_equals_plain_sampling(pair, tmp_path, temperature, top_p):
+    """Temperature sampling: the position-keyed sampler's speculative stream (drafts sampled with the
+    target's noise through the markov chain) is plain sampling's, token for token."""
+    from memra_cli.engine.spec.keyed import SamplingParams, make_sampler
+
+    target, _ = pair
+    draft = repeater(make_tiny_gemma4_dspark(tmp_path / "d", target=target))
+    engine = Engine.from_model(Gemma4Target.from_dir(target), step_width=16)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dspark"))
+    for seed in range(2):
+        sampler = make_sampler(SamplingParams(temperature=temperature, top_p=top_p, seed=seed))
+        ids = torch.randint(0, VOCAB - 4, (12,), generator=torch.Generator().manual_seed(90 + seed)).tolist()
+        plain = engine.session(ids, 40, None, sampler=sampler, eos_ids=()).run()
+        assert engine.session(ids, 40, arm, sampler=sampler, eos_ids=()).run() == plain, seed
 
 
 # --------------------------------------------------------------------------- refusals
