@@ -92,6 +92,7 @@ def census_report(c: Any, receipts: Any) -> None:
     tap_note = " (defaulted: z-lab spread rule)" if cfg.target_layer_ids_defaulted else ""
     console.print(_kv_table("geometry", [
         ("layers", f"{cfg.num_hidden_layers} × hidden {cfg.hidden_size}, ffn {cfg.intermediate_size}"),
+        ("backbone", _backbone(cfg)),
         ("attention", f"{cfg.num_attention_heads} q heads / {cfg.num_key_value_heads} kv heads × {cfg.head_dim}"),
         ("block", f"{cfg.block_size} (mask token {cfg.mask_token_id})"),
         ("target taps", f"{taps}{tap_note}" + ("  (-1 = embedding output)" if -1 in taps else "")),
@@ -109,6 +110,8 @@ def census_report(c: Any, receipts: Any) -> None:
             ("beta fast/slow", f"{r.beta_fast}/{r.beta_slow}"), ("mscale", f"{r.mscale:.6f}"),
             ("divisors", f"{r.divisors[0]:.4g} … {r.divisors[-1]:.4g} over {len(r.divisors)} dims"),
         ]
+    if r.type == "proportional":
+        rope_rows += [("partial rotary", r.partial_rotary_factor), ("factor", r.factor)]
     if r.type == "llama3":
         rope_rows += [("factor", r.factor), ("original ctx", r.original_max_position_embeddings),
                       ("low/high freq factor", f"{r.low_freq_factor}/{r.high_freq_factor}")]
@@ -126,6 +129,17 @@ def census_report(c: Any, receipts: Any) -> None:
     for w in c.warnings:
         warn(w)
     print_receipts(receipts.lines())
+
+
+def _backbone(cfg: Any) -> str:
+    """The drafter's layer family in words (a Gemma 4 drafter's switches and the defaults applied)."""
+    g = cfg.gemma4
+    if g is None:
+        return "Qwen3 layers (RMSNorm, SwiGLU, q/k norm, 1/sqrt(head_dim))"
+    words = ("Gemma 4 layers (sandwich norms, layer_scalar, q/k/v norms, scaling 1.0, GELU-tanh"
+             + (", k_eq_v" if g.attention_k_eq_v else "") + "); own √hidden-scaled embedding; "
+             + (f"logits softcapped at {g.final_logit_softcapping:g}" if g.final_logit_softcapping else "no softcap"))
+    return words + "".join(f"; {note}" for note in g.notes)
 
 
 def census_json(c: Any, receipts: Any) -> dict:
@@ -148,6 +162,10 @@ def census_json(c: Any, receipts: Any) -> dict:
         "head_dim": cfg.head_dim,
         "intermediate_size": cfg.intermediate_size,
         "vocab_size": cfg.vocab_size,
+        "backbone": cfg.backbone,
+        "gemma4": None if cfg.gemma4 is None else {
+            "attention_k_eq_v": cfg.gemma4.attention_k_eq_v,
+            "final_logit_softcapping": cfg.gemma4.final_logit_softcapping, "notes": list(cfg.gemma4.notes)},
         "markov": None if c.markov is None else {"rank": c.markov.rank, "type": c.markov.type},
         "confidence": None if c.confidence is None else {"in_dim": c.confidence.in_dim, "with_markov": c.confidence.with_markov},
         "rope": {
@@ -157,6 +175,7 @@ def census_json(c: Any, receipts: Any) -> dict:
             "divisors": list(r.divisors) if r.divisors else None,
             **({"low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor}
                if r.type == "llama3" else {}),
+            **({"partial_rotary_factor": r.partial_rotary_factor} if r.type == "proportional" else {}),
         },
         "layers": [
             {"index": l.index, "attention": l.attention, "window": l.window, "causal_in_block": l.causal_in_block, "rule": l.rule}

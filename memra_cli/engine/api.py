@@ -251,6 +251,9 @@ def check_pair(target, census: Census) -> list[str]:
     """Refuse a drafter that cannot condition on this target (headers only: before any weight
     loads). Returns warnings for what runs but deserves a word."""
     cfg, tcfg = census.config, target.cfg
+    if cfg.backbone == "gemma4" and getattr(tcfg, "model_type", None) not in GEMMA4_TARGET_TYPES:
+        raise ConfigError(f"a Gemma 4 DSpark drafter ({cfg.source}) drafts for a Gemma 4 target, not model_type "
+                          f"{getattr(tcfg, 'model_type', None)!r} ({tcfg.source})")
     if cfg.hidden_size != tcfg.hidden_size:
         raise ConfigError(
             f"drafter hidden_size {cfg.hidden_size} ({cfg.source}) != target hidden_size "
@@ -273,6 +276,9 @@ def check_pair(target, census: Census) -> list[str]:
                 f"target's vocabulary is {tcfg.vocab_size} ({tcfg.source}): a drafter must share its target's vocabulary"
             )
     warnings = []
+    if cfg.backbone == "gemma4" and cfg.gemma4.final_logit_softcapping != tcfg.final_logit_softcapping:
+        warnings.append(f"drafter final_logit_softcapping {cfg.gemma4.final_logit_softcapping} differs from the "
+                        f"target's {tcfg.final_logit_softcapping}; the drafts go through the target's lm_head (its cap)")
     last = tcfg.num_hidden_layers - 1
     if last in cfg.target_layer_ids:
         warnings.append(
@@ -283,6 +289,7 @@ def check_pair(target, census: Census) -> list[str]:
 
 
 VOCAB_TABLES = (OWN_EMBED, OWN_LM_HEAD, MARKOV_W1, MARKOV_W2)
+GEMMA4_TARGET_TYPES = ("gemma4", "gemma4_text")
 
 
 def own_table_warnings(drafter, target) -> list[str]:
@@ -348,13 +355,22 @@ def resolve_precision(prec: str | None, dtype: str, device: Any) -> tuple[str, A
 def load_drafter(census: Census, *, prec: str | None, dtype: str, device: str):
     """A drafter alone, for `parity`: (drafter, precision policy, torch dtype, device). A GGUF is
     judged under the policy it was written with."""
-    from memra_cli.engine.models.drafter import Drafter
-
     dev = resolve_device(device)
     if census.checkpoint_format == "gguf":
         prec = gguf_policy(prec, Path(census.path))
     policy, dt, weight_fn = resolve_precision(prec, dtype, dev)
-    return Drafter.load(census.path, dtype=dt, device=dev, census=census, weight_fn=weight_fn), policy, dt, dev
+    return drafter_class(census).load(census.path, dtype=dt, device=dev, census=census, weight_fn=weight_fn), policy, dt, dev
+
+
+def drafter_class(census: Census):
+    """The drafter model of a census: Gemma 4 layers (DeepSpec's Gemma4DSparkModel) or Qwen3 ones."""
+    if census.config.backbone == "gemma4":
+        from memra_cli.engine.models.drafter_gemma4 import Gemma4Drafter
+
+        return Gemma4Drafter
+    from memra_cli.engine.models.drafter import Drafter
+
+    return Drafter
 
 
 # --------------------------------------------------------------------------- the engine
@@ -531,14 +547,18 @@ class Engine:
 
         program, receipts, mode = resolve_program(mode, census, arm.settings, arm.markov, arm.verify_cap,
                                                   step_cost_of(self.target))
-        program, receipts = self._block_embedding(arm.emb_scale, program, receipts)
-        return mode, census, program, receipts, check_pair(self.target, census)
+        warnings = check_pair(self.target, census)
+        program, receipts = self._block_embedding(arm.emb_scale, program, receipts, census)
+        return mode, census, program, receipts, warnings
 
-    def _block_embedding(self, setting: bool | None, program: Program, receipts: Receipts) -> tuple[Program, Receipts]:
+    def _block_embedding(self, setting: bool | None, program: Program, receipts: Receipts,
+                         census: Census) -> tuple[Program, Receipts]:
         """The arm's `emb_scale` resolved against the loaded target: its `embed_scale` rounded to
-        the model dtype (the multiplier a scaling family's own embedding applies), or raw."""
+        the model dtype (the multiplier a scaling family's own embedding applies), or raw. A Gemma
+        4 DSpark drafter's format fixes it: its own embedding is the √hidden-scaled one."""
         scale = float(torch.tensor(self.target.embed_scale, dtype=self.dtype))
-        embedding = resolve_block_embedding(setting, scale)
+        recorded = "Gemma4DSparkModel's own embedding is scaled" if census.config.backbone == "gemma4" else None
+        embedding = resolve_block_embedding(setting, scale, recorded)
         return (dataclasses.replace(program, emb_scale=embedding.scale),
                 dataclasses.replace(receipts, embedding=embedding))
 
@@ -552,9 +572,8 @@ class Engine:
         weight_fn, precision, source = drafter_precision(arm.prec, arm.draft)
         started = time.perf_counter()
         if drafter is None:
-            from memra_cli.engine.models.drafter import Drafter
-
-            drafter = Drafter.load(Path(arm.draft), self.dtype, self.device, census=census, weight_fn=weight_fn)
+            drafter = drafter_class(census).load(Path(arm.draft), self.dtype, self.device, census=census,
+                                                 weight_fn=weight_fn)
         # the drafter runs the fused ops its target runs (Triton kernels on CUDA by default)
         drafter.step_ops = self.target.step_ops
         if program.markov:  # the chain's bias table belongs to loading, not to the first round

@@ -462,7 +462,9 @@ def _heads(drafter: Any, oracle: Oracle, hidden: Any, lm_head: Any) -> dict[str,
     chain = None
     if lm_head is not None:
         # the target's lm_head runs in the model dtype, widened after (Qwen3Target.logits)
-        logits = torch.nn.functional.linear(hidden, lm_head.to(hidden.dtype)).float()
+        logits = torch.nn.functional.linear(hidden, lm_head.to(hidden.dtype))
+        cap = drafter.logit_softcap  # a Gemma 4 drafter's: in the model dtype, as its target's lm_head
+        logits = (logits if cap is None else torch.tanh(logits / cap) * cap).float()
         out["draft_logits"] = _np(logits)
         if drafter.has_markov:
             chain = drafter.markov_chain(logits, anchor)  # all b rows, first prev = anchor

@@ -41,6 +41,8 @@ from memra_cli.engine.errors import MemraError
 from memra_cli.parity.oracle import FORMAT, target_tables, write_oracle
 
 SOURCE = "memra reference (float64 plain torch + transformers Qwen3RMSNorm/Qwen3MLP/Qwen3RotaryEmbedding)"
+GEMMA4_SOURCE = ("memra reference (float64 plain torch + transformers Gemma4RMSNorm/Gemma4TextMLP/"
+                 "Gemma4TextRotaryEmbedding/Gemma4TextScaledWordEmbedding)")
 OUTLIER_GAIN = 20.0  # a few "massive activation" channels per tap, as real residual streams have
 F64 = torch.float64
 
@@ -190,6 +192,16 @@ class ReferenceDrafter:
 
     # ----------------------------------------------------------------------- heads
 
+    embed_scale = 1.0  # what the embedding output (a -1 tap) multiplies the table's rows by
+
+    def block_rows(self, embed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The block's input rows `[b, hidden]` float32 from embedding table rows of `ids`."""
+        return embed[ids].float()
+
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """float64 draft logits `[b, V]`."""
+        return _logits(hidden, head)
+
     def markov_chain(self, logits: torch.Tensor, anchor: int) -> torch.Tensor:
         """Greedy over all rows: token_k = argmax(logits_k + w2 @ w1[prev]), prev_0 = anchor."""
         w1, w2 = self.w(MARKOV_W1), self.w(MARKOV_W2)
@@ -205,6 +217,111 @@ class ReferenceDrafter:
         if self.census.confidence is not None and self.census.confidence.with_markov:
             feats = torch.cat([hidden, self.w(MARKOV_W1)[prev_ids]], dim=-1)
         return feats @ w + bias
+
+
+class Gemma4ReferenceDrafter(ReferenceDrafter):
+    """DeepSpec's Gemma4DSparkModel written the obvious way (float64), from transformers' Gemma 4
+    pieces: `Gemma4RMSNorm`'s normalization (its `_norm`, applied in float64, times the weight as
+    Gemma 4 does: no `1 + w`), `Gemma4TextMLP` (GELU-tanh), `Gemma4TextRotaryEmbedding`'s
+    `full_attention` tables over `global_head_dim` (transformers resolves the head dim and the
+    proportional rope from the checkpoint's raw config), `apply_rotary_pos_emb`, and
+    `Gemma4TextScaledWordEmbedding` for the block rows (√hidden-scaled). Attention, layer order,
+    layer scalar and softcap are written here: scaling 1.0, every block row over every ctx and
+    block key, K/V from [ctx ; normed block rows], v from the raw key projection with k_eq_v."""
+
+    def __init__(self, path: Path, census: Census | None = None):
+        self.census = census or take_census(Path(path))
+        self.cfg = self.census.config
+        self.ckpt = open_checkpoint(Path(path))
+        self.mg, config_cls = _gemma4_modules()
+        raw = _raw_config(Path(path))
+        self.embed_scale = self.cfg.hidden_size ** 0.5  # a -1 tap is the scaled embedding
+        with _quiet_transformers():
+            self.hf = config_cls(**{k: v for k, v in raw.items() if k in config_cls().to_dict() or k in HF_HEAD_KEYS})
+            self.rotary = self.mg.Gemma4TextRotaryEmbedding(self.hf)
+
+    def gnorm(self, x: torch.Tensor, name: str | None) -> torch.Tensor:
+        """Gemma 4's RMSNorm in float64 (`name` None: the unweighted v norm)."""
+        module = self.mg.Gemma4RMSNorm(x.shape[-1], eps=self.cfg.rms_norm_eps, with_scale=False)
+        out = module._norm(x)
+        return out if name is None else out * self.w(name)
+
+    def mlp(self, prefix: str) -> Any:
+        with torch.device("meta"):
+            module = self.mg.Gemma4TextMLP(self.hf, 0)
+        module = module.to_empty(device="cpu").to(F64)
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            getattr(module, part).weight.data.copy_(self.w(f"{prefix}mlp.{part}.weight"))
+        return module
+
+    def attention(self, li: int, xn: torch.Tensor, ctx: torch.Tensor, pos: torch.Tensor, cos, sin) -> torch.Tensor:
+        cfg, p = self.cfg, f"layers.{li}.self_attn."
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        n_ctx, b = ctx.shape[0], xn.shape[0]
+        kv_in = torch.cat([ctx, xn])  # ctx rows enter K/V as they are: no input_layernorm
+        q = self.gnorm((xn @ self.w(p + "q_proj.weight").T).view(b, nh, hd), p + "q_norm.weight")
+        k_raw = (kv_in @ self.w(p + "k_proj.weight").T).view(n_ctx + b, nkv, hd)
+        v_raw = k_raw  # k_eq_v: V is the raw key projection
+        if not cfg.gemma4.attention_k_eq_v:
+            v_raw = (kv_in @ self.w(p + "v_proj.weight").T).view(n_ctx + b, nkv, hd)
+        k, v = self.gnorm(k_raw, p + "k_norm.weight"), self.gnorm(v_raw, None)
+        q = self.mg.apply_rotary_pos_emb(q, cos[n_ctx:], sin[n_ctx:], unsqueeze_dim=1)
+        k = self.mg.apply_rotary_pos_emb(k, cos, sin, unsqueeze_dim=1)
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        probs = torch.softmax(torch.einsum("ihd,jhd->hij", q, k), dim=-1)  # scaling 1.0, no mask
+        out = torch.einsum("hij,jhd->ihd", probs, v).reshape(b, nh * hd)
+        return out @ self.w(p + "o_proj.weight").T
+
+    def forward(self, taps: torch.Tensor, noise: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+        """taps `[ctx, n_taps*hidden]`, noise `[b, hidden]` (scaled rows), pos `[ctx+b]` -> float64 stages."""
+        taps, x = taps.to(F64), noise.to(F64)
+        ctx = self.gnorm(taps @ self.w("fc.weight").T, "hidden_norm.weight")
+        cos, sin = self.rotary(x, pos[None].long(), "full_attention")
+        cos, sin = cos[0].to(F64), sin[0].to(F64)
+        layers = []
+        for li in range(self.cfg.num_hidden_layers):
+            p = f"layers.{li}."
+            attn = self.attention(li, self.gnorm(x, p + "input_layernorm.weight"), ctx, pos, cos, sin)
+            x = x + self.gnorm(attn, p + "post_attention_layernorm.weight")
+            mlp = self.mlp(p)(self.gnorm(x, p + "pre_feedforward_layernorm.weight"))
+            x = (x + self.gnorm(mlp, p + "post_feedforward_layernorm.weight")) * self.w(p + "layer_scalar")
+            layers.append(x)
+        return {"ctx_features": ctx, "layer_out": torch.stack(layers), "hidden_out": self.gnorm(x, "norm.weight")}
+
+    def block_rows(self, embed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The drafter's own embedding: rows times √hidden (transformers' scaled embedding, float32)."""
+        module = self.mg.Gemma4TextScaledWordEmbedding(embed.shape[0], embed.shape[1], None,
+                                                        embed_scale=self.cfg.hidden_size ** 0.5)
+        module.weight.data.copy_(embed.float())
+        with torch.no_grad():
+            return module(ids).float()
+
+    def logits(self, hidden: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        z, cap = _logits(hidden, head), self.cfg.gemma4.final_logit_softcapping
+        return z if cap is None else torch.tanh(z / cap) * cap
+
+
+HF_HEAD_KEYS = ("global_head_dim", "num_global_key_value_heads")  # consumed by Gemma4TextConfig's init
+
+
+def _gemma4_modules():
+    try:
+        from memra_cli.hf_compat import protect_kernels_name
+        protect_kernels_name()
+        from transformers import Gemma4TextConfig
+        from transformers.models.gemma4 import modeling_gemma4
+    except ImportError as exc:
+        raise ReferenceError(
+            f"--make-oracle needs HF transformers with Gemma 4 (a test dependency: pip install 'memra[test]'); "
+            f"import failed: {exc}") from None
+    return modeling_gemma4, Gemma4TextConfig
+
+
+def reference_for(path: Path) -> ReferenceDrafter:
+    """The reference of a checkpoint's layers: Gemma 4 (DeepSpec's Gemma4DSparkModel) or Qwen3."""
+    census = take_census(Path(path))
+    cls = Gemma4ReferenceDrafter if census.config.backbone == "gemma4" else ReferenceDrafter
+    return cls(Path(path), census)
 
 
 def _logits(hidden: torch.Tensor, head: torch.Tensor, chunk: int = 16384) -> torch.Tensor:
@@ -261,7 +378,7 @@ def make_oracle(ckpt_path: Path | str, out_npz: Path | str, target_dir: Path | s
     ckpt_path = Path(ckpt_path)
     if ctx < 1:
         raise ReferenceError(f"--ctx {ctx}: the context needs at least one row")
-    ref = ReferenceDrafter(ckpt_path)
+    ref = reference_for(ckpt_path)
     cfg, census, ckpt = ref.cfg, ref.census, ref.ckpt
     b = cfg.block_size
     if ctx + b > cfg.max_position_embeddings:  # the positions run 0 .. ctx + b - 1
@@ -278,10 +395,10 @@ def make_oracle(ckpt_path: Path | str, out_npz: Path | str, target_dir: Path | s
         raise ReferenceError(f"{ckpt_path}: cannot draw an anchor token (vocab {vocab}, mask_token_id {cfg.mask_token_id})")
     anchor = int(torch.randint(0, high - 1, (1,), generator=gen))
     anchor += anchor >= cfg.mask_token_id  # never the mask token itself
-    taps = random_taps(cfg, ctx, gen, embed)
     ids = torch.tensor([anchor] + [cfg.mask_token_id] * (b - 1))
+    taps = random_taps(cfg, ctx, gen, None if embed is None else embed * ref.embed_scale)
     if embed is not None:
-        noise = embed[ids].float()
+        noise = ref.block_rows(embed, ids)
     else:
         rows = torch.randn(2, cfg.hidden_size, generator=gen)  # an anchor row and a mask row
         noise, e_src = rows[(ids == cfg.mask_token_id).long()], "random rows (no embedding table: no --target, none in the checkpoint)"
@@ -290,7 +407,7 @@ def make_oracle(ckpt_path: Path | str, out_npz: Path | str, target_dir: Path | s
     with torch.no_grad():
         stages = ref.forward(taps, noise, pos)
         if head is not None:
-            logits = _logits(stages["hidden_out"], head)
+            logits = ref.logits(stages["hidden_out"], head)
             stages["draft_logits"] = logits
             if census.markov is not None:
                 stages["markov_tokens"] = ref.markov_chain(logits, anchor)
@@ -313,8 +430,9 @@ def make_oracle(ckpt_path: Path | str, out_npz: Path | str, target_dir: Path | s
     protect_kernels_name()  # our kernels/ folder must not shadow HF kernels
     import transformers
 
+    source = GEMMA4_SOURCE if isinstance(ref, Gemma4ReferenceDrafter) else SOURCE
     meta = {
-        "source": f"{SOURCE}; transformers {transformers.__version__}; noise from {e_src}; lm_head from {h_src}",
+        "source": f"{source}; transformers {transformers.__version__}; noise from {e_src}; lm_head from {h_src}",
         "block_size": b, "ctx": ctx, "anchor_token": anchor, "harvest": census.kind,
         "checkpoint": str(ckpt_path), "seed": seed, "mask_token_id": cfg.mask_token_id, "compute": "float64",
     }

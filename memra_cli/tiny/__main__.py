@@ -6,7 +6,8 @@ heads, a -1 tap), all mutually compatible; and OUT_DIR/qwen3_5 (a Qwen3.5 hybrid
 DeltaNet + gated attention, in the published multimodal layout, with the same tokenizer) with
 OUT_DIR/qwen3_5_dflash (a z-lab DFlash drafter tapping it); OUT_DIR/gemma4 (a Gemma 4 text target:
 sliding + full layers, k_eq_v, softcap, tied head, with the same tokenizer) with OUT_DIR/gemma4_dflash
-(a z-lab DFlash drafter tapping it); OUT_DIR/qwen3_moe (a Qwen3-MoE target: 8 experts, top-2,
+(a z-lab DFlash drafter tapping it) and OUT_DIR/gemma4_dspark (a DeepSpec Gemma4DSparkModel drafter:
+Gemma 4 layers, markov and confidence heads, the target's embedding and head); OUT_DIR/qwen3_moe (a Qwen3-MoE target: 8 experts, top-2,
 layer 1 dense, with the same tokenizer) with OUT_DIR/qwen3_moe_dflash (a z-lab DFlash drafter for it);
 OUT_DIR/qwen3_5_moe (the Qwen3.5 mixture-of-experts hybrid, multimodal layout: 8 experts, top-2, a
 gated shared expert, with the same tokenizer) with OUT_DIR/qwen3_5_moe_dflash; OUT_DIR/gemma4_moe (Gemma 4
@@ -26,6 +27,7 @@ from memra_cli.engine.errors import MemraError
 from memra_cli.engine.files import check_output
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.gemma4 import DEFAULT_LAYER_TYPES as GEMMA4_LAYER_TYPES, make_tiny_gemma4
+from memra_cli.tiny.gemma4_dspark import make_tiny_gemma4_dspark
 from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
 from memra_cli.tiny.qwen3_5 import DEFAULT_LAYER_TYPES, make_tiny_qwen35
 from memra_cli.tiny.target import make_tiny_llama, make_tiny_qwen3
@@ -62,9 +64,10 @@ def main(argv: list[str]) -> int:
     make_tiny_qwen35(out / "qwen3_5", layout="multimodal", tokenizer=True)
     make_tiny_draft(out / "qwen3_5_dflash", "zlab", target_layer_ids=QWEN35_DRAFT_TAPS,
                     num_target_layers=len(DEFAULT_LAYER_TYPES))
-    make_tiny_gemma4(out / "gemma4", tokenizer=True)
+    gemma4 = make_tiny_gemma4(out / "gemma4", tokenizer=True)
     make_tiny_draft(out / "gemma4_dflash", "zlab", target_layer_ids=GEMMA4_DRAFT_TAPS,
                     num_target_layers=len(GEMMA4_LAYER_TYPES))
+    make_tiny_gemma4_dspark(out / "gemma4_dspark", target=gemma4)
     make_tiny_qwen3_moe(out / "qwen3_moe", tokenizer=True)
     make_tiny_draft(out / "qwen3_moe_dflash", "zlab")
     make_tiny_qwen35(out / "qwen3_5_moe", layout="multimodal", moe=TINY_MOE, tokenizer=True, seed=5)
@@ -79,6 +82,7 @@ def main(argv: list[str]) -> int:
     print(f"wrote {out / 'target'} (Qwen3 + tokenizer), {out / 'dflash'} (z-lab DFlash), {out / 'dspark'} (DeepSpec DSpark), "
           f"{out / 'qwen3_5'} (Qwen3.5 hybrid, multimodal layout + tokenizer), {out / 'qwen3_5_dflash'} (z-lab DFlash for it), "
           f"{out / 'gemma4'} (Gemma 4 text + tokenizer), {out / 'gemma4_dflash'} (z-lab DFlash for it), "
+          f"{out / 'gemma4_dspark'} (DeepSpec Gemma 4 DSpark for it), "
           f"{out / 'qwen3_moe'} (Qwen3-MoE + tokenizer), {out / 'qwen3_moe_dflash'} (z-lab DFlash for it), "
           f"{out / 'qwen3_5_moe'} (Qwen3.5 MoE hybrid + tokenizer), {out / 'qwen3_5_moe_dflash'} "
           f"(z-lab DFlash for it), "

@@ -2,7 +2,9 @@
 target (with the tiny tokenizer) and a z-lab DFlash drafter for it; `memra generate` / `memra bench`
 run the pair and the speculative stream equals plain greedy (`--spec off`) token for token;
 `memra census` reads the drafter; an MoE Gemma config routing more experts than it has and an
-unknown layer type exit 2 with one `error:` line."""
+unknown layer type exit 2 with one `error:` line. The DeepSpec Gemma4DSparkModel drafter it writes
+too goes through census, parity (`--make-oracle` and the check), generate and bench, with its
+refusals."""
 
 from __future__ import annotations
 
@@ -122,18 +124,87 @@ def test_parity_reads_the_gemma_tables(tiny, tmp_path):
     assert "drafter hidden_size 32" in line and "!= target hidden_size 64" in line
 
 
-def test_deepspec_gemma4_dspark_drafter_is_one_error_line(tiny, tmp_path):
-    """DeepSpec's Gemma 4 DSpark export is recognised and refused by name, before any weight is read."""
-    target, draft = tiny
-    bad = tmp_path / "gemma_dspark"
+@pytest.fixture(scope="module")
+def dspark(tiny):
+    """The DeepSpec Gemma4DSparkModel drafter `python -m memra_cli.tiny` writes beside the target."""
+    return tiny[0].parent / "gemma4_dspark"
+
+
+def test_census_reports_the_gemma_dspark_drafter(dspark):
+    r = run("census", dspark)
+    assert r.exit_code == 0, r.output
+    words = " ".join(r.stdout.split())  # the table wraps its cells
+    assert "Gemma 4 layers (sandwich norms, layer_scalar, q/k/v norms, scaling 1.0, GELU-tanh, k_eq_v)" in words
+    assert "[dspark] harvest=dspark" in r.stdout
+    obj = json.loads(run("census", dspark, "--json").stdout)
+    assert obj["backbone"] == "gemma4" and obj["kind"] == "dspark" and obj["head_dim"] == 32
+    assert obj["gemma4"] == {"attention_k_eq_v": True, "final_logit_softcapping": 30.0, "notes": []}
+    assert obj["rope"]["type"] == "proportional" and obj["rope"]["partial_rotary_factor"] == 0.25
+
+
+def test_parity_makes_and_passes_the_gemma_dspark_oracle(tiny, dspark, tmp_path):
+    target, _ = tiny
+    oracle = tmp_path / "o.npz"
+    made = run("parity", dspark, "--make-oracle", oracle, "--target", target)
+    assert made.exit_code == 0, made.output
+    assert "Gemma4RMSNorm/Gemma4TextMLP/Gemma4TextRotaryEmbedding" in made.stdout
+    for dtype in ("float32", "bfloat16"):
+        r = run("parity", dspark, oracle, "--target", target, "--dtype", dtype)
+        assert r.exit_code == 0 and "parity PASS: 12/12 checks" in r.stdout, r.output
+
+
+@pytest.mark.parametrize("extra", [[], ["--vt", "ladder", "--no-markov"], ["--step-width", "variable"]],
+                         ids=["default", "ladder-no-markov", "variable"])
+def test_generate_with_the_gemma_dspark_drafter_equals_plain(tiny, dspark, extra):
+    target, _ = tiny
+    common = ["--target", target, "--draft", dspark, "--prompt-ids", IDS, "--max-new", "32", "--json", *extra]
+    spec, plain = run("generate", *common), run("generate", "--spec", "off", *common)
+    assert spec.exit_code == 0 and plain.exit_code == 0, (spec.output, plain.output)
+    s, p = json.loads(spec.stdout), json.loads(plain.stdout)
+    assert s["mode"] == "dspark" and s["tokens"] == p["tokens"] and len(s["tokens"]) == 32
+    text = run("generate", *[a for a in common if a != "--json"])
+    assert ("[dspark] block-embedding=scaled x8 (the target's embed_scale; Gemma4DSparkModel's own embedding "
+            "is scaled)") in text.stderr
+
+
+def test_bench_runs_the_gemma_dspark_arm(tiny, dspark):
+    target, _ = tiny
+    r = run("bench", "--target", target, "--draft", dspark, "--prompts", "mbpp", "--n", "2", "--max-new", "12",
+            "--warmup", "0", "--arm", "dspark", "--json")
+    assert r.exit_code == 0, r.output
+    obj = json.loads(r.stdout)
+    assert obj["exact"] is True and obj["arms"][2]["tokens"] == obj["arms"][0]["tokens"]
+
+
+def test_gemma_dspark_refusals_are_one_error_line(tiny, dspark, tmp_path):
+    """A malformed Gemma 4 DSpark config (a sliding drafter layer), the drafter over a Qwen target and
+    with --no-emb-scale: one `error:` line each, exit 2."""
+    target, _ = tiny
+    bad = tmp_path / "bad"
     bad.mkdir()
-    for f in draft.iterdir():
-        if f.name != "config.json":
-            (bad / f.name).symlink_to(f)
-    cfg = {**json.loads((draft / "config.json").read_text()), "architectures": ["Gemma4DSparkModel"],
-           "model_type": "gemma4_text", "block_size": 4, "mask_token_id": 1, "markov_rank": 0}
-    (bad / "config.json").write_text(json.dumps(cfg))
-    for args in (("census", bad), ("generate", "--target", target, "--draft", bad, "--prompt-ids", IDS, "--max-new", "4")):
+    (bad / "model.safetensors").symlink_to(dspark / "model.safetensors")
+    cfg = json.loads((dspark / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "layer_types": ["sliding_attention", "full_attention"]}))
+    for args in (("census", bad), ("generate", "--target", target, "--draft", bad, "--prompt-ids", IDS)):
         line = one_error_line(run(*args))
-        assert "DeepSpec Gemma 4 DSpark drafter (Gemma4DSparkModel) is recognised but not implemented" in line
-        assert str(bad / "config.json") in line
+        assert str(bad / "config.json") in line and "drafter's layers are all 'full_attention'" in line
+    qwen = target.parent / "target"
+    line = one_error_line(run("generate", "--target", qwen, "--draft", dspark, "--prompt-ids", IDS, "--max-new", "4"))
+    assert "drafts for a Gemma 4 target, not model_type 'qwen3'" in line
+    line = one_error_line(run("generate", "--target", target, "--draft", dspark, "--prompt-ids", IDS, "--no-emb-scale"))
+    assert "--no-emb-scale" in line and "block embedding is scaled" in line
+
+
+def test_quantize_writes_a_gguf_of_the_gemma_dspark_drafter_that_runs(tiny, dspark, tmp_path):
+    """`memra quantize` over the Gemma 4 layer names (sandwich norms, layer_scalar, no v_proj): the
+    GGUF's census is the source's, and generate with it equals plain greedy."""
+    target, _ = tiny
+    gguf = tmp_path / "d.gguf"
+    q = run("quantize", dspark, "--out", gguf, "--policy", "q8")
+    assert q.exit_code == 0, q.output
+    c = json.loads(run("census", gguf, "--json").stdout)
+    assert c["backbone"] == "gemma4" and c["n_tensors"] == json.loads(run("census", dspark, "--json").stdout)["n_tensors"]
+    common = ["--target", target, "--prompt-ids", IDS, "--max-new", "24", "--json"]
+    spec, plain = run("generate", "--draft", gguf, *common), run("generate", "--spec", "off", *common)
+    assert spec.exit_code == 0, spec.output
+    assert json.loads(spec.stdout)["tokens"] == json.loads(plain.stdout)["tokens"]

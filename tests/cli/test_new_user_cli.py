@@ -155,14 +155,15 @@ def test_docs_give_the_embedded_drafters_census_counts():
 def test_readme_says_what_the_tiny_script_writes(tmp_path):
     assert tiny_main([str(tmp_path)]) == 0
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == ["dflash", "dspark", "gemma4", "gemma4_dflash", "gemma4_moe", "gemma4_moe_dflash", "llama",
+    assert written == ["dflash", "dspark", "gemma4", "gemma4_dflash", "gemma4_dspark", "gemma4_moe", "gemma4_moe_dflash",
+                       "llama",
                        "llama_dflash", "qwen3_5", "qwen3_5_dflash", "qwen3_5_moe", "qwen3_5_moe_dflash", "qwen3_moe",
                        "qwen3_moe_dflash", "target"]
     readme = _words((ROOT / "README.md").read_text())
     assert "every format" not in readme
-    said = readme[readme.index("`python -m memra_cli.tiny DIR` writes fifteen tiny random checkpoints"):]
+    said = readme[readme.index("`python -m memra_cli.tiny DIR` writes sixteen tiny random checkpoints"):]
     said = said[:said.index(". ")]
-    assert said.startswith("`python -m memra_cli.tiny DIR` writes fifteen tiny random checkpoints for experiments: "
+    assert said.startswith("`python -m memra_cli.tiny DIR` writes sixteen tiny random checkpoints for experiments: "
                            "a Qwen3 target with a tokenizer, a z-lab DFlash drafter and a DeepSpec DSpark drafter "
                            "that ships the target's tables")
     for name in written:  # every other directory it writes is named in that sentence

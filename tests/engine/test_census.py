@@ -125,17 +125,19 @@ def _as_gemma4_dspark(path, **overrides):
     cfg = json.loads((path / "config.json").read_text())
     cfg.update(architectures=["Gemma4DSparkModel"], model_type="gemma4_text", global_head_dim=32,
                num_global_key_value_heads=1, attention_k_eq_v=True, final_logit_softcapping=30.0,
-               layer_types=["full_attention"] * cfg["num_hidden_layers"])
+               layer_types=["full_attention"] * cfg["num_hidden_layers"],
+               rope_parameters={"full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                   "rope_theta": 1e6}})
     cfg.update(overrides)
     (path / "config.json").write_text(json.dumps(cfg))
     return path
 
 
-@pytest.mark.parametrize("overrides, named", [
-    ({}, "Gemma4DSparkModel"),
-    ({"architectures": ["DSparkDraftModel"]}, "model_type 'gemma4_text'"),
-])
-def test_gemma4_dspark_export_is_refused_by_name(draft_dir, overrides, named):
+@pytest.mark.parametrize("overrides", [{}, {"architectures": ["DSparkDraftModel"]}])
+def test_gemma4_dspark_config_over_qwen_layers_is_refused_by_tensor(draft_dir, overrides):
+    """A Gemma 4 DSpark config (by architecture, or by model_type with a block size) is read as Gemma 4
+    layers: Qwen3-layout tensors under it fail the census by name, never load as the wrong layers."""
     path = _as_gemma4_dspark(draft_dir("deepspec", markov_rank=16, confidence="markov"), **overrides)
-    with pytest.raises(UnsupportedError, match=rf"DeepSpec Gemma 4 DSpark drafter \({named}\) is recognised but not implemented"):
+    with pytest.raises(CensusError, match=r"tensor 'layers\.0\.self_attn\.q_proj\.weight' has shape \[64, 64\], "
+                                          r"expected \[128, 64\]"):
         take_census(path)

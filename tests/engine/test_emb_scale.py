@@ -14,6 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from memra_cli.engine.errors import SettingError
 from memra_cli.cli.app import app
 from memra_cli.engine.api import ArmConfig, Engine
 from memra_cli.engine.greedy import greedy_reference
@@ -50,6 +51,14 @@ def test_resolution_and_receipts():
     assert (on.scaled, on.scale, on.set) == (True, 8.0, True)
     assert on.line("dspark") == f"[dspark] block-embedding=scaled x8 (the target's embed_scale) ({EMB_SCALE_ENV} set)"
     assert on.as_json() == {"scaled": True, "scale": 8.0, "set": True}
+    # a drafter format that fixes the scaled embedding (Gemma4DSparkModel): the setting may only agree
+    fixed = resolve_block_embedding(None, 8.0, "its own embedding is scaled")
+    assert (fixed.scaled, fixed.scale, fixed.set) == (True, 8.0, False)
+    assert fixed.as_json() == {"scaled": True, "scale": 8.0, "set": False, "recorded": "its own embedding is scaled"}
+    assert fixed.line("dspark") == "[dspark] block-embedding=scaled x8 (the target's embed_scale; its own embedding is scaled)"
+    assert resolve_block_embedding(True, 8.0, "why").scaled
+    with pytest.raises(SettingError, match="block embedding is scaled \\(why\\)"):
+        resolve_block_embedding(False, 8.0, "why")
 
 
 @pytest.mark.parametrize("dtype,want", [(torch.float32, float(torch.tensor(GEMMA_LIKE))), (torch.bfloat16, 55.5)])

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memra_cli.engine.formats.checkpoint import Checkpoint, TensorInfo, open_checkpoint
-from memra_cli.engine.formats.config import DraftConfig, load_draft_config, parse_draft_config
+from memra_cli.engine.formats.config import DraftConfig, is_gemma4_dspark, parse_draft_config, read_json_object
+from memra_cli.engine.formats.gemma4_config import parse_gemma4_draft_config
 from memra_cli.engine.errors import CensusError, ConfigError, UnsupportedError
 from memra_cli.engine.formats.names import (
     CONF_B, CONF_W, MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD,
@@ -46,6 +47,7 @@ class RopeInfo:
     divisors: tuple[float, ...] | None = None  # spec form: inv_freq_j = plain_j / divisors[j]
     low_freq_factor: float | None = None  # llama3
     high_freq_factor: float | None = None  # llama3
+    partial_rotary_factor: float | None = None  # proportional (a Gemma 4 drafter's full-attention rope)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,9 @@ class Census:
 # --------------------------------------------------------------------------- pieces
 
 
+GEMMA4_LAYER_NORMS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+
+
 def _expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
     h, hd, ff = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
@@ -94,6 +99,10 @@ def _expected_shapes(cfg: DraftConfig) -> dict[str, tuple[int, ...]]:
         "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
         "mlp.gate_proj.weight": (ff, h), "mlp.up_proj.weight": (ff, h), "mlp.down_proj.weight": (h, ff),
     }
+    if cfg.gemma4 is not None:  # Gemma 4 layers: sandwich norms, a layer scalar, no v_proj with k_eq_v
+        per_layer.update({name: (h,) for name in GEMMA4_LAYER_NORMS}, layer_scalar=(1,))
+        if cfg.gemma4.attention_k_eq_v:
+            del per_layer["self_attn.v_proj.weight"]
     shapes = {"fc.weight": (h, cfg.n_taps * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
     for i in range(cfg.num_hidden_layers):
         for suffix, shape in per_layer.items():
@@ -170,6 +179,8 @@ def _rope(cfg: DraftConfig) -> RopeInfo:
     r = cfg.rope
     if r.type == "default":
         return RopeInfo(type="default", theta=r.theta)
+    if r.type == "proportional":
+        return RopeInfo(type="proportional", theta=r.theta, factor=r.factor, partial_rotary_factor=r.partial_rotary_factor)
     if r.type == "llama3":
         return RopeInfo(type="llama3", theta=r.theta, factor=r.factor,
                         original_max_position_embeddings=r.original_max_position_embeddings,
@@ -193,6 +204,9 @@ def attention_layout(cfg: DraftConfig) -> tuple[LayerLayout, ...]:
     out = []
     for i, kind in enumerate(cfg.layer_types):
         sliding = kind == "sliding_attention"
+        if cfg.gemma4 is not None:  # every layer full; DeepSpec's drafting forward passes is_causal=False
+            out.append(LayerLayout(i, "full", None, False, "Gemma 4 DSpark: full, non-causal (DeepSpec's eval)"))
+            continue
         if cfg.causal is None:
             causal = sliding
             rule = ("sliding => causal in block (undeclared; z-lab model code, SGLang, SpecForge)" if sliding
@@ -239,10 +253,20 @@ def _own_table(cfg: DraftConfig, ckpt: Checkpoint, name: str) -> bool:
 # --------------------------------------------------------------------------- entry point
 
 
+def read_draft_config(raw: dict, source: str) -> DraftConfig:
+    """A drafter config.json (parsed) by the reader of its layers: DeepSpec's Gemma 4 export, or the
+    Qwen3-layer formats."""
+    return (parse_gemma4_draft_config if is_gemma4_dspark(raw) else parse_draft_config)(raw, source)
+
+
+def load_draft_config(path: Path) -> DraftConfig:
+    return read_draft_config(read_json_object(path), str(path))
+
+
 def _config_for(path: Path, ckpt: Checkpoint) -> DraftConfig:
     embedded = getattr(ckpt, "embedded_config", None)
     if embedded is not None:  # a GGUF carries its source config.json in its metadata
-        return parse_draft_config(embedded, f"{path}:config.json")
+        return read_draft_config(embedded, f"{path}:config.json")
     return load_draft_config(path / "config.json")
 
 

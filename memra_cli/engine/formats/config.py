@@ -10,7 +10,9 @@ Reads every public drafter exporter (see docs/formats.md):
   `enable_confidence_head`, `confidence_head_with_markov`.
 - other DSpark exports: `architectures ["DSparkDraftModel"]` with a nested `dspark_config`, or
   `dflash_config.projector_type == "dspark"`.
-- DeepSpec's Gemma 4 export (`Gemma4DSparkModel`): recognised and refused by name (not implemented).
+- DeepSpec's Gemma 4 export (`Gemma4DSparkModel`, a Gemma 4 text config with the DSpark keys): detected
+  here (`is_gemma4_dspark`) and read by `gemma4_config.parse_gemma4_draft_config`, which fills the same
+  `DraftConfig` plus its `gemma4` facts; `census.py` picks the reader.
 
 and the dense targets' HF configs (Qwen3, LLaMA). Nothing is inferred from a folder name; every error names the
 file, the key, the value and what was expected.
@@ -165,6 +167,7 @@ class RopeConfig:
     source_key: str = "rope_theta"
     low_freq_factor: float | None = None  # llama3: wavelengths past original/low are divided by factor
     high_freq_factor: float | None = None  # llama3: wavelengths below original/high are kept
+    partial_rotary_factor: float | None = None  # proportional (Gemma 4 full layers): the rotated share
 
 
 def parse_rope(f: _Fields, max_position_embeddings: int) -> RopeConfig:
@@ -245,6 +248,16 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> t
 
 
 @dataclass(frozen=True)
+class Gemma4DraftFacts:
+    """What a Gemma 4-layer drafter (DeepSpec `Gemma4DSparkModel`) adds to `DraftConfig`: its layers
+    are Gemma 4 full-attention layers (head_dim / KV heads in `DraftConfig` are the full layers' own)."""
+
+    attention_k_eq_v: bool  # V is the raw key projection (no v_proj)
+    final_logit_softcapping: float | None  # its logits: cap * tanh(z / cap)
+    notes: tuple[str, ...] = ()  # defaults applied, said in the census
+
+
+@dataclass(frozen=True)
 class DraftConfig:
     """A DFlash / DSpark drafter's config.json, normalized across exporters."""
 
@@ -278,6 +291,12 @@ class DraftConfig:
     markov_head_type: str | None
     enable_confidence_head: bool | None
     confidence_head_with_markov: bool | None
+    gemma4: Gemma4DraftFacts | None = None  # set for a Gemma 4-layer backbone (else Qwen3 layers)
+
+    @property
+    def backbone(self) -> str:
+        """The drafter's layer family: "gemma4" (DeepSpec's Gemma4DSparkModel) or "qwen3"."""
+        return "gemma4" if self.gemma4 is not None else "qwen3"
 
     @property
     def n_taps(self) -> int:
@@ -334,50 +353,21 @@ def _refuse_a_target(raw: dict[str, Any], source: str) -> None:
 GEMMA4_DRAFTER_MODEL_TYPES = ("gemma4_text", "gemma4_unified_text", "gemma4", "gemma4_unified")
 
 
-def _refuse_gemma4_dspark(raw: dict[str, Any], source: str, has_block_size: bool) -> None:
-    """DeepSpec's `Gemma4DSparkModel` export (Gemma 4 decoder layers as the drafter backbone,
-    model_type `gemma4_text`) is recognised but its forward is not implemented: refuse it by name
-    rather than let the Qwen-layout reader misread its keys (docs/gemma4.md, Not yet)."""
+def is_gemma4_dspark(raw: dict[str, Any]) -> bool:
+    """DeepSpec's `Gemma4DSparkModel` export: a Gemma 4 DSpark class in `architectures`, or a Gemma 4
+    text model_type with a top-level `block_size` (its config is the target's text config plus the
+    DSpark keys)."""
     archs = [a for a in raw.get("architectures") or [] if isinstance(a, str)]
-    gemma_arch = next((a for a in archs if a.startswith("Gemma4") and "DSpark" in a), None)
-    if gemma_arch is None and not (has_block_size and raw.get("model_type") in GEMMA4_DRAFTER_MODEL_TYPES):
-        return
-    named = gemma_arch or f"model_type {raw.get('model_type')!r}"
-    raise UnsupportedError(f"{source}: a DeepSpec Gemma 4 DSpark drafter ({named}) is recognised but not "
-                           "implemented (Gemma 4 drafter layers); memra runs Qwen3-layout DFlash/DSpark drafters")
+    if any(a.startswith("Gemma4") and "DSpark" in a for a in archs):
+        return True
+    return raw.get("block_size") is not None and raw.get("model_type") in GEMMA4_DRAFTER_MODEL_TYPES
 
 
-def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
-    """Normalize a drafter config.json (already parsed) into a `DraftConfig`."""
-    top = _Fields(raw, source)
-    nested = top.obj("dspark_config")
-    dflash = top.obj("dflash_config")
-    scopes = (nested, dflash, top)
-    if _first(*scopes, key="block_size") is None:
-        _refuse_a_target(raw, source)
-    _refuse_gemma4_dspark(raw, source, _first(*scopes, key="block_size") is not None)
-
-    def pick(key: str) -> _Fields:
-        return _first(*scopes, key=key) or top
-
-    hidden = top.int("hidden_size")
-    n_heads = top.int("num_attention_heads")
-    n_layers = top.int("num_hidden_layers")
-    head_dim = top.int("head_dim", default=None)
-    if head_dim is None:
-        if hidden % n_heads:
-            raise ConfigError(
-                f"{source}: 'head_dim' is absent and hidden_size {hidden} is not a multiple of "
-                f"num_attention_heads {n_heads}"
-            )
-        head_dim = hidden // n_heads
-    n_kv = top.int("num_key_value_heads", default=n_heads)
-    if n_heads % n_kv:
-        raise ConfigError(
-            f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}"
-        )
-    max_pos = top.int("max_position_embeddings", default=32768)
-
+def drafting_keys(pick, top: _Fields, n_layers: int) -> dict[str, Any]:
+    """The keys every drafter format shares, as `DraftConfig` fields: block, mask token, taps
+    (z-lab's default rule when absent), markov and confidence head declarations. `pick(key)` is
+    the scope that holds `key` (a nested exporter block, else the top level)."""
+    source = top.source
     block_size = pick("block_size").int("block_size", minimum=2)
     mask_scope = pick("mask_token_id")
     mask_token_id = mask_scope.int("mask_token_id", minimum=0)
@@ -401,6 +391,57 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
             f"{source}: target_layer_ids {list(tli)} reach layer {tli[-1]} but num_target_layers "
             f"is {num_target_layers}"
         )
+    markov_rank = pick("markov_rank").int("markov_rank", default=0, minimum=0)
+    markov_type = None
+    if markov_rank > 0:
+        markov_type = pick("markov_head_type").str("markov_head_type", default="vanilla").lower()
+        if markov_type not in MARKOV_HEAD_TYPES:
+            raise ConfigError(
+                f"{source}: key 'markov_head_type' must be one of {'|'.join(MARKOV_HEAD_TYPES)}, "
+                f"got {json.dumps(markov_type)}"
+            )
+    conf_enabled = pick("enable_confidence_head").bool("enable_confidence_head", default=None)
+    conf_markov = pick("confidence_head_with_markov").bool("confidence_head_with_markov", default=None)
+    return dict(block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=tli,
+                target_layer_ids_defaulted=defaulted, num_target_layers=num_target_layers,
+                markov_rank=markov_rank, markov_head_type=markov_type, enable_confidence_head=conf_enabled,
+                confidence_head_with_markov=conf_markov)
+
+
+def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
+    """Normalize a drafter config.json (already parsed) into a `DraftConfig`."""
+    top = _Fields(raw, source)
+    nested = top.obj("dspark_config")
+    dflash = top.obj("dflash_config")
+    scopes = (nested, dflash, top)
+    if is_gemma4_dspark(raw):  # its layers are not this reader's: census.py sends it to gemma4_config
+        raise ConfigError(f"{source}: a Gemma 4 DSpark drafter config; read it with "
+                          "gemma4_config.parse_gemma4_draft_config")
+    if _first(*scopes, key="block_size") is None:
+        _refuse_a_target(raw, source)
+
+    def pick(key: str) -> _Fields:
+        return _first(*scopes, key=key) or top
+
+    hidden = top.int("hidden_size")
+    n_heads = top.int("num_attention_heads")
+    n_layers = top.int("num_hidden_layers")
+    head_dim = top.int("head_dim", default=None)
+    if head_dim is None:
+        if hidden % n_heads:
+            raise ConfigError(
+                f"{source}: 'head_dim' is absent and hidden_size {hidden} is not a multiple of "
+                f"num_attention_heads {n_heads}"
+            )
+        head_dim = hidden // n_heads
+    n_kv = top.int("num_key_value_heads", default=n_heads)
+    if n_heads % n_kv:
+        raise ConfigError(
+            f"{source}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}"
+        )
+    max_pos = top.int("max_position_embeddings", default=32768)
+
+    drafting = drafting_keys(pick, top, n_layers)
 
     layer_types = top.str_list("layer_types", ATTENTION_TYPES) or ("full_attention",) * n_layers
     if len(layer_types) != n_layers:
@@ -420,18 +461,6 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
     if causal is None:
         causal, causal_source = nested, ("dflash_config.causal" if nested is not None else None)
 
-    markov_rank = pick("markov_rank").int("markov_rank", default=0, minimum=0)
-    markov_type = None
-    if markov_rank > 0:
-        markov_type = pick("markov_head_type").str("markov_head_type", default="vanilla").lower()
-        if markov_type not in MARKOV_HEAD_TYPES:
-            raise ConfigError(
-                f"{source}: key 'markov_head_type' must be one of {'|'.join(MARKOV_HEAD_TYPES)}, "
-                f"got {json.dumps(markov_type)}"
-            )
-    conf_enabled = pick("enable_confidence_head").bool("enable_confidence_head", default=None)
-    conf_markov = pick("confidence_head_with_markov").bool("confidence_head_with_markov", default=None)
-
     return DraftConfig(
         source=source,
         exporter=_exporter(raw),
@@ -449,20 +478,12 @@ def parse_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
         rope=parse_rope(top, max_pos),
         dtype=top.str("dtype", default=None) or top.str("torch_dtype", default=None),
         attention_bias=top.bool("attention_bias", default=False),
-        block_size=block_size,
-        mask_token_id=mask_token_id,
-        target_layer_ids=tli,
-        target_layer_ids_defaulted=defaulted,
-        num_target_layers=num_target_layers,
         layer_types=layer_types,
         sliding_window=sliding_window,
         causal=causal,
         causal_source=causal_source,
         strategy_dspark=dspark_strategy(raw),
-        markov_rank=markov_rank,
-        markov_head_type=markov_type,
-        enable_confidence_head=conf_enabled,
-        confidence_head_with_markov=conf_markov,
+        **drafting,
     )
 
 

@@ -1,4 +1,5 @@
-"""Gemma 4 target config.json -> a frozen `Gemma4Config`, with validation.
+"""Gemma 4 target config.json -> a frozen `Gemma4Config`, with validation; and DeepSpec's Gemma 4
+DSpark drafter config.json -> a `DraftConfig` (`parse_gemma4_draft_config`, at the end).
 
 Two file layouts (text model only):
 
@@ -30,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from memra_cli.engine.errors import ConfigError, UnsupportedError
-from memra_cli.engine.formats.config import _Fields, read_json_object
+from memra_cli.engine.formats.config import (
+    DraftConfig, Gemma4DraftFacts, RopeConfig, _Fields, drafting_keys, read_json_object,
+)
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -317,3 +320,74 @@ def load_gemma4_config(directory: Path) -> Gemma4Config:
         raise ConfigError(f"{directory}: not a directory (expected an HF model directory)")
     path = directory / "config.json"
     return parse_gemma4_config(read_json_object(path), str(path))
+
+
+# --------------------------------------------------------------------------- DeepSpec's Gemma 4 drafter
+
+DRAFT_MODEL_TYPES = (TEXT_TYPE,)
+
+
+def _draft_refusals(f: _Fields) -> list[str]:
+    """What DeepSpec's Gemma 4 drafter layers do not have (its modeling asserts them away) or memra
+    does not implement, refused by name; returns the notes of the defaults applied."""
+    _refusals(f)
+    notes = []
+    if "hidden_size_per_layer_input" not in f.raw:
+        notes.append("hidden_size_per_layer_input absent: none (DeepSpec's drafter layers take no per-layer inputs)")
+    elif _ple_width(f):
+        raise UnsupportedError(f"{f.source}: hidden_size_per_layer_input={f.raw['hidden_size_per_layer_input']}: "
+                               "a Gemma 4 DSpark drafter has no per-layer inputs (expected 0 or null)")
+    if f.int("num_kv_shared_layers", default=0, minimum=0) and f.bool("use_double_wide_mlp", default=False):
+        raise UnsupportedError(f"{f.source}: num_kv_shared_layers with use_double_wide_mlp=true: which drafter "
+                               "layers get the double-wide MLP is not implemented (expected false or 0 shared layers)")
+    types = f.raw.get("layer_types")
+    if types is not None and (not isinstance(types, list) or any(t != FULL for t in types)):
+        raise UnsupportedError(f"{f.source}: layer_types {json.dumps(types)}: a Gemma 4 DSpark drafter's layers "
+                               f"are all {FULL!r}")
+    return notes
+
+
+def _draft_heads(f: _Fields, n_heads: int) -> tuple[int, int, bool]:
+    """(head_dim, KV heads, k_eq_v) of every draft layer: the full layers' own shape, from the
+    published keys (DeepSpec's export requires `global_head_dim`)."""
+    if f.has("per_layer_config") and not f.has("global_head_dim"):
+        raise UnsupportedError(f"{f.source}: per_layer_config without global_head_dim: a Gemma 4 DSpark drafter "
+                               "names its layers' head shape with global_head_dim (and num_global_key_value_heads)")
+    head_dim = f.int("global_head_dim")
+    k_eq_v = f.bool("attention_k_eq_v", default=False)
+    n_kv = f.int("num_global_key_value_heads") if k_eq_v else f.int("num_key_value_heads")
+    if n_heads % n_kv:
+        raise ConfigError(f"{f.source}: num_attention_heads {n_heads} is not a multiple of its {n_kv} key/value heads")
+    return head_dim, n_kv, k_eq_v
+
+
+def parse_gemma4_draft_config(raw: dict[str, Any], source: str) -> DraftConfig:
+    """DeepSpec's `Gemma4DSparkModel` config.json (the target's Gemma 4 text config with the DSpark
+    keys) -> a `DraftConfig` whose layers are Gemma 4 full-attention layers: `global_head_dim`,
+    the full layers' KV heads, the `full_attention` rope, `attention_k_eq_v`, the softcap."""
+    f = _Fields(raw, source)
+    model_type = f.str("model_type", default=None)
+    if model_type not in DRAFT_MODEL_TYPES:
+        raise UnsupportedError(f"{source}: model_type {model_type!r}: a Gemma 4 DSpark drafter config is "
+                               f"{' or '.join(map(repr, DRAFT_MODEL_TYPES))}")
+    notes = _draft_refusals(f)
+    n_layers, n_heads = f.int("num_hidden_layers"), f.int("num_attention_heads")
+    head_dim, n_kv, k_eq_v = _draft_heads(f, n_heads)
+    rope = _rope(f, (FULL,), notes)[FULL]
+    max_pos = f.int("max_position_embeddings", default=131_072)
+    return DraftConfig(
+        source=source, exporter="deepspec",
+        architectures=tuple(a for a in raw.get("architectures") or () if isinstance(a, str)),
+        model_type=model_type, hidden_size=f.int("hidden_size"), num_hidden_layers=n_layers,
+        num_attention_heads=n_heads, num_key_value_heads=n_kv, head_dim=head_dim,
+        intermediate_size=f.int("intermediate_size"), rms_norm_eps=f.float("rms_norm_eps", default=1e-6),
+        vocab_size=f.int("vocab_size"), max_position_embeddings=max_pos,
+        rope=RopeConfig(theta=rope.theta, type=rope.type, factor=rope.factor,
+                        partial_rotary_factor=rope.partial_rotary_factor,
+                        source_key=f"rope_parameters.{FULL}"),
+        dtype=f.str("dtype", default=None) or f.str("torch_dtype", default=None), attention_bias=False,
+        layer_types=(FULL,) * n_layers, sliding_window=None, causal=None, causal_source=None,
+        strategy_dspark=True,  # DeepSpec's format: a DSpark class whether or not `architectures` names it
+        gemma4=Gemma4DraftFacts(k_eq_v, f.float("final_logit_softcapping", default=None), tuple(notes)),
+        **drafting_keys(lambda key: f, f, n_layers),
+    )

@@ -158,7 +158,7 @@ class Drafter:
         self.conf_b = extras.get(CONF_B)  # [1]
         self.own_embed = extras.get(OWN_EMBED)
         self.own_lm_head = extras.get(OWN_LM_HEAD)
-        rope = rope_tables(self.cfg.rope, self.cfg.head_dim)
+        rope = self._rope_tables()
         # inv_freq lives on the device: no host-to-device copy per call (none is allowed while a
         # CUDA graph captures the static round)
         self.rope: RopeTables = RopeTables(rope.inv_freq.to(device), rope.attention_scaling)
@@ -168,6 +168,12 @@ class Drafter:
         # the drafter the engine's, so it runs the kernels its target runs
         self.step_ops = TorchStepOps()
         self._offset_rows: dict[int, torch.Tensor] = {}  # `_offsets(n)`: arange(n), made once per n
+        # the draft logits' softcap (`cap * tanh(z / cap)`): a Gemma 4 drafter's (drafter_gemma4.py)
+        self.logit_softcap: float | None = None
+
+    def _rope_tables(self) -> RopeTables:
+        """The rope of every layer (one table: a drafter's layers share it), float32 on the CPU."""
+        return rope_tables(self.cfg.rope, self.cfg.head_dim)
 
     # ------------------------------------------------------------------- loading
 
@@ -184,27 +190,11 @@ class Drafter:
         policy than the file's is refused (one of the same policy has nothing left to do).
         """
         census = census or take_census(Path(path))
-        ckpt = open_checkpoint(Path(path))
-        if ckpt.format == "gguf" and weight_fn is not None:
-            written, wanted = getattr(ckpt, "policy", None), getattr(weight_fn, "policy", None)
-            if wanted != written:
-                raise CheckpointError(f"{path}: a GGUF written under precision policy {written} loads as written; "
-                                      f"precision {wanted or 'of the given weight_fn'} cannot apply to it")
-            weight_fn = None
         device = torch.device(device)
-        load = _TensorLoader(ckpt, dtype, device, weight_fn)
+        load = _TensorLoader.open(Path(path), dtype, device, weight_fn)
         layers = [load.layer(i) for i in range(census.config.num_hidden_layers)]
-        extras: dict[str, object] = {}
-        for name in (MARKOV_W1, OWN_EMBED, OWN_LM_HEAD):  # w1 is a gathered table: as stored
-            if name in ckpt:
-                extras[name] = load.plain(name)
-        if MARKOV_W2 in ckpt:  # a matmul: follows the precision policy (docs/quantize.md)
-            extras[MARKOV_W2] = load.matmul(MARKOV_W2)
-        if CONF_W in ckpt:
-            extras[CONF_W] = load.plain(CONF_W, torch.float32)
-            extras[CONF_B] = load.plain(CONF_B, torch.float32)
         return cls(census, layers, load.matmul("fc.weight"), load.plain("hidden_norm.weight"),
-                   load.plain("norm.weight"), extras, dtype, device)
+                   load.plain("norm.weight"), load.extras(), dtype, device)
 
     # ------------------------------------------------------------------- shared pieces
 
@@ -522,6 +512,32 @@ class _TensorLoader:
 
     def __init__(self, ckpt: Checkpoint, dtype: torch.dtype, device: torch.device, weight_fn):
         self.ckpt, self.dtype, self.device, self.weight_fn = ckpt, dtype, device, weight_fn
+
+    @classmethod
+    def open(cls, path: Path, dtype: torch.dtype, device: torch.device, weight_fn) -> "_TensorLoader":
+        """A loader over `path`'s checkpoint. A GGUF loads as written: a `weight_fn` of another
+        precision policy than the file's is refused (one of the same policy has nothing to do)."""
+        ckpt = open_checkpoint(path)
+        if ckpt.format == "gguf" and weight_fn is not None:
+            written, wanted = getattr(ckpt, "policy", None), getattr(weight_fn, "policy", None)
+            if wanted != written:
+                raise CheckpointError(f"{path}: a GGUF written under precision policy {written} loads as written; "
+                                      f"precision {wanted or 'of the given weight_fn'} cannot apply to it")
+            weight_fn = None
+        return cls(ckpt, dtype, device, weight_fn)
+
+    def extras(self) -> dict[str, object]:
+        """The DSpark heads and the table copies the checkpoint has, by name (formats/names.py)."""
+        out: dict[str, object] = {}
+        for name in (MARKOV_W1, OWN_EMBED, OWN_LM_HEAD):  # w1 is a gathered table: as stored
+            if name in self.ckpt:
+                out[name] = self.plain(name)
+        if MARKOV_W2 in self.ckpt:  # a matmul: follows the precision policy (docs/quantize.md)
+            out[MARKOV_W2] = self.matmul(MARKOV_W2)
+        if CONF_W in self.ckpt:  # the confidence head stays float32
+            out[CONF_W] = self.plain(CONF_W, torch.float32)
+            out[CONF_B] = self.plain(CONF_B, torch.float32)
+        return out
 
     def plain(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         return self.ckpt.load(name, dtype or self.dtype, self.device)

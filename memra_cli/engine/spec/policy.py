@@ -253,19 +253,29 @@ class BlockEmbedding:
     scaled: bool
     scale: float  # the multiplier applied (1.0 when raw), rounded to the model dtype
     set: bool  # the `emb_scale` setting was given (flag or MEMRA_DFLASH_EMB_SCALE)
+    recorded: str | None = None  # the drafter's format fixes it (why), rather than the setting
 
     def line(self, tag: str) -> str:
+        if self.recorded:
+            return f"[{tag}] block-embedding=scaled x{self.scale:g} (the target's embed_scale; {self.recorded})"
         src = "set" if self.set else "unset: the reference engine's default"
         what = f"scaled x{self.scale:g} (the target's embed_scale)" if self.scaled else "raw (the target's embedding rows)"
         return f"[{tag}] block-embedding={what} ({EMB_SCALE_ENV} {src})"
 
     def as_json(self) -> dict:
-        return {"scaled": self.scaled, "scale": self.scale, "set": self.set}
+        out = {"scaled": self.scaled, "scale": self.scale, "set": self.set}
+        return out if self.recorded is None else {**out, "recorded": self.recorded}
 
 
-def resolve_block_embedding(setting: bool | None, target_scale: float) -> BlockEmbedding:
+def resolve_block_embedding(setting: bool | None, target_scale: float, recorded: str | None = None) -> BlockEmbedding:
     """The `emb_scale` setting against a target: scaled by `target_scale` (already rounded to the
-    model dtype) when set on, raw otherwise."""
+    model dtype) when set on, raw otherwise. `recorded`: the drafter's format fixes a scaled
+    embedding (why, in words); the setting may then only agree."""
+    if recorded is not None:
+        if setting is False:
+            raise SettingError("emb_scale", False, f"this drafter's block embedding is scaled ({recorded})",
+                               quote=False)
+        return BlockEmbedding(True, target_scale, setting is not None, recorded)
     scaled = bool(setting)
     return BlockEmbedding(scaled, target_scale if scaled else 1.0, setting is not None)
 
