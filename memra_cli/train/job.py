@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -24,7 +24,7 @@ from memra_cli.engine.files import signals_held
 from memra_cli.train.drafter import TrainDrafter
 from memra_cli.train.geometry import Geometry
 from memra_cli.train.losses import DraftSpec, drafter_loss, sample_anchors, slot_decay
-from memra_cli.train.schedule import cosine_lr
+from memra_cli.train.schedule import PLAN_AT_STEP, WARM_STEPS, cosine_lr, fit_steps
 
 STATE_FILE = "state.pt"
 
@@ -154,15 +154,17 @@ class TrainJob:
         self.tokens += int(lengths.sum())
         return float(loss.detach())
 
-    def run(self, ckpt_dir: Path, *, budget_s: float | None = None, stop_after: int | None = None,
+    def run(self, ckpt_dir: Path | None, *, budget_s: float | None = None, stop_after: int | None = None,
             should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[Progress], None] = lambda p: None) -> RunResult:
         """Train up to `hyper.steps` (or until `budget_s` seconds, or `stop_after` more steps, or
-        `should_stop()`), checkpointing every `checkpoint_every` steps and at any early stop. A
-        signal's exception (Ctrl-C) is held until the step ends, then the state is saved and
+        `should_stop()`), checkpointing every `checkpoint_every` steps and at any early stop
+        (`ckpt_dir` None: no checkpoints). With a budget, the total is re-planned once from the
+        steady step time (`schedule.fit_steps`) so the cosine schedule ends inside the budget.
+        A signal's exception (Ctrl-C) is held until the step ends, then the state is saved and
         the exception goes on."""
         t0, start, tokens0 = time.perf_counter(), self.step, self.tokens
-        stopped_by = None
+        t_warm, stopped_by = t0, None
         try:
             while self.step < self.hyper.steps:
                 if should_stop():
@@ -174,19 +176,37 @@ class TrainJob:
                 if stop_after is not None and self.step - start >= stop_after:
                     stopped_by = "stop_after"
                     break
+                t_warm = self._plan(budget_s, self.step - start, t0, t_warm)
                 with signals_held():
                     loss = self.one_step()
                     self.step += 1
                     if self.step % 10 == 0 or self.step == self.hyper.steps:
                         self.losses.append((self.step, round(loss, 5)))
                 on_step(Progress(self.step, self.hyper.steps, loss, self.tokens - tokens0, time.perf_counter() - t0))
-                if self.step % self.hyper.checkpoint_every == 0:
+                if ckpt_dir is not None and self.step % self.hyper.checkpoint_every == 0:
                     self.save(ckpt_dir)
         except Exception:
             raise  # a fault mid-step: the last periodic checkpoint stands
         except BaseException:
-            self.save(ckpt_dir)  # the state after the last whole step (signals_held let it finish)
+            if ckpt_dir is not None:
+                self.save(ckpt_dir)  # the state after the last whole step (signals_held let it finish)
             raise
-        self.save(ckpt_dir)
+        if ckpt_dir is not None:
+            self.save(ckpt_dir)
         return RunResult(self.step, self.step >= self.hyper.steps, stopped_by, list(self.losses), self.tokens,
                          self.tokens - tokens0, time.perf_counter() - t0)
+
+    def _plan(self, budget_s: float | None, ran: int, t0: float, t_warm: float) -> float:
+        """Before this run's step `ran`: at WARM_STEPS note the time (the steps before pay start-up
+        and compilation), at PLAN_AT_STEP fit `hyper.steps` to the budget. Returns t_warm."""
+        if budget_s is None or ran not in (WARM_STEPS, PLAN_AT_STEP):
+            return t_warm
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if ran == WARM_STEPS:
+            return now
+        start = self.step - ran
+        planned = start + fit_steps(self.hyper.steps - start, ran, t0, t_warm, now, budget_s)
+        self.hyper = replace(self.hyper, steps=planned)
+        return t_warm
