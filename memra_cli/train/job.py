@@ -27,6 +27,9 @@ from memra_cli.train.losses import DraftSpec, drafter_loss, sample_anchors, slot
 from memra_cli.train.schedule import PLAN_AT_STEP, WARM_STEPS, cosine_lr, fit_steps
 
 STATE_FILE = "state.pt"
+# the loss is read (a host sync) and recorded every LOSS_EVERY steps: a read every step would stall
+# the CPU until the GPU finishes, and a small drafter's step is launch-bound
+LOSS_EVERY = 10
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class Progress:
 
     step: int
     steps: int
-    loss: float
+    loss: float  # the last loss read (every LOSS_EVERY steps, and the first and last step)
     tokens: int  # target tokens trained on in this run (sequence positions; a resumed run counts from its start)
     elapsed_s: float  # since this run started
 
@@ -136,8 +139,9 @@ class TrainJob:
 
     # ------------------------------------------------------------------ the loop
 
-    def one_step(self) -> float:
-        """One optimizer step; returns its loss."""
+    def one_step(self) -> torch.Tensor:
+        """One optimizer step; returns its loss (a 0-d tensor on the device: reading it waits for
+        the GPU, which `run` does only every LOSS_EVERY steps)."""
         h, spec = self.hyper, self.spec
         pick = torch.randint(0, len(self.train_rows), (h.batch,), generator=self.gen).tolist()
         ids, lengths, plens = self.data.batch([self.train_rows[i] for i in pick], pad=spec.mask_id)
@@ -152,7 +156,7 @@ class TrainJob:
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         self.opt.step()
         self.tokens += int(lengths.sum())
-        return float(loss.detach())
+        return loss.detach()
 
     def run(self, ckpt_dir: Path | None, *, budget_s: float | None = None, stop_after: int | None = None,
             should_stop: Callable[[], bool] = lambda: False,
@@ -164,7 +168,7 @@ class TrainJob:
         A signal's exception (Ctrl-C) is held until the step ends, then the state is saved and
         the exception goes on."""
         t0, start, tokens0 = time.perf_counter(), self.step, self.tokens
-        t_warm, stopped_by = t0, None
+        t_warm, stopped_by, loss = t0, None, None
         try:
             while self.step < self.hyper.steps:
                 if should_stop():
@@ -178,10 +182,12 @@ class TrainJob:
                     break
                 t_warm = self._plan(budget_s, self.step - start, t0, t_warm)
                 with signals_held():
-                    loss = self.one_step()
+                    step_loss = self.one_step()
                     self.step += 1
-                    if self.step % 10 == 0 or self.step == self.hyper.steps:
-                        self.losses.append((self.step, round(loss, 5)))
+                    if self.step % LOSS_EVERY == 0 or self.step == self.hyper.steps or loss is None:
+                        loss = float(step_loss)
+                        if self.step % LOSS_EVERY == 0 or self.step == self.hyper.steps:
+                            self.losses.append((self.step, round(loss, 5)))
                 on_step(Progress(self.step, self.hyper.steps, loss, self.tokens - tokens0, time.perf_counter() - t0))
                 if ckpt_dir is not None and self.step % self.hyper.checkpoint_every == 0:
                     self.save(ckpt_dir)

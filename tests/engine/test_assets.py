@@ -215,7 +215,7 @@ def test_compiled_drafter_training_takes_the_eager_steps():
     for compile in (False, "aot_eager"):
         job = TrainJob(geo, Hyper(steps=3, batch=4, anchors=3, lr=1e-2), FixedSequences(seqs, torch.full((8,), 6)),
                        HFTaps(target), torch.device("cpu"), list(range(8)), compile=compile)
-        losses = [job.one_step() for _ in range(3)]
+        losses = [float(job.one_step()) for _ in range(3)]
         runs.append((losses, {k: v.clone() for k, v in job.drafter.state_dict().items()}))
     (eager, w_eager), (compiled, w_compiled) = runs
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
