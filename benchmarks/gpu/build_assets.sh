@@ -61,7 +61,9 @@ elif [ "$stage" = solo ]; then
   seed_and_data
   python3 -m memra_cli.assets.build --stage drafter --kind "$kind" --work build-work --draft-budget-s "${BUDGET_S:-400}" \
     2>&1 | grep -v "Loading weights" | tee $R/build-$kind.log | grep -v " step "
-  tar cf - --exclude=build-work/data.pt build-work | split -b 15M - "$OUT/work-$kind.tar.part-"
+  # the drafter's resumable training state (drafters/KIND.ckpt, ~25 MB with AdamW's moments) stays
+  # behind too: the assemble call's carry (64 MiB) must hold both drafters beside the target
+  tar cf - --exclude=build-work/data.pt --exclude='build-work/drafters/*.ckpt' build-work | split -b 15M - "$OUT/work-$kind.tar.part-"
 elif [ "$stage" = assemble ]; then
   assemble_and_pack
 else

@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 
 from memra_cli.assets import ASSETS
-from memra_cli.assets.build import Recipe, _new_drafter, shipped
+from memra_cli.assets.build import Recipe, _geometry, shipped
 from memra_cli.assets.train import greedy_forced
-from memra_cli.assets.train_draft import DraftSpec, train_drafter
+from memra_cli.train.job import Hyper, TrainJob
+from memra_cli.train.online import FixedSequences
+from memra_cli.train.taps import HFTaps
 
 
 def _target(device):
@@ -38,11 +40,18 @@ def _target(device):
 
 
 def _setup(kind: str, n_seqs: int, device):
-    """(recipe, shipped target, random `[n_seqs, L]` sequences of the build's length, DraftSpec)."""
+    """(recipe, shipped target, random `[n_seqs, L]` sequences of the build's length as the build's
+    data step serves them, the drafter's geometry: the recipe's taps and block, 2 layers)."""
     r = Recipe()
     taps, block = (r.dflash_taps, r.dflash_block) if kind == "dflash" else (r.dspark_taps, r.dspark_block)
     seqs = torch.randint(2, r.vocab, (n_seqs, r.prompt_len + r.cont_len), generator=torch.Generator().manual_seed(0))
-    return r, _target(device), seqs, DraftSpec(kind, block, taps, 1)
+    return r, _target(device), FixedSequences(seqs, torch.full((n_seqs,), r.prompt_len)), _geometry(kind, r, taps, block, 2)
+
+
+def _job(r: Recipe, target, data: FixedSequences, geo, batch: int, device, compile: bool) -> TrainJob:
+    """The build's drafter training job (build.py `_train`) at `batch` sequences a step."""
+    hyper = Hyper(steps=10**9, batch=batch, anchors=r.anchors, lr=r.draft_lr)
+    return TrainJob(geo, hyper, data, HFTaps(target), device, list(range(len(data))), compile=compile)
 
 
 def _ints(text: str) -> list[int]:
@@ -68,19 +77,20 @@ def _sync(device):
 
 
 def probe_drafter(kind: str, batches: list[int], steps: int, device, modes: list[str]) -> list[dict]:
-    r, target, seqs, spec = _setup(kind, 4096, device)
+    r, target, data, geo = _setup(kind, 4096, device)
     rows = []
     for batch in batches:
         for mode in modes:
-            torch.manual_seed(0)
-            drafter = _new_drafter(kind, r, 2, spec.taps)
-            stamps: list[float] = []  # train_drafter logs after step 0 and after the last step
-            kw = dict(batch=batch, anchors=r.anchors, prompt_len=r.prompt_len, lr=r.draft_lr, device=device,
-                      log=lambda _m: stamps.append(time.time()), budget_s=None, compile=mode == "compile")
             torch._dynamo.reset()
+            job = _job(r, target, data, geo, batch, device, mode == "compile")
             t = time.time()
-            train_drafter(drafter, target, seqs, spec, steps=steps + 1, **kw)
-            warm_s, dt = stamps[0] - t, stamps[-1] - stamps[0]  # step 0 pays start-up and compilation
+            job.one_step()  # pays start-up and compilation
+            _sync(device)
+            warm_s, t = time.time() - t, time.time()
+            for _ in range(steps):
+                job.one_step()
+            _sync(device)
+            dt = time.time() - t
             row = {"kind": kind, "batch": batch, "mode": mode, "warmup_s": round(warm_s, 1), "steps_per_s": round(steps / dt, 2),
                    "seqs_per_s": round(steps * batch / dt, 1),
                    "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None}
@@ -93,14 +103,14 @@ def profile_drafter(kind: str, batch: int, device, rows: int = 30) -> str:
     """The torch profiler's table (top `rows` by device time) over 5 training steps."""
     from torch.profiler import ProfilerActivity, profile
 
-    r, target, seqs, spec = _setup(kind, 1024, device)
-    drafter = _new_drafter(kind, r, 2, spec.taps)
-    kw = dict(batch=batch, anchors=r.anchors, prompt_len=r.prompt_len, lr=r.draft_lr, device=device,
-              log=lambda _m: None, budget_s=None)
-    train_drafter(drafter, target, seqs, spec, steps=5, **kw)
+    r, target, data, geo = _setup(kind, 1024, device)
+    job = _job(r, target, data, geo, batch, device, False)
+    for _ in range(5):
+        job.one_step()
     _sync(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        train_drafter(drafter, target, seqs, spec, steps=5, **kw)
+        for _ in range(5):
+            job.one_step()
         _sync(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
@@ -130,9 +140,9 @@ def main() -> None:
     ap.add_argument("what", choices=("drafter", "datagen", "profile"))
     ap.add_argument("--kind", choices=("dflash", "dspark"), default="dspark")
     ap.add_argument("--batches", type=_ints, default="128,256,512")
-    ap.add_argument("--steps", type=int, default=60)  # logged at step 0 and the last: at least 1
+    ap.add_argument("--steps", type=int, default=60)  # timed steps, after a first one that pays start-up
     ap.add_argument("--modes", default="eager,compile", type=_modes,
-                    help="eager and/or compile (train_drafter's compile=)")
+                    help="eager and/or compile (TrainJob's compile=)")
     ap.add_argument("--gen-batches", type=_ints, default="4096,16384")
     ap.add_argument("--sequences", type=int, default=16384)
     ap.add_argument("--json", type=Path)

@@ -14,7 +14,9 @@ Reproducible recipe (the embedded-pair build); each stage fits one 10-minute cal
    HumanEval prompt), both from training files the target never learned from; each continued
    for the bench's 128 tokens plus one block;
 5. a DFlash drafter (z-lab format, mask-fill) and a DSpark drafter (DeepSpec format, shifted
-   labels, vanilla markov head, confidence head) over 3 taps; blocks fill one 16-row verify
+   labels, vanilla markov head, confidence head) over 3 taps, each trained on the data of step
+   4 by `memra train`'s own job (memra_cli/train/job.py: the same loss, schedule, optimiser,
+   checkpoints and export); blocks fill one 16-row verify
    step, depth from the sweep (`--stage sweep`); the confidence head is then calibrated
    by Platt scaling on held-out drafted rounds and folded back into its weights;
 6. held-out loss, per-slot acceptance, tau with rounds walked as the bench walks them, and the
@@ -48,13 +50,15 @@ from pathlib import Path
 import torch
 
 from memra_cli.assets.train import (
-    SPECIALS, TrainDrafter, collect_corpus, encode_corpus, greedy_forced, heldout_loss, make_target, stdlib_prompts,
+    SPECIALS, collect_corpus, encode_corpus, greedy_forced, heldout_loss, make_target, stdlib_prompts,
     tokenized_heads, train_target, train_tokenizer, windows,
 )
 from memra_cli.train.export import write_drafter
 from memra_cli.train.geometry import Geometry
+from memra_cli.train.job import Hyper, TrainJob, spec_of
+from memra_cli.train.online import FixedSequences
 from memra_cli.train.taps import HFTaps
-from memra_cli.assets.train_draft import DraftSpec, calibrate_confidence, evaluate, param_count, train_drafter, walk_tau
+from memra_cli.assets.train_draft import calibrate_confidence, evaluate, param_count, walk_tau
 
 ASSETS = Path(__file__).resolve().parent
 PROMPTS_OUT = ASSETS.parent / "engine" / "data" / "stdlib.jsonl"
@@ -97,6 +101,7 @@ class Recipe:
     draft_batch: int = 128
     anchors: int = 32
     draft_lr: float = 2e-3
+    draft_checkpoint_every: int = 2000  # the drafter stage's resumable state (work/drafters/KIND.ckpt/)
     # the drafter's training step through torch.compile on CUDA (an eager step is mostly
     # elementwise kernels: benchmarks/gpu/train_probe.py); CPU builds (the smoke test) stay eager
     draft_compile: bool = True
@@ -302,10 +307,26 @@ def _load_work(work: Path, device: torch.device):
     return info, data, _load_shipped_target(work, device)
 
 
-def _new_drafter(kind: str, r: Recipe, layers: int, taps: tuple[int, ...]) -> TrainDrafter:
-    dspark = kind == "dspark"
-    return TrainDrafter(r.hidden, layers, r.heads, r.kv_heads, r.ffn, len(taps), r.vocab,
-                        markov_rank=r.markov_rank if dspark else 0, confidence=dspark)
+def _train(geo: Geometry, r: Recipe, split: tuple[torch.Tensor, torch.Tensor], target, device: torch.device,
+           budget_s: float | None, ckpt: Path | None) -> tuple[TrainJob, float]:
+    """One drafter trained on the data step's sequences through `memra train`'s own job
+    (train/job.py: the loss, the cosine schedule fitted to the budget, clipped AdamW, the
+    checkpoints in `ckpt`), the taps from the shipped target in one batched forward.
+    Returns the job (its drafter in eval mode) and the last step's loss."""
+    job = TrainJob(geo, Hyper(steps=r.draft_steps, batch=r.draft_batch, anchors=r.anchors, lr=r.draft_lr, seed=0,
+                              checkpoint_every=r.draft_checkpoint_every),
+                   FixedSequences(*split), HFTaps(target), device, list(range(split[0].shape[0])),
+                   compile=_compile(r, device))
+    last = [float("nan")]
+
+    def log(p) -> None:
+        last[0] = p.loss
+        if p.step % 100 == 1 or p.step == p.steps:
+            _log(f"{geo.kind} drafter step {p.step}/{p.steps} loss {p.loss:.3f}")
+
+    job.run(ckpt, budget_s=budget_s, on_step=log)
+    job.drafter.eval()
+    return job, last[0]
 
 
 def _compile(r: Recipe, device: torch.device) -> bool:
@@ -333,17 +354,14 @@ def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
     tau over the cost of a round with the drafter's layers priced as target layers (same width,
     same rows), the quantity the choice maximises. Writes `work/sweep.json`."""
     info, data, target = _load_work(work, device)
-    mask_id = SPECIALS.index("<|MASK|>")
     _, held = _halves(data["held_heads"])
     rows = []
     for block, layers in r.sweep:
-        torch.manual_seed(0)
-        spec = DraftSpec("dspark", block, r.dspark_taps, mask_id)
-        drafter = _new_drafter("dspark", r, layers, r.dspark_taps)
+        geo = _geometry("dspark", r, r.dspark_taps, block, layers)
+        spec = spec_of(geo)
         t = time.time()
-        _, steps = train_drafter(drafter, target, data["train"][0], spec, steps=r.draft_steps, batch=r.draft_batch,
-                                 anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
-                                 compile=_compile(r, device), budget_s=r.sweep_budget_s)
+        job, _ = _train(geo, r, data["train"], target, device, r.sweep_budget_s, None)
+        drafter, steps = job.drafter, job.step
         m = evaluate(drafter, target, held[0], spec, anchors=r.anchors, prompt_len=held[1], device=device)
         walk = walk_tau(drafter, target, held[0], spec, prompt_len=held[1], device=device)["tau_walk"]
         row = {"block": block, "layers": layers, "params": param_count(drafter), "steps": steps,
@@ -372,21 +390,18 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device) -> dic
     held-out continuations, saved to `work/drafters/KIND/` with its entry in `KIND.json`. The two
     kinds are independent, so they may run side by side (two processes on one GPU)."""
     info, data, target = _load_work(work, device)
-    mask_id = SPECIALS.index("<|MASK|>")
     calib_w, eval_w = _halves(data["held_windows"])
     calib_h, eval_h = _halves(data["held_heads"])
     taps, block, budget = ((r.dflash_taps, r.dflash_block, r.dflash_budget_s) if kind == "dflash"
                            else (r.dspark_taps, r.dspark_block, r.dspark_budget_s))
     layers, layers_from = drafter_layers(work, r)
-    torch.manual_seed(0)
-    spec = DraftSpec(kind, block, taps, mask_id)
-    drafter = _new_drafter(kind, r, layers, taps)
+    geo = _geometry(kind, r, taps, block, layers)
+    spec = spec_of(geo)
     t = time.time()
-    dl, steps = train_drafter(drafter, target, data["train"][0], spec, steps=r.draft_steps, batch=r.draft_batch,
-                              anchors=r.anchors, prompt_len=data["train"][1], lr=r.draft_lr, device=device, log=_log,
-                              budget_s=budget, compile=_compile(r, device))
+    job, loss_last = _train(geo, r, data["train"], target, device, budget, work / "drafters" / f"{kind}.ckpt")
+    drafter = job.drafter
     entry = {"params": param_count(drafter), "block": block, "layers": layers, "layers_from": layers_from,
-             "budget_s": budget, "train_s": round(time.time() - t, 1), "steps_run": steps, "loss_last": dl[-1]}
+             "budget_s": budget, "train_s": round(time.time() - t, 1), "steps_run": job.step, "loss_last": loss_last}
     ev = dict(anchors=r.anchors, device=device)
     if drafter.confidence_head is not None:
         entry["reliability_before"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev).get("reliability")
@@ -401,7 +416,7 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device) -> dic
          f"heads {entry['heldout_heads']['tau_walk']}")
     out = work / "drafters"
     out.mkdir(parents=True, exist_ok=True)
-    write_drafter(out / kind, drafter, _geometry(kind, r, taps, block, layers), HFTaps(target), num_anchors=r.anchors)
+    write_drafter(out / kind, drafter, geo, HFTaps(target), num_anchors=r.anchors)
     (out / f"{kind}.json").write_text(json.dumps(entry, indent=2) + "\n")
     return entry
 

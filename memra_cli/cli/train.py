@@ -45,7 +45,7 @@ class _Progress:
     def __call__(self, p) -> None:
         tps = p.tokens / p.elapsed_s if p.elapsed_s > 0 else 0.0
         if self.bar is not None:
-            self.bar.update(self.task, completed=p.step, loss=f"{p.loss:.3f}", tps=f"{tps:,.0f}")
+            self.bar.update(self.task, completed=p.step, total=p.steps, loss=f"{p.loss:.3f}", tps=f"{tps:,.0f}")
         elif not self.quiet and (p.step % self.every == 0 or p.step == p.steps):
             print(f"train step {p.step}/{p.steps} loss {p.loss:.4f} {tps:,.0f} tok/s {p.elapsed_s:.1f} s", file=sys.stderr,
                   flush=True)

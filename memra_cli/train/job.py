@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -24,9 +24,12 @@ from memra_cli.engine.files import signals_held
 from memra_cli.train.drafter import TrainDrafter
 from memra_cli.train.geometry import Geometry
 from memra_cli.train.losses import DraftSpec, drafter_loss, sample_anchors, slot_decay
-from memra_cli.train.schedule import cosine_lr
+from memra_cli.train.schedule import PLAN_AT_STEP, WARM_STEPS, cosine_lr, fit_steps
 
 STATE_FILE = "state.pt"
+# the loss is read (a host sync) and recorded every LOSS_EVERY steps: a read every step would stall
+# the CPU until the GPU finishes, and a small drafter's step is launch-bound
+LOSS_EVERY = 10
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class Progress:
 
     step: int
     steps: int
-    loss: float
+    loss: float  # the last loss read (every LOSS_EVERY steps, and the first and last step)
     tokens: int  # target tokens trained on in this run (sequence positions; a resumed run counts from its start)
     elapsed_s: float  # since this run started
 
@@ -136,8 +139,9 @@ class TrainJob:
 
     # ------------------------------------------------------------------ the loop
 
-    def one_step(self) -> float:
-        """One optimizer step; returns its loss."""
+    def one_step(self) -> torch.Tensor:
+        """One optimizer step; returns its loss (a 0-d tensor on the device: reading it waits for
+        the GPU, which `run` does only every LOSS_EVERY steps)."""
         h, spec = self.hyper, self.spec
         pick = torch.randint(0, len(self.train_rows), (h.batch,), generator=self.gen).tolist()
         ids, lengths, plens = self.data.batch([self.train_rows[i] for i in pick], pad=spec.mask_id)
@@ -152,17 +156,19 @@ class TrainJob:
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         self.opt.step()
         self.tokens += int(lengths.sum())
-        return float(loss.detach())
+        return loss.detach()
 
-    def run(self, ckpt_dir: Path, *, budget_s: float | None = None, stop_after: int | None = None,
+    def run(self, ckpt_dir: Path | None, *, budget_s: float | None = None, stop_after: int | None = None,
             should_stop: Callable[[], bool] = lambda: False,
             on_step: Callable[[Progress], None] = lambda p: None) -> RunResult:
         """Train up to `hyper.steps` (or until `budget_s` seconds, or `stop_after` more steps, or
-        `should_stop()`), checkpointing every `checkpoint_every` steps and at any early stop. A
-        signal's exception (Ctrl-C) is held until the step ends, then the state is saved and
+        `should_stop()`), checkpointing every `checkpoint_every` steps and at any early stop
+        (`ckpt_dir` None: no checkpoints). With a budget, the total is re-planned once from the
+        steady step time (`schedule.fit_steps`) so the cosine schedule ends inside the budget.
+        A signal's exception (Ctrl-C) is held until the step ends, then the state is saved and
         the exception goes on."""
         t0, start, tokens0 = time.perf_counter(), self.step, self.tokens
-        stopped_by = None
+        t_warm, stopped_by, loss = t0, None, None
         try:
             while self.step < self.hyper.steps:
                 if should_stop():
@@ -174,19 +180,39 @@ class TrainJob:
                 if stop_after is not None and self.step - start >= stop_after:
                     stopped_by = "stop_after"
                     break
+                t_warm = self._plan(budget_s, self.step - start, t0, t_warm)
                 with signals_held():
-                    loss = self.one_step()
+                    step_loss = self.one_step()
                     self.step += 1
-                    if self.step % 10 == 0 or self.step == self.hyper.steps:
-                        self.losses.append((self.step, round(loss, 5)))
+                    if self.step % LOSS_EVERY == 0 or self.step == self.hyper.steps or loss is None:
+                        loss = float(step_loss)
+                        if self.step % LOSS_EVERY == 0 or self.step == self.hyper.steps:
+                            self.losses.append((self.step, round(loss, 5)))
                 on_step(Progress(self.step, self.hyper.steps, loss, self.tokens - tokens0, time.perf_counter() - t0))
-                if self.step % self.hyper.checkpoint_every == 0:
+                if ckpt_dir is not None and self.step % self.hyper.checkpoint_every == 0:
                     self.save(ckpt_dir)
         except Exception:
             raise  # a fault mid-step: the last periodic checkpoint stands
         except BaseException:
-            self.save(ckpt_dir)  # the state after the last whole step (signals_held let it finish)
+            if ckpt_dir is not None:
+                self.save(ckpt_dir)  # the state after the last whole step (signals_held let it finish)
             raise
-        self.save(ckpt_dir)
+        if ckpt_dir is not None:
+            self.save(ckpt_dir)
         return RunResult(self.step, self.step >= self.hyper.steps, stopped_by, list(self.losses), self.tokens,
                          self.tokens - tokens0, time.perf_counter() - t0)
+
+    def _plan(self, budget_s: float | None, ran: int, t0: float, t_warm: float) -> float:
+        """Before this run's step `ran`: at WARM_STEPS note the time (the steps before pay start-up
+        and compilation), at PLAN_AT_STEP fit `hyper.steps` to the budget. Returns t_warm."""
+        if budget_s is None or ran not in (WARM_STEPS, PLAN_AT_STEP):
+            return t_warm
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        if ran == WARM_STEPS:
+            return now
+        start = self.step - ran
+        planned = start + fit_steps(self.hyper.steps - start, ran, t0, t_warm, now, budget_s)
+        self.hyper = replace(self.hyper, steps=planned)
+        return t_warm

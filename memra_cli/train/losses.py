@@ -1,4 +1,5 @@
-"""Drafter training and evaluation on the target's own greedy continuations.
+"""The drafter loss and its evaluations on the target's own greedy continuations (the training
+loop that steps on the loss is job.py's TrainJob, shared by `memra train` and the embedded build).
 
 A batch is B sequences `[prompt ; target greedy continuation]` of length L with A random anchors
 each, all drafted at once: queries are the A blocks' b rows, keys are the L ctx rows plus every
@@ -14,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from memra_cli.train.drafter import TrainDrafter, param_count  # noqa: F401  (param_count: re-exported)
-from memra_cli.train.schedule import optimize
 from memra_cli.train.taps import as_tap_source
 
 
@@ -125,48 +125,6 @@ def drafter_loss(drafter: TrainDrafter, target, ids: torch.Tensor, anc: torch.Te
             feats = torch.cat([feats, drafter.markov_head.markov_w1(prev).float()], -1)
         loss = loss + F.binary_cross_entropy_with_logits(drafter.confidence_head.proj(feats).squeeze(-1), hit)
     return loss
-
-
-def train_drafter(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, steps: int, batch: int,
-                  anchors: int, prompt_len: int | torch.Tensor, lr: float, device, log,
-                  budget_s: float | None = None, compile: bool | str = False) -> tuple[list[float], int]:
-    """Train on `seqs [N, L]` (prompt + greedy continuation); anchors start at the last prompt
-    token. CE per draft slot, decayed with depth (exp(-j / (b/2))), plus BCE for the confidence
-    head against whether the slot's greedy draft hits. Returns (losses, steps actually run).
-
-    `compile`: the drafter's forward and the losses go through `torch.compile` (True: its default
-    backend; a string names the backend, as the CPU test does), the target's taps staying eager
-    and gradient-free. An eager step is mostly elementwise kernels (norms, rope, casts, the
-    `[B, A, nd, V]` logits' float copy and markov bias), which the compiler fuses
-    (docs/tuning.md has the profile)."""
-    drafter.to(device).train()
-    if not hasattr(target, "tap_batch"):
-        target.to(device).eval().requires_grad_(False)
-    params = list(drafter.parameters())
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    gen, L = torch.Generator().manual_seed(2), seqs.shape[1]
-    plens = per_row(prompt_len, seqs.shape[0])
-    decay = slot_decay(spec, device)
-
-    def core_loss(ids: torch.Tensor, anc: torch.Tensor, taps: torch.Tensor) -> torch.Tensor:
-        return drafter_loss(drafter, target, ids, anc, taps, spec, decay)
-
-    if compile:
-        core = torch.compile(core_loss, **({"backend": compile} if isinstance(compile, str) else {}))
-    else:
-        core = core_loss
-
-    def loss_fn(step: int) -> torch.Tensor:
-        pick = torch.randint(0, seqs.shape[0], (batch,), generator=gen)
-        ids = seqs[pick].to(device)
-        anc = sample_anchors(batch, anchors, plens[pick] - 1, L - 1 - spec.block, gen).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            taps = target_taps(target, ids, spec.taps)  # no_grad (target_taps is), outside the compiled part
-        return core(ids, anc, taps)
-
-    out = optimize(params, opt, steps, lr, device, loss_fn, log, f"{spec.kind} drafter", budget_s, log_every=100)
-    drafter.eval()
-    return out
 
 
 @torch.no_grad()

@@ -160,7 +160,8 @@ def run_training(plan: Plan, *, on_step: Callable[[Progress], None] = lambda p: 
                      on_step=on_step)
     report = {"target": str(req.target), "kind": req.kind, "prompts": plan.prompts.source,
               "geometry": plan.geometry.as_json(), "hyper": json.loads(json.dumps(job.state()["hyper"])),
-              "notes": plan.notes, "resumed_from": resumed_from, "steps_run": result.steps_run, "finished": result.finished,
+              "notes": plan.notes, "resumed_from": resumed_from, "steps_planned": job.hyper.steps,
+              "steps_run": result.steps_run, "finished": result.finished,
               "stopped_by": result.stopped_by, "tokens": result.tokens, "tokens_this_run": result.tokens_this_run,
               "train_s": round(result.train_s, 3),
               "tokens_per_s": round(result.tokens_this_run / result.train_s, 1) if result.train_s > 0 else None,

@@ -2,7 +2,8 @@
 
 Two sources with one shape: `EngineTaps` runs the target through memra's own engine (any family
 the model registry loads, `forward(..., taps=...)`), `HFTaps` through a transformers model (the
-embedded build's target while it trains). Both give taps `[B, L, n_taps*hidden]` in the
+embedded build's target, batched: its drafters train on the build's data step through the same
+TrainJob as `memra train`). Both give taps `[B, L, n_taps*hidden]` in the
 target's dtype: tap `i` is layer `i`'s raw output, `-1` the embedding output.
 """
 
@@ -21,7 +22,10 @@ class HFTaps:
         self.embed_weight = model.get_input_embeddings().weight
         self.head_weight = model.get_output_embeddings().weight
 
-    def tap_batch(self, ids: torch.Tensor, taps: Sequence[int]) -> torch.Tensor:
+    def tap_batch(self, ids: torch.Tensor, taps: Sequence[int], lengths: Sequence[int] | None = None) -> torch.Tensor:
+        """ids `[B, L]` -> taps `[B, L, n_taps*hidden]`, the whole batch in one forward (a causal
+        target: padding at the end never changes an earlier position's taps, so `lengths` is
+        not needed)."""
         return hf_taps(self.model, ids, tuple(taps))
 
 

@@ -267,3 +267,25 @@ def test_compiled_training_takes_the_eager_steps(setup, tmp_path):
     assert n_eager == n_comp == 3
     for name, w in eager.items():
         torch.testing.assert_close(comp[name], w, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_budget_refits_the_schedule_to_end_inside_it(setup, tmp_path, monkeypatch):
+    """With --budget-s the step total is re-planned once, at step 40, from the steady step time
+    after step 10 (schedule.fit_steps), so the cosine schedule finishes inside the budget instead
+    of being cut off high. A fake clock (one tick per reading of the job's clock) makes the plan
+    exact: the job reads its clock once per step at the budget check and once per step for its
+    progress, plus once at steps 10 and 40."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import memra_cli.train.job as job_module
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(job_module, "time", SimpleNamespace(perf_counter=lambda: 0.1 * next(ticks)))
+    _, target, prompts = setup
+    req = replace(_request(target, prompts, tmp_path / "out", "dflash", heldout=1), steps=1000, budget_s=20.0)
+    report = run_training(plan_training(req))
+    # the clock reads 2.2 s at step 10 and 8.3 s at step 40: (8.3 - 2.2) / 30 s a step, and
+    # (20 - 8.3) s left hold 57 more steps (57.5, rounded down)
+    assert report["steps_planned"] == 97 and report["hyper"]["steps"] == 97
+    assert report["steps_run"] == 97 and report["finished"] and report["stopped_by"] is None

@@ -4,6 +4,8 @@ the same greedy stream, and the build recipe runs end to end at toy size on CPU.
 from __future__ import annotations
 
 import ast
+import re
+from dataclasses import replace
 import hashlib
 import json
 
@@ -83,6 +85,17 @@ def test_build_recipe_smoke_runs_on_cpu(tmp_path):
     info = json.loads((tmp_path / "build_info.json").read_text())
     assert info["target_steps_run"] == 1 and info["dflash"]["steps_run"] == 1
     assert (tmp_path / "stdlib.jsonl").is_file() and not (tmp_path / ".build-work").exists()
+    from safetensors import safe_open
+
+    from memra_cli.assets import ASSETS
+
+    for kind in ("dflash", "dspark"):  # the shipped drafters' formats: config keys, tensor names
+        built, ours = (json.loads((d / kind / "config.json").read_text()) for d in (ASSETS, tmp_path))
+        assert ours.keys() == built.keys(), kind
+        with safe_open(ASSETS / kind / "model.safetensors", "pt") as a, safe_open(tmp_path / kind / "model.safetensors", "pt") as b:
+            names = [{re.sub(r"^layers\.\d+\.", "layers.N.", k) for k in f.keys()} for f in (a, b)]
+            assert names[0] == names[1], kind  # the depth is the sweep's: compare one layer's names
+            assert {a.get_tensor(k).dtype for k in a.keys()} == {b.get_tensor(k).dtype for k in b.keys()}, kind
 
 
 def test_drafters_retrain_over_a_shipped_target(tmp_path):
@@ -127,6 +140,10 @@ def test_split_build_trains_each_drafter_in_its_own_process_with_its_budget(tmp_
         for stage in (["--stage", "seed", "--from", str(old)], ["--stage", "data"],
                       ["--stage", "drafter", "--kind", kind, "--draft-budget-s", "30"]):
             assert build_main(["--smoke", "--work", str(work), "--device", "cpu", *stage]) == 0
+        # the stage trained through `memra train`'s job: its resumable state, of the exported geometry
+        state = torch.load(work / "drafters" / f"{kind}.ckpt" / "state.pt", weights_only=False)
+        cfg = json.loads((work / "drafters" / kind / "config.json").read_text())
+        assert state["step"] == 1 and state["geometry"]["block"] == cfg["block_size"]
     shutil.copytree(tmp_path / "work-dspark" / "drafters" / "dspark", tmp_path / "work-dflash" / "drafters" / "dspark")
     shutil.copyfile(tmp_path / "work-dspark" / "drafters" / "dspark.json", tmp_path / "work-dflash" / "drafters" / "dspark.json")
     assert build_main(["--smoke", "--work", str(tmp_path / "work-dflash"), "--out", str(new), "--stage", "assemble"]) == 0
@@ -173,13 +190,18 @@ def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
 
 
 def test_compiled_drafter_training_takes_the_eager_steps():
-    """`train_drafter(compile=...)` (the build compiles on CUDA) traces the drafter's forward and
+    """The build's drafter stage (`memra train`'s TrainJob over the data step's sequences, taps
+    from the transformers target; the build compiles on CUDA) traces the drafter's forward and
     losses without changing them: three steps through torch.compile's `aot_eager` backend (the
-    graph capture and autograd split the GPU build uses, without a C++ toolchain) log the eager
-    run's losses and leave the same weights. The taps it trains on are the full model's hidden
-    states (computed without the lm_head)."""
-    from memra_cli.assets.train import TrainDrafter, make_target, target_taps
-    from memra_cli.assets.train_draft import DraftSpec, train_drafter
+    graph capture and autograd split the GPU build uses, without a C++ toolchain) take the eager
+    run's losses and leave the same weights, to float32 reordering (1e-5 on losses of O(1),
+    1e-4 relative on weights after three AdamW steps). The taps it trains on are the full
+    model's hidden states (computed without the lm_head)."""
+    from memra_cli.assets.build import SMOKE, _geometry
+    from memra_cli.assets.train import make_target, target_taps
+    from memra_cli.train.job import Hyper, TrainJob
+    from memra_cli.train.online import FixedSequences
+    from memra_cli.train.taps import HFTaps
 
     torch.manual_seed(0)
     target = make_target(64, 32, 3, 2, 1, 64, 128).eval()
@@ -187,17 +209,15 @@ def test_compiled_drafter_training_takes_the_eager_steps():
     with torch.no_grad():
         hs = target(input_ids=seqs[:2], output_hidden_states=True).hidden_states
         assert torch.equal(target_taps(target, seqs[:2], (-1, 1)), torch.cat([hs[0], hs[2]], -1))
-    spec = DraftSpec("dspark", 4, (-1, 1), 1)
+    r = replace(SMOKE, vocab=64, hidden=32, heads=2, kv_heads=1, ffn=64, target_layers=3, markov_rank=8)
+    geo = _geometry("dspark", r, (-1, 1), block=4, layers=1)
     runs = []
     for compile in (False, "aot_eager"):
-        torch.manual_seed(1)
-        drafter = TrainDrafter(32, 1, 2, 1, 64, 2, 64, markov_rank=8, confidence=True)
-        logged: list[str] = []
-        losses, steps = train_drafter(drafter, target, seqs, spec, steps=3, batch=4, anchors=3, prompt_len=6,
-                                      lr=1e-2, device=torch.device("cpu"), log=logged.append, compile=compile)
-        runs.append((losses, steps, {k: v.clone() for k, v in drafter.state_dict().items()}))
-    (eager, n_eager, w_eager), (compiled, n_compiled, w_compiled) = runs
-    assert n_eager == n_compiled == 3 and len(eager) == len(compiled) == 2  # logged at steps 0 and 2
+        job = TrainJob(geo, Hyper(steps=3, batch=4, anchors=3, lr=1e-2), FixedSequences(seqs, torch.full((8,), 6)),
+                       HFTaps(target), torch.device("cpu"), list(range(8)), compile=compile)
+        losses = [float(job.one_step()) for _ in range(3)]
+        runs.append((losses, {k: v.clone() for k, v in job.drafter.state_dict().items()}))
+    (eager, w_eager), (compiled, w_compiled) = runs
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
     assert eager[-1] != eager[0]  # it trained
     for name, w in w_eager.items():
