@@ -29,7 +29,7 @@ LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_l
 
 def _config(shape: dict, layers: int, block_size: int, taps: tuple[int, ...], markov_rank: int,
             confidence: str | None, softcap: float | None) -> dict:
-    cfg = _text_config({**shape, "softcap": softcap, "tie": True})
+    cfg = _text_config({"moe": None, **shape, "softcap": softcap, "tie": True})  # a drafter has no MoE block
     cfg.update(architectures=["Gemma4DSparkModel"], num_target_layers=cfg["num_hidden_layers"],
                num_hidden_layers=layers, layer_types=["full_attention"] * layers, tie_word_embeddings=False,
                block_size=block_size, mask_token_id=special_token_ids(shape["vocab"])["<|MASK|>"],

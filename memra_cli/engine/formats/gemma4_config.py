@@ -340,6 +340,9 @@ def _draft_refusals(f: _Fields) -> list[str]:
     if f.int("num_kv_shared_layers", default=0, minimum=0) and f.bool("use_double_wide_mlp", default=False):
         raise UnsupportedError(f"{f.source}: num_kv_shared_layers with use_double_wide_mlp=true: which drafter "
                                "layers get the double-wide MLP is not implemented (expected false or 0 shared layers)")
+    if f.bool("enable_moe_block", default=False):
+        raise UnsupportedError(f"{f.source}: enable_moe_block=true: a Gemma 4 DSpark drafter's layers have no MoE "
+                               "block in memra (expected false)")
     types = f.raw.get("layer_types")
     if types is not None and (not isinstance(types, list) or any(t != FULL for t in types)):
         raise UnsupportedError(f"{f.source}: layer_types {json.dumps(types)}: a Gemma 4 DSpark drafter's layers "
