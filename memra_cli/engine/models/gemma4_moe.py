@@ -102,7 +102,12 @@ class Gemma4MoeTarget(Gemma4Target):
             fixed += self.ple.embed.shape[1] + self.ple.proj.numel() + self.ple.norm.numel()
         self.moe = MoeSettings(cfg.moe.num_experts, cfg.moe.top_k_experts, cfg.moe.moe_intermediate_size, True,
                                frozenset(range(cfg.num_hidden_layers)), fixed)
-        self.expert_reads = [0, 0]
+        self._reads = [0, 0]  # (sparse-layer calls, experts run in them): `expert_reads`
+
+    @property
+    def expert_reads(self) -> tuple[int, int]:
+        """(sparse-layer calls, distinct experts they ran) so far, for the bench: a snapshot."""
+        return self._reads[0], self._reads[1]
 
     def _feed_forward(self, x: torch.Tensor, w: Gemma4MoeLayerWeights) -> torch.Tensor:
         """The dense MLP's and the experts' outputs, each normed, summed (before the post norm)."""
@@ -110,8 +115,8 @@ class Gemma4MoeTarget(Gemma4Target):
         pre_2, post_1, post_2 = w.moe_norms
         dense = gemma_rms_norm(super()._feed_forward(x, w), post_1, eps)
         weights, ids = gemma_route(x, w, self.moe.top_k, eps, self.step_ops.linear)
-        self.expert_reads[0] += 1
-        self.expert_reads[1] += int(torch.unique(ids).numel())  # the op reads its ids on the host anyway
+        self._reads[0] += 1
+        self._reads[1] += int(torch.unique(ids).numel())  # the op reads its ids on the host anyway
         routed = moe_glu(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up, w.experts.w_down,
                          lambda g: F.gelu(g, approximate="tanh"))
         return dense + gemma_rms_norm(routed, post_2, eps)

@@ -87,13 +87,18 @@ class Qwen35MoeTarget(Qwen35Target):
         fixed = step_weight_elements(self.layers, self._lm_head, cfg.hidden_size, self.norm)
         self.moe = MoeSettings(keys.num_experts, keys.num_experts_per_tok, keys.moe_intermediate_size, True,
                                frozenset(range(cfg.num_hidden_layers)), fixed)
-        self.expert_reads = [0, 0]
+        self._reads = [0, 0]  # (sparse-layer calls, experts run in them): `expert_reads`
+
+    @property
+    def expert_reads(self) -> tuple[int, int]:
+        """(sparse-layer calls, distinct experts they ran) so far, for the bench: a snapshot."""
+        return self._reads[0], self._reads[1]
 
     def _feed_forward(self, h: torch.Tensor, w: Qwen35MoeLayerWeights) -> torch.Tensor:
         """The routed experts plus the gated shared expert on the normed `h [t, hidden]` -> `[t, hidden]`."""
         shared = super()._feed_forward(h, w)  # the shared expert: the dense MLP's SwiGLU
         weights, ids = route(h, w.experts.router, self.moe.top_k, True)
-        self.expert_reads[0] += 1
-        self.expert_reads[1] += int(torch.unique(ids).numel())  # the op reads its ids on the host anyway
+        self._reads[0] += 1
+        self._reads[1] += int(torch.unique(ids).numel())  # the op reads its ids on the host anyway
         routed = moe_swiglu(h, weights, ids, w.experts.w_gate_up, w.experts.w_down)
         return routed + torch.sigmoid(self.step_ops.linear(h, w.shared_gate)) * shared
