@@ -71,6 +71,7 @@ def test_a_step_through_the_kernels_matches_the_torch_ops(target_dir, monkeypatc
     assert ((got - ref).norm() / ref.norm()).item() < LOGIT_TOL
 
 
+@pytest.mark.exhaustive  # a whole target through Triton's interpreter, three ways: the quick tier keeps its one-step check
 def test_kernel_step_grouping_and_rollback(target_dir):
     """Through the kernels: one step of W rows equals the same rows split 3 + 5, and verifying
     W rows then keeping 3 leaves the state (and the next step's logits) a fresh run of those 3
