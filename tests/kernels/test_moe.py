@@ -144,7 +144,8 @@ def invariance_violations(op, dtype: torch.dtype, rows=(0, 7, 31), k: int = 3, s
     return bad
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16],
+                         ids=str)  # quick: bf16, the dtype exactness is judged in
 def test_a_row_is_the_same_bits_whatever_shares_its_step(dtype):
     assert invariance_violations(moe.moe_swiglu, dtype) == []
 

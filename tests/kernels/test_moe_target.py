@@ -169,8 +169,8 @@ def _graphed_on_cpu(model, round_graphs: bool) -> Engine:
                   round_graphs=round_graphs)
 
 
-@pytest.mark.parametrize("round_graphs", [False, pytest.param(True, marks=pytest.mark.exhaustive)],  # quick: steps
-                         ids=["step-graphs", "round-graphs"])
+@pytest.mark.exhaustive  # whole graphed sessions through Triton's interpreter: the quick tier checks one kernel step
+@pytest.mark.parametrize("round_graphs", [False, True], ids=["step-graphs", "round-graphs"])
 def test_graphed_sessions_with_the_kernels_read_nothing_on_the_host(target_dir, tmp_path, eager_graphs, round_graphs):
     """The family declares itself capturable: with the MoE kernels, a graphed prefill (its 64-row
     bucket: two row tiles), graphed steps or whole rounds (queued, settled on the device), and
