@@ -91,7 +91,7 @@ def dequantize_torch(raw, qtype: str, shape, dtype=torch.float32, device=None) -
     return (q * d).reshape(tuple(shape)).to(dtype)
 
 
-_CHUNK = 4096  # blocks per chunk (512 KiB of f32): measured best of 512..8192 on a 512 KiB L2
+_CHUNK = 4096  # blocks per chunk (512 KiB of f32): a chunk's temporaries stay in L2 (docs/quantize.md#speed)
 # The largest f32 below 0.5: trunc(p + copysign(_HALF_DOWN, p)) is round-half-away-from-zero
 # (C roundf) for every f32 |p| < 2^22; plain +0.5 rounds 0.49999997 up to 1 (checked
 # exhaustively over all f32 below 256).
