@@ -30,8 +30,8 @@ from memra_cli.engine.formats.checkpoint import open_checkpoint
 from memra_cli.engine.formats.names import MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
 from memra_cli.engine.errors import ConfigError, MemraError, PolicyError, SettingError
 from memra_cli.engine.spec.policy import (
-    LADDER, PolicySettings, Receipts, VerifyWindow, adapt_on, parse_verify_cap, resolve_block_embedding,
-    resolve_receipts,
+    LADDER, VT_COST_ENV, PolicySettings, Receipts, VerifyWindow, adapt_on, parse_verify_cap,
+    resolve_block_embedding, resolve_receipts,
 )
 from memra_cli.engine.layers.step_ops import select_step_ops
 from memra_cli.engine.models.base import target_family
@@ -209,6 +209,10 @@ def resolve_program(mode: str, census: Census, settings: PolicySettings, markov:
     receipts = dataclasses.replace(resolve_receipts(settings, census.strategy_dspark, census.confidence is not None),
                                    program=mode)  # the receipts are tagged with the program that runs
     window = receipts.window
+    if window.kind == "priced" and (mode == "dflash" or census.confidence is None):
+        # no confidence raws to price from: the ladder's prior survival prices the window
+        window = dataclasses.replace(window, survival="ladder-prior", threshold=None)
+        receipts = dataclasses.replace(receipts, window=window)
     if mode == "dflash":
         if receipts.window_set and window.is_confidence:
             raise SettingError("vt", settings.vt, "{vt} with {spec}: the dflash program runs the ladder window; use {spec=dspark}",
@@ -218,7 +222,7 @@ def resolve_program(mode: str, census: Census, settings: PolicySettings, markov:
                                "use {spec=dspark}", settings={"spec": mode})
         if window.is_confidence:
             receipts = dataclasses.replace(receipts, window=LADDER, window_note="--spec dflash -> ladder")
-        window, markov_on = LADDER, False
+        window, markov_on = (window if window.kind == "priced" else LADDER), False
     else:
         if markov and census.markov is None:
             raise SettingError("markov", True, f"{census.path} has no markov head")
@@ -236,15 +240,25 @@ def resolve_program(mode: str, census: Census, settings: PolicySettings, markov:
 def _resolve_priced(window, receipts: Receipts, census: Census, step_cost):
     """The expert-priced window over this target: priced by its step cost, or on a flat cost (a
     dense target, where every verified row is free) the window the other policies already give:
-    confidence-slot at the same threshold (said in the receipts)."""
+    confidence-slot at the same threshold, or the ladder where the ladder's prior prices it (said
+    in the receipts). The note says where the survival comes from and which cost model prices it."""
+    ladder_prior = window.survival == "ladder-prior"
     if step_cost is None or step_cost.is_flat:
-        flat = VerifyWindow("confidence-slot", window.threshold)
-        note = "priced -> confidence-slot (flat step cost: a dense target's verify rows are free)"
+        flat = LADDER if ladder_prior else VerifyWindow("confidence-slot", window.threshold)
+        note = f"priced -> {flat.kind} (flat step cost: a dense target's verify rows are free)"
         return flat, dataclasses.replace(receipts, window=flat, window_note=note)
     priced = dataclasses.replace(window, cost=step_cost)
-    note = (f"cost(1)={step_cost.bytes(1) / 1e9:.3g} GB, cost(16)={step_cost.bytes(16) / 1e9:.3g} GB "
-            f"of weights, independent routing")
-    return priced, dataclasses.replace(receipts, window=priced, window_note=note)
+    if not ladder_prior:
+        survival = "survival from the accept-rate head"
+    else:
+        why = "no accept-rate head" if census.confidence is None else "the dflash program reads no accept-rate head"
+        survival = f"survival from the ladder prior ({why})"
+    src = f"{VT_COST_ENV} {'set' if receipts.cost_set else 'unset'}"
+    bound = f"cost(1)={step_cost.bytes(1) / 1e9:.3g} GB, cost(16)={step_cost.bytes(16) / 1e9:.3g} GB of weights"
+    cost = (f"cost=shape ({src}): independent routing, {bound}" if window.cost_model == "shape" else
+            f"cost=routed ({src}): each prompt's expert union measured from its prefill's routing, "
+            f"independent routing would give {bound}")
+    return priced, dataclasses.replace(receipts, window=priced, window_note=f"{survival}, {cost}")
 
 
 def check_pair(target, census: Census) -> list[str]:

@@ -25,6 +25,7 @@ class DecodeStats:
     accept_hist: Counter = field(default_factory=Counter)  # accepted drafts per round -> rounds
     wall_s: float = 0.0
     expert_reads: tuple[int, int] | None = None  # MoE target: (sparse-layer steps, experts they ran)
+    window_cost: dict | None = None  # the priced window's cost as this prompt resolved it (routed model)
 
     @property
     def tau(self) -> float:
@@ -47,7 +48,7 @@ class DecodeStats:
             "tok_per_s": tok_s, "wall_s": self.wall_s,
             "phase_ms": {k: 1e3 * v for k, v in self.phase_s.items()},
             "tau_hist": {str(k + 1): v for k, v in sorted(self.accept_hist.items())},
-        }
+        } | ({} if self.window_cost is None else {"window_cost": self.window_cost})
 
 
 class PhaseClock:

@@ -9,9 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from memra_cli.engine.spec.priced import (StepCost, expected_committed, geometric_survival, priced_vt,
-                                          qwen3_moe_cost, survival_from_raws)
+from memra_cli.engine.spec.policy import ladder_next
+from memra_cli.engine.spec.priced import (StepCost, expected_committed, geometric_survival, ladder_prior_alpha,
+                                          ladder_prior_survival, priced_vt, qwen3_moe_cost, routed_unions,
+                                          survival_from_raws)
 
 ROOT = Path(__file__).resolve().parents[2]
 A3B = dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=151936, num_experts=128, top_k=8,
@@ -50,6 +53,65 @@ def test_the_priced_window_is_the_best_rate_by_hand():
 def test_survival_from_raws_is_the_cumulative_sigmoid():
     s = survival_from_raws([0.0, 0.0, -1000.0])
     assert s == [0.5, 0.25, 0.0]
+
+
+def test_the_ladder_prior_expects_the_run_the_ladder_verifies_next():
+    """After m accepted drafts the ladder verifies m + 1 drafts next; the prior's geometric run
+    has mean a / (1 - a) = m + 1, its survival a^(j+1)."""
+    for m in range(0, 15):
+        a = ladder_prior_alpha(m)
+        assert a / (1 - a) == pytest.approx(m + 1) and ladder_next(m, 16) - 1 == min(max(m + 1, 2), 15)
+    assert ladder_prior_survival(0, 3) == [0.5, 0.25, 0.125]
+
+
+def test_the_ladder_prior_prices_a_window_by_hand():
+    cost = StepCost(fixed_bytes=10.0, expert_bytes=1.0, sparse_layers=1, num_experts=4, top_k=2)
+    # m = 0: a = 1/2, survival .5, .25, .125: tokens 1.5, 1.75, 1.875 over bytes 13, 13.5, 13.75
+    # (rates .1154, .1296, .1364): the widest; a flat cost takes the cap for any m
+    assert priced_vt(ladder_prior_survival(0, 3), cost, 4) == 4
+    steep = StepCost(fixed_bytes=1.0, expert_bytes=1.0, sparse_layers=1, num_experts=4, top_k=2)
+    # bytes 4, 4.5, 4.75 -> rates .375, .389, .395 at m = 0; tokens grow slower than bytes beyond
+    assert [priced_vt(ladder_prior_survival(0, v - 1), steep, v) for v in (2, 3, 4)] == [2, 3, 4]
+    assert priced_vt(ladder_prior_survival(0, 15), StepCost(fixed_bytes=1.0), 16) == 16
+
+
+def _unions_by_hand(routing, vt):
+    """The mean union of vt consecutive tokens' expert sets, every window of every layer."""
+    sizes = [len(set().union(*(set(row) for row in ids.tolist()[t:t + vt])))
+             for ids in routing for t in range(ids.shape[0] - vt + 1)]
+    return sum(sizes) / len(sizes)
+
+
+def test_routed_unions_count_consecutive_tokens_of_each_layer():
+    """Windows slide over tokens (axis 0) within a layer: a union over the k axis, across
+    layers or over non-consecutive tokens gives other numbers here."""
+    a = torch.tensor([[0, 1], [0, 1], [2, 3], [2, 3], [0, 4]])
+    b = torch.tensor([[5, 6], [7, 0], [5, 6], [7, 0], [5, 6]])
+    got = routed_unions([a, b], 4)
+    # vt = 2: layer a {0,1} {0,1,2,3} {2,3} {0,2,3,4} -> 2,4,2,4; layer b 4,4,4,4: mean 28/8
+    assert got[0] == 2.0 and got[1] == 3.5
+    assert list(got) == pytest.approx([_unions_by_hand([a, b], v) for v in range(1, 5)], rel=0, abs=1e-15)
+    # the wrong axes give other numbers at vt = 2: windows over the k columns of a layer's
+    # tokens read a's {0,1,2,3,4} and b's {0,5,6,7} (4.5); windows over the two layers at one
+    # token read 4, 4, 4, 4, 4 (4.0); a union of one token per window (a stride) stays 2
+    assert routed_unions([a[:2], b[:2]], 2)[1] == 3.0  # {0,1} and {0,5,6,7}: only the layer's own tokens
+    with pytest.raises(ValueError, match="routing of 5 tokens cannot measure a 6-row union"):
+        routed_unions([a], 6)
+
+
+def test_neighbours_that_share_experts_read_fewer_than_independent_routing():
+    """A router rigged so each run of 4 tokens shares its experts reads about a quarter of the
+    union independent routing predicts at 16 rows; random routing matches the shape model."""
+    e, k, n = 64, 4, 400
+    gen = torch.Generator().manual_seed(0)
+    independent = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)])
+    shared = independent[::4].repeat_interleave(4, dim=0)
+    shape = StepCost(fixed_bytes=1.0, expert_bytes=1.0, sparse_layers=1, num_experts=e, top_k=k)
+    free, tied = routed_unions([independent], 16), routed_unions([shared], 16)
+    assert free[15] == pytest.approx(shape.expected_union(16), rel=0.05)
+    assert tied[15] < 0.5 * free[15] and tied[3] < free[3]
+    routed = StepCost(1.0, 1.0, 1, e, k, unions=tied)
+    assert routed.model == "routed" and routed.bytes(16) == 1.0 + tied[15] < shape.bytes(16)
 
 
 def test_the_simulation_script_prints_and_writes_its_table(tmp_path):

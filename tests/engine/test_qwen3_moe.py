@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from memra_cli.engine.api import ArmConfig, Engine
-from memra_cli.engine.errors import CheckpointError, ConfigError, UnsupportedError
+from memra_cli.engine.errors import CheckpointError, ConfigError, PolicyError, UnsupportedError
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.layers import moe
 from memra_cli.engine.models.base import load_target
@@ -245,23 +245,35 @@ def planted_head(target, drop: float = 0.25) -> dict:
 
 @pytest.fixture(scope="module")
 def drafts(target, tmp_path_factory):
+    """dflash: random z-lab weights; dspark: the planted markov and confidence heads; headless:
+    the planted markov head without a confidence head (the priced window then prices from the
+    ladder's prior)."""
     root = tmp_path_factory.mktemp("drafts")
+    head = planted_head(target)
+    markov_only = {k: v for k, v in head.items() if k.startswith("markov_head.")}
     return {"dflash": make_tiny_draft(root / "zlab", "zlab", target_layer_ids=(0, 2), num_target_layers=4),
             "dspark": make_tiny_draft(root / "spark", "deepspec", target_layer_ids=(0, 2), num_target_layers=4,
-                                      markov_rank=VOCAB, confidence="markov", extra_tensors=planted_head(target))}
+                                      markov_rank=VOCAB, confidence="markov", extra_tensors=head),
+            "headless": make_tiny_draft(root / "headless", "deepspec", target_layer_ids=(0, 2), num_target_layers=4,
+                                        markov_rank=VOCAB, extra_tensors=markov_only)}
 
 
 @pytest.mark.parametrize("mode,vt", [("dflash", "ladder"), ("dspark", "ladder"), ("dspark", "confidence"),
-                                     ("dspark", "confidence-slot"), ("dspark", "priced")])
+                                     ("dspark", "confidence-slot"), ("dspark", "priced"), ("headless", "priced"),
+                                     ("dspark", "priced-routed"), ("headless", "priced-routed")])
 def test_speculative_arms_equal_plain_greedy(target, drafts, mode, vt):
+    """Every arm == plain greedy; `priced-routed`: the priced window on each prompt's measured
+    union (`vt_cost=routed`); the headless drafter's priced window runs on the ladder's prior."""
     engine = Engine.from_model(target, step_width=16)
-    arm = engine.arm(ArmConfig(draft=drafts[mode], mode=mode, settings=PolicySettings(vt=vt)))
+    settings = PolicySettings(vt="priced", vt_cost="routed") if vt == "priced-routed" else PolicySettings(vt=vt)
+    arm = engine.arm(ArmConfig(draft=drafts[mode], mode="dflash" if mode == "dflash" else "dspark", settings=settings))
     accepted = drafted = 0
     for ids in SPEC_PROMPTS:
         session = engine.session(ids, SPEC_NEW, arm, eos_ids=())
         assert session.run() == greedy_reference(StepRunner(target, 16), ids, SPEC_NEW)
         accepted, drafted = accepted + session.stats.accepted, drafted + session.stats.drafted
-    if mode == "dspark":  # the planted head: some drafts kept, some rejected
+        assert (session.stats.window_cost is not None) == (vt == "priced-routed")
+    if mode != "dflash":  # the planted heads: some drafts kept, some rejected
         assert 0 < accepted < drafted
 
 
@@ -344,3 +356,104 @@ def test_priced_window_on_a_dense_target_is_the_confidence_slot_window_and_says_
     a, b = engine.session(ids, 40, priced, eos_ids=()), engine.session(ids, 40, slot, eos_ids=())
     assert a.run() == b.run() and a.stats.accept_hist == b.stats.accept_hist
 
+
+
+@pytest.mark.parametrize("mode,cost", [("headless", None), ("dspark", "routed"), ("dflash", "routed")])
+def test_priced_arms_equal_plain_greedy_in_bfloat16(pair, drafts, mode, cost):
+    """The priced windows (the ladder's prior, the routed cost) in bfloat16: fixed-width steps
+    keep speculative == plain greedy bit for bit whatever the window verifies."""
+    model = Qwen3MoeTarget.from_dir(pair[0], torch.bfloat16)
+    engine = Engine.from_model(model, step_width=16)
+    arm = engine.arm(ArmConfig(draft=drafts[mode], mode="dflash" if mode == "dflash" else "dspark",
+                               settings=PolicySettings(vt="priced", vt_cost=cost)))
+    ids = SPEC_PROMPTS[1]
+    assert engine.session(ids, 40, arm, eos_ids=()).run() == greedy_reference(StepRunner(model, 16), ids, 40)
+
+
+def test_priced_window_without_a_confidence_head_runs_on_the_ladder_prior_and_says_so(target, drafts):
+    engine = Engine.from_model(target, step_width=16)
+    for mode, draft, why in (("dflash", "dflash", "no accept-rate head"), ("dspark", "headless", "no accept-rate head"),
+                             ("dflash", "dspark", "the dflash program reads no accept-rate head")):
+        arm = engine.arm(ArmConfig(draft=drafts[draft], mode=mode, settings=PolicySettings(vt="priced")))
+        window = arm.program.window
+        assert (window.kind, window.survival, window.is_confidence) == ("priced", "ladder-prior", False)
+        line = arm.receipts.lines()[1]
+        assert "verify-window=Priced{experts=8,top_k=2,survival=ladder-prior}" in line
+        assert f"survival from the ladder prior ({why})" in line and "cost=shape (MEMRA_DSPARK_VT_COST unset)" in line
+        assert arm.receipts.as_json()["verify_window"] == {"policy": "priced", "tau": None, "survival": "ladder-prior",
+                                                           "cost_model": "shape"}
+    # the carried window: the priced one over the ladder's prior, narrower after a rejection
+    cap = arm.program.verify_cap
+    assert window.next_window(cap - 2, cap) > window.next_window(0, cap) >= 2
+
+
+def test_priced_dflash_on_a_dense_target_is_the_ladder_and_says_so(tmp_path):
+    from memra_cli.tiny.target import make_tiny_qwen3
+
+    dense = load_target(make_tiny_qwen3(tmp_path / "dense"))
+    draft = make_tiny_draft(tmp_path / "zlab", "zlab")
+    engine = Engine.from_model(dense, step_width=16)
+    priced = engine.arm(ArmConfig(draft=draft, mode="dflash", settings=PolicySettings(vt="priced")))
+    ladder = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    assert priced.program == ladder.program
+    assert "priced -> ladder (flat step cost" in priced.receipts.lines()[1]
+
+
+def zero_routers(model):
+    """Every sparse layer's router zeroed: all experts tie and every token routes to experts
+    0..k-1 (the lower index wins), the most correlated routing there is."""
+    for layer in model.layers:
+        if layer.experts is not None:
+            layer.experts.router.zero_()
+    return model
+
+
+def test_routed_cost_measures_the_prompt_union_and_says_which_model(pair, target, drafts):
+    engine = Engine.from_model(target, step_width=16)
+    arm = engine.arm(ArmConfig(draft=drafts["headless"], mode="dspark",
+                               settings=PolicySettings(vt="priced", vt_cost="routed")))
+    assert "cost=routed (MEMRA_DSPARK_VT_COST set)" in arm.receipts.lines()[1]
+    assert arm.receipts.as_json()["verify_window"]["cost_model"] == "routed"
+    cap, shape = arm.program.verify_cap, arm.program.window.cost
+    ids = prompt(40, 1)
+    session = engine.session(ids, 8, arm, eos_ids=())
+    session.run()
+    got = session.stats.window_cost
+    assert got["model"] == "routed" and "routing of 40 tokens over 3 sparse layers" in got["why"]
+    assert len(got["experts_per_layer"]) == cap and got["experts_per_layer"][0] == TOP_K
+    # random routers on random tokens: near independent routing, never above the union's bound
+    assert all(TOP_K <= u <= shape.expected_union(v) + 1.0 for v, u in enumerate(got["experts_per_layer"], 1))
+    assert session.stats.as_json()["window_cost"] == got
+    # a prompt shorter than the cap: no window that wide to measure, the shape model prices it
+    short = engine.session(ids[: cap - 1], 8, arm, eos_ids=())
+    short.run()
+    assert short.stats.window_cost["model"] == "shape" and "routed -> shape" in short.stats.window_cost["why"]
+    # routers rigged so every token shares its experts: the union stays k, so the routed window
+    # opens to the cap where the shape model's stays narrow
+    rigged = zero_routers(Qwen3MoeTarget.from_dir(pair[0]))
+    engine = Engine.from_model(rigged, step_width=16)
+    by_cost = {}
+    for cost in ("shape", "routed"):
+        arm = engine.arm(ArmConfig(draft=drafts["headless"], mode="dspark",
+                                   settings=PolicySettings(vt="priced", vt_cost=cost)))
+        session = engine.session(ids, 24, arm, eos_ids=())
+        assert session.run() == greedy_reference(StepRunner(rigged, 16), ids, 24)
+        by_cost[cost] = session
+    assert by_cost["routed"].stats.window_cost["experts_per_layer"] == [float(TOP_K)] * cap
+    assert by_cost["routed"].cost.expected_union(cap) < by_cost["routed"].program.window.cost.expected_union(cap)
+    after_a_miss = {c: s.program.window.next_window(0, cap, s.cost) for c, s in by_cost.items()}
+    assert after_a_miss["routed"] == cap > after_a_miss["shape"]
+    rows = {c: s.stats.drafted / s.stats.rounds for c, s in by_cost.items()}
+    assert rows["routed"] > rows["shape"]
+
+
+@pytest.mark.parametrize("settings,words", [
+    (dict(vt="priced", vt_cost="measured"), "vt_cost='measured': unknown step-cost model (expected shape|routed)"),
+    (dict(vt="ladder", vt_cost="routed"), "vt_cost='routed' prices the priced window only; set vt='priced'"),
+    (dict(vt_cost="shape"), "vt_cost='shape' prices the priced window only; set vt='priced'"),
+])
+def test_a_cost_model_is_refused_by_name(target, drafts, settings, words):
+    engine = Engine.from_model(target, step_width=16)
+    with pytest.raises(PolicyError) as info:
+        engine.arm(ArmConfig(draft=drafts["headless"], mode="dspark", settings=PolicySettings(**settings)))
+    assert str(info.value) == words

@@ -8,12 +8,14 @@ Two checkpoint layouts hold a layer's `E` SwiGLU experts under `<prefix>experts.
 - stacked: `gate_up_proj [E, 2I, h]` (gate rows first) and `down_proj [E, h, I]` (transformers 5's
   in-memory layout, which it writes as is for Gemma 4).
 
-Either loads to the stacked tensors layers/moe.py's `moe_swiglu` takes.
+Either loads to the stacked tensors layers/moe.py's `moe_swiglu` takes. `RoutingRecorder`: what
+every MoE family mixes in so a forward's routing can be kept (the priced window's routed cost).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 
 import torch
 
@@ -70,3 +72,26 @@ def _elements(obj) -> int:
         else:
             total += _elements(value)
     return total
+
+
+class RoutingRecorder:
+    """Mixed into every MoE family: `recording_routing()` keeps the expert ids each sparse layer
+    routes to while it is open (spec/priced.py `routed_unions` reads them). Each family calls
+    `_record_routing(layer, ids [t, k])` after routing (`layer`: any key one layer keeps, e.g.
+    `id()` of its expert weights); nothing is kept outside the context."""
+
+    _routing: dict | None = None
+
+    @contextmanager
+    def recording_routing(self):
+        """Yields `{layer key: [ids [t, k] per call, in call order]}`, filled by the forwards run
+        inside (an eager prefill: its chunks in token order)."""
+        self._routing = {}
+        try:
+            yield self._routing
+        finally:
+            self._routing = None
+
+    def _record_routing(self, layer, ids: torch.Tensor) -> None:
+        if self._routing is not None:
+            self._routing.setdefault(layer, []).append(ids.detach().clone())

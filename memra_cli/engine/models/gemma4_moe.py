@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from memra_cli.engine.layers.moe import moe_glu, topk_lowest_index
-from memra_cli.engine.models.experts import expert_shapes, load_experts, step_weight_elements
+from memra_cli.engine.models.experts import RoutingRecorder, expert_shapes, load_experts, step_weight_elements
 from memra_cli.engine.models.gemma4 import MOE_NORMS, Gemma4Target, LayerWeights, _Loader, gemma_rms_norm
 from memra_cli.engine.models.qwen3_moe import MoeSettings, MoeWeights
 
@@ -85,7 +85,7 @@ class _MoeLoader(_Loader):
                 f"{moe.moe_intermediate_size}, top {moe.top_k_experts}, read from the {' and '.join(layouts)} layout)")
 
 
-class Gemma4MoeTarget(Gemma4Target):
+class Gemma4MoeTarget(RoutingRecorder, Gemma4Target):
     """Gemma 4 with its MoE block. `expert_reads`: (sparse-layer calls, experts run in them)
     over every forward and step, for the bench. The torch MoE op reads the routed expert ids on
     the host, so the family is not CUDA-graph capturable yet."""
@@ -115,6 +115,7 @@ class Gemma4MoeTarget(Gemma4Target):
         pre_2, post_1, post_2 = w.moe_norms
         dense = gemma_rms_norm(super()._feed_forward(x, w), post_1, eps)
         weights, ids = gemma_route(x, w, self.moe.top_k, eps, self.step_ops.linear)
+        self._record_routing(id(w.experts), ids)
         self._reads[0] += 1
         self._reads[1] += int(torch.unique(ids).numel())  # the op reads its ids on the host anyway
         routed = moe_glu(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up, w.experts.w_down,

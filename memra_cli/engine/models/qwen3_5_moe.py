@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from memra_cli.engine.layers.moe import moe_swiglu, route
-from memra_cli.engine.models.experts import expert_shapes, load_experts, step_weight_elements
+from memra_cli.engine.models.experts import RoutingRecorder, expert_shapes, load_experts, step_weight_elements
 from memra_cli.engine.models.qwen3_5 import LayerWeights, Qwen35Target, _Loader
 from memra_cli.engine.models.qwen3_moe import MoeSettings, MoeWeights
 
@@ -71,7 +71,7 @@ class _MoeLoader(_Loader):
                 f"{moe.shared_expert_intermediate_size}, experts read from the {' and '.join(layouts)} layout")
 
 
-class Qwen35MoeTarget(Qwen35Target):
+class Qwen35MoeTarget(RoutingRecorder, Qwen35Target):
     """Qwen3_5MoeForCausalLM inference (models/qwen3_5.py's hybrid, routed feed-forward).
     `expert_reads`: (sparse-layer calls, experts run in them) over every forward and step, for
     the bench, as the Qwen3-MoE target counts them."""
@@ -98,6 +98,7 @@ class Qwen35MoeTarget(Qwen35Target):
         """The routed experts plus the gated shared expert on the normed `h [t, hidden]` -> `[t, hidden]`."""
         shared = super()._feed_forward(h, w)  # the shared expert: the dense MLP's SwiGLU
         weights, ids = route(h, w.experts.router, self.moe.top_k, True)
+        self._record_routing(id(w.experts), ids)
         self._reads[0] += 1
         self._reads[1] += int(torch.unique(ids).numel())  # the op reads its ids on the host anyway
         routed = moe_swiglu(h, weights, ids, w.experts.w_gate_up, w.experts.w_down)

@@ -22,7 +22,7 @@ from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import _Fields, parse_target_config, read_json_object
 from memra_cli.engine.layers.moe import route
 from memra_cli.engine.layers.ops import rms_norm
-from memra_cli.engine.models.experts import expert_shapes, load_experts
+from memra_cli.engine.models.experts import RoutingRecorder, expert_shapes, load_experts
 from memra_cli.engine.models.qwen3 import LayerWeights, Qwen3Target, _Loader
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class MoeLayerWeights(LayerWeights):
     experts: MoeWeights | None = None
 
 
-class Qwen3MoeTarget(Qwen3Target):
+class Qwen3MoeTarget(RoutingRecorder, Qwen3Target):
     """Qwen3MoeForCausalLM inference. Capturable in a CUDA graph (`supports_cuda_graphs`, the
     Qwen3 step's): the MoE kernels read the routed ids on the device, and the torch twin runs
     every expert while a capture is under way instead of reading them on the host."""
@@ -164,6 +164,7 @@ class Qwen3MoeTarget(Qwen3Target):
     def _moe(self, h: torch.Tensor, ex: MoeWeights) -> torch.Tensor:
         """A routed feed-forward on the normed `h [t, hidden]` (before the residual add)."""
         weights, ids = route(h, ex.router, self.moe.top_k, self.moe.norm_topk_prob)
+        self._record_routing(id(ex), ids)
         hit = torch.zeros(self.moe.num_experts + 1, dtype=torch.int64, device=ids.device)
         hit.index_fill_(0, ids.reshape(-1), 1)[-1] = 1  # the experts run, and the call in the last slot
         self._reads += torch.stack((hit[-1], hit[:-1].sum()))

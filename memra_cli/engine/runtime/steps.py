@@ -130,16 +130,17 @@ class StepRunner:
 
     # ------------------------------------------------------------------- steps
 
-    def prefill(self, ids: torch.Tensor, state, taps: Sequence[int] | None = None, on_taps=None
+    def prefill(self, ids: torch.Tensor, state, taps: Sequence[int] | None = None, on_taps=None, eager: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Prompt `ids [t]` from position 0, in forwards of at most `prefill_chunk` rows: float32
         logits of the last row `[1, vocab]` (only it goes through lm_head) and the taps. With
         `on_taps(taps [c, n_taps*hidden], start)` each chunk's taps are handed over as they are
         made and None is returned for them (nothing holds the whole prompt's); without it they
-        come back whole, `[t, n_taps*hidden]`."""
+        come back whole, `[t, n_taps*hidden]`. `eager`: never a graphed bucket (a caller that
+        records what the forwards route, which a replay would not run on the host)."""
         state.reset()
         t, chunk = ids.shape[0], self.prefill_chunk
-        graph = self._prefill_graph(t, state, taps)
+        graph = None if eager else self._prefill_graph(t, state, taps)
         if graph is not None:
             logits, tapped = graph.run(ids)
             if tapped is not None and on_taps is not None:

@@ -18,6 +18,7 @@ from memra_cli.engine.errors import SettingError
 
 HARVEST_ENV = "MEMRA_DSPARK_HARVEST"
 VT_ENV = "MEMRA_DSPARK_VT"
+VT_COST_ENV = "MEMRA_DSPARK_VT_COST"
 TAU_ENV = "MEMRA_DSPARK_VT_TAU"
 ADAPT_ENV = "MEMRA_DFLASH_ADAPT"
 VERIFY_CAP_ENV = "MEMRA_DFLASH_VERIFY_T"
@@ -25,6 +26,7 @@ MARKOV_ENV = "MEMRA_DFLASH_MARKOV"
 EMB_SCALE_ENV = "MEMRA_DFLASH_EMB_SCALE"
 DEFAULT_THRESHOLD = 0.5  # the confidence windows' threshold when the `tau` setting is unset
 VT_CHOICES = ("ladder", "confidence", "confidence-slot", "priced")
+VT_COST_CHOICES = ("shape", "routed")  # the priced window's cost model (spec/priced.py)
 
 
 class Harvest(str, Enum):
@@ -90,23 +92,31 @@ class VerifyWindow:
     kind: str  # "ladder" | "confidence" | "confidence-slot" | "priced"
     threshold: float | None = None
     cost: object | None = None  # priced: the target's spec/priced.py StepCost (set at arm time)
+    # priced: where the per-slot survival comes from, "confidence" (the head's raws, each round)
+    # or "ladder-prior" (spec/priced.py `ladder_prior_survival` of the last round's accepted run)
+    survival: str = "confidence"
+    cost_model: str = "shape"  # priced: "shape" (independent routing) | "routed" (each prompt's measured union)
 
     @property
     def is_confidence(self) -> bool:
-        return self.kind != "ladder"
+        """Sized each round from the confidence head's raws (the drafter must have the head)."""
+        return self.kind != "ladder" and not (self.kind == "priced" and self.survival == "ladder-prior")
 
     def __str__(self) -> str:
         if self.kind == "ladder":
             return "Ladder"
         if self.kind == "priced":
             c = self.cost
-            return f"Priced{{experts={c.num_experts},top_k={c.top_k}}}" if c is not None else "Priced"
+            extra = ("" if self.survival == "confidence" else f",survival={self.survival}") + (
+                "" if self.cost_model == "shape" else f",cost={self.cost_model}")
+            return f"Priced{{experts={c.num_experts},top_k={c.top_k}{extra}}}" if c is not None else "Priced"
         name = "Confidence" if self.kind == "confidence" else "ConfidenceSlot"
         return f"{name}{{tau={self.threshold!r}}}"
 
-    def size_window(self, raws: Sequence[float], cap: int) -> int | None:
-        """This round's window from pre-sigmoid slot scores; None under the ladder."""
-        if self.kind == "ladder":
+    def size_window(self, raws: Sequence[float], cap: int, cost=None) -> int | None:
+        """This round's window from pre-sigmoid slot scores; None when it is carried between
+        rounds (`next_window`). `cost`: a session's own StepCost (the routed model), else the arm's."""
+        if not self.is_confidence:
             return None
         assert self.threshold is not None
         if self.kind == "confidence":
@@ -114,8 +124,19 @@ class VerifyWindow:
         if self.kind == "priced":
             from memra_cli.engine.spec.priced import priced_vt, survival_from_raws
 
-            return priced_vt(survival_from_raws(raws), self.cost, cap)  # type: ignore[arg-type]
+            return priced_vt(survival_from_raws(raws), cost or self.cost, cap)  # type: ignore[arg-type]
         return slot_confidence_vt(raws, self.threshold, cap)
+
+    def next_window(self, accepted: int, cap: int, cost=None) -> int:
+        """The carried window after a round that accepted `accepted` drafts: the ladder's
+        `clamp(m + 2, 3, cap)`, or the priced window over the ladder's prior survival. The first
+        round's is `next_window(cap - 2, cap)` (the ladder opens at the cap). Confidence windows
+        carry the ladder's (unused: they size each round from the raws)."""
+        if self.kind == "priced" and self.survival == "ladder-prior":
+            from memra_cli.engine.spec.priced import ladder_prior_survival, priced_vt
+
+            return priced_vt(ladder_prior_survival(accepted, cap - 1), cost or self.cost, cap)  # type: ignore[arg-type]
+        return ladder_next(accepted, cap)
 
 
 LADDER = VerifyWindow("ladder")
@@ -152,9 +173,22 @@ def _parse_threshold(tau: str | None) -> float:
     return value
 
 
-def parse_verify_window(vt: str | None, tau: str | None, adapt: str | None) -> VerifyWindow:
+def _parse_vt_cost(vt: str | None, vt_cost: str | None) -> str:
+    """The priced window's cost model: unset -> shape; unknown, or set for another window -> refuse."""
+    if _unset(vt_cost):
+        return "shape"
+    if vt_cost not in VT_COST_CHOICES:
+        raise SettingError("vt_cost", vt_cost, f"unknown step-cost model (expected {'|'.join(VT_COST_CHOICES)})")
+    if vt != "priced":
+        raise SettingError("vt_cost", vt_cost, "{vt_cost} prices the priced window only; set {vt=priced}",
+                           settings={"vt": vt})
+    return vt_cost
+
+
+def parse_verify_window(vt: str | None, tau: str | None, adapt: str | None, vt_cost: str | None = None) -> VerifyWindow:
     """Env-only parser (no head census): unset -> ladder; unknown or contradictory -> refuse."""
     adapt_off = _adapt_off(adapt)
+    cost_model = _parse_vt_cost(vt, vt_cost)
     if _unset(vt) or vt == "ladder":
         return LADDER
     if vt not in ("confidence", "confidence-slot", "priced"):
@@ -164,22 +198,23 @@ def parse_verify_window(vt: str | None, tau: str | None, adapt: str | None) -> V
             "vt", vt, "{vt} together with {adapt} is contradictory (a pinned fixed window vs "
             "a per-round confidence window); drop one", settings={"adapt": adapt},
         )
-    return VerifyWindow(vt, _parse_threshold(tau))  # type: ignore[arg-type]
+    return VerifyWindow(vt, _parse_threshold(tau), cost_model=cost_model)  # type: ignore[arg-type]
 
 
 def resolve_verify_window(
-    vt: str | None, tau: str | None, adapt: str | None, has_confidence_head: bool
+    vt: str | None, tau: str | None, adapt: str | None, has_confidence_head: bool, vt_cost: str | None = None
 ) -> VerifyWindow:
     """Explicit setting wins; unset -> confidence-slot at the `tau` threshold when the checkpoint
     has an accept-rate head and adapt is not 0, else the ladder. A `tau` that is set is always validated
     (the reference engine ignores it on head-less checkpoints; we never let a bad value pass silently)."""
     if not _unset(tau):
         _parse_threshold(tau)
+    _parse_vt_cost(vt, vt_cost)
     if _unset(vt):
         if _adapt_off(adapt) or not has_confidence_head:
             return LADDER
         return parse_verify_window("confidence-slot", tau, adapt)
-    return parse_verify_window(vt, tau, adapt)
+    return parse_verify_window(vt, tau, adapt, vt_cost)
 
 
 def _sigmoid(x: float) -> float:
@@ -238,10 +273,11 @@ class PolicySettings:
     vt: str | None = None
     tau: str | None = None
     adapt: str | None = None
+    vt_cost: str | None = None  # the priced window's cost model
 
     @classmethod
     def from_env(cls, env: dict[str, str]) -> "PolicySettings":
-        return cls(env.get(HARVEST_ENV), env.get(VT_ENV), env.get(TAU_ENV), env.get(ADAPT_ENV))
+        return cls(env.get(HARVEST_ENV), env.get(VT_ENV), env.get(TAU_ENV), env.get(ADAPT_ENV), env.get(VT_COST_ENV))
 
 
 @dataclass(frozen=True)
@@ -290,6 +326,7 @@ class Receipts:
     window: VerifyWindow
     window_set: bool
     has_confidence_head: bool
+    cost_set: bool = False  # the priced window's cost model was given (`vt_cost`)
     window_note: str | None = None  # e.g. why a program overrode the resolved window
     program: str | None = None  # the program that runs ("dflash" | "dspark"); None: what auto would pick
     embedding: BlockEmbedding | None = None  # an arm's block embedding (None where no target is loaded)
@@ -302,7 +339,8 @@ class Receipts:
 
     def lines(self) -> list[str]:
         h_src = "set" if self.harvest_set else "unset"
-        head = "present" if self.has_confidence_head else "ABSENT -> ladder"
+        # without the head the window is the ladder, or the priced one on the ladder's prior
+        head = "present" if self.has_confidence_head else "ABSENT" if self.window.kind == "priced" else "ABSENT -> ladder"
         w_src = "set" if self.window_set else "unset"
         note = f", {self.window_note}" if self.window_note else ""
         return [
@@ -316,6 +354,8 @@ class Receipts:
             "harvest": self.harvest.value,
             "verify_window": {"policy": self.window.kind, "tau": self.window.threshold},
         }
+        if self.window.kind == "priced":
+            out["verify_window"].update(survival=self.window.survival, cost_model=self.window.cost_model)
         if self.embedding is not None:
             out["block_embedding"] = self.embedding.as_json()
         return out
@@ -327,7 +367,8 @@ def resolve_receipts(settings: PolicySettings, strategy_dspark: bool, has_confid
         harvest=resolve_harvest(settings.harvest, strategy_dspark),
         harvest_set=not _unset(settings.harvest),
         strategy_dspark=strategy_dspark,
-        window=resolve_verify_window(settings.vt, settings.tau, settings.adapt, has_confidence_head),
+        window=resolve_verify_window(settings.vt, settings.tau, settings.adapt, has_confidence_head, settings.vt_cost),
         window_set=not _unset(settings.vt),
         has_confidence_head=has_confidence_head,
+        cost_set=not _unset(settings.vt_cost),
     )

@@ -8,8 +8,13 @@ union). `StepCost.bytes(vt)` is the weight bytes a step of `vt` rows reads: atte
 dense feed-forwards and lm_head once, plus the expected expert union per sparse layer. On a
 dense target it is flat in `vt`, the rule every other window policy assumes.
 
+A measured alternative (`routed_unions`): the target's own routing of the prompt's prefill (each
+sparse layer's top-k ids per prompt token) gives the empirical expected union of `vt` consecutive
+tokens, under the prompt's real correlation between neighbours; `StepCost.unions` carries it.
+
 `priced_vt` picks the window that maximises expected committed tokens per byte read, from the
-drafter's per-slot cumulative survival (the confidence head's raws, or a prior).
+drafter's per-slot cumulative survival: the confidence head's raws (`survival_from_raws`), or the
+ladder's prior (`ladder_prior_survival`) for a drafter without one.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Sequence
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -32,13 +39,22 @@ class StepCost:
     sparse_layers: int = 0
     num_experts: int = 1
     top_k: int = 1
+    unions: tuple[float, ...] | None = None  # measured: mean experts per sparse layer of vt = 1.. rows
 
     @property
     def is_flat(self) -> bool:
         return self.sparse_layers == 0 or self.expert_bytes == 0 or self.top_k >= self.num_experts
 
+    @property
+    def model(self) -> str:
+        """Which union it prices: `routed` (measured from a prompt's routing) or `shape`."""
+        return "shape" if self.unions is None else "routed"
+
     def expected_union(self, vt: int) -> float:
-        """Expected experts read per sparse layer by `vt` independently routed rows."""
+        """Expected experts read per sparse layer by a step of `vt` rows: measured (`unions`), or
+        for independently routed rows `E·(1 - (1 - k/E)^vt)`."""
+        if self.unions is not None:
+            return self.unions[vt - 1]
         e, k = self.num_experts, self.top_k
         return e * (1.0 - (1.0 - k / e) ** vt)
 
@@ -89,6 +105,45 @@ def survival_from_raws(raws: Sequence[float]) -> list[float]:
 def geometric_survival(alpha: float, n: int) -> list[float]:
     """The prior: each draft accepted with probability `alpha` given the ones before it."""
     return [alpha ** (j + 1) for j in range(n)]
+
+
+def ladder_prior_alpha(accepted: int) -> float:
+    """The ladder's prior per-draft acceptance after a round that accepted `accepted` drafts.
+
+    The ladder (policy.py `ladder_next`) verifies one draft past that run next, i.e. it expects a
+    run of `accepted + 1` drafts; a geometric run (each draft kept with probability `a` given the
+    ones before) has that mean when `a / (1 - a) = accepted + 1`, so `a = (m + 1) / (m + 2)`."""
+    return (accepted + 1) / (accepted + 2)
+
+
+def ladder_prior_survival(accepted: int, n: int) -> list[float]:
+    """Cumulative survival of `n` draft slots under the ladder's prior (`ladder_prior_alpha`)."""
+    return geometric_survival(ladder_prior_alpha(accepted), n)
+
+
+def routed_unions(routing: Sequence[torch.Tensor], max_vt: int) -> tuple[float, ...]:
+    """Mean experts per sparse layer that `vt` consecutive tokens route to, vt = 1..max_vt.
+
+    `routing`: per sparse layer, the expert ids `[n, k]` of the prompt's n tokens in order. For
+    each layer and each window of vt consecutive tokens the union's size is counted; the mean is
+    over every window of every layer (integer counts, then one float division: deterministic).
+    Needs `n >= max_vt`."""
+    total = torch.zeros(max_vt, dtype=torch.int64)
+    windows = torch.zeros(max_vt, dtype=torch.int64)
+    for ids in routing:
+        n = ids.shape[0]
+        if n < max_vt:
+            raise ValueError(f"routing of {n} tokens cannot measure a {max_vt}-row union")
+        e = int(ids.max()) + 1
+        hit = torch.zeros(n, e, dtype=torch.int64)
+        hit.scatter_(1, ids.cpu().long(), 1)  # [n, E]: token t routed to expert e
+        # per expert, the tokens up to t that chose it: a window (t, t+vt] chose it iff it grew
+        seen = torch.cat([torch.zeros(1, e, dtype=torch.int64), hit.cumsum(0)])
+        for vt in range(1, max_vt + 1):
+            union = ((seen[vt:] - seen[:-vt]) > 0).sum(dim=1)  # [n - vt + 1] windows
+            total[vt - 1] += union.sum()
+            windows[vt - 1] += union.shape[0]
+    return tuple((total.double() / windows.double()).tolist())
 
 
 def step_cost_of(model) -> StepCost | None:

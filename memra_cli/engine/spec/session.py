@@ -25,14 +25,16 @@ raises.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from contextlib import nullcontext
 from typing import Sequence
 
 import torch
 
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.chained import ChainedRounds
-from memra_cli.engine.spec.policy import ladder_next
+from memra_cli.engine.spec.priced import routed_unions
 from memra_cli.engine.spec.proposer import DrafterProposer, Program, Proposal, Proposer
 from memra_cli.engine.spec.sampling import GREEDY, Sampler, accept_prefix
 from memra_cli.engine.stats import DecodeStats, PhaseClock
@@ -61,7 +63,10 @@ class Session:
         self.clock = PhaseClock(self.stats, self.target.device, timed)
         self.tokens: list[int] = []
         self.finished = max_new == 0
-        self.vt = program.verify_cap if program else 1
+        # the priced window's step cost for this prompt when it is measured (`cost_model`
+        # routed, set by `prime`); None: the arm's
+        self.cost = None
+        self.vt = self._carried_window(program.verify_cap - 2) if program else 1
         self.late_window = self._sizes_after_verify()  # fixed for the session: program, sampler, runner
         self.graphed_rounds = round_graphs and not timed and self._rounds_capturable()
         # graphed rounds settle on the device (spec/chained.py), queued one ahead of the host's
@@ -89,12 +94,40 @@ class Session:
             if self.proposer is not None:  # the drafter's context, chunk by chunk as the prefill makes it
                 self.proposer.reset(self.capacity)
                 on_taps = self._ingest_prompt_chunk
-            logits, _ = self.runner.prefill(ids, self.cache, self.taps or None, on_taps=on_taps)
+            routed = self.program is not None and self.program.window.cost_model == "routed"
+            with self.target.recording_routing() if routed else nullcontext() as routing:
+                logits, _ = self.runner.prefill(ids, self.cache, self.taps or None, on_taps=on_taps, eager=routed)
+            if routed:
+                self._price_by_routing(routing)
             self.last = self.sampler.select(logits, torch.tensor([n - 1], device=self.target.device))
         except BaseException:
             self.close()
             raise
         self.clock.lap("prefill")
+
+    def _price_by_routing(self, routing: dict) -> None:
+        """The routed cost model: this prompt's measured expert union of `vt` consecutive tokens
+        (spec/priced.py `routed_unions`) prices its windows; a prompt shorter than the cap has no
+        window that wide to measure, so the shape model prices it, and `stats.window_cost` says which and why."""
+        p = self.program
+        base, cap, n = p.window.cost, p.verify_cap, len(self.prompt)
+        if n < cap:
+            cost, why = base, f"routed -> shape (a {n}-token prompt has no {cap}-token window to measure)"
+        else:
+            layers = [torch.cat(calls) for calls in routing.values()]
+            cost = dataclasses.replace(base, unions=routed_unions(layers, cap))
+            why = f"routed (the prefill's routing of {n} tokens over {len(layers)} sparse layers)"
+        self.cost = cost
+        self.vt = self._carried_window(cap - 2)
+        self.stats.window_cost = {"model": cost.model, "why": why,
+                                  "experts_per_layer": [round(cost.expected_union(v), 4) for v in range(1, cap + 1)],
+                                  "gb": [round(cost.bytes(v) / 1e9, 6) for v in range(1, cap + 1)]}
+
+    def _carried_window(self, accepted: int) -> int:
+        """The window carried into the next round (the ladder's, or the priced window on the
+        ladder's prior): `accepted = cap - 2` for the first round, where the ladder opens at the cap."""
+        p = self.program
+        return p.window.next_window(accepted, p.verify_cap, self.cost) if p.adapt else p.verify_cap
 
     def _ingest_prompt_chunk(self, taps: torch.Tensor, start: int) -> None:
         """One prefill chunk's taps `[c, n_taps*hidden]` (positions start..start+c-1) into the
@@ -156,7 +189,7 @@ class Session:
         vt = self.vt
         if p.window.is_confidence:
             assert proposal.raws is not None
-            vt = p.window.size_window(proposal.raws.tolist(), p.verify_cap)  # a host read before verify
+            vt = p.window.size_window(proposal.raws.tolist(), p.verify_cap, self.cost)  # a host read before verify
         return self._budget(vt)
 
     def _sizes_after_verify(self) -> bool:
@@ -217,7 +250,8 @@ class Session:
         if late:  # the round's one host read: candidates, selections and raws in one transfer
             host = torch.cat([cand.double(), selected.double(), proposal.raws.double()]).tolist()  # ids < 2^53: exact
             cand_h, selected_h = [int(x) for x in host[:rows]], [int(x) for x in host[rows : 2 * rows]]
-            rows = self._budget(self.program.window.size_window(host[2 * rows:], self.program.verify_cap))  # type: ignore[union-attr]
+            rows = self._budget(self.program.window.size_window(host[2 * rows:], self.program.verify_cap,  # type: ignore[union-attr]
+                                                                self.cost))
         else:
             host = torch.cat([cand, selected]).tolist()  # the round's one (ladder) host read
             cand_h, selected_h = host[:rows], host[rows:]
@@ -234,13 +268,13 @@ class Session:
         return committed
 
     def _count_round(self, vt: int, m: int) -> None:
-        """A round's stats (vt rows verified, m drafts accepted) and the ladder's next window."""
+        """A round's stats (vt rows verified, m drafts accepted) and the carried next window."""
         self.stats.rounds += 1
         self.stats.drafted += vt - 1
         self.stats.accepted += m
         self.stats.accept_hist[m] += 1
         if self.program is not None:
-            self.vt = ladder_next(m, self.program.verify_cap) if self.program.adapt else self.program.verify_cap
+            self.vt = self._carried_window(m)
 
     def _commit(self, cand: list[int], m: int) -> list[int]:
         """Push anchor + accepted drafts; the budget check comes before each push, EOS ends."""
