@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from memra_cli.engine.errors import MemraError, SettingError
-from memra_cli.engine.spec.policy import VT_CHOICES, PolicySettings, Receipts
+from memra_cli.engine.spec.policy import VT_CHOICES, VT_COST_CHOICES, PolicySettings, Receipts
 from memra_cli.engine.spec.sampling import ACCEPTANCE_RULES, GREEDY
 
 if TYPE_CHECKING:  # keyed loads torch: imported where a sampler is made
@@ -43,7 +43,8 @@ from memra_cli.engine.quant.precision import POLICIES as PRECISIONS  # noqa: E40
 DEFAULT_ARMS = ("off", "dflash", "dspark")
 EMBEDDED_DRAFTERS = ("dflash", "dspark")
 ARM_KEYS = {
-    "harvest": "dflash|dspark", "vt": "|".join(VT_CHOICES), "tau": "a float in (0,1)",
+    "harvest": "dflash|dspark", "vt": "|".join(VT_CHOICES), "vt_cost": "|".join(VT_COST_CHOICES),
+    "tau": "a float in (0,1)",
     "cap": "an integer >= 2", "adapt": "0|1", "markov": "0|1", "emb_scale": "0|1", "prec": "|".join(PRECISIONS),
     "draft": "PATH|dflash|dspark", "accept": "keyed|rejection",
 }
@@ -51,7 +52,7 @@ ARM_GRAMMAR = (
     "NAME[:key=value,...] with NAME off|plain|dflash|dspark|auto and keys "
     + ", ".join(f"{k}={v}" for k, v in ARM_KEYS.items())
 )
-POLICY_ENV = ("MEMRA_DSPARK_HARVEST", "MEMRA_DSPARK_VT", "MEMRA_DSPARK_VT_TAU", "MEMRA_DFLASH_ADAPT",
+POLICY_ENV = ("MEMRA_DSPARK_HARVEST", "MEMRA_DSPARK_VT", "MEMRA_DSPARK_VT_COST", "MEMRA_DSPARK_VT_TAU", "MEMRA_DFLASH_ADAPT",
               "MEMRA_DFLASH_VERIFY_T", "MEMRA_DFLASH_MARKOV", "MEMRA_DFLASH_EMB_SCALE")
 
 
@@ -70,6 +71,7 @@ class ArmSpec:
     mode: str
     harvest: str | None = None
     vt: str | None = None
+    vt_cost: str | None = None  # the priced window's cost model (shape|routed)
     tau: str | None = None
     cap: int | None = None
     adapt: bool | None = None
@@ -82,7 +84,7 @@ class ArmSpec:
     @property
     def settings(self) -> PolicySettings:
         adapt = None if self.adapt is None else ("1" if self.adapt else "0")
-        return PolicySettings(harvest=self.harvest, vt=self.vt, tau=self.tau, adapt=adapt)
+        return PolicySettings(harvest=self.harvest, vt=self.vt, tau=self.tau, adapt=adapt, vt_cost=self.vt_cost)
 
 
 def _bad(spec: str, what: str) -> BenchError:
@@ -95,7 +97,7 @@ def _key_value(spec: str, key: str, value: str) -> object:
         raise _bad(spec, f"unknown key {key!r}")
     if value == "":
         raise _bad(spec, f"{key}= has no value (expected {ARM_KEYS[key]})")
-    choices = {"harvest": ("dflash", "dspark"), "vt": VT_CHOICES, "prec": PRECISIONS,
+    choices = {"harvest": ("dflash", "dspark"), "vt": VT_CHOICES, "vt_cost": VT_COST_CHOICES, "prec": PRECISIONS,
                "adapt": ("0", "1"), "markov": ("0", "1"), "emb_scale": ("0", "1"), "accept": ACCEPTANCE_RULES}
     if key in choices:
         if value not in choices[key]:
@@ -348,6 +350,9 @@ class ArmResult:
     acceptance_rule: str | None = None  # the sampler's acceptance sentence
     steps: str | None = None  # how the arm's target steps ran (api.describe_steps)
     same_as_off: int | None = None  # plain only: prompts whose stream equalled off's (information)
+    # a priced arm with vt_cost=routed: prompts by the cost model that priced them (a prompt
+    # shorter than the cap falls back to shape: its session says why)
+    window_costs: dict[str, int] = field(default_factory=dict)
 
     def add(self, stats: DecodeStats, wall_s: float) -> None:
         s = self.stats
@@ -356,6 +361,9 @@ class ArmResult:
         for phase, v in stats.phase_s.items():
             s.phase_s[phase] += v
         s.accept_hist.update(stats.accept_hist)
+        if stats.window_cost is not None:
+            model = stats.window_cost["model"]
+            self.window_costs[model] = self.window_costs.get(model, 0) + 1
         if stats.expert_reads is not None:
             steps, experts = s.expert_reads or (0, 0)
             s.expert_reads = (steps + stats.expert_reads[0], experts + stats.expert_reads[1])
@@ -409,6 +417,7 @@ class ArmResult:
             "phase_total_ms": {p: 1e3 * v for p, v in s.phase_s.items()} if phase_times else None,
             "tau_hist": self.tau_hist, "exact": self.exact, "acceptance_rule": self.acceptance_rule,
             "moe": self.moe_counts(),
+            "window_costs": dict(self.window_costs) or None,
             "receipts": self.receipts.as_json() if self.receipts else None,
             "receipt_lines": self.receipts.lines() if self.receipts else [],
             "warnings": list(self.warnings),

@@ -25,7 +25,7 @@ ARM_HELP = (
     "fixed-width steps, always run: the exactness reference) | plain (the fastest plain decoding on the "
     "device: one-row steps, CUDA graphs on CUDA; always run: the speedup baseline, not gated) | dflash | "
     "dspark | auto. Keys: harvest=dflash|dspark, "
-    "vt=ladder|confidence|confidence-slot|priced, tau=FLOAT in (0,1), cap=INT (verify cap), adapt=0|1, "
+    "vt=ladder|confidence|confidence-slot|priced, vt_cost=shape|routed (the priced window's step cost), tau=FLOAT in (0,1), cap=INT (verify cap), adapt=0|1, "
     "markov=0|1, emb_scale=0|1 (block embedding times the target's embed_scale; default raw), "
     "prec=f32|bf16|q8|mixed|fc|q4 (drafter weights), draft=PATH or draft=dflash|dspark "
     "(an embedded drafter), accept=keyed|rejection (the acceptance rule with --temperature > 0: keyed, the "

@@ -69,14 +69,14 @@ def check_run_flags(dtype: str, device: str, step_width: Optional[str]) -> None:
 
 
 def check_policy_values(harvest: Optional[str], vt: Optional[str], tau: Optional[str], adapt: Optional[bool],
-                        verify_cap: Optional[str] = None) -> None:
+                        verify_cap: Optional[str] = None, vt_cost: Optional[str] = None) -> None:
     """Every policy value and contradiction that needs no checkpoint. Resolving against a
     checkpoint that has every head parses whatever is set (tau included); what depends on the
     checkpoint (a head that is absent, the verify cap's upper bound) is refused at load."""
     from memra_cli.cli.common import policy_settings
     from memra_cli.engine.spec.policy import resolve_receipts
 
-    resolve_receipts(policy_settings(harvest, vt, tau, adapt), strategy_dspark=False, has_confidence_head=True)
+    resolve_receipts(policy_settings(harvest, vt, tau, adapt, vt_cost), strategy_dspark=False, has_confidence_head=True)
     if verify_cap is None or verify_cap == "":
         return
     try:

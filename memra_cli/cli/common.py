@@ -38,6 +38,7 @@ class Setting:
 SETTINGS = {s.name: s for s in (
     Setting("harvest", "--harvest", "MEMRA_DSPARK_HARVEST"),
     Setting("vt", "--vt", "MEMRA_DSPARK_VT"),
+    Setting("vt_cost", "--vt-cost", "MEMRA_DSPARK_VT_COST"),
     Setting("tau", "--tau", "MEMRA_DSPARK_VT_TAU"),
     Setting("adapt", "--adapt", "MEMRA_DFLASH_ADAPT", off="--no-adapt"),
     Setting("verify_cap", "--verify-cap", "MEMRA_DFLASH_VERIFY_T"),
@@ -148,11 +149,15 @@ def describe(exc: Exception, ctx=None) -> str:
 
 HARVEST_HELP = "Harvest convention: dflash (rows 1..b-1) | dspark (rows 0..b-1). Unset: from the checkpoint census."
 VT_HELP = "Verify-window policy: ladder | confidence | confidence-slot | priced (expert-priced on an MoE target; confidence-slot on a dense one). Unset: confidence-slot with an accept-rate head, else ladder."
+VT_COST_HELP = ("The priced window's step-cost model: shape (the expert union of independently routed rows, from "
+                "the target's shape) | routed (each prompt's expert union of vt consecutive tokens, measured from "
+                "its prefill's routing). Unset: shape. Only with --vt priced.")
 TAU_HELP = "Confidence threshold in (0,1) for the confidence policies (default 0.5)."
 ADAPT_HELP = "Adapt the verify window each round (--no-adapt pins it at the cap; refuses with a confidence policy)."
 
 HarvestOpt = typer.Option(None, "--harvest", envvar=SETTINGS["harvest"].env, help=HARVEST_HELP, show_envvar=True)
 VtOpt = typer.Option(None, "--vt", envvar=SETTINGS["vt"].env, help=VT_HELP, show_envvar=True)
+VtCostOpt = typer.Option(None, "--vt-cost", envvar=SETTINGS["vt_cost"].env, help=VT_COST_HELP, show_envvar=True)
 TauOpt = typer.Option(None, "--tau", envvar=SETTINGS["tau"].env, help=TAU_HELP, show_envvar=True)
 AdaptOpt = typer.Option(None, "--adapt/--no-adapt", envvar=SETTINGS["adapt"].env, help=ADAPT_HELP, show_envvar=True)
 EMB_SCALE_HELP = ("The drafter's block embedding: the target's embedding rows times the target's embed_scale "
@@ -185,12 +190,13 @@ CudaGraphsOpt = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", envvar=SETT
                              show_envvar=True)
 
 
-def policy_settings(harvest: Optional[str], vt: Optional[str], tau: Optional[str], adapt: Optional[bool]):
+def policy_settings(harvest: Optional[str], vt: Optional[str], tau: Optional[str], adapt: Optional[bool],
+                    vt_cost: Optional[str] = None):
     """Flags/env as given -> engine PolicySettings (adapt as the environment's "0"/"1" strings)."""
     from memra_cli.engine.spec.policy import PolicySettings
 
     adapt_s = None if adapt is None else ("1" if adapt else "0")
-    return PolicySettings(harvest=harvest, vt=vt, tau=tau, adapt=adapt_s)
+    return PolicySettings(harvest=harvest, vt=vt, tau=tau, adapt=adapt_s, vt_cost=vt_cost)
 
 
 def debug_enabled() -> bool:

@@ -10,7 +10,7 @@ import typer
 
 from memra_cli.cli.common import (
     AdaptOpt, CudaGraphsOpt, DeviceOpt, DrafterPrecOpt, DtypeOpt, EmbScaleOpt, HarvestOpt, JsonOpt, MarkovOpt,
-    StepWidthOpt, TauOpt, VerifyCapOpt, VtOpt, at_least, policy_settings, refusals,
+    StepWidthOpt, TauOpt, VerifyCapOpt, VtCostOpt, VtOpt, at_least, policy_settings, refusals,
 )
 from memra_cli.cli.sampling import (
     AcceptanceOpt, MinPOpt, SeedOpt, TemperatureOpt, TopKOpt, TopPOpt, sampling_notes, sampling_params,
@@ -45,6 +45,7 @@ def generate(
     prec: Optional[str] = DrafterPrecOpt,
     harvest: Optional[str] = HarvestOpt,
     vt: Optional[str] = VtOpt,
+    vt_cost: Optional[str] = VtCostOpt,
     tau: Optional[str] = TauOpt,
     adapt: Optional[bool] = AdaptOpt,
     emb_scale: Optional[bool] = EmbScaleOpt,
@@ -70,8 +71,8 @@ def generate(
     committed per round), acceptance, tok/s and per-phase times.
     """
     _check_flags(target=target, draft=draft, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec,
-                 harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap)
-    given = {"harvest": harvest, "vt": vt, "tau": tau, "adapt": adapt, "verify_cap": verify_cap, "markov": markov,
+                 harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap, vt_cost=vt_cost)
+    given = {"harvest": harvest, "vt": vt, "vt_cost": vt_cost, "tau": tau, "adapt": adapt, "verify_cap": verify_cap, "markov": markov,
              "emb_scale": emb_scale,
              "prec": prec, "draft": draft}  # as the user gave them, before any default
     target, draft, defaults_note = _default_models(target, draft, spec)
@@ -87,7 +88,7 @@ def generate(
 
     from memra_cli.engine.spec.keyed import make_sampler
 
-    arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy_settings(harvest, vt, tau, adapt), markov=markov,
+    arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy_settings(harvest, vt, tau, adapt, vt_cost), markov=markov,
                         verify_cap=verify_cap, prec=prec, emb_scale=emb_scale)
     with torch.inference_mode():
         engine = Engine.load(EngineConfig(target=target, device=device, dtype=dtype, step_width=step_width,
@@ -122,7 +123,8 @@ def generate(
             "mode": arm.mode, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
             "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs, "threads": cpu.threads,
             "sampling": sampling.as_json(),
-            "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms")},
+            "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms",
+                                            "window_cost") if k in stats},
             "receipts": arm.receipts.as_json() if arm.receipts else None,
             "receipt_lines": arm.receipts.lines() if arm.receipts else [],
             "precision": arm.precision if arm.mode != "off" else None,
@@ -131,12 +133,15 @@ def generate(
         })
     else:
         render.stream_out("\n")
+        if "window_cost" in stats:  # the priced window's cost as this prompt resolved it
+            render.note(f"priced window cost: {stats['window_cost']['why']}")
         render.generate_summary(arm.mode, stats)
 
 
 def _check_flags(*, target: Optional[Path], draft: Optional[Path], spec: str, dtype: str, device: str,
                  step_width: Optional[str], prec: Optional[str], harvest: Optional[str], vt: Optional[str],
-                 tau: Optional[str], adapt: Optional[bool], verify_cap: Optional[str]) -> None:
+                 tau: Optional[str], adapt: Optional[bool], verify_cap: Optional[str],
+                 vt_cost: Optional[str] = None) -> None:
     """Everything that can be refused without a checkpoint or torch, first: a typo is answered
     in a fraction of a second, not after torch's two-second import."""
     from memra_cli.cli.checks import (
@@ -148,7 +153,7 @@ def _check_flags(*, target: Optional[Path], draft: Optional[Path], spec: str, dt
     check_spec(spec)
     check_run_flags(dtype, device, step_width)
     check_prec(prec)
-    check_policy_values(harvest, vt, tau, adapt, verify_cap)
+    check_policy_values(harvest, vt, tau, adapt, verify_cap, vt_cost)
 
 
 def _ignored_by_plain(given: dict) -> list[str]:

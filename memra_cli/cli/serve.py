@@ -10,7 +10,7 @@ import typer
 
 from memra_cli.cli.common import (
     AdaptOpt, CudaGraphsOpt, DeviceOpt, DrafterPrecOpt, DtypeOpt, EmbScaleOpt, HarvestOpt, MarkovOpt, StepWidthOpt,
-    TauOpt, VerifyCapOpt, VtOpt, at_least, policy_settings, refusals,
+    TauOpt, VerifyCapOpt, VtCostOpt, VtOpt, at_least, policy_settings, refusals,
 )
 from memra_cli.cli.threads import ThreadsOpt, threads_setting, use_threads
 
@@ -19,7 +19,8 @@ EMBEDDED_NAME = "memra-embedded"  # the served model's name for the embedded pai
 
 def _check_flags(*, target: Optional[Path], draft: Optional[Path], spec: str, dtype: str, device: str,
                  step_width: Optional[str], prec: Optional[str], harvest: Optional[str], vt: Optional[str],
-                 tau: Optional[str], adapt: Optional[bool], verify_cap: Optional[str], port: int) -> None:
+                 tau: Optional[str], adapt: Optional[bool], verify_cap: Optional[str], port: int,
+                 vt_cost: Optional[str] = None) -> None:
     """What can be refused without torch or a checkpoint, first (generate's checks, and the port)."""
     from memra_cli.cli.checks import (
         check_exists, check_model_dir, check_policy_values, check_prec, check_run_flags, check_spec,
@@ -31,7 +32,7 @@ def _check_flags(*, target: Optional[Path], draft: Optional[Path], spec: str, dt
     check_spec(spec)
     check_run_flags(dtype, device, step_width)
     check_prec(prec)
-    check_policy_values(harvest, vt, tau, adapt, verify_cap)
+    check_policy_values(harvest, vt, tau, adapt, verify_cap, vt_cost)
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port}: expected 0..65535 (0: a free port the system picks)")
     for module in ("starlette", "uvicorn"):
@@ -85,6 +86,7 @@ def serve(
     prec: Optional[str] = DrafterPrecOpt,
     harvest: Optional[str] = HarvestOpt,
     vt: Optional[str] = VtOpt,
+    vt_cost: Optional[str] = VtCostOpt,
     tau: Optional[str] = TauOpt,
     adapt: Optional[bool] = AdaptOpt,
     emb_scale: Optional[bool] = EmbScaleOpt,
@@ -102,12 +104,12 @@ def serve(
     rounds). Needs memra's serve extra (Starlette and uvicorn).
     """
     _check_flags(target=target, draft=draft, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec,
-                 harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap, port=port)
+                 harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap, port=port, vt_cost=vt_cost)
     sock = _bind(host, port)  # a taken port is refused before anything loads
     try:
         _serve(sock, target=target, draft=draft, spec=spec, name=name, max_tokens=max_tokens,
                max_sessions=max_sessions, max_queue=max_queue, dtype=dtype, device=device, verify_cap=verify_cap,
-               markov=markov, prec=prec, policy=policy_settings(harvest, vt, tau, adapt), emb_scale=emb_scale,
+               markov=markov, prec=prec, policy=policy_settings(harvest, vt, tau, adapt, vt_cost), emb_scale=emb_scale,
                step_width=step_width,
                cuda_graphs=cuda_graphs, threads=threads)
     finally:

@@ -25,6 +25,7 @@ def test_bench_reports_rows_and_experts_per_round_for_an_moe_target_only(tmp_pat
     for name, make in (("moe", make_tiny_qwen3_moe), ("dense", make_tiny_qwen3)):
         target = make(tmp_path / name, tokenizer=True)
         r = CliRunner().invoke(app, ["bench", "--target", str(target), "--draft", str(draft), "--arm", "dflash",
+                                     "--arm", "dflash:vt=priced,vt_cost=routed",
                                      "--prompts", "mbpp", "--n", "2", "--max-new", "24", "--warmup", "0", "--json"])
         assert r.exit_code == 0, r.output
         arms[name] = {a["name"]: a for a in json.loads(r.stdout)["arms"]}
@@ -35,3 +36,10 @@ def test_bench_reports_rows_and_experts_per_round_for_an_moe_target_only(tmp_pat
     # the tiny MoE routes top-2 of 8 on 3 sparse layers: a call runs 2..8 experts, a round >= 3 * 2
     assert 2 <= m["experts_per_layer_step"] <= 8 and m["experts_per_round"] >= 6
     assert arms["moe"]["plain"]["moe"]["rows_per_round"] is None  # plain has no rounds to verify
+    # the priced arm on the ladder's prior, each prompt priced by its own routing; on the dense
+    # target the same arm is the ladder (flat cost) and measures nothing
+    priced = arms["moe"]["dflash:vt=priced,vt_cost=routed"]
+    assert priced["exact"] is True and priced["window_costs"] == {"routed": 2}
+    assert "survival=ladder-prior,cost=routed" in priced["receipt_lines"][1]
+    dense = arms["dense"]["dflash:vt=priced,vt_cost=routed"]
+    assert dense["window_costs"] is None and "priced -> ladder (flat step cost" in dense["receipt_lines"][1]

@@ -44,6 +44,15 @@ def test_generate_spec_equals_plain_and_census_reads_the_drafter(tiny, family):
     assert s["tokens"] == greedy_reference(load_target(target), [int(i) for i in IDS.split(",")], 32)
     text = run("generate", "--target", target, "--prompt-ids", IDS, "--max-new", "4", "--spec", "off")
     assert text.exit_code == 0 and "expert ids on the host (no kernel yet)" in text.stderr, text.output
+    # the priced window on the ladder's prior (no accept-rate head), priced by the prompt's routing
+    ids = IDS + ",7,8,9,10,11,12,13,14,15,16,17,18,19,20,21,22,23,24,25,26"
+    priced = run("generate", "--target", target, "--draft", draft, "--prompt-ids", ids, "--max-new", "24", "--json",
+                 "--vt", "priced", "--vt-cost", "routed")
+    assert priced.exit_code == 0, priced.output
+    obj = json.loads(priced.stdout)
+    assert obj["tokens"] == greedy_reference(load_target(target), [int(i) for i in ids.split(",")], 24)
+    assert obj["receipts"]["verify_window"]["survival"] == "ladder-prior"
+    assert obj["stats"]["window_cost"]["model"] == "routed" and obj["stats"]["window_cost"]["experts_per_layer"][0] == 2
     census = run("census", draft, "--json")
     assert census.exit_code == 0, census.output
     obj = json.loads(census.stdout)

@@ -31,6 +31,8 @@ def pair(tmp_path_factory):
 CASES = {
     "vt": (["--vt", "fastest"], {"MEMRA_DSPARK_VT": "fastest"}, "--vt fastest", "--vt / MEMRA_DSPARK_VT=fastest",
            ": unknown verify-window policy (expected ladder|confidence|confidence-slot|priced)"),
+    "vt-cost": (["--vt", "priced", "--vt-cost", "measured"], {"MEMRA_DSPARK_VT_COST": "measured"}, "--vt-cost measured",
+                "--vt-cost / MEMRA_DSPARK_VT_COST=measured", ": unknown step-cost model (expected shape|routed)"),
     "tau": (["--tau", "1.5"], {"MEMRA_DSPARK_VT_TAU": "1.5"}, "--tau 1.5", "--tau / MEMRA_DSPARK_VT_TAU=1.5",
             ": confidence threshold must be in (0,1)"),
     "harvest": (["--harvest", "shifted"], {"MEMRA_DSPARK_HARVEST": "shifted"}, "--harvest shifted",
@@ -94,7 +96,7 @@ def test_the_settings_table_matches_every_command_and_the_engine():
     assert seen == flagged
     for name, env in (("harvest", policy.HARVEST_ENV), ("vt", policy.VT_ENV), ("tau", policy.TAU_ENV),
                       ("adapt", policy.ADAPT_ENV), ("verify_cap", policy.VERIFY_CAP_ENV),
-                      ("markov", policy.MARKOV_ENV)):
+                      ("markov", policy.MARKOV_ENV), ("vt_cost", policy.VT_COST_ENV)):
         assert SETTINGS[name].env == env
 
 
