@@ -96,7 +96,9 @@ class Session:
                 on_taps = self._ingest_prompt_chunk
             routed = self.program is not None and self.program.window.cost_model == "routed"
             with self.target.recording_routing() if routed else nullcontext() as routing:
-                logits, _ = self.runner.prefill(ids, self.cache, self.taps or None, on_taps=on_taps, eager=routed)
+                # recorded routing needs the eager forwards (a graph replay runs nothing on the host)
+                logits, _ = self.runner.prefill(ids, self.cache, self.taps or None, on_taps=on_taps,
+                                                **({"eager": True} if routed else {}))
             if routed:
                 self._price_by_routing(routing)
             self.last = self.sampler.select(logits, torch.tensor([n - 1], device=self.target.device))
