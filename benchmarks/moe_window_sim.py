@@ -8,7 +8,13 @@ each draft accepted with probability alpha given the ones before, alpha solved s
 16-row window (15 drafts) has the published tau. Policies: fixed-16; the reactive ladder
 (vt = clamp(m + 2, 3, 16) after m accepted drafts; its long-run rate by the stationary
 distribution of that chain); expert-priced (the vt of most expected tokens per expected byte,
-from the profile as a prior); plain = 1 token at cost(1).
+from the profile as a prior: what a confidence head that knows the profile would size);
+expert-priced without a confidence head (the engine's `accepted-runs` survival: the window priced
+from a geometric rate fitted to the session's accepted runs; Monte Carlo over SESSIONS sessions
+of ROUNDS rounds, a fixed seed, so its transient counts; on a flat cost the engine resolves it to
+the ladder); and, for comparison, the same window priced from the last round's run alone (rate
+(m + 1) / (m + 2), the run the ladder expects next; stationary chain), which a steep cost narrows
+to 2 rows for good; plain = 1 token at cost(1).
 
     python benchmarks/moe_window_sim.py [--json OUT]
 """
@@ -19,9 +25,13 @@ import argparse
 import json
 import sys
 
-from memra_cli.engine.spec.priced import StepCost, expected_committed, geometric_survival, priced_vt, qwen3_moe_cost
+import random
+
+from memra_cli.engine.spec.priced import (StepCost, accepted_runs_survival, expected_committed, geometric_survival,
+                                          priced_vt, qwen3_moe_cost)
 
 CAP = 16
+SESSIONS, ROUNDS = 50, 64  # the accepted-runs window's Monte Carlo: 64 rounds ~ a 256-token answer at tau 4
 # Published tau at a 16-token block (greedy unless said): DSpark paper Table 1, Qwen3-8B HumanEval
 # at T = 1 (as quoted in docs/bench.md); memra's embedded drafters on the H200, HumanEval and the
 # stdlib set (docs/bench.md).
@@ -31,6 +41,7 @@ PROFILES = {
     "DFlash, HumanEval (memra embedded, H200)": 2.59,
     "DSpark, HumanEval (memra embedded, H200)": 3.87,
     "DSpark, stdlib (memra embedded, H200)": 4.08,
+    "synthetic stronger drafter (no source)": 9.0,  # where a window fitted to one round's run falls behind
 }
 SHAPES = {
     "Qwen3-30B-A3B": dict(layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128, vocab=151936,
@@ -55,19 +66,58 @@ def accepted_dist(survival: list[float], vt: int) -> list[float]:
     return [c[m] - (c[m + 1] if m + 1 < vt else 0.0) for m in range(vt)]
 
 
-def ladder_rate(survival: list[float], cost: StepCost) -> tuple[float, float]:
-    """Long-run (tokens per byte, mean vt) of the reactive ladder, by power iteration."""
-    states = list(range(3, CAP + 1))
-    p = {vt: 1.0 / len(states) for vt in states}
+def chain_rate(survival: list[float], cost: StepCost, window) -> tuple[float, float]:
+    """Long-run (tokens per byte, mean vt) of a window carried from the last round's accepted
+    count m (`window(m)` -> vt; the first round's m is CAP - 2), by power iteration over m."""
+    p = {m: 0.0 for m in range(CAP)}
+    p[CAP - 2] = 1.0
+    dists = {m: accepted_dist(survival, window(m)) for m in p}
     for _ in range(2000):
-        nxt = dict.fromkeys(states, 0.0)
-        for vt, pv in p.items():
-            for m, pm in enumerate(accepted_dist(survival, vt)):
-                nxt[min(max(m + 2, 3), CAP)] += pv * pm
+        nxt = dict.fromkeys(p, 0.0)
+        for m, pm in p.items():
+            for m2, q in enumerate(dists[m]):
+                nxt[m2] += pm * q
+        done = max(abs(nxt[m] - p[m]) for m in p) < 1e-15  # converged to the last bits
         p = nxt
-    tokens = sum(pv * expected_committed(survival, vt) for vt, pv in p.items())
-    nbytes = sum(pv * cost.bytes(vt) for vt, pv in p.items())
-    return tokens / nbytes, sum(pv * vt for vt, pv in p.items())
+        if done:
+            break
+    tokens = sum(pm * expected_committed(survival, window(m)) for m, pm in p.items())
+    nbytes = sum(pm * cost.bytes(window(m)) for m, pm in p.items())
+    return tokens / nbytes, sum(pm * window(m) for m, pm in p.items())
+
+
+def ladder_rate(survival: list[float], cost: StepCost) -> tuple[float, float]:
+    """Long-run (tokens per byte, mean vt) of the reactive ladder vt = clamp(m + 2, 3, CAP)."""
+    return chain_rate(survival, cost, lambda m: min(max(m + 2, 3), CAP))
+
+
+def last_run_rate(survival: list[float], cost: StepCost) -> tuple[float, float]:
+    """Long-run (tokens per byte, mean vt) of the priced window on the last round's run alone
+    (geometric rate (m + 1) / (m + 2)); on a flat cost the ladder, as the accepted-runs window."""
+    if cost.is_flat:
+        return ladder_rate(survival, cost)
+    windows = {m: priced_vt(geometric_survival((m + 1) / (m + 2), CAP - 1), cost, CAP) for m in range(CAP)}
+    return chain_rate(survival, cost, windows.__getitem__)
+
+
+def accepted_runs_rate(alpha: float, cost: StepCost, seed: int = 0) -> tuple[float, float]:
+    """(tokens per byte, mean vt) of the priced window on the fitted survival over SESSIONS
+    sessions of ROUNDS rounds, each draft accepted with probability `alpha` given the ones
+    before (the engine's Session bookkeeping: drafts kept, rounds that rejected one); on a flat
+    cost the ladder (what the engine resolves it to)."""
+    if cost.is_flat:
+        return ladder_rate(geometric_survival(alpha, CAP - 1), cost)
+    rng, tokens, nbytes, rows = random.Random(seed), 0.0, 0.0, 0
+    for _ in range(SESSIONS):
+        kept = rejected = 0
+        for _ in range(ROUNDS):
+            vt = priced_vt(accepted_runs_survival(kept, rejected, CAP - 1), cost, CAP)
+            m = 0
+            while m < vt - 1 and rng.random() < alpha:
+                m += 1
+            kept, rejected = kept + m, rejected + (m < vt - 1)
+            tokens, nbytes, rows = tokens + m + 1, nbytes + cost.bytes(vt), rows + vt
+    return tokens / nbytes, rows / (SESSIONS * ROUNDS)
 
 
 def simulate(shape: str, profile: str, tau: float) -> dict:
@@ -79,9 +129,13 @@ def simulate(shape: str, profile: str, tau: float) -> dict:
     ladder, ladder_vt = ladder_rate(s, cost)
     vt = priced_vt(s, cost, CAP)
     priced = expected_committed(s, vt) / cost.bytes(vt)
+    runs, runs_vt = accepted_runs_rate(alpha, cost)
+    last, last_vt = last_run_rate(s, cost)
     return {"shape": shape, "profile": profile, "tau_fixed16": tau, "alpha": round(alpha, 4),
-            "speedup": {"fixed-16": fixed / plain, "ladder": ladder / plain, "priced": priced / plain},
-            "priced_vt": vt, "ladder_mean_vt": round(ladder_vt, 2),
+            "speedup": {"fixed-16": fixed / plain, "ladder": ladder / plain, "priced": priced / plain,
+                        "priced-accepted-runs": runs / plain, "priced-last-run": last / plain},
+            "priced_vt": vt, "ladder_mean_vt": round(ladder_vt, 2), "accepted_runs_mean_vt": round(runs_vt, 2),
+            "last_run_mean_vt": round(last_vt, 2),
             "union_at_16": round(cost.expected_union(CAP), 1) if not cost.is_flat else None}
 
 
@@ -91,11 +145,13 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     rows = [simulate(shape, name, tau) for shape in SHAPES for name, tau in PROFILES.items()]
     print("SIMULATION: expected speedup over plain (weight bytes read; drafter cost left out)")
-    print(f"{'shape':18} {'profile':42} {'tau':>5} {'fixed-16':>8} {'ladder':>7} {'priced':>7} {'vt*':>4}")
+    print(f"{'shape':18} {'profile':42} {'tau':>5} {'fixed-16':>8} {'ladder':>7} {'priced':>7} {'vt*':>4} "
+          f"{'no-head':>7} {'vt~':>5} {'last-run':>8}")
     for r in rows:
         sp = r["speedup"]
         print(f"{r['shape']:18} {r['profile']:42} {r['tau_fixed16']:5.2f} {sp['fixed-16']:8.2f} "
-              f"{sp['ladder']:7.2f} {sp['priced']:7.2f} {r['priced_vt']:4d}")
+              f"{sp['ladder']:7.2f} {sp['priced']:7.2f} {r['priced_vt']:4d} {sp['priced-accepted-runs']:7.2f} "
+              f"{r['accepted_runs_mean_vt']:5.2f} {sp['priced-last-run']:8.2f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"simulation": True, "cap": CAP, "rows": rows}, fh, indent=2)

@@ -210,8 +210,8 @@ def resolve_program(mode: str, census: Census, settings: PolicySettings, markov:
                                    program=mode)  # the receipts are tagged with the program that runs
     window = receipts.window
     if window.kind == "priced" and (mode == "dflash" or census.confidence is None):
-        # no confidence raws to price from: the ladder's prior survival prices the window
-        window = dataclasses.replace(window, survival="ladder-prior", threshold=None)
+        # no confidence raws to price from: a fit of the session's accepted runs prices the window
+        window = dataclasses.replace(window, survival="accepted-runs", threshold=None)
         receipts = dataclasses.replace(receipts, window=window)
     if mode == "dflash":
         if receipts.window_set and window.is_confidence:
@@ -240,19 +240,19 @@ def resolve_program(mode: str, census: Census, settings: PolicySettings, markov:
 def _resolve_priced(window, receipts: Receipts, census: Census, step_cost):
     """The expert-priced window over this target: priced by its step cost, or on a flat cost (a
     dense target, where every verified row is free) the window the other policies already give:
-    confidence-slot at the same threshold, or the ladder where the ladder's prior prices it (said
+    confidence-slot at the same threshold, or the ladder where no accept-rate head prices it (said
     in the receipts). The note says where the survival comes from and which cost model prices it."""
-    ladder_prior = window.survival == "ladder-prior"
+    runs = window.survival == "accepted-runs"
     if step_cost is None or step_cost.is_flat:
-        flat = LADDER if ladder_prior else VerifyWindow("confidence-slot", window.threshold)
+        flat = LADDER if runs else VerifyWindow("confidence-slot", window.threshold)
         note = f"priced -> {flat.kind} (flat step cost: a dense target's verify rows are free)"
         return flat, dataclasses.replace(receipts, window=flat, window_note=note)
     priced = dataclasses.replace(window, cost=step_cost)
-    if not ladder_prior:
+    if not runs:
         survival = "survival from the accept-rate head"
     else:
         why = "no accept-rate head" if census.confidence is None else "the dflash program reads no accept-rate head"
-        survival = f"survival from the ladder prior ({why})"
+        survival = f"survival fitted to the session's accepted runs ({why})"
     src = f"{VT_COST_ENV} {'set' if receipts.cost_set else 'unset'}"
     bound = f"cost(1)={step_cost.bytes(1) / 1e9:.3g} GB, cost(16)={step_cost.bytes(16) / 1e9:.3g} GB of weights"
     cost = (f"cost=shape ({src}): independent routing, {bound}" if window.cost_model == "shape" else

@@ -40,6 +40,6 @@ def test_bench_reports_rows_and_experts_per_round_for_an_moe_target_only(tmp_pat
     # target the same arm is the ladder (flat cost) and measures nothing
     priced = arms["moe"]["dflash:vt=priced,vt_cost=routed"]
     assert priced["exact"] is True and priced["window_costs"] == {"routed": 2}
-    assert "survival=ladder-prior,cost=routed" in priced["receipt_lines"][1]
+    assert "survival=accepted-runs,cost=routed" in priced["receipt_lines"][1]
     dense = arms["dense"]["dflash:vt=priced,vt_cost=routed"]
     assert dense["window_costs"] is None and "priced -> ladder (flat step cost" in dense["receipt_lines"][1]

@@ -51,7 +51,7 @@ def test_generate_spec_equals_plain_and_census_reads_the_drafter(tiny, family):
     assert priced.exit_code == 0, priced.output
     obj = json.loads(priced.stdout)
     assert obj["tokens"] == greedy_reference(load_target(target), [int(i) for i in ids.split(",")], 24)
-    assert obj["receipts"]["verify_window"]["survival"] == "ladder-prior"
+    assert obj["receipts"]["verify_window"]["survival"] == "accepted-runs"
     assert obj["stats"]["window_cost"]["model"] == "routed" and obj["stats"]["window_cost"]["experts_per_layer"][0] == 2
     census = run("census", draft, "--json")
     assert census.exit_code == 0, census.output

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memra_cli.engine.spec.policy import ladder_next
-from memra_cli.engine.spec.priced import (StepCost, expected_committed, geometric_survival, ladder_prior_alpha,
-                                          ladder_prior_survival, priced_vt, qwen3_moe_cost, routed_unions,
+from memra_cli.engine.spec.priced import (StepCost, accepted_runs_alpha, accepted_runs_survival, expected_committed,
+                                          geometric_survival, priced_vt, qwen3_moe_cost, routed_unions,
                                           survival_from_raws)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,24 +54,23 @@ def test_survival_from_raws_is_the_cumulative_sigmoid():
     assert s == [0.5, 0.25, 0.0]
 
 
-def test_the_ladder_prior_expects_the_run_the_ladder_verifies_next():
-    """After m accepted drafts the ladder verifies m + 1 drafts next; the prior's geometric run
-    has mean a / (1 - a) = m + 1, its survival a^(j+1)."""
-    for m in range(0, 15):
-        a = ladder_prior_alpha(m)
-        assert a / (1 - a) == pytest.approx(m + 1) and ladder_next(m, 16) - 1 == min(max(m + 1, 2), 15)
-    assert ladder_prior_survival(0, 3) == [0.5, 0.25, 0.125]
+def test_the_accepted_runs_fit_counts_kept_drafts_against_rejecting_rounds():
+    """Uniform prior: no rounds yet 1/2; 6 drafts kept over rounds of which 2 ended on a
+    rejection: 7/10 (a round that kept all its drafts adds no rejection)."""
+    assert accepted_runs_alpha(0, 0) == 0.5
+    assert accepted_runs_alpha(6, 2) == pytest.approx(0.7)
+    assert accepted_runs_survival(0, 0, 3) == [0.5, 0.25, 0.125]
+    assert accepted_runs_alpha(100, 1) > 0.98 and accepted_runs_alpha(0, 100) < 0.01
 
 
-def test_the_ladder_prior_prices_a_window_by_hand():
-    cost = StepCost(fixed_bytes=10.0, expert_bytes=1.0, sparse_layers=1, num_experts=4, top_k=2)
-    # m = 0: a = 1/2, survival .5, .25, .125: tokens 1.5, 1.75, 1.875 over bytes 13, 13.5, 13.75
-    # (rates .1154, .1296, .1364): the widest; a flat cost takes the cap for any m
-    assert priced_vt(ladder_prior_survival(0, 3), cost, 4) == 4
-    steep = StepCost(fixed_bytes=1.0, expert_bytes=1.0, sparse_layers=1, num_experts=4, top_k=2)
-    # bytes 4, 4.5, 4.75 -> rates .375, .389, .395 at m = 0; tokens grow slower than bytes beyond
-    assert [priced_vt(ladder_prior_survival(0, v - 1), steep, v) for v in (2, 3, 4)] == [2, 3, 4]
-    assert priced_vt(ladder_prior_survival(0, 15), StepCost(fixed_bytes=1.0), 16) == 16
+def test_the_fitted_survival_prices_a_window_by_hand():
+    cost = StepCost(fixed_bytes=10.0, expert_bytes=4.0, sparse_layers=1, num_experts=4, top_k=2)
+    # bytes 10 + 16(1 - 0.5^vt): vt 2, 3, 4 -> 22, 24, 25. No runs (a = 1/2): tokens 1.5, 1.75,
+    # 1.875, rates .0682, .0729, .0750: the widest. Runs fitting a = 1/11 (0 kept, 9 rejected):
+    # tokens 1.0909, 1.0992, 1.0999, rates .0496, .0458, .0440: the narrowest
+    assert priced_vt(accepted_runs_survival(0, 0, 3), cost, 4) == 4
+    assert priced_vt(accepted_runs_survival(0, 9, 3), cost, 4) == 2
+    assert priced_vt(accepted_runs_survival(3, 9, 15), StepCost(fixed_bytes=1.0), 16) == 16  # flat: the cap
 
 
 def _unions_by_hand(routing, vt):
@@ -126,8 +124,14 @@ def test_the_simulation_script_prints_and_writes_its_table(tmp_path):
     moe = [r for r in rows if r["shape"] == "Qwen3-30B-A3B"]
     dense = [r for r in rows if r["shape"] != "Qwen3-30B-A3B"]
     assert moe and dense
-    for r in moe:  # the issue's bar: the expert-priced window beats fixed-16 and the ladder
-        assert r["speedup"]["priced"] > max(r["speedup"]["fixed-16"], r["speedup"]["ladder"])
-    for r in dense:  # flat cost: the priced window is the fixed one
+    for r in moe:  # the issue's bar: the expert-priced window beats fixed-16 and the ladder, with
+        sp = r["speedup"]  # a confidence head or without one (the window fitted to the accepted runs)
+        assert sp["priced"] > max(sp["fixed-16"], sp["ladder"])
+        assert sp["priced"] >= sp["priced-accepted-runs"] > max(sp["fixed-16"], sp["ladder"])
+    # one round's run alone narrows a steep cost's window to 2 rows for good: a stronger drafter loses
+    strong = next(r for r in moe if r["profile"].startswith("synthetic"))
+    assert strong["speedup"]["priced-last-run"] < strong["speedup"]["ladder"] < strong["speedup"]["priced-accepted-runs"]
+    for r in dense:  # flat cost: the priced window is the fixed one; without a head, the ladder
         assert r["priced_vt"] == 16 and r["speedup"]["priced"] == pytest.approx(r["speedup"]["fixed-16"])
+        assert r["speedup"]["priced-accepted-runs"] == r["speedup"]["ladder"]
     assert json.loads((ROOT / "docs" / "results" / "moe-window-sim.json").read_text())["rows"] == rows

@@ -370,21 +370,21 @@ def test_priced_arms_equal_plain_greedy_in_bfloat16(pair, drafts, mode, cost):
     assert engine.session(ids, 40, arm, eos_ids=()).run() == greedy_reference(StepRunner(model, 16), ids, 40)
 
 
-def test_priced_window_without_a_confidence_head_runs_on_the_ladder_prior_and_says_so(target, drafts):
+def test_priced_window_without_a_confidence_head_runs_on_the_accepted_runs_and_says_so(target, drafts):
     engine = Engine.from_model(target, step_width=16)
     for mode, draft, why in (("dflash", "dflash", "no accept-rate head"), ("dspark", "headless", "no accept-rate head"),
                              ("dflash", "dspark", "the dflash program reads no accept-rate head")):
         arm = engine.arm(ArmConfig(draft=drafts[draft], mode=mode, settings=PolicySettings(vt="priced")))
         window = arm.program.window
-        assert (window.kind, window.survival, window.is_confidence) == ("priced", "ladder-prior", False)
+        assert (window.kind, window.survival, window.is_confidence) == ("priced", "accepted-runs", False)
         line = arm.receipts.lines()[1]
-        assert "verify-window=Priced{experts=8,top_k=2,survival=ladder-prior}" in line
-        assert f"survival from the ladder prior ({why})" in line and "cost=shape (MEMRA_DSPARK_VT_COST unset)" in line
-        assert arm.receipts.as_json()["verify_window"] == {"policy": "priced", "tau": None, "survival": "ladder-prior",
+        assert "verify-window=Priced{experts=8,top_k=2,survival=accepted-runs}" in line
+        assert f"survival fitted to the session's accepted runs ({why})" in line and "cost=shape (MEMRA_DSPARK_VT_COST unset)" in line
+        assert arm.receipts.as_json()["verify_window"] == {"policy": "priced", "tau": None, "survival": "accepted-runs",
                                                            "cost_model": "shape"}
-    # the carried window: the priced one over the ladder's prior, narrower after a rejection
+    # the carried window: the priced one over the fitted survival, wider after long runs
     cap = arm.program.verify_cap
-    assert window.next_window(cap - 2, cap) > window.next_window(0, cap) >= 2
+    assert window.next_window(0, cap, runs=(60, 2)) > window.next_window(0, cap, runs=(2, 20)) >= 2
 
 
 def test_priced_dflash_on_a_dense_target_is_the_ladder_and_says_so(tmp_path):
@@ -441,8 +441,8 @@ def test_routed_cost_measures_the_prompt_union_and_says_which_model(pair, target
         by_cost[cost] = session
     assert by_cost["routed"].stats.window_cost["experts_per_layer"] == [float(TOP_K)] * cap
     assert by_cost["routed"].cost.expected_union(cap) < by_cost["routed"].program.window.cost.expected_union(cap)
-    after_a_miss = {c: s.program.window.next_window(0, cap, s.cost) for c, s in by_cost.items()}
-    assert after_a_miss["routed"] == cap > after_a_miss["shape"]
+    no_runs_yet = {c: s.program.window.next_window(0, cap, s.cost) for c, s in by_cost.items()}  # survival 1/2, 1/4, ...
+    assert no_runs_yet["routed"] == cap > no_runs_yet["shape"]
     rows = {c: s.stats.drafted / s.stats.rounds for c, s in by_cost.items()}
     assert rows["routed"] > rows["shape"]
 

@@ -93,14 +93,14 @@ class VerifyWindow:
     threshold: float | None = None
     cost: object | None = None  # priced: the target's spec/priced.py StepCost (set at arm time)
     # priced: where the per-slot survival comes from, "confidence" (the head's raws, each round)
-    # or "ladder-prior" (spec/priced.py `ladder_prior_survival` of the last round's accepted run)
+    # or "accepted-runs" (spec/priced.py `accepted_runs_survival`: a fit of the session's rounds)
     survival: str = "confidence"
     cost_model: str = "shape"  # priced: "shape" (independent routing) | "routed" (each prompt's measured union)
 
     @property
     def is_confidence(self) -> bool:
         """Sized each round from the confidence head's raws (the drafter must have the head)."""
-        return self.kind != "ladder" and not (self.kind == "priced" and self.survival == "ladder-prior")
+        return self.kind != "ladder" and not (self.kind == "priced" and self.survival == "accepted-runs")
 
     def __str__(self) -> str:
         if self.kind == "ladder":
@@ -127,15 +127,16 @@ class VerifyWindow:
             return priced_vt(survival_from_raws(raws), cost or self.cost, cap)  # type: ignore[arg-type]
         return slot_confidence_vt(raws, self.threshold, cap)
 
-    def next_window(self, accepted: int, cap: int, cost=None) -> int:
+    def next_window(self, accepted: int, cap: int, cost=None, runs: tuple[int, int] = (0, 0)) -> int:
         """The carried window after a round that accepted `accepted` drafts: the ladder's
-        `clamp(m + 2, 3, cap)`, or the priced window over the ladder's prior survival. The first
-        round's is `next_window(cap - 2, cap)` (the ladder opens at the cap). Confidence windows
+        `clamp(m + 2, 3, cap)`, or the priced window over the survival fitted to the session's
+        `runs` so far (drafts accepted, rounds that rejected one). The first round's is
+        `next_window(cap - 2, cap)` (the ladder opens at the cap; no runs yet). Confidence windows
         carry the ladder's (unused: they size each round from the raws)."""
-        if self.kind == "priced" and self.survival == "ladder-prior":
-            from memra_cli.engine.spec.priced import ladder_prior_survival, priced_vt
+        if self.kind == "priced" and self.survival == "accepted-runs":
+            from memra_cli.engine.spec.priced import accepted_runs_survival, priced_vt
 
-            return priced_vt(ladder_prior_survival(accepted, cap - 1), cost or self.cost, cap)  # type: ignore[arg-type]
+            return priced_vt(accepted_runs_survival(*runs, cap - 1), cost or self.cost, cap)  # type: ignore[arg-type]
         return ladder_next(accepted, cap)
 
 

@@ -13,8 +13,8 @@ sparse layer's top-k ids per prompt token) gives the empirical expected union of
 tokens, under the prompt's real correlation between neighbours; `StepCost.unions` carries it.
 
 `priced_vt` picks the window that maximises expected committed tokens per byte read, from the
-drafter's per-slot cumulative survival: the confidence head's raws (`survival_from_raws`), or the
-ladder's prior (`ladder_prior_survival`) for a drafter without one.
+drafter's per-slot cumulative survival: the confidence head's raws (`survival_from_raws`), or for
+a drafter without one a geometric fit of the session's accepted runs (`accepted_runs_survival`).
 """
 
 from __future__ import annotations
@@ -86,8 +86,10 @@ def priced_vt(survival: Sequence[float], cost: StepCost, cap: int) -> int:
     """The window in [2, cap] with the most expected committed tokens per expected byte; on a
     tie the narrower one (fewer bytes for the same tokens)."""
     best, best_rate = 2, -1.0
+    tokens = 1.0  # expected_committed(survival, vt), kept as a running sum
     for vt in range(2, max(cap, 2) + 1):
-        rate = expected_committed(survival, vt) / cost.bytes(vt)
+        tokens += survival[vt - 2] if vt - 2 < len(survival) else 0.0
+        rate = tokens / cost.bytes(vt)
         if rate > best_rate * (1.0 + 1e-12):  # a strictly better rate, not a rounding tie
             best, best_rate = vt, rate
     return best
@@ -107,18 +109,21 @@ def geometric_survival(alpha: float, n: int) -> list[float]:
     return [alpha ** (j + 1) for j in range(n)]
 
 
-def ladder_prior_alpha(accepted: int) -> float:
-    """The ladder's prior per-draft acceptance after a round that accepted `accepted` drafts.
+def accepted_runs_alpha(accepted: int, rejected: int) -> float:
+    """Per-draft acceptance fitted to a session's rounds: `accepted` drafts kept over them and
+    `rejected` rounds that ended on a rejected draft (a round that kept every draft it verified
+    ended on none: its run was cut by the window, not by the drafter). The posterior mean of a
+    geometric run's rate under a uniform prior: `(accepted + 1) / (accepted + rejected + 2)`.
 
-    The ladder (policy.py `ladder_next`) verifies one draft past that run next, i.e. it expects a
-    run of `accepted + 1` drafts; a geometric run (each draft kept with probability `a` given the
-    ones before) has that mean when `a / (1 - a) = accepted + 1`, so `a = (m + 1) / (m + 2)`."""
-    return (accepted + 1) / (accepted + 2)
+    The ladder reads the same evidence, the accepted run, one round at a time; fitted from one
+    round, a window narrowed to 2 rows never sees a run past 1 and stays there on a steep cost
+    (docs/moe.md, the simulation), so every round's run counts here."""
+    return (accepted + 1) / (accepted + rejected + 2)
 
 
-def ladder_prior_survival(accepted: int, n: int) -> list[float]:
-    """Cumulative survival of `n` draft slots under the ladder's prior (`ladder_prior_alpha`)."""
-    return geometric_survival(ladder_prior_alpha(accepted), n)
+def accepted_runs_survival(accepted: int, rejected: int, n: int) -> list[float]:
+    """Cumulative survival of `n` draft slots under `accepted_runs_alpha`."""
+    return geometric_survival(accepted_runs_alpha(accepted, rejected), n)
 
 
 def routed_unions(routing: Sequence[torch.Tensor], max_vt: int) -> tuple[float, ...]:

@@ -66,6 +66,7 @@ class Session:
         # the priced window's step cost for this prompt when it is measured (`cost_model`
         # routed, set by `prime`); None: the arm's
         self.cost = None
+        self.runs = (0, 0)  # (drafts accepted, rounds that rejected one): the fitted survival's evidence
         self.vt = self._carried_window(program.verify_cap - 2) if program else 1
         self.late_window = self._sizes_after_verify()  # fixed for the session: program, sampler, runner
         self.graphed_rounds = round_graphs and not timed and self._rounds_capturable()
@@ -127,9 +128,9 @@ class Session:
 
     def _carried_window(self, accepted: int) -> int:
         """The window carried into the next round (the ladder's, or the priced window on the
-        ladder's prior): `accepted = cap - 2` for the first round, where the ladder opens at the cap."""
+        survival fitted to `runs`): `accepted = cap - 2` for the first, where the ladder opens at the cap."""
         p = self.program
-        return p.window.next_window(accepted, p.verify_cap, self.cost) if p.adapt else p.verify_cap
+        return p.window.next_window(accepted, p.verify_cap, self.cost, self.runs) if p.adapt else p.verify_cap
 
     def _ingest_prompt_chunk(self, taps: torch.Tensor, start: int) -> None:
         """One prefill chunk's taps `[c, n_taps*hidden]` (positions start..start+c-1) into the
@@ -276,6 +277,7 @@ class Session:
         self.stats.accepted += m
         self.stats.accept_hist[m] += 1
         if self.program is not None:
+            self.runs = (self.runs[0] + m, self.runs[1] + (m < vt - 1))
             self.vt = self._carried_window(m)
 
     def _commit(self, cand: list[int], m: int) -> list[int]:
