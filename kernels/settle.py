@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .settle_ref import KINDS, check_settle
+from .settle_ref import KINDS, PRICED_KINDS, RAW_KINDS, TIE, check_settle
 from .settle_ref import settle_round as settle_round_ref  # the torch twin
 
 from ._common import check_tensors, next_pow2
@@ -46,10 +46,21 @@ from ._pdl import pdl_args, pdl_wait
 
 
 @triton.jit
-def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, threshold_ptr, out_ptr, restore_ptr, cap, ring,
+def _priced_step(v, tokens, survival_j, cost_ptr, best, best_rate, tie):
+    """One candidate window `v` of the priced argmax: tokens += survival_j, rate per cost[v-1]."""
+    tokens = tokens + survival_j
+    rate = tokens / tl.load(cost_ptr + v - 1)
+    better = rate > best_rate * tie
+    return tokens, tl.where(better, v, best), tl.where(better, rate, best_rate)
+
+
+@triton.jit
+def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, threshold_ptr, out_ptr, restore_ptr, cost_ptr, cap, ring,
                    W: tl.constexpr, ND: tl.constexpr, BLOCK: tl.constexpr, KIND: tl.constexpr,
-                   ADAPT: tl.constexpr, RESTORE: tl.constexpr = False, PDL: tl.constexpr = False):
+                   ADAPT: tl.constexpr, RESTORE: tl.constexpr = False, NC: tl.constexpr = 0,
+                   TIE_C: tl.constexpr = 1.0, PDL: tl.constexpr = False):
     pdl_wait(PDL)
+    tie = tl.full((), TIE_C, tl.float64)  # the priced windows' tie factor, as a float64 constant
     offs = tl.arange(0, BLOCK)
     in_w = offs < W
     cand = tl.load(cand_ptr + offs, mask=in_w, other=0)
@@ -59,8 +70,22 @@ def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, threshold_ptr, out_p
     t_start = tl.load(inputs_ptr)
     d_start = tl.load(inputs_ptr + 1)
     budget = tl.load(inputs_ptr + 4)
-    if KIND == 0:
+    if KIND == 0 or KIND == 4:  # the ladder's, or the fitted priced window: carried
         vt = tl.load(inputs_ptr + 3)
+    elif KIND == 3:  # priced from the raws: the argmax of tokens per cost over v in [2, NC]
+        for i in tl.static_range(ND):
+            tl.store(out_ptr + 2 * W + i, tl.load(raws_ptr + i).to(tl.float64))
+        survival = tl.full((), 1.0, tl.float64)
+        tokens = tl.full((), 1.0, tl.float64)
+        vt = tl.full((), 2, tl.int64)
+        best_rate = tl.full((), -1.0, tl.float64)
+        for v in tl.static_range(2, NC + 1):
+            s_j = tl.full((), 0.0, tl.float64)
+            if v - 2 < ND:  # slot after slot: the host's order of the product
+                raw = tl.load(raws_ptr + v - 2).to(tl.float64)
+                survival = survival * tl.where(raw >= -700.0, 1.0 / (1.0 + tl.exp(-raw)), 0.0)
+                s_j = survival
+            tokens, vt, best_rate = _priced_step(v, tokens, s_j, cost_ptr, vt, best_rate, tie)
     else:
         threshold = tl.load(threshold_ptr)
         survival = tl.full((), 1.0, tl.float64)
@@ -84,9 +109,22 @@ def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, threshold_ptr, out_p
     agree = (nxt_cand == sel) & (offs < W - 1) & (offs < vt - 1)
     m = tl.min(tl.where(agree, BLOCK, offs), axis=0).to(tl.int64)  # the first disagreement
     anchor = tl.sum(tl.where(offs == m, sel, 0), axis=0)
-    if ADAPT:
-        next_vt = tl.minimum(tl.maximum(m + 2, 3), cap)
+    if KIND == 4:  # the runs so far, this round's in; the window priced over their fitted survival
+        kept_runs = tl.load(inputs_ptr + 5) + m
+        rejected = tl.load(inputs_ptr + 6) + (m < vt - 1).to(tl.int64)
+        alpha = (kept_runs + 1).to(tl.float64) / (kept_runs + rejected + 2).to(tl.float64)
+        survival = tl.full((), 1.0, tl.float64)
+        tokens = tl.full((), 1.0, tl.float64)
+        next_vt = tl.full((), 2, tl.int64)
+        best_rate = tl.full((), -1.0, tl.float64)
+        for v in tl.static_range(2, NC + 1):
+            survival = survival * alpha
+            tokens, next_vt, best_rate = _priced_step(v, tokens, survival, cost_ptr, next_vt, best_rate, tie)
+        tl.store(inputs_ptr + 5, kept_runs)
+        tl.store(inputs_ptr + 6, rejected)
     else:
+        next_vt = tl.minimum(tl.maximum(m + 2, 3), cap)
+    if not ADAPT:
         next_vt = (m * 0 + cap).to(tl.int64)
     tl.store(out_ptr + 2 * W + ND, vt.to(tl.float64))
     tl.store(out_ptr + 2 * W + ND + 1, m.to(tl.float64))
@@ -102,18 +140,22 @@ def _settle_kernel(cand_ptr, sel_ptr, raws_ptr, inputs_ptr, threshold_ptr, out_p
 
 def settle_round(cand: torch.Tensor, sel: torch.Tensor, raws: torch.Tensor | None, inputs: torch.Tensor,
                  threshold: torch.Tensor | None, *, kind: str, cap: int, adapt: bool,
-                 restore: torch.Tensor | None = None, ring: int = 0) -> torch.Tensor:
+                 restore: torch.Tensor | None = None, ring: int = 0, cost: torch.Tensor | None = None) -> torch.Tensor:
     """Settle a round (module docstring): returns `out [2W + n + 2]` float64 and rewrites `inputs`
-    `[t_start, d_start, last, vt, budget]` (int64) for the next round. `raws` (float32 `[n]`)
-    and `threshold` (float64 `[1]`) only under a confidence window; the ladder's output has no raws.
-    `restore` (int32 `[2]`) and `ring`: also write a replay restore's ring rows."""
-    check_settle(cand, sel, raws, inputs, threshold, kind, cap, restore, ring)
-    nd = 0 if raws is None else raws.shape[0]
-    check_tensors(*[x for x in (cand, sel, raws, inputs, threshold, restore) if x is not None])
+    `[t_start, d_start, last, vt, budget]` (int64; `priced-runs`: `+ [kept, rejected]`) for the
+    next round. `raws` (float32 `[n]`) under a window sized from them (the ladder's and
+    `priced-runs`' outputs have none); `threshold` (float64 `[1]`) under a confidence window;
+    `cost` (float64 `[cap]`) under a priced one. `restore` (int32 `[2]`) and `ring`: also write
+    a replay restore's ring rows."""
+    check_settle(cand, sel, raws, inputs, threshold, kind, cap, restore, ring, cost)
+    nd = raws.shape[0] if kind in RAW_KINDS else 0
+    check_tensors(*[x for x in (cand, sel, raws, inputs, threshold, restore, cost) if x is not None])
     w = cand.shape[0]
     out = torch.empty(2 * w + nd + 2, dtype=torch.float64, device=cand.device)
-    _settle_kernel[(1,)](cand, sel, raws if raws is not None else out, inputs, threshold if threshold is not None else out,
-                         out, restore if restore is not None else inputs, cap, max(ring, 1), W=w, ND=nd,
-                         BLOCK=next_pow2(w), KIND=KINDS[kind], ADAPT=bool(adapt), RESTORE=restore is not None,
-                         num_warps=1, **pdl_args(cand))
+    _settle_kernel[(1,)](cand, sel, raws if nd else out, inputs, threshold if threshold is not None else out,
+                         out, restore if restore is not None else inputs, cost if cost is not None else out,
+                         cap, max(ring, 1), W=w, ND=nd, BLOCK=next_pow2(w), KIND=KINDS[kind], ADAPT=bool(adapt),
+                         RESTORE=restore is not None, NC=cap if kind in PRICED_KINDS else 0, TIE_C=TIE, num_warps=1,
+                         enable_fp_fusion=False,  # no fused multiply-adds: the host's roundings, op for op
+                         **pdl_args(cand))
     return out

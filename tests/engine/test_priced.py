@@ -135,3 +135,40 @@ def test_the_simulation_script_prints_and_writes_its_table(tmp_path):
         assert r["priced_vt"] == 16 and r["speedup"]["priced"] == pytest.approx(r["speedup"]["fixed-16"])
         assert r["speedup"]["priced-accepted-runs"] == r["speedup"]["ladder"]
     assert json.loads((ROOT / "docs" / "results" / "moe-window-sim.json").read_text())["rows"] == rows
+
+
+def test_the_device_settle_prices_the_window_the_host_prices():
+    """memra_kernels.settle_ref (the torch settle_round; the kernel is tested against it) against
+    the host's policy (VerifyWindow.size_window / next_window) on random raws, runs, caps and
+    expert shapes: the same window, and the runs carried on as the host's Session counts them."""
+    from memra_cli.engine.spec.policy import VerifyWindow
+    from memra_kernels.settle_ref import settle_round
+
+    gen = torch.Generator().manual_seed(5)
+    sel = torch.arange(17)
+    seen = set()
+    for trial in range(120):
+        cap = (2, 3, 9, 17)[trial % 4]
+        cost = StepCost(fixed_bytes=1.0 + 30 * float(torch.rand(1, generator=gen)), expert_bytes=1.0,
+                        sparse_layers=2, num_experts=16, top_k=(1, 2, 4)[trial % 3])
+        table = torch.tensor([cost.bytes(v) for v in range(1, cap + 1)], dtype=torch.float64)
+        cand = torch.cat([sel[:1], sel[: 16]])  # every draft agrees: m is the window's
+        raws = (torch.randn(16, generator=gen) * 2 + 2).float()
+        priced = VerifyWindow("priced", 0.5, cost=cost)
+        out = settle_round(cand, sel, raws, torch.tensor([0, 0, 0, 2, 1000]), None, kind="priced", cap=cap,
+                           adapt=True, cost=table)
+        assert int(out[-2]) == priced.size_window(raws.double().tolist(), cap), trial
+        seen.add(int(out[-2]))
+        fitted = VerifyWindow("priced", None, cost=cost, survival="accepted-runs")
+        kept, rejected, vt = (int(x) for x in torch.randint(0, 30, (3,), generator=gen))
+        vt = 2 + vt % (cap - 1)
+        agree = int(torch.randint(0, vt, (1,), generator=gen))  # drafts 0..agree-1 accepted
+        cand = sel.clone()[: cap + 1] + 100
+        cand[1: agree + 1] = sel[:agree]
+        inputs = torch.tensor([0, 0, 0, vt, 1000, kept, rejected])
+        settle_round(cand, sel[: cap + 1], None, inputs, None, kind="priced-runs", cap=cap, adapt=True, cost=table)
+        m = min(agree, vt - 1)
+        runs = (kept + m, rejected + (m < vt - 1))
+        assert inputs[5:].tolist() == list(runs)
+        assert int(inputs[3]) == fitted.next_window(m, cap, runs=runs), trial
+    assert len(seen) >= 4  # windows of several widths were compared

@@ -26,25 +26,34 @@ def _case(gen, w, nd, agree_upto):
     return cand, sel, raws
 
 
-@pytest.mark.parametrize("kind", ["ladder", "confidence", "confidence-slot"])
+def _cost(gen, cap):
+    """A step cost of 1..cap rows (float64 [cap]): a fixed part and an expert union that grows
+    with the rows and saturates, at a random scale (the shape of spec/priced.py's)."""
+    fixed, expert = 1.0 + 9.0 * float(torch.rand(1, generator=gen)), float(torch.rand(1, generator=gen)) * 4.0
+    return torch.tensor([fixed + expert * 8 * (1 - 0.75 ** v) for v in range(1, cap + 1)], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["ladder", "confidence", "confidence-slot", "priced", "priced-runs"])
 @pytest.mark.parametrize("adapt", [True, False])
 def test_settle_kernel_equals_its_twin(kind, adapt, device):
     gen = torch.Generator().manual_seed(11)
     seen_m = set()
     for trial in range(40):
         w = (16, 7, 17, 2)[trial % 4]
-        nd = 0 if kind == "ladder" else max(1, w - (trial % 2))
+        nd = 0 if kind in ("ladder", "priced-runs") else max(1, w - (trial % 2))
         cand, sel, raws = _case(gen, w, nd, int(torch.randint(0, w, (1,), generator=gen)))
         cap = int(torch.randint(2, w + 1, (1,), generator=gen)) if w > 2 else 2
+        runs = [int(x) for x in torch.randint(0, 40, (2,), generator=gen)] if kind == "priced-runs" else []
         inputs = torch.tensor([100 + trial, 50 + trial, 7, int(torch.randint(max(2, cap - 2), cap + 1, (1,), generator=gen)),
-                               (1000, 3, 1, 0)[trial % 4]])
+                               (1000, 3, 1, 0)[trial % 4]] + runs)
         threshold = torch.tensor([(0.3, 0.5, 0.8)[trial % 3]], dtype=torch.float64)
+        cost = _cost(gen, cap) if kind.startswith("priced") else None
         args = dict(kind=kind, cap=cap, adapt=adapt)
         ref_inputs = inputs.clone()
-        ref = settle_round_ref(cand, sel, raws, ref_inputs, threshold, **args)
+        ref = settle_round_ref(cand, sel, raws, ref_inputs, threshold, cost=cost, **args)
         dev_inputs = inputs.to(device)
         got = settle_round(cand.to(device), sel.to(device), None if raws is None else raws.to(device), dev_inputs,
-                           threshold.to(device), **args)
+                           threshold.to(device), cost=None if cost is None else cost.to(device), **args)
         assert torch.equal(got.cpu(), ref), (trial, got, ref)
         assert torch.equal(dev_inputs.cpu(), ref_inputs), (trial, dev_inputs, ref_inputs)
         seen_m.add(int(ref[-1]))
@@ -85,6 +94,12 @@ def test_settle_refuses_bad_arguments():
                          cap=4, adapt=True)
     with pytest.raises(ValueError, match="inputs must be"):
         settle_round_ref(cand, sel, None, torch.zeros(4, dtype=torch.long), None, kind="ladder", cap=4, adapt=True)
+    with pytest.raises(ValueError, match=r"inputs must be \[7\]"):  # priced-runs carries the runs too
+        settle_round_ref(cand, sel, None, torch.zeros(5, dtype=torch.long), None, kind="priced-runs", cap=4, adapt=True,
+                         cost=torch.ones(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"cost as a contiguous float64 \[4\] tensor"):
+        settle_round_ref(cand, sel, torch.zeros(3), torch.zeros(5, dtype=torch.long), None, kind="priced", cap=4,
+                         adapt=True, cost=torch.ones(3, dtype=torch.float64))
     five = torch.zeros(5, dtype=torch.long)
     with pytest.raises(ValueError, match="restore must be int32"):
         settle_round_ref(cand, sel, None, five, None, kind="ladder", cap=4, adapt=True, restore=five[:2], ring=8)

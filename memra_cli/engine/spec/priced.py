@@ -122,8 +122,13 @@ def accepted_runs_alpha(accepted: int, rejected: int) -> float:
 
 
 def accepted_runs_survival(accepted: int, rejected: int, n: int) -> list[float]:
-    """Cumulative survival of `n` draft slots under `accepted_runs_alpha`."""
-    return geometric_survival(accepted_runs_alpha(accepted, rejected), n)
+    """Cumulative survival of `n` draft slots under `accepted_runs_alpha`: `a^(j+1)` as a
+    running product (the device settle's order of the same float64 products, kernels/settle.py)."""
+    a, s, out = accepted_runs_alpha(accepted, rejected), 1.0, []
+    for _ in range(n):
+        s *= a
+        out.append(s)
+    return out
 
 
 def routed_unions(routing: Sequence[torch.Tensor], max_vt: int) -> tuple[float, ...]:
