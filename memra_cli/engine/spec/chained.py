@@ -27,6 +27,9 @@ Between bursts one round may stay queued (`ahead`), its anchor committed (plain)
 from __future__ import annotations
 
 from contextlib import nullcontext
+
+import torch
+
 from memra_cli.engine.runtime.round_graphs import RoundChain, RoundGraph
 from memra_cli.engine.spec import round_bodies
 
@@ -125,11 +128,15 @@ class ChainedRounds:
         cache, width, model = s.cache, s.runner.width, s.target
         p, kv = s.program, s.proposer.kv
         raws = p.window.is_confidence
+        runs = round_bodies.settle_kind(p.window) == "priced-runs"  # its inputs carry the runs
         model.check_taps(s.taps)
         key = ("spec-chain", id(kv), p, raws, s.taps, width)
         chain = cache.graphs.get(key)
         if chain is None:
-            chain = cache.graphs[key] = RoundChain(model.device, 5)
+            chain = cache.graphs[key] = RoundChain(model.device, 7 if runs else 5)
+            # a priced window's step cost: this session's is written in before its first launch
+            chain.cost_table = (torch.zeros(p.verify_cap, dtype=torch.float64, device=model.device)
+                                if p.window.kind == "priced" else None)
         chain.drain()
         n = cache.graph_variants
         slack, d_slack = cache.max_len - width, kv.rows - max(width, p.block_size)
@@ -137,10 +144,18 @@ class ChainedRounds:
             if variant not in chain.graphs:
                 with cache.arranged_for_capture(variant) if n > 1 else nullcontext():
                     body = round_bodies.speculative_round_chained(s.proposer.drafter, model, p, kv, cache,
-                                                                  s.taps, width, raws)
-                    chain.graphs[variant] = RoundGraph(body, (slack, d_slack, 0, p.verify_cap, width), model.device,
-                                                       keep=(kv,), inputs=chain.inputs)
+                                                                  s.taps, width, raws, chain.cost_table)
+                    chain.graphs[variant] = RoundGraph(body, (slack, d_slack, 0, p.verify_cap, width) + (0, 0) * runs,
+                                                       model.device, keep=(kv,), inputs=chain.inputs)
         return chain
+
+    def _write_cost_table(self) -> None:
+        """A priced window's bytes of 1..cap rows for this session (its routed cost, or the
+        arm's), into the table its round graphs read."""
+        s, table = self.s, self.chain.cost_table
+        if table is not None:
+            cost = s.cost or s.program.window.cost
+            table.copy_(torch.tensor([cost.bytes(v) for v in range(1, table.shape[0] + 1)], dtype=torch.float64))
 
     def _launch_spec(self, seed=()) -> int:
         """Queue one speculative round over the arrangement the previous one left."""
@@ -177,7 +192,9 @@ class ChainedRounds:
             start = cache.length
             s.target.check_span(start, width, cache)
             self.next_variant = cache.graph_variant
-            self.ahead = self._launch_spec((start, start, s.last_id, s.vt, s.max_new - len(s.tokens)))
+            self._write_cost_table()
+            runs = s.runs if self.chain.n_inputs == 7 else ()
+            self.ahead = self._launch_spec((start, start, s.last_id, s.vt, s.max_new - len(s.tokens)) + tuple(runs))
         while len(out) < n:
             k = self.ahead
             assert k is not None

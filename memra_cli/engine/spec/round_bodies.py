@@ -5,8 +5,9 @@ return one packed vector, so a round is at most one host-to-device copy, one rep
 each also writes the next round's inputs, so a round can be queued before the previous is read.
 
 Speculative round, inputs `[t_start, d_start, last, vt, budget]` (equal starts in a session; the
-capture uses each storage's slack), output `[cand (W), sel (W), raws (n_drafts, under a
-confidence window), vt, m]` as float64 (ids < 2^53 are exact):
+capture uses each storage's slack; the priced window fitted to the accepted runs also carries
+`[kept, rejected]`), output `[cand (W), sel (W), raws (n_drafts, under a window sized from
+them), vt, m]` as float64 (ids < 2^53 are exact):
 
     drafts, raws = the static proposal of the block [last, MASK...] at d_start (draft graphs' body)
     cand = [last, drafts][:W]       (padded by repeating its last id when the block is shorter)
@@ -62,8 +63,15 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
     return core
 
 
+def settle_kind(window) -> str:
+    """The device settle's kind for a verify window (memra_kernels.settle_ref `KINDS`)."""
+    if window.kind == "priced":
+        return "priced" if window.is_confidence else "priced-runs"
+    return window.kind
+
+
 def speculative_round_chained(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int,
-                              want_raws: bool):
+                              want_raws: bool, cost_table: torch.Tensor | None = None):
     """The speculative round's body over one target state and one draft cache (see module): it
     settles the round on the device and writes the next round's inputs
     (runtime/round_graphs.py `RoundChain`; spec/chained.py).
@@ -72,8 +80,11 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     the stream may still commit). As `Session._round` does on the host: the window (the ladder's, or
     sized from the raws), capped by the budget (at least 1); m = accepted prefix inside it;
     then the next inputs `[t_start + m + 1, d_start + m + 1, sel[m], ladder_next(m) or the cap,
-    budget - m - 1]`. Output `[cand (W), sel (W), raws (nd, under a confidence window), vt, m]`
-    float64: the host commits the m the device used. The settlement is the step op
+    budget - m - 1]` (the priced window's next vt over its fitted survival, and its runs).
+    `cost_table` (float64 `[cap]`, a priced window's bytes of 1..cap rows) is read at every
+    replay: the caller writes a session's table into it before its rounds. Output `[cand (W),
+    sel (W), raws (nd, under a window sized from them), vt, m]` float64: the host commits the m
+    the device used. The settlement is the step op
     `settle_round` (memra_kernels.settle_ref; one launch with the kernels: memra_kernels.settle).
 
     A target state that rolls back on the device (`settles_on_device`: the hybrid's recurrent
@@ -82,6 +93,7 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     so the round needs no host rollback between it and the next."""
     core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws)
     ops, window = target.step_ops, program.window
+    kind = settle_kind(window)
     threshold = torch.tensor([window.threshold if window.is_confidence else 0.0], dtype=torch.float64,
                              device=target.device)
     on_device = cache.settles_on_device
@@ -90,7 +102,7 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     def body(inputs: torch.Tensor) -> torch.Tensor:
         cand, sel, raws = core(inputs)
         out = ops.settle_round(cand, sel, raws if window.is_confidence else None, inputs, threshold,
-                               kind=window.kind, cap=program.verify_cap, adapt=program.adapt, **restore)
+                               kind=kind, cap=program.verify_cap, adapt=program.adapt, cost=cost_table, **restore)
         if on_device:
             cache.restore_round()
         return out

@@ -209,8 +209,6 @@ class Session:
         r = self.runner
         if not (r.cuda_graphs and r.width is not None and self.sampler.greedy):
             return False
-        if self.program is not None and self.program.window.kind == "priced":  # the device settle has no cost model
-            return False
         if not self.cache.round_graphs_ok:  # the state's commit needs no host read
             return False
         if self.proposer is None:
