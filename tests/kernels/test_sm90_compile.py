@@ -178,6 +178,12 @@ def _settle(ctx, _):
             raws = ctx.t(nd, dtype="f32") if nd else None
             ctx.launch(f"settle_round {kind} adapt={adapt}", "_settle_kernel", st.settle_round, ctx.idx(16), ctx.idx(16),
                        raws, ctx.idx(5), threshold if nd else None, kind=kind, cap=16, adapt=adapt)
+    # the priced windows: from the raws, and fitted to the runs carried in inputs [7]
+    cost = torch.ones(16, dtype=torch.float64)
+    ctx.launch("settle_round priced", "_settle_kernel", st.settle_round, ctx.idx(16), ctx.idx(16), ctx.t(15, dtype="f32"),
+               ctx.idx(5), None, kind="priced", cap=16, adapt=True, cost=cost)
+    ctx.launch("settle_round priced-runs", "_settle_kernel", st.settle_round, ctx.idx(16), ctx.idx(16), None, ctx.idx(7),
+               None, kind="priced-runs", cap=16, adapt=True, cost=cost)
     # a hybrid state's round: also the replay restore's ring rows (int32 [2])
     ctx.launch("settle_round restore", "_settle_kernel", st.settle_round, ctx.idx(16), ctx.idx(16), None, ctx.idx(5),
                None, kind="ladder", cap=16, adapt=False, restore=torch.zeros(2, dtype=torch.int32), ring=64)
