@@ -7,18 +7,26 @@ next round starts with which anchor. Written as tensor ops, that is some thirty 
 the end of every round (docs/tuning.md#device-settlement); here it is one
 launch that also packs the round's output for the host's read.
 
-`settle_round(cand, sel, raws, inputs, threshold, kind=, cap=, adapt=)`, one program:
+`settle_round(cand, sel, raws, inputs, threshold, kind=, cap=, adapt=, cost=)`, one program:
 
 - window `vt`: the ladder's (`inputs[3]`), or from the drafter's confidence raws: keep leading
   slots while the running product of sigmoids (`confidence`) or each sigmoid
-  (`confidence-slot`) stays >= threshold, `vt = clamp(1 + kept, 2, max(cap, 2))`; then capped by the
-  budget `inputs[4]` and at least 1. The sigmoid is `1 / (1 + exp(-x))` in float64 (0 below
+  (`confidence-slot`) stays >= threshold, `vt = clamp(1 + kept, 2, max(cap, 2))`; or the
+  expert-priced window (`priced`): the `v` in [2, cap] with the most expected tokens
+  `1 + Σ_{j<v-1} survival_j` (the sigmoids' running product) per `cost[v - 1]`, moving to a
+  rate only when it beats the best by a factor 1 + 1e-12 (spec/priced.py `priced_vt`); or
+  carried (`priced-runs`, `inputs[3]`); then capped by the budget `inputs[4]` and at least 1. The sigmoid is `1 / (1 + exp(-x))` in float64 (0 below
   -700) and the product runs slot after slot, as the host's policy code computes it (its
   float64 `exp` may differ from the host's in the last bit: a window moves only when the
   survival lands within an ulp of threshold, and the stream never does: acceptance is the target's);
 - `m` = the leading run of `cand[j + 1] == sel[j]` for `j < vt - 1`;
 - `inputs := [t_start + m + 1, d_start + m + 1, sel[m], next vt, budget - m - 1]`, next vt
-  `clamp(m + 2, 3, cap)` when the ladder adapts (`min(max(m + 2, 3), cap)`), else `cap`;
+  `clamp(m + 2, 3, cap)` when the ladder adapts (`min(max(m + 2, 3), cap)`), else `cap`; under
+  `priced-runs` `inputs` also holds `[kept, rejected]`, updated by the round (`+ m`, `+ (m <
+  vt - 1)`), and the next vt is the priced window over the survival `a^(j+1)` (a running
+  product), `a = (kept + 1) / (kept + rejected + 2)` (spec/priced.py `accepted_runs_survival`);
+- the priced kinds run without fused multiply-adds (`enable_fp_fusion=False`): the host's
+  roundings, op for op;
 - `out [2W + n + 2]` float64: `cand ; sel ; raws ; vt ; m` (ids < 2^53 and float32 raws exact);
 - with `restore=` (int32 `[2]`) and `ring=`: `restore := [t_start % ring, m + 1]`, the rows a
   replay restore of the hybrid's recurrent state re-runs, or `[t_start % ring, -1]` when all W
