@@ -245,7 +245,8 @@ def _resolve_priced(window, receipts: Receipts, census: Census, step_cost):
     runs = window.survival == "accepted-runs"
     if step_cost is None or step_cost.is_flat:
         flat = LADDER if runs else VerifyWindow("confidence-slot", window.threshold)
-        note = f"priced -> {flat.kind} (flat step cost: a dense target's verify rows are free)"
+        unused = f"; {VT_COST_ENV} has nothing to price" if receipts.cost_set else ""
+        note = f"priced -> {flat.kind} (flat step cost: a dense target's verify rows are free{unused})"
         return flat, dataclasses.replace(receipts, window=flat, window_note=note)
     priced = dataclasses.replace(window, cost=step_cost)
     if not runs:

@@ -358,7 +358,10 @@ def test_priced_window_on_a_dense_target_is_the_confidence_slot_window_and_says_
 
 
 
-@pytest.mark.parametrize("mode,cost", [("headless", None), ("dspark", "routed"), ("dflash", "routed")])
+@pytest.mark.parametrize("mode,cost", [  # quick: the fitted window on the routed cost; the others exhaustive
+    ("headless", "routed"), pytest.param("headless", None, marks=pytest.mark.exhaustive),
+    pytest.param("dspark", "routed", marks=pytest.mark.exhaustive),
+    pytest.param("dflash", "routed", marks=pytest.mark.exhaustive)])
 def test_priced_arms_equal_plain_greedy_in_bfloat16(pair, drafts, mode, cost):
     """The priced windows (the ladder's prior, the routed cost) in bfloat16: fixed-width steps
     keep speculative == plain greedy bit for bit whatever the window verifies."""
@@ -397,6 +400,8 @@ def test_priced_dflash_on_a_dense_target_is_the_ladder_and_says_so(tmp_path):
     ladder = engine.arm(ArmConfig(draft=draft, mode="dflash"))
     assert priced.program == ladder.program
     assert "priced -> ladder (flat step cost" in priced.receipts.lines()[1]
+    routed = engine.arm(ArmConfig(draft=draft, mode="dflash", settings=PolicySettings(vt="priced", vt_cost="routed")))
+    assert routed.program == ladder.program and "MEMRA_DSPARK_VT_COST has nothing to price" in routed.receipts.lines()[1]
 
 
 def zero_routers(model):
