@@ -138,22 +138,21 @@ def routed_unions(routing: Sequence[torch.Tensor], max_vt: int) -> tuple[float, 
     each layer and each window of vt consecutive tokens the union's size is counted; the mean is
     over every window of every layer (integer counts, then one float division: deterministic).
     Needs `n >= max_vt`."""
-    total = torch.zeros(max_vt, dtype=torch.int64)
-    windows = torch.zeros(max_vt, dtype=torch.int64)
+    total, windows = [0] * max_vt, [0] * max_vt
     for ids in routing:
         n = ids.shape[0]
         if n < max_vt:
             raise ValueError(f"routing of {n} tokens cannot measure a {max_vt}-row union")
-        e = int(ids.max()) + 1
-        hit = torch.zeros(n, e, dtype=torch.int64)
-        hit.scatter_(1, ids.cpu().long(), 1)  # [n, E]: token t routed to expert e
+        ids = ids.long()
+        hit = torch.zeros(n, int(ids.max()) + 1, dtype=torch.int32, device=ids.device)
+        hit.scatter_(1, ids, 1)  # [n, E]: token t routed to expert e
         # per expert, the tokens up to t that chose it: a window (t, t+vt] chose it iff it grew
-        seen = torch.cat([torch.zeros(1, e, dtype=torch.int64), hit.cumsum(0)])
-        for vt in range(1, max_vt + 1):
-            union = ((seen[vt:] - seen[:-vt]) > 0).sum(dim=1)  # [n - vt + 1] windows
-            total[vt - 1] += union.sum()
-            windows[vt - 1] += union.shape[0]
-    return tuple((total.double() / windows.double()).tolist())
+        seen = torch.cat([torch.zeros_like(hit[:1]), hit.cumsum(0, dtype=torch.int32)])
+        sums = torch.stack([((seen[vt:] - seen[:-vt]) > 0).sum() for vt in range(1, max_vt + 1)]).tolist()
+        for vt in range(1, max_vt + 1):  # [n - vt + 1] windows of vt tokens
+            total[vt - 1] += sums[vt - 1]
+            windows[vt - 1] += n - vt + 1
+    return tuple(t / w for t, w in zip(total, windows))
 
 
 def step_cost_of(model) -> StepCost | None:
