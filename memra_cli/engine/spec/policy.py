@@ -340,7 +340,7 @@ class Receipts:
 
     def lines(self) -> list[str]:
         h_src = "set" if self.harvest_set else "unset"
-        # without the head the window is the ladder, or the priced one on the ladder's prior
+        # without the head the window is the ladder, or the priced one fitted to the accepted runs
         head = "present" if self.has_confidence_head else "ABSENT" if self.window.kind == "priced" else "ABSENT -> ladder"
         w_src = "set" if self.window_set else "unset"
         note = f", {self.window_note}" if self.window_note else ""
