@@ -30,7 +30,7 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `embed(ids, weight) -> rows`: an embedding lookup (a copy of the rows)
 - `confidence_raw(hidden, w, b, prev=None, w1=None) -> f32 [n]`: DSpark's accept-rate head
 - `pack_round(cand, sel, raws=None) -> f64`: a graphed round's one host read, packed
-- `settle_round(cand, sel, raws, inputs, threshold, kind=, cap=, adapt=, restore=None, ring=0) -> f64`:
+- `settle_round(cand, sel, raws, inputs, threshold, kind=, cap=, adapt=, restore=None, ring=0, cost=None) -> f64`:
   a chained round's settlement on the device (window, accepted prefix, next inputs written into
   `inputs`; with `restore`, the ring rows a recurrent state's restore re-runs) and its packed
   output (memra_kernels.settle_ref; one launch with the kernels instead of ~30)
