@@ -13,6 +13,7 @@ from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
 from memra_cli.engine.models.qwen3_moe import Qwen3MoeTarget
 from memra_cli.engine.runtime.steps import StepRunner
+from memra_cli.engine.spec.policy import PolicySettings
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
 from memra_kernels import moe
@@ -193,7 +194,8 @@ def test_graphed_sessions_with_the_kernels_read_nothing_on_the_host(target_dir, 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("round_graphs", [False, True], ids=["step-graphs", "round-graphs"])
-def test_on_the_gpu_graphed_sessions_equal_plain_greedy(target_dir, tmp_path, round_graphs):
+@pytest.mark.parametrize("vt", ["ladder", "priced"])  # priced: the fitted window on the routed cost, settled on the device
+def test_on_the_gpu_graphed_sessions_equal_plain_greedy(target_dir, tmp_path, round_graphs, vt):
     """On CUDA with the kernels and graphs on (the family's default there), in bfloat16: a
     speculative session equals plain greedy over eager steps with the same kernels."""
     from memra_cli.engine.layers.step_ops import select_step_ops
@@ -205,9 +207,11 @@ def test_on_the_gpu_graphed_sessions_equal_plain_greedy(target_dir, tmp_path, ro
     model = Qwen3MoeTarget.from_dir(target_dir, torch.bfloat16, "cuda")
     model.step_ops, _ = select_step_ops(model.device)
     engine = Engine.from_model(model, step_width=W, cuda_graphs=True, draft_graphs=True, round_graphs=round_graphs)
-    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    settings = PolicySettings(vt="priced", vt_cost="routed") if vt == "priced" else PolicySettings()
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash", settings=settings))
     for seed in range(3):
         ids = _ids(9 + 11 * seed, 80 + seed).tolist()
         plain = greedy_reference(StepRunner(ref_model, W), ids, 40)
         with engine.session(ids, 40, arm, eos_ids=()) as session:
             assert session.run() == plain, seed
+            assert session.graphed_rounds == round_graphs
