@@ -10,7 +10,8 @@ measures, each section's failure caught and reported in the JSON:
 - ``floor``: the cuBLAS chain of one step's weight matmuls (fused in-proj / qkv, out / o, gate-up,
   down per layer, then lm_head) at 1 and 16 rows, replayed as a CUDA graph;
 - ``plain``: memra's plain decode, graphed, step ops as `select_step_ops` picks them (Triton on
-  CUDA), at step width 1 (the engine's fastest plain) and 16 (one real row padded to 16): the
+  CUDA), at step width 1 (the engine's fastest plain) and 16 (one real row padded to 16, whose
+  padding rows skip the recurrence; `width16_padded*`: the same with them run, for the A/B): the
   graph replay alone and a whole token (replay + commit + argmax) after a 512-token prompt, and
   the engine's greedy decode (`Session`, one round graph a token) with the next round queued
   before the host reads a token (the default) and without (`width1_round_unpipelined`);
@@ -159,15 +160,29 @@ def make_runner(target: Qwen35Target, width: int, graphs: bool) -> StepRunner:
     return StepRunner(target, width, cuda_graphs=graphs)
 
 
+def run_padding(state) -> None:
+    """Make `state` run every row of its fixed steps through the recurrence, padding included
+    (its `set_live_rows` ignored, the live count left at every row): the step as it ran before
+    padding rows were skipped, timed beside it in the same process."""
+    state.set_live_rows(None)
+    state.set_live_rows = lambda n: None
+
+
 def plain(target, prompt: list[int], graphs: bool, tokens: int, reps: int) -> dict:
+    """Plain decode at width 1 and W (one real row padded to W: the padding rows skip the
+    recurrence, `Qwen35State.set_live_rows`), and at W with the padding rows run (`width16_padded`,
+    as before the skip; the same tokens)."""
     dev = target.device
-    out = {}
-    for width in (1, W):
+    out, streams = {}, {}
+    for width, padded in ((1, False), (W, False), (W, True)):
+        name = f"width{width}" + ("_padded" if padded else "")
         runner = make_runner(target, width, graphs)
         state = runner.new_state(len(prompt) + tokens + 8)
+        if padded:
+            run_padding(state)
         logits, _ = runner.prefill(torch.tensor(prompt, device=dev), state)
         last = logits.argmax(-1)
-        times = []
+        times, stream = [], []
         for _ in range(tokens):  # a whole token: replay + commit + argmax, as greedy decode runs it
             sync(dev)
             t0 = time.perf_counter()
@@ -175,16 +190,20 @@ def plain(target, prompt: list[int], graphs: bool, tokens: int, reps: int) -> di
             last = logits[-1].argmax()
             sync(dev)
             times.append(1e3 * (time.perf_counter() - t0))
+            stream.append(last)
         row = {"token_ms": median(times), "token_ms_min": min(times)}
+        streams[name] = torch.stack(stream).tolist()
         if graphs:
             graph = state.graphs[("step", ())]
             row["replay_ms"] = replay_ms(graph.graph.replay, reps)
-        out[f"width{width}"] = row
+        out[name] = row
         runner.release(state)
         # the engine's greedy decode with graphs on: each token one round graph, queued one ahead
         # of the host's read (the default) or read before the next is queued (MEMRA_PIPELINE=0)
         for pipelined in (True, False) if graphs else ():
             session = Session(runner, prompt, tokens + 8, round_graphs=True, pipelined=pipelined)
+            if padded:
+                run_padding(session.cache)
             session.burst(4)  # prefill, the captures of both buffer arrangements, warm-up
             assert session.graphed_rounds and session.pipelined == pipelined
             got, times = [], []
@@ -198,7 +217,9 @@ def plain(target, prompt: list[int], graphs: bool, tokens: int, reps: int) -> di
             session.close()
             truth = greedy_reference(runner, prompt, len(first) + len(got))  # step by step, no round graphs
             row["exact"] = truth == first + got
-            out[f"width{width}_round" + ("" if pipelined else "_unpipelined")] = row
+            out[name + "_round" + ("" if pipelined else "_unpipelined")] = row
+    # skipping the padding rows' recurrence changes no token: the same stream with them run
+    out[f"width{W}_padded"]["exact"] = streams[f"width{W}_padded"] == streams[f"width{W}"]
     return out
 
 
@@ -539,6 +560,10 @@ def main() -> None:
                    "memra_plain_token_ms_w1_round_unpipelined":
                        d["plain"].get("width1_round_unpipelined", {}).get("token_ms"),
                    "memra_plain_token_ms_w16": d["plain"]["width16"]["token_ms"],
+                   # one real row in a 16-row step: its padding rows' recurrence skipped / run (same process)
+                   "w16_round_token_ms": d["plain"].get("width16_round", {}).get("token_ms"),
+                   "w16_round_token_ms_padding_run": d["plain"].get("width16_padded_round", {}).get("token_ms"),
+                   "w16_step_token_ms_padding_run": d["plain"]["width16_padded"]["token_ms"],
                    "transformers_token_ms": d.get("transformers", {}).get("token_ms"),
                    "exact": d["exact"]["all_exact"] and all(d["plain"][k].get("exact", True) for k in d["plain"]
                                                             if isinstance(d["plain"][k], dict)),
@@ -547,6 +572,10 @@ def main() -> None:
             summary["floor_rows1_ms"] = d["floor"]["rows1_ms"]
             summary["floor_rows16_ms"] = d["floor"]["rows16_ms"]
             summary["plain_over_floor"] = summary["memra_plain_token_ms_w1"] / summary["floor_rows1_ms"]
+            if summary["w16_round_token_ms"] and summary["w16_round_token_ms_padding_run"]:
+                summary["w16_round_over_floor16"] = summary["w16_round_token_ms"] / summary["floor_rows16_ms"]
+                summary["w16_round_padding_run_over_floor16"] = (summary["w16_round_token_ms_padding_run"]
+                                                                 / summary["floor_rows16_ms"])
         for mode in ("stash", "replay"):  # a round's target side: 16-row verify + rollback, k = 8 kept
             row = d["verify"].get(f"{mode}_k8")
             if row:

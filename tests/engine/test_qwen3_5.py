@@ -395,12 +395,24 @@ def test_a_commit_flips_buffers_instead_of_copying_states(step_dir, mode, monkey
         moved = [tuple(c) for c in copies if tuple(c) in (rec_shape, conv_shape)]
         assert moved == ([] if mode == "replay" else [rec_shape])  # stash: the kept row's state, once
     assert replays == []
-    # width 4, one real row: the state after it is computed (replayed or copied) into the other buffer
+    # width 4, one real row: the recurrence runs the live row only (the runner's set_live_rows),
+    # so what the step wrote into the other buffer is the kept state: no replay. With the padding
+    # rows run too (set_live_rows ignored, as before it existed) the same commit replays the kept
+    # row from the base (replay mode); the states and the real row's logits are the same bits.
     runner4 = StepRunner(target, 4)
-    cur, base = state._cur, state._rec2[state._cur].clone()
-    runner4.step(_ids(1, 6), state.length, state)
-    assert state._cur == 1 - cur and torch.equal(state._rec2[cur], base)
-    assert len(replays) == (1 if mode == "replay" else 0)
+    padded = runner.new_state(64)
+    runner.prefill(_ids(20, 4), padded)
+    for _ in range(3):  # the history `state` has
+        runner.step(_ids(1, 5), padded.length, padded)
+    monkeypatch.setattr(padded, "set_live_rows", lambda n: None)
+    got = []
+    for st in (state, padded):
+        cur, base, before = st._cur, st._rec2[st._cur].clone(), len(replays)
+        logits, _ = runner4.step(_ids(1, 6), st.length, st)
+        assert st._cur == 1 - cur and torch.equal(st._rec2[cur], base)
+        got.append((logits, len(replays) - before, [*st.conv, *st.rec]))
+    assert got[0][1] == 0 and got[1][1] == (1 if mode == "replay" else 0)
+    assert torch.equal(got[0][0], got[1][0]) and all(torch.equal(a, b) for a, b in zip(got[0][2], got[1][2]))
 
 
 def test_restores_are_graphed_only_with_ops_that_read_their_rows_on_the_device():
@@ -454,7 +466,10 @@ def test_graphed_replay_restores_give_the_eager_restores_bits(step_dir, monkeypa
             states.append(state)
         assert torch.equal(outs[0], outs[1]), k
         assert_same_states(*states)
-        assert not states[0].graphs and 0 < len(states[0]._restore_graphs) <= 6
+        # a rollback into the block restores; the one-row step's commit is a flip (its
+        # recurrence ran the live row only), and so are k = 0 (the base) and 16 (no rollback)
+        assert not states[0].graphs and len(states[0]._restore_graphs) <= 6
+        assert (len(states[0]._restore_graphs) > 0) == (0 < k < 16), k
         assert not states[1]._restore_graphs
     assert 0 < len(captured) <= 8 * 6  # a few per fresh state, never one per restore
 

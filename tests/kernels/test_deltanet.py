@@ -119,8 +119,11 @@ def test_padding_rows_after_the_live_ones_do_not_run(fn, live, device):
     """A fixed step's padding: with `live`, a 16-row call gives its first min(16, live) rows'
     outputs and stash rows, and the state after the last of them as `final`, bit for bit those
     of a call on the live rows alone; the padding rows' outputs are zeros and their stash rows
-    untouched. `engine` is the torch step ops' form (layers/deltanet.py), host read on the CPU."""
-    if fn == "engine":
+    untouched. `engine` is the torch step ops' form (layers/deltanet.py): it reads `live` on the
+    device only (graph-capturable), so it runs every row and its padding rows stash the last
+    live row's state (never a padding row's)."""
+    engine = fn == "engine"
+    if engine:
         from memra_cli.engine.layers.deltanet import gated_delta_step as fn
     hk, hv, dk, dv = 2, 4, 64, 64
     qkv, g, beta, state = _inputs(16, hk, hv, dk, dv, torch.bfloat16, device, seed=11)
@@ -130,8 +133,9 @@ def test_padding_rows_after_the_live_ones_do_not_run(fn, live, device):
     final, stash = torch.empty_like(state), torch.zeros(16, hv, dk, dv, device=device)
     out = fn(qkv, g, beta, state, hk, final=final, stash=stash, stash_idx=idx,
              live=torch.tensor([live], dtype=torch.int32, device=device))
-    assert torch.equal(out[:n], want) and torch.equal(final, want_final) and torch.equal(stash, want_stash)
+    assert torch.equal(out[:n], want) and torch.equal(final, want_final) and torch.equal(stash[:n], want_stash[:n])
     assert not out[n:].any()
+    assert all(torch.equal(row, want_final if engine else want_stash[n + i]) for i, row in enumerate(stash[n:]))
 
 
 @pytest.mark.parametrize("t", [1, 2, 3, 16, 17])

@@ -127,16 +127,6 @@ def _delta_row(s: torch.Tensor, g: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return s + k_i * delta.unsqueeze(-2)
 
 
-def live_rows(live: torch.Tensor | None, t: int) -> int | None:
-    """How many of a step's `t` rows are live, where the host can tell without waiting on the
-    device: t without `live`, `min(t, live)` for a CPU `live`; None for a `live` on the GPU."""
-    if live is None:
-        return t
-    if live.device.type == "cpu":
-        return min(t, int(live[0]))
-    return None
-
-
 def gated_delta_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
                      n_k_heads: int, final: torch.Tensor | None = None, stash: torch.Tensor | None = None,
                      stash_idx: torch.Tensor | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,24 +137,22 @@ def gated_delta_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, sta
     numbers are `gated_delta_rule`'s bit for bit.
 
     `live` (int32 `[1]`): rows from `min(t, live)` on are a fixed step's padding, as in
-    `memra_kernels.deltanet.gated_delta_rule`: zero outputs, no update (`final` gets the last live
-    row's state). On the CPU they are skipped; on a GPU (where reading `live` would stall the host,
-    and a graph capture refuses it) every row runs and the padding ones are masked out."""
+    `memra_kernels.deltanet.gated_delta_rule`: zero outputs, no state update (`final` gets the
+    last live row's state). Read on the device, not the host (a CUDA graph captures this form
+    too): every row runs and a select keeps the padding ones out, the same bits for the live rows."""
     hv, dk, dv = state.shape
-    t = qkv.shape[0]
-    n = live_rows(live, t)
     q, k, v = prep_qkv(qkv, n_k_heads, hv, dk, dv)
-    out = torch.zeros_like(v)
+    out = torch.empty_like(v)
     s = state
-    for i in range(t if n is None else n):
+    for i in range(qkv.shape[0]):
         new = _delta_row(s, g[i], k[i], v[i], beta[i])
-        if n is None:  # a device `live`: row i is padding unless i < live (a select keeps the bits)
+        if live is None:
+            s = new
+            out[i] = (s * q[i].unsqueeze(-1)).sum(dim=-2)
+        else:
             keep = live[0] > i
             s = torch.where(keep, new, s)
             out[i] = torch.where(keep, (s * q[i].unsqueeze(-1)).sum(dim=-2), 0.0)
-        else:
-            s = new
-            out[i] = (s * q[i].unsqueeze(-1)).sum(dim=-2)
         if stash is not None:
             stash.index_copy_(0, stash_idx[i:i + 1], s.unsqueeze(0))  # device index: capturable
     if final is not None:

@@ -23,6 +23,10 @@ class StateBase:
     def graph_variant(self) -> int:
         return 0
 
+    def set_live_rows(self, n: int | None) -> None:
+        """The next fixed steps' real rows (None: all of them); the rest are padding. A state
+        that carries nothing from padding rows (a KV cache: causality hides them) ignores it."""
+
     def arranged_for_capture(self, variant: int):
         return nullcontext()
 
