@@ -415,6 +415,40 @@ def test_a_commit_flips_buffers_instead_of_copying_states(step_dir, mode, monkey
     assert torch.equal(got[0][0], got[1][0]) and all(torch.equal(a, b) for a, b in zip(got[0][2], got[1][2]))
 
 
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+def test_padding_rows_skip_the_recurrence_and_change_no_bit(step_dir, mode):
+    """Steps of 1, 5 and 15 real rows padded to 16, then a partial rollback: the real rows'
+    logits and every state (windows, recurrent states, K/V) are the bits of the same steps with
+    their padding rows run through the recurrence (set_live_rows ignored, as before it existed),
+    and the next step's logits too. A commit past the live rows is refused (those rows ran no
+    recurrence)."""
+    target = Qwen35Target.from_dir(step_dir, rollback=mode)
+    runner = StepRunner(target, WIDTH)
+    states, outs = [], []
+    for padded in (False, True):
+        state = runner.new_state(96)
+        if padded:
+            state.set_live_rows = lambda n: None
+        runner.prefill(_ids(9, 30), state)
+        got = []
+        for n in (1, 5, 15):
+            got.append(runner.step(_ids(n, 31 + n), state.length, state)[0])
+            # what the step wrote into the other buffer is the kept state only when padding was skipped
+            assert (state._final_at == state.length) != padded, (n, padded)
+        runner.step(_ids(6, 40), state.length, state)
+        state.rollback(state.length - 2)
+        got.append(runner.step(_ids(1, 41), state.length, state)[0])
+        states.append(state)
+        outs.append(got)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert_same_states(*states)
+    state = states[0]
+    state.set_live_rows(2)
+    runner.fixed_step(_ids(WIDTH, 42), state.length, state, live=2)
+    with pytest.raises(ValueError, match="ran only its 2 live rows"):
+        state.commit(state.length + 3)
+
+
 def test_restores_are_graphed_only_with_ops_that_read_their_rows_on_the_device():
     """The torch ops read a replay's rows on the host, which a CUDA graph capture refuses (the
     H200 caught a torch-ops target on CUDA trying): only the kernels' ops are graphed, on CUDA,

@@ -114,9 +114,9 @@ def test_recurrence_does_not_depend_on_the_grouping(fn, dtype, device):
 
 
 @pytest.mark.parametrize("fn", [gated_delta_rule, gated_delta_rule_ref, "engine"], ids=["kernel", "twin", "engine"])
-@pytest.mark.parametrize("live", [1, 5, 16, 40])
+@pytest.mark.parametrize("live", [1, 4, 6, 40])
 def test_padding_rows_after_the_live_ones_do_not_run(fn, live, device):
-    """A fixed step's padding: with `live`, a 16-row call gives its first min(16, live) rows'
+    """A fixed step's padding: with `live`, a 6-row call gives its first min(6, live) rows'
     outputs and stash rows, and the state after the last of them as `final`, bit for bit those
     of a call on the live rows alone; the padding rows' outputs are zeros and their stash rows
     untouched. `engine` is the torch step ops' form (layers/deltanet.py): it reads `live` on the
@@ -125,12 +125,12 @@ def test_padding_rows_after_the_live_ones_do_not_run(fn, live, device):
     engine = fn == "engine"
     if engine:
         from memra_cli.engine.layers.deltanet import gated_delta_step as fn
-    hk, hv, dk, dv = 2, 4, 64, 64
-    qkv, g, beta, state = _inputs(16, hk, hv, dk, dv, torch.bfloat16, device, seed=11)
-    n, idx = min(16, live), torch.arange(16, device=device)
-    want_final, want_stash = torch.empty_like(state), torch.zeros(16, hv, dk, dv, device=device)
+    t, hk, hv, dk, dv = 6, 1, 2, 32, 32  # small: two kernel calls under the interpreter
+    qkv, g, beta, state = _inputs(t, hk, hv, dk, dv, torch.bfloat16, device, seed=11)
+    n, idx = min(t, live), torch.arange(t, device=device)
+    want_final, want_stash = torch.empty_like(state), torch.zeros(t, hv, dk, dv, device=device)
     want = fn(qkv[:n], g[:n], beta[:n], state, hk, final=want_final, stash=want_stash, stash_idx=idx[:n])
-    final, stash = torch.empty_like(state), torch.zeros(16, hv, dk, dv, device=device)
+    final, stash = torch.empty_like(state), torch.zeros(t, hv, dk, dv, device=device)
     out = fn(qkv, g, beta, state, hk, final=final, stash=stash, stash_idx=idx,
              live=torch.tensor([live], dtype=torch.int32, device=device))
     assert torch.equal(out[:n], want) and torch.equal(final, want_final) and torch.equal(stash[:n], want_stash[:n])
