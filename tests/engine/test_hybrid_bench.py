@@ -31,4 +31,6 @@ def test_hybrid_bench_tiny_smoke(tmp_path):
     # rounds with the rollback inside the round (replay mode): picks and states exact, every k
     assert d["rounds"]["mode"] == "replay" and d["rounds"]["all_exact"] is True
     assert all(d["rounds"][f"k{k}"]["state_exact"] and d["rounds"][f"k{k}"]["rounds"] == 4 for k in (1, 8, 16))
+    # and with a window of k known before the verify (its rows past the window skip the recurrence)
+    assert d["rounds"]["k8_window"]["exact"] and d["rounds"]["k8_window"]["rounds"] == 4
     assert d["transformers"]["token_ms"] > 0 and d["summary"]["transformers_agree_prefix"] >= 0

@@ -449,6 +449,31 @@ def test_padding_rows_skip_the_recurrence_and_change_no_bit(step_dir, mode):
         state.commit(state.length + 3)
 
 
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+def test_a_window_known_before_the_verify_skips_the_rows_past_it(step_dir, mode):
+    """A ladder round's verify with its window as the step's live rows (`live_rows_from`, as the
+    round bodies run it), candidates from the plain stream so every row of the window is
+    accepted: the window's picks are the plain stream's (its last row's included, the one a
+    window one row short would get wrong) and the state kept after it is, bit for bit, what
+    steps of the same tokens leave."""
+    target = Qwen35Target.from_dir(step_dir, rollback=mode)
+    runner = StepRunner(target, WIDTH)
+    ids = _ids(12, 50).tolist()
+    truth = greedy_reference(runner, ids, 40)
+    seq = torch.tensor(ids + truth)
+    state, ref = runner.new_state(96), runner.new_state(96)
+    runner.prefill(seq[:12], state), runner.prefill(seq[:12], ref)
+    for vt in (1, 3, 7, 16):
+        start = state.length
+        live = torch.tensor([vt], dtype=torch.int32)
+        with state.live_rows_from(live):
+            logits, _ = target.static_step(seq[start:start + WIDTH], torch.arange(start, start + WIDTH), state)
+        assert logits[:vt].argmax(-1).tolist() == seq[start + 1:start + 1 + vt].tolist(), vt
+        state.commit(start + vt)
+        runner.step(seq[ref.length:ref.length + vt], ref.length, ref)
+        assert_same_states(state, ref)
+
+
 def test_restores_are_graphed_only_with_ops_that_read_their_rows_on_the_device():
     """The torch ops read a replay's rows on the host, which a CUDA graph capture refuses (the
     H200 caught a torch-ops target on CUDA trying): only the kernels' ops are graphed, on CUDA,
@@ -944,6 +969,15 @@ def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs
                                 num_target_layers=5, dtype=torch.bfloat16, **extra)
         arm = engine.arm(ArmConfig(draft=draft, mode=mode))
     reference = Engine.from_model(Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16), step_width=WIDTH)
+    live_seen = []  # each fixed step's live rows, as the recurrence reads them (the stand-in runs every body)
+    recurrence = model.step_ops.gated_delta_rule
+
+    def counting(*a, live=None, **k):
+        if live is not None:
+            live_seen.append(live.clone())  # read after the sessions: a graph body reads nothing on the host
+        return recurrence(*a, live=live, **k)
+
+    monkeypatch.setattr(model.step_ops, "gated_delta_rule", counting)
     for seed in range(2):
         ids = prompt(9 + 11 * seed, 80 + seed)
         plain = greedy_reference(reference.runner, ids, 24)
@@ -951,6 +985,11 @@ def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs
             assert session.graphed_rounds
             assert session.run() == plain, seed
             assert session.pipelined == pipelined
+    steps = {int(n[0]) for n in live_seen}
+    if mode == "plain":  # one real row of 16: the padding rows skip the recurrence
+        assert steps == {1}, steps
+    elif mode == "dflash":  # an adapting ladder (and block 8 < 16): the rows past the window skip it
+        assert min(steps) < 8 and max(steps) <= 8, steps
     if mode == "plain":
         variants = set(session.cache.graphs[("plain-chain", WIDTH)].graphs)
     else:

@@ -449,6 +449,19 @@ class Qwen35State(StateBase):
         self._forget()
         self.set_live_rows(None)
 
+    @contextmanager
+    def live_rows_from(self, rows: torch.Tensor):
+        """A fixed step run or captured inside reads its live rows from `rows` (int32 `[1]` on the
+        device; a round body writes it from its window before the step, so a replay needs no host
+        value), not from `live`, which keeps what `set_live_rows` wrote."""
+        if rows.shape != (1,) or rows.dtype != torch.int32 or rows.device != self.live.device:
+            raise ValueError(f"live rows must be an int32 [1] tensor on {self.live.device}")
+        saved, self.live = self.live, rows
+        try:
+            yield
+        finally:
+            self.live = saved
+
     def set_live_rows(self, n: int | None) -> None:
         """The next fixed steps run their first `n` rows through the DeltaNet recurrence (None:
         all): the rest are padding, whose recurrence would be work for nothing, and the state a

@@ -27,6 +27,11 @@ class StateBase:
         """The next fixed steps' real rows (None: all of them); the rest are padding. A state
         that carries nothing from padding rows (a KV cache: causality hides them) ignores it."""
 
+    def live_rows_from(self, rows):
+        """Context manager: a fixed step run (or captured) inside it takes its live-row count
+        from the device tensor `rows` (int32 `[1]`, a round body's own); a KV cache ignores it."""
+        return nullcontext()
+
     def arranged_for_capture(self, variant: int):
         return nullcontext()
 

@@ -17,7 +17,9 @@ confidence window), vt, m]` as float64 (ids < 2^53 are exact):
 
 The verify covers W rows whatever the window: the window is sized after it, from the raws, and
 only decides how many rows count, exactly as `Session._round` does with fixed-width steps (a
-row's logits do not depend on the rows after it). The ingest takes all W rows: the rows past the
+row's logits do not depend on the rows after it). A ladder window is known before the verify, so
+the rows past it are padding there, which a recurrent state skips in its recurrence (the step's
+live rows, `live_rows_from`): the rows inside the window are the same bits either way. The ingest takes all W rows: the rows past the
 accepted prefix land at positions the next round's block overwrites before any query reads them
 (the padding argument of draft_graphs.IngestGraph), so the drafter's cache holds what an ingest
 of the kept rows alone would. The host then sets both lengths to `start + m + 1`.
@@ -44,6 +46,12 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
     tail = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
     rows = torch.arange(width, device=dev)
     taps = tuple(taps)
+    # A ladder window is known before the verify (`inputs[3]`, capped by the budget `inputs[4]`,
+    # as settle_round caps it): no row past it can be accepted or picked, so those rows are
+    # padding, which a recurrent state skips (`live_rows_from`; a KV cache ignores it).
+    window = program.window
+    live = (torch.zeros(1, dtype=torch.int32, device=dev)
+            if window.kind == "ladder" and (program.adapt or program.verify_cap < width) else None)
 
     def core(inputs: torch.Tensor):
         t_start, d_start, last = inputs[0], inputs[1], inputs[2:3]
@@ -54,7 +62,12 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
         else:
             cand = torch.cat([cand, cand[-1:].expand(width - cand.shape[0])])
         # model-dtype logits: their argmax is the float32 copy's (an exact widening), unwritten
-        logits, tapped = target.static_step(cand, rows + t_start, cache, taps, widen=False)
+        if live is None:
+            logits, tapped = target.static_step(cand, rows + t_start, cache, taps, widen=False)
+        else:
+            live.copy_(torch.minimum(inputs[3], inputs[4]).clamp(min=1).reshape(1))
+            with cache.live_rows_from(live):
+                logits, tapped = target.static_step(cand, rows + t_start, cache, taps, widen=False)
         sel = target.step_ops.argmax(logits)
         drafter.static_ingest(kv, tapped, d_start)
         return cand, sel, raws
