@@ -312,7 +312,7 @@ def verify_rounds(target, prompt: list[int], graphs: bool, rounds: int) -> dict:
             sel = ops.argmax(logits)
             packed = ops.settle_round(cand, sel, None, inputs, None, kind="ladder", cap=window, adapt=False,
                                       restore=state.round_params, ring=state.ring)
-            state.restore_round()
+            state.restore_round(live if windowed else None)  # a kept window: no replay (replay mode)
             return packed
 
         start0 = state.length

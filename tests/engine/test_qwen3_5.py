@@ -22,6 +22,7 @@ speculative round loop.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -639,21 +640,48 @@ def test_stash_and_replay_restore_the_same_bits(step_dir):
     assert_same_states(*states)
 
 
-def restored_in_round(runner: StepRunner, prompt_ids, block, keep: int, rows_written: int | None = None):
+def restored_in_round(runner: StepRunner, prompt_ids, block, keep: int, rows_written: int | None = None,
+                      window: int | None = None):
     """A round restored on the device, as a round graph runs it: the fixed step of `block`
     (W rows) at the committed length, `round_params` as the settlement writes them for `keep`
     kept rows (`rows_written` overrides the row count: a planted bug), `restore_round`, then
-    the host's `settled_on_device`."""
+    the host's `settled_on_device`. `window`: a ladder round's, the step's live rows (as
+    spec/round_bodies.py runs it), also given to the restore."""
     model, width = runner.model, runner.width
     state = runner.new_state(80)
     runner.prefill(prompt_ids, state)
     start = state.length
-    model.static_step(block, torch.arange(start, start + width), state)
+    live = None if window is None else torch.tensor([window], dtype=torch.int32)
+    with state.live_rows_from(live) if live is not None else contextlib.nullcontext():
+        model.static_step(block, torch.arange(start, start + width), state)
     rows = rows_written if rows_written is not None else (-1 if keep == width else keep)
     state.round_params.copy_(torch.tensor([start % state.ring, rows], dtype=torch.int32))
-    state.restore_round()
+    state.restore_round(live)
     state.settled_on_device(start + keep)
     return state
+
+
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+def test_a_round_with_a_ladder_window_restores_the_host_rollback(step_dir, mode):
+    """A ladder round runs its window as the step's live rows and tells the restore: keeping the
+    whole window (replay mode: no replay at all, the step wrote that state) or less of it leaves
+    the host rollback's states bit for bit. Planted: a restore that skipped on any keep (the
+    rows written as the window) is caught by the keep-less-than-the-window case."""
+    runner = StepRunner(Qwen35Target.from_dir(step_dir, rollback=mode), WIDTH)
+    p, block = _ids(30, 60), _ids(WIDTH, 61)
+    for window, keep in ((5, 5), (5, 3), (1, 1), (9, 2)):
+        want = runner.new_state(80)
+        runner.prefill(p, want)
+        runner.step(block, want.length, want)
+        want.rollback(30 + keep)
+        assert_same_states(restored_in_round(runner, p, block, keep, window=window), want)
+    planted = restored_in_round(runner, p, block, 3, rows_written=5, window=5)
+    want = runner.new_state(80)
+    runner.prefill(p, want)
+    runner.step(block, want.length, want)
+    want.rollback(30 + 3)
+    with pytest.raises(AssertionError):
+        assert_same_states(planted, want)
 
 
 @pytest.mark.parametrize("mode", ["stash", "replay"])

@@ -65,9 +65,10 @@ class TargetState(Protocol):
         `build(*args)` returns, capturing it the first time."""
         ...
 
-    def restore_round(self) -> None:
+    def restore_round(self, live: torch.Tensor | None = None) -> None:
         """Inside a round graph (`settles_on_device` only): restore the state after the round's
-        kept rows, read on the device."""
+        kept rows, read on the device (`live`: the live rows the round's step ran with, when not
+        every row)."""
         ...
 
     def settled_on_device(self, end: int) -> None:

@@ -649,7 +649,7 @@ class Qwen35State(StateBase):
     # before the host reads the previous one (spec/chained.py).
     settles_on_device = True
 
-    def restore_round(self) -> None:
+    def restore_round(self, live: torch.Tensor | None = None) -> None:
         """Inside a round graph, after its fixed step and the settlement that wrote
         `round_params` = `(row0, rows)` (`settle_round(restore=state.round_params, ring=state.ring)`):
         the conv windows and recurrent states after the round's kept rows, into the buffer that
@@ -658,8 +658,15 @@ class Qwen35State(StateBase):
         arrangement being captured (`_cur`), like the step's own reads; the next round runs over
         the other arrangement whatever the round kept, so queued rounds alternate without a host
         value (`settled_on_device`). Replay mode re-runs the kept rows from the base (one
-        launch); stash mode copies the last kept row's stashed state."""
+        launch); stash mode copies the last kept row's stashed state.
+
+        `live` (int32 `[1]`): the live rows the round's step ran with (its ladder window,
+        `live_rows_from`). In replay mode a round that kept exactly those rows needs no restore
+        either: the step wrote the state and window after its last live row, so the rows become
+        -1 (two tiny launches, against a replay that reads and writes the whole state)."""
         base, dst, params = self._cur, 1 - self._cur, self.round_params
+        if live is not None and self.mode == "replay":
+            params[1:].masked_fill_(params[1:] == live, -1)
         self._ops.ring_window(self._conv2[base], self._xs_all, params, self._conv2[dst])
         if self.mode == "replay":
             self._ops.gated_delta_replay_dev(self._qkv_all, self._g_all, self._beta_all, self._rec2[base],

@@ -38,7 +38,7 @@ class StateBase:
     def attach_graph_cache(self, cache) -> None:
         raise NotImplementedError(f"{type(self).__name__} replays no graphs of its own")
 
-    def restore_round(self) -> None:
+    def restore_round(self, live=None) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not settle rounds on the device")
 
     def settled_on_device(self, end: int) -> None:

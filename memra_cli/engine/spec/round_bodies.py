@@ -39,19 +39,25 @@ import torch
 from memra_cli.engine.spec.proposer import Program, static_proposal
 
 
-def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int, want_raws: bool):
-    """`core(inputs) -> (cand [W], sel [W], raws [nd] or None)`: draft, verify and ingest."""
+def _window_rows(program: Program, width: int, device: torch.device) -> torch.Tensor | None:
+    """The tensor a round writes its ladder window into before the verify (`inputs[3]`, capped by
+    the budget `inputs[4]`, as settle_round caps it), or None where the window can be the whole
+    step or is sized after it (a confidence window). No row past a ladder window can be accepted
+    or picked, so those rows are padding, which a recurrent state skips (`live_rows_from`)."""
+    if program.window.kind == "ladder" and (program.adapt or program.verify_cap < width):
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    return None
+
+
+def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int, want_raws: bool,
+                live: torch.Tensor | None = None):
+    """`core(inputs) -> (cand [W], sel [W], raws [nd] or None)`: draft, verify and ingest; with
+    `live` (`_window_rows`), the verify's live rows are the ladder window."""
     dev = target.device
     cfg = drafter.cfg
     tail = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
     rows = torch.arange(width, device=dev)
     taps = tuple(taps)
-    # A ladder window is known before the verify (`inputs[3]`, capped by the budget `inputs[4]`,
-    # as settle_round caps it): no row past it can be accepted or picked, so those rows are
-    # padding, which a recurrent state skips (`live_rows_from`; a KV cache ignores it).
-    window = program.window
-    live = (torch.zeros(1, dtype=torch.int32, device=dev)
-            if window.kind == "ladder" and (program.adapt or program.verify_cap < width) else None)
 
     def core(inputs: torch.Tensor):
         t_start, d_start, last = inputs[0], inputs[1], inputs[2:3]
@@ -93,7 +99,8 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     state, either rollback mode) is restored here too: the settlement also writes the ring rows to
     re-run (`state.round_params`) and `state.restore_round()` re-runs them from the step's base,
     so the round needs no host rollback between it and the next."""
-    core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws)
+    live = _window_rows(program, width, target.device)
+    core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws, live)
     ops, window = target.step_ops, program.window
     threshold = torch.tensor([window.threshold if window.is_confidence else 0.0], dtype=torch.float64,
                              device=target.device)
@@ -105,7 +112,7 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
         out = ops.settle_round(cand, sel, raws if window.is_confidence else None, inputs, threshold,
                                kind=window.kind, cap=program.verify_cap, adapt=program.adapt, **restore)
         if on_device:
-            cache.restore_round()
+            cache.restore_round(live)
         return out
 
     return body
