@@ -867,9 +867,10 @@ class Qwen35Target(TargetBase):
         """The fixed-width step (as Qwen3Target's), capturable: `ids [W]` at device `positions
         [W]` continuing the committed state (`_run`: every op but the weight matmuls is a step
         op). Attention layers: `step_ops.attention` over the cache by position. DeltaNet layers:
-        the conv and recurrence over all W rows from the committed conv window and state, which
-        this step only reads; the rows go into the state's ring by position % ring (conv inputs,
-        plus the per-row states or the recurrence inputs). Nothing reads a host value that changes
+        the conv over all W rows and the recurrence over the state's live rows (`state.live`:
+        the rows after them are padding) from the committed conv window and state, which this
+        step only reads; the rows go into the state's ring by position % ring (conv inputs, plus
+        the per-row states or the recurrence inputs). Nothing reads a host value that changes
         from step to step, so a CUDA graph replays it; `state.commit(end)` then keeps the real
         rows (runs no kernel of the step). Returns float32 logits `[W, vocab]` (`widen=False`:
         the lm_head's model-dtype output) and taps."""
