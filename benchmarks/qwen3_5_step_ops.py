@@ -8,7 +8,9 @@ counting proxy (each call inside a `stepop::<name>` profiler range) and counts, 
 profiler, the leaf aten ops outside those ranges that would launch a kernel (views, allocations
 and no-op casts excluded), GEMMs apart. Steps of a few layer mixes give the per-layer numbers of
 each kind by least squares (the per-step constant: embedding, final norm, lm_head, position
-arithmetic). An op count, not a time: time it on a GPU with benchmarks/gpu/hybrid_step.py.
+arithmetic). An op count, not a time: time it on a GPU with benchmarks/gpu/hybrid_step.py. It also counts
+the torch ops of the commit after a one-real-row step padded to 16, with the padding rows'
+recurrence skipped and run (`count_commit`).
 
     python -m benchmarks.qwen3_5_step_ops [--width 1] [--dtype bfloat16|float32]
 """
@@ -117,6 +119,28 @@ def count_step(types: tuple[str, ...], width: int, ops=None, root: Path | None =
     return Counter(counting.calls), _torch_leaves(prof)
 
 
+def count_commit(mode: str, skip_padding: bool, width: int = 16, root: Path | None = None) -> int:
+    """Top-level torch ops of the commit after a fixed step of one real row padded to `width`
+    (eager, torch step ops, rollback `mode`): with the padding rows' recurrence skipped (the
+    runner's live rows) the step wrote the kept state and the commit is a flip; with it run
+    (`set_live_rows` ignored) the commit restores the kept row (replay: the recurrence re-run
+    layer by layer, each op a launch on a GPU without the graphed restore)."""
+    root = root or Path(tempfile.mkdtemp())
+    path = root / "commit"
+    if not (path / "config.json").exists():
+        make_tiny_qwen35(path, seed=1)
+    model = Qwen35Target.from_dir(path, rollback=mode)
+    runner = StepRunner(model, width)
+    state = runner.new_state(64)
+    if not skip_padding:
+        state.set_live_rows = lambda n: None
+    runner.prefill(torch.arange(3, 12), state)
+    runner.fixed_step(torch.full((width,), 5), state.length, state, live=1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        state.commit(state.length + 1)
+    return sum(1 for ev in prof.events() if ev.name.startswith("aten::") and ev.cpu_parent is None)
+
+
 def per_layer(width: int = 1, ops=None, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Per-layer counts of each kind (and the per-step constant) from three layer mixes."""
     lin, full = "linear_attention", "full_attention"
@@ -166,6 +190,11 @@ def main() -> None:
         print(f"{key:24s} {res[key]}")
     non_gemm = [round(x + y, 2) for x, y in zip(res["launches_step_ops"], res["launches_torch_non_gemm"])]
     print(f"{'non-GEMM launches (Triton ops)':24s} {non_gemm}")
+    root = Path(tempfile.mkdtemp())
+    for mode in ("stash", "replay"):
+        skipped, run = count_commit(mode, True, root=root), count_commit(mode, False, root=root)
+        print(f"commit of one real row padded to 16 ({mode}): {skipped} torch ops with the padding skipped, "
+              f"{run} with it run (3 DeltaNet layers)")
 
 
 if __name__ == "__main__":

@@ -161,13 +161,17 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
                 stride_qkv, stride_g, stride_beta, sqrt_dk, eps,
                 HV: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_V: tl.constexpr, LATE_PREP: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STASH: tl.constexpr,
-                PREFETCH: tl.constexpr = 1, ROWS_ON_DEVICE: tl.constexpr = False, PDL: tl.constexpr = False):
+                PREFETCH: tl.constexpr = 1, ROWS_ON_DEVICE: tl.constexpr = False, PDL: tl.constexpr = False,
+                live_ptr=None, LIVE: tl.constexpr = False):
     # program (layer * HV + head, value block); row r of the step reads input row (row0 + r) % ring
     # of its layer (layer_qkv / layer_gb: the layer strides of the inputs; states are contiguous
     # [layers, HV, DK, DV]). One kernel serves the step (1 layer, rows 0..t-1) and the batched
     # replay over a ring (every layer, rows from the record's base): the same per-row code, so
     # the same bits (the replay's variant only drops the output and stash writes).
     pdl_wait(PDL)
+    t_all = t  # the step's rows; with LIVE only the first `live` of them run (the rest are padding)
+    if LIVE:
+        t = tl.minimum(t, tl.load(live_ptr))
     if ROWS_ON_DEVICE:  # (row0, t) from the int32 pair at idx_ptr: a graphed replay's inputs
         row0 = tl.load(idx_ptr)
         t = tl.load(idx_ptr + 1)
@@ -221,6 +225,9 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
         if LATE_PREP:  # after the update: row r+1's loads land while row r computes
             q_n, k_n, decay_n = _gdn_prep(q_n, k_n, g_n, sqrt_dk, eps)
         q, k, v, decay, beta = q_n, k_n, v_n, decay_n, beta_n
+    if WRITE_OUT and LIVE:  # padding rows: zero outputs (what follows them reads defined values)
+        for r in range(t, t_all):
+            tl.store(out_ptr + ((r * n_layers + layer) * HV + h) * DV + offs_v, tl.zeros([BLOCK_V], tl.float32))
     if write_final != 0:
         tl.store(final_ptr + tile, s)
 
@@ -247,12 +254,18 @@ def _check_recurrence(qkv, g, beta, state, n_k_heads, final, stash, stash_idx):
 
 def gated_delta_rule(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
                      n_k_heads: int, final: torch.Tensor | None = None, stash: torch.Tensor | None = None,
-                     stash_idx: torch.Tensor | None = None) -> torch.Tensor:
+                     stash_idx: torch.Tensor | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
     """The delta rule over `qkv [t, 2*Hk*dk + Hv*dv]` (conv output, model dtype), `g`, `beta`
     `[t, Hv]` float32, from `state [Hv, dk, dv]` float32 (read only, unless it is `final`).
     Returns `out [t, Hv, dv]` float32; writes the state after the last row into `final [Hv, dk,
-    dv]` and the state after row r into `stash[stash_idx[r]]` (`stash [n, Hv, dk, dv]`) when given."""
+    dv]` and the state after row r into `stash[stash_idx[r]]` (`stash [n, Hv, dk, dv]`) when given.
+
+    `live` (int32 `[1]` on the device, read there): only rows `r < min(t, live)` run; the rows
+    after them are a fixed step's padding: their outputs are zeros, they are not stashed, and
+    `final` gets the state after the last live row. A live row's output and state are the same
+    bits either way (rows run one after the other; padding comes after the live rows)."""
     _check_recurrence(qkv, g, beta, state, n_k_heads, final, stash, stash_idx)
+    _check_live(live, state.device)
     t = qkv.shape[0]
     hv, dk, dv = state.shape
     out = torch.empty((t, hv, dv), dtype=torch.float32, device=state.device)
@@ -267,8 +280,15 @@ def gated_delta_rule(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, sta
         t, hv // n_k_heads, int(final is not None), 0, max(t, 1), 0, 0,
         qkv.stride(0), g.stride(0), beta.stride(0), float(dk) ** 0.5, L2_EPS,
         HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, WRITE_OUT=True,
-        WRITE_STASH=stash is not None, PREFETCH=PREFETCH, num_warps=REC_WARPS, **pdl_args(qkv))
+        WRITE_STASH=stash is not None, PREFETCH=PREFETCH, live_ptr=g if live is None else live, LIVE=live is not None,
+        num_warps=REC_WARPS, **pdl_args(qkv))
     return out
+
+
+def _check_live(live: torch.Tensor | None, device: torch.device) -> None:
+    if live is not None and (live.shape != (1,) or live.dtype != torch.int32 or live.device != device):
+        raise ValueError(f"live must be an int32 [1] tensor on {device}, got {tuple(live.shape)} {live.dtype} "
+                         f"on {live.device}")
 
 
 def _check_layers(qkv, g, beta, state, final, n_k_heads, row0, rows):
@@ -421,12 +441,15 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def gated_delta_rule_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
                          n_k_heads: int, final: torch.Tensor | None = None, stash: torch.Tensor | None = None,
-                         stash_idx: torch.Tensor | None = None) -> torch.Tensor:
+                         stash_idx: torch.Tensor | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch twin of `gated_delta_rule`: the engine's prep (float32, l2norm, q / sqrt(dk),
     key heads repeated to the value heads) and HF's per-row recurrence, one row at a time with
-    the same ops whatever t is."""
+    the same ops whatever t is; with `live`, rows from `min(t, live)` on are padding (zero
+    outputs, not stashed; `final` is the state after the last live row). Reads `live` on the host."""
     _check_recurrence(qkv, g, beta, state, n_k_heads, final, stash, stash_idx)
+    _check_live(live, state.device)
     t = qkv.shape[0]
+    n = t if live is None else min(t, int(live[0]))
     hv, dk, dv = state.shape
     key_dim = n_k_heads * dk
     q, k, v = qkv.split([key_dim, key_dim, hv * dv], dim=-1)
@@ -437,9 +460,9 @@ def gated_delta_rule_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
         k = k.repeat_interleave(hv // n_k_heads, dim=1)
     q = q / (dk ** 0.5)
     v = v.reshape(t, hv, dv).float()
-    out = torch.empty((t, hv, dv), dtype=torch.float32, device=state.device)
+    out = torch.zeros((t, hv, dv), dtype=torch.float32, device=state.device)
     s = state
-    for i in range(t):
+    for i in range(n):
         s, out[i] = delta_rule_row(s, q[i], k[i], v[i], g[i], beta[i])
         if stash is not None:
             stash.index_copy_(0, stash_idx[i:i + 1], s.unsqueeze(0))

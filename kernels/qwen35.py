@@ -49,10 +49,10 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from .deltanet import BLOCK_C, _conv_silu_cols, causal_conv_silu_ref
+from .deltanet import BLOCK_C, _check_live, _conv_silu_cols, causal_conv_silu_ref
 from .norm import rms_norm_1p_ref
 from .norm_ref import gated_rms_norm_heads
-from .qwen35_ref import gdn_gates_body
+from .qwen35_ref import gdn_gates_body, window_after
 from .rope import _rope_ref
 
 SOFTPLUS_THRESHOLD = 20.0  # F.softplus's default: above it softplus(x) = x
@@ -321,7 +321,7 @@ def _gdn_conv_gates_kernel(win_ptr, x_ptr, w_ptr, out_ptr, fw_ptr, ba_ptr, a_neg
                            stride_out, stride_fw, stride_ba, stride_g, stride_beta, stride_xs, stride_qkv_ring,
                            stride_g_ring, stride_beta_ring, threshold, K: tl.constexpr, BLOCK: tl.constexpr,
                            BLOCK_H: tl.constexpr, RECORD: tl.constexpr, REPLAY: tl.constexpr,
-                           FINAL: tl.constexpr, PDL: tl.constexpr = False):
+                           FINAL: tl.constexpr, PDL: tl.constexpr = False, live_ptr=None, LIVE: tl.constexpr = False):
     """Program (row, block): blocks [0, n) each run the conv over BLOCK columns of the row (and
     record its inputs / outputs, and for the last row the final window, from what they loaded);
     block n (the last) computes the row's gates, beside them rather than after a conv block."""
@@ -335,7 +335,10 @@ def _gdn_conv_gates_kernel(win_ptr, x_ptr, w_ptr, out_ptr, fw_ptr, ba_ptr, a_neg
     else:
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         mask = offs < C
-        last = row == tl.num_programs(0) - 1  # its taps 1..K-1 are the window after the step
+        n = tl.num_programs(0)
+        if LIVE:  # the rows after the live ones are padding: the window after the last live row
+            n = tl.minimum(n, tl.load(live_ptr))
+        last = row == n - 1  # its taps 1..K-1 are the window after the step
         y, x = _conv_silu_cols(win_ptr, x_ptr, w_ptr, out_ptr, fw_ptr, row, offs, mask, mask & last, stride_win,
                                stride_x, stride_fw, K, BLOCK, FINAL)
         tl.store(out_ptr + row * stride_out + offs, y, mask=mask)
@@ -392,7 +395,7 @@ def _check_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ri
 def gdn_conv_gates(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, ba: torch.Tensor,
                    a_neg: torch.Tensor, dt_bias: torch.Tensor, ring_idx: torch.Tensor | None = None,
                    xs_ring: torch.Tensor | None = None, replay_rings: tuple | None = None,
-                   final_window: torch.Tensor | None = None
+                   final_window: torch.Tensor | None = None, live: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The DeltaNet step's conv and gates in one launch -> (conv_out `[t, C]` model dtype, g, beta
     `[t, Hv]` float32): exactly `causal_conv_silu(window, mixed, conv_w)` then `gdn_gates(ba,
@@ -405,8 +408,11 @@ def gdn_conv_gates(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tens
     conv outputs, g and beta. `final_window [K-1, C]` (model dtype, not overlapping `window`),
     when given, receives the conv window after the last row: the last K-1 rows of
     `cat([window, mixed])` (for t < K-1 partly window rows), written by the last row's programs
-    from the taps they load."""
+    from the taps they load. With `live` (int32 `[1]` on the device, 1 <= live), the rows from
+    `min(t, live)` on are a fixed step's padding and `final_window` is the window after the last
+    live row (every row's conv, gates and record are computed as without it)."""
     _check_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings, final_window)
+    _check_live(live, mixed.device)
     t, c = mixed.shape
     k, hv = conv_w.shape[1], a_neg.shape[0]
     conv = torch.empty((t, c), dtype=mixed.dtype, device=mixed.device)
@@ -425,7 +431,8 @@ def gdn_conv_gates(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tens
         window.stride(0), mixed.stride(0), conv.stride(0), fw.stride(0), ba.stride(0), g.stride(0), beta.stride(0),
         xs.stride(0), qkv_ring.stride(0), g_ring.stride(0), beta_ring.stride(0), SOFTPLUS_THRESHOLD,
         K=k, BLOCK=BLOCK_C, BLOCK_H=next_pow2(hv), RECORD=record, REPLAY=replay,
-        FINAL=final_window is not None, num_warps=4, **pdl_args(window))
+        FINAL=final_window is not None, live_ptr=g if live is None else live, LIVE=live is not None,
+        num_warps=4, **pdl_args(window))
     return conv, g, beta
 
 
@@ -514,18 +521,18 @@ def gdn_gates_ref(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
 def gdn_conv_gates_ref(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, ba: torch.Tensor,
                        a_neg: torch.Tensor, dt_bias: torch.Tensor, ring_idx: torch.Tensor | None = None,
                        xs_ring: torch.Tensor | None = None, replay_rings: tuple | None = None,
-                       final_window: torch.Tensor | None = None
+                       final_window: torch.Tensor | None = None, live: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain torch twin of `gdn_conv_gates`: `causal_conv_silu_ref`, then `gdn_gates_ref` with the
     conv output as the replay's conv rows, then the final window as the last K-1 rows of
-    `cat([window, mixed])`."""
+    `cat([window, mixed])` (of `cat([window, mixed[:live]])` with `live`)."""
     _check_conv_gates(window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs_ring, replay_rings, final_window)
+    _check_live(live, mixed.device)
     conv = causal_conv_silu_ref(window, mixed, conv_w)
     replay = None if replay_rings is None else (replay_rings[0], conv, replay_rings[1], replay_rings[2])
     g, beta = gdn_gates_ref(ba, a_neg, dt_bias, ring_idx, xs_ring, None if ring_idx is None else mixed, replay)
     if final_window is not None:
-        xs = torch.cat([window, mixed], dim=0)
-        final_window.copy_(xs[xs.shape[0] - window.shape[0]:])
+        final_window.copy_(window_after(window, mixed, live))
     return conv, g, beta
 
 

@@ -26,3 +26,16 @@ def gdn_gates_body(ba: torch.Tensor, a_neg: torch.Tensor, dt_bias: torch.Tensor,
             g_ring.index_copy_(0, ring_idx, g)
             beta_ring.index_copy_(0, ring_idx, beta)
     return g, beta
+
+
+def window_after(window: torch.Tensor, mixed: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+    """The conv window after a step's last row: the last K-1 rows of `cat([window [K-1, C], mixed
+    [t, C]])`, or with `live` (int32 `[1]`) after row `min(t, live) - 1` (the rows after it are a
+    fixed step's padding): rows `n .. n+K-2` of the concatenation, picked by a device index (no
+    host read, so a CUDA graph can capture it)."""
+    xs = torch.cat([window, mixed], dim=0)
+    k1, t = window.shape[0], mixed.shape[0]
+    if live is None:
+        return xs[t:]
+    n = torch.clamp(live.long(), max=t)
+    return xs.index_select(0, n + torch.arange(k1, device=xs.device))

@@ -16,10 +16,14 @@ defaults (16-row target steps and drafter rounds as CUDA graphs, Triton step ops
   `draft_ingest_ms[prec]` = their sum: the drafter's side of one round;
 - `round_ms` (bf16 drafter, verify window pinned at 16) and `plain_token_ms`: sessions timed as
   the round loop runs them; `round_over_plain` = round_ms / plain_token_ms; `round_phase_ms`;
-- `quant_bw`: the q8_0 / q4_0 kernels on the drafter's matrices (weights [out, in]) at M = 1,
-  16, 32 (benchmarks/gpu/kernels_quant.py's timing: graph replays over enough weight copies that
-  L2 never holds the one being read), and `q8_0_bw_frac` / `q4_0_bw_frac`: the worst fraction
-  of copy_bw over the shapes at M = 16;
+- `launched_shapes[prec]`: `[out, in, glu]` of every quantized matmul the loaded drafter
+  launches (fused at load: q/k/v, o, gate/up with its SwiGLU epilogue, down, the ingest's k/v,
+  fc), and `matmul_launches[prec]`: its weight-matmul launches in one block forward and one ingest
+  (4 and 1 a layer fused, 7 and 2 unfused; counted on the host);
+- `quant_bw`: the q8_0 / q4_0 kernels on those shapes (then the five unfused ones the issue
+  named) at M = 1, 16, 32 (graph replays over enough weight copies that L2 never holds the one
+  being read, as benchmarks/gpu/kernels_quant.py), and `q8_0_bw_frac` / `q4_0_bw_frac`: the
+  worst fraction of copy_bw at M = 16 over the launched shapes (`*_unfused_shapes`: over the five);
 - `exact`: speculative == plain greedy over `--prompts` random prompts (bf16, graphs on, window
   pinned at 16);
 - with `--profile` (CUDA): `profile[prec]` (bf16, q8), the kernels of one graphed proposal and
@@ -63,6 +67,11 @@ PRECS = ("bf16", "q8", "q4")  # bf16: the weights at the compute dtype (no polic
 QUANT_SHAPES = [(4096, 4096), (1024, 4096), (12288, 4096), (4096, 12288), (4096, 20480)]  # [out, in]
 # the shapes a fused drafter layer runs (q/k/v, the ingest's k/v, gate/up stacked at load)
 FUSED_SHAPES = [(6144, 4096), (2048, 4096), (24576, 4096)]
+# [out, in, glu] of every quantized matmul the fused 8B-shape drafter launches (`launched_shapes`
+# reads them off the loaded drafter; this is the fallback when no quantized drafter loaded):
+# q/k/v, o, gate/up with its SwiGLU epilogue, down, the ingest's k/v, fc
+LAUNCHED_8B = [(6144, 4096, False), (4096, 4096, False), (24576, 4096, True), (4096, 12288, False),
+               (2048, 4096, False), (4096, 20480, False)]
 QUANT_MS = (1, 16, 32)
 
 
@@ -136,6 +145,69 @@ def drafter_bytes(drafter) -> dict:
         kv += weight_bytes(w.wkv) if w.wkv is not None else weight_bytes(w.wk) + weight_bytes(w.wv)
     fc, markov = weight_bytes(drafter.fc), weight_bytes(drafter.markov_w2)
     return {"layers": layers, "fc": fc, "markov_w2": markov, "ingest_kv": kv, "total": layers + fc + markov}
+
+
+def launched_shapes(drafter) -> list[tuple[int, int, bool]]:
+    """`[out, in, glu]` of every quantized weight matmul the drafter launches, in first-launch
+    order, once each: a fused layer's q/k/v, o, gate/up (glu: with its SwiGLU epilogue, as the
+    step ops' `swiglu` launches it), down and the ingest's k/v (the separate projections where a
+    layer did not fuse), fc and a markov w2. Plain (bf16) weights are not listed."""
+    out: list[tuple[int, int, bool]] = []
+
+    def add(w, glu=False):
+        if w is not None and getattr(w, "qtype", None) is not None:
+            key = (int(w.shape[0]), int(w.shape[1]), glu)
+            if key not in out:
+                out.append(key)
+
+    for w in drafter.layers:
+        for x in ([w.wqkv] if w.wqkv is not None else [w.wq, w.wk, w.wv]):
+            add(x)
+        add(w.wo)
+        if w.w_gate_up is not None:
+            add(w.w_gate_up, glu=True)
+        else:
+            add(w.w_gate), add(w.w_up)
+        add(w.w_down)
+        add(w.wkv)
+    add(drafter.fc)
+    add(drafter.markov_w2)
+    return out
+
+
+def matmul_launches(drafter) -> dict:
+    """The drafter's weight-matmul launches in one static (graphed) block forward and one static
+    ingest, counted on the host: every step-op `linear` / `swiglu` call is one matmul launch on
+    CUDA (the q8_0 / q4_0 kernel for a quantized weight). Fused at load, a layer's block forward
+    is q/k/v, o, gate/up (+ SiLU·mul) and down (4), its ingest one k/v projection; unfused 7 and 2.
+    Returns {"round", "ingest", "layers"}; runs the calls once on the drafter's device."""
+    cfg, dev, ops = drafter.cfg, drafter.device, drafter.step_ops
+    counts = {"linear": 0, "swiglu": 0}
+
+    class Counting:
+        def __getattr__(self, name):
+            attr = getattr(ops, name)
+            if name not in counts:
+                return attr
+
+            def call(*a, **k):
+                counts[name] += 1
+                return attr(*a, **k)
+
+            return call
+
+    b = cfg.block_size
+    kv = drafter.new_cache(2 * b)
+    taps = torch.zeros(b, cfg.n_taps * cfg.hidden_size, device=dev, dtype=drafter.dtype)
+    noise = torch.zeros(b, cfg.hidden_size, device=dev, dtype=drafter.dtype)
+    drafter.step_ops = Counting()
+    try:
+        drafter.static_ingest(kv, taps, torch.tensor(0, device=dev))
+        ingest = sum(counts.values())
+        drafter.static_round(kv, noise, torch.tensor(b, device=dev))
+    finally:
+        drafter.step_ops = ops
+    return {"round": sum(counts.values()) - ingest, "ingest": ingest, "layers": len(drafter.layers)}
 
 
 # ------------------------------------------------------------------------------- measurements
@@ -235,9 +307,11 @@ def timed_phases(engine, arm, ids, n) -> dict:
     return {k: 1e3 * v / max(1, st.rounds) for k, v in st.phase_s.items() if k != "prefill"}
 
 
-def quant_bandwidth(copy_bw: float, budget_end: float) -> dict:
+def quant_bandwidth(copy_bw: float, budget_end: float, launched: dict[str, list] | None = None) -> dict:
     """q8_0 / q4_0 kernels on the drafter's matrices: us and fraction of copy_bw per M (the
-    kernel's default per-shape config), through kernels_quant.py's timing and checks."""
+    kernel's default per-shape config), through kernels_quant.py's timing and checks. The shapes
+    are those the loaded quantized drafter launches (`launched[qtype]`, `launched_shapes`; gate/up
+    with its SwiGLU epilogue), marked `launched`, then the issue's five unfused shapes."""
     from benchmarks.gpu import kernels_quant as kq
 
     props = torch.cuda.get_device_properties(0)
@@ -246,8 +320,11 @@ def quant_bandwidth(copy_bw: float, budget_end: float) -> dict:
     out: dict = {}
     for qtype in ("q8_0", "q4_0"):
         rows = out[qtype] = []
-        for n, k in QUANT_SHAPES + FUSED_SHAPES:
-            rec: dict = {"out": n, "in": k, "fused": (n, k) in FUSED_SHAPES}
+        shapes = [tuple(x) for x in (launched or {}).get(qtype) or LAUNCHED_8B]
+        shapes += [(n, k, False) for n, k in QUANT_SHAPES if (n, k, False) not in shapes]
+        for n, k, glu in shapes:
+            rec: dict = {"out": n, "in": k, "glu": glu, "fused": (n, k) in FUSED_SHAPES,
+                         "launched": (n, k, glu) in [tuple(x) for x in (launched or {}).get(qtype) or LAUNCHED_8B]}
             rows.append(rec)
             if time.time() > budget_end:
                 rec["error"] = "skipped: time budget spent"
@@ -258,11 +335,14 @@ def quant_bandwidth(copy_bw: float, budget_end: float) -> dict:
                                     for _ in range(kq.copies_for(first.nbytes) - 1)]
                 rec["check_ok"] = bool(kq.check(qtype, first, None, gen)["ok"])
                 for m in QUANT_MS:
-                    ms = kq.time_kernel(copies, m, None)
+                    x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
+                    ms = timing.cycled_graph_ms(lambda i: kq.ql.quant_linear(x, copies[i], glu=glu), len(copies))
                     rec[f"m{m}_us"] = 1e3 * ms
-                    rec[f"m{m}_frac"] = kq.traffic(first, m) / (ms * 1e-3) / copy_bw
-                log(f"  {qtype} [{n}, {k}]: " + ", ".join(f"M={m} {rec[f'm{m}_us']:.1f} us "
-                                                         f"({rec[f'm{m}_frac']:.2f})" for m in QUANT_MS))
+                    # bytes moved: the weight, x, and the output (half as wide with the epilogue)
+                    moved = first.nbytes + m * k * 2 + m * (n // 2 if glu else n) * 2
+                    rec[f"m{m}_frac"] = moved / (ms * 1e-3) / copy_bw
+                log(f"  {qtype} [{n}, {k}]{' glu' if glu else ''}: " + ", ".join(
+                    f"M={m} {rec[f'm{m}_us']:.1f} us ({rec[f'm{m}_frac']:.2f})" for m in QUANT_MS))
                 del copies, first
                 torch.cuda.empty_cache()
             except Exception as e:
@@ -271,9 +351,13 @@ def quant_bandwidth(copy_bw: float, budget_end: float) -> dict:
     return out
 
 
-def worst_frac(rows: list[dict], m: int = 16) -> float | None:
-    """The worst fraction over the issue's five shapes (None unless every one was measured)."""
-    rows = [r for r in rows if not r.get("fused")]
+def worst_frac(rows: list[dict], m: int = 16, launched: bool = True) -> float | None:
+    """The worst fraction over the shapes the drafter launches (`launched`), or over the issue's
+    five unfused shapes; None unless every one was measured."""
+    if launched:
+        rows = [r for r in rows if r.get("launched")]
+    else:
+        rows = [r for r in rows if (r["out"], r["in"]) in QUANT_SHAPES and not r.get("glu")]
     fracs = [r[f"m{m}_frac"] for r in rows if f"m{m}_frac" in r]
     return min(fracs) if len(fracs) == len(rows) and fracs else None
 
@@ -394,6 +478,10 @@ def main(argv=None) -> int:
                 sizes = drafter_bytes(arm.drafter)
                 d["drafter_bytes"][prec] = sizes["total"]
                 d.setdefault("drafter_bytes_parts", {})[prec] = sizes
+                d.setdefault("launched_shapes", {})[prec] = launched_shapes(arm.drafter)
+                d.setdefault("matmul_launches", {})[prec] = launches = matmul_launches(arm.drafter)
+                log(f"drafter {prec}: {launches['round']} weight-matmul launches a block forward, "
+                    f"{launches['ingest']} an ingest ({launches['layers']} layers)")
                 if d["copy_bw"]:
                     d["floor_ms"][prec] = 1e3 * (sizes["total"] + d["lm_head_bytes"]) / d["copy_bw"]
                 propose, ingest = drafter_side(engine, arm, ctx, reps)
@@ -471,9 +559,11 @@ def main(argv=None) -> int:
         if not cuda:
             d["quant_bw"] = {"skipped": "no CUDA (the kernels are timed on the GPU only)"}
         else:
-            d["quant_bw"] = quant_bandwidth(d["copy_bw"], t_start + a.budget_s)
-            d["q8_0_bw_frac"] = worst_frac(d["quant_bw"]["q8_0"])
-            d["q4_0_bw_frac"] = worst_frac(d["quant_bw"]["q4_0"])
+            launched = {q: d.get("launched_shapes", {}).get(p) for q, p in (("q8_0", "q8"), ("q4_0", "q4"))}
+            d["quant_bw"] = quant_bandwidth(d["copy_bw"], t_start + a.budget_s, launched)
+            for qtype in ("q8_0", "q4_0"):  # worst over what the drafter launches; and the unfused five
+                d[f"{qtype}_bw_frac"] = worst_frac(d["quant_bw"][qtype])
+                d[f"{qtype}_bw_frac_unfused_shapes"] = worst_frac(d["quant_bw"][qtype], launched=False)
     if a.profile and cuda:
         with rep.section("same_size"):
             d["same_size_m16"] = same_size_references(QUANT_SHAPES + FUSED_SHAPES)
@@ -502,8 +592,13 @@ def print_table(d: dict) -> None:
     for qtype in ("q8_0", "q4_0"):
         for r in q.get(qtype, []) if isinstance(q, dict) else []:
             cells = "  ".join(f"M={m} {f(r.get(f'm{m}_us'), '{:.1f}')} us {f(r.get(f'm{m}_frac'), '{:.2f}')}" for m in QUANT_MS)
-            log(f"  {qtype} [{r['out']}, {r['in']}]  {cells}  {r.get('error', '')}")
-    log(f"  q8_0 worst frac at M=16: {f(d['q8_0_bw_frac'], '{:.2f}')}   q4_0: {f(d['q4_0_bw_frac'], '{:.2f}')}")
+            tag = ("launched" if r.get("launched") else "unfused") + (" glu" if r.get("glu") else "")
+            log(f"  {qtype} [{r['out']}, {r['in']}] {tag:12s} {cells}  {r.get('error', '')}")
+    log(f"  worst frac of copy bandwidth at M=16 over the launched shapes (floor 1.0): q8_0 "
+        f"{f(d['q8_0_bw_frac'], '{:.2f}')}, q4_0 {f(d['q4_0_bw_frac'], '{:.2f}')}; over the five unfused shapes: "
+        f"{f(d.get('q8_0_bw_frac_unfused_shapes'), '{:.2f}')}, {f(d.get('q4_0_bw_frac_unfused_shapes'), '{:.2f}')}")
+    for prec, n in (d.get("matmul_launches") or {}).items():
+        log(f"  {prec}: {n['round']} weight-matmul launches a block forward, {n['ingest']} an ingest, {n['layers']} layers")
     log(f"  exact: {d['exact']} ({d.get('exact_prompts', '-')})   errors: {sorted(d['errors']) or 'none'}   "
         f"{d.get('seconds')} s")
 

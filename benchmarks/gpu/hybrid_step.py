@@ -10,7 +10,8 @@ measures, each section's failure caught and reported in the JSON:
 - ``floor``: the cuBLAS chain of one step's weight matmuls (fused in-proj / qkv, out / o, gate-up,
   down per layer, then lm_head) at 1 and 16 rows, replayed as a CUDA graph;
 - ``plain``: memra's plain decode, graphed, step ops as `select_step_ops` picks them (Triton on
-  CUDA), at step width 1 (the engine's fastest plain) and 16 (one real row padded to 16): the
+  CUDA), at step width 1 (the engine's fastest plain) and 16 (one real row padded to 16, whose
+  padding rows skip the recurrence; `width16_padded*`: the same with them run, for the A/B): the
   graph replay alone and a whole token (replay + commit + argmax) after a 512-token prompt, and
   the engine's greedy decode (`Session`, one round graph a token) with the next round queued
   before the host reads a token (the default) and without (`width1_round_unpipelined`);
@@ -19,6 +20,8 @@ measures, each section's failure caught and reported in the JSON:
 - ``rounds``: the same verify + rollback as the engine's pipelined speculative rounds run it:
   one graph a round (verify, argmax, settlement, the rollback re-run inside the graph), queued
   one ahead of the host's read, drafts from the plain stream with slot k wrong (k kept rows);
+  and (`k1_window`, `k8_window`) with a ladder window of k rows known before the verify, whose
+  rows past it skip the recurrence;
 - ``transformers``: `Qwen3_5ForCausalLM` (eager attention; fla kernels if transformers finds them)
   greedy ms/token over a few dozen tokens after the same prompt;
 - ``exact``: speculative == plain greedy in bf16 (graphs on), with a drafter stand-in that
@@ -159,15 +162,29 @@ def make_runner(target: Qwen35Target, width: int, graphs: bool) -> StepRunner:
     return StepRunner(target, width, cuda_graphs=graphs)
 
 
+def run_padding(state) -> None:
+    """Make `state` run every row of its fixed steps through the recurrence, padding included
+    (its `set_live_rows` ignored, the live count left at every row): the step as it ran before
+    padding rows were skipped, timed beside it in the same process."""
+    state.set_live_rows(None)
+    state.set_live_rows = lambda n: None
+
+
 def plain(target, prompt: list[int], graphs: bool, tokens: int, reps: int) -> dict:
+    """Plain decode at width 1 and W (one real row padded to W: the padding rows skip the
+    recurrence, `Qwen35State.set_live_rows`), and at W with the padding rows run (`width16_padded`,
+    as before the skip; the same tokens)."""
     dev = target.device
-    out = {}
-    for width in (1, W):
+    out, streams = {}, {}
+    for width, padded in ((1, False), (W, False), (W, True)):
+        name = f"width{width}" + ("_padded" if padded else "")
         runner = make_runner(target, width, graphs)
         state = runner.new_state(len(prompt) + tokens + 8)
+        if padded:
+            run_padding(state)
         logits, _ = runner.prefill(torch.tensor(prompt, device=dev), state)
         last = logits.argmax(-1)
-        times = []
+        times, stream = [], []
         for _ in range(tokens):  # a whole token: replay + commit + argmax, as greedy decode runs it
             sync(dev)
             t0 = time.perf_counter()
@@ -175,16 +192,20 @@ def plain(target, prompt: list[int], graphs: bool, tokens: int, reps: int) -> di
             last = logits[-1].argmax()
             sync(dev)
             times.append(1e3 * (time.perf_counter() - t0))
+            stream.append(last)
         row = {"token_ms": median(times), "token_ms_min": min(times)}
+        streams[name] = torch.stack(stream).tolist()
         if graphs:
             graph = state.graphs[("step", ())]
             row["replay_ms"] = replay_ms(graph.graph.replay, reps)
-        out[f"width{width}"] = row
+        out[name] = row
         runner.release(state)
         # the engine's greedy decode with graphs on: each token one round graph, queued one ahead
         # of the host's read (the default) or read before the next is queued (MEMRA_PIPELINE=0)
         for pipelined in (True, False) if graphs else ():
             session = Session(runner, prompt, tokens + 8, round_graphs=True, pipelined=pipelined)
+            if padded:
+                run_padding(session.cache)
             session.burst(4)  # prefill, the captures of both buffer arrangements, warm-up
             assert session.graphed_rounds and session.pipelined == pipelined
             got, times = [], []
@@ -198,7 +219,9 @@ def plain(target, prompt: list[int], graphs: bool, tokens: int, reps: int) -> di
             session.close()
             truth = greedy_reference(runner, prompt, len(first) + len(got))  # step by step, no round graphs
             row["exact"] = truth == first + got
-            out[f"width{width}_round" + ("" if pipelined else "_unpipelined")] = row
+            out[name + "_round" + ("" if pipelined else "_unpipelined")] = row
+    # skipping the padding rows' recurrence changes no token: the same stream with them run
+    out[f"width{W}_padded"]["exact"] = streams[f"width{W}_padded"] == streams[f"width{W}"]
     return out
 
 
@@ -246,7 +269,10 @@ def verify_rounds(target, prompt: list[int], graphs: bool, rounds: int) -> dict:
     plain stream's own tokens, read on the device from the round's start, with slot k wrong
     (k = 16: none), so every round keeps k rows and re-runs them (k < 16) from its base; the
     proposal costs a gather and a select. Exact when every round accepts k - 1 drafts and picks
-    the plain stream's tokens. Without graphs (`--tiny`), the same body eagerly, read each round."""
+    the plain stream's tokens. `k{k}_window`: the same rounds with a ladder window of k rows,
+    known before the verify (as the engine's adapting ladder gives it), so the rows past it skip
+    the recurrence (`live_rows_from`); the verify is still 16 rows. Without graphs (`--tiny`),
+    the same body eagerly, read each round."""
     from memra_cli.engine.runtime.round_graphs import RoundChain, RoundGraph
 
     dev, ops = target.device, target.step_ops
@@ -256,7 +282,12 @@ def verify_rounds(target, prompt: list[int], graphs: bool, rounds: int) -> dict:
     cap = len(prompt) + W * (rounds + 4) + 8
     truth = greedy_reference(runner, prompt, W * (rounds + 2) + 1)
     seq = torch.tensor(prompt + truth, device=dev)
-    for k in (1, 8, W):
+    # (k, windowed): windowed rounds have a ladder window of k rows, known before the verify, as
+    # the engine's adapting ladder gives them: the rows past it skip the recurrence
+    # (`live_rows_from`, computed from the round's inputs as spec/round_bodies.py does)
+    runs = ((1, False), (8, False), (W, False), (1, True), (8, True))
+    for k, windowed in runs if graphs else runs[:3] + runs[4:]:  # the CPU smoke run: one windowed k
+        name = f"k{k}" + ("_window" if windowed else "")
         state = runner.new_state(cap)
         runner.prefill(torch.tensor(prompt, device=dev), state)
         # positions up to the storage's end (the capture runs at its slack): the plain stream,
@@ -264,27 +295,35 @@ def verify_rounds(target, prompt: list[int], graphs: bool, rounds: int) -> dict:
         tokens = torch.cat([seq, seq.new_zeros(state.max_len + W)])
         rows = torch.arange(W, device=dev)
 
-        def body(inputs, state=state, k=k, tokens=tokens, rows=rows):
+        live = torch.zeros(1, dtype=torch.int32, device=dev)
+        window = max(k, 2) if windowed else W  # settle_round's cap (at least 2); the first round's window is k
+
+        def body(inputs, state=state, k=k, tokens=tokens, rows=rows, windowed=windowed, live=live, window=window):
             t_start = inputs[0]
             cand = tokens.index_select(0, rows + t_start)
             if k < W:  # slot k wrong: drafts 1..k-1 accepted, k rows kept
                 cand = torch.where(rows == k, (cand + 1) % target.vocab_size, cand)
-            logits, _ = target.static_step(cand, rows + t_start, state, None)
+            if windowed:
+                live.copy_(torch.minimum(inputs[3], inputs[4]).clamp(min=1).reshape(1))
+                with state.live_rows_from(live):
+                    logits, _ = target.static_step(cand, rows + t_start, state, None)
+            else:
+                logits, _ = target.static_step(cand, rows + t_start, state, None)
             sel = ops.argmax(logits)
-            packed = ops.settle_round(cand, sel, None, inputs, None, kind="ladder", cap=W, adapt=False,
+            packed = ops.settle_round(cand, sel, None, inputs, None, kind="ladder", cap=window, adapt=False,
                                       restore=state.round_params, ring=state.ring)
-            state.restore_round()
+            state.restore_round(live if windowed else None)  # a kept window: no replay (replay mode)
             return packed
 
         start0 = state.length
-        seed = (start0, 0, int(seq[start0]), W, 1 << 40)
+        seed = (start0, 0, int(seq[start0]), k if windowed else W, 1 << 40)
         results, times = [], []
         if graphs:
             chain = RoundChain(dev, 5)
             slack = state.max_len - W
             for variant in range(2):
                 with state.arranged_for_capture(variant):
-                    chain.graphs[variant] = RoundGraph(body, (slack, 0, 0, W, 1 << 40), dev, inputs=chain.inputs)
+                    chain.graphs[variant] = RoundGraph(body, (slack, 0, 0, seed[3], 1 << 40), dev, inputs=chain.inputs)
             variant = state.graph_variant
             sync(dev)
             t0 = time.perf_counter()
@@ -321,11 +360,11 @@ def verify_rounds(target, prompt: list[int], graphs: bool, rounds: int) -> dict:
             torch.equal(x, y) for x, y in zip([*state.conv, *state.rec], [*ref.conv, *ref.rec]))
         same = same and torch.equal(state.kv[..., :state.length, :], ref.kv[..., :ref.length, :])
         runner.release(ref)
-        out[f"k{k}"] = {"round_ms": times[0], "exact": bool(ok and same), "picks_exact": bool(ok),
-                        "state_exact": bool(same), "rounds": len(results)}
+        out[name] = {"round_ms": times[0], "exact": bool(ok and same), "picks_exact": bool(ok),
+                     "state_exact": bool(same), "rounds": len(results)}
         runner.release(state)
         del state
-    out["all_exact"] = all(out[f"k{k}"]["exact"] for k in (1, 8, W))
+    out["all_exact"] = all(v["exact"] for v in out.values() if isinstance(v, dict))
     if graphs:  # the in-graph restore alone (windows + the kept rows' replay), a graph of its own
         from memra_cli.engine.runtime import cuda_graphs
 
@@ -539,6 +578,10 @@ def main() -> None:
                    "memra_plain_token_ms_w1_round_unpipelined":
                        d["plain"].get("width1_round_unpipelined", {}).get("token_ms"),
                    "memra_plain_token_ms_w16": d["plain"]["width16"]["token_ms"],
+                   # one real row in a 16-row step: its padding rows' recurrence skipped / run (same process)
+                   "w16_round_token_ms": d["plain"].get("width16_round", {}).get("token_ms"),
+                   "w16_round_token_ms_padding_run": d["plain"].get("width16_padded_round", {}).get("token_ms"),
+                   "w16_step_token_ms_padding_run": d["plain"]["width16_padded"]["token_ms"],
                    "transformers_token_ms": d.get("transformers", {}).get("token_ms"),
                    "exact": d["exact"]["all_exact"] and all(d["plain"][k].get("exact", True) for k in d["plain"]
                                                             if isinstance(d["plain"][k], dict)),
@@ -547,6 +590,10 @@ def main() -> None:
             summary["floor_rows1_ms"] = d["floor"]["rows1_ms"]
             summary["floor_rows16_ms"] = d["floor"]["rows16_ms"]
             summary["plain_over_floor"] = summary["memra_plain_token_ms_w1"] / summary["floor_rows1_ms"]
+            if summary["w16_round_token_ms"] and summary["w16_round_token_ms_padding_run"]:
+                summary["w16_round_over_floor16"] = summary["w16_round_token_ms"] / summary["floor_rows16_ms"]
+                summary["w16_round_padding_run_over_floor16"] = (summary["w16_round_token_ms_padding_run"]
+                                                                 / summary["floor_rows16_ms"])
         for mode in ("stash", "replay"):  # a round's target side: 16-row verify + rollback, k = 8 kept
             row = d["verify"].get(f"{mode}_k8")
             if row:
@@ -558,6 +605,10 @@ def main() -> None:
             summary["verify16_round_ms_k8"] = rounds["k8"]["round_ms"]
             summary["verify16_round_over_plain"] = rounds["k8"]["round_ms"] / summary["memra_plain_token_ms_w1"]
             summary["verify16_round_over_plain_k16"] = rounds[f"k{W}"]["round_ms"] / summary["memra_plain_token_ms_w1"]
+            if "k8_window" in rounds:  # a window of 8 known before the verify: rows 8..15 skip the recurrence
+                summary["verify16_round_ms_k8_window8"] = rounds["k8_window"]["round_ms"]
+                summary["verify16_round_window8_over_plain"] = (rounds["k8_window"]["round_ms"]
+                                                                / summary["memra_plain_token_ms_w1"])
             summary["exact"] = summary["exact"] and rounds["all_exact"]
         ours, theirs = d["exact"]["plain_stream"], d.get("transformers", {}).get("stream", [])
         summary["transformers_agree_prefix"] = next(  # bf16: streams may part at a near-tie

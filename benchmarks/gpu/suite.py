@@ -137,7 +137,8 @@ PARTS = {p.name: p for p in (
     Part("bandwidth", "copy and read floors, GB/s", 40, _bandwidth),
     Part("target_step", "Qwen3-8B-shape graphed step vs its floor, ms", 150, _target_step),
     Part("drafter_round", "Qwen3-8B-shape DFlash drafter's side of a round and the round, ms", 100, _drafter_round),
-    Part("hybrid_step", "Qwen3.5-4B-shape hybrid step, verify, rollback, rounds, ms", 90, _hybrid_step),
+    Part("hybrid_step", "Qwen3.5-4B-shape hybrid step, the 16-wide plain token with its padding skipped and run, verify, "
+         "rollback, rounds, ms", 110, _hybrid_step),
     Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor, ms", 150, _llama_step),
     Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, torch step ops, ms", 150, _gemma4_step),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step and MoE op at vt rows, torch twin vs the MoE kernels, vs the read "

@@ -37,6 +37,13 @@ def test_tiny_run_writes_every_key_and_is_exact(tmp_path):
     assert d["drafter_bytes"]["q4"] < d["drafter_bytes"]["q8"] < d["drafter_bytes"]["bf16"]
     assert d["plain_step_ms"] > 0 and d["verify_step_ms"] > 0 and d["round_ms"] > 0
     assert "skipped" in d["quant_bw"]  # the kernels are timed on the GPU only
+    # every precision's layers fuse at load: 4 weight-matmul launches a layer a block forward, 1 an ingest
+    for prec in ("bf16", "q8", "q4"):
+        n = d["matmul_launches"][prec]
+        assert n == {"round": 4 * n["layers"], "ingest": n["layers"] + 1, "layers": n["layers"]}, (prec, n)
+    assert d["launched_shapes"]["bf16"] == []  # no quantized weight: no quantized launch to time
+    gate_up = [s for s in d["launched_shapes"]["q8"] if s[2]]
+    assert len(gate_up) == 1 and d["launched_shapes"]["q4"] == d["launched_shapes"]["q8"]
     assert "exact: True" in proc.stdout  # the table is printed
 
 

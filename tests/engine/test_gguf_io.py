@@ -5,7 +5,9 @@ quantized at load (bit for bit in f32), refusals, and nothing half-written on er
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -192,6 +194,56 @@ def test_drafter_from_gguf_equals_load_time_quantization(sources, written, sourc
     with torch.inference_mode():
         plain = Drafter.load(sources[source]).forward_full(taps, noise, pos).hidden_out
     assert not torch.equal(plain, fa.hidden_out)
+
+
+def _drafter_round_bench():
+    """benchmarks/gpu/drafter_round.py as a module (its launch counter is the one its JSON reports)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "drafter_round.py"
+    spec = importlib.util.spec_from_file_location("drafter_round_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("policy", ["q8", "q4"])
+def test_gguf_drafter_fuses_its_block_rows_and_launches_fewer_matmuls(sources, written, policy, monkeypatch):
+    """A q8_0 / q4_0 GGUF drafter stacks each layer's q/k/v and gate/up at load as the file's own
+    block rows, byte for byte (ggml rows are independent blocks); its static round then launches
+    4 weight matmuls a layer instead of 7 and its ingest 1 instead of 2, and every output is the
+    unfused drafter's bit for bit (the reference dequantizes row by row)."""
+    from memra_cli.engine.models.drafter import DraftLayer
+
+    path, _ = written["zlab-bf16", policy]
+    fused = Drafter.load(path)
+    with monkeypatch.context() as m:
+        m.setattr(DraftLayer, "fuse", lambda self: self)
+        unfused = Drafter.load(path)
+    qtype = {"q8": "q8_0", "q4": "q4_0"}[policy]
+    ck = open_checkpoint(path)
+    for i, w in enumerate(fused.layers):
+        p = f"layers.{i}."
+        for stack, names in ((w.wqkv, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                             (w.w_gate_up, ("mlp.gate_proj", "mlp.up_proj")), (w.wkv, ("self_attn.k_proj", "self_attn.v_proj"))):
+            raws = [ck.raw(p + n + ".weight") for n in names]
+            assert isinstance(stack, QuantLinearRef) and stack.qtype == qtype and all(r[0] == qtype for r in raws)
+            file_rows = torch.cat([torch.as_tensor(np.asarray(r[1])).reshape(r[2][0], -1) for r in raws])
+            assert torch.equal(stack.raw, file_rows)
+    bench = _drafter_round_bench()
+    n = len(fused.layers)
+    assert bench.matmul_launches(fused) == {"round": 4 * n, "ingest": n + 1, "layers": n}  # + fc in the ingest
+    assert bench.matmul_launches(unfused) == {"round": 7 * n, "ingest": 2 * n + 1, "layers": n}
+    cfg = fused.cfg
+    taps, block = _taps(cfg, 7, 3), cfg.block_size
+    noise = torch.randn(block, cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(7 + block)
+    with torch.inference_mode():
+        fa, fb = fused.forward_full(taps, noise, pos), unfused.forward_full(taps, noise, pos)
+        assert torch.equal(fa.hidden_out, fb.hidden_out) and torch.equal(fa.ctx_features, fb.ctx_features)
+        ka, kb = fused.new_cache(2 * block), unfused.new_cache(2 * block)
+        fused.static_ingest(ka, taps[:block], torch.tensor(0)), unfused.static_ingest(kb, taps[:block], torch.tensor(0))
+        ra = fused.static_round(ka, noise, torch.tensor(block))
+        assert torch.equal(ra, unfused.static_round(kb, noise, torch.tensor(block)))
+        assert torch.equal(ka.k, kb.k) and torch.equal(ka.v, kb.v)
 
 
 def test_rows_not_whole_blocks_kept_as_stored(tmp_path):

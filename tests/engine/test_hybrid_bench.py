@@ -26,7 +26,11 @@ def test_hybrid_bench_tiny_smoke(tmp_path):
         assert "error" not in d[name], (name, d[name])
     assert d["exact"]["all_exact"] is True and d["summary"]["exact"] is True
     assert {"width1", "width16"} <= set(d["plain"]) and "replay_k8" in d["verify"] and "stash_k1" in d["verify"]
+    # one real row padded to 16: its padding rows' recurrence skipped, beside the same with them run
+    assert d["plain"]["width16_padded"]["exact"] is True and d["summary"]["w16_step_token_ms_padding_run"] > 0
     # rounds with the rollback inside the round (replay mode): picks and states exact, every k
     assert d["rounds"]["mode"] == "replay" and d["rounds"]["all_exact"] is True
     assert all(d["rounds"][f"k{k}"]["state_exact"] and d["rounds"][f"k{k}"]["rounds"] == 4 for k in (1, 8, 16))
+    # and with a window of k known before the verify (its rows past the window skip the recurrence)
+    assert d["rounds"]["k8_window"]["exact"] and d["rounds"]["k8_window"]["rounds"] == 4
     assert d["transformers"]["token_ms"] > 0 and d["summary"]["transformers_agree_prefix"] >= 0

@@ -22,6 +22,7 @@ speculative round loop.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -395,12 +396,83 @@ def test_a_commit_flips_buffers_instead_of_copying_states(step_dir, mode, monkey
         moved = [tuple(c) for c in copies if tuple(c) in (rec_shape, conv_shape)]
         assert moved == ([] if mode == "replay" else [rec_shape])  # stash: the kept row's state, once
     assert replays == []
-    # width 4, one real row: the state after it is computed (replayed or copied) into the other buffer
+    # width 4, one real row: the recurrence runs the live row only (the runner's set_live_rows),
+    # so what the step wrote into the other buffer is the kept state: no replay. With the padding
+    # rows run too (set_live_rows ignored, as before it existed) the same commit replays the kept
+    # row from the base (replay mode); the states and the real row's logits are the same bits.
     runner4 = StepRunner(target, 4)
-    cur, base = state._cur, state._rec2[state._cur].clone()
-    runner4.step(_ids(1, 6), state.length, state)
-    assert state._cur == 1 - cur and torch.equal(state._rec2[cur], base)
-    assert len(replays) == (1 if mode == "replay" else 0)
+    padded = runner.new_state(64)
+    runner.prefill(_ids(20, 4), padded)
+    for _ in range(3):  # the history `state` has
+        runner.step(_ids(1, 5), padded.length, padded)
+    monkeypatch.setattr(padded, "set_live_rows", lambda n: None)
+    got = []
+    for st in (state, padded):
+        cur, base, before = st._cur, st._rec2[st._cur].clone(), len(replays)
+        logits, _ = runner4.step(_ids(1, 6), st.length, st)
+        assert st._cur == 1 - cur and torch.equal(st._rec2[cur], base)
+        got.append((logits, len(replays) - before, [*st.conv, *st.rec]))
+    assert got[0][1] == 0 and got[1][1] == (1 if mode == "replay" else 0)
+    assert torch.equal(got[0][0], got[1][0]) and all(torch.equal(a, b) for a, b in zip(got[0][2], got[1][2]))
+
+
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+def test_padding_rows_skip_the_recurrence_and_change_no_bit(step_dir, mode):
+    """Steps of 1, 5 and 15 real rows padded to 16, then a partial rollback: the real rows'
+    logits and every state (windows, recurrent states, K/V) are the bits of the same steps with
+    their padding rows run through the recurrence (set_live_rows ignored, as before it existed),
+    and the next step's logits too. A commit past the live rows is refused (those rows ran no
+    recurrence)."""
+    target = Qwen35Target.from_dir(step_dir, rollback=mode)
+    runner = StepRunner(target, WIDTH)
+    states, outs = [], []
+    for padded in (False, True):
+        state = runner.new_state(96)
+        if padded:
+            state.set_live_rows = lambda n: None
+        runner.prefill(_ids(9, 30), state)
+        got = []
+        for n in (1, 5, 15):
+            got.append(runner.step(_ids(n, 31 + n), state.length, state)[0])
+            # what the step wrote into the other buffer is the kept state only when padding was skipped
+            assert (state._final_at == state.length) != padded, (n, padded)
+        runner.step(_ids(6, 40), state.length, state)
+        state.rollback(state.length - 2)
+        got.append(runner.step(_ids(1, 41), state.length, state)[0])
+        states.append(state)
+        outs.append(got)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert_same_states(*states)
+    state = states[0]
+    state.set_live_rows(2)
+    runner.fixed_step(_ids(WIDTH, 42), state.length, state, live=2)
+    with pytest.raises(ValueError, match="ran only its 2 live rows"):
+        state.commit(state.length + 3)
+
+
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+def test_a_window_known_before_the_verify_skips_the_rows_past_it(step_dir, mode):
+    """A ladder round's verify with its window as the step's live rows (`live_rows_from`, as the
+    round bodies run it), candidates from the plain stream so every row of the window is
+    accepted: the window's picks are the plain stream's (its last row's included, the one a
+    window one row short would get wrong) and the state kept after it is, bit for bit, what
+    steps of the same tokens leave."""
+    target = Qwen35Target.from_dir(step_dir, rollback=mode)
+    runner = StepRunner(target, WIDTH)
+    ids = _ids(12, 50).tolist()
+    truth = greedy_reference(runner, ids, 40)
+    seq = torch.tensor(ids + truth)
+    state, ref = runner.new_state(96), runner.new_state(96)
+    runner.prefill(seq[:12], state), runner.prefill(seq[:12], ref)
+    for vt in (1, 3, 7, 16):
+        start = state.length
+        live = torch.tensor([vt], dtype=torch.int32)
+        with state.live_rows_from(live):
+            logits, _ = target.static_step(seq[start:start + WIDTH], torch.arange(start, start + WIDTH), state)
+        assert logits[:vt].argmax(-1).tolist() == seq[start + 1:start + 1 + vt].tolist(), vt
+        state.commit(start + vt)
+        runner.step(seq[ref.length:ref.length + vt], ref.length, ref)
+        assert_same_states(state, ref)
 
 
 def test_restores_are_graphed_only_with_ops_that_read_their_rows_on_the_device():
@@ -454,7 +526,10 @@ def test_graphed_replay_restores_give_the_eager_restores_bits(step_dir, monkeypa
             states.append(state)
         assert torch.equal(outs[0], outs[1]), k
         assert_same_states(*states)
-        assert not states[0].graphs and 0 < len(states[0]._restore_graphs) <= 6
+        # a rollback into the block restores; the one-row step's commit is a flip (its
+        # recurrence ran the live row only), and so are k = 0 (the base) and 16 (no rollback)
+        assert not states[0].graphs and len(states[0]._restore_graphs) <= 6
+        assert (len(states[0]._restore_graphs) > 0) == (0 < k < 16), k
         assert not states[1]._restore_graphs
     assert 0 < len(captured) <= 8 * 6  # a few per fresh state, never one per restore
 
@@ -565,21 +640,48 @@ def test_stash_and_replay_restore_the_same_bits(step_dir):
     assert_same_states(*states)
 
 
-def restored_in_round(runner: StepRunner, prompt_ids, block, keep: int, rows_written: int | None = None):
+def restored_in_round(runner: StepRunner, prompt_ids, block, keep: int, rows_written: int | None = None,
+                      window: int | None = None):
     """A round restored on the device, as a round graph runs it: the fixed step of `block`
     (W rows) at the committed length, `round_params` as the settlement writes them for `keep`
     kept rows (`rows_written` overrides the row count: a planted bug), `restore_round`, then
-    the host's `settled_on_device`."""
+    the host's `settled_on_device`. `window`: a ladder round's, the step's live rows (as
+    spec/round_bodies.py runs it), also given to the restore."""
     model, width = runner.model, runner.width
     state = runner.new_state(80)
     runner.prefill(prompt_ids, state)
     start = state.length
-    model.static_step(block, torch.arange(start, start + width), state)
+    live = None if window is None else torch.tensor([window], dtype=torch.int32)
+    with state.live_rows_from(live) if live is not None else contextlib.nullcontext():
+        model.static_step(block, torch.arange(start, start + width), state)
     rows = rows_written if rows_written is not None else (-1 if keep == width else keep)
     state.round_params.copy_(torch.tensor([start % state.ring, rows], dtype=torch.int32))
-    state.restore_round()
+    state.restore_round(live)
     state.settled_on_device(start + keep)
     return state
+
+
+@pytest.mark.parametrize("mode", ["stash", "replay"])
+def test_a_round_with_a_ladder_window_restores_the_host_rollback(step_dir, mode):
+    """A ladder round runs its window as the step's live rows and tells the restore: keeping the
+    whole window (replay mode: no replay at all, the step wrote that state) or less of it leaves
+    the host rollback's states bit for bit. Planted: a restore that skipped on any keep (the
+    rows written as the window) is caught by the keep-less-than-the-window case."""
+    runner = StepRunner(Qwen35Target.from_dir(step_dir, rollback=mode), WIDTH)
+    p, block = _ids(30, 60), _ids(WIDTH, 61)
+    for window, keep in ((5, 5), (5, 3), (1, 1), (9, 2)):
+        want = runner.new_state(80)
+        runner.prefill(p, want)
+        runner.step(block, want.length, want)
+        want.rollback(30 + keep)
+        assert_same_states(restored_in_round(runner, p, block, keep, window=window), want)
+    planted = restored_in_round(runner, p, block, 3, rows_written=5, window=5)
+    want = runner.new_state(80)
+    runner.prefill(p, want)
+    runner.step(block, want.length, want)
+    want.rollback(30 + 3)
+    with pytest.raises(AssertionError):
+        assert_same_states(planted, want)
 
 
 @pytest.mark.parametrize("mode", ["stash", "replay"])
@@ -895,6 +997,15 @@ def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs
                                 num_target_layers=5, dtype=torch.bfloat16, **extra)
         arm = engine.arm(ArmConfig(draft=draft, mode=mode))
     reference = Engine.from_model(Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16), step_width=WIDTH)
+    live_seen = []  # each fixed step's live rows, as the recurrence reads them (the stand-in runs every body)
+    recurrence = model.step_ops.gated_delta_rule
+
+    def counting(*a, live=None, **k):
+        if live is not None:
+            live_seen.append(live.clone())  # read after the sessions: a graph body reads nothing on the host
+        return recurrence(*a, live=live, **k)
+
+    monkeypatch.setattr(model.step_ops, "gated_delta_rule", counting)
     for seed in range(2):
         ids = prompt(9 + 11 * seed, 80 + seed)
         plain = greedy_reference(reference.runner, ids, 24)
@@ -902,6 +1013,11 @@ def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs
             assert session.graphed_rounds
             assert session.run() == plain, seed
             assert session.pipelined == pipelined
+    steps = {int(n[0]) for n in live_seen}
+    if mode == "plain":  # one real row of 16: the padding rows skip the recurrence
+        assert steps == {1}, steps
+    elif mode == "dflash":  # an adapting ladder (and block 8 < 16): the rows past the window skip it
+        assert min(steps) < 8 and max(steps) <= 8, steps
     if mode == "plain":
         variants = set(session.cache.graphs[("plain-chain", WIDTH)].graphs)
     else:

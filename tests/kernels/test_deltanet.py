@@ -113,6 +113,31 @@ def test_recurrence_does_not_depend_on_the_grouping(fn, dtype, device):
         assert torch.equal(s, final)
 
 
+@pytest.mark.parametrize("fn", [gated_delta_rule, gated_delta_rule_ref, "engine"], ids=["kernel", "twin", "engine"])
+@pytest.mark.parametrize("live", [1, 4, 6, 40])
+def test_padding_rows_after_the_live_ones_do_not_run(fn, live, device):
+    """A fixed step's padding: with `live`, a 6-row call gives its first min(6, live) rows'
+    outputs and stash rows, and the state after the last of them as `final`, bit for bit those
+    of a call on the live rows alone; the padding rows' outputs are zeros and their stash rows
+    untouched. `engine` is the torch step ops' form (layers/deltanet.py): it reads `live` on the
+    device only (graph-capturable), so it runs every row and its padding rows stash the last
+    live row's state (never a padding row's)."""
+    engine = fn == "engine"
+    if engine:
+        from memra_cli.engine.layers.deltanet import gated_delta_step as fn
+    t, hk, hv, dk, dv = 6, 1, 2, 32, 32  # small: two kernel calls under the interpreter
+    qkv, g, beta, state = _inputs(t, hk, hv, dk, dv, torch.bfloat16, device, seed=11)
+    n, idx = min(t, live), torch.arange(t, device=device)
+    want_final, want_stash = torch.empty_like(state), torch.zeros(t, hv, dk, dv, device=device)
+    want = fn(qkv[:n], g[:n], beta[:n], state, hk, final=want_final, stash=want_stash, stash_idx=idx[:n])
+    final, stash = torch.empty_like(state), torch.zeros(t, hv, dk, dv, device=device)
+    out = fn(qkv, g, beta, state, hk, final=final, stash=stash, stash_idx=idx,
+             live=torch.tensor([live], dtype=torch.int32, device=device))
+    assert torch.equal(out[:n], want) and torch.equal(final, want_final) and torch.equal(stash[:n], want_stash[:n])
+    assert not out[n:].any()
+    assert all(torch.equal(row, want_final if engine else want_stash[n + i]) for i, row in enumerate(stash[n:]))
+
+
 @pytest.mark.parametrize("t", [1, 2, 3, 16, 17])
 def test_loading_two_rows_ahead_changes_no_bit(t, device, monkeypatch):
     """PREFETCH 2 (row r+2's inputs loaded while row r updates) against 1: the same per-row ops

@@ -373,6 +373,29 @@ def test_gdn_conv_gates_rows_one_at_a_time_through_the_final_window(k, dtype, de
     assert torch.equal(xs, whole_args[7]) and all(torch.equal(a, b) for a, b in zip(rings, whole_args[8]))
 
 
+@pytest.mark.parametrize("live", [1, 2, 6, 99])
+@pytest.mark.parametrize("fn", [gdn_conv_gates, gdn_conv_gates_ref, TorchStepOps.gdn_conv_gates],
+                         ids=["kernel", "twin", "engine"])
+def test_gdn_conv_gates_final_window_after_the_last_live_row(fn, live, device):
+    """A fixed step's padding: with `live` the final window is the one after row min(t, live) - 1,
+    bit for bit a call on the live rows alone leaves (K = 4, so live 1 and 2 take window rows
+    too), and every row's outputs and record are those of the call without `live`."""
+    t, k, c = 6, 4, 300
+    args = _conv_gates_inputs(t, k, c, 8, torch.bfloat16, device, "replay", True, seed=5)
+    n = min(t, live)
+    alone = list(_fresh(args))
+    alone[1], alone[3], alone[6] = alone[1][:n], alone[3][:n], alone[6][:n]
+    fn(*alone)
+    full, padded = _fresh(args), _fresh(args)
+    want = fn(*full)
+    got = fn(*padded, live=torch.tensor([live], dtype=torch.int32, device=device))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(padded[9], alone[9])
+    assert n == t or not torch.equal(padded[9], full[9])  # the padding rows' window is another one
+    for a, b in zip(_written(padded)[:4], _written(full)[:4], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
 def test_gdn_conv_gates_refuses_bad_inputs(device):
     args = _conv_gates_inputs(3, 4, 96, 8, torch.float32, device, "replay", True)
     window, mixed, conv_w, ba, a_neg, dt_bias, ring_idx, xs, rings, fw = args

@@ -141,6 +141,10 @@ def _deltanet(ctx, dt):
             ctx.launch(f"gated_delta_rule final+stash LATE_PREP={late} PREFETCH={ahead}", "_gdn_kernel", dn.gated_delta_rule,
                        qkv, g, beta, state, hk, final=ctx.t(hv, dk, dv, dtype="f32"),
                        stash=ctx.t(ring, hv, dk, dv, dtype="f32"), stash_idx=ctx.idx(t))
+            # a fixed step's live rows (the padding after them skipped), as the engine's steps run it
+            ctx.launch(f"gated_delta_rule final+live LATE_PREP={late} PREFETCH={ahead}", "_gdn_kernel",
+                       dn.gated_delta_rule, qkv, g, beta, state, hk, final=ctx.t(hv, dk, dv, dtype="f32"),
+                       live=ctx.torch.ones(1, dtype=ctx.torch.int32))
             states = ctx.t(layers, hv, dk, dv, dtype="f32")
             ctx.launch(f"gated_delta_rule_layers LATE_PREP={late} PREFETCH={ahead}", "_gdn_kernel", dn.gated_delta_rule_layers,
                        ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, ring, hv, dtype="f32"),
@@ -296,6 +300,9 @@ def _qwen35(ctx, dt):
         for final in (None, ctx.t(k - 1, c, dtype=dt)):
             ctx.launch(f"gdn_conv_gates{name}{' final' if final is not None else ''}", "_gdn_conv_gates_kernel",
                        q.gdn_conv_gates, window, mixed, conv_w, ba, a_neg, dt_bias, final_window=final, **kw)
+    ctx.launch("gdn_conv_gates replay final live", "_gdn_conv_gates_kernel", q.gdn_conv_gates, window, mixed, conv_w,
+               ba, a_neg, dt_bias, final_window=ctx.t(k - 1, c, dtype=dt), live=ctx.torch.ones(1, dtype=ctx.torch.int32),
+               **records[" replay"])
     ctx.launch("gated_rms_norm", "_gated_norm_kernel", q.gated_rms_norm, ctx.t(t, hv, dv, dtype="f32"),
                ctx.t(t, hv * dv, dtype=dt), ctx.t(dv, dtype=dt), 1e-6)
 

@@ -129,19 +129,30 @@ def _delta_row(s: torch.Tensor, g: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def gated_delta_step(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
                      n_k_heads: int, final: torch.Tensor | None = None, stash: torch.Tensor | None = None,
-                     stash_idx: torch.Tensor | None = None) -> torch.Tensor:
+                     stash_idx: torch.Tensor | None = None, live: torch.Tensor | None = None) -> torch.Tensor:
     """The recurrence over a step's conv output rows `qkv [t, C]`, `g`, `beta` `[t, Hv]` float32,
     from `state [Hv, dk, dv]` (read; may also be `final`). Returns out `[t, Hv, dv]` float32;
     writes the state after the last row into `final` and the state after row r into
     `stash[stash_idx[r]]` when given. `prep_qkv` then `gated_delta_rule`'s per-row ops, so its
-    numbers are `gated_delta_rule`'s bit for bit."""
+    numbers are `gated_delta_rule`'s bit for bit.
+
+    `live` (int32 `[1]`): rows from `min(t, live)` on are a fixed step's padding, as in
+    `memra_kernels.deltanet.gated_delta_rule`: zero outputs, no state update (`final` gets the
+    last live row's state). Read on the device, not the host (a CUDA graph captures this form
+    too): every row runs and a select keeps the padding ones out, the same bits for the live rows."""
     hv, dk, dv = state.shape
     q, k, v = prep_qkv(qkv, n_k_heads, hv, dk, dv)
     out = torch.empty_like(v)
     s = state
     for i in range(qkv.shape[0]):
-        s = _delta_row(s, g[i], k[i], v[i], beta[i])
-        out[i] = (s * q[i].unsqueeze(-1)).sum(dim=-2)
+        new = _delta_row(s, g[i], k[i], v[i], beta[i])
+        if live is None:
+            s = new
+            out[i] = (s * q[i].unsqueeze(-1)).sum(dim=-2)
+        else:
+            keep = live[0] > i
+            s = torch.where(keep, new, s)
+            out[i] = torch.where(keep, (s * q[i].unsqueeze(-1)).sum(dim=-2), 0.0)
         if stash is not None:
             stash.index_copy_(0, stash_idx[i:i + 1], s.unsqueeze(0))  # device index: capturable
     if final is not None:

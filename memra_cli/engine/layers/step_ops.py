@@ -43,8 +43,10 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   as the maximum), a greedy round's picks from its logits (one program per row with the
   kernels: torch's generic reduce is slow for 16 rows; kernels/argmax.py)
 - `conv_silu(window, x, w)`: Gated DeltaNet's causal conv update + SiLU over a step's rows
-- `gated_delta_rule(qkv, g, beta, state, n_k_heads, final, stash, stash_idx) -> out`: its
-  recurrence over the rows (float32 state; final state and per-row stash written on request)
+- `gated_delta_rule(qkv, g, beta, state, n_k_heads, final, stash, stash_idx, live) -> out`: its
+  recurrence over the rows (float32 state; final state and per-row stash written on request);
+  `live` (int32 `[1]`, on the device) marks the rows from it on as a fixed step's padding: not
+  run (zero outputs), `final` after the last live row
 - `gated_delta_replay(qkv, g, beta, state, n_k_heads, row0, rows, final)`: that recurrence for
   every layer at once over recorded ring rows (a rollback's replay: one launch with the kernels);
   `gated_delta_replay_dev(..., params, final)` the same with `(row0, rows)` read on the device
@@ -69,6 +71,7 @@ float32 `1 + w`):
   final_window) -> (conv_out, g, beta)`: `conv_silu` then `gdn_gates` as one op (one launch with
   the kernels, the same bits as the two), `replay_rings = (qkv_ring, g_ring, beta_ring)` taking
   its own conv output; with `final_window [K-1, C]` also the conv window after the last row
+  (after the last live row, with `live`)
 - `gated_rms_norm(core, z, w, eps) -> [t, Hv*dv]`: the per-head gated norm of the recurrence output
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
   programmatic dependent launch); a no-op for the torch ops
@@ -101,7 +104,7 @@ from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_ro
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
 from memra_kernels.moe_ref import moe_swiglu_ref
 from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, gated_rms_norm_heads, rms_norm_ref
-from memra_kernels.qwen35_ref import gdn_gates_body
+from memra_kernels.qwen35_ref import gdn_gates_body, window_after
 from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref
 from memra_kernels.settle_ref import settle_round
 
@@ -311,17 +314,17 @@ class TorchStepOps:
     def gdn_conv_gates(window: torch.Tensor, mixed: torch.Tensor, conv_w: torch.Tensor, ba: torch.Tensor,
                        a_neg: torch.Tensor, dt_bias: torch.Tensor, ring_idx: torch.Tensor | None = None,
                        xs_ring: torch.Tensor | None = None, replay_rings: tuple | None = None,
-                       final_window: torch.Tensor | None = None
+                       final_window: torch.Tensor | None = None, live: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`conv_silu(window, mixed, conv_w)` then `gdn_gates` (the record's replay rings
         `(qkv_ring, g_ring, beta_ring)` taking that conv output) -> (conv_out, g, beta); with
-        `final_window [K-1, C]` the last K-1 rows of `cat([window, mixed])` copied into it."""
+        `final_window [K-1, C]` the window after the last row (after the last live row, with
+        `live`: the rows after it are padding) copied into it."""
         conv = conv_silu_update(window, mixed, conv_w)
         replay = None if replay_rings is None else (replay_rings[0], conv, replay_rings[1], replay_rings[2])
         g, beta = TorchStepOps.gdn_gates(ba, a_neg, dt_bias, ring_idx, xs_ring, mixed, replay)
         if final_window is not None:
-            xs = torch.cat([window, mixed], dim=0)
-            final_window.copy_(xs[xs.shape[0] - window.shape[0]:])
+            final_window.copy_(window_after(window, mixed, live))
         return conv, g, beta
 
     @staticmethod

@@ -49,15 +49,26 @@ class TargetState(Protocol):
         """Context manager: the state arranged as `variant` for a graph capture, put back after."""
         ...
 
+    def set_live_rows(self, n: int | None) -> None:
+        """Before a fixed step: only its first `n` rows are real (None: all); the rest are padding,
+        which a state may skip work for (the hybrid's recurrence). A KV cache ignores it."""
+        ...
+
+    def live_rows_from(self, rows: torch.Tensor):
+        """Context manager: the fixed step run (or captured) inside it reads its live-row count
+        from `rows` (int32 `[1]`, written on the device by a round body) instead."""
+        ...
+
     def attach_graph_cache(self, cache) -> None:
         """(`graphed_restores` only) The runtime's `GraphCache` (runtime/cuda_graphs.py), given once
         when the runtime makes the state: its `run(key, build, *args)` replays the graph of the body
         `build(*args)` returns, capturing it the first time."""
         ...
 
-    def restore_round(self) -> None:
+    def restore_round(self, live: torch.Tensor | None = None) -> None:
         """Inside a round graph (`settles_on_device` only): restore the state after the round's
-        kept rows, read on the device."""
+        kept rows, read on the device (`live`: the live rows the round's step ran with, when not
+        every row)."""
         ...
 
     def settled_on_device(self, end: int) -> None:
@@ -117,7 +128,8 @@ MODEL_MEMBERS = ("from_dir", "new_state", "ensure_positions", "check_taps", "che
                  "step_ops_used", "embed_scale", "moe")
 STATE_MEMBERS = ("rollback", "reset", "commit", "nbytes", "host_bookkeeping", "round_graphs_ok",
                  "settles_on_device", "graph_variants", "graph_variant", "arranged_for_capture",
-                 "restore_round", "settled_on_device", "graphed_restores", "attach_graph_cache")
+                 "restore_round", "settled_on_device", "graphed_restores", "attach_graph_cache", "set_live_rows",
+                 "live_rows_from")
 _CLAIMS = {  # a claimed capability -> the methods a state must override (not inherit from StateBase)
     "settles_on_device": ("restore_round", "settled_on_device"),
     "graph_variants": ("arranged_for_capture", "graph_variant"),

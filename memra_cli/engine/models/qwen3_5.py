@@ -314,6 +314,7 @@ class Qwen35State(StateBase):
     # (`_final_window`, by the conv op), so a commit keeping every row assembles no window
     step_writes_window = True
     SPARE = 2  # `_base_at` when the base lives in the spare buffer
+    ALL_ROWS = 2**31 - 1  # `live` when every row of a fixed step is real
 
     def __init__(self, kv: torch.Tensor, conv_shape: tuple[int, int], rec_shape: tuple[int, int, int],
                  n_linear: int, dtype: torch.dtype, device: torch.device, max_len: int, ring: int, mode: str,
@@ -360,6 +361,10 @@ class Qwen35State(StateBase):
         # A round settled on the device (`restore_round`): `(row0, rows)` int32, written by the
         # round's settlement (rows -1: every row kept, the step wrote that state).
         self.round_params = torch.zeros(2, dtype=torch.int32, device=device)
+        # The fixed steps' live rows (`set_live_rows`), read by the DeltaNet ops on the device:
+        # the rows after them are padding, which the recurrence skips.
+        self.live = torch.full((1,), self.ALL_ROWS, dtype=torch.int32, device=device)
+        self._live_host: int | None = None  # what `live` holds (None: every row)
         self._length = 0
         self._width: int | None = None  # rows of the fixed step graphs were captured with
         self._forget()
@@ -437,11 +442,39 @@ class Qwen35State(StateBase):
         return sum(t.numel() * t.element_size() for t in (self.kv, *self._all))
 
     def reset(self) -> None:
-        """Back to an empty context: length 0, zero conv windows and states."""
+        """Back to an empty context: length 0, zero conv windows and states, every row live."""
         self._length = 0
         self._conv2[self._cur].zero_()
         self._rec2[self._cur].zero_()
         self._forget()
+        self.set_live_rows(None)
+
+    @contextmanager
+    def live_rows_from(self, rows: torch.Tensor):
+        """A fixed step run or captured inside reads its live rows from `rows` (int32 `[1]` on the
+        device; a round body writes it from its window before the step, so a replay needs no host
+        value), not from `live`, which keeps what `set_live_rows` wrote."""
+        if rows.shape != (1,) or rows.dtype != torch.int32 or rows.device != self.live.device:
+            raise ValueError(f"live rows must be an int32 [1] tensor on {self.live.device}")
+        saved, self.live = self.live, rows
+        try:
+            yield
+        finally:
+            self.live = saved
+
+    def set_live_rows(self, n: int | None) -> None:
+        """The next fixed steps run their first `n` rows through the DeltaNet recurrence (None:
+        all): the rest are padding, whose recurrence would be work for nothing, and the state a
+        step writes into the other buffer is then the one after its last live row, so a commit
+        that keeps the live rows is a flip (no replay). The device value changes (one small
+        launch, in stream order) only when `n` does; set it before launching a step (a graph
+        replay reads it), and commit after, with the value the step ran with."""
+        if n is not None and n < 1:
+            raise ValueError(f"a fixed step has at least one live row, got {n}")
+        if n == self._live_host:
+            return
+        self.live.fill_(self.ALL_ROWS if n is None else n)
+        self._live_host = n
 
     def rollback(self, n_keep: int) -> None:
         """Keep the first `n_keep` positions: K/V by moving the length, the DeltaNet layers to
@@ -483,6 +516,11 @@ class Qwen35State(StateBase):
             raise ValueError(f"commit to {end}: no pending step at length {start}")
         if not 0 <= end - start <= rows:
             raise ValueError(f"commit to {end}: the pending step ran positions {start}..{start + rows - 1}")
+        if self._live_host is not None and self._live_host < rows:  # padding rows ran no recurrence
+            rows = self._live_host
+            if end - start > rows:
+                raise ValueError(f"commit to {end}: the pending step's recurrence ran only its {rows} live rows "
+                                 f"(positions {start}..{start + rows - 1}; set_live_rows)")
         self._pending = None
         if not self._continues or self._base is None:
             self._base, self._base_at = start, self._cur  # a new runner step: the buffer it read is its base
@@ -611,7 +649,7 @@ class Qwen35State(StateBase):
     # before the host reads the previous one (spec/chained.py).
     settles_on_device = True
 
-    def restore_round(self) -> None:
+    def restore_round(self, live: torch.Tensor | None = None) -> None:
         """Inside a round graph, after its fixed step and the settlement that wrote
         `round_params` = `(row0, rows)` (`settle_round(restore=state.round_params, ring=state.ring)`):
         the conv windows and recurrent states after the round's kept rows, into the buffer that
@@ -620,8 +658,15 @@ class Qwen35State(StateBase):
         arrangement being captured (`_cur`), like the step's own reads; the next round runs over
         the other arrangement whatever the round kept, so queued rounds alternate without a host
         value (`settled_on_device`). Replay mode re-runs the kept rows from the base (one
-        launch); stash mode copies the last kept row's stashed state."""
+        launch); stash mode copies the last kept row's stashed state.
+
+        `live` (int32 `[1]`): the live rows the round's step ran with (its ladder window,
+        `live_rows_from`). In replay mode a round that kept exactly those rows needs no restore
+        either: the step wrote the state and window after its last live row, so the rows become
+        -1 (two tiny launches, against a replay that reads and writes the whole state)."""
         base, dst, params = self._cur, 1 - self._cur, self.round_params
+        if live is not None and self.mode == "replay":
+            params[1:].masked_fill_(params[1:] == live, -1)
         self._ops.ring_window(self._conv2[base], self._xs_all, params, self._conv2[dst])
         if self.mode == "replay":
             self._ops.gated_delta_replay_dev(self._qkv_all, self._g_all, self._beta_all, self._rec2[base],
@@ -822,9 +867,10 @@ class Qwen35Target(TargetBase):
         """The fixed-width step (as Qwen3Target's), capturable: `ids [W]` at device `positions
         [W]` continuing the committed state (`_run`: every op but the weight matmuls is a step
         op). Attention layers: `step_ops.attention` over the cache by position. DeltaNet layers:
-        the conv and recurrence over all W rows from the committed conv window and state, which
-        this step only reads; the rows go into the state's ring by position % ring (conv inputs,
-        plus the per-row states or the recurrence inputs). Nothing reads a host value that changes
+        the conv over all W rows and the recurrence over the state's live rows (`state.live`:
+        the rows after them are padding) from the committed conv window and state, which this
+        step only reads; the rows go into the state's ring by position % ring (conv inputs, plus
+        the per-row states or the recurrence inputs). Nothing reads a host value that changes
         from step to step, so a CUDA graph replays it; `state.commit(end)` then keeps the real
         rows (runs no kernel of the step). Returns float32 logits `[W, vocab]` (`widen=False`:
         the lm_head's model-dtype output) and taps."""
@@ -924,11 +970,11 @@ class Qwen35Target(TargetBase):
         mixed, z, ba = ops.linear(h, w.w_in).split([cfg.conv_dim, cfg.value_dim, 2 * hv], dim=-1)
         window, rec = state.conv[slot], state.rec[slot]
         stash, final, xs_ring, replay = None, (rec if commit_now else None), None, None
-        final_window = None
+        final_window, live = None, None
         if ring_idx is not None:  # the step's rollback record, written by the conv + gates op
             xs_ring = state._xs[slot]
-            if not commit_now:  # a fixed step: its last row's window (and state) into the other buffer
-                final_window = state._final_window[slot]
+            if not commit_now:  # a fixed step: its last live row's window (and state) into the other buffer
+                final_window, live = state._final_window[slot], state.live
             if state.mode == "stash":
                 stash = state._stash[slot]
             else:
@@ -938,14 +984,14 @@ class Qwen35Target(TargetBase):
         # the conv, the gates, the record and the window after the last row: one op (one launch
         # with the kernels), so a commit that keeps every row moves nothing (Qwen35State)
         conv, g, beta = ops.gdn_conv_gates(window, mixed, w.conv, ba, w.a_neg, w.dt_bias, ring_idx, xs_ring, replay,
-                                           final_window=final_window)
+                                           final_window=final_window, live=live)
         if chunked:
             q, k, v = prep_qkv(conv, hk, hv, dk, dv)
             core, final = gated_delta_rule_chunked(q, k, v, g, beta, rec)
             rec.copy_(final)
         else:
             core = ops.gated_delta_rule(conv, g, beta, rec, hk, final=final, stash=stash,
-                                        stash_idx=None if stash is None else ring_idx)
+                                        stash_idx=None if stash is None else ring_idx, live=live)
         if commit_now:
             window.copy_(torch.cat([window, mixed], dim=0)[-window.shape[0]:])
         return ops.linear(ops.gated_rms_norm(core, z, w.norm, cfg.rms_norm_eps), w.w_out)

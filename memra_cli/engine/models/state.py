@@ -23,13 +23,22 @@ class StateBase:
     def graph_variant(self) -> int:
         return 0
 
+    def set_live_rows(self, n: int | None) -> None:
+        """The next fixed steps' real rows (None: all of them); the rest are padding. A state
+        that carries nothing from padding rows (a KV cache: causality hides them) ignores it."""
+
+    def live_rows_from(self, rows):
+        """Context manager: a fixed step run (or captured) inside it takes its live-row count
+        from the device tensor `rows` (int32 `[1]`, a round body's own); a KV cache ignores it."""
+        return nullcontext()
+
     def arranged_for_capture(self, variant: int):
         return nullcontext()
 
     def attach_graph_cache(self, cache) -> None:
         raise NotImplementedError(f"{type(self).__name__} replays no graphs of its own")
 
-    def restore_round(self) -> None:
+    def restore_round(self, live=None) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not settle rounds on the device")
 
     def settled_on_device(self, end: int) -> None:

@@ -202,7 +202,7 @@ class StepRunner:
             n = chunk.shape[0]
             if n < width:
                 chunk = torch.cat([chunk, chunk[-1:].expand(width - n)])
-            lg, tp = self.fixed_step(chunk, start + lo, state, taps)
+            lg, tp = self.fixed_step(chunk, start + lo, state, taps, live=n if n < width else None)
             # keep the real rows (padding ones are dropped); a recurrent state needs to know
             # whether another chunk of this step follows (a rollback may reach back into this one)
             state.commit(start + lo + n, step_continues=lo + width < t)
@@ -213,18 +213,21 @@ class StepRunner:
             return logits[0], (tapped[0] if tapped else None)
         return torch.cat(logits), (torch.cat(tapped) if tapped else None)
 
-    def fixed_step(self, ids: torch.Tensor, start: int, state, taps: Sequence[int] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def fixed_step(self, ids: torch.Tensor, start: int, state, taps: Sequence[int] | None = None,
+                   live: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One step of exactly W rows `ids [W]` at `start..start+W-1`: logits `[W, vocab]`, taps.
         A `start` below `state.length` rolls the state back to it first (the step overwrites from
-        there); the rows then stay pending until `state.commit(end)` keeps the real ones. Replayed
-        from a CUDA graph when graphs are on (captured on first use per storage and taps; outputs
-        are copies, safe to keep), else run eagerly: the same ops either way (`model.static_step`)."""
+        there); the rows then stay pending until `state.commit(end)` keeps the real ones. `live`:
+        only the first `live` rows are real (None: all), which a recurrent state uses to skip
+        the padding rows' recurrence (`state.set_live_rows`); their logits are then not defined.
+        Replayed from a CUDA graph when graphs are on (captured on first use per storage and taps;
+        outputs are copies, safe to keep), else run eagerly: the same ops either way (`model.static_step`)."""
         width = self.width
         assert width is not None and ids.shape[0] == width
         self.model.check_span(start, width, state)
         if start < state.length:
             state.rollback(start)
+        state.set_live_rows(live)
         if self.cuda_graphs:
             from memra_cli.engine.runtime.graphs import StepGraph
 

@@ -73,6 +73,7 @@ class ChainedRounds:
         chain.drain()  # a session that ended with a round queued over this storage
         n = cache.graph_variants
         slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
+        cache.set_live_rows(1)  # a plain round's one real row: the rest of its step is padding
         for variant in range(n):
             if variant not in chain.graphs:
                 with cache.arranged_for_capture(variant) if n > 1 else nullcontext():
@@ -89,6 +90,7 @@ class ChainedRounds:
         start = cache.length
         s.target.check_span(start, s.runner.width, cache)
         seed = (start,) if anchor is None else (start, anchor)
+        cache.set_live_rows(1)  # before the launch: the replay reads it (a no-op while it holds)
         self.ahead = self.chain.launch(cache.graph_variant, seed)
         cache.commit(start + 1)
 
@@ -140,6 +142,7 @@ class ChainedRounds:
         chain.drain()
         n = cache.graph_variants
         slack, d_slack = cache.max_len - width, kv.rows - max(width, p.block_size)
+        cache.set_live_rows(None)  # a verify's rows are all candidates
         for variant in range(n):
             if variant not in chain.graphs:
                 with cache.arranged_for_capture(variant) if n > 1 else nullcontext():
@@ -159,6 +162,7 @@ class ChainedRounds:
 
     def _launch_spec(self, seed=()) -> int:
         """Queue one speculative round over the arrangement the previous one left."""
+        self.s.cache.set_live_rows(None)
         k = self.chain.launch(self.next_variant, seed)
         if self.device_settle:
             self.next_variant ^= 1

@@ -18,7 +18,9 @@ them), vt, m]` as float64 (ids < 2^53 are exact):
 
 The verify covers W rows whatever the window: the window is sized after it, from the raws, and
 only decides how many rows count, exactly as `Session._round` does with fixed-width steps (a
-row's logits do not depend on the rows after it). The ingest takes all W rows: the rows past the
+row's logits do not depend on the rows after it). A ladder window is known before the verify, so
+the rows past it are padding there, which a recurrent state skips in its recurrence (the step's
+live rows, `live_rows_from`): the rows inside the window are the same bits either way. The ingest takes all W rows: the rows past the
 accepted prefix land at positions the next round's block overwrites before any query reads them
 (the padding argument of draft_graphs.IngestGraph), so the drafter's cache holds what an ingest
 of the kept rows alone would. The host then sets both lengths to `start + m + 1`.
@@ -38,8 +40,20 @@ import torch
 from memra_cli.engine.spec.proposer import Program, static_proposal
 
 
-def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int, want_raws: bool):
-    """`core(inputs) -> (cand [W], sel [W], raws [nd] or None)`: draft, verify and ingest."""
+def _window_rows(program: Program, width: int, device: torch.device) -> torch.Tensor | None:
+    """The tensor a round writes its ladder window into before the verify (`inputs[3]`, capped by
+    the budget `inputs[4]`, as settle_round caps it), or None where the window can be the whole
+    step or is sized after it (a confidence window). No row past a ladder window can be accepted
+    or picked, so those rows are padding, which a recurrent state skips (`live_rows_from`)."""
+    if program.window.kind == "ladder" and (program.adapt or program.verify_cap < width):
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    return None
+
+
+def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int, want_raws: bool,
+                live: torch.Tensor | None = None):
+    """`core(inputs) -> (cand [W], sel [W], raws [nd] or None)`: draft, verify and ingest; with
+    `live` (`_window_rows`), the verify's live rows are the ladder window."""
     dev = target.device
     cfg = drafter.cfg
     tail = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
@@ -55,7 +69,12 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
         else:
             cand = torch.cat([cand, cand[-1:].expand(width - cand.shape[0])])
         # model-dtype logits: their argmax is the float32 copy's (an exact widening), unwritten
-        logits, tapped = target.static_step(cand, rows + t_start, cache, taps, widen=False)
+        if live is None:
+            logits, tapped = target.static_step(cand, rows + t_start, cache, taps, widen=False)
+        else:
+            live.copy_(torch.minimum(inputs[3], inputs[4]).clamp(min=1).reshape(1))
+            with cache.live_rows_from(live):
+                logits, tapped = target.static_step(cand, rows + t_start, cache, taps, widen=False)
         sel = target.step_ops.argmax(logits)
         drafter.static_ingest(kv, tapped, d_start)
         return cand, sel, raws
@@ -91,7 +110,8 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     state, either rollback mode) is restored here too: the settlement also writes the ring rows to
     re-run (`state.round_params`) and `state.restore_round()` re-runs them from the step's base,
     so the round needs no host rollback between it and the next."""
-    core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws)
+    live = _window_rows(program, width, target.device)
+    core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws, live)
     ops, window = target.step_ops, program.window
     kind = settle_kind(window)
     threshold = torch.tensor([window.threshold if window.is_confidence else 0.0], dtype=torch.float64,
@@ -104,7 +124,7 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
         out = ops.settle_round(cand, sel, raws if window.is_confidence else None, inputs, threshold,
                                kind=kind, cap=program.verify_cap, adapt=program.adapt, cost=cost_table, **restore)
         if on_device:
-            cache.restore_round()
+            cache.restore_round(live)
         return out
 
     return body
