@@ -8,14 +8,17 @@ softcap 30, tied embeddings, no per-layer inputs or KV sharing (the values sever
 and test fixtures of Gemma 4 runtimes carry; hidden 5376 is also the reference engine's drafter).
 
 Prints and writes: the cuBLAS matmul chain of one 16-row step (graphed), the HBM read floor
-(weights + live K/V once at the measured copy bandwidth), the graphed fixed-width step with the
-torch step ops as plain decode (1 real row of 16) and as a 16-row verify at each live context,
-and peak GPU memory. The family runs its norms, rope and attention in torch on every device
-(docs/gemma4.md); `small=True` is the CPU smoke test's shape.
+(weights + live K/V once at the measured copy bandwidth), the graphed fixed-width step as plain
+decode (1 real row of 16) and as a 16-row verify at each live context with the Triton step ops
+(the headline `plain_ms` / `verify16_ms`: windowed attention, Gemma's q/k norm + rope + K/V
+write, softcap) and with the torch step ops beside them (`torch_plain_ms` / `torch_verify16_ms`,
+and the ratios), CUDA kernels per eager step for each, how far one 16-row step's logits of the
+two are apart (`ops_agreement`), and peak GPU memory. `SMALL` is the CPU smoke test's shape.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -94,13 +97,39 @@ def matmul_chain(target: Gemma4Target, rows: int):
     return chain
 
 
+def ops_agreement(target: Gemma4Target, ops_by_name: dict, width: int, prompt: int = 600) -> dict:
+    """One `width`-row step after a `prompt`-token prefill (past the window on sliding layers)
+    under each step ops: the logits' relative L2 distance of the others from the first, and the
+    fraction of rows whose argmax agrees. `target.step_ops` is left as the last one."""
+    from memra_cli.engine.runtime.steps import StepRunner
+
+    g = torch.Generator(device=target.device).manual_seed(1)
+    ids = torch.randint(0, target.vocab_size - 1, (prompt + width,), generator=g, device=target.device)
+    logits = {}
+    for name, ops in ops_by_name.items():
+        target.step_ops = ops
+        runner = StepRunner(target, width)
+        state = runner.new_state(prompt + width)
+        runner.prefill(ids[:prompt], state)
+        logits[name] = runner.step(ids[prompt:], prompt, state)[0].float()
+        runner.release(state)
+    first, *others = logits
+    ref = logits[first]
+    return {f"{n}_vs_{first}": {"rel_l2": ((logits[n] - ref).norm() / ref.norm()).item(),
+                                "argmax_agree": (logits[n].argmax(-1) == ref.argmax(-1)).float().mean().item()}
+            for n in others}
+
+
 def measure(contexts: list[int], out_path, helpers) -> dict:
-    """The CUDA run (`helpers`: target_step's graph_ms / replay_ms / copy_gbps / step_ms)."""
+    """The CUDA run (`helpers`: target_step's graph_ms / replay_ms / copy_gbps / step_ms /
+    kernels_per_step)."""
     from memra_cli.engine.api import Engine
+    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
 
     W = 16
     out: dict = {"shape": "gemma4-31b", "config": GEMMA4_31B, "dtype": "bfloat16",
-                 "device": torch.cuda.get_device_name(), "step_width": W, "step_ops": "torch",
+                 "device": torch.cuda.get_device_name(), "step_width": W,
+                 "step_ops": "triton (headline); torch beside it (torch_*)",
                  "command": "python benchmarks/gpu/target_step.py " + " ".join(sys.argv[1:])}
     with torch.inference_mode():
         target = random_gemma4(GEMMA4_31B, torch.bfloat16, torch.device("cuda"))
@@ -110,14 +139,29 @@ def measure(contexts: list[int], out_path, helpers) -> dict:
         out.update(copy_gbps=bw, matmul_chain_ms=chain, weight_bytes=wb,
                    floor_ms={str(c): chain + kv_bytes(target, c) / bw / 1e6 for c in contexts},
                    hbm_read_floor_ms={str(c): (wb + kv_bytes(target, c)) / bw / 1e6 for c in contexts})
-        engine = Engine.from_model(target, step_width=W, cuda_graphs=True)
-        out["plain_ms"], out["verify16_ms"], out["peak_gib"] = {}, {}, {}
-        for c in contexts:
-            plain, _ = helpers.step_ms(engine, c, 1)
-            verify, peak = helpers.step_ms(engine, c, W)
-            out["plain_ms"][str(c)], out["verify16_ms"][str(c)], out["peak_gib"][str(c)] = plain, verify, peak
-            print(f"ctx {c}: plain {plain:.3f} ms (floor {out['floor_ms'][str(c)]:.3f}, HBM read floor "
-                  f"{out['hbm_read_floor_ms'][str(c)]:.3f}), verify16 {verify:.3f} ms, peak {peak:.1f} GiB")
+        ops_by_name = {"torch": TorchStepOps(), "triton": TritonStepOps()}
+        out["ops_agreement"] = ops_agreement(target, ops_by_name, W)
+        print(f"ops agreement: {out['ops_agreement']}")
+        out["kernels_per_step"] = {}
+        for name, ops in ops_by_name.items():  # same process, same target: a side-by-side ratio
+            target.step_ops = ops
+            engine = Engine.from_model(target, step_width=W, cuda_graphs=True)
+            out["kernels_per_step"][name] = helpers.kernels_per_step(engine)
+            key = "" if name == "triton" else f"{name}_"
+            for field in ("plain_ms", "verify16_ms", "peak_gib"):
+                out.setdefault(key + field, {})
+            for c in contexts:
+                plain, _ = helpers.step_ms(engine, c, 1)
+                verify, peak = helpers.step_ms(engine, c, W)
+                out[key + "plain_ms"][str(c)], out[key + "verify16_ms"][str(c)] = plain, verify
+                out[key + "peak_gib"][str(c)] = peak
+                print(f"{name} ctx {c}: plain {plain:.3f} ms (floor {out['floor_ms'][str(c)]:.3f}, HBM read floor "
+                      f"{out['hbm_read_floor_ms'][str(c)]:.3f}), verify16 {verify:.3f} ms, peak {peak:.1f} GiB")
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        out["triton_over_torch"] = {f: {c: out[f][c] / out["torch_" + f][c] for c in out[f]}
+                                    for f in ("plain_ms", "verify16_ms")}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=2) + "\n")
     return out

@@ -26,7 +26,8 @@ Prints and writes (``--json``, default ``$OUT/h200-target-step.json``):
         [--sweep-lengths 512,4096] [--sweep-prompts 3] [--sweep-tokens 64] [--json OUT.json]
 
 ``--shape gemma4-31b`` times the Gemma 4 31B text shape instead (gemma4_step.py: its step with
-the torch step ops, the matmul chain and HBM read floors, peak memory).
+the Triton step ops and, beside them, the torch ones; the matmul chain and HBM read floors, peak
+memory).
 """
 
 from __future__ import annotations

@@ -410,3 +410,7 @@ def test_gemma4_step_benchmark_pieces_on_cpu():
     logits, _ = StepRunner(target, WIDTH).step(torch.arange(20), 0, state)
     assert logits.shape == (20, 512) and torch.isfinite(logits).all()
     assert logits.abs().max() <= 30.0  # the softcap
+    # the torch-vs-Triton agreement check, here between two torch ops (the Triton ones need CUDA)
+    from memra_cli.engine.layers.step_ops import TorchStepOps
+    agree = mod.ops_agreement(target, {"torch": TorchStepOps(), "again": TorchStepOps()}, WIDTH, prompt=70)
+    assert agree == {"again_vs_torch": {"rel_l2": 0.0, "argmax_agree": 1.0}}
