@@ -355,6 +355,8 @@ GEMMA_SHAPES = {"hd256": (2, 2, 256), "hd512": (1, 4, 512)}
 # positions on both sides of every edge: the window reaching key 0 (<= WIN - 1), window starts on
 # a split boundary (WIN + 127 -> key 128) and one key past it, splits' ends (255, 256, 383)
 WIN_POS = [0, 1, WIN - 2, WIN - 1, WIN, WIN + 1, WIN + 127, WIN + 128, 255, 256, 299, 383, 384, 420, 449, 7]
+# the twin comparison's rows (the interpreter's time goes by rows): one on each side of each edge
+WIN_POS_SHORT = [1, WIN - 1, WIN, WIN + 127, WIN + 128, 383, 384, 449]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -365,8 +367,8 @@ def test_window_matches_ref(shape, dtype, device):
     rows whose window reaches key 0 get the causal kernel's very bits."""
     nkv, g, hd = GEMMA_SHAPES[shape]
     k, v = _cache(nkv, hd, 450, dtype, device, storage=460)
-    q = _q(len(WIN_POS), nkv * g, hd, dtype, device, seed=31)
-    pos = torch.tensor(WIN_POS, device=device)
+    q = _q(len(WIN_POS_SHORT), nkv * g, hd, dtype, device, seed=31)
+    pos = torch.tensor(WIN_POS_SHORT, device=device)
     got = decode_attention(q, k, v, pos, 1.0, window=WIN)
     want = decode_attention_ref(q, k, v, pos, 1.0, window=WIN)
     torch.testing.assert_close(got, want, **TOL[dtype])
@@ -376,7 +378,7 @@ def test_window_matches_ref(shape, dtype, device):
     assert torch.equal(got[~late], decode_attention(q, k, v, pos, 1.0)[~late])  # whole window: the causal bits
 
 
-def _win_rows_alone_vs_step(launch, nkv, g, hd, dtype, device, slots=(1, 4, 6, 10, 12, 14)):
+def _win_rows_alone_vs_step(launch, nkv, g, hd, dtype, device, slots=(1, 4, 6, 12)):
     """Rows of a 16-row windowed step (WIN_POS, shuffled by the seed) that differ from the same
     row run alone: [(slot, position)]."""
     k, v = _cache(nkv, hd, 450, dtype, device, storage=460)
@@ -388,7 +390,7 @@ def _win_rows_alone_vs_step(launch, nkv, g, hd, dtype, device, slots=(1, 4, 6, 1
 
 
 @pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
-@pytest.mark.parametrize("shape", list(GEMMA_SHAPES))
+@pytest.mark.parametrize("shape", ["hd256", pytest.param("hd512", marks=pytest.mark.exhaustive)])  # the same code
 def test_window_row_alone_equals_row_in_step(shape, dtype, device):
     """A windowed row's bits do not depend on the rows beside it (their windows start elsewhere:
     the tile walks blocks before this row's window for them) nor on the storage size."""
@@ -426,13 +428,14 @@ def test_planted_window_off_by_one_is_caught(tmp_path, device):
     nkv, g, hd = GEMMA_SHAPES["hd256"]
     dtype = torch.float32
     k, v = _cache(nkv, hd, 450, dtype, device, storage=460)
-    q = _q(len(WIN_POS), nkv * g, hd, dtype, device, seed=31)
-    pos = torch.tensor(WIN_POS, device=device)
+    q = _q(len(WIN_POS_SHORT), nkv * g, hd, dtype, device, seed=31)
+    pos = torch.tensor(WIN_POS_SHORT, device=device)
     got = bad.decode_attention(q, k, v, pos, 1.0, window=WIN)
     with pytest.raises(AssertionError):
         torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, 1.0, window=WIN), **TOL[dtype])
 
 
+@pytest.mark.exhaustive  # ~2 s through the interpreter; the window's invariance itself is checked quick
 def test_planted_block_order_from_the_step_is_caught(tmp_path, device):
     """Key blocks that start at the tile's earliest window start instead of the absolute block
     grid: a row's block boundaries then follow the rows beside it. Still the right keys (the
