@@ -8,6 +8,11 @@ the proportional partial rope of full layers is just its tables), k written into
 (with `attention_k_eq_v` the raw key projection) RMSNormed without a weight and written. A
 KV-shared layer (no caches) only gets its q.
 
+`gemma_add_norm`: a sandwich norm's residual add and the norm after it, one program a row:
+`x = x + norm(branch, w_branch)` [then `x * layer_scalar`], and `norm(x, w_out)` (the
+pre-feed-forward norm, the next layer's input norm or the final norm): what the layer does
+between its attention and its MLP, and between its MLP and the next layer's projections.
+
 `softcap`: the logits' `cap * tanh(z / cap)` (`final_logit_softcapping`) in one launch, with the
 widening to float32 the step's logits take folded in.
 
@@ -33,7 +38,8 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from .gemma4_ref import gemma_qk_norm_rope_kv_write_ref, gemma_rms_norm_ref, softcap_ref  # noqa: F401 (twins)
+from .gemma4_ref import (gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref, gemma_rms_norm_ref,  # noqa: F401
+                         softcap_ref)  # (the twins)
 
 SOFTCAP_BLOCK = 1024  # logits per program
 
@@ -157,6 +163,64 @@ def gemma_qk_norm_rope_kv_write(proj: torch.Tensor, q_norm_w: torch.Tensor, k_no
         **pdl_args(proj),
     )
     return q
+
+
+# --------------------------------------------------------------------------- sandwich norms
+
+
+@triton.jit
+def _row_norm(x, w_ptr, eps, offs, mask, d, dt):
+    """Gemma 4's RMSNorm of one float32 row `x` (holding model-dtype values) by the weight at
+    `w_ptr`: float32 throughout, the weight before the one rounding to `dt`; returned as float32."""
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / d + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return (x * rstd * w).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _add_norm_kernel(x_ptr, b_ptr, wb_ptr, wo_ptr, s_ptr, x_out_ptr, out_ptr, d, stride_x, stride_b, stride_xo,
+                     stride_o, eps, SCALAR: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+    """One row: x' = (x + norm(b, wb)) [* s], each op rounded to x's dtype; out = norm(x', wo)."""
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < d
+    dt = x_out_ptr.dtype.element_ty
+    b = tl.load(b_ptr + row * stride_b + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    x = (x + _row_norm(b, wb_ptr, eps, offs, mask, d, dt)).to(dt).to(tl.float32)
+    if SCALAR:  # the layer's layer_scalar, read on the device
+        x = (x * tl.load(s_ptr).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(x_out_ptr + row * stride_xo + offs, x.to(dt), mask=mask)
+    tl.store(out_ptr + row * stride_o + offs, _row_norm(x, wo_ptr, eps, offs, mask, d, dt).to(dt), mask=mask)
+
+
+def gemma_add_norm(x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Tensor, w_out: torch.Tensor, eps: float,
+                   scalar: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin `gemma_add_norm_ref` in one launch: `x, branch [t, hidden]`, weights `[hidden]`,
+    `scalar` `[1]` or None, all in x's dtype -> (new residual, normed) `[t, hidden]`."""
+    t, d = x.shape if x.dim() == 2 else (0, 0)
+    if x.dim() != 2 or branch.shape != x.shape or w_branch.shape != (d,) or w_out.shape != (d,) \
+            or (scalar is not None and scalar.numel() != 1):
+        raise ValueError(f"expected x, branch [t, d], weights [d], scalar [1]; got {tuple(x.shape)}, "
+                         f"{tuple(branch.shape)}, {tuple(w_branch.shape)}, {tuple(w_out.shape)}, "
+                         f"{None if scalar is None else tuple(scalar.shape)}")
+    named = [("x", x), ("branch", branch), ("w_branch", w_branch), ("w_out", w_out)] + \
+        ([("scalar", scalar)] if scalar is not None else [])
+    check_tensors(*(a for _, a in named))
+    for name, a in named:
+        check_dtype(a, name)
+        if a.dtype != x.dtype:
+            raise TypeError(f"{name} is {a.dtype}; everything must be in x's dtype {x.dtype}")
+        check_last_contiguous(a, name)
+    x_out, out = torch.empty_like(x), torch.empty_like(x)
+    if t:
+        block_d = next_pow2(d)
+        _add_norm_kernel[(t,)](
+            x, branch, w_branch, w_out, x if scalar is None else scalar, x_out, out, d, x.stride(0), branch.stride(0),
+            x_out.stride(0), out.stride(0), float(eps), SCALAR=scalar is not None, BLOCK_D=block_d,
+            num_warps=4 if block_d <= 1024 else (8 if block_d <= 8192 else 16), **pdl_args(x))
+    return x_out, out
 
 
 # --------------------------------------------------------------------------- softcap

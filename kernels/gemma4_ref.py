@@ -49,3 +49,16 @@ def softcap_ref(z: torch.Tensor, cap: float, out_dtype: torch.dtype | None = Non
     capped logits), then cast to `out_dtype` (float32: the widened logits; exact)."""
     capped = torch.tanh(z / cap) * cap
     return capped if out_dtype is None else capped.to(out_dtype)
+
+
+def gemma_add_norm_ref(x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Tensor, w_out: torch.Tensor,
+                       eps: float, scalar: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sandwich norm's residual add and the next norm, as a Gemma 4 layer computes them:
+    `x = x + norm(branch, w_branch)` (post-attention or post-feed-forward norm), then `x * scalar`
+    (the layer's `layer_scalar` `[1]`, after the feed-forward) when given, then the next norm
+    `norm(x, w_out)` (pre-feed-forward, the next layer's input norm, or the final norm). Every op
+    in x's dtype. `x, branch [t, hidden]` -> (new residual, normed), both `[t, hidden]`."""
+    x = x + gemma_rms_norm_ref(branch, w_branch, eps)
+    if scalar is not None:
+        x = x * scalar
+    return x, gemma_rms_norm_ref(x, w_out, eps)

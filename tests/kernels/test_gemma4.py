@@ -10,6 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 from memra_kernels.gemma4 import (  # noqa: E402
+    gemma_add_norm,
+    gemma_add_norm_ref,
     gemma_qk_norm_rope_kv_write,
     gemma_qk_norm_rope_kv_write_ref,
     gemma_rms_norm_ref,
@@ -130,6 +132,29 @@ def test_qkv_rows_are_independent(dtype, device):
                                          nh, nkv, EPS, False)
         p = positions[i]
         assert torch.equal(q1[0], q[i]) and torch.equal(kc1[:, p], kc[:, p]) and torch.equal(vc1[:, p], vc[:, p])
+
+
+# --------------------------------------------------------------------------- sandwich norms
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d,scalar", [(64, False), (5376, True)], ids=["d64", "d5376-scalar"])
+def test_add_norm_matches_ref(d, scalar, dtype, device):
+    """The residual add of a normed branch (times layer_scalar) and the next norm, against the twin.
+    Only the two sums of squares' order differs (`_norm_rtol`): the branch's normed values by that
+    relative error, so the new residual by that much of the largest normed value plus a rounding
+    flip of the sum (one ulp: rtol); the second norm adds its own and the relative error it reads."""
+    g = torch.Generator().manual_seed(9)
+    x, branch = (torch.randn(5, d, generator=g) * 2).to(dtype), (torch.randn(5, d, generator=g) * 3 + 0.5).to(dtype)
+    w_b, w_o = ((1 + 0.3 * torch.randn(d, generator=g)).to(dtype) for _ in range(2))
+    sc = torch.tensor([0.7], dtype=dtype) if scalar else None
+    args = [a.to(device) for a in (x, branch, w_b, w_o)] + [EPS, None if sc is None else sc.to(device)]
+    (x_new, out), (x_ref, out_ref) = gemma_add_norm(*args), gemma_add_norm_ref(*args)
+    rel = _norm_rtol(d, dtype)
+    branch_max = float(gemma_add_norm_ref(torch.zeros_like(args[0]), *args[1:])[0].float().abs().max())
+    torch.testing.assert_close(x_new, x_ref, rtol=EPS_OF[dtype], atol=2 * rel * branch_max)
+    torch.testing.assert_close(out, out_ref, rtol=EPS_OF[dtype], atol=(4 * rel + 2 * EPS_OF[dtype]) * float(out_ref.abs().max()))
+    assert torch.equal(gemma_add_norm(*[a[2:3] if i < 2 else a for i, a in enumerate(args)])[1], out[2:3])
 
 
 # --------------------------------------------------------------------------- softcap

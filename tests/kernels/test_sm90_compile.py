@@ -137,6 +137,10 @@ def _gemma4(ctx, dt):
         ctx.launch(f"gemma_qk_norm_rope_kv_write hd{hd} k_eq_v={k_eq_v}", "_gemma_qkv_kernel",
                    g4.gemma_qk_norm_rope_kv_write, ctx.t(t, (nh + nkv * (1 if k_eq_v else 2)) * hd, dtype=dt),
                    *args, kv[0], kv[1], nh, nkv, 1e-6, k_eq_v)
+    h = 5376  # the 31B's hidden size: after attention (no scalar), after the MLP (layer_scalar)
+    for scalar in (None, ctx.t(1, dtype=dt)):
+        ctx.launch(f"gemma_add_norm scalar={scalar is not None}", "_add_norm_kernel", g4.gemma_add_norm,
+                   ctx.t(t, h, dtype=dt), ctx.t(t, h, dtype=dt), ctx.t(h, dtype=dt), ctx.t(h, dtype=dt), 1e-6, scalar)
     ctx.launch("softcap V262144", "_softcap_kernel", g4.softcap, ctx.t(16, 262144, dtype=dt), 30.0)
     ctx.launch("softcap V262144 widened", "_softcap_kernel", g4.softcap, ctx.t(16, 262144, dtype=dt), 30.0,
                ctx.torch.float32)

@@ -22,10 +22,11 @@ logits are soft-capped by `final_logit_softcapping`.
 
 The fixed-width step (`static_step`) takes from the step-op seam the weight matmuls (`linear`),
 the embedding gather, Gemma's q/k norm + rope + v norm + K/V write (`gemma_qk_norm_rope_kv_write`),
-the attention with its sliding window (`attention(..., window)`) and the logits' `softcap`; the
-sandwich norms, the MLP's GELU and the per-layer inputs are torch on every device. The eager
-forward (prefill) runs the same ops' torch bodies, with the whole prompt's attention under one
-mask (see docs/gemma4.md, "Kernels and CUDA").
+the attention with its sliding window (`attention(..., window)`), each sandwich norm's residual
+add with the norm after it (`gemma_add_norm`, `layer_scalar` included) and the logits' `softcap`;
+the first input norm, the MLP's GELU and the per-layer inputs are torch on every device. The
+eager forward (prefill) runs the same ops' torch bodies, with the whole prompt's attention under
+one mask (see docs/gemma4.md, "Kernels and CUDA").
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from memra_cli.engine.layers.step_ops import TorchStepOps
 from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.models.kv_cache import LayerKVCache
 from memra_cli.engine.models.loading import WeightLoader
-from memra_kernels.gemma4_ref import gemma_qk_norm_rope_kv_write_ref, gemma_rms_norm_ref
+from memra_kernels.gemma4_ref import gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref, gemma_rms_norm_ref
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +206,8 @@ class Gemma4Target(TargetBase):
     state_class = LayerKVCache
     # what the step takes from the seam, said in the engine's step-ops note when the Triton ops
     # are selected (docs/gemma4.md, "Kernels and CUDA")
-    step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention and softcap; Gemma 4's "
-                     "sandwich norms, GELU and per-layer inputs run in torch")
+    step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm and softcap; "
+                     "Gemma 4's GELU and per-layer inputs run in torch")
     loader_class = _Loader  # the weights' reader (the MoE block's adds its experts)
     routes_experts = False  # the config this class loads: without (cfg.moe None) or with enable_moe_block
 
@@ -309,14 +310,17 @@ class Gemma4Target(TargetBase):
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
         # the step's attention masks by position on the device; the forward's takes one mask
         masks = {kind: None if step else self._mask(positions, n_keys, kind) for kind in self.cfg.rope}
+        add_norm = self.step_ops.gemma_add_norm if step else gemma_add_norm_ref
+        h = gemma_rms_norm(x, self.layers[0].norms[0], self.cfg.rms_norm_eps)
         for li, w in enumerate(self.layers):
             kind = self.cfg.layer_types[li]
-            x = self._layer(li, x, w, cache, positions, n_keys, self._tables[kind], masks[kind],
-                            None if ple is None else ple[:, li])
+            # the norm after the layer: the next layer's input norm, or the final norm
+            w_next = self.layers[li + 1].norms[0] if li + 1 < len(self.layers) else self.norm
+            x, h = self._layer(li, x, h, w, w_next, cache, positions, n_keys, self._tables[kind], masks[kind],
+                               None if ple is None else ple[:, li], add_norm)
             if li in wanted:
                 tapped[li] = x
-        hidden = gemma_rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return hidden, (torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
+        return h, (torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
 
     def _per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """`[t, L, ple]`: (norm(proj(x) / sqrt(hidden)) + table[ids] * sqrt(ple)) / sqrt(2)."""
@@ -336,33 +340,36 @@ class Gemma4Target(TargetBase):
             mask &= keys[None, :] > positions[:, None] - self.cfg.sliding_window
         return mask
 
-    def _layer(self, li: int, x: torch.Tensor, w: LayerWeights, cache: LayerKVCache, positions: torch.Tensor,
-               n_keys: int, tables: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-               ple: torch.Tensor | None) -> torch.Tensor:
-        """One decoder layer on `x [t, hidden]` (module docstring); K/V written at `positions`.
-        `tables`: the layer type's cos/sin `[S_tab, hd]`; `mask` `[t, n_keys]` for the forward,
-        None in the step (whose attention masks by position and window itself)."""
+    def _layer(self, li: int, x: torch.Tensor, h: torch.Tensor, w: LayerWeights, w_next: torch.Tensor,
+               cache: LayerKVCache, positions: torch.Tensor, n_keys: int, tables: tuple[torch.Tensor, torch.Tensor],
+               mask: torch.Tensor | None, ple: torch.Tensor | None, add_norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer (module docstring) on the residual `x [t, hidden]` and its input-normed
+        `h`; K/V written at `positions`. Returns the layer's output and its norm by `w_next` (the
+        next layer's input norm or the final norm). `tables`: the layer type's cos/sin
+        `[S_tab, hd]`; `mask` `[t, n_keys]` for the forward, None in the step (whose attention
+        masks by position and window itself); `add_norm`: `gemma_add_norm`, the seam's or its body."""
         eps, ops = self.cfg.rms_norm_eps, self.step_ops
-        n_in, n_post_attn, _, n_post_ff = w.norms  # the pre-feed-forward norm: _feed_forward's
-        q = self._qkv_write(li, gemma_rms_norm(x, n_in, eps), w, cache, positions, tables, step=mask is None)
+        _, n_post_attn, n_pre_ff, n_post_ff = w.norms
+        q = self._qkv_write(li, h, w, cache, positions, tables, step=mask is None)
         kv = cache.kv[self.kv_source[li]]
         if mask is None:
             window = self.cfg.sliding_window if self.cfg.layer_types[li] == SLIDING else 0
             core = ops.attention(q, kv[0], kv[1], positions, 1.0, window)
         else:
             core = self._attend(q, kv[0, :, :n_keys], kv[1, :, :n_keys], mask)
-        attn = ops.linear(core, w.wo)
-        x = x + gemma_rms_norm(attn, n_post_attn, eps)
-        x = x + gemma_rms_norm(self._feed_forward(x, w), n_post_ff, eps)
-        if ple is not None:
-            h = F.gelu(ops.linear(x, w.ple_gate), approximate="tanh") * ple
-            x = x + gemma_rms_norm(ops.linear(h, w.ple_proj), w.ple_norm, eps)
-        return x * w.layer_scalar
+        x, h = add_norm(x, ops.linear(core, w.wo), n_post_attn, n_pre_ff, eps)
+        ff = self._feed_forward(x, h, w)
+        if ple is None:
+            return add_norm(x, ff, n_post_ff, w_next, eps, w.layer_scalar)
+        x = x + gemma_rms_norm(ff, n_post_ff, eps)
+        gated = F.gelu(ops.linear(x, w.ple_gate), approximate="tanh") * ple
+        x = (x + gemma_rms_norm(ops.linear(gated, w.ple_proj), w.ple_norm, eps)) * w.layer_scalar
+        return x, gemma_rms_norm(x, w_next, eps)
 
-    def _feed_forward(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+    def _feed_forward(self, x: torch.Tensor, h: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The layer's feed-forward on the residual stream `x [t, hidden]`, before its post norm:
-        the GELU-tanh MLP of the pre-normed `x` (the MoE block adds its experts: gemma4_moe.py)."""
-        h = gemma_rms_norm(x, w.norms[2], self.cfg.rms_norm_eps)
+        the GELU-tanh MLP of `h`, x pre-feed-forward-normed (the MoE block adds its experts of x:
+        gemma4_moe.py)."""
         gate, up = self.step_ops.linear(h, w.w_gate_up).chunk(2, dim=-1)
         return self.step_ops.linear(F.gelu(gate, approximate="tanh") * up, w.w_down)
 
