@@ -451,3 +451,17 @@ def test_planted_block_order_from_the_step_is_caught(tmp_path, device):
     torch.testing.assert_close(launch(q, k, v, pos), decode_attention_ref(q, k, v, pos, 1.0, window=WIN),
                                **TOL[dtype])
     assert _win_rows_alone_vs_step(launch, nkv, g, hd, dtype, device) != []
+
+
+@pytest.mark.exhaustive  # windows and growing splits together: no shipped tile uses both yet
+def test_window_with_long_splits(device):
+    """A window across rows of every split size (LONG): the twin's result, and each row's bits
+    alone as in the step."""
+    nkv, hd, dtype = 2, 64, torch.float32
+    k, v = _cache(nkv, hd, 448, dtype, device, storage=460)
+    q, pos = _long_step(dtype, device, seed=24)
+    got = attention._launch(q, k, v, pos, _scale(hd), **LONG, window=WIN)
+    torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, _scale(hd), window=WIN), **TOL[dtype])
+    for i in (0, 3, 5, 14, 18):
+        alone = attention._launch(q[i:i + 1], k, v, pos[i:i + 1], _scale(hd), **LONG, window=WIN)
+        assert torch.equal(alone[0], got[i]), int(pos[i])
