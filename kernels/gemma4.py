@@ -13,6 +13,8 @@ KV-shared layer (no caches) only gets its q.
 pre-feed-forward norm, the next layer's input norm or the final norm): what the layer does
 between its attention and its MLP, and between its MLP and the next layer's projections.
 
+`gelu_tanh_mul`: the MLP's `gelu_tanh(gate) * up` from the fused gate/up projection.
+
 `softcap`: the logits' `cap * tanh(z / cap)` (`final_logit_softcapping`) in one launch, with the
 widening to float32 the step's logits take folded in.
 
@@ -22,8 +24,8 @@ against torch's `pow(-0.5)`, which torch computes as a reciprocal square root). 
 twin's `x*cos + rotate_half(x)*sin` does in the model dtype: each product, then their sum, so it
 is the twin bit for bit on the same normed values. tanh is `(1 - e) / (1 + e)` with
 e = exp(-2|a|), and a Taylor polynomial below |a| < 1/16 where `1 - e` would cancel: a few float32
-ulps from torch's tanh (which differs between CPU and CUDA too); every other step rounds where
-torch rounds.
+ulps from torch's tanh (which differs between CPU and CUDA too), in the softcap and in the GELU;
+every other step rounds where torch rounds.
 
 Row invariance: one program per (row, head) or per (row, block of columns); its work depends on
 that row's values and position only. Positions are read on the device (CUDA-graph capturable)
@@ -38,8 +40,8 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from .gemma4_ref import (gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref, gemma_rms_norm_ref,  # noqa: F401
-                         softcap_ref)  # (the twins)
+from .gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,  # noqa: F401
+                         gemma_rms_norm_ref, softcap_ref)  # (the twins)
 
 SOFTCAP_BLOCK = 1024  # logits per program
 
@@ -221,6 +223,43 @@ def gemma_add_norm(x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Tensor
             x_out.stride(0), out.stride(0), float(eps), SCALAR=scalar is not None, BLOCK_D=block_d,
             num_warps=4 if block_d <= 1024 else (8 if block_d <= 8192 else 16), **pdl_args(x))
     return x_out, out
+
+
+# --------------------------------------------------------------------------- GELU-tanh · up
+
+GELU_BLOCK = 1024  # columns of the output per program
+
+
+@triton.jit
+def _gelu_mul_kernel(gu_ptr, out_ptr, ffn, stride_gu, stride_out, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row, block of columns): out = gelu_tanh(gate) * up, gate the row's first ffn
+    columns, up the next; the GELU in float32 rounded to the model dtype, then the product."""
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < ffn
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + row * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + ffn + offs, mask=ok, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))  # torch's order: sqrt(2/pi) (g + 0.044715 g^3)
+    act = (0.5 * g * (1.0 + _tanh(inner))).to(dt).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (act * u).to(dt), mask=ok)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`gelu_tanh(gate) * up` of the fused gate/up projection `[t, 2*ffn]` -> `[t, ffn]` (the
+    twin `gelu_tanh_mul_ref`) in one launch."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [t, 2*ffn], got {tuple(gate_up.shape)}")
+    check_tensors(gate_up)
+    check_dtype(gate_up, "gate_up")
+    check_last_contiguous(gate_up, "gate_up")
+    t, ffn = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((t, ffn), dtype=gate_up.dtype, device=gate_up.device)
+    if t:
+        _gelu_mul_kernel[(t, triton.cdiv(ffn, GELU_BLOCK))](
+            gate_up, out, ffn, gate_up.stride(0), out.stride(0), BLOCK=GELU_BLOCK, num_warps=4, **pdl_args(gate_up))
+    return out
 
 
 # --------------------------------------------------------------------------- softcap

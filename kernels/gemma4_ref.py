@@ -62,3 +62,10 @@ def gemma_add_norm_ref(x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Te
     if scalar is not None:
         x = x * scalar
     return x, gemma_rms_norm_ref(x, w_out, eps)
+
+
+def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma 4's MLP activation on the fused gate/up projection `[t, 2*ffn]` -> `[t, ffn]`:
+    `gelu_tanh(gate) * up` in the model dtype (the GELU rounded, then the product)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up

@@ -320,7 +320,7 @@ def test_zlab_drafter_arms_equal_plain_greedy(tiny_dirs, tmp_path, arm_name, dty
 
 def test_kernels_note_says_what_the_family_takes_from_them(tiny_dirs, monkeypatch):
     """With the Triton step ops selected (CUDA), the engine's note says which of the seam's ops
-    Gemma 4 takes from them (its GELU and per-layer inputs stay torch); with the torch ops nothing is added."""
+    Gemma 4 takes from them (its per-layer inputs stay torch); with the torch ops nothing is added."""
     import memra_cli.engine.api as api
     from memra_cli.engine.api import EngineConfig
     from memra_cli.engine.layers.step_ops import TorchStepOps
@@ -331,7 +331,7 @@ def test_kernels_note_says_what_the_family_takes_from_them(tiny_dirs, monkeypatc
     monkeypatch.setattr(api, "select_step_ops", lambda dev, setting, env: (NamedTriton(), "step ops: Triton kernels"))
     engine = Engine.load(EngineConfig(target=tiny_dirs["base"], device="cpu"))
     assert ("step ops: Triton kernels; this target uses only linear, embed, gemma_qk_norm_rope_kv_write, "
-            "windowed attention, gemma_add_norm and softcap; Gemma 4's GELU and per-layer inputs run in torch"
+            "windowed attention, gemma_add_norm, gelu_tanh_mul and softcap; Gemma 4's per-layer inputs run in torch"
             ) in engine.notes
     monkeypatch.setattr(api, "select_step_ops", lambda dev, setting, env: (TorchStepOps(), "step ops: torch"))
     assert "step ops: torch" in Engine.load(EngineConfig(target=tiny_dirs["base"], device="cpu")).notes

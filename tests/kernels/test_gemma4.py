@@ -10,6 +10,8 @@ import torch
 pytest.importorskip("triton")
 
 from memra_kernels.gemma4 import (  # noqa: E402
+    gelu_tanh_mul,
+    gelu_tanh_mul_ref,
     gemma_add_norm,
     gemma_add_norm_ref,
     gemma_qk_norm_rope_kv_write,
@@ -155,6 +157,27 @@ def test_add_norm_matches_ref(d, scalar, dtype, device):
     torch.testing.assert_close(x_new, x_ref, rtol=EPS_OF[dtype], atol=2 * rel * branch_max)
     torch.testing.assert_close(out, out_ref, rtol=EPS_OF[dtype], atol=(4 * rel + 2 * EPS_OF[dtype]) * float(out_ref.abs().max()))
     assert torch.equal(gemma_add_norm(*[a[2:3] if i < 2 else a for i, a in enumerate(args)])[1], out[2:3])
+
+
+# --------------------------------------------------------------------------- GELU-tanh · up
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gelu_tanh_mul_matches_ref(dtype, device):
+    """Gate values through the tanh's series edge and its saturation. The kernel's tanh is within
+    2^-20 of torch's (see the softcap test), so its GELU within 0.5·|g|·2^-20 before the rounding
+    to the dtype, plus a few float32 ulps of the rest of the formula; in bf16 that may flip the
+    GELU's rounding by one ulp, which the product with up carries (2 ulps relative: rtol)."""
+    g = torch.Generator().manual_seed(11)
+    gate = torch.cat([torch.linspace(-8, 8, 801), torch.randn(1199, generator=g) * 3]).view(2, 1000)
+    up = torch.randn(2, 1000, generator=g) * 2
+    gu = torch.cat([gate, up], dim=-1).to(dtype).to(device)
+    got, want = gelu_tanh_mul(gu), gelu_tanh_mul_ref(gu)
+    assert got.shape == (2, 1000) and got.dtype == dtype
+    g_max = float(gate.abs().max())
+    atol = (0.5 * 2.0**-20 + 8 * 2.0**-24) * g_max * float(up.abs().max())
+    torch.testing.assert_close(got, want, rtol=2 * EPS_OF[dtype], atol=atol)
+    assert torch.equal(gelu_tanh_mul(gu[1:2]), got[1:2])
 
 
 # --------------------------------------------------------------------------- softcap

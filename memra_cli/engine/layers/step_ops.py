@@ -78,6 +78,8 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
   (v the raw key projection with k_eq_v) + the K/V write; caches None: a KV-shared layer's q only
 - `gemma_add_norm(x, branch, w_branch, w_out, eps, scalar=None) -> (x, normed)`: a sandwich norm's
   residual add `x + norm(branch)` (times `layer_scalar` after the feed-forward) and the norm after it
+- `gelu_tanh_mul(gate_up) -> gelu_tanh(gate) * up`: the GELU-tanh MLP's activation on its fused
+  gate/up projection
 - `softcap(z, cap, out_dtype=None)`: the logits' `cap * tanh(z / cap)` in z's dtype (out_dtype
   float32: widened in the same pass)
 
@@ -109,7 +111,8 @@ from memra_cli.engine.layers.rope import apply_partial_rope
 from memra_kernels.activation_ref import silu_mul_ref
 from memra_kernels.argmax_ref import row_argmax_ref
 from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref
-from memra_kernels.gemma4_ref import gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref, softcap_ref
+from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,
+                                      softcap_ref)
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
 from memra_kernels.moe_ref import moe_swiglu_ref
 from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, gated_rms_norm_heads, rms_norm_ref
@@ -179,6 +182,7 @@ class TorchStepOps:
 
     gemma_qk_norm_rope_kv_write = staticmethod(gemma_qk_norm_rope_kv_write_ref)  # Gemma 4's: its one torch body
     gemma_add_norm = staticmethod(gemma_add_norm_ref)  # Gemma 4's residual add + norms: the op's one torch body
+    gelu_tanh_mul = staticmethod(gelu_tanh_mul_ref)  # Gemma 4's MLP activation: the op's one torch body
     softcap = staticmethod(softcap_ref)  # the logits' softcap: the op's one torch body
 
     @staticmethod
@@ -388,6 +392,7 @@ class TritonStepOps:
         self.attention = attention.decode_attention
         self.gemma_qk_norm_rope_kv_write = gemma4.gemma_qk_norm_rope_kv_write
         self.gemma_add_norm = gemma4.gemma_add_norm
+        self.gelu_tanh_mul = gemma4.gelu_tanh_mul
         self.softcap = gemma4.softcap
         self.silu_mul = activation.silu_mul
         self._markov = markov

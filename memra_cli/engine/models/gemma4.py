@@ -23,10 +23,11 @@ logits are soft-capped by `final_logit_softcapping`.
 The fixed-width step (`static_step`) takes from the step-op seam the weight matmuls (`linear`),
 the embedding gather, Gemma's q/k norm + rope + v norm + K/V write (`gemma_qk_norm_rope_kv_write`),
 the attention with its sliding window (`attention(..., window)`), each sandwich norm's residual
-add with the norm after it (`gemma_add_norm`, `layer_scalar` included) and the logits' `softcap`;
-the first input norm, the MLP's GELU and the per-layer inputs are torch on every device. The
-eager forward (prefill) runs the same ops' torch bodies, with the whole prompt's attention under
-one mask (see docs/gemma4.md, "Kernels and CUDA").
+add with the norm after it (`gemma_add_norm`, `layer_scalar` included), the MLP's
+`gelu_tanh_mul` and the logits' `softcap`; the first input norm and the per-layer inputs are torch
+on every device. The eager forward (prefill) takes the seam's matmuls, GELU and softcap too, and
+the other ops' torch bodies, with the whole prompt's attention under one mask (see
+docs/gemma4.md, "Kernels and CUDA").
 """
 
 from __future__ import annotations
@@ -206,8 +207,8 @@ class Gemma4Target(TargetBase):
     state_class = LayerKVCache
     # what the step takes from the seam, said in the engine's step-ops note when the Triton ops
     # are selected (docs/gemma4.md, "Kernels and CUDA")
-    step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm and softcap; "
-                     "Gemma 4's GELU and per-layer inputs run in torch")
+    step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
+                     "gelu_tanh_mul and softcap; Gemma 4's per-layer inputs run in torch")
     loader_class = _Loader  # the weights' reader (the MoE block's adds its experts)
     routes_experts = False  # the config this class loads: without (cfg.moe None) or with enable_moe_block
 
@@ -370,8 +371,8 @@ class Gemma4Target(TargetBase):
         """The layer's feed-forward on the residual stream `x [t, hidden]`, before its post norm:
         the GELU-tanh MLP of `h`, x pre-feed-forward-normed (the MoE block adds its experts of x:
         gemma4_moe.py)."""
-        gate, up = self.step_ops.linear(h, w.w_gate_up).chunk(2, dim=-1)
-        return self.step_ops.linear(F.gelu(gate, approximate="tanh") * up, w.w_down)
+        ops = self.step_ops
+        return ops.linear(ops.gelu_tanh_mul(ops.linear(h, w.w_gate_up)), w.w_down)
 
     def _qkv_write(self, li: int, h: torch.Tensor, w: LayerWeights, cache: LayerKVCache, positions: torch.Tensor,
                    tables: tuple[torch.Tensor, torch.Tensor], step: bool) -> torch.Tensor:
