@@ -11,7 +11,7 @@ Prints and writes: the cuBLAS matmul chain of one 16-row step (graphed), the HBM
 (weights + live K/V once at the measured copy bandwidth), the graphed fixed-width step as plain
 decode (1 real row of 16) and as a 16-row verify at each live context with the Triton step ops
 (the headline `plain_ms` / `verify16_ms`: windowed attention, Gemma's q/k norm + rope + K/V
-write, the sandwich norms' add + norm, softcap) and with the torch step ops beside them (`torch_plain_ms` / `torch_verify16_ms`,
+write, the sandwich norms' add + norm, GELU-tanh · up, softcap) and with the torch step ops beside them (`torch_plain_ms` / `torch_verify16_ms`,
 and the ratios), CUDA kernels per eager step for each, how far one 16-row step's logits of the
 two are apart (`ops_agreement`), and peak GPU memory. `SMALL` is the CPU smoke test's shape.
 """
