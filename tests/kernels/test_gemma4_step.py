@@ -106,3 +106,24 @@ def test_speculative_equals_plain_with_the_kernels(tiny_dir, tmp_path):
     arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
     with engine.session(prompt, 12, arm, eos_ids=()) as session:
         assert session.run() == plain
+
+
+@pytest.mark.exhaustive  # ~2 s through the interpreter
+def test_the_benchmarks_attention_sweep_runs():
+    """benchmarks/gpu/gemma4_step.py's attention sweep (target_step.py --attn-sweep on the H200):
+    its candidate tiles are runnable tiles, and on a tiny shape through the interpreter it times
+    every tile (a stand-in timer) and measures each against the module tile's output."""
+    import importlib.util
+
+    from memra_kernels.attention import Tile
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "gemma4_step.py"
+    spec = importlib.util.spec_from_file_location("gemma4_step_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert all(Tile(*c) for tiles in mod.ATTN_CANDIDATES.values() for c in tiles)
+    out = mod.attention_sweep([40], lambda fn: (fn(), 0.25)[1], torch.device(DEVICE), torch.float32,
+                              shapes={"sliding": (4, 2, 64, 8)}, candidates={128: [(32, 16, 16, 1, 4)]})
+    rows = out["sliding"]
+    assert len(rows) == 2 and all(r["40"]["us_1"] == r["40"]["us_16"] == 250.0 for r in rows.values())
+    assert all(r["40"]["rel_l2_vs_module"] < 1e-5 for r in rows.values())  # float32: summation order only
