@@ -100,7 +100,8 @@ def test_qkv_matches_ref_and_writes_only_its_positions(t, nh, nkv, hd, table, k_
     assert torch.isnan(kc[:, ~written]).all() and torch.isnan(vc[:, ~written]).all()
     if k_eq_v:  # v is the normed raw key projection, not the normed+rotated k
         raw_k = heads[:, nh:nh + nkv].transpose(0, 1)
-        torch.testing.assert_close(vc[:, positions], gemma_rms_norm_ref(raw_k, None, EPS), rtol=_norm_rtol(hd, dtype), atol=0)
+        torch.testing.assert_close(vc[:, positions], gemma_rms_norm_ref(raw_k, None, EPS), rtol=_norm_rtol(hd, dtype),
+                                   atol=0)
     if table == "proportional":  # the unrotated pairs pass through rope: q there is the normed q
         normed = gemma_rms_norm_ref(heads[:, :nh], q_w, EPS)
         keep = torch.zeros(hd, dtype=torch.bool)
@@ -155,7 +156,8 @@ def test_add_norm_matches_ref(d, scalar, dtype, device):
     rel = _norm_rtol(d, dtype)
     branch_max = float(gemma_add_norm_ref(torch.zeros_like(args[0]), *args[1:])[0].float().abs().max())
     torch.testing.assert_close(x_new, x_ref, rtol=EPS_OF[dtype], atol=2 * rel * branch_max)
-    torch.testing.assert_close(out, out_ref, rtol=EPS_OF[dtype], atol=(4 * rel + 2 * EPS_OF[dtype]) * float(out_ref.abs().max()))
+    out_atol = (4 * rel + 2 * EPS_OF[dtype]) * float(out_ref.abs().max())
+    torch.testing.assert_close(out, out_ref, rtol=EPS_OF[dtype], atol=out_atol)
     assert torch.equal(gemma_add_norm(*[a[2:3] if i < 2 else a for i, a in enumerate(args)])[1], out[2:3])
 
 
