@@ -8,7 +8,8 @@ or on the storage size, so fixed-width steps stay bit-exact.
 - `norm`: RMSNorm, and RMSNorm fused with the residual add (also zero-centred, Qwen3.5's)
 - `rope`: per-head q/k RMSNorm + RoPE (table-driven: default and YaRN) + the K/V cache write
 - `activation`: SiLU(gate) * up
-- `attention`: causal GQA attention over the live length only, split over keys at a fixed size
+- `attention`: causal GQA attention over the live length only (or a sliding window's live keys),
+  split over keys at a fixed size
 - `quant_linear`: q8_0 / q4_0 weights repacked once at load, dequantized in registers, small M
   (the block codec it packs, byte-identical to llama.cpp's: `ggml_blocks_ref`, triton-free)
 - `dense_linear`: bf16 / f16 weights at small M (the step's weight matmuls on the shapes where it
@@ -17,6 +18,8 @@ or on the storage size, so fixed-width steps stay bit-exact.
   over a step's rows (float32 state; final state and per-row stash on request)
 - `qwen35`: Qwen3.5's fused elementwise work: gated attention's q/k norm + partial rope + K/V
   write and its output gate; the DeltaNet's gates (+ the rollback record) and gated RMSNorm
+- `gemma4`: Gemma 4's step ops: q/k norm + rope + v norm + K/V write (k_eq_v), the sandwich
+  norms' residual add + norm, GELU-tanh · up, the logits' softcap
 - `argmax`: a greedy round's argmax over each row of its logits, one program per row
 - `gather`: embedding rows, and DSpark's confidence head, one program per row
 - `moe`: a step's routed experts (Qwen3-MoE): rows grouped by expert on the device, each routed

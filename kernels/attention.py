@@ -1,7 +1,8 @@
 """Causal GQA attention over the KV cache, for decode/verify steps and prefill chunks.
 
-`decode_attention(q, k_cache, v_cache, positions, scale)`: row i (at position p_i) attends to
-keys 0..p_i of the cache (key index == position), query head h to KV head h // g. It replaces
+`decode_attention(q, k_cache, v_cache, positions, scale, window=0)`: row i (at position p_i)
+attends to keys 0..p_i of the cache (key index == position), query head h to KV head h // g;
+with a sliding `window` W > 0 (Gemma 4's sliding layers) to keys p_i - W < j <= p_i only. It replaces
 the engine's masked SDPA over the whole cache storage, which reads every stored key (live or not)
 and builds a `[g*t, S]` mask; this reads only the live keys and never repeats K/V.
 
@@ -27,6 +28,14 @@ Design (flash-decoding with fixed splits):
   tile are masked. Partials live in SPLIT-sized units (a row's at the unit of its split's
   start); the combine reads every (row_split / SPLIT)-th unit.
 
+Sliding windows: a row's first key is w_i = max(0, p_i - W + 1), a function of its own
+position. A program serves a row only if its split holds a key of the row's window; it walks key
+blocks on the absolute BLOCK_N grid from the earliest window start among its rows (rounded down
+to that grid), so the blocks a row takes part in, and their order, are fixed by its own window
+(blocks before it, there for another row, leave its state exactly zero: m = -inf, l = 0,
+acc = 0). The combine merges splits w_i // row_split .. p_i // row_split, chunks counted from
+the first. Keys before the window are live storage (every position is kept), never NaN.
+
 Why a row's output is bit-identical whatever shares its step (row-count invariance), and
 whatever the cache storage size S:
 
@@ -49,7 +58,7 @@ whatever the cache storage size S:
 
 Rows may come in any order and at any positions (prefill chunks at consecutive positions use
 the same kernel: causal by position). Requirements: 0 <= positions[i] < S (not checked on the
-device), n_heads % n_kv == 0, head_dim <= 256 (any size; non-powers of two are masked).
+device), n_heads % n_kv == 0, head_dim <= 512 (any size; non-powers of two are masked).
 
 Numerics: scores in float32 (bf16/f16 q·k on tensor cores with float32 accumulation; float32
 inputs use IEEE float32 dot, not TF32), softmax in float32 with exp2, probabilities rounded to
@@ -125,12 +134,15 @@ class Tile:
 TILES: dict[int, Tile] = {
     128: Tile(split=256, block_n=32, block_m=64, num_stages=3, num_warps=4),
     256: Tile(split=128, block_n=64, block_m=16, num_stages=2, num_warps=4),
+    # Gemma 4's full layers: a 512-wide q/acc tile; K and V tiles of 32 keys (32 KiB each in
+    # bf16, two stages) keep shared memory well inside sm_90's. Not yet swept on a GPU.
+    512: Tile(split=128, block_n=32, block_m=16, num_stages=2, num_warps=8),
 }
 
 
 def tile_for(head_dim: int) -> Tile:
     """The split kernel's tile for a model's head size: head_dim <= 128 -> TILES[128],
-    129..256 -> TILES[256] (> 256 is refused).
+    129..256 -> TILES[256], 257..512 -> TILES[512] (> 512 is refused).
 
     Classes, not exact sizes: the kernel pads head_dim to BLOCK_D = next_pow2(head_dim) (>= 16),
     the width of its q, K/V and accumulator tiles, which sets registers and shared memory; every
@@ -138,9 +150,9 @@ def tile_for(head_dim: int) -> Tile:
     <= 64 run the 128 tile.) Takes head_dim only, so that no
     property of a step or a cache can reach a row's tile (see the module docstring).
     """
-    if not 0 < head_dim <= 256:
-        raise ValueError(f"head_dim {head_dim} is not in 1..256 (register tile)")
-    return TILES[128 if head_dim <= 128 else 256]
+    if not 0 < head_dim <= 512:
+        raise ValueError(f"head_dim {head_dim} is not in 1..512 (register tile)")
+    return TILES[128 if head_dim <= 128 else 256 if head_dim <= 256 else 512]
 
 
 # The 128 entry's values at import, under their names from before the table (for callers that
@@ -157,6 +169,7 @@ COMBINE_CHUNK = 16  # splits the combine reads at once (a constant: its sum tree
 WORKSPACE_BYTES = 256 << 20
 
 _LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the window of a causal (full) layer: wider than any position
 
 
 @triton.jit
@@ -171,16 +184,17 @@ def _row_split(pos, long_from, SPLIT: tl.constexpr, LEVELS: tl.constexpr):
     return SPLIT << level
 
 
-@triton.jit(do_not_specialize=["long_from"])
+@triton.jit(do_not_specialize=["long_from", "window"])
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n_splits,
-                  qk_scale, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, long_from,
+                  qk_scale, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, long_from, window,
                   G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LEVELS: tl.constexpr,
                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """Partial attention of BLOCK_M folded (row, head) pairs of one KV head: program `prog`
     starts at key prog * SPLIT and takes, for each row whose split starts there (its split size
     divides the start), the keys of that split up to the row's position. A row's split size
-    depends on its position only (`_row_split`); its partial goes to unit `prog`."""
+    depends on its position only (`_row_split`); its partial goes to unit `prog`. A row sees
+    keys pos - window < j <= pos (`window` NO_WINDOW: causal)."""
     pdl_wait(PDL)
     tile = tl.program_id(0)
     prog = tl.program_id(1)
@@ -194,12 +208,17 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
     pos = tl.load(pos_ptr + row, mask=row_ok, other=-1).to(tl.int32)
     lo = prog * SPLIT
     row_split = _row_split(pos, long_from, SPLIT, LEVELS)
+    win_start = pos - window + 1  # the row's first key (negative: key 0)
     # Rows whose split starts at `lo` and holds a key they see (then l > 0 and m is finite at the
     # end); the others are computed alongside but never stored.
-    mine = row_ok & (pos >= lo) & (lo % row_split == 0)
-    row_end = tl.minimum(lo + row_split, pos + 1)  # a row takes keys lo..row_end-1 from here
+    mine = row_ok & (pos >= lo) & (lo % row_split == 0) & (lo + row_split > win_start)
+    row_end = tl.minimum(lo + row_split, pos + 1)  # a row takes keys row_start..row_end-1 from here
+    row_start = tl.maximum(win_start, lo)
     # Keys this tile needs from here (lo when no row's split starts here: nothing to do).
     hi = tl.max(tl.where(mine, row_end, lo), axis=0)
+    # Blocks start on the absolute BLOCK_N grid (lo is on it), so a row meets the same blocks
+    # whichever rows share its tile; blocks before its window leave its state exactly zero.
+    first = tl.min(tl.where(mine, row_start // BLOCK_N * BLOCK_N, hi), axis=0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HD
     q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
@@ -212,7 +231,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(first, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi  # never read storage past the tile's last live key
         kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
@@ -222,9 +241,11 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
         if DOT_F32:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 domain
-        # A row sees keys up to its position and within its own split: blocks past either are
-        # fully masked for it, which leaves its (m, l, acc) bit-identical (module docstring).
-        s = tl.where(offs_n[None, :] < row_end[:, None], s, float("-inf"))
+        # A row sees keys in its window, up to its position and within its own split: blocks
+        # outside are fully masked for it, which leaves its (m, l, acc) bit-identical (module
+        # docstring).
+        seen = (offs_n[None, :] < row_end[:, None]) & (offs_n[None, :] >= row_start[:, None])
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row with no valid key so far keeps m = -inf: subtract 0 instead, so that
         # alpha = exp2(-inf) = 0 and p = exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN.
@@ -247,13 +268,14 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
     tl.store(acc_ptr + ws[:, None] * HD + offs_d[None, :], acc, mask=mine[:, None] & d_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["long_from"])
+@triton.jit(do_not_specialize=["long_from", "window"])
 def _combine_kernel(acc_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, gate_ptr, n_splits, stride_out, stride_gate,
-                    long_from, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
+                    long_from, window, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
                     SPLIT: tl.constexpr, LEVELS: tl.constexpr, CHUNK: tl.constexpr,
                     GATED: tl.constexpr = False, PDL: tl.constexpr = False):
-    """out[row, head] = log-sum-exp merge of the row's valid splits 0..pos // row_split, of
-    row_split = `_row_split(pos)` keys each: every (row_split // SPLIT)-th partial unit.
+    """out[row, head] = log-sum-exp merge of the row's valid splits w // row_split ..
+    pos // row_split (w = max(0, pos - window + 1), its window's first key), of row_split =
+    `_row_split(pos)` keys each: every (row_split // SPLIT)-th partial unit.
 
     Splits are read CHUNK at a time (loads in parallel, not one dependent step per split):
     pass 1 takes the largest partial max (max is exact, so its order is free); pass 2 sums the
@@ -271,16 +293,17 @@ def _combine_kernel(acc_ptr, m_ptr, l_ptr, pos_ptr, out_ptr, gate_ptr, n_splits,
     row_split = _row_split(pos, long_from, SPLIT, LEVELS)
     stride_unit = row_split // SPLIT
     n_valid = pos // row_split + 1
+    first = tl.maximum(pos - window + 1, 0) // row_split  # chunks counted from the row's own first split
     base = (row * NH + head) * n_splits
     m_max = tl.full([CHUNK], float("-inf"), tl.float32)
-    for c0 in range(0, n_valid, CHUNK):
+    for c0 in range(first, n_valid, CHUNK):
         ok = c0 + offs_c < n_valid
         m_max = tl.maximum(m_max, tl.load(m_ptr + base + (c0 + offs_c) * stride_unit, mask=ok,
                                           other=float("-inf")))
-    m_all = tl.max(m_max, axis=0)  # finite: split 0 always holds key 0
+    m_all = tl.max(m_max, axis=0)  # finite: the first split always holds the window's first key
     l_lanes = tl.zeros([CHUNK], tl.float32)
     o_lanes = tl.zeros([CHUNK, BLOCK_D], tl.float32)
-    for c0 in range(0, n_valid, CHUNK):
+    for c0 in range(first, n_valid, CHUNK):
         split = c0 + offs_c
         ok = split < n_valid
         unit = base + split * stride_unit
@@ -306,8 +329,8 @@ def _check(q, k_cache, v_cache, positions):
     nkv, _, hd_k = k_cache.shape
     if hd_k != hd or nh % nkv:
         raise ValueError(f"head_dim {hd} vs {hd_k}, or n_heads {nh} not a multiple of n_kv {nkv}")
-    if hd > 256:
-        raise ValueError(f"head_dim {hd} > 256 is not supported (register tile)")
+    if hd > 512:
+        raise ValueError(f"head_dim {hd} > 512 is not supported (register tile)")
     if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
     check_tensors(q, k_cache, v_cache, positions)
@@ -321,11 +344,15 @@ def _check(q, k_cache, v_cache, positions):
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             positions: torch.Tensor, scale: float, *, split: int, block_m: int, block_n: int,
             num_warps: int, num_stages: int, long_split: int = 0, long_from: int = 0,
-            workspace_bytes: int = WORKSPACE_BYTES, gate: torch.Tensor | None = None) -> torch.Tensor:
+            workspace_bytes: int = WORKSPACE_BYTES, gate: torch.Tensor | None = None,
+            window: int = 0) -> torch.Tensor:
     """The two launches with explicit tile constants (the fields of a `Tile`: benchmarks sweep
     these; the engine must not: results depend, in the last bits, on split, block_n and the
     long split)."""
     _check(q, k_cache, v_cache, positions)
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: none), got {window}")
+    window = window or NO_WINDOW
     # raises on a tile the kernel cannot run
     Tile(split, block_n, block_m, num_stages, num_warps, long_split, long_from)
     t, nh, hd = q.shape
@@ -354,13 +381,13 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _split_kernel[grid](
             qc, k_cache, v_cache, pc, acc, m, l, rows, n_splits, float(scale) * _LOG2E,
             qc.stride(0), qc.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), long_from,
+            v_cache.stride(0), v_cache.stride(1), long_from, window,
             G=g, NH=nh, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, LEVELS=levels,
             DOT_F32=dot_f32, PRECISION=precision, num_warps=num_warps, num_stages=num_stages, **pdl_args(qc),
         )
         gc = oc if gate is None else gate[r0:r0 + rows]
         _combine_kernel[(rows, nh)](
-            acc, m, l, pc, oc, gc, n_splits, oc.stride(0), gc.stride(0), long_from,
+            acc, m, l, pc, oc, gc, n_splits, oc.stride(0), gc.stride(0), long_from, window,
             NH=nh, HD=hd, BLOCK_D=block_d,
             SPLIT=split, LEVELS=levels, CHUNK=COMBINE_CHUNK, GATED=gate is not None, num_warps=4, **pdl_args(acc),
         )
@@ -368,16 +395,17 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     positions: torch.Tensor, scale: float) -> torch.Tensor:
+                     positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """Causal GQA attention of `q [t, nh, hd]` over the cache -> `[t, nh*hd]` in q's dtype.
 
     k_cache, v_cache `[nkv, S, hd]` (row strides free, e.g. `kv[0]`, or a view `kv[0, :, :n]` to
     bound the grid), positions `[t]` int64 on the device: row i attends to keys
-    0..positions[i] inclusive. `scale` multiplies q·k (1/sqrt(hd) for Qwen3).
+    0..positions[i] inclusive, or with `window` W > 0 to positions[i] - W < j <= positions[i].
+    `scale` multiplies q·k (1/sqrt(hd) for Qwen3, 1.0 for Gemma 4).
     """
     if q.dim() != 3:
         _check(q, k_cache, v_cache, positions)  # raises: the message names the expected shapes
-    return _launch(q, k_cache, v_cache, positions, scale, **asdict(tile_for(q.shape[-1])))
+    return _launch(q, k_cache, v_cache, positions, scale, **asdict(tile_for(q.shape[-1])), window=window)
 
 
 def gated_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -396,8 +424,9 @@ def gated_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         positions: torch.Tensor, scale: float) -> torch.Tensor:
-    """Plain torch twin of `decode_attention`: one row at a time, float32 softmax.
+                         positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+    """Plain torch twin of `decode_attention`: one row at a time, float32 softmax over keys
+    max(0, p - window + 1)..p (window 0: from key 0).
 
     Reads positions on the host (fine for a reference; the kernel never does).
     """
@@ -405,8 +434,9 @@ def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     g = nh // k_cache.shape[0]
     out = torch.empty((t, nh, hd), dtype=q.dtype, device=q.device)
     for i, p in enumerate(positions.tolist()):
-        keys = k_cache[:, : p + 1].float().repeat_interleave(g, dim=0)  # [nh, p+1, hd]
-        values = v_cache[:, : p + 1].float().repeat_interleave(g, dim=0)
+        lo = max(0, p - window + 1) if window else 0
+        keys = k_cache[:, lo: p + 1].float().repeat_interleave(g, dim=0)  # [nh, live, hd]
+        values = v_cache[:, lo: p + 1].float().repeat_interleave(g, dim=0)
         scores = torch.einsum("hd,hnd->hn", q[i].float(), keys) * scale
         probs = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("hn,hnd->hd", probs, values).to(q.dtype)

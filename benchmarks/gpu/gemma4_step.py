@@ -8,14 +8,23 @@ softcap 30, tied embeddings, no per-layer inputs or KV sharing (the values sever
 and test fixtures of Gemma 4 runtimes carry; hidden 5376 is also the reference engine's drafter).
 
 Prints and writes: the cuBLAS matmul chain of one 16-row step (graphed), the HBM read floor
-(weights + live K/V once at the measured copy bandwidth), the graphed fixed-width step with the
-torch step ops as plain decode (1 real row of 16) and as a 16-row verify at each live context,
-and peak GPU memory. The family runs its norms, rope and attention in torch on every device
-(docs/gemma4.md); `small=True` is the CPU smoke test's shape.
+(weights + live K/V once at the measured copy bandwidth), the graphed fixed-width step as plain
+decode (1 real row of 16) and as a 16-row verify at each live context with the Triton step ops
+(the headline `plain_ms` / `verify16_ms`: windowed attention, Gemma's q/k norm + rope + K/V
+write, the sandwich norms' add + norm, GELU-tanh · up, softcap) and with the torch step ops
+beside them (`torch_plain_ms` / `torch_verify16_ms`, and the ratios), CUDA kernels per eager step
+for each, how far one 16-row step's logits of the two are apart (`ops_agreement`), and peak GPU
+memory. `SMALL` is the CPU smoke test's shape.
+
+With `--attn-sweep` (target_step.py) it also times the attention alone at the 31B's two layer
+shapes for the module's tile and the candidates in `ATTN_CANDIDATES` (graphed, us per call, one
+row and 16 rows at each context; `attention_sweep`), each candidate's distance from the module
+tile's output beside it: the data for `memra_kernels.attention.TILES[512]`, which no GPU has swept.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -29,6 +38,14 @@ GEMMA4_31B = dict(vocab=262144, hidden=5376, layers=60, heads=32, kv=16, hd=256,
                   ffn=21504, window=1024, softcap=30.0)
 SMALL = dict(vocab=512, hidden=128, layers=6, heads=4, kv=2, hd=32, global_kv=1, global_hd=64, ffn=256,
              window=64, softcap=30.0)
+# the 31B's attention per layer type: (n_heads, n_kv, head_dim, window)
+GEMMA4_ATTN = {"sliding": (32, 16, 256, 1024), "full": (32, 4, 512, 0)}
+# candidate tiles per head-dim class, (SPLIT, BLOCK_N, BLOCK_M, STAGES, WARPS[, LONG_SPLIT, LONG_FROM]),
+# beside the module's; untried on a GPU: a candidate that fails to launch is recorded, not fatal
+ATTN_CANDIDATES = {
+    256: [(128, 32, 16, 3, 4), (256, 64, 16, 2, 4)],
+    512: [(128, 32, 16, 1, 4), (64, 32, 16, 2, 8), (256, 32, 16, 2, 8), (128, 32, 16, 2, 8, 1024, 4096)],
+}
 
 
 def gemma4_config(s: dict):
@@ -94,13 +111,74 @@ def matmul_chain(target: Gemma4Target, rows: int):
     return chain
 
 
-def measure(contexts: list[int], out_path, helpers) -> dict:
-    """The CUDA run (`helpers`: target_step's graph_ms / replay_ms / copy_gbps / step_ms)."""
+def ops_agreement(target: Gemma4Target, ops_by_name: dict, width: int, prompt: int = 600) -> dict:
+    """One `width`-row step after a `prompt`-token prefill (past the window on sliding layers)
+    under each step ops: the logits' relative L2 distance of the others from the first, and the
+    fraction of rows whose argmax agrees. `target.step_ops` is left as the last one."""
+    from memra_cli.engine.runtime.steps import StepRunner
+
+    g = torch.Generator(device=target.device).manual_seed(1)
+    ids = torch.randint(0, target.vocab_size - 1, (prompt + width,), generator=g, device=target.device)
+    logits = {}
+    for name, ops in ops_by_name.items():
+        target.step_ops = ops
+        runner = StepRunner(target, width)
+        state = runner.new_state(prompt + width)
+        runner.prefill(ids[:prompt], state)
+        logits[name] = runner.step(ids[prompt:], prompt, state)[0].float()
+        runner.release(state)
+    first, *others = logits
+    ref = logits[first]
+    return {f"{n}_vs_{first}": {"rel_l2": ((logits[n] - ref).norm() / ref.norm()).item(),
+                                "argmax_agree": (logits[n].argmax(-1) == ref.argmax(-1)).float().mean().item()}
+            for n in others}
+
+
+def attention_sweep(contexts: list[int], timer, device, dtype=torch.bfloat16, shapes=None, candidates=None) -> dict:
+    """Per layer shape, tile and context: us per call of the attention alone for 1 and 16 rows
+    at the cache's last positions (`timer(fn) -> ms`, e.g. target_step's graph_ms), and the
+    relative L2 distance of each tile's 16-row output from the module tile's."""
+    from dataclasses import asdict
+
+    from memra_kernels import attention
+
+    shapes = GEMMA4_ATTN if shapes is None else shapes
+    candidates = ATTN_CANDIDATES if candidates is None else candidates
+    g = torch.Generator(device=device).manual_seed(2)
+    out: dict = {}
+    for kind, (nh, nkv, hd, window) in shapes.items():
+        module = asdict(attention.tile_for(hd))
+        cls = 128 if hd <= 128 else 256 if hd <= 256 else 512
+        tiles = [module] + [asdict(attention.Tile(*c)) for c in candidates.get(cls, [])]
+        for c in contexts:
+            k, v = (torch.randn(nkv, c, hd, generator=g, device=device).to(dtype) for _ in range(2))
+            q = torch.randn(16, nh, hd, generator=g, device=device).to(dtype)
+            pos = torch.arange(c - 16, c, device=device)
+            ref = attention._launch(q, k, v, pos, 1.0, **module, window=window).float()
+            for tile in tiles:
+                row = out.setdefault(kind, {}).setdefault(",".join(str(x) for x in tile.values()), {})
+                try:
+                    got = attention._launch(q, k, v, pos, 1.0, **tile, window=window).float()
+                    row[str(c)] = {
+                        "us_1": 1e3 * timer(lambda: attention._launch(q[-1:], k, v, pos[-1:], 1.0, **tile,
+                                                                      window=window)),
+                        "us_16": 1e3 * timer(lambda: attention._launch(q, k, v, pos, 1.0, **tile, window=window)),
+                        "rel_l2_vs_module": ((got - ref).norm() / ref.norm()).item()}
+                except Exception as exc:  # a candidate the GPU refuses (shared memory, ...): its row says why
+                    row[str(c)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return out
+
+
+def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False) -> dict:
+    """The CUDA run (`helpers`: target_step's graph_ms / replay_ms / copy_gbps / step_ms /
+    kernels_per_step)."""
     from memra_cli.engine.api import Engine
+    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
 
     W = 16
     out: dict = {"shape": "gemma4-31b", "config": GEMMA4_31B, "dtype": "bfloat16",
-                 "device": torch.cuda.get_device_name(), "step_width": W, "step_ops": "torch",
+                 "device": torch.cuda.get_device_name(), "step_width": W,
+                 "step_ops": "triton (headline); torch beside it (torch_*)",
                  "command": "python benchmarks/gpu/target_step.py " + " ".join(sys.argv[1:])}
     with torch.inference_mode():
         target = random_gemma4(GEMMA4_31B, torch.bfloat16, torch.device("cuda"))
@@ -110,14 +188,32 @@ def measure(contexts: list[int], out_path, helpers) -> dict:
         out.update(copy_gbps=bw, matmul_chain_ms=chain, weight_bytes=wb,
                    floor_ms={str(c): chain + kv_bytes(target, c) / bw / 1e6 for c in contexts},
                    hbm_read_floor_ms={str(c): (wb + kv_bytes(target, c)) / bw / 1e6 for c in contexts})
-        engine = Engine.from_model(target, step_width=W, cuda_graphs=True)
-        out["plain_ms"], out["verify16_ms"], out["peak_gib"] = {}, {}, {}
-        for c in contexts:
-            plain, _ = helpers.step_ms(engine, c, 1)
-            verify, peak = helpers.step_ms(engine, c, W)
-            out["plain_ms"][str(c)], out["verify16_ms"][str(c)], out["peak_gib"][str(c)] = plain, verify, peak
-            print(f"ctx {c}: plain {plain:.3f} ms (floor {out['floor_ms'][str(c)]:.3f}, HBM read floor "
-                  f"{out['hbm_read_floor_ms'][str(c)]:.3f}), verify16 {verify:.3f} ms, peak {peak:.1f} GiB")
+        ops_by_name = {"torch": TorchStepOps(), "triton": TritonStepOps()}
+        out["ops_agreement"] = ops_agreement(target, ops_by_name, W)
+        print(f"ops agreement: {out['ops_agreement']}")
+        out["kernels_per_step"] = {}
+        for name, ops in ops_by_name.items():  # same process, same target: a side-by-side ratio
+            target.step_ops = ops
+            engine = Engine.from_model(target, step_width=W, cuda_graphs=True)
+            out["kernels_per_step"][name] = helpers.kernels_per_step(engine)
+            key = "" if name == "triton" else f"{name}_"
+            for field in ("plain_ms", "verify16_ms", "peak_gib"):
+                out.setdefault(key + field, {})
+            for c in contexts:
+                plain, _ = helpers.step_ms(engine, c, 1)
+                verify, peak = helpers.step_ms(engine, c, W)
+                out[key + "plain_ms"][str(c)], out[key + "verify16_ms"][str(c)] = plain, verify
+                out[key + "peak_gib"][str(c)] = peak
+                print(f"{name} ctx {c}: plain {plain:.3f} ms (floor {out['floor_ms'][str(c)]:.3f}, HBM read floor "
+                      f"{out['hbm_read_floor_ms'][str(c)]:.3f}), verify16 {verify:.3f} ms, peak {peak:.1f} GiB")
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+        out["triton_over_torch"] = {f: {c: out[f][c] / out["torch_" + f][c] for c in out[f]}
+                                    for f in ("plain_ms", "verify16_ms")}
+        if attn_sweep:
+            out["attention_sweep"] = attention_sweep(contexts, helpers.graph_ms, torch.device("cuda"))
+            print(json.dumps(out["attention_sweep"], indent=1))
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=2) + "\n")
     return out

@@ -140,7 +140,7 @@ PARTS = {p.name: p for p in (
     Part("hybrid_step", "Qwen3.5-4B-shape hybrid step, the 16-wide plain token with its padding skipped and run, verify, "
          "rollback, rounds, ms", 110, _hybrid_step),
     Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor, ms", 150, _llama_step),
-    Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, torch step ops, ms", 150, _gemma4_step),
+    Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, Triton and torch step ops, ms", 300, _gemma4_step),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step and MoE op at vt rows, torch twin vs the MoE kernels, vs the read "
          "floor of the expert union, ms", 240, _moe_step),
     Part("moe_hybrid_step", "Qwen3.5-35B-A3B-shape hybrid MoE step (torch expert op) vs its read floor, ms", 200,

@@ -26,7 +26,8 @@ Prints and writes (``--json``, default ``$OUT/h200-target-step.json``):
         [--sweep-lengths 512,4096] [--sweep-prompts 3] [--sweep-tokens 64] [--json OUT.json]
 
 ``--shape gemma4-31b`` times the Gemma 4 31B text shape instead (gemma4_step.py: its step with
-the torch step ops, the matmul chain and HBM read floors, peak memory).
+the Triton step ops and, beside them, the torch ones; the matmul chain and HBM read floors, peak
+memory).
 """
 
 from __future__ import annotations
@@ -215,12 +216,15 @@ def main() -> None:
                         "swept on the kernel at its best tiles; a 'pfN' part sets dense_linear.PDL_PREFETCH = N")
     p.add_argument("--shape", default="qwen3-8b", choices=("qwen3-8b", "gemma4-31b"),
                    help="gemma4-31b: the Gemma 4 31B text shape's step and floors only (gemma4_step.py)")
+    p.add_argument("--attn-sweep", action="store_true",
+                   help="with --shape gemma4-31b: also time the attention alone at its two layer shapes for the "
+                        "module's tiles and gemma4_step.ATTN_CANDIDATES")
     a = p.parse_args()
     if a.shape == "gemma4-31b":
         from benchmarks.gpu import gemma4_step
 
         json_out = a.json or Path(os.environ.get("OUT", ".")) / "h200-gemma4-31b-step.json"
-        gemma4_step.measure([int(c) for c in a.contexts.split(",")], json_out, sys.modules[__name__])
+        gemma4_step.measure([int(c) for c in a.contexts.split(",")], json_out, sys.modules[__name__], a.attn_sweep)
         return
     if a.json is None:
         suffix = "" if a.family == "qwen3" else f"-{a.family}"

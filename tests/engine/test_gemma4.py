@@ -319,8 +319,8 @@ def test_zlab_drafter_arms_equal_plain_greedy(tiny_dirs, tmp_path, arm_name, dty
 
 
 def test_kernels_note_says_what_the_family_takes_from_them(tiny_dirs, monkeypatch):
-    """With the Triton step ops selected (CUDA), the engine's note says that Gemma 4 takes only the
-    seam's matmuls and gathers from them; with the torch ops nothing is added."""
+    """With the Triton step ops selected (CUDA), the engine's note says which of the seam's ops
+    Gemma 4 takes from them (its per-layer inputs stay torch); with the torch ops nothing is added."""
     import memra_cli.engine.api as api
     from memra_cli.engine.api import EngineConfig
     from memra_cli.engine.layers.step_ops import TorchStepOps
@@ -330,8 +330,9 @@ def test_kernels_note_says_what_the_family_takes_from_them(tiny_dirs, monkeypatc
 
     monkeypatch.setattr(api, "select_step_ops", lambda dev, setting, env: (NamedTriton(), "step ops: Triton kernels"))
     engine = Engine.load(EngineConfig(target=tiny_dirs["base"], device="cpu"))
-    assert ("step ops: Triton kernels; this target uses only linear and embed (weight matmuls and gathers); "
-            "Gemma 4's norms, rope and windowed attention run in torch") in engine.notes
+    assert ("step ops: Triton kernels; this target uses only linear, embed, gemma_qk_norm_rope_kv_write, "
+            "windowed attention, gemma_add_norm, gelu_tanh_mul and softcap; Gemma 4's per-layer inputs run in torch"
+            ) in engine.notes
     monkeypatch.setattr(api, "select_step_ops", lambda dev, setting, env: (TorchStepOps(), "step ops: torch"))
     assert "step ops: torch" in Engine.load(EngineConfig(target=tiny_dirs["base"], device="cpu")).notes
 
@@ -409,3 +410,7 @@ def test_gemma4_step_benchmark_pieces_on_cpu():
     logits, _ = StepRunner(target, WIDTH).step(torch.arange(20), 0, state)
     assert logits.shape == (20, 512) and torch.isfinite(logits).all()
     assert logits.abs().max() <= 30.0  # the softcap
+    # the torch-vs-Triton agreement check, here between two torch ops (the Triton ones need CUDA)
+    from memra_cli.engine.layers.step_ops import TorchStepOps
+    agree = mod.ops_agreement(target, {"torch": TorchStepOps(), "again": TorchStepOps()}, WIDTH, prompt=70)
+    assert agree == {"again_vs_torch": {"rel_l2": 0.0, "argmax_agree": 1.0}}

@@ -256,7 +256,9 @@ def test_tile_depends_on_head_dim_only():
         assert tile_for(hd) is TILES[128]
     for hd in (129, 192, 255, 256):
         assert tile_for(hd) is TILES[256]
-    for hd in (0, 257, 512):
+    for hd in (257, 384, 512):
+        assert tile_for(hd) is TILES[512]
+    for hd in (0, 513, 1024):
         with pytest.raises(ValueError):
             tile_for(hd)
     # The entries are runnable tiles (Tile checks tl.dot's >= 16 and the powers of two).
@@ -341,3 +343,125 @@ def test_gated_attention_is_attention_then_the_output_gate(t, nh, nkv, hd, dtype
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="qgkv must be"):
         gated_decode_attention(q, k, v, positions, _scale(hd), qgkv[:, : nh * hd])
+
+
+# ---------------------------------------------------------------- sliding windows (Gemma 4)
+
+# Gemma 4's attention shapes, cut down for the interpreter: sliding layers (head_dim 256, g = 2)
+# and full layers (head_dim 512, g = 4 here), scaling 1.0. WIN is not a multiple of any split or
+# block, so window starts fall inside blocks and splits; rows near 0 have windows cut at key 0.
+WIN = 150
+GEMMA_SHAPES = {"hd256": (2, 2, 256), "hd512": (1, 4, 512)}
+# positions on both sides of every edge: the window reaching key 0 (<= WIN - 1), window starts on
+# a split boundary (WIN + 127 -> key 128) and one key past it, splits' ends (255, 256, 383)
+WIN_POS = [0, 1, WIN - 2, WIN - 1, WIN, WIN + 1, WIN + 127, WIN + 128, 255, 256, 299, 383, 384, 420, 449, 7]
+# the twin comparison's rows (the interpreter's time goes by rows): one on each side of each edge
+WIN_POS_SHORT = [1, WIN - 1, WIN, WIN + 127, WIN + 128, 383, 384, 449]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", list(GEMMA_SHAPES))
+def test_window_matches_ref(shape, dtype, device):
+    """Each row over its window's live keys only (the twin slices keys p - W < j <= p): the
+    usual tolerance; and rows whose window leaves keys out differ from the causal result, while
+    rows whose window reaches key 0 get the causal kernel's very bits."""
+    nkv, g, hd = GEMMA_SHAPES[shape]
+    k, v = _cache(nkv, hd, 450, dtype, device, storage=460)
+    q = _q(len(WIN_POS_SHORT), nkv * g, hd, dtype, device, seed=31)
+    pos = torch.tensor(WIN_POS_SHORT, device=device)
+    got = decode_attention(q, k, v, pos, 1.0, window=WIN)
+    want = decode_attention_ref(q, k, v, pos, 1.0, window=WIN)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    full = decode_attention_ref(q, k, v, pos, 1.0)
+    late = pos >= WIN  # rows whose window leaves keys out: the causal result is another one
+    assert not torch.allclose(got[late].float(), full[late].float(), **TOL[dtype])
+    assert torch.equal(got[~late], decode_attention(q, k, v, pos, 1.0)[~late])  # whole window: the causal bits
+
+
+def _win_rows_alone_vs_step(launch, nkv, g, hd, dtype, device, slots=(1, 4, 6, 12)):
+    """Rows of a 16-row windowed step (WIN_POS, shuffled by the seed) that differ from the same
+    row run alone: [(slot, position)]."""
+    k, v = _cache(nkv, hd, 450, dtype, device, storage=460)
+    q = _q(len(WIN_POS), nkv * g, hd, dtype, device, seed=32)
+    pos = torch.tensor(WIN_POS, device=device)
+    batch = launch(q, k, v, pos)
+    return [(s, int(pos[s])) for s in slots
+            if not torch.equal(launch(q[s:s + 1], k, v, pos[s:s + 1])[0], batch[s])]
+
+
+@pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ["hd256", pytest.param("hd512", marks=pytest.mark.exhaustive)])  # the same code
+def test_window_row_alone_equals_row_in_step(shape, dtype, device):
+    """A windowed row's bits do not depend on the rows beside it (their windows start elsewhere:
+    the tile walks blocks before this row's window for them) nor on the storage size."""
+    nkv, g, hd = GEMMA_SHAPES[shape]
+    launch = lambda q, k, v, pos: decode_attention(q, k, v, pos, 1.0, window=WIN)  # noqa: E731
+    assert _win_rows_alone_vs_step(launch, nkv, g, hd, dtype, device) == []
+    q = _q(4, nkv * g, hd, dtype, device, seed=33)
+    pos = torch.tensor([449, 300, WIN, 5], device=device)
+    outs = [decode_attention(q, *_cache(nkv, hd, 450, dtype, device, storage=s), pos, 1.0, window=WIN)
+            for s in (450, 1000)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def _planted(tmp_path, old: str, new: str):
+    """kernels/attention.py with `old` replaced by `new`, imported as a sibling module of
+    memra_kernels (its relative imports resolve), for the planted-bug tests."""
+    import importlib.util
+    import sys
+
+    src = inspect.getsource(attention)
+    assert src.count(old) == 1, "the plant no longer applies: update this test with attention.py"
+    path = tmp_path / "attention_planted.py"
+    path.write_text(src.replace(old, new))
+    name = f"memra_kernels._planted_{tmp_path.name}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_planted_window_off_by_one_is_caught(tmp_path, device):
+    """A window one key too wide (p - W <= j): the twin comparison above fails on it."""
+    bad = _planted(tmp_path, "win_start = pos - window + 1", "win_start = pos - window")
+    nkv, g, hd = GEMMA_SHAPES["hd256"]
+    dtype = torch.float32
+    k, v = _cache(nkv, hd, 450, dtype, device, storage=460)
+    q = _q(len(WIN_POS_SHORT), nkv * g, hd, dtype, device, seed=31)
+    pos = torch.tensor(WIN_POS_SHORT, device=device)
+    got = bad.decode_attention(q, k, v, pos, 1.0, window=WIN)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, 1.0, window=WIN), **TOL[dtype])
+
+
+@pytest.mark.exhaustive  # ~2 s through the interpreter; the window's invariance itself is checked quick
+def test_planted_block_order_from_the_step_is_caught(tmp_path, device):
+    """Key blocks that start at the tile's earliest window start instead of the absolute block
+    grid: a row's block boundaries then follow the rows beside it. Still the right keys (the
+    twin comparison passes), but the invariance check above catches it."""
+    bad = _planted(tmp_path, "first = tl.min(tl.where(mine, row_start // BLOCK_N * BLOCK_N, hi), axis=0)",
+                   "first = tl.min(tl.where(mine, row_start, hi), axis=0)")
+    nkv, g, hd = GEMMA_SHAPES["hd256"]
+    dtype = torch.float32
+    launch = lambda q, k, v, pos: bad.decode_attention(q, k, v, pos, 1.0, window=WIN)  # noqa: E731
+    k, v = _cache(nkv, hd, 450, dtype, device, storage=460)
+    q = _q(len(WIN_POS), nkv * g, hd, dtype, device, seed=32)
+    pos = torch.tensor(WIN_POS, device=device)
+    torch.testing.assert_close(launch(q, k, v, pos), decode_attention_ref(q, k, v, pos, 1.0, window=WIN),
+                               **TOL[dtype])
+    assert _win_rows_alone_vs_step(launch, nkv, g, hd, dtype, device) != []
+
+
+@pytest.mark.exhaustive  # windows and growing splits together: no shipped tile uses both yet
+def test_window_with_long_splits(device):
+    """A window across rows of every split size (LONG): the twin's result, and each row's bits
+    alone as in the step."""
+    nkv, hd, dtype = 2, 64, torch.float32
+    k, v = _cache(nkv, hd, 448, dtype, device, storage=460)
+    q, pos = _long_step(dtype, device, seed=24)
+    got = attention._launch(q, k, v, pos, _scale(hd), **LONG, window=WIN)
+    torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, _scale(hd), window=WIN), **TOL[dtype])
+    for i in (0, 3, 5, 14, 18):
+        alone = attention._launch(q[i:i + 1], k, v, pos[i:i + 1], _scale(hd), **LONG, window=WIN)
+        assert torch.equal(alone[0], got[i]), int(pos[i])

@@ -66,6 +66,8 @@ def _case(name, fn, arg=None, cost=1.0):
 
 # Engine shapes: (n_heads, n_kv, head_dim) of the embedded Qwen3 pair, Qwen3-8B, Qwen3.5-4B.
 ATTN_SHAPES = ((4, 2, 64), (32, 8, 128), (16, 4, 256))
+# Gemma-4-31B's attention: sliding layers (window 1024) and full layers (k_eq_v): (nh, nkv, hd, window)
+GEMMA4_ATTN = ((32, 16, 256, 1024), (32, 4, 512, 0))
 
 
 def _norm(ctx, dt):
@@ -118,6 +120,31 @@ def _attention(ctx, dt):
         ctx.launch(f"gated_decode_attention {nh}/{nkv}x{hd}", ("_split_kernel", "_combine_kernel"),
                    a.gated_decode_attention, ctx.t(t, nh, hd, dtype=dt), kv[0], kv[1], ctx.idx(t), hd ** -0.5,
                    ctx.t(t, (2 * nh + 2 * nkv) * hd, dtype=dt))
+    for nh, nkv, hd, window in GEMMA4_ATTN:
+        t, s = 16, 1100
+        kv = ctx.t(2, nkv, s, hd, dtype=dt)
+        ctx.launch(f"decode_attention gemma4 {nh}/{nkv}x{hd} window {window}", ("_split_kernel", "_combine_kernel"),
+                   a.decode_attention, ctx.t(t, nh, hd, dtype=dt), kv[0], kv[1], ctx.idx(t), 1.0, window)
+
+
+def _gemma4(ctx, dt):
+    g4 = ctx.k.gemma4
+    t, s = 16, 512
+    for nh, nkv, hd, window in GEMMA4_ATTN:
+        k_eq_v = window == 0  # the 31B's full layers take v from the key projection
+        kv = ctx.t(2, nkv, s, hd, dtype=dt)
+        args = (ctx.t(hd, dtype=dt), ctx.t(hd, dtype=dt), ctx.t(s, hd, dtype=dt), ctx.t(s, hd, dtype=dt), ctx.idx(t))
+        ctx.launch(f"gemma_qk_norm_rope_kv_write hd{hd} k_eq_v={k_eq_v}", "_gemma_qkv_kernel",
+                   g4.gemma_qk_norm_rope_kv_write, ctx.t(t, (nh + nkv * (1 if k_eq_v else 2)) * hd, dtype=dt),
+                   *args, kv[0], kv[1], nh, nkv, 1e-6, k_eq_v)
+    h = 5376  # the 31B's hidden size: after attention (no scalar), after the MLP (layer_scalar)
+    for scalar in (None, ctx.t(1, dtype=dt)):
+        ctx.launch(f"gemma_add_norm scalar={scalar is not None}", "_add_norm_kernel", g4.gemma_add_norm,
+                   ctx.t(t, h, dtype=dt), ctx.t(t, h, dtype=dt), ctx.t(h, dtype=dt), ctx.t(h, dtype=dt), 1e-6, scalar)
+    ctx.launch("gelu_tanh_mul I21504", "_gelu_mul_kernel", g4.gelu_tanh_mul, ctx.t(t, 2 * 21504, dtype=dt))
+    ctx.launch("softcap V262144", "_softcap_kernel", g4.softcap, ctx.t(16, 262144, dtype=dt), 30.0)
+    ctx.launch("softcap V262144 widened", "_softcap_kernel", g4.softcap, ctx.t(16, 262144, dtype=dt), 30.0,
+               ctx.torch.float32)
 
 
 def _deltanet(ctx, dt):
@@ -334,6 +361,7 @@ for _dt in DTYPES:
     _case(f"gather-{_dt}", _gather, _dt, 0.3)
     _case(f"markov-{_dt}", _markov, _dt, 0.8)
     _case(f"qwen35-{_dt}", _qwen35, _dt, 2.3)
+    _case(f"gemma4-{_dt}", _gemma4, _dt, 0.6)
     for _q in ("q8_0", "q4_0"):
         _case(f"quant_linear-{_q}-tuned-{_dt}", _quant_linear, (_q, _dt, "tuned"), 4.5 if _f32 else 1.5)
         _case(f"quant_linear-{_q}-heuristic-{_dt}", _quant_linear, (_q, _dt, "heuristic"), 2.1 if _f32 else 0.8)

@@ -15,7 +15,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
 - `rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, nh, nkv) -> q`: the same without
   the q/k norm (LLaMA), hd the tables' width
-- `attention(q, k_cache, v_cache, positions, scale) -> [t, nh*hd]`: causal by position over the cache
+- `attention(q, k_cache, v_cache, positions, scale, window=0) -> [t, nh*hd]`: causal by position
+  over the cache; with a sliding `window` W > 0 a row at p sees keys p - W < j <= p only (Gemma 4)
 - `silu_mul(gate_up) -> silu(gate) * up`
 - `moe_swiglu(x, weights, experts, w_gate_up, w_down) -> [t, hidden]`: the routed experts' SwiGLU
   and weighted combine (memra_kernels.moe_ref; with the kernels, `memra_kernels.moe`: each routed
@@ -73,6 +74,18 @@ float32 `1 + w`):
   its own conv output; with `final_window [K-1, C]` also the conv window after the last row
   (after the last live row, with `live`)
 - `gated_rms_norm(core, z, w, eps) -> [t, Hv*dv]`: the per-head gated norm of the recurrence output
+Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
+
+- `gemma_qk_norm_rope_kv_write(proj, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv,
+  eps, k_eq_v) -> q`: Gemma's q/k norms (weight before the cast) + rope + the unweighted v norm
+  (v the raw key projection with k_eq_v) + the K/V write; caches None: a KV-shared layer's q only
+- `gemma_add_norm(x, branch, w_branch, w_out, eps, scalar=None) -> (x, normed)`: a sandwich norm's
+  residual add `x + norm(branch)` (times `layer_scalar` after the feed-forward) and the norm after it
+- `gelu_tanh_mul(gate_up) -> gelu_tanh(gate) * up`: the GELU-tanh MLP's activation on its fused
+  gate/up projection
+- `softcap(z, cap, out_dtype=None)`: the logits' `cap * tanh(z / cap)` in z's dtype (out_dtype
+  float32: widened in the same pass)
+
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
   programmatic dependent launch); a no-op for the torch ops
 
@@ -101,6 +114,8 @@ from memra_cli.engine.layers.rope import apply_partial_rope
 from memra_kernels.activation_ref import silu_mul_ref
 from memra_kernels.argmax_ref import row_argmax_ref
 from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref
+from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,
+                                      softcap_ref)
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
 from memra_kernels.moe_ref import moe_swiglu_ref
 from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, gated_rms_norm_heads, rms_norm_ref
@@ -168,17 +183,25 @@ class TorchStepOps:
 
     rope_kv_write = staticmethod(rope_kv_write_ref)  # no q/k norm (LLaMA): the op's one torch body
 
+    gemma_qk_norm_rope_kv_write = staticmethod(gemma_qk_norm_rope_kv_write_ref)  # Gemma 4's: its one torch body
+    gemma_add_norm = staticmethod(gemma_add_norm_ref)  # Gemma 4's residual add + norms: the op's one torch body
+    gelu_tanh_mul = staticmethod(gelu_tanh_mul_ref)  # Gemma 4's MLP activation: the op's one torch body
+    softcap = staticmethod(softcap_ref)  # the logits' softcap: the op's one torch body
+
     @staticmethod
     def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  positions: torch.Tensor, scale: float) -> torch.Tensor:
+                  positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
         """Over the whole storage under a position mask (masked keys leave a row unchanged, so
-        the storage size does not change a row's result). K/V are never repeated: the g query
-        heads of a KV head are folded into rows."""
+        the storage size does not change a row's result); `window` W > 0 also masks keys
+        j <= p - W. K/V are never repeated: the g query heads of a KV head are folded into rows."""
         t, nh, hd = q.shape
         nkv, n = k_cache.shape[0], k_cache.shape[1]
         g = nh // nkv
         keys = torch.arange(n, device=q.device)
-        mask = (keys[None, :] <= positions[:, None]).repeat(g, 1)
+        mask = keys[None, :] <= positions[:, None]
+        if window:
+            mask &= keys[None, :] > positions[:, None] - window
+        mask = mask.repeat(g, 1)
         qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
         out = sdpa(qf, k_cache, v_cache, mask, scale)
         return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
@@ -362,14 +385,18 @@ class TritonStepOps:
         return out[0].transpose(0, 1).reshape(t, nh * hd)
 
     def __init__(self):
-        from memra_kernels import (_pdl, activation, argmax, attention, deltanet, dense_linear, gather, markov, moe,
-                                   norm, quant_linear, qwen35, rope, settle)
+        from memra_kernels import (_pdl, activation, argmax, attention, deltanet, dense_linear, gather, gemma4, markov,
+                                   moe, norm, quant_linear, qwen35, rope, settle)
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
         self.qk_norm_rope_kv_write = rope.qk_norm_rope_kv_write
         self.rope_kv_write = rope.rope_kv_write
         self.attention = attention.decode_attention
+        self.gemma_qk_norm_rope_kv_write = gemma4.gemma_qk_norm_rope_kv_write
+        self.gemma_add_norm = gemma4.gemma_add_norm
+        self.gelu_tanh_mul = gemma4.gelu_tanh_mul
+        self.softcap = gemma4.softcap
         self.silu_mul = activation.silu_mul
         self._markov = markov
         self._markov_tables: dict[tuple, tuple] = {}  # (w1, w2, dtype) -> (w1, w2, table)

@@ -20,9 +20,14 @@ all in float32, then cast (no `1 + w`). The embedding is scaled by sqrt(hidden) 
 the model dtype first, as transformers does); the lm_head is the embedding when tied, and the
 logits are soft-capped by `final_logit_softcapping`.
 
-Only weight matmuls (`step_ops.linear`) and the embedding gather go through the step-op seam:
-the fused Triton ops assume Qwen's norm order, no windows and no v norm, so this family computes
-its norms, rope and attention in torch on every device (see docs/gemma4.md, "Kernels").
+The fixed-width step (`static_step`) takes from the step-op seam the weight matmuls (`linear`),
+the embedding gather, Gemma's q/k norm + rope + v norm + K/V write (`gemma_qk_norm_rope_kv_write`),
+the attention with its sliding window (`attention(..., window)`), each sandwich norm's residual
+add with the norm after it (`gemma_add_norm`, `layer_scalar` included), the MLP's
+`gelu_tanh_mul` and the logits' `softcap`; the first input norm and the per-layer inputs are torch
+on every device. The eager forward (prefill) takes the seam's matmuls, GELU and softcap too, and
+the other ops' torch bodies, with the whole prompt's attention under one mask (see
+docs/gemma4.md, "Kernels and CUDA").
 """
 
 from __future__ import annotations
@@ -40,11 +45,12 @@ from memra_cli.engine.errors import CheckpointError, UnsupportedError
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.gemma4_config import FULL, SLIDING, Gemma4Config, Gemma4Rope, load_gemma4_config
 from memra_cli.engine.layers.ops import sdpa
-from memra_cli.engine.layers.rope import RopeTables, apply_rope, cos_sin
+from memra_cli.engine.layers.rope import RopeTables, cos_sin
 from memra_cli.engine.layers.step_ops import TorchStepOps
 from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.models.kv_cache import LayerKVCache
 from memra_cli.engine.models.loading import WeightLoader
+from memra_kernels.gemma4_ref import gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref, gemma_rms_norm_ref
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +65,9 @@ LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_l
 # --------------------------------------------------------------------------- pieces
 
 
-def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """Gemma 4's RMSNorm over the last axis: `x * (mean(x^2) + eps)^-0.5 [* w]`, all in float32,
-    then cast to x's dtype (`weight` None: the unweighted v norm)."""
-    xf = x.float()
-    out = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    if weight is not None:
-        out = out * weight.float()
-    return out.to(x.dtype)
+# Gemma 4's RMSNorm `x * (mean(x^2) + eps)^-0.5 [* w]` in float32, then cast (weight None: the
+# v norm): the one torch body, beside the fused kernels' other twins
+gemma_rms_norm = gemma_rms_norm_ref
 
 
 def rope_inv_freq(rope: Gemma4Rope, head_dim: int) -> torch.Tensor:
@@ -204,10 +205,10 @@ class Gemma4Target(TargetBase):
 
     supports_cuda_graphs = True
     state_class = LayerKVCache
-    # the step-op seam's kernels are Qwen-shaped (norm order, no windows, no v norm): said in the
-    # engine's step-ops note when the Triton ops are selected (docs/gemma4.md, "Kernels and CUDA")
-    step_ops_used = ("linear and embed (weight matmuls and gathers); Gemma 4's norms, rope and windowed "
-                     "attention run in torch")
+    # what the step takes from the seam, said in the engine's step-ops note when the Triton ops
+    # are selected (docs/gemma4.md, "Kernels and CUDA")
+    step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
+                     "gelu_tanh_mul and softcap; Gemma 4's per-layer inputs run in torch")
     loader_class = _Loader  # the weights' reader (the MoE block's adds its experts)
     routes_experts = False  # the config this class loads: without (cfg.moe None) or with enable_moe_block
 
@@ -295,28 +296,32 @@ class Gemma4Target(TargetBase):
         past a row's position, or before its window, are masked and leave it unchanged), so a
         row's result depends neither on the rows beside it nor on the storage size."""
         self.ensure_positions(cache.max_len)
-        hidden, tapped = self._run(ids, positions, cache, cache.max_len, taps)
+        hidden, tapped = self._run(ids, positions, cache, cache.max_len, taps, step=True)
         return (self.logits(hidden) if widen else self.lm_head(hidden)), tapped
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, cache: LayerKVCache, n_keys: int,
-             taps: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The layers over `ids [t]` at `positions [t]`, attending the first `n_keys` storage rows."""
+             taps: Sequence[int] | None, step: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layers over `ids [t]` at `positions [t]`, attending the first `n_keys` storage rows:
+        through the step-op seam (`step`, the fixed-width step) or the forward's torch bodies."""
         if taps:
             self.check_taps(taps)
         x = self.embed(ids) * self._scale_t
         ple = self._per_layer_inputs(ids, x)
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
-        masks = {kind: self._mask(positions, n_keys, kind) for kind in self.cfg.rope}
+        # the step's attention masks by position on the device; the forward's takes one mask
+        masks = {kind: None if step else self._mask(positions, n_keys, kind) for kind in self.cfg.rope}
+        add_norm = self.step_ops.gemma_add_norm if step else gemma_add_norm_ref
+        h = gemma_rms_norm(x, self.layers[0].norms[0], self.cfg.rms_norm_eps)
         for li, w in enumerate(self.layers):
             kind = self.cfg.layer_types[li]
-            cos, sin = (tab[positions] for tab in self._tables[kind])
-            x = self._layer(li, x, w, cache, positions, n_keys, cos, sin, masks[kind],
-                            None if ple is None else ple[:, li])
+            # the norm after the layer: the next layer's input norm, or the final norm
+            w_next = self.layers[li + 1].norms[0] if li + 1 < len(self.layers) else self.norm
+            x, h = self._layer(li, x, h, w, w_next, cache, positions, n_keys, self._tables[kind], masks[kind],
+                               None if ple is None else ple[:, li], add_norm)
             if li in wanted:
                 tapped[li] = x
-        hidden = gemma_rms_norm(x, self.norm, self.cfg.rms_norm_eps)
-        return hidden, (torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
+        return h, (torch.cat([tapped[i] for i in taps], dim=-1) if taps else None)
 
     def _per_layer_inputs(self, ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """`[t, L, ple]`: (norm(proj(x) / sqrt(hidden)) + table[ids] * sqrt(ple)) / sqrt(2)."""
@@ -336,44 +341,50 @@ class Gemma4Target(TargetBase):
             mask &= keys[None, :] > positions[:, None] - self.cfg.sliding_window
         return mask
 
-    def _layer(self, li: int, x: torch.Tensor, w: LayerWeights, cache: LayerKVCache, positions: torch.Tensor,
-               n_keys: int, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-               ple: torch.Tensor | None) -> torch.Tensor:
-        """One decoder layer on `x [t, hidden]` (module docstring); K/V written at `positions`."""
+    def _layer(self, li: int, x: torch.Tensor, h: torch.Tensor, w: LayerWeights, w_next: torch.Tensor,
+               cache: LayerKVCache, positions: torch.Tensor, n_keys: int, tables: tuple[torch.Tensor, torch.Tensor],
+               mask: torch.Tensor | None, ple: torch.Tensor | None, add_norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decoder layer (module docstring) on the residual `x [t, hidden]` and its input-normed
+        `h`; K/V written at `positions`. Returns the layer's output and its norm by `w_next` (the
+        next layer's input norm or the final norm). `tables`: the layer type's cos/sin
+        `[S_tab, hd]`; `mask` `[t, n_keys]` for the forward, None in the step (whose attention
+        masks by position and window itself); `add_norm`: `gemma_add_norm`, the seam's or its body."""
         eps, ops = self.cfg.rms_norm_eps, self.step_ops
-        n_in, n_post_attn, _, n_post_ff = w.norms  # the pre-feed-forward norm: _feed_forward's
-        q = self._qkv_write(li, gemma_rms_norm(x, n_in, eps), w, cache, positions, cos, sin)
+        _, n_post_attn, n_pre_ff, n_post_ff = w.norms
+        q = self._qkv_write(li, h, w, cache, positions, tables, step=mask is None)
         kv = cache.kv[self.kv_source[li]]
-        attn = ops.linear(self._attend(q, kv[0, :, :n_keys], kv[1, :, :n_keys], mask), w.wo)
-        x = x + gemma_rms_norm(attn, n_post_attn, eps)
-        x = x + gemma_rms_norm(self._feed_forward(x, w), n_post_ff, eps)
-        if ple is not None:
-            h = F.gelu(ops.linear(x, w.ple_gate), approximate="tanh") * ple
-            x = x + gemma_rms_norm(ops.linear(h, w.ple_proj), w.ple_norm, eps)
-        return x * w.layer_scalar
+        if mask is None:
+            window = self.cfg.sliding_window if self.cfg.layer_types[li] == SLIDING else 0
+            core = ops.attention(q, kv[0], kv[1], positions, 1.0, window)
+        else:
+            core = self._attend(q, kv[0, :, :n_keys], kv[1, :, :n_keys], mask)
+        x, h = add_norm(x, ops.linear(core, w.wo), n_post_attn, n_pre_ff, eps)
+        ff = self._feed_forward(x, h, w)
+        if ple is None:
+            return add_norm(x, ff, n_post_ff, w_next, eps, w.layer_scalar)
+        x = x + gemma_rms_norm(ff, n_post_ff, eps)
+        gated = F.gelu(ops.linear(x, w.ple_gate), approximate="tanh") * ple
+        x = (x + gemma_rms_norm(ops.linear(gated, w.ple_proj), w.ple_norm, eps)) * w.layer_scalar
+        return x, gemma_rms_norm(x, w_next, eps)
 
-    def _feed_forward(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
+    def _feed_forward(self, x: torch.Tensor, h: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The layer's feed-forward on the residual stream `x [t, hidden]`, before its post norm:
-        the GELU-tanh MLP of the pre-normed `x` (the MoE block adds its experts: gemma4_moe.py)."""
-        h = gemma_rms_norm(x, w.norms[2], self.cfg.rms_norm_eps)
-        gate, up = self.step_ops.linear(h, w.w_gate_up).chunk(2, dim=-1)
-        return self.step_ops.linear(F.gelu(gate, approximate="tanh") * up, w.w_down)
+        the GELU-tanh MLP of `h`, x pre-feed-forward-normed (the MoE block adds its experts of x:
+        gemma4_moe.py)."""
+        ops = self.step_ops
+        return ops.linear(ops.gelu_tanh_mul(ops.linear(h, w.w_gate_up)), w.w_down)
 
     def _qkv_write(self, li: int, h: torch.Tensor, w: LayerWeights, cache: LayerKVCache, positions: torch.Tensor,
-                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                   tables: tuple[torch.Tensor, torch.Tensor], step: bool) -> torch.Tensor:
         """q `[t, nh, hd]` (normed, roped); a layer owning its K/V also writes normed, roped k and
-        the unweighted-normed v (k_eq_v: v is the raw key projection) at `positions`."""
-        t, nh, eps = h.shape[0], self.n_heads, self.cfg.rms_norm_eps
-        hd, nkv = self.cfg.head_dims[li], self.cfg.kv_heads[li]
+        the unweighted-normed v (k_eq_v: v is the raw key projection) at `positions`. One op
+        (`gemma_qk_norm_rope_kv_write`): the seam's in the step, its torch body in the forward."""
         proj = self.step_ops.linear(h, w.wqkv)
-        q = apply_rope(gemma_rms_norm(proj[:, :nh * hd].view(t, nh, hd), w.q_norm, eps), cos, sin)
-        if self.kv_source[li] == li:
-            k = proj[:, nh * hd:(nh + nkv) * hd].view(t, nkv, hd)
-            v = k if self.cfg.k_eq_v(li) else proj[:, (nh + nkv) * hd:].view(t, nkv, hd)
-            kv = cache.kv[li]
-            kv[0].index_copy_(1, positions, apply_rope(gemma_rms_norm(k, w.k_norm, eps), cos, sin).transpose(0, 1))
-            kv[1].index_copy_(1, positions, gemma_rms_norm(v, None, eps).transpose(0, 1))
-        return q
+        owns = self.kv_source[li] == li
+        k_cache, v_cache = (cache.kv[li][0], cache.kv[li][1]) if owns else (None, None)
+        op = self.step_ops.gemma_qk_norm_rope_kv_write if step else gemma_qk_norm_rope_kv_write_ref
+        return op(proj, w.q_norm, w.k_norm, *tables, positions, k_cache, v_cache, self.n_heads,
+                  self.cfg.kv_heads[li] if owns else 0, self.cfg.rms_norm_eps, self.cfg.k_eq_v(li))
 
     @staticmethod
     def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -389,14 +400,17 @@ class Gemma4Target(TargetBase):
     # ----------------------------------------------------------------------- heads
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[t, vocab]` float32: the soft-capped model-dtype logits, widened (exact)."""
-        return self.lm_head(hidden).float()
+        """`[t, vocab]` float32: the soft-capped model-dtype logits, widened (exact; with a cap,
+        in the softcap's own pass)."""
+        z = self.step_ops.linear(hidden, self._lm_head)
+        cap = self.cfg.final_logit_softcapping
+        return z.float() if cap is None else self.step_ops.softcap(z, cap, torch.float32)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[t, vocab]` in the model dtype, soft-capped (`cap * tanh(z / cap)`) when configured."""
         z = self.step_ops.linear(hidden, self._lm_head)
         cap = self.cfg.final_logit_softcapping
-        return z if cap is None else torch.tanh(z / cap) * cap
+        return z if cap is None else self.step_ops.softcap(z, cap)
 
 
 def _load_note(path: Path, cfg: Gemma4Config, loader: _Loader) -> str:

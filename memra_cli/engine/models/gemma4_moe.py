@@ -109,11 +109,12 @@ class Gemma4MoeTarget(RoutingRecorder, Gemma4Target):
         """(sparse-layer calls, distinct experts they ran) so far, for the bench: a snapshot."""
         return self._reads[0], self._reads[1]
 
-    def _feed_forward(self, x: torch.Tensor, w: Gemma4MoeLayerWeights) -> torch.Tensor:
-        """The dense MLP's and the experts' outputs, each normed, summed (before the post norm)."""
+    def _feed_forward(self, x: torch.Tensor, h: torch.Tensor, w: Gemma4MoeLayerWeights) -> torch.Tensor:
+        """The dense MLP's (of the pre-normed `h`) and the experts' outputs (of `x`, by their own
+        norm), each normed, summed (before the post norm)."""
         eps = self.cfg.rms_norm_eps
         pre_2, post_1, post_2 = w.moe_norms
-        dense = gemma_rms_norm(super()._feed_forward(x, w), post_1, eps)
+        dense = gemma_rms_norm(super()._feed_forward(x, h, w), post_1, eps)
         weights, ids = gemma_route(x, w, self.moe.top_k, eps, self.step_ops.linear)
         self._record_routing(id(w.experts), ids)
         self._reads[0] += 1
