@@ -173,7 +173,7 @@ def run_padding(state) -> None:
 def plain(target, prompt: list[int], graphs: bool, tokens: int, reps: int) -> dict:
     """Plain decode at width 1 and W (one real row padded to W: the padding rows skip the
     recurrence, `Qwen35State.set_live_rows`), and at W with the padding rows run (`width16_padded`,
-    as before the skip; the same tokens)."""
+    every row through the recurrence; the same tokens)."""
     dev = target.device
     out, streams = {}, {}
     for width, padded in ((1, False), (W, False), (W, True)):

@@ -398,7 +398,7 @@ def test_a_commit_flips_buffers_instead_of_copying_states(step_dir, mode, monkey
     assert replays == []
     # width 4, one real row: the recurrence runs the live row only (the runner's set_live_rows),
     # so what the step wrote into the other buffer is the kept state: no replay. With the padding
-    # rows run too (set_live_rows ignored, as before it existed) the same commit replays the kept
+    # rows run too (set_live_rows ignored: every row is live) the same commit replays the kept
     # row from the base (replay mode); the states and the real row's logits are the same bits.
     runner4 = StepRunner(target, 4)
     padded = runner.new_state(64)
@@ -420,7 +420,7 @@ def test_a_commit_flips_buffers_instead_of_copying_states(step_dir, mode, monkey
 def test_padding_rows_skip_the_recurrence_and_change_no_bit(step_dir, mode):
     """Steps of 1, 5 and 15 real rows padded to 16, then a partial rollback: the real rows'
     logits and every state (windows, recurrent states, K/V) are the bits of the same steps with
-    their padding rows run through the recurrence (set_live_rows ignored, as before it existed),
+    their padding rows run through the recurrence (set_live_rows ignored: every row is live),
     and the next step's logits too. A commit past the live rows is refused (those rows ran no
     recurrence)."""
     target = Qwen35Target.from_dir(step_dir, rollback=mode)
