@@ -74,7 +74,7 @@ def new_drafter(geo: Geometry, seed: int) -> TrainDrafter:
 
 
 def spec_of(geo: Geometry) -> DraftSpec:
-    return DraftSpec(geo.kind, geo.block, geo.taps, geo.mask_id)
+    return DraftSpec(geo.kind, geo.block, geo.taps, geo.mask_id, geo.emb_scale)
 
 
 class TrainJob:

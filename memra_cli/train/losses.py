@@ -24,6 +24,7 @@ class DraftSpec:
     block: int
     taps: tuple[int, ...]
     mask_id: int
+    emb_scale: float = 1.0  # the block embedding's multiplier (1: the target's raw rows; Gemma: √hidden)
 
     @property
     def first_row(self) -> int:
@@ -84,7 +85,10 @@ def draft_logits(drafter: TrainDrafter, target, ids, anchors, spec: DraftSpec, t
     taps = target_taps(target, ids, spec.taps) if taps is None else taps
     noise_ids, blk_pos, labels, prev, mask = block_batch(ids, anchors, spec)
     ctx_pos = torch.arange(L, device=ids.device).expand(B, L)
-    hidden = drafter(taps, F.embedding(noise_ids, embed), ctx_pos, blk_pos, mask)
+    noise = F.embedding(noise_ids, embed)
+    if spec.emb_scale != 1.0:  # as the engine's proposer multiplies it in (spec/proposer.py)
+        noise = noise * spec.emb_scale
+    hidden = drafter(taps, noise, ctx_pos, blk_pos, mask)
     A = anchors.shape[1]
     rows = hidden.view(B, A, spec.block, -1)[:, :, spec.first_row : spec.first_row + spec.n_drafts]
     return rows @ head.T, rows, labels, prev
