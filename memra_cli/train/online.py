@@ -156,15 +156,20 @@ class FixedSequences:
     """Sequences `[prompt ; answer]` made beforehand by a data step (the embedded build's batched
     greedy continuations), served with OnlineData's `batch` interface."""
 
-    def __init__(self, seqs: torch.Tensor, prompt_lens: torch.Tensor):
-        """seqs `[N, L]` token ids (any integer dtype), prompt_lens `[N]`."""
+    def __init__(self, seqs: torch.Tensor, prompt_lens: torch.Tensor, answer_len: int | None = None):
+        """seqs `[N, L]` token ids (any integer dtype), prompt_lens `[N]`. `answer_len`: each row
+        counts only `answer_len` tokens past its prompt (None: all of L), so blocks are drawn only
+        where the bench decodes, whatever the prompt's length (a short prompt's row runs on)."""
         self.seqs, self.prompt_lens = seqs.long(), prompt_lens.long()
+        self.answer_len = answer_len
         self.generated_tokens = 0  # nothing is generated during training
 
     def __len__(self) -> int:
         return self.seqs.shape[0]
 
     def batch(self, rows: list[int], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ids `[B, L]`, lengths `[B]` (all L: no padding), prompt lengths `[B]`)."""
+        """(ids `[B, L]`, lengths `[B]` (L, or prompt + answer_len where shorter), prompt lengths `[B]`)."""
         idx = torch.tensor(rows)
-        return self.seqs[idx], torch.full((len(rows),), self.seqs.shape[1]), self.prompt_lens[idx]
+        plens, L = self.prompt_lens[idx], self.seqs.shape[1]
+        lengths = torch.full((len(rows),), L) if self.answer_len is None else (plens + self.answer_len).clamp(max=L)
+        return self.seqs[idx], lengths, plens

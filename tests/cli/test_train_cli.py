@@ -444,3 +444,31 @@ def test_a_dspark_drafter_for_gemma4_is_refused_by_name(setup, tmp_path):
     target, out = make_tiny_gemma4(tmp_path / "gemma4", layout="multimodal", tokenizer=True), tmp_path / "out"
     _refused(train("--target", target, "--kind", "dspark", "--prompts", prompts, "--out", out), out,
              "--kind dspark: a gemma4 target's DeepSpec drafter is Gemma4DSparkModel")
+
+
+def _ranks_run(target: Path, out: Path, n: int) -> list[dict]:
+    import os
+    import subprocess
+    import sys
+
+    out.mkdir()
+    worker = Path(__file__).with_name("train_ranks_worker.py")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                          str(worker), str(target), str(out)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(n)]
+
+
+@pytest.mark.exhaustive
+def test_data_parallel_ranks_average_their_gradients_and_hold_one_drafter(setup, tmp_path):
+    """Two ranks (gloo on the CPU), each on its own sequences: after every step both hold the same
+    drafter, bit for bit (the averaged gradients), which is not what rank 0 trains alone; the
+    token count is the group's."""
+    _, target, _ = setup
+    two = _ranks_run(target, tmp_path / "two", 2)
+    alone = _ranks_run(target, tmp_path / "alone", 1)[0]
+    for name, w in two[0]["drafter"].items():
+        assert torch.equal(w, two[1]["drafter"][name]), name
+    assert any(not torch.equal(w, alone["drafter"][name]) for name, w in two[0]["drafter"].items())
+    assert two[0]["tokens"] == 2 * alone["tokens"] == 3 * 2 * 2 * 24  # steps x batch x ranks x length
