@@ -91,7 +91,11 @@ def draft_logits(drafter: TrainDrafter, target, ids, anchors, spec: DraftSpec, t
     hidden = drafter(taps, noise, ctx_pos, blk_pos, mask)
     A = anchors.shape[1]
     rows = hidden.view(B, A, spec.block, -1)[:, :, spec.first_row : spec.first_row + spec.n_drafts]
-    return rows @ head.T, rows, labels, prev
+    logits = rows @ head.T
+    cap = getattr(source, "logit_softcap", None)
+    if cap:  # as the target's lm_head caps the drafter's logits at inference (Gemma: cap * tanh(z / cap))
+        logits = torch.tanh(logits / cap) * cap
+    return logits, rows, labels, prev
 
 
 def target_taps(target, ids: torch.Tensor, taps) -> torch.Tensor:

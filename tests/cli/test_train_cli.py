@@ -415,9 +415,10 @@ def test_every_target_family_trains_each_drafter_kind_that_fits_it(setup, tmp_pa
     assert json.loads(census.stdout)["exporter"] == ("zlab-dflash" if kind == "dflash" else "deepspec")
 
 
-def test_training_with_a_scaled_block_embedding_feeds_the_drafter_the_scaled_rows(setup):
+def test_training_feeds_the_drafter_the_block_rows_and_logits_it_sees_at_inference(setup):
     """--emb-scale: the drafter's block rows in training are the target's rows times the scale,
-    exactly what a table pre-multiplied by it gives (as the engine's proposer multiplies)."""
+    exactly what a table pre-multiplied by it gives (as the engine's proposer multiplies); and a
+    target that soft-caps its logits caps the drafter's training logits the same way."""
     from types import SimpleNamespace
 
     from memra_cli.train.drafter import TrainDrafter
@@ -435,6 +436,10 @@ def test_training_with_a_scaled_block_embedding_feeds_the_drafter_the_scaled_row
     raw = draft_logits(drafter, SimpleNamespace(embed_weight=embed, head_weight=head, tap_batch=None), ids, anc,
                        DraftSpec("dflash", 4, (0,), 31), taps)[0]
     assert torch.equal(scaled, premultiplied) and not torch.allclose(scaled, raw)
+    # a Gemma target caps its logits (its lm_head, which the drafter's logits go through at inference)
+    capped = draft_logits(drafter, SimpleNamespace(embed_weight=embed, head_weight=head, tap_batch=None, logit_softcap=2.0),
+                          ids, anc, DraftSpec("dflash", 4, (0,), 31), taps)[0]
+    assert torch.equal(capped, torch.tanh(raw / 2.0) * 2.0) and capped.abs().max() < 2.0 < raw.abs().max()
 
 
 def test_a_dspark_drafter_for_gemma4_is_refused_by_name(setup, tmp_path):
