@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from memra_cli.engine.errors import ConfigError, SettingError
-from memra_cli.engine.files import OutputExistsError
 import torch
 
+from memra_cli.engine.errors import ConfigError, SettingError
+from memra_cli.engine.files import OutputExistsError
 from memra_cli.train.geometry import Geometry, check_target_dir, resolve_geometry
 from memra_cli.train.job import Hyper, Progress, TrainJob
 from memra_cli.train.online import OnlineData, Prompts, encode_prompts, thinking_note
