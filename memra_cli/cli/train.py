@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from memra_cli.cli.common import JsonOpt, at_least, refusals
+from memra_cli.cli.common import SETTINGS, JsonOpt, at_least, refusals
 
 
 def _parse_taps(text: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -74,7 +74,7 @@ def train(
     markov_rank: Optional[int] = typer.Option(None, "--markov-rank", help="DSpark markov head rank (default 256)."),
     confidence: Optional[bool] = typer.Option(None, "--confidence/--no-confidence", help="DSpark confidence head (default on)."),
     thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="Chat prompts: passed as the chat template's thinking switch (enable_thinking); default: the template's own. Refused for a template without one."),
-    emb_scale: Optional[bool] = typer.Option(None, "--emb-scale/--no-emb-scale", help="The drafter's block embedding: the target's rows times its embed_scale (Gemma: sqrt(hidden)), or the raw rows (default). Run the drafter with the same setting."),
+    emb_scale: Optional[bool] = typer.Option(None, "--emb-scale/--no-emb-scale", envvar=SETTINGS["emb_scale"].env, show_envvar=True, help="The block embedding the drafter trains on: the target's rows times its embed_scale (Gemma: sqrt(hidden)), or the raw rows (default). Run the drafter with the same setting (the same flag or variable of generate, bench and serve)."),
     temperature: float = typer.Option(0.0, "--temperature", help="Answers: 0 = greedy (default), else sampled at this temperature (seed --seed + prompt index)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling for sampled answers (1 = off)."),
     max_new: int = typer.Option(128, "--max-new", callback=at_least(2), help="Tokens of each regenerated answer."),
