@@ -332,9 +332,8 @@ def build_target(work: Path, r: Recipe, device: torch.device) -> dict:
 
 
 def _load_work(work: Path, device: torch.device, shards: int = 1, ranks: Ranks = Ranks()):
-    """(state, data, the shipped target). With `shards` data files, rank r of the group trains on
-    shards r, r + world, ...: each rank its own sequences (data["train"]); held-out splits are
-    data.pt's."""
+    """(state, data, the shipped target). Of `shards` data files, rank r trains on shards r, r +
+    world, ... (data["train"]); the held-out splits are data.pt's."""
     missing = [p.name for p in (work / "state.json", work / "data.pt", work / "target") if not p.exists()]
     missing += [shard_path(work, i).name for i in range(1, shards) if not shard_path(work, i).exists()]
     if missing:
@@ -344,12 +343,9 @@ def _load_work(work: Path, device: torch.device, shards: int = 1, ranks: Ranks =
     info = json.loads((work / "state.json").read_text())
     data = {k: (v[0].long(), v[1].long()) for k, v in torch.load(work / "data.pt").items()}
     mine = range(ranks.rank, shards, ranks.world)
-    data["train"] = _cat(*[data["train"] if i == 0 else _long(torch.load(shard_path(work, i))["train"]) for i in mine])
+    load = lambda i: [t.long() for t in torch.load(shard_path(work, i))["train"]]  # noqa: E731
+    data["train"] = _cat(*[data["train"] if i == 0 else load(i) for i in mine])
     return info, data, _load_shipped_target(work, device)
-
-
-def _long(split):
-    return split[0].long(), split[1].long()
 
 
 def _train(geo: Geometry, r: Recipe, split: tuple[torch.Tensor, torch.Tensor], target, device: torch.device,
@@ -407,8 +403,9 @@ def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
         t = time.time()
         job, _ = _train(geo, r, data["train"], target, device, r.sweep_budget_s, None)
         drafter, steps = job.drafter, job.step
-        m = evaluate(drafter, target, held[0], spec, anchors=r.anchors, prompt_len=held[1], device=device)
-        walk = walk_tau(drafter, target, held[0], spec, prompt_len=held[1], device=device)["tau_walk"]
+        m = evaluate(drafter, target, held[0], spec, anchors=r.anchors, prompt_len=held[1], device=device,
+                     answer_len=r.cont_len)
+        walk = walk_tau(drafter, target, held[0], spec, prompt_len=held[1], device=device, answer_len=r.cont_len)["tau_walk"]
         row = {"block": block, "layers": layers, "params": param_count(drafter), "steps": steps,
                "train_s": round(time.time() - t, 1), "tau_full": m["tau_full"], "tau_walk": walk,
                "p_prefix": m["p_prefix"][:8], "score": round(walk / (1 + layers / r.target_layers), 3)}
@@ -455,7 +452,7 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device, shards
              "ranks": ranks.world, "data_shards": shards,
              "sequences_trained": job.step * r.draft_batch * ranks.world,
              "train_sequences": int(data["train"][0].shape[0]) * ranks.world}
-    ev = dict(anchors=r.anchors, device=device)
+    ev = dict(anchors=r.anchors, device=device, answer_len=r.cont_len)  # the bench's stretch, as in training
     if drafter.confidence_head is not None:
         entry["reliability_before"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev).get("reliability")
         calib = _cat(calib_w, calib_h)
@@ -463,7 +460,8 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device, shards
     entry["heldout_windows"] = evaluate(drafter, target, eval_w[0], spec, prompt_len=eval_w[1], **ev)
     entry["heldout_heads"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev)
     for name, split in (("heldout_windows", eval_w), ("heldout_heads", eval_h)):
-        entry[name].update(walk_tau(drafter, target, split[0], spec, prompt_len=split[1], device=device))
+        entry[name].update(walk_tau(drafter, target, split[0], spec, prompt_len=split[1], device=device,
+                                    answer_len=r.cont_len))
     _log(f"{kind}: {layers} layer(s) ({layers_from}), tau_full windows {entry['heldout_windows']['tau_full']}, "
          f"heads {entry['heldout_heads']['tau_full']}; tau_walk windows {entry['heldout_windows']['tau_walk']}, "
          f"heads {entry['heldout_heads']['tau_walk']}")

@@ -374,7 +374,9 @@ def test_a_drafter_trains_over_two_ranks_each_on_its_own_data_shards(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     entry = json.loads((work / "drafters" / "dspark.json").read_text())
     assert entry["ranks"] == 2 and entry["data_shards"] == 2 and entry["budget_s"] == 2.0
-    assert 40 < entry["steps_run"] < 100000  # planned at step 40 to end inside the budget, by both ranks
+    # both ranks stopped at one step (else the other would wait in its next all-reduce and time out):
+    # the plan made at step 40, or the budget agreed at a tenth step on a slow machine
+    assert 0 < entry["steps_run"] < 100000
     assert entry["sequences_trained"] == entry["steps_run"] * 2 * 2  # smoke batch 2, two ranks
     assert take_census(work / "drafters" / "dspark").markov is not None
 
