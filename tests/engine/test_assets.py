@@ -344,6 +344,11 @@ def test_walk_tau_counts_rounds_as_the_bench_does(monkeypatch):
     monkeypatch.setattr(train_draft, "target_taps", lambda target, ids, taps: None)
     out = walk_tau(types.SimpleNamespace(markov_head=None), None, seqs, spec, prompt_len=1, device=torch.device("cpu"))
     assert out["rounds"] == 2 * 21 and out["tau_walk"] == round(36 / 21, 3)
+    # walked over the first 20 tokens past the prompt only (the bench's stretch): the last anchor
+    # with a whole block there is 1 + 20 - 1 - 4 = 16, reached in the right stretch: 5 rounds of 4
+    out = walk_tau(types.SimpleNamespace(markov_head=None), None, seqs, spec, prompt_len=1, device=torch.device("cpu"),
+                   answer_len=20)
+    assert out["rounds"] == 2 * 5 and out["tau_walk"] == 4.0
 
 
 @pytest.mark.exhaustive
