@@ -16,6 +16,11 @@
 #                                                  # (and one call's state.json, stdlib.jsonl, target/)
 # On two GPUs (kind nvidia-h200-x2) `retrain` already trains each drafter alone, on its own GPU,
 # in one call: device time counts the call's wall time whatever the kind, so that is the cheaper way.
+# On four GPUs (kind nvidia-h200-x4) `retrain` is the recipe of docs/train.md "Retraining the
+# embedded pair": four data shards made side by side (one per GPU), then each drafter alone on two
+# GPUs (torch.distributed.run, gradients averaged), each rank over its own two shards, for
+# BUDGET_S (default 400) seconds: 2 GPUs x 400 s each, against the shipped drafters' 440 s of half
+# a GPU (side by side), about 3.6x the drafter budget, over 4x the sequences.
 # Each solo call regenerates the drafter data (the data does not fit the carry
 # limit beside the tree) and returns build-work less data.pt as tar parts.
 # State lives in build-work/ (git-ignored; carry it to the second call: the machine is bare again).
@@ -40,6 +45,28 @@ assemble_and_pack() {
   python3 -m memra_cli.assets.build --stage assemble --work build-work --out /tmp/assets 2>&1 | tee $R/build-assemble.log
   cp /tmp/assets/build_info.json $R/
   tar cf - -C /tmp/assets target dflash dspark build_info.json stdlib.jsonl | split -b 15M - "$OUT/assets.tar.part-"
+}
+# four GPUs: the data step as four shards side by side (shard 0 is data.pt with the held-out splits),
+# then each drafter over two GPUs of its own, each rank on two shards (ranks r and r+2 of --shards 4)
+retrain_on_four() {
+  rm -rf build-work
+  python3 -m memra_cli.assets.build --stage seed --work build-work 2>&1 | tee $R/build-seed.log
+  for shard in 0 1 2 3; do
+    CUDA_VISIBLE_DEVICES=$shard python3 -m memra_cli.assets.build --stage data --shard $shard --work build-work 2>&1 \
+      | grep -v "Loading weights" > $R/build-data-$shard.log &
+  done
+  wait
+  cat $R/build-data-*.log | grep "drafter data"
+  cp build-work/state.json $R/
+  gpus=("0,1" "2,3"); i=0
+  for kind in dflash dspark; do
+    CUDA_VISIBLE_DEVICES=${gpus[$i]} python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+      -m memra_cli.assets.build --stage drafter --kind $kind --work build-work --shards 4 \
+      --draft-budget-s "${BUDGET_S:-400}" 2>&1 | grep -v "Loading weights" > $R/build-$kind.log &
+    i=$((i + 1))
+  done
+  echo "drafters on 4 GPUs: each alone over 2 (data-parallel), 4 data shards" | tee $R/drafter-gpus.txt
+  wait
 }
 if [ "$stage" = target ]; then
   rm -rf build-work
@@ -67,17 +94,22 @@ elif [ "$stage" = solo ]; then
 elif [ "$stage" = assemble ]; then
   assemble_and_pack
 else
-  if [ "$stage" = retrain ]; then seed_and_data; tar czf "$OUT/results.tgz" -C $R .; fi
-  # on a machine of two GPUs (kind nvidia-h200-x2) each drafter trains alone on its own GPU: about
-  # twice the steps of two side by side on one, in the same call (BUDGET_S overrides the recipe's)
-  ngpu=$(nvidia-smi -L | wc -l); gpu=0
-  for kind in dflash dspark; do
-    CUDA_VISIBLE_DEVICES=$(( ngpu > 1 ? gpu : 0 )) python3 -m memra_cli.assets.build --stage drafter --kind $kind \
-      --work build-work ${BUDGET_S:+--draft-budget-s $BUDGET_S} 2>&1 | grep -v "Loading weights" > $R/build-$kind.log &
-    gpu=$((gpu + 1))
-  done
-  echo "drafters on $(( ngpu > 1 ? 2 : 1 )) GPU(s)" | tee $R/drafter-gpus.txt
-  wait
+  ngpu=$(nvidia-smi -L | wc -l)
+  if [ "$stage" = retrain ] && [ "$ngpu" -ge 4 ]; then
+    retrain_on_four
+  else
+    if [ "$stage" = retrain ]; then seed_and_data; tar czf "$OUT/results.tgz" -C $R .; fi
+    # on a machine of two GPUs (kind nvidia-h200-x2) each drafter trains alone on its own GPU: about
+    # twice the steps of two side by side on one, in the same call (BUDGET_S overrides the recipe's)
+    gpu=0
+    for kind in dflash dspark; do
+      CUDA_VISIBLE_DEVICES=$(( ngpu > 1 ? gpu : 0 )) python3 -m memra_cli.assets.build --stage drafter --kind $kind \
+        --work build-work ${BUDGET_S:+--draft-budget-s $BUDGET_S} 2>&1 | grep -v "Loading weights" > $R/build-$kind.log &
+      gpu=$((gpu + 1))
+    done
+    echo "drafters on $(( ngpu > 1 ? 2 : 1 )) GPU(s)" | tee $R/drafter-gpus.txt
+    wait
+  fi
   tail -n 2 $R/build-dflash.log $R/build-dspark.log
   assemble_and_pack
   rm -rf build-work/assets; cp -r /tmp/assets build-work/assets

@@ -57,10 +57,12 @@ from memra_cli.train.export import write_drafter
 from memra_cli.train.geometry import Geometry
 from memra_cli.train.job import Hyper, TrainJob, spec_of
 from memra_cli.train.online import FixedSequences
+from memra_cli.train.ranks import Ranks
 from memra_cli.train.taps import HFTaps
 from memra_cli.assets.train_draft import calibrate_confidence, evaluate, param_count, walk_tau
 
 ASSETS = Path(__file__).resolve().parent
+DATA_SEED = 7  # the data step's draws (shard I of a sharded data step: DATA_SEED + I)
 PROMPTS_OUT = ASSETS.parent / "engine" / "data" / "stdlib.jsonl"
 
 
@@ -87,6 +89,8 @@ class Recipe:
     prompt_len: int = 128
     # Continuations as long as the bench's (128 new tokens) plus a block: longer ones train on a
     # regime the bench never reaches and inflate the held-out tau (docs/tuning.md#drafter-data).
+    # A head shorter than prompt_len is continued further (rows are prompt_len + cont_len long);
+    # training draws its blocks only from its first cont_len tokens (FixedSequences answer_len).
     cont_len: int = 144
     # continuations generated per batch: one-token steps of a tiny model are launch-bound, so a
     # larger batch makes more sequences a second (docs/tuning.md#drafter-data)
@@ -181,13 +185,12 @@ def make_data(work: Path, r: Recipe, device: torch.device, corpus, tok, prompt_f
     shipped target's greedy continuation. Two kinds of prompt: corpus windows of prompt_len
     tokens, and stand-alone function heads (the bench's prompt shape, any length up to
     head_tokens). Also writes the stdlib bench prompt set."""
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(DATA_SEED)
     t = time.time()
     total = r.prompt_len + r.cont_len
     heads = [ids for *_, ids in tokenized_heads(tok, prompt_files, r.head_tokens)]
-    pick = torch.randperm(len(heads), generator=gen)[: r.n_head_prompts].tolist()
     prompts = {
-        "train": windows(prompt_ids, r.n_prompts, r.prompt_len, gen).tolist() + [heads[i] for i in pick],
+        "train": _train_prompts(heads, prompt_ids, r, gen),
         "held_windows": windows(held_ids, r.eval_prompts, r.prompt_len, gen).tolist(),
         "held_heads": [ids for *_, ids in tokenized_heads(tok, corpus.heldout, r.head_tokens)][: r.eval_prompts],
     }
@@ -203,6 +206,36 @@ def make_data(work: Path, r: Recipe, device: torch.device, corpus, tok, prompt_f
     return {"datagen_s": round(time.time() - t, 1), "drafter_data": shapes,
             "drafter_heads_available": len(heads),
             "stdlib_prompts": {"n": len(rows), "from_files": len(corpus.heldout_names)}}
+
+
+def _train_prompts(heads: list[list[int]], prompt_ids: torch.Tensor, r: Recipe, gen: torch.Generator) -> list[list[int]]:
+    """The training prompts of one data draw: `n_prompts` random corpus windows and up to
+    `n_head_prompts` function heads."""
+    pick = torch.randperm(len(heads), generator=gen)[: r.n_head_prompts].tolist()
+    return windows(prompt_ids, r.n_prompts, r.prompt_len, gen).tolist() + [heads[i] for i in pick]
+
+
+def shard_path(work: Path, shard: int) -> Path:
+    """Where the data step's training shard `shard` lives (shard 0: data.pt, with the held-out splits)."""
+    return work / ("data.pt" if shard == 0 else f"data.shard{shard}.pt")
+
+
+def make_shard(work: Path, r: Recipe, device: torch.device, shard: int) -> dict:
+    """Stage `data --shard I` (I >= 1): another draw of training prompts (seeded DATA_SEED + I),
+    continued by the shipped target as stage 4's are, into `work/data.shardI.pt` (training split
+    only: the held-out splits are data.pt's). Shards generate on separate GPUs side by side, so
+    a drafter trained over several GPUs sees as many fresh sequences per pass as it has ranks."""
+    from tokenizers import Tokenizer
+
+    t = time.time()
+    tok = Tokenizer.from_file(str(work / "target" / "tokenizer.json"))
+    _, tok, _, prompt_files, _, prompt_ids, _ = _corpus_and_split(r, tok)
+    heads = [ids for *_, ids in tokenized_heads(tok, prompt_files, r.head_tokens)]
+    rows = _train_prompts(heads, prompt_ids, r, torch.Generator().manual_seed(DATA_SEED + shard))
+    seqs, plens = greedy_forced(_load_shipped_target(work, device), rows, r.prompt_len + r.cont_len, r.gen_batch, device)
+    torch.save({"train": (seqs.to(torch.int16), plens.to(torch.int16))}, shard_path(work, shard))
+    _log(f"drafter data shard {shard}: {list(seqs.shape)} in {time.time() - t:.1f} s")
+    return {"shard": shard, "shape": list(seqs.shape), "s": round(time.time() - t, 1)}
 
 
 def _corpus_and_split(r: Recipe, tok=None):
@@ -298,30 +331,38 @@ def build_target(work: Path, r: Recipe, device: torch.device) -> dict:
     return info
 
 
-def _load_work(work: Path, device: torch.device):
+def _load_work(work: Path, device: torch.device, shards: int = 1, ranks: Ranks = Ranks()):
+    """(state, data, the shipped target). Of `shards` data files, rank r trains on shards r, r +
+    world, ... (data["train"]); the held-out splits are data.pt's."""
     missing = [p.name for p in (work / "state.json", work / "data.pt", work / "target") if not p.exists()]
+    missing += [shard_path(work, i).name for i in range(1, shards) if not shard_path(work, i).exists()]
     if missing:
-        raise SystemExit(f"error: {work}: no {missing[0]} (run --stage target with this --work first)")
+        raise SystemExit(f"error: {work}: no {missing[0]} (run --stage target or data [--shard I] with this --work first)")
+    if shards % ranks.world:
+        raise SystemExit(f"error: --shards {shards}: expected a multiple of the {ranks.world} training ranks")
     info = json.loads((work / "state.json").read_text())
     data = {k: (v[0].long(), v[1].long()) for k, v in torch.load(work / "data.pt").items()}
+    mine = range(ranks.rank, shards, ranks.world)
+    load = lambda i: [t.long() for t in torch.load(shard_path(work, i))["train"]]  # noqa: E731
+    data["train"] = _cat(*[data["train"] if i == 0 else load(i) for i in mine])
     return info, data, _load_shipped_target(work, device)
 
 
 def _train(geo: Geometry, r: Recipe, split: tuple[torch.Tensor, torch.Tensor], target, device: torch.device,
-           budget_s: float | None, ckpt: Path | None) -> tuple[TrainJob, float]:
+           budget_s: float | None, ckpt: Path | None, ranks: Ranks = Ranks()) -> tuple[TrainJob, float]:
     """One drafter trained on the data step's sequences through `memra train`'s own job
     (train/job.py: the loss, the cosine schedule fitted to the budget, clipped AdamW, the
     checkpoints in `ckpt`), the taps from the shipped target in one batched forward.
     Returns the job (its drafter in eval mode) and the last step's loss."""
     job = TrainJob(geo, Hyper(steps=r.draft_steps, batch=r.draft_batch, anchors=r.anchors, lr=r.draft_lr, seed=0,
                               checkpoint_every=r.draft_checkpoint_every),
-                   FixedSequences(*split), HFTaps(target), device, list(range(split[0].shape[0])),
-                   compile=_compile(r, device))
+                   FixedSequences(*split, answer_len=r.cont_len), HFTaps(target), device, list(range(split[0].shape[0])),
+                   compile=_compile(r, device), ranks=ranks)
     last = [float("nan")]
 
     def log(p) -> None:
         last[0] = p.loss
-        if p.step % 100 == 1 or p.step == p.steps:
+        if ranks.lead and (p.step % 100 == 1 or p.step == p.steps):
             _log(f"{geo.kind} drafter step {p.step}/{p.steps} loss {p.loss:.3f}")
 
     job.run(ckpt, budget_s=budget_s, on_step=log)
@@ -362,8 +403,9 @@ def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
         t = time.time()
         job, _ = _train(geo, r, data["train"], target, device, r.sweep_budget_s, None)
         drafter, steps = job.drafter, job.step
-        m = evaluate(drafter, target, held[0], spec, anchors=r.anchors, prompt_len=held[1], device=device)
-        walk = walk_tau(drafter, target, held[0], spec, prompt_len=held[1], device=device)["tau_walk"]
+        m = evaluate(drafter, target, held[0], spec, anchors=r.anchors, prompt_len=held[1], device=device,
+                     answer_len=r.cont_len)
+        walk = walk_tau(drafter, target, held[0], spec, prompt_len=held[1], device=device, answer_len=r.cont_len)["tau_walk"]
         row = {"block": block, "layers": layers, "params": param_count(drafter), "steps": steps,
                "train_s": round(time.time() - t, 1), "tau_full": m["tau_full"], "tau_walk": walk,
                "p_prefix": m["p_prefix"][:8], "score": round(walk / (1 + layers / r.target_layers), 3)}
@@ -385,11 +427,14 @@ def drafter_layers(work: Path, r: Recipe) -> tuple[int, str]:
     return 1, "default (no sweep.json in the work folder)"
 
 
-def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device) -> dict:
+def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device, shards: int = 1,
+                  ranks: Ranks = Ranks()) -> dict | None:
     """Stage 5-6 for one drafter: trained, (DSpark: confidence head calibrated), evaluated on the
     held-out continuations, saved to `work/drafters/KIND/` with its entry in `KIND.json`. The two
-    kinds are independent, so they may run side by side (two processes on one GPU)."""
-    info, data, target = _load_work(work, device)
+    kinds are independent, so they may run side by side (two processes on one GPU). In a
+    data-parallel group (`ranks`, over `shards` data files) every rank trains and rank 0 alone
+    evaluates and writes (the others return None)."""
+    info, data, target = _load_work(work, device, shards, ranks)
     calib_w, eval_w = _halves(data["held_windows"])
     calib_h, eval_h = _halves(data["held_heads"])
     taps, block, budget = ((r.dflash_taps, r.dflash_block, r.dflash_budget_s) if kind == "dflash"
@@ -398,11 +443,16 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device) -> dic
     geo = _geometry(kind, r, taps, block, layers)
     spec = spec_of(geo)
     t = time.time()
-    job, loss_last = _train(geo, r, data["train"], target, device, budget, work / "drafters" / f"{kind}.ckpt")
+    job, loss_last = _train(geo, r, data["train"], target, device, budget, work / "drafters" / f"{kind}.ckpt", ranks)
+    if not ranks.lead:
+        return None
     drafter = job.drafter
     entry = {"params": param_count(drafter), "block": block, "layers": layers, "layers_from": layers_from,
-             "budget_s": budget, "train_s": round(time.time() - t, 1), "steps_run": job.step, "loss_last": loss_last}
-    ev = dict(anchors=r.anchors, device=device)
+             "budget_s": budget, "train_s": round(time.time() - t, 1), "steps_run": job.step, "loss_last": loss_last,
+             "ranks": ranks.world, "data_shards": shards,
+             "sequences_trained": job.step * r.draft_batch * ranks.world,
+             "train_sequences": int(data["train"][0].shape[0]) * ranks.world}
+    ev = dict(anchors=r.anchors, device=device, answer_len=r.cont_len)  # the bench's stretch, as in training
     if drafter.confidence_head is not None:
         entry["reliability_before"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev).get("reliability")
         calib = _cat(calib_w, calib_h)
@@ -410,7 +460,8 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device) -> dic
     entry["heldout_windows"] = evaluate(drafter, target, eval_w[0], spec, prompt_len=eval_w[1], **ev)
     entry["heldout_heads"] = evaluate(drafter, target, eval_h[0], spec, prompt_len=eval_h[1], **ev)
     for name, split in (("heldout_windows", eval_w), ("heldout_heads", eval_h)):
-        entry[name].update(walk_tau(drafter, target, split[0], spec, prompt_len=split[1], device=device))
+        entry[name].update(walk_tau(drafter, target, split[0], spec, prompt_len=split[1], device=device,
+                                    answer_len=r.cont_len))
     _log(f"{kind}: {layers} layer(s) ({layers_from}), tau_full windows {entry['heldout_windows']['tau_full']}, "
          f"heads {entry['heldout_heads']['tau_full']}; tau_walk windows {entry['heldout_windows']['tau_walk']}, "
          f"heads {entry['heldout_heads']['tau_walk']}")
@@ -459,6 +510,22 @@ def build_drafters(work: Path, out: Path, r: Recipe, device: torch.device) -> di
     return assemble(work, out, r)
 
 
+def _process_group(device: torch.device) -> tuple[torch.device, Ranks]:
+    """Under torch.distributed.run (WORLD_SIZE > 1): join the group (NCCL on CUDA, each rank on
+    its LOCAL_RANK's GPU; gloo on the CPU, the smoke test) and return this rank's device."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return device, Ranks()
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device, Ranks.current()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m memra_cli.assets.build", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ASSETS, help="output folder (default: the package's assets)")
@@ -476,9 +543,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of training per drafter (the drafter stages; default: the recipe's). A drafter "
                         "trained alone on the GPU (one per device call) gets about twice the steps a second of two "
                         "side by side, so a split build trains each alone (benchmarks/gpu/build_assets.sh solo)")
+    p.add_argument("--shard", type=int, default=0,
+                   help="--stage data: write training shard I (>= 1) beside data.pt: another draw of prompts, "
+                        "continued the same way (shards generate on separate GPUs side by side)")
+    p.add_argument("--shards", type=int, default=1,
+                   help="--stage drafter: train over data.pt and data.shard1..N-1.pt; under torch.distributed.run "
+                        "each rank takes its own shards and the ranks average gradients (docs/train.md)")
     a = p.parse_args(argv)
     if a.draft_budget_s is not None and not a.draft_budget_s > 0:  # refused before anything is made
         raise SystemExit(f"error: --draft-budget-s {a.draft_budget_s:g}: expected seconds > 0")
+    if a.shard < 0 or a.shards < 1:
+        raise SystemExit(f"error: --shard {a.shard} / --shards {a.shards}: expected a shard >= 0 and shards >= 1")
     recipe = SMOKE if a.smoke else Recipe()
     if a.target_steps is not None:
         recipe = replace(recipe, target_steps=a.target_steps)
@@ -488,7 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = replace(recipe, dflash_budget_s=a.draft_budget_s, dspark_budget_s=a.draft_budget_s)
     if a.stage == "seed" and a.work is None:  # refused before anything is made
         raise SystemExit("error: --stage seed needs --work DIR (the folder the later stages read)")
-    device = torch.device(a.device)
+    device, ranks = _process_group(torch.device(a.device))
     work = a.work or a.out / ".build-work"
     if a.stage != "seed":
         work.mkdir(parents=True, exist_ok=True)
@@ -498,19 +573,23 @@ def main(argv: list[str] | None = None) -> int:
     if a.stage == "seed":
         seed_from_assets(work, a.src, recipe)
     if a.stage == "data":
-        rebuild_data(work, recipe, device)
+        make_shard(work, recipe, device, a.shard) if a.shard else rebuild_data(work, recipe, device)
     if a.stage in ("all", "sweep"):
         sweep(work, recipe, device)
     if a.stage == "drafter":
         if a.kind is None:
             raise SystemExit("error: --stage drafter needs --kind dflash|dspark")
-        build_drafter(work, a.kind, recipe, device)
+        build_drafter(work, a.kind, recipe, device, a.shards, ranks)
     if a.stage == "assemble":
         assemble(work, a.out, recipe)
     if a.stage in ("all", "drafters"):
         build_drafters(work, a.out, recipe, device)
     if a.stage == "all" and a.work is None:
         shutil.rmtree(work)
+    if ranks.world > 1:
+        torch.distributed.destroy_process_group()
+    if not ranks.lead:
+        return 0
     _log(f"stage {a.stage} done in {time.time() - t0:.1f} s -> {a.out if a.stage in ('all', 'drafters', 'assemble') else work}")
     return 0
 

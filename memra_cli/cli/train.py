@@ -10,7 +10,7 @@ from typing import Optional
 
 import typer
 
-from memra_cli.cli.common import JsonOpt, at_least, refusals
+from memra_cli.cli.common import SETTINGS, JsonOpt, at_least, refusals
 
 
 def _parse_taps(text: Optional[str]) -> Optional[tuple[int, ...]]:
@@ -73,6 +73,8 @@ def train(
     mask_token: Optional[int] = typer.Option(None, "--mask-token", help="Mask token id (default: from the tokenizer)."),
     markov_rank: Optional[int] = typer.Option(None, "--markov-rank", help="DSpark markov head rank (default 256)."),
     confidence: Optional[bool] = typer.Option(None, "--confidence/--no-confidence", help="DSpark confidence head (default on)."),
+    thinking: Optional[bool] = typer.Option(None, "--thinking/--no-thinking", help="Chat prompts: passed as the chat template's thinking switch (enable_thinking); default: the template's own. Refused for a template without one."),
+    emb_scale: Optional[bool] = typer.Option(None, "--emb-scale/--no-emb-scale", envvar=SETTINGS["emb_scale"].env, show_envvar=True, help="The block embedding the drafter trains on: the target's rows times its embed_scale (Gemma: sqrt(hidden)), or the raw rows (default). Run the drafter with the same setting (the same flag or variable of generate, bench and serve)."),
     temperature: float = typer.Option(0.0, "--temperature", help="Answers: 0 = greedy (default), else sampled at this temperature (seed --seed + prompt index)."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling for sampled answers (1 = off)."),
     max_new: int = typer.Option(128, "--max-new", callback=at_least(2), help="Tokens of each regenerated answer."),
@@ -118,7 +120,7 @@ def _as_flags(exc):
 
 
 def _train(*, target, kind, prompts, out, steps, budget_s, resume, force, device, dtype, layers, block, taps, mask_token,
-           markov_rank, confidence, temperature, top_p, max_new, heldout, batch, anchors, lr, seed, checkpoint_every, compile, export_dtype,
+           markov_rank, confidence, thinking, emb_scale, temperature, top_p, max_new, heldout, batch, anchors, lr, seed, checkpoint_every, compile, export_dtype,
            eval_new, gguf, plot, log_every, json_out) -> None:
     from memra_cli.cli import render
     from memra_cli.engine.errors import SettingError
@@ -138,7 +140,8 @@ def _train(*, target, kind, prompts, out, steps, budget_s, resume, force, device
                        block=block, taps=_parse_taps(taps), mask_token=mask_token, markov_rank=markov_rank,
                        confidence=confidence, batch=batch, anchors=anchors, lr=lr, seed=seed,
                        checkpoint_every=checkpoint_every, export_dtype=export_dtype, eval_new=eval_new, gguf=gguf,
-                       temperature=temperature, top_p=top_p, compile=compile)
+                       temperature=temperature, top_p=top_p, compile=compile, thinking=thinking,
+                       emb_scale=emb_scale)
     plan = plan_training(req)
     if not json_out:
         for line in plan.notes:

@@ -10,6 +10,10 @@ from pathlib import Path
 
 from memra_cli.engine.errors import ConfigError, PromptError
 
+# the variables chat templates switch reasoning with: Qwen3 / Qwen3.5 / GLM-4.5 `enable_thinking`,
+# DeepSeek-V3.1 `thinking` (each template's own name is what it is passed as)
+THINKING_SWITCHES = ("enable_thinking", "thinking")
+
 
 class TextCodec:
     """tokenizer.json (+ tokenizer_config.json's chat_template) of a model directory."""
@@ -59,10 +63,21 @@ class TextCodec:
         except PromptError as exc:
             raise PromptError(f"--chat: {exc}") from None
 
-    def render_chat(self, messages: list[dict]) -> str:
-        """A conversation (`[{"role", "content"}]`) through the chat template, ready for the
-        assistant's turn. Needs a template (`self.template`); a template that refuses (its
-        `raise_exception`) or fails is a PromptError."""
+    def thinking_switch(self) -> str | None:
+        """The variable this directory's chat template switches thinking with (the first of
+        THINKING_SWITCHES it reads from outside), or None: no template, or one without a switch."""
+        if not isinstance(self.template, str):
+            return None
+        import jinja2
+        from jinja2 import meta
+
+        try:
+            names = meta.find_undeclared_variables(self._env().parse(self.template))
+        except jinja2.TemplateSyntaxError as exc:
+            raise PromptError(f"the chat template in {self.cfg_path} failed ({exc})") from None
+        return next((name for name in THINKING_SWITCHES if name in names), None)
+
+    def _env(self):
         import jinja2
 
         def raise_exception(message: str) -> None:  # what transformers gives templates to refuse with
@@ -70,9 +85,18 @@ class TextCodec:
 
         env = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
+        return env
+
+    def render_chat(self, messages: list[dict], variables: dict | None = None) -> str:
+        """A conversation (`[{"role", "content"}]`) through the chat template, ready for the
+        assistant's turn; `variables` are passed to the template too (a thinking switch). Needs a
+        template (`self.template`); a template that refuses (its `raise_exception`) or fails is a
+        PromptError."""
+        import jinja2
+
         try:
-            return env.from_string(self.template).render(messages=messages, add_generation_prompt=True,
-                                                         bos_token="", eos_token="")
+            return self._env().from_string(self.template).render(messages=messages, add_generation_prompt=True,
+                                                                 bos_token="", eos_token="", **(variables or {}))
         except jinja2.TemplateError as exc:
             raise PromptError(f"the chat template in {self.cfg_path} failed ({exc})") from None
 

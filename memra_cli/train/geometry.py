@@ -19,6 +19,9 @@ DEFAULT_BLOCK = {"dflash": 16, "dspark": 7}
 DEFAULT_MARKOV_RANK = 256  # DeepSpec's DSpark configs (vanilla markov head)
 PUBLISHED_LAYERS = 5  # z-lab's and DeepSpec's 8B-class drafters: 5 layers, 5 taps
 MASK_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "<|mask_token|>")
+# targets whose DeepSpec DSpark drafter has the target's own layers (Gemma4DSparkModel), a format
+# this trainer does not write: its Qwen3DSparkModel would embed raw rows and skip the softcap
+OWN_LAYER_DSPARK = {"gemma4": "Gemma4DSparkModel", "gemma4_text": "Gemma4DSparkModel"}
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class Geometry:
     target_layers: int
     rope_theta: float = 10000.0  # the trainable drafter's rope (train/drafter.py)
     max_positions: int = 32768  # config.json's max_position_embeddings (the target's)
+    # the block embedding's multiplier: 1 (the target's raw rows) or the target's embed_scale
+    # (Gemma's √hidden, `--emb-scale`); z-lab's config.json has no key for it (train_report.json says it)
+    emb_scale: float = 1.0
 
     def as_json(self) -> dict:
         d = asdict(self)
@@ -94,6 +100,8 @@ def resolve_geometry(target: Path, kind: str, *, layers: int | None = None, bloc
     if kind not in KINDS:
         raise SettingError("kind", kind, f"expected {'|'.join(KINDS)}", quote=False)
     cfg, notes = text_config(target), []
+    if kind == "dspark":
+        _check_dspark_family(target, cfg)
     L, hidden, vocab = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["vocab_size"])
     heads, kv = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
     head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -135,6 +143,17 @@ def resolve_geometry(target: Path, kind: str, *, layers: int | None = None, bloc
                    int(cfg.get("intermediate_size") or 4 * hidden), vocab, L,
                    max_positions=int(cfg.get("max_position_embeddings") or 32768))
     return geo, notes
+
+
+def _check_dspark_family(target: Path, cfg: dict) -> None:
+    """Refuse a DSpark drafter for a family whose DeepSpec drafter is built of its own layers."""
+    raw = json.loads((target / "config.json").read_text())
+    for model_type in (raw.get("model_type"), cfg.get("model_type")):
+        if model_type in OWN_LAYER_DSPARK:
+            raise SettingError("kind", "dspark",
+                               f"a {model_type} target's DeepSpec drafter is {OWN_LAYER_DSPARK[model_type]} (the "
+                               "target's own layers and scaled embedding), a format memra train does not write; "
+                               "train a z-lab DFlash drafter for it (--kind dflash)", quote=False)
 
 
 def check_target_dir(target: Path) -> None:

@@ -19,13 +19,14 @@ def _decode(engine, ids: Sequence[int], max_new: int, arm=None) -> tuple[list[in
 
 
 @torch.inference_mode()
-def heldout_tau(engine, drafter_dir: Path, kind: str, prompts: Sequence[Sequence[int]], max_new: int) -> dict:
+def heldout_tau(engine, drafter_dir: Path, kind: str, prompts: Sequence[Sequence[int]], max_new: int,
+                emb_scale: bool | None = None) -> dict:
     """tau (committed tokens / rounds over every held-out prompt), per-prompt tau and whether
     every speculative stream equals plain decoding (`exact`; `mismatch` names the first that
-    does not)."""
+    does not). `emb_scale`: the block embedding the drafter was trained with (the arm's setting)."""
     from memra_cli.engine.api import ArmConfig
 
-    arm = engine.arm(ArmConfig(draft=drafter_dir, mode=kind))
+    arm = engine.arm(ArmConfig(draft=drafter_dir, mode=kind, emb_scale=emb_scale))
     tokens = rounds = 0
     per_prompt, mismatch = [], None
     for i, ids in enumerate(prompts):
@@ -38,4 +39,4 @@ def heldout_tau(engine, drafter_dir: Path, kind: str, prompts: Sequence[Sequence
         per_prompt.append(stats["tau"])
     return {"prompts": len(prompts), "max_new": max_new, "tau": round(tokens / max(rounds, 1), 4),
             "tau_per_prompt": per_prompt, "exact": mismatch is None, "mismatch": mismatch,
-            "program": arm.mode, "warnings": list(arm.warnings)}
+            "program": arm.mode, "block_embedding": arm.receipts.embedding.as_json(), "warnings": list(arm.warnings)}

@@ -24,12 +24,14 @@ from memra_cli.engine.files import signals_held
 from memra_cli.train.drafter import TrainDrafter
 from memra_cli.train.geometry import Geometry
 from memra_cli.train.losses import DraftSpec, drafter_loss, sample_anchors, slot_decay
+from memra_cli.train.ranks import Ranks
 from memra_cli.train.schedule import PLAN_AT_STEP, WARM_STEPS, cosine_lr, fit_steps
 
 STATE_FILE = "state.pt"
 # the loss is read (a host sync) and recorded every LOSS_EVERY steps: a read every step would stall
 # the CPU until the GPU finishes, and a small drafter's step is launch-bound
 LOSS_EVERY = 10
+RANK_SEED_STRIDE = 7919  # rank r draws its batches from seed + 1 + r * this: ranks never share a draw
 
 
 @dataclass(frozen=True)
@@ -74,23 +76,25 @@ def new_drafter(geo: Geometry, seed: int) -> TrainDrafter:
 
 
 def spec_of(geo: Geometry) -> DraftSpec:
-    return DraftSpec(geo.kind, geo.block, geo.taps, geo.mask_id)
+    return DraftSpec(geo.kind, geo.block, geo.taps, geo.mask_id, geo.emb_scale)
 
 
 class TrainJob:
     """The drafter, its optimizer and the loop's state; `run` trains, `save`/`load` checkpoint."""
 
     def __init__(self, geo: Geometry, hyper: Hyper, data, source, device: torch.device, train_rows: list[int],
-                 compile: bool | str = False):
+                 compile: bool | str = False, ranks: Ranks = Ranks()):
         """`compile`: the drafter's forward and losses through torch.compile (True: its default
         backend; a string names one), the taps staying eager and gradient-free: an eager step is
-        mostly elementwise kernels the compiler fuses (docs/bench.md, the embedded build's profile)."""
+        mostly elementwise kernels the compiler fuses (docs/bench.md, the embedded build's profile).
+        `ranks`: a data-parallel group (ranks.py); each rank passes its own `data` and
+        `train_rows`, all the same geometry, hyper and seed (the same initial drafter)."""
         self.geo, self.hyper, self.data, self.source, self.device = geo, hyper, data, source, device
-        self.train_rows = train_rows
+        self.train_rows, self.ranks = train_rows, ranks
         self.spec = spec_of(geo)
         self.drafter = new_drafter(geo, hyper.seed).to(device).train()
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=hyper.lr, betas=(0.9, 0.95), weight_decay=0.0)
-        self.gen = torch.Generator().manual_seed(hyper.seed + 1)
+        self.gen = torch.Generator().manual_seed(hyper.seed + 1 + RANK_SEED_STRIDE * ranks.rank)
         self.step, self.tokens, self.losses = 0, 0, []
         self.decay = slot_decay(self.spec, device)
         self.loss = self._eager_loss
@@ -108,7 +112,10 @@ class TrainJob:
                 "gen": self.gen.get_state(), "torch_rng": torch.get_rng_state()}
 
     def save(self, directory: Path) -> Path:
-        """Write the state to `directory/state.pt` atomically (a stop mid-write leaves the last one)."""
+        """Write the state to `directory/state.pt` atomically (a stop mid-write leaves the last one).
+        In a data-parallel group only rank 0 writes (every rank holds the same drafter)."""
+        if not self.ranks.lead:
+            return directory / STATE_FILE
         directory.mkdir(parents=True, exist_ok=True)
         path, tmp = directory / STATE_FILE, directory / f".{STATE_FILE}.{os.getpid()}.tmp"
         with signals_held():
@@ -121,6 +128,8 @@ class TrainJob:
         path = directory / STATE_FILE
         if not path.is_file():
             raise ConfigError(f"{path}: no checkpoint to resume from (run without --resume first)")
+        if self.ranks.world > 1:  # the checkpoint holds rank 0's batch generator only
+            raise ConfigError(f"{path}: a data-parallel run ({self.ranks.world} ranks) does not resume; start over")
         st = torch.load(path, map_location=self.device, weights_only=False)
         if st["geometry"] != self.geo.as_json():
             raise ConfigError(f"{path}: the checkpoint's drafter geometry differs from this run's "
@@ -153,9 +162,10 @@ class TrainJob:
         loss = self.loss(ids, anc, taps)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
+        self.ranks.average_grads(self.drafter.parameters())
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), 1.0)
         self.opt.step()
-        self.tokens += int(lengths.sum())
+        self.tokens += int(lengths.sum()) * self.ranks.world  # every rank's batch is the same size
         return loss.detach()
 
     def run(self, ckpt_dir: Path | None, *, budget_s: float | None = None, stop_after: int | None = None,
@@ -171,11 +181,8 @@ class TrainJob:
         t_warm, stopped_by, loss = t0, None, None
         try:
             while self.step < self.hyper.steps:
-                if should_stop():
-                    stopped_by = "signal"
-                    break
-                if budget_s is not None and time.perf_counter() - t0 >= budget_s:
-                    stopped_by = "budget"
+                stopped_by = self._stop_reason(should_stop, budget_s, t0, self.step - start)
+                if stopped_by is not None:
                     break
                 if stop_after is not None and self.step - start >= stop_after:
                     stopped_by = "stop_after"
@@ -202,6 +209,20 @@ class TrainJob:
         return RunResult(self.step, self.step >= self.hyper.steps, stopped_by, list(self.losses), self.tokens,
                          self.tokens - tokens0, time.perf_counter() - t0)
 
+    def _stop_reason(self, should_stop, budget_s: float | None, t0: float, ran: int) -> str | None:
+        """"signal", "budget" or None. Ranks of a group agree every LOSS_EVERY steps (an
+        all-reduce is a host sync), so all of them stop at the same step."""
+        if self.ranks.world > 1 and ran % LOSS_EVERY:
+            return None
+        if should_stop():
+            reason = 1
+        elif budget_s is not None and time.perf_counter() - t0 >= budget_s:
+            reason = 2
+        else:
+            reason = 0
+        reason = self.ranks.agree(reason, self.device, op="max")
+        return (None, "signal", "budget")[reason]
+
     def _plan(self, budget_s: float | None, ran: int, t0: float, t_warm: float) -> float:
         """Before this run's step `ran`: at WARM_STEPS note the time (the steps before pay start-up
         and compilation), at PLAN_AT_STEP fit `hyper.steps` to the budget. Returns t_warm."""
@@ -214,5 +235,6 @@ class TrainJob:
             return now
         start = self.step - ran
         planned = start + fit_steps(self.hyper.steps - start, ran, t0, t_warm, now, budget_s)
+        planned = self.ranks.agree(planned, self.device)  # the slowest rank's plan: every rank runs it
         self.hyper = replace(self.hyper, steps=planned)
         return t_warm

@@ -24,6 +24,7 @@ class DraftSpec:
     block: int
     taps: tuple[int, ...]
     mask_id: int
+    emb_scale: float = 1.0  # the block embedding's multiplier (1: the target's raw rows; Gemma: √hidden)
 
     @property
     def first_row(self) -> int:
@@ -48,6 +49,13 @@ def sample_anchors(n_seq: int, anchors: int, lo: int | torch.Tensor, hi: int | t
     span = (hi - lo + 1).clamp(min=1)
     pos = lo[:, None] + (torch.rand((n_seq, anchors), generator=gen) * span[:, None]).long()
     return torch.minimum(pos, hi[:, None]).sort(dim=1).values
+
+
+def last_anchors(plens: torch.Tensor, L: int, block: int, answer_len: int | None) -> torch.Tensor:
+    """`[n]` the last anchor whose block has labels in each row: within the row's L tokens, and
+    with `answer_len`, within its first answer_len tokens past its prompt (the bench's stretch)."""
+    ends = torch.full_like(plens, L) if answer_len is None else (plens + answer_len).clamp(max=L)
+    return ends - 1 - block
 
 
 def block_batch(ids: torch.Tensor, anchors: torch.Tensor, spec: DraftSpec):
@@ -84,10 +92,17 @@ def draft_logits(drafter: TrainDrafter, target, ids, anchors, spec: DraftSpec, t
     taps = target_taps(target, ids, spec.taps) if taps is None else taps
     noise_ids, blk_pos, labels, prev, mask = block_batch(ids, anchors, spec)
     ctx_pos = torch.arange(L, device=ids.device).expand(B, L)
-    hidden = drafter(taps, F.embedding(noise_ids, embed), ctx_pos, blk_pos, mask)
+    noise = F.embedding(noise_ids, embed)
+    if spec.emb_scale != 1.0:  # as the engine's proposer multiplies it in (spec/proposer.py)
+        noise = noise * spec.emb_scale
+    hidden = drafter(taps, noise, ctx_pos, blk_pos, mask)
     A = anchors.shape[1]
     rows = hidden.view(B, A, spec.block, -1)[:, :, spec.first_row : spec.first_row + spec.n_drafts]
-    return rows @ head.T, rows, labels, prev
+    logits = rows @ head.T
+    cap = getattr(source, "logit_softcap", None)
+    if cap:  # as the target's lm_head caps the drafter's logits at inference (Gemma: cap * tanh(z / cap))
+        logits = torch.tanh(logits / cap) * cap
+    return logits, rows, labels, prev
 
 
 def target_taps(target, ids: torch.Tensor, taps) -> torch.Tensor:
@@ -129,14 +144,15 @@ def drafter_loss(drafter: TrainDrafter, target, ids: torch.Tensor, anc: torch.Te
 
 @torch.no_grad()
 def _rounds(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int,
-            prompt_len: int | torch.Tensor, device, batch: int = 32, seed: int = 3):
+            prompt_len: int | torch.Tensor, device, batch: int = 32, seed: int = 3, answer_len: int | None = None):
     """Draft every held-out block as inference does (the markov chain feeds on its own choices).
     Yields (hits `[B, A, nd]` bool, confidence raw scores `[B, A, nd]` f32 or None) per batch."""
     gen, L = torch.Generator().manual_seed(seed), seqs.shape[1]
     plens = per_row(prompt_len, seqs.shape[0])
+    last = last_anchors(plens, L, spec.block, answer_len)
     for lo in range(0, seqs.shape[0], batch):
         ids = seqs[lo : lo + batch].to(device)
-        anc = sample_anchors(ids.shape[0], anchors, plens[lo : lo + batch] - 1, L - 1 - spec.block, gen).to(device)
+        anc = sample_anchors(ids.shape[0], anchors, plens[lo : lo + batch] - 1, last[lo : lo + batch], gen).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits, rows, labels, _ = draft_logits(drafter, target, ids, anc, spec)
             drafts, prevs = _chain(drafter, logits.float(), torch.gather(ids, 1, anc))
@@ -151,16 +167,18 @@ def _rounds(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, 
 
 @torch.no_grad()
 def evaluate(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int,
-             prompt_len: int | torch.Tensor, device, batch: int = 32) -> dict:
+             prompt_len: int | torch.Tensor, device, batch: int = 32, answer_len: int | None = None) -> dict:
     """Per-slot greedy acceptance on held-out continuations. `p_prefix[k]` = P(first k+1 drafts
     all accepted); `p_slot[k]` = P(draft k right); `p_reached[k]` = P(draft k right | drafts
     before it right), the quantity a per-slot confidence score predicts; `tau_full` = 1 +
     E[accepted prefix] with the whole block verified. With a confidence head, `reliability` is
-    its calibration over the reached slots: predicted vs observed acceptance per decile of score."""
+    its calibration over the reached slots: predicted vs observed acceptance per decile of score.
+    `answer_len`: blocks only within each row's first answer_len tokens past its prompt."""
     nd = spec.n_drafts
     prefix_hits, slot_hits, n = torch.zeros(nd, dtype=torch.float64), torch.zeros(nd, dtype=torch.float64), 0
     raws, hits = [], []
-    for ok, raw in _rounds(drafter, target, seqs, spec, anchors=anchors, prompt_len=prompt_len, device=device, batch=batch):
+    for ok, raw in _rounds(drafter, target, seqs, spec, anchors=anchors, prompt_len=prompt_len, device=device, batch=batch,
+                           answer_len=answer_len):
         prefix = ok.long().cumprod(-1)
         prefix_hits += prefix.sum((0, 1)).double().cpu()
         slot_hits += ok.sum((0, 1)).double().cpu()
@@ -185,7 +203,7 @@ def evaluate(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec,
 
 @torch.no_grad()
 def walk_tau(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, prompt_len: int | torch.Tensor,
-             device, batch: int = 32) -> dict:
+             device, batch: int = 32, answer_len: int | None = None) -> dict:
     """Acceptance as the bench measures it: rounds walked along each held-out continuation.
 
     `evaluate`'s `tau_full` averages the accepted prefix over anchors drawn uniformly over the
@@ -195,21 +213,23 @@ def walk_tau(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec,
     far more. Here each sequence is walked from its last prompt token: draft a block, accept the
     prefix that matches the continuation (the target's greedy tokens; the whole block verified,
     as `adapt=0`), jump past it, until a block no longer fits. Returns `tau_walk` (tokens covered
-    / rounds) and `rounds`."""
+    / rounds) and `rounds`. `answer_len`: each row is walked only over its first answer_len tokens
+    past its prompt (the bench's stretch; a short prompt's row runs on past it)."""
     L, nd = seqs.shape[1], spec.n_drafts
     plens = per_row(prompt_len, seqs.shape[0])
+    lasts = last_anchors(plens, L, spec.block, answer_len)  # the last anchor whose block has labels
     rounds, tokens = 0, 0
     for lo in range(0, seqs.shape[0], batch):
         ids = seqs[lo : lo + batch].to(device)
         at = (plens[lo : lo + batch] - 1).to(device)  # each row's anchor: the last committed token
-        last = L - 1 - spec.block  # the last anchor whose block has labels
+        last = lasts[lo : lo + batch].to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             taps = target_taps(target, ids, spec.taps)
             while True:
                 live = at <= last
                 if not bool(live.any()):
                     break
-                anc = at.clamp(max=last)[:, None]
+                anc = torch.minimum(at, last)[:, None]
                 logits, _, labels, _ = draft_logits(drafter, target, ids, anc, spec, taps)
                 drafts, _ = _chain(drafter, logits.float(), torch.gather(ids, 1, anc))
                 accepted = (drafts == labels).long().cumprod(-1).sum(-1)[:, 0]  # [B]
@@ -236,12 +256,13 @@ def reliability(raw: torch.Tensor, hit: torch.Tensor, bins: int = 10) -> list[di
 
 @torch.no_grad()
 def calibrate_confidence(drafter: TrainDrafter, target, seqs: torch.Tensor, spec: DraftSpec, *, anchors: int,
-                         prompt_len: int | torch.Tensor, device) -> dict:
+                         prompt_len: int | torch.Tensor, device, answer_len: int | None = None) -> dict:
     """Platt scaling of the confidence head on drafted blocks of `seqs`: fit a, b so that
     sigmoid(a * raw + b) matches acceptance of the slots a round reaches, and fold them into the
     head's weights (the checkpoint keeps its format). Returns {a, b, n, bce_before, bce_after}."""
     raws, hits = [], []
-    for ok, raw in _rounds(drafter, target, seqs, spec, anchors=anchors, prompt_len=prompt_len, device=device, seed=5):
+    for ok, raw in _rounds(drafter, target, seqs, spec, anchors=anchors, prompt_len=prompt_len, device=device, seed=5,
+                           answer_len=answer_len):
         prefix = ok.long().cumprod(-1)
         reached = torch.cat([torch.ones_like(prefix[..., :1]), prefix[..., :-1]], -1).bool()
         raws.append(raw[reached].cpu())

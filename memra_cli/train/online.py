@@ -19,6 +19,7 @@ import torch
 
 from memra_cli.engine.errors import PromptError
 from memra_cli.engine.prompts import load_prompts
+from memra_cli.engine.text import THINKING_SWITCHES
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Prompts:
     ids: tuple[tuple[int, ...], ...]
     source: str
     chat: bool
+    template: dict | None = None  # chat rows: the template's thinking switch and what it was passed
 
 
 def _chat_rows(spec: str) -> list[list[dict]] | None:
@@ -55,14 +57,21 @@ def _chat_rows(spec: str) -> list[list[dict]] | None:
     return rows or None  # no rows: load_prompts words the refusal
 
 
-def encode_prompts(spec: str, codec, max_prompt: int) -> Prompts:
+def encode_prompts(spec: str, codec, max_prompt: int, thinking: bool | None = None) -> Prompts:
     """`--prompts SET|FILE` -> ids (each cut to its last `max_prompt` tokens). A chat JSONL file
-    goes through the target's chat template (refused when the target has none)."""
+    goes through the target's chat template (refused when the target has none); `thinking` is
+    passed as the template's thinking switch (refused where there is no switch to pass it to)."""
     chats = _chat_rows(spec)
+    if chats is None and thinking is not None:
+        raise PromptError(f"--{'' if thinking else 'no-'}thinking: only chat prompts go through the chat template, "
+                          f"and --prompts {spec} is not a JSONL of {{\"messages\": [...]}} rows")
+    template = None
     if chats is not None:
         if not isinstance(codec.template, str):
             raise PromptError(f"--prompts {spec}: chat rows need a chat template, and the target has none")
-        ids = [codec.tok.encode(codec.render_chat(m), add_special_tokens=False).ids for m in chats]
+        template = thinking_setting(codec, thinking)
+        passed = {} if thinking is None else {template["switch"]: thinking}
+        ids = [codec.tok.encode(codec.render_chat(m, passed), add_special_tokens=False).ids for m in chats]
         source = f"{spec} ({len(ids)} conversations through the target's chat template)"
     else:
         prompts = load_prompts(spec)
@@ -71,7 +80,29 @@ def encode_prompts(spec: str, codec, max_prompt: int) -> Prompts:
     ids = [tuple(x[-max_prompt:]) for x in ids if x]
     if not ids:
         raise PromptError(f"--prompts {spec}: no non-empty prompt")
-    return Prompts(tuple(ids), source, chats is not None)
+    return Prompts(tuple(ids), source, chats is not None, template)
+
+
+def thinking_setting(codec, thinking: bool | None) -> dict:
+    """What the chat template is told about thinking: `{switch, thinking, default}` (`default`:
+    nothing was passed, the template's own default applies). Refuses a `thinking` value for a
+    template without a switch."""
+    switch = codec.thinking_switch()
+    if switch is None and thinking is not None:
+        raise PromptError(f"--{'' if thinking else 'no-'}thinking: the chat template in {codec.cfg_path} has no "
+                          f"thinking switch (it reads none of {', '.join(THINKING_SWITCHES)}); drop the flag")
+    return {"switch": switch, "thinking": thinking, "default": thinking is None}
+
+
+def thinking_note(template: dict) -> str:
+    """The report's line on the thinking switch."""
+    if template["switch"] is None:
+        return "thinking: the chat template has no thinking switch (rendered as it stands)"
+    if template["default"]:
+        return (f"thinking: the chat template's own default ({template['switch']} not passed; "
+                "--thinking/--no-thinking)")
+    return f"thinking: {'on' if template['thinking'] else 'off'} ({template['switch']}={template['thinking']} passed to " \
+           f"the chat template; --{'' if template['thinking'] else 'no-'}thinking)"
 
 
 class OnlineData:
@@ -125,15 +156,20 @@ class FixedSequences:
     """Sequences `[prompt ; answer]` made beforehand by a data step (the embedded build's batched
     greedy continuations), served with OnlineData's `batch` interface."""
 
-    def __init__(self, seqs: torch.Tensor, prompt_lens: torch.Tensor):
-        """seqs `[N, L]` token ids (any integer dtype), prompt_lens `[N]`."""
+    def __init__(self, seqs: torch.Tensor, prompt_lens: torch.Tensor, answer_len: int | None = None):
+        """seqs `[N, L]` token ids (any integer dtype), prompt_lens `[N]`. `answer_len`: each row
+        counts only `answer_len` tokens past its prompt (None: all of L), so blocks are drawn only
+        where the bench decodes, whatever the prompt's length (a short prompt's row runs on)."""
         self.seqs, self.prompt_lens = seqs.long(), prompt_lens.long()
+        self.answer_len = answer_len
         self.generated_tokens = 0  # nothing is generated during training
 
     def __len__(self) -> int:
         return self.seqs.shape[0]
 
     def batch(self, rows: list[int], pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ids `[B, L]`, lengths `[B]` (all L: no padding), prompt lengths `[B]`)."""
+        """(ids `[B, L]`, lengths `[B]` (L, or prompt + answer_len where shorter), prompt lengths `[B]`)."""
         idx = torch.tensor(rows)
-        return self.seqs[idx], torch.full((len(rows),), self.seqs.shape[1]), self.prompt_lens[idx]
+        plens, L = self.prompt_lens[idx], self.seqs.shape[1]
+        lengths = torch.full((len(rows),), L) if self.answer_len is None else (plens + self.answer_len).clamp(max=L)
+        return self.seqs[idx], lengths, plens

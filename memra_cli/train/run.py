@@ -17,11 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from memra_cli.engine.errors import ConfigError, SettingError
 from memra_cli.engine.files import OutputExistsError
 from memra_cli.train.geometry import Geometry, check_target_dir, resolve_geometry
 from memra_cli.train.job import Hyper, Progress, TrainJob
-from memra_cli.train.online import OnlineData, Prompts, encode_prompts
+from memra_cli.train.online import OnlineData, Prompts, encode_prompts, thinking_note
 from memra_cli.train.taps import EngineTaps
 
 
@@ -56,6 +58,8 @@ class TrainRequest:
     temperature: float = 0.0  # answers: 0 = greedy, else sampled (engine keyed sampling, seed + prompt index)
     top_p: float = 1.0
     compile: bool | str = False  # the drafter's forward and losses through torch.compile (job.py)
+    thinking: bool | None = None  # chat prompts: the template's thinking switch (None: its own default)
+    emb_scale: bool | None = None  # block embedding times the target's embed_scale (None/False: raw rows)
     gguf: str | None = None  # a quantize policy: also write OUT/model.POLICY.gguf
 
 
@@ -116,7 +120,9 @@ def plan_training(req: TrainRequest) -> Plan:
                                   mask_token=req.mask_token, markov_rank=req.markov_rank, confidence=req.confidence)
     if req.max_new < geo.block + 1:
         raise SettingError("max_new", req.max_new, f"expected more than the block size {geo.block}")
-    prompts = encode_prompts(req.prompts, TextCodec(req.target), req.max_prompt)
+    prompts = encode_prompts(req.prompts, TextCodec(req.target), req.max_prompt, req.thinking)
+    if prompts.template is not None:
+        notes.append(thinking_note(prompts.template))
     train_rows, held = _split(len(prompts.ids), req.heldout, notes)
     _sampling(req)  # refused before the engine loads
     notes.append("drafter forward and losses compiled (--compile)" if req.compile else
@@ -125,9 +131,25 @@ def plan_training(req: TrainRequest) -> Plan:
                  f"answers: sampled at temperature {req.temperature}, top-p {req.top_p}, seed {req.seed} + prompt index")
     engine = Engine.load(EngineConfig(target=req.target, device=req.device, dtype=req.dtype))
     engine.target.check_taps(geo.taps)
+    geo = _block_embedding(req, engine, geo, notes)
     notes.append(f"target on {engine.device} in {str(engine.dtype).removeprefix('torch.')}: {engine.steps} "
                  "(--device, --dtype)")
     return Plan(req, engine, geo, prompts, train_rows, held, notes)
+
+
+def _block_embedding(req: TrainRequest, engine, geo: Geometry, notes: list[str]) -> Geometry:
+    """The block embedding the drafter trains with, as the engine's arm resolves `emb_scale`: the
+    target's raw rows, or those rows times its `embed_scale` rounded to the model dtype."""
+    from dataclasses import replace
+
+    scale = float(torch.tensor(engine.target.embed_scale, dtype=engine.dtype))
+    if req.emb_scale:
+        notes.append(f"block embedding: the target's rows scaled x{scale:g} (its embed_scale; --emb-scale): "
+                     "run the drafter with --emb-scale (a z-lab config.json cannot record it)")
+        return replace(geo, emb_scale=scale)
+    default = " (default" + (f"; --emb-scale trains with the target's embed_scale x{scale:g})" if scale != 1.0 else ")")
+    notes.append(f"block embedding: the target's raw rows{'' if req.emb_scale is False else default}")
+    return geo
 
 
 def _sampling(req: TrainRequest):
@@ -159,6 +181,7 @@ def run_training(plan: Plan, *, on_step: Callable[[Progress], None] = lambda p: 
     result = job.run(plan.ckpt_dir, budget_s=req.budget_s, stop_after=stop_after, should_stop=should_stop,
                      on_step=on_step)
     report = {"target": str(req.target), "kind": req.kind, "prompts": plan.prompts.source,
+              "chat_template": plan.prompts.template,
               "geometry": plan.geometry.as_json(), "hyper": json.loads(json.dumps(job.state()["hyper"])),
               "notes": plan.notes, "resumed_from": resumed_from, "steps_planned": job.hyper.steps,
               "steps_run": result.steps_run, "finished": result.finished,
@@ -181,7 +204,8 @@ def run_training(plan: Plan, *, on_step: Callable[[Progress], None] = lambda p: 
         gg = write_gguf(out / f"model.{req.gguf}.gguf", out, req.gguf, overwrite=True)
         report["gguf"] = {"path": str(gg.out), "policy": req.gguf, "file_bytes": gg.file_bytes}
     held = [plan.prompts.ids[i] for i in plan.heldout_rows]
-    report["heldout"] = heldout_tau(engine, out, req.kind, held, req.eval_new) if held else None
+    report["heldout"] = heldout_tau(engine, out, req.kind, held, req.eval_new,
+                                                    emb_scale=req.emb_scale) if held else None
     (out / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 

@@ -21,6 +21,7 @@ class HFTaps:
         self.model = model.eval().requires_grad_(False)
         self.embed_weight = model.get_input_embeddings().weight
         self.head_weight = model.get_output_embeddings().weight
+        self.logit_softcap = getattr(model.config, "final_logit_softcapping", None)
 
     def tap_batch(self, ids: torch.Tensor, taps: Sequence[int], lengths: Sequence[int] | None = None) -> torch.Tensor:
         """ids `[B, L]` -> taps `[B, L, n_taps*hidden]`, the whole batch in one forward (a causal
@@ -37,6 +38,8 @@ class EngineTaps:
         self.target = target
         self.embed_weight = target.embed_weight
         self.head_weight = target.lm_head_weight
+        # Gemma's cap on its logits: the drafter's logits at inference go through the target's lm_head
+        self.logit_softcap = getattr(target.cfg, "final_logit_softcapping", None)
 
     @torch.no_grad()
     def tap_batch(self, ids: torch.Tensor, taps: Sequence[int], lengths: Sequence[int] | None = None) -> torch.Tensor:

@@ -289,3 +289,191 @@ def test_a_budget_refits_the_schedule_to_end_inside_it(setup, tmp_path, monkeypa
     # (20 - 8.3) s left hold 57 more steps (57.5, rounded down)
     assert report["steps_planned"] == 97 and report["hyper"]["steps"] == 97
     assert report["steps_run"] == 97 and report["finished"] and report["stopped_by"] is None
+
+
+# a Qwen3-style switch: `enable_thinking=false` closes an empty think block in the generation prompt
+SWITCHED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+# a DeepSeek-V3.1-style switch named `thinking`, off unless passed
+NAMED_THINKING = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% if thinking is defined and thinking %}<think>{% endif %}"
+                  "{% endif %}")
+
+
+def _with_template(target: Path, out: Path, template: str) -> Path:
+    """A copy of the tiny target (weights linked) whose tokenizer_config.json has `template`."""
+    out.mkdir()
+    for f in target.iterdir():
+        (out / f.name).symlink_to(f)
+    (out / "tokenizer_config.json").unlink()
+    cfg = json.loads((target / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    return out
+
+
+def _chats(path: Path) -> Path:
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "sort a list"}]}) + "\n"
+                    + json.dumps({"messages": [{"role": "user", "content": "reverse it"}]}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("switch", ["enable_thinking", "thinking"])
+def test_the_thinking_switch_is_passed_as_the_templates_own_variable(setup, tmp_path, switch):
+    """--thinking/--no-thinking reach the template as its own switch variable; unset, the
+    template's default renders (nothing passed) and the report says a default applied."""
+    from memra_cli.engine.text import TextCodec
+    from memra_cli.train.online import encode_prompts, thinking_note
+
+    _, target, _ = setup
+    switched = _with_template(target, tmp_path / "t", SWITCHED if switch == "enable_thinking" else NAMED_THINKING)
+    codec = TextCodec(switched)
+    chats = str(_chats(tmp_path / "chats.jsonl"))
+    assert codec.thinking_switch() == switch
+    msgs = [{"role": "user", "content": "sort a list"}]
+    for thinking in (None, True, False):
+        got = encode_prompts(chats, codec, 512, thinking)
+        passed = {} if thinking is None else {switch: thinking}
+        assert got.ids[0] == tuple(codec.tok.encode(codec.render_chat(msgs, passed), add_special_tokens=False).ids)
+        assert got.template == {"switch": switch, "thinking": thinking, "default": thinking is None}
+    on, off = encode_prompts(chats, codec, 512, True), encode_prompts(chats, codec, 512, False)
+    assert on.ids != off.ids  # the switch changes the rendered prompt: it was passed, not ignored
+    assert encode_prompts(chats, codec, 512).ids == (off.ids if switch == "thinking" else on.ids)  # each one's default
+    assert thinking_note(off.template) == f"thinking: off ({switch}=False passed to the chat template; --no-thinking)"
+    assert "default" in thinking_note(encode_prompts(chats, codec, 512).template)
+    # the run's notes (and so its report) say which was used
+    plan = plan_training(TrainRequest(target=switched, kind="dflash", prompts=chats, out=tmp_path / "o", device="cpu",
+                                      block=4, heldout=1, thinking=False))
+    assert thinking_note(off.template) in plan.notes and plan.prompts.template == off.template
+
+
+def test_a_thinking_flag_without_a_switch_to_pass_it_to_is_refused(setup, tmp_path):
+    """The tiny target's template has no thinking switch, and plain prompts use no template: the
+    flag would change nothing, so it is refused in one line before anything loads."""
+    _, target, prompts = setup
+    chats, out = _chats(tmp_path / "chats.jsonl"), tmp_path / "out"
+    _refused(train("--target", target, "--kind", "dflash", "--prompts", chats, "--out", out, "--thinking"), out,
+             "--thinking: the chat template in ")
+    _refused(train("--target", target, "--kind", "dflash", "--prompts", chats, "--out", out, "--no-thinking"), out,
+             "has no thinking switch (it reads none of enable_thinking, thinking)")
+    _refused(train("--target", target, "--kind", "dflash", "--prompts", prompts, "--out", out, "--thinking"), out,
+             "only chat prompts go through the chat template")
+
+
+def _family(name: str, directory: Path) -> Path:
+    """A tiny target of each family memra loads, with the tiny tokenizer (memra_cli/tiny)."""
+    from memra_cli.tiny.__main__ import TINY_MOE
+    from memra_cli.tiny.gemma4 import make_tiny_gemma4
+    from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
+    from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
+    from memra_cli.tiny.target import make_tiny_llama
+
+    makers = {
+        "qwen3": lambda d: make_tiny_qwen3(d, tokenizer=True),
+        "llama": lambda d: make_tiny_llama(d, layers=4, tokenizer=True),
+        "qwen3_5-text": lambda d: make_tiny_qwen35(d, tokenizer=True),
+        "qwen3_5-multimodal": lambda d: make_tiny_qwen35(d, layout="multimodal", tokenizer=True),
+        "qwen3_moe": lambda d: make_tiny_qwen3_moe(d, tokenizer=True),
+        "qwen3_5_moe": lambda d: make_tiny_qwen35(d, layout="multimodal", moe=TINY_MOE, tokenizer=True),
+        "gemma4-text": lambda d: make_tiny_gemma4(d, tokenizer=True),
+        "gemma4-multimodal": lambda d: make_tiny_gemma4(d, layout="multimodal", tokenizer=True),
+        "gemma4-moe": lambda d: make_tiny_gemma4(d, moe=TINY_MOE, tie=False, tokenizer=True),
+    }
+    return makers[name](directory)
+
+
+FAMILIES = ["qwen3", "llama", "qwen3_5-text", "qwen3_5-multimodal", "qwen3_moe", "qwen3_5_moe", "gemma4-text",
+            "gemma4-multimodal", "gemma4-moe"]
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_target_family_trains_each_drafter_kind_that_fits_it(setup, tmp_path, family, kind):
+    """`memra train` over a tiny target of every family memra loads: a few steps, the export
+    read by `census`, every held-out stream exact. A DSpark drafter for Gemma 4 is refused by
+    name (DeepSpec's is Gemma4DSparkModel, which train does not write); a z-lab DFlash drafter
+    (Qwen3 layers) trains over any target, Gemma's with its block embedding raw or scaled."""
+    _, _, prompts = setup
+    target, out = _family(family, tmp_path / "target"), tmp_path / "out"
+    extra = ["--markov-rank", "16"] if kind == "dspark" else []
+    if family.startswith("gemma4") and kind == "dspark":
+        _refused(train("--target", target, "--kind", kind, "--prompts", prompts, "--out", out, *extra), out,
+                 "DeepSpec drafter is Gemma4DSparkModel")
+        return
+    scaled = family.startswith("gemma4")
+    r = train("--target", target, "--kind", kind, "--prompts", prompts, "--out", out, "--steps", 2, *SMALL, *extra,
+              *(["--emb-scale"] if scaled else []), "--json")
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    held = report["heldout"]
+    assert report["steps_run"] == 2 and held["exact"] and held["prompts"] == 1 and held["warnings"] == []
+    assert held["block_embedding"]["scaled"] is scaled
+    assert report["geometry"]["emb_scale"] == (8.0 if scaled else 1.0)  # √64, the tiny Gemma's hidden
+    census = runner.invoke(app, ["census", str(out), "--json"], env={})
+    assert census.exit_code == 0, census.output
+    assert json.loads(census.stdout)["exporter"] == ("zlab-dflash" if kind == "dflash" else "deepspec")
+
+
+def test_training_feeds_the_drafter_the_block_rows_and_logits_it_sees_at_inference(setup):
+    """--emb-scale: the drafter's block rows in training are the target's rows times the scale,
+    exactly what a table pre-multiplied by it gives (as the engine's proposer multiplies); and a
+    target that soft-caps its logits caps the drafter's training logits the same way."""
+    from types import SimpleNamespace
+
+    from memra_cli.train.drafter import TrainDrafter
+    from memra_cli.train.losses import DraftSpec, draft_logits
+
+    gen = torch.Generator().manual_seed(0)
+    embed, head = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
+    torch.manual_seed(0)
+    drafter = TrainDrafter(16, 1, 2, 1, 24, 1, 32)
+    ids, anc, taps = torch.randint(0, 31, (2, 12), generator=gen), torch.tensor([[2, 5], [3, 6]]), torch.randn(2, 12, 16)
+    scaled = draft_logits(drafter, SimpleNamespace(embed_weight=embed, head_weight=head, tap_batch=None), ids, anc,
+                          DraftSpec("dflash", 4, (0,), 31, emb_scale=8.0), taps)[0]
+    premultiplied = draft_logits(drafter, SimpleNamespace(embed_weight=embed * 8.0, head_weight=head, tap_batch=None),
+                                 ids, anc, DraftSpec("dflash", 4, (0,), 31), taps)[0]
+    raw = draft_logits(drafter, SimpleNamespace(embed_weight=embed, head_weight=head, tap_batch=None), ids, anc,
+                       DraftSpec("dflash", 4, (0,), 31), taps)[0]
+    assert torch.equal(scaled, premultiplied) and not torch.allclose(scaled, raw)
+    # a Gemma target caps its logits (its lm_head, which the drafter's logits go through at inference)
+    capped = draft_logits(drafter, SimpleNamespace(embed_weight=embed, head_weight=head, tap_batch=None, logit_softcap=2.0),
+                          ids, anc, DraftSpec("dflash", 4, (0,), 31), taps)[0]
+    assert torch.equal(capped, torch.tanh(raw / 2.0) * 2.0) and capped.abs().max() < 2.0 < raw.abs().max()
+
+
+def test_a_dspark_drafter_for_gemma4_is_refused_by_name(setup, tmp_path):
+    from memra_cli.tiny.gemma4 import make_tiny_gemma4
+
+    _, _, prompts = setup
+    target, out = make_tiny_gemma4(tmp_path / "gemma4", layout="multimodal", tokenizer=True), tmp_path / "out"
+    _refused(train("--target", target, "--kind", "dspark", "--prompts", prompts, "--out", out), out,
+             "--kind dspark: a gemma4 target's DeepSpec drafter is Gemma4DSparkModel")
+
+
+def _ranks_run(target: Path, out: Path, n: int) -> list[dict]:
+    import os
+    import subprocess
+    import sys
+
+    out.mkdir()
+    worker = Path(__file__).with_name("train_ranks_worker.py")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                          str(worker), str(target), str(out)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(n)]
+
+
+@pytest.mark.exhaustive
+def test_data_parallel_ranks_average_their_gradients_and_hold_one_drafter(setup, tmp_path):
+    """Two ranks (gloo on the CPU), each on its own sequences: after every step both hold the same
+    drafter, bit for bit (the averaged gradients), which is not what rank 0 trains alone; the
+    token count is the group's."""
+    _, target, _ = setup
+    two = _ranks_run(target, tmp_path / "two", 2)
+    alone = _ranks_run(target, tmp_path / "alone", 1)[0]
+    for name, w in two[0]["drafter"].items():
+        assert torch.equal(w, two[1]["drafter"][name]), name
+    assert any(not torch.equal(w, alone["drafter"][name]) for name, w in two[0]["drafter"].items())
+    assert two[0]["tokens"] == 2 * alone["tokens"] == 3 * 2 * 2 * 24  # steps x batch x ranks x length

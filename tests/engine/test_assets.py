@@ -344,3 +344,56 @@ def test_walk_tau_counts_rounds_as_the_bench_does(monkeypatch):
     monkeypatch.setattr(train_draft, "target_taps", lambda target, ids, taps: None)
     out = walk_tau(types.SimpleNamespace(markov_head=None), None, seqs, spec, prompt_len=1, device=torch.device("cpu"))
     assert out["rounds"] == 2 * 21 and out["tau_walk"] == round(36 / 21, 3)
+    # walked over the first 20 tokens past the prompt only (the bench's stretch): the last anchor
+    # with a whole block there is 1 + 20 - 1 - 4 = 16, reached in the right stretch: 5 rounds of 4
+    out = walk_tau(types.SimpleNamespace(markov_head=None), None, seqs, spec, prompt_len=1, device=torch.device("cpu"),
+                   answer_len=20)
+    assert out["rounds"] == 2 * 5 and out["tau_walk"] == 4.0
+
+
+@pytest.mark.exhaustive
+def test_a_drafter_trains_over_two_ranks_each_on_its_own_data_shards(tmp_path):
+    """The four-GPU retrain (benchmarks/gpu/build_assets.sh retrain on four GPUs) at toy size on
+    the CPU: a second data shard (another draw of prompts, the held-out splits only in data.pt),
+    then the drafter stage under torch.distributed.run over two gloo ranks, each on its own shard,
+    with a budget the ranks must agree to stop at; rank 0 alone writes the drafter and its entry."""
+    import os
+    import subprocess
+    import sys
+
+    old, work = tmp_path / "old", tmp_path / "work"
+    assert build_main(["--smoke", "--out", str(old), "--device", "cpu"]) == 0
+    for stage in (["--stage", "seed", "--from", str(old)], ["--stage", "data"], ["--stage", "data", "--shard", "1"]):
+        assert build_main(["--smoke", "--work", str(work), "--device", "cpu", *stage]) == 0
+    shard0, shard1 = (torch.load(work / name) for name in ("data.pt", "data.shard1.pt"))
+    assert shard1.keys() == {"train"} and shard1["train"][0].shape == shard0["train"][0].shape
+    assert not torch.equal(shard1["train"][0], shard0["train"][0])  # another draw, not a copy
+    with pytest.raises(SystemExit, match="no data.shard2.pt"):
+        build_main(["--smoke", "--work", str(work), "--device", "cpu", "--stage", "drafter", "--kind", "dspark",
+                    "--shards", "3"])
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                          "memra_cli.assets.build", "--smoke", "--work", str(work), "--device", "cpu", "--stage",
+                          "drafter", "--kind", "dspark", "--shards", "2", "--draft-steps", "100000",
+                          "--draft-budget-s", "2"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    entry = json.loads((work / "drafters" / "dspark.json").read_text())
+    assert entry["ranks"] == 2 and entry["data_shards"] == 2 and entry["budget_s"] == 2.0
+    # both ranks stopped at one step (else the other would wait in its next all-reduce and time out):
+    # the plan made at step 40, or the budget agreed at a tenth step on a slow machine
+    assert 0 < entry["steps_run"] < 100000
+    assert entry["sequences_trained"] == entry["steps_run"] * 2 * 2  # smoke batch 2, two ranks
+    assert take_census(work / "drafters" / "dspark").markov is not None
+
+
+def test_fixed_sequences_count_only_the_benchs_answer_length_past_each_prompt():
+    """The build's rows are prompt_len + cont_len long whatever the prompt: a short function head
+    runs on past the bench's 128 tokens. With `answer_len`, a row's length (where the job draws
+    its blocks: anchors <= length - 1 - block) stops answer_len tokens past its own prompt."""
+    from memra_cli.train.online import FixedSequences
+
+    seqs = torch.arange(3 * 40).view(3, 40)
+    ids, lengths, plens = FixedSequences(seqs, torch.tensor([4, 20, 35]), answer_len=10).batch([2, 0, 1], pad=0)
+    assert torch.equal(ids, seqs[[2, 0, 1]]) and plens.tolist() == [35, 4, 20]
+    assert lengths.tolist() == [40, 14, 30]  # cut at L where the prompt leaves fewer than answer_len
+    assert FixedSequences(seqs, torch.tensor([4, 20, 35])).batch([0], pad=0)[1].tolist() == [40]
