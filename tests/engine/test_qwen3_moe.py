@@ -286,3 +286,33 @@ def test_priced_window_on_a_dense_target_is_the_confidence_slot_window_and_says_
     a, b = engine.session(ids, 40, priced, eos_ids=()), engine.session(ids, 40, slot, eos_ids=())
     assert a.run() == b.run() and a.stats.accept_hist == b.stats.accept_hist
 
+
+
+# --------------------------------------------------------------------------- the expert counter
+
+
+def test_the_expert_counter_counts_on_the_device_and_not_in_a_graphs_warm_up(monkeypatch):
+    """layers/moe.py `ExpertReads` (every MoE family's): a call and its distinct experts, added
+    without a host read; nothing inside `not_counted`, which `cuda_graphs.capture` holds over its
+    two warm-up runs (here with torch.cuda's stream and graph calls stood in for, so the CPU runs
+    the capture's code: the recorded run counts, as its replays will)."""
+    import contextlib
+    import types
+
+    from host_reads import NoHostReads
+    from memra_cli.engine.runtime import cuda_graphs
+
+    reads = moe.ExpertReads(EXPERTS, torch.device("cpu"))
+    with NoHostReads():
+        reads.count(torch.tensor([[3, 1], [1, 5]]))
+        with moe.not_counted():
+            reads.count(torch.tensor([[0, 2]]))
+    assert reads.snapshot() == (1, 3)
+    fake = types.SimpleNamespace(Stream=lambda device: types.SimpleNamespace(wait_stream=lambda s: None),
+                                 current_stream=lambda device: types.SimpleNamespace(wait_stream=lambda s: None),
+                                 stream=lambda s: contextlib.nullcontext(), CUDAGraph=lambda: "graph",
+                                 graph=lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_graphs.torch, "cuda", fake)
+    runs = []
+    graph, _ = cuda_graphs.capture(lambda: runs.append(1) or reads.count(torch.tensor([[7, 6]])), "cpu")
+    assert len(runs) == 3 and reads.snapshot() == (2, 5)  # two warm-ups uncounted, the captured run counted
