@@ -185,7 +185,8 @@ def test_graphed_sessions_read_nothing_on_the_host(dirs, tmp_path, monkeypatch):
     """The family declares itself capturable: on the CPU stand-in of a capture (the twin then
     runs every expert, as on CUDA), graphed steps and the drafter's graphs read nothing on the
     host, count their experts, and equal plain greedy. (Whole-round graphs over the hybrid need
-    test_qwen3_5.py's stand-in, which undoes a replayed step's Python side effects.)"""
+    test_qwen3_5.py's stand-in, which undoes a replayed step's Python side effects: its round-graph
+    test's `-moe` case.)"""
     from memra_cli.tiny.draft import make_tiny_draft
 
     captures = eager_capture(monkeypatch)
