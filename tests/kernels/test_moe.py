@@ -115,16 +115,14 @@ def test_planted_wrong_expert_index_is_caught():
 
 
 def test_planted_wrong_activation_is_caught():
-    """Each activation's twin sees the kernels run with the other one (the planted bug of a
-    Gemma expert switched to SiLU, or a Qwen expert to GELU-tanh), in float32's bound and in
-    bfloat16's."""
+    """The GELU-tanh twin sees the kernels run with SiLU (a Gemma expert on the Qwen epilogue) in
+    float32's bound: the bound tells the two activations apart. (A swapped switch, the other way
+    too, fails test_kernel_matches_the_twin, which runs each activation.)"""
 
-    def other_activation(x, w, ids, gu, down, act):
-        return moe.moe_swiglu(x, w, ids, gu, down, "silu" if act == "gelu_tanh" else "gelu_tanh")
+    def silu_instead(x, w, ids, gu, down, act):
+        return moe.moe_swiglu(x, w, ids, gu, down, "silu")
 
-    for act in ("silu", "gelu_tanh"):
-        assert twin_violations(other_activation, 16, 2, torch.float32, activation=act) > 0, act
-    assert twin_violations(other_activation, 16, 2, torch.bfloat16, activation="gelu_tanh") > 0
+    assert twin_violations(silu_instead, 8, 2, torch.float32, activation="gelu_tanh") > 0
 
 
 # ----------------------------------------------------------------------------- invariance
