@@ -29,7 +29,7 @@ from memra_cli.engine.errors import CheckpointError, ConfigError, UnsupportedErr
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.models import gemma4_moe
 from memra_cli.engine.models.base import load_target, target_family
-from memra_cli.engine.models.gemma4 import Gemma4Target, gemma_rms_norm
+from memra_cli.engine.models.gemma4 import Gemma4Target
 from memra_cli.engine.models.gemma4_moe import Gemma4MoeTarget
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.priced import step_cost_of

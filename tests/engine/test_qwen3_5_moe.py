@@ -20,7 +20,7 @@ from functools import partial
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from memra_cli.engine.api import resolve_cuda_graphs
 from memra_cli.engine.errors import CheckpointError, ConfigError, UnsupportedError

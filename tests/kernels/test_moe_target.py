@@ -215,7 +215,8 @@ def test_the_other_families_graphed_with_the_kernels_read_nothing_on_the_host(tm
     prompt = _ids(9, 5).tolist()
     plain = greedy_reference(StepRunner(model, W), prompt, 12)
     engine = _graphed_on_cpu(model, round_graphs=False)
-    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=taps, num_target_layers=model.n_layers)
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=taps,
+                            num_target_layers=model.n_layers)
     arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
     with engine.session(prompt, 12, arm, eos_ids=()) as session:
         assert session.run() == plain
