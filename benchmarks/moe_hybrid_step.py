@@ -1,11 +1,15 @@
-"""A Qwen3.5 MoE hybrid target step of vt rows against the read floor of the weights it touched.
+"""A Qwen3.5 MoE hybrid target step of vt rows against the read floor of the weights it touched,
+on the torch step ops (the MoE twin) and on the Triton step ops (the MoE kernels), side by side.
 
 `benchmarks/moe_step.py`'s measurement at the Qwen3.5-35B-A3B shape (random weights built in
-memory, one process): a context prefilled, then a fixed step of vt rows for vt = 1..16 (median
-of --iters, device synchronised; the step only reads the committed recurrent state, so it can
-repeat), the experts it ran per layer (counted by the target), the weight bytes it read (every
-non-expert weight, counted from the loaded tensors, plus the measured expert union), the read
-bandwidth measured in the same process, and the ratio of time to that floor, with peak memory.
+memory, one process): per step-ops variant (`--ops`: `torch`, `triton`; both on CUDA, the twin
+alone elsewhere), a context prefilled, then a fixed step of vt rows for vt = 1..16 (median of
+--iters eager steps, device synchronised; the step only reads the committed recurrent state, so
+it can repeat) and, on CUDA with the kernels, the same step replayed as a CUDA graph (what the
+engine runs: the family is capturable); the experts it ran per layer (counted by the target over
+the eager steps), the weight bytes it read (every non-expert weight, counted from the loaded
+tensors, plus the measured expert union), the read bandwidth measured in the same process, and
+the ratio of time to that floor, with peak memory.
 
     python -m benchmarks.moe_hybrid_step --shape a3b --device cuda --dtype bfloat16 --json OUT.json
     python -m benchmarks.moe_hybrid_step --shape tiny --device cpu --iters 1   # the CPU smoke test's run
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.moe_step import read_bandwidth, sync
+from benchmarks.moe_step import graphed_ms, parse_ops, read_bandwidth, step_ops, sync
 from memra_cli.engine.formats.qwen3_5_config import FULL, parse_qwen35_config
 from memra_cli.engine.models.qwen3_5 import AttnWeights, GdnWeights, LayerWeights
 from memra_cli.engine.models.qwen3_5_moe import Qwen35MoeLayerWeights, Qwen35MoeTarget
@@ -86,7 +90,10 @@ def measure(model: Qwen35MoeTarget, state, context: int, vt: int, iters: int) ->
         sync(dev)
         times.append(time.perf_counter() - t0)
     calls, experts = model.expert_reads[0] - before[0], model.expert_reads[1] - before[1]
-    return {"vt": vt, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
+    row = {"vt": vt, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
+    if dev.type == "cuda" and model.step_ops.name == "triton":  # a captured twin runs every expert: not timed
+        row["graph_ms"], row["graph_error"] = graphed_ms(lambda: model.static_step(ids, positions, state), iters)
+    return row
 
 
 def main(argv: list[str]) -> int:
@@ -95,28 +102,41 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
+    ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton "
+                    "(default: both on CUDA, torch elsewhere)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
+    ops = parse_ops(a.ops, dev)
+    if ops is None:
+        print(f"error: --ops {a.ops!r}: expected torch and/or triton (triton needs --device cuda)", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     model = build(a.shape, dtype, dev)
     cost = step_cost_of(model)
     bw = read_bandwidth(dev, 1 << (32 if dev.type == "cuda" else 26), a.iters)
-    state = model.new_state(a.context + 16)
-    with torch.no_grad():
-        model.forward(torch.randint(0, model.cfg.vocab_size, (a.context,), device=dev), 0, state)
+    prompt = torch.randint(0, model.cfg.vocab_size, (a.context,), device=dev)
     rows = []
-    for vt in (int(v) for v in a.vts.split(",")):
-        r = measure(model, state, a.context, vt, a.iters)
-        floor = cost.fixed_bytes + cost.sparse_layers * r["experts_per_layer"] * cost.expert_bytes
-        r.update(floor_gb=floor / 1e9, floor_ms=1e3 * floor / bw, ratio=r["ms"] / (1e3 * floor / bw),
-                 model_union=cost.expected_union(vt))
-        rows.append(r)
-        print(f"vt={vt:2d}  {r['ms']:8.3f} ms  experts/layer {r['experts_per_layer']:6.1f} "
-              f"(independent {r['model_union']:6.1f})  floor {r['floor_gb']:.3f} GB {r['floor_ms']:.3f} ms  "
-              f"x{r['ratio']:.2f}")
+    for name in ops:
+        model.step_ops = step_ops(name)
+        state = model.new_state(a.context + 16)
+        with torch.no_grad():
+            model.forward(prompt, 0, state)
+        for vt in (int(v) for v in a.vts.split(",")):
+            r = {"ops": name, **measure(model, state, a.context, vt, a.iters)}
+            floor = cost.fixed_bytes + cost.sparse_layers * r["experts_per_layer"] * cost.expert_bytes
+            r.update(floor_gb=floor / 1e9, floor_ms=1e3 * floor / bw, ratio=r["ms"] / (1e3 * floor / bw),
+                     model_union=cost.expected_union(vt))
+            if r.get("graph_ms"):
+                r["graph_ratio"] = r["graph_ms"] / r["floor_ms"]
+            rows.append(r)
+            graphed = f"  graph {r['graph_ms']:8.3f} ms x{r['graph_ratio']:.2f}" if r.get("graph_ms") else (
+                f"  graph failed: {r['graph_error']}" if r.get("graph_error") else "")
+            print(f"{name:6s} vt={vt:2d}  {r['ms']:8.3f} ms  experts/layer {r['experts_per_layer']:6.1f} "
+                  f"(independent {r['model_union']:6.1f})  floor {r['floor_gb']:.3f} GB {r['floor_ms']:.3f} ms  "
+                  f"x{r['ratio']:.2f}{graphed}")
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     out = {"shape": a.shape, "device": str(dev), "dtype": a.dtype, "context": a.context, "iters": a.iters,
            "read_tbps": bw / 1e12, "peak_gib": peak, "fixed_gb": cost.fixed_bytes / 1e9, "rows": rows,

@@ -11,6 +11,9 @@ product is exact in float32). The only difference left is Triton's exp/divide (f
 GPU) against torch's, a float32 ulp or so that rarely survives the rounding to bf16.
 
 Row invariance: purely elementwise; each output element depends only on its own gate/up pair.
+
+`gelu_tanh_mul_rounded` is the same epilogue with GELU-tanh (Gemma 4's MoE experts, in the MoE
+kernels' gate/up epilogue: moe.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,20 @@ def silu_mul_rounded(g, u, dt: tl.constexpr):
     dense_linear's gate/up epilogue, which therefore gives this kernel's bits."""
     g = g.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # rounded like torch's F.silu output
+    return (act * u.to(tl.float32)).to(dt)
+
+
+@triton.jit
+def gelu_tanh_mul_rounded(g, u, dt: tl.constexpr):
+    """gelu_tanh(g) * u in `dt`, rounded as `silu_mul_rounded` is (the activation in float32,
+    rounded to `dt` before the multiply). 0.5·g·(1 + tanh(z)) is written g / (1 + exp(-2z)),
+    z = sqrt(2/pi)·(g + 0.044715·g³): the same value without a tanh (the interpreter has none),
+    saturating through exp's overflow to g / inf = -0, as torch's 1 + tanh(z) reaches 0. Near
+    that tail torch's tanh loses the last ~1e-7 of 1 + tanh; this form keeps it, an absolute
+    difference below 1e-7·|g|."""
+    g = g.to(tl.float32)
+    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) * (...)
+    act = (g / (1.0 + tl.exp(-2.0 * z))).to(dt).to(tl.float32)  # rounded like torch's F.gelu output
     return (act * u.to(tl.float32)).to(dt)
 
 

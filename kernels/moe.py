@@ -1,4 +1,4 @@
-"""The routed experts of a few-row step: grouped SwiGLU and the weighted combine, three launches.
+"""The routed experts of a few-row step: grouped GLU and the weighted combine, three launches.
 
 A decode or verify step of M rows (M <= 32, the verify width; a longer call runs in row tiles)
 with top-k routing already computed (`experts [M, k]`, `weights [M, k]`) reads, per sparse
@@ -7,7 +7,8 @@ once per step however many rows chose it, and never touch the others:
 
 1. `_moe_gate_up_kernel`, one program per (expert, `I` tile): the rows that picked the expert
    (found on the device, from `experts`) form one tile of x; gate and up are two dots over the
-   same weight stream, SiLU·mul in the epilogue (`activation.silu_mul_rounded`), written to the
+   same weight stream, act·mul in the epilogue (`activation.silu_mul_rounded`, or
+   `gelu_tanh_mul_rounded` with `activation="gelu_tanh"`: Gemma 4's experts), written to the
    row's (row, slot) line of an `[M*k, I]` buffer. An expert no row picked exits at once.
 2. `_moe_down_kernel`, one program per (expert, hidden tile): the down matmul of those lines,
    written to `[M*k, hidden]` (model dtype).
@@ -26,7 +27,7 @@ op for op in the model dtype), so kernel and twin differ only in float32 summati
 
 Preconditions (what `layers/moe.route` produces): expert ids in [0, E), distinct within a row.
 
-Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `eligible`, `moe_swiglu`, `moe_swiglu_ref`.
+Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `eligible`, `moe_swiglu`, `moe_swiglu_ref`.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ import triton.language as tl
 
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args, pdl_wait
-from .activation import silu_mul_rounded
-from .moe_ref import moe_swiglu_ref  # noqa: F401  (the twin: the op's one torch body)
+from .activation import gelu_tanh_mul_rounded, silu_mul_rounded
+from .moe_ref import ACTIVATIONS, check_activation, moe_swiglu_ref  # noqa: F401  (the twin: the op's one torch body)
 
-__all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "eligible", "moe_swiglu", "moe_swiglu_ref"]
+__all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "ACTIVATIONS", "eligible", "moe_swiglu", "moe_swiglu_ref"]
+
+_ACT_CODE = {"silu": 0, "gelu_tanh": 1}  # the gate/up kernel's ACT switch, by ACTIVATIONS' names
 
 # Rows a program multiplies: a step of up to BLOCK_M rows (the verify width) reads each routed
 # expert once; a longer call (a prefill chunk) runs row tiles of BLOCK_M, each reading its own.
@@ -99,9 +102,10 @@ def _dot(w, x, acc, PREC: tl.constexpr, WIDEN: tl.constexpr):
 def _moe_gate_up_kernel(x_ptr, ids_ptr, wgu_ptr, act_ptr, M, H, I, stride_xm, stride_we, stride_wr,
                         K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_I: tl.constexpr, PREC: tl.constexpr,
-                        WIDEN: tl.constexpr, PDL: tl.constexpr = False):
-    """act [(row, slot), I tile] = silu(x_row @ gate_e.T) * (x_row @ up_e.T) for the rows of this
-    row tile that picked expert e = program_id(0); `wgu [E, 2I, H]` (gate rows first)."""
+                        WIDEN: tl.constexpr, ACT: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """act [(row, slot), I tile] = a(x_row @ gate_e.T) * (x_row @ up_e.T) for the rows of this
+    row tile that picked expert e = program_id(0); `wgu [E, 2I, H]` (gate rows first); a = silu
+    (ACT 0) or gelu_tanh (ACT 1)."""
     pdl_wait(PDL)
     e = tl.program_id(0)
     rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
@@ -130,7 +134,10 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, wgu_ptr, act_ptr, M, H, I, stride_xm, st
             x_ptrs += BLOCK_K
         dt = act_ptr.dtype.element_ty
         # gate and up rounded to the model dtype first, as the twin's matmul output is
-        act = silu_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)  # [BLOCK_M, BLOCK_I]
+        if ACT == 1:
+            act = gelu_tanh_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)  # [BLOCK_M, BLOCK_I]
+        else:
+            act = silu_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)
         line = (rows * K_TOP + slot).to(tl.int64)
         tl.store(act_ptr + line[:, None] * I + offs_i[None, :], act, mask=picked[:, None] & i_ok[None, :])
 
@@ -218,11 +225,12 @@ def _check(x, weights, experts, w_gate_up, w_down) -> None:
 
 
 def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
-               w_down: torch.Tensor, *, config: MoeConfig | None = None) -> torch.Tensor:
+               w_down: torch.Tensor, activation: str = "silu", *, config: MoeConfig | None = None) -> torch.Tensor:
     """`moe_swiglu_ref` on the kernels: `x [t, hidden]`, `weights [t, k]`, `experts [t, k]`
     (ids in [0, E), distinct in a row), `w_gate_up [E, 2I, hidden]`, `w_down [E, hidden, I]`
-    -> `[t, hidden]` in x's dtype (float32 accumulation). `config` overrides the tiles (tests,
-    benchmarks)."""
+    -> `[t, hidden]` in x's dtype (float32 accumulation); `activation` the gate's (`ACTIVATIONS`:
+    silu, gelu_tanh). `config` overrides the tiles (tests, benchmarks)."""
+    check_activation(activation)
     _check(x, weights, experts, w_gate_up, w_down)
     cfg = (config or CONFIG).check()
     m, h = x.shape
@@ -242,7 +250,8 @@ def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_
     row_tiles = triton.cdiv(m, BLOCK_M)
     _moe_gate_up_kernel[(n_exp, triton.cdiv(inter, cfg.block_i), row_tiles)](
         x, ids, w_gate_up, act, m, h, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        BLOCK_I=cfg.block_i, EVEN_K=h % cfg.block_k == 0, EVEN_I=inter % cfg.block_i == 0, **common, **pdl_args(x))
+        BLOCK_I=cfg.block_i, EVEN_K=h % cfg.block_k == 0, EVEN_I=inter % cfg.block_i == 0,
+        ACT=_ACT_CODE[activation], **common, **pdl_args(x))
     _moe_down_kernel[(n_exp, triton.cdiv(h, cfg.block_n), row_tiles)](
         act, ids, w_down, y, m, h, inter, w_down.stride(0), w_down.stride(1),
         BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0, EVEN_N=h % cfg.block_n == 0, **common, **pdl_args(x))

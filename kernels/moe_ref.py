@@ -1,6 +1,9 @@
-"""The routed experts' SwiGLU and combine, the one torch body (no triton): the twin `moe.py`'s
+"""The routed experts' GLU and combine, the one torch body (no triton): the twin `moe.py`'s
 kernels are tested against, and what the engine's torch path runs (`TorchStepOps.moe_swiglu`,
 `layers/moe.py`).
+
+The gate activation is a switch (`ACTIVATIONS`): `silu` (SwiGLU, the Qwen families' experts) or
+`gelu_tanh` (GELU with the tanh approximation, Gemma 4's experts). Everything else is one body.
 
 Row invariance at a fixed step width: each expert that any row picked runs once, over a buffer
 of the step's full width holding its rows in their own slots (zeros elsewhere), so a row's
@@ -17,29 +20,40 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# the gate activations the op takes, by the name the step ops and kernels share
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
+
 
 def capturing(x: torch.Tensor) -> bool:
     """Whether `x`'s stream is capturing a CUDA graph now (a host read would fail the capture)."""
     return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
-def moe_swiglu_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                   w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """Σ_j weights[r, j] · down_e(silu(gate_e(x_r)) · up_e(x_r)), e = experts[r, j], for
-    `x [t, hidden]`, `weights [t, k]` (x's dtype), `experts [t, k]` (int, distinct in a row);
-    `w_gate_up [E, 2*I, hidden]` (gate rows first), `w_down [E, hidden, I]`. Returns `[t, hidden]`.
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
 
-    Roundings, in the model dtype, in this order: each gate / up product, silu(gate), its product
+
+def moe_swiglu_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                   w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Σ_j weights[r, j] · down_e(act(gate_e(x_r)) · up_e(x_r)), e = experts[r, j], for
+    `x [t, hidden]`, `weights [t, k]` (x's dtype), `experts [t, k]` (int, distinct in a row);
+    `w_gate_up [E, 2*I, hidden]` (gate rows first), `w_down [E, hidden, I]`; `activation` a key
+    of `ACTIVATIONS` (silu: SwiGLU). Returns `[t, hidden]`.
+
+    Roundings, in the model dtype, in this order: each gate / up product, act(gate), its product
     with up, the down product, the product with the routing weight, and each add of the combine
     (ascending expert index, the order transformers' expert loop adds them, from zeros).
     """
+    check_activation(activation)
+    act = ACTIVATIONS[activation]
     out = torch.zeros_like(x)
     for e in range(w_gate_up.shape[0]) if capturing(x) else torch.unique(experts).tolist():
         hit = experts == e  # [t, k]; at most one True per row (top-k picks distinct experts)
         rows = hit.any(dim=-1)
-        buf = torch.where(rows[:, None], x, torch.zeros((), dtype=x.dtype))
+        buf = torch.where(rows[:, None], x, x.new_zeros(()))  # on x's device: a capture refuses a CPU operand
         gate, up = F.linear(buf, w_gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w_down[e])  # [t, hidden]
+        y = F.linear(act(gate) * up, w_down[e])  # [t, hidden]
         w = (weights * hit).sum(dim=-1)  # the row's weight for e, 0 where it did not pick e
         out = torch.where(rows[:, None], out + y * w[:, None], out)
     return out

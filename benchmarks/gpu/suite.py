@@ -143,7 +143,8 @@ PARTS = {p.name: p for p in (
     Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, Triton and torch step ops, ms", 300, _gemma4_step),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step and MoE op at vt rows, torch twin vs the MoE kernels, vs the read "
          "floor of the expert union, ms", 240, _moe_step),
-    Part("moe_hybrid_step", "Qwen3.5-35B-A3B-shape hybrid MoE step (torch expert op) vs its read floor, ms", 200,
+    Part("moe_hybrid_step", "Qwen3.5-35B-A3B-shape hybrid MoE step at vt rows, torch twin vs the MoE kernels (eager "
+         "and graphed), vs its read floor, ms", 200,
          _moe_hybrid_step),
     Part("train_throughput", "memra train's step at the Qwen3-8B shape with online taps, target tokens/s", 150,
          _train_throughput),

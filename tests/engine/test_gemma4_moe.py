@@ -18,25 +18,29 @@ layouts, speculative arms over it, and its refusals.
 
 from __future__ import annotations
 
-import copy
+from functools import partial
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from memra_cli.engine.api import resolve_cuda_graphs
 from memra_cli.engine.errors import CheckpointError, ConfigError, UnsupportedError
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.models import gemma4_moe
 from memra_cli.engine.models.base import load_target, target_family
-from memra_cli.engine.models.gemma4 import Gemma4Target, gemma_rms_norm
+from memra_cli.engine.models.gemma4 import Gemma4Target
 from memra_cli.engine.models.gemma4_moe import Gemma4MoeTarget
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.priced import step_cost_of
 from memra_cli.tiny.gemma4 import make_tiny_gemma4
 from memra_cli.tiny.target import special_token_ids
 
+import spec_arms
 from fp32_bounds import layer_reductions, reorder_bound
-from spec_arms import assert_arm_equals_plain, assert_session_equals_plain, assert_groupings_equal, make_drafts
+from spec_arms import (RouteRecorder, assert_arm_equals_plain, assert_graphed_session_equals_plain,
+                       assert_groupings_equal, assert_session_equals_plain, assert_steps_share_and_split,
+                       eager_capture, hf_greedy, hf_logits_and_routes, make_drafts, rel_err)
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -67,13 +71,8 @@ def models(dirs):
             for name in VARIANTS}
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB - 4, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
+prompt = partial(spec_arms.prompt, top=VOCAB - 4)
+ROUTER = "Gemma4TextRouter"  # transformers' router module, whose third output is the expert ids
 
 
 def ours_logits(target, ids):
@@ -89,44 +88,15 @@ def logits_bound(cfg, keys: int) -> float:
     return reorder_bound(*layer * cfg.num_hidden_layers, h, h)
 
 
-class RouteRecorder:
-    """Wraps the module's `gemma_route`: keeps the expert ids `[t, k]` of every call (`calls`)
-    and of every 16-row call as lists (`steps`)."""
-
-    def __init__(self):
-        self.steps, self.calls = [], []
-        self.real = gemma4_moe.gemma_route
-
-    def __call__(self, x, w, k, eps, linear):
-        weights, ids = self.real(x, w, k, eps, linear)
-        self.calls.append(ids)
-        if x.shape[0] == 16:
-            self.steps.append(ids.tolist())
-        return weights, ids
-
-
-@torch.no_grad()
-def hf_logits_and_routes(hf, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """transformers' logits `[t, V]` and, per layer in order, the expert ids `[t, k]` its router
-    picked (the third output of `Gemma4TextRouter`, in descending probability)."""
-    routes = []
-    hooks = [m.register_forward_hook(lambda mod, args, out: routes.append(out[2]))
-             for m in hf.modules() if type(m).__name__ == "Gemma4TextRouter"]
-    try:
-        logits = hf(input_ids=torch.tensor([ids])).logits[0]
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return logits, routes
-
-
 # --------------------------------------------------------------------------- registry and layouts
 
 
 def test_the_registry_picks_the_moe_class_from_config_json(dirs):
     assert target_family(dirs["base"]) is target_family(dirs["multimodal"]) is Gemma4MoeTarget
     assert target_family(dirs["dense"]) is Gemma4Target
-    assert Gemma4MoeTarget.supports_cuda_graphs is False and "expert ids on the host" in Gemma4MoeTarget.graphs_note
+    # capturable (the step reads nothing on the host): graphs default on with CUDA and a fixed width
+    on, drafter, _ = resolve_cuda_graphs(None, torch.device("cuda"), 16, {}, Gemma4MoeTarget)
+    assert Gemma4MoeTarget.supports_cuda_graphs and on and drafter
     for cls, d, flag in ((Gemma4Target, dirs["base"], "true"), (Gemma4MoeTarget, dirs["dense"], "false")):
         with pytest.raises(UnsupportedError, match=f"enable_moe_block={flag} is not a {cls.__name__} target") as err:
             cls.from_dir(d)
@@ -168,13 +138,13 @@ def test_multimodal_and_per_expert_layouts_load_the_same_model_and_the_block_mat
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_match_transformers(models, variant, monkeypatch):
     target, hf = models[variant]
-    rec = RouteRecorder()
+    rec = RouteRecorder(gemma4_moe.gemma_route)
     monkeypatch.setattr(gemma4_moe, "gemma_route", rec)
     for n, seed in ((1, 0), (7, 1), (40, 2)):  # 40 > the window of 8
         ids = prompt(n, seed)
         rec.calls.clear()
         ours = ours_logits(target, ids)
-        ref, routes = hf_logits_and_routes(hf, ids)
+        ref, routes = hf_logits_and_routes(hf, ids, ROUTER)
         # every row routed to the experts transformers picked, layer by layer, in its order
         assert len(routes) == len(rec.calls) == target.n_layers
         assert all(torch.equal(a, b) for a, b in zip(rec.calls, routes)), (variant, n)
@@ -184,19 +154,12 @@ def test_logits_match_transformers(models, variant, monkeypatch):
 def test_greedy_equals_transformers_over_steps_that_share_and_split_experts(models, monkeypatch):
     target, hf = models["ple-shared"]  # untied: a tied random Gemma echoes its last token
     ids = prompt(11, 5)
-    x = torch.tensor([ids])
-    gc = copy.deepcopy(hf.generation_config)
-    gc.eos_token_id, gc.pad_token_id = VOCAB, EOS  # never stops early: VOCAB is never produced
-    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens, gc.max_length = False, 256, None, None
-    gc.top_k = gc.top_p = None
-    with torch.no_grad():
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)[0, len(ids):].tolist()
-    rec = RouteRecorder()
+    ref = hf_greedy(hf, ids, 256, VOCAB, pad=EOS)
+    rec = RouteRecorder(gemma4_moe.gemma_route)
     monkeypatch.setattr(gemma4_moe, "gemma_route", rec)
     assert greedy_reference(StepRunner(target, 16), ids, 256) == ref
     assert len(set(ref)) > 20, "degenerate tiny model"
-    pairs = [(set(a), set(b)) for step in rec.steps[:40] for a in step for b in step if a is not b]
-    assert any(a & b for a, b in pairs) and any(not a & b for a, b in pairs)
+    assert_steps_share_and_split(rec.steps)
 
 
 # --------------------------------------------------------------------------- speculative arms
@@ -230,11 +193,29 @@ def test_bf16_dflash_session_equals_plain_greedy(dirs, tmp_path):
     assert_session_equals_plain(target, draft, SPEC_PROMPTS, 32)
 
 
+# --------------------------------------------------------------------------- graphs
+
+
+@pytest.mark.parametrize("round_graphs", [False, True], ids=["step-graphs", "round-graphs"])
+def test_graphed_sessions_read_nothing_on_the_host(dirs, tmp_path, monkeypatch, round_graphs):
+    """The family declares itself capturable: on the CPU stand-in of a capture (the twin then
+    runs every expert, as on CUDA), a graphed prefill, graphed steps or whole rounds and the
+    drafter's graphs read nothing on the host, count their experts, and equal plain greedy."""
+    from memra_cli.tiny.draft import make_tiny_draft
+
+    captures = eager_capture(monkeypatch)
+    target = Gemma4MoeTarget.from_dir(dirs["ple-shared"])
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=(-1, 1, 3),
+                            num_target_layers=target.n_layers)
+    assert_graphed_session_equals_plain(target, draft, prompt(9, 5), 12, 8, round_graphs, captures)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_groupings_and_arms_equal_plain_greedy(dirs, tmp_path):
-    """On CUDA in bfloat16 with the step ops' kernels (this family runs without graphs): the
-    fixed-width logits do not depend on the grouping, and DFlash / DSpark sessions equal plain greedy."""
+    """On CUDA in bfloat16 with the step ops' kernels (the MoE kernels, GELU-tanh, among them):
+    the fixed-width logits do not depend on the grouping, and DFlash / DSpark sessions, eager
+    and with CUDA graphs, equal plain greedy over eager steps."""
     from memra_cli.engine.layers.step_ops import select_step_ops
     from memra_cli.tiny.draft import make_tiny_draft
 
@@ -244,7 +225,8 @@ def test_cuda_bf16_groupings_and_arms_equal_plain_greedy(dirs, tmp_path):
     for mode, fmt, extra in (("dflash", "zlab", {}), ("dspark", "deepspec", dict(markov_rank=16, confidence="markov"))):
         draft = make_tiny_draft(tmp_path / mode, fmt, target_layer_ids=(-1, 1, 3), num_target_layers=target.n_layers,
                                 dtype=torch.bfloat16, **extra)
-        assert_session_equals_plain(target, draft, SPEC_PROMPTS, 32, mode)
+        for graphs in (False, True):
+            assert_session_equals_plain(target, draft, SPEC_PROMPTS, 32, mode, graphs)
 
 
 # --------------------------------------------------------------------------- refusals
@@ -282,23 +264,23 @@ def test_more_routed_experts_than_experts_is_refused(dirs, tmp_path):
 
 
 def test_the_gelu_expert_op_is_row_invariant_and_a_planted_row_order_combine_is_caught():
-    """`moe_glu` (layers/moe.py) under the rule `moe_swiglu` keeps: a row alone (zeros beside it,
-    the same step width) gets the same bits as among 15 others; a combine keeping one running sum
-    across the step's rows (its rounding then depends on the rows before) is caught."""
-    from memra_cli.engine.layers.moe import moe_glu, route
+    """The twin with `activation="gelu_tanh"` (the op Gemma's experts run) under the rule SwiGLU's
+    keeps: a row alone (zeros beside it, the same step width) gets the same bits as among 15
+    others; a combine keeping one running sum across the step's rows (its rounding then depends
+    on the rows before) is caught."""
+    from memra_cli.engine.layers.moe import moe_swiglu, route
 
     g = torch.Generator().manual_seed(0)
     router, gate_up, down = (torch.randn(EXPERTS, 32, generator=g), torch.randn(EXPERTS, 32, 32, generator=g) * 0.3,
                              torch.randn(EXPERTS, 32, 16, generator=g) * 0.3)
     x = torch.randn(16, 32, generator=g)
-    act = lambda v: torch.nn.functional.gelu(v, approximate="tanh")  # noqa: E731
 
     def run(rows, op):
         w, ids = route(rows, router, TOP_K, True)
-        return op(rows, w, ids, gate_up, down, act)
+        return op(rows, w, ids, gate_up, down, "gelu_tanh")
 
-    def running_sum(rows, w, ids, gu, dn, a):
-        per_row = moe_glu(rows, w, ids, gu, dn, a)
+    def running_sum(rows, w, ids, gu, dn, act):
+        per_row = moe_swiglu(rows, w, ids, gu, dn, act)
         total = torch.cumsum(per_row * 1000.0 + 1.0, dim=0)
         return (total - torch.cat([torch.zeros_like(total[:1]), total[:-1]]) - 1.0) / 1000.0
 
@@ -310,5 +292,5 @@ def test_the_gelu_expert_op_is_row_invariant_and_a_planted_row_order_combine_is_
             bad += not torch.equal(run(alone, op)[r], together[r])
         return bad
 
-    assert violations(moe_glu) == 0 and violations(running_sum) > 0
+    assert violations(moe_swiglu) == 0 and violations(running_sum) > 0
     assert torch.unique(route(x, router, TOP_K, True)[1]).numel() > TOP_K  # rows use different experts

@@ -1,6 +1,6 @@
 """benchmarks/moe_hybrid_step.py on the tiny shape on the CPU: it builds a random Qwen3.5 MoE
-hybrid in memory, prefills a context, times fixed steps of several widths, counts the experts
-each ran and writes its table."""
+hybrid in memory, prefills a context, times fixed steps of several widths on the torch step ops,
+counts the experts each ran and writes its table; the kernels (CUDA only) refused on the CPU."""
 
 from __future__ import annotations
 
@@ -23,8 +23,17 @@ def test_times_hybrid_steps_and_counts_their_experts(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     obj = json.loads(out.read_text())
     rows = obj["rows"]
-    assert [r["vt"] for r in rows] == [1, 16]
+    assert [(r["ops"], r["vt"]) for r in rows] == [("torch", 1), ("torch", 16)]  # the kernels need CUDA
     assert rows[0]["experts_per_layer"] == 2.0  # one row runs exactly its top-2
     assert 2.0 < rows[1]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in rows) and obj["fixed_gb"] > 0
     assert rows[1]["floor_gb"] > rows[0]["floor_gb"]  # the wider union reads more expert bytes
+
+
+def test_the_kernels_off_cuda_are_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.moe_hybrid_step import main
+
+    assert main(["--shape", "tiny", "--device", "cpu", "--ops", "triton"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --ops 'triton': expected torch and/or triton (triton needs --device cuda)"]

@@ -968,21 +968,30 @@ def test_cuda_graphs_default_on_with_cuda_and_a_fixed_width(models):
 
 
 @pytest.mark.parametrize("spec", ["plain", "plain-unpipelined", "dflash", "dflash-pipelined", "dspark-pipelined",
-                                  "dflash-pipelined-stash"])
+                                  "dflash-pipelined-stash",
+                                  pytest.param("dflash-pipelined-moe", marks=pytest.mark.exhaustive)])
 def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs, spec, monkeypatch):
     """Whole rounds as one graph each (spec/chained.py, read one by one or queued one ahead)
     over the hybrid: a graph per buffer arrangement (the stand-in fails a replay in another
     one, except a speculative round queued ahead, which it replays in its own as a real graph
     would), a plain round's commit queued on the device after its replay, a speculative round's
-    rollback inside its graph (`restore_round`), and every stream plain greedy's, in bfloat16."""
+    rollback inside its graph (`restore_round`), and every stream plain greedy's, in bfloat16.
+    `-moe`: the mixture-of-experts hybrid (models/qwen3_5_moe.py), its twin running every expert
+    as in a capture (no host read; the same bits)."""
     from memra_cli.engine.api import Engine as _Engine
+    from memra_cli.engine.models.qwen3_5_moe import Qwen35MoeTarget
     from memra_cli.tiny.draft import make_tiny_draft
+    from memra_kernels import moe_ref
 
     mode, _, how = spec.partition("-")
     pipelined = how.startswith("pipelined") or spec == "plain"
-    target_dir = make_tiny_qwen35(tmp_path / "t", seed=5)
+    routed = how.endswith("moe")
+    target_dir = make_tiny_qwen35(tmp_path / "t", seed=5, **(dict(moe=(8, 2, 32), intermediate=48) if routed else {}))
+    family = Qwen35MoeTarget if routed else Qwen35Target
+    if routed:
+        monkeypatch.setattr(moe_ref, "capturing", lambda x: True)
     rollback = "stash" if how.endswith("stash") else "replay"  # (the CPU's default is stash, CUDA's replay)
-    model = Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16, rollback=rollback)
+    model = family.from_dir(target_dir, dtype=torch.bfloat16, rollback=rollback)
     runner = graphed(model)
     engine = _Engine(model, runner, model.device, model.dtype, ["graphs on (CPU stand-in)"], draft_graphs=True,
                      round_graphs=True)
@@ -996,7 +1005,7 @@ def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs
         draft = make_tiny_draft(tmp_path / spec, fmt, block_size=8, target_layer_ids=(-1, 1, 3),
                                 num_target_layers=5, dtype=torch.bfloat16, **extra)
         arm = engine.arm(ArmConfig(draft=draft, mode=mode))
-    reference = Engine.from_model(Qwen35Target.from_dir(target_dir, dtype=torch.bfloat16), step_width=WIDTH)
+    reference = Engine.from_model(family.from_dir(target_dir, dtype=torch.bfloat16), step_width=WIDTH)
     live_seen = []  # each fixed step's live rows, as the recurrence reads them (the stand-in runs every body)
     recurrence = model.step_ops.gated_delta_rule
 

@@ -16,13 +16,13 @@ transformers' Qwen3_5MoeForCausalLM, its layouts, speculative arms over it, and 
 
 from __future__ import annotations
 
-import copy
-import json
+from functools import partial
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from memra_cli.engine.api import resolve_cuda_graphs
 from memra_cli.engine.errors import CheckpointError, ConfigError, UnsupportedError
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.models import qwen3_5_moe
@@ -33,8 +33,11 @@ from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.priced import step_cost_of
 from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
 
+import spec_arms
 from fp32_bounds import layer_reductions, reorder_bound
-from spec_arms import assert_arm_equals_plain, assert_session_equals_plain, assert_groupings_equal, make_drafts
+from spec_arms import (RouteRecorder, assert_arm_equals_plain, assert_graphed_session_equals_plain,
+                       assert_groupings_equal, assert_session_equals_plain, assert_steps_share_and_split,
+                       eager_capture, hf_greedy, hf_logits_and_routes, make_drafts, rel_err, write_variant)
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -62,13 +65,8 @@ def hf(dirs):
                                                              attn_implementation="eager").eval()
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB - 8, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
+prompt = partial(spec_arms.prompt, top=VOCAB - 8)
+ROUTER = "Qwen3_5MoeTopKRouter"  # transformers' router module, whose third output is the expert ids
 
 
 def logits_bound(cfg, keys: int) -> float:
@@ -82,43 +80,14 @@ def logits_bound(cfg, keys: int) -> float:
     return reorder_bound(*layer * cfg.num_hidden_layers, cfg.hidden_size, cfg.hidden_size)
 
 
-class RouteRecorder:
-    """Wraps the module's `route`: keeps the expert ids `[t, k]` of every call (`calls`) and of
-    every 16-row call as lists (`steps`)."""
-
-    def __init__(self):
-        self.steps, self.calls = [], []
-        self.real = qwen3_5_moe.route
-
-    def __call__(self, h, router, k, normalize):
-        weights, ids = self.real(h, router, k, normalize)
-        self.calls.append(ids)
-        if h.shape[0] == 16:
-            self.steps.append(ids.tolist())
-        return weights, ids
-
-
-@torch.no_grad()
-def hf_logits_and_routes(hf, ids: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """transformers' logits `[t, V]` and, per layer in order, the expert ids `[t, k]` its router
-    picked (the third output of `Qwen3_5MoeTopKRouter`, in descending probability)."""
-    routes = []
-    hooks = [m.register_forward_hook(lambda mod, args, out: routes.append(out[2]))
-             for m in hf.modules() if type(m).__name__ == "Qwen3_5MoeTopKRouter"]
-    try:
-        logits = hf(input_ids=torch.tensor([ids])).logits[0]
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return logits, routes
-
-
 # --------------------------------------------------------------------------- registry and layouts
 
 
 def test_registry_dispatches_both_layouts_and_the_dense_class_refuses_moe(dirs):
     assert target_family(dirs["text"]) is target_family(dirs["multimodal"]) is Qwen35MoeTarget
-    assert Qwen35MoeTarget.supports_cuda_graphs is False and "expert ids on the host" in Qwen35MoeTarget.graphs_note
+    # capturable (the step reads nothing on the host): graphs default on with CUDA and a fixed width
+    on, drafter, _ = resolve_cuda_graphs(None, torch.device("cuda"), 16, {}, Qwen35MoeTarget)
+    assert Qwen35MoeTarget.supports_cuda_graphs and on and drafter
     with pytest.raises(UnsupportedError, match="is not a Qwen35Target target \\(a mixture-of-experts") as err:
         Qwen35Target.from_dir(dirs["text"])
     assert "\n" not in str(err.value)
@@ -156,11 +125,11 @@ def test_multimodal_and_stacked_layouts_load_the_same_model(dirs, target, hf, tm
 
 @pytest.mark.parametrize("n", [1, 9, 70])  # 70 > HF's 64-row DeltaNet chunk
 def test_logits_match_transformers(target, hf, n, monkeypatch):
-    rec = RouteRecorder()
+    rec = RouteRecorder(qwen3_5_moe.route)
     monkeypatch.setattr(qwen3_5_moe, "route", rec)
     ids = prompt(n, n)
     ours = target.logits(target.forward(torch.tensor(ids), 0, target.new_state(n))[0])
-    ref, routes = hf_logits_and_routes(hf, ids)
+    ref, routes = hf_logits_and_routes(hf, ids, ROUTER)
     # every row routed to the experts transformers picked, layer by layer, in its order
     assert len(routes) == len(rec.calls) == target.n_layers
     assert all(torch.equal(a, b) for a, b in zip(rec.calls, routes))
@@ -169,20 +138,14 @@ def test_logits_match_transformers(target, hf, n, monkeypatch):
 
 def test_greedy_equals_transformers_over_steps_that_share_and_split_experts(target, hf, monkeypatch):
     ids = prompt(11, 5)
-    x = torch.tensor([ids])
-    gc = copy.deepcopy(hf.generation_config)
-    gc.eos_token_id, gc.pad_token_id = VOCAB, 0  # no EOS: the never-produced id VOCAB
-    gc.do_sample, gc.max_new_tokens, gc.min_new_tokens, gc.max_length = False, 256, None, None
-    with torch.no_grad():
-        ref = hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)[0, len(ids):].tolist()
-    rec = RouteRecorder()
+    ref = hf_greedy(hf, ids, 256, VOCAB)
+    rec = RouteRecorder(qwen3_5_moe.route)
     monkeypatch.setattr(qwen3_5_moe, "route", rec)
     assert greedy_reference(StepRunner(target, 16), ids, 256) == ref
     monkeypatch.undo()
     assert greedy_reference(StepRunner(target), ids, 256) == ref  # variable width too
     assert len(set(ref)) > 20, "degenerate tiny model"
-    pairs = [(set(a), set(b)) for step in rec.steps[:40] for a in step for b in step if a is not b]
-    assert any(a & b for a, b in pairs) and any(not a & b for a, b in pairs)
+    assert_steps_share_and_split(rec.steps)
 
 
 # --------------------------------------------------------------------------- speculative arms
@@ -215,11 +178,30 @@ def test_bf16_dflash_session_equals_plain_greedy(dirs, tmp_path):
     assert_session_equals_plain(target, draft, SPEC_PROMPTS, 32)
 
 
+# --------------------------------------------------------------------------- graphs
+
+
+def test_graphed_sessions_read_nothing_on_the_host(dirs, tmp_path, monkeypatch):
+    """The family declares itself capturable: on the CPU stand-in of a capture (the twin then
+    runs every expert, as on CUDA), graphed steps and the drafter's graphs read nothing on the
+    host, count their experts, and equal plain greedy. (Whole-round graphs over the hybrid need
+    test_qwen3_5.py's stand-in, which undoes a replayed step's Python side effects: its round-graph
+    test's `-moe` case.)"""
+    from memra_cli.tiny.draft import make_tiny_draft
+
+    captures = eager_capture(monkeypatch)
+    target = Qwen35MoeTarget.from_dir(dirs["text"])
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=(1, 3),
+                            num_target_layers=target.n_layers)
+    assert_graphed_session_equals_plain(target, draft, prompt(9, 5), 12, 8, False, captures)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_groupings_and_arms_equal_plain_greedy(dirs, tmp_path):
-    """On CUDA in bfloat16 with the step ops' kernels (this family runs without graphs): the
-    fixed-width logits do not depend on the grouping, and DFlash / DSpark sessions equal plain greedy."""
+    """On CUDA in bfloat16 with the step ops' kernels (the MoE kernels among them): the
+    fixed-width logits do not depend on the grouping, and DFlash / DSpark sessions, eager and
+    with CUDA graphs, equal plain greedy over eager steps."""
     from memra_cli.engine.layers.step_ops import select_step_ops
     from memra_cli.tiny.draft import make_tiny_draft
 
@@ -229,31 +211,18 @@ def test_cuda_bf16_groupings_and_arms_equal_plain_greedy(dirs, tmp_path):
     for mode, fmt, extra in (("dflash", "zlab", {}), ("dspark", "deepspec", dict(markov_rank=16, confidence="markov"))):
         draft = make_tiny_draft(tmp_path / mode, fmt, target_layer_ids=(1, 3), num_target_layers=target.n_layers,
                                 dtype=torch.bfloat16, **extra)
-        assert_session_equals_plain(target, draft, SPEC_PROMPTS, 32, mode)
+        for graphs in (False, True):
+            assert_session_equals_plain(target, draft, SPEC_PROMPTS, 32, mode, graphs)
 
 
 # --------------------------------------------------------------------------- refusals
 
 
-def write_variant(src, dst, text=None, drop=None, reshape=None):
-    dst.mkdir()
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(text or {})
-    (dst / "config.json").write_text(json.dumps(cfg))
-    state = load_file(str(src / "model.safetensors"))
-    if drop:
-        del state[drop]
-    if reshape:
-        state[reshape] = state[reshape][:-1].contiguous()
-    save_file(state, str(dst / "model.safetensors"))
-    return dst
-
-
 @pytest.mark.parametrize("variant,error,words", [
-    ({"text": {"num_experts_per_tok": 9}}, ConfigError, "num_experts_per_tok 9 is more than num_experts 8"),
-    ({"text": {"norm_topk_prob": False}}, UnsupportedError, "norm_topk_prob=false is not how Qwen3.5-MoE routes"),
-    ({"text": {"mlp_only_layers": [1]}}, UnsupportedError, "every Qwen3.5-MoE layer is sparse"),
-    ({"text": {"shared_expert_intermediate_size": None}}, ConfigError,
+    ({"config": {"num_experts_per_tok": 9}}, ConfigError, "num_experts_per_tok 9 is more than num_experts 8"),
+    ({"config": {"norm_topk_prob": False}}, UnsupportedError, "norm_topk_prob=false is not how Qwen3.5-MoE routes"),
+    ({"config": {"mlp_only_layers": [1]}}, UnsupportedError, "every Qwen3.5-MoE layer is sparse"),
+    ({"config": {"shared_expert_intermediate_size": None}}, ConfigError,
      "required key 'shared_expert_intermediate_size' is missing"),
     ({"drop": "model.layers.2.mlp.experts.5.up_proj.weight"}, CheckpointError,
      "'model.layers.2.mlp.experts.5.up_proj.weight' is missing"),
@@ -263,7 +232,7 @@ def write_variant(src, dst, text=None, drop=None, reshape=None):
      "'model.layers.1.mlp.gate.weight' has shape [7, 64], expected shape [8, 64]"),
 ])
 def test_bad_input_is_refused_in_one_line(dirs, tmp_path, variant, error, words):
-    bad = write_variant(dirs["text"], tmp_path / "bad", **variant)
+    bad = write_variant(dirs["text"], tmp_path / "bad", **variant)  # config keys: the text model's
     with pytest.raises(error) as info:
         load_target(bad)
     assert words in str(info.value) and "\n" not in str(info.value)

@@ -10,7 +10,7 @@ expert or weight moves the logits by O(1).
 from __future__ import annotations
 
 import dataclasses
-import json
+from functools import partial
 
 import pytest
 import torch
@@ -27,6 +27,10 @@ from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import PolicySettings
 from memra_cli.engine.spec.priced import StepCost
 from memra_cli.tiny.draft import make_tiny_draft
+
+import spec_arms
+from spec_arms import (RouteRecorder, assert_arm_equals_plain, assert_steps_share_and_split, hf_greedy, make_drafts,
+                       rel_err, write_variant)
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -62,12 +66,7 @@ def target(pair):
     return Qwen3MoeTarget.from_dir(pair[0])
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, VOCAB - 8, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def rel_err(a, b) -> float:
-    return ((a - b).norm() / b.norm()).item()
+prompt = partial(spec_arms.prompt, top=VOCAB - 8)
 
 
 def test_saved_layout_is_per_expert_and_registry_dispatches(pair):
@@ -103,26 +102,13 @@ def test_stacked_layout_loads_the_same_model(pair, target, tmp_path):
 
 def test_greedy_256_tokens_equal_transformers_and_steps_share_and_split_experts(pair, target, monkeypatch):
     ids = prompt(11, 5)
-    x = torch.tensor([ids])
-    gc = transformers.GenerationConfig(do_sample=False, max_new_tokens=256, min_new_tokens=256,
-                                       eos_token_id=VOCAB, pad_token_id=0)
-    with torch.no_grad():
-        ref = pair[1].generate(x, attention_mask=torch.ones_like(x), generation_config=gc)[0, len(ids):].tolist()
-    routed = []  # every 16-row step's expert ids [16, k], per sparse layer
-    real_route = qwen3_moe.route
-
-    def recording_route(h, router, k, normalize):
-        w, e = real_route(h, router, k, normalize)
-        if h.shape[0] == 16:
-            routed.append(e.tolist())
-        return w, e
-
-    monkeypatch.setattr(qwen3_moe, "route", recording_route)
+    ref = hf_greedy(pair[1], ids, 256, VOCAB)
+    rec = RouteRecorder(qwen3_moe.route)
+    monkeypatch.setattr(qwen3_moe, "route", rec)
     assert greedy_reference(StepRunner(target, 16), ids, 256) == ref
     monkeypatch.undo()
     assert greedy_reference(StepRunner(target), ids, 256) == ref  # variable width too
-    pairs = [(set(a), set(b)) for step in routed for a in step for b in step if a is not b]
-    assert any(a & b for a, b in pairs) and any(not a & b for a, b in pairs)
+    assert_steps_share_and_split(rec.steps)
 
 
 # --------------------------------------------------------------------------- the MoE op
@@ -224,74 +210,19 @@ SPEC_PROMPTS = [prompt(9, 3), prompt(14, 8)]
 SPEC_NEW = 64
 
 
-def planted_head(target, drop: float = 0.25) -> dict:
-    """A rank-V markov head that knows most of the target's greedy bigrams on SPEC_PROMPTS
-    (w1 = I, w2[v, u] = 30 for u -> v, a quarter dropped) and a confidence head scoring +3 / -3 on
-    whether the previous token has a planted successor: acceptance is partial, so the verify
-    keeps some drafts and rejects others."""
-    rng, succ = torch.Generator().manual_seed(11), {}
-    for ids in SPEC_PROMPTS:
-        seq = ids[-1:] + greedy_reference(StepRunner(target, 16), ids, SPEC_NEW + 16)
-        succ.update(zip(seq, seq[1:]))
-    keep = {u: v for u, v in succ.items() if torch.rand(1, generator=rng).item() >= drop}
-    w2 = torch.zeros(VOCAB, VOCAB)
-    for u, v in keep.items():
-        w2[v, u] = 30.0
-    conf = torch.cat([torch.zeros(64), torch.full((VOCAB,), -3.0)])
-    conf[64 + torch.tensor(sorted(keep))] = 3.0
-    return {"markov_head.markov_w1.weight": torch.eye(VOCAB), "markov_head.markov_w2.weight": w2,
-            "confidence_head.proj.weight": conf[None, :], "confidence_head.proj.bias": torch.zeros(1)}
-
-
 @pytest.fixture(scope="module")
 def drafts(target, tmp_path_factory):
-    """dflash: random z-lab weights; dspark: the planted markov and confidence heads; headless:
-    the planted markov head without a confidence head (the priced window then prices from the
-    ladder's prior)."""
-    root = tmp_path_factory.mktemp("drafts")
-    head = planted_head(target)
-    markov_only = {k: v for k, v in head.items() if k.startswith("markov_head.")}
-    return {"dflash": make_tiny_draft(root / "zlab", "zlab", target_layer_ids=(0, 2), num_target_layers=4),
-            "dspark": make_tiny_draft(root / "spark", "deepspec", target_layer_ids=(0, 2), num_target_layers=4,
-                                      markov_rank=VOCAB, confidence="markov", extra_tensors=head),
-            "headless": make_tiny_draft(root / "headless", "deepspec", target_layer_ids=(0, 2), num_target_layers=4,
-                                        markov_rank=VOCAB, extra_tensors=markov_only)}
+    return make_drafts(tmp_path_factory.mktemp("drafts"), target, SPEC_PROMPTS, SPEC_NEW, taps=(0, 2), vocab=VOCAB)
 
 
 @pytest.mark.parametrize("mode,vt", [("dflash", "ladder"), ("dspark", "ladder"), ("dspark", "confidence"),
                                      ("dspark", "confidence-slot"), ("dspark", "priced"), ("headless", "priced"),
                                      ("dspark", "priced-routed"), ("headless", "priced-routed")])
 def test_speculative_arms_equal_plain_greedy(target, drafts, mode, vt):
-    """Every arm == plain greedy; `priced-routed`: the priced window on each prompt's measured
-    union (`vt_cost=routed`); the headless drafter's priced window runs on the ladder's prior."""
-    engine = Engine.from_model(target, step_width=16)
-    settings = PolicySettings(vt="priced", vt_cost="routed") if vt == "priced-routed" else PolicySettings(vt=vt)
-    arm = engine.arm(ArmConfig(draft=drafts[mode], mode="dflash" if mode == "dflash" else "dspark", settings=settings))
-    accepted = drafted = 0
-    for ids in SPEC_PROMPTS:
-        session = engine.session(ids, SPEC_NEW, arm, eos_ids=())
-        assert session.run() == greedy_reference(StepRunner(target, 16), ids, SPEC_NEW)
-        accepted, drafted = accepted + session.stats.accepted, drafted + session.stats.drafted
-        assert (session.stats.window_cost is not None) == (vt == "priced-routed")
-    if mode != "dflash":  # the planted heads: some drafts kept, some rejected
-        assert 0 < accepted < drafted
+    assert_arm_equals_plain(target, drafts, mode, vt, SPEC_PROMPTS, SPEC_NEW)
 
 
 # --------------------------------------------------------------------------- refusals
-
-
-def write_variant(src, dst, config=None, drop=None, reshape=None):
-    dst.mkdir()
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(config or {})
-    (dst / "config.json").write_text(json.dumps(cfg))
-    state = load_file(str(src / "model.safetensors"))
-    if drop:
-        del state[drop]
-    if reshape:
-        state[reshape] = state[reshape][:-1].contiguous()
-    save_file(state, str(dst / "model.safetensors"))
-    return dst
 
 
 @pytest.mark.parametrize("variant,error,words", [
@@ -525,3 +456,33 @@ def test_priced_rounds_settle_on_the_device_as_the_host_does(pair, drafts, stand
         assert (session.stats.rounds, session.stats.accept_hist, session.stats.drafted) == \
             (host.stats.rounds, host.stats.accept_hist, host.stats.drafted)
     assert (host.stats.window_cost is None) == (cost is None)
+
+
+# --------------------------------------------------------------------------- the expert counter
+
+
+def test_the_expert_counter_counts_on_the_device_and_not_in_a_graphs_warm_up(monkeypatch):
+    """layers/moe.py `ExpertReads` (every MoE family's): a call and its distinct experts, added
+    without a host read; nothing inside `not_counted`, which `cuda_graphs.capture` holds over its
+    two warm-up runs (here with torch.cuda's stream and graph calls stood in for, so the CPU runs
+    the capture's code: the recorded run counts, as its replays will)."""
+    import contextlib
+    import types
+
+    from host_reads import NoHostReads
+    from memra_cli.engine.runtime import cuda_graphs
+
+    reads = moe.ExpertReads(EXPERTS, torch.device("cpu"))
+    with NoHostReads():
+        reads.count(torch.tensor([[3, 1], [1, 5]]))
+        with moe.not_counted():
+            reads.count(torch.tensor([[0, 2]]))
+    assert reads.snapshot() == (1, 3)
+    fake = types.SimpleNamespace(Stream=lambda device: types.SimpleNamespace(wait_stream=lambda s: None),
+                                 current_stream=lambda device: types.SimpleNamespace(wait_stream=lambda s: None),
+                                 stream=lambda s: contextlib.nullcontext(), CUDAGraph=lambda: "graph",
+                                 graph=lambda g, pool=None: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_graphs.torch, "cuda", fake)
+    runs = []
+    graph, _ = cuda_graphs.capture(lambda: runs.append(1) or reads.count(torch.tensor([[7, 6]])), "cpu")
+    assert len(runs) == 3 and reads.snapshot() == (2, 5)  # two warm-ups uncounted, the captured run counted

@@ -1,5 +1,6 @@
-"""The few-row MoE kernels (memra_kernels.moe) against their torch twin (moe_ref), their row-count
-invariance bit for bit, and planted bugs the same checks must catch: a wrong expert index, top-k
+"""The few-row MoE kernels (memra_kernels.moe) against their torch twin (moe_ref), with either gate
+activation (silu: SwiGLU; gelu_tanh: Gemma 4's experts), their row-count invariance bit for bit,
+and planted bugs the same checks must catch: a wrong expert index, the wrong activation, top-k
 ties broken toward the higher index, a combine that sums in row order.
 
 Shapes are tiny (8 experts, hidden 64, intermediate 48: a masked I tile) so the interpreter
@@ -18,6 +19,9 @@ from memra_kernels import moe, moe_ref
 from memra_kernels._pdl import pdl_wait
 from memra_kernels.moe_ref import moe_swiglu_ref
 
+# GELU-tanh's exp overflows (to the saturated 0 it should give) in the interpreter's numpy
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 E, H, I = 8, 64, 48
@@ -26,11 +30,12 @@ SMALL = moe.MoeConfig(block_i=16, block_n=16, block_k=16, num_stages=2)  # sever
 # Kernel and twin round the same values in the same order (moe_ref's docstring); they differ in
 # float32 summation order only. Per element, with u = 2^-24 and magnitudes taken over |values|
 # (`magnitude`): each h-long gate / up dot of either is within h*u of exact, so they differ by
-# <= 2h*u*G; silu' <= 1.1 and |silu(g)| <= |g| carry that to act as <= (2.2h + 2h)*u*G*U, with
-# a few u for exp and the two roundings; the I-long down dot adds 2I*u; the combine's k products
-# and k adds 2k*u. Total (4.2h + 2I + 2k + 8)*u of `magnitude`, against O(1) of the output for a
-# wrong expert or weight (the magnitude is ~sqrt(h*I) times the output's size).
-F32_UNITS = 4.2 * H + 2 * I + 2 * 8 + 8
+# <= 2h*u*G; the activation's slope (|silu'| <= 1.1, |gelu_tanh'| <= 1.13) and |act(g)| <= |g|
+# carry that to act as <= (2*1.13h + 2h)*u*G*U, with a few u for exp and the two roundings; the
+# I-long down dot adds 2I*u; the combine's k products and k adds 2k*u. Total
+# (4.26h + 2I + 2k + 8)*u of `magnitude`, against O(1) of the output for a wrong expert, weight
+# or activation (the magnitude is ~sqrt(h*I) times the output's size).
+F32_UNITS = 4.26 * H + 2 * I + 2 * 8 + 8
 # bf16: the same float32 differences can flip a rounding to bf16 the other way, one bf16 ulp
 # (<= 2^-7 relative) at gate, up, silu, act, down, each product and add of the combine: at most
 # ~(6 + k) * 2^-8 of the output's norm in all (flips are rare: most elements are the same bits).
@@ -66,12 +71,14 @@ def magnitude(x, weights, ids, w_gate_up, w_down) -> torch.Tensor:
     return out
 
 
-def twin_violations(op, m: int, k: int, dtype: torch.dtype, config=None, seed: int = 0) -> int:
-    """Elements (f32) of `op` outside the derived bound of the twin, or 1 if bf16's relative
-    error is over its bound; 0 means the op matches."""
+def twin_violations(op, m: int, k: int, dtype: torch.dtype, config=None, seed: int = 0,
+                    activation: str = "silu") -> int:
+    """Elements (f32) of `op` outside the derived bound of the twin (with `activation`), or 1 if
+    bf16's relative error is over its bound; 0 means the op matches."""
     x, w, ids, gu, down = inputs(m, k, dtype, seed)
-    out = op(x, w, ids, gu, down, config=config) if config is not None else op(x, w, ids, gu, down)
-    ref = moe_swiglu_ref(x, w, ids, gu, down)
+    kw = {} if config is None else {"config": config}
+    out = op(x, w, ids, gu, down, activation, **kw)
+    ref = moe_swiglu_ref(x, w, ids, gu, down, activation)
     assert out.dtype == dtype and out.shape == (m, H)
     if dtype == torch.float32:
         bound = F32_UNITS * 2.0**-24 * magnitude(x, w, ids, gu, down)
@@ -84,25 +91,38 @@ def twin_violations(op, m: int, k: int, dtype: torch.dtype, config=None, seed: i
 @pytest.mark.parametrize("m", [1, 5, 16, 32, 33], ids=lambda m: f"M{m}")
 @pytest.mark.parametrize("k", [2, 3], ids=lambda k: f"k{k}")
 @pytest.mark.parametrize("config", [None, SMALL], ids=["default", "small"])
-def test_kernel_matches_the_twin(dtype, m, k, config):
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_kernel_matches_the_twin(dtype, m, k, config, activation):
     """Every row count up to past a row tile (33: two tiles), k a power of two or not (padded
-    slots), the default tiles (one K step, a masked I tile) and small ones (several of each)."""
-    assert twin_violations(moe.moe_swiglu, m, k, dtype, config) == 0
+    slots), the default tiles (one K step, a masked I tile) and small ones (several of each),
+    each gate activation."""
+    assert twin_violations(moe.moe_swiglu, m, k, dtype, config, activation=activation) == 0
 
 
 def test_planted_wrong_expert_index_is_caught():
     """The f32 bound sees an expert's output taken from its neighbour, and a row's weights
     applied to its other slot's expert (a slot mix-up in the combine)."""
 
-    def neighbour(x, w, ids, gu, down):
-        return moe.moe_swiglu(x, w, (ids + 1) % E, gu, down)
+    def neighbour(x, w, ids, gu, down, act):
+        return moe.moe_swiglu(x, w, (ids + 1) % E, gu, down, act)
 
-    def swapped_slots(x, w, ids, gu, down):
-        return moe.moe_swiglu(x, w.flip(-1), ids, gu, down)
+    def swapped_slots(x, w, ids, gu, down, act):
+        return moe.moe_swiglu(x, w.flip(-1), ids, gu, down, act)
 
     assert twin_violations(neighbour, 16, 2, torch.float32) > 0
     assert twin_violations(swapped_slots, 16, 2, torch.float32) > 0
     assert twin_violations(neighbour, 16, 2, torch.bfloat16) > 0
+
+
+def test_planted_wrong_activation_is_caught():
+    """The GELU-tanh twin sees the kernels run with SiLU (a Gemma expert on the Qwen epilogue) in
+    float32's bound: the bound tells the two activations apart. (A swapped switch, the other way
+    too, fails test_kernel_matches_the_twin, which runs each activation.)"""
+
+    def silu_instead(x, w, ids, gu, down, act):
+        return moe.moe_swiglu(x, w, ids, gu, down, "silu")
+
+    assert twin_violations(silu_instead, 8, 2, torch.float32, activation="gelu_tanh") > 0
 
 
 # ----------------------------------------------------------------------------- invariance
@@ -148,6 +168,12 @@ def invariance_violations(op, dtype: torch.dtype, rows=(0, 7, 31), k: int = 3, s
                          ids=str)  # quick: bf16, the dtype exactness is judged in
 def test_a_row_is_the_same_bits_whatever_shares_its_step(dtype):
     assert invariance_violations(moe.moe_swiglu, dtype) == []
+
+
+@pytest.mark.exhaustive  # quick: SiLU's above; the activation is elementwise in the epilogue, no row mixing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_gelu_row_is_the_same_bits_whatever_shares_its_step(dtype):
+    assert invariance_violations(lambda *a: moe.moe_swiglu(*a, "gelu_tanh"), dtype) == []
 
 
 def test_slot_order_does_not_change_a_row():
@@ -291,6 +317,9 @@ def test_refusals():
         moe.moe_swiglu(x, w, ids.float(), gu, down)
     with pytest.raises(ValueError, match="block_k"):
         moe.moe_swiglu(x, w, ids, gu, down, config=moe.MoeConfig(block_k=24))
+    for op in (moe.moe_swiglu, moe_swiglu_ref):
+        with pytest.raises(ValueError, match="activation 'gelu' is not one of silu, gelu_tanh"):
+            op(x, w, ids, gu, down, "gelu")
 
 
 # ----------------------------------------------------------------------------- on the GPU

@@ -191,6 +191,40 @@ def test_graphed_sessions_with_the_kernels_read_nothing_on_the_host(target_dir, 
     assert greedy_reference(engine.runner, prompt, 12) == plain  # plain decoding through the graphs too
 
 
+def _other_family(name: str, root):
+    """A tiny Qwen3.5 MoE hybrid or Gemma 4 MoE target (8 experts, top-2) and its drafter's taps."""
+    if name == "qwen3_5_moe":
+        from memra_cli.engine.models.qwen3_5_moe import Qwen35MoeTarget
+        from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
+
+        return Qwen35MoeTarget.from_dir(make_tiny_qwen35(root / name, moe=(8, 2, 32), intermediate=48)), (1, 3)
+    from memra_cli.engine.models.gemma4_moe import Gemma4MoeTarget
+    from memra_cli.tiny.gemma4 import make_tiny_gemma4
+
+    return Gemma4MoeTarget.from_dir(make_tiny_gemma4(root / name, moe=(8, 2, 24))), (-1, 1, 3)
+
+
+@pytest.mark.exhaustive  # whole graphed sessions through Triton's interpreter: the families' own tests graph the twin
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "gemma4_moe"])
+def test_the_other_families_graphed_with_the_kernels_read_nothing_on_the_host(tmp_path, eager_graphs, family):
+    """The Qwen3.5 MoE hybrid (SwiGLU experts) and Gemma 4's MoE block (GELU-tanh experts) with
+    the MoE kernels: graphed steps and the drafter's graphs read nothing on the host, and the
+    session equals plain greedy over eager steps with the same kernels."""
+    model, taps = _other_family(family, tmp_path)
+    assert type(model).supports_cuda_graphs
+    model.step_ops = MoeKernelOps()
+    prompt = _ids(9, 5).tolist()
+    plain = greedy_reference(StepRunner(model, W), prompt, 12)
+    engine = _graphed_on_cpu(model, round_graphs=False)
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=taps,
+                            num_target_layers=model.n_layers)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
+    with engine.session(prompt, 12, arm, eos_ids=()) as session:
+        assert session.run() == plain
+        assert "step" in {k[0] for k in session.cache.graphs}
+    assert eager_graphs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("round_graphs", [False, True], ids=["step-graphs", "round-graphs"])

@@ -347,6 +347,10 @@ def _moe(ctx, dt):
                        ("_moe_gate_up_kernel", "_moe_down_kernel", "_moe_combine_kernel"), mo.moe_swiglu,
                        ctx.t(rows, h, dtype=dt), ctx.t(rows, k, dtype=dt), ctx.torch.zeros(rows, k, dtype=ctx.torch.int64),
                        ctx.t(n_exp, 2 * inter, h, dtype=dt), ctx.t(n_exp, h, inter, dtype=dt))
+    n_exp, h, inter, k = MOE_SHAPES[-1]  # Gemma 4's GELU-tanh experts: the gate/up epilogue's other branch
+    ctx.launch(f"moe_swiglu gelu_tanh E{n_exp} h{h} I{inter} k{k}", "_moe_gate_up_kernel", mo.moe_swiglu,
+               ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt), ctx.torch.zeros(16, k, dtype=ctx.torch.int64),
+               ctx.t(n_exp, 2 * inter, h, dtype=dt), ctx.t(n_exp, h, inter, dtype=dt), "gelu_tanh")
 
 
 # Costs: seconds a case took on one CPU core with an empty cache (they only balance the shards).

@@ -1,14 +1,21 @@
-"""The mixture-of-experts feed-forward's routing, and its expert op's one torch body.
+"""The mixture-of-experts feed-forward's routing, its expert op's one torch body, and the count of
+experts it ran.
 
 Routing (`route`) is one arithmetic for every step: router logits in the model dtype, softmax in
 float32, top-k with ties broken by the lower expert index, renormalised over the k kept when
-asked, cast back to the model dtype. The experts' grouped SwiGLU and combine (`moe_swiglu`) is
-`memra_kernels.moe_ref`'s body, which the step ops run (`TorchStepOps.moe_swiglu`) or replace by
-the few-row kernels (`TritonStepOps.moe_swiglu`); both keep a row's output independent of the
-rows beside it (docs/moe.md, "The expert kernels").
+asked, cast back to the model dtype. The experts' grouped GLU and combine (`moe_swiglu`, SwiGLU
+or with `activation="gelu_tanh"` Gemma 4's) is `memra_kernels.moe_ref`'s body, which the step
+ops run (`TorchStepOps.moe_swiglu`) or replace by the few-row kernels
+(`TritonStepOps.moe_swiglu`); both keep a row's output independent of the rows beside it
+(docs/moe.md, "The expert kernels").
+
+`ExpertReads` counts, on the device, the sparse-layer calls and the distinct experts each ran,
+for every MoE family (the bench's expert counts): no host read, so a captured step counts too.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -36,19 +43,40 @@ def route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tup
     return weights.to(x.dtype), experts
 
 
-def moe_glu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
-            w_down: torch.Tensor, act) -> torch.Tensor:
-    """`moe_swiglu`'s torch body with another gate activation `act` (Gemma 4's experts: GELU-tanh), under the
-    same rule: each routed expert runs once over a step-wide buffer holding its rows in their own
-    slots, and a row's contributions are added in ascending expert index from zeros. Returns
-    `[t, hidden]` for `x [t, hidden]`, `weights` / `experts [t, k]`."""
-    out = torch.zeros_like(x)
-    for e in torch.unique(experts).tolist():
-        hit = experts == e
-        rows = hit.any(dim=-1)
-        buf = torch.where(rows[:, None], x, torch.zeros((), dtype=x.dtype))
-        gate, up = F.linear(buf, w_gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, w_down[e])
-        w = (weights * hit).sum(dim=-1)
-        out = torch.where(rows[:, None], out + y * w[:, None], out)
-    return out
+_paused = [0]  # depth of `not_counted` blocks open now
+
+
+@contextmanager
+def not_counted():
+    """Runs inside this block add nothing to any `ExpertReads` (a CUDA graph's warm-up runs:
+    runtime/cuda_graphs.py). A Python flag read when the op is traced, so a graph captured
+    outside the block counts at every replay."""
+    _paused[0] += 1
+    try:
+        yield
+    finally:
+        _paused[0] -= 1
+
+
+class ExpertReads:
+    """(sparse-layer calls, distinct experts they ran), summed on the device over every forward
+    and step of one target (replays of a captured step included, a graph's warm-up runs not).
+    `snapshot()` reads it on the host (the bench, before and after a session)."""
+
+    def __init__(self, num_experts: int, device: torch.device):
+        self.num_experts = num_experts
+        self._totals = torch.zeros(2, dtype=torch.int64, device=device)
+
+    def count(self, experts: torch.Tensor) -> None:
+        """Add one call that ran the distinct ids of `experts [t, k]`."""
+        if _paused[0]:
+            return
+        hit = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=experts.device)
+        hit.index_fill_(0, experts.reshape(-1), 1)  # the experts run
+        hit[-1:].fill_(1)  # the call, in the last slot; a kernel, not a host-to-device copy (a capture refuses those)
+        self._totals += torch.stack((hit[-1], hit[:-1].sum()))
+
+    def snapshot(self) -> tuple[int, int]:
+        """(calls, experts) so far: a host read."""
+        calls, experts = self._totals.tolist()
+        return calls, experts

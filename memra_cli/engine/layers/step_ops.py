@@ -18,9 +18,10 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `attention(q, k_cache, v_cache, positions, scale, window=0) -> [t, nh*hd]`: causal by position
   over the cache; with a sliding `window` W > 0 a row at p sees keys p - W < j <= p only (Gemma 4)
 - `silu_mul(gate_up) -> silu(gate) * up`
-- `moe_swiglu(x, weights, experts, w_gate_up, w_down) -> [t, hidden]`: the routed experts' SwiGLU
-  and weighted combine (memra_kernels.moe_ref; with the kernels, `memra_kernels.moe`: each routed
-  expert read once per 32 rows, the ids read on the device)
+- `moe_swiglu(x, weights, experts, w_gate_up, w_down, activation="silu") -> [t, hidden]`: the
+  routed experts' GLU (SwiGLU, or `activation="gelu_tanh"`: Gemma 4's) and weighted combine
+  (memra_kernels.moe_ref; with the kernels, `memra_kernels.moe`: each routed expert read once per
+  32 rows, the ids read on the device)
 - `swiglu(x, w_gate_up) -> silu_mul(linear(x, w_gate_up))`: the MLP's fused gate/up matmul and
   its activation; with the kernels one launch of the dense kernel (the activation in its
   epilogue, the same bits as the two launches) wherever `linear` would take that kernel, and of
@@ -213,7 +214,7 @@ class TorchStepOps:
         """`silu(x @ gate.T) * (x @ up.T)` for the fused `[gate; up]` weight (or linear module)."""
         return unfused_swiglu(cls, x, w_gate_up)
 
-    moe_swiglu = staticmethod(moe_swiglu_ref)  # the routed experts' SwiGLU + combine: the op's one torch body
+    moe_swiglu = staticmethod(moe_swiglu_ref)  # the routed experts' GLU + combine: the op's one torch body
 
     prefill_mask = True  # prefill_attention reads the forward's folded [g*t, n] mask
 
@@ -446,13 +447,13 @@ class TritonStepOps:
         return unfused_swiglu(self, x, w_gate_up)
 
     def moe_swiglu(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
-                   w_down: torch.Tensor) -> torch.Tensor:
+                   w_down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         """`TorchStepOps.moe_swiglu` on the MoE kernels (`memra_kernels.moe`): every step and
         prefill chunk (a graphed prefill bucket reads no value on the host either); the twin only
         for weights the kernels do not take (`moe.eligible`: strided rows)."""
         if self._moe.eligible(x, w_gate_up, w_down):
-            return self._moe.moe_swiglu(x, weights, experts, w_gate_up, w_down)
-        return moe_swiglu_ref(x, weights, experts, w_gate_up, w_down)
+            return self._moe.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation)
+        return moe_swiglu_ref(x, weights, experts, w_gate_up, w_down, activation)
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      dtype: torch.dtype, host_loop: bool = False) -> torch.Tensor:

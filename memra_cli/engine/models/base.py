@@ -216,8 +216,8 @@ MODEL_FAMILIES = {"qwen3": _qwen3, "qwen3_moe": _qwen3_moe, "llama": _llama, "qw
                   "gemma4": _gemma4, "gemma4_text": _gemma4}
 
 # model types whose config.json picks a second class with other declarations (Gemma 4's MoE
-# block: its steps read expert ids on the host, which the graphs decision, made from config.json
-# alone, must know): model_type -> (does this parsed config pick it?, loader of that class)
+# block: the step ops it takes, which the engine's step-ops note, made before any weight loads,
+# names): model_type -> (does this parsed config pick it?, loader of that class)
 VARIANTS = {"gemma4": (_gemma4_moe_block, _gemma4_moe), "gemma4_text": (_gemma4_moe_block, _gemma4_moe)}
 
 # recognized model types that are refused by name (rather than as unknown)

@@ -15,7 +15,10 @@ multiplies the model-dtype expert output by the float32 weight and rounds the pr
 bfloat16 the two differ by one rounding of the weight; in float32 they are the same).
 
 Experts load from the stacked layout (`experts.gate_up_proj [E, 2I, h]`, `experts.down_proj
-[E, h, I]`, what transformers writes for Gemma 4) or the per-expert one (models/experts.py).
+[E, h, I]`, what transformers writes for Gemma 4) or the per-expert one (models/experts.py), and
+run through the step ops (`step_ops.moe_swiglu` with `activation="gelu_tanh"`: the MoE kernels,
+or the torch twin, which runs every expert while a capture is under way), so the step reads
+nothing on the host and stays capturable as the dense Gemma 4 step is.
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from memra_cli.engine.layers.moe import moe_glu, topk_lowest_index
+from memra_cli.engine.layers.moe import ExpertReads, topk_lowest_index
 from memra_cli.engine.models.experts import RoutingRecorder, expert_shapes, load_experts, step_weight_elements
 from memra_cli.engine.models.gemma4 import MOE_NORMS, Gemma4Target, LayerWeights, _Loader, gemma_rms_norm
 from memra_cli.engine.models.qwen3_moe import MoeSettings, MoeWeights
@@ -87,11 +89,12 @@ class _MoeLoader(_Loader):
 
 class Gemma4MoeTarget(RoutingRecorder, Gemma4Target):
     """Gemma 4 with its MoE block. `expert_reads`: (sparse-layer calls, experts run in them)
-    over every forward and step, for the bench. The torch MoE op reads the routed expert ids on
-    the host, so the family is not CUDA-graph capturable yet."""
+    over every forward and step, for the bench (layers/moe.py `ExpertReads`). Capturable in a
+    CUDA graph (`supports_cuda_graphs`, the dense Gemma 4's): routing, the expert op and the
+    counter read nothing on the host."""
 
-    supports_cuda_graphs = False
-    graphs_note = "the Gemma 4 MoE block's torch op reads the routed expert ids on the host (no kernel yet)"
+    step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
+                     "gelu_tanh_mul, softcap and moe_swiglu (the routed experts); Gemma 4's per-layer inputs run in torch")
     loader_class = _MoeLoader
     routes_experts = True
 
@@ -102,12 +105,12 @@ class Gemma4MoeTarget(RoutingRecorder, Gemma4Target):
             fixed += self.ple.embed.shape[1] + self.ple.proj.numel() + self.ple.norm.numel()
         self.moe = MoeSettings(cfg.moe.num_experts, cfg.moe.top_k_experts, cfg.moe.moe_intermediate_size, True,
                                frozenset(range(cfg.num_hidden_layers)), fixed)
-        self._reads = [0, 0]  # (sparse-layer calls, experts run in them): `expert_reads`
+        self.reads = ExpertReads(cfg.moe.num_experts, self.device)
 
     @property
     def expert_reads(self) -> tuple[int, int]:
-        """(sparse-layer calls, distinct experts they ran) so far, for the bench: a snapshot."""
-        return self._reads[0], self._reads[1]
+        """(sparse-layer calls, distinct experts they ran) so far, for the bench (a host read)."""
+        return self.reads.snapshot()
 
     def _feed_forward(self, x: torch.Tensor, h: torch.Tensor, w: Gemma4MoeLayerWeights) -> torch.Tensor:
         """The dense MLP's (of the pre-normed `h`) and the experts' outputs (of `x`, by their own
@@ -117,8 +120,7 @@ class Gemma4MoeTarget(RoutingRecorder, Gemma4Target):
         dense = gemma_rms_norm(super()._feed_forward(x, h, w), post_1, eps)
         weights, ids = gemma_route(x, w, self.moe.top_k, eps, self.step_ops.linear)
         self._record_routing(id(w.experts), ids)
-        self._reads[0] += 1
-        self._reads[1] += int(torch.unique(ids).numel())  # the op reads its ids on the host anyway
-        routed = moe_glu(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up, w.experts.w_down,
-                         lambda g: F.gelu(g, approximate="tanh"))
+        self.reads.count(ids)
+        routed = self.step_ops.moe_swiglu(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up,
+                                          w.experts.w_down, "gelu_tanh")
         return dense + gemma_rms_norm(routed, post_2, eps)

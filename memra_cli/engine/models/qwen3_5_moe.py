@@ -12,8 +12,10 @@ rollback and fixed-width step, all unchanged) with a routed feed-forward on ever
 The shared expert is loaded where the dense hybrid keeps its MLP (`w_gate_up`, `w_down`), so the
 dense feed-forward computes it. The same `_feed_forward` runs in the eager forward and the fixed
 step, so a plain step and a verify step route with the same arithmetic. Experts load from the
-per-expert or the stacked layout (models/experts.py). The torch MoE op reads the routed expert
-ids on the host, so this family is not CUDA-graph capturable yet.
+per-expert or the stacked layout (models/experts.py). The routed experts run through the step
+ops (`step_ops.moe_swiglu`: the MoE kernels, or the torch twin, which runs every expert while a
+capture is under way), so the step reads nothing on the host and is capturable as the dense
+hybrid's is.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memra_cli.engine.layers.moe import moe_swiglu, route
+from memra_cli.engine.layers.moe import ExpertReads, route
 from memra_cli.engine.models.experts import RoutingRecorder, expert_shapes, load_experts, step_weight_elements
 from memra_cli.engine.models.qwen3_5 import LayerWeights, Qwen35Target, _Loader
 from memra_cli.engine.models.qwen3_moe import MoeSettings, MoeWeights
@@ -74,10 +76,10 @@ class _MoeLoader(_Loader):
 class Qwen35MoeTarget(RoutingRecorder, Qwen35Target):
     """Qwen3_5MoeForCausalLM inference (models/qwen3_5.py's hybrid, routed feed-forward).
     `expert_reads`: (sparse-layer calls, experts run in them) over every forward and step, for
-    the bench, as the Qwen3-MoE target counts them."""
+    the bench (layers/moe.py `ExpertReads`, as every MoE family counts them). Capturable in a
+    CUDA graph (`supports_cuda_graphs`, the hybrid's): routing, the expert op and the counter
+    read nothing on the host."""
 
-    supports_cuda_graphs = False
-    graphs_note = "the qwen3_5_moe torch MoE op reads the routed expert ids on the host (no kernel yet)"
     loader_class = _MoeLoader
     routes_experts = True
 
@@ -87,19 +89,18 @@ class Qwen35MoeTarget(RoutingRecorder, Qwen35Target):
         fixed = step_weight_elements(self.layers, self._lm_head, cfg.hidden_size, self.norm)
         self.moe = MoeSettings(keys.num_experts, keys.num_experts_per_tok, keys.moe_intermediate_size, True,
                                frozenset(range(cfg.num_hidden_layers)), fixed)
-        self._reads = [0, 0]  # (sparse-layer calls, experts run in them): `expert_reads`
+        self.reads = ExpertReads(keys.num_experts, self.device)
 
     @property
     def expert_reads(self) -> tuple[int, int]:
-        """(sparse-layer calls, distinct experts they ran) so far, for the bench: a snapshot."""
-        return self._reads[0], self._reads[1]
+        """(sparse-layer calls, distinct experts they ran) so far, for the bench (a host read)."""
+        return self.reads.snapshot()
 
     def _feed_forward(self, h: torch.Tensor, w: Qwen35MoeLayerWeights) -> torch.Tensor:
         """The routed experts plus the gated shared expert on the normed `h [t, hidden]` -> `[t, hidden]`."""
         shared = super()._feed_forward(h, w)  # the shared expert: the dense MLP's SwiGLU
         weights, ids = route(h, w.experts.router, self.moe.top_k, True)
         self._record_routing(id(w.experts), ids)
-        self._reads[0] += 1
-        self._reads[1] += int(torch.unique(ids).numel())  # the op reads its ids on the host anyway
-        routed = moe_swiglu(h, weights, ids, w.experts.w_gate_up, w.experts.w_down)
+        self.reads.count(ids)
+        routed = self.step_ops.moe_swiglu(h, weights, ids, w.experts.w_gate_up, w.experts.w_down)
         return routed + torch.sigmoid(self.step_ops.linear(h, w.shared_gate)) * shared

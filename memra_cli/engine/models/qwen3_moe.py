@@ -20,7 +20,7 @@ import torch
 from memra_cli.engine.errors import ConfigError
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import _Fields, parse_target_config, read_json_object
-from memra_cli.engine.layers.moe import route
+from memra_cli.engine.layers.moe import ExpertReads, route
 from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.models.experts import RoutingRecorder, expert_shapes, load_experts
 from memra_cli.engine.models.qwen3 import LayerWeights, Qwen3Target, _Loader
@@ -131,15 +131,12 @@ class Qwen3MoeTarget(RoutingRecorder, Qwen3Target):
     def __init__(self, cfg, moe: MoeSettings, *args):
         super().__init__(cfg, *args)
         self.moe = moe
-        # (sparse-layer calls, experts run in them) over every forward and step, on the device:
-        # counting reads nothing on the host (the kernels' step has no host read to share)
-        self._reads = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self.reads = ExpertReads(moe.num_experts, self.device)
 
     @property
     def expert_reads(self) -> tuple[int, int]:
         """(sparse-layer calls, distinct experts they ran) so far, for the bench (a host read)."""
-        calls, experts = self._reads.tolist()
-        return calls, experts
+        return self.reads.snapshot()
 
     @classmethod
     def from_dir(cls, path: str | Path, dtype: torch.dtype = torch.float32,
@@ -165,9 +162,7 @@ class Qwen3MoeTarget(RoutingRecorder, Qwen3Target):
         """A routed feed-forward on the normed `h [t, hidden]` (before the residual add)."""
         weights, ids = route(h, ex.router, self.moe.top_k, self.moe.norm_topk_prob)
         self._record_routing(id(ex), ids)
-        hit = torch.zeros(self.moe.num_experts + 1, dtype=torch.int64, device=ids.device)
-        hit.index_fill_(0, ids.reshape(-1), 1)[-1] = 1  # the experts run, and the call in the last slot
-        self._reads += torch.stack((hit[-1], hit[:-1].sum()))
+        self.reads.count(ids)
         return self.step_ops.moe_swiglu(h, weights, ids, ex.w_gate_up, ex.w_down)
 
     def _mlp(self, x: torch.Tensor, w: MoeLayerWeights) -> torch.Tensor:

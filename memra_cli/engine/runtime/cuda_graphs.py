@@ -2,7 +2,8 @@
 runtime/draft_graphs.py; graphs a state replays inside its own methods: `GraphCache`).
 
 `capture(fn, device)` warms `fn` up twice on a side stream, which runs lazy inits such as cuBLAS
-handles and workspaces outside the capture. It then records `fn` into a graph and returns
+handles and workspaces outside the capture (uncounted by an MoE target's expert counter:
+layers/moe.py `not_counted`, so the bench counts what the replays ran). It then records `fn` into a graph and returns
 `(graph, fn's outputs)`. `graph.replay()` reruns the recorded kernels, which write into those
 same output tensors.
 
@@ -17,6 +18,8 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from memra_cli.engine.layers.moe import not_counted
+
 
 def capture(fn: Callable[[], Any], device: torch.device, pool=None) -> tuple[Any, Any]:
     """Capture `fn` (no host syncs, no host-to-device copies, static shapes) as a CUDA graph.
@@ -26,7 +29,7 @@ def capture(fn: Callable[[], Any], device: torch.device, pool=None) -> tuple[Any
     replay (the prefill graphs): their intermediates then take one graph's memory, not the sum."""
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), not_counted():
         for _ in range(2):
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
