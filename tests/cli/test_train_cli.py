@@ -412,6 +412,31 @@ def test_every_target_family_trains_each_drafter_kind_that_fits_it(setup, tmp_pa
     architecture = json.loads((out / "config.json").read_text())["architectures"]
     assert architecture == ["Gemma4DSparkModel" if scaled and kind == "dspark" else
                             {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}[kind]]
+    if scaled and kind == "dspark":
+        _gemma4_dspark_runs_exactly(target, out)
+
+
+def _gemma4_dspark_runs_exactly(target: Path, drafter: Path) -> None:
+    """A trained Gemma4DSparkModel: census reads its Gemma layers, it passes parity against the
+    float64 oracle (parity/reference.py's Gemma 4 drafter), and `generate` with it gives the
+    stream of `--spec off`."""
+    c = json.loads(runner.invoke(app, ["census", str(drafter), "--json"], env={}).stdout)
+    assert c["strategy_dspark"] is True and c["markov"] is not None and c["confidence"] is not None
+    oracle = drafter.with_name("oracle.npz")
+    made = runner.invoke(app, ["parity", str(drafter), "--make-oracle", str(oracle), "--target", str(target)], env={})
+    assert made.exit_code == 0, made.output
+    par = runner.invoke(app, ["parity", str(drafter), str(oracle), "--target", str(target), "--json"], env={})
+    assert par.exit_code == 0 and json.loads(par.stdout)["pass"] is True, par.output
+    streams = {}
+    for spec in ("dspark", "off"):
+        g = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(drafter), "--spec", spec,
+                                "--prompt-ids", "5,17,42,99", "--max-new", "32", "--json"], env={})
+        assert g.exit_code == 0, g.output
+        streams[spec] = json.loads(g.stdout)
+    drafted = streams["dspark"]
+    assert drafted["mode"] == "dspark" and drafted["stats"]["drafted"] > 0
+    assert drafted["receipts"]["block_embedding"]["scaled"] is True
+    assert drafted["tokens"] == streams["off"]["tokens"] and len(drafted["tokens"]) == 32
 
 
 def test_training_feeds_the_drafter_the_block_rows_and_logits_it_sees_at_inference(setup):
