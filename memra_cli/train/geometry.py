@@ -170,6 +170,9 @@ def _gemma4_backbone(target: Path, geo: Geometry) -> Geometry:
     from memra_cli.engine.formats.gemma4_config import FULL, load_gemma4_config
 
     g = load_gemma4_config(target)
+    if FULL not in g.layer_types:
+        raise SettingError("kind", "dspark", f"{target}: a Gemma4DSparkModel drafter takes the target's "
+                           f"{FULL} layer shape and rope, and its layer_types have no {FULL} layer", quote=False)
     full = g.layer_types.index(FULL)
     rope = g.rope[FULL]
     return replace(geo, backbone="gemma4", head_dim=g.head_dims[full], kv_heads=g.kv_heads[full],
