@@ -399,7 +399,8 @@ def test_every_target_family_trains_each_drafter_kind_that_fits_it(setup, tmp_pa
     extra = ["--markov-rank", "16"] if kind == "dspark" else []
     scaled = family.startswith("gemma4")
     r = train("--target", target, "--kind", kind, "--prompts", prompts, "--out", out, "--steps", 2, *SMALL, *extra,
-              *(["--emb-scale"] if scaled and kind == "dflash" else []), "--json")
+              *(["--emb-scale"] if scaled and kind == "dflash" else []),
+              *(["--gguf", "q8"] if scaled and kind == "dspark" else []), "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     held = report["heldout"]
@@ -417,26 +418,30 @@ def test_every_target_family_trains_each_drafter_kind_that_fits_it(setup, tmp_pa
 
 
 def _gemma4_dspark_runs_exactly(target: Path, drafter: Path) -> None:
-    """A trained Gemma4DSparkModel: census reads its Gemma layers, it passes parity against the
-    float64 oracle (parity/reference.py's Gemma 4 drafter), and `generate` with it gives the
-    stream of `--spec off`."""
+    """A trained Gemma4DSparkModel: census reads it and its q8 GGUF, it passes parity against the
+    float64 oracle (parity/reference.py's Gemma 4 drafter), and `generate` with it (and with its
+    GGUF) gives the stream of `--spec off`."""
     c = json.loads(runner.invoke(app, ["census", str(drafter), "--json"], env={}).stdout)
     assert c["strategy_dspark"] is True and c["markov"] is not None and c["confidence"] is not None
+    gguf = runner.invoke(app, ["census", str(drafter / "model.q8.gguf"), "--json"], env={})  # --gguf q8's
+    assert gguf.exit_code == 0 and json.loads(gguf.stdout)["exporter"] == "deepspec", gguf.output
     oracle = drafter.with_name("oracle.npz")
     made = runner.invoke(app, ["parity", str(drafter), "--make-oracle", str(oracle), "--target", str(target)], env={})
     assert made.exit_code == 0, made.output
     par = runner.invoke(app, ["parity", str(drafter), str(oracle), "--target", str(target), "--json"], env={})
     assert par.exit_code == 0 and json.loads(par.stdout)["pass"] is True, par.output
     streams = {}
-    for spec in ("dspark", "off"):
-        g = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(drafter), "--spec", spec,
+    for name, draft, spec in (("dspark", drafter, "dspark"), ("q8", drafter / "model.q8.gguf", "dspark"),
+                              ("off", drafter, "off")):
+        g = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--spec", spec,
                                 "--prompt-ids", "5,17,42,99", "--max-new", "32", "--json"], env={})
         assert g.exit_code == 0, g.output
-        streams[spec] = json.loads(g.stdout)
-    drafted = streams["dspark"]
-    assert drafted["mode"] == "dspark" and drafted["stats"]["drafted"] > 0
-    assert drafted["receipts"]["block_embedding"]["scaled"] is True
-    assert drafted["tokens"] == streams["off"]["tokens"] and len(drafted["tokens"]) == 32
+        streams[name] = json.loads(g.stdout)
+    for name in ("dspark", "q8"):
+        drafted = streams[name]
+        assert drafted["mode"] == "dspark" and drafted["stats"]["drafted"] > 0
+        assert drafted["receipts"]["block_embedding"]["scaled"] is True
+        assert drafted["tokens"] == streams["off"]["tokens"] and len(drafted["tokens"]) == 32, name
 
 
 def test_training_feeds_the_drafter_the_block_rows_and_logits_it_sees_at_inference(setup):
