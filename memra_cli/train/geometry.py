@@ -19,8 +19,8 @@ DEFAULT_BLOCK = {"dflash": 16, "dspark": 7}
 DEFAULT_MARKOV_RANK = 256  # DeepSpec's DSpark configs (vanilla markov head)
 PUBLISHED_LAYERS = 5  # z-lab's and DeepSpec's 8B-class drafters: 5 layers, 5 taps
 MASK_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "<|mask_token|>")
-# targets whose DeepSpec DSpark drafter has the target's own layers (Gemma4DSparkModel), a format
-# this trainer does not write: its Qwen3DSparkModel would embed raw rows and skip the softcap
+# targets whose DeepSpec DSpark drafter has the target's own layers (Gemma4DSparkModel, written with
+# the `gemma4` backbone: train/drafter_gemma4.py, its √hidden-scaled embedding and softcapped logits)
 OWN_LAYER_DSPARK = {"gemma4": "Gemma4DSparkModel", "gemma4_text": "Gemma4DSparkModel"}
 
 
@@ -47,6 +47,14 @@ class Geometry:
     # the block embedding's multiplier: 1 (the target's raw rows) or the target's embed_scale
     # (Gemma's √hidden, `--emb-scale`); z-lab's config.json has no key for it (train_report.json says it)
     emb_scale: float = 1.0
+    # "qwen3" (z-lab / Qwen3DSparkModel layers) or "gemma4" (Gemma4DSparkModel: the target's full-
+    # attention layer shape, head_dim/kv_heads the full layers', its full-attention rope below)
+    backbone: str = "qwen3"
+    k_eq_v: bool = False
+    rope_type: str = "default"
+    rope_partial: float = 1.0
+    rope_factor: float = 1.0
+    rms_eps: float = 1e-6
 
     def as_json(self) -> dict:
         d = asdict(self)
@@ -100,8 +108,6 @@ def resolve_geometry(target: Path, kind: str, *, layers: int | None = None, bloc
     if kind not in KINDS:
         raise SettingError("kind", kind, f"expected {'|'.join(KINDS)}", quote=False)
     cfg, notes = text_config(target), []
-    if kind == "dspark":
-        _check_dspark_family(target, cfg)
     L, hidden, vocab = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["vocab_size"])
     heads, kv = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads", cfg["num_attention_heads"]))
     head_dim = int(cfg.get("head_dim") or hidden // heads)
@@ -142,18 +148,37 @@ def resolve_geometry(target: Path, kind: str, *, layers: int | None = None, bloc
     geo = Geometry(kind, layers, block, tuple(taps), mask_token, markov_rank, confidence, hidden, heads, kv, head_dim,
                    int(cfg.get("intermediate_size") or 4 * hidden), vocab, L,
                    max_positions=int(cfg.get("max_position_embeddings") or 32768))
+    if kind == "dspark" and _own_layer_format(target, cfg):
+        geo = _gemma4_backbone(target, geo)
+        notes.append("drafter format: Gemma4DSparkModel (DeepSpec's DSpark drafter for a Gemma 4 target: its "
+                     "full-attention layers, block embedding scaled by its embed_scale, softcapped logits)")
     return geo, notes
 
 
-def _check_dspark_family(target: Path, cfg: dict) -> None:
-    """Refuse a DSpark drafter for a family whose DeepSpec drafter is built of its own layers."""
+def _own_layer_format(target: Path, cfg: dict) -> str | None:
+    """The DSpark format of a family whose DeepSpec drafter is built of its own layers, else None."""
     raw = json.loads((target / "config.json").read_text())
-    for model_type in (raw.get("model_type"), cfg.get("model_type")):
-        if model_type in OWN_LAYER_DSPARK:
-            raise SettingError("kind", "dspark",
-                               f"a {model_type} target's DeepSpec drafter is {OWN_LAYER_DSPARK[model_type]} (the "
-                               "target's own layers and scaled embedding), a format memra train does not write; "
-                               "train a z-lab DFlash drafter for it (--kind dflash)", quote=False)
+    return next((OWN_LAYER_DSPARK[t] for t in (raw.get("model_type"), cfg.get("model_type")) if t in OWN_LAYER_DSPARK),
+                None)
+
+
+def _gemma4_backbone(target: Path, geo: Geometry) -> Geometry:
+    """A Gemma4DSparkModel geometry: every draft layer has the target's full-attention shape
+    (head dim, KV heads, k_eq_v) and rope, and its MLP width (the target's base width)."""
+    from dataclasses import replace
+
+    from memra_cli.engine.formats.gemma4_config import FULL, load_gemma4_config
+
+    g = load_gemma4_config(target)
+    if FULL not in g.layer_types:
+        raise SettingError("kind", "dspark", f"{target}: a Gemma4DSparkModel drafter takes the target's "
+                           f"{FULL} layer shape and rope, and its layer_types have no {FULL} layer", quote=False)
+    full = g.layer_types.index(FULL)
+    rope = g.rope[FULL]
+    return replace(geo, backbone="gemma4", head_dim=g.head_dims[full], kv_heads=g.kv_heads[full],
+                   ffn=g.intermediate_size, k_eq_v=g.attention_k_eq_v, rope_type=rope.type, rope_theta=rope.theta,
+                   rope_partial=rope.partial_rotary_factor, rope_factor=rope.factor, rms_eps=g.rms_norm_eps,
+                   max_positions=g.max_position_embeddings)
 
 
 def check_target_dir(target: Path) -> None:

@@ -69,8 +69,17 @@ class RunResult:
     train_s: float = 0.0  # this run's
 
 
-def new_drafter(geo: Geometry, seed: int) -> TrainDrafter:
+def new_drafter(geo: Geometry, seed: int) -> torch.nn.Module:
+    """The trainable drafter of the geometry's backbone (drafter.py, or drafter_gemma4.py)."""
     torch.manual_seed(seed)
+    if geo.backbone == "gemma4":
+        from memra_cli.engine.formats.gemma4_config import Gemma4Rope
+        from memra_cli.train.drafter_gemma4 import TrainGemma4Drafter
+
+        rope = Gemma4Rope(geo.rope_type, geo.rope_theta, geo.rope_partial, geo.rope_factor)
+        return TrainGemma4Drafter(geo.hidden, geo.layers, geo.heads, geo.kv_heads, geo.head_dim, geo.ffn, len(geo.taps),
+                                  geo.vocab, k_eq_v=geo.k_eq_v, rope=rope, eps=geo.rms_eps,
+                                  markov_rank=geo.markov_rank, confidence=geo.confidence)
     return TrainDrafter(geo.hidden, geo.layers, geo.heads, geo.kv_heads, geo.ffn, len(geo.taps), geo.vocab,
                         markov_rank=geo.markov_rank, confidence=geo.confidence, head_dim=geo.head_dim)
 

@@ -21,7 +21,7 @@ import torch
 
 from memra_cli.engine.errors import ConfigError, SettingError
 from memra_cli.engine.files import OutputExistsError
-from memra_cli.train.geometry import Geometry, check_target_dir, resolve_geometry
+from memra_cli.train.geometry import Geometry, check_target_dir, resolve_geometry, text_config
 from memra_cli.train.job import Hyper, Progress, TrainJob
 from memra_cli.train.online import OnlineData, Prompts, encode_prompts, thinking_note
 from memra_cli.train.taps import EngineTaps
@@ -143,6 +143,12 @@ def _block_embedding(req: TrainRequest, engine, geo: Geometry, notes: list[str])
     from dataclasses import replace
 
     scale = float(torch.tensor(engine.target.embed_scale, dtype=engine.dtype))
+    if geo.backbone == "gemma4":  # the format fixes a scaled block embedding (the engine's arm: only agreeing)
+        if req.emb_scale is False:
+            raise SettingError("emb_scale", False, "a Gemma4DSparkModel drafter's block embedding is the target's "
+                               f"rows scaled by its embed_scale (x{scale:g}); drop --no-emb-scale", quote=False)
+        notes.append(f"block embedding: the target's rows scaled x{scale:g} (Gemma4DSparkModel's own)")
+        return replace(geo, emb_scale=scale)
     if req.emb_scale:
         notes.append(f"block embedding: the target's rows scaled x{scale:g} (its embed_scale; --emb-scale): "
                      "run the drafter with --emb-scale (a z-lab config.json cannot record it)")
@@ -197,7 +203,7 @@ def run_training(plan: Plan, *, on_step: Callable[[Progress], None] = lambda p: 
 
     job.drafter.eval()
     out = write_drafter(req.out, job.drafter, plan.geometry, source, dtype=req.export_dtype,
-                        num_anchors=req.anchors)
+                        num_anchors=req.anchors, target_config=text_config(req.target))
     if req.gguf is not None:  # the quantize command's writer, on the exported drafter
         from memra_cli.engine.quant.gguf_write import write_gguf
 

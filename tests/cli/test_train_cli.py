@@ -391,19 +391,16 @@ FAMILIES = ["qwen3", "llama", "qwen3_5-text", "qwen3_5-multimodal", "qwen3_moe",
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_target_family_trains_each_drafter_kind_that_fits_it(setup, tmp_path, family, kind):
     """`memra train` over a tiny target of every family memra loads: a few steps, the export
-    read by `census`, every held-out stream exact. A DSpark drafter for Gemma 4 is refused by
-    name (DeepSpec's is Gemma4DSparkModel, which train does not write); a z-lab DFlash drafter
-    (Qwen3 layers) trains over any target, Gemma's with its block embedding raw or scaled."""
+    read by `census`, every held-out stream exact. A z-lab DFlash drafter (Qwen3 layers) trains
+    over any target, Gemma's with its block embedding scaled by --emb-scale; a DSpark drafter
+    over Gemma 4 is DeepSpec's Gemma4DSparkModel (its own scaled embedding, no flag needed)."""
     _, _, prompts = setup
     target, out = _family(family, tmp_path / "target"), tmp_path / "out"
     extra = ["--markov-rank", "16"] if kind == "dspark" else []
-    if family.startswith("gemma4") and kind == "dspark":
-        _refused(train("--target", target, "--kind", kind, "--prompts", prompts, "--out", out, *extra), out,
-                 "DeepSpec drafter is Gemma4DSparkModel")
-        return
     scaled = family.startswith("gemma4")
     r = train("--target", target, "--kind", kind, "--prompts", prompts, "--out", out, "--steps", 2, *SMALL, *extra,
-              *(["--emb-scale"] if scaled else []), "--json")
+              *(["--emb-scale"] if scaled and kind == "dflash" else []),
+              *(["--gguf", "q8"] if scaled and kind == "dspark" else []), "--json")
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     held = report["heldout"]
@@ -413,6 +410,38 @@ def test_every_target_family_trains_each_drafter_kind_that_fits_it(setup, tmp_pa
     census = runner.invoke(app, ["census", str(out), "--json"], env={})
     assert census.exit_code == 0, census.output
     assert json.loads(census.stdout)["exporter"] == ("zlab-dflash" if kind == "dflash" else "deepspec")
+    architecture = json.loads((out / "config.json").read_text())["architectures"]
+    assert architecture == ["Gemma4DSparkModel" if scaled and kind == "dspark" else
+                            {"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}[kind]]
+    if scaled and kind == "dspark":
+        _gemma4_dspark_runs_exactly(target, out)
+
+
+def _gemma4_dspark_runs_exactly(target: Path, drafter: Path) -> None:
+    """A trained Gemma4DSparkModel: census reads it and its q8 GGUF, it passes parity against the
+    float64 oracle (parity/reference.py's Gemma 4 drafter), and `generate` with it (and with its
+    GGUF) gives the stream of `--spec off`."""
+    c = json.loads(runner.invoke(app, ["census", str(drafter), "--json"], env={}).stdout)
+    assert c["strategy_dspark"] is True and c["markov"] is not None and c["confidence"] is not None
+    gguf = runner.invoke(app, ["census", str(drafter / "model.q8.gguf"), "--json"], env={})  # --gguf q8's
+    assert gguf.exit_code == 0 and json.loads(gguf.stdout)["exporter"] == "deepspec", gguf.output
+    oracle = drafter.with_name("oracle.npz")
+    made = runner.invoke(app, ["parity", str(drafter), "--make-oracle", str(oracle), "--target", str(target)], env={})
+    assert made.exit_code == 0, made.output
+    par = runner.invoke(app, ["parity", str(drafter), str(oracle), "--target", str(target), "--json"], env={})
+    assert par.exit_code == 0 and json.loads(par.stdout)["pass"] is True, par.output
+    streams = {}
+    for name, draft, spec in (("dspark", drafter, "dspark"), ("q8", drafter / "model.q8.gguf", "dspark"),
+                              ("off", drafter, "off")):
+        g = runner.invoke(app, ["generate", "--target", str(target), "--draft", str(draft), "--spec", spec,
+                                "--prompt-ids", "5,17,42,99", "--max-new", "32", "--json"], env={})
+        assert g.exit_code == 0, g.output
+        streams[name] = json.loads(g.stdout)
+    for name in ("dspark", "q8"):
+        drafted = streams[name]
+        assert drafted["mode"] == "dspark" and drafted["stats"]["drafted"] > 0
+        assert drafted["receipts"]["block_embedding"]["scaled"] is True
+        assert drafted["tokens"] == streams["off"]["tokens"] and len(drafted["tokens"]) == 32, name
 
 
 def test_training_feeds_the_drafter_the_block_rows_and_logits_it_sees_at_inference(setup):
@@ -442,13 +471,15 @@ def test_training_feeds_the_drafter_the_block_rows_and_logits_it_sees_at_inferen
     assert torch.equal(capped, torch.tanh(raw / 2.0) * 2.0) and capped.abs().max() < 2.0 < raw.abs().max()
 
 
-def test_a_dspark_drafter_for_gemma4_is_refused_by_name(setup, tmp_path):
+def test_a_gemma4_dspark_drafter_with_a_raw_block_embedding_is_refused(setup, tmp_path):
+    """Gemma4DSparkModel's block embedding is the target's rows scaled by √hidden (the engine's arm
+    refuses --no-emb-scale on it): training one with raw rows is refused before any step, nothing written."""
     from memra_cli.tiny.gemma4 import make_tiny_gemma4
 
     _, _, prompts = setup
     target, out = make_tiny_gemma4(tmp_path / "gemma4", layout="multimodal", tokenizer=True), tmp_path / "out"
-    _refused(train("--target", target, "--kind", "dspark", "--prompts", prompts, "--out", out), out,
-             "--kind dspark: a gemma4 target's DeepSpec drafter is Gemma4DSparkModel")
+    _refused(train("--target", target, "--kind", "dspark", "--prompts", prompts, "--out", out, "--no-emb-scale"), out,
+             "--no-emb-scale: a Gemma4DSparkModel drafter's block embedding is the target's rows scaled")
 
 
 def _ranks_run(target: Path, out: Path, n: int) -> list[dict]:

@@ -14,6 +14,8 @@
   its anchor: the tiny target's streams repeat tokens, so some drafts are accepted, most not);
   and under temperature sampling (the position-keyed sampler) the same stream as plain sampling.
 - Refusals: malformed configs, a Gemma drafter over a Qwen target, `emb_scale` off: one line each.
+- `memra train`'s trainable twin (train/drafter_gemma4.py) and the engine's drafter loaded from its
+  export compute the same block forward within the float32 reordering bound (fp32_bounds.py).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from memra_cli.parity.oracle import parity, read_oracle
 from memra_cli.tiny.gemma4 import make_tiny_gemma4
 from memra_cli.tiny.gemma4_dspark import make_tiny_gemma4_dspark
 from memra_cli.tiny.target import make_tiny_qwen3
+
+from fp32_bounds import U, assert_close_at_scale, layer_reductions, reorder_bound
 
 pytest.importorskip("transformers")
 from memra_cli.parity.reference import Gemma4ReferenceDrafter, make_oracle  # noqa: E402
@@ -340,3 +344,62 @@ def test_cuda_graphed_dspark_rounds_equal_plain_greedy(pair, tmp_path, name):
             with engine.session(ids, 48, arm, eos_ids=()) as session:
                 assert session.graphed_rounds, (name, seed)
                 assert session.run() == plain, (name, seed, pipelined)
+
+
+# --------------------------------------------------------------------------- memra train's twin
+
+
+def _twin_bound(drafter, hidden: int, n_taps: int, ffn: int, keys: int) -> float:
+    """fp32_bounds' reordering bound through the fc and every layer's reductions, with each layer's
+    score error amplified by its largest possible score: q and k are RMS-normed (norm ~sqrt(hd))
+    and scaled by their norm weights, with attention scaling 1.0, so |q.k| <= hd * max|w_q| *
+    max|w_k|, and a score's absolute error (its relative error times that) is what the softmax
+    passes on as its probabilities' relative error."""
+    hd, total = drafter.hd, reorder_bound(n_taps * hidden)
+    for layer in drafter.layers:
+        a = layer.self_attn
+        amplify = hd * a.q_norm.weight.abs().max().item() * a.k_norm.weight.abs().max().item()
+        total += reorder_bound(*layer_reductions(hidden, drafter.heads * hd, hd, keys, ffn))
+        total += 2 * U * amplify * hd ** 0.5
+    return total
+
+
+@pytest.mark.parametrize("k_eq_v", [True, False])
+def test_memra_train_twin_computes_the_engine_drafter(tmp_path, k_eq_v):
+    """`memra train`'s trainable Gemma4DSparkModel (train/drafter_gemma4.py) and the engine's
+    drafter loaded from what train exports compute the same block forward on the same inputs,
+    within the float32 reordering bound: what training optimises is what the engine drafts with."""
+    from memra_cli.train.export import write_drafter
+    from memra_cli.train.geometry import resolve_geometry, text_config
+    from memra_cli.train.job import new_drafter
+    from memra_cli.train.losses import DraftSpec, block_batch
+    from memra_cli.train.taps import EngineTaps
+
+    target = make_tiny_gemma4(tmp_path / "target", k_eq_v=k_eq_v)
+    geo, _ = resolve_geometry(target, "dspark", layers=2, block=8, taps=(-1, 1, 3), mask_token=VOCAB - 1,
+                              markov_rank=16, confidence=True)
+    assert geo.backbone == "gemma4" and geo.k_eq_v is k_eq_v and (geo.head_dim, geo.kv_heads) == (32, 1 if k_eq_v else 2)
+    twin = new_drafter(geo, seed=0).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # non-trivial norms, scalars and heads (fresh ones are ones / zeros)
+        for name, p in twin.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.mul_(0.4)  # unsaturated scores, as the tiny drafter (tiny/gemma4_dspark.py)
+    tables = Gemma4Target.from_dir(target)
+    out = write_drafter(tmp_path / "d", twin, geo, EngineTaps(tables), dtype="float32", target_config=text_config(target))
+    engine = Gemma4Drafter.load(out)
+    assert [t.name for t in take_census(out).tensors if "v_proj" in t.name] == ([] if k_eq_v else
+                                                                                  ["layers.0.self_attn.v_proj.weight",
+                                                                                   "layers.1.self_attn.v_proj.weight"])
+    L, anchor = 24, 13
+    ids = torch.randint(2, VOCAB - 1, (1, L), generator=gen)
+    noise_ids, blk_pos, _, _, mask = block_batch(ids, torch.tensor([[anchor]]), DraftSpec("dspark", 8, geo.taps, VOCAB - 1))
+    taps = torch.randn(1, L, 3 * 64, generator=gen)
+    noise = torch.nn.functional.embedding(noise_ids, tables.embed_weight) * 8.0  # √hidden, as the arm scales it
+    with torch.no_grad():
+        want = twin(taps, noise, torch.arange(L)[None], blk_pos, mask)[0]
+        got = engine.forward_full(taps[0, :anchor], noise[0], torch.cat([torch.arange(anchor), blk_pos[0]])).hidden_out
+    assert_close_at_scale(got, want, _twin_bound(twin, 64, 3, geo.ffn, anchor + 8), "twin vs engine")
+    assert not torch.equal(want, noise[0])  # the layers moved the rows
