@@ -52,5 +52,16 @@ def check_last_contiguous(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: the last axis must be contiguous (stride {x.stride(-1)})")
 
 
+def gate_up_out(gate_up: torch.Tensor) -> torch.Tensor:
+    """Checks a fused gate/up projection `[t, 2*I]` (gate the first half, up the second) and
+    returns the `[t, I]` output the gated activations write."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [t, 2*I], got {tuple(gate_up.shape)}")
+    check_tensors(gate_up)
+    check_dtype(gate_up, "gate_up")
+    check_last_contiguous(gate_up, "gate_up")
+    return torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(n)

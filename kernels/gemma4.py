@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from ._common import check_dtype, check_last_contiguous, check_tensors, gate_up_out, next_pow2
 from ._pdl import pdl_args, pdl_wait
 from .gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,  # noqa: F401
                          gemma_rms_norm_ref, softcap_ref)  # (the twins)
@@ -249,13 +249,8 @@ def _gelu_mul_kernel(gu_ptr, out_ptr, ffn, stride_gu, stride_out, BLOCK: tl.cons
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`gelu_tanh(gate) * up` of the fused gate/up projection `[t, 2*ffn]` -> `[t, ffn]` (the
     twin `gelu_tanh_mul_ref`) in one launch."""
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up must be [t, 2*ffn], got {tuple(gate_up.shape)}")
-    check_tensors(gate_up)
-    check_dtype(gate_up, "gate_up")
-    check_last_contiguous(gate_up, "gate_up")
-    t, ffn = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((t, ffn), dtype=gate_up.dtype, device=gate_up.device)
+    out = gate_up_out(gate_up)
+    t, ffn = out.shape
     if t:
         _gelu_mul_kernel[(t, triton.cdiv(ffn, GELU_BLOCK))](
             gate_up, out, ffn, gate_up.stride(0), out.stride(0), BLOCK=GELU_BLOCK, num_warps=4, **pdl_args(gate_up))
