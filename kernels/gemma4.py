@@ -40,6 +40,7 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, gate_up_out, next_pow2
 from ._pdl import pdl_args, pdl_wait
+from .rope import rope_head_program, rope_table_halves
 from .gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,  # noqa: F401
                          gemma_rms_norm_ref, softcap_ref)  # (the twins)
 
@@ -71,10 +72,7 @@ def _rope_store(n1, n2, cos_row, sin_row, dst, offs, mask, HD: tl.constexpr):
     `x*cos + rotate_half(x)*sin` (each product, then the sum), stored at `dst`."""
     HALF: tl.constexpr = HD // 2
     dt = dst.dtype.element_ty
-    c1 = tl.load(cos_row + offs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_row + offs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = rope_table_halves(cos_row, sin_row, offs, mask, HD)
     o1 = (n1 * c1).to(dt).to(tl.float32) + (-n2 * s1).to(dt).to(tl.float32)
     o2 = (n2 * c2).to(dt).to(tl.float32) + (n1 * s2).to(dt).to(tl.float32)
     tl.store(dst + offs, o1.to(dt), mask=mask)
@@ -88,14 +86,9 @@ def _gemma_qkv_kernel(proj_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, q_o
                       K_EQ_V: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, head): heads [0, nh) are q heads, [nh, nh + nkv) the k/v heads."""
     pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    row, head, offs, mask, pos, cos_row, sin_row = rope_head_program(pos_ptr, cos_ptr, sin_ptr, stride_cos,
+                                                                     stride_sin, HD, HALF_BLOCK)
     HALF: tl.constexpr = HD // 2
-    offs = tl.arange(0, HALF_BLOCK)
-    mask = offs < HALF
-    pos = tl.load(pos_ptr + row).to(tl.int64)
-    cos_row = cos_ptr + pos * stride_cos
-    sin_row = sin_ptr + pos * stride_sin
     src = proj_ptr + row * stride_proj + head * HD  # q heads then k heads, adjacent
     if head < n_heads:
         n1, n2 = _gemma_norm(src, q_w_ptr, eps, offs, mask, HD, True)
