@@ -38,7 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_last_contiguous, check_tensors, gate_up_out, next_pow2
+from ._common import (check_dtype, check_kv_caches, check_last_contiguous, check_positions, check_tensors, gate_up_out,
+                      next_pow2)
 from ._pdl import pdl_args, pdl_wait
 from .rope import rope_head_program, rope_table_halves
 from .gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,  # noqa: F401
@@ -120,12 +121,10 @@ def _check_qkv(proj, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache, 
     norms = (q_norm_w, k_norm_w) if owns_kv else (q_norm_w,)
     if any(w is None or w.shape != (hd,) for w in norms):
         raise ValueError(f"q_norm_w / k_norm_w must be [head_dim={hd}] (cos/sin's width)")
-    if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
+    check_positions(positions, t)
     caches = (("k_cache", k_cache), ("v_cache", v_cache)) if owns_kv else ()
-    for name, c in caches:
-        if c is None or c.dim() != 3 or c.shape[0] != n_kv or c.shape[2] != hd:
-            raise ValueError(f"{name} {None if c is None else tuple(c.shape)} is not [n_kv={n_kv}, S, head_dim={hd}]")
+    if owns_kv:
+        check_kv_caches(k_cache, v_cache, n_kv, hd)
     check_tensors(proj, *norms, cos, sin, positions, *(c for _, c in caches))
     check_dtype(proj, "proj")
     for name, a in [("q_norm_w", q_norm_w), ("cos", cos), ("sin", sin), *caches] + \

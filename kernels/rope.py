@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from ._common import check_dtype, check_kv_caches, check_last_contiguous, check_positions, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
 from .norm_ref import rms_norm_ref as _rms_norm_ref  # noqa: F401  (the twins)
 from .rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref, rope_ref as _rope_ref  # noqa: F401
@@ -132,11 +132,8 @@ def _check(qkv, norms, cos, sin, positions, k_cache, v_cache, n_heads, n_kv):
                          f"with n_heads={n_heads}, n_kv={n_kv}, head_dim={hd}")
     if any(w.shape != (hd,) for w in norms):
         raise ValueError(f"q_norm_w / k_norm_w must be [head_dim={hd}] (cos/sin's width)")
-    if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 3 or c.shape[0] != n_kv or c.shape[2] != hd:
-            raise ValueError(f"{name} {tuple(c.shape)} is not [n_kv={n_kv}, S, head_dim={hd}]")
+    check_positions(positions, t)
+    check_kv_caches(k_cache, v_cache, n_kv, hd)
     check_tensors(qkv, *norms, cos, sin, positions, k_cache, v_cache)
     check_dtype(qkv, "qkv")
     named = list(zip(("q_norm_w", "k_norm_w"), norms)) + [("cos", cos), ("sin", sin), ("k_cache", k_cache),
