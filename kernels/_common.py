@@ -52,5 +52,29 @@ def check_last_contiguous(x: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name}: the last axis must be contiguous (stride {x.stride(-1)})")
 
 
+def check_positions(positions: torch.Tensor, t: int) -> None:
+    """One position per row: `positions [t]` int64 or int32 (read on the device)."""
+    if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
+
+
+def check_kv_caches(k_cache: torch.Tensor | None, v_cache: torch.Tensor | None, n_kv: int, hd: int) -> None:
+    """The caches a step writes in place: each `[n_kv, S, head_dim]`."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c is None or c.dim() != 3 or c.shape[0] != n_kv or c.shape[2] != hd:
+            raise ValueError(f"{name} {None if c is None else tuple(c.shape)} is not [n_kv={n_kv}, S, head_dim={hd}]")
+
+
+def gate_up_out(gate_up: torch.Tensor) -> torch.Tensor:
+    """Checks a fused gate/up projection `[t, 2*I]` (gate the first half, up the second) and
+    returns the `[t, I]` output the gated activations write."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [t, 2*I], got {tuple(gate_up.shape)}")
+    check_tensors(gate_up)
+    check_dtype(gate_up, "gate_up")
+    check_last_contiguous(gate_up, "gate_up")
+    return torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype, device=gate_up.device)
+
+
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(n)

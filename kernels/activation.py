@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_last_contiguous, check_tensors
+from ._common import gate_up_out
 from ._pdl import pdl_args, pdl_wait
 from .activation_ref import silu_mul_ref  # noqa: F401  (the twin: the op's one torch body)
 
@@ -70,13 +70,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
     Rows may be strided; the last axis must be contiguous.
     """
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up must be [t, 2*I], got {tuple(gate_up.shape)}")
-    check_tensors(gate_up)
-    check_dtype(gate_up, "gate_up")
-    check_last_contiguous(gate_up, "gate_up")
-    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((t, inter), dtype=gate_up.dtype, device=gate_up.device)
+    out = gate_up_out(gate_up)
+    t, inter = out.shape
     if t == 0 or inter == 0:
         return out
     _silu_mul_kernel[(t, triton.cdiv(inter, BLOCK_I))](

@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_last_contiguous, check_tensors, interpreting, next_pow2
+from ._common import check_dtype, check_last_contiguous, check_positions, check_tensors, interpreting, next_pow2
 from ._pdl import pdl_args, pdl_wait
 
 
@@ -331,8 +331,7 @@ def _check(q, k_cache, v_cache, positions):
         raise ValueError(f"head_dim {hd} vs {hd_k}, or n_heads {nh} not a multiple of n_kv {nkv}")
     if hd > 512:
         raise ValueError(f"head_dim {hd} > 512 is not supported (register tile)")
-    if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
+    check_positions(positions, t)
     check_tensors(q, k_cache, v_cache, positions)
     for name, a in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_dtype(a, name)

@@ -38,8 +38,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from ._common import (check_dtype, check_kv_caches, check_last_contiguous, check_positions, check_tensors, gate_up_out,
+                      next_pow2)
 from ._pdl import pdl_args, pdl_wait
+from .rope import rope_head_program, rope_table_halves
 from .gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,  # noqa: F401
                          gemma_rms_norm_ref, softcap_ref)  # (the twins)
 
@@ -71,10 +73,7 @@ def _rope_store(n1, n2, cos_row, sin_row, dst, offs, mask, HD: tl.constexpr):
     `x*cos + rotate_half(x)*sin` (each product, then the sum), stored at `dst`."""
     HALF: tl.constexpr = HD // 2
     dt = dst.dtype.element_ty
-    c1 = tl.load(cos_row + offs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_row + offs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = rope_table_halves(cos_row, sin_row, offs, mask, HD)
     o1 = (n1 * c1).to(dt).to(tl.float32) + (-n2 * s1).to(dt).to(tl.float32)
     o2 = (n2 * c2).to(dt).to(tl.float32) + (n1 * s2).to(dt).to(tl.float32)
     tl.store(dst + offs, o1.to(dt), mask=mask)
@@ -88,14 +87,9 @@ def _gemma_qkv_kernel(proj_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, q_o
                       K_EQ_V: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, head): heads [0, nh) are q heads, [nh, nh + nkv) the k/v heads."""
     pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    row, head, offs, mask, pos, cos_row, sin_row = rope_head_program(pos_ptr, cos_ptr, sin_ptr, stride_cos,
+                                                                     stride_sin, HD, HALF_BLOCK)
     HALF: tl.constexpr = HD // 2
-    offs = tl.arange(0, HALF_BLOCK)
-    mask = offs < HALF
-    pos = tl.load(pos_ptr + row).to(tl.int64)
-    cos_row = cos_ptr + pos * stride_cos
-    sin_row = sin_ptr + pos * stride_sin
     src = proj_ptr + row * stride_proj + head * HD  # q heads then k heads, adjacent
     if head < n_heads:
         n1, n2 = _gemma_norm(src, q_w_ptr, eps, offs, mask, HD, True)
@@ -127,12 +121,10 @@ def _check_qkv(proj, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache, 
     norms = (q_norm_w, k_norm_w) if owns_kv else (q_norm_w,)
     if any(w is None or w.shape != (hd,) for w in norms):
         raise ValueError(f"q_norm_w / k_norm_w must be [head_dim={hd}] (cos/sin's width)")
-    if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
+    check_positions(positions, t)
     caches = (("k_cache", k_cache), ("v_cache", v_cache)) if owns_kv else ()
-    for name, c in caches:
-        if c is None or c.dim() != 3 or c.shape[0] != n_kv or c.shape[2] != hd:
-            raise ValueError(f"{name} {None if c is None else tuple(c.shape)} is not [n_kv={n_kv}, S, head_dim={hd}]")
+    if owns_kv:
+        check_kv_caches(k_cache, v_cache, n_kv, hd)
     check_tensors(proj, *norms, cos, sin, positions, *(c for _, c in caches))
     check_dtype(proj, "proj")
     for name, a in [("q_norm_w", q_norm_w), ("cos", cos), ("sin", sin), *caches] + \
@@ -249,13 +241,8 @@ def _gelu_mul_kernel(gu_ptr, out_ptr, ffn, stride_gu, stride_out, BLOCK: tl.cons
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`gelu_tanh(gate) * up` of the fused gate/up projection `[t, 2*ffn]` -> `[t, ffn]` (the
     twin `gelu_tanh_mul_ref`) in one launch."""
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"gate_up must be [t, 2*ffn], got {tuple(gate_up.shape)}")
-    check_tensors(gate_up)
-    check_dtype(gate_up, "gate_up")
-    check_last_contiguous(gate_up, "gate_up")
-    t, ffn = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty((t, ffn), dtype=gate_up.dtype, device=gate_up.device)
+    out = gate_up_out(gate_up)
+    t, ffn = out.shape
     if t:
         _gelu_mul_kernel[(t, triton.cdiv(ffn, GELU_BLOCK))](
             gate_up, out, ffn, gate_up.stride(0), out.stride(0), BLOCK=GELU_BLOCK, num_warps=4, **pdl_args(gate_up))

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from ._common import check_dtype, check_kv_caches, check_last_contiguous, check_positions, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
 from .deltanet import BLOCK_C, _check_live, _conv_silu_cols, causal_conv_silu_ref
 from .norm import rms_norm_1p_ref
@@ -121,11 +121,8 @@ def _check_gated_qk(qgkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
     r = cos.shape[-1]
     if cos.dim() != 2 or sin.shape != cos.shape or r % 2 or not 0 < r <= hd:
         raise ValueError(f"cos/sin must be [S_tab, r] with r even, 0 < r <= {hd}; got {tuple(cos.shape)}")
-    if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 3 or c.shape[0] != n_kv or c.shape[2] != hd:
-            raise ValueError(f"{name} {tuple(c.shape)} is not [n_kv={n_kv}, S, head_dim={hd}]")
+    check_positions(positions, t)
+    check_kv_caches(k_cache, v_cache, n_kv, hd)
     check_tensors(qgkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache)
     check_dtype(qgkv, "qgkv")
     for name, a in (("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):

@@ -28,10 +28,34 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from ._common import check_dtype, check_kv_caches, check_last_contiguous, check_positions, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
 from .norm_ref import rms_norm_ref as _rms_norm_ref  # noqa: F401  (the twins)
 from .rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref, rope_ref as _rope_ref  # noqa: F401
+
+
+@triton.jit
+def rope_head_program(pos_ptr, cos_ptr, sin_ptr, stride_cos, stride_sin, HD: tl.constexpr,
+                      HALF_BLOCK: tl.constexpr):
+    """A (row, head) program's indices for a rotate-half head: its row (int64), head, the offsets
+    and mask of one half, the row's position and its cos/sin table rows (gathered on the device)."""
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs = tl.arange(0, HALF_BLOCK)
+    mask = offs < HD // 2
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    return row, head, offs, mask, pos, cos_ptr + pos * stride_cos, sin_ptr + pos * stride_sin
+
+
+@triton.jit
+def rope_table_halves(cos_row, sin_row, offs, mask, HD: tl.constexpr):
+    """The cos/sin rows' two halves `(c1, c2, s1, s2)` in float32 (`offs` indexes a half)."""
+    HALF: tl.constexpr = HD // 2
+    c1 = tl.load(cos_row + offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_row + offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
 
 
 @triton.jit
@@ -57,10 +81,7 @@ def _norm_rope(src, w_ptr, cos_row, sin_row, eps, offs, mask,
         n2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     else:
         n1, n2 = x1, x2
-    c1 = tl.load(cos_row + offs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_row + offs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = rope_table_halves(cos_row, sin_row, offs, mask, HD)
     # rotate_half(x) = cat(-x2, x1): out1 = x1*c1 - x2*s1, out2 = x2*c2 + x1*s2.
     return n1 * c1 - n2 * s1, n2 * c2 + n1 * s2
 
@@ -75,14 +96,9 @@ def _qk_norm_rope_kv_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr
     """Program (row, head): heads [0, nh) are q heads, [nh, nh + nkv) the k/v heads (NORM off:
     the norm weight pointers are never read)."""
     pdl_wait(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    row, head, offs, mask, pos, cos_row, sin_row = rope_head_program(pos_ptr, cos_ptr, sin_ptr, stride_cos,
+                                                                     stride_sin, HD, HALF_BLOCK)
     HALF: tl.constexpr = HD // 2
-    offs = tl.arange(0, HALF_BLOCK)
-    mask = offs < HALF
-    pos = tl.load(pos_ptr + row).to(tl.int64)
-    cos_row = cos_ptr + pos * stride_cos
-    sin_row = sin_ptr + pos * stride_sin
     # q heads then k heads are adjacent in qkv: head h (q or k) starts at column h*hd.
     src = qkv_ptr + row * stride_qkv + head * HD
     if head < n_heads:
@@ -116,11 +132,8 @@ def _check(qkv, norms, cos, sin, positions, k_cache, v_cache, n_heads, n_kv):
                          f"with n_heads={n_heads}, n_kv={n_kv}, head_dim={hd}")
     if any(w.shape != (hd,) for w in norms):
         raise ValueError(f"q_norm_w / k_norm_w must be [head_dim={hd}] (cos/sin's width)")
-    if positions.shape != (t,) or positions.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"positions must be [t] int64/int32, got {tuple(positions.shape)} {positions.dtype}")
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if c.dim() != 3 or c.shape[0] != n_kv or c.shape[2] != hd:
-            raise ValueError(f"{name} {tuple(c.shape)} is not [n_kv={n_kv}, S, head_dim={hd}]")
+    check_positions(positions, t)
+    check_kv_caches(k_cache, v_cache, n_kv, hd)
     check_tensors(qkv, *norms, cos, sin, positions, k_cache, v_cache)
     check_dtype(qkv, "qkv")
     named = list(zip(("q_norm_w", "k_norm_w"), norms)) + [("cos", cos), ("sin", sin), ("k_cache", k_cache),

@@ -19,8 +19,8 @@
 # On four GPUs (kind nvidia-h200-x4) `retrain` is the recipe of docs/train.md "Retraining the
 # embedded pair": four data shards made side by side (one per GPU), then each drafter alone on two
 # GPUs (torch.distributed.run, gradients averaged), each rank over its own two shards, for
-# BUDGET_S (default 400) seconds: 2 GPUs x 400 s each, against the shipped drafters' 440 s of half
-# a GPU (side by side), about 3.6x the drafter budget, over 4x the sequences.
+# BUDGET_S seconds (default 400; the budget against the shipped drafters': docs/train.md,
+# "The retrain recipe: one call on four GPUs").
 # Each solo call regenerates the drafter data (the data does not fit the carry
 # limit beside the tree) and returns build-work less data.pt as tar parts.
 # State lives in build-work/ (git-ignored; carry it to the second call: the machine is bare again).

@@ -39,11 +39,13 @@ from memra_cli.engine.models.base import MODEL_FAMILIES, load_target, target_fam
 from memra_cli.engine.models.gemma4 import Gemma4Target, gemma_rms_norm
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import LADDER, Harvest, PolicySettings
-from memra_cli.engine.spec.proposer import Program, Proposal
+from memra_cli.engine.spec.proposer import Program
 from memra_cli.engine.spec.session import Session
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.gemma4 import make_tiny_gemma4
 from memra_cli.tiny.target import special_token_ids
+
+from scripted_oracle import ScriptedOracle, moving_wrong_slot
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -251,33 +253,6 @@ def test_rollback_then_continue_is_the_straight_run(models):
     assert torch.equal(got, want[20:])
 
 
-class Oracle:
-    """Proposes the target's greedy continuation, wrong at scheduled draft slots."""
-
-    def __init__(self, truth, prompt_len, n_drafts, wrong):
-        self.truth, self.p, self.nd, self.wrong = truth, prompt_len, n_drafts, wrong
-        self.round = self.ingested = 0
-
-    def reset(self, capacity):
-        self.round = self.ingested = 0
-
-    def release(self):
-        pass
-
-    def ingest(self, taps, positions):
-        assert torch.equal(positions, torch.arange(self.ingested, self.ingested + taps.shape[0]))
-        self.ingested += taps.shape[0]
-
-    def propose(self, last, start, want_raws):
-        i = start - self.p
-        assert int(last) == self.truth[i]
-        drafts = [self.truth[j] if j < len(self.truth) else 0 for j in range(i + 1, i + 1 + self.nd)]
-        for slot in self.wrong(self.round):
-            drafts[slot] = (drafts[slot] + 1) % VOCAB
-        self.round += 1
-        return Proposal(torch.tensor(drafts))
-
-
 @pytest.mark.parametrize("width", [WIDTH, 4, None], ids=["fixed", "fixed-4-chunks", "variable"])
 def test_partial_acceptance_equals_plain_greedy(tiny_dirs, width):
     engine = Engine.from_model(Gemma4Target.from_dir(tiny_dirs["ple-shared"]), step_width=width)
@@ -285,7 +260,7 @@ def test_partial_acceptance_equals_plain_greedy(tiny_dirs, width):
     for seed, n in ((60, 9), (61, 30)):
         ids = prompt(n, seed)
         truth = greedy_reference(engine.runner, ids, max_new + block + 1)
-        oracle = Oracle(truth, n, block - 1, lambda r: {(3 * r + 1) % 9} if (3 * r + 1) % 9 < 7 else set())
+        oracle = ScriptedOracle(truth, n, block - 1, moving_wrong_slot, VOCAB)
         session = Session(engine.runner, ids, max_new, proposer=oracle,
                           program=Program(Harvest.DFLASH, LADDER, False, block, False, block), taps=(-1, 1, 4))
         assert session.run() == truth[:max_new]

@@ -42,13 +42,14 @@ from memra_cli.engine.models.base import MODEL_FAMILIES, load_target, target_fam
 from memra_cli.engine.models.qwen3_5 import Qwen35State, Qwen35Target, default_rollback
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import LADDER, Harvest
-from memra_cli.engine.spec.proposer import Program, Proposal
+from memra_cli.engine.spec.proposer import Program
 from memra_cli.engine.spec.session import Session
 from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
 from memra_cli.tiny.target import special_token_ids
 
 from fp32_bounds import layer_reductions, reorder_bound
 from host_reads import NoHostReads
+from scripted_oracle import ScriptedOracle, moving_wrong_slot
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()
@@ -781,35 +782,6 @@ def test_a_step_past_rollback_rows_keeps_only_its_last_chunks(step_dir):
 # --------------------------------------------------------------------------- the round loop
 
 
-class Oracle:
-    """Proposes the target's greedy continuation, wrong at scheduled draft slots."""
-
-    def __init__(self, truth, prompt_len, n_drafts, wrong):
-        self.truth, self.p, self.nd, self.wrong = truth, prompt_len, n_drafts, wrong
-        self.round = self.ingested = 0
-        self.taps: list[torch.Tensor] = []
-
-    def reset(self, capacity):
-        self.round = self.ingested = 0
-
-    def release(self):
-        pass
-
-    def ingest(self, taps, positions):
-        assert torch.equal(positions, torch.arange(self.ingested, self.ingested + taps.shape[0]))
-        self.ingested += taps.shape[0]
-        self.taps.append(taps)
-
-    def propose(self, last, start, want_raws):
-        i = start - self.p
-        assert int(last) == self.truth[i]
-        drafts = [self.truth[j] if j < len(self.truth) else 0 for j in range(i + 1, i + 1 + self.nd)]
-        for slot in self.wrong(self.round):
-            drafts[slot] = (drafts[slot] + 1) % VOCAB
-        self.round += 1
-        return Proposal(torch.tensor(drafts))
-
-
 @pytest.mark.parametrize("mode", ["stash", "replay"])
 @pytest.mark.parametrize("width", [WIDTH, 4, None], ids=["fixed", "fixed-4-chunks", "variable"])
 def test_spec_session_equals_plain_greedy(tiny_dirs, mode, width):
@@ -819,8 +791,7 @@ def test_spec_session_equals_plain_greedy(tiny_dirs, mode, width):
     for seed, n in ((60, 9), (61, 30)):
         ids = prompt(n, seed)
         truth = greedy_reference(runner, ids, max_new + block + 1)
-        # wrong at a slot that moves round to round: accepted 0..7 of 7 drafts
-        oracle = Oracle(truth, n, block - 1, lambda r: {(3 * r + 1) % 9} if (3 * r + 1) % 9 < 7 else set())
+        oracle = ScriptedOracle(truth, n, block - 1, moving_wrong_slot, VOCAB)
         program = Program(Harvest.DFLASH, LADDER, False, block, False, block)
         session = Session(runner, ids, max_new, proposer=oracle, program=program, taps=taps)
         assert session.run() == truth[:max_new]
@@ -1151,7 +1122,7 @@ def test_graph_plumbing_groupings_rollback_and_sessions(tiny_dirs, step_dir, rep
     truth = greedy_reference(StepRunner(Qwen35Target.from_dir(tiny_dirs["text"], rollback=mode), WIDTH), ids,
                              max_new + block + 1)
     assert greedy_reference(g_runner, ids, max_new + block + 1) == truth
-    oracle = Oracle(truth, len(ids), block - 1, lambda r: {(3 * r + 1) % 9} if (3 * r + 1) % 9 < 7 else set())
+    oracle = ScriptedOracle(truth, len(ids), block - 1, moving_wrong_slot, VOCAB)
     program = Program(Harvest.DFLASH, LADDER, False, block, False, block)
     session = Session(g_runner, ids, max_new, proposer=oracle, program=program, taps=(-1, 1, 3))
     assert session.run() == truth[:max_new]

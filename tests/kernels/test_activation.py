@@ -50,3 +50,13 @@ def test_rows_are_independent(dtype, device):
         mixed = other.clone()
         mixed[i] = gu[i]
         assert torch.equal(silu_mul(mixed)[i], full[i])
+
+
+@pytest.mark.parametrize("op", ["silu_mul", "gelu_tanh_mul"])
+@pytest.mark.parametrize("shape", [(3, 7), (6,)], ids=["odd width", "1-D"])
+def test_gated_activations_refuse_a_gate_up_that_does_not_split(op, shape, device):
+    """Both gated activations share one check of the fused gate/up shape (kernels/_common.py)."""
+    from memra_kernels import gemma4
+    fn = silu_mul if op == "silu_mul" else gemma4.gelu_tanh_mul
+    with pytest.raises(ValueError, match=r"gate_up must be \[t, 2\*I\]"):
+        fn(torch.zeros(shape).to(device))

@@ -179,3 +179,22 @@ def test_rope_kv_write_rows_are_independent(device):
         q1 = rope_kv_write(qkv[i:i + 1], cos, sin, positions[i:i + 1], kc1, vc1, nh, nkv)
         p = positions[i]
         assert torch.equal(q1[0], q[i]) and torch.equal(kc1[:, p], kc[:, p]) and torch.equal(vc1[:, p], vc[:, p])
+
+
+@pytest.mark.parametrize("bad", ["positions float", "positions short", "k_cache head_dim", "v_cache n_kv"])
+def test_refuses_bad_positions_and_caches(bad, device):
+    """The positions and KV-cache checks the fused step kernels share (kernels/_common.py)."""
+    nh, nkv, hd, t = 4, 2, 64, 3
+    qkv, q_w, k_w, cos, sin, positions = _inputs(t, nh, nkv, hd, torch.float32, device)
+    kc, vc = _poisoned_caches(nkv, hd, torch.float32, device)
+    if bad == "positions float":
+        positions = positions.float()
+    elif bad == "positions short":
+        positions = positions[:-1]
+    elif bad == "k_cache head_dim":
+        kc = kc[..., :-2]
+    else:
+        vc = vc[:1]
+    match = "positions must be" if bad.startswith("positions") else bad.split()[0] + r" .* is not \[n_kv=2, S, head_dim=64\]"
+    with pytest.raises(ValueError, match=match):
+        qk_norm_rope_kv_write(qkv, q_w, k_w, cos, sin, positions, kc, vc, nh, nkv, EPS)
