@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.exhaustive  # the whole script on a tiny hybrid MoE, twin and kernels (quick-tier time)
 def test_times_hybrid_steps_and_counts_their_experts(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
     env["PYTHONPATH"] = str(ROOT)

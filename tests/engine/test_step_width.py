@@ -561,8 +561,10 @@ def test_round_graphs_equal_the_per_part_graphs(embedded_pair, eager_graphs, arm
     assert again.run() == plain and len(eager_graphs) == n  # pooled storages, their round graph reused
 
 
-@pytest.mark.parametrize("arm_key", ["dflash", "dspark", "dspark:vt=confidence", "dspark:vt=ladder",
-                                     "dspark:adapt=0"])
+@pytest.mark.parametrize("arm_key", ["dflash", "dspark",  # the window variants: exhaustive tier (quick-tier time)
+                                     pytest.param("dspark:vt=confidence", marks=pytest.mark.exhaustive),
+                                     pytest.param("dspark:vt=ladder", marks=pytest.mark.exhaustive),
+                                     pytest.param("dspark:adapt=0", marks=pytest.mark.exhaustive)])
 def test_pipelined_speculative_rounds_equal_rounds_read_one_by_one(embedded_pair, eager_graphs, arm_key):
     """Speculative rounds queued one ahead of the host's read, each settled on the device (window,
     accepted prefix, next inputs; round_bodies.speculative_round_chained) against the same

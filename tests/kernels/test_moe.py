@@ -211,6 +211,7 @@ def _row_order_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, stride_om, K_
     tl.store(out_ptr + row * stride_om + offs, (after - before).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@pytest.mark.exhaustive  # an interpreter run of the whole kernel chain (quick-tier time); the twin-level plant is quick
 def test_planted_row_order_combine_is_caught(monkeypatch):
     monkeypatch.setattr(moe, "_moe_combine_kernel", _row_order_combine_kernel)
     assert invariance_violations(moe.moe_swiglu, torch.float32, rows=(7, 31))
