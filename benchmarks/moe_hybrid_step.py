@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.moe_step import graphed_ms, parse_ops, read_bandwidth, step_ops, sync
+from benchmarks.moe_step import graphed_ms, parse_ops, read_bandwidth, step_line, step_ops, sync, with_floor
 from memra_cli.engine.formats.qwen3_5_config import FULL, parse_qwen35_config
 from memra_cli.engine.models.qwen3_5 import AttnWeights, GdnWeights, LayerWeights
 from memra_cli.engine.models.qwen3_5_moe import Qwen35MoeLayerWeights, Qwen35MoeTarget
@@ -125,18 +125,9 @@ def main(argv: list[str]) -> int:
         with torch.no_grad():
             model.forward(prompt, 0, state)
         for vt in (int(v) for v in a.vts.split(",")):
-            r = {"ops": name, **measure(model, state, a.context, vt, a.iters)}
-            floor = cost.fixed_bytes + cost.sparse_layers * r["experts_per_layer"] * cost.expert_bytes
-            r.update(floor_gb=floor / 1e9, floor_ms=1e3 * floor / bw, ratio=r["ms"] / (1e3 * floor / bw),
-                     model_union=cost.expected_union(vt))
-            if r.get("graph_ms"):
-                r["graph_ratio"] = r["graph_ms"] / r["floor_ms"]
+            r = with_floor({"ops": name, **measure(model, state, a.context, vt, a.iters)}, cost, bw, vt)
             rows.append(r)
-            graphed = f"  graph {r['graph_ms']:8.3f} ms x{r['graph_ratio']:.2f}" if r.get("graph_ms") else (
-                f"  graph failed: {r['graph_error']}" if r.get("graph_error") else "")
-            print(f"{name:6s} vt={vt:2d}  {r['ms']:8.3f} ms  experts/layer {r['experts_per_layer']:6.1f} "
-                  f"(independent {r['model_union']:6.1f})  floor {r['floor_gb']:.3f} GB {r['floor_ms']:.3f} ms  "
-                  f"x{r['ratio']:.2f}{graphed}")
+            print(step_line(name, vt, r))
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     out = {"shape": a.shape, "device": str(dev), "dtype": a.dtype, "context": a.context, "iters": a.iters,
            "read_tbps": bw / 1e12, "peak_gib": peak, "fixed_gb": cost.fixed_bytes / 1e9, "rows": rows,

@@ -194,6 +194,27 @@ def parse_ops(raw: str | None, dev: torch.device) -> list[str] | None:
     return ops
 
 
+
+def with_floor(r: dict, cost, bw: float, vt: int) -> dict:
+    """A step row `r` (its `ms`, `experts_per_layer`, optional `graph_ms`) with the read floor of
+    the bytes it touched at `bw` bytes/s (fixed bytes + the expert union it ran), the ratios to it
+    and the independent-routing union for `vt` rows."""
+    floor = cost.fixed_bytes + cost.sparse_layers * r["experts_per_layer"] * cost.expert_bytes
+    r.update(floor_gb=floor / 1e9, floor_ms=1e3 * floor / bw, ratio=r["ms"] / (1e3 * floor / bw),
+             model_union=cost.expected_union(vt))
+    if r.get("graph_ms"):
+        r["graph_ratio"] = r["graph_ms"] / r["floor_ms"]
+    return r
+
+
+def step_line(name: str, vt: int, r: dict) -> str:
+    """One printed row of the step table (`with_floor`'s keys; a failed capture named)."""
+    graphed = f"  graph {r['graph_ms']:8.3f} ms x{r['graph_ratio']:.2f}" if r.get("graph_ms") else (
+        f"  graph failed: {r['graph_error']}" if r.get("graph_error") else "")
+    return (f"{name:6s} vt={vt:2d}  {r['ms']:8.3f} ms  experts/layer {r['experts_per_layer']:6.1f} "
+            f"(independent {r['model_union']:6.1f})  floor {r['floor_gb']:.3f} GB {r['floor_ms']:.3f} ms  "
+            f"x{r['ratio']:.2f}{graphed}")
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="a3b")
@@ -230,17 +251,9 @@ def main(argv: list[str]) -> int:
     for name in ops:
         model.step_ops = step_ops(name)
         for vt in vts:
-            r = {"ops": name, **measure(model, vt, a.context, a.iters)}
-            floor = cost.fixed_bytes + cost.sparse_layers * r["experts_per_layer"] * cost.expert_bytes
-            r.update(floor_gb=floor / 1e9, floor_ms=1e3 * floor / bw, ratio=r["ms"] / (1e3 * floor / bw),
-                     model_union=cost.expected_union(vt))
-            if r.get("graph_ms"):
-                r["graph_ratio"] = r["graph_ms"] / r["floor_ms"]
+            r = with_floor({"ops": name, **measure(model, vt, a.context, a.iters)}, cost, bw, vt)
             rows.append(r)
-            graphed = f"  graph {r['graph_ms']:8.3f} ms x{r['graph_ratio']:.2f}" if r.get("graph_ms") else ""
-            print(f"{name:6s} vt={vt:2d}  {r['ms']:8.3f} ms  experts/layer {r['experts_per_layer']:6.1f} "
-                  f"(independent {r['model_union']:6.1f})  floor {r['floor_gb']:.3f} GB {r['floor_ms']:.3f} ms  "
-                  f"x{r['ratio']:.2f}{graphed}")
+            print(step_line(name, vt, r))
     op_rows = []
     for vt in vts:
         r = measure_op(model, vt, a.iters, bw, tiles)

@@ -48,20 +48,29 @@ class TrainDrafter(nn.Module):
         return _rms(x, self.norm.weight)
 
 
+
+def add_attention_and_mlp(layer: nn.Module, hidden: int, heads: int, kv: int, hd: int, ffn: int,
+                          v_proj: bool) -> None:
+    """Give `layer` the checkpoint-named `self_attn` (q/k/v/o projections, q/k norms over `hd`;
+    no `v_proj` when v is the key projection) and gated `mlp` of width `ffn`, no biases: the
+    modules every drafter backbone trained here shares, so its `state_dict` has the file's names."""
+    layer.self_attn = nn.Module()
+    layer.self_attn.q_proj = nn.Linear(hidden, heads * hd, bias=False)
+    layer.self_attn.k_proj = nn.Linear(hidden, kv * hd, bias=False)
+    layer.self_attn.v_proj = nn.Linear(hidden, kv * hd, bias=False) if v_proj else None
+    layer.self_attn.o_proj = nn.Linear(heads * hd, hidden, bias=False)
+    layer.self_attn.q_norm, layer.self_attn.k_norm = nn.RMSNorm(hd), nn.RMSNorm(hd)
+    layer.mlp = nn.Module()
+    layer.mlp.gate_proj = nn.Linear(hidden, ffn, bias=False)
+    layer.mlp.up_proj = nn.Linear(hidden, ffn, bias=False)
+    layer.mlp.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+
 class _TrainLayer(nn.Module):
     def __init__(self, hidden: int, heads: int, kv: int, ffn: int, hd: int):
         super().__init__()
         self.input_layernorm, self.post_attention_layernorm = nn.RMSNorm(hidden), nn.RMSNorm(hidden)
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(hidden, heads * hd, bias=False)
-        self.self_attn.k_proj = nn.Linear(hidden, kv * hd, bias=False)
-        self.self_attn.v_proj = nn.Linear(hidden, kv * hd, bias=False)
-        self.self_attn.o_proj = nn.Linear(heads * hd, hidden, bias=False)
-        self.self_attn.q_norm, self.self_attn.k_norm = nn.RMSNorm(hd), nn.RMSNorm(hd)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.mlp.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.mlp.down_proj = nn.Linear(ffn, hidden, bias=False)
+        add_attention_and_mlp(self, hidden, heads, kv, hd, ffn, v_proj=True)
 
     def forward(self, x, ctx, ctx_pos, blk_pos, mask, d: TrainDrafter):
         a, B, Q = self.self_attn, x.shape[0], x.shape[1]

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from memra_cli.engine.formats.gemma4_config import Gemma4Rope
 from memra_cli.engine.models.gemma4 import LAYER_NORMS, gemma_rms_norm, rope_inv_freq
-from memra_cli.train.drafter import _Confidence, _Markov
+from memra_cli.train.drafter import _Confidence, _Markov, add_attention_and_mlp
 
 def _rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """x `[B, H, T, D]`, pos `[B, T]`, inv_freq `[D/2]` (zeros: pairs that pass through)."""
@@ -61,16 +61,7 @@ class _Gemma4TrainLayer(nn.Module):
         super().__init__()
         for name in LAYER_NORMS:
             setattr(self, name, nn.RMSNorm(hidden))
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(hidden, heads * hd, bias=False)
-        self.self_attn.k_proj = nn.Linear(hidden, kv * hd, bias=False)
-        self.self_attn.v_proj = None if k_eq_v else nn.Linear(hidden, kv * hd, bias=False)
-        self.self_attn.o_proj = nn.Linear(heads * hd, hidden, bias=False)
-        self.self_attn.q_norm, self.self_attn.k_norm = nn.RMSNorm(hd), nn.RMSNorm(hd)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(hidden, ffn, bias=False)
-        self.mlp.up_proj = nn.Linear(hidden, ffn, bias=False)
-        self.mlp.down_proj = nn.Linear(ffn, hidden, bias=False)
+        add_attention_and_mlp(self, hidden, heads, kv, hd, ffn, v_proj=not k_eq_v)
         self.layer_scalar = nn.Parameter(torch.ones(1))
 
     def _attend(self, xn, ctx, ctx_pos, blk_pos, mask, d: TrainGemma4Drafter) -> torch.Tensor:

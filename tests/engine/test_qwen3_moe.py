@@ -397,33 +397,9 @@ def test_a_cost_model_is_refused_by_name(target, drafts, settings, words):
 
 @pytest.fixture
 def stand_in_graphs(monkeypatch):
-    """`cuda_graphs.capture` swapped for an eager stand-in (tests/engine/test_step_width.py's):
-    replay reruns the body and copies its results into the first run's outputs, both runs
-    refusing host reads of device values (`NoHostReads`), as a capture does; and the MoE twin
-    told it is capturing, so it runs every expert rather than read the routed ids (the same bits)."""
-    from host_reads import NoHostReads
-
-    from memra_cli.engine.runtime import cuda_graphs
-    from memra_kernels import moe_ref
-
-    def tensors(out):
-        return [out] if isinstance(out, torch.Tensor) else [t for x in out or () for t in tensors(x)]
-
-    def capture(fn, device, pool=None):
-        with NoHostReads():
-            out = fn()
-
-        class Replay:
-            def replay(self):
-                with NoHostReads():
-                    fresh = fn()
-                for mine, new in zip(tensors(out), tensors(fresh)):
-                    mine.copy_(new)
-
-        return Replay(), out
-
-    monkeypatch.setattr(cuda_graphs, "capture", capture)
-    monkeypatch.setattr(moe_ref, "capturing", lambda x: True)
+    """`cuda_graphs.capture` swapped for spec_arms' eager stand-in (no host reads; the MoE twin runs
+    every expert inside a capture)."""
+    return spec_arms.eager_capture(monkeypatch)
 
 
 @pytest.mark.parametrize("draft,cost", [  # quick: the fitted window on the routed cost; the others exhaustive
@@ -434,12 +410,7 @@ def test_priced_rounds_settle_on_the_device_as_the_host_does(pair, drafts, stand
     (memra_kernels.settle's priced kinds over the session's cost table): the stream equals plain
     greedy, and the rounds are those of the host-settled session (the same windows, the same
     accepted runs), queued one ahead or not."""
-    model = Qwen3MoeTarget.from_dir(pair[0])
-    runner = StepRunner(model, 16)
-    runner.cuda_graphs = True
-    model.ensure_positions(runner._rows(model.cfg.max_position_embeddings))
-    graphed = Engine(model, runner, model.device, model.dtype, ["graphs on (CPU stand-in)"], draft_graphs=True,
-                     round_graphs=True)
+    graphed = spec_arms.graphed_on_cpu(Qwen3MoeTarget.from_dir(pair[0]), 16, round_graphs=True)
     eager = Engine.from_model(Qwen3MoeTarget.from_dir(pair[0]), step_width=16)
     settings = PolicySettings(vt="priced", vt_cost=cost)
     mode = "dflash" if draft == "dflash" else "dspark"
