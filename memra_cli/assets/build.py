@@ -586,7 +586,8 @@ def main(argv: list[str] | None = None) -> int:
         build_drafters(work, a.out, recipe, device)
     if a.stage == "all" and a.work is None:
         shutil.rmtree(work)
-    if ranks.world > 1:
+    if ranks.world > 1:  # torn down together: a rank leaving while the lead still evaluates can abort in gloo's threads
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     if not ranks.lead:
         return 0

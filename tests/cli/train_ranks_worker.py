@@ -34,6 +34,7 @@ def main(target: Path, out: Path) -> None:
                    list(range(6)), ranks=ranks)
     job.run(None)
     torch.save({"drafter": job.drafter.state_dict(), "tokens": job.tokens}, out / f"rank{ranks.rank}.pt")
+    dist.barrier()  # torn down together, as memra_cli.assets.build does: a rank leaving early can abort in gloo's threads
     dist.destroy_process_group()
 
 
