@@ -48,8 +48,8 @@ ATTN_CANDIDATES = {
 }
 
 
-def gemma4_config(s: dict):
-    """The Gemma 4 text config of shape `s` (published key layout)."""
+def gemma4_raw(s: dict) -> dict:
+    """config.json keys of the Gemma 4 text shape `s` (published key layout)."""
     types = [SLIDING if (i + 1) % 6 else FULL for i in range(s["layers"])]
     raw = {"model_type": "gemma4_text", "vocab_size": s["vocab"], "hidden_size": s["hidden"],
            "intermediate_size": s["ffn"], "num_hidden_layers": s["layers"], "num_attention_heads": s["heads"],
@@ -59,7 +59,12 @@ def gemma4_config(s: dict):
            "max_position_embeddings": 262144, "tie_word_embeddings": True,
            "rope_parameters": {SLIDING: {"rope_type": "default", "rope_theta": 1e4},
                                FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1e6}}}
-    return parse_gemma4_config(raw, f"random-gemma4-{s['hidden']}")
+    return raw
+
+
+def gemma4_config(s: dict):
+    """The Gemma 4 text config of shape `s` (published key layout)."""
+    return parse_gemma4_config(gemma4_raw(s), f"random-gemma4-{s['hidden']}")
 
 
 def random_gemma4(s: dict, dtype: torch.dtype, device: torch.device) -> Gemma4Target:

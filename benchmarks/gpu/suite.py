@@ -91,6 +91,13 @@ def _moe_hybrid_step(out: Path, tiny: bool):
     return [_py("-m", "benchmarks.moe_hybrid_step", *args, "--json", str(out / "moe_hybrid_step.json"))]
 
 
+def _hf_step(out: Path, tiny: bool):
+    shapes = ("tiny-llama", "tiny-gemma4", "tiny-moe") if tiny else ("llama-8b", "gemma4-31b", "qwen3-30b-a3b")
+    args = ["--device", "cpu", "--dtype", "float32", "--iters", "2", "--context", "64"] if tiny else []
+    return [_py("-m", "benchmarks.gpu.hf_step", "--shape", s, *args, "--json", str(out / f"hf_step_{s}.json"))
+            for s in shapes]
+
+
 def _train_throughput(out: Path, tiny: bool):
     args = ["--tiny"] if tiny else ["--kind", "dspark"]
     return [_py("-m", "benchmarks.gpu.train_throughput", *args, "--json", str(out / "train_throughput.json"))]
@@ -129,8 +136,9 @@ def _tests(out: Path, tiny: bool):
     if tiny:
         return None  # every gpu-marked test skips on the CPU
     # both tiers (tests/conftest.py): `--exhaustive` selects only the exhaustive-marked cases
-    return [_py("-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"),
-            _py("-m", "pytest", "-q", "-m", "gpu", "--exhaustive", "-p", "no:cacheprovider", "tests")]
+    report = ["-rfE", "--durations=25"]  # failures named, and where the part's time goes
+    return [_py("-m", "pytest", "-q", "-m", "gpu", *report, "-p", "no:cacheprovider", "tests"),
+            _py("-m", "pytest", "-q", "-m", "gpu", "--exhaustive", *report, "-p", "no:cacheprovider", "tests")]
 
 
 PARTS = {p.name: p for p in (
@@ -146,6 +154,8 @@ PARTS = {p.name: p for p in (
     Part("moe_hybrid_step", "Qwen3.5-35B-A3B-shape hybrid MoE step at vt rows, torch twin vs the MoE kernels (eager "
          "and graphed), vs its read floor, ms", 200,
          _moe_hybrid_step),
+    Part("hf_step", "transformers' own decode at the LLaMA-3.1-8B, Gemma-4-31B and Qwen3-30B-A3B shapes, ms/token "
+         "and peak memory (beside llama_step, gemma4_step, moe_step)", 300, _hf_step),
     Part("train_throughput", "memra train's step at the Qwen3-8B shape with online taps, target tokens/s", 150,
          _train_throughput),
     Part("serve_single", "memra serve's per-request tok/s against generate, one client (needs the serve wheels)", 240,
@@ -155,7 +165,7 @@ PARTS = {p.name: p for p in (
     Part("embedded_bench", "the embedded pair's bench on the stdlib set, tok/s and tau", 140, _embedded_bench,
          stdout_to="embedded_bench_stdlib.json"),
     Part("kernels", "the Triton kernels against torch and cuBLAS at the 8B shape, µs", 200, _kernels),
-    Part("tests", "the gpu-marked tests on the device", 200, _tests, stdout_to="gpu_tests.txt"),
+    Part("tests", "the gpu-marked tests on the device, both tiers", 420, _tests, stdout_to="gpu_tests.txt"),
 )}
 DEFAULT_PARTS = "target_step,drafter_round,hybrid_step,embedded_bench,tests"
 

@@ -40,8 +40,9 @@ def test_dry_run_records_a_command_for_every_part(tmp_path):
     assert parts["target_step"]["commands"] == [
         f"python -m benchmarks.gpu.target_step --prefill-length 0 --json {tmp_path / 'target_step.json'}"]
     assert parts["embedded_bench"]["commands"][0].startswith("python -m memra_cli bench --prompts stdlib")
-    assert parts["tests"]["commands"] == ["python -m pytest -q -m gpu -p no:cacheprovider tests",  # both tiers
-                                          "python -m pytest -q -m gpu --exhaustive -p no:cacheprovider tests"]
+    assert parts["tests"]["commands"] == [  # both tiers, failures named and the slowest listed
+        "python -m pytest -q -m gpu -rfE --durations=25 -p no:cacheprovider tests",
+        "python -m pytest -q -m gpu --exhaustive -rfE --durations=25 -p no:cacheprovider tests"]
 
 
 def test_tiny_run_measures_what_has_a_cpu_mode_and_skips_the_rest(tmp_path):
@@ -54,13 +55,27 @@ def test_tiny_run_measures_what_has_a_cpu_mode_and_skips_the_rest(tmp_path):
     assert bw["device"] == "cpu" and bw["copy_eager_gbps"] > 0 and bw["read_sum_gbps"] > 0
 
 
+@pytest.mark.exhaustive
+def test_tiny_hf_step_times_transformers_for_each_family(tmp_path):
+    proc = _suite("--tiny", "--parts", "hf_step", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((tmp_path / "suite.json").read_text())["parts"]["hf_step"]["rc"] == [0, 0, 0]
+    models = {}
+    for shape in ("tiny-llama", "tiny-gemma4", "tiny-moe"):
+        rec = json.loads((tmp_path / f"hf_step_{shape}.json").read_text())
+        assert rec["ms_per_token"] > 0 and rec["context"] == 64 and rec["config"]["vocab_size"] == 512
+        models[shape] = rec["model"]
+    assert models == {"tiny-llama": "LlamaForCausalLM", "tiny-gemma4": "Gemma4ForCausalLM",
+                      "tiny-moe": "Qwen3MoeForCausalLM"}
+
+
 def test_an_unknown_part_is_refused_in_one_line(tmp_path):
     proc = _suite("--parts", "target_step,warp_drive", "--out", str(tmp_path))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --parts 'target_step,warp_drive': unknown part(s) warp_drive; expected a comma-separated list of "
         "bandwidth, target_step, drafter_round, hybrid_step, llama_step, gemma4_step, moe_step, moe_hybrid_step, "
-        "train_throughput, "
+        "hf_step, train_throughput, "
         "serve_single, serve_load, embedded_bench, kernels, tests"]
     assert not (tmp_path / "suite.json").exists()
 
