@@ -16,16 +16,21 @@ the ladder); and, for comparison, the same window priced from the last round's r
 (m + 1) / (m + 2), the run the ladder expects next; stationary chain), which a steep cost narrows
 to 2 rows for good; plain = 1 token at cost(1).
 
-    python benchmarks/moe_window_sim.py [--json OUT]
+`--measured MOE_STEP_JSON` adds rows priced by a measured cost curve instead of bytes: the graphed
+step times of `benchmarks/moe_step.py`'s Triton rows (ms of a step of vt real rows, linear between
+the vt it measured), so the fixed overhead a real step pays beside its expert reads counts too.
+
+    python benchmarks/moe_window_sim.py [--json OUT] [--measured docs/results/h200-moe-step-a3b.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
-
 import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 from memra_cli.engine.spec.priced import (StepCost, accepted_runs_survival, expected_committed, geometric_survival,
                                           priced_vt, qwen3_moe_cost)
@@ -49,6 +54,39 @@ SHAPES = {
     "Qwen3-8B (dense)": dict(layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, vocab=151936,
                              num_experts=0, top_k=0, moe_intermediate=0, dense_intermediate=12288),
 }
+
+
+@dataclass(frozen=True)
+class MeasuredCost:
+    """A step cost read off a measured curve (`priced_vt`'s cost interface): `bytes(vt)` is the
+    measured ms of a step of vt rows, linear between the measured `vts` (a unit-free cost: the
+    policies compare ratios); `unions` the experts per sparse layer those steps ran."""
+
+    vts: tuple[int, ...]
+    ms: tuple[float, ...]
+    unions: tuple[float, ...]
+    is_flat = False
+
+    @classmethod
+    def from_moe_step(cls, path: Path) -> "MeasuredCost":
+        rows = sorted((r for r in json.loads(path.read_text())["rows"] if r.get("graph_ms")), key=lambda r: r["vt"])
+        if not rows or rows[0]["vt"] != 1 or rows[-1]["vt"] < CAP:
+            raise ValueError(f"{path}: expected graphed rows from vt = 1 to {CAP} (benchmarks/moe_step.py --json)")
+        return cls(tuple(r["vt"] for r in rows), tuple(r["graph_ms"] for r in rows),
+                   tuple(r["experts_per_layer"] for r in rows))
+
+    def _interp(self, values: tuple[float, ...], vt: int) -> float:
+        i = next(i for i, v in enumerate(self.vts) if v >= vt)
+        if self.vts[i] == vt:
+            return values[i]
+        lo, hi = self.vts[i - 1], self.vts[i]
+        return values[i - 1] + (values[i] - values[i - 1]) * (vt - lo) / (hi - lo)
+
+    def bytes(self, vt: int) -> float:
+        return self._interp(self.ms, vt)
+
+    def expected_union(self, vt: int) -> float:
+        return self._interp(self.unions, vt)
 
 
 def alpha_for_tau(tau: float, drafts: int = CAP - 1) -> float:
@@ -120,8 +158,10 @@ def accepted_runs_rate(alpha: float, cost: StepCost, seed: int = 0) -> tuple[flo
     return tokens / nbytes, rows / (SESSIONS * ROUNDS)
 
 
-def simulate(shape: str, profile: str, tau: float) -> dict:
-    cost = qwen3_moe_cost(**SHAPES[shape])
+def simulate(shape: str, profile: str, tau: float, cost=None) -> dict:
+    """One table row: each policy's expected speedup over plain under `cost` (default: the
+    shape's byte model)."""
+    cost = cost or qwen3_moe_cost(**SHAPES[shape])
     alpha = alpha_for_tau(tau)
     s = geometric_survival(alpha, CAP - 1)
     plain = 1.0 / cost.bytes(1)
@@ -142,19 +182,28 @@ def simulate(shape: str, profile: str, tau: float) -> dict:
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="write the rows as JSON here")
+    ap.add_argument("--measured", type=Path, help="also price by this moe_step.py --json's graphed step times")
     args = ap.parse_args(argv)
     rows = [simulate(shape, name, tau) for shape in SHAPES for name, tau in PROFILES.items()]
-    print("SIMULATION: expected speedup over plain (weight bytes read; drafter cost left out)")
-    print(f"{'shape':18} {'profile':42} {'tau':>5} {'fixed-16':>8} {'ladder':>7} {'priced':>7} {'vt*':>4} "
+    if args.measured:
+        try:
+            measured = MeasuredCost.from_moe_step(args.measured)
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"error: --measured {args.measured}: {exc}", file=sys.stderr)
+            return 2
+        rows += [simulate("Qwen3-30B-A3B, measured step ms", name, tau, measured) for name, tau in PROFILES.items()]
+    print("SIMULATION: expected speedup over plain (weight bytes read, or measured step ms; drafter cost left out)")
+    print(f"{'shape':34} {'profile':42} {'tau':>5} {'fixed-16':>8} {'ladder':>7} {'priced':>7} {'vt*':>4} "
           f"{'no-head':>7} {'vt~':>5} {'last-run':>8}")
     for r in rows:
         sp = r["speedup"]
-        print(f"{r['shape']:18} {r['profile']:42} {r['tau_fixed16']:5.2f} {sp['fixed-16']:8.2f} "
+        print(f"{r['shape']:34} {r['profile']:42} {r['tau_fixed16']:5.2f} {sp['fixed-16']:8.2f} "
               f"{sp['ladder']:7.2f} {sp['priced']:7.2f} {r['priced_vt']:4d} {sp['priced-accepted-runs']:7.2f} "
               f"{r['accepted_runs_mean_vt']:5.2f} {sp['priced-last-run']:8.2f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"simulation": True, "cap": CAP, "rows": rows}, fh, indent=2)
+            json.dump({"simulation": True, "cap": CAP, "measured": str(args.measured) if args.measured else None,
+                   "rows": rows}, fh, indent=2)
     return 0
 
 

@@ -116,14 +116,21 @@ def test_the_simulation_script_prints_and_writes_its_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
     env["PYTHONPATH"] = str(ROOT)
     out = tmp_path / "sim.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_window_sim.py"), "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    measured = ROOT / "docs" / "results" / "h200-moe-step-a3b.json"  # the H200's graphed step times
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_window_sim.py"), "--json", str(out),
+                           "--measured", str(measured)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith("SIMULATION")
     rows = json.loads(out.read_text())["rows"]
     moe = [r for r in rows if r["shape"] == "Qwen3-30B-A3B"]
-    dense = [r for r in rows if r["shape"] != "Qwen3-30B-A3B"]
-    assert moe and dense
+    dense = [r for r in rows if r["shape"] == "Qwen3-8B (dense)"]
+    timed = [r for r in rows if "measured" in r["shape"]]
+    assert moe and dense and len(timed) == len(moe)
+    for r in timed:  # priced by the measured curve: beats the ladder everywhere, fixed-16 where a
+        sp = r["speedup"]  # wider window still costs more per token (the published drafters)
+        assert sp["priced"] > sp["ladder"] and sp["priced"] >= sp["fixed-16"]
+        if not r["profile"].startswith("synthetic"):
+            assert sp["priced"] > sp["fixed-16"] and r["priced_vt"] < 16
     for r in moe:  # the issue's bar: the expert-priced window beats fixed-16 and the ladder, with
         sp = r["speedup"]  # a confidence head or without one (the window fitted to the accepted runs)
         assert sp["priced"] > max(sp["fixed-16"], sp["ladder"])
@@ -135,6 +142,24 @@ def test_the_simulation_script_prints_and_writes_its_table(tmp_path):
         assert r["priced_vt"] == 16 and r["speedup"]["priced"] == pytest.approx(r["speedup"]["fixed-16"])
         assert r["speedup"]["priced-accepted-runs"] == r["speedup"]["ladder"]
     assert json.loads((ROOT / "docs" / "results" / "moe-window-sim.json").read_text())["rows"] == rows
+
+
+def test_a_measured_cost_curve_is_read_and_interpolated(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from moe_window_sim import MeasuredCost
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    good = tmp_path / "step.json"
+    good.write_text(json.dumps({"rows": [{"vt": v, "graph_ms": 1.0 + v, "experts_per_layer": 2.0 * v}
+                                         for v in (1, 4, 16)] + [{"vt": 2, "graph_ms": None, "experts_per_layer": 3}]}))
+    cost = MeasuredCost.from_moe_step(good)
+    assert cost.vts == (1, 4, 16) and cost.bytes(1) == 2.0 and cost.bytes(10) == pytest.approx(11.0)
+    assert cost.expected_union(2) == pytest.approx(4.0) and not cost.is_flat
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"rows": [{"vt": 1, "graph_ms": 1.0, "experts_per_layer": 8}]}))
+    with pytest.raises(ValueError, match="vt = 1 to 16"):
+        MeasuredCost.from_moe_step(short)
 
 
 def test_the_device_settle_prices_the_window_the_host_prices():
