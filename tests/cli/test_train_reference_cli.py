@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from tests.cli.train_reference import (KINDS, ORACLE_DIR, gemma4_block_scale, gemma4_train_outputs, geometry_args,
-                                      is_gemma4, load_train_drafter, make_export, memra_outputs, sha256)
+from tests.cli.train_reference import (GEMMA4_LAYOUTS, KINDS, ORACLE_DIR, gemma4_block_scale, gemma4_train_outputs,
+                                      geometry_args, is_gemma4, load_train_drafter, make_export, memra_outputs,
+                                      sha256)
 from tests.engine.fp32_bounds import U, assert_close_at_scale, layer_reductions, reorder_bound
 
 GEMMA4_KINDS = [k for k in KINDS if is_gemma4(k)]
@@ -84,6 +85,21 @@ def test_memra_forward_equals_the_reference_codes_on_the_export_it_was_made_from
     want = torch.from_numpy(ref["ref_infer_hidden"][0])
     assert_close_at_scale(ours["infer_engine_hidden"], want, _bound(kind, ref["infer_mask"].shape[-1], export, target),
                           "engine")
+
+
+@pytest.mark.parametrize("layout", GEMMA4_LAYOUTS[1:], ids="-".join)
+def test_every_gemma4_target_layout_exports_the_drafter_deepspec_checked(layout, tmp_path):
+    """The multimodal checkpoint and the `per_layer_config` form give the export the stored outputs
+    came from: the same tensors, the same config (JSON key order aside), so DeepSpec's load and
+    forward on it stand for them too."""
+    import json
+
+    ref = _oracle("dspark_gemma4")
+    _, export = make_export(tmp_path / "layout", "dspark_gemma4", layout)
+    _, stored = make_export(tmp_path / "stored", "dspark_gemma4")
+    assert sha256(stored / "config.json") == str(ref["config_sha256"]), REMAKE
+    assert sha256(export / "model.safetensors") == str(ref["model_sha256"])
+    assert json.loads((export / "config.json").read_text()) == json.loads((stored / "config.json").read_text())
 
 
 def _full_head_rope(drafter: torch.nn.Module) -> None:

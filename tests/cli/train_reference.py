@@ -60,9 +60,14 @@ def train_kind(kind: str) -> str:
     return "dflash" if kind == "dflash" else "dspark"
 
 
-def _make_target(directory: Path, kind: str) -> Path:
+# Gemma 4's target layouts (make_tiny_gemma4's `layout`, `heads_layout`): the same text weights in each
+GEMMA4_LAYOUTS = (("text", "global"), ("multimodal", "global"), ("text", "per_layer"), ("multimodal", "per_layer"))
+
+
+def _make_target(directory: Path, kind: str, layout: tuple[str, str]) -> Path:
     if is_gemma4(kind):
-        return make_tiny_gemma4(directory, seed=0, k_eq_v=not kind.endswith("_v_proj"))
+        return make_tiny_gemma4(directory, seed=0, k_eq_v=not kind.endswith("_v_proj"), layout=layout[0],
+                                heads_layout=layout[1])
     return make_tiny_qwen3(directory, seed=0)
 
 
@@ -89,14 +94,15 @@ def _seeded_weights(drafter: torch.nn.Module, seed: int) -> None:
                 p.copy_(draw * (1.0 / math.sqrt(p.shape[1])))
 
 
-def make_export(root: Path, kind: str) -> tuple[Path, Path]:
-    """(target dir, exported drafter dir) under `root`, the same bytes on every machine."""
+def make_export(root: Path, kind: str, layout: tuple[str, str] = GEMMA4_LAYOUTS[0]) -> tuple[Path, Path]:
+    """(target dir, exported drafter dir) under `root`, the same bytes on every machine.
+    `layout`: a Gemma 4 target's layout (the stored outputs were made over the first)."""
     from memra_cli.train.export import write_drafter
     from memra_cli.train.geometry import resolve_geometry, text_config
     from memra_cli.train.job import new_drafter
     from memra_cli.train.taps import EngineTaps
 
-    target = _make_target(root / "target", kind)
+    target = _make_target(root / "target", kind, layout)
     geo, _ = resolve_geometry(target, train_kind(kind), **geometry_args(kind))
     assert geo.backbone == ("gemma4" if is_gemma4(kind) else "qwen3"), geo
     drafter = new_drafter(geo, seed=0)
