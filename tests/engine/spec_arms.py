@@ -178,6 +178,26 @@ def assert_groupings_equal(target, vocab: int = 512) -> None:
         assert torch.equal(logits, runs[0]), f"grouping {groups}: logits differ from one row at a time"
 
 
+def assert_padding_rows_run_no_experts(target, vocab: int, width: int = 16, steps: int = 3) -> None:
+    """A fixed step's padding rows read no experts: plain decoding at `width`-row steps (one live
+    row, the rest padding) counts exactly top-k experts per sparse-layer call (what its one row
+    routes to), and a live row's logits are the same bits with 1 and with `width` live rows."""
+    runner = StepRunner(target, width)
+    ids = torch.tensor(prompt(7, seed=21, top=vocab - 8), device=target.device)
+    state = runner.new_state(ids.shape[0] + steps + width)
+    logits, _ = runner.prefill(ids, state)
+    before = target.expert_reads
+    for _ in range(steps):
+        logits, _ = runner.step(logits[-1:].argmax(-1), state.length, state)
+    calls, experts = (b - a for a, b in zip(before, target.expert_reads))
+    assert calls == steps * len(target.moe.sparse_layers), calls
+    assert experts == calls * target.moe.top_k, f"{experts} experts in {calls} one-live-row calls"
+    rows = torch.tensor(prompt(width, seed=22, top=vocab - 8), device=target.device)
+    one = runner.fixed_step(rows, state.length, state, live=1)[0]
+    every = runner.fixed_step(rows, state.length, state)[0]
+    assert torch.equal(one[0], every[0]), "a live row's logits depend on how many rows are live"
+
+
 def assert_session_equals_plain(target, draft, prompts, new: int, mode: str = "dflash", graphs: bool = False) -> None:
     """An arm of `mode` with `draft` over the target at 16-row steps: plain greedy's stream over
     eager steps. `graphs`: the session's target steps and drafter rounds as CUDA graphs."""

@@ -111,6 +111,11 @@ def test_declared_moe_settings_price_the_verify_window(models):
     assert cost.sparse_layers == 5 and cost.expert_bytes == 3 * 64 * MOE_INTER * 4 and cost.bytes(16) > cost.bytes(1)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_padding_rows_run_no_experts(models, variant):
+    spec_arms.assert_padding_rows_run_no_experts(models[variant][0], VOCAB)  # (the plant: test_qwen3_moe.py)
+
+
 def test_multimodal_and_per_expert_layouts_load_the_same_model_and_the_block_matters(dirs, models, tmp_path):
     base = models["base"][0]
     ids = prompt(20, 4)

@@ -105,6 +105,10 @@ def test_declared_moe_settings_price_the_verify_window(target):
     assert cost.bytes(16) > cost.bytes(1)
 
 
+def test_padding_rows_run_no_experts(target):
+    spec_arms.assert_padding_rows_run_no_experts(target, VOCAB)  # (the planted unmasked step: test_qwen3_moe.py)
+
+
 def test_multimodal_and_stacked_layouts_load_the_same_model(dirs, target, hf, tmp_path):
     ids = torch.tensor(prompt(12, 4))
     mm = Qwen35MoeTarget.from_dir(dirs["multimodal"])

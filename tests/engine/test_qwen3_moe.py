@@ -222,6 +222,18 @@ def test_speculative_arms_equal_plain_greedy(target, drafts, mode, vt):
     assert_arm_equals_plain(target, drafts, mode, vt, SPEC_PROMPTS, SPEC_NEW)
 
 
+def test_padding_rows_run_no_experts_and_a_planted_unmasked_step_is_caught(target, monkeypatch):
+    """models/experts.py `LiveRouting`: a plain step's 15 padding rows add no experts, and a live
+    row's bits do not depend on the live count; with the padding mask planted away (every row
+    routed, as a step without the live count would) the same check fails."""
+    spec_arms.assert_padding_rows_run_no_experts(target, VOCAB)
+    from memra_cli.engine.models import experts
+
+    monkeypatch.setattr(experts, "drop_padding_rows", lambda w, ids, live, n: (w, ids))
+    with pytest.raises(AssertionError, match="one-live-row calls"):
+        spec_arms.assert_padding_rows_run_no_experts(target, VOCAB)
+
+
 # --------------------------------------------------------------------------- refusals
 
 

@@ -43,6 +43,18 @@ def route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tup
     return weights.to(x.dtype), experts
 
 
+def drop_padding_rows(weights: torch.Tensor, experts: torch.Tensor, live: torch.Tensor | None, num_experts: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed step's padding rows (row index >= `live`, int32 `[1]` on the device; None: every row
+    is real) routed to no expert: their ids become `num_experts`, which the expert op (twin and
+    kernels) and `ExpertReads` skip, and their weights 0. Live rows keep their bits; nothing is
+    read on the host. `weights`, `experts`: `[t, k]`."""
+    if live is None:
+        return weights, experts
+    pad = torch.arange(experts.shape[0], device=experts.device)[:, None] >= live
+    return weights.masked_fill(pad, 0), experts.masked_fill(pad, num_experts)
+
+
 _paused = [0]  # depth of `not_counted` blocks open now
 
 
@@ -68,11 +80,13 @@ class ExpertReads:
         self._totals = torch.zeros(2, dtype=torch.int64, device=device)
 
     def count(self, experts: torch.Tensor) -> None:
-        """Add one call that ran the distinct ids of `experts [t, k]`."""
+        """Add one call that ran the distinct ids of `experts [t, k]` (an id of `num_experts`:
+        a padding row's, no expert)."""
         if _paused[0]:
             return
         hit = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=experts.device)
-        hit.index_fill_(0, experts.reshape(-1), 1)  # the experts run
+        # the experts run; a padding row's id (num_experts, `drop_padding_rows`) lands in the call's slot
+        hit.index_fill_(0, experts.reshape(-1), 1)
         hit[-1:].fill_(1)  # the call, in the last slot; a kernel, not a host-to-device copy (a capture refuses those)
         self._totals += torch.stack((hit[-1], hit[:-1].sum()))
 

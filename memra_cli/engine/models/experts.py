@@ -9,7 +9,8 @@ Two checkpoint layouts hold a layer's `E` SwiGLU experts under `<prefix>experts.
   in-memory layout, which it writes as is for Gemma 4).
 
 Either loads to the stacked tensors layers/moe.py's `moe_swiglu` takes. `RoutingRecorder`: what
-every MoE family mixes in so a forward's routing can be kept (the priced window's routed cost).
+every MoE family mixes in so a forward's routing can be kept (the priced window's routed cost);
+`LiveRouting`: what routes a fixed step's padding rows to no expert.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import dataclasses
 from contextlib import contextmanager
 
 import torch
+
+from memra_cli.engine.layers.moe import drop_padding_rows
 
 
 def expert_shapes(tensors, prefix: str, num_experts: int, hidden: int, inter: int) -> tuple[dict, bool]:
@@ -95,3 +98,29 @@ class RoutingRecorder:
     def _record_routing(self, layer, ids: torch.Tensor) -> None:
         if self._routing is not None:
             self._routing.setdefault(layer, []).append(ids.detach().clone())
+
+
+class LiveRouting:
+    """Mixed into every MoE family (before its base target): a fixed step's padding rows read no
+    experts. `static_step` takes the state's live-row count (`state.live`, int32 `[1]` on the
+    device: models/state.py `LiveRows`) for the routings it runs; `_routed` then gives each
+    padding row the no-expert id and weight 0 (layers/moe.py `drop_padding_rows`), records the
+    routing and counts what the live rows run. An eager `forward` (every row real) masks nothing.
+    The count is read on the device, so a graph replay takes whatever the state holds then."""
+
+    _live_rows: torch.Tensor | None = None
+
+    def static_step(self, ids, positions, state, taps=None, widen: bool = True):
+        self._live_rows = state.live
+        try:
+            return super().static_step(ids, positions, state, taps, widen)
+        finally:
+            self._live_rows = None
+
+    def _routed(self, layer, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's routing `(weights, ids) [t, k]` with the padding rows dropped, recorded (under
+        `layer`, `RoutingRecorder`) and counted (`self.reads`)."""
+        self._record_routing(layer, ids)
+        weights, ids = drop_padding_rows(weights, ids, self._live_rows, self.moe.num_experts)
+        self.reads.count(ids)
+        return weights, ids

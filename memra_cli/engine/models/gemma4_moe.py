@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from memra_cli.engine.layers.moe import ExpertReads, topk_lowest_index
-from memra_cli.engine.models.experts import RoutingRecorder, expert_shapes, load_experts, step_weight_elements
+from memra_cli.engine.models.experts import LiveRouting, RoutingRecorder, expert_shapes, load_experts, step_weight_elements
 from memra_cli.engine.models.gemma4 import MOE_NORMS, Gemma4Target, LayerWeights, _Loader, gemma_rms_norm
+from memra_cli.engine.models.kv_cache import LiveLayerKVCache
 from memra_cli.engine.models.qwen3_moe import MoeSettings, MoeWeights
 
 
@@ -87,11 +88,14 @@ class _MoeLoader(_Loader):
                 f"{moe.moe_intermediate_size}, top {moe.top_k_experts}, read from the {' and '.join(layouts)} layout)")
 
 
-class Gemma4MoeTarget(RoutingRecorder, Gemma4Target):
+class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
     """Gemma 4 with its MoE block. `expert_reads`: (sparse-layer calls, experts run in them)
     over every forward and step, for the bench (layers/moe.py `ExpertReads`). Capturable in a
     CUDA graph (`supports_cuda_graphs`, the dense Gemma 4's): routing, the expert op and the
-    counter read nothing on the host."""
+    counter read nothing on the host. A fixed step's padding rows run no experts
+    (`LiveRouting`; the state's live rows: `LiveLayerKVCache`)."""
+
+    state_class = LiveLayerKVCache
 
     step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
                      "gelu_tanh_mul, softcap and moe_swiglu (the routed experts); Gemma 4's per-layer inputs run in torch")
@@ -118,9 +122,7 @@ class Gemma4MoeTarget(RoutingRecorder, Gemma4Target):
         eps = self.cfg.rms_norm_eps
         pre_2, post_1, post_2 = w.moe_norms
         dense = gemma_rms_norm(super()._feed_forward(x, h, w), post_1, eps)
-        weights, ids = gemma_route(x, w, self.moe.top_k, eps, self.step_ops.linear)
-        self._record_routing(id(w.experts), ids)
-        self.reads.count(ids)
+        weights, ids = self._routed(id(w.experts), *gemma_route(x, w, self.moe.top_k, eps, self.step_ops.linear))
         routed = self.step_ops.moe_swiglu(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up,
                                           w.experts.w_down, "gelu_tanh")
         return dense + gemma_rms_norm(routed, post_2, eps)

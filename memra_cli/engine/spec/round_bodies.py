@@ -18,9 +18,10 @@ them), vt, m]` as float64 (ids < 2^53 are exact):
 
 The verify covers W rows whatever the window: the window is sized after it, from the raws, and
 only decides how many rows count, exactly as `Session._round` does with fixed-width steps (a
-row's logits do not depend on the rows after it). A ladder window is known before the verify, so
-the rows past it are padding there, which a recurrent state skips in its recurrence (the step's
-live rows, `live_rows_from`): the rows inside the window are the same bits either way. The ingest takes all W rows: the rows past the
+row's logits do not depend on the rows after it). A ladder window (and the priced window fitted to
+the accepted runs) is known before the verify, so the rows past it are padding there, which a
+recurrent state skips in its recurrence and an MoE target routes to no expert (the step's live
+rows, `live_rows_from`): the rows inside the window are the same bits either way. The ingest takes all W rows: the rows past the
 accepted prefix land at positions the next round's block overwrites before any query reads them
 (the padding argument of draft_graphs.IngestGraph), so the drafter's cache holds what an ingest
 of the kept rows alone would. The host then sets both lengths to `start + m + 1`.
@@ -41,11 +42,14 @@ from memra_cli.engine.spec.proposer import Program, static_proposal
 
 
 def _window_rows(program: Program, width: int, device: torch.device) -> torch.Tensor | None:
-    """The tensor a round writes its ladder window into before the verify (`inputs[3]`, capped by
-    the budget `inputs[4]`, as settle_round caps it), or None where the window can be the whole
-    step or is sized after it (a confidence window). No row past a ladder window can be accepted
-    or picked, so those rows are padding, which a recurrent state skips (`live_rows_from`)."""
-    if program.window.kind == "ladder" and (program.adapt or program.verify_cap < width):
+    """The tensor a round writes its window into before the verify (`inputs[3]`, capped by the
+    budget `inputs[4]`, as settle_round caps it) where that window is known then (the ladder's,
+    the priced window fitted to the accepted runs), or None where it can be the whole step or is
+    sized after it (from the confidence raws). No row past such a window can be accepted or
+    picked, so those rows are padding, which a recurrent state skips and an MoE target routes to
+    no expert (`live_rows_from`)."""
+    kind = settle_kind(program.window)
+    if kind == "priced-runs" or (kind == "ladder" and (program.adapt or program.verify_cap < width)):
         return torch.zeros(1, dtype=torch.int32, device=device)
     return None
 
