@@ -217,7 +217,7 @@ def test_padding_rows_read_no_expert_and_a_live_row_keeps_its_bits(op):
 
 
 @triton.jit
-def _row_order_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, stride_om, K_TOP: tl.constexpr,
+def _row_order_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, K_TOP: tl.constexpr,
                               KP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """A planted combine: one float32 running sum over the step's rows in row order (a segmented
     prefix sum), each row's result the difference of the sums after and before it. Exact in real
