@@ -6,7 +6,9 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
 - the step (`static_step`) for vt = 1..16 with each step-ops variant (`--ops`: `torch` = the
   twin and torch ops, `triton` = the Triton step ops with the MoE kernels): median ms of eager
   steps (device synchronised), and on CUDA with the kernels the step replayed as a CUDA graph
-  (a captured twin runs every expert, so it has no graphed number);
+  (a captured twin runs every expert, so it has no graphed number); each step of vt rows alone
+  and, for vt below `--width` (16), the `--width`-row step with vt live rows and the rest
+  padding, which is what the engine's fixed-width steps run (`ops` "triton/16" in the table);
 - the MoE feed-forward alone, every sparse layer once per call (each layer its own weights, so
   no expert is read from L2 twice): the twin eager, the kernels eager and as a CUDA graph, the
   ratio twin / kernels, and the kernels' graphed time against the read floor of the experts the
@@ -105,14 +107,18 @@ def graphed_ms(fn, iters: int) -> tuple[float | None, str | None]:
 
 
 @torch.no_grad()
-def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int) -> dict:
-    """Median ms of one vt-row step at `context` cached positions, and the experts it ran."""
+def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int, width: int | None = None) -> dict:
+    """Median ms of one vt-row step at `context` cached positions, and the experts it ran.
+    `width`: a step of `width` rows whose first vt are live, the rest padding (what the engine's
+    fixed-width steps run: `state.set_live_rows`); None: a step of the vt rows alone."""
     dev = model.device
-    cache = model.new_state(context + vt)
+    rows = width or vt
+    cache = model.new_state(context + rows)
     model.ensure_positions(cache.max_len)
     cache.length = context
-    ids = torch.randint(0, model.cfg.vocab_size, (vt,), device=dev)
-    positions = torch.arange(context, context + vt, device=dev)
+    cache.set_live_rows(vt if vt < rows else None)
+    ids = torch.randint(0, model.cfg.vocab_size, (rows,), device=dev)
+    positions = torch.arange(context, context + rows, device=dev)
     times, before = [], model.expert_reads
     for _ in range(iters + 1):
         sync(dev)
@@ -122,10 +128,23 @@ def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int) -> dict:
         times.append(time.perf_counter() - t0)
     after = model.expert_reads
     calls, experts = after[0] - before[0], after[1] - before[1]
-    row = {"vt": vt, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
+    row = {"vt": vt, "width": width, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
     if dev.type == "cuda" and model.step_ops.name == "triton":
         row["graph_ms"], row["graph_error"] = graphed_ms(lambda: model.static_step(ids, positions, cache), iters)
     return row
+
+
+def step_rows(model, name: str, vts: list[int], width: int, cost, bw: float, measure_one) -> list[dict]:
+    """Per vt, the step of the vt rows alone and, below `width` (0: none), the `width`-row step
+    with vt live rows (the engine's), each with its read floor; printed as they come.
+    `measure_one(vt, width or None)` times one (`measure`'s row)."""
+    rows = []
+    for vt in vts:
+        for w in (None, width) if 0 < vt < width else (None,):
+            r = with_floor({"ops": name, **measure_one(vt, w)}, cost, bw, vt)
+            rows.append(r)
+            print(step_line(name if w is None else f"{name}/{w}", vt, r))
+    return rows
 
 
 def parse_tiles(raw: str):
@@ -211,7 +230,7 @@ def step_line(name: str, vt: int, r: dict) -> str:
     """One printed row of the step table (`with_floor`'s keys; a failed capture named)."""
     graphed = f"  graph {r['graph_ms']:8.3f} ms x{r['graph_ratio']:.2f}" if r.get("graph_ms") else (
         f"  graph failed: {r['graph_error']}" if r.get("graph_error") else "")
-    return (f"{name:6s} vt={vt:2d}  {r['ms']:8.3f} ms  experts/layer {r['experts_per_layer']:6.1f} "
+    return (f"{name:9s} vt={vt:2d}  {r['ms']:8.3f} ms  experts/layer {r['experts_per_layer']:6.1f} "
             f"(independent {r['model_union']:6.1f})  floor {r['floor_gb']:.3f} GB {r['floor_ms']:.3f} ms  "
             f"x{r['ratio']:.2f}{graphed}")
 
@@ -225,6 +244,8 @@ def main(argv: list[str]) -> int:
                     "(default: both on CUDA, torch elsewhere)")
     ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "
                     "configurations: comma-separated block_i x block_n x block_k x warps x stages, e.g. 64x64x128x4x3")
+    ap.add_argument("--width", type=int, default=16, help="also time each vt below it as a step of this many "
+                    "rows, vt of them live (the engine's fixed-width step); 0: only the vt-row steps")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", type=Path)
@@ -242,6 +263,9 @@ def main(argv: list[str]) -> int:
     if tiles and dev.type != "cuda":
         print(f"error: --tiles {a.tiles!r}: the kernels need --device cuda", file=sys.stderr)
         return 2
+    if a.width < 0:
+        print(f"error: --width {a.width}: expected a row count (0: only the vt-row steps)", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     model = build(a.shape, dtype, dev)
     cost = step_cost_of(model)
@@ -250,10 +274,7 @@ def main(argv: list[str]) -> int:
     rows = []
     for name in ops:
         model.step_ops = step_ops(name)
-        for vt in vts:
-            r = with_floor({"ops": name, **measure(model, vt, a.context, a.iters)}, cost, bw, vt)
-            rows.append(r)
-            print(step_line(name, vt, r))
+        rows += step_rows(model, name, vts, a.width, cost, bw, lambda vt, w: measure(model, vt, a.context, a.iters, w))
     op_rows = []
     for vt in vts:
         r = measure_op(model, vt, a.iters, bw, tiles)
