@@ -191,15 +191,13 @@ def test_int32_ids_give_the_int64_bits():
 
 
 def padded_step(dtype, live: int = 5, m: int = 16, k: int = 3):
-    """A step of `m` rows whose rows from `live` on are padding (layers/moe.py `drop_padding_rows`:
+    """A step of `m` rows whose rows from `live` on are padding (as `moe_route_ref` routes them:
     ids E, weights 0); the live rows route among experts 0..E-2 and expert E-1's weights are NaN,
     so an op that ran the padding rows on a real expert would leave NaN in their output."""
-    from memra_cli.engine.layers.moe import drop_padding_rows
-
     x, w, ids, gu, down = inputs(m, k, dtype, seed=12, shape=(E - 1, H, I))
     gu, down = torch.cat([gu, torch.full_like(gu[:1], float("nan"))]), torch.cat([down, torch.full_like(down[:1], float("nan"))])
-    w, ids = drop_padding_rows(w, ids, torch.tensor([live], dtype=torch.int32, device=ids.device), E)
-    return x, w, ids, gu, down
+    pad = torch.arange(m, device=ids.device)[:, None] >= live
+    return x, w.masked_fill(pad, 0), ids.masked_fill(pad, E), gu, down
 
 
 @pytest.mark.parametrize("op", [moe.moe_swiglu, moe_swiglu_ref], ids=["kernels", "twin"])

@@ -20,8 +20,6 @@ from contextlib import contextmanager
 
 import torch
 
-from memra_cli.engine.layers.moe import drop_padding_rows
-
 
 def expert_shapes(tensors, prefix: str, num_experts: int, hidden: int, inter: int) -> tuple[dict, bool]:
     """The expert tensors a layer needs in the layout the checkpoint holds (name -> shape), and
@@ -103,10 +101,11 @@ class RoutingRecorder:
 class LiveRouting:
     """Mixed into every MoE family (before its base target): a fixed step's padding rows read no
     experts. `static_step` takes the state's live-row count (`state.live`, int32 `[1]` on the
-    device: models/state.py `LiveRows`) for the routings it runs; `_routed` then gives each
-    padding row the no-expert id and weight 0 (layers/moe.py `drop_padding_rows`), records the
-    routing and counts what the live rows run. An eager `forward` (every row real) masks nothing.
-    The count is read on the device, so a graph replay takes whatever the state holds then."""
+    device: models/state.py `LiveRows`) for the routings it runs (`_live_rows`, which each family
+    hands to the step ops' `moe_route`): every row from it on gets the no-expert id and weight 0,
+    and the counter (`self.reads`) counts the live rows' experts only. An eager `forward` (every
+    row real) masks nothing. The count is read on the device, so a graph replay takes whatever
+    the state holds then."""
 
     _live_rows: torch.Tensor | None = None
 
@@ -116,11 +115,3 @@ class LiveRouting:
             return super().static_step(ids, positions, state, taps, widen)
         finally:
             self._live_rows = None
-
-    def _routed(self, layer, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's routing `(weights, ids) [t, k]` with the padding rows dropped, recorded (under
-        `layer`, `RoutingRecorder`) and counted (`self.reads`)."""
-        self._record_routing(layer, ids)
-        weights, ids = drop_padding_rows(weights, ids, self._live_rows, self.moe.num_experts)
-        self.reads.count(ids)
-        return weights, ids

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memra_cli.engine.layers.moe import ExpertReads, topk_lowest_index
+from memra_cli.engine.layers.moe import ExpertReads
 from memra_cli.engine.models.experts import LiveRouting, RoutingRecorder, expert_shapes, load_experts, step_weight_elements
 from memra_cli.engine.models.gemma4 import MOE_NORMS, Gemma4Target, LayerWeights, _Loader, gemma_rms_norm
 from memra_cli.engine.models.kv_cache import LiveLayerKVCache
@@ -45,15 +45,15 @@ class Gemma4MoeLayerWeights(LayerWeights):
     moe_norms: tuple[torch.Tensor, ...] = ()
 
 
-def gemma_route(x: torch.Tensor, w: Gemma4MoeLayerWeights, top_k: int, eps: float, linear
+def gemma_route(x: torch.Tensor, w: Gemma4MoeLayerWeights, top_k: int, eps: float, ops,
+                live: torch.Tensor | None = None, counts: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights `[t, k]` (model dtype) and expert ids `[t, k]` for the residual `x [t, h]`
-    (module docstring); `linear` is the step ops' weight matmul."""
+    (module docstring): the scaled norm and the logits (`ops.linear`) here, the rest the step
+    ops' `moe_route` with the per-expert scale (and the live rows and the count, as every MoE
+    family's: layers/moe.py)."""
     r = gemma_rms_norm(x, None, eps) * w.router_scale * x.shape[-1] ** -0.5
-    probs = torch.softmax(linear(r, w.experts.router), dim=-1, dtype=torch.float32)
-    weights, ids = topk_lowest_index(probs, top_k)
-    weights = weights / weights.sum(dim=-1, keepdim=True) * w.expert_scale[ids]
-    return weights.to(x.dtype), ids
+    return ops.moe_route(ops.linear(r, w.experts.router), top_k, True, live, counts, w.expert_scale)
 
 
 class _MoeLoader(_Loader):
@@ -122,7 +122,8 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
         eps = self.cfg.rms_norm_eps
         pre_2, post_1, post_2 = w.moe_norms
         dense = gemma_rms_norm(super()._feed_forward(x, h, w), post_1, eps)
-        weights, ids = self._routed(id(w.experts), *gemma_route(x, w, self.moe.top_k, eps, self.step_ops.linear))
+        weights, ids = gemma_route(x, w, self.moe.top_k, eps, self.step_ops, self._live_rows, self.reads.sink())
+        self._record_routing(id(w.experts), ids)
         routed = self.step_ops.moe_swiglu(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up,
                                           w.experts.w_down, "gelu_tanh")
         return dense + gemma_rms_norm(routed, post_2, eps)

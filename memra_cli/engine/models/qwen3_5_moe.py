@@ -100,6 +100,8 @@ class Qwen35MoeTarget(RoutingRecorder, LiveRouting, Qwen35Target):
     def _feed_forward(self, h: torch.Tensor, w: Qwen35MoeLayerWeights) -> torch.Tensor:
         """The routed experts plus the gated shared expert on the normed `h [t, hidden]` -> `[t, hidden]`."""
         shared = super()._feed_forward(h, w)  # the shared expert: the dense MLP's SwiGLU
-        weights, ids = self._routed(id(w.experts), *route(h, w.experts.router, self.moe.top_k, True))
+        weights, ids = route(h, w.experts.router, self.moe.top_k, True, self.step_ops, self._live_rows,
+                             self.reads.sink())
+        self._record_routing(id(w.experts), ids)
         routed = self.step_ops.moe_swiglu(h, weights, ids, w.experts.w_gate_up, w.experts.w_down)
         return routed + torch.sigmoid(self.step_ops.linear(h, w.shared_gate)) * shared

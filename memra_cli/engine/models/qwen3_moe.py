@@ -163,7 +163,9 @@ class Qwen3MoeTarget(RoutingRecorder, LiveRouting, Qwen3Target):
 
     def _moe(self, h: torch.Tensor, ex: MoeWeights) -> torch.Tensor:
         """A routed feed-forward on the normed `h [t, hidden]` (before the residual add)."""
-        weights, ids = self._routed(id(ex), *route(h, ex.router, self.moe.top_k, self.moe.norm_topk_prob))
+        weights, ids = route(h, ex.router, self.moe.top_k, self.moe.norm_topk_prob, self.step_ops, self._live_rows,
+                             self.reads.sink())
+        self._record_routing(id(ex), ids)
         return self.step_ops.moe_swiglu(h, weights, ids, ex.w_gate_up, ex.w_down)
 
     def _mlp(self, x: torch.Tensor, w: MoeLayerWeights) -> torch.Tensor:
