@@ -12,7 +12,8 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
 - the MoE feed-forward alone, every sparse layer once per call (each layer its own weights, so
   no expert is read from L2 twice): the twin eager, the kernels eager and as a CUDA graph, the
   ratio twin / kernels, and the kernels' graphed time against the read floor of the experts the
-  rows routed to;
+  rows routed to; and the routing alone from the router logits (the twin's ~14 launches eager
+  and graphed, the routing kernel's one graphed), per layer;
 - per step: the experts run per sparse layer (counted by the target), the bytes those weights
   hold (attention, router, dense MLPs, lm_head, and the measured expert union), the read
   bandwidth measured in the same process (a large tensor's sum), the ratio of time to that
@@ -172,6 +173,8 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
     from memra_cli.engine.layers.moe import route
     from memra_kernels.moe import moe_swiglu
     from memra_kernels.moe_ref import moe_swiglu_ref
+    from memra_kernels.moe_route import moe_route
+    from memra_kernels.moe_route_ref import moe_route_ref
 
     dev, moe = model.device, model.moe
     x = torch.nn.functional.rms_norm(torch.randn(vt, model.cfg.hidden_size, device=dev), (model.cfg.hidden_size,))
@@ -186,10 +189,18 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
         return lambda: [op(x, *c) for c in calls]
 
     n = len(calls)
+    logits = [torch.nn.functional.linear(x, layer.experts.router) for layer in model.layers
+              if layer.experts is not None]
+    counts = torch.zeros(2, dtype=torch.int64, device=dev)
+
+    def route_every_layer(op):  # the router's picks and the count from its logits, every sparse layer
+        return lambda: [op(lg, moe.top_k, moe.norm_topk_prob, None, counts) for lg in logits]
+
     expert_bytes = 3 * moe.moe_intermediate_size * model.cfg.hidden_size * model.dtype.itemsize
     floor_us = 1e6 * union * expert_bytes / bw / n
     row = {"vt": vt, "experts_per_layer": union / n, "floor_us": floor_us,
-           "twin_us": 1e3 * median_ms(every_layer(moe_swiglu_ref), iters, warmup=1, device=dev) / n}
+           "twin_us": 1e3 * median_ms(every_layer(moe_swiglu_ref), iters, warmup=1, device=dev) / n,
+           "route_twin_us": 1e3 * median_ms(route_every_layer(moe_route_ref), iters, warmup=1, device=dev) / n}
     if dev.type == "cuda":
         row["kernel_us"] = 1e3 * median_ms(every_layer(moe_swiglu), iters, warmup=1, device=dev) / n
         graph, row["kernel_graph_error"] = graphed_ms(every_layer(moe_swiglu), iters)
@@ -197,6 +208,9 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
         row["twin_over_kernel"] = row["twin_us"] / row["kernel_us"]
         if graph is not None:
             row["kernel_graph_over_floor"] = row["kernel_graph_us"] / floor_us
+        for name, op in (("twin", moe_route_ref), ("kernel", moe_route)):  # graphed: launches, not bytes, cost here
+            ms, err = graphed_ms(route_every_layer(op), iters)
+            row[f"route_{name}_graph_us"] = err if ms is None else 1e3 * ms / n
         row["tiles_graph_us"] = {}
         for cfg in tiles:
             ms, err = graphed_ms(every_layer(lambda *a, cfg=cfg: moe_swiglu(*a, config=cfg)), iters)
@@ -286,6 +300,12 @@ def main(argv: list[str]) -> int:
             + f"  twin/kernels x{r['twin_over_kernel']:.1f}")
         print(f"op vt={vt:2d}  experts/layer {r['experts_per_layer']:6.1f}  floor {r['floor_us']:7.1f} us  "
               f"twin {r['twin_us']:8.1f} us{kernel}")
+        route = f"   routing: twin {r['route_twin_us']:7.1f} us eager"
+        for name in ("twin", "kernel"):
+            us = r.get(f"route_{name}_graph_us")
+            if us is not None:
+                route += f", {name} " + (f"{us:7.1f} us graphed" if isinstance(us, float) else us)
+        print(route)
         for name, us in r.get("tiles_graph_us", {}).items():
             print(f"   tiles {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None

@@ -25,9 +25,9 @@ place in the row tile does not change its products or their order); a row's comb
 its own k lines, in its own fixed order. Roundings are the twin's (`moe_ref.moe_swiglu_ref`,
 op for op in the model dtype), so kernel and twin differ only in float32 summation order.
 
-Preconditions (what `layers/moe.route` produces): expert ids in [0, E), distinct within a row;
-or a padding row (layers/moe.py `drop_padding_rows`), every id E: no program finds it among
-its expert's rows, so it costs no weight read, and its combine writes zeros.
+Preconditions (what `moe_route` produces): expert ids in [0, E), distinct within a row; or a
+padding row (a fixed step's, `moe_route`'s live rows), every id E: no program finds it among its
+expert's rows, so it costs no weight read, and its combine writes zeros.
 
 Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `eligible`, `moe_swiglu`, `moe_swiglu_ref`.
 """

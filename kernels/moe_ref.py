@@ -14,8 +14,8 @@ Eagerly it runs the experts the rows routed to, read on the host (`unique`); whi
 is being captured, where no value may be read on the host, it runs every expert (one that no row
 picked leaves every row unchanged), so the same bits come out either way.
 
-A row whose ids are all E (the expert count: a fixed step's padding row, layers/moe.py
-`drop_padding_rows`) picks no expert: it reads no weights and its output is zero.
+A row whose ids are all E (the expert count: a fixed step's padding row, as `moe_route_ref`
+routes it) picks no expert: it reads no weights and its output is zero.
 """
 
 from __future__ import annotations

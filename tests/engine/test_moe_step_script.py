@@ -34,7 +34,7 @@ def test_times_steps_and_counts_their_experts(tmp_path):
     assert 2.0 < rows[2]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 and "graph_ms" not in r for r in rows)
     assert [r["vt"] for r in ops] == [1, 16] and ops[0]["experts_per_layer"] == 2.0
-    assert all(r["twin_us"] > 0 and r["floor_us"] > 0 and "kernel_us" not in r for r in ops)
+    assert all(r["twin_us"] > 0 and r["route_twin_us"] > 0 and r["floor_us"] > 0 and "kernel_us" not in r for r in ops)
 
 
 def test_the_kernels_off_cuda_are_refused_in_one_line():
