@@ -19,10 +19,11 @@ E = 8
 U = 2.0**-24
 
 
-def logits_of(t: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Random router logits `[t, E]` spread wide enough that no two of a row's probabilities are
-    within the bound below of each other (the picks are then the same in any summation order)."""
-    return (torch.randn(t, E, generator=torch.Generator().manual_seed(seed)) * 2).to(DEVICE, dtype)
+def logits_of(t: int, dtype: torch.dtype, seed: int = 0, n_exp: int = E) -> torch.Tensor:
+    """Random router logits `[t, n_exp]` spread wide enough that no two of a row's probabilities
+    are within the bound below of each other unless equal (the picks are then the same in any
+    summation order)."""
+    return (torch.randn(t, n_exp, generator=torch.Generator().manual_seed(seed)) * 2).to(DEVICE, dtype)
 
 
 def live_of(n: int | None) -> torch.Tensor | None:
@@ -43,7 +44,7 @@ def mismatches(op, logits, k: int, normalize: bool, live=None, scale=None) -> li
         bad.append("ids")
     if not torch.equal(c_op, c_ref):
         bad.append(f"counts {c_op.tolist()} != {c_ref.tolist()}")
-    rel = (2 * E + k + 12) * U if logits.dtype == torch.float32 else 2.0**-7
+    rel = (2 * logits.shape[1] + k + 12) * U if logits.dtype == torch.float32 else 2.0**-7
     if ((w.double() - w_ref.double()).abs() > rel * w_ref.double().abs()).any():
         bad.append("weights")
     return bad
@@ -128,3 +129,30 @@ def test_refusals():
         mr.moe_route(logits, 2, True, torch.tensor([1], device=DEVICE))
     with pytest.raises(ValueError, match=r"top-k 9 must lie in \[1, 8\]"):
         moe_route_ref(logits, 9, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("n_exp", [128, 256])  # Qwen3-30B-A3B's router, Qwen3.5-35B-A3B's
+def test_on_the_gpu_at_the_a3b_shapes_rows_are_invariant_match_the_twin_and_replay(n_exp):
+    """The compiled kernel (its real reduction layout): the twin's picks and count, a row's bits
+    alone, among 16 and among 70 rows, and a CUDA graph's replay over new logits equal to eager."""
+    logits = logits_of(70, torch.bfloat16, seed=4, n_exp=n_exp)
+    assert mismatches(mr.moe_route, logits[:16], 8, True, live_of(9)) == []
+    full_w, full_ids = mr.moe_route(logits, 8, True)
+    part_w, part_ids = mr.moe_route(logits[:16], 8, True)
+    assert torch.equal(part_w, full_w[:16]) and torch.equal(part_ids, full_ids[:16])
+    for r in (0, 5, 15, 40):
+        w, ids = mr.moe_route(logits[r:r + 1], 8, True)
+        assert torch.equal(w[0], full_w[r]) and torch.equal(ids[0], full_ids[r]), r
+    step, live, counts = logits[:16].clone(), live_of(3), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    mr.moe_route(step, 8, True, live, counts)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mr.moe_route(step, 8, True, live, counts)
+    step.copy_(logits[16:32])
+    counts.zero_()
+    graph.replay()
+    eager_counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    eager = mr.moe_route(logits[16:32], 8, True, live, eager_counts)
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1]) and torch.equal(counts, eager_counts)
