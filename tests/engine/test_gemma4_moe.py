@@ -184,7 +184,7 @@ def test_speculative_arms_equal_plain_greedy(models, drafts, mode, vt):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_fixed_width_logits_do_not_depend_on_the_grouping(dirs, dtype, monkeypatch):
     rec = RouteRecorder(gemma4_moe.gemma_route)
-    monkeypatch.setattr(gemma4_moe, "gemma_route", rec)  # over steps whose live rows share experts and steps whose do not
+    monkeypatch.setattr(gemma4_moe, "gemma_route", rec)
     assert_groupings_equal(Gemma4MoeTarget.from_dir(dirs["ple-shared"], dtype=dtype), recorded=rec)
 
 

@@ -27,7 +27,8 @@ def test_times_hybrid_steps_and_counts_their_experts(tmp_path):
     obj = json.loads(out.read_text())
     rows = obj["rows"]
     # the kernels need CUDA; vt=1 also as the engine's 16-row step with one live row
-    assert [(r["ops"], r["vt"], r["width"]) for r in rows] == [("torch", 1, None), ("torch", 1, 16), ("torch", 16, None)]
+    assert [(r["ops"], r["vt"], r["width"]) for r in rows] == [("torch", 1, None), ("torch", 1, 16),
+                                                                ("torch", 16, None)]
     assert rows[0]["experts_per_layer"] == rows[1]["experts_per_layer"] == 2.0  # one live row: its top-2
     assert 2.0 < rows[2]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in rows) and obj["fixed_gb"] > 0

@@ -28,7 +28,8 @@ def test_times_steps_and_counts_their_experts(tmp_path):
     result = json.loads(out.read_text())
     rows, ops = result["rows"], result["op_rows"]
     # the twin alone on the CPU; vt=1 also as the engine's 16-row step with one live row
-    assert [(r["ops"], r["vt"], r["width"]) for r in rows] == [("torch", 1, None), ("torch", 1, 16), ("torch", 16, None)]
+    assert [(r["ops"], r["vt"], r["width"]) for r in rows] == [("torch", 1, None), ("torch", 1, 16),
+                                                                ("torch", 16, None)]
     assert rows[0]["experts_per_layer"] == 2.0  # one row runs exactly its top-2
     assert rows[1]["experts_per_layer"] == 2.0  # and so does a 16-row step with one live row: padding runs none
     assert 2.0 < rows[2]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union

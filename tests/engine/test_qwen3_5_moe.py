@@ -167,7 +167,7 @@ def test_speculative_arms_equal_plain_greedy(target, drafts, mode, vt):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_fixed_width_logits_do_not_depend_on_the_grouping(dirs, dtype, monkeypatch):
     rec = RouteRecorder(qwen3_5_moe.route)
-    monkeypatch.setattr(qwen3_5_moe, "route", rec)  # over steps whose live rows share experts and steps whose do not
+    monkeypatch.setattr(qwen3_5_moe, "route", rec)
     assert_groupings_equal(Qwen35MoeTarget.from_dir(dirs["multimodal"], dtype=dtype), recorded=rec)
 
 

@@ -195,7 +195,8 @@ def padded_step(dtype, live: int = 5, m: int = 16, k: int = 3):
     ids E, weights 0); the live rows route among experts 0..E-2 and expert E-1's weights are NaN,
     so an op that ran the padding rows on a real expert would leave NaN in their output."""
     x, w, ids, gu, down = inputs(m, k, dtype, seed=12, shape=(E - 1, H, I))
-    gu, down = torch.cat([gu, torch.full_like(gu[:1], float("nan"))]), torch.cat([down, torch.full_like(down[:1], float("nan"))])
+    nan = float("nan")
+    gu, down = torch.cat([gu, torch.full_like(gu[:1], nan)]), torch.cat([down, torch.full_like(down[:1], nan)])
     pad = torch.arange(m, device=ids.device)[:, None] >= live
     return x, w.masked_fill(pad, 0), ids.masked_fill(pad, E), gu, down
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from memra_cli.engine.layers.moe import ExpertReads
-from memra_cli.engine.models.experts import LiveRouting, RoutingRecorder, expert_shapes, load_experts, step_weight_elements
+from memra_cli.engine.models.experts import (LiveRouting, RoutingRecorder, expert_shapes, load_experts,
+                                             step_weight_elements)
 from memra_cli.engine.models.gemma4 import MOE_NORMS, Gemma4Target, LayerWeights, _Loader, gemma_rms_norm
 from memra_cli.engine.models.kv_cache import LiveLayerKVCache
 from memra_cli.engine.models.qwen3_moe import MoeSettings, MoeWeights
@@ -98,7 +99,8 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
     state_class = LiveLayerKVCache
 
     step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
-                     "gelu_tanh_mul, softcap and moe_swiglu (the routed experts); Gemma 4's per-layer inputs run in torch")
+                     "gelu_tanh_mul, softcap, moe_route and moe_swiglu (the routed experts); Gemma 4's per-layer "
+                     "inputs run in torch")
     loader_class = _MoeLoader
     routes_experts = True
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from memra_cli.engine.layers.moe import ExpertReads, route
-from memra_cli.engine.models.experts import LiveRouting, RoutingRecorder, expert_shapes, load_experts, step_weight_elements
+from memra_cli.engine.models.experts import (LiveRouting, RoutingRecorder, expert_shapes, load_experts,
+                                             step_weight_elements)
 from memra_cli.engine.models.qwen3_5 import LayerWeights, Qwen35Target, _Loader
 from memra_cli.engine.models.qwen3_moe import MoeSettings, MoeWeights
 
