@@ -9,7 +9,9 @@ it can repeat) and, on CUDA with the kernels, the same step replayed as a CUDA g
 engine runs: the family is capturable); the experts it ran per layer (counted by the target over
 the eager steps), the weight bytes it read (every non-expert weight, counted from the loaded
 tensors, plus the measured expert union), the read bandwidth measured in the same process, and
-the ratio of time to that floor, with peak memory.
+the ratio of time to that floor, with peak memory. Each vt below `--width` (16) is also timed as
+the `--width`-row step with vt live rows (the engine's fixed-width step, its padding rows skipping
+the recurrence and the experts).
 
     python -m benchmarks.moe_hybrid_step --shape a3b --device cuda --dtype bfloat16 --json OUT.json
     python -m benchmarks.moe_hybrid_step --shape tiny --device cpu --iters 1   # the CPU smoke test's run
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.moe_step import graphed_ms, parse_ops, read_bandwidth, step_line, step_ops, sync, with_floor
+from benchmarks.moe_step import graphed_ms, parse_ops, read_bandwidth, step_ops, step_rows, sync
 from memra_cli.engine.formats.qwen3_5_config import FULL, parse_qwen35_config
 from memra_cli.engine.models.qwen3_5 import AttnWeights, GdnWeights, LayerWeights
 from memra_cli.engine.models.qwen3_5_moe import Qwen35MoeLayerWeights, Qwen35MoeTarget
@@ -77,11 +79,14 @@ def build(shape: str, dtype: torch.dtype, device: torch.device) -> Qwen35MoeTarg
 
 
 @torch.no_grad()
-def measure(model: Qwen35MoeTarget, state, context: int, vt: int, iters: int) -> dict:
-    """Median ms of one vt-row fixed step after `context` committed positions, and the experts it ran."""
+def measure(model: Qwen35MoeTarget, state, context: int, vt: int, iters: int, width: int | None = None) -> dict:
+    """Median ms of one vt-row fixed step after `context` committed positions, and the experts it
+    ran; `width`: a step of that many rows, the first vt live (`moe_step.measure`'s)."""
     dev = model.device
-    ids = torch.randint(0, model.cfg.vocab_size, (vt,), device=dev)
-    positions = torch.arange(context, context + vt, device=dev)
+    rows = width or vt
+    state.set_live_rows(vt if vt < rows else None)
+    ids = torch.randint(0, model.cfg.vocab_size, (rows,), device=dev)
+    positions = torch.arange(context, context + rows, device=dev)
     times, before = [], list(model.expert_reads)
     for _ in range(iters + 1):
         sync(dev)
@@ -90,7 +95,7 @@ def measure(model: Qwen35MoeTarget, state, context: int, vt: int, iters: int) ->
         sync(dev)
         times.append(time.perf_counter() - t0)
     calls, experts = model.expert_reads[0] - before[0], model.expert_reads[1] - before[1]
-    row = {"vt": vt, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
+    row = {"vt": vt, "width": width, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
     if dev.type == "cuda" and model.step_ops.name == "triton":  # a captured twin runs every expert: not timed
         row["graph_ms"], row["graph_error"] = graphed_ms(lambda: model.static_step(ids, positions, state), iters)
     return row
@@ -104,6 +109,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton "
                     "(default: both on CUDA, torch elsewhere)")
+    ap.add_argument("--width", type=int, default=16, help="also time each vt below it as a step of this many "
+                    "rows, vt of them live (the engine's fixed-width step); 0: only the vt-row steps")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", type=Path)
@@ -112,6 +119,9 @@ def main(argv: list[str]) -> int:
     ops = parse_ops(a.ops, dev)
     if ops is None:
         print(f"error: --ops {a.ops!r}: expected torch and/or triton (triton needs --device cuda)", file=sys.stderr)
+        return 2
+    if not 0 <= a.width <= 16:
+        print(f"error: --width {a.width}: expected a row count in [0, 16] (0: only the vt-row steps)", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     model = build(a.shape, dtype, dev)
@@ -124,10 +134,8 @@ def main(argv: list[str]) -> int:
         state = model.new_state(a.context + 16)
         with torch.no_grad():
             model.forward(prompt, 0, state)
-        for vt in (int(v) for v in a.vts.split(",")):
-            r = with_floor({"ops": name, **measure(model, state, a.context, vt, a.iters)}, cost, bw, vt)
-            rows.append(r)
-            print(step_line(name, vt, r))
+        rows += step_rows(model, name, [int(v) for v in a.vts.split(",")], a.width, cost, bw,
+                          lambda vt, w: measure(model, state, a.context, vt, a.iters, w))
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     out = {"shape": a.shape, "device": str(dev), "dtype": a.dtype, "context": a.context, "iters": a.iters,
            "read_tbps": bw / 1e12, "peak_gib": peak, "fixed_gb": cost.fixed_bytes / 1e9, "rows": rows,

@@ -6,11 +6,14 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
 - the step (`static_step`) for vt = 1..16 with each step-ops variant (`--ops`: `torch` = the
   twin and torch ops, `triton` = the Triton step ops with the MoE kernels): median ms of eager
   steps (device synchronised), and on CUDA with the kernels the step replayed as a CUDA graph
-  (a captured twin runs every expert, so it has no graphed number);
+  (a captured twin runs every expert, so it has no graphed number); each step of vt rows alone
+  and, for vt below `--width` (16), the `--width`-row step with vt live rows and the rest
+  padding, which is what the engine's fixed-width steps run (`ops` "triton/16" in the table);
 - the MoE feed-forward alone, every sparse layer once per call (each layer its own weights, so
   no expert is read from L2 twice): the twin eager, the kernels eager and as a CUDA graph, the
   ratio twin / kernels, and the kernels' graphed time against the read floor of the experts the
-  rows routed to;
+  rows routed to; and the routing alone from the router logits (the twin's ~14 launches eager
+  and graphed, the routing kernel's one graphed), per layer;
 - per step: the experts run per sparse layer (counted by the target), the bytes those weights
   hold (attention, router, dense MLPs, lm_head, and the measured expert union), the read
   bandwidth measured in the same process (a large tensor's sum), the ratio of time to that
@@ -105,14 +108,18 @@ def graphed_ms(fn, iters: int) -> tuple[float | None, str | None]:
 
 
 @torch.no_grad()
-def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int) -> dict:
-    """Median ms of one vt-row step at `context` cached positions, and the experts it ran."""
+def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int, width: int | None = None) -> dict:
+    """Median ms of one vt-row step at `context` cached positions, and the experts it ran.
+    `width`: a step of `width` rows whose first vt are live, the rest padding (what the engine's
+    fixed-width steps run: `state.set_live_rows`); None: a step of the vt rows alone."""
     dev = model.device
-    cache = model.new_state(context + vt)
+    rows = width or vt
+    cache = model.new_state(context + rows)
     model.ensure_positions(cache.max_len)
     cache.length = context
-    ids = torch.randint(0, model.cfg.vocab_size, (vt,), device=dev)
-    positions = torch.arange(context, context + vt, device=dev)
+    cache.set_live_rows(vt if vt < rows else None)
+    ids = torch.randint(0, model.cfg.vocab_size, (rows,), device=dev)
+    positions = torch.arange(context, context + rows, device=dev)
     times, before = [], model.expert_reads
     for _ in range(iters + 1):
         sync(dev)
@@ -122,10 +129,23 @@ def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int) -> dict:
         times.append(time.perf_counter() - t0)
     after = model.expert_reads
     calls, experts = after[0] - before[0], after[1] - before[1]
-    row = {"vt": vt, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
+    row = {"vt": vt, "width": width, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
     if dev.type == "cuda" and model.step_ops.name == "triton":
         row["graph_ms"], row["graph_error"] = graphed_ms(lambda: model.static_step(ids, positions, cache), iters)
     return row
+
+
+def step_rows(model, name: str, vts: list[int], width: int, cost, bw: float, measure_one) -> list[dict]:
+    """Per vt, the step of the vt rows alone and, below `width` (0: none), the `width`-row step
+    with vt live rows (the engine's), each with its read floor; printed as they come.
+    `measure_one(vt, width or None)` times one (`measure`'s row)."""
+    rows = []
+    for vt in vts:
+        for w in (None, width) if 0 < vt < width else (None,):
+            r = with_floor({"ops": name, **measure_one(vt, w)}, cost, bw, vt)
+            rows.append(r)
+            print(step_line(name if w is None else f"{name}/{w}", vt, r))
+    return rows
 
 
 def parse_tiles(raw: str):
@@ -153,6 +173,8 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
     from memra_cli.engine.layers.moe import route
     from memra_kernels.moe import moe_swiglu
     from memra_kernels.moe_ref import moe_swiglu_ref
+    from memra_kernels.moe_route import moe_route
+    from memra_kernels.moe_route_ref import moe_route_ref
 
     dev, moe = model.device, model.moe
     x = torch.nn.functional.rms_norm(torch.randn(vt, model.cfg.hidden_size, device=dev), (model.cfg.hidden_size,))
@@ -167,10 +189,18 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
         return lambda: [op(x, *c) for c in calls]
 
     n = len(calls)
+    logits = [torch.nn.functional.linear(x, layer.experts.router) for layer in model.layers
+              if layer.experts is not None]
+    counts = torch.zeros(2, dtype=torch.int64, device=dev)
+
+    def route_every_layer(op):  # the router's picks and the count from its logits, every sparse layer
+        return lambda: [op(lg, moe.top_k, moe.norm_topk_prob, None, counts) for lg in logits]
+
     expert_bytes = 3 * moe.moe_intermediate_size * model.cfg.hidden_size * model.dtype.itemsize
     floor_us = 1e6 * union * expert_bytes / bw / n
     row = {"vt": vt, "experts_per_layer": union / n, "floor_us": floor_us,
-           "twin_us": 1e3 * median_ms(every_layer(moe_swiglu_ref), iters, warmup=1, device=dev) / n}
+           "twin_us": 1e3 * median_ms(every_layer(moe_swiglu_ref), iters, warmup=1, device=dev) / n,
+           "route_twin_us": 1e3 * median_ms(route_every_layer(moe_route_ref), iters, warmup=1, device=dev) / n}
     if dev.type == "cuda":
         row["kernel_us"] = 1e3 * median_ms(every_layer(moe_swiglu), iters, warmup=1, device=dev) / n
         graph, row["kernel_graph_error"] = graphed_ms(every_layer(moe_swiglu), iters)
@@ -178,6 +208,9 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
         row["twin_over_kernel"] = row["twin_us"] / row["kernel_us"]
         if graph is not None:
             row["kernel_graph_over_floor"] = row["kernel_graph_us"] / floor_us
+        for name, op in (("twin", moe_route_ref), ("kernel", moe_route)):  # graphed: launches, not bytes, cost here
+            ms, err = graphed_ms(route_every_layer(op), iters)
+            row[f"route_{name}_graph_us"] = err if ms is None else 1e3 * ms / n
         row["tiles_graph_us"] = {}
         for cfg in tiles:
             ms, err = graphed_ms(every_layer(lambda *a, cfg=cfg: moe_swiglu(*a, config=cfg)), iters)
@@ -211,7 +244,7 @@ def step_line(name: str, vt: int, r: dict) -> str:
     """One printed row of the step table (`with_floor`'s keys; a failed capture named)."""
     graphed = f"  graph {r['graph_ms']:8.3f} ms x{r['graph_ratio']:.2f}" if r.get("graph_ms") else (
         f"  graph failed: {r['graph_error']}" if r.get("graph_error") else "")
-    return (f"{name:6s} vt={vt:2d}  {r['ms']:8.3f} ms  experts/layer {r['experts_per_layer']:6.1f} "
+    return (f"{name:9s} vt={vt:2d}  {r['ms']:8.3f} ms  experts/layer {r['experts_per_layer']:6.1f} "
             f"(independent {r['model_union']:6.1f})  floor {r['floor_gb']:.3f} GB {r['floor_ms']:.3f} ms  "
             f"x{r['ratio']:.2f}{graphed}")
 
@@ -225,6 +258,8 @@ def main(argv: list[str]) -> int:
                     "(default: both on CUDA, torch elsewhere)")
     ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "
                     "configurations: comma-separated block_i x block_n x block_k x warps x stages, e.g. 64x64x128x4x3")
+    ap.add_argument("--width", type=int, default=16, help="also time each vt below it as a step of this many "
+                    "rows, vt of them live (the engine's fixed-width step); 0: only the vt-row steps")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", type=Path)
@@ -242,6 +277,9 @@ def main(argv: list[str]) -> int:
     if tiles and dev.type != "cuda":
         print(f"error: --tiles {a.tiles!r}: the kernels need --device cuda", file=sys.stderr)
         return 2
+    if a.width < 0:
+        print(f"error: --width {a.width}: expected a row count (0: only the vt-row steps)", file=sys.stderr)
+        return 2
     torch.manual_seed(0)
     model = build(a.shape, dtype, dev)
     cost = step_cost_of(model)
@@ -250,10 +288,7 @@ def main(argv: list[str]) -> int:
     rows = []
     for name in ops:
         model.step_ops = step_ops(name)
-        for vt in vts:
-            r = with_floor({"ops": name, **measure(model, vt, a.context, a.iters)}, cost, bw, vt)
-            rows.append(r)
-            print(step_line(name, vt, r))
+        rows += step_rows(model, name, vts, a.width, cost, bw, lambda vt, w: measure(model, vt, a.context, a.iters, w))
     op_rows = []
     for vt in vts:
         r = measure_op(model, vt, a.iters, bw, tiles)
@@ -265,6 +300,12 @@ def main(argv: list[str]) -> int:
             + f"  twin/kernels x{r['twin_over_kernel']:.1f}")
         print(f"op vt={vt:2d}  experts/layer {r['experts_per_layer']:6.1f}  floor {r['floor_us']:7.1f} us  "
               f"twin {r['twin_us']:8.1f} us{kernel}")
+        route = f"   routing: twin {r['route_twin_us']:7.1f} us eager"
+        for name in ("twin", "kernel"):
+            us = r.get(f"route_{name}_graph_us")
+            if us is not None:
+                route += f", {name} " + (f"{us:7.1f} us graphed" if isinstance(us, float) else us)
+        print(route)
         for name, us in r.get("tiles_graph_us", {}).items():
             print(f"   tiles {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None

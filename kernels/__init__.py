@@ -22,9 +22,11 @@ or on the storage size, so fixed-width steps stay bit-exact.
   norms' residual add + norm, GELU-tanh · up, the logits' softcap
 - `argmax`: a greedy round's argmax over each row of its logits, one program per row
 - `gather`: embedding rows, and DSpark's confidence head, one program per row
-- `moe`: a step's routed experts (Qwen3-MoE): rows grouped by expert on the device, each routed
-  expert's gate/up (SiLU·mul epilogue) and down read once per 32 rows, the weighted combine in
-  each row's own fixed order
+- `moe`: a step's routed experts (the MoE families): rows grouped by expert on the device, each
+  routed expert's gate/up (SiLU·mul or GELU-tanh·mul epilogue) and down read once per 32 rows, the
+  weighted combine in each row's own fixed order
+- `moe_route`: a router's picks from its logits (softmax, top-k with ties to the lower index,
+  renormalisation, per-expert scale, cast, padding rows, the expert count) in one launch
 
 Every launched kernel except quant_linear's starts with `_pdl.pdl_wait(PDL)` (dense_linear's with a
 helper that first asks L2 for weight lines, which no kernel writes, then waits) and is launched with

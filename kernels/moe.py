@@ -25,7 +25,9 @@ place in the row tile does not change its products or their order); a row's comb
 its own k lines, in its own fixed order. Roundings are the twin's (`moe_ref.moe_swiglu_ref`,
 op for op in the model dtype), so kernel and twin differ only in float32 summation order.
 
-Preconditions (what `layers/moe.route` produces): expert ids in [0, E), distinct within a row.
+Preconditions (what `moe_route` produces): expert ids in [0, E), distinct within a row; or a
+padding row (a fixed step's, `moe_route`'s live rows), every id E: no program finds it among its
+expert's rows, so it costs no weight read, and its combine writes zeros.
 
 Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `eligible`, `moe_swiglu`, `moe_swiglu_ref`.
 """
@@ -58,8 +60,8 @@ class MoeConfig:
     """Tiles: block_i gate/up rows (and as many up rows) and block_n down rows per program,
     block_k reduction columns per loop step; warps and pipeline stages of the two matmuls."""
 
-    block_i: int = 32
-    block_n: int = 32
+    block_i: int = 64
+    block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
@@ -72,7 +74,9 @@ class MoeConfig:
         return self
 
 
-CONFIG = MoeConfig()  # the launch tiles (not M-dependent: changing them changes no row's order across M)
+# The launch tiles (not M-dependent: changing them changes no row's order across M); chosen by
+# the H200 sweep in docs/moe.md "Kernel tiles".
+CONFIG = MoeConfig()
 
 
 @triton.jit
@@ -175,10 +179,11 @@ def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, stride_we, stride
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, stride_om, K_TOP: tl.constexpr, KP: tl.constexpr,
+def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, K_TOP: tl.constexpr, KP: tl.constexpr,
                         BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[row, tile] = Σ_j weights[row, j] · y[(row, j)], the j taken in ascending expert index,
-    each product and each add rounded to the model dtype, from zeros (the twin's order)."""
+    each product and each add rounded to the model dtype, from zeros (the twin's order); zeros
+    for a padding row (ids E), whose lines no expert wrote."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -188,13 +193,14 @@ def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, stride_om, K_TOP: t
     ids = tl.load(ids_ptr + row * K_TOP + slots, mask=valid, other=0x7FFFFFFF)  # padding slots rank last
     wts = tl.load(wts_ptr + row * K_TOP + slots, mask=valid, other=0.0).to(tl.float32)
     rank = tl.sum((ids[None, :] < ids[:, None]).to(tl.int32), axis=1)  # [KP]: experts of the row below slot j's
+    real = tl.min(ids, axis=0) < E  # a padding row's ids are all E: nothing of it is read
     dt = out_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK,), tl.float32)
     for q in range(K_TOP):
         here = rank == q
         slot = tl.sum(tl.where(here, slots, 0), axis=0)
         w = tl.sum(tl.where(here, wts, 0.0), axis=0)  # one term: exact
-        y = tl.load(y_ptr + (row * K_TOP + slot) * H + offs, mask=ok, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + (row * K_TOP + slot) * H + offs, mask=ok & real, other=0.0).to(tl.float32)
         acc = (acc + (y * w).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs, acc.to(dt), mask=ok)
 
@@ -227,7 +233,7 @@ def _check(x, weights, experts, w_gate_up, w_down) -> None:
 def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                w_down: torch.Tensor, activation: str = "silu", *, config: MoeConfig | None = None) -> torch.Tensor:
     """`moe_swiglu_ref` on the kernels: `x [t, hidden]`, `weights [t, k]`, `experts [t, k]`
-    (ids in [0, E), distinct in a row), `w_gate_up [E, 2I, hidden]`, `w_down [E, hidden, I]`
+    (ids in [0, E), distinct in a row; all E in a padding row), `w_gate_up [E, 2I, hidden]`, `w_down [E, hidden, I]`
     -> `[t, hidden]` in x's dtype (float32 accumulation); `activation` the gate's (`ACTIVATIONS`:
     silu, gelu_tanh). `config` overrides the tiles (tests, benchmarks)."""
     check_activation(activation)
@@ -256,6 +262,6 @@ def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_
         act, ids, w_down, y, m, h, inter, w_down.stride(0), w_down.stride(1),
         BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0, EVEN_N=h % cfg.block_n == 0, **common, **pdl_args(x))
     _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK))](
-        y, ids, wts, out, h, out.stride(0), K_TOP=k, KP=common["KP"], BLOCK=COMBINE_BLOCK, num_warps=4,
+        y, ids, wts, out, h, n_exp, out.stride(0), K_TOP=k, KP=common["KP"], BLOCK=COMBINE_BLOCK, num_warps=4,
         **pdl_args(x))
     return out

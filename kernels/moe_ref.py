@@ -13,6 +13,9 @@ added in ascending expert index, starting from zeros, from that row's values onl
 Eagerly it runs the experts the rows routed to, read on the host (`unique`); while a CUDA graph
 is being captured, where no value may be read on the host, it runs every expert (one that no row
 picked leaves every row unchanged), so the same bits come out either way.
+
+A row whose ids are all E (the expert count: a fixed step's padding row, as `moe_route_ref`
+routes it) picks no expert: it reads no weights and its output is zero.
 """
 
 from __future__ import annotations
@@ -37,7 +40,8 @@ def check_activation(activation: str) -> None:
 def moe_swiglu_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                    w_gate_up: torch.Tensor, w_down: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """Σ_j weights[r, j] · down_e(act(gate_e(x_r)) · up_e(x_r)), e = experts[r, j], for
-    `x [t, hidden]`, `weights [t, k]` (x's dtype), `experts [t, k]` (int, distinct in a row);
+    `x [t, hidden]`, `weights [t, k]` (x's dtype), `experts [t, k]` (int, distinct in a row, or
+    every slot E: a padding row, which runs no expert and comes out zero);
     `w_gate_up [E, 2*I, hidden]` (gate rows first), `w_down [E, hidden, I]`; `activation` a key
     of `ACTIVATIONS` (silu: SwiGLU). Returns `[t, hidden]`.
 
@@ -48,7 +52,8 @@ def moe_swiglu_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     check_activation(activation)
     act = ACTIVATIONS[activation]
     out = torch.zeros_like(x)
-    for e in range(w_gate_up.shape[0]) if capturing(x) else torch.unique(experts).tolist():
+    n_exp = w_gate_up.shape[0]
+    for e in range(n_exp) if capturing(x) else [e for e in torch.unique(experts).tolist() if e < n_exp]:
         hit = experts == e  # [t, k]; at most one True per row (top-k picks distinct experts)
         rows = hit.any(dim=-1)
         buf = torch.where(rows[:, None], x, x.new_zeros(()))  # on x's device: a capture refuses a CPU operand

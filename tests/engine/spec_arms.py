@@ -81,10 +81,12 @@ def hf_greedy(hf, ids: list[int], new: int, vocab: int, pad: int = 0) -> list[in
     return hf.generate(x, attention_mask=torch.ones_like(x), generation_config=gc)[0, len(ids):].tolist()
 
 
-def assert_steps_share_and_split(steps: list) -> None:
-    """Among the recorded 16-row steps' routes, some rows of a step share an expert and some
-    share none: the streams were checked over both kinds of step."""
-    pairs = [(set(a), set(b)) for step in steps[:40] for a in step for b in step if a is not b]
+def assert_steps_share_and_split(steps: list, num_experts: int) -> None:
+    """Among the recorded 16-row steps' live rows (a padding row's ids are all `num_experts`: no
+    expert), some rows of a step share an expert and some share none: the logits were checked
+    over both kinds of step."""
+    live = [[set(row) for row in step if max(row) < num_experts] for step in steps]
+    pairs = [(a, b) for rows in live for i, a in enumerate(rows) for b in rows[i + 1:]]
     assert any(a & b for a, b in pairs) and any(not a & b for a, b in pairs)
 
 
@@ -157,10 +159,12 @@ def assert_arm_equals_plain(target, drafts: dict, mode: str, vt: str, prompts, n
 GROUPINGS = ([1] * 24, [24], [16, 8], [5, 7, 1, 11], [3] * 8)
 
 
-def assert_groupings_equal(target, vocab: int = 512) -> None:
+def assert_groupings_equal(target, vocab: int = 512, recorded: RouteRecorder | None = None) -> None:
     """At 16-row fixed steps, teacher-forcing 24 tokens after a 37-token prompt in runner steps
     of any grouping gives every token the logits of one row at a time, bit for bit: a token's
-    routing and experts do not depend on which rows share its step."""
+    routing and experts do not depend on which rows share its step. `recorded`: the family's
+    routing function, wrapped (and patched in by the caller): its steps' live rows both share
+    and split experts."""
     runner = StepRunner(target, 16)
     g = torch.Generator().manual_seed(0)
     prompt_ids = torch.randint(0, vocab - 1, (37,), generator=g).to(target.device)
@@ -176,6 +180,28 @@ def assert_groupings_equal(target, vocab: int = 512) -> None:
         runs.append(torch.cat(out))
     for groups, logits in zip(GROUPINGS[1:], runs[1:]):
         assert torch.equal(logits, runs[0]), f"grouping {groups}: logits differ from one row at a time"
+    if recorded is not None:
+        assert_steps_share_and_split(recorded.steps, target.moe.num_experts)
+
+
+def assert_padding_rows_run_no_experts(target, vocab: int, width: int = 16, steps: int = 3) -> None:
+    """A fixed step's padding rows read no experts: plain decoding at `width`-row steps (one live
+    row, the rest padding) counts exactly top-k experts per sparse-layer call (what its one row
+    routes to), and a live row's logits are the same bits with 1 and with `width` live rows."""
+    runner = StepRunner(target, width)
+    ids = torch.tensor(prompt(7, seed=21, top=vocab - 8), device=target.device)
+    state = runner.new_state(ids.shape[0] + steps + width)
+    logits, _ = runner.prefill(ids, state)
+    before = target.expert_reads
+    for _ in range(steps):
+        logits, _ = runner.step(logits[-1:].argmax(-1), state.length, state)
+    calls, experts = (b - a for a, b in zip(before, target.expert_reads))
+    assert calls == steps * len(target.moe.sparse_layers), calls
+    assert experts == calls * target.moe.top_k, f"{experts} experts in {calls} one-live-row calls"
+    rows = torch.tensor(prompt(width, seed=22, top=vocab - 8), device=target.device)
+    one = runner.fixed_step(rows, state.length, state, live=1)[0]
+    every = runner.fixed_step(rows, state.length, state)[0]
+    assert torch.equal(one[0], every[0]), "a live row's logits depend on how many rows are live"
 
 
 def assert_session_equals_plain(target, draft, prompts, new: int, mode: str = "dflash", graphs: bool = False) -> None:

@@ -27,12 +27,15 @@ def test_times_steps_and_counts_their_experts(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     rows, ops = result["rows"], result["op_rows"]
-    assert [(r["ops"], r["vt"]) for r in rows] == [("torch", 1), ("torch", 16)]  # the twin alone on the CPU
+    # the twin alone on the CPU; vt=1 also as the engine's 16-row step with one live row
+    assert [(r["ops"], r["vt"], r["width"]) for r in rows] == [("torch", 1, None), ("torch", 1, 16),
+                                                                ("torch", 16, None)]
     assert rows[0]["experts_per_layer"] == 2.0  # one row runs exactly its top-2
-    assert 2.0 < rows[1]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union
+    assert rows[1]["experts_per_layer"] == 2.0  # and so does a 16-row step with one live row: padding runs none
+    assert 2.0 < rows[2]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 and "graph_ms" not in r for r in rows)
     assert [r["vt"] for r in ops] == [1, 16] and ops[0]["experts_per_layer"] == 2.0
-    assert all(r["twin_us"] > 0 and r["floor_us"] > 0 and "kernel_us" not in r for r in ops)
+    assert all(r["twin_us"] > 0 and r["route_twin_us"] > 0 and r["floor_us"] > 0 and "kernel_us" not in r for r in ops)
 
 
 def test_the_kernels_off_cuda_are_refused_in_one_line():
@@ -43,3 +46,13 @@ def test_the_kernels_off_cuda_are_refused_in_one_line():
     proc = _run("--tiles", "64x64x128x4x3")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --tiles '64x64x128x4x3': the kernels need --device cuda"]
+
+
+
+def test_a_negative_width_is_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.moe_step import main
+
+    assert main(["--shape", "tiny", "--device", "cpu", "--width", "-1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --width -1: expected a row count (0: only the vt-row steps)"]

@@ -29,7 +29,7 @@ from memra_cli.engine.spec.priced import StepCost
 from memra_cli.tiny.draft import make_tiny_draft
 
 import spec_arms
-from spec_arms import (RouteRecorder, assert_arm_equals_plain, assert_steps_share_and_split, hf_greedy, make_drafts,
+from spec_arms import (RouteRecorder, assert_arm_equals_plain, assert_groupings_equal, hf_greedy, make_drafts,
                        rel_err, write_variant)
 
 transformers = pytest.importorskip("transformers")
@@ -100,15 +100,18 @@ def test_stacked_layout_loads_the_same_model(pair, target, tmp_path):
             assert torch.equal(a.experts.w_down, b.experts.w_down)
 
 
-def test_greedy_256_tokens_equal_transformers_and_steps_share_and_split_experts(pair, target, monkeypatch):
+def test_greedy_256_tokens_equal_transformers(pair, target):
     ids = prompt(11, 5)
     ref = hf_greedy(pair[1], ids, 256, VOCAB)
+    assert greedy_reference(StepRunner(target, 16), ids, 256) == ref
+    assert greedy_reference(StepRunner(target), ids, 256) == ref  # variable width too
+
+
+def test_fixed_width_logits_do_not_depend_on_the_grouping_over_steps_that_share_and_split_experts(target,
+                                                                                                   monkeypatch):
     rec = RouteRecorder(qwen3_moe.route)
     monkeypatch.setattr(qwen3_moe, "route", rec)
-    assert greedy_reference(StepRunner(target, 16), ids, 256) == ref
-    monkeypatch.undo()
-    assert greedy_reference(StepRunner(target), ids, 256) == ref  # variable width too
-    assert_steps_share_and_split(rec.steps)
+    assert_groupings_equal(target, VOCAB, rec)
 
 
 # --------------------------------------------------------------------------- the MoE op
@@ -220,6 +223,19 @@ def drafts(target, tmp_path_factory):
                                      ("dspark", "priced-routed"), ("headless", "priced-routed")])
 def test_speculative_arms_equal_plain_greedy(target, drafts, mode, vt):
     assert_arm_equals_plain(target, drafts, mode, vt, SPEC_PROMPTS, SPEC_NEW)
+
+
+def test_padding_rows_run_no_experts_and_a_planted_unmasked_step_is_caught(target, monkeypatch):
+    """models/experts.py `LiveRouting`: a plain step's 15 padding rows add no experts, and a live
+    row's bits do not depend on the live count; with the padding mask planted away (every row
+    routed, as a step without the live count would) the same check fails."""
+    spec_arms.assert_padding_rows_run_no_experts(target, VOCAB)
+    ops = type(target.step_ops)()
+    monkeypatch.setattr(ops, "moe_route", lambda logits, k, norm, live=None, counts=None, scale=None:
+                        moe.moe_route_ref(logits, k, norm, None, counts, scale))  # the live rows ignored
+    monkeypatch.setattr(target, "step_ops", ops)
+    with pytest.raises(AssertionError, match="one-live-row calls"):
+        spec_arms.assert_padding_rows_run_no_experts(target, VOCAB)
 
 
 # --------------------------------------------------------------------------- refusals

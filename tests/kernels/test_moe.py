@@ -190,8 +190,33 @@ def test_int32_ids_give_the_int64_bits():
     assert torch.equal(moe.moe_swiglu(x, w, ids.int(), gu, down), moe.moe_swiglu(x, w, ids, gu, down))
 
 
+def padded_step(dtype, live: int = 5, m: int = 16, k: int = 3):
+    """A step of `m` rows whose rows from `live` on are padding (as `moe_route_ref` routes them:
+    ids E, weights 0); the live rows route among experts 0..E-2 and expert E-1's weights are NaN,
+    so an op that ran the padding rows on a real expert would leave NaN in their output."""
+    x, w, ids, gu, down = inputs(m, k, dtype, seed=12, shape=(E - 1, H, I))
+    nan = float("nan")
+    gu, down = torch.cat([gu, torch.full_like(gu[:1], nan)]), torch.cat([down, torch.full_like(down[:1], nan)])
+    pad = torch.arange(m, device=ids.device)[:, None] >= live
+    return x, w.masked_fill(pad, 0), ids.masked_fill(pad, E), gu, down
+
+
+@pytest.mark.parametrize("op", [moe.moe_swiglu, moe_swiglu_ref], ids=["kernels", "twin"])
+def test_padding_rows_read_no_expert_and_a_live_row_keeps_its_bits(op):
+    """Padding rows (every id E) come out zero, reading no expert; each live row is the same bits
+    as in a step of the live rows alone. Planted: an op that runs the padding rows on real
+    experts (E-1 among them, distinct in a row as the kernels require) is caught."""
+    x, w, ids, gu, down = padded_step(torch.bfloat16)
+    out = op(x, w, ids, gu, down)
+    assert torch.equal(out[5:], torch.zeros_like(out[5:]))
+    assert torch.equal(out[:5], op(x[:5], w[:5], ids[:5], gu, down))
+    real = torch.tensor([E - 1, 0, 1], device=ids.device).expand_as(ids)
+    unmasked = op(x, w, torch.where(ids == E, real, ids), gu, down)
+    assert not torch.equal(unmasked[5:], torch.zeros_like(unmasked[5:]))
+
+
 @triton.jit
-def _row_order_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, stride_om, K_TOP: tl.constexpr,
+def _row_order_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, K_TOP: tl.constexpr,
                               KP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """A planted combine: one float32 running sum over the step's rows in row order (a segmented
     prefix sum), each row's result the difference of the sums after and before it. Exact in real

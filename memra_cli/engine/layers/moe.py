@@ -1,9 +1,11 @@
 """The mixture-of-experts feed-forward's routing, its expert op's one torch body, and the count of
 experts it ran.
 
-Routing (`route`) is one arithmetic for every step: router logits in the model dtype, softmax in
-float32, top-k with ties broken by the lower expert index, renormalised over the k kept when
-asked, cast back to the model dtype. The experts' grouped GLU and combine (`moe_swiglu`, SwiGLU
+Routing (`route`) is one arithmetic for every step: router logits in the model dtype, then the
+step ops' `moe_route` (the twin `memra_kernels.moe_route_ref`, or one launch of
+`memra_kernels.moe_route`): softmax in float32, top-k with ties broken by the lower expert index,
+renormalised over the k kept when asked, cast back to the model dtype, a fixed step's padding
+rows routed to no expert, the call counted. The experts' grouped GLU and combine (`moe_swiglu`, SwiGLU
 or with `activation="gelu_tanh"` Gemma 4's) is `memra_kernels.moe_ref`'s body, which the step
 ops run (`TorchStepOps.moe_swiglu`) or replace by the few-row kernels
 (`TritonStepOps.moe_swiglu`); both keep a row's output independent of the rows beside it
@@ -21,26 +23,21 @@ import torch
 import torch.nn.functional as F
 
 from memra_kernels.moe_ref import moe_swiglu_ref as moe_swiglu  # noqa: F401  (the op's one torch body)
+from memra_kernels.moe_route_ref import count_experts, moe_route_ref, topk_lowest_index  # noqa: F401
 
 
-def topk_lowest_index(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of `probs [t, E]` along E, ties broken by the lower index: values and indices
-    `[t, k]`, in descending value. A stable descending sort gives that order by definition
-    (torch.topk leaves the order of equal values unspecified)."""
-    values, indices = torch.sort(probs, dim=-1, descending=True, stable=True)
-    return values[:, :k], indices[:, :k]
-
-
-def route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, ops=None, live: torch.Tensor | None = None,
+          counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights `[t, k]` (model dtype) and expert ids `[t, k]` for `x [t, hidden]` with
-    `router [E, hidden]`: softmax in float32, top-k (lower index on ties), renormalised over the
-    kept k when `normalize` (Qwen3-MoE's `norm_topk_prob`)."""
+    `router [E, hidden]`: the logits `x @ router.T` in the model dtype, then the step ops'
+    `moe_route` (`ops`; None: the twin, memra_kernels.moe_route_ref): softmax in float32, top-k
+    (lower index on ties), renormalised over the kept k when `normalize` (Qwen3-MoE's
+    `norm_topk_prob`); rows from `live` on (int32 `[1]`) routed to no expert (id E, weight 0);
+    the call counted into `counts` (`ExpertReads.sink()`)."""
     logits = F.linear(x, router)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    weights, experts = topk_lowest_index(probs, k)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(x.dtype), experts
+    if ops is None:
+        return moe_route_ref(logits, k, normalize, live, counts)
+    return ops.moe_route(logits, k, normalize, live, counts)
 
 
 _paused = [0]  # depth of `not_counted` blocks open now
@@ -67,14 +64,16 @@ class ExpertReads:
         self.num_experts = num_experts
         self._totals = torch.zeros(2, dtype=torch.int64, device=device)
 
+    def sink(self) -> torch.Tensor | None:
+        """The device totals a routing op adds its call to (`moe_route`'s `counts`), or None inside
+        `not_counted` (read when the op is traced: a captured step counts at every replay)."""
+        return None if _paused[0] else self._totals
+
     def count(self, experts: torch.Tensor) -> None:
-        """Add one call that ran the distinct ids of `experts [t, k]`."""
-        if _paused[0]:
-            return
-        hit = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=experts.device)
-        hit.index_fill_(0, experts.reshape(-1), 1)  # the experts run
-        hit[-1:].fill_(1)  # the call, in the last slot; a kernel, not a host-to-device copy (a capture refuses those)
-        self._totals += torch.stack((hit[-1], hit[:-1].sum()))
+        """Add one call that ran the distinct ids of `experts [t, k]` (an id of `num_experts`:
+        a padding row's, no expert)."""
+        if not _paused[0]:
+            count_experts(self._totals, experts, self.num_experts)
 
     def snapshot(self) -> tuple[int, int]:
         """(calls, experts) so far: a host read."""

@@ -22,6 +22,11 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   routed experts' GLU (SwiGLU, or `activation="gelu_tanh"`: Gemma 4's) and weighted combine
   (memra_kernels.moe_ref; with the kernels, `memra_kernels.moe`: each routed expert read once per
   32 rows, the ids read on the device)
+- `moe_route(logits, k, normalize, live=None, counts=None, scale=None) -> (weights, ids)`: a
+  router's picks from its logits `[t, E]` (softmax in float32, top-k with ties to the lower
+  index, renormalised, a per-expert scale, cast; rows from `live` on routed to no expert; the
+  call's distinct experts added to `counts`) (memra_kernels.moe_route_ref; with the kernels one
+  launch of `memra_kernels.moe_route` instead of ~14)
 - `swiglu(x, w_gate_up) -> silu_mul(linear(x, w_gate_up))`: the MLP's fused gate/up matmul and
   its activation; with the kernels one launch of the dense kernel (the activation in its
   epilogue, the same bits as the two launches) wherever `linear` would take that kernel, and of
@@ -114,6 +119,7 @@ from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope
 from memra_kernels.activation_ref import silu_mul_ref
 from memra_kernels.argmax_ref import row_argmax_ref
+from memra_kernels.moe_route_ref import moe_route_ref
 from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref
 from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,
                                       softcap_ref)
@@ -167,6 +173,8 @@ class TorchStepOps:
     @staticmethod
     def plain_launches():
         return contextlib.nullcontext()
+
+    moe_route = staticmethod(moe_route_ref)  # the op's one torch body
 
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -387,7 +395,7 @@ class TritonStepOps:
 
     def __init__(self):
         from memra_kernels import (_pdl, activation, argmax, attention, deltanet, dense_linear, gather, gemma4, markov,
-                                   moe, norm, quant_linear, qwen35, rope, settle)
+                                   moe, moe_route, norm, quant_linear, qwen35, rope, settle)
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
@@ -424,6 +432,7 @@ class TritonStepOps:
         self._dense = dense_linear
         self._quant = quant_linear
         self._moe = moe
+        self._moe_route = moe_route
 
     def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`TorchStepOps.linear`, with a plain weight whose shape is in `dense_linear.TUNED` (and
@@ -454,6 +463,15 @@ class TritonStepOps:
         if self._moe.eligible(x, w_gate_up, w_down):
             return self._moe.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation)
         return moe_swiglu_ref(x, weights, experts, w_gate_up, w_down, activation)
+
+    def moe_route(self, logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
+                  counts: torch.Tensor | None = None, scale: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TorchStepOps.moe_route` in one launch (`memra_kernels.moe_route`), for every router
+        the kernel's tile holds (`moe_route.eligible`: up to 1024 experts); the twin otherwise."""
+        if self._moe_route.eligible(logits):
+            return self._moe_route.moe_route(logits, k, normalize, live, counts, scale)
+        return moe_route_ref(logits, k, normalize, live, counts, scale)
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      dtype: torch.dtype, host_loop: bool = False) -> torch.Tensor:

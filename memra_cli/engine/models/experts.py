@@ -9,7 +9,8 @@ Two checkpoint layouts hold a layer's `E` SwiGLU experts under `<prefix>experts.
   in-memory layout, which it writes as is for Gemma 4).
 
 Either loads to the stacked tensors layers/moe.py's `moe_swiglu` takes. `RoutingRecorder`: what
-every MoE family mixes in so a forward's routing can be kept (the priced window's routed cost).
+every MoE family mixes in so a forward's routing can be kept (the priced window's routed cost);
+`LiveRouting`: what routes a fixed step's padding rows to no expert.
 """
 
 from __future__ import annotations
@@ -95,3 +96,22 @@ class RoutingRecorder:
     def _record_routing(self, layer, ids: torch.Tensor) -> None:
         if self._routing is not None:
             self._routing.setdefault(layer, []).append(ids.detach().clone())
+
+
+class LiveRouting:
+    """Mixed into every MoE family (before its base target): a fixed step's padding rows read no
+    experts. `static_step` takes the state's live-row count (`state.live`, int32 `[1]` on the
+    device: models/state.py `LiveRows`) for the routings it runs (`_live_rows`, which each family
+    hands to the step ops' `moe_route`): every row from it on gets the no-expert id and weight 0,
+    and the counter (`self.reads`) counts the live rows' experts only. An eager `forward` (every
+    row real) masks nothing. The count is read on the device, so a graph replay takes whatever
+    the state holds then."""
+
+    _live_rows: torch.Tensor | None = None
+
+    def static_step(self, ids, positions, state, taps=None, widen: bool = True):
+        self._live_rows = state.live
+        try:
+            return super().static_step(ids, positions, state, taps, widen)
+        finally:
+            self._live_rows = None

@@ -262,7 +262,7 @@ class Gemma4Target(TargetBase):
         """K/V storage of `rows` positions for every layer that owns its K/V."""
         shapes = [(self.cfg.kv_heads[i], self.cfg.head_dims[i]) if src == i else None
                   for i, src in enumerate(self.kv_source)]
-        return LayerKVCache(shapes, rows, self.dtype, self.device)
+        return self.state_class(shapes, rows, self.dtype, self.device)  # an MoE family's has live rows too
 
     def ensure_positions(self, rows: int) -> None:
         """cos/sin tables per layer type reaching `rows` positions (grown, never shrunk)."""

@@ -27,9 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from memra_cli.engine.layers.moe import ExpertReads, topk_lowest_index
-from memra_cli.engine.models.experts import RoutingRecorder, expert_shapes, load_experts, step_weight_elements
+from memra_cli.engine.layers.moe import ExpertReads
+from memra_cli.engine.models.experts import (LiveRouting, RoutingRecorder, expert_shapes, load_experts,
+                                             step_weight_elements)
 from memra_cli.engine.models.gemma4 import MOE_NORMS, Gemma4Target, LayerWeights, _Loader, gemma_rms_norm
+from memra_cli.engine.models.kv_cache import LiveLayerKVCache
 from memra_cli.engine.models.qwen3_moe import MoeSettings, MoeWeights
 
 
@@ -44,15 +46,15 @@ class Gemma4MoeLayerWeights(LayerWeights):
     moe_norms: tuple[torch.Tensor, ...] = ()
 
 
-def gemma_route(x: torch.Tensor, w: Gemma4MoeLayerWeights, top_k: int, eps: float, linear
+def gemma_route(x: torch.Tensor, w: Gemma4MoeLayerWeights, top_k: int, eps: float, ops,
+                live: torch.Tensor | None = None, counts: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights `[t, k]` (model dtype) and expert ids `[t, k]` for the residual `x [t, h]`
-    (module docstring); `linear` is the step ops' weight matmul."""
+    (module docstring): the scaled norm and the logits (`ops.linear`) here, the rest the step
+    ops' `moe_route` with the per-expert scale (and the live rows and the count, as every MoE
+    family's: layers/moe.py)."""
     r = gemma_rms_norm(x, None, eps) * w.router_scale * x.shape[-1] ** -0.5
-    probs = torch.softmax(linear(r, w.experts.router), dim=-1, dtype=torch.float32)
-    weights, ids = topk_lowest_index(probs, top_k)
-    weights = weights / weights.sum(dim=-1, keepdim=True) * w.expert_scale[ids]
-    return weights.to(x.dtype), ids
+    return ops.moe_route(ops.linear(r, w.experts.router), top_k, True, live, counts, w.expert_scale)
 
 
 class _MoeLoader(_Loader):
@@ -87,14 +89,18 @@ class _MoeLoader(_Loader):
                 f"{moe.moe_intermediate_size}, top {moe.top_k_experts}, read from the {' and '.join(layouts)} layout)")
 
 
-class Gemma4MoeTarget(RoutingRecorder, Gemma4Target):
+class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
     """Gemma 4 with its MoE block. `expert_reads`: (sparse-layer calls, experts run in them)
     over every forward and step, for the bench (layers/moe.py `ExpertReads`). Capturable in a
     CUDA graph (`supports_cuda_graphs`, the dense Gemma 4's): routing, the expert op and the
-    counter read nothing on the host."""
+    counter read nothing on the host. A fixed step's padding rows run no experts
+    (`LiveRouting`; the state's live rows: `LiveLayerKVCache`)."""
+
+    state_class = LiveLayerKVCache
 
     step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
-                     "gelu_tanh_mul, softcap and moe_swiglu (the routed experts); Gemma 4's per-layer inputs run in torch")
+                     "gelu_tanh_mul, softcap, moe_route and moe_swiglu (the routed experts); Gemma 4's per-layer "
+                     "inputs run in torch")
     loader_class = _MoeLoader
     routes_experts = True
 
@@ -118,9 +124,8 @@ class Gemma4MoeTarget(RoutingRecorder, Gemma4Target):
         eps = self.cfg.rms_norm_eps
         pre_2, post_1, post_2 = w.moe_norms
         dense = gemma_rms_norm(super()._feed_forward(x, h, w), post_1, eps)
-        weights, ids = gemma_route(x, w, self.moe.top_k, eps, self.step_ops.linear)
+        weights, ids = gemma_route(x, w, self.moe.top_k, eps, self.step_ops, self._live_rows, self.reads.sink())
         self._record_routing(id(w.experts), ids)
-        self.reads.count(ids)
         routed = self.step_ops.moe_swiglu(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up,
                                           w.experts.w_down, "gelu_tanh")
         return dense + gemma_rms_norm(routed, post_2, eps)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from memra_cli.engine.models.state import StateBase
+from memra_cli.engine.models.state import LiveRows, StateBase
 
 
 class KVCache(StateBase):
@@ -80,3 +80,28 @@ class LayerKVCache(StateBase):
     rollback = KVCache.rollback
     commit = KVCache.commit
     reset = KVCache.reset
+
+
+class LiveKVCache(LiveRows, KVCache):
+    """`KVCache` with a fixed step's live-row count on the device (`LiveRows`): a mixture-of-experts
+    family routes its padding rows to no expert (models/experts.py `LiveRouting`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._init_live_rows(self.kv.device)
+
+    def reset(self) -> None:
+        KVCache.reset(self)
+        self.set_live_rows(None)
+
+
+class LiveLayerKVCache(LiveRows, LayerKVCache):
+    """`LayerKVCache` with a fixed step's live-row count on the device (as `LiveKVCache`)."""
+
+    def __init__(self, shapes, max_len: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(shapes, max_len, dtype, device)
+        self._init_live_rows(device)
+
+    def reset(self) -> None:
+        LayerKVCache.reset(self)
+        self.set_live_rows(None)

@@ -192,7 +192,8 @@ class Qwen3Target(TargetBase):
 
     def new_state(self, rows: int) -> KVCache:
         """A session's state: a static KV cache of `rows` positions (the runner sizes it)."""
-        return KVCache(self.n_layers, self.n_kv, rows, self.head_dim, self.dtype, self.device)
+        # the family's state class: an MoE family's also holds its fixed steps' live rows
+        return self.state_class(self.n_layers, self.n_kv, rows, self.head_dim, self.dtype, self.device)
 
     # ----------------------------------------------------------------------- forward
 

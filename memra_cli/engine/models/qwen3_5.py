@@ -71,7 +71,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from memra_cli.engine.models.state import StateBase
+from memra_cli.engine.models.state import LiveRows, StateBase
 from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.models.loading import WeightLoader
 from memra_cli.engine.errors import ConfigError, UnsupportedError
@@ -270,7 +270,7 @@ def restores_as_graphs(device: torch.device, mode: str, ops) -> bool:
     return device.type == "cuda" and mode == "replay" and ops.restores_on_device
 
 
-class Qwen35State(StateBase):
+class Qwen35State(LiveRows, StateBase):
     """One session's state, every tensor allocated once and written in place (a CUDA graph binds
     their addresses):
 
@@ -314,7 +314,6 @@ class Qwen35State(StateBase):
     # (`_final_window`, by the conv op), so a commit keeping every row assembles no window
     step_writes_window = True
     SPARE = 2  # `_base_at` when the base lives in the spare buffer
-    ALL_ROWS = 2**31 - 1  # `live` when every row of a fixed step is real
 
     def __init__(self, kv: torch.Tensor, conv_shape: tuple[int, int], rec_shape: tuple[int, int, int],
                  n_linear: int, dtype: torch.dtype, device: torch.device, max_len: int, ring: int, mode: str,
@@ -363,8 +362,7 @@ class Qwen35State(StateBase):
         self.round_params = torch.zeros(2, dtype=torch.int32, device=device)
         # The fixed steps' live rows (`set_live_rows`), read by the DeltaNet ops on the device:
         # the rows after them are padding, which the recurrence skips.
-        self.live = torch.full((1,), self.ALL_ROWS, dtype=torch.int32, device=device)
-        self._live_host: int | None = None  # what `live` holds (None: every row)
+        self._init_live_rows(device)
         self._length = 0
         self._width: int | None = None  # rows of the fixed step graphs were captured with
         self._forget()
@@ -449,32 +447,13 @@ class Qwen35State(StateBase):
         self._forget()
         self.set_live_rows(None)
 
-    @contextmanager
-    def live_rows_from(self, rows: torch.Tensor):
-        """A fixed step run or captured inside reads its live rows from `rows` (int32 `[1]` on the
-        device; a round body writes it from its window before the step, so a replay needs no host
-        value), not from `live`, which keeps what `set_live_rows` wrote."""
-        if rows.shape != (1,) or rows.dtype != torch.int32 or rows.device != self.live.device:
-            raise ValueError(f"live rows must be an int32 [1] tensor on {self.live.device}")
-        saved, self.live = self.live, rows
-        try:
-            yield
-        finally:
-            self.live = saved
-
     def set_live_rows(self, n: int | None) -> None:
         """The next fixed steps run their first `n` rows through the DeltaNet recurrence (None:
         all): the rest are padding, whose recurrence would be work for nothing, and the state a
         step writes into the other buffer is then the one after its last live row, so a commit
-        that keeps the live rows is a flip (no replay). The device value changes (one small
-        launch, in stream order) only when `n` does; set it before launching a step (a graph
-        replay reads it), and commit after, with the value the step ran with."""
-        if n is not None and n < 1:
-            raise ValueError(f"a fixed step has at least one live row, got {n}")
-        if n == self._live_host:
-            return
-        self.live.fill_(self.ALL_ROWS if n is None else n)
-        self._live_host = n
+        that keeps the live rows is a flip (no replay). Set it before launching a step (a graph
+        replay reads it), and commit after, with the value the step ran with (`LiveRows`)."""
+        LiveRows.set_live_rows(self, n)
 
     def rollback(self, n_keep: int) -> None:
         """Keep the first `n_keep` positions: K/V by moving the length, the DeltaNet layers to

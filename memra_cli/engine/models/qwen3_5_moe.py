@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from memra_cli.engine.layers.moe import ExpertReads, route
-from memra_cli.engine.models.experts import RoutingRecorder, expert_shapes, load_experts, step_weight_elements
+from memra_cli.engine.models.experts import (LiveRouting, RoutingRecorder, expert_shapes, load_experts,
+                                             step_weight_elements)
 from memra_cli.engine.models.qwen3_5 import LayerWeights, Qwen35Target, _Loader
 from memra_cli.engine.models.qwen3_moe import MoeSettings, MoeWeights
 
@@ -73,12 +74,13 @@ class _MoeLoader(_Loader):
                 f"{moe.shared_expert_intermediate_size}, experts read from the {' and '.join(layouts)} layout")
 
 
-class Qwen35MoeTarget(RoutingRecorder, Qwen35Target):
+class Qwen35MoeTarget(RoutingRecorder, LiveRouting, Qwen35Target):
     """Qwen3_5MoeForCausalLM inference (models/qwen3_5.py's hybrid, routed feed-forward).
     `expert_reads`: (sparse-layer calls, experts run in them) over every forward and step, for
     the bench (layers/moe.py `ExpertReads`, as every MoE family counts them). Capturable in a
     CUDA graph (`supports_cuda_graphs`, the hybrid's): routing, the expert op and the counter
-    read nothing on the host."""
+    read nothing on the host. A fixed step's padding rows run no experts (`LiveRouting`, from
+    the hybrid state's live rows, which its recurrence skips too)."""
 
     loader_class = _MoeLoader
     routes_experts = True
@@ -99,8 +101,8 @@ class Qwen35MoeTarget(RoutingRecorder, Qwen35Target):
     def _feed_forward(self, h: torch.Tensor, w: Qwen35MoeLayerWeights) -> torch.Tensor:
         """The routed experts plus the gated shared expert on the normed `h [t, hidden]` -> `[t, hidden]`."""
         shared = super()._feed_forward(h, w)  # the shared expert: the dense MLP's SwiGLU
-        weights, ids = route(h, w.experts.router, self.moe.top_k, True)
+        weights, ids = route(h, w.experts.router, self.moe.top_k, True, self.step_ops, self._live_rows,
+                             self.reads.sink())
         self._record_routing(id(w.experts), ids)
-        self.reads.count(ids)
         routed = self.step_ops.moe_swiglu(h, weights, ids, w.experts.w_gate_up, w.experts.w_down)
         return routed + torch.sigmoid(self.step_ops.linear(h, w.shared_gate)) * shared

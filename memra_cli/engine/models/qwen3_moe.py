@@ -22,7 +22,8 @@ from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import _Fields, parse_target_config, read_json_object
 from memra_cli.engine.layers.moe import ExpertReads, route
 from memra_cli.engine.layers.ops import rms_norm
-from memra_cli.engine.models.experts import RoutingRecorder, expert_shapes, load_experts
+from memra_cli.engine.models.experts import LiveRouting, RoutingRecorder, expert_shapes, load_experts
+from memra_cli.engine.models.kv_cache import LiveKVCache
 from memra_cli.engine.models.qwen3 import LayerWeights, Qwen3Target, _Loader
 
 log = logging.getLogger(__name__)
@@ -121,12 +122,14 @@ class MoeLayerWeights(LayerWeights):
     experts: MoeWeights | None = None
 
 
-class Qwen3MoeTarget(RoutingRecorder, Qwen3Target):
+class Qwen3MoeTarget(RoutingRecorder, LiveRouting, Qwen3Target):
     """Qwen3MoeForCausalLM inference. Capturable in a CUDA graph (`supports_cuda_graphs`, the
     Qwen3 step's): the MoE kernels read the routed ids on the device, and the torch twin runs
-    every expert while a capture is under way instead of reading them on the host."""
+    every expert while a capture is under way instead of reading them on the host. A fixed
+    step's padding rows run no experts (`LiveRouting`; the state's live rows: `LiveKVCache`)."""
 
     supports_cuda_graphs = True
+    state_class = LiveKVCache
 
     def __init__(self, cfg, moe: MoeSettings, *args):
         super().__init__(cfg, *args)
@@ -160,9 +163,9 @@ class Qwen3MoeTarget(RoutingRecorder, Qwen3Target):
 
     def _moe(self, h: torch.Tensor, ex: MoeWeights) -> torch.Tensor:
         """A routed feed-forward on the normed `h [t, hidden]` (before the residual add)."""
-        weights, ids = route(h, ex.router, self.moe.top_k, self.moe.norm_topk_prob)
+        weights, ids = route(h, ex.router, self.moe.top_k, self.moe.norm_topk_prob, self.step_ops, self._live_rows,
+                             self.reads.sink())
         self._record_routing(id(ex), ids)
-        self.reads.count(ids)
         return self.step_ops.moe_swiglu(h, weights, ids, ex.w_gate_up, ex.w_down)
 
     def _mlp(self, x: torch.Tensor, w: MoeLayerWeights) -> torch.Tensor:

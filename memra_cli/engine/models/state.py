@@ -4,7 +4,9 @@ check (`check_family`) share it without an import cycle."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+
+import torch
 
 
 class StateBase:
@@ -43,3 +45,40 @@ class StateBase:
 
     def settled_on_device(self, end: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not settle rounds on the device")
+
+
+class LiveRows:
+    """A fixed step's live-row count held on the device (`live`, int32 `[1]`), for a state whose
+    model skips work for padding rows: the hybrid's recurrence (models/qwen3_5.py), an MoE
+    family's routed experts (models/experts.py `LiveRouting`). Set before a step launches
+    (`set_live_rows`, a graph replay reads it) or taken from a round body's own tensor
+    (`live_rows_from`); nothing reads it on the host."""
+
+    ALL_ROWS = 2**31 - 1  # `live` when every row of a fixed step is real
+
+    def _init_live_rows(self, device: torch.device) -> None:
+        self.live = torch.full((1,), self.ALL_ROWS, dtype=torch.int32, device=device)
+        self._live_host: int | None = None  # what `live` holds (None: every row)
+
+    @contextmanager
+    def live_rows_from(self, rows: torch.Tensor):
+        """A fixed step run or captured inside reads its live rows from `rows` (int32 `[1]` on the
+        device; a round body writes it from its window before the step, so a replay needs no host
+        value), not from `live`, which keeps what `set_live_rows` wrote."""
+        if rows.shape != (1,) or rows.dtype != torch.int32 or rows.device != self.live.device:
+            raise ValueError(f"live rows must be an int32 [1] tensor on {self.live.device}")
+        saved, self.live = self.live, rows
+        try:
+            yield
+        finally:
+            self.live = saved
+
+    def set_live_rows(self, n: int | None) -> None:
+        """The next fixed steps' first `n` rows are real (None: all of them); the rest are padding.
+        The device value changes (one small launch, in stream order) only when `n` does."""
+        if n is not None and n < 1:
+            raise ValueError(f"a fixed step has at least one live row, got {n}")
+        if n == self._live_host:
+            return
+        self.live.fill_(self.ALL_ROWS if n is None else n)
+        self._live_host = n

@@ -16,11 +16,14 @@ them), vt, m]` as float64 (ids < 2^53 are exact):
     drafter.static_ingest(taps, all W rows at d_start)
     vt, m, next inputs = settle_round(...)   (the window, the accepted prefix, the next round)
 
-The verify covers W rows whatever the window: the window is sized after it, from the raws, and
-only decides how many rows count, exactly as `Session._round` does with fixed-width steps (a
-row's logits do not depend on the rows after it). A ladder window is known before the verify, so
-the rows past it are padding there, which a recurrent state skips in its recurrence (the step's
-live rows, `live_rows_from`): the rows inside the window are the same bits either way. The ingest takes all W rows: the rows past the
+The verify covers W rows whatever the window, and the window only decides how many rows count,
+exactly as `Session._round` does with fixed-width steps (a row's logits do not depend on the
+rows after it). The window is known before the verify (the ladder's and the priced window
+fitted to the accepted runs are inputs; one sized from the drafter's raws is sized then by the
+settlement's own op run on a copy of the inputs: the same window, bit for bit), so the rows past
+it are padding, which a recurrent state skips in its recurrence and an MoE target routes to no
+expert (the step's live rows, `live_rows_from`): the rows inside the window are the same bits
+either way. The ingest takes all W rows: the rows past the
 accepted prefix land at positions the next round's block overwrites before any query reads them
 (the padding argument of draft_graphs.IngestGraph), so the drafter's cache holds what an ingest
 of the kept rows alone would. The host then sets both lengths to `start + m + 1`.
@@ -41,19 +44,22 @@ from memra_cli.engine.spec.proposer import Program, static_proposal
 
 
 def _window_rows(program: Program, width: int, device: torch.device) -> torch.Tensor | None:
-    """The tensor a round writes its ladder window into before the verify (`inputs[3]`, capped by
-    the budget `inputs[4]`, as settle_round caps it), or None where the window can be the whole
-    step or is sized after it (a confidence window). No row past a ladder window can be accepted
-    or picked, so those rows are padding, which a recurrent state skips (`live_rows_from`)."""
-    if program.window.kind == "ladder" and (program.adapt or program.verify_cap < width):
+    """The tensor a round writes its window into before the verify (`_round_core`), or None where
+    the window is always the whole step (a fixed ladder as wide as the step). No row past the
+    window can be accepted or picked, so those rows are padding, which a recurrent state skips
+    and an MoE target routes to no expert (`live_rows_from`)."""
+    kind = settle_kind(program.window)
+    if kind != "ladder" or program.adapt or program.verify_cap < width:
         return torch.zeros(1, dtype=torch.int32, device=device)
     return None
 
 
 def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int], width: int, want_raws: bool,
-                live: torch.Tensor | None = None):
+                live: torch.Tensor | None = None, presize=None):
     """`core(inputs) -> (cand [W], sel [W], raws [nd] or None)`: draft, verify and ingest; with
-    `live` (`_window_rows`), the verify's live rows are the ladder window."""
+    `live` (`_window_rows`), the verify's live rows are the round's window: `inputs[3]` capped by
+    the budget `inputs[4]` (the ladder's, the priced window fitted to the runs), or, with
+    `presize(cand, raws, inputs) -> int32 [1]`, the window sized from the drafts' raws."""
     dev = target.device
     cfg = drafter.cfg
     tail = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
@@ -72,7 +78,10 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
         if live is None:
             logits, tapped = target.static_step(cand, rows + t_start, cache, taps, widen=False)
         else:
-            live.copy_(torch.minimum(inputs[3], inputs[4]).clamp(min=1).reshape(1))
+            if presize is None:
+                live.copy_(torch.minimum(inputs[3], inputs[4]).clamp(min=1).reshape(1))
+            else:
+                live.copy_(presize(cand, raws, inputs))
             with cache.live_rows_from(live):
                 logits, tapped = target.static_step(cand, rows + t_start, cache, taps, widen=False)
         sel = target.step_ops.argmax(logits)
@@ -110,12 +119,26 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     state, either rollback mode) is restored here too: the settlement also writes the ring rows to
     re-run (`state.round_params`) and `state.restore_round()` re-runs them from the step's base,
     so the round needs no host rollback between it and the next."""
-    live = _window_rows(program, width, target.device)
-    core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws, live)
     ops, window = target.step_ops, program.window
     kind = settle_kind(window)
     threshold = torch.tensor([window.threshold if window.is_confidence else 0.0], dtype=torch.float64,
                              device=target.device)
+    live = _window_rows(program, width, target.device)
+
+    def presize(cand: torch.Tensor, raws: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """The window the settlement will size from `raws`, before the verify: the same op on the
+        same values (a copy of the inputs; the verdict rows stand in for the unknown picks, which
+        the window does not read), so the same window, bit for bit. Its packed `vt`, int32 `[1]`."""
+        out = ops.settle_round(cand, cand, raws, inputs.clone(), threshold, kind=kind, cap=program.verify_cap,
+                               adapt=program.adapt, cost=cost_table)
+        return out[-2:-1].to(torch.int32)
+
+    # a dense KV cache's step costs the same at any live count: the raws' window is sized after only
+    skips_padding = target.moe is not None or not cache.host_bookkeeping
+    if window.is_confidence and not skips_padding:
+        live = None
+    core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws, live,
+                       presize if window.is_confidence else None)
     on_device = cache.settles_on_device
     restore = dict(restore=cache.round_params, ring=cache.ring) if on_device else {}
 

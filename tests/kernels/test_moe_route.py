@@ -1,0 +1,158 @@
+"""The fused routing kernel (memra_kernels.moe_route) against its torch twin (moe_route_ref): the
+same picks, weights within the float32 bound of their sums' order, the padding rows and the
+expert count; a row's bits whatever the call's row count; planted breakage the same comparison
+must catch (ties toward the higher index, the renormalisation off).
+
+Tiny routers (8 experts, top-2 or 3) so the interpreter runs a call in well under a second.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memra_kernels import moe_route as mr
+from memra_kernels.moe_route_ref import moe_route_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E = 8
+U = 2.0**-24
+
+
+def logits_of(t: int, dtype: torch.dtype, seed: int = 0, n_exp: int = E) -> torch.Tensor:
+    """Random router logits `[t, n_exp]` spread wide enough that no two of a row's probabilities
+    are within the bound below of each other unless equal (the picks are then the same in any
+    summation order)."""
+    return (torch.randn(t, n_exp, generator=torch.Generator().manual_seed(seed)) * 2).to(DEVICE, dtype)
+
+
+def live_of(n: int | None) -> torch.Tensor | None:
+    return None if n is None else torch.tensor([n], dtype=torch.int32, device=DEVICE)
+
+
+def mismatches(op, logits, k: int, normalize: bool, live=None, scale=None) -> list[str]:
+    """How `op` differs from the twin: picks, counts, or a weight outside the bound. Float32: the
+    softmax's E-term sum and the renormalisation's k-term sum may add in another order (<= E*u
+    and k*u relative), each exp, divide and the scale's product one rounding: (2E + k + 12)*u of
+    the weight. Other dtypes: the same float32 difference may flip the final rounding, one ulp
+    (2^-7 relative for bf16)."""
+    c_op, c_ref = torch.zeros(2, dtype=torch.int64, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    w, ids = op(logits, k, normalize, live, c_op, scale)
+    w_ref, ids_ref = moe_route_ref(logits, k, normalize, live, c_ref, scale)
+    bad = []
+    if not torch.equal(ids, ids_ref):
+        bad.append("ids")
+    if not torch.equal(c_op, c_ref):
+        bad.append(f"counts {c_op.tolist()} != {c_ref.tolist()}")
+    rel = (2 * logits.shape[1] + k + 12) * U if logits.dtype == torch.float32 else 2.0**-7
+    if ((w.double() - w_ref.double()).abs() > rel * w_ref.double().abs()).any():
+        bad.append("weights")
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("t,k,normalize,live,scaled", [
+    (1, 2, True, None, False), (5, 3, False, None, True), (16, 2, True, 1, False), (16, 3, True, 9, True),
+    (70, 2, True, 33, False),  # past COUNT_ROWS: a program per row tile, the twin's counter
+], ids=lambda v: str(v))
+def test_kernel_matches_the_twin(dtype, t, k, normalize, live, scaled):
+    scale = (torch.rand(E, generator=torch.Generator().manual_seed(1)) + 0.5).to(DEVICE, dtype) if scaled else None
+    assert mismatches(mr.moe_route, logits_of(t, dtype), k, normalize, live_of(live), scale) == []
+
+
+def test_padding_rows_route_to_no_expert_and_only_live_rows_count():
+    """Rows from `live` on: ids E, weights 0; the count is the call and the live rows' union,
+    counted here by hand."""
+    logits = logits_of(16, torch.float32, seed=2)
+    counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    w, ids = mr.moe_route(logits, 3, True, live_of(4), counts)
+    assert (ids[4:] == E).all() and (w[4:] == 0).all() and (ids[:4] < E).all()
+    assert counts.tolist() == [1, len(set(ids[:4].flatten().tolist()))]
+
+
+def test_a_row_is_the_same_bits_whatever_the_row_count():
+    """Row r alone, in a 16-row call, and in a 70-row call (several tiles): the same picks and
+    weight bits (the fixed-width rule: a plain step and a verify step route alike)."""
+    logits = logits_of(70, torch.bfloat16, seed=3)
+    full_w, full_ids = mr.moe_route(logits, 3, True)
+    part_w, part_ids = mr.moe_route(logits[:16], 3, True)
+    assert torch.equal(part_w, full_w[:16]) and torch.equal(part_ids, full_ids[:16])
+    for r in (0, 7, 15, 40):
+        w, ids = mr.moe_route(logits[r:r + 1], 3, True)
+        assert torch.equal(w[0], full_w[r]) and torch.equal(ids[0], full_ids[r]), r
+
+
+def tied_logits() -> torch.Tensor:
+    """Rows whose probabilities tie exactly (equal logits), so the tie decides a slot."""
+    rows = [[0.0, 2.0, 2.0, -1.0, 2.0, 0.5, 0.0, 0.0],  # k=2 picks 1 and 2 (not 4)
+            [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0],  # all tied: 0 and 1
+            [0.0, 0.0, 0.0, 3.0, 0.0, 0.0, 3.0, 0.0]]  # 3 and 6
+    return torch.tensor(rows, device=DEVICE)
+
+
+def test_ties_go_to_the_lower_index_and_planted_breakage_is_caught():
+    """Kernel and twin pick the lower index on a tie; the comparison catches a twin whose ties go
+    to the higher index, and a kernel run with the renormalisation off."""
+    logits = tied_logits()
+    _, ids = mr.moe_route(logits, 2, True)
+    assert ids.tolist() == [[1, 2], [0, 1], [3, 6]]
+    assert mismatches(mr.moe_route, logits, 2, True) == []
+
+    def higher_index_first(lg, k, normalize, live=None, counts=None, scale=None):
+        w, ids = moe_route_ref(lg.flip(-1), k, normalize, live, counts, scale)
+        return w, E - 1 - ids
+
+    assert "ids" in mismatches(higher_index_first, logits, 2, True)
+
+    def renorm_off(lg, k, normalize, live=None, counts=None, scale=None):
+        return mr.moe_route(lg, k, False, live, counts, scale)
+
+    assert "weights" in mismatches(renorm_off, logits_of(16, torch.float32), 2, True)
+
+
+def test_step_ops_take_the_kernel_and_the_torch_ops_the_twin(monkeypatch):
+    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+
+    calls = []
+    real = mr.moe_route
+    monkeypatch.setattr(mr, "moe_route", lambda *a, **kw: calls.append(tuple(a[0].shape)) or real(*a, **kw))
+    TritonStepOps().moe_route(logits_of(3, torch.float32), 2, True)
+    assert calls == [(3, E)]
+    assert TorchStepOps.moe_route is moe_route_ref
+
+
+def test_refusals():
+    logits = logits_of(2, torch.float32)
+    with pytest.raises(ValueError, match=r"top-k 9 must lie in \[1, 8\]"):
+        mr.moe_route(logits, 9, True)
+    with pytest.raises(ValueError, match="live rows must be an int32 \\[1\\] tensor"):
+        mr.moe_route(logits, 2, True, torch.tensor([1], device=DEVICE))
+    with pytest.raises(ValueError, match=r"top-k 9 must lie in \[1, 8\]"):
+        moe_route_ref(logits, 9, True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("n_exp", [128, 256])  # Qwen3-30B-A3B's router, Qwen3.5-35B-A3B's
+def test_on_the_gpu_at_the_a3b_shapes_rows_are_invariant_match_the_twin_and_replay(n_exp):
+    """The compiled kernel (its real reduction layout): the twin's picks and count, a row's bits
+    alone, among 16 and among 70 rows, and a CUDA graph's replay over new logits equal to eager."""
+    logits = logits_of(70, torch.bfloat16, seed=4, n_exp=n_exp)
+    assert mismatches(mr.moe_route, logits[:16], 8, True, live_of(9)) == []
+    full_w, full_ids = mr.moe_route(logits, 8, True)
+    part_w, part_ids = mr.moe_route(logits[:16], 8, True)
+    assert torch.equal(part_w, full_w[:16]) and torch.equal(part_ids, full_ids[:16])
+    for r in (0, 5, 15, 40):
+        w, ids = mr.moe_route(logits[r:r + 1], 8, True)
+        assert torch.equal(w[0], full_w[r]) and torch.equal(ids[0], full_ids[r]), r
+    step, live, counts = logits[:16].clone(), live_of(3), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    mr.moe_route(step, 8, True, live, counts)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mr.moe_route(step, 8, True, live, counts)
+    step.copy_(logits[16:32])
+    counts.zero_()
+    graph.replay()
+    eager_counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    eager = mr.moe_route(logits[16:32], 8, True, live, eager_counts)
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1]) and torch.equal(counts, eager_counts)
