@@ -964,3 +964,35 @@ def test_cuda_graphed_prefill_is_bit_identical_to_the_eager_padded_forward(targe
         assert torch.equal(got, want) and torch.equal(got_taps, want_taps[:t])
         assert torch.equal(state.kv[:, :, :, :t], ref.kv[:, :, :, :t])
         runner.release(state)
+
+
+def _row_bits_independent(linear, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether each row of `linear(x, w)` is bit-identical after the rows are reversed and after
+    every other row is replaced: what the step-width rule needs of a step's weight matmul."""
+    ref = linear(x, w)
+    flipped = linear(x.flip(0), w).flip(0)
+    other = x.clone()
+    other[1:] = torch.randn_like(other[1:])
+    return torch.equal(ref, flipped) and torch.equal(linear(other, w)[0], ref[0])
+
+
+def test_few_row_float32_cpu_matmuls_run_on_onednn_with_independent_rows():
+    """TorchStepOps.linear sends float32 CPU calls of ONEDNN_MIN_ROWS+ rows to oneDNN, fewer to
+    F.linear; oneDNN's rows are bit-independent of their neighbours and place (a planted row
+    mixer is caught), and it is F.linear's product to float32 rounding: each output is a sum of
+    256 products, so the two summation orders differ by at most ~256 * eps * sum|x*w|."""
+    from memra_cli.engine.layers import step_ops
+
+    if not step_ops.ONEDNN_F32:
+        pytest.skip("this torch has no oneDNN linear")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(384, 256, generator=g) * 0.05
+    for rows in (1, step_ops.ONEDNN_MIN_ROWS - 1, step_ops.ONEDNN_MIN_ROWS, WIDTH):
+        x = torch.randn(rows, 256, generator=g)
+        want = step_ops.onednn_linear(x, w) if rows >= step_ops.ONEDNN_MIN_ROWS else torch.nn.functional.linear(x, w)
+        assert torch.equal(step_ops.TorchStepOps.linear(x, w), want), rows
+    x = torch.randn(WIDTH, 256, generator=g)
+    assert _row_bits_independent(step_ops.onednn_linear, x, w)
+    assert not _row_bits_independent(lambda a, b: step_ops.onednn_linear(a, b) + a.mean(0)[:1], x, w)  # planted
+    bound = 256 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T)
+    assert ((step_ops.onednn_linear(x, w) - x @ w.T).abs() <= bound).all()

@@ -91,8 +91,8 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
   programmatic dependent launch); a no-op for the torch ops
 
 `TorchStepOps` is the reference numerics exactly (HF transformers' Qwen3 / Qwen3.5 order of
-roundings, op for op); its attention runs over the
-whole cache storage under a position mask. `TritonStepOps` reads only the live keys (split over
+roundings, op for op; a float32 CPU matmul of 8+ rows sums on oneDNN, in its own order); its
+attention runs over the whole cache storage under a position mask. `TritonStepOps` reads only the live keys (split over
 keys at a fixed size) and fuses each norm with its neighbours; its kernels round where torch
 rounds, so they differ from torch only in float32 arithmetic (reduction order, exp / log).
 """
@@ -158,6 +158,28 @@ def markov_chain_host(logits: torch.Tensor, anchor: torch.Tensor, table: torch.T
     return torch.from_numpy(out)
 
 
+# A float32 weight matmul of a few rows on the CPU: torch's F.linear goes to MKL's sgemm, which
+# on the dev CPU (AMD EPYC, AVX-512) runs 8-16 rows at ~1.6x oneDNN's time; at 1-4 rows MKL is
+# faster (docs/perf.md, "The DSpark round on the CPU"). The choice depends on the row count and
+# dtype only, so a fixed-width step's rows always take the same kernel: the step-width rule holds.
+ONEDNN_MIN_ROWS = 8
+ONEDNN_F32 = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
+
+
+def onednn_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `onednn_linear` takes this call: float32 CPU tensors, `x [t, in]`, a contiguous
+    weight (and bias) of x's dtype."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() == 2
+            and not x.requires_grad and not w.requires_grad and w.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` through oneDNN's matmul (`x [t, in]`, `w [out, in]` -> `[t, out]`):
+    the same products, summed in oneDNN's order (float32 rounding differences only)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
+
+
 class TorchStepOps:
     """The reference: plain torch, any device."""
 
@@ -170,8 +192,11 @@ class TorchStepOps:
 
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ w.T (+ bias)` for a plain weight `[out, in]`; `w(x)` for a quantized linear."""
+        """`x @ w.T (+ bias)` for a plain weight `[out, in]`; `w(x)` for a quantized linear. A
+        float32 call of `ONEDNN_MIN_ROWS` rows or more on the CPU runs on oneDNN (`onednn_linear`)."""
         if isinstance(w, torch.Tensor):
+            if ONEDNN_F32 and x.shape[0] >= ONEDNN_MIN_ROWS and onednn_applies(x, w, bias):
+                return onednn_linear(x, w, bias)
             return F.linear(x, w, bias)
         y = w(x)
         return y if bias is None else y + bias
@@ -479,6 +504,13 @@ class TritonStepOps:
         return entry[2]
 
 
+def cpu_linear_note() -> str:
+    """What the torch ops' weight matmuls run on, for the CPU's step-ops note."""
+    if not ONEDNN_F32:
+        return ""
+    return f"; float32 weight matmuls of {ONEDNN_MIN_ROWS}+ rows on oneDNN, fewer on torch's BLAS"
+
+
 def select_step_ops(device: torch.device, setting: bool | None = None, env: dict | None = None):
     """The `kernels` setting -> (ops, what was applied). Unset: Triton kernels on CUDA when
     `memra_kernels` imports (MEMRA_KERNELS=0 turns them off), torch elsewhere."""
@@ -496,7 +528,7 @@ def select_step_ops(device: torch.device, setting: bool | None = None, env: dict
     if device.type != "cuda":
         if setting:
             raise SettingError("kernels", True, f"the Triton kernels need a CUDA device (device {device})", quote=False)
-        return TorchStepOps(), "step ops: torch (not on CUDA)"
+        return TorchStepOps(), "step ops: torch (not on CUDA)" + cpu_linear_note()
     try:
         ops = TritonStepOps()
     except ImportError as exc:
