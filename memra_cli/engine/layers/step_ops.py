@@ -100,7 +100,7 @@ rounds, so they differ from torch only in float32 arithmetic (reduction order, e
 from __future__ import annotations
 
 import contextlib
-
+import math
 import os
 
 import numpy as np
@@ -180,6 +180,55 @@ def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
 
 
+ATTN_KEY_BLOCK = 64  # keys per block of blocked_attention: at most 63 masked keys past the live ones
+
+
+def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                      scale: float, window: int = 0) -> torch.Tensor:
+    """A step's attention over the live keys only, in blocks of `ATTN_KEY_BLOCK` keys aligned at
+    absolute position 0, with every row's result independent of how many blocks follow its own.
+
+    `q [t, nh, hd]` at `positions [t]` over `k_cache, v_cache [nkv, n, hd]` -> `[t, nh*hd]` in
+    q's dtype (float32 arithmetic). It reads no value on the host: a caller that knows the live
+    length passes the storage cut at `key_extent` (the keys past it are masked for every row,
+    so the cut changes no bit), a graph body the whole storage. Why blocks: one matmul over a key count
+    that varies (the live length, or the session's storage) sums in a BLAS order that depends
+    on that count, so a row's bits would depend on the step it rode in or on the storage size
+    (docs/perf.md, "The DSpark round on the CPU"). Here every matmul and row sum has a fixed
+    shape per block (scores `[g*t, B]`, sums over B, weights `[g*t, B] @ [B, hd]`), the blocks
+    are combined by a sequential `cumsum` in block order, and a block past a row's position is
+    masked for it: exp gives exact zeros, and adding zeros changes no bit. The max is exact in
+    any order. So a row's result is a function of its own keys and position only."""
+    t, nh, hd = q.shape
+    nkv, n = k_cache.shape[0], k_cache.shape[1]
+    g, block = nh // nkv, ATTN_KEY_BLOCK
+    blocks = -(-n // block)
+    keys, values = k_cache, v_cache
+    if n < blocks * block:  # the storage ends inside its last block: zero keys past it (masked)
+        pad = (0, 0, 0, blocks * block - n)
+        keys, values = F.pad(keys, pad), F.pad(values, pad)
+    root = math.sqrt(scale)  # SDPA's math backend scales q and k by the root of the scale each
+    qf = (q.float() * root).view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, 1, g * t, hd)
+    kb = (keys.float() * root).view(nkv, blocks, block, hd)
+    scores = torch.matmul(qf, kb.transpose(-2, -1))  # [nkv, blocks, g*t, block]
+    key_pos = torch.arange(blocks * block, device=q.device)
+    seen = key_pos[None, :] <= positions[:, None]
+    if window:
+        seen &= key_pos[None, :] > positions[:, None] - window
+    seen = seen.repeat(g, 1).view(g * t, blocks, block).transpose(0, 1)  # [blocks, g*t, block]
+    scores.masked_fill_(~seen, -math.inf)
+    weights = torch.exp(scores - scores.amax(dim=(1, 3), keepdim=True))
+    total = weights.sum(-1, keepdim=True).cumsum(1)[:, -1]  # [nkv, g*t, 1]
+    out = torch.matmul(weights, values.float().view(nkv, blocks, block, hd)).cumsum(1)[:, -1] / total
+    return out.to(q.dtype).view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
+
+
+def key_extent(live: int, storage: int) -> int:
+    """How many cache rows a blocked_attention call needs for keys `[0, live)`: `live` rounded
+    up to whole key blocks, at most the storage (a cut there changes no row's bits)."""
+    return min(-(-live // ATTN_KEY_BLOCK) * ATTN_KEY_BLOCK, storage)
+
+
 class TorchStepOps:
     """The reference: plain torch, any device."""
 
@@ -217,9 +266,12 @@ class TorchStepOps:
     @staticmethod
     def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-        """Over the whole storage under a position mask (masked keys leave a row unchanged, so
-        the storage size does not change a row's result); `window` W > 0 also masks keys
-        j <= p - W. K/V are never repeated: the g query heads of a KV head are folded into rows."""
+        """Causal by position over the cache; `window` W > 0 also masks keys j <= p - W. On the
+        CPU `blocked_attention` (live key blocks only, storage-size independent); elsewhere over
+        the whole storage under a position mask. K/V are never repeated: the g query heads of a
+        KV head are folded into rows."""
+        if q.device.type == "cpu":
+            return blocked_attention(q, k_cache, v_cache, positions, scale, window)
         t, nh, hd = q.shape
         nkv, n = k_cache.shape[0], k_cache.shape[1]
         g = nh // nkv

@@ -237,4 +237,10 @@ class StepRunner:
                 graph = state.graphs[key] = StepGraph(self.model, width, state, key[1])
             return graph.run(ids, start)
         positions = torch.arange(start, start + width, device=self.model.device)
-        return self.model.static_step(ids, positions, state, taps)
+        if not hasattr(state, "live_keys"):  # a state whose model reads its whole storage
+            return self.model.static_step(ids, positions, state, taps)
+        state.live_keys = start + width  # host-known here, unlike in a graph body
+        try:
+            return self.model.static_step(ids, positions, state, taps)
+        finally:
+            state.live_keys = None
