@@ -91,8 +91,10 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
   programmatic dependent launch); a no-op for the torch ops
 
 `TorchStepOps` is the reference numerics exactly (HF transformers' Qwen3 / Qwen3.5 order of
-roundings, op for op; a float32 CPU matmul of 8+ rows sums on oneDNN, in its own order); its
-attention runs over the whole cache storage under a position mask. `TritonStepOps` reads only the live keys (split over
+roundings, op for op; a float32 CPU matmul of 8+ rows sums on oneDNN, in its own order); on
+the CPU its attention runs over whole key blocks aligned at position 0 (`blocked_attention`: the
+live ones in an eager step), elsewhere over the whole cache storage under a position mask.
+`TritonStepOps` reads only the live keys (split over
 keys at a fixed size) and fuses each norm with its neighbours; its kernels round where torch
 rounds, so they differ from torch only in float32 arithmetic (reduction order, exp / log).
 """
@@ -208,19 +210,22 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         pad = (0, 0, 0, blocks * block - n)
         keys, values = F.pad(keys, pad), F.pad(values, pad)
     root = math.sqrt(scale)  # SDPA's math backend scales q and k by the root of the scale each
-    qf = (q.float() * root).view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, 1, g * t, hd)
-    kb = (keys.float() * root).view(nkv, blocks, block, hd)
+    wide = q.dtype != torch.float32
+    qf = ((q.float() if wide else q) * root).view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, 1, g * t, hd)
+    kb = ((keys.float() if wide else keys) * root).view(nkv, blocks, block, hd)
     scores = torch.matmul(qf, kb.transpose(-2, -1))  # [nkv, blocks, g*t, block]
-    key_pos = torch.arange(blocks * block, device=q.device)
-    seen = key_pos[None, :] <= positions[:, None]
+    key_pos = torch.arange(blocks * block, device=q.device).view(blocks, 1, block)
+    row_pos = positions.expand(g, t).reshape(1, g * t, 1)  # folded rows: head group major, as qf
+    hidden = key_pos > row_pos  # [blocks, g*t, block]
     if window:
-        seen &= key_pos[None, :] > positions[:, None] - window
-    seen = seen.repeat(g, 1).view(g * t, blocks, block).transpose(0, 1)  # [blocks, g*t, block]
-    scores.masked_fill_(~seen, -math.inf)
-    weights = torch.exp(scores - scores.amax(dim=(1, 3), keepdim=True))
+        hidden |= key_pos <= row_pos - window
+    scores.masked_fill_(hidden, -math.inf)
+    weights = scores.sub_(scores.amax(-1, keepdim=True).amax(1, keepdim=True)).exp_()
     total = weights.sum(-1, keepdim=True).cumsum(1)[:, -1]  # [nkv, g*t, 1]
-    out = torch.matmul(weights, values.float().view(nkv, blocks, block, hd)).cumsum(1)[:, -1] / total
-    return out.to(q.dtype).view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
+    vb = (values.float() if wide else values).view(nkv, blocks, block, hd)
+    out = torch.matmul(weights, vb).cumsum(1)[:, -1] / total
+    out = out.to(q.dtype) if wide else out
+    return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
 
 
 def key_extent(live: int, storage: int) -> int:
