@@ -192,9 +192,9 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     `q [t, nh, hd]` at `positions [t]` over `k_cache, v_cache [nkv, n, hd]` -> `[t, nh*hd]` in
     q's dtype (float32 arithmetic). It reads no value on the host: a caller that knows the live
-    length passes the storage cut at `key_extent` (the keys past it are masked for every row,
-    so the cut changes no bit), a graph body the whole storage. Why blocks: one matmul over a key count
-    that varies (the live length, or the session's storage) sums in a BLAS order that depends
+    length passes the storage cut at `key_extent` (the blocks past it are masked for every row,
+    so the cut changes no bit), a graph body the whole storage. Why blocks: one matmul over a
+    key count that varies (the live length, or the session's storage) sums in a BLAS order that depends
     on that count, so a row's bits would depend on the step it rode in or on the storage size
     (docs/perf.md, "The DSpark round on the CPU"). Here every matmul and row sum has a fixed
     shape per block (scores `[g*t, B]`, sums over B, weights `[g*t, B] @ [B, hd]`), the blocks

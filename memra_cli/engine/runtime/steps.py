@@ -94,7 +94,8 @@ class StepRunner:
         rows = max_len + (self.width or 0)  # room for a fixed-width step's padding rows
         if self.cuda_graphs:
             rows = -(-rows // STATE_BUCKET) * STATE_BUCKET
-        elif self.width is not None and self.model.device.type == "cpu":  # the CPU step's attention reads whole key blocks: none cut by the storage's end
+        elif self.width is not None and self.model.device.type == "cpu":
+            # the CPU step's attention reads whole key blocks: none is cut by the storage's end
             rows = -(-rows // ATTN_KEY_BLOCK) * ATTN_KEY_BLOCK
         return rows
 
