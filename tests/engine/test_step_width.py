@@ -1035,7 +1035,7 @@ def test_fixed_width_logits_do_not_depend_on_the_storage_size(target_dir, dtype)
     token's logits must not depend on the storage either: the CPU's blocked attention reads the
     live key blocks only. Planted: attention over the whole storage under a mask (the
     summation order follows the storage length) changes the float32 logits; in bfloat16 this
-    small model's rounding hides it, so the op-level test below plants it there."""
+    small model's rounding hides it (the embedded pair's bf16 bench showed it: docs/perf.md)."""
     slacks = (0, 40, 131)  # storages of 256, 320 and 384 rows (the CPU rounds them to key blocks)
     runs = _logits_over_storages(target_dir, dtype, slacks)
     assert all(torch.equal(r, runs[0]) for r in runs[1:])
@@ -1067,9 +1067,7 @@ def _attention_row_stable(attention, dtype) -> bool:
 def test_blocked_attention_rows_do_not_depend_on_their_step_or_storage(dtype):
     """The op itself, at the embedded target's head size (64), storages of 250 and 400 rows,
     where SDPA over the whole storage (planted) changes float32 bits (in bfloat16 the output's
-    rounding hides it for these inputs; the embedded pair's bf16 bench found it over whole
-    streams, docs/perf.md); and it is that SDPA's
-    result to rounding: float32 softmax + matmul over <= 400 keys differ by a few eps of the
+    rounding hides it for these inputs); and it is that SDPA's result to rounding: float32 softmax + matmul over <= 400 keys differ by a few eps of the
     output's scale (1e-5 relative), bfloat16 by the output's rounding (2^-8 of its scale)."""
     from memra_cli.engine.layers.step_ops import blocked_attention
 
