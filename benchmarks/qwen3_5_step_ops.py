@@ -31,7 +31,9 @@ from memra_cli.engine.models.qwen3_5 import Qwen35Target
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
 
-GEMMS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+# (mkldnn::_linear_pointwise: the CPU torch ops' float32 matmul of 8+ rows, step_ops.onednn_linear)
+GEMMS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+         "mkldnn::_linear_pointwise"}
 # ops that are one kernel on CUDA, whatever they decompose into on the CPU (mean: sum + div_)
 ONE_KERNEL = {
     "aten::add", "aten::sub", "aten::mul", "aten::div", "aten::neg", "aten::pow", "aten::rsqrt",

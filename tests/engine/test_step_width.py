@@ -964,3 +964,121 @@ def test_cuda_graphed_prefill_is_bit_identical_to_the_eager_padded_forward(targe
         assert torch.equal(got, want) and torch.equal(got_taps, want_taps[:t])
         assert torch.equal(state.kv[:, :, :, :t], ref.kv[:, :, :, :t])
         runner.release(state)
+
+
+def _row_bits_independent(linear, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether each row of `linear(x, w)` is bit-identical after the rows are reversed and after
+    every other row is replaced: what the step-width rule needs of a step's weight matmul."""
+    ref = linear(x, w)
+    flipped = linear(x.flip(0), w).flip(0)
+    other = x.clone()
+    other[1:] = torch.randn_like(other[1:])
+    return torch.equal(ref, flipped) and torch.equal(linear(other, w)[0], ref[0])
+
+
+def test_few_row_float32_cpu_matmuls_run_on_onednn_with_independent_rows():
+    """TorchStepOps.linear sends float32 CPU calls of ONEDNN_MIN_ROWS+ rows to oneDNN, fewer to
+    F.linear; oneDNN's rows are bit-independent of their neighbours and place (a planted row
+    mixer is caught), and it is F.linear's product to float32 rounding: each output is a sum of
+    256 products, so the two summation orders differ by at most ~256 * eps * sum|x*w|."""
+    from memra_cli.engine.layers import step_ops
+
+    if not step_ops.ONEDNN_F32:
+        pytest.skip("this torch has no oneDNN linear")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(384, 256, generator=g) * 0.05
+    for rows in (1, step_ops.ONEDNN_MIN_ROWS - 1, step_ops.ONEDNN_MIN_ROWS, WIDTH):
+        x = torch.randn(rows, 256, generator=g)
+        want = step_ops.onednn_linear(x, w) if rows >= step_ops.ONEDNN_MIN_ROWS else torch.nn.functional.linear(x, w)
+        assert torch.equal(step_ops.TorchStepOps.linear(x, w), want), rows
+    x = torch.randn(WIDTH, 256, generator=g)
+    assert _row_bits_independent(step_ops.onednn_linear, x, w)
+    assert not _row_bits_independent(lambda a, b: step_ops.onednn_linear(a, b) + a.mean(0)[:1], x, w)  # planted
+    bound = 256 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T)
+    assert ((step_ops.onednn_linear(x, w) - x @ w.T).abs() <= bound).all()
+
+
+def _storage_masked_attention(q, k_cache, v_cache, positions, scale, window=0):
+    """The planted breakage: one SDPA over the whole storage under a position mask, whose
+    summation order follows the storage's length."""
+    from memra_cli.engine.layers.ops import sdpa
+
+    t, nh, hd = q.shape
+    nkv, g = k_cache.shape[0], nh // k_cache.shape[0]
+    mask = (torch.arange(k_cache.shape[1])[None, :] <= positions[:, None]).repeat(g, 1)
+    qf = q.view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, g * t, hd)
+    return sdpa(qf, k_cache, v_cache, mask, scale).view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
+
+
+def _logits_over_storages(target_dir, dtype, slacks, attention=None):
+    """A 200-token prompt, then 24 tokens teacher-forced (one at a time, and as a 16 + 8
+    verify) in sessions whose storage has `slack` more rows; logits per (slack, grouping)."""
+    model = Qwen3Target.from_dir(target_dir, dtype=dtype)
+    if attention is not None:  # the planted form: that attention over the whole storage
+        model.step_ops.attention = attention
+        model._step_keys = lambda cache: cache.max_len
+    runner = StepRunner(model, WIDTH)
+    prompt, cont = _ids(200, 11), _ids(24, 12)
+    out = []
+    for slack in slacks:
+        for groups in ([1] * 24, [16, 8]):
+            cache = runner.new_state(prompt.shape[0] + cont.shape[0] + 1 + slack)
+            runner.prefill(prompt, cache)
+            out.append(torch.cat([runner.step(cont[sum(groups[:i]):sum(groups[:i + 1])], cache.length, cache)[0]
+                                  for i in range(len(groups))]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_fixed_width_logits_do_not_depend_on_the_storage_size(target_dir, dtype):
+    """Plain and speculative sessions size their caches differently (the block's slack), so a
+    token's logits must not depend on the storage either: the CPU's blocked attention reads the
+    live key blocks only. Planted: attention over the whole storage under a mask (the
+    summation order follows the storage length) changes the float32 logits; in bfloat16 this
+    small model's rounding hides it (the embedded pair's bf16 bench showed it: docs/perf.md)."""
+    slacks = (0, 40, 131)  # storages of 256, 320 and 384 rows (the CPU rounds them to key blocks)
+    runs = _logits_over_storages(target_dir, dtype, slacks)
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    if dtype == torch.float32:
+        planted = _logits_over_storages(target_dir, dtype, slacks, _storage_masked_attention)
+        assert not all(torch.equal(r, planted[0]) for r in planted[1:])
+
+
+def _attention_row_stable(attention, dtype) -> bool:
+    """Whether the output of a token at position p (query fixed) is bit-identical as row 0 of a
+    16-row step at p over a 400-row storage and as row r of a step at p - r over 250 rows."""
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, 400, 64, generator=g).to(dtype) for _ in range(2))
+    for p in (140, 203, 230):
+        one = torch.randn(4, 64, generator=g).to(dtype)
+        a = torch.randn(WIDTH, 4, 64, generator=g).to(dtype)
+        a[0] = one
+        ref = attention(a, k, v, torch.arange(p, p + WIDTH), 0.125)[0]
+        for r in (1, 7, 15):
+            b = torch.randn(WIDTH, 4, 64, generator=g).to(dtype)
+            b[r] = one
+            out = attention(b, k[:, :250], v[:, :250], torch.arange(p - r, p - r + WIDTH), 0.125)[r]
+            if not torch.equal(out, ref):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_blocked_attention_rows_do_not_depend_on_their_step_or_storage(dtype):
+    """The op itself, at the embedded target's head size (64), storages of 250 and 400 rows,
+    where SDPA over the whole storage (planted) changes float32 bits (in bfloat16 the output's
+    rounding hides it for these inputs); and it is that SDPA's result to rounding: float32 softmax + matmul over <= 400 keys differ by a few eps of the
+    output's scale (1e-5 relative), bfloat16 by the output's rounding (2^-8 of its scale)."""
+    from memra_cli.engine.layers.step_ops import blocked_attention
+
+    assert _attention_row_stable(blocked_attention, dtype)
+    if dtype == torch.float32:
+        assert not _attention_row_stable(_storage_masked_attention, dtype)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(WIDTH, 4, 64, generator=g).to(dtype)
+    k, v = (torch.randn(2, 300, 64, generator=g).to(dtype) for _ in range(2))
+    pos = torch.arange(230, 230 + WIDTH)
+    want = _storage_masked_attention(q.float(), k.float(), v.float(), pos, 0.125)
+    got = blocked_attention(q, k, v, pos, 0.125).float()
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -8
+    assert ((got - want).abs().max() / want.abs().max()).item() < tol

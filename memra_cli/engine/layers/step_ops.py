@@ -96,8 +96,10 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
   programmatic dependent launch); a no-op for the torch ops
 
 `TorchStepOps` is the reference numerics exactly (HF transformers' Qwen3 / Qwen3.5 order of
-roundings, op for op); its attention runs over the
-whole cache storage under a position mask. `TritonStepOps` reads only the live keys (split over
+roundings, op for op; a float32 CPU matmul of 8+ rows sums on oneDNN, in its own order); on
+the CPU its attention runs over whole key blocks aligned at position 0 (`blocked_attention`: the
+live ones in an eager step), elsewhere over the whole cache storage under a position mask.
+`TritonStepOps` reads only the live keys (split over
 keys at a fixed size) and fuses each norm with its neighbours; its kernels round where torch
 rounds, so they differ from torch only in float32 arithmetic (reduction order, exp / log).
 """
@@ -105,7 +107,7 @@ rounds, so they differ from torch only in float32 arithmetic (reduction order, e
 from __future__ import annotations
 
 import contextlib
-
+import math
 import os
 
 import numpy as np
@@ -164,6 +166,80 @@ def markov_chain_host(logits: torch.Tensor, anchor: torch.Tensor, table: torch.T
     return torch.from_numpy(out)
 
 
+# A float32 weight matmul of a few rows on the CPU: torch's F.linear goes to MKL's sgemm, which
+# on the dev CPU (AMD EPYC, AVX-512) runs 8-16 rows at ~1.6x oneDNN's time; at 1-4 rows MKL is
+# faster (docs/perf.md, "The DSpark round on the CPU"). The choice depends on the row count and
+# dtype only, so a fixed-width step's rows always take the same kernel: the step-width rule holds.
+ONEDNN_MIN_ROWS = 8
+ONEDNN_F32 = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
+
+
+def onednn_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `onednn_linear` takes this call: float32 CPU tensors, `x [t, in]`, a contiguous
+    weight (and bias) of x's dtype."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() == 2
+            and not x.requires_grad and not w.requires_grad and w.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` through oneDNN's matmul (`x [t, in]`, `w [out, in]` -> `[t, out]`):
+    the same products, summed in oneDNN's order (float32 rounding differences only)."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
+
+
+ATTN_KEY_BLOCK = 64  # keys per block of blocked_attention: at most 63 masked keys past the live ones
+
+
+def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                      scale: float, window: int = 0) -> torch.Tensor:
+    """A step's attention over the live keys only, in blocks of `ATTN_KEY_BLOCK` keys aligned at
+    absolute position 0, with every row's result independent of how many blocks follow its own.
+
+    `q [t, nh, hd]` at `positions [t]` over `k_cache, v_cache [nkv, n, hd]` -> `[t, nh*hd]` in
+    q's dtype (float32 arithmetic). It reads no value on the host: a caller that knows the live
+    length passes the storage cut at `key_extent` (the blocks past it are masked for every row,
+    so the cut changes no bit), a graph body the whole storage. Why blocks: one matmul over a
+    key count that varies (the live length, or the session's storage) sums in a BLAS order that depends
+    on that count, so a row's bits would depend on the step it rode in or on the storage size
+    (docs/perf.md, "The DSpark round on the CPU"). Here every matmul and row sum has a fixed
+    shape per block (scores `[g*t, B]`, sums over B, weights `[g*t, B] @ [B, hd]`), the blocks
+    are combined by a sequential `cumsum` in block order, and a block past a row's position is
+    masked for it: exp gives exact zeros, and adding zeros changes no bit. The max is exact in
+    any order. So a row's result is a function of its own keys and position only."""
+    t, nh, hd = q.shape
+    nkv, n = k_cache.shape[0], k_cache.shape[1]
+    g, block = nh // nkv, ATTN_KEY_BLOCK
+    blocks = -(-n // block)
+    keys, values = k_cache, v_cache
+    if n < blocks * block:  # the storage ends inside its last block: zero keys past it (masked)
+        pad = (0, 0, 0, blocks * block - n)
+        keys, values = F.pad(keys, pad), F.pad(values, pad)
+    root = math.sqrt(scale)  # SDPA's math backend scales q and k by the root of the scale each
+    wide = q.dtype != torch.float32
+    qf = ((q.float() if wide else q) * root).view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, 1, g * t, hd)
+    kb = ((keys.float() if wide else keys) * root).view(nkv, blocks, block, hd)
+    scores = torch.matmul(qf, kb.transpose(-2, -1))  # [nkv, blocks, g*t, block]
+    key_pos = torch.arange(blocks * block, device=q.device).view(blocks, 1, block)
+    row_pos = positions.expand(g, t).reshape(1, g * t, 1)  # folded rows: head group major, as qf
+    hidden = key_pos > row_pos  # [blocks, g*t, block]
+    if window:
+        hidden |= key_pos <= row_pos - window
+    scores.masked_fill_(hidden, -math.inf)
+    weights = scores.sub_(scores.amax(-1, keepdim=True).amax(1, keepdim=True)).exp_()
+    total = weights.sum(-1, keepdim=True).cumsum(1)[:, -1]  # [nkv, g*t, 1]
+    vb = (values.float() if wide else values).view(nkv, blocks, block, hd)
+    out = torch.matmul(weights, vb).cumsum(1)[:, -1] / total
+    out = out.to(q.dtype) if wide else out
+    return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
+
+
+def key_extent(live: int, storage: int) -> int:
+    """How many cache rows a blocked_attention call needs for keys `[0, live)`: `live` rounded
+    up to whole key blocks, at most the storage (a cut there changes no row's bits)."""
+    return min(-(-live // ATTN_KEY_BLOCK) * ATTN_KEY_BLOCK, storage)
+
+
 class TorchStepOps:
     """The reference: plain torch, any device."""
 
@@ -178,8 +254,11 @@ class TorchStepOps:
 
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`x @ w.T (+ bias)` for a plain weight `[out, in]`; `w(x)` for a quantized linear."""
+        """`x @ w.T (+ bias)` for a plain weight `[out, in]`; `w(x)` for a quantized linear. A
+        float32 call of `ONEDNN_MIN_ROWS` rows or more on the CPU runs on oneDNN (`onednn_linear`)."""
         if isinstance(w, torch.Tensor):
+            if ONEDNN_F32 and x.shape[0] >= ONEDNN_MIN_ROWS and onednn_applies(x, w, bias):
+                return onednn_linear(x, w, bias)
             return F.linear(x, w, bias)
         y = w(x)
         return y if bias is None else y + bias
@@ -200,9 +279,12 @@ class TorchStepOps:
     @staticmethod
     def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-        """Over the whole storage under a position mask (masked keys leave a row unchanged, so
-        the storage size does not change a row's result); `window` W > 0 also masks keys
-        j <= p - W. K/V are never repeated: the g query heads of a KV head are folded into rows."""
+        """Causal by position over the cache; `window` W > 0 also masks keys j <= p - W. On the
+        CPU `blocked_attention` (live key blocks only, storage-size independent); elsewhere over
+        the whole storage under a position mask. K/V are never repeated: the g query heads of a
+        KV head are folded into rows."""
+        if q.device.type == "cpu":
+            return blocked_attention(q, k_cache, v_cache, positions, scale, window)
         t, nh, hd = q.shape
         nkv, n = k_cache.shape[0], k_cache.shape[1]
         g = nh // nkv
@@ -497,6 +579,13 @@ class TritonStepOps:
         return entry[2]
 
 
+def cpu_linear_note() -> str:
+    """What the torch ops' weight matmuls run on, for the CPU's step-ops note."""
+    if not ONEDNN_F32:
+        return ""
+    return f"; float32 weight matmuls of {ONEDNN_MIN_ROWS}+ rows on oneDNN, fewer on torch's BLAS"
+
+
 def select_step_ops(device: torch.device, setting: bool | None = None, env: dict | None = None):
     """The `kernels` setting -> (ops, what was applied). Unset: Triton kernels on CUDA when
     `memra_kernels` imports (MEMRA_KERNELS=0 turns them off), torch elsewhere."""
@@ -514,7 +603,7 @@ def select_step_ops(device: torch.device, setting: bool | None = None, env: dict
     if device.type != "cuda":
         if setting:
             raise SettingError("kernels", True, f"the Triton kernels need a CUDA device (device {device})", quote=False)
-        return TorchStepOps(), "step ops: torch (not on CUDA)"
+        return TorchStepOps(), "step ops: torch (not on CUDA)" + cpu_linear_note()
     try:
         ops = TritonStepOps()
     except ImportError as exc:

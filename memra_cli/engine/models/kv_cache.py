@@ -24,6 +24,10 @@ class KVCache(StateBase):
 
     host_bookkeeping = True  # commit / rollback only move `length` (padding rows leave no trace)
     round_graphs_ok = True  # a commit after a round graph's replay needs no host read of the device
+    # Set by the step runner around an eager fixed-width step: the positions `[0, live_keys)` it
+    # can attend (its last row + 1), so the CPU's attention reads only those; None (a graph
+    # body): the whole storage.
+    live_keys: int | None = None
 
     def __init__(self, n_layers: int, n_kv: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):

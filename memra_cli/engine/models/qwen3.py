@@ -39,7 +39,7 @@ from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.models.loading import WeightLoader
 from memra_cli.engine.models.kv_cache import KVCache
 from memra_cli.engine.layers.ops import rms_norm
-from memra_cli.engine.layers.step_ops import TorchStepOps
+from memra_cli.engine.layers.step_ops import TorchStepOps, key_extent
 from memra_cli.engine.layers.rope import apply_rope, cos_sin, rope_tables
 
 log = logging.getLogger(__name__)
@@ -307,6 +307,15 @@ class Qwen3Target(TargetBase):
         return ops.qk_norm_rope_kv_write(qkv, w.q_norm, w.k_norm, self._cos, self._sin, positions, kv[0], kv[1],
                                          self.n_heads, self.n_kv, self.cfg.rms_norm_eps)
 
+    def _step_keys(self, cache: KVCache) -> int:
+        """The cache rows a step's attention reads: on the CPU, in an eager step (the runner set
+        `cache.live_keys`), the live ones in whole key blocks (the blocked attention's bits do
+        not depend on the cut); else the storage (a graph replays one shape; the kernels read
+        the live keys themselves)."""
+        if self.device.type != "cpu" or cache.live_keys is None:
+            return cache.max_len
+        return key_extent(cache.live_keys, cache.max_len)
+
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                     taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-width step with every shape static and every position on the device.
@@ -314,7 +323,8 @@ class Qwen3Target(TargetBase):
         `ids [W]` at `positions [W]` (consecutive): each layer is a fused projection, then the
         step ops (`self.step_ops`, layers/step_ops.py: torch reference or Triton kernels) do
         q/k norm + rope + the K/V write, causal attention by position over the cache, the
-        residual add fused with the next norm, and SiLU·mul. Nothing depends on a host value, so
+        residual add fused with the next norm, and SiLU·mul. Nothing reads a device value (an eager
+        CPU step cuts the keys at the host int `cache.live_keys`, a graph body never), so
         a CUDA graph can capture it, and every op is row-count invariant, so a token's logits do
         not depend on what shares its step or on the storage size. `widen=False` returns the
         lm_head's model-dtype logits (an argmax of them is the float32 copy's: the widening is
@@ -327,10 +337,11 @@ class Qwen3Target(TargetBase):
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
         h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
+        keys = self._step_keys(cache)
         for li, w in enumerate(self.layers):
             kv = cache.kv[li]
             q = self._step_qkv(ops.linear(h, w.wqkv, w.bqkv), w, positions, kv)
-            attn = ops.linear(ops.attention(q, kv[0], kv[1], positions, self.scale), w.wo, w.bo)
+            attn = ops.linear(ops.attention(q, kv[0, :, :keys], kv[1, :, :keys], positions, self.scale), w.wo, w.bo)
             h, x = ops.add_rms_norm(attn, x, w.mlp_norm, eps)
             down = self._step_ffn(h, li, w)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm

@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 
 from memra_cli.engine.errors import ConfigError, PromptError
+from memra_cli.engine.layers.step_ops import ATTN_KEY_BLOCK
 from memra_cli.engine.runtime.cuda_graphs import GraphCache
 from memra_cli.engine.runtime.pool import StoragePool
 
@@ -93,6 +94,9 @@ class StepRunner:
         rows = max_len + (self.width or 0)  # room for a fixed-width step's padding rows
         if self.cuda_graphs:
             rows = -(-rows // STATE_BUCKET) * STATE_BUCKET
+        elif self.width is not None and self.model.device.type == "cpu":
+            # the CPU step's attention reads whole key blocks: none is cut by the storage's end
+            rows = -(-rows // ATTN_KEY_BLOCK) * ATTN_KEY_BLOCK
         return rows
 
     def max_rows(self) -> int:
@@ -237,4 +241,10 @@ class StepRunner:
                 graph = state.graphs[key] = StepGraph(self.model, width, state, key[1])
             return graph.run(ids, start)
         positions = torch.arange(start, start + width, device=self.model.device)
-        return self.model.static_step(ids, positions, state, taps)
+        if not hasattr(state, "live_keys"):  # a state whose model reads its whole storage
+            return self.model.static_step(ids, positions, state, taps)
+        state.live_keys = start + width  # host-known here, unlike in a graph body
+        try:
+            return self.model.static_step(ids, positions, state, taps)
+        finally:
+            state.live_keys = None
