@@ -208,7 +208,9 @@ def main() -> None:
     p.add_argument("--variants", default="torch,triton,triton-nopdl,triton-cublas",
                    help="step-ops variants to time: torch, triton (the shipped ops), triton-nopdl (plain "
                         "launches), triton-cublas (every weight matmul on cuBLAS: dense_linear.TUNED emptied), "
-                        "a 'noglu' part: the MLP's gate/up matmul and SiLU·mul as two launches (no swiglu fusion)")
+                        "a 'noglu' part: the MLP's gate/up matmul and SiLU·mul as two launches (no swiglu fusion), "
+                        "an 'unfused' part: every fused op as its parts (triton-unfused: the SwiGLU and the "
+                        "embedding + first norm as separate launches)")
     p.add_argument("--dense-tuned", type=Path, default=None,
                    help="a dense_linear_sweep.py --tuned table to use as dense_linear.TUNED for this run")
     p.add_argument("--dense-all", type=Path, default=None,
@@ -289,6 +291,8 @@ def main() -> None:
         for name in variants:
             parts = name.split("-")
             target.step_ops = TorchStepOps() if parts[0] == "torch" else TritonStepOps()
+            if "unfused" in parts:  # every fused op as its parts (TritonStepOps.unfused): the fusions' A/B
+                target.step_ops = target.step_ops.unfused()
             if "noglu" in parts:  # the MLP's gate/up matmul and SiLU·mul as two launches
                 ops = target.step_ops
                 ops.swiglu = functools.partial(unfused_swiglu, ops)
@@ -327,6 +331,9 @@ def main() -> None:
         if "triton-noglu" in out:
             out["glu_plain_speedup"] = {c: out["triton-noglu"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
                                         for c in out["triton"]["plain_ms"]}
+        if "triton-unfused" in out:
+            out["fused_plain_speedup"] = {c: out["triton-unfused"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
+                                          for c in out["triton"]["plain_ms"]}
         if "triton-cublas" in out:
             out["dense_plain_speedup"] = {c: out["triton-cublas"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
                                           for c in out["triton"]["plain_ms"]}

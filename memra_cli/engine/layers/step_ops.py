@@ -30,6 +30,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   the cache's last positions, causal by position; `mask` the forward's folded boolean mask,
   built only when `prefill_mask` is True)
 - `embed(ids, weight) -> rows`: an embedding lookup (a copy of the rows)
+- `embed_rms_norm(ids, weight, norm_w, eps) -> (normed, rows)`: `embed` then `rms_norm` of its rows,
+  a step's first norm (one launch with the kernels, the bits of the two)
 - `confidence_raw(hidden, w, b, prev=None, w1=None) -> f32 [n]`: DSpark's accept-rate head
 - `pack_round(cand, sel, raws=None) -> f64`: a graphed round's one host read, packed
 - `settle_round(cand, sel, raws, inputs, threshold, kind=, cap=, adapt=, restore=None, ring=0, cost=None) -> f64`:
@@ -87,6 +89,9 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
 - `softcap(z, cap, out_dtype=None)`: the logits' `cap * tanh(z / cap)` in z's dtype (out_dtype
   float32: widened in the same pass)
 
+- `unfused()`: these ops with every fused op replaced by its parts (SwiGLU as the matmul then
+  SiLU·mul, `embed_rms_norm` as the gather then the norm): the same bits, more launches; what the
+  GPU benchmarks time the fusions against (`target_step --variants triton-unfused`)
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
   programmatic dependent launch); a no-op for the torch ops
 
@@ -100,7 +105,7 @@ rounds, so they differ from torch only in float32 arithmetic (reduction order, e
 from __future__ import annotations
 
 import contextlib
-
+import functools
 import os
 
 import numpy as np
@@ -119,7 +124,8 @@ from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gem
                                       softcap_ref)
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
 from memra_kernels.moe_ref import moe_swiglu_ref
-from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, gated_rms_norm_heads, rms_norm_ref
+from memra_kernels.norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_ref, gated_rms_norm_heads,
+                                    rms_norm_ref)
 from memra_kernels.qwen35_ref import gdn_gates_body, window_after
 from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref
 from memra_kernels.settle_ref import settle_round
@@ -134,6 +140,14 @@ def unfused_swiglu(ops, x: torch.Tensor, w_gate_up) -> torch.Tensor:
     unfused variants (`--no-glu`, target_step's `noglu`) install as `swiglu` to time the epilogue
     against. `x [t, hidden]`, `w_gate_up` `[2*ffn, hidden]` (or a linear module) -> `[t, ffn]`."""
     return ops.silu_mul(ops.linear(x, w_gate_up))
+
+
+def unfused_embed_rms_norm(ops, ids: torch.Tensor, weight: torch.Tensor, norm_w: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's embedding and first norm as two step ops, `(ops.rms_norm(rows, norm_w, eps), rows)`
+    with `rows = ops.embed(ids, weight)`: the unfused form `unfused()` installs."""
+    rows = ops.embed(ids, weight)
+    return ops.rms_norm(rows, norm_w, eps), rows
 
 
 def markov_chain_host(logits: torch.Tensor, anchor: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -281,6 +295,11 @@ class TorchStepOps:
         return entry[2]
 
     embed = staticmethod(embed_rows_ref)  # the op's one torch body
+    embed_rms_norm = staticmethod(embed_rms_norm_ref)  # the gather then the norm: the op's one torch body
+
+    def unfused(self):
+        """The torch ops fuse nothing: themselves."""
+        return self
 
     confidence_raw = staticmethod(confidence_raw_ref)  # DSpark's accept-rate head: the op's one torch body
 
@@ -403,6 +422,7 @@ class TritonStepOps:
         self._markov_tables: dict[tuple, tuple] = {}  # (w1, w2, dtype) -> (w1, w2, table)
         self.argmax = argmax.row_argmax
         self.embed = gather.embed_rows
+        self.embed_rms_norm = norm.embed_rms_norm
         self.confidence_raw = gather.confidence_raw
         self.pack_round = gather.pack_round
         self.settle_round = settle.settle_round
@@ -424,6 +444,13 @@ class TritonStepOps:
         self._dense = dense_linear
         self._quant = quant_linear
         self._moe = moe
+
+    def unfused(self) -> "TritonStepOps":
+        """New ops with each fused op as its parts (module docstring): the same bits, more launches."""
+        ops = TritonStepOps()
+        ops.swiglu = functools.partial(unfused_swiglu, ops)
+        ops.embed_rms_norm = functools.partial(unfused_embed_rms_norm, ops)
+        return ops
 
     def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`TorchStepOps.linear`, with a plain weight whose shape is in `dense_linear.TUNED` (and

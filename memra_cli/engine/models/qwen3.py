@@ -313,7 +313,8 @@ class Qwen3Target(TargetBase):
         `ids [W]` at `positions [W]` (consecutive): each layer is a fused projection, then the
         step ops (`self.step_ops`, layers/step_ops.py: torch reference or Triton kernels) do
         q/k norm + rope + the K/V write, causal attention by position over the cache, the
-        residual add fused with the next norm, and SiLU·mul. Nothing depends on a host value, so
+        residual add fused with the next norm, and SiLU·mul (the embedding gather fused with the
+        first norm). Nothing depends on a host value, so
         a CUDA graph can capture it, and every op is row-count invariant, so a token's logits do
         not depend on what shares its step or on the storage size. `widen=False` returns the
         lm_head's model-dtype logits (an argmax of them is the float32 copy's: the widening is
@@ -322,10 +323,9 @@ class Qwen3Target(TargetBase):
         """
         ops, eps = self.step_ops, self.cfg.rms_norm_eps
         self.ensure_positions(cache.max_len)
-        x = self.embed(ids)
+        h, x = ops.embed_rms_norm(ids, self.embed_weight, self.layers[0].attn_norm, eps)  # = rms_norm(embed(ids))
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
-        h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for li, w in enumerate(self.layers):
             kv = cache.kv[li]
             q = self._step_qkv(ops.linear(h, w.wqkv, w.bqkv), w, positions, kv)

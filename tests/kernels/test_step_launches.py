@@ -1,0 +1,38 @@
+"""benchmarks/step_launches.py counts a fixed-width step's kernel launches on the CPU: the count
+of the 8B shape it derives is the GPU profiler's (328 for Qwen3-8B before the embedding fusion,
+docs/perf.md), and the fused ops launch fewer kernels than their parts with the same logits."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.exhaustive  # four interpreted steps of a 4-layer target: about a minute
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_the_fused_step_launches_one_kernel_fewer(family):
+    from benchmarks.step_launches import count_step
+
+    fused, unfused = count_step(family), count_step(family, variant="unfused")
+    # a layer: qkv, (q/k norm +) rope + K/V write, attention's split and combine, o, add + norm,
+    # gate/up (+ SiLU·mul: fused into the dense kernel's epilogue where the 8B weight is TUNED), down, add + norm
+    per_layer = 9 if family == "qwen3" else 10
+    assert fused["per_layer"] == per_layer
+    assert unfused["per_layer"] == 10  # the SwiGLU as two launches
+    # outside the layers: embedding + first norm (one launch fused), lm_head, the float32 widening
+    assert fused["outside_layers"] == 3 and unfused["outside_layers"] == 4
+    assert fused["triton"].get("_embed_kernel", 0) == 0 and unfused["triton"]["_embed_kernel"] == 1
+    if family == "qwen3":
+        assert fused["launches_8b"] == 36 * 9 + 3
+
+
+@pytest.mark.exhaustive
+def test_a_greedy_step_counts_the_argmax_at_the_8b_vocabulary():
+    """The round's step (model-dtype logits, no widening) and its argmax: two launches at 151,936
+    columns (the chunks and their fold), one at the small target's 512."""
+    from benchmarks.step_launches import count_step
+
+    got = count_step("qwen3", greedy=True)
+    assert got["triton"]["_row_argmax_kernel"] == 1 and "to" not in got["torch"]
+    assert got["outside_layers"] == 2 + 2  # embedding + norm, lm_head; the argmax's two launches
