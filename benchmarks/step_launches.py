@@ -10,8 +10,8 @@ matmul where the 8B shape's would go (the dense kernel where the 8B weight's sha
   and the ops inside a Triton launch are not counted), by op name: a weight matmul left to
   cuBLAS counts as one here, though cuBLAS may launch two (a split-K reduction).
 
-`--greedy` counts a greedy round's step instead (`static_step(widen=False)` then the argmax, as
-`spec/round_bodies.py` runs it); `--variant unfused` installs the step ops' unfused form of every
+`--greedy` counts a greedy round's step instead (`spec/round_bodies.py`'s `greedy_step`: the
+lm_head and its argmax, no float32 logits); `--variant unfused` installs the step ops' unfused form of every
 fused op (`TritonStepOps.unfused`), the A/B the GPU benchmark times (`target_step --variants`).
 
     python -m benchmarks.step_launches [--family qwen3|llama] [--greedy] [--variant fused|unfused] [--json OUT]
@@ -113,25 +113,24 @@ def route_like(target, routed_as: dict) -> list[tuple[int, int]]:
     small = [tuple(w.wqkv.shape), tuple(w.wo.shape), tuple(w.w_gate_up.shape), tuple(w.w_down.shape),
              tuple(target.lm_head_weight.shape)]
     added = [sm for sm, b in zip(small, big) if b in dense_linear.TUNED]
-    for sm in added:
-        dense_linear.TUNED.setdefault(sm, dense_linear.KernelConfig(block_n=16, block_k=16, split_k=2))
+    for sm, b in zip(small, big):
+        if b in dense_linear.TUNED:  # split or not as the 8B shape's tiles are (the argmax epilogue needs unsplit)
+            split = 2 if dense_linear.TUNED[b].split_k > 1 else 1
+            dense_linear.TUNED.setdefault(sm, dense_linear.KernelConfig(block_n=16, block_k=16, split_k=split))
     return added
 
 
 def _count_once(target, greedy: bool, device) -> tuple[collections.Counter, collections.Counter]:
-    """One step's launches, after the set-up a runner does once (rope tables, split-K counters)."""
-    from memra_kernels import _splitk
-
+    """One step's launches, after the set-up a runner does once (rope tables)."""
     state = target.new_state(64)
     target.ensure_positions(state.max_len)
-    for owner in ("dense_linear", "quant_linear"):
-        _splitk.counters(owner, device, 1)
     ids = torch.randint(0, target.vocab_size, (W,), device=device)
     pos = torch.arange(20, 20 + W, device=device)
     with counting() as (tri, tor):
-        if greedy:
-            logits, _ = target.static_step(ids, pos, state, widen=False)
-            target.step_ops.argmax(logits)
+        if greedy:  # as a greedy round runs its step
+            from memra_cli.engine.spec.round_bodies import greedy_step
+
+            greedy_step(target, ids, pos, state, None)
         else:
             target.static_step(ids, pos, state)
     return tri, tor
@@ -153,6 +152,7 @@ def count_step(family: str = "qwen3", greedy: bool = False, variant: str = "fuse
             routed = route_like(target, SHAPES[big])
             ops = TritonStepOps()
             target.step_ops = ops.unfused() if variant == "unfused" else ops
+            _count_once(target, greedy, device)  # a warm-up: buffers a runner keeps (counters, key slots)
             tri, tor = _count_once(target, greedy, device)
             layers = target.layers
             target.layers = layers[:-1]
@@ -164,7 +164,7 @@ def count_step(family: str = "qwen3", greedy: bool = False, variant: str = "fuse
     total = sum(tri.values()) + sum(tor.values())
     per_layer = total - sum(tri_less.values()) - sum(tor_less.values())
     rest = total - per_layer * len(layers)
-    if greedy:  # the 8B vocabulary's argmax splits its rows: a second launch folds the chunks
+    if tri.get("_row_argmax_kernel"):  # the 8B vocabulary's argmax splits its rows: a second launch folds them
         from memra_kernels import argmax
 
         rest += int(argmax.plan(W, SHAPES[big]["vocab"])[2] > 1) - int(argmax.plan(W, SHAPES[small]["vocab"])[2] > 1)

@@ -30,6 +30,13 @@ pointer: the weight keeps its layout), and its epilogue writes silu(gate) * up w
 kernel's code (`activation.silu_mul_rounded`), so the result is that of the two launches bit for
 bit, without the [rows, 2 I] round trip and the second launch.
 
+Argmax epilogue (`argmax_out=`, the step ops' `lm_head_argmax`): each program also folds its
+tile's rounded outputs into one int64 key a row (argmax.py's keys: the largest value, the first
+column among equals, NaN the largest), `atomic_max`es it into the row's slot, and the last program
+of an m tile (an arrival counter) writes each row's column and resets the slots. An integer
+maximum is exact in any order, so the picks are `row_argmax(dense_linear(x, w))` bit for bit, for
+any row count, without the two argmax launches and the logits' re-read.
+
 Public API: `KernelConfig`, `TUNED`, `config_for`, `dense_linear`, `dense_linear_ref`,
 `eligible`, `load_tuned`, `MAX_ROWS`, `PDL_PREFETCH`.
 """
@@ -45,6 +52,7 @@ import triton.language as tl
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args
 from ._splitk import counters, split_for, store_or_reduce, tile_rows
+from .argmax import _column_of, _keys
 
 __all__ = ["KernelConfig", "TUNED", "config_for", "dense_linear", "dense_linear_ref", "eligible",
            "load_tuned", "MAX_ROWS"]
@@ -155,7 +163,8 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
                          stride_om, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                          PREC: tl.constexpr, WIDEN: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                         GLU: tl.constexpr = False, PDL: tl.constexpr = False):
+                         GLU: tl.constexpr = False, PDL: tl.constexpr = False, ARGMAX: tl.constexpr = False,
+                         keys_ptr=None, picks_ptr=None, acnt_ptr=None):
     """out [M, N] = x [M, K] @ w [N, K].T for one (n tile, k split, m tile) per program; with GLU,
     out [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for w = [gate; up] (`_splitk.tile_rows`).
 
@@ -204,6 +213,23 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
     # the weight rows name the tile's columns of the split-K workspace (one per row, gate or up)
     store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, rows_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
                     SPLIT, BLOCK_M, BLOCK_N, GLU)
+    if ARGMAX:
+        _argmax_epilogue(acc.to(out_ptr.dtype.element_ty).to(tl.float32), rows_n, offs_m, m_mask, n_mask,
+                         keys_ptr, picks_ptr, acnt_ptr)
+
+
+@triton.jit
+def _argmax_epilogue(vals, cols, offs_m, m_mask, n_mask, keys_ptr, picks_ptr, acnt_ptr):
+    """Fold a tile's rounded outputs `vals [BLOCK_M, BLOCK_N]` (float32) into each row's key slot;
+    the m tile's last program writes the rows' columns to picks and resets slots and counter."""
+    best = tl.max(_keys(vals, cols[None, :], m_mask[:, None] & n_mask[None, :]), axis=1)
+    tl.atomic_max(keys_ptr + offs_m, best, mask=m_mask, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()  # every row's max is in before one thread announces the tile
+    arrived = tl.atomic_add(acnt_ptr + tl.program_id(2), 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        top = tl.atomic_xchg(keys_ptr + offs_m, -1, mask=m_mask, sem="acq_rel", scope="gpu")  # read and reset
+        tl.store(picks_ptr + offs_m, _column_of(top), mask=m_mask)
+        tl.atomic_xchg(acnt_ptr + tl.program_id(2), 0, sem="relaxed", scope="gpu")
 
 
 def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -216,7 +242,8 @@ def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | None = None,
-                 out: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None, glu: bool = False,
+                 argmax_out: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., out] = x [..., in] @ w [out, in].T on the kernel, in x's dtype (float32
     accumulation). `config` overrides the shape's tiles (benchmarks, tests); `out` (contiguous,
     x's dtype) receives the result if given.
@@ -224,7 +251,11 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
     glu: `w` is a fused [gate; up] weight [2 I, in] and the result is the SwiGLU middle
     y [..., I] = silu(x @ gate.T) * (x @ up.T), computed in the same launch and equal bit for bit
     to `activation.silu_mul(dense_linear(x, w))` (the same tiles, each product rounded to x's
-    dtype before the activation), one launch and one [.., 2 I] round trip fewer."""
+    dtype before the activation), one launch and one [.., 2 I] round trip fewer.
+
+    argmax_out: int64 `[rows]` (x 2-D) that receives each row's `row_argmax` of the result (the
+    argmax epilogue, module docstring); a shape whose tiles split `in` is refused (its outputs
+    exist only after the split sum)."""
     check_tensors(x, w)
     check_dtype(x, "x")
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
@@ -249,6 +280,9 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
     if m == 0:
         return out
     cfg = config.check() if config is not None else config_for(n, k, x.element_size())
+    picks = {}
+    if argmax_out is not None:
+        picks = _argmax_args(argmax_out, x2, glu, cfg, triton.cdiv(m, BLOCK_M))
     # a GLU tile holds block_n / 2 output columns (their gate and up rows)
     grid = (triton.cdiv(n_out, cfg.block_n // 2 if glu else cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
     if cfg.split_k > 1:
@@ -263,9 +297,29 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
         WIDEN=interpreting() and x.device.type != "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, GLU=glu,
-        PREFETCH=PDL_PREFETCH, **pdl_args(x),  # the prefetch runs only with PDL (_prefetch_then_wait)
+        PREFETCH=PDL_PREFETCH, **picks, **pdl_args(x),  # the prefetch runs only with PDL (_prefetch_then_wait)
     )
     return out
+
+
+_KEYS: dict[tuple, torch.Tensor] = {}
+
+
+def _argmax_args(argmax_out: torch.Tensor, x2: torch.Tensor, glu: bool, cfg: KernelConfig, m_tiles: int) -> dict:
+    """The argmax epilogue's launch arguments: its key slots (int64, -1 between calls: the last
+    program resets them, like the split-K counters; per device and stream) and arrival counters."""
+    m = x2.shape[0]
+    if glu or cfg.split_k > 1:
+        raise ValueError("argmax_out needs a plain (not glu) weight whose tiles do not split `in`")
+    if argmax_out.shape != (m,) or argmax_out.dtype != torch.long or argmax_out.device != x2.device:
+        raise ValueError(f"argmax_out must be int64 [{m}] on {x2.device}, got {argmax_out.dtype} {tuple(argmax_out.shape)}")
+    stream = torch.cuda.current_stream(x2.device).cuda_stream if x2.device.type == "cuda" else 0
+    key = (x2.device.type, x2.device.index, stream)
+    keys = _KEYS.get(key)
+    if keys is None or keys.numel() < m:
+        keys = _KEYS[key] = torch.full((max(m, MAX_ROWS),), -1, dtype=torch.long, device=x2.device)
+    return dict(ARGMAX=True, keys_ptr=keys, picks_ptr=argmax_out,
+                acnt_ptr=counters("dense_linear_argmax", x2.device, m_tiles))
 
 
 def dense_linear_ref(x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> torch.Tensor:

@@ -28,11 +28,16 @@ def test_the_fused_step_launches_one_kernel_fewer(family):
 
 
 @pytest.mark.exhaustive
-def test_a_greedy_step_counts_the_argmax_at_the_8b_vocabulary():
-    """The round's step (model-dtype logits, no widening) and its argmax: two launches at 151,936
-    columns (the chunks and their fold), one at the small target's 512."""
+@pytest.mark.parametrize("variant", ["fused", "unfused"])
+def test_a_greedy_step_fuses_the_argmax_into_the_lm_head(variant):
+    """The round's step: fused, the lm_head's launch picks (its argmax epilogue) and nothing
+    widens; unfused, the argmax's two launches at 151,936 columns (chunks and their fold)."""
     from benchmarks.step_launches import count_step
 
-    got = count_step("qwen3", greedy=True)
-    assert got["triton"]["_row_argmax_kernel"] == 1 and "to" not in got["torch"]
-    assert got["outside_layers"] == 2 + 2  # embedding + norm, lm_head; the argmax's two launches
+    got = count_step("qwen3", greedy=True, variant=variant)
+    assert "to" not in got["torch"]  # no float32 logits in a greedy step
+    if variant == "fused":
+        assert "_row_argmax_kernel" not in got["triton"] and got["outside_layers"] == 2  # embedding + norm, lm_head
+        assert got["launches_8b"] == 36 * 9 + 2
+    else:
+        assert got["triton"]["_row_argmax_kernel"] == 1 and got["outside_layers"] == 2 + 1 + 2

@@ -212,14 +212,27 @@ def test_the_round_pack_op_matches_the_torch_op():
 
 
 @pytest.mark.exhaustive  # pipelined rounds run quick over the torch ops (tests/engine/test_step_width.py), settle's kernel in test_settle.py
-def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused_head", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
+def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch, fused_head):
     """Plain and speculative rounds queued one ahead of the host, settled on the device by the
     settle kernel (through the interpreter; graph capture replaced by an eager stand-in as in
     tests/engine/test_step_width.py): the plain stream. (That they are the rounds read one by one
     is tests/engine/test_step_width.py's, with the torch ops; the kernel equals its twin in
-    test_settle.py.)"""
+    test_settle.py.) `fused_head`: in bf16 with the lm_head's shape in the dense kernel's table,
+    every round's verify and plain step pick by the lm_head's argmax epilogue (lm_head_argmax),
+    the reference by the argmax of the widened logits: still the plain stream."""
     from memra_cli.engine.runtime import cuda_graphs
     from memra_cli.engine.spec.policy import PolicySettings
+    from memra_kernels import dense_linear as dl
+
+    dtype = torch.bfloat16 if fused_head else torch.float32
+    fused_calls = []
+    if fused_head:
+        head = Qwen3Target.from_dir(target_dir, dtype, DEVICE).lm_head_weight
+        monkeypatch.setitem(dl.TUNED, tuple(head.shape), dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2))
+        real = dl.dense_linear
+        monkeypatch.setattr(dl, "dense_linear", lambda x, w, **kw: fused_calls.append(
+            kw.get("argmax_out") is not None) or real(x, w, **kw))
 
     def capture(fn, device, pool=None):
         out = fn()
@@ -236,10 +249,12 @@ def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(cuda_graphs, "capture", capture)
     prompt = list(range(3, 24))
-    model = _model(target_dir, TritonStepOps())
+    model = Qwen3Target.from_dir(target_dir, dtype, DEVICE)
+    model.step_ops = TritonStepOps()
     plain = greedy_reference(StepRunner(model, 16), prompt, 5)
+    assert not any(fused_calls)  # the reference picks from the widened logits
     draft = make_tiny_draft(tmp_path / "d", "deepspec", markov_rank=8, confidence="markov", target_layer_ids=(0, 1),
-                            num_target_layers=2, block_size=8)
+                            num_target_layers=2, block_size=8, dtype=dtype)
     runner = StepRunner(model, 16)
     runner.cuda_graphs = True  # refused off CUDA at construction; the stand-in captures
     model.ensure_positions(runner.max_rows())
@@ -252,3 +267,4 @@ def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch):
         assert s.run() == plain and sum(s.stats.accept_hist.values()) == s.stats.rounds
     with engine.session(prompt, 5, eos_ids=()) as s:
         assert s.pipelined and s.run() == plain
+    assert any(fused_calls) == fused_head

@@ -43,6 +43,9 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   a bias table built once where the vocabulary is small; with torch ~6 ops a slot, or 3 over the
   same table, built once row by row, or, for an eager caller on the CPU, a numpy loop over that
   table: the same picks)
+- `lm_head_argmax(h, w) -> (logits, picks)`: `linear(h, w)` (model dtype) and its `argmax`, a
+  greedy step's head; with the kernels, where `linear` takes the dense kernel with unsplit tiles,
+  one launch (the argmax in its epilogue, the same picks)
 - `argmax(x) -> int64 [rows]`: each row's `torch.argmax` (first index among equal maxima, NaN
   as the maximum), a greedy round's picks from its logits (one program per row with the
   kernels: torch's generic reduce is slow for 16 rows; kernels/argmax.py)
@@ -90,7 +93,8 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
   float32: widened in the same pass)
 
 - `unfused()`: these ops with every fused op replaced by its parts (SwiGLU as the matmul then
-  SiLU·mul, `embed_rms_norm` as the gather then the norm): the same bits, more launches; what the
+  SiLU·mul, `embed_rms_norm` as the gather then the norm, `lm_head_argmax` as the matmul then the
+  argmax): the same bits, more launches; what the
   GPU benchmarks time the fusions against (`target_step --variants triton-unfused`)
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
   programmatic dependent launch); a no-op for the torch ops
@@ -148,6 +152,12 @@ def unfused_embed_rms_norm(ops, ids: torch.Tensor, weight: torch.Tensor, norm_w:
     with `rows = ops.embed(ids, weight)`: the unfused form `unfused()` installs."""
     rows = ops.embed(ids, weight)
     return ops.rms_norm(rows, norm_w, eps), rows
+
+
+def unfused_lm_head_argmax(ops, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """A greedy step's head as two step ops: `(logits, ops.argmax(logits))`, `logits = ops.linear(h, w)`."""
+    logits = ops.linear(h, w)
+    return logits, ops.argmax(logits)
 
 
 def markov_chain_host(logits: torch.Tensor, anchor: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -301,6 +311,11 @@ class TorchStepOps:
         """The torch ops fuse nothing: themselves."""
         return self
 
+    @classmethod
+    def lm_head_argmax(cls, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(linear(h, w), argmax of it)`: a greedy step's model-dtype logits and picks."""
+        return unfused_lm_head_argmax(cls, h, w)
+
     confidence_raw = staticmethod(confidence_raw_ref)  # DSpark's accept-rate head: the op's one torch body
 
     pack_round = staticmethod(pack_round_ref)  # the op's one torch body
@@ -450,7 +465,18 @@ class TritonStepOps:
         ops = TritonStepOps()
         ops.swiglu = functools.partial(unfused_swiglu, ops)
         ops.embed_rms_norm = functools.partial(unfused_embed_rms_norm, ops)
+        ops.lm_head_argmax = functools.partial(unfused_lm_head_argmax, ops)
         return ops
+
+    def lm_head_argmax(self, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TorchStepOps.lm_head_argmax`; where `linear` takes the dense kernel and the shape's
+        tiles do not split `in`, one launch with the argmax in its epilogue (the picks of
+        `argmax(linear(h, w))`, bit for bit: the choice cannot change a pick)."""
+        if isinstance(w, torch.Tensor) and self._dense.eligible(h, w) \
+                and self._dense.config_for(*w.shape, h.element_size()).split_k == 1:
+            picks = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+            return self._dense.dense_linear(h, w, argmax_out=picks), picks
+        return unfused_lm_head_argmax(self, h, w)
 
     def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`TorchStepOps.linear`, with a plain weight whose shape is in `dense_linear.TUNED` (and

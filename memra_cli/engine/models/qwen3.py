@@ -321,6 +321,21 @@ class Qwen3Target(TargetBase):
         exact and keeps the order), without writing that copy. The weight matmuls are the step
         ops' `linear` too (cuBLAS, or the few-row kernel on the shapes it wins).
         """
+        h, taps_out = self._static_hidden(ids, positions, cache, taps)
+        return (self.logits(h) if widen else self.lm_head(h)), taps_out
+
+    def static_step_picks(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                          taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A greedy round's step: `static_step(widen=False)` and the argmax of its logits ->
+        (picks int64 `[W]`, model-dtype logits `[W, vocab]`, taps), the lm_head and its argmax
+        one step op (`lm_head_argmax`: one launch with the kernels)."""
+        h, taps_out = self._static_hidden(ids, positions, cache, taps)
+        logits, picks = self.step_ops.lm_head_argmax(h, self._lm_head)
+        return picks, logits, taps_out
+
+    def _static_hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                       taps: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`static_step` up to the final norm: (normed hidden `[W, hidden]`, taps)."""
         ops, eps = self.step_ops, self.cfg.rms_norm_eps
         self.ensure_positions(cache.max_len)
         h, x = ops.embed_rms_norm(ids, self.embed_weight, self.layers[0].attn_norm, eps)  # = rms_norm(embed(ids))
@@ -337,4 +352,4 @@ class Qwen3Target(TargetBase):
             if li in wanted:
                 tapped[li] = x
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        return (self.logits(h) if widen else self.lm_head(h)), taps_out
+        return h, taps_out
