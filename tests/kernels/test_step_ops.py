@@ -268,3 +268,32 @@ def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch, fu
     with engine.session(prompt, 5, eos_ids=()) as s:
         assert s.pipelined and s.run() == plain
     assert any(fused_calls) == fused_head
+
+
+def test_the_fused_head_and_embedding_ops_and_their_unfused_forms(monkeypatch):
+    """`lm_head_argmax` and `embed_rms_norm` through the torch ops, the kernels (the dense shape in
+    the table, so the argmax epilogue runs) and the kernels' `unfused()`: the same picks and rows
+    everywhere, the kernels' logits and norms equal bit for bit fused or not."""
+    from memra_kernels import dense_linear as dl
+
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(16, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    monkeypatch.setitem(dl.TUNED, (96, 64), dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2))
+    calls = []
+    real = dl.dense_linear
+    monkeypatch.setattr(dl, "dense_linear", lambda x, w, **kw: calls.append(kw.get("argmax_out") is not None)
+                        or real(x, w, **kw))
+    fused, unfused = TritonStepOps(), TritonStepOps().unfused()
+    logits, picks = fused.lm_head_argmax(h, w)
+    assert calls == [True]
+    u_logits, u_picks = unfused.lm_head_argmax(h, w)
+    assert calls[1:] == [False] and torch.equal(logits, u_logits) and torch.equal(picks, u_picks)
+    t_logits, _ = TorchStepOps.lm_head_argmax(h, w)
+    assert torch.equal(picks, TorchStepOps.argmax(logits)) and t_logits.shape == logits.shape
+    table, norm_w = torch.randn(40, 64, generator=g).to(DEVICE), torch.rand(64, generator=g).to(DEVICE) + 0.5
+    ids = torch.tensor([3, 39, 0, 3], device=DEVICE)
+    (n1, r1), (n2, r2) = fused.embed_rms_norm(ids, table, norm_w, 1e-6), unfused.embed_rms_norm(ids, table, norm_w, 1e-6)
+    assert torch.equal(n1, n2) and torch.equal(r1, r2)
+    tn, tr = TorchStepOps.embed_rms_norm(ids, table, norm_w, 1e-6)
+    assert torch.equal(r1, tr) and torch.allclose(n1, tn, rtol=1e-5, atol=0)  # float32: the sum of squares' order
