@@ -11,8 +11,9 @@ matmul where the 8B shape's would go (the dense kernel where the 8B weight's sha
   cuBLAS counts as one here, though cuBLAS may launch two (a split-K reduction).
 
 `--greedy` counts a greedy round's step instead (`spec/round_bodies.py`'s `greedy_step`: the
-lm_head and its argmax, no float32 logits); `--variant unfused` installs the step ops' unfused form of every
-fused op (`TritonStepOps.unfused`), the A/B the GPU benchmark times (`target_step --variants`).
+lm_head and its argmax, no float32 logits); `--variant unfused` installs the step ops with the embedding's and the
+head's fusions undone (`TritonStepOps.unfused`), the A/B the GPU benchmark times (`target_step
+--variants triton,triton-unfused`).
 
     python -m benchmarks.step_launches [--family qwen3|llama] [--greedy] [--variant fused|unfused] [--json OUT]
 

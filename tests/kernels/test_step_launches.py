@@ -18,13 +18,12 @@ def test_the_fused_step_launches_one_kernel_fewer(family):
     # a layer: qkv, (q/k norm +) rope + K/V write, attention's split and combine, o, add + norm,
     # gate/up (+ SiLU·mul: fused into the dense kernel's epilogue where the 8B weight is TUNED), down, add + norm
     per_layer = 9 if family == "qwen3" else 10
-    assert fused["per_layer"] == per_layer
-    assert unfused["per_layer"] == 10  # the SwiGLU as two launches
+    assert fused["per_layer"] == unfused["per_layer"] == per_layer
     # outside the layers: embedding + first norm (one launch fused), lm_head, the float32 widening
     assert fused["outside_layers"] == 3 and unfused["outside_layers"] == 4
     assert fused["triton"].get("_embed_kernel", 0) == 0 and unfused["triton"]["_embed_kernel"] == 1
-    if family == "qwen3":
-        assert fused["launches_8b"] == 36 * 9 + 3
+    if family == "qwen3":  # 328 before: the GPU profiler's count of the same step (docs/perf.md)
+        assert fused["launches_8b"] == 36 * 9 + 3 and unfused["launches_8b"] == 328
 
 
 @pytest.mark.exhaustive
@@ -41,3 +40,4 @@ def test_a_greedy_step_fuses_the_argmax_into_the_lm_head(variant):
         assert got["launches_8b"] == 36 * 9 + 2
     else:
         assert got["triton"]["_row_argmax_kernel"] == 1 and got["outside_layers"] == 2 + 1 + 2
+        assert got["launches_8b"] == 36 * 9 + 5

@@ -92,10 +92,10 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
 - `softcap(z, cap, out_dtype=None)`: the logits' `cap * tanh(z / cap)` in z's dtype (out_dtype
   float32: widened in the same pass)
 
-- `unfused()`: these ops with every fused op replaced by its parts (SwiGLU as the matmul then
-  SiLU·mul, `embed_rms_norm` as the gather then the norm, `lm_head_argmax` as the matmul then the
-  argmax): the same bits, more launches; what the
-  GPU benchmarks time the fusions against (`target_step --variants triton-unfused`)
+- `unfused()`: these ops with the step's head and tail fusions undone (`embed_rms_norm` as the
+  gather then the norm, `lm_head_argmax` as the matmul then the argmax): the same bits, more
+  launches; what the GPU benchmarks time those fusions against (`target_step --variants
+  triton-unfused`; the SwiGLU epilogue has its own switch, `unfused_swiglu`, variant `noglu`)
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
   programmatic dependent launch); a no-op for the torch ops
 
@@ -461,9 +461,9 @@ class TritonStepOps:
         self._moe = moe
 
     def unfused(self) -> "TritonStepOps":
-        """New ops with each fused op as its parts (module docstring): the same bits, more launches."""
+        """New ops with the head and tail fusions as their parts (module docstring): the same bits,
+        more launches."""
         ops = TritonStepOps()
-        ops.swiglu = functools.partial(unfused_swiglu, ops)
         ops.embed_rms_norm = functools.partial(unfused_embed_rms_norm, ops)
         ops.lm_head_argmax = functools.partial(unfused_lm_head_argmax, ops)
         return ops
