@@ -11,8 +11,9 @@ matmul where the 8B shape's would go (the dense kernel where the 8B weight's sha
   cuBLAS counts as one here, though cuBLAS may launch two (a split-K reduction).
 
 `--greedy` counts a greedy round's step instead (`spec/round_bodies.py`'s `greedy_step`: the
-lm_head and its argmax, no float32 logits); `--variant unfused` installs the step ops with the embedding's and the
-head's fusions undone (`TritonStepOps.unfused`), the A/B the GPU benchmark times (`target_step
+lm_head and its argmax, no float32 logits); `--variant unfused` installs the step ops with their launch fusions
+undone (`TritonStepOps.unfused`: the q/k/v projection + rope, the embedding + first norm, the
+lm_head + argmax), the A/B the GPU benchmark times (`target_step
 --variants triton,triton-unfused`).
 
     python -m benchmarks.step_launches [--family qwen3|llama] [--greedy] [--variant fused|unfused] [--json OUT]
@@ -50,7 +51,7 @@ from benchmarks.gpu_shapes import SHAPES, random_target
 W = 16
 FAMILIES = {"qwen3": ("small", "8b"), "llama": ("llama-small", "llama-8b")}  # --family -> (counted, routed as)
 # torch ops that launch no kernel: allocations and metadata
-_FREE = ("empty", "empty_like", "empty_strided", "detach", "alias", "lift_fresh", "_local_scalar_dense", "promote_types")
+_FREE = ("empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh", "_local_scalar_dense", "promote_types")
 
 
 class _TorchOps(TorchDispatchMode):

@@ -53,6 +53,7 @@ from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args
 from ._splitk import counters, split_for, store_or_reduce, tile_rows
 from .argmax import _column_of, _keys
+from .rope import qkv_rope_epilogue
 
 __all__ = ["KernelConfig", "TUNED", "config_for", "dense_linear", "dense_linear_ref", "eligible",
            "load_tuned", "MAX_ROWS"]
@@ -164,7 +165,11 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
                          BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                          PREC: tl.constexpr, WIDEN: tl.constexpr, PREFETCH: tl.constexpr = 0,
                          GLU: tl.constexpr = False, PDL: tl.constexpr = False, ARGMAX: tl.constexpr = False,
-                         keys_ptr=None, picks_ptr=None, acnt_ptr=None):
+                         keys_ptr=None, picks_ptr=None, acnt_ptr=None, ROPE: tl.constexpr = False,
+                         NORM: tl.constexpr = False, HD: tl.constexpr = 0, q_w_ptr=None, k_w_ptr=None,
+                         cos_ptr=None, sin_ptr=None, pos_ptr=None, q_out_ptr=None, k_cache_ptr=None,
+                         v_cache_ptr=None, stride_cos=0, stride_sin=0, stride_qo=0, stride_kc_h=0, stride_kc_s=0,
+                         stride_vc_h=0, stride_vc_s=0, n_heads=0, n_kv=0, eps=0.0):
     """out [M, N] = x [M, K] @ w [N, K].T for one (n tile, k split, m tile) per program; with GLU,
     out [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for w = [gate; up] (`_splitk.tile_rows`).
 
@@ -211,11 +216,17 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
     acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
 
     # the weight rows name the tile's columns of the split-K workspace (one per row, gate or up)
-    store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, rows_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
-                    SPLIT, BLOCK_M, BLOCK_N, GLU)
-    if ARGMAX:
-        _argmax_epilogue(acc.to(out_ptr.dtype.element_ty).to(tl.float32), rows_n, offs_m, m_mask, n_mask,
-                         keys_ptr, picks_ptr, acnt_ptr)
+    if ROPE:  # q/k norm + rope + the K/V write by each head's last program (rope.qkv_rope_epilogue)
+        qkv_rope_epilogue(acc, ws_ptr, cnt_ptr, offs_m, m_mask, M, N, SPLIT_K, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr,
+                          pos_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin, stride_qo,
+                          stride_kc_h, stride_kc_s, stride_vc_h, stride_vc_s, n_heads, n_kv, eps,
+                          HD, BLOCK_M, BLOCK_N, NORM)
+    else:
+        store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, rows_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
+                        SPLIT, BLOCK_M, BLOCK_N, GLU)
+        if ARGMAX:
+            _argmax_epilogue(acc.to(out_ptr.dtype.element_ty).to(tl.float32), rows_n, offs_m, m_mask, n_mask,
+                             keys_ptr, picks_ptr, acnt_ptr)
 
 
 @triton.jit
@@ -300,6 +311,65 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
         PREFETCH=PDL_PREFETCH, **picks, **pdl_args(x),  # the prefetch runs only with PDL (_prefetch_then_wait)
     )
     return out
+
+
+def qkv_rope_eligible(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
+    """Whether `dense_qkv_rope_kv_write` takes the fused projection `x @ w.T`: the step ops'
+    `linear` would take this kernel (`eligible`), and the shape's n tiles lie inside heads."""
+    return eligible(x, w) and _tiles_in_heads(w, head_dim)
+
+
+def _tiles_in_heads(w: torch.Tensor, head_dim: int) -> bool:
+    """`w`'s n tiles each inside one head of `head_dim` (a power of two: the epilogue's halves)."""
+    return (head_dim & (head_dim - 1) == 0 and w.dim() == 2 and w.shape[0] % head_dim == 0
+            and head_dim % config_for(*w.shape, w.element_size()).block_n == 0)
+
+
+def dense_qkv_rope_kv_write(x: torch.Tensor, w: torch.Tensor, q_norm_w: torch.Tensor | None,
+                            k_norm_w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                            positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+    """`rope.qk_norm_rope_kv_write(dense_linear(x, w), ...)` (norm weights None:
+    `rope.rope_kv_write`, LLaMA) in one launch: each head's last program rounds its projection as
+    dense_linear does and norms, rotates and writes it (the projection itself is never stored).
+    x `[t, hidden]`, w `[(nh + 2 nkv) hd, hidden]` with `qkv_rope_eligible`; the rest as
+    `qk_norm_rope_kv_write`'s. Returns rotated q `[t, nh, hd]`."""
+    from .rope import _check
+
+    n, k = w.shape
+    hd = cos.shape[1]
+    check_tensors(x, w)
+    check_dtype(x, "x")
+    if not _tiles_in_heads(w, hd) or w.dtype != x.dtype or x.dim() != 2 or x.shape[1] != w.shape[1] \
+            or w.stride(1) != 1 or x.shape[0] > MAX_ROWS:
+        raise ValueError(f"the fused q/k/v projection takes x [t <= {MAX_ROWS}, in] and a weight of its dtype with "
+                         f"contiguous rows whose tiles lie inside heads of {hd}, got {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(w.shape)} {w.dtype}")
+    norm = q_norm_w is not None
+    t = x.shape[0]
+    # the unfused op's checks, on a stand-in for the projection it would have read
+    _check(x.new_empty((t, n)), (q_norm_w, k_norm_w) if norm else (), cos, sin, positions, k_cache, v_cache,
+           n_heads, n_kv)
+    q = torch.empty((t, n_heads, hd), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return q
+    x2 = x if x.stride(1) == 1 else x.contiguous()
+    cfg = config_for(n, k, x.element_size())
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(t, BLOCK_M))
+    ws = torch.empty((cfg.split_k, t, n), dtype=torch.float32, device=x.device)
+    cnt = counters("dense_qkv_rope", x.device, grid[2] * (n // hd))
+    _dense_linear_kernel[grid](
+        x2, w, q, ws, cnt, t, n, k, x2.stride(0), w.stride(0), 0, cfg.split_k,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1, EVEN_K=k % cfg.block_k == 0,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", WIDEN=interpreting() and x.device.type != "cuda",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PREFETCH=PDL_PREFETCH,
+        ROPE=True, NORM=norm, HD=hd, q_w_ptr=q_norm_w if norm else cos, k_w_ptr=k_norm_w if norm else cos,
+        cos_ptr=cos, sin_ptr=sin, pos_ptr=positions, q_out_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+        stride_cos=cos.stride(0), stride_sin=sin.stride(0), stride_qo=q.stride(0), stride_kc_h=k_cache.stride(0),
+        stride_kc_s=k_cache.stride(1), stride_vc_h=v_cache.stride(0), stride_vc_s=v_cache.stride(1),
+        n_heads=n_heads, n_kv=n_kv, eps=float(eps), **pdl_args(x),
+    )
+    return q
 
 
 _KEYS: dict[tuple, torch.Tensor] = {}

@@ -291,6 +291,14 @@ def _dense_linear(ctx, dt):
     for n, k in ((24576, 4096), (18432, 2560), (4096, 12288)):
         ctx.launch(f"dense_linear {n}x{k} glu", "_dense_linear_kernel", dl.dense_linear,
                    ctx.t(16, k, dtype=dt), ctx.t(n, k, dtype=dt), glu=True)
+    # the q/k/v projection's epilogue (ROPE): Qwen3-8B's (q/k norm: NORM) and LLaMA-3.1-8B's (none)
+    nh, nkv, hd, s_len = 32, 8, 128, 512
+    for norm in (True, False):
+        w = ctx.t((nh + 2 * nkv) * hd, 4096, dtype=dt)
+        ctx.launch(f"dense_qkv_rope_kv_write norm={norm}", "_dense_linear_kernel", dl.dense_qkv_rope_kv_write,
+                   ctx.t(16, 4096, dtype=dt), w, ctx.t(hd, dtype=dt) if norm else None,
+                   ctx.t(hd, dtype=dt) if norm else None, ctx.t(s_len, hd, dtype=dt), ctx.t(s_len, hd, dtype=dt),
+                   ctx.idx(16), ctx.t(nkv, s_len, hd, dtype=dt), ctx.t(nkv, s_len, hd, dtype=dt), nh, nkv, 1e-6)
     # the argmax epilogue (ARGMAX): the lm_heads of Qwen3-8B and Qwen3.5-4B, whose tiles do not split `in`
     for n, k in ((151936, 4096), (248320, 2560)):
         ctx.launch(f"dense_linear {n}x{k} argmax", "_dense_linear_kernel", dl.dense_linear,

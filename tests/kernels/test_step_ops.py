@@ -69,9 +69,10 @@ def test_greedy_and_speculative_streams_with_the_kernels(target_dir, tmp_path):
 
 @pytest.mark.exhaustive  # the epilogue's own tests (test_dense_linear, test_quant_linear) are quick
 def test_the_swiglu_epilogue_in_a_model_step(target_dir, tmp_path, monkeypatch):
-    """With the tiny target's gate/up shape in the dense kernel's table (bf16: the kernel's
-    dtypes), every layer's MLP runs the one-launch SwiGLU (dense_linear glu=True): logits stay
-    within bf16 tolerance of the torch ops, and speculative == plain greedy through it."""
+    """With the tiny target's gate/up and q/k/v shapes in the dense kernel's table (bf16: the
+    kernel's dtypes), every layer's MLP runs the one-launch SwiGLU (dense_linear glu=True) and its
+    q/k/v projection the one-launch norm + rope + K/V write (dense_qkv_rope_kv_write): logits stay
+    within bf16 tolerance of the torch ops, and speculative == plain greedy through them."""
     from memra_kernels import dense_linear as dl
 
     def model_with(ops):
@@ -82,6 +83,9 @@ def test_the_swiglu_epilogue_in_a_model_step(target_dir, tmp_path, monkeypatch):
     model = model_with(TritonStepOps())
     w = model.layers[0].w_gate_up
     monkeypatch.setitem(dl.TUNED, tuple(w.shape), dl.KernelConfig(block_n=32, block_k=32, split_k=2, num_stages=2))
+    # the fused q/k/v projection too: its norm, rope and K/V write in the dense kernel's epilogue
+    monkeypatch.setitem(dl.TUNED, tuple(model.layers[0].wqkv.shape),
+                        dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2))
     glu_calls = []
     real = dl.dense_linear
     monkeypatch.setattr(dl, "dense_linear", lambda x, w, **kw: glu_calls.append(kw.get("glu", False)) or real(x, w, **kw))
@@ -228,8 +232,11 @@ def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch, fu
     dtype = torch.bfloat16 if fused_head else torch.float32
     fused_calls = []
     if fused_head:
-        head = Qwen3Target.from_dir(target_dir, dtype, DEVICE).lm_head_weight
-        monkeypatch.setitem(dl.TUNED, tuple(head.shape), dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2))
+        shapes = Qwen3Target.from_dir(target_dir, dtype, DEVICE)
+        monkeypatch.setitem(dl.TUNED, tuple(shapes.lm_head_weight.shape),
+                            dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2))
+        monkeypatch.setitem(dl.TUNED, tuple(shapes.layers[0].wqkv.shape),  # and the fused q/k/v epilogue
+                            dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2))
         real = dl.dense_linear
         monkeypatch.setattr(dl, "dense_linear", lambda x, w, **kw: fused_calls.append(
             kw.get("argmax_out") is not None) or real(x, w, **kw))

@@ -15,6 +15,10 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
 - `rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, nh, nkv) -> q`: the same without
   the q/k norm (LLaMA), hd the tables' width
+- `qkv_rope_kv_write(h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv,
+  eps) -> q`: `linear(h, w_qkv, b_qkv)` then `qk_norm_rope_kv_write` (norms None: `rope_kv_write`);
+  with the kernels, where `linear` takes the dense kernel, one launch (the norm, rope and K/V write
+  in its epilogue, the bits of the two)
 - `attention(q, k_cache, v_cache, positions, scale, window=0) -> [t, nh*hd]`: causal by position
   over the cache; with a sliding `window` W > 0 a row at p sees keys p - W < j <= p only (Gemma 4)
 - `silu_mul(gate_up) -> silu(gate) * up`
@@ -92,8 +96,9 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
 - `softcap(z, cap, out_dtype=None)`: the logits' `cap * tanh(z / cap)` in z's dtype (out_dtype
   float32: widened in the same pass)
 
-- `unfused()`: these ops with the step's head and tail fusions undone (`embed_rms_norm` as the
-  gather then the norm, `lm_head_argmax` as the matmul then the argmax): the same bits, more
+- `unfused()`: these ops with this seam's launch fusions undone (`embed_rms_norm` as the gather
+  then the norm, `lm_head_argmax` as the matmul then the argmax, `qkv_rope_kv_write` as the
+  projection then the rope op): the same bits, more
   launches; what the GPU benchmarks time those fusions against (`target_step --variants
   triton-unfused`; the SwiGLU epilogue has its own switch, `unfused_swiglu`, variant `noglu`)
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
@@ -152,6 +157,15 @@ def unfused_embed_rms_norm(ops, ids: torch.Tensor, weight: torch.Tensor, norm_w:
     with `rows = ops.embed(ids, weight)`: the unfused form `unfused()` installs."""
     rows = ops.embed(ids, weight)
     return ops.rms_norm(rows, norm_w, eps), rows
+
+
+def unfused_qkv_rope_kv_write(ops, h: torch.Tensor, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache,
+                              v_cache, n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+    """The fused projection, then the (q/k norm +) rope + K/V write, as two step ops."""
+    qkv = ops.linear(h, w_qkv, b_qkv)
+    if q_norm is None:
+        return ops.rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, n_heads, n_kv)
+    return ops.qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, n_heads, n_kv, eps)
 
 
 def unfused_lm_head_argmax(ops, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,6 +326,13 @@ class TorchStepOps:
         return self
 
     @classmethod
+    def qkv_rope_kv_write(cls, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
+                          n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+        """The projection, then the (q/k norm +) rope + K/V write."""
+        return unfused_qkv_rope_kv_write(cls, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache,
+                                         v_cache, n_heads, n_kv, eps)
+
+    @classmethod
     def lm_head_argmax(cls, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
         """`(linear(h, w), argmax of it)`: a greedy step's model-dtype logits and picks."""
         return unfused_lm_head_argmax(cls, h, w)
@@ -466,7 +487,19 @@ class TritonStepOps:
         ops = TritonStepOps()
         ops.embed_rms_norm = functools.partial(unfused_embed_rms_norm, ops)
         ops.lm_head_argmax = functools.partial(unfused_lm_head_argmax, ops)
+        ops.qkv_rope_kv_write = functools.partial(unfused_qkv_rope_kv_write, ops)
         return ops
+
+    def qkv_rope_kv_write(self, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
+                          n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+        """`TorchStepOps.qkv_rope_kv_write`; where `linear` takes the dense kernel (no bias) and
+        its tiles lie inside heads, one launch (`dense_linear.dense_qkv_rope_kv_write`: the bits
+        of the two launches, so the choice cannot split a step's rows)."""
+        if b_qkv is None and isinstance(w_qkv, torch.Tensor) and self._dense.qkv_rope_eligible(h, w_qkv, cos.shape[1]):
+            return self._dense.dense_qkv_rope_kv_write(h, w_qkv, q_norm, k_norm, cos, sin, positions, k_cache,
+                                                       v_cache, n_heads, n_kv, eps)
+        return unfused_qkv_rope_kv_write(self, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache,
+                                         v_cache, n_heads, n_kv, eps)
 
     def lm_head_argmax(self, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
         """`TorchStepOps.lm_head_argmax`; where `linear` takes the dense kernel and the shape's

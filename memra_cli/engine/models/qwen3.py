@@ -297,15 +297,6 @@ class Qwen3Target(TargetBase):
         is exact, so a consumer that widens as it reads sees the same numbers)."""
         return self.step_ops.linear(hidden, self._lm_head)
 
-    def _step_qkv(self, qkv: torch.Tensor, w: LayerWeights, positions: torch.Tensor,
-                  kv: torch.Tensor) -> torch.Tensor:
-        """The step ops' (q/k norm +) rope + K/V write of `qkv [W, (nh + 2*nkv)*hd]` -> q `[W, nh, hd]`."""
-        ops = self.step_ops
-        if w.q_norm is None:
-            return ops.rope_kv_write(qkv, self._cos, self._sin, positions, kv[0], kv[1], self.n_heads, self.n_kv)
-        return ops.qk_norm_rope_kv_write(qkv, w.q_norm, w.k_norm, self._cos, self._sin, positions, kv[0], kv[1],
-                                         self.n_heads, self.n_kv, self.cfg.rms_norm_eps)
-
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                     taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-width step with every shape static and every position on the device.
@@ -343,7 +334,8 @@ class Qwen3Target(TargetBase):
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
         for li, w in enumerate(self.layers):
             kv = cache.kv[li]
-            q = self._step_qkv(ops.linear(h, w.wqkv, w.bqkv), w, positions, kv)
+            q = ops.qkv_rope_kv_write(h, w.wqkv, w.bqkv, w.q_norm, w.k_norm, self._cos, self._sin, positions, kv[0],
+                                      kv[1], self.n_heads, self.n_kv, eps)
             attn = ops.linear(ops.attention(q, kv[0], kv[1], positions, self.scale), w.wo, w.bo)
             h, x = ops.add_rms_norm(attn, x, w.mlp_norm, eps)
             down = self._step_ffn(h, li, w)
