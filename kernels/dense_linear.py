@@ -331,7 +331,8 @@ def dense_qkv_rope_kv_write(x: torch.Tensor, w: torch.Tensor, q_norm_w: torch.Te
                             n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
     """`rope.qk_norm_rope_kv_write(dense_linear(x, w), ...)` (norm weights None:
     `rope.rope_kv_write`, LLaMA) in one launch: each head's last program rounds its projection as
-    dense_linear does and norms, rotates and writes it (the projection itself is never stored).
+    dense_linear does and norms, rotates and writes it (the projection itself is never stored;
+    the norm's sum of squares may run in another order than the rope kernel's: `rope.qkv_rope_epilogue`).
     x `[t, hidden]`, w `[(nh + 2 nkv) hd, hidden]` with `qkv_rope_eligible`; the rest as
     `qk_norm_rope_kv_write`'s. Returns rotated q `[t, nh, hd]`."""
     from .rope import _check

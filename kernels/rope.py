@@ -217,7 +217,10 @@ def qkv_rope_epilogue(acc, ws_ptr, cnt_ptr, offs_m, m_mask, M, N, SPLIT_K, q_w_p
     head's HD / BLOCK_N tiles x SPLIT_K programs to arrive sums them in split order (dense_linear's
     bits), rounds to the model dtype (the projection's output) and does what
     `qk_norm_rope_kv_write` does for that head and those rows: q/k norm (NORM) + RoPE, q to q_out,
-    k and v into the caches at each row's position."""
+    k and v into the caches at each row's position. The same roundings; the norm's float32 sum of
+    squares runs over a [rows, hd/2] tile here, so on a GPU its order (not its inputs) may differ
+    from the rope kernel's by a last ulp of the statistic, as the twin's does. A row's result
+    depends on its own values and position only (one row of each tile reduction)."""
     HALF: tl.constexpr = HD // 2
     TILES: tl.constexpr = HD // BLOCK_N
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -225,16 +225,17 @@ def _fused(x, w, qn, kn, cos, sin, pos, nh, nkv, norm=True, device="cpu"):
     return q, kc, vc
 
 
+@pytest.mark.parametrize("t", [5, 20])  # one m tile, two
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "llama"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_projection_epilogue_is_the_two_launches(split, norm, dtype, device, monkeypatch):
+def test_the_projection_epilogue_is_the_two_launches(t, split, norm, dtype, device, monkeypatch):
     """`dense_qkv_rope_kv_write` (one launch) == `dense_linear` then `qk_norm_rope_kv_write` /
     `rope_kv_write`, bit for bit: q, the K and the V cache, one tile per half head, `in` split or
     not (the split partials summed in split order, rounded as the projection is)."""
     from memra_kernels import dense_linear as dl
 
-    x, w, qn, kn, cos, sin, pos, nh, nkv = _qkv_case(5, dtype)
+    x, w, qn, kn, cos, sin, pos, nh, nkv = _qkv_case(t, dtype)
     monkeypatch.setitem(dl.TUNED, tuple(w.shape), dl.KernelConfig(block_n=16, block_k=16, split_k=split, num_stages=2))
     q, kc, vc = _fused(x, w, qn, kn, cos, sin, pos, nh, nkv, norm, device)
     kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)

@@ -304,3 +304,40 @@ def test_the_fused_head_and_embedding_ops_and_their_unfused_forms(monkeypatch):
     assert torch.equal(n1, n2) and torch.equal(r1, r2)
     tn, tr = TorchStepOps.embed_rms_norm(ids, table, norm_w, 1e-6)
     assert torch.equal(r1, tr) and torch.allclose(n1, tn, rtol=1e-5, atol=0)  # float32: the sum of squares' order
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_launch_fusions_on_the_gpu(target_dir, monkeypatch):
+    """Compiled, with programmatic dependent launch, eager and replayed as a CUDA graph, the bf16
+    step with every launch fusion (q/k/v + rope, embedding + norm, lm_head + argmax; the tiny
+    target's shapes put in the dense kernel's table): the graph replays the eager step's logits,
+    picks and K/V bit for bit, the picks are the logits' argmax, a row's picks are the same alone,
+    and the logits are the unfused ops' within bf16 rounding (the q/k norm's sum of squares may run
+    in another order: kernels/rope.py `qkv_rope_epilogue`)."""
+    from memra_cli.engine.runtime import cuda_graphs
+    from memra_kernels import dense_linear as dl
+
+    model = Qwen3Target.from_dir(target_dir, torch.bfloat16, "cuda")
+    for w, cfg in ((model.layers[0].wqkv, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
+                   (model.lm_head_weight, dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2))):
+        monkeypatch.setitem(dl.TUNED, tuple(w.shape), cfg)
+    ids = torch.randint(0, 512, (16,), device="cuda")
+    pos = torch.arange(30, 46, device="cuda")
+    out = {}
+    for name, ops in (("fused", TritonStepOps()), ("unfused", TritonStepOps().unfused())):
+        model.step_ops = ops
+        state = model.new_state(64)
+        picks, logits, _ = model.static_step_picks(ids, pos, state)
+        kv = state.kv.clone()
+        graph, (g_picks, g_logits, _) = cuda_graphs.capture(lambda: model.static_step_picks(ids, pos, state, None),
+                                                            torch.device("cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(g_picks, picks) and torch.equal(g_logits, logits) and torch.equal(state.kv, kv)
+        assert torch.equal(picks, logits.argmax(dim=-1))
+        alone = model.static_step_picks(ids[:1].expand(16).contiguous(), pos, model.new_state(64))[0]
+        assert alone[0].item() == picks[0].item()
+        out[name] = logits.float()
+    ref = out["unfused"]
+    assert ((out["fused"] - ref).norm() / ref.norm()).item() < 2e-2  # bf16: a few ulps where a statistic's ulp flips

@@ -18,7 +18,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `qkv_rope_kv_write(h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv,
   eps) -> q`: `linear(h, w_qkv, b_qkv)` then `qk_norm_rope_kv_write` (norms None: `rope_kv_write`);
   with the kernels, where `linear` takes the dense kernel, one launch (the norm, rope and K/V write
-  in its epilogue, the bits of the two)
+  in its epilogue: the projection's bits, then the rope kernel's arithmetic, its norm's float32 sum
+  of squares perhaps in another order)
 - `attention(q, k_cache, v_cache, positions, scale, window=0) -> [t, nh*hd]`: causal by position
   over the cache; with a sliding `window` W > 0 a row at p sees keys p - W < j <= p only (Gemma 4)
 - `silu_mul(gate_up) -> silu(gate) * up`
@@ -493,8 +494,9 @@ class TritonStepOps:
     def qkv_rope_kv_write(self, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
                           n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
         """`TorchStepOps.qkv_rope_kv_write`; where `linear` takes the dense kernel (no bias) and
-        its tiles lie inside heads, one launch (`dense_linear.dense_qkv_rope_kv_write`: the bits
-        of the two launches, so the choice cannot split a step's rows)."""
+        its tiles lie inside heads, one launch (`dense_linear.dense_qkv_rope_kv_write`). The choice
+        depends on the weight's shape and the row count only up to MAX_ROWS, and either path is
+        row-count invariant, so every fixed-width step gets the same bits for a row."""
         if b_qkv is None and isinstance(w_qkv, torch.Tensor) and self._dense.qkv_rope_eligible(h, w_qkv, cos.shape[1]):
             return self._dense.dense_qkv_rope_kv_write(h, w_qkv, q_norm, k_norm, cos, sin, positions, k_cache,
                                                        v_cache, n_heads, n_kv, eps)
