@@ -30,6 +30,13 @@ pointer: the weight keeps its layout), and its epilogue writes silu(gate) * up w
 kernel's code (`activation.silu_mul_rounded`), so the result is that of the two launches bit for
 bit, without the [rows, 2 I] round trip and the second launch.
 
+Argmax epilogue (`argmax_out=`, the step ops' `lm_head_argmax`): each program also folds its
+tile's rounded outputs into one int64 key a row (argmax.py's keys: the largest value, the first
+column among equals, NaN the largest), `atomic_max`es it into the row's slot, and the last program
+of an m tile (an arrival counter) writes each row's column and resets the slots. An integer
+maximum is exact in any order, so the picks are `row_argmax(dense_linear(x, w))` bit for bit, for
+any row count, without the two argmax launches and the logits' re-read.
+
 Public API: `KernelConfig`, `TUNED`, `config_for`, `dense_linear`, `dense_linear_ref`,
 `eligible`, `load_tuned`, `MAX_ROWS`, `PDL_PREFETCH`.
 """
@@ -45,6 +52,8 @@ import triton.language as tl
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args
 from ._splitk import counters, split_for, store_or_reduce, tile_rows
+from .argmax import _column_of, _keys
+from .rope import qkv_rope_epilogue
 
 __all__ = ["KernelConfig", "TUNED", "config_for", "dense_linear", "dense_linear_ref", "eligible",
            "load_tuned", "MAX_ROWS"]
@@ -155,7 +164,12 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
                          stride_om, SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
                          PREC: tl.constexpr, WIDEN: tl.constexpr, PREFETCH: tl.constexpr = 0,
-                         GLU: tl.constexpr = False, PDL: tl.constexpr = False):
+                         GLU: tl.constexpr = False, PDL: tl.constexpr = False, ARGMAX: tl.constexpr = False,
+                         keys_ptr=None, picks_ptr=None, acnt_ptr=None, ROPE: tl.constexpr = False,
+                         NORM: tl.constexpr = False, HD: tl.constexpr = 0, q_w_ptr=None, k_w_ptr=None,
+                         cos_ptr=None, sin_ptr=None, pos_ptr=None, q_out_ptr=None, k_cache_ptr=None,
+                         v_cache_ptr=None, stride_cos=0, stride_sin=0, stride_qo=0, stride_kc_h=0, stride_kc_s=0,
+                         stride_vc_h=0, stride_vc_s=0, n_heads=0, n_kv=0, eps=0.0):
     """out [M, N] = x [M, K] @ w [N, K].T for one (n tile, k split, m tile) per program; with GLU,
     out [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for w = [gate; up] (`_splitk.tile_rows`).
 
@@ -202,8 +216,31 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
     acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
 
     # the weight rows name the tile's columns of the split-K workspace (one per row, gate or up)
-    store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, rows_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
-                    SPLIT, BLOCK_M, BLOCK_N, GLU)
+    if ROPE:  # q/k norm + rope + the K/V write by each head's last program (rope.qkv_rope_epilogue)
+        qkv_rope_epilogue(acc, ws_ptr, cnt_ptr, offs_m, m_mask, M, N, SPLIT_K, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr,
+                          pos_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin, stride_qo,
+                          stride_kc_h, stride_kc_s, stride_vc_h, stride_vc_s, n_heads, n_kv, eps,
+                          HD, BLOCK_M, BLOCK_N, NORM)
+    else:
+        store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, rows_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
+                        SPLIT, BLOCK_M, BLOCK_N, GLU)
+        if ARGMAX:
+            _argmax_epilogue(acc.to(out_ptr.dtype.element_ty).to(tl.float32), rows_n, offs_m, m_mask, n_mask,
+                             keys_ptr, picks_ptr, acnt_ptr)
+
+
+@triton.jit
+def _argmax_epilogue(vals, cols, offs_m, m_mask, n_mask, keys_ptr, picks_ptr, acnt_ptr):
+    """Fold a tile's rounded outputs `vals [BLOCK_M, BLOCK_N]` (float32) into each row's key slot;
+    the m tile's last program writes the rows' columns to picks and resets slots and counter."""
+    best = tl.max(_keys(vals, cols[None, :], m_mask[:, None] & n_mask[None, :]), axis=1)
+    tl.atomic_max(keys_ptr + offs_m, best, mask=m_mask, sem="acq_rel", scope="gpu")
+    tl.debug_barrier()  # every row's max is in before one thread announces the tile
+    arrived = tl.atomic_add(acnt_ptr + tl.program_id(2), 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        top = tl.atomic_xchg(keys_ptr + offs_m, -1, mask=m_mask, sem="acq_rel", scope="gpu")  # read and reset
+        tl.store(picks_ptr + offs_m, _column_of(top), mask=m_mask)
+        tl.atomic_xchg(acnt_ptr + tl.program_id(2), 0, sem="relaxed", scope="gpu")
 
 
 def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -216,7 +253,8 @@ def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | None = None,
-                 out: torch.Tensor | None = None, glu: bool = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None, glu: bool = False,
+                 argmax_out: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., out] = x [..., in] @ w [out, in].T on the kernel, in x's dtype (float32
     accumulation). `config` overrides the shape's tiles (benchmarks, tests); `out` (contiguous,
     x's dtype) receives the result if given.
@@ -224,7 +262,11 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
     glu: `w` is a fused [gate; up] weight [2 I, in] and the result is the SwiGLU middle
     y [..., I] = silu(x @ gate.T) * (x @ up.T), computed in the same launch and equal bit for bit
     to `activation.silu_mul(dense_linear(x, w))` (the same tiles, each product rounded to x's
-    dtype before the activation), one launch and one [.., 2 I] round trip fewer."""
+    dtype before the activation), one launch and one [.., 2 I] round trip fewer.
+
+    argmax_out: int64 `[rows]` (x 2-D) that receives each row's `row_argmax` of the result (the
+    argmax epilogue, module docstring); a shape whose tiles split `in` is refused (its outputs
+    exist only after the split sum)."""
     check_tensors(x, w)
     check_dtype(x, "x")
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
@@ -249,6 +291,9 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
     if m == 0:
         return out
     cfg = config.check() if config is not None else config_for(n, k, x.element_size())
+    picks = {}
+    if argmax_out is not None:
+        picks = _argmax_args(argmax_out, x2, glu, cfg, triton.cdiv(m, BLOCK_M))
     # a GLU tile holds block_n / 2 output columns (their gate and up rows)
     grid = (triton.cdiv(n_out, cfg.block_n // 2 if glu else cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
     if cfg.split_k > 1:
@@ -263,9 +308,89 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
         WIDEN=interpreting() and x.device.type != "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, GLU=glu,
-        PREFETCH=PDL_PREFETCH, **pdl_args(x),  # the prefetch runs only with PDL (_prefetch_then_wait)
+        PREFETCH=PDL_PREFETCH, **picks, **pdl_args(x),  # the prefetch runs only with PDL (_prefetch_then_wait)
     )
     return out
+
+
+def qkv_rope_eligible(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
+    """Whether `dense_qkv_rope_kv_write` takes the fused projection `x @ w.T`: the step ops'
+    `linear` would take this kernel (`eligible`), and the shape's n tiles lie inside heads."""
+    return eligible(x, w) and _tiles_in_heads(w, head_dim)
+
+
+def _tiles_in_heads(w: torch.Tensor, head_dim: int) -> bool:
+    """`w`'s n tiles each inside one head of `head_dim` (a power of two: the epilogue's halves)."""
+    return (head_dim & (head_dim - 1) == 0 and w.dim() == 2 and w.shape[0] % head_dim == 0
+            and head_dim % config_for(*w.shape, w.element_size()).block_n == 0)
+
+
+def dense_qkv_rope_kv_write(x: torch.Tensor, w: torch.Tensor, q_norm_w: torch.Tensor | None,
+                            k_norm_w: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                            positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+    """`rope.qk_norm_rope_kv_write(dense_linear(x, w), ...)` (norm weights None:
+    `rope.rope_kv_write`, LLaMA) in one launch: each head's last program rounds its projection as
+    dense_linear does and norms, rotates and writes it (the projection itself is never stored;
+    the norm's sum of squares may run in another order than the rope kernel's: `rope.qkv_rope_epilogue`).
+    x `[t, hidden]`, w `[(nh + 2 nkv) hd, hidden]` with `qkv_rope_eligible`; the rest as
+    `qk_norm_rope_kv_write`'s. Returns rotated q `[t, nh, hd]`."""
+    from .rope import _check
+
+    n, k = w.shape
+    hd = cos.shape[1]
+    check_tensors(x, w)
+    check_dtype(x, "x")
+    if not _tiles_in_heads(w, hd) or w.dtype != x.dtype or x.dim() != 2 or x.shape[1] != w.shape[1] \
+            or w.stride(1) != 1 or x.shape[0] > MAX_ROWS:
+        raise ValueError(f"the fused q/k/v projection takes x [t <= {MAX_ROWS}, in] and a weight of its dtype with "
+                         f"contiguous rows whose tiles lie inside heads of {hd}, got {tuple(x.shape)} {x.dtype} and "
+                         f"{tuple(w.shape)} {w.dtype}")
+    norm = q_norm_w is not None
+    t = x.shape[0]
+    # the unfused op's checks, on a stand-in for the projection it would have read
+    _check(x.new_empty((t, n)), (q_norm_w, k_norm_w) if norm else (), cos, sin, positions, k_cache, v_cache,
+           n_heads, n_kv)
+    q = torch.empty((t, n_heads, hd), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return q
+    x2 = x if x.stride(1) == 1 else x.contiguous()
+    cfg = config_for(n, k, x.element_size())
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k, triton.cdiv(t, BLOCK_M))
+    ws = torch.empty((cfg.split_k, t, n), dtype=torch.float32, device=x.device)
+    cnt = counters("dense_qkv_rope", x.device, grid[2] * (n // hd))
+    _dense_linear_kernel[grid](
+        x2, w, q, ws, cnt, t, n, k, x2.stride(0), w.stride(0), 0, cfg.split_k,
+        BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1, EVEN_K=k % cfg.block_k == 0,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", WIDEN=interpreting() and x.device.type != "cuda",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PREFETCH=PDL_PREFETCH,
+        ROPE=True, NORM=norm, HD=hd, q_w_ptr=q_norm_w if norm else cos, k_w_ptr=k_norm_w if norm else cos,
+        cos_ptr=cos, sin_ptr=sin, pos_ptr=positions, q_out_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
+        stride_cos=cos.stride(0), stride_sin=sin.stride(0), stride_qo=q.stride(0), stride_kc_h=k_cache.stride(0),
+        stride_kc_s=k_cache.stride(1), stride_vc_h=v_cache.stride(0), stride_vc_s=v_cache.stride(1),
+        n_heads=n_heads, n_kv=n_kv, eps=float(eps), **pdl_args(x),
+    )
+    return q
+
+
+_KEYS: dict[tuple, torch.Tensor] = {}
+
+
+def _argmax_args(argmax_out: torch.Tensor, x2: torch.Tensor, glu: bool, cfg: KernelConfig, m_tiles: int) -> dict:
+    """The argmax epilogue's launch arguments: its key slots (int64, -1 between calls: the last
+    program resets them, like the split-K counters; per device and stream) and arrival counters."""
+    m = x2.shape[0]
+    if glu or cfg.split_k > 1:
+        raise ValueError("argmax_out needs a plain (not glu) weight whose tiles do not split `in`")
+    if argmax_out.shape != (m,) or argmax_out.dtype != torch.long or argmax_out.device != x2.device:
+        raise ValueError(f"argmax_out must be int64 [{m}] on {x2.device}, got {argmax_out.dtype} {tuple(argmax_out.shape)}")
+    stream = torch.cuda.current_stream(x2.device).cuda_stream if x2.device.type == "cuda" else 0
+    key = (x2.device.type, x2.device.index, stream)
+    keys = _KEYS.get(key)
+    if keys is None or keys.numel() < m:
+        keys = _KEYS[key] = torch.full((max(m, MAX_ROWS),), -1, dtype=torch.long, device=x2.device)
+    return dict(ARGMAX=True, keys_ptr=keys, picks_ptr=argmax_out,
+                acnt_ptr=counters("dense_linear_argmax", x2.device, m_tiles))
 
 
 def dense_linear_ref(x: torch.Tensor, w: torch.Tensor, glu: bool = False) -> torch.Tensor:

@@ -17,6 +17,10 @@ Zero-centred variant (Qwen3.5, HF `Qwen3_5RMSNorm`): `rms_norm_1p` / `add_rms_no
 in float32, rounding once at the end (no rounding before the weight multiply); the output is in
 x's dtype. Against the twin, again only the sum of squares' order differs.
 
+Embedding gather in front (`embed_rms_norm`, the first norm of a step): the program's input row
+is the embedding row of its id, written out as the residual stream (a copy, `F.embedding`'s bits)
+and normed as `rms_norm` norms it: one launch instead of the gather's and the norm's.
+
 Row invariance: one program per row; the block width depends only on the hidden size, so a row's
 result never depends on the other rows or on how many there are.
 """
@@ -29,20 +33,29 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from .norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, rms_norm_1p_ref, rms_norm_ref  # noqa: F401  (the twins)
+from .norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_ref, rms_norm_1p_ref,  # noqa: F401  (the twins)
+                       rms_norm_ref)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, stride_res,
                      stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
-                     ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                     ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+                     GATHER: tl.constexpr = False, ids_ptr=None):
     """One row: [res_out = x + res]; out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), or with
-    ZERO_CENTRED (w is float32 1 + w) out = (x * rsqrt(mean(x^2) + eps) * w) rounded once."""
+    ZERO_CENTRED (w is float32 1 + w) out = (x * rsqrt(mean(x^2) + eps) * w) rounded once.
+    GATHER: x is an embedding table, the row's input its row ids[row], copied to res_out."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < d
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    src = row
+    if GATHER:
+        src = tl.load(ids_ptr + row).to(tl.int64)
+    raw = tl.load(x_ptr + src * stride_x + offs, mask=mask, other=0.0)
+    x = raw.to(tl.float32)
+    if GATHER:
+        tl.store(res_out_ptr + row * stride_res_out + offs, raw, mask=mask)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
         # Rounded to the model dtype first: the statistics see exactly the stored residual.
@@ -92,6 +105,33 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         num_warps=_num_warps(block_d), **pdl_args(x),
     )
     return out, res_out
+
+
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's embedding and first norm in one launch: `rows = table[ids]` and
+    `rms_norm(rows, weight, eps)`, bit for bit `(rms_norm(embed_rows(ids, table), ...),
+    embed_rows(ids, table))`. ids `[t]` int32/int64 in [0, V), table `[V, d]` (contiguous last
+    axis), weight `[d]` -> (normed `[t, d]`, rows `[t, d]` in table's dtype)."""
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"ids must be a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if table.dim() != 2 or weight.dim() != 1 or weight.shape[0] != table.shape[1]:
+        raise ValueError(f"expected table [V, d] and weight [d], got {tuple(table.shape)} and {tuple(weight.shape)}")
+    check_tensors(ids, table, weight)
+    for name, a in (("table", table), ("weight", weight)):
+        check_dtype(a, name)
+        check_last_contiguous(a, name)
+    t, d = ids.shape[0], table.shape[1]
+    out = torch.empty((t, d), dtype=torch.promote_types(table.dtype, weight.dtype), device=table.device)
+    rows = torch.empty((t, d), dtype=table.dtype, device=table.device)
+    if t:
+        block_d = next_pow2(d)
+        _rms_norm_kernel[(t,)](
+            table, table, weight, out, rows, d, table.stride(0), table.stride(0), out.stride(0), rows.stride(0),
+            float(eps), HAS_RESIDUAL=False, ZERO_CENTRED=False, BLOCK_D=block_d, GATHER=True, ids_ptr=ids,
+            num_warps=_num_warps(block_d), **pdl_args(table),
+        )
+    return out, rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

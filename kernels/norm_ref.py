@@ -24,6 +24,13 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
+def embed_rms_norm_ref(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `embed_rms_norm`: the embedding's rows, then `rms_norm_ref` of them."""
+    rows = torch.nn.functional.embedding(ids, table)
+    return rms_norm_ref(rows, weight, eps), rows
+
+
 def rms_norm_1p_ref(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm as HF Qwen3_5RMSNorm: float32 stats, `* (1 + w)` in float32, then cast.
     `w1p` is `1 + w` precomputed in float32 (the same value HF forms per call). The twin of

@@ -184,3 +184,83 @@ def _launch(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache, n_he
         **pdl_args(qkv),
     )
     return q
+
+
+# --------------------------------------------------------------------------- the projection's epilogue
+
+
+@triton.jit
+def _heads_norm_rope(x1, x2, w_ptr, c1, c2, s1, s2, eps, offs, dt, HD: tl.constexpr, NORM: tl.constexpr):
+    """`_norm_rope` for BLOCK_M rows of one head at once: halves `x1, x2 [BLOCK_M, HD/2]` float32
+    (the projection's values, already rounded to the model dtype `dt`), cos/sin halves gathered
+    by each row's position. Returns the rotated halves in float32 (not yet rounded)."""
+    HALF: tl.constexpr = HD // 2
+    if NORM:
+        mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HD
+        rstd = (1.0 / tl.sqrt_rn(mean_sq + eps))[:, None]
+        w1 = tl.load(w_ptr + offs).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs).to(tl.float32)[None, :]
+        n1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        n2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    else:
+        n1, n2 = x1, x2
+    return n1 * c1 - n2 * s1, n2 * c2 + n1 * s2
+
+
+@triton.jit
+def qkv_rope_epilogue(acc, ws_ptr, cnt_ptr, offs_m, m_mask, M, N, SPLIT_K, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr,
+                      pos_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, stride_cos, stride_sin, stride_qo,
+                      stride_kc_h, stride_kc_s, stride_vc_h, stride_vc_s, n_heads, n_kv, eps,
+                      HD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NORM: tl.constexpr):
+    """The fused q/k/v projection's epilogue (dense_linear's ROPE): a program's float32 partial
+    `acc [BLOCK_M, BLOCK_N]` of n tile `program_id(0)` goes to `ws [SPLIT_K, M, N]`; the last of a
+    head's HD / BLOCK_N tiles x SPLIT_K programs to arrive sums them in split order (dense_linear's
+    bits), rounds to the model dtype (the projection's output) and does what
+    `qk_norm_rope_kv_write` does for that head and those rows: q/k norm (NORM) + RoPE, q to q_out,
+    k and v into the caches at each row's position. The same roundings; the norm's float32 sum of
+    squares runs over a [rows, hd/2] tile here, so on a GPU its order (not its inputs) may differ
+    from the rope kernel's by a last ulp of the statistic, as the twin's does. A row's result
+    depends on its own values and position only (one row of each tile reduction)."""
+    HALF: tl.constexpr = HD // 2
+    TILES: tl.constexpr = HD // BLOCK_N
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(ws_ptr + tl.program_id(1) * M * N + offs_m[:, None] * N + cols[None, :], acc, mask=m_mask[:, None])
+    tl.debug_barrier()  # the partial is stored before one thread announces it
+    head = tl.program_id(0) // TILES
+    group = tl.program_id(2) * (N // HD) + head
+    arrived = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
+    if arrived == TILES * SPLIT_K - 1:
+        offs = tl.arange(0, HALF)
+        dt = q_out_ptr.dtype.element_ty
+        src = ws_ptr + offs_m[:, None] * N + head * HD + offs[None, :]
+        x1 = tl.zeros((BLOCK_M, HALF), tl.float32)
+        x2 = tl.zeros((BLOCK_M, HALF), tl.float32)
+        for s in range(SPLIT_K):  # split order, as dense_linear's reduction: the projection's bits
+            x1 += tl.load(src + s * M * N, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
+            x2 += tl.load(src + s * M * N + HALF, mask=m_mask[:, None], other=0.0, cache_modifier=".cg")
+        x1 = x1.to(dt).to(tl.float32)
+        x2 = x2.to(dt).to(tl.float32)
+        pos = tl.load(pos_ptr + offs_m, mask=m_mask, other=0).to(tl.int64)
+        cos_row = cos_ptr + pos[:, None] * stride_cos + offs[None, :]
+        sin_row = sin_ptr + pos[:, None] * stride_sin + offs[None, :]
+        c1 = tl.load(cos_row, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        c2 = tl.load(cos_row + HALF, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        s1 = tl.load(sin_row, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        s2 = tl.load(sin_row + HALF, mask=m_mask[:, None], other=0.0).to(tl.float32)
+        rows = offs_m.to(tl.int64)[:, None]
+        if head < n_heads:
+            o1, o2 = _heads_norm_rope(x1, x2, q_w_ptr, c1, c2, s1, s2, eps, offs, dt, HD, NORM)
+            dst = q_out_ptr + rows * stride_qo + head * HD + offs[None, :]
+            tl.store(dst, o1.to(dt), mask=m_mask[:, None])
+            tl.store(dst + HALF, o2.to(dt), mask=m_mask[:, None])
+        elif head < n_heads + n_kv:
+            o1, o2 = _heads_norm_rope(x1, x2, k_w_ptr, c1, c2, s1, s2, eps, offs, dt, HD, NORM)
+            dst = k_cache_ptr + (head - n_heads).to(tl.int64) * stride_kc_h + pos[:, None] * stride_kc_s + offs[None, :]
+            tl.store(dst, o1.to(dt), mask=m_mask[:, None])
+            tl.store(dst + HALF, o2.to(dt), mask=m_mask[:, None])
+        else:  # v as projected
+            dst = v_cache_ptr + (head - n_heads - n_kv).to(tl.int64) * stride_vc_h + pos[:, None] * stride_vc_s \
+                + offs[None, :]
+            tl.store(dst, x1.to(dt), mask=m_mask[:, None])
+            tl.store(dst + HALF, x2.to(dt), mask=m_mask[:, None])
+        tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")

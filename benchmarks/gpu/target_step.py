@@ -11,7 +11,12 @@ Prints and writes (``--json``, default ``$OUT/h200-target-step.json``):
 - ``plain_ms[ctx]`` / ``verify16_ms[ctx]``: the graphed fixed-width step (16 rows; plain decode is
   one real row padded to 16, verify is 16 real rows: the same kernels) with the torch step ops and
   with the Triton step ops, at live context 512 / 4096 / 32768;
-- ``kernels_per_step``: CUDA kernels in one eager step (torch profiler), per ops;
+- ``greedy_step_ms[ctx]``: a greedy round's step (``round_bodies.greedy_step``: the 16-row step and
+  its argmax picks, the lm_head's argmax epilogue with the Triton ops, no float32 logits), graphed;
+- ``kernels_per_step``: CUDA kernels in one eager step (torch profiler), per ops; variant
+  ``triton-unfused`` runs the q/k/v projection + rope, the embedding + first norm and the lm_head +
+  argmax as separate launches (``fused_speedup_plain`` / ``_greedy_step``:
+  unfused over fused, per context);
 - ``peak_gib``: peak allocated GPU memory per context;
 - ``prefill``: a long prompt (``--prefill-length``, default 32,768) through the chunked prefill:
   seconds, tokens/s and peak GPU memory (weights included), against the weights alone;
@@ -119,17 +124,44 @@ def step_ms(engine, ctx: int, real_rows: int) -> tuple[float, float]:
     return ms, peak
 
 
-def kernels_per_step(engine) -> int:
+def greedy_step_ms(engine, ctx: int) -> float:
+    """Median ms of a greedy round's step at live context `ctx` (round_bodies.greedy_step: the
+    16-row step and its argmax picks, no float32 logits), captured as a CUDA graph."""
+    from memra_cli.engine.runtime import cuda_graphs
+    from memra_cli.engine.spec.round_bodies import greedy_step
+
+    runner, target = engine.runner, engine.target
+    state = runner.new_state(ctx + 64)
+    state.length = ctx
+    ids = torch.randint(0, target.vocab_size - 1, (W,), device="cuda")
+    positions = torch.arange(ctx, ctx + W, device="cuda")
+    graph, _ = cuda_graphs.capture(lambda: greedy_step(target, ids, positions, state, None), torch.device("cuda"))
+    ms = replay_ms(graph.replay)
+    del graph
+    runner.release(state)
+    return ms
+
+
+def kernels_per_step(engine, greedy: bool = False) -> int:
+    """CUDA kernels in one eager step (torch profiler); `greedy`: a greedy round's step and its picks."""
+    from memra_cli.engine.spec.round_bodies import greedy_step
+
     runner = engine.runner
     state = runner.new_state(600)
     ids = torch.randint(0, 1000, (W,), device="cuda")
     pos = torch.arange(500, 500 + W, device="cuda")
-    engine.target.static_step(ids, pos, state)
+
+    def step():
+        if greedy:
+            return greedy_step(engine.target, ids, pos, state, None)
+        return engine.target.static_step(ids, pos, state)
+
+    step()
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.target.static_step(ids, pos, state)
+        step()
         torch.cuda.synchronize()
     runner.release(state)
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -208,7 +240,10 @@ def main() -> None:
     p.add_argument("--variants", default="torch,triton,triton-nopdl,triton-cublas",
                    help="step-ops variants to time: torch, triton (the shipped ops), triton-nopdl (plain "
                         "launches), triton-cublas (every weight matmul on cuBLAS: dense_linear.TUNED emptied), "
-                        "a 'noglu' part: the MLP's gate/up matmul and SiLU·mul as two launches (no swiglu fusion)")
+                        "a 'noglu' part: the MLP's gate/up matmul and SiLU·mul as two launches (no swiglu fusion), "
+                        "an 'unfused' part: the q/k/v projection + rope, the embedding + first norm and the lm_head + "
+                        "argmax as separate launches (TritonStepOps.unfused: triton-unfused is the step before "
+                        "those fusions)")
     p.add_argument("--dense-tuned", type=Path, default=None,
                    help="a dense_linear_sweep.py --tuned table to use as dense_linear.TUNED for this run")
     p.add_argument("--dense-all", type=Path, default=None,
@@ -289,6 +324,8 @@ def main() -> None:
         for name in variants:
             parts = name.split("-")
             target.step_ops = TorchStepOps() if parts[0] == "torch" else TritonStepOps()
+            if "unfused" in parts:  # the launch fusions undone (TritonStepOps.unfused): their A/B
+                target.step_ops = target.step_ops.unfused()
             if "noglu" in parts:  # the MLP's gate/up matmul and SiLU·mul as two launches
                 ops = target.step_ops
                 ops.swiglu = functools.partial(unfused_swiglu, ops)
@@ -304,14 +341,17 @@ def main() -> None:
             if tile_variants:
                 _attn.TILES[128] = cand_tile if "tile" in parts and cand_tile is not None else module_tile
             engine = Engine.from_model(target, step_width=W, cuda_graphs=True)
-            plain, verify, peak = {}, {}, {}
+            plain, verify, greedy, peak = {}, {}, {}, {}
             for c in contexts:
                 plain[str(c)], peak[str(c)] = step_ms(engine, c, 1)
                 verify[str(c)], _ = step_ms(engine, c, W)
+                greedy[str(c)] = greedy_step_ms(engine, c)
                 print(f"{name} ctx {c}: plain {plain[str(c)]:.3f} ms, verify16 {verify[str(c)]:.3f} ms, "
-                      f"floor {out['floor_ms'][str(c)]:.3f} ms, peak {peak[str(c)]:.1f} GiB", flush=True)
-            out[name] = {"plain_ms": plain, "verify16_ms": verify, "peak_gib": peak,
-                         "kernels_per_step": kernels_per_step(Engine.from_model(target, step_width=W))}
+                      f"greedy step {greedy[str(c)]:.3f} ms, floor {out['floor_ms'][str(c)]:.3f} ms, "
+                      f"peak {peak[str(c)]:.1f} GiB", flush=True)
+            out[name] = {"plain_ms": plain, "verify16_ms": verify, "greedy_step_ms": greedy, "peak_gib": peak,
+                         "kernels_per_step": kernels_per_step(Engine.from_model(target, step_width=W)),
+                         "kernels_per_greedy_step": kernels_per_step(Engine.from_model(target, step_width=W), greedy=True)}
             del engine
             torch.cuda.empty_cache()
         os.environ.pop(_pdl.ENV, None)
@@ -327,6 +367,10 @@ def main() -> None:
         if "triton-noglu" in out:
             out["glu_plain_speedup"] = {c: out["triton-noglu"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
                                         for c in out["triton"]["plain_ms"]}
+        if "triton-unfused" in out:  # the fusions' A/B: the step as runner.fixed_step runs it, and a greedy round's
+            for key in ("plain_ms", "greedy_step_ms"):
+                out[f"fused_speedup_{key[:-3]}"] = {c: out["triton-unfused"][key][c] / out["triton"][key][c]
+                                                    for c in out["triton"][key]}
         if "triton-cublas" in out:
             out["dense_plain_speedup"] = {c: out["triton-cublas"]["plain_ms"][c] / out["triton"]["plain_ms"][c]
                                           for c in out["triton"]["plain_ms"]}

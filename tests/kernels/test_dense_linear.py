@@ -239,3 +239,42 @@ def test_step_ops_swiglu_fuses_where_linear_takes_the_kernel(monkeypatch):
     calls.clear()
     ops.swiglu(x, w)  # 40 rows > MAX_ROWS: cuBLAS, then silu_mul
     assert calls == []
+
+
+# --------------------------------------------------------------------------- argmax epilogue
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_argmax_epilogue_is_the_argmax_of_the_output(dtype):
+    """The picks are `row_argmax` of the launch's own output (the same rounded values, an exact
+    integer maximum), the output is unchanged, and a tie across two tiles gives the first column
+    (a planted tie: a 'last wins' or per-tile fold would pick the later one)."""
+    from memra_kernels.argmax import row_argmax_ref
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 64, generator=g).to(dtype).to(DEVICE)
+    w = torch.randn(200, 64, generator=g).to(dtype).to(DEVICE)
+    w[150] = w[37]  # rows 37 and 150 (different 32-wide tiles) give equal outputs
+    x[2] = w[37].float().sign().to(dtype)  # ... which row 2 makes its largest
+    cfg = KernelConfig(block_n=32, block_k=32, split_k=1, num_warps=4, num_stages=2)
+    picks = torch.full((5,), -7, dtype=torch.long, device=DEVICE)
+    y = dl.dense_linear(x, w, config=cfg, argmax_out=picks)
+    assert torch.equal(y, dl.dense_linear(x, w, config=cfg))
+    assert torch.equal(picks, row_argmax_ref(y))
+    assert picks[2].item() == 37
+    again = torch.empty_like(picks)  # the key slots and counters were reset by the last program
+    dl.dense_linear(x.flip(0), w, config=cfg, argmax_out=again)
+    assert torch.equal(again, picks.flip(0))
+    one = torch.empty(1, dtype=torch.long, device=DEVICE)  # a row's pick alone == among five
+    dl.dense_linear(x[3:4], w, config=cfg, argmax_out=one)
+    assert one.item() == picks[3].item()
+
+
+def test_argmax_epilogue_refusals():
+    x = torch.randn(4, 64, device=DEVICE)
+    w = torch.randn(64, 64, device=DEVICE)
+    split = KernelConfig(block_n=32, block_k=16, split_k=2, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="split"):
+        dl.dense_linear(x, w, config=split, argmax_out=torch.empty(4, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="int64"):
+        dl.dense_linear(x, w, argmax_out=torch.empty(3, dtype=torch.long, device=DEVICE))

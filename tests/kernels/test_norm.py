@@ -142,3 +142,51 @@ def test_rms_norm_1p_catches_the_qwen3_order(device):
     wrong = rms_norm(x, w1p, EPS).to(torch.bfloat16)  # float32 out (promoted), rounded again
     with pytest.raises(AssertionError):
         _assert_1p(wrong, rms_norm_1p_ref(x, w1p, EPS))
+
+
+# --------------------------------------------------------------------------- embedding gather + norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_embed_rms_norm_is_the_gather_then_the_norm(dtype, device):
+    """One launch, the two launches' bits: the rows are the embedding's (a copy) and the normed
+    rows are `rms_norm` of them, bit for bit (the same kernel body); against the torch twin the
+    norm differs only in the sum of squares' order (RTOL above)."""
+    from memra_kernels.gather import embed_rows
+    from memra_kernels.norm import embed_rms_norm, embed_rms_norm_ref
+
+    table, _, w = _inputs(50, 96, dtype, device, seed=6)
+    ids = torch.tensor([49, 0, 7, 7, 12], device=device)
+    normed, rows = embed_rms_norm(ids, table, w, EPS)
+    assert torch.equal(rows, embed_rows(ids, table))
+    assert torch.equal(normed, rms_norm(embed_rows(ids, table), w, EPS))
+    want_normed, want_rows = embed_rms_norm_ref(ids, table, w, EPS)
+    assert torch.equal(rows, want_rows)
+    _assert_matches(normed, want_normed)
+
+
+def test_embed_rms_norm_rows_are_independent_and_a_planted_break_is_seen(device):
+    """A row's bits alone == among 16 rows; and the check can fail: a row normed by another row's
+    statistics (a planted break of row independence) does not pass it."""
+    from memra_kernels.norm import embed_rms_norm
+
+    table, _, w = _inputs(64, 128, torch.bfloat16, device, seed=7)
+    ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(8)).to(device)
+    full, full_rows = embed_rms_norm(ids, table, w, EPS)
+    for i in (0, 9, 15):
+        alone, alone_rows = embed_rms_norm(ids[i:i + 1], table, w, EPS)
+        assert torch.equal(alone[0], full[i]) and torch.equal(alone_rows[0], full_rows[i])
+    x = full_rows.float()
+    shared = x * torch.rsqrt(x.pow(2).mean().clamp_min(EPS))  # one statistic for the whole step
+    planted = (w * shared.to(torch.bfloat16))[3]
+    assert not torch.equal(planted, full[3])
+
+
+def test_embed_rms_norm_refuses_bad_arguments(device):
+    from memra_kernels.norm import embed_rms_norm
+
+    table, _, w = _inputs(8, 32, torch.float32, device)
+    with pytest.raises(ValueError, match="ids"):
+        embed_rms_norm(torch.zeros(2, 2, dtype=torch.long, device=device), table, w, EPS)
+    with pytest.raises(ValueError, match="weight"):
+        embed_rms_norm(torch.zeros(2, dtype=torch.long, device=device), table, w[:16], EPS)

@@ -198,3 +198,77 @@ def test_refuses_bad_positions_and_caches(bad, device):
     match = "positions must be" if bad.startswith("positions") else bad.split()[0] + r" .* is not \[n_kv=2, S, head_dim=64\]"
     with pytest.raises(ValueError, match=match):
         qk_norm_rope_kv_write(qkv, q_w, k_w, cos, sin, positions, kc, vc, nh, nkv, EPS)
+
+
+# --------------------------------------------------------------------------- the projection's epilogue
+
+
+def _qkv_case(t: int, dtype, seed: int = 0, nh: int = 4, nkv: int = 2, hd: int = 32, hidden: int = 64, S: int = 48):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, hidden, generator=g).to(dtype)
+    w = (torch.randn((nh + 2 * nkv) * hd, hidden, generator=g) * 0.1).to(dtype)
+    qn, kn = ((1 + 0.2 * torch.randn(hd, generator=g)).to(dtype) for _ in range(2))
+    cos, sin = (torch.randn(S, hd, generator=g).to(dtype) for _ in range(2))
+    pos = torch.randperm(S, generator=g)[:t]
+    return x, w, qn, kn, cos, sin, pos, nh, nkv
+
+
+def _fused(x, w, qn, kn, cos, sin, pos, nh, nkv, norm=True, device="cpu"):
+    from memra_kernels.dense_linear import dense_qkv_rope_kv_write
+
+    hd = cos.shape[1]
+    kc = torch.zeros(nkv, cos.shape[0], hd, dtype=x.dtype, device=device)
+    vc = torch.zeros_like(kc)
+    q = dense_qkv_rope_kv_write(x.to(device), w.to(device), qn.to(device) if norm else None,
+                                kn.to(device) if norm else None, cos.to(device), sin.to(device), pos.to(device),
+                                kc, vc, nh, nkv, 1e-6)
+    return q, kc, vc
+
+
+@pytest.mark.parametrize("t", [5, 20])  # one m tile, two
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("norm", [True, False], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_projection_epilogue_is_the_two_launches(t, split, norm, dtype, device, monkeypatch):
+    """`dense_qkv_rope_kv_write` (one launch) == `dense_linear` then `qk_norm_rope_kv_write` /
+    `rope_kv_write`, bit for bit: q, the K and the V cache, one tile per half head, `in` split or
+    not (the split partials summed in split order, rounded as the projection is)."""
+    from memra_kernels import dense_linear as dl
+
+    x, w, qn, kn, cos, sin, pos, nh, nkv = _qkv_case(t, dtype)
+    monkeypatch.setitem(dl.TUNED, tuple(w.shape), dl.KernelConfig(block_n=16, block_k=16, split_k=split, num_stages=2))
+    q, kc, vc = _fused(x, w, qn, kn, cos, sin, pos, nh, nkv, norm, device)
+    kc2, vc2 = torch.zeros_like(kc), torch.zeros_like(vc)
+    qkv = dl.dense_linear(x.to(device), w.to(device))
+    args = (cos.to(device), sin.to(device), pos.to(device), kc2, vc2, nh, nkv)
+    q2 = qk_norm_rope_kv_write(qkv, qn.to(device), kn.to(device), *args, 1e-6) if norm else rope_kv_write(qkv, *args)
+    assert torch.equal(q, q2) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    assert kc[:, pos].abs().sum() > 0 and vc[:, pos].abs().sum() > 0  # written where the rows sit
+
+
+def test_the_projection_epilogue_rows_are_independent_and_a_planted_break_is_seen(device, monkeypatch):
+    """A row's q and K/V bits alone == among 16 rows (any row of the m tile); and the check can fail:
+    a row normed by the whole step's statistic (a planted break) differs."""
+    from memra_kernels import dense_linear as dl
+
+    x, w, qn, kn, cos, sin, pos, nh, nkv = _qkv_case(16, torch.bfloat16, seed=3)
+    monkeypatch.setitem(dl.TUNED, tuple(w.shape), dl.KernelConfig(block_n=16, block_k=16, split_k=2, num_stages=2))
+    q, kc, vc = _fused(x, w, qn, kn, cos, sin, pos, nh, nkv, device=device)
+    for i in (0, 15):
+        q1, kc1, vc1 = _fused(x[i:i + 1], w, qn, kn, cos, sin, pos[i:i + 1], nh, nkv, device=device)
+        p = pos[i].item()
+        assert torch.equal(q1[0], q[i]) and torch.equal(kc1[:, p], kc[:, p]) and torch.equal(vc1[:, p], vc[:, p])
+    head = dl.dense_linear(x.to(device), w.to(device))[:, :32].float()  # q head 0 of every row
+    shared = head * torch.rsqrt(head.pow(2).mean() + 1e-6)  # one statistic for the whole step
+    planted = (qn.to(device) * shared.to(torch.bfloat16))[4]
+    ref = _rms_norm_ref(head[4:5].to(torch.bfloat16), qn.to(device), 1e-6)[0]
+    assert not torch.equal(planted, ref)
+
+
+def test_the_projection_epilogue_refuses_tiles_across_heads(device, monkeypatch):
+    from memra_kernels import dense_linear as dl
+
+    x, w, qn, kn, cos, sin, pos, nh, nkv = _qkv_case(4, torch.float32)
+    monkeypatch.setitem(dl.TUNED, tuple(w.shape), dl.KernelConfig(block_n=64, block_k=16, split_k=1, num_stages=2))
+    with pytest.raises(ValueError, match="inside heads of 32"):
+        _fused(x, w, qn, kn, cos, sin, pos, nh, nkv, device=device)

@@ -76,6 +76,8 @@ def _norm(ctx, dt):
         x, r, w = ctx.t(3, d, dtype=dt), ctx.t(3, d, dtype=dt), ctx.t(d, dtype=dt)
         ctx.launch(f"rms_norm d{d}", "_rms_norm_kernel", n.rms_norm, x, w, 1e-6)
         ctx.launch(f"add_rms_norm d{d}", "_rms_norm_kernel", n.add_rms_norm, x, r, w, 1e-6)
+        ctx.launch(f"embed_rms_norm d{d}", "_rms_norm_kernel", n.embed_rms_norm, ctx.idx(3), ctx.t(50, d, dtype=dt),
+                   w, 1e-6)  # the step's embedding gather fused with its first norm (GATHER)
     d = 2560  # Qwen3.5-4B's zero-centred norms (1 + w in float32)
     x, r, w1p = ctx.t(3, d, dtype=dt), ctx.t(3, d, dtype=dt), ctx.t(d, dtype="f32")
     ctx.launch("rms_norm_1p", "_rms_norm_kernel", n.rms_norm_1p, x, w1p, 1e-6)
@@ -289,6 +291,18 @@ def _dense_linear(ctx, dt):
     for n, k in ((24576, 4096), (18432, 2560), (4096, 12288)):
         ctx.launch(f"dense_linear {n}x{k} glu", "_dense_linear_kernel", dl.dense_linear,
                    ctx.t(16, k, dtype=dt), ctx.t(n, k, dtype=dt), glu=True)
+    # the q/k/v projection's epilogue (ROPE): Qwen3-8B's (q/k norm: NORM) and LLaMA-3.1-8B's (none)
+    nh, nkv, hd, s_len = 32, 8, 128, 512
+    for norm in (True, False):
+        w = ctx.t((nh + 2 * nkv) * hd, 4096, dtype=dt)
+        ctx.launch(f"dense_qkv_rope_kv_write norm={norm}", "_dense_linear_kernel", dl.dense_qkv_rope_kv_write,
+                   ctx.t(16, 4096, dtype=dt), w, ctx.t(hd, dtype=dt) if norm else None,
+                   ctx.t(hd, dtype=dt) if norm else None, ctx.t(s_len, hd, dtype=dt), ctx.t(s_len, hd, dtype=dt),
+                   ctx.idx(16), ctx.t(nkv, s_len, hd, dtype=dt), ctx.t(nkv, s_len, hd, dtype=dt), nh, nkv, 1e-6)
+    # the argmax epilogue (ARGMAX): the lm_heads of Qwen3-8B and Qwen3.5-4B, whose tiles do not split `in`
+    for n, k in ((151936, 4096), (248320, 2560)):
+        ctx.launch(f"dense_linear {n}x{k} argmax", "_dense_linear_kernel", dl.dense_linear,
+                   ctx.t(16, k, dtype=dt), ctx.t(n, k, dtype=dt), argmax_out=ctx.idx(16))
 
 
 def _quant_scale_after(ctx, dt):

@@ -69,9 +69,10 @@ def test_greedy_and_speculative_streams_with_the_kernels(target_dir, tmp_path):
 
 @pytest.mark.exhaustive  # the epilogue's own tests (test_dense_linear, test_quant_linear) are quick
 def test_the_swiglu_epilogue_in_a_model_step(target_dir, tmp_path, monkeypatch):
-    """With the tiny target's gate/up shape in the dense kernel's table (bf16: the kernel's
-    dtypes), every layer's MLP runs the one-launch SwiGLU (dense_linear glu=True): logits stay
-    within bf16 tolerance of the torch ops, and speculative == plain greedy through it."""
+    """With the tiny target's gate/up and q/k/v shapes in the dense kernel's table (bf16: the
+    kernel's dtypes), every layer's MLP runs the one-launch SwiGLU (dense_linear glu=True) and its
+    q/k/v projection the one-launch norm + rope + K/V write (dense_qkv_rope_kv_write): logits stay
+    within bf16 tolerance of the torch ops, and speculative == plain greedy through them."""
     from memra_kernels import dense_linear as dl
 
     def model_with(ops):
@@ -82,6 +83,9 @@ def test_the_swiglu_epilogue_in_a_model_step(target_dir, tmp_path, monkeypatch):
     model = model_with(TritonStepOps())
     w = model.layers[0].w_gate_up
     monkeypatch.setitem(dl.TUNED, tuple(w.shape), dl.KernelConfig(block_n=32, block_k=32, split_k=2, num_stages=2))
+    # the fused q/k/v projection too: its norm, rope and K/V write in the dense kernel's epilogue
+    monkeypatch.setitem(dl.TUNED, tuple(model.layers[0].wqkv.shape),
+                        dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2))
     glu_calls = []
     real = dl.dense_linear
     monkeypatch.setattr(dl, "dense_linear", lambda x, w, **kw: glu_calls.append(kw.get("glu", False)) or real(x, w, **kw))
@@ -212,14 +216,30 @@ def test_the_round_pack_op_matches_the_torch_op():
 
 
 @pytest.mark.exhaustive  # pipelined rounds run quick over the torch ops (tests/engine/test_step_width.py), settle's kernel in test_settle.py
-def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fused_head", [False, pytest.param(True, marks=pytest.mark.exhaustive)])
+def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch, fused_head):
     """Plain and speculative rounds queued one ahead of the host, settled on the device by the
     settle kernel (through the interpreter; graph capture replaced by an eager stand-in as in
     tests/engine/test_step_width.py): the plain stream. (That they are the rounds read one by one
     is tests/engine/test_step_width.py's, with the torch ops; the kernel equals its twin in
-    test_settle.py.)"""
+    test_settle.py.) `fused_head`: in bf16 with the lm_head's shape in the dense kernel's table,
+    every round's verify and plain step pick by the lm_head's argmax epilogue (lm_head_argmax),
+    the reference by the argmax of the widened logits: still the plain stream."""
     from memra_cli.engine.runtime import cuda_graphs
     from memra_cli.engine.spec.policy import PolicySettings
+    from memra_kernels import dense_linear as dl
+
+    dtype = torch.bfloat16 if fused_head else torch.float32
+    fused_calls = []
+    if fused_head:
+        shapes = Qwen3Target.from_dir(target_dir, dtype, DEVICE)
+        monkeypatch.setitem(dl.TUNED, tuple(shapes.lm_head_weight.shape),
+                            dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2))
+        monkeypatch.setitem(dl.TUNED, tuple(shapes.layers[0].wqkv.shape),  # and the fused q/k/v epilogue
+                            dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2))
+        real = dl.dense_linear
+        monkeypatch.setattr(dl, "dense_linear", lambda x, w, **kw: fused_calls.append(
+            kw.get("argmax_out") is not None) or real(x, w, **kw))
 
     def capture(fn, device, pool=None):
         out = fn()
@@ -236,10 +256,12 @@ def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(cuda_graphs, "capture", capture)
     prompt = list(range(3, 24))
-    model = _model(target_dir, TritonStepOps())
+    model = Qwen3Target.from_dir(target_dir, dtype, DEVICE)
+    model.step_ops = TritonStepOps()
     plain = greedy_reference(StepRunner(model, 16), prompt, 5)
+    assert not any(fused_calls)  # the reference picks from the widened logits
     draft = make_tiny_draft(tmp_path / "d", "deepspec", markov_rank=8, confidence="markov", target_layer_ids=(0, 1),
-                            num_target_layers=2, block_size=8)
+                            num_target_layers=2, block_size=8, dtype=dtype)
     runner = StepRunner(model, 16)
     runner.cuda_graphs = True  # refused off CUDA at construction; the stand-in captures
     model.ensure_positions(runner.max_rows())
@@ -252,3 +274,70 @@ def test_pipelined_rounds_with_the_kernels(target_dir, tmp_path, monkeypatch):
         assert s.run() == plain and sum(s.stats.accept_hist.values()) == s.stats.rounds
     with engine.session(prompt, 5, eos_ids=()) as s:
         assert s.pipelined and s.run() == plain
+    assert any(fused_calls) == fused_head
+
+
+def test_the_fused_head_and_embedding_ops_and_their_unfused_forms(monkeypatch):
+    """`lm_head_argmax` and `embed_rms_norm` through the torch ops, the kernels (the dense shape in
+    the table, so the argmax epilogue runs) and the kernels' `unfused()`: the same picks and rows
+    everywhere, the kernels' logits and norms equal bit for bit fused or not."""
+    from memra_kernels import dense_linear as dl
+
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(16, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    monkeypatch.setitem(dl.TUNED, (96, 64), dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2))
+    calls = []
+    real = dl.dense_linear
+    monkeypatch.setattr(dl, "dense_linear", lambda x, w, **kw: calls.append(kw.get("argmax_out") is not None)
+                        or real(x, w, **kw))
+    fused, unfused = TritonStepOps(), TritonStepOps().unfused()
+    logits, picks = fused.lm_head_argmax(h, w)
+    assert calls == [True]
+    u_logits, u_picks = unfused.lm_head_argmax(h, w)
+    assert calls[1:] == [False] and torch.equal(logits, u_logits) and torch.equal(picks, u_picks)
+    t_logits, _ = TorchStepOps.lm_head_argmax(h, w)
+    assert torch.equal(picks, TorchStepOps.argmax(logits)) and t_logits.shape == logits.shape
+    table, norm_w = torch.randn(40, 64, generator=g).to(DEVICE), torch.rand(64, generator=g).to(DEVICE) + 0.5
+    ids = torch.tensor([3, 39, 0, 3], device=DEVICE)
+    (n1, r1), (n2, r2) = fused.embed_rms_norm(ids, table, norm_w, 1e-6), unfused.embed_rms_norm(ids, table, norm_w, 1e-6)
+    assert torch.equal(n1, n2) and torch.equal(r1, r2)
+    tn, tr = TorchStepOps.embed_rms_norm(ids, table, norm_w, 1e-6)
+    assert torch.equal(r1, tr) and torch.allclose(n1, tn, rtol=1e-5, atol=0)  # float32: the sum of squares' order
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_launch_fusions_on_the_gpu(target_dir, monkeypatch):
+    """Compiled, with programmatic dependent launch, eager and replayed as a CUDA graph, the bf16
+    step with every launch fusion (q/k/v + rope, embedding + norm, lm_head + argmax; the tiny
+    target's shapes put in the dense kernel's table): the graph replays the eager step's logits,
+    picks and K/V bit for bit, the picks are the logits' argmax, a row's picks are the same alone,
+    and the logits are the unfused ops' within bf16 rounding (the q/k norm's sum of squares may run
+    in another order: kernels/rope.py `qkv_rope_epilogue`)."""
+    from memra_cli.engine.runtime import cuda_graphs
+    from memra_kernels import dense_linear as dl
+
+    model = Qwen3Target.from_dir(target_dir, torch.bfloat16, "cuda")
+    for w, cfg in ((model.layers[0].wqkv, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
+                   (model.lm_head_weight, dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2))):
+        monkeypatch.setitem(dl.TUNED, tuple(w.shape), cfg)
+    ids = torch.randint(0, 512, (16,), device="cuda")
+    pos = torch.arange(30, 46, device="cuda")
+    out = {}
+    for name, ops in (("fused", TritonStepOps()), ("unfused", TritonStepOps().unfused())):
+        model.step_ops = ops
+        state = model.new_state(64)
+        picks, logits, _ = model.static_step_picks(ids, pos, state)
+        kv = state.kv.clone()
+        graph, (g_picks, g_logits, _) = cuda_graphs.capture(lambda: model.static_step_picks(ids, pos, state, None),
+                                                            torch.device("cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(g_picks, picks) and torch.equal(g_logits, logits) and torch.equal(state.kv, kv)
+        assert torch.equal(picks, logits.argmax(dim=-1))
+        alone = model.static_step_picks(ids[:1].expand(16).contiguous(), pos, model.new_state(64))[0]
+        assert alone[0].item() == picks[0].item()
+        out[name] = logits.float()
+    ref = out["unfused"]
+    assert ((out["fused"] - ref).norm() / ref.norm()).item() < 2e-2  # bf16: a few ulps where a statistic's ulp flips

@@ -15,6 +15,11 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
 - `rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, nh, nkv) -> q`: the same without
   the q/k norm (LLaMA), hd the tables' width
+- `qkv_rope_kv_write(h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv,
+  eps) -> q`: `linear(h, w_qkv, b_qkv)` then `qk_norm_rope_kv_write` (norms None: `rope_kv_write`);
+  with the kernels, where `linear` takes the dense kernel, one launch (the norm, rope and K/V write
+  in its epilogue: the projection's bits, then the rope kernel's arithmetic, its norm's float32 sum
+  of squares perhaps in another order)
 - `attention(q, k_cache, v_cache, positions, scale, window=0) -> [t, nh*hd]`: causal by position
   over the cache; with a sliding `window` W > 0 a row at p sees keys p - W < j <= p only (Gemma 4)
 - `silu_mul(gate_up) -> silu(gate) * up`
@@ -35,6 +40,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   the cache's last positions, causal by position; `mask` the forward's folded boolean mask,
   built only when `prefill_mask` is True)
 - `embed(ids, weight) -> rows`: an embedding lookup (a copy of the rows)
+- `embed_rms_norm(ids, weight, norm_w, eps) -> (normed, rows)`: `embed` then `rms_norm` of its rows,
+  a step's first norm (one launch with the kernels, the bits of the two)
 - `confidence_raw(hidden, w, b, prev=None, w1=None) -> f32 [n]`: DSpark's accept-rate head
 - `pack_round(cand, sel, raws=None) -> f64`: a graphed round's one host read, packed
 - `settle_round(cand, sel, raws, inputs, threshold, kind=, cap=, adapt=, restore=None, ring=0, cost=None) -> f64`:
@@ -46,6 +53,9 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   a bias table built once where the vocabulary is small; with torch ~6 ops a slot, or 3 over the
   same table, built once row by row, or, for an eager caller on the CPU, a numpy loop over that
   table: the same picks)
+- `lm_head_argmax(h, w) -> (logits, picks)`: `linear(h, w)` (model dtype) and its `argmax`, a
+  greedy step's head; with the kernels, where `linear` takes the dense kernel with unsplit tiles,
+  one launch (the argmax in its epilogue, the same picks)
 - `argmax(x) -> int64 [rows]`: each row's `torch.argmax` (first index among equal maxima, NaN
   as the maximum), a greedy round's picks from its logits (one program per row with the
   kernels: torch's generic reduce is slow for 16 rows; kernels/argmax.py)
@@ -92,6 +102,11 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
 - `softcap(z, cap, out_dtype=None)`: the logits' `cap * tanh(z / cap)` in z's dtype (out_dtype
   float32: widened in the same pass)
 
+- `unfused()`: these ops with this seam's launch fusions undone (`embed_rms_norm` as the gather
+  then the norm, `lm_head_argmax` as the matmul then the argmax, `qkv_rope_kv_write` as the
+  projection then the rope op): the same bits, more
+  launches; what the GPU benchmarks time those fusions against (`target_step --variants
+  triton-unfused`; the SwiGLU epilogue has its own switch, `unfused_swiglu`, variant `noglu`)
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
   programmatic dependent launch); a no-op for the torch ops
 
@@ -107,6 +122,7 @@ rounds, so they differ from torch only in float32 arithmetic (reduction order, e
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 
@@ -127,7 +143,8 @@ from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gem
                                       softcap_ref)
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
 from memra_kernels.moe_ref import moe_swiglu_ref
-from memra_kernels.norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, gated_rms_norm_heads, rms_norm_ref
+from memra_kernels.norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_ref, gated_rms_norm_heads,
+                                    rms_norm_ref)
 from memra_kernels.qwen35_ref import gdn_gates_body, window_after
 from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref
 from memra_kernels.settle_ref import settle_round
@@ -142,6 +159,29 @@ def unfused_swiglu(ops, x: torch.Tensor, w_gate_up) -> torch.Tensor:
     unfused variants (`--no-glu`, target_step's `noglu`) install as `swiglu` to time the epilogue
     against. `x [t, hidden]`, `w_gate_up` `[2*ffn, hidden]` (or a linear module) -> `[t, ffn]`."""
     return ops.silu_mul(ops.linear(x, w_gate_up))
+
+
+def unfused_embed_rms_norm(ops, ids: torch.Tensor, weight: torch.Tensor, norm_w: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's embedding and first norm as two step ops, `(ops.rms_norm(rows, norm_w, eps), rows)`
+    with `rows = ops.embed(ids, weight)`: the unfused form `unfused()` installs."""
+    rows = ops.embed(ids, weight)
+    return ops.rms_norm(rows, norm_w, eps), rows
+
+
+def unfused_qkv_rope_kv_write(ops, h: torch.Tensor, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache,
+                              v_cache, n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+    """The fused projection, then the (q/k norm +) rope + K/V write, as two step ops."""
+    qkv = ops.linear(h, w_qkv, b_qkv)
+    if q_norm is None:
+        return ops.rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, n_heads, n_kv)
+    return ops.qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, n_heads, n_kv, eps)
+
+
+def unfused_lm_head_argmax(ops, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """A greedy step's head as two step ops: `(logits, ops.argmax(logits))`, `logits = ops.linear(h, w)`."""
+    logits = ops.linear(h, w)
+    return logits, ops.argmax(logits)
 
 
 def markov_chain_host(logits: torch.Tensor, anchor: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -371,6 +411,23 @@ class TorchStepOps:
         return entry[2]
 
     embed = staticmethod(embed_rows_ref)  # the op's one torch body
+    embed_rms_norm = staticmethod(embed_rms_norm_ref)  # the gather then the norm: the op's one torch body
+
+    def unfused(self):
+        """The torch ops fuse nothing: themselves."""
+        return self
+
+    @classmethod
+    def qkv_rope_kv_write(cls, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
+                          n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+        """The projection, then the (q/k norm +) rope + K/V write."""
+        return unfused_qkv_rope_kv_write(cls, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache,
+                                         v_cache, n_heads, n_kv, eps)
+
+    @classmethod
+    def lm_head_argmax(cls, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(linear(h, w), argmax of it)`: a greedy step's model-dtype logits and picks."""
+        return unfused_lm_head_argmax(cls, h, w)
 
     confidence_raw = staticmethod(confidence_raw_ref)  # DSpark's accept-rate head: the op's one torch body
 
@@ -493,6 +550,7 @@ class TritonStepOps:
         self._markov_tables: dict[tuple, tuple] = {}  # (w1, w2, dtype) -> (w1, w2, table)
         self.argmax = argmax.row_argmax
         self.embed = gather.embed_rows
+        self.embed_rms_norm = norm.embed_rms_norm
         self.confidence_raw = gather.confidence_raw
         self.pack_round = gather.pack_round
         self.settle_round = settle.settle_round
@@ -515,6 +573,37 @@ class TritonStepOps:
         self._quant = quant_linear
         self._moe = moe
         self._moe_route = moe_route
+
+    def unfused(self) -> "TritonStepOps":
+        """New ops with the head and tail fusions as their parts (module docstring): the same bits,
+        more launches."""
+        ops = TritonStepOps()
+        ops.embed_rms_norm = functools.partial(unfused_embed_rms_norm, ops)
+        ops.lm_head_argmax = functools.partial(unfused_lm_head_argmax, ops)
+        ops.qkv_rope_kv_write = functools.partial(unfused_qkv_rope_kv_write, ops)
+        return ops
+
+    def qkv_rope_kv_write(self, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
+                          n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
+        """`TorchStepOps.qkv_rope_kv_write`; where `linear` takes the dense kernel (no bias) and
+        its tiles lie inside heads, one launch (`dense_linear.dense_qkv_rope_kv_write`). The choice
+        depends on the weight's shape and the row count only up to MAX_ROWS, and either path is
+        row-count invariant, so every fixed-width step gets the same bits for a row."""
+        if b_qkv is None and isinstance(w_qkv, torch.Tensor) and self._dense.qkv_rope_eligible(h, w_qkv, cos.shape[1]):
+            return self._dense.dense_qkv_rope_kv_write(h, w_qkv, q_norm, k_norm, cos, sin, positions, k_cache,
+                                                       v_cache, n_heads, n_kv, eps)
+        return unfused_qkv_rope_kv_write(self, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache,
+                                         v_cache, n_heads, n_kv, eps)
+
+    def lm_head_argmax(self, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TorchStepOps.lm_head_argmax`; where `linear` takes the dense kernel and the shape's
+        tiles do not split `in`, one launch with the argmax in its epilogue (the picks of
+        `argmax(linear(h, w))`, bit for bit: the choice cannot change a pick)."""
+        if isinstance(w, torch.Tensor) and self._dense.eligible(h, w) \
+                and self._dense.config_for(*w.shape, h.element_size()).split_k == 1:
+            picks = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+            return self._dense.dense_linear(h, w, argmax_out=picks), picks
+        return unfused_lm_head_argmax(self, h, w)
 
     def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`TorchStepOps.linear`, with a plain weight whose shape is in `dense_linear.TUNED` (and

@@ -298,15 +298,6 @@ class Qwen3Target(TargetBase):
         is exact, so a consumer that widens as it reads sees the same numbers)."""
         return self.step_ops.linear(hidden, self._lm_head)
 
-    def _step_qkv(self, qkv: torch.Tensor, w: LayerWeights, positions: torch.Tensor,
-                  kv: torch.Tensor) -> torch.Tensor:
-        """The step ops' (q/k norm +) rope + K/V write of `qkv [W, (nh + 2*nkv)*hd]` -> q `[W, nh, hd]`."""
-        ops = self.step_ops
-        if w.q_norm is None:
-            return ops.rope_kv_write(qkv, self._cos, self._sin, positions, kv[0], kv[1], self.n_heads, self.n_kv)
-        return ops.qk_norm_rope_kv_write(qkv, w.q_norm, w.k_norm, self._cos, self._sin, positions, kv[0], kv[1],
-                                         self.n_heads, self.n_kv, self.cfg.rms_norm_eps)
-
     def _step_keys(self, cache: KVCache) -> int:
         """The cache rows a step's attention reads: on the CPU, in an eager step (the runner set
         `cache.live_keys`), the live ones in whole key blocks (the blocked attention's bits do
@@ -323,24 +314,40 @@ class Qwen3Target(TargetBase):
         `ids [W]` at `positions [W]` (consecutive): each layer is a fused projection, then the
         step ops (`self.step_ops`, layers/step_ops.py: torch reference or Triton kernels) do
         q/k norm + rope + the K/V write, causal attention by position over the cache, the
-        residual add fused with the next norm, and SiLU·mul. Nothing reads a device value (an eager
-        CPU step cuts the keys at the host int `cache.live_keys`, a graph body never), so
+        residual add fused with the next norm, and SiLU·mul (the embedding gather fused with the
+        first norm). Nothing reads a device value (an eager CPU step cuts the keys at the host int
+        `cache.live_keys`, a graph body never), so
         a CUDA graph can capture it, and every op is row-count invariant, so a token's logits do
         not depend on what shares its step or on the storage size. `widen=False` returns the
         lm_head's model-dtype logits (an argmax of them is the float32 copy's: the widening is
         exact and keeps the order), without writing that copy. The weight matmuls are the step
         ops' `linear` too (cuBLAS, or the few-row kernel on the shapes it wins).
         """
+        h, taps_out = self._static_hidden(ids, positions, cache, taps)
+        return (self.logits(h) if widen else self.lm_head(h)), taps_out
+
+    def static_step_picks(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                          taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A greedy round's step: `static_step(widen=False)` and the argmax of its logits ->
+        (picks int64 `[W]`, model-dtype logits `[W, vocab]`, taps), the lm_head and its argmax
+        one step op (`lm_head_argmax`: one launch with the kernels)."""
+        h, taps_out = self._static_hidden(ids, positions, cache, taps)
+        logits, picks = self.step_ops.lm_head_argmax(h, self._lm_head)
+        return picks, logits, taps_out
+
+    def _static_hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                       taps: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`static_step` up to the final norm: (normed hidden `[W, hidden]`, taps)."""
         ops, eps = self.step_ops, self.cfg.rms_norm_eps
         self.ensure_positions(cache.max_len)
-        x = self.embed(ids)
+        h, x = ops.embed_rms_norm(ids, self.embed_weight, self.layers[0].attn_norm, eps)  # = rms_norm(embed(ids))
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
-        h = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         keys = self._step_keys(cache)
         for li, w in enumerate(self.layers):
             kv = cache.kv[li]
-            q = self._step_qkv(ops.linear(h, w.wqkv, w.bqkv), w, positions, kv)
+            q = ops.qkv_rope_kv_write(h, w.wqkv, w.bqkv, w.q_norm, w.k_norm, self._cos, self._sin, positions, kv[0],
+                                      kv[1], self.n_heads, self.n_kv, eps)
             attn = ops.linear(ops.attention(q, kv[0, :, :keys], kv[1, :, :keys], positions, self.scale), w.wo, w.bo)
             h, x = ops.add_rms_norm(attn, x, w.mlp_norm, eps)
             down = self._step_ffn(h, li, w)
@@ -349,4 +356,4 @@ class Qwen3Target(TargetBase):
             if li in wanted:
                 tapped[li] = x
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
-        return (self.logits(h) if widen else self.lm_head(h)), taps_out
+        return h, taps_out

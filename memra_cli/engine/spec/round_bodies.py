@@ -43,6 +43,18 @@ import torch
 from memra_cli.engine.spec.proposer import Program, static_proposal
 
 
+def greedy_step(target, ids: torch.Tensor, positions: torch.Tensor, cache, taps) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fixed-width step's argmax picks `[W]` and taps: a family's `static_step_picks` where it
+    has one (the lm_head and its argmax one step op), else `static_step(widen=False)` then the
+    step ops' argmax: the model-dtype logits' argmax is the float32 copy's (an exact widening)."""
+    fused = getattr(target, "static_step_picks", None)
+    if fused is not None:
+        sel, _, tapped = fused(ids, positions, cache, taps)
+        return sel, tapped
+    logits, tapped = target.static_step(ids, positions, cache, taps, widen=False)
+    return target.step_ops.argmax(logits), tapped
+
+
 def _window_rows(program: Program, width: int, device: torch.device) -> torch.Tensor | None:
     """The tensor a round writes its window into before the verify (`_round_core`), or None where
     the window is always the whole step (a fixed ladder as wide as the step). No row past the
@@ -74,17 +86,15 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
             cand = cand[:width]
         else:
             cand = torch.cat([cand, cand[-1:].expand(width - cand.shape[0])])
-        # model-dtype logits: their argmax is the float32 copy's (an exact widening), unwritten
         if live is None:
-            logits, tapped = target.static_step(cand, rows + t_start, cache, taps, widen=False)
+            sel, tapped = greedy_step(target, cand, rows + t_start, cache, taps)
         else:
             if presize is None:
                 live.copy_(torch.minimum(inputs[3], inputs[4]).clamp(min=1).reshape(1))
             else:
                 live.copy_(presize(cand, raws, inputs))
             with cache.live_rows_from(live):
-                logits, tapped = target.static_step(cand, rows + t_start, cache, taps, widen=False)
-        sel = target.step_ops.argmax(logits)
+                sel, tapped = greedy_step(target, cand, rows + t_start, cache, taps)
         drafter.static_ingest(kv, tapped, d_start)
         return cand, sel, raws
 
@@ -159,8 +169,8 @@ def plain_step(target, cache, width: int):
 
     def body(inputs: torch.Tensor) -> torch.Tensor:
         t_start, last = inputs[0], inputs[1:2]
-        logits, _ = target.static_step(last.expand(width).contiguous(), rows + t_start, cache, None, widen=False)
-        return target.step_ops.argmax(logits[:1])
+        sel, _ = greedy_step(target, last.expand(width).contiguous(), rows + t_start, cache, None)
+        return sel[:1]
 
     return body
 

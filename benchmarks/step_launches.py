@@ -1,0 +1,194 @@
+"""Kernel launches of one fixed-width target step, counted on the CPU (not a timing).
+
+Builds a small random Qwen3 or LLaMA target (`gpu_shapes.SHAPES` "small" / "llama-small", bf16),
+puts the Triton step ops in (under Triton's interpreter when there is no GPU), routes each weight
+matmul where the 8B shape's would go (the dense kernel where the 8B weight's shape is in
+`dense_linear.TUNED`, `F.linear` else), runs one 16-row `static_step` and counts
+
+- Triton launches, by kernel name (every `kernel[grid](...)`);
+- torch ops that launch a kernel on a GPU (a `TorchDispatchMode` over the step; views, `empty*`
+  and the ops inside a Triton launch are not counted), by op name: a weight matmul left to
+  cuBLAS counts as one here, though cuBLAS may launch two (a split-K reduction).
+
+`--greedy` counts a greedy round's step instead (`spec/round_bodies.py`'s `greedy_step`: the
+lm_head and its argmax, no float32 logits); `--variant unfused` installs the step ops with their
+launch fusions undone (`TritonStepOps.unfused`: the q/k/v projection + rope, the embedding +
+first norm, the lm_head + argmax), the A/B the GPU benchmark times (`target_step --variants
+triton,triton-unfused`).
+
+    python -m benchmarks.step_launches [--family qwen3|llama] [--greedy] [--variant fused|unfused] [--json OUT]
+
+Per layer, and per step (the per-layer count times the 8B shape's layers plus the rest) are
+printed: the 8B step launches the same kernels per layer, only more layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    # Triton's interpreter, with the kernel tests' shims for it (NumPy >= 2.4, bf16 rounding, a
+    # row-by-row dot), set before any @triton.jit runs (under pytest that conftest already ran)
+    os.environ["TRITON_INTERPRET"] = "1"
+    import importlib.util
+
+    _spec = importlib.util.spec_from_file_location(
+        "_kernel_test_shims", Path(__file__).resolve().parents[1] / "tests" / "kernels" / "conftest.py")
+    _spec.loader.exec_module(importlib.util.module_from_spec(_spec))
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from benchmarks.gpu_shapes import SHAPES, random_target
+
+W = 16
+FAMILIES = {"qwen3": ("small", "8b"), "llama": ("llama-small", "llama-8b")}  # --family -> (counted, routed as)
+# torch ops that launch no kernel: allocations and metadata
+_FREE = ("empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh", "_local_scalar_dense", "promote_types")
+
+
+class _TorchOps(TorchDispatchMode):
+    """Counts the torch ops of a block that would launch a GPU kernel (not views, not allocations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        out = func(*args, **(kwargs or {}))
+        # `to` may return its input (a view) or a converted copy (a kernel): told apart by storage
+        copied = name == "to" and out.data_ptr() != args[0].data_ptr()
+        if not self.paused and name not in _FREE and (copied or not func.is_view):
+            self.counts[name] += 1
+        return out
+
+
+@contextlib.contextmanager
+def counting():
+    """`(triton, torch)` Counters of the launches inside the block."""
+    from triton.runtime.jit import KernelInterface
+
+    triton_counts: collections.Counter = collections.Counter()
+    torch_ops = _TorchOps()
+    original = KernelInterface.__getitem__
+
+    def launch(self, grid):
+        run = original(self, grid)
+        name = getattr(getattr(self, "fn", None), "__name__", None) or type(self).__name__
+
+        def counted(*args, **kwargs):
+            triton_counts[name] += 1
+            torch_ops.paused = True  # the interpreter's own torch calls are not the step's
+            try:
+                return run(*args, **kwargs)
+            finally:
+                torch_ops.paused = False
+
+        return counted
+
+    KernelInterface.__getitem__ = launch
+    try:
+        with torch_ops:
+            yield triton_counts, torch_ops.counts
+    finally:
+        KernelInterface.__getitem__ = original
+
+
+def route_like(target, routed_as: dict) -> list[tuple[int, int]]:
+    """The small target's weight shapes whose 8B counterparts are in `dense_linear.TUNED`
+    (qkv, o, gate/up, down, lm_head by role), added to TUNED so its step routes as the 8B's."""
+    from memra_kernels import dense_linear
+
+    s = routed_as
+    h, q, kv, ff = s["hidden"], s["heads"] * s["hd"], s["kv"] * s["hd"], s["ffn"]
+    big = [(q + 2 * kv, h), (h, q), (2 * ff, h), (h, ff), (s["vocab"], h)]
+    w = target.layers[0]
+    small = [tuple(w.wqkv.shape), tuple(w.wo.shape), tuple(w.w_gate_up.shape), tuple(w.w_down.shape),
+             tuple(target.lm_head_weight.shape)]
+    added = [sm for sm, b in zip(small, big) if b in dense_linear.TUNED]
+    for sm, b in zip(small, big):
+        if b in dense_linear.TUNED:  # split or not as the 8B shape's tiles are (the argmax epilogue needs unsplit)
+            split = 2 if dense_linear.TUNED[b].split_k > 1 else 1
+            dense_linear.TUNED.setdefault(sm, dense_linear.KernelConfig(block_n=16, block_k=16, split_k=split))
+    return added
+
+
+def _count_once(target, greedy: bool, device) -> tuple[collections.Counter, collections.Counter]:
+    """One step's launches, after the set-up a runner does once (rope tables)."""
+    state = target.new_state(64)
+    target.ensure_positions(state.max_len)
+    ids = torch.randint(0, target.vocab_size, (W,), device=device)
+    pos = torch.arange(20, 20 + W, device=device)
+    with counting() as (tri, tor):
+        if greedy:  # as a greedy round runs its step
+            from memra_cli.engine.spec.round_bodies import greedy_step
+
+            greedy_step(target, ids, pos, state, None)
+        else:
+            target.static_step(ids, pos, state)
+    return tri, tor
+
+
+def count_step(family: str = "qwen3", greedy: bool = False, variant: str = "fused") -> dict:
+    """One 16-row step's launches on the small target of `family`, routed as its 8B shape: by
+    kernel, per layer (the step counted with all its layers and with one fewer), outside the
+    layers, and the 8B shape's total (its layers times the per-layer count, plus the rest)."""
+    from memra_cli.engine.layers.step_ops import TritonStepOps
+    from memra_kernels import dense_linear
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    small, big = FAMILIES[family]
+    table = dict(dense_linear.TUNED)
+    try:
+        with torch.inference_mode():
+            target = random_target(SHAPES[small], torch.bfloat16, device)
+            routed = route_like(target, SHAPES[big])
+            ops = TritonStepOps()
+            target.step_ops = ops.unfused() if variant == "unfused" else ops
+            _count_once(target, greedy, device)  # a warm-up: buffers a runner keeps (counters, key slots)
+            tri, tor = _count_once(target, greedy, device)
+            layers = target.layers
+            target.layers = layers[:-1]
+            tri_less, tor_less = _count_once(target, greedy, device)
+            target.layers = layers
+    finally:
+        dense_linear.TUNED.clear()
+        dense_linear.TUNED.update(table)
+    total = sum(tri.values()) + sum(tor.values())
+    per_layer = total - sum(tri_less.values()) - sum(tor_less.values())
+    rest = total - per_layer * len(layers)
+    if tri.get("_row_argmax_kernel"):  # the 8B vocabulary's argmax splits its rows: a second launch folds them
+        from memra_kernels import argmax
+
+        rest += int(argmax.plan(W, SHAPES[big]["vocab"])[2] > 1) - int(argmax.plan(W, SHAPES[small]["vocab"])[2] > 1)
+    return {"family": family, "greedy": greedy, "variant": variant, "layers": len(layers),
+            "triton": dict(tri), "torch": dict(tor), "launches": total, "per_layer": per_layer,
+            "outside_layers": rest, "shape_8b_layers": SHAPES[big]["layers"],
+            "launches_8b": per_layer * SHAPES[big]["layers"] + rest,  # outside_layers: at the 8B vocabulary
+            "routed_to_dense": [list(r) for r in routed]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--family", choices=sorted(FAMILIES), default="qwen3")
+    p.add_argument("--greedy", action="store_true", help="a greedy round's step: model-dtype logits and the argmax")
+    p.add_argument("--variant", choices=("fused", "unfused"), default="fused")
+    p.add_argument("--json", type=Path, default=None)
+    a = p.parse_args()
+    res = count_step(a.family, a.greedy, a.variant)
+    print(json.dumps(res, indent=1))
+    if a.json:
+        a.json.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
