@@ -17,10 +17,11 @@ the ladder); and, for comparison, the same window priced from the last round's r
 to 2 rows for good; plain = 1 token at cost(1).
 
 `--measured MOE_STEP_JSON` adds rows priced by a measured cost curve instead of bytes: the graphed
-step times of `benchmarks/moe_step.py`'s Triton rows (ms of a step of vt real rows, linear between
-the vt it measured), so the fixed overhead a real step pays beside its expert reads counts too.
+step times of `benchmarks/moe_step.py`'s Triton rows (ms of the fixed-width step with vt live rows
+where it timed one, else of a step of vt rows; linear between the vt it measured), so the fixed
+overhead a real step pays beside its expert reads counts too.
 
-    python benchmarks/moe_window_sim.py [--json OUT] [--measured docs/results/h200-moe-step-a3b.json]
+    python benchmarks/moe_window_sim.py [--json OUT] [--measured docs/results/h100-moe-step-a3b-padding-rows-skipped.json]
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ class MeasuredCost:
 
     @classmethod
     def from_moe_step(cls, path: Path) -> "MeasuredCost":
-        rows = sorted((r for r in json.loads(path.read_text())["rows"] if r.get("graph_ms")), key=lambda r: r["vt"])
+        timed = [r for r in json.loads(path.read_text())["rows"] if r.get("graph_ms")]
+        by_vt = {r["vt"]: r for r in timed if not r.get("width")}
+        by_vt.update({r["vt"]: r for r in timed if r.get("width")})  # what the engine runs: vt live of its width
+        rows = [by_vt[v] for v in sorted(by_vt)]
         if not rows or rows[0]["vt"] != 1 or rows[-1]["vt"] < CAP:
             raise ValueError(f"{path}: expected graphed rows from vt = 1 to {CAP} (benchmarks/moe_step.py --json)")
         return cls(tuple(r["vt"] for r in rows), tuple(r["graph_ms"] for r in rows),

@@ -116,7 +116,7 @@ def test_the_simulation_script_prints_and_writes_its_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
     env["PYTHONPATH"] = str(ROOT)
     out = tmp_path / "sim.json"
-    measured = ROOT / "docs" / "results" / "h200-moe-step-a3b.json"  # the H200's graphed step times
+    measured = ROOT / "docs" / "results" / "h100-moe-step-a3b-padding-rows-skipped.json"  # graphed step times
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_window_sim.py"), "--json", str(out),
                            "--measured", str(measured)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -152,9 +152,11 @@ def test_a_measured_cost_curve_is_read_and_interpolated(tmp_path):
         sys.path.remove(str(ROOT / "benchmarks"))
     good = tmp_path / "step.json"
     good.write_text(json.dumps({"rows": [{"vt": v, "graph_ms": 1.0 + v, "experts_per_layer": 2.0 * v}
-                                         for v in (1, 4, 16)] + [{"vt": 2, "graph_ms": None, "experts_per_layer": 3}]}))
-    cost = MeasuredCost.from_moe_step(good)
-    assert cost.vts == (1, 4, 16) and cost.bytes(1) == 2.0 and cost.bytes(10) == pytest.approx(11.0)
+                                         for v in (1, 4, 16)] + [{"vt": 2, "graph_ms": None, "experts_per_layer": 3},
+                                                                 {"vt": 1, "width": 16, "graph_ms": 2.5,
+                                                                  "experts_per_layer": 2.0}]}))
+    cost = MeasuredCost.from_moe_step(good)  # the engine's fixed-width row wins where there is one
+    assert cost.vts == (1, 4, 16) and cost.bytes(1) == 2.5 and cost.bytes(10) == pytest.approx(11.0)
     assert cost.expected_union(2) == pytest.approx(4.0) and not cost.is_flat
     short = tmp_path / "short.json"
     short.write_text(json.dumps({"rows": [{"vt": 1, "graph_ms": 1.0, "experts_per_layer": 8}]}))
