@@ -80,14 +80,15 @@ def _gemma4_step(out: Path, tiny: bool):
 
 def _moe_step(out: Path, tiny: bool):
     args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--vts", "1,4", "--iters", "2"] if tiny else \
-        ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16", "--vts", "1,2,4,8,12,16", "--iters", "20",
+        ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16", "--ops", "triton,torch",  # kernels first: the
+         "--vts", "1,2,4,8,12,16", "--iters", "20",  # twin's eager steps take most of the part's time
          "--tiles", "16x16x256x4x4,32x32x128x4x3,32x64x128x4x4,64x32x64x4x4"]  # candidates beside moe.CONFIG
     return [_py("-m", "benchmarks.moe_step", *args, "--json", str(out / "moe_step.json"))]
 
 
 def _moe_hybrid_step(out: Path, tiny: bool):
     args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32"] if tiny else \
-        ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16"]
+        ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16", "--ops", "triton,torch"]  # kernels first, as moe_step
     return [_py("-m", "benchmarks.moe_hybrid_step", *args, "--json", str(out / "moe_hybrid_step.json"))]
 
 
