@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -21,6 +23,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.exhaustive  # the whole script through the interpreter; its refusals stay quick
 def test_times_steps_and_counts_their_experts(tmp_path):
     out = tmp_path / "moe.json"
     proc = _run("--vts", "1,16", "--json", str(out))

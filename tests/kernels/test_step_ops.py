@@ -54,6 +54,7 @@ def test_a_step_through_the_kernels_matches_the_torch_ops(target_dir, llama_dir,
     assert ((got - ref).norm() / ref.norm()).item() < LOGIT_TOL
 
 
+@pytest.mark.exhaustive  # an end-to-end interpreter run; the ops' own tests and the model step above are quick
 def test_greedy_and_speculative_streams_with_the_kernels(target_dir, tmp_path):
     prompt = list(range(3, 24))
     torch_stream = greedy_reference(StepRunner(_model(target_dir, TorchStepOps()), 16), prompt, 8)
