@@ -361,12 +361,14 @@ def _moe(ctx, dt):
                        ("_moe_gate_up_kernel", "_moe_down_kernel", "_moe_combine_kernel"), mo.moe_swiglu,
                        ctx.t(rows, h, dtype=dt), ctx.t(rows, k, dtype=dt), ctx.torch.zeros(rows, k, dtype=ctx.torch.int64),
                        ctx.t(n_exp, 2 * inter, h, dtype=dt), ctx.t(n_exp, h, inter, dtype=dt))
-        # the router's picks: a step's 16 rows (live rows, the count in the launch) and a prefill's tiles
-        # (every row live: no live count, no fused count)
+        # the router's picks: a step's 16 rows (live rows, the count in the launch; renormalised, Gemma's
+        # scale) and a prefill's tiles (every row live, no fused count; unnormalised and unscaled), so every
+        # flag compiles both ways
         for rows, step in ((16, True), (80, False)):
             ctx.launch(f"moe_route E{n_exp} k{k} rows{rows}", "_moe_route_kernel", ctx.k.moe_route.moe_route,
-                       ctx.t(rows, n_exp, dtype=dt), k, True, ctx.torch.ones(1, dtype=ctx.torch.int32) if step else None,
-                       ctx.torch.zeros(2, dtype=ctx.torch.int64) if step else None, ctx.t(n_exp, dtype=dt))
+                       ctx.t(rows, n_exp, dtype=dt), k, step, ctx.torch.ones(1, dtype=ctx.torch.int32) if step else None,
+                       ctx.torch.zeros(2, dtype=ctx.torch.int64) if step else None,
+                       ctx.t(n_exp, dtype=dt) if step else None)
     n_exp, h, inter, k = MOE_SHAPES[-1]  # Gemma 4's GELU-tanh experts: the gate/up epilogue's other branch
     ctx.launch(f"moe_swiglu gelu_tanh E{n_exp} h{h} I{inter} k{k}", "_moe_gate_up_kernel", mo.moe_swiglu,
                ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt), ctx.torch.zeros(16, k, dtype=ctx.torch.int64),
