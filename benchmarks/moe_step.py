@@ -17,7 +17,11 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
 - per step: the experts run per sparse layer (counted by the target), the bytes those weights
   hold (attention, router, dense MLPs, lm_head, and the measured expert union), the read
   bandwidth measured in the same process (a large tensor's sum), the ratio of time to that
-  floor, and peak memory.
+  floor, and peak memory;
+- with `--profile` (CUDA, Triton ops): where one eager `--width`-row step's GPU time goes, at 1
+  live row and at `--width` live rows: its kernels under the torch profiler grouped by name
+  (count, summed µs; `timing.kernel_table`), with programmatic dependent launch off so each
+  kernel is charged its own time.
 
     python -m benchmarks.moe_step --shape a3b --device cuda --dtype bfloat16 --json OUT.json
     python benchmarks/moe_step.py --shape tiny --device cpu --iters 1   # the CPU smoke test's run
@@ -133,6 +137,21 @@ def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int, width: int
     if dev.type == "cuda" and model.step_ops.name == "triton":
         row["graph_ms"], row["graph_error"] = graphed_ms(lambda: model.static_step(ids, positions, cache), iters)
     return row
+
+
+@torch.no_grad()
+def profile_step(model: Qwen3MoeTarget, live: int, width: int, context: int) -> dict:
+    """`timing.kernel_table` of one eager `width`-row step with `live` live rows at `context`."""
+    from benchmarks.timing import kernel_table
+
+    dev = model.device
+    cache = model.new_state(context + width)
+    model.ensure_positions(cache.max_len)
+    cache.length = context
+    cache.set_live_rows(live if live < width else None)
+    ids = torch.randint(0, model.cfg.vocab_size, (width,), device=dev)
+    positions = torch.arange(context, context + width, device=dev)
+    return {"live": live, "width": width, **kernel_table(lambda: model.static_step(ids, positions, cache), top=40)}
 
 
 def step_rows(model, name: str, vts: list[int], width: int, cost, bw: float, measure_one) -> list[dict]:
@@ -262,6 +281,10 @@ def main(argv: list[str]) -> int:
                     "rows, vt of them live (the engine's fixed-width step); 0: only the vt-row steps")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="also profile one eager --width-row step's "
+                    "kernels at 1 and --width live rows (CUDA, Triton ops)")
+    ap.add_argument("--dense-tuned", type=Path, default=None, help="the dense kernel's TUNED table from "
+                    "this file (benchmarks/gpu/dense_linear_sweep.py --tuned) before any launch")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
@@ -277,9 +300,20 @@ def main(argv: list[str]) -> int:
     if tiles and dev.type != "cuda":
         print(f"error: --tiles {a.tiles!r}: the kernels need --device cuda", file=sys.stderr)
         return 2
+    if a.profile and (dev.type != "cuda" or "triton" not in ops or a.width < 1):
+        print("error: --profile: needs --device cuda, triton in --ops and --width >= 1", file=sys.stderr)
+        return 2
     if a.width < 0:
         print(f"error: --width {a.width}: expected a row count (0: only the vt-row steps)", file=sys.stderr)
         return 2
+    if a.dense_tuned:
+        from memra_kernels import dense_linear
+
+        try:
+            dense_linear.load_tuned(a.dense_tuned)  # before any launch
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"error: --dense-tuned {a.dense_tuned}: {exc}", file=sys.stderr)
+            return 2
     torch.manual_seed(0)
     model = build(a.shape, dtype, dev)
     cost = step_cost_of(model)
@@ -308,9 +342,21 @@ def main(argv: list[str]) -> int:
         print(route)
         for name, us in r.get("tiles_graph_us", {}).items():
             print(f"   tiles {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
+    profiles = []
+    if a.profile:
+        import os
+
+        os.environ["MEMRA_PDL"] = "0"  # each kernel charged its own time, not its early wait
+        model.step_ops = step_ops("triton")
+        for live in sorted({1, a.width}):
+            prof = profile_step(model, live, a.width, a.context)
+            profiles.append(prof)
+            print(f"profile width {a.width}, {live} live: {prof['kernels']} kernels, {prof['gpu_us']:.1f} us GPU")
+            for name, count, us in prof["top"]:
+                print(f"   {us:9.1f} us  x{count:4d}  {name}")
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     out = {"shape": a.shape, "device": str(dev), "dtype": a.dtype, "context": a.context, "iters": a.iters,
-           "read_tbps": bw / 1e12, "peak_gib": peak, "rows": rows, "op_rows": op_rows,
+           "read_tbps": bw / 1e12, "peak_gib": peak, "rows": rows, "op_rows": op_rows, "profiles": profiles,
            "command": "python -m benchmarks.moe_step " + " ".join(argv)}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))

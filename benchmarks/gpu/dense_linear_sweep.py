@@ -6,7 +6,9 @@ invariance first), the best one also at M = 1. Every time is a CUDA-graph replay
 cycle through enough copies of the weight that L2 never holds the one being read (as the engine
 reads weights: once per step). Prints a TUNED table of the shapes where the kernel beat cuBLAS
 at M = 16 by more than `--margin`, and writes everything to `--json` (the table also to
-`--tuned`, which `dense_linear.load_tuned` and the benchmarks' `--dense-tuned` read).
+`--tuned`, which `dense_linear.load_tuned` and the benchmarks' `--dense-tuned` read: there it
+holds the module's TUNED entries for the shapes not swept beside the swept winners, so it is a
+whole table).
 
     python -m benchmarks.gpu.dense_linear_sweep [--shapes 8b,drafter,hybrid] [--json F] [--tuned F]
 """
@@ -36,6 +38,10 @@ SHAPES = {
     "drafter": [(4096, 20480), (2048, 4096)],
     # Qwen3.5-4B hybrid: DeltaNet in/out, gated attention qkv, o, gate/up, down, lm_head
     "hybrid": [(12352, 2560), (2560, 4096), (10240, 2560), (18432, 2560), (2560, 9216), (248320, 2560)],
+    # LLaMA-3.1-8B beyond the 8B's: fused gate/up, down, lm_head (q/k/v and o are the 8B's)
+    "llama": [(28672, 4096), (4096, 14336), (128256, 4096)],
+    # Qwen3-30B-A3B's dense weights: fused q/k/v, o, lm_head (the experts run the MoE kernels)
+    "moe-a3b": [(5120, 2048), (2048, 4096), (151936, 2048)],
 }
 REL_TOL = 1e-2
 
@@ -160,8 +166,12 @@ def main() -> int:
     res["tuned"] = tuned
     res["seconds"] = time.perf_counter() - t0
     a.json.write_text(json.dumps(res, indent=1))
-    if a.tuned:
-        a.tuned.write_text(json.dumps(tuned, indent=1))
+    if a.tuned:  # a whole table: the module's entries for shapes not swept, then the winners
+        swept = {f"{n}x{k}" for n, k in shapes}
+        kept = {f"{n}x{k}": {"block_n": c.block_n, "block_k": c.block_k, "split_k": c.split_k,
+                             "num_warps": c.num_warps, "num_stages": c.num_stages}
+                for (n, k), c in dl.TUNED.items() if f"{n}x{k}" not in swept}
+        a.tuned.write_text(json.dumps({**kept, **tuned}, indent=1))
     log("TUNED = {")
     for key, c in tuned.items():
         n, k = key.split("x")

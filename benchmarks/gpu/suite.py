@@ -63,12 +63,27 @@ def _hybrid_step(out: Path, tiny: bool):
     return [_py("-m", "benchmarks.gpu.hybrid_step", *args, "--json", str(out / "hybrid_step.json"))]
 
 
+DENSE_TUNED = "dense_tuned.json"  # the dense_sweep part's whole TUNED table
+
+
+def _dense_tuned(out: Path) -> list[str]:
+    """`--dense-tuned` of the table the dense_sweep part wrote earlier in this run, if it ran."""
+    return ["--dense-tuned", str(out / DENSE_TUNED)] if (out / DENSE_TUNED).exists() else []
+
+
+def _dense_sweep(out: Path, tiny: bool):
+    if tiny:
+        return None
+    return [_py("-m", "benchmarks.gpu.dense_linear_sweep", "--shapes", "llama,moe-a3b", "--budget-s", "170",
+                "--json", str(out / "dense_sweep.json"), "--tuned", str(out / DENSE_TUNED))]
+
+
 def _llama_step(out: Path, tiny: bool):
     if tiny:
         return None  # an 8B-shape step is a GPU measurement only
     return [_py("-m", "benchmarks.gpu.target_step", "--family", "llama", "--contexts", "512,32768",
-                "--sweep-lengths", "512", "--sweep-prompts", "3", "--prefill-length", "0", "--variants", "torch,triton",
-                "--json", str(out / "llama_step.json"))]
+                "--sweep-lengths", "512", "--sweep-prompts", "3", "--prefill-length", "0",
+                "--variants", "torch,triton,triton-unfused", *_dense_tuned(out), "--json", str(out / "llama_step.json"))]
 
 
 def _gemma4_step(out: Path, tiny: bool):
@@ -83,7 +98,16 @@ def _moe_step(out: Path, tiny: bool):
         ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16", "--ops", "triton,torch",  # kernels first: the
          "--vts", "1,2,4,8,12,16", "--iters", "20",  # twin's eager steps take most of the part's time
          "--tiles", "16x16x256x4x4,32x32x128x4x3,32x64x128x4x4,64x32x64x4x4"]  # candidates beside moe.CONFIG
-    return [_py("-m", "benchmarks.moe_step", *args, "--json", str(out / "moe_step.json"))]
+    return [_py("-m", "benchmarks.moe_step", *args, *([] if tiny else _dense_tuned(out)),
+                "--json", str(out / "moe_step.json"))]
+
+
+def _moe_profile(out: Path, tiny: bool):
+    if tiny:
+        return None  # the profile needs CUDA
+    return [_py("-m", "benchmarks.moe_step", "--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16",
+                "--ops", "triton", "--vts", "1,16", "--iters", "10", "--profile", *_dense_tuned(out),
+                "--json", str(out / "moe_profile.json"))]
 
 
 def _moe_hybrid_step(out: Path, tiny: bool):
@@ -148,10 +172,15 @@ PARTS = {p.name: p for p in (
     Part("drafter_round", "Qwen3-8B-shape DFlash drafter's side of a round and the round, ms", 100, _drafter_round),
     Part("hybrid_step", "Qwen3.5-4B-shape hybrid step, the 16-wide plain token with its padding skipped and run, verify, "
          "rollback, rounds, ms", 110, _hybrid_step),
-    Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor, ms", 150, _llama_step),
+    Part("dense_sweep", "the dense kernel's tiles against cuBLAS at the LLaMA-8B and Qwen3-30B-A3B weight shapes "
+         "the 8B table lacks, µs; writes the whole table the later parts of the run load", 200, _dense_sweep),
+    Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor (fused and unfused launches; with "
+         "dense_sweep's table when that part ran first), ms", 150, _llama_step),
     Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, Triton and torch step ops, ms", 300, _gemma4_step),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step and MoE op at vt rows, torch twin vs the MoE kernels, vs the read "
          "floor of the expert union, ms", 240, _moe_step),
+    Part("moe_profile", "Qwen3-30B-A3B-shape 16-row step at 1 and 16 live rows: graphed ms vs the floor, and its "
+         "kernels by name under the profiler, µs", 150, _moe_profile),
     Part("moe_hybrid_step", "Qwen3.5-35B-A3B-shape hybrid MoE step at vt rows, torch twin vs the MoE kernels (eager "
          "and graphed), vs its read floor, ms", 200,
          _moe_hybrid_step),
