@@ -67,38 +67,15 @@ def zlab_outputs(checkout: Path, export: Path, x: dict[str, torch.Tensor]) -> di
 
 
 @torch.no_grad()
-def deepspec_outputs(checkout: Path, export: Path, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    sys.path.insert(0, str(checkout))
-    from deepspec.modeling.dspark.qwen3.modeling import Qwen3DSparkModel
-
-    model, out = _load(Qwen3DSparkModel, export), {}
+def _dspark_outputs(model, x: dict[str, torch.Tensor], noise) -> dict[str, torch.Tensor]:
+    """A DeepSpec DSpark model's backbone hidden states (train and infer cases), then the train
+    case's block logits with the markov bias and its confidence. `noise(case)`: the block rows."""
+    out = {}
     for case in ("train", "infer"):
         pos = torch.cat([x[f"{case}_ctx_pos"], x[f"{case}_blk_pos"]], 1)
         mask = _additive(x[f"{case}_mask"]) if case == "train" else None
         out[f"ref_{case}_hidden"] = model._forward_backbone(position_ids=pos, attention_mask=mask,
-                                                            noise_embedding=x[f"{case}_noise"],
-                                                            target_hidden_states=x[f"{case}_taps"])
-    prev = x["train_prev"]
-    rows = out["ref_train_hidden"].view(*prev.shape, -1)
-    logits = model.compute_logits(rows)
-    out["ref_train_logits"] = model.markov_head.apply_block_logits(logits, token_ids=prev, hidden_states=rows)
-    out["ref_train_confidence"] = model.predict_confidence_step(rows, prev)
-    return out
-
-
-@torch.no_grad()
-def deepspec_gemma4_outputs(checkout: Path, export: Path, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """DeepSpec's Gemma4DSparkModel: the block rows are its own scaled embedding of the block ids,
-    the logits its `compute_logits` (softcapped) with the markov bias."""
-    sys.path.insert(0, str(checkout))
-    from deepspec.modeling.dspark.gemma4.modeling import Gemma4DSparkModel
-
-    model, out = _load(Gemma4DSparkModel, export), {}
-    for case in ("train", "infer"):
-        pos = torch.cat([x[f"{case}_ctx_pos"], x[f"{case}_blk_pos"]], 1)
-        mask = _additive(x[f"{case}_mask"]) if case == "train" else None
-        out[f"ref_{case}_hidden"] = model._forward_backbone(position_ids=pos, attention_mask=mask,
-                                                            noise_embedding=model.embed_tokens(x[f"{case}_noise_ids"]),
+                                                            noise_embedding=noise(case),
                                                             target_hidden_states=x[f"{case}_taps"])
     prev = x["train_prev"]
     rows = out["ref_train_hidden"].view(*prev.shape, -1)
@@ -106,6 +83,24 @@ def deepspec_gemma4_outputs(checkout: Path, export: Path, x: dict[str, torch.Ten
                                                                    hidden_states=rows)
     out["ref_train_confidence"] = model.predict_confidence_step(rows, prev)
     return out
+
+
+def deepspec_outputs(checkout: Path, export: Path, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DeepSpec's Qwen3DSparkModel: the block rows are the given noise embedding."""
+    sys.path.insert(0, str(checkout))
+    from deepspec.modeling.dspark.qwen3.modeling import Qwen3DSparkModel
+
+    return _dspark_outputs(_load(Qwen3DSparkModel, export), x, lambda case: x[f"{case}_noise"])
+
+
+def deepspec_gemma4_outputs(checkout: Path, export: Path, x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DeepSpec's Gemma4DSparkModel: the block rows are its own scaled embedding of the block ids,
+    the logits its `compute_logits` (softcapped) with the markov bias."""
+    sys.path.insert(0, str(checkout))
+    from deepspec.modeling.dspark.gemma4.modeling import Gemma4DSparkModel
+
+    model = _load(Gemma4DSparkModel, export)
+    return _dspark_outputs(model, x, lambda case: model.embed_tokens(x[f"{case}_noise_ids"]))
 
 
 def _upstream(kind: str, a: argparse.Namespace):
