@@ -41,9 +41,11 @@ def _ids(n: int, seed: int, device="cpu") -> torch.Tensor:
     return torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def _logits_in_groups(runner: StepRunner, prompt: torch.Tensor, cont: torch.Tensor, groups: list[int]):
-    """Prefill `prompt`, then teacher-force `cont` in steps of the given sizes; logits `[len(cont), V]`."""
-    cache = runner.new_state(prompt.shape[0] + cont.shape[0] + 1)
+def _logits_in_groups(runner: StepRunner, prompt: torch.Tensor, cont: torch.Tensor, groups: list[int],
+                      room: int = 1):
+    """Prefill `prompt`, then teacher-force `cont` in steps of the given sizes, in a state of
+    `room` positions beyond them; logits `[len(cont), V]`."""
+    cache = runner.new_state(prompt.shape[0] + cont.shape[0] + room)
     runner.prefill(prompt, cache)
     out, at = [], 0
     for g in groups:
@@ -135,6 +137,24 @@ def test_cuda_bf16_fixed_width_logits_do_not_depend_on_the_grouping(target_dir):
     runs = [_logits_in_groups(runner, prompt, cont, g) for g in GROUPINGS]
     for g, logits in zip(GROUPINGS[1:], runs[1:]):
         assert torch.equal(logits, runs[0]), f"grouping {g} differs from one row at a time"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("ops", ["torch", "triton"])
+def test_cuda_bf16_logits_do_not_depend_on_the_storage_size(target_dir, ops):
+    """A plain and a speculative session size their K/V storages differently, so a position's
+    logits must not depend on the storage's size (on the CPU: tests/engine/test_sdpa.py), with
+    either step ops (`MEMRA_KERNELS=0` runs the torch ones on CUDA)."""
+    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+
+    model = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda")
+    model.step_ops = TorchStepOps() if ops == "torch" else TritonStepOps()
+    runner = StepRunner(model, WIDTH)
+    prompt, cont = _ids(37, 0, "cuda"), _ids(24, 1, "cuda")
+    runs = {room: _logits_in_groups(runner, prompt, cont, [16, 8], room) for room in (1, 700, 4000)}
+    for room, logits in runs.items():
+        assert torch.equal(logits, runs[1]), f"{ops} step ops: a storage {room} positions longer differs"
 
 
 def test_cuda_graphs_refused_off_cuda_or_without_a_width(target_dir):
