@@ -287,3 +287,21 @@ def assert_graphed_session_equals_plain(model, draft, prompt_ids: list[int], new
     assert captures
     after = model.expert_reads
     assert after[0] > before[0] and after[1] >= 2 * (after[0] - before[0])  # top-2 or more a call
+
+
+def assert_graphed_prefill_padding_reads_no_experts(model, vocab: int, t: int = 3) -> None:
+    """With `eager_capture` on: a graphed prefill of a `t`-token prompt runs its bucket's rows,
+    and its padding rows route to no expert (runtime/graphs.py `PrefillGraph`, models/experts.py
+    `padded_forward`): the experts it counts are the eager prefill's of the same ids."""
+    ids = torch.tensor(prompt(t, seed=23, top=vocab - 8), device=model.device)
+    runner = graphed_on_cpu(model, 16, False).runner
+    state = runner.new_state(t + 32)
+    assert runner.prefill_rows(t, state) > t  # a bucket with padding rows
+    runner.prefill(ids, state)  # the capture (the stand-in's capture run counts, as no real warm-up does)
+    counts = []
+    for eager in (True, False):
+        before = model.expert_reads
+        runner.prefill(ids, state, eager=eager)
+        counts.append(tuple(b - a for a, b in zip(before, model.expert_reads)))
+    assert any(k[0] == "prefill" for k in state.graphs)
+    assert counts[1] == counts[0], f"graphed prefill counted {counts[1]}, the eager one {counts[0]}"

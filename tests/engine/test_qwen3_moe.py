@@ -225,6 +225,18 @@ def test_speculative_arms_equal_plain_greedy(target, drafts, mode, vt):
     assert_arm_equals_plain(target, drafts, mode, vt, SPEC_PROMPTS, SPEC_NEW)
 
 
+def test_graphed_prefill_padding_rows_read_no_experts_and_a_planted_unmasked_bucket_is_caught(target, monkeypatch):
+    """The prefill graph's bucket rows past the prompt route to no expert: it counts what an eager
+    prefill of the prompt counts; planted, a capture of the plain forward (every bucket row
+    routed) counts more."""
+    spec_arms.eager_capture(monkeypatch)
+    spec_arms.assert_graphed_prefill_padding_reads_no_experts(target, VOCAB)
+    monkeypatch.setattr(Qwen3MoeTarget, "padded_forward", lambda self, ids, start, state, taps, live:
+                        self.forward(ids, start, state, taps))  # the live count dropped
+    with pytest.raises(AssertionError, match="graphed prefill counted"):
+        spec_arms.assert_graphed_prefill_padding_reads_no_experts(target, VOCAB)
+
+
 def test_padding_rows_run_no_experts_and_a_planted_unmasked_step_is_caught(target, monkeypatch):
     """models/experts.py `LiveRouting`: a plain step's 15 padding rows add no experts, and a live
     row's bits do not depend on the live count; with the padding mask planted away (every row

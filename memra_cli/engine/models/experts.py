@@ -105,7 +105,8 @@ class LiveRouting:
     hands to the step ops' `moe_route`): every row from it on gets the no-expert id and weight 0,
     and the counter (`self.reads`) counts the live rows' experts only. An eager `forward` (every
     row real) masks nothing. The count is read on the device, so a graph replay takes whatever
-    the state holds then."""
+    the state holds then. A graphed prefill's padding rows are masked the same way
+    (`padded_forward`)."""
 
     _live_rows: torch.Tensor | None = None
 
@@ -113,5 +114,15 @@ class LiveRouting:
         self._live_rows = state.live
         try:
             return super().static_step(ids, positions, state, taps, widen)
+        finally:
+            self._live_rows = None
+
+    def padded_forward(self, ids, start, state, taps, live: torch.Tensor):
+        """`forward` of `ids [t]` whose first `live` rows (int32 `[1]` on the device) are real and
+        the rest padding that reads no experts: a graphed prefill's bucket (runtime/graphs.py
+        `PrefillGraph`), whose replay takes the count its run writes."""
+        self._live_rows = live
+        try:
+            return self.forward(ids, start, state, taps)
         finally:
             self._live_rows = None

@@ -25,6 +25,7 @@ from typing import Sequence
 
 import torch
 
+from memra_cli.engine.models.experts import LiveRouting
 from memra_cli.engine.runtime import cuda_graphs
 
 
@@ -95,10 +96,14 @@ class PrefillGraph:
         dev = model.device
         self.ids = torch.zeros(rows, dtype=torch.long, device=dev)
         self.last_row = torch.zeros(1, dtype=torch.long, device=dev)
+        self.live = torch.full((1,), rows, dtype=torch.int32, device=dev)  # the real rows (`run` writes it)
         taps = tuple(taps) or None
+        # an MoE target's padding rows route to no expert (models/experts.py `LiveRouting`)
+        forward = model.forward if not isinstance(model, LiveRouting) else (
+            lambda *a: model.padded_forward(*a, live=self.live))
 
         def body():
-            hidden, tapped = model.forward(self.ids, 0, cache, taps)
+            hidden, tapped = forward(self.ids, 0, cache, taps)
             return model.logits(hidden.index_select(0, self.last_row)), tapped
 
         self.graph, (self.logits, self.taps) = cuda_graphs.capture(body, dev, pool=pool)
@@ -110,6 +115,7 @@ class PrefillGraph:
         self.ids[:t].copy_(ids)
         self.ids[t:].copy_(ids[-1:].expand(self.rows - t))
         self.last_row.fill_(t - 1)
+        self.live.fill_(t)
         self.graph.replay()
         self.cache.length = t
         return self.logits.clone(), (None if self.taps is None else self.taps[:t].clone())
