@@ -111,31 +111,38 @@ def graphed_ms(fn, iters: int) -> tuple[float | None, str | None]:
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
+def one_step(model: Qwen3MoeTarget, rows: int, live: int, context: int):
+    """A step of `rows` random ids, the first `live` real, at `context` cached positions: a
+    callable that runs it (the same state and inputs each call)."""
+    dev = model.device
+    cache = model.new_state(context + rows)
+    model.ensure_positions(cache.max_len)
+    cache.length = context
+    cache.set_live_rows(live if live < rows else None)
+    ids = torch.randint(0, model.cfg.vocab_size, (rows,), device=dev)
+    positions = torch.arange(context, context + rows, device=dev)
+    return lambda: model.static_step(ids, positions, cache)
+
+
 @torch.no_grad()
 def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int, width: int | None = None) -> dict:
     """Median ms of one vt-row step at `context` cached positions, and the experts it ran.
     `width`: a step of `width` rows whose first vt are live, the rest padding (what the engine's
     fixed-width steps run: `state.set_live_rows`); None: a step of the vt rows alone."""
     dev = model.device
-    rows = width or vt
-    cache = model.new_state(context + rows)
-    model.ensure_positions(cache.max_len)
-    cache.length = context
-    cache.set_live_rows(vt if vt < rows else None)
-    ids = torch.randint(0, model.cfg.vocab_size, (rows,), device=dev)
-    positions = torch.arange(context, context + rows, device=dev)
+    step = one_step(model, width or vt, vt, context)
     times, before = [], model.expert_reads
     for _ in range(iters + 1):
         sync(dev)
         t0 = time.perf_counter()
-        model.static_step(ids, positions, cache)
+        step()
         sync(dev)
         times.append(time.perf_counter() - t0)
     after = model.expert_reads
     calls, experts = after[0] - before[0], after[1] - before[1]
     row = {"vt": vt, "width": width, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
     if dev.type == "cuda" and model.step_ops.name == "triton":
-        row["graph_ms"], row["graph_error"] = graphed_ms(lambda: model.static_step(ids, positions, cache), iters)
+        row["graph_ms"], row["graph_error"] = graphed_ms(step, iters)
     return row
 
 
@@ -144,14 +151,7 @@ def profile_step(model: Qwen3MoeTarget, live: int, width: int, context: int) -> 
     """`timing.kernel_table` of one eager `width`-row step with `live` live rows at `context`."""
     from benchmarks.timing import kernel_table
 
-    dev = model.device
-    cache = model.new_state(context + width)
-    model.ensure_positions(cache.max_len)
-    cache.length = context
-    cache.set_live_rows(live if live < width else None)
-    ids = torch.randint(0, model.cfg.vocab_size, (width,), device=dev)
-    positions = torch.arange(context, context + width, device=dev)
-    return {"live": live, "width": width, **kernel_table(lambda: model.static_step(ids, positions, cache), top=40)}
+    return {"live": live, "width": width, **kernel_table(one_step(model, width, live, context), top=40)}
 
 
 def step_rows(model, name: str, vts: list[int], width: int, cost, bw: float, measure_one) -> list[dict]:
