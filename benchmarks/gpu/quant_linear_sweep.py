@@ -11,7 +11,8 @@ replays of calls cycling through enough weight copies that L2 never holds the on
 (timing.cycled_graph_ms, as drafter_round times the kernels).
 
 Prints one line per shape (the current and the fastest config, µs and fraction of the copy
-bandwidth) and a TUNED table to paste into kernels/quant_linear.py (a shape keeps its current
+bandwidth, and the fastest one's static count of SASS instructions per weight byte in its k loop,
+`instructions_per_byte`, recorded for every timed candidate) and a TUNED table to paste into kernels/quant_linear.py (a shape keeps its current
 config unless a candidate beats it by `--margin`); writes every timing to `--json` and the whole
 table to `--tuned` (the module's entries for shapes not swept beside the winners), which
 `quant_linear.load_tuned` and `drafter_round --quant-tuned` read.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from dataclasses import asdict, fields, replace
@@ -145,6 +147,49 @@ def whole_table(winners: dict[tuple[str, int, int], ql.KernelConfig]) -> dict[st
     return {ql.tuned_key(*key): asdict(cfg) for key, cfg in table.items()}
 
 
+def loop_instructions(sass: str) -> list[str]:
+    """The instructions of the longest loop in nvdisasm's text of a kernel: from a label to the
+    backward branch to it (the k loop of the quantized kernel, one weight tile an iteration)."""
+    at: dict[str, int] = {}
+    body: list[str] = []
+    best: list[str] = []
+    for line in sass.splitlines():
+        label = re.match(r"^(\.L_x_\d+):", line)
+        if label:
+            at[label.group(1)] = len(body)
+            continue
+        ins = re.match(r"\s*/\*[0-9a-f]+\*/\s*(.*?)\s*;?\s*$", line)
+        if not ins:
+            continue
+        body.append(ins.group(1))
+        back = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+        if back and back.group(1) in at and len(body) - at[back.group(1)] > len(best):
+            best = body[at[back.group(1)]:]
+    return best
+
+
+def instructions_per_byte(kern, qtype: str, cfg: ql.KernelConfig) -> float | None:
+    """SASS instructions a thread issues in the k loop per weight byte it dequantizes (a static
+    count: the loop's length over the bytes of one block_n x block_k tile a thread holds), from
+    the compiled kernel's cubin through Triton's bundled nvdisasm; None where either is missing."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    cubin = getattr(kern, "asm", {}).get("cubin")
+    tool = knobs.nvidia.nvdisasm.path
+    if not cubin or not tool:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, timeout=60).stdout
+    loop = loop_instructions(sass)
+    tile_bytes = cfg.block_n * cfg.block_k // (2 if qtype == "q4_0" else 1)
+    return len(loop) / (tile_bytes / (32 * cfg.num_warps)) if loop else None
+
+
 def frac(nbytes: int, us: float, copy_bw: float) -> float:
     return nbytes / (us * 1e-6) / copy_bw
 
@@ -160,7 +205,7 @@ def sweep_shape(qtype: str, n: int, k: int, glu: bool, deadline: float, gen, dev
     copies = [first] + [ql.Packed(qtype, (n, k), first.qweight.clone(), first.scales.clone())
                         for _ in range(kq.copies_for(first.nbytes) - 1)]
     x = torch.randn((SWEEP_M, k), generator=gen).to(device, torch.bfloat16)
-    rec: dict = {"qtype": qtype, "out": n, "in": k, "glu": glu, "candidates": {},
+    rec: dict = {"qtype": qtype, "out": n, "in": k, "glu": glu, "candidates": {}, "instr_per_byte": {},
                  "bytes": first.nbytes + SWEEP_M * k * 2 + SWEEP_M * (n // 2 if glu else n) * 2}
     timed: dict[ql.KernelConfig, float] = {}
 
@@ -179,6 +224,11 @@ def sweep_shape(qtype: str, n: int, k: int, glu: bool, deadline: float, gen, dev
             return
         rec["candidates"][key] = us
         timed[cfg] = us
+        try:  # what the compiler made of the tile: the sm_90 loop's instructions per byte
+            out = torch.empty((SWEEP_M, n // 2 if glu else n), dtype=torch.bfloat16, device=x.device)
+            rec["instr_per_byte"][key] = instructions_per_byte(ql._launch(x, first, cfg, out, glu=glu), qtype, cfg)
+        except Exception as exc:  # the count is a note beside the timing, never a failure
+            rec["instr_per_byte"][key] = f"error: {type(exc).__name__}: {str(exc)[:100]}"
 
     current = ql.config_for(qtype, n, k)
     rec["current"] = asdict(current)
@@ -283,8 +333,10 @@ def shape_line(rec: dict, copy_bw: float) -> str:
     if "best" not in rec:
         return f"{head} {now} | no candidate timed"
     best = ql.KernelConfig(**rec["best"])
+    ipb = rec["instr_per_byte"].get(cfg_str(best))
     return (f"{head} {now} | best {cfg_str(best)} {rec['best_us']:7.2f} us "
-            f"({frac(rec['bytes'], rec['best_us'], copy_bw):.2f}) of {len(rec['candidates'])} tried")
+            f"({frac(rec['bytes'], rec['best_us'], copy_bw):.2f})"
+            f"{f', {ipb:.1f} instr/byte' if isinstance(ipb, float) else ''} of {len(rec['candidates'])} tried")
 
 
 if __name__ == "__main__":

@@ -125,3 +125,26 @@ def test_suite_runs_the_sweep_before_the_round_that_loads_its_table(tmp_path, mo
     cmd = suite.PARTS["drafter_round"].commands(tmp_path, False)[0]
     assert cmd[cmd.index("--quant-tuned") + 1] == str(tmp_path / suite.QUANT_TUNED)
     assert "--quant-tuned" not in suite.PARTS["drafter_round"].commands(tmp_path, True)[0]
+
+
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/               @P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0030*/                   LDSM.16.M88.4 R4, [R3] ;
+        /*0040*/                   PRMT R8, R4, 0x7604, R9 ;
+        /*0050*/                   FFMA R8, R8, R10, R11 ;
+        /*0060*/                   HMMA.16816.F32.BF16 R12, R16, R8, R12 ;
+        /*0070*/               @P1 BRA `(.L_x_1) ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_loop_instructions_takes_the_longest_loop(sweep):
+    """nvdisasm's text: the k loop is the longest label-to-backward-branch run (the other loop,
+    the label before it and the instructions after are not counted)."""
+    loop = sweep.loop_instructions(SASS)
+    assert [ins.split()[0] for ins in loop] == ["LDSM.16.M88.4", "PRMT", "FFMA", "HMMA.16816.F32.BF16", "@P1"]
+    assert sweep.loop_instructions("no loop here") == []
