@@ -301,7 +301,12 @@ def main(argv=None) -> int:
     winners: dict[tuple[str, int, int], ql.KernelConfig] = {}
     for i, (qtype, n, k, glu) in enumerate(jobs):
         left = a.budget_s - (time.time() - t0)
-        rec = sweep_shape(qtype, n, k, glu, time.time() + max(0.0, left / (len(jobs) - i)), gen)
+        try:
+            rec = sweep_shape(qtype, n, k, glu, time.time() + max(0.0, left / (len(jobs) - i)), gen)
+        except Exception as exc:  # e.g. out of memory for the copies: the shape keeps its config
+            rec = {"qtype": qtype, "out": n, "in": k, "glu": glu, "candidates": {}, "instr_per_byte": {},
+                   "bytes": 0, "current": asdict(ql.config_for(qtype, n, k)),
+                   "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         torch.cuda.empty_cache()
         chosen = pick(rec, a.margin)
         rec["chosen"] = asdict(chosen)
@@ -331,7 +336,7 @@ def shape_line(rec: dict, copy_bw: float) -> str:
     now = (f"now {cfg_str(cur)} {cur_us:7.2f} us ({frac(rec['bytes'], cur_us, copy_bw):.2f})" if cur_us
            else f"now {cfg_str(cur)} {rec['candidates'].get(cfg_str(cur), 'not timed')}")
     if "best" not in rec:
-        return f"{head} {now} | no candidate timed"
+        return f"{head} {now} | no candidate timed{': ' + rec['error'] if 'error' in rec else ''}"
     best = ql.KernelConfig(**rec["best"])
     ipb = rec["instr_per_byte"].get(cfg_str(best))
     return (f"{head} {now} | best {cfg_str(best)} {rec['best_us']:7.2f} us "

@@ -148,3 +148,17 @@ def test_loop_instructions_takes_the_longest_loop(sweep):
     loop = sweep.loop_instructions(SASS)
     assert [ins.split()[0] for ins in loop] == ["LDSM.16.M88.4", "PRMT", "FFMA", "HMMA.16816.F32.BF16", "@P1"]
     assert sweep.loop_instructions("no loop here") == []
+
+
+def test_shape_line_reports_times_fractions_and_failures(sweep, ql):
+    cur, fast = ql.KernelConfig(block_m=16), ql.KernelConfig(block_m=16, num_warps=2, mantissa=True)
+    rec = {"qtype": "q8_0", "out": 2048, "in": 4096, "glu": False, "bytes": 4_000_000,
+           "current": vars(cur), "current_us": 2.0, "best": vars(fast), "best_us": 1.0,
+           "candidates": {sweep.cfg_str(cur): 2.0, sweep.cfg_str(fast): 1.0},
+           "instr_per_byte": {sweep.cfg_str(fast): 4.5}}
+    line = sweep.shape_line(rec, copy_bw=4e12)
+    assert "2.00 us (0.50)" in line and "1.00 us (1.00), 4.5 instr/byte of 2 tried" in line and " mant" in line
+    failed = {"qtype": "q4_0", "out": 2048, "in": 4096, "glu": True, "bytes": 0, "current": vars(cur),
+              "candidates": {}, "instr_per_byte": {}, "error": "OutOfMemoryError: ..."}
+    assert sweep.shape_line(failed, 4e12).endswith("no candidate timed: OutOfMemoryError: ...")
+    assert sweep.pick(failed, 0.02) == cur
