@@ -55,6 +55,7 @@ TILES = {
         C(block_m=16, block_n=128, block_k=128, num_warps=2, num_stages=3, swap_ab=True, mantissa=True),
         C(block_m=16, block_n=32, block_k=128, num_warps=1, num_stages=4, swap_ab=True, mantissa=True),
         C(block_m=16, block_n=64, block_k=256, num_warps=2, num_stages=3, swap_ab=True, mantissa=True),
+        C(block_m=16, block_n=64, block_k=64, num_warps=1, num_stages=4, swap_ab=True, mantissa=True),
         C(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, mantissa=True),
         C(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3, swap_ab=True, mantissa=True),
         C(block_m=16, block_n=64, block_k=128, num_warps=2, num_stages=3, swap_ab=True),  # mantissa's share
@@ -65,6 +66,7 @@ TILES = {
         C(block_m=16, block_n=128, block_k=128, num_warps=2, num_stages=3, swap_ab=True, scale_after_dot=True),
         C(block_m=16, block_n=32, block_k=128, num_warps=1, num_stages=4, swap_ab=True, scale_after_dot=True),
         C(block_m=16, block_n=64, block_k=256, num_warps=2, num_stages=3, swap_ab=True, scale_after_dot=True),
+        C(block_m=16, block_n=64, block_k=64, num_warps=1, num_stages=4, swap_ab=True, scale_after_dot=True),
         C(block_m=16, block_n=128, block_k=128, num_warps=2, num_stages=3, swap_ab=True, mantissa=True),
         C(block_m=16, block_n=64, block_k=128, num_warps=1, num_stages=3, swap_ab=True, mantissa=True),
         C(block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, mantissa=True),
