@@ -11,8 +11,8 @@ replays of calls cycling through enough weight copies that L2 never holds the on
 (timing.cycled_graph_ms, as drafter_round times the kernels).
 
 Prints one line per shape (the current and the fastest config, µs and fraction of the copy
-bandwidth, and the fastest one's static count of SASS instructions per weight byte in its k loop,
-`instructions_per_byte`, recorded for every timed candidate) and a TUNED table to paste into kernels/quant_linear.py (a shape keeps its current
+bandwidth, and the fastest one's static count of SASS instructions per weight byte in its k loop
+and of spill loads and stores, `sass_stats`, recorded for every timed candidate) and a TUNED table to paste into kernels/quant_linear.py (a shape keeps its current
 config unless a candidate beats it by `--margin`); writes every timing to `--json` and the whole
 table to `--tuned` (the module's entries for shapes not swept beside the winners), which
 `quant_linear.load_tuned` and `drafter_round --quant-tuned` read.
@@ -170,10 +170,12 @@ def loop_instructions(sass: str) -> list[str]:
     return best
 
 
-def instructions_per_byte(kern, qtype: str, cfg: ql.KernelConfig) -> float | None:
-    """SASS instructions a thread issues in the k loop per weight byte it dequantizes (a static
-    count: the loop's length over the bytes of one block_n x block_k tile a thread holds), from
-    the compiled kernel's cubin through Triton's bundled nvdisasm; None where either is missing."""
+def sass_stats(kern, qtype: str, cfg: ql.KernelConfig) -> dict | None:
+    """What the compiler made of a tile, from the compiled kernel's cubin through Triton's bundled
+    nvdisasm (None where either is missing): `instr_per_byte`, the SASS instructions a thread
+    issues in the k loop per weight byte it dequantizes (a static count: the loop's length over
+    the bytes of one block_n x block_k tile a thread holds), and `local_ops`, the kernel's
+    local-memory loads and stores (register spills)."""
     import subprocess
     import tempfile
 
@@ -189,7 +191,8 @@ def instructions_per_byte(kern, qtype: str, cfg: ql.KernelConfig) -> float | Non
         sass = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, timeout=60).stdout
     loop = loop_instructions(sass)
     tile_bytes = cfg.block_n * cfg.block_k // (2 if qtype == "q4_0" else 1)
-    return len(loop) / (tile_bytes / (32 * cfg.num_warps)) if loop else None
+    return {"instr_per_byte": len(loop) / (tile_bytes / (32 * cfg.num_warps)) if loop else None,
+            "local_ops": len(re.findall(r"\b(?:STL|LDL)(?:\.\w+)*\s", sass))}
 
 
 def frac(nbytes: int, us: float, copy_bw: float) -> float:
@@ -207,7 +210,7 @@ def sweep_shape(qtype: str, n: int, k: int, glu: bool, deadline: float, gen, dev
     copies = [first] + [ql.Packed(qtype, (n, k), first.qweight.clone(), first.scales.clone())
                         for _ in range(kq.copies_for(first.nbytes) - 1)]
     x = torch.randn((SWEEP_M, k), generator=gen).to(device, torch.bfloat16)
-    rec: dict = {"qtype": qtype, "out": n, "in": k, "glu": glu, "candidates": {}, "instr_per_byte": {},
+    rec: dict = {"qtype": qtype, "out": n, "in": k, "glu": glu, "candidates": {}, "sass": {},
                  "bytes": first.nbytes + SWEEP_M * k * 2 + SWEEP_M * (n // 2 if glu else n) * 2}
     timed: dict[ql.KernelConfig, float] = {}
 
@@ -228,9 +231,9 @@ def sweep_shape(qtype: str, n: int, k: int, glu: bool, deadline: float, gen, dev
         timed[cfg] = us
         try:  # what the compiler made of the tile: the sm_90 loop's instructions per byte
             out = torch.empty((SWEEP_M, n // 2 if glu else n), dtype=torch.bfloat16, device=x.device)
-            rec["instr_per_byte"][key] = instructions_per_byte(ql._launch(x, first, cfg, out, glu=glu), qtype, cfg)
-        except Exception as exc:  # the count is a note beside the timing, never a failure
-            rec["instr_per_byte"][key] = f"error: {type(exc).__name__}: {str(exc)[:100]}"
+            rec["sass"][key] = sass_stats(ql._launch(x, first, cfg, out, glu=glu), qtype, cfg)
+        except Exception as exc:  # the counts are a note beside the timing, never a failure
+            rec["sass"][key] = {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
 
     current = ql.config_for(qtype, n, k)
     rec["current"] = asdict(current)
@@ -306,7 +309,7 @@ def main(argv=None) -> int:
         try:
             rec = sweep_shape(qtype, n, k, glu, time.time() + max(0.0, left / (len(jobs) - i)), gen)
         except Exception as exc:  # e.g. out of memory for the copies: the shape keeps its config
-            rec = {"qtype": qtype, "out": n, "in": k, "glu": glu, "candidates": {}, "instr_per_byte": {},
+            rec = {"qtype": qtype, "out": n, "in": k, "glu": glu, "candidates": {}, "sass": {},
                    "bytes": 0, "current": asdict(ql.config_for(qtype, n, k)),
                    "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         torch.cuda.empty_cache()
@@ -340,10 +343,12 @@ def shape_line(rec: dict, copy_bw: float) -> str:
     if "best" not in rec:
         return f"{head} {now} | no candidate timed{': ' + rec['error'] if 'error' in rec else ''}"
     best = ql.KernelConfig(**rec["best"])
-    ipb = rec["instr_per_byte"].get(cfg_str(best))
+    stats = rec["sass"].get(cfg_str(best)) or {}
+    ipb, spills = stats.get("instr_per_byte"), stats.get("local_ops")
     return (f"{head} {now} | best {cfg_str(best)} {rec['best_us']:7.2f} us "
             f"({frac(rec['bytes'], rec['best_us'], copy_bw):.2f})"
-            f"{f', {ipb:.1f} instr/byte' if isinstance(ipb, float) else ''} of {len(rec['candidates'])} tried")
+            f"{f', {ipb:.1f} instr/byte' if isinstance(ipb, float) else ''}"
+            f"{f', {spills} spill ops' if spills else ''} of {len(rec['candidates'])} tried")
 
 
 if __name__ == "__main__":

@@ -155,10 +155,12 @@ def test_shape_line_reports_times_fractions_and_failures(sweep, ql):
     rec = {"qtype": "q8_0", "out": 2048, "in": 4096, "glu": False, "bytes": 4_000_000,
            "current": vars(cur), "current_us": 2.0, "best": vars(fast), "best_us": 1.0,
            "candidates": {sweep.cfg_str(cur): 2.0, sweep.cfg_str(fast): 1.0},
-           "instr_per_byte": {sweep.cfg_str(fast): 4.5}}
+           "sass": {sweep.cfg_str(fast): {"instr_per_byte": 4.5, "local_ops": 0}}}
     line = sweep.shape_line(rec, copy_bw=4e12)
     assert "2.00 us (0.50)" in line and "1.00 us (1.00), 4.5 instr/byte of 2 tried" in line and " mant" in line
     failed = {"qtype": "q4_0", "out": 2048, "in": 4096, "glu": True, "bytes": 0, "current": vars(cur),
-              "candidates": {}, "instr_per_byte": {}, "error": "OutOfMemoryError: ..."}
+              "candidates": {}, "sass": {}, "error": "OutOfMemoryError: ..."}
     assert sweep.shape_line(failed, 4e12).endswith("no candidate timed: OutOfMemoryError: ...")
+    rec["sass"][sweep.cfg_str(fast)]["local_ops"] = 6
+    assert "4.5 instr/byte, 6 spill ops of 2" in sweep.shape_line(rec, 4e12)
     assert sweep.pick(failed, 0.02) == cur
