@@ -405,7 +405,9 @@ def main(argv=None) -> int:
                 _dense.load_tuned(a.dense_tuned)  # before any launch
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 p.error(f"--dense-tuned {a.dense_tuned}: {exc}")
-    if a.quant_tuned and not a.tiny:
+    if a.quant_tuned and a.tiny:
+        p.error("--quant-tuned sets the GPU kernels' tiles: the --tiny run launches none")
+    if a.quant_tuned:
         from memra_kernels import quant_linear as _ql
 
         try:
@@ -433,7 +435,7 @@ def main(argv=None) -> int:
         "command": "python -m benchmarks.gpu.drafter_round " + " ".join(sys.argv[1:] if argv is None else argv),
     })
     d = rep.data
-    if a.quant_tuned and not tiny:  # the table this run's quantized kernels ran (load_tuned above)
+    if a.quant_tuned:  # the table this run's quantized kernels ran (load_tuned above)
         d["quant_tuned"] = {"path": str(a.quant_tuned), "table": json.loads(a.quant_tuned.read_text())}
     for key in ("draft_ingest_ms", "propose_ms", "ingest_ms", "drafter_bytes", "floor_ms", "draft_over_floor"):
         d[key] = {}

@@ -164,3 +164,17 @@ def test_shape_line_reports_times_fractions_and_failures(sweep, ql):
     rec["sass"][sweep.cfg_str(fast)]["local_ops"] = 6
     assert "4.5 instr/byte, 6 spill ops of 2" in sweep.shape_line(rec, 4e12)
     assert sweep.pick(failed, 0.02) == cur
+
+
+def test_drafter_round_refuses_a_table_for_its_tiny_run(sweep, tmp_path, capsys):
+    """`--quant-tuned` sets the GPU kernels' tiles; the CPU smoke run launches none, so it is refused
+    in one line (exit 2) rather than silently ignored, before anything is written."""
+    from benchmarks.gpu import drafter_round
+
+    table = tmp_path / "quant_tuned.json"
+    table.write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        drafter_round.main(["--tiny", "--quant-tuned", str(table), "--json", str(tmp_path / "r.json")])
+    assert exc.value.code == 2
+    assert "--quant-tuned" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "r.json").exists()
