@@ -29,9 +29,9 @@ Dequantization, two variants (KernelConfig.scale_after_dot, chosen per shape):
     partial is multiplied by d; on CUDA with bf16 x the q4_0 nibbles become bf16 pairs with a
     few 32-bit PTX instructions per 4 bytes. No weight is rounded, so the result is at least
     as accurate as the reference but not bit-equal to it. Fewer instructions per weight, but
-    slower on the H200 as measured with warpgroup MMAs (a dot and a wait per 32 columns), so no
-    TUNED shape uses it; the per-warp MMAs (swap_ab with 1-2 warps) wait on no dot, and the
-    sweep (benchmarks/gpu/quant_linear_sweep.py) times them.
+    slower on the H200 in the 4-warp tiles measured (with swap_ab, warpgroup MMAs: a dot and a
+    wait per 32 columns), so no TUNED shape uses it; swap_ab with 1-2 warps takes the per-warp
+    MMAs, which wait on no dot, and the sweep (benchmarks/gpu/quant_linear_sweep.py) times those.
   mantissa (KernelConfig.mantissa, dequantize-first only): the integer weight is put under the
     exponent of 1.0 by byte permutes, 4 bytes a step in 32-bit registers (q8_0: 0x3F80uu00 for
     u = q + 128, one xor for 4 weights then one permute a weight; q4_0: 0x3F8n0000, one mask a 4
