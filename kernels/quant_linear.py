@@ -29,7 +29,15 @@ Dequantization, two variants (KernelConfig.scale_after_dot, chosen per shape):
     partial is multiplied by d; on CUDA with bf16 x the q4_0 nibbles become bf16 pairs with a
     few 32-bit PTX instructions per 4 bytes. No weight is rounded, so the result is at least
     as accurate as the reference but not bit-equal to it. Fewer instructions per weight, but
-    slower on the H200 as measured (a dot and a wait per 32 columns), so no TUNED shape uses it.
+    slower on the H200 in the 4-warp tiles measured (with swap_ab, warpgroup MMAs: a dot and a
+    wait per 32 columns), so no TUNED shape uses it; swap_ab with 1-2 warps takes the per-warp
+    MMAs, which wait on no dot, and the sweep (benchmarks/gpu/quant_linear_sweep.py) times those.
+  mantissa (KernelConfig.mantissa, dequantize-first only): the integer weight is put under the
+    exponent of 1.0 by byte permutes, 4 bytes a step in 32-bit registers (q8_0: 0x3F80uu00 for
+    u = q + 128, one xor for 4 weights then one permute a weight; q4_0: 0x3F8n0000, one mask a 4
+    nibbles then one permute a weight), and one FMA with constants folded into the block's
+    scale gives q * d exactly: the same weights as the default (`_scaled_mantissa`), in about
+    half the integer instructions (docs/tuning.md#quantized-linear).
 
 The kernel is bound by instruction issue, not memory (so q4_0, with two weights a byte, is
 slower per byte than q8_0), and eager calls cost host time, so they are meant to run under CUDA
@@ -47,7 +55,7 @@ drafter's q/k/v or gate/up), and any run of output features is a view of those r
 in), so its outputs match the parts' calls within the kernel's tolerance, not bit for bit.
 
 Public API: `Packed`, `pack_q8_0`, `pack_q4_0`, `pack`, `KernelConfig`, `config_for`,
-`quant_linear`, `quant_linear_ref`, `QuantLinear`, `set_force_triton`.
+`load_tuned`, `tuned_key`, `quant_linear`, `quant_linear_ref`, `QuantLinear`, `set_force_triton`.
 """
 
 from __future__ import annotations
@@ -69,7 +77,7 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
 
 __all__ = [
     "Packed", "pack_q8_0", "pack_q4_0", "pack", "KernelConfig", "config_for", "quant_linear",
-    "quant_linear_ref", "QuantLinear", "set_force_triton", "triton_available",
+    "quant_linear_ref", "QuantLinear", "set_force_triton", "triton_available", "load_tuned", "tuned_key",
 ]
 
 QTYPES = ("q8_0", "q4_0")
@@ -228,7 +236,9 @@ class KernelConfig:
     loop step; split_k: programs sharing one tile's `in` range (partials reduced in a fixed
     order); scale_after_dot: multiply exact integer weights into x per 32-block and scale the
     partial product (fewer conversions) instead of dequantizing the weight before the dot;
-    swap_ab: compute out.T tiles (weight tile as the dot's left operand).
+    swap_ab: compute out.T tiles (weight tile as the dot's left operand; with 4+ warps and
+    block_n >= 64 the sm_90 compiler takes warpgroup MMAs, below that the per-warp ones);
+    mantissa: dequantize-first through byte permutes (module docstring), the same weights.
     """
 
     block_m: int = 32
@@ -239,6 +249,7 @@ class KernelConfig:
     num_stages: int = 3
     scale_after_dot: bool = False
     swap_ab: bool = False
+    mantissa: bool = False
 
     def check(self) -> "KernelConfig":
         for name in ("block_m", "block_n", "block_k"):
@@ -249,6 +260,8 @@ class KernelConfig:
             raise ValueError(f"block_k must be >= {QK}, got {self.block_k}")
         if self.split_k < 1:
             raise ValueError(f"split_k must be >= 1, got {self.split_k}")
+        if self.mantissa and self.scale_after_dot:
+            raise ValueError("mantissa is a dequantize-first path: it cannot go with scale_after_dot")
         return self
 
 
@@ -303,6 +316,37 @@ def config_for(qtype: str, n: int, k: int) -> KernelConfig:
     return cfg
 
 
+def tuned_key(qtype: str, n: int, k: int) -> str:
+    """A TUNED key as the sweep's JSON table writes it: "q8_0 6144x4096"."""
+    return f"{qtype} {int(n)}x{int(k)}"
+
+
+def load_tuned(path) -> dict[tuple[str, int, int], KernelConfig]:
+    """Replace TUNED with the table a sweep wrote (benchmarks/gpu/quant_linear_sweep.py `--tuned`:
+    {"QTYPE OUTxIN": {KernelConfig fields}}), for a benchmark that times a candidate table
+    before its first launch; returns the table. A key or field it cannot read raises ValueError
+    naming it (nothing replaced)."""
+    import json
+    from pathlib import Path
+
+    raw = json.loads(Path(path).read_text())
+    table = {}
+    for key, fields in raw.items():
+        try:
+            qtype, dims = key.split(" ")
+            n, k = (int(v) for v in dims.split("x"))
+            if qtype not in QTYPES:
+                raise ValueError(f"unknown quant type {qtype!r}")
+            table[(qtype, n, k)] = KernelConfig(**fields).check()
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: entry {key!r}: {exc} (expected \"q8_0|q4_0 OUTxIN\": "
+                             f"{{KernelConfig fields}})") from exc
+    TUNED.clear()
+    TUNED.update(table)
+    _CONFIG_CACHE.clear()
+    return table
+
+
 # --------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------
@@ -343,6 +387,90 @@ if triton is not None:
     def _nibble_magic(nib):
         """nibble 0..15 -> the float 1.5 * 2^23 + nib - 8."""
         return (nib.to(tl.int32) + (0x4B400000 - 8)).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _int8_mantissa(q):
+        """int8 q -> the float 1 + (q + 128) * 2^-15: the byte q ^ 0x80 (q + 128, 0..255) as
+        mantissa bits 8..15 of 1.0 (bits 0x3F80uu00), one byte placement a weight."""
+        u = (q ^ -128).to(tl.uint8, bitcast=True).to(tl.int32)
+        return ((u << 8) | 0x3F800000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _nibble_mantissa(nib):
+        """nibble 0..15 (uint8) -> the float 1 + nib * 2^-7 (bits 0x3F8n0000)."""
+        return ((nib.to(tl.int32) << 16) | 0x3F800000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _int8_mantissa_ptx(q):
+        """`_int8_mantissa` 4 bytes at a time in 32-bit registers (PTX; the GPU only): flip the
+        4 sign bits with one xor, then one byte permute a weight puts its byte under 1.0's
+        exponent (0x3F80uu00): 1.25 instructions a weight."""
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, one;
+            xor.b32 t, $4, 0x80808080;
+            mov.b32 one, 0x3F800000;
+            prmt.b32 $0, t, one, 0x7604;
+            prmt.b32 $1, t, one, 0x7614;
+            prmt.b32 $2, t, one, 0x7624;
+            prmt.b32 $3, t, one, 0x7634;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r",
+            args=[q],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=4,
+        )
+
+    @triton.jit
+    def _nibble_mantissas_ptx(b):
+        """uint8 bytes -> (`_nibble_mantissa` of the low nibbles, of the high nibbles), 4 bytes a
+        step in 32-bit registers (PTX; the GPU only): mask the 4 low (then high) nibbles at once
+        and set each byte's top bit (1.0's exponent bit), then one byte permute a weight puts it
+        under the exponent (0x3F8n0000): ~1.4 instructions a weight."""
+        return tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 t, top;
+            mov.b32 top, 0x3F000000;
+            and.b32 t, $8, 0x0F0F0F0F;
+            or.b32 t, t, 0x80808080;
+            prmt.b32 $0, t, top, 0x7044;
+            prmt.b32 $1, t, top, 0x7144;
+            prmt.b32 $2, t, top, 0x7244;
+            prmt.b32 $3, t, top, 0x7344;
+            shr.u32 t, $8, 4;
+            and.b32 t, t, 0x0F0F0F0F;
+            or.b32 t, t, 0x80808080;
+            prmt.b32 $4, t, top, 0x7044;
+            prmt.b32 $5, t, top, 0x7144;
+            prmt.b32 $6, t, top, 0x7244;
+            prmt.b32 $7, t, top, 0x7344;
+            }
+            """,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[b],
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=4,
+        )
+
+    @triton.jit
+    def _scaled_mantissa(m, d, BASE: tl.constexpr, UNIT: tl.constexpr, FUSED: tl.constexpr):
+        """(m - BASE) * UNIT * d for m = BASE + w / UNIT (the mantissa floats above, w the
+        integer weight): w * d exactly.
+
+        FUSED is one FMA a weight: m * (UNIT d) + (-BASE UNIT d), whose constant is exact
+        (BASE * UNIT is 32896 = 2^15 + 2^7 for q8_0, 136 = 2^7 + 2^3 for q4_0: at most 9
+        significant bits, times d's 11) and whose exact sum w * d (<= 19 bits) is representable,
+        so the one rounding is exact. The interpreter takes the two-step form (m - BASE is exact).
+        """
+        if FUSED:
+            return tl.fma(m, d * UNIT, d * (-BASE * UNIT))
+        else:
+            return (m - BASE) * (d * UNIT)
 
     @triton.jit
     def _nibble_to_dot(nib, DOT: tl.constexpr, WIDEN: tl.constexpr):
@@ -430,7 +558,7 @@ if triton is not None:
     def _tile_dequant_first(acc, x_rows, w_rows, s_rows, m_mask, n_mask, k0, K,
                             Q4: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr,
-                            PREC: tl.constexpr, WIDEN: tl.constexpr):
+                            PREC: tl.constexpr, WIDEN: tl.constexpr, MANT: tl.constexpr):
         """acc += x[:, k0:k0+BLOCK_K] @ W[tile, k0:k0+BLOCK_K].T (see _mma for SWAP), with W
         dequantized to x's dtype first (q * d rounded once: the same values as `dequantize`)."""
         DOT: tl.constexpr = x_rows.dtype.element_ty
@@ -442,8 +570,16 @@ if triton is not None:
             # byte column c of the tile: low nibble is column 32 (c // 16) + c % 16, high + 16
             c = tl.arange(0, BLOCK_K // 2)
             b = _load_w(w_rows, n_mask, k0 // 2 + c, K // 2, EVEN_N, EVEN_K)
-            lo = _scaled(tl.reshape(_nibble_magic(b & 15), (BLOCK_N, NB, 16)), s, FUSED)
-            hi = _scaled(tl.reshape(_nibble_magic(b >> 4), (BLOCK_N, NB, 16)), s, FUSED)
+            if MANT:
+                if WIDEN:
+                    m_lo, m_hi = _nibble_mantissa(b & 15), _nibble_mantissa(b >> 4)
+                else:
+                    m_lo, m_hi = _nibble_mantissas_ptx(b)
+                lo = _scaled_mantissa(tl.reshape(m_lo, (BLOCK_N, NB, 16)), s, 1.0625, 128.0, FUSED)
+                hi = _scaled_mantissa(tl.reshape(m_hi, (BLOCK_N, NB, 16)), s, 1.0625, 128.0, FUSED)
+            else:
+                lo = _scaled(tl.reshape(_nibble_magic(b & 15), (BLOCK_N, NB, 16)), s, FUSED)
+                hi = _scaled(tl.reshape(_nibble_magic(b >> 4), (BLOCK_N, NB, 16)), s, FUSED)
             lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)).to(DOT)
             hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)).to(DOT)
             k_lo = k0 + (c // 16) * 32 + c % 16
@@ -452,7 +588,11 @@ if triton is not None:
         else:
             cols = k0 + tl.arange(0, BLOCK_K)
             q = _load_w(w_rows, n_mask, cols, K, EVEN_N, EVEN_K)
-            w = _scaled(tl.reshape(_int8_magic(q), (BLOCK_N, NB, 32)), s, FUSED)
+            if MANT:
+                m = _int8_mantissa(q) if WIDEN else _int8_mantissa_ptx(q)
+                w = _scaled_mantissa(tl.reshape(m, (BLOCK_N, NB, 32)), s, 1.00390625, 32768.0, FUSED)
+            else:
+                w = _scaled(tl.reshape(_int8_magic(q), (BLOCK_N, NB, 32)), s, FUSED)
             w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(DOT)
             acc = _mma(_load_x(x_rows, m_mask, cols, K, EVEN_K), w, acc, SWAP, PREC, WIDEN)
         return acc
@@ -506,7 +646,7 @@ if triton is not None:
         Q4: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT: tl.constexpr, SCALE_AFTER: tl.constexpr, SWAP: tl.constexpr,
         EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr,
-        GLU: tl.constexpr = False,
+        GLU: tl.constexpr = False, MANT: tl.constexpr = False,
     ):
         """out [M, N] = x [M, K] @ W.T for one (n tile, k split, m tile) per program; with GLU,
         out [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for W = [gate; up] (`_splitk.tile_rows`).
@@ -549,7 +689,7 @@ if triton is not None:
             else:
                 acc = _tile_dequant_first(acc, x_rows, w_rows, s_rows[:, None], m_mask, n_mask,
                                           t * BLOCK_K, K, Q4, BLOCK_N, BLOCK_K, EVEN_N, EVEN_K,
-                                          SWAP, PREC, WIDEN)
+                                          SWAP, PREC, WIDEN, MANT)
         if SWAP:
             acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N], once per program
 
@@ -622,7 +762,7 @@ def _launch(x: torch.Tensor, packed: Packed, cfg: KernelConfig, out: torch.Tenso
         EVEN_N=out.shape[1] % cols == 0, EVEN_K=k % cfg.block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
         WIDEN=_INTERPRET and x.device.type != "cuda",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, GLU=glu,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, GLU=glu, MANT=cfg.mantissa,
         # Launched in plain stream order, not with PDL (kernels/_pdl.py): a weight stream over
         # many blocks measured slower with it (docs/tuning.md#quantized-linear).
     )

@@ -31,6 +31,9 @@ defaults (16-row target steps and drafter rounds as CUDA graphs, Triton step ops
   wait: run with MEMRA_PDL=0 for kernel times), and `same_size_m16`, the yardsticks at each
   quantized shape: a device copy of its q8_0 bytes and cuBLAS's bf16 product at M = 16, timed
   as the kernels are.
+- with `--quant-tuned F` (a `quant_linear_sweep.py --tuned` table): the quantized kernels run
+  that table instead of the module's TUNED (recorded as `quant_tuned`); `--dense-tuned` likewise
+  for the dense kernel.
 
 Every section catches its own failure (`errors[section]`) and the JSON is rewritten after each
 one, so a run cut short by a time limit keeps what it measured. Times are medians: CUDA events
@@ -379,6 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "drafter-round.json")
     p.add_argument("--dense-tuned", type=Path, default=None,
                    help="a dense_linear_sweep.py --tuned table to use as dense_linear.TUNED for this run")
+    p.add_argument("--quant-tuned", type=Path, default=None,
+                   help="a quant_linear_sweep.py --tuned table to use as quant_linear.TUNED for this run")
     p.add_argument("--ab-precs", default="bf16",
                    help="drafter precisions --dense-ab times on cuBLAS too (comma-separated; bf16 always runs, last)")
     p.add_argument("--dense-ab", action="store_true",
@@ -400,6 +405,15 @@ def main(argv=None) -> int:
                 _dense.load_tuned(a.dense_tuned)  # before any launch
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 p.error(f"--dense-tuned {a.dense_tuned}: {exc}")
+    if a.quant_tuned and a.tiny:
+        p.error("--quant-tuned sets the GPU kernels' tiles: the --tiny run launches none")
+    if a.quant_tuned:
+        from memra_kernels import quant_linear as _ql
+
+        try:
+            _ql.load_tuned(a.quant_tuned)  # before any launch: config_for caches per shape
+        except (OSError, ValueError) as exc:
+            p.error(f"--quant-tuned {a.quant_tuned}: {exc}")
     t_start = time.time()
     tiny = a.tiny
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
@@ -421,6 +435,8 @@ def main(argv=None) -> int:
         "command": "python -m benchmarks.gpu.drafter_round " + " ".join(sys.argv[1:] if argv is None else argv),
     })
     d = rep.data
+    if a.quant_tuned:  # the table this run's quantized kernels ran (load_tuned above)
+        d["quant_tuned"] = {"path": str(a.quant_tuned), "table": json.loads(a.quant_tuned.read_text())}
     for key in ("draft_ingest_ms", "propose_ms", "ingest_ms", "drafter_bytes", "floor_ms", "draft_over_floor"):
         d[key] = {}
     for key in ("copy_bw", "plain_step_ms", "verify_step_ms", "round_ms", "plain_token_ms", "round_over_plain",

@@ -65,9 +65,9 @@ def copy_bandwidth() -> float:
     return timing.copy_gbps(2 * timing.GIB) * 1e9
 
 
-def random_packed(qtype: str, n: int, k: int, gen: torch.Generator) -> ql.Packed:
+def random_packed(qtype: str, n: int, k: int, gen: torch.Generator, device: str = "cuda") -> ql.Packed:
     """Random weights straight in the packed layout (what repacking real blocks gives), with
-    scales so that the weights' magnitudes resemble a trained model's (~0.02)."""
+    scales so that the weights' magnitudes resemble a trained model's (~0.02), on `device`."""
     if qtype == "q8_0":
         q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int16).to(torch.int8)
         scale = 0.02 / 64
@@ -75,7 +75,7 @@ def random_packed(qtype: str, n: int, k: int, gen: torch.Generator) -> ql.Packed
         q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int16).to(torch.uint8)
         scale = 0.02 / 4
     s = (torch.rand((n, k // 32), generator=gen) * scale + scale / 2).to(torch.float16)
-    return ql.Packed(qtype, (n, k), q.cuda(), s.cuda())
+    return ql.Packed(qtype, (n, k), q.to(device), s.to(device))
 
 
 def copies_for(nbytes: int) -> int:
@@ -84,14 +84,15 @@ def copies_for(nbytes: int) -> int:
 
 
 def check(qtype: str, packed: ql.Packed, cfg: ql.KernelConfig | None, gen) -> dict:
-    """Kernel vs reference for every M, NaN-poisoned outputs, and row invariance."""
+    """Kernel vs reference for every M, NaN-poisoned outputs, and row invariance (on the
+    weight's device)."""
     n, k = packed.shape
     res = {}
-    x_all = torch.randn((max(MS), k), generator=gen).to("cuda", torch.bfloat16)
+    x_all = torch.randn((max(MS), k), generator=gen).to(packed.device, torch.bfloat16)
     y_all = None
     for m in MS:
         x = x_all[:m]
-        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=packed.device)
         y = ql.quant_linear(x, packed, config=cfg, out=out)
         ref = ql.quant_linear_ref(x, packed)
         rel = ((y.float() - ref.float()).norm() / ref.float().norm()).item()

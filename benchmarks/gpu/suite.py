@@ -53,9 +53,24 @@ def _target_step(out: Path, tiny: bool):
     return [_py("-m", "benchmarks.gpu.target_step", "--prefill-length", "0", "--json", str(out / "target_step.json"))]
 
 
+QUANT_TUNED = "quant_tuned.json"  # the quant_sweep part's whole quant_linear TUNED table
+
+
+def _quant_tuned(out: Path) -> list[str]:
+    """`--quant-tuned` of the table the quant_sweep part wrote earlier in this run, if it ran."""
+    return ["--quant-tuned", str(out / QUANT_TUNED)] if (out / QUANT_TUNED).exists() else []
+
+
 def _drafter_round(out: Path, tiny: bool):
-    args = ["--tiny", "--prompts", "2"] if tiny else ["--reps", "20", "--budget-s", "60"]
+    args = ["--tiny", "--prompts", "2"] if tiny else ["--reps", "20", "--budget-s", "60", *_quant_tuned(out)]
     return [_py("-m", "benchmarks.gpu.drafter_round", *args, "--json", str(out / "drafter_round.json"))]
+
+
+def _quant_sweep(out: Path, tiny: bool):
+    if tiny:
+        return None  # the kernel's tiles are timed on the GPU only (tests/engine/test_quant_sweep_script.py: its logic)
+    return [_py("-m", "benchmarks.gpu.quant_linear_sweep", "--budget-s", "190", "--json", str(out / "quant_sweep.json"),
+                "--tuned", str(out / QUANT_TUNED))]
 
 
 def _hybrid_step(out: Path, tiny: bool):
@@ -169,7 +184,10 @@ def _tests(out: Path, tiny: bool):
 PARTS = {p.name: p for p in (
     Part("bandwidth", "copy and read floors, GB/s", 40, _bandwidth),
     Part("target_step", "Qwen3-8B-shape graphed step vs its floor, ms", 150, _target_step),
-    Part("drafter_round", "Qwen3-8B-shape DFlash drafter's side of a round and the round, ms", 100, _drafter_round),
+    Part("quant_sweep", "the q8_0 / q4_0 kernel's tiles on every shape the 8B-shape drafter launches, µs and fraction of "
+         "copy bandwidth at M = 16; writes the whole table a later drafter_round part loads", 240, _quant_sweep),
+    Part("drafter_round", "Qwen3-8B-shape DFlash drafter's side of a round and the round (with quant_sweep's table "
+         "when that part ran first), ms", 100, _drafter_round),
     Part("hybrid_step", "Qwen3.5-4B-shape hybrid step, the 16-wide plain token with its padding skipped and run, verify, "
          "rollback, rounds, ms", 110, _hybrid_step),
     Part("dense_sweep", "the dense kernel's tiles against cuBLAS at the LLaMA-8B and Qwen3-30B-A3B weight shapes "

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from memra_cli.engine.quant.blocks import QuantLinearRef, quantize
 from memra_kernels import quant_linear as ql
@@ -51,6 +53,10 @@ CONFIGS = {
     "swap_split2": KernelConfig(block_n=32, block_k=64, split_k=2, swap_ab=True),
     "swap_sa": KernelConfig(block_m=16, block_n=32, block_k=64, scale_after_dot=True,
                             swap_ab=True),
+    # dequantize-first through byte permutes (one split empty on 33x96; the other operand order:
+    # test_mantissa_path_reads_the_dequantized_weights)
+    "swap_mantissa": KernelConfig(block_m=16, block_n=32, block_k=64, split_k=3, swap_ab=True,
+                                  mantissa=True),
 }
 
 
@@ -171,7 +177,7 @@ def test_kernel_matches_reference_bf16(qtype, config):
         check_close(y, x, packed)
 
 
-@pytest.mark.parametrize("config", ["default", "split3", "m16_split2_sa"])
+@pytest.mark.parametrize("config", ["default", "split3", "m16_split2_sa", "swap_mantissa"])
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_row_invariance(qtype, config):
     """Row i of quant_linear(x[:M]) is bit-identical to quant_linear(x[i:i+1]) for every M."""
@@ -186,6 +192,71 @@ def test_row_invariance(qtype, config):
         for i, yi in alone.items():
             if i < m:
                 assert torch.equal(y[i:i + 1], yi), f"row {i} differs at M={m}"
+
+
+def every_byte_weight(qtype: str, n: int = 32, k: int = 128, seed: int = 4) -> ql.Packed:
+    """Random ggml blocks holding every byte value (so every int8 and every nibble pair) at
+    least once, under finite scales of mixed sign and size."""
+    gen = torch.Generator().manual_seed(seed)
+    nbytes = {"q8_0": 34, "q4_0": 18}[qtype]
+    raw = torch.randint(0, 256, (n * k // 32, nbytes), generator=gen, dtype=torch.uint8)
+    payload = raw[:, 2:].reshape(-1)
+    payload[:256] = torch.arange(256, dtype=torch.uint8)
+    raw[:, 2:] = payload.reshape(raw.shape[0], -1)
+    d = torch.randn(raw.shape[0], generator=gen) * 10.0 ** torch.randint(-4, 1, (raw.shape[0],), generator=gen)
+    raw[:, :2] = d.to(torch.float16).view(torch.uint8).reshape(-1, 2)
+    return ql.pack(raw, qtype, (n, k)).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_mantissa_path_reads_the_dequantized_weights(qtype, dtype):
+    """The byte-permute dequantization (`mantissa`) on a weight of every byte value: one-hot rows
+    of x read each weight back, equal bit for bit to `Packed.dequantize(x.dtype)` (a product with
+    one nonzero term is exact in float32, then rounded to x's dtype like the reference); and on
+    random x it gives the default path's bits for the same tiles (the same weights, the same
+    dots)."""
+    packed = every_byte_weight(qtype)
+    n, k = packed.shape
+    want = packed.dequantize(dtype).to(DEVICE)
+    cfg = KernelConfig(block_n=32, block_k=64, split_k=2, mantissa=True)
+    for r in range(0, k, 32):  # one-hot rows for columns r..r+31, 32 rows a call
+        eye = torch.eye(k, device=DEVICE, dtype=dtype)[r:r + 32]
+        got = ql.quant_linear(eye, packed, config=cfg)
+        assert torch.equal(got, want[:, r:r + 32].T), f"weights of columns {r}..{r + 31} differ"
+    x = torch.randn((17, k), generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    for swap in (False, True):
+        base = KernelConfig(block_n=32, block_k=64, split_k=2, swap_ab=swap)
+        mant = KernelConfig(block_n=32, block_k=64, split_k=2, swap_ab=swap, mantissa=True)
+        assert torch.equal(ql.quant_linear(x, packed, config=mant), ql.quant_linear(x, packed, config=base))
+
+
+@triton.jit
+def _int8_mantissa_no_flip(q):
+    """`ql._int8_mantissa` planted wrong: the byte as stored, without the sign flip."""
+    u = q.to(tl.uint8, bitcast=True).to(tl.int32)
+    return ((u << 8) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibble_mantissa_plus_one(nib):
+    """`ql._nibble_mantissa` planted wrong: every nibble read one too high."""
+    return (((nib.to(tl.int32) + 1) << 16) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@pytest.mark.skipif(CUDA, reason="plants a broken helper in the interpreted kernel (the GPU runs the PTX)")
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_mantissa_check_catches_a_planted_offset_error(qtype, monkeypatch):
+    """The comparison above is able to fail: with the byte-permute helper planted wrong (q8_0: the
+    sign flip left out, so negative weights read 256 too high; q4_0: the nibble off by one), the
+    kernel's weights no longer equal the dequantized ones."""
+    packed = every_byte_weight(qtype, n=16, k=64)
+    eye = torch.eye(64, device=DEVICE)[:32]
+    cfg = KernelConfig(block_n=16, block_k=64, mantissa=True)
+    assert torch.equal(ql.quant_linear(eye, packed, config=cfg), packed.dequantize()[:, :32].T)
+    monkeypatch.setattr(ql, "_int8_mantissa", _int8_mantissa_no_flip)
+    monkeypatch.setattr(ql, "_nibble_mantissa", _nibble_mantissa_plus_one)
+    assert not torch.equal(ql.quant_linear(eye, packed, config=cfg), packed.dequantize()[:, :32].T)
 
 
 def test_kernel_refuses_bad_input():
@@ -345,8 +416,13 @@ def test_rows_view_runs_exactly_as_its_own_weight(qtype):
 # --------------------------------------------------------------------------------------------
 
 
+# The epilogue does not see how the weights were dequantized, and the mantissa path gives the
+# default path's bits (test_mantissa_path_reads_the_dequantized_weights): its GLU is not rerun here.
+GLU_CONFIGS = [name for name, c in CONFIGS.items() if c is None or not c.mantissa]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("config", GLU_CONFIGS, ids=GLU_CONFIGS)
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_glu_equals_the_two_launches(qtype, config, dtype):
     """glu=True gives silu_mul(quant_linear(x, w)) bit for bit on every tile path (dequantize

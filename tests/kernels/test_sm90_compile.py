@@ -315,6 +315,23 @@ def _quant_scale_after(ctx, dt):
                    ctx.t(16, 4096, dtype=dt), ctx.packed(qtype, 1024, 4096), config=cfg)
 
 
+def _quant_mantissa(ctx, dt):
+    """The byte-permute dequantization (inline PTX on the GPU): no TUNED shape uses it yet, but the
+    sweep (benchmarks/gpu/quant_linear_sweep.py) launches it in both operand orders, with the
+    per-warp MMAs (swap, 1-2 warps) and the warpgroup ones (swap, 4 warps, block_n 64), and GLU."""
+    ql = ctx.k.quant_linear
+    C = ql.KernelConfig
+    for qtype in ("q8_0", "q4_0"):
+        for cfg in (C(block_m=16, block_n=64, block_k=128, split_k=4, num_warps=2, swap_ab=True, mantissa=True),
+                    C(block_m=16, block_n=64, block_k=128, split_k=2, num_warps=4, swap_ab=True, mantissa=True),
+                    C(block_m=16, block_n=128, block_k=128, split_k=2, num_warps=4, mantissa=True)):
+            ctx.launch(f"quant_linear {qtype} {cfg}", "_quant_linear_kernel", ql.quant_linear,
+                       ctx.t(16, 4096, dtype=dt), ctx.packed(qtype, 2048, 4096), config=cfg)
+        cfg = C(block_m=16, block_n=64, block_k=128, split_k=1, num_warps=2, swap_ab=True, mantissa=True)
+        ctx.launch(f"quant_linear {qtype} glu mantissa", "_quant_linear_kernel", ql.quant_linear,
+                   ctx.t(16, 4096, dtype=dt), ctx.packed(qtype, 24576, 4096), config=cfg, glu=True)
+
+
 def _qwen35(ctx, dt):
     q = ctx.k.qwen35
     nh, nkv, hd, r, t, s = 16, 4, 256, 64, 16, 512  # Qwen3.5-4B's gated attention (partial rope)
@@ -392,6 +409,7 @@ for _dt in DTYPES:
         _case(f"quant_linear-{_q}-tuned-{_dt}", _quant_linear, (_q, _dt, "tuned"), 4.5 if _f32 else 1.5)
         _case(f"quant_linear-{_q}-heuristic-{_dt}", _quant_linear, (_q, _dt, "heuristic"), 2.1 if _f32 else 0.8)
     _case(f"quant_linear-scale_after-{_dt}", _quant_scale_after, _dt, 2.2 if _f32 else 0.7)
+    _case(f"quant_linear-mantissa-{_dt}", _quant_mantissa, _dt, 3.0 if _f32 else 1.2)
     _case(f"dense_linear-{_dt}", _dense_linear, _dt, 2.0 if _f32 else 0.8)
     _case(f"moe-{_dt}", _moe, _dt, 1.0)
 _case("pack_round", _pack_round, None, 0.2)
