@@ -853,6 +853,22 @@ class Qwen35Target(TargetBase):
         from step to step, so a CUDA graph replays it; `state.commit(end)` then keeps the real
         rows (runs no kernel of the step). Returns float32 logits `[W, vocab]` (`widen=False`:
         the lm_head's model-dtype output) and taps."""
+        hidden, tapped = self._static_hidden(ids, positions, state, taps)
+        return (self.logits(hidden) if widen else self.lm_head(hidden)), tapped
+
+    def static_step_picks(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen35State,
+                          taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A greedy round's step (spec/round_bodies.py `greedy_step`): `static_step(widen=False)`
+        and the argmax of its logits -> (picks int64 `[W]`, model-dtype logits `[W, vocab]`, taps),
+        the lm_head and its argmax one step op (`lm_head_argmax`: one launch with the kernels where
+        the lm_head runs the dense kernel, as at the 4B's vocabulary; the same picks either way)."""
+        hidden, tapped = self._static_hidden(ids, positions, state, taps)
+        logits, picks = self.step_ops.lm_head_argmax(hidden, self._lm_head)
+        return picks, logits, tapped
+
+    def _static_hidden(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen35State,
+                       taps: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`static_step` up to the final norm: (normed hidden `[W, hidden]`, taps)."""
         width = ids.shape[0]
         if width > state.ring:
             raise ConfigError(f"a fixed step of {width} rows is wider than rollback_rows ({state.ring}): "
@@ -864,8 +880,7 @@ class Qwen35Target(TargetBase):
         def attend(q, kv, qgkv):  # the prep wrote K/V at positions; the output gate in the same op
             return ops.gated_attention(q, kv[0], kv[1], positions, self.scale, qgkv, self.n_heads)
 
-        hidden, tapped = self._run(ids, positions, attend, state, positions % state.ring, False, False, taps)
-        return (self.logits(hidden) if widen else self.lm_head(hidden)), tapped
+        return self._run(ids, positions, attend, state, positions % state.ring, False, False, taps)
 
     def _mask(self, start: int, t: int) -> torch.Tensor | None:
         if t == 1:
