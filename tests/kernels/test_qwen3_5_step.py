@@ -4,6 +4,7 @@ bit in both rollback modes, and a speculative session equal to plain greedy."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections import Counter
 from pathlib import Path
@@ -168,3 +169,52 @@ def test_a_kernel_step_is_six_launches_a_deltanet_layer_six_an_attention_one(tar
     # (the logits' widening is a no-op in float32)
     assert {k: v for k, v in torch_ops.items() if k not in bench.GEMMS} == {"aten::remainder": 1}
     assert sum(v for k, v in torch_ops.items() if k in bench.GEMMS) == 4 * n_layers + 1
+
+
+@pytest.mark.exhaustive  # interpreted steps; quick: tests/kernels/test_deltanet.py's one-launch restore
+def test_a_round_restored_in_one_launch_is_the_host_rollback(target_dir):
+    """`restore_round` through the kernels (`gated_delta_restore`: the windows and the states of
+    every DeltaNet layer in one launch) and the host rollback's graph body (the same op without
+    live rows) leave the host's eager rollback's windows and states bit for bit: a ladder round
+    keeping part of its window, all of it (nothing restored: the step's own last live row), and a
+    full-width verify keeping some rows. Planted: a restore told one row too many is caught."""
+    runner = StepRunner(_model(target_dir, TritonStepOps(), "replay", torch.bfloat16), W)
+    prompt, block = _ids(9, 70), _ids(W, 71)
+
+    def stepped(window=None):
+        state = runner.new_state(40)
+        runner.prefill(prompt, state)
+        live = None if window is None else torch.tensor([window], dtype=torch.int32, device=DEVICE)
+        with state.live_rows_from(live) if live is not None else contextlib.nullcontext():
+            runner.model.static_step(block, torch.arange(state.length, state.length + W, device=DEVICE), state)
+        return state, live
+
+    def in_round(keep, window=None, rows=None):
+        state, live = stepped(window)
+        start = state.length
+        rows = rows if rows is not None else (-1 if keep == W else keep)
+        state.round_params.copy_(torch.tensor([start % state.ring, rows], dtype=torch.int32))
+        state.restore_round(live)
+        state.settled_on_device(start + keep)
+        return state
+
+    class Eager:  # the runtime's GraphCache, its capture and replay stood in for by a call
+        def run(self, key, make, *args):
+            make(*args)()
+
+    def host(keep, graphed=False):
+        state = runner.new_state(40)
+        if graphed:  # the rollback through `_restore_body`, what a CUDA graph of it replays
+            state._restore_graphs, state.graph_restores = Eager(), True
+        runner.prefill(prompt, state)
+        runner.step(block, state.length, state)
+        state.rollback(state.length - W + keep)
+        return state
+
+    for window, keep in ((5, 3), (5, 5), (None, 6)):
+        want = host(keep)
+        _same_state(in_round(keep, window), want)
+        if window is None:
+            _same_state(host(keep, graphed=True), want)
+    with pytest.raises(AssertionError):
+        _same_state(in_round(3, 5, rows=4), host(3))

@@ -184,6 +184,15 @@ def _deltanet(ctx, dt):
                        ctx.t(layers, ring, hv, dtype="f32"), states, hk, params, ctx.t(layers, hv, dk, dv, dtype="f32"))
     finally:
         dn.LATE_PREP, dn.PREFETCH = saved
+    # a graphed rollback's whole restore (windows + states, one launch): the host's rollback, and a
+    # round's with the live rows its step ran
+    for live in (None, ctx.torch.ones(1, dtype=ctx.torch.int32)):
+        ctx.launch(f"gated_delta_restore live={live is not None}", "_gdn_kernel", dn.gated_delta_restore,
+                   ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, ring, hv, dtype="f32"),
+                   ctx.t(layers, ring, hv, dtype="f32"), ctx.t(layers, hv, dk, dv, dtype="f32"), hk,
+                   ctx.torch.zeros(2, dtype=ctx.torch.int32), ctx.t(layers, hv, dk, dv, dtype="f32"),
+                   ctx.t(layers, 3, c, dtype=dt), ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, 3, c, dtype=dt),
+                   live=live)
 
 
 def _gather(ctx, dt):

@@ -615,10 +615,9 @@ class Qwen35State(LiveRows, StateBase):
         base_conv, base_rec = self._conv_buf(base_at), self._rec_buf(base_at)
         conv_dst, rec_dst = self._conv2[dst], self._rec2[dst]
 
-        def body():
-            ops.ring_window(base_conv, self._xs_all, params, conv_dst)
-            ops.gated_delta_replay_dev(self._qkv_all, self._g_all, self._beta_all, base_rec, self.n_k_heads,
-                                       params, rec_dst)
+        def body():  # the windows and the states: one launch with the kernels
+            ops.gated_delta_restore(self._qkv_all, self._g_all, self._beta_all, base_rec, self.n_k_heads, params,
+                                    rec_dst, base_conv, self._xs_all, conv_dst)
 
         return body
 
@@ -636,21 +635,21 @@ class Qwen35State(LiveRows, StateBase):
         there (and, in replay mode, the state). The base is the committed buffer of the
         arrangement being captured (`_cur`), like the step's own reads; the next round runs over
         the other arrangement whatever the round kept, so queued rounds alternate without a host
-        value (`settled_on_device`). Replay mode re-runs the kept rows from the base (one
-        launch); stash mode copies the last kept row's stashed state.
+        value (`settled_on_device`). Replay mode re-runs the kept rows from the base, windows and
+        states in one launch (`gated_delta_restore`); stash mode copies the window and the last
+        kept row's stashed state.
 
         `live` (int32 `[1]`): the live rows the round's step ran with (its ladder window,
         `live_rows_from`). In replay mode a round that kept exactly those rows needs no restore
-        either: the step wrote the state and window after its last live row, so the rows become
-        -1 (two tiny launches, against a replay that reads and writes the whole state)."""
+        either: the step wrote the state and window after its last live row, so the restore reads
+        that row count as -1 (in the same launch; `round_params` is left as the settlement wrote it)."""
         base, dst, params = self._cur, 1 - self._cur, self.round_params
-        if live is not None and self.mode == "replay":
-            params[1:].masked_fill_(params[1:] == live, -1)
-        self._ops.ring_window(self._conv2[base], self._xs_all, params, self._conv2[dst])
-        if self.mode == "replay":
-            self._ops.gated_delta_replay_dev(self._qkv_all, self._g_all, self._beta_all, self._rec2[base],
-                                             self.n_k_heads, params, self._rec2[dst])
+        if self.mode == "replay":  # the windows and the states in one op (one launch with the kernels)
+            self._ops.gated_delta_restore(self._qkv_all, self._g_all, self._beta_all, self._rec2[base],
+                                          self.n_k_heads, params, self._rec2[dst], self._conv2[base], self._xs_all,
+                                          self._conv2[dst], live)
             return
+        self._ops.ring_window(self._conv2[base], self._xs_all, params, self._conv2[dst])
         if self._width is None:
             raise ValueError("restore_round runs after a fixed step (in a round graph)")
         rows = torch.where(params[1] < 0, self._width, params[1]).long()  # the stash holds every row's state
