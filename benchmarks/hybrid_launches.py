@@ -14,8 +14,9 @@ kernel, by op name):
   recurrent states of every DeltaNet layer after 8 kept rows of 16 (``restore``), and with a
   ladder window of 8 kept whole (``restore_window``: the live rows turn the replay into none);
 - ``host_commit``: the same commit as the host runs it between two runner steps
-  (`state.commit(start + 16)` then `state.rollback(start + 8)`): eagerly here; on CUDA the replay
-  part is one graph replay (`_graphed_replay`) after one small copy;
+  (`state.commit(start + 16)` then `state.rollback(start + 8)`), its restore graphed as on CUDA
+  (`_graphed_replay`: one small copy of the rows, then the graph, stood in for here by a call of
+  its body, whose launches are counted);
 - ``settle``: the settlement's launch (`settle_round`).
 
 Per DeltaNet layer, per attention layer and per step come from the mixes by least squares;
@@ -66,6 +67,13 @@ def route_like_4b(target) -> None:
         dense_linear.TUNED.setdefault(tuple(w.shape), dense_linear.KernelConfig(block_n=16, block_k=16, split_k=split))
 
 
+class _CallingCache:
+    """The runtime's `GraphCache` for a state's restores, its capture and replay a plain call."""
+
+    def run(self, key, make, *args):
+        make(*args)()
+
+
 def _total(counts: tuple[Counter, Counter]) -> int:
     return sum(counts[0].values()) + sum(counts[1].values())
 
@@ -85,21 +93,18 @@ def count_mix(types: tuple[str, ...], mode: str, root: Path) -> dict[str, tuple[
     route_like_4b(target)
     runner = StepRunner(target, W)
     state = runner.new_state(96)
+    state._restore_graphs, state.graph_restores = _CallingCache(), mode == "replay"  # as on CUDA
     runner.prefill(torch.arange(3, 12), state)
     ids = torch.arange(W)
     out = {}
 
-    def step():
-        """A 16-row step at the committed length, every row live: (start, its picks)."""
-        start = state.length
-        state.set_live_rows(None)
-        sel, _ = greedy_step(target, ids, torch.arange(start, start + W), state, None)
-        return start, sel
-
-    step()  # a warm-up: what a runner sets up once (rope tables, counters)
+    state.set_live_rows(None)
+    positions = torch.arange(state.length, state.length + W)
+    greedy_step(target, ids, positions, state, None)  # a warm-up: what a runner sets up once (rope tables)
     state.commit(state.length + W)
+    start, positions = state.length, positions + W  # (the round body's positions: one add, its own)
     with counting() as counts:
-        start, sel = step()
+        sel, _ = greedy_step(target, ids, positions, state, None)
     out["verify"] = counts
     inputs = torch.tensor([start, start, 0, W, 1 << 40])
     cand = ids.clone()

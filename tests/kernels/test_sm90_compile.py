@@ -82,6 +82,8 @@ def _norm(ctx, dt):
     x, r, w1p = ctx.t(3, d, dtype=dt), ctx.t(3, d, dtype=dt), ctx.t(d, dtype="f32")
     ctx.launch("rms_norm_1p", "_rms_norm_kernel", n.rms_norm_1p, x, w1p, 1e-6)
     ctx.launch("add_rms_norm_1p", "_rms_norm_kernel", n.add_rms_norm_1p, x, r, w1p, 1e-6)
+    ctx.launch("embed_rms_norm_1p", "_rms_norm_kernel", n.embed_rms_norm_1p, ctx.idx(3), ctx.t(50, d, dtype=dt),
+               w1p, 1e-6)  # the hybrid step's embedding gather fused with its first norm
 
 
 def _rope(ctx, dt):

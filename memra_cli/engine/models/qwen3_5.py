@@ -904,10 +904,9 @@ class Qwen35Target(TargetBase):
         torch ops compute each value with the same ops as the unfused layer, so the bits do not
         change."""
         ops, eps = self.step_ops, self.cfg.rms_norm_eps
-        x = self.embed(ids)
+        h, x = ops.embed_rms_norm_1p(ids, self.embed_weight, self.layers[0].attn_norm, eps)  # one launch
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
-        h = ops.rms_norm_1p(x, self.layers[0].attn_norm, eps)
         for li, w in enumerate(self.layers):
             if w.attn is not None:
                 mixer_out = self._attention(h, w.attn, positions, attend, state.kv[self._full_slot[li]])
