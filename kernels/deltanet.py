@@ -25,6 +25,8 @@ and the gated delta-rule recurrence, each beside its plain-torch twin (`*_ref`).
   on the device, each of its programs also copying a column block of its layer's conv window
   after the kept rows (`ring_window`), and, with `live`, a round that kept its whole window of
   live rows left alone (the step wrote that state).
+- `stash_restore(stash, params, width, final, window, xs, final_window)`: the stash mode's
+  (the kept rows' last stashed state of every layer, and the conv windows) in one launch.
 
 Row-count invariance (what keeps fixed-width steps bit-exact): the conv is elementwise per row;
 the recurrence runs the same per-row code from the state it is given whatever `t` is, so a
@@ -433,6 +435,71 @@ def gated_delta_restore_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tens
     host = torch.tensor([row0, rows], dtype=torch.int32, device=params.device)
     ring_window_ref(window, xs, host, final_window)
     gated_delta_replay_dev_ref(qkv, g, beta, state, n_k_heads, host, final)
+
+
+STASH_BLOCK = 2048  # state floats a stash-restore program copies
+
+
+@triton.jit(do_not_specialize=["width", "ring", "C"])
+def _stash_restore_kernel(stash_ptr, params_ptr, final_ptr, win_ptr, xs_ptr, win_out_ptr, width, ring, C,
+                          STATE: tl.constexpr, K1: tl.constexpr, BLOCK: tl.constexpr, WIN_BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Program (layer, part): floats `[part * BLOCK, (part + 1) * BLOCK)` of the layer's state
+    after the kept rows (the stash row of the last one) and a column block of its conv window."""
+    pdl_wait(PDL)
+    layer = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    row0 = tl.load(params_ptr)
+    rows = tl.load(params_ptr + 1)
+    write_window = rows >= 0  # rows -1: every row kept, the step wrote the window (not the state)
+    kept = tl.where(rows < 0, width, rows)
+    slot = ((row0 + kept - 1) % ring).to(tl.int64)
+    offs = part * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < STATE
+    v = tl.load(stash_ptr + (layer * ring + slot) * STATE + offs, mask=mask)
+    tl.store(final_ptr + layer * STATE + offs, v, mask=mask)
+    _window_cols(win_ptr, xs_ptr, win_out_ptr, layer, part, row0, kept, write_window, ring, C, K1, WIN_BLOCK)
+
+
+def _check_stash_restore(stash, params, final, window, xs, final_window):
+    check_tensors(stash, params, final, window, xs, final_window)
+    _check_window(window, xs, params, final_window)
+    if stash.dim() != 5 or stash.dtype != torch.float32 or final.dtype != torch.float32 \
+            or final.shape != stash.shape[:1] + stash.shape[2:] or stash.shape[1] != xs.shape[1] \
+            or window.shape[0] != stash.shape[0]:
+        raise ValueError(f"stash [L, ring, Hv, dk, dv] and final [L, Hv, dk, dv] float32 fitting the windows "
+                         f"[L, K-1, C] and ring xs [L, ring, C], got {tuple(stash.shape)} {tuple(final.shape)} "
+                         f"{tuple(window.shape)} {tuple(xs.shape)}")
+    for name, x in (("stash", stash), ("final", final), ("window", window), ("xs", xs), ("final_window", final_window)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def stash_restore(stash: torch.Tensor, params: torch.Tensor, width: int, final: torch.Tensor,
+                  window: torch.Tensor, xs: torch.Tensor, final_window: torch.Tensor) -> None:
+    """A stash-mode round's restore in one launch: every layer's state after the kept rows, the
+    stash row of the last one (`final[l] = stash[l, (row0 + rows - 1) % ring]`), and its conv
+    window (`ring_window(window, xs, params, final_window)`), `(row0, rows)` = `params` (int32,
+    on the device, rows >= 1; -1: the step's `width` rows all kept, whose window the step wrote:
+    the state is still copied, the window not). A copy: the bits are the stash's."""
+    _check_stash_restore(stash, params, final, window, xs, final_window)
+    n, ring = stash.shape[0], stash.shape[1]
+    state, (k1, c) = final[0].numel() if n else 0, window.shape[1:]
+    if n == 0 or state == 0:
+        return
+    parts = triton.cdiv(state, STASH_BLOCK)
+    _stash_restore_kernel[(n, parts)](
+        stash, params, final, window, xs, final_window, width, ring, c, STATE=state, K1=k1, BLOCK=STASH_BLOCK,
+        WIN_BLOCK=max(16, next_pow2(triton.cdiv(c, parts))), num_warps=4, **pdl_args(stash))
+
+
+def stash_restore_ref(stash: torch.Tensor, params: torch.Tensor, width: int, final: torch.Tensor,
+                      window: torch.Tensor, xs: torch.Tensor, final_window: torch.Tensor) -> None:
+    """Plain torch twin of `stash_restore` (reads params on the host)."""
+    _check_stash_restore(stash, params, final, window, xs, final_window)
+    row0, rows = (int(v) for v in params.tolist())
+    ring_window_ref(window, xs, params, final_window)
+    final.copy_(stash[:, (row0 + (width if rows < 0 else rows) - 1) % stash.shape[1]])
 
 
 @triton.jit

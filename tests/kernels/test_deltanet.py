@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 from memra_kernels.deltanet import (  # noqa: E402
     causal_conv_silu, causal_conv_silu_ref, gated_delta_replay_dev, gated_delta_replay_dev_ref, gated_delta_restore,
     gated_delta_restore_ref, gated_delta_rule, gated_delta_rule_layers, gated_delta_rule_layers_ref,
-    gated_delta_rule_ref, ring_window, ring_window_ref,
+    gated_delta_rule_ref, ring_window, ring_window_ref, stash_restore, stash_restore_ref,
 )
 
 # Tolerances against the twin. Conv: one K-tap float32 sum (FMA contraction and Triton's exp in
@@ -324,6 +324,37 @@ def test_one_launch_restore_is_the_window_and_the_replay(row0, rows, live, devic
     for planted in (_restore(gated_delta_restore, inputs, row0, rows + 1),  # one row too many
                     _restore(gated_delta_restore, inputs, row0, rows, live, layers=2)):  # the last layer skipped
         assert not (torch.equal(planted[0], want[0]) and torch.equal(planted[1], want[1]))
+
+
+@pytest.mark.parametrize("row0,rows", [(6, 4), (2, -1), (0, 1)])
+def test_stash_restore_is_the_window_and_the_last_kept_rows_state(row0, rows, device):
+    """Stash mode's restore in one launch: every layer's stashed state of the last kept row (rows
+    -1: the step's last, `width`) and the conv windows after the kept rows (none written for -1:
+    the step wrote them), bit for bit a copy, as its twin. Planted: a restore one row too far (the
+    state of a rejected draft) and one that skips a layer fail the same comparison."""
+    layers, ring, width, c = 3, 8, 5, 300
+    gen = torch.Generator().manual_seed(13)
+    stash = torch.randn(layers, ring, 4, 8, 16, generator=gen).to(device)
+    window = torch.randn(layers, 3, c, generator=gen).to(torch.bfloat16).to(device)
+    xs = torch.randn(layers, ring, c, generator=gen).to(torch.bfloat16).to(device)
+
+    def run(fn, rows, n=layers):
+        params = torch.tensor([row0, rows], dtype=torch.int32, device=device)
+        final, out = torch.full_like(stash[:, 0], 7.0), torch.full_like(window, 7.0)
+        fn(stash[:n], params, width, final[:n], window[:n], xs[:n], out[:n])
+        return final, out
+
+    got, twin = run(stash_restore, rows), run(stash_restore_ref, rows)
+    kept = width if rows < 0 else rows
+    want_state = stash[:, (row0 + kept - 1) % ring]
+    if rows < 0:
+        want_window = torch.full_like(window, 7.0)
+    else:
+        want_window = torch.cat([window, xs[:, [(row0 + r) % ring for r in range(rows)]]], dim=1)[:, -3:]
+    for final, out in (got, twin):
+        assert torch.equal(final, want_state) and torch.equal(out, want_window)
+    for planted in (run(stash_restore, kept + 1), run(stash_restore, rows, n=layers - 1)):
+        assert not (torch.equal(planted[0], want_state) and torch.equal(planted[1], want_window))
 
 
 def test_batched_replay_refuses_bad_shapes(device):

@@ -195,6 +195,9 @@ def _deltanet(ctx, dt):
                    ctx.torch.zeros(2, dtype=ctx.torch.int32), ctx.t(layers, hv, dk, dv, dtype="f32"),
                    ctx.t(layers, 3, c, dtype=dt), ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, 3, c, dtype=dt),
                    live=live)
+    ctx.launch("stash_restore", "_stash_restore_kernel", dn.stash_restore, ctx.t(layers, ring, hv, dk, dv, dtype="f32"),
+               ctx.torch.zeros(2, dtype=ctx.torch.int32), t, ctx.t(layers, hv, dk, dv, dtype="f32"),
+               ctx.t(layers, 3, c, dtype=dt), ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, 3, c, dtype=dt))
 
 
 def _gather(ctx, dt):

@@ -210,6 +210,18 @@ def gated_delta_restore(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, 
     gated_delta_replay_dev(qkv, g, beta, state, n_k_heads, params, final)
 
 
+def stash_restore(stash: torch.Tensor, params: torch.Tensor, width: int, final: torch.Tensor,
+                  window: torch.Tensor, xs: torch.Tensor, final_window: torch.Tensor) -> None:
+    """A stash-mode round's restore (`memra_kernels.deltanet.stash_restore`, one launch there):
+    `ring_window(window, xs, params, final_window)` and every layer's stashed state of the last
+    kept row, `final[l] = stash[l, (row0 + rows - 1) % ring]` (rows -1: all `width` rows), read on
+    the device."""
+    ring_window(window, xs, params, final_window)
+    rows = torch.where(params[1] < 0, width, params[1]).long()
+    last = (params[0].long() + rows - 1) % stash.shape[1]
+    final.copy_(stash.index_select(1, last.reshape(1)).squeeze(1))
+
+
 def ring_window(base: torch.Tensor, xs: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
     """Every layer's conv window after recorded ring rows: `out` `[L, K-1, C]` = the last K-1 rows
     of `[base; xs[:, (row0 + r) % ring] for r < rows]`, `(row0, rows)` = `params` (int32 `[2]`),

@@ -74,7 +74,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   either (there every ring row runs, masked: a graph body's form, not the CPU's rollback);
   `gated_delta_restore(..., params, final, window, xs, final_window, live)` both at once (one
   launch with the kernels), with `live` (the recorded step's live rows) a kept count equal to it
-  read as -1 (the step wrote that state and window)
+  read as -1 (the step wrote that state and window); `stash_restore(stash, params, width, final,
+  window, xs, final_window)` stash mode's: the last kept row's stashed states and the windows
 
 Qwen3.5's (models/qwen3_5.py; every norm but the DeltaNet's gated one is zero-centred, `w1p` the
 float32 `1 + w`):
@@ -136,7 +137,8 @@ import torch.nn.functional as F
 
 from memra_cli.engine.errors import SettingError
 from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_replay_dev,
-                                              gated_delta_restore, gated_delta_step, ring_window, rms_norm_1p)
+                                              gated_delta_restore, gated_delta_step, ring_window, rms_norm_1p,
+                                              stash_restore)
 from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope
 from memra_kernels.activation_ref import silu_mul_ref
@@ -455,6 +457,7 @@ class TorchStepOps:
     gated_delta_replay_dev = staticmethod(gated_delta_replay_dev)
     ring_window = staticmethod(ring_window)
     gated_delta_restore = staticmethod(gated_delta_restore)
+    stash_restore = staticmethod(stash_restore)
 
     # ------------------------------------------------------------------ Qwen3.5
 
@@ -574,6 +577,7 @@ class TritonStepOps:
         self.gated_delta_replay_dev = deltanet.gated_delta_replay_dev
         self.ring_window = deltanet.ring_window
         self.gated_delta_restore = deltanet.gated_delta_restore
+        self.stash_restore = deltanet.stash_restore
         self.rms_norm_1p = norm.rms_norm_1p
         self.add_rms_norm_1p = norm.add_rms_norm_1p
         self.gated_qk_norm_rope_kv_write = qwen35.gated_qk_norm_rope_kv_write

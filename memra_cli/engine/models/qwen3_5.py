@@ -636,8 +636,8 @@ class Qwen35State(LiveRows, StateBase):
         arrangement being captured (`_cur`), like the step's own reads; the next round runs over
         the other arrangement whatever the round kept, so queued rounds alternate without a host
         value (`settled_on_device`). Replay mode re-runs the kept rows from the base, windows and
-        states in one launch (`gated_delta_restore`); stash mode copies the window and the last
-        kept row's stashed state.
+        states in one launch (`gated_delta_restore`); stash mode copies the windows and the last
+        kept row's stashed states, also one launch (`stash_restore`).
 
         `live` (int32 `[1]`): the live rows the round's step ran with (its ladder window,
         `live_rows_from`). In replay mode a round that kept exactly those rows needs no restore
@@ -649,12 +649,11 @@ class Qwen35State(LiveRows, StateBase):
                                           self.n_k_heads, params, self._rec2[dst], self._conv2[base], self._xs_all,
                                           self._conv2[dst], live)
             return
-        self._ops.ring_window(self._conv2[base], self._xs_all, params, self._conv2[dst])
         if self._width is None:
             raise ValueError("restore_round runs after a fixed step (in a round graph)")
-        rows = torch.where(params[1] < 0, self._width, params[1]).long()  # the stash holds every row's state
-        last = (params[0].long() + rows - 1) % self.ring
-        self._rec2[dst].copy_(self._stash_all.index_select(1, last.reshape(1)).squeeze(1))
+        # the stash holds every row's state (rows -1: the step's last); the windows and the states in one op
+        self._ops.stash_restore(self._stash_all, params, self._width, self._rec2[dst], self._conv2[base],
+                                self._xs_all, self._conv2[dst])
 
     def settled_on_device(self, end: int) -> None:
         """The host's side of a round whose graph ran `restore_round`: its fixed step ran at
