@@ -453,7 +453,7 @@ def _stash_restore_kernel(stash_ptr, params_ptr, final_ptr, win_ptr, xs_ptr, win
     rows = tl.load(params_ptr + 1)
     write_window = rows >= 0  # rows -1: every row kept, the step wrote the window (not the state)
     kept = tl.where(rows < 0, width, rows)
-    slot = ((row0 + kept - 1) % ring).to(tl.int64)
+    slot = ((row0 + kept - 1 + ring) % ring).to(tl.int64)  # (non-negative: Python's `%`, as the twin's)
     offs = part * BLOCK + tl.arange(0, BLOCK)
     mask = offs < STATE
     v = tl.load(stash_ptr + (layer * ring + slot) * STATE + offs, mask=mask)
