@@ -15,8 +15,8 @@ kernel, by op name):
   ladder window of 8 kept whole (``restore_window``: the live rows turn the replay into none);
 - ``host_commit``: the same commit as the host runs it between two runner steps
   (`state.commit(start + 16)` then `state.rollback(start + 8)`), its restore graphed as on CUDA
-  (`_graphed_replay`: one small copy of the rows, then the graph, stood in for here by a call of
-  its body, whose launches are counted);
+  in replay mode (`_graphed_replay`: one small copy of the rows, then the graph, stood in for here
+  by a call of its body, whose launches are counted; stash mode's is eager, on CUDA too);
 - ``settle``: the settlement's launch (`settle_round`).
 
 Per DeltaNet layer, per attention layer and per step come from the mixes by least squares;
