@@ -20,6 +20,13 @@ and the gated delta-rule recurrence, each beside its plain-torch twin (`*_ref`).
 - `gated_delta_rule_layers(qkv, g, beta, state, n_k_heads, row0, rows, final)`: the same kernel
   over every layer at once (`[L, ...]` inputs and states), its rows read from a ring by
   position % ring: a rollback's replay of the recorded rows in one launch.
+- `gated_delta_restore(qkv, g, beta, state, n_k_heads, params, final, window, xs, final_window,
+  live)`: a graphed rollback's whole restore in one launch: that replay with `(row0, rows)` read
+  on the device, each of its programs also copying a column block of its layer's conv window
+  after the kept rows (`ring_window`), and, with `live`, a round that kept its whole window of
+  live rows left alone (the step wrote that state).
+- `stash_restore(stash, params, width, final, window, xs, final_window)`: the stash mode's
+  (the kept rows' last stashed state of every layer, and the conv windows) in one launch.
 
 Row-count invariance (what keeps fixed-width steps bit-exact): the conv is elementwise per row;
 the recurrence runs the same per-row code from the state it is given whatever `t` is, so a
@@ -155,14 +162,32 @@ def _gdn_prep(q, k, g, sqrt_dk, eps):
     return q, k, tl.exp(g)
 
 
-@triton.jit(do_not_specialize=["t", "ratio", "write_final", "row0", "ring", "layer_qkv", "layer_gb"])
+@triton.jit
+def _window_cols(win_ptr, xs_ptr, out_ptr, layer, part, row0, rows, write, ring, C, K1: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Columns `[part * BLOCK, (part + 1) * BLOCK)` of `layer`'s conv window after `rows` ring rows
+    from `row0`: window row j is row `rows + j` of `[base (K1 rows); ring rows]` (`ring_window`'s
+    rule; contiguous `[L, K1, C]` windows, `[L, ring, C]` ring). Nothing written unless `write`."""
+    offs = part * BLOCK + tl.arange(0, BLOCK)
+    mask = (offs < C) & write
+    for j in tl.static_range(K1):
+        i = rows + j
+        from_base = i < K1
+        slot = (row0 + tl.maximum(i - K1, 0)) % ring
+        a = tl.load(win_ptr + (layer * K1 + tl.minimum(i, K1 - 1)) * C + offs, mask=mask & from_base, other=0.0)
+        b = tl.load(xs_ptr + (layer * ring + slot) * C + offs, mask=mask & (i >= K1), other=0.0)
+        tl.store(out_ptr + (layer * K1 + j) * C + offs, tl.where(from_base, a, b), mask=mask)
+
+
+@triton.jit(do_not_specialize=["t", "ratio", "write_final", "row0", "ring", "layer_qkv", "layer_gb", "C"])
 def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_ptr, idx_ptr,
                 t, ratio, write_final, row0, ring, layer_qkv, layer_gb,
                 stride_qkv, stride_g, stride_beta, sqrt_dk, eps,
                 HV: tl.constexpr, KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                 BLOCK_V: tl.constexpr, LATE_PREP: tl.constexpr, WRITE_OUT: tl.constexpr, WRITE_STASH: tl.constexpr,
                 PREFETCH: tl.constexpr = 1, ROWS_ON_DEVICE: tl.constexpr = False, PDL: tl.constexpr = False,
-                live_ptr=None, LIVE: tl.constexpr = False):
+                live_ptr=None, LIVE: tl.constexpr = False, win_ptr=None, xs_ptr=None, win_out_ptr=None, C=1,
+                K1: tl.constexpr = 1, WINDOW: tl.constexpr = False, WIN_BLOCK: tl.constexpr = 16):
     # program (layer * HV + head, value block); row r of the step reads input row (row0 + r) % ring
     # of its layer (layer_qkv / layer_gb: the layer strides of the inputs; states are contiguous
     # [layers, HV, DK, DV]). One kernel serves the step (1 layer, rows 0..t-1) and the batched
@@ -170,11 +195,14 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
     # the same bits (the replay's variant only drops the output and stash writes).
     pdl_wait(PDL)
     t_all = t  # the step's rows; with LIVE only the first `live` of them run (the rest are padding)
-    if LIVE:
+    if LIVE and not ROWS_ON_DEVICE:
         t = tl.minimum(t, tl.load(live_ptr))
     if ROWS_ON_DEVICE:  # (row0, t) from the int32 pair at idx_ptr: a graphed replay's inputs
         row0 = tl.load(idx_ptr)
         t = tl.load(idx_ptr + 1)
+        if LIVE:  # the step ran only `live` rows and wrote the state after them: keeping them all is -1
+            if t == tl.load(live_ptr):
+                t = -1
         if t < 0:  # rows -1: the state is already in `final` (a round that kept every row)
             write_final = 0
             t = 0
@@ -182,6 +210,9 @@ def _gdn_kernel(qkv_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, final_ptr, stash_p
     layer = (pid // HV).to(tl.int64)
     h = pid % HV
     n_layers = tl.num_programs(0) // HV
+    if WINDOW:  # the restore's conv windows too (`ring_window`'s copy): this program's columns of its layer's
+        _window_cols(win_ptr, xs_ptr, win_out_ptr, layer, h * tl.num_programs(1) + tl.program_id(1), row0, t,
+                     write_final != 0, ring, C, K1, WIN_BLOCK)
     offs_k = tl.arange(0, DK)
     offs_v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     kh = h // ratio
@@ -353,6 +384,122 @@ def gated_delta_replay_dev(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tenso
         qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
         HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, WRITE_OUT=False,
         WRITE_STASH=False, PREFETCH=PREFETCH, ROWS_ON_DEVICE=True, num_warps=REC_WARPS, **pdl_args(qkv))
+
+
+def gated_delta_restore(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                        n_k_heads: int, params: torch.Tensor, final: torch.Tensor, window: torch.Tensor,
+                        xs: torch.Tensor, final_window: torch.Tensor, live: torch.Tensor | None = None) -> None:
+    """A rollback's whole restore in one launch: `gated_delta_replay_dev(qkv, g, beta, state,
+    n_k_heads, params, final)` and `ring_window(window, xs, params, final_window)` (each program of
+    the replay also copies its share of its layer's window), the same bits as the two. `live`
+    (int32 `[1]`, the live rows the recorded step ran with): rows equal to it count as -1 (the step
+    wrote the state and the window after its live rows: a round that kept its whole window). The
+    windows `[L, K-1, C]` and the ring `xs [L, ring, C]` contiguous, `final_window` apart from
+    `window`."""
+    _check_layers(qkv, g, beta, state, final, n_k_heads, 0, 0)
+    _check_window(window, xs, params, final_window)
+    _check_live(live, state.device)
+    if params.device != state.device:
+        raise ValueError(f"params must be on {state.device}")
+    n, hv, dk, dv = state.shape
+    if window.shape[0] != n or xs.shape[1] != qkv.shape[1] or window.shape[1] < 1:
+        raise ValueError(f"window {tuple(window.shape)} and xs {tuple(xs.shape)} do not fit the state's {n} layers "
+                         f"and ring of {qkv.shape[1]} (K-1 >= 1 rows)")
+    for name, x in (("window", window), ("xs", xs), ("final_window", final_window)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if dk != next_pow2(dk) or dv != next_pow2(dv):
+        raise ValueError(f"head dims must be powers of two (dk {dk}, dv {dv})")
+    if n == 0:
+        return
+    ring, block_v = qkv.shape[1], min(dv, BLOCK_V)
+    k1, c = window.shape[1], window.shape[2]
+    parts = hv * (dv // block_v)  # programs of a layer: each copies one column block of its window
+    _gdn_kernel[(n * hv, dv // block_v)](
+        qkv, g, beta, state, state, final, state, params,
+        0, hv // n_k_heads, 1, 0, ring, qkv.stride(0), g.stride(0),
+        qkv.stride(1), g.stride(1), beta.stride(1), float(dk) ** 0.5, L2_EPS,
+        HV=hv, KEY_DIM=n_k_heads * dk, DK=dk, DV=dv, BLOCK_V=block_v, LATE_PREP=LATE_PREP, WRITE_OUT=False,
+        WRITE_STASH=False, PREFETCH=PREFETCH, ROWS_ON_DEVICE=True, live_ptr=live, LIVE=live is not None,
+        win_ptr=window, xs_ptr=xs, win_out_ptr=final_window, C=c, K1=k1, WINDOW=True,
+        WIN_BLOCK=max(16, next_pow2(triton.cdiv(c, parts))), num_warps=REC_WARPS, **pdl_args(qkv))
+
+
+def gated_delta_restore_ref(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                            n_k_heads: int, params: torch.Tensor, final: torch.Tensor, window: torch.Tensor,
+                            xs: torch.Tensor, final_window: torch.Tensor, live: torch.Tensor | None = None) -> None:
+    """Plain torch twin of `gated_delta_restore` (reads params and live on the host)."""
+    row0, rows = (int(v) for v in params.tolist())
+    if live is not None and rows == int(live.item()):
+        rows = -1
+    host = torch.tensor([row0, rows], dtype=torch.int32, device=params.device)
+    ring_window_ref(window, xs, host, final_window)
+    gated_delta_replay_dev_ref(qkv, g, beta, state, n_k_heads, host, final)
+
+
+STASH_BLOCK = 2048  # state floats a stash-restore program copies
+
+
+@triton.jit(do_not_specialize=["width", "ring", "C"])
+def _stash_restore_kernel(stash_ptr, params_ptr, final_ptr, win_ptr, xs_ptr, win_out_ptr, width, ring, C,
+                          STATE: tl.constexpr, K1: tl.constexpr, BLOCK: tl.constexpr, WIN_BLOCK: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Program (layer, part): floats `[part * BLOCK, (part + 1) * BLOCK)` of the layer's state
+    after the kept rows (the stash row of the last one) and a column block of its conv window."""
+    pdl_wait(PDL)
+    layer = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    row0 = tl.load(params_ptr)
+    rows = tl.load(params_ptr + 1)
+    write_window = rows >= 0  # rows -1: every row kept, the step wrote the window (not the state)
+    kept = tl.where(rows < 0, width, rows)
+    slot = ((row0 + kept - 1 + ring) % ring).to(tl.int64)  # (non-negative: Python's `%`, as the twin's)
+    offs = part * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < STATE
+    v = tl.load(stash_ptr + (layer * ring + slot) * STATE + offs, mask=mask)
+    tl.store(final_ptr + layer * STATE + offs, v, mask=mask)
+    _window_cols(win_ptr, xs_ptr, win_out_ptr, layer, part, row0, kept, write_window, ring, C, K1, WIN_BLOCK)
+
+
+def _check_stash_restore(stash, params, final, window, xs, final_window):
+    check_tensors(stash, params, final, window, xs, final_window)
+    _check_window(window, xs, params, final_window)
+    if stash.dim() != 5 or stash.dtype != torch.float32 or final.dtype != torch.float32 \
+            or final.shape != stash.shape[:1] + stash.shape[2:] or stash.shape[1] != xs.shape[1] \
+            or window.shape[0] != stash.shape[0]:
+        raise ValueError(f"stash [L, ring, Hv, dk, dv] and final [L, Hv, dk, dv] float32 fitting the windows "
+                         f"[L, K-1, C] and ring xs [L, ring, C], got {tuple(stash.shape)} {tuple(final.shape)} "
+                         f"{tuple(window.shape)} {tuple(xs.shape)}")
+    for name, x in (("stash", stash), ("final", final), ("window", window), ("xs", xs), ("final_window", final_window)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+
+def stash_restore(stash: torch.Tensor, params: torch.Tensor, width: int, final: torch.Tensor,
+                  window: torch.Tensor, xs: torch.Tensor, final_window: torch.Tensor) -> None:
+    """A stash-mode round's restore in one launch: every layer's state after the kept rows, the
+    stash row of the last one (`final[l] = stash[l, (row0 + rows - 1) % ring]`), and its conv
+    window (`ring_window(window, xs, params, final_window)`), `(row0, rows)` = `params` (int32,
+    on the device, rows >= 1; -1: the step's `width` rows all kept, whose window the step wrote:
+    the state is still copied, the window not). A copy: the bits are the stash's."""
+    _check_stash_restore(stash, params, final, window, xs, final_window)
+    n, ring = stash.shape[0], stash.shape[1]
+    state, (k1, c) = final[0].numel() if n else 0, window.shape[1:]
+    if n == 0 or state == 0:
+        return
+    parts = triton.cdiv(state, STASH_BLOCK)
+    _stash_restore_kernel[(n, parts)](
+        stash, params, final, window, xs, final_window, width, ring, c, STATE=state, K1=k1, BLOCK=STASH_BLOCK,
+        WIN_BLOCK=max(16, next_pow2(triton.cdiv(c, parts))), num_warps=4, **pdl_args(stash))
+
+
+def stash_restore_ref(stash: torch.Tensor, params: torch.Tensor, width: int, final: torch.Tensor,
+                      window: torch.Tensor, xs: torch.Tensor, final_window: torch.Tensor) -> None:
+    """Plain torch twin of `stash_restore` (reads params on the host)."""
+    _check_stash_restore(stash, params, final, window, xs, final_window)
+    row0, rows = (int(v) for v in params.tolist())
+    ring_window_ref(window, xs, params, final_window)
+    final.copy_(stash[:, (row0 + (width if rows < 0 else rows) - 1) % stash.shape[1]])
 
 
 @triton.jit

@@ -17,9 +17,10 @@ Zero-centred variant (Qwen3.5, HF `Qwen3_5RMSNorm`): `rms_norm_1p` / `add_rms_no
 in float32, rounding once at the end (no rounding before the weight multiply); the output is in
 x's dtype. Against the twin, again only the sum of squares' order differs.
 
-Embedding gather in front (`embed_rms_norm`, the first norm of a step): the program's input row
-is the embedding row of its id, written out as the residual stream (a copy, `F.embedding`'s bits)
-and normed as `rms_norm` norms it: one launch instead of the gather's and the norm's.
+Embedding gather in front (`embed_rms_norm`, the first norm of a step; `embed_rms_norm_1p`, the
+zero-centred one, Qwen3.5's): the program's input row is the embedding row of its id, written out
+as the residual stream (a copy, `F.embedding`'s bits) and normed as `rms_norm` (`rms_norm_1p`)
+norms it: one launch instead of the gather's and the norm's.
 
 Row invariance: one program per row; the block width depends only on the hidden size, so a row's
 result never depends on the other rows or on how many there are.
@@ -33,8 +34,8 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from .norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_ref, rms_norm_1p_ref,  # noqa: F401  (the twins)
-                       rms_norm_ref)
+from .norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_1p_ref, embed_rms_norm_ref,  # noqa: F401
+                       rms_norm_1p_ref, rms_norm_ref)  # (the twins)
 
 
 @triton.jit
@@ -113,6 +114,21 @@ def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
     `rms_norm(rows, weight, eps)`, bit for bit `(rms_norm(embed_rows(ids, table), ...),
     embed_rows(ids, table))`. ids `[t]` int32/int64 in [0, V), table `[V, d]` (contiguous last
     axis), weight `[d]` -> (normed `[t, d]`, rows `[t, d]` in table's dtype)."""
+    return _embed_launch(ids, table, weight, eps, False)
+
+
+def embed_rms_norm_1p(ids: torch.Tensor, table: torch.Tensor, w1p: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`embed_rms_norm` with the zero-centred norm (Qwen3.5's first norm, `w1p` float32 `1 + w`):
+    bit for bit `(rms_norm_1p(embed_rows(ids, table), w1p, eps), embed_rows(ids, table))`, the
+    normed rows in table's dtype."""
+    if w1p.dtype != torch.float32:
+        raise TypeError(f"the zero-centred norm takes 1 + w in float32, got {w1p.dtype}")
+    return _embed_launch(ids, table, w1p, eps, True)
+
+
+def _embed_launch(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
+                  zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
     if table.dim() != 2 or weight.dim() != 1 or weight.shape[0] != table.shape[1]:
@@ -122,13 +138,14 @@ def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
         check_dtype(a, name)
         check_last_contiguous(a, name)
     t, d = ids.shape[0], table.shape[1]
-    out = torch.empty((t, d), dtype=torch.promote_types(table.dtype, weight.dtype), device=table.device)
+    out_dtype = table.dtype if zero_centred else torch.promote_types(table.dtype, weight.dtype)
+    out = torch.empty((t, d), dtype=out_dtype, device=table.device)
     rows = torch.empty((t, d), dtype=table.dtype, device=table.device)
     if t:
         block_d = next_pow2(d)
         _rms_norm_kernel[(t,)](
             table, table, weight, out, rows, d, table.stride(0), table.stride(0), out.stride(0), rows.stride(0),
-            float(eps), HAS_RESIDUAL=False, ZERO_CENTRED=False, BLOCK_D=block_d, GATHER=True, ids_ptr=ids,
+            float(eps), HAS_RESIDUAL=False, ZERO_CENTRED=zero_centred, BLOCK_D=block_d, GATHER=True, ids_ptr=ids,
             num_warps=_num_warps(block_d), **pdl_args(table),
         )
     return out, rows

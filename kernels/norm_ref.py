@@ -31,6 +31,13 @@ def embed_rms_norm_ref(ids: torch.Tensor, table: torch.Tensor, weight: torch.Ten
     return rms_norm_ref(rows, weight, eps), rows
 
 
+def embed_rms_norm_1p_ref(ids: torch.Tensor, table: torch.Tensor, w1p: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `embed_rms_norm_1p`: the embedding's rows, then `rms_norm_1p_ref` of them."""
+    rows = torch.nn.functional.embedding(ids, table)
+    return rms_norm_1p_ref(rows, w1p, eps), rows
+
+
 def rms_norm_1p_ref(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm as HF Qwen3_5RMSNorm: float32 stats, `* (1 + w)` in float32, then cast.
     `w1p` is `1 + w` precomputed in float32 (the same value HF forms per call). The twin of

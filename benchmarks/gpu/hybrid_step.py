@@ -21,7 +21,10 @@ measures, each section's failure caught and reported in the JSON:
   one graph a round (verify, argmax, settlement, the rollback re-run inside the graph), queued
   one ahead of the host's read, drafts from the plain stream with slot k wrong (k kept rows);
   and (`k1_window`, `k8_window`) with a ladder window of k rows known before the verify, whose
-  rows past it skip the recurrence;
+  rows past it skip the recurrence; `k8_unfused_picks` (and the plain section's
+  `width1_round_unfused_picks`): the same with the lm_head and its argmax as two launches, the
+  round before `static_step_picks`; `restore_ms_rows*` the in-graph restore alone (one launch)
+  beside `restore_two_launches_ms_rows*` (the window and the replay apart, as before);
 - ``transformers``: `Qwen3_5ForCausalLM` (eager attention; fla kernels if transformers finds them)
   greedy ms/token over a few dozen tokens after the same prompt;
 - ``exact``: speculative == plain greedy in bf16 (graphs on), with a drafter stand-in that
@@ -46,6 +49,7 @@ import os
 import sys
 import time
 import traceback
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -59,6 +63,7 @@ from memra_cli.engine.models.qwen3_5 import Qwen35Target
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import LADDER, Harvest
 from memra_cli.engine.spec.proposer import Program, Proposal
+from memra_cli.engine.spec.round_bodies import greedy_step
 from memra_cli.engine.spec.session import Session
 from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
 
@@ -170,6 +175,29 @@ def run_padding(state) -> None:
     state.set_live_rows = lambda n: None
 
 
+@contextmanager
+def unfused_picks():
+    """A greedy round's lm_head and argmax as two step ops (`static_step(widen=False)`, then the
+    step ops' argmax over the model-dtype logits): the round before `Qwen35Target.static_step_picks`
+    fused them, timed beside it in the same process (`*_unfused_picks`)."""
+    fused = Qwen35Target.__dict__["static_step_picks"]
+    Qwen35Target.static_step_picks = None  # round_bodies.greedy_step then runs the two ops
+    try:
+        yield
+    finally:
+        Qwen35Target.static_step_picks = fused
+
+
+def two_launch_restore(state) -> None:
+    """A round's restore as two launches, the conv windows (`ring_window`) then the states
+    (`gated_delta_replay_dev`): the form before `gated_delta_restore` made it one, timed beside it
+    (every row kept, not a ladder's window: no live rows)."""
+    ops, base, dst, params = state._ops, state._cur, 1 - state._cur, state.round_params
+    ops.ring_window(state._conv2[base], state._xs_all, params, state._conv2[dst])
+    ops.gated_delta_replay_dev(state._qkv_all, state._g_all, state._beta_all, state._rec2[base], state.n_k_heads,
+                               params, state._rec2[dst])
+
+
 def plain(target, prompt: list[int], graphs: bool, tokens: int, reps: int) -> dict:
     """Plain decode at width 1 and W (one real row padded to W: the padding rows skip the
     recurrence, `Qwen35State.set_live_rows`), and at W with the padding rows run (`width16_padded`,
@@ -201,28 +229,40 @@ def plain(target, prompt: list[int], graphs: bool, tokens: int, reps: int) -> di
         out[name] = row
         runner.release(state)
         # the engine's greedy decode with graphs on: each token one round graph, queued one ahead
-        # of the host's read (the default) or read before the next is queued (MEMRA_PIPELINE=0)
-        for pipelined in (True, False) if graphs else ():
-            session = Session(runner, prompt, tokens + 8, round_graphs=True, pipelined=pipelined)
-            if padded:
-                run_padding(session.cache)
-            session.burst(4)  # prefill, the captures of both buffer arrangements, warm-up
-            assert session.graphed_rounds and session.pipelined == pipelined
-            got, times = [], []
-            for _ in range(tokens):  # a burst of one token; pipelined, the next round is queued meanwhile
-                t0 = time.perf_counter()
-                got += session.burst(1)
-                times.append(1e3 * (time.perf_counter() - t0))
-            row = {"token_ms": median(times), "token_ms_min": min(times), "token_ms_mean": sum(times) / len(times),
-                   "tokens": len(got)}
-            first = session.tokens[:len(session.tokens) - len(got)]
-            session.close()
-            truth = greedy_reference(runner, prompt, len(first) + len(got))  # step by step, no round graphs
-            row["exact"] = truth == first + got
-            out[name + "_round" + ("" if pipelined else "_unpipelined")] = row
+        # of the host's read (the default) or read before the next is queued (MEMRA_PIPELINE=0);
+        # at width 1 also with the lm_head and its argmax unfused (`unfused_picks`), queued ahead
+        variants = ((True, False), (False, False)) + (((True, True),) if width == 1 else ())
+        for pipelined, unfused in variants if graphs else ():
+            with unfused_picks() if unfused else nullcontext():
+                row = plain_rounds(runner, prompt, tokens, pipelined, padded)
+            out[name + "_round" + ("" if pipelined else "_unpipelined") + ("_unfused_picks" if unfused else "")] = row
     # skipping the padding rows' recurrence changes no token: the same stream with them run
     out[f"width{W}_padded"]["exact"] = streams[f"width{W}_padded"] == streams[f"width{W}"]
     return out
+
+
+def plain_rounds(runner, prompt: list[int], tokens: int, pipelined: bool, padded: bool) -> dict:
+    """The engine's greedy decode as one round graph a token (`Session`), ms a token, and whether
+    its stream is the step-by-step greedy one. The round graphs are captured afresh (a pooled
+    storage keeps the graphs an earlier session captured over it: another variant's)."""
+    session = Session(runner, prompt, tokens + 8, round_graphs=True, pipelined=pipelined)
+    session.cache.graphs.clear()
+    if padded:
+        run_padding(session.cache)
+    session.burst(4)  # prefill, the captures of both buffer arrangements, warm-up
+    assert session.graphed_rounds and session.pipelined == pipelined
+    got, times = [], []
+    for _ in range(tokens):  # a burst of one token; pipelined, the next round is queued meanwhile
+        t0 = time.perf_counter()
+        got += session.burst(1)
+        times.append(1e3 * (time.perf_counter() - t0))
+    row = {"token_ms": median(times), "token_ms_min": min(times), "token_ms_mean": sum(times) / len(times),
+           "tokens": len(got)}
+    first = session.tokens[:len(session.tokens) - len(got)]
+    session.close()
+    truth = greedy_reference(runner, prompt, len(first) + len(got))  # step by step, no round graphs
+    row["exact"] = truth == first + got
+    return row
 
 
 def verify(target, prompt: list[int], graphs: bool, reps: int) -> dict:
@@ -285,9 +325,12 @@ def verify_rounds(target, prompt: list[int], graphs: bool, rounds: int) -> dict:
     # (k, windowed): windowed rounds have a ladder window of k rows, known before the verify, as
     # the engine's adapting ladder gives them: the rows past it skip the recurrence
     # (`live_rows_from`, computed from the round's inputs as spec/round_bodies.py does)
-    runs = ((1, False), (8, False), (W, False), (1, True), (8, True))
-    for k, windowed in runs if graphs else runs[:3] + runs[4:]:  # the CPU smoke run: one windowed k
-        name = f"k{k}" + ("_window" if windowed else "")
+    # (k, windowed, unfused): `unfused` rounds run the lm_head and its argmax as two step ops
+    # (`unfused_picks`), beside the same rounds fused
+    runs = ((1, False, False), (8, False, False), (W, False, False), (1, True, False), (8, True, False),
+            (8, False, True))
+    for k, windowed, unfused in runs if graphs else runs[:3] + runs[4:]:  # the CPU smoke run: one windowed k
+        name = f"k{k}" + ("_window" if windowed else "") + ("_unfused_picks" if unfused else "")
         state = runner.new_state(cap)
         runner.prefill(torch.tensor(prompt, device=dev), state)
         # positions up to the storage's end (the capture runs at its slack): the plain stream,
@@ -305,11 +348,8 @@ def verify_rounds(target, prompt: list[int], graphs: bool, rounds: int) -> dict:
                 cand = torch.where(rows == k, (cand + 1) % target.vocab_size, cand)
             if windowed:
                 live.copy_(torch.minimum(inputs[3], inputs[4]).clamp(min=1).reshape(1))
-                with state.live_rows_from(live):
-                    logits, _ = target.static_step(cand, rows + t_start, state, None)
-            else:
-                logits, _ = target.static_step(cand, rows + t_start, state, None)
-            sel = ops.argmax(logits)
+            with state.live_rows_from(live) if windowed else nullcontext():  # as spec/round_bodies.py runs it
+                sel, _ = greedy_step(target, cand, rows + t_start, state, None)
             packed = ops.settle_round(cand, sel, None, inputs, None, kind="ladder", cap=window, adapt=False,
                                       restore=state.round_params, ring=state.ring)
             state.restore_round(live if windowed else None)  # a kept window: no replay (replay mode)
@@ -322,7 +362,7 @@ def verify_rounds(target, prompt: list[int], graphs: bool, rounds: int) -> dict:
             chain = RoundChain(dev, 5)
             slack = state.max_len - W
             for variant in range(2):
-                with state.arranged_for_capture(variant):
+                with state.arranged_for_capture(variant), unfused_picks() if unfused else nullcontext():
                     chain.graphs[variant] = RoundGraph(body, (slack, 0, 0, seed[3], 1 << 40), dev, inputs=chain.inputs)
             variant = state.graph_variant
             sync(dev)
@@ -341,7 +381,8 @@ def verify_rounds(target, prompt: list[int], graphs: bool, rounds: int) -> dict:
             inputs = torch.tensor(seed, device=dev)
             t0 = time.perf_counter()
             for j in range(rounds):
-                row = body(inputs).tolist()
+                with unfused_picks() if unfused else nullcontext():
+                    row = body(inputs).tolist()
                 results.append((state.length, [int(x) for x in row[W:2 * W]], int(row[-1])))
                 state.settled_on_device(state.length + int(row[-1]) + 1)
             times.append(1e3 * (time.perf_counter() - t0) / rounds)
@@ -372,9 +413,11 @@ def verify_rounds(target, prompt: list[int], graphs: bool, rounds: int) -> dict:
         runner.prefill(torch.tensor(prompt, device=dev), state)
         runner.step(seq[state.length: state.length + W], state.length, state)  # a recorded step to re-run
         graph, _ = cuda_graphs.capture(state.restore_round, dev)
+        two, _ = cuda_graphs.capture(lambda: two_launch_restore(state), dev)  # the form before, beside it
         for rows in (1, 8, -1):
             state.round_params.copy_(torch.tensor([0, rows], dtype=torch.int32))
             out[f"restore_ms_rows{rows}"] = replay_ms(graph.replay, 50)
+            out[f"restore_two_launches_ms_rows{rows}"] = replay_ms(two.replay, 50)
         runner.release(state)
     target.set_rollback("replay" if dev.type == "cuda" else "stash")
     return out
@@ -609,6 +652,12 @@ def main() -> None:
                 summary["verify16_round_ms_k8_window8"] = rounds["k8_window"]["round_ms"]
                 summary["verify16_round_window8_over_plain"] = (rounds["k8_window"]["round_ms"]
                                                                 / summary["memra_plain_token_ms_w1"])
+            if "k8_unfused_picks" in rounds and "width1_round_unfused_picks" in d["plain"]:
+                # the same rounds and tokens with the lm_head and its argmax as two launches (same process)
+                summary["verify16_round_ms_k8_unfused_picks"] = rounds["k8_unfused_picks"]["round_ms"]
+                summary["plain_token_ms_w1_round_unfused_picks"] = d["plain"]["width1_round_unfused_picks"]["token_ms"]
+                summary["verify16_round_over_plain_unfused_picks"] = (
+                    rounds["k8_unfused_picks"]["round_ms"] / d["plain"]["width1_round_unfused_picks"]["token_ms"])
             summary["exact"] = summary["exact"] and rounds["all_exact"]
         ours, theirs = d["exact"]["plain_stream"], d.get("transformers", {}).get("stream", [])
         summary["transformers_agree_prefix"] = next(  # bf16: streams may part at a near-tie

@@ -21,6 +21,7 @@ from memra_cli.engine.api import ArmConfig, Engine
 from memra_cli.engine.greedy import greedy_reference
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import PolicySettings
+from memra_cli.engine.spec.round_bodies import greedy_step
 from memra_cli.tiny.draft import make_tiny_draft
 
 from host_reads import NoHostReads
@@ -199,6 +200,12 @@ def assert_padding_rows_run_no_experts(target, vocab: int, width: int = 16, step
     assert calls == steps * len(target.moe.sparse_layers), calls
     assert experts == calls * target.moe.top_k, f"{experts} experts in {calls} one-live-row calls"
     rows = torch.tensor(prompt(width, seed=22, top=vocab - 8), device=target.device)
+    # a greedy round's step (the family's `static_step_picks` where it has one) masks them too
+    state.set_live_rows(1)
+    before = target.expert_reads
+    greedy_step(target, rows, torch.arange(state.length, state.length + width, device=target.device), state, None)
+    calls, experts = (b - a for a, b in zip(before, target.expert_reads))
+    assert experts == calls * target.moe.top_k, f"{experts} experts in {calls} one-live-row greedy-step calls"
     one = runner.fixed_step(rows, state.length, state, live=1)[0]
     every = runner.fixed_step(rows, state.length, state)[0]
     assert torch.equal(one[0], every[0]), "a live row's logits depend on how many rows are live"

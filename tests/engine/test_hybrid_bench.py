@@ -33,4 +33,6 @@ def test_hybrid_bench_tiny_smoke(tmp_path):
     assert all(d["rounds"][f"k{k}"]["state_exact"] and d["rounds"][f"k{k}"]["rounds"] == 4 for k in (1, 8, 16))
     # and with a window of k known before the verify (its rows past the window skip the recurrence)
     assert d["rounds"]["k8_window"]["exact"] and d["rounds"]["k8_window"]["rounds"] == 4
+    # and with the lm_head and its argmax as two step ops (the A/B of static_step_picks): the same picks
+    assert d["rounds"]["k8_unfused_picks"]["exact"] and d["rounds"]["k8_unfused_picks"]["rounds"] == 4
     assert d["transformers"]["token_ms"] > 0 and d["summary"]["transformers_agree_prefix"] >= 0

@@ -1010,16 +1010,16 @@ def test_round_graphs_over_the_hybrid_equal_plain_greedy(tmp_path, replay_graphs
 @pytest.fixture
 def replay_graphs(monkeypatch):
     """`cuda_graphs.capture` swapped for an eager stand-in (as tests/engine/test_step_width.py's
-    `eager_graphs`) that also undoes static_step's Python side effects on the state at each
+    `eager_graphs`) that also undoes a fixed step's Python side effects on the state at each
     replay: a real graph replays kernels only, so `commit` must not need them. Returns the list
     of captures."""
     from memra_cli.engine.runtime import cuda_graphs
 
     captures, replaying = [], [False]
-    right = Qwen35Target.static_step
+    right = Qwen35Target._static_hidden  # what static_step and a greedy round's static_step_picks run
     capturing, variant_of = [None], {}
 
-    def static_step(self, ids, positions, state, taps=None, widen=True):
+    def static_hidden(self, ids, positions, state, taps):
         # a real graph binds the buffers of the arrangement it was captured in: a replay in
         # another arrangement would read and write the wrong ones. A round queued ahead of the
         # host's read (a speculative round that restores the state itself) runs while the host
@@ -1031,7 +1031,7 @@ def replay_graphs(monkeypatch):
         elif capturing[0] is not None:
             variant_of.setdefault(capturing[0], (state, state.graph_variant))
         before = (state._pending, state._width)
-        out = right(self, ids, positions, state, taps, widen)
+        out = right(self, ids, positions, state, taps)
         if replaying[0] is not False:
             state._pending, state._width = before
         return out
@@ -1064,7 +1064,7 @@ def replay_graphs(monkeypatch):
         captures.append(fn)
         return Replay(), out
 
-    monkeypatch.setattr(Qwen35Target, "static_step", static_step)
+    monkeypatch.setattr(Qwen35Target, "_static_hidden", static_hidden)
     monkeypatch.setattr(cuda_graphs, "capture", capture)
     return captures
 

@@ -10,8 +10,9 @@ import torch
 pytest.importorskip("triton")
 
 from memra_kernels.deltanet import (  # noqa: E402
-    causal_conv_silu, causal_conv_silu_ref, gated_delta_replay_dev, gated_delta_replay_dev_ref, gated_delta_rule,
-    gated_delta_rule_layers, gated_delta_rule_layers_ref, gated_delta_rule_ref, ring_window, ring_window_ref,
+    causal_conv_silu, causal_conv_silu_ref, gated_delta_replay_dev, gated_delta_replay_dev_ref, gated_delta_restore,
+    gated_delta_restore_ref, gated_delta_rule, gated_delta_rule_layers, gated_delta_rule_layers_ref,
+    gated_delta_rule_ref, ring_window, ring_window_ref, stash_restore, stash_restore_ref,
 )
 
 # Tolerances against the twin. Conv: one K-tap float32 sum (FMA contraction and Triton's exp in
@@ -264,6 +265,97 @@ def test_rows_minus_one_leaves_the_destination_alone(device):
         out = torch.full_like(base, 7.0)
         window(base, xs, params, out)
         assert bool((out == 7.0).all()), window.__name__
+
+
+def _restore_inputs(device, seed=11):
+    """A 2-layer record (ring of 8; 2 value heads repeating 1 key head, 32 x 32: small for the
+    interpreter; conv width C off the window's column blocks) and its base."""
+    qkv, g, beta, state = _ring(2, 8, 1, 2, 32, 32, torch.bfloat16, device, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    window = torch.randn(2, 3, qkv.shape[2], generator=gen).to(torch.bfloat16).to(device)
+    xs = torch.randn(2, 8, qkv.shape[2], generator=gen).to(torch.bfloat16).to(device)
+    return qkv, g, beta, state, window, xs
+
+
+def _restore(fn, inputs, row0, rows, live=None, layers=2):
+    """(states, windows) a restore `fn` writes over destinations filled with 7 (its first `layers`
+    layers given to it: fewer plants a skipped layer)."""
+    qkv, g, beta, state, window, xs = inputs
+    params = torch.tensor([row0, rows], dtype=torch.int32, device=state.device)
+    live = None if live is None else torch.tensor([live], dtype=torch.int32, device=state.device)
+    final, out = torch.full_like(state, 7.0), torch.full_like(window, 7.0)
+    fn(qkv[:layers], g[:layers], beta[:layers], state[:layers], 1, params, final[:layers], window[:layers],
+       xs[:layers], out[:layers], live)
+    return final, out
+
+
+def _two_launches(inputs, row0, rows):
+    """What the one-launch restore replaces: the replay and the window restore."""
+    qkv, g, beta, state, window, xs = inputs
+    params = torch.tensor([row0, rows], dtype=torch.int32, device=state.device)
+    final, out = torch.full_like(state, 7.0), torch.full_like(window, 7.0)
+    gated_delta_replay_dev(qkv, g, beta, state, 1, params, final)
+    ring_window(window, xs, params, out)
+    return final, out
+
+
+@pytest.mark.parametrize("row0,rows,live", [
+    (6, 4, 5),  # wraps the ring; live rows more than the kept ones: the replay runs
+    pytest.param(6, 4, 4, marks=pytest.mark.exhaustive),  # the whole window of live rows kept: nothing written
+    pytest.param(2, -1, None, marks=pytest.mark.exhaustive),  # every row kept
+    pytest.param(3, 0, None, marks=pytest.mark.exhaustive),  # the base itself
+    pytest.param(1, 8, None, marks=pytest.mark.exhaustive),  # the whole ring, past the window
+])
+def test_one_launch_restore_is_the_window_and_the_replay(row0, rows, live, device):
+    """`gated_delta_restore` (a round's restore in one launch) writes the states and conv windows
+    of `gated_delta_replay_dev` + `ring_window` bit for bit, a kept count equal to the live rows
+    read as -1 (nothing written); the twin the same windows and states within the recurrence's
+    tolerance. Planted: a restore one row too far (the state of a rejected draft kept) and one
+    that skips a layer both fail the same comparison."""
+    inputs = _restore_inputs(device)
+    want = _two_launches(inputs, row0, -1 if rows == live else rows)
+    got = _restore(gated_delta_restore, inputs, row0, rows, live)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    twin = _restore(gated_delta_restore_ref, inputs, row0, rows, live)
+    assert torch.equal(twin[1], want[1])
+    torch.testing.assert_close(twin[0], want[0], rtol=REC_RTOL, atol=REC_ATOL)
+    if rows == live or rows < 0:
+        assert bool((got[0] == 7.0).all()) and bool((got[1] == 7.0).all())
+        return
+    for planted in (_restore(gated_delta_restore, inputs, row0, rows + 1),  # one row too many
+                    _restore(gated_delta_restore, inputs, row0, rows, live, layers=1)):  # the last layer skipped
+        assert not (torch.equal(planted[0], want[0]) and torch.equal(planted[1], want[1]))
+
+
+@pytest.mark.parametrize("row0,rows", [(6, 4), (2, -1), (0, 1)])
+def test_stash_restore_is_the_window_and_the_last_kept_rows_state(row0, rows, device):
+    """Stash mode's restore in one launch: every layer's stashed state of the last kept row (rows
+    -1: the step's last, `width`) and the conv windows after the kept rows (none written for -1:
+    the step wrote them), bit for bit a copy, as its twin. Planted: a restore one row too far (the
+    state of a rejected draft) and one that skips a layer fail the same comparison."""
+    layers, ring, width, c = 3, 8, 5, 300
+    gen = torch.Generator().manual_seed(13)
+    stash = torch.randn(layers, ring, 4, 8, 16, generator=gen).to(device)
+    window = torch.randn(layers, 3, c, generator=gen).to(torch.bfloat16).to(device)
+    xs = torch.randn(layers, ring, c, generator=gen).to(torch.bfloat16).to(device)
+
+    def run(fn, rows, n=layers):
+        params = torch.tensor([row0, rows], dtype=torch.int32, device=device)
+        final, out = torch.full_like(stash[:, 0], 7.0), torch.full_like(window, 7.0)
+        fn(stash[:n], params, width, final[:n], window[:n], xs[:n], out[:n])
+        return final, out
+
+    got, twin = run(stash_restore, rows), run(stash_restore_ref, rows)
+    kept = width if rows < 0 else rows
+    want_state = stash[:, (row0 + kept - 1) % ring]
+    if rows < 0:
+        want_window = torch.full_like(window, 7.0)
+    else:
+        want_window = torch.cat([window, xs[:, [(row0 + r) % ring for r in range(rows)]]], dim=1)[:, -3:]
+    for final, out in (got, twin):
+        assert torch.equal(final, want_state) and torch.equal(out, want_window)
+    for planted in (run(stash_restore, kept + 1), run(stash_restore, rows, n=layers - 1)):
+        assert not (torch.equal(planted[0], want_state) and torch.equal(planted[1], want_window))
 
 
 def test_batched_replay_refuses_bad_shapes(device):

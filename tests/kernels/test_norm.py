@@ -165,6 +165,30 @@ def test_embed_rms_norm_is_the_gather_then_the_norm(dtype, device):
     _assert_matches(normed, want_normed)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_embed_rms_norm_1p_is_the_gather_then_the_zero_centred_norm(dtype, device):
+    """Qwen3.5's first norm in the gather's launch: the rows are the embedding's and the normed
+    rows `rms_norm_1p` of them, bit for bit; the twin within RTOL_1P. Planted: the same launch with
+    the Qwen3 norm's order (rounded before the weight multiply) fails the twin's check."""
+    from memra_kernels.gather import embed_rows
+    from memra_kernels.norm import embed_rms_norm, embed_rms_norm_1p, embed_rms_norm_1p_ref, rms_norm_1p
+
+    g = torch.Generator().manual_seed(9)
+    table = (torch.randn(64, 2560, generator=g) * 3 + 0.5).to(dtype).to(device)
+    w1p = (1 + 0.3 * torch.randn(2560, generator=g)).to(dtype).float().to(device)  # 1 + w of a model-dtype w
+    ids = torch.randint(0, 64, (16,), generator=g).to(device)
+    normed, rows = embed_rms_norm_1p(ids, table, w1p, EPS)
+    assert torch.equal(rows, embed_rows(ids, table)) and normed.dtype == dtype
+    assert torch.equal(normed, rms_norm_1p(embed_rows(ids, table), w1p, EPS))
+    want_normed, want_rows = embed_rms_norm_1p_ref(ids, table, w1p, EPS)
+    assert torch.equal(rows, want_rows)
+    _assert_1p(normed, want_normed)
+    if dtype == torch.bfloat16:
+        wrong = embed_rms_norm(ids, table, w1p, EPS)[0].to(dtype)  # float32 out (promoted), rounded again
+        with pytest.raises(AssertionError):
+            _assert_1p(wrong, want_normed)
+
+
 def test_embed_rms_norm_rows_are_independent_and_a_planted_break_is_seen(device):
     """A row's bits alone == among 16 rows; and the check can fail: a row normed by another row's
     statistics (a planted break of row independence) does not pass it."""

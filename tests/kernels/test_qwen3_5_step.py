@@ -4,6 +4,7 @@ bit in both rollback modes, and a speculative session equal to plain greedy."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from collections import Counter
 from pathlib import Path
@@ -132,7 +133,8 @@ def test_a_kernel_step_is_six_launches_a_deltanet_layer_six_an_attention_one(tar
     one fixed step, and the torch ops left around them (benchmarks/qwen3_5_step_ops.py's rule).
     The tiny target has 3 DeltaNet layers of 6 launches (two add + norms, the fused conv + gates,
     the recurrence, the gated norm, SiLU·mul; 7 while conv and gates were two launches) and 2
-    attention layers of 6 (its two counted, the output gate in the second), plus the embedding gather and the first norm;
+    attention layers of 6 (its two counted, the output gate in the second), plus the embedding gather with the
+    first norm (one launch; two while apart);
     outside the kernels only the weight matmuls and the ring index (`positions % ring`). An op
     falling back to torch fails both the count and the torch-op check."""
     from triton.runtime.interpreter import InterpretedFunction
@@ -161,10 +163,62 @@ def test_a_kernel_step_is_six_launches_a_deltanet_layer_six_an_attention_one(tar
     n_layers = len(model.layers)
     n_gdn = sum(w.attn is None for w in model.layers)
     assert 0 < n_gdn < n_layers
-    assert sum(launches.values()) == 2 + 6 * n_gdn + 6 * (n_layers - n_gdn), launches
+    assert sum(launches.values()) == 1 + 6 * n_gdn + 6 * (n_layers - n_gdn), launches
+    assert launches["_embed_kernel"] == 0, launches  # the gather in the first norm's launch
     assert launches["_output_gate_kernel"] == 0, launches  # gated in attention's combine launch
     assert launches["_gdn_conv_gates_kernel"] == n_gdn, launches  # one launch: conv, gates, record
     assert launches["_conv_silu_kernel"] == launches["_gdn_gates_kernel"] == 0, launches
     # (the logits' widening is a no-op in float32)
     assert {k: v for k, v in torch_ops.items() if k not in bench.GEMMS} == {"aten::remainder": 1}
     assert sum(v for k, v in torch_ops.items() if k in bench.GEMMS) == 4 * n_layers + 1
+
+
+@pytest.mark.exhaustive  # interpreted steps; quick: tests/kernels/test_deltanet.py's one-launch restores
+@pytest.mark.parametrize("mode", ["replay", "stash"])
+def test_a_round_restored_in_one_launch_is_the_host_rollback(target_dir, mode):
+    """`restore_round` through the kernels (one launch for the windows and the states of every
+    DeltaNet layer: `gated_delta_restore`, or `stash_restore` in stash mode) and, in replay mode,
+    the host rollback's graph body (the same op without live rows) leave the host's eager
+    rollback's windows and states bit for bit: a ladder round keeping part of its window, all of
+    it (replay: nothing restored, the step's own last live row), and a full-width verify keeping
+    some rows. Planted: a restore told one row too many is caught."""
+    runner = StepRunner(_model(target_dir, TritonStepOps(), mode, torch.bfloat16), W)
+    prompt, block = _ids(9, 70), _ids(W, 71)
+
+    def stepped(window=None):
+        state = runner.new_state(40)
+        runner.prefill(prompt, state)
+        live = None if window is None else torch.tensor([window], dtype=torch.int32, device=DEVICE)
+        with state.live_rows_from(live) if live is not None else contextlib.nullcontext():
+            runner.model.static_step(block, torch.arange(state.length, state.length + W, device=DEVICE), state)
+        return state, live
+
+    def in_round(keep, window=None, rows=None):
+        state, live = stepped(window)
+        start = state.length
+        rows = rows if rows is not None else (-1 if keep == W else keep)
+        state.round_params.copy_(torch.tensor([start % state.ring, rows], dtype=torch.int32))
+        state.restore_round(live)
+        state.settled_on_device(start + keep)
+        return state
+
+    class Eager:  # the runtime's GraphCache, its capture and replay stood in for by a call
+        def run(self, key, make, *args):
+            make(*args)()
+
+    def host(keep, graphed=False):
+        state = runner.new_state(40)
+        if graphed:  # the rollback through `_restore_body`, what a CUDA graph of it replays
+            state._restore_graphs, state.graph_restores = Eager(), True
+        runner.prefill(prompt, state)
+        runner.step(block, state.length, state)
+        state.rollback(state.length - W + keep)
+        return state
+
+    for window, keep in ((5, 3), (5, 5), (None, 6)):
+        want = host(keep)
+        _same_state(in_round(keep, window), want)
+        if window is None and mode == "replay":
+            _same_state(host(keep, graphed=True), want)
+    with pytest.raises(AssertionError):
+        _same_state(in_round(3, 5, rows=4), host(3))

@@ -82,6 +82,8 @@ def _norm(ctx, dt):
     x, r, w1p = ctx.t(3, d, dtype=dt), ctx.t(3, d, dtype=dt), ctx.t(d, dtype="f32")
     ctx.launch("rms_norm_1p", "_rms_norm_kernel", n.rms_norm_1p, x, w1p, 1e-6)
     ctx.launch("add_rms_norm_1p", "_rms_norm_kernel", n.add_rms_norm_1p, x, r, w1p, 1e-6)
+    ctx.launch("embed_rms_norm_1p", "_rms_norm_kernel", n.embed_rms_norm_1p, ctx.idx(3), ctx.t(50, d, dtype=dt),
+               w1p, 1e-6)  # the hybrid step's embedding gather fused with its first norm
 
 
 def _rope(ctx, dt):
@@ -184,6 +186,18 @@ def _deltanet(ctx, dt):
                        ctx.t(layers, ring, hv, dtype="f32"), states, hk, params, ctx.t(layers, hv, dk, dv, dtype="f32"))
     finally:
         dn.LATE_PREP, dn.PREFETCH = saved
+    # a graphed rollback's whole restore (windows + states, one launch): the host's rollback, and a
+    # round's with the live rows its step ran
+    for live in (None, ctx.torch.ones(1, dtype=ctx.torch.int32)):
+        ctx.launch(f"gated_delta_restore live={live is not None}", "_gdn_kernel", dn.gated_delta_restore,
+                   ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, ring, hv, dtype="f32"),
+                   ctx.t(layers, ring, hv, dtype="f32"), ctx.t(layers, hv, dk, dv, dtype="f32"), hk,
+                   ctx.torch.zeros(2, dtype=ctx.torch.int32), ctx.t(layers, hv, dk, dv, dtype="f32"),
+                   ctx.t(layers, 3, c, dtype=dt), ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, 3, c, dtype=dt),
+                   live=live)
+    ctx.launch("stash_restore", "_stash_restore_kernel", dn.stash_restore, ctx.t(layers, ring, hv, dk, dv, dtype="f32"),
+               ctx.torch.zeros(2, dtype=ctx.torch.int32), t, ctx.t(layers, hv, dk, dv, dtype="f32"),
+               ctx.t(layers, 3, c, dtype=dt), ctx.t(layers, ring, c, dtype=dt), ctx.t(layers, 3, c, dtype=dt))
 
 
 def _gather(ctx, dt):

@@ -42,3 +42,32 @@ def test_a_greedy_step_fuses_the_argmax_into_the_lm_head(variant):
     else:
         assert got["triton"]["_row_argmax_kernel"] == 1 and got["outside_layers"] == 2 + 1 + 2
         assert got["launches_8b"] == 36 * 9 + 5
+
+
+@pytest.mark.exhaustive  # three tiny hybrids' interpreted 16-row steps: about a minute
+@pytest.mark.parametrize("mode", ["replay", "stash"])
+def test_the_hybrid_round_verifies_in_nine_launches_a_layer_and_commits_in_one(mode):
+    """benchmarks/hybrid_launches.py at the Qwen3.5-4B shape: a verify step launches 9 kernels a
+    layer of either kind and 3 outside them (291 in all; 294 while the lm_head's argmax was two
+    launches of its own and the embedding gather one apart from the first norm), and the commit of a
+    round queued on the device is one launch, whether it
+    re-runs kept rows or kept its whole window of live rows (4 while the windows, the replay and
+    the window's mask were apart; stash mode's: 10, the window's launch and nine torch ops picking
+    the stashed row); the host's rollback (replay mode, graphed) is the rows' copy and that launch."""
+    from benchmarks.hybrid_launches import count_round
+
+    got = count_round(mode)["sections"]
+    verify = got["verify"]
+    # a layer: its in projection, its mixer's own (conv + gates, recurrence, gated norm; or the q/k
+    # prep and attention's split and combine), out projection, two add + norms, gate/up with
+    # SiLU·mul, down; outside: the embedding with the first norm, the lm_head with its picks, positions % ring
+    assert verify["per_deltanet_layer"] == 9 and verify["per_attention_layer"] == 9, verify
+    assert verify["outside_layers"] == 3 and verify["at_4b"] == 291, verify
+    assert "_row_argmax_kernel" not in verify["triton"] and "_embed_kernel" not in verify["triton"], verify
+    assert verify["torch"] == {"remainder": 1}, verify
+    restore = "_gdn_kernel" if mode == "replay" else "_stash_restore_kernel"
+    for name in ("restore", "restore_window"):
+        assert got[name]["triton"] == {restore: 1} and got[name]["torch"] == {}, (name, got[name])
+    if mode == "replay":
+        assert got["host_commit"]["triton"] == {"_gdn_kernel": 1} and got["host_commit"]["torch"] == {"copy_": 1}
+    assert got["settle"]["launches"] == 1

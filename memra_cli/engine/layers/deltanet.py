@@ -196,6 +196,32 @@ def gated_delta_replay_dev(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tenso
         final[i].copy_(torch.where(rows >= 0, s, final[i]))
 
 
+def gated_delta_restore(qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                        n_k_heads: int, params: torch.Tensor, final: torch.Tensor, window: torch.Tensor,
+                        xs: torch.Tensor, final_window: torch.Tensor, live: torch.Tensor | None = None) -> None:
+    """A graphed rollback's restore (`memra_kernels.deltanet.gated_delta_restore`, one launch
+    there): `ring_window(window, xs, params, final_window)` and `gated_delta_replay_dev(qkv, g,
+    beta, state, n_k_heads, params, final)`, with a row count equal to `live` (int32 `[1]`: the
+    live rows the recorded step ran, which wrote the state and window after them) read as -1.
+    On the device, no host read; `params` is left as it is."""
+    if live is not None:
+        params = torch.cat([params[:1], torch.where(params[1:] == live, -1, params[1:])])
+    ring_window(window, xs, params, final_window)
+    gated_delta_replay_dev(qkv, g, beta, state, n_k_heads, params, final)
+
+
+def stash_restore(stash: torch.Tensor, params: torch.Tensor, width: int, final: torch.Tensor,
+                  window: torch.Tensor, xs: torch.Tensor, final_window: torch.Tensor) -> None:
+    """A stash-mode round's restore (`memra_kernels.deltanet.stash_restore`, one launch there):
+    `ring_window(window, xs, params, final_window)` and every layer's stashed state of the last
+    kept row, `final[l] = stash[l, (row0 + rows - 1) % ring]` (rows -1: all `width` rows), read on
+    the device."""
+    ring_window(window, xs, params, final_window)
+    rows = torch.where(params[1] < 0, width, params[1]).long()
+    last = (params[0].long() + rows - 1) % stash.shape[1]
+    final.copy_(stash.index_select(1, last.reshape(1)).squeeze(1))
+
+
 def ring_window(base: torch.Tensor, xs: torch.Tensor, params: torch.Tensor, out: torch.Tensor) -> None:
     """Every layer's conv window after recorded ring rows: `out` `[L, K-1, C]` = the last K-1 rows
     of `[base; xs[:, (row0 + r) % ring] for r < rows]`, `(row0, rows)` = `params` (int32 `[2]`),

@@ -41,7 +41,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   built only when `prefill_mask` is True)
 - `embed(ids, weight) -> rows`: an embedding lookup (a copy of the rows)
 - `embed_rms_norm(ids, weight, norm_w, eps) -> (normed, rows)`: `embed` then `rms_norm` of its rows,
-  a step's first norm (one launch with the kernels, the bits of the two)
+  a step's first norm (one launch with the kernels, the bits of the two); `embed_rms_norm_1p`
+  the same with the zero-centred `rms_norm_1p` (Qwen3.5's)
 - `confidence_raw(hidden, w, b, prev=None, w1=None) -> f32 [n]`: DSpark's accept-rate head
 - `pack_round(cand, sel, raws=None) -> f64`: a graphed round's one host read, packed
 - `settle_round(cand, sel, raws, inputs, threshold, kind=, cap=, adapt=, restore=None, ring=0, cost=None) -> f64`:
@@ -70,7 +71,11 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   (rows -1: nothing written), and `ring_window(base, xs, params, out)` the conv windows after
   those rows: a rollback as a CUDA graph captured once, or inside a round's graph
   (models/qwen3_5.py `Qwen35State.restore_round`). Neither reads a value on the host, in torch
-  either (there every ring row runs, masked: a graph body's form, not the CPU's rollback)
+  either (there every ring row runs, masked: a graph body's form, not the CPU's rollback);
+  `gated_delta_restore(..., params, final, window, xs, final_window, live)` both at once (one
+  launch with the kernels), with `live` (the recorded step's live rows) a kept count equal to it
+  read as -1 (the step wrote that state and window); `stash_restore(stash, params, width, final,
+  window, xs, final_window)` stash mode's: the last kept row's stashed states and the windows
 
 Qwen3.5's (models/qwen3_5.py; every norm but the DeltaNet's gated one is zero-centred, `w1p` the
 float32 `1 + w`):
@@ -132,7 +137,8 @@ import torch.nn.functional as F
 
 from memra_cli.engine.errors import SettingError
 from memra_cli.engine.layers.deltanet import (conv_silu_update, gated_delta_replay, gated_delta_replay_dev,
-                                              gated_delta_step, ring_window, rms_norm_1p)
+                                              gated_delta_restore, gated_delta_step, ring_window, rms_norm_1p,
+                                              stash_restore)
 from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope
 from memra_kernels.activation_ref import silu_mul_ref
@@ -143,8 +149,8 @@ from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gem
                                       softcap_ref)
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
 from memra_kernels.moe_ref import moe_swiglu_ref
-from memra_kernels.norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_ref, gated_rms_norm_heads,
-                                    rms_norm_ref)
+from memra_kernels.norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_1p_ref, embed_rms_norm_ref,
+                                    gated_rms_norm_heads, rms_norm_ref)
 from memra_kernels.qwen35_ref import gdn_gates_body, window_after
 from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref
 from memra_kernels.settle_ref import settle_round
@@ -159,6 +165,13 @@ def unfused_swiglu(ops, x: torch.Tensor, w_gate_up) -> torch.Tensor:
     unfused variants (`--no-glu`, target_step's `noglu`) install as `swiglu` to time the epilogue
     against. `x [t, hidden]`, `w_gate_up` `[2*ffn, hidden]` (or a linear module) -> `[t, ffn]`."""
     return ops.silu_mul(ops.linear(x, w_gate_up))
+
+
+def unfused_embed_rms_norm_1p(ops, ids: torch.Tensor, weight: torch.Tensor, w1p: torch.Tensor,
+                              eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`unfused_embed_rms_norm` with the zero-centred norm (`ops.rms_norm_1p`; Qwen3.5's first norm)."""
+    rows = ops.embed(ids, weight)
+    return ops.rms_norm_1p(rows, w1p, eps), rows
 
 
 def unfused_embed_rms_norm(ops, ids: torch.Tensor, weight: torch.Tensor, norm_w: torch.Tensor,
@@ -412,6 +425,7 @@ class TorchStepOps:
 
     embed = staticmethod(embed_rows_ref)  # the op's one torch body
     embed_rms_norm = staticmethod(embed_rms_norm_ref)  # the gather then the norm: the op's one torch body
+    embed_rms_norm_1p = staticmethod(embed_rms_norm_1p_ref)  # the same with the zero-centred norm
 
     def unfused(self):
         """The torch ops fuse nothing: themselves."""
@@ -442,6 +456,8 @@ class TorchStepOps:
     gated_delta_replay = staticmethod(gated_delta_replay)
     gated_delta_replay_dev = staticmethod(gated_delta_replay_dev)
     ring_window = staticmethod(ring_window)
+    gated_delta_restore = staticmethod(gated_delta_restore)
+    stash_restore = staticmethod(stash_restore)
 
     # ------------------------------------------------------------------ Qwen3.5
 
@@ -551,6 +567,7 @@ class TritonStepOps:
         self.argmax = argmax.row_argmax
         self.embed = gather.embed_rows
         self.embed_rms_norm = norm.embed_rms_norm
+        self.embed_rms_norm_1p = norm.embed_rms_norm_1p
         self.confidence_raw = gather.confidence_raw
         self.pack_round = gather.pack_round
         self.settle_round = settle.settle_round
@@ -559,6 +576,8 @@ class TritonStepOps:
         self.gated_delta_replay = deltanet.gated_delta_rule_layers
         self.gated_delta_replay_dev = deltanet.gated_delta_replay_dev
         self.ring_window = deltanet.ring_window
+        self.gated_delta_restore = deltanet.gated_delta_restore
+        self.stash_restore = deltanet.stash_restore
         self.rms_norm_1p = norm.rms_norm_1p
         self.add_rms_norm_1p = norm.add_rms_norm_1p
         self.gated_qk_norm_rope_kv_write = qwen35.gated_qk_norm_rope_kv_write
@@ -579,6 +598,7 @@ class TritonStepOps:
         more launches."""
         ops = TritonStepOps()
         ops.embed_rms_norm = functools.partial(unfused_embed_rms_norm, ops)
+        ops.embed_rms_norm_1p = functools.partial(unfused_embed_rms_norm_1p, ops)
         ops.lm_head_argmax = functools.partial(unfused_lm_head_argmax, ops)
         ops.qkv_rope_kv_write = functools.partial(unfused_qkv_rope_kv_write, ops)
         return ops

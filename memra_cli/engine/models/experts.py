@@ -100,8 +100,9 @@ class RoutingRecorder:
 
 class LiveRouting:
     """Mixed into every MoE family (before its base target): a fixed step's padding rows read no
-    experts. `static_step` takes the state's live-row count (`state.live`, int32 `[1]` on the
-    device: models/state.py `LiveRows`) for the routings it runs (`_live_rows`, which each family
+    experts. `static_step` (and `static_step_picks`, a greedy round's step, where the family has
+    one) takes the state's live-row count (`state.live`, int32 `[1]` on the device:
+    models/state.py `LiveRows`) for the routings it runs (`_live_rows`, which each family
     hands to the step ops' `moe_route`): every row from it on gets the no-expert id and weight 0,
     and the counter (`self.reads`) counts the live rows' experts only. An eager `forward` (every
     row real) masks nothing. The count is read on the device, so a graph replay takes whatever
@@ -110,12 +111,32 @@ class LiveRouting:
 
     _live_rows: torch.Tensor | None = None
 
-    def static_step(self, ids, positions, state, taps=None, widen: bool = True):
+    @contextmanager
+    def _routing_live_rows(self, state):
         self._live_rows = state.live
         try:
-            return super().static_step(ids, positions, state, taps, widen)
+            yield
         finally:
             self._live_rows = None
+
+    def static_step(self, ids, positions, state, taps=None, widen: bool = True):
+        with self._routing_live_rows(state):
+            return super().static_step(ids, positions, state, taps, widen)
+
+    @property
+    def static_step_picks(self):
+        """The base family's greedy-round step (`round_bodies.greedy_step`) under the same live
+        rows as `static_step`, or None where the family has none (the round then runs
+        `static_step`)."""
+        fused = getattr(super(), "static_step_picks", None)
+        if fused is None:
+            return None
+
+        def picks(ids, positions, state, taps=None):
+            with self._routing_live_rows(state):
+                return fused(ids, positions, state, taps)
+
+        return picks
 
     def padded_forward(self, ids, start, state, taps, live: torch.Tensor):
         """`forward` of `ids [t]` whose first `live` rows (int32 `[1]` on the device) are real and

@@ -615,10 +615,9 @@ class Qwen35State(LiveRows, StateBase):
         base_conv, base_rec = self._conv_buf(base_at), self._rec_buf(base_at)
         conv_dst, rec_dst = self._conv2[dst], self._rec2[dst]
 
-        def body():
-            ops.ring_window(base_conv, self._xs_all, params, conv_dst)
-            ops.gated_delta_replay_dev(self._qkv_all, self._g_all, self._beta_all, base_rec, self.n_k_heads,
-                                       params, rec_dst)
+        def body():  # the windows and the states: one launch with the kernels
+            ops.gated_delta_restore(self._qkv_all, self._g_all, self._beta_all, base_rec, self.n_k_heads, params,
+                                    rec_dst, base_conv, self._xs_all, conv_dst)
 
         return body
 
@@ -636,26 +635,25 @@ class Qwen35State(LiveRows, StateBase):
         there (and, in replay mode, the state). The base is the committed buffer of the
         arrangement being captured (`_cur`), like the step's own reads; the next round runs over
         the other arrangement whatever the round kept, so queued rounds alternate without a host
-        value (`settled_on_device`). Replay mode re-runs the kept rows from the base (one
-        launch); stash mode copies the last kept row's stashed state.
+        value (`settled_on_device`). Replay mode re-runs the kept rows from the base, windows and
+        states in one launch (`gated_delta_restore`); stash mode copies the windows and the last
+        kept row's stashed states, also one launch (`stash_restore`).
 
         `live` (int32 `[1]`): the live rows the round's step ran with (its ladder window,
         `live_rows_from`). In replay mode a round that kept exactly those rows needs no restore
-        either: the step wrote the state and window after its last live row, so the rows become
-        -1 (two tiny launches, against a replay that reads and writes the whole state)."""
+        either: the step wrote the state and window after its last live row, so the restore reads
+        that row count as -1 (in the same launch; `round_params` is left as the settlement wrote it)."""
         base, dst, params = self._cur, 1 - self._cur, self.round_params
-        if live is not None and self.mode == "replay":
-            params[1:].masked_fill_(params[1:] == live, -1)
-        self._ops.ring_window(self._conv2[base], self._xs_all, params, self._conv2[dst])
-        if self.mode == "replay":
-            self._ops.gated_delta_replay_dev(self._qkv_all, self._g_all, self._beta_all, self._rec2[base],
-                                             self.n_k_heads, params, self._rec2[dst])
+        if self.mode == "replay":  # the windows and the states in one op (one launch with the kernels)
+            self._ops.gated_delta_restore(self._qkv_all, self._g_all, self._beta_all, self._rec2[base],
+                                          self.n_k_heads, params, self._rec2[dst], self._conv2[base], self._xs_all,
+                                          self._conv2[dst], live)
             return
         if self._width is None:
             raise ValueError("restore_round runs after a fixed step (in a round graph)")
-        rows = torch.where(params[1] < 0, self._width, params[1]).long()  # the stash holds every row's state
-        last = (params[0].long() + rows - 1) % self.ring
-        self._rec2[dst].copy_(self._stash_all.index_select(1, last.reshape(1)).squeeze(1))
+        # the stash holds every row's state (rows -1: the step's last); the windows and the states in one op
+        self._ops.stash_restore(self._stash_all, params, self._width, self._rec2[dst], self._conv2[base],
+                                self._xs_all, self._conv2[dst])
 
     def settled_on_device(self, end: int) -> None:
         """The host's side of a round whose graph ran `restore_round`: its fixed step ran at
@@ -853,6 +851,22 @@ class Qwen35Target(TargetBase):
         from step to step, so a CUDA graph replays it; `state.commit(end)` then keeps the real
         rows (runs no kernel of the step). Returns float32 logits `[W, vocab]` (`widen=False`:
         the lm_head's model-dtype output) and taps."""
+        hidden, tapped = self._static_hidden(ids, positions, state, taps)
+        return (self.logits(hidden) if widen else self.lm_head(hidden)), tapped
+
+    def static_step_picks(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen35State,
+                          taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A greedy round's step (spec/round_bodies.py `greedy_step`): `static_step(widen=False)`
+        and the argmax of its logits -> (picks int64 `[W]`, model-dtype logits `[W, vocab]`, taps),
+        the lm_head and its argmax one step op (`lm_head_argmax`: one launch with the kernels where
+        the lm_head runs the dense kernel, as at the 4B's vocabulary; the same picks either way)."""
+        hidden, tapped = self._static_hidden(ids, positions, state, taps)
+        logits, picks = self.step_ops.lm_head_argmax(hidden, self._lm_head)
+        return picks, logits, tapped
+
+    def _static_hidden(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen35State,
+                       taps: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`static_step` up to the final norm: (normed hidden `[W, hidden]`, taps)."""
         width = ids.shape[0]
         if width > state.ring:
             raise ConfigError(f"a fixed step of {width} rows is wider than rollback_rows ({state.ring}): "
@@ -864,8 +878,7 @@ class Qwen35Target(TargetBase):
         def attend(q, kv, qgkv):  # the prep wrote K/V at positions; the output gate in the same op
             return ops.gated_attention(q, kv[0], kv[1], positions, self.scale, qgkv, self.n_heads)
 
-        hidden, tapped = self._run(ids, positions, attend, state, positions % state.ring, False, False, taps)
-        return (self.logits(hidden) if widen else self.lm_head(hidden)), tapped
+        return self._run(ids, positions, attend, state, positions % state.ring, False, False, taps)
 
     def _mask(self, start: int, t: int) -> torch.Tensor | None:
         if t == 1:
@@ -890,10 +903,9 @@ class Qwen35Target(TargetBase):
         torch ops compute each value with the same ops as the unfused layer, so the bits do not
         change."""
         ops, eps = self.step_ops, self.cfg.rms_norm_eps
-        x = self.embed(ids)
+        h, x = ops.embed_rms_norm_1p(ids, self.embed_weight, self.layers[0].attn_norm, eps)  # one launch
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
-        h = ops.rms_norm_1p(x, self.layers[0].attn_norm, eps)
         for li, w in enumerate(self.layers):
             if w.attn is not None:
                 mixer_out = self._attention(h, w.attn, positions, attend, state.kv[self._full_slot[li]])
