@@ -21,6 +21,10 @@ Embedding gather in front (`embed_rms_norm`, the first norm of a step): the prog
 is the embedding row of its id, written out as the residual stream (a copy, `F.embedding`'s bits)
 and normed as `rms_norm` norms it: one launch instead of the gather's and the norm's.
 
+Fixed-order statistic (`rms_norm_tree`, `add_rms_norm_tree`): the sum of squares as the pairwise
+tree of kernels/_sumsq.py, the order the dense kernel's folded norm uses (dense_linear.py), so that
+norm and these give the same bits, and so does their twin.
+
 Row invariance: one program per row; the block width depends only on the hidden size, so a row's
 result never depends on the other rows or on how many there are.
 """
@@ -31,20 +35,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
+from ._common import check_dtype, check_last_contiguous, check_tensors, interpreting, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from .norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_ref, rms_norm_1p_ref,  # noqa: F401  (the twins)
-                       rms_norm_ref)
+from ._sumsq import pairwise_rows, square_rn
+from .norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, add_rms_norm_tree_ref, embed_rms_norm_ref,  # noqa: F401
+                       rms_norm_1p_ref, rms_norm_ref, rms_norm_tree_ref)  # (the twins)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, stride_res,
                      stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
                      ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
-                     GATHER: tl.constexpr = False, ids_ptr=None):
+                     GATHER: tl.constexpr = False, ids_ptr=None, TREE: tl.constexpr = False,
+                     PLAIN_SQUARE: tl.constexpr = False):
     """One row: [res_out = x + res]; out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), or with
     ZERO_CENTRED (w is float32 1 + w) out = (x * rsqrt(mean(x^2) + eps) * w) rounded once.
-    GATHER: x is an embedding table, the row's input its row ids[row], copied to res_out."""
+    GATHER: x is an embedding table, the row's input its row ids[row], copied to res_out.
+    TREE: the sum of squares in `_sumsq`'s fixed order (the dense kernel's folded norm's bits);
+    PLAIN_SQUARE: its squares without inline PTX (the interpreter's)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -62,7 +70,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, s
         s = (x + r).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_res_out + offs, s, mask=mask)
         x = s.to(tl.float32)
-    mean_sq = tl.sum(x * x, axis=0) / d
+    if TREE:  # a one-row tree: the sum over its single element is that element
+        mean_sq = tl.sum(pairwise_rows(square_rn(x, PLAIN_SQUARE)[None, :], 1, BLOCK_D), axis=0) / d
+    else:
+        mean_sq = tl.sum(x * x, axis=0) / d
     rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTRED:  # HF Qwen3_5RMSNorm: float32 all the way, one rounding
@@ -77,7 +88,7 @@ def _num_warps(block_d: int) -> int:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            eps: float, zero_centred: bool = False, tree: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() != 2 or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"expected x [t, d] and weight [d], got {tuple(x.shape)} and {tuple(weight.shape)}")
     tensors = [x, weight] + ([residual] if residual is not None else [])
@@ -101,7 +112,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _rms_norm_kernel[(t,)](
         x, res_in, weight, out, res_o, d, x.stride(0), res_in.stride(0), out.stride(0),
         res_o.stride(0), float(eps), HAS_RESIDUAL=residual is not None, ZERO_CENTRED=zero_centred,
-        BLOCK_D=block_d,
+        BLOCK_D=block_d, TREE=tree, PLAIN_SQUARE=tree and interpreting(),
         num_warps=_num_warps(block_d), **pdl_args(x),
     )
     return out, res_out
@@ -149,6 +160,22 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     x, residual `[t, d]` (same dtype), weight `[d]` -> (normed `[t, d]`, new_residual `[t, d]`).
     """
     normed, new_residual = _launch(x, residual, weight, eps)
+    assert new_residual is not None
+    return normed, new_residual
+
+
+def rms_norm_tree(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` with the sum of squares in `_sumsq`'s fixed order: the bits of the norm the
+    dense kernel folds into its next matmul (`dense_linear.PendingNorm`), where that matmul cannot
+    take it. Twin: `norm_ref.rms_norm_tree_ref` (bit for bit)."""
+    return _launch(x, None, weight, eps, tree=True)[0]
+
+
+def add_rms_norm_tree(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` with `rms_norm_tree`'s statistic: the unfused form of the dense kernel's
+    residual epilogue + folded norm, bit for bit. -> (normed `[t, d]`, new_residual `[t, d]`)."""
+    normed, new_residual = _launch(x, residual, weight, eps, tree=True)
     assert new_residual is not None
     return normed, new_residual
 
