@@ -319,10 +319,13 @@ def eligible(x, w: torch.Tensor) -> bool:
         if x.weight.dtype != x.rows.dtype:
             return False
         x = x.rows
-    return (w.dim() == 2 and (w.shape[0], w.shape[1]) in TUNED and x.dtype == w.dtype
-            and w.element_size() == 2
-            and x.shape[-1] == w.shape[1] and w.stride(1) == 1
-            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
+    return eligible_rows(x.numel() // max(x.shape[-1], 1), x.shape[-1], x.dtype, w)
+
+
+def eligible_rows(rows: int, width: int, dtype: torch.dtype, w: torch.Tensor) -> bool:
+    """`eligible` for an x of `rows` rows of `width` in `dtype`, told by its shape alone."""
+    return (w.dim() == 2 and (w.shape[0], w.shape[1]) in TUNED and dtype == w.dtype
+            and w.element_size() == 2 and width == w.shape[1] and w.stride(1) == 1 and rows <= MAX_ROWS)
 
 
 def dense_linear(x, w: torch.Tensor, *, config: KernelConfig | None = None,
