@@ -7,8 +7,8 @@ differs between kernels, so here the order is the index's: the pairwise tree ove
 elements of the row zero-padded to a power of two, ((x0² + x1²) + (x2² + x3²)) + ..., built from
 reshapes and splits (pure element pairings, no layout reduction). A power-of-two tile aligned in the
 row is a subtree, and a zero half adds +0 exactly, so the producer's per-tile trees summed by the
-consumer's tree over tiles, and the norm kernel's tree over the whole row (`norm.add_rms_norm_tree`),
-give the same bits; so does the torch twin (`norm_ref.tree_sumsq_ref`).
+consumer's tree over tiles (or by the norm kernel's, `norm.rms_norm_partials`) are the tree over
+the whole row, whatever the producer's tile width: the torch twin's (`norm_ref.tree_sumsq_ref`).
 
 The squares are rounded on their own (`square_rn`): with the compiler's multiply-add contraction a
 square feeding the tree's first add could become one fused multiply-add in one kernel and not in

@@ -287,8 +287,8 @@ class PendingNorm(NamedTuple):
     """A residual stream whose RMSNorm the next dense matmul applies as it loads it (module
     docstring, "Residual add and folded norm"): `rows [t, d]` (the stream: also the layer's new
     residual), `sumsq` float32 `[t, tiles]` (the producing matmul's per-n-tile sums of squares),
-    the norm's `weight [d]` (rows' dtype) and `eps`. `norm.rms_norm_tree(rows, weight, eps)` is
-    the normed tensor, bit for bit, where a consumer cannot fold it."""
+    the norm's `weight [d]` (rows' dtype) and `eps`. `norm.rms_norm_partials(rows, sumsq, weight,
+    eps)` is the normed tensor, bit for bit, where a consumer cannot fold it."""
 
     rows: torch.Tensor
     sumsq: torch.Tensor
@@ -346,7 +346,7 @@ def dense_linear(x, w: torch.Tensor, *, config: KernelConfig | None = None,
     exist only after the split sum).
 
     x a PendingNorm: its rows are normed as they are loaded (`_normed`: the bits of
-    `norm.rms_norm_tree(rows, weight, eps)`), module docstring. residual (`[rows, out]`, x's dtype,
+    `norm.rms_norm_partials`), module docstring. residual (`[rows, out]`, x's dtype,
     plain weights only): the result is `residual + x @ w.T`, each rounded as the two launches
     round, and `sumsq_out` (float32 `[rows, n tiles]`, n tiles = ceil(out / block_n)) receives each
     row's per-tile sums of squares of it: `dense_linear_add_norm`."""
@@ -417,7 +417,8 @@ def _residual_args(residual: torch.Tensor, sumsq: torch.Tensor | None, out: torc
 
 def dense_linear_add_norm(x, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
                           config: KernelConfig | None = None) -> PendingNorm:
-    """`add_rms_norm_tree(dense_linear(x, w), residual, norm_w, eps)` with the norm left pending:
+    """`add_rms_norm(dense_linear(x, w), residual, norm_w, eps)` with the norm left pending (its
+    statistic in kernels/_sumsq.py's order: twin `norm_ref.add_rms_norm_tree_ref`):
     one launch writes the new residual stream `residual + x @ w.T` (the rows) and its per-tile sums
     of squares; the next `dense_linear` / `dense_qkv_rope_kv_write` given the PendingNorm applies
     the norm as it loads the rows. x `[t, in]` (or itself a PendingNorm), w `[d, in]`, residual

@@ -21,9 +21,9 @@ Embedding gather in front (`embed_rms_norm`, the first norm of a step): the prog
 is the embedding row of its id, written out as the residual stream (a copy, `F.embedding`'s bits)
 and normed as `rms_norm` norms it: one launch instead of the gather's and the norm's.
 
-Fixed-order statistic (`rms_norm_tree`, `add_rms_norm_tree`): the sum of squares as the pairwise
-tree of kernels/_sumsq.py, the order the dense kernel's folded norm uses (dense_linear.py), so that
-norm and these give the same bits, and so does their twin.
+From partial sums (`rms_norm_partials`): the statistic summed from the dense kernel's per-tile
+sums of squares in kernels/_sumsq.py's order, the norm that kernel folds into its next matmul
+(dense_linear.py) given as a tensor, with the same bits (and its twin's).
 
 Row invariance: one program per row; the block width depends only on the hidden size, so a row's
 result never depends on the other rows or on how many there are.
@@ -35,9 +35,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_last_contiguous, check_tensors, interpreting, next_pow2
+from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from ._sumsq import pairwise_rows, square_rn
+from ._sumsq import pairwise_rows
 from .norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, add_rms_norm_tree_ref, embed_rms_norm_ref,  # noqa: F401
                        rms_norm_1p_ref, rms_norm_ref, rms_norm_tree_ref)  # (the twins)
 
@@ -46,13 +46,13 @@ from .norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, add_rms_norm_tree_
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, stride_res,
                      stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
                      ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
-                     GATHER: tl.constexpr = False, ids_ptr=None, TREE: tl.constexpr = False,
-                     PLAIN_SQUARE: tl.constexpr = False):
+                     GATHER: tl.constexpr = False, ids_ptr=None, PARTIALS: tl.constexpr = False, sq_ptr=None,
+                     n_parts=0, PARTS_POW2: tl.constexpr = 1):
     """One row: [res_out = x + res]; out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), or with
     ZERO_CENTRED (w is float32 1 + w) out = (x * rsqrt(mean(x^2) + eps) * w) rounded once.
     GATHER: x is an embedding table, the row's input its row ids[row], copied to res_out.
-    TREE: the sum of squares in `_sumsq`'s fixed order (the dense kernel's folded norm's bits);
-    PLAIN_SQUARE: its squares without inline PTX (the interpreter's)."""
+    PARTIALS: the sum of squares from the dense kernel's per-tile partials `sq [rows, n_parts]`,
+    summed in `_sumsq`'s order (the bits of the norm that kernel folds into its next matmul)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -70,8 +70,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, s
         s = (x + r).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_res_out + offs, s, mask=mask)
         x = s.to(tl.float32)
-    if TREE:  # a one-row tree: the sum over its single element is that element
-        mean_sq = tl.sum(pairwise_rows(square_rn(x, PLAIN_SQUARE)[None, :], 1, BLOCK_D), axis=0) / d
+    if PARTIALS:  # a one-row tree: the sum over its single element is that element
+        cols = tl.arange(0, PARTS_POW2)
+        parts = tl.load(sq_ptr + row * n_parts + cols, mask=cols < n_parts, other=0.0)
+        mean_sq = tl.sum(pairwise_rows(parts[None, :], 1, PARTS_POW2), axis=0) / d
     else:
         mean_sq = tl.sum(x * x, axis=0) / d
     rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
@@ -88,7 +90,8 @@ def _num_warps(block_d: int) -> int:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float, zero_centred: bool = False, tree: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            eps: float, zero_centred: bool = False, partials: dict | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() != 2 or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"expected x [t, d] and weight [d], got {tuple(x.shape)} and {tuple(weight.shape)}")
     tensors = [x, weight] + ([residual] if residual is not None else [])
@@ -112,7 +115,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _rms_norm_kernel[(t,)](
         x, res_in, weight, out, res_o, d, x.stride(0), res_in.stride(0), out.stride(0),
         res_o.stride(0), float(eps), HAS_RESIDUAL=residual is not None, ZERO_CENTRED=zero_centred,
-        BLOCK_D=block_d, TREE=tree, PLAIN_SQUARE=tree and interpreting(),
+        BLOCK_D=block_d, **(partials or {}),
         num_warps=_num_warps(block_d), **pdl_args(x),
     )
     return out, res_out
@@ -164,20 +167,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return normed, new_residual
 
 
-def rms_norm_tree(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rms_norm` with the sum of squares in `_sumsq`'s fixed order: the bits of the norm the
-    dense kernel folds into its next matmul (`dense_linear.PendingNorm`), where that matmul cannot
-    take it. Twin: `norm_ref.rms_norm_tree_ref` (bit for bit)."""
-    return _launch(x, None, weight, eps, tree=True)[0]
-
-
-def add_rms_norm_tree(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm` with `rms_norm_tree`'s statistic: the unfused form of the dense kernel's
-    residual epilogue + folded norm, bit for bit. -> (normed `[t, d]`, new_residual `[t, d]`)."""
-    normed, new_residual = _launch(x, residual, weight, eps, tree=True)
-    assert new_residual is not None
-    return normed, new_residual
+def rms_norm_partials(x: torch.Tensor, sumsq: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` of `x [t, d]` whose squares the dense kernel summed per n tile (`sumsq` float32
+    `[t, tiles]`, `dense_linear.PendingNorm`): the statistic in `_sumsq`'s order, so the bits of
+    the norm that kernel folds into its next matmul, where that matmul cannot take it. Twin:
+    `norm_ref.rms_norm_tree_ref` (bit for bit under the interpreter)."""
+    if sumsq.dim() != 2 or sumsq.shape[0] != x.shape[0] or sumsq.dtype != torch.float32 or not sumsq.is_contiguous():
+        raise ValueError(f"sumsq must be a contiguous float32 [{x.shape[0]}, tiles] tensor, got "
+                         f"{sumsq.dtype} {tuple(sumsq.shape)}")
+    check_tensors(x, sumsq)
+    return _launch(x, None, weight, eps, partials=dict(PARTIALS=True, sq_ptr=sumsq, n_parts=sumsq.shape[1],
+                                                       PARTS_POW2=next_pow2(sumsq.shape[1])))[0]
 
 
 def rms_norm_1p(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:

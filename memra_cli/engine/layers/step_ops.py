@@ -18,8 +18,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   weight `consumer` that will multiply `h`, one launch, and `h` a `dense_linear.PendingNorm`
   (the residual add in the projection's epilogue, the norm applied by the consumer as it loads its
   rows; `swiglu`, `linear`, `qkv_rope_kv_write` and `lm_head_argmax` take one, and norm it with
-  `norm.rms_norm_tree` where they cannot fold it): the statistic in one fixed order, which may
-  differ from `add_rms_norm`'s kernel in its last ulp, never between the kernels' paths
+  `norm.rms_norm_partials` where they cannot fold it, the same bits): the statistic summed in one
+  fixed order, which may differ from `add_rms_norm`'s kernel in its last ulp
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
 - `rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, nh, nkv) -> q`: the same without
   the q/k norm (LLaMA), hd the tables' width
@@ -112,8 +112,9 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
 
 - `unfused()`: these ops with this seam's launch fusions undone (`embed_rms_norm` as the gather
   then the norm, `lm_head_argmax` as the matmul then the argmax, `qkv_rope_kv_write` as the
-  projection then the rope op, `linear_add_rms_norm` as the projection then
-  `norm.add_rms_norm_tree`): the same bits, more
+  projection then the rope op, `linear_add_rms_norm` as the projection then `add_rms_norm`): the
+  same bits but for the q/k/v epilogue's and the folded norm's float32 statistics (another
+  summation order, as against the torch twins), more
   launches; what the GPU benchmarks time those fusions against (`target_step --variants
   triton-unfused`; the SwiGLU epilogue has its own switch, `unfused_swiglu`, variant `noglu`)
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
@@ -189,14 +190,10 @@ def unfused_qkv_rope_kv_write(ops, h: torch.Tensor, w_qkv, b_qkv, q_norm, k_norm
 
 def unfused_linear_add_rms_norm(ops, a: torch.Tensor, w, bias, residual: torch.Tensor, norm_w: torch.Tensor,
                                 eps: float, consumer=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A projection and the residual add + norm after it as two step ops: where the kernels' ops
-    would fold the norm into `consumer` (`TritonStepOps.folds_norm`) the norm's statistic in the
-    dense kernel's fixed order (`norm.add_rms_norm_tree`: the folded path's bits), else
-    `add_rms_norm` (the unfolded path's)."""
-    y = ops.linear(a, w, bias)
-    if ops.folds_norm(a, w, bias, norm_w, consumer):
-        return ops._norm.add_rms_norm_tree(y, residual, norm_w, eps)
-    return ops.add_rms_norm(y, residual, norm_w, eps)
+    """A projection and the residual add + norm after it as two step ops, `add_rms_norm` (the
+    norm kernel's statistic: the folded one's order differs, so may its last ulp); `consumer`
+    (the next weight) is unused here."""
+    return ops.add_rms_norm(ops.linear(a, w, bias), residual, norm_w, eps)
 
 
 def unfused_lm_head_argmax(ops, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -633,10 +630,10 @@ class TritonStepOps:
                 and self._dense.eligible_rows(a.shape[0], w.shape[0], a.dtype, consumer))
 
     def normed(self, h):
-        """A `PendingNorm`'s normed rows (`norm.rms_norm_tree`: the bits its folding consumer
+        """A `PendingNorm`'s normed rows (`norm.rms_norm_partials`: the bits a folding consumer
         uses), for a consumer that cannot fold it; a tensor as it is."""
         if isinstance(h, self._dense.PendingNorm):
-            return self._norm.rms_norm_tree(h.rows, h.weight, h.eps)
+            return self._norm.rms_norm_partials(h.rows, h.sumsq, h.weight, h.eps)
         return h
 
     def qkv_rope_kv_write(self, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
