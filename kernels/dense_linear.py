@@ -37,8 +37,21 @@ of an m tile (an arrival counter) writes each row's column and resets the slots.
 maximum is exact in any order, so the picks are `row_argmax(dense_linear(x, w))` bit for bit, for
 any row count, without the two argmax launches and the logits' re-read.
 
-Public API: `KernelConfig`, `TUNED`, `config_for`, `dense_linear`, `dense_linear_ref`,
-`eligible`, `load_tuned`, `MAX_ROWS`, `PDL_PREFETCH`.
+Residual add and folded norm (`dense_linear_add_norm`, a `PendingNorm` as x; the step ops'
+`linear_add_rms_norm`): a layer's o or down projection writes the residual stream
+`h + round(x @ W.T)` (rounded as the two launches round) and, per row and n tile, the float32 sum of
+squares of its tile of that sum (`sq [M, n tiles]`); the next matmul (gate/up, the next layer's
+q/k/v, the lm_head) sums a row's partials, computes its `rstd` as the norm kernel does, and
+multiplies each x tile by it and the norm weight as it loads it, rounding where the norm kernel
+rounds. The squares are summed as one pairwise tree over the row in index order (kernels/_sumsq.py),
+whatever the tile widths of either matmul, so a row's statistic depends on its own values only
+(row invariance) and equals its twin's (`norm_ref.add_rms_norm_tree_ref`) bit for bit; against
+`norm.add_rms_norm`, whose `tl.sum` follows the thread layout, only that sum's order differs. The
+add + norm launch between the matmuls and the normed rows' round trip are gone.
+
+Public API: `KernelConfig`, `PendingNorm`, `TUNED`, `config_for`, `dense_linear`,
+`dense_linear_add_norm`, `dense_linear_ref`, `eligible`, `eligible_rows`, `load_tuned`, `MAX_ROWS`,
+`PDL_PREFETCH`.
 """
 
 from __future__ import annotations
@@ -58,7 +71,7 @@ from .argmax import _column_of, _keys
 from .rope import qkv_rope_epilogue
 
 __all__ = ["KernelConfig", "PendingNorm", "TUNED", "config_for", "dense_linear", "dense_linear_add_norm",
-           "dense_linear_ref", "eligible",
+           "dense_linear_ref", "eligible", "eligible_rows",
            "load_tuned", "MAX_ROWS"]
 
 # Rows a call may have for the step ops to take the kernel (each 16-row tile re-reads W, so past
