@@ -320,8 +320,9 @@ class Qwen3Target(TargetBase):
         `ids [W]` at `positions [W]` (consecutive): each layer is a fused projection, then the
         step ops (`self.step_ops`, layers/step_ops.py: torch reference or Triton kernels) do
         q/k norm + rope + the K/V write, causal attention by position over the cache, the
-        residual add fused with the next norm, and SiLU·mul (the embedding gather fused with the
-        first norm). Nothing reads a device value (an eager CPU step cuts the keys at the host int
+        residual add fused with the next norm (`linear_add_rms_norm`: with the kernels, folded
+        into the projection before it and the matmul after it), and SiLU·mul (the embedding
+        gather fused with the first norm). Nothing reads a device value (an eager CPU step cuts the keys at the host int
         `cache.live_keys`, a graph body never), so
         a CUDA graph can capture it, and every op is row-count invariant, so a token's logits do
         not depend on what shares its step or on the storage size. `widen=False` returns the
