@@ -388,11 +388,12 @@ def dense_linear(x, w: torch.Tensor, *, config: KernelConfig | None = None,
     if m == 0:
         return out
     cfg = config.check() if config is not None else config_for(n, k, x.element_size())
-    picks = {}
+    epilogue = {}  # the argmax or residual epilogue's launch arguments
     if argmax_out is not None:
-        picks = _argmax_args(argmax_out, x2, glu, cfg, triton.cdiv(m, BLOCK_M))
+        epilogue = _argmax_args(argmax_out, x2, glu, cfg, triton.cdiv(m, BLOCK_M))
     if residual is not None:
-        picks = _residual_args(residual, sumsq_out, out, glu or argmax_out is not None, triton.cdiv(n, cfg.block_n))
+        epilogue = _residual_args(residual, sumsq_out, out, glu or argmax_out is not None,
+                                  triton.cdiv(n, cfg.block_n))
     # a GLU tile holds block_n / 2 output columns (their gate and up rows)
     grid = (triton.cdiv(n_out, cfg.block_n // 2 if glu else cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
     if cfg.split_k > 1:
@@ -407,7 +408,7 @@ def dense_linear(x, w: torch.Tensor, *, config: KernelConfig | None = None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
         WIDEN=interpreting() and x.device.type != "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, GLU=glu,
-        PREFETCH=PDL_PREFETCH, **picks, **norm_in, **pdl_args(x),  # the prefetch runs only with PDL (_prefetch_then_wait)
+        PREFETCH=PDL_PREFETCH, **epilogue, **norm_in, **pdl_args(x),  # the prefetch runs only with PDL (_prefetch_then_wait)
     )
     return out
 
