@@ -13,8 +13,8 @@ matmul where the 8B shape's would go (the dense kernel where the 8B weight's sha
 `--greedy` counts a greedy round's step instead (`spec/round_bodies.py`'s `greedy_step`: the
 lm_head and its argmax, no float32 logits); `--variant unfused` installs the step ops with their
 launch fusions undone (`TritonStepOps.unfused`: the q/k/v projection + rope, the embedding +
-first norm, the lm_head + argmax), the A/B the GPU benchmark times (`target_step --variants
-triton,triton-unfused`).
+first norm, the lm_head + argmax, the projections' residual add + the norm folded into the next
+matmul), the A/B the GPU benchmark times (`target_step --variants triton,triton-unfused`).
 
     python -m benchmarks.step_launches [--family qwen3|llama] [--greedy] [--variant fused|unfused] [--json OUT]
 

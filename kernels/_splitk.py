@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._sumsq import pairwise_rows, square_rn
 from .activation import silu_mul_rounded
 
 # Programs worth having in flight: two per multiprocessor of an H200 (132). A constant rather than
@@ -75,11 +76,15 @@ def tile_rows(pid_n, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
 
 @triton.jit
 def _store_out(total, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+               BLOCK_N: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr = False, res_ptr=None, stride_res=0,
+               sq_ptr=None, PLAIN_SQUARE: tl.constexpr = False):
     """Write a tile's float32 result `total [BLOCK_M, BLOCK_N]` to `out` in out's dtype. GLU: the
     tile's columns are gate j then up j for j < BLOCK_N / 2 (`tile_rows`), and
     `out [M, N / 2]` gets silu(gate) * up, each factor first rounded to out's dtype as the
-    unfused matmul's output is (activation.silu_mul_rounded: the same bits as the two launches)."""
+    unfused matmul's output is (activation.silu_mul_rounded: the same bits as the two launches).
+    RESID (plain only): `out` gets the rounded product plus `res [M, N]`, rounded again (the
+    residual add's bits), and `sq [M, n tiles]` column `program_id(0)` each row's sum of squares of
+    the tile's sums in _sumsq's order (the next RMSNorm's partial, folded into the next matmul)."""
     dt = out_ptr.dtype.element_ty
     if GLU:
         HALF: tl.constexpr = BLOCK_N // 2
@@ -89,20 +94,28 @@ def _store_out(total, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLO
                  silu_mul_rounded(gate.to(dt), up.to(dt), dt),
                  mask=m_mask[:, None] & (cols < N // 2)[None, :])
     else:
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], total.to(dt),
-                 mask=m_mask[:, None] & n_mask[None, :])
+        mask = m_mask[:, None] & n_mask[None, :]
+        y = total.to(dt)
+        if RESID:
+            res = tl.load(res_ptr + offs_m[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0)
+            y = (y.to(tl.float32) + res.to(tl.float32)).to(dt)
+            part = pairwise_rows(square_rn(tl.where(mask, y.to(tl.float32), 0.0), PLAIN_SQUARE), BLOCK_M, BLOCK_N)
+            tl.store(sq_ptr + offs_m * tl.num_programs(0) + tl.program_id(0), part, mask=m_mask)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
 
 
 @triton.jit
 def store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_om,
                     SPLIT_K, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    GLU: tl.constexpr = False):
+                    GLU: tl.constexpr = False, RESID: tl.constexpr = False, res_ptr=None, stride_res=0, sq_ptr=None,
+                    PLAIN_SQUARE: tl.constexpr = False):
     """Write one program's `acc [BLOCK_M, BLOCK_N]` (float32) for rows `offs_m`, columns `offs_n`
     (of the [M, N] product; GLU: see `_store_out`): straight to `out` without SPLIT; with it, as
     partial `program_id(1)` of the tile, the last of the tile's SPLIT_K programs to arrive summing
-    the partials in split order and writing the result."""
+    the partials in split order and writing the result (RESID: see `_store_out`)."""
     if not SPLIT:
-        _store_out(acc, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M, BLOCK_N, GLU)
+        _store_out(acc, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M, BLOCK_N, GLU, RESID, res_ptr,
+                   stride_res, sq_ptr, PLAIN_SQUARE)
     else:
         ws_mask = m_mask[:, None] & n_mask[None, :]
         ws_off = offs_m[:, None] * N + offs_n[None, :]
@@ -116,5 +129,6 @@ def store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mas
             total = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for s in range(SPLIT_K):
                 total += tl.load(ws_ptr + s * M * N + ws_off, mask=ws_mask, other=0.0, cache_modifier=".cg")
-            _store_out(total, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M, BLOCK_N, GLU)
+            _store_out(total, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M, BLOCK_N, GLU, RESID,
+                       res_ptr, stride_res, sq_ptr, PLAIN_SQUARE)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")

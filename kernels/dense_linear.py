@@ -37,25 +37,41 @@ of an m tile (an arrival counter) writes each row's column and resets the slots.
 maximum is exact in any order, so the picks are `row_argmax(dense_linear(x, w))` bit for bit, for
 any row count, without the two argmax launches and the logits' re-read.
 
-Public API: `KernelConfig`, `TUNED`, `config_for`, `dense_linear`, `dense_linear_ref`,
-`eligible`, `load_tuned`, `MAX_ROWS`, `PDL_PREFETCH`.
+Residual add and folded norm (`dense_linear_add_norm`, a `PendingNorm` as x; the step ops'
+`linear_add_rms_norm`): a layer's o or down projection writes the residual stream
+`h + round(x @ W.T)` (rounded as the two launches round) and, per row and n tile, the float32 sum of
+squares of its tile of that sum (`sq [M, n tiles]`); the next matmul (gate/up, the next layer's
+q/k/v, the lm_head) sums a row's partials, computes its `rstd` as the norm kernel does, and
+multiplies each x tile by it and the norm weight as it loads it, rounding where the norm kernel
+rounds. The squares are summed as one pairwise tree over the row in index order (kernels/_sumsq.py),
+whatever the tile widths of either matmul, so a row's statistic depends on its own values only
+(row invariance) and equals its twin's (`norm_ref.add_rms_norm_tree_ref`) bit for bit; against
+`norm.add_rms_norm`, whose `tl.sum` follows the thread layout, only that sum's order differs. The
+add + norm launch between the matmuls and the normed rows' round trip are gone.
+
+Public API: `KernelConfig`, `PendingNorm`, `TUNED`, `config_for`, `dense_linear`,
+`dense_linear_add_norm`, `dense_linear_ref`, `eligible`, `eligible_rows`, `load_tuned`, `MAX_ROWS`,
+`PDL_PREFETCH`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_tensors, interpreting
+from ._common import check_dtype, check_tensors, interpreting, next_pow2
 from ._pdl import pdl_args
 from ._splitk import counters, split_for, store_or_reduce, tile_rows
+from ._sumsq import pairwise_rows
 from .argmax import _column_of, _keys
 from .rope import qkv_rope_epilogue
 
-__all__ = ["KernelConfig", "TUNED", "config_for", "dense_linear", "dense_linear_ref", "eligible",
+__all__ = ["KernelConfig", "PendingNorm", "TUNED", "config_for", "dense_linear", "dense_linear_add_norm",
+           "dense_linear_ref", "eligible", "eligible_rows",
            "load_tuned", "MAX_ROWS"]
 
 # Rows a call may have for the step ops to take the kernel (each 16-row tile re-reads W, so past
@@ -169,7 +185,10 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
                          NORM: tl.constexpr = False, HD: tl.constexpr = 0, q_w_ptr=None, k_w_ptr=None,
                          cos_ptr=None, sin_ptr=None, pos_ptr=None, q_out_ptr=None, k_cache_ptr=None,
                          v_cache_ptr=None, stride_cos=0, stride_sin=0, stride_qo=0, stride_kc_h=0, stride_kc_s=0,
-                         stride_vc_h=0, stride_vc_s=0, n_heads=0, n_kv=0, eps=0.0):
+                         stride_vc_h=0, stride_vc_s=0, n_heads=0, n_kv=0, eps=0.0, RESID: tl.constexpr = False,
+                         res_ptr=None, stride_res=0, sq_ptr=None, NORM_IN: tl.constexpr = False, sq_in_ptr=None,
+                         nw_ptr=None, NT_IN=0, NT_POW2: tl.constexpr = 1, norm_eps=0.0,
+                         PLAIN_SQUARE: tl.constexpr = False):
     """out [M, N] = x [M, K] @ w [N, K].T for one (n tile, k split, m tile) per program; with GLU,
     out [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for w = [gate; up] (`_splitk.tile_rows`).
 
@@ -179,6 +198,11 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
     With PDL the kernel starts early (`_prefetch_then_wait`) and lets the next kernel launch only
     once its loop is done (a kernel launched earlier would hold multiprocessor slots idle while
     this one streams the weight).
+
+    RESID: the residual add and the next norm's partial sums of squares in the epilogue
+    (`_splitk._store_out`). NORM_IN: x is a residual stream whose RMSNorm (weight nw, eps
+    norm_eps) is applied to each x tile as it is loaded, with each row's statistic summed from the
+    producer's NT_IN partials `sq_in [M, NT_IN]` (`_norm_rstd`).
     """
     _prefetch_then_wait(PDL, PREFETCH, w_ptr, N, K, stride_wn, SPLIT_K, BLOCK_N, BLOCK_K, GLU)
     pid_n = tl.program_id(0)
@@ -197,14 +221,23 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k0 + offs_k)[None, :]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + (k0 + offs_k)[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    if NORM_IN:
+        rstd = _norm_rstd(sq_in_ptr, offs_m, m_mask, NT_IN, K, norm_eps, BLOCK_M, NT_POW2)
+        nw_ptrs = nw_ptr + k0 + offs_k
     for t in range(t_begin, t_end):
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+            if NORM_IN:
+                x = _normed(x, rstd, tl.load(nw_ptrs))
         else:
             k_ok = (t * BLOCK_K + offs_k) < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_mask[:, None] & k_ok[None, :], other=0.0)
+            if NORM_IN:
+                x = _normed(x, rstd, tl.load(nw_ptrs, mask=k_ok, other=0.0))
+        if NORM_IN:
+            nw_ptrs += BLOCK_K
         if WIDEN:  # the interpreter multiplies bf16/f16 raw bits: widen (the products are equal)
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         else:
@@ -223,10 +256,30 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
                           HD, BLOCK_M, BLOCK_N, NORM)
     else:
         store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, rows_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
-                        SPLIT, BLOCK_M, BLOCK_N, GLU)
+                        SPLIT, BLOCK_M, BLOCK_N, GLU, RESID, res_ptr, stride_res, sq_ptr, PLAIN_SQUARE)
         if ARGMAX:
             _argmax_epilogue(acc.to(out_ptr.dtype.element_ty).to(tl.float32), rows_n, offs_m, m_mask, n_mask,
                              keys_ptr, picks_ptr, acnt_ptr)
+
+
+@triton.jit
+def _norm_rstd(sq_ptr, offs_m, m_mask, NT, K, eps, BLOCK_M: tl.constexpr, NT_POW2: tl.constexpr):
+    """Each row's `1 / sqrt(mean(x^2) + eps)` from its NT partial sums of squares `sq [M, NT]`,
+    summed in _sumsq's order, then rounded step by step as the norm kernel's (norm.py) -> [BLOCK_M]."""
+    cols = tl.arange(0, NT_POW2)
+    parts = tl.load(sq_ptr + offs_m.to(tl.int64)[:, None] * NT + cols[None, :],
+                    mask=m_mask[:, None] & (cols < NT)[None, :], other=0.0)
+    mean_sq = pairwise_rows(parts, BLOCK_M, NT_POW2) / K
+    return 1.0 / tl.sqrt_rn(mean_sq + eps)
+
+
+@triton.jit
+def _normed(x, rstd, nw):
+    """The RMSNorm of x tile `[BLOCK_M, BLOCK_K]` with the rows' `rstd [BLOCK_M]` and the weight's
+    tile `nw [BLOCK_K]` (x's dtype), rounded as the norm kernel rounds (to x's dtype before the
+    weight multiply, that product in float32, rounded once)."""
+    dt = x.dtype
+    return (nw.to(tl.float32)[None, :] * (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)).to(dt)
 
 
 @triton.jit
@@ -243,18 +296,55 @@ def _argmax_epilogue(vals, cols, offs_m, m_mask, n_mask, keys_ptr, picks_ptr, ac
         tl.atomic_xchg(acnt_ptr + tl.program_id(2), 0, sem="relaxed", scope="gpu")
 
 
-def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+class PendingNorm(NamedTuple):
+    """A residual stream whose RMSNorm the next dense matmul applies as it loads it (module
+    docstring, "Residual add and folded norm"): `rows [t, d]` (the stream: also the layer's new
+    residual), `sumsq` float32 `[t, tiles]` (the producing matmul's per-n-tile sums of squares),
+    the norm's `weight [d]` (rows' dtype) and `eps`. `norm.rms_norm_partials(rows, sumsq, weight,
+    eps)` is the normed tensor, bit for bit, where a consumer cannot fold it."""
+
+    rows: torch.Tensor
+    sumsq: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
+def _norm_in_args(x) -> tuple[torch.Tensor, dict]:
+    """`x` (a tensor, or a PendingNorm) -> (the rows the kernel reads, the NORM_IN launch arguments)."""
+    if not isinstance(x, PendingNorm):
+        return x, {}
+    rows, sq, nw = x.rows, x.sumsq, x.weight
+    if rows.dim() != 2 or sq.dim() != 2 or sq.shape[0] != rows.shape[0] or sq.dtype != torch.float32 \
+            or not sq.is_contiguous() or nw.shape != (rows.shape[1],) or nw.dtype != rows.dtype or nw.stride(0) != 1:
+        raise ValueError(f"a pending norm takes rows [t, d], sumsq float32 [t, tiles] and a contiguous weight [d] of "
+                         f"the rows' dtype, got {tuple(rows.shape)} {rows.dtype}, {tuple(sq.shape)} {sq.dtype}, "
+                         f"{tuple(nw.shape)} {nw.dtype}")
+    check_tensors(rows, sq, nw)
+    return rows, dict(NORM_IN=True, sq_in_ptr=sq, nw_ptr=nw, NT_IN=sq.shape[1], NT_POW2=next_pow2(sq.shape[1]),
+                      norm_eps=float(x.eps))
+
+
+def eligible(x, w: torch.Tensor) -> bool:
     """Whether the step ops route `x @ w.T` here: a TUNED weight shape, the same 16-bit float
-    dtype on both sides (TUNED is measured in bf16), contiguous rows, at most MAX_ROWS rows."""
-    return (w.dim() == 2 and (w.shape[0], w.shape[1]) in TUNED and x.dtype == w.dtype
-            and w.element_size() == 2
-            and x.shape[-1] == w.shape[1] and w.stride(1) == 1
-            and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS)
+    dtype on both sides (TUNED is measured in bf16), contiguous rows, at most MAX_ROWS rows. `x`
+    may be a PendingNorm (its rows; its weight of their dtype)."""
+    if isinstance(x, PendingNorm):
+        if x.weight.dtype != x.rows.dtype:
+            return False
+        x = x.rows
+    return eligible_rows(x.numel() // max(x.shape[-1], 1), x.shape[-1], x.dtype, w)
 
 
-def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | None = None,
+def eligible_rows(rows: int, width: int, dtype: torch.dtype, w: torch.Tensor) -> bool:
+    """`eligible` for an x of `rows` rows of `width` in `dtype`, told by its shape alone."""
+    return (w.dim() == 2 and (w.shape[0], w.shape[1]) in TUNED and dtype == w.dtype
+            and w.element_size() == 2 and width == w.shape[1] and w.stride(1) == 1 and rows <= MAX_ROWS)
+
+
+def dense_linear(x, w: torch.Tensor, *, config: KernelConfig | None = None,
                  out: torch.Tensor | None = None, glu: bool = False,
-                 argmax_out: torch.Tensor | None = None) -> torch.Tensor:
+                 argmax_out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                 sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., out] = x [..., in] @ w [out, in].T on the kernel, in x's dtype (float32
     accumulation). `config` overrides the shape's tiles (benchmarks, tests); `out` (contiguous,
     x's dtype) receives the result if given.
@@ -266,7 +356,14 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
 
     argmax_out: int64 `[rows]` (x 2-D) that receives each row's `row_argmax` of the result (the
     argmax epilogue, module docstring); a shape whose tiles split `in` is refused (its outputs
-    exist only after the split sum)."""
+    exist only after the split sum).
+
+    x a PendingNorm: its rows are normed as they are loaded (`_normed`: the bits of
+    `norm.rms_norm_partials`), module docstring. residual (`[rows, out]`, x's dtype,
+    plain weights only): the result is `residual + x @ w.T`, each rounded as the two launches
+    round, and `sumsq_out` (float32 `[rows, n tiles]`, n tiles = ceil(out / block_n)) receives each
+    row's per-tile sums of squares of it: `dense_linear_add_norm`."""
+    x, norm_in = _norm_in_args(x)
     check_tensors(x, w)
     check_dtype(x, "x")
     if w.dim() != 2 or x.shape[-1] != w.shape[1]:
@@ -291,9 +388,12 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
     if m == 0:
         return out
     cfg = config.check() if config is not None else config_for(n, k, x.element_size())
-    picks = {}
+    epilogue = {}  # the argmax or residual epilogue's launch arguments
     if argmax_out is not None:
-        picks = _argmax_args(argmax_out, x2, glu, cfg, triton.cdiv(m, BLOCK_M))
+        epilogue = _argmax_args(argmax_out, x2, glu, cfg, triton.cdiv(m, BLOCK_M))
+    if residual is not None:
+        epilogue = _residual_args(residual, sumsq_out, out, glu or argmax_out is not None,
+                                  triton.cdiv(n, cfg.block_n))
     # a GLU tile holds block_n / 2 output columns (their gate and up rows)
     grid = (triton.cdiv(n_out, cfg.block_n // 2 if glu else cfg.block_n), cfg.split_k, triton.cdiv(m, BLOCK_M))
     if cfg.split_k > 1:
@@ -308,9 +408,43 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor, *, config: KernelConfig | Non
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
         WIDEN=interpreting() and x.device.type != "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, GLU=glu,
-        PREFETCH=PDL_PREFETCH, **picks, **pdl_args(x),  # the prefetch runs only with PDL (_prefetch_then_wait)
+        PREFETCH=PDL_PREFETCH, **epilogue, **norm_in, **pdl_args(x),  # the prefetch runs only with PDL (_prefetch_then_wait)
     )
     return out
+
+
+def _residual_args(residual: torch.Tensor, sumsq: torch.Tensor | None, out: torch.Tensor, other_epilogue: bool,
+                   n_tiles: int) -> dict:
+    """The residual epilogue's launch arguments (RESID), its tensors checked."""
+    if other_epilogue:
+        raise ValueError("residual takes a plain weight (no glu, no argmax_out)")
+    if residual.shape != out.shape or residual.dtype != out.dtype or residual.stride(-1) != 1 or out.dim() != 2:
+        raise ValueError(f"residual must be a {tuple(out.shape)} {out.dtype} tensor with contiguous rows, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    if sumsq is None or sumsq.shape != (out.shape[0], n_tiles) or sumsq.dtype != torch.float32 \
+            or not sumsq.is_contiguous():
+        raise ValueError(f"residual needs sumsq_out, a contiguous float32 [{out.shape[0]}, {n_tiles}] tensor")
+    check_tensors(out, residual, sumsq)
+    return dict(RESID=True, res_ptr=residual, stride_res=residual.stride(0), sq_ptr=sumsq,
+                PLAIN_SQUARE=interpreting())
+
+
+def dense_linear_add_norm(x, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
+                          config: KernelConfig | None = None) -> PendingNorm:
+    """`add_rms_norm(dense_linear(x, w), residual, norm_w, eps)` with the norm left pending (its
+    statistic in kernels/_sumsq.py's order: twin `norm_ref.add_rms_norm_tree_ref`):
+    one launch writes the new residual stream `residual + x @ w.T` (the rows) and its per-tile sums
+    of squares; the next `dense_linear` / `dense_qkv_rope_kv_write` given the PendingNorm applies
+    the norm as it loads the rows. x `[t, in]` (or itself a PendingNorm), w `[d, in]`, residual
+    `[t, d]`, norm_w `[d]` of x's dtype; `config` overrides the shape's tiles (tests)."""
+    rows = _norm_in_args(x)[0]
+    n = w.shape[0]
+    if norm_w.shape != (n,) or norm_w.dtype != rows.dtype:
+        raise ValueError(f"norm_w must be [{n}] {rows.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
+    cfg = config.check() if config is not None else config_for(*w.shape, rows.element_size())
+    sumsq = torch.empty((rows.shape[0], triton.cdiv(n, cfg.block_n)), dtype=torch.float32, device=rows.device)
+    out = dense_linear(x, w, config=cfg, residual=residual, sumsq_out=sumsq)
+    return PendingNorm(out, sumsq, norm_w, float(eps))
 
 
 def qkv_rope_eligible(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
@@ -337,6 +471,7 @@ def dense_qkv_rope_kv_write(x: torch.Tensor, w: torch.Tensor, q_norm_w: torch.Te
     `qk_norm_rope_kv_write`'s. Returns rotated q `[t, nh, hd]`."""
     from .rope import _check
 
+    x, norm_in = _norm_in_args(x)
     n, k = w.shape
     hd = cos.shape[1]
     check_tensors(x, w)
@@ -368,7 +503,7 @@ def dense_qkv_rope_kv_write(x: torch.Tensor, w: torch.Tensor, q_norm_w: torch.Te
         cos_ptr=cos, sin_ptr=sin, pos_ptr=positions, q_out_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache,
         stride_cos=cos.stride(0), stride_sin=sin.stride(0), stride_qo=q.stride(0), stride_kc_h=k_cache.stride(0),
         stride_kc_s=k_cache.stride(1), stride_vc_h=v_cache.stride(0), stride_vc_s=v_cache.stride(1),
-        n_heads=n_heads, n_kv=n_kv, eps=float(eps), **pdl_args(x),
+        n_heads=n_heads, n_kv=n_kv, eps=float(eps), **norm_in, **pdl_args(x),
     )
     return q
 

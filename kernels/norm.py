@@ -22,6 +22,10 @@ zero-centred one, Qwen3.5's): the program's input row is the embedding row of it
 as the residual stream (a copy, `F.embedding`'s bits) and normed as `rms_norm` (`rms_norm_1p`)
 norms it: one launch instead of the gather's and the norm's.
 
+From partial sums (`rms_norm_partials`): the statistic summed from the dense kernel's per-tile
+sums of squares in kernels/_sumsq.py's order, the norm that kernel folds into its next matmul
+(dense_linear.py) given as a tensor, with the same bits (and its twin's).
+
 Row invariance: one program per row; the block width depends only on the hidden size, so a row's
 result never depends on the other rows or on how many there are.
 """
@@ -34,18 +38,22 @@ import triton.language as tl
 
 from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from .norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_1p_ref, embed_rms_norm_ref,  # noqa: F401
-                       rms_norm_1p_ref, rms_norm_ref)  # (the twins)
+from ._sumsq import pairwise_rows
+from .norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, add_rms_norm_tree_ref, embed_rms_norm_1p_ref,  # noqa: F401
+                       embed_rms_norm_ref, rms_norm_1p_ref, rms_norm_ref, rms_norm_tree_ref)  # (the twins)
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, stride_res,
                      stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
                      ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
-                     GATHER: tl.constexpr = False, ids_ptr=None):
+                     GATHER: tl.constexpr = False, ids_ptr=None, PARTIALS: tl.constexpr = False, sq_ptr=None,
+                     n_parts=0, PARTS_POW2: tl.constexpr = 1):
     """One row: [res_out = x + res]; out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), or with
     ZERO_CENTRED (w is float32 1 + w) out = (x * rsqrt(mean(x^2) + eps) * w) rounded once.
-    GATHER: x is an embedding table, the row's input its row ids[row], copied to res_out."""
+    GATHER: x is an embedding table, the row's input its row ids[row], copied to res_out.
+    PARTIALS: the sum of squares from the dense kernel's per-tile partials `sq [rows, n_parts]`,
+    summed in `_sumsq`'s order (the bits of the norm that kernel folds into its next matmul)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -63,7 +71,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, s
         s = (x + r).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_res_out + offs, s, mask=mask)
         x = s.to(tl.float32)
-    mean_sq = tl.sum(x * x, axis=0) / d
+    if PARTIALS:  # a one-row tree: the sum over its single element is that element
+        cols = tl.arange(0, PARTS_POW2)
+        parts = tl.load(sq_ptr + row * n_parts + cols, mask=cols < n_parts, other=0.0)
+        mean_sq = tl.sum(pairwise_rows(parts[None, :], 1, PARTS_POW2), axis=0) / d
+    else:
+        mean_sq = tl.sum(x * x, axis=0) / d
     rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTRED:  # HF Qwen3_5RMSNorm: float32 all the way, one rounding
@@ -78,7 +91,8 @@ def _num_warps(block_d: int) -> int:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float, zero_centred: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            eps: float, zero_centred: bool = False, partials: dict | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() != 2 or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"expected x [t, d] and weight [d], got {tuple(x.shape)} and {tuple(weight.shape)}")
     tensors = [x, weight] + ([residual] if residual is not None else [])
@@ -102,7 +116,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _rms_norm_kernel[(t,)](
         x, res_in, weight, out, res_o, d, x.stride(0), res_in.stride(0), out.stride(0),
         res_o.stride(0), float(eps), HAS_RESIDUAL=residual is not None, ZERO_CENTRED=zero_centred,
-        BLOCK_D=block_d,
+        BLOCK_D=block_d, **(partials or {}),
         num_warps=_num_warps(block_d), **pdl_args(x),
     )
     return out, res_out
@@ -168,6 +182,19 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     normed, new_residual = _launch(x, residual, weight, eps)
     assert new_residual is not None
     return normed, new_residual
+
+
+def rms_norm_partials(x: torch.Tensor, sumsq: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`rms_norm` of `x [t, d]` whose squares the dense kernel summed per n tile (`sumsq` float32
+    `[t, tiles]`, `dense_linear.PendingNorm`): the statistic in `_sumsq`'s order, so the bits of
+    the norm that kernel folds into its next matmul, where that matmul cannot take it. Twin:
+    `norm_ref.rms_norm_tree_ref` (bit for bit under the interpreter)."""
+    if sumsq.dim() != 2 or sumsq.shape[0] != x.shape[0] or sumsq.dtype != torch.float32 or not sumsq.is_contiguous():
+        raise ValueError(f"sumsq must be a contiguous float32 [{x.shape[0]}, tiles] tensor, got "
+                         f"{sumsq.dtype} {tuple(sumsq.shape)}")
+    check_tensors(x, sumsq)
+    return _launch(x, None, weight, eps, partials=dict(PARTIALS=True, sq_ptr=sumsq, n_parts=sumsq.shape[1],
+                                                       PARTS_POW2=next_pow2(sumsq.shape[1])))[0]
 
 
 def rms_norm_1p(x: torch.Tensor, w1p: torch.Tensor, eps: float) -> torch.Tensor:

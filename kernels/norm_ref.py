@@ -24,6 +24,44 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
+def tree_sumsq_ref(x: torch.Tensor) -> torch.Tensor:
+    """Each row's float32 sum of squares of `x [t, d]` as the pairwise tree over adjacent elements
+    of the row zero-padded to a power of two (kernels/_sumsq.py's order, bit for bit) -> `[t]`."""
+    v = x.float() * x.float()
+    width = 1 << max(v.shape[-1] - 1, 0).bit_length()
+    v = torch.nn.functional.pad(v, (0, width - v.shape[-1]))
+    while v.shape[-1] > 1:
+        v = v[..., 0::2] + v[..., 1::2]
+    return v[..., 0]
+
+
+def _f32(op, *args) -> torch.Tensor:
+    """A float32 operation correctly rounded: done in float64 and rounded once (exact for one
+    division or square root of float32 operands); torch's CPU float32 sqrt is not always."""
+    return op(*(a.double() if isinstance(a, torch.Tensor) else a for a in args)).float()
+
+
+def tree_rstd_ref(sumsq: torch.Tensor, d: int, eps: float) -> torch.Tensor:
+    """`1 / sqrt(sumsq / d + eps)` in float32, each step rounded as the kernels' (IEEE) are."""
+    mean_sq = _f32(torch.div, sumsq, d)
+    return _f32(torch.div, 1.0, _f32(torch.sqrt, mean_sq + torch.tensor(eps, dtype=torch.float32)))
+
+
+def rms_norm_tree_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The twin of `norm.rms_norm_tree` bit for bit: `rms_norm_ref`'s roundings with the tree's
+    sum of squares and `1 / sqrt` (the kernel's; not `rsqrt`), `x [t, d]` -> `[t, d]`."""
+    rstd = tree_rstd_ref(tree_sumsq_ref(x), x.shape[-1], eps)
+    normed = (x.float() * rstd[:, None]).to(x.dtype).float()
+    return (weight.float() * normed).to(torch.promote_types(x.dtype, weight.dtype))
+
+
+def add_rms_norm_tree_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `norm.add_rms_norm_tree`: the add in the model dtype, then `rms_norm_tree_ref`."""
+    new_residual = x + residual
+    return rms_norm_tree_ref(new_residual, weight, eps), new_residual
+
+
 def embed_rms_norm_ref(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of `embed_rms_norm`: the embedding's rows, then `rms_norm_ref` of them."""

@@ -14,8 +14,9 @@ Prints and writes (``--json``, default ``$OUT/h200-target-step.json``):
 - ``greedy_step_ms[ctx]``: a greedy round's step (``round_bodies.greedy_step``: the 16-row step and
   its argmax picks, the lm_head's argmax epilogue with the Triton ops, no float32 logits), graphed;
 - ``kernels_per_step``: CUDA kernels in one eager step (torch profiler), per ops; variant
-  ``triton-unfused`` runs the q/k/v projection + rope, the embedding + first norm and the lm_head +
-  argmax as separate launches (``fused_speedup_plain`` / ``_greedy_step``:
+  ``triton-unfused`` runs the q/k/v projection + rope, the embedding + first norm, the lm_head +
+  argmax and the o / down projections + the residual add + norm as separate launches
+  (``fused_speedup_plain`` / ``_greedy_step``:
   unfused over fused, per context);
 - ``peak_gib``: peak allocated GPU memory per context;
 - ``prefill``: a long prompt (``--prefill-length``, default 32,768) through the chunked prefill:
@@ -241,9 +242,9 @@ def main() -> None:
                    help="step-ops variants to time: torch, triton (the shipped ops), triton-nopdl (plain "
                         "launches), triton-cublas (every weight matmul on cuBLAS: dense_linear.TUNED emptied), "
                         "a 'noglu' part: the MLP's gate/up matmul and SiLU·mul as two launches (no swiglu fusion), "
-                        "an 'unfused' part: the q/k/v projection + rope, the embedding + first norm and the lm_head + "
-                        "argmax as separate launches (TritonStepOps.unfused: triton-unfused is the step before "
-                        "those fusions)")
+                        "an 'unfused' part: the q/k/v projection + rope, the embedding + first norm, the lm_head + "
+                        "argmax and the o / down projections + residual add + norm as separate launches "
+                        "(TritonStepOps.unfused: triton-unfused is the step before those fusions)")
     p.add_argument("--dense-tuned", type=Path, default=None,
                    help="a dense_linear_sweep.py --tuned table to use as dense_linear.TUNED for this run")
     p.add_argument("--dense-all", type=Path, default=None,

@@ -169,3 +169,28 @@ def test_an_engine_arms_its_drafter_with_its_step_ops(drafts, tmp_path):
     engine = Engine.from_model(model, step_width=16)
     arm = engine.arm(ArmConfig(draft=draft, mode="dflash"))
     assert arm.drafter.step_ops is model.step_ops
+
+
+@pytest.mark.exhaustive  # a bf16 round through the dense kernel in the interpreter; the fold's own tests are quick
+def test_the_folded_norm_after_the_attention_in_a_drafter_round(drafts, monkeypatch):
+    """With the tiny drafter's o and gate/up shapes in the dense kernel's table, each layer's o
+    projection adds the residual in its epilogue and the gate/up matmul applies the norm after it
+    (`linear_add_rms_norm`, one fold a layer): the round stays within bf16 tolerance of the torch
+    ops'."""
+    from memra_kernels import dense_linear as dl
+
+    d = _drafter(drafts["full"], TritonStepOps(), torch.bfloat16)
+    layer = d.layers[0]
+    assert layer.w_gate_up is not None
+    monkeypatch.setitem(dl.TUNED, tuple(layer.wo.shape), dl.KernelConfig(block_n=16, block_k=32, split_k=2,
+                                                                          num_stages=2))
+    monkeypatch.setitem(dl.TUNED, tuple(layer.w_gate_up.shape), dl.KernelConfig(block_n=32, block_k=32, split_k=1,
+                                                                                 num_stages=2))
+    folds = []
+    real = dl.dense_linear_add_norm
+    monkeypatch.setattr(dl, "dense_linear_add_norm", lambda *a, **kw: folds.append(1) or real(*a, **kw))
+    taps, noise = _inputs(d, 21)
+    got = _static(d, taps, noise, 48)[0]
+    assert len(folds) == len(d.layers)
+    ref = _static(_drafter(drafts["full"], TorchStepOps(), torch.bfloat16), taps, noise, 48)[0]
+    assert _rel(got, ref) < BF16_TOL

@@ -44,7 +44,7 @@ KERNELS = ROOT / "kernels"
 SM90_MAX_SHARED = 232448
 # Constexprs that only the interpreter sets True (its bf16 arithmetic on raw bits): on the GPU,
 # hence here, they must compile False.
-INTERPRETER_ONLY = {"DOT_F32", "WIDEN"}
+INTERPRETER_ONLY = {"DOT_F32", "WIDEN", "PLAIN_SQUARE"}
 DTYPES = ("bf16", "f32")
 WORKER_TIMEOUT_S = 540
 
@@ -78,6 +78,9 @@ def _norm(ctx, dt):
         ctx.launch(f"add_rms_norm d{d}", "_rms_norm_kernel", n.add_rms_norm, x, r, w, 1e-6)
         ctx.launch(f"embed_rms_norm d{d}", "_rms_norm_kernel", n.embed_rms_norm, ctx.idx(3), ctx.t(50, d, dtype=dt),
                    w, 1e-6)  # the step's embedding gather fused with its first norm (GATHER)
+        # the statistic from the dense kernel's per-tile partials (PARTIALS: its folded norm as a tensor)
+        ctx.launch(f"rms_norm_partials d{d}", "_rms_norm_kernel", n.rms_norm_partials, x, ctx.t(3, d // 64, dtype="f32"),
+                   w, 1e-6)
     d = 2560  # Qwen3.5-4B's zero-centred norms (1 + w in float32)
     x, r, w1p = ctx.t(3, d, dtype=dt), ctx.t(3, d, dtype=dt), ctx.t(d, dtype="f32")
     ctx.launch("rms_norm_1p", "_rms_norm_kernel", n.rms_norm_1p, x, w1p, 1e-6)
@@ -313,6 +316,20 @@ def _dense_linear(ctx, dt):
                    ctx.t(16, 4096, dtype=dt), w, ctx.t(hd, dtype=dt) if norm else None,
                    ctx.t(hd, dtype=dt) if norm else None, ctx.t(s_len, hd, dtype=dt), ctx.t(s_len, hd, dtype=dt),
                    ctx.idx(16), ctx.t(nkv, s_len, hd, dtype=dt), ctx.t(nkv, s_len, hd, dtype=dt), nh, nkv, 1e-6)
+    # the residual epilogue (RESID: Qwen3-8B's o, one split, and down, split-K) and the norm folded
+    # into the next matmul (NORM_IN: its gate/up with SwiGLU, q/k/v with rope, lm_head with argmax)
+    for n, k in ((4096, 4096), (4096, 12288)):
+        ctx.launch(f"dense_linear_add_norm {n}x{k}", "_dense_linear_kernel", dl.dense_linear_add_norm,
+                   ctx.t(16, k, dtype=dt), ctx.t(n, k, dtype=dt), ctx.t(16, n, dtype=dt), ctx.t(n, dtype=dt), 1e-6)
+    pending = dl.PendingNorm(ctx.t(16, 4096, dtype=dt), ctx.t(16, 64, dtype="f32"), ctx.t(4096, dtype=dt), 1e-6)
+    ctx.launch("dense_linear 24576x4096 glu norm_in", "_dense_linear_kernel", dl.dense_linear, pending,
+               ctx.t(24576, 4096, dtype=dt), glu=True)
+    ctx.launch("dense_qkv_rope_kv_write norm_in", "_dense_linear_kernel", dl.dense_qkv_rope_kv_write, pending,
+               ctx.t((nh + 2 * nkv) * hd, 4096, dtype=dt), ctx.t(hd, dtype=dt), ctx.t(hd, dtype=dt),
+               ctx.t(s_len, hd, dtype=dt), ctx.t(s_len, hd, dtype=dt), ctx.idx(16), ctx.t(nkv, s_len, hd, dtype=dt),
+               ctx.t(nkv, s_len, hd, dtype=dt), nh, nkv, 1e-6)
+    ctx.launch("dense_linear 151936x4096 argmax norm_in", "_dense_linear_kernel", dl.dense_linear, pending,
+               ctx.t(151936, 4096, dtype=dt), argmax_out=ctx.idx(16))
     # the argmax epilogue (ARGMAX): the lm_heads of Qwen3-8B and Qwen3.5-4B, whose tiles do not split `in`
     for n, k in ((151936, 4096), (248320, 2560)):
         ctx.launch(f"dense_linear {n}x{k} argmax", "_dense_linear_kernel", dl.dense_linear,

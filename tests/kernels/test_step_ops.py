@@ -311,8 +311,9 @@ def test_the_fused_head_and_embedding_ops_and_their_unfused_forms(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_launch_fusions_on_the_gpu(target_dir, monkeypatch):
     """Compiled, with programmatic dependent launch, eager and replayed as a CUDA graph, the bf16
-    step with every launch fusion (q/k/v + rope, embedding + norm, lm_head + argmax; the tiny
-    target's shapes put in the dense kernel's table): the graph replays the eager step's logits,
+    step with every launch fusion (q/k/v + rope, embedding + norm, lm_head + argmax, the residual
+    add + norm folded into o / down and the next matmul; the tiny target's shapes put in the dense
+    kernel's table): the graph replays the eager step's logits,
     picks and K/V bit for bit, the picks are the logits' argmax, a row's picks are the same alone,
     and the logits are the unfused ops' within bf16 rounding (the q/k norm's sum of squares may run
     in another order: kernels/rope.py `qkv_rope_epilogue`)."""
@@ -320,16 +321,25 @@ def test_the_launch_fusions_on_the_gpu(target_dir, monkeypatch):
     from memra_kernels import dense_linear as dl
 
     model = Qwen3Target.from_dir(target_dir, torch.bfloat16, "cuda")
-    for w, cfg in ((model.layers[0].wqkv, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
+    layer = model.layers[0]
+    for w, cfg in ((layer.w_gate_up, dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2)),
+                   (layer.wo, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
+                   (layer.w_down, dl.KernelConfig(block_n=32, block_k=64, split_k=2, num_stages=2)),
+                   (layer.wqkv, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
                    (model.lm_head_weight, dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2))):
         monkeypatch.setitem(dl.TUNED, tuple(w.shape), cfg)
+    folds = []
+    real = dl.dense_linear_add_norm
+    monkeypatch.setattr(dl, "dense_linear_add_norm", lambda *a, **kw: folds.append(1) or real(*a, **kw))
     ids = torch.randint(0, 512, (16,), device="cuda")
     pos = torch.arange(30, 46, device="cuda")
     out = {}
     for name, ops in (("fused", TritonStepOps()), ("unfused", TritonStepOps().unfused())):
         model.step_ops = ops
         state = model.new_state(64)
+        folds.clear()
         picks, logits, _ = model.static_step_picks(ids, pos, state)
+        assert len(folds) == (2 * len(model.layers) if name == "fused" else 0)
         kv = state.kv.clone()
         graph, (g_picks, g_logits, _) = cuda_graphs.capture(lambda: model.static_step_picks(ids, pos, state, None),
                                                             torch.device("cuda"))
@@ -342,3 +352,54 @@ def test_the_launch_fusions_on_the_gpu(target_dir, monkeypatch):
         out[name] = logits.float()
     ref = out["unfused"]
     assert ((out["fused"] - ref).norm() / ref.norm()).item() < 2e-2  # bf16: a few ulps where a statistic's ulp flips
+
+
+@pytest.mark.exhaustive  # end-to-end through the interpreter; the fold's own tests (test_dense_norm.py) are quick
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_the_folded_norms_in_a_model_step(target_dir, llama_dir, tmp_path, monkeypatch, family):
+    """With every weight shape of the tiny bf16 target in the dense kernel's table, each layer's o
+    and down projections add the residual in their epilogue and the gate/up, next q/k/v and
+    lm_head matmuls apply the norms on load (two `dense_linear_add_norm` launches a layer): the
+    logits are within bf16 tolerance of `unfused()`'s (whose norm kernel sums the squares in
+    another order) and of the torch ops', and speculative == plain greedy through them."""
+    from memra_kernels import dense_linear as dl
+
+    path = target_dir if family == "qwen3" else llama_dir
+
+    def model_with(ops):
+        model = load_target(path, torch.bfloat16, DEVICE)
+        model.step_ops = ops
+        return model
+
+    model = model_with(TritonStepOps())
+    layer = model.layers[0]
+    for w, cfg in ((layer.wqkv, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
+                   (layer.w_gate_up, dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2)),
+                   (layer.wo, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
+                   (layer.w_down, dl.KernelConfig(block_n=32, block_k=64, split_k=1, num_stages=2)),
+                   (model._lm_head, dl.KernelConfig(block_n=64, block_k=32, split_k=1, num_stages=2))):
+        monkeypatch.setitem(dl.TUNED, tuple(w.shape), cfg)
+    folds = []
+    real = dl.dense_linear_add_norm
+    monkeypatch.setattr(dl, "dense_linear_add_norm", lambda *a, **kw: folds.append(1) or real(*a, **kw))
+    ids = torch.randint(0, 512, (16,), device=DEVICE)
+    out = {}
+    for name, m in (("torch", model_with(TorchStepOps())), ("unfused", model_with(TritonStepOps().unfused())),
+                    ("triton", model)):
+        runner = StepRunner(m, 16)
+        state = runner.new_state(96)
+        runner.prefill(torch.arange(5, 25, device=DEVICE), state)
+        folds.clear()
+        out[name], _ = runner.step(ids, state.length, state)
+    assert len(folds) == 2 * len(model.layers)
+    got = out["triton"].float()
+    for ref in (out["unfused"].float(), out["torch"].float()):
+        assert ((got - ref).norm() / ref.norm()).item() < 2e-2
+    prompt = list(range(3, 24))
+    plain = greedy_reference(StepRunner(model, 16), prompt, 6)
+    draft = make_tiny_draft(tmp_path / "d", "deepspec", markov_rank=8, target_layer_ids=(0, 1), num_target_layers=2,
+                            block_size=8, dtype=torch.bfloat16)
+    engine = Engine.from_model(model, step_width=16)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dspark"))
+    with engine.session(prompt, 6, arm, eos_ids=()) as session:
+        assert session.run() == plain

@@ -12,6 +12,14 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   weight or a quantized linear module); with the kernels, the few-row dense kernel
   (`memra_kernels.dense_linear`) for the weight shapes it was measured faster on, cuBLAS else
 - `rms_norm(x, w, eps)`; `add_rms_norm(x, residual, w, eps) -> (normed, x + residual)`
+- `linear_add_rms_norm(a, w, bias, residual, norm_w, eps, consumer=None) -> (h, x)`:
+  `add_rms_norm(linear(a, w, bias), residual, norm_w, eps)`, a layer's output projection and the
+  norm after it; with the kernels, where `linear` takes the dense kernel for both `w` and the
+  weight `consumer` that will multiply `h`, one launch, and `h` a `dense_linear.PendingNorm`
+  (the residual add in the projection's epilogue, the norm applied by the consumer as it loads its
+  rows; `swiglu`, `linear`, `qkv_rope_kv_write` and `lm_head_argmax` take one, and norm it with
+  `norm.rms_norm_partials` where they cannot fold it, the same bits): the statistic summed in one
+  fixed order, which may differ from `add_rms_norm`'s kernel in its last ulp
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
 - `rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, nh, nkv) -> q`: the same without
   the q/k norm (LLaMA), hd the tables' width
@@ -109,7 +117,9 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
 
 - `unfused()`: these ops with this seam's launch fusions undone (`embed_rms_norm` as the gather
   then the norm, `lm_head_argmax` as the matmul then the argmax, `qkv_rope_kv_write` as the
-  projection then the rope op): the same bits, more
+  projection then the rope op, `linear_add_rms_norm` as the projection then `add_rms_norm`): the
+  same bits but for the q/k/v epilogue's and the folded norm's float32 statistics (another
+  summation order, as against the torch twins), more
   launches; what the GPU benchmarks time those fusions against (`target_step --variants
   triton-unfused`; the SwiGLU epilogue has its own switch, `unfused_swiglu`, variant `noglu`)
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
@@ -189,6 +199,14 @@ def unfused_qkv_rope_kv_write(ops, h: torch.Tensor, w_qkv, b_qkv, q_norm, k_norm
     if q_norm is None:
         return ops.rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, n_heads, n_kv)
     return ops.qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, n_heads, n_kv, eps)
+
+
+def unfused_linear_add_rms_norm(ops, a: torch.Tensor, w, bias, residual: torch.Tensor, norm_w: torch.Tensor,
+                                eps: float, consumer=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A projection and the residual add + norm after it as two step ops, `add_rms_norm` (the
+    norm kernel's statistic: the folded one's order differs, so may its last ulp); `consumer`
+    (the next weight) is unused here."""
+    return ops.add_rms_norm(ops.linear(a, w, bias), residual, norm_w, eps)
 
 
 def unfused_lm_head_argmax(ops, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,6 +337,13 @@ class TorchStepOps:
     # the norms' one torch bodies (memra_kernels.norm_ref; a float add is commutative, bit for bit)
     rms_norm = staticmethod(rms_norm_ref)
     add_rms_norm = staticmethod(add_rms_norm_ref)
+
+    @classmethod
+    def linear_add_rms_norm(cls, a: torch.Tensor, w, bias, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                            consumer=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`add_rms_norm(linear(a, w, bias), residual, norm_w, eps)` -> (normed, new residual);
+        `consumer` (the weight that multiplies the normed rows next) is the kernels' hint only."""
+        return cls.add_rms_norm(cls.linear(a, w, bias), residual, norm_w, eps)
 
     qk_norm_rope_kv_write = staticmethod(qk_norm_rope_kv_write_ref)  # the op's one torch body
 
@@ -554,6 +579,7 @@ class TritonStepOps:
 
         self.rms_norm = norm.rms_norm
         self.add_rms_norm = norm.add_rms_norm
+        self._norm = norm
         self.qk_norm_rope_kv_write = rope.qk_norm_rope_kv_write
         self.rope_kv_write = rope.rope_kv_write
         self.attention = attention.decode_attention
@@ -601,7 +627,34 @@ class TritonStepOps:
         ops.embed_rms_norm_1p = functools.partial(unfused_embed_rms_norm_1p, ops)
         ops.lm_head_argmax = functools.partial(unfused_lm_head_argmax, ops)
         ops.qkv_rope_kv_write = functools.partial(unfused_qkv_rope_kv_write, ops)
+        ops.linear_add_rms_norm = functools.partial(unfused_linear_add_rms_norm, ops)
         return ops
+
+    def linear_add_rms_norm(self, a: torch.Tensor, w, bias, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                            consumer=None):
+        """`TorchStepOps.linear_add_rms_norm`; where `folds_norm`, one launch
+        (`dense_linear.dense_linear_add_norm`) and the normed rows a `PendingNorm` the consumer
+        folds in: (PendingNorm, new residual); else the projection and `add_rms_norm`. The choice
+        goes by weight shapes and the row count up to MAX_ROWS, so it never splits a step's rows."""
+        if self.folds_norm(a, w, bias, norm_w, consumer):
+            pending = self._dense.dense_linear_add_norm(a, w, residual, norm_w, eps)
+            return pending, pending.rows
+        return self.add_rms_norm(self.linear(a, w, bias), residual, norm_w, eps)
+
+    def folds_norm(self, a: torch.Tensor, w, bias, norm_w: torch.Tensor, consumer) -> bool:
+        """Whether `linear_add_rms_norm` leaves its norm to `consumer`: `linear` takes the dense
+        kernel for `a @ w.T` (no bias) and for the normed rows times the plain weight `consumer`,
+        and the norm weight has the rows' dtype."""
+        return (bias is None and isinstance(w, torch.Tensor) and isinstance(consumer, torch.Tensor)
+                and self._dense.eligible(a, w) and norm_w.dtype == a.dtype
+                and self._dense.eligible_rows(a.shape[0], w.shape[0], a.dtype, consumer))
+
+    def normed(self, h):
+        """A `PendingNorm`'s normed rows (`norm.rms_norm_partials`: the bits a folding consumer
+        uses), for a consumer that cannot fold it; a tensor as it is."""
+        if isinstance(h, self._dense.PendingNorm):
+            return self._norm.rms_norm_partials(h.rows, h.sumsq, h.weight, h.eps)
+        return h
 
     def qkv_rope_kv_write(self, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
                           n_heads: int, n_kv: int, eps: float) -> torch.Tensor:
@@ -609,7 +662,9 @@ class TritonStepOps:
         its tiles lie inside heads, one launch (`dense_linear.dense_qkv_rope_kv_write`). The choice
         depends on the weight's shape and the row count only up to MAX_ROWS, and either path is
         row-count invariant, so every fixed-width step gets the same bits for a row."""
-        if b_qkv is None and isinstance(w_qkv, torch.Tensor) and self._dense.qkv_rope_eligible(h, w_qkv, cos.shape[1]):
+        rows = h.rows if isinstance(h, self._dense.PendingNorm) else h
+        if b_qkv is None and isinstance(w_qkv, torch.Tensor) and self._dense.eligible(h, w_qkv) \
+                and self._dense.qkv_rope_eligible(rows, w_qkv, cos.shape[1]):
             return self._dense.dense_qkv_rope_kv_write(h, w_qkv, q_norm, k_norm, cos, sin, positions, k_cache,
                                                        v_cache, n_heads, n_kv, eps)
         return unfused_qkv_rope_kv_write(self, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache,
@@ -619,9 +674,10 @@ class TritonStepOps:
         """`TorchStepOps.lm_head_argmax`; where `linear` takes the dense kernel and the shape's
         tiles do not split `in`, one launch with the argmax in its epilogue (the picks of
         `argmax(linear(h, w))`, bit for bit: the choice cannot change a pick)."""
+        rows = h.rows if isinstance(h, self._dense.PendingNorm) else h
         if isinstance(w, torch.Tensor) and self._dense.eligible(h, w) \
-                and self._dense.config_for(*w.shape, h.element_size()).split_k == 1:
-            picks = torch.empty(h.shape[0], dtype=torch.long, device=h.device)
+                and self._dense.config_for(*w.shape, rows.element_size()).split_k == 1:
+            picks = torch.empty(rows.shape[0], dtype=torch.long, device=rows.device)
             return self._dense.dense_linear(h, w, argmax_out=picks), picks
         return unfused_lm_head_argmax(self, h, w)
 
@@ -632,8 +688,8 @@ class TritonStepOps:
         kernel's rows never depend on each other, so every fixed-width step (and the one-row
         plain step) gets the same bits for a row."""
         if bias is None and isinstance(w, torch.Tensor) and self._dense.eligible(x, w):
-            return self._dense.dense_linear(x, w)
-        return TorchStepOps.linear(x, w, bias)
+            return self._dense.dense_linear(x, w)  # a PendingNorm x: normed as it is loaded
+        return TorchStepOps.linear(self.normed(x), w, bias)
 
     def swiglu(self, x: torch.Tensor, w_gate_up) -> torch.Tensor:
         """`TorchStepOps.swiglu`; where `linear` would take the dense kernel (the same rule), one
@@ -642,6 +698,7 @@ class TritonStepOps:
         if isinstance(w_gate_up, torch.Tensor) and self._dense.eligible(x, w_gate_up) \
                 and w_gate_up.shape[0] % 2 == 0:
             return self._dense.dense_linear(x, w_gate_up, glu=True)
+        x = self.normed(x)
         if isinstance(w_gate_up, self._quant.QuantLinear) and w_gate_up.shape[0] % 2 == 0:
             return w_gate_up.swiglu(x)  # a q8_0 / q4_0 drafter's: the same epilogue in quant_linear's launch
         return unfused_swiglu(self, x, w_gate_up)

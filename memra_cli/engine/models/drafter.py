@@ -262,13 +262,14 @@ class Drafter:
     def _layers(self, x: torch.Tensor, attend, keep_layers: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The layer stack on block rows `x [b, hidden]`: `attend(li, h) -> [b, nh*hd]` is a
         layer's attention of its input-normed rows `h`. Each residual add is fused with the
-        norm after it (the next layer's input norm, the final norm last), as the target's step.
-        Returns the final-normed hidden `[b, hidden]` and, when kept, the residual after each
-        layer."""
+        norm after it (the next layer's input norm, the final norm last), as the target's step;
+        the one after the attention names the fused gate/up weight that multiplies its output,
+        which may fold it (`linear_add_rms_norm`). Returns the final-normed hidden `[b, hidden]`
+        and, when kept, the residual after each layer."""
         ops, eps, outs = self.step_ops, self.cfg.rms_norm_eps, []
         h = ops.rms_norm(x, self.layers[0].ln_in, eps)
         for li, w in enumerate(self.layers):
-            h, x = ops.add_rms_norm(ops.linear(attend(li, h), w.wo), x, w.ln_post, eps)
+            h, x = ops.linear_add_rms_norm(attend(li, h), w.wo, None, x, w.ln_post, eps, w.w_gate_up)
             after = self.layers[li + 1].ln_in if li + 1 < len(self.layers) else self.norm
             h, x = ops.add_rms_norm(self._mlp(h, w), x, after, eps)
             if keep_layers:

@@ -277,6 +277,12 @@ class Qwen3Target(TargetBase):
         gate, up = F.linear(rms_norm(x, w.mlp_norm, self.cfg.rms_norm_eps), w.w_gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, w.w_down)
 
+    def _step_mlp(self, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `w`'s dense MLP weights `(w_gate_up, w_down)`, which the fixed step runs as
+        `swiglu` then `linear_add_rms_norm` (the down projection with the next norm); None where
+        the feed-forward is `_step_ffn`'s other kind (a family's override says which)."""
+        return w.w_gate_up, w.w_down
+
     def _step_ffn(self, h: torch.Tensor, li: int, w: LayerWeights) -> torch.Tensor:
         """The fixed-width step's feed-forward of layer `li` on the normed `h [W, hidden]`
         (before the residual add): a family with another feed-forward overrides this."""
@@ -314,8 +320,9 @@ class Qwen3Target(TargetBase):
         `ids [W]` at `positions [W]` (consecutive): each layer is a fused projection, then the
         step ops (`self.step_ops`, layers/step_ops.py: torch reference or Triton kernels) do
         q/k norm + rope + the K/V write, causal attention by position over the cache, the
-        residual add fused with the next norm, and SiLU·mul (the embedding gather fused with the
-        first norm). Nothing reads a device value (an eager CPU step cuts the keys at the host int
+        residual add fused with the next norm (`linear_add_rms_norm`: with the kernels, folded
+        into the projection before it and the matmul after it), and SiLU·mul (the embedding
+        gather fused with the first norm). Nothing reads a device value (an eager CPU step cuts the keys at the host int
         `cache.live_keys`, a graph body never), so
         a CUDA graph can capture it, and every op is row-count invariant, so a token's logits do
         not depend on what shares its step or on the storage size. `widen=False` returns the
@@ -337,22 +344,29 @@ class Qwen3Target(TargetBase):
 
     def _static_hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                        taps: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`static_step` up to the final norm: (normed hidden `[W, hidden]`, taps)."""
+        """`static_step` up to the final norm: (normed hidden `[W, hidden]`, taps); with the
+        kernels the hidden may be a `PendingNorm` that the lm_head's matmul norms (step_ops.py)."""
         ops, eps = self.step_ops, self.cfg.rms_norm_eps
         self.ensure_positions(cache.max_len)
         h, x = ops.embed_rms_norm(ids, self.embed_weight, self.layers[0].attn_norm, eps)  # = rms_norm(embed(ids))
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
         keys = self._step_keys(cache)
+        last = len(self.layers) - 1
         for li, w in enumerate(self.layers):
             kv = cache.kv[li]
             q = ops.qkv_rope_kv_write(h, w.wqkv, w.bqkv, w.q_norm, w.k_norm, self._cos, self._sin, positions, kv[0],
                                       kv[1], self.n_heads, self.n_kv, eps)
-            attn = ops.linear(ops.attention(q, kv[0, :, :keys], kv[1, :, :keys], positions, self.scale), w.wo, w.bo)
-            h, x = ops.add_rms_norm(attn, x, w.mlp_norm, eps)
-            down = self._step_ffn(h, li, w)
-            next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
-            h, x = ops.add_rms_norm(down, x, next_norm, eps)
+            attn = ops.attention(q, kv[0, :, :keys], kv[1, :, :keys], positions, self.scale)
+            mlp = self._step_mlp(w)
+            # each norm names the weight that multiplies its output next, which may fold it (step_ops.py)
+            h, x = ops.linear_add_rms_norm(attn, w.wo, w.bo, x, w.mlp_norm, eps, mlp[0] if mlp else None)
+            next_norm, next_w = (self.norm, self._lm_head) if li == last else \
+                (self.layers[li + 1].attn_norm, self.layers[li + 1].wqkv)
+            if mlp:
+                h, x = ops.linear_add_rms_norm(ops.swiglu(h, mlp[0]), mlp[1], None, x, next_norm, eps, next_w)
+            else:
+                h, x = ops.add_rms_norm(self._step_ffn(h, li, w), x, next_norm, eps)
             if li in wanted:
                 tapped[li] = x
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None

@@ -173,5 +173,8 @@ class Qwen3MoeTarget(RoutingRecorder, LiveRouting, Qwen3Target):
             return super()._mlp(x, w)
         return x + self._moe(rms_norm(x, w.mlp_norm, self.cfg.rms_norm_eps), w.experts)
 
+    def _step_mlp(self, w: MoeLayerWeights):
+        return super()._step_mlp(w) if w.experts is None else None  # a sparse layer: `_step_ffn`'s router
+
     def _step_ffn(self, h: torch.Tensor, li: int, w: MoeLayerWeights) -> torch.Tensor:
         return super()._step_ffn(h, li, w) if w.experts is None else self._moe(h, w.experts)
