@@ -42,3 +42,22 @@ def test_a_greedy_step_fuses_the_argmax_into_the_lm_head(variant):
     else:
         assert got["triton"]["_row_argmax_kernel"] == 1 and got["outside_layers"] == 2 + 1 + 2
         assert got["launches_8b"] == 36 * 9 + 5
+
+
+@pytest.mark.exhaustive  # three interpreted steps of a 2-layer MoE target: several seconds
+def test_an_moe_step_launches_per_layer():
+    """A Qwen3-MoE plain decode step (16 rows, one live), routed as the A3B shape: per sparse
+    layer the attention's launches, the router's matmul, one routing launch and the MoE kernels,
+    by name (what one more layer adds), and the A3B step's total from them."""
+    from benchmarks.step_launches import count_step
+
+    got = count_step("qwen3_moe")
+    assert got["per_layer_kernels"] == {
+        "linear": 2,  # q/k/v (not in the dense kernel's table at A3B) and the router
+        "_qk_norm_rope_kv_kernel": 1, "_split_kernel": 1, "_combine_kernel": 1,  # rope + K/V, attention
+        "_dense_linear_kernel": 1,  # o
+        "_rms_norm_kernel": 2,  # the residual adds with the norms after them
+        "_moe_route_kernel": 1, "_moe_gate_up_kernel": 1, "_moe_down_kernel": 1, "_moe_combine_kernel": 1,
+    }
+    assert got["per_layer"] == 12 and got["outside_layers"] == 3  # embedding + norm, lm_head, widening
+    assert got["launches_8b"] == 48 * 12 + 3
