@@ -17,6 +17,11 @@ fixed-width rule. A call of up to `COUNT_ROWS` rows runs as one program, which c
 of its live rows' experts itself; a longer one (a prefill chunk) runs a program per row tile and
 the wrapper counts with the twin's torch counter.
 
+The k picks take one reduction each: an int64 key per (row, expert), the probability's bits
+(non-negative, so ordered as the values) above the column's complement, whose maximum is the
+largest probability and, among equal ones, the lowest index; the count's union is one reduction
+over the rows after the picks (the keys taken out).
+
 Kernel and twin differ only in the float32 order of the softmax's and the normalisation's sums
 (and the exponential's last bit); ties of equal probabilities go to the lower index in both.
 
@@ -70,18 +75,23 @@ def _moe_route_kernel(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_pt
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         probs = p / tl.sum(p, axis=1)[:, None]
         live_row = row_ok & (rows < live)
-        cur = tl.where(col_ok[None, :], probs, -1.0)  # a pick is taken out as -1 (probabilities are >= 0)
+        # one int64 key per (row, expert): the probability's bits (>= 0, so ordered as the
+        # values) over the complement of the column, so one maximum gives the largest
+        # probability and, among equal ones, the lowest index; a pick is taken out as -1
+        keys = tl.where(col_ok[None, :], (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+                        | (BLOCK_E - 1 - cols)[None, :].to(tl.int64), -1)
         vals = tl.zeros((BLOCK_T, KP), tl.float32)
         ids = tl.zeros((BLOCK_T, KP), tl.int32)
         for j in tl.static_range(K_TOP):
-            v = tl.max(cur, axis=1)
-            i = tl.min(tl.where(cur == v[:, None], cols[None, :], BLOCK_E), axis=1)  # the lowest index of the max
+            key = tl.max(keys, axis=1)
+            i = (BLOCK_E - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
+            v = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)  # the probability, bit for bit
             vals = tl.where(slots[None, :] == j, v[:, None], vals)
             ids = tl.where(slots[None, :] == j, i[:, None], ids)
-            picked = cols[None, :] == i[:, None]
-            cur = tl.where(picked, -1.0, cur)
-            if COUNT:  # the expert some live row picked in this slot
-                hit = tl.maximum(hit, tl.max((picked & live_row[:, None]).to(tl.int32), axis=0))
+            keys = tl.where(cols[None, :] == i[:, None], -1, keys)
+        if COUNT:  # the experts some live row picked: the keys taken out, in a column that exists
+            taken = (keys == -1) & col_ok[None, :] & live_row[:, None]
+            hit = tl.maximum(hit, tl.max(taken.to(tl.int32), axis=0))
         slot_ok = slots[None, :] < K_TOP
         if NORMALIZE:
             vals = vals / tl.sum(tl.where(slot_ok, vals, 0.0), axis=1)[:, None]

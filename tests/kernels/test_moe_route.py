@@ -73,12 +73,17 @@ def test_padding_rows_route_to_no_expert_and_only_live_rows_count():
 def test_a_row_is_the_same_bits_whatever_the_row_count():
     """Row r alone, in a 16-row call, and in a 70-row call (several tiles): the same picks and
     weight bits (the fixed-width rule: a plain step and a verify step route alike)."""
-    logits = logits_of(70, torch.bfloat16, seed=3)
-    full_w, full_ids = mr.moe_route(logits, 3, True)
-    part_w, part_ids = mr.moe_route(logits[:16], 3, True)
+    assert_rows_alike(logits_of(70, torch.bfloat16, seed=3), 3, (0, 7, 15, 40))
+
+
+def assert_rows_alike(logits: torch.Tensor, k: int, rows) -> None:
+    """The kernel's picks and weight bits of the first 16 rows of `logits [70, E]` routed alone
+    and in the 70-row call, and of each of `rows` alone and in it."""
+    full_w, full_ids = mr.moe_route(logits, k, True)
+    part_w, part_ids = mr.moe_route(logits[:16], k, True)
     assert torch.equal(part_w, full_w[:16]) and torch.equal(part_ids, full_ids[:16])
-    for r in (0, 7, 15, 40):
-        w, ids = mr.moe_route(logits[r:r + 1], 3, True)
+    for r in rows:
+        w, ids = mr.moe_route(logits[r:r + 1], k, True)
         assert torch.equal(w[0], full_w[r]) and torch.equal(ids[0], full_ids[r]), r
 
 
@@ -139,12 +144,7 @@ def test_on_the_gpu_at_the_a3b_shapes_rows_are_invariant_match_the_twin_and_repl
     alone, among 16 and among 70 rows, and a CUDA graph's replay over new logits equal to eager."""
     logits = logits_of(70, torch.bfloat16, seed=4, n_exp=n_exp)
     assert mismatches(mr.moe_route, logits[:16], 8, True, live_of(9)) == []
-    full_w, full_ids = mr.moe_route(logits, 8, True)
-    part_w, part_ids = mr.moe_route(logits[:16], 8, True)
-    assert torch.equal(part_w, full_w[:16]) and torch.equal(part_ids, full_ids[:16])
-    for r in (0, 5, 15, 40):
-        w, ids = mr.moe_route(logits[r:r + 1], 8, True)
-        assert torch.equal(w[0], full_w[r]) and torch.equal(ids[0], full_ids[r]), r
+    assert_rows_alike(logits, 8, (0, 5, 15, 40))
     step, live, counts = logits[:16].clone(), live_of(3), torch.zeros(2, dtype=torch.int64, device=DEVICE)
     mr.moe_route(step, 8, True, live, counts)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
