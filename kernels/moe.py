@@ -34,6 +34,7 @@ Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `eligible`, `moe_sw
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,20 +58,26 @@ COMBINE_BLOCK = 1024  # hidden columns a combine program adds
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tiles: block_i gate/up rows (and as many up rows) and block_n down rows per program,
-    block_k reduction columns per loop step; warps and pipeline stages of the two matmuls."""
+    """Tiles: block_i gate/up rows (and as many up rows) and block_n down rows per work item,
+    block_k reduction columns per loop step; warps and pipeline stages of the two matmuls;
+    `programs_per_sm`: the two matmuls' programs per multiprocessor, each looping over the work
+    items (routed expert, tile) of its row tile; 0: one program per (expert, tile) of every
+    expert instead, those of an expert no row picked exiting at once."""
 
     block_i: int = 64
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    programs_per_sm: int = 1
 
     def check(self) -> "MoeConfig":
         for name in ("block_i", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"programs_per_sm must be >= 0, got {self.programs_per_sm}")
         return self
 
 
@@ -94,6 +101,28 @@ def _rows_of_expert(ids_ptr, e, m0, M, K_TOP: tl.constexpr, KP: tl.constexpr, BL
 
 
 @triton.jit
+def _routed_experts(ids_ptr, m0, M, E, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The experts some row of the row tile at m0 picked: (whether each of `BLOCK_E` experts was,
+    int32 [BLOCK_E]; how many were; each one's rank among them, ascending by index). A padding
+    row's ids (E) and the rows past M pick none."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_E)
+    picks = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
+    for j in tl.static_range(K_TOP):
+        ids = tl.load(ids_ptr + rows.to(tl.int64) * K_TOP + j, mask=rows < M, other=-1)
+        picks += (ids[:, None] == cols[None, :]).to(tl.int32)
+    hit = ((tl.max(picks, axis=0) > 0) & (cols < E)).to(tl.int32)
+    return hit, tl.sum(hit, axis=0), tl.cumsum(hit, axis=0) - 1
+
+
+@triton.jit
+def _nth_expert(hit, rank, u, BLOCK_E: tl.constexpr):
+    """The expert of rank `u` among the routed ones (`_routed_experts`)."""
+    cols = tl.arange(0, BLOCK_E)
+    return tl.sum(tl.where((hit > 0) & (rank == u), cols, 0), axis=0)
+
+
+@triton.jit
 def _dot(w, x, acc, PREC: tl.constexpr, WIDEN: tl.constexpr):
     """acc [BLOCK_W, BLOCK_M] += w [BLOCK_W, BLOCK_K] @ x[BLOCK_M, BLOCK_K].T in float32: the
     weight tile is the left operand, whose large side fills the matrix units even for one row."""
@@ -102,80 +131,122 @@ def _dot(w, x, acc, PREC: tl.constexpr, WIDEN: tl.constexpr):
     return tl.dot(w, tl.trans(x), acc, input_precision=PREC)
 
 
+@triton.jit
+def _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, tile, rows, picked, slot, H, I, stride_xm, stride_we, stride_wr,
+                  K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN_K: tl.constexpr, EVEN_I: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr,
+                  ACT: tl.constexpr):
+    """One work item: act [(row, slot), I tile `tile`] of expert e for the `picked` rows."""
+    offs_i = tile * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = offs_i < I
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = wgu_ptr + e.to(tl.int64) * stride_we + offs_i[:, None] * stride_wr + offs_k[None, :]
+    u_ptrs = g_ptrs + I * stride_wr
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    acc_g = tl.zeros((BLOCK_I, BLOCK_M), tl.float32)
+    acc_u = tl.zeros((BLOCK_I, BLOCK_M), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = (k0 + offs_k) < H
+        if EVEN_K and EVEN_I:
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            g = tl.load(g_ptrs, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
+        acc_g = _dot(g, x, acc_g, PREC, WIDEN)
+        acc_u = _dot(u, x, acc_u, PREC, WIDEN)
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    dt = act_ptr.dtype.element_ty
+    # gate and up rounded to the model dtype first, as the twin's matmul output is
+    if ACT == 1:
+        act = gelu_tanh_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)  # [BLOCK_M, BLOCK_I]
+    else:
+        act = silu_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)
+    line = (rows * K_TOP + slot).to(tl.int64)
+    tl.store(act_ptr + line[:, None] * I + offs_i[None, :], act, mask=picked[:, None] & i_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
-def _moe_gate_up_kernel(x_ptr, ids_ptr, wgu_ptr, act_ptr, M, H, I, stride_xm, stride_we, stride_wr,
+def _moe_gate_up_kernel(x_ptr, ids_ptr, wgu_ptr, act_ptr, M, H, I, E, stride_xm, stride_we, stride_wr,
                         K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_I: tl.constexpr, PREC: tl.constexpr,
-                        WIDEN: tl.constexpr, ACT: tl.constexpr = 0, PDL: tl.constexpr = False):
-    """act [(row, slot), I tile] = a(x_row @ gate_e.T) * (x_row @ up_e.T) for the rows of this
-    row tile that picked expert e = program_id(0); `wgu [E, 2I, H]` (gate rows first); a = silu
-    (ACT 0) or gelu_tanh (ACT 1)."""
+                        WIDEN: tl.constexpr, ACT: tl.constexpr = 0, ITEMS: tl.constexpr = False,
+                        BLOCK_E: tl.constexpr = 16, PDL: tl.constexpr = False):
+    """act [(row, slot), I tile] = a(x_row @ gate_e.T) * (x_row @ up_e.T) for the rows of a row
+    tile that picked expert e; `wgu [E, 2I, H]` (gate rows first); a = silu (ACT 0) or
+    gelu_tanh (ACT 1). ITEMS: program (p, row tile) takes the work items p, p + P, ... of the
+    routed (expert, I tile) pairs, experts ascending; else program (e, I tile, row tile)."""
     pdl_wait(PDL)
-    e = tl.program_id(0)
-    rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
-    if tl.max(picked.to(tl.int32), axis=0) > 0:
-        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_ok = offs_i < I
-        offs_k = tl.arange(0, BLOCK_K)
-        g_ptrs = wgu_ptr + e.to(tl.int64) * stride_we + offs_i[:, None] * stride_wr + offs_k[None, :]
-        u_ptrs = g_ptrs + I * stride_wr
-        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-        acc_g = tl.zeros((BLOCK_I, BLOCK_M), tl.float32)
-        acc_u = tl.zeros((BLOCK_I, BLOCK_M), tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k_ok = (k0 + offs_k) < H
-            if EVEN_K and EVEN_I:
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
-            else:
-                g = tl.load(g_ptrs, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
-            acc_g = _dot(g, x, acc_g, PREC, WIDEN)
-            acc_u = _dot(u, x, acc_u, PREC, WIDEN)
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        dt = act_ptr.dtype.element_ty
-        # gate and up rounded to the model dtype first, as the twin's matmul output is
-        if ACT == 1:
-            act = gelu_tanh_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)  # [BLOCK_M, BLOCK_I]
+    if ITEMS:
+        m0 = tl.program_id(1) * BLOCK_M
+        hit, n_routed, rank = _routed_experts(ids_ptr, m0, M, E, K_TOP, BLOCK_M, BLOCK_E)
+        n_tiles = tl.cdiv(I, BLOCK_I)
+        for w in range(tl.program_id(0), n_routed * n_tiles, tl.num_programs(0)):
+            e = _nth_expert(hit, rank, w // n_tiles, BLOCK_E)
+            rows, picked, slot = _rows_of_expert(ids_ptr, e, m0, M, K_TOP, KP, BLOCK_M)
+            _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, w % n_tiles, rows, picked, slot, H, I, stride_xm, stride_we,
+                          stride_wr, K_TOP, BLOCK_M, BLOCK_I, BLOCK_K, EVEN_K, EVEN_I, PREC, WIDEN, ACT)
+    else:
+        e = tl.program_id(0)
+        rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
+        if tl.max(picked.to(tl.int32), axis=0) > 0:
+            _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, tl.program_id(1), rows, picked, slot, H, I, stride_xm,
+                          stride_we, stride_wr, K_TOP, BLOCK_M, BLOCK_I, BLOCK_K, EVEN_K, EVEN_I, PREC, WIDEN, ACT)
+
+
+@triton.jit
+def _down_item(act_ptr, wd_ptr, y_ptr, e, tile, rows, picked, slot, H, I, stride_we, stride_wr,
+               K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr):
+    """One work item: y [(row, slot), hidden tile `tile`] of expert e for the `picked` rows."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    line = (rows * K_TOP + slot).to(tl.int64)
+    w_ptrs = wd_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wr + offs_k[None, :]
+    a_ptrs = act_ptr + line[:, None] * I + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = (k0 + offs_k) < I
+        if EVEN_K and EVEN_N:
+            w = tl.load(w_ptrs)
         else:
-            act = silu_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)
-        line = (rows * K_TOP + slot).to(tl.int64)
-        tl.store(act_ptr + line[:, None] * I + offs_i[None, :], act, mask=picked[:, None] & i_ok[None, :])
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
+        acc = _dot(w, a, acc, PREC, WIDEN)
+        w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    y = tl.trans(acc).to(y_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
+    tl.store(y_ptr + line[:, None] * H + offs_n[None, :], y, mask=picked[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["M"])
-def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, stride_we, stride_wr,
+def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, E, stride_we, stride_wr,
                      K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr,
-                     WIDEN: tl.constexpr, PDL: tl.constexpr = False):
-    """y [(row, slot), hidden tile] = act[(row, slot)] @ down_e.T for the rows of this row tile
-    that picked expert e = program_id(0); `wd [E, H, I]`."""
+                     WIDEN: tl.constexpr, ITEMS: tl.constexpr = False, BLOCK_E: tl.constexpr = 16,
+                     PDL: tl.constexpr = False):
+    """y [(row, slot), hidden tile] = act[(row, slot)] @ down_e.T for the rows of a row tile that
+    picked expert e; `wd [E, H, I]`; ITEMS as the gate/up kernel's, over (expert, hidden tile)."""
     pdl_wait(PDL)
-    e = tl.program_id(0)
-    rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
-    if tl.max(picked.to(tl.int32), axis=0) > 0:
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < H
-        offs_k = tl.arange(0, BLOCK_K)
-        line = (rows * K_TOP + slot).to(tl.int64)
-        w_ptrs = wd_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wr + offs_k[None, :]
-        a_ptrs = act_ptr + line[:, None] * I + offs_k[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_ok = (k0 + offs_k) < I
-            if EVEN_K and EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(a_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
-            acc = _dot(w, a, acc, PREC, WIDEN)
-            w_ptrs += BLOCK_K
-            a_ptrs += BLOCK_K
-        y = tl.trans(acc).to(y_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
-        tl.store(y_ptr + line[:, None] * H + offs_n[None, :], y, mask=picked[:, None] & n_ok[None, :])
+    if ITEMS:
+        m0 = tl.program_id(1) * BLOCK_M
+        hit, n_routed, rank = _routed_experts(ids_ptr, m0, M, E, K_TOP, BLOCK_M, BLOCK_E)
+        n_tiles = tl.cdiv(H, BLOCK_N)
+        for w in range(tl.program_id(0), n_routed * n_tiles, tl.num_programs(0)):
+            e = _nth_expert(hit, rank, w // n_tiles, BLOCK_E)
+            rows, picked, slot = _rows_of_expert(ids_ptr, e, m0, M, K_TOP, KP, BLOCK_M)
+            _down_item(act_ptr, wd_ptr, y_ptr, e, w % n_tiles, rows, picked, slot, H, I, stride_we, stride_wr,
+                       K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
+    else:
+        e = tl.program_id(0)
+        rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
+        if tl.max(picked.to(tl.int32), axis=0) > 0:
+            _down_item(act_ptr, wd_ptr, y_ptr, e, tl.program_id(1), rows, picked, slot, H, I, stride_we, stride_wr,
+                       K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
 
 
 @triton.jit
@@ -203,6 +274,22 @@ def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, K_TOP
         y = tl.load(y_ptr + (row * K_TOP + slot) * H + offs, mask=ok & real, other=0.0).to(tl.float32)
         acc = (acc + (y * w).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs, acc.to(dt), mask=ok)
+
+
+# Multiprocessors the interpreter's programs stand for: a few, so a step's items spread over
+# several programs and some programs find none (what the tests exercise).
+INTERPRETED_SMS = 3
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors (CUDA), or `INTERPRETED_SMS` elsewhere (the interpreter)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else INTERPRETED_SMS
 
 
 def eligible(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
@@ -254,12 +341,19 @@ def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_
                   WIDEN=interpreting() and x.device.type != "cuda", num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     row_tiles = triton.cdiv(m, BLOCK_M)
-    _moe_gate_up_kernel[(n_exp, triton.cdiv(inter, cfg.block_i), row_tiles)](
-        x, ids, w_gate_up, act, m, h, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+    programs = cfg.programs_per_sm * multiprocessors(x.device)
+    if programs:  # each program loops over its row tile's routed (expert, tile) items
+        grid_gu = grid_down = (programs, row_tiles)
+        common.update(ITEMS=True, BLOCK_E=max(16, triton.next_power_of_2(n_exp)))
+    else:
+        grid_gu = (n_exp, triton.cdiv(inter, cfg.block_i), row_tiles)
+        grid_down = (n_exp, triton.cdiv(h, cfg.block_n), row_tiles)
+    _moe_gate_up_kernel[grid_gu](
+        x, ids, w_gate_up, act, m, h, inter, n_exp, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         BLOCK_I=cfg.block_i, EVEN_K=h % cfg.block_k == 0, EVEN_I=inter % cfg.block_i == 0,
         ACT=_ACT_CODE[activation], **common, **pdl_args(x))
-    _moe_down_kernel[(n_exp, triton.cdiv(h, cfg.block_n), row_tiles)](
-        act, ids, w_down, y, m, h, inter, w_down.stride(0), w_down.stride(1),
+    _moe_down_kernel[grid_down](
+        act, ids, w_down, y, m, h, inter, n_exp, w_down.stride(0), w_down.stride(1),
         BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0, EVEN_N=h % cfg.block_n == 0, **common, **pdl_args(x))
     _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK))](
         y, ids, wts, out, h, n_exp, out.stride(0), K_TOP=k, KP=common["KP"], BLOCK=COMBINE_BLOCK, num_warps=4,

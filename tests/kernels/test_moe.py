@@ -114,6 +114,45 @@ def test_planted_wrong_expert_index_is_caught():
     assert twin_violations(neighbour, 16, 2, torch.bfloat16) > 0
 
 
+EXPERT_GRID = moe.MoeConfig(programs_per_sm=0)  # a program per (expert, tile) instead of the work items
+
+
+@pytest.mark.parametrize("m", [1, pytest.param(16, marks=pytest.mark.exhaustive)], ids=lambda m: f"M{m}")
+def test_the_program_count_changes_no_bit(monkeypatch, m):
+    """The matmuls' work items (routed expert, tile) give the same bits whichever program runs
+    them: one program, a few, more programs than items, and a program per (expert, tile) of
+    every expert; a one-row step (a plain decode's) and sixteen rows."""
+    x, w, ids, gu, down = inputs(m, 3, torch.bfloat16, seed=11)
+    want = moe.moe_swiglu(x, w, ids, gu, down, config=EXPERT_GRID)
+    for sms in (1, 3, 64):
+        monkeypatch.setattr(moe, "INTERPRETED_SMS", sms)
+        assert torch.equal(moe.moe_swiglu(x, w, ids, gu, down), want), sms
+
+
+_routed_experts = moe._routed_experts  # the real one, for the plant below to call once patched in
+
+
+@triton.jit
+def _one_expert_short(ids_ptr, m0, M, E, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Planted: the routed experts counted one short (the last one's items never run)."""
+    hit, n, rank = _routed_experts(ids_ptr, m0, M, E, K_TOP, BLOCK_M, BLOCK_E)
+    return hit, n - 1, rank
+
+
+@triton.jit
+def _rank_as_expert(hit, rank, u, BLOCK_E: tl.constexpr):
+    """Planted: an item's expert is its rank, not the rank's routed expert."""
+    return u
+
+
+@pytest.mark.parametrize("plant", [_one_expert_short, _rank_as_expert], ids=["count", "rank"])
+def test_planted_work_item_bugs_are_caught(monkeypatch, plant):
+    """The f32 bound sees the items miss a routed expert, or run experts no row picked."""
+    name = "_routed_experts" if plant is _one_expert_short else "_nth_expert"
+    monkeypatch.setattr(moe, name, plant)
+    assert twin_violations(moe.moe_swiglu, 1, 2, torch.float32) > 0
+
+
 def test_planted_wrong_activation_is_caught():
     """The GELU-tanh twin sees the kernels run with SiLU (a Gemma expert on the Qwen epilogue) in
     float32's bound: the bound tells the two activations apart. (A swapped switch, the other way
