@@ -168,18 +168,25 @@ def step_rows(model, name: str, vts: list[int], width: int, cost, bw: float, mea
 
 
 def parse_tiles(raw: str):
-    """`--tiles` "IxNxKxWxS,..." (block_i, block_n, block_k, warps, stages) -> MoeConfigs."""
-    from memra_kernels.moe import MoeConfig
+    """`--tiles` "IxNxKxWxS[xP],..." (block_i, block_n, block_k, warps, stages, and the matmuls'
+    programs per multiprocessor: 0 for a program per (expert, tile); `moe.CONFIG`'s when left
+    out) -> MoeConfigs."""
+    from memra_kernels.moe import CONFIG, MoeConfig
 
     out = []
     for item in raw.split(","):
-        i, n, k, w, s = (int(v) for v in item.split("x"))
-        out.append(MoeConfig(block_i=i, block_n=n, block_k=k, num_warps=w, num_stages=s).check())
+        fields = [int(v) for v in item.split("x")]
+        if len(fields) not in (5, 6):
+            raise ValueError(f"{item!r} has {len(fields)} fields, not 5 or 6")
+        i, n, k, w, s = fields[:5]
+        per_sm = fields[5] if len(fields) == 6 else CONFIG.programs_per_sm
+        out.append(MoeConfig(block_i=i, block_n=n, block_k=k, num_warps=w, num_stages=s,
+                             programs_per_sm=per_sm).check())
     return out
 
 
 def tiles_name(cfg) -> str:
-    return f"{cfg.block_i}x{cfg.block_n}x{cfg.block_k}x{cfg.num_warps}x{cfg.num_stages}"
+    return f"{cfg.block_i}x{cfg.block_n}x{cfg.block_k}x{cfg.num_warps}x{cfg.num_stages}x{cfg.programs_per_sm}"
 
 
 @torch.no_grad()
@@ -276,7 +283,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton "
                     "(default: both on CUDA, torch elsewhere)")
     ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "
-                    "configurations: comma-separated block_i x block_n x block_k x warps x stages, e.g. 64x64x128x4x3")
+                    "configurations: comma-separated block_i x block_n x block_k x warps x stages [x programs per "
+                    "multiprocessor, 0: a program per (expert, tile)], e.g. 64x64x128x4x3 or 64x64x128x4x3x0")
     ap.add_argument("--width", type=int, default=16, help="also time each vt below it as a step of this many "
                     "rows, vt of them live (the engine's fixed-width step); 0: only the vt-row steps")
     ap.add_argument("--context", type=int, default=512)
@@ -295,7 +303,7 @@ def main(argv: list[str]) -> int:
     try:
         tiles = parse_tiles(a.tiles) if a.tiles else []
     except ValueError as exc:
-        print(f"error: --tiles {a.tiles!r}: {exc} (expected e.g. 64x64x128x4x3)", file=sys.stderr)
+        print(f"error: --tiles {a.tiles!r}: {exc} (expected e.g. 64x64x128x4x3 or 64x64x128x4x3x0)", file=sys.stderr)
         return 2
     if tiles and dev.type != "cuda":
         print(f"error: --tiles {a.tiles!r}: the kernels need --device cuda", file=sys.stderr)
