@@ -110,10 +110,11 @@ def _shape_pairs(target, family: str, big: dict) -> list[tuple[tuple[int, int], 
     `swiglu` / `qkv_rope_kv_write` take: qkv, o, (dense) gate/up and down, lm_head."""
     w = target.layers[0]
     small = [tuple(w.wqkv.shape), tuple(w.wo.shape), tuple(target.lm_head_weight.shape)]
-    if family == "qwen3_moe":  # moe_step.SHAPES keys; every layer routes (no dense gate/up)
+    if family == "qwen3_moe":  # moe_step.SHAPES keys; every layer routes (no dense gate/up): the router
         h, q, kv = big["hidden_size"], big["num_attention_heads"] * big["head_dim"], \
             big["num_key_value_heads"] * big["head_dim"]
-        return list(zip(small, [(q + 2 * kv, h), (h, q), (big["vocab_size"], h)]))
+        return list(zip(small + [tuple(w.experts.router.shape)],
+                        [(q + 2 * kv, h), (h, q), (big["vocab_size"], h), (big["num_experts"], h)]))
     h, q, kv, ff = big["hidden"], big["heads"] * big["hd"], big["kv"] * big["hd"], big["ffn"]
     pairs = list(zip(small, [(q + 2 * kv, h), (h, q), (big["vocab"], h)]))
     return pairs + [(tuple(w.w_gate_up.shape), (2 * ff, h)), (tuple(w.w_down.shape), (h, ff))]
