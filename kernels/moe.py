@@ -44,7 +44,8 @@ import triton.language as tl
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args, pdl_wait
 from .activation import gelu_tanh_mul_rounded, silu_mul_rounded
-from .moe_ref import ACTIVATIONS, check_activation, moe_swiglu_ref  # noqa: F401  (the twin: the op's one torch body)
+from .moe_ref import ACTIVATIONS, check_activation, moe_swiglu_add_rms_norm_ref, moe_swiglu_ref  # noqa: F401  (the twins)
+from .norm import _num_warps as _norm_warps, add_rms_norm, rms_rstd
 
 __all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "ACTIVATIONS", "eligible", "moe_swiglu", "moe_swiglu_ref"]
 
@@ -54,6 +55,7 @@ _ACT_CODE = {"silu": 0, "gelu_tanh": 1}  # the gate/up kernel's ACT switch, by A
 # expert once; a longer call (a prefill chunk) runs row tiles of BLOCK_M, each reading its own.
 BLOCK_M = 32
 COMBINE_BLOCK = 1024  # hidden columns a combine program adds
+NORM_MAX = 16384  # the widest hidden the combine's fused norm holds in one program
 
 
 @dataclass(frozen=True)
@@ -250,11 +252,14 @@ def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, E, stride_we, str
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, K_TOP: tl.constexpr, KP: tl.constexpr,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, res_ptr, norm_w_ptr, res_out_ptr, eps,
+                        K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """out[row, tile] = Σ_j weights[row, j] · y[(row, j)], the j taken in ascending expert index,
     each product and each add rounded to the model dtype, from zeros (the twin's order); zeros
-    for a padding row (ids E), whose lines no expert wrote."""
+    for a padding row (ids E), whose lines no expert wrote. NORM (one tile holds the row): then
+    res_out = out + residual and out = the RMSNorm of res_out by norm_w, `norm.add_rms_norm`'s
+    arithmetic (HF Qwen3RMSNorm)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -265,7 +270,7 @@ def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, K_TOP
     wts = tl.load(wts_ptr + row * K_TOP + slots, mask=valid, other=0.0).to(tl.float32)
     rank = tl.sum((ids[None, :] < ids[:, None]).to(tl.int32), axis=1)  # [KP]: experts of the row below slot j's
     real = tl.min(ids, axis=0) < E  # a padding row's ids are all E: nothing of it is read
-    dt = out_ptr.dtype.element_ty
+    dt = y_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK,), tl.float32)
     for q in range(K_TOP):
         here = rank == q
@@ -273,6 +278,13 @@ def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, K_TOP
         w = tl.sum(tl.where(here, wts, 0.0), axis=0)  # one term: exact
         y = tl.load(y_ptr + (row * K_TOP + slot) * H + offs, mask=ok & real, other=0.0).to(tl.float32)
         acc = (acc + (y * w).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if NORM:  # the residual add rounded to the model dtype first, then the norm of that sum
+        r = tl.load(res_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
+        s = (acc + r).to(dt)
+        tl.store(res_out_ptr + row * H + offs, s, mask=ok)
+        x = s.to(tl.float32)
+        nw = tl.load(norm_w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        acc = nw * (x * rms_rstd(x, H, eps)).to(dt).to(tl.float32)  # HF Qwen3RMSNorm rounds before the weight
     tl.store(out_ptr + row * stride_om + offs, acc.to(dt), mask=ok)
 
 
@@ -323,15 +335,61 @@ def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_
     (ids in [0, E), distinct in a row; all E in a padding row), `w_gate_up [E, 2I, hidden]`, `w_down [E, hidden, I]`
     -> `[t, hidden]` in x's dtype (float32 accumulation); `activation` the gate's (`ACTIVATIONS`:
     silu, gelu_tanh). `config` overrides the tiles (tests, benchmarks)."""
+    out = torch.empty_like(x)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config)
+    if lines is None:
+        return out.zero_()
+    y, ids, wts = lines
+    m, h = x.shape
+    _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK))](
+        y, ids, wts, out, h, w_gate_up.shape[0], out.stride(0), out, out, out, 0.0, K_TOP=ids.shape[1],
+        KP=triton.next_power_of_2(ids.shape[1]), BLOCK=COMBINE_BLOCK, num_warps=4, **pdl_args(x))
+    return out
+
+
+def norm_eligible(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether `moe_swiglu_add_rms_norm` takes the residual and norm weight: x's shape and dtype,
+    contiguous, one tile of a row (hidden up to `NORM_MAX`)."""
+    return (residual.shape == x.shape and residual.dtype == x.dtype == norm_weight.dtype and residual.is_contiguous()
+            and norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous() and x.shape[1] <= NORM_MAX)
+
+
+def moe_swiglu_add_rms_norm(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                            w_down: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            activation: str = "silu", *, config: MoeConfig | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_swiglu_add_rms_norm_ref` on the kernels: `moe_swiglu`, then `new_residual = out +
+    residual` and its RMSNorm by `norm_weight` in the combine's launch (a program per row, the
+    norm's arithmetic) -> (normed, new_residual), `[t, hidden]` each. Needs `norm_eligible`."""
+    if not norm_eligible(x, residual, norm_weight):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} and norm weight "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype} do not fit x {tuple(x.shape)} {x.dtype} "
+                         f"(contiguous, x's dtype, hidden <= {NORM_MAX})")
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config)
+    if lines is None:
+        return add_rms_norm(torch.zeros_like(x), residual, norm_weight, eps)
+    y, ids, wts = lines
+    m, h = x.shape
+    normed, new_residual = torch.empty_like(x), torch.empty_like(x)
+    block = triton.next_power_of_2(h)
+    _moe_combine_kernel[(m, 1)](
+        y, ids, wts, normed, h, w_gate_up.shape[0], normed.stride(0), residual, norm_weight, new_residual, float(eps),
+        K_TOP=ids.shape[1], KP=triton.next_power_of_2(ids.shape[1]), BLOCK=block, NORM=True,
+        num_warps=_norm_warps(block), **pdl_args(x))
+    return normed, new_residual
+
+
+def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, config: MoeConfig | None):
+    """The gate/up and down launches: `(y [t*k, hidden], ids, weights)`, each (row, slot) line
+    the row's output of that slot's expert (unwritten for a padding row); None when t or k is 0."""
     check_activation(activation)
     _check(x, weights, experts, w_gate_up, w_down)
     cfg = (config or CONFIG).check()
     m, h = x.shape
     n_exp, two_i, _ = w_gate_up.shape
     inter, k = two_i // 2, experts.shape[1]
-    out = torch.empty_like(x)
     if m == 0 or k == 0:
-        return out.zero_()
+        return None
     x = x if x.stride(1) == 1 else x.contiguous()
     ids, wts = experts.contiguous(), weights.contiguous()
     act = torch.empty((m * k, inter), dtype=x.dtype, device=x.device)
@@ -355,7 +413,4 @@ def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_
     _moe_down_kernel[grid_down](
         act, ids, w_down, y, m, h, inter, n_exp, w_down.stride(0), w_down.stride(1),
         BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0, EVEN_N=h % cfg.block_n == 0, **common, **pdl_args(x))
-    _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK))](
-        y, ids, wts, out, h, n_exp, out.stride(0), K_TOP=k, KP=common["KP"], BLOCK=COMBINE_BLOCK, num_warps=4,
-        **pdl_args(x))
-    return out
+    return y, ids, wts

@@ -58,15 +58,17 @@ def _same_state(a, b):
 
 def test_a_step_through_the_kernels_matches_the_torch_ops(target_dir, monkeypatch):
     calls = []
-    real = moe.moe_swiglu
-    monkeypatch.setattr(moe, "moe_swiglu", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for name in ("moe_swiglu", "moe_swiglu_add_rms_norm"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=real, **kw: calls.append((_n, a[0].shape[0])) or _f(*a, **kw))
     out = {}
     for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps())):
         model = _model(target_dir, ops)
         out[name], _ = _grouped(StepRunner(model, W), _ids(12, 0), _ids(W, 1), [W])
     sparse = len(model.moe.sparse_layers)
     assert 0 < sparse < len(model.layers)
-    assert calls == [12] * sparse + [W] * sparse  # the prefill's 12 rows and the step, on the kernels
+    # the prefill's 12 rows on the kernels, and the step's with the residual add and next norm in their launch
+    assert calls == [("moe_swiglu", 12)] * sparse + [("moe_swiglu_add_rms_norm", W)] * sparse
     ref, got = out["torch"], out["triton"]
     assert torch.isfinite(got).all()
     assert ((got - ref).norm() / ref.norm()).item() < LOGIT_TOL

@@ -27,6 +27,10 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   routed experts' GLU (SwiGLU, or `activation="gelu_tanh"`: Gemma 4's) and weighted combine
   (memra_kernels.moe_ref; with the kernels, `memra_kernels.moe`: each routed expert read once per
   32 rows, the ids read on the device)
+- `moe_swiglu_add_rms_norm(x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
+  activation="silu") -> (normed, residual + out)`: `moe_swiglu` then `add_rms_norm`, a sparse
+  layer's end (with the kernels the add and norm run in the combine's launch:
+  `memra_kernels.moe.moe_swiglu_add_rms_norm`)
 - `moe_route(logits, k, normalize, live=None, counts=None, scale=None) -> (weights, ids)`: a
   router's picks from its logits `[t, E]` (softmax in float32, top-k with ties to the lower
   index, renormalised, a per-expert scale, cast; rows from `live` on routed to no expert; the
@@ -104,7 +108,8 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
 
 - `unfused()`: these ops with this seam's launch fusions undone (`embed_rms_norm` as the gather
   then the norm, `lm_head_argmax` as the matmul then the argmax, `qkv_rope_kv_write` as the
-  projection then the rope op): the same bits, more
+  projection then the rope op, `moe_swiglu_add_rms_norm` as the experts then the add + norm): the
+  same bits (the MoE one but for the norm's float32 sum of squares, perhaps in another order), more
   launches; what the GPU benchmarks time those fusions against (`target_step --variants
   triton-unfused`; the SwiGLU epilogue has its own switch, `unfused_swiglu`, variant `noglu`)
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
@@ -142,7 +147,7 @@ from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_ro
 from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,
                                       softcap_ref)
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
-from memra_kernels.moe_ref import moe_swiglu_ref
+from memra_kernels.moe_ref import moe_swiglu_add_rms_norm_ref, moe_swiglu_ref
 from memra_kernels.norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_ref, gated_rms_norm_heads,
                                     rms_norm_ref)
 from memra_kernels.qwen35_ref import gdn_gates_body, window_after
@@ -176,6 +181,12 @@ def unfused_qkv_rope_kv_write(ops, h: torch.Tensor, w_qkv, b_qkv, q_norm, k_norm
     if q_norm is None:
         return ops.rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, n_heads, n_kv)
     return ops.qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, n_heads, n_kv, eps)
+
+
+def unfused_moe_swiglu_add_rms_norm(ops, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps: float,
+                                    activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe_swiglu` then `ops.add_rms_norm`: the unfused form `unfused()` installs."""
+    return ops.add_rms_norm(ops.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation), residual, norm_w, eps)
 
 
 def unfused_lm_head_argmax(ops, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -345,6 +356,7 @@ class TorchStepOps:
         return unfused_swiglu(cls, x, w_gate_up)
 
     moe_swiglu = staticmethod(moe_swiglu_ref)  # the routed experts' GLU + combine: the op's one torch body
+    moe_swiglu_add_rms_norm = staticmethod(moe_swiglu_add_rms_norm_ref)  # then the add + norm: its one torch body
 
     prefill_mask = True  # prefill_attention reads the forward's folded [g*t, n] mask
 
@@ -581,6 +593,7 @@ class TritonStepOps:
         ops.embed_rms_norm = functools.partial(unfused_embed_rms_norm, ops)
         ops.lm_head_argmax = functools.partial(unfused_lm_head_argmax, ops)
         ops.qkv_rope_kv_write = functools.partial(unfused_qkv_rope_kv_write, ops)
+        ops.moe_swiglu_add_rms_norm = functools.partial(unfused_moe_swiglu_add_rms_norm, ops)
         return ops
 
     def qkv_rope_kv_write(self, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
@@ -634,6 +647,19 @@ class TritonStepOps:
         if self._moe.eligible(x, w_gate_up, w_down):
             return self._moe.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation)
         return moe_swiglu_ref(x, weights, experts, w_gate_up, w_down, activation)
+
+    def moe_swiglu_add_rms_norm(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                                w_gate_up: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor,
+                                norm_w: torch.Tensor, eps: float, activation: str = "silu"
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TorchStepOps.moe_swiglu_add_rms_norm` with the residual add and the norm in the MoE
+        combine's launch (`moe.moe_swiglu_add_rms_norm`); `moe_swiglu` then `add_rms_norm` where
+        the kernels do not take the tensors. The choice depends on shapes and dtypes only."""
+        if self._moe.eligible(x, w_gate_up, w_down) and self._moe.norm_eligible(x, residual, norm_w):
+            return self._moe.moe_swiglu_add_rms_norm(x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
+                                                     activation)
+        return unfused_moe_swiglu_add_rms_norm(self, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
+                                               activation)
 
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
                   counts: torch.Tensor | None = None, scale: torch.Tensor | None = None

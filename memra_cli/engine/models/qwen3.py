@@ -283,6 +283,13 @@ class Qwen3Target(TargetBase):
         ops = self.step_ops
         return ops.linear(ops.swiglu(h, w.w_gate_up), w.w_down)
 
+    def _step_ffn_add_norm(self, h: torch.Tensor, x: torch.Tensor, li: int, w: LayerWeights,
+                           next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_step_ffn`, the residual add onto `x [W, hidden]` and the norm after it ->
+        (normed, new residual): a family whose feed-forward can end in that add and norm (the
+        MoE combine's launch) overrides this."""
+        return self.step_ops.add_rms_norm(self._step_ffn(h, li, w), x, next_norm, self.cfg.rms_norm_eps)
+
     # ----------------------------------------------------------------------- heads
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -350,9 +357,8 @@ class Qwen3Target(TargetBase):
                                       kv[1], self.n_heads, self.n_kv, eps)
             attn = ops.linear(ops.attention(q, kv[0, :, :keys], kv[1, :, :keys], positions, self.scale), w.wo, w.bo)
             h, x = ops.add_rms_norm(attn, x, w.mlp_norm, eps)
-            down = self._step_ffn(h, li, w)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
-            h, x = ops.add_rms_norm(down, x, next_norm, eps)
+            h, x = self._step_ffn_add_norm(h, x, li, w, next_norm)
             if li in wanted:
                 tapped[li] = x
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
