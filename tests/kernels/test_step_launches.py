@@ -44,20 +44,25 @@ def test_a_greedy_step_fuses_the_argmax_into_the_lm_head(variant):
         assert got["launches_8b"] == 36 * 9 + 5
 
 
-@pytest.mark.exhaustive  # three interpreted steps of a 2-layer MoE target: several seconds
+@pytest.mark.exhaustive  # six interpreted steps of a 2-layer MoE target: several seconds
 def test_an_moe_step_launches_per_layer():
     """A Qwen3-MoE plain decode step (16 rows, one live), routed as the A3B shape: per sparse
     layer the attention's launches, the router's matmul, one routing launch and the MoE kernels,
-    by name (what one more layer adds), and the A3B step's total from them."""
+    by name (what one more layer adds), and the A3B step's total from them; unfused, the MoE
+    combine's residual add and next norm are a launch of their own."""
     from benchmarks.step_launches import count_step
 
-    got = count_step("qwen3_moe")
-    assert got["per_layer_kernels"] == {
-        "linear": 2,  # q/k/v (not in the dense kernel's table at A3B) and the router
+    fused, unfused = count_step("qwen3_moe"), count_step("qwen3_moe", variant="unfused")
+    assert fused["per_layer_kernels"] == {
+        "linear": 2,  # q/k/v (not in the dense kernel's table at A3B) and the router (nor is it)
         "_qk_norm_rope_kv_kernel": 1, "_split_kernel": 1, "_combine_kernel": 1,  # rope + K/V, attention
         "_dense_linear_kernel": 1,  # o
-        "_rms_norm_kernel": 2,  # the residual adds with the norms after them
-        "_moe_route_kernel": 1, "_moe_gate_up_kernel": 1, "_moe_down_kernel": 1, "_moe_combine_kernel": 1,
+        "_rms_norm_kernel": 1,  # the attention's residual add with the norm after it
+        "_moe_route_kernel": 1, "_moe_gate_up_kernel": 1, "_moe_down_kernel": 1,
+        "_moe_combine_kernel": 1,  # with the residual add and the next layer's norm
     }
-    assert got["per_layer"] == 12 and got["outside_layers"] == 3  # embedding + norm, lm_head, widening
-    assert got["launches_8b"] == 48 * 12 + 3
+    assert unfused["per_layer_kernels"] == {**fused["per_layer_kernels"], "_rms_norm_kernel": 2}
+    assert fused["per_layer"] == 11 and unfused["per_layer"] == 12
+    # outside the layers: embedding + first norm (one launch fused), lm_head, the float32 widening
+    assert fused["outside_layers"] == 3 and unfused["outside_layers"] == 4
+    assert fused["launches_8b"] == 48 * 11 + 3
