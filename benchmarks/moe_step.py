@@ -4,7 +4,9 @@ torch expert op (the twin) and on memra's few-row MoE kernels, side by side in o
 Random weights at a published shape (built in memory, no checkpoint), one process:
 
 - the step (`static_step`) for vt = 1..16 with each step-ops variant (`--ops`: `torch` = the
-  twin and torch ops, `triton` = the Triton step ops with the MoE kernels): median ms of eager
+  twin and torch ops, `triton` = the Triton step ops with the MoE kernels, `triton-unfused` =
+  those with the step's launch fusions undone, `TritonStepOps.unfused()`: the A/B of the MoE
+  combine's residual add + norm, and of the embedding + first norm): median ms of eager
   steps (device synchronised), and on CUDA with the kernels the step replayed as a CUDA graph
   (a captured twin runs every expert, so it has no graphed number); each step of vt rows alone
   and, for vt below `--width` (16), the `--width`-row step with vt live rows and the rest
@@ -94,10 +96,13 @@ def read_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
 
 
 def step_ops(name: str):
-    """The step-ops variant `name`: `torch` (the twin) or `triton` (the MoE kernels; CUDA)."""
+    """The step-ops variant `name`: `torch` (the twin), `triton` (the MoE kernels; CUDA) or
+    `triton-unfused` (those with the launch fusions undone)."""
     from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
 
-    return TorchStepOps() if name == "torch" else TritonStepOps()
+    if name == "torch":
+        return TorchStepOps()
+    return TritonStepOps().unfused() if name == "triton-unfused" else TritonStepOps()
 
 
 def graphed_ms(fn, iters: int) -> tuple[float | None, str | None]:
@@ -244,11 +249,14 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
     return row
 
 
+OPS = ("torch", "triton", "triton-unfused")
+
+
 def parse_ops(raw: str | None, dev: torch.device) -> list[str] | None:
     """`--ops` -> variants (None: refused); unset: both on CUDA, the twin alone elsewhere (the
     kernels need CUDA)."""
     ops = (["torch", "triton"] if dev.type == "cuda" else ["torch"]) if raw is None else raw.split(",")
-    if any(o not in ("torch", "triton") for o in ops) or ("triton" in ops and dev.type != "cuda"):
+    if any(o not in OPS for o in ops) or (any(o != "torch" for o in ops) and dev.type != "cuda"):
         return None
     return ops
 
@@ -280,7 +288,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
-    ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton "
+    ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton, triton-unfused "
                     "(default: both on CUDA, torch elsewhere)")
     ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "
                     "configurations: comma-separated block_i x block_n x block_k x warps x stages [x programs per "
@@ -298,7 +306,8 @@ def main(argv: list[str]) -> int:
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
     ops = parse_ops(a.ops, dev)
     if ops is None:
-        print(f"error: --ops {a.ops!r}: expected torch and/or triton (triton needs --device cuda)", file=sys.stderr)
+        print(f"error: --ops {a.ops!r}: expected torch, triton and/or triton-unfused (the triton ones need "
+              "--device cuda)", file=sys.stderr)
         return 2
     try:
         tiles = parse_tiles(a.tiles) if a.tiles else []

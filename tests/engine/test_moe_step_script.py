@@ -45,7 +45,8 @@ def test_the_kernels_off_cuda_are_refused_in_one_line():
     proc = _run("--ops", "torch,triton")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --ops 'torch,triton': expected torch and/or triton (triton needs --device cuda)"]
+        "error: --ops 'torch,triton': expected torch, triton and/or triton-unfused (the triton ones need "
+        "--device cuda)"]
     proc = _run("--tiles", "64x64x128x4x3")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --tiles '64x64x128x4x3': the kernels need --device cuda"]
