@@ -31,6 +31,9 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   activation="silu") -> (normed, residual + out)`: `moe_swiglu` then `add_rms_norm`, a sparse
   layer's end (with the kernels the add and norm run in the combine's launch:
   `memra_kernels.moe.moe_swiglu_add_rms_norm`)
+- `router_route(x, router, k, normalize, live=None, counts=None, scale=None) -> (weights, ids)`:
+  `moe_route(linear(x, router), ...)`, a router's logits and picks (with the kernels, for a
+  step's rows, one launch: `memra_kernels.moe_route.router_route`)
 - `moe_route(logits, k, normalize, live=None, counts=None, scale=None) -> (weights, ids)`: a
   router's picks from its logits `[t, E]` (softmax in float32, top-k with ties to the lower
   index, renormalised, a per-expert scale, cast; rows from `live` on routed to no expert; the
@@ -108,7 +111,8 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
 
 - `unfused()`: these ops with this seam's launch fusions undone (`embed_rms_norm` as the gather
   then the norm, `lm_head_argmax` as the matmul then the argmax, `qkv_rope_kv_write` as the
-  projection then the rope op, `moe_swiglu_add_rms_norm` as the experts then the add + norm): the
+  projection then the rope op, `moe_swiglu_add_rms_norm` as the experts then the add + norm,
+  `router_route` as the router's matmul then the routing): the
   same bits (the MoE one but for the norm's float32 sum of squares, perhaps in another order), more
   launches; what the GPU benchmarks time those fusions against (`target_step --variants
   triton-unfused`; the SwiGLU epilogue has its own switch, `unfused_swiglu`, variant `noglu`)
@@ -181,6 +185,11 @@ def unfused_qkv_rope_kv_write(ops, h: torch.Tensor, w_qkv, b_qkv, q_norm, k_norm
     if q_norm is None:
         return ops.rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, n_heads, n_kv)
     return ops.qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, n_heads, n_kv, eps)
+
+
+def unfused_router_route(ops, x, router, k: int, normalize: bool, live=None, counts=None, scale=None):
+    """`ops.linear` then `ops.moe_route`: a router's logits, then its picks (the unfused form)."""
+    return ops.moe_route(ops.linear(x, router), k, normalize, live, counts, scale)
 
 
 def unfused_moe_swiglu_add_rms_norm(ops, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps: float,
@@ -302,6 +311,13 @@ class TorchStepOps:
         return contextlib.nullcontext()
 
     moe_route = staticmethod(moe_route_ref)  # the op's one torch body
+
+    def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
+                     live: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`moe_route` of the router's logits `linear(x, router)` (model dtype), through this
+        instance's two ops."""
+        return unfused_router_route(self, x, router, k, normalize, live, counts, scale)
 
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -594,6 +610,7 @@ class TritonStepOps:
         ops.lm_head_argmax = functools.partial(unfused_lm_head_argmax, ops)
         ops.qkv_rope_kv_write = functools.partial(unfused_qkv_rope_kv_write, ops)
         ops.moe_swiglu_add_rms_norm = functools.partial(unfused_moe_swiglu_add_rms_norm, ops)
+        ops.router_route = functools.partial(unfused_router_route, ops)
         return ops
 
     def qkv_rope_kv_write(self, h, w_qkv, b_qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache,
@@ -660,6 +677,17 @@ class TritonStepOps:
                                                      activation)
         return unfused_moe_swiglu_add_rms_norm(self, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
                                                activation)
+
+    def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
+                     live: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TorchStepOps.router_route` in one launch for a step's rows (`moe_route.router_eligible`:
+        up to 64 rows, a router of up to 1024 experts), the router's matmul and the picks
+        together; `linear` then `moe_route` otherwise (a prefill chunk). The choice depends on
+        the row count only past a step's rows, so every fixed-width step routes a row alike."""
+        if self._moe_route.router_eligible(x, router):
+            return self._moe_route.router_route(x, router, k, normalize, live, counts, scale)
+        return unfused_router_route(self, x, router, k, normalize, live, counts, scale)
 
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
                   counts: torch.Tensor | None = None, scale: torch.Tensor | None = None
