@@ -15,7 +15,8 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   no expert is read from L2 twice): the twin eager, the kernels eager and as a CUDA graph, the
   ratio twin / kernels, and the kernels' graphed time against the read floor of the experts the
   rows routed to; and the routing alone from the router logits (the twin's ~14 launches eager
-  and graphed, the routing kernel's one graphed), per layer;
+  and graphed, the routing kernel's one graphed), and from x with the router's matmul (the
+  step ops' `linear` then the routing kernel, against `router_route`'s one launch, graphed), per layer;
 - per step: the experts run per sparse layer (counted by the target), the bytes those weights
   hold (attention, router, dense MLPs, lm_head, and the measured expert union), the read
   bandwidth measured in the same process (a large tensor's sum), the ratio of time to that
@@ -204,7 +205,8 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
     from memra_cli.engine.layers.moe import route
     from memra_kernels.moe import moe_swiglu
     from memra_kernels.moe_ref import moe_swiglu_ref
-    from memra_kernels.moe_route import moe_route
+    from memra_cli.engine.layers.step_ops import TritonStepOps, unfused_router_route
+    from memra_kernels.moe_route import moe_route, router_route
     from memra_kernels.moe_route_ref import moe_route_ref
 
     dev, moe = model.device, model.moe
@@ -220,8 +222,8 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
         return lambda: [op(x, *c) for c in calls]
 
     n = len(calls)
-    logits = [torch.nn.functional.linear(x, layer.experts.router) for layer in model.layers
-              if layer.experts is not None]
+    routers = [layer.experts.router for layer in model.layers if layer.experts is not None]
+    logits = [torch.nn.functional.linear(x, r) for r in routers]
     counts = torch.zeros(2, dtype=torch.int64, device=dev)
 
     def route_every_layer(op):  # the router's picks and the count from its logits, every sparse layer
@@ -242,6 +244,12 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
         for name, op in (("twin", moe_route_ref), ("kernel", moe_route)):  # graphed: launches, not bytes, cost here
             ms, err = graphed_ms(route_every_layer(op), iters)
             row[f"route_{name}_graph_us"] = err if ms is None else 1e3 * ms / n
+        kernels = TritonStepOps()
+        for name, op in (("router_unfused", lambda *a: unfused_router_route(kernels, *a)),
+                         ("router_kernel", router_route)):  # from x: the router's matmul too, the A/B of the fusion
+            ms, err = graphed_ms(lambda op=op: [op(x, r, moe.top_k, moe.norm_topk_prob, None, counts) for r in routers],
+                                 iters)
+            row[f"{name}_graph_us"] = err if ms is None else 1e3 * ms / n
         row["tiles_graph_us"] = {}
         for cfg in tiles:
             ms, err = graphed_ms(every_layer(lambda *a, cfg=cfg: moe_swiglu(*a, config=cfg)), iters)
@@ -356,6 +364,10 @@ def main(argv: list[str]) -> int:
             us = r.get(f"route_{name}_graph_us")
             if us is not None:
                 route += f", {name} " + (f"{us:7.1f} us graphed" if isinstance(us, float) else us)
+        for name, what in (("router_unfused", "from x: matmul + routing"), ("router_kernel", "one launch")):
+            us = r.get(f"{name}_graph_us")
+            if us is not None:
+                route += f"; {what} " + (f"{us:7.1f} us graphed" if isinstance(us, float) else us)
         print(route)
         for name, us in r.get("tiles_graph_us", {}).items():
             print(f"   tiles {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
