@@ -99,7 +99,7 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
     state_class = LiveLayerKVCache
 
     step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
-                     "gelu_tanh_mul, softcap, moe_route and moe_swiglu (the routed experts); Gemma 4's per-layer "
+                     "gelu_tanh_mul, softcap, router_route and moe_swiglu (the routed experts); Gemma 4's per-layer "
                      "inputs run in torch")
     loader_class = _MoeLoader
     routes_experts = True
