@@ -5,31 +5,39 @@ with top-k routing already computed (`experts [M, k]`, `weights [M, k]`) reads, 
 layer, the union of the experts its rows chose. The kernels read each routed expert's weights
 once per step however many rows chose it, and never touch the others:
 
-1. `_moe_gate_up_kernel`, one program per (expert, `I` tile): the rows that picked the expert
-   (found on the device, from `experts`) form one tile of x; gate and up are two dots over the
+1. `_moe_gate_up_kernel`, one work item per (routed expert, `I` tile): the rows that picked the
+   expert (found on the device, from `experts`) form one tile of x; gate and up are two dots over the
    same weight stream, act·mul in the epilogue (`activation.silu_mul_rounded`, or
    `gelu_tanh_mul_rounded` with `activation="gelu_tanh"`: Gemma 4's experts), written to the
-   row's (row, slot) line of an `[M*k, I]` buffer. An expert no row picked exits at once.
-2. `_moe_down_kernel`, one program per (expert, hidden tile): the down matmul of those lines,
-   written to `[M*k, hidden]` (model dtype).
+   row's (row, slot) line of an `[M*k, I]` buffer.
+2. `_moe_down_kernel`, one work item per (routed expert, hidden tile): the down matmul of those
+   lines, written to `[M*k, hidden]` (model dtype).
 3. `_moe_combine_kernel`, one program per (row, hidden tile): the row's k expert outputs times
-   their routing weights, added in ascending expert index from zeros.
+   their routing weights, added in ascending expert index from zeros; in
+   `moe_swiglu_add_rms_norm` (a step's sparse-layer end) one program per row, which then adds
+   the residual and norms the sum as `norm.add_rms_norm` does.
 
-The grid covers every expert, so nothing is read on the host and the launches take the same
-arguments every step (a CUDA graph can hold them).
+The two matmuls run `MoeConfig.programs_per_sm` programs per multiprocessor for each row tile;
+each finds the tile's routed experts from the ids and loops over its share of their work items,
+so no program starts for an expert no row picked (`programs_per_sm = 0`: a program per (expert,
+tile) of every expert instead, for an A/B). Nothing is read on the host and the launches take
+the same arguments every step (a CUDA graph can hold them).
 
 Exactness (the fixed-width rule, extended to any row count): a token's output never depends on
 which or how many other rows share its experts, nor on M. The tiles are a function of the weight
-shapes alone; every dot is one row of x against the weight tile over the same K loop (a row's
-place in the row tile does not change its products or their order); a row's combine reads only
-its own k lines, in its own fixed order. Roundings are the twin's (`moe_ref.moe_swiglu_ref`,
+shapes alone, and a work item's arithmetic does not depend on the program that runs it; every
+dot is one row of x against the weight tile over the same K loop (a row's place in the row tile
+does not change its products or their order); a row's combine reads only its own k lines, in its
+own fixed order. Roundings are the twin's (`moe_ref.moe_swiglu_ref`,
 op for op in the model dtype), so kernel and twin differ only in float32 summation order.
 
 Preconditions (what `moe_route` produces): expert ids in [0, E), distinct within a row; or a
 padding row (a fixed step's, `moe_route`'s live rows), every id E: no program finds it among its
 expert's rows, so it costs no weight read, and its combine writes zeros.
 
-Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `eligible`, `moe_swiglu`, `moe_swiglu_ref`.
+Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `eligible`, `norm_eligible`,
+`multiprocessors`, `moe_swiglu`, `moe_swiglu_add_rms_norm`, and the twins `moe_swiglu_ref`,
+`moe_swiglu_add_rms_norm_ref`.
 """
 
 from __future__ import annotations
@@ -47,7 +55,8 @@ from .activation import gelu_tanh_mul_rounded, silu_mul_rounded
 from .moe_ref import ACTIVATIONS, check_activation, moe_swiglu_add_rms_norm_ref, moe_swiglu_ref  # noqa: F401  (the twins)
 from .norm import _num_warps as _norm_warps, add_rms_norm, rms_rstd
 
-__all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "ACTIVATIONS", "eligible", "moe_swiglu", "moe_swiglu_ref"]
+__all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "ACTIVATIONS", "eligible", "norm_eligible", "multiprocessors",
+           "moe_swiglu", "moe_swiglu_add_rms_norm", "moe_swiglu_ref", "moe_swiglu_add_rms_norm_ref"]
 
 _ACT_CODE = {"silu": 0, "gelu_tanh": 1}  # the gate/up kernel's ACT switch, by ACTIVATIONS' names
 

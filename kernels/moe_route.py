@@ -22,10 +22,18 @@ The k picks take one reduction each: an int64 key per (row, expert), the probabi
 largest probability and, among equal ones, the lowest index; the count's union is one reduction
 over the rows after the picks (the keys taken out).
 
-Kernel and twin differ only in the float32 order of the softmax's and the normalisation's sums
-(and the exponential's last bit); ties of equal probabilities go to the lower index in both.
+`router_route` (its twin `router_route_ref`: `F.linear` then `moe_route_ref`) also computes the
+router's logits for a step's rows, in the same launch: a program per ROUTER_N experts stores
+their logits for every row (float32 dots over one K loop whatever the row count, rounded to the
+model dtype), and the last program to arrive (an arrival counter, as `_splitk`'s) routes every
+row from them with the routing body above.
 
-Public API: `moe_route`, `moe_route_ref`, `eligible`, `BLOCK_T`, `COUNT_ROWS`, `MAX_EXPERTS`.
+Kernel and twin differ only in the float32 order of the softmax's and the normalisation's sums
+(and the exponential's last bit; `router_route`: and of the logits' dots); ties of equal
+probabilities go to the lower index in both.
+
+Public API: `moe_route`, `moe_route_ref`, `router_route`, `router_route_ref`, `eligible`,
+`router_eligible`, `BLOCK_T`, `COUNT_ROWS`, `MAX_EXPERTS`, `ROUTER_N`, `ROUTER_K`.
 """
 
 from __future__ import annotations
