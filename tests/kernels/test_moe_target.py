@@ -16,7 +16,7 @@ from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import PolicySettings
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
-from memra_kernels import moe
+from memra_kernels import moe, moe_route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 W = 8  # a small fixed width keeps the interpreter quick
@@ -114,10 +114,14 @@ def test_speculative_equals_plain_with_the_kernels(target_dir, tmp_path, dtype):
 
 
 class MoeKernelOps(TorchStepOps):
-    """The torch step ops with the MoE kernels in the twin's place (the Triton seam's choice for
-    the experts), so a session's other ops stay quick on the interpreter."""
+    """The torch step ops with the MoE kernels in the twins' place (the Triton seam's choices for
+    the experts, their add + norm and the routing), so a session's other ops stay quick on the
+    interpreter."""
 
     moe_swiglu = staticmethod(moe.moe_swiglu)
+    moe_swiglu_add_rms_norm = TritonStepOps.moe_swiglu_add_rms_norm
+    router_route = TritonStepOps.router_route
+    _moe, _moe_route = moe, moe_route
 
 
 def _tensors(out):
