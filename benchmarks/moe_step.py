@@ -4,7 +4,9 @@ torch expert op (the twin) and on memra's few-row MoE kernels, side by side in o
 Random weights at a published shape (built in memory, no checkpoint), one process:
 
 - the step (`static_step`) for vt = 1..16 with each step-ops variant (`--ops`: `torch` = the
-  twin and torch ops, `triton` = the Triton step ops with the MoE kernels): median ms of eager
+  twin and torch ops, `triton` = the Triton step ops with the MoE kernels, `triton-unfused` =
+  those with the step's launch fusions undone, `TritonStepOps.unfused()`: the A/B of the MoE
+  combine's residual add + norm, and of the embedding + first norm): median ms of eager
   steps (device synchronised), and on CUDA with the kernels the step replayed as a CUDA graph
   (a captured twin runs every expert, so it has no graphed number); each step of vt rows alone
   and, for vt below `--width` (16), the `--width`-row step with vt live rows and the rest
@@ -13,7 +15,8 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   no expert is read from L2 twice): the twin eager, the kernels eager and as a CUDA graph, the
   ratio twin / kernels, and the kernels' graphed time against the read floor of the experts the
   rows routed to; and the routing alone from the router logits (the twin's ~14 launches eager
-  and graphed, the routing kernel's one graphed), per layer;
+  and graphed, the routing kernel's one graphed), and from x with the router's matmul (the
+  step ops' `linear` then the routing kernel, against `router_route`'s one launch, graphed), per layer;
 - per step: the experts run per sparse layer (counted by the target), the bytes those weights
   hold (attention, router, dense MLPs, lm_head, and the measured expert union), the read
   bandwidth measured in the same process (a large tensor's sum), the ratio of time to that
@@ -94,10 +97,13 @@ def read_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
 
 
 def step_ops(name: str):
-    """The step-ops variant `name`: `torch` (the twin) or `triton` (the MoE kernels; CUDA)."""
+    """The step-ops variant `name`: `torch` (the twin), `triton` (the MoE kernels; CUDA) or
+    `triton-unfused` (those with the launch fusions undone)."""
     from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
 
-    return TorchStepOps() if name == "torch" else TritonStepOps()
+    if name == "torch":
+        return TorchStepOps()
+    return TritonStepOps().unfused() if name == "triton-unfused" else TritonStepOps()
 
 
 def graphed_ms(fn, iters: int) -> tuple[float | None, str | None]:
@@ -168,18 +174,25 @@ def step_rows(model, name: str, vts: list[int], width: int, cost, bw: float, mea
 
 
 def parse_tiles(raw: str):
-    """`--tiles` "IxNxKxWxS,..." (block_i, block_n, block_k, warps, stages) -> MoeConfigs."""
-    from memra_kernels.moe import MoeConfig
+    """`--tiles` "IxNxKxWxS[xP],..." (block_i, block_n, block_k, warps, stages, and the matmuls'
+    programs per multiprocessor: 0 for a program per (expert, tile); `moe.CONFIG`'s when left
+    out) -> MoeConfigs."""
+    from memra_kernels.moe import CONFIG, MoeConfig
 
     out = []
     for item in raw.split(","):
-        i, n, k, w, s = (int(v) for v in item.split("x"))
-        out.append(MoeConfig(block_i=i, block_n=n, block_k=k, num_warps=w, num_stages=s).check())
+        fields = [int(v) for v in item.split("x")]
+        if len(fields) not in (5, 6):
+            raise ValueError(f"{item!r} has {len(fields)} fields, not 5 or 6")
+        i, n, k, w, s = fields[:5]
+        per_sm = fields[5] if len(fields) == 6 else CONFIG.programs_per_sm
+        out.append(MoeConfig(block_i=i, block_n=n, block_k=k, num_warps=w, num_stages=s,
+                             programs_per_sm=per_sm).check())
     return out
 
 
 def tiles_name(cfg) -> str:
-    return f"{cfg.block_i}x{cfg.block_n}x{cfg.block_k}x{cfg.num_warps}x{cfg.num_stages}"
+    return f"{cfg.block_i}x{cfg.block_n}x{cfg.block_k}x{cfg.num_warps}x{cfg.num_stages}x{cfg.programs_per_sm}"
 
 
 @torch.no_grad()
@@ -192,7 +205,8 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
     from memra_cli.engine.layers.moe import route
     from memra_kernels.moe import moe_swiglu
     from memra_kernels.moe_ref import moe_swiglu_ref
-    from memra_kernels.moe_route import moe_route
+    from memra_cli.engine.layers.step_ops import TritonStepOps, unfused_router_route
+    from memra_kernels.moe_route import moe_route, router_route
     from memra_kernels.moe_route_ref import moe_route_ref
 
     dev, moe = model.device, model.moe
@@ -208,8 +222,8 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
         return lambda: [op(x, *c) for c in calls]
 
     n = len(calls)
-    logits = [torch.nn.functional.linear(x, layer.experts.router) for layer in model.layers
-              if layer.experts is not None]
+    routers = [layer.experts.router for layer in model.layers if layer.experts is not None]
+    logits = [torch.nn.functional.linear(x, r) for r in routers]
     counts = torch.zeros(2, dtype=torch.int64, device=dev)
 
     def route_every_layer(op):  # the router's picks and the count from its logits, every sparse layer
@@ -230,6 +244,12 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
         for name, op in (("twin", moe_route_ref), ("kernel", moe_route)):  # graphed: launches, not bytes, cost here
             ms, err = graphed_ms(route_every_layer(op), iters)
             row[f"route_{name}_graph_us"] = err if ms is None else 1e3 * ms / n
+        kernels = TritonStepOps()
+        for name, op in (("router_unfused", lambda *a: unfused_router_route(kernels, *a)),
+                         ("router_kernel", router_route)):  # from x: the router's matmul too, the A/B of the fusion
+            ms, err = graphed_ms(lambda op=op: [op(x, r, moe.top_k, moe.norm_topk_prob, None, counts) for r in routers],
+                                 iters)
+            row[f"{name}_graph_us"] = err if ms is None else 1e3 * ms / n
         row["tiles_graph_us"] = {}
         for cfg in tiles:
             ms, err = graphed_ms(every_layer(lambda *a, cfg=cfg: moe_swiglu(*a, config=cfg)), iters)
@@ -237,11 +257,14 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
     return row
 
 
+OPS = ("torch", "triton", "triton-unfused")
+
+
 def parse_ops(raw: str | None, dev: torch.device) -> list[str] | None:
     """`--ops` -> variants (None: refused); unset: both on CUDA, the twin alone elsewhere (the
     kernels need CUDA)."""
     ops = (["torch", "triton"] if dev.type == "cuda" else ["torch"]) if raw is None else raw.split(",")
-    if any(o not in ("torch", "triton") for o in ops) or ("triton" in ops and dev.type != "cuda"):
+    if any(o not in OPS for o in ops) or (any(o != "torch" for o in ops) and dev.type != "cuda"):
         return None
     return ops
 
@@ -273,10 +296,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
-    ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton "
+    ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton, triton-unfused "
                     "(default: both on CUDA, torch elsewhere)")
     ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "
-                    "configurations: comma-separated block_i x block_n x block_k x warps x stages, e.g. 64x64x128x4x3")
+                    "configurations: comma-separated block_i x block_n x block_k x warps x stages [x programs per "
+                    "multiprocessor, 0: a program per (expert, tile)], e.g. 64x64x128x4x3 or 64x64x128x4x3x0")
     ap.add_argument("--width", type=int, default=16, help="also time each vt below it as a step of this many "
                     "rows, vt of them live (the engine's fixed-width step); 0: only the vt-row steps")
     ap.add_argument("--context", type=int, default=512)
@@ -290,12 +314,13 @@ def main(argv: list[str]) -> int:
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
     ops = parse_ops(a.ops, dev)
     if ops is None:
-        print(f"error: --ops {a.ops!r}: expected torch and/or triton (triton needs --device cuda)", file=sys.stderr)
+        print(f"error: --ops {a.ops!r}: expected torch, triton and/or triton-unfused (the triton ones need "
+              "--device cuda)", file=sys.stderr)
         return 2
     try:
         tiles = parse_tiles(a.tiles) if a.tiles else []
     except ValueError as exc:
-        print(f"error: --tiles {a.tiles!r}: {exc} (expected e.g. 64x64x128x4x3)", file=sys.stderr)
+        print(f"error: --tiles {a.tiles!r}: {exc} (expected e.g. 64x64x128x4x3 or 64x64x128x4x3x0)", file=sys.stderr)
         return 2
     if tiles and dev.type != "cuda":
         print(f"error: --tiles {a.tiles!r}: the kernels need --device cuda", file=sys.stderr)
@@ -339,6 +364,10 @@ def main(argv: list[str]) -> int:
             us = r.get(f"route_{name}_graph_us")
             if us is not None:
                 route += f", {name} " + (f"{us:7.1f} us graphed" if isinstance(us, float) else us)
+        for name, what in (("router_unfused", "from x: matmul + routing"), ("router_kernel", "one launch")):
+            us = r.get(f"{name}_graph_us")
+            if us is not None:
+                route += f"; {what} " + (f"{us:7.1f} us graphed" if isinstance(us, float) else us)
         print(route)
         for name, us in r.get("tiles_graph_us", {}).items():
             print(f"   tiles {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))

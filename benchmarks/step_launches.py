@@ -1,7 +1,8 @@
 """Kernel launches of one fixed-width target step, counted on the CPU (not a timing).
 
 Builds a small random Qwen3 or LLaMA target (`gpu_shapes.SHAPES` "small" / "llama-small", bf16),
-puts the Triton step ops in (under Triton's interpreter when there is no GPU), routes each weight
+or a tiny Qwen3-MoE one (`--family qwen3_moe`: `moe_step.build("tiny")`, routed as its "a3b"
+shape, one live row as a plain decode step runs), puts the Triton step ops in (under Triton's interpreter when there is no GPU), routes each weight
 matmul where the 8B shape's would go (the dense kernel where the 8B weight's shape is in
 `dense_linear.TUNED`, `F.linear` else), runs one 16-row `static_step` and counts
 
@@ -16,7 +17,7 @@ launch fusions undone (`TritonStepOps.unfused`: the q/k/v projection + rope, the
 first norm, the lm_head + argmax, the projections' residual add + the norm folded into the next
 matmul), the A/B the GPU benchmark times (`target_step --variants triton,triton-unfused`).
 
-    python -m benchmarks.step_launches [--family qwen3|llama] [--greedy] [--variant fused|unfused] [--json OUT]
+    python -m benchmarks.step_launches [--family qwen3|llama|qwen3_moe] [--greedy] [--variant fused|unfused] [--json OUT]
 
 Per layer, and per step (the per-layer count times the 8B shape's layers plus the rest) are
 printed: the 8B step launches the same kernels per layer, only more layers.
@@ -49,7 +50,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from benchmarks.gpu_shapes import SHAPES, random_target
 
 W = 16
-FAMILIES = {"qwen3": ("small", "8b"), "llama": ("llama-small", "llama-8b")}  # --family -> (counted, routed as)
+# --family -> (counted, routed as): gpu_shapes.SHAPES keys, or moe_step.SHAPES keys for qwen3_moe
+FAMILIES = {"qwen3": ("small", "8b"), "llama": ("llama-small", "llama-8b"), "qwen3_moe": ("tiny", "a3b")}
 # torch ops that launch no kernel: allocations and metadata
 _FREE = ("empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh", "_local_scalar_dense", "promote_types")
 
@@ -103,28 +105,54 @@ def counting():
         KernelInterface.__getitem__ = original
 
 
-def route_like(target, routed_as: dict) -> list[tuple[int, int]]:
-    """The small target's weight shapes whose 8B counterparts are in `dense_linear.TUNED`
-    (qkv, o, gate/up, down, lm_head by role), added to TUNED so its step routes as the 8B's."""
+def _shape_pairs(target, family: str, big: dict) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(small weight shape, its big-shape counterpart) for the weights the step ops' `linear` /
+    `swiglu` / `qkv_rope_kv_write` take: qkv, o, (dense) gate/up and down, lm_head."""
+    w = target.layers[0]
+    small = [tuple(w.wqkv.shape), tuple(w.wo.shape), tuple(target.lm_head_weight.shape)]
+    if family == "qwen3_moe":  # moe_step.SHAPES keys; every layer routes (no dense gate/up): the router
+        h, q, kv = big["hidden_size"], big["num_attention_heads"] * big["head_dim"], \
+            big["num_key_value_heads"] * big["head_dim"]
+        return list(zip(small + [tuple(w.experts.router.shape)],
+                        [(q + 2 * kv, h), (h, q), (big["vocab_size"], h), (big["num_experts"], h)]))
+    h, q, kv, ff = big["hidden"], big["heads"] * big["hd"], big["kv"] * big["hd"], big["ffn"]
+    pairs = list(zip(small, [(q + 2 * kv, h), (h, q), (big["vocab"], h)]))
+    return pairs + [(tuple(w.w_gate_up.shape), (2 * ff, h)), (tuple(w.w_down.shape), (h, ff))]
+
+
+def route_like(target, routed_as: dict, family: str = "qwen3") -> list[tuple[int, int]]:
+    """The small target's weight shapes whose big counterparts are in `dense_linear.TUNED`
+    (qkv, o, gate/up, down, lm_head by role), added to TUNED so its step routes as the big one's."""
     from memra_kernels import dense_linear
 
-    s = routed_as
-    h, q, kv, ff = s["hidden"], s["heads"] * s["hd"], s["kv"] * s["hd"], s["ffn"]
-    big = [(q + 2 * kv, h), (h, q), (2 * ff, h), (h, ff), (s["vocab"], h)]
-    w = target.layers[0]
-    small = [tuple(w.wqkv.shape), tuple(w.wo.shape), tuple(w.w_gate_up.shape), tuple(w.w_down.shape),
-             tuple(target.lm_head_weight.shape)]
-    added = [sm for sm, b in zip(small, big) if b in dense_linear.TUNED]
-    for sm, b in zip(small, big):
-        if b in dense_linear.TUNED:  # split or not as the 8B shape's tiles are (the argmax epilogue needs unsplit)
+    added = []
+    for sm, b in _shape_pairs(target, family, routed_as):
+        if b in dense_linear.TUNED:  # split or not as the big shape's tiles are (the argmax epilogue needs unsplit)
+            added.append(sm)
             split = 2 if dense_linear.TUNED[b].split_k > 1 else 1
             dense_linear.TUNED.setdefault(sm, dense_linear.KernelConfig(block_n=16, block_k=16, split_k=split))
     return added
 
 
+def _build(family: str, device):
+    """(the small target of `family`, the shape it is routed as, that shape's layers and vocab)."""
+    small, big = FAMILIES[family]
+    if family == "qwen3_moe":
+        from benchmarks.moe_step import SHAPES as MOE_SHAPES, build
+
+        torch.manual_seed(0)
+        s = MOE_SHAPES[big]
+        return build(small, torch.bfloat16, device), s, s["num_hidden_layers"], s["vocab_size"]
+    return random_target(SHAPES[small], torch.bfloat16, device), SHAPES[big], SHAPES[big]["layers"], \
+        SHAPES[big]["vocab"]
+
+
 def _count_once(target, greedy: bool, device) -> tuple[collections.Counter, collections.Counter]:
-    """One step's launches, after the set-up a runner does once (rope tables)."""
+    """One step's launches, after the set-up a runner does once (rope tables); an MoE target's
+    step with one live row (a plain decode: its 15 padding rows route to no expert)."""
     state = target.new_state(64)
+    if hasattr(state, "set_live_rows"):
+        state.set_live_rows(1)
     target.ensure_positions(state.max_len)
     ids = torch.randint(0, target.vocab_size, (W,), device=device)
     pos = torch.arange(20, 20 + W, device=device)
@@ -139,19 +167,19 @@ def _count_once(target, greedy: bool, device) -> tuple[collections.Counter, coll
 
 
 def count_step(family: str = "qwen3", greedy: bool = False, variant: str = "fused") -> dict:
-    """One 16-row step's launches on the small target of `family`, routed as its 8B shape: by
-    kernel, per layer (the step counted with all its layers and with one fewer), outside the
-    layers, and the 8B shape's total (its layers times the per-layer count, plus the rest)."""
+    """One 16-row step's launches on the small target of `family`, routed as its big shape (8B,
+    or A3B for qwen3_moe): by kernel, per layer (the step counted with all its layers and with
+    one fewer), outside the layers, and the big shape's total (its layers times the per-layer
+    count, plus the rest; the keys keep the name `8b`)."""
     from memra_cli.engine.layers.step_ops import TritonStepOps
     from memra_kernels import dense_linear
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    small, big = FAMILIES[family]
     table = dict(dense_linear.TUNED)
     try:
         with torch.inference_mode():
-            target = random_target(SHAPES[small], torch.bfloat16, device)
-            routed = route_like(target, SHAPES[big])
+            target, big, big_layers, big_vocab = _build(family, device)
+            routed = route_like(target, big, family)
             ops = TritonStepOps()
             target.step_ops = ops.unfused() if variant == "unfused" else ops
             _count_once(target, greedy, device)  # a warm-up: buffers a runner keeps (counters, key slots)
@@ -169,11 +197,12 @@ def count_step(family: str = "qwen3", greedy: bool = False, variant: str = "fuse
     if tri.get("_row_argmax_kernel"):  # the 8B vocabulary's argmax splits its rows: a second launch folds them
         from memra_kernels import argmax
 
-        rest += int(argmax.plan(W, SHAPES[big]["vocab"])[2] > 1) - int(argmax.plan(W, SHAPES[small]["vocab"])[2] > 1)
+        rest += int(argmax.plan(W, big_vocab)[2] > 1) - int(argmax.plan(W, target.vocab_size)[2] > 1)
     return {"family": family, "greedy": greedy, "variant": variant, "layers": len(layers),
             "triton": dict(tri), "torch": dict(tor), "launches": total, "per_layer": per_layer,
-            "outside_layers": rest, "shape_8b_layers": SHAPES[big]["layers"],
-            "launches_8b": per_layer * SHAPES[big]["layers"] + rest,  # outside_layers: at the 8B vocabulary
+            "per_layer_kernels": dict((tri - tri_less) + (tor - tor_less)),  # by name: what one more layer adds
+            "outside_layers": rest, "shape_8b_layers": big_layers,
+            "launches_8b": per_layer * big_layers + rest,  # outside_layers: at the 8B vocabulary
             "routed_to_dense": [list(r) for r in routed]}
 
 

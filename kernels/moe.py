@@ -5,35 +5,44 @@ with top-k routing already computed (`experts [M, k]`, `weights [M, k]`) reads, 
 layer, the union of the experts its rows chose. The kernels read each routed expert's weights
 once per step however many rows chose it, and never touch the others:
 
-1. `_moe_gate_up_kernel`, one program per (expert, `I` tile): the rows that picked the expert
-   (found on the device, from `experts`) form one tile of x; gate and up are two dots over the
+1. `_moe_gate_up_kernel`, one work item per (routed expert, `I` tile): the rows that picked the
+   expert (found on the device, from `experts`) form one tile of x; gate and up are two dots over the
    same weight stream, act·mul in the epilogue (`activation.silu_mul_rounded`, or
    `gelu_tanh_mul_rounded` with `activation="gelu_tanh"`: Gemma 4's experts), written to the
-   row's (row, slot) line of an `[M*k, I]` buffer. An expert no row picked exits at once.
-2. `_moe_down_kernel`, one program per (expert, hidden tile): the down matmul of those lines,
-   written to `[M*k, hidden]` (model dtype).
+   row's (row, slot) line of an `[M*k, I]` buffer.
+2. `_moe_down_kernel`, one work item per (routed expert, hidden tile): the down matmul of those
+   lines, written to `[M*k, hidden]` (model dtype).
 3. `_moe_combine_kernel`, one program per (row, hidden tile): the row's k expert outputs times
-   their routing weights, added in ascending expert index from zeros.
+   their routing weights, added in ascending expert index from zeros; in
+   `moe_swiglu_add_rms_norm` (a step's sparse-layer end) one program per row, which then adds
+   the residual and norms the sum as `norm.add_rms_norm` does.
 
-The grid covers every expert, so nothing is read on the host and the launches take the same
-arguments every step (a CUDA graph can hold them).
+The two matmuls run `MoeConfig.programs_per_sm` programs per multiprocessor for each row tile;
+each finds the tile's routed experts from the ids and loops over its share of their work items,
+so no program starts for an expert no row picked (`programs_per_sm = 0`: a program per (expert,
+tile) of every expert instead, for an A/B). Nothing is read on the host and the launches take
+the same arguments every step (a CUDA graph can hold them).
 
 Exactness (the fixed-width rule, extended to any row count): a token's output never depends on
 which or how many other rows share its experts, nor on M. The tiles are a function of the weight
-shapes alone; every dot is one row of x against the weight tile over the same K loop (a row's
-place in the row tile does not change its products or their order); a row's combine reads only
-its own k lines, in its own fixed order. Roundings are the twin's (`moe_ref.moe_swiglu_ref`,
+shapes alone, and a work item's arithmetic does not depend on the program that runs it; every
+dot is one row of x against the weight tile over the same K loop (a row's place in the row tile
+does not change its products or their order); a row's combine reads only its own k lines, in its
+own fixed order. Roundings are the twin's (`moe_ref.moe_swiglu_ref`,
 op for op in the model dtype), so kernel and twin differ only in float32 summation order.
 
 Preconditions (what `moe_route` produces): expert ids in [0, E), distinct within a row; or a
 padding row (a fixed step's, `moe_route`'s live rows), every id E: no program finds it among its
 expert's rows, so it costs no weight read, and its combine writes zeros.
 
-Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `eligible`, `moe_swiglu`, `moe_swiglu_ref`.
+Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `eligible`, `norm_eligible`,
+`multiprocessors`, `moe_swiglu`, `moe_swiglu_add_rms_norm`, and the twins `moe_swiglu_ref`,
+`moe_swiglu_add_rms_norm_ref`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +52,11 @@ import triton.language as tl
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args, pdl_wait
 from .activation import gelu_tanh_mul_rounded, silu_mul_rounded
-from .moe_ref import ACTIVATIONS, check_activation, moe_swiglu_ref  # noqa: F401  (the twin: the op's one torch body)
+from .moe_ref import ACTIVATIONS, check_activation, moe_swiglu_add_rms_norm_ref, moe_swiglu_ref  # noqa: F401  (the twins)
+from .norm import _num_warps as _norm_warps, add_rms_norm, rms_rstd
 
-__all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "ACTIVATIONS", "eligible", "moe_swiglu", "moe_swiglu_ref"]
+__all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "ACTIVATIONS", "eligible", "norm_eligible", "multiprocessors",
+           "moe_swiglu", "moe_swiglu_add_rms_norm", "moe_swiglu_ref", "moe_swiglu_add_rms_norm_ref"]
 
 _ACT_CODE = {"silu": 0, "gelu_tanh": 1}  # the gate/up kernel's ACT switch, by ACTIVATIONS' names
 
@@ -53,24 +64,31 @@ _ACT_CODE = {"silu": 0, "gelu_tanh": 1}  # the gate/up kernel's ACT switch, by A
 # expert once; a longer call (a prefill chunk) runs row tiles of BLOCK_M, each reading its own.
 BLOCK_M = 32
 COMBINE_BLOCK = 1024  # hidden columns a combine program adds
+NORM_MAX = 16384  # the widest hidden the combine's fused norm holds in one program
 
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tiles: block_i gate/up rows (and as many up rows) and block_n down rows per program,
-    block_k reduction columns per loop step; warps and pipeline stages of the two matmuls."""
+    """Tiles: block_i gate/up rows (and as many up rows) and block_n down rows per work item,
+    block_k reduction columns per loop step; warps and pipeline stages of the two matmuls;
+    `programs_per_sm`: the two matmuls' programs per multiprocessor, each looping over the work
+    items (routed expert, tile) of its row tile; 0: one program per (expert, tile) of every
+    expert instead, those of an expert no row picked exiting at once."""
 
     block_i: int = 64
     block_n: int = 64
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    programs_per_sm: int = 1
 
     def check(self) -> "MoeConfig":
         for name in ("block_i", "block_n", "block_k"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {v}")
+        if self.programs_per_sm < 0:
+            raise ValueError(f"programs_per_sm must be >= 0, got {self.programs_per_sm}")
         return self
 
 
@@ -94,6 +112,28 @@ def _rows_of_expert(ids_ptr, e, m0, M, K_TOP: tl.constexpr, KP: tl.constexpr, BL
 
 
 @triton.jit
+def _routed_experts(ids_ptr, m0, M, E, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The experts some row of the row tile at m0 picked: (whether each of `BLOCK_E` experts was,
+    int32 [BLOCK_E]; how many were; each one's rank among them, ascending by index). A padding
+    row's ids (E) and the rows past M pick none."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_E)
+    picks = tl.zeros((BLOCK_M, BLOCK_E), tl.int32)
+    for j in tl.static_range(K_TOP):
+        ids = tl.load(ids_ptr + rows.to(tl.int64) * K_TOP + j, mask=rows < M, other=-1)
+        picks += (ids[:, None] == cols[None, :]).to(tl.int32)
+    hit = ((tl.max(picks, axis=0) > 0) & (cols < E)).to(tl.int32)
+    return hit, tl.sum(hit, axis=0), tl.cumsum(hit, axis=0) - 1
+
+
+@triton.jit
+def _nth_expert(hit, rank, u, BLOCK_E: tl.constexpr):
+    """The expert of rank `u` among the routed ones (`_routed_experts`)."""
+    cols = tl.arange(0, BLOCK_E)
+    return tl.sum(tl.where((hit > 0) & (rank == u), cols, 0), axis=0)
+
+
+@triton.jit
 def _dot(w, x, acc, PREC: tl.constexpr, WIDEN: tl.constexpr):
     """acc [BLOCK_W, BLOCK_M] += w [BLOCK_W, BLOCK_K] @ x[BLOCK_M, BLOCK_K].T in float32: the
     weight tile is the left operand, whose large side fills the matrix units even for one row."""
@@ -102,88 +142,133 @@ def _dot(w, x, acc, PREC: tl.constexpr, WIDEN: tl.constexpr):
     return tl.dot(w, tl.trans(x), acc, input_precision=PREC)
 
 
+@triton.jit
+def _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, tile, rows, picked, slot, H, I, stride_xm, stride_we, stride_wr,
+                  K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr,
+                  EVEN_K: tl.constexpr, EVEN_I: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr,
+                  ACT: tl.constexpr):
+    """One work item: act [(row, slot), I tile `tile`] of expert e for the `picked` rows."""
+    offs_i = tile * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = offs_i < I
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = wgu_ptr + e.to(tl.int64) * stride_we + offs_i[:, None] * stride_wr + offs_k[None, :]
+    u_ptrs = g_ptrs + I * stride_wr
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
+    acc_g = tl.zeros((BLOCK_I, BLOCK_M), tl.float32)
+    acc_u = tl.zeros((BLOCK_I, BLOCK_M), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = (k0 + offs_k) < H
+        if EVEN_K and EVEN_I:
+            g = tl.load(g_ptrs)
+            u = tl.load(u_ptrs)
+        else:
+            g = tl.load(g_ptrs, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+            u = tl.load(u_ptrs, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
+        acc_g = _dot(g, x, acc_g, PREC, WIDEN)
+        acc_u = _dot(u, x, acc_u, PREC, WIDEN)
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    dt = act_ptr.dtype.element_ty
+    # gate and up rounded to the model dtype first, as the twin's matmul output is
+    if ACT == 1:
+        act = gelu_tanh_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)  # [BLOCK_M, BLOCK_I]
+    else:
+        act = silu_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)
+    line = (rows * K_TOP + slot).to(tl.int64)
+    tl.store(act_ptr + line[:, None] * I + offs_i[None, :], act, mask=picked[:, None] & i_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["M"])
-def _moe_gate_up_kernel(x_ptr, ids_ptr, wgu_ptr, act_ptr, M, H, I, stride_xm, stride_we, stride_wr,
+def _moe_gate_up_kernel(x_ptr, ids_ptr, wgu_ptr, act_ptr, M, H, I, E, stride_xm, stride_we, stride_wr,
                         K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_I: tl.constexpr, PREC: tl.constexpr,
-                        WIDEN: tl.constexpr, ACT: tl.constexpr = 0, PDL: tl.constexpr = False):
-    """act [(row, slot), I tile] = a(x_row @ gate_e.T) * (x_row @ up_e.T) for the rows of this
-    row tile that picked expert e = program_id(0); `wgu [E, 2I, H]` (gate rows first); a = silu
-    (ACT 0) or gelu_tanh (ACT 1)."""
+                        WIDEN: tl.constexpr, ACT: tl.constexpr = 0, ITEMS: tl.constexpr = False,
+                        BLOCK_E: tl.constexpr = 16, PDL: tl.constexpr = False):
+    """act [(row, slot), I tile] = a(x_row @ gate_e.T) * (x_row @ up_e.T) for the rows of a row
+    tile that picked expert e; `wgu [E, 2I, H]` (gate rows first); a = silu (ACT 0) or
+    gelu_tanh (ACT 1). ITEMS: program (p, row tile) takes the work items p, p + P, ... of the
+    routed (expert, I tile) pairs, experts ascending; else program (e, I tile, row tile)."""
     pdl_wait(PDL)
-    e = tl.program_id(0)
-    rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
-    if tl.max(picked.to(tl.int32), axis=0) > 0:
-        offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_ok = offs_i < I
-        offs_k = tl.arange(0, BLOCK_K)
-        g_ptrs = wgu_ptr + e.to(tl.int64) * stride_we + offs_i[:, None] * stride_wr + offs_k[None, :]
-        u_ptrs = g_ptrs + I * stride_wr
-        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :]
-        acc_g = tl.zeros((BLOCK_I, BLOCK_M), tl.float32)
-        acc_u = tl.zeros((BLOCK_I, BLOCK_M), tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k_ok = (k0 + offs_k) < H
-            if EVEN_K and EVEN_I:
-                g = tl.load(g_ptrs)
-                u = tl.load(u_ptrs)
-            else:
-                g = tl.load(g_ptrs, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-                u = tl.load(u_ptrs, mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
-            acc_g = _dot(g, x, acc_g, PREC, WIDEN)
-            acc_u = _dot(u, x, acc_u, PREC, WIDEN)
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-            x_ptrs += BLOCK_K
-        dt = act_ptr.dtype.element_ty
-        # gate and up rounded to the model dtype first, as the twin's matmul output is
-        if ACT == 1:
-            act = gelu_tanh_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)  # [BLOCK_M, BLOCK_I]
-        else:
-            act = silu_mul_rounded(tl.trans(acc_g).to(dt), tl.trans(acc_u).to(dt), dt)
-        line = (rows * K_TOP + slot).to(tl.int64)
-        tl.store(act_ptr + line[:, None] * I + offs_i[None, :], act, mask=picked[:, None] & i_ok[None, :])
-
-
-@triton.jit(do_not_specialize=["M"])
-def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, stride_we, stride_wr,
-                     K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr,
-                     WIDEN: tl.constexpr, PDL: tl.constexpr = False):
-    """y [(row, slot), hidden tile] = act[(row, slot)] @ down_e.T for the rows of this row tile
-    that picked expert e = program_id(0); `wd [E, H, I]`."""
-    pdl_wait(PDL)
-    e = tl.program_id(0)
-    rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
-    if tl.max(picked.to(tl.int32), axis=0) > 0:
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < H
-        offs_k = tl.arange(0, BLOCK_K)
-        line = (rows * K_TOP + slot).to(tl.int64)
-        w_ptrs = wd_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wr + offs_k[None, :]
-        a_ptrs = act_ptr + line[:, None] * I + offs_k[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_ok = (k0 + offs_k) < I
-            if EVEN_K and EVEN_N:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(a_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
-            acc = _dot(w, a, acc, PREC, WIDEN)
-            w_ptrs += BLOCK_K
-            a_ptrs += BLOCK_K
-        y = tl.trans(acc).to(y_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
-        tl.store(y_ptr + line[:, None] * H + offs_n[None, :], y, mask=picked[:, None] & n_ok[None, :])
+    if ITEMS:
+        m0 = tl.program_id(1) * BLOCK_M
+        hit, n_routed, rank = _routed_experts(ids_ptr, m0, M, E, K_TOP, BLOCK_M, BLOCK_E)
+        n_tiles = tl.cdiv(I, BLOCK_I)
+        for w in range(tl.program_id(0), n_routed * n_tiles, tl.num_programs(0)):
+            e = _nth_expert(hit, rank, w // n_tiles, BLOCK_E)
+            rows, picked, slot = _rows_of_expert(ids_ptr, e, m0, M, K_TOP, KP, BLOCK_M)
+            _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, w % n_tiles, rows, picked, slot, H, I, stride_xm, stride_we,
+                          stride_wr, K_TOP, BLOCK_M, BLOCK_I, BLOCK_K, EVEN_K, EVEN_I, PREC, WIDEN, ACT)
+    else:
+        e = tl.program_id(0)
+        rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
+        if tl.max(picked.to(tl.int32), axis=0) > 0:
+            _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, tl.program_id(1), rows, picked, slot, H, I, stride_xm,
+                          stride_we, stride_wr, K_TOP, BLOCK_M, BLOCK_I, BLOCK_K, EVEN_K, EVEN_I, PREC, WIDEN, ACT)
 
 
 @triton.jit
-def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, K_TOP: tl.constexpr, KP: tl.constexpr,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _down_item(act_ptr, wd_ptr, y_ptr, e, tile, rows, picked, slot, H, I, stride_we, stride_wr,
+               K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr):
+    """One work item: y [(row, slot), hidden tile `tile`] of expert e for the `picked` rows."""
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    line = (rows * K_TOP + slot).to(tl.int64)
+    w_ptrs = wd_ptr + e.to(tl.int64) * stride_we + offs_n[:, None] * stride_wr + offs_k[None, :]
+    a_ptrs = act_ptr + line[:, None] * I + offs_k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = (k0 + offs_k) < I
+        if EVEN_K and EVEN_N:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=picked[:, None] & k_ok[None, :], other=0.0)
+        acc = _dot(w, a, acc, PREC, WIDEN)
+        w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    y = tl.trans(acc).to(y_ptr.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
+    tl.store(y_ptr + line[:, None] * H + offs_n[None, :], y, mask=picked[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, E, stride_we, stride_wr,
+                     K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr,
+                     WIDEN: tl.constexpr, ITEMS: tl.constexpr = False, BLOCK_E: tl.constexpr = 16,
+                     PDL: tl.constexpr = False):
+    """y [(row, slot), hidden tile] = act[(row, slot)] @ down_e.T for the rows of a row tile that
+    picked expert e; `wd [E, H, I]`; ITEMS as the gate/up kernel's, over (expert, hidden tile)."""
+    pdl_wait(PDL)
+    if ITEMS:
+        m0 = tl.program_id(1) * BLOCK_M
+        hit, n_routed, rank = _routed_experts(ids_ptr, m0, M, E, K_TOP, BLOCK_M, BLOCK_E)
+        n_tiles = tl.cdiv(H, BLOCK_N)
+        for w in range(tl.program_id(0), n_routed * n_tiles, tl.num_programs(0)):
+            e = _nth_expert(hit, rank, w // n_tiles, BLOCK_E)
+            rows, picked, slot = _rows_of_expert(ids_ptr, e, m0, M, K_TOP, KP, BLOCK_M)
+            _down_item(act_ptr, wd_ptr, y_ptr, e, w % n_tiles, rows, picked, slot, H, I, stride_we, stride_wr,
+                       K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
+    else:
+        e = tl.program_id(0)
+        rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
+        if tl.max(picked.to(tl.int32), axis=0) > 0:
+            _down_item(act_ptr, wd_ptr, y_ptr, e, tl.program_id(1), rows, picked, slot, H, I, stride_we, stride_wr,
+                       K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
+
+
+@triton.jit
+def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, res_ptr, norm_w_ptr, res_out_ptr, eps,
+                        K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """out[row, tile] = Σ_j weights[row, j] · y[(row, j)], the j taken in ascending expert index,
     each product and each add rounded to the model dtype, from zeros (the twin's order); zeros
-    for a padding row (ids E), whose lines no expert wrote."""
+    for a padding row (ids E), whose lines no expert wrote. NORM (one tile holds the row): then
+    res_out = out + residual and out = the RMSNorm of res_out by norm_w, `norm.add_rms_norm`'s
+    arithmetic (HF Qwen3RMSNorm)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -194,7 +279,7 @@ def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, K_TOP
     wts = tl.load(wts_ptr + row * K_TOP + slots, mask=valid, other=0.0).to(tl.float32)
     rank = tl.sum((ids[None, :] < ids[:, None]).to(tl.int32), axis=1)  # [KP]: experts of the row below slot j's
     real = tl.min(ids, axis=0) < E  # a padding row's ids are all E: nothing of it is read
-    dt = out_ptr.dtype.element_ty
+    dt = y_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK,), tl.float32)
     for q in range(K_TOP):
         here = rank == q
@@ -202,7 +287,30 @@ def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, K_TOP
         w = tl.sum(tl.where(here, wts, 0.0), axis=0)  # one term: exact
         y = tl.load(y_ptr + (row * K_TOP + slot) * H + offs, mask=ok & real, other=0.0).to(tl.float32)
         acc = (acc + (y * w).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if NORM:  # the residual add rounded to the model dtype first, then the norm of that sum
+        r = tl.load(res_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
+        s = (acc + r).to(dt)
+        tl.store(res_out_ptr + row * H + offs, s, mask=ok)
+        x = s.to(tl.float32)
+        nw = tl.load(norm_w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        acc = nw * (x * rms_rstd(x, H, eps)).to(dt).to(tl.float32)  # HF Qwen3RMSNorm rounds before the weight
     tl.store(out_ptr + row * stride_om + offs, acc.to(dt), mask=ok)
+
+
+# Multiprocessors the interpreter's programs stand for: a few, so a step's items spread over
+# several programs and some programs find none (what the tests exercise).
+INTERPRETED_SMS = 3
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors (CUDA), or `INTERPRETED_SMS` elsewhere (the interpreter)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else INTERPRETED_SMS
 
 
 def eligible(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> bool:
@@ -236,15 +344,61 @@ def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_
     (ids in [0, E), distinct in a row; all E in a padding row), `w_gate_up [E, 2I, hidden]`, `w_down [E, hidden, I]`
     -> `[t, hidden]` in x's dtype (float32 accumulation); `activation` the gate's (`ACTIVATIONS`:
     silu, gelu_tanh). `config` overrides the tiles (tests, benchmarks)."""
+    out = torch.empty_like(x)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config)
+    if lines is None:
+        return out.zero_()
+    y, ids, wts = lines
+    m, h = x.shape
+    _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK))](
+        y, ids, wts, out, h, w_gate_up.shape[0], out.stride(0), out, out, out, 0.0, K_TOP=ids.shape[1],
+        KP=triton.next_power_of_2(ids.shape[1]), BLOCK=COMBINE_BLOCK, num_warps=4, **pdl_args(x))
+    return out
+
+
+def norm_eligible(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor) -> bool:
+    """Whether `moe_swiglu_add_rms_norm` takes the residual and norm weight: x's shape and dtype,
+    contiguous, one tile of a row (hidden up to `NORM_MAX`)."""
+    return (residual.shape == x.shape and residual.dtype == x.dtype == norm_weight.dtype and residual.is_contiguous()
+            and norm_weight.shape == (x.shape[1],) and norm_weight.is_contiguous() and x.shape[1] <= NORM_MAX)
+
+
+def moe_swiglu_add_rms_norm(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                            w_down: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                            activation: str = "silu", *, config: MoeConfig | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_swiglu_add_rms_norm_ref` on the kernels: `moe_swiglu`, then `new_residual = out +
+    residual` and its RMSNorm by `norm_weight` in the combine's launch (a program per row, the
+    norm's arithmetic) -> (normed, new_residual), `[t, hidden]` each. Needs `norm_eligible`."""
+    if not norm_eligible(x, residual, norm_weight):
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} and norm weight "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype} do not fit x {tuple(x.shape)} {x.dtype} "
+                         f"(contiguous, x's dtype, hidden <= {NORM_MAX})")
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config)
+    if lines is None:
+        return add_rms_norm(torch.zeros_like(x), residual, norm_weight, eps)
+    y, ids, wts = lines
+    m, h = x.shape
+    normed, new_residual = torch.empty_like(x), torch.empty_like(x)
+    block = triton.next_power_of_2(h)
+    _moe_combine_kernel[(m, 1)](
+        y, ids, wts, normed, h, w_gate_up.shape[0], normed.stride(0), residual, norm_weight, new_residual, float(eps),
+        K_TOP=ids.shape[1], KP=triton.next_power_of_2(ids.shape[1]), BLOCK=block, NORM=True,
+        num_warps=_norm_warps(block), **pdl_args(x))
+    return normed, new_residual
+
+
+def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, config: MoeConfig | None):
+    """The gate/up and down launches: `(y [t*k, hidden], ids, weights)`, each (row, slot) line
+    the row's output of that slot's expert (unwritten for a padding row); None when t or k is 0."""
     check_activation(activation)
     _check(x, weights, experts, w_gate_up, w_down)
     cfg = (config or CONFIG).check()
     m, h = x.shape
     n_exp, two_i, _ = w_gate_up.shape
     inter, k = two_i // 2, experts.shape[1]
-    out = torch.empty_like(x)
     if m == 0 or k == 0:
-        return out.zero_()
+        return None
     x = x if x.stride(1) == 1 else x.contiguous()
     ids, wts = experts.contiguous(), weights.contiguous()
     act = torch.empty((m * k, inter), dtype=x.dtype, device=x.device)
@@ -254,14 +408,18 @@ def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_
                   WIDEN=interpreting() and x.device.type != "cuda", num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
     row_tiles = triton.cdiv(m, BLOCK_M)
-    _moe_gate_up_kernel[(n_exp, triton.cdiv(inter, cfg.block_i), row_tiles)](
-        x, ids, w_gate_up, act, m, h, inter, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+    programs = cfg.programs_per_sm * multiprocessors(x.device)
+    if programs:  # each program loops over its row tile's routed (expert, tile) items
+        grid_gu = grid_down = (programs, row_tiles)
+        common.update(ITEMS=True, BLOCK_E=max(16, triton.next_power_of_2(n_exp)))
+    else:
+        grid_gu = (n_exp, triton.cdiv(inter, cfg.block_i), row_tiles)
+        grid_down = (n_exp, triton.cdiv(h, cfg.block_n), row_tiles)
+    _moe_gate_up_kernel[grid_gu](
+        x, ids, w_gate_up, act, m, h, inter, n_exp, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         BLOCK_I=cfg.block_i, EVEN_K=h % cfg.block_k == 0, EVEN_I=inter % cfg.block_i == 0,
         ACT=_ACT_CODE[activation], **common, **pdl_args(x))
-    _moe_down_kernel[(n_exp, triton.cdiv(h, cfg.block_n), row_tiles)](
-        act, ids, w_down, y, m, h, inter, w_down.stride(0), w_down.stride(1),
+    _moe_down_kernel[grid_down](
+        act, ids, w_down, y, m, h, inter, n_exp, w_down.stride(0), w_down.stride(1),
         BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0, EVEN_N=h % cfg.block_n == 0, **common, **pdl_args(x))
-    _moe_combine_kernel[(m, triton.cdiv(h, COMBINE_BLOCK))](
-        y, ids, wts, out, h, n_exp, out.stride(0), K_TOP=k, KP=common["KP"], BLOCK=COMBINE_BLOCK, num_warps=4,
-        **pdl_args(x))
-    return out
+    return y, ids, wts

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .norm_ref import add_rms_norm_ref
+
 # the gate activations the op takes, by the name the step ops and kernels share
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
 
@@ -62,3 +64,13 @@ def moe_swiglu_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
         w = (weights * hit).sum(dim=-1)  # the row's weight for e, 0 where it did not pick e
         out = torch.where(rows[:, None], out + y * w[:, None], out)
     return out
+
+
+def moe_swiglu_add_rms_norm_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                                w_gate_up: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor,
+                                norm_weight: torch.Tensor, eps: float, activation: str = "silu"
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_swiglu_ref`, then the residual add and the next norm (`norm_ref.add_rms_norm_ref`):
+    `residual [t, hidden]`, `norm_weight [hidden]` -> (normed, residual + experts' output)."""
+    return add_rms_norm_ref(moe_swiglu_ref(x, weights, experts, w_gate_up, w_down, activation), residual,
+                            norm_weight, eps)

@@ -17,10 +17,23 @@ fixed-width rule. A call of up to `COUNT_ROWS` rows runs as one program, which c
 of its live rows' experts itself; a longer one (a prefill chunk) runs a program per row tile and
 the wrapper counts with the twin's torch counter.
 
-Kernel and twin differ only in the float32 order of the softmax's and the normalisation's sums
-(and the exponential's last bit); ties of equal probabilities go to the lower index in both.
+The k picks take one reduction each: an int64 key per (row, expert), the probability's bits
+(non-negative, so ordered as the values) above the column's complement, whose maximum is the
+largest probability and, among equal ones, the lowest index; the count's union is one reduction
+over the rows after the picks (the keys taken out).
 
-Public API: `moe_route`, `moe_route_ref`, `eligible`, `BLOCK_T`, `COUNT_ROWS`, `MAX_EXPERTS`.
+`router_route` (its twin `router_route_ref`: `F.linear` then `moe_route_ref`) also computes the
+router's logits for a step's rows, in the same launch: a program per ROUTER_N experts stores
+their logits for every row (float32 dots over one K loop whatever the row count, rounded to the
+model dtype), and the last program to arrive (an arrival counter, as `_splitk`'s) routes every
+row from them with the routing body above.
+
+Kernel and twin differ only in the float32 order of the softmax's and the normalisation's sums
+(and the exponential's last bit; `router_route`: and of the logits' dots); ties of equal
+probabilities go to the lower index in both.
+
+Public API: `moe_route`, `moe_route_ref`, `router_route`, `router_route_ref`, `eligible`,
+`router_eligible`, `BLOCK_T`, `COUNT_ROWS`, `MAX_EXPERTS`, `ROUTER_N`, `ROUTER_K`.
 """
 
 from __future__ import annotations
@@ -29,15 +42,21 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_dtype, check_tensors
+from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args, pdl_wait
-from .moe_route_ref import count_experts, moe_route_ref  # noqa: F401  (the twin)
+from ._splitk import counters
+from .moe_route_ref import count_experts, moe_route_ref, router_route_ref  # noqa: F401  (the twins)
 
-__all__ = ["moe_route", "moe_route_ref", "eligible", "BLOCK_T", "COUNT_ROWS", "MAX_EXPERTS"]
+__all__ = ["moe_route", "moe_route_ref", "router_route", "router_route_ref", "eligible", "router_eligible",
+           "BLOCK_T", "COUNT_ROWS", "MAX_EXPERTS", "ROUTER_N", "ROUTER_K"]
 
 BLOCK_T = 16  # rows a tile holds (a fixed-width step's 16 in one tile)
 COUNT_ROWS = 64  # calls up to this many rows run as one program that counts their experts itself
 MAX_EXPERTS = 1024  # a tile holds BLOCK_T rows of every expert's logit
+# The router kernel's tiles: experts per program (a 128-expert router: 8 programs) and hidden
+# columns per loop step; they depend on nothing but these constants, never on the row count.
+ROUTER_N = 16
+ROUTER_K = 128
 
 
 def eligible(logits: torch.Tensor) -> bool:
@@ -47,13 +66,12 @@ def eligible(logits: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _moe_route_kernel(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l,
-                      K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                      NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr,
-                      COUNT: tl.constexpr, PDL: tl.constexpr = False):
-    """Program p routes the row tiles p, p + P, ...; with COUNT (one program) it adds the call and
-    the union of its live rows' experts to `counts`."""
-    pdl_wait(PDL)
+def _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l, first, step,
+                 K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                 NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr):
+    """Routes the row tiles first, first + step, ... of `logits [T, E]` (read through L2: the
+    router kernel's last program reads what the others wrote); with COUNT (every tile here) adds
+    the call and the union of its live rows' experts to `counts`."""
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     slots = tl.arange(0, KP)
@@ -61,27 +79,32 @@ def _moe_route_kernel(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_pt
     if HAS_LIVE:
         live = tl.load(live_ptr)
     hit = tl.zeros((BLOCK_E,), tl.int32)  # experts some live row picked
-    for t0 in range(tl.program_id(0) * BLOCK_T, T, tl.num_programs(0) * BLOCK_T):
+    for t0 in range(first * BLOCK_T, T, step * BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         row_ok = rows < T
         raw = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
-                      mask=row_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                      mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
         x = tl.where(col_ok[None, :], raw, float("-inf"))
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         probs = p / tl.sum(p, axis=1)[:, None]
         live_row = row_ok & (rows < live)
-        cur = tl.where(col_ok[None, :], probs, -1.0)  # a pick is taken out as -1 (probabilities are >= 0)
+        # one int64 key per (row, expert): the probability's bits (>= 0, so ordered as the
+        # values) over the complement of the column, so one maximum gives the largest
+        # probability and, among equal ones, the lowest index; a pick is taken out as -1
+        keys = tl.where(col_ok[None, :], (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+                        | (BLOCK_E - 1 - cols)[None, :].to(tl.int64), -1)
         vals = tl.zeros((BLOCK_T, KP), tl.float32)
         ids = tl.zeros((BLOCK_T, KP), tl.int32)
         for j in tl.static_range(K_TOP):
-            v = tl.max(cur, axis=1)
-            i = tl.min(tl.where(cur == v[:, None], cols[None, :], BLOCK_E), axis=1)  # the lowest index of the max
+            key = tl.max(keys, axis=1)
+            i = (BLOCK_E - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
+            v = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)  # the probability, bit for bit
             vals = tl.where(slots[None, :] == j, v[:, None], vals)
             ids = tl.where(slots[None, :] == j, i[:, None], ids)
-            picked = cols[None, :] == i[:, None]
-            cur = tl.where(picked, -1.0, cur)
-            if COUNT:  # the expert some live row picked in this slot
-                hit = tl.maximum(hit, tl.max((picked & live_row[:, None]).to(tl.int32), axis=0))
+            keys = tl.where(cols[None, :] == i[:, None], -1, keys)
+        if COUNT:  # the experts some live row picked: the keys taken out, in a column that exists
+            taken = (keys == -1) & col_ok[None, :] & live_row[:, None]
+            hit = tl.maximum(hit, tl.max(taken.to(tl.int32), axis=0))
         slot_ok = slots[None, :] < K_TOP
         if NORMALIZE:
             vals = vals / tl.sum(tl.where(slot_ok, vals, 0.0), axis=1)[:, None]
@@ -98,6 +121,68 @@ def _moe_route_kernel(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_pt
         tl.atomic_add(counts_ptr + 1, tl.sum(hit, axis=0).to(tl.int64))
 
 
+@triton.jit
+def _moe_route_kernel(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l,
+                      K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                      NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr,
+                      COUNT: tl.constexpr, PDL: tl.constexpr = False):
+    """Program p routes the row tiles p, p + P, ...; with COUNT (one program) it adds the call and
+    the union of its live rows' experts to `counts`."""
+    pdl_wait(PDL)
+    _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l, tl.program_id(0),
+                 tl.num_programs(0), K_TOP, KP, BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, HAS_LIVE, COUNT)
+
+
+@triton.jit
+def _router_route_kernel(x_ptr, router_ptr, logits_ptr, cnt_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr,
+                         T, H, E, stride_x, stride_r, K_TOP: tl.constexpr, KP: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROUTER_N: tl.constexpr,
+                         ROUTER_K: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                         HAS_LIVE: tl.constexpr, COUNT: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """Program p: logits [rows, experts p*ROUTER_N ...] = x @ router.T for every row tile (float32
+    dots over the same K loop for every row, rounded to the logits' dtype), stored; the last
+    program to arrive (an arrival counter, put back to 0) routes every row from them."""
+    pdl_wait(PDL)
+    experts = tl.program_id(0) * ROUTER_N + tl.arange(0, ROUTER_N)
+    e_ok = experts < E
+    offs_k = tl.arange(0, ROUTER_K)
+    for t0 in range(0, T, BLOCK_T):
+        rows = t0 + tl.arange(0, BLOCK_T)
+        r_ok = rows < T
+        acc = tl.zeros((ROUTER_N, BLOCK_T), tl.float32)
+        for k0 in range(0, H, ROUTER_K):
+            k_ok = (k0 + offs_k) < H
+            w = tl.load(router_ptr + experts.to(tl.int64)[:, None] * stride_r + (k0 + offs_k)[None, :],
+                        mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (k0 + offs_k)[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            if WIDEN:  # the interpreter multiplies bf16/f16 raw bits: widen (the products are equal)
+                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+        tl.store(logits_ptr + rows.to(tl.int64)[None, :] * E + experts[:, None],
+                 acc.to(logits_ptr.dtype.element_ty), mask=e_ok[:, None] & r_ok[None, :])
+    # every thread's logits are stored before one thread announces them (release) ...
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:  # ... and the last program reads them through L2
+        _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, E, 0, 1, K_TOP, KP,
+                     BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, HAS_LIVE, COUNT)
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+
+
+def _check_routing(n_exp: int, k: int, live, counts, scale) -> None:
+    if not 1 <= k <= n_exp:
+        raise ValueError(f"top-k {k} must lie in [1, {n_exp}] (the router's experts)")
+    if live is not None and (live.shape != (1,) or live.dtype != torch.int32):
+        raise ValueError(f"live rows must be an int32 [1] tensor, got {live.dtype} {tuple(live.shape)}")
+    if counts is not None and (counts.shape != (2,) or counts.dtype != torch.int64):
+        raise ValueError(f"counts must be an int64 [2] tensor, got {counts.dtype} {tuple(counts.shape)}")
+    if scale is not None and scale.shape != (n_exp,):
+        raise ValueError(f"scale must be [{n_exp}], got {tuple(scale.shape)}")
+
+
 def moe_route(logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
               counts: torch.Tensor | None = None, scale: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,14 +192,7 @@ def moe_route(logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor 
     check_tensors(*(x for x in (logits, live, counts, scale) if x is not None))
     check_dtype(logits, "logits")
     t, n_exp = logits.shape
-    if not 1 <= k <= n_exp:
-        raise ValueError(f"top-k {k} must lie in [1, {n_exp}] (the router's experts)")
-    if live is not None and (live.shape != (1,) or live.dtype != torch.int32):
-        raise ValueError(f"live rows must be an int32 [1] tensor, got {live.dtype} {tuple(live.shape)}")
-    if counts is not None and (counts.shape != (2,) or counts.dtype != torch.int64):
-        raise ValueError(f"counts must be an int64 [2] tensor, got {counts.dtype} {tuple(counts.shape)}")
-    if scale is not None and scale.shape != (n_exp,):
-        raise ValueError(f"scale must be [{n_exp}], got {tuple(scale.shape)}")
+    _check_routing(n_exp, k, live, counts, scale)
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     weights = torch.empty((t, k), dtype=logits.dtype, device=logits.device)
     ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
@@ -129,4 +207,44 @@ def moe_route(logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor 
         HAS_LIVE=live is not None, COUNT=fused, num_warps=4, **pdl_args(logits))
     if counts is not None and not fused:
         count_experts(counts, ids, n_exp)
+    return weights, ids
+
+
+def router_eligible(x: torch.Tensor, router: torch.Tensor) -> bool:
+    """Whether `router_route` takes `x [t, hidden]` and `router [E, hidden]`: a step's rows (up
+    to COUNT_ROWS), one float dtype, the router's rows contiguous, E up to MAX_EXPERTS."""
+    return (x.dim() == 2 and router.dim() == 2 and x.shape[0] <= COUNT_ROWS and x.shape[1] == router.shape[1]
+            and x.dtype == router.dtype and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and 1 <= router.shape[0] <= MAX_EXPERTS and router.stride(1) == 1)
+
+
+def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
+                 counts: torch.Tensor | None = None, scale: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`router_route_ref` in one launch: the router's logits `x @ router.T` (`x [t, hidden]`, t up
+    to COUNT_ROWS; `router [E, hidden]`; float32 dots, rounded to the model dtype), a program per
+    ROUTER_N experts, and the last program to arrive routes every row from them as `moe_route`
+    does (its picks, weights, padding rows and count). -> weights `[t, k]`, ids `[t, k]` int64."""
+    check_tensors(*(v for v in (x, router, live, counts, scale) if v is not None))
+    if not router_eligible(x, router):
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} and router {tuple(router.shape)} {router.dtype}: expected "
+                         f"[t <= {COUNT_ROWS}, hidden] and [E <= {MAX_EXPERTS}, hidden] of one float dtype, "
+                         "the router's rows contiguous")
+    t, n_exp = x.shape[0], router.shape[0]
+    _check_routing(n_exp, k, live, counts, scale)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    logits = torch.empty((t, n_exp), dtype=x.dtype, device=x.device)
+    weights = torch.empty((t, k), dtype=x.dtype, device=x.device)
+    ids = torch.empty((t, k), dtype=torch.int64, device=x.device)
+    if t == 0:
+        return weights, ids
+    grid = triton.cdiv(n_exp, ROUTER_N)
+    _router_route_kernel[(grid,)](
+        x, router, logits, counters("moe_router", x.device, 1), x if scale is None else scale,
+        x if live is None else live, weights, ids, ids if counts is None else counts, t, x.shape[1], n_exp,
+        x.stride(0), router.stride(0), K_TOP=k, KP=triton.next_power_of_2(k), BLOCK_T=BLOCK_T,
+        BLOCK_E=triton.next_power_of_2(n_exp), ROUTER_N=ROUTER_N, ROUTER_K=ROUTER_K, NORMALIZE=normalize,
+        HAS_SCALE=scale is not None, HAS_LIVE=live is not None, COUNT=counts is not None,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32", WIDEN=interpreting() and x.device.type != "cuda",
+        num_warps=4, **pdl_args(x))
     return weights, ids

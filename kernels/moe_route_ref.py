@@ -15,6 +15,7 @@ device), every row from it on is padding: ids `E` (no expert) and weights 0. Wit
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def topk_lowest_index(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,3 +55,11 @@ def moe_route_ref(logits: torch.Tensor, k: int, normalize: bool, live: torch.Ten
     if counts is not None:
         count_experts(counts, experts, n_exp)
     return weights, experts
+
+
+def router_route_ref(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
+                     counts: torch.Tensor | None = None, scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_route_ref` of a router's logits `F.linear(x, router)` in the model dtype: `x [t,
+    hidden]`, `router [E, hidden]` (the twin of `moe_route.router_route`, one launch)."""
+    return moe_route_ref(F.linear(x, router), k, normalize, live, counts, scale)

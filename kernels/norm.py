@@ -44,6 +44,13 @@ from .norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, add_rms_norm_tree_
 
 
 @triton.jit
+def rms_rstd(x, d, eps):
+    """1 / sqrt(mean(x^2) + eps) of one float32 row `x` (zeros past its `d` values): the norms'
+    statistic, shared with the MoE combine's fused norm (moe.py)."""
+    return 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=0) / d + eps)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, stride_res,
                      stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
                      ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
@@ -75,9 +82,9 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, s
         cols = tl.arange(0, PARTS_POW2)
         parts = tl.load(sq_ptr + row * n_parts + cols, mask=cols < n_parts, other=0.0)
         mean_sq = tl.sum(pairwise_rows(parts[None, :], 1, PARTS_POW2), axis=0) / d
+        rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
     else:
-        mean_sq = tl.sum(x * x, axis=0) / d
-    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
+        rstd = rms_rstd(x, d, eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if ZERO_CENTRED:  # HF Qwen3_5RMSNorm: float32 all the way, one rounding
         y = (x * rstd) * w

@@ -40,8 +40,8 @@ SHAPES = {
     "hybrid": [(12352, 2560), (2560, 4096), (10240, 2560), (18432, 2560), (2560, 9216), (248320, 2560)],
     # LLaMA-3.1-8B beyond the 8B's: fused gate/up, down, lm_head (q/k/v and o are the 8B's)
     "llama": [(28672, 4096), (4096, 14336), (128256, 4096)],
-    # Qwen3-30B-A3B's dense weights: fused q/k/v, o, lm_head (the experts run the MoE kernels)
-    "moe-a3b": [(5120, 2048), (2048, 4096), (151936, 2048)],
+    # Qwen3-30B-A3B's dense weights: fused q/k/v, o, lm_head, the router (the experts run the MoE kernels)
+    "moe-a3b": [(5120, 2048), (2048, 4096), (151936, 2048), (128, 2048)],
 }
 REL_TOL = 1e-2
 

@@ -112,7 +112,8 @@ def _moe_step(out: Path, tiny: bool):
     args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--vts", "1,4", "--iters", "2"] if tiny else \
         ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16", "--ops", "triton,torch",  # kernels first: the
          "--vts", "1,2,4,8,12,16", "--iters", "20",  # twin's eager steps take most of the part's time
-         "--tiles", "16x16x256x4x4,32x32x128x4x3,32x64x128x4x4,64x32x64x4x4"]  # candidates beside moe.CONFIG
+         # candidates beside moe.CONFIG; 64x64x128x4x3x0: CONFIG's tiles on a program per (expert, tile), the A/B
+         "--tiles", "64x64x128x4x3x0,64x64x128x4x3x2,32x64x128x4x3,16x16x256x4x4,32x32x128x4x3,64x32x64x4x4"]
     return [_py("-m", "benchmarks.moe_step", *args, *([] if tiny else _dense_tuned(out)),
                 "--json", str(out / "moe_step.json"))]
 
@@ -120,8 +121,9 @@ def _moe_step(out: Path, tiny: bool):
 def _moe_profile(out: Path, tiny: bool):
     if tiny:
         return None  # the profile needs CUDA
-    return [_py("-m", "benchmarks.moe_step", "--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16",
-                "--ops", "triton", "--vts", "1,16", "--iters", "10", "--profile", *_dense_tuned(out),
+    return [_py("-m", "benchmarks.moe_step", "--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16",  # the
+                "--ops", "triton,triton-unfused", "--vts", "1,16", "--iters", "10",  # fusions' A/B beside the profile
+                "--profile", *_dense_tuned(out),
                 "--json", str(out / "moe_profile.json"))]
 
 

@@ -45,7 +45,8 @@ def test_the_kernels_off_cuda_are_refused_in_one_line():
     proc = _run("--ops", "torch,triton")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: --ops 'torch,triton': expected torch and/or triton (triton needs --device cuda)"]
+        "error: --ops 'torch,triton': expected torch, triton and/or triton-unfused (the triton ones need "
+        "--device cuda)"]
     proc = _run("--tiles", "64x64x128x4x3")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --tiles '64x64x128x4x3': the kernels need --device cuda"]
@@ -59,3 +60,19 @@ def test_a_negative_width_is_refused_in_one_line(capsys, monkeypatch):
     assert main(["--shape", "tiny", "--device", "cpu", "--width", "-1"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --width -1: expected a row count (0: only the vt-row steps)"]
+
+
+def test_tiles_take_the_program_count_and_bad_ones_are_refused_in_one_line(capsys, monkeypatch):
+    """`--tiles` takes five fields (the programs per multiprocessor: moe.CONFIG's) or six (0: a
+    program per (expert, tile), the grid the A/B compares against); other counts are refused."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.moe_step import main, parse_tiles, tiles_name
+    from memra_kernels.moe import CONFIG
+
+    got = parse_tiles("64x64x128x4x3,32x64x128x4x4x0")
+    assert [tiles_name(c) for c in got] == [f"64x64x128x4x3x{CONFIG.programs_per_sm}", "32x64x128x4x4x0"]
+    for bad, why in (("64x64x128", "'64x64x128' has 3 fields, not 5 or 6"),
+                     ("64x64x128x4x3x-1", "programs_per_sm must be >= 0, got -1")):
+        assert main(["--shape", "tiny", "--device", "cpu", "--tiles", bad]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: --tiles {bad!r}: {why} (expected e.g. 64x64x128x4x3 or 64x64x128x4x3x0)"]

@@ -114,6 +114,45 @@ def test_planted_wrong_expert_index_is_caught():
     assert twin_violations(neighbour, 16, 2, torch.bfloat16) > 0
 
 
+EXPERT_GRID = moe.MoeConfig(programs_per_sm=0)  # a program per (expert, tile) instead of the work items
+
+
+@pytest.mark.parametrize("m", [1, pytest.param(16, marks=pytest.mark.exhaustive)], ids=lambda m: f"M{m}")
+def test_the_program_count_changes_no_bit(monkeypatch, m):
+    """The matmuls' work items (routed expert, tile) give the same bits whichever program runs
+    them: one program, a few, more programs than items, and a program per (expert, tile) of
+    every expert; a one-row step (a plain decode's) and sixteen rows."""
+    x, w, ids, gu, down = inputs(m, 3, torch.bfloat16, seed=11)
+    want = moe.moe_swiglu(x, w, ids, gu, down, config=EXPERT_GRID)
+    for sms in (1, 3, 64):
+        monkeypatch.setattr(moe, "INTERPRETED_SMS", sms)
+        assert torch.equal(moe.moe_swiglu(x, w, ids, gu, down), want), sms
+
+
+_routed_experts = moe._routed_experts  # the real one, for the plant below to call once patched in
+
+
+@triton.jit
+def _one_expert_short(ids_ptr, m0, M, E, K_TOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Planted: the routed experts counted one short (the last one's items never run)."""
+    hit, n, rank = _routed_experts(ids_ptr, m0, M, E, K_TOP, BLOCK_M, BLOCK_E)
+    return hit, n - 1, rank
+
+
+@triton.jit
+def _rank_as_expert(hit, rank, u, BLOCK_E: tl.constexpr):
+    """Planted: an item's expert is its rank, not the rank's routed expert."""
+    return u
+
+
+@pytest.mark.parametrize("plant", [_one_expert_short, _rank_as_expert], ids=["count", "rank"])
+def test_planted_work_item_bugs_are_caught(monkeypatch, plant):
+    """The f32 bound sees the items miss a routed expert, or run experts no row picked."""
+    name = "_routed_experts" if plant is _one_expert_short else "_nth_expert"
+    monkeypatch.setattr(moe, name, plant)
+    assert twin_violations(moe.moe_swiglu, 1, 2, torch.float32) > 0
+
+
 def test_planted_wrong_activation_is_caught():
     """The GELU-tanh twin sees the kernels run with SiLU (a Gemma expert on the Qwen epilogue) in
     float32's bound: the bound tells the two activations apart. (A swapped switch, the other way
@@ -215,9 +254,58 @@ def test_padding_rows_read_no_expert_and_a_live_row_keeps_its_bits(op):
     assert not torch.equal(unmasked[5:], torch.zeros_like(unmasked[5:]))
 
 
+def add_norm_inputs(m: int, dtype: torch.dtype):
+    """A residual stream `[m, H]` and a norm weight `[H]` for the fused add + norm."""
+    g = torch.Generator().manual_seed(21)
+    return (torch.randn(m, H, generator=g).to(DEVICE, dtype),
+            (torch.rand(H, generator=g) + 0.5).to(DEVICE, dtype))
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16], ids=str)
+def test_the_add_and_norm_in_the_combine_give_the_unfused_ops_bits(dtype):
+    """`moe_swiglu_add_rms_norm` (the residual add and next norm in the combine's launch) against
+    `moe_swiglu` then `norm.add_rms_norm`: the same bits (in the interpreter both norms sum the
+    same squares in the same order), padding rows included (their new residual is the residual,
+    normed); the twin within bf16's rounding bound. Planted: the neighbouring row's residual."""
+    from memra_kernels import norm
+
+    x, w, ids, gu, down = padded_step(dtype)
+    res, nw = add_norm_inputs(x.shape[0], dtype)
+    normed, new_res = moe.moe_swiglu_add_rms_norm(x, w, ids, gu, down, res, nw, 1e-6)
+    want_normed, want_res = norm.add_rms_norm(moe.moe_swiglu(x, w, ids, gu, down), res, nw, 1e-6)
+    assert torch.equal(new_res, want_res) and torch.equal(normed, want_normed)
+    assert torch.equal(new_res[5:], res[5:])
+    ref_normed, _ = moe_ref.moe_swiglu_add_rms_norm_ref(x, w, ids, gu, down, res, nw, 1e-6)
+    assert ((normed.float() - ref_normed.float()).norm() / ref_normed.float().norm()).item() <= BF16_REL
+    planted, _ = moe.moe_swiglu_add_rms_norm(x, w, ids, gu, down, res.roll(1, 0), nw, 1e-6)
+    assert not torch.equal(planted, want_normed)
+
+
+@pytest.mark.exhaustive  # the matmuls are moe_swiglu's (invariant above); the combine's norm is one program a row
+def test_a_row_through_the_add_and_norm_is_the_same_bits_whatever_shares_its_step():
+    """The fused op's normed output of a row, its residual a function of its own input, is the
+    same bits alone, among other rows, sharing experts or not."""
+    nw = add_norm_inputs(1, torch.bfloat16)[1]
+
+    def fused(x, w, ids, gu, down):
+        return moe.moe_swiglu_add_rms_norm(x, w, ids, gu, down, (x * 0.5 + 1).contiguous(), nw, 1e-6)[0]
+
+    assert invariance_violations(fused, torch.bfloat16) == []
+
+
+def test_the_add_and_norm_refuse_tensors_they_do_not_take():
+    x, w, ids, gu, down = inputs(4, 2, torch.float32)
+    res, nw = add_norm_inputs(4, torch.float32)
+    with pytest.raises(ValueError, match=r"residual \(3, 64\) torch.float32 and norm weight \(64,\) torch.float32 "
+                                         r"do not fit x \(4, 64\)"):
+        moe.moe_swiglu_add_rms_norm(x, w, ids, gu, down, res[:3], nw, 1e-6)
+    assert not moe.norm_eligible(x, res, nw.to(torch.bfloat16))
+
+
 @triton.jit
-def _row_order_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, K_TOP: tl.constexpr,
-                              KP: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _row_order_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, res_ptr, norm_w_ptr, res_out_ptr,
+                              eps, K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
+                              NORM: tl.constexpr = False, PDL: tl.constexpr = False):
     """A planted combine: one float32 running sum over the step's rows in row order (a segmented
     prefix sum), each row's result the difference of the sums after and before it. Exact in real
     arithmetic; in floats a row's rounding depends on the rows before it."""
@@ -299,6 +387,9 @@ def test_step_ops_take_the_kernels_and_the_torch_ops_the_twin(monkeypatch):
     calls = []
     real = moe.moe_swiglu
     monkeypatch.setattr(moe, "moe_swiglu", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    fused = []
+    real_fused = moe.moe_swiglu_add_rms_norm
+    monkeypatch.setattr(moe, "moe_swiglu_add_rms_norm", lambda *a, **kw: fused.append(a[0].shape[0]) or real_fused(*a, **kw))
     ops = TritonStepOps()
     x, w, ids, gu, down = inputs(moe.BLOCK_M + 8, 2, torch.float32, seed=7)
     ops.moe_swiglu(x[:4], w[:4], ids[:4], gu, down)
@@ -308,6 +399,14 @@ def test_step_ops_take_the_kernels_and_the_torch_ops_the_twin(monkeypatch):
     assert torch.equal(ops.moe_swiglu(x, w, ids, strided, down), moe_swiglu_ref(x, w, ids, strided, down))
     assert calls == [4, moe.BLOCK_M + 8]
     assert TorchStepOps.moe_swiglu is moe_swiglu_ref
+    # the add + norm: in the combine's launch, or (a residual it does not take) the experts, then the norm
+    res, nw = add_norm_inputs(4, torch.float32)
+    ops.moe_swiglu_add_rms_norm(x[:4], w[:4], ids[:4], gu, down, res, nw, 1e-6)
+    assert fused == [4] and calls == [4, moe.BLOCK_M + 8]
+    rows_apart = torch.cat([res, res], dim=1)[:, :H]  # the residual's rows strided: the fused launch takes none
+    ops.moe_swiglu_add_rms_norm(x[:4], w[:4], ids[:4], gu, down, rows_apart, nw, 1e-6)
+    assert fused == [4] and calls == [4, moe.BLOCK_M + 8, 4]
+    assert TorchStepOps.moe_swiglu_add_rms_norm is moe_ref.moe_swiglu_add_rms_norm_ref
 
 
 def test_the_twin_while_capturing_runs_every_expert_for_the_same_bits(monkeypatch):

@@ -73,12 +73,17 @@ def test_padding_rows_route_to_no_expert_and_only_live_rows_count():
 def test_a_row_is_the_same_bits_whatever_the_row_count():
     """Row r alone, in a 16-row call, and in a 70-row call (several tiles): the same picks and
     weight bits (the fixed-width rule: a plain step and a verify step route alike)."""
-    logits = logits_of(70, torch.bfloat16, seed=3)
-    full_w, full_ids = mr.moe_route(logits, 3, True)
-    part_w, part_ids = mr.moe_route(logits[:16], 3, True)
+    assert_rows_alike(logits_of(70, torch.bfloat16, seed=3), 3, (0, 7, 15, 40))
+
+
+def assert_rows_alike(logits: torch.Tensor, k: int, rows) -> None:
+    """The kernel's picks and weight bits of the first 16 rows of `logits [70, E]` routed alone
+    and in the 70-row call, and of each of `rows` alone and in it."""
+    full_w, full_ids = mr.moe_route(logits, k, True)
+    part_w, part_ids = mr.moe_route(logits[:16], k, True)
     assert torch.equal(part_w, full_w[:16]) and torch.equal(part_ids, full_ids[:16])
-    for r in (0, 7, 15, 40):
-        w, ids = mr.moe_route(logits[r:r + 1], 3, True)
+    for r in rows:
+        w, ids = mr.moe_route(logits[r:r + 1], k, True)
         assert torch.equal(w[0], full_w[r]) and torch.equal(ids[0], full_ids[r]), r
 
 
@@ -110,6 +115,86 @@ def test_ties_go_to_the_lower_index_and_planted_breakage_is_caught():
     assert "weights" in mismatches(renorm_off, logits_of(16, torch.float32), 2, True)
 
 
+# ----------------------------------------------------------------------------- the router's matmul too
+
+HIDDEN = 48
+
+
+def router_inputs(t: int, dtype: torch.dtype, seed: int = 0):
+    """x `[t, HIDDEN]` and a router `[E, HIDDEN]` whose logits spread as `logits_of`'s do."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, HIDDEN, generator=g).to(DEVICE, dtype),
+            (torch.randn(E, HIDDEN, generator=g) * 0.3).to(DEVICE, dtype))
+
+
+def router_mismatches(op, x, router, k: int, normalize: bool = True, live=None, scale=None) -> list[str]:
+    """`mismatches` for `router_route` against its twin (`F.linear` then the routing twin). The
+    logits now differ too: each of the two float32 dots is within HIDDEN*u of exact, relative to
+    Σ|x_i·w_i| (`L`, the row's largest over experts), so a logit moves by δ <= 2*HIDDEN*u*L and a
+    softmax (or renormalised) weight, 1/Σ_j exp(l_j - l_e), by <= 2δ relative, beside the
+    routing's own (2E + k + 12)*u. bf16 logits round once more: a rounding the other way moves a
+    logit by one ulp, 2^-8*|l|, so the weights by <= 2^-7*max|l| beside one bf16 ulp (2^-7)."""
+    c_op, c_ref = torch.zeros(2, dtype=torch.int64, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    w, ids = op(x, router, k, normalize, live, c_op, scale)
+    w_ref, ids_ref = mr.router_route_ref(x, router, k, normalize, live, c_ref, scale)
+    bad = [] if torch.equal(ids, ids_ref) else ["ids"]
+    if not torch.equal(c_op, c_ref):
+        bad.append(f"counts {c_op.tolist()} != {c_ref.tolist()}")
+    logits = x.double() @ router.double().T
+    if x.dtype == torch.float32:
+        big = (x.double().abs() @ router.double().abs().T).max().item()
+        rel = (2 * E + k + 12) * U + 4 * HIDDEN * U * big
+    else:
+        rel = 2.0**-7 * (1 + logits.abs().max().item())
+    if ((w.double() - w_ref.double()).abs() > rel * w_ref.double().abs()).any():
+        bad.append("weights")
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("t,live,scaled", [(1, None, False), (16, 9, True), (40, 33, False)], ids=str)
+def test_the_router_kernel_matches_its_twin(dtype, t, live, scaled):
+    """One launch for the router's matmul and the routing (a step's 16 rows, a row, 40 rows in
+    three tiles): the twin's picks and count, the weights within the bound; a second call the
+    same (the arrival counter is put back)."""
+    x, router = router_inputs(t, dtype, seed=t)
+    scale = (torch.rand(E, generator=torch.Generator().manual_seed(1)) + 0.5).to(DEVICE, dtype) if scaled else None
+    assert router_mismatches(mr.router_route, x, router, 3, True, live_of(live), scale) == []
+    first = mr.router_route(x, router, 3, True, live_of(live))
+    again = mr.router_route(x, router, 3, True, live_of(live))
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_the_router_kernel_keeps_a_row_its_bits_its_ties_and_catches_a_planted_router():
+    """A row's picks and weight bits alone, among 16 and among 40 rows; equal router rows tie
+    exactly and go to the lower index; the neighbouring expert's router row (a planted off-by-one)
+    is caught by the twin comparison."""
+    x, router = router_inputs(40, torch.bfloat16, seed=5)
+    full = mr.router_route(x, router, 3, True)
+    part = mr.router_route(x[:16], router, 3, True)
+    assert torch.equal(part[0], full[0][:16]) and torch.equal(part[1], full[1][:16])
+    for r in (0, 15, 39):
+        w, ids = mr.router_route(x[r:r + 1], router, 3, True)
+        assert torch.equal(w[0], full[0][r]) and torch.equal(ids[0], full[1][r]), r
+    tied = router.clone()
+    tied[6] = tied[2]
+    _, ids = mr.router_route(x, tied, E, True)  # every expert ranked: 2 always before its twin 6
+    order = ids.tolist()
+    assert all(row.index(2) < row.index(6) for row in order)
+    assert "ids" in router_mismatches(lambda x_, r_, *a: mr.router_route(x_, r_.roll(1, 0), *a),
+                                      *router_inputs(16, torch.float32), 3)
+
+
+def test_the_router_kernel_refuses_what_it_does_not_take():
+    x, router = router_inputs(mr.COUNT_ROWS + 1, torch.float32)
+    assert not mr.router_eligible(x, router) and mr.router_eligible(x[:16], router)
+    assert not mr.router_eligible(x[:16], router.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"expected \[t <= 64, hidden\] and \[E <= 1024, hidden\]"):
+        mr.router_route(x, router, 2, True)
+    with pytest.raises(ValueError, match=r"top-k 9 must lie in \[1, 8\]"):
+        mr.router_route(x[:4], router, 9, True)
+
+
 def test_step_ops_take_the_kernel_and_the_torch_ops_the_twin(monkeypatch):
     from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
 
@@ -119,6 +204,17 @@ def test_step_ops_take_the_kernel_and_the_torch_ops_the_twin(monkeypatch):
     TritonStepOps().moe_route(logits_of(3, torch.float32), 2, True)
     assert calls == [(3, E)]
     assert TorchStepOps.moe_route is moe_route_ref
+    # the router and its picks: one launch for a step's rows, the matmul then the routing past them
+    fused, real_fused = [], mr.router_route
+    monkeypatch.setattr(mr, "router_route", lambda *a, **kw: fused.append(a[0].shape[0]) or real_fused(*a, **kw))
+    x, router = router_inputs(mr.COUNT_ROWS + 1, torch.float32)
+    ops = TritonStepOps()
+    ops.router_route(x[:16], router, 2, True)
+    ops.router_route(x, router, 2, True)
+    assert fused == [16] and calls == [(3, E), (mr.COUNT_ROWS + 1, E)]
+    w, ids = TorchStepOps().router_route(x[:5], router, 2, True)
+    w_ref, ids_ref = mr.router_route_ref(x[:5], router, 2, True)
+    assert torch.equal(w, w_ref) and torch.equal(ids, ids_ref)  # below the oneDNN row count: F.linear's bits
 
 
 def test_refusals():
@@ -139,12 +235,7 @@ def test_on_the_gpu_at_the_a3b_shapes_rows_are_invariant_match_the_twin_and_repl
     alone, among 16 and among 70 rows, and a CUDA graph's replay over new logits equal to eager."""
     logits = logits_of(70, torch.bfloat16, seed=4, n_exp=n_exp)
     assert mismatches(mr.moe_route, logits[:16], 8, True, live_of(9)) == []
-    full_w, full_ids = mr.moe_route(logits, 8, True)
-    part_w, part_ids = mr.moe_route(logits[:16], 8, True)
-    assert torch.equal(part_w, full_w[:16]) and torch.equal(part_ids, full_ids[:16])
-    for r in (0, 5, 15, 40):
-        w, ids = mr.moe_route(logits[r:r + 1], 8, True)
-        assert torch.equal(w[0], full_w[r]) and torch.equal(ids[0], full_ids[r]), r
+    assert_rows_alike(logits, 8, (0, 5, 15, 40))
     step, live, counts = logits[:16].clone(), live_of(3), torch.zeros(2, dtype=torch.int64, device=DEVICE)
     mr.moe_route(step, 8, True, live, counts)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()

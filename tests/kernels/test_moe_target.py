@@ -16,7 +16,7 @@ from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import PolicySettings
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
-from memra_kernels import moe
+from memra_kernels import moe, moe_route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 W = 8  # a small fixed width keeps the interpreter quick
@@ -58,15 +58,17 @@ def _same_state(a, b):
 
 def test_a_step_through_the_kernels_matches_the_torch_ops(target_dir, monkeypatch):
     calls = []
-    real = moe.moe_swiglu
-    monkeypatch.setattr(moe, "moe_swiglu", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for name in ("moe_swiglu", "moe_swiglu_add_rms_norm"):
+        real = getattr(moe, name)
+        monkeypatch.setattr(moe, name, lambda *a, _n=name, _f=real, **kw: calls.append((_n, a[0].shape[0])) or _f(*a, **kw))
     out = {}
     for name, ops in (("torch", TorchStepOps()), ("triton", TritonStepOps())):
         model = _model(target_dir, ops)
         out[name], _ = _grouped(StepRunner(model, W), _ids(12, 0), _ids(W, 1), [W])
     sparse = len(model.moe.sparse_layers)
     assert 0 < sparse < len(model.layers)
-    assert calls == [12] * sparse + [W] * sparse  # the prefill's 12 rows and the step, on the kernels
+    # the prefill's 12 rows on the kernels, and the step's with the residual add and next norm in their launch
+    assert calls == [("moe_swiglu", 12)] * sparse + [("moe_swiglu_add_rms_norm", W)] * sparse
     ref, got = out["torch"], out["triton"]
     assert torch.isfinite(got).all()
     assert ((got - ref).norm() / ref.norm()).item() < LOGIT_TOL
@@ -112,10 +114,14 @@ def test_speculative_equals_plain_with_the_kernels(target_dir, tmp_path, dtype):
 
 
 class MoeKernelOps(TorchStepOps):
-    """The torch step ops with the MoE kernels in the twin's place (the Triton seam's choice for
-    the experts), so a session's other ops stay quick on the interpreter."""
+    """The torch step ops with the MoE kernels in the twins' place (the Triton seam's choices for
+    the experts, their add + norm and the routing), so a session's other ops stay quick on the
+    interpreter."""
 
     moe_swiglu = staticmethod(moe.moe_swiglu)
+    moe_swiglu_add_rms_norm = TritonStepOps.moe_swiglu_add_rms_norm
+    router_route = TritonStepOps.router_route
+    _moe, _moe_route = moe, moe_route
 
 
 def _tensors(out):

@@ -2,8 +2,8 @@
 experts it ran.
 
 Routing (`route`) is one arithmetic for every step: router logits in the model dtype, then the
-step ops' `moe_route` (the twin `memra_kernels.moe_route_ref`, or one launch of
-`memra_kernels.moe_route`): softmax in float32, top-k with ties broken by the lower expert index,
+picks (the step ops' `router_route`: the torch ops' `linear` and the twin
+`memra_kernels.moe_route_ref`, or with the kernels one launch of both for a step's rows): softmax in float32, top-k with ties broken by the lower expert index,
 renormalised over the k kept when asked, cast back to the model dtype, a fixed step's padding
 rows routed to no expert, the call counted. The experts' grouped GLU and combine (`moe_swiglu`, SwiGLU
 or with `activation="gelu_tanh"` Gemma 4's) is `memra_kernels.moe_ref`'s body, which the step
@@ -29,15 +29,16 @@ from memra_kernels.moe_route_ref import count_experts, moe_route_ref, topk_lowes
 def route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, ops=None, live: torch.Tensor | None = None,
           counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights `[t, k]` (model dtype) and expert ids `[t, k]` for `x [t, hidden]` with
-    `router [E, hidden]`: the logits `x @ router.T` in the model dtype, then the step ops'
-    `moe_route` (`ops`; None: the twin, memra_kernels.moe_route_ref): softmax in float32, top-k
+    `router [E, hidden]`: the logits `x @ router.T` in the model dtype, then the picks: the step
+    ops' `router_route` (`ops`: their `linear` then `moe_route`, or one launch of both with the
+    kernels for a step's rows; None: `F.linear` and the twin, memra_kernels.moe_route_ref):
+    softmax in float32, top-k
     (lower index on ties), renormalised over the kept k when `normalize` (Qwen3-MoE's
     `norm_topk_prob`); rows from `live` on (int32 `[1]`) routed to no expert (id E, weight 0);
     the call counted into `counts` (`ExpertReads.sink()`)."""
-    logits = F.linear(x, router)
     if ops is None:
-        return moe_route_ref(logits, k, normalize, live, counts)
-    return ops.moe_route(logits, k, normalize, live, counts)
+        return moe_route_ref(F.linear(x, router), k, normalize, live, counts)
+    return ops.router_route(x, router, k, normalize, live, counts)
 
 
 _paused = [0]  # depth of `not_counted` blocks open now

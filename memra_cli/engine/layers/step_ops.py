@@ -35,6 +35,13 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   routed experts' GLU (SwiGLU, or `activation="gelu_tanh"`: Gemma 4's) and weighted combine
   (memra_kernels.moe_ref; with the kernels, `memra_kernels.moe`: each routed expert read once per
   32 rows, the ids read on the device)
+- `moe_swiglu_add_rms_norm(x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
+  activation="silu") -> (normed, residual + out)`: `moe_swiglu` then `add_rms_norm`, a sparse
+  layer's end (with the kernels the add and norm run in the combine's launch:
+  `memra_kernels.moe.moe_swiglu_add_rms_norm`)
+- `router_route(x, router, k, normalize, live=None, counts=None, scale=None) -> (weights, ids)`:
+  `moe_route(linear(x, router), ...)`, a router's logits and picks (with the kernels, for a
+  step's rows, one launch: `memra_kernels.moe_route.router_route`)
 - `moe_route(logits, k, normalize, live=None, counts=None, scale=None) -> (weights, ids)`: a
   router's picks from its logits `[t, E]` (softmax in float32, top-k with ties to the lower
   index, renormalised, a per-expert scale, cast; rows from `live` on routed to no expert; the
@@ -117,9 +124,10 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
 
 - `unfused()`: these ops with this seam's launch fusions undone (`embed_rms_norm` as the gather
   then the norm, `lm_head_argmax` as the matmul then the argmax, `qkv_rope_kv_write` as the
-  projection then the rope op, `linear_add_rms_norm` as the projection then `add_rms_norm`): the
-  same bits but for the q/k/v epilogue's and the folded norm's float32 statistics (another
-  summation order, as against the torch twins), more
+  projection then the rope op, `linear_add_rms_norm` as the projection then `add_rms_norm`,
+  `moe_swiglu_add_rms_norm` as the experts then the add + norm, `router_route` as the router's
+  matmul then the routing): the same bits but for the q/k/v epilogue's and the folded norms'
+  float32 statistics (another summation order, as against the torch twins), more
   launches; what the GPU benchmarks time those fusions against (`target_step --variants
   triton-unfused`; the SwiGLU epilogue has its own switch, `unfused_swiglu`, variant `noglu`)
 - `plain_launches()`: a context in which the ops' kernels launch in plain stream order (no
@@ -158,7 +166,7 @@ from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_ro
 from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,
                                       softcap_ref)
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
-from memra_kernels.moe_ref import moe_swiglu_ref
+from memra_kernels.moe_ref import moe_swiglu_add_rms_norm_ref, moe_swiglu_ref
 from memra_kernels.norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_1p_ref, embed_rms_norm_ref,
                                     gated_rms_norm_heads, rms_norm_ref)
 from memra_kernels.qwen35_ref import gdn_gates_body, window_after
@@ -207,6 +215,17 @@ def unfused_linear_add_rms_norm(ops, a: torch.Tensor, w, bias, residual: torch.T
     norm kernel's statistic: the folded one's order differs, so may its last ulp); `consumer`
     (the next weight) is unused here."""
     return ops.add_rms_norm(ops.linear(a, w, bias), residual, norm_w, eps)
+
+
+def unfused_router_route(ops, x, router, k: int, normalize: bool, live=None, counts=None, scale=None):
+    """`ops.linear` then `ops.moe_route`: a router's logits, then its picks (the unfused form)."""
+    return ops.moe_route(ops.linear(x, router), k, normalize, live, counts, scale)
+
+
+def unfused_moe_swiglu_add_rms_norm(ops, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps: float,
+                                    activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe_swiglu` then `ops.add_rms_norm`: the unfused form `unfused()` installs."""
+    return ops.add_rms_norm(ops.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation), residual, norm_w, eps)
 
 
 def unfused_lm_head_argmax(ops, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,6 +342,13 @@ class TorchStepOps:
 
     moe_route = staticmethod(moe_route_ref)  # the op's one torch body
 
+    def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
+                     live: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`moe_route` of the router's logits `linear(x, router)` (model dtype), through this
+        instance's two ops."""
+        return unfused_router_route(self, x, router, k, normalize, live, counts, scale)
+
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ w.T (+ bias)` for a plain weight `[out, in]`; `w(x)` for a quantized linear. A
@@ -383,6 +409,7 @@ class TorchStepOps:
         return unfused_swiglu(cls, x, w_gate_up)
 
     moe_swiglu = staticmethod(moe_swiglu_ref)  # the routed experts' GLU + combine: the op's one torch body
+    moe_swiglu_add_rms_norm = staticmethod(moe_swiglu_add_rms_norm_ref)  # then the add + norm: its one torch body
 
     prefill_mask = True  # prefill_attention reads the forward's folded [g*t, n] mask
 
@@ -628,6 +655,8 @@ class TritonStepOps:
         ops.lm_head_argmax = functools.partial(unfused_lm_head_argmax, ops)
         ops.qkv_rope_kv_write = functools.partial(unfused_qkv_rope_kv_write, ops)
         ops.linear_add_rms_norm = functools.partial(unfused_linear_add_rms_norm, ops)
+        ops.moe_swiglu_add_rms_norm = functools.partial(unfused_moe_swiglu_add_rms_norm, ops)
+        ops.router_route = functools.partial(unfused_router_route, ops)
         return ops
 
     def linear_add_rms_norm(self, a: torch.Tensor, w, bias, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
@@ -711,6 +740,30 @@ class TritonStepOps:
         if self._moe.eligible(x, w_gate_up, w_down):
             return self._moe.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation)
         return moe_swiglu_ref(x, weights, experts, w_gate_up, w_down, activation)
+
+    def moe_swiglu_add_rms_norm(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                                w_gate_up: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor,
+                                norm_w: torch.Tensor, eps: float, activation: str = "silu"
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TorchStepOps.moe_swiglu_add_rms_norm` with the residual add and the norm in the MoE
+        combine's launch (`moe.moe_swiglu_add_rms_norm`); `moe_swiglu` then `add_rms_norm` where
+        the kernels do not take the tensors. The choice depends on shapes and dtypes only."""
+        if self._moe.eligible(x, w_gate_up, w_down) and self._moe.norm_eligible(x, residual, norm_w):
+            return self._moe.moe_swiglu_add_rms_norm(x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
+                                                     activation)
+        return unfused_moe_swiglu_add_rms_norm(self, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
+                                               activation)
+
+    def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
+                     live: torch.Tensor | None = None, counts: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TorchStepOps.router_route` in one launch for a step's rows (`moe_route.router_eligible`:
+        up to 64 rows, a router of up to 1024 experts), the router's matmul and the picks
+        together; `linear` then `moe_route` otherwise (a prefill chunk). The choice depends on
+        the row count only past a step's rows, so every fixed-width step routes a row alike."""
+        if self._moe_route.router_eligible(x, router):
+            return self._moe_route.router_route(x, router, k, normalize, live, counts, scale)
+        return unfused_router_route(self, x, router, k, normalize, live, counts, scale)
 
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
                   counts: torch.Tensor | None = None, scale: torch.Tensor | None = None

@@ -50,11 +50,11 @@ def gemma_route(x: torch.Tensor, w: Gemma4MoeLayerWeights, top_k: int, eps: floa
                 live: torch.Tensor | None = None, counts: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights `[t, k]` (model dtype) and expert ids `[t, k]` for the residual `x [t, h]`
-    (module docstring): the scaled norm and the logits (`ops.linear`) here, the rest the step
-    ops' `moe_route` with the per-expert scale (and the live rows and the count, as every MoE
+    (module docstring): the scaled norm here, the logits and the rest the step ops'
+    `router_route` with the per-expert scale (and the live rows and the count, as every MoE
     family's: layers/moe.py)."""
     r = gemma_rms_norm(x, None, eps) * w.router_scale * x.shape[-1] ** -0.5
-    return ops.moe_route(ops.linear(r, w.experts.router), top_k, True, live, counts, w.expert_scale)
+    return ops.router_route(r, w.experts.router, top_k, True, live, counts, w.expert_scale)
 
 
 class _MoeLoader(_Loader):
@@ -99,7 +99,7 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
     state_class = LiveLayerKVCache
 
     step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
-                     "gelu_tanh_mul, softcap, moe_route and moe_swiglu (the routed experts); Gemma 4's per-layer "
+                     "gelu_tanh_mul, softcap, router_route and moe_swiglu (the routed experts); Gemma 4's per-layer "
                      "inputs run in torch")
     loader_class = _MoeLoader
     routes_experts = True

@@ -289,6 +289,13 @@ class Qwen3Target(TargetBase):
         ops = self.step_ops
         return ops.linear(ops.swiglu(h, w.w_gate_up), w.w_down)
 
+    def _step_ffn_add_norm(self, h: torch.Tensor, x: torch.Tensor, li: int, w: LayerWeights,
+                           next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_step_ffn`, the residual add onto `x [W, hidden]` and the norm after it ->
+        (normed, new residual): a family whose feed-forward can end in that add and norm (the
+        MoE combine's launch) overrides this."""
+        return self.step_ops.add_rms_norm(self._step_ffn(h, li, w), x, next_norm, self.cfg.rms_norm_eps)
+
     # ----------------------------------------------------------------------- heads
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -365,8 +372,8 @@ class Qwen3Target(TargetBase):
                 (self.layers[li + 1].attn_norm, self.layers[li + 1].wqkv)
             if mlp:
                 h, x = ops.linear_add_rms_norm(ops.swiglu(h, mlp[0]), mlp[1], None, x, next_norm, eps, next_w)
-            else:
-                h, x = ops.add_rms_norm(self._step_ffn(h, li, w), x, next_norm, eps)
+            else:  # a family's own feed-forward, the add and the norm (the MoE combine's launch)
+                h, x = self._step_ffn_add_norm(h, x, li, w, next_norm)
             if li in wanted:
                 tapped[li] = x
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None

@@ -161,11 +161,16 @@ class Qwen3MoeTarget(RoutingRecorder, LiveRouting, Qwen3Target):
             log.warning("%s: %d tensor(s) not used by the Qwen3-MoE target, e.g. %s", path, len(extra), extra[0])
         return cls(cfg, moe, embed, layers, loader.get("model.norm.weight"), lm_head)
 
-    def _moe(self, h: torch.Tensor, ex: MoeWeights) -> torch.Tensor:
-        """A routed feed-forward on the normed `h [t, hidden]` (before the residual add)."""
+    def _route(self, h: torch.Tensor, ex: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing of the normed `h [t, hidden]` (weights, ids `[t, k]`), counted and recorded."""
         weights, ids = route(h, ex.router, self.moe.top_k, self.moe.norm_topk_prob, self.step_ops, self._live_rows,
                              self.reads.sink())
         self._record_routing(id(ex), ids)
+        return weights, ids
+
+    def _moe(self, h: torch.Tensor, ex: MoeWeights) -> torch.Tensor:
+        """A routed feed-forward on the normed `h [t, hidden]` (before the residual add)."""
+        weights, ids = self._route(h, ex)
         return self.step_ops.moe_swiglu(h, weights, ids, ex.w_gate_up, ex.w_down)
 
     def _mlp(self, x: torch.Tensor, w: MoeLayerWeights) -> torch.Tensor:
@@ -178,3 +183,14 @@ class Qwen3MoeTarget(RoutingRecorder, LiveRouting, Qwen3Target):
 
     def _step_ffn(self, h: torch.Tensor, li: int, w: MoeLayerWeights) -> torch.Tensor:
         return super()._step_ffn(h, li, w) if w.experts is None else self._moe(h, w.experts)
+
+    def _step_ffn_add_norm(self, h: torch.Tensor, x: torch.Tensor, li: int, w: MoeLayerWeights,
+                           next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sparse layer's experts, the residual add and the next norm: one step op
+        (`moe_swiglu_add_rms_norm`: with the kernels, the add and norm in the combine's launch)."""
+        if w.experts is None:
+            return super()._step_ffn_add_norm(h, x, li, w, next_norm)
+        ex = w.experts
+        weights, ids = self._route(h, ex)
+        return self.step_ops.moe_swiglu_add_rms_norm(h, weights, ids, ex.w_gate_up, ex.w_down, x, next_norm,
+                                                     self.cfg.rms_norm_eps)
