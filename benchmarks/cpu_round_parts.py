@@ -70,10 +70,10 @@ def main(argv: list[str] | None = None) -> None:
 
         setattr(owner, name, timed)
 
-    import memra_cli.engine.layers.step_ops as step_ops
+    import memra_cli.engine.layers.torch_step_ops as torch_step_ops
 
     drafter = arm.drafter
-    clock(step_ops, "markov_chain_host", "  (of which the numpy loop)")  # counts that --chain took effect
+    clock(torch_step_ops, "markov_chain_host", "  (of which the numpy loop)")  # counts that --chain took effect
     clock(proposer.DrafterProposer, "propose", "propose")
     clock(proposer.DrafterProposer, "ingest", "ingest")
     clock(drafter, "forward_round", "  block forward")

@@ -133,7 +133,7 @@ def main() -> None:
     with torch.inference_mode():
         target = random_target(s, dtype, device)
         if a.kernels:
-            from memra_cli.engine.layers.step_ops import TritonStepOps
+            from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
             target.step_ops = TritonStepOps()
         tmp = Path(tempfile.mkdtemp())

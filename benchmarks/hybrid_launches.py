@@ -80,7 +80,7 @@ def _total(counts: tuple[Counter, Counter]) -> int:
 
 def count_mix(types: tuple[str, ...], mode: str, root: Path) -> dict[str, tuple[Counter, Counter]]:
     """Each section's (triton, torch) launch counters for a tiny hybrid with `types` layers."""
-    from memra_cli.engine.layers.step_ops import TritonStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
     from memra_cli.engine.models.qwen3_5 import Qwen35Target
     from memra_cli.engine.runtime.steps import StepRunner
     from memra_cli.engine.spec.round_bodies import greedy_step

@@ -99,7 +99,8 @@ def read_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
 def step_ops(name: str):
     """The step-ops variant `name`: `torch` (the twin), `triton` (the MoE kernels; CUDA) or
     `triton-unfused` (those with the launch fusions undone)."""
-    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+    from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
     if name == "torch":
         return TorchStepOps()
@@ -205,7 +206,8 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
     from memra_cli.engine.layers.moe import route
     from memra_kernels.moe import moe_swiglu
     from memra_kernels.moe_ref import moe_swiglu_ref
-    from memra_cli.engine.layers.step_ops import TritonStepOps, unfused_router_route
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
+    from memra_cli.engine.layers.unfused import unfused_router_route
     from memra_kernels.moe_route import moe_route, router_route
     from memra_kernels.moe_route_ref import moe_route_ref
 

@@ -26,12 +26,13 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from memra_cli.engine.layers.step_ops import TorchStepOps, unfused_swiglu
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+from memra_cli.engine.layers.unfused import unfused_swiglu
 from memra_cli.engine.models.qwen3_5 import Qwen35Target
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
 
-# (mkldnn::_linear_pointwise: the CPU torch ops' float32 matmul of 8+ rows, step_ops.onednn_linear)
+# (mkldnn::_linear_pointwise: the CPU torch ops' float32 matmul of 8+ rows, torch_step_ops.onednn_linear)
 GEMMS = {"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
          "mkldnn::_linear_pointwise"}
 # ops that are one kernel on CUDA, whatever they decompose into on the CPU (mean: sum + div_)

@@ -171,7 +171,7 @@ def count_step(family: str = "qwen3", greedy: bool = False, variant: str = "fuse
     or A3B for qwen3_moe): by kernel, per layer (the step counted with all its layers and with
     one fewer), outside the layers, and the big shape's total (its layers times the per-layer
     count, plus the rest; the keys keep the name `8b`)."""
-    from memra_cli.engine.layers.step_ops import TritonStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
     from memra_kernels import dense_linear
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

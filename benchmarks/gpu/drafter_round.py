@@ -60,7 +60,8 @@ import torch
 from benchmarks import timing
 from benchmarks.gpu_shapes import SHAPES, random_target, run_arm
 from memra_cli.engine.api import ArmConfig, Engine
-from memra_cli.engine.layers.step_ops import TorchStepOps, select_step_ops
+from memra_cli.engine.layers.step_ops import select_step_ops
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps
 from memra_cli.engine.spec.policy import PolicySettings
 from memra_cli.engine.spec.proposer import DrafterProposer
 from memra_cli.tiny.draft import make_tiny_draft
@@ -394,7 +395,8 @@ def main(argv=None) -> int:
                    "(the swiglu step op unfused), to time the SwiGLU epilogue against")
     a = p.parse_args(argv)
     if a.no_glu:
-        from memra_cli.engine.layers.step_ops import TritonStepOps, unfused_swiglu
+        from memra_cli.engine.layers.triton_step_ops import TritonStepOps
+        from memra_cli.engine.layers.unfused import unfused_swiglu
 
         TritonStepOps.swiglu = unfused_swiglu
     _dense = None

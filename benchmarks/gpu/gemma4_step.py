@@ -178,7 +178,8 @@ def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False) ->
     """The CUDA run (`helpers`: target_step's graph_ms / replay_ms / copy_gbps / step_ms /
     kernels_per_step)."""
     from memra_cli.engine.api import Engine
-    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+    from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
     W = 16
     out: dict = {"shape": "gemma4-31b", "config": GEMMA4_31B, "dtype": "bfloat16",

@@ -528,7 +528,8 @@ def main() -> None:
                    "(the swiglu step op unfused), to time the SwiGLU epilogue against")
     a = p.parse_args()
     if a.no_glu:
-        from memra_cli.engine.layers.step_ops import TritonStepOps, unfused_swiglu
+        from memra_cli.engine.layers.triton_step_ops import TritonStepOps
+        from memra_cli.engine.layers.unfused import unfused_swiglu
 
         TritonStepOps.swiglu = unfused_swiglu
     if a.dense_prefetch is not None and not a.tiny:

@@ -52,7 +52,9 @@ import torch.nn.functional as F
 from benchmarks import timing
 from benchmarks.gpu_shapes import SHAPES, random_target, run_arm
 from memra_cli.engine.api import ArmConfig, Engine
-from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps, unfused_swiglu
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+from memra_cli.engine.layers.triton_step_ops import TritonStepOps
+from memra_cli.engine.layers.unfused import unfused_swiglu
 from memra_cli.engine.spec.policy import Harvest, PolicySettings, VerifyWindow
 from memra_cli.engine.spec.proposer import Program, Proposal
 from memra_cli.engine.spec.session import Session

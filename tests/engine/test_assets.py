@@ -241,12 +241,12 @@ def test_short_bench_on_the_embedded_pair_passes_its_exactness_gate(monkeypatch)
     covers that loop too."""
     from typer.testing import CliRunner
 
-    import memra_cli.engine.layers.step_ops as step_ops
+    import memra_cli.engine.layers.torch_step_ops as torch_step_ops
     from memra_cli.cli.app import app
 
     host_chains = []
-    real = step_ops.markov_chain_host
-    monkeypatch.setattr(step_ops, "markov_chain_host", lambda *a: host_chains.append(1) or real(*a))
+    real = torch_step_ops.markov_chain_host
+    monkeypatch.setattr(torch_step_ops, "markov_chain_host", lambda *a: host_chains.append(1) or real(*a))
 
     r = CliRunner().invoke(app, ["bench", "--n", "3", "--max-new", "24", "--warmup", "0", "--arm", "off", "--arm", "dflash",
                                  "--arm", "dspark", "--arm", "dspark:harvest=dflash", "--json"], env={"OMP_NUM_THREADS": "1"})

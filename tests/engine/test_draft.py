@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from memra_cli.engine.layers.step_ops import TorchStepOps, markov_chain_host
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps, markov_chain_host
 from memra_cli.engine.models.drafter import DraftCapacityError, Drafter
 from memra_cli.tiny.draft import make_tiny_draft
 
@@ -402,13 +402,13 @@ def test_cpu_markov_chain_loops_in_numpy_only_when_eager_and_over_a_table(heads_
     """TorchStepOps takes the numpy loop only for an eager caller (`host_loop`: a graph body
     reads nothing on the host) on CPU tensors with a table; the torch loop otherwise (a body
     that may be captured; a vocabulary too large for the table). Every way, the same chain."""
-    import memra_cli.engine.layers.step_ops as step_ops
+    import memra_cli.engine.layers.torch_step_ops as torch_step_ops
 
     drafter = heads_drafter[0]
     w1, w2 = drafter.markov_w1, drafter.markov_w2
     logits = torch.randn(9, w2.shape[0], generator=torch.Generator().manual_seed(1)) * 0.3
     calls = []
-    monkeypatch.setattr(step_ops, "markov_chain_host", lambda *a: calls.append(1) or markov_chain_host(*a))
+    monkeypatch.setattr(torch_step_ops, "markov_chain_host", lambda *a: calls.append(1) or markov_chain_host(*a))
     tabled, per_slot = TorchStepOps(), TorchStepOps()
     per_slot.MARKOV_TABLE_MAX_BYTES = 0
     anchor = torch.tensor([4])

@@ -298,7 +298,7 @@ def test_kernels_note_says_what_the_family_takes_from_them(tiny_dirs, monkeypatc
     Gemma 4 takes from them (its per-layer inputs stay torch); with the torch ops nothing is added."""
     import memra_cli.engine.api as api
     from memra_cli.engine.api import EngineConfig
-    from memra_cli.engine.layers.step_ops import TorchStepOps
+    from memra_cli.engine.layers.torch_step_ops import TorchStepOps
 
     class NamedTriton(TorchStepOps):
         name = "triton"
@@ -386,6 +386,6 @@ def test_gemma4_step_benchmark_pieces_on_cpu():
     assert logits.shape == (20, 512) and torch.isfinite(logits).all()
     assert logits.abs().max() <= 30.0  # the softcap
     # the torch-vs-Triton agreement check, here between two torch ops (the Triton ones need CUDA)
-    from memra_cli.engine.layers.step_ops import TorchStepOps
+    from memra_cli.engine.layers.torch_step_ops import TorchStepOps
     agree = mod.ops_agreement(target, {"torch": TorchStepOps(), "again": TorchStepOps()}, WIDTH, prompt=70)
     assert agree == {"again_vs_torch": {"rel_l2": 0.0, "argmax_agree": 1.0}}

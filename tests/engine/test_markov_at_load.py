@@ -7,7 +7,7 @@ import torch
 
 from memra_cli.assets import default_pair
 from memra_cli.engine.api import ArmConfig, Engine, EngineConfig
-from memra_cli.engine.layers.step_ops import TorchStepOps
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps
 
 
 def test_the_bias_table_is_built_by_arm_not_by_the_first_round(monkeypatch):
@@ -33,7 +33,7 @@ def test_the_bias_table_is_built_by_arm_not_by_the_first_round(monkeypatch):
 
 
 def test_the_kernel_seam_builds_its_table_once_at_prepare(monkeypatch):
-    from memra_cli.engine.layers.step_ops import TritonStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
     ops = TritonStepOps()
     built = []

@@ -480,7 +480,8 @@ def test_restores_are_graphed_only_with_ops_that_read_their_rows_on_the_device()
     """The torch ops read a replay's rows on the host, which a CUDA graph capture refuses (the
     H200 caught a torch-ops target on CUDA trying): only the kernels' ops are graphed, on CUDA,
     in replay mode."""
-    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+    from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
     from memra_cli.engine.models.qwen3_5 import restores_as_graphs
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

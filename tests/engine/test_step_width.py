@@ -146,7 +146,8 @@ def test_cuda_bf16_logits_do_not_depend_on_the_storage_size(target_dir, ops):
     """A plain and a speculative session size their K/V storages differently, so a position's
     logits must not depend on the storage's size (on the CPU: tests/engine/test_sdpa.py), with
     either step ops (`MEMRA_KERNELS=0` runs the torch ones on CUDA)."""
-    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+    from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
     model = Qwen3Target.from_dir(target_dir, dtype=torch.bfloat16, device="cuda")
     model.step_ops = TorchStepOps() if ops == "torch" else TritonStepOps()
@@ -1001,21 +1002,21 @@ def test_few_row_float32_cpu_matmuls_run_on_onednn_with_independent_rows():
     F.linear; oneDNN's rows are bit-independent of their neighbours and place (a planted row
     mixer is caught), and it is F.linear's product to float32 rounding: each output is a sum of
     256 products, so the two summation orders differ by at most ~256 * eps * sum|x*w|."""
-    from memra_cli.engine.layers import step_ops
+    from memra_cli.engine.layers import torch_step_ops
 
-    if not step_ops.ONEDNN_F32:
+    if not torch_step_ops.ONEDNN_F32:
         pytest.skip("this torch has no oneDNN linear")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(384, 256, generator=g) * 0.05
-    for rows in (1, step_ops.ONEDNN_MIN_ROWS - 1, step_ops.ONEDNN_MIN_ROWS, WIDTH):
+    for rows in (1, torch_step_ops.ONEDNN_MIN_ROWS - 1, torch_step_ops.ONEDNN_MIN_ROWS, WIDTH):
         x = torch.randn(rows, 256, generator=g)
-        want = step_ops.onednn_linear(x, w) if rows >= step_ops.ONEDNN_MIN_ROWS else torch.nn.functional.linear(x, w)
-        assert torch.equal(step_ops.TorchStepOps.linear(x, w), want), rows
+        want = torch_step_ops.onednn_linear(x, w) if rows >= torch_step_ops.ONEDNN_MIN_ROWS else torch.nn.functional.linear(x, w)
+        assert torch.equal(torch_step_ops.TorchStepOps.linear(x, w), want), rows
     x = torch.randn(WIDTH, 256, generator=g)
-    assert _row_bits_independent(step_ops.onednn_linear, x, w)
-    assert not _row_bits_independent(lambda a, b: step_ops.onednn_linear(a, b) + a.mean(0)[:1], x, w)  # planted
+    assert _row_bits_independent(torch_step_ops.onednn_linear, x, w)
+    assert not _row_bits_independent(lambda a, b: torch_step_ops.onednn_linear(a, b) + a.mean(0)[:1], x, w)  # planted
     bound = 256 * torch.finfo(torch.float32).eps * (x.abs() @ w.abs().T)
-    assert ((step_ops.onednn_linear(x, w) - x @ w.T).abs() <= bound).all()
+    assert ((torch_step_ops.onednn_linear(x, w) - x @ w.T).abs() <= bound).all()
 
 
 def _storage_masked_attention(q, k_cache, v_cache, positions, scale, window=0):
@@ -1089,7 +1090,7 @@ def test_blocked_attention_rows_do_not_depend_on_their_step_or_storage(dtype):
     where SDPA over the whole storage (planted) changes float32 bits (in bfloat16 the output's
     rounding hides it for these inputs); and it is that SDPA's result to rounding: float32 softmax + matmul over <= 400 keys differ by a few eps of the
     output's scale (1e-5 relative), bfloat16 by the output's rounding (2^-8 of its scale)."""
-    from memra_cli.engine.layers.step_ops import blocked_attention
+    from memra_cli.engine.layers.torch_step_ops import blocked_attention
 
     assert _attention_row_stable(blocked_attention, dtype)
     if dtype == torch.float32:

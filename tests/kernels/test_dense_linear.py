@@ -129,7 +129,8 @@ def test_config_is_a_function_of_shape_only():
 def test_step_ops_route_tuned_shapes_only(monkeypatch):
     """TritonStepOps.linear takes the kernel for a TUNED shape at <= MAX_ROWS rows without a bias,
     and F.linear for everything else; TorchStepOps.linear is F.linear (or the module's call)."""
-    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+    from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
     ops = TritonStepOps()
     calls = []
@@ -221,7 +222,8 @@ def test_step_ops_swiglu_fuses_where_linear_takes_the_kernel(monkeypatch):
     """TritonStepOps.swiglu is one glu launch exactly where `linear` would take the kernel, and
     silu_mul(linear(...)) elsewhere; both give the torch path's SwiGLU within bf16 tolerance and
     the fused launch the unfused launches' bits."""
-    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+    from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
     ops = TritonStepOps()
     calls = []

@@ -198,7 +198,8 @@ def test_step_ops_fold_the_norm_exactly_where_both_matmuls_take_the_kernel(monke
     are both the dense kernel's; a consumer that cannot fold it norms it first (`normed`) with the
     folded bits; `unfused()` runs the two launches (the same residual; the norm kernel's own sum
     order, so the normed rows within its tolerance)."""
-    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+    from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
     a, wo, res, nw, w2 = _inputs(torch.bfloat16, seed=7)
     ops = TritonStepOps()

@@ -14,7 +14,8 @@ import torch
 
 from memra_cli.engine.api import ArmConfig, Engine
 from memra_cli.engine.layers.ops import gqa_attention
-from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 from memra_cli.engine.models.drafter import Drafter
 from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.engine.quant.precision import weight_fn_for

@@ -382,7 +382,8 @@ def test_step_ops_take_the_kernels_and_the_torch_ops_the_twin(monkeypatch):
     """TritonStepOps.moe_swiglu runs the kernels for a step and for a prefill chunk past one row
     tile, the twin only for weights the kernels do not take (rows not contiguous);
     TorchStepOps.moe_swiglu is the twin."""
-    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+    from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
     calls = []
     real = moe.moe_swiglu

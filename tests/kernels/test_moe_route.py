@@ -196,7 +196,8 @@ def test_the_router_kernel_refuses_what_it_does_not_take():
 
 
 def test_step_ops_take_the_kernel_and_the_torch_ops_the_twin(monkeypatch):
-    from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+    from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
     calls = []
     real = mr.moe_route

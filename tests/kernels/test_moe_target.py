@@ -10,7 +10,8 @@ import torch
 
 from memra_cli.engine.api import ArmConfig, Engine
 from memra_cli.engine.greedy import greedy_reference
-from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 from memra_cli.engine.models.qwen3_moe import Qwen3MoeTarget
 from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import PolicySettings

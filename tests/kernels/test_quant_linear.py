@@ -452,7 +452,7 @@ def test_glu_drop_in_and_refusals(qtype):
     y, y_ref = lin.swiglu(x), ref.swiglu(x)
     assert y.shape == (2, 5, 64)
     assert ((y - y_ref).norm() / y_ref.norm()).item() < 1e-5
-    from memra_cli.engine.layers.step_ops import TritonStepOps
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
     assert torch.equal(TritonStepOps().swiglu(x, lin), y)  # the step op takes the same launch
     with pytest.raises(ValueError, match="even row count"):

@@ -18,7 +18,7 @@ from memra_kernels.qwen35 import (  # noqa: E402
 from memra_cli.engine.layers.deltanet import gated_rms_norm as engine_gated_rms_norm  # noqa: E402
 from memra_cli.engine.layers.deltanet import rms_norm_1p  # noqa: E402
 from memra_cli.engine.layers.rope import apply_partial_rope  # noqa: E402
-from memra_cli.engine.layers.step_ops import TorchStepOps  # noqa: E402
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps  # noqa: E402
 
 EPS = 1e-6
 DTYPES = [torch.float32, torch.bfloat16]

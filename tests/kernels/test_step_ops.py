@@ -8,7 +8,9 @@ import torch
 
 from memra_cli.engine.api import ArmConfig, Engine
 from memra_cli.engine.greedy import greedy_reference
-from memra_cli.engine.layers.step_ops import TorchStepOps, TritonStepOps, select_step_ops
+from memra_cli.engine.layers.step_ops import select_step_ops
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 from memra_cli.engine.models.base import load_target
 from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.engine.runtime.steps import StepRunner

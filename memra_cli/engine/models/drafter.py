@@ -41,7 +41,7 @@ from memra_cli.engine.errors import CheckpointError, MemraError
 from memra_cli.engine.layers.ops import gqa_attention, linear, rms_norm
 from memra_cli.engine.layers.quantized import for_device, out_rows, stack_out
 from memra_cli.engine.layers.rope import RopeTables, apply_rope, cos_sin, rope_tables
-from memra_cli.engine.layers.step_ops import TorchStepOps
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.gemma4_config import FULL, SLIDING, Gemma4Config, Gemma4Rope, load_gemma4_config
 from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import RopeTables, cos_sin
-from memra_cli.engine.layers.step_ops import TorchStepOps
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps
 from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.models.kv_cache import LayerKVCache
 from memra_cli.engine.models.loading import WeightLoader

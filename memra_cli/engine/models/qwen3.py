@@ -39,8 +39,8 @@ from memra_cli.engine.models.common import TargetBase
 from memra_cli.engine.models.loading import WeightLoader
 from memra_cli.engine.models.kv_cache import KVCache
 from memra_cli.engine.layers.ops import rms_norm
-from memra_cli.engine.layers.step_ops import TorchStepOps, key_extent
 from memra_cli.engine.layers.rope import apply_rope, cos_sin, rope_tables
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps, key_extent
 
 log = logging.getLogger(__name__)
 

@@ -80,8 +80,8 @@ from memra_cli.engine.formats.qwen3_5_config import (
     FULL, SKIPPED_PREFIXES, Qwen35Config, load_qwen35_config, text_prefix,
 )
 from memra_cli.engine.layers.deltanet import gated_delta_rule_chunked, prep_qkv, rms_norm_1p
-from memra_cli.engine.layers.step_ops import TorchStepOps
 from memra_cli.engine.layers.rope import cos_sin, rope_tables
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 
 from memra_cli.engine.errors import ConfigError, PromptError
-from memra_cli.engine.layers.step_ops import ATTN_KEY_BLOCK
+from memra_cli.engine.layers.torch_step_ops import ATTN_KEY_BLOCK
 from memra_cli.engine.runtime.cuda_graphs import GraphCache
 from memra_cli.engine.runtime.pool import StoragePool
 
