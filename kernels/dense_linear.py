@@ -18,7 +18,7 @@ split partials are summed in split order by the last program of a tile (an arriv
 float atomics). So a row's output is bit-identical whether it is multiplied alone or with up to
 any number of other rows, and from call to call.
 
-Where it is used: the Triton step ops' `linear` (engine/layers/step_ops.py) for a bf16 / f16
+Where it is used: the Triton step ops' `linear` (engine/layers/triton_step_ops.py) for a bf16 / f16
 weight whose (out, in) is in `TUNED` (the engine's shapes, chosen by measuring the whole step on
 the H200) and a call of at most `MAX_ROWS` rows; everything else keeps `F.linear`. Under
 programmatic dependent launch it starts while the previous kernel runs and asks L2 for its first

@@ -1,6 +1,6 @@
 """Gemma 4's step ops' one torch body each (no triton): the twins `gemma4.py`'s kernels are
 tested against, and what the engine's torch path runs (`models/gemma4.py` and
-`layers/step_ops.py` `TorchStepOps` import them), so the two can never drift apart.
+`layers/torch_step_ops.py` `TorchStepOps` import them), so the two can never drift apart.
 
 Semantics are transformers' `Gemma4TextAttention` / `Gemma4RMSNorm` / the softcapped lm_head
 (docs/gemma4.md, "The switches")."""

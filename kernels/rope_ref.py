@@ -1,6 +1,6 @@
 """RoPE's one torch body and the fused q/k norm + rope + K/V write's (no triton): the twins
 `rope.py`'s kernel is tested against, and what the engine's torch path runs
-(`layers/rope.py` `apply_rope`, `layers/step_ops.py` `TorchStepOps.qk_norm_rope_kv_write`)."""
+(`layers/rope.py` `apply_rope`, `layers/torch_step_ops.py` `TorchStepOps.qk_norm_rope_kv_write`)."""
 
 from __future__ import annotations
 
