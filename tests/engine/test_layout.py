@@ -137,6 +137,21 @@ def _against_the_order(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
     return bad
 
 
+# Inside layers/, the step-ops seam's modules import one way: each fused op undone, the torch
+# reference, the kernels (which fall back to both), the seam that picks one.
+STEP_OPS_ORDER = ("unfused", "torch_step_ops", "triton_step_ops", "step_ops")
+
+
+def _against_the_step_ops_order(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    def rank(module: str) -> int | None:
+        prefix = "memra_cli.engine.layers."
+        name = module[len(prefix):] if module.startswith(prefix) else None
+        return STEP_OPS_ORDER.index(name) if name in STEP_OPS_ORDER else None
+
+    return {(m, d) for m, deps in graph.items() for d in deps
+            if rank(m) is not None and rank(d) is not None and rank(d) > rank(m)}
+
+
 def test_every_engine_module_has_a_layer():
     unplaced = [m for m in _imports() if m.startswith("memra_cli.engine.") and _rank(m) is None]
     assert not unplaced, f"give these a layer in test_layout.py: {unplaced}"
@@ -147,11 +162,16 @@ def test_imports_point_down_the_layers():
     assert sum(map(len, graph.values())) > 200  # the scan sees the real package's edges
     bad = _against_the_order(graph)
     assert not bad, f"imports against {' < '.join(LAYERS)} < cli: {sorted(bad)}"
+    assert all(f"memra_cli.engine.layers.{name}" in graph for name in STEP_OPS_ORDER)
+    bad = _against_the_step_ops_order(graph)
+    assert not bad, f"layers/ imports against {' < '.join(STEP_OPS_ORDER)}: {sorted(bad)}"
 
 
 def test_a_planted_upward_import_is_found():
     graph = {"memra_cli.engine.layers.x": {"memra_cli.engine.spec.y"}, "memra_cli.engine.spec.y": set()}
     assert _against_the_order(graph) == {("memra_cli.engine.layers.x", "memra_cli.engine.spec.y")}
+    torch_ops, seam = "memra_cli.engine.layers.torch_step_ops", "memra_cli.engine.layers.step_ops"
+    assert _against_the_step_ops_order({torch_ops: {seam}, seam: {torch_ops}}) == {(torch_ops, seam)}
 
 
 def test_a_planted_lazy_upward_import_in_the_real_package_is_found():
