@@ -1,9 +1,9 @@
 """The step ops' launch fusions undone: each fused op as the two step ops it fuses.
 
-Each form takes the ops instance first (`ops`) and calls only its ops, so the same function is
-the torch ops' body for the op (they fuse nothing), the kernels' fallback where the fused launch
-does not apply, and what `TritonStepOps.unfused()` installs (layers/step_ops.py: the seam's
-`unfused()`); the GPU benchmarks time the fusions against these forms.
+Each form takes the ops instance first (`ops`) and calls only its ops, so one function serves
+as the torch ops' body for several ops (they fuse nothing), as the kernels' fallback where the
+fused launch does not apply, and as what `TritonStepOps.unfused()` installs (layers/step_ops.py:
+the seam's `unfused()`); the GPU benchmarks time the fusions against these forms.
 """
 
 from __future__ import annotations
