@@ -161,7 +161,7 @@ from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import apply_partial_rope
 from memra_kernels.activation_ref import silu_mul_ref
 from memra_kernels.argmax_ref import row_argmax_ref
-from memra_kernels.moe_route_ref import moe_route_ref
+from memra_kernels.moe_route_ref import moe_route_ref, router_pre_norm_ref
 from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref
 from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,
                                       softcap_ref)
@@ -217,8 +217,12 @@ def unfused_linear_add_rms_norm(ops, a: torch.Tensor, w, bias, residual: torch.T
     return ops.add_rms_norm(ops.linear(a, w, bias), residual, norm_w, eps)
 
 
-def unfused_router_route(ops, x, router, k: int, normalize: bool, live=None, counts=None, scale=None):
-    """`ops.linear` then `ops.moe_route`: a router's logits, then its picks (the unfused form)."""
+def unfused_router_route(ops, x, router, k: int, normalize: bool, live=None, counts=None, scale=None,
+                         pre_norm=None):
+    """`ops.linear` then `ops.moe_route`: a router's logits, then its picks (the unfused form);
+    `pre_norm` `(weight, factor, eps)`: Gemma 4's router norm first, in torch (`router_pre_norm_ref`)."""
+    if pre_norm is not None:
+        x = router_pre_norm_ref(x, *pre_norm)
     return ops.moe_route(ops.linear(x, router), k, normalize, live, counts, scale)
 
 
@@ -344,10 +348,11 @@ class TorchStepOps:
 
     def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                      live: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: torch.Tensor | None = None, pre_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`moe_route` of the router's logits `linear(x, router)` (model dtype), through this
-        instance's two ops."""
-        return unfused_router_route(self, x, router, k, normalize, live, counts, scale)
+        instance's two ops; `pre_norm` `(weight, factor, eps)`: x through Gemma 4's router norm
+        first (`moe_route_ref.router_pre_norm_ref`)."""
+        return unfused_router_route(self, x, router, k, normalize, live, counts, scale, pre_norm)
 
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -756,14 +761,15 @@ class TritonStepOps:
 
     def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                      live: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: torch.Tensor | None = None, pre_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`TorchStepOps.router_route` in one launch for a step's rows (`moe_route.router_eligible`:
         up to 64 rows, a router of up to 1024 experts), the router's matmul and the picks
-        together; `linear` then `moe_route` otherwise (a prefill chunk). The choice depends on
-        the row count only past a step's rows, so every fixed-width step routes a row alike."""
+        together (and Gemma 4's router norm, `pre_norm`); `linear` then `moe_route` otherwise (a
+        prefill chunk). The choice depends on the row count only past a step's rows, so every
+        fixed-width step routes a row alike."""
         if self._moe_route.router_eligible(x, router):
-            return self._moe_route.router_route(x, router, k, normalize, live, counts, scale)
-        return unfused_router_route(self, x, router, k, normalize, live, counts, scale)
+            return self._moe_route.router_route(x, router, k, normalize, live, counts, scale, pre_norm)
+        return unfused_router_route(self, x, router, k, normalize, live, counts, scale, pre_norm)
 
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
                   counts: torch.Tensor | None = None, scale: torch.Tensor | None = None

@@ -50,11 +50,12 @@ def gemma_route(x: torch.Tensor, w: Gemma4MoeLayerWeights, top_k: int, eps: floa
                 live: torch.Tensor | None = None, counts: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights `[t, k]` (model dtype) and expert ids `[t, k]` for the residual `x [t, h]`
-    (module docstring): the scaled norm here, the logits and the rest the step ops'
-    `router_route` with the per-expert scale (and the live rows and the count, as every MoE
-    family's: layers/moe.py)."""
-    r = gemma_rms_norm(x, None, eps) * w.router_scale * x.shape[-1] ** -0.5
-    return ops.router_route(r, w.experts.router, top_k, True, live, counts, w.expert_scale)
+    (module docstring): the step ops' `router_route` with the scaled norm as its pre-norm
+    (`moe_route_ref.router_pre_norm_ref`: the same roundings as `gemma_rms_norm(x, None, eps) *
+    router_scale * h**-0.5`; with the kernels, in the router's launch), the per-expert scale,
+    and the live rows and the count, as every MoE family's (layers/moe.py)."""
+    return ops.router_route(x, w.experts.router, top_k, True, live, counts, w.expert_scale,
+                            pre_norm=(w.router_scale, x.shape[-1] ** -0.5, eps))
 
 
 class _MoeLoader(_Loader):
