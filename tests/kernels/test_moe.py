@@ -293,6 +293,65 @@ def test_a_row_through_the_add_and_norm_is_the_same_bits_whatever_shares_its_ste
     assert invariance_violations(fused, torch.bfloat16) == []
 
 
+def shared_inputs(m: int, dtype: torch.dtype):
+    """The Qwen3.5 MoE layer end's other operands: the shared expert's output `[m, H]`, its gate
+    logits `[m, 1]` (spread over the sigmoid's slope), a residual `[m, H]` and the float32 `1 + w`."""
+    g = torch.Generator().manual_seed(23)
+    shared = torch.randn(m, H, generator=g).to(DEVICE, dtype)
+    gate = (torch.randn(m, 1, generator=g) * 3).to(DEVICE, dtype)
+    res = torch.randn(m, H, generator=g).to(DEVICE, dtype)
+    return shared, gate, res, (1 + torch.randn(H, generator=g) * 0.1).to(DEVICE)
+
+
+def shared_rel(dtype: torch.dtype) -> float:
+    """Relative L2 bound between two computations of the shared layer end: bf16 `BF16_REL` (each
+    rounding, the sigmoid's now too, flipped at most once); float32 the routed part's F32_UNITS of
+    its magnitude (~sqrt(H*I) times the output's size: the bound's preamble) plus a few u for the
+    sigmoid's exp (numpy's or libdevice's, not torch's) and the norm's sum."""
+    return BF16_REL if dtype == torch.bfloat16 else (F32_UNITS * (H * I) ** 0.5 + H + 16) * 2.0**-24
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16], ids=str)
+def test_the_shared_expert_add_and_zero_centred_norm_in_the_combine(dtype):
+    """`moe_swiglu_shared_add_rms_norm_1p` (Qwen3.5 MoE's layer end in the combine's launch)
+    against its twin and the unfused ops (`moe_swiglu`, the torch gate and add, `norm.add_rms_norm_1p`)
+    within the bound, padding rows included (no routed expert; their shared expert and residual
+    stay). Planted: the neighbouring row's gate, the norm's weight without its 1, caught."""
+    from memra_kernels import norm
+
+    x, w, ids, gu, down = padded_step(dtype)
+    shared, gate, res, w1p = shared_inputs(x.shape[0], dtype)
+    normed, new_res = moe.moe_swiglu_shared_add_rms_norm_1p(x, w, ids, gu, down, shared, gate, res, w1p, 1e-6)
+    ff = moe.moe_swiglu(x, w, ids, gu, down) + torch.sigmoid(gate) * shared
+    want_normed, want_res = norm.add_rms_norm_1p(ff, res, w1p, 1e-6)
+    ref_normed, ref_res = moe_ref.moe_swiglu_shared_add_rms_norm_1p_ref(x, w, ids, gu, down, shared, gate, res,
+                                                                       w1p, 1e-6)
+    tol = shared_rel(dtype)
+    for got, want in ((normed, want_normed), (new_res, want_res), (normed, ref_normed), (new_res, ref_res)):
+        assert rel_l2(got, want) <= tol
+    assert rel_l2(new_res[5:], (res + torch.sigmoid(gate) * shared)[5:]) <= tol  # padding: no routed term
+    for planted in ((shared, gate.roll(1, 0), res, w1p), (shared, gate, res, w1p - 1)):
+        bad, _ = moe.moe_swiglu_shared_add_rms_norm_1p(x, w, ids, gu, down, *planted, 1e-6)
+        assert rel_l2(bad, ref_normed) > 10 * tol
+
+
+@pytest.mark.exhaustive  # the matmuls are moe_swiglu's (invariant above); the combine is one program a row
+def test_a_row_through_the_shared_layer_end_is_the_same_bits_whatever_shares_its_step():
+    """The shared layer end's normed output of a row, its other operands functions of its own
+    input, is the same bits alone, among other rows, sharing experts or not."""
+    w1p = shared_inputs(1, torch.bfloat16)[3]
+
+    def fused(x, w, ids, gu, down):
+        own = (x * 0.5 + 1).contiguous()
+        return moe.moe_swiglu_shared_add_rms_norm_1p(x, w, ids, gu, down, own, x[:, :1].contiguous(), x, w1p, 1e-6)[0]
+
+    assert invariance_violations(fused, torch.bfloat16) == []
+
+
 def test_the_add_and_norm_refuse_tensors_they_do_not_take():
     x, w, ids, gu, down = inputs(4, 2, torch.float32)
     res, nw = add_norm_inputs(4, torch.float32)

@@ -430,6 +430,12 @@ def _moe(ctx, dt):
                    mo.moe_swiglu_add_rms_norm, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
                    ctx.torch.zeros(16, k, dtype=ctx.torch.int64), ctx.t(n_exp, 2 * inter, h, dtype=dt),
                    ctx.t(n_exp, h, inter, dtype=dt), ctx.t(16, h, dtype=dt), ctx.t(h, dtype=dt), 1e-6)
+        # Qwen3.5 MoE's layer end: the gated shared expert and the zero-centred norm too (SHARED, ZERO_CENTRED)
+        ctx.launch(f"moe_swiglu_shared_add_rms_norm_1p E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel",
+                   mo.moe_swiglu_shared_add_rms_norm_1p, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
+                   ctx.torch.zeros(16, k, dtype=ctx.torch.int64), ctx.t(n_exp, 2 * inter, h, dtype=dt),
+                   ctx.t(n_exp, h, inter, dtype=dt), ctx.t(16, h, dtype=dt), ctx.t(16, 1, dtype=dt),
+                   ctx.t(16, h, dtype=dt), ctx.t(h, dtype="f32"), 1e-6)
         # the matmuls' other grid (ITEMS off: a program per (expert, tile), the A/B benchmarks' `x0` tiles)
         ctx.launch(f"moe_swiglu expert grid E{n_exp} h{h} I{inter} k{k}", ("_moe_gate_up_kernel", "_moe_down_kernel"),
                    mo.moe_swiglu, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),

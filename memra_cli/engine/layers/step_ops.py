@@ -39,9 +39,15 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   activation="silu") -> (normed, residual + out)`: `moe_swiglu` then `add_rms_norm`, a sparse
   layer's end (with the kernels the add and norm run in the combine's launch:
   `memra_kernels.moe.moe_swiglu_add_rms_norm`)
-- `router_route(x, router, k, normalize, live=None, counts=None, scale=None) -> (weights, ids)`:
-  `moe_route(linear(x, router), ...)`, a router's logits and picks (with the kernels, for a
-  step's rows, one launch: `memra_kernels.moe_route.router_route`)
+- `moe_swiglu_shared_add_rms_norm_1p(x, weights, experts, w_gate_up, w_down, shared, gate, residual,
+  w1p, eps) -> (normed, residual + ff)`: `ff = moe_swiglu(...) + sigmoid(gate) * shared`, then
+  `add_rms_norm_1p` (the Qwen3.5 MoE hybrid's layer end; with the kernels the gated shared expert,
+  the add and the zero-centred norm in the combine's launch:
+  `memra_kernels.moe.moe_swiglu_shared_add_rms_norm_1p`)
+- `router_route(x, router, k, normalize, live=None, counts=None, scale=None, pre_norm=None) ->
+  (weights, ids)`: `moe_route(linear(x, router), ...)`, a router's logits and picks (with the
+  kernels, for a step's rows, one launch: `memra_kernels.moe_route.router_route`); `pre_norm`
+  `(weight, factor, eps)`: Gemma 4's router norm of x first (in that launch with the kernels)
 - `moe_route(logits, k, normalize, live=None, counts=None, scale=None) -> (weights, ids)`: a
   router's picks from its logits `[t, E]` (softmax in float32, top-k with ties to the lower
   index, renormalised, a per-expert scale, cast; rows from `live` on routed to no expert; the
@@ -166,7 +172,7 @@ from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_ro
 from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,
                                       softcap_ref)
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
-from memra_kernels.moe_ref import moe_swiglu_add_rms_norm_ref, moe_swiglu_ref
+from memra_kernels.moe_ref import moe_swiglu_add_rms_norm_ref, moe_swiglu_ref, moe_swiglu_shared_add_rms_norm_1p_ref
 from memra_kernels.norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_1p_ref, embed_rms_norm_ref,
                                     gated_rms_norm_heads, rms_norm_ref)
 from memra_kernels.qwen35_ref import gdn_gates_body, window_after
@@ -230,6 +236,14 @@ def unfused_moe_swiglu_add_rms_norm(ops, x, weights, experts, w_gate_up, w_down,
                                     activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.moe_swiglu` then `ops.add_rms_norm`: the unfused form `unfused()` installs."""
     return ops.add_rms_norm(ops.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation), residual, norm_w, eps)
+
+
+def unfused_moe_swiglu_shared_add_rms_norm_1p(ops, x, weights, experts, w_gate_up, w_down, shared, gate, residual,
+                                              w1p, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe_swiglu`, the gated shared expert's torch ops, then `ops.add_rms_norm_1p`: the
+    unfused form `unfused()` installs (the twin's ops, op for op)."""
+    ff = ops.moe_swiglu(x, weights, experts, w_gate_up, w_down) + torch.sigmoid(gate) * shared
+    return ops.add_rms_norm_1p(ff, residual, w1p, eps)
 
 
 def unfused_lm_head_argmax(ops, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -415,6 +429,8 @@ class TorchStepOps:
 
     moe_swiglu = staticmethod(moe_swiglu_ref)  # the routed experts' GLU + combine: the op's one torch body
     moe_swiglu_add_rms_norm = staticmethod(moe_swiglu_add_rms_norm_ref)  # then the add + norm: its one torch body
+    # Qwen3.5 MoE's layer end: the experts, the gated shared expert, the add + zero-centred norm
+    moe_swiglu_shared_add_rms_norm_1p = staticmethod(moe_swiglu_shared_add_rms_norm_1p_ref)
 
     prefill_mask = True  # prefill_attention reads the forward's folded [g*t, n] mask
 
@@ -661,6 +677,7 @@ class TritonStepOps:
         ops.qkv_rope_kv_write = functools.partial(unfused_qkv_rope_kv_write, ops)
         ops.linear_add_rms_norm = functools.partial(unfused_linear_add_rms_norm, ops)
         ops.moe_swiglu_add_rms_norm = functools.partial(unfused_moe_swiglu_add_rms_norm, ops)
+        ops.moe_swiglu_shared_add_rms_norm_1p = functools.partial(unfused_moe_swiglu_shared_add_rms_norm_1p, ops)
         ops.router_route = functools.partial(unfused_router_route, ops)
         return ops
 
@@ -758,6 +775,17 @@ class TritonStepOps:
                                                      activation)
         return unfused_moe_swiglu_add_rms_norm(self, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
                                                activation)
+
+    def moe_swiglu_shared_add_rms_norm_1p(self, x, weights, experts, w_gate_up, w_down, shared, gate, residual,
+                                          w1p, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TorchStepOps.moe_swiglu_shared_add_rms_norm_1p` with the gated shared expert, the
+        residual add and the zero-centred norm in the MoE combine's launch (`moe.shared_eligible`);
+        the unfused ops otherwise. The choice depends on shapes and dtypes only."""
+        if self._moe.eligible(x, w_gate_up, w_down) and self._moe.shared_eligible(x, shared, gate, residual, w1p):
+            return self._moe.moe_swiglu_shared_add_rms_norm_1p(x, weights, experts, w_gate_up, w_down, shared, gate,
+                                                               residual, w1p, eps)
+        return unfused_moe_swiglu_shared_add_rms_norm_1p(self, x, weights, experts, w_gate_up, w_down, shared, gate,
+                                                         residual, w1p, eps)
 
     def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                      live: torch.Tensor | None = None, counts: torch.Tensor | None = None,
