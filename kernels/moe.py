@@ -17,7 +17,9 @@ once per step however many rows chose it, and never touch the others:
    `moe_swiglu_add_rms_norm` (a step's sparse-layer end) one program per row, which then adds
    the residual and norms the sum as `norm.add_rms_norm` does; in
    `moe_swiglu_shared_add_rms_norm_1p` (the Qwen3.5 MoE hybrid's layer end) it first adds the
-   gated shared expert's output and norms as `norm.add_rms_norm_1p` (zero-centred) does.
+   gated shared expert's output and norms as `norm.add_rms_norm_1p` (zero-centred) does; in
+   `moe_gemma_add_norm` (Gemma 4's MoE layer end) it runs the layer's sandwich norms: its own
+   post norm, the dense MLP's, their sum's, the residual add, the layer scalar and the next norm.
 
 The two matmuls run `MoeConfig.programs_per_sm` programs per multiprocessor for each row tile;
 each finds the tile's routed experts from the ids and loops over its share of their work items,
@@ -38,9 +40,9 @@ padding row (a fixed step's, `moe_route`'s live rows), every id E: no program fi
 expert's rows, so it costs no weight read, and its combine writes zeros.
 
 Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `eligible`, `norm_eligible`,
-`shared_eligible`, `multiprocessors`, `moe_swiglu`, `moe_swiglu_add_rms_norm`,
-`moe_swiglu_shared_add_rms_norm_1p`, and the twins `moe_swiglu_ref`, `moe_swiglu_add_rms_norm_ref`,
-`moe_swiglu_shared_add_rms_norm_1p_ref`.
+`shared_eligible`, `gemma_eligible`, `multiprocessors`, `moe_swiglu`, `moe_swiglu_add_rms_norm`,
+`moe_swiglu_shared_add_rms_norm_1p`, `moe_gemma_add_norm`, and the twins `moe_swiglu_ref`,
+`moe_swiglu_add_rms_norm_ref`, `moe_swiglu_shared_add_rms_norm_1p_ref`, `moe_gemma_add_norm_ref`.
 """
 
 from __future__ import annotations
@@ -55,13 +57,15 @@ import triton.language as tl
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args, pdl_wait
 from .activation import gelu_tanh_mul_rounded, silu_mul_rounded
-from .moe_ref import (ACTIVATIONS, check_activation, moe_swiglu_add_rms_norm_ref, moe_swiglu_ref,  # noqa: F401
-                      moe_swiglu_shared_add_rms_norm_1p_ref)  # (the twins)
+from .moe_ref import (ACTIVATIONS, check_activation, moe_gemma_add_norm_ref, moe_swiglu_add_rms_norm_ref,  # noqa: F401
+                      moe_swiglu_ref, moe_swiglu_shared_add_rms_norm_1p_ref)  # (the twins)
+from .gemma4 import _row_norm
 from .norm import _num_warps as _norm_warps, add_rms_norm, rms_rstd
 
 __all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "ACTIVATIONS", "eligible", "norm_eligible", "shared_eligible",
-           "multiprocessors", "moe_swiglu", "moe_swiglu_add_rms_norm", "moe_swiglu_shared_add_rms_norm_1p",
-           "moe_swiglu_ref", "moe_swiglu_add_rms_norm_ref", "moe_swiglu_shared_add_rms_norm_1p_ref"]
+           "gemma_eligible", "multiprocessors", "moe_swiglu", "moe_swiglu_add_rms_norm",
+           "moe_swiglu_shared_add_rms_norm_1p", "moe_gemma_add_norm", "moe_swiglu_ref", "moe_swiglu_add_rms_norm_ref",
+           "moe_swiglu_shared_add_rms_norm_1p_ref", "moe_gemma_add_norm_ref"]
 
 _ACT_CODE = {"silu": 0, "gelu_tanh": 1}  # the gate/up kernel's ACT switch, by ACTIVATIONS' names
 
@@ -269,14 +273,18 @@ def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, E, stride_we, str
 def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, res_ptr, norm_w_ptr, res_out_ptr, eps,
                         K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr = False,
                         shared_ptr=None, gate_ptr=None, SHARED: tl.constexpr = False,
-                        ZERO_CENTRED: tl.constexpr = False, PDL: tl.constexpr = False):
+                        ZERO_CENTRED: tl.constexpr = False, dense_ptr=None, post1_ptr=None, post2_ptr=None,
+                        post_ff_ptr=None, scalar_ptr=None, GEMMA: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[row, tile] = Σ_j weights[row, j] · y[(row, j)], the j taken in ascending expert index,
     each product and each add rounded to the model dtype, from zeros (the twin's order); zeros
     for a padding row (ids E), whose lines no expert wrote. SHARED: then out += sigmoid(gate[row])
     · shared[row] (Qwen3.5 MoE's gated shared expert; the sigmoid, the product and the add each
     rounded). NORM (one tile holds the row): then res_out = out + residual and out = the RMSNorm
     of res_out by norm_w, `norm.add_rms_norm`'s arithmetic (HF Qwen3RMSNorm), or with
-    ZERO_CENTRED `norm.add_rms_norm_1p`'s (norm_w the float32 1 + w, one rounding)."""
+    ZERO_CENTRED `norm.add_rms_norm_1p`'s (norm_w the float32 1 + w, one rounding). GEMMA (one
+    tile holds the row; not with NORM): Gemma 4's layer end, `moe_gemma_add_norm_ref`'s roundings:
+    ff = norm(dense, post1) + norm(out, post2); res_out = (residual + norm(ff, post_ff)) * scalar;
+    out = norm(res_out, norm_w), each Gemma's norm (`gemma4._row_norm`)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -300,6 +308,15 @@ def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, res_p
         sig = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         sh = tl.load(shared_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
         acc = (acc + (sig * sh).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if GEMMA:  # Gemma 4's sandwich norms: every op rounded to the model dtype, as its twin's
+        dense = tl.load(dense_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
+        ff = (_row_norm(dense, post1_ptr, eps, offs, ok, H, dt) + _row_norm(acc, post2_ptr, eps, offs, ok, H, dt))
+        ff = ff.to(dt).to(tl.float32)
+        r = tl.load(res_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
+        s = (r + _row_norm(ff, post_ff_ptr, eps, offs, ok, H, dt)).to(dt).to(tl.float32)
+        s = (s * tl.load(scalar_ptr).to(tl.float32)).to(dt)
+        tl.store(res_out_ptr + row * H + offs, s, mask=ok)
+        acc = _row_norm(s.to(tl.float32), norm_w_ptr, eps, offs, ok, H, dt)
     if NORM:  # the residual add rounded to the model dtype first, then the norm of that sum
         r = tl.load(res_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
         s = (acc + r).to(dt)
@@ -443,6 +460,46 @@ def moe_swiglu_shared_add_rms_norm_1p(x: torch.Tensor, weights: torch.Tensor, ex
         shared_ptr=shared, gate_ptr=gate, SHARED=True, ZERO_CENTRED=True, num_warps=_norm_warps(block),
         **pdl_args(x))
     return normed, new_residual
+
+
+def gemma_eligible(x: torch.Tensor, dense: torch.Tensor, residual: torch.Tensor, norms, w_next: torch.Tensor,
+                   scalar: torch.Tensor) -> bool:
+    """Whether `moe_gemma_add_norm` takes these: `dense` and `residual` of x's shape, the four
+    norm weights `[hidden]` and `scalar [1]`, all in x's dtype and contiguous, hidden up to `NORM_MAX`."""
+    vecs = (*norms, w_next)
+    return (dense.shape == residual.shape == x.shape and len(norms) == 3 and scalar.shape == (1,)
+            and all(v.shape == (x.shape[1],) for v in vecs) and x.shape[1] <= NORM_MAX
+            and all(v.dtype == x.dtype and v.is_contiguous() for v in (dense, residual, scalar, *vecs)))
+
+
+def moe_gemma_add_norm(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                       w_down: torch.Tensor, dense: torch.Tensor, residual: torch.Tensor, norms, w_next: torch.Tensor,
+                       eps: float, scalar: torch.Tensor, *, config: MoeConfig | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_gemma_add_norm_ref` on the kernels (Gemma 4's MoE layer end): the GELU-tanh experts,
+    whose combine (a program per row) also norms their sum and the dense MLP's output `dense`,
+    adds them, adds the post-feed-forward-normed sum to `residual`, scales by `scalar` and norms
+    by `w_next` -> (new residual, normed), `[t, hidden]` each. Needs `gemma_eligible`."""
+    if not gemma_eligible(x, dense, residual, norms, w_next, scalar):
+        raise ValueError(f"dense {tuple(dense.shape)}, residual {tuple(residual.shape)}, the norm weights and scalar "
+                         f"do not fit x {tuple(x.shape)} {x.dtype} (x's dtype, contiguous, weights [hidden], "
+                         f"scalar [1], hidden <= {NORM_MAX})")
+    m, h = x.shape
+    new_residual, normed = torch.empty_like(x), torch.empty_like(x)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, "gelu_tanh", config)
+    if m == 0:
+        return new_residual, normed
+    if lines is None:  # k = 0: no routed expert, the lines' buffer never read
+        lines = (x, torch.zeros((m, 0), dtype=torch.int64, device=x.device), weights)
+    y, ids, wts = lines
+    block = triton.next_power_of_2(h)
+    post_1, post_2, post_ff = norms
+    _moe_combine_kernel[(m, 1)](
+        y, ids, wts, normed, h, w_gate_up.shape[0], normed.stride(0), residual, w_next, new_residual, float(eps),
+        K_TOP=ids.shape[1], KP=max(1, triton.next_power_of_2(ids.shape[1])), BLOCK=block, dense_ptr=dense,
+        post1_ptr=post_1, post2_ptr=post_2, post_ff_ptr=post_ff, scalar_ptr=scalar, GEMMA=True,
+        num_warps=_norm_warps(block), **pdl_args(x))
+    return new_residual, normed
 
 
 def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, config: MoeConfig | None):

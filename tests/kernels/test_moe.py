@@ -352,6 +352,49 @@ def test_a_row_through_the_shared_layer_end_is_the_same_bits_whatever_shares_its
     assert invariance_violations(fused, torch.bfloat16) == []
 
 
+def gemma_inputs(m: int, dtype: torch.dtype):
+    """Gemma 4's layer-end operands: the dense MLP's output and the residual `[m, H]`, the three
+    block norms (post 1, post 2, post-feed-forward) and the next norm `[H]` (distinct, near 1),
+    the layer scalar `[1]`."""
+    g = torch.Generator().manual_seed(29)
+    dense, res = (torch.randn(m, H, generator=g).to(DEVICE, dtype) for _ in range(2))
+    norms = tuple((torch.rand(H, generator=g) + 0.5).to(DEVICE, dtype) for _ in range(3))
+    return dense, res, norms, (torch.rand(H, generator=g) + 0.5).to(DEVICE, dtype), \
+        torch.tensor([0.75], dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16], ids=str)
+def test_gemmas_layer_end_in_the_combine_matches_its_twin(dtype):
+    """`moe_gemma_add_norm` (Gemma 4's MoE layer end in the combine's launch: its post norm, the
+    dense MLP's, their sum's, the residual add, the scalar, the next norm) against its twin
+    (today's torch ops) within the bound of `shared_rel` (the same roundings; the norms' sums and
+    1/sqrt in another order), padding rows included (their dense MLP and residual stay).
+    Planted: the two post norms swapped, the neighbouring row's dense output, caught."""
+    x, w, ids, gu, down = padded_step(dtype)
+    dense, res, norms, w_next, scalar = gemma_inputs(x.shape[0], dtype)
+    new_res, normed = moe.moe_gemma_add_norm(x, w, ids, gu, down, dense, res, norms, w_next, 1e-6, scalar)
+    ref_res, ref_normed = moe_ref.moe_gemma_add_norm_ref(x, w, ids, gu, down, dense, res, norms, w_next, 1e-6, scalar)
+    tol = shared_rel(dtype)
+    assert rel_l2(new_res, ref_res) <= tol and rel_l2(normed, ref_normed) <= tol
+    swapped = (norms[1], norms[0], norms[2])
+    for planted in ((dense, res, swapped), (dense.roll(1, 0), res, norms)):
+        _, bad = moe.moe_gemma_add_norm(x, w, ids, gu, down, *planted, w_next, 1e-6, scalar)
+        assert rel_l2(bad, ref_normed) > 3 * tol  # well outside the bound
+
+
+@pytest.mark.exhaustive  # the matmuls are moe_swiglu's (invariant above); the combine is one program a row
+def test_a_row_through_gemmas_layer_end_is_the_same_bits_whatever_shares_its_step():
+    """Gemma's layer end: a row's normed output, its dense output and residual functions of its
+    own input, is the same bits alone, among other rows, sharing experts or not."""
+    _, _, norms, w_next, scalar = gemma_inputs(1, torch.bfloat16)
+
+    def fused(x, w, ids, gu, down):
+        return moe.moe_gemma_add_norm(x, w, ids, gu, down, (x * 0.5 + 1).contiguous(), x, norms, w_next, 1e-6,
+                                      scalar)[1]
+
+    assert invariance_violations(fused, torch.bfloat16) == []
+
+
 def test_the_add_and_norm_refuse_tensors_they_do_not_take():
     x, w, ids, gu, down = inputs(4, 2, torch.float32)
     res, nw = add_norm_inputs(4, torch.float32)

@@ -442,6 +442,12 @@ def _moe(ctx, dt):
                    ctx.torch.zeros(16, k, dtype=ctx.torch.int64), ctx.t(n_exp, 2 * inter, h, dtype=dt),
                    ctx.t(n_exp, h, inter, dtype=dt), config=mo.MoeConfig(programs_per_sm=0))
     n_exp, h, inter, k = MOE_SHAPES[-1]  # Gemma 4's GELU-tanh experts: the gate/up epilogue's other branch
+    # and its layer end in the combine (GEMMA: the sandwich norms, the add, the scalar, the next norm)
+    ctx.launch(f"moe_gemma_add_norm E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel", mo.moe_gemma_add_norm,
+               ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt), ctx.torch.zeros(16, k, dtype=ctx.torch.int64),
+               ctx.t(n_exp, 2 * inter, h, dtype=dt), ctx.t(n_exp, h, inter, dtype=dt), ctx.t(16, h, dtype=dt),
+               ctx.t(16, h, dtype=dt), tuple(ctx.t(h, dtype=dt) for _ in range(3)), ctx.t(h, dtype=dt), 1e-6,
+               ctx.t(1, dtype=dt))
     ctx.launch(f"moe_swiglu gelu_tanh E{n_exp} h{h} I{inter} k{k}", "_moe_gate_up_kernel", mo.moe_swiglu,
                ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt), ctx.torch.zeros(16, k, dtype=ctx.torch.int64),
                ctx.t(n_exp, 2 * inter, h, dtype=dt), ctx.t(n_exp, h, inter, dtype=dt), "gelu_tanh")

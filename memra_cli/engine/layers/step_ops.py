@@ -123,6 +123,10 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
   (v the raw key projection with k_eq_v) + the K/V write; caches None: a KV-shared layer's q only
 - `gemma_add_norm(x, branch, w_branch, w_out, eps, scalar=None) -> (x, normed)`: a sandwich norm's
   residual add `x + norm(branch)` (times `layer_scalar` after the feed-forward) and the norm after it
+- `moe_gemma_add_norm(x, weights, experts, w_gate_up, w_down, dense, residual, norms, w_next, eps,
+  scalar) -> (x, normed)`: Gemma 4's MoE layer end, `gemma_add_norm(residual, norm(dense, post_1) +
+  norm(moe_swiglu(..., "gelu_tanh"), post_2), post_ff, w_next, eps, scalar)` (`norms`: post_1,
+  post_2, post_ff; with the kernels all in the MoE combine's launch: `memra_kernels.moe.moe_gemma_add_norm`)
 - `gelu_tanh_mul(gate_up) -> gelu_tanh(gate) * up`: the GELU-tanh MLP's activation on its fused
   gate/up projection
 - `softcap(z, cap, out_dtype=None)`: the logits' `cap * tanh(z / cap)` in z's dtype (out_dtype
@@ -170,9 +174,10 @@ from memra_kernels.argmax_ref import row_argmax_ref
 from memra_kernels.moe_route_ref import moe_route_ref, router_pre_norm_ref
 from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref
 from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,
-                                      softcap_ref)
+                                      gemma_rms_norm_ref, softcap_ref)
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
-from memra_kernels.moe_ref import moe_swiglu_add_rms_norm_ref, moe_swiglu_ref, moe_swiglu_shared_add_rms_norm_1p_ref
+from memra_kernels.moe_ref import (moe_gemma_add_norm_ref, moe_swiglu_add_rms_norm_ref, moe_swiglu_ref,
+                                   moe_swiglu_shared_add_rms_norm_1p_ref)
 from memra_kernels.norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_1p_ref, embed_rms_norm_ref,
                                     gated_rms_norm_heads, rms_norm_ref)
 from memra_kernels.qwen35_ref import gdn_gates_body, window_after
@@ -244,6 +249,16 @@ def unfused_moe_swiglu_shared_add_rms_norm_1p(ops, x, weights, experts, w_gate_u
     unfused form `unfused()` installs (the twin's ops, op for op)."""
     ff = ops.moe_swiglu(x, weights, experts, w_gate_up, w_down) + torch.sigmoid(gate) * shared
     return ops.add_rms_norm_1p(ff, residual, w1p, eps)
+
+
+def unfused_moe_gemma_add_norm(ops, x, weights, experts, w_gate_up, w_down, dense, residual, norms, w_next,
+                               eps: float, scalar) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe_swiglu` (GELU-tanh), the two post norms and their sum in torch, then
+    `ops.gemma_add_norm`: the unfused form `unfused()` installs (the twin's ops, op for op)."""
+    post_1, post_2, post_ff = norms
+    routed = ops.moe_swiglu(x, weights, experts, w_gate_up, w_down, "gelu_tanh")
+    ff = gemma_rms_norm_ref(dense, post_1, eps) + gemma_rms_norm_ref(routed, post_2, eps)
+    return ops.gemma_add_norm(residual, ff, post_ff, w_next, eps, scalar)
 
 
 def unfused_lm_head_argmax(ops, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
@@ -431,6 +446,7 @@ class TorchStepOps:
     moe_swiglu_add_rms_norm = staticmethod(moe_swiglu_add_rms_norm_ref)  # then the add + norm: its one torch body
     # Qwen3.5 MoE's layer end: the experts, the gated shared expert, the add + zero-centred norm
     moe_swiglu_shared_add_rms_norm_1p = staticmethod(moe_swiglu_shared_add_rms_norm_1p_ref)
+    moe_gemma_add_norm = staticmethod(moe_gemma_add_norm_ref)  # Gemma 4's MoE layer end: its one torch body
 
     prefill_mask = True  # prefill_attention reads the forward's folded [g*t, n] mask
 
@@ -678,6 +694,7 @@ class TritonStepOps:
         ops.linear_add_rms_norm = functools.partial(unfused_linear_add_rms_norm, ops)
         ops.moe_swiglu_add_rms_norm = functools.partial(unfused_moe_swiglu_add_rms_norm, ops)
         ops.moe_swiglu_shared_add_rms_norm_1p = functools.partial(unfused_moe_swiglu_shared_add_rms_norm_1p, ops)
+        ops.moe_gemma_add_norm = functools.partial(unfused_moe_gemma_add_norm, ops)
         ops.router_route = functools.partial(unfused_router_route, ops)
         return ops
 
@@ -775,6 +792,18 @@ class TritonStepOps:
                                                      activation)
         return unfused_moe_swiglu_add_rms_norm(self, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
                                                activation)
+
+    def moe_gemma_add_norm(self, x, weights, experts, w_gate_up, w_down, dense, residual, norms, w_next,
+                           eps: float, scalar) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TorchStepOps.moe_gemma_add_norm` with the sandwich norms, the residual add, the scalar
+        and the next norm in the MoE combine's launch (`moe.gemma_eligible`); the unfused ops
+        otherwise. The choice depends on shapes and dtypes only."""
+        if self._moe.eligible(x, w_gate_up, w_down) and self._moe.gemma_eligible(x, dense, residual, norms, w_next,
+                                                                                 scalar):
+            return self._moe.moe_gemma_add_norm(x, weights, experts, w_gate_up, w_down, dense, residual, norms,
+                                                w_next, eps, scalar)
+        return unfused_moe_gemma_add_norm(self, x, weights, experts, w_gate_up, w_down, dense, residual, norms, w_next,
+                                          eps, scalar)
 
     def moe_swiglu_shared_add_rms_norm_1p(self, x, weights, experts, w_gate_up, w_down, shared, gate, residual,
                                           w1p, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

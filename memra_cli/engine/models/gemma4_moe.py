@@ -16,9 +16,12 @@ bfloat16 the two differ by one rounding of the weight; in float32 they are the s
 
 Experts load from the stacked layout (`experts.gate_up_proj [E, 2I, h]`, `experts.down_proj
 [E, h, I]`, what transformers writes for Gemma 4) or the per-expert one (models/experts.py), and
-run through the step ops (`step_ops.moe_swiglu` with `activation="gelu_tanh"`: the MoE kernels,
-or the torch twin, which runs every expert while a capture is under way), so the step reads
-nothing on the host and stays capturable as the dense Gemma 4 step is.
+run through the step ops (`step_ops.moe_swiglu` with `activation="gelu_tanh"`; in the fixed step,
+a layer without per-layer inputs ends in `step_ops.moe_gemma_add_norm`: the experts, both post
+norms, their sum, the residual add, the layer scalar and the next norm, with the MoE kernels in
+the combine's launch; or the torch twin, which runs every expert while a capture is under way), so
+the step reads nothing on the host and stays capturable as the dense Gemma 4 step is. The router's
+norm runs in the router's launch (`router_route`'s pre-norm).
 """
 
 from __future__ import annotations
@@ -100,8 +103,8 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
     state_class = LiveLayerKVCache
 
     step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
-                     "gelu_tanh_mul, softcap, router_route and moe_swiglu (the routed experts); Gemma 4's per-layer "
-                     "inputs run in torch")
+                     "gelu_tanh_mul, softcap, router_route (with the router's norm), moe_swiglu and moe_gemma_add_norm "
+                     "(the routed experts; a step's layer end with them); Gemma 4's per-layer inputs run in torch")
     loader_class = _MoeLoader
     routes_experts = True
 
@@ -119,14 +122,36 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
         """(sparse-layer calls, distinct experts they ran) so far, for the bench (a host read)."""
         return self.reads.snapshot()
 
+    def _route(self, x: torch.Tensor, w: Gemma4MoeLayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's routing of the residual `x` (weights, ids `[t, k]`), counted and recorded."""
+        weights, ids = gemma_route(x, w, self.moe.top_k, self.cfg.rms_norm_eps, self.step_ops, self._live_rows,
+                                   self.reads.sink())
+        self._record_routing(id(w.experts), ids)
+        return weights, ids
+
+    def _ffn_add_norm(self, x: torch.Tensor, h: torch.Tensor, w: Gemma4MoeLayerWeights, w_next: torch.Tensor,
+                      add_norm, step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed step's layer end as one step op (`moe_gemma_add_norm`: with the kernels, the
+        block's and the MLP's post norms, their sum, the residual add, the scalar and the next norm
+        in the MoE combine's launch; the torch ops compute `_feed_forward` then `gemma_add_norm`'s
+        values). The eager forward's: `_feed_forward`, then `add_norm`."""
+        if not step:
+            return super()._ffn_add_norm(x, h, w, w_next, add_norm, step)
+        eps = self.cfg.rms_norm_eps
+        pre_2, post_1, post_2 = w.moe_norms
+        dense = super()._feed_forward(x, h, w)
+        weights, ids = self._route(x, w)
+        return self.step_ops.moe_gemma_add_norm(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up,
+                                                w.experts.w_down, dense, x, (post_1, post_2, w.norms[3]), w_next, eps,
+                                                w.layer_scalar)
+
     def _feed_forward(self, x: torch.Tensor, h: torch.Tensor, w: Gemma4MoeLayerWeights) -> torch.Tensor:
         """The dense MLP's (of the pre-normed `h`) and the experts' outputs (of `x`, by their own
         norm), each normed, summed (before the post norm)."""
         eps = self.cfg.rms_norm_eps
         pre_2, post_1, post_2 = w.moe_norms
         dense = gemma_rms_norm(super()._feed_forward(x, h, w), post_1, eps)
-        weights, ids = gemma_route(x, w, self.moe.top_k, eps, self.step_ops, self._live_rows, self.reads.sink())
-        self._record_routing(id(w.experts), ids)
+        weights, ids = self._route(x, w)
         routed = self.step_ops.moe_swiglu(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up,
                                           w.experts.w_down, "gelu_tanh")
         return dense + gemma_rms_norm(routed, post_2, eps)
