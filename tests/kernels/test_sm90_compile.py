@@ -148,6 +148,9 @@ def _gemma4(ctx, dt):
     for scalar in (None, ctx.t(1, dtype=dt)):
         ctx.launch(f"gemma_add_norm scalar={scalar is not None}", "_add_norm_kernel", g4.gemma_add_norm,
                    ctx.t(t, h, dtype=dt), ctx.t(t, h, dtype=dt), ctx.t(h, dtype=dt), ctx.t(h, dtype=dt), 1e-6, scalar)
+    # the MoE block's step: the experts' input norm beside the MLP's in the same program (OUT2)
+    ctx.launch("gemma_add_two_norms", "_add_norm_kernel", g4.gemma_add_two_norms, ctx.t(t, h, dtype=dt),
+               ctx.t(t, h, dtype=dt), ctx.t(h, dtype=dt), ctx.t(h, dtype=dt), ctx.t(h, dtype=dt), 1e-6)
     ctx.launch("gelu_tanh_mul I21504", "_gelu_mul_kernel", g4.gelu_tanh_mul, ctx.t(t, 2 * 21504, dtype=dt))
     ctx.launch("softcap V262144", "_softcap_kernel", g4.softcap, ctx.t(16, 262144, dtype=dt), 30.0)
     ctx.launch("softcap V262144 widened", "_softcap_kernel", g4.softcap, ctx.t(16, 262144, dtype=dt), 30.0,

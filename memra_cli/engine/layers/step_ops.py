@@ -123,6 +123,8 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
   (v the raw key projection with k_eq_v) + the K/V write; caches None: a KV-shared layer's q only
 - `gemma_add_norm(x, branch, w_branch, w_out, eps, scalar=None) -> (x, normed)`: a sandwich norm's
   residual add `x + norm(branch)` (times `layer_scalar` after the feed-forward) and the norm after it
+- `gemma_add_two_norms(x, branch, w_branch, w_out, w_out2, eps) -> (x, normed, normed2)`:
+  `gemma_add_norm` and a second norm of the new residual (the MoE block's pre_ff_2 beside pre_ff)
 - `moe_gemma_add_norm(x, weights, experts, w_gate_up, w_down, dense, residual, norms, w_next, eps,
   scalar) -> (x, normed)`: Gemma 4's MoE layer end, `gemma_add_norm(residual, norm(dense, post_1) +
   norm(moe_swiglu(..., "gelu_tanh"), post_2), post_ff, w_next, eps, scalar)` (`norms`: post_1,
@@ -173,7 +175,8 @@ from memra_kernels.activation_ref import silu_mul_ref
 from memra_kernels.argmax_ref import row_argmax_ref
 from memra_kernels.moe_route_ref import moe_route_ref, router_pre_norm_ref
 from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref
-from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,
+from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_add_two_norms_ref,
+                                      gemma_qk_norm_rope_kv_write_ref,
                                       gemma_rms_norm_ref, softcap_ref)
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
 from memra_kernels.moe_ref import (moe_gemma_add_norm_ref, moe_swiglu_add_rms_norm_ref, moe_swiglu_ref,
@@ -249,6 +252,12 @@ def unfused_moe_swiglu_shared_add_rms_norm_1p(ops, x, weights, experts, w_gate_u
     unfused form `unfused()` installs (the twin's ops, op for op)."""
     ff = ops.moe_swiglu(x, weights, experts, w_gate_up, w_down) + torch.sigmoid(gate) * shared
     return ops.add_rms_norm_1p(ff, residual, w1p, eps)
+
+
+def unfused_gemma_add_two_norms(ops, x, branch, w_branch, w_out, w_out2, eps: float):
+    """`ops.gemma_add_norm`, then the second norm in torch: the unfused form `unfused()` installs."""
+    x, normed = ops.gemma_add_norm(x, branch, w_branch, w_out, eps)
+    return x, normed, gemma_rms_norm_ref(x, w_out2, eps)
 
 
 def unfused_moe_gemma_add_norm(ops, x, weights, experts, w_gate_up, w_down, dense, residual, norms, w_next,
@@ -411,6 +420,7 @@ class TorchStepOps:
 
     gemma_qk_norm_rope_kv_write = staticmethod(gemma_qk_norm_rope_kv_write_ref)  # Gemma 4's: its one torch body
     gemma_add_norm = staticmethod(gemma_add_norm_ref)  # Gemma 4's residual add + norms: the op's one torch body
+    gemma_add_two_norms = staticmethod(gemma_add_two_norms_ref)  # and a second norm: its one torch body
     gelu_tanh_mul = staticmethod(gelu_tanh_mul_ref)  # Gemma 4's MLP activation: the op's one torch body
     softcap = staticmethod(softcap_ref)  # the logits' softcap: the op's one torch body
 
@@ -649,6 +659,7 @@ class TritonStepOps:
         self.attention = attention.decode_attention
         self.gemma_qk_norm_rope_kv_write = gemma4.gemma_qk_norm_rope_kv_write
         self.gemma_add_norm = gemma4.gemma_add_norm
+        self.gemma_add_two_norms = gemma4.gemma_add_two_norms
         self.gelu_tanh_mul = gemma4.gelu_tanh_mul
         self.softcap = gemma4.softcap
         self.silu_mul = activation.silu_mul
@@ -695,6 +706,7 @@ class TritonStepOps:
         ops.moe_swiglu_add_rms_norm = functools.partial(unfused_moe_swiglu_add_rms_norm, ops)
         ops.moe_swiglu_shared_add_rms_norm_1p = functools.partial(unfused_moe_swiglu_shared_add_rms_norm_1p, ops)
         ops.moe_gemma_add_norm = functools.partial(unfused_moe_gemma_add_norm, ops)
+        ops.gemma_add_two_norms = functools.partial(unfused_gemma_add_two_norms, ops)
         ops.router_route = functools.partial(unfused_router_route, ops)
         return ops
 

@@ -21,7 +21,8 @@ a layer without per-layer inputs ends in `step_ops.moe_gemma_add_norm`: the expe
 norms, their sum, the residual add, the layer scalar and the next norm, with the MoE kernels in
 the combine's launch; or the torch twin, which runs every expert while a capture is under way), so
 the step reads nothing on the host and stays capturable as the dense Gemma 4 step is. The router's
-norm runs in the router's launch (`router_route`'s pre-norm).
+norm runs in the router's launch (`router_route`'s pre-norm), the experts' input norm in the
+attention's add + norm (`step_ops.gemma_add_two_norms`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
     state_class = LiveLayerKVCache
 
     step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
+                     "gemma_add_two_norms, "
                      "gelu_tanh_mul, softcap, router_route (with the router's norm), moe_swiglu and moe_gemma_add_norm "
                      "(the routed experts; a step's layer end with them); Gemma 4's per-layer inputs run in torch")
     loader_class = _MoeLoader
@@ -129,7 +131,15 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
         self._record_routing(id(w.experts), ids)
         return weights, ids
 
-    def _ffn_add_norm(self, x: torch.Tensor, h: torch.Tensor, w: Gemma4MoeLayerWeights, w_next: torch.Tensor,
+    def _attention_add_norm(self, x: torch.Tensor, o: torch.Tensor, w: Gemma4MoeLayerWeights, add_norm,
+                            step: bool) -> tuple:
+        """The step's: the MLP's and the experts' input norms of the new residual in one step op
+        (`gemma_add_two_norms`: with the kernels, `gemma_add_norm`'s launch) -> (x, h, experts' h)."""
+        if not step:
+            return super()._attention_add_norm(x, o, w, add_norm, step)
+        return self.step_ops.gemma_add_two_norms(x, o, w.norms[1], w.norms[2], w.moe_norms[0], self.cfg.rms_norm_eps)
+
+    def _ffn_add_norm(self, x: torch.Tensor, h: list, w: Gemma4MoeLayerWeights, w_next: torch.Tensor,
                       add_norm, step: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The fixed step's layer end as one step op (`moe_gemma_add_norm`: with the kernels, the
         block's and the MLP's post norms, their sum, the residual add, the scalar and the next norm
@@ -137,13 +147,12 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
         values). The eager forward's: `_feed_forward`, then `add_norm`."""
         if not step:
             return super()._ffn_add_norm(x, h, w, w_next, add_norm, step)
-        eps = self.cfg.rms_norm_eps
-        pre_2, post_1, post_2 = w.moe_norms
-        dense = super()._feed_forward(x, h, w)
+        _, post_1, post_2 = w.moe_norms
+        dense = super()._feed_forward(x, h[0], w)
         weights, ids = self._route(x, w)
-        return self.step_ops.moe_gemma_add_norm(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up,
-                                                w.experts.w_down, dense, x, (post_1, post_2, w.norms[3]), w_next, eps,
-                                                w.layer_scalar)
+        return self.step_ops.moe_gemma_add_norm(h[1], weights, ids, w.experts.w_gate_up,
+                                                w.experts.w_down, dense, x, (post_1, post_2, w.norms[3]), w_next,
+                                                self.cfg.rms_norm_eps, w.layer_scalar)
 
     def _feed_forward(self, x: torch.Tensor, h: torch.Tensor, w: Gemma4MoeLayerWeights) -> torch.Tensor:
         """The dense MLP's (of the pre-normed `h`) and the experts' outputs (of `x`, by their own
