@@ -318,21 +318,16 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16], ids=str)
 def test_the_shared_expert_add_and_zero_centred_norm_in_the_combine(dtype):
     """`moe_swiglu_shared_add_rms_norm_1p` (Qwen3.5 MoE's layer end in the combine's launch)
-    against its twin and the unfused ops (`moe_swiglu`, the torch gate and add, `norm.add_rms_norm_1p`)
+    against its twin (the unfused ops: `moe_swiglu_ref`, the torch gate and add, `add_rms_norm_1p_ref`)
     within the bound, padding rows included (no routed expert; their shared expert and residual
     stay). Planted: the neighbouring row's gate, the norm's weight without its 1, caught."""
-    from memra_kernels import norm
-
     x, w, ids, gu, down = padded_step(dtype)
     shared, gate, res, w1p = shared_inputs(x.shape[0], dtype)
     normed, new_res = moe.moe_swiglu_shared_add_rms_norm_1p(x, w, ids, gu, down, shared, gate, res, w1p, 1e-6)
-    ff = moe.moe_swiglu(x, w, ids, gu, down) + torch.sigmoid(gate) * shared
-    want_normed, want_res = norm.add_rms_norm_1p(ff, res, w1p, 1e-6)
     ref_normed, ref_res = moe_ref.moe_swiglu_shared_add_rms_norm_1p_ref(x, w, ids, gu, down, shared, gate, res,
                                                                        w1p, 1e-6)
     tol = shared_rel(dtype)
-    for got, want in ((normed, want_normed), (new_res, want_res), (normed, ref_normed), (new_res, ref_res)):
-        assert rel_l2(got, want) <= tol
+    assert rel_l2(normed, ref_normed) <= tol and rel_l2(new_res, ref_res) <= tol
     assert rel_l2(new_res[5:], (res + torch.sigmoid(gate) * shared)[5:]) <= tol  # padding: no routed term
     for planted in ((shared, gate.roll(1, 0), res, w1p), (shared, gate, res, w1p - 1)):
         bad, _ = moe.moe_swiglu_shared_add_rms_norm_1p(x, w, ids, gu, down, *planted, 1e-6)
