@@ -5,9 +5,10 @@ or a tiny Qwen3-MoE one (`--family qwen3_moe`: `moe_step.build("tiny")`, routed 
 shape, one live row as a plain decode step runs), or a tiny random Qwen3.5 MoE hybrid / MoE Gemma 4
 (`--family qwen3_5_moe` / `gemma4_moe`: `memra_cli.tiny`'s checkpoints, loaded in bf16, every weight
 matmul routed to the dense kernel, one live row; counted, not scaled: the `8b` keys are the tiny
-model's own layer count), puts the Triton step ops in (under Triton's interpreter when there is no GPU), routes each weight
-matmul where the 8B shape's would go (the dense kernel where the 8B weight's shape is in
-`dense_linear.TUNED`, `F.linear` else), runs one 16-row `static_step` and counts
+model's own layer count), puts the Triton step ops in (under Triton's interpreter when there is no
+GPU), routes each weight matmul where the 8B shape's would go (the dense kernel where the 8B
+weight's shape is in `dense_linear.TUNED`, `F.linear` else), runs one 16-row `static_step` and
+counts
 
 - Triton launches, by kernel name (every `kernel[grid](...)`);
 - torch ops that launch a kernel on a GPU (a `TorchDispatchMode` over the step; views, `empty*`
@@ -20,7 +21,8 @@ launch fusions undone (`TritonStepOps.unfused`: the q/k/v projection + rope, the
 first norm, the lm_head + argmax, the projections' residual add + the norm folded into the next
 matmul), the A/B the GPU benchmark times (`target_step --variants triton,triton-unfused`).
 
-    python -m benchmarks.step_launches [--family qwen3|llama|qwen3_moe|qwen3_5_moe|gemma4_moe] [--greedy] [--variant fused|unfused] [--json OUT]
+    python -m benchmarks.step_launches [--family qwen3|llama|qwen3_moe|qwen3_5_moe|gemma4_moe] [--greedy]
+        [--variant fused|unfused] [--json OUT]
 
 Per layer, and per step (the per-layer count times the 8B shape's layers plus the rest) are
 printed: the 8B step launches the same kernels per layer, only more layers.

@@ -47,7 +47,8 @@ import triton.language as tl
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args, pdl_wait
 from ._splitk import counters
-from .moe_route_ref import count_experts, moe_route_ref, router_pre_norm_ref, router_route_ref  # noqa: F401  (the twins)
+from .moe_route_ref import (count_experts, moe_route_ref, router_pre_norm_ref,  # noqa: F401  (the twins)
+                            router_route_ref)
 
 __all__ = ["moe_route", "moe_route_ref", "router_route", "router_route_ref", "router_pre_norm_ref", "eligible",
            "router_eligible",

@@ -427,7 +427,8 @@ def _moe(ctx, dt):
                        ctx.k.moe_route.router_route, ctx.t(rows, h, dtype=dt), ctx.t(n_exp, h, dtype=dt), k, step,
                        ctx.torch.ones(1, dtype=ctx.torch.int32) if step else None,
                        ctx.torch.zeros(2, dtype=ctx.torch.int64) if step else None,
-                       ctx.t(n_exp, dtype=dt) if step else None, (ctx.t(h, dtype=dt), h ** -0.5, 1e-6) if step else None)
+                       ctx.t(n_exp, dtype=dt) if step else None,
+                       (ctx.t(h, dtype=dt), h ** -0.5, 1e-6) if step else None)
         # a step's sparse-layer end: the residual add and the next norm in the combine's launch (NORM)
         ctx.launch(f"moe_swiglu_add_rms_norm E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel",
                    mo.moe_swiglu_add_rms_norm, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
