@@ -10,8 +10,8 @@ rollback and fixed-width step, all unchanged) with a routed feed-forward on ever
     out    = routed + shared                            (then the residual add, as the dense MLP's)
 
 The shared expert is loaded where the dense hybrid keeps its MLP (`w_gate_up`, `w_down`), so the
-dense feed-forward computes it. The same `_feed_forward` runs in the eager forward and the fixed
-step, so a plain step and a verify step route with the same arithmetic. Experts load from the
+dense feed-forward computes it. The same layer end (`_ffn_add_norm`) runs in the eager forward and
+the fixed step, so a plain step and a verify step route with the same arithmetic. Experts load from the
 per-expert or the stacked layout (models/experts.py). The routed experts run through the step
 ops (`step_ops.moe_swiglu_shared_add_rms_norm_1p`, the layer's end: the MoE kernels, whose combine
 also adds the gated shared expert and the residual and applies the next zero-centred norm, or the
