@@ -2,8 +2,9 @@
 on the torch step ops (the MoE twin) and on the Triton step ops (the MoE kernels), side by side.
 
 `benchmarks/moe_step.py`'s measurement at the Qwen3.5-35B-A3B shape (random weights built in
-memory, one process): per step-ops variant (`--ops`: `torch`, `triton`; both on CUDA, the twin
-alone elsewhere), a context prefilled, then a fixed step of vt rows for vt = 1..16 (median of
+memory, one process): per step-ops variant (`--ops`: `torch`, `triton`, `triton-unfused` (the
+step ops' launch fusions undone: the A/B of the layer end in the combine); torch and triton by
+default on CUDA, the twin alone elsewhere), a context prefilled, then a fixed step of vt rows for vt = 1..16 (median of
 --iters eager steps, device synchronised; the step only reads the committed recurrent state, so
 it can repeat) and, on CUDA with the kernels, the same step replayed as a CUDA graph (what the
 engine runs: the family is capturable); the experts it ran per layer (counted by the target over
@@ -107,8 +108,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
-    ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton "
-                    "(default: both on CUDA, torch elsewhere)")
+    ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton, "
+                    "triton-unfused (the launch fusions undone) (default: torch and triton on CUDA, torch elsewhere)")
     ap.add_argument("--width", type=int, default=16, help="also time each vt below it as a step of this many "
                     "rows, vt of them live (the engine's fixed-width step); 0: only the vt-row steps")
     ap.add_argument("--context", type=int, default=512)

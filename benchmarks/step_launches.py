@@ -2,9 +2,13 @@
 
 Builds a small random Qwen3 or LLaMA target (`gpu_shapes.SHAPES` "small" / "llama-small", bf16),
 or a tiny Qwen3-MoE one (`--family qwen3_moe`: `moe_step.build("tiny")`, routed as its "a3b"
-shape, one live row as a plain decode step runs), puts the Triton step ops in (under Triton's interpreter when there is no GPU), routes each weight
-matmul where the 8B shape's would go (the dense kernel where the 8B weight's shape is in
-`dense_linear.TUNED`, `F.linear` else), runs one 16-row `static_step` and counts
+shape, one live row as a plain decode step runs), or a tiny random Qwen3.5 MoE hybrid / MoE Gemma 4
+(`--family qwen3_5_moe` / `gemma4_moe`: `memra_cli.tiny`'s checkpoints, loaded in bf16, every weight
+matmul routed to the dense kernel, one live row; counted, not scaled: the `8b` keys are the tiny
+model's own layer count), puts the Triton step ops in (under Triton's interpreter when there is no
+GPU), routes each weight matmul where the 8B shape's would go (the dense kernel where the 8B
+weight's shape is in `dense_linear.TUNED`, `F.linear` else), runs one 16-row `static_step` and
+counts
 
 - Triton launches, by kernel name (every `kernel[grid](...)`);
 - torch ops that launch a kernel on a GPU (a `TorchDispatchMode` over the step; views, `empty*`
@@ -17,7 +21,8 @@ launch fusions undone (`TritonStepOps.unfused`: the q/k/v projection + rope, the
 first norm, the lm_head + argmax, the projections' residual add + the norm folded into the next
 matmul), the A/B the GPU benchmark times (`target_step --variants triton,triton-unfused`).
 
-    python -m benchmarks.step_launches [--family qwen3|llama|qwen3_moe] [--greedy] [--variant fused|unfused] [--json OUT]
+    python -m benchmarks.step_launches [--family qwen3|llama|qwen3_moe|qwen3_5_moe|gemma4_moe] [--greedy]
+        [--variant fused|unfused] [--json OUT]
 
 Per layer, and per step (the per-layer count times the 8B shape's layers plus the rest) are
 printed: the 8B step launches the same kernels per layer, only more layers.
@@ -51,7 +56,10 @@ from benchmarks.gpu_shapes import SHAPES, random_target
 
 W = 16
 # --family -> (counted, routed as): gpu_shapes.SHAPES keys, or moe_step.SHAPES keys for qwen3_moe
-FAMILIES = {"qwen3": ("small", "8b"), "llama": ("llama-small", "llama-8b"), "qwen3_moe": ("tiny", "a3b")}
+FAMILIES = {"qwen3": ("small", "8b"), "llama": ("llama-small", "llama-8b"), "qwen3_moe": ("tiny", "a3b"),
+            "qwen3_5_moe": ("tiny", None), "gemma4_moe": ("tiny", None)}
+# the tiny checkpoints' MoE: (experts, top-k, intermediate), as `memra_cli.tiny`'s own
+TINY_MOE = (8, 2, 32)
 # torch ops that launch no kernel: allocations and metadata
 _FREE = ("empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh", "_local_scalar_dense", "promote_types")
 
@@ -125,6 +133,12 @@ def route_like(target, routed_as: dict, family: str = "qwen3") -> list[tuple[int
     (qkv, o, gate/up, down, lm_head by role), added to TUNED so its step routes as the big one's."""
     from memra_kernels import dense_linear
 
+    if routed_as is None:  # a tiny MoE hybrid / Gemma 4: every weight matmul to the dense kernel, unsplit
+        shapes = sorted({tuple(w.shape) for w in _weights(target.layers) if w.dim() == 2} |
+                        {tuple(target.lm_head_weight.shape)})
+        for sm in shapes:
+            dense_linear.TUNED.setdefault(sm, dense_linear.KernelConfig(block_n=16, block_k=16, split_k=1))
+        return shapes
     added = []
     for sm, b in _shape_pairs(target, family, routed_as):
         if b in dense_linear.TUNED:  # split or not as the big shape's tiles are (the argmax epilogue needs unsplit)
@@ -134,9 +148,45 @@ def route_like(target, routed_as: dict, family: str = "qwen3") -> list[tuple[int
     return added
 
 
+def _weights(obj):
+    """Every tensor of a layer list's weight dataclasses (walked)."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            yield from _weights(x)
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _weights(getattr(obj, f.name))
+
+
+def _build_tiny_moe(family: str, device):
+    """A tiny random `qwen3_5_moe` / `gemma4_moe` target in bf16 (a checkpoint written to a
+    temporary folder, then loaded as the engine loads it)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as root:
+        if family == "qwen3_5_moe":
+            from memra_cli.engine.models.qwen3_5_moe import Qwen35MoeTarget
+            from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
+
+            path = make_tiny_qwen35(Path(root) / family, moe=TINY_MOE, intermediate=48)
+            return Qwen35MoeTarget.from_dir(path, dtype=torch.bfloat16, device=device)
+        from memra_cli.engine.models.gemma4_moe import Gemma4MoeTarget
+        from memra_cli.tiny.gemma4 import make_tiny_gemma4
+
+        path = make_tiny_gemma4(Path(root) / family, moe=TINY_MOE)
+        return Gemma4MoeTarget.from_dir(path, dtype=torch.bfloat16, device=device)
+
+
 def _build(family: str, device):
     """(the small target of `family`, the shape it is routed as, that shape's layers and vocab)."""
     small, big = FAMILIES[family]
+    if big is None:
+        target = _build_tiny_moe(family, device)
+        return target, None, len(target.layers), target.vocab_size
     if family == "qwen3_moe":
         from benchmarks.moe_step import SHAPES as MOE_SHAPES, build
 

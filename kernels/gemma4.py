@@ -12,6 +12,8 @@ KV-shared layer (no caches) only gets its q.
 `x = x + norm(branch, w_branch)` [then `x * layer_scalar`], and `norm(x, w_out)` (the
 pre-feed-forward norm, the next layer's input norm or the final norm): what the layer does
 between its attention and its MLP, and between its MLP and the next layer's projections.
+`gemma_add_two_norms`: the same program writing a second norm of the new residual (the MoE
+block's experts' input norm beside the MLP's).
 
 `gelu_tanh_mul`: the MLP's `gelu_tanh(gate) * up` from the fused gate/up projection.
 
@@ -42,8 +44,8 @@ from ._common import (check_dtype, check_kv_caches, check_last_contiguous, check
                       next_pow2)
 from ._pdl import pdl_args, pdl_wait
 from .rope import rope_head_program, rope_table_halves
-from .gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,  # noqa: F401
-                         gemma_rms_norm_ref, softcap_ref)  # (the twins)
+from .gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_add_two_norms_ref,  # noqa: F401
+                         gemma_qk_norm_rope_kv_write_ref, gemma_rms_norm_ref, softcap_ref)  # (the twins)
 
 SOFTCAP_BLOCK = 1024  # logits per program
 
@@ -173,8 +175,10 @@ def _row_norm(x, w_ptr, eps, offs, mask, d, dt):
 
 @triton.jit
 def _add_norm_kernel(x_ptr, b_ptr, wb_ptr, wo_ptr, s_ptr, x_out_ptr, out_ptr, d, stride_x, stride_b, stride_xo,
-                     stride_o, eps, SCALAR: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
-    """One row: x' = (x + norm(b, wb)) [* s], each op rounded to x's dtype; out = norm(x', wo)."""
+                     stride_o, eps, SCALAR: tl.constexpr, BLOCK_D: tl.constexpr, wo2_ptr=None, out2_ptr=None,
+                     OUT2: tl.constexpr = False, PDL: tl.constexpr = False):
+    """One row: x' = (x + norm(b, wb)) [* s], each op rounded to x's dtype; out = norm(x', wo);
+    OUT2: also out2 = norm(x', wo2) (stride_o's rows)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
@@ -187,12 +191,15 @@ def _add_norm_kernel(x_ptr, b_ptr, wb_ptr, wo_ptr, s_ptr, x_out_ptr, out_ptr, d,
         x = (x * tl.load(s_ptr).to(tl.float32)).to(dt).to(tl.float32)
     tl.store(x_out_ptr + row * stride_xo + offs, x.to(dt), mask=mask)
     tl.store(out_ptr + row * stride_o + offs, _row_norm(x, wo_ptr, eps, offs, mask, d, dt).to(dt), mask=mask)
+    if OUT2:
+        tl.store(out2_ptr + row * stride_o + offs, _row_norm(x, wo2_ptr, eps, offs, mask, d, dt).to(dt), mask=mask)
 
 
 def gemma_add_norm(x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Tensor, w_out: torch.Tensor, eps: float,
-                   scalar: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   scalar: torch.Tensor | None = None, _out2=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin `gemma_add_norm_ref` in one launch: `x, branch [t, hidden]`, weights `[hidden]`,
-    `scalar` `[1]` or None, all in x's dtype -> (new residual, normed) `[t, hidden]`."""
+    `scalar` `[1]` or None, all in x's dtype -> (new residual, normed) `[t, hidden]`. `_out2`
+    (`gemma_add_two_norms`'s): (second norm weight, its output) written in the same program."""
     t, d = x.shape if x.dim() == 2 else (0, 0)
     if x.dim() != 2 or branch.shape != x.shape or w_branch.shape != (d,) or w_out.shape != (d,) \
             or (scalar is not None and scalar.numel() != 1):
@@ -213,8 +220,22 @@ def gemma_add_norm(x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Tensor
         _add_norm_kernel[(t,)](
             x, branch, w_branch, w_out, x if scalar is None else scalar, x_out, out, d, x.stride(0), branch.stride(0),
             x_out.stride(0), out.stride(0), float(eps), SCALAR=scalar is not None, BLOCK_D=block_d,
-            num_warps=4 if block_d <= 1024 else (8 if block_d <= 8192 else 16), **pdl_args(x))
+            wo2_ptr=None if _out2 is None else _out2[0], out2_ptr=None if _out2 is None else _out2[1],
+            OUT2=_out2 is not None, num_warps=4 if block_d <= 1024 else (8 if block_d <= 8192 else 16), **pdl_args(x))
     return x_out, out
+
+
+def gemma_add_two_norms(x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Tensor, w_out: torch.Tensor,
+                        w_out2: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The twin `gemma_add_two_norms_ref` in one launch (`gemma_add_norm`'s program, writing a
+    second norm of the new residual by `w_out2 [hidden]`) -> (new residual, normed, normed by w_out2)."""
+    if w_out2.shape != w_out.shape or w_out2.dtype != x.dtype or w_out2.stride(-1) != 1:
+        raise ValueError(f"w_out2 {tuple(w_out2.shape)} {w_out2.dtype}: expected {tuple(w_out.shape)} {x.dtype}, "
+                         "contiguous")
+    check_tensors(w_out2)
+    out2 = torch.empty_like(x)
+    x_out, out = gemma_add_norm(x, branch, w_branch, w_out, eps, _out2=(w_out2, out2))
+    return x_out, out, out2
 
 
 # --------------------------------------------------------------------------- GELU-tanh · up

@@ -64,6 +64,14 @@ def gemma_add_norm_ref(x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Te
     return x, gemma_rms_norm_ref(x, w_out, eps)
 
 
+def gemma_add_two_norms_ref(x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Tensor, w_out: torch.Tensor,
+                            w_out2: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gemma_add_norm_ref` (no scalar) and a second norm of the new residual by `w_out2` (the MoE
+    block's pre-feed-forward-2 norm beside the MLP's) -> (new residual, normed, normed by w_out2)."""
+    x, normed = gemma_add_norm_ref(x, branch, w_branch, w_out, eps)
+    return x, normed, gemma_rms_norm_ref(x, w_out2, eps)
+
+
 def gelu_tanh_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """Gemma 4's MLP activation on the fused gate/up projection `[t, 2*ffn]` -> `[t, ffn]`:
     `gelu_tanh(gate) * up` in the model dtype (the GELU rounded, then the product)."""

@@ -15,7 +15,11 @@ once per step however many rows chose it, and never touch the others:
 3. `_moe_combine_kernel`, one program per (row, hidden tile): the row's k expert outputs times
    their routing weights, added in ascending expert index from zeros; in
    `moe_swiglu_add_rms_norm` (a step's sparse-layer end) one program per row, which then adds
-   the residual and norms the sum as `norm.add_rms_norm` does.
+   the residual and norms the sum as `norm.add_rms_norm` does; in
+   `moe_swiglu_shared_add_rms_norm_1p` (the Qwen3.5 MoE hybrid's layer end) it first adds the
+   gated shared expert's output and norms as `norm.add_rms_norm_1p` (zero-centred) does; in
+   `moe_gemma_add_norm` (Gemma 4's MoE layer end) it runs the layer's sandwich norms: its own
+   post norm, the dense MLP's, their sum's, the residual add, the layer scalar and the next norm.
 
 The two matmuls run `MoeConfig.programs_per_sm` programs per multiprocessor for each row tile;
 each finds the tile's routed experts from the ids and loops over its share of their work items,
@@ -36,8 +40,9 @@ padding row (a fixed step's, `moe_route`'s live rows), every id E: no program fi
 expert's rows, so it costs no weight read, and its combine writes zeros.
 
 Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `eligible`, `norm_eligible`,
-`multiprocessors`, `moe_swiglu`, `moe_swiglu_add_rms_norm`, and the twins `moe_swiglu_ref`,
-`moe_swiglu_add_rms_norm_ref`.
+`shared_eligible`, `gemma_eligible`, `multiprocessors`, `moe_swiglu`, `moe_swiglu_add_rms_norm`,
+`moe_swiglu_shared_add_rms_norm_1p`, `moe_gemma_add_norm`, and the twins `moe_swiglu_ref`,
+`moe_swiglu_add_rms_norm_ref`, `moe_swiglu_shared_add_rms_norm_1p_ref`, `moe_gemma_add_norm_ref`.
 """
 
 from __future__ import annotations
@@ -52,11 +57,15 @@ import triton.language as tl
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args, pdl_wait
 from .activation import gelu_tanh_mul_rounded, silu_mul_rounded
-from .moe_ref import ACTIVATIONS, check_activation, moe_swiglu_add_rms_norm_ref, moe_swiglu_ref  # noqa: F401  (the twins)
+from .moe_ref import (ACTIVATIONS, check_activation, moe_gemma_add_norm_ref, moe_swiglu_add_rms_norm_ref,  # noqa: F401
+                      moe_swiglu_ref, moe_swiglu_shared_add_rms_norm_1p_ref)  # (the twins)
+from .gemma4 import _row_norm
 from .norm import _num_warps as _norm_warps, add_rms_norm, rms_rstd
 
-__all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "ACTIVATIONS", "eligible", "norm_eligible", "multiprocessors",
-           "moe_swiglu", "moe_swiglu_add_rms_norm", "moe_swiglu_ref", "moe_swiglu_add_rms_norm_ref"]
+__all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "ACTIVATIONS", "eligible", "norm_eligible", "shared_eligible",
+           "gemma_eligible", "multiprocessors", "moe_swiglu", "moe_swiglu_add_rms_norm",
+           "moe_swiglu_shared_add_rms_norm_1p", "moe_gemma_add_norm", "moe_swiglu_ref", "moe_swiglu_add_rms_norm_ref",
+           "moe_swiglu_shared_add_rms_norm_1p_ref", "moe_gemma_add_norm_ref"]
 
 _ACT_CODE = {"silu": 0, "gelu_tanh": 1}  # the gate/up kernel's ACT switch, by ACTIVATIONS' names
 
@@ -263,12 +272,19 @@ def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, E, stride_we, str
 @triton.jit
 def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, res_ptr, norm_w_ptr, res_out_ptr, eps,
                         K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr = False,
-                        PDL: tl.constexpr = False):
+                        shared_ptr=None, gate_ptr=None, SHARED: tl.constexpr = False,
+                        ZERO_CENTRED: tl.constexpr = False, dense_ptr=None, post1_ptr=None, post2_ptr=None,
+                        post_ff_ptr=None, scalar_ptr=None, GEMMA: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[row, tile] = Σ_j weights[row, j] · y[(row, j)], the j taken in ascending expert index,
     each product and each add rounded to the model dtype, from zeros (the twin's order); zeros
-    for a padding row (ids E), whose lines no expert wrote. NORM (one tile holds the row): then
-    res_out = out + residual and out = the RMSNorm of res_out by norm_w, `norm.add_rms_norm`'s
-    arithmetic (HF Qwen3RMSNorm)."""
+    for a padding row (ids E), whose lines no expert wrote. SHARED: then out += sigmoid(gate[row])
+    · shared[row] (Qwen3.5 MoE's gated shared expert; the sigmoid, the product and the add each
+    rounded). NORM (one tile holds the row): then res_out = out + residual and out = the RMSNorm
+    of res_out by norm_w, `norm.add_rms_norm`'s arithmetic (HF Qwen3RMSNorm), or with
+    ZERO_CENTRED `norm.add_rms_norm_1p`'s (norm_w the float32 1 + w, one rounding). GEMMA (one
+    tile holds the row; not with NORM): Gemma 4's layer end, `moe_gemma_add_norm_ref`'s roundings:
+    ff = norm(dense, post1) + norm(out, post2); res_out = (residual + norm(ff, post_ff)) * scalar;
+    out = norm(res_out, norm_w), each Gemma's norm (`gemma4._row_norm`)."""
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -287,13 +303,30 @@ def _moe_combine_kernel(y_ptr, ids_ptr, wts_ptr, out_ptr, H, E, stride_om, res_p
         w = tl.sum(tl.where(here, wts, 0.0), axis=0)  # one term: exact
         y = tl.load(y_ptr + (row * K_TOP + slot) * H + offs, mask=ok & real, other=0.0).to(tl.float32)
         acc = (acc + (y * w).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if SHARED:  # a padding row too: its shared expert ran (the dense matmuls skip no row)
+        g = tl.load(gate_ptr + row).to(tl.float32)
+        sig = (1.0 / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        sh = tl.load(shared_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
+        acc = (acc + (sig * sh).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    if GEMMA:  # Gemma 4's sandwich norms: every op rounded to the model dtype, as its twin's
+        dense = tl.load(dense_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
+        ff = (_row_norm(dense, post1_ptr, eps, offs, ok, H, dt) + _row_norm(acc, post2_ptr, eps, offs, ok, H, dt))
+        ff = ff.to(dt).to(tl.float32)
+        r = tl.load(res_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
+        s = (r + _row_norm(ff, post_ff_ptr, eps, offs, ok, H, dt)).to(dt).to(tl.float32)
+        s = (s * tl.load(scalar_ptr).to(tl.float32)).to(dt)
+        tl.store(res_out_ptr + row * H + offs, s, mask=ok)
+        acc = _row_norm(s.to(tl.float32), norm_w_ptr, eps, offs, ok, H, dt)
     if NORM:  # the residual add rounded to the model dtype first, then the norm of that sum
         r = tl.load(res_ptr + row * H + offs, mask=ok, other=0.0).to(tl.float32)
         s = (acc + r).to(dt)
         tl.store(res_out_ptr + row * H + offs, s, mask=ok)
         x = s.to(tl.float32)
         nw = tl.load(norm_w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        acc = nw * (x * rms_rstd(x, H, eps)).to(dt).to(tl.float32)  # HF Qwen3RMSNorm rounds before the weight
+        if ZERO_CENTRED:  # HF Qwen3_5RMSNorm: float32 all the way, one rounding
+            acc = (x * rms_rstd(x, H, eps)) * nw
+        else:
+            acc = nw * (x * rms_rstd(x, H, eps)).to(dt).to(tl.float32)  # HF Qwen3RMSNorm rounds before the weight
     tl.store(out_ptr + row * stride_om + offs, acc.to(dt), mask=ok)
 
 
@@ -386,6 +419,87 @@ def moe_swiglu_add_rms_norm(x: torch.Tensor, weights: torch.Tensor, experts: tor
         K_TOP=ids.shape[1], KP=triton.next_power_of_2(ids.shape[1]), BLOCK=block, NORM=True,
         num_warps=_norm_warps(block), **pdl_args(x))
     return normed, new_residual
+
+
+def shared_eligible(x: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor,
+                    w1p: torch.Tensor) -> bool:
+    """Whether `moe_swiglu_shared_add_rms_norm_1p` takes these: `shared` and `residual` of x's
+    shape and dtype, `gate [t, 1]` of x's dtype, `w1p [hidden]` float32, all contiguous, hidden up
+    to `NORM_MAX`."""
+    return (shared.shape == residual.shape == x.shape and shared.dtype == residual.dtype == gate.dtype == x.dtype
+            and gate.shape == (x.shape[0], 1) and w1p.shape == (x.shape[1],) and w1p.dtype == torch.float32
+            and all(v.is_contiguous() for v in (shared, gate, residual, w1p)) and x.shape[1] <= NORM_MAX)
+
+
+def moe_swiglu_shared_add_rms_norm_1p(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                                      w_gate_up: torch.Tensor, w_down: torch.Tensor, shared: torch.Tensor,
+                                      gate: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor, eps: float,
+                                      activation: str = "silu", *, config: MoeConfig | None = None
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_swiglu_shared_add_rms_norm_1p_ref` on the kernels (the Qwen3.5 MoE hybrid's layer
+    end): `moe_swiglu`, whose combine (a program per row) also adds the gated shared expert
+    (`shared [t, hidden]`, `gate [t, 1]`), the residual, and norms the sum by the float32 `w1p`
+    (zero-centred) -> (normed, new_residual), `[t, hidden]` each. Needs `shared_eligible`."""
+    if not shared_eligible(x, shared, gate, residual, w1p):
+        raise ValueError(f"shared {tuple(shared.shape)} {shared.dtype}, gate {tuple(gate.shape)} {gate.dtype}, "
+                         f"residual {tuple(residual.shape)} {residual.dtype} and w1p {tuple(w1p.shape)} {w1p.dtype} "
+                         f"do not fit x {tuple(x.shape)} {x.dtype} (contiguous; gate [t, 1]; w1p float32 [hidden]; "
+                         f"hidden <= {NORM_MAX})")
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config)
+    m, h = x.shape
+    normed, new_residual = torch.empty_like(x), torch.empty_like(x)
+    if m == 0:
+        return normed, new_residual
+    if lines is None:  # k = 0: no routed expert, the lines' buffer never read
+        lines = (x, torch.zeros((m, 0), dtype=torch.int64, device=x.device), weights)
+    y, ids, wts = lines
+    block = triton.next_power_of_2(h)
+    _moe_combine_kernel[(m, 1)](
+        y, ids, wts, normed, h, w_gate_up.shape[0], normed.stride(0), residual, w1p, new_residual, float(eps),
+        K_TOP=ids.shape[1], KP=max(1, triton.next_power_of_2(ids.shape[1])), BLOCK=block, NORM=True,
+        shared_ptr=shared, gate_ptr=gate, SHARED=True, ZERO_CENTRED=True, num_warps=_norm_warps(block),
+        **pdl_args(x))
+    return normed, new_residual
+
+
+def gemma_eligible(x: torch.Tensor, dense: torch.Tensor, residual: torch.Tensor, norms, w_next: torch.Tensor,
+                   scalar: torch.Tensor) -> bool:
+    """Whether `moe_gemma_add_norm` takes these: `dense` and `residual` of x's shape, the four
+    norm weights `[hidden]` and `scalar [1]`, all in x's dtype and contiguous, hidden up to `NORM_MAX`."""
+    vecs = (*norms, w_next)
+    return (dense.shape == residual.shape == x.shape and len(norms) == 3 and scalar.shape == (1,)
+            and all(v.shape == (x.shape[1],) for v in vecs) and x.shape[1] <= NORM_MAX
+            and all(v.dtype == x.dtype and v.is_contiguous() for v in (dense, residual, scalar, *vecs)))
+
+
+def moe_gemma_add_norm(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                       w_down: torch.Tensor, dense: torch.Tensor, residual: torch.Tensor, norms, w_next: torch.Tensor,
+                       eps: float, scalar: torch.Tensor, *, config: MoeConfig | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_gemma_add_norm_ref` on the kernels (Gemma 4's MoE layer end): the GELU-tanh experts,
+    whose combine (a program per row) also norms their sum and the dense MLP's output `dense`,
+    adds them, adds the post-feed-forward-normed sum to `residual`, scales by `scalar` and norms
+    by `w_next` -> (new residual, normed), `[t, hidden]` each. Needs `gemma_eligible`."""
+    if not gemma_eligible(x, dense, residual, norms, w_next, scalar):
+        raise ValueError(f"dense {tuple(dense.shape)}, residual {tuple(residual.shape)}, the norm weights and scalar "
+                         f"do not fit x {tuple(x.shape)} {x.dtype} (x's dtype, contiguous, weights [hidden], "
+                         f"scalar [1], hidden <= {NORM_MAX})")
+    m, h = x.shape
+    new_residual, normed = torch.empty_like(x), torch.empty_like(x)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, "gelu_tanh", config)
+    if m == 0:
+        return new_residual, normed
+    if lines is None:  # k = 0: no routed expert, the lines' buffer never read
+        lines = (x, torch.zeros((m, 0), dtype=torch.int64, device=x.device), weights)
+    y, ids, wts = lines
+    block = triton.next_power_of_2(h)
+    post_1, post_2, post_ff = norms
+    _moe_combine_kernel[(m, 1)](
+        y, ids, wts, normed, h, w_gate_up.shape[0], normed.stride(0), residual, w_next, new_residual, float(eps),
+        K_TOP=ids.shape[1], KP=max(1, triton.next_power_of_2(ids.shape[1])), BLOCK=block, dense_ptr=dense,
+        post1_ptr=post_1, post2_ptr=post_2, post_ff_ptr=post_ff, scalar_ptr=scalar, GEMMA=True,
+        num_warps=_norm_warps(block), **pdl_args(x))
+    return new_residual, normed
 
 
 def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, config: MoeConfig | None):

@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .norm_ref import add_rms_norm_ref
+from .gemma4_ref import gemma_add_norm_ref, gemma_rms_norm_ref
+from .norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref
 
 # the gate activations the op takes, by the name the step ops and kernels share
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
@@ -74,3 +75,32 @@ def moe_swiglu_add_rms_norm_ref(x: torch.Tensor, weights: torch.Tensor, experts:
     `residual [t, hidden]`, `norm_weight [hidden]` -> (normed, residual + experts' output)."""
     return add_rms_norm_ref(moe_swiglu_ref(x, weights, experts, w_gate_up, w_down, activation), residual,
                             norm_weight, eps)
+
+
+def moe_swiglu_shared_add_rms_norm_1p_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                                         w_gate_up: torch.Tensor, w_down: torch.Tensor, shared: torch.Tensor,
+                                         gate: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor, eps: float,
+                                         activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The Qwen3.5 MoE hybrid's layer end: `moe_swiglu_ref` plus the gated shared expert,
+    `routed + sigmoid(gate) * shared` (`shared [t, hidden]`, the shared expert's output; `gate
+    [t, 1]`, its gate's logit; each op rounded to the model dtype), then the residual add and the
+    next zero-centred norm (`norm_ref.add_rms_norm_1p_ref`, `w1p [hidden]` float32 `1 + w`) ->
+    (normed, residual + the feed-forward's output)."""
+    ff = moe_swiglu_ref(x, weights, experts, w_gate_up, w_down, activation) + torch.sigmoid(gate) * shared
+    return add_rms_norm_1p_ref(ff, residual, w1p, eps)
+
+
+def moe_gemma_add_norm_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                           w_down: torch.Tensor, dense: torch.Tensor, residual: torch.Tensor,
+                           norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w_next: torch.Tensor, eps: float,
+                           scalar: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gemma 4's MoE layer end (no per-layer inputs): the GELU-tanh experts of the pre-normed
+    `x [t, hidden]` (`moe_swiglu_ref`), normed by `post_2`, plus the dense MLP's output `dense
+    [t, hidden]` normed by `post_1` (`norms`: post_1, post_2, post-feed-forward; Gemma's norm,
+    `gemma4_ref.gemma_rms_norm_ref`), the sum rounded; then `gemma4_ref.gemma_add_norm_ref` onto
+    `residual` with the post-feed-forward norm, the layer's `scalar [1]` and the next norm
+    `w_next`. Everything in x's dtype -> (new residual, normed)."""
+    post_1, post_2, post_ff = norms
+    routed = moe_swiglu_ref(x, weights, experts, w_gate_up, w_down, "gelu_tanh")
+    ff = gemma_rms_norm_ref(dense, post_1, eps) + gemma_rms_norm_ref(routed, post_2, eps)
+    return gemma_add_norm_ref(residual, ff, post_ff, w_next, eps, scalar)

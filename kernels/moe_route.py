@@ -26,7 +26,9 @@ over the rows after the picks (the keys taken out).
 router's logits for a step's rows, in the same launch: a program per ROUTER_N experts stores
 their logits for every row (float32 dots over one K loop whatever the row count, rounded to the
 model dtype), and the last program to arrive (an arrival counter, as `_splitk`'s) routes every
-row from them with the routing body above.
+row from them with the routing body above. With a pre-norm (Gemma 4's router: `router_pre_norm_ref`)
+each program first sums every row's squares over the same K loop, then norms, scales and rounds
+each x tile as it loads it (the twin's three roundings), so the norm costs no launch of its own.
 
 Kernel and twin differ only in the float32 order of the softmax's and the normalisation's sums
 (and the exponential's last bit; `router_route`: and of the logits' dots); ties of equal
@@ -45,9 +47,11 @@ import triton.language as tl
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args, pdl_wait
 from ._splitk import counters
-from .moe_route_ref import count_experts, moe_route_ref, router_route_ref  # noqa: F401  (the twins)
+from .moe_route_ref import (count_experts, moe_route_ref, router_pre_norm_ref,  # noqa: F401  (the twins)
+                            router_route_ref)
 
-__all__ = ["moe_route", "moe_route_ref", "router_route", "router_route_ref", "eligible", "router_eligible",
+__all__ = ["moe_route", "moe_route_ref", "router_route", "router_route_ref", "router_pre_norm_ref", "eligible",
+           "router_eligible",
            "BLOCK_T", "COUNT_ROWS", "MAX_EXPERTS", "ROUTER_N", "ROUTER_K"]
 
 BLOCK_T = 16  # rows a tile holds (a fixed-width step's 16 in one tile)
@@ -139,17 +143,27 @@ def _router_route_kernel(x_ptr, router_ptr, logits_ptr, cnt_ptr, scale_ptr, live
                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROUTER_N: tl.constexpr,
                          ROUTER_K: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
                          HAS_LIVE: tl.constexpr, COUNT: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr,
+                         pre_w_ptr=None, pre_factor=1.0, eps=0.0, PRE_NORM: tl.constexpr = False,
                          PDL: tl.constexpr = False):
     """Program p: logits [rows, experts p*ROUTER_N ...] = x @ router.T for every row tile (float32
     dots over the same K loop for every row, rounded to the logits' dtype), stored; the last
-    program to arrive (an arrival counter, put back to 0) routes every row from them."""
+    program to arrive (an arrival counter, put back to 0) routes every row from them. PRE_NORM:
+    x is `router_pre_norm_ref(x, pre_w, pre_factor, eps)`, formed tile by tile."""
     pdl_wait(PDL)
     experts = tl.program_id(0) * ROUTER_N + tl.arange(0, ROUTER_N)
     e_ok = experts < E
     offs_k = tl.arange(0, ROUTER_K)
+    dt = x_ptr.dtype.element_ty
     for t0 in range(0, T, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         r_ok = rows < T
+        if PRE_NORM:  # each row's float32 sum of squares over the same K loop, whatever the row count
+            sq = tl.zeros((BLOCK_T,), tl.float32)
+            for k0 in range(0, H, ROUTER_K):
+                xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (k0 + offs_k)[None, :],
+                             mask=r_ok[:, None] & ((k0 + offs_k) < H)[None, :], other=0.0).to(tl.float32)
+                sq += tl.sum(xs * xs, axis=1)
+            rstd = 1.0 / tl.sqrt_rn(sq / H + eps)
         acc = tl.zeros((ROUTER_N, BLOCK_T), tl.float32)
         for k0 in range(0, H, ROUTER_K):
             k_ok = (k0 + offs_k) < H
@@ -157,6 +171,10 @@ def _router_route_kernel(x_ptr, router_ptr, logits_ptr, cnt_ptr, scale_ptr, live
                         mask=e_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (k0 + offs_k)[None, :],
                         mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            if PRE_NORM:  # the twin's roundings: the norm, the weight's product, the factor's product
+                pw = tl.load(pre_w_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+                x = ((x * pw[None, :]).to(dt).to(tl.float32) * pre_factor).to(dt)
             if WIDEN:  # the interpreter multiplies bf16/f16 raw bits: widen (the products are equal)
                 acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
             else:
@@ -219,13 +237,19 @@ def router_eligible(x: torch.Tensor, router: torch.Tensor) -> bool:
 
 
 def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
-                 counts: torch.Tensor | None = None, scale: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 counts: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                 pre_norm: tuple[torch.Tensor, float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`router_route_ref` in one launch: the router's logits `x @ router.T` (`x [t, hidden]`, t up
     to COUNT_ROWS; `router [E, hidden]`; float32 dots, rounded to the model dtype), a program per
     ROUTER_N experts, and the last program to arrive routes every row from them as `moe_route`
-    does (its picks, weights, padding rows and count). -> weights `[t, k]`, ids `[t, k]` int64."""
-    check_tensors(*(v for v in (x, router, live, counts, scale) if v is not None))
+    does (its picks, weights, padding rows and count). `pre_norm` `(weight [hidden] in x's dtype,
+    factor, eps)`: x normed first (`router_pre_norm_ref`), in the same launch. -> weights `[t, k]`,
+    ids `[t, k]` int64."""
+    pre_w, factor, eps = pre_norm if pre_norm is not None else (None, 1.0, 0.0)
+    check_tensors(*(v for v in (x, router, live, counts, scale, pre_w) if v is not None))
+    if pre_w is not None and (pre_w.shape != (x.shape[-1],) or pre_w.dtype != x.dtype or pre_w.stride(0) != 1):
+        raise ValueError(f"pre-norm weight {tuple(pre_w.shape)} {pre_w.dtype}: expected [{x.shape[-1]}] {x.dtype}, "
+                         "contiguous")
     if not router_eligible(x, router):
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} and router {tuple(router.shape)} {router.dtype}: expected "
                          f"[t <= {COUNT_ROWS}, hidden] and [E <= {MAX_EXPERTS}, hidden] of one float dtype, "
@@ -246,5 +270,6 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
         BLOCK_E=triton.next_power_of_2(n_exp), ROUTER_N=ROUTER_N, ROUTER_K=ROUTER_K, NORMALIZE=normalize,
         HAS_SCALE=scale is not None, HAS_LIVE=live is not None, COUNT=counts is not None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", WIDEN=interpreting() and x.device.type != "cuda",
+        pre_w_ptr=x if pre_w is None else pre_w, pre_factor=float(factor), eps=float(eps), PRE_NORM=pre_w is not None,
         num_warps=4, **pdl_args(x))
     return weights, ids

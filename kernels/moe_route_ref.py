@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .gemma4_ref import gemma_rms_norm_ref
+
 
 def topk_lowest_index(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of `probs [t, E]` along E, ties broken by the lower index: values and indices
@@ -57,9 +59,20 @@ def moe_route_ref(logits: torch.Tensor, k: int, normalize: bool, live: torch.Ten
     return weights, experts
 
 
+def router_pre_norm_ref(x: torch.Tensor, weight: torch.Tensor, factor: float, eps: float) -> torch.Tensor:
+    """Gemma 4's router input from the residual `x [t, hidden]`: the unweighted RMSNorm (float32,
+    `(mean(x^2) + eps)^-0.5`, cast to x's dtype: `gemma4_ref.gemma_rms_norm_ref` with no weight),
+    times `weight [hidden]` (x's dtype, rounded), times the float `factor` (`hidden^-0.5`; a
+    float32 product, rounded): three roundings to x's dtype, in this order."""
+    return gemma_rms_norm_ref(x, None, eps) * weight * factor
+
+
 def router_route_ref(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
-                     counts: torch.Tensor | None = None, scale: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     counts: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                     pre_norm: tuple[torch.Tensor, float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_route_ref` of a router's logits `F.linear(x, router)` in the model dtype: `x [t,
-    hidden]`, `router [E, hidden]` (the twin of `moe_route.router_route`, one launch)."""
+    hidden]`, `router [E, hidden]` (the twin of `moe_route.router_route`, one launch).
+    `pre_norm` `(weight [hidden], factor, eps)`: x goes through `router_pre_norm_ref` first."""
+    if pre_norm is not None:
+        x = router_pre_norm_ref(x, *pre_norm)
     return moe_route_ref(F.linear(x, router), k, normalize, live, counts, scale)

@@ -129,7 +129,8 @@ def _moe_profile(out: Path, tiny: bool):
 
 def _moe_hybrid_step(out: Path, tiny: bool):
     args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32"] if tiny else \
-        ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16", "--ops", "triton,torch"]  # kernels first, as moe_step
+        ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16",  # kernels first, as moe_step; the fusions' A/B
+         "--ops", "triton,triton-unfused,torch"]
     return [_py("-m", "benchmarks.moe_hybrid_step", *args, "--json", str(out / "moe_hybrid_step.json"))]
 
 

@@ -14,6 +14,8 @@ from memra_kernels.gemma4 import (  # noqa: E402
     gelu_tanh_mul_ref,
     gemma_add_norm,
     gemma_add_norm_ref,
+    gemma_add_two_norms,
+    gemma_add_two_norms_ref,
     gemma_qk_norm_rope_kv_write,
     gemma_qk_norm_rope_kv_write_ref,
     gemma_rms_norm_ref,
@@ -159,6 +161,29 @@ def test_add_norm_matches_ref(d, scalar, dtype, device):
     out_atol = (4 * rel + 2 * EPS_OF[dtype]) * float(out_ref.abs().max())
     torch.testing.assert_close(out, out_ref, rtol=EPS_OF[dtype], atol=out_atol)
     assert torch.equal(gemma_add_norm(*[a[2:3] if i < 2 else a for i, a in enumerate(args)])[1], out[2:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_two_norms_writes_the_second_norm_in_the_same_program(dtype, device):
+    """`gemma_add_two_norms` (the MoE block's experts' input norm beside the MLP's): the new
+    residual and first norm the same bits as `gemma_add_norm`'s, the second norm within the bound
+    of `test_add_norm_matches_ref`'s second norm against its twin, and a row's bits alone.
+    Planted: the first weight in the second's place, caught by the same bound."""
+    d = 64
+    g = torch.Generator().manual_seed(13)
+    x, branch = (torch.randn(5, d, generator=g) * 2).to(dtype), (torch.randn(5, d, generator=g) * 3 + 0.5).to(dtype)
+    w_b, w_o, w_o2 = ((1 + 0.3 * torch.randn(d, generator=g)).to(dtype) for _ in range(3))
+    args = [a.to(device) for a in (x, branch, w_b, w_o, w_o2)] + [EPS]
+    x_new, out, out2 = gemma_add_two_norms(*args)
+    want_x, want_out = gemma_add_norm(*args[:4], EPS)
+    assert torch.equal(x_new, want_x) and torch.equal(out, want_out)
+    ref2 = gemma_add_two_norms_ref(*args)[2]
+    atol = (4 * _norm_rtol(d, dtype) + 2 * EPS_OF[dtype]) * float(ref2.abs().max())
+    torch.testing.assert_close(out2, ref2, rtol=EPS_OF[dtype], atol=atol)
+    assert torch.equal(gemma_add_two_norms(*[a[2:3] if i < 2 else a for i, a in enumerate(args)])[2], out2[2:3])
+    planted = gemma_add_two_norms(*args[:4], args[3], EPS)[2]
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(planted, ref2, rtol=EPS_OF[dtype], atol=atol)
 
 
 # --------------------------------------------------------------------------- GELU-tanh · up

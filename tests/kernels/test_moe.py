@@ -293,6 +293,103 @@ def test_a_row_through_the_add_and_norm_is_the_same_bits_whatever_shares_its_ste
     assert invariance_violations(fused, torch.bfloat16) == []
 
 
+def shared_inputs(m: int, dtype: torch.dtype):
+    """The Qwen3.5 MoE layer end's other operands: the shared expert's output `[m, H]`, its gate
+    logits `[m, 1]` (spread over the sigmoid's slope), a residual `[m, H]` and the float32 `1 + w`."""
+    g = torch.Generator().manual_seed(23)
+    shared = torch.randn(m, H, generator=g).to(DEVICE, dtype)
+    gate = (torch.randn(m, 1, generator=g) * 3).to(DEVICE, dtype)
+    res = torch.randn(m, H, generator=g).to(DEVICE, dtype)
+    return shared, gate, res, (1 + torch.randn(H, generator=g) * 0.1).to(DEVICE)
+
+
+def shared_rel(dtype: torch.dtype) -> float:
+    """Relative L2 bound between two computations of the shared layer end: bf16 `BF16_REL` (each
+    rounding, the sigmoid's now too, flipped at most once); float32 the routed part's F32_UNITS of
+    its magnitude (~sqrt(H*I) times the output's size: the bound's preamble) plus a few u for the
+    sigmoid's exp (numpy's or libdevice's, not torch's) and the norm's sum."""
+    return BF16_REL if dtype == torch.bfloat16 else (F32_UNITS * (H * I) ** 0.5 + H + 16) * 2.0**-24
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16], ids=str)
+def test_the_shared_expert_add_and_zero_centred_norm_in_the_combine(dtype):
+    """`moe_swiglu_shared_add_rms_norm_1p` (Qwen3.5 MoE's layer end in the combine's launch)
+    against its twin (the unfused ops: `moe_swiglu_ref`, the torch gate and add, `add_rms_norm_1p_ref`)
+    within the bound, padding rows included (no routed expert; their shared expert and residual
+    stay). Planted: the neighbouring row's gate, the norm's weight without its 1, caught."""
+    x, w, ids, gu, down = padded_step(dtype)
+    shared, gate, res, w1p = shared_inputs(x.shape[0], dtype)
+    normed, new_res = moe.moe_swiglu_shared_add_rms_norm_1p(x, w, ids, gu, down, shared, gate, res, w1p, 1e-6)
+    ref_normed, ref_res = moe_ref.moe_swiglu_shared_add_rms_norm_1p_ref(x, w, ids, gu, down, shared, gate, res,
+                                                                       w1p, 1e-6)
+    tol = shared_rel(dtype)
+    assert rel_l2(normed, ref_normed) <= tol and rel_l2(new_res, ref_res) <= tol
+    assert rel_l2(new_res[5:], (res + torch.sigmoid(gate) * shared)[5:]) <= tol  # padding: no routed term
+    for planted in ((shared, gate.roll(1, 0), res, w1p), (shared, gate, res, w1p - 1)):
+        bad, _ = moe.moe_swiglu_shared_add_rms_norm_1p(x, w, ids, gu, down, *planted, 1e-6)
+        assert rel_l2(bad, ref_normed) > 10 * tol
+
+
+@pytest.mark.exhaustive  # the matmuls are moe_swiglu's (invariant above); the combine is one program a row
+def test_a_row_through_the_shared_layer_end_is_the_same_bits_whatever_shares_its_step():
+    """The shared layer end's normed output of a row, its other operands functions of its own
+    input, is the same bits alone, among other rows, sharing experts or not."""
+    w1p = shared_inputs(1, torch.bfloat16)[3]
+
+    def fused(x, w, ids, gu, down):
+        own = (x * 0.5 + 1).contiguous()
+        return moe.moe_swiglu_shared_add_rms_norm_1p(x, w, ids, gu, down, own, x[:, :1].contiguous(), x, w1p, 1e-6)[0]
+
+    assert invariance_violations(fused, torch.bfloat16) == []
+
+
+def gemma_inputs(m: int, dtype: torch.dtype):
+    """Gemma 4's layer-end operands: the dense MLP's output and the residual `[m, H]`, the three
+    block norms (post 1, post 2, post-feed-forward) and the next norm `[H]` (distinct, near 1),
+    the layer scalar `[1]`."""
+    g = torch.Generator().manual_seed(29)
+    dense, res = (torch.randn(m, H, generator=g).to(DEVICE, dtype) for _ in range(2))
+    norms = tuple((torch.rand(H, generator=g) + 0.5).to(DEVICE, dtype) for _ in range(3))
+    return dense, res, norms, (torch.rand(H, generator=g) + 0.5).to(DEVICE, dtype), \
+        torch.tensor([0.75], dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16], ids=str)
+def test_gemmas_layer_end_in_the_combine_matches_its_twin(dtype):
+    """`moe_gemma_add_norm` (Gemma 4's MoE layer end in the combine's launch: its post norm, the
+    dense MLP's, their sum's, the residual add, the scalar, the next norm) against its twin
+    (today's torch ops) within the bound of `shared_rel` (the same roundings; the norms' sums and
+    1/sqrt in another order), padding rows included (their dense MLP and residual stay).
+    Planted: the two post norms swapped, the neighbouring row's dense output, caught."""
+    x, w, ids, gu, down = padded_step(dtype)
+    dense, res, norms, w_next, scalar = gemma_inputs(x.shape[0], dtype)
+    new_res, normed = moe.moe_gemma_add_norm(x, w, ids, gu, down, dense, res, norms, w_next, 1e-6, scalar)
+    ref_res, ref_normed = moe_ref.moe_gemma_add_norm_ref(x, w, ids, gu, down, dense, res, norms, w_next, 1e-6, scalar)
+    tol = shared_rel(dtype)
+    assert rel_l2(new_res, ref_res) <= tol and rel_l2(normed, ref_normed) <= tol
+    swapped = (norms[1], norms[0], norms[2])
+    for planted in ((dense, res, swapped), (dense.roll(1, 0), res, norms)):
+        _, bad = moe.moe_gemma_add_norm(x, w, ids, gu, down, *planted, w_next, 1e-6, scalar)
+        assert rel_l2(bad, ref_normed) > 3 * tol  # well outside the bound
+
+
+@pytest.mark.exhaustive  # the matmuls are moe_swiglu's (invariant above); the combine is one program a row
+def test_a_row_through_gemmas_layer_end_is_the_same_bits_whatever_shares_its_step():
+    """Gemma's layer end: a row's normed output, its dense output and residual functions of its
+    own input, is the same bits alone, among other rows, sharing experts or not."""
+    _, _, norms, w_next, scalar = gemma_inputs(1, torch.bfloat16)
+
+    def fused(x, w, ids, gu, down):
+        return moe.moe_gemma_add_norm(x, w, ids, gu, down, (x * 0.5 + 1).contiguous(), x, norms, w_next, 1e-6,
+                                      scalar)[1]
+
+    assert invariance_violations(fused, torch.bfloat16) == []
+
+
 def test_the_add_and_norm_refuse_tensors_they_do_not_take():
     x, w, ids, gu, down = inputs(4, 2, torch.float32)
     res, nw = add_norm_inputs(4, torch.float32)

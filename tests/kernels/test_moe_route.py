@@ -127,25 +127,32 @@ def router_inputs(t: int, dtype: torch.dtype, seed: int = 0):
             (torch.randn(E, HIDDEN, generator=g) * 0.3).to(DEVICE, dtype))
 
 
-def router_mismatches(op, x, router, k: int, normalize: bool = True, live=None, scale=None) -> list[str]:
+def router_mismatches(op, x, router, k: int, normalize: bool = True, live=None, scale=None,
+                      pre_norm=None) -> list[str]:
     """`mismatches` for `router_route` against its twin (`F.linear` then the routing twin). The
     logits now differ too: each of the two float32 dots is within HIDDEN*u of exact, relative to
     Σ|x_i·w_i| (`L`, the row's largest over experts), so a logit moves by δ <= 2*HIDDEN*u*L and a
     softmax (or renormalised) weight, 1/Σ_j exp(l_j - l_e), by <= 2δ relative, beside the
     routing's own (2E + k + 12)*u. bf16 logits round once more: a rounding the other way moves a
-    logit by one ulp, 2^-8*|l|, so the weights by <= 2^-7*max|l| beside one bf16 ulp (2^-7)."""
+    logit by one ulp, 2^-8*|l|, so the weights by <= 2^-7*max|l| beside one bf16 ulp (2^-7).
+    `pre_norm` (Gemma 4's router norm): the kernel's sum of squares adds in another order and its
+    1/sqrt is not torch's pow(-0.5), so each normed input is within (HIDDEN + 8)*u of the twin's
+    (float32: the sum's HIDDEN*u, halved by the root, and the three roundings), or up to three bf16
+    ulps (each of its three roundings may go the other way): a logit moves by that times L."""
     c_op, c_ref = torch.zeros(2, dtype=torch.int64, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    w, ids = op(x, router, k, normalize, live, c_op, scale)
-    w_ref, ids_ref = mr.router_route_ref(x, router, k, normalize, live, c_ref, scale)
+    w, ids = op(x, router, k, normalize, live, c_op, scale, pre_norm)
+    w_ref, ids_ref = mr.router_route_ref(x, router, k, normalize, live, c_ref, scale, pre_norm)
     bad = [] if torch.equal(ids, ids_ref) else ["ids"]
     if not torch.equal(c_op, c_ref):
         bad.append(f"counts {c_op.tolist()} != {c_ref.tolist()}")
+    if pre_norm is not None:
+        x = mr.router_pre_norm_ref(x, *pre_norm)
     logits = x.double() @ router.double().T
+    big = (x.double().abs() @ router.double().abs().T).max().item()
     if x.dtype == torch.float32:
-        big = (x.double().abs() @ router.double().abs().T).max().item()
-        rel = (2 * E + k + 12) * U + 4 * HIDDEN * U * big
+        rel = (2 * E + k + 12) * U + 4 * HIDDEN * U * big + (2 * (HIDDEN + 8) * U * big if pre_norm else 0)
     else:
-        rel = 2.0**-7 * (1 + logits.abs().max().item())
+        rel = 2.0**-7 * (1 + logits.abs().max().item() + (3 * big if pre_norm else 0))
     if ((w.double() - w_ref.double()).abs() > rel * w_ref.double().abs()).any():
         bad.append("weights")
     return bad
@@ -163,6 +170,32 @@ def test_the_router_kernel_matches_its_twin(dtype, t, live, scaled):
     first = mr.router_route(x, router, 3, True, live_of(live))
     again = mr.router_route(x, router, 3, True, live_of(live))
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def gemma_pre_norm(dtype: torch.dtype, seed: int = 3) -> tuple[torch.Tensor, float, float]:
+    """Gemma 4's router norm arguments: a learned scale `[HIDDEN]` near 1, hidden^-0.5, eps."""
+    scale = torch.rand(HIDDEN, generator=torch.Generator().manual_seed(seed)) + 0.5
+    return scale.to(DEVICE, dtype), HIDDEN ** -0.5, 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_router_kernel_norms_gemmas_input_in_its_launch(dtype):
+    """Gemma 4's router norm in the router's launch (a step's 16 rows, 9 live, Gemma's scale): the
+    twin's picks and count, the weights within the bound; a row's bits the same alone and among 16;
+    planted breakage caught: the norm's weight a column off (the picks) and the factor doubled (the
+    weights: a softmax of doubled logits)."""
+    x, router = router_inputs(16, dtype, seed=11)
+    x = x * 7  # the residual stream's scale: the norm must bring it back
+    scale = (torch.rand(E, generator=torch.Generator().manual_seed(1)) + 0.5).to(DEVICE, dtype)
+    pre = gemma_pre_norm(dtype)
+    assert router_mismatches(mr.router_route, x, router, 2, True, live_of(9), scale, pre) == []
+    full = mr.router_route(x, router, 2, True, None, None, scale, pre)
+    one = mr.router_route(x[5:6], router, 2, True, None, None, scale, pre)
+    assert torch.equal(one[0][0], full[0][5]) and torch.equal(one[1][0], full[1][5])
+    rolled = lambda x_, r_, k, n, lv, c, s, p: mr.router_route(x_, r_, k, n, lv, c, s, (p[0].roll(1), *p[1:]))
+    assert "ids" in router_mismatches(rolled, x, router, 2, True, None, None, pre)
+    doubled = lambda x_, r_, k, n, lv, c, s, p: mr.router_route(x_, r_, k, n, lv, c, s, (p[0], 2 * p[1], p[2]))
+    assert "weights" in router_mismatches(doubled, x, router, 2, True, None, None, pre)
 
 
 def test_the_router_kernel_keeps_a_row_its_bits_its_ties_and_catches_a_planted_router():

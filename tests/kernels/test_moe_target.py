@@ -116,11 +116,14 @@ def test_speculative_equals_plain_with_the_kernels(target_dir, tmp_path, dtype):
 
 class MoeKernelOps(TorchStepOps):
     """The torch step ops with the MoE kernels in the twins' place (the Triton seam's choices for
-    the experts, their add + norm and the routing), so a session's other ops stay quick on the
-    interpreter."""
+    the experts, their add + norm (Qwen3.5 MoE's with its gated shared expert, Gemma 4's sandwich
+    norms) and the routing),
+    so a session's other ops stay quick on the interpreter."""
 
     moe_swiglu = staticmethod(moe.moe_swiglu)
     moe_swiglu_add_rms_norm = TritonStepOps.moe_swiglu_add_rms_norm
+    moe_swiglu_shared_add_rms_norm_1p = TritonStepOps.moe_swiglu_shared_add_rms_norm_1p
+    moe_gemma_add_norm = TritonStepOps.moe_gemma_add_norm
     router_route = TritonStepOps.router_route
     _moe, _moe_route = moe, moe_route
 

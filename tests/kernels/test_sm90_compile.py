@@ -148,6 +148,9 @@ def _gemma4(ctx, dt):
     for scalar in (None, ctx.t(1, dtype=dt)):
         ctx.launch(f"gemma_add_norm scalar={scalar is not None}", "_add_norm_kernel", g4.gemma_add_norm,
                    ctx.t(t, h, dtype=dt), ctx.t(t, h, dtype=dt), ctx.t(h, dtype=dt), ctx.t(h, dtype=dt), 1e-6, scalar)
+    # the MoE block's step: the experts' input norm beside the MLP's in the same program (OUT2)
+    ctx.launch("gemma_add_two_norms", "_add_norm_kernel", g4.gemma_add_two_norms, ctx.t(t, h, dtype=dt),
+               ctx.t(t, h, dtype=dt), ctx.t(h, dtype=dt), ctx.t(h, dtype=dt), ctx.t(h, dtype=dt), 1e-6)
     ctx.launch("gelu_tanh_mul I21504", "_gelu_mul_kernel", g4.gelu_tanh_mul, ctx.t(t, 2 * 21504, dtype=dt))
     ctx.launch("softcap V262144", "_softcap_kernel", g4.softcap, ctx.t(16, 262144, dtype=dt), 30.0)
     ctx.launch("softcap V262144 widened", "_softcap_kernel", g4.softcap, ctx.t(16, 262144, dtype=dt), 30.0,
@@ -417,25 +420,38 @@ def _moe(ctx, dt):
                        ctx.t(rows, n_exp, dtype=dt), k, step, ctx.torch.ones(1, dtype=ctx.torch.int32) if step else None,
                        ctx.torch.zeros(2, dtype=ctx.torch.int64) if step else None,
                        ctx.t(n_exp, dtype=dt) if step else None)
-        # the router's matmul and picks in one launch: a step's (live rows, counted; Gemma's scale) and a
-        # bare call, so its flags compile both ways
+        # the router's matmul and picks in one launch: a step's (live rows, counted; Gemma's scale and
+        # router norm) and a bare call, so its flags compile both ways
         for rows, step in ((16, True), (1, False)):
             ctx.launch(f"router_route E{n_exp} h{h} k{k} rows{rows}", "_router_route_kernel",
                        ctx.k.moe_route.router_route, ctx.t(rows, h, dtype=dt), ctx.t(n_exp, h, dtype=dt), k, step,
                        ctx.torch.ones(1, dtype=ctx.torch.int32) if step else None,
                        ctx.torch.zeros(2, dtype=ctx.torch.int64) if step else None,
-                       ctx.t(n_exp, dtype=dt) if step else None)
+                       ctx.t(n_exp, dtype=dt) if step else None,
+                       (ctx.t(h, dtype=dt), h ** -0.5, 1e-6) if step else None)
         # a step's sparse-layer end: the residual add and the next norm in the combine's launch (NORM)
         ctx.launch(f"moe_swiglu_add_rms_norm E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel",
                    mo.moe_swiglu_add_rms_norm, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
                    ctx.torch.zeros(16, k, dtype=ctx.torch.int64), ctx.t(n_exp, 2 * inter, h, dtype=dt),
                    ctx.t(n_exp, h, inter, dtype=dt), ctx.t(16, h, dtype=dt), ctx.t(h, dtype=dt), 1e-6)
+        # Qwen3.5 MoE's layer end: the gated shared expert and the zero-centred norm too (SHARED, ZERO_CENTRED)
+        ctx.launch(f"moe_swiglu_shared_add_rms_norm_1p E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel",
+                   mo.moe_swiglu_shared_add_rms_norm_1p, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
+                   ctx.torch.zeros(16, k, dtype=ctx.torch.int64), ctx.t(n_exp, 2 * inter, h, dtype=dt),
+                   ctx.t(n_exp, h, inter, dtype=dt), ctx.t(16, h, dtype=dt), ctx.t(16, 1, dtype=dt),
+                   ctx.t(16, h, dtype=dt), ctx.t(h, dtype="f32"), 1e-6)
         # the matmuls' other grid (ITEMS off: a program per (expert, tile), the A/B benchmarks' `x0` tiles)
         ctx.launch(f"moe_swiglu expert grid E{n_exp} h{h} I{inter} k{k}", ("_moe_gate_up_kernel", "_moe_down_kernel"),
                    mo.moe_swiglu, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
                    ctx.torch.zeros(16, k, dtype=ctx.torch.int64), ctx.t(n_exp, 2 * inter, h, dtype=dt),
                    ctx.t(n_exp, h, inter, dtype=dt), config=mo.MoeConfig(programs_per_sm=0))
     n_exp, h, inter, k = MOE_SHAPES[-1]  # Gemma 4's GELU-tanh experts: the gate/up epilogue's other branch
+    # and its layer end in the combine (GEMMA: the sandwich norms, the add, the scalar, the next norm)
+    ctx.launch(f"moe_gemma_add_norm E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel", mo.moe_gemma_add_norm,
+               ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt), ctx.torch.zeros(16, k, dtype=ctx.torch.int64),
+               ctx.t(n_exp, 2 * inter, h, dtype=dt), ctx.t(n_exp, h, inter, dtype=dt), ctx.t(16, h, dtype=dt),
+               ctx.t(16, h, dtype=dt), tuple(ctx.t(h, dtype=dt) for _ in range(3)), ctx.t(h, dtype=dt), 1e-6,
+               ctx.t(1, dtype=dt))
     ctx.launch(f"moe_swiglu gelu_tanh E{n_exp} h{h} I{inter} k{k}", "_moe_gate_up_kernel", mo.moe_swiglu,
                ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt), ctx.torch.zeros(16, k, dtype=ctx.torch.int64),
                ctx.t(n_exp, 2 * inter, h, dtype=dt), ctx.t(n_exp, h, inter, dtype=dt), "gelu_tanh")

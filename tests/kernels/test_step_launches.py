@@ -100,3 +100,30 @@ def test_an_moe_step_launches_per_layer():
     # outside the layers: embedding + first norm (one launch fused), lm_head, the float32 widening
     assert fused["outside_layers"] == 3 and unfused["outside_layers"] == 4
     assert fused["launches_8b"] == 48 * 10 + 3 and unfused["launches_8b"] == 48 * 12 + 4
+
+
+@pytest.mark.exhaustive  # two interpreted steps of a tiny 4- (Qwen3.5) or 2-layer (Gemma 4) MoE target: ~20 s each
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "gemma4_moe"])
+def test_the_other_moe_families_end_a_layer_in_the_combine(family):
+    """A plain decode step (16 rows, one live) of the Qwen3.5 MoE hybrid and of MoE Gemma 4, every
+    weight matmul on the dense kernel: what one more layer (the last: a gated attention layer, a
+    Gemma full-attention layer) launches. Qwen3.5 MoE: the router's one launch, the three MoE
+    kernels (the combine adding the gated shared expert and the residual and applying the next
+    zero-centred norm), the shared expert's gate/up, down and gate matmuls (17 a layer before).
+    Gemma 4: the router with its norm in one launch, the combine running the whole sandwich-norm
+    layer end, the experts' input norm written by the attention's add + norm (51 a layer before)."""
+    from benchmarks.step_launches import count_step
+
+    got = count_step(family)
+    moe = {"_router_route_kernel": 1, "_moe_gate_up_kernel": 1, "_moe_down_kernel": 1, "_moe_combine_kernel": 1}
+    if family == "qwen3_5_moe":
+        attention = {"_gated_qk_kernel": 1, "_split_kernel": 1, "_combine_kernel": 1, "_rms_norm_kernel": 1}
+        # q/k/v/gate, o, the shared expert's gate/up (SiLU·mul epilogue) and down, its gate's logit
+        assert got["per_layer_kernels"] == {**attention, **moe, "_dense_linear_kernel": 5}, got["per_layer_kernels"]
+        assert got["per_layer"] == 13
+    else:
+        attention = {"_gemma_qkv_kernel": 1, "_split_kernel": 1, "_combine_kernel": 1, "_add_norm_kernel": 1}
+        mlp = {"_dense_linear_kernel": 4, "_gelu_mul_kernel": 1}  # q/k/v, o, the MLP's gate/up and down; GELU·up
+        # the attention's add + norm also writes the experts' input norm; no torch op is left
+        assert got["per_layer_kernels"] == {**attention, **moe, **mlp}, got["per_layer_kernels"]
+        assert got["per_layer"] == 13

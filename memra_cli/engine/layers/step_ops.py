@@ -39,9 +39,15 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   activation="silu") -> (normed, residual + out)`: `moe_swiglu` then `add_rms_norm`, a sparse
   layer's end (with the kernels the add and norm run in the combine's launch:
   `memra_kernels.moe.moe_swiglu_add_rms_norm`)
-- `router_route(x, router, k, normalize, live=None, counts=None, scale=None) -> (weights, ids)`:
-  `moe_route(linear(x, router), ...)`, a router's logits and picks (with the kernels, for a
-  step's rows, one launch: `memra_kernels.moe_route.router_route`)
+- `moe_swiglu_shared_add_rms_norm_1p(x, weights, experts, w_gate_up, w_down, shared, gate, residual,
+  w1p, eps) -> (normed, residual + ff)`: `ff = moe_swiglu(...) + sigmoid(gate) * shared`, then
+  `add_rms_norm_1p` (the Qwen3.5 MoE hybrid's layer end; with the kernels the gated shared expert,
+  the add and the zero-centred norm in the combine's launch:
+  `memra_kernels.moe.moe_swiglu_shared_add_rms_norm_1p`)
+- `router_route(x, router, k, normalize, live=None, counts=None, scale=None, pre_norm=None) ->
+  (weights, ids)`: `moe_route(linear(x, router), ...)`, a router's logits and picks (with the
+  kernels, for a step's rows, one launch: `memra_kernels.moe_route.router_route`); `pre_norm`
+  `(weight, factor, eps)`: Gemma 4's router norm of x first (in that launch with the kernels)
 - `moe_route(logits, k, normalize, live=None, counts=None, scale=None) -> (weights, ids)`: a
   router's picks from its logits `[t, E]` (softmax in float32, top-k with ties to the lower
   index, renormalised, a per-expert scale, cast; rows from `live` on routed to no expert; the
@@ -117,6 +123,12 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
   (v the raw key projection with k_eq_v) + the K/V write; caches None: a KV-shared layer's q only
 - `gemma_add_norm(x, branch, w_branch, w_out, eps, scalar=None) -> (x, normed)`: a sandwich norm's
   residual add `x + norm(branch)` (times `layer_scalar` after the feed-forward) and the norm after it
+- `gemma_add_two_norms(x, branch, w_branch, w_out, w_out2, eps) -> (x, normed, normed2)`:
+  `gemma_add_norm` and a second norm of the new residual (the MoE block's pre_ff_2 beside pre_ff)
+- `moe_gemma_add_norm(x, weights, experts, w_gate_up, w_down, dense, residual, norms, w_next, eps,
+  scalar) -> (x, normed)`: Gemma 4's MoE layer end, `gemma_add_norm(residual, norm(dense, post_1) +
+  norm(moe_swiglu(..., "gelu_tanh"), post_2), post_ff, w_next, eps, scalar)` (`norms`: post_1,
+  post_2, post_ff; with the kernels all in the MoE combine's launch: `memra_kernels.moe.moe_gemma_add_norm`)
 - `gelu_tanh_mul(gate_up) -> gelu_tanh(gate) * up`: the GELU-tanh MLP's activation on its fused
   gate/up projection
 - `softcap(z, cap, out_dtype=None)`: the logits' `cap * tanh(z / cap)` in z's dtype (out_dtype

@@ -27,10 +27,12 @@ from memra_kernels.activation_ref import silu_mul_ref
 from memra_kernels.argmax_ref import row_argmax_ref
 from memra_kernels.moe_route_ref import moe_route_ref
 from memra_kernels.gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref
-from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref,
+from memra_kernels.gemma4_ref import (gelu_tanh_mul_ref, gemma_add_norm_ref, gemma_add_two_norms_ref,
+                                      gemma_qk_norm_rope_kv_write_ref,
                                       softcap_ref)
 from memra_kernels.markov_ref import markov_bias_ref, markov_chain_body
-from memra_kernels.moe_ref import moe_swiglu_add_rms_norm_ref, moe_swiglu_ref
+from memra_kernels.moe_ref import (moe_gemma_add_norm_ref, moe_swiglu_add_rms_norm_ref, moe_swiglu_ref,
+                                   moe_swiglu_shared_add_rms_norm_1p_ref)
 from memra_kernels.norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_1p_ref, embed_rms_norm_ref,
                                     gated_rms_norm_heads, rms_norm_ref)
 from memra_kernels.qwen35_ref import gdn_gates_body, window_after
@@ -149,10 +151,11 @@ class TorchStepOps:
 
     def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                      live: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: torch.Tensor | None = None, pre_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`moe_route` of the router's logits `linear(x, router)` (model dtype), through this
-        instance's two ops."""
-        return unfused_router_route(self, x, router, k, normalize, live, counts, scale)
+        instance's two ops; `pre_norm` `(weight, factor, eps)`: x through Gemma 4's router norm
+        first (`moe_route_ref.router_pre_norm_ref`)."""
+        return unfused_router_route(self, x, router, k, normalize, live, counts, scale, pre_norm)
 
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,6 +185,7 @@ class TorchStepOps:
 
     gemma_qk_norm_rope_kv_write = staticmethod(gemma_qk_norm_rope_kv_write_ref)  # Gemma 4's: its one torch body
     gemma_add_norm = staticmethod(gemma_add_norm_ref)  # Gemma 4's residual add + norms: the op's one torch body
+    gemma_add_two_norms = staticmethod(gemma_add_two_norms_ref)  # and a second norm: its one torch body
     gelu_tanh_mul = staticmethod(gelu_tanh_mul_ref)  # Gemma 4's MLP activation: the op's one torch body
     softcap = staticmethod(softcap_ref)  # the logits' softcap: the op's one torch body
 
@@ -215,6 +219,9 @@ class TorchStepOps:
 
     moe_swiglu = staticmethod(moe_swiglu_ref)  # the routed experts' GLU + combine: the op's one torch body
     moe_swiglu_add_rms_norm = staticmethod(moe_swiglu_add_rms_norm_ref)  # then the add + norm: its one torch body
+    # Qwen3.5 MoE's layer end: the experts, the gated shared expert, the add + zero-centred norm
+    moe_swiglu_shared_add_rms_norm_1p = staticmethod(moe_swiglu_shared_add_rms_norm_1p_ref)
+    moe_gemma_add_norm = staticmethod(moe_gemma_add_norm_ref)  # Gemma 4's MoE layer end: its one torch body
 
     prefill_mask = True  # prefill_attention reads the forward's folded [g*t, n] mask
 

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 
 from memra_cli.engine.layers.torch_step_ops import TorchStepOps
 from memra_cli.engine.layers.unfused import (unfused_embed_rms_norm, unfused_embed_rms_norm_1p,
-                                             unfused_linear_add_rms_norm, unfused_lm_head_argmax,
-                                             unfused_moe_swiglu_add_rms_norm, unfused_qkv_rope_kv_write,
+                                             unfused_gemma_add_two_norms, unfused_linear_add_rms_norm,
+                                             unfused_lm_head_argmax, unfused_moe_gemma_add_norm,
+                                             unfused_moe_swiglu_add_rms_norm,
+                                             unfused_moe_swiglu_shared_add_rms_norm_1p, unfused_qkv_rope_kv_write,
                                              unfused_router_route, unfused_swiglu)
 from memra_kernels.moe_ref import moe_swiglu_ref
 from memra_kernels.moe_route_ref import moe_route_ref
@@ -62,6 +64,7 @@ class TritonStepOps:
         self.attention = attention.decode_attention
         self.gemma_qk_norm_rope_kv_write = gemma4.gemma_qk_norm_rope_kv_write
         self.gemma_add_norm = gemma4.gemma_add_norm
+        self.gemma_add_two_norms = gemma4.gemma_add_two_norms
         self.gelu_tanh_mul = gemma4.gelu_tanh_mul
         self.softcap = gemma4.softcap
         self.silu_mul = activation.silu_mul
@@ -106,6 +109,9 @@ class TritonStepOps:
         ops.qkv_rope_kv_write = functools.partial(unfused_qkv_rope_kv_write, ops)
         ops.linear_add_rms_norm = functools.partial(unfused_linear_add_rms_norm, ops)
         ops.moe_swiglu_add_rms_norm = functools.partial(unfused_moe_swiglu_add_rms_norm, ops)
+        ops.moe_swiglu_shared_add_rms_norm_1p = functools.partial(unfused_moe_swiglu_shared_add_rms_norm_1p, ops)
+        ops.moe_gemma_add_norm = functools.partial(unfused_moe_gemma_add_norm, ops)
+        ops.gemma_add_two_norms = functools.partial(unfused_gemma_add_two_norms, ops)
         ops.router_route = functools.partial(unfused_router_route, ops)
         return ops
 
@@ -204,16 +210,40 @@ class TritonStepOps:
         return unfused_moe_swiglu_add_rms_norm(self, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
                                                activation)
 
+    def moe_gemma_add_norm(self, x, weights, experts, w_gate_up, w_down, dense, residual, norms, w_next,
+                           eps: float, scalar) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TorchStepOps.moe_gemma_add_norm` with the sandwich norms, the residual add, the scalar
+        and the next norm in the MoE combine's launch (`moe.gemma_eligible`); the unfused ops
+        otherwise. The choice depends on shapes and dtypes only."""
+        if self._moe.eligible(x, w_gate_up, w_down) and self._moe.gemma_eligible(x, dense, residual, norms, w_next,
+                                                                                 scalar):
+            return self._moe.moe_gemma_add_norm(x, weights, experts, w_gate_up, w_down, dense, residual, norms,
+                                                w_next, eps, scalar)
+        return unfused_moe_gemma_add_norm(self, x, weights, experts, w_gate_up, w_down, dense, residual, norms, w_next,
+                                          eps, scalar)
+
+    def moe_swiglu_shared_add_rms_norm_1p(self, x, weights, experts, w_gate_up, w_down, shared, gate, residual,
+                                          w1p, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`TorchStepOps.moe_swiglu_shared_add_rms_norm_1p` with the gated shared expert, the
+        residual add and the zero-centred norm in the MoE combine's launch (`moe.shared_eligible`);
+        the unfused ops otherwise. The choice depends on shapes and dtypes only."""
+        if self._moe.eligible(x, w_gate_up, w_down) and self._moe.shared_eligible(x, shared, gate, residual, w1p):
+            return self._moe.moe_swiglu_shared_add_rms_norm_1p(x, weights, experts, w_gate_up, w_down, shared, gate,
+                                                               residual, w1p, eps)
+        return unfused_moe_swiglu_shared_add_rms_norm_1p(self, x, weights, experts, w_gate_up, w_down, shared, gate,
+                                                         residual, w1p, eps)
+
     def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                      live: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                     scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: torch.Tensor | None = None, pre_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`TorchStepOps.router_route` in one launch for a step's rows (`moe_route.router_eligible`:
         up to 64 rows, a router of up to 1024 experts), the router's matmul and the picks
-        together; `linear` then `moe_route` otherwise (a prefill chunk). The choice depends on
-        the row count only past a step's rows, so every fixed-width step routes a row alike."""
+        together (and Gemma 4's router norm, `pre_norm`); `linear` then `moe_route` otherwise (a
+        prefill chunk). The choice depends on the row count only past a step's rows, so every
+        fixed-width step routes a row alike."""
         if self._moe_route.router_eligible(x, router):
-            return self._moe_route.router_route(x, router, k, normalize, live, counts, scale)
-        return unfused_router_route(self, x, router, k, normalize, live, counts, scale)
+            return self._moe_route.router_route(x, router, k, normalize, live, counts, scale, pre_norm)
+        return unfused_router_route(self, x, router, k, normalize, live, counts, scale, pre_norm)
 
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
                   counts: torch.Tensor | None = None, scale: torch.Tensor | None = None

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from memra_kernels.gemma4_ref import gemma_rms_norm_ref
+from memra_kernels.moe_route_ref import router_pre_norm_ref
+
 
 def unfused_swiglu(ops, x: torch.Tensor, w_gate_up) -> torch.Tensor:
     """The MLP's SwiGLU as two step ops, `ops.silu_mul(ops.linear(x, w_gate_up))`: the torch path's
@@ -51,8 +54,12 @@ def unfused_linear_add_rms_norm(ops, a: torch.Tensor, w, bias, residual: torch.T
     return ops.add_rms_norm(ops.linear(a, w, bias), residual, norm_w, eps)
 
 
-def unfused_router_route(ops, x, router, k: int, normalize: bool, live=None, counts=None, scale=None):
-    """`ops.linear` then `ops.moe_route`: a router's logits, then its picks (the unfused form)."""
+def unfused_router_route(ops, x, router, k: int, normalize: bool, live=None, counts=None, scale=None,
+                         pre_norm=None):
+    """`ops.linear` then `ops.moe_route`: a router's logits, then its picks (the unfused form);
+    `pre_norm` `(weight, factor, eps)`: Gemma 4's router norm first, in torch (`router_pre_norm_ref`)."""
+    if pre_norm is not None:
+        x = router_pre_norm_ref(x, *pre_norm)
     return ops.moe_route(ops.linear(x, router), k, normalize, live, counts, scale)
 
 
@@ -60,6 +67,30 @@ def unfused_moe_swiglu_add_rms_norm(ops, x, weights, experts, w_gate_up, w_down,
                                     activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.moe_swiglu` then `ops.add_rms_norm`: the unfused form `unfused()` installs."""
     return ops.add_rms_norm(ops.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation), residual, norm_w, eps)
+
+
+def unfused_moe_swiglu_shared_add_rms_norm_1p(ops, x, weights, experts, w_gate_up, w_down, shared, gate, residual,
+                                              w1p, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe_swiglu`, the gated shared expert's torch ops, then `ops.add_rms_norm_1p`: the
+    unfused form `unfused()` installs (the twin's ops, op for op)."""
+    ff = ops.moe_swiglu(x, weights, experts, w_gate_up, w_down) + torch.sigmoid(gate) * shared
+    return ops.add_rms_norm_1p(ff, residual, w1p, eps)
+
+
+def unfused_gemma_add_two_norms(ops, x, branch, w_branch, w_out, w_out2, eps: float):
+    """`ops.gemma_add_norm`, then the second norm in torch: the unfused form `unfused()` installs."""
+    x, normed = ops.gemma_add_norm(x, branch, w_branch, w_out, eps)
+    return x, normed, gemma_rms_norm_ref(x, w_out2, eps)
+
+
+def unfused_moe_gemma_add_norm(ops, x, weights, experts, w_gate_up, w_down, dense, residual, norms, w_next,
+                               eps: float, scalar) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe_swiglu` (GELU-tanh), the two post norms and their sum in torch, then
+    `ops.gemma_add_norm`: the unfused form `unfused()` installs (the twin's ops, op for op)."""
+    post_1, post_2, post_ff = norms
+    routed = ops.moe_swiglu(x, weights, experts, w_gate_up, w_down, "gelu_tanh")
+    ff = gemma_rms_norm_ref(dense, post_1, eps) + gemma_rms_norm_ref(routed, post_2, eps)
+    return ops.gemma_add_norm(residual, ff, post_ff, w_next, eps, scalar)
 
 
 def unfused_lm_head_argmax(ops, h: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:

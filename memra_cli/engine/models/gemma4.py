@@ -358,14 +358,29 @@ class Gemma4Target(TargetBase):
             core = ops.attention(q, kv[0], kv[1], positions, 1.0, window)
         else:
             core = self._attend(q, kv[0, :, :n_keys], kv[1, :, :n_keys], mask)
+        if ple is None:
+            x, *h = self._attention_add_norm(x, ops.linear(core, w.wo), w, add_norm, mask is None)
+            return self._ffn_add_norm(x, h, w, w_next, add_norm, mask is None)
         x, h = add_norm(x, ops.linear(core, w.wo), n_post_attn, n_pre_ff, eps)
         ff = self._feed_forward(x, h, w)
-        if ple is None:
-            return add_norm(x, ff, n_post_ff, w_next, eps, w.layer_scalar)
         x = x + gemma_rms_norm(ff, n_post_ff, eps)
         gated = F.gelu(ops.linear(x, w.ple_gate), approximate="tanh") * ple
         x = (x + gemma_rms_norm(ops.linear(gated, w.ple_proj), w.ple_norm, eps)) * w.layer_scalar
         return x, gemma_rms_norm(x, w_next, eps)
+
+    def _attention_add_norm(self, x: torch.Tensor, o: torch.Tensor, w: LayerWeights, add_norm, step: bool) -> tuple:
+        """The attention's residual add (its post norm) and the pre-feed-forward norm -> (new
+        residual, normed, ...): the feed-forward's inputs after it (the MoE block's step adds
+        its experts' input norm in the same op: gemma4_moe.py)."""
+        return add_norm(x, o, w.norms[1], w.norms[2], self.cfg.rms_norm_eps)
+
+    def _ffn_add_norm(self, x: torch.Tensor, h: list, w: LayerWeights, w_next: torch.Tensor, add_norm,
+                      step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's end without per-layer inputs: the feed-forward of `_attention_add_norm`'s
+        norms `h` (the first: the MLP's input), its post norm, the residual add, the layer scalar
+        and the next norm (`add_norm`) -> (new residual, normed); `step`: the fixed step, where the
+        MoE block runs it as one step op (gemma4_moe.py)."""
+        return add_norm(x, self._feed_forward(x, h[0], w), w.norms[3], w_next, self.cfg.rms_norm_eps, w.layer_scalar)
 
     def _feed_forward(self, x: torch.Tensor, h: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The layer's feed-forward on the residual stream `x [t, hidden]`, before its post norm:

@@ -16,9 +16,13 @@ bfloat16 the two differ by one rounding of the weight; in float32 they are the s
 
 Experts load from the stacked layout (`experts.gate_up_proj [E, 2I, h]`, `experts.down_proj
 [E, h, I]`, what transformers writes for Gemma 4) or the per-expert one (models/experts.py), and
-run through the step ops (`step_ops.moe_swiglu` with `activation="gelu_tanh"`: the MoE kernels,
-or the torch twin, which runs every expert while a capture is under way), so the step reads
-nothing on the host and stays capturable as the dense Gemma 4 step is.
+run through the step ops (`step_ops.moe_swiglu` with `activation="gelu_tanh"`; in the fixed step,
+a layer without per-layer inputs ends in `step_ops.moe_gemma_add_norm`: the experts, both post
+norms, their sum, the residual add, the layer scalar and the next norm, with the MoE kernels in
+the combine's launch; or the torch twin, which runs every expert while a capture is under way), so
+the step reads nothing on the host and stays capturable as the dense Gemma 4 step is. The router's
+norm runs in the router's launch (`router_route`'s pre-norm), the experts' input norm in the
+attention's add + norm (`step_ops.gemma_add_two_norms`).
 """
 
 from __future__ import annotations
@@ -50,11 +54,12 @@ def gemma_route(x: torch.Tensor, w: Gemma4MoeLayerWeights, top_k: int, eps: floa
                 live: torch.Tensor | None = None, counts: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights `[t, k]` (model dtype) and expert ids `[t, k]` for the residual `x [t, h]`
-    (module docstring): the scaled norm here, the logits and the rest the step ops'
-    `router_route` with the per-expert scale (and the live rows and the count, as every MoE
-    family's: layers/moe.py)."""
-    r = gemma_rms_norm(x, None, eps) * w.router_scale * x.shape[-1] ** -0.5
-    return ops.router_route(r, w.experts.router, top_k, True, live, counts, w.expert_scale)
+    (module docstring): the step ops' `router_route` with the scaled norm as its pre-norm
+    (`moe_route_ref.router_pre_norm_ref`: the same roundings as `gemma_rms_norm(x, None, eps) *
+    router_scale * h**-0.5`; with the kernels, in the router's launch), the per-expert scale,
+    and the live rows and the count, as every MoE family's (layers/moe.py)."""
+    return ops.router_route(x, w.experts.router, top_k, True, live, counts, w.expert_scale,
+                            pre_norm=(w.router_scale, x.shape[-1] ** -0.5, eps))
 
 
 class _MoeLoader(_Loader):
@@ -99,8 +104,9 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
     state_class = LiveLayerKVCache
 
     step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
-                     "gelu_tanh_mul, softcap, router_route and moe_swiglu (the routed experts); Gemma 4's per-layer "
-                     "inputs run in torch")
+                     "gemma_add_two_norms, "
+                     "gelu_tanh_mul, softcap, router_route (with the router's norm), moe_swiglu and moe_gemma_add_norm "
+                     "(the routed experts; a step's layer end with them); Gemma 4's per-layer inputs run in torch")
     loader_class = _MoeLoader
     routes_experts = True
 
@@ -118,14 +124,43 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
         """(sparse-layer calls, distinct experts they ran) so far, for the bench (a host read)."""
         return self.reads.snapshot()
 
+    def _route(self, x: torch.Tensor, w: Gemma4MoeLayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's routing of the residual `x` (weights, ids `[t, k]`), counted and recorded."""
+        weights, ids = gemma_route(x, w, self.moe.top_k, self.cfg.rms_norm_eps, self.step_ops, self._live_rows,
+                                   self.reads.sink())
+        self._record_routing(id(w.experts), ids)
+        return weights, ids
+
+    def _attention_add_norm(self, x: torch.Tensor, o: torch.Tensor, w: Gemma4MoeLayerWeights, add_norm,
+                            step: bool) -> tuple:
+        """The step's: the MLP's and the experts' input norms of the new residual in one step op
+        (`gemma_add_two_norms`: with the kernels, `gemma_add_norm`'s launch) -> (x, h, experts' h)."""
+        if not step:
+            return super()._attention_add_norm(x, o, w, add_norm, step)
+        return self.step_ops.gemma_add_two_norms(x, o, w.norms[1], w.norms[2], w.moe_norms[0], self.cfg.rms_norm_eps)
+
+    def _ffn_add_norm(self, x: torch.Tensor, h: list, w: Gemma4MoeLayerWeights, w_next: torch.Tensor,
+                      add_norm, step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fixed step's layer end as one step op (`moe_gemma_add_norm`: with the kernels, the
+        block's and the MLP's post norms, their sum, the residual add, the scalar and the next norm
+        in the MoE combine's launch; the torch ops compute `_feed_forward` then `gemma_add_norm`'s
+        values). The eager forward's: `_feed_forward`, then `add_norm`."""
+        if not step:
+            return super()._ffn_add_norm(x, h, w, w_next, add_norm, step)
+        _, post_1, post_2 = w.moe_norms
+        dense = super()._feed_forward(x, h[0], w)
+        weights, ids = self._route(x, w)
+        return self.step_ops.moe_gemma_add_norm(h[1], weights, ids, w.experts.w_gate_up,
+                                                w.experts.w_down, dense, x, (post_1, post_2, w.norms[3]), w_next,
+                                                self.cfg.rms_norm_eps, w.layer_scalar)
+
     def _feed_forward(self, x: torch.Tensor, h: torch.Tensor, w: Gemma4MoeLayerWeights) -> torch.Tensor:
         """The dense MLP's (of the pre-normed `h`) and the experts' outputs (of `x`, by their own
         norm), each normed, summed (before the post norm)."""
         eps = self.cfg.rms_norm_eps
         pre_2, post_1, post_2 = w.moe_norms
         dense = gemma_rms_norm(super()._feed_forward(x, h, w), post_1, eps)
-        weights, ids = gemma_route(x, w, self.moe.top_k, eps, self.step_ops, self._live_rows, self.reads.sink())
-        self._record_routing(id(w.experts), ids)
+        weights, ids = self._route(x, w)
         routed = self.step_ops.moe_swiglu(gemma_rms_norm(x, pre_2, eps), weights, ids, w.experts.w_gate_up,
                                           w.experts.w_down, "gelu_tanh")
         return dense + gemma_rms_norm(routed, post_2, eps)

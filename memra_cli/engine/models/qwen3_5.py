@@ -912,13 +912,19 @@ class Qwen35Target(TargetBase):
             else:
                 mixer_out = self._gdn(h, w.gdn, state, self._lin_slot[li], ring_idx, chunked, commit_now)
             h, x = ops.add_rms_norm_1p(mixer_out, x, w.mlp_norm, eps)
-            down = self._feed_forward(h, w)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
-            h, x = ops.add_rms_norm_1p(down, x, next_norm, eps)
+            h, x = self._ffn_add_norm(h, x, w, next_norm)
             if li in wanted:
                 tapped[li] = x
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return h, taps_out
+
+    def _ffn_add_norm(self, h: torch.Tensor, x: torch.Tensor, w: LayerWeights, next_norm: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's end: the feed-forward on the normed `h [t, hidden]`, the residual add to `x`
+        and the next zero-centred norm (`next_norm`: float32 1 + w) -> (normed, new residual); the
+        MoE hybrid runs its experts and shared expert into the add + norm (models/qwen3_5_moe.py)."""
+        return self.step_ops.add_rms_norm_1p(self._feed_forward(h, w), x, next_norm, self.cfg.rms_norm_eps)
 
     def _feed_forward(self, h: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """A layer's feed-forward on the normed `h [t, hidden]`, before the residual add: the

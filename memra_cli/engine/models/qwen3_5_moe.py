@@ -10,12 +10,13 @@ rollback and fixed-width step, all unchanged) with a routed feed-forward on ever
     out    = routed + shared                            (then the residual add, as the dense MLP's)
 
 The shared expert is loaded where the dense hybrid keeps its MLP (`w_gate_up`, `w_down`), so the
-dense feed-forward computes it. The same `_feed_forward` runs in the eager forward and the fixed
-step, so a plain step and a verify step route with the same arithmetic. Experts load from the
+dense feed-forward computes it. The same layer end (`_ffn_add_norm`) runs in the eager forward and
+the fixed step, so a plain step and a verify step route with the same arithmetic. Experts load from the
 per-expert or the stacked layout (models/experts.py). The routed experts run through the step
-ops (`step_ops.moe_swiglu`: the MoE kernels, or the torch twin, which runs every expert while a
-capture is under way), so the step reads nothing on the host and is capturable as the dense
-hybrid's is.
+ops (`step_ops.moe_swiglu_shared_add_rms_norm_1p`, the layer's end: the MoE kernels, whose combine
+also adds the gated shared expert and the residual and applies the next zero-centred norm, or the
+torch twin, which runs every expert while a capture is under way), so the step reads nothing on
+the host and is capturable as the dense hybrid's is.
 """
 
 from __future__ import annotations
@@ -98,11 +99,26 @@ class Qwen35MoeTarget(RoutingRecorder, LiveRouting, Qwen35Target):
         """(sparse-layer calls, distinct experts they ran) so far, for the bench (a host read)."""
         return self.reads.snapshot()
 
-    def _feed_forward(self, h: torch.Tensor, w: Qwen35MoeLayerWeights) -> torch.Tensor:
-        """The routed experts plus the gated shared expert on the normed `h [t, hidden]` -> `[t, hidden]`."""
+    def _experts_and_shared(self, h: torch.Tensor, w: Qwen35MoeLayerWeights):
+        """The layer's routing (counted, recorded), the shared expert's output and its gate's
+        logit `[t, 1]` for the normed `h [t, hidden]`: the operands of its feed-forward."""
         shared = super()._feed_forward(h, w)  # the shared expert: the dense MLP's SwiGLU
         weights, ids = route(h, w.experts.router, self.moe.top_k, True, self.step_ops, self._live_rows,
                              self.reads.sink())
         self._record_routing(id(w.experts), ids)
+        return weights, ids, shared, self.step_ops.linear(h, w.shared_gate)
+
+    def _feed_forward(self, h: torch.Tensor, w: Qwen35MoeLayerWeights) -> torch.Tensor:
+        """The routed experts plus the gated shared expert on the normed `h [t, hidden]` -> `[t, hidden]`."""
+        weights, ids, shared, gate = self._experts_and_shared(h, w)
         routed = self.step_ops.moe_swiglu(h, weights, ids, w.experts.w_gate_up, w.experts.w_down)
-        return routed + torch.sigmoid(self.step_ops.linear(h, w.shared_gate)) * shared
+        return routed + torch.sigmoid(gate) * shared
+
+    def _ffn_add_norm(self, h: torch.Tensor, x: torch.Tensor, w: Qwen35MoeLayerWeights, next_norm: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_feed_forward`, the residual add and the next norm as one step op
+        (`moe_swiglu_shared_add_rms_norm_1p`: with the kernels, the gated shared expert, the add
+        and the norm in the MoE combine's launch; the torch ops compute `_feed_forward`'s values)."""
+        weights, ids, shared, gate = self._experts_and_shared(h, w)
+        return self.step_ops.moe_swiglu_shared_add_rms_norm_1p(h, weights, ids, w.experts.w_gate_up, w.experts.w_down,
+                                                               shared, gate, x, next_norm, self.cfg.rms_norm_eps)
