@@ -309,6 +309,25 @@ def test_the_fused_head_and_embedding_ops_and_their_unfused_forms(monkeypatch):
     assert torch.equal(r1, tr) and torch.allclose(n1, tn, rtol=1e-5, atol=0)  # float32: the sum of squares' order
 
 
+def _fold_every_weight(model, lm_head, monkeypatch, down_split: int, head_block_n: int) -> list:
+    """Put the tiny target's five weight shapes in the dense kernel's table (small tiles, so the
+    interpreter and a small GPU run them), so the step folds its norms; returns the list a spy on
+    `dense_linear_add_norm` appends to at each fold."""
+    from memra_kernels import dense_linear as dl
+
+    layer = model.layers[0]
+    for w, cfg in ((layer.wqkv, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
+                   (layer.w_gate_up, dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2)),
+                   (layer.wo, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
+                   (layer.w_down, dl.KernelConfig(block_n=32, block_k=64, split_k=down_split, num_stages=2)),
+                   (lm_head, dl.KernelConfig(block_n=head_block_n, block_k=32, split_k=1, num_stages=2))):
+        monkeypatch.setitem(dl.TUNED, tuple(w.shape), cfg)
+    folds = []
+    real = dl.dense_linear_add_norm
+    monkeypatch.setattr(dl, "dense_linear_add_norm", lambda *a, **kw: folds.append(1) or real(*a, **kw))
+    return folds
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_launch_fusions_on_the_gpu(target_dir, monkeypatch):
@@ -320,19 +339,9 @@ def test_the_launch_fusions_on_the_gpu(target_dir, monkeypatch):
     and the logits are the unfused ops' within bf16 rounding (the q/k norm's sum of squares may run
     in another order: kernels/rope.py `qkv_rope_epilogue`)."""
     from memra_cli.engine.runtime import cuda_graphs
-    from memra_kernels import dense_linear as dl
 
     model = Qwen3Target.from_dir(target_dir, torch.bfloat16, "cuda")
-    layer = model.layers[0]
-    for w, cfg in ((layer.w_gate_up, dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2)),
-                   (layer.wo, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
-                   (layer.w_down, dl.KernelConfig(block_n=32, block_k=64, split_k=2, num_stages=2)),
-                   (layer.wqkv, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
-                   (model.lm_head_weight, dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2))):
-        monkeypatch.setitem(dl.TUNED, tuple(w.shape), cfg)
-    folds = []
-    real = dl.dense_linear_add_norm
-    monkeypatch.setattr(dl, "dense_linear_add_norm", lambda *a, **kw: folds.append(1) or real(*a, **kw))
+    folds = _fold_every_weight(model, model.lm_head_weight, monkeypatch, down_split=2, head_block_n=32)
     ids = torch.randint(0, 512, (16,), device="cuda")
     pos = torch.arange(30, 46, device="cuda")
     out = {}
@@ -364,8 +373,6 @@ def test_the_folded_norms_in_a_model_step(target_dir, llama_dir, tmp_path, monke
     lm_head matmuls apply the norms on load (two `dense_linear_add_norm` launches a layer): the
     logits are within bf16 tolerance of `unfused()`'s (whose norm kernel sums the squares in
     another order) and of the torch ops', and speculative == plain greedy through them."""
-    from memra_kernels import dense_linear as dl
-
     path = target_dir if family == "qwen3" else llama_dir
 
     def model_with(ops):
@@ -374,16 +381,7 @@ def test_the_folded_norms_in_a_model_step(target_dir, llama_dir, tmp_path, monke
         return model
 
     model = model_with(TritonStepOps())
-    layer = model.layers[0]
-    for w, cfg in ((layer.wqkv, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
-                   (layer.w_gate_up, dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2)),
-                   (layer.wo, dl.KernelConfig(block_n=16, block_k=32, split_k=2, num_stages=2)),
-                   (layer.w_down, dl.KernelConfig(block_n=32, block_k=64, split_k=1, num_stages=2)),
-                   (model._lm_head, dl.KernelConfig(block_n=64, block_k=32, split_k=1, num_stages=2))):
-        monkeypatch.setitem(dl.TUNED, tuple(w.shape), cfg)
-    folds = []
-    real = dl.dense_linear_add_norm
-    monkeypatch.setattr(dl, "dense_linear_add_norm", lambda *a, **kw: folds.append(1) or real(*a, **kw))
+    folds = _fold_every_weight(model, model._lm_head, monkeypatch, down_split=1, head_block_n=64)
     ids = torch.randint(0, 512, (16,), device=DEVICE)
     out = {}
     for name, m in (("torch", model_with(TorchStepOps())), ("unfused", model_with(TritonStepOps().unfused())),
