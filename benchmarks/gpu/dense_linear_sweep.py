@@ -102,6 +102,10 @@ def main() -> int:
     p.add_argument("--tuned", type=Path, default=None)
     a = p.parse_args()
     t0 = time.perf_counter()
+    unknown = [name for name in a.shapes.split(",") if name not in SHAPES]
+    if unknown:
+        p.error(f"--shapes: unknown set(s) {', '.join(unknown)}; expected a comma-separated list of "
+                f"{', '.join(SHAPES)}")
     shapes = [s for name in a.shapes.split(",") for s in SHAPES[name]]
     bw = timing.copy_gbps() * 1e9
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbps": bw / 1e9,

@@ -112,15 +112,16 @@ class LiveRouting:
     _live_rows: torch.Tensor | None = None
 
     @contextmanager
-    def _routing_live_rows(self, state):
-        self._live_rows = state.live
+    def _routing_live_rows(self, live: torch.Tensor):
+        """The routings run inside take their live-row count from `live` (int32 `[1]`)."""
+        self._live_rows = live
         try:
             yield
         finally:
             self._live_rows = None
 
     def static_step(self, ids, positions, state, taps=None, widen: bool = True):
-        with self._routing_live_rows(state):
+        with self._routing_live_rows(state.live):
             return super().static_step(ids, positions, state, taps, widen)
 
     @property
@@ -133,7 +134,7 @@ class LiveRouting:
             return None
 
         def picks(ids, positions, state, taps=None):
-            with self._routing_live_rows(state):
+            with self._routing_live_rows(state.live):
                 return fused(ids, positions, state, taps)
 
         return picks
@@ -142,8 +143,5 @@ class LiveRouting:
         """`forward` of `ids [t]` whose first `live` rows (int32 `[1]` on the device) are real and
         the rest padding that reads no experts: a graphed prefill's bucket (runtime/graphs.py
         `PrefillGraph`), whose replay takes the count its run writes."""
-        self._live_rows = live
-        try:
+        with self._routing_live_rows(live):
             return self.forward(ids, start, state, taps)
-        finally:
-            self._live_rows = None
