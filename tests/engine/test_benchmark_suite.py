@@ -94,3 +94,15 @@ def test_copy_and_read_probes_count_their_bytes(timing, monkeypatch):
     n = 1 << 20
     assert timing.copy_gbps(n, reps=1, device="cpu") == pytest.approx(2 * n / 1e-3 / 1e9)
     assert timing.read_gbps(n, reps=1, device="cpu") == pytest.approx(n / 1e-3 / 1e9)
+
+
+@pytest.mark.exhaustive  # a subprocess importing Triton (~1.3 s): the quick tier is near its budget
+def test_the_dense_sweep_refuses_an_unknown_shape_set_before_any_work(tmp_path):
+    """benchmarks/gpu/dense_linear_sweep.py: an unknown --shapes set is named in one error line
+    (exit 2, nothing written), before it asks for a GPU."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.dense_linear_sweep", "--shapes", "llama,bogus",
+                           "--json", str(tmp_path / "out.json")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "error: --shapes: unknown set(s) bogus; expected a comma-separated list of 8b, drafter, hybrid, llama, moe-a3b")
+    assert not (tmp_path / "out.json").exists()
