@@ -336,7 +336,7 @@ def quant_bandwidth(copy_bw: float, budget_end: float, launched: dict[str, list]
                 continue
             try:
                 first = kq.random_packed(qtype, n, k, gen)
-                copies = [first] + [kq.ql.Packed(qtype, (n, k), first.qweight.clone(), first.scales.clone())
+                copies = [first] + [kq.qp.Packed(qtype, (n, k), first.qweight.clone(), first.scales.clone())
                                     for _ in range(kq.copies_for(first.nbytes) - 1)]
                 rec["check_ok"] = bool(kq.check(qtype, first, None, gen)["ok"])
                 for m in QUANT_MS:

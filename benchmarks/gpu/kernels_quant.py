@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 
 from memra_kernels import quant_linear as ql
+from memra_kernels import quant_pack as qp
 
 from benchmarks import timing
 
@@ -65,7 +66,7 @@ def copy_bandwidth() -> float:
     return timing.copy_gbps(2 * timing.GIB) * 1e9
 
 
-def random_packed(qtype: str, n: int, k: int, gen: torch.Generator, device: str = "cuda") -> ql.Packed:
+def random_packed(qtype: str, n: int, k: int, gen: torch.Generator, device: str = "cuda") -> qp.Packed:
     """Random weights straight in the packed layout (what repacking real blocks gives), with
     scales so that the weights' magnitudes resemble a trained model's (~0.02), on `device`."""
     if qtype == "q8_0":
@@ -75,7 +76,7 @@ def random_packed(qtype: str, n: int, k: int, gen: torch.Generator, device: str 
         q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.int16).to(torch.uint8)
         scale = 0.02 / 4
     s = (torch.rand((n, k // 32), generator=gen) * scale + scale / 2).to(torch.float16)
-    return ql.Packed(qtype, (n, k), q.to(device), s.to(device))
+    return qp.Packed(qtype, (n, k), q.to(device), s.to(device))
 
 
 def copies_for(nbytes: int) -> int:
@@ -83,7 +84,7 @@ def copies_for(nbytes: int) -> int:
     return max(2, min(64, math.ceil(3 * L2_BYTES / max(nbytes, 1))))
 
 
-def check(qtype: str, packed: ql.Packed, cfg: ql.KernelConfig | None, gen) -> dict:
+def check(qtype: str, packed: qp.Packed, cfg: ql.KernelConfig | None, gen) -> dict:
     """Kernel vs reference for every M, NaN-poisoned outputs, and row invariance (on the
     weight's device)."""
     n, k = packed.shape
@@ -114,13 +115,13 @@ def check(qtype: str, packed: ql.Packed, cfg: ql.KernelConfig | None, gen) -> di
 graph_ms = timing.cycled_graph_ms
 
 
-def time_kernel(copies: list[ql.Packed], m: int, cfg: ql.KernelConfig | None) -> float:
+def time_kernel(copies: list[qp.Packed], m: int, cfg: ql.KernelConfig | None) -> float:
     k = copies[0].shape[1]
     x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
     return graph_ms(lambda i: ql.quant_linear(x, copies[i], config=cfg), len(copies))
 
 
-def eager_ms(copies: list[ql.Packed], m: int) -> tuple[float, float]:
+def eager_ms(copies: list[qp.Packed], m: int) -> tuple[float, float]:
     """(do_bench median of one eager call, host microseconds per call): launch overhead."""
     k = copies[0].shape[1]
     x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
@@ -145,7 +146,7 @@ def time_cublas(n: int, k: int, m: int, ws: list[torch.Tensor]) -> float:
     return graph_ms(lambda i: F.linear(x, ws[i]), len(ws))
 
 
-def kernel_info(packed: ql.Packed, cfg: ql.KernelConfig) -> dict:
+def kernel_info(packed: qp.Packed, cfg: ql.KernelConfig) -> dict:
     """Registers, spills, shared memory and a few markers of what Triton generated."""
     n, k = packed.shape
     x = torch.randn((16, k), device="cuda", dtype=torch.bfloat16)
@@ -165,7 +166,7 @@ def kernel_info(packed: ql.Packed, cfg: ql.KernelConfig) -> dict:
     return info
 
 
-def traffic(packed: ql.Packed, m: int) -> int:
+def traffic(packed: qp.Packed, m: int) -> int:
     n, k = packed.shape
     return packed.nbytes + m * k * 2 + m * n * 2
 
@@ -272,7 +273,7 @@ def main() -> int:
             rec = {"qtype": qtype, "out": n, "in": k}
             try:
                 first = random_packed(qtype, n, k, gen)
-                copies = [first] + [ql.Packed(qtype, (n, k), first.qweight.clone(),
+                copies = [first] + [qp.Packed(qtype, (n, k), first.qweight.clone(),
                                               first.scales.clone())
                                     for _ in range(copies_for(first.nbytes) - 1)]
                 default = ql.config_for(qtype, n, k)

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from memra_kernels import quant_linear as ql
+from memra_kernels import quant_pack as qp
 
 from benchmarks import timing
 
@@ -207,7 +208,7 @@ def sweep_shape(qtype: str, n: int, k: int, glu: bool, deadline: float, gen, dev
     from benchmarks.gpu import kernels_quant as kq
 
     first = kq.random_packed(qtype, n, k, gen, device)
-    copies = [first] + [ql.Packed(qtype, (n, k), first.qweight.clone(), first.scales.clone())
+    copies = [first] + [qp.Packed(qtype, (n, k), first.qweight.clone(), first.scales.clone())
                         for _ in range(kq.copies_for(first.nbytes) - 1)]
     x = torch.randn((SWEEP_M, k), generator=gen).to(device, torch.bfloat16)
     rec: dict = {"qtype": qtype, "out": n, "in": k, "glu": glu, "candidates": {}, "sass": {},
@@ -249,7 +250,7 @@ def sweep_shape(qtype: str, n: int, k: int, glu: bool, deadline: float, gen, dev
     return rec  # the copies go with this frame (main empties the allocator's cache)
 
 
-def check_glu(qtype: str, packed: ql.Packed, cfg: ql.KernelConfig, gen) -> dict:
+def check_glu(qtype: str, packed: qp.Packed, cfg: ql.KernelConfig, gen) -> dict:
     """The GLU launch against its two-launch form under the same config (bit for bit: the
     epilogue's contract) and the plain launch's checks (reference, NaN, row invariance)."""
     from benchmarks.gpu import kernels_quant as kq
@@ -287,9 +288,9 @@ def main(argv=None) -> int:
     p.add_argument("--tuned", type=Path, default=None, help="write the whole TUNED table (load_tuned's JSON) here")
     a = p.parse_args(argv)
     qtypes = [q.strip() for q in a.qtypes.split(",") if q.strip()]
-    bad = [q for q in qtypes if q not in ql.QTYPES]
+    bad = [q for q in qtypes if q not in qp.QTYPES]
     if bad or not qtypes:
-        p.error(f"--qtypes {a.qtypes!r}: expected a comma-separated list of {', '.join(ql.QTYPES)}")
+        p.error(f"--qtypes {a.qtypes!r}: expected a comma-separated list of {', '.join(qp.QTYPES)}")
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to measure (the sweep is a GPU measurement)")
         return 1

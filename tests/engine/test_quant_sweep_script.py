@@ -34,8 +34,9 @@ def ql():
 
 def test_candidates_are_valid_and_fixed_per_shape(sweep, ql):
     from benchmarks.gpu.drafter_round import LAUNCHED_8B
+    from memra_kernels.quant_pack import QTYPES
 
-    for qtype in ql.QTYPES:
+    for qtype in QTYPES:
         for n, k, glu in LAUNCHED_8B:
             cands = sweep.candidates(qtype, n, k, glu)
             assert cands[0] == ql.config_for(qtype, n, k)  # the current config is timed first

@@ -15,6 +15,7 @@ import triton.language as tl
 
 from memra_cli.engine.quant.blocks import QuantLinearRef, quantize
 from memra_kernels import quant_linear as ql
+from memra_kernels import quant_pack as qp
 from memra_kernels.ggml_blocks_ref import QuantError  # the kernels' own (the engine's subclasses it)
 from memra_kernels.quant_linear import KernelConfig
 
@@ -66,12 +67,12 @@ def weight(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return w * torch.rand((n, k // 32, 1), generator=gen).repeat_interleave(32, -1).reshape(n, k)
 
 
-def packed_weight(qtype: str, n: int, k: int, seed: int = 0) -> ql.Packed:
+def packed_weight(qtype: str, n: int, k: int, seed: int = 0) -> qp.Packed:
     gen = torch.Generator().manual_seed(seed)
-    return ql.pack(quantize(weight(n, k, gen), qtype), qtype, (n, k)).to(DEVICE)
+    return qp.pack(quantize(weight(n, k, gen), qtype), qtype, (n, k)).to(DEVICE)
 
 
-def check_close(y: torch.Tensor, x: torch.Tensor, packed: ql.Packed) -> None:
+def check_close(y: torch.Tensor, x: torch.Tensor, packed: qp.Packed) -> None:
     """y against the reference: the f32 bound, or bf16's relative L2 error."""
     assert not torch.isnan(y).any(), "output has NaN (an element never written?)"
     ref = ql.quant_linear_ref(x, packed)
@@ -102,7 +103,7 @@ def test_pack_dequantize_equals_ggml(qtype, n, k):
     """Blocks from gguf's encoder: dequantize is gguf's decode bit for bit; to_ggml is the bytes."""
     w = weight(n, k, torch.Generator().manual_seed(n * 1000 + k)).numpy()
     raw = gguf_quants.quantize(w, gguf_type(qtype))
-    packed = ql.pack(raw, qtype, (n, k))
+    packed = qp.pack(raw, qtype, (n, k))
     want = gguf_quants.dequantize(raw, gguf_type(qtype)).reshape(n, k)
     got = packed.dequantize(torch.float32).numpy()
     assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32))
@@ -122,7 +123,7 @@ def test_pack_arbitrary_blocks(qtype):
     raw = gen.integers(0, 256, size=(n * k // 32, nbytes), dtype=np.uint8)
     raw[:, :2] = (gen.standard_normal(len(raw)) * 10.0 ** gen.integers(-6, 3, len(raw))).astype(
         np.float16).view(np.uint8).reshape(-1, 2)  # finite f16 scales
-    packed = ql.pack(torch.from_numpy(raw), qtype, (n, k))
+    packed = qp.pack(torch.from_numpy(raw), qtype, (n, k))
     want = gguf_quants.dequantize(raw.reshape(n, -1), gguf_type(qtype)).reshape(n, k)
     assert np.array_equal(packed.dequantize().numpy(), want)
     assert torch.equal(packed.to_ggml(), torch.from_numpy(raw).reshape(n, -1))
@@ -131,15 +132,15 @@ def test_pack_arbitrary_blocks(qtype):
 def test_pack_refuses_bad_input():
     raw = quantize(np.ones((4, 64), np.float32), "q8_0")
     with pytest.raises(QuantError):
-        ql.pack_q8_0(raw, (4, 96))  # byte count does not match
+        qp.pack_q8_0(raw, (4, 96))  # byte count does not match
     with pytest.raises(QuantError):
-        ql.pack_q8_0(raw[:, :-1], (4, 64))
+        qp.pack_q8_0(raw[:, :-1], (4, 64))
     with pytest.raises(QuantError):
-        ql.pack_q8_0(raw, (256,))  # not 2-D
+        qp.pack_q8_0(raw, (256,))  # not 2-D
     with pytest.raises(QuantError):
-        ql.pack(raw, "q5_0", (4, 64))
+        qp.pack(raw, "q5_0", (4, 64))
     with pytest.raises(QuantError):
-        ql.pack_q4_0(np.zeros(18 * 3, np.uint8), (1, 48))  # rows not whole blocks
+        qp.pack_q4_0(np.zeros(18 * 3, np.uint8), (1, 48))  # rows not whole blocks
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,7 +195,7 @@ def test_row_invariance(qtype, config):
                 assert torch.equal(y[i:i + 1], yi), f"row {i} differs at M={m}"
 
 
-def every_byte_weight(qtype: str, n: int = 32, k: int = 128, seed: int = 4) -> ql.Packed:
+def every_byte_weight(qtype: str, n: int = 32, k: int = 128, seed: int = 4) -> qp.Packed:
     """Random ggml blocks holding every byte value (so every int8 and every nibble pair) at
     least once, under finite scales of mixed sign and size."""
     gen = torch.Generator().manual_seed(seed)
@@ -205,7 +206,7 @@ def every_byte_weight(qtype: str, n: int = 32, k: int = 128, seed: int = 4) -> q
     raw[:, 2:] = payload.reshape(raw.shape[0], -1)
     d = torch.randn(raw.shape[0], generator=gen) * 10.0 ** torch.randint(-4, 1, (raw.shape[0],), generator=gen)
     raw[:, :2] = d.to(torch.float16).view(torch.uint8).reshape(-1, 2)
-    return ql.pack(raw, qtype, (n, k)).to(DEVICE)
+    return qp.pack(raw, qtype, (n, k)).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -368,7 +369,7 @@ def test_packed_concat_and_rows_refuse_what_does_not_stack():
     with pytest.raises(QuantError, match="in-features"):
         ql.QuantLinear.concat([a, ql.QuantLinear.from_float(torch.randn(16, 96), "q8_0")])
     with pytest.raises(QuantError):
-        ql.Packed.concat([])
+        qp.Packed.concat([])
     for lo, hi in ((0, 0), (4, 2), (-1, 3), (0, 17)):
         with pytest.raises(QuantError, match="rows"):
             a.rows(lo, hi)

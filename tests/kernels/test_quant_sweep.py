@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from memra_kernels import quant_linear as ql
+from memra_kernels import quant_pack as qp
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.exhaustive  # dozens of interpreted launches
@@ -31,7 +32,7 @@ def sweep(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run: on a GPU the suite runs the sweep")
-@pytest.mark.parametrize("qtype", ql.QTYPES)
+@pytest.mark.parametrize("qtype", qp.QTYPES)
 @pytest.mark.parametrize("glu", [False, True], ids=["plain", "glu"])
 def test_sweep_checks_then_times_and_never_picks_a_wrong_config(sweep, monkeypatch, qtype, glu):
     tile = sweep.TILES[qtype][0]

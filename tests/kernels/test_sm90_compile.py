@@ -645,9 +645,9 @@ class _Ctx:
         return self.torch.zeros(n, dtype=self.torch.int64)
 
     def packed(self, qtype, n, k):
-        torch, ql = self.torch, self.k.quant_linear
+        torch, qp = self.torch, self.k.quant_pack
         q = torch.empty((n, k), dtype=torch.int8) if qtype == "q8_0" else torch.empty((n, k // 2), dtype=torch.uint8)
-        return ql.Packed(qtype, (n, k), q, torch.empty((n, k // 32), dtype=torch.float16))
+        return qp.Packed(qtype, (n, k), q, torch.empty((n, k // 32), dtype=torch.float16))
 
     def launch(self, label, expect, fn, *args, **kwargs):
         """Call a wrapper; an exception (a compile error among them) or a kernel in `expect` that
