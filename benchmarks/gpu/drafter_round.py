@@ -385,7 +385,7 @@ def main(argv=None) -> int:
     p.add_argument("--dense-tuned", type=Path, default=None,
                    help="a dense_linear_sweep.py --tuned table to use as dense_linear.TUNED for this run")
     p.add_argument("--quant-tuned", type=Path, default=None,
-                   help="a quant_linear_sweep.py --tuned table to use as quant_linear.TUNED for this run")
+                   help="a quant_linear_sweep.py --tuned table to use as quant_tuning.TUNED for this run")
     p.add_argument("--ab-precs", default="bf16",
                    help="drafter precisions --dense-ab times on cuBLAS too (comma-separated; bf16 always runs, last)")
     p.add_argument("--dense-ab", action="store_true",
@@ -411,10 +411,10 @@ def main(argv=None) -> int:
     if a.quant_tuned and a.tiny:
         p.error("--quant-tuned sets the GPU kernels' tiles: the --tiny run launches none")
     if a.quant_tuned:
-        from memra_kernels import quant_linear as _ql
+        from memra_kernels import quant_tuning as _qt
 
         try:
-            _ql.load_tuned(a.quant_tuned)  # before any launch: config_for caches per shape
+            _qt.load_tuned(a.quant_tuned)  # before any launch: config_for caches per shape
         except (OSError, ValueError) as exc:
             p.error(f"--quant-tuned {a.quant_tuned}: {exc}")
     t_start = time.time()

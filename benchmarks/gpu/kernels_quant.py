@@ -14,7 +14,7 @@ In one process it
      (weight + x + out bytes / time) and its fraction of the copy bandwidth;
   3. sweeps tile configurations per (qtype, shape) at M = 16 under a time budget and reports the
      best next to the default (a config is chosen per shape, never per M: every M of a shape
-     runs the same one), with a `TUNED` table to paste into kernels/quant_linear.py.
+     runs the same one), with a `TUNED` table to paste into kernels/quant_tuning.py.
 The table is printed last; JSON goes to $OUT/kernels_quant.json when OUT is set. Per-shape and
 per-config failures are caught and reported. Env: QUANT_BENCH_BUDGET_S (sweep budget, default
 300), QUANT_BENCH_SWEEP=0 to skip the sweep.
@@ -36,6 +36,7 @@ import triton
 
 from memra_kernels import quant_linear as ql
 from memra_kernels import quant_pack as qp
+from memra_kernels import quant_tuning as qt
 
 from benchmarks import timing
 
@@ -84,7 +85,7 @@ def copies_for(nbytes: int) -> int:
     return max(2, min(64, math.ceil(3 * L2_BYTES / max(nbytes, 1))))
 
 
-def check(qtype: str, packed: qp.Packed, cfg: ql.KernelConfig | None, gen) -> dict:
+def check(qtype: str, packed: qp.Packed, cfg: qt.KernelConfig | None, gen) -> dict:
     """Kernel vs reference for every M, NaN-poisoned outputs, and row invariance (on the
     weight's device)."""
     n, k = packed.shape
@@ -115,7 +116,7 @@ def check(qtype: str, packed: qp.Packed, cfg: ql.KernelConfig | None, gen) -> di
 graph_ms = timing.cycled_graph_ms
 
 
-def time_kernel(copies: list[qp.Packed], m: int, cfg: ql.KernelConfig | None) -> float:
+def time_kernel(copies: list[qp.Packed], m: int, cfg: qt.KernelConfig | None) -> float:
     k = copies[0].shape[1]
     x = torch.randn((m, k), device="cuda", dtype=torch.bfloat16)
     return graph_ms(lambda i: ql.quant_linear(x, copies[i], config=cfg), len(copies))
@@ -146,7 +147,7 @@ def time_cublas(n: int, k: int, m: int, ws: list[torch.Tensor]) -> float:
     return graph_ms(lambda i: F.linear(x, ws[i]), len(ws))
 
 
-def kernel_info(packed: qp.Packed, cfg: ql.KernelConfig) -> dict:
+def kernel_info(packed: qp.Packed, cfg: qt.KernelConfig) -> dict:
     """Registers, spills, shared memory and a few markers of what Triton generated."""
     n, k = packed.shape
     x = torch.randn((16, k), device="cuda", dtype=torch.bfloat16)
@@ -171,7 +172,7 @@ def traffic(packed: qp.Packed, m: int) -> int:
     return packed.nbytes + m * k * 2 + m * n * 2
 
 
-def candidates(qtype: str, n: int, k: int) -> list[ql.KernelConfig]:
+def candidates(qtype: str, n: int, k: int) -> list[qt.KernelConfig]:
     """A few tile shapes and variants for one weight, each with the split count that gives
     about two programs per multiprocessor (all fixed per shape, never per M)."""
     out = []
@@ -182,7 +183,7 @@ def candidates(qtype: str, n: int, k: int) -> list[ql.KernelConfig]:
         for bk in (256, 512):
             for split in (1, 2, 4):
                 if split * bk <= k and (n // bn) * split >= 128 and (split == 1 or (n // bn) * split // 2 < 128):
-                    out.append(ql.KernelConfig(block_m=16, block_n=bn, block_k=bk, split_k=split,
+                    out.append(qt.KernelConfig(block_m=16, block_n=bn, block_k=bk, split_k=split,
                                                num_warps=4))
     # dequantize-first (one FMA a weight), both orientations
     grid = [(bn, bk, sw, False) for bn in (64, 128) for bk in (128, 256) for sw in (False, True)]
@@ -192,13 +193,13 @@ def candidates(qtype: str, n: int, k: int) -> list[ql.KernelConfig]:
         n_tiles, k_tiles, split = -(-n // bn), k // bk, 1
         while n_tiles * split < 264 and split * 2 <= k_tiles:
             split *= 2
-        out.append(ql.KernelConfig(block_m=16, block_n=bn, block_k=bk, split_k=split,
+        out.append(qt.KernelConfig(block_m=16, block_n=bn, block_k=bk, split_k=split,
                                    scale_after_dot=sa, swap_ab=sw,
                                    num_warps=8 if bn == 256 else 4))
     return out
 
 
-def refinements(best: ql.KernelConfig, k: int) -> list[ql.KernelConfig]:
+def refinements(best: qt.KernelConfig, k: int) -> list[qt.KernelConfig]:
     """Neighbours of the sweep's best: warps, stages, block_m, split halved/doubled."""
     def with_(**kw):
         return best.__class__(**{**best.__dict__, **kw})
@@ -212,14 +213,14 @@ def refinements(best: ql.KernelConfig, k: int) -> list[ql.KernelConfig]:
     return r
 
 
-def cfg_str(c: ql.KernelConfig | None) -> str:
+def cfg_str(c: qt.KernelConfig | None) -> str:
     if c is None:
         return "-"
     return (f"m{c.block_m} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} "
             f"st{c.num_stages}{' sa' if c.scale_after_dot else ''}{' sw' if c.swap_ab else ''}")
 
 
-def sweep(qtype, n, k, copies, deadline, gen) -> tuple[ql.KernelConfig | None, list]:
+def sweep(qtype, n, k, copies, deadline, gen) -> tuple[qt.KernelConfig | None, list]:
     """Time the current config and the candidates at M = SWEEP_M until the deadline; each must
     pass `check` (reference, NaN, row invariance) to count."""
     tried, done = [], set()
@@ -237,17 +238,17 @@ def sweep(qtype, n, k, copies, deadline, gen) -> tuple[ql.KernelConfig | None, l
         except Exception as e:  # a config that does not compile or run is reported, not fatal
             tried.append({"config": c.__dict__, "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
-    for c in [ql.config_for(qtype, n, k)] + candidates(qtype, n, k):
+    for c in [qt.config_for(qtype, n, k)] + candidates(qtype, n, k):
         run(c)
     timed = [t for t in tried if "ms" in t]
     if timed:
-        best = ql.KernelConfig(**min(timed, key=lambda t: t["ms"])["config"])
+        best = qt.KernelConfig(**min(timed, key=lambda t: t["ms"])["config"])
         for c in refinements(best, k):
             run(c)
     timed = [t for t in tried if "ms" in t]
     if not timed:
         return None, tried
-    return ql.KernelConfig(**min(timed, key=lambda t: t["ms"])["config"]), tried
+    return qt.KernelConfig(**min(timed, key=lambda t: t["ms"])["config"]), tried
 
 
 def main() -> int:
@@ -276,7 +277,7 @@ def main() -> int:
                 copies = [first] + [qp.Packed(qtype, (n, k), first.qweight.clone(),
                                               first.scales.clone())
                                     for _ in range(copies_for(first.nbytes) - 1)]
-                default = ql.config_for(qtype, n, k)
+                default = qt.config_for(qtype, n, k)
                 rec["default_config"] = default.__dict__
                 rec["check"] = check(qtype, first, None, gen)
                 log(f"{qtype} [{n}, {k}] default {cfg_str(default)}: check {rec['check']}")
@@ -290,7 +291,7 @@ def main() -> int:
                     if found is not None:
                         best = found
                     for t in tried:
-                        log(f"    {cfg_str(ql.KernelConfig(**t['config'])):36s} "
+                        log(f"    {cfg_str(qt.KernelConfig(**t['config'])):36s} "
                             + (f"{t['ms'] * 1e3:8.1f} us" if "ms" in t else t["error"][:160]))
                 rec["best_config"] = best.__dict__
                 for name, c in (("default", default), ("best", best)):
@@ -350,7 +351,7 @@ def main() -> int:
             log(f"{rec['qtype']:5s} {str([n, k]):>13s} {m:3d} {r['default_us']:10.1f} "
                 f"{r['default_frac']:5.2f} {r['best_us']:8.1f} {r['best_frac']:5.2f} "
                 f"{cb[0]:14.1f} {cb[1]:5.2f}  {'ok' if rec['check']['ok'] else 'FAIL':5s}  "
-                f"{cfg_str(ql.KernelConfig(**rec['best_config']))}")
+                f"{cfg_str(qt.KernelConfig(**rec['best_config']))}")
         tuned.append(f"    ({rec['qtype']!r}, {n}, {k}): KernelConfig(" + ", ".join(
             f"{key}={val!r}" for key, val in rec["best_config"].items()) + "),")
     log("")

@@ -12,10 +12,10 @@ replays of calls cycling through enough weight copies that L2 never holds the on
 
 Prints one line per shape (the current and the fastest config, µs and fraction of the copy
 bandwidth, and the fastest one's static count of SASS instructions per weight byte in its k loop
-and of spill loads and stores, `sass_stats`, recorded for every timed candidate) and a TUNED table to paste into kernels/quant_linear.py (a shape keeps its current
+and of spill loads and stores, `sass_stats`, recorded for every timed candidate) and a TUNED table to paste into kernels/quant_tuning.py (a shape keeps its current
 config unless a candidate beats it by `--margin`); writes every timing to `--json` and the whole
 table to `--tuned` (the module's entries for shapes not swept beside the winners), which
-`quant_linear.load_tuned` and `drafter_round --quant-tuned` read.
+`quant_tuning.load_tuned` and `drafter_round --quant-tuned` read.
 
 A tile's compiled kernel depends on its constexprs, not on the shape or the split count (both are
 run-time arguments), so the tiles below compile once per (qtype, glu, split or not) and every
@@ -39,11 +39,12 @@ import torch
 
 from memra_kernels import quant_linear as ql
 from memra_kernels import quant_pack as qp
+from memra_kernels import quant_tuning as qt
 
 from benchmarks import timing
 
 SWEEP_M = 16
-C = ql.KernelConfig
+C = qt.KernelConfig
 # Candidate tiles (split_k 1 here: `splits_for` sets it per shape). Why these: in the sm_90 SASS
 # the loop's instructions per weight byte fall with the byte-permute dequantization (mantissa),
 # with more output features per warp (x's fragments shared by more of them) and, for q4_0, with
@@ -82,13 +83,13 @@ def log(*a) -> None:
     print(*a, flush=True)
 
 
-def n_tiles(n: int, glu: bool, cfg: ql.KernelConfig) -> int:
+def n_tiles(n: int, glu: bool, cfg: qt.KernelConfig) -> int:
     """Output tiles of a launch: a GLU tile holds block_n / 2 output columns (quant_linear._launch)."""
     cols = cfg.block_n // 2 if glu else cfg.block_n
     return -(-(n // 2 if glu else n) // cols)
 
 
-def splits_for(n: int, k: int, glu: bool, cfg: ql.KernelConfig) -> list[int]:
+def splits_for(n: int, k: int, glu: bool, cfg: qt.KernelConfig) -> list[int]:
     """Up to three split counts for a tile on a shape, the likeliest first: the power of two
     that brings the programs nearest the target for its warps, then its half and its double,
     each leaving every program at least two `in` tiles (a pipeline of loads to overlap)."""
@@ -100,11 +101,11 @@ def splits_for(n: int, k: int, glu: bool, cfg: ql.KernelConfig) -> list[int]:
     return [s for s in (best, best // 2, best * 2) if s >= 1 and (s == 1 or k_tiles // s >= 2)]
 
 
-def candidates(qtype: str, n: int, k: int, glu: bool) -> list[ql.KernelConfig]:
+def candidates(qtype: str, n: int, k: int, glu: bool) -> list[qt.KernelConfig]:
     """The current config of the shape, then every tile of TILES[qtype] at its likeliest split
     count, then the tiles at their other split counts (so a budget cut short drops splits, not
     tiles); all fixed per shape: every M of a shape runs the same config."""
-    out = [ql.config_for(qtype, n, k)]
+    out = [qt.config_for(qtype, n, k)]
     tiles = [t for t in TILES[qtype] if k % t.block_k == 0]
     splits = {t: splits_for(n, k, glu, t) for t in tiles}
     for rank in range(3):
@@ -116,7 +117,7 @@ def candidates(qtype: str, n: int, k: int, glu: bool) -> list[ql.KernelConfig]:
     return out
 
 
-def refinements(best: ql.KernelConfig, k: int) -> list[ql.KernelConfig]:
+def refinements(best: qt.KernelConfig, k: int) -> list[qt.KernelConfig]:
     """Neighbours of the fastest: a pipeline stage more or fewer, the split halved or doubled."""
     out = [replace(best, num_stages=best.num_stages + 1)]
     if best.num_stages > 2:
@@ -128,26 +129,26 @@ def refinements(best: ql.KernelConfig, k: int) -> list[ql.KernelConfig]:
     return out
 
 
-def cfg_str(c: ql.KernelConfig) -> str:
+def cfg_str(c: qt.KernelConfig) -> str:
     flags = "".join(f" {f}" for f, on in (("sw", c.swap_ab), ("sa", c.scale_after_dot), ("mant", c.mantissa)) if on)
     return f"m{c.block_m} n{c.block_n} k{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}{flags}"
 
 
-def config_source(c: ql.KernelConfig) -> str:
-    """`_C(...)` as kernels/quant_linear.py's TUNED writes it: the fields that differ from the
+def config_source(c: qt.KernelConfig) -> str:
+    """`_C(...)` as kernels/quant_tuning.py's TUNED writes it: the fields that differ from the
     defaults, block_m always."""
-    default = ql.KernelConfig()
+    default = qt.KernelConfig()
     args = [f"{f.name}={getattr(c, f.name)!r}" for f in fields(c)
             if f.name == "block_m" or getattr(c, f.name) != getattr(default, f.name)]
     return f"_C({', '.join(args)})"
 
 
-def whole_table(winners: dict[tuple[str, int, int], ql.KernelConfig]) -> dict[str, dict]:
+def whole_table(winners: dict[tuple[str, int, int], qt.KernelConfig]) -> dict[str, dict]:
     """The module's TUNED entries for the shapes not swept, then the winners, as the JSON that
-    `quant_linear.load_tuned` reads."""
-    table = {key: cfg for key, cfg in ql.TUNED.items() if key not in winners}
+    `quant_tuning.load_tuned` reads."""
+    table = {key: cfg for key, cfg in qt.TUNED.items() if key not in winners}
     table.update(winners)
-    return {ql.tuned_key(*key): asdict(cfg) for key, cfg in table.items()}
+    return {qt.tuned_key(*key): asdict(cfg) for key, cfg in table.items()}
 
 
 def loop_instructions(sass: str) -> list[str]:
@@ -171,7 +172,7 @@ def loop_instructions(sass: str) -> list[str]:
     return best
 
 
-def sass_stats(kern, qtype: str, cfg: ql.KernelConfig) -> dict | None:
+def sass_stats(kern, qtype: str, cfg: qt.KernelConfig) -> dict | None:
     """What the compiler made of a tile, from the compiled kernel's cubin through Triton's bundled
     nvdisasm (None where either is missing): `instr_per_byte`, the SASS instructions a thread
     issues in the k loop per weight byte it dequantizes (a static count: the loop's length over
@@ -213,9 +214,9 @@ def sweep_shape(qtype: str, n: int, k: int, glu: bool, deadline: float, gen, dev
     x = torch.randn((SWEEP_M, k), generator=gen).to(device, torch.bfloat16)
     rec: dict = {"qtype": qtype, "out": n, "in": k, "glu": glu, "candidates": {}, "sass": {},
                  "bytes": first.nbytes + SWEEP_M * k * 2 + SWEEP_M * (n // 2 if glu else n) * 2}
-    timed: dict[ql.KernelConfig, float] = {}
+    timed: dict[qt.KernelConfig, float] = {}
 
-    def run(cfg: ql.KernelConfig) -> None:
+    def run(cfg: qt.KernelConfig) -> None:
         key = cfg_str(cfg)
         if key in rec["candidates"] or time.time() > deadline:
             return
@@ -236,7 +237,7 @@ def sweep_shape(qtype: str, n: int, k: int, glu: bool, deadline: float, gen, dev
         except Exception as exc:  # the counts are a note beside the timing, never a failure
             rec["sass"][key] = {"error": f"{type(exc).__name__}: {str(exc)[:100]}"}
 
-    current = ql.config_for(qtype, n, k)
+    current = qt.config_for(qtype, n, k)
     rec["current"] = asdict(current)
     for cfg in candidates(qtype, n, k, glu):
         run(cfg)
@@ -250,7 +251,7 @@ def sweep_shape(qtype: str, n: int, k: int, glu: bool, deadline: float, gen, dev
     return rec  # the copies go with this frame (main empties the allocator's cache)
 
 
-def check_glu(qtype: str, packed: qp.Packed, cfg: ql.KernelConfig, gen) -> dict:
+def check_glu(qtype: str, packed: qp.Packed, cfg: qt.KernelConfig, gen) -> dict:
     """The GLU launch against its two-launch form under the same config (bit for bit: the
     epilogue's contract) and the plain launch's checks (reference, NaN, row invariance)."""
     from benchmarks.gpu import kernels_quant as kq
@@ -264,15 +265,15 @@ def check_glu(qtype: str, packed: qp.Packed, cfg: ql.KernelConfig, gen) -> dict:
     return res
 
 
-def pick(rec: dict, margin: float) -> ql.KernelConfig:
+def pick(rec: dict, margin: float) -> qt.KernelConfig:
     """The shape's table entry: the fastest config when it beats the current one by `margin`
     (or the current one failed), else the current one (timing noise does not churn the table)."""
-    current = ql.KernelConfig(**rec["current"])
+    current = qt.KernelConfig(**rec["current"])
     if "best" not in rec:
         return current
     cur_us = rec.get("current_us")
     if cur_us is None or rec["best_us"] < (1 - margin) * cur_us:
-        return ql.KernelConfig(**rec["best"])
+        return qt.KernelConfig(**rec["best"])
     return current
 
 
@@ -304,14 +305,14 @@ def main(argv=None) -> int:
     log(f"{props.name}: copy bandwidth {copy_bw / 1e9:.0f} GB/s; M = {SWEEP_M}, bf16 x")
     jobs = [(q, n, k, glu) for q in qtypes for n, k, glu in LAUNCHED_8B]
     gen = torch.Generator().manual_seed(0)
-    winners: dict[tuple[str, int, int], ql.KernelConfig] = {}
+    winners: dict[tuple[str, int, int], qt.KernelConfig] = {}
     for i, (qtype, n, k, glu) in enumerate(jobs):
         left = a.budget_s - (time.time() - t0)
         try:
             rec = sweep_shape(qtype, n, k, glu, time.time() + max(0.0, left / (len(jobs) - i)), gen)
         except Exception as exc:  # e.g. out of memory for the copies: the shape keeps its config
             rec = {"qtype": qtype, "out": n, "in": k, "glu": glu, "candidates": {}, "sass": {},
-                   "bytes": 0, "current": asdict(ql.config_for(qtype, n, k)),
+                   "bytes": 0, "current": asdict(qt.config_for(qtype, n, k)),
                    "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         torch.cuda.empty_cache()
         chosen = pick(rec, a.margin)
@@ -337,13 +338,13 @@ def main(argv=None) -> int:
 def shape_line(rec: dict, copy_bw: float) -> str:
     """One shape's result: the current config and the fastest, µs and fraction of copy bandwidth."""
     head = f"{rec['qtype']} [{rec['out']:>5}, {rec['in']:>5}]{' glu' if rec['glu'] else '    '}"
-    cur = ql.KernelConfig(**rec["current"])
+    cur = qt.KernelConfig(**rec["current"])
     cur_us = rec.get("current_us")
     now = (f"now {cfg_str(cur)} {cur_us:7.2f} us ({frac(rec['bytes'], cur_us, copy_bw):.2f})" if cur_us
            else f"now {cfg_str(cur)} {rec['candidates'].get(cfg_str(cur), 'not timed')}")
     if "best" not in rec:
         return f"{head} {now} | no candidate timed{': ' + rec['error'] if 'error' in rec else ''}"
-    best = ql.KernelConfig(**rec["best"])
+    best = qt.KernelConfig(**rec["best"])
     stats = rec["sass"].get(cfg_str(best)) or {}
     ipb, spills = stats.get("instr_per_byte"), stats.get("local_ops")
     return (f"{head} {now} | best {cfg_str(best)} {rec['best_us']:7.2f} us "

@@ -1,6 +1,6 @@
 """The quantized kernel's sweep (benchmarks/gpu/quant_linear_sweep.py) on the CPU: its candidates
 are valid fixed-per-shape configs with split counts that leave every program a pipeline of loads,
-its table text and JSON read back as the configs they came from (`quant_linear.load_tuned`, which
+its table text and JSON read back as the configs they came from (`quant_tuning.load_tuned`, which
 refuses a bad entry naming it), it refuses to run without a GPU, and the suite runs it before the
 drafter round, which then loads its table. The timing itself is a GPU measurement."""
 
@@ -22,24 +22,24 @@ def sweep(monkeypatch):
 
 
 @pytest.fixture
-def ql():
-    from memra_kernels import quant_linear
+def qt():
+    from memra_kernels import quant_tuning
 
-    saved = dict(quant_linear.TUNED)
-    yield quant_linear
-    quant_linear.TUNED.clear()
-    quant_linear.TUNED.update(saved)
-    quant_linear._CONFIG_CACHE.clear()
+    saved = dict(quant_tuning.TUNED)
+    yield quant_tuning
+    quant_tuning.TUNED.clear()
+    quant_tuning.TUNED.update(saved)
+    quant_tuning._CONFIG_CACHE.clear()
 
 
-def test_candidates_are_valid_and_fixed_per_shape(sweep, ql):
+def test_candidates_are_valid_and_fixed_per_shape(sweep, qt):
     from benchmarks.gpu.drafter_round import LAUNCHED_8B
     from memra_kernels.quant_pack import QTYPES
 
     for qtype in QTYPES:
         for n, k, glu in LAUNCHED_8B:
             cands = sweep.candidates(qtype, n, k, glu)
-            assert cands[0] == ql.config_for(qtype, n, k)  # the current config is timed first
+            assert cands[0] == qt.config_for(qtype, n, k)  # the current config is timed first
             assert len(set(cands)) == len(cands) and len(cands) > len(sweep.TILES[qtype])
             for cfg in cands[1:]:
                 assert cfg.check() is cfg and cfg.block_m == 16
@@ -53,46 +53,46 @@ def test_candidates_are_valid_and_fixed_per_shape(sweep, ql):
     assert sweep.n_tiles(24576, True, tile) == sweep.n_tiles(24576, False, tile) == 24576 // tile.block_n
 
 
-def test_refinements_stay_inside_the_shape(sweep, ql):
-    best = ql.KernelConfig(block_m=16, block_n=64, block_k=128, split_k=16, num_warps=2, num_stages=2)
+def test_refinements_stay_inside_the_shape(sweep, qt):
+    best = qt.KernelConfig(block_m=16, block_n=64, block_k=128, split_k=16, num_warps=2, num_stages=2)
     for cfg in sweep.refinements(best, 4096):
         assert cfg.check() and cfg.num_stages >= 2
         assert cfg.split_k == 1 or 4096 // cfg.block_k // cfg.split_k >= 2
 
 
-def test_table_text_and_json_read_back(sweep, ql, tmp_path):
-    winners = {("q8_0", 6144, 4096): ql.KernelConfig(block_m=16, block_n=64, block_k=128, split_k=4, num_warps=2,
+def test_table_text_and_json_read_back(sweep, qt, tmp_path):
+    winners = {("q8_0", 6144, 4096): qt.KernelConfig(block_m=16, block_n=64, block_k=128, split_k=4, num_warps=2,
                                                      swap_ab=True, mantissa=True),
-               ("q4_0", 2048, 4096): ql.KernelConfig(block_m=16, block_n=32, block_k=128, split_k=8, num_warps=1,
+               ("q4_0", 2048, 4096): qt.KernelConfig(block_m=16, block_n=32, block_k=128, split_k=8, num_warps=1,
                                                      num_stages=4, swap_ab=True, scale_after_dot=True)}
     for cfg in winners.values():  # the pasted line builds the same config
-        assert eval(sweep.config_source(cfg), {"_C": ql.KernelConfig}) == cfg
+        assert eval(sweep.config_source(cfg), {"_C": qt.KernelConfig}) == cfg
     table = sweep.whole_table(winners)
-    untouched = [key for key in ql.TUNED if key not in winners]
-    assert untouched and all(ql.tuned_key(*key) in table for key in untouched)
+    untouched = [key for key in qt.TUNED if key not in winners]
+    assert untouched and all(qt.tuned_key(*key) in table for key in untouched)
     path = tmp_path / "quant_tuned.json"
     path.write_text(json.dumps(table))
-    before = dict(ql.TUNED)
-    loaded = ql.load_tuned(path)
+    before = dict(qt.TUNED)
+    loaded = qt.load_tuned(path)
     assert {key: loaded[key] for key in winners} == winners
     assert all(loaded[key] == before[key] for key in untouched)
-    assert ql.config_for("q8_0", 6144, 4096) == winners[("q8_0", 6144, 4096)]  # the cache was cleared
+    assert qt.config_for("q8_0", 6144, 4096) == winners[("q8_0", 6144, 4096)]  # the cache was cleared
 
 
 @pytest.mark.parametrize("entry", [{"q9_0 64x64": {}}, {"q8_0 64by64": {}}, {"q8_0 64x64": {"block_q": 3}},
                                    {"q8_0 64x64": {"block_n": 48}},
                                    {"q8_0 64x64": {"mantissa": True, "scale_after_dot": True}}])
-def test_load_tuned_refuses_a_bad_entry_and_keeps_the_table(ql, tmp_path, entry):
+def test_load_tuned_refuses_a_bad_entry_and_keeps_the_table(qt, tmp_path, entry):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"q8_0 6144x4096": {"block_m": 16}, **entry}))
-    before = dict(ql.TUNED)
+    before = dict(qt.TUNED)
     with pytest.raises(ValueError, match=f"entry '{next(iter(entry))}'"):
-        ql.load_tuned(path)
-    assert ql.TUNED == before
+        qt.load_tuned(path)
+    assert qt.TUNED == before
 
 
-def test_pick_keeps_the_current_config_within_the_margin(sweep, ql):
-    cur, fast = ql.KernelConfig(block_m=16), ql.KernelConfig(block_m=16, num_warps=2)
+def test_pick_keeps_the_current_config_within_the_margin(sweep, qt):
+    cur, fast = qt.KernelConfig(block_m=16), qt.KernelConfig(block_m=16, num_warps=2)
     rec = {"current": vars(cur), "current_us": 10.0, "best": vars(fast), "best_us": 9.9}
     assert sweep.pick(rec, 0.02) == cur
     assert sweep.pick({**rec, "best_us": 9.0}, 0.02) == fast
@@ -151,8 +151,8 @@ def test_loop_instructions_takes_the_longest_loop(sweep):
     assert sweep.loop_instructions("no loop here") == []
 
 
-def test_shape_line_reports_times_fractions_and_failures(sweep, ql):
-    cur, fast = ql.KernelConfig(block_m=16), ql.KernelConfig(block_m=16, num_warps=2, mantissa=True)
+def test_shape_line_reports_times_fractions_and_failures(sweep, qt):
+    cur, fast = qt.KernelConfig(block_m=16), qt.KernelConfig(block_m=16, num_warps=2, mantissa=True)
     rec = {"qtype": "q8_0", "out": 2048, "in": 4096, "glu": False, "bytes": 4_000_000,
            "current": vars(cur), "current_us": 2.0, "best": vars(fast), "best_us": 1.0,
            "candidates": {sweep.cfg_str(cur): 2.0, sweep.cfg_str(fast): 1.0},

@@ -16,8 +16,9 @@ import triton.language as tl
 from memra_cli.engine.quant.blocks import QuantLinearRef, quantize
 from memra_kernels import quant_linear as ql
 from memra_kernels import quant_pack as qp
+from memra_kernels import quant_tuning as qt
 from memra_kernels.ggml_blocks_ref import QuantError  # the kernels' own (the engine's subclasses it)
-from memra_kernels.quant_linear import KernelConfig
+from memra_kernels.quant_tuning import KernelConfig
 
 try:
     import gguf
@@ -275,8 +276,8 @@ def test_config_is_per_shape():
     """The tiles come from (qtype, out, in) alone: every M of a shape runs the same launch."""
     for qtype in QTYPES:
         for n, k in [(4096, 4096), (1024, 4096), (33, 96)]:
-            cfg = ql.config_for(qtype, n, k)
-            assert cfg is ql.config_for(qtype, n, k) and cfg.split_k >= 1
+            cfg = qt.config_for(qtype, n, k)
+            assert cfg is qt.config_for(qtype, n, k) and cfg.split_k >= 1
             assert cfg.split_k <= max(1, -(-k // cfg.block_k))
 
 
@@ -385,7 +386,7 @@ def test_fused_kernel_computes_the_parts_side_by_side(qtype, dtype):
     stack and its parts, so a K sum may be split and added in another order."""
     parts = fuse_parts(qtype, seed=1)
     fused = ql.QuantLinear.concat(parts)
-    assert ql.config_for(qtype, *fused.shape) != ql.config_for(qtype, *parts[1].shape)
+    assert qt.config_for(qtype, *fused.shape) != qt.config_for(qtype, *parts[1].shape)
     gen = torch.Generator().manual_seed(6)
     for m in (1, 5, 17):
         x = torch.randn((m, FUSE_K), generator=gen).to(DEVICE, dtype)

@@ -17,6 +17,7 @@ import torch
 
 from memra_kernels import quant_linear as ql
 from memra_kernels import quant_pack as qp
+from memra_kernels import quant_tuning as qt
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.exhaustive  # dozens of interpreted launches
@@ -57,7 +58,7 @@ def test_sweep_checks_then_times_and_never_picks_a_wrong_config(sweep, monkeypat
 
     rec = sweep.sweep_shape(qtype, 64, 256, glu, time.time() + 600, torch.Generator().manual_seed(0),
                             device="cpu", time_ms=fake_ms)
-    current = ql.config_for(qtype, 64, 256)
+    current = qt.config_for(qtype, 64, 256)
     assert rec["current"] == vars(current) and rec["current_us"] == pytest.approx(1.0)
     assert rec["best"] == vars(current)
     wrong = [key for key, v in rec["candidates"].items() if isinstance(v, str)]

@@ -14,7 +14,8 @@ GPU. The wrappers' "CUDA tensors only" checks are the only thing relaxed (see `_
 
 Configurations: the engine's shapes (the embedded Qwen3 pair, Qwen3-8B, Qwen3.5-4B), the module
 tile constants (attention's TILES per head_dim class, DeltaNet's BLOCK_V / REC_WARPS with LATE_PREP
-both ways, quant_linear's TUNED table and its heuristic, aligned or not), each in bf16 and f32.
+both ways, quant_linear's TUNED table (quant_tuning.py) and its heuristic, aligned or not), each in
+bf16 and f32.
 The coverage tests then require that every kernel launched in kernels/*.py compiled, that every
 boolean constexpr compiled both ways, and the tile constants exactly; so a wrapper that stops
 launching (a silent torch fallback) fails too.
@@ -266,14 +267,14 @@ QUANT_HEURISTIC_SHAPES = ((512, 256), (256, 256), (1536, 256), (256, 768), (1843
 
 def _quant_linear(ctx, arg):
     qtype, dt, which = arg
-    ql = ctx.k.quant_linear
+    ql, qt = ctx.k.quant_linear, ctx.k.quant_tuning
     if which == "tuned":
-        shapes = [(n, k) for (q, n, k) in ql.TUNED if q == qtype]
+        shapes = [(n, k) for (q, n, k) in qt.TUNED if q == qtype]
     else:
         shapes = list(QUANT_HEURISTIC_SHAPES)
     for n, k in shapes:
         packed = ctx.packed(qtype, n, k)
-        cfg = ql.config_for(qtype, n, k)
+        cfg = qt.config_for(qtype, n, k)
         label = f"quant_linear {qtype} {n}x{k} {cfg}"
         ctx.launch(label, "_quant_linear_kernel", ql.quant_linear, ctx.t(16, k, dtype=dt), packed)
     if which == "heuristic":
@@ -342,9 +343,9 @@ def _dense_linear(ctx, dt):
 def _quant_scale_after(ctx, dt):
     """The scale-after-dot variant: no TUNED shape uses it, but benchmarks launch it (`config=`),
     and with bf16 q4_0 it is the inline-PTX nibble path."""
-    ql = ctx.k.quant_linear
+    ql, qt = ctx.k.quant_linear, ctx.k.quant_tuning
     for qtype in ("q8_0", "q4_0"):
-        cfg = ql.KernelConfig(block_m=16, block_n=64, block_k=128, split_k=2, scale_after_dot=True)
+        cfg = qt.KernelConfig(block_m=16, block_n=64, block_k=128, split_k=2, scale_after_dot=True)
         ctx.launch(f"quant_linear {qtype} scale_after_dot", "_quant_linear_kernel", ql.quant_linear,
                    ctx.t(16, 4096, dtype=dt), ctx.packed(qtype, 1024, 4096), config=cfg)
 
@@ -354,7 +355,7 @@ def _quant_mantissa(ctx, dt):
     sweep (benchmarks/gpu/quant_linear_sweep.py) launches it in both operand orders, with the
     per-warp MMAs (swap, 1-2 warps) and the warpgroup ones (swap, 4 warps, block_n 64), and GLU."""
     ql = ctx.k.quant_linear
-    C = ql.KernelConfig
+    C = ctx.k.quant_tuning.KernelConfig
     for qtype in ("q8_0", "q4_0"):
         for cfg in (C(block_m=16, block_n=64, block_k=128, split_k=4, num_warps=2, swap_ab=True, mantissa=True),
                     C(block_m=16, block_n=64, block_k=128, split_k=2, num_warps=4, swap_ab=True, mantissa=True),
@@ -669,12 +670,12 @@ class _Ctx:
 def _constants(pkg):
     from dataclasses import asdict
 
-    a, dn, ql = pkg.attention, pkg.deltanet, pkg.quant_linear
+    a, dn, qt = pkg.attention, pkg.deltanet, pkg.quant_tuning
     return {
         "attention_tiles": {str(k): asdict(v) for k, v in a.TILES.items()},
         "deltanet": {"BLOCK_V": dn.BLOCK_V, "REC_WARPS": dn.REC_WARPS, "LATE_PREP": dn.LATE_PREP,
                      "PREFETCH": dn.PREFETCH},
-        "quant_tuned": [[list(key), asdict(cfg)] for key, cfg in ql.TUNED.items()],
+        "quant_tuned": [[list(key), asdict(cfg)] for key, cfg in qt.TUNED.items()],
     }
 
 
