@@ -62,3 +62,26 @@ def test_a_failing_section_is_recorded_and_the_report_still_written(script_modul
     d = json.loads((tmp_path / "r.json").read_text())
     assert d["errors"] == {"broken": "RuntimeError: boom"} and d["value"] == 3
     assert set(d["section_s"]) == {"broken", "fine"}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is present: the round would run")
+def test_quant_tuned_table_replaces_the_kernels_tiles_or_is_refused(script_module, tmp_path, capsys):
+    """`--quant-tuned` loads a sweep's table into quant_tuning.TUNED before anything runs (on the CPU
+    the run then stops: no CUDA device), and a bad entry is a one-line usage error naming it."""
+    from memra_kernels import quant_tuning
+
+    saved = dict(quant_tuning.TUNED)
+    try:
+        good = tmp_path / "quant_tuned.json"
+        good.write_text(json.dumps({"q8_0 64x256": {"block_m": 16, "block_n": 32, "split_k": 2}}))
+        assert script_module.main(["--quant-tuned", str(good), "--json", str(tmp_path / "r.json")]) == 1
+        assert quant_tuning.TUNED == {("q8_0", 64, 256): quant_tuning.KernelConfig(block_m=16, block_n=32, split_k=2)}
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"q8_0 64by256": {}}))
+        with pytest.raises(SystemExit) as exc:
+            script_module.main(["--quant-tuned", str(bad)])
+        assert exc.value.code == 2 and "entry 'q8_0 64by256'" in capsys.readouterr().err
+    finally:
+        quant_tuning.TUNED.clear()
+        quant_tuning.TUNED.update(saved)
+        quant_tuning._CONFIG_CACHE.clear()
