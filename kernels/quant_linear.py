@@ -26,8 +26,9 @@ Dequantization, two variants (KernelConfig.scale_after_dot, kernels/quant_tuning
     exponent of 1.0 by byte permutes, 4 bytes a step in 32-bit registers (q8_0: 0x3F80uu00 for
     u = q + 128, one xor for 4 weights then one permute a weight; q4_0: 0x3F8n0000, one mask a 4
     nibbles then one permute a weight), and one FMA with constants folded into the block's
-    scale gives q * d exactly: the same weights as the default (`_scaled_mantissa`), in about
-    half the integer instructions (docs/tuning.md#quantized-linear).
+    scale gives q * d exactly: the same weights as the default, in about half the integer
+    instructions (docs/tuning.md#quantized-linear). The integer-to-float helpers of all three
+    (magic numbers, mantissas, PTX) are kernels/_quant_dequant.py.
 
 The kernel is bound by instruction issue, not memory (so q4_0, with two weights a byte, is
 slower per byte than q8_0), and eager calls cost host time, so they are meant to run under CUDA
@@ -81,168 +82,10 @@ def triton_available() -> bool:
 # --------------------------------------------------------------------------------------------
 
 if triton is not None:
+    from ._quant_dequant import (int8_magic, int8_mantissa, int8_mantissa_ptx, int8_to_f32, nibble_magic,
+                                 nibble_mantissa, nibble_mantissas_ptx, nibble_to_dot, nibbles_bf16,
+                                 scaled_magic, scaled_mantissa)
     from ._splitk import counters, store_or_reduce, tile_rows
-
-    @triton.jit
-    def _int8_to_f32(q):
-        """int8 tensor -> exact float32 without an int-to-float instruction (those run at a
-        quarter of the FMA rate): the bits 0x4B400000 + q are the float 1.5 * 2^23 + q."""
-        return (q.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
-
-    @triton.jit
-    def _nibble_to_f32(nib):
-        """uint8 tensor of nibbles 0..15 -> exact float32 nib - 8 (2^23 + nib, minus 2^23 + 8)."""
-        return (nib.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-
-    @triton.jit
-    def _scaled(m, d, FUSED: tl.constexpr):
-        """m * d - 1.5 * 2^23 * d for m = 1.5 * 2^23 + q (the magic floats below): q * d exactly.
-
-        FUSED is one FMA per weight: the exact product m * d plus the exact constant (3 * 2^22
-        times an 11-bit d fits in 13 bits) is q * d (<= 19 bits), rounded once: exact. The
-        interpreter's fma rounds the product first, so it takes the two-step form instead.
-        """
-        if FUSED:
-            return tl.fma(m, d, d * -12582912.0)
-        else:
-            return (m - 12582912.0) * d
-
-    @triton.jit
-    def _int8_magic(q):
-        """int8 q -> the float 1.5 * 2^23 + q (its bits are 0x4B400000 + q)."""
-        return (q.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _nibble_magic(nib):
-        """nibble 0..15 -> the float 1.5 * 2^23 + nib - 8."""
-        return (nib.to(tl.int32) + (0x4B400000 - 8)).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _int8_mantissa(q):
-        """int8 q -> the float 1 + (q + 128) * 2^-15: the byte q ^ 0x80 (q + 128, 0..255) as
-        mantissa bits 8..15 of 1.0 (bits 0x3F80uu00), one byte placement a weight."""
-        u = (q ^ -128).to(tl.uint8, bitcast=True).to(tl.int32)
-        return ((u << 8) | 0x3F800000).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _nibble_mantissa(nib):
-        """nibble 0..15 (uint8) -> the float 1 + nib * 2^-7 (bits 0x3F8n0000)."""
-        return ((nib.to(tl.int32) << 16) | 0x3F800000).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _int8_mantissa_ptx(q):
-        """`_int8_mantissa` 4 bytes at a time in 32-bit registers (PTX; the GPU only): flip the
-        4 sign bits with one xor, then one byte permute a weight puts its byte under 1.0's
-        exponent (0x3F80uu00): 1.25 instructions a weight."""
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t, one;
-            xor.b32 t, $4, 0x80808080;
-            mov.b32 one, 0x3F800000;
-            prmt.b32 $0, t, one, 0x7604;
-            prmt.b32 $1, t, one, 0x7614;
-            prmt.b32 $2, t, one, 0x7624;
-            prmt.b32 $3, t, one, 0x7634;
-            }
-            """,
-            constraints="=r,=r,=r,=r,r",
-            args=[q],
-            dtype=tl.float32,
-            is_pure=True,
-            pack=4,
-        )
-
-    @triton.jit
-    def _nibble_mantissas_ptx(b):
-        """uint8 bytes -> (`_nibble_mantissa` of the low nibbles, of the high nibbles), 4 bytes a
-        step in 32-bit registers (PTX; the GPU only): mask the 4 low (then high) nibbles at once
-        and set each byte's top bit (1.0's exponent bit), then one byte permute a weight puts it
-        under the exponent (0x3F8n0000): ~1.4 instructions a weight."""
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t, top;
-            mov.b32 top, 0x3F000000;
-            and.b32 t, $8, 0x0F0F0F0F;
-            or.b32 t, t, 0x80808080;
-            prmt.b32 $0, t, top, 0x7044;
-            prmt.b32 $1, t, top, 0x7144;
-            prmt.b32 $2, t, top, 0x7244;
-            prmt.b32 $3, t, top, 0x7344;
-            shr.u32 t, $8, 4;
-            and.b32 t, t, 0x0F0F0F0F;
-            or.b32 t, t, 0x80808080;
-            prmt.b32 $4, t, top, 0x7044;
-            prmt.b32 $5, t, top, 0x7144;
-            prmt.b32 $6, t, top, 0x7244;
-            prmt.b32 $7, t, top, 0x7344;
-            }
-            """,
-            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
-            args=[b],
-            dtype=(tl.float32, tl.float32),
-            is_pure=True,
-            pack=4,
-        )
-
-    @triton.jit
-    def _scaled_mantissa(m, d, BASE: tl.constexpr, UNIT: tl.constexpr, FUSED: tl.constexpr):
-        """(m - BASE) * UNIT * d for m = BASE + w / UNIT (the mantissa floats above, w the
-        integer weight): w * d exactly.
-
-        FUSED is one FMA a weight: m * (UNIT d) + (-BASE UNIT d), whose constant is exact
-        (BASE * UNIT is 32896 = 2^15 + 2^7 for q8_0, 136 = 2^7 + 2^3 for q4_0: at most 9
-        significant bits, times d's 11) and whose exact sum w * d (<= 19 bits) is representable,
-        so the one rounding is exact. The interpreter takes the two-step form (m - BASE is exact).
-        """
-        if FUSED:
-            return tl.fma(m, d * UNIT, d * (-BASE * UNIT))
-        else:
-            return (m - BASE) * (d * UNIT)
-
-    @triton.jit
-    def _nibble_to_dot(nib, DOT: tl.constexpr, WIDEN: tl.constexpr):
-        """Nibbles 0..15 -> exact nib - 8 in the dot's dtype. For bfloat16 the bits 0x4300 | nib
-        are 128 + nib, so one bf16 subtraction gives the value without any conversion (not
-        under the interpreter, which does arithmetic on bf16's raw bits)."""
-        if DOT == tl.bfloat16 and not WIDEN:
-            return (nib.to(tl.int16) | 0x4300).to(tl.bfloat16, bitcast=True) - 136.0
-        else:
-            return _nibble_to_f32(nib).to(DOT)
-
-    @triton.jit
-    def _nibbles_bf16(b):
-        """uint8 bytes -> (low nibble - 8, high nibble - 8) as exact bfloat16, 4 bytes per step
-        in 32-bit registers (PTX; the GPU only): mask the nibbles of 4 bytes at once, place each
-        under the bf16 exponent of 128 with one byte permute per pair (bits 0x43nn = 128 + nn),
-        and subtract 136 from a pair with one bf16x2 FMA: ~1.4 instructions a weight."""
-        return tl.inline_asm_elementwise(
-            asm="""
-            {
-            .reg .b32 t, e, one, off;
-            mov.b32 e, 0x43434343;
-            mov.b32 one, 0x3F803F80;
-            mov.b32 off, 0xC308C308;
-            and.b32 t, $4, 0x0F0F0F0F;
-            prmt.b32 $0, t, e, 0x5140;
-            prmt.b32 $1, t, e, 0x7362;
-            fma.rn.bf16x2 $0, $0, one, off;
-            fma.rn.bf16x2 $1, $1, one, off;
-            shr.u32 t, $4, 4;
-            and.b32 t, t, 0x0F0F0F0F;
-            prmt.b32 $2, t, e, 0x5140;
-            prmt.b32 $3, t, e, 0x7362;
-            fma.rn.bf16x2 $2, $2, one, off;
-            fma.rn.bf16x2 $3, $3, one, off;
-            }
-            """,
-            constraints="=r,=r,=r,=r,r",
-            args=[b],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
 
     @triton.jit
     def _dot(a, b, acc, PREC: tl.constexpr, WIDEN: tl.constexpr):
@@ -301,14 +144,14 @@ if triton is not None:
             b = _load_w(w_rows, n_mask, k0 // 2 + c, K // 2, EVEN_N, EVEN_K)
             if MANT:
                 if WIDEN:
-                    m_lo, m_hi = _nibble_mantissa(b & 15), _nibble_mantissa(b >> 4)
+                    m_lo, m_hi = nibble_mantissa(b & 15), nibble_mantissa(b >> 4)
                 else:
-                    m_lo, m_hi = _nibble_mantissas_ptx(b)
-                lo = _scaled_mantissa(tl.reshape(m_lo, (BLOCK_N, NB, 16)), s, 1.0625, 128.0, FUSED)
-                hi = _scaled_mantissa(tl.reshape(m_hi, (BLOCK_N, NB, 16)), s, 1.0625, 128.0, FUSED)
+                    m_lo, m_hi = nibble_mantissas_ptx(b)
+                lo = scaled_mantissa(tl.reshape(m_lo, (BLOCK_N, NB, 16)), s, 1.0625, 128.0, FUSED)
+                hi = scaled_mantissa(tl.reshape(m_hi, (BLOCK_N, NB, 16)), s, 1.0625, 128.0, FUSED)
             else:
-                lo = _scaled(tl.reshape(_nibble_magic(b & 15), (BLOCK_N, NB, 16)), s, FUSED)
-                hi = _scaled(tl.reshape(_nibble_magic(b >> 4), (BLOCK_N, NB, 16)), s, FUSED)
+                lo = scaled_magic(tl.reshape(nibble_magic(b & 15), (BLOCK_N, NB, 16)), s, FUSED)
+                hi = scaled_magic(tl.reshape(nibble_magic(b >> 4), (BLOCK_N, NB, 16)), s, FUSED)
             lo = tl.reshape(lo, (BLOCK_N, BLOCK_K // 2)).to(DOT)
             hi = tl.reshape(hi, (BLOCK_N, BLOCK_K // 2)).to(DOT)
             k_lo = k0 + (c // 16) * 32 + c % 16
@@ -318,10 +161,10 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK_K)
             q = _load_w(w_rows, n_mask, cols, K, EVEN_N, EVEN_K)
             if MANT:
-                m = _int8_mantissa(q) if WIDEN else _int8_mantissa_ptx(q)
-                w = _scaled_mantissa(tl.reshape(m, (BLOCK_N, NB, 32)), s, 1.00390625, 32768.0, FUSED)
+                m = int8_mantissa(q) if WIDEN else int8_mantissa_ptx(q)
+                w = scaled_mantissa(tl.reshape(m, (BLOCK_N, NB, 32)), s, 1.00390625, 32768.0, FUSED)
             else:
-                w = _scaled(tl.reshape(_int8_magic(q), (BLOCK_N, NB, 32)), s, FUSED)
+                w = scaled_magic(tl.reshape(int8_magic(q), (BLOCK_N, NB, 32)), s, FUSED)
             w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(DOT)
             acc = _mma(_load_x(x_rows, m_mask, cols, K, EVEN_K), w, acc, SWAP, PREC, WIDEN)
         return acc
@@ -348,10 +191,10 @@ if triton is not None:
                 c = tl.arange(0, 16)
                 b = _load_w(w_rows, n_mask, kb * 16 + c, K // 2, EVEN_N, EVEN_K)
                 if DOT == tl.bfloat16 and not WIDEN:
-                    lo, hi = _nibbles_bf16(b)
+                    lo, hi = nibbles_bf16(b)
                 else:
-                    lo = _nibble_to_dot(b & 15, DOT, WIDEN)
-                    hi = _nibble_to_dot(b >> 4, DOT, WIDEN)
+                    lo = nibble_to_dot(b & 15, DOT, WIDEN)
+                    hi = nibble_to_dot(b >> 4, DOT, WIDEN)
                 part = _mma(_load_x(x_rows, m_mask, kb * 32 + c, K, EVEN_K), lo, part, SWAP,
                             PREC, WIDEN)
                 part = _mma(_load_x(x_rows, m_mask, kb * 32 + 16 + c, K, EVEN_K), hi, part,
@@ -359,7 +202,7 @@ if triton is not None:
             else:
                 cols = kb * 32 + tl.arange(0, 32)
                 q = _load_w(w_rows, n_mask, cols, K, EVEN_N, EVEN_K)
-                part = _mma(_load_x(x_rows, m_mask, cols, K, EVEN_K), _int8_to_f32(q).to(DOT),
+                part = _mma(_load_x(x_rows, m_mask, cols, K, EVEN_K), int8_to_f32(q).to(DOT),
                             part, SWAP, PREC, WIDEN)
             if SWAP:
                 acc += part * d.to(tl.float32)[:, None]

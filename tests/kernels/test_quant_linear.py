@@ -235,14 +235,14 @@ def test_mantissa_path_reads_the_dequantized_weights(qtype, dtype):
 
 @triton.jit
 def _int8_mantissa_no_flip(q):
-    """`ql._int8_mantissa` planted wrong: the byte as stored, without the sign flip."""
+    """`_quant_dequant.int8_mantissa` planted wrong: the byte as stored, without the sign flip."""
     u = q.to(tl.uint8, bitcast=True).to(tl.int32)
     return ((u << 8) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _nibble_mantissa_plus_one(nib):
-    """`ql._nibble_mantissa` planted wrong: every nibble read one too high."""
+    """`_quant_dequant.nibble_mantissa` planted wrong: every nibble read one too high."""
     return (((nib.to(tl.int32) + 1) << 16) | 0x3F800000).to(tl.float32, bitcast=True)
 
 
@@ -256,8 +256,9 @@ def test_mantissa_check_catches_a_planted_offset_error(qtype, monkeypatch):
     eye = torch.eye(64, device=DEVICE)[:32]
     cfg = KernelConfig(block_n=16, block_k=64, mantissa=True)
     assert torch.equal(ql.quant_linear(eye, packed, config=cfg), packed.dequantize()[:, :32].T)
-    monkeypatch.setattr(ql, "_int8_mantissa", _int8_mantissa_no_flip)
-    monkeypatch.setattr(ql, "_nibble_mantissa", _nibble_mantissa_plus_one)
+    # planted where the kernel looks them up: the names quant_linear imports
+    monkeypatch.setattr(ql, "int8_mantissa", _int8_mantissa_no_flip)
+    monkeypatch.setattr(ql, "nibble_mantissa", _nibble_mantissa_plus_one)
     assert not torch.equal(ql.quant_linear(eye, packed, config=cfg), packed.dequantize()[:, :32].T)
 
 
