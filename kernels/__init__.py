@@ -10,8 +10,9 @@ or on the storage size, so fixed-width steps stay bit-exact.
 - `activation`: SiLU(gate) * up
 - `attention`: causal GQA attention over the live length only (or a sliding window's live keys),
   split over keys at a fixed size
-- `quant_linear`: q8_0 / q4_0 weights repacked once at load, dequantized in registers, small M
-  (the block codec it packs, byte-identical to llama.cpp's: `ggml_blocks_ref`, triton-free)
+- `quant_linear`: q8_0 / q4_0 weights dequantized in registers (`_quant_dequant`), small M; the
+  weights repacked once at load (`quant_pack`, triton-free), tiles per shape (`quant_tuning`); the
+  block codec `quant_pack` packs, byte-identical to llama.cpp's: `ggml_blocks_ref`, triton-free
 - `dense_linear`: bf16 / f16 weights at small M (the step's weight matmuls on the shapes where it
   beats cuBLAS), split over `in` at a per-shape constant, partials summed in a fixed order
 - `deltanet`: Gated DeltaNet's step (Qwen3.5): causal conv update + SiLU, and the gated delta rule

@@ -1,6 +1,6 @@
 """ggml q8_0 / q4_0 blocks: the layout, the encoder (byte-identical to llama.cpp's
 `quantize_row_q{8,4}_0_ref`) and the decoders (numpy, and the torch twin `dequantize_torch`).
-Triton-free: the engine's quantizer, its GGUF reader and `quant_linear` all use this one body.
+Triton-free: the engine's quantizer, its GGUF reader and `quant_pack` all use this one body.
 
 Block layouts (32 values per block, little-endian):
   q8_0: [d: f16][q: 32 x int8]                    34 B, value = q * d

@@ -1,5 +1,5 @@
 """ggml q8_0 / q4_0 blocks as the engine sees them: the codec's one body is
-`memra_kernels.ggml_blocks_ref` (layout, encoder, decoders; triton-free), which `quant_linear`
+`memra_kernels.ggml_blocks_ref` (layout, encoder, decoders; triton-free), which `quant_pack`
 shares; here its refusals become the engine's `QuantError`, a `MemraError` the CLI renders as a
 one-line `error:`. The GGUF reader needs the decoders; quant/blocks.py re-exports these names
 beside the encoders.

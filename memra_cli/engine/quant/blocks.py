@@ -1,7 +1,7 @@
 """ggml q8_0 / q4_0 block quantization, byte-identical to llama.cpp's `quantize_row_q{8,4}_0_ref`,
 and `QuantLinearRef`, the quantized linear's torch reference.
 
-The encoders' one body is `memra_kernels.ggml_blocks_ref` (triton-free; `quant_linear` packs
+The encoders' one body is `memra_kernels.ggml_blocks_ref` (triton-free; `quant_pack` packs
 what it writes); the names here raise the engine's `QuantError` (a `MemraError`) where it
 refuses: NaN/Inf in a weight, rows that are not whole blocks, an unknown qtype. The decoders
 and the layout come through formats/ggml_blocks.py, which the GGUF reader uses.
