@@ -217,3 +217,49 @@ def test_a_planted_kernel_import_of_memra_cli_is_found():
         "clean.py": "from ._common import check_tensors\nimport memra_clinic\n",
     }
     assert _kernel_modules_importing_memra_cli(planted) == {"top.py", "lazy.py"}
+
+
+# Kernel modules the engine's CPU path and the packing at load import: they and every kernels/
+# module they import (relative imports) must not import triton, which a CPU install may lack.
+TRITON_FREE_KERNELS = ("ggml_blocks_ref.py", "quant_pack.py")
+
+
+def _kernel_imports(source: str) -> tuple[set[str], bool]:
+    """(kernels/ files `source` imports relatively, whether it imports triton), lazy imports included."""
+    local, triton = set(), False
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            local.update(f"{node.module}.py" if node.module else f"{a.name}.py" for a in node.names)
+        names = ([node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0
+                 else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        triton |= any(n == "triton" or n.startswith("triton.") for n in names)
+    return local, triton
+
+
+def _importing_triton(sources: dict[str, str], roots) -> set[str]:
+    """The files reachable from `roots` through relative imports that import triton."""
+    seen, todo, bad = set(), list(roots), set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in sources:
+            continue
+        seen.add(name)
+        local, triton = _kernel_imports(sources[name])
+        if triton:
+            bad.add(name)
+        todo.extend(local)
+    return bad
+
+
+def test_packing_and_codec_kernels_are_triton_free():
+    sources = {path.name: path.read_text() for path in KERNELS.glob("*.py")}
+    assert all(name in sources for name in TRITON_FREE_KERNELS)
+    reached = _importing_triton(sources, ["quant_linear.py"])  # the scan sees triton, and follows imports
+    assert {"quant_linear.py", "_quant_dequant.py", "_splitk.py"} <= reached
+    assert not _importing_triton(sources, TRITON_FREE_KERNELS)
+
+
+def test_a_planted_triton_import_behind_a_relative_import_is_found():
+    planted = {"a.py": "from .b import f\n", "b.py": "def f():\n    import triton.language as tl\n",
+               "c.py": "import tritonic\nfrom . import a\n"}
+    assert _importing_triton(planted, ["c.py"]) == {"b.py"}
