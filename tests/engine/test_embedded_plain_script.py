@@ -18,6 +18,7 @@ def test_cpu_run_writes_its_report(tmp_path):
     out = tmp_path / "plain.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
     env["PYTHONPATH"] = str(ROOT)
+    env["OMP_NUM_THREADS"] = "1"  # one intra-op thread, as the tests' own process runs (conftest): no fight for 2 cores
     proc = subprocess.run([sys.executable, "-m", MODULE, "--device", "cpu", "--prompts", "2", "--max-new", "4",
                            "--reps", "2", "--json", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=180)
