@@ -21,22 +21,26 @@ def _gen(seed: int) -> torch.Generator:
 
 
 @pytest.mark.skipif(not tso.ONEDNN_PACK, reason="this torch has no oneDNN weight packing")
-def test_packed_weights_give_the_unpacked_bits_and_follow_their_weight():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_packed_weights_give_the_unpacked_bits_and_follow_their_weight(dtype):
+    """And in bfloat16 they are F.linear's bits (torch's bfloat16 CPU matmul is oneDNN's)."""
     g = _gen(0)
-    w = torch.randn(384, 256, generator=g) * 0.05
+    w = (torch.randn(384, 256, generator=g) * 0.05).to(dtype)
     cache = tso.PackedWeights()
     for rows in (2, tso.ONEDNN_MIN_ROWS, 15, WIDTH, 40):
-        x = torch.randn(rows, 256, generator=g)
+        x = torch.randn(rows, 256, generator=g).to(dtype)
         plain = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        if dtype == torch.bfloat16:
+            assert torch.equal(torch.nn.functional.linear(x, w), plain), rows
         packed = cache.get(w)
         assert packed is not w and packed is cache.get(w)  # made once
         assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), plain), rows
-    assert cache.nbytes == w.numel() * 4
-    x = torch.randn(WIDTH, 256, generator=g)
+    assert cache.nbytes == w.numel() * w.element_size()
+    x = torch.randn(WIDTH, 256, generator=g).to(dtype)
     w.mul_(2)  # changed in place: a new packed copy, of the new values
     assert torch.equal(torch.ops.mkldnn._linear_pointwise(x, cache.get(w), None, "none", [], ""),
                        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
-    assert cache.nbytes == w.numel() * 4
+    assert cache.nbytes == w.numel() * w.element_size()
     del w, packed
     gc.collect()
     assert cache.nbytes == 0 and not cache._by_id  # dropped with its weight

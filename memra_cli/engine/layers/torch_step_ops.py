@@ -80,14 +80,16 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 ONEDNN_MIN_ROWS = 8
 ONEDNN_F32 = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
 ONEDNN_PACK = ONEDNN_F32 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if ONEDNN_PACK else (torch.float32,)
 
 
 def onednn_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `onednn_linear` takes this call: float32 CPU tensors, `x [t, in]`, a contiguous
-    weight (and bias) of x's dtype."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() == 2
+    """Whether `onednn_linear` takes this call: float32 or bfloat16 CPU tensors, `x [t, in]`, a
+    contiguous weight (and bias) of x's dtype. (torch's bfloat16 F.linear is oneDNN's matmul
+    already, which reorders the weight every call; over the packed weight, the same bits.)"""
+    return (x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and w.dtype == x.dtype and x.dim() == 2
             and not x.requires_grad and not w.requires_grad and w.is_contiguous()
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -292,7 +294,8 @@ class TorchStepOps:
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ w.T (+ bias)` for a plain weight `[out, in]`; `w(x)` for a quantized linear. A
-        float32 call of `ONEDNN_MIN_ROWS` rows or more on the CPU runs on oneDNN (`onednn_linear`)."""
+        float32 (or, with packed weights, bfloat16) call of `ONEDNN_MIN_ROWS` rows or more on the
+        CPU runs on oneDNN over its packed weight (`onednn_linear`)."""
         if isinstance(w, torch.Tensor):
             if ONEDNN_F32 and x.shape[0] >= ONEDNN_MIN_ROWS and onednn_applies(x, w, bias):
                 return onednn_linear(x, w, bias)
