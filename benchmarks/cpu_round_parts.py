@@ -22,14 +22,20 @@ the ms a round of weight matmuls (oneDNN's and MKL's GEMMs), of attention's batc
 every other op, with the count of ops a round; then the ops that cost the most a round. The
 profiler adds a little to every op, so compare its columns with each other, not with the clock.
 `--cprofile N` prints the N functions of most own time over one more pass (Python's cProfile).
+`--steps N` first times the two target steps alone, N times each after the first prompt's
+prefill (median): the fixed-width step the speculative arms verify with and the plain arm's
+one-row step, each also with its weight matmuls stood in by a kept zero output of their shape,
+which leaves what the step spends outside them (the values that follow are zeros, so this is
+an estimate of the ops' cost, not of their arithmetic on real values).
 
     python -m benchmarks.cpu_round_parts [--n 12] [--max-new 128] [--arm dspark|dflash|plain] [--chain numpy|torch]
-        [--passes 2] [--profile] [--cprofile 25]
+        [--passes 2] [--profile] [--cprofile 25] [--steps 300]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import collections
 import pstats
@@ -55,12 +61,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--profile", action="store_true", help="one more pass under torch.profiler, by region and op")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="one more pass under cProfile: its top N")
+    p.add_argument("--steps", type=int, default=0, metavar="N", help="first time the fixed and one-row steps alone")
     a = p.parse_args(argv)
     for name in ("n", "max_new", "passes", "threads"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: expected an integer >= 1")
-    if a.cprofile < 0:
-        p.error(f"--cprofile {a.cprofile}: expected an integer >= 0")
+    for name in ("cprofile", "steps"):
+        if getattr(a, name) < 0:
+            p.error(f"--{name} {getattr(a, name)}: expected an integer >= 0")
     torch.set_num_threads(a.threads)
 
     import memra_cli.assets as assets
@@ -73,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine.load(EngineConfig(target=root / "target", device="cpu", dtype="float32"))
     codec = TextCodec(root / "target")
     prompts = [codec.encode(t, chat=False) for t in load_prompts("humaneval", a.n).texts]
+    if a.steps:
+        time_steps(engine, prompts[0], a.steps)
     if a.arm == "plain":
         engine, arm = engine.fastest_plain(), None
     else:
@@ -146,6 +156,58 @@ def main(argv: list[str] | None = None) -> None:
         profiler.runcall(one_pass)
         print(f"cProfile, one pass ({rounds_of()} rounds), the {a.cprofile} functions of most own time:")
         pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(a.cprofile)
+
+
+def time_steps(engine, prompt: list[int], reps: int) -> None:
+    """The engine's fixed-width step and its plain baseline's one-row step, timed alone over the
+    state after `prompt`'s prefill (each step rolled back), with and without weight matmuls."""
+    width = engine.step_width
+    rows = [(f"{width}-row fixed step (the verify's)", engine.runner, width),
+            ("one-row plain step (the plain arm's)", engine.fastest_plain().runner, 1)]
+    for label, runner, n in rows:
+        state = runner.new_state(len(prompt) + 2 * max(n, 16))
+        runner.prefill(torch.tensor(prompt), state)
+        start, ids = state.length, torch.tensor(prompt[:n])
+
+        def median_ms() -> float:
+            times = []
+            for _ in range(reps + 10):  # the first 10 warm up
+                t0 = time.perf_counter()
+                runner.step(ids, start, state)
+                times.append(time.perf_counter() - t0)
+                state.rollback(start)
+            return 1e3 * statistics.median(times[10:])
+
+        whole = median_ms()
+        with no_weight_matmuls():
+            outside = median_ms()
+        print(f"{label}: {whole:.3f} ms, {outside:.3f} ms of it outside the weight matmuls "
+              f"({len(prompt)}-token prompt, median of {reps})")
+
+
+@contextlib.contextmanager
+def no_weight_matmuls():
+    """F.linear and the CPU step ops' oneDNN matmul return a kept zero tensor of their output's
+    shape instead of computing it (what a step spends outside its weight matmuls)."""
+    import torch.nn.functional as F
+
+    import memra_cli.engine.layers.torch_step_ops as torch_step_ops
+
+    kept: dict[tuple, torch.Tensor] = {}
+
+    def stand_in(x, w, bias=None):
+        shape = (*x.shape[:-1], w.shape[0])
+        out = kept.get((shape, x.dtype))
+        if out is None:
+            out = kept[(shape, x.dtype)] = torch.zeros(shape, dtype=x.dtype)
+        return out
+
+    saved = F.linear, torch_step_ops.onednn_linear
+    F.linear, torch_step_ops.onednn_linear = stand_in, stand_in
+    try:
+        yield
+    finally:
+        F.linear, torch_step_ops.onednn_linear = saved
 
 
 def region_ops(prof, regions: list[str]) -> dict[str, dict[str, list[float]]]:
