@@ -109,7 +109,7 @@ class PackedWeights:
 
     Why: given a plain `[out, in]` weight, oneDNN reorders it into its blocked layout on every
     call; the packed copy skips that, ~30% of a 16-row float32 matmul on the dev CPU, and the
-    kernel after the reorder is the same, so are the bits for 2+ rows (tests/engine/test_step_width.py;
+    kernel after the reorder is the same, so are the bits for 2+ rows (tests/engine/test_cpu_step_ops.py;
     docs/perf.md, "The DSpark round on the CPU"). The copy costs the weight's bytes once more,
     up to `ONEDNN_PACK_MAX_BYTES` in all."""
 
@@ -248,7 +248,7 @@ def qk_norm_rope_kv_write_cpu(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_
     (side by side in `qkv [t, (nh + 2 nkv) hd]`) go through one norm, under the two weights side by
     side, and one rope. Every element is the same operation on the same operands (a norm's
     statistic is a sum over its own head's hd values, whatever rows sit beside it:
-    tests/engine/test_step_width.py checks the bits). Why: on the CPU the op is ~25 small torch
+    tests/engine/test_cpu_step_ops.py checks the bits). Why: on the CPU the op is ~25 small torch
     ops a layer and their dispatch, not their arithmetic, is most of its time (docs/perf.md,
     "The DSpark round on the CPU"). Returns q `[t, nh, hd]` (a view: rows of nh + nkv heads)."""
     if qkv.device.type != "cpu":  # another device's reductions may pick their order by shape
