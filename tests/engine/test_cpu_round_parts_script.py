@@ -39,3 +39,23 @@ def test_refuses_a_count_below_one():
     proc = _run("--passes", "0")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "cpu_round_parts.py: error: --passes 0: expected an integer >= 1"
+
+
+@pytest.mark.exhaustive  # a subprocess loading the pair and profiling a pass (~3 s): the quick tier is near its budget
+def test_the_plain_arm_steps_and_profile_print_their_lines():
+    """`--arm plain` times the one-row step as its round; `--steps` times both target steps with
+    and without their weight matmuls; `--profile` prints each region's GEMM / attention / other
+    split; a negative `--steps` is refused in one line."""
+    proc = _run("--n", "1", "--max-new", "8", "--passes", "1", "--arm", "plain", "--steps", "3", "--profile")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    steps = re.findall(r"^(16-row fixed step|one-row plain step).*?: ([\d.]+) ms, ([\d.]+) ms of it outside", out, re.M)
+    assert [s[0] for s in steps] == ["16-row fixed step", "one-row plain step"], out
+    assert all(float(whole) > 0 and 0 < float(outside) < float(whole) for _, whole, outside in steps), out
+    assert re.search(r"^pass 1: [\d.]+ ms/token, 8 rounds, 1\.00 tokens/round", out, re.M), out
+    region = re.search(r"^\s+step\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    assert region and float(region.group(1)) > 0 and float(region.group(4)) > 0, out
+    assert "the 15 costliest ops" in out
+    proc = _run("--steps", "-1")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "cpu_round_parts.py: error: --steps -1: expected an integer >= 0"

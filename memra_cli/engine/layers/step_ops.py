@@ -161,7 +161,7 @@ import os
 import torch
 
 from memra_cli.engine.errors import SettingError
-from memra_cli.engine.layers.torch_step_ops import ONEDNN_F32, ONEDNN_MIN_ROWS, TorchStepOps
+from memra_cli.engine.layers.torch_step_ops import ONEDNN_DTYPES, ONEDNN_F32, ONEDNN_MIN_ROWS, TorchStepOps
 from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
 KERNELS_ENV = "MEMRA_KERNELS"
@@ -172,7 +172,8 @@ def cpu_linear_note() -> str:
     """What the torch ops' weight matmuls run on, for the CPU's step-ops note."""
     if not ONEDNN_F32:
         return ""
-    return f"; float32 weight matmuls of {ONEDNN_MIN_ROWS}+ rows on oneDNN, fewer on torch's BLAS"
+    dtypes = " and ".join(str(d).removeprefix("torch.") for d in ONEDNN_DTYPES)
+    return f"; {dtypes} weight matmuls of {ONEDNN_MIN_ROWS}+ rows on oneDNN, fewer on torch's BLAS"
 
 
 def select_step_ops(device: torch.device, setting: bool | None = None, env: dict | None = None):

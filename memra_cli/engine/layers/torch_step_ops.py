@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from memra_kernels.moe_ref import (moe_gemma_add_norm_ref, moe_swiglu_add_rms_no
 from memra_kernels.norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, embed_rms_norm_1p_ref, embed_rms_norm_ref,
                                     gated_rms_norm_heads, rms_norm_ref)
 from memra_kernels.qwen35_ref import gdn_gates_body, window_after
-from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref
+from memra_kernels.rope_ref import qk_norm_rope_kv_write_ref, rope_kv_write_ref, rope_ref
 from memra_kernels.settle_ref import settle_round
 
 
@@ -62,29 +63,139 @@ def markov_chain_host(logits: torch.Tensor, anchor: torch.Tensor, table: torch.T
     return torch.from_numpy(out)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` (int64 `[rows]` for `x [rows, V]`); a float32 CPU matrix through numpy. The
+    same picks: both return each row's first index of its maximum, a NaN counting as the
+    maximum. Why: torch's CPU argmax took ~39 µs over a 16-row verify's `[16, 4096]` logits on
+    the dev CPU and numpy's ~5 (docs/perf.md, "The DSpark round on the CPU")."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.requires_grad:
+        return x.argmax(dim=-1)
+    return torch.from_numpy(np.argmax(x.numpy(), axis=-1).astype(np.int64, copy=False))
+
+
 # A float32 weight matmul of a few rows on the CPU: torch's F.linear goes to MKL's sgemm, which
 # on the dev CPU (AMD EPYC, AVX-512) runs 8-16 rows at ~1.6x oneDNN's time; at 1-4 rows MKL is
 # faster (docs/perf.md, "The DSpark round on the CPU"). The choice depends on the row count and
 # dtype only, so a fixed-width step's rows always take the same kernel: the step-width rule holds.
 ONEDNN_MIN_ROWS = 8
 ONEDNN_F32 = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
+ONEDNN_PACK = ONEDNN_F32 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if ONEDNN_PACK else (torch.float32,)
 
 
 def onednn_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `onednn_linear` takes this call: float32 CPU tensors, `x [t, in]`, a contiguous
-    weight (and bias) of x's dtype."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and w.dtype == torch.float32 and x.dim() == 2
+    """Whether `onednn_linear` takes this call: float32 or bfloat16 CPU tensors, `x [t, in]`, a
+    contiguous weight (and bias) of x's dtype. (torch's bfloat16 F.linear is oneDNN's matmul
+    already, which reorders the weight every call; over the packed weight, the same bits.)"""
+    return (x.device.type == "cpu" and x.dtype in ONEDNN_DTYPES and w.dtype == x.dtype and x.dim() == 2
             and not x.requires_grad and not w.requires_grad and w.is_contiguous()
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())))
+            and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
 def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` through oneDNN's matmul (`x [t, in]`, `w [out, in]` -> `[t, out]`):
-    the same products, summed in oneDNN's order (float32 rounding differences only)."""
-    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w, bias, "none", [], "")
+    the same products, summed in oneDNN's order (float32 rounding differences only). The weight
+    goes in as oneDNN's own packed copy (`PACKED_WEIGHTS`) where one is kept: the same bits."""
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), PACKED_WEIGHTS.get(w), bias, "none", [], "")
+
+
+ONEDNN_PACK_ROWS = 16  # the row count a packed layout is made for (oneDNN's hint; 2+ rows took the same bits at 16 and 64)
+ONEDNN_PACK_MAX_BYTES = 1 << 30  # packed copies kept at most; a weight past it runs unpacked (same bits, slower)
+
+
+class PackedWeights:
+    """oneDNN's packed copy of each weight `onednn_linear` takes, made on its first call and
+    dropped with the weight (a weak reference; an in-place change of the weight makes a new one).
+
+    Why: given a plain `[out, in]` weight, oneDNN reorders it into its blocked layout on every
+    call; the packed copy skips that, ~30% of a 16-row float32 matmul on the dev CPU, and the
+    kernel after the reorder is the same, so are the bits for 2+ rows (tests/engine/test_cpu_step_ops.py;
+    docs/perf.md, "The DSpark round on the CPU"). The copy costs the weight's bytes once more,
+    up to `ONEDNN_PACK_MAX_BYTES` in all."""
+
+    def __init__(self, max_bytes: int = ONEDNN_PACK_MAX_BYTES):
+        self.max_bytes = max_bytes
+        self.nbytes = 0
+        self._by_id: dict[int, tuple] = {}  # id(w) -> (weakref to w, w's version, packed, bytes)
+
+    def get(self, w: torch.Tensor) -> torch.Tensor:
+        """The packed copy of `w` (contiguous float32 or bfloat16 on the CPU), or `w` itself where
+        none is kept (no oneDNN packing in this torch, or past the byte budget)."""
+        if not ONEDNN_PACK:
+            return w
+        key = id(w)
+        entry = self._by_id.get(key)
+        if entry is not None and entry[0]() is w and entry[1] == _version(w):
+            return entry[2]
+        if entry is not None:
+            self._drop(key)
+        size = w.numel() * w.element_size()
+        if self.nbytes + size > self.max_bytes:
+            return w
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_PACK_ROWS)
+        self._by_id[key] = (weakref.ref(w, lambda _, key=key: self._drop(key)), _version(w), packed, size)
+        self.nbytes += size
+        return packed
+
+    def _drop(self, key: int) -> None:
+        entry = self._by_id.pop(key, None)
+        if entry is not None:
+            self.nbytes -= entry[3]
+
+
+PACKED_WEIGHTS = PackedWeights()
 
 
 ATTN_KEY_BLOCK = 64  # keys per block of blocked_attention: at most 63 masked keys past the live ones
+
+
+class _IdentityMemo:
+    """Values made from tensors, kept while those tensors are unchanged: keyed by the tensors'
+    identity (an entry holds them, so an id is never reused while it lives) and in-place
+    version, plus plain settings. At most `size` entries (then it starts over). `weights`: the
+    tensors are long-lived weights, kept even as inference tensors (which count no versions)."""
+
+    def __init__(self, size: int, weights: bool = False):
+        self.size, self.weights = size, weights
+        self._entries: dict[tuple, tuple] = {}
+
+    def get(self, tensors: tuple, settings: tuple, make):
+        if not self.weights and any(t.is_inference() for t in tensors):
+            return make()  # no version to tell a changed tensor by
+        key = (*map(id, tensors), *settings)
+        entry = self._entries.get(key)
+        if entry is not None and all(a is b and v == _version(b) for a, v, b in zip(entry[0], entry[1], tensors)):
+            return entry[2]
+        value = make()
+        if len(self._entries) >= self.size:
+            self._entries.clear()
+        self._entries[key] = (tensors, tuple(map(_version, tensors)), value)
+        return value
+
+
+def _version(t: torch.Tensor) -> int:
+    """`t`'s in-place version; -1 for an inference tensor (which counts none: a weight made under
+    `torch.inference_mode` is taken as unchanged)."""
+    return -1 if t.is_inference() else t._version
+
+
+_HIDDEN_KEYS = _IdentityMemo(1)  # blocked_attention's mask: a step's layers pass the same positions
+
+
+def _hidden_keys(positions: torch.Tensor, blocks: int, g: int, window: int) -> torch.Tensor:
+    """`[blocks, g*t, block]` bool, True where a key is hidden from a row: past the row's
+    position (or `window` or more before it). Rows folded head group major, as blocked_attention's."""
+    t = positions.shape[0]
+
+    def make() -> torch.Tensor:
+        key_pos = torch.arange(blocks * ATTN_KEY_BLOCK, device=positions.device).view(blocks, 1, ATTN_KEY_BLOCK)
+        row_pos = positions.expand(g, t).reshape(1, g * t, 1)
+        hidden = key_pos > row_pos
+        if window:
+            hidden |= key_pos <= row_pos - window
+        return hidden
+
+    return _HIDDEN_KEYS.get((positions,), (blocks, g, window, positions.device), make)
 
 
 def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -102,7 +213,8 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     shape per block (scores `[g*t, B]`, sums over B, weights `[g*t, B] @ [B, hd]`), the blocks
     are combined by a sequential `cumsum` in block order, and a block past a row's position is
     masked for it: exp gives exact zeros, and adding zeros changes no bit. The max is exact in
-    any order. So a row's result is a function of its own keys and position only."""
+    any order. So a row's result is a function of its own keys and position only. The mask is
+    made once per step (`_hidden_keys`: every layer of a step passes the same positions)."""
     t, nh, hd = q.shape
     nkv, n = k_cache.shape[0], k_cache.shape[1]
     g, block = nh // nkv, ATTN_KEY_BLOCK
@@ -116,18 +228,40 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     qf = ((q.float() if wide else q) * root).view(t, nkv, g, hd).permute(1, 2, 0, 3).reshape(nkv, 1, g * t, hd)
     kb = ((keys.float() if wide else keys) * root).view(nkv, blocks, block, hd)
     scores = torch.matmul(qf, kb.transpose(-2, -1))  # [nkv, blocks, g*t, block]
-    key_pos = torch.arange(blocks * block, device=q.device).view(blocks, 1, block)
-    row_pos = positions.expand(g, t).reshape(1, g * t, 1)  # folded rows: head group major, as qf
-    hidden = key_pos > row_pos  # [blocks, g*t, block]
-    if window:
-        hidden |= key_pos <= row_pos - window
-    scores.masked_fill_(hidden, -math.inf)
-    weights = scores.sub_(scores.amax(-1, keepdim=True).amax(1, keepdim=True)).exp_()
+    scores.masked_fill_(_hidden_keys(positions, blocks, g, window), -math.inf)
+    weights = scores.sub_(scores.amax((1, 3), keepdim=True)).exp_()
     total = weights.sum(-1, keepdim=True).cumsum(1)[:, -1]  # [nkv, g*t, 1]
     vb = (values.float() if wide else values).view(nkv, blocks, block, hd)
     out = torch.matmul(weights, vb).cumsum(1)[:, -1] / total
     out = out.to(q.dtype) if wide else out
     return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
+
+
+_QK_NORM_WEIGHTS = _IdentityMemo(256, weights=True)  # each layer's q and k norm weights side by side
+
+
+def qk_norm_rope_kv_write_cpu(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,
+                              cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                              k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, n_kv: int,
+                              eps: float) -> torch.Tensor:
+    """`qk_norm_rope_kv_write_ref`'s bits with half its ops, on CPU tensors: the q and k heads
+    (side by side in `qkv [t, (nh + 2 nkv) hd]`) go through one norm, under the two weights side by
+    side, and one rope. Every element is the same operation on the same operands (a norm's
+    statistic is a sum over its own head's hd values, whatever rows sit beside it:
+    tests/engine/test_cpu_step_ops.py checks the bits). Why: on the CPU the op is ~25 small torch
+    ops a layer and their dispatch, not their arithmetic, is most of its time (docs/perf.md,
+    "The DSpark round on the CPU"). Returns q `[t, nh, hd]` (a view: rows of nh + nkv heads)."""
+    if qkv.device.type != "cpu":  # another device's reductions may pick their order by shape
+        return qk_norm_rope_kv_write_ref(qkv, q_norm_w, k_norm_w, cos, sin, positions, k_cache, v_cache,
+                                         n_heads, n_kv, eps)
+    t, hd = qkv.shape[0], q_norm_w.shape[0]
+    heads = n_heads + n_kv
+    weights = _QK_NORM_WEIGHTS.get((q_norm_w, k_norm_w), (n_heads, n_kv),
+                                   lambda: torch.cat([q_norm_w.expand(n_heads, hd), k_norm_w.expand(n_kv, hd)]))
+    qk = rope_ref(rms_norm_ref(qkv[:, :heads * hd].reshape(t, heads, hd), weights, eps), cos[positions], sin[positions])
+    k_cache.index_copy_(1, positions, qk[:, n_heads:].transpose(0, 1))
+    v_cache.index_copy_(1, positions, qkv[:, heads * hd:].reshape(t, n_kv, hd).transpose(0, 1))
+    return qk[:, :n_heads]
 
 
 def key_extent(live: int, storage: int) -> int:
@@ -160,7 +294,8 @@ class TorchStepOps:
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ w.T (+ bias)` for a plain weight `[out, in]`; `w(x)` for a quantized linear. A
-        float32 call of `ONEDNN_MIN_ROWS` rows or more on the CPU runs on oneDNN (`onednn_linear`)."""
+        float32 (or, with packed weights, bfloat16) call of `ONEDNN_MIN_ROWS` rows or more on the
+        CPU runs on oneDNN over its packed weight (`onednn_linear`)."""
         if isinstance(w, torch.Tensor):
             if ONEDNN_F32 and x.shape[0] >= ONEDNN_MIN_ROWS and onednn_applies(x, w, bias):
                 return onednn_linear(x, w, bias)
@@ -179,7 +314,8 @@ class TorchStepOps:
         `consumer` (the weight that multiplies the normed rows next) is the kernels' hint only."""
         return cls.add_rms_norm(cls.linear(a, w, bias), residual, norm_w, eps)
 
-    qk_norm_rope_kv_write = staticmethod(qk_norm_rope_kv_write_ref)  # the op's one torch body
+    # the op's one torch body (qk_norm_rope_kv_write_ref), in fewer ops on the CPU, bit for bit
+    qk_norm_rope_kv_write = staticmethod(qk_norm_rope_kv_write_cpu)
 
     rope_kv_write = staticmethod(rope_kv_write_ref)  # no q/k norm (LLaMA): the op's one torch body
 

@@ -44,6 +44,11 @@ from memra_cli.engine.layers.torch_step_ops import TorchStepOps, key_extent
 
 log = logging.getLogger(__name__)
 
+# The eager forward's weight matmuls (the prefill's): F.linear, except that a CPU call of 8+ rows
+# runs on oneDNN over its packed weight, as the fixed step's do; ~2.4x faster than MKL at a
+# 130-row prefill on the dev CPU (docs/perf.md, "The DSpark round on the CPU").
+_linear = TorchStepOps.linear
+
 
 # --------------------------------------------------------------------------- pieces
 
@@ -258,7 +263,7 @@ class Qwen3Target(TargetBase):
         """Fused q/k/v projection of `h [t, hidden]`, per-head q/k RMSNorm (where the family has
         it), rope: q `[t, n_heads, hd]`, k and v `[t, n_kv, hd]`."""
         t, nh, nkv, hd = h.shape[0], self.n_heads, self.n_kv, self.head_dim
-        q, k, v = F.linear(h, w.wqkv, w.bqkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+        q, k, v = _linear(h, w.wqkv, w.bqkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
         q, k = q.view(t, nh, hd), k.view(t, nkv, hd)
         if w.q_norm is not None:
             q, k = rms_norm(q, w.q_norm, self.cfg.rms_norm_eps), rms_norm(k, w.k_norm, self.cfg.rms_norm_eps)
@@ -270,12 +275,12 @@ class Qwen3Target(TargetBase):
 
         The g query heads of each KV head are folded into rows: `[nkv, g*t, hd]` attends to
         `[nkv, n, hd]` directly, so K/V are never repeated (HF's repeat_kv copies them)."""
-        return F.linear(self.step_ops.prefill_attention(q, keys, values, mask), w.wo, w.bo)
+        return _linear(self.step_ops.prefill_attention(q, keys, values, mask), w.wo, w.bo)
 
     def _mlp(self, x: torch.Tensor, w: LayerWeights) -> torch.Tensor:
         """The residual MLP half of a layer: `x + down(silu(gate) * up)` of the normed `x`."""
-        gate, up = F.linear(rms_norm(x, w.mlp_norm, self.cfg.rms_norm_eps), w.w_gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, w.w_down)
+        gate, up = _linear(rms_norm(x, w.mlp_norm, self.cfg.rms_norm_eps), w.w_gate_up).chunk(2, dim=-1)
+        return x + _linear(F.silu(gate) * up, w.w_down)
 
     def _step_mlp(self, w: LayerWeights) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Layer `w`'s dense MLP weights `(w_gate_up, w_down)`, which the fixed step runs as

@@ -61,14 +61,17 @@ class SamplerBase:
 
 
 class Greedy(SamplerBase):
-    """Argmax per row; ties go to the lowest id (torch.argmax)."""
+    """Argmax per row; ties go to the lowest id (torch.argmax; numpy's on the CPU, the same picks:
+    layers/torch_step_ops.py `argmax_rows`)."""
 
     name = "greedy"
     greedy = True
     acceptance = "a draft is kept while it equals the target's argmax at its position"
 
     def select(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return logits.argmax(dim=-1)
+        from memra_cli.engine.layers.torch_step_ops import argmax_rows
+
+        return argmax_rows(logits)
 
 
 GREEDY = Greedy()
