@@ -62,6 +62,9 @@ FAMILIES = {"qwen3": ("small", "8b"), "llama": ("llama-small", "llama-8b"), "qwe
 TINY_MOE = (8, 2, 32)
 # torch ops that launch no kernel: allocations and metadata
 _FREE = ("empty", "empty_like", "empty_strided", "new_empty", "detach", "alias", "lift_fresh", "_local_scalar_dense", "promote_types")
+# the CPU's form of a GPU op, counted under the GPU op's name: the torch step ops send a CPU weight
+# matmul of 8+ rows to oneDNN over its packed weight (torch_step_ops.onednn_linear), F.linear on a GPU
+_CPU_AS_GPU = {"_linear_pointwise": "linear"}
 
 
 class _TorchOps(TorchDispatchMode):
@@ -78,7 +81,7 @@ class _TorchOps(TorchDispatchMode):
         # `to` may return its input (a view) or a converted copy (a kernel): told apart by storage
         copied = name == "to" and out.data_ptr() != args[0].data_ptr()
         if not self.paused and name not in _FREE and (copied or not func.is_view):
-            self.counts[name] += 1
+            self.counts[_CPU_AS_GPU.get(name, name)] += 1
         return out
 
 
