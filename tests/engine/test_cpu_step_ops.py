@@ -83,16 +83,22 @@ def test_numpy_argmax_picks_torchs():
     assert got[3] == 7 and got[5] == 11 and got[6] == 20
 
 
-def test_a_steps_attention_mask_is_remade_for_changed_positions():
-    """The mask kept from a step's first layer is not reused once its positions change in place,
-    nor for another positions tensor: each call equals a fresh one."""
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_steps_attention_mask_is_kept_for_equal_positions_and_remade_for_changed_ones(inference):
+    """The mask made at a step's first layer is the one its later layers get (equal positions,
+    under inference_mode too, as bench and generate run), and is not reused once the positions
+    change in place or another step's arrive: each call equals a fresh one."""
     g = _gen(3)
     q = torch.randn(WIDTH, 4, 64, generator=g)
     k, v = (torch.randn(2, 256, 64, generator=g) for _ in range(2))
-    positions = torch.arange(190, 190 + WIDTH)
-    first = tso.blocked_attention(q, k, v, positions, 0.125)
-    assert torch.equal(tso.blocked_attention(q, k, v, positions, 0.125), first)  # the kept mask
-    positions.sub_(60)
-    again = tso.blocked_attention(q, k, v, positions, 0.125)
-    assert torch.equal(again, tso.blocked_attention(q, k, v, torch.arange(130, 130 + WIDTH), 0.125))
-    assert not torch.equal(again, first)
+    with torch.inference_mode(inference):
+        positions = torch.arange(190, 190 + WIDTH)
+        mask = tso._hidden_keys(positions, 4, 2, 0)
+        assert tso._hidden_keys(positions.clone(), 4, 2, 0) is mask  # kept: the same values
+        assert tso._hidden_keys(positions, 4, 2, 48) is not mask  # other settings: another mask
+        first = tso.blocked_attention(q, k, v, positions, 0.125)
+        assert torch.equal(tso.blocked_attention(q, k, v, positions, 0.125), first)  # the kept mask
+        positions.sub_(60)
+        again = tso.blocked_attention(q, k, v, positions, 0.125)
+        assert torch.equal(again, tso.blocked_attention(q, k, v, torch.arange(130, 130 + WIDTH), 0.125))
+        assert not torch.equal(again, first)

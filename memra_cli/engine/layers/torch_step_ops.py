@@ -149,19 +149,16 @@ PACKED_WEIGHTS = PackedWeights()
 ATTN_KEY_BLOCK = 64  # keys per block of blocked_attention: at most 63 masked keys past the live ones
 
 
-class _IdentityMemo:
-    """Values made from tensors, kept while those tensors are unchanged: keyed by the tensors'
-    identity (an entry holds them, so an id is never reused while it lives) and in-place
-    version, plus plain settings. At most `size` entries (then it starts over). `weights`: the
-    tensors are long-lived weights, kept even as inference tensors (which count no versions)."""
+class _WeightMemo:
+    """Values made from long-lived weights, kept while those weights are unchanged: keyed by the
+    weights' identity (an entry holds them, so an id is never reused while it lives) and in-place
+    version, plus plain settings. At most `size` entries (then it starts over)."""
 
-    def __init__(self, size: int, weights: bool = False):
-        self.size, self.weights = size, weights
+    def __init__(self, size: int):
+        self.size = size
         self._entries: dict[tuple, tuple] = {}
 
     def get(self, tensors: tuple, settings: tuple, make):
-        if not self.weights and any(t.is_inference() for t in tensors):
-            return make()  # no version to tell a changed tensor by
         key = (*map(id, tensors), *settings)
         entry = self._entries.get(key)
         if entry is not None and all(a is b and v == _version(b) for a, v, b in zip(entry[0], entry[1], tensors)):
@@ -179,23 +176,27 @@ def _version(t: torch.Tensor) -> int:
     return -1 if t.is_inference() else t._version
 
 
-_HIDDEN_KEYS = _IdentityMemo(1)  # blocked_attention's mask: a step's layers pass the same positions
+# blocked_attention's last mask, keyed by the positions' values (a step's layers pass equal
+# positions; under inference_mode they count no in-place versions to key by): (positions, settings, mask)
+_LAST_MASK: list = [None]
 
 
 def _hidden_keys(positions: torch.Tensor, blocks: int, g: int, window: int) -> torch.Tensor:
     """`[blocks, g*t, block]` bool, True where a key is hidden from a row: past the row's
-    position (or `window` or more before it). Rows folded head group major, as blocked_attention's."""
+    position (or `window` or more before it). Rows folded head group major, as blocked_attention's.
+    Made once per step: a call with the last call's positions and settings gets its mask."""
+    settings = (blocks, g, window, positions.device)
+    last = _LAST_MASK[0]
+    if last is not None and last[1] == settings and last[0].shape == positions.shape and torch.equal(last[0], positions):
+        return last[2]
     t = positions.shape[0]
-
-    def make() -> torch.Tensor:
-        key_pos = torch.arange(blocks * ATTN_KEY_BLOCK, device=positions.device).view(blocks, 1, ATTN_KEY_BLOCK)
-        row_pos = positions.expand(g, t).reshape(1, g * t, 1)
-        hidden = key_pos > row_pos
-        if window:
-            hidden |= key_pos <= row_pos - window
-        return hidden
-
-    return _HIDDEN_KEYS.get((positions,), (blocks, g, window, positions.device), make)
+    key_pos = torch.arange(blocks * ATTN_KEY_BLOCK, device=positions.device).view(blocks, 1, ATTN_KEY_BLOCK)
+    row_pos = positions.expand(g, t).reshape(1, g * t, 1)
+    hidden = key_pos > row_pos
+    if window:
+        hidden |= key_pos <= row_pos - window
+    _LAST_MASK[0] = (positions.clone(), settings, hidden)
+    return hidden
 
 
 def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
@@ -237,7 +238,7 @@ def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out.view(nkv, g, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
 
 
-_QK_NORM_WEIGHTS = _IdentityMemo(256, weights=True)  # each layer's q and k norm weights side by side
+_QK_NORM_WEIGHTS = _WeightMemo(256)  # each layer's q and k norm weights side by side
 
 
 def qk_norm_rope_kv_write_cpu(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor,

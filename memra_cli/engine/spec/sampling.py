@@ -69,7 +69,7 @@ class Greedy(SamplerBase):
     acceptance = "a draft is kept while it equals the target's argmax at its position"
 
     def select(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        from memra_cli.engine.layers.torch_step_ops import argmax_rows
+        from memra_cli.engine.layers.torch_step_ops import argmax_rows  # here: this module loads without torch
 
         return argmax_rows(logits)
 
