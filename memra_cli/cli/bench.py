@@ -414,7 +414,7 @@ def bench(
 
     with _Progress(err_console.is_terminal) as progress:
         result = b.run(progress)
-    report = {**result.as_json(), "threads": cpu.threads}
+    report = {**result.as_json(), "threads": cpu.threads, "threads_wide": cpu.wide}
     if json_out:
         from memra_cli.cli.render import emit_json
 

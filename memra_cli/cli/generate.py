@@ -121,7 +121,7 @@ def generate(
         render.emit_json({
             "tokens": session.tokens, "text": codec.decode([t for t in session.tokens if t not in eos]) if codec else None,
             "mode": arm.mode, "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-            "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs, "threads": cpu.threads,
+            "step_width": engine.step_width, "cuda_graphs": engine.cuda_graphs, "threads": cpu.threads, "threads_wide": cpu.wide,
             "sampling": sampling.as_json(),
             "stats": {k: stats[k] for k in ("rounds", "drafted", "accepted", "tau", "acceptance", "tok_per_s", "phase_ms",
                                             "window_cost") if k in stats},

@@ -24,10 +24,12 @@ from memra_cli.engine.threads import SMALL_TARGET_PARAMS, ThreadChoice, applied 
 
 @dataclass(frozen=True)
 class ThreadsUsed:
-    """What a command runs with: torch's intra-op thread count once the choice is applied, and its note."""
+    """What a command runs with: torch's intra-op thread count once the choice is applied, the
+    count its steps of `WIDE_ROWS`+ rows take, and the note."""
 
     threads: int
     note: Optional[str]
+    wide: int
 
 
 def _source(from_env: bool) -> str:
@@ -37,12 +39,12 @@ def _source(from_env: bool) -> str:
 
 def choose_threads(requested: Optional[int], device_type: str, target_params: Optional[int], *,
                    env: Mapping[str, str], default: int, cores: int, load: float,
-                   from_env: bool = False) -> ThreadChoice:
+                   idle: Optional[float] = None, from_env: bool = False) -> ThreadChoice:
     """The engine's policy (`engine.threads.choose_threads`) with the note naming the CLI's flag or variable."""
     from memra_cli.engine.threads import choose_threads as policy
 
     return policy(requested, device_type, target_params, env=env, default=default, cores=cores, load=load,
-                  source=_source(from_env))
+                  idle=idle, source=_source(from_env))
 
 
 def threads_setting(value: Optional[str], ctx=None) -> dict:
@@ -98,7 +100,7 @@ def use_threads(choice: ThreadChoice, *, announce: bool = False) -> ThreadsUsed:
         from memra_cli.cli.render import note
 
         note(choice.note)
-    return ThreadsUsed(threads, choice.note)
+    return ThreadsUsed(threads, choice.note, threads if choice.wide is None else choice.wide)
 
 
 def _check_option(ctx: typer.Context, param: typer.CallbackParam, value: Optional[str]) -> Optional[str]:
@@ -117,8 +119,9 @@ def _check_option(ctx: typer.Context, param: typer.CallbackParam, value: Optiona
 
 
 THREADS_HELP = ("CPU threads per op (torch intra-op), a positive integer. Unset: OMP_NUM_THREADS when set; else one "
-                "for a target under 32M parameters (a second thread only adds synchronisation to its tiny ops), and "
+                "for a target under 32M parameters (a second thread only adds synchronisation to its tiny ops) and, "
+                "for its steps of 8+ rows (a verify, the drafter's block, the prompt), the cores idle at load; "
                 "for a larger one the cores the 1-minute load average leaves free (CUDA: torch's default). A note "
-                "names the choice; --json reports it as threads.")
+                "names the choice; --json reports it as threads (and threads_wide).")
 ThreadsOpt = typer.Option(None, "--threads", envvar=SETTINGS["threads"].env, help=THREADS_HELP, show_envvar=True,
                           callback=_check_option)

@@ -1,5 +1,6 @@
-"""The CPU thread policy of generate and bench: one thread for a small target (a second one only
-adds a synchronisation per op, and collapses when the other core is busy), the user's choice
+"""The CPU thread policy of generate and bench: one thread for a small target's narrow steps (a
+second one only adds a synchronisation per op, and collapses when the other core is busy) and the
+idle cores for its steps of 8+ rows, the user's choice
 when there is one, the free cores for a larger target; always said in a note and in --json, and
 torch's setting restored when an in-process run ends."""
 
@@ -22,14 +23,26 @@ EMBEDDED_PARAMS = 5_771_264
 
 
 def _choose(requested=None, device="cpu", params=EMBEDDED_PARAMS, env=None, default=2, cores=2, load=0.0,
-            from_env=False):
+            from_env=False, idle=None):
     return choose_threads(requested, device, params, env=env or {}, default=default, cores=cores, load=load,
-                          from_env=from_env)
+                          idle=idle, from_env=from_env)
 
 
 def test_the_policy():
-    small = _choose()
-    assert small.threads == 1 and small.note.startswith("CPU threads: 1 (small target, 5.8M params")
+    small = _choose(idle=1.96)
+    assert (small.threads, small.wide) == (1, 2) and small.note == (
+        "CPU threads: 1, 2 for steps of 8+ rows (small target, 5.8M params: a second thread pays only on wide "
+        "steps; 2.0 of 2 cores idle; --threads N to choose)")
+    busy = _choose(idle=1.1)  # another process holds a core: no second thread for any step
+    assert (busy.threads, busy.wide) == (1, None) and busy.note == (
+        "CPU threads: 1 (small target, 5.8M params: a second thread only adds synchronisation per op; "
+        "1.1 of 2 cores idle for wide steps; --threads N to choose)")
+    assert _choose(load=1.3).wide is None and _choose(load=0.2).wide == 2  # idle unknown: cores less the load
+    assert _choose(idle=8.0, cores=8, default=4).wide == 4  # at most torch's default
+    assert _choose(idle=2.0, default=1).wide is None and _choose(idle=2.0, default=1).note.endswith(
+        "per op; --threads N to choose)")  # torch held to one thread: nothing about cores to say
+    assert _choose(idle=1.0, cores=1, default=1).note.endswith("per op; --threads N to choose)")
+    assert _choose(params=SMALL_TARGET_PARAMS, idle=0.0).wide is None  # a larger target: one count for every step
     assert _choose(params=SMALL_TARGET_PARAMS).threads == 2  # a larger target on an idle machine: every core
     assert _choose(params=SMALL_TARGET_PARAMS, load=1.2).threads == 1  # ... less the cores other work holds
     assert _choose(params=SMALL_TARGET_PARAMS, load=7.0).threads == 1  # at least one
@@ -64,6 +77,7 @@ GENERATE = ["generate", "--spec", "off", "--prompt-ids", "5,6,7", "--max-new", "
 ])
 def test_generate_applies_says_and_restores(monkeypatch, args, env, threads, note):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the caller's, if any, would decide every case
+    monkeypatch.setattr("memra_cli.engine.threads.idle_cores", lambda: 0.4)  # a busy machine: one count
     torch.set_num_threads(3)  # not the policy's 1 nor --threads 2: what comes back is the process's own
     try:
         obj = json.loads(runner.invoke(app, GENERATE + args + ["--json"], env=env).stdout)
@@ -95,6 +109,16 @@ def test_bench_applies_and_reports_it(monkeypatch):
     r = runner.invoke(app, base + ["--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["threads"] == 1
+    monkeypatch.setattr("memra_cli.engine.threads.idle_cores", lambda: 2.0)  # an idle 2-core machine
+    torch.set_num_threads(2)  # torch's default there
+    try:
+        r = runner.invoke(app, base + ["--json"])
+        assert (json.loads(r.stdout)["threads"], json.loads(r.stdout)["threads_wide"]) == (1, 2)
+        r = runner.invoke(app, base)
+        assert "note: CPU threads: 1, 2 for steps of 8+ rows (small target" in r.stderr
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
     r = runner.invoke(app, base + ["--threads", "2"])
     assert r.exit_code == 0, r.output
     assert "note: CPU threads: 2 (--threads)" in r.stderr.splitlines()

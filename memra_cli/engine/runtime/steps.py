@@ -37,6 +37,7 @@ from memra_cli.engine.errors import ConfigError, PromptError
 from memra_cli.engine.layers.torch_step_ops import ATTN_KEY_BLOCK
 from memra_cli.engine.runtime.cuda_graphs import GraphCache
 from memra_cli.engine.runtime.pool import StoragePool
+from memra_cli.engine.threads import for_rows
 
 STATE_BUCKET = 256  # pooled state lengths are multiples of this (CUDA graphs bind a storage)
 PREFILL_CHUNK = 512  # prompt rows per prefill forward: bounds the transient mask, scores and taps
@@ -142,6 +143,11 @@ class StepRunner:
         made and None is returned for them (nothing holds the whole prompt's); without it they
         come back whole, `[t, n_taps*hidden]`. `eager`: never a graphed bucket (a caller that
         records what the forwards route, which a replay would not run on the host)."""
+        with for_rows(ids.shape[0]):
+            return self._prefill(ids, state, taps, on_taps, eager)
+
+    def _prefill(self, ids: torch.Tensor, state, taps: Sequence[int] | None, on_taps, eager: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         state.reset()
         t, chunk = ids.shape[0], self.prefill_chunk
         graph = None if eager else self._prefill_graph(t, state, taps)
@@ -193,7 +199,13 @@ class StepRunner:
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Rows `ids [t]` at positions `start..start+t-1`: float32 logits `[t, vocab]` and taps
         `[t, n_taps*hidden]`, under the step-width rule; `state.length` ends at `start + t`.
-        Plain decode is a step of one row; verify is a step of the candidates."""
+        Plain decode is a step of one row; verify is a step of the candidates. On the CPU a step
+        runs at the thread count the applied choice gives its rows (`threads.for_rows`)."""
+        with for_rows(self.width or ids.shape[0]):
+            return self._step(ids, start, state, taps)
+
+    def _step(self, ids: torch.Tensor, start: int, state, taps: Sequence[int] | None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.width is None:
             hidden, tapped = self.model.forward(ids, start, state, taps)
             return self.model.logits(hidden), tapped

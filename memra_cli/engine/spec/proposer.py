@@ -20,6 +20,7 @@ from memra_cli.engine.runtime.pool import StoragePool
 from memra_cli.engine.spec.policy import Harvest, VerifyWindow
 from memra_cli.engine.runtime.steps import PREFILL_BUCKET
 from memra_cli.engine.spec.sampling import GREEDY, Sampler
+from memra_cli.engine.threads import for_rows
 
 PRIME_CHUNK = 256  # prompt taps are ingested in row windows to bound transient memory
 
@@ -98,7 +99,12 @@ class DrafterProposer:
     def ingest(self, taps: torch.Tensor, positions: torch.Tensor) -> None:
         """Append committed rows. Graphed, the rows go at `kv.length..` (`positions` unread: a
         Session always ingests contiguously): after the prompt at most a block of rows, one
-        replay; the prompt itself (one window) padded to a bucket, one replay."""
+        replay; the prompt itself (one window) padded to a bucket, one replay. On the CPU at the
+        thread count its rows get (`threads.for_rows`)."""
+        with for_rows(taps.shape[0]):
+            self._ingest(taps, positions)
+
+    def _ingest(self, taps: torch.Tensor, positions: torch.Tensor) -> None:
         t, b = taps.shape[0], self.program.block_size
         if self.graphs and self.kv.length > 0 and t <= b:
             from memra_cli.engine.runtime.draft_graphs import IngestGraph
@@ -128,6 +134,12 @@ class DrafterProposer:
             self.drafter.ingest(self.kv, taps[lo : lo + PRIME_CHUNK], positions[lo : lo + PRIME_CHUNK])
 
     def propose(self, last: torch.Tensor, start: int, want_raws: bool) -> Proposal:
+        """The drafter's block from the last committed token at `start`: its drafts (and raws, q).
+        On the CPU at the thread count a block of rows gets (`threads.for_rows`)."""
+        with for_rows(self.program.block_size):
+            return self._propose(last, start, want_raws)
+
+    def _propose(self, last: torch.Tensor, start: int, want_raws: bool) -> Proposal:
         keeps_q = self.sampler.rejection
         if self.graphs and not keeps_q:  # (rejection sampling's q is not graphed: eager rounds)
             from memra_cli.engine.runtime.draft_graphs import ProposeGraph
