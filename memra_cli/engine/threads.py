@@ -11,7 +11,7 @@ block, a prompt) is arithmetic enough for a second thread to pay, when a core is
    every op;
 2. on CUDA, torch's default (the CPU only launches work there);
 3. a target under `SMALL_TARGET_PARAMS`: one thread, and for a step of `WIDE_ROWS` rows or more
-   the cores idle at load (sampled over `IDLE_SAMPLE_S`), at most torch's default;
+   the cores idle at load (sampled over `IDLE_SAMPLE_S`), at most `WIDE_MAX` and torch's default;
 4. a larger one: torch's default, less the cores other work already keeps busy (the 1-minute
    load average), at least one.
 
@@ -36,6 +36,7 @@ SMALL_TARGET_PARAMS = 32_000_000  # where a second thread stops paying: docs/tun
 WIDE_ROWS = 8  # a step this wide is arithmetic enough for a second thread: docs/tuning.md#cpu-threads
 IDLE_SAMPLE_S = 0.05  # the window the idle cores are counted over (/proc/stat ticks are 10 ms)
 IDLE_KEEP_S = 30.0  # a process's loads within this long reuse one sample
+WIDE_MAX = 2  # the most threads a small target's wide step takes: more is unmeasured (docs/tuning.md#cpu-threads)
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def choose_threads(requested: Optional[int], device_type: str, target_params: Op
     size = "size unknown" if target_params is None else f"{target_params / 1e6:.1f}M params"
     if target_params is not None and target_params < SMALL_TARGET_PARAMS:
         idle_now = float(cores) - load if idle is None else idle
-        wide = min(default, cores, max(1, int(idle_now + 0.5)))
+        wide = min(default, cores, WIDE_MAX, max(1, int(idle_now + 0.5)))
         if wide > 1:
             return ThreadChoice(1, f"CPU threads: 1, {wide} for steps of {WIDE_ROWS}+ rows (small target, {size}: "
                                    f"a second thread pays only on wide steps; {idle_now:.1f} of {cores} cores idle; "
@@ -118,12 +119,29 @@ def idle_cores(window: float = IDLE_SAMPLE_S) -> Optional[float]:
     return idle
 
 
+def cgroup_cpus(path: str = "/sys/fs/cgroup/cpu.max") -> Optional[int]:
+    """The CPUs a cgroup v2 quota allows this process (`quota period` in `cpu.max`, rounded up),
+    or None where there is no quota: a container's /proc shows the host's cores."""
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+        if quota == "max":
+            return None
+        return max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        return None
+
+
 def machine_facts() -> tuple[int, float]:
-    """(cores this process may run on, 1-minute load average; 0 where the system has none)."""
+    """(cores this process may run on: its affinity, at most a cgroup quota's CPUs; 1-minute
+    load average, 0 where the system has none)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
+    quota = cgroup_cpus()
+    if quota is not None:
+        cores = min(cores, quota)
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):

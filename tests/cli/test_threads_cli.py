@@ -38,7 +38,8 @@ def test_the_policy():
         "CPU threads: 1 (small target, 5.8M params: a second thread only adds synchronisation per op; "
         "1.1 of 2 cores idle for wide steps; --threads N to choose)")
     assert _choose(load=1.3).wide is None and _choose(load=0.2).wide == 2  # idle unknown: cores less the load
-    assert _choose(idle=8.0, cores=8, default=4).wide == 4  # at most torch's default
+    assert _choose(idle=8.0, cores=8, default=8).wide == 2  # at most WIDE_MAX
+    assert _choose(idle=8.0, cores=8, default=1).wide is None  # and torch's default
     assert _choose(idle=2.0, default=1).wide is None and _choose(idle=2.0, default=1).note.endswith(
         "per op; --threads N to choose)")  # torch held to one thread: nothing about cores to say
     assert _choose(idle=1.0, cores=1, default=1).note.endswith("per op; --threads N to choose)")
@@ -58,6 +59,17 @@ def test_the_policy():
     assert _choose(device="cuda") == _choose(device="cuda", params=10**10)  # CUDA: left alone, nothing to say
     assert _choose(device="cuda").threads is None and _choose(device="cuda").note is None
     assert _choose(requested=2, device="cuda").threads == 2  # unless the user asks
+
+
+def test_a_cgroup_quota_bounds_the_cores(tmp_path):
+    from memra_cli.engine.threads import cgroup_cpus
+
+    quota = tmp_path / "cpu.max"
+    for text, want in (("max 100000\n", None), ("200000 100000\n", 2), ("150000 100000\n", 2), ("50000 100000", 1),
+                       ("garbage", None)):
+        quota.write_text(text)
+        assert cgroup_cpus(str(quota)) == want, text
+    assert cgroup_cpus(str(tmp_path / "absent")) is None
 
 
 def test_decide_refuses_what_the_flag_refuses():
