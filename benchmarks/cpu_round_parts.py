@@ -21,6 +21,8 @@ the timed pass (each pass is printed, then the median ms/token of all).
 the ms a round of weight matmuls (oneDNN's and MKL's GEMMs), of attention's batched matmuls and of
 every other op, with the count of ops a round; then the ops that cost the most a round. The
 profiler adds a little to every op, so compare its columns with each other, not with the clock.
+`--threads N` sets the thread count of every step, `--wide N` gives steps of 8+ rows N threads
+instead (the thread policy's wide count, as `memra bench` applies it; engine/threads.py).
 `--cprofile N` prints the N functions of most own time over one more pass (Python's cProfile).
 `--steps N` first times the two target steps alone, N times each after the first prompt's
 prefill (median): the fixed-width step the speculative arms verify with and the plain arm's
@@ -59,17 +61,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chain", choices=("numpy", "torch"), default="numpy")
     p.add_argument("--passes", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--wide", type=int, default=None, help="threads for steps of 8+ rows (default: --threads)")
     p.add_argument("--profile", action="store_true", help="one more pass under torch.profiler, by region and op")
     p.add_argument("--cprofile", type=int, default=0, metavar="N", help="one more pass under cProfile: its top N")
     p.add_argument("--steps", type=int, default=0, metavar="N", help="first time the fixed and one-row steps alone")
     a = p.parse_args(argv)
-    for name in ("n", "max_new", "passes", "threads"):
-        if getattr(a, name) < 1:
+    for name in ("n", "max_new", "passes", "threads", "wide"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: expected an integer >= 1")
     for name in ("cprofile", "steps"):
         if getattr(a, name) < 0:
             p.error(f"--{name} {getattr(a, name)}: expected an integer >= 0")
-    torch.set_num_threads(a.threads)
+    from memra_cli.engine.threads import ThreadChoice, applied
+
+    with applied(ThreadChoice(a.threads, None, a.wide)):
+        run(a)
+
+
+def run(a: argparse.Namespace) -> None:
+    """The passes (and profiles) main's arguments ask for, under the applied thread choice."""
 
     import memra_cli.assets as assets
     import memra_cli.engine.spec.proposer as proposer
@@ -141,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
         rounds = rounds_of()
         per_token.append(1e3 * wall / tokens)
         print(f"pass {i + 1}: {per_token[-1]:.3f} ms/token, {rounds} rounds, {tokens / max(rounds, 1):.2f} tokens/round, "
-              f"{1e3 * wall / max(rounds, 1):.3f} ms/round (arm {a.arm}, threads {a.threads}, chain {a.chain})")
+              f"{1e3 * wall / max(rounds, 1):.3f} ms/round (arm {a.arm}, threads {a.threads}, wide {a.wide or a.threads}, chain {a.chain})")
         for label in spent:
             print(f"  {label:28s} {1e3 * spent[label] / rounds:7.3f} ms/round  ({calls[label] / rounds:.2f} calls/round)")
     print(f"median {statistics.median(per_token):.3f} ms/token")
