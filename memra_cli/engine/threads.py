@@ -85,38 +85,39 @@ def _idle_words(idle_now: float, cores: int, default: int) -> str:
 _IDLE_SAMPLE: list = [None]  # (monotonic time, idle cores) of this process's last sample
 
 
-def idle_cores(window: float = IDLE_SAMPLE_S) -> Optional[float]:
-    """Cores idle over `window` seconds just now, from /proc/stat's all-CPU line (this process
-    sleeps meanwhile, so its own work does not count), scaled to the cores this process may
-    run on; None where there is no /proc/stat. A sample is reused for `IDLE_KEEP_S` (a test
-    session loads hundreds of engines)."""
+def idle_cores(window: float = IDLE_SAMPLE_S, stat: str = "/proc/stat") -> Optional[float]:
+    """Cores idle over `window` seconds just now, from `stat`'s all-CPU line (this process
+    sleeps meanwhile, so its own work does not count): the idle share of every CPU's ticks times
+    the machine's CPUs, at most the cores this process may run on; None where there is no such
+    file. A sample is reused for `IDLE_KEEP_S` (a test session loads hundreds of engines)."""
     last = _IDLE_SAMPLE[0]
     if last is not None and time.monotonic() - last[0] < IDLE_KEEP_S:
         return last[1]
-
-    def ticks() -> Optional[tuple[int, int]]:
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(v) for v in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        if len(fields) < 5:
-            return None
-        return sum(fields[:8]), fields[3] + fields[4]  # (all ticks, idle + iowait ticks)
-
-    before = ticks()
+    before = _stat_ticks(stat)
     if before is None:
         return None
     time.sleep(window)
-    after = ticks()
+    after = _stat_ticks(stat)
     if after is None or after[0] <= before[0]:
         return None
     cores, _ = machine_facts()
-    total_cpus = os.cpu_count() or cores
-    idle = (after[1] - before[1]) / (after[0] - before[0]) * total_cpus
+    idle = (after[1] - before[1]) / (after[0] - before[0]) * (os.cpu_count() or cores)
     idle = min(float(cores), idle)
     _IDLE_SAMPLE[0] = (time.monotonic(), idle)
     return idle
+
+
+def _stat_ticks(stat: str) -> Optional[tuple[int, int]]:
+    """(all ticks, idle + iowait ticks) of /proc/stat's first line (`cpu user nice system idle
+    iowait irq softirq steal ...`), or None where it cannot be read."""
+    try:
+        with open(stat) as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    return sum(fields[:8]), fields[3] + fields[4]
 
 
 def cgroup_cpus(path: str = "/sys/fs/cgroup/cpu.max") -> Optional[int]:

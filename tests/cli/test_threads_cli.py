@@ -72,6 +72,30 @@ def test_a_cgroup_quota_bounds_the_cores(tmp_path):
     assert cgroup_cpus(str(tmp_path / "absent")) is None
 
 
+def test_idle_cores_are_the_idle_share_of_the_ticks_over_the_window(tmp_path, monkeypatch):
+    """The ticks read before and after the window (the sleep), their idle + iowait share times the
+    machine's CPUs, capped at this process's cores; one sample kept; an unreadable file is None."""
+    import memra_cli.engine.threads as threads
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 1 2 3 4 5\n")
+    monkeypatch.setattr(threads, "_IDLE_SAMPLE", [None])
+    monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
+    monkeypatch.setattr(threads, "machine_facts", lambda: (4, 0.0))
+    # over the window: 400 ticks, 150 of them idle and 50 iowait: half of four CPUs idle
+    monkeypatch.setattr(threads.time, "sleep", lambda s: stat.write_text("cpu  200 0 200 850 150 0 0 0 0 0\n"))
+    assert threads.idle_cores(stat=str(stat)) == 2.0
+    stat.write_text("garbage")
+    assert threads.idle_cores(stat=str(stat)) == 2.0  # the kept sample
+    monkeypatch.setattr(threads, "_IDLE_SAMPLE", [None])
+    assert threads.idle_cores(stat=str(stat)) is None
+    assert threads.idle_cores(stat=str(tmp_path / "absent")) is None
+    stat.write_text("cpu  0 0 0 0 0 0 0 0\n")
+    monkeypatch.setattr(threads, "machine_facts", lambda: (1, 0.0))
+    monkeypatch.setattr(threads.time, "sleep", lambda s: stat.write_text("cpu  0 0 0 100 0 0 0 0\n"))
+    assert threads.idle_cores(stat=str(stat)) == 1.0  # every CPU idle, capped at this process's one core
+
+
 def test_decide_refuses_what_the_flag_refuses():
     """A Python caller gets the same check the option's callback makes."""
     with pytest.raises(SettingError, match="threads='0': expected a positive integer"):
