@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -85,11 +85,11 @@ def _idle_words(idle_now: float, cores: int, default: int) -> str:
 _IDLE_SAMPLE: list = [None]  # (monotonic time, idle cores) of this process's last sample
 
 
-def idle_cores(window: float = IDLE_SAMPLE_S, stat: str = "/proc/stat") -> Optional[float]:
+def idle_cores(cores: int, window: float = IDLE_SAMPLE_S, stat: str = "/proc/stat") -> Optional[float]:
     """Cores idle over `window` seconds just now, from `stat`'s all-CPU line (this process
     sleeps meanwhile, so its own work does not count): the idle share of every CPU's ticks times
-    the machine's CPUs, at most the cores this process may run on; None where there is no such
-    file. A sample is reused for `IDLE_KEEP_S` (a test session loads hundreds of engines)."""
+    the machine's CPUs, at most `cores` (those this process may run on); None where there is no
+    such file. A sample is reused for `IDLE_KEEP_S` (a test session loads hundreds of engines)."""
     last = _IDLE_SAMPLE[0]
     if last is not None and time.monotonic() - last[0] < IDLE_KEEP_S:
         return last[1]
@@ -100,7 +100,6 @@ def idle_cores(window: float = IDLE_SAMPLE_S, stat: str = "/proc/stat") -> Optio
     after = _stat_ticks(stat)
     if after is None or after[0] <= before[0]:
         return None
-    cores, _ = machine_facts()
     idle = (after[1] - before[1]) / (after[0] - before[0]) * (os.cpu_count() or cores)
     idle = min(float(cores), idle)
     _IDLE_SAMPLE[0] = (time.monotonic(), idle)
@@ -167,10 +166,8 @@ def thread_choice(requested: Optional[int], device_type: str, target_params: Opt
 
     env = os.environ if env is None else env
     cores, load = machine_facts()
-    idle = None
-    if requested is None and device_type == "cpu" and not env.get("OMP_NUM_THREADS") and \
-            target_params is not None and target_params < SMALL_TARGET_PARAMS and cores > 1:
-        idle = idle_cores()
+    small = target_params is not None and target_params < SMALL_TARGET_PARAMS
+    idle = idle_cores(cores) if needs_size(requested, device_type, env) and small and cores > 1 else None
     return choose_threads(requested, device_type, target_params, env=env,
                           default=torch.get_num_threads(), cores=cores, load=load, idle=idle, source=source)
 
@@ -197,19 +194,27 @@ def applied(choice: ThreadChoice):
         torch.set_num_threads(before)
 
 
-@contextmanager
+_UNCHANGED = nullcontext()  # what `for_rows` returns where a step keeps torch's setting (reusable)
+
+
 def for_rows(rows: int):
-    """Run a step of `rows` rows at the applied choice's count for it: its `wide` count from
-    `WIDE_ROWS` rows on, the narrow one (torch's setting as it is) below, and outside `applied`."""
+    """A context running a step of `rows` rows at the applied choice's count for it: its `wide`
+    count from `WIDE_ROWS` rows on; torch's setting as it is below that, outside `applied`, and
+    for a choice without a wide count (CUDA, a requested count), where it costs one lookup (it
+    wraps every step and every drafter round)."""
     stack = getattr(_APPLIED, "choices", None)
     wide = stack[-1].wide if stack else None
     if wide is None or rows < WIDE_ROWS:
-        yield
-        return
+        return _UNCHANGED
+    return _at_threads(wide)
+
+
+@contextmanager
+def _at_threads(n: int):
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(wide)
+    torch.set_num_threads(n)
     try:
         yield
     finally:

@@ -81,19 +81,17 @@ def test_idle_cores_are_the_idle_share_of_the_ticks_over_the_window(tmp_path, mo
     stat.write_text("cpu  100 0 100 700 100 0 0 0 0 0\ncpu0 1 2 3 4 5\n")
     monkeypatch.setattr(threads, "_IDLE_SAMPLE", [None])
     monkeypatch.setattr(threads.os, "cpu_count", lambda: 4)
-    monkeypatch.setattr(threads, "machine_facts", lambda: (4, 0.0))
     # over the window: 400 ticks, 150 of them idle and 50 iowait: half of four CPUs idle
     monkeypatch.setattr(threads.time, "sleep", lambda s: stat.write_text("cpu  200 0 200 850 150 0 0 0 0 0\n"))
-    assert threads.idle_cores(stat=str(stat)) == 2.0
+    assert threads.idle_cores(4, stat=str(stat)) == 2.0
     stat.write_text("garbage")
-    assert threads.idle_cores(stat=str(stat)) == 2.0  # the kept sample
+    assert threads.idle_cores(4, stat=str(stat)) == 2.0  # the kept sample
     monkeypatch.setattr(threads, "_IDLE_SAMPLE", [None])
-    assert threads.idle_cores(stat=str(stat)) is None
-    assert threads.idle_cores(stat=str(tmp_path / "absent")) is None
+    assert threads.idle_cores(4, stat=str(stat)) is None
+    assert threads.idle_cores(4, stat=str(tmp_path / "absent")) is None
     stat.write_text("cpu  0 0 0 0 0 0 0 0\n")
-    monkeypatch.setattr(threads, "machine_facts", lambda: (1, 0.0))
     monkeypatch.setattr(threads.time, "sleep", lambda s: stat.write_text("cpu  0 0 0 100 0 0 0 0\n"))
-    assert threads.idle_cores(stat=str(stat)) == 1.0  # every CPU idle, capped at this process's one core
+    assert threads.idle_cores(1, stat=str(stat)) == 1.0  # every CPU idle, capped at this process's one core
 
 
 def test_decide_refuses_what_the_flag_refuses():
@@ -113,7 +111,7 @@ GENERATE = ["generate", "--spec", "off", "--prompt-ids", "5,6,7", "--max-new", "
 ])
 def test_generate_applies_says_and_restores(monkeypatch, args, env, threads, note):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the caller's, if any, would decide every case
-    monkeypatch.setattr("memra_cli.engine.threads.idle_cores", lambda: 0.4)  # a busy machine: one count
+    monkeypatch.setattr("memra_cli.engine.threads.idle_cores", lambda cores: 0.4)  # a busy machine: one count
     torch.set_num_threads(3)  # not the policy's 1 nor --threads 2: what comes back is the process's own
     try:
         obj = json.loads(runner.invoke(app, GENERATE + args + ["--json"], env=env).stdout)
@@ -145,7 +143,7 @@ def test_bench_applies_and_reports_it(monkeypatch):
     r = runner.invoke(app, base + ["--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["threads"] == 1
-    monkeypatch.setattr("memra_cli.engine.threads.idle_cores", lambda: 2.0)  # an idle 2-core machine
+    monkeypatch.setattr("memra_cli.engine.threads.idle_cores", lambda cores: 2.0)  # an idle 2-core machine
     torch.set_num_threads(2)  # torch's default there
     try:
         r = runner.invoke(app, base + ["--json"])
