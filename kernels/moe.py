@@ -21,11 +21,13 @@ once per step however many rows chose it, and never touch the others:
    `moe_gemma_add_norm` (Gemma 4's MoE layer end) it runs the layer's sandwich norms: its own
    post norm, the dense MLP's, their sum's, the residual add, the layer scalar and the next norm.
 
-The two matmuls run `MoeConfig.programs_per_sm` programs per multiprocessor for each row tile;
-each finds the tile's routed experts from the ids and loops over its share of their work items,
-so no program starts for an expert no row picked (`programs_per_sm = 0`: a program per (expert,
-tile) of every expert instead, for an A/B). Nothing is read on the host and the launches take
-the same arguments every step (a CUDA graph can hold them).
+The two matmuls run a program per (expert, tile) of every expert for each row tile
+(`MoeConfig.programs_per_sm = 0`, `CONFIG`'s); a program whose expert no row of its tile picked
+exits after reading the ids. `programs_per_sm` > 0 runs that many programs per multiprocessor
+instead, each finding the tile's routed experts from the ids and looping over its share of
+their work items (no program for an unrouted expert; slower where measured, kept for the A/B).
+Nothing is read on the host and the launches take the same arguments every step (a CUDA graph
+can hold them).
 
 Exactness (the fixed-width rule, extended to any row count): a token's output never depends on
 which or how many other rows share its experts, nor on M. The tiles are a function of the weight
@@ -89,7 +91,7 @@ class MoeConfig:
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
-    programs_per_sm: int = 1
+    programs_per_sm: int = 0
 
     def check(self) -> "MoeConfig":
         for name in ("block_i", "block_n", "block_k"):
@@ -101,8 +103,9 @@ class MoeConfig:
         return self
 
 
-# The launch tiles (not M-dependent: changing them changes no row's order across M); chosen by
-# the H200 sweep in docs/moe.md "Kernel tiles".
+# The launch tiles (not M-dependent: changing them changes no row's order across M) and the grid
+# (a program per (expert, tile): faster than the work items at every row count measured), chosen
+# by the sweeps in docs/moe.md "Kernel tiles".
 CONFIG = MoeConfig()
 
 

@@ -114,7 +114,8 @@ def test_planted_wrong_expert_index_is_caught():
     assert twin_violations(neighbour, 16, 2, torch.bfloat16) > 0
 
 
-EXPERT_GRID = moe.MoeConfig(programs_per_sm=0)  # a program per (expert, tile) instead of the work items
+EXPERT_GRID = moe.MoeConfig(programs_per_sm=0)  # a program per (expert, tile): moe.CONFIG's grid
+WORK_ITEMS = moe.MoeConfig(programs_per_sm=1)  # the other grid: a program per multiprocessor looping over items
 
 
 @pytest.mark.parametrize("m", [1, pytest.param(16, marks=pytest.mark.exhaustive)], ids=lambda m: f"M{m}")
@@ -126,7 +127,7 @@ def test_the_program_count_changes_no_bit(monkeypatch, m):
     want = moe.moe_swiglu(x, w, ids, gu, down, config=EXPERT_GRID)
     for sms in (1, 3, 64):
         monkeypatch.setattr(moe, "INTERPRETED_SMS", sms)
-        assert torch.equal(moe.moe_swiglu(x, w, ids, gu, down), want), sms
+        assert torch.equal(moe.moe_swiglu(x, w, ids, gu, down, config=WORK_ITEMS), want), sms
 
 
 _routed_experts = moe._routed_experts  # the real one, for the plant below to call once patched in
@@ -150,7 +151,7 @@ def test_planted_work_item_bugs_are_caught(monkeypatch, plant):
     """The f32 bound sees the items miss a routed expert, or run experts no row picked."""
     name = "_routed_experts" if plant is _one_expert_short else "_nth_expert"
     monkeypatch.setattr(moe, name, plant)
-    assert twin_violations(moe.moe_swiglu, 1, 2, torch.float32) > 0
+    assert twin_violations(moe.moe_swiglu, 1, 2, torch.float32, config=WORK_ITEMS) > 0
 
 
 def test_planted_wrong_activation_is_caught():

@@ -441,11 +441,11 @@ def _moe(ctx, dt):
                    ctx.torch.zeros(16, k, dtype=ctx.torch.int64), ctx.t(n_exp, 2 * inter, h, dtype=dt),
                    ctx.t(n_exp, h, inter, dtype=dt), ctx.t(16, h, dtype=dt), ctx.t(16, 1, dtype=dt),
                    ctx.t(16, h, dtype=dt), ctx.t(h, dtype="f32"), 1e-6)
-        # the matmuls' other grid (ITEMS off: a program per (expert, tile), the A/B benchmarks' `x0` tiles)
-        ctx.launch(f"moe_swiglu expert grid E{n_exp} h{h} I{inter} k{k}", ("_moe_gate_up_kernel", "_moe_down_kernel"),
+        # the matmuls' other grid (ITEMS on: a program per multiprocessor over the work items, the A/B's `x1` tiles)
+        ctx.launch(f"moe_swiglu work items E{n_exp} h{h} I{inter} k{k}", ("_moe_gate_up_kernel", "_moe_down_kernel"),
                    mo.moe_swiglu, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
                    ctx.torch.zeros(16, k, dtype=ctx.torch.int64), ctx.t(n_exp, 2 * inter, h, dtype=dt),
-                   ctx.t(n_exp, h, inter, dtype=dt), config=mo.MoeConfig(programs_per_sm=0))
+                   ctx.t(n_exp, h, inter, dtype=dt), config=mo.MoeConfig(programs_per_sm=1))
     n_exp, h, inter, k = MOE_SHAPES[-1]  # Gemma 4's GELU-tanh experts: the gate/up epilogue's other branch
     # and its layer end in the combine (GEMMA: the sandwich norms, the add, the scalar, the next norm)
     ctx.launch(f"moe_gemma_add_norm E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel", mo.moe_gemma_add_norm,
