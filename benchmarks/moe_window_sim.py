@@ -21,7 +21,7 @@ step times of `benchmarks/moe_step.py`'s Triton rows (ms of the fixed-width step
 where it timed one, else of a step of vt rows; linear between the vt it measured), so the fixed
 overhead a real step pays beside its expert reads counts too.
 
-    python benchmarks/moe_window_sim.py [--json OUT] [--measured docs/results/h100-moe-step-a3b-padding-rows-skipped.json]
+    python benchmarks/moe_window_sim.py [--json OUT] [--measured docs/results/h100-moe-step-a3b-expert-grid.json]
 """
 
 from __future__ import annotations

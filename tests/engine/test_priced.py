@@ -116,7 +116,7 @@ def test_the_simulation_script_prints_and_writes_its_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
     env["PYTHONPATH"] = str(ROOT)
     out = tmp_path / "sim.json"
-    measured = ROOT / "docs" / "results" / "h100-moe-step-a3b-padding-rows-skipped.json"  # graphed step times
+    measured = ROOT / "docs" / "results" / "h100-moe-step-a3b-expert-grid.json"  # graphed step times
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "moe_window_sim.py"), "--json", str(out),
                            "--measured", str(measured)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
