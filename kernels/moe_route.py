@@ -23,19 +23,24 @@ largest probability and, among equal ones, the lowest index; the count's union i
 over the rows after the picks (the keys taken out).
 
 `router_route` (its twin `router_route_ref`: `F.linear` then `moe_route_ref`) also computes the
-router's logits for a step's rows, in the same launch: a program per ROUTER_N experts stores
-their logits for every row (float32 dots over one K loop whatever the row count, rounded to the
-model dtype), and the last program to arrive (an arrival counter, as `_splitk`'s) routes every
-row from them with the routing body above. With a pre-norm (Gemma 4's router: `router_pre_norm_ref`)
-each program first sums every row's squares over the same K loop, then norms, scales and rounds
-each x tile as it loads it (the twin's three roundings), so the norm costs no launch of its own.
+router's logits for a step's rows, in the same launch: a program per (ROUTER_N experts,
+ROUTER_CHUNK hidden columns) dots its router tile with every row's chunk of x (one float32 dot
+a row tile, whatever the row count) and stores the partial logits; the last program to arrive
+(an arrival counter, as `_splitk`'s) sums each row's chunks in chunk order, rounds the sum to
+the model dtype and routes every row with the routing body above. A program's router tile is
+loaded before its PDL wait: the router's latency, a one-row step's whole cost of this launch,
+overlaps the kernel before, and a program's chain of dependent loads is one chunk long, not the
+whole hidden size. With a pre-norm (Gemma 4's router: `router_pre_norm_ref`) each program first
+sums every row's squares over one ROUTER_K-column loop of the whole hidden size, then norms,
+scales and rounds its chunk of x (the twin's three roundings), so the norm costs no launch of
+its own.
 
 Kernel and twin differ only in the float32 order of the softmax's and the normalisation's sums
 (and the exponential's last bit; `router_route`: and of the logits' dots); ties of equal
 probabilities go to the lower index in both.
 
 Public API: `moe_route`, `moe_route_ref`, `router_route`, `router_route_ref`, `eligible`,
-`router_eligible`, `BLOCK_T`, `COUNT_ROWS`, `MAX_EXPERTS`, `ROUTER_N`, `ROUTER_K`.
+`router_eligible`, `BLOCK_T`, `COUNT_ROWS`, `MAX_EXPERTS`, `ROUTER_N`, `ROUTER_K`, `ROUTER_CHUNK`.
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from .moe_route_ref import (count_experts, moe_route_ref, router_pre_norm_ref,  
 
 __all__ = ["moe_route", "moe_route_ref", "router_route", "router_route_ref", "router_pre_norm_ref", "eligible",
            "router_eligible",
-           "BLOCK_T", "COUNT_ROWS", "MAX_EXPERTS", "ROUTER_N", "ROUTER_K"]
+           "BLOCK_T", "COUNT_ROWS", "MAX_EXPERTS", "ROUTER_N", "ROUTER_K", "ROUTER_CHUNK"]
 
 BLOCK_T = 16  # rows a tile holds (a fixed-width step's 16 in one tile)
 COUNT_ROWS = 64  # calls up to this many rows run as one program that counts their experts itself
@@ -60,7 +65,10 @@ MAX_EXPERTS = 1024  # a tile holds BLOCK_T rows of every expert's logit
 # The router kernel's tiles: experts per program (a 128-expert router: 8 programs) and hidden
 # columns per loop step; they depend on nothing but these constants, never on the row count.
 ROUTER_N = 16
-ROUTER_K = 128
+ROUTER_K = 128  # the pre-norm's sum-of-squares step
+# Hidden columns a router program dots (a program per ROUTER_N experts and chunk: 32 programs for a
+# 128-expert router of hidden 2048); each row's logit is the sum of its chunks in chunk order.
+ROUTER_CHUNK = 512
 
 
 def eligible(logits: torch.Tensor) -> bool:
@@ -72,10 +80,12 @@ def eligible(logits: torch.Tensor) -> bool:
 @triton.jit
 def _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l, first, step,
                  K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                 NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr):
-    """Routes the row tiles first, first + step, ... of `logits [T, E]` (read through L2: the
-    router kernel's last program reads what the others wrote); with COUNT (every tile here) adds
-    the call and the union of its live rows' experts to `counts`."""
+                 NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr,
+                 PARTS: tl.constexpr = 0):
+    """Routes the row tiles first, first + step, ... of `logits [T, E]`; with COUNT (every tile
+    here) adds the call and the union of its live rows' experts to `counts`. PARTS > 0 (the router
+    kernel's last program): `logits_ptr` is float32 partial logits `[PARTS, T, E]` the programs
+    wrote (read through L2), summed in part order and rounded to the weights' dtype."""
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     slots = tl.arange(0, KP)
@@ -86,8 +96,15 @@ def _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T,
     for t0 in range(first * BLOCK_T, T, step * BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         row_ok = rows < T
-        raw = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
-                      mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+        if PARTS:  # the logits: each row's K chunks in chunk order, whatever the row count
+            raw = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+            for part in tl.static_range(PARTS):  # unrolled: the loads go out together
+                raw += tl.load(logits_ptr + (part * T + rows.to(tl.int64))[:, None] * stride_l + cols[None, :],
+                               mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
+            raw = raw.to(w_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            raw = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
+                          mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
         x = tl.where(col_ok[None, :], raw, float("-inf"))
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         probs = p / tl.sum(p, axis=1)[:, None]
@@ -138,55 +155,59 @@ def _moe_route_kernel(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_pt
 
 
 @triton.jit
-def _router_route_kernel(x_ptr, router_ptr, logits_ptr, cnt_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr,
+def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr,
                          T, H, E, stride_x, stride_r, K_TOP: tl.constexpr, KP: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROUTER_N: tl.constexpr,
-                         ROUTER_K: tl.constexpr, NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                         HAS_LIVE: tl.constexpr, COUNT: tl.constexpr, PREC: tl.constexpr, WIDEN: tl.constexpr,
-                         pre_w_ptr=None, pre_factor=1.0, eps=0.0, PRE_NORM: tl.constexpr = False,
+                         ROUTER_K: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr, NORMALIZE: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr, PREC: tl.constexpr,
+                         WIDEN: tl.constexpr, pre_w_ptr=None, pre_factor=1.0, eps=0.0, PRE_NORM: tl.constexpr = False,
                          PDL: tl.constexpr = False):
-    """Program p: logits [rows, experts p*ROUTER_N ...] = x @ router.T for every row tile (float32
-    dots over the same K loop for every row, rounded to the logits' dtype), stored; the last
-    program to arrive (an arrival counter, put back to 0) routes every row from them. PRE_NORM:
-    x is `router_pre_norm_ref(x, pre_w, pre_factor, eps)`, formed tile by tile."""
-    pdl_wait(PDL)
+    """Program (p, c): the float32 partial logits of experts p*ROUTER_N ... over hidden columns
+    c*CHUNK ... (one of the PARTS chunks) for every row tile, one dot a row tile, stored to
+    `parts [PARTS, T, E]`; the last program to arrive (an arrival counter, put back to 0) sums each
+    row's chunks in chunk order, rounds them to the model dtype and routes every row. The router
+    tile is loaded before the PDL wait (no earlier kernel writes the router), so its read overlaps
+    the kernel before. PRE_NORM: x is `router_pre_norm_ref(x, pre_w, pre_factor, eps)`, each
+    row's statistic over one ROUTER_K-column loop of the whole hidden size."""
     experts = tl.program_id(0) * ROUTER_N + tl.arange(0, ROUTER_N)
     e_ok = experts < E
-    offs_k = tl.arange(0, ROUTER_K)
+    offs_k = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    k_ok = offs_k < H
+    w = tl.load(router_ptr + experts.to(tl.int64)[:, None] * stride_r + offs_k[None, :],
+                mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+    pdl_wait(PDL)
     dt = x_ptr.dtype.element_ty
+    if PRE_NORM:
+        pw = tl.load(pre_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     for t0 in range(0, T, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         r_ok = rows < T
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :],
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         if PRE_NORM:  # each row's float32 sum of squares over the same K loop, whatever the row count
+            offs_s = tl.arange(0, ROUTER_K)
             sq = tl.zeros((BLOCK_T,), tl.float32)
-            for k0 in range(0, H, ROUTER_K):
-                xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (k0 + offs_k)[None, :],
-                             mask=r_ok[:, None] & ((k0 + offs_k) < H)[None, :], other=0.0).to(tl.float32)
+            for s0 in range(0, H, ROUTER_K):
+                xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (s0 + offs_s)[None, :],
+                             mask=r_ok[:, None] & ((s0 + offs_s) < H)[None, :], other=0.0).to(tl.float32)
                 sq += tl.sum(xs * xs, axis=1)
             rstd = 1.0 / tl.sqrt_rn(sq / H + eps)
+            # the twin's roundings: the norm, the weight's product, the factor's product
+            x = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+            x = ((x * pw[None, :]).to(dt).to(tl.float32) * pre_factor).to(dt)
         acc = tl.zeros((ROUTER_N, BLOCK_T), tl.float32)
-        for k0 in range(0, H, ROUTER_K):
-            k_ok = (k0 + offs_k) < H
-            w = tl.load(router_ptr + experts.to(tl.int64)[:, None] * stride_r + (k0 + offs_k)[None, :],
-                        mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (k0 + offs_k)[None, :],
-                        mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            if PRE_NORM:  # the twin's roundings: the norm, the weight's product, the factor's product
-                pw = tl.load(pre_w_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
-                x = ((x * pw[None, :]).to(dt).to(tl.float32) * pre_factor).to(dt)
-            if WIDEN:  # the interpreter multiplies bf16/f16 raw bits: widen (the products are equal)
-                acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
-        tl.store(logits_ptr + rows.to(tl.int64)[None, :] * E + experts[:, None],
-                 acc.to(logits_ptr.dtype.element_ty), mask=e_ok[:, None] & r_ok[None, :])
-    # every thread's logits are stored before one thread announces them (release) ...
+        if WIDEN:  # the interpreter multiplies bf16/f16 raw bits: widen (the products are equal)
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+        tl.store(parts_ptr + (tl.program_id(1) * T + rows.to(tl.int64))[None, :] * E + experts[:, None], acc,
+                 mask=e_ok[:, None] & r_ok[None, :])
+    # every thread's partials are stored before one thread announces them (release) ...
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) - 1:  # ... and the last program reads them through L2
-        _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, E, 0, 1, K_TOP, KP,
-                     BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, HAS_LIVE, COUNT)
+    if arrived == tl.num_programs(0) * PARTS - 1:  # ... and the last program reads them through L2
+        _route_tiles(parts_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, E, 0, 1, K_TOP, KP,
+                     BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, HAS_LIVE, COUNT, PARTS)
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -257,17 +278,18 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
     t, n_exp = x.shape[0], router.shape[0]
     _check_routing(n_exp, k, live, counts, scale)
     x = x if x.stride(1) == 1 else x.contiguous()
-    logits = torch.empty((t, n_exp), dtype=x.dtype, device=x.device)
+    chunks = triton.cdiv(x.shape[1], ROUTER_CHUNK)
+    parts = torch.empty((chunks, t, n_exp), dtype=torch.float32, device=x.device)
     weights = torch.empty((t, k), dtype=x.dtype, device=x.device)
     ids = torch.empty((t, k), dtype=torch.int64, device=x.device)
     if t == 0:
         return weights, ids
-    grid = triton.cdiv(n_exp, ROUTER_N)
-    _router_route_kernel[(grid,)](
-        x, router, logits, counters("moe_router", x.device, 1), x if scale is None else scale,
+    _router_route_kernel[(triton.cdiv(n_exp, ROUTER_N), chunks)](
+        x, router, parts, counters("moe_router", x.device, 1), x if scale is None else scale,
         x if live is None else live, weights, ids, ids if counts is None else counts, t, x.shape[1], n_exp,
         x.stride(0), router.stride(0), K_TOP=k, KP=triton.next_power_of_2(k), BLOCK_T=BLOCK_T,
-        BLOCK_E=triton.next_power_of_2(n_exp), ROUTER_N=ROUTER_N, ROUTER_K=ROUTER_K, NORMALIZE=normalize,
+        BLOCK_E=triton.next_power_of_2(n_exp), ROUTER_N=ROUTER_N, ROUTER_K=ROUTER_K, CHUNK=ROUTER_CHUNK,
+        PARTS=chunks, NORMALIZE=normalize,
         HAS_SCALE=scale is not None, HAS_LIVE=live is not None, COUNT=counts is not None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", WIDEN=interpreting() and x.device.type != "cuda",
         pre_w_ptr=x if pre_w is None else pre_w, pre_factor=float(factor), eps=float(eps), PRE_NORM=pre_w is not None,

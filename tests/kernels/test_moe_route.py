@@ -218,6 +218,30 @@ def test_the_router_kernel_keeps_a_row_its_bits_its_ties_and_catches_a_planted_r
                                       *router_inputs(16, torch.float32), 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_router_kernel_sums_its_hidden_chunks_in_order(monkeypatch, dtype):
+    """Chunks of 32 hidden columns (48: a full chunk and a half-masked one, two programs an expert
+    tile, the second chunk's partial summed after the first's): the twin's picks and count, the
+    weights within the bound, with live rows and with Gemma's pre-norm; a row's bits alone and
+    among 16; a 40-expert router (three expert tiles, six programs, the last one routing) against
+    the twin's picks. Dropping the second chunk would move every logit: the picks would part."""
+    monkeypatch.setattr(mr, "ROUTER_CHUNK", 32)
+    x, router = router_inputs(16, dtype, seed=21)
+    assert router_mismatches(mr.router_route, x, router, 3, True, live_of(9)) == []
+    assert router_mismatches(mr.router_route, x * 7, router, 2, True, None, None, gemma_pre_norm(dtype)) == []
+    full = mr.router_route(x, router, 3, True)
+    one = mr.router_route(x[4:5], router, 3, True)
+    assert torch.equal(one[0][0], full[0][4]) and torch.equal(one[1][0], full[1][4])
+    half = mr.router_route(x[:, :32].contiguous(), router[:, :32].contiguous(), 3, True)
+    assert not torch.equal(half[1], full[1])  # the second chunk moves the picks: the twin check sees it dropped
+    wide = (torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(5)) * 0.3).to(DEVICE, dtype)
+    counts, counts_ref = (torch.zeros(2, dtype=torch.int64, device=DEVICE) for _ in range(2))
+    w, ids = mr.router_route(x, wide, 4, True, None, counts)
+    w_ref, ids_ref = mr.router_route_ref(x, wide, 4, True, None, counts_ref)
+    assert torch.equal(ids, ids_ref) and torch.equal(counts, counts_ref)
+    assert torch.allclose(w.float(), w_ref.float(), rtol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
 def test_the_router_kernel_refuses_what_it_does_not_take():
     x, router = router_inputs(mr.COUNT_ROWS + 1, torch.float32)
     assert not mr.router_eligible(x, router) and mr.router_eligible(x[:16], router)
