@@ -16,7 +16,8 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   ratio twin / kernels, and the kernels' graphed time against the read floor of the experts the
   rows routed to; and the routing alone from the router logits (the twin's ~14 launches eager
   and graphed, the routing kernel's one graphed), and from x with the router's matmul (the
-  step ops' `linear` then the routing kernel, against `router_route`'s one launch, graphed), per layer;
+  step ops' `linear` then the routing kernel, against `router_route`'s one launch, graphed, and
+  with `--router-chunks` that launch at other hidden chunks), per layer;
 - per step: the experts run per sparse layer (counted by the target), the bytes those weights
   hold (attention, router, dense MLPs, lm_head, and the measured expert union), the read
   bandwidth measured in the same process (a large tensor's sum), the ratio of time to that
@@ -192,16 +193,27 @@ def parse_tiles(raw: str):
     return out
 
 
+def parse_router_chunks(raw: str) -> list[int] | None:
+    """`--router-chunks` "256,512" -> [256, 512] ([] when empty); None when a field is not a power
+    of two >= 16 (the kernel's tile width)."""
+    try:
+        chunks = [int(c) for c in raw.split(",")] if raw else []
+    except ValueError:
+        return None
+    return chunks if all(c >= 16 and c & (c - 1) == 0 for c in chunks) else None
+
+
 def tiles_name(cfg) -> str:
     return f"{cfg.block_i}x{cfg.block_n}x{cfg.block_k}x{cfg.num_warps}x{cfg.num_stages}x{cfg.programs_per_sm}"
 
 
 @torch.no_grad()
-def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) -> dict:
+def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), router_chunks=()) -> dict:
     """The MoE feed-forward alone over every sparse layer (its own weights and routing, one
     random normed input of vt rows): ms per layer of the twin (eager) and of the kernels (eager
     and graphed), and the kernels' graphed time against the read floor of the routed experts;
-    with `tiles`, the kernels' graphed time at each of those tile configurations too."""
+    with `tiles`, the kernels' graphed time at each of those tile configurations too; with
+    `router_chunks`, the router's one launch graphed at each of those hidden chunks."""
     from benchmarks.timing import median_ms
     from memra_cli.engine.layers.moe import route
     from memra_kernels.moe import moe_swiglu
@@ -252,6 +264,17 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=()) 
             ms, err = graphed_ms(lambda op=op: [op(x, r, moe.top_k, moe.norm_topk_prob, None, counts) for r in routers],
                                  iters)
             row[f"{name}_graph_us"] = err if ms is None else 1e3 * ms / n
+        row["router_chunks_graph_us"] = {}
+        from memra_kernels import moe_route as mr
+        kept = mr.ROUTER_CHUNK
+        try:
+            for chunk in router_chunks:  # the module constant, set before each capture (as TILES is)
+                mr.ROUTER_CHUNK = chunk
+                ms, err = graphed_ms(lambda: [router_route(x, r, moe.top_k, moe.norm_topk_prob, None, counts)
+                                              for r in routers], iters)
+                row["router_chunks_graph_us"][str(chunk)] = err if ms is None else 1e3 * ms / n
+        finally:
+            mr.ROUTER_CHUNK = kept
         row["tiles_graph_us"] = {}
         for cfg in tiles:
             ms, err = graphed_ms(every_layer(lambda *a, cfg=cfg: moe_swiglu(*a, config=cfg)), iters)
@@ -303,6 +326,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "
                     "configurations: comma-separated block_i x block_n x block_k x warps x stages [x programs per "
                     "multiprocessor, 0: a program per (expert, tile)], e.g. 64x64x128x4x3 or 64x64x128x4x3x0")
+    ap.add_argument("--router-chunks", default="", help="also time the router's one launch, graphed, at these "
+                    "hidden chunks (memra_kernels.moe_route.ROUTER_CHUNK; powers of two >= 16), comma-separated")
     ap.add_argument("--width", type=int, default=16, help="also time each vt below it as a step of this many "
                     "rows, vt of them live (the engine's fixed-width step); 0: only the vt-row steps")
     ap.add_argument("--context", type=int, default=512)
@@ -326,6 +351,14 @@ def main(argv: list[str]) -> int:
         return 2
     if tiles and dev.type != "cuda":
         print(f"error: --tiles {a.tiles!r}: the kernels need --device cuda", file=sys.stderr)
+        return 2
+    chunks = parse_router_chunks(a.router_chunks)
+    if chunks is None:
+        print(f"error: --router-chunks {a.router_chunks!r}: expected powers of two >= 16, comma-separated "
+              "(e.g. 256,512,1024)", file=sys.stderr)
+        return 2
+    if chunks and dev.type != "cuda":
+        print(f"error: --router-chunks {a.router_chunks!r}: the kernels need --device cuda", file=sys.stderr)
         return 2
     if a.profile and (dev.type != "cuda" or "triton" not in ops or a.width < 1):
         print("error: --profile: needs --device cuda, triton in --ops and --width >= 1", file=sys.stderr)
@@ -352,7 +385,7 @@ def main(argv: list[str]) -> int:
         rows += step_rows(model, name, vts, a.width, cost, bw, lambda vt, w: measure(model, vt, a.context, a.iters, w))
     op_rows = []
     for vt in vts:
-        r = measure_op(model, vt, a.iters, bw, tiles)
+        r = measure_op(model, vt, a.iters, bw, tiles, chunks)
         op_rows.append(r)
         kernel = "" if "kernel_us" not in r else (
             f"  kernels {r['kernel_us']:8.1f} us eager, "
@@ -373,6 +406,8 @@ def main(argv: list[str]) -> int:
         print(route)
         for name, us in r.get("tiles_graph_us", {}).items():
             print(f"   tiles {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
+        for name, us in r.get("router_chunks_graph_us", {}).items():
+            print(f"   router chunk {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
     profiles = []
     if a.profile:
         import os

@@ -113,7 +113,8 @@ def _moe_step(out: Path, tiny: bool):
         ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16", "--ops", "triton",  # the twin's eager
          "--vts", "1,2,4,8,12,16", "--iters", "10",  # steps overran the cap (its op still runs in the op rows)
          # candidates beside moe.CONFIG; 64x64x128x4x3x1: CONFIG's tiles on the work items, the grid's A/B
-         "--tiles", "64x64x128x4x3x1,32x64x128x4x3,64x32x64x4x4"]
+         "--tiles", "64x64x128x4x3x1,32x64x128x4x3,64x32x64x4x4",
+         "--router-chunks", "128,256,512,1024,2048"]  # the router's chunk (moe_route.ROUTER_CHUNK)
     return [_py("-m", "benchmarks.moe_step", *args, *([] if tiny else _dense_tuned(out)),
                 "--json", str(out / "moe_step.json"))]
 

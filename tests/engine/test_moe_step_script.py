@@ -76,3 +76,20 @@ def test_tiles_take_the_program_count_and_bad_ones_are_refused_in_one_line(capsy
         assert main(["--shape", "tiny", "--device", "cpu", "--tiles", bad]) == 2
         assert capsys.readouterr().err.strip().splitlines() == [
             f"error: --tiles {bad!r}: {why} (expected e.g. 64x64x128x4x3 or 64x64x128x4x3x0)"]
+
+
+def test_router_chunks_take_powers_of_two_and_need_cuda(capsys, monkeypatch):
+    """`--router-chunks` takes powers of two >= 16 (the router kernel's tile width); others, and
+    any on the CPU (the kernels need CUDA), are refused in one line."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.moe_step import main, parse_router_chunks
+
+    assert parse_router_chunks("") == [] and parse_router_chunks("256,1024") == [256, 1024]
+    for bad in ("300", "8", "512,x"):
+        assert parse_router_chunks(bad) is None
+        assert main(["--shape", "tiny", "--device", "cpu", "--router-chunks", bad]) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"error: --router-chunks {bad!r}: expected powers of two >= 16, comma-separated (e.g. 256,512,1024)"]
+    assert main(["--shape", "tiny", "--device", "cpu", "--router-chunks", "256"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --router-chunks '256': the kernels need --device cuda"]
