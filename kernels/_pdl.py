@@ -72,6 +72,14 @@ def pdl_args(x: torch.Tensor) -> dict:
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line at each pointer (no registers written, nothing waited for):
+    what a kernel may do with its weights (which no kernel writes) before its PDL wait."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """First statement of every launched kernel: with PDL, wait for the previous kernel to finish
     and its writes to be visible, then let the next kernel's launch begin."""

@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_tensors, interpreting, next_pow2
-from ._pdl import pdl_args
+from ._pdl import pdl_args, prefetch_l2
 from ._splitk import counters, split_for, store_or_reduce, tile_rows
 from ._sumsq import pairwise_rows
 from .argmax import _column_of, _keys
@@ -152,13 +152,6 @@ def config_for(n: int, k: int, itemsize: int = 2) -> KernelConfig:
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line at each pointer (no registers written, nothing waited for)."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _prefetch_then_wait(PDL: tl.constexpr, PREFETCH: tl.constexpr, w_ptr, N, K, stride_wn, SPLIT_K,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GLU: tl.constexpr):
     """The kernel's start under programmatic dependent launch (kernels/_pdl.py), where it may run
@@ -171,7 +164,7 @@ def _prefetch_then_wait(PDL: tl.constexpr, PREFETCH: tl.constexpr, w_ptr, N, K, 
             rows, _ = tile_rows(tl.program_id(0), N, BLOCK_N, GLU)
             k0 = tl.program_id(1) * tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
             cols = tl.minimum(k0 + tl.arange(0, PREFETCH * BLOCK_K // LINE) * LINE, K - 1)
-            _prefetch_l2(w_ptr + rows[:, None] * stride_wn + cols[None, :])
+            prefetch_l2(w_ptr + rows[:, None] * stride_wn + cols[None, :])
         tl.extra.cuda.gdc_wait()
 
 

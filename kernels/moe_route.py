@@ -27,11 +27,11 @@ router's logits for a step's rows, in the same launch: a program per (ROUTER_N e
 ROUTER_CHUNK hidden columns) dots its router tile with every row's chunk of x (one float32 dot
 a row tile, whatever the row count) and stores the partial logits; the last program to arrive
 (an arrival counter, as `_splitk`'s) sums each row's chunks in chunk order, rounds the sum to
-the model dtype and routes every row with the routing body above. A program's router tile is
-loaded before its PDL wait: the router's latency, a one-row step's whole cost of this launch,
-overlaps the kernel before, and a program's chain of dependent loads is one chunk long, not the
-whole hidden size. With a pre-norm (Gemma 4's router: `router_pre_norm_ref`) each program first
-sums every row's squares over one ROUTER_K-column loop of the whole hidden size, then norms,
+the model dtype and routes every row with the routing body above. A program asks L2 for its
+router tile before its PDL wait (`_prefetch_router_then_wait`, as the dense kernel's weights):
+the router's latency, a one-row step's whole cost of this launch, overlaps the kernel before,
+and a program's chain of dependent loads is one chunk long, not the whole hidden size. With a
+pre-norm (Gemma 4's router: `router_pre_norm_ref`) each program first sums every row's squares over one ROUTER_K-column loop of the whole hidden size, then norms,
 scales and rounds its chunk of x (the twin's three roundings), so the norm costs no launch of
 its own.
 
@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_dtype, check_tensors, interpreting
-from ._pdl import pdl_args, pdl_wait
+from ._pdl import pdl_args, pdl_wait, prefetch_l2
 from ._splitk import counters
 from .moe_route_ref import (count_experts, moe_route_ref, router_pre_norm_ref,  # noqa: F401  (the twins)
                             router_route_ref)
@@ -155,6 +155,21 @@ def _moe_route_kernel(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_pt
 
 
 @triton.jit
+def _prefetch_router_then_wait(PDL: tl.constexpr, router_ptr, H, E, stride_r, ROUTER_N: tl.constexpr,
+                               CHUNK: tl.constexpr):
+    """The router kernel's start under programmatic dependent launch (kernels/_pdl.py), where it
+    may run while the previous kernel still does: ask L2 for the lines of this program's router
+    tile (the router's weights, which no kernel writes; no register is written and nothing is
+    waited for), then wait for the previous kernel, before any access to x. Without PDL: nothing."""
+    if PDL:
+        LINE: tl.constexpr = 1024 // router_ptr.dtype.element_ty.primitive_bitwidth  # elements a line
+        experts = tl.minimum(tl.program_id(0) * ROUTER_N + tl.arange(0, ROUTER_N), E - 1)
+        cols = tl.minimum(tl.program_id(1) * CHUNK + tl.arange(0, CHUNK // LINE) * LINE, H - 1)
+        prefetch_l2(router_ptr + experts.to(tl.int64)[:, None] * stride_r + cols[None, :])
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
 def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr,
                          T, H, E, stride_x, stride_r, K_TOP: tl.constexpr, KP: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROUTER_N: tl.constexpr,
@@ -166,16 +181,16 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     c*CHUNK ... (one of the PARTS chunks) for every row tile, one dot a row tile, stored to
     `parts [PARTS, T, E]`; the last program to arrive (an arrival counter, put back to 0) sums each
     row's chunks in chunk order, rounds them to the model dtype and routes every row. The router
-    tile is loaded before the PDL wait (no earlier kernel writes the router), so its read overlaps
-    the kernel before. PRE_NORM: x is `router_pre_norm_ref(x, pre_w, pre_factor, eps)`, each
+    tile's lines are asked of L2 before the PDL wait (no earlier kernel writes the router), so
+    its read overlaps the kernel before. PRE_NORM: x is `router_pre_norm_ref(x, pre_w, pre_factor, eps)`, each
     row's statistic over one ROUTER_K-column loop of the whole hidden size."""
+    _prefetch_router_then_wait(PDL, router_ptr, H, E, stride_r, ROUTER_N, CHUNK)
     experts = tl.program_id(0) * ROUTER_N + tl.arange(0, ROUTER_N)
     e_ok = experts < E
     offs_k = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     k_ok = offs_k < H
     w = tl.load(router_ptr + experts.to(tl.int64)[:, None] * stride_r + offs_k[None, :],
                 mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-    pdl_wait(PDL)
     dt = x_ptr.dtype.element_ty
     if PRE_NORM:
         pw = tl.load(pre_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)

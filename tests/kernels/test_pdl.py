@@ -46,6 +46,7 @@ PLAIN_ORDER = {
 # not load (tl.load) anything; `test_prefetching_waits_load_nothing` reads it.
 WAITS_AFTER_PREFETCH = {
     "_dense_linear_kernel": "_prefetch_then_wait",
+    "_router_route_kernel": "_prefetch_router_then_wait",
 }
 
 
@@ -132,9 +133,10 @@ def test_planted_breaches_are_reported(plant, expect):
 def test_prefetching_waits_load_nothing():
     """A helper allowed before the wait only prefetches (never tl.load) and waits when PDL is set."""
     src = (KERNELS / "dense_linear.py").read_text()
-    tree = ast.parse(src)
+    helpers = {n.name: n for p in _modules() for n in ast.walk(ast.parse(p.read_text()))
+               if isinstance(n, ast.FunctionDef)}
     for kernel, helper in WAITS_AFTER_PREFETCH.items():
-        fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == helper)
+        fn = helpers[helper]
         body = ast.unparse(fn)
         assert fn.args.args[0].arg == "PDL", helper
         assert "tl.load" not in body and "gdc_wait()" in body, helper
