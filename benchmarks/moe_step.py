@@ -220,6 +220,7 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), 
     from memra_kernels.moe_ref import moe_swiglu_ref
     from memra_cli.engine.layers.triton_step_ops import TritonStepOps
     from memra_cli.engine.layers.unfused import unfused_router_route
+    from memra_kernels import moe_route as mr
     from memra_kernels.moe_route import moe_route, router_route
     from memra_kernels.moe_route_ref import moe_route_ref
 
@@ -265,7 +266,6 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), 
                                  iters)
             row[f"{name}_graph_us"] = err if ms is None else 1e3 * ms / n
         row["router_chunks_graph_us"] = {}
-        from memra_kernels import moe_route as mr
         kept = mr.ROUTER_CHUNK
         try:
             for chunk in router_chunks:  # the module constant, set before each capture (as TILES is)

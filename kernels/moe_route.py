@@ -28,12 +28,12 @@ ROUTER_CHUNK hidden columns) dots its router tile with every row's chunk of x (o
 a row tile, whatever the row count) and stores the partial logits; the last program to arrive
 (an arrival counter, as `_splitk`'s) sums each row's chunks in chunk order, rounds the sum to
 the model dtype and routes every row with the routing body above. A program asks L2 for its
-router tile before its PDL wait (`_prefetch_router_then_wait`, as the dense kernel's weights):
-the router's latency, a one-row step's whole cost of this launch, overlaps the kernel before,
-and a program's chain of dependent loads is one chunk long, not the whole hidden size. With a
-pre-norm (Gemma 4's router: `router_pre_norm_ref`) each program first sums every row's squares over one ROUTER_K-column loop of the whole hidden size, then norms,
-scales and rounds its chunk of x (the twin's three roundings), so the norm costs no launch of
-its own.
+router tile before its PDL wait (`_prefetch_router_then_wait`, as the dense kernel's weights),
+so the router's read overlaps the kernel before, and its chain of dependent loads is one chunk
+long, not the whole hidden size. With a pre-norm (Gemma 4's router: `router_pre_norm_ref`) each
+program first sums every row's squares over one ROUTER_K-column loop of the whole hidden size,
+then norms, scales and rounds its chunk of x (the twin's three roundings), so the norm costs no
+launch of its own.
 
 Kernel and twin differ only in the float32 order of the softmax's and the normalisation's sums
 (and the exponential's last bit; `router_route`: and of the logits' dots); ties of equal
@@ -62,13 +62,12 @@ __all__ = ["moe_route", "moe_route_ref", "router_route", "router_route_ref", "ro
 BLOCK_T = 16  # rows a tile holds (a fixed-width step's 16 in one tile)
 COUNT_ROWS = 64  # calls up to this many rows run as one program that counts their experts itself
 MAX_EXPERTS = 1024  # a tile holds BLOCK_T rows of every expert's logit
-# The router kernel's tiles: experts per program (a 128-expert router: 8 programs) and hidden
-# columns per loop step; they depend on nothing but these constants, never on the row count.
+# The router kernel's tiles, which depend on nothing but these constants, never on the row count:
+# experts per program; hidden columns per program (32 programs for a 128-expert router of hidden
+# 2048; each row's logit is the sum of its chunks in chunk order); the pre-norm's sum-of-squares step.
 ROUTER_N = 16
-ROUTER_K = 128  # the pre-norm's sum-of-squares step
-# Hidden columns a router program dots (a program per ROUTER_N experts and chunk: 32 programs for a
-# 128-expert router of hidden 2048); each row's logit is the sum of its chunks in chunk order.
 ROUTER_CHUNK = 512
+ROUTER_K = 128
 
 
 def eligible(logits: torch.Tensor) -> bool:
@@ -182,8 +181,8 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     `parts [PARTS, T, E]`; the last program to arrive (an arrival counter, put back to 0) sums each
     row's chunks in chunk order, rounds them to the model dtype and routes every row. The router
     tile's lines are asked of L2 before the PDL wait (no earlier kernel writes the router), so
-    its read overlaps the kernel before. PRE_NORM: x is `router_pre_norm_ref(x, pre_w, pre_factor, eps)`, each
-    row's statistic over one ROUTER_K-column loop of the whole hidden size."""
+    its read overlaps the kernel before. PRE_NORM: x is `router_pre_norm_ref(x, pre_w,
+    pre_factor, eps)`, each row's statistic over one ROUTER_K-column loop of the whole hidden size."""
     _prefetch_router_then_wait(PDL, router_ptr, H, E, stride_r, ROUTER_N, CHUNK)
     experts = tl.program_id(0) * ROUTER_N + tl.arange(0, ROUTER_N)
     e_ok = experts < E

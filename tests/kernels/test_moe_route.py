@@ -133,8 +133,9 @@ def router_mismatches(op, x, router, k: int, normalize: bool = True, live=None, 
     logits now differ too: each of the two float32 dots is within HIDDEN*u of exact, relative to
     Σ|x_i·w_i| (`L`, the row's largest over experts), so a logit moves by δ <= 2*HIDDEN*u*L and a
     softmax (or renormalised) weight, 1/Σ_j exp(l_j - l_e), by <= 2δ relative, beside the
-    routing's own (2E + k + 12)*u. bf16 logits round once more: a rounding the other way moves a
-    logit by one ulp, 2^-8*|l|, so the weights by <= 2^-7*max|l| beside one bf16 ulp (2^-7).
+    routing's own (2E + k + 12)*u, E the router's experts. bf16 logits round once more: a
+    rounding the other way moves a logit by one ulp, 2^-8*|l|, so the weights by <= 2^-7*max|l|
+    beside one bf16 ulp (2^-7).
     `pre_norm` (Gemma 4's router norm): the kernel's sum of squares adds in another order and its
     1/sqrt is not torch's pow(-0.5), so each normed input is within (HIDDEN + 8)*u of the twin's
     (float32: the sum's HIDDEN*u, halved by the root, and the three roundings), or up to three bf16
@@ -150,7 +151,7 @@ def router_mismatches(op, x, router, k: int, normalize: bool = True, live=None, 
     logits = x.double() @ router.double().T
     big = (x.double().abs() @ router.double().abs().T).max().item()
     if x.dtype == torch.float32:
-        rel = (2 * E + k + 12) * U + 4 * HIDDEN * U * big + (2 * (HIDDEN + 8) * U * big if pre_norm else 0)
+        rel = (2 * router.shape[0] + k + 12) * U + 4 * HIDDEN * U * big + (2 * (HIDDEN + 8) * U * big if pre_norm else 0)
     else:
         rel = 2.0**-7 * (1 + logits.abs().max().item() + (3 * big if pre_norm else 0))
     if ((w.double() - w_ref.double()).abs() > rel * w_ref.double().abs()).any():
@@ -224,7 +225,7 @@ def test_the_router_kernel_sums_its_hidden_chunks_in_order(monkeypatch, dtype):
     tile, the second chunk's partial summed after the first's): the twin's picks and count, the
     weights within the bound, with live rows and with Gemma's pre-norm; a row's bits alone and
     among 16; a 40-expert router (three expert tiles, six programs, the last one routing) against
-    the twin's picks. Dropping the second chunk would move every logit: the picks would part."""
+    the twin as the 8-expert one. Dropping the second chunk would move every logit: the picks would part."""
     monkeypatch.setattr(mr, "ROUTER_CHUNK", 32)
     x, router = router_inputs(16, dtype, seed=21)
     assert router_mismatches(mr.router_route, x, router, 3, True, live_of(9)) == []
@@ -235,11 +236,7 @@ def test_the_router_kernel_sums_its_hidden_chunks_in_order(monkeypatch, dtype):
     half = mr.router_route(x[:, :32].contiguous(), router[:, :32].contiguous(), 3, True)
     assert not torch.equal(half[1], full[1])  # the second chunk moves the picks: the twin check sees it dropped
     wide = (torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(5)) * 0.3).to(DEVICE, dtype)
-    counts, counts_ref = (torch.zeros(2, dtype=torch.int64, device=DEVICE) for _ in range(2))
-    w, ids = mr.router_route(x, wide, 4, True, None, counts)
-    w_ref, ids_ref = mr.router_route_ref(x, wide, 4, True, None, counts_ref)
-    assert torch.equal(ids, ids_ref) and torch.equal(counts, counts_ref)
-    assert torch.allclose(w.float(), w_ref.float(), rtol=1e-4 if dtype == torch.float32 else 2e-2)
+    assert router_mismatches(mr.router_route, x, wide, 4, True, live_of(9)) == []
 
 
 def test_the_router_kernel_refuses_what_it_does_not_take():
