@@ -147,6 +147,13 @@ def _serve(sock, *, target, draft, spec, name, max_tokens, max_sessions, max_que
     _announce(arm, engine.notes, cpu.note)
     served = Served.load(engine, arm, Path(target), name=name or (EMBEDDED_NAME if embedded else Path(target).resolve().name),
                          max_tokens=max_tokens, max_live=max_sessions, max_waiting=max_queue)
+    from memra_cli.engine.errors import MemraError
+    from memra_cli.serve.worker import WorkerFailed
+
+    try:
+        served.worker.start()  # before listening: the lifespan's start then finds it running
+    except WorkerFailed as exc:
+        raise MemraError(f"memra serve: {exc}") from None
     host, port = sock.getsockname()[:2]
     render.note(f"serving {served.name} ({arm.mode}) at http://{host}:{port}/v1 "
                 f"({max_sessions} at once, {max_queue} waiting; Ctrl-C stops)")

@@ -33,7 +33,7 @@ from memra_cli.engine.errors import MemraError, PromptError
 from memra_cli.serve.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS, ApiError, Request, StopMatcher, chunk, completion, new_id, parse_request, usage,
 )
-from memra_cli.serve.worker import Job, QueueFull, Worker
+from memra_cli.serve.worker import Job, QueueFull, Worker, WorkerFailed
 
 
 @dataclass
@@ -57,7 +57,8 @@ class Served:
 
         codec = TextCodec(Path(target))
         served = cls(name, engine, arm, codec, max_tokens, None)  # type: ignore[arg-type]
-        served.worker = Worker(served._open, lambda: _model_thread(engine.device, engine.threads), max_live=max_live,
+        device = indexed_device(engine.device)  # resolved here, on the thread that loaded the engine
+        served.worker = Worker(served._open, lambda: _model_thread(device, engine.threads), max_live=max_live,
                                max_waiting=max_waiting)
         return served
 
@@ -128,10 +129,21 @@ class Served:
         return make_sampler(params), params.applied_seed
 
 
+def indexed_device(device, current_index=None):
+    """`device` with its index: a bare `cuda` is the device current on the calling thread
+    (`current_index()`, torch's by default), which a new thread does not inherit."""
+    import torch
+
+    if device.type != "cuda" or device.index is not None:
+        return device
+    return torch.device("cuda", (current_index or torch.cuda.current_device)())
+
+
 @contextmanager
 def _model_thread(device, threads):
-    """The worker thread's lifetime: inference mode, the engine's CUDA device as the current one,
-    and the engine's CPU thread choice (all three are per-thread settings)."""
+    """The worker thread's lifetime: inference mode, the engine's CUDA device (an indexed one:
+    `indexed_device`) as the current one, and the engine's CPU thread choice (all three are
+    per-thread settings)."""
     import torch
 
     from memra_cli.engine.threads import applied
@@ -330,6 +342,8 @@ async def _submit(served: Served, http: HttpRequest, chat: bool) -> _Run:
         served.worker.submit(job)
     except QueueFull as exc:
         raise ApiError(f"{exc}; retry later", status=429, type="server_busy", code="queue_full") from None
+    except WorkerFailed as exc:
+        raise ApiError(str(exc), status=503, type="server_error", code="worker_failed") from None
     return _Run(req, job, new_id(chat), len(ids), seed)
 
 
@@ -363,8 +377,9 @@ def build_app(served: Served) -> Starlette:
 
     async def health(_: HttpRequest) -> Response:
         w = served.worker
-        return JSONResponse({"status": "ok", "model": served.name, "live": len(w.live), "waiting": len(w.waiting),
-                             "rounds": w.rounds, "pool_live_storages": served.engine.pool.live_count})
+        return JSONResponse({"status": "failed" if w.failure else "ok", "error": w.failure, "model": served.name,
+                             "live": len(w.live), "waiting": len(w.waiting), "rounds": w.rounds,
+                             "pool_live_storages": served.engine.pool.live_count})
 
     async def not_found(http: HttpRequest, exc) -> Response:
         return _error(ApiError(f"no route {http.method} {http.url.path}", status=404, code="not_found"))
@@ -380,7 +395,9 @@ def build_app(served: Served) -> Starlette:
     routes = [Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
               Route("/v1/completions", _completions_route(served, False), methods=["POST"]),
               Route("/v1/chat/completions", _completions_route(served, True), methods=["POST"])]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+    app.state.served = served  # ServerThread reports a failed worker's reason
+    return app
 
 
 # --------------------------------------------------------------------------- running it
@@ -409,7 +426,7 @@ class ServerThread:
     (tests, benchmarks/serve_load.py). Yields the base URL (`http://127.0.0.1:PORT`)."""
 
     def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0, start_timeout: float = 30.0):
-        self.sock = bind(host, port)
+        self.app, self.sock = app, bind(host, port)
         self.server = uvicorn_server(app)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.start_timeout = start_timeout
@@ -422,7 +439,9 @@ class ServerThread:
         deadline = time.monotonic() + self.start_timeout
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("memra serve did not start")
+                served = getattr(self.app.state, "served", None)
+                why = served.worker.failure if served is not None else None
+                raise RuntimeError(f"memra serve did not start{f': the model thread failed ({why})' if why else ''}")
             time.sleep(0.01)
         return self.url
 

@@ -28,6 +28,10 @@ class QueueFull(Exception):
     """More requests than the server admits (live + waiting)."""
 
 
+class WorkerFailed(Exception):
+    """The worker thread is gone (its setup or its loop raised): no request can run."""
+
+
 @dataclass
 class Job:
     """One request's decode: what to run, and the events its client reads.
@@ -64,6 +68,8 @@ class Worker:
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
         self.rounds = 0  # rounds run, all sessions together (for /health)
+        self.failure: Optional[str] = None  # why the worker thread ended, if it failed
+        self._ready = threading.Event()
 
     @property
     def pending(self) -> int:
@@ -71,8 +77,15 @@ class Worker:
             return len(self.waiting) + len(self.live)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="memra-serve-worker", daemon=True)
-        self._thread.start()
+        """Start the worker thread (once: a second call only waits) and return once its setup
+        has run; raise `WorkerFailed` if the setup raised (a server must not listen with no one
+        to run its requests)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="memra-serve-worker", daemon=True)
+            self._thread.start()
+        self._ready.wait()
+        if self.failure is not None:
+            raise WorkerFailed(f"the model thread failed to start: {self.failure}")
 
     def stop(self, timeout: float = 10.0) -> None:
         with self._cv:
@@ -83,6 +96,8 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         with self._cv:
+            if self.failure is not None:
+                raise WorkerFailed(f"the model thread has failed ({self.failure}); restart the server")
             if self._stopping:
                 raise QueueFull("the server is shutting down")
             if len(self.waiting) + len(self.live) >= self.max_live + self.max_waiting:
@@ -97,7 +112,26 @@ class Worker:
             self._cv.notify()
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - reported to every job and to start()/submit()
+            self._fail(f"{type(exc).__name__}: {exc}")
+        finally:
+            self._ready.set()
+
+    def _fail(self, why: str) -> None:
+        """The thread is ending on an error: every job it held ends with that error."""
+        with self._cv:
+            self.failure = why
+            jobs = list(self.live) + list(self.waiting)
+            self.live.clear()
+            self.waiting.clear()
+        for job in jobs:
+            job.post("error", f"the model thread failed: {why}")
+
+    def _serve(self) -> None:
         with self.setup():
+            self._ready.set()
             while True:
                 with self._cv:
                     while not self._stopping and not self.live and not self.waiting:

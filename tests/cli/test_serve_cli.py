@@ -85,3 +85,22 @@ def test_serves_then_stops_cleanly(sig):
     assert err.strip().splitlines()[-1] == f"note: stopped ({name}): every session closed"
     assert out == ""  # nothing on stdout: receipts and notes go to stderr
     assert not [line for line in lines if "Traceback" in line]
+
+
+def test_a_model_thread_that_cannot_start_is_an_error_line(monkeypatch):
+    """The worker starts before the server listens: its failure is one error line, no traceback."""
+    import contextlib
+
+    from memra_cli.serve import app as serve_app
+
+    @contextlib.contextmanager
+    def refused(device, threads):
+        raise ValueError(f"cannot use {device}")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(serve_app, "_model_thread", refused)
+    r = runner.invoke(app, ["serve", "--port", "0"])
+    assert r.exit_code != 0
+    assert r.output.strip().splitlines()[-1] == \
+        "error: memra serve: the model thread failed to start: ValueError: cannot use cpu", r.output
+    assert "Traceback" not in r.output and "serving " not in r.output

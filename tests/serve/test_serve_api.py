@@ -293,3 +293,24 @@ def test_past_the_queue_a_request_gets_a_429(tmp_path):
             time.sleep(0.01)
         r = http.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_server_whose_model_thread_cannot_start_says_why(monkeypatch):
+    """The worker's setup raising (here: the device refused) stops the server's start with the
+    reason, instead of a server that accepts requests nobody runs."""
+    import contextlib
+
+    from memra_cli.serve import app as serve_app
+
+    @contextlib.contextmanager
+    def refused(device, threads):
+        raise ValueError(f"cannot use {device}")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(serve_app, "_model_thread", refused)
+    target, draft, _ = default_models(None, None, "auto")
+    served, server = _serve(target, draft, NAME)
+    with pytest.raises(RuntimeError, match=r"did not start: the model thread failed \(ValueError: cannot use cpu\)"):
+        with server:
+            pass
+    server.__exit__(None, None, None)

@@ -110,3 +110,53 @@ def test_a_failing_session_ends_its_request_only():
     bad, good, session = asyncio.run(main())
     assert bad == [("error", "RuntimeError: boom")] and session.closed
     assert good[-1][0] == "done" and len(good) == 4
+
+
+@contextlib.contextmanager
+def _failing_setup():
+    raise RuntimeError("no such device")
+    yield  # pragma: no cover
+
+
+def test_a_worker_whose_setup_fails_refuses_at_start_and_on_submit():
+    """A server must not listen with no thread to run its requests: start() raises the setup's
+    error, and a later submit is refused with it instead of waiting forever."""
+    from memra_cli.serve.worker import WorkerFailed
+
+    async def main():
+        w = Worker(lambda job: None, _failing_setup, max_live=2, max_waiting=2)
+        queued = Job(["queued"], 3, None, asyncio.get_running_loop())
+        w.submit(queued)  # submitted before start: it ends with the setup's error
+        with pytest.raises(WorkerFailed, match="RuntimeError: no such device"):
+            w.start()
+        with pytest.raises(WorkerFailed, match="no such device"):
+            w.submit(Job(["late"], 3, None, asyncio.get_running_loop()))
+        return await _drain(queued), w
+
+    events, w = asyncio.run(main())
+    assert events == [("error", "the model thread failed: RuntimeError: no such device")]
+    assert w.pending == 0 and w.failure == "RuntimeError: no such device"
+
+
+def test_the_model_thread_gets_an_indexed_cuda_device(monkeypatch):
+    """A bare `cuda` engine device is resolved, on the loading thread, to the index current there:
+    torch.cuda.set_device on the worker thread refuses a bare `cuda` (torch's own index check
+    stands in for the device here)."""
+    import torch
+    from torch.cuda._utils import _get_device_index
+
+    from memra_cli.serve import app as serve_app
+
+    with pytest.raises(ValueError, match="specified index"):  # what a bare `cuda` gets
+        _get_device_index(torch.device("cuda"))
+    assert serve_app.indexed_device(torch.device("cuda"), lambda: 3) == torch.device("cuda", 3)
+    assert serve_app.indexed_device(torch.device("cuda", 1), lambda: 3) == torch.device("cuda", 1)
+    assert serve_app.indexed_device(torch.device("cpu"), lambda: 3) == torch.device("cpu")
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(_get_device_index(d)))
+    from memra_cli.engine.threads import ThreadChoice
+
+    with serve_app._model_thread(serve_app.indexed_device(torch.device("cuda"), lambda: 2), ThreadChoice(None, None)):
+        assert not torch.is_grad_enabled()
+    assert chosen == [2]
