@@ -110,7 +110,10 @@ def _flags_without_placeholder(params: list) -> list:
 
 
 def _value_metavar(param) -> str:
-    kind = "Path" if param.type_descriptor.is_path else param.bare_type()
+    descriptor = getattr(param, "type_descriptor", None)  # newer typer; older ones keep click's type
+    if descriptor is None:
+        return param.type.name.upper()  # click's names: text, integer, float, path, choice
+    kind = "Path" if descriptor.is_path else param.bare_type()
     return VALUE_METAVARS.get(kind, kind.upper())
 
 
