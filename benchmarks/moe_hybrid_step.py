@@ -12,7 +12,9 @@ the eager steps), the weight bytes it read (every non-expert weight, counted fro
 tensors, plus the measured expert union), the read bandwidth measured in the same process, and
 the ratio of time to that floor, with peak memory. Each vt below `--width` (16) is also timed as
 the `--width`-row step with vt live rows (the engine's fixed-width step, its padding rows skipping
-the recurrence and the experts).
+the recurrence and the experts). `--profile` (CUDA): per Triton variant, one eager `--width`-row
+step at 1 and `--width` live rows under the torch profiler, its kernels grouped by name (the
+fused / unfused A/B kernel by kernel).
 
     python -m benchmarks.moe_hybrid_step --shape a3b --device cuda --dtype bfloat16 --json OUT.json
     python -m benchmarks.moe_hybrid_step --shape tiny --device cpu --iters 1   # the CPU smoke test's run
@@ -102,6 +104,35 @@ def measure(model: Qwen35MoeTarget, state, context: int, vt: int, iters: int, wi
     return row
 
 
+@torch.no_grad()
+def profile_steps(model: Qwen35MoeTarget, state, name: str, context: int, width: int) -> list[dict]:
+    """`timing.kernel_table` of one eager `width`-row step at 1 and `width` live rows, printed;
+    programmatic dependent launch off meanwhile (each kernel charged its own time, not its wait)."""
+    import os
+
+    from benchmarks.timing import kernel_table
+
+    dev, out, before = model.device, [], os.environ.get("MEMRA_PDL")
+    ids = torch.randint(0, model.cfg.vocab_size, (width,), device=dev)
+    positions = torch.arange(context, context + width, device=dev)
+    os.environ["MEMRA_PDL"] = "0"
+    try:
+        for live in sorted({1, width}):
+            state.set_live_rows(live if live < width else None)
+            prof = {"ops": name, "live": live, "width": width,
+                    **kernel_table(lambda: model.static_step(ids, positions, state), top=40)}
+            out.append(prof)
+            print(f"profile {name} width {width}, {live} live: {prof['kernels']} kernels, {prof['gpu_us']:.1f} us GPU")
+            for kernel, count, us in prof["top"]:
+                print(f"   {us:9.1f} us  x{count:4d}  {kernel}")
+    finally:
+        if before is None:
+            os.environ.pop("MEMRA_PDL", None)
+        else:
+            os.environ["MEMRA_PDL"] = before
+    return out
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="a3b")
@@ -114,12 +145,17 @@ def main(argv: list[str]) -> int:
                     "rows, vt of them live (the engine's fixed-width step); 0: only the vt-row steps")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="also profile one eager --width-row step's kernels "
+                    "at 1 and --width live rows, per Triton variant (CUDA)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     dev, dtype = torch.device(a.device), getattr(torch, a.dtype)
     ops = parse_ops(a.ops, dev)
     if ops is None:
         print(f"error: --ops {a.ops!r}: expected torch and/or triton (triton needs --device cuda)", file=sys.stderr)
+        return 2
+    if a.profile and (dev.type != "cuda" or not any(o.startswith("triton") for o in ops) or a.width < 1):
+        print("error: --profile: needs --device cuda, a triton variant in --ops and --width >= 1", file=sys.stderr)
         return 2
     if not 0 <= a.width <= 16:
         print(f"error: --width {a.width}: expected a row count in [0, 16] (0: only the vt-row steps)", file=sys.stderr)
@@ -129,7 +165,7 @@ def main(argv: list[str]) -> int:
     cost = step_cost_of(model)
     bw = read_bandwidth(dev, 1 << (32 if dev.type == "cuda" else 26), a.iters)
     prompt = torch.randint(0, model.cfg.vocab_size, (a.context,), device=dev)
-    rows = []
+    rows, profiles = [], []
     for name in ops:
         model.step_ops = step_ops(name)
         state = model.new_state(a.context + 16)
@@ -137,9 +173,12 @@ def main(argv: list[str]) -> int:
             model.forward(prompt, 0, state)
         rows += step_rows(model, name, [int(v) for v in a.vts.split(",")], a.width, cost, bw,
                           lambda vt, w: measure(model, state, a.context, vt, a.iters, w))
+        if a.profile and name.startswith("triton"):
+            profiles += profile_steps(model, state, name, a.context, a.width)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     out = {"shape": a.shape, "device": str(dev), "dtype": a.dtype, "context": a.context, "iters": a.iters,
            "read_tbps": bw / 1e12, "peak_gib": peak, "fixed_gb": cost.fixed_bytes / 1e9, "rows": rows,
+           "profiles": profiles,
            "command": "python -m benchmarks.moe_hybrid_step " + " ".join(argv)}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))

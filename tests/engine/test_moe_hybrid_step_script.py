@@ -42,3 +42,12 @@ def test_the_kernels_off_cuda_are_refused_in_one_line(capsys, monkeypatch):
     assert main(["--shape", "tiny", "--device", "cpu", "--ops", "triton"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --ops 'triton': expected torch and/or triton (triton needs --device cuda)"]
+
+
+def test_a_profile_off_cuda_is_refused_in_one_line(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.moe_hybrid_step import main
+
+    assert main(["--shape", "tiny", "--device", "cpu", "--ops", "torch", "--profile"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --profile: needs --device cuda, a triton variant in --ops and --width >= 1"]
