@@ -68,6 +68,14 @@ MAX_EXPERTS = 1024  # a tile holds BLOCK_T rows of every expert's logit
 ROUTER_N = 16
 ROUTER_CHUNK = 512
 ROUTER_K = 128
+TILE_PER_THREAD = 16  # a routing tile's float32 logits per thread: 16 x 256 on 4 warps spilled (docs/moe.md, "The routing kernel")
+
+
+def route_warps(block_e: int) -> int:
+    """Warps of a program that routes a `[BLOCK_T, block_e]` tile: enough that each thread holds
+    TILE_PER_THREAD logits (4 for 128 experts, 8 for 256, 32 for 1024: a block's most). A
+    function of the expert count alone, so no row's arithmetic depends on the row count."""
+    return min(32, max(4, BLOCK_T * block_e // (32 * TILE_PER_THREAD)))
 
 
 def eligible(logits: torch.Tensor) -> bool:
@@ -257,7 +265,8 @@ def moe_route(logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor 
         logits, logits if scale is None else scale, logits if live is None else live, weights, ids,
         ids if counts is None else counts, t, n_exp, logits.stride(0), K_TOP=k, KP=triton.next_power_of_2(k),
         BLOCK_T=BLOCK_T, BLOCK_E=triton.next_power_of_2(n_exp), NORMALIZE=normalize, HAS_SCALE=scale is not None,
-        HAS_LIVE=live is not None, COUNT=fused, num_warps=4, **pdl_args(logits))
+        HAS_LIVE=live is not None, COUNT=fused, num_warps=route_warps(triton.next_power_of_2(n_exp)),
+        **pdl_args(logits))
     if counts is not None and not fused:
         count_experts(counts, ids, n_exp)
     return weights, ids
@@ -307,5 +316,5 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
         HAS_SCALE=scale is not None, HAS_LIVE=live is not None, COUNT=counts is not None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", WIDEN=interpreting() and x.device.type != "cuda",
         pre_w_ptr=x if pre_w is None else pre_w, pre_factor=float(factor), eps=float(eps), PRE_NORM=pre_w is not None,
-        num_warps=4, **pdl_args(x))
+        num_warps=route_warps(triton.next_power_of_2(n_exp)), **pdl_args(x))
     return weights, ids
