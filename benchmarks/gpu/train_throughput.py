@@ -9,6 +9,8 @@ taps come from the engine's target (`EngineTaps`), as in `memra train`. Reports:
 
 - step_ms: one whole training step (taps + drafter forward/backward + AdamW), steady state,
 - taps_ms: the target forward that makes the taps alone, the rest being the drafter's share,
+- taps_kernels (CUDA): one taps call's kernels by name under the profiler, and their summed GPU
+  time (`gpu_us`): what of taps_ms the device spends, the rest being the host's launches,
 - target tokens/s: sequence positions trained on per second,
 - peak GPU memory, and the checkpoint's size on disk (the only file online training writes),
 - cache_bytes_per_token: what a precomputed cache of the same taps would need per training token
@@ -91,6 +93,11 @@ def measure(args) -> dict:
         source.tap_batch(ids, geo.taps, lengths.tolist())
     _sync(device)
     taps_s = (time.perf_counter() - t) / args.steps
+    taps_kernels = None
+    if device.type == "cuda":  # the taps' GPU time by kernel: beside taps_ms, how much of it is the host's
+        from benchmarks.timing import kernel_table
+
+        taps_kernels = kernel_table(lambda: source.tap_batch(ids, geo.taps, lengths.tolist()), top=15)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt_bytes = job.save(Path(tmp)).stat().st_size
     tokens_per_step = args.batch * (args.prompt + args.answer)
@@ -100,6 +107,7 @@ def measure(args) -> dict:
         "compile": args.compile, "batch": args.batch, "anchors": args.anchors, "seq_len": args.prompt + args.answer, "steps_timed": args.steps,
         "step_ms": round(1e3 * step_s, 2), "taps_ms": round(1e3 * taps_s, 2),
         "drafter_ms": round(1e3 * (step_s - taps_s), 2),
+        "taps_kernels": taps_kernels,
         "target_tokens_per_s": round(tokens_per_step / step_s, 1),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "checkpoint_bytes": ckpt_bytes,
