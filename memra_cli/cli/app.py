@@ -87,6 +87,8 @@ class _MemraCommand(TyperCommand):
                 param.metavar = param.name.upper()
                 kind = _value_metavar(param)  # typer's argument type column ignores the metavar
                 param.display_type_rich = lambda ctx, kind=kind: kind
+                if getattr(param, "type_descriptor", None) is None:
+                    _type_metavar(param, kind)
             elif not getattr(param, "is_flag", False) and param.metavar is None:
                 param.metavar = _value_metavar(param)
 
@@ -107,6 +109,15 @@ def _flags_without_placeholder(params: list) -> list:
         if getattr(param, "is_flag", False):
             param.metavar = ""
     return params
+
+
+def _type_metavar(param, kind: str) -> None:
+    """An older typer's argument type column asks the click type for its metavar (and prints
+    `<path>` when it has none): a copy of the type that answers `kind`, converting as before."""
+    import copy
+
+    param.type = copy.copy(param.type)
+    param.type.get_metavar = lambda *args, **kwargs: kind
 
 
 def _value_metavar(param) -> str:
