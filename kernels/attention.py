@@ -184,17 +184,19 @@ def _row_split(pos, long_from, SPLIT: tl.constexpr, LEVELS: tl.constexpr):
     return SPLIT << level
 
 
-@triton.jit(do_not_specialize=["long_from", "window"])
+@triton.jit(do_not_specialize=["long_from", "window", "ring"])
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n_splits,
                   qk_scale, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, long_from, window,
-                  G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
+                  ring, G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LEVELS: tl.constexpr,
-                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr, RING: tl.constexpr = False,
+                  PDL: tl.constexpr = False):
     """Partial attention of BLOCK_M folded (row, head) pairs of one KV head: program `prog`
     starts at key prog * SPLIT and takes, for each row whose split starts there (its split size
     divides the start), the keys of that split up to the row's position. A row's split size
     depends on its position only (`_row_split`); its partial goes to unit `prog`. A row sees
-    keys pos - window < j <= pos (`window` NO_WINDOW: causal)."""
+    keys pos - window < j <= pos (`window` NO_WINDOW: causal). RING: key j is stored at row
+    j % ring (a ring storage; every index above stays a position)."""
     pdl_wait(PDL)
     tile = tl.program_id(0)
     prog = tl.program_id(1)
@@ -234,9 +236,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
     for start in range(first, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi  # never read storage past the tile's last live key
-        kt = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None],
+        slot = offs_n % ring if RING else offs_n  # where key offs_n is stored
+        kt = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None],
                      mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :],
+        v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :],
                     mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_F32:
             kt = kt.to(tl.float32)
@@ -344,18 +347,20 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             positions: torch.Tensor, scale: float, *, split: int, block_m: int, block_n: int,
             num_warps: int, num_stages: int, long_split: int = 0, long_from: int = 0,
             workspace_bytes: int = WORKSPACE_BYTES, gate: torch.Tensor | None = None,
-            window: int = 0) -> torch.Tensor:
+            window: int = 0, span: int | None = None) -> torch.Tensor:
     """The two launches with explicit tile constants (the fields of a `Tile`: benchmarks sweep
     these; the engine must not: results depend, in the last bits, on split, block_n and the
     long split)."""
     _check(q, k_cache, v_cache, positions)
     if window < 0:
         raise ValueError(f"window must be >= 0 (0: none), got {window}")
+    ring = _ring_rows(k_cache, window, span)
     window = window or NO_WINDOW
     # raises on a tile the kernel cannot run
     Tile(split, block_n, block_m, num_stages, num_warps, long_split, long_from)
     t, nh, hd = q.shape
     nkv, s_len, _ = k_cache.shape
+    s_len = span or s_len  # the positions the storage serves (a ring's exceed its rows)
     g = nh // nkv
     out = torch.empty((t, nh * hd), dtype=q.dtype, device=q.device)
     if t == 0:
@@ -380,9 +385,10 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _split_kernel[grid](
             qc, k_cache, v_cache, pc, acc, m, l, rows, n_splits, float(scale) * _LOG2E,
             qc.stride(0), qc.stride(1), k_cache.stride(0), k_cache.stride(1),
-            v_cache.stride(0), v_cache.stride(1), long_from, window,
+            v_cache.stride(0), v_cache.stride(1), long_from, window, ring or 1,
             G=g, NH=nh, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, LEVELS=levels,
-            DOT_F32=dot_f32, PRECISION=precision, num_warps=num_warps, num_stages=num_stages, **pdl_args(qc),
+            DOT_F32=dot_f32, PRECISION=precision, RING=ring is not None, num_warps=num_warps,
+            num_stages=num_stages, **pdl_args(qc),
         )
         gc = oc if gate is None else gate[r0:r0 + rows]
         _combine_kernel[(rows, nh)](
@@ -394,17 +400,35 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                     positions: torch.Tensor, scale: float, window: int = 0,
+                     span: int | None = None) -> torch.Tensor:
     """Causal GQA attention of `q [t, nh, hd]` over the cache -> `[t, nh*hd]` in q's dtype.
 
     k_cache, v_cache `[nkv, S, hd]` (row strides free, e.g. `kv[0]`, or a view `kv[0, :, :n]` to
     bound the grid), positions `[t]` int64 on the device: row i attends to keys
     0..positions[i] inclusive, or with `window` W > 0 to positions[i] - W < j <= positions[i].
-    `scale` multiplies q·k (1/sqrt(hd) for Qwen3, 1.0 for Gemma 4).
+    `scale` multiplies q·k (1/sqrt(hd) for Qwen3, 1.0 for Gemma 4). `span` > S (a window only):
+    a ring storage serving positions 0..span-1, key j at row j % S (its writes keep every key
+    of a row's window: memra_cli's `kv_cache.ring_rows`); the same bits as a storage of `span`
+    rows holding the same keys.
     """
     if q.dim() != 3:
         _check(q, k_cache, v_cache, positions)  # raises: the message names the expected shapes
-    return _launch(q, k_cache, v_cache, positions, scale, **asdict(tile_for(q.shape[-1])), window=window)
+    return _launch(q, k_cache, v_cache, positions, scale, **asdict(tile_for(q.shape[-1])), window=window,
+                   span=span)
+
+
+def _ring_rows(k_cache: torch.Tensor, window: int, span: int | None) -> int | None:
+    """None for a plain storage (span None or its rows); the storage's rows for a ring."""
+    rows = k_cache.shape[1]
+    if span is None or span == rows:
+        return None
+    if span < rows:
+        raise ValueError(f"span {span} is below the storage's {rows} rows (a ring serves more positions than it holds)")
+    if not window or rows < window:
+        raise ValueError(f"a ring storage of {rows} rows serving {span} positions needs a window of at most "
+                         f"{rows} keys, got {window or 'none'}")
+    return rows
 
 
 def gated_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -423,19 +447,22 @@ def gated_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                         positions: torch.Tensor, scale: float, window: int = 0,
+                         span: int | None = None) -> torch.Tensor:
     """Plain torch twin of `decode_attention`: one row at a time, float32 softmax over keys
-    max(0, p - window + 1)..p (window 0: from key 0).
+    max(0, p - window + 1)..p (window 0: from key 0); with `span`, key j at row j % S.
 
     Reads positions on the host (fine for a reference; the kernel never does).
     """
     t, nh, hd = q.shape
     g = nh // k_cache.shape[0]
+    ring = _ring_rows(k_cache, window, span) or k_cache.shape[1]
     out = torch.empty((t, nh, hd), dtype=q.dtype, device=q.device)
     for i, p in enumerate(positions.tolist()):
         lo = max(0, p - window + 1) if window else 0
-        keys = k_cache[:, lo: p + 1].float().repeat_interleave(g, dim=0)  # [nh, live, hd]
-        values = v_cache[:, lo: p + 1].float().repeat_interleave(g, dim=0)
+        rows = torch.arange(lo, p + 1, device=q.device) % ring
+        keys = k_cache[:, rows].float().repeat_interleave(g, dim=0)  # [nh, live, hd]
+        values = v_cache[:, rows].float().repeat_interleave(g, dim=0)
         scores = torch.einsum("hd,hnd->hn", q[i].float(), keys) * scale
         probs = torch.softmax(scores, dim=-1)
         out[i] = torch.einsum("hn,hnd->hd", probs, values).to(q.dtype)

@@ -85,9 +85,10 @@ def _rope_store(n1, n2, cos_row, sin_row, dst, offs, mask, HD: tl.constexpr):
 @triton.jit
 def _gemma_qkv_kernel(proj_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
                       stride_proj, stride_cos, stride_sin, stride_q_out_t, stride_q_out_h, stride_kc_h, stride_kc_s,
-                      stride_vc_h, stride_vc_s, n_heads, n_kv, eps, HD: tl.constexpr, HALF_BLOCK: tl.constexpr,
-                      K_EQ_V: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (row, head): heads [0, nh) are q heads, [nh, nh + nkv) the k/v heads."""
+                      stride_vc_h, stride_vc_s, n_heads, n_kv, eps, kv_rows, HD: tl.constexpr,
+                      HALF_BLOCK: tl.constexpr, K_EQ_V: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (row, head): heads [0, nh) are q heads, [nh, nh + nkv) the k/v heads. K/V go to
+    storage row pos % kv_rows (a ring storage's; a plain one's is pos itself)."""
     pdl_wait(PDL)
     row, head, offs, mask, pos, cos_row, sin_row = rope_head_program(pos_ptr, cos_ptr, sin_ptr, stride_cos,
                                                                      stride_sin, HD, HALF_BLOCK)
@@ -99,12 +100,13 @@ def _gemma_qkv_kernel(proj_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, pos_ptr, q_o
                     offs, mask, HD)
     else:
         kv_head = (head - n_heads).to(tl.int64)
+        slot = pos % kv_rows
         n1, n2 = _gemma_norm(src, k_w_ptr, eps, offs, mask, HD, True)
-        _rope_store(n1, n2, cos_row, sin_row, k_cache_ptr + kv_head * stride_kc_h + pos * stride_kc_s,
+        _rope_store(n1, n2, cos_row, sin_row, k_cache_ptr + kv_head * stride_kc_h + slot * stride_kc_s,
                     offs, mask, HD)
         v_src = src if K_EQ_V else src + n_kv * HD  # k_eq_v: v is the raw key projection
         v1, v2 = _gemma_norm(v_src, k_w_ptr, eps, offs, mask, HD, False)
-        v_dst = v_cache_ptr + kv_head * stride_vc_h + pos * stride_vc_s
+        v_dst = v_cache_ptr + kv_head * stride_vc_h + slot * stride_vc_s
         tl.store(v_dst + offs, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst + HALF + offs, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -155,7 +157,7 @@ def gemma_qk_norm_rope_kv_write(proj: torch.Tensor, q_norm_w: torch.Tensor, k_no
         proj, q_norm_w, k_norm_w if owns_kv else q_norm_w, cos, sin, positions, q, kc, vc,
         proj.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), n_heads, n_kv if owns_kv else 0, float(eps),
-        HD=hd, HALF_BLOCK=next_pow2(hd // 2), K_EQ_V=bool(k_eq_v), num_warps=1 if hd <= 256 else 2,
+        kc.shape[1] if owns_kv else 1, HD=hd, HALF_BLOCK=next_pow2(hd // 2), K_EQ_V=bool(k_eq_v), num_warps=1 if hd <= 256 else 2,
         **pdl_args(proj),
     )
     return q

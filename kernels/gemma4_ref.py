@@ -31,7 +31,8 @@ def gemma_qk_norm_rope_kv_write_ref(proj: torch.Tensor, q_norm_w: torch.Tensor, 
     (`[q; k]` with k_eq_v, `[q; k; v]` else, `[q]` alone on a KV-shared layer: caches None,
     n_kv 0): q and k RMSNormed with their weights and rotated by cos/sin `[S_tab, hd]` at
     `positions [t]`; v (the raw key projection with k_eq_v) RMSNormed without a weight; k and v
-    written into `k_cache` / `v_cache [n_kv, S, hd]` at `positions`. Returns q `[t, nh, hd]`.
+    written into `k_cache` / `v_cache [n_kv, S, hd]` at rows `positions % S` (a ring storage's;
+    a plain storage's are the positions). Returns q `[t, nh, hd]`.
     The proportional rope of full layers is its tables (cos 1, sin 0 on the pairs it leaves)."""
     t, hd = proj.shape[0], q_norm_w.shape[0]
     c, s = cos[positions], sin[positions]
@@ -39,8 +40,9 @@ def gemma_qk_norm_rope_kv_write_ref(proj: torch.Tensor, q_norm_w: torch.Tensor, 
     if k_cache is not None:
         k = proj[:, n_heads * hd:(n_heads + n_kv) * hd].view(t, n_kv, hd)
         v = k if k_eq_v else proj[:, (n_heads + n_kv) * hd:(n_heads + 2 * n_kv) * hd].view(t, n_kv, hd)
-        k_cache.index_copy_(1, positions, rope_ref(gemma_rms_norm_ref(k, k_norm_w, eps), c, s).transpose(0, 1))
-        v_cache.index_copy_(1, positions, gemma_rms_norm_ref(v, None, eps).transpose(0, 1))
+        rows = positions % k_cache.shape[1]
+        k_cache.index_copy_(1, rows, rope_ref(gemma_rms_norm_ref(k, k_norm_w, eps), c, s).transpose(0, 1))
+        v_cache.index_copy_(1, rows, gemma_rms_norm_ref(v, None, eps).transpose(0, 1))
     return q
 
 

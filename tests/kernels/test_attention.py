@@ -468,3 +468,47 @@ def test_window_with_long_splits(device):
     for i in (0, 3, 5, 14, 18):
         alone = attention._launch(q[i:i + 1], k, v, pos[i:i + 1], _scale(hd), **LONG, window=WIN)
         assert torch.equal(alone[0], got[i]), int(pos[i])
+
+
+# ---------------------------------------------------------------- ring storage (Gemma 4's sliding layers)
+
+
+def _ring_of(plain: torch.Tensor, rows: int, last: int) -> torch.Tensor:
+    """What a ring of `rows` rows holds after positions 0..last were written in order: row r the
+    latest position j <= last with j % rows == r (older positions overwritten)."""
+    ring = torch.full_like(plain[:, :rows], float("nan"))
+    for j in range(last + 1):
+        ring[:, j % rows] = plain[:, j]
+    return ring
+
+
+@pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
+def test_a_ring_storage_gives_the_plain_storages_bits(dtype, device):
+    """Rows of a 16-row windowed step at positions 434..449 over a ring of WIN + 16 rows (every
+    position written in order, so each row's window is the ring's last keys, wrapped around
+    its end) get the bits of the same rows over a plain storage of every position; the twin
+    with `span` gives its plain result too."""
+    nkv, g, hd = GEMMA_SHAPES["hd256"]
+    k, v = _cache(nkv, hd, 450, dtype, device, storage=460)
+    rows = WIN + 16
+    kr, vr = _ring_of(k, rows, 449), _ring_of(v, rows, 449)
+    q = _q(16, nkv * g, hd, dtype, device, seed=34)
+    pos = torch.arange(434, 450, device=device)
+    plain = decode_attention(q, k, v, pos, 1.0, window=WIN)
+    assert torch.equal(decode_attention(q, kr, vr, pos, 1.0, window=WIN, span=460), plain)
+    assert torch.equal(decode_attention_ref(q, kr, vr, pos, 1.0, window=WIN, span=460),
+                       decode_attention_ref(q, k, v, pos, 1.0, window=WIN))
+
+
+def test_a_ring_storage_is_refused_where_it_cannot_serve(device):
+    """A ring needs a window no wider than its rows, and serves at least its own rows."""
+    nkv, g, hd = GEMMA_SHAPES["hd256"]
+    k, v = _cache(nkv, hd, 40, torch.bfloat16, device, storage=40)
+    q = _q(1, nkv * g, hd, torch.bfloat16, device, seed=35)
+    pos = torch.tensor([39], device=device)
+    with pytest.raises(ValueError, match="needs a window of at most 40 keys, got none"):
+        decode_attention(q, k, v, pos, 1.0, span=100)
+    with pytest.raises(ValueError, match="needs a window of at most 40 keys, got 41"):
+        decode_attention(q, k, v, pos, 1.0, window=41, span=100)
+    with pytest.raises(ValueError, match="span 30 is below the storage's 40 rows"):
+        decode_attention(q, k, v, pos, 1.0, window=8, span=30)

@@ -231,3 +231,24 @@ def test_softcap_matches_ref(dtype, device):
         assert got.abs().max() <= cap
     # rows are independent: one row alone gives its bits
     assert torch.equal(softcap(z[1:2], cap), softcap(z, cap)[1:2])
+
+
+def test_qkv_into_a_ring_writes_rows_positions_modulo_its_size(device):
+    """A ring storage of R rows (a sliding layer's past `ring_rows`): position p's K/V land on
+    row p % R, the same values the plain storage gets at row p, and nothing else is written."""
+    dtype, nh, nkv, hd, rows = torch.bfloat16, 4, 2, 64, 24
+    proj, q_w, k_w, _ = _inputs(6, nh, nkv, hd, dtype, device, False, seed=6)
+    positions = torch.tensor([40, 47, 3, 30, 26, 49], device=device)  # rows 16, 23, 3, 6, 2, 1
+    cos, sin = _tables("default", hd, dtype, device)
+    kc, vc = _nan_caches(nkv, hd, dtype, device)
+    ring_k, ring_v = (torch.full((nkv, rows, hd), float("nan"), dtype=dtype, device=device) for _ in range(2))
+    ref_k, ref_v = (torch.full((nkv, rows, hd), float("nan"), dtype=dtype, device=device) for _ in range(2))
+    gemma_qk_norm_rope_kv_write(proj, q_w, k_w, cos, sin, positions, kc, vc, nh, nkv, EPS, False)
+    gemma_qk_norm_rope_kv_write(proj, q_w, k_w, cos, sin, positions, ring_k, ring_v, nh, nkv, EPS, False)
+    gemma_qk_norm_rope_kv_write_ref(proj, q_w, k_w, cos, sin, positions, ref_k, ref_v, nh, nkv, EPS, False)
+    slots = positions % rows
+    assert torch.equal(ring_k[:, slots], kc[:, positions]) and torch.equal(ring_v[:, slots], vc[:, positions])
+    written = torch.zeros(rows, dtype=torch.bool, device=device)
+    written[slots] = True
+    assert torch.isnan(ring_k[:, ~written]).all() and torch.isnan(ring_v[:, ~written]).all()
+    assert torch.isnan(ref_k[:, ~written]).all() and not torch.isnan(ref_k[:, written]).any()

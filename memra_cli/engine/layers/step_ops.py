@@ -28,8 +28,10 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   with the kernels, where `linear` takes the dense kernel, one launch (the norm, rope and K/V write
   in its epilogue: the projection's bits, then the rope kernel's arithmetic, its norm's float32 sum
   of squares perhaps in another order)
-- `attention(q, k_cache, v_cache, positions, scale, window=0) -> [t, nh*hd]`: causal by position
-  over the cache; with a sliding `window` W > 0 a row at p sees keys p - W < j <= p only (Gemma 4)
+- `attention(q, k_cache, v_cache, positions, scale, window=0, span=None) -> [t, nh*hd]`: causal by
+  position over the cache; with a sliding `window` W > 0 a row at p sees keys p - W < j <= p only
+  (Gemma 4); `span` > the storage's rows: a ring storage serving positions 0..span-1, key j at row
+  j % rows (Gemma 4's sliding layers past `ring_rows`), the bits of a plain storage of the same keys
 - `silu_mul(gate_up) -> silu(gate) * up`
 - `moe_swiglu(x, weights, experts, w_gate_up, w_down, activation="silu") -> [t, hidden]`: the
   routed experts' GLU (SwiGLU, or `activation="gelu_tanh"`: Gemma 4's) and weighted combine
@@ -120,7 +122,8 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
 
 - `gemma_qk_norm_rope_kv_write(proj, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv,
   eps, k_eq_v) -> q`: Gemma's q/k norms (weight before the cast) + rope + the unweighted v norm
-  (v the raw key projection with k_eq_v) + the K/V write; caches None: a KV-shared layer's q only
+  (v the raw key projection with k_eq_v) + the K/V write at rows `positions % S` (a ring storage's
+  rows; a plain one's are the positions); caches None: a KV-shared layer's q only
 - `gemma_add_norm(x, branch, w_branch, w_out, eps, scalar=None) -> (x, normed)`: a sandwich norm's
   residual add `x + norm(branch)` (times `layer_scalar` after the feed-forward) and the norm after it
 - `gemma_add_two_norms(x, branch, w_branch, w_out, w_out2, eps) -> (x, normed, normed2)`:

@@ -199,6 +199,17 @@ def _hidden_keys(positions: torch.Tensor, blocks: int, g: int, window: int) -> t
     return hidden
 
 
+def ring_view(storage: torch.Tensor, span: int, window: int) -> torch.Tensor:
+    """`storage [nkv, R, hd]`, a ring holding position j at row j % R, as the plain storage
+    `[nkv, span, hd]` it stands for (a gathered copy): rows of a position the ring no longer
+    holds carry a later position's values, finite, and every such key lies before the window
+    of each row that may read it, so it is masked (models/kv_cache.py `ring_rows`)."""
+    rows = storage.shape[1]
+    if span < rows or not window or rows < window:
+        raise ValueError(f"a ring of {rows} rows cannot serve {span} positions with window {window or 'none'}")
+    return storage.index_select(1, torch.arange(span, device=storage.device) % rows)
+
+
 def blocked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
                       scale: float, window: int = 0) -> torch.Tensor:
     """A step's attention over the live keys only, in blocks of `ATTN_KEY_BLOCK` keys aligned at
@@ -328,11 +339,14 @@ class TorchStepOps:
 
     @staticmethod
     def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  positions: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                  positions: torch.Tensor, scale: float, window: int = 0, span: int | None = None) -> torch.Tensor:
         """Causal by position over the cache; `window` W > 0 also masks keys j <= p - W. On the
         CPU `blocked_attention` (live key blocks only, storage-size independent); elsewhere over
         the whole storage under a position mask. K/V are never repeated: the g query heads of a
-        KV head are folded into rows."""
+        KV head are folded into rows. `span` (a ring storage: `ring_view`): over the storage
+        the ring stands for, so the same bits as a plain storage holding the same keys."""
+        if span is not None and span != k_cache.shape[1]:
+            k_cache, v_cache = ring_view(k_cache, span, window), ring_view(v_cache, span, window)
         if q.device.type == "cpu":
             return blocked_attention(q, k_cache, v_cache, positions, scale, window)
         t, nh, hd = q.shape

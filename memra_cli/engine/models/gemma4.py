@@ -46,9 +46,9 @@ from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.gemma4_config import FULL, SLIDING, Gemma4Config, Gemma4Rope, load_gemma4_config
 from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import RopeTables, cos_sin
-from memra_cli.engine.layers.torch_step_ops import TorchStepOps
+from memra_cli.engine.layers.torch_step_ops import TorchStepOps, ring_view
 from memra_cli.engine.models.common import TargetBase
-from memra_cli.engine.models.kv_cache import LayerKVCache
+from memra_cli.engine.models.kv_cache import LayerKVCache, ring_rows
 from memra_cli.engine.models.loading import WeightLoader
 from memra_kernels.gemma4_ref import gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref, gemma_rms_norm_ref
 
@@ -205,6 +205,9 @@ class Gemma4Target(TargetBase):
 
     supports_cuda_graphs = True
     state_class = LayerKVCache
+    # The most rows one write adds to a sliding layer's ring: the runner's prefill chunk (a test
+    # checks they agree); a fixed-width step of more rows is refused over a ring.
+    RING_SPAN = 512
     # what the step takes from the seam, said in the engine's step-ops note when the Triton ops
     # are selected (docs/gemma4.md, "Kernels and CUDA")
     step_ops_used = ("linear, embed, gemma_qk_norm_rope_kv_write, windowed attention, gemma_add_norm, "
@@ -259,10 +262,15 @@ class Gemma4Target(TargetBase):
     # ----------------------------------------------------------------------- state and tables
 
     def new_state(self, rows: int) -> LayerKVCache:
-        """K/V storage of `rows` positions for every layer that owns its K/V."""
+        """K/V storage of `rows` positions for every layer that owns its K/V: a full layer's holds
+        every position, a sliding layer's a ring of `ring_rows(window, RING_SPAN)` rows when that
+        is fewer (the window and one write; docs/gemma4.md, "Sliding layers' storage")."""
         shapes = [(self.cfg.kv_heads[i], self.cfg.head_dims[i]) if src == i else None
                   for i, src in enumerate(self.kv_source)]
-        return self.state_class(shapes, rows, self.dtype, self.device)  # an MoE family's has live rows too
+        ring = ring_rows(self.cfg.sliding_window, self.RING_SPAN)
+        rows_of = [ring if kind == SLIDING else None for kind in self.cfg.layer_types]
+        # an MoE family's state has live rows too
+        return self.state_class(shapes, rows, self.dtype, self.device, rows_of)
 
     def ensure_positions(self, rows: int) -> None:
         """cos/sin tables per layer type reaching `rows` positions (grown, never shrunk)."""
@@ -281,20 +289,38 @@ class Gemma4Target(TargetBase):
     def forward(self, ids: torch.Tensor, start: int, cache: LayerKVCache,
                 taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`ids [t]` at positions `start..start+t-1`: final-normed hidden `[t, hidden]` and taps
-        `[t, n_taps*hidden]`; writes K/V there and sets `cache.length = start + t`."""
+        `[t, n_taps*hidden]`; writes K/V there and sets `cache.length = start + t`. Over a state
+        with ring storages, in chunks of RING_SPAN rows (a longer write would overwrite keys its
+        own earlier rows read)."""
         t = ids.shape[0]
         self.check_span(start, t, cache)
         self.ensure_positions(start + t)
-        positions = torch.arange(start, start + t, device=self.device)
-        hidden, tapped = self._run(ids, positions, cache, start + t, taps)
+        chunk = self.RING_SPAN if self._has_ring(cache) else t
+        hidden, tapped = [], []
+        for c0 in range(0, max(t, 1), max(chunk, 1)):
+            n = min(chunk, t - c0)
+            positions = torch.arange(start + c0, start + c0 + n, device=self.device)
+            h, tp = self._run(ids[c0:c0 + n], positions, cache, start + c0 + n, taps)
+            hidden.append(h)
+            tapped.append(tp)
         cache.length = start + t
-        return hidden, tapped
+        if len(hidden) == 1:
+            return hidden[0], tapped[0]
+        return torch.cat(hidden), (torch.cat(tapped) if taps else None)
+
+    @staticmethod
+    def _has_ring(cache: LayerKVCache) -> bool:
+        """Whether a layer of `cache` stores fewer rows than positions (a sliding layer's ring)."""
+        return any(kv is not None and kv.shape[2] < cache.max_len for kv in cache.kv)
 
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, cache: LayerKVCache,
                     taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-width step: attention over the whole storage under a position mask (keys
         past a row's position, or before its window, are masked and leave it unchanged), so a
         row's result depends neither on the rows beside it nor on the storage size."""
+        if ids.shape[0] > self.RING_SPAN and self._has_ring(cache):
+            raise ValueError(f"a step of {ids.shape[0]} rows over a sliding-window ring of {self.RING_SPAN}-row "
+                             "writes: it would overwrite keys its own rows read")
         self.ensure_positions(cache.max_len)
         hidden, tapped = self._run(ids, positions, cache, cache.max_len, taps, step=True)
         return (self.logits(hidden) if widen else self.lm_head(hidden)), tapped
@@ -353,9 +379,12 @@ class Gemma4Target(TargetBase):
         _, n_post_attn, n_pre_ff, n_post_ff = w.norms
         q = self._qkv_write(li, h, w, cache, positions, tables, step=mask is None)
         kv = cache.kv[self.kv_source[li]]
+        window = self.cfg.sliding_window if self.cfg.layer_types[li] == SLIDING else 0
+        ring = kv.shape[2] < cache.max_len  # a sliding layer's ring: position j at row j % rows
         if mask is None:
-            window = self.cfg.sliding_window if self.cfg.layer_types[li] == SLIDING else 0
-            core = ops.attention(q, kv[0], kv[1], positions, 1.0, window)
+            core = ops.attention(q, kv[0], kv[1], positions, 1.0, window, span=cache.max_len if ring else None)
+        elif ring and n_keys > kv.shape[2]:
+            core = self._attend(q, ring_view(kv[0], n_keys, window), ring_view(kv[1], n_keys, window), mask)
         else:
             core = self._attend(q, kv[0, :, :n_keys], kv[1, :, :n_keys], mask)
         if ple is None:

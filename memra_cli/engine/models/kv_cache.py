@@ -58,21 +58,36 @@ class KVCache(StateBase):
         self.length = 0
 
 
+def ring_rows(window: int, span: int) -> int:
+    """Rows of a ring storage for a sliding window of `window` keys whose writes come at most
+    `span` rows at a time (a prefill chunk, or a fixed-width step with its padding rows). A
+    write of positions p..p+span-1 lands on the rows of positions p-R..p+span-1-R, and a
+    written row at p+i reads back to p+i-window+1 >= p-window+1; so R >= window + span - 1
+    keeps every key a written row reads, and a rolled-back row's stale values sit at
+    positions the next write overwrites first. One row more than that bound."""
+    return window + span
+
+
 class LayerKVCache(StateBase):
     """Static K/V for one session of a model whose layers differ in K/V shape (Gemma 4: sliding
     and full layers with their own head dims and head counts, KV-shared layers with none).
 
-    `kv[l]` is layer l's `[2, n_kv_l, max_len, head_dim_l]`, or None for a layer that reads
-    another's. Bookkeeping is `KVCache`'s: `length` only (a sliding layer keeps every position;
-    its window is the attention mask's), so rollback and commit only move it.
+    `kv[l]` is layer l's `[2, n_kv_l, rows_l, head_dim_l]`, or None for a layer that reads
+    another's. `rows_l` is `max_len`, or `rows_of[l]` when that is smaller: a ring holding
+    position j at row j % rows_l, so that a sliding layer keeps its window (and the rows one
+    write adds: `ring_rows`) rather than every position. Bookkeeping is `KVCache`'s: `length`
+    only (a later write overwrites a rolled-back row, in a ring too), so rollback and commit
+    only move it.
     """
 
     host_bookkeeping = True
     round_graphs_ok = True
 
-    def __init__(self, shapes: list[tuple[int, int] | None], max_len: int, dtype: torch.dtype, device: torch.device):
-        self.kv = [None if s is None else torch.zeros(2, s[0], max_len, s[1], dtype=dtype, device=device)
-                   for s in shapes]
+    def __init__(self, shapes: list[tuple[int, int] | None], max_len: int, dtype: torch.dtype, device: torch.device,
+                 rows_of: list[int | None] | None = None):
+        rows = [max_len if r is None or r >= max_len else r for r in (rows_of or [None] * len(shapes))]
+        self.kv = [None if s is None else torch.zeros(2, s[0], n, s[1], dtype=dtype, device=device)
+                   for s, n in zip(shapes, rows)]
         self.max_len = max_len
         self.length = 0
         self.graphs: dict = {}
@@ -102,8 +117,9 @@ class LiveKVCache(LiveRows, KVCache):
 class LiveLayerKVCache(LiveRows, LayerKVCache):
     """`LayerKVCache` with a fixed step's live-row count on the device (as `LiveKVCache`)."""
 
-    def __init__(self, shapes, max_len: int, dtype: torch.dtype, device: torch.device):
-        super().__init__(shapes, max_len, dtype, device)
+    def __init__(self, shapes, max_len: int, dtype: torch.dtype, device: torch.device,
+                 rows_of: list[int | None] | None = None):
+        super().__init__(shapes, max_len, dtype, device, rows_of)
         self._init_live_rows(device)
 
     def reset(self) -> None:
