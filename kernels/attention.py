@@ -36,6 +36,14 @@ to that grid), so the blocks a row takes part in, and their order, are fixed by 
 acc = 0). The combine merges splits w_i // row_split .. p_i // row_split, chunks counted from
 the first. Keys before the window are live storage (every position is kept), never NaN.
 
+Ring storage (`span` > the storage's S rows; Gemma 4's sliding layers): key j lives at row
+j % S. Every index above stays a position (splits, blocks, windows, the grid over `span`
+positions), and only the K/V loads take the modulo, so a row sees the keys, in the order and
+with the arithmetic, of a plain storage of `span` rows holding the same keys: the same bits.
+The writer keeps every key of a row's window in the ring (memra_cli's `kv_cache.ring_rows`);
+a key before the window that a program walks for another row reads a row holding some other
+written position, finite, and masked for this one.
+
 Why a row's output is bit-identical whatever shares its step (row-count invariance), and
 whatever the cache storage size S:
 

@@ -109,6 +109,31 @@ def test_speculative_equals_plain_with_the_kernels(tiny_dir, tmp_path):
         assert session.run() == plain
 
 
+@pytest.mark.exhaustive  # steps through the interpreter; the torch path's ring: tests/engine/test_gemma4_ring.py
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_kernel_steps_over_a_sliding_ring_are_the_plain_storages(tiny_dir, monkeypatch, dtype):
+    """The sliding layers' K/V in a ring of window + 16 rows (RING_SPAN patched to the step
+    width so that a 64-position session takes it): fixed 16-row steps through the kernels, past
+    the ring's end and wrapping around it, give the plain storage's logits bit for bit."""
+    target = _target(tiny_dir, TritonStepOps(), dtype)
+    runner = StepRunner(target, WIDTH)
+    ids = torch.randint(0, VOCAB - 4, (44,), generator=torch.Generator().manual_seed(7)).tolist()
+
+    def steps(span: int) -> torch.Tensor:
+        monkeypatch.setattr(Gemma4Target, "RING_SPAN", span)
+        state = target.new_state(64)
+        rows, start = [], 0
+        for g in (20, 16, 8):  # positions 0..43: windows past row 24 wrap around the ring
+            rows.append(runner.step(torch.tensor(ids[start:start + g], device=DEVICE), start, state)[0])
+            start += g
+        return torch.cat(rows), max(kv.shape[2] for kv in state.kv if kv is not None), \
+            min(kv.shape[2] for kv in state.kv if kv is not None)
+
+    ring, plain = steps(WIDTH), steps(10 ** 9)
+    assert ring[2] == 8 + WIDTH < ring[1] == 64 and plain[2] == 64  # the ring, and every position
+    assert torch.equal(ring[0], plain[0])
+
+
 @pytest.mark.exhaustive  # ~2 s through the interpreter
 def test_the_benchmarks_attention_sweep_runs():
     """benchmarks/gpu/gemma4_step.py's attention sweep (target_step.py --attn-sweep on the H200):
