@@ -133,6 +133,11 @@ def _attention(ctx, dt):
         kv = ctx.t(2, nkv, s, hd, dtype=dt)
         ctx.launch(f"decode_attention gemma4 {nh}/{nkv}x{hd} window {window}", ("_split_kernel", "_combine_kernel"),
                    a.decode_attention, ctx.t(t, nh, hd, dtype=dt), kv[0], kv[1], ctx.idx(t), 1.0, window)
+        if window:  # a sliding layer's ring at 32k positions: window + 512 rows
+            ring = ctx.t(2, nkv, window + 512, hd, dtype=dt)
+            ctx.launch(f"decode_attention gemma4 {nh}/{nkv}x{hd} window {window} ring",
+                       ("_split_kernel", "_combine_kernel"), a.decode_attention, ctx.t(t, nh, hd, dtype=dt), ring[0],
+                       ring[1], ctx.idx(t), 1.0, window, span=32768)
 
 
 def _gemma4(ctx, dt):
