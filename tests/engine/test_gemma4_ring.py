@@ -38,8 +38,25 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB - 4, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _span(monkeypatch, span: int) -> None:
+def _span(monkeypatch, span: int, engine: Engine | None = None) -> None:
+    """Set the ring's write span; drop `engine`'s idle storages (made under the other span: the
+    pool would hand them out again)."""
     monkeypatch.setattr(Gemma4Target, "RING_SPAN", span)
+    if engine is not None:
+        engine.pool.clear()
+
+
+def _rows_seen(monkeypatch) -> list[int]:
+    """The fewest rows of any layer of each state the target makes from here on."""
+    seen, make = [], Gemma4Target.new_state
+
+    def recording(self, rows):
+        state = make(self, rows)
+        seen.append(min(kv.shape[2] for kv in state.kv if kv is not None))
+        return state
+
+    monkeypatch.setattr(Gemma4Target, "new_state", recording)
+    return seen
 
 
 def test_the_ring_span_covers_every_write_the_engine_makes():
@@ -119,13 +136,17 @@ def test_speculative_arms_over_a_ring_equal_plain_greedy(dirs, tmp_path, monkeyp
     draft = make_tiny_draft(tmp_path / "d", "zlab" if mode == "dflash" else "deepspec", block_size=8,
                             target_layer_ids=(-1, 1, 4), num_target_layers=5, dtype=torch.bfloat16, seed=3)
     ids = prompt(30, 40)
-    _span(monkeypatch, NO_RING)
+    seen = _rows_seen(monkeypatch)
+    _span(monkeypatch, NO_RING, engine)
     plain = greedy_reference(engine.runner, ids, 64)
-    _span(monkeypatch, SPAN)
+    assert seen and min(seen) > RING
+    _span(monkeypatch, SPAN, engine)
+    seen.clear()
     assert greedy_reference(engine.runner, ids, 64) == plain
     arm = engine.arm(ArmConfig(draft=draft, mode=mode))
     session = engine.session(ids, 64, arm)
     assert session.run() == plain
+    assert seen and set(seen) == {RING}  # every state of the ring runs had its sliding layers' ring
 
 
 def test_a_step_wider_than_the_rings_span_is_refused(dirs, monkeypatch):
@@ -134,3 +155,23 @@ def test_a_step_wider_than_the_rings_span_is_refused(dirs, monkeypatch):
     state = target.new_state(100)
     with pytest.raises(ValueError, match="a step of 32 rows over a sliding-window ring of 16-row writes"):
         target.static_step(torch.zeros(32, dtype=torch.long), torch.arange(32), state)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphed_sessions_over_a_ring_equal_the_plain_storages(dirs, tmp_path, monkeypatch):
+    """On CUDA, bf16, the kernels and CUDA graphs: plain greedy over a ring is plain greedy over
+    the plain storage, and a DFlash session over a ring gives it."""
+    engine = Engine.from_model(Gemma4Target.from_dir(dirs["base"], dtype=torch.bfloat16, device="cuda"),
+                               step_width=WIDTH, cuda_graphs=True)
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=8, target_layer_ids=(-1, 1, 4), num_target_layers=5,
+                            dtype=torch.bfloat16, seed=3)
+    ids = prompt(30, 41)
+    seen = _rows_seen(monkeypatch)
+    _span(monkeypatch, NO_RING, engine)
+    plain = greedy_reference(engine.runner, ids, 64)
+    _span(monkeypatch, SPAN, engine)
+    seen.clear()
+    assert greedy_reference(engine.runner, ids, 64) == plain
+    assert engine.session(ids, 64, engine.arm(ArmConfig(draft=draft, mode="dflash"))).run() == plain
+    assert seen and set(seen) == {RING}
