@@ -88,9 +88,12 @@ def random_gemma4(s: dict, dtype: torch.dtype, device: torch.device) -> Gemma4Ta
 
 
 def kv_bytes(target: Gemma4Target, ctx: int) -> int:
-    """Live K/V bytes at context `ctx` (every layer owns its K/V in the 31B shape)."""
+    """K/V bytes a step reads at context `ctx`: a full layer's `ctx` keys, a sliding layer's
+    window of them (every layer owns its K/V in the 31B shape)."""
     cfg = target.cfg
-    return sum(2 * cfg.kv_heads[i] * cfg.head_dims[i] * ctx * target.dtype.itemsize for i in range(cfg.num_hidden_layers))
+    keys = [min(ctx, cfg.sliding_window) if kind == SLIDING else ctx for kind in cfg.layer_types]
+    return sum(2 * cfg.kv_heads[i] * cfg.head_dims[i] * keys[i] * target.dtype.itemsize
+               for i in range(cfg.num_hidden_layers))
 
 
 def weight_bytes(target: Gemma4Target) -> int:

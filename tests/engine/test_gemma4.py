@@ -381,7 +381,11 @@ def test_gemma4_step_benchmark_pieces_on_cpu():
     target = mod.random_gemma4(mod.SMALL, torch.float32, torch.device("cpu"))
     assert mod.matmul_chain(target, 16)().shape == (16, 512)
     state = target.new_state(100)
-    assert state.nbytes == mod.kv_bytes(target, 100)
+    per_position = [kv[:, :, :1].numel() * kv.element_size() for kv in state.kv]
+    window = target.cfg.sliding_window
+    assert 0 < window < 100  # the floor counts a sliding layer's window only: what its attention reads
+    assert mod.kv_bytes(target, 100) == sum(b * (window if kind == "sliding_attention" else 100)
+                                            for b, kind in zip(per_position, target.cfg.layer_types))
     logits, _ = StepRunner(target, WIDTH).step(torch.arange(20), 0, state)
     assert logits.shape == (20, 512) and torch.isfinite(logits).all()
     assert logits.abs().max() <= 30.0  # the softcap
