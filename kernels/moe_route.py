@@ -68,7 +68,7 @@ MAX_EXPERTS = 1024  # a tile holds BLOCK_T rows of every expert's logit
 ROUTER_N = 16
 ROUTER_CHUNK = 512
 ROUTER_K = 128
-TILE_PER_THREAD = 16  # a routing tile's float32 logits per thread: 16 x 256 on 4 warps spilled (docs/moe.md, "The routing kernel")
+TILE_PER_THREAD = 16  # a routing tile's float32 logits per thread: more spill (docs/moe.md, "Measured: the Qwen3.5-35B-A3B step")
 
 
 def route_warps(block_e: int) -> int:

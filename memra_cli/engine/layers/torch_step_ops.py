@@ -201,9 +201,9 @@ def _hidden_keys(positions: torch.Tensor, blocks: int, g: int, window: int) -> t
 
 def ring_view(storage: torch.Tensor, span: int, window: int) -> torch.Tensor:
     """`storage [nkv, R, hd]`, a ring holding position j at row j % R, as the plain storage
-    `[nkv, span, hd]` it stands for (a gathered copy): rows of a position the ring no longer
-    holds carry a later position's values, finite, and every such key lies before the window
-    of each row that may read it, so it is masked (models/kv_cache.py `ring_rows`)."""
+    `[nkv, span, hd]` it stands for (a gathered copy): a position the ring does not hold reads
+    another position's values, finite, and lies outside the window of every row that may read
+    it, so it is masked (models/kv_cache.py `ring_rows`)."""
     rows = storage.shape[1]
     if span < rows or not window or rows < window:
         raise ValueError(f"a ring of {rows} rows cannot serve {span} positions with window {window or 'none'}")

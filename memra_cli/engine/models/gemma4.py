@@ -295,18 +295,16 @@ class Gemma4Target(TargetBase):
         t = ids.shape[0]
         self.check_span(start, t, cache)
         self.ensure_positions(start + t)
-        chunk = self.RING_SPAN if self._has_ring(cache) else t
-        hidden, tapped = [], []
-        for c0 in range(0, max(t, 1), max(chunk, 1)):
-            n = min(chunk, t - c0)
-            positions = torch.arange(start + c0, start + c0 + n, device=self.device)
-            h, tp = self._run(ids[c0:c0 + n], positions, cache, start + c0 + n, taps)
-            hidden.append(h)
-            tapped.append(tp)
+        chunk = self.RING_SPAN if t > self.RING_SPAN and self._has_ring(cache) else t
+        parts = []
+        for c0 in range(0, t, chunk):  # t >= 1 (check_span)
+            end = start + min(c0 + chunk, t)
+            parts.append(self._run(ids[c0:end - start], torch.arange(start + c0, end, device=self.device), cache,
+                                   end, taps))
         cache.length = start + t
-        if len(hidden) == 1:
-            return hidden[0], tapped[0]
-        return torch.cat(hidden), (torch.cat(tapped) if taps else None)
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([h for h, _ in parts]), (torch.cat([tp for _, tp in parts]) if taps else None)
 
     @staticmethod
     def _has_ring(cache: LayerKVCache) -> bool:
