@@ -121,6 +121,10 @@ TUNED: dict[tuple[int, int], KernelConfig] = {
     (18432, 2560): _C(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=3),
     (2560, 9216): _C(block_n=32, block_k=128, split_k=4, num_warps=4, num_stages=4),
     (248320, 2560): _C(block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=3),
+    # LLaMA-3.1-8B's down and lm_head, from an H100 sweep (its gate/up ties cuBLAS there and stays
+    # on F.linear; docs/tuning.md#dense-linear)
+    (4096, 14336): _C(block_n=64, block_k=256, split_k=2, num_warps=4, num_stages=4),
+    (128256, 4096): _C(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4),
 }
 
 # Weight tiles a program asks L2 for before it waits for the previous kernel, when kernels launch
