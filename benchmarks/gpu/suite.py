@@ -98,7 +98,13 @@ def _llama_step(out: Path, tiny: bool):
         return None  # an 8B-shape step is a GPU measurement only
     return [_py("-m", "benchmarks.gpu.target_step", "--family", "llama", "--contexts", "512,32768",
                 "--sweep-lengths", "512", "--sweep-prompts", "3", "--prefill-length", "0",
-                "--variants", "torch,triton,triton-unfused", *_dense_tuned(out), "--json", str(out / "llama_step.json"))]
+                "--variants", "torch,triton,triton-tile", "--attn-tile", LONG_SPLIT_TILE,  # growing splits' A/B
+                *_dense_tuned(out), "--json", str(out / "llama_step.json"))]
+
+
+# The head_dim-128 tile with growing splits (1024 keys from 8192): the attention's A/B at 32k keys,
+# where its 256-key splits' float32 partials are a quarter of the K/V (docs/tuning.md#attention-tiles)
+LONG_SPLIT_TILE = "256,32,64,3,4,1024,8192"
 
 
 def _gemma4_step(out: Path, tiny: bool):
@@ -204,7 +210,7 @@ PARTS = {p.name: p for p in (
          "rollback, rounds, ms", 180, _hybrid_step),
     Part("dense_sweep", "the dense kernel's tiles against cuBLAS at the LLaMA-8B and Qwen3-30B-A3B weight shapes "
          "the 8B table lacks, µs; writes the whole table the later parts of the run load", 200, _dense_sweep),
-    Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor (fused and unfused launches; with "
+    Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor (the shipped attention tile and growing splits; with "
          "dense_sweep's table when that part ran first), ms", 150, _llama_step),
     Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, Triton and torch step ops, ms", 300, _gemma4_step),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows on the MoE kernels, and the MoE op (the twin's, the "
