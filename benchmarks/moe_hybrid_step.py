@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.moe_step import graphed_ms, parse_ops, read_bandwidth, step_ops, step_rows, sync
+from benchmarks.moe_step import graphed_ms, parse_ops, read_bandwidth, step_ops, step_rows, sync, variant_knobs
 from memra_cli.engine.formats.qwen3_5_config import FULL, parse_qwen35_config
 from memra_cli.engine.models.qwen3_5 import AttnWeights, GdnWeights, LayerWeights
 from memra_cli.engine.models.qwen3_5_moe import Qwen35MoeLayerWeights, Qwen35MoeTarget
@@ -140,7 +140,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton, "
-                    "triton-unfused (the launch fusions undone) (default: torch and triton on CUDA, torch elsewhere)")
+                    "triton-unfused (the launch fusions undone), triton-route4w (256-expert routing tiles on 4 warps) (default: torch and triton on CUDA, torch elsewhere)")
     ap.add_argument("--width", type=int, default=16, help="also time each vt below it as a step of this many "
                     "rows, vt of them live (the engine's fixed-width step); 0: only the vt-row steps")
     ap.add_argument("--context", type=int, default=512)
@@ -169,12 +169,12 @@ def main(argv: list[str]) -> int:
     for name in ops:
         model.step_ops = step_ops(name)
         state = model.new_state(a.context + 16)
-        with torch.no_grad():
+        with torch.no_grad(), variant_knobs(name):
             model.forward(prompt, 0, state)
-        rows += step_rows(model, name, [int(v) for v in a.vts.split(",")], a.width, cost, bw,
-                          lambda vt, w: measure(model, state, a.context, vt, a.iters, w))
-        if a.profile and name.startswith("triton"):
-            profiles += profile_steps(model, state, name, a.context, a.width)
+            rows += step_rows(model, name, [int(v) for v in a.vts.split(",")], a.width, cost, bw,
+                              lambda vt, w: measure(model, state, a.context, vt, a.iters, w))
+            if a.profile and name.startswith("triton"):
+                profiles += profile_steps(model, state, name, a.context, a.width)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     out = {"shape": a.shape, "device": str(dev), "dtype": a.dtype, "context": a.context, "iters": a.iters,
            "read_tbps": bw / 1e12, "peak_gib": peak, "fixed_gb": cost.fixed_bytes / 1e9, "rows": rows,

@@ -34,6 +34,7 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -98,14 +99,31 @@ def read_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
 
 
 def step_ops(name: str):
-    """The step-ops variant `name`: `torch` (the twin), `triton` (the MoE kernels; CUDA) or
-    `triton-unfused` (those with the launch fusions undone)."""
+    """The step-ops variant `name`: `torch` (the twin), `triton` (the MoE kernels; CUDA),
+    `triton-unfused` (those with the launch fusions undone) or `triton-route4w` (the kernels with
+    every routing tile on at most 4 warps; run it inside `variant_knobs`)."""
     from memra_cli.engine.layers.torch_step_ops import TorchStepOps
     from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
     if name == "torch":
         return TorchStepOps()
     return TritonStepOps().unfused() if name == "triton-unfused" else TritonStepOps()
+
+
+@contextlib.contextmanager
+def variant_knobs(name: str):
+    """The kernels' module constants a variant changes, set for its steps and restored after:
+    `triton-route4w` routes a 256-expert tile on 4 warps (32 logits a thread, the layout that
+    spilled) instead of `route_warps`' 8 (docs/moe.md, "Measured: the Qwen3.5-35B-A3B step")."""
+    from memra_kernels import moe_route
+
+    saved = moe_route.TILE_PER_THREAD
+    if name == "triton-route4w":
+        moe_route.TILE_PER_THREAD = moe_route.BLOCK_T * 256 // (32 * 4)  # a 256-expert tile on 4 warps
+    try:
+        yield
+    finally:
+        moe_route.TILE_PER_THREAD = saved
 
 
 def graphed_ms(fn, iters: int) -> tuple[float | None, str | None]:
@@ -282,7 +300,7 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), 
     return row
 
 
-OPS = ("torch", "triton", "triton-unfused")
+OPS = ("torch", "triton", "triton-unfused", "triton-route4w")
 
 
 def parse_ops(raw: str | None, dev: torch.device) -> list[str] | None:
@@ -382,7 +400,9 @@ def main(argv: list[str]) -> int:
     rows = []
     for name in ops:
         model.step_ops = step_ops(name)
-        rows += step_rows(model, name, vts, a.width, cost, bw, lambda vt, w: measure(model, vt, a.context, a.iters, w))
+        with variant_knobs(name):
+            rows += step_rows(model, name, vts, a.width, cost, bw,
+                              lambda vt, w: measure(model, vt, a.context, a.iters, w))
     op_rows = []
     for vt in vts:
         r = measure_op(model, vt, a.iters, bw, tiles, chunks)

@@ -145,7 +145,7 @@ def _moe_hybrid_profile(out: Path, tiny: bool):
     if tiny:
         return None  # the profile needs CUDA
     return [_py("-m", "benchmarks.moe_hybrid_step", "--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16",
-                "--ops", "triton,triton-unfused", "--vts", "1,16", "--iters", "10", "--profile",
+                "--ops", "triton,triton-route4w", "--vts", "1,16", "--iters", "10", "--profile",  # route_warps' A/B
                 "--json", str(out / "moe_hybrid_profile.json"))]
 
 
@@ -220,8 +220,9 @@ PARTS = {p.name: p for p in (
     Part("moe_hybrid_step", "Qwen3.5-35B-A3B-shape hybrid MoE step at vt rows on the MoE kernels, fused and unfused "
          "(eager and graphed), vs its read floor, ms", 200,
          _moe_hybrid_step),
-    Part("moe_hybrid_profile", "Qwen3.5-35B-A3B-shape 16-row step at 1 and 16 live rows, fused and unfused: graphed ms "
-         "vs the floor, and each one's kernels by name under the profiler, µs", 150, _moe_hybrid_profile),
+    Part("moe_hybrid_profile", "Qwen3.5-35B-A3B-shape 16-row step at 1 and 16 live rows, its 256-expert routing tiles "
+         "on route_warps' 8 warps and on 4: graphed ms vs the floor, and each one's kernels by name under the profiler, "
+         "µs", 150, _moe_hybrid_profile),
     Part("hf_step", "transformers' own decode at the LLaMA-3.1-8B, Gemma-4-31B and Qwen3-30B-A3B shapes, ms/token "
          "and peak memory (beside llama_step, gemma4_step, moe_step)", 300, _hf_step),
     Part("train_throughput", "memra train's step at the Qwen3-8B shape with online taps, target tokens/s", 150,
