@@ -8,7 +8,9 @@ TrainJob the command runs. The batches are random token sequences of prompt + an
 taps come from the engine's target (`EngineTaps`), as in `memra train`. Reports:
 
 - step_ms: one whole training step (taps + drafter forward/backward + AdamW), steady state,
-- taps_ms: the target forward that makes the taps alone, the rest being the drafter's share,
+- taps_ms: the target forward that makes the taps alone, the rest being the drafter's share;
+  taps_one_at_a_time_ms beside it: the same batch's taps one sequence at a time (`forward` per
+  sequence, as training ran before `forward_taps` took the batch in one pass),
 - taps_kernels (CUDA): one taps call's kernels by name under the profiler, and their summed GPU
   time (`gpu_us`): what of taps_ms the device spends, the rest being the host's launches,
 - target tokens/s: sequence positions trained on per second,
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu_shapes import SHAPES, random_target
+from memra_cli.engine.models.common import TargetBase
 from memra_cli.train.geometry import DEFAULT_BLOCK, DEFAULT_MARKOV_RANK, Geometry, spread_taps
 from memra_cli.train.job import Hyper, TrainJob
 from memra_cli.train.taps import EngineTaps
@@ -65,6 +68,15 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _seconds_per_call(fn, calls: int, device: torch.device) -> float:
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync(device)
+    return (time.perf_counter() - t) / calls
+
+
 def measure(args) -> dict:
     device = torch.device("cpu" if args.tiny else "cuda")
     s = SHAPES["small" if args.tiny else "8b"]
@@ -87,12 +99,11 @@ def measure(args) -> dict:
     step_s = (time.perf_counter() - t) / args.steps
     ids, lengths, _ = data.batch(list(range(args.batch)), 0)
     ids = ids.to(device)
-    _sync(device)
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        source.tap_batch(ids, geo.taps, lengths.tolist())
-    _sync(device)
-    taps_s = (time.perf_counter() - t) / args.steps
+    taps_s = _seconds_per_call(lambda: source.tap_batch(ids, geo.taps, lengths.tolist()), args.steps, device)
+    # the same batch one sequence at a time (TargetBase's forward_taps, what training ran before
+    # the batched pass), in the same process: the batched pass's A/B
+    rowwise_s = _seconds_per_call(lambda: TargetBase.forward_taps(target, ids, geo.taps, lengths.tolist()),
+                                  args.steps, device)
     taps_kernels = None
     if device.type == "cuda":  # the taps' GPU time by kernel: beside taps_ms, how much of it is the host's
         from benchmarks.timing import kernel_table
@@ -107,6 +118,7 @@ def measure(args) -> dict:
         "compile": args.compile, "batch": args.batch, "anchors": args.anchors, "seq_len": args.prompt + args.answer, "steps_timed": args.steps,
         "step_ms": round(1e3 * step_s, 2), "taps_ms": round(1e3 * taps_s, 2),
         "drafter_ms": round(1e3 * (step_s - taps_s), 2),
+        "taps_batched": target.batched_taps, "taps_one_at_a_time_ms": round(1e3 * rowwise_s, 2),
         "taps_kernels": taps_kernels,
         "target_tokens_per_s": round(tokens_per_step / step_s, 1),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,

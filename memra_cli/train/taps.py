@@ -31,8 +31,9 @@ class HFTaps:
 
 
 class EngineTaps:
-    """A memra engine target (`engine/models/base.py` TargetModel) as a tap source: each row of
-    the batch runs through `forward(ids, 0, state, taps)` on a fresh state of its own length."""
+    """A memra engine target (`engine/models/base.py` TargetModel) as a tap source: the batch
+    through the target's `forward_taps` (its rows in each layer together where the family says
+    `batched_taps`, else one sequence at a time)."""
 
     def __init__(self, target):
         self.target = target
@@ -41,18 +42,10 @@ class EngineTaps:
         # Gemma's cap on its logits: the drafter's logits at inference go through the target's lm_head
         self.logit_softcap = getattr(target.cfg, "final_logit_softcapping", None)
 
-    @torch.no_grad()
     def tap_batch(self, ids: torch.Tensor, taps: Sequence[int], lengths: Sequence[int] | None = None) -> torch.Tensor:
-        """ids `[B, L]` -> taps `[B, L, n_taps*hidden]`; rows past `lengths[i]` (padding) stay zero
+        """ids `[B, L]` -> taps `[B, L, n_taps*hidden]`; rows past `lengths[i]` (padding) are zero
         (a causal target: padding never changes an earlier position's taps)."""
-        B, L = ids.shape
-        out = torch.zeros(B, L, len(taps) * self.target.hidden_size, dtype=self.target.dtype, device=ids.device)
-        for i in range(B):
-            n = L if lengths is None else int(lengths[i])
-            state = self.target.new_state(n)
-            _, t = self.target.forward(ids[i, :n].to(self.target.device), 0, state, taps=list(taps))
-            out[i, :n] = t.to(ids.device)
-        return out
+        return self.target.forward_taps(ids, taps, lengths)
 
 
 def as_tap_source(target):

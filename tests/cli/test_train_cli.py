@@ -52,6 +52,7 @@ def test_resumed_run_equals_uninterrupted_and_exports_a_drafter_generate_runs_ex
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
     assert report["finished"] and report["steps_run"] == STEPS and report["heldout"]["exact"]
+    assert "taps: each batch's sequences through the target's layers together (qwen3)" in report["notes"]
     assert (whole / "train.png").read_bytes()[:4] == b"\x89PNG" and report["plot"] == str(whole / "train.png")
 
     # the same run stopped after 2 steps (as Ctrl-C leaves it: a checkpoint, no --out), then resumed
@@ -405,6 +406,9 @@ def test_every_target_family_trains_each_drafter_kind_that_fits_it(setup, tmp_pa
     report = json.loads(r.stdout)
     held = report["heldout"]
     assert report["steps_run"] == 2 and held["exact"] and held["prompts"] == 1 and held["warnings"] == []
+    batched = family in ("qwen3", "llama", "qwen3_moe")  # the families of Qwen3's dense decoder layer
+    assert sum(n.startswith("taps: each batch's sequences") for n in report["notes"]) == batched
+    assert sum(n.startswith("taps: one sequence at a time") for n in report["notes"]) == (not batched)
     assert held["block_embedding"]["scaled"] is scaled
     assert report["geometry"]["emb_scale"] == (8.0 if scaled else 1.0)  # √64, the tiny Gemma's hidden
     census = runner.invoke(app, ["census", str(out), "--json"], env={})

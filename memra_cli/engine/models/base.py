@@ -94,6 +94,7 @@ class TargetModel(Protocol):
     state_class: type  # what `new_state` returns: a `TargetState` (checked at load, `check_family`)
     step_ops_used: str | None  # what of the step-op seam the family runs, when not all (None: all of it)
     moe: object | None  # a family that routes experts: its MoE settings (the priced window's cost); else None
+    batched_taps: bool  # forward_taps runs a batch's sequences through each layer together (else one at a time)
     step_ops: object  # layers/step_ops.py: static_step's fused ops, and a graphed round's argmax
 
     @classmethod
@@ -112,6 +113,12 @@ class TargetModel(Protocol):
         sets `state.length = start + t`."""
         ...
 
+    def forward_taps(self, ids: torch.Tensor, taps: Sequence[int], lengths: Sequence[int] | None = None
+                     ) -> torch.Tensor:
+        """Training's taps of fresh sequences: ids `[B, L]` (positions from 0) -> `[B, L,
+        n_taps*hidden]`, rows past `lengths[b]` zero; no state is kept."""
+        ...
+
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, state: TargetState,
                     taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Fixed width, positions on the device (continuing `state.length`), graph-capturable
@@ -125,7 +132,7 @@ class TargetModel(Protocol):
 # capability needs: checked once when a family is picked, never probed in the round loop.
 MODEL_MEMBERS = ("from_dir", "new_state", "ensure_positions", "check_taps", "check_span", "embed", "logits",
                  "lm_head", "forward", "static_step", "supports_cuda_graphs", "graphs_note", "state_class",
-                 "step_ops_used", "embed_scale", "moe")
+                 "step_ops_used", "embed_scale", "moe", "forward_taps", "batched_taps")
 STATE_MEMBERS = ("rollback", "reset", "commit", "nbytes", "host_bookkeeping", "round_graphs_ok",
                  "settles_on_device", "graph_variants", "graph_variant", "arranged_for_capture",
                  "restore_round", "settled_on_device", "graphed_restores", "attach_graph_cache", "set_live_rows",

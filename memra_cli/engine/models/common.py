@@ -28,6 +28,9 @@ class TargetBase:
     # what the family multiplies its embedding rows by before the first layer (Gemma: √hidden);
     # a z-lab drafter's block embedding may apply it (the `emb_scale` setting, spec/policy.py)
     embed_scale: float = 1.0
+    # whether `forward_taps` runs a batch's sequences through each layer together (a family whose
+    # layers take rows of several sequences at once overrides it); else one sequence at a time
+    batched_taps = False
 
     @property
     def n_layers(self) -> int:
@@ -45,6 +48,23 @@ class TargetBase:
     def lm_head_weight(self) -> torch.Tensor:
         """`[vocab, hidden]` in the model dtype (the drafter projects its rows through it)."""
         return self._lm_head
+
+    @torch.no_grad()
+    def forward_taps(self, ids: torch.Tensor, taps: Sequence[int],
+                     lengths: Sequence[int] | None = None) -> torch.Tensor:
+        """Taps of fresh sequences (positions from 0, no cache kept): ids `[B, L]` -> `[B, L,
+        len(taps)*hidden]` in the model dtype, on the ids' device, tap `i` in `taps` order; rows
+        past `lengths[b]` (padding) are zero. Here each sequence runs `forward` on a state of its
+        own length; a causal target's padding never changes an earlier position's taps."""
+        self.check_taps(taps)
+        B, L = ids.shape
+        out = torch.zeros(B, L, len(taps) * self.hidden_size, dtype=self.dtype, device=ids.device)  # type: ignore[attr-defined]
+        for b in range(B):
+            n = L if lengths is None else int(lengths[b])
+            state = self.new_state(n)  # type: ignore[attr-defined]
+            _, t = self.forward(ids[b, :n].to(self.device), 0, state, taps=list(taps))  # type: ignore[attr-defined]
+            out[b, :n] = t.to(ids.device)
+        return out
 
     def check_taps(self, taps: Sequence[int]) -> None:
         """Tap ids must be -1 (embedding) or a layer index of this target."""

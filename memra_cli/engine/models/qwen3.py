@@ -235,6 +235,46 @@ class Qwen3Target(TargetBase):
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
         return hidden, taps_out
 
+    batched_taps = True
+
+    @torch.no_grad()
+    def forward_taps(self, ids: torch.Tensor, taps: Sequence[int],
+                     lengths: Sequence[int] | None = None) -> torch.Tensor:
+        """`TargetBase.forward_taps` with the batch's `B*L` rows in each layer's matmuls at once
+        (a training batch's taps: one pass instead of B), attention per sequence (causal, from
+        position 0, no cache written), stopping after the deepest tap. Padding rows past a
+        sequence's length run too and are zeroed after: causal attention keeps them out of the
+        earlier positions. The rows agree with `forward`'s to rounding (matmuls of another row
+        count may sum in another order)."""
+        self.check_taps(taps)
+        B, L = ids.shape
+        self.ensure_positions(L)
+        flat = ids.reshape(-1).to(self.device)
+        x = self.embed(flat)  # [B*L, hidden]
+        cos, sin = self._cos[:L].repeat(B, 1), self._sin[:L].repeat(B, 1)  # each sequence's positions 0..L-1
+        mask = self._mask(0, L) if self.step_ops.prefill_mask else None
+        wanted = set(taps)
+        tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
+        for li in range(max(taps) + 1):
+            x = self._batch_layer(x, self.layers[li], B, L, cos, sin, mask)
+            if li in wanted:
+                tapped[li] = x
+        out = torch.cat([tapped[i] for i in taps], dim=-1).view(B, L, -1).to(ids.device)
+        if lengths is not None:
+            for b, n in enumerate(lengths):
+                out[b, int(n):] = 0
+        return out
+
+    def _batch_layer(self, x: torch.Tensor, w: LayerWeights, B: int, L: int, cos: torch.Tensor,
+                     sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """`_layer` over B sequences' rows `x [B*L, hidden]` with no cache: the projections and
+        the MLP over every row, the attention one sequence at a time over its own keys."""
+        q, k, v = self._qkv(rms_norm(x, w.attn_norm, self.cfg.rms_norm_eps), w, cos, sin)
+        q, k, v = q.view(B, L, *q.shape[1:]), k.view(B, L, *k.shape[1:]), v.view(B, L, *v.shape[1:])
+        attn = torch.cat([self.step_ops.prefill_attention(q[b], k[b].transpose(0, 1), v[b].transpose(0, 1), mask)
+                          for b in range(B)])
+        return self._mlp(x + _linear(attn, w.wo, w.bo), w)
+
     def _mask(self, start: int, t: int) -> torch.Tensor | None:
         """Boolean `[g*t, start+t]` (True = attend): full over the cache, causal within the rows.
 

@@ -1,0 +1,85 @@
+"""Training's taps of a batch (`forward_taps`): the dense-layer families (Qwen3, LLaMA, Qwen3-MoE)
+run the batch's rows through each layer together; every family gives what `forward` gives one
+sequence at a time, padding zeroed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memra_cli.engine.models.common import TargetBase
+from memra_cli.engine.models.gemma4 import Gemma4Target
+from memra_cli.engine.models.llama import LlamaTarget
+from memra_cli.engine.models.qwen3 import Qwen3Target
+from memra_cli.engine.models.qwen3_5 import Qwen35Target
+from memra_cli.engine.models.qwen3_moe import Qwen3MoeTarget
+from memra_cli.tiny.gemma4 import make_tiny_gemma4
+from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
+from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
+from memra_cli.tiny.target import make_tiny_llama, make_tiny_qwen3
+from memra_cli.train.taps import EngineTaps
+
+BATCHED = {
+    "qwen3": (make_tiny_qwen3, Qwen3Target),
+    "llama": (make_tiny_llama, LlamaTarget),
+    "qwen3_moe": (make_tiny_qwen3_moe, Qwen3MoeTarget),
+}
+ONE_AT_A_TIME = {
+    "gemma4": (make_tiny_gemma4, Gemma4Target),
+    "qwen3_5": (make_tiny_qwen35, Qwen35Target),
+}
+
+
+def _one_at_a_time(target, ids, taps, lengths) -> torch.Tensor:
+    """Each sequence through `forward` on its own fresh state: what training ran before batching."""
+    return TargetBase.forward_taps(target, ids, taps, lengths)
+
+
+def _batch(vocab: int, seed: int = 0) -> tuple[torch.Tensor, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (3, 40), generator=gen)
+    return ids, [40, 23, 31]  # one full row, two padded
+
+
+@pytest.mark.parametrize("family", sorted(BATCHED))
+def test_a_batch_in_one_pass_gives_each_sequences_own_taps(tmp_path, family):
+    make, cls = BATCHED[family]
+    target = cls.from_dir(make(tmp_path / family), torch.float32, "cpu")
+    assert target.batched_taps is True
+    ids, lengths = _batch(target.vocab_size)
+    ids[1, lengths[1]:] = 7  # what a padding row holds never reaches a real row
+    taps = (-1, 0, 2)
+    got = target.forward_taps(ids, taps, lengths)
+    want = _one_at_a_time(target, ids, taps, lengths)
+    assert got.shape == (3, 40, 3 * target.hidden_size) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for b, n in enumerate(lengths):
+        assert torch.count_nonzero(got[b, n:]) == 0 and torch.count_nonzero(got[b, :n]) > 0
+    # the taps are per sequence: another row beside it changes nothing beyond rounding
+    alone = target.forward_taps(ids[2:3, :lengths[2]], taps)
+    torch.testing.assert_close(got[2:3, :lengths[2]], alone, rtol=1e-5, atol=1e-5)
+    # taps come back in the order asked, and layers past the deepest one are not needed
+    swapped = target.forward_taps(ids, (2, -1), lengths)
+    h = target.hidden_size
+    torch.testing.assert_close(swapped, torch.cat([got[..., 2 * h:], got[..., :h]], dim=-1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", sorted(ONE_AT_A_TIME))
+def test_other_families_run_one_sequence_at_a_time(tmp_path, family):
+    make, cls = ONE_AT_A_TIME[family]
+    target = cls.from_dir(make(tmp_path / family), torch.float32, "cpu")
+    assert target.batched_taps is False
+    ids, lengths = _batch(target.vocab_size, seed=1)
+    got = EngineTaps(target).tap_batch(ids, (0, 1), lengths)
+    for b, n in enumerate(lengths):
+        state = target.new_state(n)
+        _, want = target.forward(ids[b, :n], 0, state, taps=[0, 1])
+        assert torch.equal(got[b, :n], want) and torch.count_nonzero(got[b, n:]) == 0
+
+
+def test_a_tap_past_the_depth_is_refused_before_any_layer_runs(tmp_path):
+    from memra_cli.engine.errors import ConfigError
+
+    target = Qwen3Target.from_dir(make_tiny_qwen3(tmp_path / "q"), torch.float32, "cpu")
+    with pytest.raises(ConfigError, match="tap layer id 4"):
+        target.forward_taps(torch.zeros(2, 8, dtype=torch.long), (0, 4))
