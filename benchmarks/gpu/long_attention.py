@@ -12,7 +12,8 @@ alone and over a storage cut to the live keys; and the time to read one layer's 
 eager copy bandwidth measured in the same process (the attention's floor). `best` is the
 candidate of least summed time at contexts >= 4096 (shorter ones run the same code for all).
 
-    python -m benchmarks.gpu.long_attention [--json OUT.json] [--candidates 'S,BN,BM,ST,W[,LS,LF];...'] [--pick F]
+    python -m benchmarks.gpu.long_attention [--json OUT.json] [--candidates 'S,BN,BM,ST,W[,LS,LF];...'|wide]
+        [--pick F] [--pick-long F]
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ CANDIDATES = (
     BASE + (512, 8192), BASE + (1024, 8192), BASE + (2048, 8192),
     BASE + (1024, 4096), BASE + (1024, 16384),
 )
+# A wider set for the suite's long_attention part: the inner block, pipeline depth and warps
+# beside growing splits, and the 128-key split (faster at 512 keys) grown to 1024 past 8192
+WIDE = (
+    BASE, BASE + (1024, 8192),
+    (256, 64, 64, 3, 4), (256, 64, 64, 2, 4), (256, 32, 64, 4, 4), (256, 32, 64, 3, 8), (256, 64, 64, 3, 8),
+    (256, 64, 64, 3, 4, 1024, 8192), (256, 32, 64, 4, 4, 1024, 8192), (256, 32, 64, 3, 8, 1024, 8192),
+    (512, 64, 64, 3, 4), (512, 64, 64, 3, 8),
+    (128, 32, 64, 3, 4, 1024, 8192), (128, 64, 64, 2, 4, 1024, 8192), (128, 32, 64, 3, 4, 1024, 4096),
+)
 
 
 def main() -> None:
@@ -48,12 +58,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, default=Path(os.environ.get("OUT", ".")) / "h200-long-attention.json")
     p.add_argument("--candidates", default="",
-                   help="tiles to time instead of the built-in list: 'S,BN,BM,ST,W[,LONG_SPLIT,LONG_FROM];...'")
+                   help="tiles to time instead of the built-in list: 'S,BN,BM,ST,W[,LONG_SPLIT,LONG_FROM];...', "
+                        "or 'wide' (WIDE: inner blocks, stages and warps beside growing splits)")
     p.add_argument("--pick", type=Path, default=None,
                    help="also write the candidate of least 16-row time at 512 + 4096 keys whose 16-row time at "
                         "32768 is within 10 us a layer of the first candidate's, as --attn-tile text, here")
+    p.add_argument("--pick-long", type=Path, default=None,
+                   help="also write the candidate of least 16-row time at 32768 keys whose 16-row times at 512 "
+                        "and 4096 keys are within 3%% (or 0.5 us) of the first candidate's, as --attn-tile text, here")
     a = p.parse_args()
-    candidates = [tuple(int(v) for v in c.split(",")) for c in a.candidates.split(";") if c] or CANDIDATES
+    candidates = WIDE if a.candidates == "wide" else \
+        [tuple(int(v) for v in c.split(",")) for c in a.candidates.split(";") if c] or CANDIDATES
     t0 = time.time()
     bw = eager_copy_gbps(reps=30)
     out: dict = {"device": torch.cuda.get_device_name(), "command": "python -m benchmarks.gpu.long_attention",
@@ -112,9 +127,17 @@ def main() -> None:
         best = min(scored, key=lambda r: r["long_score"])
         out["best"], out["best_score"] = best["tile"], best["long_score"]
         print("best", best["tile"], round(best["long_score"], 1))
+    ok = [r for r in rows if all(isinstance(r.get(f"ctx{c}_rows16"), float) for c in (512, 4096, 32768))
+          and all(r.get(f"ctx{c}_invariant", True) for c in CONTEXTS)]
+    if a.pick_long and ok and ok[0] is rows[0]:
+        def as_short(r, c):  # no slower than the first candidate where decoding mostly happens
+            base = rows[0][f"ctx{c}_rows16"]
+            return r[f"ctx{c}_rows16"] <= max(1.03 * base, base + 0.5)
+        pick = min((r for r in ok if as_short(r, 512) and as_short(r, 4096)), key=lambda r: r["ctx32768_rows16"])
+        out["pick_long"] = pick["tile"]
+        a.pick_long.write_text(",".join(str(v) for v in pick["tile"]))
+        print("pick_long", pick["tile"], flush=True)
     if a.pick:
-        ok = [r for r in rows if all(isinstance(r.get(f"ctx{c}_rows16"), float) for c in (512, 4096, 32768))
-              and all(r.get(f"ctx{c}_invariant", True) for c in CONTEXTS)]
         if ok and ok[0] is rows[0]:
             limit = rows[0]["ctx32768_rows16"] + 10.0
             pick = min((r for r in ok if r["ctx32768_rows16"] <= limit),

@@ -98,13 +98,27 @@ def _llama_step(out: Path, tiny: bool):
         return None  # an 8B-shape step is a GPU measurement only
     return [_py("-m", "benchmarks.gpu.target_step", "--family", "llama", "--contexts", "512,32768",
                 "--sweep-lengths", "512", "--sweep-prompts", "3", "--prefill-length", "0",
-                "--variants", "torch,triton,triton-tile", "--attn-tile", LONG_SPLIT_TILE,  # growing splits' A/B
+                "--variants", "torch,triton,triton-tile", "--attn-tile", _long_tile(out),  # the attention's A/B
                 *_dense_tuned(out), "--json", str(out / "llama_step.json"))]
 
 
 # The head_dim-128 tile with growing splits (1024 keys from 8192): the attention's A/B at 32k keys,
 # where its 256-key splits' float32 partials are a quarter of the K/V (docs/tuning.md#attention-tiles)
 LONG_SPLIT_TILE = "256,32,64,3,4,1024,8192"
+LONG_PICK = "attn_long_pick.txt"  # the long_attention part's pick
+
+
+def _long_tile(out: Path) -> str:
+    """The long_attention part's pick when it ran earlier in this run, else LONG_SPLIT_TILE."""
+    pick = out / LONG_PICK
+    return pick.read_text().strip() if pick.exists() else LONG_SPLIT_TILE
+
+
+def _long_attention(out: Path, tiny: bool):
+    if tiny:
+        return None
+    return [_py("-m", "benchmarks.gpu.long_attention", "--candidates", "wide", "--pick-long", str(out / LONG_PICK),
+                "--json", str(out / "long_attention.json"))]
 
 
 def _gemma4_step(out: Path, tiny: bool):
@@ -210,7 +224,10 @@ PARTS = {p.name: p for p in (
          "rollback, rounds, ms", 180, _hybrid_step),
     Part("dense_sweep", "the dense kernel's tiles against cuBLAS at the LLaMA-8B and Qwen3-30B-A3B weight shapes "
          "the 8B table lacks, µs; writes the whole table the later parts of the run load", 200, _dense_sweep),
-    Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor (the shipped attention tile and growing splits; with "
+    Part("long_attention", "the head_dim-128 attention alone at the 8B shape, 512 to 32768 keys, 1 and 16 rows, over "
+         "inner blocks, stages, warps and growing splits, µs a layer; picks the fastest at 32768 keys that is no "
+         "slower at 512 and 4096, which a later llama_step times in the whole step", 120, _long_attention),
+    Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor (the shipped attention tile and long_attention's pick, or growing splits; with "
          "dense_sweep's table when that part ran first), ms", 150, _llama_step),
     Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, Triton and torch step ops, ms", 300, _gemma4_step),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows on the MoE kernels, and the MoE op (the twin's, the "
