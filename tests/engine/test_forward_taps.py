@@ -1,6 +1,6 @@
-"""Training's taps of a batch (`forward_taps`): the dense-layer families (Qwen3, LLaMA, Qwen3-MoE)
-run the batch's rows through each layer together; every family gives what `forward` gives one
-sequence at a time, padding zeroed."""
+"""Training's taps of a batch (`forward_taps`): Qwen3, LLaMA, Qwen3-MoE and the Qwen3.5 hybrids
+(dense and MoE) run the batch's rows through each layer's matmuls together; every family gives
+what `forward` gives one sequence at a time, padding zeroed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from memra_cli.engine.models.gemma4 import Gemma4Target
 from memra_cli.engine.models.llama import LlamaTarget
 from memra_cli.engine.models.qwen3 import Qwen3Target
 from memra_cli.engine.models.qwen3_5 import Qwen35Target
+from memra_cli.engine.models.qwen3_5_moe import Qwen35MoeTarget
 from memra_cli.engine.models.qwen3_moe import Qwen3MoeTarget
+from memra_cli.tiny.__main__ import TINY_MOE
 from memra_cli.tiny.gemma4 import make_tiny_gemma4
 from memra_cli.tiny.qwen3_5 import make_tiny_qwen35
 from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
@@ -23,10 +25,11 @@ BATCHED = {
     "qwen3": (make_tiny_qwen3, Qwen3Target),
     "llama": (make_tiny_llama, LlamaTarget),
     "qwen3_moe": (make_tiny_qwen3_moe, Qwen3MoeTarget),
+    "qwen3_5": (make_tiny_qwen35, Qwen35Target),
+    "qwen3_5_moe": (lambda d: make_tiny_qwen35(d, moe=TINY_MOE), Qwen35MoeTarget),
 }
 ONE_AT_A_TIME = {
     "gemma4": (make_tiny_gemma4, Gemma4Target),
-    "qwen3_5": (make_tiny_qwen35, Qwen35Target),
 }
 
 
@@ -83,3 +86,20 @@ def test_a_tap_past_the_depth_is_refused_before_any_layer_runs(tmp_path):
     target = Qwen3Target.from_dir(make_tiny_qwen3(tmp_path / "q"), torch.float32, "cpu")
     with pytest.raises(ConfigError, match="tap layer id 4"):
         target.forward_taps(torch.zeros(2, 8, dtype=torch.long), (0, 4))
+
+
+@pytest.mark.parametrize("rollback_rows", [16, 64])
+def test_the_hybrids_batch_takes_forwards_recurrence_form(tmp_path, monkeypatch, rollback_rows):
+    """A Qwen3.5 batch of 40-token rows runs the chunked DeltaNet form past `rollback_rows` (16)
+    and the sequential one within it (64), as `forward` does for a prompt from position 0."""
+    from memra_cli.engine.models import qwen3_5
+
+    target = Qwen35Target.from_dir(make_tiny_qwen35(tmp_path / "h"), torch.float32, "cpu")
+    target.set_rollback(target.rollback_mode, rollback_rows)
+    ids, lengths = _batch(target.vocab_size, seed=2)
+    calls = []
+    chunked = qwen3_5.gated_delta_rule_chunked
+    monkeypatch.setattr(qwen3_5, "gated_delta_rule_chunked", lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    got = target.forward_taps(ids, (-1, 1, 3), lengths)
+    assert bool(calls) == (rollback_rows == 16)
+    torch.testing.assert_close(got, _one_at_a_time(target, ids, (-1, 1, 3), lengths), rtol=1e-5, atol=1e-5)

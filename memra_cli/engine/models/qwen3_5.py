@@ -839,6 +839,52 @@ class Qwen35Target(TargetBase):
         state._ran_eager(start, t)
         return hidden, tapped
 
+    batched_taps = True
+
+    @torch.no_grad()
+    def forward_taps(self, ids: torch.Tensor, taps: Sequence[int],
+                     lengths: Sequence[int] | None = None) -> torch.Tensor:
+        """`TargetBase.forward_taps` with the batch's `B*L` rows in every matmul but the mixers':
+        the embedding, norms, feed-forward (a MoE hybrid's experts read once for the batch) at
+        once; each sequence's mixer (gated attention, or the DeltaNet conv and recurrence, with
+        their projections) on a fresh state of its own, as `forward` runs it from position 0
+        (the chunked recurrence past `rollback_rows`); stops after the deepest tap. Padding rows
+        past a sequence's length run too and are zeroed after: both mixers are causal. The rows
+        agree with `forward`'s to rounding."""
+        self.check_taps(taps)
+        B, L = ids.shape
+        self.ensure_positions(L)
+        ops, eps = self.step_ops, self.cfg.rms_norm_eps
+        states = [self.new_state(L) for _ in range(B)]
+        positions = torch.arange(L, device=self.device)
+        chunked = L > self.rollback_rows and self.chunked_prefill  # forward's choice for a prompt from 0
+        mask = self._mask(0, L)
+
+        def attend(q, kv, qgkv):
+            return ops.output_gate(self._attend(q, kv[0, :, :L], kv[1, :, :L], mask), qgkv, self.n_heads)
+
+        h, x = ops.embed_rms_norm_1p(ids.reshape(-1).to(self.device), self.embed_weight, self.layers[0].attn_norm, eps)
+        wanted = set(taps)
+        tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
+        for li in range(max(taps) + 1):
+            w = self.layers[li]
+            rows = [h[b * L:(b + 1) * L] for b in range(B)]
+            if w.attn is not None:
+                parts = [self._attention(r, w.attn, positions, attend, st.kv[self._full_slot[li]])
+                         for r, st in zip(rows, states)]
+            else:
+                parts = [self._gdn(r, w.gdn, st, self._lin_slot[li], None, chunked, True) for r, st in zip(rows, states)]
+            h, x = ops.add_rms_norm_1p(torch.cat(parts), x, w.mlp_norm, eps)
+            next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
+            h, x = self._ffn_add_norm(h, x, w, next_norm)
+            if li in wanted:
+                tapped[li] = x
+        out = torch.cat([tapped[i] for i in taps], dim=-1).view(B, L, -1).to(ids.device)
+        if lengths is not None:
+            for b, n in enumerate(lengths):
+                out[b, int(n):] = 0
+        return out
+
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen35State,
                     taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The fixed-width step (as Qwen3Target's), capturable: `ids [W]` at device `positions
