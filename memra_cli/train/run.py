@@ -134,10 +134,10 @@ def plan_training(req: TrainRequest) -> Plan:
     geo = _block_embedding(req, engine, geo, notes)
     notes.append(f"target on {engine.device} in {str(engine.dtype).removeprefix('torch.')}: {engine.steps} "
                  "(--device, --dtype)")
-    family = engine.target.cfg.model_type
-    notes.append(f"taps: each batch's sequences through the target's layers together ({family})"
-                 if engine.target.batched_taps else
-                 f"taps: one sequence at a time (the {family} family's layers take one sequence)")
+    target, family = engine.target, engine.target.cfg.model_type
+    limit = f"; {target.batched_taps_limit}" if target.batched_taps_limit else ""
+    notes.append(f"taps: each batch's sequences through the target's layers together ({family}{limit})"
+                 if target.batched_taps else f"taps: one sequence at a time (the {family} family's forward)")
     return Plan(req, engine, geo, prompts, train_rows, held, notes)
 
 

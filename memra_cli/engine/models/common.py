@@ -31,6 +31,7 @@ class TargetBase:
     # whether `forward_taps` runs a batch's sequences through each layer together (a family whose
     # layers take rows of several sequences at once overrides it); else one sequence at a time
     batched_taps = False
+    batched_taps_limit: str | None = None  # where a batched family still runs one sequence at a time
 
     @property
     def n_layers(self) -> int:

@@ -306,6 +306,48 @@ class Gemma4Target(TargetBase):
             return parts[0]
         return torch.cat([h for h, _ in parts]), (torch.cat([tp for _, tp in parts]) if taps else None)
 
+    batched_taps = True
+    batched_taps_limit = f"a batch longer than the sliding window + {RING_SPAN} tokens runs one sequence at a time"
+
+    @torch.no_grad()
+    def forward_taps(self, ids: torch.Tensor, taps: Sequence[int],
+                     lengths: Sequence[int] | None = None) -> torch.Tensor:
+        """`TargetBase.forward_taps` with the batch's `B*L` rows in every matmul but the
+        attention's: the embedding, per-layer inputs, o projections, norms and feed-forward (the
+        MoE block's experts read once for the batch) at once; each sequence's q/k/v, K/V write
+        and attention (`_mix`) on a fresh storage of its own, as `forward` runs it from position
+        0; stops after the deepest tap. A batch long enough for sliding-layer rings runs
+        `forward` per sequence instead (its chunked writes). Padding rows past a sequence's
+        length run too and are zeroed after: the attention is causal."""
+        self.check_taps(taps)
+        B, L = ids.shape
+        states = [self.new_state(L) for _ in range(B)]
+        if self._has_ring(states[0]):
+            return super().forward_taps(ids, taps, lengths)
+        self.ensure_positions(L)
+        flat = ids.reshape(-1).to(self.device)
+        positions = torch.arange(L, device=self.device)
+        x = self.embed(flat) * self._scale_t
+        ple = self._per_layer_inputs(flat, x)
+        masks = {kind: self._mask(positions, L, kind) for kind in self.cfg.rope}
+        wanted = set(taps)
+        tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
+        h = gemma_rms_norm(x, self.layers[0].norms[0], self.cfg.rms_norm_eps)
+        for li in range(max(taps) + 1):
+            w, kind = self.layers[li], self.cfg.layer_types[li]
+            w_next = self.layers[li + 1].norms[0] if li + 1 < len(self.layers) else self.norm
+            core = torch.cat([self._mix(li, h[b * L:(b + 1) * L], w, st, positions, L, self._tables[kind], masks[kind])
+                              for b, st in enumerate(states)])
+            x, h = self._layer_end(li, x, core, w, w_next, None if ple is None else ple[:, li], gemma_add_norm_ref,
+                                   False)
+            if li in wanted:
+                tapped[li] = x
+        out = torch.cat([tapped[i] for i in taps], dim=-1).view(B, L, -1).to(ids.device)
+        if lengths is not None:
+            for b, n in enumerate(lengths):
+                out[b, int(n):] = 0
+        return out
+
     @staticmethod
     def _has_ring(cache: LayerKVCache) -> bool:
         """Whether a layer of `cache` stores fewer rows than positions (a sliding layer's ring)."""
@@ -373,21 +415,35 @@ class Gemma4Target(TargetBase):
         next layer's input norm or the final norm). `tables`: the layer type's cos/sin
         `[S_tab, hd]`; `mask` `[t, n_keys]` for the forward, None in the step (whose attention
         masks by position and window itself); `add_norm`: `gemma_add_norm`, the seam's or its body."""
-        eps, ops = self.cfg.rms_norm_eps, self.step_ops
-        _, n_post_attn, n_pre_ff, n_post_ff = w.norms
+        core = self._mix(li, h, w, cache, positions, n_keys, tables, mask)
+        return self._layer_end(li, x, core, w, w_next, ple, add_norm, mask is None)
+
+    def _mix(self, li: int, h: torch.Tensor, w: LayerWeights, cache: LayerKVCache, positions: torch.Tensor,
+             n_keys: int, tables: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None) -> torch.Tensor:
+        """A layer's attention over its input-normed `h [t, hidden]`: q/k/v (K/V written at
+        `positions`) and the attention over the first `n_keys` positions -> `[t, nh*hd]`, before
+        the o projection (`_layer`'s arguments)."""
+        ops = self.step_ops
         q = self._qkv_write(li, h, w, cache, positions, tables, step=mask is None)
         kv = cache.kv[self.kv_source[li]]
         window = self.cfg.sliding_window if self.cfg.layer_types[li] == SLIDING else 0
         ring = kv.shape[2] < cache.max_len  # a sliding layer's ring: position j at row j % rows
         if mask is None:
-            core = ops.attention(q, kv[0], kv[1], positions, 1.0, window, span=cache.max_len if ring else None)
-        elif ring and n_keys > kv.shape[2]:
-            core = self._attend(q, ring_view(kv[0], n_keys, window), ring_view(kv[1], n_keys, window), mask)
-        else:
-            core = self._attend(q, kv[0, :, :n_keys], kv[1, :, :n_keys], mask)
+            return ops.attention(q, kv[0], kv[1], positions, 1.0, window, span=cache.max_len if ring else None)
+        if ring and n_keys > kv.shape[2]:
+            return self._attend(q, ring_view(kv[0], n_keys, window), ring_view(kv[1], n_keys, window), mask)
+        return self._attend(q, kv[0, :, :n_keys], kv[1, :, :n_keys], mask)
+
+    def _layer_end(self, li: int, x: torch.Tensor, core: torch.Tensor, w: LayerWeights, w_next: torch.Tensor,
+                   ple: torch.Tensor | None, add_norm, step: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of a layer after `_mix`, row by row: the o projection of `core [t, nh*hd]`,
+        the sandwich norms, residual adds, feed-forward, per-layer input and layer scalar ->
+        (the layer's output, its norm by `w_next`)."""
+        eps, ops = self.cfg.rms_norm_eps, self.step_ops
+        _, n_post_attn, n_pre_ff, n_post_ff = w.norms
         if ple is None:
-            x, *h = self._attention_add_norm(x, ops.linear(core, w.wo), w, add_norm, mask is None)
-            return self._ffn_add_norm(x, h, w, w_next, add_norm, mask is None)
+            x, *h = self._attention_add_norm(x, ops.linear(core, w.wo), w, add_norm, step)
+            return self._ffn_add_norm(x, h, w, w_next, add_norm, step)
         x, h = add_norm(x, ops.linear(core, w.wo), n_post_attn, n_pre_ff, eps)
         ff = self._feed_forward(x, h, w)
         x = x + gemma_rms_norm(ff, n_post_ff, eps)
