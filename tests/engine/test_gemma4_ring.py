@@ -127,6 +127,38 @@ def test_fixed_steps_over_a_ring_are_the_plain_storages(dirs, monkeypatch, dtype
     assert torch.equal(ring[0][12:], ring[1][12:]) and torch.equal(ring[3], ring[0][100:])
 
 
+def test_a_graphed_prefills_padding_stays_within_the_rings_span(dirs, monkeypatch):
+    """A graphed prefill pads the prompt up to its bucket (64 rows) and replays `forward` over
+    them, padding included. Over a ring, padding more than RING_SPAN rows past the prompt
+    overwrites keys the next step reads (shown eagerly here: a replay runs the same forward), so
+    the runner prefills such a prompt eagerly (`padding_rows_limit`) and pads one within it."""
+    target = Gemma4Target.from_dir(dirs["base"])
+    runner, stepper = StepRunner(target, WIDTH), StepRunner(target, WIDTH)
+    runner.cuda_graphs = True  # prefill_rows' rule alone: the CPU captures no graph
+    ids = prompt(80, 5)
+
+    def next_logits(span: int, t: int, padded: bool) -> torch.Tensor:
+        _span(monkeypatch, span)
+        state = target.new_state(160)
+        rows = ids[:t] + [ids[t - 1]] * (64 - t) if padded else ids[:t]  # PrefillGraph.run's padding
+        target.forward(torch.tensor(rows), 0, state)
+        state.length = t
+        return stepper.step(torch.tensor([ids[t]]), t, state)[0]
+
+    _span(monkeypatch, SPAN)
+    ring = target.new_state(160)
+    assert target.padding_rows_limit(ring) == SPAN
+    assert runner.prefill_rows(30, ring) is None  # 34 padding rows: past the span, eager
+    assert runner.prefill_rows(50, ring) == 64  # 14: within it, graphed
+    _span(monkeypatch, NO_RING)
+    plain = target.new_state(160)
+    assert target.padding_rows_limit(plain) is None and runner.prefill_rows(30, plain) == 64
+    for t in (30, 50):
+        want = next_logits(NO_RING, t, padded=False)
+        assert torch.equal(next_logits(NO_RING, t, padded=True), want)  # a plain storage takes any padding
+        assert torch.equal(next_logits(SPAN, t, padded=True), want) is (t == 50)
+
+
 @pytest.mark.parametrize("mode", ["dflash", "dspark"])
 def test_speculative_arms_over_a_ring_equal_plain_greedy(dirs, tmp_path, monkeypatch, mode):
     """A session whose storage is a ring (prompt + 64 new tokens > 24 rows): every arm's stream is

@@ -113,6 +113,10 @@ class TargetModel(Protocol):
         sets `state.length = start + t`."""
         ...
 
+    def padding_rows_limit(self, state: TargetState) -> int | None:
+        """The most padding rows one write may add over `state` (a ring's span), or None."""
+        ...
+
     def forward_taps(self, ids: torch.Tensor, taps: Sequence[int], lengths: Sequence[int] | None = None
                      ) -> torch.Tensor:
         """Training's taps of fresh sequences: ids `[B, L]` (positions from 0) -> `[B, L,
@@ -132,7 +136,8 @@ class TargetModel(Protocol):
 # capability needs: checked once when a family is picked, never probed in the round loop.
 MODEL_MEMBERS = ("from_dir", "new_state", "ensure_positions", "check_taps", "check_span", "embed", "logits",
                  "lm_head", "forward", "static_step", "supports_cuda_graphs", "graphs_note", "state_class",
-                 "step_ops_used", "embed_scale", "moe", "forward_taps", "batched_taps")
+                 "step_ops_used", "embed_scale", "moe", "forward_taps", "batched_taps",
+                 "padding_rows_limit")
 STATE_MEMBERS = ("rollback", "reset", "commit", "nbytes", "host_bookkeeping", "round_graphs_ok",
                  "settles_on_device", "graph_variants", "graph_variant", "arranged_for_capture",
                  "restore_round", "settled_on_device", "graphed_restores", "attach_graph_cache", "set_live_rows",

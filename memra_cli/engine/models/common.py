@@ -50,6 +50,12 @@ class TargetBase:
         """`[vocab, hidden]` in the model dtype (the drafter projects its rows through it)."""
         return self._lm_head
 
+    def padding_rows_limit(self, state) -> int | None:
+        """The most padding rows (positions past the live ones, written and never read) one write
+        may add over `state` without overwriting a key a later row reads, or None: no limit (a
+        plain storage keeps every position). A graphed prefill's bucket pads past it only as far."""
+        return None
+
     @torch.no_grad()
     def forward_taps(self, ids: torch.Tensor, taps: Sequence[int],
                      lengths: Sequence[int] | None = None) -> torch.Tensor:

@@ -348,6 +348,12 @@ class Gemma4Target(TargetBase):
                 out[b, int(n):] = 0
         return out
 
+    def padding_rows_limit(self, state: LayerKVCache) -> int | None:
+        """RING_SPAN over sliding-layer rings: a padding row at position p overwrites the ring row
+        of p - (window + RING_SPAN), a key the next live row still reads once p runs more than
+        RING_SPAN past the live rows (docs/gemma4.md, "Sliding layers' storage")."""
+        return self.RING_SPAN if self._has_ring(state) else None
+
     @staticmethod
     def _has_ring(cache: LayerKVCache) -> bool:
         """Whether a layer of `cache` stores fewer rows than positions (a sliding layer's ring)."""

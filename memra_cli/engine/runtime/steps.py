@@ -172,13 +172,16 @@ class StepRunner:
 
     def prefill_rows(self, t: int, state) -> int | None:
         """The padded rows a graphed prefill of a `t`-token prompt runs over `state`, or None
-        when it runs eagerly (graphs off, more than one chunk, a recurrent state, or a bucket
-        past the storage)."""
+        when it runs eagerly (graphs off, more than one chunk, a recurrent state, a bucket past
+        the storage, or more padding than the model's `padding_rows_limit` for the state)."""
         if not self.cuda_graphs or t > self.prefill_chunk:
             return None
         if not state.host_bookkeeping:  # padding rows would enter the recurrence
             return None
         rows = -(-t // PREFILL_BUCKET) * PREFILL_BUCKET
+        limit = self.model.padding_rows_limit(state)  # a ring's span: padding past it would overwrite live keys
+        if limit is not None and rows - t > limit:
+            return None
         return rows if rows <= state.max_len else None
 
     def _prefill_graph(self, t: int, state, taps: Sequence[int] | None):
