@@ -42,9 +42,14 @@ SMALL = dict(vocab=512, hidden=128, layers=6, heads=4, kv=2, hd=32, global_kv=1,
 GEMMA4_ATTN = {"sliding": (32, 16, 256, 1024), "full": (32, 4, 512, 0)}
 # candidate tiles per head-dim class, (SPLIT, BLOCK_N, BLOCK_M, STAGES, WARPS[, LONG_SPLIT, LONG_FROM]),
 # beside the module's; untried on a GPU: a candidate that fails to launch is recorded, not fatal
+# A 16-row step is g * 16 query rows a KV head (sliding g = 2: 32; full g = 8: 128) and every
+# BLOCK_M tile of them reads all of the head's keys: wider BLOCK_M (more warps to hold the
+# 512-wide acc) reads them fewer times
 ATTN_CANDIDATES = {
-    256: [(128, 32, 16, 3, 4), (256, 64, 16, 2, 4)],
-    512: [(128, 32, 16, 1, 4), (64, 32, 16, 2, 8), (256, 32, 16, 2, 8), (128, 32, 16, 2, 8, 1024, 4096)],
+    256: [(128, 32, 16, 3, 4), (256, 64, 16, 2, 4), (128, 64, 32, 2, 4), (128, 32, 32, 2, 8)],
+    512: [(128, 32, 16, 1, 4), (64, 32, 16, 2, 8), (256, 32, 16, 2, 8), (128, 32, 16, 2, 8, 1024, 4096),
+          (128, 32, 32, 2, 8), (128, 16, 32, 2, 8), (128, 32, 64, 2, 16), (128, 16, 64, 2, 16),
+          (256, 32, 64, 2, 16), (128, 16, 128, 1, 32)],
 }
 
 

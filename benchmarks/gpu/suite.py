@@ -125,7 +125,7 @@ def _gemma4_step(out: Path, tiny: bool):
     if tiny:
         return None
     return [_py("-m", "benchmarks.gpu.target_step", "--shape", "gemma4-31b", "--contexts", "512,32768",
-                "--json", str(out / "gemma4_31b_step.json"))]
+                "--attn-sweep", "--json", str(out / "gemma4_31b_step.json"))]  # the attention's tiles beside it
 
 
 def _moe_step(out: Path, tiny: bool):
@@ -229,7 +229,8 @@ PARTS = {p.name: p for p in (
          "slower at 512 and 4096, which a later llama_step times in the whole step", 120, _long_attention),
     Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor (the shipped attention tile and long_attention's pick, or growing splits; with "
          "dense_sweep's table when that part ran first), ms", 150, _llama_step),
-    Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, Triton and torch step ops, ms", 300, _gemma4_step),
+    Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, Triton and torch step ops, ms; its attention "
+         "alone at both layer shapes over candidate tiles, µs", 300, _gemma4_step),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows on the MoE kernels, and the MoE op (the twin's, the "
          "kernels' at other tiles and grids), vs the read floor of the expert union, ms", 240, _moe_step),
     Part("moe_profile", "Qwen3-30B-A3B-shape 16-row step at 1 and 16 live rows: graphed ms vs the floor, and its "
