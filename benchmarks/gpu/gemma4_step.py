@@ -14,7 +14,8 @@ decode (1 real row of 16) and as a 16-row verify at each live context with the T
 write, the sandwich norms' add + norm, GELU-tanh · up, softcap) and with the torch step ops
 beside them (`torch_plain_ms` / `torch_verify16_ms`, and the ratios), CUDA kernels per eager step
 for each, how far one 16-row step's logits of the two are apart (`ops_agreement`), and peak GPU
-memory. `SMALL` is the CPU smoke test's shape.
+memory; then the Triton step again with each of `STEP_FULL_TILES` as the full layers' attention
+tile (`full_tile_steps`, the same process). `SMALL` is the CPU smoke test's shape.
 
 With `--attn-sweep` (target_step.py) it also times the attention alone at the 31B's two layer
 shapes for the module's tile and the candidates in `ATTN_CANDIDATES` (graphed, us per call, one
@@ -46,11 +47,15 @@ GEMMA4_ATTN = {"sliding": (32, 16, 256, 1024), "full": (32, 4, 512, 0)}
 # BLOCK_M tile of them reads all of the head's keys: wider BLOCK_M (more warps to hold the
 # 512-wide acc) reads them fewer times
 ATTN_CANDIDATES = {
-    256: [(128, 32, 16, 3, 4), (256, 64, 16, 2, 4), (128, 64, 32, 2, 4), (128, 32, 32, 2, 8)],
+    256: [(128, 32, 16, 3, 4), (256, 64, 16, 2, 4), (128, 32, 32, 2, 8)],
     512: [(128, 32, 16, 1, 4), (64, 32, 16, 2, 8), (256, 32, 16, 2, 8), (128, 32, 16, 2, 8, 1024, 4096),
           (128, 32, 32, 2, 8), (128, 16, 32, 2, 8), (128, 32, 64, 2, 16), (128, 16, 64, 2, 16),
-          (256, 32, 64, 2, 16), (128, 16, 128, 1, 32)],
+          (256, 16, 64, 2, 16)],
 }
+# Full-layer tiles the whole step also runs with (`measure`'s triton_tile rows): BLOCK_M 32 on 8
+# warps (174 registers, no spill for sm_90) and 64 on 16 (24 bytes of spill); a 128-row tile on
+# 32 warps does not compile (64 registers a thread)
+STEP_FULL_TILES = [(128, 16, 32, 2, 8), (128, 16, 64, 2, 16)]
 
 
 def gemma4_raw(s: dict) -> dict:
@@ -182,6 +187,34 @@ def attention_sweep(contexts: list[int], timer, device, dtype=torch.bfloat16, sh
     return out
 
 
+def full_tile_steps(target: Gemma4Target, contexts: list[int], helpers, width: int) -> dict:
+    """The Triton step again with each of STEP_FULL_TILES as the full layers' attention tile
+    (`TILES[512]`, restored after), beside the module tile's rows: plain and verify ms per context."""
+    from dataclasses import asdict
+
+    from memra_cli.engine.api import Engine
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
+    from memra_kernels import attention
+
+    module, rows = attention.TILES[512], {}
+    target.step_ops = TritonStepOps()
+    try:
+        for cand in STEP_FULL_TILES:
+            attention.TILES[512] = attention.Tile(*cand)
+            engine = Engine.from_model(target, step_width=width, cuda_graphs=True)
+            row = rows[",".join(map(str, cand))] = {"tile": asdict(attention.TILES[512])}
+            for c in contexts:
+                row[str(c)] = {"plain_ms": helpers.step_ms(engine, c, 1)[0], "verify16_ms": helpers.step_ms(engine, c, width)[0]}
+                print(f"full tile {cand} ctx {c}: plain {row[str(c)]['plain_ms']:.3f} ms, "
+                      f"verify16 {row[str(c)]['verify16_ms']:.3f} ms", flush=True)
+            del engine
+            gc.collect()
+            torch.cuda.empty_cache()
+    finally:
+        attention.TILES[512] = module
+    return rows
+
+
 def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False) -> dict:
     """The CUDA run (`helpers`: target_step's graph_ms / replay_ms / copy_gbps / step_ms /
     kernels_per_step)."""
@@ -225,6 +258,7 @@ def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False) ->
             torch.cuda.empty_cache()
         out["triton_over_torch"] = {f: {c: out[f][c] / out["torch_" + f][c] for c in out[f]}
                                     for f in ("plain_ms", "verify16_ms")}
+        out["full_tile_steps"] = full_tile_steps(target, contexts, helpers, W)
         if attn_sweep:
             out["attention_sweep"] = attention_sweep(contexts, helpers.graph_ms, torch.device("cuda"))
             print(json.dumps(out["attention_sweep"], indent=1))

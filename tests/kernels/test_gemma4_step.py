@@ -147,7 +147,7 @@ def test_the_benchmarks_attention_sweep_runs():
     spec = importlib.util.spec_from_file_location("gemma4_step_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert all(Tile(*c) for tiles in mod.ATTN_CANDIDATES.values() for c in tiles)
+    assert all(Tile(*c) for tiles in [*mod.ATTN_CANDIDATES.values(), mod.STEP_FULL_TILES] for c in tiles)
     out = mod.attention_sweep([40], lambda fn: (fn(), 0.25)[1], torch.device(DEVICE), torch.float32,
                               shapes={"sliding": (4, 2, 64, 8)}, candidates={128: [(32, 16, 16, 1, 4)]})
     rows = out["sliding"]
