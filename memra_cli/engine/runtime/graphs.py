@@ -12,10 +12,13 @@ storage and taps tuple, kept on the storage (`state.graphs`). With graphs on, st
 the runtime's pool, so the next session reuses the storage and its graphs rather than capturing
 again; a storage the pool evicts takes its graphs with it.
 
-The warm-up and the capture write K/V at the storage's last `W` positions. That slack is never
-real context: the runner adds `W` rows beyond what a session may fill. A replay runs the same
-kernels on the same shapes as an eager `static_step`, so its logits are bit-identical to the
-eager step's (a `gpu`-marked test checks it).
+The warm-up and the capture write K/V at the positions of the step about to run (`start`, at or
+past the committed length): rows no real context holds yet, which that step's replay then
+rewrites, all W of them. The storage's last W positions (the slack the runner adds for padding)
+would do for a storage that keeps every position, but not for a sliding layer's ring, where
+every position's row is some live position's too (docs/gemma4.md, "Sliding layers' storage").
+A replay runs the same kernels on the same shapes as an eager `static_step`, so its logits are
+bit-identical to the eager step's (a `gpu`-marked test checks it).
 """
 
 from __future__ import annotations
@@ -37,14 +40,14 @@ class StepGraph:
     capture per arrangement, made under `cache.arranged_for_capture(v)`, sharing one memory pool
     and the input buffers; `run` replays the one `cache.graph_variant` names."""
 
-    def __init__(self, model, width: int, cache, taps: Sequence[int]):
+    def __init__(self, model, width: int, cache, taps: Sequence[int], start: int):
         self.width = width
         self.cache = cache
         dev = model.device
         self._arange = torch.arange(width, device=dev)
         self.ids = torch.zeros(width, dtype=torch.long, device=dev)
-        # capture at the slack rows: nothing real lives there (see the module docstring)
-        self.positions = self._arange + (cache.max_len - width)
+        # capture at the step about to run (`start`): rows its replay rewrites (module docstring)
+        self.positions = self._arange + start
         taps = tuple(taps) or None
         n = cache.graph_variants
         pool = torch.cuda.graph_pool_handle() if n > 1 and dev.type == "cuda" else None

@@ -32,8 +32,8 @@ class RoundGraph:
 
     def __init__(self, body: Callable[[torch.Tensor], torch.Tensor], capture_inputs: Sequence[int],
                  device: torch.device, keep: Sequence[object] = (), inputs: torch.Tensor | None = None):
-        """`capture_inputs`: the values the warm-up and capture run with (positions in the
-        storages' slack, where nothing real lives). `keep`: objects the graph writes into that
+        """`capture_inputs`: the values the warm-up and capture run with (positions where
+        nothing real lives: the first round's rows, or a storage's slack). `keep`: objects the graph writes into that
         must live as long as it does (another storage). `inputs`: a long vector to read the
         inputs from instead of the graph's own (graphs that share them: `RoundChain`). Each warm-up
         run of the capture starts from `capture_inputs`."""
@@ -52,7 +52,7 @@ class RoundGraph:
         def run():
             # A chained body writes its inputs (the next round's): each warm-up run of the
             # capture starts again from the capture values, or the second would run at the
-            # positions the first wrote (past the slack). Not recorded in the graph (a capture
+            # positions the first wrote (past the capture's). Not recorded in the graph (a capture
             # executes nothing), and not done by the replays of the tests' eager stand-in.
             if capturing[0] and not _stream_capturing():
                 self.inputs.copy_(values)

@@ -253,7 +253,7 @@ class StepRunner:
             key = ("step", tuple(taps or ()))
             graph = state.graphs.get(key)
             if graph is None:
-                graph = state.graphs[key] = StepGraph(self.model, width, state, key[1])
+                graph = state.graphs[key] = StepGraph(self.model, width, state, key[1], start)
             return graph.run(ids, start)
         positions = torch.arange(start, start + width, device=self.model.device)
         if not hasattr(state, "live_keys"):  # a state whose model reads its whole storage

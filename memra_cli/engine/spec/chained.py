@@ -72,13 +72,15 @@ class ChainedRounds:
             chain = cache.graphs[key] = RoundChain(model.device, 2)
         chain.drain()  # a session that ended with a round queued over this storage
         n = cache.graph_variants
-        slack = cache.max_len - width  # the storage's padding slack: the capture writes only there
+        # the capture writes the rows of the first round's step, which that round rewrites
+        # (runtime/graphs.py: a ring storage has no slack that no live position shares)
+        at = cache.length
         cache.set_live_rows(1)  # a plain round's one real row: the rest of its step is padding
         for variant in range(n):
             if variant not in chain.graphs:
                 with cache.arranged_for_capture(variant) if n > 1 else nullcontext():
                     chain.graphs[variant] = RoundGraph(round_bodies.plain_step_chained(model, cache, width),
-                                                       (slack, 0), model.device, inputs=chain.inputs)
+                                                       (at, 0), model.device, inputs=chain.inputs)
         return chain
 
     def _launch_plain(self, anchor: int | None) -> None:
@@ -141,14 +143,16 @@ class ChainedRounds:
                                 if p.window.kind == "priced" else None)
         chain.drain()
         n = cache.graph_variants
-        slack, d_slack = cache.max_len - width, kv.rows - max(width, p.block_size)
+        # the target's rows at the first round's step (rewritten by it: runtime/graphs.py), the
+        # draft cache's in its block slack
+        at, d_slack = cache.length, kv.rows - max(width, p.block_size)
         cache.set_live_rows(None)  # a verify's rows are all candidates
         for variant in range(n):
             if variant not in chain.graphs:
                 with cache.arranged_for_capture(variant) if n > 1 else nullcontext():
                     body = round_bodies.speculative_round_chained(s.proposer.drafter, model, p, kv, cache,
                                                                   s.taps, width, raws, chain.cost_table)
-                    chain.graphs[variant] = RoundGraph(body, (slack, d_slack, 0, p.verify_cap, width) + (0, 0) * runs,
+                    chain.graphs[variant] = RoundGraph(body, (at, d_slack, 0, p.verify_cap, width) + (0, 0) * runs,
                                                        model.device, keep=(kv,), inputs=chain.inputs)
         return chain
 
