@@ -189,6 +189,32 @@ def test_a_step_wider_than_the_rings_span_is_refused(dirs, monkeypatch):
         target.static_step(torch.zeros(32, dtype=torch.long), torch.arange(32), state)
 
 
+@pytest.mark.parametrize("round_graphs", [False, True])
+def test_graphed_sessions_over_a_ring_on_the_capture_stand_in(dirs, tmp_path, monkeypatch, round_graphs):
+    """Graphed steps (or whole rounds) and drafter graphs over a ring, on the CPU stand-in of a
+    capture, whose capture run writes what a warm-up writes: plain greedy over the plain
+    storage. A capture at the storage's slack positions overwrote ring rows of live keys (every
+    position's row is some live position's in a ring); it writes the step's own rows now."""
+    from spec_arms import eager_capture, graphed_on_cpu
+
+    captures = eager_capture(monkeypatch)
+    target = Gemma4Target.from_dir(dirs["base"])
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=8, target_layer_ids=(-1, 1, 4), num_target_layers=5,
+                            seed=3)
+    ids = prompt(30, 41)
+    _span(monkeypatch, NO_RING)
+    plain = greedy_reference(StepRunner(target, WIDTH), ids, 64)
+    _span(monkeypatch, SPAN)
+    seen = _rows_seen(monkeypatch)
+    engine = graphed_on_cpu(target, WIDTH, round_graphs)
+    assert greedy_reference(engine.runner, ids, 64) == plain
+    with engine.session(ids, 64, engine.arm(ArmConfig(draft=draft, mode="dflash")), eos_ids=()) as session:
+        assert session.run() == plain
+        keys = {k[0] for k in session.cache.graphs}
+    assert ("spec-chain" if round_graphs else "step") in keys and captures
+    assert seen and set(seen) == {RING}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_graphed_sessions_over_a_ring_equal_the_plain_storages(dirs, tmp_path, monkeypatch):
