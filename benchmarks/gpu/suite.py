@@ -102,14 +102,14 @@ def _llama_step(out: Path, tiny: bool):
                 *_dense_tuned(out), "--json", str(out / "llama_step.json"))]
 
 
-# The head_dim-128 tile with growing splits (1024 keys from 8192): the attention's A/B at 32k keys,
-# where its 256-key splits' float32 partials are a quarter of the K/V (docs/tuning.md#attention-tiles)
-LONG_SPLIT_TILE = "256,32,64,3,4,1024,8192"
+# The head_dim-128 tile before the long_attention part's pick became the module's (32-key blocks,
+# no growing splits): the whole step's A/B of that change (docs/tuning.md#attention-tiles)
+LONG_SPLIT_TILE = "256,32,64,3,4"
 LONG_PICK = "attn_long_pick.txt"  # the long_attention part's pick
 
 
 def _long_tile(out: Path) -> str:
-    """The long_attention part's pick when it ran earlier in this run, else LONG_SPLIT_TILE."""
+    """The long_attention part's pick when it ran earlier in this run, else the tile before it (LONG_SPLIT_TILE)."""
     pick = out / LONG_PICK
     return pick.read_text().strip() if pick.exists() else LONG_SPLIT_TILE
 
