@@ -10,6 +10,16 @@ import torch
 from memra_cli.engine.errors import ConfigError, PromptError
 
 
+def batch_taps(tapped: dict[int, torch.Tensor], taps: Sequence[int], B: int, L: int, device: torch.device,
+               lengths: Sequence[int] | None) -> torch.Tensor:
+    """A batched pass's taps: `tapped[i]` `[B*L, hidden]` per tap id -> `[B, L, len(taps)*hidden]`
+    on `device`, in `taps` order, rows past `lengths[b]` (padding) zeroed."""
+    out = torch.cat([tapped[i] for i in taps], dim=-1).view(B, L, -1).to(device)
+    for b, n in enumerate(lengths or ()):
+        out[b, int(n):] = 0
+    return out
+
+
 class TargetBase:
     """What every target family shares: its shape facts from `cfg` and the checks of taps and
     step spans. A family sets `cfg` and `_lm_head` (`[vocab, hidden]`, the embedding when tied)."""

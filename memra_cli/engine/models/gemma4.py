@@ -47,7 +47,7 @@ from memra_cli.engine.formats.gemma4_config import FULL, SLIDING, Gemma4Config, 
 from memra_cli.engine.layers.ops import sdpa
 from memra_cli.engine.layers.rope import RopeTables, cos_sin
 from memra_cli.engine.layers.torch_step_ops import TorchStepOps, ring_view
-from memra_cli.engine.models.common import TargetBase
+from memra_cli.engine.models.common import TargetBase, batch_taps
 from memra_cli.engine.models.kv_cache import LayerKVCache, ring_rows
 from memra_cli.engine.models.loading import WeightLoader
 from memra_kernels.gemma4_ref import gemma_add_norm_ref, gemma_qk_norm_rope_kv_write_ref, gemma_rms_norm_ref
@@ -342,11 +342,7 @@ class Gemma4Target(TargetBase):
                                    False)
             if li in wanted:
                 tapped[li] = x
-        out = torch.cat([tapped[i] for i in taps], dim=-1).view(B, L, -1).to(ids.device)
-        if lengths is not None:
-            for b, n in enumerate(lengths):
-                out[b, int(n):] = 0
-        return out
+        return batch_taps(tapped, taps, B, L, ids.device, lengths)
 
     def padding_rows_limit(self, state: LayerKVCache) -> int | None:
         """RING_SPAN over sliding-layer rings: a padding row at position p overwrites the ring row

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import TargetConfig, load_target_config
 from memra_cli.engine.errors import ConfigError
-from memra_cli.engine.models.common import TargetBase
+from memra_cli.engine.models.common import TargetBase, batch_taps
 from memra_cli.engine.models.loading import WeightLoader
 from memra_cli.engine.models.kv_cache import KVCache
 from memra_cli.engine.layers.ops import rms_norm
@@ -259,11 +259,7 @@ class Qwen3Target(TargetBase):
             x = self._batch_layer(x, self.layers[li], B, L, cos, sin, mask)
             if li in wanted:
                 tapped[li] = x
-        out = torch.cat([tapped[i] for i in taps], dim=-1).view(B, L, -1).to(ids.device)
-        if lengths is not None:
-            for b, n in enumerate(lengths):
-                out[b, int(n):] = 0
-        return out
+        return batch_taps(tapped, taps, B, L, ids.device, lengths)
 
     def _batch_layer(self, x: torch.Tensor, w: LayerWeights, B: int, L: int, cos: torch.Tensor,
                      sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 
 from memra_cli.engine.models.state import LiveRows, StateBase
-from memra_cli.engine.models.common import TargetBase
+from memra_cli.engine.models.common import TargetBase, batch_taps
 from memra_cli.engine.models.loading import WeightLoader
 from memra_cli.engine.errors import ConfigError, UnsupportedError
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
@@ -879,11 +879,7 @@ class Qwen35Target(TargetBase):
             h, x = self._ffn_add_norm(h, x, w, next_norm)
             if li in wanted:
                 tapped[li] = x
-        out = torch.cat([tapped[i] for i in taps], dim=-1).view(B, L, -1).to(ids.device)
-        if lengths is not None:
-            for b, n in enumerate(lengths):
-                out[b, int(n):] = 0
-        return out
+        return batch_taps(tapped, taps, B, L, ids.device, lengths)
 
     def static_step(self, ids: torch.Tensor, positions: torch.Tensor, state: Qwen35State,
                     taps: Sequence[int] | None = None, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
