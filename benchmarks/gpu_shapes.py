@@ -45,7 +45,8 @@ SHAPES = {
     "small": dict(vocab=512, hidden=128, layers=4, heads=4, kv=2, hd=32, ffn=256, d_layers=2, taps=(0, 2)),
     "llama-8b": dict(vocab=128256, hidden=4096, layers=32, heads=32, kv=8, hd=128, ffn=14336, d_layers=5,
                      taps=(1, 8, 15, 22, 29), family="llama", rope=LLAMA3_8B_ROPE, max_pos=131072),
-    "llama-small": dict(vocab=512, hidden=128, layers=4, heads=4, kv=2, hd=32, ffn=256, d_layers=2, taps=(0, 2),
+    # vocab 640: the lm_head's shape differs from gate/up's (512 x 128), so step_launches routes each by its own 8B role
+    "llama-small": dict(vocab=640, hidden=128, layers=4, heads=4, kv=2, hd=32, ffn=256, d_layers=2, taps=(0, 2),
                         family="llama", rope={**LLAMA3_8B_ROPE, "original_max_position_embeddings": 32}, max_pos=2048),
 }
 
