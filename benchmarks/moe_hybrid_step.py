@@ -140,7 +140,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton, "
-                    "triton-unfused (the launch fusions undone), triton-route4w (256-expert routing tiles on 4 warps) (default: torch and triton on CUDA, torch elsewhere)")
+                    "triton-unfused (the launch fusions undone), triton-route4w (256-expert routing tiles on "
+                    "4 warps) (default: torch and triton on CUDA, torch elsewhere)")
     ap.add_argument("--width", type=int, default=16, help="also time each vt below it as a step of this many "
                     "rows, vt of them live (the engine's fixed-width step); 0: only the vt-row steps")
     ap.add_argument("--context", type=int, default=512)

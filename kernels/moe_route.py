@@ -68,7 +68,9 @@ MAX_EXPERTS = 1024  # a tile holds BLOCK_T rows of every expert's logit
 ROUTER_N = 16
 ROUTER_CHUNK = 512
 ROUTER_K = 128
-TILE_PER_THREAD = 16  # a routing tile's float32 logits per thread: more spill (docs/moe.md, "Measured: the Qwen3.5-35B-A3B step")
+# A routing tile's float32 logits per thread: with more, the tile spills registers
+# (docs/moe.md, "Measured: the Qwen3.5-35B-A3B step").
+TILE_PER_THREAD = 16
 
 
 def route_warps(block_e: int) -> int:

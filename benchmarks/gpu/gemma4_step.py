@@ -42,7 +42,7 @@ SMALL = dict(vocab=512, hidden=128, layers=6, heads=4, kv=2, hd=32, global_kv=1,
 # the 31B's attention per layer type: (n_heads, n_kv, head_dim, window)
 GEMMA4_ATTN = {"sliding": (32, 16, 256, 1024), "full": (32, 4, 512, 0)}
 # candidate tiles per head-dim class, (SPLIT, BLOCK_N, BLOCK_M, STAGES, WARPS[, LONG_SPLIT, LONG_FROM]),
-# beside the module's; untried on a GPU: a candidate that fails to launch is recorded, not fatal
+# beside the module's: a candidate that fails to launch is recorded, not fatal
 # A 16-row step is g * 16 query rows a KV head (sliding g = 2: 32; full g = 8: 128) and every
 # BLOCK_M tile of them reads all of the head's keys: wider BLOCK_M (more warps to hold the
 # 512-wide acc) reads them fewer times
@@ -52,7 +52,7 @@ ATTN_CANDIDATES = {
           (128, 32, 32, 2, 8), (128, 16, 32, 2, 8), (128, 32, 64, 2, 16), (128, 16, 64, 2, 16),
           (256, 16, 64, 2, 16)],
 }
-# Full-layer tiles the whole step also runs with (`measure`'s triton_tile rows): BLOCK_M 32 on 8
+# Full-layer tiles the whole step also runs with (`full_tile_steps`): BLOCK_M 32 on 8
 # warps (174 registers, no spill for sm_90) and 64 on 16 (24 bytes of spill); a 128-row tile on
 # 32 warps does not compile (64 registers a thread)
 STEP_FULL_TILES = [(128, 16, 32, 2, 8), (128, 16, 64, 2, 16)]
@@ -204,7 +204,8 @@ def full_tile_steps(target: Gemma4Target, contexts: list[int], helpers, width: i
             engine = Engine.from_model(target, step_width=width, cuda_graphs=True)
             row = rows[",".join(map(str, cand))] = {"tile": asdict(attention.TILES[512])}
             for c in contexts:
-                row[str(c)] = {"plain_ms": helpers.step_ms(engine, c, 1)[0], "verify16_ms": helpers.step_ms(engine, c, width)[0]}
+                row[str(c)] = {"plain_ms": helpers.step_ms(engine, c, 1)[0],
+                               "verify16_ms": helpers.step_ms(engine, c, width)[0]}
                 print(f"full tile {cand} ctx {c}: plain {row[str(c)]['plain_ms']:.3f} ms, "
                       f"verify16 {row[str(c)]['verify16_ms']:.3f} ms", flush=True)
             del engine

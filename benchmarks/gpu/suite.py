@@ -104,14 +104,19 @@ def _llama_step(out: Path, tiny: bool):
 
 # The head_dim-128 tile before the long_attention part's pick became the module's (32-key blocks,
 # no growing splits): the whole step's A/B of that change (docs/tuning.md#attention-tiles)
-LONG_SPLIT_TILE = "256,32,64,3,4"
+PREVIOUS_TILE_128 = "256,32,64,3,4"
 LONG_PICK = "attn_long_pick.txt"  # the long_attention part's pick
 
 
 def _long_tile(out: Path) -> str:
-    """The long_attention part's pick when it ran earlier in this run, else the tile before it (LONG_SPLIT_TILE)."""
-    pick = out / LONG_PICK
-    return pick.read_text().strip() if pick.exists() else LONG_SPLIT_TILE
+    """The long_attention part's pick when it ran earlier in this run and is not the module's own
+    tile, else PREVIOUS_TILE_128 (an A/B of the module's tile against itself measures nothing)."""
+    from memra_kernels import attention
+
+    pick = (out / LONG_PICK).read_text().strip() if (out / LONG_PICK).exists() else ""
+    if pick and attention.Tile(*(int(v) for v in pick.split(","))) != attention.TILES[128]:
+        return pick
+    return PREVIOUS_TILE_128
 
 
 def _long_attention(out: Path, tiny: bool):
@@ -227,8 +232,8 @@ PARTS = {p.name: p for p in (
     Part("long_attention", "the head_dim-128 attention alone at the 8B shape, 512 to 32768 keys, 1 and 16 rows, over "
          "inner blocks, stages, warps and growing splits, µs a layer; picks the fastest at 32768 keys that is no "
          "slower at 512 and 4096, which a later llama_step times in the whole step", 120, _long_attention),
-    Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor (the shipped attention tile and long_attention's pick, or growing splits; with "
-         "dense_sweep's table when that part ran first), ms", 150, _llama_step),
+    Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor (the shipped attention tile beside long_attention's "
+         "pick, or the tile before it; with dense_sweep's table when that part ran first), ms", 150, _llama_step),
     Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, Triton and torch step ops, ms; its attention "
          "alone at both layer shapes over candidate tiles, µs", 300, _gemma4_step),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows on the MoE kernels, and the MoE op (the twin's, the "

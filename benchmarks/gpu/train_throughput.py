@@ -10,7 +10,8 @@ taps come from the engine's target (`EngineTaps`), as in `memra train`. Reports:
 - step_ms: one whole training step (taps + drafter forward/backward + AdamW), steady state,
 - taps_ms: the target forward that makes the taps alone, the rest being the drafter's share;
   taps_one_at_a_time_ms beside it: the same batch's taps one sequence at a time (`forward` per
-  sequence, as training ran before `forward_taps` took the batch in one pass),
+  sequence, as training ran before `forward_taps` took the batch in one pass), and the two
+  passes' largest difference relative to the taps' scale (`taps_max_rel_diff`: rounding only),
 - taps_kernels (CUDA): one taps call's kernels by name under the profiler, and their summed GPU
   time (`gpu_us`): what of taps_ms the device spends, the rest being the host's launches,
 - target tokens/s: sequence positions trained on per second,
@@ -104,6 +105,9 @@ def measure(args) -> dict:
     # the batched pass), in the same process: the batched pass's A/B
     rowwise_s = _seconds_per_call(lambda: TargetBase.forward_taps(target, ids, geo.taps, lengths.tolist()),
                                   args.steps, device)
+    batched, rowwise = (source.tap_batch(ids, geo.taps, lengths.tolist()).float(),
+                        TargetBase.forward_taps(target, ids, geo.taps, lengths.tolist()).float())
+    taps_max_rel_diff = ((batched - rowwise).abs().max() / rowwise.abs().max()).item()  # rounding only
     taps_kernels = None
     if device.type == "cuda":  # the taps' GPU time by kernel: beside taps_ms, how much of it is the host's
         from benchmarks.timing import kernel_table
@@ -119,6 +123,7 @@ def measure(args) -> dict:
         "step_ms": round(1e3 * step_s, 2), "taps_ms": round(1e3 * taps_s, 2),
         "drafter_ms": round(1e3 * (step_s - taps_s), 2),
         "taps_batched": target.batched_taps, "taps_one_at_a_time_ms": round(1e3 * rowwise_s, 2),
+        "taps_max_rel_diff": taps_max_rel_diff,
         "taps_kernels": taps_kernels,
         "target_tokens_per_s": round(tokens_per_step / step_s, 1),
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,

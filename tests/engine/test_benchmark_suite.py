@@ -76,8 +76,7 @@ def test_an_unknown_part_is_refused_in_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "error: --parts 'target_step,warp_drive': unknown part(s) warp_drive; expected a comma-separated list of "
         "bandwidth, target_step, quant_sweep, drafter_round, hybrid_step, dense_sweep, long_attention, llama_step, "
-        "gemma4_step, "
-        "moe_step, moe_profile, moe_hybrid_step, moe_hybrid_profile, hf_step, train_throughput, "
+        "gemma4_step, moe_step, moe_profile, moe_hybrid_step, moe_hybrid_profile, hf_step, train_throughput, "
         "serve_single, serve_load, embedded_bench, kernels, tests"]
     assert not (tmp_path / "suite.json").exists()
 
@@ -112,7 +111,8 @@ def test_the_dense_sweep_refuses_an_unknown_shape_set_before_any_work(tmp_path):
 
 def test_llama_step_times_the_long_attention_parts_pick_when_it_ran_first(tmp_path, monkeypatch):
     """The suite chains long_attention -> llama_step as dense_sweep -> llama_step: the step's
-    `triton-tile` variant runs the tile the sweep picked earlier in the call, else growing splits;
+    `triton-tile` variant runs the tile the sweep picked earlier in the call unless it is the module's
+    own, else the tile before it;
     every WIDE candidate is a valid tile and the module's own tile is the first (the pick's baseline)."""
     monkeypatch.syspath_prepend(str(ROOT))
     suite = importlib.import_module("benchmarks.gpu.suite")
@@ -126,11 +126,13 @@ def test_llama_step_times_the_long_attention_parts_pick_when_it_ran_first(tmp_pa
     def tile_of(cmd):
         return cmd[cmd.index("--attn-tile") + 1]
 
-    assert tile_of(suite.PARTS["llama_step"].commands(tmp_path, False)[0]) == suite.LONG_SPLIT_TILE
+    assert tile_of(suite.PARTS["llama_step"].commands(tmp_path, False)[0]) == suite.PREVIOUS_TILE_128
     sweep = suite.PARTS["long_attention"].commands(tmp_path, False)[0]
     assert sweep[sweep.index("--pick-long") + 1] == str(tmp_path / suite.LONG_PICK)
     (tmp_path / suite.LONG_PICK).write_text("256,64,64,3,8\n")
     assert tile_of(suite.PARTS["llama_step"].commands(tmp_path, False)[0]) == "256,64,64,3,8"
     module = attention.TILES[128]
+    (tmp_path / suite.LONG_PICK).write_text(",".join(str(v) for v in long_attention.WIDE[0]))  # the module's
+    assert tile_of(suite.PARTS["llama_step"].commands(tmp_path, False)[0]) == suite.PREVIOUS_TILE_128
     assert attention.Tile(*long_attention.WIDE[0]) == module
     assert len({attention.Tile(*c) for c in long_attention.WIDE}) == len(long_attention.WIDE)

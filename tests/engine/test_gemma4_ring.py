@@ -193,8 +193,8 @@ def test_a_step_wider_than_the_rings_span_is_refused(dirs, monkeypatch):
 def test_graphed_sessions_over_a_ring_on_the_capture_stand_in(dirs, tmp_path, monkeypatch, round_graphs):
     """Graphed steps (or whole rounds) and drafter graphs over a ring, on the CPU stand-in of a
     capture, whose capture run writes what a warm-up writes: plain greedy over the plain
-    storage. A capture at the storage's slack positions overwrote ring rows of live keys (every
-    position's row is some live position's in a ring); it writes the step's own rows now."""
+    storage. A capture at the storage's slack positions would overwrite ring rows of live keys
+    (every position's row is some live position's in a ring); it writes the step's own rows."""
     from spec_arms import eager_capture, graphed_on_cpu
 
     captures = eager_capture(monkeypatch)

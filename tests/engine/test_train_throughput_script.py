@@ -20,4 +20,6 @@ def test_train_throughput_tiny_smoke(tmp_path):
     d = json.loads(out.read_text())
     assert d["geometry"]["taps"] == [0, 2] and d["seq_len"] == 48
     assert d["step_ms"] > 0 and 0 < d["taps_ms"] and d["target_tokens_per_s"] > 0
+    # the batched taps beside the one-sequence-at-a-time loop, and how far apart they are (rounding)
+    assert d["taps_batched"] is True and d["taps_one_at_a_time_ms"] > 0 and 0 <= d["taps_max_rel_diff"] < 1e-4
     assert d["checkpoint_bytes"] > 0 and d["cache_bytes_per_token"] == 2 * 128 * 2  # 2 taps x hidden 128 x bf16

@@ -873,7 +873,8 @@ class Qwen35Target(TargetBase):
                 parts = [self._attention(r, w.attn, positions, attend, st.kv[self._full_slot[li]])
                          for r, st in zip(rows, states)]
             else:
-                parts = [self._gdn(r, w.gdn, st, self._lin_slot[li], None, chunked, True) for r, st in zip(rows, states)]
+                parts = [self._gdn(r, w.gdn, st, self._lin_slot[li], None, chunked, True)
+                         for r, st in zip(rows, states)]
             h, x = ops.add_rms_norm_1p(torch.cat(parts), x, w.mlp_norm, eps)
             next_norm = self.layers[li + 1].attn_norm if li + 1 < len(self.layers) else self.norm
             h, x = self._ffn_add_norm(h, x, w, next_norm)

@@ -33,8 +33,8 @@ class RoundGraph:
     def __init__(self, body: Callable[[torch.Tensor], torch.Tensor], capture_inputs: Sequence[int],
                  device: torch.device, keep: Sequence[object] = (), inputs: torch.Tensor | None = None):
         """`capture_inputs`: the values the warm-up and capture run with (positions where
-        nothing real lives: the first round's rows, or a storage's slack). `keep`: objects the graph writes into that
-        must live as long as it does (another storage). `inputs`: a long vector to read the
+        nothing real lives: the first round's rows, or a storage's slack). `keep`: objects the
+        graph writes into that must live as long as it does (another storage). `inputs`: a long vector to read the
         inputs from instead of the graph's own (graphs that share them: `RoundChain`). Each warm-up
         run of the capture starts from `capture_inputs`."""
         self.keep = tuple(keep)

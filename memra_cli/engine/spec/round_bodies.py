@@ -5,8 +5,8 @@ return one packed vector, so a round is at most one host-to-device copy, one rep
 each also writes the next round's inputs, so a round can be queued before the previous is read.
 
 Speculative round, inputs `[t_start, d_start, last, vt, budget]` (equal starts in a session; the
-capture runs at the first round's target rows and in the draft cache's slack; the priced window fitted to the accepted runs also carries
-`[kept, rejected]`), output `[cand (W), sel (W), raws (n_drafts, under a window sized from
+capture runs at the first round's target rows and in the draft cache's slack; the priced window
+fitted to the accepted runs also carries `[kept, rejected]`), output `[cand (W), sel (W), raws (n_drafts, under a window sized from
 them), vt, m]` as float64 (ids < 2^53 are exact):
 
     drafts, raws = the static proposal of the block [last, MASK...] at d_start (draft graphs' body)
