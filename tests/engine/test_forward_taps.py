@@ -99,12 +99,16 @@ def test_a_gemma_batch_long_enough_for_rings_runs_forward_per_sequence(tmp_path,
         assert torch.equal(got[b, :n], want) and torch.count_nonzero(got[b, n:]) == 0
 
 
-def test_a_tap_past_the_depth_is_refused_before_any_layer_runs(tmp_path):
-    from memra_cli.engine.errors import ConfigError
+def test_bad_taps_and_ids_are_refused_before_any_layer_runs(tmp_path):
+    from memra_cli.engine.errors import ConfigError, PromptError
 
     target = Qwen3Target.from_dir(make_tiny_qwen3(tmp_path / "q"), torch.float32, "cpu")
     with pytest.raises(ConfigError, match="tap layer id 4"):
         target.forward_taps(torch.zeros(2, 8, dtype=torch.long), (0, 4))
+    with pytest.raises(ConfigError, match="at least one tap"):
+        target.forward_taps(torch.zeros(2, 8, dtype=torch.long), ())
+    with pytest.raises(PromptError, match=r"ids \[B, L\] with B, L >= 1, got shape \[2, 0\]"):
+        target.forward_taps(torch.zeros(2, 0, dtype=torch.long), (0,))
 
 
 @pytest.mark.parametrize("rollback_rows", [16, 64])

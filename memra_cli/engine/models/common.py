@@ -73,7 +73,7 @@ class TargetBase:
         len(taps)*hidden]` in the model dtype, on the ids' device, tap `i` in `taps` order; rows
         past `lengths[b]` (padding) are zero. Here each sequence runs `forward` on a state of its
         own length; a causal target's padding never changes an earlier position's taps."""
-        self.check_taps(taps)
+        self.check_tap_batch(ids, taps)
         B, L = ids.shape
         out = torch.zeros(B, L, len(taps) * self.hidden_size, dtype=self.dtype, device=ids.device)  # type: ignore[attr-defined]
         for b in range(B):
@@ -82,6 +82,14 @@ class TargetBase:
             _, t = self.forward(ids[b, :n].to(self.device), 0, state, taps=list(taps))  # type: ignore[attr-defined]
             out[b, :n] = t.to(ids.device)
         return out
+
+    def check_tap_batch(self, ids: torch.Tensor, taps: Sequence[int]) -> None:
+        """`forward_taps`' arguments: ids `[B, L]` with B, L >= 1, and at least one valid tap."""
+        if ids.dim() != 2 or 0 in ids.shape:
+            raise PromptError(f"forward_taps needs ids [B, L] with B, L >= 1, got shape {list(ids.shape)}")
+        if not taps:
+            raise ConfigError("forward_taps needs at least one tap layer id")
+        self.check_taps(taps)
 
     def check_taps(self, taps: Sequence[int]) -> None:
         """Tap ids must be -1 (embedding) or a layer index of this target."""

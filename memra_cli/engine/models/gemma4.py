@@ -319,7 +319,7 @@ class Gemma4Target(TargetBase):
         0; stops after the deepest tap. A batch long enough for sliding-layer rings runs
         `forward` per sequence instead (its chunked writes). Padding rows past a sequence's
         length run too and are zeroed after: the attention is causal."""
-        self.check_taps(taps)
+        self.check_tap_batch(ids, taps)
         B, L = ids.shape
         states = [self.new_state(L) for _ in range(B)]
         if self._has_ring(states[0]):

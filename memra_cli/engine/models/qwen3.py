@@ -246,7 +246,7 @@ class Qwen3Target(TargetBase):
         sequence's length run too and are zeroed after: causal attention keeps them out of the
         earlier positions. The rows agree with `forward`'s to rounding (matmuls of another row
         count may sum in another order)."""
-        self.check_taps(taps)
+        self.check_tap_batch(ids, taps)
         B, L = ids.shape
         self.ensure_positions(L)
         flat = ids.reshape(-1).to(self.device)

@@ -851,7 +851,7 @@ class Qwen35Target(TargetBase):
         (the chunked recurrence past `rollback_rows`); stops after the deepest tap. Padding rows
         past a sequence's length run too and are zeroed after: both mixers are causal. The rows
         agree with `forward`'s to rounding."""
-        self.check_taps(taps)
+        self.check_tap_batch(ids, taps)
         B, L = ids.shape
         self.ensure_positions(L)
         ops, eps = self.step_ops, self.cfg.rms_norm_eps
