@@ -35,6 +35,15 @@ to that grid), so the blocks a row takes part in, and their order, are fixed by 
 (blocks before it, there for another row, leave its state exactly zero: m = -inf, l = 0,
 acc = 0). The combine merges splits w_i // row_split .. p_i // row_split, chunks counted from
 the first. Keys before the window are live storage (every position is kept), never NaN.
+A sliding layer's grid (WINDOW_GRID) holds only a window's worth of split programs
+(`split_programs`), each looping over the units first + p, first + p + P, ... of its tile's
+rows, first being the earliest unit a row of the tile reads: a causal grid over every position
+would leave nearly all of a long context's programs with no key of any row's window. Which
+program takes a unit changes none of its bits.
+
+Wide heads (`Tile.block_dv`): a program may keep only a part of the head's value columns, the
+parts of one row tile side by side on the grid. Each part computes the same scores and softmax
+state; part 0 stores m and l. A 512-wide head's 64-row tile then fits the registers.
 
 Ring storage (`span` > the storage's S rows; Gemma 4's sliding layers): key j lives at row
 j % S. Every index above stays a position (splits, blocks, windows, the grid over `span`
@@ -94,6 +103,12 @@ class Tile:
     split: keys per split; split boundaries are multiples of it, so it changes results in the
     last bits (never their invariance). block_n: keys per inner block (divides split).
     block_m: folded (row, head-in-group) pairs per program. num_stages, num_warps: Triton's.
+    block_dv: output columns per program (a power of two dividing the padded head width; 0 = all
+    of them). Below the head width the head's value columns are cut into parts, one program each,
+    adjacent on the grid so that they read the same keys together: every part computes the same
+    scores (the same q·K, bit for bit) and keeps a BLOCK_M x block_dv accumulator, which lets a
+    512-wide head run a 64-row tile on tensor cores without spilling (docs/gemma4.md#kernels-and-cuda).
+    Like split and block_n it is part of the tile, hence a function of the head size only.
     long_from, long_split: a row's split doubles at position long_from and at every doubling
     of long_from after it, up to long_split keys (split times a power of two; 0 = one split
     size for every row): with split 256, long_from 8192 and long_split 1024, a row at 5000 uses
@@ -110,6 +125,7 @@ class Tile:
     num_warps: int
     long_split: int = 0
     long_from: int = 0
+    block_dv: int = 0
 
     def __post_init__(self):
         def pow2(x):
@@ -129,6 +145,8 @@ class Tile:
                              "long_from >= 1 (or long_split 0: no long splits)")
         if not self.long_split and self.long_from:
             raise ValueError(f"{self}: long_from without long_split")
+        if self.block_dv and (not pow2(self.block_dv) or self.block_dv < 16):
+            raise ValueError(f"{self}: block_dv must be 0 (the whole head) or a power of two >= 16")
 
 
 # Tiles per head-size class, keyed by the widest head_dim of the class (see `tile_for`). A row's
@@ -177,6 +195,10 @@ COMBINE_CHUNK = 16  # splits the combine reads at once (a constant: its sum tree
 # chunks over long caches) are processed in row chunks, which cannot change any row's result.
 WORKSPACE_BYTES = 256 << 20
 
+# Sliding layers' programs placed over the windows (WINDOW_GRID in the split kernel). Benchmarks may
+# set it False to time the causal grid over every position beside it (the same bits either way).
+GRID_OVER_WINDOWS = True
+
 _LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # the window of a causal (full) layer: wider than any position
 
@@ -193,33 +215,15 @@ def _row_split(pos, long_from, SPLIT: tl.constexpr, LEVELS: tl.constexpr):
     return SPLIT << level
 
 
-@triton.jit(do_not_specialize=["long_from", "window", "ring"])
-def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n_splits,
-                  qk_scale, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, long_from, window,
-                  ring, G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LEVELS: tl.constexpr,
-                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr, RING: tl.constexpr = False,
-                  PDL: tl.constexpr = False):
-    """Partial attention of BLOCK_M folded (row, head) pairs of one KV head: program `prog`
-    starts at key prog * SPLIT and takes, for each row whose split starts there (its split size
-    divides the start), the keys of that split up to the row's position. A row's split size
-    depends on its position only (`_row_split`); its partial goes to unit `prog`. A row sees
-    keys pos - window < j <= pos (`window` NO_WINDOW: causal). RING: key j is stored at row
-    j % ring (a ring storage; every index above stays a position)."""
-    pdl_wait(PDL)
-    tile = tl.program_id(0)
-    prog = tl.program_id(1)
-    kv_head = tl.program_id(2).to(tl.int64)
-
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row = offs_m // G
-    head = kv_head * G + offs_m % G
-    row_ok = offs_m < n_rows * G
-    # Padding rows get position -1: every key is masked for them and they store nothing.
-    pos = tl.load(pos_ptr + row, mask=row_ok, other=-1).to(tl.int32)
+@triton.jit
+def _attend_unit(q_ptr, k_base, v_base, acc_ptr, m_ptr, l_ptr, prog, offs_m, row, head, row_ok, pos, row_split,
+                 win_start, part, n_splits, qk_scale, stride_qt, stride_qh, stride_ks, stride_vs, ring,
+                 NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+                 PRECISION: tl.constexpr, RING: tl.constexpr):
+    """The partial of the tile's rows whose split starts at key prog * SPLIT (partial unit
+    `prog`), value columns part * BLOCK_DV .. + BLOCK_DV (m and l: part 0 stores them)."""
     lo = prog * SPLIT
-    row_split = _row_split(pos, long_from, SPLIT, LEVELS)
-    win_start = pos - window + 1  # the row's first key (negative: key 0)
     # Rows whose split starts at `lo` and holds a key they see (then l > 0 and m is finite at the
     # end); the others are computed alongside but never stored.
     mine = row_ok & (pos >= lo) & (lo % row_split == 0) & (lo + row_split > win_start)
@@ -232,24 +236,29 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
     first = tl.min(tl.where(mine, row_start // BLOCK_N * BLOCK_N, hi), axis=0)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HD
-    q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=(mine & (hi > lo))[:, None] & d_ok[None, :], other=0.0)
+    offs_dv = part * BLOCK_DV + tl.arange(0, BLOCK_DV)  # this program's value columns
+    dv_ok = offs_dv < HD
+    q_ok = (mine & (hi > lo))[:, None]
+    if HD < BLOCK_D:  # padded columns (a head as wide as the tile needs no column mask)
+        q_ok = q_ok & d_ok[None, :]
+    q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=q_ok, other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for start in range(first, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi  # never read storage past the tile's last live key
         slot = offs_n % ring if RING else offs_n  # where key offs_n is stored
-        kt = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None],
-                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        v = tl.load(v_base + slot[:, None] * stride_vs + offs_d[None, :],
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        k_ok = n_ok[None, :]
+        v_ok = n_ok[:, None]
+        if HD < BLOCK_D:
+            k_ok = k_ok & d_ok[:, None]
+            v_ok = v_ok & dv_ok[None, :]
+        kt = tl.load(k_base + slot[None, :] * stride_ks + offs_d[:, None], mask=k_ok, other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vs + offs_dv[None, :], mask=v_ok, other=0.0)
         if DOT_F32:
             kt = kt.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # log2 domain
@@ -267,7 +276,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_dot = p.to(v_ptr.dtype.element_ty)  # rounded to the K/V dtype, as flash attention
+        p_dot = p.to(v_base.dtype.element_ty)  # rounded to the K/V dtype, as flash attention
         if DOT_F32:
             p_dot = p_dot.to(tl.float32)
             v = v.to(tl.float32)
@@ -275,9 +284,63 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
         m_i = m_new
 
     ws = (row.to(tl.int64) * NH + head) * n_splits + prog
-    tl.store(m_ptr + ws, m_i, mask=mine)
-    tl.store(l_ptr + ws, l_i, mask=mine)
-    tl.store(acc_ptr + ws[:, None] * HD + offs_d[None, :], acc, mask=mine[:, None] & d_ok[None, :])
+    tl.store(m_ptr + ws, m_i, mask=mine & (part == 0))
+    tl.store(l_ptr + ws, l_i, mask=mine & (part == 0))
+    acc_ok = mine[:, None]
+    if HD < BLOCK_D:
+        acc_ok = acc_ok & dv_ok[None, :]
+    tl.store(acc_ptr + ws[:, None] * HD + offs_dv[None, :], acc, mask=acc_ok)
+
+
+@triton.jit(do_not_specialize=["long_from", "window", "ring"])
+def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n_splits,
+                  qk_scale, stride_qt, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs, long_from, window,
+                  ring, G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LEVELS: tl.constexpr,
+                  DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_DV: tl.constexpr, RING: tl.constexpr = False,
+                  WINDOW_GRID: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Partial attention of BLOCK_M folded (row, head) pairs of one KV head, value columns
+    part * BLOCK_DV ..: program `prog` starts at key prog * SPLIT and takes, for each row whose
+    split starts there (its split size divides the start), the keys of that split up to the row's
+    position. A row's split size depends on its position only (`_row_split`); its partial goes to
+    unit `prog`. A row sees keys pos - window < j <= pos (`window` NO_WINDOW: causal). RING: key j
+    is stored at row j % ring (a ring storage; every index above stays a position).
+
+    WINDOW_GRID (sliding layers): the grid's second axis holds only as many programs as a
+    window has splits (plus two), and program p takes units first + p, first + p + P, ... up to
+    the tile's last, where first is the earliest unit a row of the tile reads: programs are
+    spent where the rows' windows are, not over every position of the storage. Which program
+    takes a unit changes no bit of it."""
+    pdl_wait(PDL)
+    DV_PARTS: tl.constexpr = BLOCK_D // BLOCK_DV
+    tile = tl.program_id(0) // DV_PARTS
+    part = tl.program_id(0) % DV_PARTS  # the parts of a tile are adjacent: they read the same keys
+    kv_head = tl.program_id(2).to(tl.int64)
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row = offs_m // G
+    head = kv_head * G + offs_m % G
+    row_ok = offs_m < n_rows * G
+    # Padding rows get position -1: every key is masked for them and they store nothing.
+    pos = tl.load(pos_ptr + row, mask=row_ok, other=-1).to(tl.int32)
+    row_split = _row_split(pos, long_from, SPLIT, LEVELS)
+    win_start = pos - window + 1  # the row's first key (negative: key 0)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    if WINDOW_GRID:
+        live = row_ok & (pos >= 0)
+        # the unit where a row's first split starts (its split size divides that key), and its last
+        first_unit = tl.min(tl.where(live, tl.maximum(win_start, 0) // row_split * row_split // SPLIT, n_splits),
+                            axis=0)
+        last_unit = tl.max(tl.where(live, pos // SPLIT, -1), axis=0)
+        for prog in range(first_unit + tl.program_id(1), last_unit + 1, tl.num_programs(1)):
+            _attend_unit(q_ptr, k_base, v_base, acc_ptr, m_ptr, l_ptr, prog, offs_m, row, head, row_ok, pos,
+                         row_split, win_start, part, n_splits, qk_scale, stride_qt, stride_qh, stride_ks, stride_vs,
+                         ring, NH, HD, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, SPLIT, DOT_F32, PRECISION, RING)
+    else:
+        _attend_unit(q_ptr, k_base, v_base, acc_ptr, m_ptr, l_ptr, tl.program_id(1), offs_m, row, head, row_ok,
+                     pos, row_split, win_start, part, n_splits, qk_scale, stride_qt, stride_qh, stride_ks, stride_vs,
+                     ring, NH, HD, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, SPLIT, DOT_F32, PRECISION, RING)
 
 
 @triton.jit(do_not_specialize=["long_from", "window"])
@@ -354,7 +417,7 @@ def _check(q, k_cache, v_cache, positions):
 
 def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             positions: torch.Tensor, scale: float, *, split: int, block_m: int, block_n: int,
-            num_warps: int, num_stages: int, long_split: int = 0, long_from: int = 0,
+            num_warps: int, num_stages: int, long_split: int = 0, long_from: int = 0, block_dv: int = 0,
             workspace_bytes: int = WORKSPACE_BYTES, gate: torch.Tensor | None = None,
             window: int = 0, span: int | None = None) -> torch.Tensor:
     """The two launches with explicit tile constants (the fields of a `Tile`: benchmarks sweep
@@ -366,7 +429,7 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     ring = _ring_rows(k_cache, window, span)
     window = window or NO_WINDOW
     # raises on a tile the kernel cannot run
-    Tile(split, block_n, block_m, num_stages, num_warps, long_split, long_from)
+    Tile(split, block_n, block_m, num_stages, num_warps, long_split, long_from, block_dv)
     t, nh, hd = q.shape
     nkv, s_len, _ = k_cache.shape
     s_len = span or s_len  # the positions the storage serves (a ring's exceed its rows)
@@ -379,6 +442,10 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not long_split:
         long_from = 1 << 30  # past every position (LEVELS is 0 anyway)
     block_d = max(16, next_pow2(hd))
+    block_dv = min(block_dv or block_d, block_d)  # a part wider than the head is the whole head
+    dv_parts = block_d // block_dv
+    window_grid = GRID_OVER_WINDOWS and window != NO_WINDOW
+    split_progs = split_programs(n_splits, window if window_grid else NO_WINDOW, split)
     # Row chunks bound the workspace; a row's result does not depend on the chunking.
     per_row = nh * n_splits * (hd + 2) * 4
     chunk = max(1, min(t, workspace_bytes // per_row))
@@ -390,13 +457,14 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     for r0 in range(0, t, chunk):
         rows = min(chunk, t - r0)
         qc, pc, oc = q[r0:r0 + rows], positions[r0:r0 + rows], out[r0:r0 + rows]
-        grid = (triton.cdiv(rows * g, block_m), n_splits, nkv)
+        grid = (triton.cdiv(rows * g, block_m) * dv_parts, split_progs, nkv)
         _split_kernel[grid](
             qc, k_cache, v_cache, pc, acc, m, l, rows, n_splits, float(scale) * _LOG2E,
             qc.stride(0), qc.stride(1), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), long_from, window, ring or 1,
             G=g, NH=nh, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, LEVELS=levels,
-            DOT_F32=dot_f32, PRECISION=precision, RING=ring is not None, num_warps=num_warps,
+            DOT_F32=dot_f32, PRECISION=precision, BLOCK_DV=block_dv, RING=ring is not None,
+            WINDOW_GRID=window_grid, num_warps=num_warps,
             num_stages=num_stages, **pdl_args(qc),
         )
         gc = oc if gate is None else gate[r0:r0 + rows]
@@ -425,6 +493,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _check(q, k_cache, v_cache, positions)  # raises: the message names the expected shapes
     return _launch(q, k_cache, v_cache, positions, scale, **asdict(tile_for(q.shape[-1])), window=window,
                    span=span)
+
+
+def split_programs(n_splits: int, window: int, split: int) -> int:
+    """Programs on the split kernel's second grid axis: one a split of the storage for a causal
+    layer (`window` NO_WINDOW); for a sliding one (WINDOW_GRID) as many as a window has splits
+    and two more, for a tile's rows straddling split edges: more would only exit, fewer loop."""
+    return n_splits if window == NO_WINDOW else min(n_splits, triton.cdiv(window, split) + 2)
 
 
 def _ring_rows(k_cache: torch.Tensor, window: int, span: int | None) -> int | None:

@@ -41,21 +41,23 @@ SMALL = dict(vocab=512, hidden=128, layers=6, heads=4, kv=2, hd=32, global_kv=1,
              window=64, softcap=30.0)
 # the 31B's attention per layer type: (n_heads, n_kv, head_dim, window)
 GEMMA4_ATTN = {"sliding": (32, 16, 256, 1024), "full": (32, 4, 512, 0)}
-# candidate tiles per head-dim class, (SPLIT, BLOCK_N, BLOCK_M, STAGES, WARPS[, LONG_SPLIT, LONG_FROM]),
-# beside the module's: a candidate that fails to launch is recorded, not fatal
+# candidate tiles per head-dim class, (SPLIT, BLOCK_N, BLOCK_M, STAGES, WARPS[, LONG_SPLIT, LONG_FROM[,
+# BLOCK_DV]]), beside the module's: a candidate that fails to launch is recorded, not fatal.
 # A 16-row step is g * 16 query rows a KV head (sliding g = 2: 32; full g = 8: 128) and every
-# BLOCK_M tile of them reads all of the head's keys: wider BLOCK_M (more warps to hold the
-# 512-wide acc) reads them fewer times
+# BLOCK_M tile of them reads all of the head's keys. The 512 class: BLOCK_M 64 on wgmma, the value
+# columns in parts (BLOCK_DV) so the accumulator fits without spilling (sm_90 ptxas: 194 to 244
+# registers, none spilled), long splits so a 32k context's float32 partials stay small; and the
+# best two earlier candidates for reference (docs/gemma4.md#kernels-and-cuda)
 ATTN_CANDIDATES = {
     256: [(128, 32, 16, 3, 4), (256, 64, 16, 2, 4), (128, 32, 32, 2, 8)],
-    512: [(128, 32, 16, 1, 4), (64, 32, 16, 2, 8), (256, 32, 16, 2, 8), (128, 32, 16, 2, 8, 1024, 4096),
-          (128, 32, 32, 2, 8), (128, 16, 32, 2, 8), (128, 32, 64, 2, 16), (128, 16, 64, 2, 16),
-          (256, 16, 64, 2, 16)],
+    512: [(256, 32, 64, 2, 8, 2048, 4096, 256), (256, 16, 64, 2, 8, 2048, 4096, 256),
+          (256, 32, 64, 2, 8, 1024, 4096, 256), (128, 32, 64, 2, 8, 1024, 4096, 256),
+          (256, 32, 64, 3, 8, 2048, 4096, 256), (256, 32, 64, 2, 4, 2048, 4096, 128),
+          (256, 16, 128, 2, 8, 2048, 4096, 128), (128, 32, 16, 2, 8, 1024, 4096), (256, 16, 64, 2, 16)],
 }
-# Full-layer tiles the whole step also runs with (`full_tile_steps`): BLOCK_M 32 on 8
-# warps (174 registers, no spill for sm_90) and 64 on 16 (24 bytes of spill); a 128-row tile on
-# 32 warps does not compile (64 registers a thread)
-STEP_FULL_TILES = [(128, 16, 32, 2, 8), (128, 16, 64, 2, 16)]
+# Full-layer tiles the whole step also runs with (`full_tile_steps`), beside the module tile and
+# the attention sweep's pick for the 512 class (`pick_tile`) when the sweep ran
+STEP_FULL_TILES = [(256, 32, 64, 2, 8, 2048, 4096, 256), (128, 32, 64, 2, 8, 1024, 4096, 256)]
 
 
 def gemma4_raw(s: dict) -> dict:
@@ -173,8 +175,12 @@ def attention_sweep(contexts: list[int], timer, device, dtype=torch.bfloat16, sh
             q = torch.randn(16, nh, hd, generator=g, device=device).to(dtype)
             pos = torch.arange(c - 16, c, device=device)
             ref = attention._launch(q, k, v, pos, 1.0, **module, window=window).float()
-            for tile in tiles:
-                row = out.setdefault(kind, {}).setdefault(",".join(str(x) for x in tile.values()), {})
+            # a sliding layer's module tile again on the causal grid over every position: the window grid's A/B
+            runs = [(tile, True) for tile in tiles] + ([(module, False)] if window else [])
+            for tile, over_windows in runs:
+                name = ",".join(str(x) for x in tile.values()) + ("" if over_windows else ",causal-grid")
+                row = out.setdefault(kind, {}).setdefault(name, {})
+                attention.GRID_OVER_WINDOWS = over_windows
                 try:
                     got = attention._launch(q, k, v, pos, 1.0, **tile, window=window).float()
                     row[str(c)] = {
@@ -184,11 +190,33 @@ def attention_sweep(contexts: list[int], timer, device, dtype=torch.bfloat16, sh
                         "rel_l2_vs_module": ((got - ref).norm() / ref.norm()).item()}
                 except Exception as exc:  # a candidate the GPU refuses (shared memory, ...): its row says why
                     row[str(c)] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+                finally:
+                    attention.GRID_OVER_WINDOWS = True
     return out
 
 
-def full_tile_steps(target: Gemma4Target, contexts: list[int], helpers, width: int) -> dict:
-    """The Triton step again with each of STEP_FULL_TILES as the full layers' attention tile
+def pick_tile(sweep_rows: dict, slack: float = 1.05) -> tuple | None:
+    """The tile of one layer shape's sweep rows (`attention_sweep(...)[kind]`) fastest at 16 rows
+    at the longest context among those within `slack` of the module tile (its first row) at every
+    shorter one: a tuple of Tile's fields, or None when the module tile is that one."""
+    keys = list(sweep_rows)
+    module = sweep_rows[keys[0]]
+    contexts = sorted(int(c) for c in module if "us_16" in module[c])
+    if not contexts:
+        return None
+    longest = str(contexts[-1])
+
+    def fits(row):
+        return all("us_16" in row.get(str(c), {}) and row[str(c)]["us_16"] <= slack * module[str(c)]["us_16"]
+                   for c in contexts[:-1]) and "us_16" in row.get(longest, {})
+
+    best = min((k for k in keys if fits(sweep_rows[k])), key=lambda k: sweep_rows[k][longest]["us_16"],
+               default=keys[0])
+    return None if best == keys[0] else tuple(int(x) for x in best.split(","))
+
+
+def full_tile_steps(target: Gemma4Target, contexts: list[int], helpers, width: int, tiles) -> dict:
+    """The Triton step again with each of `tiles` as the full layers' attention tile
     (`TILES[512]`, restored after), beside the module tile's rows: plain and verify ms per context."""
     from dataclasses import asdict
 
@@ -199,7 +227,7 @@ def full_tile_steps(target: Gemma4Target, contexts: list[int], helpers, width: i
     module, rows = attention.TILES[512], {}
     target.step_ops = TritonStepOps()
     try:
-        for cand in STEP_FULL_TILES:
+        for cand in tiles:
             attention.TILES[512] = attention.Tile(*cand)
             engine = Engine.from_model(target, step_width=width, cuda_graphs=True)
             row = rows[",".join(map(str, cand))] = {"tile": asdict(attention.TILES[512])}
@@ -213,6 +241,31 @@ def full_tile_steps(target: Gemma4Target, contexts: list[int], helpers, width: i
             torch.cuda.empty_cache()
     finally:
         attention.TILES[512] = module
+    return rows
+
+
+def causal_grid_steps(target: Gemma4Target, contexts: list[int], helpers, width: int) -> dict:
+    """The Triton step with the sliding layers' attention on the causal grid over every position
+    (`attention.GRID_OVER_WINDOWS` off, restored after): the window grid's A/B, plain and verify
+    ms per context (the same bits: tests/kernels/test_attention.py)."""
+    from memra_cli.engine.api import Engine
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
+    from memra_kernels import attention
+
+    rows: dict = {}
+    target.step_ops = TritonStepOps()
+    attention.GRID_OVER_WINDOWS = False
+    try:
+        engine = Engine.from_model(target, step_width=width, cuda_graphs=True)
+        for c in contexts:
+            rows[str(c)] = {"plain_ms": helpers.step_ms(engine, c, 1)[0], "verify16_ms": helpers.step_ms(engine, c, width)[0]}
+            print(f"causal grid ctx {c}: plain {rows[str(c)]['plain_ms']:.3f} ms, "
+                  f"verify16 {rows[str(c)]['verify16_ms']:.3f} ms", flush=True)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    finally:
+        attention.GRID_OVER_WINDOWS = True
     return rows
 
 
@@ -259,10 +312,15 @@ def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False) ->
             torch.cuda.empty_cache()
         out["triton_over_torch"] = {f: {c: out[f][c] / out["torch_" + f][c] for c in out[f]}
                                     for f in ("plain_ms", "verify16_ms")}
-        out["full_tile_steps"] = full_tile_steps(target, contexts, helpers, W)
+        tiles = list(STEP_FULL_TILES)
         if attn_sweep:
             out["attention_sweep"] = attention_sweep(contexts, helpers.graph_ms, torch.device("cuda"))
             print(json.dumps(out["attention_sweep"], indent=1))
+            pick = out["full_tile_pick"] = pick_tile(out["attention_sweep"]["full"])
+            if pick and pick not in tiles:
+                tiles.insert(0, pick)
+        out["full_tile_steps"] = full_tile_steps(target, contexts, helpers, W, tiles)
+        out["causal_grid_steps"] = causal_grid_steps(target, contexts, helpers, W)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=2) + "\n")
     return out

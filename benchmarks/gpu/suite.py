@@ -235,7 +235,8 @@ PARTS = {p.name: p for p in (
     Part("llama_step", "LLaMA-3.1-8B-shape graphed step vs its floor (the shipped attention tile beside long_attention's "
          "pick, or the tile before it; with dense_sweep's table when that part ran first), ms", 150, _llama_step),
     Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, Triton and torch step ops, ms; its attention "
-         "alone at both layer shapes over candidate tiles, µs", 300, _gemma4_step),
+         "alone at both layer shapes over candidate tiles (the full layers' pick in the whole step), the sliding "
+         "layers on the causal grid beside the window grid, µs", 400, _gemma4_step),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows on the MoE kernels, and the MoE op (the twin's, the "
          "kernels' at other tiles and grids), vs the read floor of the expert union, ms", 240, _moe_step),
     Part("moe_profile", "Qwen3-30B-A3B-shape 16-row step at 1 and 16 live rows: graphed ms vs the floor, and its "

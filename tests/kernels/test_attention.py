@@ -470,6 +470,92 @@ def test_window_with_long_splits(device):
         assert torch.equal(alone[0], got[i]), int(pos[i])
 
 
+# A sliding window over a storage many windows long, rows of each tile far apart: the window
+# grid's programs (split_programs) loop over several units each.
+FAR_POS = [1000, 3, 499, 47, 998, 260, 33, 731, 1001, 2, 640, 128, 127, 900, 64, 350]
+FAR_WIN = 40
+
+
+@pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
+def test_window_grid_loops_over_rows_far_apart(dtype, device, monkeypatch):
+    """Rows of one tile whose windows lie splits apart: the window grid's programs take
+    several units each (checked: fewer programs than splits); each row gets the twin's
+    result, and its bits alone, on a storage twice as long, and from the causal grid over
+    every position (GRID_OVER_WINDOWS off, the benchmarks' baseline)."""
+    nkv, g, hd = 2, 4, 64
+    k, v = _cache(nkv, hd, 1002, dtype, device, storage=1010)
+    q = _q(len(FAR_POS), nkv * g, hd, dtype, device, seed=36)
+    pos = torch.tensor(FAR_POS, device=device)
+    n_splits = -(-1010 // SMALL["split"])
+    assert attention.split_programs(n_splits, FAR_WIN, SMALL["split"]) < n_splits // 4  # the loop runs
+    got = attention._launch(q, k, v, pos, _scale(hd), **SMALL, window=FAR_WIN)
+    torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, _scale(hd), window=FAR_WIN), **TOL[dtype])
+    for i in (0, 1, 5, 8, 12):
+        alone = attention._launch(q[i:i + 1], k, v, pos[i:i + 1], _scale(hd), **SMALL, window=FAR_WIN)
+        assert torch.equal(alone[0], got[i]), int(pos[i])
+    k2, v2 = _cache(nkv, hd, 1002, dtype, device, storage=2020)
+    assert torch.equal(attention._launch(q, k2, v2, pos, _scale(hd), **SMALL, window=FAR_WIN), got)
+    monkeypatch.setattr(attention, "GRID_OVER_WINDOWS", False)
+    assert torch.equal(attention._launch(q, k, v, pos, _scale(hd), **SMALL, window=FAR_WIN), got)
+
+
+@pytest.mark.exhaustive  # the window test with long splits runs beside it there
+def test_planted_window_grid_start_without_the_rows_split_is_caught(tmp_path, device):
+    """The window grid starting at the unit of a row's first key rather than of its first
+    split's start (a long split starts before the key): those rows lose their first split,
+    and the twin comparison of test_window_with_long_splits fails."""
+    bad = _planted(tmp_path, "tl.maximum(win_start, 0) // row_split * row_split // SPLIT",
+                   "tl.maximum(win_start, 0) // SPLIT")
+    nkv, hd, dtype = 2, 64, torch.float32
+    k, v = _cache(nkv, hd, 448, dtype, device, storage=460)
+    q, pos = _long_step(dtype, device, seed=24)
+    got = bad._launch(q, k, v, pos, _scale(hd), **LONG, window=WIN)
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, _scale(hd), window=WIN), **TOL[dtype])
+
+
+# ---------------------------------------------------------------- value-column parts (Tile.block_dv)
+
+PARTS = dict(SMALL, block_dv=16)  # a 64-wide head in 4 parts
+PARTS_LIVE = 240  # several splits and windows, short for the interpreter
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16], ids=str)
+def test_value_parts_match_the_twin(dtype, device):
+    """A head's value columns in parts (one program each): the twin's result, causal and
+    windowed, and the whole-head tile's within the same tolerance."""
+    nkv, g, hd = 2, 4, 64
+    k, v = _cache(nkv, hd, PARTS_LIVE, dtype, device, storage=PARTS_LIVE)
+    q = _q(8, nkv * g, hd, dtype, device, seed=37)
+    pos = _step(37, device, t=8, max_pos=PARTS_LIVE - 1)
+    for window in (0, WIN):
+        got = attention._launch(q, k, v, pos, _scale(hd), **PARTS, window=window)
+        torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, _scale(hd), window=window), **TOL[dtype])
+        whole = attention._launch(q, k, v, pos, _scale(hd), **SMALL, window=window)
+        torch.testing.assert_close(got, whole, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
+def test_value_parts_row_alone_equals_row_in_step(dtype, device):
+    """With value parts a row's bits still depend on its own position and query only."""
+    nkv, g, hd = 2, 4, 64
+    k, v = _cache(nkv, hd, PARTS_LIVE, dtype, device, storage=PARTS_LIVE)
+    q = _q(9, nkv * g, hd, dtype, device, seed=38)
+    pos = _step(38, device, t=9, max_pos=PARTS_LIVE - 1)
+    batch = attention._launch(q, k, v, pos, _scale(hd), **PARTS)
+    for i in (0, 5, 8):  # slot 8 is a tile of its own
+        alone = attention._launch(q[i:i + 1], k, v, pos[i:i + 1], _scale(hd), **PARTS)
+        assert torch.equal(alone[0], batch[i]), int(pos[i])
+
+
+def test_value_parts_are_checked():
+    with pytest.raises(ValueError, match="block_dv"):
+        Tile(**dict(SMALL, block_dv=24))
+    with pytest.raises(ValueError, match="block_dv"):
+        Tile(**dict(SMALL, block_dv=8))
+    assert Tile(**PARTS).block_dv == 16
+
+
 # ---------------------------------------------------------------- ring storage (Gemma 4's sliding layers)
 
 

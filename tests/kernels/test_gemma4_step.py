@@ -151,5 +151,29 @@ def test_the_benchmarks_attention_sweep_runs():
     out = mod.attention_sweep([40], lambda fn: (fn(), 0.25)[1], torch.device(DEVICE), torch.float32,
                               shapes={"sliding": (4, 2, 64, 8)}, candidates={128: [(32, 16, 16, 1, 4)]})
     rows = out["sliding"]
-    assert len(rows) == 2 and all(r["40"]["us_1"] == r["40"]["us_16"] == 250.0 for r in rows.values())
+    # the module tile, the candidate, and the module tile again on the causal grid (the same bits)
+    assert len(rows) == 3 and all(r["40"]["us_1"] == r["40"]["us_16"] == 250.0 for r in rows.values())
     assert all(r["40"]["rel_l2_vs_module"] < 1e-5 for r in rows.values())  # float32: summation order only
+    causal = [r for name, r in rows.items() if name.endswith(",causal-grid")]
+    assert len(causal) == 1 and causal[0]["40"]["rel_l2_vs_module"] == 0.0
+
+
+def test_the_sweeps_pick_is_the_fastest_long_tile_no_slower_short():
+    """gemma4_step.pick_tile: the fastest 16-row tile at the longest context among those within
+    5% of the module tile (the first row) at the shorter ones; None when that is the module's."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "gemma4_step.py"
+    spec = importlib.util.spec_from_file_location("gemma4_step_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def row(short, long):
+        return {"512": {"us_16": short}, "32768": {"us_16": long}}
+
+    rows = {"128,32,16,2,8,0,0,0": row(20.0, 900.0), "256,32,64,2,8,2048,4096,256": row(22.0, 200.0),
+            "256,16,64,2,8,2048,4096,256": row(20.5, 250.0), "64,32,16,2,8,0,0,0": row(19.0, 950.0),
+            "128,32,64,2,8,1024,4096,256": {"512": {"error": "OutOfResources"}, "32768": {"us_16": 1.0}}}
+    assert mod.pick_tile(rows) == (256, 16, 64, 2, 8, 2048, 4096, 256)  # 22.0 is over 5% slower at 512
+    assert mod.pick_tile(rows, slack=1.2) == (256, 32, 64, 2, 8, 2048, 4096, 256)
+    assert mod.pick_tile({"128,32,16,2,8,0,0,0": row(20.0, 900.0), "64,32,16,2,8,0,0,0": row(30.0, 100.0)}) is None
