@@ -57,7 +57,7 @@ ATTN_CANDIDATES = {
 }
 # Full-layer tiles the whole step also runs with (`full_tile_steps`), beside the module tile and
 # the attention sweep's pick for the 512 class (`pick_tile`) when the sweep ran
-STEP_FULL_TILES = [(256, 32, 64, 2, 8, 2048, 4096, 256), (128, 32, 64, 2, 8, 1024, 4096, 256)]
+STEP_FULL_TILES = [(256, 32, 64, 3, 8, 2048, 4096, 256), (256, 32, 64, 2, 8, 2048, 4096, 256)]
 
 
 def gemma4_raw(s: dict) -> dict:
@@ -269,7 +269,8 @@ def causal_grid_steps(target: Gemma4Target, contexts: list[int], helpers, width:
     return rows
 
 
-def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False) -> dict:
+def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False,
+            ops: tuple[str, ...] = ("torch", "triton")) -> dict:
     """The CUDA run (`helpers`: target_step's graph_ms / replay_ms / copy_gbps / step_ms /
     kernels_per_step)."""
     from memra_cli.engine.api import Engine
@@ -289,9 +290,10 @@ def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False) ->
         out.update(copy_gbps=bw, matmul_chain_ms=chain, weight_bytes=wb,
                    floor_ms={str(c): chain + kv_bytes(target, c) / bw / 1e6 for c in contexts},
                    hbm_read_floor_ms={str(c): (wb + kv_bytes(target, c)) / bw / 1e6 for c in contexts})
-        ops_by_name = {"torch": TorchStepOps(), "triton": TritonStepOps()}
-        out["ops_agreement"] = ops_agreement(target, ops_by_name, W)
-        print(f"ops agreement: {out['ops_agreement']}")
+        ops_by_name = {n: {"torch": TorchStepOps, "triton": TritonStepOps}[n]() for n in ops}
+        if len(ops_by_name) > 1:
+            out["ops_agreement"] = ops_agreement(target, ops_by_name, W)
+            print(f"ops agreement: {out['ops_agreement']}")
         out["kernels_per_step"] = {}
         for name, ops in ops_by_name.items():  # same process, same target: a side-by-side ratio
             target.step_ops = ops
@@ -310,8 +312,10 @@ def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False) ->
             del engine
             gc.collect()
             torch.cuda.empty_cache()
-        out["triton_over_torch"] = {f: {c: out[f][c] / out["torch_" + f][c] for c in out[f]}
-                                    for f in ("plain_ms", "verify16_ms")}
+        if "torch" in ops_by_name:
+            out["triton_over_torch"] = {f: {c: out[f][c] / out["torch_" + f][c] for c in out[f]}
+                                        for f in ("plain_ms", "verify16_ms")}
+        save(out, out_path)  # each stage's results kept should a later one fail
         tiles = list(STEP_FULL_TILES)
         if attn_sweep:
             out["attention_sweep"] = attention_sweep(contexts, helpers.graph_ms, torch.device("cuda"))
@@ -319,8 +323,14 @@ def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False) ->
             pick = out["full_tile_pick"] = pick_tile(out["attention_sweep"]["full"])
             if pick and pick not in tiles:
                 tiles.insert(0, pick)
-        out["full_tile_steps"] = full_tile_steps(target, contexts, helpers, W, tiles)
+            save(out, out_path)
         out["causal_grid_steps"] = causal_grid_steps(target, contexts, helpers, W)
+        save(out, out_path)
+        out["full_tile_steps"] = full_tile_steps(target, contexts, helpers, W, tiles)
+    save(out, out_path)
+    return out
+
+
+def save(out: dict, out_path) -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(out, indent=2) + "\n")
-    return out

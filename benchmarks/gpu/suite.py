@@ -133,6 +133,13 @@ def _gemma4_step(out: Path, tiny: bool):
                 "--attn-sweep", "--json", str(out / "gemma4_31b_step.json"))]  # the attention's tiles beside it
 
 
+def _gemma4_tiles(out: Path, tiny: bool):
+    if tiny:
+        return None
+    return [_py("-m", "benchmarks.gpu.target_step", "--shape", "gemma4-31b", "--contexts", "512,32768",
+                "--gemma-ops", "triton", "--json", str(out / "gemma4_31b_tiles.json"))]
+
+
 def _moe_step(out: Path, tiny: bool):
     args = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--vts", "1,4", "--iters", "2"] if tiny else \
         ["--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16", "--ops", "triton",  # the twin's eager
@@ -237,7 +244,10 @@ PARTS = {p.name: p for p in (
     Part("gemma4_step", "Gemma-4-31B text-shape step vs its floors, Triton and torch step ops, ms; its attention "
          "alone at both layer shapes over candidate tiles (the full layers' pick in the whole step), the sliding "
          "layers on the causal grid beside the window grid, µs", 400, _gemma4_step),
-    Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows on the MoE kernels, and the MoE op (the twin's, the "
+    Part("gemma4_tiles", "Gemma-4-31B text-shape step with the Triton step ops: the module tiles, the sliding "
+         "layers on the causal grid, the full layers on gemma4_step.STEP_FULL_TILES, ms (no sweep, no torch ops)",
+         240, _gemma4_tiles),
+        Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows on the MoE kernels, and the MoE op (the twin's, the "
          "kernels' at other tiles and grids), vs the read floor of the expert union, ms", 240, _moe_step),
     Part("moe_profile", "Qwen3-30B-A3B-shape 16-row step at 1 and 16 live rows: graphed ms vs the floor, and its "
          "kernels by name under the profiler, µs", 150, _moe_profile),

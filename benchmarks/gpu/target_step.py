@@ -254,6 +254,9 @@ def main() -> None:
                         "swept on the kernel at its best tiles; a 'pfN' part sets dense_linear.PDL_PREFETCH = N")
     p.add_argument("--shape", default="qwen3-8b", choices=("qwen3-8b", "gemma4-31b"),
                    help="gemma4-31b: the Gemma 4 31B text shape's step and floors only (gemma4_step.py)")
+    p.add_argument("--gemma-ops", default="torch,triton", choices=("torch,triton", "triton"),
+                   help="with --shape gemma4-31b: the step ops to time (triton alone skips the torch step and "
+                        "the two ops' agreement)")
     p.add_argument("--attn-sweep", action="store_true",
                    help="with --shape gemma4-31b: also time the attention alone at its two layer shapes for the "
                         "module's tiles and gemma4_step.ATTN_CANDIDATES")
@@ -262,7 +265,8 @@ def main() -> None:
         from benchmarks.gpu import gemma4_step
 
         json_out = a.json or Path(os.environ.get("OUT", ".")) / "h200-gemma4-31b-step.json"
-        gemma4_step.measure([int(c) for c in a.contexts.split(",")], json_out, sys.modules[__name__], a.attn_sweep)
+        gemma4_step.measure([int(c) for c in a.contexts.split(",")], json_out, sys.modules[__name__], a.attn_sweep,
+                            tuple(a.gemma_ops.split(",")))
         return
     if a.json is None:
         suffix = "" if a.family == "qwen3" else f"-{a.family}"

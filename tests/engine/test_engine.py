@@ -216,6 +216,34 @@ def test_a_collected_owner_takes_its_idle_storages_and_its_token_is_never_reused
     assert token not in tokens and len(tokens) == 50
 
 
+def test_a_pool_dies_with_its_runner_while_the_model_lives():
+    """A runner's pool (its idle storages and their graphs' memory) is freed with the runner: the
+    model's collection hook holds the pool weakly. (It held it strongly, so every Engine made
+    on one model kept its pool, and a benchmark making several ran the GPU out of memory.)"""
+    import gc
+    import weakref
+
+    from memra_cli.engine.runtime.pool import StoragePool
+
+    class Owner:
+        pass
+
+    class Store:
+        def __init__(self):
+            self.nbytes, self.graphs = 10, {"g": object()}
+
+    model = Owner()
+    pool = StoragePool(idle_budget=None)
+    pool.release(pool.acquire((pool.owner_token(model), "target", 256), Store))
+    store = weakref.ref(pool._idle[next(iter(pool._idle))][1])
+    dead = weakref.ref(pool)
+    del pool
+    gc.collect()
+    assert dead() is None and store() is None
+    del model  # the hook finds no pool and does nothing
+    gc.collect()
+
+
 def test_drafter_projections_are_fused_once_and_compute_what_the_separate_ones_do(tmp_path):
     """q/k/v and gate/up are one GEMM each for plain weights (k/v for context rows), the
     separate weights stay as views of the fused one; quantized weights of one qtype fuse the

@@ -52,8 +52,16 @@ class StoragePool:
         token = self._tokens.get(owner)
         if token is None:
             token = self._tokens[owner] = next(self._next_token)
-            weakref.finalize(owner, self._drop_owner, token)
+            # the hook holds the pool weakly: a pool (its idle storages and their graphs) must die
+            # with its runner, not live as long as the model it served
+            weakref.finalize(owner, StoragePool._drop_owner_of, weakref.ref(self), token)
         return token
+
+    @staticmethod
+    def _drop_owner_of(pool_ref: weakref.ref, token: int) -> None:
+        pool = pool_ref()
+        if pool is not None:
+            pool._drop_owner(token)
 
     def _drop_owner(self, token: int) -> None:
         for sid in [sid for sid, (key, _) in self._idle.items() if isinstance(key, tuple) and key and key[0] == token]:
