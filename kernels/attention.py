@@ -161,9 +161,11 @@ class Tile:
 TILES: dict[int, Tile] = {
     128: Tile(split=256, block_n=64, block_m=64, num_stages=3, num_warps=4, long_split=1024, long_from=8192),
     256: Tile(split=128, block_n=64, block_m=16, num_stages=2, num_warps=4),
-    # Gemma 4's full layers: a 512-wide q/acc tile; K and V tiles of 32 keys (32 KiB each in
-    # bf16, two stages) keep shared memory well inside sm_90's. Its H100 sweep found no better.
-    512: Tile(split=128, block_n=32, block_m=16, num_stages=2, num_warps=8),
+    # Gemma 4's full layers: 64 folded rows on wgmma with the value columns in four parts (a
+    # 64 x 128 float32 accumulator), 32-key blocks, three stages; growing splits keep a long
+    # context's partials small. The fastest in the 31B's whole step: docs/gemma4.md#kernels-and-cuda
+    512: Tile(split=256, block_n=32, block_m=64, num_stages=3, num_warps=4, long_split=1024, long_from=4096,
+              block_dv=128),
 }
 
 

@@ -44,20 +44,18 @@ GEMMA4_ATTN = {"sliding": (32, 16, 256, 1024), "full": (32, 4, 512, 0)}
 # candidate tiles per head-dim class, (SPLIT, BLOCK_N, BLOCK_M, STAGES, WARPS[, LONG_SPLIT, LONG_FROM[,
 # BLOCK_DV]]), beside the module's: a candidate that fails to launch is recorded, not fatal.
 # A 16-row step is g * 16 query rows a KV head (sliding g = 2: 32; full g = 8: 128) and every
-# BLOCK_M tile of them reads all of the head's keys. The 512 class: BLOCK_M 64 on wgmma, the value
-# columns in parts (BLOCK_DV) so the accumulator fits without spilling (sm_90 ptxas: 194 to 244
-# registers, none spilled), long splits so a 32k context's float32 partials stay small; and the
-# best two earlier candidates for reference (docs/gemma4.md#kernels-and-cuda)
+# BLOCK_M tile of them reads all of the head's keys. The 512 class: the 16-row tile before the
+# module's, and 64-row wgmma tiles near it (value parts of 128 or 256, other growing splits):
+# docs/gemma4.md#kernels-and-cuda
 ATTN_CANDIDATES = {
     256: [(128, 32, 16, 3, 4), (256, 64, 16, 2, 4), (128, 32, 32, 2, 8)],
-    512: [(256, 32, 64, 2, 8, 2048, 4096, 256), (256, 16, 64, 2, 8, 2048, 4096, 256),
-          (256, 32, 64, 2, 8, 1024, 4096, 256), (128, 32, 64, 2, 8, 1024, 4096, 256),
-          (256, 32, 64, 3, 8, 2048, 4096, 256), (256, 32, 64, 2, 4, 2048, 4096, 128),
-          (256, 16, 128, 2, 8, 2048, 4096, 128), (128, 32, 16, 2, 8, 1024, 4096), (256, 16, 64, 2, 16)],
+    512: [(128, 32, 16, 2, 8), (256, 32, 64, 3, 8, 2048, 4096, 256), (256, 32, 64, 3, 4, 2048, 4096, 128),
+          (256, 32, 64, 3, 4, 1024, 8192, 128), (128, 32, 64, 3, 4, 1024, 4096, 128), (256, 32, 64, 2, 4, 1024, 4096, 128)],
 }
 # Full-layer tiles the whole step also runs with (`full_tile_steps`), beside the module tile and
-# the attention sweep's pick for the 512 class (`pick_tile`) when the sweep ran
-STEP_FULL_TILES = [(256, 32, 64, 3, 8, 2048, 4096, 256), (256, 32, 64, 2, 8, 2048, 4096, 256)]
+# the attention sweep's pick for the 512 class (`pick_tile`) when the sweep ran: the tile before
+# the module's, and the 8-warp 64-row tile with value parts of 256
+STEP_FULL_TILES = [(128, 32, 16, 2, 8), (256, 32, 64, 3, 8, 2048, 4096, 256)]
 
 
 def gemma4_raw(s: dict) -> dict:
