@@ -192,6 +192,11 @@ BLOCK_M = TILES[128].block_m
 NUM_WARPS = TILES[128].num_warps
 NUM_STAGES = TILES[128].num_stages
 
+# Stages a float32 launch may use, by BLOCK_D: its q, K and V tiles are twice bf16's, and the 512
+# tile's three stages would need 296 KiB of shared memory on sm_90 (two fit). Stages only
+# pipeline the loads, so a row's bits are the same with fewer.
+FLOAT32_MAX_STAGES = {512: 2}
+
 COMBINE_CHUNK = 16  # splits the combine reads at once (a constant: its sum tree is fixed)
 # Upper bound of the float32 partials (acc, m, l) of one launch; larger batches (long prefill
 # chunks over long caches) are processed in row chunks, which cannot change any row's result.
@@ -444,6 +449,8 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if not long_split:
         long_from = 1 << 30  # past every position (LEVELS is 0 anyway)
     block_d = max(16, next_pow2(hd))
+    if q.dtype == torch.float32:
+        num_stages = min(num_stages, FLOAT32_MAX_STAGES.get(block_d, num_stages))
     block_dv = min(block_dv or block_d, block_d)  # a part wider than the head is the whole head
     dv_parts = block_d // block_dv
     window_grid = GRID_OVER_WINDOWS and window != NO_WINDOW

@@ -326,6 +326,21 @@ def test_cuda_graph_replay_follows_positions(nkv, g, hd):
         assert torch.equal(out, decode_attention(q, k, v, pos, _scale(hd)))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_stages_change_no_bit(dtype):
+    """Pipeline stages only move loads (FLOAT32_MAX_STAGES relies on it): the 512 tile at one
+    and two stages, and the 128 tile at one and three, give the same bits on the compiled kernel."""
+    for nkv, g, hd in ((1, 4, 512), (2, 4, 128)):
+        k, v = _cache(nkv, hd, 1000, dtype, "cuda", storage=1100)
+        q = _q(16, nkv * g, hd, dtype, "cuda", seed=39)
+        pos = torch.arange(984, 1000, device="cuda")
+        tile = asdict(tile_for(hd))
+        outs = [attention._launch(q, k, v, pos, 1.0, **dict(tile, num_stages=n)) for n in (1, 2 if hd == 512 else 3)]
+        assert torch.equal(outs[0], outs[1]), hd
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("t,nh,nkv,hd", [(1, 4, 2, 64), (3, 16, 4, 256), (17, 8, 2, 128)], ids=str)
 def test_gated_attention_is_attention_then_the_output_gate(t, nh, nkv, hd, dtype, device):

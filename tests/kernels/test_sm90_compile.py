@@ -678,6 +678,7 @@ def _constants(pkg):
     a, dn, qt = pkg.attention, pkg.deltanet, pkg.quant_tuning
     return {
         "attention_tiles": {str(k): asdict(v) for k, v in a.TILES.items()},
+        "attention_f32_stages": {str(k): v for k, v in a.FLOAT32_MAX_STAGES.items()},
         "deltanet": {"BLOCK_V": dn.BLOCK_V, "REC_WARPS": dn.REC_WARPS, "LATE_PREP": dn.LATE_PREP,
                      "PREFETCH": dn.PREFETCH},
         "quant_tuned": [[list(key), asdict(cfg)] for key, cfg in qt.TUNED.items()],
@@ -852,9 +853,12 @@ def test_engine_tiles_compiled(compiled):
     split = _records(compiled, "_split_kernel")
     for hd_class, tile in const["attention_tiles"].items():
         for dt in ("bf16", "fp32"):
+            stages = tile["num_stages"] if dt == "bf16" else \
+                min(tile["num_stages"], const["attention_f32_stages"].get(hd_class, tile["num_stages"]))
             assert any(r["constexprs"]["SPLIT"] == tile["split"] and r["constexprs"]["BLOCK_N"] == tile["block_n"]
                        and r["constexprs"]["BLOCK_M"] == tile["block_m"] and r["num_warps"] == tile["num_warps"]
-                       and r["num_stages"] == tile["num_stages"] and 64 < r["constexprs"]["BLOCK_D"] <= int(hd_class)
+                       and r["num_stages"] == stages and 64 < r["constexprs"]["BLOCK_D"] <= int(hd_class)
+                       and r["constexprs"]["BLOCK_DV"] == (tile["block_dv"] or r["constexprs"]["BLOCK_D"])
                        and _dtype_of(r, "q_ptr") == dt for r in split), f"attention TILES[{hd_class}] {dt}"
     dn = const["deltanet"]
     gdn = _records(compiled, "_gdn_kernel")
