@@ -58,6 +58,7 @@ CASES = [  # t, n_heads, n_kv, head_dim, positions (odd live lengths 1, 37, 300,
     (1, 16, 4, 256, [558]),
     (16, 16, 4, 256, [0, 36, 127, 128, 129, 255, 256, 257, 299, 383, 384, 511, 512, 513, 558, 1]),
     (17, 16, 4, 256, list(range(500, 517))),  # a verify step across key 512
+    (3, 4, 2, 80, [0, 299, 999]),  # a head narrower than its tile: the padded columns masked
 ]
 CASE_IDS = [f"t{c[0]}-nh{c[1]}-kv{c[2]}-hd{c[3]}" for c in CASES]
 
@@ -560,6 +561,17 @@ def test_value_parts_row_alone_equals_row_in_step(dtype, device):
     for i in (0, 5, 8):  # slot 8 is a tile of its own
         alone = attention._launch(q[i:i + 1], k, v, pos[i:i + 1], _scale(hd), **PARTS)
         assert torch.equal(alone[0], batch[i]), int(pos[i])
+
+
+def test_value_parts_of_a_padded_head_match_the_twin(device):
+    """An 80-wide head in parts of 32 of its 128-wide tile: the last part is all padding (stores
+    nothing), the third half padding."""
+    nkv, g, hd, dtype = 2, 2, 80, torch.float32
+    k, v = _cache(nkv, hd, PARTS_LIVE, dtype, device, storage=PARTS_LIVE)
+    q = _q(3, nkv * g, hd, dtype, device, seed=40)
+    pos = torch.tensor([0, 100, PARTS_LIVE - 1], device=device)
+    got = attention._launch(q, k, v, pos, _scale(hd), **dict(SMALL, block_dv=32))
+    torch.testing.assert_close(got, decode_attention_ref(q, k, v, pos, _scale(hd)), **TOL[dtype])
 
 
 def test_value_parts_are_checked():
