@@ -143,7 +143,8 @@ def test_split_rows_first_max_and_nan_across_chunks(rows, device):
     assert _check(x).tolist() == cases
 
 
-@pytest.mark.parametrize("V", [SPLIT_FROM, SPLIT_FROM + 1, 151936])
+# quick: the split's edges; Qwen3's vocabulary in the exhaustive tier
+@pytest.mark.parametrize("V", [SPLIT_FROM, SPLIT_FROM + 1, pytest.param(151936, marks=pytest.mark.exhaustive)])
 def test_split_index_is_the_same_for_any_row_count(V, device):
     """A row's index alone, among 16 or among 17 rows (three different cuts of the row)."""
     x = _logits(17, V, torch.bfloat16, device, seed=V, levels=3)  # many ties in every row

@@ -94,7 +94,8 @@ def test_kernel_steps_are_grouping_invariant_and_roll_back_exactly(target_dir, m
         _same_state(state, fresh)
 
 
-def test_kernel_step_grouping_and_one_rollback(target_dir):
+@pytest.mark.exhaustive  # quick: the kernel step against the torch ops, and its launches; groupings and rollback
+def test_kernel_step_grouping_and_one_rollback(target_dir):  # over the torch ops in tests/engine/test_qwen3_5.py
     """The quick tier's share of the test above: through the kernels (stash rollback, f32), one
     step of W rows equals the same rows split 3 + 5, and verifying W rows then keeping 3 leaves
     the state a fresh run of those 3 rows leaves, bit for bit."""
