@@ -56,11 +56,12 @@ CASES = [  # t, n_heads, n_kv, head_dim, positions (odd live lengths 1, 37, 300,
     # Qwen3.5's gated attention (16 q / 4 kv heads of 256, its own tile): positions across
     # multiples of 256 (split boundaries of any power-of-two split up to 256) and odd lengths.
     (1, 16, 4, 256, [558]),
-    (16, 16, 4, 256, [0, 36, 127, 128, 129, 255, 256, 257, 299, 383, 384, 511, 512, 513, 558, 1]),
+    pytest.param(16, 16, 4, 256, [0, 36, 127, 128, 129, 255, 256, 257, 299, 383, 384, 511, 512, 513, 558, 1],
+                 marks=pytest.mark.exhaustive),  # quick: the 256 tile's one-row and verify-step cases
     (17, 16, 4, 256, list(range(500, 517))),  # a verify step across key 512
     (3, 4, 2, 80, [0, 299, 999]),  # a head narrower than its tile: the padded columns masked
 ]
-CASE_IDS = [f"t{c[0]}-nh{c[1]}-kv{c[2]}-hd{c[3]}" for c in CASES]
+CASE_IDS = [f"t{v[0]}-nh{v[1]}-kv{v[2]}-hd{v[3]}" for v in (getattr(c, "values", c) for c in CASES)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -223,6 +224,7 @@ def test_long_split_rows_run_their_own_split(dtype, device):
             assert torch.equal(got[own == split], want[own == split]), (storage, split)
 
 
+@pytest.mark.exhaustive  # quick: long splits against the twin; their invariance on the GPU tier's compiled kernels
 @pytest.mark.parametrize("dtype", INV_DTYPES, ids=str)
 def test_long_split_row_alone_equals_row_in_step(dtype, device):
     """Rows on either side of long_from: alone == inside a step of rows on both sides."""
@@ -534,7 +536,8 @@ PARTS = dict(SMALL, block_dv=16)  # a 64-wide head in 4 parts
 PARTS_LIVE = 240  # several splits and windows, short for the interpreter
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16], ids=str)
+@pytest.mark.exhaustive  # quick: the padded head's parts below, and TILES[512]'s parts in the hd512 window tests
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_value_parts_match_the_twin(dtype, device):
     """A head's value columns in parts (one program each): the twin's result, causal and
     windowed, and the whole-head tile's within the same tolerance."""
