@@ -50,7 +50,8 @@ GEMMA4_ATTN = {"sliding": (32, 16, 256, 1024), "full": (32, 4, 512, 0)}
 ATTN_CANDIDATES = {
     256: [(128, 32, 16, 3, 4), (256, 64, 16, 2, 4), (128, 32, 32, 2, 8)],
     512: [(128, 32, 16, 2, 8), (256, 32, 64, 3, 8, 2048, 4096, 256), (256, 32, 64, 3, 4, 2048, 4096, 128),
-          (256, 32, 64, 3, 4, 1024, 8192, 128), (128, 32, 64, 3, 4, 1024, 4096, 128), (256, 32, 64, 2, 4, 1024, 4096, 128)],
+          (256, 32, 64, 3, 4, 1024, 8192, 128), (128, 32, 64, 3, 4, 1024, 4096, 128),
+          (256, 32, 64, 2, 4, 1024, 4096, 128)],
 }
 # Full-layer tiles the whole step also runs with (`full_tile_steps`), beside the module tile and
 # the attention sweep's pick for the 512 class (`pick_tile`) when the sweep ran: the tile before
@@ -218,27 +219,36 @@ def full_tile_steps(target: Gemma4Target, contexts: list[int], helpers, width: i
     (`TILES[512]`, restored after), beside the module tile's rows: plain and verify ms per context."""
     from dataclasses import asdict
 
-    from memra_cli.engine.api import Engine
-    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
     from memra_kernels import attention
 
     module, rows = attention.TILES[512], {}
-    target.step_ops = TritonStepOps()
     try:
         for cand in tiles:
             attention.TILES[512] = attention.Tile(*cand)
-            engine = Engine.from_model(target, step_width=width, cuda_graphs=True)
-            row = rows[",".join(map(str, cand))] = {"tile": asdict(attention.TILES[512])}
-            for c in contexts:
-                row[str(c)] = {"plain_ms": helpers.step_ms(engine, c, 1)[0],
-                               "verify16_ms": helpers.step_ms(engine, c, width)[0]}
-                print(f"full tile {cand} ctx {c}: plain {row[str(c)]['plain_ms']:.3f} ms, "
-                      f"verify16 {row[str(c)]['verify16_ms']:.3f} ms", flush=True)
-            del engine
-            gc.collect()
-            torch.cuda.empty_cache()
+            rows[",".join(map(str, cand))] = {"tile": asdict(attention.TILES[512]),
+                                              **_triton_steps(target, contexts, helpers, width, f"full tile {cand}")}
     finally:
         attention.TILES[512] = module
+    return rows
+
+
+def _triton_steps(target: Gemma4Target, contexts: list[int], helpers, width: int, label: str) -> dict:
+    """Plain and verify ms per context of the graphed step with the Triton step ops, as the
+    module's attention globals stand; the Engine (its states, its graphs) freed after."""
+    from memra_cli.engine.api import Engine
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
+
+    target.step_ops = TritonStepOps()
+    engine = Engine.from_model(target, step_width=width, cuda_graphs=True)
+    rows: dict = {}
+    for c in contexts:
+        rows[str(c)] = {"plain_ms": helpers.step_ms(engine, c, 1)[0],
+                        "verify16_ms": helpers.step_ms(engine, c, width)[0]}
+        print(f"{label} ctx {c}: plain {rows[str(c)]['plain_ms']:.3f} ms, "
+              f"verify16 {rows[str(c)]['verify16_ms']:.3f} ms", flush=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -246,25 +256,13 @@ def causal_grid_steps(target: Gemma4Target, contexts: list[int], helpers, width:
     """The Triton step with the sliding layers' attention on the causal grid over every position
     (`attention.GRID_OVER_WINDOWS` off, restored after): the window grid's A/B, plain and verify
     ms per context (the same bits: tests/kernels/test_attention.py)."""
-    from memra_cli.engine.api import Engine
-    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
     from memra_kernels import attention
 
-    rows: dict = {}
-    target.step_ops = TritonStepOps()
-    attention.GRID_OVER_WINDOWS = False
+    before, attention.GRID_OVER_WINDOWS = attention.GRID_OVER_WINDOWS, False
     try:
-        engine = Engine.from_model(target, step_width=width, cuda_graphs=True)
-        for c in contexts:
-            rows[str(c)] = {"plain_ms": helpers.step_ms(engine, c, 1)[0], "verify16_ms": helpers.step_ms(engine, c, width)[0]}
-            print(f"causal grid ctx {c}: plain {rows[str(c)]['plain_ms']:.3f} ms, "
-                  f"verify16 {rows[str(c)]['verify16_ms']:.3f} ms", flush=True)
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        return _triton_steps(target, contexts, helpers, width, "causal grid")
     finally:
-        attention.GRID_OVER_WINDOWS = True
-    return rows
+        attention.GRID_OVER_WINDOWS = before
 
 
 def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False,

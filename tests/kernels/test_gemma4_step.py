@@ -177,3 +177,46 @@ def test_the_sweeps_pick_is_the_fastest_long_tile_no_slower_short():
     assert mod.pick_tile(rows) == (256, 16, 64, 2, 8, 2048, 4096, 256)  # 22.0 is over 5% slower at 512
     assert mod.pick_tile(rows, slack=1.2) == (256, 32, 64, 2, 8, 2048, 4096, 256)
     assert mod.pick_tile({"128,32,16,2,8,0,0,0": row(20.0, 900.0), "64,32,16,2,8,0,0,0": row(30.0, 100.0)}) is None
+
+
+def test_the_benchmarks_step_ab_sets_and_restores_the_attentions_globals(monkeypatch):
+    """gemma4_step's causal_grid_steps and full_tile_steps (GPU runs: here an Engine stand-in and a
+    timer that records what it ran under): each step is timed with the grid / tile it names, and
+    the module's values are back after, also when a step fails."""
+    import importlib.util
+
+    from memra_cli.engine.api import Engine
+    from memra_kernels import attention
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "gemma4_step.py"
+    spec = importlib.util.spec_from_file_location("gemma4_step_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    seen = []
+
+    class Helpers:
+        @staticmethod
+        def step_ms(engine, ctx, rows):
+            seen.append((attention.GRID_OVER_WINDOWS, attention.TILES[512].split, ctx, rows))
+            if ctx == 13:
+                raise RuntimeError("out of memory")
+            return 1.5, 0.0
+
+    class Target:
+        step_ops = None
+
+    monkeypatch.setattr(Engine, "from_model", classmethod(lambda cls, *a, **k: object()))
+    module = attention.TILES[512]
+    rows = mod.causal_grid_steps(Target(), [512, 32768], Helpers, 16)
+    assert rows == {c: {"plain_ms": 1.5, "verify16_ms": 1.5} for c in ("512", "32768")}
+    assert {s[0] for s in seen} == {False} and attention.GRID_OVER_WINDOWS is True
+    seen.clear()
+    rows = mod.full_tile_steps(Target(), [512], Helpers, 16, [(128, 32, 16, 2, 8)])
+    assert rows["128,32,16,2,8"]["512"] == {"plain_ms": 1.5, "verify16_ms": 1.5}
+    assert {s[1] for s in seen} == {128} and attention.TILES[512] is module
+    with pytest.raises(RuntimeError):
+        mod.full_tile_steps(Target(), [13], Helpers, 16, [(128, 32, 16, 2, 8)])
+    with pytest.raises(RuntimeError):
+        mod.causal_grid_steps(Target(), [13], Helpers, 16)
+    assert attention.TILES[512] is module and attention.GRID_OVER_WINDOWS is True
