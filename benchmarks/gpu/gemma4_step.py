@@ -15,7 +15,9 @@ write, the sandwich norms' add + norm, GELU-tanh · up, softcap) and with the to
 beside them (`torch_plain_ms` / `torch_verify16_ms`, and the ratios), CUDA kernels per eager step
 for each, how far one 16-row step's logits of the two are apart (`ops_agreement`), and peak GPU
 memory; then the Triton step again with each of `STEP_FULL_TILES` as the full layers' attention
-tile (`full_tile_steps`, the same process). `SMALL` is the CPU smoke test's shape.
+tile (`full_tile_steps`, the same process). Before those, the exactness gate (`exactness_sweep`,
+`exact`): speculative rounds == plain greedy on the timed target at 512 and 2,048 keys (past the
+window). `SMALL` is the CPU smoke test's shape.
 
 With `--attn-sweep` (target_step.py) it also times the attention alone at the 31B's two layer
 shapes for the module's tile and the candidates in `ATTN_CANDIDATES` (graphed, us per call, one
@@ -265,6 +267,34 @@ def causal_grid_steps(target: Gemma4Target, contexts: list[int], helpers, width:
         attention.GRID_OVER_WINDOWS = before
 
 
+def exactness_sweep(target: Gemma4Target, helpers, width: int, lengths: tuple[int, ...] = (512, 2048),
+                    prompts: int = 2, tokens: int = 48, cuda_graphs: bool = True) -> dict:
+    """Speculative == plain greedy on the timed target: each random prompt's plain stream, then
+    the same stream through speculative rounds whose drafts are that stream with one slot
+    corrupted per round (`helpers.oracle_run`, target_step's StreamOracle), so every acceptance
+    length is verified and rolled back. A length past the sliding window (1,024 on the 31B) runs
+    the sliding layers' rings through wrapped rounds. {"runs": [...], "exact": bool}."""
+    from benchmarks.gpu_shapes import run_arm
+    from memra_cli.engine.api import Engine
+
+    engine = Engine.from_model(target, step_width=width, cuda_graphs=cuda_graphs)
+    runs = []
+    for length in lengths:
+        for k in range(prompts):
+            ids = torch.randint(0, target.vocab_size - 1, (length,),
+                                generator=torch.Generator().manual_seed(100 + k)).tolist()
+            plain, _ = run_arm(engine, None, ids, tokens)
+            spec, tau = helpers.oracle_run(engine, ids, plain.tokens, seed=k)
+            runs.append({"length": length, "prompt": k, "exact": spec == plain.tokens, "oracle_tau": tau})
+            print(f"exactness length {length} prompt {k}: {'exact' if runs[-1]['exact'] else 'MISMATCH'}, "
+                  f"oracle tau {tau:.2f}", flush=True)
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"tokens": tokens, "runs": runs, "exact": all(r["exact"] for r in runs)}
+
+
 def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False,
             ops: tuple[str, ...] = ("torch", "triton")) -> dict:
     """The CUDA run (`helpers`: target_step's graph_ms / replay_ms / copy_gbps / step_ms /
@@ -312,6 +342,10 @@ def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False,
             out["triton_over_torch"] = {f: {c: out[f][c] / out["torch_" + f][c] for c in out[f]}
                                         for f in ("plain_ms", "verify16_ms")}
         save(out, out_path)  # each stage's results kept should a later one fail
+        target.step_ops = TritonStepOps()  # the gate runs the shipped path: Triton ops, graphs on
+        out["exactness"] = exactness_sweep(target, helpers, W)
+        out["exact"] = out["exactness"]["exact"]
+        save(out, out_path)
         tiles = list(STEP_FULL_TILES)
         if attn_sweep:
             out["attention_sweep"] = attention_sweep(contexts, helpers.graph_ms, torch.device("cuda"))

@@ -393,3 +393,35 @@ def test_gemma4_step_benchmark_pieces_on_cpu():
     from memra_cli.engine.layers.torch_step_ops import TorchStepOps
     agree = mod.ops_agreement(target, {"torch": TorchStepOps(), "again": TorchStepOps()}, WIDTH, prompt=70)
     assert agree == {"again_vs_torch": {"rel_l2": 0.0, "argmax_agree": 1.0}}
+
+
+def test_gemma4_step_benchmarks_exactness_gate_on_cpu():
+    """gemma4_step.exactness_sweep, the 31B step benchmark's spec == plain gate, on the SMALL
+    shape: a prompt inside the window and one past it (the sliding rings wrap) both pass with
+    target_step's stream oracle, and the gate fails when the speculative stream differs (a
+    planted oracle that flips one committed token)."""
+    import importlib.util
+    import types
+    from pathlib import Path
+
+    import benchmarks.gpu.target_step as helpers
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "gemma4_step.py"
+    spec = importlib.util.spec_from_file_location("gemma4_step_gate", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    torch.manual_seed(0)
+    target = mod.random_gemma4(mod.SMALL, torch.float32, torch.device("cpu"))
+    window = mod.SMALL["window"]
+    gate = mod.exactness_sweep(target, helpers, WIDTH, lengths=(window // 2, 2 * window + 5), prompts=1,
+                               tokens=24, cuda_graphs=False)
+    assert gate["exact"] and [r["length"] for r in gate["runs"]] == [window // 2, 2 * window + 5]
+    assert all(1.0 < r["oracle_tau"] for r in gate["runs"])  # rounds accepted drafts: rollback was exercised
+
+    def flipped(engine, ids, stream, seed):
+        out, tau = helpers.oracle_run(engine, ids, stream, seed)
+        return out[:5] + [(out[5] + 1) % target.vocab_size] + out[6:], tau
+
+    broken = mod.exactness_sweep(target, types.SimpleNamespace(oracle_run=flipped), WIDTH, lengths=(window // 2,),
+                                 prompts=1, tokens=24, cuda_graphs=False)
+    assert not broken["exact"] and not broken["runs"][0]["exact"]
