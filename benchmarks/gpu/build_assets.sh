@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu/build_assets.sh assemble   # carry build-work/ holding both calls' drafters/
 #                                                  # (and one call's state.json, stdlib.jsonl, target/)
 #   SHARDS=2 on a solo call: data.pt and one more draw of prompts, the drafter over both;
+#   LAYERS=N on a solo call: the drafter's depth instead of the depth sweep's best;
 #   BENCH=1 on the assemble call: the new pair benched beside the shipped one (carry .whl too)
 # On two GPUs (kind nvidia-h200-x2) `retrain` already trains each drafter alone, on its own GPU,
 # in one call: device time counts the call's wall time whatever the kind, so that is the cheaper way.
@@ -93,7 +94,7 @@ elif [ "$stage" = solo ]; then
       | tee $R/build-data-$shard.log
   done
   python3 -m memra_cli.assets.build --stage drafter --kind "$kind" --work build-work --shards "${SHARDS:-1}" \
-    --draft-budget-s "${BUDGET_S:-400}" 2>&1 | grep -v "Loading weights" | tee $R/build-$kind.log | grep -v " step "
+    --draft-budget-s "${BUDGET_S:-400}" ${LAYERS:+--draft-layers $LAYERS} 2>&1 | grep -v "Loading weights" | tee $R/build-$kind.log | grep -v " step "
   # the drafter's resumable training state (drafters/KIND.ckpt, ~25 MB with AdamW's moments) stays
   # behind too: the assemble call's carry (64 MiB) must hold both drafters beside the target
   tar cf - --exclude=build-work/data.pt --exclude='build-work/data.shard*.pt' --exclude='build-work/drafters/*.ckpt' \

@@ -545,6 +545,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of training per drafter (the drafter stages; default: the recipe's). A drafter "
                         "trained alone on the GPU (one per device call) gets about twice the steps a second of two "
                         "side by side, so a split build trains each alone (benchmarks/gpu/build_assets.sh solo)")
+    p.add_argument("--draft-layers", type=int,
+                   help="--stage drafter: the drafter's layers (default: the depth sweep's best, work/sweep.json); "
+                        "recorded as layers_from 'recipe' in build_info.json")
     p.add_argument("--shard", type=int, default=0,
                    help="--stage data: write training shard I (>= 1) beside data.pt: another draw of prompts, "
                         "continued the same way (shards generate on separate GPUs side by side)")
@@ -554,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.draft_budget_s is not None and not a.draft_budget_s > 0:  # refused before anything is made
         raise SystemExit(f"error: --draft-budget-s {a.draft_budget_s:g}: expected seconds > 0")
+    if a.draft_layers is not None and a.draft_layers < 1:
+        raise SystemExit(f"error: --draft-layers {a.draft_layers}: expected a layer count >= 1")
     if a.shard < 0 or a.shards < 1:
         raise SystemExit(f"error: --shard {a.shard} / --shards {a.shards}: expected a shard >= 0 and shards >= 1")
     recipe = SMOKE if a.smoke else Recipe()
@@ -563,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe = replace(recipe, draft_steps=a.draft_steps)
     if a.draft_budget_s is not None:
         recipe = replace(recipe, dflash_budget_s=a.draft_budget_s, dspark_budget_s=a.draft_budget_s)
+    if a.draft_layers is not None:
+        recipe = replace(recipe, draft_layers=a.draft_layers)
     if a.stage == "seed" and a.work is None:  # refused before anything is made
         raise SystemExit("error: --stage seed needs --work DIR (the folder the later stages read)")
     device, ranks = _process_group(torch.device(a.device))

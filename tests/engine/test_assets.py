@@ -129,16 +129,18 @@ def test_drafters_retrain_over_a_shipped_target(tmp_path):
 def test_split_build_trains_each_drafter_in_its_own_process_with_its_budget(tmp_path):
     """The split build (benchmarks/gpu/build_assets.sh solo KIND, then assemble): each drafter
     stage in its own process over its own seeded work folder, `--draft-budget-s` recorded in its
-    entry, the two drafter folders gathered into one work folder and assembled. A budget that is
-    not a positive number of seconds is refused in one line before anything is made."""
+    entry, `--draft-layers` overriding the depth sweep's pick, the two drafter folders gathered
+    into one work folder and assembled. A budget that is not a positive number of seconds, or a
+    depth below one layer, is refused in one line before anything is made."""
     import shutil
 
     old, new = tmp_path / "old", tmp_path / "new"
     assert build_main(["--smoke", "--out", str(old), "--device", "cpu"]) == 0
     for kind in ("dflash", "dspark"):
         work = tmp_path / f"work-{kind}"
+        depth = ["--draft-layers", "2"] if kind == "dspark" else []  # the sweep's depth overridden
         for stage in (["--stage", "seed", "--from", str(old)], ["--stage", "data"],
-                      ["--stage", "drafter", "--kind", kind, "--draft-budget-s", "30"]):
+                      ["--stage", "drafter", "--kind", kind, "--draft-budget-s", "30", *depth]):
             assert build_main(["--smoke", "--work", str(work), "--device", "cpu", *stage]) == 0
         # the stage trained through `memra train`'s job: its resumable state, of the exported geometry
         state = torch.load(work / "drafters" / f"{kind}.ckpt" / "state.pt", weights_only=False)
@@ -149,11 +151,16 @@ def test_split_build_trains_each_drafter_in_its_own_process_with_its_budget(tmp_
     assert build_main(["--smoke", "--work", str(tmp_path / "work-dflash"), "--out", str(new), "--stage", "assemble"]) == 0
     info = json.loads((new / "build_info.json").read_text())
     assert info["dflash"]["budget_s"] == info["dspark"]["budget_s"] == 30.0
+    assert info["dspark"]["layers"] == 2 and info["dspark"]["layers_from"] == "recipe"
+    assert info["dflash"]["layers_from"] != "recipe"
     assert take_census(new / "dflash").markov is None and take_census(new / "dspark").markov is not None
     for bad in ("0", "-5"):
         with pytest.raises(SystemExit, match=rf"--draft-budget-s {bad}: expected seconds > 0"):
             build_main(["--smoke", "--work", str(tmp_path / "never"), "--stage", "drafter", "--kind", "dspark",
                         "--draft-budget-s", bad])
+    with pytest.raises(SystemExit, match=r"--draft-layers 0: expected a layer count >= 1"):
+        build_main(["--smoke", "--work", str(tmp_path / "never"), "--stage", "drafter", "--kind", "dspark",
+                    "--draft-layers", "0"])
     assert not (tmp_path / "never").exists()
 
 

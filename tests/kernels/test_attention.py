@@ -195,7 +195,8 @@ def _long_step(dtype, device, seed):
     return _q(len(LONG_POS), 8, 64, dtype, device, seed=seed), torch.tensor(LONG_POS, device=device)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16],
+                         ids=str)  # quick: bf16, whose rounding shows a changed order first
 def test_long_split_matches_ref(dtype, device):
     """Rows at every split size in one step: the reference's result, usual tolerance."""
     nkv, hd = 2, 64

@@ -219,7 +219,8 @@ def test_batched_replay_matches_its_twin_and_may_run_in_place(device):
     assert torch.equal(inplace, got)
 
 
-@pytest.mark.parametrize("row0,rows", [(0, 1), (6, 4), (3, 0), (2, 8)])
+# quick: (6, 4) reads a multi-row window off the device as (2, 8) does (exhaustive)
+@pytest.mark.parametrize("row0,rows", [(0, 1), (6, 4), (3, 0), pytest.param(2, 8, marks=pytest.mark.exhaustive)])
 def test_device_rows_replay_is_the_host_rows_replay(row0, rows, device):
     """The graphed rollback's replay reads (row0, rows) on the device: the same compiled per-row
     code as the host-argument launch, so the same bits; its twin reads them on the host."""
