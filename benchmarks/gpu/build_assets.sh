@@ -87,8 +87,8 @@ elif [ "$stage" = seed ]; then
 elif [ "$stage" = solo ]; then
   kind=${2:?solo needs dflash or dspark}
   seed_and_data
-  # SHARDS > 1: further draws of training prompts (data --shard I, ~75 s each on an H200), so the
-  # drafter makes fewer passes over more data in its budget (docs/tuning.md#drafter-data)
+  # SHARDS > 1: further draws of training prompts (data --shard I), so the drafter makes fewer
+  # passes over more data in its budget (docs/tuning.md#drafter-data)
   for ((shard = 1; shard < ${SHARDS:-1}; shard++)); do
     python3 -m memra_cli.assets.build --stage data --shard $shard --work build-work 2>&1 | grep -v "Loading weights" \
       | tee $R/build-data-$shard.log

@@ -543,8 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-steps", type=int)
     p.add_argument("--draft-budget-s", type=float,
                    help="seconds of training per drafter (the drafter stages; default: the recipe's). A drafter "
-                        "trained alone on the GPU (one per device call) gets about twice the steps a second of two "
-                        "side by side, so a split build trains each alone (benchmarks/gpu/build_assets.sh solo)")
+                        "trained alone on the GPU (one per device call) makes more steps a second than two side by "
+                        "side (docs/bench.md, 'The embedded models'), so a split build trains each alone "
+                        "(benchmarks/gpu/build_assets.sh solo)")
     p.add_argument("--draft-layers", type=int,
                    help="--stage drafter: the drafter's layers (default: the depth sweep's best, work/sweep.json); "
                         "recorded as layers_from 'recipe' in build_info.json")
