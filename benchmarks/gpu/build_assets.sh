@@ -106,8 +106,9 @@ elif [ "$stage" = assemble ]; then
   if [ "${BENCH:-0}" = 1 ]; then
     for set in humaneval stdlib; do
       python3 -m memra_cli bench --prompts $set --max-new 128 --warmup 2 \
-        --arm off --arm plain --arm dflash --arm dspark --arm dspark:adapt=0 \
-        --arm dflash:draft=/tmp/assets/dflash --arm dspark:draft=/tmp/assets/dspark \
+        --arm off --arm plain --arm dflash --arm dflash:adapt=0 --arm dspark --arm dspark:adapt=0 \
+        --arm dflash:draft=/tmp/assets/dflash --arm dflash:draft=/tmp/assets/dflash,adapt=0 \
+        --arm dspark:draft=/tmp/assets/dspark \
         --arm dspark:draft=/tmp/assets/dspark,adapt=0 --arm dspark:draft=/tmp/assets/dspark,vt=ladder \
         --plot $R/bench-$set.png --json > $R/bench-$set.json 2> $R/bench-$set.log
       echo "bench $set rc=$?"; tail -n 3 $R/bench-$set.log
