@@ -249,9 +249,16 @@ def _triton_steps(target: Gemma4Target, contexts: list[int], helpers, width: int
         print(f"{label} ctx {c}: plain {rows[str(c)]['plain_ms']:.3f} ms, "
               f"verify16 {rows[str(c)]['verify16_ms']:.3f} ms", flush=True)
     del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    _free_engines()
     return rows
+
+
+def _free_engines() -> None:
+    """Collect dropped Engines (their states and graphs) and hand their CUDA memory back, so the
+    next stage's Engine starts from the same memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def causal_grid_steps(target: Gemma4Target, contexts: list[int], helpers, width: int) -> dict:
@@ -289,9 +296,7 @@ def exactness_sweep(target: Gemma4Target, helpers, width: int, lengths: tuple[in
             print(f"exactness length {length} prompt {k}: {'exact' if runs[-1]['exact'] else 'MISMATCH'}, "
                   f"oracle tau {tau:.2f}", flush=True)
     del engine
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _free_engines()
     return {"tokens": tokens, "runs": runs, "exact": all(r["exact"] for r in runs)}
 
 
@@ -321,8 +326,8 @@ def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False,
             out["ops_agreement"] = ops_agreement(target, ops_by_name, W)
             print(f"ops agreement: {out['ops_agreement']}")
         out["kernels_per_step"] = {}
-        for name, ops in ops_by_name.items():  # same process, same target: a side-by-side ratio
-            target.step_ops = ops
+        for name, step_ops in ops_by_name.items():  # same process, same target: a side-by-side ratio
+            target.step_ops = step_ops
             engine = Engine.from_model(target, step_width=W, cuda_graphs=True)
             out["kernels_per_step"][name] = helpers.kernels_per_step(engine)
             key = "" if name == "triton" else f"{name}_"
@@ -336,8 +341,7 @@ def measure(contexts: list[int], out_path, helpers, attn_sweep: bool = False,
                 print(f"{name} ctx {c}: plain {plain:.3f} ms (floor {out['floor_ms'][str(c)]:.3f}, HBM read floor "
                       f"{out['hbm_read_floor_ms'][str(c)]:.3f}), verify16 {verify:.3f} ms, peak {peak:.1f} GiB")
             del engine
-            gc.collect()
-            torch.cuda.empty_cache()
+            _free_engines()
         if "torch" in ops_by_name:
             out["triton_over_torch"] = {f: {c: out[f][c] / out["torch_" + f][c] for c in out[f]}
                                         for f in ("plain_ms", "verify16_ms")}

@@ -247,7 +247,7 @@ PARTS = {p.name: p for p in (
     Part("gemma4_tiles", "Gemma-4-31B text-shape step with the Triton step ops: the module tiles, the sliding "
          "layers on the causal grid, the full layers on gemma4_step.STEP_FULL_TILES, ms (no sweep, no torch ops)",
          240, _gemma4_tiles),
-        Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows on the MoE kernels, and the MoE op (the twin's, the "
+    Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows on the MoE kernels, and the MoE op (the twin's, the "
          "kernels' at other tiles and grids), vs the read floor of the expert union, ms", 240, _moe_step),
     Part("moe_profile", "Qwen3-30B-A3B-shape 16-row step at 1 and 16 live rows: graphed ms vs the floor, and its "
          "kernels by name under the profiler, µs", 150, _moe_profile),
