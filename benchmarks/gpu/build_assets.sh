@@ -16,7 +16,8 @@
 #                                                  # (and one call's state.json, stdlib.jsonl, target/)
 #   SHARDS=2 on a solo call: data.pt and one more draw of prompts, the drafter over both;
 #   LAYERS=N on a solo call: the drafter's depth instead of the depth sweep's best;
-#   BENCH=1 on the assemble call: the new pair benched beside the shipped one (carry .whl too)
+#   BENCH=1 on the assemble call: the new pair benched beside the shipped one (carry .whl too);
+#   BENCH_KINDS=dspark (or dflash) benches only that kind's arms
 # On two GPUs (kind nvidia-h200-x2) `retrain` already trains each drafter alone, on its own GPU,
 # in one call: device time counts the call's wall time whatever the kind, so that is the cheaper way.
 # On four GPUs (kind nvidia-h200-x4) `retrain` is the recipe of docs/train.md "Retraining the
@@ -104,12 +105,15 @@ elif [ "$stage" = assemble ]; then
   # BENCH=1: the assembled pair beside the shipped one, in one bench process per prompt set (the
   # bench needs the CLI's wheels: carry .whl too)
   if [ "${BENCH:-0}" = 1 ]; then
+    # BENCH_KINDS: the drafter kinds whose arms run (default both; one kind when only that drafter
+    # was retrained, so the call spends its time on the arms that changed)
+    arms=(--arm off --arm plain)
+    for kind in ${BENCH_KINDS:-dflash dspark}; do
+      arms+=(--arm $kind --arm $kind:adapt=0 --arm $kind:draft=/tmp/assets/$kind
+             --arm $kind:draft=/tmp/assets/$kind,adapt=0)
+    done
     for set in humaneval stdlib; do
-      python3 -m memra_cli bench --prompts $set --max-new 128 --warmup 2 \
-        --arm off --arm plain --arm dflash --arm dflash:adapt=0 --arm dspark --arm dspark:adapt=0 \
-        --arm dflash:draft=/tmp/assets/dflash --arm dflash:draft=/tmp/assets/dflash,adapt=0 \
-        --arm dspark:draft=/tmp/assets/dspark \
-        --arm dspark:draft=/tmp/assets/dspark,adapt=0 --arm dspark:draft=/tmp/assets/dspark,vt=ladder \
+      python3 -m memra_cli bench --prompts $set --max-new 128 --warmup 2 "${arms[@]}" \
         --plot $R/bench-$set.png --json > $R/bench-$set.json 2> $R/bench-$set.log
       echo "bench $set rc=$?"; tail -n 3 $R/bench-$set.log
     done
