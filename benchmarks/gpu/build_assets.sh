@@ -15,7 +15,7 @@
 #   bash benchmarks/gpu/build_assets.sh assemble   # carry build-work/ holding both calls' drafters/
 #                                                  # (and one call's state.json, stdlib.jsonl, target/)
 #   SHARDS=2 on a solo call: data.pt and one more draw of prompts, the drafter over both;
-#   LAYERS=N on a solo call: the drafter's depth instead of the depth sweep's best;
+#   LAYERS=N on a solo call: the drafter's depth instead of the recipe's (DFlash 3, DSpark the sweep's best);
 #   BENCH=1 on the assemble call: the new pair benched beside the shipped one (carry .whl too);
 #   BENCH_KINDS=dspark (or dflash) benches only that kind's arms
 # On two GPUs (kind nvidia-h200-x2) `retrain` already trains each drafter alone, on its own GPU,

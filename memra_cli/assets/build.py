@@ -97,7 +97,11 @@ class Recipe:
     # continuations generated per batch: one-token steps of a tiny model are launch-bound, so a
     # larger batch makes more sequences a second (docs/tuning.md#drafter-data)
     gen_batch: int = 16384
-    draft_layers: int | None = None  # None: the sweep's best (work/sweep.json), else 1
+    draft_layers: int | None = None  # both kinds' depth (--draft-layers); None: each kind's below
+    # DFlash's depth: the sweep times DSpark at 45 s, and at the full budget three DFlash layers beat
+    # two in tau and speed (docs/bench.md#three-layers-the-12-06b-dflash-drafter)
+    dflash_layers: int | None = 3
+    dspark_layers: int | None = None  # None: the sweep's best (work/sweep.json), else 1
     dflash_block: int = 16  # 15 drafts: anchor + drafts fill one 16-row verify step
     dspark_block: int = 15  # 15 drafts, likewise
     dflash_taps: tuple[int, ...] = (1, 3, 4)
@@ -136,7 +140,7 @@ TARGET_FIELDS = ("vocab", "hidden", "target_layers", "heads", "kv_heads", "ffn",
 
 SMOKE = Recipe(vocab=300, hidden=32, target_layers=4, heads=2, kv_heads=1, ffn=64, max_pos=512, target_steps=1,
                target_batch=2, seq_len=64, n_prompts=8, n_head_prompts=4, prompt_len=16, cont_len=240, gen_batch=8,
-               draft_layers=None, dflash_block=4, dspark_block=3, dflash_taps=(0, 2), dspark_taps=(-1, 2), markov_rank=8,
+               draft_layers=None, dflash_layers=None, dflash_block=4, dspark_block=3, dflash_taps=(0, 2), dspark_taps=(-1, 2), markov_rank=8,
                draft_steps=1, draft_batch=2, anchors=4, eval_prompts=4, max_files=12, heldout_every=4,
                stdlib_prompts=8, head_tokens=200, val_every=1, drafter_files_every=3, sweep=((3, 1), (4, 1)), sweep_budget_s=None,
                target_budget_s=None, dflash_budget_s=None, dspark_budget_s=None)
@@ -418,11 +422,14 @@ def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
     return rows
 
 
-def drafter_layers(work: Path, r: Recipe) -> tuple[int, str]:
-    """(drafter layers, where the number came from): the recipe's when it sets one, else the
+def drafter_layers(work: Path, r: Recipe, kind: str) -> tuple[int, str]:
+    """(layers of the `kind` drafter, where the number came from): the recipe's when it sets one
+    (`draft_layers` for both kinds, else `dflash_layers` / `dspark_layers`), else the
     best-scoring row of the sweep in `work/sweep.json`, else 1."""
-    if r.draft_layers is not None:
-        return r.draft_layers, "recipe"
+    own = r.dflash_layers if kind == "dflash" else r.dspark_layers
+    for layers in (r.draft_layers, own):
+        if layers is not None:
+            return layers, "recipe"
     if (work / "sweep.json").is_file():
         best = json.loads((work / "sweep.json").read_text())["best"]
         return int(best["layers"]), f"sweep (block {best['block']}, score {best['score']})"
@@ -441,7 +448,7 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device, shards
     calib_h, eval_h = _halves(data["held_heads"])
     taps, block, budget = ((r.dflash_taps, r.dflash_block, r.dflash_budget_s) if kind == "dflash"
                            else (r.dspark_taps, r.dspark_block, r.dspark_budget_s))
-    layers, layers_from = drafter_layers(work, r)
+    layers, layers_from = drafter_layers(work, r, kind)
     geo = _geometry(kind, r, taps, block, layers)
     spec = spec_of(geo)
     t = time.time()
@@ -547,8 +554,8 @@ def main(argv: list[str] | None = None) -> int:
                         "side (docs/bench.md, 'The embedded models'), so a split build trains each alone "
                         "(benchmarks/gpu/build_assets.sh solo)")
     p.add_argument("--draft-layers", type=int,
-                   help="--stage drafter: the drafter's layers (default: the depth sweep's best, work/sweep.json); "
-                        "recorded as layers_from 'recipe' in build_info.json")
+                   help="--stage drafter: the drafter's layers (default: the recipe's, 3 for DFlash, and the depth "
+                        "sweep's best for DSpark, work/sweep.json); recorded as layers_from 'recipe' in build_info.json")
     p.add_argument("--shard", type=int, default=0,
                    help="--stage data: write training shard I (>= 1) beside data.pt: another draw of prompts, "
                         "continued the same way (shards generate on separate GPUs side by side)")

@@ -164,6 +164,23 @@ def test_split_build_trains_each_drafter_in_its_own_process_with_its_budget(tmp_
     assert not (tmp_path / "never").exists()
 
 
+def test_each_kinds_depth_comes_from_the_recipe_or_the_sweep(tmp_path):
+    """DFlash's depth is the recipe's (the sweep times DSpark), DSpark's the sweep's best row, and
+    `--draft-layers` (the recipe's `draft_layers`) overrides both."""
+    from dataclasses import replace
+
+    from memra_cli.assets.build import Recipe, drafter_layers
+
+    r = Recipe()
+    assert r.dflash_layers == 3 and r.dspark_layers is None
+    (tmp_path / "sweep.json").write_text(json.dumps({"best": {"block": 15, "layers": 2, "score": 5.0}}))
+    assert drafter_layers(tmp_path, r, "dflash") == (3, "recipe")
+    assert drafter_layers(tmp_path, r, "dspark") == (2, "sweep (block 15, score 5.0)")
+    assert drafter_layers(tmp_path / "none", r, "dspark") == (1, "default (no sweep.json in the work folder)")
+    both = replace(r, draft_layers=4)
+    assert drafter_layers(tmp_path, both, "dflash") == drafter_layers(tmp_path, both, "dspark") == (4, "recipe")
+
+
 def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
     """The training twin and the engine compute the same function on exported weights, so the
     acceptance measured at build time is the acceptance the engine will see."""
