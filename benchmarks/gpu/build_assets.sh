@@ -34,7 +34,8 @@
 set -o pipefail
 source benchmarks/gpu/_env.sh  # memra_kernels, the repo and any carried wheels on the path
 stage=${1:?stage: target, seed, drafters, retrain, solo KIND or assemble}
-R=/tmp/results; mkdir -p $R "$OUT"
+# a fresh results folder: a warm machine keeps /tmp between calls (and the bench refuses to overwrite a plot)
+R=/tmp/results; rm -rf $R; mkdir -p $R "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/gpu.txt
 python3 -c "import sys, torch, transformers, tokenizers; print(sys.version, torch.__version__, transformers.__version__, tokenizers.__version__)" | tee -a $R/gpu.txt
 # a fresh build-work seeded with the shipped target (and its record), then the drafter data over it
