@@ -45,7 +45,7 @@ def _setup(kind: str, n_seqs: int, device):
     r = Recipe()
     taps, block = (r.dflash_taps, r.dflash_block) if kind == "dflash" else (r.dspark_taps, r.dspark_block)
     seqs = torch.randint(2, r.vocab, (n_seqs, r.prompt_len + r.cont_len), generator=torch.Generator().manual_seed(0))
-    return r, _target(device), FixedSequences(seqs, torch.full((n_seqs,), r.prompt_len)), _geometry(kind, r, taps, block, 2)
+    return r, _target(device), FixedSequences(seqs, torch.full((n_seqs,), r.prompt_len)), _geometry(kind, r, taps, block, layers=2)
 
 
 def _job(r: Recipe, target, data: FixedSequences, geo, batch: int, device, compile: bool) -> TrainJob:

@@ -150,10 +150,11 @@ def _log(msg: str) -> None:
     print(f"[build {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def _geometry(kind: str, r: Recipe, taps: tuple[int, ...], block: int | None = None, layers: int | None = None) -> Geometry:
-    """The drafter's geometry as `memra train` describes it (the export is shared: train/export.py)."""
+def _geometry(kind: str, r: Recipe, taps: tuple[int, ...], block: int | None = None, *, layers: int) -> Geometry:
+    """The drafter's geometry as `memra train` describes it (the export is shared: train/export.py);
+    `layers` as `drafter_layers` (or a sweep row) resolved it."""
     dspark = kind == "dspark"
-    return Geometry(kind, layers or r.draft_layers or 1, block or (r.dflash_block if kind == "dflash" else r.dspark_block),
+    return Geometry(kind, layers, block or (r.dflash_block if kind == "dflash" else r.dspark_block),
                     tuple(taps), SPECIALS.index("<|MASK|>"), r.markov_rank if dspark else 0, dspark, r.hidden, r.heads,
                     r.kv_heads, r.hidden // r.heads, r.ffn, r.vocab, r.target_layers, max_positions=r.max_pos)
 
@@ -404,7 +405,7 @@ def sweep(work: Path, r: Recipe, device: torch.device) -> list[dict]:
     _, held = _halves(data["held_heads"])
     rows = []
     for block, layers in r.sweep:
-        geo = _geometry("dspark", r, r.dspark_taps, block, layers)
+        geo = _geometry("dspark", r, r.dspark_taps, block, layers=layers)
         spec = spec_of(geo)
         t = time.time()
         job, _ = _train(geo, r, data["train"], target, device, r.sweep_budget_s, None)
@@ -449,7 +450,7 @@ def build_drafter(work: Path, kind: str, r: Recipe, device: torch.device, shards
     taps, block, budget = ((r.dflash_taps, r.dflash_block, r.dflash_budget_s) if kind == "dflash"
                            else (r.dspark_taps, r.dspark_block, r.dspark_budget_s))
     layers, layers_from = drafter_layers(work, r, kind)
-    geo = _geometry(kind, r, taps, block, layers)
+    geo = _geometry(kind, r, taps, block, layers=layers)
     spec = spec_of(geo)
     t = time.time()
     job, loss_last = _train(geo, r, data["train"], target, device, budget, work / "drafters" / f"{kind}.ckpt", ranks)
