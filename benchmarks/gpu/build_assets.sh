@@ -16,6 +16,7 @@
 #                                                  # (and one call's state.json, stdlib.jsonl, target/)
 #   SHARDS=2 on a solo call: data.pt and one more draw of prompts, the drafter over both;
 #   LAYERS=N on a solo call: the drafter's depth instead of the recipe's (DFlash 3, DSpark the sweep's best);
+#   MARKOV=R on a solo dspark call: the markov head's rank instead of the recipe's 64;
 #   BENCH=1 on the assemble call: the new pair benched beside the shipped one (carry .whl too);
 #   BENCH_KINDS=dspark (or dflash) benches only that kind's arms
 # On two GPUs (kind nvidia-h200-x2) `retrain` already trains each drafter alone, on its own GPU,
@@ -96,7 +97,7 @@ elif [ "$stage" = solo ]; then
       | tee $R/build-data-$shard.log
   done
   python3 -m memra_cli.assets.build --stage drafter --kind "$kind" --work build-work --shards "${SHARDS:-1}" \
-    --draft-budget-s "${BUDGET_S:-400}" ${LAYERS:+--draft-layers $LAYERS} 2>&1 | grep -v "Loading weights" | tee $R/build-$kind.log | grep -v " step "
+    --draft-budget-s "${BUDGET_S:-400}" ${LAYERS:+--draft-layers $LAYERS} ${MARKOV:+--markov-rank $MARKOV} 2>&1 | grep -v "Loading weights" | tee $R/build-$kind.log | grep -v " step "
   # the drafter's resumable training state (drafters/KIND.ckpt, ~25 MB with AdamW's moments) stays
   # behind too: the assemble call's carry (64 MiB) must hold both drafters beside the target
   tar cf - --exclude=build-work/data.pt --exclude='build-work/data.shard*.pt' --exclude='build-work/drafters/*.ckpt' \

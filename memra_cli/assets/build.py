@@ -557,6 +557,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-layers", type=int,
                    help="--stage drafter: the drafter's layers (default: the recipe's, 3 for DFlash, and the depth "
                         "sweep's best for DSpark, work/sweep.json); recorded as layers_from 'recipe' in build_info.json")
+    p.add_argument("--markov-rank", type=int,
+                   help="--stage drafter / sweep: the DSpark markov head's rank (default: the recipe's 64; the "
+                        "engine walks the chain over a full bias table, so the rank costs nothing when drafting: "
+                        "docs/bench.md#the-markov-heads-rank)")
     p.add_argument("--shard", type=int, default=0,
                    help="--stage data: write training shard I (>= 1) beside data.pt: another draw of prompts, "
                         "continued the same way (shards generate on separate GPUs side by side)")
@@ -568,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: --draft-budget-s {a.draft_budget_s:g}: expected seconds > 0")
     if a.draft_layers is not None and a.draft_layers < 1:
         raise SystemExit(f"error: --draft-layers {a.draft_layers}: expected a layer count >= 1")
+    if a.markov_rank is not None and a.markov_rank < 1:
+        raise SystemExit(f"error: --markov-rank {a.markov_rank}: expected a rank >= 1")
     if a.shard < 0 or a.shards < 1:
         raise SystemExit(f"error: --shard {a.shard} / --shards {a.shards}: expected a shard >= 0 and shards >= 1")
     recipe = SMOKE if a.smoke else Recipe()
@@ -579,6 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe = replace(recipe, dflash_budget_s=a.draft_budget_s, dspark_budget_s=a.draft_budget_s)
     if a.draft_layers is not None:
         recipe = replace(recipe, draft_layers=a.draft_layers)
+    if a.markov_rank is not None:
+        recipe = replace(recipe, markov_rank=a.markov_rank)
     if a.stage == "seed" and a.work is None:  # refused before anything is made
         raise SystemExit("error: --stage seed needs --work DIR (the folder the later stages read)")
     device, ranks = _process_group(torch.device(a.device))
