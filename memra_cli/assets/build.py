@@ -559,8 +559,8 @@ def main(argv: list[str] | None = None) -> int:
                         "sweep's best for DSpark, work/sweep.json); recorded as layers_from 'recipe' in build_info.json")
     p.add_argument("--markov-rank", type=int,
                    help="--stage drafter / sweep: the DSpark markov head's rank (default: the recipe's 64; the "
-                        "engine walks the chain over a full bias table, so the rank costs nothing when drafting: "
-                        "docs/bench.md#the-markov-heads-rank)")
+                        "engine walks the chain over a full bias table, so the rank costs nothing when drafting; "
+                        "256 did not raise tau here: docs/bench.md, 'Two DSpark retrains that did not ship')")
     p.add_argument("--shard", type=int, default=0,
                    help="--stage data: write training shard I (>= 1) beside data.pt: another draw of prompts, "
                         "continued the same way (shards generate on separate GPUs side by side)")
