@@ -21,7 +21,9 @@ def _gen(seed: int) -> torch.Generator:
 
 
 @pytest.mark.skipif(not tso.ONEDNN_PACK, reason="this torch has no oneDNN weight packing")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not tso.ONEDNN_BF16, reason="this CPU's oneDNN has no bfloat16 matmul (no AVX-512 BW/VL/DQ or AVX-NE-CONVERT)"))],
+    ids=["f32", "bf16"])
 def test_packed_weights_give_the_unpacked_bits_and_follow_their_weight(dtype):
     """And in bfloat16 they are F.linear's bits (torch's bfloat16 CPU matmul is oneDNN's)."""
     g = _gen(0)
@@ -47,6 +49,22 @@ def test_packed_weights_give_the_unpacked_bits_and_follow_their_weight(dtype):
     small = tso.PackedWeights(max_bytes=1000)  # past the budget: the weight itself (unpacked, the same bits)
     w = torch.randn(64, 64, generator=g)
     assert small.get(w) is w and small.nbytes == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("rows", [1, tso.ONEDNN_MIN_ROWS, WIDTH])
+def test_a_cpu_step_matmul_runs_on_any_cpu_in_either_dtype(dtype, rows):
+    """The step ops' CPU matmul gives F.linear's products to float32 rounding in both dtypes on
+    any x86 CPU: oneDNN takes bfloat16 only where this CPU has its bf16 instructions (on an
+    AVX2-only CPU oneDNN refuses the bf16 matmul outright), F.linear otherwise."""
+    g = _gen(4)
+    w = (torch.randn(384, 256, generator=g) * 0.05).to(dtype)
+    x = torch.randn(rows, 256, generator=g).to(dtype)
+    assert tso.onednn_applies(x, w, None) == (dtype in tso.ONEDNN_DTYPES)
+    got = tso.TorchStepOps.linear(x, w)
+    ref = x.float() @ w.float().T
+    assert got.dtype == dtype and got.shape == (rows, 384)
+    assert ((got.float() - ref).norm() / ref.norm()).item() < (1e-5 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])

@@ -80,7 +80,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 ONEDNN_MIN_ROWS = 8
 ONEDNN_F32 = hasattr(torch.ops.mkldnn, "_linear_pointwise") and torch.backends.mkldnn.is_available()
 ONEDNN_PACK = ONEDNN_F32 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if ONEDNN_PACK else (torch.float32,)
+# bfloat16 through oneDNN needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: on a CPU without them
+# (an AVX2-only one) oneDNN refuses the bf16 matmul, and F.linear serves it
+ONEDNN_BF16 = ONEDNN_PACK and bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if ONEDNN_BF16 else (torch.float32,)
 
 
 def onednn_applies(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -306,7 +309,7 @@ class TorchStepOps:
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ w.T (+ bias)` for a plain weight `[out, in]`; `w(x)` for a quantized linear. A
-        float32 (or, with packed weights, bfloat16) call of `ONEDNN_MIN_ROWS` rows or more on the
+        float32 (or, where this CPU has oneDNN's bf16 matmul, bfloat16) call of `ONEDNN_MIN_ROWS` rows or more on the
         CPU runs on oneDNN over its packed weight (`onednn_linear`)."""
         if isinstance(w, torch.Tensor):
             if ONEDNN_F32 and x.shape[0] >= ONEDNN_MIN_ROWS and onednn_applies(x, w, bias):
