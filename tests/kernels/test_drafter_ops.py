@@ -196,3 +196,37 @@ def test_the_folded_norm_after_the_attention_in_a_drafter_round(drafts, monkeypa
     assert len(folds) == len(d.layers)
     ref = _static(_drafter(drafts["full"], TorchStepOps(), torch.bfloat16), taps, noise, 48)[0]
     assert _rel(got, ref) < BF16_TOL
+
+
+def test_the_fused_qkv_projection_in_a_drafter_round_and_ingest(drafts, monkeypatch):
+    """With the tiny drafter's fused q/k/v and k/v shapes in the dense kernel's table, each layer's
+    round projection and each layer's ingest projection take one launch that norms, ropes and
+    writes K/V in its epilogue (`qkv_rope_kv_write`): the round's hidden rows and the cache stay
+    within tolerance of the torch ops', and a planted rope that skips the epilogue's rotation is
+    caught by the same check. (bf16: the dense kernel takes 16-bit weights only.)"""
+    from memra_kernels import dense_linear as dl
+
+    dtype, tol = torch.bfloat16, BF16_TOL
+    d = _drafter(drafts["full"], TritonStepOps(), dtype)
+    layer, hd = d.layers[0], d.cfg.head_dim
+    assert layer.wqkv is not None and layer.wkv is not None
+    for w in (layer.wqkv, layer.wkv):
+        monkeypatch.setitem(dl.TUNED, tuple(w.shape), dl.KernelConfig(block_n=min(16, hd), block_k=32, split_k=1,
+                                                                       num_stages=2))
+    fused = []
+    real = dl.dense_qkv_rope_kv_write
+    monkeypatch.setattr(dl, "dense_qkv_rope_kv_write", lambda *a, **kw: fused.append(a[9]) or real(*a, **kw))
+    taps, noise = _inputs(d, 21)
+    got, kv = _static(d, taps, noise, 48)
+    # one fused ingest (no q heads) and one fused round projection a layer
+    assert sorted(fused) == [0] * len(d.layers) + [d.cfg.num_attention_heads] * len(d.layers)
+    ref, kv_ref = _static(_drafter(drafts["full"], TorchStepOps(), dtype), taps, noise, 48)
+    n = kv.length
+    assert _rel(got, ref) < tol
+    assert _rel(kv.k[:, :, :n], kv_ref.k[:, :, :n]) < tol and _rel(kv.v[:, :, :n], kv_ref.v[:, :, :n]) < tol
+    # planted: the rotation dropped (cos 1, sin 0) in the fused launch only: the check above fails
+    monkeypatch.setattr(dl, "dense_qkv_rope_kv_write",
+                        lambda x, w, qn, kn, cos, sin, *rest: real(x, w, qn, kn, torch.ones_like(cos),
+                                                                   torch.zeros_like(sin), *rest))
+    bad, _ = _static(d, taps, noise, 48)
+    assert _rel(bad, ref) > tol

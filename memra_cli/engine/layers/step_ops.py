@@ -3,7 +3,8 @@
 A model's `static_step` calls only these operations (plus its weight matmuls), so the same
 model code runs the torch reference on any device and the fused kernels of `memra_kernels` on
 CUDA. The drafter (models/drafter.py) calls them too: its norms and SiLU·mul on every path, and
-in its static round and ingest the q/k norm + rope + K/V write and (plain layers) the attention,
+in its static round and ingest the q/k/v (k/v) projection with its q/k norm + rope + K/V write
+(`qkv_rope_kv_write`) and (plain layers) the attention,
 with every block row at the block's last position, which makes the causal rule "ctx + the whole
 block". Both implementations are row-count invariant (a row's result never depends on the other
 rows of its step or on the storage size), which is what keeps fixed-width steps bit-exact.

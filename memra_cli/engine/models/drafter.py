@@ -402,12 +402,17 @@ class Drafter:
         """`ingest` of exactly `b` rows `taps [b, n_taps*hidden]` at positions `start..start+b-1`
         (`start` a 0-d device tensor; row index == position), without touching `kv.length`.
         Rows past the real ones are padding: they land where the next round writes its block.
-        Per layer: the k/v projection, then the step ops' k norm + rope + K/V write (a qkv with
-        no q heads)."""
+        Per layer: the step ops' `qkv_rope_kv_write` of the fused k/v weight (a qkv with no q
+        heads: one launch where the dense kernel takes it), else the k/v projection, then the k
+        norm + rope + K/V write."""
         b, cfg, ops = taps.shape[0], self.cfg, self.step_ops
         positions = start + self._offsets(b)
         ctx = self.ctx_features(taps)
         for li, w in enumerate(self.layers):
+            if w.wkv is not None:  # one launch where the dense kernel takes the fused k/v weight
+                ops.qkv_rope_kv_write(ctx, w.wkv, None, w.q_norm, w.k_norm, kv.cos, kv.sin, positions, kv.k[li],
+                                      kv.v[li], 0, cfg.num_key_value_heads, cfg.rms_norm_eps)
+                continue
             ops.qk_norm_rope_kv_write(self._kv(ctx, w), w.q_norm, w.k_norm, kv.cos, kv.sin, positions,
                                       kv.k[li], kv.v[li], 0, cfg.num_key_value_heads, cfg.rms_norm_eps)
         kv.positions.index_copy_(0, positions, positions)
@@ -418,8 +423,8 @@ class Drafter:
         row index == position), attending over the whole storage. Returns the final-normed
         hidden `[b, hidden]`.
 
-        Per layer: the fused projection, the step ops' q/k norm + rope + block K/V write, then
-        attention. A plain layer (every ctx and block key visible) is the step ops' causal
+        Per layer: the fused projection with the q/k norm + rope + block K/V write (the step ops'
+        `qkv_rope_kv_write`: one launch where the dense kernel takes the weight), then attention. A plain layer (every ctx and block key visible) is the step ops' causal
         attention with every block row at the block's last position `start+b-1`: it then sees
         keys `0..start+b-1`, i.e. the committed ctx and the whole block, never the stale rows
         after it. Sliding and block-causal layers keep `_static_mask` (torch attention)."""
@@ -429,9 +434,14 @@ class Drafter:
 
         def attend(li, xn):
             w, layout = self.layers[li], self.layouts[li]
-            q = ops.qk_norm_rope_kv_write(self._qkv(xn, w), w.q_norm, w.k_norm, kv.cos, kv.sin, positions,
+            if w.wqkv is not None:  # one launch where the dense kernel takes the fused weight
+                q = ops.qkv_rope_kv_write(xn, w.wqkv, None, w.q_norm, w.k_norm, kv.cos, kv.sin, positions,
                                           kv.k[li], kv.v[li], cfg.num_attention_heads, cfg.num_key_value_heads,
                                           cfg.rms_norm_eps)
+            else:
+                q = ops.qk_norm_rope_kv_write(self._qkv(xn, w), w.q_norm, w.k_norm, kv.cos, kv.sin, positions,
+                                              kv.k[li], kv.v[li], cfg.num_attention_heads, cfg.num_key_value_heads,
+                                              cfg.rms_norm_eps)
             if self._plain(layout):
                 return ops.attention(q, kv.k[li], kv.v[li], last, self.scale)
             keys = self._offsets(kv.rows)  # (only masked layers need every key's position)
