@@ -5,7 +5,9 @@ or a tiny Qwen3-MoE one (`--family qwen3_moe`: `moe_step.build("tiny")`, routed 
 shape, one live row as a plain decode step runs), or a tiny random Qwen3.5 MoE hybrid / MoE Gemma 4
 (`--family qwen3_5_moe` / `gemma4_moe`: `memra_cli.tiny`'s checkpoints, loaded in bf16, every weight
 matmul routed to the dense kernel, one live row; counted, not scaled: the `8b` keys are the tiny
-model's own layer count), puts the Triton step ops in (under Triton's interpreter when there is no
+model's own layer count), or the embedded target itself (`--family embedded`: its weight matmuls
+on cuBLAS, as shipped; `embedded_dense`: on the dense kernel at benchmarks/gpu/embedded_dense.py's
+tiles, the A/B that script times; counted, not scaled), puts the Triton step ops in (under Triton's interpreter when there is no
 GPU), routes each weight matmul where the 8B shape's would go (the dense kernel where the 8B
 weight's shape is in `dense_linear.TUNED`, `F.linear` else), runs one 16-row `static_step` and
 counts
@@ -21,8 +23,8 @@ launch fusions undone (`TritonStepOps.unfused`: the q/k/v projection + rope, the
 first norm, the lm_head + argmax, the projections' residual add + the norm folded into the next
 matmul), the A/B the GPU benchmark times (`target_step --variants triton,triton-unfused`).
 
-    python -m benchmarks.step_launches [--family qwen3|llama|qwen3_moe|qwen3_5_moe|gemma4_moe] [--greedy]
-        [--variant fused|unfused] [--json OUT]
+    python -m benchmarks.step_launches [--family qwen3|llama|qwen3_moe|qwen3_5_moe|gemma4_moe|embedded|embedded_dense]
+        [--greedy] [--variant fused|unfused] [--json OUT]
 
 Per layer, and per step (the per-layer count times the 8B shape's layers plus the rest) are
 printed: the 8B step launches the same kernels per layer, only more layers.
@@ -57,7 +59,10 @@ from benchmarks.gpu_shapes import SHAPES, random_target
 W = 16
 # --family -> (counted, routed as): gpu_shapes.SHAPES keys, or moe_step.SHAPES keys for qwen3_moe
 FAMILIES = {"qwen3": ("small", "8b"), "llama": ("llama-small", "llama-8b"), "qwen3_moe": ("tiny", "a3b"),
-            "qwen3_5_moe": ("tiny", None), "gemma4_moe": ("tiny", None)}
+            "qwen3_5_moe": ("tiny", None), "gemma4_moe": ("tiny", None),
+            # the embedded target itself (memra_cli/assets), its matmuls as shipped (cuBLAS) or on the
+            # dense kernel at benchmarks/gpu/embedded_dense.py's tiles
+            "embedded": ("assets", "cublas"), "embedded_dense": ("assets", "dense")}
 # the tiny checkpoints' MoE: (experts, top-k, intermediate), as `memra_cli.tiny`'s own
 TINY_MOE = (8, 2, 32)
 # torch ops that launch no kernel: allocations and metadata
@@ -136,6 +141,12 @@ def route_like(target, routed_as: dict, family: str = "qwen3") -> list[tuple[int
     (qkv, o, gate/up, down, lm_head by role), added to TUNED so its step routes as the big one's."""
     from memra_kernels import dense_linear
 
+    if routed_as == "cublas":  # the embedded target as shipped: none of its shapes is in TUNED
+        return []
+    if routed_as == "dense":
+        from benchmarks.gpu.embedded_dense import add_candidates
+
+        return add_candidates(dense_linear.TUNED)
     if routed_as is None:  # a tiny MoE hybrid / Gemma 4: every weight matmul to the dense kernel, unsplit
         shapes = sorted({tuple(w.shape) for w in _weights(target.layers) if w.dim() == 2} |
                         {tuple(target.lm_head_weight.shape)})
@@ -187,6 +198,12 @@ def _build_tiny_moe(family: str, device):
 def _build(family: str, device):
     """(the small target of `family`, the shape it is routed as, that shape's layers and vocab)."""
     small, big = FAMILIES[family]
+    if small == "assets":  # counted as it is: its own layers and vocabulary
+        from memra_cli.assets import ASSETS
+        from memra_cli.engine.models.qwen3 import Qwen3Target
+
+        target = Qwen3Target.from_dir(ASSETS / "target", dtype=torch.bfloat16, device=device)
+        return target, big, len(target.layers), target.vocab_size
     if big is None:
         target = _build_tiny_moe(family, device)
         return target, None, len(target.layers), target.vocab_size

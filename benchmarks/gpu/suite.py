@@ -205,6 +205,14 @@ def _embedded_bench(out: Path, tiny: bool):
     return [_py("-m", "memra_cli", "bench", "--prompts", "stdlib", *size, *arms, "--json")]
 
 
+def _embedded_dense(out: Path, tiny: bool):
+    size = ["--n", "2", "--max-new", "8", "--warmup", "0", "--device", "cpu"] if tiny else \
+        ["--max-new", "128", "--warmup", "2"]
+    arms = [a for arm in ("off", "plain", "dspark", "dflash") for a in ("--arm", arm)]
+    return [_py("-m", "benchmarks.gpu.embedded_dense", "--table", table, "--out", str(out / f"embedded_dense_{table}.json"),
+                "--prompts", "humaneval", *size, *arms, "--json") for table in ("cublas", "dense")]
+
+
 def _bandwidth(out: Path, tiny: bool):
     args = ["--device", "cpu", "--gib", "0.03125", "--reps", "3"] if tiny else []
     return [_py("-m", "benchmarks.gpu.bandwidth", *args, "--json", str(out / "bandwidth.json"))]
@@ -267,6 +275,9 @@ PARTS = {p.name: p for p in (
          _serve_load, stdout_to="serve_load.json"),
     Part("embedded_bench", "the embedded pair's bench on the stdlib set, tok/s and tau", 140, _embedded_bench,
          stdout_to="embedded_bench_stdlib.json"),
+    Part("embedded_dense", "the embedded pair's bench on HumanEval with its weight matmuls on cuBLAS (as shipped) and "
+         "on the dense kernel with its launch fusions (benchmarks/gpu/embedded_dense.py), one process each: tok/s, "
+         "tau, the exactness gate", 160, _embedded_dense),
     Part("kernels", "the Triton kernels against torch and cuBLAS at the 8B shape, µs", 200, _kernels),
     Part("tests", "the gpu-marked tests on the device, both tiers", 420, _tests, stdout_to="gpu_tests.txt"),
 )}

@@ -280,3 +280,30 @@ def test_argmax_epilogue_refusals():
         dl.dense_linear(x, w, config=split, argmax_out=torch.empty(4, dtype=torch.long, device=DEVICE))
     with pytest.raises(ValueError, match="int64"):
         dl.dense_linear(x, w, argmax_out=torch.empty(3, dtype=torch.long, device=DEVICE))
+
+
+@pytest.mark.exhaustive  # the embedded shapes in the interpreter: a few seconds each
+@pytest.mark.parametrize("shape", [(512, 256), (256, 256), (1536, 256), (256, 768), (4096, 256)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_embedded_candidate_tiles_are_right_and_row_invariant(shape):
+    """benchmarks/gpu/embedded_dense.py's tiles for the embedded models' shapes (what its
+    `--table dense` run puts in TUNED): bf16 within rounding of the reference, a row's bits the
+    same in a 1-row and a 16-row call, and each shape's own epilogue allowed (the q/k/v tiles
+    inside a 64-wide head, the lm_head unsplit for its argmax, gate/up split into its halves)."""
+    from benchmarks.gpu.embedded_dense import CANDIDATES, add_candidates
+
+    table: dict = {}
+    assert sorted(add_candidates(table)) == sorted(CANDIDATES)
+    cfg = table[shape]
+    n, k = shape
+    x, w = _inputs(16, n, k, torch.bfloat16, seed=5)
+    y = dl.dense_linear(x, w, config=cfg)
+    assert _rel(y, dl.dense_linear_ref(x, w)) < BF16_REL_TOL
+    assert torch.equal(dl.dense_linear(x[:1], w, config=cfg), y[:1])
+    if n == 512:  # q/k/v: the rope epilogue's tiles lie inside heads
+        assert 64 % cfg.block_n == 0
+    if n == 4096:  # lm_head: the argmax epilogue needs an unsplit K
+        assert cfg.split_k == 1
+    if n == 1536:  # gate/up: SwiGLU in the epilogue pairs gate with up
+        g = dl.dense_linear(x, w, config=cfg, glu=True)
+        assert _rel(g, dl.dense_linear_ref(x, w, glu=True)) < BF16_REL_TOL
