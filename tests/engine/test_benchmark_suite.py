@@ -70,6 +70,21 @@ def test_tiny_hf_step_times_transformers_for_each_family(tmp_path):
                       "tiny-moe": "Qwen3MoeForCausalLM"}
 
 
+@pytest.mark.exhaustive  # two tiny bench runs in subprocesses (~40 s)
+def test_tiny_embedded_dense_runs_the_bench_once_per_table(tmp_path):
+    """Both tables' bench reports land in their own files (the bench's stdout redirected at the
+    descriptor), each a whole `--json` report with its exactness gate; on the CPU the step ops are
+    torch's, so the dense table changes nothing there and the two gates agree."""
+    proc = _suite("--tiny", "--parts", "embedded_dense", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    part = json.loads((tmp_path / "suite.json").read_text())["parts"]["embedded_dense"]
+    assert part["ok"] and part["rc"] == [0, 0], part
+    for table in ("cublas", "dense"):
+        report = json.loads((tmp_path / f"embedded_dense_{table}.json").read_text())
+        assert report["exact"] is True and report["prompts"]["n"] == 2
+        assert [a["name"] for a in report["arms"]] == ["off", "plain", "dspark", "dflash"]
+
+
 def test_an_unknown_part_is_refused_in_one_line(tmp_path):
     proc = _suite("--parts", "target_step,warp_drive", "--out", str(tmp_path))
     assert proc.returncode == 2
