@@ -98,6 +98,7 @@ def test_build_recipe_smoke_runs_on_cpu(tmp_path):
             assert {a.get_tensor(k).dtype for k in a.keys()} == {b.get_tensor(k).dtype for k in b.keys()}, kind
 
 
+@pytest.mark.exhaustive  # a whole drafter stage in subprocesses (quick-tier time); the build's CPU smoke stays quick
 def test_drafters_retrain_over_a_shipped_target(tmp_path):
     """`--stage seed` reuses a built assets folder's target: the data and drafter stages over it
     assemble a pair whose target is byte for byte the old one, and the build record says so; an
@@ -126,6 +127,7 @@ def test_drafters_retrain_over_a_shipped_target(tmp_path):
     assert not (tmp_path / "fresh").exists() and not (tmp_path / "out").exists()  # refused before anything is made
 
 
+@pytest.mark.exhaustive  # a whole drafter stage in subprocesses (quick-tier time); the build's CPU smoke stays quick
 def test_split_build_trains_each_drafter_in_its_own_process_with_its_budget(tmp_path):
     """The split build (benchmarks/gpu/build_assets.sh solo KIND, then assemble): each drafter
     stage in its own process over its own seeded work folder, `--draft-budget-s` recorded in its
@@ -213,6 +215,7 @@ def test_trainable_drafter_matches_the_engine_drafter(tmp_path):
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (got - want).abs().max()
 
 
+@pytest.mark.exhaustive  # torch.compile on the CPU (quick-tier time)
 def test_compiled_drafter_training_takes_the_eager_steps():
     """The build's drafter stage (`memra train`'s TrainJob over the data step's sequences, taps
     from the transformers target; the build compiles on CUDA) traces the drafter's forward and

@@ -23,7 +23,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-@pytest.mark.parametrize("chain", ["numpy", "torch"])
+@pytest.mark.parametrize("chain", ["numpy", pytest.param("torch", marks=pytest.mark.exhaustive)])  # numpy: the default
 def test_times_each_piece_and_switches_the_chain(chain):
     proc = _run("--n", "1", "--max-new", "16", "--passes", "1", "--chain", chain)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -19,6 +19,7 @@ KEYS = ("draft_ingest_ms", "propose_ms", "ingest_ms", "plain_step_ms", "verify_s
         "copy_bw", "lm_head_bytes")
 
 
+@pytest.mark.exhaustive  # a GPU benchmark script's CPU smoke (quick-tier time; the suite runs it for real)
 def test_tiny_run_writes_every_key_and_is_exact(tmp_path):
     out = tmp_path / "round.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}

@@ -4,6 +4,8 @@ times one-row and 16-row steps through the runner and whole plain sessions, and 
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -14,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULE = "benchmarks.gpu.embedded_plain"  # run as a module from the repo root
 
 
+@pytest.mark.exhaustive  # a GPU benchmark script's CPU smoke (quick-tier time; the suite runs it for real)
 def test_cpu_run_writes_its_report(tmp_path):
     out = tmp_path / "plain.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}

@@ -582,7 +582,8 @@ def test_round_graphs_equal_the_per_part_graphs(embedded_pair, eager_graphs, arm
     assert again.run() == plain and len(eager_graphs) == n  # pooled storages, their round graph reused
 
 
-@pytest.mark.parametrize("arm_key", ["dflash", "dspark",  # the window variants: exhaustive tier (quick-tier time)
+@pytest.mark.parametrize("arm_key", [pytest.param("dflash", marks=pytest.mark.exhaustive), "dspark",  # DSpark's default
+                                     # window quick; DFlash and the window variants: exhaustive (quick-tier time)
                                      pytest.param("dspark:vt=confidence", marks=pytest.mark.exhaustive),
                                      pytest.param("dspark:vt=ladder", marks=pytest.mark.exhaustive),
                                      pytest.param("dspark:adapt=0", marks=pytest.mark.exhaustive)])
