@@ -309,8 +309,8 @@ class TorchStepOps:
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x @ w.T (+ bias)` for a plain weight `[out, in]`; `w(x)` for a quantized linear. A
-        float32 (or, where this CPU has oneDNN's bf16 matmul, bfloat16) call of `ONEDNN_MIN_ROWS` rows or more on the
-        CPU runs on oneDNN over its packed weight (`onednn_linear`)."""
+        float32 (or, where this CPU has oneDNN's bf16 matmul, bfloat16) call of `ONEDNN_MIN_ROWS`
+        rows or more on the CPU runs on oneDNN over its packed weight (`onednn_linear`)."""
         if isinstance(w, torch.Tensor):
             if ONEDNN_F32 and x.shape[0] >= ONEDNN_MIN_ROWS and onednn_applies(x, w, bias):
                 return onednn_linear(x, w, bias)
