@@ -537,7 +537,9 @@ def _kv_rows(session):
     return kv.k[:, :, :n].clone(), kv.v[:, :, :n].clone()
 
 
-@pytest.mark.parametrize("arm_key", ["dflash", "dspark", "dspark:vt=ladder", "dspark:adapt=0"])
+@pytest.mark.parametrize("arm_key", ["dflash", "dspark",  # the window variants: exhaustive tier (quick-tier time)
+                                     pytest.param("dspark:vt=ladder", marks=pytest.mark.exhaustive),
+                                     pytest.param("dspark:adapt=0", marks=pytest.mark.exhaustive)])
 @pytest.mark.parametrize("pipelined", [True, False])
 def test_round_graphs_equal_the_per_part_graphs(embedded_pair, eager_graphs, arm_key, pipelined):
     """The embedded pair (real partial acceptance), graphed rounds (one replay each, eager
