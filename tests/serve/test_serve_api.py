@@ -147,8 +147,11 @@ def _leave_mid_stream(url: str, served, stream: bool = True) -> weakref.ref:
         if stream:
             with httpx.Client(timeout=30) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
                 assert r.status_code == 200
-                next(r.iter_lines())  # the first event: the session is live
-                assert served.worker.live
+                first = next(r.iter_lines())  # the first event: the request is in; the worker takes it from its
+                until = time.monotonic() + 5  # queue on its own thread (a loaded CPU may take a moment)
+                while not served.worker.live and time.monotonic() < until:
+                    time.sleep(0.005)
+                assert served.worker.live, f"no live session after the first event {first[:200]!r}"
         else:
             with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as http:
                 http.post(url + "/v1/completions", json=body)  # the client gives up after 0.5 s and hangs up
