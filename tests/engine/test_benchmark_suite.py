@@ -70,7 +70,7 @@ def test_tiny_hf_step_times_transformers_for_each_family(tmp_path):
                       "tiny-moe": "Qwen3MoeForCausalLM"}
 
 
-@pytest.mark.exhaustive  # two tiny bench runs in subprocesses (~40 s)
+@pytest.mark.exhaustive  # two tiny bench runs in subprocesses (quick-tier time)
 def test_tiny_embedded_dense_runs_the_bench_once_per_table(tmp_path):
     """Both tables' bench reports land in their own files (the bench's stdout redirected at the
     descriptor), each a whole `--json` report with its exactness gate; on the CPU the step ops are

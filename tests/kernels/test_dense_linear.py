@@ -282,7 +282,7 @@ def test_argmax_epilogue_refusals():
         dl.dense_linear(x, w, argmax_out=torch.empty(3, dtype=torch.long, device=DEVICE))
 
 
-@pytest.mark.exhaustive  # the embedded shapes in the interpreter: a few seconds each
+@pytest.mark.exhaustive  # the embedded models' full shapes in the interpreter (quick-tier time)
 @pytest.mark.parametrize("shape", [(512, 256), (256, 256), (1536, 256), (256, 768), (4096, 256)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 def test_embedded_candidate_tiles_are_right_and_row_invariant(shape):

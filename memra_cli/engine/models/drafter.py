@@ -232,19 +232,20 @@ class Drafter:
         k, v = self.step_ops.linear(ctx, w.wkv).chunk(2, dim=-1)
         return self._normed_heads(k, w.k_norm, cfg.num_key_value_heads), v.reshape(-1, cfg.num_key_value_heads, cfg.head_dim)
 
-    def _qkv(self, xn: torch.Tensor, w: DraftLayer) -> torch.Tensor:
-        """Block rows -> the fused projection `[t, (nh + 2*nkv)*hd]` (q, k, v side by side, as
-        the step ops' `qk_norm_rope_kv_write` takes it); parts that could not fuse (DraftLayer.fuse)
-        stay three matmuls."""
-        if w.wqkv is not None:
-            return self.step_ops.linear(xn, w.wqkv)
-        return torch.cat([self.step_ops.linear(xn, w.wq), self.step_ops.linear(xn, w.wk), self.step_ops.linear(xn, w.wv)], dim=-1)
-
-    def _kv(self, ctx: torch.Tensor, w: DraftLayer) -> torch.Tensor:
-        """Context rows -> `[t, 2*nkv*hd]` (k, v side by side: a qkv with no q heads)."""
-        if w.wkv is not None:
-            return self.step_ops.linear(ctx, w.wkv)
-        return torch.cat([self.step_ops.linear(ctx, w.wk), self.step_ops.linear(ctx, w.wv)], dim=-1)
+    def _project_rope_write(self, x: torch.Tensor, w: DraftLayer, li: int, kv: "DraftKV", positions: torch.Tensor,
+                            n_heads: int) -> torch.Tensor:
+        """Rows `x [t, hidden]` -> their q/k/v projection (`n_heads` 0: k/v only, context rows),
+        q/k norm + rope, and K/V written into layer `li`'s storage at `positions`; returns q
+        `[t, n_heads, hd]`. The fused weight goes through the step ops' `qkv_rope_kv_write` (one
+        launch where the dense kernel takes it); parts that could not fuse (DraftLayer.fuse) are
+        multiplied side by side, then `qk_norm_rope_kv_write`."""
+        cfg, ops = self.cfg, self.step_ops
+        fused, parts = (w.wqkv, (w.wq, w.wk, w.wv)) if n_heads else (w.wkv, (w.wk, w.wv))
+        args = (w.q_norm, w.k_norm, kv.cos, kv.sin, positions, kv.k[li], kv.v[li], n_heads, cfg.num_key_value_heads,
+                cfg.rms_norm_eps)
+        if fused is not None:
+            return ops.qkv_rope_kv_write(x, fused, None, *args)
+        return ops.qk_norm_rope_kv_write(torch.cat([ops.linear(x, part) for part in parts], dim=-1), *args)
 
     def _mlp(self, h: torch.Tensor, w: DraftLayer) -> torch.Tensor:
         """SwiGLU of normed rows `h [t, hidden]` through the step ops: `swiglu` for a fused
@@ -402,19 +403,12 @@ class Drafter:
         """`ingest` of exactly `b` rows `taps [b, n_taps*hidden]` at positions `start..start+b-1`
         (`start` a 0-d device tensor; row index == position), without touching `kv.length`.
         Rows past the real ones are padding: they land where the next round writes its block.
-        Per layer: the step ops' `qkv_rope_kv_write` of the fused k/v weight (a qkv with no q
-        heads: one launch where the dense kernel takes it), else the k/v projection, then the k
-        norm + rope + K/V write."""
-        b, cfg, ops = taps.shape[0], self.cfg, self.step_ops
-        positions = start + self._offsets(b)
+        Per layer: the k/v projection with the k norm + rope + K/V write (`_project_rope_write`,
+        a qkv with no q heads)."""
+        positions = start + self._offsets(taps.shape[0])
         ctx = self.ctx_features(taps)
         for li, w in enumerate(self.layers):
-            if w.wkv is not None:  # one launch where the dense kernel takes the fused k/v weight
-                ops.qkv_rope_kv_write(ctx, w.wkv, None, w.q_norm, w.k_norm, kv.cos, kv.sin, positions, kv.k[li],
-                                      kv.v[li], 0, cfg.num_key_value_heads, cfg.rms_norm_eps)
-                continue
-            ops.qk_norm_rope_kv_write(self._kv(ctx, w), w.q_norm, w.k_norm, kv.cos, kv.sin, positions,
-                                      kv.k[li], kv.v[li], 0, cfg.num_key_value_heads, cfg.rms_norm_eps)
+            self._project_rope_write(ctx, w, li, kv, positions, 0)
         kv.positions.index_copy_(0, positions, positions)
 
     def static_round(self, kv: DraftKV, noise: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -423,25 +417,18 @@ class Drafter:
         row index == position), attending over the whole storage. Returns the final-normed
         hidden `[b, hidden]`.
 
-        Per layer: the fused projection with the q/k norm + rope + block K/V write (the step ops'
-        `qkv_rope_kv_write`: one launch where the dense kernel takes the weight), then attention. A plain layer (every ctx and block key visible) is the step ops' causal
-        attention with every block row at the block's last position `start+b-1`: it then sees
-        keys `0..start+b-1`, i.e. the committed ctx and the whole block, never the stale rows
-        after it. Sliding and block-causal layers keep `_static_mask` (torch attention)."""
+        Per layer: the q/k/v projection with the q/k norm + rope + block K/V write
+        (`_project_rope_write`), then attention. A plain layer (every ctx and block key visible)
+        is the step ops' causal attention with every block row at the block's last position
+        `start+b-1`: it then sees keys `0..start+b-1`, i.e. the committed ctx and the whole block,
+        never the stale rows after it. Sliding and block-causal layers keep `_static_mask` (torch attention)."""
         b, cfg, ops = noise.shape[0], self.cfg, self.step_ops
         positions = start + self._offsets(b)
         last = positions[-1:].repeat(b)  # [b], contiguous: the kernel reads one position a row
 
         def attend(li, xn):
             w, layout = self.layers[li], self.layouts[li]
-            if w.wqkv is not None:  # one launch where the dense kernel takes the fused weight
-                q = ops.qkv_rope_kv_write(xn, w.wqkv, None, w.q_norm, w.k_norm, kv.cos, kv.sin, positions,
-                                          kv.k[li], kv.v[li], cfg.num_attention_heads, cfg.num_key_value_heads,
-                                          cfg.rms_norm_eps)
-            else:
-                q = ops.qk_norm_rope_kv_write(self._qkv(xn, w), w.q_norm, w.k_norm, kv.cos, kv.sin, positions,
-                                              kv.k[li], kv.v[li], cfg.num_attention_heads, cfg.num_key_value_heads,
-                                              cfg.rms_norm_eps)
+            q = self._project_rope_write(xn, w, li, kv, positions, cfg.num_attention_heads)
             if self._plain(layout):
                 return ops.attention(q, kv.k[li], kv.v[li], last, self.scale)
             keys = self._offsets(kv.rows)  # (only masked layers need every key's position)
