@@ -24,8 +24,9 @@ over the rows after the picks (the keys taken out).
 
 `router_route` (its twin `router_route_ref`: `F.linear` then `moe_route_ref`) also computes the
 router's logits for a step's rows, in the same launch: a program per (ROUTER_N experts,
-ROUTER_CHUNK hidden columns) dots its router tile with every row's chunk of x (one float32 dot
-a row tile, whatever the row count) and stores the partial logits; the last program to arrive
+ROUTER_CHUNK hidden columns) dots its router tile with every live row's chunk of x (one float32
+dot a row tile, whatever the row count; a padding row routes to no expert, so its x is never
+read) and stores the partial logits; the last program to arrive
 (an arrival counter, as `_splitk`'s) sums each row's chunks in chunk order, rounds the sum to
 the model dtype and routes every row with the routing body above. A program asks L2 for its
 router tile before its PDL wait (`_prefetch_router_then_wait`, as the dense kernel's weights),
@@ -105,19 +106,22 @@ def _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T,
     for t0 in range(first * BLOCK_T, T, step * BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
         row_ok = rows < T
+        live_row = row_ok & (rows < live)
+        # a padding row's logits are never read (it routes to no expert whatever they hold):
+        # it computes on zeros, and its picks are replaced below
+        read_ok = live_row[:, None] & col_ok[None, :]
         if PARTS:  # the logits: each row's K chunks in chunk order, whatever the row count
             raw = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
             for part in tl.static_range(PARTS):  # unrolled: the loads go out together
                 raw += tl.load(logits_ptr + (part * T + rows.to(tl.int64))[:, None] * stride_l + cols[None, :],
-                               mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg")
+                               mask=read_ok, other=0.0, cache_modifier=".cg")
             raw = raw.to(w_ptr.dtype.element_ty).to(tl.float32)
         else:
             raw = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
-                          mask=row_ok[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
+                          mask=read_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
         x = tl.where(col_ok[None, :], raw, float("-inf"))
         p = tl.exp(x - tl.max(x, axis=1)[:, None])
         probs = p / tl.sum(p, axis=1)[:, None]
-        live_row = row_ok & (rows < live)
         # one int64 key per (row, expert): the probability's bits (>= 0, so ordered as the
         # values) over the complement of the column, so one maximum gives the largest
         # probability and, among equal ones, the lowest index; a pick is taken out as -1
@@ -203,9 +207,14 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     dt = x_ptr.dtype.element_ty
     if PRE_NORM:
         pw = tl.load(pre_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    for t0 in range(0, T, BLOCK_T):
+    # only the live rows' logits: a padding row routes to no expert, so its x is never read
+    # and its partials never written (tiles past the last live row are not visited at all)
+    n_live = T
+    if HAS_LIVE:
+        n_live = tl.minimum(tl.load(live_ptr), T)
+    for t0 in range(0, n_live, BLOCK_T):
         rows = t0 + tl.arange(0, BLOCK_T)
-        r_ok = rows < T
+        r_ok = rows < n_live
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :],
                     mask=r_ok[:, None] & k_ok[None, :], other=0.0)
         if PRE_NORM:  # each row's float32 sum of squares over the same K loop, whatever the row count

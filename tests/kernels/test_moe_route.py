@@ -219,6 +219,29 @@ def test_the_router_kernel_keeps_a_row_its_bits_its_ties_and_catches_a_planted_r
                                       *router_inputs(16, torch.float32), 3)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["router_route", "moe_route"])
+def test_padding_rows_contents_change_nothing(fused):
+    """A step's padding rows (from `live` on) are never read: NaN and infinities there leave the
+    live rows' picks and weight bits and the count as they are with clean rows, and the padding
+    rows still route to no expert. 16 rows, 5 live, and 40 rows (three tiles), 18 live: the
+    tiles past the last live row too."""
+    for t, n_live in ((16, 5), (40, 18)):
+        x, router = router_inputs(t, torch.bfloat16, seed=t + 1)
+        dirty = x.clone()
+        dirty[n_live:] = float("nan")
+        dirty[n_live + 1 :: 3] = float("inf")
+        if fused:
+            run = lambda rows, counts: mr.router_route(rows, router, 3, True, live_of(n_live), counts)
+        else:
+            run = lambda rows, counts: mr.moe_route(rows @ router.T, 3, True, live_of(n_live), counts)
+        c_clean, c_dirty = (torch.zeros(2, dtype=torch.int64, device=DEVICE) for _ in range(2))
+        w, ids = run(x, c_clean)
+        w_d, ids_d = run(dirty, c_dirty)
+        assert torch.equal(w_d[:n_live], w[:n_live]) and torch.equal(ids_d[:n_live], ids[:n_live]), t
+        assert (ids_d[n_live:] == E).all() and (w_d[n_live:] == 0).all(), t
+        assert torch.equal(c_dirty, c_clean), t
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_the_router_kernel_sums_its_hidden_chunks_in_order(monkeypatch, dtype):
     """Chunks of 32 hidden columns (48: a full chunk and a half-masked one, two programs an expert
