@@ -154,8 +154,9 @@ def _moe_step(out: Path, tiny: bool):
 def _moe_profile(out: Path, tiny: bool):
     if tiny:
         return None  # the profile needs CUDA
-    return [_py("-m", "benchmarks.moe_step", "--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16",  # the
-                "--ops", "triton,triton-unfused", "--vts", "1,16", "--iters", "10",  # fusions' A/B beside the profile
+    return [_py("-m", "benchmarks.moe_step", "--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16",
+                # the fusions' A/B and the A3B q/k/v + lm_head on the dense kernel, beside the profile
+                "--ops", "triton,triton-unfused,triton-a3b-dense", "--vts", "1,16", "--iters", "10",
                 "--profile", *_dense_tuned(out),
                 "--json", str(out / "moe_profile.json"))]
 
