@@ -154,7 +154,7 @@ _COMPUTE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float1
 
 def table_fits(w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the bias table `[V_in, V]` in `dtype` is small enough to build (TABLE_MAX_BYTES)."""
-    return w1.shape[0] * w2.shape[0] * torch.tensor([], dtype=dtype).element_size() <= TABLE_MAX_BYTES
+    return w1.shape[0] * w2.shape[0] * dtype.itemsize <= TABLE_MAX_BYTES
 
 
 def bias_table(w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

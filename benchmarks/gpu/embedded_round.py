@@ -74,7 +74,7 @@ def round_parts(engine: Engine, arm, prompt: list[int], reps: int) -> dict:
     holder: dict = {}
 
     def propose():
-        holder["drafts"], _ = static_proposal(drafter, target, program, kv, last_t, tail, start_t, want_raws)
+        holder["drafts"] = static_proposal(drafter, target, program, kv, last_t, tail, start_t, want_raws).drafts
 
     def verify():
         cand = torch.cat([last_t, holder["drafts"]])[:width]

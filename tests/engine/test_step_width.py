@@ -245,9 +245,11 @@ def test_static_draft_round_and_ingest_match_the_eager_ones(target_dir, tmp_path
     assert kv.length == start
     want_raws = proposer.program.window.is_confidence
     eager = proposer.propose(last, start, want_raws)
-    drafts, raws = static_proposal(proposer.drafter, proposer.target, proposer.program, kv, last,
-                                   proposer.block_ids[1:], torch.tensor(start), want_raws)
+    heads = static_proposal(proposer.drafter, proposer.target, proposer.program, kv, last,
+                            proposer.block_ids[1:], torch.tensor(start), want_raws, want_chain=True)
+    drafts, raws = heads.drafts, heads.raws
     assert torch.equal(drafts, eager.drafts)
+    assert torch.equal(heads.chain, torch.cat([last.reshape(1), drafts]))  # the round's candidates
     if want_raws:  # the static round's GEMMs may sum in other orders: the drafter's layers, then the head
         dc = proposer.drafter.cfg
         per_layer = layer_reductions(dc.hidden_size, dc.num_attention_heads * dc.head_dim, dc.head_dim, start + 16,
@@ -264,9 +266,20 @@ def test_static_draft_round_and_ingest_match_the_eager_ones(target_dir, tmp_path
     proposer.drafter.ingest(kv, taps[:3], torch.arange(start, start + 3))
     k_eager = kv.k[:, :, start:start + 3].clone()
     kv.k.copy_(k_before)
-    proposer.drafter.static_ingest(kv, torch.cat([taps[:3], taps[2:3].expand(13, -1)]), torch.tensor(start))
+    padded = torch.cat([taps[:3], taps[2:3].expand(13, -1)])
+    proposer.drafter.static_ingest(kv, padded, torch.tensor(start))
     assert_close_at_scale(kv.k[:, :, start:start + 3], k_eager, _kv_bound(proposer.drafter.cfg), "static ingest")
     assert torch.equal(kv.k[:, :, :start], k_before[:, :, :start])  # committed rows untouched
+    # a round hands the ingest its block's positions (one add for both): the same K/V, bit for bit
+    at = proposer.drafter.block_positions(torch.tensor(start), 15, 16)  # a 15-row block, a 16-row step
+    assert at.rows.tolist() == list(range(start, start + 15)) and at.last.tolist() == [start + 14] * 15
+    assert at.span.tolist() == list(range(start, start + 16))
+    k_static = kv.k.clone()
+    kv.k.copy_(k_before)
+    proposer.drafter.static_ingest(kv, padded, torch.tensor(start), at.span)
+    assert torch.equal(kv.k, k_static)
+    with pytest.raises(ValueError, match="positions"):
+        proposer.drafter.static_ingest(kv, padded, torch.tensor(start), at.rows)
 
 
 @pytest.mark.gpu

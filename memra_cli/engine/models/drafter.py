@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -104,6 +105,17 @@ class DraftStages:
     ctx_features: torch.Tensor | None = None  # [ctx, hidden]
 
 
+class BlockPositions(NamedTuple):
+    """A static block's positions (`Drafter.block_positions`): `rows [b]` = start..start+b-1,
+    `last [b]` = start+b-1 on every row (a plain layer's attention: every block row sees the
+    whole block; the kernel reads one position a row, contiguous), and `span [n]` =
+    start..start+n-1, n >= b (an ingest's positions: a round ingests a verify step's rows)."""
+
+    rows: torch.Tensor
+    last: torch.Tensor
+    span: torch.Tensor
+
+
 class DraftKV:
     """Preallocated draft K/V: per layer `[cap + block, n_kv, head_dim]`, append-only.
 
@@ -168,6 +180,7 @@ class Drafter:
         # the drafter the engine's, so it runs the kernels its target runs
         self.step_ops = TorchStepOps()
         self._offset_rows: dict[int, torch.Tensor] = {}  # `_offsets(n)`: arange(n), made once per n
+        self._block_offsets: dict[tuple[int, int], torch.Tensor] = {}  # `block_positions`' constants
         # the draft logits' softcap (`cap * tanh(z / cap)`): a Gemma 4 drafter's (drafter_gemma4.py)
         self.logit_softcap: float | None = None
 
@@ -399,23 +412,40 @@ class Drafter:
             rows = self._offset_rows[n] = torch.arange(n, device=self.device)
         return rows
 
-    def static_ingest(self, kv: DraftKV, taps: torch.Tensor, start: torch.Tensor) -> None:
+    def block_positions(self, start: torch.Tensor, b: int, n: int = 0) -> BlockPositions:
+        """A static block of `b` rows' positions from `start` (a 0-d device tensor), with a span
+        of max(b, n) positions, in one launch: one add of a kept constant (0..max(b, n)-1, then
+        b-1 repeated b times) gives every part of `BlockPositions`."""
+        n = max(b, n)
+        offsets = self._block_offsets.get((b, n))
+        if offsets is None:  # kept like `_offsets`: a graph reads it as a constant
+            offsets = self._block_offsets[b, n] = torch.cat([self._offsets(n), self._offsets(b)[-1:].repeat(b)])
+        both = start + offsets
+        return BlockPositions(both[:b], both[n:], both[:n])
+
+    def static_ingest(self, kv: DraftKV, taps: torch.Tensor, start: torch.Tensor,
+                      positions: torch.Tensor | None = None) -> None:
         """`ingest` of exactly `b` rows `taps [b, n_taps*hidden]` at positions `start..start+b-1`
         (`start` a 0-d device tensor; row index == position), without touching `kv.length`.
         Rows past the real ones are padding: they land where the next round writes its block.
-        Per layer: the k/v projection with the k norm + rope + K/V write (`_project_rope_write`,
-        a qkv with no q heads)."""
-        positions = start + self._offsets(taps.shape[0])
+        `positions`: those positions when the caller has them already (a round's
+        `block_positions(...).span`), saving their add. Per layer: the k/v projection with
+        the k norm + rope + K/V write (`_project_rope_write`, a qkv with no q heads)."""
+        if positions is None:
+            positions = start + self._offsets(taps.shape[0])
+        elif positions.shape != (taps.shape[0],):
+            raise ValueError(f"positions {tuple(positions.shape)} for {taps.shape[0]} tap rows")
         ctx = self.ctx_features(taps)
         for li, w in enumerate(self.layers):
             self._project_rope_write(ctx, w, li, kv, positions, 0)
         kv.positions.index_copy_(0, positions, positions)
 
-    def static_round(self, kv: DraftKV, noise: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def static_round(self, kv: DraftKV, noise: torch.Tensor, start: torch.Tensor,
+                     at: BlockPositions | None = None) -> torch.Tensor:
         """`forward_round` with static shapes for a CUDA graph: block `noise [b, hidden]` at
         positions `start..start+b-1` (`start` a 0-d device tensor equal to the committed length;
         row index == position), attending over the whole storage. Returns the final-normed
-        hidden `[b, hidden]`.
+        hidden `[b, hidden]`. `at`: `block_positions(start, b)` when the caller made them.
 
         Per layer: the q/k/v projection with the q/k norm + rope + block K/V write
         (`_project_rope_write`), then attention. A plain layer (every ctx and block key visible)
@@ -423,8 +453,7 @@ class Drafter:
         `start+b-1`: it then sees keys `0..start+b-1`, i.e. the committed ctx and the whole block,
         never the stale rows after it. Sliding and block-causal layers keep `_static_mask` (torch attention)."""
         b, cfg, ops = noise.shape[0], self.cfg, self.step_ops
-        positions = start + self._offsets(b)
-        last = positions[-1:].repeat(b)  # [b], contiguous: the kernel reads one position a row
+        positions, last, _ = at if at is not None else self.block_positions(start, b)
 
         def attend(li, xn):
             w, layout = self.layers[li], self.layouts[li]

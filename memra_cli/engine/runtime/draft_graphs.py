@@ -63,7 +63,7 @@ class ProposeGraph:
         self.last.copy_(last.reshape(1))
         self.start.fill_(start)
         self.graph.replay()
-        drafts, raws = self.out
+        drafts, raws = self.out[:2]  # the body's Heads: drafts, raws, ...
         return drafts.clone(), (None if raws is None else raws.clone())
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -158,8 +158,9 @@ class DrafterProposer:
         noise = block_embedding(self.target, self.program, self.block_ids)
         positions = torch.arange(start, start + b, device=self.target.device)
         hidden = self.drafter.forward_round(self.kv, noise, positions).hidden_out
-        return Proposal(*draft_heads(self.drafter, self.target, self.program, hidden, last, want_raws,
-                                     self.sampler, positions[0], host_loop=True))
+        heads = draft_heads(self.drafter, self.target, self.program, hidden, last, want_raws, self.sampler,
+                            positions[0], host_loop=True)
+        return Proposal(heads.drafts, heads.raws, heads.probs)
 
 
 def block_embedding(target, p: Program, ids: torch.Tensor) -> torch.Tensor:
@@ -170,15 +171,28 @@ def block_embedding(target, p: Program, ids: torch.Tensor) -> torch.Tensor:
     return noise if p.emb_scale == 1.0 else noise * p.emb_scale
 
 
+class Heads(NamedTuple):
+    """What `draft_heads` gives: drafts `[nd]` long, confidence raws `[nd]` float32 (when asked
+    for), the draft distribution q `[nd, vocab]` (when the sampler keeps it), and the candidates
+    `[1 + nd]` = [last, drafts] (when the raws or the caller asked for them: the raws' previous
+    tokens are its first nd, so one concatenation serves both)."""
+
+    drafts: torch.Tensor
+    raws: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+    chain: torch.Tensor | None = None
+
+
 def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last: torch.Tensor,
                 want_raws: bool, sampler: Sampler = GREEDY, start: torch.Tensor | None = None,
-                host_loop: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                host_loop: bool = False, want_chain: bool = False) -> Heads:
     """Block hidden `[b, hidden]` -> drafts `[n_drafts]` (harvested rows through the target's
     lm_head, then the markov chain or argmax), when asked confidence raws `[n_drafts]`, and the
     drafts' distribution q when the sampler keeps it. Greedy drafts are argmax; a sampler with
     `drafting` (temperature > 0) picks draft k with the noise keyed to position `start + k`
     (0-d device tensor), the target row that judges it. `host_loop`: the caller is eager, never
-    a graph body, so the chain may loop on the host (CPU; step_ops `markov_chain`)."""
+    a graph body, so the chain may loop on the host (CPU; step_ops `markov_chain`).
+    `want_chain`: also the candidates [last, drafts] (`Heads.chain`)."""
     rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
     if sampler.greedy:
         # Greedy drafts (the markov chain or argmax) read the lm_head's model-dtype output as it
@@ -194,19 +208,19 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last
         drafts = drafter.markov_chain(logits, last, host_loop=host_loop) if p.markov else drafter.step_ops.argmax(logits)
     else:
         drafts = drafter.markov_chain(logits, last, drafting.pick) if p.markov else drafting.pick_rows(logits)
-    raws = None
-    if want_raws:
-        raws = drafter.confidence_raw(rows, torch.cat([last.reshape(1), drafts[:-1]]))
-    return drafts, raws, (drafting.probs if drafting is not None else None)
+    chain = torch.cat([last.reshape(1), drafts]) if want_raws or want_chain else None
+    raws = drafter.confidence_raw(rows, chain[:-1]) if want_raws else None  # each slot's previous token
+    return Heads(drafts, raws, drafting.probs if drafting is not None else None, chain)
 
 
 def static_proposal(drafter: Drafter, target, p: Program, kv, last: torch.Tensor, tail: torch.Tensor,
-                    start: torch.Tensor, want_raws: bool, sampler: Sampler = GREEDY
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    start: torch.Tensor, want_raws: bool, sampler: Sampler = GREEDY, at=None,
+                    want_chain: bool = False) -> Heads:
     """`propose` with static shapes (the body of a ProposeGraph): `last [1]`, the block's mask ids
-    `tail [b-1]`, `start` a 0-d device tensor -> drafts `[n_drafts]` and raws `[n_drafts]` or
-    None. Reads only its arguments and long-lived weights: nothing of any session."""
+    `tail [b-1]`, `start` a 0-d device tensor -> `Heads`: drafts `[n_drafts]`, raws `[n_drafts]`
+    or None, and with `want_chain` the candidates [last, drafts]. `at`: the block's
+    `Drafter.block_positions(start, b)` when the caller made them. Reads only its arguments and
+    long-lived weights: nothing of any session."""
     noise = block_embedding(target, p, torch.cat([last.reshape(1), tail]))
-    drafts, raws, _ = draft_heads(drafter, target, p, drafter.static_round(kv, noise, start), last, want_raws,
-                                  sampler, start)
-    return drafts, raws
+    return draft_heads(drafter, target, p, drafter.static_round(kv, noise, start, at), last, want_raws, sampler,
+                       start, want_chain=want_chain)

@@ -77,11 +77,14 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
     tail = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
     rows = torch.arange(width, device=dev)
     taps = tuple(taps)
+    b = cfg.block_size
 
     def core(inputs: torch.Tensor):
         t_start, d_start, last = inputs[0], inputs[1], inputs[2:3]
-        drafts, raws = static_proposal(drafter, target, program, kv, last, tail, d_start, want_raws)
-        cand = torch.cat([last, drafts])
+        # the block's positions once (one add), for the proposal and the ingest of the step's rows
+        at = drafter.block_positions(d_start, b, width)
+        heads = static_proposal(drafter, target, program, kv, last, tail, d_start, want_raws, at=at, want_chain=True)
+        drafts, raws, cand = heads.drafts, heads.raws, heads.chain  # cand = [last, drafts]
         if cand.shape[0] >= width:
             cand = cand[:width]
         else:
@@ -95,7 +98,7 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
                 live.copy_(presize(cand, raws, inputs))
             with cache.live_rows_from(live):
                 sel, tapped = greedy_step(target, cand, rows + t_start, cache, taps)
-        drafter.static_ingest(kv, tapped, d_start)
+        drafter.static_ingest(kv, tapped, d_start, at.span)
         return cand, sel, raws
 
     return core
