@@ -17,6 +17,11 @@ counts
   and the ops inside a Triton launch are not counted), by op name: a weight matmul left to
   cuBLAS counts as one here, though cuBLAS may launch two (a split-K reduction).
 
+`--round dspark|dflash` (the embedded families only) counts a whole greedy speculative round
+instead: the body a round graph captures (`spec/round_bodies.py`'s `speculative_round_chained`:
+the drafter's block forward, heads and chain, the verify step, the ingest and the settlement),
+with the embedded drafter of that kind, beside the plain decode step's body (`plain_step_chained`).
+
 `--greedy` counts a greedy round's step instead (`spec/round_bodies.py`'s `greedy_step`: the
 lm_head and its argmax, no float32 logits); `--variant unfused` installs the step ops with their
 launch fusions undone (`TritonStepOps.unfused`: the q/k/v projection + rope, the embedding +
@@ -24,7 +29,7 @@ first norm, the lm_head + argmax, the projections' residual add + the norm folde
 matmul), the A/B the GPU benchmark times (`target_step --variants triton,triton-unfused`).
 
     python -m benchmarks.step_launches [--family qwen3|llama|qwen3_moe|qwen3_5_moe|gemma4_moe|embedded|embedded_dense]
-        [--greedy] [--variant fused|unfused] [--json OUT]
+        [--greedy] [--variant fused|unfused] [--round dspark|dflash] [--json OUT]
 
 Per layer, and per step (the per-layer count times the 8B shape's layers plus the rest) are
 printed: the 8B step launches the same kernels per layer, only more layers.
@@ -276,14 +281,65 @@ def count_step(family: str = "qwen3", greedy: bool = False, variant: str = "fuse
             "routed_to_dense": [list(r) for r in routed]}
 
 
+def count_round(family: str, kind: str) -> dict:
+    """A greedy speculative round's body and a plain decode step's body on the embedded pair
+    (`family` embedded or embedded_dense: its matmuls routed as `_build` routes them), with the
+    embedded `kind` drafter, bf16, the Triton step ops: launches by kernel, as `count_step`."""
+    from memra_cli.assets import ASSETS
+    from memra_cli.engine.api import ArmConfig, Engine, EngineConfig
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
+    from memra_cli.engine.spec.round_bodies import plain_step_chained, speculative_round_chained
+    from memra_kernels import dense_linear
+
+    if FAMILIES[family][0] != "assets":
+        raise ValueError(f"--round counts the embedded pair's rounds: --family embedded or embedded_dense, not {family}")
+    table = dict(dense_linear.TUNED)
+    out = {"family": family, "round": kind}
+    try:
+        with torch.inference_mode():
+            engine = Engine.load(EngineConfig(target=ASSETS / "target", device="cpu", dtype="bfloat16", kernels=False))
+            target = engine.target
+            routed = route_like(target, FAMILIES[family][1], family)
+            target.step_ops = TritonStepOps()  # under the interpreter (Engine.load takes them on CUDA only)
+            arm = engine.arm(ArmConfig(draft=ASSETS / kind, mode=kind))
+            arm.drafter.step_ops = target.step_ops
+            session = engine.session(list(range(5, 40)), 64, arm)
+            session.prime()  # the prompt's K/V, in both caches
+            kv, cache = session.proposer.kv, session.cache
+            width = engine.runner.width
+            bodies = {
+                "round": (speculative_round_chained(arm.drafter, target, arm.program, kv, cache, arm.taps, width,
+                                                    arm.program.window.is_confidence),
+                          lambda: torch.tensor([cache.length, kv.length, 7, width, 100])),
+                "plain": (plain_step_chained(target, cache, width), lambda: torch.tensor([cache.length, 7])),
+            }
+            for name, (body, inputs) in bodies.items():
+                body(inputs())  # a warm-up: buffers a runner keeps (counters, the chain's table)
+                x = inputs()  # (a round graph's inputs arrive by one copy, outside its body)
+                with counting() as (tri, tor):
+                    body(x)
+                out[name] = {"launches": sum(tri.values()) + sum(tor.values()), "triton": dict(tri), "torch": dict(tor)}
+            out["routed_to_dense"] = [list(r) for r in routed]
+    finally:
+        dense_linear.TUNED.clear()
+        dense_linear.TUNED.update(table)
+    out["round_over_plain"] = round(out["round"]["launches"] / out["plain"]["launches"], 3)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=sorted(FAMILIES), default="qwen3")
     p.add_argument("--greedy", action="store_true", help="a greedy round's step: model-dtype logits and the argmax")
     p.add_argument("--variant", choices=("fused", "unfused"), default="fused")
+    p.add_argument("--round", choices=("dspark", "dflash"), default=None,
+                   help="count a whole greedy speculative round with this embedded drafter, beside a plain decode "
+                        "step (--family embedded or embedded_dense)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
-    res = count_step(a.family, a.greedy, a.variant)
+    if a.round and FAMILIES[a.family][0] != "assets":
+        p.error(f"--round {a.round}: counts the embedded pair's rounds, so --family embedded or embedded_dense")
+    res = count_round(a.family, a.round) if a.round else count_step(a.family, a.greedy, a.variant)
     print(json.dumps(res, indent=1))
     if a.json:
         a.json.write_text(json.dumps(res, indent=2))
