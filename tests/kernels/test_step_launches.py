@@ -130,3 +130,19 @@ def test_the_other_moe_families_end_a_layer_in_the_combine(family):
         # the attention's add + norm also writes the experts' input norm; no torch op is left
         assert got["per_layer_kernels"] == {**attention, **moe, **mlp}, got["per_layer_kernels"]
         assert got["per_layer"] == 13
+
+
+@pytest.mark.exhaustive  # an interpreted round and plain step of the embedded pair: about 40 s
+def test_a_dspark_round_makes_its_positions_and_candidates_once():
+    """`--round dspark` on the embedded pair (cuBLAS, as shipped): besides the kernels and the
+    weight matmuls, a round body launches two adds (the drafter block's positions with its
+    attention's last positions and the ingest's span; the verify step's positions), three
+    concatenations (the block ids, the candidates the confidence head and the verify share, the
+    target's taps) and the draft cache's position rows; no repeat (the attention's last
+    positions come from the same add)."""
+    from benchmarks.step_launches import count_round
+
+    got = count_round("embedded", "dspark")
+    assert got["round"]["torch"] == {"add": 2, "cat": 3, "linear": 37, "index_copy_": 1}, got["round"]["torch"]
+    assert got["round"]["triton"]["_confidence_kernel"] == 1 and got["round"]["triton"]["_settle_kernel"] == 1
+    assert got["plain"]["launches"] == 65 and got["round"]["launches"] == 101
