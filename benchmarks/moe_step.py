@@ -103,7 +103,8 @@ def read_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
 # `triton-a3b-dense`: the Qwen3-30B-A3B weights cuBLAS keeps (dense_linear.TUNED lacks them) on
 # the dense kernel at the sweep's fastest tiles (docs/results/h100-dense-sweep-llama-a3b.json;
 # q/k/v unsplit, as its norm + rope epilogue needs; the lm_head's argmax epilogue needs unsplit too):
-# alone each is within 5% of cuBLAS, in the step the q/k/v drops its rope launch (docs/moe.md)
+# alone neither clears the table's rule against cuBLAS (docs/tuning.md), in the step the q/k/v
+# drops its rope launch, so only the whole step can decide
 A3B_DENSE = {(5120, 2048): (32, 128, 1, 4, 4), (151936, 2048): (64, 256, 1, 4, 4)}
 
 

@@ -1126,3 +1126,21 @@ def test_blocked_attention_rows_do_not_depend_on_their_step_or_storage(dtype):
     got = blocked_attention(q, k, v, pos, 0.125).float()
     tol = 1e-5 if dtype == torch.float32 else 2.0 ** -8
     assert ((got - want).abs().max() / want.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize("spec", ["dflash", "dspark"])
+def test_whole_round_graphs_at_a_step_narrower_than_the_block(target_dir, tmp_path, eager_graphs, spec):
+    """A step of 8 rows under a 16-row block (a verify cap of 8, so rounds are graphed whole): the
+    round body verifies the first 8 candidates and ingests the step's 8 tap rows at the head of
+    the block's positions; the stream equals plain greedy over 8-row steps."""
+    model = Qwen3Target.from_dir(target_dir)
+    fmt = "zlab" if spec == "dflash" else "deepspec"
+    extra = {} if spec == "dflash" else dict(markov_rank=16, confidence="markov")
+    draft = make_tiny_draft(tmp_path / spec, fmt, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256,
+                            block_size=16, target_layer_ids=(0, 2), num_target_layers=3, **extra)
+    prompt = _ids(25, 44).tolist()
+    engine = graphed_on_cpu(model, round_graphs=True, width=8)
+    with engine.session(prompt, 40, engine.arm(ArmConfig(draft=draft, mode=spec, verify_cap=8)), eos_ids=()) as s:
+        assert s.graphed_rounds
+        assert s.run() == greedy_reference(StepRunner(model, 8), prompt, 40)
+        assert any(k[0] == "spec-chain" for k in s.cache.graphs)

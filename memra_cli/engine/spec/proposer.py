@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from memra_cli.engine.errors import MemraError
-from memra_cli.engine.models.drafter import DraftCapacityError, Drafter
+from memra_cli.engine.models.drafter import BlockPositions, DraftCapacityError, Drafter
 from memra_cli.engine.runtime.pool import StoragePool
 from memra_cli.engine.spec.policy import Harvest, VerifyWindow
 from memra_cli.engine.runtime.steps import PREFILL_BUCKET
@@ -214,7 +214,7 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last
 
 
 def static_proposal(drafter: Drafter, target, p: Program, kv, last: torch.Tensor, tail: torch.Tensor,
-                    start: torch.Tensor, want_raws: bool, sampler: Sampler = GREEDY, at=None,
+                    start: torch.Tensor, want_raws: bool, sampler: Sampler = GREEDY, at: BlockPositions | None = None,
                     want_chain: bool = False) -> Heads:
     """`propose` with static shapes (the body of a ProposeGraph): `last [1]`, the block's mask ids
     `tail [b-1]`, `start` a 0-d device tensor -> `Heads`: drafts `[n_drafts]`, raws `[n_drafts]`

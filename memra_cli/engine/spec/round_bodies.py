@@ -98,7 +98,7 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
                 live.copy_(presize(cand, raws, inputs))
             with cache.live_rows_from(live):
                 sel, tapped = greedy_step(target, cand, rows + t_start, cache, taps)
-        drafter.static_ingest(kv, tapped, d_start, at.span)
+        drafter.static_ingest(kv, tapped, d_start, at.span[: tapped.shape[0]])  # the span covers max(b, W) rows
         return cand, sel, raws
 
     return core
