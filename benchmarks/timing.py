@@ -24,6 +24,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from memra_cli.engine.runtime.cuda_graphs import no_cycle_collection
+
 GIB = 1 << 30
 
 
@@ -114,7 +116,7 @@ def graph_ms(fns: Callable[[], object] | Sequence[Callable[[], object]], reps: i
     fns = [fns] if callable(fns) else list(fns)
     _warm_off_capture(fns)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with no_cycle_collection(), torch.cuda.graph(graph):
         for fn in fns:
             fn()
     ms = median_ms(graph.replay, reps, warmup=1, device="cuda") / len(fns)
@@ -128,7 +130,7 @@ def cycled_graph_ms(call: Callable[[int], object], n_copies: int, min_calls: int
     reps = n_copies * max(1, math.ceil(min_calls / n_copies))
     _warm_off_capture([lambda i=i: call(i) for i in range(n_copies)])
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with no_cycle_collection(), torch.cuda.graph(graph):
         for r in range(reps):
             call(r % n_copies)
     ms = do_bench_ms(graph.replay) / reps

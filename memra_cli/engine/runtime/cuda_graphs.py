@@ -7,6 +7,12 @@ layers/moe.py `not_counted`, so the bench counts what the replays ran). It then 
 `(graph, fn's outputs)`. `graph.replay()` reruns the recorded kernels, which write into those
 same output tensors.
 
+Python's cycle collector is off from the warm-ups to the capture's end. A runner's pool dies
+with its runner (runtime/pool.py), and its graphs with it; were that runner in a reference
+cycle, a collection set off by the capture's own allocations would destroy a graph
+mid-capture, which CUDA forbids while a stream captures (the capture fails with
+cudaErrorStreamCaptureInvalidated). Dead cycles are collected after the capture instead.
+
 Tests swap this function for an eager stand-in (`graph.replay()` calls `fn` again and copies the
 results into the first outputs). The replay plumbing of every graph (input buffers, padding,
 pooled storages, copies out) then runs on the CPU too.
@@ -14,7 +20,9 @@ pooled storages, copies out) then runs on the CPU too.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable
+import gc
+from contextlib import contextmanager
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 
@@ -27,16 +35,30 @@ def capture(fn: Callable[[], Any], device: torch.device, pool=None) -> tuple[Any
     `pool` (from `torch.cuda.graph_pool_handle()`): a memory pool shared with other graphs, for
     graphs that never replay at the same time and whose outputs are copied out after each
     replay (the prefill graphs): their intermediates then take one graph's memory, not the sum."""
-    side = torch.cuda.Stream(device=device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side), not_counted():
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    with no_cycle_collection():
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), not_counted():
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn()
     return graph, out
+
+
+@contextmanager
+def no_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector off inside (module docstring: a collection may free another
+    graph, which a capture in progress cannot survive), back as it was after, on error too."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 class GraphCache:
