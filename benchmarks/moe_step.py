@@ -6,9 +6,9 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
 - the step (`static_step`) for vt = 1..16 with each step-ops variant (`--ops`: `torch` = the
   twin and torch ops, `triton` = the Triton step ops with the MoE kernels, `triton-unfused` =
   those with the step's launch fusions undone, `TritonStepOps.unfused()`: the A/B of the MoE
-  combine's residual add + norm, and of the embedding + first norm; `triton-a3b-dense` = the
-  kernels with the A3B q/k/v and lm_head on the dense kernel, the q/k/v's rope in its epilogue,
-  `A3B_DENSE`): median ms of eager
+  combine's residual add + norm, and of the embedding + first norm; `triton-a3b-cublas` = the
+  kernels with the A3B q/k/v and lm_head on cuBLAS, the q/k/v's rope a launch of its own,
+  `A3B_DENSE_SHAPES`: the A/B of their place in `dense_linear.TUNED`): median ms of eager
   steps (device synchronised), and on CUDA with the kernels the step replayed as a CUDA graph
   (a captured twin runs every expert, so it has no graphed number); each step of vt rows alone
   and, for vt below `--width` (16), the `--width`-row step with vt live rows and the rest
@@ -100,19 +100,17 @@ def read_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     return nbytes / statistics.median(times[1:])
 
 
-# `triton-a3b-dense`: the Qwen3-30B-A3B weights cuBLAS keeps (dense_linear.TUNED lacks them) on
-# the dense kernel at the sweep's fastest tiles (docs/results/h100-dense-sweep-llama-a3b.json;
-# q/k/v unsplit, as its norm + rope epilogue needs; the lm_head's argmax epilogue needs unsplit too):
-# alone neither clears the table's rule against cuBLAS (docs/tuning.md), in the step the q/k/v
-# drops its rope launch, so only the whole step can decide
-A3B_DENSE = {(5120, 2048): (32, 128, 1, 4, 4), (151936, 2048): (64, 256, 1, 4, 4)}
+# `triton-a3b-cublas`: the Qwen3-30B-A3B q/k/v and lm_head, which dense_linear.TUNED puts on the
+# dense kernel (the q/k/v's rope in its epilogue), back on cuBLAS: the A/B that keeps them there
+# (docs/moe.md#the-a3b-weights-on-the-dense-kernel)
+A3B_DENSE_SHAPES = ((5120, 2048), (151936, 2048))
 
 
 def step_ops(name: str):
     """The step-ops variant `name`: `torch` (the twin), `triton` (the MoE kernels; CUDA),
     `triton-unfused` (those with the launch fusions undone), `triton-route4w` (the kernels with
-    every routing tile on at most 4 warps) or `triton-a3b-dense` (the kernels with `A3B_DENSE`'s
-    weights on the dense kernel); run the last two inside `variant_knobs`."""
+    every routing tile on at most 4 warps) or `triton-a3b-cublas` (the kernels with
+    `A3B_DENSE_SHAPES`' weights on cuBLAS); run the last two inside `variant_knobs`."""
     from memra_cli.engine.layers.torch_step_ops import TorchStepOps
     from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
@@ -126,16 +124,16 @@ def variant_knobs(name: str):
     """The kernels' module constants a variant changes, set for its steps and restored after:
     `triton-route4w` routes a 256-expert tile on 4 warps (32 logits a thread, the layout that
     spilled) instead of `route_warps`' 8 (docs/moe.md, "Measured: the Qwen3.5-35B-A3B step");
-    `triton-a3b-dense` adds `A3B_DENSE`'s shapes to `dense_linear.TUNED` (shapes already there
-    keep their tiles)."""
+    `triton-a3b-cublas` takes `A3B_DENSE_SHAPES` out of `dense_linear.TUNED` (so `F.linear` runs
+    them, and the q/k/v's rope is a launch of its own)."""
     from memra_kernels import dense_linear, moe_route
 
     saved, table = moe_route.TILE_PER_THREAD, dict(dense_linear.TUNED)
     if name == "triton-route4w":
         moe_route.TILE_PER_THREAD = moe_route.BLOCK_T * 256 // (32 * 4)  # a 256-expert tile on 4 warps
-    if name == "triton-a3b-dense":
-        for shape, (block_n, block_k, split_k, warps, stages) in A3B_DENSE.items():
-            dense_linear.TUNED.setdefault(shape, dense_linear.KernelConfig(block_n, block_k, split_k, warps, stages).check())
+    if name == "triton-a3b-cublas":
+        for shape in A3B_DENSE_SHAPES:
+            dense_linear.TUNED.pop(shape, None)
     try:
         yield
     finally:
@@ -318,7 +316,7 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), 
     return row
 
 
-OPS = ("torch", "triton", "triton-unfused", "triton-route4w", "triton-a3b-dense")
+OPS = ("torch", "triton", "triton-unfused", "triton-route4w", "triton-a3b-cublas")
 
 
 def parse_ops(raw: str | None, dev: torch.device) -> list[str] | None:
@@ -358,7 +356,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton, triton-unfused, "
-                    "triton-route4w, triton-a3b-dense (default: torch and triton on CUDA, torch elsewhere)")
+                    "triton-route4w, triton-a3b-cublas (default: torch and triton on CUDA, torch elsewhere)")
     ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "
                     "configurations: comma-separated block_i x block_n x block_k x warps x stages [x programs per "
                     "multiprocessor, 0: a program per (expert, tile)], e.g. 64x64x128x4x3 or 64x64x128x4x3x0")

@@ -125,6 +125,10 @@ TUNED: dict[tuple[int, int], KernelConfig] = {
     # on F.linear; docs/tuning.md#dense-linear)
     (4096, 14336): _C(block_n=64, block_k=256, split_k=2, num_warps=4, num_stages=4),
     (128256, 4096): _C(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4),
+    # Qwen3-30B-A3B's q/k/v and lm_head, from an H100 sweep: alone each ties cuBLAS, in the step
+    # the q/k/v's rope rides its epilogue (unsplit, as that and the argmax need; docs/moe.md#the-a3b-weights-on-the-dense-kernel)
+    (5120, 2048): _C(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=4),
+    (151936, 2048): _C(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4),
 }
 
 # Weight tiles a program asks L2 for before it waits for the previous kernel, when kernels launch

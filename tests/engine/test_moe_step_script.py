@@ -47,7 +47,7 @@ def test_the_kernels_off_cuda_are_refused_in_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --ops 'torch,triton': expected some of torch, triton, triton-unfused, triton-route4w, "
-        "triton-a3b-dense (the triton ones need --device cuda)"]
+        "triton-a3b-cublas (the triton ones need --device cuda)"]
     proc = _run("--tiles", "64x64x128x4x3")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --tiles '64x64x128x4x3': the kernels need --device cuda"]
@@ -96,25 +96,26 @@ def test_router_chunks_take_powers_of_two_and_need_cuda(capsys, monkeypatch):
         "error: --router-chunks '256': the kernels need --device cuda"]
 
 
-def test_the_a3b_dense_variant_routes_its_shapes_to_the_kernel_and_puts_the_table_back(monkeypatch):
-    """`triton-a3b-dense` adds the A3B q/k/v and lm_head to dense_linear.TUNED for its steps (valid,
-    unsplit tiles: the q/k/v's rope epilogue and the lm_head's argmax need an unsplit K) and restores
-    the table after, also when a step raises."""
+def test_the_a3b_weights_run_on_the_dense_kernel_and_the_cublas_variant_puts_them_back(monkeypatch):
+    """dense_linear.TUNED holds the A3B q/k/v and lm_head at unsplit tiles (the q/k/v's rope
+    epilogue and the lm_head's argmax need an unsplit K), so the q/k/v takes its rope in one
+    launch; `triton-a3b-cublas` takes them out for its steps and restores the table after, also
+    when a step raises."""
     monkeypatch.syspath_prepend(str(ROOT))
-    from benchmarks.moe_step import A3B_DENSE, variant_knobs
+    from benchmarks.moe_step import A3B_DENSE_SHAPES, variant_knobs
     from memra_kernels import dense_linear
 
     before = dict(dense_linear.TUNED)
-    assert not set(A3B_DENSE) & set(before)  # else the variant would measure nothing
+    assert all(before[shape].split_k == 1 for shape in A3B_DENSE_SHAPES)
     qkv, x = torch.empty(5120, 2048, dtype=torch.bfloat16), torch.empty(16, 2048, dtype=torch.bfloat16)
-    assert not dense_linear.qkv_rope_eligible(x, qkv, 128)
-    with variant_knobs("triton-a3b-dense"):
-        for shape in A3B_DENSE:
-            assert dense_linear.TUNED[shape].split_k == 1
-        assert dense_linear.qkv_rope_eligible(x, qkv, 128)  # its tiles inside the A3B's 128-wide heads
+    assert dense_linear.qkv_rope_eligible(x, qkv, 128)  # its tiles inside the A3B's 128-wide heads
+    with variant_knobs("triton-a3b-cublas"):
+        assert not set(A3B_DENSE_SHAPES) & set(dense_linear.TUNED)
+        assert not dense_linear.qkv_rope_eligible(x, qkv, 128)
+        assert dense_linear.TUNED == {k: v for k, v in before.items() if k not in A3B_DENSE_SHAPES}
     assert dense_linear.TUNED == before
     try:
-        with variant_knobs("triton-a3b-dense"):
+        with variant_knobs("triton-a3b-cublas"):
             raise RuntimeError("a step failed")
     except RuntimeError:
         pass
