@@ -241,6 +241,37 @@ def tiles_name(cfg) -> str:
     return f"{cfg.block_i}x{cfg.block_n}x{cfg.block_k}x{cfg.num_warps}x{cfg.num_stages}x{cfg.programs_per_sm}"
 
 
+# The router launch's A/B (memra_kernels.moe_route's knobs, set before each capture): its row tiles
+# unrolled or looped, at Triton's default pipeline stages and at one (docs/moe.md#the-routing-kernel)
+ROUTER_FORMS = {"unrolled": (True, None), "looped": (False, None), "unrolled/1stage": (True, 1),
+                "looped/1stage": (False, 1)}
+
+
+def router_forms(x: torch.Tensor, routers, moe, counts: torch.Tensor, iters: int, width: int = 16) -> dict:
+    """The router's one launch graphed (µs a layer) in each of ROUTER_FORMS, over `x`'s rows alone
+    and as a `width`-row step with those rows live (what the engine runs): `{form: {"rows": us,
+    "width": us}}`, an error string in place of a number where a capture failed."""
+    from memra_kernels import moe_route as mr
+    from memra_kernels.moe_route import router_route
+
+    vt = x.shape[0]
+    wide = torch.cat([x, torch.zeros(width - vt, x.shape[1], dtype=x.dtype, device=x.device)]) if vt < width else x
+    live = torch.tensor([vt], dtype=torch.int32, device=x.device)
+    kept = mr.STATIC_ROW_TILES, mr.ROUTER_STAGES
+    out = {}
+    try:
+        for form, (static, stages) in ROUTER_FORMS.items():
+            mr.STATIC_ROW_TILES, mr.ROUTER_STAGES = static, stages
+            out[form] = {}
+            for name, rows, lv in (("rows", x, None), ("width", wide, live)):
+                ms, err = graphed_ms(lambda: [router_route(rows, r, moe.top_k, moe.norm_topk_prob, lv, counts)
+                                              for r in routers], iters)
+                out[form][name] = err if ms is None else 1e3 * ms / len(routers)
+    finally:
+        mr.STATIC_ROW_TILES, mr.ROUTER_STAGES = kept
+    return out
+
+
 @torch.no_grad()
 def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), router_chunks=()) -> dict:
     """The MoE feed-forward alone over every sparse layer (its own weights and routing, one
@@ -309,6 +340,7 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), 
                 row["router_chunks_graph_us"][str(chunk)] = err if ms is None else 1e3 * ms / n
         finally:
             mr.ROUTER_CHUNK = kept
+        row["router_forms_graph_us"] = router_forms(x, routers, moe, counts, iters)
         row["tiles_graph_us"] = {}
         for cfg in tiles:
             ms, err = graphed_ms(every_layer(lambda *a, cfg=cfg: moe_swiglu(*a, config=cfg)), iters)
@@ -444,6 +476,9 @@ def main(argv: list[str]) -> int:
             print(f"   tiles {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
         for name, us in r.get("router_chunks_graph_us", {}).items():
             print(f"   router chunk {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
+        for form, got in r.get("router_forms_graph_us", {}).items():
+            print(f"   router {form}: " + ", ".join(
+                f"{name} " + (f"{us:6.1f} us" if isinstance(us, float) else us) for name, us in got.items()))
     profiles = []
     if a.profile:
         import os

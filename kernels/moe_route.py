@@ -69,6 +69,12 @@ MAX_EXPERTS = 1024  # a tile holds BLOCK_T rows of every expert's logit
 ROUTER_N = 16
 ROUTER_CHUNK = 512
 ROUTER_K = 128
+# The router kernel's row tiles as an unrolled run of ceil(t / BLOCK_T) tiles, each skipped at run
+# time past the live rows (a step's width is fixed, so one compile a width), rather than a loop
+# whose trip count is the live-row count read from memory; and the router kernel's pipeline
+# stages (None: Triton's default). Both are A/B knobs of the same arithmetic (docs/moe.md#the-routing-kernel).
+STATIC_ROW_TILES = True
+ROUTER_STAGES: int | None = None
 # A routing tile's float32 logits per thread: with more, the tile spills registers
 # (docs/moe.md, "Measured: the Qwen3.5-35B-A3B step").
 TILE_PER_THREAD = 16
@@ -91,68 +97,85 @@ def eligible(logits: torch.Tensor) -> bool:
 def _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l, first, step,
                  K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                  NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr,
-                 PARTS: tl.constexpr = 0):
+                 PARTS: tl.constexpr = 0, ROW_TILES: tl.constexpr = 0):
     """Routes the row tiles first, first + step, ... of `logits [T, E]`; with COUNT (every tile
     here) adds the call and the union of its live rows' experts to `counts`. PARTS > 0 (the router
     kernel's last program): `logits_ptr` is float32 partial logits `[PARTS, T, E]` the programs
-    wrote (read through L2), summed in part order and rounded to the weights' dtype."""
-    cols = tl.arange(0, BLOCK_E)
-    col_ok = cols < E
-    slots = tl.arange(0, KP)
+    wrote (read through L2), summed in part order and rounded to the weights' dtype. ROW_TILES > 0
+    (first 0, step 1): the ROW_TILES tiles unrolled, not a loop (STATIC_ROW_TILES)."""
     live = T
     if HAS_LIVE:
         live = tl.load(live_ptr)
     hit = tl.zeros((BLOCK_E,), tl.int32)  # experts some live row picked
-    for t0 in range(first * BLOCK_T, T, step * BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T)
-        row_ok = rows < T
-        live_row = row_ok & (rows < live)
-        # a padding row's logits are never read (it routes to no expert whatever they hold):
-        # it computes on zeros, and its picks are replaced below
-        read_ok = live_row[:, None] & col_ok[None, :]
-        if PARTS:  # the logits: each row's K chunks in chunk order, whatever the row count
-            raw = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
-            for part in tl.static_range(PARTS):  # unrolled: the loads go out together
-                raw += tl.load(logits_ptr + (part * T + rows.to(tl.int64))[:, None] * stride_l + cols[None, :],
-                               mask=read_ok, other=0.0, cache_modifier=".cg")
-            raw = raw.to(w_ptr.dtype.element_ty).to(tl.float32)
-        else:
-            raw = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
-                          mask=read_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        x = tl.where(col_ok[None, :], raw, float("-inf"))
-        p = tl.exp(x - tl.max(x, axis=1)[:, None])
-        probs = p / tl.sum(p, axis=1)[:, None]
-        # one int64 key per (row, expert): the probability's bits (>= 0, so ordered as the
-        # values) over the complement of the column, so one maximum gives the largest
-        # probability and, among equal ones, the lowest index; a pick is taken out as -1
-        keys = tl.where(col_ok[None, :], (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32)
-                        | (BLOCK_E - 1 - cols)[None, :].to(tl.int64), -1)
-        vals = tl.zeros((BLOCK_T, KP), tl.float32)
-        ids = tl.zeros((BLOCK_T, KP), tl.int32)
-        for j in tl.static_range(K_TOP):
-            key = tl.max(keys, axis=1)
-            i = (BLOCK_E - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
-            v = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)  # the probability, bit for bit
-            vals = tl.where(slots[None, :] == j, v[:, None], vals)
-            ids = tl.where(slots[None, :] == j, i[:, None], ids)
-            keys = tl.where(cols[None, :] == i[:, None], -1, keys)
-        if COUNT:  # the experts some live row picked: the keys taken out, in a column that exists
-            taken = (keys == -1) & col_ok[None, :] & live_row[:, None]
-            hit = tl.maximum(hit, tl.max(taken.to(tl.int32), axis=0))
-        slot_ok = slots[None, :] < K_TOP
-        if NORMALIZE:
-            vals = vals / tl.sum(tl.where(slot_ok, vals, 0.0), axis=1)[:, None]
-        if HAS_SCALE:
-            vals = vals * tl.load(scale_ptr + ids, mask=slot_ok, other=0.0).to(tl.float32)
-        ids = tl.where(live_row[:, None], ids, E)  # padding rows (and rows past t, not stored): no expert
-        vals = tl.where(live_row[:, None], vals, 0.0)
-        out = rows.to(tl.int64)[:, None] * K_TOP + slots[None, :]
-        ok = row_ok[:, None] & slot_ok
-        tl.store(w_ptr + out, vals.to(w_ptr.dtype.element_ty), mask=ok)
-        tl.store(ids_ptr + out, ids.to(tl.int64), mask=ok)
+    if ROW_TILES:
+        for tile in tl.static_range(ROW_TILES):
+            hit = _route_tile(tile * BLOCK_T, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, E, stride_l,
+                              K_TOP, KP, BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, COUNT, PARTS)
+    else:
+        for t0 in range(first * BLOCK_T, T, step * BLOCK_T):
+            hit = _route_tile(t0, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, E, stride_l,
+                              K_TOP, KP, BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, COUNT, PARTS)
     if COUNT:
         tl.atomic_add(counts_ptr, 1)
         tl.atomic_add(counts_ptr + 1, tl.sum(hit, axis=0).to(tl.int64))
+
+
+@triton.jit
+def _route_tile(t0, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, E, stride_l,
+                K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, PARTS: tl.constexpr):
+    """Routes rows t0 .. t0 + BLOCK_T - 1 (the module docstring's arithmetic) and stores their
+    weights and ids; -> `hit` with the experts their live rows picked added (COUNT)."""
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    slots = tl.arange(0, KP)
+    rows = t0 + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    live_row = row_ok & (rows < live)
+    # a padding row's logits are never read (it routes to no expert whatever they hold):
+    # it computes on zeros, and its picks are replaced below
+    read_ok = live_row[:, None] & col_ok[None, :]
+    if PARTS:  # the logits: each row's K chunks in chunk order, whatever the row count
+        raw = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+        for part in tl.static_range(PARTS):  # unrolled: the loads go out together
+            raw += tl.load(logits_ptr + (part * T + rows.to(tl.int64))[:, None] * stride_l + cols[None, :],
+                           mask=read_ok, other=0.0, cache_modifier=".cg")
+        raw = raw.to(w_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        raw = tl.load(logits_ptr + rows.to(tl.int64)[:, None] * stride_l + cols[None, :],
+                      mask=read_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+    x = tl.where(col_ok[None, :], raw, float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=1)[:, None])
+    probs = p / tl.sum(p, axis=1)[:, None]
+    # one int64 key per (row, expert): the probability's bits (>= 0, so ordered as the
+    # values) over the complement of the column, so one maximum gives the largest
+    # probability and, among equal ones, the lowest index; a pick is taken out as -1
+    keys = tl.where(col_ok[None, :], (probs.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+                    | (BLOCK_E - 1 - cols)[None, :].to(tl.int64), -1)
+    vals = tl.zeros((BLOCK_T, KP), tl.float32)
+    ids = tl.zeros((BLOCK_T, KP), tl.int32)
+    for j in tl.static_range(K_TOP):
+        key = tl.max(keys, axis=1)
+        i = (BLOCK_E - 1 - (key & 0xFFFFFFFF)).to(tl.int32)
+        v = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)  # the probability, bit for bit
+        vals = tl.where(slots[None, :] == j, v[:, None], vals)
+        ids = tl.where(slots[None, :] == j, i[:, None], ids)
+        keys = tl.where(cols[None, :] == i[:, None], -1, keys)
+    if COUNT:  # the experts some live row picked: the keys taken out, in a column that exists
+        taken = (keys == -1) & col_ok[None, :] & live_row[:, None]
+        hit = tl.maximum(hit, tl.max(taken.to(tl.int32), axis=0))
+    slot_ok = slots[None, :] < K_TOP
+    if NORMALIZE:
+        vals = vals / tl.sum(tl.where(slot_ok, vals, 0.0), axis=1)[:, None]
+    if HAS_SCALE:
+        vals = vals * tl.load(scale_ptr + ids, mask=slot_ok, other=0.0).to(tl.float32)
+    ids = tl.where(live_row[:, None], ids, E)  # padding rows (and rows past t, not stored): no expert
+    vals = tl.where(live_row[:, None], vals, 0.0)
+    out = rows.to(tl.int64)[:, None] * K_TOP + slots[None, :]
+    ok = row_ok[:, None] & slot_ok
+    tl.store(w_ptr + out, vals.to(w_ptr.dtype.element_ty), mask=ok)
+    tl.store(ids_ptr + out, ids.to(tl.int64), mask=ok)
+    return hit
 
 
 @triton.jit
@@ -183,20 +206,52 @@ def _prefetch_router_then_wait(PDL: tl.constexpr, router_ptr, H, E, stride_r, RO
 
 
 @triton.jit
+def _router_dot_tile(t0, n_live, w, offs_k, k_ok, experts, e_ok, x_ptr, parts_ptr, T, H, E, stride_x,
+                     BLOCK_T: tl.constexpr, ROUTER_N: tl.constexpr, ROUTER_K: tl.constexpr, PREC: tl.constexpr,
+                     WIDEN: tl.constexpr, pre_w_ptr, pw, pre_factor, eps, PRE_NORM: tl.constexpr):
+    """The partial logits `w [ROUTER_N, CHUNK] @ x[rows, chunk].T` of rows t0 .. t0 + BLOCK_T - 1
+    (those below n_live; float32, one dot), stored to this program's chunk of `parts`."""
+    dt = x_ptr.dtype.element_ty
+    rows = t0 + tl.arange(0, BLOCK_T)
+    r_ok = rows < n_live
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :],
+                mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+    if PRE_NORM:  # each row's float32 sum of squares over the same K loop, whatever the row count
+        offs_s = tl.arange(0, ROUTER_K)
+        sq = tl.zeros((BLOCK_T,), tl.float32)
+        for s0 in range(0, H, ROUTER_K):
+            xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (s0 + offs_s)[None, :],
+                         mask=r_ok[:, None] & ((s0 + offs_s) < H)[None, :], other=0.0).to(tl.float32)
+            sq += tl.sum(xs * xs, axis=1)
+        rstd = 1.0 / tl.sqrt_rn(sq / H + eps)
+        # the twin's roundings: the norm, the weight's product, the factor's product
+        x = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
+        x = ((x * pw[None, :]).to(dt).to(tl.float32) * pre_factor).to(dt)
+    acc = tl.zeros((ROUTER_N, BLOCK_T), tl.float32)
+    if WIDEN:  # the interpreter multiplies bf16/f16 raw bits: widen (the products are equal)
+        acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
+    tl.store(parts_ptr + (tl.program_id(1) * T + rows.to(tl.int64))[None, :] * E + experts[:, None], acc,
+             mask=e_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
 def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr,
                          T, H, E, stride_x, stride_r, K_TOP: tl.constexpr, KP: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, ROUTER_N: tl.constexpr,
                          ROUTER_K: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr, NORMALIZE: tl.constexpr,
                          HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr, PREC: tl.constexpr,
                          WIDEN: tl.constexpr, pre_w_ptr=None, pre_factor=1.0, eps=0.0, PRE_NORM: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         ROW_TILES: tl.constexpr = 0, PDL: tl.constexpr = False):
     """Program (p, c): the float32 partial logits of experts p*ROUTER_N ... over hidden columns
     c*CHUNK ... (one of the PARTS chunks) for every row tile, one dot a row tile, stored to
     `parts [PARTS, T, E]`; the last program to arrive (an arrival counter, put back to 0) sums each
     row's chunks in chunk order, rounds them to the model dtype and routes every row. The router
     tile's lines are asked of L2 before the PDL wait (no earlier kernel writes the router), so
     its read overlaps the kernel before. PRE_NORM: x is `router_pre_norm_ref(x, pre_w,
-    pre_factor, eps)`, each row's statistic over one ROUTER_K-column loop of the whole hidden size."""
+    pre_factor, eps)`, each row's statistic over one ROUTER_K-column loop of the whole hidden size.
+    ROW_TILES > 0: the row tiles unrolled (STATIC_ROW_TILES), not a loop over the live rows."""
     _prefetch_router_then_wait(PDL, router_ptr, H, E, stride_r, ROUTER_N, CHUNK)
     experts = tl.program_id(0) * ROUTER_N + tl.arange(0, ROUTER_N)
     e_ok = experts < E
@@ -204,7 +259,7 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     k_ok = offs_k < H
     w = tl.load(router_ptr + experts.to(tl.int64)[:, None] * stride_r + offs_k[None, :],
                 mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-    dt = x_ptr.dtype.element_ty
+    pw = 0.0
     if PRE_NORM:
         pw = tl.load(pre_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     # only the live rows' logits: a padding row routes to no expert, so its x is never read
@@ -212,35 +267,22 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     n_live = T
     if HAS_LIVE:
         n_live = tl.minimum(tl.load(live_ptr), T)
-    for t0 in range(0, n_live, BLOCK_T):
-        rows = t0 + tl.arange(0, BLOCK_T)
-        r_ok = rows < n_live
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :],
-                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        if PRE_NORM:  # each row's float32 sum of squares over the same K loop, whatever the row count
-            offs_s = tl.arange(0, ROUTER_K)
-            sq = tl.zeros((BLOCK_T,), tl.float32)
-            for s0 in range(0, H, ROUTER_K):
-                xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + (s0 + offs_s)[None, :],
-                             mask=r_ok[:, None] & ((s0 + offs_s) < H)[None, :], other=0.0).to(tl.float32)
-                sq += tl.sum(xs * xs, axis=1)
-            rstd = 1.0 / tl.sqrt_rn(sq / H + eps)
-            # the twin's roundings: the norm, the weight's product, the factor's product
-            x = (x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32)
-            x = ((x * pw[None, :]).to(dt).to(tl.float32) * pre_factor).to(dt)
-        acc = tl.zeros((ROUTER_N, BLOCK_T), tl.float32)
-        if WIDEN:  # the interpreter multiplies bf16/f16 raw bits: widen (the products are equal)
-            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, tl.trans(x), acc, input_precision=PREC)
-        tl.store(parts_ptr + (tl.program_id(1) * T + rows.to(tl.int64))[None, :] * E + experts[:, None], acc,
-                 mask=e_ok[:, None] & r_ok[None, :])
+    if ROW_TILES:  # unrolled, each tile skipped at run time past the live rows
+        for tile in tl.static_range(ROW_TILES):
+            if tile * BLOCK_T < n_live:
+                _router_dot_tile(tile * BLOCK_T, n_live, w, offs_k, k_ok, experts, e_ok, x_ptr, parts_ptr, T, H, E,
+                                 stride_x, BLOCK_T, ROUTER_N, ROUTER_K, PREC, WIDEN, pre_w_ptr, pw, pre_factor, eps,
+                                 PRE_NORM)
+    else:
+        for t0 in range(0, n_live, BLOCK_T):
+            _router_dot_tile(t0, n_live, w, offs_k, k_ok, experts, e_ok, x_ptr, parts_ptr, T, H, E, stride_x,
+                             BLOCK_T, ROUTER_N, ROUTER_K, PREC, WIDEN, pre_w_ptr, pw, pre_factor, eps, PRE_NORM)
     # every thread's partials are stored before one thread announces them (release) ...
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) * PARTS - 1:  # ... and the last program reads them through L2
         _route_tiles(parts_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, E, 0, 1, K_TOP, KP,
-                     BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, HAS_LIVE, COUNT, PARTS)
+                     BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, HAS_LIVE, COUNT, PARTS, ROW_TILES)
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -327,5 +369,7 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
         HAS_SCALE=scale is not None, HAS_LIVE=live is not None, COUNT=counts is not None,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", WIDEN=interpreting() and x.device.type != "cuda",
         pre_w_ptr=x if pre_w is None else pre_w, pre_factor=float(factor), eps=float(eps), PRE_NORM=pre_w is not None,
-        num_warps=route_warps(triton.next_power_of_2(n_exp)), **pdl_args(x))
+        ROW_TILES=triton.cdiv(t, BLOCK_T) if STATIC_ROW_TILES else 0,
+        num_warps=route_warps(triton.next_power_of_2(n_exp)),
+        **({} if ROUTER_STAGES is None else {"num_stages": ROUTER_STAGES}), **pdl_args(x))
     return weights, ids

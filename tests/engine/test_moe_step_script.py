@@ -122,3 +122,4 @@ def test_the_a3b_weights_run_on_the_dense_kernel_and_the_cublas_variant_puts_the
     assert dense_linear.TUNED == before
     with variant_knobs("triton"):
         assert dense_linear.TUNED == before
+

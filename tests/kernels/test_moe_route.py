@@ -219,6 +219,25 @@ def test_the_router_kernel_keeps_a_row_its_bits_its_ties_and_catches_a_planted_r
                                       *router_inputs(16, torch.float32), 3)
 
 
+@pytest.mark.parametrize("pre", [False, True], ids=["plain", "pre_norm"])
+def test_the_router_kernels_row_tiles_unrolled_or_looped_give_the_same_bits(monkeypatch, pre):
+    """STATIC_ROW_TILES changes how the launch walks its row tiles (an unrolled run skipped past the
+    live rows, or a loop over them), never a row's arithmetic: both give the same weights, ids and
+    count bits, at a row, a step's 16 rows with 9 live, and 40 rows (three tiles) with 33 and 9
+    live, and both match the twin."""
+    for t, n_live in ((1, None), (16, 9), (40, 33), (40, 9)):
+        x, router = router_inputs(t, torch.bfloat16, seed=t + 7)
+        norm = gemma_pre_norm(torch.bfloat16) if pre else None
+        got = []
+        for static in (True, False):
+            monkeypatch.setattr(mr, "STATIC_ROW_TILES", static)
+            counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+            got.append((*mr.router_route(x, router, 3, True, live_of(n_live), counts, None, norm), counts))
+            assert router_mismatches(mr.router_route, x, router, 3, True, live_of(n_live), None, norm) == [], \
+                (t, n_live, static)
+        assert all(torch.equal(a, b) for a, b in zip(*got)), (t, n_live)
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["router_route", "moe_route"])
 def test_padding_rows_contents_change_nothing(fused):
     """A step's padding rows (from `live` on) are never read: NaN and infinities there leave the
@@ -334,3 +353,34 @@ def test_the_routing_warps_follow_the_expert_count_alone():
     from memra_kernels.moe_route import route_warps
 
     assert [route_warps(e) for e in (8, 64, 128, 256, 512, 1024)] == [4, 4, 4, 8, 16, 32]
+
+
+def test_moe_step_router_forms_time_each_form_alone_and_as_a_padded_step_and_put_the_knobs_back(monkeypatch):
+    """benchmarks/moe_step.py's `router_forms` sets moe_route's row-tile and stage knobs for each form's captures (here a
+    stand-in that runs the calls once, through the interpreter), times `x`'s rows alone and as a
+    16-row step with them live, and restores the knobs; the padded step's live rows route as
+    the rows alone do."""
+    import types
+
+    from benchmarks import moe_step
+
+    seen = []
+
+    def fake_graphed_ms(fn, iters):
+        seen.append((mr.STATIC_ROW_TILES, mr.ROUTER_STAGES, fn()))
+        return 0.002, None
+
+    monkeypatch.setattr(moe_step, "graphed_ms", fake_graphed_ms)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=gen).to(DEVICE, torch.bfloat16)
+    routers = [torch.randn(8, 64, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2)]
+    counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    kept = mr.STATIC_ROW_TILES, mr.ROUTER_STAGES
+    got = moe_step.router_forms(x, routers, types.SimpleNamespace(top_k=2, norm_topk_prob=True), counts, 1)
+    assert (mr.STATIC_ROW_TILES, mr.ROUTER_STAGES) == kept
+    assert got == {form: {"rows": 1.0, "width": 1.0} for form in moe_step.ROUTER_FORMS}
+    assert [(s, st) for s, st, _ in seen[::2]] == list(moe_step.ROUTER_FORMS.values())
+    for (_, _, alone), (_, _, padded) in zip(seen[::2], seen[1::2]):
+        for (w, ids), (w16, ids16) in zip(alone, padded):
+            assert w16.shape == (16, 2) and torch.equal(w16[:3], w) and torch.equal(ids16[:3], ids)
+            assert (ids16[3:] == 8).all()
