@@ -32,6 +32,7 @@ from memra_cli.engine.api import ArmConfig, Engine, drafter_class
 from memra_cli.engine.errors import CensusError, ConfigError, SettingError, UnsupportedError
 from memra_cli.engine.formats.census import take_census
 from memra_cli.engine.greedy import greedy_reference
+from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.models.drafter_gemma4 import Gemma4Drafter
 from memra_cli.engine.models.gemma4 import Gemma4Target
 from memra_cli.engine.spec.policy import PolicySettings
@@ -317,6 +318,28 @@ def test_pair_refusals(pair, tmp_path):
 
 
 # --------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.parametrize("name", list(DRAFTERS))
+def test_graphed_dspark_rounds_equal_plain_greedy_on_the_cpu_stand_in(pair, tmp_path, monkeypatch, name):
+    """The CUDA test below with the CPU's capture stand-in (spec_arms.eager_capture): whole
+    rounds graphed run the Gemma drafter's static path (its static_round and static_ingest, with
+    the positions the round body makes once) and the stream is an eager plain run's."""
+    from spec_arms import eager_capture, graphed_on_cpu
+
+    captures = eager_capture(monkeypatch)
+    target, _ = pair
+    draft = repeater(make_tiny_gemma4_dspark(tmp_path / "d", target=target, **DRAFTERS[name]))
+    model = Gemma4Target.from_dir(target)
+    engine = graphed_on_cpu(model, 16, round_graphs=True)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dspark"))
+    ids = torch.randint(0, VOCAB - 4, (23,), generator=torch.Generator().manual_seed(71)).tolist()
+    plain = greedy_reference(StepRunner(model, 16), ids, 40)
+    with engine.session(ids, 40, arm, eos_ids=()) as session:
+        assert session.graphed_rounds
+        assert session.run() == plain
+        assert any(k[0] == "spec-chain" for k in session.cache.graphs)
+    assert captures
 
 
 @pytest.mark.gpu

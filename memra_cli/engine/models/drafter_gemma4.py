@@ -139,20 +139,26 @@ class Gemma4Drafter(Drafter):
         kv.k[li].index_copy_(1, positions, apply_rope(k, kv.cos[positions], kv.sin[positions]).transpose(0, 1))
         kv.v[li].index_copy_(1, positions, v.transpose(0, 1))
 
-    def static_ingest(self, kv, taps: torch.Tensor, start: torch.Tensor) -> None:
+    def static_ingest(self, kv, taps: torch.Tensor, start: torch.Tensor,
+                      positions: torch.Tensor | None = None) -> None:
         """`ingest` of exactly `b` rows at positions `start..start+b-1` (`start` a 0-d device
-        tensor), without touching `kv.length` (padding rows land where the next block writes)."""
-        positions = start + self._offsets(taps.shape[0])
+        tensor), without touching `kv.length` (padding rows land where the next block writes).
+        `positions`: those positions when the caller has them already (`Drafter.static_ingest`)."""
+        if positions is None:
+            positions = start + self._offsets(taps.shape[0])
+        elif positions.shape != (taps.shape[0],):
+            raise ValueError(f"positions {tuple(positions.shape)} for {taps.shape[0]} tap rows")
         ctx = self.ctx_features(taps)
         for li, w in enumerate(self.layers):
             self._write_rows(kv, li, *self._project_kv(ctx, w), positions)
         kv.positions.index_copy_(0, positions, positions)
 
-    def static_round(self, kv, noise: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def static_round(self, kv, noise: torch.Tensor, start: torch.Tensor, at=None) -> torch.Tensor:
         """`forward_round` with static shapes: block `noise [b, hidden]` at `start..start+b-1`,
         attending over the whole storage under `_static_mask` (ctx rows before `start`, the block,
-        nothing later). Returns the final-normed hidden `[b, hidden]`."""
-        positions = start + self._offsets(noise.shape[0])
+        nothing later). Returns the final-normed hidden `[b, hidden]`. `at`: the block's
+        `block_positions(start, b)` when the caller made them (`Drafter.static_round`)."""
+        positions = at.rows if at is not None else start + self._offsets(noise.shape[0])
         cos, sin = kv.cos[positions], kv.sin[positions]
 
         def attend(li, xn):
