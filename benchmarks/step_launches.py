@@ -6,8 +6,8 @@ shape, one live row as a plain decode step runs), or a tiny random Qwen3.5 MoE h
 (`--family qwen3_5_moe` / `gemma4_moe`: `memra_cli.tiny`'s checkpoints, loaded in bf16, every weight
 matmul routed to the dense kernel, one live row; counted, not scaled: the `8b` keys are the tiny
 model's own layer count), or the embedded target itself (`--family embedded`: its weight matmuls
-on cuBLAS, as shipped; `embedded_dense`: on the dense kernel at benchmarks/gpu/embedded_dense.py's
-tiles, the A/B that script times; counted, not scaled), puts the Triton step ops in (under Triton's interpreter when there is no
+on the dense kernel, as shipped; `embedded_cublas`: on cuBLAS, benchmarks/gpu/embedded_dense.py's
+shapes taken out of the table, the A/B that script times; counted, not scaled), puts the Triton step ops in (under Triton's interpreter when there is no
 GPU), routes each weight matmul where the 8B shape's would go (the dense kernel where the 8B
 weight's shape is in `dense_linear.TUNED`, `F.linear` else), runs one 16-row `static_step` and
 counts
@@ -28,7 +28,7 @@ launch fusions undone (`TritonStepOps.unfused`: the q/k/v projection + rope, the
 first norm, the lm_head + argmax, the projections' residual add + the norm folded into the next
 matmul), the A/B the GPU benchmark times (`target_step --variants triton,triton-unfused`).
 
-    python -m benchmarks.step_launches [--family qwen3|llama|qwen3_moe|qwen3_5_moe|gemma4_moe|embedded|embedded_dense]
+    python -m benchmarks.step_launches [--family qwen3|llama|qwen3_moe|qwen3_5_moe|gemma4_moe|embedded|embedded_cublas]
         [--greedy] [--variant fused|unfused] [--round dspark|dflash] [--json OUT]
 
 Per layer, and per step (the per-layer count times the 8B shape's layers plus the rest) are
@@ -65,9 +65,9 @@ W = 16
 # --family -> (counted, routed as): gpu_shapes.SHAPES keys, or moe_step.SHAPES keys for qwen3_moe
 FAMILIES = {"qwen3": ("small", "8b"), "llama": ("llama-small", "llama-8b"), "qwen3_moe": ("tiny", "a3b"),
             "qwen3_5_moe": ("tiny", None), "gemma4_moe": ("tiny", None),
-            # the embedded target itself (memra_cli/assets), its matmuls as shipped (cuBLAS) or on the
-            # dense kernel at benchmarks/gpu/embedded_dense.py's tiles
-            "embedded": ("assets", "cublas"), "embedded_dense": ("assets", "dense")}
+            # the embedded target itself (memra_cli/assets), its matmuls as shipped (the dense kernel) or
+            # on cuBLAS (benchmarks/gpu/embedded_dense.py's shapes taken out of the table)
+            "embedded": ("assets", "dense"), "embedded_cublas": ("assets", "cublas")}
 # the tiny checkpoints' MoE: (experts, top-k, intermediate), as `memra_cli.tiny`'s own
 TINY_MOE = (8, 2, 32)
 # torch ops that launch no kernel: allocations and metadata
@@ -146,12 +146,12 @@ def route_like(target, routed_as: dict, family: str = "qwen3") -> list[tuple[int
     (qkv, o, gate/up, down, lm_head by role), added to TUNED so its step routes as the big one's."""
     from memra_kernels import dense_linear
 
-    if routed_as == "cublas":  # the embedded target as shipped: none of its shapes is in TUNED
-        return []
-    if routed_as == "dense":
-        from benchmarks.gpu.embedded_dense import add_candidates
+    if routed_as in ("dense", "cublas"):  # the embedded target: its shapes as shipped, or taken out
+        from benchmarks.gpu.embedded_dense import EMBEDDED_SHAPES, without_embedded
 
-        return add_candidates(dense_linear.TUNED)
+        if routed_as == "cublas":
+            without_embedded(dense_linear.TUNED)
+        return [shape for shape in EMBEDDED_SHAPES if shape in dense_linear.TUNED]
     if routed_as is None:  # a tiny MoE hybrid / Gemma 4: every weight matmul to the dense kernel, unsplit
         shapes = sorted({tuple(w.shape) for w in _weights(target.layers) if w.dim() == 2} |
                         {tuple(target.lm_head_weight.shape)})
@@ -283,7 +283,7 @@ def count_step(family: str = "qwen3", greedy: bool = False, variant: str = "fuse
 
 def count_round(family: str, kind: str) -> dict:
     """A greedy speculative round's body and a plain decode step's body on the embedded pair
-    (`family` embedded or embedded_dense: its matmuls routed as `_build` routes them), with the
+    (`family` embedded or embedded_cublas: its matmuls routed as `_build` routes them), with the
     embedded `kind` drafter, bf16, the Triton step ops: launches by kernel, as `count_step`."""
     from memra_cli.assets import ASSETS
     from memra_cli.engine.api import ArmConfig, Engine, EngineConfig
@@ -292,7 +292,7 @@ def count_round(family: str, kind: str) -> dict:
     from memra_kernels import dense_linear
 
     if FAMILIES[family][0] != "assets":
-        raise ValueError(f"--round counts the embedded pair's rounds: --family embedded or embedded_dense, not {family}")
+        raise ValueError(f"--round counts the embedded pair's rounds: --family embedded or embedded_cublas, not {family}")
     table = dict(dense_linear.TUNED)
     out = {"family": family, "round": kind}
     try:
@@ -334,11 +334,11 @@ def main() -> None:
     p.add_argument("--variant", choices=("fused", "unfused"), default="fused")
     p.add_argument("--round", choices=("dspark", "dflash"), default=None,
                    help="count a whole greedy speculative round with this embedded drafter, beside a plain decode "
-                        "step (--family embedded or embedded_dense)")
+                        "step (--family embedded or embedded_cublas)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     if a.round and FAMILIES[a.family][0] != "assets":
-        p.error(f"--round {a.round}: counts the embedded pair's rounds, so --family embedded or embedded_dense")
+        p.error(f"--round {a.round}: counts the embedded pair's rounds, so --family embedded or embedded_cublas")
     res = count_round(a.family, a.round) if a.round else count_step(a.family, a.greedy, a.variant)
     print(json.dumps(res, indent=1))
     if a.json:

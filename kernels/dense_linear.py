@@ -129,6 +129,16 @@ TUNED: dict[tuple[int, int], KernelConfig] = {
     # the q/k/v's rope rides its epilogue (unsplit, as that and the argmax need; docs/moe.md#the-a3b-weights-on-the-dense-kernel)
     (5120, 2048): _C(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=4),
     (151936, 2048): _C(block_n=64, block_k=256, split_k=1, num_warps=4, num_stages=4),
+    # the embedded pair (memra_cli/assets, hidden 256): q/k/v, o (and the drafters' fused k/v),
+    # gate/up, down (and the drafters' fc over 3 taps), lm_head. Its step is a chain of tiny
+    # launches, and on the dense kernel every launch fusion of the step ops applies; the whole
+    # bench decided (docs/bench.md#the-embedded-pair-on-the-dense-kernel). block_n 32 lies inside
+    # a 64-wide head (the q/k/v epilogue's rule); the lm_head unsplit for its argmax.
+    (512, 256): _C(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=2),
+    (256, 256): _C(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=2),
+    (1536, 256): _C(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=2),
+    (256, 768): _C(block_n=32, block_k=128, split_k=1, num_warps=4, num_stages=2),
+    (4096, 256): _C(block_n=64, block_k=128, split_k=1, num_warps=4, num_stages=2),
 }
 
 # Weight tiles a program asks L2 for before it waits for the previous kernel, when kernels launch

@@ -277,8 +277,8 @@ PARTS = {p.name: p for p in (
          _serve_load, stdout_to="serve_load.json"),
     Part("embedded_bench", "the embedded pair's bench on the stdlib set, tok/s and tau", 140, _embedded_bench,
          stdout_to="embedded_bench_stdlib.json"),
-    Part("embedded_dense", "the embedded pair's bench on HumanEval with its weight matmuls on cuBLAS (as shipped) and "
-         "on the dense kernel with its launch fusions (benchmarks/gpu/embedded_dense.py), one process each: tok/s, "
+    Part("embedded_dense", "the embedded pair's bench on HumanEval with its weight matmuls on the dense kernel with its "
+         "launch fusions (as shipped) and on cuBLAS (benchmarks/gpu/embedded_dense.py), one process each: tok/s, "
          "tau, the exactness gate", 160, _embedded_dense),
     Part("kernels", "the Triton kernels against torch and cuBLAS at the 8B shape, µs", 200, _kernels),
     Part("tests", "the gpu-marked tests on the device, both tiers", 420, _tests, stdout_to="gpu_tests.txt"),

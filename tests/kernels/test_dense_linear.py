@@ -285,16 +285,17 @@ def test_argmax_epilogue_refusals():
 @pytest.mark.exhaustive  # the embedded models' full shapes in the interpreter (quick-tier time)
 @pytest.mark.parametrize("shape", [(512, 256), (256, 256), (1536, 256), (256, 768), (4096, 256)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
-def test_embedded_candidate_tiles_are_right_and_row_invariant(shape):
-    """benchmarks/gpu/embedded_dense.py's tiles for the embedded models' shapes (what its
-    `--table dense` run puts in TUNED): bf16 within rounding of the reference, a row's bits the
-    same in a 1-row and a 16-row call, and each shape's own epilogue allowed (the q/k/v tiles
-    inside a 64-wide head, the lm_head unsplit for its argmax, gate/up split into its halves)."""
-    from benchmarks.gpu.embedded_dense import CANDIDATES, add_candidates
+def test_the_embedded_models_tiles_are_right_and_row_invariant(shape):
+    """TUNED's tiles for the embedded models' shapes (benchmarks/gpu/embedded_dense.py's
+    `EMBEDDED_SHAPES`, which its `--table cublas` run takes out): bf16 within rounding of the
+    reference, a row's bits the same in a 1-row and a 16-row call, and each shape's own epilogue
+    allowed (the q/k/v tiles inside a 64-wide head, the lm_head unsplit for its argmax, gate/up
+    split into its halves)."""
+    from benchmarks.gpu.embedded_dense import EMBEDDED_SHAPES, without_embedded
 
-    table: dict = {}
-    assert sorted(add_candidates(table)) == sorted(CANDIDATES)
-    cfg = table[shape]
+    table = dict(dl.TUNED)
+    assert without_embedded(table) == list(EMBEDDED_SHAPES) and not set(EMBEDDED_SHAPES) & set(table)
+    cfg = dl.TUNED[shape]
     n, k = shape
     x, w = _inputs(16, n, k, torch.bfloat16, seed=5)
     y = dl.dense_linear(x, w, config=cfg)
