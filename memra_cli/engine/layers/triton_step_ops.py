@@ -223,15 +223,16 @@ class TritonStepOps:
                                           eps, scalar)
 
     def moe_swiglu_shared_add_rms_norm_1p(self, x, weights, experts, w_gate_up, w_down, shared, gate, residual,
-                                          w1p, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                          w1p, eps: float, activation: str = "silu"
+                                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """`TorchStepOps.moe_swiglu_shared_add_rms_norm_1p` with the gated shared expert, the
         residual add and the zero-centred norm in the MoE combine's launch (`moe.shared_eligible`);
         the unfused ops otherwise. The choice depends on shapes and dtypes only."""
         if self._moe.eligible(x, w_gate_up, w_down) and self._moe.shared_eligible(x, shared, gate, residual, w1p):
             return self._moe.moe_swiglu_shared_add_rms_norm_1p(x, weights, experts, w_gate_up, w_down, shared, gate,
-                                                               residual, w1p, eps)
+                                                               residual, w1p, eps, activation)
         return unfused_moe_swiglu_shared_add_rms_norm_1p(self, x, weights, experts, w_gate_up, w_down, shared, gate,
-                                                         residual, w1p, eps)
+                                                         residual, w1p, eps, activation)
 
     def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                      live: torch.Tensor | None = None, counts: torch.Tensor | None = None,

@@ -70,10 +70,11 @@ def unfused_moe_swiglu_add_rms_norm(ops, x, weights, experts, w_gate_up, w_down,
 
 
 def unfused_moe_swiglu_shared_add_rms_norm_1p(ops, x, weights, experts, w_gate_up, w_down, shared, gate, residual,
-                                              w1p, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                                              w1p, eps: float, activation: str = "silu"
+                                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.moe_swiglu`, the gated shared expert's torch ops, then `ops.add_rms_norm_1p`: the
     unfused form `unfused()` installs (the twin's ops, op for op)."""
-    ff = ops.moe_swiglu(x, weights, experts, w_gate_up, w_down) + torch.sigmoid(gate) * shared
+    ff = ops.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation) + torch.sigmoid(gate) * shared
     return ops.add_rms_norm_1p(ff, residual, w1p, eps)
 
 
