@@ -292,7 +292,8 @@ def count_round(family: str, kind: str) -> dict:
     from memra_kernels import dense_linear
 
     if FAMILIES[family][0] != "assets":
-        raise ValueError(f"--round counts the embedded pair's rounds: --family embedded or embedded_cublas, not {family}")
+        raise ValueError(f"--round counts the embedded pair's rounds: --family embedded or embedded_cublas, "
+                         f"not {family}")
     table = dict(dense_linear.TUNED)
     out = {"family": family, "round": kind}
     try:

@@ -38,7 +38,8 @@ def without_embedded(tuned: dict) -> list[tuple[int, int]]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--table", choices=("cublas", "dense"), required=True,
-                   help="dense: dense_linear.TUNED as shipped; cublas: with the embedded shapes taken out (EMBEDDED_SHAPES)")
+                   help="dense: dense_linear.TUNED as shipped; cublas: with the embedded shapes taken out "
+                        "(EMBEDDED_SHAPES)")
     p.add_argument("--out", type=Path, help="write the bench's stdout here (default: stdout)")
     a, bench_args = p.parse_known_args(argv)
     from memra_kernels import dense_linear

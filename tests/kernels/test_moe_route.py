@@ -356,10 +356,10 @@ def test_the_routing_warps_follow_the_expert_count_alone():
 
 
 def test_moe_step_router_forms_time_each_form_alone_and_as_a_padded_step_and_put_the_knobs_back(monkeypatch):
-    """benchmarks/moe_step.py's `router_forms` sets moe_route's row-tile and stage knobs for each form's captures (here a
-    stand-in that runs the calls once, through the interpreter), times `x`'s rows alone and as a
-    16-row step with them live, and restores the knobs; the padded step's live rows route as
-    the rows alone do."""
+    """benchmarks/moe_step.py's `router_forms` sets moe_route's row-tile and stage knobs for each
+    form's captures (here a stand-in that runs the calls once, through the interpreter), times
+    `x`'s rows alone and as a 16-row step with them live, and restores the knobs; the padded
+    step's live rows route as the rows alone do."""
     import types
 
     from benchmarks import moe_step
