@@ -11,6 +11,8 @@ import importlib
 import inspect
 import pkgutil
 
+import pytest
+
 import memra_cli.engine.models as models
 from memra_cli.engine.models import base
 
@@ -79,14 +81,17 @@ def test_every_target_family_takes_the_protocols_calls():
     assert gaps == []
 
 
-def test_the_kernel_step_ops_take_the_torch_step_ops_calls_and_back():
+@pytest.mark.parametrize("unfused", [False, True], ids=["fused", "unfused"])
+def test_the_kernel_step_ops_take_the_torch_step_ops_calls_and_back(unfused):
     """TritonStepOps runs only on CUDA, so a model's call that the torch ops take and it does not
     would fail only there: every op both have takes the other's calls (extra parameters with
-    defaults aside), and the kernels' ops lack none the models call through the seam."""
+    defaults aside), and the kernels' ops lack none the models call through the seam; the same
+    for `unfused()`'s ops (the launch fusions undone, the A/B the benchmarks time)."""
     from memra_cli.engine.layers.torch_step_ops import TorchStepOps
     from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
-    torch_ops, kernel_ops = TorchStepOps(), TritonStepOps()
+    torch_ops = TorchStepOps()
+    kernel_ops = TritonStepOps().unfused() if unfused else TritonStepOps()
     names = lambda ops: {n for n in dir(ops) if not n.startswith("_") and callable(getattr(ops, n))}
     # markov_bias: the torch markov chain's own helper, not a seam op (the kernels' chain needs none)
     assert names(torch_ops) - names(kernel_ops) == {"markov_bias"}
