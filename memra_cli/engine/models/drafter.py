@@ -423,6 +423,16 @@ class Drafter:
         both = start + offsets
         return BlockPositions(both[:b], both[n:], both[:n])
 
+    def _ingest_positions(self, taps: torch.Tensor, start: torch.Tensor,
+                          positions: torch.Tensor | None) -> torch.Tensor:
+        """A static ingest's positions `[t]` for `taps [t, ...]`: `start..start+t-1`, or the
+        caller's (a round's span, which must hold exactly t)."""
+        if positions is None:
+            return start + self._offsets(taps.shape[0])
+        if positions.shape != (taps.shape[0],):
+            raise ValueError(f"positions {tuple(positions.shape)} for {taps.shape[0]} tap rows")
+        return positions
+
     def static_ingest(self, kv: DraftKV, taps: torch.Tensor, start: torch.Tensor,
                       positions: torch.Tensor | None = None) -> None:
         """`ingest` of exactly `b` rows `taps [b, n_taps*hidden]` at positions `start..start+b-1`
@@ -431,10 +441,7 @@ class Drafter:
         `positions`: those positions when the caller has them already (a round's
         `block_positions(...).span`), saving their add. Per layer: the k/v projection with
         the k norm + rope + K/V write (`_project_rope_write`, a qkv with no q heads)."""
-        if positions is None:
-            positions = start + self._offsets(taps.shape[0])
-        elif positions.shape != (taps.shape[0],):
-            raise ValueError(f"positions {tuple(positions.shape)} for {taps.shape[0]} tap rows")
+        positions = self._ingest_positions(taps, start, positions)
         ctx = self.ctx_features(taps)
         for li, w in enumerate(self.layers):
             self._project_rope_write(ctx, w, li, kv, positions, 0)

@@ -40,7 +40,7 @@ from memra_cli.engine.formats.census import Census, take_census
 from memra_cli.engine.formats.gemma4_config import Gemma4Rope
 from memra_cli.engine.layers.ops import gqa_attention
 from memra_cli.engine.layers.rope import RopeTables, apply_rope
-from memra_cli.engine.models.drafter import Drafter, _TensorLoader
+from memra_cli.engine.models.drafter import BlockPositions, Drafter, _TensorLoader
 from memra_cli.engine.models.gemma4 import LAYER_NORMS, gemma_rms_norm, rope_inv_freq
 
 
@@ -144,16 +144,14 @@ class Gemma4Drafter(Drafter):
         """`ingest` of exactly `b` rows at positions `start..start+b-1` (`start` a 0-d device
         tensor), without touching `kv.length` (padding rows land where the next block writes).
         `positions`: those positions when the caller has them already (`Drafter.static_ingest`)."""
-        if positions is None:
-            positions = start + self._offsets(taps.shape[0])
-        elif positions.shape != (taps.shape[0],):
-            raise ValueError(f"positions {tuple(positions.shape)} for {taps.shape[0]} tap rows")
+        positions = self._ingest_positions(taps, start, positions)
         ctx = self.ctx_features(taps)
         for li, w in enumerate(self.layers):
             self._write_rows(kv, li, *self._project_kv(ctx, w), positions)
         kv.positions.index_copy_(0, positions, positions)
 
-    def static_round(self, kv, noise: torch.Tensor, start: torch.Tensor, at=None) -> torch.Tensor:
+    def static_round(self, kv, noise: torch.Tensor, start: torch.Tensor,
+                     at: BlockPositions | None = None) -> torch.Tensor:
         """`forward_round` with static shapes: block `noise [b, hidden]` at `start..start+b-1`,
         attending over the whole storage under `_static_mask` (ctx rows before `start`, the block,
         nothing later). Returns the final-normed hidden `[b, hidden]`. `at`: the block's
