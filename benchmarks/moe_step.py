@@ -8,14 +8,16 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   those with the step's launch fusions undone, `TritonStepOps.unfused()`: the A/B of the MoE
   combine's residual add + norm, and of the embedding + first norm; `triton-a3b-cublas` = the
   kernels with the A3B q/k/v and lm_head on cuBLAS, the q/k/v's rope a launch of its own,
-  `A3B_DENSE_SHAPES`: the A/B of their place in `dense_linear.TUNED`): median ms of eager
+  `A3B_DENSE_SHAPES`: the A/B of their place in `dense_linear.TUNED`; `triton-unrouted` = the
+  kernels with the expert matmuls' grid over every expert in expert order, `moe.TAKE_ROUTED`
+  off: the A/B of the router's ranked list): median ms of eager
   steps (device synchronised), and on CUDA with the kernels the step replayed as a CUDA graph
   (a captured twin runs every expert, so it has no graphed number); each step of vt rows alone
   and, for vt below `--width` (16), the `--width`-row step with vt live rows and the rest
   padding, which is what the engine's fixed-width steps run (`ops` "triton/16" in the table);
 - the MoE feed-forward alone, every sparse layer once per call (each layer its own weights, so
-  no expert is read from L2 twice): the twin eager, the kernels eager and as a CUDA graph, the
-  ratio twin / kernels, and the kernels' graphed time against the read floor of the experts the
+  no expert is read from L2 twice): the twin eager, the kernels eager and as a CUDA graph (and
+  graphed over each layer's ranked expert list, as a step's router hands it over), the ratio twin / kernels, and the kernels' graphed time against the read floor of the experts the
   rows routed to; and the routing alone from the router logits (the twin's ~14 launches eager
   and graphed, the routing kernel's one graphed), and from x with the router's matmul (the
   step ops' `linear` then the routing kernel, against `router_route`'s one launch, graphed, and
@@ -25,7 +27,7 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   bandwidth measured in the same process (a large tensor's sum), the ratio of time to that
   floor, and peak memory;
 - with `--profile` (CUDA, Triton ops): where one eager `--width`-row step's GPU time goes, at 1
-  live row and at `--width` live rows: its kernels under the torch profiler grouped by name
+  live row and at `--width` live rows, for `triton` and `triton-unrouted` where `--ops` has them: its kernels under the torch profiler grouped by name
   (count, summed µs; `timing.kernel_table`), with programmatic dependent launch off so each
   kernel is charged its own time.
 
@@ -109,8 +111,9 @@ A3B_DENSE_SHAPES = ((5120, 2048), (151936, 2048))
 def step_ops(name: str):
     """The step-ops variant `name`: `torch` (the twin), `triton` (the MoE kernels; CUDA),
     `triton-unfused` (those with the launch fusions undone), `triton-route4w` (the kernels with
-    every routing tile on at most 4 warps) or `triton-a3b-cublas` (the kernels with
-    `A3B_DENSE_SHAPES`' weights on cuBLAS); run the last two inside `variant_knobs`."""
+    every routing tile on at most 4 warps), `triton-a3b-cublas` (the kernels with
+    `A3B_DENSE_SHAPES`' weights on cuBLAS) or `triton-unrouted` (the expert matmuls' grid over
+    every expert, not the router's ranked list first); run the last three inside `variant_knobs`."""
     from memra_cli.engine.layers.torch_step_ops import TorchStepOps
     from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
@@ -125,10 +128,14 @@ def variant_knobs(name: str):
     `triton-route4w` routes a 256-expert tile on 4 warps (32 logits a thread, the layout that
     spilled) instead of `route_warps`' 8 (docs/moe.md, "Measured: the Qwen3.5-35B-A3B step");
     `triton-a3b-cublas` takes `A3B_DENSE_SHAPES` out of `dense_linear.TUNED` (so `F.linear` runs
-    them, and the q/k/v's rope is a launch of its own)."""
-    from memra_kernels import dense_linear, moe_route
+    them, and the q/k/v's rope is a launch of its own); `triton-unrouted` has the expert matmuls
+    ignore the router's ranked list (`moe.TAKE_ROUTED` off: the grid over every expert in expert
+    order, the A/B of the routed experts' programs first; docs/moe.md#the-expert-kernels)."""
+    from memra_kernels import dense_linear, moe, moe_route
 
-    saved, table = moe_route.TILE_PER_THREAD, dict(dense_linear.TUNED)
+    saved, table, routed = moe_route.TILE_PER_THREAD, dict(dense_linear.TUNED), moe.TAKE_ROUTED
+    if name == "triton-unrouted":
+        moe.TAKE_ROUTED = False
     if name == "triton-route4w":
         moe_route.TILE_PER_THREAD = moe_route.BLOCK_T * 256 // (32 * 4)  # a 256-expert tile on 4 warps
     if name == "triton-a3b-cublas":
@@ -138,6 +145,7 @@ def variant_knobs(name: str):
         yield
     finally:
         moe_route.TILE_PER_THREAD = saved
+        moe.TAKE_ROUTED = routed
         dense_linear.TUNED.clear()
         dense_linear.TUNED.update(table)
 
@@ -287,19 +295,23 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), 
     from memra_cli.engine.layers.unfused import unfused_router_route
     from memra_kernels import moe_route as mr
     from memra_kernels.moe_route import moe_route, router_route
-    from memra_kernels.moe_route_ref import moe_route_ref
+    from memra_kernels.moe_route_ref import moe_route_ref, routed_experts_ref
 
     dev, moe = model.device, model.moe
     x = torch.nn.functional.rms_norm(torch.randn(vt, model.cfg.hidden_size, device=dev), (model.cfg.hidden_size,))
     x = x.to(model.dtype)
-    calls, union = [], 0
+    calls, union, lists = [], 0, []
     for ex in (layer.experts for layer in model.layers if layer.experts is not None):
         weights, ids = route(x, ex.router, moe.top_k, moe.norm_topk_prob)
         union += int(torch.unique(ids).numel())
         calls.append((weights, ids, ex.w_gate_up, ex.w_down))
+        lists.append(routed_experts_ref(ids, moe.num_experts))  # what the router's launch ranks in a step
 
     def every_layer(op):
         return lambda: [op(x, *c) for c in calls]
+
+    def every_layer_routed(op):  # the matmuls over each layer's ranked list (the step's form)
+        return lambda: [op(x, *c, routed=r) for c, r in zip(calls, lists)]
 
     n = len(calls)
     routers = [layer.experts.router for layer in model.layers if layer.experts is not None]
@@ -321,6 +333,8 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), 
         row["twin_over_kernel"] = row["twin_us"] / row["kernel_us"]
         if graph is not None:
             row["kernel_graph_over_floor"] = row["kernel_graph_us"] / floor_us
+        graph, err = graphed_ms(every_layer_routed(moe_swiglu), iters)
+        row["kernel_routed_graph_us"] = err if graph is None else 1e3 * graph / n
         for name, op in (("twin", moe_route_ref), ("kernel", moe_route)):  # graphed: launches, not bytes, cost here
             ms, err = graphed_ms(route_every_layer(op), iters)
             row[f"route_{name}_graph_us"] = err if ms is None else 1e3 * ms / n
@@ -341,14 +355,17 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), 
         finally:
             mr.ROUTER_CHUNK = kept
         row["router_forms_graph_us"] = router_forms(x, routers, moe, counts, iters)
-        row["tiles_graph_us"] = {}
+        row["tiles_graph_us"], row["tiles_routed_graph_us"] = {}, {}
         for cfg in tiles:
             ms, err = graphed_ms(every_layer(lambda *a, cfg=cfg: moe_swiglu(*a, config=cfg)), iters)
             row["tiles_graph_us"][tiles_name(cfg)] = err if ms is None else 1e3 * ms / n
+            ms, err = graphed_ms(every_layer_routed(lambda *a, cfg=cfg, **kw: moe_swiglu(*a, config=cfg, **kw)), iters)
+            row["tiles_routed_graph_us"][tiles_name(cfg)] = err if ms is None else 1e3 * ms / n
     return row
 
 
-OPS = ("torch", "triton", "triton-unfused", "triton-route4w", "triton-a3b-cublas")
+OPS = ("torch", "triton", "triton-unfused", "triton-route4w", "triton-a3b-cublas", "triton-unrouted")
+PROFILED = ("triton", "triton-unrouted")  # the variants `--profile` profiles, where `--ops` has them
 
 
 def parse_ops(raw: str | None, dev: torch.device) -> list[str] | None:
@@ -388,7 +405,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton, triton-unfused, "
-                    "triton-route4w, triton-a3b-cublas (default: torch and triton on CUDA, torch elsewhere)")
+                    "triton-route4w, triton-a3b-cublas, triton-unrouted (default: torch and triton on CUDA, torch "
+                    "elsewhere)")
     ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "
                     "configurations: comma-separated block_i x block_n x block_k x warps x stages [x programs per "
                     "multiprocessor, 0: a program per (expert, tile)], e.g. 64x64x128x4x3 or 64x64x128x4x3x0")
@@ -472,8 +490,14 @@ def main(argv: list[str]) -> int:
             if us is not None:
                 route += f"; {what} " + (f"{us:7.1f} us graphed" if isinstance(us, float) else us)
         print(route)
+        if "kernel_routed_graph_us" in r:
+            us = r["kernel_routed_graph_us"]
+            print("   kernels over the ranked list: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
         for name, us in r.get("tiles_graph_us", {}).items():
-            print(f"   tiles {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
+            ranked = r.get("tiles_routed_graph_us", {}).get(name)
+            print(f"   tiles {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us)
+                  + ("" if ranked is None else ", ranked list " + (f"{ranked:8.1f} us" if isinstance(ranked, float)
+                                                                   else ranked)))
         for name, us in r.get("router_chunks_graph_us", {}).items():
             print(f"   router chunk {name}: " + (f"{us:8.1f} us graphed" if isinstance(us, float) else us))
         for form, got in r.get("router_forms_graph_us", {}).items():
@@ -484,13 +508,16 @@ def main(argv: list[str]) -> int:
         import os
 
         os.environ["MEMRA_PDL"] = "0"  # each kernel charged its own time, not its early wait
-        model.step_ops = step_ops("triton")
-        for live in sorted({1, a.width}):
-            prof = profile_step(model, live, a.width, a.context)
-            profiles.append(prof)
-            print(f"profile width {a.width}, {live} live: {prof['kernels']} kernels, {prof['gpu_us']:.1f} us GPU")
-            for name, count, us in prof["top"]:
-                print(f"   {us:9.1f} us  x{count:4d}  {name}")
+        for variant in [o for o in ops if o in PROFILED]:
+            model.step_ops = step_ops(variant)
+            with variant_knobs(variant):
+                for live in sorted({1, a.width}):
+                    prof = {"ops": variant, **profile_step(model, live, a.width, a.context)}
+                    profiles.append(prof)
+                    print(f"profile {variant} width {a.width}, {live} live: {prof['kernels']} kernels, "
+                          f"{prof['gpu_us']:.1f} us GPU")
+                    for name, count, us in prof["top"]:
+                        print(f"   {us:9.1f} us  x{count:4d}  {name}")
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     out = {"shape": a.shape, "device": str(dev), "dtype": a.dtype, "context": a.context, "iters": a.iters,
            "read_tbps": bw / 1e12, "peak_gib": peak, "rows": rows, "op_rows": op_rows, "profiles": profiles,

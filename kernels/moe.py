@@ -23,7 +23,11 @@ once per step however many rows chose it, and never touch the others:
 
 The two matmuls run a program per (expert, tile) of every expert for each row tile
 (`MoeConfig.programs_per_sm = 0`, `CONFIG`'s); a program whose expert no row of its tile picked
-exits after reading the ids. `programs_per_sm` > 0 runs that many programs per multiprocessor
+exits after reading the ids. A step's router hands over its ranked expert list (`routed`:
+`moe_route.router_route`'s, the live rows' experts in ascending index, then E): the grid is then
+(tile, rank, row tile), so the routed experts' programs come first in launch order and none of
+them waits for the block scheduler to get through the exiting programs of the experts no row
+picked (most of them, at one live row); a rank past the list exits. `programs_per_sm` > 0 runs that many programs per multiprocessor
 instead, each finding the tile's routed experts from the ids and looping over its share of
 their work items (no program for an unrouted expert; slower where measured, kept for the A/B).
 Nothing is read on the host and the launches take the same arguments every step (a CUDA graph
@@ -107,6 +111,9 @@ class MoeConfig:
 # (a program per (expert, tile): faster than the work items at every row count measured), chosen
 # by the sweeps in docs/moe.md "Kernel tiles".
 CONFIG = MoeConfig()
+# Whether the matmuls take a call's ranked expert list (`routed`, the router kernel's) when handed
+# one: the A/B knob of that grid order (docs/moe.md#the-expert-kernels); the same bits either way.
+TAKE_ROUTED = True
 
 
 @triton.jit
@@ -192,18 +199,46 @@ def _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, tile, rows, picked, slot, H, I, st
     tl.store(act_ptr + line[:, None] * I + offs_i[None, :], act, mask=picked[:, None] & i_ok[None, :])
 
 
+@triton.jit
+def _routed_count(routed_ptr, E, BLOCK_E: tl.constexpr):
+    """How many experts the call's `routed [E]` list holds (its entries below E)."""
+    cols = tl.arange(0, BLOCK_E)
+    return tl.sum((tl.load(routed_ptr + cols, mask=cols < E, other=0x7FFFFFFF) < E).to(tl.int32), axis=0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _moe_gate_up_kernel(x_ptr, ids_ptr, wgu_ptr, act_ptr, M, H, I, E, stride_xm, stride_we, stride_wr,
                         K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_I: tl.constexpr, PREC: tl.constexpr,
                         WIDEN: tl.constexpr, ACT: tl.constexpr = 0, ITEMS: tl.constexpr = False,
-                        BLOCK_E: tl.constexpr = 16, PDL: tl.constexpr = False):
+                        BLOCK_E: tl.constexpr = 16, routed_ptr=None, ROUTED: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """act [(row, slot), I tile] = a(x_row @ gate_e.T) * (x_row @ up_e.T) for the rows of a row
     tile that picked expert e; `wgu [E, 2I, H]` (gate rows first); a = silu (ACT 0) or
     gelu_tanh (ACT 1). ITEMS: program (p, row tile) takes the work items p, p + P, ... of the
-    routed (expert, I tile) pairs, experts ascending; else program (e, I tile, row tile)."""
+    routed (expert, I tile) pairs, experts ascending; else program (e, I tile, row tile), or with
+    ROUTED program (I tile, rank, row tile) for the expert of that rank in the call's `routed`
+    list (the routed experts' programs first in launch order; a rank past the list exits)."""
     pdl_wait(PDL)
-    if ITEMS:
+    if ITEMS and ROUTED:  # the items of the call's routed list; an expert none of this tile's rows picked skips
+        m0 = tl.program_id(1) * BLOCK_M
+        n_tiles = tl.cdiv(I, BLOCK_I)
+        for w in range(tl.program_id(0), _routed_count(routed_ptr, E, BLOCK_E) * n_tiles, tl.num_programs(0)):
+            e = tl.load(routed_ptr + w // n_tiles)
+            rows, picked, slot = _rows_of_expert(ids_ptr, e, m0, M, K_TOP, KP, BLOCK_M)
+            if tl.max(picked.to(tl.int32), axis=0) > 0:
+                _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, w % n_tiles, rows, picked, slot, H, I, stride_xm,
+                              stride_we, stride_wr, K_TOP, BLOCK_M, BLOCK_I, BLOCK_K, EVEN_K, EVEN_I, PREC, WIDEN,
+                              ACT)
+    elif ROUTED:
+        e = tl.load(routed_ptr + tl.program_id(1))
+        if e < E:
+            rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
+            if tl.max(picked.to(tl.int32), axis=0) > 0:
+                _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, tl.program_id(0), rows, picked, slot, H, I, stride_xm,
+                              stride_we, stride_wr, K_TOP, BLOCK_M, BLOCK_I, BLOCK_K, EVEN_K, EVEN_I, PREC, WIDEN,
+                              ACT)
+    elif ITEMS:
         m0 = tl.program_id(1) * BLOCK_M
         hit, n_routed, rank = _routed_experts(ids_ptr, m0, M, E, K_TOP, BLOCK_M, BLOCK_E)
         n_tiles = tl.cdiv(I, BLOCK_I)
@@ -251,11 +286,28 @@ def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, E, stride_we, str
                      K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr,
                      WIDEN: tl.constexpr, ITEMS: tl.constexpr = False, BLOCK_E: tl.constexpr = 16,
-                     PDL: tl.constexpr = False):
+                     routed_ptr=None, ROUTED: tl.constexpr = False, PDL: tl.constexpr = False):
     """y [(row, slot), hidden tile] = act[(row, slot)] @ down_e.T for the rows of a row tile that
-    picked expert e; `wd [E, H, I]`; ITEMS as the gate/up kernel's, over (expert, hidden tile)."""
+    picked expert e; `wd [E, H, I]`; ITEMS and ROUTED as the gate/up kernel's, over (expert,
+    hidden tile)."""
     pdl_wait(PDL)
-    if ITEMS:
+    if ITEMS and ROUTED:
+        m0 = tl.program_id(1) * BLOCK_M
+        n_tiles = tl.cdiv(H, BLOCK_N)
+        for w in range(tl.program_id(0), _routed_count(routed_ptr, E, BLOCK_E) * n_tiles, tl.num_programs(0)):
+            e = tl.load(routed_ptr + w // n_tiles)
+            rows, picked, slot = _rows_of_expert(ids_ptr, e, m0, M, K_TOP, KP, BLOCK_M)
+            if tl.max(picked.to(tl.int32), axis=0) > 0:
+                _down_item(act_ptr, wd_ptr, y_ptr, e, w % n_tiles, rows, picked, slot, H, I, stride_we, stride_wr,
+                           K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
+    elif ROUTED:
+        e = tl.load(routed_ptr + tl.program_id(1))
+        if e < E:
+            rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
+            if tl.max(picked.to(tl.int32), axis=0) > 0:
+                _down_item(act_ptr, wd_ptr, y_ptr, e, tl.program_id(0), rows, picked, slot, H, I, stride_we,
+                           stride_wr, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
+    elif ITEMS:
         m0 = tl.program_id(1) * BLOCK_M
         hit, n_routed, rank = _routed_experts(ids_ptr, m0, M, E, K_TOP, BLOCK_M, BLOCK_E)
         n_tiles = tl.cdiv(H, BLOCK_N)
@@ -375,13 +427,16 @@ def _check(x, weights, experts, w_gate_up, w_down) -> None:
 
 
 def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
-               w_down: torch.Tensor, activation: str = "silu", *, config: MoeConfig | None = None) -> torch.Tensor:
+               w_down: torch.Tensor, activation: str = "silu", *, config: MoeConfig | None = None,
+               routed: torch.Tensor | None = None) -> torch.Tensor:
     """`moe_swiglu_ref` on the kernels: `x [t, hidden]`, `weights [t, k]`, `experts [t, k]`
     (ids in [0, E), distinct in a row; all E in a padding row), `w_gate_up [E, 2I, hidden]`, `w_down [E, hidden, I]`
     -> `[t, hidden]` in x's dtype (float32 accumulation); `activation` the gate's (`ACTIVATIONS`:
-    silu, gelu_tanh). `config` overrides the tiles (tests, benchmarks)."""
+    silu, gelu_tanh). `config` overrides the tiles (tests, benchmarks). `routed` (int32 `[E]`):
+    the call's routed experts ascending, then E (`moe_route.router_route`'s; the twin
+    `routed_experts_ref`): the matmuls launch those experts' programs first; the same bits."""
     out = torch.empty_like(x)
-    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config, routed)
     if lines is None:
         return out.zero_()
     y, ids, wts = lines
@@ -401,16 +456,17 @@ def norm_eligible(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
 
 def moe_swiglu_add_rms_norm(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                             w_down: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                            activation: str = "silu", *, config: MoeConfig | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            activation: str = "silu", *, config: MoeConfig | None = None,
+                            routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_swiglu_add_rms_norm_ref` on the kernels: `moe_swiglu`, then `new_residual = out +
     residual` and its RMSNorm by `norm_weight` in the combine's launch (a program per row, the
-    norm's arithmetic) -> (normed, new_residual), `[t, hidden]` each. Needs `norm_eligible`."""
+    norm's arithmetic) -> (normed, new_residual), `[t, hidden]` each. Needs `norm_eligible`.
+    `routed` as `moe_swiglu`'s."""
     if not norm_eligible(x, residual, norm_weight):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} and norm weight "
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype} do not fit x {tuple(x.shape)} {x.dtype} "
                          f"(contiguous, x's dtype, hidden <= {NORM_MAX})")
-    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config, routed)
     if lines is None:
         return add_rms_norm(torch.zeros_like(x), residual, norm_weight, eps)
     y, ids, wts = lines
@@ -437,18 +493,19 @@ def shared_eligible(x: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor, r
 def moe_swiglu_shared_add_rms_norm_1p(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                                       w_gate_up: torch.Tensor, w_down: torch.Tensor, shared: torch.Tensor,
                                       gate: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor, eps: float,
-                                      activation: str = "silu", *, config: MoeConfig | None = None
-                                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                                      activation: str = "silu", *, config: MoeConfig | None = None,
+                                      routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_swiglu_shared_add_rms_norm_1p_ref` on the kernels (the Qwen3.5 MoE hybrid's layer
     end): `moe_swiglu`, whose combine (a program per row) also adds the gated shared expert
     (`shared [t, hidden]`, `gate [t, 1]`), the residual, and norms the sum by the float32 `w1p`
-    (zero-centred) -> (normed, new_residual), `[t, hidden]` each. Needs `shared_eligible`."""
+    (zero-centred) -> (normed, new_residual), `[t, hidden]` each. Needs `shared_eligible`.
+    `routed` as `moe_swiglu`'s."""
     if not shared_eligible(x, shared, gate, residual, w1p):
         raise ValueError(f"shared {tuple(shared.shape)} {shared.dtype}, gate {tuple(gate.shape)} {gate.dtype}, "
                          f"residual {tuple(residual.shape)} {residual.dtype} and w1p {tuple(w1p.shape)} {w1p.dtype} "
                          f"do not fit x {tuple(x.shape)} {x.dtype} (contiguous; gate [t, 1]; w1p float32 [hidden]; "
                          f"hidden <= {NORM_MAX})")
-    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config, routed)
     m, h = x.shape
     normed, new_residual = torch.empty_like(x), torch.empty_like(x)
     if m == 0:
@@ -477,19 +534,20 @@ def gemma_eligible(x: torch.Tensor, dense: torch.Tensor, residual: torch.Tensor,
 
 def moe_gemma_add_norm(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                        w_down: torch.Tensor, dense: torch.Tensor, residual: torch.Tensor, norms, w_next: torch.Tensor,
-                       eps: float, scalar: torch.Tensor, *, config: MoeConfig | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, scalar: torch.Tensor, *, config: MoeConfig | None = None,
+                       routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_gemma_add_norm_ref` on the kernels (Gemma 4's MoE layer end): the GELU-tanh experts,
     whose combine (a program per row) also norms their sum and the dense MLP's output `dense`,
     adds them, adds the post-feed-forward-normed sum to `residual`, scales by `scalar` and norms
-    by `w_next` -> (new residual, normed), `[t, hidden]` each. Needs `gemma_eligible`."""
+    by `w_next` -> (new residual, normed), `[t, hidden]` each. Needs `gemma_eligible`. `routed`
+    as `moe_swiglu`'s."""
     if not gemma_eligible(x, dense, residual, norms, w_next, scalar):
         raise ValueError(f"dense {tuple(dense.shape)}, residual {tuple(residual.shape)}, the norm weights and scalar "
                          f"do not fit x {tuple(x.shape)} {x.dtype} (x's dtype, contiguous, weights [hidden], "
                          f"scalar [1], hidden <= {NORM_MAX})")
     m, h = x.shape
     new_residual, normed = torch.empty_like(x), torch.empty_like(x)
-    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, "gelu_tanh", config)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, "gelu_tanh", config, routed)
     if m == 0:
         return new_residual, normed
     if lines is None:  # k = 0: no routed expert, the lines' buffer never read
@@ -505,11 +563,21 @@ def moe_gemma_add_norm(x: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     return new_residual, normed
 
 
-def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, config: MoeConfig | None):
+def _check_routed(routed, n_exp: int, device) -> None:
+    if routed is not None and (routed.shape != (n_exp,) or routed.dtype != torch.int32 or not routed.is_contiguous()
+                               or routed.device != device):
+        raise ValueError(f"routed must be a contiguous int32 [{n_exp}] tensor on {device} (the routed experts "
+                         f"ascending, then {n_exp}), got {routed.dtype} {tuple(routed.shape)} on {routed.device}")
+
+
+def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, config: MoeConfig | None, routed=None):
     """The gate/up and down launches: `(y [t*k, hidden], ids, weights)`, each (row, slot) line
-    the row's output of that slot's expert (unwritten for a padding row); None when t or k is 0."""
+    the row's output of that slot's expert (unwritten for a padding row); None when t or k is 0.
+    `routed`: the call's routed experts, ranked (`routed_experts_ref`; taken while TAKE_ROUTED)."""
     check_activation(activation)
     _check(x, weights, experts, w_gate_up, w_down)
+    _check_routed(routed, w_gate_up.shape[0], x.device)
+    routed = routed if TAKE_ROUTED else None
     cfg = (config or CONFIG).check()
     m, h = x.shape
     n_exp, two_i, _ = w_gate_up.shape
@@ -526,12 +594,17 @@ def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, confi
                   num_stages=cfg.num_stages)
     row_tiles = triton.cdiv(m, BLOCK_M)
     programs = cfg.programs_per_sm * multiprocessors(x.device)
+    tiles_i, tiles_n = triton.cdiv(inter, cfg.block_i), triton.cdiv(h, cfg.block_n)
+    common.update(BLOCK_E=max(16, triton.next_power_of_2(n_exp)), ROUTED=routed is not None,
+                  routed_ptr=ids if routed is None else routed)
     if programs:  # each program loops over its row tile's routed (expert, tile) items
         grid_gu = grid_down = (programs, row_tiles)
-        common.update(ITEMS=True, BLOCK_E=max(16, triton.next_power_of_2(n_exp)))
+        common.update(ITEMS=True)
+    elif routed is not None:  # a program per (tile, rank): the routed experts' programs launch first
+        grid_gu, grid_down = (tiles_i, n_exp, row_tiles), (tiles_n, n_exp, row_tiles)
     else:
-        grid_gu = (n_exp, triton.cdiv(inter, cfg.block_i), row_tiles)
-        grid_down = (n_exp, triton.cdiv(h, cfg.block_n), row_tiles)
+        grid_gu = (n_exp, tiles_i, row_tiles)
+        grid_down = (n_exp, tiles_n, row_tiles)
     _moe_gate_up_kernel[grid_gu](
         x, ids, w_gate_up, act, m, h, inter, n_exp, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         BLOCK_I=cfg.block_i, EVEN_K=h % cfg.block_k == 0, EVEN_I=inter % cfg.block_i == 0,

@@ -34,13 +34,16 @@ so the router's read overlaps the kernel before, and its chain of dependent load
 long, not the whole hidden size. With a pre-norm (Gemma 4's router: `router_pre_norm_ref`) each
 program first sums every row's squares over one ROUTER_K-column loop of the whole hidden size,
 then norms, scales and rounds its chunk of x (the twin's three roundings), so the norm costs no
-launch of its own.
+launch of its own. With `routed`, the last program also writes the union of the live rows'
+experts in ascending index (then E; `routed_experts_ref`): the expert kernels' grid puts the
+programs of those experts first (`memra_kernels.moe`), so none of them waits behind the programs
+of experts no row picked.
 
 Kernel and twin differ only in the float32 order of the softmax's and the normalisation's sums
 (and the exponential's last bit; `router_route`: and of the logits' dots); ties of equal
 probabilities go to the lower index in both.
 
-Public API: `moe_route`, `moe_route_ref`, `router_route`, `router_route_ref`, `eligible`,
+Public API: `moe_route`, `moe_route_ref`, `router_route`, `router_route_ref`, `routed_experts_ref`, `eligible`,
 `router_eligible`, `BLOCK_T`, `COUNT_ROWS`, `MAX_EXPERTS`, `ROUTER_N`, `ROUTER_K`, `ROUTER_CHUNK`.
 """
 
@@ -53,10 +56,11 @@ import triton.language as tl
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args, pdl_wait, prefetch_l2
 from ._splitk import counters
-from .moe_route_ref import (count_experts, moe_route_ref, router_pre_norm_ref,  # noqa: F401  (the twins)
-                            router_route_ref)
+from .moe_route_ref import (count_experts, moe_route_ref, routed_experts_ref,  # noqa: F401  (the twins)
+                            router_pre_norm_ref, router_route_ref)
 
-__all__ = ["moe_route", "moe_route_ref", "router_route", "router_route_ref", "router_pre_norm_ref", "eligible",
+__all__ = ["moe_route", "moe_route_ref", "router_route", "router_route_ref", "router_pre_norm_ref",
+           "routed_experts_ref", "eligible",
            "router_eligible",
            "BLOCK_T", "COUNT_ROWS", "MAX_EXPERTS", "ROUTER_N", "ROUTER_K", "ROUTER_CHUNK"]
 
@@ -97,12 +101,14 @@ def eligible(logits: torch.Tensor) -> bool:
 def _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l, first, step,
                  K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                  NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr,
-                 PARTS: tl.constexpr = 0, ROW_TILES: tl.constexpr = 0):
+                 PARTS: tl.constexpr = 0, ROW_TILES: tl.constexpr = 0, routed_ptr=None, ROUTED: tl.constexpr = False):
     """Routes the row tiles first, first + step, ... of `logits [T, E]`; with COUNT (every tile
     here) adds the call and the union of its live rows' experts to `counts`. PARTS > 0 (the router
     kernel's last program): `logits_ptr` is float32 partial logits `[PARTS, T, E]` the programs
     wrote (read through L2), summed in part order and rounded to the weights' dtype. ROW_TILES > 0
-    (first 0, step 1): the ROW_TILES tiles unrolled, not a loop (STATIC_ROW_TILES)."""
+    (first 0, step 1): the ROW_TILES tiles unrolled, not a loop (STATIC_ROW_TILES). ROUTED (every
+    tile here): `routed [E]` int32 gets that union in ascending index, then E in the slots left
+    (`routed_experts_ref`)."""
     live = T
     if HAS_LIVE:
         live = tl.load(live_ptr)
@@ -110,14 +116,19 @@ def _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T,
     if ROW_TILES:
         for tile in tl.static_range(ROW_TILES):
             hit = _route_tile(tile * BLOCK_T, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, E, stride_l,
-                              K_TOP, KP, BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, COUNT, PARTS)
+                              K_TOP, KP, BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, COUNT or ROUTED, PARTS)
     else:
         for t0 in range(first * BLOCK_T, T, step * BLOCK_T):
             hit = _route_tile(t0, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, E, stride_l,
-                              K_TOP, KP, BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, COUNT, PARTS)
+                              K_TOP, KP, BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, COUNT or ROUTED, PARTS)
     if COUNT:
         tl.atomic_add(counts_ptr, 1)
         tl.atomic_add(counts_ptr + 1, tl.sum(hit, axis=0).to(tl.int64))
+    if ROUTED:  # the union, ranked by index: its slots below n, E in the others (disjoint stores)
+        cols = tl.arange(0, BLOCK_E)
+        n = tl.sum(hit, axis=0)
+        tl.store(routed_ptr + tl.cumsum(hit, axis=0) - 1, cols, mask=hit > 0)
+        tl.store(routed_ptr + cols, tl.zeros((BLOCK_E,), tl.int32) + E, mask=(cols >= n) & (cols < E))
 
 
 @triton.jit
@@ -243,7 +254,8 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
                          ROUTER_K: tl.constexpr, CHUNK: tl.constexpr, PARTS: tl.constexpr, NORMALIZE: tl.constexpr,
                          HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr, PREC: tl.constexpr,
                          WIDEN: tl.constexpr, pre_w_ptr=None, pre_factor=1.0, eps=0.0, PRE_NORM: tl.constexpr = False,
-                         ROW_TILES: tl.constexpr = 0, PDL: tl.constexpr = False):
+                         ROW_TILES: tl.constexpr = 0, routed_ptr=None, ROUTED: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """Program (p, c): the float32 partial logits of experts p*ROUTER_N ... over hidden columns
     c*CHUNK ... (one of the PARTS chunks) for every row tile, one dot a row tile, stored to
     `parts [PARTS, T, E]`; the last program to arrive (an arrival counter, put back to 0) sums each
@@ -251,7 +263,8 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     tile's lines are asked of L2 before the PDL wait (no earlier kernel writes the router), so
     its read overlaps the kernel before. PRE_NORM: x is `router_pre_norm_ref(x, pre_w,
     pre_factor, eps)`, each row's statistic over one ROUTER_K-column loop of the whole hidden size.
-    ROW_TILES > 0: the row tiles unrolled (STATIC_ROW_TILES), not a loop over the live rows."""
+    ROW_TILES > 0: the row tiles unrolled (STATIC_ROW_TILES), not a loop over the live rows.
+    ROUTED: the last program also writes the live rows' experts, ranked, to `routed` (`_route_tiles`)."""
     _prefetch_router_then_wait(PDL, router_ptr, H, E, stride_r, ROUTER_N, CHUNK)
     experts = tl.program_id(0) * ROUTER_N + tl.arange(0, ROUTER_N)
     e_ok = experts < E
@@ -282,7 +295,7 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) * PARTS - 1:  # ... and the last program reads them through L2
         _route_tiles(parts_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, E, 0, 1, K_TOP, KP,
-                     BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, HAS_LIVE, COUNT, PARTS, ROW_TILES)
+                     BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, HAS_LIVE, COUNT, PARTS, ROW_TILES, routed_ptr, ROUTED)
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -335,13 +348,15 @@ def router_eligible(x: torch.Tensor, router: torch.Tensor) -> bool:
 
 def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
                  counts: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                 pre_norm: tuple[torch.Tensor, float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 pre_norm: tuple[torch.Tensor, float, float] | None = None, *,
+                 routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`router_route_ref` in one launch: the router's logits `x @ router.T` (`x [t, hidden]`, t up
     to COUNT_ROWS; `router [E, hidden]`; float32 dots, rounded to the model dtype), a program per
     ROUTER_N experts, and the last program to arrive routes every row from them as `moe_route`
     does (its picks, weights, padding rows and count). `pre_norm` `(weight [hidden] in x's dtype,
-    factor, eps)`: x normed first (`router_pre_norm_ref`), in the same launch. -> weights `[t, k]`,
-    ids `[t, k]` int64."""
+    factor, eps)`: x normed first (`router_pre_norm_ref`), in the same launch. `routed` (int32
+    `[E]`, written): the live rows' experts in ascending index, then E (`routed_experts_ref`), for
+    the expert kernels' grid (`memra_kernels.moe`). -> weights `[t, k]`, ids `[t, k]` int64."""
     pre_w, factor, eps = pre_norm if pre_norm is not None else (None, 1.0, 0.0)
     check_tensors(*(v for v in (x, router, live, counts, scale, pre_w) if v is not None))
     if pre_w is not None and (pre_w.shape != (x.shape[-1],) or pre_w.dtype != x.dtype or pre_w.stride(0) != 1):
@@ -353,12 +368,18 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                          "the router's rows contiguous")
     t, n_exp = x.shape[0], router.shape[0]
     _check_routing(n_exp, k, live, counts, scale)
+    if routed is not None and (routed.shape != (n_exp,) or routed.dtype != torch.int32 or not routed.is_contiguous()
+                               or routed.device != x.device):
+        raise ValueError(f"routed must be a contiguous int32 [{n_exp}] tensor on {x.device}, got {routed.dtype} "
+                         f"{tuple(routed.shape)} on {routed.device}")
     x = x if x.stride(1) == 1 else x.contiguous()
     chunks = triton.cdiv(x.shape[1], ROUTER_CHUNK)
     parts = torch.empty((chunks, t, n_exp), dtype=torch.float32, device=x.device)
     weights = torch.empty((t, k), dtype=x.dtype, device=x.device)
     ids = torch.empty((t, k), dtype=torch.int64, device=x.device)
     if t == 0:
+        if routed is not None:
+            routed.fill_(n_exp)
         return weights, ids
     _router_route_kernel[(triton.cdiv(n_exp, ROUTER_N), chunks)](
         x, router, parts, counters("moe_router", x.device, 1), x if scale is None else scale,
@@ -370,6 +391,7 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", WIDEN=interpreting() and x.device.type != "cuda",
         pre_w_ptr=x if pre_w is None else pre_w, pre_factor=float(factor), eps=float(eps), PRE_NORM=pre_w is not None,
         ROW_TILES=triton.cdiv(t, BLOCK_T) if STATIC_ROW_TILES else 0,
+        routed_ptr=ids if routed is None else routed, ROUTED=routed is not None,
         num_warps=route_warps(triton.next_power_of_2(n_exp)),
         **({} if ROUTER_STAGES is None else {"num_stages": ROUTER_STAGES}), **pdl_args(x))
     return weights, ids

@@ -36,6 +36,17 @@ def count_experts(counts: torch.Tensor, experts: torch.Tensor, num_experts: int)
     counts += torch.stack((hit[-1], hit[:-1].sum()))
 
 
+def routed_experts_ref(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """The distinct experts of `experts [t, k]` in ascending index, then `num_experts` in every
+    slot left: int32 `[num_experts]` (an id of `num_experts`, a padding row's, is no expert).
+    What `moe_route.router_route` writes to `routed` for the expert kernels' grid
+    (`memra_kernels.moe`: a program per routed expert's tile comes first); on the device."""
+    hit = torch.zeros(num_experts + 1, dtype=torch.bool, device=experts.device)
+    hit.index_fill_(0, experts.reshape(-1), True)
+    ids = torch.arange(num_experts, dtype=torch.int32, device=experts.device)
+    return torch.sort(torch.where(hit[:-1], ids, num_experts)).values
+
+
 def moe_route_ref(logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
                   counts: torch.Tensor | None = None, scale: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:

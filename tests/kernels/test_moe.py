@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from memra_kernels import moe, moe_ref
+from memra_kernels import moe, moe_ref, moe_route_ref
 from memra_kernels._pdl import pdl_wait
 from memra_kernels.moe_ref import moe_swiglu_ref
 
@@ -128,6 +128,50 @@ def test_the_program_count_changes_no_bit(monkeypatch, m):
     for sms in (1, 3, 64):
         monkeypatch.setattr(moe, "INTERPRETED_SMS", sms)
         assert torch.equal(moe.moe_swiglu(x, w, ids, gu, down, config=WORK_ITEMS), want), sms
+
+
+@pytest.mark.parametrize("m", [1, 16, pytest.param(33, marks=pytest.mark.exhaustive)], ids=lambda m: f"M{m}")
+def test_the_routed_list_changes_no_bit(monkeypatch, m):
+    """With the call's ranked expert list (`routed`, the router kernel's; here its twin's) the
+    matmuls run a program per (tile, rank), the routed experts' first, or loop over the list's
+    items: the same bits as the grid over every expert, at a row (a plain decode's), sixteen and
+    33 (two row tiles: an expert of the list that one tile's rows did not pick runs nothing
+    there), with a padding row, and through the combine's add + norm; TAKE_ROUTED off ignores
+    the list."""
+    x, w, ids, gu, down = inputs(m, 3, torch.bfloat16, seed=13)
+    if m > 1:
+        ids[-1], w[-1] = E, 0  # a padding row: in no list
+    routed = moe_route_ref.routed_experts_ref(ids, E).to(DEVICE)
+    want = moe.moe_swiglu(x, w, ids, gu, down, config=EXPERT_GRID)
+    assert torch.equal(moe.moe_swiglu(x, w, ids, gu, down, config=EXPERT_GRID, routed=routed), want)
+    for sms in (1, 3, 64):
+        monkeypatch.setattr(moe, "INTERPRETED_SMS", sms)
+        assert torch.equal(moe.moe_swiglu(x, w, ids, gu, down, config=WORK_ITEMS, routed=routed), want), sms
+    res, nw = add_norm_inputs(m, torch.bfloat16)
+    fused = moe.moe_swiglu_add_rms_norm(x, w, ids, gu, down, res, nw, 1e-6, routed=routed)
+    unlisted = moe.moe_swiglu_add_rms_norm(x, w, ids, gu, down, res, nw, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(fused, unlisted))
+    monkeypatch.setattr(moe, "TAKE_ROUTED", False)
+    short = torch.cat([routed[1:], routed.new_full((1,), E)])
+    assert torch.equal(moe.moe_swiglu(x, w, ids, gu, down, routed=short), want)
+
+
+@pytest.mark.parametrize("config", [EXPERT_GRID, WORK_ITEMS], ids=["grid", "items"])
+def test_a_planted_short_routed_list_is_caught(config):
+    """The f32 bound sees a routed list one expert short (its rows get nothing from it), and a
+    list naming an expert no row picked in place of one that was (wrong expert, no output)."""
+    x, w, ids, gu, down = inputs(3, 2, torch.float32, seed=14)  # at most 6 of the 8 experts
+    routed = moe_route_ref.routed_experts_ref(ids, E).to(DEVICE)
+    assert int((routed < E).sum()) < E, "the plant needs an expert no row picked"
+    ref = moe_swiglu_ref(x, w, ids, gu, down)
+    bound = F32_UNITS * 2.0**-24 * magnitude(x, w, ids, gu, down).to(ref.device)
+    short = torch.cat([routed[1:], routed.new_full((1,), E)])
+    unpicked = int(next(e for e in range(E) if e not in routed.tolist()))
+    swapped = routed.clone()
+    swapped[0] = unpicked
+    for bad in (short, swapped):
+        out = moe.moe_swiglu(x, w, ids, gu, down, config=config, routed=bad)
+        assert int(((out.double() - ref.double()).abs() > bound).sum()) > 0
 
 
 _routed_experts = moe._routed_experts  # the real one, for the plant below to call once patched in
@@ -506,6 +550,36 @@ def test_step_ops_take_the_kernels_and_the_torch_ops_the_twin(monkeypatch):
     ops.moe_swiglu_add_rms_norm(x[:4], w[:4], ids[:4], gu, down, rows_apart, nw, 1e-6)
     assert fused == [4] and calls == [4, moe.BLOCK_M + 8, 4]
     assert TorchStepOps.moe_swiglu_add_rms_norm is moe_ref.moe_swiglu_add_rms_norm_ref
+
+
+def test_the_router_hands_its_ranked_experts_to_the_expert_launch_once(monkeypatch):
+    """TritonStepOps.router_route's launch ranks the live rows' experts, and the expert launch
+    handed those very ids takes the list (the routed experts' programs first), once: ids from
+    elsewhere, or a second call, run the grid over every expert. The same bits either way, and
+    TAKE_ROUTED off (the A/B knob) the same bits again."""
+    from memra_cli.engine.layers.triton_step_ops import TritonStepOps
+
+    seen = []
+    real = moe._expert_lines
+    monkeypatch.setattr(moe, "_expert_lines", lambda *a: seen.append(None if a[7] is None else a[7].tolist())
+                        or real(*a))
+    ops = TritonStepOps()
+    x, _, _, gu, down = inputs(16, 3, torch.bfloat16, seed=15)
+    router = (torch.randn(E, H, generator=torch.Generator().manual_seed(4)) * 0.3).to(DEVICE, torch.bfloat16)
+    live = torch.tensor([5], dtype=torch.int32, device=DEVICE)
+    w, ids = ops.router_route(x, router, 3, True, live)
+    res, nw = add_norm_inputs(16, torch.bfloat16)
+    listed = ops.moe_swiglu_add_rms_norm(x, w, ids, gu, down, res, nw, 1e-6)
+    assert seen == [moe_route_ref.routed_experts_ref(ids, E).tolist()]
+    again = ops.moe_swiglu_add_rms_norm(x, w, ids, gu, down, res, nw, 1e-6)  # handed over once
+    assert seen[1] is None and all(torch.equal(a, b) for a, b in zip(listed, again))
+    w2, ids2 = ops.router_route(x, router, 3, True, live)
+    ops.moe_swiglu(x, w2, ids2.clone(), gu, down)  # ids the router did not return: no list
+    assert seen[2] is None
+    monkeypatch.setattr(moe, "TAKE_ROUTED", False)
+    w3, ids3 = ops.router_route(x, router, 3, True, live)
+    off = ops.moe_swiglu_add_rms_norm(x, w3, ids3, gu, down, res, nw, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(listed, off))
 
 
 def test_the_twin_while_capturing_runs_every_expert_for_the_same_bits(monkeypatch):

@@ -384,3 +384,38 @@ def test_moe_step_router_forms_time_each_form_alone_and_as_a_padded_step_and_put
         for (w, ids), (w16, ids16) in zip(alone, padded):
             assert w16.shape == (16, 2) and torch.equal(w16[:3], w) and torch.equal(ids16[:3], ids)
             assert (ids16[3:] == 8).all()
+
+
+@pytest.mark.parametrize("static", [True, False], ids=["unrolled", "looped"])
+def test_the_router_kernel_writes_the_live_rows_experts_ranked(monkeypatch, static):
+    """`routed`: the union of the live rows' experts in ascending index, then E in every slot
+    left (`routed_experts_ref` of the ids), at a row, a step's 16 rows with 1 and 9 live, all 16,
+    40 rows with 33 live, and a router of 40 experts (three expert tiles of the router, the
+    top-k's 16-column slack); garbage in the buffer before the call changes nothing. Planted and
+    caught: one slot of the twin's list dropped."""
+    monkeypatch.setattr(mr, "STATIC_ROW_TILES", static)
+    for t, n_live, n_exp, k in ((1, None, E, 3), (16, 1, E, 3), (16, 9, E, 2), (16, None, E, 3), (40, 33, E, 3),
+                                (16, 9, 40, 4)):
+        g = torch.Generator().manual_seed(t + n_exp)
+        x = torch.randn(t, HIDDEN, generator=g).to(DEVICE, torch.bfloat16)
+        router = (torch.randn(n_exp, HIDDEN, generator=g) * 0.3).to(DEVICE, torch.bfloat16)
+        routed = torch.full((n_exp,), -7, dtype=torch.int32, device=DEVICE)
+        w, ids = mr.router_route(x, router, k, True, live_of(n_live), routed=routed)
+        want = mr.routed_experts_ref(ids, n_exp)
+        assert torch.equal(routed, want), (t, n_live, n_exp, routed.tolist(), want.tolist())
+        live_ids = ids[:t if n_live is None else n_live]
+        assert int((routed < n_exp).sum()) == int(torch.unique(live_ids).numel())
+        plain = mr.router_route(x, router, k, True, live_of(n_live))  # the same picks without the list
+        assert torch.equal(plain[0], w) and torch.equal(plain[1], ids)
+        dropped = torch.cat([want[1:], want.new_full((1,), n_exp)])
+        assert not torch.equal(routed, dropped)
+
+
+def test_the_routed_twin_ranks_the_distinct_experts_then_pads_with_e():
+    """`routed_experts_ref` by hand: duplicates once, ascending, a padding row's E ignored."""
+    ids = torch.tensor([[5, 1], [1, 7], [8, 8]])
+    assert mr.routed_experts_ref(ids, 8).tolist() == [1, 5, 7, 8, 8, 8, 8, 8]
+    assert mr.routed_experts_ref(torch.full((2, 3), 4), 4).tolist() == [4, 4, 4, 4]
+    with pytest.raises(ValueError, match="routed must be a contiguous int32"):
+        x, router = router_inputs(2, torch.float32)
+        mr.router_route(x, router, 2, True, routed=torch.zeros(E, dtype=torch.int64, device=DEVICE))

@@ -434,7 +434,8 @@ def _moe(ctx, dt):
                        ctx.torch.ones(1, dtype=ctx.torch.int32) if step else None,
                        ctx.torch.zeros(2, dtype=ctx.torch.int64) if step else None,
                        ctx.t(n_exp, dtype=dt) if step else None,
-                       (ctx.t(h, dtype=dt), h ** -0.5, 1e-6) if step else None)
+                       (ctx.t(h, dtype=dt), h ** -0.5, 1e-6) if step else None,
+                       routed=ctx.torch.zeros(n_exp, dtype=ctx.torch.int32) if step else None)  # a step's ranked list
         # a step's sparse-layer end: the residual add and the next norm in the combine's launch (NORM)
         ctx.launch(f"moe_swiglu_add_rms_norm E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel",
                    mo.moe_swiglu_add_rms_norm, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
@@ -451,6 +452,13 @@ def _moe(ctx, dt):
                    mo.moe_swiglu, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
                    ctx.torch.zeros(16, k, dtype=ctx.torch.int64), ctx.t(n_exp, 2 * inter, h, dtype=dt),
                    ctx.t(n_exp, h, inter, dtype=dt), config=mo.MoeConfig(programs_per_sm=1))
+        # a step's matmuls over the router's ranked list (ROUTED), on the grid and on the work items
+        for sms in (0, 1):
+            ctx.launch(f"moe_swiglu routed x{sms} E{n_exp} h{h} I{inter} k{k}",
+                       ("_moe_gate_up_kernel", "_moe_down_kernel"), mo.moe_swiglu, ctx.t(16, h, dtype=dt),
+                       ctx.t(16, k, dtype=dt), ctx.torch.zeros(16, k, dtype=ctx.torch.int64),
+                       ctx.t(n_exp, 2 * inter, h, dtype=dt), ctx.t(n_exp, h, inter, dtype=dt),
+                       config=mo.MoeConfig(programs_per_sm=sms), routed=ctx.torch.zeros(n_exp, dtype=ctx.torch.int32))
     n_exp, h, inter, k = MOE_SHAPES[-1]  # Gemma 4's GELU-tanh experts: the gate/up epilogue's other branch
     # and its layer end in the combine (GEMMA: the sandwich norms, the add, the scalar, the next norm)
     ctx.launch(f"moe_gemma_add_norm E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel", mo.moe_gemma_add_norm,
