@@ -23,6 +23,7 @@ fused / unfused A/B kernel by kernel).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -82,25 +83,34 @@ def build(shape: str, dtype: torch.dtype, device: torch.device) -> Qwen35MoeTarg
 
 
 @torch.no_grad()
-def measure(model: Qwen35MoeTarget, state, context: int, vt: int, iters: int, width: int | None = None) -> dict:
+def measure(model: Qwen35MoeTarget, state, context: int, vt: int, iters: int, width: int | None = None,
+            reads: int | None = None) -> dict:
     """Median ms of one vt-row fixed step after `context` committed positions, and the experts it
-    ran; `width`: a step of that many rows, the first vt live (`moe_step.measure`'s)."""
+    ran; `width`: a step of that many rows, the first vt live; `reads`: only that many rows read
+    (the plain decode round's step) (`moe_step.measure`'s)."""
     dev = model.device
     rows = width or vt
     state.set_live_rows(vt if vt < rows else None)
     ids = torch.randint(0, model.cfg.vocab_size, (rows,), device=dev)
     positions = torch.arange(context, context + rows, device=dev)
+
+    def step():
+        with state.reading_rows(reads) if reads else contextlib.nullcontext():
+            return model.static_step(ids, positions, state)
+
     times, before = [], list(model.expert_reads)
     for _ in range(iters + 1):
         sync(dev)
         t0 = time.perf_counter()
-        model.static_step(ids, positions, state)
+        step()
         sync(dev)
         times.append(time.perf_counter() - t0)
     calls, experts = model.expert_reads[0] - before[0], model.expert_reads[1] - before[1]
     row = {"vt": vt, "width": width, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
     if dev.type == "cuda" and model.step_ops.name == "triton":  # a captured twin runs every expert: not timed
-        row["graph_ms"], row["graph_error"] = graphed_ms(lambda: model.static_step(ids, positions, state), iters)
+        row["graph_ms"], row["graph_error"] = graphed_ms(step, iters)
+    if reads is not None:
+        row["reads"] = reads
     return row
 
 
@@ -173,7 +183,7 @@ def main(argv: list[str]) -> int:
         with torch.no_grad(), variant_knobs(name):
             model.forward(prompt, 0, state)
             rows += step_rows(model, name, [int(v) for v in a.vts.split(",")], a.width, cost, bw,
-                              lambda vt, w: measure(model, state, a.context, vt, a.iters, w))
+                              lambda vt, w, reads: measure(model, state, a.context, vt, a.iters, w, reads))
             if a.profile and name.startswith("triton"):
                 profiles += profile_steps(model, state, name, a.context, a.width)
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None

@@ -161,9 +161,10 @@ def graphed_ms(fn, iters: int) -> tuple[float | None, str | None]:
         return None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
 
 
-def one_step(model: Qwen3MoeTarget, rows: int, live: int, context: int):
+def one_step(model: Qwen3MoeTarget, rows: int, live: int, context: int, reads: int | None = None):
     """A step of `rows` random ids, the first `live` real, at `context` cached positions: a
-    callable that runs it (the same state and inputs each call)."""
+    callable that runs it (the same state and inputs each call). `reads`: only that many first
+    rows are read (`state.reading_rows`: the plain decode round's step, 1)."""
     dev = model.device
     cache = model.new_state(context + rows)
     model.ensure_positions(cache.max_len)
@@ -171,16 +172,25 @@ def one_step(model: Qwen3MoeTarget, rows: int, live: int, context: int):
     cache.set_live_rows(live if live < rows else None)
     ids = torch.randint(0, model.cfg.vocab_size, (rows,), device=dev)
     positions = torch.arange(context, context + rows, device=dev)
-    return lambda: model.static_step(ids, positions, cache)
+    if reads is None:
+        return lambda: model.static_step(ids, positions, cache)
+
+    def step():
+        with cache.reading_rows(reads):
+            return model.static_step(ids, positions, cache)
+
+    return step
 
 
 @torch.no_grad()
-def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int, width: int | None = None) -> dict:
+def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int, width: int | None = None,
+            reads: int | None = None) -> dict:
     """Median ms of one vt-row step at `context` cached positions, and the experts it ran.
     `width`: a step of `width` rows whose first vt are live, the rest padding (what the engine's
-    fixed-width steps run: `state.set_live_rows`); None: a step of the vt rows alone."""
+    fixed-width steps run: `state.set_live_rows`); None: a step of the vt rows alone. `reads`:
+    only that many rows read (the plain decode round's step: `width` rows, 1 live, 1 read)."""
     dev = model.device
-    step = one_step(model, width or vt, vt, context)
+    step = one_step(model, width or vt, vt, context, reads)
     times, before = [], model.expert_reads
     for _ in range(iters + 1):
         sync(dev)
@@ -191,6 +201,8 @@ def measure(model: Qwen3MoeTarget, vt: int, context: int, iters: int, width: int
     after = model.expert_reads
     calls, experts = after[0] - before[0], after[1] - before[1]
     row = {"vt": vt, "width": width, "ms": 1e3 * statistics.median(times[1:]), "experts_per_layer": experts / calls}
+    if reads is not None:
+        row["reads"] = reads
     if dev.type == "cuda" and model.step_ops.name == "triton":
         row["graph_ms"], row["graph_error"] = graphed_ms(step, iters)
     return row
@@ -206,14 +218,17 @@ def profile_step(model: Qwen3MoeTarget, live: int, width: int, context: int) -> 
 
 def step_rows(model, name: str, vts: list[int], width: int, cost, bw: float, measure_one) -> list[dict]:
     """Per vt, the step of the vt rows alone and, below `width` (0: none), the `width`-row step
-    with vt live rows (the engine's), each with its read floor; printed as they come.
-    `measure_one(vt, width or None)` times one (`measure`'s row)."""
+    with vt live rows (a verify's), and at vt = 1 that step with one row read (the plain decode
+    round's: `reading_rows(1)`, "NAME/16 plain"), each with its read floor; printed as they
+    come. `measure_one(vt, width or None, reads)` times one (`measure`'s row)."""
     rows = []
     for vt in vts:
-        for w in (None, width) if 0 < vt < width else (None,):
-            r = with_floor({"ops": name, **measure_one(vt, w)}, cost, bw, vt)
+        shapes = [(None, None)] + ([(width, None)] if 0 < vt < width else []) + \
+            ([(width, 1)] if vt == 1 and width > 1 else [])
+        for w, reads in shapes:
+            r = with_floor({"ops": name, **measure_one(vt, w, reads)}, cost, bw, vt)
             rows.append(r)
-            print(step_line(name if w is None else f"{name}/{w}", vt, r))
+            print(step_line(name if w is None else f"{name}/{w}" + (" plain" if reads else ""), vt, r))
     return rows
 
 
@@ -468,7 +483,7 @@ def main(argv: list[str]) -> int:
         model.step_ops = step_ops(name)
         with variant_knobs(name):
             rows += step_rows(model, name, vts, a.width, cost, bw,
-                              lambda vt, w: measure(model, vt, a.context, a.iters, w))
+                              lambda vt, w, reads: measure(model, vt, a.context, a.iters, w, reads))
     op_rows = []
     for vt in vts:
         r = measure_op(model, vt, a.iters, bw, tiles, chunks)

@@ -70,7 +70,8 @@ class MeasuredCost:
 
     @classmethod
     def from_moe_step(cls, path: Path) -> "MeasuredCost":
-        timed = [r for r in json.loads(path.read_text())["rows"] if r.get("graph_ms")]
+        # a verify's steps (the plain decode round's, which reads one row, is not one)
+        timed = [r for r in json.loads(path.read_text())["rows"] if r.get("graph_ms") and not r.get("reads")]
         by_vt = {r["vt"]: r for r in timed if not r.get("width")}
         by_vt.update({r["vt"]: r for r in timed if r.get("width")})  # what the engine runs: vt live of its width
         rows = [by_vt[v] for v in sorted(by_vt)]

@@ -27,7 +27,10 @@ exits after reading the ids. A step's router hands over its ranked expert list (
 `moe_route.router_route`'s, the live rows' experts in ascending index, then E): the grid is then
 (tile, rank, row tile), so the routed experts' programs come first in launch order and none of
 them waits for the block scheduler to get through the exiting programs of the experts no row
-picked (most of them, at one live row); a rank past the list exits. `programs_per_sm` > 0 runs that many programs per multiprocessor
+picked (most of them, at one live row); a rank past the list exits. Where the router was told
+that at most `bound` rows are live (a plain decode step reads one), the list holds at most
+`bound * k` experts and the grid has that many ranks (`max_routed`): no program is launched for
+the experts no row could have picked. `programs_per_sm` > 0 runs that many programs per multiprocessor
 instead, each finding the tile's routed experts from the ids and looping over its share of
 their work items (no program for an unrouted expert; slower where measured, kept for the A/B).
 Nothing is read on the host and the launches take the same arguments every step (a CUDA graph
@@ -428,15 +431,17 @@ def _check(x, weights, experts, w_gate_up, w_down) -> None:
 
 def moe_swiglu(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                w_down: torch.Tensor, activation: str = "silu", *, config: MoeConfig | None = None,
-               routed: torch.Tensor | None = None) -> torch.Tensor:
+               routed: torch.Tensor | None = None, max_routed: int | None = None) -> torch.Tensor:
     """`moe_swiglu_ref` on the kernels: `x [t, hidden]`, `weights [t, k]`, `experts [t, k]`
     (ids in [0, E), distinct in a row; all E in a padding row), `w_gate_up [E, 2I, hidden]`, `w_down [E, hidden, I]`
     -> `[t, hidden]` in x's dtype (float32 accumulation); `activation` the gate's (`ACTIVATIONS`:
     silu, gelu_tanh). `config` overrides the tiles (tests, benchmarks). `routed` (int32 `[E]`):
     the call's routed experts ascending, then E (`moe_route.router_route`'s; the twin
-    `routed_experts_ref`): the matmuls launch those experts' programs first; the same bits."""
+    `routed_experts_ref`): the matmuls launch those experts' programs first; the same bits.
+    `max_routed` (with `routed`): the list holds at most this many experts (`router_route`'s
+    `bound` times k), so the grid has that many ranks, not E (a plain decode step's 8, not 128)."""
     out = torch.empty_like(x)
-    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config, routed)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config, routed, max_routed)
     if lines is None:
         return out.zero_()
     y, ids, wts = lines
@@ -457,7 +462,8 @@ def norm_eligible(x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Te
 def moe_swiglu_add_rms_norm(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                             w_down: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                             activation: str = "silu", *, config: MoeConfig | None = None,
-                            routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            routed: torch.Tensor | None = None, max_routed: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_swiglu_add_rms_norm_ref` on the kernels: `moe_swiglu`, then `new_residual = out +
     residual` and its RMSNorm by `norm_weight` in the combine's launch (a program per row, the
     norm's arithmetic) -> (normed, new_residual), `[t, hidden]` each. Needs `norm_eligible`.
@@ -466,7 +472,7 @@ def moe_swiglu_add_rms_norm(x: torch.Tensor, weights: torch.Tensor, experts: tor
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} and norm weight "
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype} do not fit x {tuple(x.shape)} {x.dtype} "
                          f"(contiguous, x's dtype, hidden <= {NORM_MAX})")
-    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config, routed)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config, routed, max_routed)
     if lines is None:
         return add_rms_norm(torch.zeros_like(x), residual, norm_weight, eps)
     y, ids, wts = lines
@@ -494,7 +500,8 @@ def moe_swiglu_shared_add_rms_norm_1p(x: torch.Tensor, weights: torch.Tensor, ex
                                       w_gate_up: torch.Tensor, w_down: torch.Tensor, shared: torch.Tensor,
                                       gate: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor, eps: float,
                                       activation: str = "silu", *, config: MoeConfig | None = None,
-                                      routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                      routed: torch.Tensor | None = None, max_routed: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_swiglu_shared_add_rms_norm_1p_ref` on the kernels (the Qwen3.5 MoE hybrid's layer
     end): `moe_swiglu`, whose combine (a program per row) also adds the gated shared expert
     (`shared [t, hidden]`, `gate [t, 1]`), the residual, and norms the sum by the float32 `w1p`
@@ -505,7 +512,7 @@ def moe_swiglu_shared_add_rms_norm_1p(x: torch.Tensor, weights: torch.Tensor, ex
                          f"residual {tuple(residual.shape)} {residual.dtype} and w1p {tuple(w1p.shape)} {w1p.dtype} "
                          f"do not fit x {tuple(x.shape)} {x.dtype} (contiguous; gate [t, 1]; w1p float32 [hidden]; "
                          f"hidden <= {NORM_MAX})")
-    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config, routed)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, config, routed, max_routed)
     m, h = x.shape
     normed, new_residual = torch.empty_like(x), torch.empty_like(x)
     if m == 0:
@@ -535,7 +542,8 @@ def gemma_eligible(x: torch.Tensor, dense: torch.Tensor, residual: torch.Tensor,
 def moe_gemma_add_norm(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                        w_down: torch.Tensor, dense: torch.Tensor, residual: torch.Tensor, norms, w_next: torch.Tensor,
                        eps: float, scalar: torch.Tensor, *, config: MoeConfig | None = None,
-                       routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       routed: torch.Tensor | None = None, max_routed: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_gemma_add_norm_ref` on the kernels (Gemma 4's MoE layer end): the GELU-tanh experts,
     whose combine (a program per row) also norms their sum and the dense MLP's output `dense`,
     adds them, adds the post-feed-forward-normed sum to `residual`, scales by `scalar` and norms
@@ -547,7 +555,7 @@ def moe_gemma_add_norm(x: torch.Tensor, weights: torch.Tensor, experts: torch.Te
                          f"scalar [1], hidden <= {NORM_MAX})")
     m, h = x.shape
     new_residual, normed = torch.empty_like(x), torch.empty_like(x)
-    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, "gelu_tanh", config, routed)
+    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, "gelu_tanh", config, routed, max_routed)
     if m == 0:
         return new_residual, normed
     if lines is None:  # k = 0: no routed expert, the lines' buffer never read
@@ -570,13 +578,18 @@ def _check_routed(routed, n_exp: int, device) -> None:
                          f"ascending, then {n_exp}), got {routed.dtype} {tuple(routed.shape)} on {routed.device}")
 
 
-def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, config: MoeConfig | None, routed=None):
+def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, config: MoeConfig | None, routed=None,
+                  max_routed: int | None = None):
     """The gate/up and down launches: `(y [t*k, hidden], ids, weights)`, each (row, slot) line
     the row's output of that slot's expert (unwritten for a padding row); None when t or k is 0.
-    `routed`: the call's routed experts, ranked (`routed_experts_ref`; taken while TAKE_ROUTED)."""
+    `routed`: the call's routed experts, ranked (`routed_experts_ref`; taken while TAKE_ROUTED),
+    at most `max_routed` of them."""
     check_activation(activation)
     _check(x, weights, experts, w_gate_up, w_down)
     _check_routed(routed, w_gate_up.shape[0], x.device)
+    if max_routed is not None and (routed is None or isinstance(max_routed, bool) or not isinstance(max_routed, int)
+                                   or max_routed < 1):
+        raise ValueError(f"max_routed {max_routed!r}: expected a positive int, with a routed list")
     routed = routed if TAKE_ROUTED else None
     cfg = (config or CONFIG).check()
     m, h = x.shape
@@ -601,7 +614,8 @@ def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, confi
         grid_gu = grid_down = (programs, row_tiles)
         common.update(ITEMS=True)
     elif routed is not None:  # a program per (tile, rank): the routed experts' programs launch first
-        grid_gu, grid_down = (tiles_i, n_exp, row_tiles), (tiles_n, n_exp, row_tiles)
+        ranks = n_exp if max_routed is None else min(n_exp, max_routed)
+        grid_gu, grid_down = (tiles_i, ranks, row_tiles), (tiles_n, ranks, row_tiles)
     else:
         grid_gu = (n_exp, tiles_i, row_tiles)
         grid_down = (n_exp, tiles_n, row_tiles)

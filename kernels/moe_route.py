@@ -101,17 +101,19 @@ def eligible(logits: torch.Tensor) -> bool:
 def _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, stride_l, first, step,
                  K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                  NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr,
-                 PARTS: tl.constexpr = 0, ROW_TILES: tl.constexpr = 0, routed_ptr=None, ROUTED: tl.constexpr = False):
+                 PARTS: tl.constexpr = 0, ROW_TILES: tl.constexpr = 0, routed_ptr=None, ROUTED: tl.constexpr = False,
+                 bound=0x7FFFFFFF):
     """Routes the row tiles first, first + step, ... of `logits [T, E]`; with COUNT (every tile
     here) adds the call and the union of its live rows' experts to `counts`. PARTS > 0 (the router
     kernel's last program): `logits_ptr` is float32 partial logits `[PARTS, T, E]` the programs
     wrote (read through L2), summed in part order and rounded to the weights' dtype. ROW_TILES > 0
     (first 0, step 1): the ROW_TILES tiles unrolled, not a loop (STATIC_ROW_TILES). ROUTED (every
     tile here): `routed [E]` int32 gets that union in ascending index, then E in the slots left
-    (`routed_experts_ref`)."""
+    (`routed_experts_ref`). Rows from `bound` on are padding too, whatever `live` says."""
     live = T
     if HAS_LIVE:
         live = tl.load(live_ptr)
+    live = tl.minimum(live, bound)
     hit = tl.zeros((BLOCK_E,), tl.int32)  # experts some live row picked
     if ROW_TILES:
         for tile in tl.static_range(ROW_TILES):
@@ -255,7 +257,7 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
                          HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr, PREC: tl.constexpr,
                          WIDEN: tl.constexpr, pre_w_ptr=None, pre_factor=1.0, eps=0.0, PRE_NORM: tl.constexpr = False,
                          ROW_TILES: tl.constexpr = 0, routed_ptr=None, ROUTED: tl.constexpr = False,
-                         PDL: tl.constexpr = False):
+                         bound=0x7FFFFFFF, PDL: tl.constexpr = False):
     """Program (p, c): the float32 partial logits of experts p*ROUTER_N ... over hidden columns
     c*CHUNK ... (one of the PARTS chunks) for every row tile, one dot a row tile, stored to
     `parts [PARTS, T, E]`; the last program to arrive (an arrival counter, put back to 0) sums each
@@ -264,7 +266,8 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     its read overlaps the kernel before. PRE_NORM: x is `router_pre_norm_ref(x, pre_w,
     pre_factor, eps)`, each row's statistic over one ROUTER_K-column loop of the whole hidden size.
     ROW_TILES > 0: the row tiles unrolled (STATIC_ROW_TILES), not a loop over the live rows.
-    ROUTED: the last program also writes the live rows' experts, ranked, to `routed` (`_route_tiles`)."""
+    ROUTED: the last program also writes the live rows' experts, ranked, to `routed` (`_route_tiles`).
+    Rows from `bound` on are padding too, whatever `live` says."""
     _prefetch_router_then_wait(PDL, router_ptr, H, E, stride_r, ROUTER_N, CHUNK)
     experts = tl.program_id(0) * ROUTER_N + tl.arange(0, ROUTER_N)
     e_ok = experts < E
@@ -277,9 +280,9 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
         pw = tl.load(pre_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     # only the live rows' logits: a padding row routes to no expert, so its x is never read
     # and its partials never written (tiles past the last live row are not visited at all)
-    n_live = T
+    n_live = tl.minimum(T, bound)
     if HAS_LIVE:
-        n_live = tl.minimum(tl.load(live_ptr), T)
+        n_live = tl.minimum(tl.load(live_ptr), n_live)
     if ROW_TILES:  # unrolled, each tile skipped at run time past the live rows
         for tile in tl.static_range(ROW_TILES):
             if tile * BLOCK_T < n_live:
@@ -295,7 +298,8 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) * PARTS - 1:  # ... and the last program reads them through L2
         _route_tiles(parts_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, E, 0, 1, K_TOP, KP,
-                     BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, HAS_LIVE, COUNT, PARTS, ROW_TILES, routed_ptr, ROUTED)
+                     BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, HAS_LIVE, COUNT, PARTS, ROW_TILES, routed_ptr, ROUTED,
+                     bound)
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -349,14 +353,16 @@ def router_eligible(x: torch.Tensor, router: torch.Tensor) -> bool:
 def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
                  counts: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                  pre_norm: tuple[torch.Tensor, float, float] | None = None, *,
-                 routed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 routed: torch.Tensor | None = None, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`router_route_ref` in one launch: the router's logits `x @ router.T` (`x [t, hidden]`, t up
     to COUNT_ROWS; `router [E, hidden]`; float32 dots, rounded to the model dtype), a program per
     ROUTER_N experts, and the last program to arrive routes every row from them as `moe_route`
     does (its picks, weights, padding rows and count). `pre_norm` `(weight [hidden] in x's dtype,
     factor, eps)`: x normed first (`router_pre_norm_ref`), in the same launch. `routed` (int32
     `[E]`, written): the live rows' experts in ascending index, then E (`routed_experts_ref`), for
-    the expert kernels' grid (`memra_kernels.moe`). -> weights `[t, k]`, ids `[t, k]` int64."""
+    the expert kernels' grid (`memra_kernels.moe`). `bound` (a host int >= 1, or None): rows from
+    it on are padding too, whatever `live` says (a plain decode step reads one row: it routes at
+    most k experts, and `routed` lists at most `bound * k`). -> weights `[t, k]`, ids `[t, k]` int64."""
     pre_w, factor, eps = pre_norm if pre_norm is not None else (None, 1.0, 0.0)
     check_tensors(*(v for v in (x, router, live, counts, scale, pre_w) if v is not None))
     if pre_w is not None and (pre_w.shape != (x.shape[-1],) or pre_w.dtype != x.dtype or pre_w.stride(0) != 1):
@@ -368,6 +374,8 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                          "the router's rows contiguous")
     t, n_exp = x.shape[0], router.shape[0]
     _check_routing(n_exp, k, live, counts, scale)
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+        raise ValueError(f"bound must be a positive int or None, got {bound!r}")
     if routed is not None and (routed.shape != (n_exp,) or routed.dtype != torch.int32 or not routed.is_contiguous()
                                or routed.device != x.device):
         raise ValueError(f"routed must be a contiguous int32 [{n_exp}] tensor on {x.device}, got {routed.dtype} "
@@ -392,6 +400,7 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
         pre_w_ptr=x if pre_w is None else pre_w, pre_factor=float(factor), eps=float(eps), PRE_NORM=pre_w is not None,
         ROW_TILES=triton.cdiv(t, BLOCK_T) if STATIC_ROW_TILES else 0,
         routed_ptr=ids if routed is None else routed, ROUTED=routed is not None,
+        bound=t if bound is None else min(t, bound),
         num_warps=route_warps(triton.next_power_of_2(n_exp)),
         **({} if ROUTER_STAGES is None else {"num_stages": ROUTER_STAGES}), **pdl_args(x))
     return weights, ids

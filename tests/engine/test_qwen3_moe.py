@@ -243,7 +243,7 @@ def test_padding_rows_run_no_experts_and_a_planted_unmasked_step_is_caught(targe
     routed, as a step without the live count would) the same check fails."""
     spec_arms.assert_padding_rows_run_no_experts(target, VOCAB)
     ops = type(target.step_ops)()
-    monkeypatch.setattr(ops, "router_route", lambda x, router, k, norm, live=None, counts=None, scale=None:
+    monkeypatch.setattr(ops, "router_route", lambda x, router, k, norm, live=None, counts=None, scale=None, bound=None:
                         moe.moe_route_ref(ops.linear(x, router), k, norm, None, counts, scale))  # the live rows ignored
     monkeypatch.setattr(target, "step_ops", ops)
     with pytest.raises(AssertionError, match="one-live-row calls"):

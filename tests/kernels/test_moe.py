@@ -156,6 +156,24 @@ def test_the_routed_list_changes_no_bit(monkeypatch, m):
     assert torch.equal(moe.moe_swiglu(x, w, ids, gu, down, routed=short), want)
 
 
+def test_a_grid_sized_by_the_bound_gives_the_same_bits():
+    """`max_routed` (the router's host bound times k: a plain decode step's one row reads at most
+    k experts) sizes the grid's ranks: a step of 16 rows with one live gives the bits of the grid
+    over every expert, at the bound and above it; a bound below the list's length is caught (a
+    routed expert's programs never launched); refused without a list."""
+    x, w, ids, gu, down = inputs(16, 3, torch.bfloat16, seed=16)
+    ids[1:], w[1:] = E, 0  # one live row
+    routed = moe_route_ref.routed_experts_ref(ids, E).to(DEVICE)
+    want = moe.moe_swiglu(x, w, ids, gu, down, config=EXPERT_GRID)
+    for cap in (3, 5, E):
+        assert torch.equal(moe.moe_swiglu(x, w, ids, gu, down, config=EXPERT_GRID, routed=routed, max_routed=cap),
+                           want), cap
+    short = moe.moe_swiglu(x, w, ids, gu, down, config=EXPERT_GRID, routed=routed, max_routed=2)
+    assert not torch.equal(short[0], want[0])
+    with pytest.raises(ValueError, match="max_routed"):
+        moe.moe_swiglu(x, w, ids, gu, down, max_routed=3)
+
+
 @pytest.mark.parametrize("config", [EXPERT_GRID, WORK_ITEMS], ids=["grid", "items"])
 def test_a_planted_short_routed_list_is_caught(config):
     """The f32 bound sees a routed list one expert short (its rows get nothing from it), and a

@@ -419,3 +419,22 @@ def test_the_routed_twin_ranks_the_distinct_experts_then_pads_with_e():
     with pytest.raises(ValueError, match="routed must be a contiguous int32"):
         x, router = router_inputs(2, torch.float32)
         mr.router_route(x, router, 2, True, routed=torch.zeros(E, dtype=torch.int64, device=DEVICE))
+
+
+def test_a_host_bound_makes_the_rows_past_it_padding_and_keeps_the_rest_their_bits():
+    """`bound` (a plain decode step reads one row): the rows from it on route to no expert
+    whatever `live` says, the rows before it keep their bits, the list and the count hold their
+    experts only; the same with `live` below the bound. Refused: a bound below 1."""
+    x, router = router_inputs(16, torch.bfloat16, seed=21)
+    full_w, full_ids = mr.router_route(x, router, 3, True, live_of(9))
+    for b, n_live in ((1, 9), (4, 9), (4, None), (12, 9)):
+        routed = torch.empty(E, dtype=torch.int32, device=DEVICE)
+        counts = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        w, ids = mr.router_route(x, router, 3, True, live_of(n_live), counts, routed=routed, bound=b)
+        real = min(b, 16 if n_live is None else n_live)
+        assert torch.equal(ids[:real], full_ids[:real]) and torch.equal(w[:real], full_w[:real]), b
+        assert (ids[real:] == E).all() and (w[real:] == 0).all(), b
+        assert torch.equal(routed, mr.routed_experts_ref(ids, E)) and int((routed < E).sum()) <= 3 * real
+        assert counts.tolist() == [1, int(torch.unique(ids[:real]).numel())]
+    with pytest.raises(ValueError, match="bound must be a positive int"):
+        mr.router_route(x, router, 3, True, bound=0)

@@ -120,11 +120,13 @@ class MoeKernelOps(TorchStepOps):
     norms) and the routing),
     so a session's other ops stay quick on the interpreter."""
 
-    moe_swiglu = staticmethod(moe.moe_swiglu)
+    moe_swiglu = TritonStepOps.moe_swiglu
     moe_swiglu_add_rms_norm = TritonStepOps.moe_swiglu_add_rms_norm
     moe_swiglu_shared_add_rms_norm_1p = TritonStepOps.moe_swiglu_shared_add_rms_norm_1p
     moe_gemma_add_norm = TritonStepOps.moe_gemma_add_norm
     router_route = TritonStepOps.router_route
+    _routed_for = TritonStepOps._routed_for  # the router's ranked list, handed to the expert launch
+    _routed = None
     _moe, _moe_route = moe, moe_route
 
 
@@ -201,6 +203,30 @@ def test_graphed_sessions_with_the_kernels_read_nothing_on_the_host(target_dir, 
     assert greedy_reference(engine.runner, prompt, 12) == plain  # plain decoding through the graphs too
 
 
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16], ids=str)
+def test_a_plain_round_routes_its_one_row_and_sizes_the_expert_grid_by_it(target_dir, eager_graphs, monkeypatch,
+                                                                          dtype):
+    """Plain decoding's round body reads row 0 only (`reading_rows(1)`): its routing treats the
+    other rows as padding on the host too, so each expert launch gets the router's list with at
+    most k experts (`max_routed`, the grid's ranks) while the speculative and prefill launches
+    get none; the stream equals plain greedy over eager fixed steps (no bound) with the same
+    kernels, in float32 and bfloat16."""
+    seen = []
+    real = moe._expert_lines
+    monkeypatch.setattr(moe, "_expert_lines", lambda *a: seen.append(a[8]) or real(*a))
+    prompt = _ids(9, 6).tolist()
+    plain = greedy_reference(StepRunner(_model(target_dir, MoeKernelOps(), dtype), W), prompt, 6)
+    assert set(seen) == {None}
+    seen.clear()
+    model = _model(target_dir, MoeKernelOps(), dtype)
+    engine = _graphed_on_cpu(model, round_graphs=True)
+    with engine.session(prompt, 6, engine.arm(ArmConfig(mode="off")), eos_ids=()) as session:
+        assert session.run() == plain
+        assert ("plain-chain", W) in session.cache.graphs
+    k = model.moe.top_k
+    assert k in seen and set(seen) <= {None, k}, seen  # the prefill's launches: no bound
+
+
 def _other_family(name: str, root):
     """A tiny Qwen3.5 MoE hybrid or Gemma 4 MoE target (8 experts, top-2) and its drafter's taps."""
     if name == "qwen3_5_moe":
@@ -241,7 +267,8 @@ def test_the_other_families_graphed_with_the_kernels_read_nothing_on_the_host(tm
 @pytest.mark.parametrize("vt", ["ladder", "priced"])  # priced: the fitted window on the routed cost, settled on the device
 def test_on_the_gpu_graphed_sessions_equal_plain_greedy(target_dir, tmp_path, round_graphs, vt):
     """On CUDA with the kernels and graphs on (the family's default there), in bfloat16: a
-    speculative session equals plain greedy over eager steps with the same kernels."""
+    speculative session, and a plain one (with round graphs, the plain round that routes its one
+    row alone), equal plain greedy over eager steps with the same kernels."""
     from memra_cli.engine.layers.step_ops import select_step_ops
 
     draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=(0, 2), num_target_layers=4,
@@ -253,9 +280,12 @@ def test_on_the_gpu_graphed_sessions_equal_plain_greedy(target_dir, tmp_path, ro
     engine = Engine.from_model(model, step_width=W, cuda_graphs=True, draft_graphs=True, round_graphs=round_graphs)
     settings = PolicySettings(vt="priced", vt_cost="routed") if vt == "priced" else PolicySettings()
     arm = engine.arm(ArmConfig(draft=draft, mode="dflash", settings=settings))
+    off = engine.arm(ArmConfig(mode="off"))  # plain decoding: with round graphs, the one-row plain round
     for seed in range(3):
         ids = _ids(9 + 11 * seed, 80 + seed).tolist()
         plain = greedy_reference(StepRunner(ref_model, W), ids, 40)
         with engine.session(ids, 40, arm, eos_ids=()) as session:
             assert session.run() == plain, seed
             assert session.graphed_rounds == round_graphs
+        with engine.session(ids, 40, off, eos_ids=()) as session:
+            assert session.run() == plain, seed

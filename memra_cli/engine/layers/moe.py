@@ -27,18 +27,29 @@ from memra_kernels.moe_route_ref import count_experts, moe_route_ref, topk_lowes
 
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, ops=None, live: torch.Tensor | None = None,
-          counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+          counts: torch.Tensor | None = None, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights `[t, k]` (model dtype) and expert ids `[t, k]` for `x [t, hidden]` with
     `router [E, hidden]`: the logits `x @ router.T` in the model dtype, then the picks: the step
     ops' `router_route` (`ops`: their `linear` then `moe_route`, or one launch of both with the
     kernels for a step's rows; None: `F.linear` and the twin, memra_kernels.moe_route_ref):
     softmax in float32, top-k
     (lower index on ties), renormalised over the kept k when `normalize` (Qwen3-MoE's
-    `norm_topk_prob`); rows from `live` on (int32 `[1]`) routed to no expert (id E, weight 0);
-    the call counted into `counts` (`ExpertReads.sink()`)."""
+    `norm_topk_prob`); rows from `live` on (int32 `[1]`), and from the host `bound` on (the
+    state's `reading_rows`), routed to no expert (id E, weight 0); the call counted into `counts`
+    (`ExpertReads.sink()`)."""
     if ops is None:
-        return moe_route_ref(F.linear(x, router), k, normalize, live, counts)
-    return ops.router_route(x, router, k, normalize, live, counts)
+        return moe_route_ref(F.linear(x, router), k, normalize, bounded_live(live, bound, x), counts)
+    return ops.router_route(x, router, k, normalize, live, counts, bound=bound)
+
+
+def bounded_live(live: torch.Tensor | None, bound: int | None, x: torch.Tensor) -> torch.Tensor | None:
+    """The live-row count of a call on `x [t, ...]` whose rows from `bound` on are padding too:
+    `live` capped at `bound` (int32 `[1]` on x's device), `live` itself where no bound cuts a row."""
+    if bound is None or bound >= x.shape[0]:
+        return live
+    if live is None:
+        return torch.full((1,), bound, dtype=torch.int32, device=x.device)
+    return torch.clamp(live, max=bound)
 
 
 _paused = [0]  # depth of `not_counted` blocks open now

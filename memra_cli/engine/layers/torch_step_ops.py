@@ -300,11 +300,13 @@ class TorchStepOps:
 
     def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                      live: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                     scale: torch.Tensor | None = None, pre_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: torch.Tensor | None = None, pre_norm=None, bound: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`moe_route` of the router's logits `linear(x, router)` (model dtype), through this
         instance's two ops; `pre_norm` `(weight, factor, eps)`: x through Gemma 4's router norm
-        first (`moe_route_ref.router_pre_norm_ref`)."""
-        return unfused_router_route(self, x, router, k, normalize, live, counts, scale, pre_norm)
+        first (`moe_route_ref.router_pre_norm_ref`); rows from the host `bound` on (the state's
+        `reading_rows`) padding too, whatever `live` says."""
+        return unfused_router_route(self, x, router, k, normalize, live, counts, scale, pre_norm, bound)
 
     @staticmethod
     def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -98,9 +98,9 @@ class TritonStepOps:
         self._quant = quant_linear
         self._moe = moe
         self._moe_route = moe_route
-        # (ids, routed): the ranked expert list the router's launch left with the ids it returned,
-        # for the expert launch those ids go to next (`_routed_for`)
-        self._routed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (ids, routed, max_routed): the ranked expert list the router's launch left with the ids it
+        # returned and its host bound, for the expert launch those ids go to next (`_routed_for`)
+        self._routed: tuple[torch.Tensor, torch.Tensor, int | None] | None = None
 
     def unfused(self) -> "TritonStepOps":
         """New ops with the head and tail fusions as their parts (module docstring): the same bits,
@@ -198,7 +198,7 @@ class TritonStepOps:
         for weights the kernels do not take (`moe.eligible`: strided rows)."""
         if self._moe.eligible(x, w_gate_up, w_down):
             return self._moe.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation,
-                                        routed=self._routed_for(experts))
+                                        **self._routed_for(experts))
         return moe_swiglu_ref(x, weights, experts, w_gate_up, w_down, activation)
 
     def moe_swiglu_add_rms_norm(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -210,7 +210,7 @@ class TritonStepOps:
         the kernels do not take the tensors. The choice depends on shapes and dtypes only."""
         if self._moe.eligible(x, w_gate_up, w_down) and self._moe.norm_eligible(x, residual, norm_w):
             return self._moe.moe_swiglu_add_rms_norm(x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
-                                                     activation, routed=self._routed_for(experts))
+                                                     activation, **self._routed_for(experts))
         return unfused_moe_swiglu_add_rms_norm(self, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
                                                activation)
 
@@ -222,7 +222,7 @@ class TritonStepOps:
         if self._moe.eligible(x, w_gate_up, w_down) and self._moe.gemma_eligible(x, dense, residual, norms, w_next,
                                                                                  scalar):
             return self._moe.moe_gemma_add_norm(x, weights, experts, w_gate_up, w_down, dense, residual, norms,
-                                                w_next, eps, scalar, routed=self._routed_for(experts))
+                                                w_next, eps, scalar, **self._routed_for(experts))
         return unfused_moe_gemma_add_norm(self, x, weights, experts, w_gate_up, w_down, dense, residual, norms, w_next,
                                           eps, scalar)
 
@@ -235,34 +235,39 @@ class TritonStepOps:
         if self._moe.eligible(x, w_gate_up, w_down) and self._moe.shared_eligible(x, shared, gate, residual, w1p):
             return self._moe.moe_swiglu_shared_add_rms_norm_1p(x, weights, experts, w_gate_up, w_down, shared, gate,
                                                                residual, w1p, eps, activation,
-                                                               routed=self._routed_for(experts))
+                                                               **self._routed_for(experts))
         return unfused_moe_swiglu_shared_add_rms_norm_1p(self, x, weights, experts, w_gate_up, w_down, shared, gate,
                                                          residual, w1p, eps, activation)
 
     def router_route(self, x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                      live: torch.Tensor | None = None, counts: torch.Tensor | None = None,
-                     scale: torch.Tensor | None = None, pre_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: torch.Tensor | None = None, pre_norm=None, bound: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`TorchStepOps.router_route` in one launch for a step's rows (`moe_route.router_eligible`:
         up to 64 rows, a router of up to 1024 experts), the router's matmul and the picks
         together (and Gemma 4's router norm, `pre_norm`); `linear` then `moe_route` otherwise (a
         prefill chunk). The choice depends on the row count only past a step's rows, so every
         fixed-width step routes a row alike. The launch also ranks the live rows' experts
-        (`routed`), which the expert launch handed these ids takes (`_routed_for`)."""
+        (`routed`), which the expert launch handed these ids takes (`_routed_for`); with the host
+        `bound` (rows from it on padding too: `reading_rows`) there are at most `bound * k` of them,
+        and the expert grid is sized so."""
         if self._moe_route.router_eligible(x, router):
             routed = torch.empty(router.shape[0], dtype=torch.int32, device=x.device)
             weights, ids = self._moe_route.router_route(x, router, k, normalize, live, counts, scale, pre_norm,
-                                                        routed=routed)
-            self._routed = (ids, routed)
+                                                        routed=routed, bound=bound)
+            self._routed = (ids, routed, None if bound is None else bound * k)
             return weights, ids
-        return unfused_router_route(self, x, router, k, normalize, live, counts, scale, pre_norm)
+        return unfused_router_route(self, x, router, k, normalize, live, counts, scale, pre_norm, bound)
 
-    def _routed_for(self, experts: torch.Tensor) -> torch.Tensor | None:
-        """The ranked expert list `router_route` left with `experts` (the very ids tensor it
-        returned), or None (ids from elsewhere: the grid over every expert). Handed over once:
-        the expert kernels put the routed experts' programs first with it (memra_kernels.moe),
-        which changes no bit."""
+    def _routed_for(self, experts: torch.Tensor) -> dict:
+        """The expert launch's `routed` and `max_routed`: the ranked expert list `router_route`
+        left with `experts` (the very ids tensor it returned) and its host bound, or neither (ids
+        from elsewhere: the grid over every expert). Handed over once: the expert kernels put the
+        routed experts' programs first with it (memra_kernels.moe), which changes no bit."""
         held, self._routed = self._routed, None
-        return held[1] if held is not None and held[0] is experts else None
+        if held is None or held[0] is not experts:
+            return {}
+        return {"routed": held[1], "max_routed": held[2]}
 
     def moe_route(self, logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
                   counts: torch.Tensor | None = None, scale: torch.Tensor | None = None

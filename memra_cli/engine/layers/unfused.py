@@ -55,12 +55,15 @@ def unfused_linear_add_rms_norm(ops, a: torch.Tensor, w, bias, residual: torch.T
 
 
 def unfused_router_route(ops, x, router, k: int, normalize: bool, live=None, counts=None, scale=None,
-                         pre_norm=None):
+                         pre_norm=None, bound: int | None = None):
     """`ops.linear` then `ops.moe_route`: a router's logits, then its picks (the unfused form);
-    `pre_norm` `(weight, factor, eps)`: Gemma 4's router norm first, in torch (`router_pre_norm_ref`)."""
+    `pre_norm` `(weight, factor, eps)`: Gemma 4's router norm first, in torch (`router_pre_norm_ref`);
+    rows from the host `bound` on padding too (`layers/moe.py` `bounded_live`)."""
+    from memra_cli.engine.layers.moe import bounded_live
+
     if pre_norm is not None:
         x = router_pre_norm_ref(x, *pre_norm)
-    return ops.moe_route(ops.linear(x, router), k, normalize, live, counts, scale)
+    return ops.moe_route(ops.linear(x, router), k, normalize, bounded_live(live, bound, x), counts, scale)
 
 
 def unfused_moe_swiglu_add_rms_norm(ops, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps: float,

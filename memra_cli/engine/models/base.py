@@ -59,6 +59,11 @@ class TargetState(Protocol):
         from `rows` (int32 `[1]`, written on the device by a round body) instead."""
         ...
 
+    def reading_rows(self, n: int):
+        """Context manager: the fixed step run (or captured) inside has only its first `n` rows
+        read (a host int: a plain decode step's 1); the rest may be treated as padding."""
+        ...
+
     def attach_graph_cache(self, cache) -> None:
         """(`graphed_restores` only) The runtime's `GraphCache` (runtime/cuda_graphs.py), given once
         when the runtime makes the state: its `run(key, build, *args)` replays the graph of the body
@@ -141,7 +146,7 @@ MODEL_MEMBERS = ("from_dir", "new_state", "ensure_positions", "check_taps", "che
 STATE_MEMBERS = ("rollback", "reset", "commit", "nbytes", "host_bookkeeping", "round_graphs_ok",
                  "settles_on_device", "graph_variants", "graph_variant", "arranged_for_capture",
                  "restore_round", "settled_on_device", "graphed_restores", "attach_graph_cache", "set_live_rows",
-                 "live_rows_from")
+                 "live_rows_from", "reading_rows")
 _CLAIMS = {  # a claimed capability -> the methods a state must override (not inherit from StateBase)
     "settles_on_device": ("restore_round", "settled_on_device"),
     "graph_variants": ("arranged_for_capture", "graph_variant"),

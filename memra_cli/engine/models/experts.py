@@ -104,24 +104,29 @@ class LiveRouting:
     one) takes the state's live-row count (`state.live`, int32 `[1]` on the device:
     models/state.py `LiveRows`) for the routings it runs (`_live_rows`, which each family
     hands to the step ops' `moe_route`): every row from it on gets the no-expert id and weight 0,
-    and the counter (`self.reads`) counts the live rows' experts only. An eager `forward` (every
+    and the counter (`self.reads`) counts the live rows' experts only. Inside the state's
+    `reading_rows(n)` (a plain decode step: n = 1) the rows from n on are padding too, and the
+    routing knows it on the host (`_live_bound`): the expert kernels' grid then holds n * k
+    experts' programs, not every expert's. An eager `forward` (every
     row real) masks nothing. The count is read on the device, so a graph replay takes whatever
     the state holds then. A graphed prefill's padding rows are masked the same way
     (`padded_forward`)."""
 
     _live_rows: torch.Tensor | None = None
+    _live_bound: int | None = None
 
     @contextmanager
-    def _routing_live_rows(self, live: torch.Tensor):
-        """The routings run inside take their live-row count from `live` (int32 `[1]`)."""
-        self._live_rows = live
+    def _routing_live_rows(self, live: torch.Tensor, bound: int | None = None):
+        """The routings run inside take their live-row count from `live` (int32 `[1]`), and
+        treat the rows from `bound` on (a host int, the state's `reading_rows`) as padding too."""
+        self._live_rows, self._live_bound = live, bound
         try:
             yield
         finally:
-            self._live_rows = None
+            self._live_rows, self._live_bound = None, None
 
     def static_step(self, ids, positions, state, taps=None, widen: bool = True):
-        with self._routing_live_rows(state.live):
+        with self._routing_live_rows(state.live, state.live_bound):
             return super().static_step(ids, positions, state, taps, widen)
 
     @property
@@ -134,7 +139,7 @@ class LiveRouting:
             return None
 
         def picks(ids, positions, state, taps=None):
-            with self._routing_live_rows(state.live):
+            with self._routing_live_rows(state.live, state.live_bound):
                 return fused(ids, positions, state, taps)
 
         return picks

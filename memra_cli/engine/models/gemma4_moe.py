@@ -51,15 +51,15 @@ class Gemma4MoeLayerWeights(LayerWeights):
 
 
 def gemma_route(x: torch.Tensor, w: Gemma4MoeLayerWeights, top_k: int, eps: float, ops,
-                live: torch.Tensor | None = None, counts: torch.Tensor | None = None
+                live: torch.Tensor | None = None, counts: torch.Tensor | None = None, bound: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights `[t, k]` (model dtype) and expert ids `[t, k]` for the residual `x [t, h]`
     (module docstring): the step ops' `router_route` with the scaled norm as its pre-norm
     (`moe_route_ref.router_pre_norm_ref`: the same roundings as `gemma_rms_norm(x, None, eps) *
     router_scale * h**-0.5`; with the kernels, in the router's launch), the per-expert scale,
-    and the live rows and the count, as every MoE family's (layers/moe.py)."""
+    and the live rows (and their host `bound`) and the count, as every MoE family's (layers/moe.py)."""
     return ops.router_route(x, w.experts.router, top_k, True, live, counts, w.expert_scale,
-                            pre_norm=(w.router_scale, x.shape[-1] ** -0.5, eps))
+                            pre_norm=(w.router_scale, x.shape[-1] ** -0.5, eps), bound=bound)
 
 
 class _MoeLoader(_Loader):
@@ -127,7 +127,7 @@ class Gemma4MoeTarget(RoutingRecorder, LiveRouting, Gemma4Target):
     def _route(self, x: torch.Tensor, w: Gemma4MoeLayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's routing of the residual `x` (weights, ids `[t, k]`), counted and recorded."""
         weights, ids = gemma_route(x, w, self.moe.top_k, self.cfg.rms_norm_eps, self.step_ops, self._live_rows,
-                                   self.reads.sink())
+                                   self.reads.sink(), self._live_bound)
         self._record_routing(id(w.experts), ids)
         return weights, ids
 

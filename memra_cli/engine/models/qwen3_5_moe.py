@@ -104,7 +104,7 @@ class Qwen35MoeTarget(RoutingRecorder, LiveRouting, Qwen35Target):
         logit `[t, 1]` for the normed `h [t, hidden]`: the operands of its feed-forward."""
         shared = super()._feed_forward(h, w)  # the shared expert: the dense MLP's SwiGLU
         weights, ids = route(h, w.experts.router, self.moe.top_k, True, self.step_ops, self._live_rows,
-                             self.reads.sink())
+                             self.reads.sink(), self._live_bound)
         self._record_routing(id(w.experts), ids)
         return weights, ids, shared, self.step_ops.linear(h, w.shared_gate)
 

@@ -164,7 +164,7 @@ class Qwen3MoeTarget(RoutingRecorder, LiveRouting, Qwen3Target):
     def _route(self, h: torch.Tensor, ex: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
         """The routing of the normed `h [t, hidden]` (weights, ids `[t, k]`), counted and recorded."""
         weights, ids = route(h, ex.router, self.moe.top_k, self.moe.norm_topk_prob, self.step_ops, self._live_rows,
-                             self.reads.sink())
+                             self.reads.sink(), self._live_bound)
         self._record_routing(id(ex), ids)
         return weights, ids
 

@@ -25,6 +25,24 @@ class StateBase:
     def graph_variant(self) -> int:
         return 0
 
+    # At most this many of a fixed step's first rows are read (a host int; None: any): `reading_rows`.
+    live_bound: int | None = None
+
+    @contextmanager
+    def reading_rows(self, n: int):
+        """Context manager: a fixed step run (or captured) inside has only its first `n` rows'
+        outputs read (a plain decode step reads one), so a family may treat the others as padding
+        whatever the live-row count says, and size its launches by `n` (an MoE family's routing
+        and expert grid: models/experts.py `LiveRouting`). A host value, fixed in a graph captured
+        inside: sound at every replay, because the body around the step reads those rows only."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"a fixed step reads at least one row, got {n!r}")
+        saved, self.live_bound = self.live_bound, n
+        try:
+            yield
+        finally:
+            self.live_bound = saved
+
     def set_live_rows(self, n: int | None) -> None:
         """The next fixed steps' real rows (None: all of them); the rest are padding. A state
         that carries nothing from padding rows (a KV cache: causality hides them) ignores it."""

@@ -172,7 +172,8 @@ def plain_step(target, cache, width: int):
 
     def body(inputs: torch.Tensor) -> torch.Tensor:
         t_start, last = inputs[0], inputs[1:2]
-        sel, _ = greedy_step(target, last.expand(width).contiguous(), rows + t_start, cache, None)
+        with cache.reading_rows(1):  # only row 0's pick is read: an MoE step routes that row alone
+            sel, _ = greedy_step(target, last.expand(width).contiguous(), rows + t_start, cache, None)
         return sel[:1]
 
     return body
