@@ -102,26 +102,28 @@ def _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T,
                  K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                  NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr,
                  PARTS: tl.constexpr = 0, ROW_TILES: tl.constexpr = 0, routed_ptr=None, ROUTED: tl.constexpr = False,
-                 bound=0x7FFFFFFF):
+                 OUT_T=None):
     """Routes the row tiles first, first + step, ... of `logits [T, E]`; with COUNT (every tile
     here) adds the call and the union of its live rows' experts to `counts`. PARTS > 0 (the router
     kernel's last program): `logits_ptr` is float32 partial logits `[PARTS, T, E]` the programs
     wrote (read through L2), summed in part order and rounded to the weights' dtype. ROW_TILES > 0
     (first 0, step 1): the ROW_TILES tiles unrolled, not a loop (STATIC_ROW_TILES). ROUTED (every
     tile here): `routed [E]` int32 gets that union in ascending index, then E in the slots left
-    (`routed_experts_ref`). Rows from `bound` on are padding too, whatever `live` says."""
+    (`routed_experts_ref`). OUT_T (the router kernel's, with a host bound): the call's rows, of
+    which the first T are routed and the rest padding whatever `live` says (None: T)."""
+    if OUT_T is None:
+        OUT_T = T
     live = T
     if HAS_LIVE:
-        live = tl.load(live_ptr)
-    live = tl.minimum(live, bound)
+        live = tl.minimum(tl.load(live_ptr), T)
     hit = tl.zeros((BLOCK_E,), tl.int32)  # experts some live row picked
     if ROW_TILES:
         for tile in tl.static_range(ROW_TILES):
-            hit = _route_tile(tile * BLOCK_T, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, E, stride_l,
-                              K_TOP, KP, BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, COUNT or ROUTED, PARTS)
+            hit = _route_tile(tile * BLOCK_T, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, OUT_T, E,
+                              stride_l, K_TOP, KP, BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, COUNT or ROUTED, PARTS)
     else:
-        for t0 in range(first * BLOCK_T, T, step * BLOCK_T):
-            hit = _route_tile(t0, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, E, stride_l,
+        for t0 in range(first * BLOCK_T, OUT_T, step * BLOCK_T):
+            hit = _route_tile(t0, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, OUT_T, E, stride_l,
                               K_TOP, KP, BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, COUNT or ROUTED, PARTS)
     if COUNT:
         tl.atomic_add(counts_ptr, 1)
@@ -134,11 +136,12 @@ def _route_tiles(logits_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T,
 
 
 @triton.jit
-def _route_tile(t0, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, E, stride_l,
+def _route_tile(t0, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, OUT_T, E, stride_l,
                 K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                 NORMALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, COUNT: tl.constexpr, PARTS: tl.constexpr):
     """Routes rows t0 .. t0 + BLOCK_T - 1 (the module docstring's arithmetic) and stores their
-    weights and ids; -> `hit` with the experts their live rows picked added (COUNT)."""
+    weights and ids (rows below OUT_T; those from T on as padding); -> `hit` with the experts
+    their live rows picked added (COUNT)."""
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
     slots = tl.arange(0, KP)
@@ -185,7 +188,7 @@ def _route_tile(t0, live, hit, logits_ptr, scale_ptr, w_ptr, ids_ptr, T, E, stri
     ids = tl.where(live_row[:, None], ids, E)  # padding rows (and rows past t, not stored): no expert
     vals = tl.where(live_row[:, None], vals, 0.0)
     out = rows.to(tl.int64)[:, None] * K_TOP + slots[None, :]
-    ok = row_ok[:, None] & slot_ok
+    ok = (rows < OUT_T)[:, None] & slot_ok
     tl.store(w_ptr + out, vals.to(w_ptr.dtype.element_ty), mask=ok)
     tl.store(ids_ptr + out, ids.to(tl.int64), mask=ok)
     return hit
@@ -257,7 +260,7 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
                          HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr, PREC: tl.constexpr,
                          WIDEN: tl.constexpr, pre_w_ptr=None, pre_factor=1.0, eps=0.0, PRE_NORM: tl.constexpr = False,
                          ROW_TILES: tl.constexpr = 0, routed_ptr=None, ROUTED: tl.constexpr = False,
-                         bound=0x7FFFFFFF, PDL: tl.constexpr = False):
+                         OUT_T=None, PDL: tl.constexpr = False):
     """Program (p, c): the float32 partial logits of experts p*ROUTER_N ... over hidden columns
     c*CHUNK ... (one of the PARTS chunks) for every row tile, one dot a row tile, stored to
     `parts [PARTS, T, E]`; the last program to arrive (an arrival counter, put back to 0) sums each
@@ -267,7 +270,8 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     pre_factor, eps)`, each row's statistic over one ROUTER_K-column loop of the whole hidden size.
     ROW_TILES > 0: the row tiles unrolled (STATIC_ROW_TILES), not a loop over the live rows.
     ROUTED: the last program also writes the live rows' experts, ranked, to `routed` (`_route_tiles`).
-    Rows from `bound` on are padding too, whatever `live` says."""
+    OUT_T: the call's rows (None: T), of which only the first T are read and routed (a host
+    bound: `router_route`'s `bound`), the rest stored as padding."""
     _prefetch_router_then_wait(PDL, router_ptr, H, E, stride_r, ROUTER_N, CHUNK)
     experts = tl.program_id(0) * ROUTER_N + tl.arange(0, ROUTER_N)
     e_ok = experts < E
@@ -280,9 +284,9 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
         pw = tl.load(pre_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     # only the live rows' logits: a padding row routes to no expert, so its x is never read
     # and its partials never written (tiles past the last live row are not visited at all)
-    n_live = tl.minimum(T, bound)
+    n_live = T
     if HAS_LIVE:
-        n_live = tl.minimum(tl.load(live_ptr), n_live)
+        n_live = tl.minimum(tl.load(live_ptr), T)
     if ROW_TILES:  # unrolled, each tile skipped at run time past the live rows
         for tile in tl.static_range(ROW_TILES):
             if tile * BLOCK_T < n_live:
@@ -299,7 +303,7 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     if arrived == tl.num_programs(0) * PARTS - 1:  # ... and the last program reads them through L2
         _route_tiles(parts_ptr, scale_ptr, live_ptr, w_ptr, ids_ptr, counts_ptr, T, E, E, 0, 1, K_TOP, KP,
                      BLOCK_T, BLOCK_E, NORMALIZE, HAS_SCALE, HAS_LIVE, COUNT, PARTS, ROW_TILES, routed_ptr, ROUTED,
-                     bound)
+                     OUT_T)
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
 
 
@@ -382,7 +386,10 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
                          f"{tuple(routed.shape)} on {routed.device}")
     x = x if x.stride(1) == 1 else x.contiguous()
     chunks = triton.cdiv(x.shape[1], ROUTER_CHUNK)
-    parts = torch.empty((chunks, t, n_exp), dtype=torch.float32, device=x.device)
+    # with a bound, only the first rows are read and routed: the launch is a call of those rows
+    # (its row count a constant where it is 1) that stores the others as padding
+    rows = t if bound is None else min(t, bound)
+    parts = torch.empty((chunks, rows, n_exp), dtype=torch.float32, device=x.device)
     weights = torch.empty((t, k), dtype=x.dtype, device=x.device)
     ids = torch.empty((t, k), dtype=torch.int64, device=x.device)
     if t == 0:
@@ -391,7 +398,7 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
         return weights, ids
     _router_route_kernel[(triton.cdiv(n_exp, ROUTER_N), chunks)](
         x, router, parts, counters("moe_router", x.device, 1), x if scale is None else scale,
-        x if live is None else live, weights, ids, ids if counts is None else counts, t, x.shape[1], n_exp,
+        x if live is None else live, weights, ids, ids if counts is None else counts, rows, x.shape[1], n_exp,
         x.stride(0), router.stride(0), K_TOP=k, KP=triton.next_power_of_2(k), BLOCK_T=BLOCK_T,
         BLOCK_E=triton.next_power_of_2(n_exp), ROUTER_N=ROUTER_N, ROUTER_K=ROUTER_K, CHUNK=ROUTER_CHUNK,
         PARTS=chunks, NORMALIZE=normalize,
@@ -399,8 +406,7 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
         PREC="ieee" if x.dtype == torch.float32 else "tf32", WIDEN=interpreting() and x.device.type != "cuda",
         pre_w_ptr=x if pre_w is None else pre_w, pre_factor=float(factor), eps=float(eps), PRE_NORM=pre_w is not None,
         ROW_TILES=triton.cdiv(t, BLOCK_T) if STATIC_ROW_TILES else 0,
-        routed_ptr=ids if routed is None else routed, ROUTED=routed is not None,
-        bound=t if bound is None else min(t, bound),
+        routed_ptr=ids if routed is None else routed, ROUTED=routed is not None, OUT_T=None if rows == t else t,
         num_warps=route_warps(triton.next_power_of_2(n_exp)),
         **({} if ROUTER_STAGES is None else {"num_stages": ROUTER_STAGES}), **pdl_args(x))
     return weights, ids

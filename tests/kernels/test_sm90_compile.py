@@ -436,6 +436,11 @@ def _moe(ctx, dt):
                        ctx.t(n_exp, dtype=dt) if step else None,
                        (ctx.t(h, dtype=dt), h ** -0.5, 1e-6) if step else None,
                        routed=ctx.torch.zeros(n_exp, dtype=ctx.torch.int32) if step else None)  # a step's ranked list
+        # a plain decode step's: one row routed of the 16 (the host bound), the rest stored as padding
+        ctx.launch(f"router_route plain E{n_exp} h{h} k{k}", "_router_route_kernel", ctx.k.moe_route.router_route,
+                   ctx.t(16, h, dtype=dt), ctx.t(n_exp, h, dtype=dt), k, True, ctx.torch.ones(1, dtype=ctx.torch.int32),
+                   ctx.torch.zeros(2, dtype=ctx.torch.int64), routed=ctx.torch.zeros(n_exp, dtype=ctx.torch.int32),
+                   bound=1)
         # a step's sparse-layer end: the residual add and the next norm in the combine's launch (NORM)
         ctx.launch(f"moe_swiglu_add_rms_norm E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel",
                    mo.moe_swiglu_add_rms_norm, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
