@@ -240,6 +240,27 @@ def _other_family(name: str, root):
     return Gemma4MoeTarget.from_dir(make_tiny_gemma4(root / name, moe=(8, 2, 24))), (-1, 1, 3)
 
 
+@pytest.mark.exhaustive  # whole plain sessions through round graphs on the interpreter
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "gemma4_moe"])
+def test_the_other_families_plain_rounds_route_their_one_row(tmp_path, eager_graphs, monkeypatch, family):
+    """The Qwen3.5 MoE hybrid and Gemma 4's MoE block take the plain round's bound too: each
+    expert launch of a plain session through round graphs gets at most k experts' ranks, and
+    the stream equals plain greedy over eager fixed steps with the same kernels."""
+    seen = []
+    real = moe._expert_lines
+    monkeypatch.setattr(moe, "_expert_lines", lambda *a: seen.append(a[8]) or real(*a))
+    model, _ = _other_family(family, tmp_path)
+    model.step_ops = MoeKernelOps()
+    prompt = _ids(9, 7).tolist()
+    plain = greedy_reference(StepRunner(model, W), prompt, 5)
+    seen.clear()
+    engine = _graphed_on_cpu(model, round_graphs=True)
+    with engine.session(prompt, 5, engine.arm(ArmConfig(mode="off")), eos_ids=()) as session:
+        assert session.run() == plain
+    k = model.moe.top_k
+    assert k in seen and set(seen) <= {None, k}, seen
+
+
 @pytest.mark.exhaustive  # whole graphed sessions through Triton's interpreter: the families' own tests graph the twin
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "gemma4_moe"])
 def test_the_other_families_graphed_with_the_kernels_read_nothing_on_the_host(tmp_path, eager_graphs, family):
