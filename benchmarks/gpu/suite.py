@@ -234,6 +234,19 @@ def _tests(out: Path, tiny: bool):
             _py("-m", "pytest", "-q", "-m", "gpu", "--exhaustive", *report, "-p", "no:cacheprovider", "tests")]
 
 
+# the MoE path's own gpu-marked tests: the kernels, the router and the families' graphed sessions
+MOE_TESTS = ("tests/kernels/test_moe.py", "tests/kernels/test_moe_route.py", "tests/kernels/test_moe_target.py",
+             "tests/engine/test_qwen3_moe.py", "tests/engine/test_qwen3_5_moe.py", "tests/engine/test_gemma4_moe.py")
+
+
+def _moe_tests(out: Path, tiny: bool):
+    if tiny:
+        return None
+    report = ["-rfE", "--durations=10"]
+    return [_py("-m", "pytest", "-q", "-m", "gpu", *report, "-p", "no:cacheprovider", *MOE_TESTS),
+            _py("-m", "pytest", "-q", "-m", "gpu", "--exhaustive", *report, "-p", "no:cacheprovider", *MOE_TESTS)]
+
+
 PARTS = {p.name: p for p in (
     Part("bandwidth", "copy and read floors, GB/s", 40, _bandwidth),
     Part("target_step", "Qwen3-8B-shape graphed step vs its floor, ms", 150, _target_step),
@@ -282,6 +295,9 @@ PARTS = {p.name: p for p in (
          "tau, the exactness gate", 160, _embedded_dense),
     Part("kernels", "the Triton kernels against torch and cuBLAS at the 8B shape, µs", 200, _kernels),
     Part("tests", "the gpu-marked tests on the device, both tiers", 420, _tests, stdout_to="gpu_tests.txt"),
+    Part("moe_tests", "the MoE modules' gpu-marked tests (kernels, router, the families' graphed sessions), both "
+         "tiers: the tests part's MoE share, for a call that changed only the MoE path", 180, _moe_tests,
+         stdout_to="gpu_moe_tests.txt"),
 )}
 DEFAULT_PARTS = "target_step,drafter_round,hybrid_step,embedded_bench,tests"
 
