@@ -26,13 +26,14 @@ def test_times_hybrid_steps_and_counts_their_experts(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     obj = json.loads(out.read_text())
     rows = obj["rows"]
-    # the kernels need CUDA; vt=1 also as the engine's 16-row step with one live row
-    assert [(r["ops"], r["vt"], r["width"]) for r in rows] == [("torch", 1, None), ("torch", 1, 16),
-                                                                ("torch", 16, None)]
-    assert rows[0]["experts_per_layer"] == rows[1]["experts_per_layer"] == 2.0  # one live row: its top-2
-    assert 2.0 < rows[2]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union
+    # the kernels need CUDA; vt=1 also as the engine's 16-row step with one live row, a verify's and
+    # the plain round's (one row read)
+    assert [(r["ops"], r["vt"], r["width"], r.get("reads")) for r in rows] == [
+        ("torch", 1, None, None), ("torch", 1, 16, None), ("torch", 1, 16, 1), ("torch", 16, None, None)]
+    assert rows[0]["experts_per_layer"] == rows[1]["experts_per_layer"] == rows[2]["experts_per_layer"] == 2.0
+    assert 2.0 < rows[3]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 for r in rows) and obj["fixed_gb"] > 0
-    assert rows[2]["floor_gb"] > rows[0]["floor_gb"]  # the wider union reads more expert bytes
+    assert rows[3]["floor_gb"] > rows[0]["floor_gb"]  # the wider union reads more expert bytes
 
 
 def test_the_kernels_off_cuda_are_refused_in_one_line(capsys, monkeypatch):

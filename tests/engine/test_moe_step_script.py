@@ -31,12 +31,13 @@ def test_times_steps_and_counts_their_experts(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(out.read_text())
     rows, ops = result["rows"], result["op_rows"]
-    # the twin alone on the CPU; vt=1 also as the engine's 16-row step with one live row
-    assert [(r["ops"], r["vt"], r["width"]) for r in rows] == [("torch", 1, None), ("torch", 1, 16),
-                                                                ("torch", 16, None)]
+    # the twin alone on the CPU; vt=1 also as the engine's 16-row step with one live row, a verify's
+    # and the plain round's (one row read)
+    assert [(r["ops"], r["vt"], r["width"], r.get("reads")) for r in rows] == [
+        ("torch", 1, None, None), ("torch", 1, 16, None), ("torch", 1, 16, 1), ("torch", 16, None, None)]
     assert rows[0]["experts_per_layer"] == 2.0  # one row runs exactly its top-2
-    assert rows[1]["experts_per_layer"] == 2.0  # and so does a 16-row step with one live row: padding runs none
-    assert 2.0 < rows[2]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union
+    assert rows[1]["experts_per_layer"] == rows[2]["experts_per_layer"] == 2.0  # one live row: padding runs none
+    assert 2.0 < rows[3]["experts_per_layer"] <= 8.0  # 16 random rows run a wider union
     assert all(r["ms"] > 0 and r["floor_ms"] > 0 and "graph_ms" not in r for r in rows)
     assert [r["vt"] for r in ops] == [1, 16] and ops[0]["experts_per_layer"] == 2.0
     assert all(r["twin_us"] > 0 and r["route_twin_us"] > 0 and r["floor_us"] > 0 and "kernel_us" not in r for r in ops)
