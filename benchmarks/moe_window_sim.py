@@ -14,7 +14,8 @@ from a geometric rate fitted to the session's accepted runs; Monte Carlo over SE
 of ROUNDS rounds, a fixed seed, so its transient counts; on a flat cost the engine resolves it to
 the ladder); and, for comparison, the same window priced from the last round's run alone (rate
 (m + 1) / (m + 2), the run the ladder expects next; stationary chain), which a steep cost narrows
-to 2 rows for good; plain = 1 token at cost(1).
+to 2 rows for good; plain = 1 token at cost(1) (measured: the plain round's own step, which routes
+its one row alone, where the run timed it).
 
 `--measured MOE_STEP_JSON` adds rows priced by a measured cost curve instead of bytes: the graphed
 step times of `benchmarks/moe_step.py`'s Triton rows (ms of the fixed-width step with vt live rows
@@ -66,19 +67,26 @@ class MeasuredCost:
     vts: tuple[int, ...]
     ms: tuple[float, ...]
     unions: tuple[float, ...]
+    plain_ms: float | None = None  # the plain decode round's step, where the run timed it
     is_flat = False
 
     @classmethod
     def from_moe_step(cls, path: Path) -> "MeasuredCost":
+        every = [r for r in json.loads(path.read_text())["rows"] if r.get("graph_ms")]
         # a verify's steps (the plain decode round's, which reads one row, is not one)
-        timed = [r for r in json.loads(path.read_text())["rows"] if r.get("graph_ms") and not r.get("reads")]
+        timed = [r for r in every if not r.get("reads")]
         by_vt = {r["vt"]: r for r in timed if not r.get("width")}
         by_vt.update({r["vt"]: r for r in timed if r.get("width")})  # what the engine runs: vt live of its width
         rows = [by_vt[v] for v in sorted(by_vt)]
         if not rows or rows[0]["vt"] != 1 or rows[-1]["vt"] < CAP:
             raise ValueError(f"{path}: expected graphed rows from vt = 1 to {CAP} (benchmarks/moe_step.py --json)")
+        plain = [r["graph_ms"] for r in every if r.get("reads") == 1 and r.get("width")]
         return cls(tuple(r["vt"] for r in rows), tuple(r["graph_ms"] for r in rows),
-                   tuple(r["experts_per_layer"] for r in rows))
+                   tuple(r["experts_per_layer"] for r in rows), plain[0] if plain else None)
+
+    def plain(self) -> float:
+        """A plain token's cost: the plain round's step where timed, else a one-row verify's."""
+        return self.bytes(1) if self.plain_ms is None else self.plain_ms
 
     def _interp(self, values: tuple[float, ...], vt: int) -> float:
         i = next(i for i, v in enumerate(self.vts) if v >= vt)
@@ -169,7 +177,7 @@ def simulate(shape: str, profile: str, tau: float, cost=None) -> dict:
     cost = cost or qwen3_moe_cost(**SHAPES[shape])
     alpha = alpha_for_tau(tau)
     s = geometric_survival(alpha, CAP - 1)
-    plain = 1.0 / cost.bytes(1)
+    plain = 1.0 / (cost.plain() if isinstance(cost, MeasuredCost) else cost.bytes(1))
     fixed = expected_committed(s, CAP) / cost.bytes(CAP)
     ladder, ladder_vt = ladder_rate(s, cost)
     vt = priced_vt(s, cost, CAP)

@@ -158,6 +158,12 @@ def test_a_measured_cost_curve_is_read_and_interpolated(tmp_path):
     cost = MeasuredCost.from_moe_step(good)  # the engine's fixed-width row wins where there is one
     assert cost.vts == (1, 4, 16) and cost.bytes(1) == 2.5 and cost.bytes(10) == pytest.approx(11.0)
     assert cost.expected_union(2) == pytest.approx(4.0) and not cost.is_flat
+    assert cost.plain() == 2.5  # no plain round's step timed: a one-row verify's
+    rows = json.loads(good.read_text())["rows"] + [{"vt": 1, "width": 16, "reads": 1, "graph_ms": 2.0,
+                                                     "experts_per_layer": 2.0}]
+    good.write_text(json.dumps({"rows": rows}))
+    cost = MeasuredCost.from_moe_step(good)  # the plain round's step: the plain cost, never a verify's
+    assert cost.bytes(1) == 2.5 and cost.plain() == 2.0
     short = tmp_path / "short.json"
     short.write_text(json.dumps({"rows": [{"vt": 1, "graph_ms": 1.0, "experts_per_layer": 8}]}))
     with pytest.raises(ValueError, match="vt = 1 to 16"):
