@@ -30,7 +30,8 @@ them waits for the block scheduler to get through the exiting programs of the ex
 picked (most of them, at one live row); a rank past the list exits. Where the router was told
 that at most `bound` rows are live (a plain decode step reads one), the list holds at most
 `bound * k` experts and the grid has that many ranks (`max_routed`): no program is launched for
-the experts no row could have picked. `programs_per_sm` > 0 runs that many programs per multiprocessor
+the experts no row could have picked. Without a bound the grid still holds no more ranks than
+the call's rows can fill, `t * k` (a 16-row step of a 256-expert top-8 model: 128, not 256). `programs_per_sm` > 0 runs that many programs per multiprocessor
 instead, each finding the tile's routed experts from the ids and looping over its share of
 their work items (no program for an unrouted expert; slower where measured, kept for the A/B).
 Nothing is read on the host and the launches take the same arguments every step (a CUDA graph
@@ -614,7 +615,9 @@ def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, confi
         grid_gu = grid_down = (programs, row_tiles)
         common.update(ITEMS=True)
     elif routed is not None:  # a program per (tile, rank): the routed experts' programs launch first
-        ranks = n_exp if max_routed is None else min(n_exp, max_routed)
+        # a call's rows route to at most m * k experts (k distinct a row): a 16-row step of a
+        # 256-expert top-8 model lists at most 128
+        ranks = min(n_exp, m * k, max_routed or n_exp)
         grid_gu, grid_down = (tiles_i, ranks, row_tiles), (tiles_n, ranks, row_tiles)
     else:
         grid_gu = (n_exp, tiles_i, row_tiles)

@@ -134,7 +134,8 @@ def test_the_program_count_changes_no_bit(monkeypatch, m):
 def test_the_routed_list_changes_no_bit(monkeypatch, m):
     """With the call's ranked expert list (`routed`, the router kernel's; here its twin's) the
     matmuls run a program per (tile, rank), the routed experts' first, or loop over the list's
-    items: the same bits as the grid over every expert, at a row (a plain decode's), sixteen and
+    items: the same bits as the grid over every expert, at a row (a plain decode's; the grid then
+    has m * k = 3 ranks, not E), sixteen and
     33 (two row tiles: an expert of the list that one tile's rows did not pick runs nothing
     there), with a padding row, and through the combine's add + norm; TAKE_ROUTED off ignores
     the list."""
