@@ -17,8 +17,9 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   padding, which is what the engine's fixed-width steps run (`ops` "triton/16" in the table);
 - the MoE feed-forward alone, every sparse layer once per call (each layer its own weights, so
   no expert is read from L2 twice): the twin eager, the kernels eager and as a CUDA graph (and
-  graphed over each layer's ranked expert list, as a step's router hands it over), the ratio twin / kernels, and the kernels' graphed time against the read floor of the experts the
-  rows routed to; and the routing alone from the router logits (the twin's ~14 launches eager
+  graphed over each layer's ranked expert list, as a step's router hands it over), the ratio
+  twin / kernels, and the kernels' graphed time against the read floor of the experts the rows
+  routed to; and the routing alone from the router logits (the twin's ~14 launches eager
   and graphed, the routing kernel's one graphed), and from x with the router's matmul (the
   step ops' `linear` then the routing kernel, against `router_route`'s one launch, graphed, and
   with `--router-chunks` that launch at other hidden chunks), per layer;
@@ -27,8 +28,8 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   bandwidth measured in the same process (a large tensor's sum), the ratio of time to that
   floor, and peak memory;
 - with `--profile` (CUDA, Triton ops): where one eager `--width`-row step's GPU time goes, at 1
-  live row and at `--width` live rows, for `triton` and `triton-unrouted` where `--ops` has them: its kernels under the torch profiler grouped by name
-  (count, summed µs; `timing.kernel_table`), with programmatic dependent launch off so each
+  live row and at `--width` live rows, for `triton` and `triton-unrouted` where `--ops` has
+  them: its kernels under the torch profiler grouped by name (count, summed µs; `timing.kernel_table`), with programmatic dependent launch off so each
   kernel is charged its own time.
 
     python -m benchmarks.moe_step --shape a3b --device cuda --dtype bfloat16 --json OUT.json

@@ -31,11 +31,11 @@ picked (most of them, at one live row); a rank past the list exits. Where the ro
 that at most `bound` rows are live (a plain decode step reads one), the list holds at most
 `bound * k` experts and the grid has that many ranks (`max_routed`): no program is launched for
 the experts no row could have picked. Without a bound the grid still holds no more ranks than
-the call's rows can fill, `t * k` (a 16-row step of a 256-expert top-8 model: 128, not 256). `programs_per_sm` > 0 runs that many programs per multiprocessor
-instead, each finding the tile's routed experts from the ids and looping over its share of
-their work items (no program for an unrouted expert; slower where measured, kept for the A/B).
-Nothing is read on the host and the launches take the same arguments every step (a CUDA graph
-can hold them).
+the call's rows can fill, `t * k` (a 16-row step of a 256-expert top-8 model: 128, not 256).
+`programs_per_sm` > 0 runs that many programs per multiprocessor instead, each finding the
+tile's routed experts from the ids and looping over its share of their work items (no program
+for an unrouted expert; slower where measured, kept for the A/B). Nothing is read on the host
+and the launches take the same arguments every step (a CUDA graph can hold them).
 
 Exactness (the fixed-width rule, extended to any row count): a token's output never depends on
 which or how many other rows share its experts, nor on M. The tiles are a function of the weight
@@ -210,6 +210,16 @@ def _routed_count(routed_ptr, E, BLOCK_E: tl.constexpr):
     return tl.sum((tl.load(routed_ptr + cols, mask=cols < E, other=0x7FFFFFFF) < E).to(tl.int32), axis=0)
 
 
+@triton.jit
+def _grid_expert(routed_ptr, ROUTED: tl.constexpr):
+    """A grid program's (expert, tile): program (tile, rank, row tile) takes the expert of its
+    rank in the call's `routed` list (E past the list), program (expert, tile, row tile) its own."""
+    if ROUTED:
+        return tl.load(routed_ptr + tl.program_id(1)), tl.program_id(0)
+    else:
+        return tl.program_id(0), tl.program_id(1)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _moe_gate_up_kernel(x_ptr, ids_ptr, wgu_ptr, act_ptr, M, H, I, E, stride_xm, stride_we, stride_wr,
                         K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -234,14 +244,6 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, wgu_ptr, act_ptr, M, H, I, E, stride_xm,
                 _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, w % n_tiles, rows, picked, slot, H, I, stride_xm,
                               stride_we, stride_wr, K_TOP, BLOCK_M, BLOCK_I, BLOCK_K, EVEN_K, EVEN_I, PREC, WIDEN,
                               ACT)
-    elif ROUTED:
-        e = tl.load(routed_ptr + tl.program_id(1))
-        if e < E:
-            rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
-            if tl.max(picked.to(tl.int32), axis=0) > 0:
-                _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, tl.program_id(0), rows, picked, slot, H, I, stride_xm,
-                              stride_we, stride_wr, K_TOP, BLOCK_M, BLOCK_I, BLOCK_K, EVEN_K, EVEN_I, PREC, WIDEN,
-                              ACT)
     elif ITEMS:
         m0 = tl.program_id(1) * BLOCK_M
         hit, n_routed, rank = _routed_experts(ids_ptr, m0, M, E, K_TOP, BLOCK_M, BLOCK_E)
@@ -252,11 +254,12 @@ def _moe_gate_up_kernel(x_ptr, ids_ptr, wgu_ptr, act_ptr, M, H, I, E, stride_xm,
             _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, w % n_tiles, rows, picked, slot, H, I, stride_xm, stride_we,
                           stride_wr, K_TOP, BLOCK_M, BLOCK_I, BLOCK_K, EVEN_K, EVEN_I, PREC, WIDEN, ACT)
     else:
-        e = tl.program_id(0)
-        rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
-        if tl.max(picked.to(tl.int32), axis=0) > 0:
-            _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, tl.program_id(1), rows, picked, slot, H, I, stride_xm,
-                          stride_we, stride_wr, K_TOP, BLOCK_M, BLOCK_I, BLOCK_K, EVEN_K, EVEN_I, PREC, WIDEN, ACT)
+        e, tile = _grid_expert(routed_ptr, ROUTED)
+        if e < E:  # a rank past the routed list: none
+            rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
+            if tl.max(picked.to(tl.int32), axis=0) > 0:
+                _gate_up_item(x_ptr, wgu_ptr, act_ptr, e, tile, rows, picked, slot, H, I, stride_xm, stride_we,
+                              stride_wr, K_TOP, BLOCK_M, BLOCK_I, BLOCK_K, EVEN_K, EVEN_I, PREC, WIDEN, ACT)
 
 
 @triton.jit
@@ -304,13 +307,6 @@ def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, E, stride_we, str
             if tl.max(picked.to(tl.int32), axis=0) > 0:
                 _down_item(act_ptr, wd_ptr, y_ptr, e, w % n_tiles, rows, picked, slot, H, I, stride_we, stride_wr,
                            K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
-    elif ROUTED:
-        e = tl.load(routed_ptr + tl.program_id(1))
-        if e < E:
-            rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
-            if tl.max(picked.to(tl.int32), axis=0) > 0:
-                _down_item(act_ptr, wd_ptr, y_ptr, e, tl.program_id(0), rows, picked, slot, H, I, stride_we,
-                           stride_wr, K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
     elif ITEMS:
         m0 = tl.program_id(1) * BLOCK_M
         hit, n_routed, rank = _routed_experts(ids_ptr, m0, M, E, K_TOP, BLOCK_M, BLOCK_E)
@@ -321,11 +317,12 @@ def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, E, stride_we, str
             _down_item(act_ptr, wd_ptr, y_ptr, e, w % n_tiles, rows, picked, slot, H, I, stride_we, stride_wr,
                        K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
     else:
-        e = tl.program_id(0)
-        rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
-        if tl.max(picked.to(tl.int32), axis=0) > 0:
-            _down_item(act_ptr, wd_ptr, y_ptr, e, tl.program_id(1), rows, picked, slot, H, I, stride_we, stride_wr,
-                       K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
+        e, tile = _grid_expert(routed_ptr, ROUTED)
+        if e < E:  # a rank past the routed list: none
+            rows, picked, slot = _rows_of_expert(ids_ptr, e, tl.program_id(2) * BLOCK_M, M, K_TOP, KP, BLOCK_M)
+            if tl.max(picked.to(tl.int32), axis=0) > 0:
+                _down_item(act_ptr, wd_ptr, y_ptr, e, tile, rows, picked, slot, H, I, stride_we, stride_wr,
+                           K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
 
 
 @triton.jit
@@ -502,7 +499,7 @@ def moe_swiglu_shared_add_rms_norm_1p(x: torch.Tensor, weights: torch.Tensor, ex
                                       gate: torch.Tensor, residual: torch.Tensor, w1p: torch.Tensor, eps: float,
                                       activation: str = "silu", *, config: MoeConfig | None = None,
                                       routed: torch.Tensor | None = None, max_routed: int | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_swiglu_shared_add_rms_norm_1p_ref` on the kernels (the Qwen3.5 MoE hybrid's layer
     end): `moe_swiglu`, whose combine (a program per row) also adds the gated shared expert
     (`shared [t, hidden]`, `gate [t, 1]`), the residual, and norms the sum by the float32 `w1p`

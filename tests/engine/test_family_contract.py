@@ -92,3 +92,23 @@ def test_a_claimed_restore_graph_without_the_cache_hook_is_refused(monkeypatch, 
     with pytest.raises(UnsupportedError, match=r"RestoresState sets graphed_restores but does not provide "
                                                r"attach_graph_cache"):
         _pick(monkeypatch, tmp_path, Family)
+
+
+def test_reading_rows_holds_its_bound_inside_and_refuses_no_rows():
+    """`StateBase.reading_rows(n)`: the state's host bound is n inside (nested: the inner one),
+    put back after, also after an error; a bound below one row is refused by name."""
+    from memra_cli.engine.models.state import StateBase
+
+    state = StateBase()
+    assert state.live_bound is None
+    with state.reading_rows(1):
+        assert state.live_bound == 1
+        with state.reading_rows(3):
+            assert state.live_bound == 3
+        assert state.live_bound == 1
+    with pytest.raises(RuntimeError), state.reading_rows(2):
+        raise RuntimeError("the step failed")
+    assert state.live_bound is None
+    for bad in (0, True, 1.0):
+        with pytest.raises(ValueError, match="reads at least one row"), state.reading_rows(bad):
+            pass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from memra_cli.engine.layers.moe import bounded_live
 from memra_kernels.gemma4_ref import gemma_rms_norm_ref
 from memra_kernels.moe_route_ref import router_pre_norm_ref
 
@@ -59,8 +60,6 @@ def unfused_router_route(ops, x, router, k: int, normalize: bool, live=None, cou
     """`ops.linear` then `ops.moe_route`: a router's logits, then its picks (the unfused form);
     `pre_norm` `(weight, factor, eps)`: Gemma 4's router norm first, in torch (`router_pre_norm_ref`);
     rows from the host `bound` on padding too (`layers/moe.py` `bounded_live`)."""
-    from memra_cli.engine.layers.moe import bounded_live
-
     if pre_norm is not None:
         x = router_pre_norm_ref(x, *pre_norm)
     return ops.moe_route(ops.linear(x, router), k, normalize, bounded_live(live, bound, x), counts, scale)
