@@ -17,7 +17,7 @@ from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import PolicySettings
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
-from memra_kernels import moe, moe_route
+from memra_kernels import dense_linear, moe, moe_route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 W = 8  # a small fixed width keeps the interpreter quick
@@ -127,7 +127,9 @@ class MoeKernelOps(TorchStepOps):
     router_route = TritonStepOps.router_route
     _routed_for = TritonStepOps._routed_for  # the router's ranked list, handed to the expert launch
     _routed = None
-    _moe, _moe_route = moe, moe_route
+    # no tiny shape is in dense_linear.TUNED, so no layer end leaves its norm pending (the torch
+    # ops after it could not fold one): test_step_launches' MoE step runs that path
+    _moe, _moe_route, _dense = moe, moe_route, dense_linear
 
 
 def _tensors(out):
@@ -310,3 +312,46 @@ def test_on_the_gpu_graphed_sessions_equal_plain_greedy(target_dir, tmp_path, ro
             assert session.graphed_rounds == round_graphs
         with engine.session(ids, 40, off, eos_ids=()) as session:
             assert session.run() == plain, seed
+
+
+@pytest.mark.exhaustive  # four interpreted 16-row steps of a 2-layer target, every op on the kernels: ~30 s
+def test_the_layer_end_left_pending_keeps_a_rows_logits(monkeypatch):
+    """A Qwen3-MoE step on the Triton step ops with every weight matmul on the dense kernel (the
+    tiny target routed as the A3B shape, as benchmarks/step_launches.py counts it), so each sparse
+    layer ends in the down kernel's launch and the next q/k/v (or the lm_head) folds its norm: row
+    0's logits are the same bits with one live row, with one read row (`reading_rows(1)`, the
+    plain round's bound) and with sixteen live rows (the fixed-width rule through the whole
+    step); the layer end in a launch of its own gives the same bits; the combine norming each row
+    itself (`LAYER_END` "norm", no layer end pending) is within bf16's rounding of them (the
+    interpreter's sums may even give its bits)."""
+    from benchmarks.step_launches import _build, route_like
+
+    monkeypatch.setattr(dense_linear, "TUNED", dict(dense_linear.TUNED))  # route_like adds the tiny shapes
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with torch.inference_mode():
+        target, big, _, _ = _build("qwen3_moe", device)
+        route_like(target, big, "qwen3_moe")
+        target.step_ops = TritonStepOps()
+        ids = torch.randint(0, target.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).to(device)
+        pos = torch.arange(20, 36, device=device)
+
+        def step(live: int, end: str, bound: int | None = None) -> torch.Tensor:
+            monkeypatch.setattr(moe, "LAYER_END", end)
+            state = target.new_state(64)
+            state.set_live_rows(live)
+            target.ensure_positions(state.max_len)
+            if bound is None:
+                return target.static_step(ids, pos, state)[0]
+            with state.reading_rows(bound):
+                return target.static_step(ids, pos, state)[0]
+
+        pending = moe.moe_swiglu_add_norm_pending
+        ends = []
+        monkeypatch.setattr(moe, "moe_swiglu_add_norm_pending", lambda *a, **kw: ends.append(1) or pending(*a, **kw))
+        full = step(16, "down")
+        assert len(ends) == len(target.layers)  # every layer's end left its norm pending
+        assert torch.equal(step(1, "down")[0], full[0]) and torch.equal(step(16, "down", bound=1)[0], full[0])
+        assert torch.equal(step(16, "apart"), full)
+        ends.clear()
+        normed = step(16, "norm")
+        assert not ends and ((normed - full).norm() / normed.norm()).item() < 2 ** -6

@@ -203,12 +203,20 @@ class TritonStepOps:
 
     def moe_swiglu_add_rms_norm(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                                 w_gate_up: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor,
-                                norm_w: torch.Tensor, eps: float, activation: str = "silu"
+                                norm_w: torch.Tensor, eps: float, activation: str = "silu", consumer=None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`TorchStepOps.moe_swiglu_add_rms_norm` with the residual add and the norm in the MoE
-        combine's launch (`moe.moe_swiglu_add_rms_norm`); `moe_swiglu` then `add_rms_norm` where
-        the kernels do not take the tensors. The choice depends on shapes and dtypes only."""
+        """`TorchStepOps.moe_swiglu_add_rms_norm` on the MoE kernels. Where the dense kernel takes
+        `consumer` (the weight the normed rows meet next) for these rows, the norm is left to it:
+        (PendingNorm, new residual), the combine and the add in the down kernel's launch
+        (`moe.moe_swiglu_add_norm_pending`; `moe.LAYER_END`). Else the add and the norm in the
+        combine's launch (`moe.moe_swiglu_add_rms_norm`); `moe_swiglu` then `add_rms_norm` where the
+        kernels do not take the tensors. The choice depends on shapes and dtypes only."""
         if self._moe.eligible(x, w_gate_up, w_down) and self._moe.norm_eligible(x, residual, norm_w):
+            if self._moe.LAYER_END != "norm" and isinstance(consumer, torch.Tensor) \
+                    and self._dense.eligible_rows(x.shape[0], x.shape[1], x.dtype, consumer):
+                pending = self._moe.moe_swiglu_add_norm_pending(x, weights, experts, w_gate_up, w_down, residual,
+                                                                norm_w, eps, activation, **self._routed_for(experts))
+                return pending, pending.rows
             return self._moe.moe_swiglu_add_rms_norm(x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
                                                      activation, **self._routed_for(experts))
         return unfused_moe_swiglu_add_rms_norm(self, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,

@@ -331,10 +331,11 @@ class Qwen3Target(TargetBase):
         return ops.linear(ops.swiglu(h, w.w_gate_up), w.w_down)
 
     def _step_ffn_add_norm(self, h: torch.Tensor, x: torch.Tensor, li: int, w: LayerWeights,
-                           next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           next_norm: torch.Tensor, next_w=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`_step_ffn`, the residual add onto `x [W, hidden]` and the norm after it ->
         (normed, new residual): a family whose feed-forward can end in that add and norm (the
-        MoE combine's launch) overrides this."""
+        MoE combine's launch) overrides this. `next_w`: the weight the normed rows meet next,
+        which may fold the norm (step_ops.py)."""
         return self.step_ops.add_rms_norm(self._step_ffn(h, li, w), x, next_norm, self.cfg.rms_norm_eps)
 
     # ----------------------------------------------------------------------- heads
@@ -414,7 +415,7 @@ class Qwen3Target(TargetBase):
             if mlp:
                 h, x = ops.linear_add_rms_norm(ops.swiglu(h, mlp[0]), mlp[1], None, x, next_norm, eps, next_w)
             else:  # a family's own feed-forward, the add and the norm (the MoE combine's launch)
-                h, x = self._step_ffn_add_norm(h, x, li, w, next_norm)
+                h, x = self._step_ffn_add_norm(h, x, li, w, next_norm, next_w)
             if li in wanted:
                 tapped[li] = x
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None

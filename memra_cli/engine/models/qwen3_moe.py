@@ -185,12 +185,13 @@ class Qwen3MoeTarget(RoutingRecorder, LiveRouting, Qwen3Target):
         return super()._step_ffn(h, li, w) if w.experts is None else self._moe(h, w.experts)
 
     def _step_ffn_add_norm(self, h: torch.Tensor, x: torch.Tensor, li: int, w: MoeLayerWeights,
-                           next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                           next_norm: torch.Tensor, next_w=None) -> tuple[torch.Tensor, torch.Tensor]:
         """A sparse layer's experts, the residual add and the next norm: one step op
-        (`moe_swiglu_add_rms_norm`: with the kernels, the add and norm in the combine's launch)."""
+        (`moe_swiglu_add_rms_norm`: with the kernels, the add in the down kernel's launch and the
+        norm left to `next_w`'s matmul, or the add and norm in the combine's launch)."""
         if w.experts is None:
-            return super()._step_ffn_add_norm(h, x, li, w, next_norm)
+            return super()._step_ffn_add_norm(h, x, li, w, next_norm, next_w)
         ex = w.experts
         weights, ids = self._route(h, ex)
         return self.step_ops.moe_swiglu_add_rms_norm(h, weights, ids, ex.w_gate_up, ex.w_down, x, next_norm,
-                                                     self.cfg.rms_norm_eps)
+                                                     self.cfg.rms_norm_eps, consumer=next_w)
