@@ -10,9 +10,11 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   kernels with the A3B q/k/v and lm_head on cuBLAS, the q/k/v's rope a launch of its own,
   `A3B_DENSE_SHAPES`: the A/B of their place in `dense_linear.TUNED`; `triton-unrouted` = the
   kernels with the expert matmuls' grid over every expert in expert order, `moe.TAKE_ROUTED`
-  off: the A/B of the router's ranked list; `triton-end-norm` = the kernels with each sparse
-  layer's combine norming its rows in a launch of its own, `moe.LAYER_END` "norm": the A/B of the
-  layer end in the down kernel's launch with the norm left to the next q/k/v): median ms of eager
+  off: the A/B of the router's ranked list; `triton-norms-apart` = the kernels with a sparse
+  layer's two norms in launches of their own, the add + norm after the o projection and the
+  combine norming its rows (`moe_route.FOLD_PENDING_NORM` off, `moe.LAYER_END` "norm"): the A/B of
+  the first folded into the router's launch and the layer end in the down kernel's launch with
+  its norm left to the next q/k/v): median ms of eager
   steps (device synchronised), and on CUDA with the kernels the step replayed as a CUDA graph
   (a captured twin runs every expert, so it has no graphed number); each step of vt rows alone
   and, for vt below `--width` (16), the `--width`-row step with vt live rows and the rest
@@ -30,7 +32,7 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   bandwidth measured in the same process (a large tensor's sum), the ratio of time to that
   floor, and peak memory;
 - with `--profile` (CUDA, Triton ops): where one eager `--width`-row step's GPU time goes, at 1
-  live row and at `--width` live rows, for `triton`, `triton-unrouted` and `triton-end-norm`
+  live row and at `--width` live rows, for `triton`, `triton-unrouted` and `triton-norms-apart`
   where `--ops` has them: its kernels under the torch profiler grouped by name (count, summed µs; `timing.kernel_table`), with programmatic dependent launch off so each
   kernel is charged its own time.
 
@@ -116,8 +118,8 @@ def step_ops(name: str):
     `triton-unfused` (those with the launch fusions undone), `triton-route4w` (the kernels with
     every routing tile on at most 4 warps), `triton-a3b-cublas` (the kernels with
     `A3B_DENSE_SHAPES`' weights on cuBLAS), `triton-unrouted` (the expert matmuls' grid over
-    every expert, not the router's ranked list first) or `triton-end-norm` (each sparse layer's
-    combine and norm in a launch of their own); run the last four inside `variant_knobs`."""
+    every expert, not the router's ranked list first) or `triton-norms-apart` (a sparse layer's
+    two norms in launches of their own); run the last four inside `variant_knobs`."""
     from memra_cli.engine.layers.torch_step_ops import TorchStepOps
     from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
@@ -135,15 +137,17 @@ def variant_knobs(name: str):
     them, and the q/k/v's rope is a launch of its own); `triton-unrouted` has the expert matmuls
     ignore the router's ranked list (`moe.TAKE_ROUTED` off: the grid over every expert in expert
     order, the A/B of the routed experts' programs first; docs/moe.md#the-expert-kernels);
-    `triton-end-norm` ends each sparse layer in the combine's own launch, which norms its rows
-    (`moe.LAYER_END` "norm": the A/B of docs/moe.md#the-layer-end-in-the-down-kernel)."""
+    `triton-norms-apart` norms a sparse layer's input in a launch of its own (`moe_route.
+    FOLD_PENDING_NORM` off) and ends the layer in the combine's own launch, which norms its rows
+    (`moe.LAYER_END` "norm": the A/B of docs/moe.md#the-norms-of-a-sparse-layer-folded)."""
     from memra_kernels import dense_linear, moe, moe_route
 
     saved, table, routed, end = moe_route.TILE_PER_THREAD, dict(dense_linear.TUNED), moe.TAKE_ROUTED, moe.LAYER_END
+    fold = moe_route.FOLD_PENDING_NORM
     if name == "triton-unrouted":
         moe.TAKE_ROUTED = False
-    if name == "triton-end-norm":
-        moe.LAYER_END = "norm"
+    if name == "triton-norms-apart":
+        moe.LAYER_END, moe_route.FOLD_PENDING_NORM = "norm", False
     if name == "triton-route4w":
         moe_route.TILE_PER_THREAD = moe_route.BLOCK_T * 256 // (32 * 4)  # a 256-expert tile on 4 warps
     if name == "triton-a3b-cublas":
@@ -154,7 +158,7 @@ def variant_knobs(name: str):
     finally:
         moe_route.TILE_PER_THREAD = saved
         moe.TAKE_ROUTED = routed
-        moe.LAYER_END = end
+        moe.LAYER_END, moe_route.FOLD_PENDING_NORM = end, fold
         dense_linear.TUNED.clear()
         dense_linear.TUNED.update(table)
 
@@ -388,8 +392,8 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), 
     return row
 
 
-OPS = ("torch", "triton", "triton-unfused", "triton-route4w", "triton-a3b-cublas", "triton-unrouted", "triton-end-norm")
-PROFILED = ("triton", "triton-unrouted", "triton-end-norm")  # the variants `--profile` profiles, where `--ops` has them
+OPS = ("torch", "triton", "triton-unfused", "triton-route4w", "triton-a3b-cublas", "triton-unrouted", "triton-norms-apart")
+PROFILED = ("triton", "triton-unrouted", "triton-norms-apart")  # the variants `--profile` profiles, where `--ops` has them
 
 
 def parse_ops(raw: str | None, dev: torch.device) -> list[str] | None:
@@ -429,7 +433,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton, triton-unfused, "
-                    "triton-route4w, triton-a3b-cublas, triton-unrouted, triton-end-norm (default: torch and triton on "
+                    "triton-route4w, triton-a3b-cublas, triton-unrouted, triton-norms-apart (default: torch and triton on "
                     "CUDA, torch "
                     "elsewhere)")
     ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "

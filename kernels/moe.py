@@ -132,7 +132,7 @@ TAKE_ROUTED = True
 # (`moe_swiglu_add_norm_pending`): "down", the combine, residual add and the norm's partial sums
 # in the down kernel's launch; "apart", the same in a launch of their own (the same bits); the
 # step ops read "norm" as no pending norm at all (`moe_swiglu_add_rms_norm`, the combine norming
-# each row). The A/B knob of docs/moe.md#the-layer-end-in-the-down-kernel.
+# each row). The A/B knob of docs/moe.md#the-norms-of-a-sparse-layer-folded.
 LAYER_END = "down"
 
 

@@ -438,3 +438,55 @@ def test_a_host_bound_makes_the_rows_past_it_padding_and_keeps_the_rest_their_bi
         assert counts.tolist() == [1, int(torch.unique(ids[:real]).numel())]
     with pytest.raises(ValueError, match="bound must be a positive int"):
         mr.router_route(x, router, 3, True, bound=0)
+
+
+def pending_of(rows: torch.Tensor, weight: torch.Tensor, tile: int = 16):
+    """`rows [t, d]` as a residual stream whose norm by `weight` is pending (`dense_linear.PendingNorm`):
+    the sums of squares of each `tile`-wide column tile in the pairwise tree's order, as the dense
+    kernel's residual epilogue stores them."""
+    from memra_kernels.dense_linear import PendingNorm
+    from memra_kernels.norm_ref import tree_sumsq_ref
+
+    sums = torch.stack([tree_sumsq_ref(rows[:, c:c + tile]) for c in range(0, rows.shape[1], tile)], dim=1)
+    return PendingNorm(rows, sums.contiguous(), weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.exhaustive), torch.bfloat16],
+                         ids=str)
+@pytest.mark.parametrize("chunk", [mr.ROUTER_CHUNK, 16], ids=lambda c: f"chunk{c}")
+def test_the_router_kernel_folds_a_pending_norm_and_hands_the_normed_rows_on(monkeypatch, dtype, chunk):
+    """x a pending norm (the o projection's new residual stream, `dense_linear.PendingNorm`): the
+    router's launch norms each chunk as it loads it, so its picks, weights, count and ranked list
+    are those of the normed tensor `norm.rms_norm_partials` gives, bit for bit, and `h_out` holds
+    those normed rows for the live rows (a padding row's and a row past the bound's left as they
+    were); at a bound of one row too. Planted: the norm's weight a column off. Refused: a pending
+    norm with a router pre-norm, without `h_out`, and `h_out` for a plain x. In one hidden chunk
+    and in three (each program norms its own)."""
+    from memra_kernels import norm
+
+    monkeypatch.setattr(mr, "ROUTER_CHUNK", chunk)
+
+    rows, router = router_inputs(16, dtype, seed=31)
+    rows = rows * 7  # the residual stream's scale: the norm must bring it back
+    weight = (torch.rand(HIDDEN, generator=torch.Generator().manual_seed(4)) + 0.5).to(DEVICE, dtype)
+    pending = pending_of(rows, weight)
+    normed = norm.rms_norm_partials(rows, pending.sumsq, weight, 1e-6)
+    for bound, live in ((None, 9), (1, None)):
+        counts, want_counts = (torch.zeros(2, dtype=torch.int64, device=DEVICE) for _ in range(2))
+        routed, want_routed = (torch.empty(E, dtype=torch.int32, device=DEVICE) for _ in range(2))
+        want = mr.router_route(normed, router, 3, True, live_of(live), want_counts, routed=want_routed, bound=bound)
+        h = torch.full_like(rows, 99.0)
+        got = mr.router_route(pending, router, 3, True, live_of(live), counts, routed=routed, bound=bound, h_out=h)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), bound
+        assert torch.equal(counts, want_counts) and torch.equal(routed, want_routed), bound
+        read = 9 if bound is None else bound
+        assert torch.equal(h[:read], normed[:read]) and (h[read:] == 99.0).all(), bound
+    h = torch.empty_like(rows)
+    mr.router_route(pending._replace(weight=weight.roll(1)), router, 3, True, h_out=h)
+    assert not torch.equal(h, normed)
+    with pytest.raises(ValueError, match="a router takes one norm"):
+        mr.router_route(pending, router, 3, True, pre_norm=gemma_pre_norm(dtype), h_out=h)
+    with pytest.raises(ValueError, match="h_out must be a contiguous"):
+        mr.router_route(pending, router, 3, True)
+    with pytest.raises(ValueError, match="h_out takes the normed rows of a pending norm"):
+        mr.router_route(rows, router, 3, True, h_out=h)

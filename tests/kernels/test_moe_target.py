@@ -315,15 +315,16 @@ def test_on_the_gpu_graphed_sessions_equal_plain_greedy(target_dir, tmp_path, ro
 
 
 @pytest.mark.exhaustive  # four interpreted 16-row steps of a 2-layer target, every op on the kernels: ~30 s
-def test_the_layer_end_left_pending_keeps_a_rows_logits(monkeypatch):
+def test_a_sparse_layers_folded_norms_keep_a_rows_logits(monkeypatch):
     """A Qwen3-MoE step on the Triton step ops with every weight matmul on the dense kernel (the
     tiny target routed as the A3B shape, as benchmarks/step_launches.py counts it), so each sparse
-    layer ends in the down kernel's launch and the next q/k/v (or the lm_head) folds its norm: row
-    0's logits are the same bits with one live row, with one read row (`reading_rows(1)`, the
-    plain round's bound) and with sixteen live rows (the fixed-width rule through the whole
-    step); the layer end in a launch of its own gives the same bits; the combine norming each row
-    itself (`LAYER_END` "norm", no layer end pending) is within bf16's rounding of them (the
-    interpreter's sums may even give its bits)."""
+    layer's input norm is folded into the router's launch (which hands the normed rows to the
+    experts) and the layer ends in the down kernel's launch with the next q/k/v (or the lm_head)
+    folding its norm: row 0's logits are the same bits with one live row, with one read row
+    (`reading_rows(1)`, the plain round's bound) and with sixteen live rows (the fixed-width rule
+    through the whole step); the layer end in a launch of its own gives the same bits; both norms
+    in launches of their own (`FOLD_PENDING_NORM` off, `LAYER_END` "norm") are within bf16's
+    rounding of them (the interpreter's sums may even give their bits)."""
     from benchmarks.step_launches import _build, route_like
 
     monkeypatch.setattr(dense_linear, "TUNED", dict(dense_linear.TUNED))  # route_like adds the tiny shapes
@@ -337,6 +338,7 @@ def test_the_layer_end_left_pending_keeps_a_rows_logits(monkeypatch):
 
         def step(live: int, end: str, bound: int | None = None) -> torch.Tensor:
             monkeypatch.setattr(moe, "LAYER_END", end)
+            monkeypatch.setattr(moe_route, "FOLD_PENDING_NORM", end != "norm")
             state = target.new_state(64)
             state.set_live_rows(live)
             target.ensure_positions(state.max_len)
@@ -345,13 +347,17 @@ def test_the_layer_end_left_pending_keeps_a_rows_logits(monkeypatch):
             with state.reading_rows(bound):
                 return target.static_step(ids, pos, state)[0]
 
-        pending = moe.moe_swiglu_add_norm_pending
-        ends = []
+        pending, router = moe.moe_swiglu_add_norm_pending, moe_route.router_route
+        ends, folded = [], []
         monkeypatch.setattr(moe, "moe_swiglu_add_norm_pending", lambda *a, **kw: ends.append(1) or pending(*a, **kw))
+        monkeypatch.setattr(moe_route, "router_route",
+                            lambda *a, **kw: folded.append(kw.get("h_out") is not None) or router(*a, **kw))
         full = step(16, "down")
-        assert len(ends) == len(target.layers)  # every layer's end left its norm pending
+        # every layer's end left its norm pending, and every router folded the one before it
+        assert len(ends) == len(target.layers) and folded == [True] * len(target.layers)
         assert torch.equal(step(1, "down")[0], full[0]) and torch.equal(step(16, "down", bound=1)[0], full[0])
         assert torch.equal(step(16, "apart"), full)
         ends.clear()
+        folded.clear()
         normed = step(16, "norm")
-        assert not ends and ((normed - full).norm() / normed.norm()).item() < 2 ** -6
+        assert not ends and not any(folded) and ((normed - full).norm() / normed.norm()).item() < 2 ** -6

@@ -441,6 +441,15 @@ def _moe(ctx, dt):
                    ctx.t(16, h, dtype=dt), ctx.t(n_exp, h, dtype=dt), k, True, ctx.torch.ones(1, dtype=ctx.torch.int32),
                    ctx.torch.zeros(2, dtype=ctx.torch.int64), routed=ctx.torch.zeros(n_exp, dtype=ctx.torch.int32),
                    bound=1)
+        # a sparse layer's input with its norm pending (the o projection's): normed in the router's launch,
+        # the normed rows handed on (NORM_IN), at a step's rows and at a plain decode's bound
+        for bound in (None, 1):
+            rows = ctx.t(16, h, dtype=dt)
+            pend = ctx.k.dense_linear.PendingNorm(rows, ctx.t(16, h // 64, dtype="f32"), ctx.t(h, dtype=dt), 1e-6)
+            ctx.launch(f"router_route pending-norm bound{bound} E{n_exp} h{h} k{k}", "_router_route_kernel",
+                       ctx.k.moe_route.router_route, pend, ctx.t(n_exp, h, dtype=dt), k, True,
+                       ctx.torch.ones(1, dtype=ctx.torch.int32), ctx.torch.zeros(2, dtype=ctx.torch.int64),
+                       routed=ctx.torch.zeros(n_exp, dtype=ctx.torch.int32), bound=bound, h_out=ctx.t(16, h, dtype=dt))
         # a step's sparse-layer end: the residual add and the next norm in the combine's launch (NORM)
         ctx.launch(f"moe_swiglu_add_rms_norm E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel",
                    mo.moe_swiglu_add_rms_norm, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),

@@ -324,6 +324,11 @@ class Qwen3Target(TargetBase):
         the feed-forward is `_step_ffn`'s other kind (a family's override says which)."""
         return w.w_gate_up, w.w_down
 
+    def _ffn_input_consumer(self, w: LayerWeights):
+        """What multiplies the normed input of layer `w`'s own kind of feed-forward first (`_step_mlp`
+        None), for `linear_add_rms_norm`'s `consumer`: None here (the norm is not left pending)."""
+        return None
+
     def _step_ffn(self, h: torch.Tensor, li: int, w: LayerWeights) -> torch.Tensor:
         """The fixed-width step's feed-forward of layer `li` on the normed `h [W, hidden]`
         (before the residual add): a family with another feed-forward overrides this."""
@@ -409,7 +414,8 @@ class Qwen3Target(TargetBase):
             attn = ops.attention(q, kv[0, :, :keys], kv[1, :, :keys], positions, self.scale)
             mlp = self._step_mlp(w)
             # each norm names the weight that multiplies its output next, which may fold it (step_ops.py)
-            h, x = ops.linear_add_rms_norm(attn, w.wo, w.bo, x, w.mlp_norm, eps, mlp[0] if mlp else None)
+            h, x = ops.linear_add_rms_norm(attn, w.wo, w.bo, x, w.mlp_norm, eps,
+                                           mlp[0] if mlp else self._ffn_input_consumer(w))
             next_norm, next_w = (self.norm, self._lm_head) if li == last else \
                 (self.layers[li + 1].attn_norm, self.layers[li + 1].wqkv)
             if mlp:
