@@ -314,6 +314,42 @@ def test_on_the_gpu_graphed_sessions_equal_plain_greedy(target_dir, tmp_path, ro
             assert session.run() == plain, seed
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_sessions_with_the_norms_folded_equal_plain_greedy(target_dir, tmp_path, monkeypatch):
+    """The graphed bf16 sessions above (round graphs, the ladder) with the tiny target's weight
+    shapes on the dense kernel (routed as the A3B's, benchmarks/step_launches.py `route_like`), so
+    every sparse layer folds its two norms (the router's launch, the down kernel's) on the real
+    matrix units: speculative and plain decoding equal plain greedy over eager steps."""
+    from benchmarks.moe_step import SHAPES as MOE_SHAPES
+    from benchmarks.step_launches import route_like
+    from memra_cli.engine.layers.step_ops import select_step_ops
+
+    monkeypatch.setattr(dense_linear, "TUNED", dict(dense_linear.TUNED))  # route_like adds the tiny shapes
+    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=(0, 2), num_target_layers=4,
+                            dtype=torch.bfloat16)
+    ref_model = Qwen3MoeTarget.from_dir(target_dir, torch.bfloat16, "cuda")
+    model = Qwen3MoeTarget.from_dir(target_dir, torch.bfloat16, "cuda")
+    assert route_like(model, MOE_SHAPES["a3b"], "qwen3_moe")  # the dense kernel takes the tiny shapes
+    for m in (ref_model, model):
+        m.step_ops, _ = select_step_ops(m.device)
+    routers = []
+    router = moe_route.router_route
+    monkeypatch.setattr(moe_route, "router_route",
+                        lambda *a, **kw: routers.append(kw.get("h_out") is not None) or router(*a, **kw))
+    engine = Engine.from_model(model, step_width=W, cuda_graphs=True, draft_graphs=True, round_graphs=True)
+    arm = engine.arm(ArmConfig(draft=draft, mode="dflash", settings=PolicySettings()))
+    off = engine.arm(ArmConfig(mode="off"))
+    for seed in range(3):
+        ids = _ids(9 + 11 * seed, 80 + seed).tolist()
+        plain = greedy_reference(StepRunner(ref_model, W), ids, 40)
+        with engine.session(ids, 40, arm, eos_ids=()) as session:
+            assert session.run() == plain, seed
+        with engine.session(ids, 40, off, eos_ids=()) as session:
+            assert session.run() == plain, seed
+    assert routers and any(routers)  # the routers folded the norm before them
+
+
 @pytest.mark.exhaustive  # four interpreted 16-row steps of a 2-layer target, every op on the kernels: ~30 s
 def test_a_sparse_layers_folded_norms_keep_a_rows_logits(monkeypatch):
     """A Qwen3-MoE step on the Triton step ops with every weight matmul on the dense kernel (the
