@@ -126,7 +126,8 @@ class MoeKernelOps(TorchStepOps):
     moe_gemma_add_norm = TritonStepOps.moe_gemma_add_norm
     router_route = TritonStepOps.router_route
     _routed_for = TritonStepOps._routed_for  # the router's ranked list, handed to the expert launch
-    _routed = None
+    normed = TritonStepOps.normed  # a tensor as it is (these ops never leave a norm pending)
+    _routed, _normed_rows = None, None
     # no tiny shape is in dense_linear.TUNED, so no layer end leaves its norm pending (the torch
     # ops after it could not fold one): test_step_launches' MoE step runs that path
     _moe, _moe_route, _dense = moe, moe_route, dense_linear
