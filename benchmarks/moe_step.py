@@ -10,11 +10,7 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   kernels with the A3B q/k/v and lm_head on cuBLAS, the q/k/v's rope a launch of its own,
   `A3B_DENSE_SHAPES`: the A/B of their place in `dense_linear.TUNED`; `triton-unrouted` = the
   kernels with the expert matmuls' grid over every expert in expert order, `moe.TAKE_ROUTED`
-  off: the A/B of the router's ranked list; `triton-norms-apart` = the kernels with a sparse
-  layer's two norms in launches of their own, the add + norm after the o projection and the
-  combine norming its rows (`moe_route.FOLD_PENDING_NORM` off, `moe.LAYER_END` "norm"): the A/B of
-  the first folded into the router's launch and the layer end in the down kernel's launch with
-  its norm left to the next q/k/v): median ms of eager
+  off: the A/B of the router's ranked list): median ms of eager
   steps (device synchronised), and on CUDA with the kernels the step replayed as a CUDA graph
   (a captured twin runs every expert, so it has no graphed number); each step of vt rows alone
   and, for vt below `--width` (16), the `--width`-row step with vt live rows and the rest
@@ -32,8 +28,8 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   bandwidth measured in the same process (a large tensor's sum), the ratio of time to that
   floor, and peak memory;
 - with `--profile` (CUDA, Triton ops): where one eager `--width`-row step's GPU time goes, at 1
-  live row and at `--width` live rows, for `triton`, `triton-unrouted` and `triton-norms-apart`
-  where `--ops` has them: its kernels under the torch profiler grouped by name (count, summed µs; `timing.kernel_table`), with programmatic dependent launch off so each
+  live row and at `--width` live rows, for `triton` and `triton-unrouted` where `--ops` has
+  them: its kernels under the torch profiler grouped by name (count, summed µs; `timing.kernel_table`), with programmatic dependent launch off so each
   kernel is charged its own time.
 
     python -m benchmarks.moe_step --shape a3b --device cuda --dtype bfloat16 --json OUT.json
@@ -117,9 +113,8 @@ def step_ops(name: str):
     """The step-ops variant `name`: `torch` (the twin), `triton` (the MoE kernels; CUDA),
     `triton-unfused` (those with the launch fusions undone), `triton-route4w` (the kernels with
     every routing tile on at most 4 warps), `triton-a3b-cublas` (the kernels with
-    `A3B_DENSE_SHAPES`' weights on cuBLAS), `triton-unrouted` (the expert matmuls' grid over
-    every expert, not the router's ranked list first) or `triton-norms-apart` (a sparse layer's
-    two norms in launches of their own); run the last four inside `variant_knobs`."""
+    `A3B_DENSE_SHAPES`' weights on cuBLAS) or `triton-unrouted` (the expert matmuls' grid over
+    every expert, not the router's ranked list first); run the last three inside `variant_knobs`."""
     from memra_cli.engine.layers.torch_step_ops import TorchStepOps
     from memra_cli.engine.layers.triton_step_ops import TritonStepOps
 
@@ -136,18 +131,12 @@ def variant_knobs(name: str):
     `triton-a3b-cublas` takes `A3B_DENSE_SHAPES` out of `dense_linear.TUNED` (so `F.linear` runs
     them, and the q/k/v's rope is a launch of its own); `triton-unrouted` has the expert matmuls
     ignore the router's ranked list (`moe.TAKE_ROUTED` off: the grid over every expert in expert
-    order, the A/B of the routed experts' programs first; docs/moe.md#the-expert-kernels);
-    `triton-norms-apart` norms a sparse layer's input in a launch of its own (`moe_route.
-    FOLD_PENDING_NORM` off) and ends the layer in the combine's own launch, which norms its rows
-    (`moe.LAYER_END` "norm": the A/B of docs/moe.md#the-norms-of-a-sparse-layer-folded)."""
+    order, the A/B of the routed experts' programs first; docs/moe.md#the-expert-kernels)."""
     from memra_kernels import dense_linear, moe, moe_route
 
-    saved, table, routed, end = moe_route.TILE_PER_THREAD, dict(dense_linear.TUNED), moe.TAKE_ROUTED, moe.LAYER_END
-    fold = moe_route.FOLD_PENDING_NORM
+    saved, table, routed = moe_route.TILE_PER_THREAD, dict(dense_linear.TUNED), moe.TAKE_ROUTED
     if name == "triton-unrouted":
         moe.TAKE_ROUTED = False
-    if name == "triton-norms-apart":
-        moe.LAYER_END, moe_route.FOLD_PENDING_NORM = "norm", False
     if name == "triton-route4w":
         moe_route.TILE_PER_THREAD = moe_route.BLOCK_T * 256 // (32 * 4)  # a 256-expert tile on 4 warps
     if name == "triton-a3b-cublas":
@@ -158,7 +147,6 @@ def variant_knobs(name: str):
     finally:
         moe_route.TILE_PER_THREAD = saved
         moe.TAKE_ROUTED = routed
-        moe.LAYER_END, moe_route.FOLD_PENDING_NORM = end, fold
         dense_linear.TUNED.clear()
         dense_linear.TUNED.update(table)
 
@@ -392,8 +380,8 @@ def measure_op(model: Qwen3MoeTarget, vt: int, iters: int, bw: float, tiles=(), 
     return row
 
 
-OPS = ("torch", "triton", "triton-unfused", "triton-route4w", "triton-a3b-cublas", "triton-unrouted", "triton-norms-apart")
-PROFILED = ("triton", "triton-unrouted", "triton-norms-apart")  # the variants `--profile` profiles, where `--ops` has them
+OPS = ("torch", "triton", "triton-unfused", "triton-route4w", "triton-a3b-cublas", "triton-unrouted")
+PROFILED = ("triton", "triton-unrouted")  # the variants `--profile` profiles, where `--ops` has them
 
 
 def parse_ops(raw: str | None, dev: torch.device) -> list[str] | None:
@@ -433,8 +421,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     ap.add_argument("--vts", default="1,2,3,4,6,8,12,16")
     ap.add_argument("--ops", default=None, help="step-ops variants, comma-separated: torch, triton, triton-unfused, "
-                    "triton-route4w, triton-a3b-cublas, triton-unrouted, triton-norms-apart (default: torch and triton on "
-                    "CUDA, torch "
+                    "triton-route4w, triton-a3b-cublas, triton-unrouted (default: torch and triton on CUDA, torch "
                     "elsewhere)")
     ap.add_argument("--tiles", default="", help="also time the graphed MoE kernels at these tile "
                     "configurations: comma-separated block_i x block_n x block_k x warps x stages [x programs per "

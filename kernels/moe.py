@@ -16,11 +16,6 @@ once per step however many rows chose it, and never touch the others:
    their routing weights, added in ascending expert index from zeros; in
    `moe_swiglu_add_rms_norm` (a step's sparse-layer end) one program per row, which then adds
    the residual and norms the sum as `norm.add_rms_norm` does; in
-   `moe_swiglu_add_norm_pending` (that layer end where the next dense matmul folds the norm)
-   the residual add and each row's sums of squares per hidden tile in the down kernel's launch
-   instead: every program of a (hidden tile, row tile) arrives on a counter once its lines are
-   stored, and the last to arrive adds that tile's lines (`_combine_add_sumsq`), one launch
-   fewer a layer; in
    `moe_swiglu_shared_add_rms_norm_1p` (the Qwen3.5 MoE hybrid's layer end) it first adds the
    gated shared expert's output and norms as `norm.add_rms_norm_1p` (zero-centred) does; in
    `moe_gemma_add_norm` (Gemma 4's MoE layer end) it runs the layer's sandwich norms: its own
@@ -54,11 +49,10 @@ Preconditions (what `moe_route` produces): expert ids in [0, E), distinct within
 padding row (a fixed step's, `moe_route`'s live rows), every id E: no program finds it among its
 expert's rows, so it costs no weight read, and its combine writes zeros.
 
-Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `LAYER_END`, `eligible`, `norm_eligible`,
+Public API: `MoeConfig`, `CONFIG`, `BLOCK_M`, `ACTIVATIONS`, `eligible`, `norm_eligible`,
 `shared_eligible`, `gemma_eligible`, `multiprocessors`, `moe_swiglu`, `moe_swiglu_add_rms_norm`,
-`moe_swiglu_add_norm_pending`, `moe_swiglu_shared_add_rms_norm_1p`, `moe_gemma_add_norm`, and the
-twins `moe_swiglu_ref`, `moe_swiglu_add_rms_norm_ref`, `moe_swiglu_add_norm_pending_ref`,
-`moe_swiglu_shared_add_rms_norm_1p_ref`, `moe_gemma_add_norm_ref`.
+`moe_swiglu_shared_add_rms_norm_1p`, `moe_gemma_add_norm`, and the twins `moe_swiglu_ref`,
+`moe_swiglu_add_rms_norm_ref`, `moe_swiglu_shared_add_rms_norm_1p_ref`, `moe_gemma_add_norm_ref`.
 """
 
 from __future__ import annotations
@@ -72,20 +66,16 @@ import triton.language as tl
 
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args, pdl_wait
-from ._splitk import counters
-from ._sumsq import pairwise_rows, square_rn
 from .activation import gelu_tanh_mul_rounded, silu_mul_rounded
-from .dense_linear import PendingNorm
-from .moe_ref import (ACTIVATIONS, check_activation, moe_gemma_add_norm_ref, moe_swiglu_add_norm_pending_ref,  # noqa: F401
-                      moe_swiglu_add_rms_norm_ref, moe_swiglu_ref, moe_swiglu_shared_add_rms_norm_1p_ref)  # (the twins)
+from .moe_ref import (ACTIVATIONS, check_activation, moe_gemma_add_norm_ref, moe_swiglu_add_rms_norm_ref,  # noqa: F401
+                      moe_swiglu_ref, moe_swiglu_shared_add_rms_norm_1p_ref)  # (the twins)
 from .gemma4 import _row_norm
 from .norm import _num_warps as _norm_warps, add_rms_norm, rms_rstd
 
 __all__ = ["MoeConfig", "CONFIG", "BLOCK_M", "ACTIVATIONS", "eligible", "norm_eligible", "shared_eligible",
-           "gemma_eligible", "multiprocessors", "moe_swiglu", "moe_swiglu_add_rms_norm", "moe_swiglu_add_norm_pending",
+           "gemma_eligible", "multiprocessors", "moe_swiglu", "moe_swiglu_add_rms_norm",
            "moe_swiglu_shared_add_rms_norm_1p", "moe_gemma_add_norm", "moe_swiglu_ref", "moe_swiglu_add_rms_norm_ref",
-           "moe_swiglu_add_norm_pending_ref", "moe_swiglu_shared_add_rms_norm_1p_ref", "moe_gemma_add_norm_ref",
-           "LAYER_END"]
+           "moe_swiglu_shared_add_rms_norm_1p_ref", "moe_gemma_add_norm_ref"]
 
 _ACT_CODE = {"silu": 0, "gelu_tanh": 1}  # the gate/up kernel's ACT switch, by ACTIVATIONS' names
 
@@ -128,12 +118,6 @@ CONFIG = MoeConfig()
 # Whether the matmuls take a call's ranked expert list (`routed`, the router kernel's) when handed
 # one: the A/B knob of that grid order (docs/moe.md#the-expert-kernels); the same bits either way.
 TAKE_ROUTED = True
-# Where a step's sparse layer ends when the next dense matmul folds its norm
-# (`moe_swiglu_add_norm_pending`): "down", the combine, residual add and the norm's partial sums
-# in the down kernel's launch; "apart", the same in a launch of their own (the same bits); the
-# step ops read "norm" as no pending norm at all (`moe_swiglu_add_rms_norm`, the combine norming
-# each row). The A/B knob of docs/moe.md#the-norms-of-a-sparse-layer-folded.
-LAYER_END = "down"
 
 
 @triton.jit
@@ -304,73 +288,15 @@ def _down_item(act_ptr, wd_ptr, y_ptr, e, tile, rows, picked, slot, H, I, stride
     tl.store(y_ptr + line[:, None] * H + offs_n[None, :], y, mask=picked[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _combine_add_sumsq(y_ptr, ids_ptr, wts_ptr, res_ptr, res_out_ptr, sq_ptr, tile, m0, M, H, E, n_tiles,
-                       K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       PLAIN_SQUARE: tl.constexpr):
-    """The pending-norm layer end of rows m0 .. m0 + BLOCK_M - 1 (those below M), hidden tile
-    `tile`: each row's k expert lines times their weights, added in ascending expert index from
-    zeros (`_moe_combine_kernel`'s roundings), plus the residual, rounded: `res_out`, the new
-    residual stream; and its sum of squares over the tile in _sumsq's order to `sq [M, n_tiles]`
-    column `tile` (the next norm's partial, which the next dense matmul folds: a `PendingNorm`).
-    A padding row (ids E) adds nothing to its residual. The lines are read through L2 (.cg):
-    other programs of the launch may have written them."""
-    dt = y_ptr.dtype.element_ty
-    rows = m0 + tl.arange(0, BLOCK_M)
-    r_ok = rows < M
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < H
-    slots = tl.arange(0, KP)
-    s_ok = slots < K_TOP
-    pick_at = rows.to(tl.int64)[:, None] * K_TOP + slots[None, :]
-    ids = tl.load(ids_ptr + pick_at, mask=r_ok[:, None] & s_ok[None, :], other=0x7FFFFFFF)  # padding slots last
-    wts = tl.load(wts_ptr + pick_at, mask=r_ok[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
-    rank = tl.sum((ids[:, None, :] < ids[:, :, None]).to(tl.int32), axis=2)  # [BLOCK_M, KP]: the row's experts below
-    real = r_ok & (tl.min(ids, axis=1) < E)  # a padding row's ids are all E: nothing of it is read
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for q in tl.static_range(K_TOP):
-        here = rank == q
-        slot = tl.sum(tl.where(here, slots[None, :], 0), axis=1)
-        w = tl.sum(tl.where(here, wts, 0.0), axis=1)  # one term: exact
-        line = rows.to(tl.int64) * K_TOP + slot
-        y = tl.load(y_ptr + line[:, None] * H + offs_n[None, :], mask=real[:, None] & n_ok[None, :], other=0.0,
-                    cache_modifier=".cg").to(tl.float32)
-        acc = (acc + (y * w[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    mask = r_ok[:, None] & n_ok[None, :]
-    at = rows.to(tl.int64)[:, None] * H + offs_n[None, :]
-    r = tl.load(res_ptr + at, mask=mask, other=0.0).to(tl.float32)
-    s = (acc + r).to(dt)
-    tl.store(res_out_ptr + at, s, mask=mask)
-    part = pairwise_rows(square_rn(tl.where(mask, s.to(tl.float32), 0.0), PLAIN_SQUARE), BLOCK_M, BLOCK_N)
-    tl.store(sq_ptr + rows.to(tl.int64) * n_tiles + tile, part, mask=r_ok)
-
-
-@triton.jit(do_not_specialize=["M"])
-def _moe_combine_pending_kernel(y_ptr, ids_ptr, wts_ptr, res_ptr, res_out_ptr, sq_ptr, M, H, E,
-                                K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                PLAIN_SQUARE: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (hidden tile, row tile): `_combine_add_sumsq` as a launch of its own (the down
-    kernel's TAIL apart: `LAYER_END` "apart", and the work items' grid)."""
-    pdl_wait(PDL)
-    _combine_add_sumsq(y_ptr, ids_ptr, wts_ptr, res_ptr, res_out_ptr, sq_ptr, tl.program_id(0),
-                       tl.program_id(1) * BLOCK_M, M, H, E, tl.num_programs(0), K_TOP, KP, BLOCK_M, BLOCK_N,
-                       PLAIN_SQUARE)
-
-
 @triton.jit(do_not_specialize=["M"])
 def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, E, stride_we, stride_wr,
                      K_TOP: tl.constexpr, KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, PREC: tl.constexpr,
                      WIDEN: tl.constexpr, ITEMS: tl.constexpr = False, BLOCK_E: tl.constexpr = 16,
-                     routed_ptr=None, ROUTED: tl.constexpr = False, TAIL: tl.constexpr = False, wts_ptr=None,
-                     res_ptr=None, res_out_ptr=None, sq_ptr=None, cnt_ptr=None, PLAIN_SQUARE: tl.constexpr = False,
-                     PDL: tl.constexpr = False):
+                     routed_ptr=None, ROUTED: tl.constexpr = False, PDL: tl.constexpr = False):
     """y [(row, slot), hidden tile] = act[(row, slot)] @ down_e.T for the rows of a row tile that
     picked expert e; `wd [E, H, I]`; ITEMS and ROUTED as the gate/up kernel's, over (expert,
-    hidden tile). TAIL (the grid only): every program of a (hidden tile, row tile) announces
-    itself on an arrival counter once its lines are stored (also one that had no rows), and the
-    last to arrive runs `_combine_add_sumsq` for that tile: the layer end without a launch of its
-    own."""
+    hidden tile)."""
     pdl_wait(PDL)
     if ITEMS and ROUTED:
         m0 = tl.program_id(1) * BLOCK_M
@@ -397,19 +323,6 @@ def _moe_down_kernel(act_ptr, ids_ptr, wd_ptr, y_ptr, M, H, I, E, stride_we, str
             if tl.max(picked.to(tl.int32), axis=0) > 0:
                 _down_item(act_ptr, wd_ptr, y_ptr, e, tile, rows, picked, slot, H, I, stride_we, stride_wr,
                            K_TOP, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, PREC, WIDEN)
-        if TAIL:
-            n_tiles = tl.cdiv(H, BLOCK_N)
-            slot_id = tl.program_id(2) * n_tiles + tile
-            # the tile's programs along the expert axis: ranks (ROUTED), or experts
-            arrivals = tl.num_programs(1) if ROUTED else tl.num_programs(0)
-            # every thread's lines are stored before one thread announces them (release) ...
-            tl.debug_barrier()
-            arrived = tl.atomic_add(cnt_ptr + slot_id, 1, sem="acq_rel", scope="gpu")
-            if arrived == arrivals - 1:  # ... and the last one reads them through L2
-                _combine_add_sumsq(y_ptr, ids_ptr, wts_ptr, res_ptr, res_out_ptr, sq_ptr, tile,
-                                   tl.program_id(2) * BLOCK_M, M, H, E, n_tiles, K_TOP, KP, BLOCK_M, BLOCK_N,
-                                   PLAIN_SQUARE)
-                tl.atomic_xchg(cnt_ptr + slot_id, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -571,48 +484,6 @@ def moe_swiglu_add_rms_norm(x: torch.Tensor, weights: torch.Tensor, experts: tor
     return normed, new_residual
 
 
-def moe_swiglu_add_norm_pending(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
-                                w_down: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                                activation: str = "silu", *, config: MoeConfig | None = None,
-                                routed: torch.Tensor | None = None, max_routed: int | None = None,
-                                end: str | None = None) -> PendingNorm:
-    """`moe_swiglu`, then `new_residual = out + residual`, with the norm by `norm_weight` left
-    pending (`dense_linear.PendingNorm`: the next dense matmul folds it; its statistic in
-    kernels/_sumsq.py's order, twin `norm_ref.add_rms_norm_tree_ref`) -> PendingNorm(new_residual,
-    sums of squares `[t, hidden tiles]`, norm_weight, eps). `end` (default `LAYER_END`): "down"
-    runs the combine, the add and the sums of squares in the down kernel's launch (the last
-    program of each hidden tile to arrive), "apart" in a launch of their own (also where the
-    config runs work items); the same bits. Needs `norm_eligible`. `routed` as `moe_swiglu`'s."""
-    end = end or LAYER_END
-    if end not in ("down", "apart"):
-        raise ValueError(f"end {end!r}: expected 'down' or 'apart'")
-    if not norm_eligible(x, residual, norm_weight):
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} and norm weight "
-                         f"{tuple(norm_weight.shape)} {norm_weight.dtype} do not fit x {tuple(x.shape)} {x.dtype} "
-                         f"(contiguous, x's dtype, hidden <= {NORM_MAX})")
-    cfg = (config or CONFIG).check()
-    m, h = x.shape
-    k = experts.shape[1] if experts.dim() == 2 else 0
-    tiles_n = triton.cdiv(h, cfg.block_n)
-    new_residual = torch.empty_like(x)
-    sumsq = torch.empty((m, tiles_n), dtype=torch.float32, device=x.device)
-    pending = PendingNorm(new_residual, sumsq, norm_weight, float(eps))
-    if m == 0:
-        _check(x, weights, experts, w_gate_up, w_down)
-        return pending
-    in_down = end == "down" and cfg.programs_per_sm == 0 and k > 0
-    tail = dict(res_ptr=residual, res_out_ptr=new_residual, sq_ptr=sumsq) if in_down else None
-    lines = _expert_lines(x, weights, experts, w_gate_up, w_down, activation, cfg, routed, max_routed, tail)
-    if in_down:
-        return pending
-    y, ids, wts = lines if lines is not None else (x, experts.reshape(m, 0), weights)  # k = 0: nothing to add
-    _moe_combine_pending_kernel[(tiles_n, triton.cdiv(m, BLOCK_M))](
-        y, ids, wts, residual, new_residual, sumsq, m, h, w_gate_up.shape[0], K_TOP=k,
-        KP=max(1, triton.next_power_of_2(k)), BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, PLAIN_SQUARE=interpreting(),
-        num_warps=4, **pdl_args(x))
-    return pending
-
-
 def shared_eligible(x: torch.Tensor, shared: torch.Tensor, gate: torch.Tensor, residual: torch.Tensor,
                     w1p: torch.Tensor) -> bool:
     """Whether `moe_swiglu_shared_add_rms_norm_1p` takes these: `shared` and `residual` of x's
@@ -706,12 +577,11 @@ def _check_routed(routed, n_exp: int, device) -> None:
 
 
 def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, config: MoeConfig | None, routed=None,
-                  max_routed: int | None = None, tail: dict | None = None):
+                  max_routed: int | None = None):
     """The gate/up and down launches: `(y [t*k, hidden], ids, weights)`, each (row, slot) line
     the row's output of that slot's expert (unwritten for a padding row); None when t or k is 0.
     `routed`: the call's routed experts, ranked (`routed_experts_ref`; taken while TAKE_ROUTED),
-    at most `max_routed` of them. `tail` (the grid only: `tail_eligible`): the down kernel's
-    TAIL arguments `res_ptr`, `res_out_ptr`, `sq_ptr` (`moe_swiglu_add_norm_pending`)."""
+    at most `max_routed` of them."""
     check_activation(activation)
     _check(x, weights, experts, w_gate_up, w_down)
     _check_routed(routed, w_gate_up.shape[0], x.device)
@@ -753,13 +623,7 @@ def _expert_lines(x, weights, experts, w_gate_up, w_down, activation: str, confi
         x, ids, w_gate_up, act, m, h, inter, n_exp, x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
         BLOCK_I=cfg.block_i, EVEN_K=h % cfg.block_k == 0, EVEN_I=inter % cfg.block_i == 0,
         ACT=_ACT_CODE[activation], **common, **pdl_args(x))
-    if tail is not None:
-        if programs:
-            raise ValueError("the down kernel's combine tail runs on the grid only (programs_per_sm 0)")
-        tail = dict(tail, TAIL=True, wts_ptr=wts, cnt_ptr=counters("moe_down", x.device, tiles_n * row_tiles),
-                    PLAIN_SQUARE=interpreting())
     _moe_down_kernel[grid_down](
         act, ids, w_down, y, m, h, inter, n_exp, w_down.stride(0), w_down.stride(1),
-        BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0, EVEN_N=h % cfg.block_n == 0, **common,
-        **(tail or {}), **pdl_args(x))
+        BLOCK_N=cfg.block_n, EVEN_K=inter % cfg.block_k == 0, EVEN_N=h % cfg.block_n == 0, **common, **pdl_args(x))
     return y, ids, wts

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .gemma4_ref import gemma_add_norm_ref, gemma_rms_norm_ref
-from .norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref, add_rms_norm_tree_ref
+from .norm_ref import add_rms_norm_1p_ref, add_rms_norm_ref
 
 # the gate activations the op takes, by the name the step ops and kernels share
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}
@@ -75,17 +75,6 @@ def moe_swiglu_add_rms_norm_ref(x: torch.Tensor, weights: torch.Tensor, experts:
     `residual [t, hidden]`, `norm_weight [hidden]` -> (normed, residual + experts' output)."""
     return add_rms_norm_ref(moe_swiglu_ref(x, weights, experts, w_gate_up, w_down, activation), residual,
                             norm_weight, eps)
-
-
-def moe_swiglu_add_norm_pending_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                                    w_gate_up: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor,
-                                    norm_weight: torch.Tensor, eps: float, activation: str = "silu"
-                                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_swiglu_ref`, then the residual add and the next norm with its statistic in the
-    pairwise tree's order (`norm_ref.add_rms_norm_tree_ref`: the norm the kernels leave pending
-    for the next dense matmul) -> (normed, residual + experts' output)."""
-    return add_rms_norm_tree_ref(moe_swiglu_ref(x, weights, experts, w_gate_up, w_down, activation), residual,
-                                 norm_weight, eps)
 
 
 def moe_swiglu_shared_add_rms_norm_1p_ref(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,

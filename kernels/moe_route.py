@@ -34,11 +34,7 @@ so the router's read overlaps the kernel before, and its chain of dependent load
 long, not the whole hidden size. With a pre-norm (Gemma 4's router: `router_pre_norm_ref`) each
 program first sums every row's squares over one ROUTER_K-column loop of the whole hidden size,
 then norms, scales and rounds its chunk of x (the twin's three roundings), so the norm costs no
-launch of its own. With x a pending norm (`dense_linear.PendingNorm`: the o projection's new
-residual stream and its per-tile sums of squares) each program norms its chunk of x as the dense
-kernel norms its loads (the same bits as `norm.rms_norm_partials`), and the first expert block's
-programs store the normed chunk to `h_out`, the experts' input: the norm after the attention
-costs no launch of its own either. With `routed`, the last program also writes the union of the live rows'
+launch of its own. With `routed`, the last program also writes the union of the live rows'
 experts in ascending index (then E; `routed_experts_ref`): the expert kernels' grid puts the
 programs of those experts first (`memra_kernels.moe`), so none of them waits behind the programs
 of experts no row picked.
@@ -48,8 +44,7 @@ Kernel and twin differ only in the float32 order of the softmax's and the normal
 probabilities go to the lower index in both.
 
 Public API: `moe_route`, `moe_route_ref`, `router_route`, `router_route_ref`, `routed_experts_ref`, `eligible`,
-`router_eligible`, `router_eligible_rows`, `BLOCK_T`, `COUNT_ROWS`, `MAX_EXPERTS`, `ROUTER_N`, `ROUTER_K`, `ROUTER_CHUNK`,
-`FOLD_PENDING_NORM`.
+`router_eligible`, `BLOCK_T`, `COUNT_ROWS`, `MAX_EXPERTS`, `ROUTER_N`, `ROUTER_K`, `ROUTER_CHUNK`.
 """
 
 from __future__ import annotations
@@ -61,14 +56,13 @@ import triton.language as tl
 from ._common import check_dtype, check_tensors, interpreting
 from ._pdl import pdl_args, pdl_wait, prefetch_l2
 from ._splitk import counters
-from .dense_linear import PendingNorm, _norm_rstd, _normed
 from .moe_route_ref import (count_experts, moe_route_ref, routed_experts_ref,  # noqa: F401  (the twins)
                             router_pre_norm_ref, router_route_ref)
 
 __all__ = ["moe_route", "moe_route_ref", "router_route", "router_route_ref", "router_pre_norm_ref",
            "routed_experts_ref", "eligible",
-           "router_eligible", "router_eligible_rows",
-           "BLOCK_T", "COUNT_ROWS", "MAX_EXPERTS", "ROUTER_N", "ROUTER_K", "ROUTER_CHUNK", "FOLD_PENDING_NORM"]
+           "router_eligible",
+           "BLOCK_T", "COUNT_ROWS", "MAX_EXPERTS", "ROUTER_N", "ROUTER_K", "ROUTER_CHUNK"]
 
 BLOCK_T = 16  # rows a tile holds (a fixed-width step's 16 in one tile)
 COUNT_ROWS = 64  # calls up to this many rows run as one program that counts their experts itself
@@ -85,10 +79,6 @@ ROUTER_K = 128
 # stages (None: Triton's default). Both are A/B knobs of the same arithmetic (docs/moe.md#the-routing-kernel).
 STATIC_ROW_TILES = True
 ROUTER_STAGES: int | None = None
-# Whether the step ops hand the router a pending norm (the norm after the attention folded into
-# its launch, `h_out` the experts' input) rather than a launch of the norm: the A/B knob of
-# docs/moe.md#the-norms-of-a-sparse-layer-folded.
-FOLD_PENDING_NORM = True
 # A routing tile's float32 logits per thread: with more, the tile spills registers
 # (docs/moe.md, "Measured: the Qwen3.5-35B-A3B step").
 TILE_PER_THREAD = 16
@@ -234,24 +224,14 @@ def _prefetch_router_then_wait(PDL: tl.constexpr, router_ptr, H, E, stride_r, RO
 @triton.jit
 def _router_dot_tile(t0, n_live, w, offs_k, k_ok, experts, e_ok, x_ptr, parts_ptr, T, H, E, stride_x,
                      BLOCK_T: tl.constexpr, ROUTER_N: tl.constexpr, ROUTER_K: tl.constexpr, PREC: tl.constexpr,
-                     WIDEN: tl.constexpr, pre_w_ptr, pw, pre_factor, eps, PRE_NORM: tl.constexpr,
-                     NORM_IN: tl.constexpr = False, sq_in_ptr=None, nw=None, NT_IN=1, NT_POW2: tl.constexpr = 1,
-                     norm_eps=0.0, h_out_ptr=None, stride_h=0):
+                     WIDEN: tl.constexpr, pre_w_ptr, pw, pre_factor, eps, PRE_NORM: tl.constexpr):
     """The partial logits `w [ROUTER_N, CHUNK] @ x[rows, chunk].T` of rows t0 .. t0 + BLOCK_T - 1
-    (those below n_live; float32, one dot), stored to this program's chunk of `parts`. NORM_IN:
-    x is a residual stream with its norm pending (`dense_linear.PendingNorm`: the sums of squares
-    `sq_in [T, NT_IN]`, the weight's chunk `nw`), normed as the dense kernel norms its loads; the
-    first expert block's programs store the normed chunk to `h_out` (the experts' input)."""
+    (those below n_live; float32, one dot), stored to this program's chunk of `parts`."""
     dt = x_ptr.dtype.element_ty
     rows = t0 + tl.arange(0, BLOCK_T)
     r_ok = rows < n_live
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + offs_k[None, :],
                 mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-    if NORM_IN:
-        x = _normed(x, _norm_rstd(sq_in_ptr, rows, r_ok, NT_IN, H, norm_eps, BLOCK_T, NT_POW2), nw)
-        if tl.program_id(0) == 0:
-            tl.store(h_out_ptr + rows.to(tl.int64)[:, None] * stride_h + offs_k[None, :], x,
-                     mask=r_ok[:, None] & k_ok[None, :])
     if PRE_NORM:  # each row's float32 sum of squares over the same K loop, whatever the row count
         offs_s = tl.arange(0, ROUTER_K)
         sq = tl.zeros((BLOCK_T,), tl.float32)
@@ -280,9 +260,7 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
                          HAS_SCALE: tl.constexpr, HAS_LIVE: tl.constexpr, COUNT: tl.constexpr, PREC: tl.constexpr,
                          WIDEN: tl.constexpr, pre_w_ptr=None, pre_factor=1.0, eps=0.0, PRE_NORM: tl.constexpr = False,
                          ROW_TILES: tl.constexpr = 0, routed_ptr=None, ROUTED: tl.constexpr = False,
-                         OUT_T=None, NORM_IN: tl.constexpr = False, sq_in_ptr=None, nw_ptr=None, NT_IN=1,
-                         NT_POW2: tl.constexpr = 1, norm_eps=0.0, h_out_ptr=None, stride_h=0,
-                         PDL: tl.constexpr = False):
+                         OUT_T=None, PDL: tl.constexpr = False):
     """Program (p, c): the float32 partial logits of experts p*ROUTER_N ... over hidden columns
     c*CHUNK ... (one of the PARTS chunks) for every row tile, one dot a row tile, stored to
     `parts [PARTS, T, E]`; the last program to arrive (an arrival counter, put back to 0) sums each
@@ -293,8 +271,7 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     ROW_TILES > 0: the row tiles unrolled (STATIC_ROW_TILES), not a loop over the live rows.
     ROUTED: the last program also writes the live rows' experts, ranked, to `routed` (`_route_tiles`).
     OUT_T: the call's rows (None: T), of which only the first T are read and routed (a host
-    bound: `router_route`'s `bound`), the rest stored as padding. NORM_IN: x's norm is pending
-    (`_router_dot_tile`), and the normed rows go to `h_out` too."""
+    bound: `router_route`'s `bound`), the rest stored as padding."""
     _prefetch_router_then_wait(PDL, router_ptr, H, E, stride_r, ROUTER_N, CHUNK)
     experts = tl.program_id(0) * ROUTER_N + tl.arange(0, ROUTER_N)
     e_ok = experts < E
@@ -305,9 +282,6 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
     pw = 0.0
     if PRE_NORM:
         pw = tl.load(pre_w_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-    nw = 0.0
-    if NORM_IN:
-        nw = tl.load(nw_ptr + offs_k, mask=k_ok, other=0.0)
     # only the live rows' logits: a padding row routes to no expert, so its x is never read
     # and its partials never written (tiles past the last live row are not visited at all)
     n_live = T
@@ -318,12 +292,11 @@ def _router_route_kernel(x_ptr, router_ptr, parts_ptr, cnt_ptr, scale_ptr, live_
             if tile * BLOCK_T < n_live:
                 _router_dot_tile(tile * BLOCK_T, n_live, w, offs_k, k_ok, experts, e_ok, x_ptr, parts_ptr, T, H, E,
                                  stride_x, BLOCK_T, ROUTER_N, ROUTER_K, PREC, WIDEN, pre_w_ptr, pw, pre_factor, eps,
-                                 PRE_NORM, NORM_IN, sq_in_ptr, nw, NT_IN, NT_POW2, norm_eps, h_out_ptr, stride_h)
+                                 PRE_NORM)
     else:
         for t0 in range(0, n_live, BLOCK_T):
             _router_dot_tile(t0, n_live, w, offs_k, k_ok, experts, e_ok, x_ptr, parts_ptr, T, H, E, stride_x,
-                             BLOCK_T, ROUTER_N, ROUTER_K, PREC, WIDEN, pre_w_ptr, pw, pre_factor, eps, PRE_NORM,
-                             NORM_IN, sq_in_ptr, nw, NT_IN, NT_POW2, norm_eps, h_out_ptr, stride_h)
+                             BLOCK_T, ROUTER_N, ROUTER_K, PREC, WIDEN, pre_w_ptr, pw, pre_factor, eps, PRE_NORM)
     # every thread's partials are stored before one thread announces them (release) ...
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
@@ -373,13 +346,6 @@ def moe_route(logits: torch.Tensor, k: int, normalize: bool, live: torch.Tensor 
     return weights, ids
 
 
-def router_eligible_rows(rows: int, width: int, dtype: torch.dtype, router: torch.Tensor) -> bool:
-    """`router_eligible` for an x of `rows` rows of `width` in `dtype`, told by its shape alone."""
-    return (router.dim() == 2 and rows <= COUNT_ROWS and width == router.shape[1] and dtype == router.dtype
-            and dtype in (torch.float32, torch.bfloat16, torch.float16) and 1 <= router.shape[0] <= MAX_EXPERTS
-            and router.stride(1) == 1)
-
-
 def router_eligible(x: torch.Tensor, router: torch.Tensor) -> bool:
     """Whether `router_route` takes `x [t, hidden]` and `router [E, hidden]`: a step's rows (up
     to COUNT_ROWS), one float dtype, the router's rows contiguous, E up to MAX_EXPERTS."""
@@ -388,31 +354,10 @@ def router_eligible(x: torch.Tensor, router: torch.Tensor) -> bool:
             and 1 <= router.shape[0] <= MAX_EXPERTS and router.stride(1) == 1)
 
 
-def _norm_in_args(x: PendingNorm, h_out: torch.Tensor | None, pre_norm) -> dict:
-    """The router kernel's NORM_IN launch arguments for a pending norm's x, its tensors checked."""
-    rows, sumsq, weight = x.rows, x.sumsq, x.weight
-    if pre_norm is not None:
-        raise ValueError("x's norm is pending and a router pre-norm is given: a router takes one norm")
-    if rows.dim() != 2 or sumsq.dim() != 2 or sumsq.shape[0] != rows.shape[0] or sumsq.dtype != torch.float32 \
-            or not sumsq.is_contiguous() or weight.shape != (rows.shape[1],) or weight.dtype != rows.dtype \
-            or not weight.is_contiguous():
-        raise ValueError(f"a pending norm takes rows [t, d], sumsq float32 [t, tiles] and a contiguous weight [d] of "
-                         f"the rows' dtype; got {tuple(rows.shape)}, {sumsq.dtype} {tuple(sumsq.shape)}, "
-                         f"{weight.dtype} {tuple(weight.shape)}")
-    if h_out is None or h_out.shape != rows.shape or h_out.dtype != rows.dtype or not h_out.is_contiguous():
-        raise ValueError(f"h_out must be a contiguous {tuple(rows.shape)} {rows.dtype} tensor for the normed rows, "
-                         f"got {None if h_out is None else (h_out.dtype, tuple(h_out.shape))}")
-    check_tensors(rows, sumsq, weight, h_out)
-    return dict(NORM_IN=True, sq_in_ptr=sumsq, nw_ptr=weight, NT_IN=sumsq.shape[1],
-                NT_POW2=triton.next_power_of_2(sumsq.shape[1]), norm_eps=float(x.eps), h_out_ptr=h_out,
-                stride_h=h_out.stride(0))
-
-
 def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, live: torch.Tensor | None = None,
                  counts: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                  pre_norm: tuple[torch.Tensor, float, float] | None = None, *,
-                 routed: torch.Tensor | None = None, bound: int | None = None,
-                 h_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 routed: torch.Tensor | None = None, bound: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`router_route_ref` in one launch: the router's logits `x @ router.T` (`x [t, hidden]`, t up
     to COUNT_ROWS; `router [E, hidden]`; float32 dots, rounded to the model dtype), a program per
     ROUTER_N experts, and the last program to arrive routes every row from them as `moe_route`
@@ -421,18 +366,7 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
     `[E]`, written): the live rows' experts in ascending index, then E (`routed_experts_ref`), for
     the expert kernels' grid (`memra_kernels.moe`). `bound` (a host int >= 1, or None): rows from
     it on are padding too, whatever `live` says (a plain decode step reads one row: it routes at
-    most k experts, and `routed` lists at most `bound * k`). x a `dense_linear.PendingNorm` (the
-    o projection's new residual stream, its norm pending): each chunk normed as it is loaded, the
-    dense kernel's bits (`norm.rms_norm_partials`), and `h_out` (`[t, hidden]` in x's dtype,
-    contiguous; required then) receives the normed rows the routing read (the live rows below
-    the bound; the others are left as they were: no expert reads them). -> weights `[t, k]`, ids
-    `[t, k]` int64."""
-    norm_in = {}
-    if isinstance(x, PendingNorm):
-        norm_in = _norm_in_args(x, h_out, pre_norm)
-        x = x.rows
-    elif h_out is not None:
-        raise ValueError("h_out takes the normed rows of a pending norm's x; x is a tensor")
+    most k experts, and `routed` lists at most `bound * k`). -> weights `[t, k]`, ids `[t, k]` int64."""
     pre_w, factor, eps = pre_norm if pre_norm is not None else (None, 1.0, 0.0)
     check_tensors(*(v for v in (x, router, live, counts, scale, pre_w) if v is not None))
     if pre_w is not None and (pre_w.shape != (x.shape[-1],) or pre_w.dtype != x.dtype or pre_w.stride(0) != 1):
@@ -473,6 +407,6 @@ def router_route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool,
         pre_w_ptr=x if pre_w is None else pre_w, pre_factor=float(factor), eps=float(eps), PRE_NORM=pre_w is not None,
         ROW_TILES=triton.cdiv(t, BLOCK_T) if STATIC_ROW_TILES else 0,
         routed_ptr=ids if routed is None else routed, ROUTED=routed is not None, OUT_T=None if rows == t else t,
-        **norm_in, num_warps=route_warps(triton.next_power_of_2(n_exp)),
+        num_warps=route_warps(triton.next_power_of_2(n_exp)),
         **({} if ROUTER_STAGES is None else {"num_stages": ROUTER_STAGES}), **pdl_args(x))
     return weights, ids

@@ -155,10 +155,8 @@ def _moe_profile(out: Path, tiny: bool):
     if tiny:
         return None  # the profile needs CUDA
     return [_py("-m", "benchmarks.moe_step", "--shape", "a3b", "--device", "cuda", "--dtype", "bfloat16",
-                # a sparse layer's norms folded (the input's into the router's launch, the end's
-                # sums into the down kernel's, its norm into the next q/k/v) against two norm
-                # launches, both profiled
-                "--ops", "triton,triton-norms-apart", "--vts", "1,16", "--iters", "10",
+                # the router's ranked expert list against the grid over every expert, both profiled
+                "--ops", "triton,triton-unrouted", "--vts", "1,16", "--iters", "10",
                 "--profile", *_dense_tuned(out),
                 "--json", str(out / "moe_profile.json"))]
 
@@ -273,9 +271,9 @@ PARTS = {p.name: p for p in (
          240, _gemma4_tiles),
     Part("moe_step", "Qwen3-30B-A3B-shape MoE step at vt rows on the MoE kernels, and the MoE op (the twin's, the "
          "kernels' at other tiles and grids), vs the read floor of the expert union, ms", 240, _moe_step),
-    Part("moe_profile", "Qwen3-30B-A3B-shape 16-row step at 1 and 16 live rows: graphed ms vs the floor (a "
-         "sparse layer's norms folded into the router's and the down kernel's launches, and in launches of their "
-         "own), and each one's kernels by name under the profiler, µs", 150, _moe_profile),
+    Part("moe_profile", "Qwen3-30B-A3B-shape 16-row step at 1 and 16 live rows: graphed ms vs the floor (the "
+         "expert matmuls over the router's ranked list, and over every expert), and each one's kernels by name under "
+         "the profiler, µs", 150, _moe_profile),
     Part("moe_hybrid_step", "Qwen3.5-35B-A3B-shape hybrid MoE step at vt rows on the MoE kernels, fused and unfused "
          "(eager and graphed), vs its read floor, ms", 200,
          _moe_hybrid_step),

@@ -48,7 +48,7 @@ def test_the_kernels_off_cuda_are_refused_in_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: --ops 'torch,triton': expected some of torch, triton, triton-unfused, triton-route4w, "
-        "triton-a3b-cublas, triton-unrouted, triton-norms-apart (the triton ones need --device cuda)"]
+        "triton-a3b-cublas, triton-unrouted (the triton ones need --device cuda)"]
     proc = _run("--tiles", "64x64x128x4x3")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: --tiles '64x64x128x4x3': the kernels need --device cuda"]

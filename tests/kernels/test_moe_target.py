@@ -17,7 +17,7 @@ from memra_cli.engine.runtime.steps import StepRunner
 from memra_cli.engine.spec.policy import PolicySettings
 from memra_cli.tiny.draft import make_tiny_draft
 from memra_cli.tiny.qwen3_moe import make_tiny_qwen3_moe
-from memra_kernels import dense_linear, moe, moe_route
+from memra_kernels import moe, moe_route
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 W = 8  # a small fixed width keeps the interpreter quick
@@ -126,11 +126,8 @@ class MoeKernelOps(TorchStepOps):
     moe_gemma_add_norm = TritonStepOps.moe_gemma_add_norm
     router_route = TritonStepOps.router_route
     _routed_for = TritonStepOps._routed_for  # the router's ranked list, handed to the expert launch
-    normed = TritonStepOps.normed  # a tensor as it is (these ops never leave a norm pending)
-    _routed, _normed_rows = None, None
-    # no tiny shape is in dense_linear.TUNED, so no layer end leaves its norm pending (the torch
-    # ops after it could not fold one): test_step_launches' MoE step runs that path
-    _moe, _moe_route, _dense = moe, moe_route, dense_linear
+    _routed = None
+    _moe, _moe_route = moe, moe_route
 
 
 def _tensors(out):
@@ -313,88 +310,3 @@ def test_on_the_gpu_graphed_sessions_equal_plain_greedy(target_dir, tmp_path, ro
             assert session.graphed_rounds == round_graphs
         with engine.session(ids, 40, off, eos_ids=()) as session:
             assert session.run() == plain, seed
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_the_gpu_sessions_with_the_norms_folded_equal_plain_greedy(target_dir, tmp_path, monkeypatch):
-    """The graphed bf16 sessions above (round graphs, the ladder) with the tiny target's weight
-    shapes on the dense kernel (routed as the A3B's, benchmarks/step_launches.py `route_like`), so
-    every sparse layer folds its two norms (the router's launch, the down kernel's) on the real
-    matrix units: speculative and plain decoding equal plain greedy over eager steps."""
-    from benchmarks.moe_step import SHAPES as MOE_SHAPES
-    from benchmarks.step_launches import route_like
-    from memra_cli.engine.layers.step_ops import select_step_ops
-
-    monkeypatch.setattr(dense_linear, "TUNED", dict(dense_linear.TUNED))  # route_like adds the tiny shapes
-    draft = make_tiny_draft(tmp_path / "d", "zlab", block_size=4, target_layer_ids=(0, 2), num_target_layers=4,
-                            dtype=torch.bfloat16)
-    ref_model = Qwen3MoeTarget.from_dir(target_dir, torch.bfloat16, "cuda")
-    model = Qwen3MoeTarget.from_dir(target_dir, torch.bfloat16, "cuda")
-    assert route_like(model, MOE_SHAPES["a3b"], "qwen3_moe")  # the dense kernel takes the tiny shapes
-    for m in (ref_model, model):
-        m.step_ops, _ = select_step_ops(m.device)
-    routers = []
-    router = moe_route.router_route
-    monkeypatch.setattr(moe_route, "router_route",
-                        lambda *a, **kw: routers.append(kw.get("h_out") is not None) or router(*a, **kw))
-    engine = Engine.from_model(model, step_width=W, cuda_graphs=True, draft_graphs=True, round_graphs=True)
-    arm = engine.arm(ArmConfig(draft=draft, mode="dflash", settings=PolicySettings()))
-    off = engine.arm(ArmConfig(mode="off"))
-    for seed in range(3):
-        ids = _ids(9 + 11 * seed, 80 + seed).tolist()
-        plain = greedy_reference(StepRunner(ref_model, W), ids, 40)
-        with engine.session(ids, 40, arm, eos_ids=()) as session:
-            assert session.run() == plain, seed
-        with engine.session(ids, 40, off, eos_ids=()) as session:
-            assert session.run() == plain, seed
-    assert routers and any(routers)  # the routers folded the norm before them
-
-
-@pytest.mark.exhaustive  # four interpreted 16-row steps of a 2-layer target, every op on the kernels: ~30 s
-def test_a_sparse_layers_folded_norms_keep_a_rows_logits(monkeypatch):
-    """A Qwen3-MoE step on the Triton step ops with every weight matmul on the dense kernel (the
-    tiny target routed as the A3B shape, as benchmarks/step_launches.py counts it), so each sparse
-    layer's input norm is folded into the router's launch (which hands the normed rows to the
-    experts) and the layer ends in the down kernel's launch with the next q/k/v (or the lm_head)
-    folding its norm: row 0's logits are the same bits with one live row, with one read row
-    (`reading_rows(1)`, the plain round's bound) and with sixteen live rows (the fixed-width rule
-    through the whole step); the layer end in a launch of its own gives the same bits; both norms
-    in launches of their own (`FOLD_PENDING_NORM` off, `LAYER_END` "norm") are within bf16's
-    rounding of them (the interpreter's sums may even give their bits)."""
-    from benchmarks.step_launches import _build, route_like
-
-    monkeypatch.setattr(dense_linear, "TUNED", dict(dense_linear.TUNED))  # route_like adds the tiny shapes
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with torch.inference_mode():
-        target, big, _, _ = _build("qwen3_moe", device)
-        route_like(target, big, "qwen3_moe")
-        target.step_ops = TritonStepOps()
-        ids = torch.randint(0, target.vocab_size, (16,), generator=torch.Generator().manual_seed(5)).to(device)
-        pos = torch.arange(20, 36, device=device)
-
-        def step(live: int, end: str, bound: int | None = None) -> torch.Tensor:
-            monkeypatch.setattr(moe, "LAYER_END", end)
-            monkeypatch.setattr(moe_route, "FOLD_PENDING_NORM", end != "norm")
-            state = target.new_state(64)
-            state.set_live_rows(live)
-            target.ensure_positions(state.max_len)
-            if bound is None:
-                return target.static_step(ids, pos, state)[0]
-            with state.reading_rows(bound):
-                return target.static_step(ids, pos, state)[0]
-
-        pending, router = moe.moe_swiglu_add_norm_pending, moe_route.router_route
-        ends, folded = [], []
-        monkeypatch.setattr(moe, "moe_swiglu_add_norm_pending", lambda *a, **kw: ends.append(1) or pending(*a, **kw))
-        monkeypatch.setattr(moe_route, "router_route",
-                            lambda *a, **kw: folded.append(kw.get("h_out") is not None) or router(*a, **kw))
-        full = step(16, "down")
-        # every layer's end left its norm pending, and every router folded the one before it
-        assert len(ends) == len(target.layers) and folded == [True] * len(target.layers)
-        assert torch.equal(step(1, "down")[0], full[0]) and torch.equal(step(16, "down", bound=1)[0], full[0])
-        assert torch.equal(step(16, "apart"), full)
-        ends.clear()
-        folded.clear()
-        normed = step(16, "norm")
-        assert not ends and not any(folded) and ((normed - full).norm() / normed.norm()).item() < 2 ** -6

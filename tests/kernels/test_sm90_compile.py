@@ -441,29 +441,11 @@ def _moe(ctx, dt):
                    ctx.t(16, h, dtype=dt), ctx.t(n_exp, h, dtype=dt), k, True, ctx.torch.ones(1, dtype=ctx.torch.int32),
                    ctx.torch.zeros(2, dtype=ctx.torch.int64), routed=ctx.torch.zeros(n_exp, dtype=ctx.torch.int32),
                    bound=1)
-        # a sparse layer's input with its norm pending (the o projection's): normed in the router's launch,
-        # the normed rows handed on (NORM_IN), at a step's rows and at a plain decode's bound
-        for bound in (None, 1):
-            rows = ctx.t(16, h, dtype=dt)
-            pend = ctx.k.dense_linear.PendingNorm(rows, ctx.t(16, h // 64, dtype="f32"), ctx.t(h, dtype=dt), 1e-6)
-            ctx.launch(f"router_route pending-norm bound{bound} E{n_exp} h{h} k{k}", "_router_route_kernel",
-                       ctx.k.moe_route.router_route, pend, ctx.t(n_exp, h, dtype=dt), k, True,
-                       ctx.torch.ones(1, dtype=ctx.torch.int32), ctx.torch.zeros(2, dtype=ctx.torch.int64),
-                       routed=ctx.torch.zeros(n_exp, dtype=ctx.torch.int32), bound=bound, h_out=ctx.t(16, h, dtype=dt))
         # a step's sparse-layer end: the residual add and the next norm in the combine's launch (NORM)
         ctx.launch(f"moe_swiglu_add_rms_norm E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel",
                    mo.moe_swiglu_add_rms_norm, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
                    ctx.torch.zeros(16, k, dtype=ctx.torch.int64), ctx.t(n_exp, 2 * inter, h, dtype=dt),
                    ctx.t(n_exp, h, inter, dtype=dt), ctx.t(16, h, dtype=dt), ctx.t(h, dtype=dt), 1e-6)
-        # that layer end with the norm left pending: in the down kernel's launch (TAIL, on the ranked grid and
-        # on the grid over every expert) and in a launch of its own
-        for end, routed in (("down", True), ("down", False), ("apart", False)):
-            ctx.launch(f"moe_swiglu_add_norm_pending {end}{' routed' if routed else ''} E{n_exp} h{h} I{inter} k{k}",
-                       "_moe_down_kernel" if end == "down" else "_moe_combine_pending_kernel",
-                       mo.moe_swiglu_add_norm_pending, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),
-                       ctx.torch.zeros(16, k, dtype=ctx.torch.int64), ctx.t(n_exp, 2 * inter, h, dtype=dt),
-                       ctx.t(n_exp, h, inter, dtype=dt), ctx.t(16, h, dtype=dt), ctx.t(h, dtype=dt), 1e-6, end=end,
-                       routed=ctx.torch.zeros(n_exp, dtype=ctx.torch.int32) if routed else None)
         # Qwen3.5 MoE's layer end: the gated shared expert and the zero-centred norm too (SHARED, ZERO_CENTRED)
         ctx.launch(f"moe_swiglu_shared_add_rms_norm_1p E{n_exp} h{h} I{inter} k{k}", "_moe_combine_kernel",
                    mo.moe_swiglu_shared_add_rms_norm_1p, ctx.t(16, h, dtype=dt), ctx.t(16, k, dtype=dt),

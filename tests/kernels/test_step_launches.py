@@ -84,28 +84,25 @@ def test_an_moe_step_launches_per_layer():
     """A Qwen3-MoE plain decode step (16 rows, one live), routed as the A3B shape: per sparse
     layer the attention's launches (the q/k/v on the dense kernel with its rope in the epilogue),
     one launch for the router's matmul and its picks, and the MoE kernels, by name (what one more
-    layer adds), and the A3B step's total from them: the norm after the o projection folded into
-    the router's launch, the experts' combine, residual add and the next norm's sums of squares in
-    the down kernel's launch, that norm folded into the next q/k/v; unfused, the rope, the router's matmul and the MoE combine's residual add and next norm are
-    launches of their own."""
+    layer adds), and the A3B step's total from them; unfused, the rope, the router's matmul and
+    the MoE combine's residual add and next norm are launches of their own."""
     from benchmarks.step_launches import count_step
 
     fused, unfused = count_step("qwen3_moe"), count_step("qwen3_moe", variant="unfused")
     attention = {
         "_dense_linear_kernel": 2,  # q/k/v with its q/k norm + rope + K/V write in the epilogue; o
         "_split_kernel": 1, "_combine_kernel": 1,  # the attention
+        "_rms_norm_kernel": 1,  # the attention's residual add with the norm after it
     }
-    moe = {"_moe_gate_up_kernel": 1, "_moe_down_kernel": 1}
-    # fused: the o projection's residual add in its epilogue, its norm folded into the router's launch
+    moe = {"_moe_gate_up_kernel": 1, "_moe_down_kernel": 1, "_moe_combine_kernel": 1}
     assert fused["per_layer_kernels"] == {**attention, **moe, "_router_route_kernel": 1}
-    # unfused: the rope + K/V write apart, the add + norm after the o projection, the router's matmul
-    # apart, the combine with its add + norm apart
+    # unfused: the rope + K/V write apart, the router's matmul apart, the combine's add + norm apart
     assert unfused["per_layer_kernels"] == {**attention, **moe, "_qk_norm_rope_kv_kernel": 1, "linear": 1,
-                                            "_moe_route_kernel": 1, "_moe_combine_kernel": 1, "_rms_norm_kernel": 2}
-    assert fused["per_layer"] == 7 and unfused["per_layer"] == 12
+                                            "_moe_route_kernel": 1, "_rms_norm_kernel": 2}
+    assert fused["per_layer"] == 9 and unfused["per_layer"] == 12
     # outside the layers: embedding + first norm (one launch fused), lm_head, the float32 widening
     assert fused["outside_layers"] == 3 and unfused["outside_layers"] == 4
-    assert fused["launches_8b"] == 48 * 7 + 3 and unfused["launches_8b"] == 48 * 12 + 4
+    assert fused["launches_8b"] == 48 * 9 + 3 and unfused["launches_8b"] == 48 * 12 + 4
 
 
 @pytest.mark.exhaustive  # two interpreted steps of a tiny 4- (Qwen3.5) or 2-layer (Gemma 4) MoE target: ~20 s each

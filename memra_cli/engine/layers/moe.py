@@ -18,21 +18,12 @@ for every MoE family (the bench's expert counts): no host read, so a captured st
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from memra_kernels.moe_ref import moe_swiglu_ref as moe_swiglu  # noqa: F401  (the op's one torch body)
 from memra_kernels.moe_route_ref import count_experts, moe_route_ref, topk_lowest_index  # noqa: F401
-
-
-class RouterInput(NamedTuple):
-    """The consumer a sparse layer's input norm names (`linear_add_rms_norm`'s `consumer`): its
-    `router [E, hidden]`, whose launch may fold the norm and hand the normed rows to the experts
-    (with the kernels: `TritonStepOps.router_route` given a `PendingNorm`)."""
-
-    router: torch.Tensor
 
 
 def route(x: torch.Tensor, router: torch.Tensor, k: int, normalize: bool, ops=None, live: torch.Tensor | None = None,

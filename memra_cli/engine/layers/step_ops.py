@@ -39,11 +39,9 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   (memra_kernels.moe_ref; with the kernels, `memra_kernels.moe`: each routed expert read once per
   32 rows, the ids read on the device)
 - `moe_swiglu_add_rms_norm(x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
-  activation="silu", consumer=None) -> (normed, residual + out)`: `moe_swiglu` then `add_rms_norm`,
-  a sparse layer's end (with the kernels the add and norm run in the combine's launch:
-  `memra_kernels.moe.moe_swiglu_add_rms_norm`; or, where the dense kernel takes `consumer`, the
-  weight the normed rows meet next, the combine and add in the down kernel's launch and the norm
-  a `PendingNorm` that matmul folds: `memra_kernels.moe.moe_swiglu_add_norm_pending`)
+  activation="silu") -> (normed, residual + out)`: `moe_swiglu` then `add_rms_norm`, a sparse
+  layer's end (with the kernels the add and norm run in the combine's launch:
+  `memra_kernels.moe.moe_swiglu_add_rms_norm`)
 - `moe_swiglu_shared_add_rms_norm_1p(x, weights, experts, w_gate_up, w_down, shared, gate, residual,
   w1p, eps) -> (normed, residual + ff)`: `ff = moe_swiglu(...) + sigmoid(gate) * shared`, then
   `add_rms_norm_1p` (the Qwen3.5 MoE hybrid's layer end; with the kernels the gated shared expert,

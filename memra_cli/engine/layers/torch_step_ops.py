@@ -374,14 +374,7 @@ class TorchStepOps:
         return unfused_swiglu(cls, x, w_gate_up)
 
     moe_swiglu = staticmethod(moe_swiglu_ref)  # the routed experts' GLU + combine: the op's one torch body
-
-    @staticmethod
-    def moe_swiglu_add_rms_norm(x, weights, experts, w_gate_up, w_down, residual, norm_w, eps: float,
-                                activation: str = "silu", consumer=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts, then the add + norm: its one torch body (`moe_swiglu_add_rms_norm_ref`);
-        `consumer` (the weight that multiplies the normed rows next) is the kernels' hint only."""
-        return moe_swiglu_add_rms_norm_ref(x, weights, experts, w_gate_up, w_down, residual, norm_w, eps, activation)
-
+    moe_swiglu_add_rms_norm = staticmethod(moe_swiglu_add_rms_norm_ref)  # then the add + norm: its one torch body
     # Qwen3.5 MoE's layer end: the experts, the gated shared expert, the add + zero-centred norm
     moe_swiglu_shared_add_rms_norm_1p = staticmethod(moe_swiglu_shared_add_rms_norm_1p_ref)
     moe_gemma_add_norm = staticmethod(moe_gemma_add_norm_ref)  # Gemma 4's MoE layer end: its one torch body

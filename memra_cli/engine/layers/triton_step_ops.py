@@ -13,7 +13,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from memra_cli.engine.layers.moe import RouterInput
 from memra_cli.engine.layers.torch_step_ops import TorchStepOps
 from memra_cli.engine.layers.unfused import (unfused_embed_rms_norm, unfused_embed_rms_norm_1p,
                                              unfused_gemma_add_two_norms, unfused_linear_add_rms_norm,
@@ -102,8 +101,6 @@ class TritonStepOps:
         # (ids, routed, max_routed): the ranked expert list the router's launch left with the ids it
         # returned and its host bound, for the expert launch those ids go to next (`_routed_for`)
         self._routed: tuple[torch.Tensor, torch.Tensor, int | None] | None = None
-        # (PendingNorm, its normed rows): what the router's launch normed for the experts (`normed`)
-        self._normed_rows: tuple | None = None
 
     def unfused(self) -> "TritonStepOps":
         """New ops with the head and tail fusions as their parts (module docstring): the same bits,
@@ -134,28 +131,16 @@ class TritonStepOps:
 
     def folds_norm(self, a: torch.Tensor, w, bias, norm_w: torch.Tensor, consumer) -> bool:
         """Whether `linear_add_rms_norm` leaves its norm to `consumer`: `linear` takes the dense
-        kernel for `a @ w.T` (no bias), the norm weight has the rows' dtype, and the consumer
-        folds it: the dense kernel for the normed rows times the plain weight `consumer`, or the
-        router kernel for a sparse layer's `RouterInput` (`router_route`, which hands the normed
-        rows to the experts)."""
-        if not (bias is None and isinstance(w, torch.Tensor) and self._dense.eligible(a, w)
-                and norm_w.dtype == a.dtype):
-            return False
-        if isinstance(consumer, RouterInput):
-            return self._moe_route.FOLD_PENDING_NORM and \
-                self._moe_route.router_eligible_rows(a.shape[0], w.shape[0], a.dtype, consumer.router)
-        return isinstance(consumer, torch.Tensor) and self._dense.eligible_rows(a.shape[0], w.shape[0], a.dtype,
-                                                                               consumer)
+        kernel for `a @ w.T` (no bias) and for the normed rows times the plain weight `consumer`,
+        and the norm weight has the rows' dtype."""
+        return (bias is None and isinstance(w, torch.Tensor) and isinstance(consumer, torch.Tensor)
+                and self._dense.eligible(a, w) and norm_w.dtype == a.dtype
+                and self._dense.eligible_rows(a.shape[0], w.shape[0], a.dtype, consumer))
 
     def normed(self, h):
         """A `PendingNorm`'s normed rows (`norm.rms_norm_partials`: the bits a folding consumer
-        uses), for a consumer that cannot fold it: those the router's launch wrote for this very
-        PendingNorm (`router_route`: its live rows, all an expert reads), else a launch of the
-        norm; a tensor as it is."""
+        uses), for a consumer that cannot fold it; a tensor as it is."""
         if isinstance(h, self._dense.PendingNorm):
-            held = self._normed_rows
-            if held is not None and held[0] is h:
-                return held[1]
             return self._norm.rms_norm_partials(h.rows, h.sumsq, h.weight, h.eps)
         return h
 
@@ -211,7 +196,6 @@ class TritonStepOps:
         """`TorchStepOps.moe_swiglu` on the MoE kernels (`memra_kernels.moe`): every step and
         prefill chunk (a graphed prefill bucket reads no value on the host either); the twin only
         for weights the kernels do not take (`moe.eligible`: strided rows)."""
-        x = self.normed(x)
         if self._moe.eligible(x, w_gate_up, w_down):
             return self._moe.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation,
                                         **self._routed_for(experts))
@@ -219,22 +203,12 @@ class TritonStepOps:
 
     def moe_swiglu_add_rms_norm(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                                 w_gate_up: torch.Tensor, w_down: torch.Tensor, residual: torch.Tensor,
-                                norm_w: torch.Tensor, eps: float, activation: str = "silu", consumer=None
+                                norm_w: torch.Tensor, eps: float, activation: str = "silu"
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`TorchStepOps.moe_swiglu_add_rms_norm` on the MoE kernels. Where the dense kernel takes
-        `consumer` (the weight the normed rows meet next) for these rows, the norm is left to it:
-        (PendingNorm, new residual), the combine and the add in the down kernel's launch
-        (`moe.moe_swiglu_add_norm_pending`; `moe.LAYER_END`). Else the add and the norm in the
-        combine's launch (`moe.moe_swiglu_add_rms_norm`); `moe_swiglu` then `add_rms_norm` where the
-        kernels do not take the tensors. The choice depends on shapes and dtypes only. x may be
-        a `PendingNorm` whose normed rows the router's launch wrote (`normed`)."""
-        x = self.normed(x)
+        """`TorchStepOps.moe_swiglu_add_rms_norm` with the residual add and the norm in the MoE
+        combine's launch (`moe.moe_swiglu_add_rms_norm`); `moe_swiglu` then `add_rms_norm` where
+        the kernels do not take the tensors. The choice depends on shapes and dtypes only."""
         if self._moe.eligible(x, w_gate_up, w_down) and self._moe.norm_eligible(x, residual, norm_w):
-            if self._moe.LAYER_END != "norm" and isinstance(consumer, torch.Tensor) \
-                    and self._dense.eligible_rows(x.shape[0], x.shape[1], x.dtype, consumer):
-                pending = self._moe.moe_swiglu_add_norm_pending(x, weights, experts, w_gate_up, w_down, residual,
-                                                                norm_w, eps, activation, **self._routed_for(experts))
-                return pending, pending.rows
             return self._moe.moe_swiglu_add_rms_norm(x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
                                                      activation, **self._routed_for(experts))
         return unfused_moe_swiglu_add_rms_norm(self, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps,
@@ -277,18 +251,13 @@ class TritonStepOps:
         (`routed`), which the expert launch handed these ids takes (`_routed_for`); with the host
         `bound` (rows from it on padding too: `reading_rows`) there are at most `bound * k` of them,
         and the expert grid is sized so."""
-        pending = isinstance(x, self._dense.PendingNorm)
-        rows = x.rows if pending else x
-        if self._moe_route.router_eligible(rows, router) and not (pending and pre_norm is not None):
-            routed = torch.empty(router.shape[0], dtype=torch.int32, device=rows.device)
-            h = torch.empty_like(rows) if pending else None  # the normed rows, for the experts
+        if self._moe_route.router_eligible(x, router):
+            routed = torch.empty(router.shape[0], dtype=torch.int32, device=x.device)
             weights, ids = self._moe_route.router_route(x, router, k, normalize, live, counts, scale, pre_norm,
-                                                        routed=routed, bound=bound, h_out=h)
+                                                        routed=routed, bound=bound)
             self._routed = (ids, routed, None if bound is None else bound * k)
-            if pending:
-                self._normed_rows = (x, h)
             return weights, ids
-        return unfused_router_route(self, self.normed(x), router, k, normalize, live, counts, scale, pre_norm, bound)
+        return unfused_router_route(self, x, router, k, normalize, live, counts, scale, pre_norm, bound)
 
     def _routed_for(self, experts: torch.Tensor) -> dict:
         """The expert launch's `routed` and `max_routed`: the ranked expert list `router_route`

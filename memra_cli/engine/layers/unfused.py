@@ -66,9 +66,8 @@ def unfused_router_route(ops, x, router, k: int, normalize: bool, live=None, cou
 
 
 def unfused_moe_swiglu_add_rms_norm(ops, x, weights, experts, w_gate_up, w_down, residual, norm_w, eps: float,
-                                    activation: str = "silu", consumer=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ops.moe_swiglu` then `ops.add_rms_norm`: the unfused form `unfused()` installs (the norm
-    never left to the `consumer`)."""
+                                    activation: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.moe_swiglu` then `ops.add_rms_norm`: the unfused form `unfused()` installs."""
     return ops.add_rms_norm(ops.moe_swiglu(x, weights, experts, w_gate_up, w_down, activation), residual, norm_w, eps)
 
 

@@ -324,11 +324,6 @@ class Qwen3Target(TargetBase):
         the feed-forward is `_step_ffn`'s other kind (a family's override says which)."""
         return w.w_gate_up, w.w_down
 
-    def _ffn_input_consumer(self, w: LayerWeights):
-        """What multiplies the normed input of layer `w`'s own kind of feed-forward first (`_step_mlp`
-        None), for `linear_add_rms_norm`'s `consumer`: None here (the norm is not left pending)."""
-        return None
-
     def _step_ffn(self, h: torch.Tensor, li: int, w: LayerWeights) -> torch.Tensor:
         """The fixed-width step's feed-forward of layer `li` on the normed `h [W, hidden]`
         (before the residual add): a family with another feed-forward overrides this."""
@@ -336,11 +331,10 @@ class Qwen3Target(TargetBase):
         return ops.linear(ops.swiglu(h, w.w_gate_up), w.w_down)
 
     def _step_ffn_add_norm(self, h: torch.Tensor, x: torch.Tensor, li: int, w: LayerWeights,
-                           next_norm: torch.Tensor, next_w=None) -> tuple[torch.Tensor, torch.Tensor]:
+                           next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`_step_ffn`, the residual add onto `x [W, hidden]` and the norm after it ->
         (normed, new residual): a family whose feed-forward can end in that add and norm (the
-        MoE combine's launch) overrides this. `next_w`: the weight the normed rows meet next,
-        which may fold the norm (step_ops.py)."""
+        MoE combine's launch) overrides this."""
         return self.step_ops.add_rms_norm(self._step_ffn(h, li, w), x, next_norm, self.cfg.rms_norm_eps)
 
     # ----------------------------------------------------------------------- heads
@@ -414,14 +408,13 @@ class Qwen3Target(TargetBase):
             attn = ops.attention(q, kv[0, :, :keys], kv[1, :, :keys], positions, self.scale)
             mlp = self._step_mlp(w)
             # each norm names the weight that multiplies its output next, which may fold it (step_ops.py)
-            h, x = ops.linear_add_rms_norm(attn, w.wo, w.bo, x, w.mlp_norm, eps,
-                                           mlp[0] if mlp else self._ffn_input_consumer(w))
+            h, x = ops.linear_add_rms_norm(attn, w.wo, w.bo, x, w.mlp_norm, eps, mlp[0] if mlp else None)
             next_norm, next_w = (self.norm, self._lm_head) if li == last else \
                 (self.layers[li + 1].attn_norm, self.layers[li + 1].wqkv)
             if mlp:
                 h, x = ops.linear_add_rms_norm(ops.swiglu(h, mlp[0]), mlp[1], None, x, next_norm, eps, next_w)
             else:  # a family's own feed-forward, the add and the norm (the MoE combine's launch)
-                h, x = self._step_ffn_add_norm(h, x, li, w, next_norm, next_w)
+                h, x = self._step_ffn_add_norm(h, x, li, w, next_norm)
             if li in wanted:
                 tapped[li] = x
         taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None

@@ -20,7 +20,7 @@ import torch
 from memra_cli.engine.errors import ConfigError
 from memra_cli.engine.formats.checkpoint import Checkpoint, open_checkpoint
 from memra_cli.engine.formats.config import _Fields, parse_target_config, read_json_object
-from memra_cli.engine.layers.moe import ExpertReads, RouterInput, route
+from memra_cli.engine.layers.moe import ExpertReads, route
 from memra_cli.engine.layers.ops import rms_norm
 from memra_cli.engine.models.experts import LiveRouting, RoutingRecorder, expert_shapes, load_experts
 from memra_cli.engine.models.kv_cache import LiveKVCache
@@ -181,22 +181,16 @@ class Qwen3MoeTarget(RoutingRecorder, LiveRouting, Qwen3Target):
     def _step_mlp(self, w: MoeLayerWeights):
         return super()._step_mlp(w) if w.experts is None else None  # a sparse layer: `_step_ffn`'s router
 
-    def _ffn_input_consumer(self, w: MoeLayerWeights):
-        """A sparse layer's router: with the kernels its launch folds the norm after the attention
-        and hands the normed rows to the experts (`RouterInput`, layers/moe.py)."""
-        return RouterInput(w.experts.router) if w.experts is not None else None
-
     def _step_ffn(self, h: torch.Tensor, li: int, w: MoeLayerWeights) -> torch.Tensor:
         return super()._step_ffn(h, li, w) if w.experts is None else self._moe(h, w.experts)
 
     def _step_ffn_add_norm(self, h: torch.Tensor, x: torch.Tensor, li: int, w: MoeLayerWeights,
-                           next_norm: torch.Tensor, next_w=None) -> tuple[torch.Tensor, torch.Tensor]:
+                           next_norm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A sparse layer's experts, the residual add and the next norm: one step op
-        (`moe_swiglu_add_rms_norm`: with the kernels, the add in the down kernel's launch and the
-        norm left to `next_w`'s matmul, or the add and norm in the combine's launch)."""
+        (`moe_swiglu_add_rms_norm`: with the kernels, the add and norm in the combine's launch)."""
         if w.experts is None:
-            return super()._step_ffn_add_norm(h, x, li, w, next_norm, next_w)
+            return super()._step_ffn_add_norm(h, x, li, w, next_norm)
         ex = w.experts
         weights, ids = self._route(h, ex)
         return self.step_ops.moe_swiglu_add_rms_norm(h, weights, ids, ex.w_gate_up, ex.w_down, x, next_norm,
-                                                     self.cfg.rms_norm_eps, consumer=next_w)
+                                                     self.cfg.rms_norm_eps)
