@@ -29,8 +29,9 @@ Random weights at a published shape (built in memory, no checkpoint), one proces
   floor, and peak memory;
 - with `--profile` (CUDA, Triton ops): where one eager `--width`-row step's GPU time goes, at 1
   live row and at `--width` live rows, for `triton` and `triton-unrouted` where `--ops` has
-  them: its kernels under the torch profiler grouped by name (count, summed µs; `timing.kernel_table`), with programmatic dependent launch off so each
-  kernel is charged its own time.
+  them: its kernels under the torch profiler grouped by name (count, summed µs;
+  `timing.kernel_table`), with programmatic dependent launch off so each kernel is charged its
+  own time.
 
     python -m benchmarks.moe_step --shape a3b --device cuda --dtype bfloat16 --json OUT.json
     python benchmarks/moe_step.py --shape tiny --device cpu --iters 1   # the CPU smoke test's run
