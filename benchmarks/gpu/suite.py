@@ -56,6 +56,14 @@ def _target_step(out: Path, tiny: bool):
 QUANT_TUNED = "quant_tuned.json"  # the quant_sweep part's whole quant_linear TUNED table
 
 
+def _exactness_8b(out: Path, tiny: bool):
+    if tiny:
+        return None  # the 8B-shape sessions run on the GPU only (tests/engine: the sweep's logic at tiny shapes)
+    return [_py("-m", "benchmarks.gpu.target_step", "--variants", "triton", "--contexts", "512", "--prefill-length", "0",
+                "--sweep-lengths", "512,4096,16384", "--sweep-prompts", "20", "--sweep-tokens", "256",
+                "--json", str(out / "exactness_8b.json"))]
+
+
 def _quant_tuned(out: Path) -> list[str]:
     """`--quant-tuned` of the table the quant_sweep part wrote earlier in this run, if it ran."""
     return ["--quant-tuned", str(out / QUANT_TUNED)] if (out / QUANT_TUNED).exists() else []
@@ -250,6 +258,9 @@ def _moe_tests(out: Path, tiny: bool):
 PARTS = {p.name: p for p in (
     Part("bandwidth", "copy and read floors, GB/s", 40, _bandwidth),
     Part("target_step", "Qwen3-8B-shape graphed step vs its floor, ms", 150, _target_step),
+    Part("exactness_8b", "Qwen3-8B-shape speculative == plain greedy with the shipped kernels: 20 prompts x 256 "
+         "tokens at 512, 4,096 and 16,384 keys (an oracle proposer with one corrupted slot; the random DFlash drafter "
+         "on three), and the triton step at 512 keys beside it", 420, _exactness_8b),
     Part("quant_sweep", "the q8_0 / q4_0 kernel's tiles on every shape the 8B-shape drafter launches, µs and fraction of "
          "copy bandwidth at M = 16; writes the whole table a later drafter_round part loads", 240, _quant_sweep),
     Part("drafter_round", "Qwen3-8B-shape DFlash drafter's side of a round and the round (with quant_sweep's table "
