@@ -391,6 +391,9 @@ def main(argv=None) -> int:
     p.add_argument("--dense-ab", action="store_true",
                    help="also time the target steps, the bf16 drafter and a round with every weight matmul on "
                         "cuBLAS (dense_linear.TUNED emptied), in the same process, into d['cublas']")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="also time the drafter with a draft vocabulary of this many tokens (the first N ids; "
+                        "spec/draft_vocab.py) at bf16 and q8: draft + ingest, the round, exactness (0: skip)")
     p.add_argument("--no-glu", action="store_true", help="the MLPs' gate/up matmul and SiLU·mul as two launches "
                    "(the swiglu step op unfused), to time the SwiGLU epilogue against")
     a = p.parse_args(argv)
@@ -543,6 +546,10 @@ def main(argv=None) -> int:
             arm = None  # the drafter goes before the next precision's loads
             if cuda:
                 torch.cuda.empty_cache()
+        if a.draft_vocab and engine is not None:
+            with rep.section("draft_vocab"):
+                d["draft_vocab"] = draft_vocab_section(engine, draft, a.draft_vocab, s["vocab"], prompts, ctx, reps,
+                                                       tokens)
         if a.dense_ab and _dense is not None and engine is not None:
             with rep.section("cublas"):
                 table = dict(_dense.TUNED)
@@ -590,6 +597,40 @@ def main(argv=None) -> int:
     rep.write()
     print_table(d)
     return 0
+
+
+def draft_vocab_section(engine, draft: Path, n: int, vocab: int, prompts, ctx: int, reps: int, tokens: int) -> dict:
+    """The drafter with a draft vocabulary of the first `n` ids (spec/draft_vocab.py), bf16 then q8:
+    draft + ingest per round; with bf16 the round against a plain token timed beside it, and
+    speculative == plain greedy over `prompts`. The drafts' ids do not matter to the time (the
+    weights are random); the head it reads shrinks from `vocab` rows to `n`."""
+    path = Path(tempfile.mkdtemp(prefix="draft_vocab_")) / "vocab.json"
+    path.write_text(json.dumps(list(range(min(n, vocab)))))
+    out: dict = {"size": min(n, vocab), "vocab_size": vocab, "draft_ingest_ms": {}, "propose_ms": {}, "ingest_ms": {}}
+    for prec in ("q8", "bf16"):  # bf16 last: its arm runs the round
+        arm = None
+        arm = engine.arm(ArmConfig(draft=draft, mode="dflash", settings=PolicySettings(adapt="0"), verify_cap=W,
+                                   prec=None if prec == "bf16" else prec, draft_vocab=path))
+        propose, ingest = drafter_side(engine, arm, ctx, reps)
+        out["propose_ms"][prec], out["ingest_ms"][prec] = propose, ingest
+        out["draft_ingest_ms"][prec] = propose + ingest
+        log(f"draft vocabulary {out['size']}/{vocab}, drafter {prec}: propose {propose:.3f} + ingest {ingest:.3f} ms")
+    run_arm(engine, None, prompts[0], 8)
+    run_arm(engine, arm, prompts[0], 8)
+    plain, t_plain = run_arm(engine, None, prompts[0], tokens)
+    spec, t_spec = run_arm(engine, arm, prompts[0], tokens)
+    out["plain_token_ms"] = 1e3 * t_plain / len(plain.tokens)
+    out["round_ms"] = 1e3 * t_spec / spec.stats.rounds
+    out["round_over_plain"] = out["round_ms"] / out["plain_token_ms"]
+    runs = []
+    for ids in prompts:
+        plain, _ = run_arm(engine, None, ids, tokens)
+        spec, _ = run_arm(engine, arm, ids, tokens)
+        runs.append(spec.tokens == plain.tokens)
+    out["exact"], out["exact_prompts"] = all(runs), f"{sum(runs)}/{len(runs)}"
+    log(f"draft vocabulary {out['size']}: round {out['round_ms']:.3f} ms, plain token {out['plain_token_ms']:.3f} ms, "
+        f"round/plain {out['round_over_plain']:.3f}; exact {out['exact_prompts']}")
+    return out
 
 
 def print_table(d: dict) -> None:

@@ -70,7 +70,8 @@ def _quant_tuned(out: Path) -> list[str]:
 
 
 def _drafter_round(out: Path, tiny: bool):
-    args = ["--tiny", "--prompts", "2"] if tiny else ["--reps", "20", "--budget-s", "60", *_quant_tuned(out)]
+    args = ["--tiny", "--prompts", "2"] if tiny else ["--reps", "20", "--budget-s", "60", "--draft-vocab", "32768",
+                                                      *_quant_tuned(out)]
     return [_py("-m", "benchmarks.gpu.drafter_round", *args, "--json", str(out / "drafter_round.json"))]
 
 
@@ -264,7 +265,7 @@ PARTS = {p.name: p for p in (
     Part("quant_sweep", "the q8_0 / q4_0 kernel's tiles on every shape the 8B-shape drafter launches, µs and fraction of "
          "copy bandwidth at M = 16; writes the whole table a later drafter_round part loads", 240, _quant_sweep),
     Part("drafter_round", "Qwen3-8B-shape DFlash drafter's side of a round and the round (with quant_sweep's table "
-         "when that part ran first), ms", 100, _drafter_round),
+         "when that part ran first), and both again with a 32,768-token draft vocabulary, ms", 140, _drafter_round),
     Part("hybrid_step", "Qwen3.5-4B-shape hybrid step, the 16-wide plain token with its padding skipped and run, verify, "
          "rollback, rounds, ms", 180, _hybrid_step),
     Part("dense_sweep", "the dense kernel's tiles against cuBLAS at the LLaMA-8B and Qwen3-30B-A3B weight shapes "

@@ -47,6 +47,7 @@ ARM_KEYS = {
     "tau": "a float in (0,1)",
     "cap": "an integer >= 2", "adapt": "0|1", "markov": "0|1", "emb_scale": "0|1", "prec": "|".join(PRECISIONS),
     "draft": "PATH|dflash|dspark", "accept": "keyed|rejection",
+    "vocab": "PATH (a draft vocabulary: JSON token ids, greedy drafts only from them)",
 }
 ARM_GRAMMAR = (
     "NAME[:key=value,...] with NAME off|plain|dflash|dspark|auto and keys "
@@ -80,6 +81,7 @@ class ArmSpec:
     prec: str | None = None
     draft: str | None = None
     accept: str | None = None  # keyed (default) | rejection: the acceptance rule at temperature > 0
+    vocab: str | None = None  # a draft vocabulary file (spec/draft_vocab.py)
 
     @property
     def settings(self) -> PolicySettings:
@@ -119,7 +121,7 @@ def _key_value(spec: str, key: str, value: str) -> object:
         if cap < 2:
             raise _bad(spec, f"cap={value}: a verify cap is at least 2 (anchor + one draft)")
         return cap
-    return value  # draft: a path or an embedded drafter's name, checked when arms load
+    return value  # draft: a path or an embedded drafter's name; vocab: a path; both checked when arms load
 
 
 def parse_arm(text: str) -> ArmSpec:
@@ -288,7 +290,8 @@ def load_arms(engine, specs: Sequence[ArmSpec], drafters: Drafters, sampling: Sa
         path = drafters.for_arm(spec)
         try:
             cfg = ArmConfig(draft=path, mode=spec.mode, settings=spec.settings, markov=spec.markov,
-                            verify_cap=spec.cap, prec=spec.prec, emb_scale=spec.emb_scale)
+                            verify_cap=spec.cap, prec=spec.prec, emb_scale=spec.emb_scale,
+                            draft_vocab=None if spec.vocab is None else Path(spec.vocab))
             key = (Path(path).resolve(), spec.prec) if path is not None else None
             arm = engine.arm(cfg, drafter=loaded.get(key))
             if key is not None and arm.drafter is not None:

@@ -9,7 +9,7 @@ import typer
 from typer.core import TyperCommand, TyperGroup
 
 from memra_cli import __version__
-from memra_cli.cli import bench, census, generate, parity, quantize, serve, train
+from memra_cli.cli import bench, census, draft_vocab, generate, parity, quantize, serve, train
 from memra_cli.cli.common import (
     Terminated, click_module, debug_enabled, describe, flush_stdout, report_signal, signals_as_exceptions,
     usage_error_line,
@@ -161,6 +161,7 @@ app.command(name="parity", cls=_MemraCommand)(parity.parity)
 app.command(name="bench", cls=_MemraCommand)(bench.bench)
 app.command(name="serve", cls=_MemraCommand)(serve.serve)
 app.command(name="train", cls=_MemraCommand)(train.train)
+app.command(name="draft-vocab", cls=_MemraCommand)(draft_vocab.draft_vocab)
 
 
 def _version(value: bool) -> None:

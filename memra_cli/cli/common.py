@@ -188,6 +188,10 @@ CUDA_GRAPHS_HELP = ("Replay each fixed-width target step as a CUDA graph, captur
                     "fixed --step-width.")
 CudaGraphsOpt = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", envvar=SETTINGS["cuda_graphs"].env, help=CUDA_GRAPHS_HELP,
                              show_envvar=True)
+DraftVocabOpt = typer.Option(None, "--draft-vocab", help=(
+    "A draft vocabulary: a JSON list of token ids (or an object with an \"ids\" list; `memra draft-vocab` writes "
+    "one). The drafts are greedy picks among these tokens only, so the draft reads only their lm_head rows; the "
+    "target still verifies every token, so the output is unchanged and only acceptance can drop. Greedy only."))
 
 
 def policy_settings(harvest: Optional[str], vt: Optional[str], tau: Optional[str], adapt: Optional[bool],

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from memra_cli.cli.common import (
-    AdaptOpt, CudaGraphsOpt, DeviceOpt, DrafterPrecOpt, DtypeOpt, EmbScaleOpt, HarvestOpt, JsonOpt, MarkovOpt,
+    AdaptOpt, CudaGraphsOpt, DeviceOpt, DraftVocabOpt, DrafterPrecOpt, DtypeOpt, EmbScaleOpt, HarvestOpt, JsonOpt, MarkovOpt,
     StepWidthOpt, TauOpt, VerifyCapOpt, VtCostOpt, VtOpt, at_least, policy_settings, refusals,
 )
 from memra_cli.cli.sampling import (
@@ -49,6 +49,7 @@ def generate(
     tau: Optional[str] = TauOpt,
     adapt: Optional[bool] = AdaptOpt,
     emb_scale: Optional[bool] = EmbScaleOpt,
+    draft_vocab: Optional[Path] = DraftVocabOpt,
     step_width: Optional[str] = StepWidthOpt,
     cuda_graphs: Optional[bool] = CudaGraphsOpt,
     temperature: Optional[str] = TemperatureOpt,
@@ -73,11 +74,16 @@ def generate(
     _check_flags(target=target, draft=draft, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec,
                  harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap, vt_cost=vt_cost)
     given = {"harvest": harvest, "vt": vt, "vt_cost": vt_cost, "tau": tau, "adapt": adapt, "verify_cap": verify_cap, "markov": markov,
-             "emb_scale": emb_scale,
+             "emb_scale": emb_scale, "draft_vocab": draft_vocab,
              "prec": prec, "draft": draft}  # as the user gave them, before any default
     target, draft, defaults_note = _default_models(target, draft, spec)
     codec, ids = _prompt(target, prompt, prompt_ids, chat)
     sampling = sampling_params(temperature, top_k, top_p, min_p, seed, acceptance)
+    if draft_vocab is not None and sampling.temperature > 0:
+        from memra_cli.engine.spec.proposer import SpecError
+
+        raise SpecError(f"--draft-vocab {draft_vocab} with --temperature {sampling.temperature:g}: a draft vocabulary "
+                        "drafts greedily only (sampled drafting needs the whole vocabulary's q)")
     from memra_cli.cli import render
 
     import torch  # only now: the flags and the prompt are good
@@ -89,7 +95,7 @@ def generate(
     from memra_cli.engine.spec.keyed import make_sampler
 
     arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy_settings(harvest, vt, tau, adapt, vt_cost), markov=markov,
-                        verify_cap=verify_cap, prec=prec, emb_scale=emb_scale)
+                        verify_cap=verify_cap, prec=prec, emb_scale=emb_scale, draft_vocab=draft_vocab)
     with torch.inference_mode():
         engine = Engine.load(EngineConfig(target=target, device=device, dtype=dtype, step_width=step_width,
                                           cuda_graphs=cuda_graphs, env=dict(os.environ), **threads_setting(threads)))

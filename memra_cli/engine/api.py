@@ -28,6 +28,7 @@ import torch
 from memra_cli.engine.formats.census import Census, take_census
 from memra_cli.engine.formats.checkpoint import open_checkpoint
 from memra_cli.engine.formats.names import MARKOV_W1, MARKOV_W2, OWN_EMBED, OWN_LM_HEAD
+from memra_cli.engine.spec.draft_vocab import DraftVocab, read_vocab_ids
 from memra_cli.engine.errors import ConfigError, MemraError, PolicyError, SettingError
 from memra_cli.engine.spec.policy import (
     LADDER, VT_COST_ENV, PolicySettings, Receipts, VerifyWindow, adapt_on, parse_verify_cap,
@@ -432,6 +433,7 @@ class ArmConfig:
     verify_cap: str | int | None = None
     prec: str | None = None
     emb_scale: bool | None = None  # block embedding times the target's embed_scale (None/False: raw)
+    draft_vocab: Path | None = None  # a JSON of token ids the drafts are restricted to (spec/draft_vocab.py)
 
 
 @dataclass
@@ -584,6 +586,8 @@ class Engine:
         if mode == "off":
             return Arm("off")
         warnings = list(census.warnings) + pair_warnings
+        vocab_ids = None if arm.draft_vocab is None else \
+            read_vocab_ids(arm.draft_vocab, int(self.target.lm_head_weight.shape[0]))  # refused before any load
         weight_fn, precision, source = drafter_precision(arm.prec, arm.draft)
         started = time.perf_counter()
         if drafter is None:
@@ -591,8 +595,15 @@ class Engine:
                                                  weight_fn=weight_fn)
         # the drafter runs the fused ops its target runs (Triton kernels on CUDA by default)
         drafter.step_ops = self.target.step_ops
+        if vocab_ids is not None:  # the subset's head rows (and chain weights) are copied once, here
+            vocab = DraftVocab(vocab_ids, self.target, drafter, program.markov, str(arm.draft_vocab))
+            program = dataclasses.replace(program, vocab=vocab)
+            receipts = dataclasses.replace(receipts, vocab=vocab)
         if program.markov:  # the chain's bias table belongs to loading, not to the first round
-            drafter.prepare_markov()
+            if program.vocab is not None:
+                program.vocab.prepare_markov(drafter)
+            else:
+                drafter.prepare_markov()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         load_ms = 1e3 * (time.perf_counter() - started)

@@ -110,7 +110,7 @@ class TargetModel(Protocol):
     def check_span(self, start: int, t: int, state: TargetState) -> None: ...
     def embed(self, ids: torch.Tensor) -> torch.Tensor: ...  # [t] -> [t, hidden]
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [t, hidden] -> f32 [t, vocab]
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor: ...  # the same before widening: model dtype
+    def lm_head(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor: ...  # before widening: model dtype; `weight`: other rows
 
     def forward(self, ids: torch.Tensor, start: int, state: TargetState, taps: Sequence[int] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

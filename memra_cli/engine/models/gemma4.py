@@ -506,9 +506,10 @@ class Gemma4Target(TargetBase):
         cap = self.cfg.final_logit_softcapping
         return z.float() if cap is None else self.step_ops.softcap(z, cap, torch.float32)
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[t, vocab]` in the model dtype, soft-capped (`cap * tanh(z / cap)`) when configured."""
-        z = self.step_ops.linear(hidden, self._lm_head)
+    def lm_head(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`[t, vocab]` in the model dtype, soft-capped (`cap * tanh(z / cap)`) when configured
+        (`weight`: rows of the lm_head instead, a draft vocabulary's: `[t, rows]`)."""
+        z = self.step_ops.linear(hidden, self._lm_head if weight is None else weight)
         cap = self.cfg.final_logit_softcapping
         return z if cap is None else self.step_ops.softcap(z, cap)
 

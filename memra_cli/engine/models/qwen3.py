@@ -347,10 +347,11 @@ class Qwen3Target(TargetBase):
         """
         return self.lm_head(hidden).float()
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+    def lm_head(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """`logits` before the widening: `[t, vocab]` in the model dtype (widening it to float32
-        is exact, so a consumer that widens as it reads sees the same numbers)."""
-        return self.step_ops.linear(hidden, self._lm_head)
+        is exact, so a consumer that widens as it reads sees the same numbers). `weight`: rows
+        of the lm_head to use instead (a draft vocabulary's, spec/draft_vocab.py): `[t, rows]`."""
+        return self.step_ops.linear(hidden, self._lm_head if weight is None else weight)
 
     def _step_keys(self, cache: KVCache) -> int:
         """The cache rows a step's attention reads: on the CPU, in an eager step (the runner set

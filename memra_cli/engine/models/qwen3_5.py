@@ -804,9 +804,10 @@ class Qwen35Target(TargetBase):
         """`[t, vocab]` float32 logits (matmul in the model dtype, widened after, as HF)."""
         return self.lm_head(hidden).float()
 
-    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`logits` before the widening: `[t, vocab]` in the model dtype."""
-        return self.step_ops.linear(hidden, self._lm_head)
+    def lm_head(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`logits` before the widening: `[t, vocab]` in the model dtype (`weight`: rows of the
+        lm_head instead, a draft vocabulary's: `[t, rows]`)."""
+        return self.step_ops.linear(hidden, self._lm_head if weight is None else weight)
 
     def forward(self, ids: torch.Tensor, start: int, state: Qwen35State,
                 taps: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -331,6 +331,7 @@ class Receipts:
     window_note: str | None = None  # e.g. why a program overrode the resolved window
     program: str | None = None  # the program that runs ("dflash" | "dspark"); None: what auto would pick
     embedding: BlockEmbedding | None = None  # an arm's block embedding (None where no target is loaded)
+    vocab: object | None = None  # an arm's DraftVocab (spec/draft_vocab.py), when its drafts take a subset
 
     @property
     def tag(self) -> str:
@@ -348,7 +349,8 @@ class Receipts:
             f"[{self.tag}] harvest={self.harvest.value} (checkpoint census "
             f"strategy_dspark={str(self.strategy_dspark).lower()}, {HARVEST_ENV} {h_src})",
             f"[{self.tag}] verify-window={self.window} (accept-rate head {head}, {VT_ENV} {w_src}{note})",
-        ] + ([self.embedding.line(self.tag)] if self.embedding is not None else [])
+        ] + ([self.embedding.line(self.tag)] if self.embedding is not None else []) \
+          + ([self.vocab.line(self.tag)] if self.vocab is not None else [])
 
     def as_json(self) -> dict:
         out = {
@@ -359,6 +361,8 @@ class Receipts:
             out["verify_window"].update(survival=self.window.survival, cost_model=self.window.cost_model)
         if self.embedding is not None:
             out["block_embedding"] = self.embedding.as_json()
+        if self.vocab is not None:
+            out["draft_vocab"] = self.vocab.as_json()
         return out
 
 

@@ -17,6 +17,7 @@ import torch
 from memra_cli.engine.errors import MemraError
 from memra_cli.engine.models.drafter import BlockPositions, DraftCapacityError, Drafter
 from memra_cli.engine.runtime.pool import StoragePool
+from memra_cli.engine.spec.draft_vocab import DraftVocab
 from memra_cli.engine.spec.policy import Harvest, VerifyWindow
 from memra_cli.engine.runtime.steps import PREFILL_BUCKET
 from memra_cli.engine.spec.sampling import GREEDY, Sampler
@@ -40,6 +41,7 @@ class Program:
     adapt: bool
     block_size: int
     emb_scale: float = 1.0  # the block embedding's multiplier (1.0: the target's raw rows)
+    vocab: DraftVocab | None = None  # drafts from a subset of the target's tokens (spec/draft_vocab.py)
 
     @property
     def n_drafts(self) -> int:
@@ -72,6 +74,10 @@ class DrafterProposer:
                 f"verify-window {program.window} needs a checkpoint with an accept-rate head "
                 f"(confidence_head.* absent in {drafter.census.path})"
             )
+        if program.vocab is not None and not sampler.greedy:
+            raise SpecError(f"a draft vocabulary ({program.vocab.size} of {program.vocab.vocab_size} tokens) drafts "
+                            "greedily only: sampled drafting needs the whole vocabulary's q; drop --draft-vocab or "
+                            "sample at temperature 0")
         if graphs and pool is None:
             raise ValueError("graphed drafter rounds need a pool (their graphs live on pooled storages)")
         self.drafter, self.target, self.program = drafter, target, program
@@ -194,6 +200,11 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last
     a graph body, so the chain may loop on the host (CPU; step_ops `markov_chain`).
     `want_chain`: also the candidates [last, drafts] (`Heads.chain`)."""
     rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
+    if p.vocab is not None:  # greedy only (DrafterProposer refuses a sampler): the subset's rows
+        drafts = p.vocab.drafts(drafter, target.lm_head(rows, p.vocab.head), last, p.markov, host_loop)
+        chain = torch.cat([last.reshape(1), drafts]) if want_raws or want_chain else None
+        raws = drafter.confidence_raw(rows, chain[:-1]) if want_raws else None
+        return Heads(drafts, raws, None, chain)
     if sampler.greedy:
         # Greedy drafts (the markov chain or argmax) read the lm_head's model-dtype output as it
         # is: widening it to float32 is exact and changes no maximum, so the float32 copy of the
