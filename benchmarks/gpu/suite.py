@@ -215,6 +215,12 @@ def _embedded_bench(out: Path, tiny: bool):
     return [_py("-m", "memra_cli", "bench", "--prompts", "stdlib", *size, *arms, "--json")]
 
 
+def _embedded_vocab(out: Path, tiny: bool):
+    size = ["--n", "2", "--max-new", "8", "--count-max-new", "8", "--warmup", "0"] if tiny else []
+    return [_py("-m", "benchmarks.embedded_vocab", "--json", str(out / "embedded_vocab_humaneval.json"),
+                "--tops", "256,512,1024", *size)]
+
+
 def _embedded_dense(out: Path, tiny: bool):
     size = ["--n", "2", "--max-new", "8", "--warmup", "0", "--device", "cpu"] if tiny else \
         ["--max-new", "128", "--warmup", "2"]
@@ -302,6 +308,9 @@ PARTS = {p.name: p for p in (
          _serve_load, stdout_to="serve_load.json"),
     Part("embedded_bench", "the embedded pair's bench on the stdlib set, tok/s and tau", 140, _embedded_bench,
          stdout_to="embedded_bench_stdlib.json"),
+    Part("embedded_vocab", "the embedded pair's bench on HumanEval with draft vocabularies of 256, 512 and 1,024 "
+         "tokens (ranked over MBPP and the target's continuations) beside the whole vocabulary: tau, tok/s, the "
+         "exactness gate", 240, _embedded_vocab),
     Part("embedded_dense", "the embedded pair's bench on HumanEval with its weight matmuls on the dense kernel with its "
          "launch fusions (as shipped) and on cuBLAS (benchmarks/gpu/embedded_dense.py), one process each: tok/s, "
          "tau, the exactness gate", 160, _embedded_dense),

@@ -92,7 +92,7 @@ def test_an_unknown_part_is_refused_in_one_line(tmp_path):
         "error: --parts 'target_step,warp_drive': unknown part(s) warp_drive; expected a comma-separated list of "
         "bandwidth, target_step, exactness_8b, quant_sweep, drafter_round, hybrid_step, dense_sweep, long_attention, llama_step, "
         "gemma4_step, gemma4_tiles, moe_step, moe_profile, moe_hybrid_step, moe_hybrid_profile, hf_step, train_throughput, "
-        "serve_single, serve_load, embedded_bench, embedded_dense, kernels, tests, moe_tests"]
+        "serve_single, serve_load, embedded_bench, embedded_vocab, embedded_dense, kernels, tests, moe_tests"]
     assert not (tmp_path / "suite.json").exists()
 
 

@@ -172,3 +172,21 @@ def test_cli_generate_bench_and_the_writer(pair, tmp_path):
     report = json.loads(bench.stdout)
     assert report["exact"] is True
     assert [a["name"] for a in report["arms"]][-1] == f"dflash:vocab={out}"
+
+
+@pytest.mark.exhaustive  # a benchmark script's CPU smoke: four CLI processes on the embedded pair
+def test_the_embedded_vocab_benchmark_runs_the_users_commands(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "ev.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.embedded_vocab", "--json", str(out), "--n", "2",
+                           "--max-new", "8", "--count-max-new", "4", "--warmup", "0", "--tops", "64"],
+                          cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    d = json.loads(out.read_text())
+    assert d["exact"] is True and d["vocabs"]["64"]["top"] == 64
+    names = list(d["summary"])
+    assert names[:3] == ["off", "plain", "dspark"] and any(n.startswith("dflash:vocab=") for n in names)

@@ -24,7 +24,7 @@ def test_tiny_run_writes_every_key_and_is_exact(tmp_path):
     out = tmp_path / "round.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMRA_")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, "-m", MODULE, "--tiny", "--prompts", "2", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", MODULE, "--tiny", "--prompts", "2", "--draft-vocab", "100", "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     d = json.loads(out.read_text())
@@ -46,6 +46,9 @@ def test_tiny_run_writes_every_key_and_is_exact(tmp_path):
     gate_up = [s for s in d["launched_shapes"]["q8"] if s[2]]
     assert len(gate_up) == 1 and d["launched_shapes"]["q4"] == d["launched_shapes"]["q8"]
     assert "exact: True" in proc.stdout  # the table is printed
+    vocab = d["draft_vocab"]  # the drafter again with a 100-token draft vocabulary: exact at both precisions
+    assert vocab["size"] == 100 and vocab["exact"] is True and vocab["exact_prompts"] == {"bf16": "2/2", "q8": "2/2"}
+    assert all(vocab["draft_ingest_ms"][p] > 0 and vocab["round_ms"][p] > 0 for p in ("bf16", "q8"))
 
 
 @pytest.fixture
