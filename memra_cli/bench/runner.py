@@ -47,7 +47,7 @@ ARM_KEYS = {
     "tau": "a float in (0,1)",
     "cap": "an integer >= 2", "adapt": "0|1", "markov": "0|1", "emb_scale": "0|1", "prec": "|".join(PRECISIONS),
     "draft": "PATH|dflash|dspark", "accept": "keyed|rejection",
-    "vocab": "PATH (a draft vocabulary: JSON token ids, greedy drafts only from them)",
+    "vocab": "PATH",  # a draft vocabulary (spec/draft_vocab.py): greedy drafts only from its token ids
 }
 ARM_GRAMMAR = (
     "NAME[:key=value,...] with NAME off|plain|dflash|dspark|auto and keys "

@@ -28,7 +28,8 @@ ARM_HELP = (
     "vt=ladder|confidence|confidence-slot|priced, vt_cost=shape|routed (the priced window's step cost), tau=FLOAT in (0,1), cap=INT (verify cap), adapt=0|1, "
     "markov=0|1, emb_scale=0|1 (block embedding times the target's embed_scale; default raw), "
     "prec=f32|bf16|q8|mixed|fc|q4 (drafter weights), draft=PATH or draft=dflash|dspark "
-    "(an embedded drafter), accept=keyed|rejection (the acceptance rule with --temperature > 0: keyed, the "
+    "(an embedded drafter), vocab=PATH (a draft vocabulary: greedy drafts only from its token ids; memra "
+    "draft-vocab writes one), accept=keyed|rejection (the acceptance rule with --temperature > 0: keyed, the "
     "default, reproduces plain sampling token for token; rejection is lossless in distribution only and is "
     "not gated). E.g. --arm dspark:vt=confidence,tau=0.3 --arm dspark:harvest=dflash. Default: off, plain, dflash, dspark."
 )
