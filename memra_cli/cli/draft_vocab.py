@@ -50,8 +50,10 @@ def draft_vocab(
     if out.exists() and not force:
         raise DraftVocabCommandError(f"{out} exists (use --force to overwrite)")
     target, _, note = default_models(target, None, "off")
+    if note and not json_out:
+        print(f"note: {note}", file=sys.stderr, flush=True)
     codec = TextCodec(target)
-    vocab_size = int(json.loads((target / "config.json").read_text()).get("vocab_size", codec.tok.get_vocab_size()))
+    vocab_size = _vocab_size(target)
     if top > vocab_size:
         raise DraftVocabCommandError(f"--top {top}: the target's vocabulary has {vocab_size} tokens")
     sets = [load_prompts(p, n) for p in prompts]
@@ -70,11 +72,22 @@ def draft_vocab(
     if json_out:
         print(json.dumps({k: v for k, v in record.items() if k != "ids"}))
         return
-    if note:
-        print(f"note: {note}", file=sys.stderr)
     print(f"wrote {out}: {len(ids)} of {vocab_size} tokens, covering {100 * summary['coverage']:.2f}% of "
           f"{summary['tokens_counted']} tokens counted ({summary['distinct_seen']} distinct seen)"
           + (f"; continuations {time.perf_counter() - started:.0f} s" if max_new else ""))
+
+
+def _vocab_size(target: Path) -> int:
+    """The target's vocabulary (its lm_head's rows): `vocab_size` of config.json, at the top or
+    under `text_config` (Qwen3.5, Gemma 4)."""
+    from memra_cli.engine.formats.config import read_json_object
+
+    raw = read_json_object(target / "config.json")
+    for scope in (raw, raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}):
+        size = scope.get("vocab_size")
+        if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+            return size
+    raise DraftVocabCommandError(f"{target / 'config.json'}: no vocab_size (at the top or under text_config)")
 
 
 def _continuations(target: Path, streams: list[list[int]], max_new: int, dtype: str, device: str,
