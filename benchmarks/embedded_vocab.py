@@ -28,6 +28,22 @@ def _memra(*args: str) -> dict:
     return json.loads(proc.stdout)
 
 
+def _split(spec: str, k: int, folder: Path) -> tuple[str, str]:
+    """The prompt set `spec` as two JSONL files: its first `k` prompts, and the rest."""
+    from memra_cli.engine.prompts import load_prompts
+
+    texts = load_prompts(spec).texts
+    if not 0 < k < len(texts):
+        raise SystemExit(f"--held-out {k}: the set {spec} has {len(texts)} prompts (need 0 < K < {len(texts)})")
+    folder.mkdir(parents=True, exist_ok=True)
+    names = []
+    for part, rows in (("count", texts[:k]), ("bench", texts[k:])):
+        f = folder / f"{spec}_{part}_{k}.jsonl"
+        f.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in rows))
+        names.append(str(f))
+    return names[0], names[1]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, required=True)
@@ -39,11 +55,17 @@ def main(argv=None) -> int:
     p.add_argument("--max-new", type=int, default=128)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--kinds", default="dspark,dflash")
+    p.add_argument("--held-out", type=int, default=0,
+                   help="count over the bench set's first K prompts (and their continuations) instead of "
+                        "--count-set, and bench on the rest: a vocabulary ranked on the bench's own kind of text, "
+                        "never on a prompt it is measured on")
     a = p.parse_args(argv)
     started = time.time()
+    if a.held_out:
+        a.count_set, a.prompts = _split(a.prompts, a.held_out, a.json.parent)
     n = ["--n", str(a.n)] if a.n else []
     out: dict = {"command": "python -m benchmarks.embedded_vocab " + " ".join(sys.argv[1:] if argv is None else argv),
-                 "vocabs": {}}
+                 "count_set": a.count_set, "bench_set": a.prompts, "vocabs": {}}
     files = {}
     for top in [int(t) for t in a.tops.split(",")]:
         f = a.json.parent / f"{a.json.stem}_vocab{top}.json"
