@@ -37,8 +37,7 @@ def draft_vocab(
     sets (and, with --max-new, over the target's own continuations of them).
 
     With the file, `memra generate --draft-vocab OUT` and a bench arm `dspark:vocab=OUT` draft only
-    from those tokens, so the draft reads only their rows of the lm_head (a 152k-token head is
-    the largest read of a drafter's round). The target still verifies every token: the output
+    from those tokens, so the draft reads only their rows of the lm_head (at a 152k vocabulary the head is the largest single matrix a drafter's round reads). The target still verifies every token: the output
     is the same stream; a token outside the set can still be committed, as the target's own pick,
     but never drafted, which costs acceptance. Measure it with `memra bench` before relying on it.
     """

@@ -3,7 +3,7 @@
 A round reads the target's lm_head twice: in the verify (the target's own step, which must see
 every token) and in the draft, where `[n_drafts, hidden] @ lm_head.T` reads the whole head for
 15 rows. At a 152k vocabulary and hidden 4096 that second read is 1.2 GB in bf16, the largest
-part of the drafter's side of a round (docs/draft-vocab.md). Restricting the drafts to
+single matrix of the drafter's side of a round (docs/draft-vocab.md). Restricting the drafts to
 the tokens that occur most often (the frequency-ranked draft head of FR-Spec, Zhao et al. 2025)
 reads only those rows. The target still verifies every draft against its full vocabulary, so
 the committed tokens are plain decoding's whatever the subset: a token outside it can only be
