@@ -4,6 +4,7 @@ shapes (no graphs) and writes its JSON, so the lead's H200 run does not fail on 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -36,4 +37,5 @@ def test_hybrid_bench_tiny_smoke(tmp_path):
     assert d["rounds"]["k8_window"]["exact"] and d["rounds"]["k8_window"]["rounds"] == 4
     # and with the lm_head and its argmax as two step ops (the A/B of static_step_picks): the same picks
     assert d["rounds"]["k8_unfused_picks"]["exact"] and d["rounds"]["k8_unfused_picks"]["rounds"] == 4
-    assert d["transformers"]["token_ms"] > 0 and d["summary"]["transformers_agree_prefix"] >= 0
+    # a timing's value is the GPU run's to report (docs/perf.md); here only that it was measured
+    assert math.isfinite(d["transformers"]["token_ms"]) and d["summary"]["transformers_agree_prefix"] >= 0
