@@ -24,7 +24,8 @@ def _memra(*args: str) -> dict:
     """One `memra ... --json` command; the JSON it prints."""
     proc = subprocess.run([sys.executable, "-m", "memra_cli", *args, "--json"], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"memra {' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+        last = (proc.stderr.strip().splitlines() or ["(no stderr)"])[-1]
+        raise SystemExit(f"memra {' '.join(args)}: exit {proc.returncode}: {last}")
     return json.loads(proc.stdout)
 
 

@@ -535,11 +535,7 @@ def main(argv=None) -> int:
                 with rep.section("round_phases"):
                     d["round_phase_ms"] = timed_phases(engine, arm, prompts[0], min(tokens, 16))
                 with rep.section("exact"):
-                    runs = []
-                    for ids in prompts:
-                        plain, _ = run_arm(engine, None, ids, tokens)
-                        spec, _ = run_arm(engine, arm, ids, tokens)
-                        runs.append(spec.tokens == plain.tokens)
+                    runs = exact_runs(engine, arm, prompts, tokens)
                     d["exact"] = all(runs)
                     d["exact_prompts"] = f"{sum(runs)}/{len(runs)}"
                     log(f"exact (speculative == plain greedy): {d['exact_prompts']}")
@@ -599,6 +595,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def exact_runs(engine, arm, prompts, tokens: int) -> list[bool]:
+    """Per prompt: the arm's stream equals plain greedy's (`tokens` new tokens each)."""
+    return [run_arm(engine, arm, ids, tokens)[0].tokens == run_arm(engine, None, ids, tokens)[0].tokens
+            for ids in prompts]
+
+
 def draft_vocab_section(engine, draft: Path, n: int, vocab: int, prompts, ctx: int, reps: int, tokens: int) -> dict:
     """The drafter with a draft vocabulary of the first `n` ids (spec/draft_vocab.py), bf16 and q8:
     draft + ingest per round, the round against a plain token timed beside it, and speculative ==
@@ -624,11 +626,7 @@ def draft_vocab_section(engine, draft: Path, n: int, vocab: int, prompts, ctx: i
         spec, t_spec = run_arm(engine, arm, prompts[0], tokens)
         out["round_ms"][prec] = 1e3 * t_spec / spec.stats.rounds
         out["round_over_plain"][prec] = out["round_ms"][prec] / out["plain_token_ms"]
-        mine = []
-        for ids in prompts:
-            want, _ = run_arm(engine, None, ids, tokens)
-            got, _ = run_arm(engine, arm, ids, tokens)
-            mine.append(got.tokens == want.tokens)
+        mine = exact_runs(engine, arm, prompts, tokens)
         out["exact_prompts"][prec] = f"{sum(mine)}/{len(mine)}"
         runs += mine
         log(f"draft vocabulary {out['size']}/{vocab}, drafter {prec}: propose {propose:.3f} + ingest {ingest:.3f} ms; "

@@ -91,6 +91,10 @@ def test_drafts_lie_in_the_subset_and_equal_a_masked_argmax(pair, engine, kind):
     else:
         want = masked.argmax(-1)
     assert got.tolist() == want.tolist()
+    # the whole vocabulary as a subset drafts, bit for bit, what no subset drafts
+    full = engine.arm(ArmConfig(draft=draft, mode=kind, draft_vocab=pair[3]))
+    assert draft_heads(full.drafter, engine.target, full.program, hidden, last, want_raws=False).drafts.tolist() == \
+        draft_heads(d, engine.target, whole.program, hidden, last, want_raws=False).drafts.tolist()
 
 
 def test_receipts_and_json_name_the_subset(pair, engine):
@@ -127,13 +131,15 @@ def test_bad_files_are_refused_in_one_line(tmp_path, text, why):
         read_vocab_ids(tmp_path / "missing.json", VOCAB)
 
 
-def test_ids_come_back_ascending():
-    assert read_vocab_ids.__doc__
+def test_ranking_keeps_the_most_frequent_with_ties_to_the_smaller_id(tmp_path):
     ids, summary = rank_tokens([[5, 5, 5, 3, 3, 9], [9, 1]], 12, 3)
     assert ids == [3, 5, 9]  # 5 (3x), then 3 and 9 (2x each): ascending in the file
     assert summary == {"tokens_counted": 8, "distinct_seen": 4, "coverage": 7 / 8}
-    ids, _ = rank_tokens([[4, 2]], 12, 3)
-    assert ids == [0, 2, 4]  # a tie at count 0 goes to the smaller id
+    assert rank_tokens([[7, 3, 7, 3, 11]], 12, 1)[0] == [3]  # 3 and 7 tie at two: the smaller id
+    assert rank_tokens([[4, 2]], 12, 3)[0] == [0, 2, 4]  # a tie at count 0 goes to the smaller id too
+    f = tmp_path / "v.json"
+    f.write_text("[5, 1, 3]")
+    assert read_vocab_ids(f, VOCAB) == [1, 3, 5]  # the file's order does not matter: ascending
 
 
 def test_cli_generate_bench_and_the_writer(pair, tmp_path):

@@ -125,8 +125,9 @@ def rank_tokens(streams, vocab_size: int, top: int) -> tuple[list[int], dict]:
         if t.numel():
             counts += torch.bincount(t, minlength=vocab_size)[:vocab_size]
             total += int(t.numel())
-    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))[:top]
-    covered = int(counts[order].sum()) if order else 0
+    # a stable sort of the negated counts: most frequent first, equal counts in id order
+    order = torch.sort(-counts, stable=True).indices[:top]
+    covered = int(counts[order].sum())
     summary = {"tokens_counted": total, "distinct_seen": int((counts > 0).sum()),
                "coverage": covered / total if total else 0.0}
-    return sorted(order), summary
+    return sorted(order.tolist()), summary

@@ -200,25 +200,20 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last
     a graph body, so the chain may loop on the host (CPU; step_ops `markov_chain`).
     `want_chain`: also the candidates [last, drafts] (`Heads.chain`)."""
     rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
+    drafting = None
     if p.vocab is not None:  # greedy only (DrafterProposer refuses a sampler): the subset's rows
         drafts = p.vocab.drafts(drafter, target.lm_head(rows, p.vocab.head), last, p.markov, host_loop)
-        chain = torch.cat([last.reshape(1), drafts]) if want_raws or want_chain else None
-        raws = drafter.confidence_raw(rows, chain[:-1]) if want_raws else None
-        return Heads(drafts, raws, None, chain)
-    if sampler.greedy:
+    else:
         # Greedy drafts (the markov chain or argmax) read the lm_head's model-dtype output as it
         # is: widening it to float32 is exact and changes no maximum, so the float32 copy of the
         # logits ([n_drafts, vocab], 9 MB at a 152k vocabulary) is never written or read again.
-        logits = target.lm_head(rows)
-    else:
-        logits = target.logits(rows)
-    drafting = None
-    if not sampler.greedy:
-        drafting = sampler.drafting(start + torch.arange(p.n_drafts, device=logits.device), logits.shape[-1])
-    if drafting is None:
-        drafts = drafter.markov_chain(logits, last, host_loop=host_loop) if p.markov else drafter.step_ops.argmax(logits)
-    else:
-        drafts = drafter.markov_chain(logits, last, drafting.pick) if p.markov else drafting.pick_rows(logits)
+        logits = target.lm_head(rows) if sampler.greedy else target.logits(rows)
+        if not sampler.greedy:
+            drafting = sampler.drafting(start + torch.arange(p.n_drafts, device=logits.device), logits.shape[-1])
+        if drafting is None:
+            drafts = drafter.markov_chain(logits, last, host_loop=host_loop) if p.markov else drafter.step_ops.argmax(logits)
+        else:
+            drafts = drafter.markov_chain(logits, last, drafting.pick) if p.markov else drafting.pick_rows(logits)
     chain = torch.cat([last.reshape(1), drafts]) if want_raws or want_chain else None
     raws = drafter.confidence_raw(rows, chain[:-1]) if want_raws else None  # each slot's previous token
     return Heads(drafts, raws, drafting.probs if drafting is not None else None, chain)
