@@ -77,14 +77,16 @@ def tile_rows(pid_n, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
 @triton.jit
 def _store_out(total, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr = False, res_ptr=None, stride_res=0,
-               sq_ptr=None, PLAIN_SQUARE: tl.constexpr = False):
+               sq_ptr=None, PLAIN_SQUARE: tl.constexpr = False, ADD_RES: tl.constexpr = True):
     """Write a tile's float32 result `total [BLOCK_M, BLOCK_N]` to `out` in out's dtype. GLU: the
     tile's columns are gate j then up j for j < BLOCK_N / 2 (`tile_rows`), and
     `out [M, N / 2]` gets silu(gate) * up, each factor first rounded to out's dtype as the
     unfused matmul's output is (activation.silu_mul_rounded: the same bits as the two launches).
     RESID (plain only): `out` gets the rounded product plus `res [M, N]`, rounded again (the
     residual add's bits), and `sq [M, n tiles]` column `program_id(0)` each row's sum of squares of
-    the tile's sums in _sumsq's order (the next RMSNorm's partial, folded into the next matmul)."""
+    the tile's sums in _sumsq's order (the next RMSNorm's partial, folded into the next matmul).
+    RESID without ADD_RES: no residual, only the rounded product's sums of squares (a projection
+    whose own output is normed next)."""
     dt = out_ptr.dtype.element_ty
     if GLU:
         HALF: tl.constexpr = BLOCK_N // 2
@@ -97,8 +99,9 @@ def _store_out(total, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLO
         mask = m_mask[:, None] & n_mask[None, :]
         y = total.to(dt)
         if RESID:
-            res = tl.load(res_ptr + offs_m[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0)
-            y = (y.to(tl.float32) + res.to(tl.float32)).to(dt)
+            if ADD_RES:
+                res = tl.load(res_ptr + offs_m[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0)
+                y = (y.to(tl.float32) + res.to(tl.float32)).to(dt)
             part = pairwise_rows(square_rn(tl.where(mask, y.to(tl.float32), 0.0), PLAIN_SQUARE), BLOCK_M, BLOCK_N)
             tl.store(sq_ptr + offs_m * tl.num_programs(0) + tl.program_id(0), part, mask=m_mask)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
@@ -108,14 +111,14 @@ def _store_out(total, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLO
 def store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mask, M, N, stride_om,
                     SPLIT_K, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     GLU: tl.constexpr = False, RESID: tl.constexpr = False, res_ptr=None, stride_res=0, sq_ptr=None,
-                    PLAIN_SQUARE: tl.constexpr = False):
+                    PLAIN_SQUARE: tl.constexpr = False, ADD_RES: tl.constexpr = True):
     """Write one program's `acc [BLOCK_M, BLOCK_N]` (float32) for rows `offs_m`, columns `offs_n`
     (of the [M, N] product; GLU: see `_store_out`): straight to `out` without SPLIT; with it, as
     partial `program_id(1)` of the tile, the last of the tile's SPLIT_K programs to arrive summing
     the partials in split order and writing the result (RESID: see `_store_out`)."""
     if not SPLIT:
         _store_out(acc, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M, BLOCK_N, GLU, RESID, res_ptr,
-                   stride_res, sq_ptr, PLAIN_SQUARE)
+                   stride_res, sq_ptr, PLAIN_SQUARE, ADD_RES)
     else:
         ws_mask = m_mask[:, None] & n_mask[None, :]
         ws_off = offs_m[:, None] * N + offs_n[None, :]
@@ -130,5 +133,5 @@ def store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, offs_n, m_mask, n_mas
             for s in range(SPLIT_K):
                 total += tl.load(ws_ptr + s * M * N + ws_off, mask=ws_mask, other=0.0, cache_modifier=".cg")
             _store_out(total, out_ptr, offs_m, offs_n, m_mask, n_mask, N, stride_om, BLOCK_M, BLOCK_N, GLU, RESID,
-                       res_ptr, stride_res, sq_ptr, PLAIN_SQUARE)
+                       res_ptr, stride_res, sq_ptr, PLAIN_SQUARE, ADD_RES)
             tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")

@@ -50,7 +50,7 @@ whatever the tile widths of either matmul, so a row's statistic depends on its o
 add + norm launch between the matmuls and the normed rows' round trip are gone.
 
 Public API: `KernelConfig`, `PendingNorm`, `TUNED`, `config_for`, `dense_linear`,
-`dense_linear_add_norm`, `dense_linear_ref`, `eligible`, `eligible_rows`, `load_tuned`, `MAX_ROWS`,
+`dense_linear_add_norm`, `dense_linear_norm`, `dense_linear_ref`, `eligible`, `eligible_rows`, `load_tuned`, `MAX_ROWS`,
 `PDL_PREFETCH`.
 """
 
@@ -70,7 +70,7 @@ from ._sumsq import pairwise_rows
 from .argmax import _column_of, _keys
 from .rope import qkv_rope_epilogue
 
-__all__ = ["KernelConfig", "PendingNorm", "TUNED", "config_for", "dense_linear", "dense_linear_add_norm",
+__all__ = ["KernelConfig", "PendingNorm", "TUNED", "config_for", "dense_linear", "dense_linear_add_norm", "dense_linear_norm",
            "dense_linear_ref", "eligible", "eligible_rows",
            "load_tuned", "MAX_ROWS"]
 
@@ -200,7 +200,7 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
                          stride_vc_h=0, stride_vc_s=0, n_heads=0, n_kv=0, eps=0.0, RESID: tl.constexpr = False,
                          res_ptr=None, stride_res=0, sq_ptr=None, NORM_IN: tl.constexpr = False, sq_in_ptr=None,
                          nw_ptr=None, NT_IN=0, NT_POW2: tl.constexpr = 1, norm_eps=0.0,
-                         PLAIN_SQUARE: tl.constexpr = False):
+                         PLAIN_SQUARE: tl.constexpr = False, ADD_RES: tl.constexpr = True):
     """out [M, N] = x [M, K] @ w [N, K].T for one (n tile, k split, m tile) per program; with GLU,
     out [M, N / 2] = silu(x @ gate.T) * (x @ up.T) for w = [gate; up] (`_splitk.tile_rows`).
 
@@ -212,7 +212,7 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
     this one streams the weight).
 
     RESID: the residual add and the next norm's partial sums of squares in the epilogue
-    (`_splitk._store_out`). NORM_IN: x is a residual stream whose RMSNorm (weight nw, eps
+    (`_splitk._store_out`; without ADD_RES the sums of squares of the product alone). NORM_IN: x is a residual stream whose RMSNorm (weight nw, eps
     norm_eps) is applied to each x tile as it is loaded, with each row's statistic summed from the
     producer's NT_IN partials `sq_in [M, NT_IN]` (`_norm_rstd`).
     """
@@ -268,7 +268,7 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
                           HD, BLOCK_M, BLOCK_N, NORM)
     else:
         store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, offs_m, rows_n, m_mask, n_mask, M, N, stride_om, SPLIT_K,
-                        SPLIT, BLOCK_M, BLOCK_N, GLU, RESID, res_ptr, stride_res, sq_ptr, PLAIN_SQUARE)
+                        SPLIT, BLOCK_M, BLOCK_N, GLU, RESID, res_ptr, stride_res, sq_ptr, PLAIN_SQUARE, ADD_RES)
         if ARGMAX:
             _argmax_epilogue(acc.to(out_ptr.dtype.element_ty).to(tl.float32), rows_n, offs_m, m_mask, n_mask,
                              keys_ptr, picks_ptr, acnt_ptr)
@@ -374,7 +374,8 @@ def dense_linear(x, w: torch.Tensor, *, config: KernelConfig | None = None,
     `norm.rms_norm_partials`), module docstring. residual (`[rows, out]`, x's dtype,
     plain weights only): the result is `residual + x @ w.T`, each rounded as the two launches
     round, and `sumsq_out` (float32 `[rows, n tiles]`, n tiles = ceil(out / block_n)) receives each
-    row's per-tile sums of squares of it: `dense_linear_add_norm`."""
+    row's per-tile sums of squares of it: `dense_linear_add_norm`. `sumsq_out` without a residual:
+    the sums of squares of the result itself (`dense_linear_norm`)."""
     x, norm_in = _norm_in_args(x)
     check_tensors(x, w)
     check_dtype(x, "x")
@@ -403,7 +404,7 @@ def dense_linear(x, w: torch.Tensor, *, config: KernelConfig | None = None,
     epilogue = {}  # the argmax or residual epilogue's launch arguments
     if argmax_out is not None:
         epilogue = _argmax_args(argmax_out, x2, glu, cfg, triton.cdiv(m, BLOCK_M))
-    if residual is not None:
+    if residual is not None or sumsq_out is not None:
         epilogue = _residual_args(residual, sumsq_out, out, glu or argmax_out is not None,
                                   triton.cdiv(n, cfg.block_n))
     # a GLU tile holds block_n / 2 output columns (their gate and up rows)
@@ -425,20 +426,25 @@ def dense_linear(x, w: torch.Tensor, *, config: KernelConfig | None = None,
     return out
 
 
-def _residual_args(residual: torch.Tensor, sumsq: torch.Tensor | None, out: torch.Tensor, other_epilogue: bool,
-                   n_tiles: int) -> dict:
-    """The residual epilogue's launch arguments (RESID), its tensors checked."""
+def _residual_args(residual: torch.Tensor | None, sumsq: torch.Tensor | None, out: torch.Tensor,
+                   other_epilogue: bool, n_tiles: int) -> dict:
+    """The residual epilogue's launch arguments (RESID; no residual: the sums of squares alone),
+    its tensors checked."""
     if other_epilogue:
-        raise ValueError("residual takes a plain weight (no glu, no argmax_out)")
-    if residual.shape != out.shape or residual.dtype != out.dtype or residual.stride(-1) != 1 or out.dim() != 2:
+        raise ValueError("residual and sumsq_out take a plain weight (no glu, no argmax_out)")
+    if out.dim() != 2:
+        raise ValueError(f"residual and sumsq_out take 2-D rows, got {tuple(out.shape)}")
+    if residual is not None and (residual.shape != out.shape or residual.dtype != out.dtype
+                                 or residual.stride(-1) != 1):
         raise ValueError(f"residual must be a {tuple(out.shape)} {out.dtype} tensor with contiguous rows, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
     if sumsq is None or sumsq.shape != (out.shape[0], n_tiles) or sumsq.dtype != torch.float32 \
             or not sumsq.is_contiguous():
         raise ValueError(f"residual needs sumsq_out, a contiguous float32 [{out.shape[0]}, {n_tiles}] tensor")
-    check_tensors(out, residual, sumsq)
-    return dict(RESID=True, res_ptr=residual, stride_res=residual.stride(0), sq_ptr=sumsq,
-                PLAIN_SQUARE=interpreting())
+    check_tensors(out, sumsq, *([] if residual is None else [residual]))
+    return dict(RESID=True, res_ptr=out if residual is None else residual,
+                stride_res=0 if residual is None else residual.stride(0), sq_ptr=sumsq,
+                PLAIN_SQUARE=interpreting(), ADD_RES=residual is not None)
 
 
 def dense_linear_add_norm(x, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
@@ -456,6 +462,22 @@ def dense_linear_add_norm(x, w: torch.Tensor, residual: torch.Tensor, norm_w: to
     cfg = config.check() if config is not None else config_for(*w.shape, rows.element_size())
     sumsq = torch.empty((rows.shape[0], triton.cdiv(n, cfg.block_n)), dtype=torch.float32, device=rows.device)
     out = dense_linear(x, w, config=cfg, residual=residual, sumsq_out=sumsq)
+    return PendingNorm(out, sumsq, norm_w, float(eps))
+
+
+def dense_linear_norm(x, w: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
+                      config: KernelConfig | None = None) -> PendingNorm:
+    """`rms_norm(dense_linear(x, w), norm_w, eps)` with the norm left pending, as
+    `dense_linear_add_norm` without the residual: one launch writes `x @ w.T` (the rows) and its
+    per-tile sums of squares (a drafter's context features, `hidden_norm(fc(taps))`, normed by
+    the k/v projections that read them). Twin: `norm_ref.rms_norm_tree_ref` of `dense_linear_ref`."""
+    rows = _norm_in_args(x)[0]
+    n = w.shape[0]
+    if norm_w.shape != (n,) or norm_w.dtype != rows.dtype:
+        raise ValueError(f"norm_w must be [{n}] {rows.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
+    cfg = config.check() if config is not None else config_for(*w.shape, rows.element_size())
+    sumsq = torch.empty((rows.shape[0], triton.cdiv(n, cfg.block_n)), dtype=torch.float32, device=rows.device)
+    out = dense_linear(x, w, config=cfg, sumsq_out=sumsq)
     return PendingNorm(out, sumsq, norm_w, float(eps))
 
 

@@ -32,7 +32,7 @@ from the per-slot GEMV's in its summation order (an ulp before the rounding), as
 vocabularies keep the per-slot kernel: their table would not fit, and each slot's GEMV reads
 megabytes, so the launches are not what they wait on.
 
-Public API: `markov_chain(logits, anchor, w1, w2, dtype, table=None)`, `bias_table(w1, w2,
+Public API: `markov_chain(logits, anchor, w1, w2, dtype, table=None, with_anchor=False)`, `bias_table(w1, w2,
 dtype)`, `table_fits(w1, w2, dtype)`, and the twin `markov_chain_ref`.
 """
 
@@ -113,14 +113,17 @@ def _first_max_key(s, idx):
 @triton.jit
 def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
                          stride_logits, stride_table, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         PDL: tl.constexpr = False, WITH_ANCHOR: tl.constexpr = False):
     """The whole chain in one program: slot k's scores are `logits[k] + table[prev]` (the table
     already rounded to the compute dtype, the logits widened to float32), its pick the first
     index of their maximum, found with one reduction over packed (score, index) keys. With
     ONE_TILE (V <= BLOCK) slot k+1's logits are loaded while slot k waits on its table row:
-    they do not depend on the pick."""
+    they do not depend on the pick. WITH_ANCHOR: out[0] is the anchor and the picks follow it."""
     pdl_wait(PDL)
     prev = tl.load(anchor_ptr).to(tl.int64)
+    if WITH_ANCHOR:
+        tl.store(out_ptr, prev)
+        out_ptr += 1
     cols = tl.arange(0, BLOCK)
     if ONE_TILE:
         ok = cols < V
@@ -164,12 +167,13 @@ def bias_table(w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> torch.
 
 
 def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                 dtype: torch.dtype, table: torch.Tensor | None = None) -> torch.Tensor:
+                 dtype: torch.dtype, table: torch.Tensor | None = None, with_anchor: bool = False) -> torch.Tensor:
     """Greedy chain over `logits [n, V]` (float32): tokens `[n]` (int64, on the device), slot
     k picking `argmax(logits[k] + (w1[prev] @ w2.T))` in `dtype` as described above, `prev`
     starting at `anchor` (one int64 element). `w1 [V_in, r]`, `w2 [V, r]`, last axes contiguous.
     With `table` (`bias_table(w1, w2, dtype)`) the whole chain is one launch. No host sync:
-    capturable in a CUDA graph."""
+    capturable in a CUDA graph. `with_anchor`: `[1 + n]`, the anchor first (a round's candidates;
+    written by the table's launch, else one concatenation after the slots')."""
     if logits.dim() != 2 or logits.dtype not in _COMPUTE:
         raise ValueError(f"logits must be [n, V] float32, bfloat16 or float16, got {logits.dtype} {tuple(logits.shape)}")
     n, V = logits.shape
@@ -183,8 +187,12 @@ def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w
     for x, name in ((logits, "logits"), (w1, "w1"), (w2, "w2")):
         if x.stride(-1) != 1:
             raise ValueError(f"{name}: the last axis must be contiguous")
-    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    if table is None and with_anchor:  # the slots' launches, then the anchor in front
+        return torch.cat([anchor.reshape(1).long(), markov_chain(logits, anchor, w1, w2, dtype)])
+    out = torch.empty(n + int(with_anchor), dtype=torch.long, device=logits.device)
     if n == 0:
+        if with_anchor:
+            out.copy_(anchor.reshape(1))
         return out
     if table is not None:
         if table.shape != (w1.shape[0], V) or table.dtype != dtype or table.stride(-1) != 1:
@@ -193,7 +201,8 @@ def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w
         check_tensors(logits, table)
         block = min(TABLE_BLOCK, next_pow2(V))
         _markov_table_kernel[(1,)](logits, table, anchor.reshape(1), out, n, V, logits.stride(0), table.stride(0),
-                                   BLOCK=block, ONE_TILE=V <= block, num_warps=TABLE_WARPS, **pdl_args(logits))
+                                   BLOCK=block, ONE_TILE=V <= block, num_warps=TABLE_WARPS, WITH_ANCHOR=with_anchor,
+                                   **pdl_args(logits))
         return out
     parts = triton.cdiv(V, BLOCK_V)
     block_p = max(16, next_pow2(parts))

@@ -40,7 +40,7 @@ from ._common import check_dtype, check_last_contiguous, check_tensors, next_pow
 from ._pdl import pdl_args, pdl_wait
 from ._sumsq import pairwise_rows
 from .norm_ref import (add_rms_norm_1p_ref, add_rms_norm_ref, add_rms_norm_tree_ref, embed_rms_norm_1p_ref,  # noqa: F401
-                       embed_rms_norm_ref, rms_norm_1p_ref, rms_norm_ref, rms_norm_tree_ref)  # (the twins)
+                       embed_rms_norm_ref, rms_norm_1p_ref, rms_norm_ref, rms_norm_tree_ref, with_first)  # (the twins)
 
 
 @triton.jit
@@ -55,10 +55,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, s
                      stride_out, stride_res_out, eps, HAS_RESIDUAL: tl.constexpr,
                      ZERO_CENTRED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
                      GATHER: tl.constexpr = False, ids_ptr=None, PARTIALS: tl.constexpr = False, sq_ptr=None,
-                     n_parts=0, PARTS_POW2: tl.constexpr = 1):
+                     n_parts=0, PARTS_POW2: tl.constexpr = 1, FIRST: tl.constexpr = False, first_ptr=None):
     """One row: [res_out = x + res]; out = w * (x * rsqrt(mean(x^2) + eps)).to(x.dtype), or with
     ZERO_CENTRED (w is float32 1 + w) out = (x * rsqrt(mean(x^2) + eps) * w) rounded once.
-    GATHER: x is an embedding table, the row's input its row ids[row], copied to res_out.
+    GATHER: x is an embedding table, the row's input its row ids[row], copied to res_out; with
+    FIRST, row 0's id is first[0] instead of ids[0].
     PARTIALS: the sum of squares from the dense kernel's per-tile partials `sq [rows, n_parts]`,
     summed in `_sumsq`'s order (the bits of the norm that kernel folds into its next matmul)."""
     pdl_wait(PDL)
@@ -68,6 +69,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, d, stride_x, s
     src = row
     if GATHER:
         src = tl.load(ids_ptr + row).to(tl.int64)
+        if FIRST:
+            src = tl.where(row == 0, tl.load(first_ptr).to(tl.int64), src)
     raw = tl.load(x_ptr + src * stride_x + offs, mask=mask, other=0.0)
     x = raw.to(tl.float32)
     if GATHER:
@@ -130,12 +133,16 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 
 
 def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
-                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   eps: float, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's embedding and first norm in one launch: `rows = table[ids]` and
     `rms_norm(rows, weight, eps)`, bit for bit `(rms_norm(embed_rows(ids, table), ...),
     embed_rows(ids, table))`. ids `[t]` int32/int64 in [0, V), table `[V, d]` (contiguous last
-    axis), weight `[d]` -> (normed `[t, d]`, rows `[t, d]` in table's dtype)."""
-    return _embed_launch(ids, table, weight, eps, False)
+    axis), weight `[d]` -> (normed `[t, d]`, rows `[t, d]` in table's dtype).
+
+    `first` (one int32/int64 element, on the device): row 0's id in place of `ids[0]`, read
+    there: a drafter's block `[anchor, mask, ...]` from its constant mask ids and the round's
+    anchor without their concatenation's launch (`norm_ref.with_first`)."""
+    return _embed_launch(ids, table, weight, eps, False, first)
 
 
 def embed_rms_norm_1p(ids: torch.Tensor, table: torch.Tensor, w1p: torch.Tensor,
@@ -149,9 +156,13 @@ def embed_rms_norm_1p(ids: torch.Tensor, table: torch.Tensor, w1p: torch.Tensor,
 
 
 def _embed_launch(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
-                  zero_centred: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  zero_centred: bool, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
+    if first is not None:
+        if first.numel() != 1 or first.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"first must be one int32/int64 element, got {first.dtype} {tuple(first.shape)}")
+        check_tensors(ids, first)
     if table.dim() != 2 or weight.dim() != 1 or weight.shape[0] != table.shape[1]:
         raise ValueError(f"expected table [V, d] and weight [d], got {tuple(table.shape)} and {tuple(weight.shape)}")
     check_tensors(ids, table, weight)
@@ -167,6 +178,7 @@ def _embed_launch(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, 
         _rms_norm_kernel[(t,)](
             table, table, weight, out, rows, d, table.stride(0), table.stride(0), out.stride(0), rows.stride(0),
             float(eps), HAS_RESIDUAL=False, ZERO_CENTRED=zero_centred, BLOCK_D=block_d, GATHER=True, ids_ptr=ids,
+            FIRST=first is not None, first_ptr=ids if first is None else first,
             num_warps=_num_warps(block_d), **pdl_args(table),
         )
     return out, rows

@@ -62,10 +62,16 @@ def add_rms_norm_tree_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch
     return rms_norm_tree_ref(new_residual, weight, eps), new_residual
 
 
+def with_first(ids: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
+    """`ids` with its element 0 replaced by `first`'s one element (None: `ids` as they are)."""
+    return ids if first is None else torch.cat([first.reshape(1).to(ids.dtype), ids[1:]])
+
+
 def embed_rms_norm_ref(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The twin of `embed_rms_norm`: the embedding's rows, then `rms_norm_ref` of them."""
-    rows = torch.nn.functional.embedding(ids, table)
+                       eps: float, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `embed_rms_norm`: the embedding's rows (of `with_first(ids, first)`), then
+    `rms_norm_ref` of them."""
+    rows = torch.nn.functional.embedding(with_first(ids, first), table)
     return rms_norm_ref(rows, weight, eps), rows
 
 

@@ -90,6 +90,30 @@ def _tree(parts: torch.Tensor) -> torch.Tensor:
     return v[:, 0]
 
 
+@pytest.mark.parametrize("cfg", list(PRODUCERS), ids=str)
+def test_the_norm_only_epilogue_writes_the_product_and_each_tiles_squares(cfg):
+    """`dense_linear_norm` (no residual): the rows are `dense_linear(a, wo)` bit for bit, column j
+    of sumsq the tree sum of tile j's squares, and a consumer folding it computes
+    `dense_linear(rms_norm_tree_ref(rows))` bit for bit (CPU). Planted: the squares of another
+    tile's columns are seen."""
+    a, wo, _, nw, w2 = _inputs(torch.bfloat16, seed=5)
+    config = PRODUCERS[cfg]
+    p = dl.dense_linear_norm(a, wo, nw, EPS, config=config)
+    assert torch.equal(p.rows, dl.dense_linear(a, wo, config=config))
+    bn = config.block_n
+    assert p.sumsq.shape == (T, -(-D // bn))
+    for j in range(p.sumsq.shape[1]):
+        assert torch.equal(p.sumsq[:, j], tree_sumsq_ref(p.rows[:, j * bn:(j + 1) * bn]))
+    assert not torch.equal(p.sumsq[:, 0], tree_sumsq_ref(p.rows[:, bn:2 * bn]))
+    got = dl.dense_linear(p, w2, config=CONSUMERS["k64"])
+    assert torch.equal(got, dl.dense_linear(norm.rms_norm_partials(p.rows, p.sumsq, nw, EPS), w2,
+                                            config=CONSUMERS["k64"]))
+    if DEVICE == "cpu":
+        assert torch.equal(got, dl.dense_linear(rms_norm_tree_ref(p.rows, nw, EPS), w2, config=CONSUMERS["k64"]))
+    with pytest.raises(ValueError, match="norm_w"):
+        dl.dense_linear_norm(a, wo, nw[:-1], EPS)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("consumer", list(CONSUMERS), ids=str)
 def test_the_folded_norm_is_the_norm_then_the_matmul(dtype, consumer):

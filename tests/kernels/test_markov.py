@@ -176,3 +176,17 @@ def test_table_chain_signed_zero_ties_go_to_the_first_index(device):
     assert torch.signbit(scores[5]) and not torch.signbit(scores[9])
     assert torch.argmax(scores).item() == 5
     assert markov_chain(logits, anchor, w1, w2, torch.float32, table=table).tolist() == [5]
+
+
+@pytest.mark.parametrize("use_table", [True, False], ids=["table", "slots"])
+def test_with_anchor_puts_the_anchor_first(use_table, device):
+    """`with_anchor`: `[anchor, chain...]`, the chain the same picks as without it (the table's
+    launch writes the anchor itself; the slots' path concatenates after its launches)."""
+    logits, anchor, w1, w2 = _inputs(15, 1000, 64, 1000, torch.bfloat16, device, seed=4)
+    table = bias_table(w1, w2, torch.bfloat16) if use_table else None
+    chain = markov_chain(logits, anchor, w1, w2, torch.bfloat16, table=table)
+    both = markov_chain(logits, anchor, w1, w2, torch.bfloat16, table=table, with_anchor=True)
+    assert both.shape == (16,) and both.dtype == torch.long
+    assert both[0].item() == anchor.item() and torch.equal(both[1:], chain)
+    none = markov_chain(logits[:0], anchor, w1, w2, torch.bfloat16, table=table, with_anchor=True)
+    assert none.tolist() == [anchor.item()]

@@ -206,6 +206,31 @@ def test_embed_rms_norm_rows_are_independent_and_a_planted_break_is_seen(device)
     assert not torch.equal(planted, full[3])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_embed_rms_norm_takes_row_0s_id_from_first(dtype, device):
+    """A drafter's block `[anchor, mask, ...]` from its constant mask ids and the anchor on the
+    device: the launch with `first` is, bit for bit, the launch over the concatenated ids (and
+    the twin's rows); the ids tensor is left as it was. Planted: `first` ignored (row 0 from
+    ids[0]) is seen."""
+    from memra_kernels.norm import embed_rms_norm, embed_rms_norm_ref, with_first
+
+    table, _, w = _inputs(50, 96, dtype, device, seed=10)
+    mask_ids = torch.full((6,), 41, device=device)
+    first = torch.tensor([7], device=device)
+    normed, rows = embed_rms_norm(mask_ids, table, w, EPS, first=first)
+    block = torch.tensor([7, 41, 41, 41, 41, 41], device=device)
+    want_normed, want_rows = embed_rms_norm(block, table, w, EPS)
+    assert torch.equal(normed, want_normed) and torch.equal(rows, want_rows)
+    assert torch.equal(with_first(mask_ids, first), block) and mask_ids[0].item() == 41
+    ref_normed, ref_rows = embed_rms_norm_ref(mask_ids, table, w, EPS, first=first)
+    assert torch.equal(rows, ref_rows)
+    _assert_matches(normed, ref_normed)
+    ignored = embed_rms_norm(mask_ids, table, w, EPS)[1]
+    assert not torch.equal(ignored, rows)
+    with pytest.raises(ValueError, match="first"):
+        embed_rms_norm(mask_ids, table, w, EPS, first=torch.tensor([7.0], device=device))
+
+
 def test_embed_rms_norm_refuses_bad_arguments(device):
     from memra_kernels.norm import embed_rms_norm
 
