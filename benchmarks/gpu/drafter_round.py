@@ -182,12 +182,13 @@ def launched_shapes(drafter) -> list[tuple[int, int, bool]]:
 def matmul_launches(drafter) -> dict:
     """The drafter's weight-matmul launches in one static (graphed) block forward and one static
     ingest, counted on the host: every step-op `linear` / `swiglu` / `linear_add_rms_norm` /
-    `qkv_rope_kv_write` call is one matmul launch on CUDA (the q8_0 / q4_0 kernel for a quantized
-    weight; the last two with or without their add + norm or rope epilogue folded in). Fused at load, a layer's block forward
+    `linear_rms_norm` / `qkv_rope_kv_write` call is one matmul launch on CUDA (the q8_0 / q4_0
+    kernel for a quantized weight; the last three with or without their add + norm, norm or rope
+    epilogue folded in). Fused at load, a layer's block forward
     is q/k/v, o, gate/up (+ SiLU·mul) and down (4), its ingest one k/v projection; unfused 7 and 2.
     Returns {"round", "ingest", "layers"}; runs the calls once on the drafter's device."""
     cfg, dev, ops = drafter.cfg, drafter.device, drafter.step_ops
-    counts = {"linear": 0, "swiglu": 0, "linear_add_rms_norm": 0, "qkv_rope_kv_write": 0}
+    counts = {"linear": 0, "swiglu": 0, "linear_add_rms_norm": 0, "linear_rms_norm": 0, "qkv_rope_kv_write": 0}
 
     class Counting:
         def __getattr__(self, name):

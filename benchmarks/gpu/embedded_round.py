@@ -65,7 +65,7 @@ def round_parts(engine: Engine, arm, prompt: list[int], reps: int) -> dict:
     target, drafter, program = engine.target, s.proposer.drafter, s.program
     width = engine.runner.width
     dev = target.device
-    tail = torch.full((drafter.cfg.block_size - 1,), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
+    mask_ids = torch.full((drafter.cfg.block_size,), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
     last_t = torch.tensor([last], dtype=torch.long, device=dev)
     start_t = torch.tensor(start, dtype=torch.long, device=dev)
     rows = torch.arange(width, device=dev)
@@ -74,7 +74,7 @@ def round_parts(engine: Engine, arm, prompt: list[int], reps: int) -> dict:
     holder: dict = {}
 
     def propose():
-        holder["drafts"] = static_proposal(drafter, target, program, kv, last_t, tail, start_t, want_raws).drafts
+        holder["drafts"] = static_proposal(drafter, target, program, kv, last_t, mask_ids, start_t, want_raws).drafts
 
     def verify():
         cand = torch.cat([last_t, holder["drafts"]])[:width]

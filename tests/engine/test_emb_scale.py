@@ -116,9 +116,9 @@ def test_the_graph_body_scales_the_same_way(pair, monkeypatch):
     drafter, seen = arm.drafter, []
     monkeypatch.setattr(drafter, "static_round", lambda kv, noise, start, at=None: seen.append(noise) or
                         torch.zeros(noise.shape[0], target.hidden_size))
-    last, tail = torch.tensor([7]), torch.full((7,), 511)
-    proposer_mod.static_proposal(drafter, target, arm.program, None, last, tail, torch.tensor(0), False)
-    assert torch.equal(seen[0], target.embed(torch.cat([last, tail])) * arm.program.emb_scale)
+    last, mask_ids = torch.tensor([7]), torch.full((8,), 511)
+    proposer_mod.static_proposal(drafter, target, arm.program, None, last, mask_ids, torch.tensor(0), False)
+    assert torch.equal(seen[0], target.embed(torch.cat([last, mask_ids[1:]])) * arm.program.emb_scale)
     assert arm.program.emb_scale != 1.0
 
 

@@ -246,7 +246,7 @@ def test_static_draft_round_and_ingest_match_the_eager_ones(target_dir, tmp_path
     want_raws = proposer.program.window.is_confidence
     eager = proposer.propose(last, start, want_raws)
     heads = static_proposal(proposer.drafter, proposer.target, proposer.program, kv, last,
-                            proposer.block_ids[1:], torch.tensor(start), want_raws, want_chain=True)
+                            proposer.block_ids, torch.tensor(start), want_raws, want_chain=True)
     drafts, raws = heads.drafts, heads.raws
     assert torch.equal(drafts, eager.drafts)
     assert torch.equal(heads.chain, torch.cat([last.reshape(1), drafts]))  # the round's candidates

@@ -230,3 +230,72 @@ def test_the_fused_qkv_projection_in_a_drafter_round_and_ingest(drafts, monkeypa
                                                                    torch.zeros_like(sin), *rest))
     bad, _ = _static(d, taps, noise, 48)
     assert _rel(bad, ref) > tol
+
+
+@pytest.mark.parametrize("ops", [TorchStepOps, TritonStepOps], ids=["torch", "triton"])
+def test_a_block_of_tokens_is_embedded_in_the_first_norms_launch(drafts, ops):
+    """`static_round` given the block as `BlockTokens` (the target's table, the mask ids, the
+    anchor on the device) equals it given the embedded rows of [anchor, mask...], bit for bit
+    (`embed_rms_norm` with `first` is the gather then the norm); the mask ids are not written.
+    Planted: a block whose anchor is another token is seen."""
+    from memra_cli.engine.models.drafter import BlockTokens
+
+    d = _drafter(drafts["full"], ops(), torch.bfloat16)
+    b, hidden = d.cfg.block_size, d.cfg.hidden_size
+    table = (torch.randn(64, hidden, generator=torch.Generator().manual_seed(5)) * 0.5).to(DEVICE, d.dtype)
+    mask_ids = torch.full((b,), 63, device=DEVICE)
+    anchor = torch.tensor([9], device=DEVICE)
+    taps, _ = _inputs(d, 21)
+
+    def round_of(block):
+        kv = d.new_cache(48)
+        d.ingest(kv, taps, torch.arange(21, device=DEVICE))
+        return d.static_round(kv, block, torch.tensor(21, device=DEVICE))
+
+    got = round_of(BlockTokens(table, mask_ids, anchor))
+    assert torch.equal(got, round_of(table[torch.cat([anchor, mask_ids[1:]])]))
+    assert (mask_ids == 63).all()
+    assert not torch.equal(got, round_of(BlockTokens(table, mask_ids, torch.tensor([10], device=DEVICE))))
+
+
+def test_the_mlp_and_context_norms_fold_into_the_next_projections(drafts, monkeypatch):
+    """With the tiny drafter's weights in the dense kernel's table, a layer's down projection adds
+    the residual and leaves the norm after it to the next layer's q/k/v (`linear_add_rms_norm`:
+    each layer but the last, whose final norm feeds the heads), and a static ingest's context
+    features leave their norm to the k/v projections (`linear_rms_norm`, one launch): the round and
+    the cache stay within bf16 tolerance of the torch ops'. Planted: the context's norm folded
+    without its weight is seen in the cache's values."""
+    from memra_kernels import dense_linear as dl
+
+    d = _drafter(drafts["full"], TritonStepOps(), torch.bfloat16)
+    layer, hd = d.layers[0], d.cfg.head_dim
+    assert len(d.layers) > 1 and layer.wqkv is not None and layer.wkv is not None
+    for w in (layer.wqkv, layer.wkv):
+        monkeypatch.setitem(dl.TUNED, tuple(w.shape), dl.KernelConfig(block_n=min(16, hd), block_k=32, split_k=1,
+                                                                       num_stages=2))
+    for w in (layer.w_down, d.fc):
+        monkeypatch.setitem(dl.TUNED, tuple(w.shape), dl.KernelConfig(block_n=16, block_k=32, split_k=1,
+                                                                       num_stages=2))
+    calls = {"add_norm": 0, "norm": 0}
+    real_add, real_norm = dl.dense_linear_add_norm, dl.dense_linear_norm
+
+    def add_norm(*a, **kw):
+        calls["add_norm"] += 1
+        return real_add(*a, **kw)
+
+    def norm_only(*a, **kw):
+        calls["norm"] += 1
+        return real_norm(*a, **kw)
+
+    monkeypatch.setattr(dl, "dense_linear_add_norm", add_norm)
+    monkeypatch.setattr(dl, "dense_linear_norm", norm_only)
+    taps, noise = _inputs(d, 21)
+    got, kv = _static(d, taps, noise, 48)
+    assert calls == {"add_norm": len(d.layers) - 1, "norm": 1}  # one round, one static ingest
+    ref, kv_ref = _static(_drafter(drafts["full"], TorchStepOps(), torch.bfloat16), taps, noise, 48)
+    n = kv.length
+    assert _rel(got, ref) < BF16_TOL
+    assert _rel(kv.k[:, :, :n], kv_ref.k[:, :, :n]) < BF16_TOL and _rel(kv.v[:, :, :n], kv_ref.v[:, :, :n]) < BF16_TOL
+    monkeypatch.setattr(dl, "dense_linear_norm", lambda x, w, nw, eps, **kw: real_norm(x, w, torch.ones_like(nw), eps))
+    _, kv_bad = _static(d, taps, noise, 48)
+    assert _rel(kv_bad.v[:, :, :n], kv_ref.v[:, :, :n]) > BF16_TOL

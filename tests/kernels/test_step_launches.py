@@ -133,16 +133,20 @@ def test_the_other_moe_families_end_a_layer_in_the_combine(family):
 
 
 @pytest.mark.exhaustive  # an interpreted round and plain step of the embedded pair: about 40 s
-def test_a_dspark_round_makes_its_positions_and_candidates_once():
+def test_a_dspark_round_makes_its_positions_candidates_and_block_once():
     """`--round dspark` on the embedded pair (its weight matmuls on the dense kernel, as shipped):
     besides the kernels, a round body launches two adds (the drafter block's positions with its
-    attention's last positions and the ingest's span; the verify step's positions), three
-    concatenations (the block ids, the candidates the confidence head and the verify share, the
-    target's taps) and the draft cache's position rows; no repeat (the attention's last
-    positions come from the same add), and no weight matmul is left to cuBLAS."""
+    attention's last positions and the ingest's span; the verify step's positions) and one
+    concatenation (the target's taps). The block's ids, its embedding and first norm are one
+    launch; the candidates [last, drafts] come from the chain's launch; the draft cache's
+    position rows are not written (row index == position); a drafter layer's MLP norm and the
+    ingest's context norm fold into the projections after them; no weight matmul is left to
+    cuBLAS."""
     from benchmarks.step_launches import count_round
 
     got = count_round("embedded", "dspark")
-    assert got["round"]["torch"] == {"add": 2, "cat": 3, "index_copy_": 1}, got["round"]["torch"]
-    assert got["round"]["triton"]["_confidence_kernel"] == 1 and got["round"]["triton"]["_settle_kernel"] == 1
-    assert got["plain"]["launches"] == 40 and got["round"]["launches"] == 68
+    assert got["round"]["torch"] == {"add": 2, "cat": 1}, got["round"]["torch"]
+    tri = got["round"]["triton"]
+    assert tri["_confidence_kernel"] == 1 and tri["_settle_kernel"] == 1 and "_embed_kernel" not in tri
+    assert tri["_rms_norm_kernel"] == 3, tri  # the block's embedding + first norm, its final norm, the target's first
+    assert got["plain"]["launches"] == 40 and got["round"]["launches"] == 62

@@ -21,6 +21,10 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   rows; `swiglu`, `linear`, `qkv_rope_kv_write` and `lm_head_argmax` take one, and norm it with
   `norm.rms_norm_partials` where they cannot fold it, the same bits): the statistic summed in one
   fixed order, which may differ from `add_rms_norm`'s kernel in its last ulp
+- `linear_rms_norm(a, w, norm_w, eps, consumer=None) -> h`: `rms_norm(linear(a, w), norm_w, eps)`,
+  a projection whose output is normed next (a drafter's context features); with the kernels,
+  where `linear` takes the dense kernel for `w` and for each weight of `consumer` (a weight or a
+  sequence of them), one launch and `h` a `PendingNorm`, as `linear_add_rms_norm` without the add
 - `qk_norm_rope_kv_write(qkv, q_norm, k_norm, cos, sin, positions, k_cache, v_cache, nh, nkv, eps) -> q`
 - `rope_kv_write(qkv, cos, sin, positions, k_cache, v_cache, nh, nkv) -> q`: the same without
   the q/k norm (LLaMA), hd the tables' width
@@ -64,16 +68,19 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   the cache's last positions, causal by position; `mask` the forward's folded boolean mask,
   built only when `prefill_mask` is True)
 - `embed(ids, weight) -> rows`: an embedding lookup (a copy of the rows)
-- `embed_rms_norm(ids, weight, norm_w, eps) -> (normed, rows)`: `embed` then `rms_norm` of its rows,
-  a step's first norm (one launch with the kernels, the bits of the two); `embed_rms_norm_1p`
-  the same with the zero-centred `rms_norm_1p` (Qwen3.5's)
+- `embed_rms_norm(ids, weight, norm_w, eps, first=None) -> (normed, rows)`: `embed` then `rms_norm`
+  of its rows, a step's first norm (one launch with the kernels, the bits of the two); `first`
+  (one element on the device) is row 0's id in place of `ids[0]` (a drafter's block: the anchor,
+  then its constant mask ids); `embed_rms_norm_1p` the same with the zero-centred `rms_norm_1p`
+  (Qwen3.5's)
 - `confidence_raw(hidden, w, b, prev=None, w1=None) -> f32 [n]`: DSpark's accept-rate head
 - `pack_round(cand, sel, raws=None) -> f64`: a graphed round's one host read, packed
 - `settle_round(cand, sel, raws, inputs, threshold, kind=, cap=, adapt=, restore=None, ring=0, cost=None) -> f64`:
   a chained round's settlement on the device (window, accepted prefix, next inputs written into
   `inputs`; with `restore`, the ring rows a recurrent state's restore re-runs) and its packed
   output (memra_kernels.settle_ref; one launch with the kernels instead of ~30)
-- `markov_chain(logits, anchor, w1, w2, dtype, host_loop=False) -> tokens`: DSpark's greedy chain
+- `markov_chain(logits, anchor, w1, w2, dtype, host_loop=False, with_anchor=False) -> tokens`
+  (`with_anchor`: `[anchor, tokens...]`, a round's candidates): DSpark's greedy chain
   (the drafter's side of a round; with the kernels one launch per slot, or one launch in all over
   a bias table built once where the vocabulary is small; with torch ~6 ops a slot, or 3 over the
   same table, built once row by row, or, for an eager caller on the CPU, a numpy loop over that
@@ -140,7 +147,8 @@ Gemma 4's (models/gemma4.py; memra_kernels.gemma4, twins in gemma4_ref):
 
 - `unfused()`: these ops with this seam's launch fusions undone (`embed_rms_norm` as the gather
   then the norm, `lm_head_argmax` as the matmul then the argmax, `qkv_rope_kv_write` as the
-  projection then the rope op, `linear_add_rms_norm` as the projection then `add_rms_norm`,
+  projection then the rope op, `linear_add_rms_norm` as the projection then `add_rms_norm`
+  (`linear_rms_norm` then `rms_norm`),
   `moe_swiglu_add_rms_norm` as the experts then the add + norm, `router_route` as the router's
   matmul then the routing): the same bits but for the q/k/v epilogue's and the folded norms'
   float32 statistics (another summation order, as against the torch twins), more

@@ -331,6 +331,12 @@ class TorchStepOps:
         `consumer` (the weight that multiplies the normed rows next) is the kernels' hint only."""
         return cls.add_rms_norm(cls.linear(a, w, bias), residual, norm_w, eps)
 
+    @classmethod
+    def linear_rms_norm(cls, a: torch.Tensor, w, norm_w: torch.Tensor, eps: float, consumer=None) -> torch.Tensor:
+        """`rms_norm(linear(a, w), norm_w, eps)`; `consumer` (the weight, or weights, that
+        multiply the normed rows next) is the kernels' hint only."""
+        return cls.rms_norm(cls.linear(a, w), norm_w, eps)
+
     # the op's one torch body (qk_norm_rope_kv_write_ref), in fewer ops on the CPU, bit for bit
     qk_norm_rope_kv_write = staticmethod(qk_norm_rope_kv_write_cpu)
 
@@ -402,9 +408,10 @@ class TorchStepOps:
     markov_bias = staticmethod(markov_bias_ref)  # the chain's bias after a token: the op's one torch body
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     dtype: torch.dtype, host_loop: bool = False) -> torch.Tensor:
+                     dtype: torch.dtype, host_loop: bool = False, with_anchor: bool = False) -> torch.Tensor:
         """Greedy chain over `logits [n, V]` (float32, or the model dtype) -> tokens `[n]`: slot k
         takes `argmax(logits[k] + linear(w1[prev], w2))` in `dtype`, prev starting at `anchor`.
+        `with_anchor`: `[1 + n]`, the anchor first (a round's candidates `[last, drafts]`).
 
         A slot's bias comes from a table of every bias row, `[V_in, V]` float32, where it fits
         (`MARKOV_TABLE_MAX_BYTES`): one gather instead of a gather, a cast, a rank-r GEMV and a
@@ -420,10 +427,12 @@ class TorchStepOps:
         the host, so it keeps the torch loop (the CPU stand-ins of capture check that too)."""
         table = self._markov_table(w1, w2, dtype)
         if host_loop and table is not None and logits.device.type == "cpu":
-            return markov_chain_host(logits, anchor, table)
-        if table is not None:
-            return markov_chain_body(logits, anchor, lambda prev: table[prev])
-        return markov_chain_body(logits, anchor, lambda prev: self.markov_bias(w1, w2, prev, dtype))
+            chain = markov_chain_host(logits, anchor, table)
+        elif table is not None:
+            chain = markov_chain_body(logits, anchor, lambda prev: table[prev])
+        else:
+            chain = markov_chain_body(logits, anchor, lambda prev: self.markov_bias(w1, w2, prev, dtype))
+        return torch.cat([anchor.reshape(1).to(chain), chain]) if with_anchor else chain
 
     def prepare_markov(self, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> bool:
         """Build the chain's bias table now (at load) rather than in the first round; whether

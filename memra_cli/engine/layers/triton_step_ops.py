@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from memra_cli.engine.layers.torch_step_ops import TorchStepOps
 from memra_cli.engine.layers.unfused import (unfused_embed_rms_norm, unfused_embed_rms_norm_1p,
-                                             unfused_gemma_add_two_norms, unfused_linear_add_rms_norm,
+                                             unfused_gemma_add_two_norms, unfused_linear_add_rms_norm, unfused_linear_rms_norm,
                                              unfused_lm_head_argmax, unfused_moe_gemma_add_norm,
                                              unfused_moe_swiglu_add_rms_norm,
                                              unfused_moe_swiglu_shared_add_rms_norm_1p, unfused_qkv_rope_kv_write,
@@ -111,6 +111,7 @@ class TritonStepOps:
         ops.lm_head_argmax = functools.partial(unfused_lm_head_argmax, ops)
         ops.qkv_rope_kv_write = functools.partial(unfused_qkv_rope_kv_write, ops)
         ops.linear_add_rms_norm = functools.partial(unfused_linear_add_rms_norm, ops)
+        ops.linear_rms_norm = functools.partial(unfused_linear_rms_norm, ops)
         ops.moe_swiglu_add_rms_norm = functools.partial(unfused_moe_swiglu_add_rms_norm, ops)
         ops.moe_swiglu_shared_add_rms_norm_1p = functools.partial(unfused_moe_swiglu_shared_add_rms_norm_1p, ops)
         ops.moe_gemma_add_norm = functools.partial(unfused_moe_gemma_add_norm, ops)
@@ -129,13 +130,24 @@ class TritonStepOps:
             return pending, pending.rows
         return self.add_rms_norm(self.linear(a, w, bias), residual, norm_w, eps)
 
+    def linear_rms_norm(self, a: torch.Tensor, w, norm_w: torch.Tensor, eps: float, consumer=None):
+        """`TorchStepOps.linear_rms_norm`; where `folds_norm` (every weight of `consumer`, a
+        weight or a sequence of them, would fold it), one launch (`dense_linear.dense_linear_norm`)
+        and the normed rows a `PendingNorm` those consumers fold in; else the projection and
+        `rms_norm`."""
+        if self.folds_norm(a, w, None, norm_w, consumer):
+            return self._dense.dense_linear_norm(a, w, norm_w, eps)
+        return self.rms_norm(self.linear(a, w), norm_w, eps)
+
     def folds_norm(self, a: torch.Tensor, w, bias, norm_w: torch.Tensor, consumer) -> bool:
-        """Whether `linear_add_rms_norm` leaves its norm to `consumer`: `linear` takes the dense
-        kernel for `a @ w.T` (no bias) and for the normed rows times the plain weight `consumer`,
-        and the norm weight has the rows' dtype."""
-        return (bias is None and isinstance(w, torch.Tensor) and isinstance(consumer, torch.Tensor)
+        """Whether `linear_add_rms_norm` (`linear_rms_norm`) leaves its norm to `consumer`: `linear`
+        takes the dense kernel for `a @ w.T` (no bias) and for the normed rows times the plain
+        weight `consumer` (each of them, given a sequence), and the norm weight has the rows' dtype."""
+        consumers = tuple(consumer) if isinstance(consumer, (tuple, list)) else (consumer,)
+        return (bias is None and isinstance(w, torch.Tensor) and len(consumers) > 0
+                and all(isinstance(c, torch.Tensor) for c in consumers)
                 and self._dense.eligible(a, w) and norm_w.dtype == a.dtype
-                and self._dense.eligible_rows(a.shape[0], w.shape[0], a.dtype, consumer))
+                and all(self._dense.eligible_rows(a.shape[0], w.shape[0], a.dtype, c) for c in consumers))
 
     def normed(self, h):
         """A `PendingNorm`'s normed rows (`norm.rms_norm_partials`: the bits a folding consumer
@@ -279,12 +291,13 @@ class TritonStepOps:
         return moe_route_ref(logits, k, normalize, live, counts, scale)
 
     def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                     dtype: torch.dtype, host_loop: bool = False) -> torch.Tensor:
-        """The chain kernel; for a small vocabulary through its bias table (one launch), built
-        on first use and kept with references to its weights (so their addresses, its key, stay
-        theirs). The first use is outside any capture: graphs warm their body up first.
-        `host_loop` is the torch seam's CPU choice, unused here."""
-        return self._markov.markov_chain(logits, anchor, w1, w2, dtype, table=self._markov_table(w1, w2, dtype))
+                     dtype: torch.dtype, host_loop: bool = False, with_anchor: bool = False) -> torch.Tensor:
+        """The chain kernel; for a small vocabulary through its bias table (one launch, which also
+        writes the anchor `with_anchor`), built on first use and kept with references to its
+        weights (so their addresses, its key, stay theirs). The first use is outside any capture:
+        graphs warm their body up first. `host_loop` is the torch seam's CPU choice, unused here."""
+        return self._markov.markov_chain(logits, anchor, w1, w2, dtype, table=self._markov_table(w1, w2, dtype),
+                                         with_anchor=with_anchor)
 
     def prepare_markov(self, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> bool:
         """Build the chain's bias table now (at load) rather than in the first round; whether one fits."""

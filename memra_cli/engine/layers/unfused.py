@@ -13,6 +13,7 @@ import torch
 from memra_cli.engine.layers.moe import bounded_live
 from memra_kernels.gemma4_ref import gemma_rms_norm_ref
 from memra_kernels.moe_route_ref import router_pre_norm_ref
+from memra_kernels.norm_ref import with_first
 
 
 def unfused_swiglu(ops, x: torch.Tensor, w_gate_up) -> torch.Tensor:
@@ -31,10 +32,11 @@ def unfused_embed_rms_norm_1p(ops, ids: torch.Tensor, weight: torch.Tensor, w1p:
 
 
 def unfused_embed_rms_norm(ops, ids: torch.Tensor, weight: torch.Tensor, norm_w: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A step's embedding and first norm as two step ops, `(ops.rms_norm(rows, norm_w, eps), rows)`
-    with `rows = ops.embed(ids, weight)`: the unfused form `unfused()` installs."""
-    rows = ops.embed(ids, weight)
+    with `rows = ops.embed(ids, weight)` (ids with `first` as element 0, a concatenation): the
+    unfused form `unfused()` installs."""
+    rows = ops.embed(with_first(ids, first), weight)
     return ops.rms_norm(rows, norm_w, eps), rows
 
 
@@ -53,6 +55,12 @@ def unfused_linear_add_rms_norm(ops, a: torch.Tensor, w, bias, residual: torch.T
     norm kernel's statistic: the folded one's order differs, so may its last ulp); `consumer`
     (the next weight) is unused here."""
     return ops.add_rms_norm(ops.linear(a, w, bias), residual, norm_w, eps)
+
+
+def unfused_linear_rms_norm(ops, a: torch.Tensor, w, norm_w: torch.Tensor, eps: float, consumer=None) -> torch.Tensor:
+    """A projection and the norm of its output as two step ops, `rms_norm(linear(a, w))` (the
+    norm kernel's statistic); `consumer` is unused here."""
+    return ops.rms_norm(ops.linear(a, w), norm_w, eps)
 
 
 def unfused_router_route(ops, x, router, k: int, normalize: bool, live=None, counts=None, scale=None,

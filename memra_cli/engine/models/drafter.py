@@ -116,12 +116,25 @@ class BlockPositions(NamedTuple):
     span: torch.Tensor
 
 
+class BlockTokens(NamedTuple):
+    """A static block's input as token ids, for a drafter that embeds and norms it in its first
+    launch (`Drafter.fuses_block_embedding`): the target's embedding `table [V, hidden]`, the
+    block's ids `ids [b]` (the mask token's; element 0 stands for the anchor) and the anchor
+    `first` (one element on the device, row 0's id). Rows `table[[first, ids[1:]...]]`."""
+
+    table: torch.Tensor
+    ids: torch.Tensor
+    first: torch.Tensor
+
+
 class DraftKV:
     """Preallocated draft K/V: per layer `[cap + block, n_kv, head_dim]`, append-only.
 
     Rows `[0, length)` are committed ctx rows (k normed and roped); a round writes its block K/V
     transiently at `[length, length + b)`. `positions [cap + block]` holds each row's absolute
-    position (sliding-window and causal masks are computed from positions, not indices).
+    position (sliding-window and causal masks are computed from positions, not indices): the
+    eager path writes the positions it is given; it starts as the row indices, which is what the
+    static path's rows hold (row index == position), so that path writes nothing there.
     `cos`, `sin [cap + block, head_dim]` are the rope tables of every storage row (the static
     path, where row index == position, reads them by position); they belong to the storage, so
     the CUDA graphs captured over it never read a table that was replaced.
@@ -134,7 +147,7 @@ class DraftKV:
         # masked key must be finite (NaN + -inf is NaN)
         self.k = torch.zeros(n_layers, n_kv, cap + block, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
-        self.positions = torch.zeros(cap + block, dtype=torch.long, device=device)
+        self.positions = torch.arange(cap + block, dtype=torch.long, device=device)
         self.cos = self.sin = None
         if rope is not None:  # the same float32 product as a per-call `cos_sin`, then cast
             self.cos, self.sin = cos_sin(rope, torch.arange(cap + block, device=device), dtype)
@@ -157,6 +170,9 @@ class DraftKV:
 
 class Drafter:
     """A loaded drafter on one device in one compute dtype."""
+
+    # `static_round` takes a `BlockTokens` (its first launch embeds and norms the block)
+    fuses_block_embedding = True
 
     def __init__(self, census: Census, layers: list[DraftLayer], fc: object, hidden_norm: torch.Tensor,
                  norm: torch.Tensor, extras: dict[str, object], dtype: torch.dtype, device: torch.device):
@@ -281,14 +297,31 @@ class Drafter:
         which may fold it (`linear_add_rms_norm`). Returns the final-normed hidden `[b, hidden]`
         and, when kept, the residual after each layer."""
         ops, eps, outs = self.step_ops, self.cfg.rms_norm_eps, []
-        h = ops.rms_norm(x, self.layers[0].ln_in, eps)
+        if isinstance(x, BlockTokens):  # the block's embedding and first norm: one step op
+            h, x = ops.embed_rms_norm(x.ids, x.table, self.layers[0].ln_in, eps, first=x.first)
+        else:
+            h = ops.rms_norm(x, self.layers[0].ln_in, eps)
         for li, w in enumerate(self.layers):
             h, x = ops.linear_add_rms_norm(attend(li, h), w.wo, None, x, w.ln_post, eps, w.w_gate_up)
-            after = self.layers[li + 1].ln_in if li + 1 < len(self.layers) else self.norm
-            h, x = ops.add_rms_norm(self._mlp(h, w), x, after, eps)
+            nxt = self.layers[li + 1] if li + 1 < len(self.layers) else None
+            # the next layer's q/k/v may fold the norm after this layer's MLP; the final norm's
+            # rows go to the heads (sliced, so a plain tensor)
+            h, x = self._mlp_add_norm(h, w, x, nxt.ln_in if nxt else self.norm, nxt.wqkv if nxt else None)
             if keep_layers:
                 outs.append(x)
         return h, outs
+
+    def _mlp_add_norm(self, h, w: DraftLayer, x: torch.Tensor, norm_w: torch.Tensor, consumer):
+        """The MLP of normed rows `h`, the residual add and the norm after it -> (normed, new
+        residual): `linear_add_rms_norm` on the down projection (one launch with the kernels where
+        it and `consumer`, the weight that multiplies the normed rows next, take the dense
+        kernel), else `_mlp` then `add_rms_norm`. The same bits as `_mlp` + `add_rms_norm` on the
+        torch ops; with the kernels the folded norm's statistic is summed in another order."""
+        eps = self.cfg.rms_norm_eps
+        if w.w_gate_up is None:
+            return self.step_ops.add_rms_norm(self._mlp(h, w), x, norm_w, eps)
+        return self.step_ops.linear_add_rms_norm(self.step_ops.swiglu(h, w.w_gate_up), w.w_down, None, x, norm_w,
+                                                 eps, consumer)
 
     def _mask(self, layout: LayerLayout, q_pos: torch.Tensor, k_pos: torch.Tensor, n_ctx: int) -> torch.Tensor | None:
         """`[b, n]` True = attend. Sliding layers drop keys `window` or more positions back;
@@ -439,27 +472,32 @@ class Drafter:
         (`start` a 0-d device tensor; row index == position), without touching `kv.length`.
         Rows past the real ones are padding: they land where the next round writes its block.
         `positions`: those positions when the caller has them already (a round's
-        `block_positions(...).span`), saving their add. Per layer: the k/v projection with
-        the k norm + rope + K/V write (`_project_rope_write`, a qkv with no q heads)."""
+        `block_positions(...).span`), saving their add. The context features through
+        `linear_rms_norm` (with the kernels one launch, its norm folded into the k/v projections
+        that read it); per layer, the k/v projection with the k norm + rope + K/V write
+        (`_project_rope_write`, a qkv with no q heads). `kv.positions` already holds these rows'
+        positions (row index == position: `DraftKV`)."""
         positions = self._ingest_positions(taps, start, positions)
-        ctx = self.ctx_features(taps)
+        ctx = self.step_ops.linear_rms_norm(taps.to(self.dtype), self.fc, self.hidden_norm, self.cfg.rms_norm_eps,
+                                            [w.wkv for w in self.layers])
         for li, w in enumerate(self.layers):
             self._project_rope_write(ctx, w, li, kv, positions, 0)
-        kv.positions.index_copy_(0, positions, positions)
 
-    def static_round(self, kv: DraftKV, noise: torch.Tensor, start: torch.Tensor,
+    def static_round(self, kv: DraftKV, noise: torch.Tensor | BlockTokens, start: torch.Tensor,
                      at: BlockPositions | None = None) -> torch.Tensor:
-        """`forward_round` with static shapes for a CUDA graph: block `noise [b, hidden]` at
-        positions `start..start+b-1` (`start` a 0-d device tensor equal to the committed length;
-        row index == position), attending over the whole storage. Returns the final-normed
-        hidden `[b, hidden]`. `at`: `block_positions(start, b)` when the caller made them.
+        """`forward_round` with static shapes for a CUDA graph: block `noise [b, hidden]` (or its
+        `BlockTokens`, embedded in the first norm's launch) at positions `start..start+b-1`
+        (`start` a 0-d device tensor equal to the committed length; row index == position),
+        attending over the whole storage. Returns the final-normed hidden `[b, hidden]`. `at`:
+        `block_positions(start, b)` when the caller made them.
 
         Per layer: the q/k/v projection with the q/k norm + rope + block K/V write
         (`_project_rope_write`), then attention. A plain layer (every ctx and block key visible)
         is the step ops' causal attention with every block row at the block's last position
         `start+b-1`: it then sees keys `0..start+b-1`, i.e. the committed ctx and the whole block,
         never the stale rows after it. Sliding and block-causal layers keep `_static_mask` (torch attention)."""
-        b, cfg, ops = noise.shape[0], self.cfg, self.step_ops
+        b = noise.ids.shape[0] if isinstance(noise, BlockTokens) else noise.shape[0]
+        cfg, ops = self.cfg, self.step_ops
         positions, last, _ = at if at is not None else self.block_positions(start, b)
 
         def attend(li, xn):
@@ -470,7 +508,8 @@ class Drafter:
             keys = self._offsets(kv.rows)  # (only masked layers need every key's position)
             return gqa_attention(q, kv.k[li], kv.v[li], self._static_mask(layout, positions, keys, start), self.scale)
 
-        return self._layers(noise.to(self.dtype), attend, keep_layers=False)[0]
+        return self._layers(noise if isinstance(noise, BlockTokens) else noise.to(self.dtype), attend,
+                            keep_layers=False)[0]
 
     # ------------------------------------------------------------------- heads
 
@@ -490,19 +529,22 @@ class Drafter:
     def has_confidence(self) -> bool:
         return self.conf_w is not None
 
-    def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, pick=None, host_loop: bool = False) -> torch.Tensor:
+    def markov_chain(self, logits: torch.Tensor, anchor: torch.Tensor, pick=None, host_loop: bool = False,
+                     with_anchor: bool = False) -> torch.Tensor:
         """Greedy semi-autoregressive chain over `logits [n, V]` (float32, or the model dtype:
         widened exactly where they are added to the bias): slot k's logits get
         `w2 · w1[prev]`, prev starting at `anchor` (0-d or [1] long) and then each chosen token.
         Returns tokens `[n]` on the device (no host sync). `pick(k, scores [1, V]) -> [1]`
         chooses instead of argmax (a sampler's drafting: spec/keyed.py `Drafting.pick`).
-        `host_loop`: the caller is never captured as a graph (step_ops `markov_chain`)."""
+        `host_loop`: the caller is never captured as a graph (step_ops `markov_chain`).
+        `with_anchor`: `[1 + n]`, the anchor first (a round's candidates [last, drafts]; the
+        greedy chain's one launch writes it with the kernels)."""
         assert self.markov_w1 is not None and self.markov_w2 is not None
         if pick is None:  # greedy: the seam's chain (one launch with the kernels)
             return self.step_ops.markov_chain(logits, anchor, self.markov_w1, self._markov_w2_values(), self.dtype,
-                                              host_loop=host_loop)
+                                              host_loop=host_loop, with_anchor=with_anchor)
         prev = anchor.reshape(1)
-        out = []
+        out = [prev] if with_anchor else []
         for k in range(logits.shape[0]):
             bias = linear(self.markov_w1[prev].to(self.dtype), self.markov_w2).float()  # [1, V]
             prev = torch.argmax(logits[k : k + 1] + bias, dim=-1) if pick is None else pick(k, logits[k : k + 1] + bias)

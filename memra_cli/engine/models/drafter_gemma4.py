@@ -68,6 +68,8 @@ class Gemma4DraftLayer:
 class Gemma4Drafter(Drafter):
     """A loaded `Gemma4DSparkModel` on one device in one compute dtype (the `Drafter` interface)."""
 
+    fuses_block_embedding = False  # its static round takes the block's rows (Gemma's own norms)
+
     def __init__(self, census: Census, layers: list[Gemma4DraftLayer], fc: object, hidden_norm: torch.Tensor,
                  norm: torch.Tensor, extras: dict[str, object], dtype: torch.dtype, device: torch.device):
         super().__init__(census, layers, fc, hidden_norm, norm, extras, dtype, device)  # type: ignore[arg-type]
@@ -143,12 +145,12 @@ class Gemma4Drafter(Drafter):
                       positions: torch.Tensor | None = None) -> None:
         """`ingest` of exactly `b` rows at positions `start..start+b-1` (`start` a 0-d device
         tensor), without touching `kv.length` (padding rows land where the next block writes).
-        `positions`: those positions when the caller has them already (`Drafter.static_ingest`)."""
+        `positions`: those positions when the caller has them already (`Drafter.static_ingest`).
+        `kv.positions` already holds them (row index == position: `DraftKV`)."""
         positions = self._ingest_positions(taps, start, positions)
         ctx = self.ctx_features(taps)
         for li, w in enumerate(self.layers):
             self._write_rows(kv, li, *self._project_kv(ctx, w), positions)
-        kv.positions.index_copy_(0, positions, positions)
 
     def static_round(self, kv, noise: torch.Tensor, start: torch.Tensor,
                      at: BlockPositions | None = None) -> torch.Tensor:

@@ -45,19 +45,19 @@ class ProposeGraph:
     """One round's proposal over one draft cache storage, captured once."""
 
     def __init__(self, body, drafter, target, program, kv, want_raws: bool):
-        """`body(drafter, target, program, kv, last, tail, start, want_raws)` is the static
+        """`body(drafter, target, program, kv, last, mask_ids, start, want_raws)` is the static
         proposal (spec/proposer.py `static_proposal`), passed in so runtime never imports spec."""
         dev = target.device
         # Every tensor the graph reads must outlive it: the graph stays with the pooled storage
         # while the session that captured it ends. So the graph owns its inputs, the block's
-        # mask-id tail included.
+        # mask ids included.
         cfg = drafter.cfg
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
-        self.tail = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
+        self.mask_ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=dev)
         self.start = torch.tensor(kv.cap, dtype=torch.long, device=dev)  # capture in the slack
         with _launch_order(drafter):
             self.graph, self.out = cuda_graphs.capture(
-                lambda: body(drafter, target, program, kv, self.last, self.tail, self.start, want_raws), dev)
+                lambda: body(drafter, target, program, kv, self.last, self.mask_ids, self.start, want_raws), dev)
 
     def run(self, last: torch.Tensor, start: int):
         self.last.copy_(last.reshape(1))

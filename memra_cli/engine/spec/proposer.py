@@ -15,13 +15,14 @@ from typing import NamedTuple, Protocol
 import torch
 
 from memra_cli.engine.errors import MemraError
-from memra_cli.engine.models.drafter import BlockPositions, DraftCapacityError, Drafter
+from memra_cli.engine.models.drafter import BlockPositions, BlockTokens, DraftCapacityError, Drafter
 from memra_cli.engine.runtime.pool import StoragePool
 from memra_cli.engine.spec.draft_vocab import DraftVocab
 from memra_cli.engine.spec.policy import Harvest, VerifyWindow
 from memra_cli.engine.runtime.steps import PREFILL_BUCKET
 from memra_cli.engine.spec.sampling import GREEDY, Sampler
 from memra_cli.engine.threads import for_rows
+from memra_kernels.norm_ref import with_first
 
 PRIME_CHUNK = 256  # prompt taps are ingested in row windows to bound transient memory
 
@@ -200,7 +201,8 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last
     a graph body, so the chain may loop on the host (CPU; step_ops `markov_chain`).
     `want_chain`: also the candidates [last, drafts] (`Heads.chain`)."""
     rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
-    drafting = None
+    drafting, chain = None, None
+    with_anchor = want_raws or want_chain  # the candidates [last, drafts] are wanted
     if p.vocab is not None:  # greedy only (DrafterProposer refuses a sampler): the subset's rows
         drafts = p.vocab.drafts(drafter, target.lm_head(rows, p.vocab.head), last, p.markov, host_loop)
     else:
@@ -210,23 +212,36 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last
         logits = target.lm_head(rows) if sampler.greedy else target.logits(rows)
         if not sampler.greedy:
             drafting = sampler.drafting(start + torch.arange(p.n_drafts, device=logits.device), logits.shape[-1])
-        if drafting is None:
-            drafts = drafter.markov_chain(logits, last, host_loop=host_loop) if p.markov else drafter.step_ops.argmax(logits)
+        if drafting is None and p.markov:  # the greedy chain writes the anchor in its own launch
+            drafts = drafter.markov_chain(logits, last, host_loop=host_loop, with_anchor=with_anchor)
+            drafts, chain = (drafts[1:], drafts) if with_anchor else (drafts, None)
+        elif drafting is None:
+            drafts = drafter.step_ops.argmax(logits)
         else:
             drafts = drafter.markov_chain(logits, last, drafting.pick) if p.markov else drafting.pick_rows(logits)
-    chain = torch.cat([last.reshape(1), drafts]) if want_raws or want_chain else None
+    if with_anchor and chain is None:
+        chain = torch.cat([last.reshape(1), drafts])
     raws = drafter.confidence_raw(rows, chain[:-1]) if want_raws else None  # each slot's previous token
     return Heads(drafts, raws, drafting.probs if drafting is not None else None, chain)
 
 
-def static_proposal(drafter: Drafter, target, p: Program, kv, last: torch.Tensor, tail: torch.Tensor,
+def static_proposal(drafter: Drafter, target, p: Program, kv, last: torch.Tensor, mask_ids: torch.Tensor,
                     start: torch.Tensor, want_raws: bool, sampler: Sampler = GREEDY, at: BlockPositions | None = None,
                     want_chain: bool = False) -> Heads:
-    """`propose` with static shapes (the body of a ProposeGraph): `last [1]`, the block's mask ids
-    `tail [b-1]`, `start` a 0-d device tensor -> `Heads`: drafts `[n_drafts]`, raws `[n_drafts]`
-    or None, and with `want_chain` the candidates [last, drafts]. `at`: the block's
-    `Drafter.block_positions(start, b)` when the caller made them. Reads only its arguments and
-    long-lived weights: nothing of any session."""
-    noise = block_embedding(target, p, torch.cat([last.reshape(1), tail]))
-    return draft_heads(drafter, target, p, drafter.static_round(kv, noise, start, at), last, want_raws, sampler,
-                       start, want_chain=want_chain)
+    """`propose` with static shapes (the body of a ProposeGraph): `last [1]`, the block's ids
+    `mask_ids [b]` (the mask token's; element 0 stands for `last`), `start` a 0-d device tensor
+    -> `Heads`: drafts `[n_drafts]`, raws `[n_drafts]` or None, and with `want_chain` the
+    candidates [last, drafts]. `at`: the block's `Drafter.block_positions(start, b)` when the
+    caller made them. Reads only its arguments and long-lived weights: nothing of any session."""
+    return draft_heads(drafter, target, p, drafter.static_round(kv, static_block(drafter, target, p, last, mask_ids),
+                                                               start, at),
+                       last, want_raws, sampler, start, want_chain=want_chain)
+
+
+def static_block(drafter: Drafter, target, p: Program, last: torch.Tensor, mask_ids: torch.Tensor):
+    """A static round's block input: its `BlockTokens` where the drafter embeds and norms the
+    block in one launch (a plain embedding of the drafter's dtype: no `emb_scale`), else the rows
+    `block_embedding` makes of [last, mask ids...] (a concatenation, then the gather)."""
+    if drafter.fuses_block_embedding and p.emb_scale == 1.0 and target.embed_weight.dtype == drafter.dtype:
+        return BlockTokens(target.embed_weight, mask_ids, last)
+    return block_embedding(target, p, with_first(mask_ids, last))

@@ -74,7 +74,7 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
     `presize(cand, raws, inputs) -> int32 [1]`, the window sized from the drafts' raws."""
     dev = target.device
     cfg = drafter.cfg
-    tail = torch.full((cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=dev)
+    mask_ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=dev)  # [0]: the anchor's
     rows = torch.arange(width, device=dev)
     taps = tuple(taps)
     b = cfg.block_size
@@ -83,7 +83,8 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
         t_start, d_start, last = inputs[0], inputs[1], inputs[2:3]
         # the block's positions once (one add), for the proposal and the ingest of the step's rows
         at = drafter.block_positions(d_start, b, width)
-        heads = static_proposal(drafter, target, program, kv, last, tail, d_start, want_raws, at=at, want_chain=True)
+        heads = static_proposal(drafter, target, program, kv, last, mask_ids, d_start, want_raws, at=at,
+                                want_chain=True)
         drafts, raws, cand = heads.drafts, heads.raws, heads.chain  # cand = [last, drafts]
         if cand.shape[0] >= width:
             cand = cand[:width]
