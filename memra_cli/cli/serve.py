@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 
 from memra_cli.cli.common import (
-    AdaptOpt, CudaGraphsOpt, DeviceOpt, DrafterPrecOpt, DtypeOpt, EmbScaleOpt, HarvestOpt, MarkovOpt, StepWidthOpt,
+    AdaptOpt, CudaGraphsOpt, DeviceOpt, DraftVocabOpt, DrafterPrecOpt, DtypeOpt, EmbScaleOpt, HarvestOpt, MarkovOpt,
+    StepWidthOpt,
     TauOpt, VerifyCapOpt, VtCostOpt, VtOpt, at_least, policy_settings, refusals,
 )
 from memra_cli.cli.threads import ThreadsOpt, threads_setting, use_threads
@@ -90,6 +91,7 @@ def serve(
     tau: Optional[str] = TauOpt,
     adapt: Optional[bool] = AdaptOpt,
     emb_scale: Optional[bool] = EmbScaleOpt,
+    draft_vocab: Optional[Path] = DraftVocabOpt,
     step_width: Optional[str] = StepWidthOpt,
     cuda_graphs: Optional[bool] = CudaGraphsOpt,
     threads: Optional[str] = ThreadsOpt,
@@ -101,7 +103,9 @@ def serve(
     or sampled with a seed), whatever else runs at the same time: one engine, one session per
     request, every session advanced a round at a time on one worker thread. Receipts are printed
     once at start-up; usage.memra carries each request's speculative stats (tau, acceptance,
-    rounds). Needs memra's serve extra (Starlette and uvicorn).
+    rounds). With --draft-vocab the server drafts greedily from that vocabulary, so it answers
+    greedy requests only (temperature 0; a sampled one is a 400). Needs memra's serve extra
+    (Starlette and uvicorn).
     """
     _check_flags(target=target, draft=draft, spec=spec, dtype=dtype, device=device, step_width=step_width, prec=prec,
                  harvest=harvest, vt=vt, tau=tau, adapt=adapt, verify_cap=verify_cap, port=port, vt_cost=vt_cost)
@@ -110,14 +114,14 @@ def serve(
         _serve(sock, target=target, draft=draft, spec=spec, name=name, max_tokens=max_tokens,
                max_sessions=max_sessions, max_queue=max_queue, dtype=dtype, device=device, verify_cap=verify_cap,
                markov=markov, prec=prec, policy=policy_settings(harvest, vt, tau, adapt, vt_cost), emb_scale=emb_scale,
-               step_width=step_width,
+               draft_vocab=draft_vocab, step_width=step_width,
                cuda_graphs=cuda_graphs, threads=threads)
     finally:
         sock.close()
 
 
 def _serve(sock, *, target, draft, spec, name, max_tokens, max_sessions, max_queue, dtype, device, verify_cap,
-           markov, prec, policy, emb_scale, step_width, cuda_graphs, threads) -> None:
+           markov, prec, policy, emb_scale, draft_vocab, step_width, cuda_graphs, threads) -> None:
     from memra_cli.cli import render
     from memra_cli.engine.defaults import default_models
     from memra_cli.engine.text import TextCodec
@@ -138,7 +142,7 @@ def _serve(sock, *, target, draft, spec, name, max_tokens, max_sessions, max_que
     from memra_cli.serve.app import Served, build_app, uvicorn_server
 
     arm_cfg = ArmConfig(draft=draft, mode=spec, settings=policy, markov=markov, verify_cap=verify_cap, prec=prec,
-                        emb_scale=emb_scale)
+                        emb_scale=emb_scale, draft_vocab=draft_vocab)
     with torch.inference_mode():
         engine = Engine.load(EngineConfig(target=target, device=device, dtype=dtype, step_width=step_width,
                                           cuda_graphs=cuda_graphs, env=dict(os.environ), **threads_setting(threads)))

@@ -126,7 +126,16 @@ class Served:
             params = SamplingParams(**kw)
         except SettingError as exc:
             raise ApiError(str(exc), param=exc.setting, code="invalid_value") from None
+        if params.temperature > 0 and self.drafts_from_vocab:
+            raise ApiError(f"temperature={params.temperature:g}: this server drafts from a draft vocabulary (memra serve "
+                           "--draft-vocab), which drafts greedily only: send temperature 0", param="temperature",
+                           code="invalid_value")
         return make_sampler(params), params.applied_seed
+
+    @property
+    def drafts_from_vocab(self) -> bool:
+        """Whether the arm drafts from a draft vocabulary (greedy requests only)."""
+        return self.arm.program is not None and self.arm.program.vocab is not None
 
 
 def indexed_device(device, current_index=None):

@@ -37,10 +37,10 @@ PROMPTS = ["def fibonacci(n):", "import os\n\ndef walk(", "class Stack:\n    def
            "def parse_args(argv):", "    return sorted(", "def gcd(a, b):", "# read a file\n", "def main():\n"]
 
 
-def _serve(target: Path, draft: Path | None, name: str, **kw):
+def _serve(target: Path, draft: Path | None, name: str, draft_vocab: Path | None = None, **kw):
     with torch.inference_mode():
         engine = Engine.load(EngineConfig(target=target, device="cpu"))
-        arm = engine.arm(ArmConfig(draft=draft))
+        arm = engine.arm(ArmConfig(draft=draft, draft_vocab=draft_vocab))
     served = Served.load(engine, arm, target, name=name, max_tokens=kw.pop("max_tokens", 64), **kw)
     return served, ServerThread(build_app(served))
 
@@ -256,6 +256,32 @@ def test_chat_completions_equal_generate_chat(chat, sampling):
                                                             **sampling))
     assert text == want["text"] and chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_draft_vocabulary_serves_greedy_requests_and_refuses_sampled_ones(tmp_path):
+    """`memra serve --draft-vocab`: a greedy completion equals `memra generate --draft-vocab`'s (the
+    same stream as plain greedy, the same rounds), and a sampled one is a 400 naming temperature
+    (a draft vocabulary drafts greedily only); the server keeps serving."""
+    target, draft, _ = default_models(None, None, "auto")
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(json.dumps(list(range(0, 4096, 2))))  # half the embedded vocabulary
+    want = generate("--prompt", PROMPTS[0], "--max-new", 24, "--draft-vocab", vocab)
+    plain = generate("--prompt", PROMPTS[0], "--max-new", 24, "--spec", "off")
+    assert want["tokens"] == plain["tokens"]
+    served, server = _serve(target, draft, NAME, draft_vocab=vocab)
+    assert served.drafts_from_vocab
+    with server as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+        assert r.choices[0].text == want["text"]
+        stats = r.usage.model_extra["memra"]
+        assert (stats["rounds"], stats["accepted"]) == (want["stats"]["rounds"], want["stats"]["accepted"])
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4, **SAMPLED)
+        assert exc.value.body["param"] == "temperature" and "draft vocabulary" in exc.value.body["message"]
+        with pytest.raises(openai.BadRequestError):  # OpenAI's default temperature is 1: sampled too
+            client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=4)
+        assert client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=3, temperature=0).usage.completion_tokens == 3
 
 
 def test_past_the_queue_a_request_gets_a_429(tmp_path):
