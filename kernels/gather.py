@@ -10,6 +10,8 @@ kilobytes (docs/tuning.md#row-gathers). Each here is one launch of one program p
   the features widened to float32 as the torch head widens them. The dot is summed in another
   order than torch's GEMV, so a score can differ in its last bits; a score only sizes the verify
   window (how many verified rows count), never what the target commits.
+  `hidden` may be a residual stream whose final norm the head applies as it loads it (a
+  `dense_linear.PendingNorm`: a drafter's last layer left its norm to the heads).
 
 Each row is read and written by its own program, so a row's result never depends on the row
 count. No host sync: capturable in a CUDA graph.
@@ -29,6 +31,7 @@ import triton.language as tl
 
 from ._common import FLOAT_DTYPES, check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
+from ._sumsq import pairwise_rows
 from .gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref  # noqa: F401  (the twins: one torch body each)
 
 MAX_BLOCK = 4096  # columns per loop step
@@ -67,14 +70,28 @@ def embed_rows(ids: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
 
 @triton.jit
 def _confidence_kernel(h_ptr, w_ptr, b_ptr, prev_ptr, w1_ptr, out_ptr, H, R, stride_h, stride_w1,
-                       WITH_MARKOV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+                       WITH_MARKOV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False,
+                       NORM_IN: tl.constexpr = False, sq_ptr=None, nw_ptr=None, n_parts=1,
+                       PARTS_POW2: tl.constexpr = 1, eps=0.0):
+    """One row's score. NORM_IN: the row is a residual stream whose RMSNorm (weight nw) is applied
+    as it is loaded, its statistic summed from the dense kernel's per-tile partials `sq [rows,
+    n_parts]` in _sumsq's order and each value rounded where the norm kernel rounds it (the bits
+    of `norm.rms_norm_partials`)."""
     pdl_wait(PDL)
     row = tl.program_id(0)
+    if NORM_IN:
+        parts_cols = tl.arange(0, PARTS_POW2)
+        parts = tl.load(sq_ptr + row * n_parts + parts_cols, mask=parts_cols < n_parts, other=0.0)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(pairwise_rows(parts[None, :], 1, PARTS_POW2), axis=0) / H + eps)
     acc = tl.zeros((BLOCK_H,), tl.float32)
     for c0 in range(0, H, BLOCK_H):
         cols = c0 + tl.arange(0, BLOCK_H)
         ok = cols < H
-        x = tl.load(h_ptr + row.to(tl.int64) * stride_h + cols, mask=ok, other=0.0).to(tl.float32)
+        raw = tl.load(h_ptr + row.to(tl.int64) * stride_h + cols, mask=ok, other=0.0)
+        if NORM_IN:  # the norm kernel's roundings: to the rows' dtype before the weight, then once more
+            nw = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+            raw = (nw * (raw.to(tl.float32) * rstd).to(raw.dtype).to(tl.float32)).to(raw.dtype)
+        x = raw.to(tl.float32)
         acc += x * tl.load(w_ptr + cols, mask=ok, other=0.0)
     total = tl.sum(acc, axis=0)
     if WITH_MARKOV:
@@ -89,11 +106,23 @@ def _confidence_kernel(h_ptr, w_ptr, b_ptr, prev_ptr, w1_ptr, out_ptr, H, R, str
     tl.store(out_ptr + row, total + tl.load(b_ptr))
 
 
-def confidence_raw(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor | None = None,
+def confidence_raw(hidden, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor | None = None,
                    w1: torch.Tensor | None = None) -> torch.Tensor:
     """Pre-sigmoid scores float32 `[n]` of draft rows `hidden [n, H]` (any float dtype): `w`
     float32 `[H]` or, with the markov features, `[H + r]` with `prev [n]` ids into `w1 [V, r]`;
-    `b` float32 `[1]`."""
+    `b` float32 `[1]`. `hidden` may be a `dense_linear.PendingNorm` (a drafter's final norm left to
+    its heads): its rows are normed as they are loaded, the scores those of
+    `norm.rms_norm_partials(...)`'s rows, bit for bit."""
+    norm_in = {}
+    if not isinstance(hidden, torch.Tensor):  # a PendingNorm: (rows, sumsq, weight, eps)
+        rows, sq, nw, eps = hidden
+        if sq.dtype != torch.float32 or not sq.is_contiguous() or sq.dim() != 2 or sq.shape[0] != rows.shape[0] \
+                or nw.shape != (rows.shape[-1],) or nw.dtype != rows.dtype or nw.stride(0) != 1:
+            raise ValueError("a pending norm takes sumsq float32 [n, tiles] and a contiguous weight of the rows' dtype")
+        check_tensors(rows, sq, nw)
+        norm_in = dict(NORM_IN=True, sq_ptr=sq, nw_ptr=nw, n_parts=sq.shape[1], PARTS_POW2=next_pow2(sq.shape[1]),
+                       eps=float(eps))
+        hidden = rows
     if hidden.dim() != 2 or hidden.dtype not in FLOAT_DTYPES or hidden.stride(-1) != 1:
         raise ValueError(f"hidden must be 2-D float with a contiguous last axis, got {hidden.dtype} {tuple(hidden.shape)}")
     n, H = hidden.shape
@@ -115,7 +144,8 @@ def confidence_raw(hidden: torch.Tensor, w: torch.Tensor, b: torch.Tensor, prev:
         _confidence_kernel[(n,)](hidden, w, b, prev if prev is not None else b, w1 if w1 is not None else w, out,
                                  H, R, hidden.stride(0), w1.stride(0) if w1 is not None else 0,
                                  WITH_MARKOV=w1 is not None, BLOCK_H=min(MAX_BLOCK, next_pow2(H)),
-                                 BLOCK_R=min(MAX_BLOCK, next_pow2(max(R, 1))), num_warps=4, **pdl_args(hidden))
+                                 BLOCK_R=min(MAX_BLOCK, next_pow2(max(R, 1))), num_warps=4, **norm_in,
+                                 **pdl_args(hidden))
     return out
 
 

@@ -114,7 +114,7 @@ def test_the_graph_body_scales_the_same_way(pair, monkeypatch):
     engine = Engine.from_model(target)
     arm = engine.arm(ArmConfig(draft=pair[1], mode="dflash", emb_scale=True))
     drafter, seen = arm.drafter, []
-    monkeypatch.setattr(drafter, "static_round", lambda kv, noise, start, at=None: seen.append(noise) or
+    monkeypatch.setattr(drafter, "static_round", lambda kv, noise, start, at=None, heads=None: seen.append(noise) or
                         torch.zeros(noise.shape[0], target.hidden_size))
     last, mask_ids = torch.tensor([7]), torch.full((8,), 511)
     proposer_mod.static_proposal(drafter, target, arm.program, None, last, mask_ids, torch.tensor(0), False)

@@ -299,3 +299,40 @@ def test_the_mlp_and_context_norms_fold_into_the_next_projections(drafts, monkey
     monkeypatch.setattr(dl, "dense_linear_norm", lambda x, w, nw, eps, **kw: real_norm(x, w, torch.ones_like(nw), eps))
     _, kv_bad = _static(d, taps, noise, 48)
     assert _rel(kv_bad.v[:, :, :n], kv_ref.v[:, :, :n]) > BF16_TOL
+
+
+def test_the_final_norm_folds_into_the_heads_with_the_same_drafts(tmp_path, monkeypatch):
+    """A DSpark round's static proposal on the kernels with the target's lm_head in the dense
+    kernel's table: the drafter's last layer leaves its final norm to the heads (the static round
+    returns a `PendingNorm`), and the drafts, the confidence raws and the candidates equal, bit for
+    bit, the heads' over the same rows normed first (`rms_norm_partials`): the lm_head and the
+    confidence head apply the norm as they load the rows with its roundings."""
+    from memra_cli.engine.spec.proposer import draft_heads
+    from memra_kernels import dense_linear as dl
+    from memra_kernels.norm import rms_norm_partials
+
+    target_dir = make_tiny_qwen3(tmp_path / "target", layers=2, head_dim=32, hidden=64)
+    model = Qwen3Target.from_dir(target_dir, torch.bfloat16, DEVICE)
+    model.step_ops = TritonStepOps()
+    draft = make_tiny_draft(tmp_path / "d", "deepspec", markov_rank=16, confidence="markov", target_layer_ids=(-1, 1),
+                            num_target_layers=2)
+    arm = Engine.from_model(model, step_width=16).arm(ArmConfig(draft=draft, mode="dspark"))
+    d, p = arm.drafter, arm.program
+    last_layer = d.layers[-1]
+    for w, cfg in ((model.lm_head_weight, dl.KernelConfig(block_n=32, block_k=32, split_k=1, num_stages=2)),
+                   (last_layer.w_down, dl.KernelConfig(block_n=16, block_k=32, split_k=1, num_stages=2))):
+        monkeypatch.setitem(dl.TUNED, tuple(w.shape), cfg)
+    taps, _ = _inputs(d, 21)
+    kv = d.new_cache(48)
+    d.ingest(kv, taps, torch.arange(21, device=DEVICE))
+    noise = model.embed(torch.full((d.cfg.block_size,), 5, device=DEVICE))
+    pending = d.static_round(kv, noise, torch.tensor(21, device=DEVICE), heads=model.lm_head_weight)
+    assert isinstance(pending, dl.PendingNorm)
+    last = torch.tensor([7], device=DEVICE)
+    got = draft_heads(d, model, p, pending, last, want_raws=True, want_chain=True)
+    normed = rms_norm_partials(pending.rows, pending.sumsq, pending.weight, pending.eps)
+    want = draft_heads(d, model, p, normed, last, want_raws=True, want_chain=True)
+    assert torch.equal(got.drafts, want.drafts) and torch.equal(got.raws, want.raws)
+    assert torch.equal(got.chain, want.chain) and got.chain[0].item() == 7
+    plain = d.static_round(kv, noise, torch.tensor(21, device=DEVICE))  # no heads named: a tensor
+    assert isinstance(plain, torch.Tensor) and _rel(plain, normed) < BF16_TOL

@@ -81,6 +81,29 @@ def test_confidence_raw_uses_each_rows_own_previous_token(device):
     assert abs(got[1] - got[3]) < 1e-5 and abs(got[0] - got[1]) > 1e-3
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_confidence_raw_norms_a_pending_norm_as_it_loads_it(dtype, device):
+    """A drafter's final norm left to its heads: the scores of a `PendingNorm` equal, bit for bit,
+    the scores of its rows normed by `norm.rms_norm_partials` (the same statistic, the same
+    roundings), over column blocks wider than MAX_BLOCK too. Planted: the norm's weight left out."""
+    from memra_kernels.dense_linear import PendingNorm
+    from memra_kernels.norm import rms_norm_partials
+    from memra_kernels.norm_ref import tree_sumsq_ref
+
+    for H in (96, MAX_BLOCK + 40):
+        rows, w, b, prev, w1 = _head(15, H, 50, 8, dtype, device, seed=4)
+        rows = rows * 3
+        tiles = [rows[:, j:j + 32] for j in range(0, H, 32)]  # a producer's 32-wide n tiles
+        sumsq = torch.stack([tree_sumsq_ref(t) for t in tiles], dim=1).contiguous()
+        nw = (1 + 0.3 * torch.randn(H, generator=torch.Generator().manual_seed(5))).to(dtype).to(device)
+        pending = PendingNorm(rows, sumsq, nw, 1e-6)
+        got = confidence_raw(pending, w, b, prev, w1)
+        want = confidence_raw(rms_norm_partials(rows, sumsq, nw, 1e-6), w, b, prev, w1)
+        assert torch.equal(got, want)
+        unweighted = confidence_raw(rms_norm_partials(rows, sumsq, torch.ones_like(nw), 1e-6), w, b, prev, w1)
+        assert not torch.equal(got, unweighted)
+
+
 def test_confidence_raw_refuses_bad_arguments(device):
     hidden, w, b, prev, w1 = _head(3, 16, 5, 4, torch.float32, device)
     with pytest.raises(ValueError, match="come together"):

@@ -289,13 +289,15 @@ class Drafter:
         """A layer whose block rows attend every ctx and block key (no mask at all)."""
         return layout.window is None and not layout.causal_in_block
 
-    def _layers(self, x: torch.Tensor, attend, keep_layers: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _layers(self, x: torch.Tensor, attend, keep_layers: bool, heads=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The layer stack on block rows `x [b, hidden]`: `attend(li, h) -> [b, nh*hd]` is a
         layer's attention of its input-normed rows `h`. Each residual add is fused with the
         norm after it (the next layer's input norm, the final norm last), as the target's step;
         the one after the attention names the fused gate/up weight that multiplies its output,
         which may fold it (`linear_add_rms_norm`). Returns the final-normed hidden `[b, hidden]`
-        and, when kept, the residual after each layer."""
+        and, when kept, the residual after each layer. `heads`: the weight the final-normed rows
+        are multiplied by next (the draft logits' lm_head rows), which may fold the final norm:
+        the hidden is then a `PendingNorm` (the step ops' `linear_add_rms_norm`)."""
         ops, eps, outs = self.step_ops, self.cfg.rms_norm_eps, []
         if isinstance(x, BlockTokens):  # the block's embedding and first norm: one step op
             h, x = ops.embed_rms_norm(x.ids, x.table, self.layers[0].ln_in, eps, first=x.first)
@@ -304,9 +306,8 @@ class Drafter:
         for li, w in enumerate(self.layers):
             h, x = ops.linear_add_rms_norm(attend(li, h), w.wo, None, x, w.ln_post, eps, w.w_gate_up)
             nxt = self.layers[li + 1] if li + 1 < len(self.layers) else None
-            # the next layer's q/k/v may fold the norm after this layer's MLP; the final norm's
-            # rows go to the heads (sliced, so a plain tensor)
-            h, x = self._mlp_add_norm(h, w, x, nxt.ln_in if nxt else self.norm, nxt.wqkv if nxt else None)
+            # the next layer's q/k/v, or the heads, may fold the norm after this layer's MLP
+            h, x = self._mlp_add_norm(h, w, x, nxt.ln_in if nxt else self.norm, nxt.wqkv if nxt else heads)
             if keep_layers:
                 outs.append(x)
         return h, outs
@@ -484,12 +485,14 @@ class Drafter:
             self._project_rope_write(ctx, w, li, kv, positions, 0)
 
     def static_round(self, kv: DraftKV, noise: torch.Tensor | BlockTokens, start: torch.Tensor,
-                     at: BlockPositions | None = None) -> torch.Tensor:
+                     at: BlockPositions | None = None, heads: torch.Tensor | None = None):
         """`forward_round` with static shapes for a CUDA graph: block `noise [b, hidden]` (or its
         `BlockTokens`, embedded in the first norm's launch) at positions `start..start+b-1`
         (`start` a 0-d device tensor equal to the committed length; row index == position),
         attending over the whole storage. Returns the final-normed hidden `[b, hidden]`. `at`:
-        `block_positions(start, b)` when the caller made them.
+        `block_positions(start, b)` when the caller made them. `heads`: the lm_head rows the
+        caller's heads multiply the hidden by, which may fold the final norm (`_layers`): the
+        result is then a `PendingNorm`, which the step ops' `linear` and `confidence_raw` take.
 
         Per layer: the q/k/v projection with the q/k norm + rope + block K/V write
         (`_project_rope_write`), then attention. A plain layer (every ctx and block key visible)
@@ -509,7 +512,7 @@ class Drafter:
             return gqa_attention(q, kv.k[li], kv.v[li], self._static_mask(layout, positions, keys, start), self.scale)
 
         return self._layers(noise if isinstance(noise, BlockTokens) else noise.to(self.dtype), attend,
-                            keep_layers=False)[0]
+                            keep_layers=False, heads=heads)[0]
 
     # ------------------------------------------------------------------- heads
 

@@ -153,11 +153,12 @@ class Gemma4Drafter(Drafter):
             self._write_rows(kv, li, *self._project_kv(ctx, w), positions)
 
     def static_round(self, kv, noise: torch.Tensor, start: torch.Tensor,
-                     at: BlockPositions | None = None) -> torch.Tensor:
+                     at: BlockPositions | None = None, heads: torch.Tensor | None = None) -> torch.Tensor:
         """`forward_round` with static shapes: block `noise [b, hidden]` at `start..start+b-1`,
         attending over the whole storage under `_static_mask` (ctx rows before `start`, the block,
         nothing later). Returns the final-normed hidden `[b, hidden]`. `at`: the block's
-        `block_positions(start, b)` when the caller made them (`Drafter.static_round`)."""
+        `block_positions(start, b)` when the caller made them (`Drafter.static_round`); `heads` is
+        unused (Gemma's final norm stays its own op: the result is always a tensor)."""
         positions = at.rows if at is not None else start + self._offsets(noise.shape[0])
         cos, sin = kv.cos[positions], kv.sin[positions]
 

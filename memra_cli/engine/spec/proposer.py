@@ -190,17 +190,17 @@ class Heads(NamedTuple):
     chain: torch.Tensor | None = None
 
 
-def draft_heads(drafter: Drafter, target, p: Program, hidden: torch.Tensor, last: torch.Tensor,
+def draft_heads(drafter: Drafter, target, p: Program, hidden, last: torch.Tensor,
                 want_raws: bool, sampler: Sampler = GREEDY, start: torch.Tensor | None = None,
                 host_loop: bool = False, want_chain: bool = False) -> Heads:
-    """Block hidden `[b, hidden]` -> drafts `[n_drafts]` (harvested rows through the target's
-    lm_head, then the markov chain or argmax), when asked confidence raws `[n_drafts]`, and the
+    """Block hidden `[b, hidden]` (or its `PendingNorm`: `draft_rows`) -> drafts `[n_drafts]`
+    (harvested rows through the target's lm_head, then the markov chain or argmax), when asked confidence raws `[n_drafts]`, and the
     drafts' distribution q when the sampler keeps it. Greedy drafts are argmax; a sampler with
     `drafting` (temperature > 0) picks draft k with the noise keyed to position `start + k`
     (0-d device tensor), the target row that judges it. `host_loop`: the caller is eager, never
     a graph body, so the chain may loop on the host (CPU; step_ops `markov_chain`).
     `want_chain`: also the candidates [last, drafts] (`Heads.chain`)."""
-    rows = hidden[p.harvest.first_row : p.harvest.first_row + p.n_drafts]
+    rows = draft_rows(hidden, p.harvest.first_row, p.n_drafts)
     drafting, chain = None, None
     with_anchor = want_raws or want_chain  # the candidates [last, drafts] are wanted
     if p.vocab is not None:  # greedy only (DrafterProposer refuses a sampler): the subset's rows
@@ -233,9 +233,20 @@ def static_proposal(drafter: Drafter, target, p: Program, kv, last: torch.Tensor
     -> `Heads`: drafts `[n_drafts]`, raws `[n_drafts]` or None, and with `want_chain` the
     candidates [last, drafts]. `at`: the block's `Drafter.block_positions(start, b)` when the
     caller made them. Reads only its arguments and long-lived weights: nothing of any session."""
-    return draft_heads(drafter, target, p, drafter.static_round(kv, static_block(drafter, target, p, last, mask_ids),
-                                                               start, at),
-                       last, want_raws, sampler, start, want_chain=want_chain)
+    # the draft logits' lm_head rows may take the drafter's final norm (greedy: the logits read as
+    # they are; a sampler's drafting reads them through `target.logits`, which takes it too)
+    heads = target.lm_head_weight if p.vocab is None else p.vocab.head
+    hidden = drafter.static_round(kv, static_block(drafter, target, p, last, mask_ids), start, at, heads=heads)
+    return draft_heads(drafter, target, p, hidden, last, want_raws, sampler, start, want_chain=want_chain)
+
+
+def draft_rows(hidden, first: int, n: int):
+    """Rows `first..first+n-1` of a block's final-normed hidden: a tensor's, or a `PendingNorm`'s
+    (a drafter's final norm left to its heads: `Drafter.static_round`), its rows and their sums of
+    squares."""
+    if isinstance(hidden, torch.Tensor):
+        return hidden[first : first + n]
+    return hidden._replace(rows=hidden.rows[first : first + n], sumsq=hidden.sumsq[first : first + n])
 
 
 def static_block(drafter: Drafter, target, p: Program, last: torch.Tensor, mask_ids: torch.Tensor):
