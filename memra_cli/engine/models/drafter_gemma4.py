@@ -119,10 +119,11 @@ class Gemma4Drafter(Drafter):
         q = self.step_ops.linear(xn, w.wq).view(-1, cfg.num_attention_heads, cfg.head_dim)
         return (gemma_rms_norm(q, w.q_norm, cfg.rms_norm_eps), *self._project_kv(xn, w))
 
-    def _layers(self, x: torch.Tensor, attend, keep_layers: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _layers(self, x: torch.Tensor, attend, keep_layers: bool, heads=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The Gemma 4 layer stack on block rows `x [b, hidden]` (module docstring); `attend(li, h)
         -> [b, nh*hd]` is a layer's attention of its input-normed rows. Returns the final-normed
-        hidden `[b, hidden]` and, when kept, the residual after each layer (after its scalar)."""
+        hidden `[b, hidden]` and, when kept, the residual after each layer (after its scalar).
+        `heads` is unused: Gemma's norms are its own ops, so the final norm is never left pending."""
         ops, eps, outs = self.step_ops, self.cfg.rms_norm_eps, []
         for li, w in enumerate(self.layers):
             n_in, n_post_attn, n_pre_ff, n_post_ff = w.norms
