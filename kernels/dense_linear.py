@@ -455,14 +455,7 @@ def dense_linear_add_norm(x, w: torch.Tensor, residual: torch.Tensor, norm_w: to
     of squares; the next `dense_linear` / `dense_qkv_rope_kv_write` given the PendingNorm applies
     the norm as it loads the rows. x `[t, in]` (or itself a PendingNorm), w `[d, in]`, residual
     `[t, d]`, norm_w `[d]` of x's dtype; `config` overrides the shape's tiles (tests)."""
-    rows = _norm_in_args(x)[0]
-    n = w.shape[0]
-    if norm_w.shape != (n,) or norm_w.dtype != rows.dtype:
-        raise ValueError(f"norm_w must be [{n}] {rows.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
-    cfg = config.check() if config is not None else config_for(*w.shape, rows.element_size())
-    sumsq = torch.empty((rows.shape[0], triton.cdiv(n, cfg.block_n)), dtype=torch.float32, device=rows.device)
-    out = dense_linear(x, w, config=cfg, residual=residual, sumsq_out=sumsq)
-    return PendingNorm(out, sumsq, norm_w, float(eps))
+    return _pending(x, w, residual, norm_w, eps, config)
 
 
 def dense_linear_norm(x, w: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
@@ -471,13 +464,19 @@ def dense_linear_norm(x, w: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
     `dense_linear_add_norm` without the residual: one launch writes `x @ w.T` (the rows) and its
     per-tile sums of squares (a drafter's context features, `hidden_norm(fc(taps))`, normed by
     the k/v projections that read them). Twin: `norm_ref.rms_norm_tree_ref` of `dense_linear_ref`."""
+    return _pending(x, w, None, norm_w, eps, config)
+
+
+def _pending(x, w: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+             config: KernelConfig | None) -> PendingNorm:
+    """`(residual +) x @ w.T` and its per-tile sums of squares in one launch, as a PendingNorm."""
     rows = _norm_in_args(x)[0]
     n = w.shape[0]
     if norm_w.shape != (n,) or norm_w.dtype != rows.dtype:
         raise ValueError(f"norm_w must be [{n}] {rows.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
     cfg = config.check() if config is not None else config_for(*w.shape, rows.element_size())
     sumsq = torch.empty((rows.shape[0], triton.cdiv(n, cfg.block_n)), dtype=torch.float32, device=rows.device)
-    out = dense_linear(x, w, config=cfg, sumsq_out=sumsq)
+    out = dense_linear(x, w, config=cfg, residual=residual, sumsq_out=sumsq)
     return PendingNorm(out, sumsq, norm_w, float(eps))
 
 
