@@ -358,8 +358,9 @@ def dense_linear(x, w: torch.Tensor, *, config: KernelConfig | None = None,
                  argmax_out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                  sumsq_out: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., out] = x [..., in] @ w [out, in].T on the kernel, in x's dtype (float32
-    accumulation). `config` overrides the shape's tiles (benchmarks, tests); `out` (contiguous,
-    x's dtype) receives the result if given.
+    accumulation). `config` overrides the shape's tiles (benchmarks, tests); `out` (x's dtype,
+    contiguous, or 2-D rows with a contiguous last axis: a column slice of a wider buffer, such
+    as a step's concatenated taps) receives the result if given.
 
     glu: `w` is a fused [gate; up] weight [2 I, in] and the result is the SwiGLU middle
     y [..., I] = silu(x @ gate.T) * (x @ up.T), computed in the same launch and equal bit for bit
@@ -396,8 +397,10 @@ def dense_linear(x, w: torch.Tensor, *, config: KernelConfig | None = None,
     m = x2.shape[0]
     if out is None:
         out = torch.empty((*lead, n_out), dtype=x.dtype, device=x.device)
-    elif out.shape != (*lead, n_out) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {(*lead, n_out)} {x.dtype} tensor")
+    elif out.shape != (*lead, n_out) or out.dtype != x.dtype or not (
+            out.is_contiguous() or (out.dim() == 2 and out.stride(1) == 1)):
+        raise ValueError(f"out must be a {(*lead, n_out)} {x.dtype} tensor, contiguous or 2-D rows with a "
+                         "contiguous last axis")
     if m == 0:
         return out
     cfg = config.check() if config is not None else config_for(n, k, x.element_size())
@@ -415,7 +418,8 @@ def dense_linear(x, w: torch.Tensor, *, config: KernelConfig | None = None,
     else:
         ws, cnt = out, out  # never touched: the split-K branch is compiled out
     _dense_linear_kernel[grid](
-        x2, w, out, ws, cnt, m, n, k, x2.stride(0), w.stride(0), n_out, cfg.split_k,
+        x2, w, out, ws, cnt, m, n, k, x2.stride(0), w.stride(0), out.stride(-2) if out.dim() > 1 else n_out,
+        cfg.split_k,
         BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT=cfg.split_k > 1,
         EVEN_K=k % cfg.block_k == 0,
         PREC="ieee" if x.dtype == torch.float32 else "tf32",  # f32 x: a true f32 product
@@ -448,14 +452,15 @@ def _residual_args(residual: torch.Tensor | None, sumsq: torch.Tensor | None, ou
 
 
 def dense_linear_add_norm(x, w: torch.Tensor, residual: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
-                          config: KernelConfig | None = None) -> PendingNorm:
+                          config: KernelConfig | None = None, out: torch.Tensor | None = None) -> PendingNorm:
     """`add_rms_norm(dense_linear(x, w), residual, norm_w, eps)` with the norm left pending (its
     statistic in kernels/_sumsq.py's order: twin `norm_ref.add_rms_norm_tree_ref`):
     one launch writes the new residual stream `residual + x @ w.T` (the rows) and its per-tile sums
     of squares; the next `dense_linear` / `dense_qkv_rope_kv_write` given the PendingNorm applies
     the norm as it loads the rows. x `[t, in]` (or itself a PendingNorm), w `[d, in]`, residual
-    `[t, d]`, norm_w `[d]` of x's dtype; `config` overrides the shape's tiles (tests)."""
-    return _pending(x, w, residual, norm_w, eps, config)
+    `[t, d]`, norm_w `[d]` of x's dtype; `config` overrides the shape's tiles (tests); `out`
+    (`dense_linear`'s) receives the new residual stream, the PendingNorm's rows."""
+    return _pending(x, w, residual, norm_w, eps, config, out)
 
 
 def dense_linear_norm(x, w: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
@@ -468,7 +473,7 @@ def dense_linear_norm(x, w: torch.Tensor, norm_w: torch.Tensor, eps: float, *,
 
 
 def _pending(x, w: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
-             config: KernelConfig | None) -> PendingNorm:
+             config: KernelConfig | None, out: torch.Tensor | None = None) -> PendingNorm:
     """`(residual +) x @ w.T` and its per-tile sums of squares in one launch, as a PendingNorm."""
     rows = _norm_in_args(x)[0]
     n = w.shape[0]
@@ -476,7 +481,7 @@ def _pending(x, w: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Te
         raise ValueError(f"norm_w must be [{n}] {rows.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
     cfg = config.check() if config is not None else config_for(*w.shape, rows.element_size())
     sumsq = torch.empty((rows.shape[0], triton.cdiv(n, cfg.block_n)), dtype=torch.float32, device=rows.device)
-    out = dense_linear(x, w, config=cfg, residual=residual, sumsq_out=sumsq)
+    out = dense_linear(x, w, config=cfg, residual=residual, sumsq_out=sumsq, out=out)
     return PendingNorm(out, sumsq, norm_w, float(eps))
 
 

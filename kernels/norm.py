@@ -100,9 +100,19 @@ def _num_warps(block_d: int) -> int:
     return 4 if block_d <= 1024 else (8 if block_d <= 8192 else 16)
 
 
+def _check_rows_out(rows_out: torch.Tensor | None, t: int, d: int, dtype: torch.dtype, ref: torch.Tensor) -> None:
+    """A caller's rows `[t, d]` for a kernel's second output (a column slice of a wider buffer may
+    do: only the last axis must be contiguous)."""
+    if rows_out is not None:
+        if rows_out.shape != (t, d) or rows_out.dtype != dtype or rows_out.stride(-1) != 1:
+            raise ValueError(f"the rows' output must be a [{t}, {d}] {dtype} tensor with a contiguous last axis, got "
+                             f"{tuple(rows_out.shape)} {rows_out.dtype}")
+        check_tensors(ref, rows_out)
+
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float, zero_centred: bool = False, partials: dict | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            eps: float, zero_centred: bool = False, partials: dict | None = None,
+            res_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.dim() != 2 or weight.dim() != 1 or weight.shape[0] != x.shape[1]:
         raise ValueError(f"expected x [t, d] and weight [d], got {tuple(x.shape)} and {tuple(weight.shape)}")
     tensors = [x, weight] + ([residual] if residual is not None else [])
@@ -117,7 +127,11 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     t, d = x.shape
     out_dtype = x.dtype if zero_centred else torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty((t, d), dtype=out_dtype, device=x.device)
-    res_out = torch.empty_like(x) if residual is not None else None
+    _check_rows_out(res_out, t, d, x.dtype, x)
+    if residual is None:
+        res_out = None
+    elif res_out is None:
+        res_out = torch.empty_like(x)
     if t == 0:
         return out, res_out
     block_d = next_pow2(d)
@@ -133,7 +147,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 
 
 def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
-                   eps: float, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   eps: float, first: torch.Tensor | None = None,
+                   rows_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's embedding and first norm in one launch: `rows = table[ids]` and
     `rms_norm(rows, weight, eps)`, bit for bit `(rms_norm(embed_rows(ids, table), ...),
     embed_rows(ids, table))`. ids `[t]` int32/int64 in [0, V), table `[V, d]` (contiguous last
@@ -141,8 +156,9 @@ def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
 
     `first` (one int32/int64 element, on the device): row 0's id in place of `ids[0]`, read
     there: a drafter's block `[anchor, mask, ...]` from its constant mask ids and the round's
-    anchor without their concatenation's launch (`norm_ref.with_first`)."""
-    return _embed_launch(ids, table, weight, eps, False, first)
+    anchor without their concatenation's launch (`norm_ref.with_first`). `rows_out` (`[t, d]`, a
+    contiguous last axis: a column slice of a step's taps) receives the rows, and is returned."""
+    return _embed_launch(ids, table, weight, eps, False, first, rows_out)
 
 
 def embed_rms_norm_1p(ids: torch.Tensor, table: torch.Tensor, w1p: torch.Tensor,
@@ -156,7 +172,8 @@ def embed_rms_norm_1p(ids: torch.Tensor, table: torch.Tensor, w1p: torch.Tensor,
 
 
 def _embed_launch(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float,
-                  zero_centred: bool, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  zero_centred: bool, first: torch.Tensor | None = None,
+                  rows_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"ids must be a 1-D int32/int64 tensor, got {ids.dtype} {tuple(ids.shape)}")
     if first is not None:
@@ -172,7 +189,8 @@ def _embed_launch(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, 
     t, d = ids.shape[0], table.shape[1]
     out_dtype = table.dtype if zero_centred else torch.promote_types(table.dtype, weight.dtype)
     out = torch.empty((t, d), dtype=out_dtype, device=table.device)
-    rows = torch.empty((t, d), dtype=table.dtype, device=table.device)
+    _check_rows_out(rows_out, t, d, table.dtype, table)
+    rows = torch.empty((t, d), dtype=table.dtype, device=table.device) if rows_out is None else rows_out
     if t:
         block_d = next_pow2(d)
         _rms_norm_kernel[(t,)](
@@ -193,12 +211,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, res_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`new_residual = x + residual` (rounded to the model dtype), then its RMSNorm.
 
-    x, residual `[t, d]` (same dtype), weight `[d]` -> (normed `[t, d]`, new_residual `[t, d]`).
+    x, residual `[t, d]` (same dtype), weight `[d]` -> (normed `[t, d]`, new_residual `[t, d]`);
+    `res_out` (`[t, d]`, a contiguous last axis) receives new_residual, and is returned.
     """
-    normed, new_residual = _launch(x, residual, weight, eps)
+    normed, new_residual = _launch(x, residual, weight, eps, res_out=res_out)
     assert new_residual is not None
     return normed, new_residual
 

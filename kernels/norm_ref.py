@@ -18,9 +18,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch twin of `add_rms_norm`: the add in the model dtype, then `rms_norm_ref`."""
+                     eps: float, res_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch twin of `add_rms_norm`: the add in the model dtype (copied into `res_out` when
+    given), then `rms_norm_ref`."""
     new_residual = x + residual
+    if res_out is not None:
+        new_residual = res_out.copy_(new_residual)
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
@@ -68,10 +71,13 @@ def with_first(ids: torch.Tensor, first: torch.Tensor | None) -> torch.Tensor:
 
 
 def embed_rms_norm_ref(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
-                       eps: float, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The twin of `embed_rms_norm`: the embedding's rows (of `with_first(ids, first)`), then
-    `rms_norm_ref` of them."""
+                       eps: float, first: torch.Tensor | None = None,
+                       rows_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of `embed_rms_norm`: the embedding's rows (of `with_first(ids, first)`; copied
+    into `rows_out` when given), then `rms_norm_ref` of them."""
     rows = torch.nn.functional.embedding(with_first(ids, first), table)
+    if rows_out is not None:
+        rows = rows_out.copy_(rows)
     return rms_norm_ref(rows, weight, eps), rows
 
 

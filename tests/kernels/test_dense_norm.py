@@ -114,6 +114,20 @@ def test_the_norm_only_epilogue_writes_the_product_and_each_tiles_squares(cfg):
         dl.dense_linear_norm(a, wo, nw[:-1], EPS)
 
 
+@pytest.mark.parametrize("cfg", list(PRODUCERS), ids=str)
+def test_the_new_residual_may_land_in_a_column_slice(cfg):
+    """`out=` a column slice of a wider buffer (a step's taps): the rows and sums of squares of the
+    contiguous call, bit for bit, split-K's last program included; the other columns untouched."""
+    a, wo, res, nw, _ = _inputs(torch.bfloat16, seed=6)
+    config = PRODUCERS[cfg]
+    buf = torch.full((T, 2 * D + 16), 3.0, dtype=torch.bfloat16, device=DEVICE)
+    p = dl.dense_linear_add_norm(a, wo, res, nw, EPS, config=config, out=buf[:, 16:16 + D])
+    want = dl.dense_linear_add_norm(a, wo, res, nw, EPS, config=config)
+    assert p.rows.data_ptr() == buf[:, 16:].data_ptr()
+    assert torch.equal(p.rows, want.rows) and torch.equal(p.sumsq, want.sumsq)
+    assert (buf[:, :16] == 3.0).all() and (buf[:, 16 + D:] == 3.0).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("consumer", list(CONSUMERS), ids=str)
 def test_the_folded_norm_is_the_norm_then_the_matmul(dtype, consumer):

@@ -231,6 +231,26 @@ def test_embed_rms_norm_takes_row_0s_id_from_first(dtype, device):
         embed_rms_norm(mask_ids, table, w, EPS, first=torch.tensor([7.0], device=device))
 
 
+def test_the_rows_output_may_be_a_column_slice(device):
+    """`add_rms_norm(res_out=)` and `embed_rms_norm(rows_out=)` write their second output into a
+    column slice of a wider buffer (a step's taps), the bits of their own tensors, the other
+    columns untouched; a slice of the wrong shape is refused."""
+    from memra_kernels.norm import add_rms_norm, embed_rms_norm
+
+    x, res, w = _inputs(16, 64, torch.bfloat16, device, seed=11)
+    buf = torch.full((16, 3 * 64), 7.0, dtype=torch.bfloat16, device=device)
+    normed, new_res = add_rms_norm(x, res, w, EPS, res_out=buf[:, 64:128])
+    want_normed, want_res = add_rms_norm(x, res, w, EPS)
+    assert new_res.data_ptr() == buf[:, 64:128].data_ptr()
+    assert torch.equal(new_res, want_res) and torch.equal(normed, want_normed)
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3], device=device)
+    n2, rows = embed_rms_norm(ids, x, w, EPS, rows_out=buf[:, :64])
+    assert torch.equal(rows, embed_rms_norm(ids, x, w, EPS)[1]) and torch.equal(buf[:, :64], rows)
+    assert (buf[:, 128:] == 7.0).all()
+    with pytest.raises(ValueError, match="rows' output"):
+        add_rms_norm(x, res, w, EPS, res_out=buf[:, :65])
+
+
 def test_embed_rms_norm_refuses_bad_arguments(device):
     from memra_kernels.norm import embed_rms_norm
 

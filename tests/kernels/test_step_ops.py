@@ -403,3 +403,31 @@ def test_the_folded_norms_in_a_model_step(target_dir, llama_dir, tmp_path, monke
     arm = engine.arm(ArmConfig(draft=draft, mode="dspark"))
     with engine.session(prompt, 6, arm, eos_ids=()) as session:
         assert session.run() == plain
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["cublas", "folded"])
+def test_the_taps_are_written_in_place_with_the_concatenations_bits(target_dir, monkeypatch, fold):
+    """A step that taps (-1, 0, 1) writes each tapped residual straight into its column slice of
+    the taps (the embedding's rows, each layer's down projection with its residual add: folded or
+    not), where the step used to concatenate them after: the same taps and logits, bit for bit, as
+    the concatenating step (`_tap_slots` off), through the kernels; the torch ops' too."""
+    def step(ops, slots: bool):
+        model = load_target(target_dir, torch.bfloat16, DEVICE)
+        model.step_ops = ops
+        if fold:
+            _fold_every_weight(model, model._lm_head, monkeypatch, down_split=1, head_block_n=64)
+        if slots:  # (a dense target: every tapped residual has its slice)
+            assert set(model._tap_slots((-1, 0, 1), 16)[1]) == {-1, 0, 1}
+        else:
+            monkeypatch.setattr(model, "_tap_slots", lambda taps, rows: (None, {}))
+        state = model.new_state(64)
+        model.ensure_positions(state.max_len)
+        ids = torch.arange(7, 23, device=DEVICE)
+        logits, taps = model.static_step(ids, torch.arange(20, 36, device=DEVICE), state, taps=(-1, 0, 1))
+        return logits, taps
+
+    for ops in (TritonStepOps, TorchStepOps):
+        got_logits, got_taps = step(ops(), True)
+        want_logits, want_taps = step(ops(), False)
+        assert got_taps.shape == (16, 3 * 64) and torch.equal(got_taps, want_taps)
+        assert torch.equal(got_logits, want_logits)

@@ -12,10 +12,11 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `linear(x, w, bias=None) -> x @ w.T (+ bias)`: a step's weight matmul (`w` a plain `[out, in]`
   weight or a quantized linear module); with the kernels, the few-row dense kernel
   (`memra_kernels.dense_linear`) for the weight shapes it was measured faster on, cuBLAS else
-- `rms_norm(x, w, eps)`; `add_rms_norm(x, residual, w, eps) -> (normed, x + residual)`
-- `linear_add_rms_norm(a, w, bias, residual, norm_w, eps, consumer=None) -> (h, x)`:
+- `rms_norm(x, w, eps)`; `add_rms_norm(x, residual, w, eps, res_out=None) -> (normed, x + residual)`
+  (`res_out`, rows with a contiguous last axis, receives the sum: a column slice of a step's taps)
+- `linear_add_rms_norm(a, w, bias, residual, norm_w, eps, consumer=None, out=None) -> (h, x)`:
   `add_rms_norm(linear(a, w, bias), residual, norm_w, eps)`, a layer's output projection and the
-  norm after it; with the kernels, where `linear` takes the dense kernel for both `w` and the
+  norm after it (`out`: where the new residual `x` goes, as `res_out`); with the kernels, where `linear` takes the dense kernel for both `w` and the
   weight `consumer` that will multiply `h`, one launch, and `h` a `dense_linear.PendingNorm`
   (the residual add in the projection's epilogue, the norm applied by the consumer as it loads its
   rows; `swiglu`, `linear`, `qkv_rope_kv_write` and `lm_head_argmax` take one, and norm it with
@@ -68,10 +69,10 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   the cache's last positions, causal by position; `mask` the forward's folded boolean mask,
   built only when `prefill_mask` is True)
 - `embed(ids, weight) -> rows`: an embedding lookup (a copy of the rows)
-- `embed_rms_norm(ids, weight, norm_w, eps, first=None) -> (normed, rows)`: `embed` then `rms_norm`
-  of its rows, a step's first norm (one launch with the kernels, the bits of the two); `first`
-  (one element on the device) is row 0's id in place of `ids[0]` (a drafter's block: the anchor,
-  then its constant mask ids); `embed_rms_norm_1p` the same with the zero-centred `rms_norm_1p`
+- `embed_rms_norm(ids, weight, norm_w, eps, first=None, rows_out=None) -> (normed, rows)`: `embed`
+  then `rms_norm` of its rows, a step's first norm (one launch with the kernels, the bits of the
+  two); `first` (one element on the device) is row 0's id in place of `ids[0]` (a drafter's
+  block: the anchor, then its constant mask ids); `rows_out` as `add_rms_norm`'s `res_out`; `embed_rms_norm_1p` the same with the zero-centred `rms_norm_1p`
   (Qwen3.5's)
 - `confidence_raw(hidden, w, b, prev=None, w1=None) -> f32 [n]`: DSpark's accept-rate head
 - `pack_round(cand, sel, raws=None) -> f64`: a graphed round's one host read, packed

@@ -326,10 +326,11 @@ class TorchStepOps:
 
     @classmethod
     def linear_add_rms_norm(cls, a: torch.Tensor, w, bias, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                            consumer=None) -> tuple[torch.Tensor, torch.Tensor]:
+                            consumer=None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`add_rms_norm(linear(a, w, bias), residual, norm_w, eps)` -> (normed, new residual);
-        `consumer` (the weight that multiplies the normed rows next) is the kernels' hint only."""
-        return cls.add_rms_norm(cls.linear(a, w, bias), residual, norm_w, eps)
+        `consumer` (the weight that multiplies the normed rows next) is the kernels' hint only;
+        `out` (`[t, d]`, a contiguous last axis) receives the new residual, and is returned."""
+        return cls.add_rms_norm(cls.linear(a, w, bias), residual, norm_w, eps, res_out=out)
 
     @classmethod
     def linear_rms_norm(cls, a: torch.Tensor, w, norm_w: torch.Tensor, eps: float, consumer=None) -> torch.Tensor:

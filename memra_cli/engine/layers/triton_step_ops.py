@@ -120,15 +120,15 @@ class TritonStepOps:
         return ops
 
     def linear_add_rms_norm(self, a: torch.Tensor, w, bias, residual: torch.Tensor, norm_w: torch.Tensor, eps: float,
-                            consumer=None):
+                            consumer=None, out: torch.Tensor | None = None):
         """`TorchStepOps.linear_add_rms_norm`; where `folds_norm`, one launch
         (`dense_linear.dense_linear_add_norm`) and the normed rows a `PendingNorm` the consumer
         folds in: (PendingNorm, new residual); else the projection and `add_rms_norm`. The choice
         goes by weight shapes and the row count up to MAX_ROWS, so it never splits a step's rows."""
         if self.folds_norm(a, w, bias, norm_w, consumer):
-            pending = self._dense.dense_linear_add_norm(a, w, residual, norm_w, eps)
+            pending = self._dense.dense_linear_add_norm(a, w, residual, norm_w, eps, out=out)
             return pending, pending.rows
-        return self.add_rms_norm(self.linear(a, w, bias), residual, norm_w, eps)
+        return self.add_rms_norm(self.linear(a, w, bias), residual, norm_w, eps, res_out=out)
 
     def linear_rms_norm(self, a: torch.Tensor, w, norm_w: torch.Tensor, eps: float, consumer=None):
         """`TorchStepOps.linear_rms_norm`; where `folds_norm` (every weight of `consumer`, a

@@ -32,11 +32,14 @@ def unfused_embed_rms_norm_1p(ops, ids: torch.Tensor, weight: torch.Tensor, w1p:
 
 
 def unfused_embed_rms_norm(ops, ids: torch.Tensor, weight: torch.Tensor, norm_w: torch.Tensor,
-                           eps: float, first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           eps: float, first: torch.Tensor | None = None,
+                           rows_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A step's embedding and first norm as two step ops, `(ops.rms_norm(rows, norm_w, eps), rows)`
-    with `rows = ops.embed(ids, weight)` (ids with `first` as element 0, a concatenation): the
-    unfused form `unfused()` installs."""
+    with `rows = ops.embed(ids, weight)` (ids with `first` as element 0, a concatenation; rows
+    copied into `rows_out` when given): the unfused form `unfused()` installs."""
     rows = ops.embed(with_first(ids, first), weight)
+    if rows_out is not None:
+        rows = rows_out.copy_(rows)
     return ops.rms_norm(rows, norm_w, eps), rows
 
 
@@ -50,11 +53,11 @@ def unfused_qkv_rope_kv_write(ops, h: torch.Tensor, w_qkv, b_qkv, q_norm, k_norm
 
 
 def unfused_linear_add_rms_norm(ops, a: torch.Tensor, w, bias, residual: torch.Tensor, norm_w: torch.Tensor,
-                                eps: float, consumer=None) -> tuple[torch.Tensor, torch.Tensor]:
+                                eps: float, consumer=None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A projection and the residual add + norm after it as two step ops, `add_rms_norm` (the
-    norm kernel's statistic: the folded one's order differs, so may its last ulp); `consumer`
-    (the next weight) is unused here."""
-    return ops.add_rms_norm(ops.linear(a, w, bias), residual, norm_w, eps)
+    norm kernel's statistic: the folded one's order differs, so may its last ulp; the new residual
+    into `out` when given); `consumer` (the next weight) is unused here."""
+    return ops.add_rms_norm(ops.linear(a, w, bias), residual, norm_w, eps, res_out=out)
 
 
 def unfused_linear_rms_norm(ops, a: torch.Tensor, w, norm_w: torch.Tensor, eps: float, consumer=None) -> torch.Tensor:

@@ -377,7 +377,9 @@ class Qwen3Target(TargetBase):
         not depend on what shares its step or on the storage size. `widen=False` returns the
         lm_head's model-dtype logits (an argmax of them is the float32 copy's: the widening is
         exact and keeps the order), without writing that copy. The weight matmuls are the step
-        ops' `linear` too (cuBLAS, or the few-row kernel on the shapes it wins).
+        ops' `linear` too (cuBLAS, or the few-row kernel on the shapes it wins). The taps
+        `[W, n_taps*hidden]`: each tapped residual written into its columns by the op that makes
+        it (`_tap_slots`), else concatenated.
         """
         h, taps_out = self._static_hidden(ids, positions, cache, taps)
         return (self.logits(h) if widen else self.lm_head(h)), taps_out
@@ -397,7 +399,9 @@ class Qwen3Target(TargetBase):
         kernels the hidden may be a `PendingNorm` that the lm_head's matmul norms (step_ops.py)."""
         ops, eps = self.step_ops, self.cfg.rms_norm_eps
         self.ensure_positions(cache.max_len)
-        h, x = ops.embed_rms_norm(ids, self.embed_weight, self.layers[0].attn_norm, eps)  # = rms_norm(embed(ids))
+        taps_out, slots = self._tap_slots(taps, ids.shape[0])
+        h, x = ops.embed_rms_norm(ids, self.embed_weight, self.layers[0].attn_norm, eps,
+                                  rows_out=slots.get(-1))  # = rms_norm(embed(ids))
         wanted = set(taps or ())
         tapped: dict[int, torch.Tensor] = {-1: x} if -1 in wanted else {}
         keys = self._step_keys(cache)
@@ -413,10 +417,24 @@ class Qwen3Target(TargetBase):
             next_norm, next_w = (self.norm, self._lm_head) if li == last else \
                 (self.layers[li + 1].attn_norm, self.layers[li + 1].wqkv)
             if mlp:
-                h, x = ops.linear_add_rms_norm(ops.swiglu(h, mlp[0]), mlp[1], None, x, next_norm, eps, next_w)
+                h, x = ops.linear_add_rms_norm(ops.swiglu(h, mlp[0]), mlp[1], None, x, next_norm, eps, next_w,
+                                               out=slots.get(li))
             else:  # a family's own feed-forward, the add and the norm (the MoE combine's launch)
                 h, x = self._step_ffn_add_norm(h, x, li, w, next_norm)
             if li in wanted:
                 tapped[li] = x
-        taps_out = torch.cat([tapped[i] for i in taps], dim=-1) if taps else None
+        if taps and taps_out is None:
+            taps_out = torch.cat([tapped[i] for i in taps], dim=-1)
         return h, taps_out
+
+    def _tap_slots(self, taps: Sequence[int] | None, rows: int) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """(taps `[rows, n_taps*hidden]`, {layer: its column slice}) where every tapped residual is
+        written by an op that takes an output (the embedding's, a dense MLP's down projection): the
+        step then writes each tap into its place, and no concatenation follows it. Else (None, {}):
+        the step concatenates its taps (an MoE layer's combine writes its own rows)."""
+        if not taps or len(set(taps)) != len(taps) or any(li >= 0 and not self._step_mlp(self.layers[li])
+                                                          for li in taps):
+            return None, {}
+        d = self.cfg.hidden_size
+        out = torch.empty((rows, len(taps) * d), dtype=self.dtype, device=self.device)
+        return out, {li: out[:, j * d:(j + 1) * d] for j, li in enumerate(taps)}
