@@ -150,3 +150,16 @@ def test_a_dspark_round_makes_its_positions_candidates_and_block_once():
     assert tri["_confidence_kernel"] == 1 and tri["_settle_kernel"] == 1 and "_embed_kernel" not in tri
     assert tri["_rms_norm_kernel"] == 2, tri  # the block's embedding + first norm, the target's first
     assert got["plain"]["launches"] == 40 and got["round"]["launches"] == 60
+
+
+@pytest.mark.exhaustive  # an interpreted round of the embedded pair: about 40 s
+def test_a_dflash_round_on_a_dense_target_writes_no_live_rows():
+    """`--round dflash` on the embedded pair: the ladder's window is the settlement's business; a
+    dense KV cache ignores a step's live rows (its step costs the same at any live count), so the
+    round writes none (the minimum, clamp and copy a recurrent state or an MoE target needs), and
+    its only ops outside the kernels are the two adds and the candidates' concatenation."""
+    from benchmarks.step_launches import count_round
+
+    got = count_round("embedded", "dflash")
+    assert got["round"]["torch"] == {"add": 2, "cat": 1}, got["round"]["torch"]
+    assert got["plain"]["launches"] == 40 and got["round"]["launches"] == 67

@@ -147,9 +147,11 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
                                adapt=program.adapt, cost=cost_table)
         return out[-2:-1].to(torch.int32)
 
-    # a dense KV cache's step costs the same at any live count: the raws' window is sized after only
+    # a dense KV cache's step costs the same at any live count and ignores it (`live_rows_from`):
+    # no live rows to write before its verify (the raws' window is sized after it, the ladder's
+    # is the settlement's), where a recurrent state or an MoE target skips its padding rows
     skips_padding = target.moe is not None or not cache.host_bookkeeping
-    if window.is_confidence and not skips_padding:
+    if not skips_padding:
         live = None
     core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws, live,
                        presize if window.is_confidence else None)
