@@ -22,7 +22,6 @@ from memra_cli.engine.spec.policy import Harvest, VerifyWindow
 from memra_cli.engine.runtime.steps import PREFILL_BUCKET
 from memra_cli.engine.spec.sampling import GREEDY, Sampler
 from memra_cli.engine.threads import for_rows
-from memra_kernels.norm_ref import with_first
 
 PRIME_CHUNK = 256  # prompt taps are ingested in row windows to bound transient memory
 
@@ -194,10 +193,10 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden, last: torch.Tensor
                 want_raws: bool, sampler: Sampler = GREEDY, start: torch.Tensor | None = None,
                 host_loop: bool = False, want_chain: bool = False) -> Heads:
     """Block hidden `[b, hidden]` (or its `PendingNorm`: `draft_rows`) -> drafts `[n_drafts]`
-    (harvested rows through the target's lm_head, then the markov chain or argmax), when asked confidence raws `[n_drafts]`, and the
-    drafts' distribution q when the sampler keeps it. Greedy drafts are argmax; a sampler with
-    `drafting` (temperature > 0) picks draft k with the noise keyed to position `start + k`
-    (0-d device tensor), the target row that judges it. `host_loop`: the caller is eager, never
+    (harvested rows through the target's lm_head, then the markov chain or argmax), when asked
+    confidence raws `[n_drafts]`, and the drafts' distribution q when the sampler keeps it.
+    Greedy drafts are argmax; a sampler with `drafting` (temperature > 0) picks draft k with the
+    noise keyed to position `start + k` (0-d device tensor), the target row that judges it. `host_loop`: the caller is eager, never
     a graph body, so the chain may loop on the host (CPU; step_ops `markov_chain`).
     `want_chain`: also the candidates [last, drafts] (`Heads.chain`)."""
     rows = draft_rows(hidden, p.harvest.first_row, p.n_drafts)
@@ -213,8 +212,8 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden, last: torch.Tensor
         if not sampler.greedy:
             drafting = sampler.drafting(start + torch.arange(p.n_drafts, device=logits.device), logits.shape[-1])
         if drafting is None and p.markov:  # the greedy chain writes the anchor in its own launch
-            drafts = drafter.markov_chain(logits, last, host_loop=host_loop, with_anchor=with_anchor)
-            drafts, chain = (drafts[1:], drafts) if with_anchor else (drafts, None)
+            picks = drafter.markov_chain(logits, last, host_loop=host_loop, with_anchor=with_anchor)
+            drafts, chain = (picks[1:], picks) if with_anchor else (picks, None)
         elif drafting is None:
             drafts = drafter.step_ops.argmax(logits)
         else:
@@ -255,4 +254,4 @@ def static_block(drafter: Drafter, target, p: Program, last: torch.Tensor, mask_
     `block_embedding` makes of [last, mask ids...] (a concatenation, then the gather)."""
     if drafter.fuses_block_embedding and p.emb_scale == 1.0 and target.embed_weight.dtype == drafter.dtype:
         return BlockTokens(target.embed_weight, mask_ids, last)
-    return block_embedding(target, p, with_first(mask_ids, last))
+    return block_embedding(target, p, torch.cat([last.reshape(1), mask_ids[1:]]))
