@@ -32,8 +32,8 @@ from the per-slot GEMV's in its summation order (an ulp before the rounding), as
 vocabularies keep the per-slot kernel: their table would not fit, and each slot's GEMV reads
 megabytes, so the launches are not what they wait on.
 
-Public API: `markov_chain(logits, anchor, w1, w2, dtype, table=None, with_anchor=False)`, `bias_table(w1, w2,
-dtype)`, `table_fits(w1, w2, dtype)`, and the twin `markov_chain_ref`.
+Public API: `markov_chain(logits, anchor, w1, w2, dtype, table=None, with_anchor=False)`,
+`bias_table(w1, w2, dtype)`, `table_fits(w1, w2, dtype)`, and the twin `markov_chain_ref`.
 """
 
 from __future__ import annotations

@@ -128,9 +128,9 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     out_dtype = x.dtype if zero_centred else torch.promote_types(x.dtype, weight.dtype)
     out = torch.empty((t, d), dtype=out_dtype, device=x.device)
     _check_rows_out(res_out, t, d, x.dtype, x)
-    if residual is None:
-        res_out = None
-    elif res_out is None:
+    if residual is None and res_out is not None:
+        raise ValueError("res_out is the residual sum's output: it needs a residual")
+    if residual is not None and res_out is None:
         res_out = torch.empty_like(x)
     if t == 0:
         return out, res_out
