@@ -151,7 +151,9 @@ def _leave_mid_stream(url: str, served, stream: bool = True) -> weakref.ref:
                 until = time.monotonic() + 5  # queue on its own thread (a loaded CPU may take a moment)
                 while not served.worker.live and time.monotonic() < until:
                     time.sleep(0.005)
-                assert served.worker.live, f"no live session after the first event {first[:200]!r}"
+                if not served.worker.live:  # say how the request ended: the events after the first
+                    rest = [line[:300] for _, line in zip(range(4), r.iter_lines())]
+                    pytest.fail(f"no live session after the first event {first[:200]!r}; then {rest!r}")
         else:
             with pytest.raises(httpx.ReadTimeout), httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as http:
                 http.post(url + "/v1/completions", json=body)  # the client gives up after 0.5 s and hangs up
