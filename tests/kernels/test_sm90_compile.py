@@ -82,6 +82,12 @@ def _norm(ctx, dt):
         # the statistic from the dense kernel's per-tile partials (PARTIALS: its folded norm as a tensor)
         ctx.launch(f"rms_norm_partials d{d}", "_rms_norm_kernel", n.rms_norm_partials, x, ctx.t(3, d // 64, dtype="f32"),
                    w, 1e-6)
+        # a drafter's block (FIRST: row 0's id from the anchor) and a step's taps (rows into a column slice)
+        taps = ctx.t(3, 3 * d, dtype=dt)
+        ctx.launch(f"embed_rms_norm first d{d}", "_rms_norm_kernel", n.embed_rms_norm, ctx.idx(3),
+                   ctx.t(50, d, dtype=dt), w, 1e-6, first=ctx.idx(1), rows_out=taps[:, :d])
+        ctx.launch(f"add_rms_norm res_out d{d}", "_rms_norm_kernel", n.add_rms_norm, x, r, w, 1e-6,
+                   res_out=taps[:, d:2 * d])
     d = 2560  # Qwen3.5-4B's zero-centred norms (1 + w in float32)
     x, r, w1p = ctx.t(3, d, dtype=dt), ctx.t(3, d, dtype=dt), ctx.t(d, dtype="f32")
     ctx.launch("rms_norm_1p", "_rms_norm_kernel", n.rms_norm_1p, x, w1p, 1e-6)
@@ -221,6 +227,10 @@ def _gather(ctx, dt):
     ctx.launch("confidence_raw", "_confidence_kernel", gt.confidence_raw, ctx.t(n, h, dtype=dt), w, b)
     ctx.launch("confidence_raw markov", "_confidence_kernel", gt.confidence_raw, ctx.t(n, h, dtype=dt),
                ctx.t(h + r, dtype="f32"), b, ctx.idx(n), ctx.t(4096, r, dtype=dt))
+    # the drafter's final norm left to its heads (NORM_IN: a PendingNorm's rows normed as loaded)
+    pending = ctx.k.dense_linear.PendingNorm(ctx.t(n, h, dtype=dt), ctx.t(n, 4, dtype="f32"), ctx.t(h, dtype=dt), 1e-6)
+    ctx.launch("confidence_raw markov norm_in", "_confidence_kernel", gt.confidence_raw, pending,
+               ctx.t(h + r, dtype="f32"), b, ctx.idx(n), ctx.t(4096, r, dtype=dt))
 
 
 def _pack_round(ctx, _):
@@ -259,6 +269,8 @@ def _markov(ctx, dt):
                table=table)
     ctx.launch("markov_chain table, model-dtype logits", "_markov_table_kernel", mk.markov_chain,
                ctx.t(n, v, dtype=dt), anchor, w1, w2, ctx.dtype(dt), table=table)
+    ctx.launch("markov_chain table, with the anchor", "_markov_table_kernel", mk.markov_chain, logits, anchor, w1, w2,
+               ctx.dtype(dt), table=table, with_anchor=True)  # a round's candidates (WITH_ANCHOR)
     vb = mk.TABLE_BLOCK + 64  # a vocabulary over one tile (ONE_TILE False)
     ctx.launch("markov_chain table, two tiles", "_markov_table_kernel", mk.markov_chain, ctx.t(n, vb, dtype="f32"),
                anchor, ctx.t(vb, r, dtype=dt), ctx.t(vb, r, dtype=dt), ctx.dtype(dt), table=ctx.t(vb, vb, dtype=dt))
@@ -330,6 +342,14 @@ def _dense_linear(ctx, dt):
     for n, k in ((4096, 4096), (4096, 12288)):
         ctx.launch(f"dense_linear_add_norm {n}x{k}", "_dense_linear_kernel", dl.dense_linear_add_norm,
                    ctx.t(16, k, dtype=dt), ctx.t(n, k, dtype=dt), ctx.t(16, n, dtype=dt), ctx.t(n, dtype=dt), 1e-6)
+    # the down projection's new residual into a column slice of the step's taps
+    ctx.launch("dense_linear_add_norm 4096x12288 into the taps", "_dense_linear_kernel", dl.dense_linear_add_norm,
+               ctx.t(16, 12288, dtype=dt), ctx.t(4096, 12288, dtype=dt), ctx.t(16, 4096, dtype=dt),
+               ctx.t(4096, dtype=dt), 1e-6, out=ctx.t(16, 3 * 4096, dtype=dt)[:, 4096:8192])
+    # a drafter's context features, their norm left to the k/v projections (RESID without ADD_RES):
+    # the 8B-shape drafter's fc (3 taps)
+    ctx.launch("dense_linear_norm 4096x12288", "_dense_linear_kernel", dl.dense_linear_norm,
+               ctx.t(16, 12288, dtype=dt), ctx.t(4096, 12288, dtype=dt), ctx.t(4096, dtype=dt), 1e-6)
     pending = dl.PendingNorm(ctx.t(16, 4096, dtype=dt), ctx.t(16, 64, dtype="f32"), ctx.t(4096, dtype=dt), 1e-6)
     ctx.launch("dense_linear 24576x4096 glu norm_in", "_dense_linear_kernel", dl.dense_linear, pending,
                ctx.t(24576, 4096, dtype=dt), glu=True)
