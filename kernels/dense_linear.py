@@ -70,9 +70,8 @@ from ._sumsq import pairwise_rows
 from .argmax import _column_of, _keys
 from .rope import qkv_rope_epilogue
 
-__all__ = ["KernelConfig", "PendingNorm", "TUNED", "config_for", "dense_linear", "dense_linear_add_norm", "dense_linear_norm",
-           "dense_linear_ref", "eligible", "eligible_rows",
-           "load_tuned", "MAX_ROWS"]
+__all__ = ["KernelConfig", "PendingNorm", "TUNED", "config_for", "dense_linear", "dense_linear_add_norm",
+           "dense_linear_norm", "dense_linear_ref", "eligible", "eligible_rows", "load_tuned", "MAX_ROWS"]
 
 # Rows a call may have for the step ops to take the kernel (each 16-row tile re-reads W, so past
 # a couple of tiles cuBLAS's large-M kernels win; full prefill chunks never come here).
@@ -212,9 +211,10 @@ def _dense_linear_kernel(x_ptr, w_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, stride
     this one streams the weight).
 
     RESID: the residual add and the next norm's partial sums of squares in the epilogue
-    (`_splitk._store_out`; without ADD_RES the sums of squares of the product alone). NORM_IN: x is a residual stream whose RMSNorm (weight nw, eps
-    norm_eps) is applied to each x tile as it is loaded, with each row's statistic summed from the
-    producer's NT_IN partials `sq_in [M, NT_IN]` (`_norm_rstd`).
+    (`_splitk._store_out`; without ADD_RES the sums of squares of the product alone). NORM_IN: x
+    is a residual stream whose RMSNorm (weight nw, eps norm_eps) is applied to each x tile as it
+    is loaded, with each row's statistic summed from the producer's NT_IN partials
+    `sq_in [M, NT_IN]` (`_norm_rstd`).
     """
     _prefetch_then_wait(PDL, PREFETCH, w_ptr, N, K, stride_wn, SPLIT_K, BLOCK_N, BLOCK_K, GLU)
     pid_n = tl.program_id(0)

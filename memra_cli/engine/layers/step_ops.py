@@ -16,12 +16,13 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   (`res_out`, rows with a contiguous last axis, receives the sum: a column slice of a step's taps)
 - `linear_add_rms_norm(a, w, bias, residual, norm_w, eps, consumer=None, out=None) -> (h, x)`:
   `add_rms_norm(linear(a, w, bias), residual, norm_w, eps)`, a layer's output projection and the
-  norm after it (`out`: where the new residual `x` goes, as `res_out`); with the kernels, where `linear` takes the dense kernel for both `w` and the
-  weight `consumer` that will multiply `h`, one launch, and `h` a `dense_linear.PendingNorm`
-  (the residual add in the projection's epilogue, the norm applied by the consumer as it loads its
-  rows; `swiglu`, `linear`, `qkv_rope_kv_write` and `lm_head_argmax` take one, and norm it with
-  `norm.rms_norm_partials` where they cannot fold it, the same bits): the statistic summed in one
-  fixed order, which may differ from `add_rms_norm`'s kernel in its last ulp
+  norm after it (`out`: where the new residual `x` goes, as `res_out`); with the kernels, where
+  `linear` takes the dense kernel for both `w` and the weight `consumer` that will multiply `h`,
+  one launch, and `h` a `dense_linear.PendingNorm` (the residual add in the projection's
+  epilogue, the norm applied by the consumer as it loads its rows; `swiglu`, `linear`,
+  `qkv_rope_kv_write` and `lm_head_argmax` take one, and norm it with `norm.rms_norm_partials`
+  where they cannot fold it, the same bits): the statistic summed in one fixed order, which may
+  differ from `add_rms_norm`'s kernel in its last ulp
 - `linear_rms_norm(a, w, norm_w, eps, consumer=None) -> h`: `rms_norm(linear(a, w), norm_w, eps)`,
   a projection whose output is normed next (a drafter's context features); with the kernels,
   where `linear` takes the dense kernel for `w` and for each weight of `consumer` (a weight or a
@@ -72,8 +73,8 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
 - `embed_rms_norm(ids, weight, norm_w, eps, first=None, rows_out=None) -> (normed, rows)`: `embed`
   then `rms_norm` of its rows, a step's first norm (one launch with the kernels, the bits of the
   two); `first` (one element on the device) is row 0's id in place of `ids[0]` (a drafter's
-  block: the anchor, then its constant mask ids); `rows_out` as `add_rms_norm`'s `res_out`; `embed_rms_norm_1p` the same with the zero-centred `rms_norm_1p`
-  (Qwen3.5's)
+  block: the anchor, then its constant mask ids); `rows_out` as `add_rms_norm`'s `res_out`;
+  `embed_rms_norm_1p` the same with the zero-centred `rms_norm_1p` (Qwen3.5's)
 - `confidence_raw(hidden, w, b, prev=None, w1=None) -> f32 [n]`: DSpark's accept-rate head
 - `pack_round(cand, sel, raws=None) -> f64`: a graphed round's one host read, packed
 - `settle_round(cand, sel, raws, inputs, threshold, kind=, cap=, adapt=, restore=None, ring=0, cost=None) -> f64`:

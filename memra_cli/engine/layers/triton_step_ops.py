@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from memra_cli.engine.layers.torch_step_ops import TorchStepOps
 from memra_cli.engine.layers.unfused import (unfused_embed_rms_norm, unfused_embed_rms_norm_1p,
-                                             unfused_gemma_add_two_norms, unfused_linear_add_rms_norm, unfused_linear_rms_norm,
+                                             unfused_gemma_add_two_norms, unfused_linear_add_rms_norm,
+                                             unfused_linear_rms_norm,
                                              unfused_lm_head_argmax, unfused_moe_gemma_add_norm,
                                              unfused_moe_swiglu_add_rms_norm,
                                              unfused_moe_swiglu_shared_add_rms_norm_1p, unfused_qkv_rope_kv_write,

@@ -53,7 +53,8 @@ def unfused_qkv_rope_kv_write(ops, h: torch.Tensor, w_qkv, b_qkv, q_norm, k_norm
 
 
 def unfused_linear_add_rms_norm(ops, a: torch.Tensor, w, bias, residual: torch.Tensor, norm_w: torch.Tensor,
-                                eps: float, consumer=None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                eps: float, consumer=None,
+                                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A projection and the residual add + norm after it as two step ops, `add_rms_norm` (the
     norm kernel's statistic: the folded one's order differs, so may its last ulp; the new residual
     into `out` when given); `consumer` (the next weight) is unused here."""

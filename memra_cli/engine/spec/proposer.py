@@ -196,8 +196,9 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden, last: torch.Tensor
     (harvested rows through the target's lm_head, then the markov chain or argmax), when asked
     confidence raws `[n_drafts]`, and the drafts' distribution q when the sampler keeps it.
     Greedy drafts are argmax; a sampler with `drafting` (temperature > 0) picks draft k with the
-    noise keyed to position `start + k` (0-d device tensor), the target row that judges it. `host_loop`: the caller is eager, never
-    a graph body, so the chain may loop on the host (CPU; step_ops `markov_chain`).
+    noise keyed to position `start + k` (0-d device tensor), the target row that judges it.
+    `host_loop`: the caller is eager, never a graph body, so the chain may loop on the host (CPU;
+    step_ops `markov_chain`).
     `want_chain`: also the candidates [last, drafts] (`Heads.chain`)."""
     rows = draft_rows(hidden, p.harvest.first_row, p.n_drafts)
     drafting, chain = None, None

@@ -137,7 +137,11 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
     kind = settle_kind(window)
     threshold = torch.tensor([window.threshold if window.is_confidence else 0.0], dtype=torch.float64,
                              device=target.device)
-    live = _window_rows(program, width, target.device)
+    # a dense KV cache's step costs the same at any live count and ignores it (`live_rows_from`):
+    # no live rows to write before its verify (the raws' window is sized after it, the ladder's
+    # is the settlement's), where a recurrent state or an MoE target skips its padding rows
+    skips_padding = target.moe is not None or not cache.host_bookkeeping
+    live = _window_rows(program, width, target.device) if skips_padding else None
 
     def presize(cand: torch.Tensor, raws: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """The window the settlement will size from `raws`, before the verify: the same op on the
@@ -147,12 +151,6 @@ def speculative_round_chained(drafter, target, program: Program, kv, cache, taps
                                adapt=program.adapt, cost=cost_table)
         return out[-2:-1].to(torch.int32)
 
-    # a dense KV cache's step costs the same at any live count and ignores it (`live_rows_from`):
-    # no live rows to write before its verify (the raws' window is sized after it, the ladder's
-    # is the settlement's), where a recurrent state or an MoE target skips its padding rows
-    skips_padding = target.moe is not None or not cache.host_bookkeeping
-    if not skips_padding:
-        live = None
     core = _round_core(drafter, target, program, kv, cache, taps, width, want_raws, live,
                        presize if window.is_confidence else None)
     on_device = cache.settles_on_device
