@@ -280,6 +280,13 @@ def test_static_draft_round_and_ingest_match_the_eager_ones(target_dir, tmp_path
     assert torch.equal(kv.k, k_static)
     with pytest.raises(ValueError, match="positions"):
         proposer.drafter.static_ingest(kv, padded, torch.tensor(start), at.rows)
+    # a round's positions in one add: the verify's rows from the target's start, the block's
+    # (`block_positions`) from the draft cache's
+    for b, width in ((15, 16), (16, 16), (4, 16), (16, 8)):
+        verify, blk = proposer.drafter.round_positions(torch.tensor([start + 5, start]), b, width)
+        assert verify.tolist() == list(range(start + 5, start + 5 + width)) and verify.is_contiguous()
+        ref = proposer.drafter.block_positions(torch.tensor(start), b, width)
+        assert all(torch.equal(got, want) and got.is_contiguous() for got, want in zip(blk, ref)), (b, width)
 
 
 @pytest.mark.gpu

@@ -135,8 +135,9 @@ def test_the_other_moe_families_end_a_layer_in_the_combine(family):
 @pytest.mark.exhaustive  # an interpreted round and plain step of the embedded pair: about 40 s
 def test_a_dspark_round_makes_its_positions_candidates_and_block_once():
     """`--round dspark` on the embedded pair (its weight matmuls on the dense kernel, as shipped):
-    besides the kernels, a round body launches two adds (the drafter block's positions with its
-    attention's last positions and the ingest's span; the verify step's positions). The target
+    besides the kernels, a round body launches one add (`Drafter.round_positions`: the verify
+    step's positions, and the drafter block's with its attention's last positions and the
+    ingest's span). The target
     writes each tap into its slice of the taps (no concatenation); the block's ids, its embedding
     and first norm are one launch; the candidates [last, drafts] come from the chain's launch; the draft cache's
     position rows are not written (row index == position); a drafter layer's MLP norm, its final
@@ -145,11 +146,11 @@ def test_a_dspark_round_makes_its_positions_candidates_and_block_once():
     from benchmarks.step_launches import count_round
 
     got = count_round("embedded", "dspark")
-    assert got["round"]["torch"] == {"add": 2}, got["round"]["torch"]
+    assert got["round"]["torch"] == {"add": 1}, got["round"]["torch"]
     tri = got["round"]["triton"]
     assert tri["_confidence_kernel"] == 1 and tri["_settle_kernel"] == 1 and "_embed_kernel" not in tri
     assert tri["_rms_norm_kernel"] == 2, tri  # the block's embedding + first norm, the target's first
-    assert got["plain"]["launches"] == 40 and got["round"]["launches"] == 60
+    assert got["plain"]["launches"] == 40 and got["round"]["launches"] == 59
 
 
 @pytest.mark.exhaustive  # an interpreted round of the embedded pair: about 40 s
@@ -157,9 +158,9 @@ def test_a_dflash_round_on_a_dense_target_writes_no_live_rows():
     """`--round dflash` on the embedded pair: the ladder's window is the settlement's business; a
     dense KV cache ignores a step's live rows (its step costs the same at any live count), so the
     round writes none (the minimum, clamp and copy a recurrent state or an MoE target needs), and
-    its only ops outside the kernels are the two adds and the candidates' concatenation."""
+    its only ops outside the kernels are the positions' add and the candidates' concatenation."""
     from benchmarks.step_launches import count_round
 
     got = count_round("embedded", "dflash")
-    assert got["round"]["torch"] == {"add": 2, "cat": 1}, got["round"]["torch"]
-    assert got["plain"]["launches"] == 40 and got["round"]["launches"] == 67
+    assert got["round"]["torch"] == {"add": 1, "cat": 1}, got["round"]["torch"]
+    assert got["plain"]["launches"] == 40 and got["round"]["launches"] == 66

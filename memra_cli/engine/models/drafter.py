@@ -196,7 +196,7 @@ class Drafter:
         # the drafter the engine's, so it runs the kernels its target runs
         self.step_ops = TorchStepOps()
         self._offset_rows: dict[int, torch.Tensor] = {}  # `_offsets(n)`: arange(n), made once per n
-        self._block_offsets: dict[tuple[int, int], torch.Tensor] = {}  # `block_positions`' constants
+        self._block_offsets: dict[tuple, torch.Tensor] = {}  # `block_positions`' and `round_positions`' constants
         # the draft logits' softcap (`cap * tanh(z / cap)`): a Gemma 4 drafter's (drafter_gemma4.py)
         self.logit_softcap: float | None = None
 
@@ -456,6 +456,21 @@ class Drafter:
             offsets = self._block_offsets[b, n] = torch.cat([self._offsets(n), self._offsets(b)[-1:].repeat(b)])
         both = start + offsets
         return BlockPositions(both[:b], both[n:], both[:n])
+
+    def round_positions(self, starts: torch.Tensor, b: int, width: int) -> tuple[torch.Tensor, BlockPositions]:
+        """A round's positions in one launch: `starts [2]` (the target's committed length, the
+        draft cache's; 0-d-able device values, e.g. a round graph's `inputs[0:2]`) plus a kept
+        constant `[2, n + b]` (n = max(b, width)). Returns the verify step's `[width]` rows,
+        `starts[0]..starts[0]+width-1`, and `block_positions(starts[1], b, width)`: one add where
+        the round made two."""
+        n = max(b, width)
+        offsets = self._block_offsets.get((b, n, width))
+        if offsets is None:  # kept like `_offsets`: a graph reads it as a constant
+            block = torch.cat([self._offsets(n), self._offsets(b)[-1:].repeat(b)])
+            verify = torch.cat([self._offsets(width), block.new_zeros(n + b - width)])
+            offsets = self._block_offsets[b, n, width] = torch.stack([verify, block])
+        both = starts.reshape(2, 1) + offsets
+        return both[0, :width], BlockPositions(both[1, :b], both[1, n:], both[1, :n])
 
     def _ingest_positions(self, taps: torch.Tensor, start: torch.Tensor,
                           positions: torch.Tensor | None) -> torch.Tensor:

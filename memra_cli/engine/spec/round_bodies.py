@@ -75,14 +75,14 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
     dev = target.device
     cfg = drafter.cfg
     mask_ids = torch.full((cfg.block_size,), cfg.mask_token_id, dtype=torch.long, device=dev)  # [0]: the anchor's
-    rows = torch.arange(width, device=dev)
     taps = tuple(taps)
     b = cfg.block_size
 
     def core(inputs: torch.Tensor):
-        t_start, d_start, last = inputs[0], inputs[1], inputs[2:3]
-        # the block's positions once (one add), for the proposal and the ingest of the step's rows
-        at = drafter.block_positions(d_start, b, width)
+        d_start, last = inputs[1], inputs[2:3]
+        # the verify's positions and the block's (for the proposal and the ingest of the step's
+        # rows) in one add
+        verify_at, at = drafter.round_positions(inputs[0:2], b, width)
         heads = static_proposal(drafter, target, program, kv, last, mask_ids, d_start, want_raws, at=at,
                                 want_chain=True)
         drafts, raws, cand = heads.drafts, heads.raws, heads.chain  # cand = [last, drafts]
@@ -91,14 +91,14 @@ def _round_core(drafter, target, program: Program, kv, cache, taps: Sequence[int
         else:
             cand = torch.cat([cand, cand[-1:].expand(width - cand.shape[0])])
         if live is None:
-            sel, tapped = greedy_step(target, cand, rows + t_start, cache, taps)
+            sel, tapped = greedy_step(target, cand, verify_at, cache, taps)
         else:
             if presize is None:
                 live.copy_(torch.minimum(inputs[3], inputs[4]).clamp(min=1).reshape(1))
             else:
                 live.copy_(presize(cand, raws, inputs))
             with cache.live_rows_from(live):
-                sel, tapped = greedy_step(target, cand, rows + t_start, cache, taps)
+                sel, tapped = greedy_step(target, cand, verify_at, cache, taps)
         drafter.static_ingest(kv, tapped, d_start, at.span[: tapped.shape[0]])  # the span covers max(b, W) rows
         return cand, sel, raws
 
