@@ -69,16 +69,15 @@ def embed_rows(ids: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
 
 
 @triton.jit
-def _confidence_kernel(h_ptr, w_ptr, b_ptr, prev_ptr, w1_ptr, out_ptr, H, R, stride_h, stride_w1,
-                       WITH_MARKOV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False,
-                       NORM_IN: tl.constexpr = False, sq_ptr=None, nw_ptr=None, n_parts=1,
-                       PARTS_POW2: tl.constexpr = 1, eps=0.0):
-    """One row's score. NORM_IN: the row is a residual stream whose RMSNorm (weight nw) is applied
-    as it is loaded, its statistic summed from the dense kernel's per-tile partials `sq [rows,
-    n_parts]` in _sumsq's order and each value rounded where the norm kernel rounds it (the bits
-    of `norm.rms_norm_partials`)."""
-    pdl_wait(PDL)
-    row = tl.program_id(0)
+def confidence_score(row, prev, h_ptr, w_ptr, b_ptr, w1_ptr, H, R, stride_h, stride_w1, WITH_MARKOV: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, NORM_IN: tl.constexpr, sq_ptr, nw_ptr, n_parts,
+                     PARTS_POW2: tl.constexpr, eps):
+    """Row `row`'s pre-sigmoid score (float32 scalar): `hidden[row] · w[:H] (+ w1[prev] · w[H:])
+    + b`, `prev` the slot's previous token (WITH_MARKOV). NORM_IN: the row is a residual stream
+    whose RMSNorm (weight nw) is applied as it is loaded, its statistic summed from the dense
+    kernel's per-tile partials `sq [rows, n_parts]` in _sumsq's order and each value rounded
+    where the norm kernel rounds it (the bits of `norm.rms_norm_partials`). One body for
+    `_confidence_kernel` and the chain's launch that scores its slots (markov.py)."""
     if NORM_IN:
         parts_cols = tl.arange(0, PARTS_POW2)
         parts = tl.load(sq_ptr + row * n_parts + parts_cols, mask=parts_cols < n_parts, other=0.0)
@@ -87,7 +86,7 @@ def _confidence_kernel(h_ptr, w_ptr, b_ptr, prev_ptr, w1_ptr, out_ptr, H, R, str
     for c0 in range(0, H, BLOCK_H):
         cols = c0 + tl.arange(0, BLOCK_H)
         ok = cols < H
-        raw = tl.load(h_ptr + row.to(tl.int64) * stride_h + cols, mask=ok, other=0.0)
+        raw = tl.load(h_ptr + tl.cast(row, tl.int64) * stride_h + cols, mask=ok, other=0.0)
         if NORM_IN:  # the norm kernel's roundings: to the rows' dtype before the weight, then once more
             nw = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
             raw = (nw * (raw.to(tl.float32) * rstd).to(raw.dtype).to(tl.float32)).to(raw.dtype)
@@ -95,7 +94,7 @@ def _confidence_kernel(h_ptr, w_ptr, b_ptr, prev_ptr, w1_ptr, out_ptr, H, R, str
         acc += x * tl.load(w_ptr + cols, mask=ok, other=0.0)
     total = tl.sum(acc, axis=0)
     if WITH_MARKOV:
-        tok = tl.load(prev_ptr + row).to(tl.int64)
+        tok = prev.to(tl.int64)
         acc_r = tl.zeros((BLOCK_R,), tl.float32)
         for c0 in range(0, R, BLOCK_R):
             cols = c0 + tl.arange(0, BLOCK_R)
@@ -103,17 +102,31 @@ def _confidence_kernel(h_ptr, w_ptr, b_ptr, prev_ptr, w1_ptr, out_ptr, H, R, str
             m = tl.load(w1_ptr + tok * stride_w1 + cols, mask=ok, other=0.0).to(tl.float32)
             acc_r += m * tl.load(w_ptr + H + cols, mask=ok, other=0.0)
         total += tl.sum(acc_r, axis=0)
-    tl.store(out_ptr + row, total + tl.load(b_ptr))
+    return total + tl.load(b_ptr)
 
 
-def confidence_raw(hidden, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor | None = None,
-                   w1: torch.Tensor | None = None) -> torch.Tensor:
-    """Pre-sigmoid scores float32 `[n]` of draft rows `hidden [n, H]` (any float dtype): `w`
-    float32 `[H]` or, with the markov features, `[H + r]` with `prev [n]` ids into `w1 [V, r]`;
-    `b` float32 `[1]`. `hidden` may be a `dense_linear.PendingNorm` (a drafter's final norm left to
-    its heads): its rows are normed as they are loaded, the scores those of
-    `norm.rms_norm_partials(...)`'s rows, bit for bit."""
-    norm_in = {}
+@triton.jit
+def _confidence_kernel(h_ptr, w_ptr, b_ptr, prev_ptr, w1_ptr, out_ptr, H, R, stride_h, stride_w1,
+                       WITH_MARKOV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False,
+                       NORM_IN: tl.constexpr = False, sq_ptr=None, nw_ptr=None, n_parts=1,
+                       PARTS_POW2: tl.constexpr = 1, eps=0.0):
+    """One row's score (`confidence_score`)."""
+    pdl_wait(PDL)
+    row = tl.program_id(0)
+    prev = 0
+    if WITH_MARKOV:
+        prev = tl.load(prev_ptr + row)
+    tl.store(out_ptr + row, confidence_score(row, prev, h_ptr, w_ptr, b_ptr, w1_ptr, H, R, stride_h, stride_w1,
+                                             WITH_MARKOV, BLOCK_H, BLOCK_R, NORM_IN, sq_ptr, nw_ptr, n_parts,
+                                             PARTS_POW2, eps))
+
+
+def confidence_args(hidden, w: torch.Tensor, b: torch.Tensor, prev_n: int | None = None,
+                    w1: torch.Tensor | None = None) -> tuple[int, dict]:
+    """`confidence_raw`'s checks, and the launch arguments `confidence_score` takes (besides
+    `row` and `prev`): `(n rows, kwargs)`. `prev_n`: the rows the previous tokens cover (the
+    markov features), None without them."""
+    norm_in = dict(NORM_IN=False, sq_ptr=None, nw_ptr=None, n_parts=1, PARTS_POW2=1, eps=0.0)
     if not isinstance(hidden, torch.Tensor):  # a PendingNorm: (rows, sumsq, weight, eps)
         rows, sq, nw, eps = hidden
         if sq.dtype != torch.float32 or not sq.is_contiguous() or sq.dim() != 2 or sq.shape[0] != rows.shape[0] \
@@ -127,25 +140,39 @@ def confidence_raw(hidden, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor 
         raise ValueError(f"hidden must be 2-D float with a contiguous last axis, got {hidden.dtype} {tuple(hidden.shape)}")
     n, H = hidden.shape
     R = 0
-    if (prev is None) != (w1 is None):
+    if (prev_n is None) != (w1 is None):
         raise ValueError("prev and w1 come together (the markov features) or not at all")
     if w1 is not None:
-        if w1.dim() != 2 or w1.stride(-1) != 1 or prev.shape != (n,):
+        if w1.dim() != 2 or w1.stride(-1) != 1 or prev_n != n:
             raise ValueError(f"w1 must be 2-D [V, r] (contiguous last axis) and prev [{n}]")
         R = w1.shape[1]
     if w.dtype != torch.float32 or w.shape != (H + R,) or not w.is_contiguous():
         raise ValueError(f"w must be a contiguous float32 [{H + R}], got {w.dtype} {tuple(w.shape)}")
     if b.dtype != torch.float32 or b.numel() != 1:
         raise ValueError(f"b must be one float32 value, got {b.dtype} {tuple(b.shape)}")
-    tensors = [hidden, w, b] + ([prev, w1] if w1 is not None else [])
-    check_tensors(*tensors)
-    out = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    check_tensors(*([hidden, w, b] + ([w1] if w1 is not None else [])))
+    return n, dict(h_ptr=hidden, w_ptr=w, b_ptr=b, w1_ptr=w1 if w1 is not None else w, H=H, R=R,
+                   stride_h=hidden.stride(0), stride_w1=w1.stride(0) if w1 is not None else 0,
+                   WITH_MARKOV=w1 is not None, BLOCK_H=min(MAX_BLOCK, next_pow2(H)),
+                   BLOCK_R=min(MAX_BLOCK, next_pow2(max(R, 1))), **norm_in)
+
+
+def confidence_raw(hidden, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor | None = None,
+                   w1: torch.Tensor | None = None) -> torch.Tensor:
+    """Pre-sigmoid scores float32 `[n]` of draft rows `hidden [n, H]` (any float dtype): `w`
+    float32 `[H]` or, with the markov features, `[H + r]` with `prev [n]` ids into `w1 [V, r]`;
+    `b` float32 `[1]`. `hidden` may be a `dense_linear.PendingNorm` (a drafter's final norm left to
+    its heads): its rows are normed as they are loaded, the scores those of
+    `norm.rms_norm_partials(...)`'s rows, bit for bit."""
+    if prev is not None and prev.dim() != 1:
+        raise ValueError(f"prev must be 1-D [n], got {tuple(prev.shape)}")
+    n, args = confidence_args(hidden, w, b, None if prev is None else prev.shape[0], w1)
+    if prev is not None:
+        check_tensors(args["h_ptr"], prev)
+    out = torch.empty(n, dtype=torch.float32, device=args["h_ptr"].device)
     if n:
-        _confidence_kernel[(n,)](hidden, w, b, prev if prev is not None else b, w1 if w1 is not None else w, out,
-                                 H, R, hidden.stride(0), w1.stride(0) if w1 is not None else 0,
-                                 WITH_MARKOV=w1 is not None, BLOCK_H=min(MAX_BLOCK, next_pow2(H)),
-                                 BLOCK_R=min(MAX_BLOCK, next_pow2(max(R, 1))), num_warps=4, **norm_in,
-                                 **pdl_args(hidden))
+        _confidence_kernel[(n,)](prev_ptr=prev if prev is not None else args["b_ptr"], out_ptr=out, num_warps=4,
+                                 **args, **pdl_args(args["h_ptr"]))
     return out
 
 

@@ -32,7 +32,13 @@ from the per-slot GEMV's in its summation order (an ulp before the rounding), as
 vocabularies keep the per-slot kernel: their table would not fit, and each slot's GEMV reads
 megabytes, so the launches are not what they wait on.
 
+A round that sizes its window from DSpark's confidence head scores its slots in the same launch
+(`markov_chain_confidence`): slot k's score needs only its draft row and the token before it,
+which the program holds when it reaches slot k, so the head's own launch after the chain goes.
+The score is `gather.confidence_score`, the one body `confidence_raw`'s kernel runs too.
+
 Public API: `markov_chain(logits, anchor, w1, w2, dtype, table=None, with_anchor=False)`,
+`markov_chain_confidence(logits, anchor, w1, w2, dtype, table, hidden, conf_w, conf_b, conf_w1=None)`,
 `bias_table(w1, w2, dtype)`, `table_fits(w1, w2, dtype)`, and the twin `markov_chain_ref`.
 """
 
@@ -44,6 +50,7 @@ import triton.language as tl
 
 from ._common import check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
+from .gather import confidence_args, confidence_score
 from .markov_ref import markov_chain_ref  # noqa: F401  (the twin: the op's one torch body)
 
 BLOCK_V = 128  # vocabulary rows of w2 per program
@@ -113,12 +120,18 @@ def _first_max_key(s, idx):
 @triton.jit
 def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
                          stride_logits, stride_table, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
-                         PDL: tl.constexpr = False, WITH_ANCHOR: tl.constexpr = False):
+                         PDL: tl.constexpr = False, WITH_ANCHOR: tl.constexpr = False,
+                         WITH_CONF: tl.constexpr = False, raws_ptr=None, h_ptr=None, w_ptr=None, b_ptr=None,
+                         w1_ptr=None, H=0, R=0, stride_h=0, stride_w1=0, WITH_MARKOV: tl.constexpr = False,
+                         BLOCK_H: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1, NORM_IN: tl.constexpr = False,
+                         sq_ptr=None, nw_ptr=None, n_parts=1, PARTS_POW2: tl.constexpr = 1, eps=0.0):
     """The whole chain in one program: slot k's scores are `logits[k] + table[prev]` (the table
     already rounded to the compute dtype, the logits widened to float32), its pick the first
     index of their maximum, found with one reduction over packed (score, index) keys. With
     ONE_TILE (V <= BLOCK) slot k+1's logits are loaded while slot k waits on its table row:
-    they do not depend on the pick. WITH_ANCHOR: out[0] is the anchor and the picks follow it."""
+    they do not depend on the pick. WITH_ANCHOR: out[0] is the anchor and the picks follow it.
+    WITH_CONF: slot k's confidence score too (`gather.confidence_score` of draft row k with
+    `prev`, the token before it), into `raws [n]`: the launch the head took after the chain."""
     pdl_wait(PDL)
     prev = tl.load(anchor_ptr).to(tl.int64)
     if WITH_ANCHOR:
@@ -129,6 +142,10 @@ def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
         ok = cols < V
         lg = tl.load(logits_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         for k in range(0, n):
+            if WITH_CONF:
+                tl.store(raws_ptr + k, confidence_score(k, prev, h_ptr, w_ptr, b_ptr, w1_ptr, H, R, stride_h,
+                                                        stride_w1, WITH_MARKOV, BLOCK_H, BLOCK_R, NORM_IN, sq_ptr,
+                                                        nw_ptr, n_parts, PARTS_POW2, eps))
             nxt = tl.minimum(k + 1, n - 1)  # the last slot reloads itself (in bounds, unused)
             lg_next = tl.load(logits_ptr + nxt * stride_logits + cols, mask=ok, other=0.0).to(tl.float32)
             bias = tl.load(table_ptr + prev * stride_table + cols, mask=ok, other=0.0).to(tl.float32)
@@ -139,6 +156,10 @@ def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
             lg = lg_next
     else:
         for k in range(0, n):
+            if WITH_CONF:
+                tl.store(raws_ptr + k, confidence_score(k, prev, h_ptr, w_ptr, b_ptr, w1_ptr, H, R, stride_h,
+                                                        stride_w1, WITH_MARKOV, BLOCK_H, BLOCK_R, NORM_IN, sq_ptr,
+                                                        nw_ptr, n_parts, PARTS_POW2, eps))
             best = tl.full((BLOCK,), -9223372036854775807 - 1, tl.int64)
             for v0 in range(0, V, BLOCK):
                 idx = v0 + cols
@@ -166,8 +187,30 @@ def bias_table(w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> torch.
     return torch.nn.functional.linear(w1.to(dtype), w2.to(dtype)).contiguous()
 
 
+def markov_chain_confidence(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                            dtype: torch.dtype, table: torch.Tensor, hidden, conf_w: torch.Tensor,
+                            conf_b: torch.Tensor, conf_w1: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-launch chain over `table` with the anchor first, `[1 + n]`, and each slot's
+    confidence score float32 `[n]` from the same launch: `gather.confidence_raw(hidden, conf_w,
+    conf_b, prev, conf_w1)` with `prev` = the candidates' first n (each slot's previous token;
+    `conf_w1` None: a head without the markov features), the same function of the same values.
+    `hidden` `[n, H]` or its `PendingNorm`, as `confidence_raw` takes it."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [n, V], got {tuple(logits.shape)}")
+    n = logits.shape[0]
+    rows, conf = confidence_args(hidden, conf_w, conf_b, n if conf_w1 is not None else None, conf_w1)
+    if rows != n:
+        raise ValueError(f"the confidence head's rows ({rows}) are not the chain's slots ({n})")
+    raws = torch.empty(n, dtype=torch.float32, device=logits.device)
+    check_tensors(logits, conf["h_ptr"])
+    return markov_chain(logits, anchor, w1, w2, dtype, table, with_anchor=True,
+                        _conf=dict(WITH_CONF=True, raws_ptr=raws, **conf)), raws
+
+
 def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                 dtype: torch.dtype, table: torch.Tensor | None = None, with_anchor: bool = False) -> torch.Tensor:
+                 dtype: torch.dtype, table: torch.Tensor | None = None, with_anchor: bool = False,
+                 _conf: dict | None = None) -> torch.Tensor:
     """Greedy chain over `logits [n, V]` (float32): tokens `[n]` (int64, on the device), slot
     k picking `argmax(logits[k] + (w1[prev] @ w2.T))` in `dtype` as described above, `prev`
     starting at `anchor` (one int64 element). `w1 [V_in, r]`, `w2 [V, r]`, last axes contiguous.
@@ -187,6 +230,8 @@ def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w
     for x, name in ((logits, "logits"), (w1, "w1"), (w2, "w2")):
         if x.stride(-1) != 1:
             raise ValueError(f"{name}: the last axis must be contiguous")
+    if _conf is not None and table is None:
+        raise ValueError("the chain scores its slots in its one launch only: pass the bias table")
     if table is None and with_anchor:  # the slots' launches, then the anchor in front
         return torch.cat([anchor.reshape(1).long(), markov_chain(logits, anchor, w1, w2, dtype)])
     out = torch.empty(n + int(with_anchor), dtype=torch.long, device=logits.device)
@@ -202,7 +247,7 @@ def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w
         block = min(TABLE_BLOCK, next_pow2(V))
         _markov_table_kernel[(1,)](logits, table, anchor.reshape(1), out, n, V, logits.stride(0), table.stride(0),
                                    BLOCK=block, ONE_TILE=V <= block, num_warps=TABLE_WARPS, WITH_ANCHOR=with_anchor,
-                                   **pdl_args(logits))
+                                   **(_conf or {}), **pdl_args(logits))
         return out
     parts = triton.cdiv(V, BLOCK_V)
     block_p = max(16, next_pow2(parts))

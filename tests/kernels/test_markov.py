@@ -190,3 +190,59 @@ def test_with_anchor_puts_the_anchor_first(use_table, device):
     assert both[0].item() == anchor.item() and torch.equal(both[1:], chain)
     none = markov_chain(logits[:0], anchor, w1, w2, torch.bfloat16, table=table, with_anchor=True)
     assert none.tolist() == [anchor.item()]
+
+
+@pytest.mark.parametrize("V,markov_features,pending", [(1000, True, True), (TABLE_BLOCK + 5, True, False),
+                                                       (300, False, True)],
+                         ids=["one-tile-pending", "tiles", "hidden-only"])
+def test_the_chain_scores_its_slots_as_the_confidence_head_does(V, markov_features, pending, device):
+    """`markov_chain_confidence`: the candidates are `with_anchor`'s, and slot k's raw is
+    `confidence_raw` of draft row k with the token before it (the anchor for slot 0): the same
+    body (`gather.confidence_score`), so the same bits under the interpreter (on a GPU the two
+    launches run other warp counts: within the head's tolerance). Over a PendingNorm's rows too,
+    and with one vocabulary tile or several. Planted: scoring with each slot's own pick (the
+    token after it) gives other raws, so the check can tell."""
+    from memra_kernels.dense_linear import PendingNorm
+    from memra_kernels.gather import confidence_raw
+    from memra_kernels.markov import markov_chain_confidence
+
+    n, H, r, dtype = 15, 96, 16, torch.bfloat16
+    logits, anchor, w1, w2 = _inputs(n, V, r, V, dtype, device, seed=6)  # slots pick apart: the previous tokens vary
+    table = bias_table(w1, w2, dtype)
+    g = torch.Generator().manual_seed(7)
+    rows = (torch.randn(n, H, generator=g) * 2).to(dtype).to(device)
+    hidden = rows
+    if pending:
+        sumsq = torch.stack([rows[:, j:j + 32].float().square().sum(1) for j in range(0, H, 32)], 1).contiguous()
+        hidden = PendingNorm(rows, sumsq, (1 + 0.2 * torch.randn(H, generator=g)).to(dtype).to(device), 1e-6)
+    conf_w1 = (torch.randn(V, r, generator=g) / 4).to(dtype).to(device) if markov_features else None
+    conf_w = torch.randn(H + (r if markov_features else 0), generator=g).to(device)
+    conf_b = torch.randn(1, generator=g).to(device)
+    cand, raws = markov_chain_confidence(logits, anchor, w1, w2, dtype, table, hidden, conf_w, conf_b, conf_w1)
+    assert torch.equal(cand, markov_chain(logits, anchor, w1, w2, dtype, table=table, with_anchor=True))
+    assert len(set(cand.tolist())) > 3
+    prev = cand[:-1] if markov_features else None
+    want = confidence_raw(hidden, conf_w, conf_b, prev, conf_w1)
+    assert raws.dtype == torch.float32 and raws.shape == (n,)
+    if torch.device(device).type == "cpu":
+        assert torch.equal(raws, want)
+    else:
+        assert torch.allclose(raws, want, rtol=1e-5, atol=1e-4)
+    if markov_features:
+        after = confidence_raw(hidden, conf_w, conf_b, cand[1:], conf_w1)
+        assert not torch.allclose(raws, after, rtol=1e-5, atol=1e-4)
+
+
+def test_the_chain_scores_its_slots_only_over_a_table_and_refuses_a_mismatch(device):
+    from memra_kernels.markov import markov_chain_confidence
+
+    logits, anchor, w1, w2 = _inputs(4, 50, 8, 50, torch.float32, device)
+    table = bias_table(w1, w2, torch.float32)
+    w, b = torch.ones(16, device=device), torch.zeros(1, device=device)
+    with pytest.raises(ValueError, match="not the chain's slots"):
+        markov_chain_confidence(logits, anchor, w1, w2, torch.float32, table, torch.ones(5, 16, device=device), w, b)
+    with pytest.raises(ValueError, match="bias table"):
+        markov_chain(logits, anchor, w1, w2, torch.float32, None, _conf={"WITH_CONF": True})
+    cand, raws = markov_chain_confidence(logits[:0], anchor, w1, w2, torch.float32, table,
+                                         torch.ones(0, 16, device=device), w, b)
+    assert cand.tolist() == [anchor.item()] and raws.shape == (0,)

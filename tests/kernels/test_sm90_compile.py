@@ -274,6 +274,15 @@ def _markov(ctx, dt):
     vb = mk.TABLE_BLOCK + 64  # a vocabulary over one tile (ONE_TILE False)
     ctx.launch("markov_chain table, two tiles", "_markov_table_kernel", mk.markov_chain, ctx.t(n, vb, dtype="f32"),
                anchor, ctx.t(vb, r, dtype=dt), ctx.t(vb, r, dtype=dt), ctx.dtype(dt), table=ctx.t(vb, vb, dtype=dt))
+    # a round's chain that scores its slots (WITH_CONF): the head with its markov features over the
+    # final norm left to it (WITH_MARKOV, NORM_IN), then the hidden part alone over normed rows
+    h = 256
+    pending = ctx.k.dense_linear.PendingNorm(ctx.t(n, h, dtype=dt), ctx.t(n, 4, dtype="f32"), ctx.t(h, dtype=dt), 1e-6)
+    ctx.launch("markov_chain_confidence markov norm_in", "_markov_table_kernel", mk.markov_chain_confidence, logits,
+               anchor, w1, w2, ctx.dtype(dt), table, pending, ctx.t(h + r, dtype="f32"), ctx.t(1, dtype="f32"), w1)
+    ctx.launch("markov_chain_confidence hidden-only, two tiles", "_markov_table_kernel", mk.markov_chain_confidence,
+               ctx.t(n, vb, dtype="f32"), anchor, ctx.t(vb, r, dtype=dt), ctx.t(vb, r, dtype=dt), ctx.dtype(dt),
+               ctx.t(vb, vb, dtype=dt), ctx.t(n, h, dtype=dt), ctx.t(h, dtype="f32"), ctx.t(1, dtype="f32"))
 
 
 # Shapes quant_linear meets outside TUNED (its heuristic): the embedded pair's projections

@@ -197,6 +197,30 @@ def test_the_markov_chain_op_builds_its_table_once_for_a_small_vocabulary(monkey
     assert not small._markov_tables
 
 
+def test_the_chain_with_its_scores_matches_the_torch_op(monkeypatch):
+    """`markov_chain_confidence`: the torch op's candidates and raws (to float32 rounding), over a
+    bias table (one launch) and, where none fits, the chain's launches and the head's; with and
+    without the head's markov features."""
+    from memra_kernels import markov
+
+    g = torch.Generator().manual_seed(2)
+    V, r, H, n = 300, 16, 24, 6
+    logits = (torch.randn(n, V, generator=g) * 4).to(DEVICE)
+    w1, w2 = (torch.randn(V, r, generator=g) / 4).to(DEVICE), torch.randn(V, r, generator=g).to(DEVICE)
+    anchor = torch.tensor([7], device=DEVICE)
+    hidden = torch.randn(n, H, generator=g).to(DEVICE)
+    cw, cb = torch.randn(H + r, generator=g).to(DEVICE), torch.randn(1, generator=g).to(DEVICE)
+    cases = ((cw, w1), (cw[:H].contiguous(), None))
+    for max_bytes in (markov.TABLE_MAX_BYTES, V * V * 4 - 1):
+        monkeypatch.setattr(markov, "TABLE_MAX_BYTES", max_bytes)
+        for w, conf_w1 in cases:
+            args = (logits, anchor, w1, w2, torch.float32, hidden, w, cb, conf_w1)
+            (cand, raws), (ref_cand, ref_raws) = (TritonStepOps().markov_chain_confidence(*args),
+                                                  TorchStepOps().markov_chain_confidence(*args))
+            assert cand.tolist() == ref_cand.tolist() and cand[0].item() == 7
+            assert torch.allclose(raws, ref_raws, rtol=1e-5, atol=1e-5)
+
+
 def test_the_gather_ops_match_the_torch_ops():
     """The seam's embedding lookup (bit for bit) and confidence head (to float32 rounding)."""
     g = torch.Generator().manual_seed(1)

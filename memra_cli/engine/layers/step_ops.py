@@ -87,6 +87,10 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   a bias table built once where the vocabulary is small; with torch ~6 ops a slot, or 3 over the
   same table, built once row by row, or, for an eager caller on the CPU, a numpy loop over that
   table: the same picks)
+- `markov_chain_confidence(logits, anchor, w1, w2, dtype, hidden, conf_w, conf_b, conf_w1=None,
+  host_loop=False) -> (candidates [1 + n], raws [n])`: a round's greedy chain with the anchor
+  first, and `confidence_raw` of its slots (each slot's previous token its markov feature); with
+  the kernels, over the small vocabulary's bias table, one launch for both
 - `lm_head_argmax(h, w) -> (logits, picks)`: `linear(h, w)` (model dtype) and its `argmax`, a
   greedy step's head; with the kernels, where `linear` takes the dense kernel with unsplit tiles,
   one launch (the argmax in its epilogue, the same picks)

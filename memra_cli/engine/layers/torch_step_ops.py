@@ -475,6 +475,18 @@ class TorchStepOps:
 
     confidence_raw = staticmethod(confidence_raw_ref)  # DSpark's accept-rate head: the op's one torch body
 
+    def markov_chain_confidence(self, logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor,
+                                w2: torch.Tensor, dtype: torch.dtype, hidden, conf_w: torch.Tensor,
+                                conf_b: torch.Tensor, conf_w1: torch.Tensor | None = None,
+                                host_loop: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A round's greedy chain with the anchor first `[1 + n]` and its slots' confidence raws
+        `[n]`: `markov_chain(..., with_anchor=True)`, then `confidence_raw(hidden, conf_w, conf_b,
+        prev, conf_w1)` with `prev` = the candidates' first n (each slot's previous token; none
+        without `conf_w1`, a head without the markov features)."""
+        chain = self.markov_chain(logits, anchor, w1, w2, dtype, host_loop=host_loop, with_anchor=True)
+        prev = chain[:-1] if conf_w1 is not None else None
+        return chain, self.confidence_raw(hidden, conf_w, conf_b, prev, conf_w1)
+
     pack_round = staticmethod(pack_round_ref)  # the op's one torch body
 
     argmax = staticmethod(row_argmax_ref)  # the op's one torch body

@@ -591,6 +591,19 @@ class Drafter:
             self._markov_w2_dense = dequantize_torch(w2.raw, w2.qtype, w2.shape, dtype=self.dtype, device=self.device)
         return self._markov_w2_dense
 
+    def markov_chain_confidence(self, logits: torch.Tensor, anchor: torch.Tensor, hidden,
+                                host_loop: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The greedy chain's candidates `[1 + n]` (`markov_chain(..., with_anchor=True)`) and the
+        confidence raws `[n]` of draft rows `hidden` (or their `PendingNorm`), each slot's previous
+        token from the chain (`confidence_raw(hidden, candidates[:-1])`): one step op, one launch
+        with the kernels over a small vocabulary's bias table."""
+        assert self.markov_w1 is not None and self.markov_w2 is not None
+        assert self.conf_w is not None and self.conf_b is not None
+        with_markov = self.census.confidence is not None and self.census.confidence.with_markov
+        return self.step_ops.markov_chain_confidence(logits, anchor, self.markov_w1, self._markov_w2_values(),
+                                                     self.dtype, hidden, self.conf_w[0], self.conf_b,
+                                                     self.markov_w1 if with_markov else None, host_loop=host_loop)
+
     def confidence_raw(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """Pre-sigmoid accept-rate scores `[n]` for draft rows `hidden [n, hidden]`;
         `prev_ids [n]` = each slot's previous chain token ([anchor, chain[:-1]])."""

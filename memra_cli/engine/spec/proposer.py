@@ -201,7 +201,7 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden, last: torch.Tensor
     step_ops `markov_chain`).
     `want_chain`: also the candidates [last, drafts] (`Heads.chain`)."""
     rows = draft_rows(hidden, p.harvest.first_row, p.n_drafts)
-    drafting, chain = None, None
+    drafting, chain, raws = None, None, None
     with_anchor = want_raws or want_chain  # the candidates [last, drafts] are wanted
     if p.vocab is not None:  # greedy only (DrafterProposer refuses a sampler): the subset's rows
         drafts = p.vocab.drafts(drafter, target.lm_head(rows, p.vocab.head), last, p.markov, host_loop)
@@ -212,7 +212,10 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden, last: torch.Tensor
         logits = target.lm_head(rows) if sampler.greedy else target.logits(rows)
         if not sampler.greedy:
             drafting = sampler.drafting(start + torch.arange(p.n_drafts, device=logits.device), logits.shape[-1])
-        if drafting is None and p.markov:  # the greedy chain writes the anchor in its own launch
+        if drafting is None and p.markov and want_raws:  # the chain scores its slots (one launch, kernels)
+            chain, raws = drafter.markov_chain_confidence(logits, last, rows, host_loop=host_loop)
+            drafts = chain[1:]
+        elif drafting is None and p.markov:  # the greedy chain writes the anchor in its own launch
             picks = drafter.markov_chain(logits, last, host_loop=host_loop, with_anchor=with_anchor)
             drafts, chain = (picks[1:], picks) if with_anchor else (picks, None)
         elif drafting is None:
@@ -221,7 +224,8 @@ def draft_heads(drafter: Drafter, target, p: Program, hidden, last: torch.Tensor
             drafts = drafter.markov_chain(logits, last, drafting.pick) if p.markov else drafting.pick_rows(logits)
     if with_anchor and chain is None:
         chain = torch.cat([last.reshape(1), drafts])
-    raws = drafter.confidence_raw(rows, chain[:-1]) if want_raws else None  # each slot's previous token
+    if want_raws and raws is None:
+        raws = drafter.confidence_raw(rows, chain[:-1])  # each slot's previous token
     return Heads(drafts, raws, drafting.probs if drafting is not None else None, chain)
 
 
