@@ -128,8 +128,10 @@ def run(a: argparse.Namespace) -> None:
         clock(proposer.DrafterProposer, "ingest", "ingest")
         clock(drafter, "forward_round", "  block forward")
         clock(engine.target, "lm_head", "  lm_head (verify + draft)")
-        clock(drafter, "markov_chain", "  markov chain", **({"host_loop": False} if a.chain == "torch" else {}))
-        clock(drafter, "confidence_raw", "  confidence head")
+        # at the drafter's step ops: a round that sizes its window from the raws runs both through
+        # their one op (`markov_chain_confidence`), which calls these two
+        clock(drafter.step_ops, "markov_chain", "  markov chain", **({"host_loop": False} if a.chain == "torch" else {}))
+        clock(drafter.step_ops, "confidence_raw", "  confidence head")
 
     def one_pass() -> tuple[float, int]:
         t0, tokens = time.perf_counter(), 0

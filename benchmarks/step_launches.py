@@ -224,8 +224,10 @@ def _build(family: str, device):
 
 def _count_once(target, greedy: bool, device) -> tuple[collections.Counter, collections.Counter]:
     """One step's launches, after the set-up a runner does once (rope tables); an MoE target's
-    step with one live row (a plain decode: its 15 padding rows route to no expert)."""
-    state = target.new_state(64)
+    step with one live row (a plain decode: its 15 padding rows route to no expert). The state
+    holds more keys than any attention tile's split, as a step at the big shapes' contexts does
+    (a storage of one split would write its outputs without the combine's launch)."""
+    state = target.new_state(1100)
     if hasattr(state, "set_live_rows"):
         state.set_live_rows(1)
     target.ensure_positions(state.max_len)
@@ -304,7 +306,9 @@ def count_round(family: str, kind: str) -> dict:
             target.step_ops = TritonStepOps()  # under the interpreter (Engine.load takes them on CUDA only)
             arm = engine.arm(ArmConfig(draft=ASSETS / kind, mode=kind))
             arm.drafter.step_ops = target.step_ops
-            session = engine.session(list(range(5, 40)), 64, arm)
+            # 35 + 400 tokens: the target's cache spans two of its 256-key splits and the draft
+            # cache one of the drafter's 1,024 (attention.DRAFT_TILES), as in a bench session
+            session = engine.session(list(range(5, 40)), 400, arm)
             session.prime()  # the prompt's K/V, in both caches
             kv, cache = session.proposer.kv, session.cache
             width = engine.runner.width

@@ -28,6 +28,14 @@ Design (flash-decoding with fixed splits):
   tile are masked. Partials live in SPLIT-sized units (a row's at the unit of its split's
   start); the combine reads every (row_split / SPLIT)-th unit.
 
+One split: a grid whose storage fits one split (S <= SPLIT) has nothing to merge, so the split
+kernel writes each row's output itself (DIRECT): `acc / l` in q's dtype, what the combine makes
+of a single partial bit for bit (its weight is exp2(0) = 1, and its lane sum turns a -0 into +0,
+as `acc + 0.0` does here), and the combine is not launched. Since the bits are the same, a row's
+result still does not depend on S. A drafter's block (`draft_block_attention`) runs its own tile
+(`DRAFT_TILES`: 1024-key splits for heads up to 128), so a draft cache of a prompt and its
+answer takes one launch a layer.
+
 Sliding windows: a row's first key is w_i = max(0, p_i - W + 1), a function of its own
 position. A program serves a row only if its split holds a key of the row's window; it walks key
 blocks on the absolute BLOCK_N grid from the earliest window start among its rows (rounded down
@@ -184,6 +192,24 @@ def tile_for(head_dim: int) -> Tile:
     return TILES[128 if head_dim <= 128 else 256 if head_dim <= 256 else 512]
 
 
+# A drafter's block attention (`draft_block_attention`): its rows all sit at the block's last
+# position over a draft cache that holds a prompt and its answer, a few hundred keys in the
+# bench's regime, so one split of up to 1024 keys covers the whole storage there and the split
+# kernel writes the outputs itself (DIRECT_ONE_SPLIT): one launch a layer, not two. Like TILES,
+# a function of the head size only, so a row's drafts never depend on the storage (a longer
+# storage runs the same splits and the combine: the same bits). Classes without an entry run TILES.
+DRAFT_TILES: dict[int, Tile] = {
+    128: Tile(split=1024, block_n=64, block_m=64, num_stages=3, num_warps=4),
+}
+
+
+def draft_tile_for(head_dim: int) -> Tile:
+    """The split kernel's tile for a drafter's block attention: DRAFT_TILES' entry for the head
+    size's class (`tile_for`'s classes), else `tile_for(head_dim)`."""
+    tile = tile_for(head_dim)
+    return DRAFT_TILES.get(128 if head_dim <= 128 else 256 if head_dim <= 256 else 512, tile)
+
+
 # The 128 entry's values at import, under their names from before the table (for callers that
 # predate it); decode_attention never reads them, only `tile_for`.
 SPLIT_KEYS = TILES[128].split
@@ -201,6 +227,11 @@ COMBINE_CHUNK = 16  # splits the combine reads at once (a constant: its sum tree
 # Upper bound of the float32 partials (acc, m, l) of one launch; larger batches (long prefill
 # chunks over long caches) are processed in row chunks, which cannot change any row's result.
 WORKSPACE_BYTES = 256 << 20
+
+# A grid of one split (a storage of at most a split's keys: a drafter's block attention over its
+# draft cache, DRAFT_TILES) writes its rows' outputs in the split kernel, the combine's bits
+# without its launch. Benchmarks may set it False to time the two launches beside it.
+DIRECT_ONE_SPLIT = True
 
 # Sliding layers' programs placed over the windows (WINDOW_GRID in the split kernel). Benchmarks may
 # set it False to time the causal grid over every position beside it (the same bits either way).
@@ -227,9 +258,12 @@ def _attend_unit(q_ptr, k_base, v_base, acc_ptr, m_ptr, l_ptr, prog, offs_m, row
                  win_start, part, n_splits, qk_scale, stride_qt, stride_qh, stride_ks, stride_vs, ring,
                  NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-                 PRECISION: tl.constexpr, RING: tl.constexpr):
+                 PRECISION: tl.constexpr, RING: tl.constexpr, DIRECT: tl.constexpr = False, out_ptr=None,
+                 stride_out=0):
     """The partial of the tile's rows whose split starts at key prog * SPLIT (partial unit
-    `prog`), value columns part * BLOCK_DV .. + BLOCK_DV (m and l: part 0 stores them)."""
+    `prog`), value columns part * BLOCK_DV .. + BLOCK_DV (m and l: part 0 stores them).
+    DIRECT (a grid of one split, so a row's only partial is its output): `acc / l` in the output's
+    dtype into `out [t, nh*hd]` instead, what the combine makes of one split, bit for bit."""
     lo = prog * SPLIT
     # Rows whose split starts at `lo` and holds a key they see (then l > 0 and m is finite at the
     # end); the others are computed alongside but never stored.
@@ -290,13 +324,23 @@ def _attend_unit(q_ptr, k_base, v_base, acc_ptr, m_ptr, l_ptr, prog, offs_m, row
         acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=PRECISION)
         m_i = m_new
 
-    ws = (row.to(tl.int64) * NH + head) * n_splits + prog
-    tl.store(m_ptr + ws, m_i, mask=mine & (part == 0))
-    tl.store(l_ptr + ws, l_i, mask=mine & (part == 0))
-    acc_ok = mine[:, None]
-    if HD < BLOCK_D:
-        acc_ok = acc_ok & dv_ok[None, :]
-    tl.store(acc_ptr + ws[:, None] * HD + offs_dv[None, :], acc, mask=acc_ok)
+    if DIRECT:
+        # the combine of one split: weight exp2(m - m) = 1, so acc / l; its lane sum adds +0 to acc,
+        # which makes a -0 +0, as this add does
+        dst = out_ptr + row.to(tl.int64)[:, None] * stride_out + head[:, None] * HD + offs_dv[None, :]
+        out_ok = mine[:, None]
+        if HD < BLOCK_D:
+            out_ok = out_ok & dv_ok[None, :]
+        l_out = tl.where(mine, l_i, 1.0)  # (rows not stored here have l = 0)
+        tl.store(dst, ((acc + 0.0) / l_out[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
+    else:
+        ws = (row.to(tl.int64) * NH + head) * n_splits + prog
+        tl.store(m_ptr + ws, m_i, mask=mine & (part == 0))
+        tl.store(l_ptr + ws, l_i, mask=mine & (part == 0))
+        acc_ok = mine[:, None]
+        if HD < BLOCK_D:
+            acc_ok = acc_ok & dv_ok[None, :]
+        tl.store(acc_ptr + ws[:, None] * HD + offs_dv[None, :], acc, mask=acc_ok)
 
 
 @triton.jit(do_not_specialize=["long_from", "window", "ring"])
@@ -305,7 +349,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
                   ring, G: tl.constexpr, NH: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LEVELS: tl.constexpr,
                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_DV: tl.constexpr, RING: tl.constexpr = False,
-                  WINDOW_GRID: tl.constexpr = False, PDL: tl.constexpr = False):
+                  WINDOW_GRID: tl.constexpr = False, PDL: tl.constexpr = False, DIRECT: tl.constexpr = False,
+                  out_ptr=None, stride_out=0):
     """Partial attention of BLOCK_M folded (row, head) pairs of one KV head, value columns
     part * BLOCK_DV ..: program `prog` starts at key prog * SPLIT and takes, for each row whose
     split starts there (its split size divides the start), the keys of that split up to the row's
@@ -317,7 +362,10 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
     window has splits (plus two), and program p takes units first + p, first + p + P, ... up to
     the tile's last, where first is the earliest unit a row of the tile reads: programs are
     spent where the rows' windows are, not over every position of the storage. Which program
-    takes a unit changes no bit of it."""
+    takes a unit changes no bit of it.
+
+    DIRECT (a grid of one split: every row's keys in unit 0): the rows' outputs, not partials
+    (`_attend_unit`); the combine's launch is not needed."""
     pdl_wait(PDL)
     DV_PARTS: tl.constexpr = BLOCK_D // BLOCK_DV
     tile = tl.program_id(0) // DV_PARTS
@@ -343,11 +391,13 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr, n_rows, n
         for prog in range(first_unit + tl.program_id(1), last_unit + 1, tl.num_programs(1)):
             _attend_unit(q_ptr, k_base, v_base, acc_ptr, m_ptr, l_ptr, prog, offs_m, row, head, row_ok, pos,
                          row_split, win_start, part, n_splits, qk_scale, stride_qt, stride_qh, stride_ks, stride_vs,
-                         ring, NH, HD, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, SPLIT, DOT_F32, PRECISION, RING)
+                         ring, NH, HD, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, SPLIT, DOT_F32, PRECISION, RING, DIRECT,
+                         out_ptr, stride_out)
     else:
         _attend_unit(q_ptr, k_base, v_base, acc_ptr, m_ptr, l_ptr, tl.program_id(1), offs_m, row, head, row_ok,
                      pos, row_split, win_start, part, n_splits, qk_scale, stride_qt, stride_qh, stride_ks, stride_vs,
-                     ring, NH, HD, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, SPLIT, DOT_F32, PRECISION, RING)
+                     ring, NH, HD, BLOCK_D, BLOCK_DV, BLOCK_M, BLOCK_N, SPLIT, DOT_F32, PRECISION, RING, DIRECT,
+                     out_ptr, stride_out)
 
 
 @triton.jit(do_not_specialize=["long_from", "window"])
@@ -455,12 +505,17 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     dv_parts = block_d // block_dv
     window_grid = GRID_OVER_WINDOWS and window != NO_WINDOW
     split_progs = split_programs(n_splits, window if window_grid else NO_WINDOW, split)
+    # One split in the grid: the split kernel writes the outputs (DIRECT), no partials, no combine.
+    direct = DIRECT_ONE_SPLIT and n_splits == 1 and gate is None
     # Row chunks bound the workspace; a row's result does not depend on the chunking.
     per_row = nh * n_splits * (hd + 2) * 4
-    chunk = max(1, min(t, workspace_bytes // per_row))
-    acc = torch.empty((chunk, nh, n_splits, hd), dtype=torch.float32, device=q.device)
-    m = torch.empty((chunk, nh, n_splits), dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
+    chunk = t if direct else max(1, min(t, workspace_bytes // per_row))
+    if direct:
+        acc = m = l = out  # not read or written: the outputs go straight to `out`
+    else:
+        acc = torch.empty((chunk, nh, n_splits, hd), dtype=torch.float32, device=q.device)
+        m = torch.empty((chunk, nh, n_splits), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
     dot_f32 = interpreting()  # the interpreter multiplies bf16 as raw bits (see _common)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 only names the default
     for r0 in range(0, t, chunk):
@@ -474,8 +529,10 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             G=g, NH=nh, HD=hd, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, SPLIT=split, LEVELS=levels,
             DOT_F32=dot_f32, PRECISION=precision, BLOCK_DV=block_dv, RING=ring is not None,
             WINDOW_GRID=window_grid, num_warps=num_warps,
-            num_stages=num_stages, **pdl_args(qc),
+            num_stages=num_stages, DIRECT=direct, out_ptr=oc, stride_out=oc.stride(0), **pdl_args(qc),
         )
+        if direct:
+            continue
         gc = oc if gate is None else gate[r0:r0 + rows]
         _combine_kernel[(rows, nh)](
             acc, m, l, pc, oc, gc, n_splits, oc.stride(0), gc.stride(0), long_from, window,
@@ -502,6 +559,16 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         _check(q, k_cache, v_cache, positions)  # raises: the message names the expected shapes
     return _launch(q, k_cache, v_cache, positions, scale, **asdict(tile_for(q.shape[-1])), window=window,
                    span=span)
+
+
+def draft_block_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          positions: torch.Tensor, scale: float) -> torch.Tensor:
+    """`decode_attention` on the drafter's tile (`draft_tile_for`): a drafter block's rows, every
+    one at the block's last position (all of the committed context and the block), over its
+    draft cache. Where the storage fits one split, one launch (DIRECT_ONE_SPLIT)."""
+    if q.dim() != 3:
+        _check(q, k_cache, v_cache, positions)  # raises: the message names the expected shapes
+    return _launch(q, k_cache, v_cache, positions, scale, **asdict(draft_tile_for(q.shape[-1])))
 
 
 def split_programs(n_splits: int, window: int, split: int) -> int:

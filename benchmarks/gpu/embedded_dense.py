@@ -10,12 +10,14 @@ time there is to win, for plain decoding and for the speculative arms alike.
 
 `--table dense` runs `memra bench` in this process with the table as shipped; `--table cublas`
 first takes `EMBEDDED_SHAPES` out of it, so cuBLAS's `F.linear` runs them with none of those
-fusions. One process per table, so one device call holds the A/B (the suite's `embedded_dense`
+fusions; `--table dense-combine` is `dense` with `attention.DIRECT_ONE_SPLIT` off, so an
+attention over a storage of one split (the drafter's block over its draft cache) runs its split
+kernel and the combine, two launches, where the shipped code runs one (the same bits). One process per table, so one device call holds the A/B (the suite's `embedded_dense`
 part): every arm's tok/s, and each run's own exactness gate (every speculative stream equal to
 `off`'s, `off` and the speculative arms on fixed 16-row steps). `--out FILE` sends the bench's
 stdout (its `--json` report) there; every other argument goes to `memra bench`.
 
-    python -m benchmarks.gpu.embedded_dense --table cublas|dense [--out FILE] [memra bench options ...]
+    python -m benchmarks.gpu.embedded_dense --table cublas|dense|dense-combine [--out FILE] [memra bench options ...]
 """
 
 from __future__ import annotations
@@ -37,13 +39,18 @@ def without_embedded(tuned: dict) -> list[tuple[int, int]]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    p.add_argument("--table", choices=("cublas", "dense"), required=True,
+    p.add_argument("--table", choices=("cublas", "dense", "dense-combine"), required=True,
                    help="dense: dense_linear.TUNED as shipped; cublas: with the embedded shapes taken out "
-                        "(EMBEDDED_SHAPES)")
+                        "(EMBEDDED_SHAPES); dense-combine: as shipped, with every attention's combine launched "
+                        "(attention.DIRECT_ONE_SPLIT off)")
     p.add_argument("--out", type=Path, help="write the bench's stdout here (default: stdout)")
     a, bench_args = p.parse_known_args(argv)
-    from memra_kernels import dense_linear
+    from memra_kernels import attention, dense_linear
 
+    if a.table == "dense-combine":
+        attention.DIRECT_ONE_SPLIT = False
+        print("embedded_dense: attention over one split in two launches (DIRECT_ONE_SPLIT off)", file=sys.stderr,
+              flush=True)
     if a.table == "cublas":
         taken = without_embedded(dense_linear.TUNED)
         print(f"embedded_dense: {len(taken)} shapes back on cuBLAS: {taken}", file=sys.stderr, flush=True)

@@ -226,7 +226,12 @@ def _embedded_dense(out: Path, tiny: bool):
         ["--max-new", "128", "--warmup", "2"]
     arms = [a for arm in ("off", "plain", "dspark", "dflash") for a in ("--arm", arm)]
     return [_py("-m", "benchmarks.gpu.embedded_dense", "--table", table, "--out", str(out / f"embedded_dense_{table}.json"),
-                "--prompts", "humaneval", *size, *arms, "--json") for table in ("cublas", "dense")]
+                "--prompts", "humaneval", *size, *arms, "--json") for table in ("cublas", "dense-combine", "dense")]
+
+
+def _embedded_round(out: Path, tiny: bool):
+    args = ["--device", "cpu", "--reps", "2"] if tiny else []
+    return [_py("-m", "benchmarks.gpu.embedded_round", *args, "--json", str(out / "embedded_round.json"))]
 
 
 def _bandwidth(out: Path, tiny: bool):
@@ -312,8 +317,12 @@ PARTS = {p.name: p for p in (
          "tokens (ranked over MBPP and the target's continuations) beside the whole vocabulary: tau, tok/s, the "
          "exactness gate", 300, _embedded_vocab),
     Part("embedded_dense", "the embedded pair's bench on HumanEval with its weight matmuls on the dense kernel with its "
-         "launch fusions (as shipped) and on cuBLAS (benchmarks/gpu/embedded_dense.py), one process each: tok/s, "
-         "tau, the exactness gate", 160, _embedded_dense),
+         "launch fusions (as shipped), the same with an attention of one split in two launches (dense-combine), "
+         "and on cuBLAS (benchmarks/gpu/embedded_dense.py), one process each: tok/s, tau, the exactness gate", 240,
+         _embedded_dense),
+    Part("embedded_round", "the embedded pair's graphed DSpark and DFlash rounds replayed (GPU ms), and their parts "
+         "(propose, verify, ingest) eagerly under the profiler: kernels, GPU µs, the heaviest kernels "
+         "(benchmarks/gpu/embedded_round.py)", 90, _embedded_round),
     Part("kernels", "the Triton kernels against torch and cuBLAS at the 8B shape, µs", 200, _kernels),
     Part("tests", "the gpu-marked tests on the device, both tiers", 420, _tests, stdout_to="gpu_tests.txt"),
     Part("moe_tests", "the MoE modules' gpu-marked tests (kernels, router, the families' graphed sessions), both "

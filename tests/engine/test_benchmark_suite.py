@@ -72,17 +72,20 @@ def test_tiny_hf_step_times_transformers_for_each_family(tmp_path):
 
 @pytest.mark.exhaustive  # two tiny bench runs in subprocesses (quick-tier time)
 def test_tiny_embedded_dense_runs_the_bench_once_per_table(tmp_path):
-    """Both tables' bench reports land in their own files (the bench's stdout redirected at the
-    descriptor), each a whole `--json` report with its exactness gate; on the CPU the step ops are
-    torch's, so the dense table changes nothing there and the two gates agree."""
-    proc = _suite("--tiny", "--parts", "embedded_dense", "--out", str(tmp_path))
+    """The three tables' bench reports land in their own files (the bench's stdout redirected at
+    the descriptor), each a whole `--json` report with its exactness gate; on the CPU the step ops
+    are torch's, so the tables change nothing there and the gates agree. The round's parts
+    (embedded_round) run on the CPU too: a report for each drafter."""
+    proc = _suite("--tiny", "--parts", "embedded_dense,embedded_round", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     part = json.loads((tmp_path / "suite.json").read_text())["parts"]["embedded_dense"]
-    assert part["ok"] and part["rc"] == [0, 0], part
-    for table in ("cublas", "dense"):
+    assert part["ok"] and part["rc"] == [0, 0, 0], part
+    for table in ("cublas", "dense-combine", "dense"):
         report = json.loads((tmp_path / f"embedded_dense_{table}.json").read_text())
         assert report["exact"] is True and report["prompts"]["n"] == 2
         assert [a["name"] for a in report["arms"]] == ["off", "plain", "dspark", "dflash"]
+    rounds = json.loads((tmp_path / "embedded_round.json").read_text())
+    assert sorted(rounds["arms"]) == ["dflash", "dspark"] and rounds["device"] == "cpu"
 
 
 def test_an_unknown_part_is_refused_in_one_line(tmp_path):
@@ -92,7 +95,7 @@ def test_an_unknown_part_is_refused_in_one_line(tmp_path):
         "error: --parts 'target_step,warp_drive': unknown part(s) warp_drive; expected a comma-separated list of "
         "bandwidth, target_step, exactness_8b, quant_sweep, drafter_round, hybrid_step, dense_sweep, long_attention, llama_step, "
         "gemma4_step, gemma4_tiles, moe_step, moe_profile, moe_hybrid_step, moe_hybrid_profile, hf_step, train_throughput, "
-        "serve_single, serve_load, embedded_bench, embedded_vocab, embedded_dense, kernels, tests, moe_tests"]
+        "serve_single, serve_load, embedded_bench, embedded_vocab, embedded_dense, embedded_round, kernels, tests, moe_tests"]
     assert not (tmp_path / "suite.json").exists()
 
 

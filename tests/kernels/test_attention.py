@@ -628,3 +628,76 @@ def test_a_ring_storage_is_refused_where_it_cannot_serve(device):
         decode_attention(q, k, v, pos, 1.0, window=41, span=100)
     with pytest.raises(ValueError, match="span 30 is below the storage's 40 rows"):
         decode_attention(q, k, v, pos, 1.0, window=8, span=30)
+
+
+# ---------------------------------------------------------------- one split: no combine launch
+
+
+def _count_launches(monkeypatch):
+    """Names of the attention kernels launched from here on (a spy on the two kernels' grids)."""
+    names = []
+    for name in ("_split_kernel", "_combine_kernel"):
+        kernel = getattr(attention, name)
+
+        class Spy:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                names.append(self.name)
+                return self.kernel[grid]
+
+        monkeypatch.setattr(attention, name, Spy(kernel, name))
+    return names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gqa", [(2, 2, 64), (1, 4, 32)], ids=["g2-hd64", "g4-hd32"])
+def test_one_split_writes_the_combines_bits_in_one_launch(gqa, dtype, monkeypatch, device):
+    """A grid of one split (a storage of at most a split's keys) writes its outputs from the split
+    kernel (DIRECT): one launch, the bits of the split kernel's partial and the combine (the
+    two launches, DIRECT_ONE_SPLIT off), and within the reference's tolerance. A -0 output (every
+    value -0) comes out +0, as the combine's lane sum makes it: bit for bit, sign included."""
+    nkv, g, hd = gqa
+    tile = dict(split=64, block_n=16, block_m=16, num_stages=1, num_warps=4)
+    k, v = _cache(nkv, hd, 50, dtype, device, storage=60)
+    q = _q(6, nkv * g, hd, dtype, device, seed=21)
+    pos = torch.tensor([49, 0, 17, 49, 32, 5], device=device)
+    names = _count_launches(monkeypatch)
+    one = attention._launch(q, k, v, pos, _scale(hd), **tile)
+    assert names == ["_split_kernel"]
+    monkeypatch.setattr(attention, "DIRECT_ONE_SPLIT", False)
+    two = attention._launch(q, k, v, pos, _scale(hd), **tile)
+    assert names == ["_split_kernel", "_split_kernel", "_combine_kernel"]
+    assert torch.equal(one.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       two.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    torch.testing.assert_close(one, decode_attention_ref(q, k, v, pos, _scale(hd)), **TOL[dtype])
+    v_neg = torch.full_like(v, -0.0)
+    two = attention._launch(q, k, v_neg, pos, _scale(hd), **tile)
+    monkeypatch.setattr(attention, "DIRECT_ONE_SPLIT", True)
+    one = attention._launch(q, k, v_neg, pos, _scale(hd), **tile)
+    assert not torch.signbit(two).any() and torch.equal(torch.signbit(one), torch.signbit(two))
+
+
+def test_a_drafters_block_attention_runs_its_tile_and_any_storage_gives_its_bits(monkeypatch, device):
+    """`draft_block_attention`: the drafter's tile (DRAFT_TILES, by head size only; TILES where a
+    class has none); a block (every row at its last position) over a storage of one split is one
+    launch, and over a storage of two splits (the combine after them) the same bits; within the
+    reference's tolerance. Planted: the target's tile gives other last bits (another split)."""
+    from memra_kernels.attention import DRAFT_TILES, draft_block_attention, draft_tile_for
+
+    assert draft_tile_for(64) is DRAFT_TILES[128] and draft_tile_for(256) is tile_for(256)
+    small = Tile(split=64, block_n=16, block_m=16, num_stages=1, num_warps=4)
+    monkeypatch.setitem(DRAFT_TILES, 128, small)  # the interpreter's size: one split of 64 keys
+    dtype, nkv, g, hd = torch.bfloat16, 2, 2, 64
+    q = _q(15, nkv * g, hd, dtype, device, seed=22)
+    pos = torch.full((15,), 47, device=device)  # a block's rows at its last position
+    names = _count_launches(monkeypatch)
+    k, v = _cache(nkv, hd, 48, dtype, device, storage=64)
+    one = draft_block_attention(q, k, v, pos, _scale(hd))
+    assert names == ["_split_kernel"]
+    k2, v2 = _cache(nkv, hd, 48, dtype, device, storage=100)
+    two = draft_block_attention(q, k2, v2, pos, _scale(hd))
+    assert names[1:] == ["_split_kernel", "_combine_kernel"] and torch.equal(one, two)
+    torch.testing.assert_close(one, decode_attention_ref(q, k, v, pos, _scale(hd)), **TOL[dtype])
+    assert not torch.equal(one, decode_attention(q, k, v, pos, _scale(hd)))  # TILES[128]: 256-key splits

@@ -134,6 +134,14 @@ def _attention(ctx, dt):
         ctx.launch(f"gated_decode_attention {nh}/{nkv}x{hd}", ("_split_kernel", "_combine_kernel"),
                    a.gated_decode_attention, ctx.t(t, nh, hd, dtype=dt), kv[0], kv[1], ctx.idx(t), hd ** -0.5,
                    ctx.t(t, (2 * nh + 2 * nkv) * hd, dtype=dt))
+        # a drafter's block over its draft cache: a storage of one split (DIRECT: no combine), then of two
+        b = 16
+        for rows in (528, 1100):
+            d = ctx.t(2, nkv, rows, hd, dtype=dt)
+            one = rows <= a.draft_tile_for(hd).split
+            ctx.launch(f"draft_block_attention {nh}/{nkv}x{hd} storage {rows}",
+                       "_split_kernel" if one else ("_split_kernel", "_combine_kernel"), a.draft_block_attention,
+                       ctx.t(b, nh, hd, dtype=dt), d[0], d[1], ctx.idx(b), hd ** -0.5)
     for nh, nkv, hd, window in GEMMA4_ATTN:
         t, s = 16, 1100
         kv = ctx.t(2, nkv, s, hd, dtype=dt)
@@ -720,6 +728,7 @@ def _constants(pkg):
     a, dn, qt = pkg.attention, pkg.deltanet, pkg.quant_tuning
     return {
         "attention_tiles": {str(k): asdict(v) for k, v in a.TILES.items()},
+        "attention_draft_tiles": {str(k): asdict(v) for k, v in a.DRAFT_TILES.items()},
         "attention_f32_stages": {str(k): v for k, v in a.FLOAT32_MAX_STAGES.items()},
         "deltanet": {"BLOCK_V": dn.BLOCK_V, "REC_WARPS": dn.REC_WARPS, "LATE_PREP": dn.LATE_PREP,
                      "PREFETCH": dn.PREFETCH},
@@ -902,6 +911,12 @@ def test_engine_tiles_compiled(compiled):
                        and r["num_stages"] == stages and 64 < r["constexprs"]["BLOCK_D"] <= int(hd_class)
                        and r["constexprs"]["BLOCK_DV"] == (tile["block_dv"] or r["constexprs"]["BLOCK_D"])
                        and _dtype_of(r, "q_ptr") == dt for r in split), f"attention TILES[{hd_class}] {dt}"
+    for hd_class, tile in const["attention_draft_tiles"].items():  # a drafter's storage of one split: DIRECT
+        for dt in ("bf16", "fp32"):
+            assert any(r["constexprs"]["SPLIT"] == tile["split"] and r["constexprs"]["BLOCK_N"] == tile["block_n"]
+                       and r["constexprs"]["BLOCK_M"] == tile["block_m"] and r["num_warps"] == tile["num_warps"]
+                       and r["constexprs"]["DIRECT"] is True and 64 < r["constexprs"]["BLOCK_D"] <= int(hd_class)
+                       and _dtype_of(r, "q_ptr") == dt for r in split), f"attention DRAFT_TILES[{hd_class}] {dt}"
     dn = const["deltanet"]
     gdn = _records(compiled, "_gdn_kernel")
     for late in (True, False):

@@ -39,6 +39,10 @@ rows of its step or on the storage size), which is what keeps fixed-width steps 
   position over the cache; with a sliding `window` W > 0 a row at p sees keys p - W < j <= p only
   (Gemma 4); `span` > the storage's rows: a ring storage serving positions 0..span-1, key j at row
   j % rows (Gemma 4's sliding layers past `ring_rows`), the bits of a plain storage of the same keys
+- `draft_attention(q, k_cache, v_cache, positions, scale) -> [t, nh*hd]`: `attention` for a
+  drafter's block (every row at the block's last position, over the draft cache); with the
+  kernels on the drafter's own tile, one launch where the draft cache fits one split
+  (memra_kernels.attention `draft_block_attention`)
 - `silu_mul(gate_up) -> silu(gate) * up`
 - `moe_swiglu(x, weights, experts, w_gate_up, w_down, activation="silu") -> [t, hidden]`: the
   routed experts' GLU (SwiGLU, or `activation="gelu_tanh"`: Gemma 4's) and weighted combine

@@ -349,6 +349,13 @@ class TorchStepOps:
     gelu_tanh_mul = staticmethod(gelu_tanh_mul_ref)  # Gemma 4's MLP activation: the op's one torch body
     softcap = staticmethod(softcap_ref)  # the logits' softcap: the op's one torch body
 
+    @classmethod
+    def draft_attention(cls, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        positions: torch.Tensor, scale: float) -> torch.Tensor:
+        """A drafter block's attention: `attention`, causal by position (the kernels' seam runs
+        it on the drafter's own tile)."""
+        return cls.attention(q, k_cache, v_cache, positions, scale)
+
     @staticmethod
     def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   positions: torch.Tensor, scale: float, window: int = 0, span: int | None = None) -> torch.Tensor:

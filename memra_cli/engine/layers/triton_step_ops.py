@@ -63,6 +63,7 @@ class TritonStepOps:
         self.qk_norm_rope_kv_write = rope.qk_norm_rope_kv_write
         self.rope_kv_write = rope.rope_kv_write
         self.attention = attention.decode_attention
+        self.draft_attention = attention.draft_block_attention
         self.gemma_qk_norm_rope_kv_write = gemma4.gemma_qk_norm_rope_kv_write
         self.gemma_add_norm = gemma4.gemma_add_norm
         self.gemma_add_two_norms = gemma4.gemma_add_two_norms

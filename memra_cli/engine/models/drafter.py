@@ -511,9 +511,10 @@ class Drafter:
 
         Per layer: the q/k/v projection with the q/k norm + rope + block K/V write
         (`_project_rope_write`), then attention. A plain layer (every ctx and block key visible)
-        is the step ops' causal attention with every block row at the block's last position
-        `start+b-1`: it then sees keys `0..start+b-1`, i.e. the committed ctx and the whole block,
-        never the stale rows after it. Sliding and block-causal layers keep `_static_mask` (torch attention)."""
+        is the step ops' causal attention (`draft_attention`) with every block row at the block's
+        last position `start+b-1`: it then sees keys `0..start+b-1`, i.e. the committed ctx and
+        the whole block, never the stale rows after it. Sliding and block-causal layers keep
+        `_static_mask` (torch attention)."""
         b = noise.ids.shape[0] if isinstance(noise, BlockTokens) else noise.shape[0]
         cfg, ops = self.cfg, self.step_ops
         positions, last, _ = at if at is not None else self.block_positions(start, b)
@@ -522,7 +523,7 @@ class Drafter:
             w, layout = self.layers[li], self.layouts[li]
             q = self._project_rope_write(xn, w, li, kv, positions, cfg.num_attention_heads)
             if self._plain(layout):
-                return ops.attention(q, kv.k[li], kv.v[li], last, self.scale)
+                return ops.draft_attention(q, kv.k[li], kv.v[li], last, self.scale)
             keys = self._offsets(kv.rows)  # (only masked layers need every key's position)
             return gqa_attention(q, kv.k[li], kv.v[li], self._static_mask(layout, positions, keys, start), self.scale)
 
