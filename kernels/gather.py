@@ -35,6 +35,7 @@ from ._sumsq import pairwise_rows
 from .gather_ref import confidence_raw_ref, embed_rows_ref, pack_round_ref  # noqa: F401  (the twins: one torch body each)
 
 MAX_BLOCK = 4096  # columns per loop step
+CONF_BLOCK = 1024  # the confidence head's columns per loop step (its slots' tiles, BLOCK_S x this, stay in registers)
 
 
 @triton.jit
@@ -69,39 +70,45 @@ def embed_rows(ids: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None
 
 
 @triton.jit
-def confidence_score(row, prev, h_ptr, w_ptr, b_ptr, w1_ptr, H, R, stride_h, stride_w1, WITH_MARKOV: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, NORM_IN: tl.constexpr, sq_ptr, nw_ptr, n_parts,
-                     PARTS_POW2: tl.constexpr, eps):
-    """Row `row`'s pre-sigmoid score (float32 scalar): `hidden[row] · w[:H] (+ w1[prev] · w[H:])
-    + b`, `prev` the slot's previous token (WITH_MARKOV). NORM_IN: the row is a residual stream
-    whose RMSNorm (weight nw) is applied as it is loaded, its statistic summed from the dense
-    kernel's per-tile partials `sq [rows, n_parts]` in _sumsq's order and each value rounded
-    where the norm kernel rounds it (the bits of `norm.rms_norm_partials`). One body for
-    `_confidence_kernel` and the chain's launch that scores its slots (markov.py)."""
+def confidence_rows(rows, ok, prevs, h_ptr, w_ptr, b_ptr, w1_ptr, H, R, stride_h, stride_w1,
+                    WITH_MARKOV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                    NORM_IN: tl.constexpr, sq_ptr, nw_ptr, n_parts, PARTS_POW2: tl.constexpr, eps):
+    """Pre-sigmoid scores float32 `[BLOCK_S]` of draft rows `rows [BLOCK_S]` (where `ok`):
+    `hidden[row] · w[:H] (+ w1[prev] · w[H:]) + b`, `prevs [BLOCK_S]` each slot's previous token
+    (WITH_MARKOV). NORM_IN: the row is a residual stream whose RMSNorm (weight nw) is applied as
+    it is loaded, its statistic summed from the dense kernel's per-tile partials `sq [rows,
+    n_parts]` in _sumsq's order and each value rounded where the norm kernel rounds it (the bits
+    of `norm.rms_norm_partials`). Each dot is summed lane by lane over BLOCK_H-column chunks, then
+    as the adjacent-pair tree over the lanes (`pairwise_rows`): the same order whatever BLOCK_S
+    and the warps, so `_confidence_kernel` (one row a program) and the chain's launch that scores
+    all its slots at once (markov.py) give a row the same bits."""
+    rows64 = rows.to(tl.int64)
     if NORM_IN:
-        parts_cols = tl.arange(0, PARTS_POW2)
-        parts = tl.load(sq_ptr + row * n_parts + parts_cols, mask=parts_cols < n_parts, other=0.0)
-        rstd = 1.0 / tl.sqrt_rn(tl.sum(pairwise_rows(parts[None, :], 1, PARTS_POW2), axis=0) / H + eps)
-    acc = tl.zeros((BLOCK_H,), tl.float32)
+        pc = tl.arange(0, PARTS_POW2)
+        parts = tl.load(sq_ptr + rows64[:, None] * n_parts + pc[None, :], mask=ok[:, None] & (pc[None, :] < n_parts),
+                        other=0.0)
+        rstd = 1.0 / tl.sqrt_rn(pairwise_rows(parts, BLOCK_S, PARTS_POW2) / H + eps)
+    acc = tl.zeros((BLOCK_S, BLOCK_H), tl.float32)
     for c0 in range(0, H, BLOCK_H):
         cols = c0 + tl.arange(0, BLOCK_H)
-        ok = cols < H
-        raw = tl.load(h_ptr + tl.cast(row, tl.int64) * stride_h + cols, mask=ok, other=0.0)
+        col_ok = cols < H
+        raw = tl.load(h_ptr + rows64[:, None] * stride_h + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                      other=0.0)
         if NORM_IN:  # the norm kernel's roundings: to the rows' dtype before the weight, then once more
-            nw = tl.load(nw_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-            raw = (nw * (raw.to(tl.float32) * rstd).to(raw.dtype).to(tl.float32)).to(raw.dtype)
-        x = raw.to(tl.float32)
-        acc += x * tl.load(w_ptr + cols, mask=ok, other=0.0)
-    total = tl.sum(acc, axis=0)
+            nw = tl.load(nw_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            raw = (nw[None, :] * (raw.to(tl.float32) * rstd[:, None]).to(raw.dtype).to(tl.float32)).to(raw.dtype)
+        acc += raw.to(tl.float32) * tl.load(w_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    total = pairwise_rows(acc, BLOCK_S, BLOCK_H)
     if WITH_MARKOV:
-        tok = prev.to(tl.int64)
-        acc_r = tl.zeros((BLOCK_R,), tl.float32)
+        prev64 = prevs.to(tl.int64)
+        acc_r = tl.zeros((BLOCK_S, BLOCK_R), tl.float32)
         for c0 in range(0, R, BLOCK_R):
             cols = c0 + tl.arange(0, BLOCK_R)
-            ok = cols < R
-            m = tl.load(w1_ptr + tok * stride_w1 + cols, mask=ok, other=0.0).to(tl.float32)
-            acc_r += m * tl.load(w_ptr + H + cols, mask=ok, other=0.0)
-        total += tl.sum(acc_r, axis=0)
+            col_ok = cols < R
+            m = tl.load(w1_ptr + prev64[:, None] * stride_w1 + cols[None, :], mask=ok[:, None] & col_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc_r += m * tl.load(w_ptr + H + cols, mask=col_ok, other=0.0)[None, :]
+        total += pairwise_rows(acc_r, BLOCK_S, BLOCK_R)
     return total + tl.load(b_ptr)
 
 
@@ -110,22 +117,23 @@ def _confidence_kernel(h_ptr, w_ptr, b_ptr, prev_ptr, w1_ptr, out_ptr, H, R, str
                        WITH_MARKOV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False,
                        NORM_IN: tl.constexpr = False, sq_ptr=None, nw_ptr=None, n_parts=1,
                        PARTS_POW2: tl.constexpr = 1, eps=0.0):
-    """One row's score (`confidence_score`)."""
+    """One row's score a program (`confidence_rows` of one row)."""
     pdl_wait(PDL)
-    row = tl.program_id(0)
-    prev = 0
+    rows = tl.program_id(0) + tl.arange(0, 1)
+    ok = rows >= 0
+    prevs = tl.zeros((1,), tl.int64)
     if WITH_MARKOV:
-        prev = tl.load(prev_ptr + row)
-    tl.store(out_ptr + row, confidence_score(row, prev, h_ptr, w_ptr, b_ptr, w1_ptr, H, R, stride_h, stride_w1,
-                                             WITH_MARKOV, BLOCK_H, BLOCK_R, NORM_IN, sq_ptr, nw_ptr, n_parts,
+        prevs = tl.load(prev_ptr + rows).to(tl.int64)
+    tl.store(out_ptr + rows, confidence_rows(rows, ok, prevs, h_ptr, w_ptr, b_ptr, w1_ptr, H, R, stride_h, stride_w1,
+                                             WITH_MARKOV, 1, BLOCK_H, BLOCK_R, NORM_IN, sq_ptr, nw_ptr, n_parts,
                                              PARTS_POW2, eps))
 
 
 def confidence_args(hidden, w: torch.Tensor, b: torch.Tensor, prev_n: int | None = None,
                     w1: torch.Tensor | None = None) -> tuple[int, dict]:
-    """`confidence_raw`'s checks, and the launch arguments `confidence_score` takes (besides
-    `row` and `prev`): `(n rows, kwargs)`. `prev_n`: the rows the previous tokens cover (the
-    markov features), None without them."""
+    """`confidence_raw`'s checks, and the launch arguments `confidence_rows` takes (besides the
+    rows, their mask and their previous tokens): `(n rows, kwargs)`. `prev_n`: the rows the
+    previous tokens cover (the markov features), None without them."""
     norm_in = dict(NORM_IN=False, sq_ptr=None, nw_ptr=None, n_parts=1, PARTS_POW2=1, eps=0.0)
     if not isinstance(hidden, torch.Tensor):  # a PendingNorm: (rows, sumsq, weight, eps)
         rows, sq, nw, eps = hidden
@@ -153,8 +161,8 @@ def confidence_args(hidden, w: torch.Tensor, b: torch.Tensor, prev_n: int | None
     check_tensors(*([hidden, w, b] + ([w1] if w1 is not None else [])))
     return n, dict(h_ptr=hidden, w_ptr=w, b_ptr=b, w1_ptr=w1 if w1 is not None else w, H=H, R=R,
                    stride_h=hidden.stride(0), stride_w1=w1.stride(0) if w1 is not None else 0,
-                   WITH_MARKOV=w1 is not None, BLOCK_H=min(MAX_BLOCK, next_pow2(H)),
-                   BLOCK_R=min(MAX_BLOCK, next_pow2(max(R, 1))), **norm_in)
+                   WITH_MARKOV=w1 is not None, BLOCK_H=min(CONF_BLOCK, next_pow2(H)),
+                   BLOCK_R=min(CONF_BLOCK, next_pow2(max(R, 1))), **norm_in)
 
 
 def confidence_raw(hidden, w: torch.Tensor, b: torch.Tensor, prev: torch.Tensor | None = None,

@@ -34,8 +34,10 @@ megabytes, so the launches are not what they wait on.
 
 A round that sizes its window from DSpark's confidence head scores its slots in the same launch
 (`markov_chain_confidence`): slot k's score needs only its draft row and the token before it,
-which the program holds when it reaches slot k, so the head's own launch after the chain goes.
-The score is `gather.confidence_score`, the one body `confidence_raw`'s kernel runs too.
+which the program keeps as it walks the slots, then scores them all at once, so the head's own
+launch after the chain goes. The score is `gather.confidence_rows`, the one body
+`confidence_raw`'s kernel runs too, summed in an order that does not depend on the rows a program
+holds or its warps: the same bits.
 
 Public API: `markov_chain(logits, anchor, w1, w2, dtype, table=None, with_anchor=False)`,
 `markov_chain_confidence(logits, anchor, w1, w2, dtype, table, hidden, conf_w, conf_b, conf_w1=None)`,
@@ -50,7 +52,7 @@ import triton.language as tl
 
 from ._common import check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from .gather import confidence_args, confidence_score
+from .gather import confidence_args, confidence_rows
 from .markov_ref import markov_chain_ref  # noqa: F401  (the twin: the op's one torch body)
 
 BLOCK_V = 128  # vocabulary rows of w2 per program
@@ -58,6 +60,7 @@ BLOCK_R = 64  # columns of w2 per loop step
 TABLE_MAX_BYTES = 64 << 20  # the largest bias table built (the one-launch chain)
 TABLE_BLOCK = 4096  # vocabulary entries per loop step of the one-launch chain
 TABLE_WARPS = 8  # warps of the one-launch chain's program
+CONF_TILE_MAX = 16384  # float32 values of the slots' tile the one-launch chain scores them in (else the head's launch)
 
 
 @triton.jit
@@ -121,7 +124,8 @@ def _first_max_key(s, idx):
 def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
                          stride_logits, stride_table, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
                          PDL: tl.constexpr = False, WITH_ANCHOR: tl.constexpr = False,
-                         WITH_CONF: tl.constexpr = False, raws_ptr=None, h_ptr=None, w_ptr=None, b_ptr=None,
+                         WITH_CONF: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, raws_ptr=None, h_ptr=None,
+                         w_ptr=None, b_ptr=None,
                          w1_ptr=None, H=0, R=0, stride_h=0, stride_w1=0, WITH_MARKOV: tl.constexpr = False,
                          BLOCK_H: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1, NORM_IN: tl.constexpr = False,
                          sq_ptr=None, nw_ptr=None, n_parts=1, PARTS_POW2: tl.constexpr = 1, eps=0.0):
@@ -130,22 +134,24 @@ def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
     index of their maximum, found with one reduction over packed (score, index) keys. With
     ONE_TILE (V <= BLOCK) slot k+1's logits are loaded while slot k waits on its table row:
     they do not depend on the pick. WITH_ANCHOR: out[0] is the anchor and the picks follow it.
-    WITH_CONF: slot k's confidence score too (`gather.confidence_score` of draft row k with
-    `prev`, the token before it), into `raws [n]`: the launch the head took after the chain."""
+    WITH_CONF: each slot's confidence score too (`gather.confidence_rows` of draft row k with the
+    token before it), into `raws [n]`, all BLOCK_S (>= n) slots at once after the chain, from the
+    previous tokens it kept: the launch the head took after the chain."""
     pdl_wait(PDL)
     prev = tl.load(anchor_ptr).to(tl.int64)
     if WITH_ANCHOR:
         tl.store(out_ptr, prev)
         out_ptr += 1
     cols = tl.arange(0, BLOCK)
+    if WITH_CONF:
+        slots = tl.arange(0, BLOCK_S)
+        prevs = tl.zeros((BLOCK_S,), tl.int64)
     if ONE_TILE:
         ok = cols < V
         lg = tl.load(logits_ptr + cols, mask=ok, other=0.0).to(tl.float32)
         for k in range(0, n):
             if WITH_CONF:
-                tl.store(raws_ptr + k, confidence_score(k, prev, h_ptr, w_ptr, b_ptr, w1_ptr, H, R, stride_h,
-                                                        stride_w1, WITH_MARKOV, BLOCK_H, BLOCK_R, NORM_IN, sq_ptr,
-                                                        nw_ptr, n_parts, PARTS_POW2, eps))
+                prevs = tl.where(slots == k, prev, prevs)  # slot k's previous token
             nxt = tl.minimum(k + 1, n - 1)  # the last slot reloads itself (in bounds, unused)
             lg_next = tl.load(logits_ptr + nxt * stride_logits + cols, mask=ok, other=0.0).to(tl.float32)
             bias = tl.load(table_ptr + prev * stride_table + cols, mask=ok, other=0.0).to(tl.float32)
@@ -157,9 +163,7 @@ def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
     else:
         for k in range(0, n):
             if WITH_CONF:
-                tl.store(raws_ptr + k, confidence_score(k, prev, h_ptr, w_ptr, b_ptr, w1_ptr, H, R, stride_h,
-                                                        stride_w1, WITH_MARKOV, BLOCK_H, BLOCK_R, NORM_IN, sq_ptr,
-                                                        nw_ptr, n_parts, PARTS_POW2, eps))
+                prevs = tl.where(slots == k, prev, prevs)  # slot k's previous token
             best = tl.full((BLOCK,), -9223372036854775807 - 1, tl.int64)
             for v0 in range(0, V, BLOCK):
                 idx = v0 + cols
@@ -171,6 +175,11 @@ def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
             pick = 2147483647 - (tl.max(best, axis=0) & 2147483647)
             tl.store(out_ptr + k, pick)
             prev = pick
+    if WITH_CONF:  # every slot at once, off the chain's serial path
+        raws = confidence_rows(slots, slots < n, prevs, h_ptr, w_ptr, b_ptr, w1_ptr, H, R, stride_h, stride_w1,
+                               WITH_MARKOV, BLOCK_S, BLOCK_H, BLOCK_R, NORM_IN, sq_ptr, nw_ptr, n_parts, PARTS_POW2,
+                               eps)
+        tl.store(raws_ptr + slots, raws, mask=slots < n)
 
 
 _COMPUTE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -195,17 +204,25 @@ def markov_chain_confidence(logits: torch.Tensor, anchor: torch.Tensor, w1: torc
     confidence score float32 `[n]` from the same launch: `gather.confidence_raw(hidden, conf_w,
     conf_b, prev, conf_w1)` with `prev` = the candidates' first n (each slot's previous token;
     `conf_w1` None: a head without the markov features), the same function of the same values.
-    `hidden` `[n, H]` or its `PendingNorm`, as `confidence_raw` takes it."""
+    `hidden` `[n, H]` or its `PendingNorm`, as `confidence_raw` takes it. Slots whose tiles would
+    not fit the registers (next_pow2(n) x the head's column block > CONF_TILE_MAX) are scored by
+    the head's own launch after the chain: the same bits."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [n, V], got {tuple(logits.shape)}")
     n = logits.shape[0]
     rows, conf = confidence_args(hidden, conf_w, conf_b, n if conf_w1 is not None else None, conf_w1)
     if rows != n:
         raise ValueError(f"the confidence head's rows ({rows}) are not the chain's slots ({n})")
-    raws = torch.empty(n, dtype=torch.float32, device=logits.device)
     check_tensors(logits, conf["h_ptr"])
+    block_s = max(1, next_pow2(n))
+    if block_s * max(conf["BLOCK_H"], conf["BLOCK_R"]) > CONF_TILE_MAX:  # its slots' tiles would spill: two launches
+        from .gather import confidence_raw
+
+        cand = markov_chain(logits, anchor, w1, w2, dtype, table, with_anchor=True)
+        return cand, confidence_raw(hidden, conf_w, conf_b, cand[:-1] if conf_w1 is not None else None, conf_w1)
+    raws = torch.empty(n, dtype=torch.float32, device=logits.device)
     return markov_chain(logits, anchor, w1, w2, dtype, table, with_anchor=True,
-                        _conf=dict(WITH_CONF=True, raws_ptr=raws, **conf)), raws
+                        _conf=dict(WITH_CONF=True, BLOCK_S=block_s, raws_ptr=raws, **conf)), raws
 
 
 def markov_chain(logits: torch.Tensor, anchor: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,

@@ -198,10 +198,10 @@ def test_with_anchor_puts_the_anchor_first(use_table, device):
 def test_the_chain_scores_its_slots_as_the_confidence_head_does(V, markov_features, pending, device):
     """`markov_chain_confidence`: the candidates are `with_anchor`'s, and slot k's raw is
     `confidence_raw` of draft row k with the token before it (the anchor for slot 0): the same
-    body (`gather.confidence_score`), so the same bits under the interpreter (on a GPU the two
-    launches run other warp counts: within the head's tolerance). Over a PendingNorm's rows too,
-    and with one vocabulary tile or several. Planted: scoring with each slot's own pick (the
-    token after it) gives other raws, so the check can tell."""
+    body (`gather.confidence_rows`, summed in an order no warp count or row count changes), so the
+    same bits. Over a PendingNorm's rows too, and with one vocabulary tile or several. Planted:
+    scoring with each slot's own pick (the token after it) gives other raws, so the check can
+    tell."""
     from memra_kernels.dense_linear import PendingNorm
     from memra_kernels.gather import confidence_raw
     from memra_kernels.markov import markov_chain_confidence
@@ -224,10 +224,7 @@ def test_the_chain_scores_its_slots_as_the_confidence_head_does(V, markov_featur
     prev = cand[:-1] if markov_features else None
     want = confidence_raw(hidden, conf_w, conf_b, prev, conf_w1)
     assert raws.dtype == torch.float32 and raws.shape == (n,)
-    if torch.device(device).type == "cpu":
-        assert torch.equal(raws, want)
-    else:
-        assert torch.allclose(raws, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(raws, want)
     if markov_features:
         after = confidence_raw(hidden, conf_w, conf_b, cand[1:], conf_w1)
         assert not torch.allclose(raws, after, rtol=1e-5, atol=1e-4)
@@ -246,3 +243,33 @@ def test_the_chain_scores_its_slots_only_over_a_table_and_refuses_a_mismatch(dev
     cand, raws = markov_chain_confidence(logits[:0], anchor, w1, w2, torch.float32, table,
                                          torch.ones(0, 16, device=device), w, b)
     assert cand.tolist() == [anchor.item()] and raws.shape == (0,)
+
+
+def test_slots_too_wide_for_one_tile_are_scored_by_the_heads_launch(monkeypatch, device):
+    """Where next_pow2(n) x the head's column block passes CONF_TILE_MAX the chain does not score
+    its slots (they would spill): the head's own launch does, with the same bits."""
+    from memra_kernels import markov
+    from memra_kernels.gather import confidence_raw
+
+    logits, anchor, w1, w2 = _inputs(6, 300, 8, 300, torch.float32, device, seed=8)
+    table = bias_table(w1, w2, torch.float32)
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(6, 64, generator=g).to(device)
+    w, b = torch.randn(72, generator=g).to(device), torch.randn(1, generator=g).to(device)
+    fused = markov.markov_chain_confidence(logits, anchor, w1, w2, torch.float32, table, hidden, w, b, w1)
+    launched = []
+    real = markov._markov_table_kernel
+    monkeypatch.setattr(markov, "CONF_TILE_MAX", 8 * 64 - 1)
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launched.append(kwargs.get("WITH_CONF", False))
+                return real[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(markov, "_markov_table_kernel", Spy())
+    apart = markov.markov_chain_confidence(logits, anchor, w1, w2, torch.float32, table, hidden, w, b, w1)
+    assert launched == [False]
+    assert torch.equal(apart[0], fused[0]) and torch.equal(apart[1], fused[1])
+    assert torch.equal(fused[1], confidence_raw(hidden, w, b, fused[0][:-1], w1))
