@@ -31,8 +31,8 @@ Design (flash-decoding with fixed splits):
 One split: a grid whose storage fits one split (S <= SPLIT) has nothing to merge, so the split
 kernel writes each row's output itself (DIRECT): `acc / l` in q's dtype, what the combine makes
 of a single partial bit for bit (its weight is exp2(0) = 1, and its lane sum turns a -0 into +0,
-as `acc + 0.0` does here), and the combine is not launched. Since the bits are the same, a row's
-result still does not depend on S. A drafter's block (`draft_block_attention`) runs its own tile
+as `acc + 0.0` does here), and the combine is not launched; a padding row (position -1) gets
+NaN. Since the bits are the same, a row's result still does not depend on S. A drafter's block (`draft_block_attention`) runs its own tile
 (`DRAFT_TILES`: 1024-key splits for heads up to 128), so a draft cache of a prompt and its
 answer takes one launch a layer.
 
@@ -327,11 +327,12 @@ def _attend_unit(q_ptr, k_base, v_base, acc_ptr, m_ptr, l_ptr, prog, offs_m, row
     if DIRECT:
         # the combine of one split: weight exp2(m - m) = 1, so acc / l; its lane sum adds +0 to acc,
         # which makes a -0 +0, as this add does
+        # and a padding row (position -1) the combine's 0 / 0, as every row of the step gets an output
         dst = out_ptr + row.to(tl.int64)[:, None] * stride_out + head[:, None] * HD + offs_dv[None, :]
-        out_ok = mine[:, None]
+        out_ok = row_ok[:, None]
         if HD < BLOCK_D:
             out_ok = out_ok & dv_ok[None, :]
-        l_out = tl.where(mine, l_i, 1.0)  # (rows not stored here have l = 0)
+        l_out = tl.where(mine, l_i, tl.where(row_ok & (pos < 0), 0.0, 1.0))
         tl.store(dst, ((acc + 0.0) / l_out[:, None]).to(out_ptr.dtype.element_ty), mask=out_ok)
     else:
         ws = (row.to(tl.int64) * NH + head) * n_splits + prog
