@@ -7,10 +7,11 @@ count times a few microseconds. This script measures, for each arm (bf16, the en
 defaults):
 
 - ``round_replay_gpu_ms``: the round's graph replayed back to back from the same inputs (CUDA events: GPU time);
-- ``plain_replay_gpu_ms``: the plain one-row step + argmax graph, for scale;
-- ``parts``: the round's body split into propose / verify (+ argmax) / ingest, each run eagerly
-  under the torch profiler: kernel count, summed GPU microseconds and the heaviest kernels
-  (eager kernel times are what the graph replays, without the launch gaps).
+- ``parts``: the round's body (spec/round_bodies.py `_round_core`) split into propose (the
+  round's positions, the block forward and heads with the candidates), verify (the greedy step
+  with its picks) and ingest, the same calls the body makes, each run eagerly under the torch
+  profiler: kernel count, summed GPU microseconds and the heaviest kernels (eager kernel times
+  are what the graph replays, without the launch gaps). The settlement is not in a part.
 
 Whole sessions (prefill included, graphs captured first) are embedded_session.py's.
 
@@ -34,6 +35,7 @@ from memra_cli.engine.api import ArmConfig, Engine, EngineConfig
 from memra_cli.engine.prompts import load_prompts
 from memra_cli.engine.spec.policy import PolicySettings
 from memra_cli.engine.spec.proposer import static_proposal
+from memra_cli.engine.spec.round_bodies import greedy_step
 from memra_cli.engine.text import TextCodec
 
 ASSETS = Path(__file__).resolve().parents[2] / "memra_cli" / "assets"
@@ -65,30 +67,30 @@ def round_parts(engine: Engine, arm, prompt: list[int], reps: int) -> dict:
     target, drafter, program = engine.target, s.proposer.drafter, s.program
     width = engine.runner.width
     dev = target.device
-    mask_ids = torch.full((drafter.cfg.block_size,), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
-    last_t = torch.tensor([last], dtype=torch.long, device=dev)
-    start_t = torch.tensor(start, dtype=torch.long, device=dev)
-    rows = torch.arange(width, device=dev)
+    b = drafter.cfg.block_size
+    mask_ids = torch.full((b,), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
+    inputs = torch.tensor([start, start, last], dtype=torch.long, device=dev)  # a round's [t_start, d_start, last]
     want_raws = program.window.is_confidence
     taps = tuple(s.taps)
     holder: dict = {}
 
-    def propose():
-        holder["drafts"] = static_proposal(drafter, target, program, kv, last_t, mask_ids, start_t, want_raws).drafts
+    def propose():  # as the round's body: its positions in one add, then the proposal with the candidates
+        holder["verify_at"], holder["at"] = drafter.round_positions(inputs[0:2], b, width)
+        holder["cand"] = static_proposal(drafter, target, program, kv, inputs[2:3], mask_ids, inputs[1], want_raws,
+                                         at=holder["at"], want_chain=True).chain
 
     def verify():
-        cand = torch.cat([last_t, holder["drafts"]])[:width]
-        if cand.shape[0] < width:
-            cand = torch.cat([cand, cand[-1:].expand(width - cand.shape[0])])
-        logits, holder["taps"] = target.static_step(cand, rows + start_t, cache, taps)
-        target.step_ops.argmax(logits)  # the round's own argmax (row_argmax with the kernels)
+        cand = holder["cand"]
+        cand = cand[:width] if cand.shape[0] >= width else torch.cat([cand, cand[-1:].expand(width - cand.shape[0])])
+        _, holder["taps"] = greedy_step(target, cand, holder["verify_at"], cache, taps)
 
     def ingest():
-        drafter.static_ingest(kv, holder["taps"], start_t)
+        drafter.static_ingest(kv, holder["taps"], inputs[1], holder["at"].span[: holder["taps"].shape[0]])
 
     with torch.inference_mode():
-        propose()
+        propose()  # each part once (a warm-up, and on the CPU the smoke run of all three)
         verify()
+        ingest()
         out["parts"] = {name: kernel_profile(fn) for name, fn in
                         (("propose", propose), ("verify", verify), ("ingest", ingest))}
     for name, prof in out["parts"].items():
