@@ -32,9 +32,9 @@ One split: a grid whose storage fits one split (S <= SPLIT) has nothing to merge
 kernel writes each row's output itself (DIRECT): `acc / l` in q's dtype, what the combine makes
 of a single partial bit for bit (its weight is exp2(0) = 1, and its lane sum turns a -0 into +0,
 as `acc + 0.0` does here), and the combine is not launched; a padding row (position -1) gets
-NaN. Since the bits are the same, a row's result still does not depend on S. A drafter's block (`draft_block_attention`) runs its own tile
-(`DRAFT_TILES`: 1024-key splits for heads up to 128), so a draft cache of a prompt and its
-answer takes one launch a layer.
+NaN. Since the bits are the same, a row's result still does not depend on S. A drafter's block
+(`draft_block_attention`) runs its own tile (`DRAFT_TILES`: 1024-key splits for heads up to
+128), so a draft cache of a prompt and its answer takes one launch a layer.
 
 Sliding windows: a row's first key is w_i = max(0, p_i - W + 1), a function of its own
 position. A program serves a row only if its split holds a key of the row's window; it walks key
@@ -187,9 +187,14 @@ def tile_for(head_dim: int) -> Tile:
     <= 64 run the 128 tile.) Takes head_dim only, so that no
     property of a step or a cache can reach a row's tile (see the module docstring).
     """
+    return TILES[_head_class(head_dim)]
+
+
+def _head_class(head_dim: int) -> int:
+    """The tile tables' key for a head size: 128 (up to 128), 256 (129..256), 512 (257..512)."""
     if not 0 < head_dim <= 512:
         raise ValueError(f"head_dim {head_dim} is not in 1..512 (register tile)")
-    return TILES[128 if head_dim <= 128 else 256 if head_dim <= 256 else 512]
+    return 128 if head_dim <= 128 else 256 if head_dim <= 256 else 512
 
 
 # A drafter's block attention (`draft_block_attention`): its rows all sit at the block's last
@@ -206,8 +211,8 @@ DRAFT_TILES: dict[int, Tile] = {
 def draft_tile_for(head_dim: int) -> Tile:
     """The split kernel's tile for a drafter's block attention: DRAFT_TILES' entry for the head
     size's class (`tile_for`'s classes), else `tile_for(head_dim)`."""
-    tile = tile_for(head_dim)
-    return DRAFT_TILES.get(128 if head_dim <= 128 else 256 if head_dim <= 256 else 512, tile)
+    head_class = _head_class(head_dim)
+    return DRAFT_TILES.get(head_class, TILES[head_class])
 
 
 # The 128 entry's values at import, under their names from before the table (for callers that
@@ -325,9 +330,8 @@ def _attend_unit(q_ptr, k_base, v_base, acc_ptr, m_ptr, l_ptr, prog, offs_m, row
         m_i = m_new
 
     if DIRECT:
-        # the combine of one split: weight exp2(m - m) = 1, so acc / l; its lane sum adds +0 to acc,
-        # which makes a -0 +0, as this add does
-        # and a padding row (position -1) the combine's 0 / 0, as every row of the step gets an output
+        # the combine of one split: weight exp2(m - m) = 1, so acc / l (its lane sum adds +0 to acc,
+        # which makes a -0 +0, as this add does); a padding row (position -1) gets 0 / 0, NaN
         dst = out_ptr + row.to(tl.int64)[:, None] * stride_out + head[:, None] * HD + offs_dv[None, :]
         out_ok = row_ok[:, None]
         if HD < BLOCK_D:

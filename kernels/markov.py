@@ -52,7 +52,7 @@ import triton.language as tl
 
 from ._common import check_tensors, next_pow2
 from ._pdl import pdl_args, pdl_wait
-from .gather import confidence_args, confidence_rows
+from .gather import confidence_args, confidence_raw, confidence_rows
 from .markov_ref import markov_chain_ref  # noqa: F401  (the twin: the op's one torch body)
 
 BLOCK_V = 128  # vocabulary rows of w2 per program
@@ -125,8 +125,8 @@ def _markov_table_kernel(logits_ptr, table_ptr, anchor_ptr, out_ptr, n, V,
                          stride_logits, stride_table, BLOCK: tl.constexpr, ONE_TILE: tl.constexpr,
                          PDL: tl.constexpr = False, WITH_ANCHOR: tl.constexpr = False,
                          WITH_CONF: tl.constexpr = False, BLOCK_S: tl.constexpr = 1, raws_ptr=None, h_ptr=None,
-                         w_ptr=None, b_ptr=None,
-                         w1_ptr=None, H=0, R=0, stride_h=0, stride_w1=0, WITH_MARKOV: tl.constexpr = False,
+                         w_ptr=None, b_ptr=None, w1_ptr=None, H=0, R=0, stride_h=0, stride_w1=0,
+                         WITH_MARKOV: tl.constexpr = False,
                          BLOCK_H: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1, NORM_IN: tl.constexpr = False,
                          sq_ptr=None, nw_ptr=None, n_parts=1, PARTS_POW2: tl.constexpr = 1, eps=0.0):
     """The whole chain in one program: slot k's scores are `logits[k] + table[prev]` (the table
@@ -216,8 +216,6 @@ def markov_chain_confidence(logits: torch.Tensor, anchor: torch.Tensor, w1: torc
     check_tensors(logits, conf["h_ptr"])
     block_s = max(1, next_pow2(n))
     if block_s * max(conf["BLOCK_H"], conf["BLOCK_R"]) > CONF_TILE_MAX:  # its slots' tiles would spill: two launches
-        from .gather import confidence_raw
-
         cand = markov_chain(logits, anchor, w1, w2, dtype, table, with_anchor=True)
         return cand, confidence_raw(hidden, conf_w, conf_b, cand[:-1] if conf_w1 is not None else None, conf_w1)
     raws = torch.empty(n, dtype=torch.float32, device=logits.device)

@@ -306,14 +306,14 @@ class TritonStepOps:
                                 conf_b: torch.Tensor, conf_w1: torch.Tensor | None = None,
                                 host_loop: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """`TorchStepOps.markov_chain_confidence`; over a bias table one launch for both (the chain
-        scores each slot as it reaches it: `markov.markov_chain_confidence`), else the chain's
-        launches and the head's."""
+        scores its slots after its walk: `markov.markov_chain_confidence`), else that op's
+        composition of this seam's chain and head."""
         table = self._markov_table(w1, w2, dtype)
-        if table is not None:
-            return self._markov.markov_chain_confidence(logits, anchor, w1, w2, dtype, table, hidden, conf_w, conf_b,
+        if table is None:
+            return TorchStepOps.markov_chain_confidence(self, logits, anchor, w1, w2, dtype, hidden, conf_w, conf_b,
                                                         conf_w1)
-        chain = self.markov_chain(logits, anchor, w1, w2, dtype, with_anchor=True)
-        return chain, self.confidence_raw(hidden, conf_w, conf_b, chain[:-1] if conf_w1 is not None else None, conf_w1)
+        return self._markov.markov_chain_confidence(logits, anchor, w1, w2, dtype, table, hidden, conf_w, conf_b,
+                                                    conf_w1)
 
     def prepare_markov(self, w1: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> bool:
         """Build the chain's bias table now (at load) rather than in the first round; whether one fits."""

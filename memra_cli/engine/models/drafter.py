@@ -451,11 +451,16 @@ class Drafter:
         of max(b, n) positions, in one launch: one add of a kept constant (0..max(b, n)-1, then
         b-1 repeated b times) gives every part of `BlockPositions`."""
         n = max(b, n)
-        offsets = self._block_offsets.get((b, n))
-        if offsets is None:  # kept like `_offsets`: a graph reads it as a constant
-            offsets = self._block_offsets[b, n] = torch.cat([self._offsets(n), self._offsets(b)[-1:].repeat(b)])
-        both = start + offsets
+        both = start + self._block_offsets_of(b, n)
         return BlockPositions(both[:b], both[n:], both[:n])
+
+    def _block_offsets_of(self, b: int, n: int) -> torch.Tensor:
+        """`[n + b]`: 0..n-1, then b-1 repeated b times (a block's span, then its last row's
+        offset for each of its rows), kept like `_offsets`: a graph reads it as a constant."""
+        offsets = self._block_offsets.get((b, n))
+        if offsets is None:
+            offsets = self._block_offsets[b, n] = torch.cat([self._offsets(n), self._offsets(b)[-1:].repeat(b)])
+        return offsets
 
     def round_positions(self, starts: torch.Tensor, b: int, width: int) -> tuple[torch.Tensor, BlockPositions]:
         """A round's positions in one launch: `starts [2]` (the target's committed length, the
@@ -466,7 +471,7 @@ class Drafter:
         n = max(b, width)
         offsets = self._block_offsets.get((b, n, width))
         if offsets is None:  # kept like `_offsets`: a graph reads it as a constant
-            block = torch.cat([self._offsets(n), self._offsets(b)[-1:].repeat(b)])
+            block = self._block_offsets_of(b, n)
             verify = torch.cat([self._offsets(width), block.new_zeros(n + b - width)])
             offsets = self._block_offsets[b, n, width] = torch.stack([verify, block])
         both = starts.reshape(2, 1) + offsets
